@@ -1,0 +1,175 @@
+"""Open a checkpoint directory reading only headers and configs.
+
+A checkpoint is a directory with `model.safetensors.index.json` + shards, or with one or more
+`*.safetensors` files and no index. `Checkpoint.open` validates every header and the index and
+returns tensor name -> TensorInfo (file, dtype, shape, absolute byte range). No tensor data is read.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from qtool.errors import CheckpointError
+from qtool.io.jsonio import JsonStyle, load_json
+from qtool.io.safetensors_header import SafetensorsHeader, TensorInfo, read_header
+
+INDEX_NAME = "model.safetensors.index.json"
+CONFIG_NAME = "config.json"
+HF_QUANT_CONFIG_NAME = "hf_quant_config.json"
+GENERATION_CONFIG_NAME = "generation_config.json"
+
+
+@dataclass
+class Checkpoint:
+    root: Path
+    tensors: dict[str, TensorInfo]
+    headers: dict[str, SafetensorsHeader]  # shard file name (relative) -> header
+    index: dict | None  # the parsed index JSON, None for unindexed checkpoints
+    config: dict | None
+    config_style: JsonStyle | None = None
+    hf_quant_config: dict | None = None
+    hf_quant_style: JsonStyle | None = None
+    warnings: list[str] = field(default_factory=list)
+
+    @classmethod
+    def open(cls, path: str | Path, *, require_config: bool = False) -> Checkpoint:
+        root = Path(path)
+        if not root.exists():
+            raise CheckpointError("checkpoint not found", path=root, hint="check the path")
+        if root.is_file():
+            if root.suffix != ".safetensors":
+                raise CheckpointError(
+                    "expected a checkpoint directory or a .safetensors file", path=root
+                )
+            files = [root.name]
+            root = root.parent
+            index = None
+        else:
+            index_path = root / INDEX_NAME
+            if index_path.exists():
+                index, _ = load_json(index_path, what="safetensors index")
+                files = None
+            else:
+                index = None
+                files = sorted(p.name for p in root.glob("*.safetensors"))
+                if not files:
+                    raise CheckpointError(
+                        "no *.safetensors files and no model.safetensors.index.json",
+                        path=root,
+                        hint="point at the directory that holds the model's shards",
+                    )
+        config = config_style = hq = hq_style = None
+        if (root / CONFIG_NAME).exists():
+            config, config_style = load_json(root / CONFIG_NAME, what="config.json")
+        elif require_config:
+            raise CheckpointError("config.json not found", path=root / CONFIG_NAME)
+        if (root / HF_QUANT_CONFIG_NAME).exists():
+            hq, hq_style = load_json(root / HF_QUANT_CONFIG_NAME, what="hf_quant_config.json")
+
+        if index is not None:
+            tensors, headers = _load_indexed(root, index)
+        else:
+            tensors, headers = _load_files(root, files)
+        return cls(root, tensors, headers, index, config, config_style, hq, hq_style)
+
+    # ---- conveniences -------------------------------------------------------------------------
+    @property
+    def text_config(self) -> dict:
+        cfg = self.config or {}
+        return cfg.get("text_config", cfg)
+
+    @property
+    def quantization_config(self) -> dict | None:
+        return (self.config or {}).get("quantization_config")
+
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def shard_of(self, name: str) -> str:
+        return os.path.basename(self.tensors[name].file)
+
+
+def _safe_shard_path(root: Path, rel: str, index_path: Path) -> Path:
+    """Refuse index entries that escape the checkpoint directory (absolute, '..', symlink outside)."""
+    if not isinstance(rel, str) or not rel or os.path.isabs(rel) or ".." in Path(rel).parts:
+        raise CheckpointError(
+            "index names a shard outside the checkpoint directory",
+            path=index_path,
+            got=rel,
+            hint="shard names in weight_map must be plain file names inside the directory",
+        )
+    p = root / rel
+    real_root = root.resolve()
+    if real_root not in p.resolve().parents:
+        raise CheckpointError(
+            "index names a shard that resolves outside the checkpoint directory (symlink)",
+            path=index_path,
+            got=f"{rel} -> {p.resolve()}",
+            hint="replace the symlink by the file itself, or by a link inside the directory",
+        )
+    return p
+
+
+def _load_indexed(root: Path, index: dict) -> tuple[dict[str, TensorInfo], dict[str, SafetensorsHeader]]:
+    index_path = root / INDEX_NAME
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(
+            "index has no weight_map", path=index_path, hint="the index is corrupt; re-download it"
+        )
+    by_file: dict[str, list[str]] = {}
+    for name, rel in weight_map.items():
+        by_file.setdefault(rel, []).append(name)
+    headers: dict[str, SafetensorsHeader] = {}
+    for rel in sorted(by_file):
+        shard = _safe_shard_path(root, rel, index_path)
+        if not shard.exists():
+            raise CheckpointError(
+                f"index names a shard that does not exist ({len(by_file[rel])} tensors)",
+                path=shard,
+                hint="the download is incomplete; fetch the missing shard",
+            )
+        headers[rel] = read_header(shard)
+    tensors: dict[str, TensorInfo] = {}
+    for rel, names in by_file.items():
+        h = headers[rel].tensors
+        for name in names:
+            info = h.get(name)
+            if info is None:
+                raise CheckpointError(
+                    "index maps a tensor to a shard that does not contain it",
+                    path=root / rel,
+                    tensor=name,
+                    hint="the index and the shards come from different revisions; re-download both",
+                )
+            tensors[name] = info
+    for rel, header in headers.items():
+        extra = [n for n in header.tensors if weight_map.get(n) != rel]
+        if extra:
+            raise CheckpointError(
+                f"shard holds {len(extra)} tensor(s) the index does not map to it",
+                path=root / rel,
+                tensor=extra[0],
+                hint="the index and the shards come from different revisions; re-download both",
+            )
+    return tensors, headers
+
+
+def _load_files(root: Path, files: list[str]) -> tuple[dict[str, TensorInfo], dict[str, SafetensorsHeader]]:
+    tensors: dict[str, TensorInfo] = {}
+    headers: dict[str, SafetensorsHeader] = {}
+    for rel in files:
+        header = read_header(root / rel)
+        headers[rel] = header
+        for name, info in header.tensors.items():
+            if name in tensors:
+                raise CheckpointError(
+                    "tensor appears in two shards and there is no index to choose",
+                    path=root / rel,
+                    tensor=name,
+                    hint=f"also in {os.path.basename(tensors[name].file)}; remove the stray shard",
+                )
+            tensors[name] = info
+    return tensors, headers

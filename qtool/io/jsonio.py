@@ -1,0 +1,98 @@
+"""config.json / hf_quant_config.json / generation_config.json IO.
+
+Keeps key order (Python dicts do) and the file's own indentation and trailing newline, writes atomically
+(temp file in the same directory, fsync, rename) and shows unified diffs, so that a patched config differs
+from the original only in the keys that were changed.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from qtool.errors import ConfigError, WriteError
+
+
+@dataclass
+class JsonStyle:
+    indent: int | str | None = 2
+    trailing_newline: bool = True
+    ensure_ascii: bool = False
+
+
+def detect_style(text: str) -> JsonStyle:
+    m = re.search(r"\n([ \t]+)\S", text)
+    if m is None:
+        indent: int | str | None = None if "\n" not in text.strip() else 0
+    else:
+        ws = m.group(1)
+        indent = ws if "\t" in ws else len(ws)
+    return JsonStyle(indent=indent, trailing_newline=text.endswith("\n"), ensure_ascii="\\u" in text)
+
+
+def load_json(path: str | Path, *, what: str = "JSON file") -> tuple[dict, JsonStyle]:
+    """Load a JSON object; ConfigError names the file and the position of a syntax error."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{what} not found", path=path) from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{what} is not UTF-8 ({e})", path=path) from None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(
+            f"{what} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}",
+            path=path,
+            hint="fix the JSON syntax (or restore the file from the source repository)",
+        ) from None
+    if not isinstance(obj, dict):
+        raise ConfigError(f"{what} must hold a JSON object", path=path, got=type(obj).__name__)
+    return obj, detect_style(text)
+
+
+def dumps(obj: dict, style: JsonStyle | None = None) -> str:
+    style = style or JsonStyle()
+    text = json.dumps(obj, indent=style.indent, ensure_ascii=style.ensure_ascii)
+    return text + ("\n" if style.trailing_newline else "")
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Write `text` to `path` so that readers see either the old or the new file, never a partial one."""
+    path = Path(path)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            if path.exists():
+                os.chmod(tmp, path.stat().st_mode & 0o777)
+            else:
+                os.chmod(tmp, 0o644)
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+    except OSError as e:
+        raise WriteError(f"cannot write file ({e.strerror})", path=path) from None
+
+
+def write_json(path: str | Path, obj: dict, style: JsonStyle | None = None) -> None:
+    atomic_write_text(path, dumps(obj, style))
+
+
+def unified_diff(old: str, new: str, name: str) -> str:
+    return "".join(
+        difflib.unified_diff(
+            old.splitlines(keepends=True), new.splitlines(keepends=True), f"a/{name}", f"b/{name}"
+        )
+    )

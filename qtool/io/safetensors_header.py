@@ -1,0 +1,156 @@
+"""Read and validate one safetensors file's header without touching tensor data.
+
+Format (safetensors/README "Format"): 8-byte little-endian header length N, N bytes of UTF-8 JSON
+mapping tensor name -> {"dtype", "shape", "data_offsets": [begin, end]} (offsets relative to the byte
+after the header) plus an optional "__metadata__" str->str map, then the data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from qtool.errors import HeaderError
+from qtool.io.dtypes import DTYPE_BITS, nbytes_for
+
+# safetensors itself refuses headers above 100 MB (safetensors/src/tensor.rs MAX_HEADER_SIZE).
+MAX_HEADER_BYTES = 100_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    """Where one tensor lives: absolute byte range [start, end) in `file`."""
+
+    name: str
+    file: str  # absolute path of the shard
+    dtype: str  # safetensors dtype name, e.g. "BF16", "F8_E4M3", "U8"
+    shape: tuple[int, ...]
+    start: int  # absolute file offset of the first data byte
+    end: int  # absolute file offset one past the last data byte
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True, slots=True)
+class SafetensorsHeader:
+    path: str
+    header_len: int  # N, the JSON length
+    data_start: int  # 8 + N
+    file_size: int
+    metadata: dict[str, str]
+    tensors: dict[str, TensorInfo]
+
+
+def read_header(path: str | Path, *, check_file_size: bool = True) -> SafetensorsHeader:
+    """Parse and validate the header of `path`. Raises HeaderError naming the file and the tensor."""
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            file_size = os.fstat(f.fileno()).st_size
+            head = f.read(8)
+            if len(head) < 8:
+                raise HeaderError(
+                    "file is too short to be safetensors (no 8-byte header length)",
+                    path=path,
+                    got=f"{file_size} bytes",
+                    hint="the file is truncated or not a safetensors file; re-download it",
+                )
+            (n,) = struct.unpack("<Q", head)
+            if n == 0 or n > MAX_HEADER_BYTES or 8 + n > file_size:
+                raise HeaderError(
+                    "header length is not plausible",
+                    path=path,
+                    expected=f"1..{min(MAX_HEADER_BYTES, max(file_size - 8, 0))} bytes",
+                    got=n,
+                    hint="the file is truncated or corrupt; re-download it",
+                )
+            raw = f.read(n)
+    except FileNotFoundError:
+        raise HeaderError("shard file not found", path=path, hint="re-download the checkpoint") from None
+    except IsADirectoryError:
+        raise HeaderError("expected a safetensors file, found a directory", path=path) from None
+    return parse_header_bytes(path, raw, file_size if check_file_size else None)
+
+
+def parse_header_bytes(path: str, raw: bytes, file_size: int | None) -> SafetensorsHeader:
+    n = len(raw)
+    data_start = 8 + n
+    try:
+        obj = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise HeaderError(
+            f"header is not valid JSON ({e})", path=path, hint="the file is corrupt; re-download it"
+        ) from None
+    if not isinstance(obj, dict):
+        raise HeaderError("header JSON is not an object", path=path, got=type(obj).__name__)
+    metadata = obj.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise HeaderError("__metadata__ is not an object", path=path)
+    data_size = None if file_size is None else file_size - data_start
+    tensors: dict[str, TensorInfo] = {}
+    spans: list[tuple[int, int, str]] = []
+    for name, entry in obj.items():
+        try:
+            dtype = entry["dtype"]
+            shape = tuple(entry["shape"])
+            begin, end = entry["data_offsets"]
+        except (TypeError, KeyError, ValueError):
+            raise HeaderError(
+                "tensor entry lacks dtype/shape/data_offsets",
+                path=path,
+                tensor=name,
+                got=entry,
+                hint="the header is corrupt; re-download the shard",
+            ) from None
+        if dtype not in DTYPE_BITS:
+            raise HeaderError(
+                "unknown dtype", path=path, tensor=name, got=dtype, expected=sorted(DTYPE_BITS)
+            )
+        if not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise HeaderError("shape must be non-negative integers", path=path, tensor=name, got=shape)
+        if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end):
+            raise HeaderError("data_offsets are invalid", path=path, tensor=name, got=[begin, end])
+        want = nbytes_for(dtype, shape)
+        if want != end - begin:
+            raise HeaderError(
+                "byte length does not match dtype x shape",
+                path=path,
+                tensor=name,
+                expected=f"{want} bytes for {dtype}{list(shape)}",
+                got=f"{end - begin} bytes",
+                hint="the header is corrupt; re-download the shard",
+            )
+        if data_size is not None and end > data_size:
+            raise HeaderError(
+                "tensor data runs past the end of the file (truncated shard)",
+                path=path,
+                tensor=name,
+                expected=f"file of at least {data_start + end} bytes",
+                got=f"{file_size} bytes",
+                hint="the download was interrupted; re-download this shard",
+            )
+        tensors[name] = TensorInfo(name, path, dtype, shape, data_start + begin, data_start + end)
+        if end > begin:
+            spans.append((begin, end, name))
+    spans.sort()
+    for (b0, e0, n0), (b1, _e1, n1) in zip(spans, spans[1:]):
+        if b1 < e0:
+            raise HeaderError(
+                f"tensors overlap: {n0} [{b0},{e0}) and {n1} starting at {b1}",
+                path=path,
+                tensor=n1,
+                hint="the header is corrupt; re-download the shard",
+            )
+    return SafetensorsHeader(path, n, data_start, file_size or 0, metadata, tensors)

@@ -1,0 +1,164 @@
+"""Write safetensors shards from byte ranges of existing files (no tensor decoding) or from new bytes,
+and plan shard sizes. Header layout matches safetensors' own writer: JSON padded with spaces to a
+multiple of 8 bytes, tensors laid out in header order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Union
+
+from qtool.errors import WriteError
+from qtool.io.dtypes import nbytes_for
+
+
+@dataclass(frozen=True)
+class FileRange:
+    """Bytes [start, end) of an existing file, copied kernel-side."""
+
+    file: str
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class InlineBytes:
+    data: bytes
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data)
+
+
+Source = Union[FileRange, InlineBytes]
+
+
+@dataclass(frozen=True)
+class OutTensor:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    source: Source
+
+    @property
+    def nbytes(self) -> int:
+        return self.source.nbytes
+
+
+def build_header(tensors: list[OutTensor], metadata: dict[str, str] | None = None) -> bytes:
+    obj: dict = {}
+    if metadata:
+        obj["__metadata__"] = metadata
+    offset = 0
+    for t in tensors:
+        want = nbytes_for(t.dtype, t.shape)
+        if want != t.nbytes:
+            raise ValueError(f"{t.name}: {t.nbytes} bytes for {t.dtype}{list(t.shape)} (want {want})")
+        obj[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    raw = json.dumps(obj, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def shard_size(tensors: list[OutTensor], metadata: dict[str, str] | None = None) -> int:
+    return len(build_header(tensors, metadata)) + sum(t.nbytes for t in tensors)
+
+
+def _copy_range(src_fd: int, dst_fd: int, start: int, count: int) -> None:
+    """Kernel-side copy (copy_file_range: reflinks on btrfs/xfs, no user-space buffers); falls back to
+    a chunked read/write where the kernel or filesystem refuses."""
+    offset = start
+    remaining = count
+    if hasattr(os, "copy_file_range"):
+        try:
+            while remaining > 0:
+                n = os.copy_file_range(src_fd, dst_fd, min(remaining, 1 << 30), offset)
+                if n == 0:
+                    break
+                offset += n
+                remaining -= n
+        except OSError as e:
+            if e.errno == 28:  # ENOSPC
+                raise
+    chunk = 8 << 20
+    while remaining > 0:
+        buf = os.pread(src_fd, min(chunk, remaining), offset)
+        if not buf:
+            raise OSError(5, "source file ended early")
+        os.write(dst_fd, buf)
+        offset += len(buf)
+        remaining -= len(buf)
+
+
+def write_shard(path: str | Path, tensors: list[OutTensor], metadata: dict[str, str] | None = None) -> int:
+    """Write a shard; returns its size. fsyncs before returning."""
+    path = Path(path)
+    header = build_header(tensors, metadata)
+    fds: dict[str, int] = {}
+    try:
+        with open(path, "wb") as out:
+            out.write(header)
+            out.flush()
+            dst = out.fileno()
+            for t in tensors:
+                src = t.source
+                if isinstance(src, InlineBytes):
+                    os.write(dst, src.data) if len(src.data) < (1 << 30) else out.write(src.data)
+                else:
+                    if src.file not in fds:
+                        fds[src.file] = os.open(src.file, os.O_RDONLY)
+                    _copy_range(fds[src.file], dst, src.start, src.nbytes)
+            os.fsync(dst)
+    except OSError as e:
+        hint = "free disk space or choose another output directory" if e.errno == 28 else None
+        raise WriteError(f"writing shard failed: {e.strerror}", path=path, hint=hint) from None
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return path.stat().st_size
+
+
+def shard_file_name(i: int, n: int) -> str:
+    return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+def plan_shards(items: list[tuple[str, int]], max_shard_bytes: int) -> list[list[str]]:
+    """Greedy, order-preserving packing of (name, nbytes) into shards of at most max_shard_bytes
+    (a tensor larger than the limit gets a shard of its own), like transformers' save_pretrained."""
+    shards: list[list[str]] = []
+    current: list[str] = []
+    size = 0
+    for name, nbytes in items:
+        if current and size + nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append(name)
+        size += nbytes
+    if current:
+        shards.append(current)
+    return shards
+
+
+def index_json(weight_map: dict[str, str], total_size: int) -> dict:
+    return {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+
+
+def parse_size(text: str) -> int:
+    """'5GB', '500MB', '4GiB', '1234' -> bytes."""
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    s = text.strip().upper()
+    num = s.rstrip("KMGTIB")
+    unit = s[len(num):]
+    if unit not in units or not num:
+        raise ValueError(f"not a size: {text!r} (e.g. 5GB, 500MB, 4GiB)")
+    return int(float(num) * units[unit])
