@@ -1,0 +1,70 @@
+"""`qtool` entry point. Commands are listed in one explicit table; each command module defines
+`add_arguments(parser)` and `run(args) -> int` and keeps heavy imports (torch, transformers) inside
+`run`, so `qtool --help` and `qtool CMD --help` start fast."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+
+from qtool import __version__
+from qtool.errors import QtoolError
+
+# name -> (module, one-line help). Sub-command groups (e.g. `assemble hybrid`) are handled by the module.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "inspect": ("qtool.cli.inspect_cmd", "summarise a checkpoint: groups, formats, layout, KV scales, problems"),
+    "patch-config": ("qtool.cli.patch_config_cmd", "apply named fixes to config.json / hf_quant_config.json"),
+    "assemble": ("qtool.cli.assemble_cmd", "assemble artifacts (hybrid: BF16 tensors spliced into NVFP4)"),
+    "demo": ("qtool.cli.demo_cmd", "build the embedded tiny Qwen3.5-MoE pair and run the main job on it"),
+}
+
+
+def _load(name: str):
+    return importlib.import_module(COMMANDS[name][0])
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="qtool",
+        description="Turn huge MoE checkpoints (Qwen3.5-397B-A17B and siblings) into serving-ready, "
+        "verified artifacts for vLLM and SGLang.",
+    )
+    parser.add_argument("--version", action="version", version=f"qtool {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_mod, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if only is None or only == name:
+            _load(name).add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    # Only the chosen command's module is imported, so `--help` stays cheap.
+    chosen = next((a for a in argv if a in COMMANDS), None)
+    parser = build_parser(chosen)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    want_json = bool(getattr(args, "json", False))
+    try:
+        return int(_load(args.command).run(args) or 0)
+    except QtoolError as e:
+        if os.environ.get("QTOOL_DEBUG"):
+            raise
+        if want_json:
+            print(json.dumps(e.to_json(), indent=2))
+        else:
+            print(e.describe(), file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,221 @@
+"""`qtool inspect`: what a checkpoint holds and what is inconsistent in it, from headers and configs."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+from qtool.arch.model_map import QUANTIZED_FORMATS, REQUIRED_PARAMS, Format, ModelMap, build_map
+from qtool.arch.qwen35 import Group
+from qtool.io.checkpoint import Checkpoint
+from qtool.io.quant_config import QuantSummary, summarize
+
+
+@dataclass
+class Problem:
+    code: str
+    message: str
+
+    def to_json(self) -> dict:
+        return {"code": self.code, "message": self.message}
+
+
+def inspect_checkpoint(path: str | Path) -> dict:
+    ckpt = Checkpoint.open(path)
+    mm = build_map(ckpt)
+    return report(mm)
+
+
+def report(mm: ModelMap) -> dict:
+    ckpt = mm.ckpt
+    summary = summarize(ckpt.config, ckpt.hf_quant_config)
+    groups: dict[str, dict] = {}
+    counts: dict[Group, list[int]] = defaultdict(lambda: [0, 0])
+    for name, role in mm.roles.items():
+        c = counts[role.group]
+        c[0] += 1
+        c[1] += ckpt.tensors[name].nbytes
+    for group in Group:
+        if group in counts:
+            groups[group.value] = {
+                "format": mm.group_format(group),
+                "tensors": counts[group][0],
+                "bytes": counts[group][1],
+            }
+    lt = {"linear_attention": 0, "full_attention": 0}
+    for t in mm.layer_types:
+        lt[t] = lt.get(t, 0) + 1
+    archs = (ckpt.config or {}).get("architectures") or [None]
+    return {
+        "path": str(ckpt.root),
+        "architecture": archs[0],
+        "model_type": (ckpt.config or {}).get("model_type"),
+        "naming": mm.naming.value,
+        "num_layers": mm.num_layers,
+        "layer_types": lt,
+        "full_attention_layers": mm.full_attention,
+        "num_tensors": len(ckpt.tensors),
+        "num_shards": len(ckpt.headers),
+        "total_bytes": ckpt.total_bytes(),
+        "groups": groups,
+        "expert_layout": mm.expert_layout,
+        "mtp_expert_layout": mm.mtp_expert_layout,
+        "mtp": Group.MTP.value in groups,
+        "vision": Group.VISION.value in groups,
+        "kv_scales": {
+            "layers": mm.kv.layers,
+            "calibrated": mm.kv.calibrated,
+            "naming": mm.kv.naming,
+        },
+        "quantization": summary.to_json(),
+        "problems": [p.to_json() for p in find_problems(mm, summary)],
+    }
+
+
+def find_problems(mm: ModelMap, summary: QuantSummary) -> list[Problem]:
+    problems: list[Problem] = []
+    problems += _layout_problems(mm)
+    problems += _incomplete_quant_modules(mm)
+    problems += _gate_up_scale_mismatch(mm)
+    problems += _kv_problems(mm, summary)
+    problems += _config_file_disagreement(summary)
+    problems += _config_vs_tensors(mm, summary)
+    return problems
+
+
+def _layout_problems(mm: ModelMap) -> list[Problem]:
+    out = []
+    if mm.expert_layout == "mixed":
+        fused = [l for l, k in mm.layer_expert_layout.items() if k == "fused"]
+        per = [l for l, k in mm.layer_expert_layout.items() if k == "per_expert"]
+        both = [l for l, k in mm.layer_expert_layout.items() if k == "mixed"]
+        out.append(
+            Problem(
+                "mixed-expert-layout",
+                f"routed experts mix the fused 3-D layout (layers {_short(fused + both)}) and the per-expert "
+                f"layout (layers {_short(per + both)}); vLLM's qwen3_5 loader switches to the fused mapping "
+                "at the first fused key and silently drops per-expert keys after it",
+            )
+        )
+    if mm.mtp_expert_layout == "mixed":
+        out.append(Problem("mixed-expert-layout", "the MTP layer mixes fused and per-expert routed experts"))
+    return out
+
+
+def _incomplete_quant_modules(mm: ModelMap) -> list[Problem]:
+    missing: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for mod in mm.modules.values():
+        if mod.format in REQUIRED_PARAMS:
+            for p in REQUIRED_PARAMS[mod.format]:
+                if p not in mod.params:
+                    missing[(mod.format.value, p)].append(mod.name)
+    return [
+        Problem(
+            "missing-quant-tensor",
+            f"{len(mods)} {fmt} module(s) lack `{param}`, e.g. {mods[0]}",
+        )
+        for (fmt, param), mods in missing.items()
+    ]
+
+
+def _gate_up_scale_mismatch(mm: ModelMap) -> list[Problem]:
+    """vLLM fuses gate_proj and up_proj into w13 with ONE global scale and warns or mis-scales when
+    the two differ (vllm/model_executor/layers/quantization/modelopt.py, ModelOptNvFp4FusedMoE)."""
+    from qtool.io.reader import read_scalars
+
+    pairs = []
+    for mod in mm.modules.values():
+        if mod.expert is None or not mod.name.endswith(".gate_proj"):
+            continue
+        up = mm.modules.get(mod.name[: -len("gate_proj")] + "up_proj")
+        if up is None or mod.format is not up.format:
+            continue
+        key = {Format.NVFP4: "weight_scale_2", Format.NVFP4_CT: "weight_global_scale"}.get(mod.format)
+        if key and key in mod.params and key in up.params:
+            pairs.append((mod.name, mod.params[key], up.params[key]))
+    if not pairs:
+        return []
+    values = read_scalars([p[1] for p in pairs] + [p[2] for p in pairs])
+    n = len(pairs)
+    bad = [pairs[i][0] for i in range(n) if values[i] != values[n + i]]
+    if not bad:
+        return []
+    return [
+        Problem(
+            "scale-mismatch",
+            f"{len(bad)} expert(s) have different global scales for gate_proj and up_proj, e.g. {bad[0]}; "
+            "vLLM fuses them into w13 with one scale",
+        )
+    ]
+
+
+def _kv_problems(mm: ModelMap, summary: QuantSummary) -> list[Problem]:
+    out = []
+    if mm.kv.invalid:
+        out.append(Problem("kv-scale-invalid", f"KV scale(s) not finite and positive: {mm.kv.invalid[0]}"))
+    missing = [l for l in mm.full_attention if l not in mm.kv.layers]
+    if mm.kv.layers and missing:
+        out.append(Problem("kv-scales-missing", f"full-attention layers without k/v scales: {_short(missing)}"))
+    extra = [l for l in mm.kv.layers if l not in mm.full_attention]
+    if extra:
+        out.append(Problem("kv-scales-stale", f"k/v scales on layers that are not full attention: {_short(extra)}"))
+    says_fp8 = bool(summary.kv_cache_scheme) or bool(summary.kv_cache_quant_algo)
+    if says_fp8 and not mm.kv.layers:
+        out.append(Problem("kv-scales-missing", "the config declares an FP8 KV cache but no k/v scales exist"))
+    if mm.kv.layers and not says_fp8 and summary.quantized:
+        out.append(
+            Problem("kv-scheme-missing", "k/v scales exist but the config declares no FP8 KV cache scheme")
+        )
+    return out
+
+
+def _config_file_disagreement(summary: QuantSummary) -> list[Problem]:
+    if summary.ignore is None or summary.hf_exclude is None:
+        return []
+    a, b = set(summary.ignore), set(summary.hf_exclude)
+    if a == b:
+        return []
+    only_a, only_b = sorted(a - b), sorted(b - a)
+    return [
+        Problem(
+            "config-disagreement",
+            "config.json quantization_config.ignore and hf_quant_config.json exclusions differ "
+            f"(only in config.json: {only_a[:5]}, only in hf_quant_config.json: {only_b[:5]}); "
+            "the engines read config.json first",
+        )
+    ]
+
+
+def _config_vs_tensors(mm: ModelMap, summary: QuantSummary) -> list[Problem]:
+    """Modules whose tensors are BF16 but that an engine would treat as quantized, and the reverse."""
+    if not summary.quantized:
+        return []
+    from qtool.engines.decide import unit_decisions
+
+    out = []
+    for engine, mismatches in unit_decisions(mm, summary).items():
+        bf16 = [u for u, (excluded, fmt) in mismatches.items() if fmt is Format.BF16 and not excluded]
+        quant = [u for u, (excluded, fmt) in mismatches.items() if fmt in QUANTIZED_FORMATS and excluded]
+        if bf16:
+            out.append(
+                Problem(
+                    "bf16-but-not-ignored",
+                    f"{engine}: {len(bf16)} module(s) are BF16 in the tensors but not excluded in the config, "
+                    f"e.g. {bf16[0]}",
+                )
+            )
+        if quant:
+            out.append(
+                Problem(
+                    "quantized-but-ignored",
+                    f"{engine}: {len(quant)} module(s) are quantized in the tensors but excluded by the config, "
+                    f"e.g. {quant[0]}",
+                )
+            )
+    return out
+
+
+def _short(layers: list[int]) -> str:
+    layers = sorted(set(layers))
+    return ", ".join(map(str, layers[:8])) + (f" ... ({len(layers)} in all)" if len(layers) > 8 else "")
