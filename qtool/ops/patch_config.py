@@ -1,0 +1,264 @@
+"""`qtool patch-config`: named, idempotent fixes to config.json, hf_quant_config.json and
+generation_config.json, each written in the schema the file really uses, atomically, with a diff.
+
+Every fix edits copies of the three files; `apply` writes only files that changed (temp + rename).
+A fix that does not apply to this checkpoint says why and changes nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+
+from qtool.arch.model_map import Format, ModelMap, build_map
+from qtool.arch.qwen35 import Group
+from qtool.errors import ConfigError, UsageError
+from qtool.io.checkpoint import CONFIG_NAME, GENERATION_CONFIG_NAME, HF_QUANT_CONFIG_NAME, Checkpoint
+from qtool.io.jsonio import JsonStyle, dumps, load_json, unified_diff, write_json
+from qtool.io import quant_config as qcfg
+
+# The seed's router pattern: matches every layer's `mlp.gate` in vLLM's substring test after its
+# HF->vLLM name mapping (seed "config.json patch"; formats doc section 6; vLLM PR 35156 made it moot
+# for newer versions, which hard-code the router as unquantized).
+ROUTER_GLOB = "model.language_model.layers..mlp.gate"
+ROUTER_REGEX = r"re:.*\.mlp\.gate$"  # compressed-tensors ignore entries are exact names or `re:` regexes
+MTP_FC_GLOB, MTP_ALL_GLOB = "mtp.fc", "mtp*"
+MTP_FC_REGEX, MTP_ALL_REGEX = r"re:^mtp\.fc$", r"re:^mtp.*"
+
+# Seed "Recommended sampling parameters" (Qwen3.5 model card values).
+SAMPLING_DEFAULTS = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0}
+
+
+class Fix(str, Enum):
+    ROUTER_IGNORE = "router-ignore"
+    MTP_IGNORE = "mtp-ignore"
+    IGNORE_FROM_TENSORS = "ignore-from-tensors"
+
+
+@dataclass
+class ConfigFile:
+    name: str
+    original: dict | None
+    style: JsonStyle
+    data: dict | None
+
+    @property
+    def changed(self) -> bool:
+        return self.data != self.original
+
+    def diff(self) -> str:
+        old = "" if self.original is None else dumps(self.original, self.style)
+        new = "" if self.data is None else dumps(self.data, self.style)
+        return unified_diff(old, new, self.name)
+
+
+@dataclass
+class FixResult:
+    fix: str
+    applied: bool
+    message: str
+
+
+@dataclass
+class PatchPlan:
+    root: Path
+    files: dict[str, ConfigFile]
+    results: list[FixResult] = field(default_factory=list)
+
+    @property
+    def changed(self) -> bool:
+        return any(f.changed for f in self.files.values())
+
+    def to_json(self) -> dict:
+        return {
+            "checkpoint": str(self.root),
+            "fixes": [r.__dict__ for r in self.results],
+            "files": {n: {"changed": f.changed, "diff": f.diff()} for n, f in self.files.items()},
+        }
+
+
+def _load_optional(root: Path, name: str) -> ConfigFile:
+    path = root / name
+    if path.exists():
+        data, style = load_json(path, what=name)
+        return ConfigFile(name, data, style, copy.deepcopy(data))
+    return ConfigFile(name, None, JsonStyle(indent=2), None)
+
+
+class _IgnoreLists:
+    """The exclusion lists of both files, each with its pattern dialect."""
+
+    def __init__(self, files: dict[str, ConfigFile]):
+        self.config = files[CONFIG_NAME].data
+        self.hq = files[HF_QUANT_CONFIG_NAME].data
+        qc = (self.config or {}).get("quantization_config")
+        self.config_quantized = isinstance(qc, dict)
+        self.config_regex = self.config_quantized and qc.get("quant_method") == "compressed-tensors"
+
+    @property
+    def any(self) -> bool:
+        return self.config_quantized or self.hq is not None
+
+    def add(self, glob: str, regex: str) -> list[str]:
+        """Add the pattern (in each file's dialect) where missing; returns what was added, per file."""
+        added = []
+        if self.config_quantized:
+            pat = regex if self.config_regex else glob
+            lst = qcfg.config_ignore(self.config) or []
+            if pat not in lst:
+                qcfg.set_config_ignore(self.config, lst + [pat])
+                added.append(f"{CONFIG_NAME}: {pat}")
+        if self.hq is not None:
+            lst = qcfg.hf_quant_exclude(self.hq) or []
+            if glob not in lst:
+                qcfg.set_hf_quant_exclude(self.hq, lst + [glob])
+                added.append(f"{HF_QUANT_CONFIG_NAME}: {glob}")
+        return added
+
+    def remove(self, pattern: str) -> list[str]:
+        removed = []
+        if self.config_quantized:
+            lst = qcfg.config_ignore(self.config) or []
+            if pattern in lst:
+                qcfg.set_config_ignore(self.config, [p for p in lst if p != pattern])
+                removed.append(CONFIG_NAME)
+        if self.hq is not None:
+            lst = qcfg.hf_quant_exclude(self.hq) or []
+            if pattern in lst:
+                qcfg.set_hf_quant_exclude(self.hq, [p for p in lst if p != pattern])
+                removed.append(HF_QUANT_CONFIG_NAME)
+        return removed
+
+    def replace(self, globs: list[str], regexes: list[str]) -> None:
+        if self.config_quantized:
+            qcfg.set_config_ignore(self.config, regexes if self.config_regex else globs)
+        if self.hq is not None:
+            qcfg.set_hf_quant_exclude(self.hq, globs)
+
+
+def plan(
+    checkpoint: str | Path,
+    *,
+    fixes: list[Fix] = (),
+    ignore_add: list[str] = (),
+    ignore_remove: list[str] = (),
+    yarn: float | None = None,
+    original_max_position: int | None = None,
+    sampling_defaults: bool = False,
+) -> PatchPlan:
+    root = Path(checkpoint)
+    files = {n: _load_optional(root, n) for n in (CONFIG_NAME, HF_QUANT_CONFIG_NAME, GENERATION_CONFIG_NAME)}
+    if files[CONFIG_NAME].data is None:
+        raise ConfigError("config.json not found", path=root / CONFIG_NAME, hint="point at a model directory")
+    p = PatchPlan(root, files)
+    mm: ModelMap | None = None
+
+    def model_map() -> ModelMap:
+        nonlocal mm
+        if mm is None:
+            mm = build_map(Checkpoint.open(root))
+        return mm
+
+    lists = _IgnoreLists(files)
+    for fix in fixes:
+        if fix is Fix.ROUTER_IGNORE:
+            p.results.append(_router_ignore(lists))
+        elif fix is Fix.MTP_IGNORE:
+            p.results.append(_mtp_ignore(lists, model_map()))
+        elif fix is Fix.IGNORE_FROM_TENSORS:
+            p.results.append(_ignore_from_tensors(lists, model_map()))
+    for pat in ignore_add:
+        p.results.append(_ignore_add(lists, pat))
+    for pat in ignore_remove:
+        removed = lists.remove(pat)
+        msg = f"removed {pat!r} from {', '.join(removed)}" if removed else f"{pat!r} is in no exclusion list"
+        p.results.append(FixResult("ignore-remove", bool(removed), msg))
+    if yarn is not None:
+        p.results.append(_yarn(files[CONFIG_NAME].data, yarn, original_max_position))
+    if sampling_defaults:
+        p.results.append(_sampling(files[GENERATION_CONFIG_NAME]))
+    return p
+
+
+def apply(p: PatchPlan) -> list[str]:
+    """Write the changed files atomically; returns their names."""
+    written = []
+    for f in p.files.values():
+        if f.changed and f.data is not None:
+            write_json(p.root / f.name, f.data, f.style)
+            written.append(f.name)
+    return written
+
+
+def _ignore_add(lists: _IgnoreLists, pattern: str) -> FixResult:
+    if not lists.any:
+        return FixResult("ignore-add", False, "the checkpoint is not quantized: there is no exclusion list")
+    # A user pattern is taken as written for both files (glob for ModelOpt lists; a `re:` entry is
+    # only meaningful in a compressed-tensors ignore list).
+    added = lists.add(pattern, pattern)
+    return FixResult("ignore-add", bool(added), f"added {added}" if added else f"{pattern!r} already present")
+
+
+def _router_ignore(lists: _IgnoreLists) -> FixResult:
+    if not lists.any:
+        return FixResult(Fix.ROUTER_IGNORE.value, False, "not quantized: the router is BF16 already")
+    added = lists.add(ROUTER_GLOB, ROUTER_REGEX)
+    return FixResult(Fix.ROUTER_IGNORE.value, bool(added), f"added {added}" if added else "already excluded")
+
+
+def _mtp_ignore(lists: _IgnoreLists, mm: ModelMap) -> FixResult:
+    mtp = [m for m in mm.modules.values() if m.group is Group.MTP and m.format is not None]
+    if not mtp:
+        return FixResult(Fix.MTP_IGNORE.value, False, "the checkpoint has no MTP head (no mtp.* tensors)")
+    if not lists.any:
+        return FixResult(Fix.MTP_IGNORE.value, False, "not quantized: the MTP head is BF16 already")
+    all_bf16 = all(m.format is Format.BF16 for m in mtp)
+    added = lists.add(MTP_ALL_GLOB, MTP_ALL_REGEX) if all_bf16 else lists.add(MTP_FC_GLOB, MTP_FC_REGEX)
+    what = "the whole MTP head is BF16" if all_bf16 else "mtp.fc only (parts of the MTP head are quantized)"
+    return FixResult(Fix.MTP_IGNORE.value, bool(added), f"{what}: " + (f"added {added}" if added else "already excluded"))
+
+
+def _ignore_from_tensors(lists: _IgnoreLists, mm: ModelMap) -> FixResult:
+    if not lists.any:
+        return FixResult(Fix.IGNORE_FROM_TENSORS.value, False, "not quantized: nothing to exclude")
+    from qtool.engines.decide import ignore_patterns_for
+
+    globs, regexes = ignore_patterns_for(mm)
+    before = (qcfg.config_ignore(lists.config), qcfg.hf_quant_exclude(lists.hq))
+    lists.replace(globs, regexes)
+    after = (qcfg.config_ignore(lists.config), qcfg.hf_quant_exclude(lists.hq))
+    changed = before != after
+    return FixResult(
+        Fix.IGNORE_FROM_TENSORS.value,
+        changed,
+        f"exclusion lists now say exactly which modules are BF16: {globs}" if changed else "already exact",
+    )
+
+
+def _yarn(config: dict, factor: float, original: int | None) -> FixResult:
+    """YaRN rope scaling as the seed's --hf-overrides does, keeping the mrope settings."""
+    if factor <= 1:
+        raise UsageError("--yarn FACTOR must be greater than 1", got=factor)
+    text = config.get("text_config", config)
+    rope = dict(text.get("rope_parameters") or {})
+    if original is None:
+        # Re-applying keeps the first original length, so the fix is idempotent.
+        original = rope.get("original_max_position_embeddings") or text.get("max_position_embeddings")
+    if not original:
+        raise ConfigError("config has no max_position_embeddings; pass --original-max-position N")
+    rope.update({"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": int(original)})
+    new_max = int(original * factor)
+    changed = text.get("rope_parameters") != rope or text.get("max_position_embeddings") != new_max
+    text["rope_parameters"] = rope
+    text["max_position_embeddings"] = new_max
+    return FixResult("yarn", changed, f"YaRN factor {factor:g} over {original} -> max_position_embeddings {new_max}")
+
+
+def _sampling(gen: ConfigFile) -> FixResult:
+    if gen.data is None:
+        gen.data = {}
+    before = dict(gen.data)
+    gen.data.update(SAMPLING_DEFAULTS)
+    return FixResult("sampling-defaults", gen.data != before, f"generation_config.json: {SAMPLING_DEFAULTS}")
