@@ -36,7 +36,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_mod, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        if only is None or only == name:
+        if only == name:
             _load(name).add_arguments(p)
     return parser
 
