@@ -1,0 +1,230 @@
+"""Ignore-pattern generation and cross-engine decisions for Qwen3.5-MoE checkpoints.
+
+``compact_ignore_patterns`` writes the shortest list it can find such that every modelled release of
+both engines (vllm.BEHAVIOUR_RELEASES, sglang.BEHAVIOUR_RELEASES) loads exactly the unquantized
+modules as BF16; every candidate is verified with the two engine models, never assumed.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+
+from qtool.engines import (
+    Engine,
+    EngineVersion,
+    Flavour,
+    PartialFusedExclusion,
+    parse_flavour,
+    sglang,
+    unit_of,
+    vllm,
+)
+from qtool.errors import QtoolError
+
+Decider = Callable[[str, list[str]], bool]
+
+
+def all_versions() -> list[EngineVersion]:
+    return [EngineVersion(Engine.VLLM.value, r) for r in vllm.BEHAVIOUR_RELEASES] + [
+        EngineVersion(Engine.SGLANG.value, r) for r in sglang.BEHAVIOUR_RELEASES
+    ]
+
+
+def _decider(v: EngineVersion, fl: Flavour) -> Decider:
+    mod = vllm if v.engine is Engine.VLLM else sglang
+    return lambda m, ign: mod.is_excluded(m, ign, version=v, quant_method=fl)
+
+
+def engine_decisions(
+    modules: Iterable[str],
+    ignore: list[str],
+    flavour: str | Flavour = "modelopt",
+    versions: Iterable[str | EngineVersion] | None = None,
+) -> dict[str, dict[str, bool | None]]:
+    """{"vllm@0.33.0": {module: excluded}} for reports. ``None`` means that engine refuses the list
+    for this module (some but not all shards of its fused module are excluded)."""
+    from qtool.engines import parse_version
+
+    fl = parse_flavour(flavour)
+    vs = [parse_version(v) for v in versions] if versions is not None else all_versions()
+    mods = list(modules)
+    out: dict[str, dict[str, bool | None]] = {}
+    for v in vs:
+        d = _decider(v, fl)
+        row: dict[str, bool | None] = {}
+        for m in mods:
+            try:
+                row[m] = d(m, ignore)
+            except PartialFusedExclusion:
+                row[m] = None
+        out[str(v)] = row
+    return out
+
+
+# --- candidate patterns --------------------------------------------------------------------------
+
+_LM = "model.language_model."
+_LAYER = re.compile(r"^model\.language_model\.layers\.(\d+)\.(.*)$")
+_MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.(.*)$")
+
+# component of a unit inside a decoder layer -> (glob suffix, regex suffix). The shared-expert glob
+# keeps its dot so it never reaches `shared_expert_gate` (formats doc section 7).
+_COMPONENTS = {
+    "self_attn": ("self_attn*", r"self_attn\."),
+    "linear_attn": ("linear_attn*", r"linear_attn\."),
+    "mlp.shared_expert": ("mlp.shared_expert.*", r"mlp\.shared_expert\."),
+    "mlp.experts": ("mlp.experts*", r"mlp\.experts"),
+    "mlp.gate": ("mlp.gate", r"mlp\.gate$"),
+    "mlp.shared_expert_gate": ("mlp.shared_expert_gate", r"mlp\.shared_expert_gate$"),
+}
+
+
+def _component(rest: str) -> str:
+    for c in ("mlp.shared_expert_gate", "mlp.shared_expert", "mlp.experts", "mlp.gate", "self_attn", "linear_attn"):
+        if rest == c or rest.startswith(c + "."):
+            return c
+    return rest
+
+
+def _scoped(layer: str, comp: str | None, fl: Flavour) -> list[list[str]]:
+    """Alternatives (each a pattern list) for layer `layer` ("*" = all) and component (None = whole layer).
+    First: one leading-wildcard pattern (also reaches mtp.layers.*); then forms that spare the MTP head."""
+    if fl is Flavour.MODELOPT:
+        tail = "*" if comp is None else _COMPONENTS[comp][0]
+        return [
+            [f"*.layers.{layer}.{tail}"],
+            [f"{_LM}layers.{layer}.{tail}", f"model.layers.{layer}.{tail}"],
+        ]
+    n = r"\d+" if layer == "*" else layer
+    tail = "" if comp is None else _COMPONENTS[comp][1]
+    return [[f"re:.*\\.layers\\.{n}\\.{tail}"], [f"re:(?!mtp\\.).*\\.layers\\.{n}\\.{tail}"]]
+
+
+def _globals(fl: Flavour) -> dict[str, list[list[str]]]:
+    if fl is Flavour.MODELOPT:
+        return {"lm_head": [["lm_head"]], "visual": [["model.visual*"]], "mtp": [["mtp*"]]}
+    return {
+        "lm_head": [["lm_head"], ["re:.*lm_head$"]],
+        "visual": [["re:.*visual\\."]],
+        "mtp": [["re:^mtp\\."]],
+    }
+
+
+def _exact(unit_modules: list[str], fl: Flavour) -> list[list[str]]:
+    """Last resort for one unit: its HF module names, then (compressed-tensors) suffix regexes that
+    also reach the old SGLang prefix."""
+    alts = [sorted(unit_modules)]
+    if fl is Flavour.COMPRESSED_TENSORS:
+        alts.append([f"re:.*\\.{re.escape(m.removeprefix(_LM))}$" for m in sorted(unit_modules)])
+    return alts
+
+
+def compact_ignore_patterns(
+    unquantized_modules: list[str],
+    quantized_modules: list[str],
+    flavour: str | Flavour = "modelopt",
+) -> list[str]:
+    """Shortest verified ignore list: every engine release excludes exactly ``unquantized_modules``.
+
+    Modules are HF checkpoint module names (Linear weights without ``.weight``). Raises QtoolError when a
+    fused module / FusedMoE mixes quantized and unquantized parts, or when no pattern list can express
+    the split for some engine."""
+    fl = parse_flavour(flavour)
+    versions = all_versions()
+    deciders = [_decider(v, fl) for v in versions]
+
+    units: dict[str, list[str]] = {}
+    state: dict[str, bool] = {}
+    for mods, unq in ((unquantized_modules, True), (quantized_modules, False)):
+        for m in mods:
+            u = unit_of(m).name
+            if state.setdefault(u, unq) != unq:
+                raise QtoolError(
+                    f"{u} mixes quantized and unquantized parts; no engine can load that",
+                    tensor=m,
+                    hint="fused q/k/v, gate/up, in_proj pairs and all experts of a layer must share one precision",
+                )
+            units.setdefault(u, []).append(m)
+    rep = {u: ms[0] for u, ms in units.items()}
+    U = {u for u, s in state.items() if s}
+    Q = set(state) - U
+
+    def excluded(patterns: list[str]) -> list[set[str]] | None:
+        out = []
+        for d in deciders:
+            try:
+                out.append({u for u in state if d(rep[u], patterns)})
+            except PartialFusedExclusion:
+                return None
+        return out
+
+    base = excluded([])
+    assert base is not None
+    forced_q = set().union(*base) & Q  # hard-coded unquantized but stored quantized: not ours to fix
+    chosen: list[str] = []
+    covered = set.intersection(*base) & U
+
+    def try_add(alternatives: list[list[str]], intended: set[str]) -> bool:
+        nonlocal covered
+        if intended <= covered:
+            return True
+        for alt in alternatives:
+            if all(p in chosen for p in alt):
+                continue
+            res = excluded(chosen + [p for p in alt if p not in chosen])
+            if res is None or any((r & Q) - forced_q for r in res):
+                continue
+            inter = set.intersection(*res)
+            if intended <= inter:
+                chosen.extend(p for p in alt if p not in chosen)
+                covered = inter & U
+                return True
+        return False
+
+    # group units: globals, per (layer, component), per layer
+    groups: dict[str, set[str]] = {"lm_head": set(), "visual": set(), "mtp": set()}
+    by_lc: dict[tuple[str, str], set[str]] = {}
+    for u in state:
+        if u == "lm_head":
+            groups["lm_head"].add(u)
+        elif u.startswith("model.visual."):
+            groups["visual"].add(u)
+        elif u.startswith("mtp."):
+            groups["mtp"].add(u)
+        m = _LAYER.match(u)
+        if m:
+            by_lc.setdefault((m.group(1), _component(m.group(2))), set()).add(u)
+
+    gl = _globals(fl)
+    for g, us in groups.items():
+        if us and us <= U:
+            try_add(gl[g], us)
+    comps = {c for _, c in by_lc}
+    for c in sorted(comps):
+        us = set().union(*(s for (_, cc), s in by_lc.items() if cc == c))
+        if us <= U and c in _COMPONENTS:
+            try_add(_scoped("*", c, fl), us)
+    layers = sorted({n for n, _ in by_lc}, key=int)
+    for n in layers:
+        us = set().union(*(s for (nn, _), s in by_lc.items() if nn == n))
+        if us <= U and not us <= covered:
+            try_add(_scoped(n, None, fl), us)
+    for (n, c), us in sorted(by_lc.items(), key=lambda kv: (int(kv[0][0]), kv[0][1])):
+        if us <= U and c in _COMPONENTS and not us <= covered:
+            try_add(_scoped(n, c, fl), us)
+    for u in sorted(U - covered):
+        if not try_add(_exact(units[u], fl), {u}):
+            raise QtoolError(
+                f"no ignore list makes every engine load {u} unquantized",
+                tensor=u,
+                hint="check the engine model notes (e.g. SGLang matches FusedMoE only by glob, not by expert name)",
+            )
+
+    # drop patterns made redundant by later, broader ones
+    for p in list(chosen):
+        trial = [q for q in chosen if q != p]
+        res = excluded(trial)
+        if res is not None and not any((r & Q) - forced_q for r in res) and U <= set.intersection(*res):
+            chosen = trial
+    return chosen
