@@ -13,6 +13,7 @@ from enum import Enum
 
 from qtool.arch.qwen35 import (
     FUSED_EXPERT_PARAMS,
+    KV_SCALE_PARAMS,
     Group,
     Naming,
     TensorRole,
@@ -132,12 +133,19 @@ def build_map(ckpt: Checkpoint) -> ModelMap:
     roles: dict[str, TensorRole] = {}
     modules: dict[str, Module] = {}
     for name, info in ckpt.tensors.items():
-        role = classify(name, naming)
-        roles[name] = role
-        mod = modules.get(role.module)
+        module_name, _, param = name.rpartition(".")
+        is_kv = param in KV_SCALE_PARAMS
+        mod = modules.get(module_name)
         if mod is None:
-            mod = modules[role.module] = Module(role.module, role.group, role.inner, role.layer, role.expert)
-        mod.params[role.param] = info
+            # Classify once per module (an NVFP4 expert Linear has 4 tensors). A module's role comes
+            # from the module name; KV scales (k_proj.k_scale) are roles of their own tensors only.
+            r = classify(module_name + ".weight" if is_kv else name, naming)
+            mod = modules[module_name] = Module(module_name, r.group, r.inner, r.layer, r.expert)
+        if is_kv:
+            roles[name] = classify(name, naming)
+        else:
+            roles[name] = TensorRole(mod.group, mod.inner, module_name, param, mod.layer, mod.expert)
+        mod.params[param] = info
     for mod in modules.values():
         mod.format = module_format(mod.params)
 

@@ -17,6 +17,11 @@ from pathlib import Path
 
 from qtool.errors import ConfigError, WriteError
 
+try:  # a 397B index has ~370k weight_map entries; orjson parses it several times faster
+    from orjson import loads as _loads
+except ImportError:  # pragma: no cover - orjson is a declared dependency
+    _loads = json.loads
+
 
 @dataclass
 class JsonStyle:
@@ -45,7 +50,7 @@ def load_json(path: str | Path, *, what: str = "JSON file") -> tuple[dict, JsonS
     except UnicodeDecodeError as e:
         raise ConfigError(f"{what} is not UTF-8 ({e})", path=path) from None
     try:
-        obj = json.loads(text)
+        obj = _loads(text)
     except json.JSONDecodeError as e:
         raise ConfigError(
             f"{what} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}",

@@ -8,10 +8,21 @@ after the header) plus an optional "__metadata__" str->str map, then the data.
 from __future__ import annotations
 
 import json
+
+try:  # orjson parses the ~370k-entry headers of a 397B checkpoint about 4x faster
+    import orjson
+
+    _loads = orjson.loads
+    _JSONError: tuple = (orjson.JSONDecodeError, UnicodeDecodeError)
+except ImportError:  # pragma: no cover - orjson is a declared dependency
+    orjson = None
+    _loads = json.loads
+    _JSONError = (json.JSONDecodeError, UnicodeDecodeError)
 import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from qtool.errors import HeaderError
 from qtool.io.dtypes import DTYPE_BITS, nbytes_for
@@ -20,12 +31,12 @@ from qtool.io.dtypes import DTYPE_BITS, nbytes_for
 MAX_HEADER_BYTES = 100_000_000
 
 
-@dataclass(frozen=True, slots=True)
-class TensorInfo:
-    """Where one tensor lives: absolute byte range [start, end) in `file`."""
+class TensorInfo(NamedTuple):
+    """Where one tensor lives: absolute byte range [start, end) in `file`. A NamedTuple because a
+    397B checkpoint has ~370k of them and tuple construction is the cheapest Python object."""
 
     name: str
-    file: str  # absolute path of the shard
+    file: str  # path of the shard
     dtype: str  # safetensors dtype name, e.g. "BF16", "F8_E4M3", "U8"
     shape: tuple[int, ...]
     start: int  # absolute file offset of the first data byte
@@ -88,8 +99,8 @@ def parse_header_bytes(path: str, raw: bytes, file_size: int | None) -> Safetens
     n = len(raw)
     data_start = 8 + n
     try:
-        obj = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        obj = _loads(raw)
+    except _JSONError as e:
         raise HeaderError(
             f"header is not valid JSON ({e})", path=path, hint="the file is corrupt; re-download it"
         ) from None
@@ -99,13 +110,29 @@ def parse_header_bytes(path: str, raw: bytes, file_size: int | None) -> Safetens
     if not isinstance(metadata, dict):
         raise HeaderError("__metadata__ is not an object", path=path)
     data_size = None if file_size is None else file_size - data_start
+    limit = data_size if data_size is not None else float("inf")
     tensors: dict[str, TensorInfo] = {}
     spans: list[tuple[int, int, str]] = []
+    bits_of = DTYPE_BITS.get
     for name, entry in obj.items():
+        # Fast path: one try block for the common well-formed entry; the slow checks below only
+        # run to explain what is wrong.
         try:
             dtype = entry["dtype"]
             shape = tuple(entry["shape"])
             begin, end = entry["data_offsets"]
+            bits = bits_of(dtype)
+            n = 1
+            for d in shape:
+                n *= d
+            ok = (
+                bits is not None
+                and type(begin) is int
+                and type(end) is int
+                and 0 <= begin <= end <= limit
+                and n * bits == (end - begin) * 8
+                and all(type(d) is int and d >= 0 for d in shape)
+            )
         except (TypeError, KeyError, ValueError):
             raise HeaderError(
                 "tensor entry lacks dtype/shape/data_offsets",
@@ -114,33 +141,8 @@ def parse_header_bytes(path: str, raw: bytes, file_size: int | None) -> Safetens
                 got=entry,
                 hint="the header is corrupt; re-download the shard",
             ) from None
-        if dtype not in DTYPE_BITS:
-            raise HeaderError(
-                "unknown dtype", path=path, tensor=name, got=dtype, expected=sorted(DTYPE_BITS)
-            )
-        if not all(isinstance(d, int) and d >= 0 for d in shape):
-            raise HeaderError("shape must be non-negative integers", path=path, tensor=name, got=shape)
-        if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end):
-            raise HeaderError("data_offsets are invalid", path=path, tensor=name, got=[begin, end])
-        want = nbytes_for(dtype, shape)
-        if want != end - begin:
-            raise HeaderError(
-                "byte length does not match dtype x shape",
-                path=path,
-                tensor=name,
-                expected=f"{want} bytes for {dtype}{list(shape)}",
-                got=f"{end - begin} bytes",
-                hint="the header is corrupt; re-download the shard",
-            )
-        if data_size is not None and end > data_size:
-            raise HeaderError(
-                "tensor data runs past the end of the file (truncated shard)",
-                path=path,
-                tensor=name,
-                expected=f"file of at least {data_start + end} bytes",
-                got=f"{file_size} bytes",
-                hint="the download was interrupted; re-download this shard",
-            )
+        if not ok:
+            _explain_bad_entry(path, name, dtype, shape, begin, end, data_start, data_size, file_size)
         tensors[name] = TensorInfo(name, path, dtype, shape, data_start + begin, data_start + end)
         if end > begin:
             spans.append((begin, end, name))
@@ -154,3 +156,30 @@ def parse_header_bytes(path: str, raw: bytes, file_size: int | None) -> Safetens
                 hint="the header is corrupt; re-download the shard",
             )
     return SafetensorsHeader(path, n, data_start, file_size or 0, metadata, tensors)
+
+
+def _explain_bad_entry(path, name, dtype, shape, begin, end, data_start, data_size, file_size) -> None:
+    if dtype not in DTYPE_BITS:
+        raise HeaderError("unknown dtype", path=path, tensor=name, got=dtype, expected=sorted(DTYPE_BITS))
+    if not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise HeaderError("shape must be non-negative integers", path=path, tensor=name, got=shape)
+    if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end):
+        raise HeaderError("data_offsets are invalid", path=path, tensor=name, got=[begin, end])
+    want = nbytes_for(dtype, shape)
+    if want != end - begin:
+        raise HeaderError(
+            "byte length does not match dtype x shape",
+            path=path,
+            tensor=name,
+            expected=f"{want} bytes for {dtype}{list(shape)}",
+            got=f"{end - begin} bytes",
+            hint="the header is corrupt; re-download the shard",
+        )
+    raise HeaderError(
+        "tensor data runs past the end of the file (truncated shard)",
+        path=path,
+        tensor=name,
+        expected=f"file of at least {data_start + end} bytes",
+        got=f"{file_size} bytes",
+        hint="the download was interrupted; re-download this shard",
+    )
