@@ -56,7 +56,9 @@ def module_format(params: dict[str, TensorInfo]) -> Format | None:
     if "qweight" in params:
         return Format.AWQ
     w = params.get("weight")
-    if w is not None and len(w.shape) >= 2:
+    # Only 2-D weights are Linears an engine may quantize (conv1d [C,1,K] and the vision patch
+    # embedding's 5-D conv weight are not).
+    if w is not None and len(w.shape) == 2:
         if w.dtype == "U8" and "weight_scale" in params:
             return Format.NVFP4
         if w.dtype in FP8_DTYPES:

@@ -36,10 +36,10 @@ def run(args) -> int:
     q = rep["quantization"]
     if q["quant_method"] or q["hf_quant_config"]:
         print(f"  quantization   {q['quant_method']} {q['quant_algo'] or q['format'] or ''}".rstrip())
-        print(f"  ignore         {q['ignore']}")
+        print(f"  ignore         {_brief(q['ignore'])}")
         if q["hf_quant_config"]:
             h = q["hf_quant_config"]
-            print(f"  hf_quant       {h['schema']}: exclude {h['exclude_modules']}, kv {h['kv_cache_quant_algo']}")
+            print(f"  hf_quant       {h['schema']}: exclude {_brief(h['exclude_modules'])}, kv {h['kv_cache_quant_algo']}")
     else:
         print("  quantization   none")
     print("  groups:")
@@ -52,3 +52,11 @@ def run(args) -> int:
     else:
         print("  problems: none")
     return 0
+
+
+def _brief(patterns: list[str] | None, most: int = 6) -> str:
+    if patterns is None:
+        return "none"
+    if len(patterns) <= most:
+        return str(patterns)
+    return f"{patterns[:most]} ... ({len(patterns)} patterns; --json lists all)"

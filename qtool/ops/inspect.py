@@ -194,9 +194,18 @@ def _config_vs_tensors(mm: ModelMap, summary: QuantSummary) -> list[Problem]:
     from qtool.engines.decide import unit_decisions
 
     out = []
-    for engine, mismatches in unit_decisions(mm, summary).items():
-        bf16 = [u for u, (excluded, fmt) in mismatches.items() if fmt is Format.BF16 and not excluded]
-        quant = [u for u, (excluded, fmt) in mismatches.items() if fmt in QUANTIZED_FORMATS and excluded]
+    for engine, decisions in unit_decisions(mm, summary).items():
+        refused = [u for u, (excluded, _f) in decisions.items() if excluded is None]
+        bf16 = [u for u, (excluded, fmt) in decisions.items() if fmt is Format.BF16 and excluded is False]
+        quant = [u for u, (excluded, fmt) in decisions.items() if fmt in QUANTIZED_FORMATS and excluded]
+        if refused:
+            out.append(
+                Problem(
+                    "partial-fused-exclusion",
+                    f"{engine}: the ignore list excludes some but not all shards of {len(refused)} fused "
+                    f"module(s), e.g. {refused[0]}; the engine refuses to load this",
+                )
+            )
         if bf16:
             out.append(
                 Problem(

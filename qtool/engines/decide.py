@@ -1,0 +1,80 @@
+"""Bridge from a checkpoint's architecture map to the engine models: per runtime unit, what the
+tensors say (format) and what each engine decides (excluded or quantized) from the config."""
+
+from __future__ import annotations
+
+from qtool.arch.model_map import QUANTIZED_FORMATS, Format, ModelMap
+from qtool.arch.qwen35 import Group
+from qtool.engines import Engine, EngineVersion, Flavour, PartialFusedExclusion, parse_version, sglang, unit_of, vllm
+from qtool.io.quant_config import QuantSummary
+
+# Groups whose matrices are never quantization candidates for the engines (the embedding is an
+# nn.Embedding-like VocabParallelEmbedding without quant_config in both engines' qwen3_5.py).
+_NOT_LINEAR = {Group.EMBED, Group.NORM, Group.FINAL_NORM, Group.KV_SCALE, Group.OTHER}
+
+DEFAULT_ENGINES = ("vllm", "sglang")
+
+
+def linear_modules(mm: ModelMap) -> dict[str, Format]:
+    """HF module name -> storage format, for every module an engine builds as a (possibly quantized)
+    Linear or FusedMoE."""
+    return {
+        m.name: m.format
+        for m in mm.modules.values()
+        if m.format is not None and m.group not in _NOT_LINEAR and m.inner not in _NOT_LINEAR
+    }
+
+
+def flavour_of(summary: QuantSummary) -> Flavour:
+    return Flavour.COMPRESSED_TENSORS if summary.quant_method == "compressed-tensors" else Flavour.MODELOPT
+
+
+def unit_formats(mm: ModelMap) -> dict[str, tuple[str, Format | str]]:
+    """runtime unit -> (a representative HF module, its format or "mixed")."""
+    out: dict[str, tuple[str, Format | str]] = {}
+    for name, fmt in linear_modules(mm).items():
+        unit = unit_of(name).name
+        if unit not in out:
+            out[unit] = (name, fmt)
+        elif out[unit][1] != fmt:
+            out[unit] = (out[unit][0], "mixed")
+    return out
+
+
+def decide(
+    mm: ModelMap, ignore: list[str], flavour: Flavour, version: str | EngineVersion
+) -> dict[str, tuple[bool | None, Format | str]]:
+    """unit -> (excluded? None when the engine refuses the list for it, storage format)."""
+    v = parse_version(version)
+    engine = vllm if v.engine is Engine.VLLM else sglang
+    out = {}
+    for unit, (rep, fmt) in unit_formats(mm).items():
+        try:
+            excluded: bool | None = engine.is_excluded(rep, ignore, version=v, quant_method=flavour)
+        except PartialFusedExclusion:
+            excluded = None
+        out[unit] = (excluded, fmt)
+    return out
+
+
+def unit_decisions(
+    mm: ModelMap, summary: QuantSummary, versions: tuple[str, ...] = DEFAULT_ENGINES
+) -> dict[str, dict[str, tuple[bool | None, Format | str]]]:
+    """{engine version: {unit: (excluded, format)}} with the ignore list the engines really read."""
+    ignore = summary.effective_ignore or []
+    fl = flavour_of(summary)
+    return {str(parse_version(v)): decide(mm, ignore, fl, v) for v in versions}
+
+
+def ignore_patterns_for(mm: ModelMap) -> tuple[list[str], list[str]]:
+    """(glob patterns for ModelOpt lists, `re:` patterns for compressed-tensors lists) that make both
+    engines, in every modelled release, exclude exactly the modules whose tensors are BF16."""
+    from qtool.engines.patterns import compact_ignore_patterns
+
+    mods = linear_modules(mm)
+    unq = [m for m, f in mods.items() if f is Format.BF16]
+    q = [m for m, f in mods.items() if f in QUANTIZED_FORMATS]
+    return (
+        compact_ignore_patterns(unq, q, Flavour.MODELOPT),
+        compact_ignore_patterns(unq, q, Flavour.COMPRESSED_TENSORS),
+    )
