@@ -92,13 +92,14 @@ def _scoped(layer: str, comp: str | None, fl: Flavour) -> list[list[str]]:
     First: one leading-wildcard pattern (also reaches mtp.layers.*); then forms that spare the MTP head."""
     if fl is Flavour.MODELOPT:
         tail = "*" if comp is None else _COMPONENTS[comp][0]
-        return [
+        return ([[f"*.{tail}"]] if layer == "*" and comp else []) + [
             [f"*.layers.{layer}.{tail}"],
             [f"{_LM}layers.{layer}.{tail}", f"model.layers.{layer}.{tail}"],
         ]
     n = r"\d+" if layer == "*" else layer
     tail = "" if comp is None else _COMPONENTS[comp][1]
-    return [[f"re:.*\\.layers\\.{n}\\.{tail}"], [f"re:(?!mtp\\.).*\\.layers\\.{n}\\.{tail}"]]
+    alts = [[f"re:.*\\.layers\\.{n}\\.{tail}"], [f"re:(?!mtp\\.).*\\.layers\\.{n}\\.{tail}"]]
+    return ([[f"re:.*{tail}"]] if layer == "*" and comp else []) + alts
 
 
 def _globals(fl: Flavour) -> dict[str, list[list[str]]]:
@@ -161,7 +162,16 @@ def compact_ignore_patterns(
 
     base = excluded([])
     assert base is not None
-    forced_q = set().union(*base) & Q  # hard-coded unquantized but stored quantized: not ours to fix
+    forced_q = set().union(*base) & Q
+    if forced_q:
+        u = sorted(forced_q)[0]
+        raise QtoolError(
+            f"{len(forced_q)} quantized module group(s) are always loaded as BF16 by some engine release",
+            tensor=u,
+            got=sorted(forced_q)[:5],
+            hint="e.g. SGLang builds the whole MTP head BF16 for modelopt_fp4, vLLM >= 0.19 forces mtp.fc BF16, "
+            "routers are never quantized: store these modules in BF16",
+        )
     chosen: list[str] = []
     covered = set.intersection(*base) & U
 
