@@ -1,0 +1,97 @@
+"""qtool assemble hybrid --nvfp4 SRC --bf16 SRC -o OUT [--bf16-expert-layers LIST] [--mtp MODE]
+[--link MODE] [--max-shard-size SIZE] [--resume] [--force] [--dry-run] [--json] [--quiet]"""
+
+from __future__ import annotations
+
+import sys
+
+from qtool.cli.common import add_json_flag, human_bytes, print_json
+from qtool.errors import UsageError
+
+
+def add_arguments(p) -> None:
+    sub = p.add_subparsers(dest="kind", metavar="KIND")
+    h = sub.add_parser("hybrid", help="BF16 shared experts (and chosen layers' routed experts, MTP head) "
+                       "spliced into an NVFP4 checkpoint")
+    h.add_argument("--nvfp4", required=True, help="NVFP4 checkpoint (ModelOpt or compressed-tensors naming)")
+    h.add_argument("--bf16", required=True, help="the BF16 original (fused or per-expert routed experts)")
+    h.add_argument("-o", "--out", required=True, help="output directory (written as OUT.partial, then renamed)")
+    h.add_argument("--bf16-expert-layers", default="", metavar="LIST",
+                   help="comma-separated decoder layers whose routed experts come from BF16, e.g. 0 or 0,1")
+    h.add_argument("--mtp", choices=["auto", "from-bf16", "keep", "drop"], default="auto",
+                   help="MTP head: auto grafts BF16's when the NVFP4 source has none (default)")
+    h.add_argument("--link", choices=["auto", "reflink", "hardlink", "copy"], default="auto",
+                   help="how unchanged shards are placed (auto: reflink, else hardlink, else copy)")
+    h.add_argument("--max-shard-size", default=None, metavar="SIZE",
+                   help="e.g. 5GB (default: 5%% above the NVFP4 source's largest shard, at least 5GB)")
+    h.add_argument("--resume", action="store_true", help="finish an interrupted run (same command)")
+    h.add_argument("--force", action="store_true", help="replace an existing OUT")
+    h.add_argument("--dry-run", action="store_true", help="print the plan, write nothing")
+    h.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_json_flag(h)
+
+
+def _layers(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(sorted({int(x) for x in text.replace(" ", "").split(",") if x}))
+    except ValueError:
+        raise UsageError("--bf16-expert-layers takes comma-separated layer numbers", got=text) from None
+
+
+def run(args) -> int:
+    if getattr(args, "kind", None) != "hybrid":
+        raise UsageError("assemble needs a kind", expected="qtool assemble hybrid ...")
+    from pathlib import Path
+
+    from qtool.io.writer import parse_size
+    from qtool.ops.assemble import HybridOptions, LinkMode, MtpMode, execute, plan_hybrid
+    from qtool.ops.manifest import command_line
+
+    try:
+        max_size = parse_size(args.max_shard_size) if args.max_shard_size else None
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    opts = HybridOptions(nvfp4=Path(args.nvfp4), bf16=Path(args.bf16), out=Path(args.out),
+                         bf16_expert_layers=_layers(args.bf16_expert_layers), mtp=MtpMode(args.mtp),
+                         link=LinkMode(args.link), max_shard_size=max_size)
+    plan = plan_hybrid(opts)
+    summary = plan.summary()
+    if args.dry_run:
+        if args.json:
+            print_json({"dry_run": True, "plan": summary})
+        else:
+            _print_plan(summary)
+        return 0
+    result = execute(plan, force=args.force, resume=args.resume,
+                     command=command_line(["qtool"] + sys.argv[1:]),
+                     progress=not args.quiet and not args.json and sys.stderr.isatty())
+    if args.json:
+        print_json({"plan": summary, "result": result.to_json()})
+        return 0
+    _print_plan(summary, header=f"assembled {result.out}")
+    linked = ", ".join(f"{n} {m}" for m, n in sorted(result.shards_linked.items())) or "none"
+    print(f"  written        {result.shards_written} shard(s); placed unchanged: {linked}; "
+          f"resumed: {result.shards_resumed}")
+    checks = result.checks
+    print(f"  checks         {'passed' if checks['passed'] else 'FAILED'} "
+          f"({', '.join(c['name'] for c in checks['checks'])})")
+    return 0
+
+
+def _print_plan(s: dict, header: str | None = None) -> None:
+    b = s["bytes"]
+    print(header or f"plan: {s['out']} (dry run, nothing written)")
+    print(f"  sources        NVFP4 {s['nvfp4']} ({s['flavour']}), BF16 {s['bf16']}")
+    t = s["tensors"]
+    print(f"  from BF16      {t['from_bf16']} tensors ({t['unfused']} unfused from the fused layout): shared "
+          f"experts of every layer" + (f", routed experts of layers {s['bf16_expert_layers']}"
+                                       if s["bf16_expert_layers"] else ""))
+    print(f"  MTP            {s['mtp']}")
+    print(f"  removed        {t['removed']} NVFP4 tensors")
+    sh = s["shards"]
+    print(f"  shards         {sh['link']} unchanged (linked), {sh['rebuild']} rebuilt, {sh['new']} new")
+    print(f"  bytes          reused {human_bytes(b['reused'])}, rewritten {human_bytes(b['rewritten'])}, "
+          f"new {human_bytes(b['new'])}; output {human_bytes(b['output'])}")
+    print(f"  ignore added   {s['ignore_added']}")
+    for w in s["warnings"]:
+        print(f"  warning        {w}")

@@ -1,0 +1,30 @@
+"""`qtool assemble hybrid`: BF16 shared experts (and chosen layers' routed experts, and the MTP head)
+spliced into an NVFP4 checkpoint by byte ranges (formats doc section 7).
+
+    plan = plan_hybrid(HybridOptions(nvfp4=..., bf16=..., out=...))   # headers + configs only
+    result = execute(plan, force=False, resume=False, command="qtool assemble hybrid ...")
+"""
+
+from qtool.ops.assemble.execute import RunResult, execute, free_space
+from qtool.ops.assemble.plan import (
+    HybridOptions,
+    HybridPlan,
+    LinkMode,
+    MtpMode,
+    PlannedShard,
+    PlannedTensor,
+    ShardAction,
+    plan_hybrid,
+)
+
+
+def assemble_hybrid(opts: HybridOptions, *, force: bool = False, resume: bool = False,
+                    command: str | None = None, progress: bool = False) -> tuple[HybridPlan, RunResult]:
+    plan = plan_hybrid(opts)
+    return plan, execute(plan, force=force, resume=resume, command=command, progress=progress)
+
+
+__all__ = [
+    "HybridOptions", "HybridPlan", "LinkMode", "MtpMode", "PlannedShard", "PlannedTensor", "RunResult",
+    "ShardAction", "assemble_hybrid", "execute", "free_space", "plan_hybrid",
+]

@@ -1,0 +1,234 @@
+"""Execute a hybrid plan: link unchanged shards, rebuild changed ones from byte ranges, write configs and
+index, check, write the manifest, and move `<out>.partial/` into place.
+
+Resume: `<out>.partial/.qtool-journal.jsonl` starts with the plan hash; one line per finished shard is
+appended (and fsynced) only after the shard file itself was fsynced. `--resume` skips the shards the
+journal lists (size re-checked) and redoes the rest; a journal with another plan hash is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from qtool.errors import WriteError
+from qtool.io.atomic_dir import commit_output, fsync_dir, partial_path, prepare_output
+from qtool.io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG_NAME, INDEX_NAME
+from qtool.io.jsonio import dumps
+from qtool.io.writer import FileRange, OutTensor, index_json, write_shard
+from qtool.ops.assemble.linking import Linker
+from qtool.ops.assemble.plan import JOURNAL_NAME, MANIFEST_NAME, HybridPlan, PlannedShard, ShardAction
+
+# Test hook: called with the shard name after each shard is journaled (raise to simulate a crash).
+after_shard: Callable[[str], None] | None = None
+SPACE_MARGIN = 64 << 20
+
+
+def free_space(path: Path) -> int:
+    """Free bytes on the filesystem holding `path` (a function so tests can monkeypatch it)."""
+    return shutil.disk_usage(path).free
+
+
+@dataclass
+class RunResult:
+    out: Path
+    plan_hash: str
+    shards_written: int = 0
+    shards_linked: dict[str, int] = field(default_factory=dict)
+    shards_resumed: int = 0
+    checks: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {
+            "out": str(self.out),
+            "plan_hash": self.plan_hash,
+            "shards_written": self.shards_written,
+            "shards_linked": self.shards_linked,
+            "shards_resumed": self.shards_resumed,
+            "checks": self.checks,
+        }
+
+
+class Journal:
+    def __init__(self, path: Path, plan_hash: str, resume: bool) -> None:
+        self.path = path
+        self.done: dict[str, int] = {}
+        if resume and path.exists():
+            lines = path.read_text().splitlines()
+            head = json.loads(lines[0]) if lines else {}
+            if head.get("plan_hash") != plan_hash:
+                raise WriteError(
+                    "cannot resume: the unfinished output was started with a different plan",
+                    path=path.parent,
+                    expected=f"plan {plan_hash[:16]}",
+                    got=f"plan {str(head.get('plan_hash'))[:16]}",
+                    hint="run the same command as before (same sources, options and inputs), or drop "
+                    "--resume to start over",
+                )
+            for line in lines[1:]:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    break  # a torn last line: that shard is redone
+                self.done[rec["shard"]] = rec["size"]
+        else:
+            self._write_line({"plan_hash": plan_hash}, mode="w")
+
+    def _write_line(self, obj: dict, mode: str = "a") -> None:
+        with open(self.path, mode, encoding="utf-8") as f:
+            f.write(json.dumps(obj) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def is_done(self, partial: Path, name: str) -> bool:
+        size = self.done.get(name)
+        p = partial / name
+        return size is not None and p.exists() and p.stat().st_size == size
+
+    def record(self, name: str, size: int) -> None:
+        self._write_line({"shard": name, "size": size})
+        self.done[name] = size
+
+
+def _out_tensors(shard: PlannedShard) -> list[OutTensor]:
+    return [OutTensor(t.name, t.dtype, t.shape, FileRange(t.origin.file, t.origin.start, t.origin.end))
+            for t in shard.tensors]
+
+
+def _check_space(plan: HybridPlan, partial: Path, linker: Linker, journal: Journal) -> None:
+    need = 0
+    for s in plan.shards:
+        if journal.is_done(partial, s.name):
+            continue
+        if s.action is ShardAction.LINK:
+            if linker.expect_new_bytes(s.source_file, str(partial)):
+                need += os.path.getsize(s.source_file)
+        else:
+            need += plan.shard_bytes(s)
+    need += sum(os.path.getsize(plan.nv.root / f) for f in plan.extra_files)
+    have = free_space(partial)
+    if have < need + SPACE_MARGIN:
+        raise WriteError(
+            "not enough free disk space for the output",
+            path=partial,
+            expected=f"{need + SPACE_MARGIN} bytes free",
+            got=f"{have} bytes free",
+            hint="free space, choose another -o, or use --link auto/hardlink with the output on the "
+            "NVFP4 source's filesystem so unchanged shards take no space",
+        )
+
+
+def _copy_extra(plan: HybridPlan, partial: Path) -> None:
+    for rel in plan.extra_files:
+        dst = partial / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if rel == CONFIG_NAME and plan.config is not None:
+            _write_text(dst, dumps(plan.config, plan.nv.config_style))
+        elif rel == HF_QUANT_CONFIG_NAME and plan.hf_quant_config is not None:
+            _write_text(dst, dumps(plan.hf_quant_config, plan.nv.hf_quant_style))
+        else:
+            shutil.copyfile(plan.nv.root / rel, dst)
+
+
+def _write_text(path: Path, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def execute(plan: HybridPlan, *, force: bool = False, resume: bool = False, command: str | None = None,
+            progress: bool = False) -> RunResult:
+    opts = plan.options
+    out = Path(opts.out)
+    if resume and out.exists() and not partial_path(out).exists() and not force:
+        raise WriteError("nothing to resume: the output is already complete", path=out,
+                         hint="remove it or pass --force to build it again")
+    partial = prepare_output(out, force=force, resume=resume)
+    plan_hash = plan.plan_hash()
+    journal = Journal(partial / JOURNAL_NAME, plan_hash, resume)
+    linker = Linker(opts.link)
+    _check_space(plan, partial, linker, journal)
+
+    from qtool.ops.manifest import InputHasher
+
+    hasher = InputHasher()
+    result = RunResult(out, plan_hash)
+    try:
+        for s in plan.shards:
+            for t in s.tensors:
+                hasher.submit(t.origin.file)
+        for rel in plan.extra_files:
+            hasher.submit(str(plan.nv.root / rel))
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=sum(plan.shard_bytes(s) for s in plan.shards), unit="B", unit_scale=True,
+                       desc="assemble", leave=False)
+        kill_after = int(os.environ.get("QTOOL_TEST_KILL_AFTER_SHARDS", "0") or 0)
+        for s in plan.shards:
+            size = plan.shard_bytes(s)
+            if journal.is_done(partial, s.name):
+                result.shards_resumed += 1
+            else:
+                dst = partial / s.name
+                if s.action is ShardAction.LINK:
+                    method = linker.place(s.source_file, str(dst))
+                    result.shards_linked[method] = result.shards_linked.get(method, 0) + 1
+                else:
+                    write_shard(dst, _out_tensors(s), s.metadata)
+                    result.shards_written += 1
+                journal.record(s.name, size)
+                if after_shard is not None:
+                    after_shard(s.name)
+                if kill_after and result.shards_written + sum(result.shards_linked.values()) >= kill_after:
+                    os.kill(os.getpid(), signal.SIGKILL)
+            if bar is not None:
+                bar.update(size)
+        if bar is not None:
+            bar.close()
+        _copy_extra(plan, partial)
+        total = sum(t.nbytes for s in plan.shards for t in s.tensors)
+        _write_text(partial / INDEX_NAME, json.dumps(index_json(plan.weight_map(), total), indent=2) + "\n")
+
+        from qtool.ops.checks import hybrid_expectations, run_checks
+
+        checks = run_checks(partial, hybrid_expectations(plan))
+        result.checks = checks
+        digests = hasher.results()
+    except BaseException:
+        hasher.close()
+        raise
+    sources = {
+        "nvfp4": {"path": str(plan.nv.root), "files": {}},
+        "bf16": {"path": str(plan.bf.root), "files": {}},
+    }
+    for f, d in digests.items():
+        key = "nvfp4" if Path(f).is_relative_to(plan.nv.root) else "bf16"
+        sources[key]["files"][os.path.relpath(f, sources[key]["path"])] = {"sha256": d,
+                                                                           "bytes": os.path.getsize(f)}
+    from qtool.ops.manifest import write_manifest
+
+    write_manifest(partial / MANIFEST_NAME, kind="assemble hybrid", command=command, sources=sources,
+                   shards=plan.shards, roots={"nvfp4": plan.nv.root, "bf16": plan.bf.root},
+                   summary={**plan.summary(), "plan_hash": plan_hash}, checks=checks)
+    if not checks["passed"]:
+        from qtool.errors import VerificationError
+
+        failed = [c for c in checks["checks"] if not c["ok"]]
+        raise VerificationError(
+            f"the assembled checkpoint failed {len(failed)} check(s); it was left in {partial}",
+            path=partial,
+            got="; ".join(f"{c['name']}: {c['problems'][0]}" for c in failed),
+            hint="this is a qtool bug or an inconsistent source; see qtool-manifest.json there",
+        )
+    os.unlink(partial / JOURNAL_NAME)
+    fsync_dir(partial)
+    commit_output(partial, out)
+    return result

@@ -1,0 +1,266 @@
+"""Post-assembly checks on a checkpoint directory, from headers and configs only (reusable by `verify`).
+
+- structure: every tensor the architecture (text_config) needs is present with the right dtype and shape
+  for the format it is stored in; no stale quantization tensors (scales next to a BF16 weight, scales
+  without a weight); no tensors outside the architecture (expert index >= num_experts, layer >= layers);
+  never fused next to per-expert routed experts.
+- expectations: what a given operation promised (e.g. hybrid: shared experts BF16, chosen layers' routed
+  experts BF16, MTP present or absent).
+- consistency: qtool.ops.inspect.find_problems (config vs tensors, KV scales, ignore lists) reports nothing.
+Each check gives {"name", "ok", "problems": [str]}; run_checks gives {"passed", "checks"}.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from qtool.arch.model_map import Format, ModelMap, Module, build_map
+from qtool.arch.qwen35 import Group, text_prefix
+from qtool.io.checkpoint import Checkpoint
+from qtool.io.dtypes import FLOAT_DTYPES, FP8_DTYPES
+
+MAX_PROBLEMS = 20
+
+# Parameters each storage format may carry on a Linear module (KV scales live on k/v_proj in ModelOpt).
+ALLOWED_PARAMS: dict[Format, frozenset[str]] = {
+    Format.BF16: frozenset({"weight", "bias", "k_scale", "v_scale"}),
+    Format.NVFP4: frozenset({"weight", "weight_scale", "weight_scale_2", "input_scale", "k_scale", "v_scale"}),
+    Format.NVFP4_CT: frozenset({"weight_packed", "weight_scale", "weight_global_scale", "input_global_scale",
+                                "k_scale", "v_scale"}),
+    Format.FP8: frozenset({"weight", "weight_scale", "input_scale", "k_scale", "v_scale"}),
+}
+QUANT_ONLY = frozenset({"weight_scale", "weight_scale_2", "input_scale", "weight_packed", "weight_global_scale",
+                        "input_global_scale", "weight_zero_point", "weight_shape", "qweight", "qzeros", "scales"})
+
+
+@dataclass
+class Expectations:
+    """What an operation promised about its output."""
+
+    bf16_shared_experts: bool = False
+    bf16_expert_layers: tuple[int, ...] = ()
+    quantized_expert_layers: tuple[int, ...] | None = None  # None: not checked
+    mtp: bool | None = None  # True: an MTP head must be present; False: none; None: not checked
+    notes: list[str] = field(default_factory=list)
+
+
+class _Problems(list):
+    def add(self, msg: str) -> None:
+        if len(self) < MAX_PROBLEMS:
+            self.append(msg)
+        elif len(self) == MAX_PROBLEMS:
+            self.append("... (more problems not listed)")
+
+
+def _linear(mods: dict[str, Module], name: str, out: int, inn: int, probs: _Problems,
+            required: bool = True) -> Format | None:
+    m = mods.get(name)
+    if m is None:
+        if required:
+            probs.add(f"missing module {name}")
+        return None
+    fmt = m.format
+    p = m.params
+    if fmt is Format.BF16:
+        w = p["weight"]
+        if w.dtype not in FLOAT_DTYPES or tuple(w.shape) != (out, inn):
+            probs.add(f"{name}.weight is {w.dtype}{list(w.shape)}, expected a float [{out}, {inn}]")
+    elif fmt is Format.NVFP4 or fmt is Format.NVFP4_CT:
+        wk = "weight" if fmt is Format.NVFP4 else "weight_packed"
+        gk = "weight_scale_2" if fmt is Format.NVFP4 else "weight_global_scale"
+        want = {wk: ("U8", (out, inn // 2)), "weight_scale": ("F8_E4M3", (out, inn // 16))}
+        for k, (dt, shape) in want.items():
+            t = p.get(k)
+            if t is None:
+                probs.add(f"{name} ({fmt.value}) lacks {k}")
+            elif t.dtype != dt or tuple(t.shape) != shape:
+                probs.add(f"{name}.{k} is {t.dtype}{list(t.shape)}, expected {dt}{list(shape)}")
+        g = p.get(gk)
+        if g is None:
+            probs.add(f"{name} ({fmt.value}) lacks {gk}")
+        elif g.dtype != "F32" or g.numel != 1:
+            probs.add(f"{name}.{gk} is {g.dtype}{list(g.shape)}, expected a float32 scalar")
+    elif fmt is Format.FP8:
+        w = p["weight"]
+        if w.dtype not in FP8_DTYPES or tuple(w.shape) != (out, inn):
+            probs.add(f"{name}.weight is {w.dtype}{list(w.shape)}, expected FP8 [{out}, {inn}]")
+    elif fmt is None:
+        probs.add(f"{name} has no weight matrix (params: {sorted(p)})")
+    if fmt in ALLOWED_PARAMS:
+        stale = sorted(set(p) - ALLOWED_PARAMS[fmt])
+        if stale:
+            probs.add(f"{name} is {fmt.value} but also carries stale {stale}")
+    return fmt
+
+
+def _vector(mm: ModelMap, name: str, shape: tuple[int, ...], probs: _Problems) -> None:
+    t = mm.ckpt.tensors.get(name)
+    if t is None:
+        probs.add(f"missing tensor {name}")
+    elif tuple(t.shape) != shape:
+        probs.add(f"{name} has shape {list(t.shape)}, expected {list(shape)}")
+
+
+def _moe(mm: ModelMap, mods: dict[str, Module], p: str, cfg: dict, probs: _Problems) -> dict[str, set]:
+    """Check one MoE block at prefix `p` (ending in 'mlp.'); returns {part: formats}."""
+    H, E, I = cfg["hidden_size"], cfg["num_experts"], cfg["moe_intermediate_size"]
+    Is = cfg.get("shared_expert_intermediate_size", I)
+    fmts: dict[str, set] = {"shared": set(), "experts": set()}
+    _linear(mods, p + "gate", E, H, probs)
+    _linear(mods, p + "shared_expert_gate", 1, H, probs)
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        o, i = (H, Is) if proj == "down_proj" else (Is, H)
+        fmts["shared"].add(_linear(mods, f"{p}shared_expert.{proj}", o, i, probs))
+    fused = mods.get(p + "experts")
+    per_expert = [m for n, m in mods.items() if m.expert is not None and n.startswith(p + "experts.")]
+    if fused is not None and per_expert:
+        probs.add(f"{p}experts mixes the fused layout and per-expert tensors")
+    if fused is not None:
+        gu, dn = fused.params.get("gate_up_proj"), fused.params.get("down_proj")
+        if gu is None or tuple(gu.shape) != (E, 2 * I, H):
+            probs.add(f"{p}experts.gate_up_proj is {None if gu is None else list(gu.shape)}, expected "
+                      f"[{E}, {2 * I}, {H}]")
+        if dn is None or tuple(dn.shape) != (E, H, I):
+            probs.add(f"{p}experts.down_proj is {None if dn is None else list(dn.shape)}, expected [{E}, {H}, {I}]")
+        fmts["experts"].add(Format.BF16)
+        return fmts
+    for e in range(E):
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            o, i = (H, I) if proj == "down_proj" else (I, H)
+            fmts["experts"].add(_linear(mods, f"{p}experts.{e}.{proj}", o, i, probs))
+    extra = sorted({m.expert for m in per_expert if m.expert is not None and m.expert >= E})
+    if extra:
+        probs.add(f"{p}experts has experts beyond num_experts={E}: {extra[:5]}")
+    return fmts
+
+
+def _attention(mm: ModelMap, mods: dict[str, Module], p: str, cfg: dict, full: bool, probs: _Problems) -> None:
+    H = cfg["hidden_size"]
+    if full:
+        nh, nkv = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
+        hd = cfg.get("head_dim")
+        if None in (nh, nkv, hd):
+            return
+        gate = 2 if cfg.get("attn_output_gate", True) else 1
+        _linear(mods, p + "self_attn.q_proj", nh * hd * gate, H, probs)
+        _linear(mods, p + "self_attn.k_proj", nkv * hd, H, probs)
+        _linear(mods, p + "self_attn.v_proj", nkv * hd, H, probs)
+        _linear(mods, p + "self_attn.o_proj", H, nh * hd, probs)
+        _vector(mm, p + "self_attn.q_norm.weight", (hd,), probs)
+        _vector(mm, p + "self_attn.k_norm.weight", (hd,), probs)
+        return
+    nk, dk = cfg.get("linear_num_key_heads"), cfg.get("linear_key_head_dim")
+    nv, dv = cfg.get("linear_num_value_heads"), cfg.get("linear_value_head_dim")
+    if None in (nk, dk, nv, dv):
+        return
+    qkv = 2 * nk * dk + nv * dv
+    a = p + "linear_attn."
+    _linear(mods, a + "in_proj_qkv", qkv, H, probs)
+    _linear(mods, a + "in_proj_z", nv * dv, H, probs)
+    _linear(mods, a + "in_proj_b", nv, H, probs)
+    _linear(mods, a + "in_proj_a", nv, H, probs)
+    _linear(mods, a + "out_proj", H, nv * dv, probs)
+    _vector(mm, a + "conv1d.weight", (qkv, 1, cfg.get("linear_conv_kernel_dim", 4)), probs)
+    _vector(mm, a + "A_log", (nv,), probs)
+    _vector(mm, a + "dt_bias", (nv,), probs)
+    _vector(mm, a + "norm.weight", (dv,), probs)
+
+
+def check_structure(mm: ModelMap, expect: Expectations | None = None) -> dict:
+    probs = _Problems()
+    cfg = mm.ckpt.text_config
+    need = ("hidden_size", "num_experts", "moe_intermediate_size", "num_hidden_layers")
+    if not all(isinstance(cfg.get(k), int) for k in need):
+        return {"name": "structure", "ok": False, "problems": [f"config lacks one of {need}"]}
+    mods = mm.modules
+    H, L, V = cfg["hidden_size"], cfg["num_hidden_layers"], cfg.get("vocab_size")
+    tp = text_prefix(mm.naming)
+    layer_fmts: dict[int, dict[str, set]] = {}
+    for n in range(L):
+        p = f"{tp}layers.{n}."
+        _vector(mm, p + "input_layernorm.weight", (H,), probs)
+        _vector(mm, p + "post_attention_layernorm.weight", (H,), probs)
+        _attention(mm, mods, p, cfg, mm.layer_types[n] == "full_attention" if n < len(mm.layer_types) else False,
+                   probs)
+        layer_fmts[n] = _moe(mm, mods, p + "mlp.", cfg, probs)
+    if V:
+        _vector(mm, tp + "embed_tokens.weight", (V, H), probs)
+        if not cfg.get("tie_word_embeddings", False) and not (mm.ckpt.config or {}).get("tie_word_embeddings"):
+            _linear(mods, "lm_head", V, H, probs)
+    _vector(mm, tp + "norm.weight", (H,), probs)
+    for name, role in mm.roles.items():
+        if role.layer is not None and role.group is not Group.MTP and role.layer >= L:
+            probs.add(f"{name} belongs to layer {role.layer}, the config has {L} layers")
+        if role.group is Group.OTHER:
+            probs.add(f"{name} is not part of the Qwen3.5-MoE architecture")
+    for m in mods.values():
+        if m.format is None and set(m.params) & QUANT_ONLY:
+            probs.add(f"{m.name} carries {sorted(set(m.params) & QUANT_ONLY)} but no weight (stale scales)")
+    mtp_mods = [m for m in mods.values() if m.group is Group.MTP]
+    mtp_fmts = None
+    if mtp_mods:
+        for suffix in ("fc", "norm", "pre_fc_norm_embedding", "pre_fc_norm_hidden"):
+            if f"mtp.{suffix}" not in mods:
+                probs.add(f"MTP head lacks mtp.{suffix}")
+        if "mtp.fc" in mods:
+            _linear(mods, "mtp.fc", H, 2 * H, probs)
+        mtp_fmts = _moe(mm, mods, "mtp.layers.0.mlp.", cfg, probs)
+    if mm.expert_layout == "mixed" or mm.mtp_expert_layout == "mixed" or (
+        mm.expert_layout and mm.mtp_expert_layout and mm.expert_layout != mm.mtp_expert_layout
+    ):
+        probs.add(f"routed experts mix layouts (decoder layers: {mm.expert_layout}, MTP: {mm.mtp_expert_layout})")
+    out = {"name": "structure", "ok": not probs, "problems": list(probs)}
+    if expect is not None:
+        out_exp = _check_expectations(layer_fmts, mtp_fmts, expect)
+        return {"name": "structure", "ok": not probs and not out_exp, "problems": list(probs) + out_exp}
+    return out
+
+
+def _check_expectations(layer_fmts: dict[int, dict[str, set]], mtp_fmts, expect: Expectations) -> list[str]:
+    probs = _Problems()
+    for n, f in layer_fmts.items():
+        if expect.bf16_shared_experts and f["shared"] - {Format.BF16, None}:
+            probs.add(f"layer {n}: shared expert is {sorted(x.value for x in f['shared'] if x)}, expected bf16")
+        if n in expect.bf16_expert_layers and f["experts"] - {Format.BF16, None}:
+            probs.add(f"layer {n}: routed experts are {sorted(x.value for x in f['experts'] if x)}, expected bf16")
+        if expect.quantized_expert_layers is not None and n in expect.quantized_expert_layers and (
+            Format.BF16 in f["experts"]
+        ):
+            probs.add(f"layer {n}: routed experts are BF16, expected them quantized (unchanged)")
+    if expect.mtp is True and mtp_fmts is None:
+        probs.add("the MTP head is missing")
+    if expect.mtp is False and mtp_fmts is not None:
+        probs.add("an MTP head is present but should not be")
+    return list(probs)
+
+
+def check_consistency(mm: ModelMap) -> dict:
+    from qtool.io.quant_config import summarize
+    from qtool.ops.inspect import find_problems
+
+    summary = summarize(mm.ckpt.config, mm.ckpt.hf_quant_config)
+    probs = [f"[{p.code}] {p.message}" for p in find_problems(mm, summary)]
+    return {"name": "consistency", "ok": not probs, "problems": probs}
+
+
+def run_checks(path: str | Path, expect: Expectations | None = None) -> dict:
+    ckpt = Checkpoint.open(path, require_config=True)
+    mm = build_map(ckpt)
+    checks = [check_structure(mm, expect), check_consistency(mm)]
+    return {"passed": all(c["ok"] for c in checks), "checks": checks}
+
+
+def hybrid_expectations(plan) -> Expectations:
+    """What `assemble hybrid` promises (plan: qtool.ops.assemble.plan.HybridPlan)."""
+    L = plan.nv.text_config.get("num_hidden_layers", 0)
+    bf = set(plan.options.bf16_expert_layers)
+    src_quant = {m.layer for m in plan.nv_map.modules.values()
+                 if m.group is Group.ROUTED_EXPERTS and m.format not in (None, Format.BF16)}
+    mtp = {"keep": True, "graft": True, "from-bf16": True, "drop": False}.get(plan.mtp_action)
+    return Expectations(
+        bf16_shared_experts=True,
+        bf16_expert_layers=tuple(sorted(bf)),
+        quantized_expert_layers=tuple(n for n in range(L) if n not in bf and n in src_quant),
+        mtp=mtp,
+    )
