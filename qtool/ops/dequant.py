@@ -1,0 +1,211 @@
+"""Load one module's weights from any storage format as a dense tensor (the codecs are qtool.formats),
+and a whole decoder layer as the state dict transformers' Qwen3_5MoeDecoderLayer expects.
+
+Formats (qtool.arch.model_map.Format): BF16/F16/F32 as stored (cast to the compute dtype); NVFP4 with
+ModelOpt names (weight, weight_scale, weight_scale_2) or compressed-tensors names (weight_packed,
+weight_scale, weight_global_scale = 1 / weight_scale_2); FP8 (weight + weight_scale); AWQ GEMM
+(qweight, qzeros, scales); compressed-tensors INT4 (weight_packed I32 + weight_scale).
+Routed experts stored per expert are written into transformers' fused in-memory layout
+(`mlp.experts.gate_up_proj` [E, 2I, H] = gate rows then up rows, `mlp.experts.down_proj` [E, H, I];
+transformers models/qwen3_5_moe Qwen3_5MoeExperts), one expert at a time.
+"""
+
+from __future__ import annotations
+
+import math
+
+from qtool.arch.model_map import Format, ModelMap, Module
+from qtool.arch.qwen35 import Group, layer_prefix
+from qtool.errors import PlanError
+from qtool.io.safetensors_header import TensorInfo
+
+# Parameters that belong to a quantized format's storage or to calibration, never to the dense module.
+_AUX_PARAMS = frozenset(
+    {
+        "weight_scale", "weight_scale_2", "weight_global_scale", "input_scale", "input_global_scale",
+        "weight_packed", "weight_shape", "weight_zero_point", "qweight", "qzeros", "scales",
+        "k_scale", "v_scale", "q_scale", "weight_scale_inv", "output_scale",
+    }
+)
+
+
+def dense_numel(mod: Module) -> int:
+    """Elements of the module's tensors once dense (from header shapes only)."""
+    p = mod.params
+    fmt = mod.format
+    if fmt in (Format.NVFP4, Format.NVFP4_CT):
+        w = p.get("weight") or p.get("weight_packed")
+        extra = 0
+    elif fmt is Format.INT4_CT:
+        w = p["weight_packed"]
+        return math.prod(w.shape[:-1]) * w.shape[-1] * 8 + _plain_numel(p)
+    elif fmt is Format.AWQ:
+        w = p["qweight"]
+        return math.prod(w.shape) * 8 + _plain_numel(p)
+    else:
+        return _plain_numel(p) + (p["weight"].numel if fmt is Format.FP8 else 0)
+    return math.prod(w.shape[:-1]) * w.shape[-1] * 2 + extra + _plain_numel(p)
+
+
+def _plain_numel(params: dict[str, TensorInfo]) -> int:
+    return sum(
+        i.numel for n, i in params.items() if n not in _AUX_PARAMS and not (n == "weight" and i.dtype in ("U8", "F8_E4M3", "F8_E5M2"))
+    )
+
+
+class TensorSource:
+    """Keeps one safe_open handle per shard while a layer is read (thousands of expert tensors)."""
+
+    def __init__(self):
+        self._handles: dict[str, object] = {}
+
+    def get(self, info: TensorInfo):
+        from safetensors import safe_open
+
+        h = self._handles.get(info.file)
+        if h is None:
+            h = self._handles[info.file] = safe_open(info.file, framework="pt")
+        return h.get_tensor(info.name)
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+def load_param(mm: ModelMap, name: str, dtype, device="cpu"):
+    info = mm.ckpt.tensors.get(name)
+    if info is None:
+        raise PlanError("tensor missing from the checkpoint", path=mm.ckpt.root, tensor=name)
+    mod = mm.modules.get(name.rpartition(".")[0])
+    if mod is not None and mod.format in (Format.NVFP4, Format.NVFP4_CT, Format.FP8, Format.AWQ, Format.INT4_CT):
+        return dense_weight(mod, dtype, device)
+    src = TensorSource()
+    return src.get(info).to(device=device, dtype=dtype)
+
+
+def dense_weight(mod: Module, dtype, device="cpu", src: TensorSource | None = None):
+    """The module's weight matrix [out, in] as a dense `dtype` tensor on `device`."""
+    import torch
+
+    src = src or TensorSource()
+    p = mod.params
+
+    def t(name):
+        return src.get(p[name]).to(device)
+
+    fmt = mod.format
+    if fmt is Format.NVFP4:
+        from qtool.formats import nvfp4
+
+        return nvfp4.dequantize(t("weight"), t("weight_scale"), t("weight_scale_2").float(), dtype=dtype)
+    if fmt is Format.NVFP4_CT:
+        from qtool.formats import nvfp4
+
+        # compressed-tensors stores the reciprocal global scale (formats doc section 4).
+        ws2 = 1.0 / t("weight_global_scale").float().reshape(())
+        return nvfp4.dequantize(t("weight_packed"), t("weight_scale"), ws2, dtype=dtype)
+    if fmt is Format.FP8:
+        from qtool.formats import fp8
+
+        return fp8.dequantize(t("weight"), t("weight_scale"), dtype=dtype)
+    if fmt is Format.AWQ:
+        from qtool.formats import awq
+
+        return awq.dequantize_awq_gemm(t("qweight"), t("qzeros"), t("scales"), dtype=dtype)
+    if fmt is Format.INT4_CT:
+        from qtool.formats import awq
+
+        return awq.dequantize_ct_int4(t("weight_packed"), t("weight_scale"), dtype=dtype)
+    if "weight" in p:
+        return t("weight").to(dtype)
+    raise PlanError(f"module has no weight matrix ({fmt})", tensor=mod.name)
+
+
+def layer_state_dict(mm: ModelMap, idx: int, dtype, device, want: dict[str, tuple[tuple, object]]) -> dict:
+    """State dict for transformers' decoder layer `idx` (local names, e.g. `mlp.experts.gate_up_proj`),
+    every tensor dense in `dtype` on `device`; `want` = local name -> (shape, dtype) of the module."""
+    import torch
+
+    pre = layer_prefix(idx, mm.naming)
+    src = TensorSource()
+    sd: dict = {}
+    mods = [m for m in mm.modules.values() if m.layer == idx and not m.is_mtp and m.name.startswith(pre)]
+    if not mods:
+        raise PlanError(f"no tensors for decoder layer {idx}", path=mm.ckpt.root, expected=pre + "*")
+    experts: dict[int, Module] = {}
+    try:
+        for mod in mods:
+            if mod.group is Group.KV_SCALE:
+                continue
+            local = mod.name[len(pre):]
+            if mod.inner is Group.ROUTED_EXPERTS and mod.expert is not None:
+                experts.setdefault(mod.expert, {})[local.rpartition(".")[2]] = mod  # type: ignore[index]
+                continue
+            if mod.format is not None and mod.format is not Format.BF16:
+                _put(sd, want, local + ".weight", dense_weight(mod, dtype, device, src), mod.name)
+                for name, info in mod.params.items():
+                    if name == "bias":
+                        _put(sd, want, local + ".bias", src.get(info).to(device, dtype), mod.name)
+                continue
+            for name, info in mod.params.items():
+                if name in _AUX_PARAMS:
+                    continue
+                key = f"{local}.{name}"
+                if key not in want:
+                    raise PlanError(
+                        "checkpoint tensor has no place in transformers' decoder layer",
+                        tensor=info.name,
+                        hint="is config.json's text_config from the same model as the weights?",
+                    )
+                _put(sd, want, key, src.get(info).to(device, dtype), info.name)
+        if experts:
+            _fill_experts(sd, want, experts, dtype, device, src)
+    finally:
+        src.close()
+    missing = sorted(set(want) - set(sd))
+    if missing:
+        raise PlanError(
+            f"decoder layer {idx} lacks {len(missing)} tensor(s)",
+            path=mm.ckpt.root,
+            tensor=pre + missing[0],
+            hint="the checkpoint is incomplete or its config does not match its weights",
+        )
+    del torch
+    return sd
+
+
+def _put(sd: dict, want: dict, key: str, tensor, origin: str) -> None:
+    shape, _ = want.get(key, (None, None))
+    if shape is None:
+        raise PlanError("checkpoint tensor has no place in transformers' decoder layer", tensor=origin)
+    if tuple(tensor.shape) != tuple(shape):
+        raise PlanError("tensor shape differs from the config's", tensor=origin, expected=list(shape), got=list(tensor.shape))
+    sd[key] = tensor
+
+
+def _fill_experts(sd, want, experts: dict[int, dict[str, Module]], dtype, device, src) -> None:
+    import torch
+
+    gu_shape = want["mlp.experts.gate_up_proj"][0]
+    dn_shape = want["mlp.experts.down_proj"][0]
+    n_exp, two_i, _h = gu_shape
+    inter = two_i // 2
+    if sorted(experts) != list(range(n_exp)):
+        missing = sorted(set(range(n_exp)) - set(experts))
+        raise PlanError(f"routed experts missing: {missing[:8]}", expected=f"{n_exp} experts", got=len(experts))
+    gate_up = torch.empty(gu_shape, dtype=dtype, device=device)
+    down = torch.empty(dn_shape, dtype=dtype, device=device)
+    for e in range(n_exp):
+        mods = experts[e]
+        for part, rows in (("gate_proj", slice(0, inter)), ("up_proj", slice(inter, two_i))):
+            w = dense_weight(mods[part], dtype, device, src)
+            if tuple(w.shape) != tuple(gate_up[e, rows].shape):
+                raise PlanError("expert weight shape differs from the config's", tensor=mods[part].name,
+                                expected=list(gate_up[e, rows].shape), got=list(w.shape))
+            gate_up[e, rows].copy_(w)
+        w = dense_weight(mods["down_proj"], dtype, device, src)
+        if tuple(w.shape) != tuple(down[e].shape):
+            raise PlanError("expert weight shape differs from the config's", tensor=mods["down_proj"].name,
+                            expected=list(down[e].shape), got=list(w.shape))
+        down[e].copy_(w)
+    sd["mlp.experts.gate_up_proj"] = gate_up
+    sd["mlp.experts.down_proj"] = down

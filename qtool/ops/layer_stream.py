@@ -1,0 +1,396 @@
+"""Layer-streamed forward of a Qwen3.5-MoE text model: one decoder layer's weights resident at a time.
+
+Shared by calibrate-kv (KV-cache scales), and meant for quantize (per-layer activation statistics) and
+eval kld (final norm + lm_head on the streamed hidden states).
+
+How (formats doc section 9, checked with transformers 5.17): transformers' own
+`Qwen3_5MoeDecoderLayer(text_config, layer_idx)` built alone, loaded with that layer's weights
+(dequantized to the compute dtype by qtool.ops.dequant, whatever the storage format), called on the
+hidden states with `position_embeddings` from `Qwen3_5MoeTextRotaryEmbedding` (position ids [3, batch,
+seq], the same positions in all three mrope rows for text) and no attention mask: with the `sdpa`
+attention a missing mask means causal (transformers/integrations/sdpa_attention.py), and the GDN layers
+need a mask only for padding. This reproduces the full model's forward exactly, GDN layers included.
+
+Memory: the layer is built on the meta device and its parameters are assigned from tensors read (and
+dequantized) one module at a time, routed experts one expert at a time straight into the fused
+[E, 2I, H] / [E, H, I] buffers transformers uses. The calibration set's hidden states live in a
+HiddenStore: in RAM (updated in place, batch by batch) or on disk (two files used in turn, so that a
+crash mid-layer leaves the previous layer's output intact for --resume), of which only one micro-batch
+is in RAM at a time.
+
+Taps: `attention_tap(layer, fn)` makes the full-attention module call fn(module, key, value) with
+exactly the key/value tensors the attention kernel receives (after k_proj, k_norm and the rotary
+embedding; after v_proj) -- what an engine writes into its KV cache.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Protocol
+
+from qtool.arch.model_map import ModelMap, build_map
+from qtool.arch.qwen35 import Group, layer_prefix, text_prefix
+from qtool.errors import PlanError
+from qtool.io.checkpoint import Checkpoint
+
+TAP_ATTENTION = "qtool_tap_sdpa"
+_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
+
+
+# ---- attention tap ---------------------------------------------------------------------------------
+
+
+def _register_tap() -> None:
+    """Register an attention function that reports (key, value) to the module's tap and then runs sdpa.
+    The function is looked up by name in transformers' AttentionInterface from `config._attn_implementation`
+    (transformers/modeling_utils.py AttentionInterface; models/qwen3_5_moe Qwen3_5MoeAttention.forward)."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if TAP_ATTENTION in AttentionInterface._global_mapping:
+        return
+
+    def tapped(module, query, key, value, attention_mask, **kwargs):
+        tap = getattr(module, "_qtool_tap", None)
+        if tap is not None:
+            tap(module, key, value)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register(TAP_ATTENTION, tapped)
+
+
+def attention_tap(layer, fn: Callable | None) -> None:
+    """Set (or clear, fn=None) the K/V tap of a decoder layer's full attention (no-op for GDN layers)."""
+    attn = getattr(layer, "self_attn", None)
+    if attn is not None:
+        attn._qtool_tap = fn
+
+
+# ---- hidden-state stores ---------------------------------------------------------------------------
+
+
+class HiddenStore:
+    """Hidden states [N, L, H] of the calibration set between layers. `read(b0, b1)` gives windows
+    b0..b1 of the current layer's input, `write(b0, b1, x)` stores that layer's output, `commit()` ends a
+    layer (after which reads see the outputs)."""
+
+    shape: tuple[int, int, int]
+
+    def read(self, b0: int, b1: int): ...
+    def write(self, b0: int, b1: int, x) -> None: ...
+    def commit(self) -> None: ...
+
+    @property
+    def nbytes(self) -> int:
+        n, seq, h = self.shape
+        return n * seq * h * self.itemsize
+
+    itemsize = 2
+
+
+class MemoryStore(HiddenStore):
+    def __init__(self, hidden):
+        self.t = hidden
+        self.shape = tuple(hidden.shape)
+        self.itemsize = hidden.element_size()
+
+    @classmethod
+    def empty(cls, shape, dtype) -> MemoryStore:
+        import torch
+
+        return cls(torch.empty(shape, dtype=dtype))
+
+    def read(self, b0, b1):
+        return self.t[b0:b1]
+
+    def write(self, b0, b1, x):
+        self.t[b0:b1].copy_(x.to(self.t.device, self.t.dtype))
+
+    def commit(self):
+        pass
+
+
+class DiskStore(HiddenStore):
+    """Two raw files `hidden.a` / `hidden.b` in `dir`: a layer reads one and writes the other; `current`
+    names the one holding the last committed layer's output (recorded by the caller's journal)."""
+
+    def __init__(self, dir: Path, shape, dtype, current: str = "a"):
+        import torch
+
+        self.dir = Path(dir)
+        self.shape = tuple(shape)
+        self.dtype = dtype
+        self.itemsize = torch.empty((), dtype=dtype).element_size()
+        self.current = current
+        self.row = shape[1] * shape[2] * self.itemsize
+        for name in ("a", "b"):
+            p = self.path(name)
+            if not p.exists() or p.stat().st_size != self.nbytes:
+                with open(p, "ab") as f:
+                    f.truncate(self.nbytes)
+
+    def path(self, name: str) -> Path:
+        return self.dir / f"hidden.{name}"
+
+    @property
+    def other(self) -> str:
+        return "b" if self.current == "a" else "a"
+
+    def read(self, b0, b1):
+        import torch
+
+        with open(self.path(self.current), "rb") as f:
+            buf = bytearray(os.pread(f.fileno(), (b1 - b0) * self.row, b0 * self.row))
+        return torch.frombuffer(buf, dtype=self.dtype).view(b1 - b0, *self.shape[1:])
+
+    def write(self, b0, b1, x):
+        data = x.detach().to("cpu", self.dtype).contiguous().view(-1).view(dtype=_u8()).numpy().tobytes()
+        fd = os.open(self.path(self.other), os.O_WRONLY)
+        try:
+            os.pwrite(fd, data, b0 * self.row)
+        finally:
+            os.close(fd)
+
+    def write_current(self, b0, b1, x):
+        """Write into the current file (used to fill the embeddings before layer 0)."""
+        self.current = self.other
+        try:
+            self.write(b0, b1, x)
+        finally:
+            self.current = self.other
+
+    def commit(self):
+        fd = os.open(self.path(self.other), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        self.current = self.other
+
+
+def _u8():
+    import torch
+
+    return torch.uint8
+
+
+# ---- the streamer ----------------------------------------------------------------------------------
+
+
+class LayerHooks(Protocol):
+    def before_layer(self, idx: int, layer) -> None: ...
+    def after_layer(self, idx: int, layer) -> None: ...
+
+
+@dataclass
+class StreamPlan:
+    num_layers: int
+    layer_types: list[str]
+    hidden_size: int
+    compute_dtype: str
+    layer_bytes: list[int]  # dense bytes of each decoder layer in the compute dtype
+    embed_bytes: int
+    hidden_bytes: int  # the calibration set's hidden states, one copy
+    batch_windows: int
+    activation_bytes: int  # rough per-micro-batch activation peak
+
+    @property
+    def max_layer_bytes(self) -> int:
+        return max(self.layer_bytes) if self.layer_bytes else 0
+
+    def peak_bytes(self, *, hidden_in_ram: bool) -> int:
+        """Estimate: the embedding while the set is embedded, else one layer (plus one expert being
+        dequantized) + one micro-batch's activations (+ the hidden states when they live in RAM)."""
+        steady = self.max_layer_bytes + self.activation_bytes + (self.hidden_bytes if hidden_in_ram else 0)
+        return max(self.embed_bytes + (self.hidden_bytes if hidden_in_ram else 0), steady)
+
+    def to_json(self) -> dict:
+        return {
+            "num_layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "compute_dtype": self.compute_dtype,
+            "max_layer_bytes": self.max_layer_bytes,
+            "embed_bytes": self.embed_bytes,
+            "hidden_bytes": self.hidden_bytes,
+            "batch_windows": self.batch_windows,
+            "activation_bytes": self.activation_bytes,
+        }
+
+
+class LayerStreamer:
+    """Streams a checkpoint's text decoder layers. Construct from a Checkpoint or path."""
+
+    def __init__(self, ckpt: Checkpoint | str | Path, *, device: str = "cpu", dtype: str | None = None):
+        self.ckpt = ckpt if isinstance(ckpt, Checkpoint) else Checkpoint.open(ckpt, require_config=True)
+        self.mm: ModelMap = build_map(self.ckpt)
+        tc = self.ckpt.text_config
+        if not tc or "hidden_size" not in tc:
+            raise PlanError("config.json has no text config with hidden_size", path=self.ckpt.root)
+        self.text_cfg_dict = tc
+        self.device = device
+        want = dtype or tc.get("dtype") or tc.get("torch_dtype") or (self.ckpt.config or {}).get("dtype") or "bfloat16"
+        self.dtype_name = _DTYPES.get(str(want), "bfloat16")
+        self.prefix = text_prefix(self.mm.naming)
+        self._hf_config = None
+        self._rotary = None
+
+    # -- config ---------------------------------------------------------------------------------
+    @property
+    def dtype(self):
+        import torch
+
+        return getattr(torch, self.dtype_name)
+
+    @property
+    def hf_config(self):
+        """transformers' Qwen3_5MoeTextConfig from the checkpoint's text config, attention = the tap."""
+        if self._hf_config is None:
+            from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+
+            _register_tap()
+            d = {k: v for k, v in self.text_cfg_dict.items() if k not in ("architectures", "model_type")}
+            cfg = Qwen3_5MoeTextConfig(**d)
+            cfg._attn_implementation = TAP_ATTENTION
+            self._hf_config = cfg
+        return self._hf_config
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.mm.layer_types)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.text_cfg_dict["hidden_size"])
+
+    # -- plan -----------------------------------------------------------------------------------
+    def layer_tensor_names(self, idx: int) -> list[str]:
+        p = layer_prefix(idx, self.mm.naming)
+        return [n for n in self.ckpt.tensors if n.startswith(p)]
+
+    def layer_bytes(self, idx: int) -> int:
+        from qtool.ops.dequant import dense_numel
+
+        item = 4 if self.dtype_name == "float32" else 2
+        p = layer_prefix(idx, self.mm.naming)
+        total = 0
+        for mod in self.mm.modules.values():
+            if mod.layer == idx and not mod.is_mtp and mod.name.startswith(p) and mod.group is not Group.KV_SCALE:
+                total += dense_numel(mod) * item
+        return total
+
+    def plan(self, samples: int, seq_len: int, *, tokens_per_batch: int | None = None) -> StreamPlan:
+        tc = self.text_cfg_dict
+        item = 4 if self.dtype_name == "float32" else 2
+        h = self.hidden_size
+        bw = self.batch_windows(seq_len, tokens_per_batch)
+        toks = bw * seq_len
+        embed = self.ckpt.tensors.get(self.prefix + "embed_tokens.weight")
+        inter = max(
+            int(tc.get("num_attention_heads", 1)) * int(tc.get("head_dim", 128)) * 2,
+            int(tc.get("linear_num_value_heads", 1)) * int(tc.get("linear_value_head_dim", 1)) * 3,
+            int(tc.get("num_experts", 1)),
+            int(tc.get("shared_expert_intermediate_size", 0)) * 2,
+        )
+        act = toks * (6 * h + 3 * inter) * 4  # a few float32 copies of the widest intermediates
+        return StreamPlan(
+            num_layers=self.num_layers,
+            layer_types=list(self.mm.layer_types),
+            hidden_size=h,
+            compute_dtype=self.dtype_name,
+            layer_bytes=[self.layer_bytes(i) for i in range(self.num_layers)],
+            embed_bytes=(embed.numel * item) if embed is not None else 0,
+            hidden_bytes=samples * seq_len * h * item,
+            batch_windows=bw,
+            activation_bytes=act,
+        )
+
+    def batch_windows(self, seq_len: int, tokens_per_batch: int | None = None) -> int:
+        if tokens_per_batch is None:
+            tokens_per_batch = 4096 if self.device == "cpu" else 32768
+        return max(1, tokens_per_batch // seq_len)
+
+    # -- pieces ---------------------------------------------------------------------------------
+    def embed_into(self, ids, store: HiddenStore, batch: int) -> None:
+        """Embed token windows [N, L] into the store (as the input of layer 0)."""
+        from qtool.ops.dequant import load_param
+
+        w = load_param(self.mm, self.prefix + "embed_tokens.weight", self.dtype)
+        for b0 in range(0, ids.shape[0], batch):
+            b1 = min(ids.shape[0], b0 + batch)
+            x = w[ids[b0:b1]]
+            if isinstance(store, DiskStore):
+                store.write_current(b0, b1, x)
+            else:
+                store.write(b0, b1, x)
+        del w
+
+    def position_embeddings(self, batch: int, seq_len: int):
+        import torch
+        from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTextRotaryEmbedding
+
+        if self._rotary is None:
+            self._rotary = Qwen3_5MoeTextRotaryEmbedding(self.hf_config).to(self.device)
+        pos = torch.arange(seq_len, device=self.device).view(1, 1, -1).expand(3, batch, -1)
+        x = torch.empty(0, dtype=self.dtype, device=self.device)
+        return self._rotary(x, pos)
+
+    def load_layer(self, idx: int):
+        """transformers' decoder layer `idx` with this checkpoint's weights, dense, on self.device."""
+        import torch
+        from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeDecoderLayer
+
+        from qtool.ops.dequant import layer_state_dict
+
+        with torch.device("meta"):
+            layer = Qwen3_5MoeDecoderLayer(self.hf_config, idx)
+        want = {n: (tuple(p.shape), p.dtype) for n, p in layer.state_dict().items()}
+        sd = layer_state_dict(self.mm, idx, self.dtype, self.device, want)
+        layer.load_state_dict(sd, strict=True, assign=True)
+        del sd
+        return layer.eval()
+
+    def forward_layer(self, layer, store: HiddenStore, seq_len: int, batch: int) -> None:
+        import torch
+
+        n = store.shape[0]
+        pe = {}
+        with torch.inference_mode():
+            for b0 in range(0, n, batch):
+                b1 = min(n, b0 + batch)
+                x = store.read(b0, b1).to(self.device, self.dtype)
+                if (b1 - b0) not in pe:
+                    pe[b1 - b0] = self.position_embeddings(b1 - b0, seq_len)
+                y = layer(x, position_embeddings=pe[b1 - b0], attention_mask=None)
+                store.write(b0, b1, y)
+        store.commit()
+
+    def run(
+        self,
+        store: HiddenStore,
+        seq_len: int,
+        *,
+        start: int = 0,
+        stop: int | None = None,
+        hooks: LayerHooks | None = None,
+        batch: int | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> None:
+        """Run layers start..stop-1 over the store (which holds layer `start`'s input)."""
+        batch = batch or self.batch_windows(seq_len)
+        stop = self.num_layers if stop is None else stop
+        for idx in range(start, stop):
+            layer = self.load_layer(idx)
+            if hooks is not None:
+                hooks.before_layer(idx, layer)
+            self.forward_layer(layer, store, seq_len, batch)
+            if hooks is not None:
+                hooks.after_layer(idx, layer)
+            del layer  # no cycles: freed here (gc.collect costs seconds on a busy machine)
+            if self.device != "cpu":
+                import torch
+
+                torch.cuda.empty_cache()
+            if progress is not None:
+                progress(idx)
