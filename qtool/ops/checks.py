@@ -235,19 +235,30 @@ def _check_expectations(layer_fmts: dict[int, dict[str, set]], mtp_fmts, expect:
     return list(probs)
 
 
-def check_consistency(mm: ModelMap) -> dict:
+def check_consistency(mm: ModelMap, baseline: ModelMap | None = None) -> dict:
+    """find_problems must report nothing; with `baseline` (the source an operation started from), problems
+    the source already had are reported as inherited and do not fail the check."""
     from qtool.io.quant_config import summarize
     from qtool.ops.inspect import find_problems
 
-    summary = summarize(mm.ckpt.config, mm.ckpt.hf_quant_config)
-    probs = [f"[{p.code}] {p.message}" for p in find_problems(mm, summary)]
-    return {"name": "consistency", "ok": not probs, "problems": probs}
+    def problems(m: ModelMap) -> list[str]:
+        summary = summarize(m.ckpt.config, m.ckpt.hf_quant_config)
+        return [f"[{p.code}] {p.message}" for p in find_problems(m, summary)]
+
+    probs = problems(mm)
+    out = {"name": "consistency", "ok": not probs, "problems": probs}
+    if baseline is not None and probs:
+        before = set(problems(baseline))
+        out["inherited"] = [p for p in probs if p in before]
+        out["problems"] = [p for p in probs if p not in before]
+        out["ok"] = not out["problems"]
+    return out
 
 
-def run_checks(path: str | Path, expect: Expectations | None = None) -> dict:
+def run_checks(path: str | Path, expect: Expectations | None = None, baseline: ModelMap | None = None) -> dict:
     ckpt = Checkpoint.open(path, require_config=True)
     mm = build_map(ckpt)
-    checks = [check_structure(mm, expect), check_consistency(mm)]
+    checks = [check_structure(mm, expect), check_consistency(mm, baseline)]
     return {"passed": all(c["ok"] for c in checks), "checks": checks}
 
 

@@ -199,7 +199,7 @@ def execute(plan: HybridPlan, *, force: bool = False, resume: bool = False, comm
 
         from qtool.ops.checks import hybrid_expectations, run_checks
 
-        checks = run_checks(partial, hybrid_expectations(plan))
+        checks = run_checks(partial, hybrid_expectations(plan), baseline=plan.nv_map)
         result.checks = checks
         digests = hasher.results()
     except BaseException:

@@ -535,6 +535,7 @@ def plan_hybrid(opts: HybridOptions) -> HybridPlan:
         if out_real == r or r in out_real.parents or out_real in r.parents:
             raise UsageError("the output directory overlaps a source", path=opts.out,
                              hint="choose an -o outside both sources")
+    opts.nvfp4, opts.bf16 = opts.nvfp4.resolve(), opts.bf16.resolve()
     p = _Planner(opts)
     flavour = p.flavour()
     p.shared_experts()

@@ -1,0 +1,368 @@
+#!/usr/bin/env python
+"""Benchmark `qtool assemble hybrid` against `cp -r` of the NVFP4 source and against the naive approach
+(safetensors load_file each shard, replace, save_file), on a synthetic Qwen3.5-MoE pair with real tensor
+names and dtypes, random data and a scaled-down config. One run reports wall time, peak RSS and ratios.
+
+    python scripts/bench_assemble.py --workdir /tmp/qbench [--hidden 2048 --layers 12 --experts 128]
+
+The pair generator (`build_pair`) is also used by tests/ops/test_assemble*.py for fast synthetic cases.
+The BF16 source's routed experts are written as holes (sparse files) except for the layers the run takes
+from it, so the BF16 side stays small on disk while its layout is the real one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from qtool.io.writer import FileRange, OutTensor, build_header
+
+GB = 10**9
+
+
+def _cfg(hidden: int, layers: int, experts: int, inter: int, shared: int, vocab: int, mtp: bool) -> dict:
+    layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)]
+    return {
+        "hidden_size": hidden, "num_hidden_layers": layers, "layer_types": layer_types,
+        "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 64, "attn_output_gate": True,
+        "linear_num_key_heads": 2, "linear_key_head_dim": 64, "linear_num_value_heads": 4,
+        "linear_value_head_dim": 64, "linear_conv_kernel_dim": 4, "num_experts": experts,
+        "num_experts_per_tok": 4, "moe_intermediate_size": inter, "shared_expert_intermediate_size": shared,
+        "vocab_size": vocab, "tie_word_embeddings": False, "mtp_num_hidden_layers": 1 if mtp else 0,
+        "model_type": "qwen3_5_moe_text", "rms_norm_eps": 1e-6,
+    }
+
+
+def _layer(out: list, p: str, c: dict, full: bool, quant, experts_fused: bool, experts_quant: bool) -> None:
+    H, E, I, Is = c["hidden_size"], c["num_experts"], c["moe_intermediate_size"], c["shared_expert_intermediate_size"]
+    bf = lambda n, *s: out.append((n, "BF16", tuple(s)))  # noqa: E731
+    bf(p + "input_layernorm.weight", H)
+    bf(p + "post_attention_layernorm.weight", H)
+    if full:
+        nh, nkv, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+        bf(p + "self_attn.q_proj.weight", 2 * nh * hd, H)
+        bf(p + "self_attn.k_proj.weight", nkv * hd, H)
+        bf(p + "self_attn.v_proj.weight", nkv * hd, H)
+        bf(p + "self_attn.o_proj.weight", H, nh * hd)
+        bf(p + "self_attn.q_norm.weight", hd)
+        bf(p + "self_attn.k_norm.weight", hd)
+        if quant is not None:
+            kv = ("self_attn.k_proj.k_scale", "self_attn.v_proj.v_scale") if quant == "modelopt" else (
+                "self_attn.k_scale", "self_attn.v_scale")
+            for n in kv:
+                out.append((p + n, "F32", ()))
+    else:
+        nk, dk, nv, dv = (c["linear_num_key_heads"], c["linear_key_head_dim"], c["linear_num_value_heads"],
+                          c["linear_value_head_dim"])
+        a = p + "linear_attn."
+        bf(a + "in_proj_qkv.weight", 2 * nk * dk + nv * dv, H)
+        bf(a + "in_proj_z.weight", nv * dv, H)
+        bf(a + "in_proj_b.weight", nv, H)
+        bf(a + "in_proj_a.weight", nv, H)
+        bf(a + "conv1d.weight", 2 * nk * dk + nv * dv, 1, 4)
+        out.append((a + "A_log", "F32", (nv,)))
+        out.append((a + "dt_bias", "BF16", (nv,)))
+        bf(a + "norm.weight", dv)
+        bf(a + "out_proj.weight", H, nv * dv)
+    m = p + "mlp."
+    bf(m + "gate.weight", E, H)
+    bf(m + "shared_expert_gate.weight", 1, H)
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        o, i = (H, Is) if proj == "down_proj" else (Is, H)
+        _linear(out, f"{m}shared_expert.{proj}", o, i, quant)
+    if experts_fused:
+        out.append((m + "experts.gate_up_proj", "BF16", (E, 2 * I, H)))
+        out.append((m + "experts.down_proj", "BF16", (E, H, I)))
+    else:
+        for e in range(E):
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                o, i = (H, I) if proj == "down_proj" else (I, H)
+                _linear(out, f"{m}experts.{e}.{proj}", o, i, quant if experts_quant else None)
+
+
+def _linear(out: list, mod: str, o: int, i: int, quant) -> None:
+    if quant is None:
+        out.append((mod + ".weight", "BF16", (o, i)))
+    elif quant == "modelopt":
+        out += [(mod + ".weight", "U8", (o, i // 2)), (mod + ".weight_scale", "F8_E4M3", (o, i // 16)),
+                (mod + ".weight_scale_2", "F32", ()), (mod + ".input_scale", "F32", ())]
+    else:
+        out += [(mod + ".weight_packed", "U8", (o, i // 2)), (mod + ".weight_scale", "F8_E4M3", (o, i // 16)),
+                (mod + ".weight_global_scale", "F32", (1,)), (mod + ".input_global_scale", "F32", (1,))]
+
+
+def tensor_list(c: dict, quant, *, fused: bool, mtp: bool, mtp_fused: bool | None = None,
+                quant_shared: bool = True) -> list[tuple[str, str, tuple]]:
+    H, V = c["hidden_size"], c["vocab_size"]
+    out: list = [("model.language_model.embed_tokens.weight", "BF16", (V, H))]
+    for n in range(c["num_hidden_layers"]):
+        _layer(out, f"model.language_model.layers.{n}.", c, c["layer_types"][n] == "full_attention",
+               quant, fused, quant is not None)
+    if quant is not None and not quant_shared:
+        out = [(n, d, s) for n, d, s in out]
+    out.append(("model.language_model.norm.weight", "BF16", (H,)))
+    out.append(("lm_head.weight", "BF16", (V, H)))
+    if mtp:
+        out += [("mtp.fc.weight", "BF16", (H, 2 * H)), ("mtp.norm.weight", "BF16", (H,)),
+                ("mtp.pre_fc_norm_embedding.weight", "BF16", (H,)), ("mtp.pre_fc_norm_hidden.weight", "BF16", (H,))]
+        mc = dict(c, layer_types=["full_attention"])
+        _layer(out, "mtp.layers.0.", mc, True, None, fused if mtp_fused is None else mtp_fused, False)
+    return out
+
+
+def _value(name: str, dtype: str, shape: tuple, rng, nbytes: int, holes) -> bytes | None:
+    if dtype == "F32" and (name.endswith(("scale_2", "input_scale", "k_scale", "v_scale", "global_scale"))):
+        import struct
+
+        return struct.pack("<f", 1.0) * max(1, nbytes // 4)
+    if holes is not None and holes(name):
+        return None
+    if dtype == "F32":
+        import numpy as np
+
+        return np.full(nbytes // 4, 0.5, dtype="<f4").tobytes()
+    return rng.bytes(nbytes)
+
+
+def write_checkpoint(root: Path, tensors: list, *, shard_bytes: int, seed: int, holes=None) -> None:
+    """Write tensors greedily into shards of at most `shard_bytes`, with an index."""
+    import numpy as np
+
+    from qtool.io.dtypes import nbytes_for
+
+    rng = np.random.default_rng(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    groups: list[list] = [[]]
+    size = 0
+    for t in tensors:
+        nb = nbytes_for(t[1], t[2])
+        if groups[-1] and size + nb > shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(t)
+        size += nb
+    weight_map = {}
+    total = 0
+    for i, g in enumerate(groups):
+        name = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        outs = [OutTensor(n, d, s, FileRange("/dev/zero", 0, nbytes_for(d, s))) for n, d, s in g]
+        header = build_header(outs, {"format": "pt"})
+        with open(root / name, "wb") as f:
+            f.write(header)
+            for (n, d, s), o in zip(g, outs):
+                data = _value(n, d, s, rng, o.nbytes, holes)
+                if data is None:
+                    f.seek(o.nbytes, os.SEEK_CUR)
+                else:
+                    f.write(data)
+                weight_map[n] = name
+                total += o.nbytes
+            f.truncate()
+    (root / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+
+
+def build_pair(workdir: str | Path, *, hidden: int = 256, layers: int = 4, experts: int = 8, inter: int = 128,
+               shared: int = 128, vocab: int = 512, flavour: str = "modelopt", bf16_layout: str = "fused",
+               nv_mtp: bool = False, bf_mtp: bool = True, shard_bytes: int = 256 << 10, seed: int = 0,
+               sparse_bf16_experts: bool = False, bf16_overrides: dict | None = None) -> tuple[Path, Path]:
+    """A synthetic (NVFP4, BF16) pair in workdir/nvfp4 and workdir/bf16; returns their paths."""
+    workdir = Path(workdir)
+    nv, bf = workdir / "nvfp4", workdir / "bf16"
+    c = _cfg(hidden, layers, experts, inter, shared, vocab, True)
+    cb = dict(c, **(bf16_overrides or {}))
+    write_checkpoint(nv, tensor_list(c, flavour, fused=False, mtp=nv_mtp), shard_bytes=shard_bytes, seed=seed)
+    holes = (lambda n: ".mlp.experts" in n and not n.startswith("model.language_model.layers.0.")) \
+        if sparse_bf16_experts else None
+    write_checkpoint(bf, tensor_list(cb, None, fused=bf16_layout == "fused", mtp=bf_mtp),
+                     shard_bytes=shard_bytes * 4, seed=seed + 1, holes=holes)
+    arch = {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+            "tie_word_embeddings": False}
+    full = [i for i, t in enumerate(c["layer_types"]) if t == "full_attention"]
+    base_ignore = ["lm_head", "model.visual*", "mtp*"] + [
+        f"model.language_model.layers.{n}.{m}" for n in range(layers)
+        for m in (("self_attn*",) if n in full else ("linear_attn*",)) + ("mlp.gate", "mlp.shared_expert_gate")]
+    if flavour == "modelopt":
+        qc = {"quant_method": "modelopt", "quant_algo": "NVFP4", "ignore": base_ignore,
+              "kv_cache_scheme": {"num_bits": 8, "type": "float", "dynamic": False},
+              "config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "float", "group_size": 16},
+                                            "input_activations": {"num_bits": 4, "type": "float",
+                                                                  "group_size": 16},
+                                            "targets": ["Linear"]}}}
+        hq = {"producer": {"name": "modelopt", "version": "0.47.0"},
+              "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": "FP8", "group_size": 16,
+                               "exclude_modules": list(base_ignore)}}
+        (nv / "hf_quant_config.json").write_text(json.dumps(hq, indent=2) + "\n")
+    else:
+        ig = ["re:.*lm_head$", "re:^mtp.*"] + [f"re:.*layers\\.{n}\\.(self_attn|linear_attn)\\..*" for n in range(layers)] + [
+            "re:.*mlp\\.gate$", "re:.*mlp\\.shared_expert_gate$"]
+        qc = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "ignore": ig,
+              "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
+                                  "symmetric": True},
+              "config_groups": {"group_0": {"targets": ["Linear"], "format": "nvfp4-pack-quantized",
+                                            "weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group",
+                                                        "group_size": 16}}},
+              "quantization_status": "compressed"}
+    (nv / "config.json").write_text(json.dumps(dict(arch, text_config=c, quantization_config=qc), indent=2) + "\n")
+    (bf / "config.json").write_text(json.dumps(dict(arch, text_config=cb), indent=2) + "\n")
+    for d in (nv, bf):
+        (d / "tokenizer_config.json").write_text('{"model_max_length": 4096}\n')
+        (d / "generation_config.json").write_text('{"temperature": 0.6}\n')
+        (d / "chat_template.jinja").write_text("{{ messages }}\n")
+    return nv, bf
+
+
+# ---- measurement --------------------------------------------------------------------------------
+
+_MEASURE = (
+    "import resource, subprocess, sys, time, json\n"
+    "t = time.perf_counter(); rc = subprocess.run(sys.argv[1:]).returncode; w = time.perf_counter() - t\n"
+    "print(json.dumps({'rc': rc, 'wall': w, 'rss_kb': resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}))\n"
+)
+
+
+def measure(cmd: list[str]) -> dict:
+    """Wall time and peak RSS of `cmd`, measured in a fresh helper process (RUSAGE_CHILDREN is a max over
+    that helper's children only)."""
+    res = subprocess.run([sys.executable, "-c", _MEASURE, *cmd], capture_output=True, text=True)
+    line = res.stdout.strip().splitlines()[-1]
+    d = json.loads(line)
+    if d["rc"] != 0:
+        raise SystemExit(f"{cmd[:3]} failed:\n{res.stdout}\n{res.stderr}")
+    return d
+
+
+NAIVE = r'''
+import json, os, shutil, sys
+from pathlib import Path
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+nv, bf, out = map(Path, sys.argv[1:4])
+layers0 = [int(x) for x in sys.argv[4].split(",") if x]
+out.mkdir()
+bidx = json.loads((bf / "model.safetensors.index.json").read_text())["weight_map"]
+def bget(name):
+    with safe_open(bf / bidx[name], "pt") as f:
+        return f.get_tensor(name)
+idx = json.loads((nv / "model.safetensors.index.json").read_text())["weight_map"]
+wm = {}
+for shard in sorted(set(idx.values())):
+    d = load_file(nv / shard)
+    mods = sorted({k.rsplit(".", 1)[0] for k in d if ".mlp.shared_expert." in k})
+    for m in mods:
+        for k in [k for k in d if k.startswith(m + ".")]:
+            del d[k]
+        d[m + ".weight"] = bget(m + ".weight")
+    for L in layers0:
+        p = f"model.language_model.layers.{L}.mlp.experts"
+        ks = [k for k in d if k.startswith(p + ".")]
+        if ks:
+            for k in ks:
+                del d[k]
+            gu, dn = bget(p + ".gate_up_proj"), bget(p + ".down_proj")
+            I = gu.shape[1] // 2
+            for e in range(gu.shape[0]):
+                d[f"{p}.{e}.gate_proj.weight"] = gu[e, :I].clone()
+                d[f"{p}.{e}.up_proj.weight"] = gu[e, I:].clone()
+                d[f"{p}.{e}.down_proj.weight"] = dn[e].clone()
+    save_file(d, out / shard, metadata={"format": "pt"})
+    wm.update({k: shard for k in d})
+    del d
+mtp = {k: bget(k) for k in bidx if k.startswith("mtp.")}
+if mtp:
+    save_file(mtp, out / "model-mtp.safetensors")
+    wm.update({k: "model-mtp.safetensors" for k in mtp})
+(out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wm}))
+for f in nv.iterdir():
+    if not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
+        shutil.copyfile(f, out / f.name)
+'''
+
+
+def _du(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workdir", default="/tmp/qtool-bench")
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--inter", type=int, default=512)
+    ap.add_argument("--shard-size", default="256MB")
+    ap.add_argument("--bf16-expert-layers", default="0")
+    ap.add_argument("--keep", action="store_true", help="keep the generated pair for the next run")
+    args = ap.parse_args(argv)
+    from qtool.io.writer import parse_size
+
+    wd = Path(args.workdir)
+    nv, bf = wd / "nvfp4", wd / "bf16"
+    if not (nv / "config.json").exists():
+        shutil.rmtree(wd, ignore_errors=True)
+        t = time.perf_counter()
+        build_pair(wd, hidden=args.hidden, layers=args.layers, experts=args.experts, inter=args.inter,
+                   shared=args.inter, vocab=32768, shard_bytes=parse_size(args.shard_size),
+                   sparse_bf16_experts=True)
+        print(f"built the pair in {time.perf_counter() - t:.1f}s", file=sys.stderr)
+    src_bytes = _du(nv)
+    n_shards = len(list(nv.glob("*.safetensors")))
+    # warm the page cache the same way for everyone
+    for f in sorted(nv.iterdir()):
+        with open(f, "rb") as fh:
+            while fh.read(64 << 20):
+                pass
+    results = {}
+
+    def fresh(p: Path) -> Path:
+        for q in (p, p.with_name(p.name + ".partial")):
+            shutil.rmtree(q, ignore_errors=True)
+        return p
+
+    env_cache = str(wd / "hash-cache")
+    os.environ["QTOOL_CACHE_DIR"] = env_cache
+    shutil.rmtree(env_cache, ignore_errors=True)
+    qtool = [sys.executable, "-m", "qtool", "assemble", "hybrid", "--nvfp4", str(nv), "--bf16", str(bf),
+             "--bf16-expert-layers", args.bf16_expert_layers, "--json", "--quiet"]
+    out = fresh(wd / "out-cp")
+    results["cp -r"] = measure(["cp", "-r", str(nv), str(out)])
+    fresh(out)
+    results["cp -r + sync"] = measure(["sh", "-c", f"cp -r '{nv}' '{out}' && sync"])
+    fresh(out)
+    out = fresh(wd / "out-qtool")
+    results["qtool (copy, sha256 cold)"] = measure(qtool + ["-o", str(out), "--link", "copy"])
+    fresh(out)
+    results["qtool (copy, sha256 cached)"] = measure(qtool + ["-o", str(out), "--link", "copy"])
+    fresh(out)
+    res = subprocess.run(qtool + ["-o", str(out), "--link", "auto"], capture_output=True, text=True)
+    rep = json.loads(res.stdout)
+    fresh(out)
+    results["qtool (--link auto)"] = measure(qtool + ["-o", str(out), "--link", "auto"])
+    out_bytes = _du(out)
+    fresh(out)
+    nout = fresh(wd / "out-naive")
+    results["naive load_file/save_file"] = measure(
+        [sys.executable, "-c", NAIVE, str(nv), str(bf), str(nout), args.bf16_expert_layers])
+    fresh(nout)
+    base = results["cp -r"]["wall"]
+    plan = rep["plan"]
+    print(f"NVFP4 source: {src_bytes / GB:.2f} GB in {n_shards} shards; output {out_bytes / GB:.2f} GB; "
+          f"shards: {plan['shards']}; linked with --link auto: {rep['result']['shards_linked']}")
+    print(f"bytes: reused {plan['bytes']['reused'] / GB:.3f} GB, rewritten {plan['bytes']['rewritten'] / GB:.3f} GB, "
+          f"new {plan['bytes']['new'] / GB:.3f} GB")
+    print(f"{'run':<30} {'wall s':>8} {'x cp -r':>8} {'peak RSS MB':>12}")
+    for k, v in results.items():
+        print(f"{k:<30} {v['wall']:>8.2f} {v['wall'] / base:>8.2f} {v['rss_kb'] / 1024:>12.0f}")
+    if not args.keep:
+        shutil.rmtree(wd, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
