@@ -59,7 +59,7 @@ def module_format(params: dict[str, TensorInfo]) -> Format | None:
     # Only 2-D weights are Linears an engine may quantize (conv1d [C,1,K] and the vision patch
     # embedding's 5-D conv weight are not).
     if w is not None and len(w.shape) == 2:
-        if w.dtype == "U8" and "weight_scale" in params:
+        if w.dtype == "U8":  # packed E2M1 pairs: the only U8 Linear weights in these checkpoints
             return Format.NVFP4
         if w.dtype in FP8_DTYPES:
             return Format.FP8
