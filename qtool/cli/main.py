@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "inspect": ("qtool.cli.inspect_cmd", "summarise a checkpoint: groups, formats, layout, KV scales, problems"),
     "patch-config": ("qtool.cli.patch_config_cmd", "apply named fixes to config.json / hf_quant_config.json"),
     "assemble": ("qtool.cli.assemble_cmd", "assemble artifacts (hybrid: BF16 tensors spliced into NVFP4)"),
+    "calibrate-kv": ("qtool.cli.calibrate_kv_cmd", "FP8 KV-cache scales for the full-attention layers (layer-streamed)"),
     "demo": ("qtool.cli.demo_cmd", "build the embedded tiny Qwen3.5-MoE pair and run the main job on it"),
 }
 

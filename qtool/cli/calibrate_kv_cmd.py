@@ -1,0 +1,99 @@
+"""qtool calibrate-kv CKPT (-o OUT | --in-place) [--dataset builtin|FILE.txt|FILE.jsonl] [--samples N]
+[--seq-len L] [--device cpu|cuda|cuda:N] [--overwrite] [--resume] [--dry-run] [--json]"""
+
+from __future__ import annotations
+
+from qtool.cli.common import add_json_flag, eprint, human_bytes, print_json
+from qtool.errors import UsageError
+
+
+def add_arguments(p) -> None:
+    p.add_argument("checkpoint", help="checkpoint directory (BF16, NVFP4 ModelOpt/compressed-tensors, AWQ, FP8)")
+    dest = p.add_mutually_exclusive_group()
+    dest.add_argument("-o", "--output", help="write a new checkpoint directory (existing shards hardlinked)")
+    dest.add_argument("--in-place", action="store_true", help="add the scales to CKPT itself (atomic)")
+    p.add_argument("--dataset", default="builtin",
+                   help="`builtin` (shipped corpus), FILE.txt, or FILE.jsonl with a `text` field per line")
+    p.add_argument("--samples", type=int, default=4, help="number of token windows (default 4)")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per window (default 512)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace existing KV scales (and an existing -o OUT)")
+    p.add_argument("--resume", action="store_true", help="continue from the last finished layer")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and the memory it needs; write nothing")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_json_flag(p)
+
+
+def run(args) -> int:
+    from qtool.ops import calibrate_kv
+
+    if not args.output and not args.in_place:
+        raise UsageError("say where to write: -o OUT or --in-place")
+    if not (args.device == "cpu" or args.device == "cuda" or args.device.startswith("cuda:")):
+        raise UsageError("--device must be cpu, cuda or cuda:N", got=args.device)
+    bar = None
+    progress = None
+    if not (args.quiet or args.json or args.dry_run):
+        from tqdm import tqdm
+
+        bar = tqdm(desc="layers", unit="layer")
+
+        def progress(idx):
+            bar.update(1)
+
+    try:
+        rep = calibrate_kv.run(
+            args.checkpoint,
+            out=args.output,
+            dataset=args.dataset,
+            samples=args.samples,
+            seq_len=args.seq_len,
+            device=args.device,
+            overwrite=args.overwrite,
+            resume=args.resume,
+            dry_run=args.dry_run,
+            progress=progress,
+        )
+    finally:
+        if bar is not None:
+            bar.close()
+    if args.json:
+        print_json(rep)
+        return 0
+    _print_plan(rep["plan"])
+    if args.dry_run:
+        return 0
+    print("  layer   tokens     k_amax    k_scale     v_amax    v_scale")
+    for s in rep["layers"]:
+        print(f"  {s['layer']:>5} {s['tokens']:>8} {s['k_amax']:>10.4g} {s['k_scale']:>10.4g} "
+              f"{s['v_amax']:>10.4g} {s['v_scale']:>10.4g}")
+    t = rep["timing"]
+    tps = f"{t['tokens_per_s']:.1f}" if t["tokens_per_s"] else "?"
+    print(f"  {rep['calibration']['tokens']} tokens, {t['seconds']:.1f} s, {tps} tokens/s"
+          + (f" (resumed at layer {t['resumed_from_layer']})" if t["resumed_from_layer"] else ""))
+    for w in rep["warnings"]:
+        eprint(f"warning: {w}")
+    o = rep["output"]
+    print(f"wrote {o['new_shard']} and {', '.join(o['configs']) or 'no config'} -> {o['output']}")
+    return 0
+
+
+def _print_plan(p: dict) -> None:
+    m = p["memory"]
+    c = p["calibration"]
+    print(f"{p['checkpoint']} -> {p['output']}")
+    print(f"  convention     {p['convention']} ({len(p['scale_tensors'])} scale tensors in {p['new_shard']})")
+    print(f"  layers         full attention {p['full_attention_layers']}; decoder layers run: {p['decoder_layers_run']}")
+    print(f"  calibration    {c['dataset']}: {c['samples']} x {c['seq_len']} = {c['tokens']} tokens on {p['device']}")
+    print(f"  memory         one layer {human_bytes(m['max_layer_bytes'])} ({m['compute_dtype']}), "
+          f"embedding {human_bytes(m['embed_bytes'])}, activations ~{human_bytes(m['activation_bytes'])} "
+          f"({m['batch_windows']} windows/batch)")
+    print(f"                 peak RAM ~{human_bytes(m['peak_ram_bytes_estimate'])}; hidden states "
+          f"{human_bytes(m['hidden_bytes'])} x2 on disk in {p['work_dir']}")
+    for ch in p["config_changes"]:
+        print(f"  config         {ch}")
+    if p["replaces"]:
+        print(f"  replaces       {len(p['replaces'])} existing scale tensor(s); rewrites {p['rewrites_shards'] or 'no shard'}")
+    for w in p["warnings"]:
+        print(f"  note           {w}")
