@@ -178,6 +178,10 @@ def hardcoded_unquantized(hf_module: str, version: EngineVersion, flavour: Flavo
 def _hardcoded(kind: str, version: EngineVersion, flavour: Flavour) -> str | None:
     if kind in ("router", "shared_expert_gate") and version.at_least(ROUTER_UNQUANTIZED_SINCE):
         return "router/shared_expert_gate built without quant_config (PR 35156)"
+    if kind == "lm_head" and flavour is Flavour.COMPRESSED_TENSORS:
+        # CompressedTensorsConfig.get_quant_method quantizes LinearBase only; ParallelLMHead is not one
+        # (ModelOpt's get_quant_method does include ParallelLMHead). compressed_tensors.py, vLLM 0.33.0.
+        return "lm_head (ParallelLMHead) is never quantized by vLLM's compressed-tensors path"
     if kind == "mtp_fc" and flavour is Flavour.MODELOPT and version.at_least(MTP_FC_UNQUANTIZED_SINCE):
         return "mtp.fc forced unquantized for modelopt_fp4 (PRs 35675, 38832)"
     return None

@@ -19,10 +19,14 @@ from qtool.io.checkpoint import CONFIG_NAME, GENERATION_CONFIG_NAME, HF_QUANT_CO
 from qtool.io.jsonio import JsonStyle, dumps, load_json, unified_diff, write_json
 from qtool.io import quant_config as qcfg
 
-# The seed's router pattern: matches every layer's `mlp.gate` in vLLM's substring test after its
-# HF->vLLM name mapping (seed "config.json patch"; formats doc section 6; vLLM PR 35156 made it moot
-# for newer versions, which hard-code the router as unquantized).
-ROUTER_GLOB = "model.language_model.layers..mlp.gate"
+# The router pattern. The seed (and the formats doc) use "model.language_model.layers..mlp.gate", but
+# the real matching code of vLLM 0.33.0 and SGLang 0.5.23 (modelopt.py is_layer_excluded; checked with
+# tests/engines/test_oracle.py) matches nothing with it: the double dot never occurs in a mapped name.
+# "*.mlp.gate" is an fnmatch/glob full match on every layer's router in both engines and cannot reach
+# mlp.gate_up_proj or mlp.shared_expert_gate. Newer vLLM hard-codes the router as BF16 (PR 35156);
+# older vLLM (0.16) needs this entry.
+ROUTER_GLOB = "*.mlp.gate"
+SEED_ROUTER_LITERAL = "model.language_model.layers..mlp.gate"
 ROUTER_REGEX = r"re:.*\.mlp\.gate$"  # compressed-tensors ignore entries are exact names or `re:` regexes
 MTP_FC_GLOB, MTP_ALL_GLOB = "mtp.fc", "mtp*"
 MTP_FC_REGEX, MTP_ALL_REGEX = r"re:^mtp\.fc$", r"re:^mtp.*"
