@@ -1,0 +1,48 @@
+"""The layer-streamed forward reproduces transformers' full text model (hidden states after the last
+layer, final norm applied), with the hidden states in RAM or on disk."""
+
+from __future__ import annotations
+
+import torch
+from test_calibrate_kv_support import dense_text_model, fixture_dir
+
+from qtool.ops.calib_data import build_calib_set
+from qtool.ops.layer_stream import DiskStore, LayerStreamer, MemoryStore
+
+
+def _final(streamer, store):
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeRMSNorm
+
+    from qtool.ops.dequant import load_param
+
+    norm = Qwen3_5MoeRMSNorm(streamer.hidden_size, eps=streamer.hf_config.rms_norm_eps)
+    norm.weight.data = load_param(streamer.mm, streamer.prefix + "norm.weight", torch.bfloat16)
+    with torch.no_grad():
+        return norm(store.read(0, store.shape[0]))
+
+
+def test_streamed_forward_equals_full_model(request, tmp_path):
+    ckpt = fixture_dir(request, "tiny_nvfp4_ct")
+    ids = build_calib_set(ckpt, "builtin", 3, 16).ids
+    s = LayerStreamer(ckpt)
+    mem = MemoryStore.empty((3, 16, s.hidden_size), s.dtype)
+    s.embed_into(ids, mem, 2)
+    s.run(mem, 16, batch=2)
+    disk = DiskStore(tmp_path, (3, 16, s.hidden_size), s.dtype)
+    s.embed_into(ids, disk, 3)
+    s.run(disk, 16, stop=4, batch=3)  # in two legs, as --resume does
+    disk = DiskStore(tmp_path, (3, 16, s.hidden_size), s.dtype, current=disk.current)  # a new process
+    s.run(disk, 16, start=4, batch=3)
+    with torch.no_grad():
+        full = dense_text_model(ckpt)(input_ids=ids).last_hidden_state
+    assert torch.equal(_final(s, mem), full)
+    assert torch.equal(disk.read(0, 3), mem.read(0, 3))
+
+
+def test_plan_counts_one_dense_layer(request):
+    s = LayerStreamer(fixture_dir(request, "tiny_nvfp4_modelopt"))
+    plan = s.plan(4, 64)
+    layer = s.load_layer(3)
+    dense = sum(p.numel() * p.element_size() for p in layer.parameters())
+    assert plan.layer_bytes[3] == dense
+    assert plan.hidden_bytes == 4 * 64 * s.hidden_size * 2
