@@ -1,0 +1,85 @@
+"""Session-wide test setup: the tiny Qwen3.5-MoE fixture checkpoints and marker auto-skips.
+
+Fixtures (built once per session under a pytest temp dir, on first use, by qtool.fixtures.tiny):
+  tiny_bf16                  BF16, routed experts per expert, with the mtp.* head
+  tiny_bf16_fused            BF16, fused experts (gate_up_proj / down_proj), with mtp.*
+  tiny_nvfp4_modelopt        ModelOpt NVFP4 (routed experts) + FP8 KV scales, mtp.* grafted
+  tiny_nvfp4_modelopt_nomtp  the same export without mtp.*
+  tiny_nvfp4_ct              compressed-tensors NVFP4 (llm-compressor), no KV scales, mtp.* carried
+Treat them as read-only: copy before modifying (shutil.copytree).
+
+Markers: `gpu` tests are skipped without CUDA; `engines` tests are skipped unless QTOOL_ENGINES_PYTHON
+names the Python of a venv with vLLM/SGLang.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    gpu_items = [i for i in items if i.get_closest_marker("gpu") is not None]
+    if gpu_items:
+        try:
+            import torch
+
+            has_cuda = torch.cuda.is_available()
+        except ImportError:
+            has_cuda = False
+        if not has_cuda:
+            skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+            for item in gpu_items:
+                item.add_marker(skip)
+    if not os.environ.get("QTOOL_ENGINES_PYTHON"):
+        skip = pytest.mark.skip(reason="needs QTOOL_ENGINES_PYTHON (the vLLM/SGLang oracle venv's python)")
+        for item in items:
+            if item.get_closest_marker("engines") is not None:
+                item.add_marker(skip)
+
+
+_CACHE = None
+
+
+@pytest.fixture(scope="session")
+def tiny_cache(tmp_path_factory: pytest.TempPathFactory):
+    """The session's qtool.fixtures.tiny.FixtureCache (builds each fixture on first use)."""
+    global _CACHE
+    from qtool.fixtures.tiny import FixtureCache
+
+    _CACHE = FixtureCache(tmp_path_factory.mktemp("tiny"))
+    return _CACHE
+
+
+@pytest.fixture(scope="session")
+def tiny_bf16(tiny_cache) -> Path:
+    return tiny_cache.path("bf16")
+
+
+@pytest.fixture(scope="session")
+def tiny_bf16_fused(tiny_cache) -> Path:
+    return tiny_cache.path("bf16_fused")
+
+
+@pytest.fixture(scope="session")
+def tiny_nvfp4_modelopt(tiny_cache) -> Path:
+    return tiny_cache.path("nvfp4_modelopt")
+
+
+@pytest.fixture(scope="session")
+def tiny_nvfp4_modelopt_nomtp(tiny_cache) -> Path:
+    return tiny_cache.path("nvfp4_modelopt_nomtp")
+
+
+@pytest.fixture(scope="session")
+def tiny_nvfp4_ct(tiny_cache) -> Path:
+    return tiny_cache.path("nvfp4_ct")
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    if _CACHE is not None and _CACHE.timings:
+        parts = ", ".join(f"{k} {v:.1f}s" for k, v in _CACHE.timings.items())
+        total = sum(_CACHE.timings.values())
+        terminalreporter.write_line(f"tiny fixture builds: {parts} (total {total:.1f}s)")
