@@ -6,6 +6,7 @@ Built from headers and configs only; the few KV-scale scalars are the only data 
 
 from __future__ import annotations
 
+import gc
 import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -131,6 +132,17 @@ def _layout(kinds: set[str]) -> str | None:
 
 
 def build_map(ckpt: Checkpoint) -> ModelMap:
+    # Same reason as in Checkpoint.open: hundreds of thousands of acyclic objects.
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _build_map(ckpt)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+def _build_map(ckpt: Checkpoint) -> ModelMap:
     naming = detect_naming(ckpt.tensors)
     roles: dict[str, TensorRole] = {}
     modules: dict[str, Module] = {}

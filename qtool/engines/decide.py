@@ -10,7 +10,7 @@ from qtool.io.quant_config import QuantSummary
 
 # Groups whose matrices are never quantization candidates for the engines (the embedding is an
 # nn.Embedding-like VocabParallelEmbedding without quant_config in both engines' qwen3_5.py).
-_NOT_LINEAR = {Group.EMBED, Group.NORM, Group.FINAL_NORM, Group.KV_SCALE, Group.OTHER}
+NOT_LINEAR = {Group.EMBED, Group.NORM, Group.FINAL_NORM, Group.KV_SCALE, Group.OTHER}
 
 DEFAULT_ENGINES = ("vllm", "sglang")
 
@@ -21,7 +21,7 @@ def linear_modules(mm: ModelMap) -> dict[str, Format]:
     return {
         m.name: m.format
         for m in mm.modules.values()
-        if m.format is not None and m.group not in _NOT_LINEAR and m.inner not in _NOT_LINEAR
+        if m.format is not None and m.group not in NOT_LINEAR and m.inner not in NOT_LINEAR
     }
 
 

@@ -31,7 +31,7 @@ def all_versions() -> list[EngineVersion]:
     ]
 
 
-def _decider(v: EngineVersion, fl: Flavour) -> Decider:
+def decider(v: EngineVersion, fl: Flavour) -> Decider:
     mod = vllm if v.engine is Engine.VLLM else sglang
     return lambda m, ign: mod.is_excluded(m, ign, version=v, quant_method=fl)
 
@@ -51,7 +51,7 @@ def engine_decisions(
     mods = list(modules)
     out: dict[str, dict[str, bool | None]] = {}
     for v in vs:
-        d = _decider(v, fl)
+        d = decider(v, fl)
         row: dict[str, bool | None] = {}
         for m in mods:
             try:
@@ -133,7 +133,7 @@ def compact_ignore_patterns(
     the split for some engine."""
     fl = parse_flavour(flavour)
     versions = all_versions()
-    deciders = [_decider(v, fl) for v in versions]
+    deciders = [decider(v, fl) for v in versions]
 
     units: dict[str, list[str]] = {}
     state: dict[str, bool] = {}

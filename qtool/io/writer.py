@@ -73,7 +73,7 @@ def shard_size(tensors: list[OutTensor], metadata: dict[str, str] | None = None)
     return len(build_header(tensors, metadata)) + sum(t.nbytes for t in tensors)
 
 
-def _copy_range(src_fd: int, dst_fd: int, start: int, count: int) -> None:
+def copy_range(src_fd: int, dst_fd: int, start: int, count: int) -> None:
     """Kernel-side copy (copy_file_range: reflinks on btrfs/xfs, no user-space buffers); falls back to
     a chunked read/write where the kernel or filesystem refuses."""
     offset = start
@@ -116,7 +116,7 @@ def write_shard(path: str | Path, tensors: list[OutTensor], metadata: dict[str, 
                 else:
                     if src.file not in fds:
                         fds[src.file] = os.open(src.file, os.O_RDONLY)
-                    _copy_range(fds[src.file], dst, src.start, src.nbytes)
+                    copy_range(fds[src.file], dst, src.start, src.nbytes)
             os.fsync(dst)
     except OSError as e:
         hint = "free disk space or choose another output directory" if e.errno == 28 else None

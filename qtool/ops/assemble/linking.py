@@ -35,12 +35,12 @@ def hardlink(src: str, dst: str) -> bool:
 
 
 def copy(src: str, dst: str) -> bool:
-    from qtool.io.writer import _copy_range
+    from qtool.io.writer import copy_range
 
     size = os.path.getsize(src)
     try:
         with open(src, "rb") as s, open(dst, "wb") as d:
-            _copy_range(s.fileno(), d.fileno(), 0, size)
+            copy_range(s.fileno(), d.fileno(), 0, size)
             os.fsync(d.fileno())
     except OSError as e:
         hint = "free disk space or choose another output directory" if e.errno == errno.ENOSPC else None

@@ -36,10 +36,10 @@ class _Decider:
 
     def __init__(self, flavour: str, reps: dict[str, str]) -> None:
         from qtool.engines import Flavour
-        from qtool.engines.patterns import _decider, all_versions
+        from qtool.engines.patterns import decider, all_versions
 
         fl = Flavour.COMPRESSED_TENSORS if flavour == "compressed-tensors" else Flavour.MODELOPT
-        self.deciders = [_decider(v, fl) for v in all_versions()]
+        self.deciders = [decider(v, fl) for v in all_versions()]
         self.reps = reps  # unit -> representative HF module
 
     def excluded(self, patterns: list[str], units) -> list[set[str]] | None:
@@ -126,7 +126,7 @@ def choose_patterns(existing: list[str], bf16_units: list[str], quant_units: lis
 
 def output_units(shards) -> tuple[list[str], list[str], dict[str, str]]:
     """(BF16 units, quantized units, unit -> representative module) of the planned output."""
-    from qtool.engines.decide import _NOT_LINEAR
+    from qtool.engines.decide import NOT_LINEAR
 
     names = [t.name for s in shards for t in s.tensors]
     naming = detect_naming(names)
@@ -144,7 +144,7 @@ def output_units(shards) -> tuple[list[str], list[str], dict[str, str]]:
     for mod, params in mods.items():
         fmt = module_format(params)
         g, inner = groups[mod]
-        if fmt is None or g in _NOT_LINEAR or inner in _NOT_LINEAR:
+        if fmt is None or g in NOT_LINEAR or inner in NOT_LINEAR:
             continue
         unit = _unit(mod)
         reps.setdefault(unit, mod)
