@@ -118,6 +118,14 @@ class ModelMap:
     def modules_in(self, group: Group) -> list[Module]:
         return [m for m in self.modules.values() if m.group is group]
 
+    def group_formats(self) -> dict[Group, str]:
+        """group -> storage format of its matrices ("mixed" when they differ), in one pass."""
+        seen: dict[Group, set[Format]] = defaultdict(set)
+        for m in self.modules.values():
+            if m.format is not None:
+                seen[m.group].add(m.format)
+        return {g: next(iter(f)).value if len(f) == 1 else "mixed" for g, f in seen.items()}
+
     def group_format(self, group: Group) -> str | None:
         formats = {m.format for m in self.modules.values() if m.group is group and m.format is not None}
         if not formats:

@@ -33,7 +33,10 @@ def unit_formats(mm: ModelMap) -> dict[str, tuple[str, Format | str]]:
     """runtime unit -> (a representative HF module, its format or "mixed")."""
     out: dict[str, tuple[str, Format | str]] = {}
     for name, fmt in linear_modules(mm).items():
-        unit = unit_of(name).name
+        # Per-expert Linears (~120k in a 397B checkpoint) all belong to their layer's FusedMoE unit;
+        # a string split is enough for them, unit_of's regexes are for the rest.
+        head, sep, _ = name.partition(".mlp.experts.")
+        unit = head + ".mlp.experts" if sep else unit_of(name).name
         if unit not in out:
             out[unit] = (name, fmt)
         elif out[unit][1] != fmt:

@@ -36,10 +36,11 @@ def report(mm: ModelMap) -> dict:
         c = counts[role.group]
         c[0] += 1
         c[1] += ckpt.tensors[name].nbytes
+    formats = mm.group_formats()
     for group in Group:
         if group in counts:
             groups[group.value] = {
-                "format": mm.group_format(group),
+                "format": formats.get(group),
                 "tensors": counts[group][0],
                 "bytes": counts[group][1],
             }
