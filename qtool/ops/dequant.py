@@ -54,21 +54,42 @@ def _plain_numel(params: dict[str, TensorInfo]) -> int:
 
 
 class TensorSource:
-    """Keeps one safe_open handle per shard while a layer is read (thousands of expert tensors)."""
+    """Reads tensors with pread into private memory, one open fd per shard while a layer is read
+    (thousands of expert tensors). Not mmap: mapped shard pages would count towards the process's
+    resident memory and double the peak of a layer load."""
 
     def __init__(self):
-        self._handles: dict[str, object] = {}
+        self._fds: dict[str, int] = {}
 
     def get(self, info: TensorInfo):
-        from safetensors import safe_open
+        import os
 
-        h = self._handles.get(info.file)
-        if h is None:
-            h = self._handles[info.file] = safe_open(info.file, framework="pt")
-        return h.get_tensor(info.name)
+        import torch
+
+        from qtool.io.dtypes import TORCH_DTYPE_NAMES
+
+        fd = self._fds.get(info.file)
+        if fd is None:
+            fd = self._fds[info.file] = os.open(info.file, os.O_RDONLY)
+        buf = bytearray(info.nbytes)
+        view = memoryview(buf)
+        got = 0
+        while got < info.nbytes:
+            n = os.preadv(fd, [view[got:]], info.start + got)
+            if n <= 0:
+                raise PlanError("shard ended before the tensor's bytes", path=info.file, tensor=info.name)
+            got += n
+        dtype = getattr(torch, TORCH_DTYPE_NAMES[info.dtype])
+        if info.nbytes == 0:
+            return torch.empty(tuple(info.shape), dtype=dtype)
+        return torch.frombuffer(buf, dtype=dtype).reshape(tuple(info.shape))
 
     def close(self) -> None:
-        self._handles.clear()
+        import os
+
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
 
 def load_param(mm: ModelMap, name: str, dtype, device="cpu"):
@@ -79,7 +100,10 @@ def load_param(mm: ModelMap, name: str, dtype, device="cpu"):
     if mod is not None and mod.format in (Format.NVFP4, Format.NVFP4_CT, Format.FP8, Format.AWQ, Format.INT4_CT):
         return dense_weight(mod, dtype, device)
     src = TensorSource()
-    return src.get(info).to(device=device, dtype=dtype)
+    try:
+        return src.get(info).to(device=device, dtype=dtype)
+    finally:
+        src.close()
 
 
 def dense_weight(mod: Module, dtype, device="cpu", src: TensorSource | None = None):
