@@ -1,0 +1,278 @@
+"""Quantization recipes: which module groups of a Qwen3.5-MoE checkpoint get which scheme.
+
+A recipe is a YAML file in `recipes/` (or any path), validated here at the boundary into a frozen
+`Recipe`. Schema (version 1):
+
+    schema_version: 1
+    name: qwen35-nvfp4-experts
+    description: free text
+    groups:                      # group -> scheme; groups not listed stay bf16
+      routed_experts: nvfp4      # bf16 | nvfp4 | w4a16
+    layer_overrides:             # optional: decoder layer index -> {group: scheme}
+      0: {routed_experts: bf16}
+    kv_cache: fp8                # fp8 | none   (FP8 KV-cache scales calibrated on the full-attention layers)
+    nvfp4:                       # only with an nvfp4 group
+      weight_scale: max          # max (RTN from amax) | mse (searched per-matrix global scale)
+      input_scale: layer_max     # layer_max (ModelOpt: one amax shared by all experts) | per_expert
+    int4:                        # only with a w4a16 group
+      group_size: 128
+      awq: true                  # activation-aware scale search (see qtool.ops.quantize.int4)
+      awq_grid: 20
+    defaults: {backend: rtn, format: modelopt}
+
+Only the routed experts can be quantized by this version: the MTP head and the vision tower are always
+BF16 and excluded (formats doc sections 6-7), and the measured best policies keep shared expert,
+attention, GDN and router BF16 too. A recipe that asks otherwise is rejected with a RecipeError.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+
+from qtool.errors import QtoolError
+
+SCHEMA_VERSION = 1
+
+
+class RecipeError(QtoolError):
+    """A recipe file that is missing, malformed or asks for something qtool cannot do."""
+
+    exit_code = 2
+
+
+class Scheme(str, Enum):
+    BF16 = "bf16"
+    NVFP4 = "nvfp4"  # E2M1 weights, FP8 block scales (16), FP32 global scale; static FP4 activations
+    W4A16 = "w4a16"  # INT4 weights, symmetric, one BF16 scale per group; BF16 activations
+
+
+class WeightScale(str, Enum):
+    MAX = "max"
+    MSE = "mse"
+
+
+class InputScale(str, Enum):
+    LAYER_MAX = "layer_max"
+    PER_EXPERT = "per_expert"
+
+
+class KvCache(str, Enum):
+    FP8 = "fp8"
+    NONE = "none"
+
+
+class Backend(str, Enum):
+    RTN = "rtn"
+    MODELOPT = "modelopt"
+    LLMCOMPRESSOR = "llmcompressor"
+
+
+class OutFormat(str, Enum):
+    MODELOPT = "modelopt"
+    COMPRESSED_TENSORS = "compressed-tensors"
+    AWQ = "awq"  # AutoAWQ GEMM qweight/qzeros/scales (W4A16 only)
+
+
+# Which output formats can carry which quantized scheme.
+FORMATS_FOR: dict[Scheme, tuple[OutFormat, ...]] = {
+    Scheme.NVFP4: (OutFormat.MODELOPT, OutFormat.COMPRESSED_TENSORS),
+    Scheme.W4A16: (OutFormat.COMPRESSED_TENSORS, OutFormat.AWQ),
+}
+
+# Groups a recipe may name, and the schemes each may take.
+GROUP_SCHEMES: dict[str, tuple[Scheme, ...]] = {
+    "routed_experts": (Scheme.BF16, Scheme.NVFP4, Scheme.W4A16),
+    "shared_expert": (Scheme.BF16,),
+    "shared_expert_gate": (Scheme.BF16,),
+    "attention": (Scheme.BF16,),
+    "linear_attn": (Scheme.BF16,),
+    "router": (Scheme.BF16,),
+    "lm_head": (Scheme.BF16,),
+    "mtp": (Scheme.BF16,),
+    "vision": (Scheme.BF16,),
+}
+
+_TOP_KEYS = {"schema_version", "name", "description", "groups", "layer_overrides", "kv_cache", "nvfp4", "int4",
+             "defaults"}
+
+
+@dataclass(frozen=True)
+class NVFP4Options:
+    weight_scale: WeightScale = WeightScale.MAX
+    input_scale: InputScale = InputScale.LAYER_MAX
+
+
+@dataclass(frozen=True)
+class Int4Options:
+    group_size: int = 128
+    awq: bool = True
+    awq_grid: int = 20
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    description: str
+    groups: dict[str, Scheme]
+    layer_overrides: dict[int, dict[str, Scheme]] = field(default_factory=dict)
+    kv_cache: KvCache = KvCache.FP8
+    nvfp4: NVFP4Options = NVFP4Options()
+    int4: Int4Options = Int4Options()
+    backend: Backend = Backend.RTN
+    format: OutFormat = OutFormat.MODELOPT
+    path: str | None = None
+
+    def scheme_for(self, group: str, layer: int | None) -> Scheme:
+        if layer is not None and group in self.layer_overrides.get(layer, {}):
+            return self.layer_overrides[layer][group]
+        return self.groups.get(group, Scheme.BF16)
+
+    @property
+    def quantized_scheme(self) -> Scheme:
+        """The one non-BF16 scheme the recipe uses (recipes mix at most one with BF16)."""
+        used = {s for s in self.groups.values() if s is not Scheme.BF16}
+        return next(iter(used)) if used else Scheme.BF16
+
+    def to_json(self) -> dict:
+        return {
+            "name": self.name,
+            "schema_version": SCHEMA_VERSION,
+            "description": self.description,
+            "groups": {g: s.value for g, s in sorted(self.groups.items())},
+            "layer_overrides": {str(k): {g: s.value for g, s in v.items()} for k, v in sorted(self.layer_overrides.items())},
+            "kv_cache": self.kv_cache.value,
+            "nvfp4": {"weight_scale": self.nvfp4.weight_scale.value, "input_scale": self.nvfp4.input_scale.value},
+            "int4": {"group_size": self.int4.group_size, "awq": self.int4.awq, "awq_grid": self.int4.awq_grid},
+            "defaults": {"backend": self.backend.value, "format": self.format.value},
+            "path": self.path,
+        }
+
+
+def recipes_dir() -> Path:
+    return Path(__file__).resolve().parent.parent / "recipes"
+
+
+def list_recipes() -> list[str]:
+    return sorted(p.stem for p in recipes_dir().glob("*.yaml"))
+
+
+def _enum(cls, value, where: str, path):
+    try:
+        return cls(value)
+    except ValueError:
+        raise RecipeError(f"unknown value for {where}", path=path, expected=[m.value for m in cls], got=value) from None
+
+
+def _mapping(obj, where: str, path) -> dict:
+    if obj is None:
+        return {}
+    if not isinstance(obj, dict):
+        raise RecipeError(f"{where} must be a mapping", path=path, got=type(obj).__name__)
+    return obj
+
+
+def _groups(obj, where: str, path) -> dict[str, Scheme]:
+    out = {}
+    for g, s in _mapping(obj, where, path).items():
+        if g not in GROUP_SCHEMES:
+            raise RecipeError(f"unknown group in {where}", path=path, expected=sorted(GROUP_SCHEMES), got=g)
+        scheme = _enum(Scheme, s, f"{where}.{g}", path)
+        if scheme not in GROUP_SCHEMES[g]:
+            raise RecipeError(
+                f"{where}.{g}: scheme {scheme.value} is not supported for this group",
+                path=path, expected=[x.value for x in GROUP_SCHEMES[g]], got=scheme.value,
+                hint="qtool quantizes only the routed experts; MTP and vision stay BF16 and excluded",
+            )
+        out[g] = scheme
+    return out
+
+
+def parse_recipe(data, *, path: str | None = None) -> Recipe:
+    """Validate a recipe's parsed YAML into a Recipe (raises RecipeError with the offending key)."""
+    if not isinstance(data, dict):
+        raise RecipeError("a recipe must be a YAML mapping", path=path, got=type(data).__name__)
+    unknown = sorted(set(data) - _TOP_KEYS)
+    if unknown:
+        raise RecipeError("unknown recipe keys", path=path, expected=sorted(_TOP_KEYS), got=unknown)
+    if data.get("schema_version") != SCHEMA_VERSION:
+        raise RecipeError("unsupported recipe schema_version", path=path, expected=SCHEMA_VERSION,
+                          got=data.get("schema_version"))
+    name = data.get("name")
+    if not isinstance(name, str) or not name:
+        raise RecipeError("recipe needs a `name`", path=path)
+    groups = _groups(data.get("groups"), "groups", path)
+    overrides: dict[int, dict[str, Scheme]] = {}
+    for k, v in _mapping(data.get("layer_overrides"), "layer_overrides", path).items():
+        try:
+            idx = int(k)
+        except (TypeError, ValueError):
+            raise RecipeError("layer_overrides keys are decoder layer indices", path=path, got=k) from None
+        if idx < 0:
+            raise RecipeError("layer index must be >= 0", path=path, got=idx)
+        overrides[idx] = _groups(v, f"layer_overrides.{idx}", path)
+    used = {s for s in groups.values() if s is not Scheme.BF16}
+    used |= {s for o in overrides.values() for s in o.values() if s is not Scheme.BF16}
+    if len(used) > 1:
+        raise RecipeError("a recipe may use one quantized scheme (plus bf16)", path=path,
+                          got=sorted(s.value for s in used))
+    nv = _mapping(data.get("nvfp4"), "nvfp4", path)
+    bad = sorted(set(nv) - {"weight_scale", "input_scale"})
+    if bad:
+        raise RecipeError("unknown nvfp4 options", path=path, got=bad)
+    nvfp4 = NVFP4Options(
+        _enum(WeightScale, nv.get("weight_scale", "max"), "nvfp4.weight_scale", path),
+        _enum(InputScale, nv.get("input_scale", "layer_max"), "nvfp4.input_scale", path),
+    )
+    i4 = _mapping(data.get("int4"), "int4", path)
+    bad = sorted(set(i4) - {"group_size", "awq", "awq_grid"})
+    if bad:
+        raise RecipeError("unknown int4 options", path=path, got=bad)
+    gs = i4.get("group_size", 128)
+    if not isinstance(gs, int) or gs < 8 or gs % 8:
+        raise RecipeError("int4.group_size must be a positive multiple of 8", path=path, got=gs)
+    grid = i4.get("awq_grid", 20)
+    if not isinstance(grid, int) or grid < 1:
+        raise RecipeError("int4.awq_grid must be a positive integer", path=path, got=grid)
+    int4 = Int4Options(gs, bool(i4.get("awq", True)), grid)
+    d = _mapping(data.get("defaults"), "defaults", path)
+    backend = _enum(Backend, d.get("backend", "rtn"), "defaults.backend", path)
+    scheme = next(iter(used)) if used else Scheme.BF16
+    fmt_default = FORMATS_FOR.get(scheme, (OutFormat.MODELOPT,))[0].value
+    fmt = _enum(OutFormat, d.get("format", fmt_default), "defaults.format", path)
+    if scheme in FORMATS_FOR and fmt not in FORMATS_FOR[scheme]:
+        raise RecipeError(f"defaults.format {fmt.value} cannot hold {scheme.value}", path=path,
+                          expected=[f.value for f in FORMATS_FOR[scheme]], got=fmt.value)
+    return Recipe(
+        name=name,
+        description=str(data.get("description") or ""),
+        groups=groups,
+        layer_overrides=overrides,
+        kv_cache=_enum(KvCache, data.get("kv_cache", "fp8"), "kv_cache", path),
+        nvfp4=nvfp4,
+        int4=int4,
+        backend=backend,
+        format=fmt,
+        path=path,
+    )
+
+
+def load_recipe(name_or_path: str | Path) -> Recipe:
+    """A shipped recipe by name (`qwen35-nvfp4-experts`) or a YAML file path."""
+    import yaml
+
+    p = Path(name_or_path)
+    if not p.suffix:
+        cand = recipes_dir() / f"{name_or_path}.yaml"
+        if not cand.is_file():
+            raise RecipeError("no such recipe", got=str(name_or_path), expected=list_recipes(),
+                              hint="pass a shipped recipe name or the path of a YAML file")
+        p = cand
+    if not p.is_file():
+        raise RecipeError("recipe file not found", path=p)
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        raise RecipeError(f"recipe is not valid YAML ({e})", path=p) from None
+    return parse_recipe(data, path=str(p))
