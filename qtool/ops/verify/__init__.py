@@ -1,0 +1,147 @@
+"""`qtool verify`: is this artifact ready to serve on the target with the chosen engines?
+
+plan (options validated, engines parsed) -> checks from headers and configs (structure, engine
+semantics per version, TP / MTP / KV constraints, memory fit) -> optional --deep pass over the data
+(sha256 of every shard vs qtool-manifest.json, numeric scan). Library code: returns a VerifyReport.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from qtool.engines import EngineVersion, parse_version
+from qtool.errors import UsageError
+from qtool.ops.verify.findings import Code, Finding, Severity, error
+from qtool.ops.verify.memory_fit import DEFAULT_GPUS, DEFAULT_UTILIZATION, Fit, Target
+
+KV_CACHE_DTYPES = ("auto", "fp8")
+
+
+@dataclass
+class VerifyOptions:
+    engine: str = "both"  # vllm | sglang | both | comma list of specs like vllm@0.17
+    tp: int = 4
+    gpus: str = DEFAULT_GPUS
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    kv_cache_dtype: str = "auto"
+    gpu_memory_utilization: float = DEFAULT_UTILIZATION
+    mtp: int = 0
+    deep: bool = False
+    deep_workers: int | None = None
+
+
+@dataclass
+class VerifyReport:
+    path: str
+    findings: list[Finding]
+    fit: Fit | None
+    engines: dict[str, dict]
+    facts: dict = field(default_factory=dict)  # what serve-config needs: naming, vision, mtp, kv, quant
+    deep: dict | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not any(f.severity is Severity.ERROR for f in self.findings)
+
+    def errors(self) -> list[Finding]:
+        return [f for f in self.findings if f.is_error]
+
+    def to_json(self) -> dict:
+        fit = None
+        if self.fit is not None:
+            fit = self.fit.to_json()
+        out = {
+            "ok": self.ok,
+            "path": self.path,
+            "findings": [f.to_json() for f in self.findings],
+            "fit": fit,
+            "engines": self.engines,
+            "facts": self.facts,
+        }
+        if self.deep is not None:
+            out["deep"] = self.deep
+        return out
+
+
+def parse_engines(spec: str) -> list[EngineVersion]:
+    parts = ["vllm", "sglang"] if spec.strip().lower() == "both" else [s for s in spec.split(",") if s.strip()]
+    if not parts:
+        raise UsageError("--engine is empty", hint="vllm, sglang, both, or specs like vllm@0.17")
+    return [parse_version(p.strip()) for p in parts]
+
+
+def validate(opts: VerifyOptions) -> tuple[list[EngineVersion], Target]:
+    versions = parse_engines(opts.engine)
+    target = Target.parse(opts.gpus)
+    if opts.tp < 1:
+        raise UsageError("--tp must be >= 1", got=opts.tp)
+    if opts.tp > target.num_gpus:
+        raise UsageError(f"--tp {opts.tp} needs {opts.tp} GPUs, --gpus has {target.num_gpus}")
+    if opts.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise UsageError(f"--kv-cache-dtype {opts.kv_cache_dtype!r}", expected=KV_CACHE_DTYPES)
+    if opts.mtp < 0:
+        raise UsageError("--mtp must be >= 0", got=opts.mtp)
+    for name in ("max_model_len", "max_num_seqs"):
+        v = getattr(opts, name)
+        if v is not None and v < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1", got=v)
+    return versions, target
+
+
+def verify(path: str | Path, opts: VerifyOptions | None = None) -> VerifyReport:
+    from qtool.arch.model_map import build_map
+    from qtool.arch.qwen35 import Group
+    from qtool.io.quant_config import summarize
+    from qtool.ops.verify import engine_rules, structure
+    from qtool.ops.verify.memory_fit import memory_fit
+
+    opts = opts or VerifyOptions()
+    versions, target = validate(opts)
+    ckpt, findings = structure.open_checked(path)
+    if ckpt is None:
+        return VerifyReport(str(path), findings, None, {})
+    mm = build_map(ckpt)
+    summary = summarize(ckpt.config, ckpt.hf_quant_config)
+    kv_fp8 = opts.kv_cache_dtype == "fp8"
+
+    findings += structure.structure_findings(mm)
+    findings += structure.consistency_findings(mm, summary, kv_fp8=kv_fp8)
+    dec_findings, engines, decisions = engine_rules.decision_findings(mm, summary, versions,
+                                                                     mtp_requested=opts.mtp > 0)
+    findings += dec_findings
+    findings += engine_rules.tp_findings(mm, opts.tp, decisions)
+    findings += engine_rules.mtp_findings(mm, opts.mtp)
+    findings += engine_rules.kv_findings(mm, opts.kv_cache_dtype)
+
+    fit = memory_fit(mm, tp=opts.tp, target=target, gpu_memory_utilization=opts.gpu_memory_utilization,
+                     kv_cache_dtype=opts.kv_cache_dtype, mtp=opts.mtp, max_model_len=opts.max_model_len,
+                     max_num_seqs=opts.max_num_seqs)
+    if not fit.fits:
+        findings.append(error(Code.DOES_NOT_FIT, None, f"does not fit on {opts.tp} x {fit.gpu_gib:.1f} GiB: "
+                              f"{fit.reason}", "use more GPUs (e.g. --gpus 8x97887MiB --tp 8), a smaller "
+                              "--max-model-len / --max-num-seqs, or --kv-cache-dtype fp8 with calibrated scales"))
+    facts = {
+        "architecture": ((ckpt.config or {}).get("architectures") or [None])[0],
+        "naming": mm.naming.value,
+        "vision": bool(mm.modules_in(Group.VISION)),
+        "mtp": bool(mm.modules_in(Group.MTP)),
+        "kv_scales_calibrated": bool(mm.kv.layers) and mm.kv.calibrated is True
+        and len(mm.kv.layers) == len(mm.full_attention),
+        "quant_method": summary.quant_method or (summary.hf_quant_algo and "modelopt"),
+        "quant_algo": summary.quant_algo or summary.hf_quant_algo,
+        "rope_parameters": ckpt.text_config.get("rope_parameters") or ckpt.text_config.get("rope_scaling"),
+        "max_position_embeddings": ckpt.text_config.get("max_position_embeddings"),
+    }
+    report = VerifyReport(str(ckpt.root), findings, fit, engines, facts)
+    if opts.deep and not any(f.code in (Code.BAD_HEADER, Code.TRUNCATED_SHARD) for f in findings):
+        from qtool.ops.verify.deep import deep_check
+
+        d = deep_check(ckpt, workers=opts.deep_workers)
+        report.findings += d.findings
+        report.deep = d.to_json()
+    return report
+
+
+__all__ = ["Code", "Finding", "Severity", "VerifyOptions", "VerifyReport", "parse_engines", "verify"]

@@ -1,0 +1,196 @@
+"""Engine semantics and serving constraints, module by module.
+
+What each engine decides (quantized or BF16) comes from qtool.engines (vLLM: exact / substring / fnmatch
+/ HF->vLLM mapper / fused-shard all-or-nothing / router and mtp.fc by version, see engines/vllm.py with
+its upstream citations; SGLang: glob->regex full match on prefix and dotted parts, `model.layers.*` vs
+`model.language_model.layers.*` by version, see engines/sglang.py). This module checks each decision
+against the storage format the tensors really have, and the TP / MTP / KV constraints of serving.
+"""
+
+from __future__ import annotations
+
+from qtool.arch.model_map import QUANTIZED_FORMATS, Format, ModelMap
+from qtool.arch.qwen35 import Group
+from qtool.engines import EngineVersion, unit_of
+from qtool.engines.decide import decide, flavour_of, unit_formats
+from qtool.io.quant_config import QuantSummary
+from qtool.ops.verify.findings import Code, Finding, error, patch_cmd, warning
+
+# NVFP4 GEMMs need the per-GPU input features to be a multiple of the 16-element block:
+# vllm/model_executor/layers/quantization/modelopt.py ModelOptNvFp4LinearMethod.create_weights raises
+# "Unsupported model when in features size is not multiple of 16" (formats doc section 6).
+NVFP4_BLOCK = 16
+# Row-parallel Linears split their INPUT features across TP ranks (RowParallelLinear in vLLM/SGLang
+# models/qwen3_5.py, qwen3_next.py, qwen3_vl.py); column-parallel ones split outputs.
+ROW_PARALLEL_LEAVES = frozenset({"o_proj", "down_proj", "out_proj", "linear_fc2", "proj"})
+
+
+def _fix_for(unit: str, kind: str, ckpt: str) -> str:
+    if kind in ("router", "shared_expert_gate"):
+        return patch_cmd(ckpt, "--fix", "router-ignore")
+    if unit.startswith("mtp."):
+        return patch_cmd(ckpt, "--fix", "mtp-ignore")
+    return patch_cmd(ckpt, "--fix", "ignore-from-tensors")
+
+
+def decision_findings(
+    mm: ModelMap, summary: QuantSummary, versions: list[EngineVersion], *, mtp_requested: bool
+) -> tuple[list[Finding], dict[str, dict], dict[str, dict[str, bool | None]]]:
+    """(findings, per-engine summary, {engine: {unit: excluded}}) for a quantized checkpoint."""
+    ckpt = str(mm.ckpt.root)
+    findings: list[Finding] = []
+    summaries: dict[str, dict] = {}
+    decisions_by_engine: dict[str, dict[str, bool | None]] = {}
+    if not summary.quantized:
+        for v in versions:
+            summaries[str(v)] = {"quantized_checkpoint": False}
+        return findings, summaries, decisions_by_engine
+    ignore = summary.effective_ignore or []
+    fl = flavour_of(summary)
+    for v in versions:
+        eng = str(v)
+        dec = decide(mm, ignore, fl, v)
+        decisions_by_engine[eng] = {u: ex for u, (ex, _f) in dec.items()}
+        counts = {"units": len(dec), "quantized": 0, "excluded": 0, "refused": 0, "errors": 0, "warnings": 0}
+        for unit, (excluded, fmt) in sorted(dec.items()):
+            kind = unit_of(unit).kind if not unit.endswith(".mlp.experts") else "moe"
+            is_mtp = unit.startswith("mtp.")
+            sev_error = mtp_requested or not is_mtp  # the drafter is not built without --mtp
+            mk = error if sev_error else warning
+            if excluded is None:
+                counts["refused"] += 1
+                f = mk(Code.PARTIAL_FUSED_EXCLUSION, unit,
+                       f"{eng} refuses the ignore list: it excludes some but not all shards of {unit} "
+                       "(\"Detected some but not all shards ... are quantized\")", _fix_for(unit, kind, ckpt), eng)
+            elif fmt == "mixed":
+                f = mk(Code.BF16_BUT_NOT_IGNORED if not excluded else Code.QUANTIZED_BUT_IGNORED, unit,
+                       f"the shards of {unit} mix BF16 and quantized tensors; {eng} loads the fused module in "
+                       "one format", "requantize or restore all shards of the fused module alike", eng)
+            elif excluded:
+                counts["excluded"] += 1
+                if fmt in QUANTIZED_FORMATS:
+                    f = mk(Code.QUANTIZED_BUT_IGNORED, unit,
+                           f"{unit} is {fmt.value} in the tensors but {eng} loads it as BF16 (excluded by the "
+                           "config): weight/scale size mismatch at load", _fix_for(unit, "linear", ckpt), eng)
+                else:
+                    continue
+            else:
+                counts["quantized"] += 1
+                if fmt is Format.BF16:
+                    code = Code.MTP_NOT_EXCLUDED if is_mtp else Code.BF16_BUT_NOT_IGNORED
+                    f = mk(code, unit,
+                           f"{unit} is BF16 in the tensors but {eng} builds it quantized (not excluded by the "
+                           "config): shape mismatch at load", _fix_for(unit, kind, ckpt), eng)
+                else:
+                    continue
+            counts["errors" if f.is_error else "warnings"] += 1
+            findings.append(f)
+        summaries[eng] = {"flavour": fl.value, **counts}
+    return findings, summaries, decisions_by_engine
+
+
+def _in_features(mm: ModelMap, module: str) -> int | None:
+    m = mm.modules.get(module)
+    if m is None:
+        return None
+    p = m.params
+    for key, factor in (("weight_packed", 2), ("weight", 1), ("qweight", None)):
+        t = p.get(key)
+        if t is None or len(t.shape) != 2:
+            continue
+        if key == "qweight":
+            return t.shape[0]  # AutoAWQ qweight is [in, out/8]
+        if m.format in (Format.NVFP4, Format.NVFP4_CT):
+            return t.shape[1] * 2
+        return t.shape[1] * (factor or 1)
+    dn = p.get("down_proj")
+    if dn is not None and len(dn.shape) == 3:  # fused experts: down_proj [E, H, I]
+        return dn.shape[2]
+    return None
+
+
+def tp_findings(mm: ModelMap, tp: int, decisions: dict[str, dict[str, bool | None]]) -> list[Finding]:
+    """Head counts divisible by TP, and NVFP4 per-GPU input features a multiple of 16 for every module an
+    engine builds quantized."""
+    cfg = mm.ckpt.text_config
+    out: list[Finding] = []
+    fix_tp = "serve with a TP size that divides the head counts (e.g. --tp 2, 4 or 8 for Qwen3.5-397B)"
+    for key in ("num_attention_heads", "linear_num_key_heads", "linear_num_value_heads"):
+        n = cfg.get(key)
+        if isinstance(n, int) and n % tp:
+            out.append(error(Code.TP_DIVISIBILITY, key, f"{key}={n} is not divisible by TP={tp}", fix_tp))
+    nkv = cfg.get("num_key_value_heads")
+    # KV heads are split when nkv >= tp and replicated when tp is a multiple of nkv (vLLM QKVParallelLinear)
+    if isinstance(nkv, int) and nkv % tp and tp % nkv:
+        out.append(error(Code.TP_DIVISIBILITY, "num_key_value_heads",
+                         f"num_key_value_heads={nkv} neither divides nor is divided by TP={tp}", fix_tp))
+    for key in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+        n = cfg.get(key)
+        if isinstance(n, int) and n % tp:
+            out.append(error(Code.TP_DIVISIBILITY, key, f"{key}={n} is not divisible by TP={tp}", fix_tp))
+    reps = unit_formats(mm)
+    seen: set[str] = set()
+    for eng, dec in decisions.items():
+        for unit, excluded in dec.items():
+            if excluded is not False or unit in seen:
+                continue
+            rep, fmt = reps[unit]
+            if fmt not in (Format.NVFP4, Format.NVFP4_CT, Format.BF16):
+                continue
+            if unit.endswith(".mlp.experts"):
+                # FusedMoE: w13 [E, 2I, H] is column-parallel, w2 [E, H, I] row-parallel over I
+                down = rep.rsplit(".", 1)[0] + ".down_proj" if rep.endswith(("gate_proj", "up_proj")) else rep
+                inn = _in_features(mm, down) if down in mm.modules else cfg.get("moe_intermediate_size")
+                row = True
+            else:
+                inn = _in_features(mm, rep)
+                row = rep.rsplit(".", 1)[-1] in ROW_PARALLEL_LEAVES
+            if inn is None:
+                continue
+            per_gpu = inn // tp if row else inn
+            if (row and inn % tp) or per_gpu % NVFP4_BLOCK:
+                seen.add(unit)
+                fix = ("exclude it from quantization and serve the vision tower data-parallel: "
+                       + patch_cmd(str(mm.ckpt.root), "--ignore-add", "model.visual*")
+                       + " ; then --mm-encoder-tp-mode data") if unit.startswith("model.visual.") else (
+                    patch_cmd(str(mm.ckpt.root), "--fix", "ignore-from-tensors"))
+                out.append(error(Code.TP_DIVISIBILITY, unit,
+                                 f"{eng} builds {unit} as NVFP4 with {inn} input features, {per_gpu} per GPU at "
+                                 f"TP={tp}: not a multiple of {NVFP4_BLOCK} (\"Unsupported model when in features "
+                                 "size is not multiple of 16\")", fix, eng))
+    return out
+
+
+def mtp_findings(mm: ModelMap, mtp: int) -> list[Finding]:
+    if mtp <= 0:
+        return []
+    if not mm.modules_in(Group.MTP):
+        return [error(Code.MTP_MISSING, "mtp", f"--mtp {mtp} asked for, but the checkpoint has no mtp.* head "
+                      "(speculative decoding would run with 0% acceptance)",
+                      "graft it from the BF16 original: qtool assemble hybrid --nvfp4 CKPT --bf16 BF16 -o OUT "
+                      "--mtp from-bf16; or serve without --mtp")]
+    return []
+
+
+def kv_findings(mm: ModelMap, kv_cache_dtype: str) -> list[Finding]:
+    """With --kv-cache-dtype fp8 every full-attention layer needs real (calibrated) k/v scales; without
+    them vLLM and SGLang fall back to scale 1.0 (formats doc section 6, seed "KV Cache considerations")."""
+    if kv_cache_dtype != "fp8":
+        return []
+    ckpt = str(mm.ckpt.root)
+    fix = f"qtool calibrate-kv {ckpt} --in-place"
+    kv = mm.kv
+    missing = [l for l in mm.full_attention if l not in kv.layers]
+    out: list[Finding] = []
+    if missing:
+        out.append(error(Code.KV_SCALES_MISSING, f"layers {missing[:8]}",
+                         f"--kv-cache-dtype fp8 but {len(missing)} of {len(mm.full_attention)} full-attention "
+                         "layers have no k/v scales (the engine would use 1.0)", fix))
+    if kv.invalid:
+        out.append(error(Code.KV_SCALES_UNCALIBRATED, kv.invalid[0],
+                         f"{len(kv.invalid)} k/v scale(s) are not finite positive numbers", fix))
+    elif kv.layers and kv.calibrated is False:
+        out.append(error(Code.KV_SCALES_UNCALIBRATED, None,
+                         "every k/v scale is the constant 1.0 (an fp8_cast export, not calibrated)",
+                         fix.replace("--in-place", "--in-place --overwrite")))
+    return out

@@ -1,0 +1,84 @@
+"""Findings of `qtool verify`: a stable code, a severity, the module or tensor, a message and a fix."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class Severity(str, Enum):
+    ERROR = "error"
+    WARNING = "warning"
+
+
+class Code(str, Enum):
+    # structure (headers, index, tensors vs architecture)
+    BAD_HEADER = "bad-header"
+    TRUNCATED_SHARD = "truncated-shard"
+    BAD_INDEX = "bad-index"
+    BAD_CONFIG = "bad-config"
+    MISSING_TENSOR = "missing-tensor"
+    STALE_TENSOR = "stale-tensor"
+    DTYPE_MISMATCH = "dtype-mismatch"
+    SHAPE_MISMATCH = "shape-mismatch"
+    MIXED_EXPERT_LAYOUT = "mixed-expert-layout"
+    CONFIG_DISAGREEMENT = "config-disagreement"
+    # engine semantics
+    QUANTIZED_BUT_IGNORED = "quantized-but-ignored"
+    BF16_BUT_NOT_IGNORED = "bf16-but-not-ignored"
+    PARTIAL_FUSED_EXCLUSION = "partial-fused-exclusion"
+    # serving constraints
+    SCALE_MISMATCH = "scale-mismatch"
+    TP_DIVISIBILITY = "tp-divisibility"
+    MTP_MISSING = "mtp-missing"
+    MTP_NOT_EXCLUDED = "mtp-not-excluded"
+    KV_SCALES_MISSING = "kv-scales-missing"
+    KV_SCALES_UNCALIBRATED = "kv-scales-uncalibrated"
+    KV_SCALES_STALE = "kv-scales-stale"
+    DOES_NOT_FIT = "does-not-fit"
+    # --deep
+    HASH_MISMATCH = "hash-mismatch"
+    NAN_INF = "nan-inf"
+    SCALE_OUT_OF_RANGE = "scale-out-of-range"
+    ALL_ZERO = "all-zero"
+
+
+@dataclass(frozen=True)
+class Finding:
+    code: Code
+    severity: Severity
+    module: str | None  # module, tensor or shard the finding is about
+    message: str
+    fix: str | None = None
+    engine: str | None = None  # "vllm@0.33.0" when the finding depends on an engine version
+
+    @property
+    def is_error(self) -> bool:
+        return self.severity is Severity.ERROR
+
+    def to_json(self) -> dict:
+        d = {
+            "code": self.code.value,
+            "severity": self.severity.value,
+            "module": self.module,
+            "message": self.message,
+            "fix": self.fix,
+        }
+        if self.engine is not None:
+            d["engine"] = self.engine
+        return d
+
+
+def error(code: Code, module: str | None, message: str, fix: str | None = None, engine: str | None = None) -> Finding:
+    return Finding(code, Severity.ERROR, module, message, fix, engine)
+
+
+def warning(code: Code, module: str | None, message: str, fix: str | None = None,
+            engine: str | None = None) -> Finding:
+    return Finding(code, Severity.WARNING, module, message, fix, engine)
+
+
+def patch_cmd(ckpt: str, *args: str) -> str:
+    import shlex
+
+    return "qtool patch-config " + shlex.join([ckpt, *args])
