@@ -1,0 +1,404 @@
+"""Tensor-level fetches from safetensors files on the Hub, by HTTP range requests.
+
+1. Headers first: `model.safetensors.index.json` (a regular download) says which shards hold the
+   wanted tensors; of those shards only the first 8 bytes (header length N) and bytes 8..8+N (the JSON
+   header) are fetched, and the header is validated against the file size the Hub lists (the same
+   two-request scheme as huggingface_hub's HfApi.get_safetensors_metadata, hf_api.py; we keep the header
+   length, which that API drops, because absolute byte offsets need it).
+2. The wanted tensors' byte ranges are coalesced (adjacent tensors -> one request) and streamed into
+   `<out>.partial/<shard>.part`, whose first bytes are the header of the output shard (known before any
+   data is fetched). The part file is append-only in a fixed order, so its size is the resume point.
+3. Every range answer is checked: 206 with the Content-Range we asked for and exactly end-start bytes. A
+   server that ignores Range (200 with the whole file) is handled by discarding bytes up to the range
+   start and stopping after the range (counted in `ranges_ignored`); a dropped connection is retried
+   from the bytes already written.
+4. Finished part files are renamed to the shard names of the source, an index is written, and the
+   non-weight files (config.json, ...) are downloaded and verified like whole files.
+
+HTTP goes through huggingface_hub's session (utils/_http.py get_session, build_hf_headers): same token,
+proxies, user agent and endpoint as the rest of the download; redirects to the CDN are followed by the
+session (and httpx drops the Authorization header on the cross-host hop).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+import struct
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from qtool.errors import HeaderError, PlanError, VerificationError
+from qtool.hub.download import RepoListing, download_files, link_into
+from qtool.hub.resolve import HubError, hub_errors
+from qtool.io.safetensors_header import MAX_HEADER_BYTES, SafetensorsHeader, TensorInfo, parse_header_bytes
+from qtool.io.writer import FileRange, OutTensor, build_header, index_json
+
+INDEX = "model.safetensors.index.json"
+MANIFEST = "qtool-download.json"
+MAX_RETRIES = 5  # per range, reset whenever bytes arrive
+
+
+@dataclass
+class FetchStats:
+    requests: int = 0
+    bytes: int = 0
+    ranges_ignored: int = 0  # answers that were 200 instead of 206
+    bytes_discarded: int = 0  # bytes read past because the server ignored Range
+    retries: int = 0
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+class RangeReader:
+    """Byte ranges of Hub files at a fixed commit, through huggingface_hub's HTTP session."""
+
+    def __init__(self, listing: RepoListing, *, token: str | None = None, max_retries: int | None = None,
+                 backoff_s: float = 0.2) -> None:
+        from huggingface_hub import hf_hub_url
+        from huggingface_hub.utils import build_hf_headers, get_session
+
+        self.listing = listing
+        self.session = get_session()
+        self.headers = build_hf_headers(token=token)
+        self.headers["Accept-Encoding"] = "identity"
+        self.url = lambda path: hf_hub_url(listing.spec.repo_id, path, revision=listing.commit)
+        self.max_retries = MAX_RETRIES if max_retries is None else max_retries
+        self.backoff_s = backoff_s
+        self.stats = FetchStats()
+
+    def read(self, path: str, start: int, end: int, sink: Callable[[bytes], None]) -> None:
+        """Stream bytes [start, end) of `path` into sink, resuming after dropped connections."""
+        import httpx
+        from huggingface_hub import constants
+        from huggingface_hub.utils import hf_raise_for_status
+
+        pos = start
+        tries = 0
+        while pos < end:
+            headers = {**self.headers, "Range": f"bytes={pos}-{end - 1}"}
+            self.stats.requests += 1
+            try:
+                with self.session.stream(
+                    "GET", self.url(path), headers=headers, timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT
+                ) as r:
+                    if r.status_code >= 400:
+                        r.read()
+                        with hub_errors(self.listing.spec, path):
+                            hf_raise_for_status(r)
+                    skip = 0
+                    if r.status_code == 200:
+                        # Range ignored: the body is the whole file from byte 0.
+                        self.stats.ranges_ignored += 1
+                        skip = pos
+                    elif r.status_code == 206:
+                        got = _content_range_start(r.headers.get("Content-Range"))
+                        if got != pos:
+                            raise HeaderError("the server answered a different byte range",
+                                              path=f"{self.listing.spec} {path}", expected=f"bytes {pos}-{end - 1}",
+                                              got=r.headers.get("Content-Range"))
+                    else:
+                        raise HubError(f"unexpected HTTP status {r.status_code} for a range request",
+                                       path=f"{self.listing.spec} {path}")
+                    for chunk in r.iter_raw(1 << 20):
+                        if skip:
+                            if len(chunk) <= skip:
+                                skip -= len(chunk)
+                                self.stats.bytes_discarded += len(chunk)
+                                continue
+                            self.stats.bytes_discarded += skip
+                            chunk = chunk[skip:]
+                            skip = 0
+                        take = chunk[: end - pos]
+                        sink(take)
+                        pos += len(take)
+                        self.stats.bytes += len(take)
+                        tries = 0
+                        if pos >= end:
+                            break
+            except httpx.TransportError as e:  # dropped connection, timeout: resume from `pos`
+                tries += 1
+                self.stats.retries += 1
+                if tries > self.max_retries:
+                    raise HubError(f"network error reading a byte range ({type(e).__name__}: {e})",
+                                   path=f"{self.listing.spec} {path}", got=f"{tries - 1} retries",
+                                   hint="check the network and rerun with --resume") from None
+                time.sleep(self.backoff_s * tries)
+        if pos != end:
+            raise VerificationError("range read ended early", path=path, expected=end - start, got=pos - start)
+
+    def read_bytes(self, path: str, start: int, end: int) -> bytes:
+        buf = bytearray()
+        self.read(path, start, end, buf.extend)
+        return bytes(buf)
+
+    def header(self, path: str) -> SafetensorsHeader:
+        """Fetch and validate the safetensors header of `path` (two small range requests)."""
+        size = self.listing.files[path].size
+        where = f"{self.listing.spec} {path}"
+        if size < 8:
+            raise HeaderError("remote file is too short to be safetensors", path=where, got=f"{size} bytes")
+        (n,) = struct.unpack("<Q", self.read_bytes(path, 0, 8))
+        if n == 0 or n > MAX_HEADER_BYTES or 8 + n > size:
+            raise HeaderError("remote header length is not plausible", path=where, got=n,
+                              expected=f"1..{min(MAX_HEADER_BYTES, size - 8)}")
+        return parse_header_bytes(path, self.read_bytes(path, 8, 8 + n), size)
+
+
+def _content_range_start(value: str | None) -> int | None:
+    m = re.match(r"^bytes (\d+)-(\d+)/(\d+|\*)$", (value or "").strip())
+    return int(m.group(1)) if m else None
+
+
+# ---- plan ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TensorFetchOptions:
+    names: Sequence[str]  # exact names (exact=True) or patterns: glob, or `re:REGEX` (re.search)
+    exact: bool = False
+    side_files: Sequence[str] | None = None  # non-weight files to include; None: all of them
+
+
+def matcher(patterns: Sequence[str]) -> Callable[[str], bool]:
+    globs = [p for p in patterns if not p.startswith("re:")]
+    regexes = []
+    for p in patterns:
+        if p.startswith("re:"):
+            try:
+                regexes.append(re.compile(p[3:]))
+            except re.error as e:
+                raise PlanError(f"bad regular expression in --tensors: {e}", got=p) from None
+    return lambda n: any(fnmatch.fnmatchcase(n, g) for g in globs) or any(r.search(n) for r in regexes)
+
+
+@dataclass
+class ShardFetch:
+    source: str  # shard file name in the repo (also the output name)
+    tensors: list[TensorInfo]  # in source byte order
+    runs: list[tuple[int, int]]  # coalesced absolute byte ranges
+    header: bytes  # the output shard's header
+    metadata: dict[str, str]
+
+    @property
+    def data_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+@dataclass
+class FetchPlan:
+    listing: RepoListing
+    shards: list[ShardFetch]
+    side_files: list[str]
+    header_requests: int
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def tensor_count(self) -> int:
+        return sum(len(s.tensors) for s in self.shards)
+
+    @property
+    def data_bytes(self) -> int:
+        return sum(s.data_bytes for s in self.shards)
+
+    def to_json(self) -> dict:
+        return {
+            "repo": self.listing.spec.repo_id,
+            "revision": self.listing.spec.revision,
+            "commit": self.listing.commit,
+            "tensors": self.tensor_count,
+            "bytes": self.data_bytes,
+            "range_requests": sum(len(s.runs) for s in self.shards),
+            "header_requests": self.header_requests,
+            "shards": {s.source: {"tensors": len(s.tensors), "bytes": s.data_bytes, "runs": len(s.runs)}
+                       for s in self.shards},
+            "side_files": self.side_files,
+            "warnings": self.warnings,
+        }
+
+
+def plan_fetch(listing: RepoListing, opts: TensorFetchOptions, *, token: str | None = None,
+               workers: int = 8) -> FetchPlan:
+    """Read the index and the headers of the shards that hold wanted tensors; nothing else."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    want = set(opts.names) if opts.exact else None
+    match = (lambda n: n in want) if want is not None else matcher(opts.names)
+    weights = sorted(p for p in listing.files if p.endswith(".safetensors"))
+    if not weights:
+        raise PlanError("the repository has no safetensors files", path=str(listing.spec))
+    reader = RangeReader(listing, token=token)
+    if INDEX in listing.files:
+        st = download_files(listing, [INDEX])
+        import json
+
+        try:
+            wm = json.loads(st.files[0].local.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise HeaderError(f"remote index is malformed ({e})", path=f"{listing.spec} {INDEX}") from None
+        shards = sorted({f for n, f in wm.items() if match(n)})
+        unknown = [s for s in shards if s not in listing.files]
+        if unknown:
+            raise HeaderError("the index names shards that are not in the repository",
+                              path=f"{listing.spec} {INDEX}", got=", ".join(unknown[:3]))
+    else:
+        shards = weights
+    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(shards) or 1))) as pool:
+        headers = dict(zip(shards, pool.map(reader.header, shards)))
+    found: set[str] = set()
+    out: list[ShardFetch] = []
+    for s in shards:
+        h = headers[s]
+        sel = sorted((t for n, t in h.tensors.items() if match(n)), key=lambda t: t.start)
+        if not sel:
+            continue
+        found.update(t.name for t in sel)
+        runs: list[tuple[int, int]] = []
+        for t in sel:
+            if runs and runs[-1][1] == t.start:
+                runs[-1] = (runs[-1][0], t.end)
+            else:
+                runs.append((t.start, t.end))
+        outs = [OutTensor(t.name, t.dtype, t.shape, FileRange(s, t.start, t.end)) for t in sel]
+        out.append(ShardFetch(s, sel, runs, build_header(outs, h.metadata or None), dict(h.metadata)))
+    if want is not None:
+        missing = sorted(want - found)
+        if missing:
+            raise PlanError(f"{len(missing)} requested tensor(s) are not in the repository",
+                            path=f"{listing.spec}@{listing.commit[:12]}", tensor=missing[0],
+                            got=", ".join(missing[:5]), hint="the repo is not the model the plan expects")
+    if not out:
+        raise PlanError("no tensor matches --tensors", path=str(listing.spec), got=", ".join(opts.names),
+                        hint="patterns are globs (model.layers.*.mlp.shared_expert.*) or re:REGEX")
+    side = [p for p in listing.files if not p.endswith(".safetensors") and p != INDEX
+            and not p.startswith(".")]
+    if opts.side_files is not None:
+        keep = set(opts.side_files)
+        side = [p for p in side if p in keep]
+    return FetchPlan(listing, out, sorted(side), reader.stats.requests)
+
+
+# ---- execute ---------------------------------------------------------------------------------------
+
+
+def fetch_tensors(plan: FetchPlan, out: str | Path, *, resume: bool = False, force: bool = False,
+                  token: str | None = None, progress: bool = False, link: str = "auto") -> dict:
+    """Write the planned tensors as a checkpoint at `out` (via `<out>.partial/`); returns a report."""
+    import json
+
+    from qtool.io.atomic_dir import commit_output, prepare_output
+    from qtool.io.jsonio import atomic_write_text
+
+    out = Path(out)
+    partial = prepare_output(out, force=force, resume=resume)
+    reader = RangeReader(plan.listing, token=token)
+    bar = _bar(progress, plan.data_bytes)
+    resumed = 0
+    weight_map: dict[str, str] = {}
+    total = 0
+    for s in plan.shards:
+        final = partial / s.source
+        part = partial / (s.source + ".part")
+        want = len(s.header) + s.data_bytes
+        if final.exists() and final.stat().st_size == want and _head_matches(final, s.header):
+            resumed += s.data_bytes
+            bar.update(s.data_bytes)
+        else:
+            resumed += _fill_part(reader, s, part, bar)
+            size = part.stat().st_size
+            if size != want:
+                raise VerificationError("fetched shard has the wrong size", path=part, expected=want, got=size)
+            os.replace(part, final)
+        for t in s.tensors:
+            weight_map[t.name] = s.source
+        total += s.data_bytes
+    bar.close()
+    atomic_write_text(partial / INDEX, json.dumps(index_json(weight_map, total), indent=2) + "\n")
+    sides = download_files(plan.listing, plan.side_files, token=token) if plan.side_files else None
+    for f in sides.files if sides else []:
+        link_into(f.local, partial / f.path, "copy" if link == "copy" else "auto")
+    report = {
+        **plan.to_json(),
+        "fetch": reader.stats.to_json(),
+        "resumed_bytes": resumed,
+        "origins": {s.source: {"sha256": plan.listing.files[s.source].sha256,
+                               "runs": [list(r) for r in s.runs]} for s in plan.shards},
+        "side_file_digests": {f.path: f.digest for f in sides.files} if sides else {},
+    }
+    atomic_write_text(partial / MANIFEST, json.dumps(report, indent=1) + "\n")
+    _check_output(partial, plan)
+    commit_output(partial, out)
+    return report
+
+
+def _head_matches(path: Path, header: bytes) -> bool:
+    with open(path, "rb") as f:
+        return f.read(len(header)) == header
+
+
+def _fill_part(reader: RangeReader, s: ShardFetch, part: Path, bar) -> int:
+    """Append the shard's runs to `part` starting where it stopped; returns bytes found already there."""
+    hlen = len(s.header)
+    if part.exists() and part.stat().st_size >= hlen and _head_matches(part, s.header):
+        have = part.stat().st_size - hlen
+    else:
+        with open(part, "wb") as f:
+            f.write(s.header)
+        have = 0
+    have = min(have, s.data_bytes)
+    already = have
+    bar.update(have)
+    with open(part, "r+b") as f:
+        f.truncate(hlen + have)
+        f.seek(hlen + have)
+        done = 0
+        for a, b in s.runs:
+            n = b - a
+            if done + n <= have:
+                done += n
+                continue
+            skip = max(0, have - done)
+
+            def sink(chunk: bytes) -> None:
+                f.write(chunk)
+                bar.update(len(chunk))
+
+            reader.read(s.source, a + skip, b, sink)
+            done += n
+        f.flush()
+        os.fsync(f.fileno())
+    return already
+
+
+def _check_output(partial: Path, plan: FetchPlan) -> None:
+    """The written shards parse and every tensor's byte length is the remote header's."""
+    from qtool.io.checkpoint import Checkpoint
+
+    ckpt = Checkpoint.open(partial)
+    for s in plan.shards:
+        for t in s.tensors:
+            got = ckpt.tensors.get(t.name)
+            if got is None or got.nbytes != t.nbytes or got.dtype != t.dtype or got.shape != t.shape:
+                raise VerificationError("fetched tensor does not match the remote header", path=s.source,
+                                        tensor=t.name, expected=f"{t.dtype}{list(t.shape)} {t.nbytes} B",
+                                        got=None if got is None else f"{got.dtype}{list(got.shape)} {got.nbytes} B")
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _bar(progress: bool, total: int):
+    if not progress:
+        return _NoBar()
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, desc="tensors")

@@ -1,0 +1,108 @@
+"""`qtool download`: plan (resolve the commit, list files or read remote headers) then execute.
+
+    p = plan(DownloadOptions(spec=parse_spec("hf:Qwen/Qwen3.5-397B-A17B"), out=Path("bf16"),
+                             tensors=["model.layers.*.mlp.shared_expert.*"]))
+    report = run(p)
+
+Whole files go through huggingface_hub into its cache and are hard-linked (or symlinked/copied) into
+`<out>`; `--tensors` writes a checkpoint of just the matching tensors, fetched by range requests
+(qtool.hub.remote_safetensors). Either way `<out>/qtool-download.json` pins the resolved commit and
+lists what was fetched with its hashes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+
+from qtool.errors import UsageError
+from qtool.hub.download import RepoListing, check_space, download_files, link_into, repo_listing
+from qtool.hub.remote_safetensors import MANIFEST, FetchPlan, TensorFetchOptions, fetch_tensors, plan_fetch
+from qtool.hub.resolve import HubSpec
+
+
+class LinkMode(str, Enum):
+    AUTO = "auto"  # hardlink from the HF cache, symlink when on another filesystem
+    HARDLINK = "hardlink"
+    SYMLINK = "symlink"
+    COPY = "copy"
+
+
+@dataclass
+class DownloadOptions:
+    spec: HubSpec
+    out: Path | None
+    include: list[str] = field(default_factory=list)
+    tensors: list[str] = field(default_factory=list)
+    link: LinkMode = LinkMode.AUTO
+    token: str | None = None
+    force: bool = False
+    resume: bool = False
+
+
+@dataclass
+class DownloadPlan:
+    options: DownloadOptions
+    listing: RepoListing
+    files: list[str]  # whole files (no --tensors)
+    fetch: FetchPlan | None  # --tensors
+
+    def to_json(self) -> dict:
+        base = {"repo": self.listing.spec.repo_id, "revision": self.listing.spec.revision,
+                "commit": self.listing.commit, "out": str(self.options.out) if self.options.out else None}
+        if self.fetch is not None:
+            return {**base, "mode": "tensors", **self.fetch.to_json()}
+        return {**base, "mode": "files", "files": {p: self.listing.files[p].to_json() for p in self.files},
+                "bytes": sum(self.listing.files[p].size for p in self.files)}
+
+
+def plan(opts: DownloadOptions) -> DownloadPlan:
+    if opts.tensors and opts.out is None:
+        raise UsageError("--tensors needs -o DIR", hint="the tensors are written as a new checkpoint in DIR")
+    listing = repo_listing(opts.spec, token=opts.token)
+    if opts.tensors:
+        side = listing.select(opts.include) if opts.include else None
+        fp = plan_fetch(listing, TensorFetchOptions(names=opts.tensors, side_files=side), token=opts.token)
+        return DownloadPlan(opts, listing, [], fp)
+    files = listing.select(opts.include)
+    if not files:
+        raise UsageError("no file matches --include", got=", ".join(opts.include),
+                         hint=f"the repo has {len(listing.files)} files; e.g. --include '*.json'")
+    return DownloadPlan(opts, listing, files, None)
+
+
+def run(p: DownloadPlan, *, progress: bool = False) -> dict:
+    o = p.options
+    if p.fetch is not None:
+        assert o.out is not None
+        report = fetch_tensors(p.fetch, o.out, resume=o.resume, force=o.force, token=o.token,
+                               progress=progress, link=o.link.value)
+        return {"mode": "tensors", "out": str(o.out), **report}
+    from qtool.io.atomic_dir import commit_output, prepare_output
+    from qtool.io.jsonio import atomic_write_text
+
+    partial = prepare_output(o.out, force=o.force, resume=o.resume) if o.out is not None else None
+    need = check_space(p.listing, p.files, None)
+    st = download_files(p.listing, p.files, token=o.token, progress=progress)
+    links: dict[str, int] = {}
+    if partial is not None:
+        for f in st.files:
+            how = link_into(f.local, partial / f.path, o.link.value)
+            links[how] = links.get(how, 0) + 1
+    report = {
+        **p.to_json(),
+        "downloaded_bytes": need,
+        "files": {f.path: f.to_json() for f in st.files},
+        "hash_failures_repaired": st.hash_failures,
+        "placed": links,
+    }
+    if partial is not None and o.out is not None:
+        atomic_write_text(partial / MANIFEST, json.dumps(report, indent=1) + "\n")
+        commit_output(partial, o.out)
+    snap = st.files[0].local
+    for _ in Path(st.files[0].path).parts:
+        snap = snap.parent
+    report["snapshot"] = str(snap)
+    return report
