@@ -1,0 +1,12 @@
+"""`qtool quantize`: layer-streamed quantization of a BF16 Qwen3.5-MoE checkpoint by a recipe.
+
+plan (qtool.ops.quantize.plan) -> validate -> execute (qtool.ops.quantize.execute); codecs in
+qtool.formats.nvfp4 and qtool.ops.quantize.int4; peer backends in qtool.ops.quantize.backends.
+"""
+
+from __future__ import annotations
+
+from qtool.ops.quantize.execute import run
+from qtool.ops.quantize.plan import plan
+
+__all__ = ["plan", "run"]

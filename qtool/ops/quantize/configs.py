@@ -1,0 +1,100 @@
+"""config.json quantization_config / hf_quant_config.json for each output format, with ignore lists that
+both engines read the same way (qtool.engines.decide.ignore_patterns_for on the output's own tensors)."""
+
+from __future__ import annotations
+
+import copy
+
+from qtool.arch.model_map import QUANTIZED_FORMATS, Format, ModelMap
+from qtool.engines.decide import linear_modules
+from qtool.recipes import OutFormat, Scheme
+
+_NVFP4_ARGS = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16}
+
+# What llm-compressor 0.14 / compressed-tensors 0.19 write for preset scheme NVFP4 (checked on the
+# tiny_nvfp4_ct fixture's config.json).
+_CT_NVFP4_GROUP = {
+    "format": "nvfp4-pack-quantized",
+    "input_activations": {"actorder": None, "block_structure": None, "dynamic": "local", "group_size": 16,
+                          "num_bits": 4, "observer": "static_minmax", "observer_kwargs": {},
+                          "scale_dtype": "torch.float8_e4m3fn", "strategy": "tensor_group", "symmetric": True,
+                          "type": "float", "zp_dtype": None},
+    "output_activations": None,
+    "targets": ["Linear"],
+    "weights": {"actorder": None, "block_structure": None, "dynamic": False, "group_size": 16, "num_bits": 4,
+                "observer": "memoryless_minmax", "observer_kwargs": {}, "scale_dtype": "torch.float8_e4m3fn",
+                "strategy": "tensor_group", "symmetric": True, "type": "float", "zp_dtype": None},
+}
+
+
+def _ct_w4a16_group(group_size: int) -> dict:
+    # compressed-tensors preset W4A16 (quantization/quant_scheme.py): int4, symmetric, group strategy.
+    return {
+        "format": "pack-quantized",
+        "input_activations": None,
+        "output_activations": None,
+        "targets": ["Linear"],
+        "weights": {"actorder": None, "block_structure": None, "dynamic": False, "group_size": group_size,
+                    "num_bits": 4, "observer": "minmax", "observer_kwargs": {}, "scale_dtype": None,
+                    "strategy": "group", "symmetric": True, "type": "int", "zp_dtype": None},
+    }
+
+
+def awq_not_convert(mm: ModelMap) -> list[str]:
+    """Substrings for AutoAWQ's `modules_to_not_convert` (vLLM awq.py `is_layer_skipped_awq`: a module is
+    skipped when any entry is a substring of its name). Group-level entries when they hit no quantized
+    module, else the exact module name."""
+    mods = linear_modules(mm)
+    q = [m for m, f in mods.items() if f in QUANTIZED_FORMATS]
+    unq = sorted(m for m, f in mods.items() if f is Format.BF16)
+    cands = ("model.visual", "mtp.", "lm_head", "linear_attn", "self_attn", "shared_expert_gate", "shared_expert.",
+             "mlp.gate")
+    out: list[str] = []
+    for m in unq:
+        if any(o in m for o in out):
+            continue
+        pick = next((c for c in cands if c in m and not any(c in x for x in q)), None)
+        if pick is None and ".mlp.experts." in m:
+            unit = m.partition(".mlp.experts.")[0] + ".mlp.experts."
+            pick = unit if not any(unit in x for x in q) else m
+        out.append(pick or m)
+    return out
+
+
+def quant_configs(mm: ModelMap, scheme: Scheme, fmt: OutFormat, kv: bool, group_size: int, versions: dict) -> tuple[dict, dict | None]:
+    """(config.json quantization_config, hf_quant_config.json or None)."""
+    from qtool.engines.decide import ignore_patterns_for
+    from qtool.ops.calibrate_kv import CT_KV_SCHEME, MODELOPT_KV_SCHEME
+
+    producer = {"name": "qtool", "version": versions.get("qtool")}
+    if fmt is OutFormat.AWQ:
+        return ({"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm",
+                 "modules_to_not_convert": awq_not_convert(mm)}, None)
+    globs, regexes = ignore_patterns_for(mm)
+    if fmt is OutFormat.MODELOPT:
+        qc = {
+            "config_groups": {"group_0": {"input_activations": dict(_NVFP4_ARGS), "weights": dict(_NVFP4_ARGS),
+                                          "targets": ["Linear"]}},
+            "ignore": globs,
+            "quant_algo": "NVFP4",
+            "kv_cache_scheme": dict(MODELOPT_KV_SCHEME) if kv else None,
+            "producer": producer,
+            "quant_method": "modelopt",
+        }
+        hq = {"producer": producer,
+              "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": "FP8" if kv else None,
+                               "group_size": 16, "exclude_modules": globs}}
+        return qc, hq
+    group = copy.deepcopy(_CT_NVFP4_GROUP) if scheme is Scheme.NVFP4 else _ct_w4a16_group(group_size)
+    return ({
+        "config_groups": {"group_0": group},
+        "format": group["format"],
+        "global_compression_ratio": None,
+        "ignore": regexes,
+        "kv_cache_scheme": dict(CT_KV_SCHEME) if kv else None,
+        "quant_method": "compressed-tensors",
+        "quantization_status": "compressed",
+        "sparsity_config": {},
+        "transform_config": {},
+        "version": versions.get("compressed-tensors"),
+    }, None)

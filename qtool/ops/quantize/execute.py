@@ -1,0 +1,246 @@
+"""`qtool quantize` execution: layer-streamed calibration + quantization, resumable, atomic output.
+
+Per decoder layer: load it dense (qtool.ops.layer_stream), install the statistics hooks (per-expert token
+counts and input amaxes, AWQ activations, K/V amax), optionally run the peer backend's calibration on
+that layer (qtool.ops.quantize.backends), forward the calibration hidden states through it (BF16
+propagation: the next layer sees the unquantized model's activations, as in ModelOpt's and
+llm-compressor's basic calibration), then quantize the layer's experts from the weights already in memory
+(the source is read once) and write the layer's shard. A journal in `<out>.partial/.quantize/` records the
+finished layers; `--resume` continues after the last one. The output appears at `<out>` only when complete
+and checked (qtool.ops.inspect.find_problems finds nothing).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+from qtool.errors import PlanError, UsageError, VerificationError
+from qtool.io.atomic_dir import commit_output, prepare_output
+from qtool.io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG_NAME, INDEX_NAME, Checkpoint
+from qtool.io.jsonio import load_json, write_json
+from qtool.io.writer import index_json
+from qtool.ops.quantize.plan import REST_SHARD, QuantizePlan, plan
+from qtool.recipes import Backend, KvCache, OutFormat, Recipe, Scheme
+
+JOURNAL = "journal.json"
+WORK = ".quantize"
+MANIFEST = "qtool-manifest.json"
+_SKIP_FILES = {INDEX_NAME, CONFIG_NAME, HF_QUANT_CONFIG_NAME, "recipe.yaml", MANIFEST}
+
+
+def _journal_key(p: QuantizePlan, digest: str) -> str:
+    h = hashlib.sha256()
+    for n in sorted(p.ckpt.tensors):
+        i = p.ckpt.tensors[n]
+        h.update(f"{n}|{i.dtype}|{list(i.shape)}|{os.path.getsize(i.file)}\n".encode())
+    h.update(json.dumps(p.recipe.to_json() | {"path": None}, sort_keys=True).encode())
+    h.update(f"{p.backend.value}|{p.format.value}|{digest}|{p.awq_rows}".encode())
+    return h.hexdigest()[:32]
+
+
+def _side_files(src: Path, dst: Path) -> list[str]:
+    copied = []
+    for entry in sorted(src.iterdir()):
+        if entry.is_file() and entry.suffix != ".safetensors" and entry.name not in _SKIP_FILES:
+            shutil.copy2(entry, dst / entry.name)
+            copied.append(entry.name)
+    return copied
+
+
+def calibrate_and_write(p: QuantizePlan, partial: Path, ids, *, resume: bool, progress=None) -> dict:
+    import torch
+
+    from qtool.ops.calib_data import token_digest
+    from qtool.ops.layer_stream import DiskStore, LayerStreamer, attention_tap
+    from qtool.ops.quantize.calib import ExpertStats, KvStat, install_expert_stats, kv_tap, remove_expert_stats
+    from qtool.ops.quantize.layer import write_layer_shard
+
+    work = partial / WORK
+    work.mkdir(parents=True, exist_ok=True)
+    key = _journal_key(p, token_digest(ids))
+    jpath = work / JOURNAL
+    journal = None
+    if resume and jpath.exists():
+        journal, _ = load_json(jpath, what="quantize journal")
+        if journal.get("key") != key:
+            raise PlanError("--resume: the journal was written for other inputs (source, recipe, data or flags)",
+                            path=jpath, hint="run again without --resume to start over")
+    streamer = LayerStreamer(p.ckpt, device=p.device)
+    n, seq = int(ids.shape[0]), int(ids.shape[1])
+    store = DiskStore(work, (n, seq, streamer.hidden_size), streamer.dtype, current=(journal or {}).get("current", "a"))
+    batch = streamer.batch_windows(seq)
+    start = int((journal or {}).get("next_layer", 0))
+    layer_reports: list[dict] = list((journal or {}).get("layers", []))
+
+    def save(next_layer: int) -> None:
+        write_json(jpath, {"key": key, "next_layer": next_layer, "current": store.current, "layers": layer_reports})
+
+    if start == 0:
+        streamer.embed_into(ids, store, batch)
+        save(0)
+    t0 = time.perf_counter()
+    for lp in p.layers[start:]:
+        layer = streamer.load_layer(lp.index)
+        stats = ExpertStats(p.n_experts, keep_rows=p.awq_rows if lp.scheme is Scheme.W4A16 else 0)
+        kv = KvStat()
+        overrides = None
+        if p.backend is not Backend.RTN and lp.scheme is not Scheme.BF16:
+            from qtool.ops.quantize import backends
+
+            overrides = backends.calibrate_layer(p, layer, store, seq, batch, streamer)
+        install_expert_stats(layer.mlp.experts, stats)
+        if lp.full_attention:
+            attention_tap(layer, kv_tap(kv))
+        streamer.forward_layer(layer, store, seq, batch)
+        attention_tap(layer, None)
+        remove_expert_stats(layer.mlp.experts)
+        with torch.no_grad():
+            rep = write_layer_shard(partial / lp.shard, lp, layer, stats, (kv.k_amax, kv.v_amax), p, overrides)
+        entry = {"layer": lp.index, "routed_experts": lp.scheme.value, **stats.to_json()}
+        if lp.full_attention:
+            entry["kv"] = {"k_amax": kv.k_amax, "v_amax": kv.v_amax, "tokens": kv.tokens}
+        if rep["awq"]:
+            entry["awq"] = {"mean_alpha": sum(r["alpha"] for r in rep["awq"]) / len(rep["awq"]),
+                            "down_mse": sum(r["down_mse"] for r in rep["awq"]),
+                            "down_mse_rtn": sum(r["down_mse_rtn"] for r in rep["awq"])}
+        layer_reports.append(entry)
+        save(lp.index + 1)
+        del layer
+        if progress is not None:
+            progress(lp.index)
+    return {"layers": layer_reports, "seconds": time.perf_counter() - t0, "resumed_from_layer": start}
+
+
+def finish(p: QuantizePlan, partial: Path, report: dict, command: str | None) -> dict:
+    from qtool.arch.model_map import build_map
+    from qtool.io.quant_config import summarize
+    from qtool.io.writer import plan_shards
+    from qtool.ops.inspect import find_problems
+    from qtool.ops.manifest import library_versions
+    from qtool.ops.quantize.configs import quant_configs
+    from qtool.ops.quantize.layer import write_rest_shard
+    from qtool.ops.quantize.plan import _spec_bytes
+
+    groups = plan_shards([(s.name, _spec_bytes(s)) for s in p.rest], 5 * 10**9)
+    by_name = {s.name: s for s in p.rest}
+    weight_map: dict[str, str] = {}
+    total = 0
+    for k, names in enumerate(groups):
+        shard = REST_SHARD.format(k)
+        write_rest_shard(partial / shard, [by_name[n] for n in names])
+        for n in names:
+            weight_map[n] = shard
+            total += _spec_bytes(by_name[n])
+    for lp in p.layers:
+        for s in lp.specs:
+            weight_map[s.name] = lp.shard
+            total += _spec_bytes(s)
+    write_json(partial / INDEX_NAME, index_json(weight_map, total))
+    side = _side_files(p.ckpt.root, partial)
+    cfg, style = load_json(p.ckpt.root / CONFIG_NAME, what="config.json")
+    cfg.pop("quantization_config", None)
+    write_json(partial / CONFIG_NAME, cfg, style)
+    mm = build_map(Checkpoint.open(partial, require_config=True))
+    versions = library_versions()
+    from qtool import __version__
+
+    versions["qtool"] = __version__
+    kv = p.recipe.kv_cache is KvCache.FP8
+    qc, hq = quant_configs(mm, p.recipe.quantized_scheme, p.format, kv, p.recipe.int4.group_size, versions)
+    cfg["quantization_config"] = qc
+    write_json(partial / CONFIG_NAME, cfg, style)
+    if hq is not None:
+        write_json(partial / HF_QUANT_CONFIG_NAME, hq)
+    ckpt = Checkpoint.open(partial, require_config=True)
+    mm = build_map(ckpt)
+    problems = [pr.to_json() for pr in find_problems(mm, summarize(ckpt.config, ckpt.hf_quant_config))]
+    manifest = {
+        "qtool_version": __version__,
+        "operation": "quantize",
+        "command": command,
+        "libraries": versions,
+        "recipe": p.recipe.to_json(),
+        "backend": p.backend.value,
+        "format": p.format.value,
+        "source": {"path": str(p.ckpt.root),
+                   "files": {f.name: f.stat().st_size for f in sorted(p.ckpt.root.glob("*.safetensors"))}},
+        "calibration": report.get("calibration"),
+        "layers": report["layers"],
+        "shards": {lp.shard: {"layer": lp.index, "routed_experts": lp.scheme.value} for lp in p.layers},
+        "carried_over": {"tensors": len(p.rest), "shards": [REST_SHARD.format(k) for k in range(len(groups))]},
+        "side_files": side,
+        "checks": {"inspect_problems": problems},
+    }
+    write_json(partial / MANIFEST, manifest)
+    if problems:
+        raise VerificationError(f"the output has {len(problems)} problem(s): {problems[0]['message']}",
+                                path=partial, got=[x["code"] for x in problems],
+                                hint="this is a qtool bug; the partial output is kept for inspection")
+    shutil.rmtree(partial / WORK, ignore_errors=True)
+    commit_output(partial, p.out)
+    return {"output": str(p.out), "shards": len(p.layers) + len(groups), "bytes": total, "side_files": side,
+            "problems": problems}
+
+
+def run(
+    src: str | Path,
+    *,
+    out: str | Path,
+    recipe: Recipe,
+    backend: Backend | None = None,
+    fmt: OutFormat | None = None,
+    dataset: str = "builtin",
+    samples: int = 16,
+    seq_len: int = 512,
+    device: str = "cpu",
+    resume: bool = False,
+    force: bool = False,
+    dry_run: bool = False,
+    calib_ids=None,
+    awq_rows: int = 256,
+    stop_after_layer: int | None = None,
+    progress=None,
+    command: str | None = None,
+) -> dict:
+    """Plan, calibrate, quantize and write. `calib_ids` ([N, L] token ids) overrides dataset/samples/seq_len
+    (library use: the same windows as another tool). `stop_after_layer` ends the run after that layer
+    with the partial output left for --resume (used by the tests to model a killed run)."""
+    if calib_ids is not None:
+        samples, seq_len = int(calib_ids.shape[0]), int(calib_ids.shape[1])
+    p = plan(src, out=out, recipe=recipe, backend=backend, fmt=fmt, samples=samples, seq_len=seq_len,
+             dataset=dataset, device=device, awq_rows=awq_rows)
+    report: dict = {"plan": p.to_json()}
+    if dry_run:
+        return report
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda but no CUDA device is available", hint="use --device cpu")
+    if calib_ids is None:
+        from qtool.ops.calib_data import build_calib_set
+
+        calib = build_calib_set(p.ckpt.root, dataset, samples, seq_len)
+        ids = calib.ids
+        report["calibration"] = {"dataset": dataset, "digest": calib.digest, "tokens": calib.tokens}
+    else:
+        from qtool.ops.calib_data import token_digest
+
+        ids = calib_ids
+        report["calibration"] = {"dataset": "ids", "digest": token_digest(ids), "tokens": int(ids.numel())}
+    partial = prepare_output(p.out, force=force, resume=resume)
+    if stop_after_layer is not None:
+        p.layers = [lp for lp in p.layers if lp.index <= stop_after_layer]
+        res = calibrate_and_write(p, partial, ids, resume=resume, progress=progress)
+        report.update(res)
+        report["stopped_after_layer"] = stop_after_layer
+        return report
+    res = calibrate_and_write(p, partial, ids, resume=resume, progress=progress)
+    report.update(res)
+    report["output"] = finish(p, partial, report, command)
+    return report

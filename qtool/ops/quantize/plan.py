@@ -1,0 +1,279 @@
+"""`qtool quantize` plan: from headers, configs and the recipe only (no tensor data).
+
+Decides, per decoder layer, the scheme of the routed experts (recipe groups + layer overrides), the names
+dtypes and shapes of every output tensor, where each comes from (a byte range of the source, or computed),
+and the memory the run needs. Validates before any work: a BF16 source, experts present in every layer,
+in-features the scheme can encode, a format that can carry the scheme, a backend that supports it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from qtool.arch.model_map import Format, ModelMap, build_map
+from qtool.arch.qwen35 import Group, layer_prefix
+from qtool.errors import PlanError, UsageError
+from qtool.io.checkpoint import Checkpoint
+from qtool.io.writer import FileRange
+from qtool.recipes import FORMATS_FOR, Backend, KvCache, OutFormat, Recipe, Scheme, WeightScale
+
+PARTS = ("down_proj", "gate_proj", "up_proj")  # header order of one expert's modules (sorted names)
+LAYER_SHARD = "model-layer-{:05d}.safetensors"
+REST_SHARD = "model-rest-{:05d}.safetensors"
+
+# Output params of one quantized expert Linear, per (scheme, format): name -> (dtype, shape fn(out, in, g)).
+QUANT_PARAMS: dict[tuple[Scheme, OutFormat], tuple[tuple[str, str, object], ...]] = {
+    # ModelOpt (modelopt/torch/export/unified_export_hf.py, formats doc section 3)
+    (Scheme.NVFP4, OutFormat.MODELOPT): (
+        ("input_scale", "F32", lambda o, i, g: ()),
+        ("weight", "U8", lambda o, i, g: (o, i // 2)),
+        ("weight_scale", "F8_E4M3", lambda o, i, g: (o, i // 16)),
+        ("weight_scale_2", "F32", lambda o, i, g: ()),
+    ),
+    # compressed-tensors nvfp4-pack-quantized (formats doc section 4)
+    (Scheme.NVFP4, OutFormat.COMPRESSED_TENSORS): (
+        ("input_global_scale", "F32", lambda o, i, g: (1,)),
+        ("weight_global_scale", "F32", lambda o, i, g: (1,)),
+        ("weight_packed", "U8", lambda o, i, g: (o, i // 2)),
+        ("weight_scale", "F8_E4M3", lambda o, i, g: (o, i // 16)),
+    ),
+    # compressed-tensors pack-quantized INT4 (compressors/quantized_compressors/pack_quantized.py)
+    (Scheme.W4A16, OutFormat.COMPRESSED_TENSORS): (
+        ("weight_packed", "I32", lambda o, i, g: (o, i // 8)),
+        ("weight_scale", "BF16", lambda o, i, g: (o, i // g)),
+        ("weight_shape", "I64", lambda o, i, g: (2,)),
+    ),
+    # AutoAWQ GEMM (formats doc section 5)
+    (Scheme.W4A16, OutFormat.AWQ): (
+        ("qweight", "I32", lambda o, i, g: (i, o // 8)),
+        ("qzeros", "I32", lambda o, i, g: (i // g, o // 8)),
+        ("scales", "F16", lambda o, i, g: (i // g, o)),
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One output tensor: copied from `source` (FileRange) or computed (source None)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    source: FileRange | None = None
+
+
+@dataclass
+class LayerPlan:
+    index: int
+    scheme: Scheme
+    full_attention: bool
+    specs: list[Spec]
+    shard: str
+
+
+@dataclass
+class QuantizePlan:
+    ckpt: Checkpoint
+    mm: ModelMap
+    recipe: Recipe
+    backend: Backend
+    format: OutFormat
+    out: Path
+    layers: list[LayerPlan]
+    rest: list[Spec]
+    n_experts: int
+    inter: int
+    hidden: int
+    samples: int
+    seq_len: int
+    dataset: str
+    device: str
+    stream: object  # layer_stream.StreamPlan
+    awq_rows: int
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def kv_names(self) -> str:
+        return "modelopt" if self.format is OutFormat.MODELOPT else "compressed-tensors"
+
+    def peak_ram_bytes(self) -> int:
+        sp = self.stream
+        awq = self.n_experts * self.awq_rows * self.inter * 4
+        # + one layer's quantized output being assembled (at most the dense size of its experts / 3)
+        return sp.peak_bytes(hidden_in_ram=False) + awq + sp.max_layer_bytes // 3
+
+    def to_json(self) -> dict:
+        sp = self.stream
+        out_bytes = sum(_spec_bytes(s) for lp in self.layers for s in lp.specs) + sum(_spec_bytes(s) for s in self.rest)
+        return {
+            "checkpoint": str(self.ckpt.root),
+            "output": str(self.out),
+            "recipe": self.recipe.to_json(),
+            "backend": self.backend.value,
+            "format": self.format.value,
+            "layers": [{"layer": lp.index, "routed_experts": lp.scheme.value, "full_attention": lp.full_attention,
+                        "tensors": len(lp.specs), "shard": lp.shard} for lp in self.layers],
+            "carried_over_tensors": len(self.rest),
+            "output_bytes": out_bytes,
+            "source_bytes": self.ckpt.total_bytes() if hasattr(self.ckpt, "total_bytes") else None,
+            "calibration": {"dataset": self.dataset, "samples": self.samples, "seq_len": self.seq_len,
+                            "tokens": self.samples * self.seq_len},
+            "device": self.device,
+            "memory": {**sp.to_json(), "awq_activation_bytes": self.n_experts * self.awq_rows * self.inter * 4,
+                       "peak_ram_bytes_estimate": self.peak_ram_bytes(),
+                       "hidden_disk_bytes": 2 * sp.hidden_bytes},
+            "warnings": self.warnings,
+        }
+
+
+def _spec_bytes(s: Spec) -> int:
+    from qtool.io.dtypes import nbytes_for
+
+    return nbytes_for(s.dtype, s.shape) or 0
+
+
+def group_of(inner: Group) -> str:
+    return inner.value
+
+
+def expert_specs(prefix: str, e: int, scheme: Scheme, fmt: OutFormat, hidden: int, inter: int, group: int) -> list[Spec]:
+    out = []
+    for part in PARTS:
+        o, i = (hidden, inter) if part == "down_proj" else (inter, hidden)
+        mod = f"{prefix}mlp.experts.{e}.{part}"
+        if scheme is Scheme.W4A16:
+            from qtool.ops.quantize.int4 import effective_group
+
+            g = effective_group(i, group)
+        else:
+            g = 16
+        for name, dt, shp in QUANT_PARAMS[(scheme, fmt)]:
+            out.append(Spec(f"{mod}.{name}", dt, tuple(shp(o, i, g))))
+    return out
+
+
+def _bf16_expert_specs(mm: ModelMap, prefix: str, e: int, hidden: int, inter: int) -> list[Spec]:
+    """Per-expert BF16 weights as byte ranges: the per-expert tensors themselves, or slices of the fused
+    [E, 2I, H] / [E, H, I] tensors (each expert's gate rows, up rows and down matrix are contiguous)."""
+    t = mm.ckpt.tensors
+    out = []
+    fused_gu = t.get(prefix + "mlp.experts.gate_up_proj")
+    for part in PARTS:
+        name = f"{prefix}mlp.experts.{e}.{part}.weight"
+        if name in t:
+            i = t[name]
+            out.append(Spec(name, i.dtype, tuple(i.shape), FileRange(i.file, i.start, i.end)))
+            continue
+        if fused_gu is None:
+            raise PlanError("routed expert weight missing", path=mm.ckpt.root, tensor=name)
+        item = fused_gu.nbytes // (fused_gu.shape[0] * fused_gu.shape[1] * fused_gu.shape[2])
+        if part == "down_proj":
+            d = t[prefix + "mlp.experts.down_proj"]
+            size = hidden * inter * item
+            start = d.start + e * size
+            out.append(Spec(name, d.dtype, (hidden, inter), FileRange(d.file, start, start + size)))
+        else:
+            size = inter * hidden * item
+            start = fused_gu.start + e * 2 * size + (size if part == "up_proj" else 0)
+            out.append(Spec(name, fused_gu.dtype, (inter, hidden), FileRange(fused_gu.file, start, start + size)))
+    return out
+
+
+def kv_scale_names(prefix: str, fmt: OutFormat) -> tuple[str, str]:
+    # ModelOpt: self_attn.k_proj.k_scale (unified_export_hf.py); compressed-tensors: self_attn.k_scale.
+    if fmt is OutFormat.MODELOPT:
+        return prefix + "self_attn.k_proj.k_scale", prefix + "self_attn.v_proj.v_scale"
+    return prefix + "self_attn.k_scale", prefix + "self_attn.v_scale"
+
+
+def plan(
+    src: str | Path,
+    *,
+    out: str | Path,
+    recipe: Recipe,
+    backend: Backend | None = None,
+    fmt: OutFormat | None = None,
+    samples: int = 16,
+    seq_len: int = 512,
+    dataset: str = "builtin",
+    device: str = "cpu",
+    awq_rows: int = 256,
+) -> QuantizePlan:
+    from qtool.ops.layer_stream import LayerStreamer
+
+    backend = backend or recipe.backend
+    fmt = fmt or recipe.format
+    ckpt = Checkpoint.open(src, require_config=True)
+    streamer = LayerStreamer(ckpt, device=device)
+    mm = streamer.mm
+    outp = Path(out)
+    if outp.resolve() == ckpt.root.resolve():
+        raise UsageError("-o OUT is the source checkpoint", path=outp)
+    scheme = recipe.quantized_scheme
+    if scheme in FORMATS_FOR and fmt not in FORMATS_FOR[scheme]:
+        raise UsageError(f"--format {fmt.value} cannot hold {scheme.value} weights",
+                         expected=[f.value for f in FORMATS_FOR[scheme]], got=fmt.value)
+    if backend is Backend.MODELOPT and scheme is not Scheme.NVFP4:
+        raise UsageError("--backend modelopt drives ModelOpt's NVFP4 quantizers only", got=scheme.value,
+                         hint="use --backend rtn for W4A16 recipes")
+    if backend is Backend.LLMCOMPRESSOR and scheme is Scheme.NVFP4 and recipe.nvfp4.weight_scale is WeightScale.MSE:
+        raise UsageError("--backend llmcompressor has no MSE search for NVFP4 weight scales",
+                         hint="use --backend modelopt or rtn with the -mse recipe")
+    tc = ckpt.text_config
+    hidden, inter, n_exp = int(tc["hidden_size"]), int(tc["moe_intermediate_size"]), int(tc["num_experts"])
+    qmods = [m for m in mm.modules.values() if not m.is_mtp and m.inner is Group.ROUTED_EXPERTS and m.format is not None]
+    bad = [m for m in qmods if m.format is not Format.BF16]
+    if bad:
+        raise PlanError("quantize needs a BF16 source; routed experts are already quantized", path=ckpt.root,
+                        tensor=bad[0].name, got=bad[0].format.value, hint="start from the BF16 original")
+    if scheme is Scheme.NVFP4 and (hidden % 16 or inter % 16):
+        raise PlanError("NVFP4 needs expert in-features divisible by 16", got=(hidden, inter))
+    if scheme is Scheme.W4A16:
+        from qtool.ops.quantize.int4 import effective_group
+
+        for i in (hidden, inter):
+            effective_group(i, recipe.int4.group_size)
+        if fmt is OutFormat.AWQ and (hidden % 8 or inter % 8):
+            raise PlanError("AutoAWQ GEMM needs out-features divisible by 8", got=(hidden, inter))
+    layers = []
+    kv_names_existing = {n for n, r in mm.roles.items() if r.group is Group.KV_SCALE and not n.startswith("mtp.")}
+    for idx in range(mm.num_layers):
+        prefix = layer_prefix(idx, mm.naming)
+        s = recipe.scheme_for("routed_experts", idx)
+        specs = []
+        for n in sorted(ckpt.tensors):
+            if not n.startswith(prefix) or n in kv_names_existing:
+                continue
+            if mm.roles[n].inner is Group.ROUTED_EXPERTS:
+                continue
+            i = ckpt.tensors[n]
+            specs.append(Spec(n, i.dtype, tuple(i.shape), FileRange(i.file, i.start, i.end)))
+        if not any(mm.roles[n].inner is Group.ROUTED_EXPERTS for n in ckpt.tensors if n.startswith(prefix)):
+            raise PlanError(f"decoder layer {idx} has no routed experts", path=ckpt.root, expected=prefix + "mlp.experts.*")
+        for e in range(n_exp):
+            if s is Scheme.BF16:
+                specs += _bf16_expert_specs(mm, prefix, e, hidden, inter)
+            else:
+                specs += expert_specs(prefix, e, s, fmt, hidden, inter, recipe.int4.group_size)
+        full = idx in mm.full_attention
+        if full and recipe.kv_cache is KvCache.FP8:
+            specs += [Spec(n, "F32", ()) for n in kv_scale_names(prefix, fmt)]
+        layers.append(LayerPlan(idx, s, full, specs, LAYER_SHARD.format(idx)))
+    layer_pre = tuple(layer_prefix(i, mm.naming) for i in range(mm.num_layers))
+    rest = []
+    for n in sorted(ckpt.tensors):
+        if n.startswith(layer_pre) and not n.startswith("mtp."):
+            continue
+        i = ckpt.tensors[n]
+        rest.append(Spec(n, i.dtype, tuple(i.shape), FileRange(i.file, i.start, i.end)))
+    warnings = []
+    if mm.expert_layout == "fused":
+        warnings.append("source experts are fused; the output is per expert (BF16 experts split by byte range)")
+    if not any(n.startswith("mtp.") for n in ckpt.tensors):
+        warnings.append("the source has no mtp.* head; the output has none either (speculative decoding needs it)")
+    if fmt is OutFormat.AWQ and recipe.kv_cache is KvCache.FP8:
+        warnings.append("AutoAWQ configs: vLLM's AWQ method loads no KV scales; they are written for SGLang/CT readers")
+    keep = awq_rows if (scheme is Scheme.W4A16 and recipe.int4.awq) else 0
+    return QuantizePlan(ckpt, mm, recipe, backend, fmt, outp, layers, rest, n_exp, inter, hidden, samples,
+                        seq_len, dataset, device, streamer.plan(samples, seq_len), keep, warnings)
