@@ -19,6 +19,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "patch-config": ("qtool.cli.patch_config_cmd", "apply named fixes to config.json / hf_quant_config.json"),
     "assemble": ("qtool.cli.assemble_cmd", "assemble artifacts (hybrid: BF16 tensors spliced into NVFP4)"),
     "calibrate-kv": ("qtool.cli.calibrate_kv_cmd", "FP8 KV-cache scales for the full-attention layers (layer-streamed)"),
+    "verify": ("qtool.cli.verify_cmd", "check an artifact for vLLM/SGLang on the target GPUs: structure, engine rules, TP, memory fit"),
+    "serve-config": ("qtool.cli.serve_config_cmd", "launch command / docker-compose service for a verified artifact"),
     "demo": ("qtool.cli.demo_cmd", "build the embedded tiny Qwen3.5-MoE pair and run the main job on it"),
 }
 

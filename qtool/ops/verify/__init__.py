@@ -40,6 +40,7 @@ class VerifyReport:
     engines: dict[str, dict]
     facts: dict = field(default_factory=dict)  # what serve-config needs: naming, vision, mtp, kv, quant
     deep: dict | None = None
+    model_map: object = field(default=None, repr=False)  # the ModelMap (for serve-config); not serialized
 
     @property
     def ok(self) -> bool:
@@ -134,7 +135,7 @@ def verify(path: str | Path, opts: VerifyOptions | None = None) -> VerifyReport:
         "rope_parameters": ckpt.text_config.get("rope_parameters") or ckpt.text_config.get("rope_scaling"),
         "max_position_embeddings": ckpt.text_config.get("max_position_embeddings"),
     }
-    report = VerifyReport(str(ckpt.root), findings, fit, engines, facts)
+    report = VerifyReport(str(ckpt.root), findings, fit, engines, facts, model_map=mm)
     if opts.deep and not any(f.code in (Code.BAD_HEADER, Code.TRUNCATED_SHARD) for f in findings):
         from qtool.ops.verify.deep import deep_check
 

@@ -94,33 +94,29 @@ def default_context(text_cfg: dict) -> int:
     return base
 
 
-def _share(mm: ModelMap, name: str, tp: int, nkv: int) -> float:
-    """Fraction of tensor `name` that one GPU holds under TP."""
-    role = mm.roles[name]
-    info = mm.ckpt.tensors[name]
-    g = role.inner
-    if role.group is Group.VISION:
+def _share(mod, tp: int, nkv: int) -> float:
+    """Fraction of module `mod` (qtool.arch.model_map.Module) that one GPU holds under TP."""
+    g = mod.inner
+    if mod.group is Group.VISION or g in (Group.NORM, Group.FINAL_NORM, Group.ROUTER, Group.SHARED_EXPERT_GATE,
+                                          Group.KV_SCALE):
         return 1.0
-    if info.numel <= 1 or g in (Group.NORM, Group.FINAL_NORM, Group.ROUTER, Group.SHARED_EXPERT_GATE,
-                                Group.KV_SCALE):
+    if mod.name.endswith((".q_norm", ".k_norm", ".norm")):
         return 1.0
-    if role.param == "weight" and role.module.endswith((".q_norm", ".k_norm", ".norm")):
-        return 1.0
-    if g is Group.ATTENTION and role.module.endswith((".k_proj", ".v_proj")):
+    if g is Group.ATTENTION and mod.name.endswith((".k_proj", ".v_proj")):
         return max(1, nkv // tp) / nkv if nkv else 1.0 / tp
     return 1.0 / tp
 
 
 def weights_per_gpu(mm: ModelMap, tp: int, *, mtp: bool, vision: bool = True) -> dict[str, float]:
+    """group -> bytes one GPU holds. Scalars (global scales) are replicated; their bytes are negligible
+    and counted as sharded with their module."""
     nkv = int(mm.ckpt.text_config.get("num_key_value_heads") or 0)
     out: dict[str, float] = {}
-    for name, role in mm.roles.items():
-        if role.group is Group.MTP and not mtp:
+    for mod in mm.modules.values():
+        if (mod.group is Group.MTP and not mtp) or (mod.group is Group.VISION and not vision):
             continue
-        if role.group is Group.VISION and not vision:
-            continue
-        b = mm.ckpt.tensors[name].nbytes * _share(mm, name, tp, nkv)
-        key = role.group.value
+        b = sum(t.end - t.start for t in mod.params.values()) * _share(mod, tp, nkv)
+        key = mod.group.value
         out[key] = out.get(key, 0.0) + b
     return out
 

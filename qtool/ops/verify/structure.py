@@ -154,11 +154,16 @@ def structure_findings(mm: ModelMap) -> list[Finding]:
 def consistency_findings(mm: ModelMap, summary: QuantSummary, *, kv_fp8: bool) -> list[Finding]:
     """Problems of qtool.ops.inspect.find_problems that are not engine decisions (those are modelled per
     engine version in engine_rules): expert layout, gate/up scales, KV scales, config files."""
-    from qtool.ops.inspect import find_problems
+    from qtool.ops import inspect
 
     ckpt = str(mm.ckpt.root)
     out: list[Finding] = []
-    for p in find_problems(mm, summary):
+    # find_problems minus its _config_vs_tensors part, which decides for the default engines only;
+    # engine_rules decides for the engines and versions asked for (and would do the work twice).
+    problems = (inspect._layout_problems(mm) + inspect._incomplete_quant_modules(mm)
+                + inspect._gate_up_scale_mismatch(mm) + inspect._kv_problems(mm, summary)
+                + inspect._config_file_disagreement(summary))
+    for p in problems:
         if p.code == "mixed-expert-layout":
             out.append(error(Code.MIXED_EXPERT_LAYOUT, None, p.message, _FIX[Code.MIXED_EXPERT_LAYOUT]))
         elif p.code == "missing-quant-tensor":

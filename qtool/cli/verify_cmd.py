@@ -1,0 +1,97 @@
+"""qtool verify CKPT [--engine vllm|sglang|both|vllm@0.17] [--tp 4] [--gpus 4x97887MiB] [--max-model-len N]
+[--max-num-seqs N] [--kv-cache-dtype auto|fp8] [--gpu-memory-utilization F] [--mtp N] [--deep] [--json]"""
+
+from __future__ import annotations
+
+from qtool.cli.common import add_json_flag, print_json
+
+MAX_PER_CODE = 5
+
+
+def add_common(p) -> None:
+    """Flags shared with serve-config (which verifies first)."""
+    p.add_argument("--tp", type=int, default=4, help="tensor-parallel size (default 4)")
+    p.add_argument("--gpus", default="4x97887MiB",
+                   help="GPUs as NxSIZE (MiB, GiB or GB); default 4x97887MiB = 4 x RTX PRO 6000 Blackwell")
+    p.add_argument("--max-model-len", type=int, default=None, metavar="N", help="context length to check")
+    p.add_argument("--max-num-seqs", type=int, default=None, metavar="N", help="concurrent sequences to check")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default=None,
+                   help="KV cache dtype (verify: default auto = BF16)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F",
+                   help="fraction of each GPU the engine may use (default 0.9)")
+    p.add_argument("--mtp", type=int, default=0, metavar="N", help="speculative tokens from the MTP head (0: off)")
+
+
+def add_arguments(p) -> None:
+    p.add_argument("checkpoint", help="checkpoint directory")
+    p.add_argument("--engine", default="both",
+                   help="vllm, sglang, both (default), or version specs, e.g. vllm@0.17 or vllm@0.16,sglang@0.5.9")
+    add_common(p)
+    p.add_argument("--deep", action="store_true", help="also sha256 every shard and scan the data for NaN/Inf, "
+                   "bad scales and all-zero tensors (reads every byte)")
+    p.add_argument("--workers", type=int, default=None, help="parallel readers for --deep (default: auto)")
+    add_json_flag(p)
+
+
+def options(args, engine: str):
+    from qtool.ops.verify import VerifyOptions
+
+    return VerifyOptions(engine=engine, tp=args.tp, gpus=args.gpus, max_model_len=args.max_model_len,
+                         max_num_seqs=args.max_num_seqs, kv_cache_dtype=args.kv_cache_dtype or "auto",
+                         gpu_memory_utilization=args.gpu_memory_utilization, mtp=args.mtp,
+                         deep=getattr(args, "deep", False), deep_workers=getattr(args, "workers", None))
+
+
+def print_report(rep, out) -> None:
+    counts: dict[str, int] = {}
+    for f in rep.findings:
+        counts[f.code.value] = counts.get(f.code.value, 0) + 1
+        if counts[f.code.value] > MAX_PER_CODE:
+            continue
+        where = f" {f.module}" if f.module else ""
+        eng = f" [{f.engine}]" if f.engine else ""
+        print(f"{f.severity.value:>7} {f.code.value}{eng}:{where}", file=out)
+        print(f"          {f.message}", file=out)
+        if f.fix:
+            print(f"     fix: {f.fix}", file=out)
+    for code, n in counts.items():
+        if n > MAX_PER_CODE:
+            print(f"          ... {n - MAX_PER_CODE} more {code} (--json lists all)", file=out)
+
+
+def print_fit(fit, out) -> None:
+    if fit is None:
+        return
+    gb = fit.budget_gib * (1 << 30) / 1e9
+    print(f"fit (TP={fit.tp}, per GPU): budget {fit.budget_gib:.1f} GiB ({gb:.1f} GB) = weights "
+          f"{fit.weights_per_gpu_gib:.1f} GiB + reserve {fit.reserve_gib:.1f} GiB + KV/state "
+          f"{fit.kv_cache_gib:.1f} GiB", file=out)
+    print(f"  KV {fit.kv_bytes_per_token} B/token ({fit.kv_cache_dtype}), GDN state {fit.state_bytes_per_seq / 2**20:.1f}"
+          f" MiB/sequence -> max_model_len {fit.max_model_len} x max_num_seqs {fit.max_num_seqs}: "
+          f"{'fits' if fit.fits else 'DOES NOT FIT'}", file=out)
+
+
+def run(args) -> int:
+    import sys
+
+    from qtool.ops.verify import verify
+
+    rep = verify(args.checkpoint, options(args, args.engine))
+    if args.json:
+        print_json(rep.to_json())
+    else:
+        print(rep.path)
+        print_report(rep, sys.stdout)
+        print_fit(rep.fit, sys.stdout)
+        if rep.engines:
+            for eng, s in rep.engines.items():
+                if "units" in s:
+                    print(f"{eng}: {s['quantized']} unit(s) quantized, {s['excluded']} excluded, "
+                          f"{s['errors']} error(s)")
+        if rep.deep:
+            d = rep.deep
+            print(f"deep: {len(d['shards'])} shard(s), {d['bytes'] / 1e9:.2f} GB in {d['seconds']:.1f} s "
+                  f"({d['gb_per_s']:.2f} GB/s), {d['compared_with_manifest']} compared with qtool-manifest.json")
+        n_err = len(rep.errors())
+        print("ok" if rep.ok else f"FAILED: {n_err} error(s)")
+    return 0 if rep.ok else 3
