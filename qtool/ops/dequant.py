@@ -134,11 +134,17 @@ def dense_weight(mod: Module, dtype, device="cpu", src: TensorSource | None = No
     if fmt is Format.AWQ:
         from qtool.formats import awq
 
-        return awq.dequantize_awq_gemm(t("qweight"), t("qzeros"), t("scales"), dtype=dtype)
+        return awq.from_awq(t("qweight"), t("qzeros"), t("scales")).dequantize(dtype)
     if fmt is Format.INT4_CT:
         from qtool.formats import awq
 
-        return awq.dequantize_ct_int4(t("weight_packed"), t("weight_scale"), dtype=dtype)
+        if "weight_shape" in p:
+            shape = t("weight_shape")
+        else:
+            wp = p["weight_packed"]
+            shape = (*wp.shape[:-1], wp.shape[-1] * 8)
+        zp = t("weight_zero_point") if "weight_zero_point" in p else None
+        return awq.from_compressed_tensors(t("weight_packed"), t("weight_scale"), shape, zp).dequantize(dtype)
     if "weight" in p:
         return t("weight").to(dtype)
     raise PlanError(f"module has no weight matrix ({fmt})", tensor=mod.name)
