@@ -1,0 +1,235 @@
+"""Build recipes (`qtool build RECIPE.yaml`): sources, steps, output name. Validated at the boundary.
+
+    name: qwen35-397b-hybrid              # the output directory name (default -o build/<name>)
+    description: ...
+    sources:
+      nvfp4: {hub: nvidia/Qwen3.5-397B-A17B-NVFP4, revision: main}
+      bf16:  {hub: Qwen/Qwen3.5-397B-A17B, revision: main, tensors: assemble}   # only what assemble needs
+      local: {path: /models/x}
+      tiny:  {builtin: tiny-bf16}          # embedded fixtures (qtool.fixtures.tiny), built into a cache
+    steps:
+      - id: hybrid
+        op: assemble                      # download | quantize | convert | assemble | calibrate-kv |
+        with: {nvfp4: nvfp4, bf16: bf16, bf16_expert_layers: [0], mtp: auto}   #  patch-config | verify
+      - id: kv
+        op: calibrate-kv
+        input: hybrid                     # a source name or an earlier step id
+        with: {samples: 4, seq_len: 512}
+      - {id: patched, op: patch-config, input: kv, with: {fixes: [router-ignore, mtp-ignore]}}
+      - {id: check, op: verify, input: patched, with: {engine: both, tp: 4}}
+
+Inputs of a step are named in `input` (one) or, for assemble, in `with.nvfp4` / `with.bf16`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+
+from qtool.errors import QtoolError
+
+
+class BuildRecipeError(QtoolError):
+    """A build recipe that cannot be used (YAML, unknown keys, bad references)."""
+
+    exit_code = 2
+
+
+class Op(str, Enum):
+    DOWNLOAD = "download"
+    QUANTIZE = "quantize"
+    CONVERT = "convert"
+    ASSEMBLE = "assemble"
+    CALIBRATE_KV = "calibrate-kv"
+    PATCH_CONFIG = "patch-config"
+    VERIFY = "verify"
+
+
+class SourceKind(str, Enum):
+    HUB = "hub"
+    PATH = "path"
+    BUILTIN = "builtin"
+
+
+BUILTINS = ("tiny-bf16", "tiny-bf16-fused", "tiny-nvfp4-modelopt", "tiny-nvfp4-modelopt-nomtp", "tiny-nvfp4-ct")
+
+# Which `with` keys each op accepts, and which of them name inputs (sources or earlier steps).
+OP_KEYS: dict[Op, tuple[set[str], set[str]]] = {
+    Op.DOWNLOAD: ({"include", "tensors"}, set()),
+    Op.QUANTIZE: ({"recipe", "backend", "format", "samples", "seq_len", "dataset", "device"}, set()),
+    Op.CONVERT: ({"to"}, set()),
+    Op.ASSEMBLE: ({"nvfp4", "bf16", "bf16_expert_layers", "mtp", "link", "max_shard_size"}, {"nvfp4", "bf16"}),
+    Op.CALIBRATE_KV: ({"samples", "seq_len", "dataset", "device", "overwrite"}, set()),
+    Op.PATCH_CONFIG: ({"fixes", "ignore_add", "ignore_remove", "yarn", "original_max_position",
+                       "sampling_defaults"}, set()),
+    Op.VERIFY: ({"engine", "tp", "gpus", "max_model_len", "max_num_seqs", "kv_cache_dtype", "mtp", "deep"}, set()),
+}
+_ID = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
+
+
+@dataclass(frozen=True)
+class Source:
+    name: str
+    kind: SourceKind
+    ref: str  # repo id, path or builtin name
+    revision: str | None = None
+    tensors: str | None = None  # hub only: "assemble" -> fetch only what the consuming assemble step needs
+
+    def to_json(self) -> dict:
+        d = {"kind": self.kind.value, "ref": self.ref}
+        if self.revision:
+            d["revision"] = self.revision
+        if self.tensors:
+            d["tensors"] = self.tensors
+        return d
+
+
+@dataclass(frozen=True)
+class Step:
+    id: str
+    op: Op
+    inputs: tuple[str, ...]  # source names / step ids, in a fixed order
+    params: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"id": self.id, "op": self.op.value, "inputs": list(self.inputs), "with": self.params}
+
+
+@dataclass
+class BuildRecipe:
+    name: str
+    description: str
+    sources: dict[str, Source]
+    steps: list[Step]
+    path: str | None = None
+
+    def step(self, sid: str) -> Step:
+        return next(s for s in self.steps if s.id == sid)
+
+    @property
+    def artifact_step(self) -> Step:
+        """The last step that produces a checkpoint (verify only reports)."""
+        for s in reversed(self.steps):
+            if s.op is not Op.VERIFY:
+                return s
+        raise BuildRecipeError("the recipe has no step that produces an artifact", path=self.path)
+
+
+def _err(msg: str, path: str | None, **kw) -> BuildRecipeError:
+    return BuildRecipeError(msg, path=path, **kw)
+
+
+def parse_build_recipe(data: object, *, path: str | None = None) -> BuildRecipe:
+    if not isinstance(data, dict):
+        raise _err("a build recipe is a YAML mapping", path)
+    unknown = set(data) - {"name", "description", "sources", "steps"}
+    if unknown:
+        raise _err(f"unknown top-level key(s): {', '.join(sorted(unknown))}", path,
+                   expected="name, description, sources, steps")
+    name = data.get("name")
+    if not isinstance(name, str) or not _ID.match(name):
+        raise _err("`name` must be a lower-case identifier (it names the output directory)", path, got=name)
+    srcs = data.get("sources") or {}
+    if not isinstance(srcs, dict) or not srcs:
+        raise _err("`sources` must map names to {hub|path|builtin: ...}", path)
+    sources: dict[str, Source] = {}
+    for sname, s in srcs.items():
+        sources[sname] = _source(str(sname), s, path)
+    raw_steps = data.get("steps") or []
+    if not isinstance(raw_steps, list) or not raw_steps:
+        raise _err("`steps` must be a non-empty list", path)
+    steps: list[Step] = []
+    known = set(sources)
+    for i, st in enumerate(raw_steps):
+        steps.append(_step(i, st, known, path))
+        if steps[-1].id in known:
+            raise _err(f"step id {steps[-1].id!r} is already used by a source or step", path)
+        known.add(steps[-1].id)
+    for s in sources.values():
+        if s.tensors == "assemble" and not any(
+            st.op is Op.ASSEMBLE and st.params.get("bf16") == s.name for st in steps
+        ):
+            raise _err(f"source {s.name!r} has `tensors: assemble` but no assemble step takes it as bf16", path)
+    rec = BuildRecipe(name, str(data.get("description") or ""), sources, steps, path)
+    rec.artifact_step  # noqa: B018 - validates
+    return rec
+
+
+def _source(name: str, s: object, path: str | None) -> Source:
+    if not isinstance(s, dict):
+        raise _err(f"source {name!r} must be a mapping", path)
+    kinds = [k for k in ("hub", "path", "builtin") if k in s]
+    if len(kinds) != 1:
+        raise _err(f"source {name!r} needs exactly one of hub / path / builtin", path, got=sorted(s))
+    kind = SourceKind(kinds[0])
+    unknown = set(s) - {kinds[0], "revision", "tensors"}
+    if unknown:
+        raise _err(f"source {name!r}: unknown key(s) {', '.join(sorted(unknown))}", path)
+    ref = str(s[kinds[0]])
+    if kind is SourceKind.BUILTIN and ref not in BUILTINS:
+        raise _err(f"source {name!r}: unknown builtin", path, got=ref, expected=", ".join(BUILTINS))
+    if kind is not SourceKind.HUB and ("revision" in s or "tensors" in s):
+        raise _err(f"source {name!r}: revision/tensors only apply to hub sources", path)
+    if kind is SourceKind.HUB:
+        from qtool.hub.resolve import parse_spec
+
+        parse_spec(ref, require_prefix=False)
+    tensors = s.get("tensors")
+    if tensors not in (None, "assemble"):
+        raise _err(f"source {name!r}: tensors must be 'assemble'", path, got=tensors)
+    rev = s.get("revision")
+    return Source(name, kind, ref, None if rev is None else str(rev), tensors)
+
+
+def _step(i: int, st: object, known: set[str], path: str | None) -> Step:
+    if not isinstance(st, dict):
+        raise _err(f"step {i} must be a mapping", path)
+    unknown = set(st) - {"id", "op", "input", "with"}
+    if unknown:
+        raise _err(f"step {i}: unknown key(s) {', '.join(sorted(unknown))}", path, expected="id, op, input, with")
+    sid = st.get("id")
+    if not isinstance(sid, str) or not _ID.match(sid):
+        raise _err(f"step {i}: `id` must be a lower-case identifier", path, got=sid)
+    try:
+        op = Op(st.get("op"))
+    except ValueError:
+        raise _err(f"step {sid!r}: unknown op", path, got=st.get("op"), expected=", ".join(o.value for o in Op)) from None
+    params = st.get("with") or {}
+    if not isinstance(params, dict):
+        raise _err(f"step {sid!r}: `with` must be a mapping", path)
+    allowed, input_keys = OP_KEYS[op]
+    bad = set(params) - allowed
+    if bad:
+        raise _err(f"step {sid!r} ({op.value}): unknown option(s) {', '.join(sorted(bad))}", path,
+                   expected=", ".join(sorted(allowed)))
+    if input_keys:
+        if "input" in st:
+            raise _err(f"step {sid!r}: {op.value} names its inputs in `with` ({', '.join(sorted(input_keys))})", path)
+        inputs = tuple(str(params.get(k)) for k in sorted(input_keys))
+        missing = [k for k in sorted(input_keys) if k not in params]
+        if missing:
+            raise _err(f"step {sid!r}: missing input(s) {', '.join(missing)}", path)
+    else:
+        if "input" not in st:
+            raise _err(f"step {sid!r}: `input` (a source or an earlier step) is required", path)
+        inputs = (str(st["input"]),)
+    for ref in inputs:
+        if ref not in known:
+            raise _err(f"step {sid!r}: input {ref!r} is neither a source nor an earlier step", path,
+                       expected=", ".join(sorted(known)))
+    return Step(sid, op, inputs, dict(params))
+
+
+def load_build_recipe(path: str | Path) -> BuildRecipe:
+    import yaml
+
+    p = Path(path)
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise BuildRecipeError("build recipe not found", path=p) from None
+    except yaml.YAMLError as e:
+        raise BuildRecipeError(f"build recipe is not valid YAML: {e}", path=p) from None
+    return parse_build_recipe(data, path=str(p))

@@ -1,0 +1,178 @@
+"""Resolve sources to identities and compute every step's content key (no data is read or written)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from qtool.build_recipes import BuildRecipe, Op, Source, SourceKind, Step
+from qtool.errors import UsageError
+
+STEP_MARKER = "qtool-step.json"
+OVERRIDE_ENV = "QTOOL_BUILD_SOURCES"  # "name=path,name=path": replace recipe sources by local dirs
+
+
+def canonical(obj) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def sha(obj) -> str:
+    return hashlib.sha256(canonical(obj).encode()).hexdigest()
+
+
+@dataclass
+class ResolvedSource:
+    source: Source
+    identity: dict
+    key: str
+    path: Path | None  # local directory, when known without downloading
+    overridden: bool = False
+
+    def to_json(self) -> dict:
+        return {**self.source.to_json(), "identity": self.identity, "key": self.key,
+                "path": str(self.path) if self.path else None, "overridden": self.overridden}
+
+
+@dataclass
+class StepPlan:
+    step: Step
+    key: str
+    dir: Path
+    cached: bool
+    input_keys: list[str]
+    validation: dict | None = None  # what the op's own plan() said (dry run)
+
+    @property
+    def state(self) -> str:
+        return "cached" if self.cached else "run"
+
+    def to_json(self) -> dict:
+        return {**self.step.to_json(), "key": self.key, "dir": str(self.dir), "state": self.state,
+                "input_keys": self.input_keys, "validation": self.validation}
+
+
+@dataclass
+class BuildPlan:
+    recipe: BuildRecipe
+    out: Path
+    work: Path
+    sources: dict[str, ResolvedSource]
+    steps: list[StepPlan]
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def final_key(self) -> str:
+        return next(s.key for s in self.steps if s.step.id == self.recipe.artifact_step.id)
+
+    def to_json(self) -> dict:
+        return {"recipe": self.recipe.name, "recipe_path": self.recipe.path, "out": str(self.out),
+                "work": str(self.work), "sources": {n: s.to_json() for n, s in self.sources.items()},
+                "steps": [s.to_json() for s in self.steps], "final_key": self.final_key,
+                "warnings": self.warnings}
+
+
+def parse_overrides(items: list[str] | None, env: str | None = None) -> dict[str, Path]:
+    out: dict[str, Path] = {}
+    raw = [x for x in (env or os.environ.get(OVERRIDE_ENV, "")).split(",") if x.strip()] + list(items or [])
+    for item in raw:
+        name, sep, path = item.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise UsageError("a source override is NAME=PATH", got=item, hint="e.g. --source bf16=/models/bf16")
+        out[name.strip()] = Path(path.strip())
+    return out
+
+
+def dir_fingerprint(root: Path) -> dict:
+    """Cheap identity of a local directory: every file's relative name, size and mtime (no hashing)."""
+    files = []
+    for p in sorted(root.rglob("*")):
+        if p.is_file() and not p.name.startswith("."):
+            st = p.stat()
+            files.append([str(p.relative_to(root)), st.st_size, st.st_mtime_ns])
+    return {"files": len(files), "digest": sha(files)}
+
+
+def builtin_path(name: str) -> Path:
+    from qtool.fixtures.tiny import FixtureCache
+    from qtool.ops.manifest import cache_dir
+
+    fixture = name.removeprefix("tiny-").replace("-", "_")
+    return FixtureCache(cache_dir() / "fixtures").path(fixture)
+
+
+def resolve_source(src: Source, override: Path | None, *, token: str | None = None) -> ResolvedSource:
+    if override is not None:
+        if not override.exists():
+            raise UsageError(f"override for source {src.name!r} does not exist", path=override)
+        ident = {"kind": "path", "path": str(override.resolve()), **dir_fingerprint(override),
+                 "stands_for": src.to_json()}
+        return ResolvedSource(src, ident, sha(ident), override, overridden=True)
+    if src.kind is SourceKind.PATH:
+        p = Path(src.ref).expanduser()
+        if not p.exists():
+            raise UsageError(f"source {src.name!r}: path does not exist", path=p)
+        ident = {"kind": "path", "path": str(p.resolve()), **dir_fingerprint(p)}
+        return ResolvedSource(src, ident, sha(ident), p)
+    if src.kind is SourceKind.BUILTIN:
+        from qtool.fixtures.tiny import FIXTURE_VERSION
+
+        ident = {"kind": "builtin", "name": src.ref, "fixture_version": FIXTURE_VERSION}
+        return ResolvedSource(src, ident, sha(ident), builtin_path(src.ref))
+    from qtool.hub.download import repo_listing
+    from qtool.hub.resolve import parse_spec
+
+    spec = parse_spec(src.ref + (f"@{src.revision}" if src.revision else ""), require_prefix=False)
+    listing = repo_listing(spec, token=token)
+    ident = {"kind": "hub", "repo": spec.repo_id, "revision": spec.revision, "commit": listing.commit,
+             "tensors": src.tensors}
+    return ResolvedSource(src, ident, sha(ident), None)
+
+
+def plan(recipe: BuildRecipe, *, out: Path | None = None, overrides: dict[str, Path] | None = None,
+         token: str | None = None, validate: bool = False) -> BuildPlan:
+    from qtool import __version__
+
+    overrides = overrides or {}
+    unknown = set(overrides) - set(recipe.sources)
+    if unknown:
+        raise UsageError(f"override for unknown source(s): {', '.join(sorted(unknown))}",
+                         expected=", ".join(sorted(recipe.sources)))
+    out = out or Path("build") / recipe.name
+    work = out.with_name(out.name + ".build")
+    sources = {n: resolve_source(s, overrides.get(n), token=token) for n, s in recipe.sources.items()}
+    keys: dict[str, str] = {n: s.key for n, s in sources.items()}
+    steps: list[StepPlan] = []
+    for st in recipe.steps:
+        ins = [keys[i] for i in st.inputs]
+        key = sha({"op": st.op.value, "with": st.params, "inputs": ins, "qtool": __version__})
+        d = work / "steps" / f"{st.id}-{key[:12]}"
+        cached = _finished(d, key)
+        keys[st.id] = key
+        steps.append(StepPlan(st, key, d, cached, ins))
+    bp = BuildPlan(recipe, out, work, sources, steps)
+    if validate:
+        from qtool.ops.build.steps import validate_step
+
+        for sp in steps:
+            sp.validation = validate_step(bp, sp)
+    return bp
+
+
+def _finished(d: Path, key: str) -> bool:
+    try:
+        return json.loads((d / STEP_MARKER).read_text()).get("key") == key
+    except (OSError, ValueError):
+        return False
+
+
+def input_path(bp: BuildPlan, ref: str) -> Path | None:
+    """Where a source or step output is (None: a hub source not yet materialized / step not yet run)."""
+    if ref in bp.sources:
+        return bp.sources[ref].path
+    sp = next(s for s in bp.steps if s.step.id == ref)
+    if sp.step.op is Op.VERIFY:
+        return input_path(bp, sp.step.inputs[0])
+    return sp.dir if (sp.dir / STEP_MARKER).exists() else None

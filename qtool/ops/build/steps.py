@@ -1,0 +1,258 @@
+"""One function per build op, dispatched by an explicit table. Each runner writes the step's output into
+`dir` (created by the op itself, atomically) and returns a small JSON report; validators call the op's own
+plan() (headers and configs only) for `--dry-run`. Ops whose module is not installed fail with a clear
+error naming the module."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+from qtool.build_recipes import Op, SourceKind
+from qtool.errors import PlanError, VerificationError
+from qtool.ops.build.plan import STEP_MARKER, BuildPlan, StepPlan, input_path
+
+# Tensor patterns `assemble hybrid` takes from the BF16 side (ops/assemble/plan.py: shared experts and their
+# gate, the routed experts of `bf16_expert_layers`, and the MTP head for mtp=from-bf16/auto).
+SHARED_EXPERT_PATTERNS = ["*.mlp.shared_expert.*", "*.mlp.shared_expert_gate.*"]
+
+
+def op_module(op: Op, module: str):
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name and module.startswith(e.name):
+            raise PlanError(f"build op {op.value!r} is not available in this qtool ({module} is missing)",
+                            hint="update qtool, or remove the step from the recipe") from None
+        raise
+
+
+def assemble_bf16_patterns(params: dict) -> list[str]:
+    pats = list(SHARED_EXPERT_PATTERNS)
+    for layer in params.get("bf16_expert_layers") or []:
+        pats.append(f"*.layers.{int(layer)}.mlp.experts.*")
+    if params.get("mtp", "auto") in ("auto", "from-bf16"):
+        pats.append("mtp.*")
+    return pats
+
+
+def materialize(bp: BuildPlan, ref: str, *, for_assemble: dict | None = None, token: str | None = None,
+                progress: bool = False) -> Path:
+    """A local directory for an input: sources are downloaded/fetched here (hub), steps must have run."""
+    p = input_path(bp, ref)
+    if p is not None:
+        return p
+    if ref not in bp.sources:
+        raise PlanError(f"input {ref!r} has not been built", hint="run without --dry-run")
+    rs = bp.sources[ref]
+    src = rs.source
+    assert src.kind is SourceKind.HUB
+    from qtool.hub.resolve import HubSpec
+
+    spec = HubSpec(src.ref, rs.identity["commit"])
+    if src.tensors == "assemble" and for_assemble is not None:
+        from qtool.hub.download import repo_listing
+        from qtool.hub.remote_safetensors import TensorFetchOptions, fetch_tensors, plan_fetch
+        from qtool.hub.resolve import subset_dir
+
+        pats = assemble_bf16_patterns(for_assemble)
+        listing = repo_listing(spec, token=token)
+        out = subset_dir(spec.repo_id, listing.commit, pats)
+        if not (out / "model.safetensors.index.json").exists():
+            fp = plan_fetch(listing, TensorFetchOptions(names=pats), token=token)
+            fetch_tensors(fp, out, resume=True, token=token, progress=progress)
+        rs.path = out
+        return out
+    from qtool.hub.download import snapshot
+
+    rs.path = snapshot(spec, token=token, progress=progress)
+    return rs.path
+
+
+# ---- runners ---------------------------------------------------------------------------------------
+
+
+def _assemble_opts(bp: BuildPlan, sp: StepPlan, out: Path, **kw):
+    from qtool.io.writer import parse_size
+    from qtool.ops.assemble import HybridOptions, LinkMode, MtpMode
+
+    p = sp.step.params
+    nv = materialize(bp, p["nvfp4"], **kw)
+    bf = materialize(bp, p["bf16"], for_assemble=p, **kw)
+    mss = p.get("max_shard_size")
+    return HybridOptions(nvfp4=nv, bf16=bf, out=out, bf16_expert_layers=tuple(int(x) for x in p.get("bf16_expert_layers") or ()),
+                         mtp=MtpMode(p.get("mtp", "auto")), link=LinkMode(p.get("link", "auto")),
+                         max_shard_size=parse_size(str(mss)) if mss is not None else None)
+
+
+def run_assemble(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
+    from qtool.ops.assemble import assemble_hybrid
+
+    opts = _assemble_opts(bp, sp, sp.dir, token=ctx.get("token"), progress=ctx.get("progress", False))
+    _, result = assemble_hybrid(opts, force=True, resume=ctx.get("resume", False), command=ctx.get("command"))
+    return result.to_json()
+
+
+def run_calibrate_kv(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
+    mod = op_module(Op.CALIBRATE_KV, "qtool.ops.calibrate_kv")
+    src = materialize(bp, sp.step.inputs[0], token=ctx.get("token"))
+    p = sp.step.params
+    rep = mod.run(src, out=sp.dir, dataset=p.get("dataset", "builtin"), samples=int(p.get("samples", 4)),
+                  seq_len=int(p.get("seq_len", 512)), device=p.get("device", "cpu"),
+                  overwrite=bool(p.get("overwrite", False)), resume=ctx.get("resume", False))
+    return {"layers": rep.get("layers"), "warnings": rep.get("warnings"), "calibration": rep.get("calibration")}
+
+
+def _link_tree(src: Path, dst: Path) -> None:
+    for p in sorted(src.rglob("*")):
+        rel = p.relative_to(src)
+        if rel.name == STEP_MARKER or any(part.startswith(".") for part in rel.parts):
+            continue
+        t = dst / rel
+        if p.is_dir():
+            t.mkdir(parents=True, exist_ok=True)
+            continue
+        t.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(os.path.realpath(p), t)
+        except OSError:
+            shutil.copyfile(p, t)
+
+
+def run_patch_config(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
+    from qtool.io.atomic_dir import commit_output, prepare_output
+
+    mod = op_module(Op.PATCH_CONFIG, "qtool.ops.patch_config")
+    src = materialize(bp, sp.step.inputs[0], token=ctx.get("token"))
+    partial = prepare_output(sp.dir, force=True)
+    _link_tree(src, partial)
+    p = sp.step.params
+    # configs are rewritten atomically (temp file + rename: a new inode), so the hard links to the
+    # input's files are never modified
+    plan = mod.plan(partial, fixes=[mod.Fix(f) for f in p.get("fixes", [])],
+                    ignore_add=p.get("ignore_add", []), ignore_remove=p.get("ignore_remove", []),
+                    yarn=p.get("yarn"), original_max_position=p.get("original_max_position"),
+                    sampling_defaults=bool(p.get("sampling_defaults", False)))
+    written = mod.apply(plan)
+    commit_output(partial, sp.dir)
+    return {"fixes": [r.__dict__ for r in plan.results], "written": written}
+
+
+def _verify_opts(p: dict):
+    mod = op_module(Op.VERIFY, "qtool.ops.verify")
+    return mod, mod.VerifyOptions(**{k: v for k, v in p.items()})
+
+
+def run_verify(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
+    mod, opts = _verify_opts(sp.step.params)
+    src = materialize(bp, sp.step.inputs[0], token=ctx.get("token"))
+    rep = mod.verify(src, opts)
+    out = rep.to_json()
+    if not rep.ok:
+        errs = rep.errors()
+        raise VerificationError(f"verify step {sp.step.id!r}: {len(errs)} error(s)", path=src,
+                                got="; ".join(getattr(e, "message", str(e)) for e in errs[:3]),
+                                hint=f"see `qtool verify {src}` for the fixes")
+    return {"ok": out["ok"], "findings": len(out["findings"])}
+
+
+def run_quantize(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
+    mod = op_module(Op.QUANTIZE, "qtool.ops.quantize")
+    from qtool.recipes import load_recipe
+
+    p = sp.step.params
+    src = materialize(bp, sp.step.inputs[0], token=ctx.get("token"))
+    rep = mod.run(src, out=sp.dir, recipe=load_recipe(p["recipe"]), dataset=p.get("dataset", "builtin"),
+                  samples=int(p.get("samples", 16)), seq_len=int(p.get("seq_len", 512)),
+                  device=p.get("device", "cpu"), resume=ctx.get("resume", False), force=True)
+    return rep if isinstance(rep, dict) else {"result": str(rep)}
+
+
+def run_convert(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
+    mod = op_module(Op.CONVERT, "qtool.ops.convert")
+    src = materialize(bp, sp.step.inputs[0], token=ctx.get("token"))
+    rep = mod.run(src, out=sp.dir, **sp.step.params)
+    return rep if isinstance(rep, dict) else {"result": str(rep)}
+
+
+def run_download(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
+    ref = sp.step.inputs[0]
+    if ref not in bp.sources or bp.sources[ref].source.kind is not SourceKind.HUB or bp.sources[ref].overridden:
+        src = materialize(bp, ref)
+        from qtool.io.atomic_dir import commit_output, prepare_output
+
+        partial = prepare_output(sp.dir, force=True)
+        _link_tree(src, partial)
+        commit_output(partial, sp.dir)
+        return {"linked_from": str(src)}
+    from qtool.hub.resolve import HubSpec
+    from qtool.ops import download as dl
+
+    rs = bp.sources[ref]
+    p = sp.step.params
+    opts = dl.DownloadOptions(spec=HubSpec(rs.source.ref, rs.identity["commit"]), out=sp.dir,
+                              include=list(p.get("include", [])), tensors=list(p.get("tensors", [])),
+                              token=ctx.get("token"), force=True, resume=ctx.get("resume", False))
+    rep = dl.run(dl.plan(opts), progress=ctx.get("progress", False))
+    return {"commit": rep.get("commit"), "bytes": rep.get("bytes")}
+
+
+RUNNERS: dict[Op, Callable[[BuildPlan, StepPlan, dict], dict]] = {
+    Op.DOWNLOAD: run_download,
+    Op.QUANTIZE: run_quantize,
+    Op.CONVERT: run_convert,
+    Op.ASSEMBLE: run_assemble,
+    Op.CALIBRATE_KV: run_calibrate_kv,
+    Op.PATCH_CONFIG: run_patch_config,
+    Op.VERIFY: run_verify,
+}
+
+
+# ---- dry-run validation ----------------------------------------------------------------------------
+
+
+def validate_step(bp: BuildPlan, sp: StepPlan) -> dict:
+    """Run the op's own plan() where its inputs are already local; otherwise say what it waits for."""
+    st = sp.step
+    waiting = [i for i in st.inputs if input_path(bp, i) is None]
+    if sp.cached:
+        return {"status": "cached"}
+    if waiting:
+        return {"status": "waits", "for": waiting}
+    if st.op is Op.ASSEMBLE:
+        from qtool.ops.assemble import plan_hybrid
+
+        hp = plan_hybrid(_assemble_opts(bp, sp, sp.dir))
+        return {"status": "planned", "shards": len(hp.shards), "mtp": hp.mtp_action,
+                "bf16_tensors": sum(1 for s in hp.shards for t in s.tensors if t.origin.source == "bf16"),
+                "warnings": hp.warnings}
+    src = input_path(bp, st.inputs[0])
+    if st.op is Op.PATCH_CONFIG:
+        mod = op_module(Op.PATCH_CONFIG, "qtool.ops.patch_config")
+        p = st.params
+        pp = mod.plan(src, fixes=[mod.Fix(f) for f in p.get("fixes", [])], ignore_add=p.get("ignore_add", []),
+                      ignore_remove=p.get("ignore_remove", []), yarn=p.get("yarn"),
+                      original_max_position=p.get("original_max_position"),
+                      sampling_defaults=bool(p.get("sampling_defaults", False)))
+        return {"status": "planned", "fixes": [r.__dict__ for r in pp.results]}
+    if st.op is Op.VERIFY:
+        mod, opts = _verify_opts(st.params)
+        rep = mod.verify(src, opts)
+        return {"status": "planned", "ok": rep.ok, "errors": len(rep.errors())}
+    if st.op is Op.CALIBRATE_KV:
+        mod = op_module(Op.CALIBRATE_KV, "qtool.ops.calibrate_kv")
+        kp = mod.plan(src, out=sp.dir, samples=int(st.params.get("samples", 4)),
+                      seq_len=int(st.params.get("seq_len", 512)), overwrite=bool(st.params.get("overwrite", False)))
+        return {"status": "planned", "layers": kp.layers, "changes": kp.changes}
+    if st.op is Op.QUANTIZE:
+        mod = op_module(Op.QUANTIZE, "qtool.ops.quantize")
+        from qtool.recipes import load_recipe
+
+        mod.plan(src, out=sp.dir, recipe=load_recipe(st.params["recipe"]))
+        return {"status": "planned"}
+    if st.op is Op.CONVERT:
+        op_module(Op.CONVERT, "qtool.ops.convert")
+    return {"status": "ready"}
