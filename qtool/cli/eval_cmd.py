@@ -1,0 +1,105 @@
+"""qtool eval kld --ref REF [--test TEST] [--dataset D] [--windows N] [--seq-len L] [--stride S]
+[--device DEV] [--save-ref OUT] [--emit-windows FILE.jsonl] [--tokenizer DIR] [--json] [--quiet]
+
+REF / TEST are each a checkpoint directory (run in-process, layer-streamed), an engine dump directory
+(0.safetensors, 1.safetensors, ... with `log_probs` [positions, vocab]) or, for REF only, a compact
+reference written by --save-ref."""
+
+from __future__ import annotations
+
+from qtool.cli.common import add_json_flag, eprint, human_bytes, print_json
+from qtool.errors import UsageError
+
+
+def add_arguments(p) -> None:
+    sub = p.add_subparsers(dest="what", metavar="WHAT")
+    k = sub.add_parser("kld", help="KL divergence of a test model from a reference, per token position",
+                       description="KLD(ref || test) per token position: mean, median, p95, p99, max, top-1 "
+                       "agreement. REF/TEST: checkpoint dir (in-process), engine dump dir, or (REF) a "
+                       "compact reference from --save-ref.")
+    k.add_argument("--ref", help="reference: checkpoint, dump directory or compact reference")
+    k.add_argument("--test", help="model under test: checkpoint or dump directory")
+    k.add_argument("--dataset", default="builtin",
+                   help="`builtin`, FILE.txt or FILE.jsonl (`text` per line); tokenized as calibrate-kv does")
+    k.add_argument("--windows", type=int, default=4, help="number of token windows (default 4)")
+    k.add_argument("--seq-len", type=int, default=512, help="tokens per window (default 512)")
+    k.add_argument("--stride", type=int, default=None,
+                   help="sliding windows: window i starts at i*STRIDE (default: non-overlapping = calibrate-kv's)")
+    k.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    k.add_argument("--tokenizer", default=None,
+                   help="directory with the tokenizer (default: the first checkpoint among --ref/--test)")
+    k.add_argument("--save-ref", metavar="OUT", help="write the reference's log-probs compactly to OUT/")
+    k.add_argument("--topk", type=int, default=256, help="compact reference: exact top-k per position (256)")
+    k.add_argument("--samples", type=int, default=256,
+                   help="compact reference: tail tokens sampled per position (256)")
+    k.add_argument("--seed", type=int, default=0, help="compact reference: sampling seed (0)")
+    k.add_argument("--emit-windows", metavar="FILE.jsonl",
+                   help="write the windows as /v1/completions request bodies (one JSON per line)")
+    k.add_argument("--model-name", default=None, help="`model` field of the emitted requests")
+    k.add_argument("--chunk", type=int, default=256, help="positions per log-prob chunk (memory bound; 256)")
+    k.add_argument("--work-dir", default=None, help="where large hidden states are spilled (default: $TMPDIR)")
+    k.add_argument("--overwrite", action="store_true", help="replace an existing --save-ref OUT")
+    k.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_json_flag(k)
+
+
+def run(args) -> int:
+    if args.what != "kld":
+        raise UsageError("say what to evaluate: `qtool eval kld ...`")
+    if not (args.device == "cpu" or args.device == "cuda" or args.device.startswith("cuda:")):
+        raise UsageError("--device must be cpu, cuda or cuda:N", got=args.device)
+    if args.test is None and not args.save_ref and not args.emit_windows:
+        raise UsageError("nothing to do: give --test, --save-ref or --emit-windows")
+    from qtool.ops.kld import RESULT_KEYS, KldOptions, run as kld_run
+
+    opts = KldOptions(dataset=args.dataset, windows=args.windows, seq_len=args.seq_len, stride=args.stride,
+                      device=args.device, tokenizer=args.tokenizer, chunk=args.chunk, topk=args.topk,
+                      samples=args.samples, seed=args.seed, work_dir=args.work_dir, overwrite=args.overwrite)
+    bars: dict = {}
+    progress = None
+    if not (args.quiet or args.json):
+        from tqdm import tqdm
+
+        def progress(what, done, total):
+            bar = bars.get(what)
+            if bar is None:
+                bar = bars[what] = tqdm(desc=what, total=total, unit="")
+            bar.update(done - bar.n)
+
+    try:
+        rep = kld_run(args.ref, args.test, opts=opts, save_ref=args.save_ref, emit_windows=args.emit_windows,
+                      model_name=args.model_name, progress=progress)
+    finally:
+        for bar in bars.values():
+            bar.close()
+    if args.json:
+        print_json({k: rep.result[k] for k in RESULT_KEYS} if rep.result else rep.to_json())
+        return 0
+    if rep.emitted:
+        e = rep.emitted
+        print(f"wrote {e['requests']} /v1/completions requests ({e['seq_len']} tokens each, "
+              f"stride {e['stride'] or e['seq_len']}) -> {e['path']}  [tokens {e['token_digest']}]")
+    if rep.ref:
+        print(f"ref   {rep.ref['path']} ({rep.ref['kind']}, vocab {rep.ref['vocab']})")
+    if rep.test:
+        print(f"test  {rep.test['path']} ({rep.test['kind']}, vocab {rep.test['vocab']})")
+    if rep.result:
+        r = rep.result
+        print(f"  {r['positions']} positions in {rep.windows} windows"
+              + (f" [tokens {rep.token_digest}]" if rep.token_digest else ""))
+        print("      mean     median        p95        p99        max   top-1 agree")
+        print(f"  {r['mean']:>8.6f} {r['median']:>10.6f} {r['p95']:>10.6f} {r['p99']:>10.6f} "
+              f"{r['max']:>10.4f}   {100 * r['top1_agreement']:>9.2f} %")
+    if rep.saved_ref:
+        s = rep.saved_ref
+        print(f"saved compact reference -> {s['path']}: {human_bytes(s['tensor_bytes'])} vs "
+              f"{human_bytes(s['full_float32_bytes'])} float32 full-vocab ({s['size_ratio']:.0f}x smaller; "
+              f"top-{s['topk']} + {s['samples']} tail samples)")
+        if "check" in s:
+            c = s["check"]
+            print(f"  check: compact mean KLD {c['compact_mean']:.6g} vs exact {c['exact_mean']:.6g} "
+                  f"({100 * c['relative_error']:+.3f} %)")
+    print(f"  {rep.seconds:.1f} s")
+    for w in rep.warnings:
+        eprint(f"warning: {w}")
+    return 0

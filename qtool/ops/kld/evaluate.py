@@ -1,0 +1,304 @@
+"""`eval kld`: KLD(ref || test) per token position over deterministic token windows.
+
+plan -> validate -> execute: `open_sources` + `check` read configs, headers and dump shapes only (and
+the tokenizer, to make the windows); `evaluate` runs the in-process forwards and walks the windows chunk
+by chunk; `save_ref` writes the compact reference through `<out>.partial/`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from qtool.errors import PlanError, UsageError
+from qtool.ops.kld import compact as C
+from qtool.ops.kld.sources import META, CheckpointSource, CompactSource, Kind, open_source
+
+RESULT_KEYS = ("mean", "median", "p95", "p99", "max", "top1_agreement", "positions")
+
+
+@dataclass
+class KldOptions:
+    dataset: str = "builtin"
+    windows: int = 4
+    seq_len: int = 512
+    stride: int | None = None
+    device: str = "cpu"
+    dtype: str | None = None
+    tokenizer: str | None = None  # directory with the tokenizer (default: the first checkpoint given)
+    chunk: int = 256  # positions per log-prob chunk
+    topk: int = C.DEFAULT_TOPK
+    samples: int = C.DEFAULT_SAMPLES
+    seed: int = C.DEFAULT_SEED
+    work_dir: str | None = None
+    overwrite: bool = False
+
+
+@dataclass
+class KldReport:
+    result: dict | None = None
+    ref: dict | None = None
+    test: dict | None = None
+    windows: int = 0
+    seq_len: int | None = None
+    stride: int | None = None
+    token_digest: str | None = None
+    emitted: dict | None = None
+    saved_ref: dict | None = None
+    seconds: float = 0.0
+    warnings: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {k: getattr(self, k) for k in ("result", "ref", "test", "windows", "seq_len", "stride",
+                                              "token_digest", "emitted", "saved_ref", "seconds", "warnings")}
+
+
+def summarize(kl, top1) -> dict:
+    """The reported statistics of per-position KLD values `kl` [P] and top-1 matches `top1` [P] (bool)."""
+    import numpy as np
+
+    a = kl.double().cpu().numpy()
+    if a.size == 0:
+        raise PlanError("no positions to compare")
+    q = np.quantile(a, [0.5, 0.95, 0.99])  # linear interpolation, as torch.quantile
+    return {
+        "mean": float(a.mean()),
+        "median": float(q[0]),
+        "p95": float(q[1]),
+        "p99": float(q[2]),
+        "max": float(a.max()),
+        "top1_agreement": float(top1.double().mean()),
+        "positions": int(a.size),
+    }
+
+
+def _describe(src) -> dict:
+    d = {"path": str(src.path), "kind": src.kind.value, "vocab": src.vocab}
+    if src.kind is Kind.COMPACT:
+        d["method"] = src.meta.get("method")
+    return d
+
+
+def run(
+    ref: str | None,
+    test: str | None = None,
+    *,
+    opts: KldOptions | None = None,
+    save_ref: str | None = None,
+    emit_windows: str | None = None,
+    model_name: str | None = None,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> KldReport:
+    import torch
+
+    o = opts or KldOptions()
+    t0 = time.time()
+    rep = KldReport(stride=o.stride)
+    if ref is None and not (emit_windows and o.tokenizer):
+        raise UsageError("--ref is required (or --emit-windows with --tokenizer)")
+    if save_ref and ref is None:
+        raise UsageError("--save-ref needs --ref")
+    srcs = {}
+    try:
+        for role, path in (("ref", ref), ("test", test)):
+            if path is not None:
+                srcs[role] = open_source(path, device=o.device, dtype=o.dtype, work_dir=o.work_dir)
+        r, t = srcs.get("ref"), srcs.get("test")
+        if t is not None and t.kind is Kind.COMPACT:
+            raise UsageError("the test side must give full log-probs (a checkpoint or a dump)", path=t.path,
+                             hint="a compact reference can only be --ref")
+        if save_ref and r.kind is Kind.COMPACT:
+            raise UsageError("--ref is already a compact reference", path=r.path)
+        if save_ref and Path(save_ref).exists() and not o.overwrite:
+            raise UsageError("--save-ref output exists", path=save_ref, hint="pass --overwrite or another path")
+        if o.chunk < 1 or o.topk < 1 or o.samples < 0:
+            raise UsageError("--chunk and --topk must be >= 1, --samples >= 0")
+
+        # -- windows ------------------------------------------------------------------------------
+        ckpts = [s for s in srcs.values() if s.kind is Kind.CHECKPOINT]
+        ids = None
+        if ckpts or emit_windows:
+            tok_dir = o.tokenizer or (str(ckpts[0].path) if ckpts else None)
+            if tok_dir is None:
+                raise UsageError("--emit-windows needs a tokenizer: pass --tokenizer DIR or a checkpoint")
+            from qtool.ops.calib_data import token_digest
+            from qtool.ops.kld.windows import token_windows
+
+            ids = token_windows(tok_dir, o.dataset, o.windows, o.seq_len, o.stride)
+            rep.token_digest = token_digest(ids)
+            rep.seq_len = o.seq_len
+        if emit_windows:
+            from qtool.ops.kld.windows import emit_requests
+
+            n = emit_requests(ids, emit_windows, model_name or (Path(ref).name if ref else "model"))
+            rep.emitted = {"path": str(emit_windows), "requests": n, "seq_len": o.seq_len,
+                           "stride": o.stride, "token_digest": rep.token_digest}
+        if r is None or (t is None and not save_ref):
+            return rep
+
+        # -- validate ---------------------------------------------------------------------------
+        for s in srcs.values():
+            if s.kind is Kind.COMPACT and ids is not None:
+                d = s.meta.get("token_digest")
+                if d and d != rep.token_digest:
+                    raise PlanError("the compact reference was made from other token windows", path=s.path,
+                                    expected=d, got=rep.token_digest,
+                                    hint=f"use the windows it was saved with: --dataset {s.meta.get('dataset')} "
+                                    f"--windows {s.meta.get('windows')} --seq-len {s.meta.get('seq_len')} "
+                                    f"--stride {s.meta.get('stride')}")
+        for s in srcs.values():
+            if s.kind is Kind.CHECKPOINT:
+                s.prepare(ids, progress=(lambda i, s=s: progress(f"layers {s.path.name}", i + 1, s.streamer.num_layers))
+                          if progress else None)
+        counts = {role: s.windows for role, s in srcs.items()}
+        if len(set(counts.values())) != 1:
+            raise PlanError("ref and test have different numbers of windows", expected=counts.get("ref"),
+                            got=counts.get("test"),
+                            hint="dumps must hold one file per emitted request; match --windows to them")
+        n = counts["ref"]
+        rep.windows = n
+        if t is not None:
+            if isinstance(r, CheckpointSource) and isinstance(t, CheckpointSource):
+                r._load_head()
+                t._load_head()
+            for s in (r, t):
+                if isinstance(s, CheckpointSource) and s._head is None:
+                    s._load_head()
+            if r.vocab != t.vocab:
+                raise PlanError("ref and test vocabularies differ", expected=r.vocab, got=t.vocab,
+                                hint="both sides must dump the full vocabulary (no TP padding columns)")
+        rep.ref = _describe(r)
+        rep.test = _describe(t) if t is not None else None
+
+        # -- execute ----------------------------------------------------------------------------
+        saver = _RefSaver(save_ref, o, r, rep) if save_ref else None
+        if saver is not None:
+            saver.ids = ids
+        kls, top1s, est = [], [], []
+        for w in range(n):
+            rows = r.rows(w) if t is None else min(r.rows(w), t.rows(w))
+            if t is not None and r.rows(w) != t.rows(w) and not rep.warnings:
+                rep.warnings.append(f"window {w}: ref has {r.rows(w)} positions, test {t.rows(w)}; "
+                                    f"compared the first {rows} (vLLM dumps lack the last prompt position)")
+            parts = []
+            for r0 in range(0, rows, o.chunk):
+                r1 = min(rows, r0 + o.chunk)
+                lq = t.logprobs(w, r0, r1) if t is not None else None
+                if r.kind is Kind.COMPACT:
+                    cc = r.compact(w, r0, r1)
+                    kl, _lower = C.kl_compact(cc, lq)
+                    ref_top = cc.top_idx[:, 0].to(lq.device, torch.long)
+                else:
+                    lp = r.logprobs(w, r0, r1)
+                    if saver is not None:
+                        parts.append(saver.encode(w, lp))
+                    if lq is None:
+                        continue
+                    kl = C.kl_full(lp, lq)
+                    ref_top = lp.argmax(-1)
+                    if saver is not None:
+                        est.append(C.kl_compact(parts[-1], lq)[0].cpu())
+                kls.append(kl.cpu())
+                top1s.append((ref_top == lq.argmax(-1)).cpu())
+            if saver is not None:
+                saver.write(w, parts, rows)
+            if progress:
+                progress("windows", w + 1, n)
+        if saver is not None:
+            rep.saved_ref = saver.commit()
+            if est:
+                exact = torch.cat(kls).double().mean().item()
+                approx = torch.cat(est).double().mean().item()
+                rep.saved_ref["check"] = {"exact_mean": exact, "compact_mean": approx,
+                                          "relative_error": (approx - exact) / exact if exact else 0.0}
+        if t is not None:
+            rep.result = summarize(torch.cat(kls), torch.cat(top1s))
+        return rep
+    finally:
+        for s in srcs.values():
+            s.close()
+        rep.seconds = time.time() - t0
+
+
+class _RefSaver:
+    """Writes the compact reference window by window into `<out>.partial/`, then renames."""
+
+    def __init__(self, out: str, o: KldOptions, src, rep: KldReport):
+        import torch
+
+        from qtool.io.atomic_dir import prepare_output
+
+        self.out = Path(out)
+        self.o = o
+        self.vocab = src.vocab
+        self.partial = prepare_output(self.out, force=o.overwrite)
+        self.rows: list[int] = []
+        self.rep = rep
+        self.nbytes = 0
+        self.gen = torch.Generator(device="cpu")
+        self._window: int | None = None
+        self.ids = None
+
+    def encode(self, w: int, lp):
+        # Reseeded at each window's first chunk: a window's samples depend on (seed, window, --chunk) only.
+        if getattr(self, "_window", None) != w:
+            self._window = w
+            self.gen.manual_seed(self.o.seed * 1_000_003 + w)
+        if self.vocab is None or self.vocab != lp.shape[-1]:
+            self.vocab = int(lp.shape[-1])
+        return C.encode(lp, self.o.topk, self.o.samples, self.gen)
+
+    def write(self, w: int, parts: list, rows: int) -> None:
+        import torch
+        from safetensors.torch import save_file
+
+        names = ("top_idx", "top_logp", "tail_logmass", "smp_idx", "smp_logp")
+        tensors = {k: torch.cat([p.tensors()[k] for p in parts]).contiguous() for k in names}
+        f = self.partial / f"{w}.safetensors"
+        save_file(tensors, str(f))
+        self.nbytes += sum(t.numel() * t.element_size() for t in tensors.values())
+        self.rows.append(rows)
+
+    def commit(self) -> dict:
+        from qtool.io.atomic_dir import commit_output
+        from qtool.io.jsonio import write_json
+
+        positions = sum(self.rows)
+        full = positions * self.vocab * 4
+        meta = {
+            "format": "qtool-kld-compact",
+            "method": C.METHOD,
+            "topk": self.o.topk,
+            "samples": self.o.samples,
+            "seed": self.o.seed,
+            "vocab": self.vocab,
+            "windows": len(self.rows),
+            "rows": self.rows,
+            "dataset": self.o.dataset,
+            "seq_len": self.rep.seq_len,
+            "stride": self.o.stride,
+            "token_digest": self.rep.token_digest,
+            "tensor_bytes": self.nbytes,
+            "full_float32_bytes": full,
+            "size_ratio": full / self.nbytes if self.nbytes else None,
+        }
+        if self.ids is not None:
+            import torch
+            from safetensors.torch import save_file
+
+            # The token windows themselves, so that a later --emit-windows / check can use them.
+            save_file({"input_ids": self.ids.to(torch.int32).contiguous()}, str(self.partial / "tokens.safetensors"))
+        write_json(self.partial / META, meta)
+        commit_output(self.partial, self.out)
+        return {"path": str(self.out), **{k: meta[k] for k in ("method", "topk", "samples", "windows",
+                                                                "tensor_bytes", "full_float32_bytes", "size_ratio")}}
+
+
+def load_meta(path) -> dict:
+    return json.loads((Path(path) / META).read_text())
+
+
+__all__ = ["KldOptions", "KldReport", "RESULT_KEYS", "run", "summarize", "CompactSource"]

@@ -1,0 +1,175 @@
+"""`qtool eval kld`: in-process (layer-streamed) numbers against a full transformers forward of both
+models, dump mode against in-process, sliding windows, identical windows to calibrate-kv, --emit-windows."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_calibrate_kv_support import dense_text_model, fixture_dir
+
+from qtool.cli.main import main
+from qtool.errors import PlanError, UsageError
+from qtool.ops.calib_data import build_calib_set
+from qtool.ops.kld import RESULT_KEYS, KldOptions, run
+from qtool.ops.kld.windows import token_windows
+
+N, L = 2, 24
+
+
+def oracle_logprobs(ckpt, ids):
+    """Full-model forward (transformers Qwen3_5MoeTextModel, all layers resident) + lm_head, float32
+    log_softmax: [N, L, V]."""
+    from qtool.ops.dequant import load_param
+    from qtool.ops.layer_stream import LayerStreamer
+
+    model = dense_text_model(ckpt)
+    w = load_param(LayerStreamer(ckpt).mm, "lm_head.weight", torch.bfloat16)
+    with torch.no_grad():
+        h = model(input_ids=ids).last_hidden_state
+        return torch.log_softmax((h @ w.T).float(), dim=-1)
+
+
+def direct_stats(lp, lq):
+    """The reported statistics computed directly: torch full-vocabulary KL per position."""
+    kl = F.kl_div(lq.reshape(-1, lq.shape[-1]), lp.reshape(-1, lp.shape[-1]), log_target=True,
+                  reduction="none").sum(-1).double()
+    top1 = (lp.argmax(-1) == lq.argmax(-1)).reshape(-1)
+    return {
+        "mean": kl.mean().item(), "median": kl.quantile(0.5).item(), "p95": kl.quantile(0.95).item(),
+        "p99": kl.quantile(0.99).item(), "max": kl.max().item(),
+        "top1_agreement": top1.double().mean().item(), "positions": kl.numel(),
+    }
+
+
+def assert_stats_close(got: dict, want: dict, rel=1e-4):
+    assert got["positions"] == want["positions"]
+    assert got["top1_agreement"] == pytest.approx(want["top1_agreement"], abs=1e-12)
+    for k in ("mean", "median", "p95", "p99", "max"):
+        assert got[k] == pytest.approx(want[k], rel=rel, abs=1e-12), k
+
+
+def write_dump(dir_, logp, rows=None):
+    """Dump in the upstream SGLang capture format: <i>.safetensors with `log_probs` [positions, vocab]."""
+    from safetensors.torch import save_file
+
+    dir_.mkdir(parents=True, exist_ok=True)
+    for i in range(logp.shape[0]):
+        t = logp[i] if rows is None else logp[i, :rows]
+        save_file({"log_probs": t.contiguous()}, str(dir_ / f"{i}.safetensors"))
+    return dir_
+
+
+@pytest.fixture(scope="module")
+def pair(request):
+    ref = fixture_dir(request, "tiny_bf16")
+    test = fixture_dir(request, "tiny_nvfp4_modelopt")
+    ids = build_calib_set(ref, "builtin", N, L).ids
+    return ref, test, ids, oracle_logprobs(ref, ids), oracle_logprobs(test, ids)
+
+
+@pytest.fixture(scope="module")
+def inproc(pair):
+    ref, test, *_ = pair
+    return run(str(ref), str(test), opts=KldOptions(windows=N, seq_len=L, chunk=10))
+
+
+def test_windows_identical_to_calibrate_kv(pair):
+    ref, _test, ids, *_ = pair
+    assert torch.equal(token_windows(ref, "builtin", N, L), ids)
+    # sliding: the same token stream, cut every `stride` tokens; window 0 = calibrate-kv's window 0
+    stream = build_calib_set(ref, "builtin", 1, 3 * 7 + L).ids[0]
+    sl = token_windows(ref, "builtin", 4, L, stride=7)
+    assert sl.shape == (4, L)
+    for i in range(4):
+        assert torch.equal(sl[i], stream[7 * i: 7 * i + L])
+    assert torch.equal(sl[0], ids[0])
+    with pytest.raises(PlanError, match="at stride"):
+        token_windows(ref, "builtin", 10**6, L, stride=7)
+
+
+def test_inprocess_equals_full_transformers_forward(pair, inproc):
+    *_, lp, lq = pair
+    assert set(inproc.result) == set(RESULT_KEYS)
+    want = direct_stats(lp, lq)
+    assert want["mean"] > 0 and want["top1_agreement"] < 1.0  # the pair really differs
+    assert_stats_close(inproc.result, want)
+    assert inproc.windows == N and inproc.token_digest
+
+
+def test_inprocess_same_model_is_zero(pair):
+    ref, *_ = pair
+    rep = run(str(ref), str(ref), opts=KldOptions(windows=1, seq_len=L))
+    assert rep.result["max"] == 0.0 and rep.result["top1_agreement"] == 1.0
+
+
+def test_dump_mode_equals_inprocess(pair, inproc, tmp_path):
+    *_, lp, lq = pair
+    rd = write_dump(tmp_path / "ref", lp)
+    td = write_dump(tmp_path / "test", lq)
+    rep = run(str(rd), str(td), opts=KldOptions())
+    assert rep.ref["kind"] == "dump" and rep.test["kind"] == "dump"
+    assert_stats_close(rep.result, inproc.result)
+    # mixed: checkpoint reference against a dumped test
+    mixed = run(str(pair[0]), str(td), opts=KldOptions(windows=N, seq_len=L))
+    assert_stats_close(mixed.result, inproc.result)
+    # float16 dumps (the older upstream capture) are read too
+    h = write_dump(tmp_path / "ref16", lp.half())
+    assert run(str(h), str(td)).result["positions"] == N * L
+
+
+def test_vllm_style_dump_has_one_row_less(pair, tmp_path):
+    *_, lp, lq = pair
+    td = write_dump(tmp_path / "test", lq, rows=L - 1)  # vLLM prompt logprobs: positions 0..L-2
+    rep = run(str(pair[0]), str(td), opts=KldOptions(windows=N, seq_len=L))
+    assert rep.result["positions"] == N * (L - 1)
+    assert rep.warnings and "first 23" in rep.warnings[0]
+    assert_stats_close(rep.result, direct_stats(lp[:, : L - 1], lq[:, : L - 1]))
+
+
+def test_sliding_windows_inprocess(pair):
+    ref, test, *_ = pair
+    ids = token_windows(ref, "builtin", 3, 16, stride=5)
+    rep = run(str(ref), str(test), opts=KldOptions(windows=3, seq_len=16, stride=5))
+    assert_stats_close(rep.result, direct_stats(oracle_logprobs(ref, ids), oracle_logprobs(test, ids)))
+
+
+def test_dump_window_count_mismatch(pair, tmp_path):
+    *_, lp, lq = pair
+    rd = write_dump(tmp_path / "ref", lp)
+    td = write_dump(tmp_path / "test", lq[:1])
+    with pytest.raises(PlanError, match="numbers of windows"):
+        run(str(rd), str(td))
+    (tmp_path / "bad").mkdir()
+    write_dump(tmp_path / "bad", lq)
+    (tmp_path / "bad" / "0.safetensors").unlink()
+    with pytest.raises(Exception, match="numbered 0..N-1"):
+        run(str(rd), str(tmp_path / "bad"))
+
+
+def test_emit_windows(pair, tmp_path):
+    ref, _test, ids, *_ = pair
+    out = tmp_path / "req.jsonl"
+    rc = main(["eval", "kld", "--tokenizer", str(ref), "--windows", str(N), "--seq-len", str(L),
+               "--emit-windows", str(out), "--model-name", "m", "--json"])
+    assert rc == 0
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [x["prompt"] for x in lines] == ids.tolist()
+    assert lines[0]["max_tokens"] == 1 and lines[0]["echo"] is True and lines[0]["logprobs"] == 1
+    assert lines[0]["model"] == "m"
+
+
+def test_cli_json_and_usage_errors(pair, tmp_path, capsys):
+    *_, lp, lq = pair
+    rd = write_dump(tmp_path / "ref", lp)
+    td = write_dump(tmp_path / "test", lq)
+    assert main(["eval", "kld", "--ref", str(rd), "--test", str(td), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert tuple(got) == RESULT_KEYS
+    assert_stats_close(got, direct_stats(lp, lq))
+    assert main(["eval", "kld", "--ref", str(rd)]) == 2  # nothing to do
+    assert main(["eval", "kld", "--ref", str(tmp_path / "nope"), "--test", str(td)]) == 2
+    with pytest.raises(UsageError):
+        run(str(rd), str(tmp_path / "nope"))
