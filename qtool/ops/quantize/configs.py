@@ -47,7 +47,7 @@ def awq_not_convert(mm: ModelMap) -> list[str]:
     mods = linear_modules(mm)
     q = [m for m, f in mods.items() if f in QUANTIZED_FORMATS]
     unq = sorted(m for m, f in mods.items() if f is Format.BF16)
-    cands = ("model.visual", "mtp.", "lm_head", "linear_attn", "self_attn", "shared_expert_gate", "shared_expert.",
+    cands = ("visual.", "mtp", "lm_head", "linear_attn", "self_attn", "shared_expert_gate", "shared_expert.",
              "mlp.gate")
     out: list[str] = []
     for m in unq:
@@ -55,7 +55,7 @@ def awq_not_convert(mm: ModelMap) -> list[str]:
             continue
         pick = next((c for c in cands if c in m and not any(c in x for x in q)), None)
         if pick is None and ".mlp.experts." in m:
-            unit = m.partition(".mlp.experts.")[0] + ".mlp.experts."
+            unit = m.partition(".mlp.experts.")[0] + ".mlp.experts"
             pick = unit if not any(unit in x for x in q) else m
         out.append(pick or m)
     return out

@@ -257,7 +257,7 @@ def plan(
             else:
                 specs += expert_specs(prefix, e, s, fmt, hidden, inter, recipe.int4.group_size)
         full = idx in mm.full_attention
-        if full and recipe.kv_cache is KvCache.FP8:
+        if full and recipe.kv_cache is KvCache.FP8 and fmt is not OutFormat.AWQ:
             specs += [Spec(n, "F32", ()) for n in kv_scale_names(prefix, fmt)]
         layers.append(LayerPlan(idx, s, full, specs, LAYER_SHARD.format(idx)))
     layer_pre = tuple(layer_prefix(i, mm.naming) for i in range(mm.num_layers))
@@ -273,7 +273,8 @@ def plan(
     if not any(n.startswith("mtp.") for n in ckpt.tensors):
         warnings.append("the source has no mtp.* head; the output has none either (speculative decoding needs it)")
     if fmt is OutFormat.AWQ and recipe.kv_cache is KvCache.FP8:
-        warnings.append("AutoAWQ configs: vLLM's AWQ method loads no KV scales; they are written for SGLang/CT readers")
+        warnings.append("AutoAWQ form: no KV scales written (the awq config has no kv_cache_scheme and vLLM's AWQ "
+                        "method loads none); use --format compressed-tensors for FP8 KV scales")
     keep = awq_rows if (scheme is Scheme.W4A16 and recipe.int4.awq) else 0
     return QuantizePlan(ckpt, mm, recipe, backend, fmt, outp, layers, rest, n_exp, inter, hidden, samples,
                         seq_len, dataset, device, streamer.plan(samples, seq_len), keep, warnings)
