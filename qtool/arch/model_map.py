@@ -24,7 +24,9 @@ from qtool.arch.qwen35 import (
     layer_types,
 )
 from qtool.io.checkpoint import Checkpoint
-from qtool.io.dtypes import FLOAT_DTYPES, FP8_DTYPES
+from qtool.formats.naming import REQUIRED_PARAMS as CODEC_REQUIRED_PARAMS
+from qtool.formats.naming import QuantFormat, detect_format
+from qtool.io.dtypes import FLOAT_DTYPES
 from qtool.io.safetensors_header import TensorInfo
 
 
@@ -39,34 +41,38 @@ class Format(str, Enum):
 
 QUANTIZED_FORMATS = frozenset({Format.NVFP4, Format.NVFP4_CT, Format.FP8, Format.AWQ, Format.INT4_CT})
 
-# The scale tensors each quantized format needs next to its packed weight.
+# qtool.formats.naming knows every storage format by its parameter names and dtypes; the architecture
+# map only distinguishes what the engines and the operations act on.
+_FROM_CODEC: dict[QuantFormat, Format] = {
+    QuantFormat.BF16: Format.BF16,
+    QuantFormat.FP16: Format.BF16,
+    QuantFormat.FP32: Format.BF16,
+    QuantFormat.NVFP4: Format.NVFP4,
+    QuantFormat.NVFP4_CT: Format.NVFP4_CT,
+    QuantFormat.FP8: Format.FP8,
+    QuantFormat.FP8_BLOCK: Format.FP8,
+    QuantFormat.AWQ: Format.AWQ,
+    QuantFormat.INT4_CT: Format.INT4_CT,
+}
+
+# The tensors each quantized format needs next to its packed weight.
 REQUIRED_PARAMS: dict[Format, tuple[str, ...]] = {
-    Format.NVFP4: ("weight", "weight_scale", "weight_scale_2"),
-    Format.NVFP4_CT: ("weight_packed", "weight_scale", "weight_global_scale"),
-    Format.FP8: ("weight", "weight_scale"),
-    Format.AWQ: ("qweight", "qzeros", "scales"),
-    Format.INT4_CT: ("weight_packed", "weight_scale"),
+    fmt: tuple(sorted(CODEC_REQUIRED_PARAMS[q]))
+    for q, fmt in _FROM_CODEC.items()
+    if fmt in QUANTIZED_FORMATS and q is not QuantFormat.FP8_BLOCK  # per-tensor FP8 is the base form
 }
 
 
 def module_format(params: dict[str, TensorInfo]) -> Format | None:
     """Storage format of one module's weight matrix, from its parameter names and dtypes; None for
     modules without a matrix (norms, biases, A_log, scalars)."""
-    if "weight_packed" in params:
-        return Format.INT4_CT if params["weight_packed"].dtype == "I32" else Format.NVFP4_CT
-    if "qweight" in params:
-        return Format.AWQ
     w = params.get("weight")
     # Only 2-D weights are Linears an engine may quantize (conv1d [C,1,K] and the vision patch
     # embedding's 5-D conv weight are not).
-    if w is not None and len(w.shape) == 2:
-        if w.dtype == "U8":  # packed E2M1 pairs: the only U8 Linear weights in these checkpoints
-            return Format.NVFP4
-        if w.dtype in FP8_DTYPES:
-            return Format.FP8
-        if w.dtype in FLOAT_DTYPES:
-            return Format.BF16
+    if w is not None and len(w.shape) != 2:
         return None
+    if w is not None or "weight_packed" in params or "qweight" in params:
+        return _FROM_CODEC.get(detect_format({k: t.dtype for k, t in params.items()}))
     for p in FUSED_EXPERT_PARAMS:  # fused 3-D routed experts: experts.gate_up_proj / experts.down_proj
         t = params.get(p)
         if t is not None and len(t.shape) == 3 and t.dtype in FLOAT_DTYPES:

@@ -72,6 +72,7 @@ class QuantSummary:
     hf_exclude: list[str] | None
     kv_cache_scheme: dict | None
     kv_cache_quant_algo: str | None
+    config_groups: int | None = None  # compressed-tensors: number of weight schemes (0: KV cache only)
 
     @property
     def effective_ignore(self) -> list[str] | None:
@@ -81,6 +82,14 @@ class QuantSummary:
     @property
     def quantized(self) -> bool:
         return self.quant_method is not None or self.hf_quant_algo is not None
+
+    @property
+    def weights_quantized(self) -> bool:
+        """False for KV-cache-only configs (llm-compressor's `format: dense` with `config_groups: {}`):
+        the engines then quantize no Linear at all, whatever `ignore` says."""
+        if self.quant_method == "compressed-tensors" and self.config_groups == 0:
+            return False
+        return self.quantized
 
     def to_json(self) -> dict:
         return {
@@ -120,4 +129,5 @@ def summarize(config: dict | None, hq: dict | None) -> QuantSummary:
         hf_exclude=hf_quant_exclude(hq),
         kv_cache_scheme=qc.get("kv_cache_scheme"),
         kv_cache_quant_algo=kv_algo,
+        config_groups=len(qc["config_groups"]) if isinstance(qc.get("config_groups"), dict) else None,
     )

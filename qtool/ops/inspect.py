@@ -190,7 +190,7 @@ def _config_file_disagreement(summary: QuantSummary) -> list[Problem]:
 
 def _config_vs_tensors(mm: ModelMap, summary: QuantSummary) -> list[Problem]:
     """Modules whose tensors are BF16 but that an engine would treat as quantized, and the reverse."""
-    if not summary.quantized:
+    if not summary.weights_quantized:
         return []
     from qtool.engines.decide import unit_decisions
 

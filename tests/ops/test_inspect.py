@@ -134,3 +134,13 @@ def test_cli_json_is_one_object(s35):
         assert key in obj
     r = subprocess.run([sys.executable, "-m", "qtool", "inspect", str(s35)], capture_output=True, text=True)
     assert r.returncode == 0 and "problems: none" in r.stdout and "expert layout  per_expert" in r.stdout
+
+
+def test_kv_cache_only_bf16_checkpoint_is_clean(tmp_path):
+    """llm-compressor's KV-cache-only form (format dense, config_groups {}) quantizes no Linear, so
+    BF16 modules missing from `ignore` are not a problem."""
+    ck = build_sparse(tmp_path / "kvonly", model="35b", flavour="bf16-per-expert", kv_scales=True, vision=False)
+    rep = inspect_checkpoint(ck)
+    assert rep["quantization"]["quant_method"] == "compressed-tensors"
+    assert rep["kv_scales"]["naming"] == "compressed-tensors" and rep["kv_scales"]["calibrated"]
+    assert rep["problems"] == []
