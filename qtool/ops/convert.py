@@ -1,0 +1,202 @@
+"""`qtool convert`: lossless conversion between the two NVFP4 checkpoint flavours.
+
+ModelOpt <-> compressed-tensors (formats doc sections 3-4; compressed-tensors' own converter
+compressed_tensors/entrypoints/convert/converters/modelopt_nvfp4.py does the same rename + reciprocal):
+  weight            <-> weight_packed          (same bytes)
+  weight_scale      <-> weight_scale           (same bytes)
+  weight_scale_2 [] <-> weight_global_scale [1]  = 1 / x  (float32)
+  input_scale []    <-> input_global_scale [1]   = 1 / x
+  self_attn.k_proj.k_scale / v_proj.v_scale <-> self_attn.k_scale / v_scale   (same value)
+  config.json quantization_config (+ hf_quant_config.json for ModelOpt) rewritten; ignore lists from
+  qtool.engines.decide.ignore_patterns_for on the output's tensors.
+Shards holding none of the renamed tensors are hardlinked (copied across filesystems); the others are
+rewritten by byte-range copies, only the global scales are new bytes.
+
+Round trip: float32 1/(1/x) != x for ~13% of values, so the conversion records the original scalars
+(float32 bits) and the original quantization configs in `qtool-convert.json`. Converting back restores
+them (only where 1/original still equals the stored value, i.e. the tensor was not changed since), so
+ModelOpt -> CT -> ModelOpt (and CT -> ModelOpt -> CT) is bit-identical in every tensor and config. Engines
+ignore the extra file.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+from enum import Enum
+from pathlib import Path
+
+from qtool.arch.model_map import Format, build_map
+from qtool.arch.qwen35 import Group
+from qtool.errors import PlanError, UsageError
+from qtool.io.atomic_dir import commit_output, prepare_output
+from qtool.io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG_NAME, INDEX_NAME, Checkpoint
+from qtool.io.jsonio import load_json, write_json
+from qtool.io.writer import FileRange, InlineBytes, OutTensor, index_json, write_shard
+
+SIDECAR = "qtool-convert.json"
+
+
+class Flavour(str, Enum):
+    MODELOPT = "modelopt"
+    COMPRESSED_TENSORS = "compressed-tensors"
+
+
+# param renames modelopt -> compressed-tensors; True = value is the float32 reciprocal
+_MO_TO_CT = {"weight": ("weight_packed", False), "weight_scale": ("weight_scale", False),
+             "weight_scale_2": ("weight_global_scale", True), "input_scale": ("input_global_scale", True)}
+_CT_TO_MO = {v[0]: (k, v[1]) for k, v in _MO_TO_CT.items()}
+
+
+def _f32_bits(x: float) -> int:
+    return struct.unpack("<I", struct.pack("<f", x))[0]
+
+
+def _recip(b: bytes) -> bytes:
+    import numpy as np
+
+    v = np.frombuffer(b, dtype=np.float32)[0]
+    return np.float32(np.float32(1.0) / v).tobytes()
+
+
+def detect(mm) -> Flavour:
+    fmts = {m.format for m in mm.modules.values()}
+    if Format.NVFP4 in fmts and Format.NVFP4_CT not in fmts:
+        return Flavour.MODELOPT
+    if Format.NVFP4_CT in fmts and Format.NVFP4 not in fmts:
+        return Flavour.COMPRESSED_TENSORS
+    raise PlanError("not an NVFP4 checkpoint of one flavour", path=mm.ckpt.root,
+                    got=sorted(f.value for f in fmts if f is not None))
+
+
+def _renames(mm, to: Flavour) -> dict[str, tuple[str, bool]]:
+    """source tensor -> (output name, reciprocal?) for every tensor that changes."""
+    table = _MO_TO_CT if to is Flavour.COMPRESSED_TENSORS else _CT_TO_MO
+    want_fmt = Format.NVFP4 if to is Flavour.COMPRESSED_TENSORS else Format.NVFP4_CT
+    out: dict[str, tuple[str, bool]] = {}
+    for m in mm.modules.values():
+        if m.format is want_fmt:
+            for param, info in m.params.items():
+                if param in table:
+                    new, rec = table[param]
+                    out[info.name] = (f"{m.name}.{new}", rec)
+    for name, role in mm.roles.items():
+        if role.group is not Group.KV_SCALE:
+            continue
+        attn = role.module.rsplit(".", 1)[0] if role.module.endswith(("k_proj", "v_proj")) else role.module
+        if to is Flavour.COMPRESSED_TENSORS and role.module.endswith(("k_proj", "v_proj")):
+            out[name] = (f"{attn}.{role.param}", False)
+        elif to is Flavour.MODELOPT and not role.module.endswith(("k_proj", "v_proj")):
+            proj = "k_proj" if role.param == "k_scale" else "v_proj"
+            out[name] = (f"{role.module}.{proj}.{role.param}", False)
+    return out
+
+
+def plan(src: str | Path, *, out: str | Path, to: Flavour) -> dict:
+    ckpt = Checkpoint.open(src, require_config=True)
+    mm = build_map(ckpt)
+    have = detect(mm)
+    if have is to:
+        raise UsageError(f"the checkpoint already is {to.value}", path=ckpt.root)
+    ren = _renames(mm, to)
+    touched = sorted({ckpt.shard_of(n) for n in ren})
+    return {"ckpt": ckpt, "mm": mm, "from": have, "to": to, "renames": ren, "rewrite": touched,
+            "link": sorted(s for s in ckpt.headers if s not in touched), "out": Path(out)}
+
+
+def _link_or_copy(src: Path, dst: Path) -> str:
+    try:
+        os.link(src, dst)
+        return "hardlink"
+    except OSError:
+        shutil.copy2(src, dst)
+        return "copy"
+
+
+def run(src: str | Path, *, out: str | Path, to: Flavour | str, force: bool = False, dry_run: bool = False) -> dict:
+    to = Flavour(to)
+    p = plan(src, out=out, to=to)
+    ckpt = p["ckpt"]
+    report = {"checkpoint": str(ckpt.root), "output": str(p["out"]), "from": p["from"].value, "to": to.value,
+              "renamed_tensors": len(p["renames"]), "rewritten_shards": p["rewrite"], "linked_shards": p["link"]}
+    if dry_run:
+        return report
+    side = None
+    if (ckpt.root / SIDECAR).is_file():
+        side, _ = load_json(ckpt.root / SIDECAR, what=SIDECAR)
+        if side.get("from") != to.value:
+            side = None
+    restore = (side or {}).get("scalars", {})
+    partial = prepare_output(p["out"], force=force)
+    recorded: dict[str, int] = {}
+    ways = set()
+    for s in p["link"]:
+        ways.add(_link_or_copy(ckpt.root / s, partial / s))
+    weight_map = {}
+    for n in ckpt.tensors:
+        weight_map[p["renames"].get(n, (n, False))[0]] = ckpt.shard_of(n)
+    for s in p["rewrite"]:
+        items = []
+        for name, info in sorted(ckpt.headers[s].tensors.items(), key=lambda kv: kv[1].start):
+            new, rec = p["renames"].get(name, (name, False))
+            shape = tuple(info.shape)
+            if new != name and info.dtype == "F32" and len(shape) <= 1 and info.nbytes == 4:
+                # scalar: [] in ModelOpt, [1] in compressed-tensors
+                shape = (1,) if to is Flavour.COMPRESSED_TENSORS and rec else (() if rec else shape)
+            if rec:
+                with open(info.file, "rb") as f:
+                    f.seek(info.start)
+                    old = f.read(4)
+                data = _recip(old)
+                orig = restore.get(new)
+                if orig is not None and _recip(struct.pack("<I", orig)) == old:
+                    data = struct.pack("<I", orig)
+                recorded[name] = struct.unpack("<I", old)[0]
+                items.append(OutTensor(new, info.dtype, shape, InlineBytes(data)))
+            else:
+                items.append(OutTensor(new, info.dtype, shape, FileRange(info.file, info.start, info.end)))
+        write_shard(partial / s, items)
+    total = sum(i.nbytes for i in ckpt.tensors.values())
+    index_style = load_json(ckpt.root / INDEX_NAME)[1] if (ckpt.root / INDEX_NAME).exists() else None
+    write_json(partial / INDEX_NAME, index_json(weight_map, total), index_style)
+    for entry in sorted(ckpt.root.iterdir()):
+        if entry.is_file() and entry.suffix != ".safetensors" and entry.name not in (
+                INDEX_NAME, CONFIG_NAME, HF_QUANT_CONFIG_NAME, SIDECAR):
+            shutil.copy2(entry, partial / entry.name)
+    cfg, style = load_json(ckpt.root / CONFIG_NAME, what="config.json")
+    orig_qc = cfg.get("quantization_config")
+    orig_hq = ckpt.hf_quant_config
+    if side is not None:
+        cfg["quantization_config"] = side["quantization_config"]
+        hq = side.get("hf_quant_config")
+    else:
+        from qtool.ops.manifest import library_versions
+        from qtool.ops.quantize.configs import quant_configs
+        from qtool.recipes import OutFormat, Scheme
+
+        cfg.pop("quantization_config", None)
+        write_json(partial / CONFIG_NAME, cfg, style)
+        mm_out = build_map(Checkpoint.open(partial, require_config=True))
+        versions = library_versions()
+        from qtool import __version__
+
+        versions["qtool"] = __version__
+        fmt = OutFormat.MODELOPT if to is Flavour.MODELOPT else OutFormat.COMPRESSED_TENSORS
+        qc, hq = quant_configs(mm_out, Scheme.NVFP4, fmt, bool(mm_out.kv.layers), 16, versions)
+        cfg["quantization_config"] = qc
+        write_json(partial / SIDECAR, {"from": p["from"].value, "quantization_config": orig_qc,
+                                       "hf_quant_config": orig_hq, "scalars": {
+                                           n: v for n, v in recorded.items()}})
+    write_json(partial / CONFIG_NAME, cfg, style)
+    if hq is not None:
+        write_json(partial / HF_QUANT_CONFIG_NAME, hq, ckpt.hf_quant_style if orig_hq is None else None)
+    from qtool.io.quant_config import summarize
+    from qtool.ops.inspect import find_problems
+
+    c2 = Checkpoint.open(partial, require_config=True)
+    problems = [x.to_json() for x in find_problems(build_map(c2), summarize(c2.config, c2.hf_quant_config))]
+    report["problems"] = problems
+    report["shards_reused_by"] = sorted(ways)
+    commit_output(partial, p["out"])
+    return report
