@@ -1,0 +1,29 @@
+"""qtool convert SRC -o OUT --to modelopt|compressed-tensors [--force] [--dry-run] [--json]"""
+
+from __future__ import annotations
+
+from qtool.cli.common import add_json_flag, print_json
+
+
+def add_arguments(p) -> None:
+    p.add_argument("checkpoint", help="NVFP4 checkpoint (ModelOpt or compressed-tensors)")
+    p.add_argument("-o", "--output", required=True, help="output directory")
+    p.add_argument("--to", required=True, choices=["modelopt", "compressed-tensors"], help="target flavour")
+    p.add_argument("--force", action="store_true", help="replace an existing OUT")
+    p.add_argument("--dry-run", action="store_true", help="print what would change; write nothing")
+    add_json_flag(p)
+
+
+def run(args) -> int:
+    from qtool.ops import convert
+
+    rep = convert.run(args.checkpoint, out=args.output, to=args.to, force=args.force, dry_run=args.dry_run)
+    if args.json:
+        print_json(rep)
+        return 0
+    print(f"{rep['checkpoint']} ({rep['from']}) -> {rep['output']} ({rep['to']})")
+    print(f"  {rep['renamed_tensors']} tensors renamed; rewrites {len(rep['rewritten_shards'])} shard(s), "
+          f"reuses {len(rep['linked_shards'])}")
+    for pr in rep.get("problems", []):
+        print(f"  problem      {pr['code']}: {pr['message']}")
+    return 0

@@ -1,0 +1,89 @@
+"""qtool quantize SRC -o OUT --recipe RECIPE [--backend rtn|modelopt|llmcompressor]
+[--format modelopt|compressed-tensors|awq] [--dataset builtin|FILE] [--samples N] [--seq-len L]
+[--device cpu|cuda[:N]] [--resume] [--force] [--dry-run] [--json]"""
+
+from __future__ import annotations
+
+import sys
+
+from qtool.cli.common import add_json_flag, eprint, human_bytes, print_json
+from qtool.errors import UsageError
+
+
+def add_arguments(p) -> None:
+    p.add_argument("checkpoint", help="BF16 source checkpoint directory")
+    p.add_argument("-o", "--output", required=True, help="output directory (written via OUT.partial/)")
+    p.add_argument("--recipe", required=True, help="shipped recipe name (see recipes/) or a YAML path")
+    p.add_argument("--backend", choices=["rtn", "modelopt", "llmcompressor"], help="default: the recipe's")
+    p.add_argument("--format", choices=["modelopt", "compressed-tensors", "awq"], help="default: the recipe's")
+    p.add_argument("--dataset", default="builtin", help="`builtin`, FILE.txt or FILE.jsonl (`text` per line)")
+    p.add_argument("--samples", type=int, default=16, help="calibration windows (default 16)")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per window (default 512)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--resume", action="store_true", help="continue after the last finished layer")
+    p.add_argument("--force", action="store_true", help="replace an existing OUT")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and memory estimate; write nothing")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_json_flag(p)
+
+
+def run(args) -> int:
+    from qtool.ops import quantize
+    from qtool.recipes import Backend, OutFormat, load_recipe
+
+    if not (args.device == "cpu" or args.device == "cuda" or args.device.startswith("cuda:")):
+        raise UsageError("--device must be cpu, cuda or cuda:N", got=args.device)
+    recipe = load_recipe(args.recipe)
+    bar = None
+    progress = None
+    if not (args.quiet or args.json or args.dry_run):
+        from tqdm import tqdm
+
+        bar = tqdm(desc="layers", unit="layer")
+
+        def progress(idx):
+            bar.update(1)
+
+    try:
+        rep = quantize.run(
+            args.checkpoint, out=args.output, recipe=recipe,
+            backend=Backend(args.backend) if args.backend else None,
+            fmt=OutFormat(args.format) if args.format else None,
+            dataset=args.dataset, samples=args.samples, seq_len=args.seq_len, device=args.device,
+            resume=args.resume, force=args.force, dry_run=args.dry_run, progress=progress,
+            command=" ".join(["qtool", *sys.argv[1:]]),
+        )
+    finally:
+        if bar is not None:
+            bar.close()
+    if args.json:
+        print_json(rep)
+        return 0
+    p = rep["plan"]
+    m = p["memory"]
+    print(f"{p['checkpoint']} -> {p['output']}")
+    print(f"  recipe       {p['recipe']['name']} (backend {p['backend']}, format {p['format']})")
+    schemes = {}
+    for lp in p["layers"]:
+        schemes.setdefault(lp["routed_experts"], []).append(lp["layer"])
+    for s, ls in schemes.items():
+        print(f"  experts      {s}: layers {ls[0]}..{ls[-1]} ({len(ls)})")
+    c = p["calibration"]
+    print(f"  calibration  {c['dataset']}: {c['samples']} x {c['seq_len']} tokens on {p['device']}")
+    print(f"  memory       one layer {human_bytes(m['max_layer_bytes'])}, activations ~{human_bytes(m['activation_bytes'])}, "
+          f"peak RAM ~{human_bytes(m['peak_ram_bytes_estimate'])}; hidden states {human_bytes(m['hidden_bytes'])} x2 on disk")
+    print(f"  output       ~{human_bytes(p['output_bytes'])}")
+    for w in p["warnings"]:
+        print(f"  note         {w}")
+    if args.dry_run:
+        return 0
+    for lr in rep["layers"]:
+        none = lr["experts_without_tokens"]
+        t = lr["tokens_per_expert"]
+        print(f"  layer {lr['layer']:>3} {lr['routed_experts']:>6}: tokens/expert min {min(t)} max {max(t)}"
+              + (f", {len(none)} expert(s) saw none (layer-max input amax used)" if none else ""))
+    o = rep["output"]
+    print(f"wrote {o['shards']} shards, {human_bytes(o['bytes'])} -> {o['output']} in {rep['seconds']:.1f} s")
+    if o["problems"]:
+        eprint(f"problems: {o['problems']}")
+    return 0
