@@ -23,6 +23,9 @@ NVFP4_BLOCK = 16
 # Row-parallel Linears split their INPUT features across TP ranks (RowParallelLinear in vLLM/SGLang
 # models/qwen3_5.py, qwen3_next.py, qwen3_vl.py); column-parallel ones split outputs.
 ROW_PARALLEL_LEAVES = frozenset({"o_proj", "down_proj", "out_proj", "linear_fc2", "proj"})
+# 2-D weights that are not Linears: the vision tower's learned position table is an nn.Embedding
+# (vLLM models/qwen3_vl.py Qwen3_VisionTransformer.pos_embed), never quantized by either engine.
+NOT_LINEAR_SUFFIXES = (".pos_embed",)
 
 
 def _fix_for(unit: str, kind: str, ckpt: str) -> str:
@@ -49,7 +52,7 @@ def decision_findings(
     fl = flavour_of(summary)
     for v in versions:
         eng = str(v)
-        dec = decide(mm, ignore, fl, v)
+        dec = {u: d for u, d in decide(mm, ignore, fl, v).items() if not u.endswith(NOT_LINEAR_SUFFIXES)}
         decisions_by_engine[eng] = {u: ex for u, (ex, _f) in dec.items()}
         counts = {"units": len(dec), "quantized": 0, "excluded": 0, "refused": 0, "errors": 0, "warnings": 0}
         for unit, (excluded, fmt) in sorted(dec.items()):

@@ -26,6 +26,8 @@ def open_checked(path: str | Path) -> tuple[Checkpoint | None, list[Finding]]:
     try:
         return Checkpoint.open(path, require_config=True), []
     except ConfigError as e:
+        if e.path and Path(e.path).name == INDEX_NAME:
+            return None, [error(Code.BAD_INDEX, INDEX_NAME, e.message, "re-download the index")]
         return None, [error(Code.BAD_CONFIG, e.path, e.message, "restore config.json / hf_quant_config.json "
                             "from the source repository")]
     except HeaderError as e:

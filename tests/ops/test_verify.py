@@ -1,0 +1,270 @@
+"""qtool verify: every finding code from a purpose-built broken fixture, clean fixtures ok, engine
+versions changing the verdict, and the CLI exit codes. Tiny fixtures are served at --tp 2 (the tiny
+model has 2 GDN key heads and moe_intermediate 32: TP=4 is a real tp-divisibility error for it)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+
+from qtool.cli.main import main
+from qtool.fixtures.tiny import make_broken
+from qtool.ops.verify import VerifyOptions, verify
+
+TP2 = dict(tp=2)
+
+
+def codes(rep, severity: str | None = "error") -> set[str]:
+    return {f.code.value for f in rep.findings if severity is None or f.severity.value == severity}
+
+
+def copy(src: Path, tmp_path: Path, name: str = "ck") -> Path:
+    dst = tmp_path / name
+    shutil.copytree(src, dst)
+    return dst
+
+
+def edit_tensors(root: Path, change: dict) -> None:
+    """Rewrite the shards holding the named tensors: value None removes, a tensor replaces or adds."""
+    from safetensors.torch import load_file, save_file
+
+    idx_path = root / "model.safetensors.index.json"
+    idx = json.loads(idx_path.read_text())
+    wm = idx["weight_map"]
+    first = sorted(set(wm.values()))[0]
+    shards = {wm.get(n, first) for n in change}
+    for shard in shards:
+        tensors = load_file(str(root / shard))
+        for n, t in change.items():
+            if wm.get(n, first) != shard:
+                continue
+            if t is None:
+                tensors.pop(n, None)
+                wm.pop(n, None)
+            else:
+                tensors[n] = t
+                wm[n] = shard
+        save_file(tensors, str(root / shard), metadata={"format": "pt"})
+    idx_path.write_text(json.dumps(idx, indent=2))
+
+
+def edit_config(root: Path, fn) -> None:
+    for name in ("config.json",):
+        cfg = json.loads((root / name).read_text())
+        fn(cfg["quantization_config"])
+        (root / name).write_text(json.dumps(cfg, indent=2))
+    hq = root / "hf_quant_config.json"
+    if hq.exists():
+        h = json.loads(hq.read_text())
+        body = h.get("quantization", h)
+        lst = body.get("exclude_modules", body.get("ignore"))
+        tmp = {"ignore": lst}
+        fn(tmp)
+        body["exclude_modules" if "exclude_modules" in body else "ignore"] = tmp["ignore"]
+        hq.write_text(json.dumps(h, indent=2))
+
+
+L0 = "model.language_model.layers.0."
+
+
+# ---- clean ----------------------------------------------------------------------------------------
+
+
+def test_clean_modelopt_with_mtp_and_fp8_kv(tiny_nvfp4_modelopt):
+    rep = verify(tiny_nvfp4_modelopt, VerifyOptions(kv_cache_dtype="fp8", mtp=1, **TP2))
+    assert rep.ok, [f.to_json() for f in rep.findings]
+    j = rep.to_json()
+    assert set(j["fit"]) >= {"weights_per_gpu_gib", "kv_bytes_per_token", "state_bytes_per_seq", "max_model_len",
+                             "max_num_seqs", "fits"}
+    assert set(j["engines"]) == {"vllm@0.33.0", "sglang@0.5.23"}
+    assert j["engines"]["vllm@0.33.0"]["quantized"] == 8  # the 8 routed-expert FusedMoE units
+
+
+def test_clean_ct_with_mtp(tiny_nvfp4_ct):
+    rep = verify(tiny_nvfp4_ct, VerifyOptions(mtp=1, **TP2))
+    assert rep.ok, [f.to_json() for f in rep.findings]
+
+
+# ---- structure ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind,code", [
+    ("truncated_shard", "truncated-shard"),
+    ("bad_header", "bad-header"),
+    ("missing_tensor", "missing-tensor"),
+    ("wrong_dtype", "dtype-mismatch"),
+    ("mixed_expert_layout", "mixed-expert-layout"),
+    ("malformed_config", "bad-config"),
+    ("malformed_index", "bad-index"),
+])
+def test_broken_fixtures(tiny_nvfp4_modelopt, tmp_path, kind, code):
+    out = make_broken(tiny_nvfp4_modelopt, tmp_path / kind, kind)
+    rep = verify(out, VerifyOptions(**TP2))
+    assert not rep.ok
+    assert code in codes(rep), [f.to_json() for f in rep.findings]
+    note = json.loads((out / "qtool_broken.json").read_text())
+    if note.get("tensor") and code in ("missing-tensor", "dtype-mismatch"):
+        assert any(f.module and note["tensor"].startswith(f.module) for f in rep.findings if f.code.value == code)
+
+
+def test_shape_mismatch_and_stale_tensor(tiny_nvfp4_modelopt, tmp_path):
+    import torch
+
+    ck = copy(tiny_nvfp4_modelopt, tmp_path)
+    edit_tensors(ck, {
+        L0 + "mlp.shared_expert.gate_proj.weight": torch.zeros(16, 64, dtype=torch.bfloat16),  # [32, 64] expected
+        L0 + "mlp.shared_expert.up_proj.weight_scale": torch.ones(32, 4).to(torch.float8_e4m3fn),  # next to BF16
+    })
+    rep = verify(ck, VerifyOptions(**TP2))
+    by = {f.code.value: f for f in rep.findings}
+    assert by["shape-mismatch"].module == L0 + "mlp.shared_expert.gate_proj.weight"
+    assert by["stale-tensor"].module == L0 + "mlp.shared_expert.up_proj"
+
+
+def test_scale_mismatch(tiny_nvfp4_modelopt, tmp_path):
+    import torch
+
+    ck = copy(tiny_nvfp4_modelopt, tmp_path)
+    edit_tensors(ck, {L0 + "mlp.experts.3.up_proj.weight_scale_2": torch.tensor(0.123, dtype=torch.float32)})
+    rep = verify(ck, VerifyOptions(**TP2))
+    f = [f for f in rep.findings if f.code.value == "scale-mismatch"]
+    assert f and f[0].module == L0 + "mlp.experts.3.gate_proj" and f[0].is_error
+
+
+# ---- engine semantics, versions ------------------------------------------------------------------
+
+
+def test_router_not_ignored_depends_on_vllm_version(tiny_nvfp4_modelopt, tmp_path):
+    ck = copy(tiny_nvfp4_modelopt, tmp_path)
+    edit_config(ck, lambda qc: qc.update(ignore=[p for p in qc["ignore"] if not p.endswith(("mlp.gate",
+                                                                                           "shared_expert_gate"))]))
+    old = verify(ck, VerifyOptions(engine="vllm@0.16", **TP2))
+    new = verify(ck, VerifyOptions(engine="vllm@0.33", **TP2))
+    bad = [f for f in old.findings if f.code.value == "bf16-but-not-ignored"]
+    assert L0 + "mlp.gate" in {f.module for f in bad}  # shared_expert_gate: still matched by `shared_expert*`
+    assert all(f.engine == "vllm@0.16.0" and "--fix router-ignore" in f.fix for f in bad)
+    assert new.ok, [f.to_json() for f in new.findings]
+
+
+def test_sglang_prefix_by_version(tiny_nvfp4_ct):
+    # llm-compressor wrote exact `model.language_model.layers.N...` names: SGLang 0.5.9 builds `model.layers.N`
+    old = verify(tiny_nvfp4_ct, VerifyOptions(engine="sglang@0.5.9", **TP2))
+    assert "bf16-but-not-ignored" in codes(old)
+    assert verify(tiny_nvfp4_ct, VerifyOptions(engine="sglang@0.5.23", **TP2)).ok
+
+
+def test_quantized_but_ignored(tiny_nvfp4_modelopt, tmp_path):
+    ck = copy(tiny_nvfp4_modelopt, tmp_path)
+    edit_config(ck, lambda qc: qc["ignore"].append("*.layers.2.mlp.experts*"))
+    rep = verify(ck, VerifyOptions(**TP2))
+    mods = {(f.module, f.engine) for f in rep.findings if f.code.value == "quantized-but-ignored"}
+    assert mods == {("model.language_model.layers.2.mlp.experts", "vllm@0.33.0"),
+                    ("model.language_model.layers.2.mlp.experts", "sglang@0.5.23")}
+
+
+def test_mtp_not_excluded_by_version_and_mtp_missing(tiny_nvfp4_modelopt, tiny_nvfp4_modelopt_nomtp, tmp_path):
+    ck = copy(tiny_nvfp4_modelopt, tmp_path)
+    edit_config(ck, lambda qc: qc.update(ignore=[p for p in qc["ignore"] if not p.startswith("mtp")]
+                                         + ["mtp.layers*", "mtp.pre_fc*", "mtp.norm"]))
+    old = verify(ck, VerifyOptions(engine="vllm@0.16", mtp=1, **TP2))
+    assert [f.module for f in old.findings if f.code.value == "mtp-not-excluded"] == ["mtp.fc"]
+    assert verify(ck, VerifyOptions(engine="vllm@0.19", mtp=1, **TP2)).ok  # PR 35675/38832: fc forced BF16
+    # without --mtp the drafter is not built: a warning only
+    assert verify(ck, VerifyOptions(engine="vllm@0.16", **TP2)).ok
+    missing = verify(tiny_nvfp4_modelopt_nomtp, VerifyOptions(mtp=2, **TP2))
+    assert codes(missing) == {"mtp-missing"}
+
+
+# ---- serving constraints ---------------------------------------------------------------------------
+
+
+def test_tp_divisibility(tiny_nvfp4_modelopt):
+    rep = verify(tiny_nvfp4_modelopt, VerifyOptions(tp=4))
+    tp = [f for f in rep.findings if f.code.value == "tp-divisibility"]
+    assert "linear_num_key_heads" in {f.module for f in tp}  # 2 GDN key heads over 4 GPUs
+    # routed experts: moe_intermediate 32 / 4 = 8 input features per GPU for down_proj, not a multiple of 16
+    assert L0 + "mlp.experts" in {f.module for f in tp}
+
+
+def test_kv_scales_missing_and_uncalibrated(tiny_nvfp4_ct, tiny_nvfp4_modelopt, tmp_path):
+    import torch
+
+    assert codes(verify(tiny_nvfp4_ct, VerifyOptions(kv_cache_dtype="fp8", **TP2))) == {"kv-scales-missing"}
+    ck = copy(tiny_nvfp4_modelopt, tmp_path)
+    one = torch.tensor(1.0, dtype=torch.float32)
+    change = {}
+    for layer in (3, 7):
+        p = f"model.language_model.layers.{layer}.self_attn."
+        change[p + "k_proj.k_scale"] = one.clone()
+        change[p + "v_proj.v_scale"] = one.clone()
+    edit_tensors(ck, change)
+    assert codes(verify(ck, VerifyOptions(kv_cache_dtype="fp8", **TP2))) == {"kv-scales-uncalibrated"}
+    assert verify(ck, VerifyOptions(kv_cache_dtype="auto", **TP2)).ok  # scales unused with a BF16 cache
+
+
+# ---- deep ------------------------------------------------------------------------------------------
+
+
+def test_deep_clean_and_hash_mismatch(tiny_nvfp4_modelopt, tmp_path):
+    ck = copy(tiny_nvfp4_modelopt, tmp_path)
+    rep = verify(ck, VerifyOptions(deep=True, **TP2))
+    assert rep.ok, [f.to_json() for f in rep.findings]
+    shards = rep.deep["shards"]
+    for name, digest in shards.items():
+        assert digest == hashlib.sha256((ck / name).read_bytes()).hexdigest()
+    names = sorted(shards)
+    # a manifest in the assemble format: shard 0 linked from a source whose recorded sha256 is wrong,
+    # shard 1 with its own (right) digest
+    wm = json.loads((ck / "model.safetensors.index.json").read_text())["weight_map"]
+    t0 = [t for t, s in wm.items() if s == names[0]]
+    man = {"sources": {"nvfp4": {"path": "/src", "files": {names[0]: {"sha256": "0" * 64, "bytes": 1}}}},
+           "shards": {names[0]: {"action": "link", "tensors": {t: {"source": "nvfp4", "file": names[0], "tensor": t}
+                                                               for t in t0}},
+                      names[-1]: {"action": "new", "sha256": shards[names[-1]], "tensors": {}}}}
+    (ck / "qtool-manifest.json").write_text(json.dumps(man))
+    rep = verify(ck, VerifyOptions(deep=True, **TP2))
+    assert [f.module for f in rep.findings if f.code.value == "hash-mismatch"] == [names[0]]
+    assert rep.deep["compared_with_manifest"] == 2
+
+
+def test_deep_numeric_scan(tiny_nvfp4_modelopt, tmp_path):
+    import torch
+
+    ck = copy(tiny_nvfp4_modelopt, tmp_path)
+    w = torch.randn(32, 64).to(torch.bfloat16)
+    w[5, 7] = float("nan")
+    edit_tensors(ck, {
+        L0 + "mlp.shared_expert.gate_proj.weight": w,
+        L0 + "mlp.experts.1.down_proj.input_scale": torch.tensor(0.0, dtype=torch.float32),
+        L0 + "linear_attn.out_proj.weight": torch.zeros(64, 64, dtype=torch.bfloat16),
+    })
+    assert verify(ck, VerifyOptions(**TP2)).ok  # nothing of this is visible without --deep
+    rep = verify(ck, VerifyOptions(deep=True, **TP2))
+    by = {}
+    for f in rep.findings:
+        by.setdefault(f.code.value, set()).add(f.module)
+    assert by["nan-inf"] == {L0 + "mlp.shared_expert.gate_proj.weight"}
+    assert by["scale-out-of-range"] == {L0 + "mlp.experts.1.down_proj.input_scale"}
+    assert by["all-zero"] == {L0 + "linear_attn.out_proj.weight"}
+
+
+# ---- CLI -----------------------------------------------------------------------------------------
+
+
+def test_cli_exit_codes_and_json(tiny_nvfp4_modelopt, tmp_path, capsys):
+    assert main(["verify", str(tiny_nvfp4_modelopt), "--tp", "2", "--json"]) == 0
+    j = json.loads(capsys.readouterr().out)
+    assert j["ok"] is True and j["findings"] == []
+    bad = make_broken(tiny_nvfp4_modelopt, tmp_path / "b", "missing_tensor")
+    assert main(["verify", str(bad), "--tp", "2", "--json"]) == 3
+    j = json.loads(capsys.readouterr().out)
+    f = next(f for f in j["findings"] if f["code"] == "missing-tensor")
+    assert set(f) >= {"code", "severity", "module", "message", "fix"} and f["severity"] == "error"
+    assert main(["verify", str(bad), "--tp", "2"]) == 3
+    assert "missing-tensor" in capsys.readouterr().out
+    assert main(["verify", str(tiny_nvfp4_modelopt), "--engine", "vllm@0.1"]) == 1  # outside the modelled range
