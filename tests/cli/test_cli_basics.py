@@ -12,7 +12,9 @@ def test_help_does_not_import_torch():
     code = (
         "import sys\n"
         "from qtool.cli.main import main\n"
-        "for argv in (['--help'], ['inspect', '--help'], ['patch-config', '--help'], ['assemble', '--help']):\n"
+        "from qtool.cli.main import COMMANDS\n"
+        "extra = [['assemble', 'hybrid', '--help'], ['eval', 'kld', '--help']]\n"
+        "for argv in [['--help']] + [[c, '--help'] for c in COMMANDS] + extra:\n"
         "    try:\n"
         "        main(argv)\n"
         "    except SystemExit:\n"
