@@ -174,7 +174,7 @@ def run_quantize(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
 def run_convert(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
     mod = op_module(Op.CONVERT, "qtool.ops.convert")
     src = materialize(bp, sp.step.inputs[0], token=ctx.get("token"))
-    rep = mod.run(src, out=sp.dir, **sp.step.params)
+    rep = mod.run(src, out=sp.dir, to=mod.Flavour(sp.step.params["to"]), force=True)
     return rep if isinstance(rep, dict) else {"result": str(rep)}
 
 
@@ -254,5 +254,6 @@ def validate_step(bp: BuildPlan, sp: StepPlan) -> dict:
         mod.plan(src, out=sp.dir, recipe=load_recipe(st.params["recipe"]))
         return {"status": "planned"}
     if st.op is Op.CONVERT:
-        op_module(Op.CONVERT, "qtool.ops.convert")
+        mod = op_module(Op.CONVERT, "qtool.ops.convert")
+        return {"status": "planned", **mod.plan(src, out=sp.dir, to=mod.Flavour(st.params["to"]))}
     return {"status": "ready"}

@@ -1,0 +1,227 @@
+"""`qtool build`: recipe schema, content-addressed caching, provenance, shipped recipes planned on sparse
+real-scale stand-ins, and Hub sources against the fake Hub."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from qtool.build_recipes import BuildRecipeError, load_build_recipe, parse_build_recipe
+from qtool.cli.main import main
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+RECIPES = Path(__file__).resolve().parents[2] / "recipes" / "build"
+SMALL = """
+name: small
+sources:
+  nvfp4: {path: NV}
+  bf16: {path: BF}
+steps:
+  - {id: hybrid, op: assemble, with: {nvfp4: nvfp4, bf16: bf16, bf16_expert_layers: [0], mtp: from-bf16}}
+  - {id: patched, op: patch-config, input: hybrid, with: {fixes: [FIX]}}
+  - {id: check, op: verify, input: patched, with: {engine: both, tp: 1}}
+"""
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("QTOOL_CACHE_DIR", str(tmp_path / "qcache"))
+
+
+def _recipe(tmp_path: Path, nv: Path, bf: Path, fix: str = "router-ignore", add: str = "") -> Path:
+    p = tmp_path / "small.yaml"
+    p.write_text(SMALL.replace("NV", str(nv)).replace("BF", str(bf)).replace("FIX", fix))
+    return p
+
+
+def _build(capsys, *args) -> dict:
+    code = main(["build", *map(str, args), "--json"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    return json.loads(out)
+
+
+@pytest.mark.parametrize("bad,needle", [
+    ({"name": "x", "sources": {"a": {"path": "."}}, "steps": [{"id": "s", "op": "nope", "input": "a"}]}, "unknown op"),
+    ({"name": "x", "sources": {"a": {"path": "."}}, "steps": [{"id": "s", "op": "verify", "input": "b"}]},
+     "neither a source nor an earlier step"),
+    ({"name": "x", "sources": {"a": {"path": "."}}, "steps": [{"id": "s", "op": "verify", "input": "a",
+                                                                "with": {"tpp": 4}}]}, "unknown option"),
+    ({"name": "x", "sources": {"a": {"hub": "o/n", "path": "."}}, "steps": []}, "exactly one of"),
+    ({"name": "x", "sources": {"a": {"builtin": "tiny-x"}}, "steps": [{"id": "s", "op": "verify", "input": "a"}]},
+     "unknown builtin"),
+    ({"name": "x", "sources": {"a": {"path": "."}}, "steps": [{"id": "s", "op": "verify", "input": "a"}]},
+     "no step that produces"),
+    ({"name": "x", "sources": {"a": {"hub": "o/n", "tensors": "assemble"}},
+      "steps": [{"id": "s", "op": "patch-config", "input": "a"}]}, "no assemble step"),
+])
+def test_schema_errors(bad, needle):
+    with pytest.raises(BuildRecipeError, match=needle):
+        parse_build_recipe(bad)
+
+
+def test_shipped_recipes_load():
+    names = sorted(p.name for p in RECIPES.glob("*.yaml"))
+    assert len(names) >= 6
+    for p in RECIPES.glob("*.yaml"):
+        r = load_build_recipe(p)
+        assert r.name == p.stem
+
+
+def test_caching_semantics(tmp_path, capsys, tiny_bf16, tiny_nvfp4_modelopt_nomtp):
+    bf = tmp_path / "bf16"
+    shutil.copytree(tiny_bf16, bf)
+    rec = _recipe(tmp_path, tiny_nvfp4_modelopt_nomtp, bf)
+    out = tmp_path / "out"
+    r1 = _build(capsys, rec, "-o", out)
+    assert r1["ran"] == ["hybrid", "patched", "check"] and r1["published"]
+    man = json.loads((out / "qtool-manifest.json").read_text())
+    chain = man["build"]["steps"]
+    assert [s["id"] for s in chain] == ["hybrid", "patched", "check"]
+    assert chain[1]["input_keys"] == [chain[0]["key"]]  # each step is keyed by its upstream output
+    assert man["shards"]  # assemble's per-tensor origins are kept next to the build chain
+    hybrid_dir = next((tmp_path / "out.build" / "steps").glob("hybrid-*"))
+    hybrid_cfg = (hybrid_dir / "config.json").read_text()
+    assert man["build"]["sources"]["bf16"]["identity"]["digest"]
+
+    # nothing changed: everything skipped, output untouched
+    r2 = _build(capsys, rec, "-o", out)
+    assert r2["ran"] == [] and r2["skipped"] == ["hybrid", "patched", "check"] and not r2["published"]
+
+    # a changed step section re-runs that step and everything after it, not before
+    rec = _recipe(tmp_path, tiny_nvfp4_modelopt_nomtp, bf)
+    rec.write_text(rec.read_text().replace("fixes: [router-ignore]", "fixes: [router-ignore], sampling_defaults: true"))
+    r3 = _build(capsys, rec, "-o", out)
+    assert r3["ran"] == ["patched", "check"] and r3["skipped"] == ["hybrid"] and r3["published"]
+    assert r3["final_key"] != r1["final_key"]
+    # the step's hard-linked input was not modified by patching (configs are replaced, not written through)
+    assert (hybrid_dir / "config.json").read_text() == hybrid_cfg
+    # only one output per step id is kept
+    assert len(list((tmp_path / "out.build" / "steps").glob("patched-*"))) == 1
+
+    # a changed source re-runs everything
+    cfg = bf / "config.json"
+    os.utime(cfg, ns=(cfg.stat().st_atime_ns, cfg.stat().st_mtime_ns + 10**9))
+    r4 = _build(capsys, rec, "-o", out)
+    assert r4["ran"] == ["hybrid", "patched", "check"]
+
+
+def test_verify_failure_exits_3_and_publishes_nothing(tmp_path, capsys, tiny_bf16, tiny_nvfp4_modelopt_nomtp):
+    rec = _recipe(tmp_path, tiny_nvfp4_modelopt_nomtp, tiny_bf16)
+    rec.write_text(rec.read_text().replace("tp: 1", "tp: 4"))  # tiny dims are not divisible at TP=4
+    assert main(["build", str(rec), "-o", str(tmp_path / "o"), "--json"]) == 3
+    err = json.loads(capsys.readouterr().out)
+    assert err["error"] == "VerificationError" and "check" in err["message"]
+    assert not (tmp_path / "o").exists()
+    # the steps before verify are kept: fixing the verify options re-runs only verify
+    rec.write_text(rec.read_text().replace("tp: 4", "tp: 1"))
+    r = _build(capsys, rec, "-o", tmp_path / "o")
+    assert r["ran"] == ["check"]
+
+
+def test_missing_op_module_is_a_clear_error(tmp_path, capsys, monkeypatch, tiny_nvfp4_modelopt_nomtp):
+    import qtool.ops.build.steps as steps
+    from qtool.build_recipes import Op
+
+    assert set(steps.RUNNERS) == set(Op)  # the dispatch table covers every op
+    rec = tmp_path / "c.yaml"
+    rec.write_text(f"name: c\nsources: {{a: {{path: {tiny_nvfp4_modelopt_nomtp}}}}}\n"
+                   "steps: [{id: x, op: convert, input: a, with: {to: compressed-tensors}}]\n")
+    rep = _build(capsys, rec, "-o", tmp_path / "o", "--dry-run")
+    assert rep["steps"][0]["validation"]["status"] == "planned"
+    monkeypatch.setitem(sys.modules, "qtool.ops.convert", None)  # as if the module were not there
+    assert main(["build", str(rec), "-o", str(tmp_path / "o"), "--json"]) == 1
+    assert "qtool.ops.convert is missing" in json.loads(capsys.readouterr().out)["message"]
+
+
+# ---- shipped recipes planned against sparse real-scale stand-ins ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sparse_397b(tmp_path_factory):
+    from qtool.fixtures.sparse import build_sparse
+
+    root = tmp_path_factory.mktemp("sparse")
+    return {
+        "bf16": build_sparse(root / "bf16", model="397b", flavour="bf16-fused"),
+        "modelopt": build_sparse(root / "modelopt", model="397b", flavour="modelopt-nvfp4"),
+        "ct": build_sparse(root / "ct", model="397b", flavour="ct-nvfp4"),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe,sources,first", [
+    ("qwen35-397b-hybrid", {"nvfp4": "modelopt", "bf16": "bf16"}, "hybrid"),
+    ("qwen35-397b-lukealonso-l0", {"nvfp4": "ct", "bf16": "bf16"}, "hybrid"),
+    ("qwen35-397b-nvidia-patched", {"nvfp4": "modelopt"}, "patched"),
+    ("qwen35-397b-sehyo-kv", {"nvfp4": "ct"}, "kv"),
+    ("qwen35-397b-awq-int4", {"bf16": "bf16"}, "quant"),
+])
+def test_seed_recipes_plan_on_sparse(sparse_397b, tmp_path, capsys, monkeypatch, recipe, sources, first):
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])  # recipe paths inside recipes are repo-relative
+    monkeypatch.setenv("QTOOL_BUILD_SOURCES", ",".join(f"{k}={sparse_397b[v]}" for k, v in sources.items()))
+    rep = _build(capsys, RECIPES / f"{recipe}.yaml", "-o", tmp_path / "o", "--dry-run")
+    steps = {s["id"]: s for s in rep["steps"]}
+    assert steps[first]["validation"]["status"] == "planned", steps[first]
+    assert all(s["state"] == "run" for s in rep["steps"])
+    assert all(s["overridden"] for s in rep["sources"].values())
+    if recipe.endswith("hybrid"):
+        v = steps["hybrid"]["validation"]
+        assert v["bf16_tensors"] >= 60 * 4  # 60 layers x shared expert gate/up/down + gate, plus MTP
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o.build").exists()
+
+
+def test_demo_recipe_dry_run(tmp_path, capsys, tiny_bf16, tiny_nvfp4_modelopt_nomtp):
+    rep = _build(capsys, RECIPES / "demo-tiny.yaml", "-o", tmp_path / "o", "--dry-run",
+                 "--source", f"nvfp4={tiny_nvfp4_modelopt_nomtp}", "--source", f"bf16={tiny_bf16}")
+    v = rep["steps"][0]["validation"]
+    assert v["status"] == "planned" and v["mtp"] == "graft"  # MTP head grafted from BF16
+    assert [s["validation"]["status"] for s in rep["steps"][1:]] == ["waits"] * 3
+
+
+@pytest.mark.slow
+def test_demo_recipe_builds(tmp_path, capsys, tiny_bf16, tiny_nvfp4_modelopt_nomtp):
+    rep = _build(capsys, RECIPES / "demo-tiny.yaml", "-o", tmp_path / "o",
+                 "--source", f"nvfp4={tiny_nvfp4_modelopt_nomtp}", "--source", f"bf16={tiny_bf16}")
+    assert rep["ran"] == ["hybrid", "kv", "patched", "check"]
+    man = json.loads((tmp_path / "o" / "qtool-manifest.json").read_text())
+    assert man["build"]["steps"][1]["report"]["layers"]
+
+
+# ---- Hub sources -------------------------------------------------------------------------------------
+
+
+def test_hub_sources_fetch_only_what_assemble_needs(tmp_path, capsys, monkeypatch, tiny_bf16,
+                                                    tiny_nvfp4_modelopt_nomtp):
+    from fake_hub import FakeHub, point_hf_at
+
+    with FakeHub() as hub:
+        point_hf_at(monkeypatch, hub, tmp_path)
+        monkeypatch.setenv("QTOOL_CACHE_DIR", str(tmp_path / "qcache"))
+        c_bf = hub.add_dir("Qwen/tiny", tiny_bf16)
+        c_nv = hub.add_dir("nvidia/tiny-nvfp4", tiny_nvfp4_modelopt_nomtp)
+        rec = tmp_path / "hub.yaml"
+        rec.write_text(
+            "name: hub\nsources:\n  nvfp4: {hub: nvidia/tiny-nvfp4, revision: main}\n"
+            "  bf16: {hub: Qwen/tiny, revision: main, tensors: assemble}\n"
+            "steps:\n  - {id: hybrid, op: assemble, with: {nvfp4: nvfp4, bf16: bf16, mtp: from-bf16}}\n")
+        plan = _build(capsys, rec, "-o", tmp_path / "o", "--dry-run")
+        assert plan["sources"]["bf16"]["identity"]["commit"] == c_bf
+        assert plan["sources"]["nvfp4"]["identity"]["commit"] == c_nv
+        assert plan["steps"][0]["validation"]["status"] == "waits"  # hub sources are fetched at run time
+        rep = _build(capsys, rec, "-o", tmp_path / "o")
+        assert rep["ran"] == ["hybrid"]
+        bf_weights = sum(p.stat().st_size for p in tiny_bf16.glob("*.safetensors"))
+        served_bf = sum(r.body_bytes for r in hub.requests("GET", "/cdn/")
+                        if hub.blob(r.path.rsplit("/", 1)[1]).path.endswith(".safetensors")
+                        and any(hub.blob(r.path.rsplit("/", 1)[1]) is f
+                                for f in hub.repos["Qwen/tiny"].commits[c_bf].values()))
+        assert 0 < served_bf < bf_weights / 2
+        # same upstream commits: nothing to do
+        assert _build(capsys, rec, "-o", tmp_path / "o")["ran"] == []
