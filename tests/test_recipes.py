@@ -1,0 +1,50 @@
+"""Every shipped recipe loads and plans on the tiny model; malformed recipes are rejected."""
+
+from __future__ import annotations
+
+import pytest
+
+from qtool.recipes import RecipeError, Scheme, list_recipes, load_recipe, parse_recipe
+
+
+def test_ships_the_three_recipes():
+    assert {"qwen35-nvfp4-experts", "qwen35-nvfp4-experts-mse", "qwen35-awq-int4"} <= set(list_recipes())
+
+
+@pytest.mark.parametrize("name", list_recipes())
+def test_every_recipe_plans(name, tiny_bf16, tmp_path):
+    from qtool.ops.quantize import plan
+
+    r = load_recipe(name)
+    p = plan(tiny_bf16, out=tmp_path / "o", recipe=r)
+    assert len(p.layers) == 8 and p.to_json()["memory"]["peak_ram_bytes_estimate"] > 0
+    assert {lp.scheme for lp in p.layers} - {Scheme.BF16} == {r.quantized_scheme}
+    if name == "qwen35-awq-int4":
+        assert p.layers[0].scheme is Scheme.BF16
+
+
+def test_mse_recipe_not_worse_than_rtn_per_block():
+    import torch
+
+    from qtool.formats import nvfp4
+    from qtool.ops.quantize.nvfp4_mse import search_block_scales
+
+    w = torch.randn(64, 256)
+    ws2 = nvfp4.weight_scale_2_from_amax(nvfp4.matrix_amax(w))
+    rtn = nvfp4.quantize(w, weight_scale_2=ws2).dequantize(torch.float32)
+    mse = nvfp4.quantize(w, weight_scale_2=ws2, block_scale=search_block_scales(w, ws2)).dequantize(torch.float32)
+    e_rtn, e_mse = (rtn - w).pow(2).sum(), (mse - w).pow(2).sum()
+    assert e_mse < e_rtn
+
+
+@pytest.mark.parametrize("bad,msg", [
+    ({"schema_version": 2, "name": "x"}, "schema_version"),
+    ({"schema_version": 1, "name": "x", "groups": {"shared_expert": "nvfp4"}}, "not supported"),
+    ({"schema_version": 1, "name": "x", "groups": {"routed_experts": "fp3"}}, "unknown value"),
+    ({"schema_version": 1, "name": "x", "groups": {"routed_experts": "w4a16"}, "defaults": {"format": "modelopt"}}, "cannot hold"),
+    ({"schema_version": 1, "name": "x", "bogus": 1}, "unknown recipe keys"),
+    ({"schema_version": 1, "name": "x", "int4": {"group_size": 100}}, "group_size"),
+])
+def test_bad_recipes_rejected(bad, msg):
+    with pytest.raises(RecipeError, match=msg):
+        parse_recipe(bad)
