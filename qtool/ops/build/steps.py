@@ -246,7 +246,7 @@ def validate_step(bp: BuildPlan, sp: StepPlan) -> dict:
         mod = op_module(Op.CALIBRATE_KV, "qtool.ops.calibrate_kv")
         kp = mod.plan(src, out=sp.dir, samples=int(st.params.get("samples", 4)),
                       seq_len=int(st.params.get("seq_len", 512)), overwrite=bool(st.params.get("overwrite", False)))
-        return {"status": "planned", "layers": kp.layers, "changes": kp.changes}
+        return {"status": "planned", "layers": kp.layers, "changes": kp.config_changes, "warnings": kp.warnings}
     if st.op is Op.QUANTIZE:
         mod = op_module(Op.QUANTIZE, "qtool.ops.quantize")
         from qtool.recipes import load_recipe
