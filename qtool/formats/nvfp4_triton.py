@@ -1,0 +1,306 @@
+"""Fused NVFP4 RTN quantize as Triton kernels, bit-identical to `qtool.formats.nvfp4.quantize` (and
+so to ModelOpt's `NVFP4QTensor.quantize`), plus the `quantize_fast` dispatcher.
+
+Two launches per call for a [*lead, out, in] weight (R = prod(lead) * out rows):
+
+1. `_amax_kernel`, grid (matrices, splits): each program reduces max|w| over one slice of one matrix
+   into a partial; `torch.amax` over the partials and `weight_scale_2_from_amax` (the same torch op as
+   the reference codec, on the same device) give weight_scale_2. Skipped when the caller passes
+   weight_scale_2 / global_amax. No atomics: the result does not depend on scheduling.
+2. `_quantize_kernel`, grid (row tiles, column tiles): loads a [BLOCK_R, NB, 16] tile of whole
+   16-element blocks once, and in registers computes the block amax, the block scale
+   fl(amax / fl(6 * ws2)), its zero/NaN -> 1.0 and [2**-9, 448] clamp, its round-to-nearest-even to
+   FP8 E4M3 (done on the float32 bits, so no FP8 conversion instruction or interpreter support is
+   relied on), the divisor fl(float(e4m3) * ws2), the codes of fl(w / divisor) with the E2M1 ties-to-
+   even bounds, and packs element pairs (even element in the low nibble). It writes the packed bytes
+   and the scale bytes; nothing else touches memory.
+
+Exactness notes. Every division uses `tl.math.div_rn` (IEEE round-to-nearest): Triton's plain `/` on
+float32 lowers to the approximate `div.full.f32` on NVIDIA GPUs and would differ from torch in the last
+bit. The operation order is the reference's (ModelOpt nvfp4_tensor.py `get_weights_scaling_factor`,
+`quantize`, `_cast_fp4`; qtool/formats/nvfp4.py); each step is a single correctly-rounded float32
+operation, so the results are the same bits on any IEEE device. weight_scale_2 is computed by torch
+rather than in the kernel because torch's CUDA `tensor / python_scalar` multiplies by the float32
+reciprocal (aten BinaryDivTrueKernel.cu), which ModelOpt's `get_weights_scaling_factor_2` inherits;
+using the same torch op keeps that bit as well. NaN anywhere in a block makes that block's amax NaN, as
+torch.maximum does in the reference.
+
+Import contract: importing this module imports neither triton nor torch.cuda. Triton is imported on
+the first kernel call only (`_kernels()`), and `quantize_fast` asks for it only for CUDA tensors (or
+when TRITON_INTERPRET=1 and the TRITON backend is asked for explicitly).
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import importlib.util
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from qtool.formats import CodecError
+from qtool.formats import nvfp4
+
+BLOCK_SIZE = nvfp4.BLOCK_SIZE
+
+
+class Backend(enum.Enum):
+    """Which implementation `quantize_fast` runs."""
+
+    AUTO = "auto"  # Triton for CUDA tensors when triton imports, else the torch codec
+    TRITON = "triton"  # the Triton kernels (CUDA tensors; CPU tensors only under TRITON_INTERPRET=1)
+    TORCH = "torch"  # qtool.formats.nvfp4.quantize
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Tile of the quantize kernel: block_rows rows x blocks_per_tile 16-element blocks."""
+
+    block_rows: int = 16
+    blocks_per_tile: int = 16
+    num_warps: int = 4
+    amax_block: int = 4096  # elements per step of the amax kernel
+    amax_splits: int = 32  # programs per matrix of the amax kernel (fewer for small matrices)
+
+
+DEFAULT_TILE = TileConfig()
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "") == "1"
+
+
+@functools.cache
+def triton_available() -> bool:
+    """True when triton can be imported (checked once; imports triton only if it is installed)."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    try:
+        _kernels()
+    except ImportError:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------- kernel bodies (plain Python until
+# `_kernels()` wraps them with triton.jit; `tl` is bound at module level by that call, so nothing here
+# needs triton at import time; annotations stay strings thanks to `from __future__ import annotations`).
+
+tl: Any = None
+
+
+def _amax_body(x_ptr, part_ptr, numel_per_mat, BLOCK: tl.constexpr, STEPS: tl.constexpr):  # noqa: N803
+    mat = tl.program_id(0)
+    sp = tl.program_id(1)
+    nsplit = tl.num_programs(1)
+    base = mat.to(tl.int64) * numel_per_mat
+    start = sp.to(tl.int64) * (BLOCK * STEPS)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    nan = tl.zeros([BLOCK], dtype=tl.int32)
+    for step in range(STEPS):
+        idx = start + step * BLOCK + tl.arange(0, BLOCK)
+        m = idx < numel_per_mat
+        v = tl.abs(tl.load(x_ptr + base + idx, mask=m, other=0.0).to(tl.float32))
+        acc = tl.maximum(acc, v)
+        nan = nan | (v != v).to(tl.int32)
+    res = tl.max(acc, axis=0)
+    res = tl.where(tl.max(nan, axis=0) > 0, float("nan"), res)
+    tl.store(part_ptr + mat * nsplit + sp, res)
+
+
+def _quantize_body(
+    x_ptr,
+    ws2_ptr,
+    packed_ptr,
+    scale_ptr,
+    n_rows,
+    n_blocks,  # 16-element blocks per row (in / 16)
+    rows_per_mat,
+    BLOCK_R: tl.constexpr,  # noqa: N803
+    NB: tl.constexpr,  # noqa: N803
+):
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    rows = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # [R]
+    blks = pid_c * NB + tl.arange(0, NB)  # [NB]
+    rmask = rows < n_rows
+    bmask = blks < n_blocks
+    m2 = rmask[:, None] & bmask[None, :]  # [R, NB]
+    e16 = tl.arange(0, 16)
+    n_in = n_blocks * 16
+    offs = rows[:, None, None] * n_in + blks[None, :, None] * 16 + e16[None, None, :]
+    x = tl.load(x_ptr + offs, mask=m2[:, :, None], other=0.0).to(tl.float32)  # [R, NB, 16]
+    ws2 = tl.load(ws2_ptr + rows // rows_per_mat, mask=rmask, other=1.0)  # [R] float32
+
+    # block amax (NaN-propagating like torch.maximum) -> fl(amax / fl(6 * ws2))
+    ax = tl.abs(x)
+    bamax = tl.max(ax, axis=2)
+    has_nan = tl.max((x != x).to(tl.int32), axis=2)
+    bamax = tl.where(has_nan > 0, float("nan"), bamax)
+    s = tl.math.div_rn(bamax, 6.0 * ws2[:, None])
+    s = tl.where((s == 0.0) | (s != s), 1.0, s)
+    s = tl.minimum(tl.maximum(s, 0.001953125), 448.0)  # clamp(2**-9, 448)
+
+    # round-to-nearest-even to E4M3 on the float32 bits: keep 3 mantissa bits for normals (exp >= -6),
+    # fewer below so the quantum is 2**-9 (E4M3 subnormals). s is positive and finite here.
+    bits = s.to(tl.int32, bitcast=True)
+    exp = (bits >> 23) - 127
+    drop = 20 + tl.minimum(tl.maximum(-6 - exp, 0), 3)
+    # lowest kept bit of the significand with its implicit leading 1 (for drop == 23 that 1 is all
+    # that is kept: 1.5 * 2**-9 must round to 2 * 2**-9, the even multiple of the quantum)
+    lsb = (((bits & 0x7FFFFF) | 0x800000) >> drop) & 1
+    rb = (bits + ((1 << (drop - 1)) - 1) + lsb) & ~((1 << drop) - 1)
+    sq = rb.to(tl.float32, bitcast=True)  # exactly representable in E4M3, <= 448
+    rexp = (rb >> 23) - 127
+    normal_byte = ((rexp + 7) << 3) | ((rb >> 20) & 7)
+    sub_byte = (sq * 512.0).to(tl.int32)  # exact: sq is k * 2**-9, k in 1..7
+    sbyte = tl.where(rexp >= -6, normal_byte, sub_byte)
+    tl.store(scale_ptr + rows[:, None] * n_blocks + blks[None, :], sbyte.to(tl.uint8), mask=m2)
+
+    # codes of fl(x / fl(scale * ws2)); E2M1 bounds with ties to the even code
+    denom = sq * ws2[:, None]  # [R, NB]
+    q = tl.math.div_rn(x, denom[:, :, None])
+    a = tl.abs(q)
+    code = (
+        (a > 0.25).to(tl.int32)
+        + (a >= 0.75).to(tl.int32)
+        + (a > 1.25).to(tl.int32)
+        + (a >= 1.75).to(tl.int32)
+        + (a > 2.5).to(tl.int32)
+        + (a >= 3.5).to(tl.int32)
+        + (a > 5.0).to(tl.int32)
+    )
+    code = code | ((q < 0.0).to(tl.int32) << 3)
+
+    # pack pairs: even element low nibble
+    lo, hi = tl.split(tl.reshape(code, (BLOCK_R, NB, 8, 2)))
+    packed = (lo | (hi << 4)).to(tl.uint8)  # [R, NB, 8]
+    e8 = tl.arange(0, 8)
+    poffs = rows[:, None, None] * (n_blocks * 8) + blks[None, :, None] * 8 + e8[None, None, :]
+    tl.store(packed_ptr + poffs, packed, mask=m2[:, :, None])
+
+
+@functools.cache
+def _kernels() -> tuple[Any, Any]:
+    """Import triton (first call only) and JIT-wrap the kernel bodies."""
+    global tl
+    import triton
+    import triton.language as tl_mod
+
+    tl = tl_mod
+    return triton.jit(_amax_body), triton.jit(_quantize_body)
+
+
+# ---------------------------------------------------------------- launchers
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _check(w: torch.Tensor) -> None:
+    if w.ndim < 2 or not w.is_floating_point():
+        raise CodecError("NVFP4 quantize needs a floating [..., out, in] tensor", got=(w.dtype, tuple(w.shape)))
+    if w.shape[-1] % BLOCK_SIZE:
+        raise CodecError(
+            "NVFP4 needs in-features divisible by the block size",
+            expected=f"multiple of {BLOCK_SIZE}",
+            got=w.shape[-1],
+            hint="exclude this module from NVFP4 quantization (keep it BF16)",
+        )
+
+
+def matrix_amax_triton(w: torch.Tensor, tile: TileConfig = DEFAULT_TILE) -> torch.Tensor:
+    """max |w| per [out, in] matrix, float32 of shape w.shape[:-2] (== nvfp4.matrix_amax, NaN included)."""
+    _check(w)
+    amax_k, _ = _kernels()
+    w = w.contiguous()
+    lead = tuple(w.shape[:-2])
+    n_mat = torch.Size(lead).numel()
+    per = w.shape[-2] * w.shape[-1]
+    if n_mat == 0 or per == 0:
+        return nvfp4.matrix_amax(w)
+    block = tile.amax_block
+    splits = max(1, min(tile.amax_splits, _cdiv(per, block * 4)))
+    steps = _cdiv(_cdiv(per, splits), block)  # each program reduces steps * block elements
+    splits = _cdiv(per, steps * block)
+    part = torch.empty((n_mat, splits), dtype=torch.float32, device=w.device)
+    amax_k[(n_mat, splits)](w, part, per, BLOCK=block, STEPS=steps, num_warps=tile.num_warps)
+    return part.amax(dim=1).reshape(lead)
+
+
+def quantize_triton(
+    w: torch.Tensor,
+    *,
+    global_amax: torch.Tensor | float | None = None,
+    weight_scale_2: torch.Tensor | float | None = None,
+    tile: TileConfig = DEFAULT_TILE,
+) -> nvfp4.NVFP4Weight:
+    """The Triton kernels; same arguments and result as `nvfp4.quantize` (without block_scale)."""
+    _check(w)
+    if global_amax is not None and weight_scale_2 is not None:
+        raise CodecError("pass global_amax or weight_scale_2, not both")
+    if w.device.type != "cuda" and not _interpret():
+        raise CodecError(
+            "the Triton NVFP4 kernel needs a CUDA tensor",
+            got=str(w.device),
+            hint="use quantize_fast (falls back to the torch codec) or set TRITON_INTERPRET=1 for tests",
+        )
+    _, quant_k = _kernels()
+    w = w.contiguous()
+    lead, out, n_in = tuple(w.shape[:-2]), w.shape[-2], w.shape[-1]
+    if weight_scale_2 is not None:
+        ws2 = torch.as_tensor(weight_scale_2, device=w.device).float()
+    else:
+        amax = (
+            matrix_amax_triton(w, tile)
+            if global_amax is None
+            else torch.as_tensor(global_amax, device=w.device)
+        )
+        ws2 = nvfp4.weight_scale_2_from_amax(amax)  # same torch op as the reference: same bits
+    ws2 = (ws2.reshape(()) if ws2.numel() == 1 else ws2).expand(lead).contiguous()
+    n_rows = torch.Size(lead).numel() * out
+    nb = n_in // BLOCK_SIZE
+    packed = torch.empty((*lead, out, n_in // 2), dtype=torch.uint8, device=w.device)
+    scales = torch.empty((*lead, out, nb), dtype=torch.uint8, device=w.device)
+    if n_rows and nb:
+        grid = (_cdiv(n_rows, tile.block_rows), _cdiv(nb, tile.blocks_per_tile))
+        quant_k[grid](
+            w,
+            ws2,
+            packed,
+            scales,
+            n_rows,
+            nb,
+            out,
+            BLOCK_R=tile.block_rows,
+            NB=tile.blocks_per_tile,
+            num_warps=tile.num_warps,
+        )
+    return nvfp4.NVFP4Weight(packed, scales.view(torch.float8_e4m3fn), ws2)
+
+
+def quantize_fast(
+    w: torch.Tensor,
+    *,
+    global_amax: torch.Tensor | float | None = None,
+    weight_scale_2: torch.Tensor | float | None = None,
+    block_scale: torch.Tensor | None = None,
+    backend: Backend = Backend.AUTO,
+) -> nvfp4.NVFP4Weight:
+    """`nvfp4.quantize` with the same arguments and bit-identical result, on the Triton kernel when it can.
+
+    AUTO runs the kernel for CUDA tensors when triton imports, and the torch codec otherwise (CPU
+    tensors, no triton, or a caller-supplied block_scale, which the kernel does not take).
+    """
+    use_triton = backend is Backend.TRITON or (
+        backend is Backend.AUTO and block_scale is None and w.is_cuda and triton_available()
+    )
+    if use_triton:
+        if block_scale is not None:
+            raise CodecError("the Triton NVFP4 kernel computes its own block scales", hint="use Backend.TORCH")
+        return quantize_triton(w, global_amax=global_amax, weight_scale_2=weight_scale_2)
+    return nvfp4.quantize(w, global_amax=global_amax, weight_scale_2=weight_scale_2, block_scale=block_scale)
