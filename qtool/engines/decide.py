@@ -14,6 +14,10 @@ NOT_LINEAR = {Group.EMBED, Group.NORM, Group.FINAL_NORM, Group.KV_SCALE, Group.O
 
 DEFAULT_ENGINES = ("vllm", "sglang")
 
+# 2-D weights that are embeddings, not Linears: the vision tower's position embedding is an
+# nn.Embedding in both engines (vLLM/SGLang qwen3_vl.py `pos_embed`).
+_EMBEDDINGS = ("pos_embed", "embed_tokens")
+
 
 def linear_modules(mm: ModelMap) -> dict[str, Format]:
     """HF module name -> storage format, for every module an engine builds as a (possibly quantized)
@@ -21,7 +25,10 @@ def linear_modules(mm: ModelMap) -> dict[str, Format]:
     return {
         m.name: m.format
         for m in mm.modules.values()
-        if m.format is not None and m.group not in NOT_LINEAR and m.inner not in NOT_LINEAR
+        if m.format is not None
+        and m.group not in NOT_LINEAR
+        and m.inner not in NOT_LINEAR
+        and not m.name.endswith(_EMBEDDINGS)
     }
 
 

@@ -102,7 +102,19 @@ def _vector(mm: ModelMap, name: str, shape: tuple[int, ...], probs: _Problems) -
         probs.add(f"{name} has shape {list(t.shape)}, expected {list(shape)}")
 
 
-def _moe(mm: ModelMap, mods: dict[str, Module], p: str, cfg: dict, probs: _Problems) -> dict[str, set]:
+def _experts_by_block(mods: dict[str, Module]) -> dict[str, list[Module]]:
+    """'...mlp.experts.' -> its per-expert modules, built once (a 397B map has ~120k of them)."""
+    out: dict[str, list[Module]] = {}
+    for n, m in mods.items():
+        if m.expert is not None:
+            head, sep, _ = n.partition(".mlp.experts.")
+            if sep:
+                out.setdefault(head + ".mlp.experts.", []).append(m)
+    return out
+
+
+def _moe(mm: ModelMap, mods: dict[str, Module], p: str, cfg: dict, probs: _Problems,
+         experts: dict[str, list[Module]]) -> dict[str, set]:
     """Check one MoE block at prefix `p` (ending in 'mlp.'); returns {part: formats}."""
     H, E, I = cfg["hidden_size"], cfg["num_experts"], cfg["moe_intermediate_size"]
     Is = cfg.get("shared_expert_intermediate_size", I)
@@ -113,7 +125,7 @@ def _moe(mm: ModelMap, mods: dict[str, Module], p: str, cfg: dict, probs: _Probl
         o, i = (H, Is) if proj == "down_proj" else (Is, H)
         fmts["shared"].add(_linear(mods, f"{p}shared_expert.{proj}", o, i, probs))
     fused = mods.get(p + "experts")
-    per_expert = [m for n, m in mods.items() if m.expert is not None and n.startswith(p + "experts.")]
+    per_expert = experts.get(p + "experts.", [])
     if fused is not None and per_expert:
         probs.add(f"{p}experts mixes the fused layout and per-expert tensors")
     if fused is not None:
@@ -177,13 +189,14 @@ def check_structure(mm: ModelMap, expect: Expectations | None = None) -> dict:
     H, L, V = cfg["hidden_size"], cfg["num_hidden_layers"], cfg.get("vocab_size")
     tp = text_prefix(mm.naming)
     layer_fmts: dict[int, dict[str, set]] = {}
+    experts = _experts_by_block(mods)
     for n in range(L):
         p = f"{tp}layers.{n}."
         _vector(mm, p + "input_layernorm.weight", (H,), probs)
         _vector(mm, p + "post_attention_layernorm.weight", (H,), probs)
         _attention(mm, mods, p, cfg, mm.layer_types[n] == "full_attention" if n < len(mm.layer_types) else False,
                    probs)
-        layer_fmts[n] = _moe(mm, mods, p + "mlp.", cfg, probs)
+        layer_fmts[n] = _moe(mm, mods, p + "mlp.", cfg, probs, experts)
     if V:
         _vector(mm, tp + "embed_tokens.weight", (V, H), probs)
         if not cfg.get("tie_word_embeddings", False) and not (mm.ckpt.config or {}).get("tie_word_embeddings"):
@@ -205,7 +218,7 @@ def check_structure(mm: ModelMap, expect: Expectations | None = None) -> dict:
                 probs.add(f"MTP head lacks mtp.{suffix}")
         if "mtp.fc" in mods:
             _linear(mods, "mtp.fc", H, 2 * H, probs)
-        mtp_fmts = _moe(mm, mods, "mtp.layers.0.mlp.", cfg, probs)
+        mtp_fmts = _moe(mm, mods, "mtp.layers.0.mlp.", cfg, probs, experts)
     if mm.expert_layout == "mixed" or mm.mtp_expert_layout == "mixed" or (
         mm.expert_layout and mm.mtp_expert_layout and mm.expert_layout != mm.mtp_expert_layout
     ):
