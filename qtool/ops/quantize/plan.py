@@ -214,6 +214,9 @@ def plan(
     if scheme in FORMATS_FOR and fmt not in FORMATS_FOR[scheme]:
         raise UsageError(f"--format {fmt.value} cannot hold {scheme.value} weights",
                          expected=[f.value for f in FORMATS_FOR[scheme]], got=fmt.value)
+    if backend is not Backend.RTN:
+        raise UsageError(f"--backend {backend.value} is not available in this version",
+                         hint="use --backend rtn (its NVFP4 output is bit-identical to ModelOpt's export)")
     if backend is Backend.MODELOPT and scheme is not Scheme.NVFP4:
         raise UsageError("--backend modelopt drives ModelOpt's NVFP4 quantizers only", got=scheme.value,
                          hint="use --backend rtn for W4A16 recipes")
