@@ -111,7 +111,8 @@ def _safe_shard_path(root: Path, rel: str, index_path: Path) -> Path:
         )
     p = root / rel
     real_root = root.resolve()
-    if real_root not in p.resolve().parents:
+    target = p.resolve()
+    if real_root not in target.parents and not _in_hf_cache_blobs(root, target):
         raise CheckpointError(
             "index names a shard that resolves outside the checkpoint directory (symlink)",
             path=index_path,
@@ -119,6 +120,15 @@ def _safe_shard_path(root: Path, rel: str, index_path: Path) -> Path:
             hint="replace the symlink by the file itself, or by a link inside the directory",
         )
     return p
+
+
+def _in_hf_cache_blobs(root: Path, target: Path) -> bool:
+    """huggingface_hub cache snapshots (models--ORG--NAME/snapshots/<commit>/) hold symlinks into the
+    same repo's blobs/ folder (huggingface_hub file_download.py, `_create_symlink`): those are inside."""
+    if root.parent.name != "snapshots":
+        return False
+    blobs = (root.parent.parent / "blobs").resolve()
+    return target.parent == blobs
 
 
 def _load_indexed(root: Path, index: dict) -> tuple[dict[str, TensorInfo], dict[str, SafetensorsHeader]]:

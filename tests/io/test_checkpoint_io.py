@@ -210,3 +210,23 @@ def test_atomic_output_refuses_existing_and_commits(tmp_path):
     (partial / "g").write_text("y")
     commit_output(partial, out)
     assert sorted(os.listdir(out)) == ["g"]
+
+
+def test_hf_cache_snapshot_symlinks_are_inside(tmp_path):
+    """A huggingface_hub cache snapshot links its files into ../../blobs: that is not an escape."""
+    repo = tmp_path / "models--org--name"
+    blobs, snap = repo / "blobs", repo / "snapshots" / "abc123"
+    blobs.mkdir(parents=True)
+    snap.mkdir(parents=True)
+    save_file({"w": torch.ones(2)}, blobs / "0f1e2d")
+    os.symlink("../../blobs/0f1e2d", snap / "model.safetensors")
+    (blobs / "idx").write_text(json.dumps({"weight_map": {"w": "model.safetensors"}}))
+    os.symlink("../../blobs/idx", snap / "model.safetensors.index.json")
+    ck = Checkpoint.open(snap)
+    assert list(ck.tensors) == ["w"]
+    # a link out of the cache is still refused
+    save_file({"z": torch.zeros(1)}, tmp_path / "elsewhere.safetensors")
+    os.symlink(tmp_path / "elsewhere.safetensors", snap / "x.safetensors")
+    (blobs / "idx").write_text(json.dumps({"weight_map": {"w": "model.safetensors", "z": "x.safetensors"}}))
+    with pytest.raises(CheckpointError, match="symlink"):
+        Checkpoint.open(snap)
