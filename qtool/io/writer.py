@@ -6,14 +6,18 @@ multiple of 8 bytes, tensors laid out in header order.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Union
 
-from qtool.errors import WriteError
+from qtool.errors import CheckpointError, WriteError
+from qtool.io.checkpoint import INDEX_NAME
 from qtool.io.dtypes import nbytes_for
+from qtool.io.jsonio import load_json
+from qtool.io.safetensors_header import read_header
 
 
 @dataclass(frozen=True)
@@ -150,6 +154,53 @@ def plan_shards(items: list[tuple[str, int]], max_shard_bytes: int) -> list[list
 
 def index_json(weight_map: dict[str, str], total_size: int) -> dict:
     return {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+
+
+def read_index(root: str | Path) -> dict:
+    """The parsed `model.safetensors.index.json` of the checkpoint directory `root`."""
+    index, _ = load_json(Path(root) / INDEX_NAME, what="safetensors index")
+    return index
+
+
+def write_index(root: str | Path, weight_map: dict[str, str], metadata: dict | None = None) -> None:
+    """(Re)write `root`'s index for `weight_map`: `total_size` recomputed from the shard files on disk,
+    other `metadata` keys (e.g. transformers' `total_parameters`) kept, ahead of `total_size`."""
+    root = Path(root)
+    total = sum((root / f).stat().st_size for f in set(weight_map.values()))
+    obj = index_json(weight_map, total)
+    extra = {k: v for k, v in (metadata or {}).items() if k != "total_size"}
+    obj["metadata"] = {**extra, **obj["metadata"]}
+    (root / INDEX_NAME).write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
+
+
+def append_shard(root: str | Path, tensors: list[OutTensor]) -> None:
+    """Add `tensors` to the checkpoint directory `root` as one more shard: renumber `model-i-of-n` to
+    `-of-(n+1)` (or turn a lone `model.safetensors` into `model-00001-of-00002`), write the new last
+    shard, rewrite the index (`total_size`, and `total_parameters` when the index has it)."""
+    root = Path(root)
+    if (root / INDEX_NAME).exists():
+        index = read_index(root)
+        weight_map: dict[str, str] = dict(index["weight_map"])
+        metadata = dict(index.get("metadata") or {})
+    else:
+        lone = root / "model.safetensors"
+        if not lone.exists():
+            raise CheckpointError("no index and no model.safetensors to extend", path=root)
+        weight_map = {n: lone.name for n in read_header(lone).tensors}
+        metadata = {}
+    files = sorted(set(weight_map.values()))
+    n = len(files) + 1
+    renames = {f: shard_file_name(i, n) for i, f in enumerate(files)}
+    for old, new in renames.items():
+        os.rename(root / old, root / new)
+    weight_map = {k: renames[v] for k, v in weight_map.items()}
+    last = shard_file_name(n - 1, n)
+    write_shard(root / last, tensors, metadata={"format": "pt"})
+    for t in tensors:
+        weight_map[t.name] = last
+    if isinstance(metadata.get("total_parameters"), int):
+        metadata["total_parameters"] += sum(math.prod(t.shape) for t in tensors)
+    write_index(root, weight_map, metadata)
 
 
 def parse_size(text: str) -> int:
