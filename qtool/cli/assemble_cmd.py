@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from qtool.cli.common import add_json_flag, human_bytes, print_json
+from qtool.cli.common import add_json_flag, human_bytes, local_checkpoint, print_json
 from qtool.errors import UsageError
 
 
@@ -51,8 +51,9 @@ def run(args) -> int:
         max_size = parse_size(args.max_shard_size) if args.max_shard_size else None
     except ValueError as e:
         raise UsageError(str(e)) from None
-    opts = HybridOptions(nvfp4=Path(args.nvfp4), bf16=Path(args.bf16), out=Path(args.out),
-                         bf16_expert_layers=_layers(args.bf16_expert_layers), mtp=MtpMode(args.mtp),
+    layers = _layers(args.bf16_expert_layers)
+    opts = HybridOptions(nvfp4=local_checkpoint(args.nvfp4), bf16=_bf16_source(args.bf16, layers, args.mtp),
+                         out=Path(args.out), bf16_expert_layers=layers, mtp=MtpMode(args.mtp),
                          link=LinkMode(args.link), max_shard_size=max_size)
     plan = plan_hybrid(opts)
     summary = plan.summary()
@@ -95,3 +96,14 @@ def _print_plan(s: dict, header: str | None = None) -> None:
     print(f"  ignore added   {s['ignore_added']}")
     for w in s["warnings"]:
         print(f"  warning        {w}")
+
+
+def _bf16_source(spec: str, layers: tuple[int, ...], mtp: str) -> Path:
+    """A Hub BF16 source is range-fetched: only the tensors the plan can take (shared experts, chosen
+    layers' experts, MTP head: ~1.5 GB of the 397B's ~800 GB); local paths are used as they are."""
+    from qtool.hub.resolve import fetch_tensor_patterns, is_hub_spec
+    from qtool.ops.assemble.plan import bf16_source_patterns
+
+    if not is_hub_spec(spec):
+        return Path(spec)
+    return fetch_tensor_patterns(spec, bf16_source_patterns(layers, mtp), progress=True)

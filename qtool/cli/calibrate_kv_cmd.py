@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from qtool.cli.common import add_json_flag, eprint, human_bytes, print_json
+from qtool.cli.common import add_json_flag, eprint, human_bytes, local_checkpoint, local_only, print_json
 from qtool.errors import UsageError
 
 
@@ -44,7 +44,7 @@ def run(args) -> int:
 
     try:
         rep = calibrate_kv.run(
-            args.checkpoint,
+            local_only(args.checkpoint) if args.in_place else local_checkpoint(args.checkpoint),
             out=args.output,
             dataset=args.dataset,
             samples=args.samples,

@@ -24,3 +24,18 @@ def human_bytes(n: float) -> str:
 
 def eprint(*args) -> None:
     print(*args, file=sys.stderr)
+
+
+def local_checkpoint(spec, *, tensors=None, progress: bool = True):
+    """A checkpoint argument (local path or `hf:ORG/NAME[@REV]`) -> a local directory; Hub sources are
+    downloaded (verified) through qtool.hub. Imported lazily: huggingface_hub is not needed for --help."""
+    from qtool.hub.resolve import resolve_checkpoint
+
+    return resolve_checkpoint(spec, tensors=tensors, progress=progress)
+
+
+def local_only(spec):
+    """For commands that write into the checkpoint itself: a Hub source gets a clear error."""
+    from qtool.hub.resolve import require_local
+
+    return require_local(spec)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from qtool.cli.common import add_json_flag, print_json
+from qtool.cli.common import add_json_flag, local_checkpoint, print_json
 
 
 def add_arguments(p) -> None:
@@ -17,7 +17,7 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     from qtool.ops import convert
 
-    rep = convert.run(args.checkpoint, out=args.output, to=args.to, force=args.force, dry_run=args.dry_run)
+    rep = convert.run(local_checkpoint(args.checkpoint), out=args.output, to=args.to, force=args.force, dry_run=args.dry_run)
     if args.json:
         print_json(rep)
         return 0

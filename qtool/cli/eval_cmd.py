@@ -39,6 +39,8 @@ def add_arguments(p) -> None:
     k.add_argument("--chunk", type=int, default=256, help="positions per log-prob chunk (memory bound; 256)")
     k.add_argument("--work-dir", default=None, help="where large hidden states are spilled (default: $TMPDIR)")
     k.add_argument("--overwrite", action="store_true", help="replace an existing --save-ref OUT")
+    k.add_argument("--dry-run", action="store_true",
+                   help="check the inputs, make the windows, print the plan (memory per model); run nothing")
     k.add_argument("--quiet", action="store_true", help="no progress bars")
     add_json_flag(k)
 
@@ -68,12 +70,15 @@ def run(args) -> int:
 
     try:
         rep = kld_run(args.ref, args.test, opts=opts, save_ref=args.save_ref, emit_windows=args.emit_windows,
-                      model_name=args.model_name, progress=progress)
+                      model_name=args.model_name, progress=progress, dry_run=args.dry_run)
     finally:
         for bar in bars.values():
             bar.close()
     if args.json:
         print_json({k: rep.result[k] for k in RESULT_KEYS} if rep.result else rep.to_json())
+        return 0
+    if args.dry_run and rep.plan:
+        _print_plan(rep)
         return 0
     if rep.emitted:
         e = rep.emitted
@@ -103,3 +108,19 @@ def run(args) -> int:
     for w in rep.warnings:
         eprint(f"warning: {w}")
     return 0
+
+
+def _print_plan(rep) -> None:
+    print(f"plan: {rep.windows} windows" + (f" of {rep.seq_len} tokens" if rep.seq_len else "")
+          + (f", stride {rep.stride}" if rep.stride else "") + (f" [tokens {rep.token_digest}]" if rep.token_digest else ""))
+    for role, side in (("ref", rep.ref), ("test", rep.test)):
+        if side is None:
+            continue
+        p = rep.plan[role]
+        line = f"  {role:<5}{side['path']} ({side['kind']}, vocab {side['vocab']})"
+        if "memory" in p:
+            m = p["memory"]
+            line += (f": one layer {human_bytes(m['max_layer_bytes'])}, final hidden states "
+                     f"{human_bytes(m['hidden_bytes'])} ({'RAM' if m['hidden_in_ram'] else 'disk'}), "
+                     f"peak RAM ~{human_bytes(m['peak_ram_bytes_estimate'])}")
+        print(line)

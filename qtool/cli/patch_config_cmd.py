@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from qtool.cli.common import add_json_flag, print_json
+from qtool.cli.common import add_json_flag, local_only, print_json
 
 FIX_NAMES = ["router-ignore", "mtp-ignore", "ignore-from-tensors"]
 
@@ -26,7 +26,7 @@ def run(args) -> int:
     if not (args.fix or args.ignore_add or args.ignore_remove or args.yarn or args.sampling_defaults):
         raise UsageError("no fix given", hint="e.g. --fix router-ignore --fix mtp-ignore (see --help)")
     plan = pc.plan(
-        args.checkpoint,
+        local_only(args.checkpoint),
         fixes=[pc.Fix(f) for f in args.fix],
         ignore_add=args.ignore_add,
         ignore_remove=args.ignore_remove,

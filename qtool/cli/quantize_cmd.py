@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 
-from qtool.cli.common import add_json_flag, eprint, human_bytes, print_json
+from qtool.cli.common import add_json_flag, eprint, human_bytes, local_checkpoint, print_json
 from qtool.errors import UsageError
 
 
@@ -46,7 +46,7 @@ def run(args) -> int:
 
     try:
         rep = quantize.run(
-            args.checkpoint, out=args.output, recipe=recipe,
+            local_checkpoint(args.checkpoint), out=args.output, recipe=recipe,
             backend=Backend(args.backend) if args.backend else None,
             fmt=OutFormat(args.format) if args.format else None,
             dataset=args.dataset, samples=args.samples, seq_len=args.seq_len, device=args.device,

@@ -177,6 +177,22 @@ def fetch_tensor_subset(spec: HubSpec | str, names: Sequence[str], *, allow_down
     return out
 
 
+def fetch_tensor_patterns(spec: HubSpec | str, patterns: Sequence[str], *, token: str | None = None,
+                          progress: bool = False) -> Path:
+    """Like fetch_tensor_subset, with glob / `re:` patterns instead of exact names (what `assemble hybrid
+    --bf16 hf:...` needs: the shared experts, chosen layers' experts and the MTP head of an 800 GB repo)."""
+    from qtool.hub.download import repo_listing
+    from qtool.hub.remote_safetensors import TensorFetchOptions, fetch_tensors, plan_fetch
+
+    hs = spec if isinstance(spec, HubSpec) else parse_spec(spec)
+    listing = repo_listing(hs, token=token)
+    out = subset_dir(hs.repo_id, listing.commit, list(patterns))
+    if not (out / "model.safetensors.index.json").exists():
+        plan = plan_fetch(listing, TensorFetchOptions(names=list(patterns)), token=token)
+        fetch_tensors(plan, out, resume=True, token=token, progress=progress)
+    return out
+
+
 def _cached_subset(hs: HubSpec, names: Sequence[str]) -> Path | None:
     from qtool.ops.manifest import cache_dir
 

@@ -106,6 +106,17 @@ class HybridOptions:
     max_shard_size: int | None = None  # None: 5% above the NVFP4 source's largest shard, at least 5 GB
 
 
+def bf16_source_patterns(bf16_expert_layers, mtp: str = "auto") -> list[str]:
+    """Tensor-name patterns of everything `assemble hybrid` can take from the BF16 source: every layer's
+    shared expert (and its gate), the routed experts of `bf16_expert_layers`, and the MTP head for
+    mtp auto/from-bf16. Used to range-fetch just these from a Hub repo instead of ~800 GB."""
+    pats = ["*.mlp.shared_expert.*", "*.mlp.shared_expert_gate.*"]
+    pats += [f"*.layers.{int(layer)}.mlp.experts.*" for layer in bf16_expert_layers]
+    if str(getattr(mtp, "value", mtp)) in ("auto", "from-bf16"):
+        pats.append("mtp.*")
+    return pats
+
+
 @dataclass
 class HybridPlan:
     options: HybridOptions

@@ -15,11 +15,6 @@ from qtool.build_recipes import Op, SourceKind
 from qtool.errors import PlanError, VerificationError
 from qtool.ops.build.plan import STEP_MARKER, BuildPlan, StepPlan, input_path
 
-# Tensor patterns `assemble hybrid` takes from the BF16 side (ops/assemble/plan.py: shared experts and their
-# gate, the routed experts of `bf16_expert_layers`, and the MTP head for mtp=from-bf16/auto).
-SHARED_EXPERT_PATTERNS = ["*.mlp.shared_expert.*", "*.mlp.shared_expert_gate.*"]
-
-
 def op_module(op: Op, module: str):
     try:
         return importlib.import_module(module)
@@ -28,15 +23,6 @@ def op_module(op: Op, module: str):
             raise PlanError(f"build op {op.value!r} is not available in this qtool ({module} is missing)",
                             hint="update qtool, or remove the step from the recipe") from None
         raise
-
-
-def assemble_bf16_patterns(params: dict) -> list[str]:
-    pats = list(SHARED_EXPERT_PATTERNS)
-    for layer in params.get("bf16_expert_layers") or []:
-        pats.append(f"*.layers.{int(layer)}.mlp.experts.*")
-    if params.get("mtp", "auto") in ("auto", "from-bf16"):
-        pats.append("mtp.*")
-    return pats
 
 
 def materialize(bp: BuildPlan, ref: str, *, for_assemble: dict | None = None, token: str | None = None,
@@ -54,18 +40,12 @@ def materialize(bp: BuildPlan, ref: str, *, for_assemble: dict | None = None, to
 
     spec = HubSpec(src.ref, rs.identity["commit"])
     if src.tensors == "assemble" and for_assemble is not None:
-        from qtool.hub.download import repo_listing
-        from qtool.hub.remote_safetensors import TensorFetchOptions, fetch_tensors, plan_fetch
-        from qtool.hub.resolve import subset_dir
+        from qtool.hub.resolve import fetch_tensor_patterns
+        from qtool.ops.assemble.plan import bf16_source_patterns
 
-        pats = assemble_bf16_patterns(for_assemble)
-        listing = repo_listing(spec, token=token)
-        out = subset_dir(spec.repo_id, listing.commit, pats)
-        if not (out / "model.safetensors.index.json").exists():
-            fp = plan_fetch(listing, TensorFetchOptions(names=pats), token=token)
-            fetch_tensors(fp, out, resume=True, token=token, progress=progress)
-        rs.path = out
-        return out
+        pats = bf16_source_patterns(for_assemble.get("bf16_expert_layers") or (), for_assemble.get("mtp", "auto"))
+        rs.path = fetch_tensor_patterns(spec, pats, token=token, progress=progress)
+        return rs.path
     from qtool.hub.download import snapshot
 
     rs.path = snapshot(spec, token=token, progress=progress)
