@@ -16,9 +16,9 @@ from P(.|T) at save time (indices and log P stored): with r_j = Q(x_j|T) / P(x_j
     KL(P(.|T) || Q(.|T)) ~= (1/m) sum_j [(r_j - 1) - log r_j]
 
 (the "k3" estimator: each term is >= 0 and its expectation under P(.|T) is exactly the KL, because
-E[r] = 1). The x_j are drawn by systematic sampling over the tail's CDF (tokens in decreasing-P order):
-each is marginally P(.|T)-distributed (so the mean is unbiased) but the m draws are evenly spread, which
-lowers the variance against i.i.d. draws. Hence every per-position value is >= the bucket lower bound, the estimate is unbiased, and its
+E[r] = 1). The x_j are drawn by systematic sampling over the tail's CDF (in token-id order): each is
+marginally P(.|T)-distributed (so the mean is unbiased) but the m draws are evenly spread, which lowers
+the variance against i.i.d. draws (and makes the estimate nearly exact when m approaches the tail size). Hence every per-position value is >= the bucket lower bound, the estimate is unbiased, and its
 standard error over N positions is ~ sd(k3) / sqrt(m N); for nearby P, Q, sd(k3) ~ sqrt(2) x KL.
 The estimator needs nothing but the test's full log-probs, which are always available at evaluation.
 
@@ -95,23 +95,22 @@ def encode(logp, topk: int, samples: int, generator) -> CompactChunk:
 
 
 def _systematic_tail_sample(tail, tail_logmass, has_tail, m: int, generator):
-    """m indices per row drawn from P(.|T) by systematic sampling: the tail tokens in decreasing-P order,
-    their normalized CDF, and the m points (j + U) / m, j = 0..m-1, with one U ~ Uniform[0, 1) per row
-    (from `generator`, on the CPU). Each point is marginally uniform, so each sample is marginally
-    distributed as P(.|T) and the k3 mean stays unbiased; the points are evenly spread over the CDF, so the
-    draw is stratified (no token sampled twice unless P(x|T) > 1/m): lower variance than i.i.d. draws."""
+    """m indices per row drawn from P(.|T) by systematic sampling: the normalized CDF of the tail in
+    token-id order and the m points (j + U) / m, j = 0..m-1, with one U ~ Uniform[0, 1) per row (from
+    `generator`, on the CPU). Each point is marginally uniform, so each sample is marginally distributed as
+    P(.|T) and the k3 mean stays unbiased (for any fixed token order); the points are evenly spread, so no
+    token is drawn twice unless P(x|T) > 1/m (lower variance than i.i.d. draws). Sorting the tail by
+    probability first measured no better on synthetic 248,320-token rows and costs 3x the time on CPU."""
     import torch
 
     r = tail.shape[0]
     probs = (tail - tail_logmass.clamp_min(-1e30).unsqueeze(-1)).exp()
     probs[~has_tail] = 1.0 / tail.shape[-1]  # rows without tail mass: any index, unused (P_T = 0)
-    sp, order = probs.sort(dim=-1, descending=True)
-    cdf = sp.double().cumsum(-1)
+    cdf = probs.double().cumsum(-1)
     cdf = cdf / cdf[:, -1:].clamp_min(1e-300)
     u = torch.rand((r, 1), generator=generator, dtype=torch.float64).to(tail.device)
     pts = (torch.arange(m, device=tail.device, dtype=torch.float64).unsqueeze(0) + u) / m
-    pos = torch.searchsorted(cdf, pts).clamp_max(tail.shape[-1] - 1)
-    return order.gather(-1, pos)
+    return torch.searchsorted(cdf, pts).clamp_max(tail.shape[-1] - 1)
 
 
 def kl_compact(ref: CompactChunk, test_logp):

@@ -48,12 +48,14 @@ class KldReport:
     token_digest: str | None = None
     emitted: dict | None = None
     saved_ref: dict | None = None
+    plan: dict | None = None
     seconds: float = 0.0
     warnings: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {k: getattr(self, k) for k in ("result", "ref", "test", "windows", "seq_len", "stride",
-                                              "token_digest", "emitted", "saved_ref", "seconds", "warnings")}
+                                              "token_digest", "emitted", "saved_ref", "plan", "seconds",
+                                              "warnings")}
 
 
 def summarize(kl, top1) -> dict:
@@ -91,6 +93,7 @@ def run(
     emit_windows: str | None = None,
     model_name: str | None = None,
     progress: Callable[[str, int, int], None] | None = None,
+    dry_run: bool = False,
 ) -> KldReport:
     import torch
 
@@ -149,29 +152,29 @@ def run(
                                     hint=f"use the windows it was saved with: --dataset {s.meta.get('dataset')} "
                                     f"--windows {s.meta.get('windows')} --seq-len {s.meta.get('seq_len')} "
                                     f"--stride {s.meta.get('stride')}")
-        for s in srcs.values():
-            if s.kind is Kind.CHECKPOINT:
-                s.prepare(ids, progress=(lambda i, s=s: progress(f"layers {s.path.name}", i + 1, s.streamer.num_layers))
-                          if progress else None)
-        counts = {role: s.windows for role, s in srcs.items()}
+        counts = {role: (int(ids.shape[0]) if s.kind is Kind.CHECKPOINT else s.windows) for role, s in srcs.items()}
         if len(set(counts.values())) != 1:
             raise PlanError("ref and test have different numbers of windows", expected=counts.get("ref"),
                             got=counts.get("test"),
                             hint="dumps must hold one file per emitted request; match --windows to them")
         n = counts["ref"]
         rep.windows = n
-        if t is not None:
-            if isinstance(r, CheckpointSource) and isinstance(t, CheckpointSource):
-                r._load_head()
-                t._load_head()
-            for s in (r, t):
-                if isinstance(s, CheckpointSource) and s._head is None:
-                    s._load_head()
-            if r.vocab != t.vocab:
-                raise PlanError("ref and test vocabularies differ", expected=r.vocab, got=t.vocab,
-                                hint="both sides must dump the full vocabulary (no TP padding columns)")
+        if t is not None and r.vocab != t.vocab:
+            raise PlanError("ref and test vocabularies differ", expected=r.vocab, got=t.vocab,
+                            hint="both sides must give the full vocabulary (no TP padding columns)")
+        rep.plan = {
+            role: ({"kind": s.kind.value, "memory": s.plan(n, int(ids.shape[1]), o.chunk)} if s.kind is Kind.CHECKPOINT
+                   else {"kind": s.kind.value, "windows": s.windows})
+            for role, s in srcs.items()
+        }
         rep.ref = _describe(r)
         rep.test = _describe(t) if t is not None else None
+        if dry_run:
+            return rep
+        for s in srcs.values():
+            if s.kind is Kind.CHECKPOINT:
+                s.prepare(ids, progress=(lambda i, s=s: progress(f"layers {s.path.name}", i + 1, s.streamer.num_layers))
+                          if progress else None)
 
         # -- execute ----------------------------------------------------------------------------
         saver = _RefSaver(save_ref, o, r, rep) if save_ref else None

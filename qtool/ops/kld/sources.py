@@ -76,7 +76,21 @@ class CheckpointSource:
         self._tmp = None
         self._head = None
         tc = self.streamer.text_cfg_dict
-        self.vocab = int(tc.get("vocab_size") or 0)
+        head = self.streamer.ckpt.tensors.get("lm_head.weight")
+        self.vocab = int(head.shape[0]) if head is not None else int(tc.get("vocab_size") or 0)
+        self.windows = 0
+        self.seq_len = 0
+
+    def plan(self, windows: int, seq_len: int, chunk: int = 256) -> dict:
+        """Memory of the in-process forward (headers only): one decoder layer + activations, the final
+        hidden states (RAM or disk), one chunk of log-probs."""
+        sp = self.streamer.plan(windows, seq_len)
+        in_ram = sp.hidden_bytes <= self.ram_limit
+        item = 4 if sp.compute_dtype == "float32" else 2
+        # after the layers: lm_head + a chunk of logits/log-probs (float32, ~3 copies) of both sides
+        head = self.vocab * sp.hidden_size * item + chunk * self.vocab * 4 * 3
+        peak = max(sp.peak_bytes(hidden_in_ram=in_ram), head + (sp.hidden_bytes if in_ram else 0))
+        return {**sp.to_json(), "hidden_in_ram": in_ram, "head_bytes": head, "peak_ram_bytes_estimate": peak}
 
     def prepare(self, ids, *, progress=None) -> None:
         """Run all decoder layers over the windows `ids` [N, L]; keeps the final hidden states."""
