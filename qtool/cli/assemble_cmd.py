@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from qtool.cli.common import add_json_flag, human_bytes, local_checkpoint, print_json
 from qtool.errors import UsageError
@@ -41,7 +42,6 @@ def _layers(text: str) -> tuple[int, ...]:
 def run(args) -> int:
     if getattr(args, "kind", None) != "hybrid":
         raise UsageError("assemble needs a kind", expected="qtool assemble hybrid ...")
-    from pathlib import Path
 
     from qtool.io.writer import parse_size
     from qtool.ops.assemble import HybridOptions, LinkMode, MtpMode, execute, plan_hybrid
