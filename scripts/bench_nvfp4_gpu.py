@@ -70,8 +70,12 @@ def _identity(w, tile) -> dict[str, Any]:
     out: dict[str, Any] = {
         "vs_torch_codec": {
             "code_bytes_diff": int((ours.packed != ref.packed).sum()),
-            "scale_diff": int((ours.block_scale.view(torch.uint8) != ref.block_scale.view(torch.uint8)).sum()),
-            "ws2_diff": int((ours.weight_scale_2.view(torch.int32) != ref.weight_scale_2.view(torch.int32)).sum()),
+            "scale_diff": int(
+                (ours.block_scale.view(torch.uint8) != ref.block_scale.view(torch.uint8)).sum()
+            ),
+            "ws2_diff": int(
+                (ours.weight_scale_2.view(torch.int32) != ref.weight_scale_2.view(torch.int32)).sum()
+            ),
         }
     }
     try:
@@ -84,7 +88,9 @@ def _identity(w, tile) -> dict[str, Any]:
         qt, s, s2 = NVFP4QTensor.quantize(w[e], 16)
         d["code_bytes_diff"] += int((qt._quantized_data != ours.packed[e]).sum())
         d["scale_diff"] += int((s.view(torch.uint8) != ours.block_scale[e].view(torch.uint8)).sum())
-        d["ws2_diff"] += int(s2.float().view(torch.int32).item() != ours.weight_scale_2[e].view(torch.int32).item())
+        d["ws2_diff"] += int(
+            s2.float().view(torch.int32).item() != ours.weight_scale_2[e].view(torch.int32).item()
+        )
     out["vs_modelopt"] = d
     out["elements"] = w.numel()
     return out
@@ -122,18 +128,30 @@ def main(argv: list[str] | None = None) -> int:
     def add(name: str, fn: Callable[[], Any], runs: int, warmup: int, **extra: Any) -> float:
         t = _time_ms(fn, runs, warmup)
         med = statistics.median(t)
-        rows.append({"method": name, "median_ms": med, "min_ms": min(t), "max_ms": max(t), "runs": runs,
-                     "gb_per_s": nbytes / (med / 1e3) / GB, **extra})
+        rows.append(
+            {
+                "method": name,
+                "median_ms": med,
+                "min_ms": min(t),
+                "max_ms": max(t),
+                "runs": runs,
+                "gb_per_s": nbytes / (med / 1e3) / GB,
+                **extra,
+            }
+        )
         return med
 
     dst = torch.empty_like(w)
     t_copy = add("memcpy (device copy of the BF16 bytes)", lambda: dst.copy_(w), args.runs, 5)
-    del dst
     best = None
     for tile in tiles:
-        med = add(f"qtool triton {tile.block_rows}x{tile.blocks_per_tile}blk w{tile.num_warps}",
-                  lambda tile=tile: nt.quantize_triton(w, tile=tile), args.runs, 3,
-                  tile=[tile.block_rows, tile.blocks_per_tile, tile.num_warps])
+        med = add(
+            f"qtool triton {tile.block_rows}x{tile.blocks_per_tile}blk w{tile.num_warps}",
+            lambda tile=tile: nt.quantize_triton(w, tile=tile),
+            args.runs,
+            3,
+            tile=[tile.block_rows, tile.blocks_per_tile, tile.num_warps],
+        )
         if best is None or med < best[0]:
             best = (med, tile)
     assert best is not None
@@ -141,22 +159,29 @@ def main(argv: list[str] | None = None) -> int:
     identity = _identity(w, tile)
 
     peers: dict[str, float] = {}
-    peers["qtool torch codec (batched)"] = add("qtool torch codec (batched)", lambda: nvfp4.quantize(w),
-                                               args.peer_runs, 1)
+    peers["qtool torch codec (batched)"] = add(
+        "qtool torch codec (batched)", lambda: nvfp4.quantize(w), args.peer_runs, 1
+    )
     try:
         from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
 
         peers["modelopt NVFP4QTensor.quantize"] = add(
-            "modelopt NVFP4QTensor.quantize", lambda: [NVFP4QTensor.quantize(w[e], 16) for e in range(len(w))],
-            args.peer_runs, 1)
+            "modelopt NVFP4QTensor.quantize",
+            lambda: [NVFP4QTensor.quantize(w[e], 16) for e in range(len(w))],
+            args.peer_runs,
+            1,
+        )
     except ImportError as e:
         print(f"modelopt not run: {e}", file=sys.stderr)
     try:
         import compressed_tensors  # noqa: F401
 
         peers["compressed-tensors quantize+pack"] = add(
-            "compressed-tensors quantize+pack", lambda: [_ct_quantize_pack(w[e]) for e in range(len(w))],
-            args.peer_runs, 1)
+            "compressed-tensors quantize+pack",
+            lambda: [_ct_quantize_pack(w[e]) for e in range(len(w))],
+            args.peer_runs,
+            1,
+        )
     except ImportError as e:
         print(f"compressed-tensors not run: {e}", file=sys.stderr)
 
@@ -178,14 +203,20 @@ def main(argv: list[str] | None = None) -> int:
         "speedup_vs": {k: v / t_triton for k, v in peers.items()},
         "identity": identity,
     }
-    print(f"\nNVFP4 quantize, {args.experts} x [{args.out_features}, {args.in_features}] BF16 "
-          f"({nbytes / GB:.2f} GB) on {result['device']}, torch {torch.__version__}")
+    print(
+        f"\nNVFP4 quantize, {args.experts} x [{args.out_features}, {args.in_features}] BF16 "
+        f"({nbytes / GB:.2f} GB) on {result['device']}, torch {torch.__version__}"
+    )
     print(f"{'method':48} {'median ms':>10} {'GB/s':>9} {'triton x':>9}")
     for r in rows:
-        print(f"{r['method']:48} {r['median_ms']:10.3f} {r['gb_per_s']:9.1f} {r['median_ms'] / t_triton:9.2f}")
-    print(f"triton: {result['triton_dram_gb_per_s_counted']:.0f} GB/s of counted DRAM traffic vs memcpy "
-          f"{result['memcpy_dram_gb_per_s_read_plus_write']:.0f} GB/s read+write; "
-          f"triton time = {t_triton / t_copy:.2f} x one copy of the BF16 bytes")
+        print(
+            f"{r['method']:48} {r['median_ms']:10.3f} {r['gb_per_s']:9.1f} {r['median_ms'] / t_triton:9.2f}"
+        )
+    print(
+        f"triton: {result['triton_dram_gb_per_s_counted']:.0f} GB/s of counted DRAM traffic vs memcpy "
+        f"{result['memcpy_dram_gb_per_s_read_plus_write']:.0f} GB/s read+write; "
+        f"triton time = {t_triton / t_copy:.2f} x one copy of the BF16 bytes"
+    )
     print("bit identity:", json.dumps(identity))
     print("JSON " + json.dumps(result))
     if args.json:

@@ -41,8 +41,7 @@ from typing import Any
 
 import torch
 
-from qtool.formats import CodecError
-from qtool.formats import nvfp4
+from qtool.formats import CodecError, nvfp4
 
 BLOCK_SIZE = nvfp4.BLOCK_SIZE
 
@@ -92,7 +91,7 @@ def triton_available() -> bool:
 tl: Any = None
 
 
-def _amax_body(x_ptr, part_ptr, numel_per_mat, BLOCK: tl.constexpr, STEPS: tl.constexpr):  # noqa: N803
+def _amax_body(x_ptr, part_ptr, numel_per_mat, BLOCK: tl.constexpr, STEPS: tl.constexpr):
     mat = tl.program_id(0)
     sp = tl.program_id(1)
     nsplit = tl.num_programs(1)
@@ -105,7 +104,7 @@ def _amax_body(x_ptr, part_ptr, numel_per_mat, BLOCK: tl.constexpr, STEPS: tl.co
         m = idx < numel_per_mat
         v = tl.abs(tl.load(x_ptr + base + idx, mask=m, other=0.0).to(tl.float32))
         acc = tl.maximum(acc, v)
-        nan = nan | (v != v).to(tl.int32)
+        nan = nan | (v != v).to(tl.int32)  # noqa: PLR0124 (NaN test)
     res = tl.max(acc, axis=0)
     res = tl.where(tl.max(nan, axis=0) > 0, float("nan"), res)
     tl.store(part_ptr + mat * nsplit + sp, res)
@@ -119,8 +118,8 @@ def _quantize_body(
     n_rows,
     n_blocks,  # 16-element blocks per row (in / 16)
     rows_per_mat,
-    BLOCK_R: tl.constexpr,  # noqa: N803
-    NB: tl.constexpr,  # noqa: N803
+    BLOCK_R: tl.constexpr,
+    NB: tl.constexpr,
 ):
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -138,10 +137,10 @@ def _quantize_body(
     # block amax (NaN-propagating like torch.maximum) -> fl(amax / fl(6 * ws2))
     ax = tl.abs(x)
     bamax = tl.max(ax, axis=2)
-    has_nan = tl.max((x != x).to(tl.int32), axis=2)
+    has_nan = tl.max((x != x).to(tl.int32), axis=2)  # noqa: PLR0124 (NaN test)
     bamax = tl.where(has_nan > 0, float("nan"), bamax)
     s = tl.math.div_rn(bamax, 6.0 * ws2[:, None])
-    s = tl.where((s == 0.0) | (s != s), 1.0, s)
+    s = tl.where((s == 0.0) | (s != s), 1.0, s)  # noqa: PLR0124 (NaN test)
     s = tl.minimum(tl.maximum(s, 0.001953125), 448.0)  # clamp(2**-9, 448)
 
     # round-to-nearest-even to E4M3 on the float32 bits: keep 3 mantissa bits for normals (exp >= -6),
@@ -203,7 +202,9 @@ def _cdiv(a: int, b: int) -> int:
 
 def _check(w: torch.Tensor) -> None:
     if w.ndim < 2 or not w.is_floating_point():
-        raise CodecError("NVFP4 quantize needs a floating [..., out, in] tensor", got=(w.dtype, tuple(w.shape)))
+        raise CodecError(
+            "NVFP4 quantize needs a floating [..., out, in] tensor", got=(w.dtype, tuple(w.shape))
+        )
     if w.shape[-1] % BLOCK_SIZE:
         raise CodecError(
             "NVFP4 needs in-features divisible by the block size",
@@ -301,6 +302,8 @@ def quantize_fast(
     )
     if use_triton:
         if block_scale is not None:
-            raise CodecError("the Triton NVFP4 kernel computes its own block scales", hint="use Backend.TORCH")
+            raise CodecError(
+                "the Triton NVFP4 kernel computes its own block scales", hint="use Backend.TORCH"
+            )
         return quantize_triton(w, global_amax=global_amax, weight_scale_2=weight_scale_2)
     return nvfp4.quantize(w, global_amax=global_amax, weight_scale_2=weight_scale_2, block_scale=block_scale)

@@ -115,7 +115,7 @@ def test_interpreter_matches_torch_codec():
         """
     )
     env = dict(os.environ, TRITON_INTERPRET="1")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    res = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, env=env)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-3000:]
 
 
