@@ -194,9 +194,6 @@ def fetch_tensor_patterns(spec: HubSpec | str, patterns: Sequence[str], *, token
 
 
 def _cached_subset(hs: HubSpec, names: Sequence[str]) -> Path | None:
-    from qtool.ops.manifest import cache_dir
-
-    base = cache_dir() / "hub" / hs.repo_id.replace("/", "--")
     if is_commit(hs.revision):
         commits = [hs.rev]
     else:

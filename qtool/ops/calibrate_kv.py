@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
-from qtool.arch.model_map import build_map
 from qtool.arch.qwen35 import Group, layer_prefix
 from qtool.errors import PlanError, UsageError, WriteError
 from qtool.io.atomic_dir import commit_output, partial_path, prepare_output

@@ -108,7 +108,6 @@ def load_param(mm: ModelMap, name: str, dtype, device="cpu"):
 
 def dense_weight(mod: Module, dtype, device="cpu", src: TensorSource | None = None):
     """The module's weight matrix [out, in] as a dense `dtype` tensor on `device`."""
-    import torch
 
     src = src or TensorSource()
     p = mod.params
