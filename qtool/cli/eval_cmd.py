@@ -92,13 +92,13 @@ def run(args) -> int:
         r = rep.result
         print(f"  {r['positions']} positions in {rep.windows} windows"
               + (f" [tokens {rep.token_digest}]" if rep.token_digest else ""))
-        print("      mean     median        p95        p99        max   top-1 agree")
-        print(f"  {r['mean']:>8.6f} {r['median']:>10.6f} {r['p95']:>10.6f} {r['p99']:>10.6f} "
-              f"{r['max']:>10.4f}   {100 * r['top1_agreement']:>9.2f} %")
+        print("        mean      median         p95         p99         max   top-1 agree")
+        print("  " + " ".join(f"{r[k]:>10.4g}" for k in ("mean", "median", "p95", "p99", "max"))
+              + f"   {100 * r['top1_agreement']:>9.2f} %")
     if rep.saved_ref:
         s = rep.saved_ref
         print(f"saved compact reference -> {s['path']}: {human_bytes(s['tensor_bytes'])} vs "
-              f"{human_bytes(s['full_float32_bytes'])} float32 full-vocab ({s['size_ratio']:.0f}x smaller; "
+              f"{human_bytes(s['full_float32_bytes'])} float32 full-vocab ({s['size_ratio']:.3g}x smaller; "
               f"top-{s['topk']} + {s['samples']} tail samples)")
         if "check" in s:
             c = s["check"]

@@ -173,3 +173,14 @@ def test_cli_json_and_usage_errors(pair, tmp_path, capsys):
     assert main(["eval", "kld", "--ref", str(tmp_path / "nope"), "--test", str(td)]) == 2
     with pytest.raises(UsageError):
         run(str(rd), str(tmp_path / "nope"))
+
+
+def test_dry_run_plans_without_running(pair, capsys):
+    ref, test, *_ = pair
+    assert main(["eval", "kld", "--ref", str(ref), "--test", str(test), "--windows", str(N), "--seq-len", str(L),
+                 "--dry-run", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["result"] is None and out["windows"] == N
+    mem = out["plan"]["ref"]["memory"]
+    assert mem["num_layers"] == 8 and mem["hidden_bytes"] == N * L * 64 * 2 and mem["hidden_in_ram"]
+    assert mem["head_bytes"] >= 1024 * 64 * 2
