@@ -19,14 +19,18 @@ PATCHES = {
     "sglang": ROOT / "patches/sglang/0.5.23/0001-kld-logprob-capture.patch",
     "vllm": ROOT / "patches/vllm/0.33.0/0001-kld-prompt-logprob-capture.patch",
 }
-TARGET = {"sglang": "sglang/srt/layers/logprob_processor.py", "vllm": "vllm/v1/worker/gpu_model_runner.py"}
+TARGET = {  # vLLM: the V1 runner and Model Runner V2 (the default in 0.33.0 where supported)
+    "sglang": ["sglang/srt/layers/logprob_processor.py"],
+    "vllm": ["vllm/v1/worker/gpu_model_runner.py", "vllm/v1/worker/gpu/sample/prompt_logprob.py"],
+}
 SITE = sorted(glob.glob("/work/engines-venv/lib/python*/site-packages"))
 
 
-def hook_namespace(engine: str) -> dict:
-    """Execute the module-level code the patch adds (its first hunk's added lines)."""
+def hook_namespace(engine: str, file_no: int = 0) -> dict:
+    """Execute the module-level code the patch adds to its `file_no`-th file (that file's first hunk)."""
     text = PATCHES[engine].read_text()
-    hunks = text.split("\n@@ ")[1:]
+    per_file = text.split("\n--- a/")
+    hunks = per_file[file_no].split("\n@@ ")[1:]
     added = [ln[1:] for ln in hunks[0].splitlines()[1:] if ln.startswith("+")]
     ns: dict = {"torch": torch}
     exec(compile("\n".join(added), str(PATCHES[engine]), "exec"), ns)  # noqa: S102 - our own patch text
@@ -35,15 +39,18 @@ def hook_namespace(engine: str) -> dict:
 
 @pytest.mark.parametrize("engine", ["sglang", "vllm"])
 def test_patch_applies_to_the_installed_engine(engine, tmp_path):
-    if not SITE or not (Path(SITE[0]) / TARGET[engine]).is_file() or shutil.which("patch") is None:
+    if not SITE or not all((Path(SITE[0]) / f).is_file() for f in TARGET[engine]) or shutil.which("patch") is None:
         pytest.skip("engine sources (/work/engines-venv) or `patch` not available")
-    dst = tmp_path / TARGET[engine]
-    dst.parent.mkdir(parents=True)
-    shutil.copy(Path(SITE[0]) / TARGET[engine], dst)
+    for f in TARGET[engine]:
+        (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(Path(SITE[0]) / f, tmp_path / f)
     r = subprocess.run(["patch", "-p1", "-d", str(tmp_path), "-i", str(PATCHES[engine])], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
-    compile(dst.read_text(), str(dst), "exec")
-    assert "_qtool_kld_capture(" in dst.read_text()
+    for f in TARGET[engine]:
+        text = (tmp_path / f).read_text()
+        compile(text, str(tmp_path / f), "exec")
+        assert text.count("_qtool_kld_capture(") == 2  # defined and called
+        assert engine == "sglang" or text.count("_qtool_kld_flush(") == 2
 
 
 def test_sglang_hook_writes_upstream_format(tmp_path, monkeypatch):
@@ -63,8 +70,9 @@ def test_sglang_hook_writes_upstream_format(tmp_path, monkeypatch):
     assert DumpSource(tmp_path).windows == 3
 
 
-def test_vllm_hook_joins_chunked_prefill(tmp_path, monkeypatch):
-    ns = hook_namespace("vllm")
+@pytest.mark.parametrize("runner", [0, 1], ids=["v1-runner", "model-runner-v2"])
+def test_vllm_hook_joins_chunked_prefill(runner, tmp_path, monkeypatch):
+    ns = hook_namespace("vllm", runner)
     monkeypatch.setenv("QTOOL_KLD_DUMP_DIR", str(tmp_path))
     logits = torch.randn(9, 40)
     ns["_qtool_kld_capture"]("r1", logits[:4])  # chunked prefill: two steps
