@@ -32,6 +32,19 @@ def linear_modules(mm: ModelMap) -> dict[str, Format]:
     }
 
 
+# The quant methods whose ignore-list semantics qtool/engines models (ModelOpt's modelopt.py and the
+# compressed-tensors config in both engines). Others (fp8 `modules_to_not_convert`/`ignored_layers`, AutoAWQ,
+# GPTQ) have their own matching code in the engines that is not modelled: no verdict rather than a wrong one.
+MODELLED_QUANT_METHODS = frozenset({"modelopt", "compressed-tensors"})
+
+
+def engine_rules_modelled(summary: QuantSummary) -> bool:
+    method = summary.quant_method
+    if method is None:  # only hf_quant_config.json: the ModelOpt native schema
+        return summary.hf_quant_algo is not None
+    return method in MODELLED_QUANT_METHODS
+
+
 def flavour_of(summary: QuantSummary) -> Flavour:
     return Flavour.COMPRESSED_TENSORS if summary.quant_method == "compressed-tensors" else Flavour.MODELOPT
 

@@ -190,8 +190,18 @@ def _config_file_disagreement(summary: QuantSummary) -> list[Problem]:
 
 def _config_vs_tensors(mm: ModelMap, summary: QuantSummary) -> list[Problem]:
     """Modules whose tensors are BF16 but that an engine would treat as quantized, and the reverse."""
+    from qtool.engines.decide import engine_rules_modelled
+
     if not summary.weights_quantized:
         return []
+    if not engine_rules_modelled(summary):
+        return [
+            Problem(
+                "engine-rules-not-modelled",
+                f"quant_method {summary.quant_method!r}: qtool models the engines' ignore-list matching for "
+                "ModelOpt and compressed-tensors checkpoints only; BF16/quantized module decisions not checked",
+            )
+        ]
     from qtool.engines.decide import unit_decisions
 
     out = []

@@ -12,7 +12,7 @@ from __future__ import annotations
 from qtool.arch.model_map import QUANTIZED_FORMATS, Format, ModelMap
 from qtool.arch.qwen35 import Group
 from qtool.engines import EngineVersion, unit_of
-from qtool.engines.decide import decide, flavour_of, unit_formats
+from qtool.engines.decide import decide, engine_rules_modelled, flavour_of, unit_formats
 from qtool.io.quant_config import QuantSummary
 from qtool.ops.verify.findings import Code, Finding, error, patch_cmd, warning
 
@@ -47,6 +47,15 @@ def decision_findings(
     if not summary.quantized:
         for v in versions:
             summaries[str(v)] = {"quantized_checkpoint": False}
+        return findings, summaries, decisions_by_engine
+    if not engine_rules_modelled(summary):
+        findings.append(warning(
+            Code.ENGINE_RULES_NOT_MODELLED, None,
+            f"quant_method {summary.quant_method!r}: qtool models the engines' ignore-list matching for ModelOpt "
+            "and compressed-tensors checkpoints only; which modules load quantized was not checked",
+            None))
+        for v in versions:
+            summaries[str(v)] = {"quant_method": summary.quant_method, "modelled": False}
         return findings, summaries, decisions_by_engine
     ignore = summary.effective_ignore or []
     fl = flavour_of(summary)

@@ -27,6 +27,7 @@ class Code(str, Enum):
     QUANTIZED_BUT_IGNORED = "quantized-but-ignored"
     BF16_BUT_NOT_IGNORED = "bf16-but-not-ignored"
     PARTIAL_FUSED_EXCLUSION = "partial-fused-exclusion"
+    ENGINE_RULES_NOT_MODELLED = "engine-rules-not-modelled"  # warning: fp8 / AutoAWQ / GPTQ configs
     # serving constraints
     SCALE_MISMATCH = "scale-mismatch"
     TP_DIVISIBILITY = "tp-divisibility"
