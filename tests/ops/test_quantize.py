@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
 
 from qtool.io.checkpoint import Checkpoint
-from qtool.recipes import InputScale, OutFormat, load_recipe
+from qtool.recipes import InputScale, KvCache, OutFormat, load_recipe
 
 
 def _tensors(root):
@@ -58,6 +59,14 @@ def test_output_consistent_and_manifest(q_modelopt):
     assert not insp.get("problems")
     man = json.loads((out / "qtool-manifest.json").read_text())
     assert man["libraries"]["nvidia-modelopt"] and man["libraries"]["torch"]
+    import hashlib
+
+    files = man["source"]["files"]
+    src = Path(man["source"]["path"])
+    shards = {os.path.basename(i.file) for i in Checkpoint.open(src).tensors.values()}
+    assert shards | {"config.json", "tokenizer.json"} <= set(files)
+    for name, f in files.items():
+        assert f["sha256"] == hashlib.sha256((src / name).read_bytes()).hexdigest()
     assert (out / "tokenizer.json").is_file() and (out / "hf_quant_config.json").is_file()
     names = Checkpoint.open(out).tensors
     assert any(n.startswith("mtp.") for n in names) and any(n.startswith("model.visual.") for n in names)
@@ -72,8 +81,9 @@ def test_output_consistent_and_manifest(q_modelopt):
         assert torch.equal(t[p + "gate_proj.weight_scale_2"], t[p + "up_proj.weight_scale_2"])
 
 
-def _kld_vs_bf16(tiny_bf16, ckpt_dir) -> float:
-    """Mean KLD of the BF16 model with its routed experts replaced by the checkpoint's dequantized ones."""
+def _kld_vs_bf16(tiny_bf16, ckpt_dir, model=None) -> float:
+    """Mean KLD of the BF16 model with its routed experts replaced by the checkpoint's dequantized ones
+    (or of `model`, loaded elsewhere, as it is)."""
     import warnings
 
     from transformers import Qwen3_5MoeForConditionalGeneration
@@ -89,6 +99,9 @@ def _kld_vs_bf16(tiny_bf16, ckpt_dir) -> float:
         m = Qwen3_5MoeForConditionalGeneration.from_pretrained(tiny_bf16, dtype=torch.bfloat16).eval()
     with torch.no_grad():
         ref = torch.log_softmax(m(input_ids=ids).logits.float(), -1)
+        if model is not None:
+            lp = torch.log_softmax(model(input_ids=ids).logits.float(), -1)
+            return float((ref.exp() * (ref - lp)).sum(-1).mean())
         mm = build_map(Checkpoint.open(ckpt_dir))
         for i, layer in enumerate(m.model.language_model.layers):
             ex = layer.mlp.experts
@@ -141,34 +154,87 @@ def test_fused_source_gives_per_expert_output(tiny_bf16_fused, calib_ids, q_mode
     out = tmp_path / "f"
     run(tiny_bf16_fused, out=out, recipe=load_recipe("qwen35-nvfp4-experts"), calib_ids=calib_ids)
     a, b = _tensors(out), _tensors(q_modelopt[0])
-    # decoder layers come out per expert (the MTP head is carried over as stored)
-    assert not any(n.endswith("experts.gate_up_proj") and not n.startswith("mtp.") for n in a)
+    # decoder layers AND the MTP head come out per expert (formats doc section 2)
+    assert not any(n.endswith(("experts.gate_up_proj", "experts.down_proj")) for n in a)
     common = [n for n in b if ".mlp.experts." in n and not n.startswith("mtp.")]
     assert common and all(torch.equal(a[n], b[n]) for n in common)
+    src = _tensors(tiny_bf16_fused)
+    gu, dn = src["mtp.layers.0.mlp.experts.gate_up_proj"], src["mtp.layers.0.mlp.experts.down_proj"]
+    inter = gu.shape[1] // 2
+    for e in range(gu.shape[0]):
+        p = f"mtp.layers.0.mlp.experts.{e}."
+        assert torch.equal(a[p + "gate_proj.weight"], gu[e, :inter])
+        assert torch.equal(a[p + "up_proj.weight"], gu[e, inter:])
+        assert torch.equal(a[p + "down_proj.weight"], dn[e])
+    assert set(n for n in a if n.startswith("mtp.")) == set(n for n in b if n.startswith("mtp."))
 
 
-def test_awq_int4_ct_and_packing_matches_compressed_tensors(tiny_bf16, calib_ids, tmp_path):
-    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
-
-    from qtool.ops.quantize import int4, run
-
-    w = torch.randn(16, 256, dtype=torch.bfloat16)
-    q = int4.quantize(w, 128)
-    assert torch.equal(int4.pack_ct(q.q), pack_to_int32(q.q, 4))
-    assert torch.equal(int4.unpack_ct(int4.pack_ct(q.q), 256), q.q)
-    qw, qz, sc = int4.pack_awq(q)
-    assert torch.allclose(int4.unpack_awq(qw, qz, sc), q.dequantize(torch.float32), rtol=1e-2, atol=1e-3)
-    assert int4.quantize(torch.randn(4, 64), 128).scale.shape == (4, 1)  # in < group: one group per row
+def test_awq_int4_ct_uses_formats_awq_codec(tiny_bf16, calib_ids, tmp_path):
+    from qtool.formats import awq
+    from qtool.ops.quantize import run
 
     out = tmp_path / "awq"
     rep = run(tiny_bf16, out=out, recipe=load_recipe("qwen35-awq-int4"), calib_ids=calib_ids)
     assert rep["output"]["problems"] == []
-    t = Checkpoint.open(out).tensors
-    assert t["model.language_model.layers.0.mlp.experts.0.down_proj.weight"].dtype == "BF16"
-    assert t["model.language_model.layers.1.mlp.experts.0.down_proj.weight_packed"].dtype == "I32"
-    awq = [lr["awq"] for lr in rep["layers"] if "awq" in lr]
-    assert len(awq) == 7 and all(a["down_mse"] <= a["down_mse_rtn"] for a in awq)
+    t = _tensors(out)
+    assert t["model.language_model.layers.0.mlp.experts.0.down_proj.weight"].dtype == torch.bfloat16
+    # in-features (64 / 32) < group 128: one group per row, and the config says so per projection
+    p = "model.language_model.layers.1.mlp.experts.0."
+    assert t[p + "gate_proj.weight_scale"].shape == (32, 1) and t[p + "down_proj.weight_scale"].shape == (64, 1)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert sorted(g["weights"]["group_size"] for g in qc["config_groups"].values()) == [32, 64]
+    # the stored tensors are exactly qtool.formats.awq's compressed-tensors form of the stored codes
+    q = awq.from_compressed_tensors(t[p + "down_proj.weight_packed"], t[p + "down_proj.weight_scale"],
+                                    t[p + "down_proj.weight_shape"])
+    assert torch.equal(awq.to_compressed_tensors(q, torch.bfloat16)["weight_packed"], t[p + "down_proj.weight_packed"])
+    awq_rep = [lr["awq"] for lr in rep["layers"] if "awq" in lr]
+    assert len(awq_rep) == 7 and all(a["down_mse"] <= a["down_mse_rtn"] for a in awq_rep)
     assert _kld_vs_bf16(tiny_bf16, out) < 0.05
+
+
+def test_awq_ct_output_loads_in_transformers(tiny_bf16, calib_ids, tmp_path):
+    """transformers + compressed-tensors decompress the INT4 experts into the fused experts: bit-equal to
+    qtool's own dequantization, and the logits equal qtool's dequantized model's. Group 32 (divides both
+    64 and 32): transformers 5.17 applies ONE config group to all expert projections
+    (integrations/compressed_tensors.py get_experts_scheme), so the tiny model's one-group-per-row case
+    (64 / 32 per projection) cannot load there; and it rewrites every layer's expert loading to the packed
+    names, so the BF16 experts of layer 0 come up MISSING (re-set below from the checkpoint)."""
+    import dataclasses
+    import warnings
+
+    from transformers import Qwen3_5MoeForConditionalGeneration
+
+    from qtool.arch.model_map import build_map
+    from qtool.ops.dequant import dense_weight
+    from qtool.ops.quantize import run
+
+    r = load_recipe("qwen35-awq-int4")
+    # no KV scheme here: with one, transformers' compressed-tensors attention fake-quantizes K/V to FP8
+    # with the checkpoint's k/v scales, which the weights-only reference below does not do
+    r = dataclasses.replace(r, int4=dataclasses.replace(r.int4, group_size=32), kv_cache=KvCache.NONE)
+    out = tmp_path / "awq32"
+    run(tiny_bf16, out=out, recipe=r, calib_ids=calib_ids)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m = Qwen3_5MoeForConditionalGeneration.from_pretrained(out, dtype=torch.bfloat16).eval()
+    mm = build_map(Checkpoint.open(out))
+    for i, layer in enumerate(m.model.language_model.layers):
+        ex = layer.mlp.experts
+        for e in range(8):
+            p = f"model.language_model.layers.{i}.mlp.experts.{e}."
+            want = [dense_weight(mm.modules[p + k], torch.bfloat16) for k in ("gate_proj", "up_proj", "down_proj")]
+            if i == 0:  # BF16 experts: not loaded by transformers 5.17 (see docstring)
+                with torch.no_grad():
+                    ex.gate_up_proj[e] = torch.cat(want[:2])
+                    ex.down_proj[e] = want[2]
+                continue
+            assert torch.equal(ex.gate_up_proj[e], torch.cat(want[:2])) and torch.equal(ex.down_proj[e], want[2])
+    ids = torch.tensor([[1, 5, 9, 200, 31, 7, 64, 2]])
+    with torch.no_grad():
+        logits = m(input_ids=ids).logits.float()
+    kld_t = _kld_vs_bf16(tiny_bf16, out)
+    assert torch.isfinite(logits).all() and 0 < kld_t < 0.05
+    assert abs(_kld_vs_bf16(tiny_bf16, out, model=m) - kld_t) == 0.0
 
 
 def test_expert_without_tokens_falls_back_to_layer_max():
@@ -190,3 +256,54 @@ def test_dry_run_writes_nothing(tiny_bf16, tmp_path):
     out = tmp_path / "d"
     assert main(["quantize", str(tiny_bf16), "-o", str(out), "--recipe", "qwen35-nvfp4-experts", "--dry-run", "--json"]) == 0
     assert not out.exists() and not os.path.exists(str(out) + ".partial")
+
+
+def test_modelopt_backend_bit_identical_to_rtn(tiny_bf16, calib_ids, q_modelopt, tmp_path):
+    """mtq.quantize on each decoder layer alone (max calibration) + ModelOpt's export scale helpers give
+    exactly qtool's RTN output (itself bit-identical to ModelOpt's whole-model export)."""
+    from qtool.ops.quantize import run
+    from qtool.recipes import Backend
+
+    out = tmp_path / "mo-backend"
+    rep = run(tiny_bf16, out=out, recipe=load_recipe("qwen35-nvfp4-experts"), backend=Backend.MODELOPT,
+              calib_ids=calib_ids)
+    assert rep["output"]["problems"] == []
+    a, b = _tensors(out), _tensors(q_modelopt[0])
+    assert set(a) == set(b)
+    assert [n for n in a if a[n].dtype != b[n].dtype or not torch.equal(a[n], b[n])] == []
+
+
+def test_modelopt_backend_mse_needs_cuda(tiny_bf16, tmp_path):
+    from qtool.errors import UsageError
+    from qtool.ops.quantize import plan
+    from qtool.recipes import Backend
+
+    with pytest.raises(UsageError, match="Triton"):
+        plan(tiny_bf16, out=tmp_path / "x", recipe=load_recipe("qwen35-nvfp4-experts-mse"), backend=Backend.MODELOPT)
+    with pytest.raises(UsageError, match="NVFP4"):
+        plan(tiny_bf16, out=tmp_path / "x", recipe=load_recipe("qwen35-awq-int4"), backend=Backend.MODELOPT)
+
+
+def test_llmcompressor_backend_matches_oneshot(tiny_bf16, calib_ids, tiny_nvfp4_ct, tmp_path):
+    """llm-compressor's observers + compressed-tensors' compressor per layer: the expert weights are
+    bit-identical to llm-compressor's own oneshot output, so the KLD vs BF16 is the same."""
+    from qtool.ops.quantize import run
+    from qtool.recipes import Backend
+
+    out = tmp_path / "lc"
+    rep = run(tiny_bf16, out=out, recipe=load_recipe("qwen35-nvfp4-experts"), backend=Backend.LLMCOMPRESSOR,
+              fmt=OutFormat.COMPRESSED_TENSORS, calib_ids=calib_ids)
+    assert rep["output"]["problems"] == []
+    a, b = _tensors(out), _tensors(tiny_nvfp4_ct)
+    weights = [n for n in b if ".mlp.experts." in n and not n.startswith("mtp.")
+               and n.endswith(("weight_packed", "weight_scale", "weight_global_scale"))]
+    assert len(weights) == 8 * 8 * 3 * 3
+    assert [n for n in weights if not torch.equal(a[n], b[n])] == []
+    ins = [n for n in b if n.endswith("input_global_scale") and not n.startswith("mtp.")]
+    assert all(torch.isfinite(a[n]).all() and float(a[n]) > 0 for n in ins)
+    # layer 0's gate/up inputs are the embeddings' post-attention states: the same tokens for both tools
+    l0 = [n for n in ins if ".layers.0." in n and not n.endswith("down_proj.input_global_scale")]
+    assert l0 and all(torch.equal(a[n], b[n]) for n in l0)
+    mine, theirs = _kld_vs_bf16(tiny_bf16, out), _kld_vs_bf16(tiny_bf16, tiny_nvfp4_ct)
+    print(f"KLD vs BF16: qtool --backend llmcompressor {mine:.6g}, llm-compressor oneshot {theirs:.6g}")
+    assert 0 < mine <= 1.01 * theirs

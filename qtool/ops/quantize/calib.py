@@ -24,6 +24,8 @@ class ExpertStats:
     mid_amax: torch.Tensor = None  # float32 [E]
     keep_rows: int = 0
     mid_rows: list = field(default_factory=list)  # per expert: list of [n, I] tensors (AWQ)
+    hooks: list = field(default_factory=list)  # fn(e, x, mid) per routed batch (peer observers)
+    batch_hooks: list = field(default_factory=list)  # fn(hidden_states) per forward of the experts module
 
     def __post_init__(self):
         e = self.n_experts
@@ -47,6 +49,8 @@ class ExpertStats:
             take = mid[:room].detach().float().cpu()
             self.mid_rows[e].append(take)
             self._kept[e] += take.shape[0]
+        for hook in self.hooks:
+            hook(e, x, mid)
 
     def to_json(self) -> dict:
         return {
@@ -62,6 +66,8 @@ def install_expert_stats(experts, stats: ExpertStats) -> None:
     import torch.nn.functional as F
 
     def forward(hidden_states, top_k_index, top_k_weights):
+        for hook in stats.batch_hooks:
+            hook(hidden_states)
         final = torch.zeros_like(hidden_states)
         with torch.no_grad():
             mask = F.one_hot(top_k_index, num_classes=experts.num_experts).permute(2, 1, 0)

@@ -61,8 +61,30 @@ def awq_not_convert(mm: ModelMap) -> list[str]:
     return out
 
 
-def quant_configs(mm: ModelMap, scheme: Scheme, fmt: OutFormat, kv: bool, group_size: int, versions: dict) -> tuple[dict, dict | None]:
-    """(config.json quantization_config, hf_quant_config.json or None)."""
+def _ct_w4a16_groups(group_size: int, in_features: dict[str, int]) -> dict:
+    """One config group when every expert projection uses `group_size`; else one group per effective
+    group size (a projection with in-features < group_size has one group per row, group = in-features),
+    targeting those projections by regex, so that compressed-tensors (and transformers' decompression)
+    reshape each weight by the group it was really quantized with."""
+    from qtool.formats.awq import effective_group_size
+
+    by_g: dict[int, list[str]] = {}
+    for part, n_in in sorted(in_features.items()):
+        by_g.setdefault(effective_group_size(n_in, group_size), []).append(part)
+    if len(by_g) <= 1 and all(g == group_size for g in by_g):
+        return {"group_0": _ct_w4a16_group(group_size)}
+    out = {}
+    for k, (g, parts) in enumerate(sorted(by_g.items(), reverse=True)):
+        grp = _ct_w4a16_group(g)
+        grp["targets"] = [r"re:.*mlp\.experts\.\d+\.(" + "|".join(parts) + r")$"]
+        out[f"group_{k}"] = grp
+    return out
+
+
+def quant_configs(mm: ModelMap, scheme: Scheme, fmt: OutFormat, kv: bool, group_size: int, versions: dict,
+                  in_features: dict[str, int] | None = None) -> tuple[dict, dict | None]:
+    """(config.json quantization_config, hf_quant_config.json or None). `in_features`: routed expert
+    projection -> in-features (W4A16: the group actually used per projection)."""
     from qtool.engines.decide import ignore_patterns_for
     from qtool.ops.calibrate_kv import CT_KV_SCHEME, MODELOPT_KV_SCHEME
 
@@ -85,9 +107,13 @@ def quant_configs(mm: ModelMap, scheme: Scheme, fmt: OutFormat, kv: bool, group_
               "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": "FP8" if kv else None,
                                "group_size": 16, "exclude_modules": globs}}
         return qc, hq
-    group = copy.deepcopy(_CT_NVFP4_GROUP) if scheme is Scheme.NVFP4 else _ct_w4a16_group(group_size)
+    if scheme is Scheme.NVFP4:
+        groups = {"group_0": copy.deepcopy(_CT_NVFP4_GROUP)}
+    else:
+        groups = _ct_w4a16_groups(group_size, in_features or {})
+    group = groups["group_0"]
     return ({
-        "config_groups": {"group_0": group},
+        "config_groups": groups,
         "format": group["format"],
         "global_compression_ratio": None,
         "ignore": regexes,

@@ -88,11 +88,15 @@ def calibrate_and_write(p: QuantizePlan, partial: Path, ids, *, resume: bool, pr
         layer = streamer.load_layer(lp.index)
         stats = ExpertStats(p.n_experts, keep_rows=p.awq_rows if lp.scheme is Scheme.W4A16 else 0)
         kv = KvStat()
-        overrides = None
-        if p.backend is not Backend.RTN and lp.scheme is not Scheme.BF16:
+        backend = None
+        if lp.scheme is Scheme.NVFP4:
             from qtool.ops.quantize import backends
 
-            overrides = backends.calibrate_layer(p, layer, store, seq, batch, streamer)
+            backend = backends.for_layer(p)
+            if backend is not None:
+                backend.calibrate(layer, streamer, store, seq, batch)
+                stats.hooks += backend.hooks
+                stats.batch_hooks += backend.batch_hooks
         install_expert_stats(layer.mlp.experts, stats)
         if lp.full_attention:
             attention_tap(layer, kv_tap(kv))
@@ -100,7 +104,7 @@ def calibrate_and_write(p: QuantizePlan, partial: Path, ids, *, resume: bool, pr
         attention_tap(layer, None)
         remove_expert_stats(layer.mlp.experts)
         with torch.no_grad():
-            rep = write_layer_shard(partial / lp.shard, lp, layer, stats, (kv.k_amax, kv.v_amax), p, overrides)
+            rep = write_layer_shard(partial / lp.shard, lp, layer, stats, (kv.k_amax, kv.v_amax), p, backend)
         entry = {"layer": lp.index, "routed_experts": lp.scheme.value, **stats.to_json()}
         if lp.full_attention:
             entry["kv"] = {"k_amax": kv.k_amax, "v_amax": kv.v_amax, "tokens": kv.tokens}
@@ -110,13 +114,31 @@ def calibrate_and_write(p: QuantizePlan, partial: Path, ids, *, resume: bool, pr
                             "down_mse_rtn": sum(r["down_mse_rtn"] for r in rep["awq"])}
         layer_reports.append(entry)
         save(lp.index + 1)
-        del layer
+        del layer, backend
         if progress is not None:
             progress(lp.index)
     return {"layers": layer_reports, "seconds": time.perf_counter() - t0, "resumed_from_layer": start}
 
 
-def finish(p: QuantizePlan, partial: Path, report: dict, command: str | None) -> dict:
+def input_files(p: QuantizePlan) -> list[Path]:
+    """Every source file that contributes bytes: the shards holding any tensor (copied by byte range or
+    read dense for calibration and quantization), config.json and the copied side files."""
+    shards = {Path(i.file) for i in p.ckpt.tensors.values()}
+    side = [e for e in p.ckpt.root.iterdir()
+            if e.is_file() and e.suffix != ".safetensors" and e.name not in _SKIP_FILES]
+    return sorted(shards | set(side) | {p.ckpt.root / CONFIG_NAME})
+
+
+def source_files(p: QuantizePlan, hasher, side: list[str]) -> dict[str, dict]:
+    """name -> {sha256, bytes} (qtool.ops.manifest.InputHasher, the same hashing as assemble)."""
+    digests = hasher.results()
+    out = {}
+    for f in input_files(p):
+        out[os.path.relpath(f, p.ckpt.root)] = {"sha256": digests[str(f)], "bytes": f.stat().st_size}
+    return out
+
+
+def finish(p: QuantizePlan, partial: Path, report: dict, command: str | None, hasher) -> dict:
     from qtool.arch.model_map import build_map
     from qtool.io.quant_config import summarize
     from qtool.io.writer import plan_shards
@@ -151,7 +173,8 @@ def finish(p: QuantizePlan, partial: Path, report: dict, command: str | None) ->
 
     versions["qtool"] = __version__
     kv = p.recipe.kv_cache is KvCache.FP8
-    qc, hq = quant_configs(mm, p.recipe.quantized_scheme, p.format, kv, p.recipe.int4.group_size, versions)
+    qc, hq = quant_configs(mm, p.recipe.quantized_scheme, p.format, kv, p.recipe.int4.group_size, versions,
+                           {"gate_proj": p.hidden, "up_proj": p.hidden, "down_proj": p.inter})
     cfg["quantization_config"] = qc
     write_json(partial / CONFIG_NAME, cfg, style)
     if hq is not None:
@@ -167,8 +190,7 @@ def finish(p: QuantizePlan, partial: Path, report: dict, command: str | None) ->
         "recipe": p.recipe.to_json(),
         "backend": p.backend.value,
         "format": p.format.value,
-        "source": {"path": str(p.ckpt.root),
-                   "files": {f.name: f.stat().st_size for f in sorted(p.ckpt.root.glob("*.safetensors"))}},
+        "source": {"path": str(p.ckpt.root), "files": source_files(p, hasher, side)},
         "calibration": report.get("calibration"),
         "layers": report["layers"],
         "shards": {lp.shard: {"layer": lp.index, "routed_experts": lp.scheme.value} for lp in p.layers},
@@ -240,7 +262,15 @@ def run(
         report.update(res)
         report["stopped_after_layer"] = stop_after_layer
         return report
-    res = calibrate_and_write(p, partial, ids, resume=resume, progress=progress)
-    report.update(res)
-    report["output"] = finish(p, partial, report, command)
+    from qtool.ops.manifest import InputHasher
+
+    hasher = InputHasher()  # hashes the inputs in background threads while the layers run
+    try:
+        for f in input_files(p):
+            hasher.submit(str(f))
+        res = calibrate_and_write(p, partial, ids, resume=resume, progress=progress)
+        report.update(res)
+        report["output"] = finish(p, partial, report, command, hasher)
+    finally:
+        hasher.close()
     return report

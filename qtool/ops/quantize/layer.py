@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -46,68 +47,91 @@ def input_amaxes(stats, mode: InputScale) -> tuple[torch.Tensor, torch.Tensor]:
             torch.where(seen, stats.mid_amax, torch.full((e,), lmax_mid)))
 
 
-def _nvfp4_expert_chunk(gu, down, inter, in_amax, mid_amax, recipe, fmt, overrides) -> dict[str, list[bytes]]:
-    """Returns part -> per-expert list of the params' bytes in QUANT_PARAMS order."""
+@dataclass
+class NVFP4Experts:
+    """One projection (gate/up/down) of a chunk of experts, quantized; leading dim = expert.
+
+    ModelOpt convention: dequant = fp4 * block_scale * weight_scale_2, input_scale = amax / (6 * 448).
+    compressed-tensors stores the reciprocals (weight_global_scale, input_global_scale; formats doc
+    section 4); a producer that computes those natively (llm-compressor) passes them, else they are
+    1 / the ModelOpt values (which keeps the CT output equal to `qtool convert` of the ModelOpt output)."""
+
+    packed: torch.Tensor  # uint8 [E, out, in/2]
+    block_scale: torch.Tensor  # float8_e4m3fn [E, out, in/16]
+    weight_scale_2: torch.Tensor  # float32 [E]
+    input_scale: torch.Tensor  # float32 [E]
+    weight_global_scale: torch.Tensor | None = None  # float32 [E]
+    input_global_scale: torch.Tensor | None = None  # float32 [E]
+
+    def rows(self, fmt: OutFormat) -> list[list[bytes]]:
+        """Per expert, the params' bytes in QUANT_PARAMS order of `fmt`."""
+        one = torch.tensor(1.0, dtype=torch.float32)
+        out = []
+        for k in range(self.packed.shape[0]):
+            if fmt is OutFormat.MODELOPT:
+                ws2 = self.weight_scale_2[k] if self.weight_global_scale is None else one / self.weight_global_scale[k]
+                ins = self.input_scale[k] if self.input_global_scale is None else one / self.input_global_scale[k]
+                out.append([_b(ins), _b(self.packed[k]), _b(self.block_scale[k]), _b(ws2)])
+            else:
+                gs_w = one / self.weight_scale_2[k] if self.weight_global_scale is None else self.weight_global_scale[k]
+                gs_in = one / self.input_scale[k] if self.input_global_scale is None else self.input_global_scale[k]
+                out.append([_b(gs_in.reshape(1)), _b(gs_w.reshape(1)), _b(self.packed[k]), _b(self.block_scale[k])])
+        return out
+
+
+def nvfp4_rtn(gu, down, inter, in_amax, mid_amax, recipe) -> dict[str, NVFP4Experts]:
+    """qtool's own NVFP4 of a chunk of experts (ModelOpt numerics; MSE-searched block scales when the
+    recipe asks). gate_proj and up_proj share weight_scale_2 (vLLM requirement)."""
     from qtool.formats import nvfp4
     from qtool.ops.quantize.nvfp4_mse import search_block_scales
 
     gate, up = gu[:, :inter], gu[:, inter:]
     ws2_gu = nvfp4.shared_weight_scale_2(gate, up)
     ws2_dn = nvfp4.weight_scale_2_from_amax(nvfp4.matrix_amax(down))
-    if overrides is not None:  # backend-provided amaxes (ModelOpt quantizers)
-        ws2_gu, ws2_dn = overrides["ws2_gu"], overrides["ws2_dn"]
-    res: dict[str, list] = {}
+    res: dict[str, NVFP4Experts] = {}
     for part, w, ws2, amax in (("down_proj", down, ws2_dn, mid_amax), ("gate_proj", gate, ws2_gu, in_amax),
                                ("up_proj", up, ws2_gu, in_amax)):
-        bs = None
-        if overrides is not None and overrides.get(part) is not None:
-            bs = overrides[part]
-        elif recipe.nvfp4.weight_scale is WeightScale.MSE:
-            bs = search_block_scales(w, ws2)
+        bs = search_block_scales(w, ws2) if recipe.nvfp4.weight_scale is WeightScale.MSE else None
         q = nvfp4.quantize(w, weight_scale_2=ws2, block_scale=bs)
-        in_scale = nvfp4.input_scale_from_amax(amax.float())
-        rows = []
-        for k in range(w.shape[0]):
-            if fmt is OutFormat.MODELOPT:
-                rows.append([_b(in_scale[k]), _b(q.packed[k]), _b(q.block_scale[k]), _b(q.weight_scale_2[k])])
-            else:
-                # compressed-tensors stores the reciprocal global scales (formats doc section 4); taking
-                # 1/weight_scale_2 keeps the CT output equal to `qtool convert` of the ModelOpt output.
-                gs_w = torch.tensor(1.0, dtype=torch.float32) / q.weight_scale_2[k]
-                gs_in = torch.tensor(1.0, dtype=torch.float32) / in_scale[k]
-                rows.append([_b(gs_in.reshape(1)), _b(gs_w.reshape(1)), _b(q.packed[k]), _b(q.block_scale[k])])
-        res[part] = rows
+        res[part] = NVFP4Experts(q.packed, q.block_scale, q.weight_scale_2.reshape(-1).float(),
+                                 nvfp4.input_scale_from_amax(amax.float()).reshape(-1))
     return res
 
 
 def _int4_expert_chunk(gu, down, inter, stats, e0, recipe, fmt, report) -> dict[str, list]:
-    from qtool.ops.quantize import int4
+    """INT4 W4A16 of a chunk of experts with qtool.formats.awq (RTN, one group per row when in < group),
+    after the AWQ down_proj scale search when the recipe asks for it."""
+    from qtool.formats import awq
+    from qtool.ops.quantize.awq_search import awq_down_scales, rtn
 
     g = recipe.int4.group_size
+    # scales are rounded to the stored dtype before the codes are computed (stored scales and codes agree)
+    sdt = torch.float16 if fmt is OutFormat.AWQ else torch.bfloat16
     res: dict[str, list] = {p: [] for p in ("down_proj", "gate_proj", "up_proj")}
     for k in range(gu.shape[0]):
         e = e0 + k
         gate, up, dn = gu[k, :inter], gu[k, inter:], down[k]
         if recipe.int4.awq and stats is not None:
-            s, alpha, mse, rtn = int4.awq_down_scales(stats.rows(e), dn, g, recipe.int4.awq_grid)
+            s, alpha, mse, rtn_mse = awq_down_scales(stats.rows(e), dn, g, recipe.int4.awq_grid, sdt)
             # fold: down columns * s, up rows / s (exact in real arithmetic)
             dn = (dn.float() * s).to(dn.dtype)
             up = (up.float() / s.unsqueeze(-1)).to(up.dtype)
-            report.append({"expert": e, "alpha": alpha, "down_mse": mse, "down_mse_rtn": rtn})
+            report.append({"expert": e, "alpha": alpha, "down_mse": mse, "down_mse_rtn": rtn_mse})
         for part, w in (("down_proj", dn), ("gate_proj", gate), ("up_proj", up)):
-            q = int4.quantize(w, g)
+            q = rtn(w, g, sdt)
             if fmt is OutFormat.COMPRESSED_TENSORS:
-                shape = torch.tensor(list(w.shape), dtype=torch.int64)
-                res[part].append([_b(int4.pack_ct(q.q)), _b(q.scale.to(torch.bfloat16)), _b(shape)])
+                t = awq.to_compressed_tensors(q, sdt)
+                res[part].append([_b(t["weight_packed"]), _b(t["weight_scale"]), _b(t["weight_shape"])])
             else:
-                qw, qz, sc = int4.pack_awq(q)
-                res[part].append([_b(qw), _b(qz), _b(sc)])
+                t = awq.to_awq(q)
+                res[part].append([_b(t["qweight"]), _b(t["qzeros"]), _b(t["scales"])])
     return res
 
 
-def write_layer_shard(path: Path, lp, layer, stats, kv, p, overrides=None) -> dict:
+def write_layer_shard(path: Path, lp, layer, stats, kv, p, backend=None) -> dict:
     """Write `lp.specs` to `path` (tmp + rename). `layer`: the dense transformers layer; `stats`:
-    ExpertStats; `kv`: (k_amax, v_amax) or None; overrides: backend amaxes per expert chunk fn."""
+    ExpertStats; `kv`: (k_amax, v_amax) or None; `backend`: a peer backend's per-layer state
+    (qtool.ops.quantize.backends) that quantizes the NVFP4 experts instead of qtool's RTN."""
     from qtool.ops.calibrate_kv import LayerStat
 
     experts = layer.mlp.experts
@@ -118,12 +142,6 @@ def write_layer_shard(path: Path, lp, layer, stats, kv, p, overrides=None) -> di
     tmp = path.with_name("." + path.name + ".tmp")
     fds: dict[str, int] = {}
     n_exp = p.n_experts
-    quantized = lp.scheme is not Scheme.BF16
-    per_expert_specs = 0
-    if quantized:
-        from qtool.ops.quantize.plan import QUANT_PARAMS
-
-        per_expert_specs = len(QUANT_PARAMS[(lp.scheme, p.format)])
     try:
         with open(tmp, "wb") as f:
             f.write(header)
@@ -152,9 +170,12 @@ def write_layer_shard(path: Path, lp, layer, stats, kv, p, overrides=None) -> di
                     gu = experts.gate_up_proj.data[chunk_start:e1]
                     dn = experts.down_proj.data[chunk_start:e1]
                     if lp.scheme is Scheme.NVFP4:
-                        ov = overrides(chunk_start, e1) if overrides is not None else None
-                        chunk = _nvfp4_expert_chunk(gu, dn, inter, in_amax[chunk_start:e1], mid_amax[chunk_start:e1],
-                                                    p.recipe, p.format, ov)
+                        a_in, a_mid = in_amax[chunk_start:e1], mid_amax[chunk_start:e1]
+                        if backend is not None:
+                            parts = backend.nvfp4_chunk(chunk_start, e1, gu, dn, a_in, a_mid)
+                        else:
+                            parts = nvfp4_rtn(gu, dn, inter, a_in, a_mid, p.recipe)
+                        chunk = {part: q.rows(p.format) for part, q in parts.items()}
                     else:
                         chunk = _int4_expert_chunk(gu, dn, inter, stats, chunk_start, p.recipe, p.format, report["awq"])
                 from qtool.ops.quantize.plan import QUANT_PARAMS
@@ -171,7 +192,6 @@ def write_layer_shard(path: Path, lp, layer, stats, kv, p, overrides=None) -> di
             os.close(fd)
         if tmp.exists():
             tmp.unlink()
-    del per_expert_specs
     return report
 
 

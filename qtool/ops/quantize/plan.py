@@ -143,9 +143,9 @@ def expert_specs(prefix: str, e: int, scheme: Scheme, fmt: OutFormat, hidden: in
         o, i = (hidden, inter) if part == "down_proj" else (inter, hidden)
         mod = f"{prefix}mlp.experts.{e}.{part}"
         if scheme is Scheme.W4A16:
-            from qtool.ops.quantize.int4 import effective_group
+            from qtool.formats.awq import effective_group_size
 
-            g = effective_group(i, group)
+            g = effective_group_size(i, group)
         else:
             g = 16
         for name, dt, shp in QUANT_PARAMS[(scheme, fmt)]:
@@ -214,15 +214,17 @@ def plan(
     if scheme in FORMATS_FOR and fmt not in FORMATS_FOR[scheme]:
         raise UsageError(f"--format {fmt.value} cannot hold {scheme.value} weights",
                          expected=[f.value for f in FORMATS_FOR[scheme]], got=fmt.value)
-    if backend is not Backend.RTN:
-        raise UsageError(f"--backend {backend.value} is not available in this version",
-                         hint="use --backend rtn (its NVFP4 output is bit-identical to ModelOpt's export)")
-    if backend is Backend.MODELOPT and scheme is not Scheme.NVFP4:
-        raise UsageError("--backend modelopt drives ModelOpt's NVFP4 quantizers only", got=scheme.value,
-                         hint="use --backend rtn for W4A16 recipes")
-    if backend is Backend.LLMCOMPRESSOR and scheme is Scheme.NVFP4 and recipe.nvfp4.weight_scale is WeightScale.MSE:
-        raise UsageError("--backend llmcompressor has no MSE search for NVFP4 weight scales",
-                         hint="use --backend modelopt or rtn with the -mse recipe")
+    if (backend is Backend.MODELOPT and recipe.nvfp4.weight_scale is WeightScale.MSE
+            and not device.startswith("cuda")):
+        # ModelOpt 0.47's static NVFP4 weight quantizer fake-quantizes through a Triton kernel only:
+        # modelopt/torch/quantization/tensor_quant.py:586 raises "static_blockwise_fp4_fake_quant requires
+        # triton" during mse_calibrate when triton_kernel.IS_AVAILABLE is False (always on a CPU).
+        raise UsageError("--backend modelopt with an MSE recipe needs a CUDA device (ModelOpt's static "
+                         "NVFP4 fake-quant, used by its MSE calibration, is a Triton kernel)",
+                         hint="use --device cuda, or --backend rtn / llmcompressor for MSE weight scales on CPU")
+    if backend is not Backend.RTN and scheme is not Scheme.NVFP4:
+        raise UsageError(f"--backend {backend.value} drives the peer's NVFP4 calibration only", got=scheme.value,
+                         hint="use --backend rtn for W4A16 recipes (qtool's AWQ search + INT4 codec)")
     tc = ckpt.text_config
     hidden, inter, n_exp = int(tc["hidden_size"]), int(tc["moe_intermediate_size"]), int(tc["num_experts"])
     qmods = [m for m in mm.modules.values() if not m.is_mtp and m.inner is Group.ROUTED_EXPERTS and m.format is not None]
@@ -233,10 +235,10 @@ def plan(
     if scheme is Scheme.NVFP4 and (hidden % 16 or inter % 16):
         raise PlanError("NVFP4 needs expert in-features divisible by 16", got=(hidden, inter))
     if scheme is Scheme.W4A16:
-        from qtool.ops.quantize.int4 import effective_group
+        from qtool.formats.awq import effective_group_size
 
         for i in (hidden, inter):
-            effective_group(i, recipe.int4.group_size)
+            effective_group_size(i, recipe.int4.group_size)
         if fmt is OutFormat.AWQ and (hidden % 8 or inter % 8):
             raise PlanError("AutoAWQ GEMM needs out-features divisible by 8", got=(hidden, inter))
     layers = []
@@ -269,7 +271,17 @@ def plan(
         if n.startswith(layer_pre) and not n.startswith("mtp."):
             continue
         i = ckpt.tensors[n]
+        if n.startswith("mtp.") and n.endswith(".mlp.experts.down_proj"):
+            continue  # split with its gate_up_proj below
+        if n.startswith("mtp.") and n.endswith(".mlp.experts.gate_up_proj"):
+            # the MTP head's fused experts: per expert, by byte range (formats doc section 2: engines
+            # mis-load fused MTP experts next to per-expert decoder layers); the decoder layers' code path
+            prefix = n[: -len("mlp.experts.gate_up_proj")]
+            for e in range(int(i.shape[0])):
+                rest += _bf16_expert_specs(mm, prefix, e, hidden, inter)
+            continue
         rest.append(Spec(n, i.dtype, tuple(i.shape), FileRange(i.file, i.start, i.end)))
+    rest.sort(key=lambda sp: sp.name)
     warnings = []
     if mm.expert_layout == "fused":
         warnings.append("source experts are fused; the output is per expert (BF16 experts split by byte range)")

@@ -1,0 +1,50 @@
+"""AWQ activation-aware scale search for the routed experts' down_proj (quantize-specific; the INT4 codec
+and both packings are qtool.formats.awq).
+
+AWQ (Lin et al. 2023; llm-compressor modifiers/transform/awq `_compute_best_scale`): for the down_proj
+of each expert, search s = mean|x|^alpha over alpha in a grid, scale down_proj's input columns by s and
+divide up_proj's output rows by s (exact: act(gate) * (up / s) feeds (down * s)), and keep the alpha with
+the lowest output MSE on the expert's own routed activations. gate_proj/up_proj get plain RTN: their
+input comes from post_attention_layernorm, shared by the router, the shared expert and all experts, so a
+per-expert scale cannot be folded anywhere (llm-compressor folds ONE scale for all experts into the
+norm and the router; with a BF16 router and shared expert that would change BF16 weights too).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qtool.formats import awq
+
+
+def rtn(w: torch.Tensor, group_size: int, scale_dtype: torch.dtype) -> awq.Int4Weight:
+    """Symmetric RTN INT4 (compressed-tensors W4A16 numerics: scale = amax / 7.5 in `scale_dtype`)."""
+    return awq.quantize(w, group_size, symmetric=True, scale_dtype=scale_dtype)
+
+
+def awq_down_scales(x: torch.Tensor, w_down: torch.Tensor, group_size: int, grid: int,
+                    scale_dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, float, float, float]:
+    """Best per-input-channel scale s [I] for down_proj (W [H, I]) given activations x [n, I].
+
+    Returns (s, best_alpha, best_mse, rtn_mse); s = 1 (alpha 0) when x is empty. Alpha 0 is plain RTN,
+    so the chosen scale is never worse than RTN on these activations."""
+    n_in = w_down.shape[-1]
+    if x.numel() == 0:
+        return torch.ones(n_in), 0.0, 0.0, 0.0
+    xf = x.float()
+    wf = w_down.float()
+    ref = xf @ wf.t()
+    x_mean = xf.abs().mean(dim=0)
+    best = (None, 0.0, float("inf"))
+    rtn_err = float("nan")
+    for i in range(grid):
+        alpha = i / grid
+        s = x_mean.pow(alpha).clamp(min=1e-4)
+        s = s / (s.max() * s.min()).sqrt()
+        wq = rtn((wf * s).to(w_down.dtype), group_size, scale_dtype).dequantize(torch.float32)
+        err = float(((xf / s) @ wq.t() - ref).pow(2).mean())
+        if i == 0:
+            rtn_err = err
+        if err < best[2]:
+            best = (s, alpha, err)
+    return best[0], best[1], best[2], rtn_err
