@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 
-import pytest
 
 from qtool.cli.main import main
 from qtool.io.checkpoint import Checkpoint

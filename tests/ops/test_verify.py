@@ -7,7 +7,6 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import struct
 from pathlib import Path
 
 import pytest

@@ -15,7 +15,7 @@ from typing import Callable
 
 from qtool.errors import PlanError, UsageError
 from qtool.ops.kld import compact as C
-from qtool.ops.kld.sources import META, CheckpointSource, CompactSource, Kind, open_source
+from qtool.ops.kld.sources import META, CompactSource, Kind, open_source
 
 RESULT_KEYS = ("mean", "median", "p95", "p99", "max", "top1_agreement", "positions")
 
