@@ -16,7 +16,7 @@ A recipe is a YAML file in `recipes/` (or any path), validated here at the bound
       input_scale: layer_max     # layer_max (ModelOpt: one amax shared by all experts) | per_expert
     int4:                        # only with a w4a16 group
       group_size: 128
-      awq: true                  # activation-aware scale search (see qtool.ops.quantize.int4)
+      awq: true                  # activation-aware scale search (see qtool.ops.quantize.awq_search)
       awq_grid: 20
     defaults: {backend: rtn, format: modelopt}
 

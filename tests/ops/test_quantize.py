@@ -9,20 +9,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 
 from qtool.io.checkpoint import Checkpoint
+from qtool.io.reader import read_tensor
 from qtool.recipes import InputScale, KvCache, OutFormat, load_recipe
 
 
 def _tensors(root):
-    ck = Checkpoint.open(root)
-    out = {}
-    for n, i in ck.tensors.items():
-        with safe_open(i.file, "pt") as h:
-            t = h.get_tensor(n)
-        out[n] = t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
-    return out
+    """name -> tensor (FP8 viewed as uint8, so torch.equal compares bytes)."""
+    ts = {n: read_tensor(i) for n, i in Checkpoint.open(root).tensors.items()}
+    return {n: t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for n, t in ts.items()}
 
 
 @pytest.fixture(scope="module")
