@@ -38,7 +38,7 @@ def q_modelopt(tiny_bf16, calib_ids, tmp_path_factory):
 
 
 def test_nvfp4_modelopt_bit_identical_to_modelopt_export(q_modelopt, tiny_nvfp4_modelopt):
-    out, rep = q_modelopt
+    out, _rep = q_modelopt
     mine, ref = _tensors(out), _tensors(tiny_nvfp4_modelopt)
     assert set(mine) == set(ref)
     differ = [n for n in ref if mine[n].dtype != ref[n].dtype or not torch.equal(mine[n], ref[n])]
@@ -162,7 +162,7 @@ def test_fused_source_gives_per_expert_output(tiny_bf16_fused, calib_ids, q_mode
         assert torch.equal(a[p + "gate_proj.weight"], gu[e, :inter])
         assert torch.equal(a[p + "up_proj.weight"], gu[e, inter:])
         assert torch.equal(a[p + "down_proj.weight"], dn[e])
-    assert set(n for n in a if n.startswith("mtp.")) == set(n for n in b if n.startswith("mtp."))
+    assert {n for n in a if n.startswith("mtp.")} == {n for n in b if n.startswith("mtp.")}
 
 
 def test_awq_int4_ct_uses_formats_awq_codec(tiny_bf16, calib_ids, tmp_path):

@@ -219,11 +219,11 @@ class LlmCompressorLayer:
                 obs = {p: Observer.load_from_registry(self.weight_observer, base_name="weight",
                                                       args=copy.deepcopy(self.scheme.weights)) for p in mods}
                 FusionHandler.fuse([(obs[p], mods[p]) for p in ("gate_proj", "up_proj")])
-                for p in mods:
-                    obs[p](mods[p].weight)
+                for p, mod in mods.items():
+                    obs[p](mod.weight)
                 qp = {p: obs[p].get_qparams() for p in mods}
-                for p in mods:
-                    sd = {"weight": mods[p].weight.data, "weight_scale": qp[p]["scale"],
+                for p, mod in mods.items():
+                    sd = {"weight": mod.weight.data, "weight_scale": qp[p]["scale"],
                           "weight_global_scale": qp[p]["global_scale"]}
                     c = NVFP4PackedCompressor.compress(sd, self.scheme)
                     rows[p].append((c["weight_packed"], c["weight_scale"].to(torch.float8_e4m3fn),

@@ -57,7 +57,13 @@ def calibrate_and_write(p: QuantizePlan, partial: Path, ids, *, resume: bool, pr
 
     from qtool.ops.calib_data import token_digest
     from qtool.ops.layer_stream import DiskStore, LayerStreamer, attention_tap
-    from qtool.ops.quantize.calib import ExpertStats, KvStat, install_expert_stats, kv_tap, remove_expert_stats
+    from qtool.ops.quantize.calib import (
+        ExpertStats,
+        KvStat,
+        install_expert_stats,
+        kv_tap,
+        remove_expert_stats,
+    )
     from qtool.ops.quantize.layer import write_layer_shard
 
     work = partial / WORK

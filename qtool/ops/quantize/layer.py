@@ -216,4 +216,4 @@ def write_rest_shard(path: Path, specs) -> None:
     os.replace(tmp, path)
 
 
-__all__ = ["write_layer_shard", "write_rest_shard", "input_amaxes", "FileRange", "InlineBytes"]
+__all__ = ["FileRange", "InlineBytes", "input_amaxes", "write_layer_shard", "write_rest_shard"]

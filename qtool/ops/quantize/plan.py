@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from qtool.arch.model_map import Format, ModelMap, build_map
+from qtool.arch.model_map import Format, ModelMap
 from qtool.arch.qwen35 import Group, layer_prefix
 from qtool.errors import PlanError, UsageError
 from qtool.io.checkpoint import Checkpoint
