@@ -45,7 +45,7 @@ PARTS = ("down_proj", "gate_proj", "up_proj")
 
 
 def _quiet():
-    from qtool.fixtures.tiny import _quiet as quiet  # the producer libraries' chatter off, restored on exit
+    from qtool.quiet import quiet  # the producer libraries' chatter off, restored on exit
 
     return quiet()
 

@@ -1,0 +1,48 @@
+"""Silence the producer libraries (ModelOpt, transformers, llm-compressor, compressed-tensors) while
+qtool drives them: library code never prints (DESIGN.md), and their prints, warnings, log lines and
+progress bars would otherwise interleave with qtool's own report."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """Keep the producer libraries' chatter out of our output: ModelOpt's prints (stdout), Python
+    warnings, transformers' log messages and progress bars, llm-compressor's loguru messages. Restores
+    every setting on exit."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
+    loguru_logger: Any = None
+    with contextlib.suppress(ImportError):  # loguru comes with llm-compressor
+        from loguru import logger as loguru_logger
+    noisy = ("llmcompressor", "compressed_tensors")
+    try:
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+        if loguru_logger is not None:
+            for mod in noisy:
+                loguru_logger.disable(mod)
+        with (
+            warnings.catch_warnings(),
+            contextlib.redirect_stdout(io.StringIO()),
+            contextlib.redirect_stderr(io.StringIO()),  # tqdm bars of llm-compressor
+        ):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+        if loguru_logger is not None:
+            for mod in noisy:
+                loguru_logger.enable(mod)
+
+
