@@ -83,6 +83,7 @@ def nvfp4_rtn(gu, down, inter, in_amax, mid_amax, recipe) -> dict[str, NVFP4Expe
     """qtool's own NVFP4 of a chunk of experts (ModelOpt numerics; MSE-searched block scales when the
     recipe asks). gate_proj and up_proj share weight_scale_2 (vLLM requirement)."""
     from qtool.formats import nvfp4
+    from qtool.formats.nvfp4_triton import quantize_fast  # Triton kernel on CUDA, torch codec elsewhere
     from qtool.ops.quantize.nvfp4_mse import search_block_scales
 
     gate, up = gu[:, :inter], gu[:, inter:]
@@ -92,7 +93,7 @@ def nvfp4_rtn(gu, down, inter, in_amax, mid_amax, recipe) -> dict[str, NVFP4Expe
     for part, w, ws2, amax in (("down_proj", down, ws2_dn, mid_amax), ("gate_proj", gate, ws2_gu, in_amax),
                                ("up_proj", up, ws2_gu, in_amax)):
         bs = search_block_scales(w, ws2) if recipe.nvfp4.weight_scale is WeightScale.MSE else None
-        q = nvfp4.quantize(w, weight_scale_2=ws2, block_scale=bs)
+        q = quantize_fast(w, weight_scale_2=ws2, block_scale=bs)
         res[part] = NVFP4Experts(q.packed, q.block_scale, q.weight_scale_2.reshape(-1).float(),
                                  nvfp4.input_scale_from_amax(amax.float()).reshape(-1))
     return res
