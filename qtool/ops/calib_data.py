@@ -79,7 +79,7 @@ def token_digest(ids) -> str:
     import torch
 
     t = ids.to(torch.int64).contiguous()
-    return hashlib.sha256(t.numpy().tobytes() + str(tuple(t.shape)).encode()).hexdigest()[:16]
+    return hashlib.sha256(t.detach().cpu().numpy().tobytes() + str(tuple(t.shape)).encode()).hexdigest()[:16]
 
 
 def windows_from_ids(ids: list[int], samples: int, seq_len: int, *, dataset: str = "?") -> CalibSet:

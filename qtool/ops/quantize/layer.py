@@ -23,7 +23,7 @@ class _Pending:
 
 
 def _b(t: torch.Tensor) -> bytes:
-    t = t.contiguous()
+    t = t.detach().cpu().contiguous()  # codes and scales may come from the GPU kernel
     if t.dtype in (torch.bfloat16, torch.float8_e4m3fn):
         t = t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t.view(torch.int16)
     return t.numpy().tobytes()
