@@ -1,13 +1,20 @@
 #!/usr/bin/env python
-"""Benchmark `qtool assemble hybrid` against `cp -r` of the NVFP4 source and against the naive approach
-(safetensors load_file each shard, replace, save_file), on a synthetic Qwen3.5-MoE pair with real tensor
-names and dtypes, random data and a scaled-down config. One run reports wall time, peak RSS and ratios.
+"""Benchmark `qtool assemble hybrid` against `cp -r` of the NVFP4 source (+ `sync`: qtool fsyncs its output)
+and against the naive approach (safetensors load_file each shard, replace, save_file), on a synthetic
+Qwen3.5-MoE pair with real tensor names and dtypes, random data and a scaled-down config. Reports wall
+time (median and min of --repeat runs), peak RSS and the ratio to `cp -r + sync`.
 
     python scripts/bench_assemble.py --workdir /tmp/qbench [--hidden 2048 --layers 12 --experts 128]
 
+Fairness: before every timed run, `sync` and drop the page cache (root; otherwise every input is read once
+so all runs start warm; the mode used is printed), then re-import the programs' code (untimed).
+
 The pair generator (`build_pair`) is also used by tests/ops/test_assemble*.py for fast synthetic cases.
-The BF16 source's routed experts are written as holes (sparse files) except for the layers the run takes
-from it, so the BF16 side stays small on disk while its layout is the real one.
+The BF16 source's routed experts are written as holes (sparse files) except for layer 0's and the MTP
+head's (what the run takes from it), so the BF16 side stays small on disk while its layout is the real one. By default the runs use
+a subset of it holding only what assemble takes (`write_bf16_subset`), which is what `--bf16 hf:...`
+range-fetches (an HF cache snapshot costs no hashing at all: blob names are the sha256); `--bf16-full`
+times against the full sparse source instead. The cold-hash figure for the other source is reported too.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -178,7 +186,8 @@ def build_pair(workdir: str | Path, *, hidden: int = 256, layers: int = 4, exper
     c = _cfg(hidden, layers, experts, inter, shared, vocab, True)
     cb = dict(c, **(bf16_overrides or {}))
     write_checkpoint(nv, tensor_list(c, flavour, fused=False, mtp=nv_mtp), shard_bytes=shard_bytes, seed=seed)
-    holes = (lambda n: ".mlp.experts" in n and not n.startswith("model.language_model.layers.0.")) \
+    lm = "model.language_model.layers."
+    holes = (lambda n: n.startswith(lm) and ".mlp.experts" in n and not n.startswith(lm + "0.")) \
         if sparse_bf16_experts else None
     write_checkpoint(bf, tensor_list(cb, None, fused=bf16_layout == "fused", mtp=bf_mtp),
                      shard_bytes=shard_bytes * 4, seed=seed + 1, holes=holes)
@@ -238,6 +247,69 @@ def measure(cmd: list[str]) -> dict:
     return d
 
 
+# The programs' own code is re-read after each cache drop (not timed), so runs time data movement, not
+# cold imports of torch/safetensors.
+_WARM_CODE = ("import qtool.cli.main, qtool.cli.assemble_cmd, qtool.ops.assemble.execute, qtool.ops.checks, "
+              "qtool.ops.manifest, safetensors.torch")
+
+
+def _read_all(paths: list[Path]) -> None:
+    buf = bytearray(64 << 20)
+    for root in paths:
+        for f in sorted(root.rglob("*")):
+            if f.is_file():
+                with open(f, "rb", buffering=0) as fh:
+                    while fh.readinto(buf):
+                        pass
+
+
+def reset_cache(inputs: list[Path], mode: str) -> str:
+    """`sync`, then drop the page cache (mode "drop": needs root) so every run starts with cold inputs;
+    where dropping is refused, fall back to reading all inputs once so every run starts warm. Returns the
+    mode used ("drop" or "warm")."""
+    subprocess.run(["sync"], check=True)
+    if mode == "drop":
+        try:
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("3\n")
+        except OSError:
+            mode = "warm"
+    if mode == "warm":
+        _read_all(inputs)
+    subprocess.run([sys.executable, "-c", _WARM_CODE], check=True)
+    return mode
+
+
+def write_bf16_subset(bf: Path, out: Path, layers: list[int], mtp: str = "auto") -> Path:
+    """What `--bf16 hf:...` gives qtool: a checkpoint holding only the tensors assemble takes
+    (`bf16_source_patterns`), in shards named like the source's, with an index and the side files;
+    tensor bytes are byte ranges of `bf`."""
+    from qtool.hub.remote_safetensors import matcher
+    from qtool.io.safetensors_header import read_header
+    from qtool.io.writer import index_json, write_shard
+    from qtool.ops.assemble.plan import bf16_source_patterns
+
+    match = matcher(bf16_source_patterns(layers, mtp))
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    shards = sorted(set(json.loads((bf / "model.safetensors.index.json").read_text())["weight_map"].values()))
+    weight_map, total = {}, 0
+    for shard in shards:
+        h = read_header(bf / shard)
+        ts = sorted((t for n, t in h.tensors.items() if match(n)), key=lambda t: t.start)
+        if not ts:
+            continue
+        write_shard(out / shard, [OutTensor(t.name, t.dtype, t.shape, FileRange(t.file, t.start, t.end))
+                                  for t in ts], h.metadata or {"format": "pt"})
+        weight_map.update({t.name: shard for t in ts})
+        total += sum(t.nbytes for t in ts)
+    (out / "model.safetensors.index.json").write_text(json.dumps(index_json(weight_map, total), indent=2) + "\n")
+    for f in bf.iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
+            shutil.copyfile(f, out / f.name)
+    return out
+
+
 NAIVE = r'''
 import json, os, shutil, sys
 from pathlib import Path
@@ -289,6 +361,13 @@ def _du(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
+def _uptime() -> str:
+    try:
+        return "load average " + ", ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "load average unknown"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workdir", default="/tmp/qtool-bench")
@@ -298,12 +377,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--inter", type=int, default=512)
     ap.add_argument("--shard-size", default="256MB")
     ap.add_argument("--bf16-expert-layers", default="0")
+    ap.add_argument("--bf16-full", action="store_true",
+                    help="time every run against the full-size (sparse) BF16 source instead of the subset "
+                    "checkpoint `--bf16 hf:...` would fetch (the cold run then hashes all of it)")
+    ap.add_argument("--repeat", type=int, default=2, help="runs per measurement (median and min reported)")
+    ap.add_argument("--cache", choices=["drop", "warm"], default="drop",
+                    help="before every run: drop the page cache (needs root; falls back to warm) or read all "
+                    "inputs once (warm)")
     ap.add_argument("--keep", action="store_true", help="keep the generated pair for the next run")
     args = ap.parse_args(argv)
     from qtool.io.writer import parse_size
 
     wd = Path(args.workdir)
-    nv, bf = wd / "nvfp4", wd / "bf16"
+    nv, bf_full = wd / "nvfp4", wd / "bf16"
     if not (nv / "config.json").exists():
         shutil.rmtree(wd, ignore_errors=True)
         t = time.perf_counter()
@@ -311,54 +397,73 @@ def main(argv: list[str] | None = None) -> int:
                    shared=args.inter, vocab=32768, shard_bytes=parse_size(args.shard_size),
                    sparse_bf16_experts=True)
         print(f"built the pair in {time.perf_counter() - t:.1f}s", file=sys.stderr)
+    layers = [int(x) for x in args.bf16_expert_layers.split(",") if x]
+    bf_sub = write_bf16_subset(bf_full, wd / "bf16-subset", layers)
+    bf, bf_other = (bf_full, bf_sub) if args.bf16_full else (bf_sub, bf_full)
     src_bytes = _du(nv)
     n_shards = len(list(nv.glob("*.safetensors")))
-    # warm the page cache the same way for everyone
-    for f in sorted(nv.iterdir()):
-        with open(f, "rb") as fh:
-            while fh.read(64 << 20):
-                pass
-    results = {}
+    load0 = _uptime()
+    results: dict[str, list[dict]] = {}
+    modes: set[str] = set()
+    env_cache = wd / "hash-cache"
+    os.environ["QTOOL_CACHE_DIR"] = str(env_cache)
 
     def fresh(p: Path) -> Path:
         for q in (p, p.with_name(p.name + ".partial")):
             shutil.rmtree(q, ignore_errors=True)
         return p
 
-    env_cache = str(wd / "hash-cache")
-    os.environ["QTOOL_CACHE_DIR"] = env_cache
-    shutil.rmtree(env_cache, ignore_errors=True)
-    qtool = [sys.executable, "-m", "qtool", "assemble", "hybrid", "--nvfp4", str(nv), "--bf16", str(bf),
-             "--bf16-expert-layers", args.bf16_expert_layers, "--json", "--quiet"]
-    out = fresh(wd / "out-cp")
-    results["cp -r"] = measure(["cp", "-r", str(nv), str(out)])
-    fresh(out)
-    results["cp -r + sync"] = measure(["sh", "-c", f"cp -r '{nv}' '{out}' && sync"])
-    fresh(out)
-    out = fresh(wd / "out-qtool")
-    results["qtool (copy, sha256 cold)"] = measure(qtool + ["-o", str(out), "--link", "copy"])
-    fresh(out)
-    results["qtool (copy, sha256 cached)"] = measure(qtool + ["-o", str(out), "--link", "copy"])
-    fresh(out)
-    res = subprocess.run(qtool + ["-o", str(out), "--link", "auto"], capture_output=True, text=True)
+    def timed(label: str, cmd: list[str], out: Path, inputs: list[Path], cold_hashes: bool = False) -> None:
+        for _ in range(args.repeat):
+            fresh(out)
+            if cold_hashes:
+                shutil.rmtree(env_cache, ignore_errors=True)
+            modes.add(reset_cache(inputs, args.cache))
+            results.setdefault(label, []).append(measure(cmd))
+        fresh(out)
+
+    def qtool(src: Path, out: Path, link: str) -> list[str]:
+        return [sys.executable, "-m", "qtool", "assemble", "hybrid", "--nvfp4", str(nv), "--bf16", str(src),
+                "--bf16-expert-layers", args.bf16_expert_layers, "--json", "--quiet", "-o", str(out),
+                "--link", link]
+
+    out = wd / "out-cp"
+    timed("cp -r + sync (baseline)", ["sh", "-c", f"cp -r '{nv}' '{out}' && sync"], out, [nv])
+    timed("cp -r (no sync)", ["cp", "-r", str(nv), str(out)], out, [nv])
+    out = wd / "out-qtool"
+    kind = "full sparse" if args.bf16_full else "subset"
+    other = "subset" if args.bf16_full else "full sparse"
+    timed(f"qtool copy, sha256 cold ({kind})", qtool(bf, out, "copy"), out, [nv, bf], cold_hashes=True)
+    timed("qtool copy, sha256 cached", qtool(bf, out, "copy"), out, [nv, bf])
+    res = subprocess.run(qtool(bf, fresh(out), "auto"), capture_output=True, text=True, check=True)
     rep = json.loads(res.stdout)
-    fresh(out)
-    results["qtool (--link auto)"] = measure(qtool + ["-o", str(out), "--link", "auto"])
     out_bytes = _du(out)
-    fresh(out)
-    nout = fresh(wd / "out-naive")
-    results["naive load_file/save_file"] = measure(
-        [sys.executable, "-c", NAIVE, str(nv), str(bf), str(nout), args.bf16_expert_layers])
-    fresh(nout)
-    base = results["cp -r"]["wall"]
+    timed("qtool --link auto, cached", qtool(bf, out, "auto"), out, [nv, bf])
+    timed(f"qtool copy, sha256 cold ({other} BF16)", qtool(bf_other, out, "copy"), out, [nv, bf_other],
+          cold_hashes=True)
+    nout = wd / "out-naive"
+    timed("naive load_file/save_file", [sys.executable, "-c", NAIVE, str(nv), str(bf), str(nout),
+                                        args.bf16_expert_layers], nout, [nv, bf])
+    load1 = _uptime()
+
+    def med(v: list[dict]) -> float:
+        return statistics.median(r["wall"] for r in v)
+
+    base = med(results["cp -r + sync (baseline)"])
     plan = rep["plan"]
-    print(f"NVFP4 source: {src_bytes / GB:.2f} GB in {n_shards} shards; output {out_bytes / GB:.2f} GB; "
+    mode = "page cache dropped before every run" if modes == {"drop"} else (
+        "inputs read once before every run (page cache not droppable)" if modes == {"warm"} else f"mixed {modes}")
+    print(f"NVFP4 source: {src_bytes / GB:.2f} GB in {n_shards} shards; BF16 source: {kind} "
+          f"({_du(bf) / GB:.2f} GB apparent; the other: {_du(bf_other) / GB:.2f} GB); output {out_bytes / GB:.2f} GB; "
           f"shards: {plan['shards']}; linked with --link auto: {rep['result']['shards_linked']}")
     print(f"bytes: reused {plan['bytes']['reused'] / GB:.3f} GB, rewritten {plan['bytes']['rewritten'] / GB:.3f} GB, "
           f"new {plan['bytes']['new'] / GB:.3f} GB")
-    print(f"{'run':<30} {'wall s':>8} {'x cp -r':>8} {'peak RSS MB':>12}")
+    print(f"cache mode: {mode}; {args.repeat} runs each; {os.cpu_count()} CPUs; {load0} before, {load1} after")
+    print(f"{'run':<42} {'wall s med':>10} {'min':>7} {'x cp+sync':>10} {'peak RSS MB':>12}")
     for k, v in results.items():
-        print(f"{k:<30} {v['wall']:>8.2f} {v['wall'] / base:>8.2f} {v['rss_kb'] / 1024:>12.0f}")
+        m = med(v)
+        print(f"{k:<42} {m:>10.2f} {min(r['wall'] for r in v):>7.2f} {m / base:>10.2f} "
+              f"{max(r['rss_kb'] for r in v) / 1024:>12.0f}")
     if not args.keep:
         shutil.rmtree(wd, ignore_errors=True)
     return 0
