@@ -75,7 +75,7 @@ def test_modelopt_fused_bf16_layer0(tmp_path):
     for k in (f"{LM}layers.1.mlp.experts.2.up_proj.weight_scale", f"{LM}layers.3.self_attn.k_proj.k_scale"):
         assert read_bytes(o.tensors[k]) == read_bytes(n.tensors[k])
     # MTP grafted from BF16 (NVFP4 has none), fused MTP experts unfused
-    assert f"mtp.layers.0.mlp.experts.7.down_proj.weight" in o.tensors
+    assert "mtp.layers.0.mlp.experts.7.down_proj.weight" in o.tensors
     assert not [k for k in o.tensors if k.startswith("mtp.") and k.endswith("gate_up_proj")]
     # unchanged shards are hardlinks of the source (same filesystem)
     linked = [s for s in plan.shards if s.action.value == "link"]
