@@ -7,7 +7,7 @@ reference written by --save-ref."""
 
 from __future__ import annotations
 
-from qtool.cli.common import add_json_flag, eprint, human_bytes, print_json
+from qtool.cli.common import add_json_flag, eprint, human_bytes, local_checkpoint, print_json
 from qtool.errors import UsageError
 
 
@@ -69,7 +69,7 @@ def run(args) -> int:
             bar.update(done - bar.n)
 
     try:
-        rep = kld_run(args.ref, args.test, opts=opts, save_ref=args.save_ref, emit_windows=args.emit_windows,
+        rep = kld_run(_local(args.ref), _local(args.test), opts=opts, save_ref=args.save_ref, emit_windows=args.emit_windows,
                       model_name=args.model_name, progress=progress, dry_run=args.dry_run)
     finally:
         for bar in bars.values():
@@ -124,3 +124,8 @@ def _print_plan(rep) -> None:
                      f"{human_bytes(m['hidden_bytes'])} ({'RAM' if m['hidden_in_ram'] else 'disk'}), "
                      f"peak RAM ~{human_bytes(m['peak_ram_bytes_estimate'])}")
         print(line)
+
+
+def _local(spec):
+    """`hf:` checkpoints are downloaded (verified) first; dumps and compact references are local paths."""
+    return None if spec is None else local_checkpoint(spec, progress=False)

@@ -48,3 +48,13 @@ def test_assemble_fetches_only_what_the_plan_needs(hub, tiny_nvfp4_modelopt_nomt
     total = bf.total_bytes()
     assert served < total, (served, total)
     assert served >= wanted
+
+
+def test_eval_kld_takes_hub_checkpoints(hub, tiny_bf16, tiny_nvfp4_modelopt_nomtp, capsys):
+    hub.add_dir("org/bf16", tiny_bf16)
+    hub.add_dir("org/nv", tiny_nvfp4_modelopt_nomtp)
+    rc = main(["eval", "kld", "--ref", "hf:org/bf16", "--test", "hf:org/nv", "--windows", "1", "--seq-len", "16",
+               "--json", "--quiet"])
+    assert rc == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["positions"] == 16 and rep["mean"] > 0
