@@ -46,3 +46,19 @@ def quiet() -> Iterator[None]:
                 loguru_logger.enable(mod)
 
 
+
+
+@contextlib.contextmanager
+def transformers_errors_only() -> Iterator[None]:
+    """Only transformers' errors reach the user while qtool drives its modules (its tokenizer's
+    'sequence length is longer than the maximum' and the standalone-expert-module notices are expected:
+    qtool tokenizes a whole corpus and builds decoder layers one at a time). Progress bars and our own
+    output stay untouched."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    try:
+        hf_logging.set_verbosity_error()
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)

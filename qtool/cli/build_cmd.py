@@ -43,13 +43,14 @@ def run(args) -> int:
     if args.json:
         print_json({**bp.to_json(), **report})
         return 0
-    _print_plan(bp)
+    _print_plan(bp, ran=set(report["ran"]))
     print(f"ran: {', '.join(report['ran']) or '-'}; skipped (unchanged): {', '.join(report['skipped']) or '-'}")
     print(f"{'published' if report['published'] else 'up to date'}: {report['out']}")
     return 0
 
 
-def _print_plan(bp) -> None:
+def _print_plan(bp, ran: set[str] | None = None) -> None:
+    """The plan; after a run (`ran` given) each step says whether it ran now or was reused."""
     print(f"recipe {bp.recipe.name} -> {bp.out}")
     for n, s in bp.sources.items():
         ident = s.identity
@@ -59,4 +60,5 @@ def _print_plan(bp) -> None:
     for sp in bp.steps:
         v = sp.validation or {}
         extra = f" [{v.get('status')}]" if v else ""
-        print(f"  step   {sp.step.id:<10} {sp.step.op.value:<13} {sp.key[:12]} {sp.state}{extra}")
+        state = sp.state if ran is None else ("ran" if sp.step.id in ran else "reused (unchanged)")
+        print(f"  step   {sp.step.id:<10} {sp.step.op.value:<13} {sp.key[:12]} {state}{extra}")

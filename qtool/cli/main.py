@@ -58,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     want_json = bool(getattr(args, "json", False))
+    # transformers' notices (kernel fallbacks, standalone expert modules, long tokenizer inputs) are
+    # expected when qtool runs decoder layers one at a time; it reads this variable at import time.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     try:
         return int(_load(args.command).run(args) or 0)
     except QtoolError as e:

@@ -103,8 +103,11 @@ def windows_from_ids(ids: list[int], samples: int, seq_len: int, *, dataset: str
 def load_tokenizer(ckpt_dir: str | Path):
     from transformers import AutoTokenizer
 
+    from qtool.quiet import transformers_errors_only
+
     try:
-        return AutoTokenizer.from_pretrained(str(ckpt_dir))
+        with transformers_errors_only():
+            return AutoTokenizer.from_pretrained(str(ckpt_dir))
     except Exception as e:  # noqa: BLE001 - transformers raises many kinds
         raise PlanError(
             f"cannot load the checkpoint's tokenizer ({type(e).__name__}: {e})",
@@ -117,8 +120,11 @@ def build_calib_set(ckpt_dir: str | Path, dataset: str, samples: int, seq_len: i
     tok = tokenizer if tokenizer is not None else load_tokenizer(ckpt_dir)
     ids: list[int] = []
     need = samples * seq_len
-    for doc in read_documents(dataset):
-        ids.extend(tok(doc, add_special_tokens=False)["input_ids"])
-        if len(ids) >= need:
-            break
+    from qtool.quiet import transformers_errors_only
+
+    with transformers_errors_only():  # a whole document is longer than model_max_length on purpose
+        for doc in read_documents(dataset):
+            ids.extend(tok(doc, add_special_tokens=False)["input_ids"])
+            if len(ids) >= need:
+                break
     return windows_from_ids(ids, samples, seq_len, dataset=dataset)

@@ -343,7 +343,9 @@ class LayerStreamer:
 
         from qtool.ops.dequant import layer_state_dict
 
-        with torch.device("meta"):
+        from qtool.quiet import transformers_errors_only
+
+        with torch.device("meta"), transformers_errors_only():
             layer = Qwen3_5MoeDecoderLayer(self.hf_config, idx)
         want = {n: (tuple(p.shape), p.dtype) for n, p in layer.state_dict().items()}
         sd = layer_state_dict(self.mm, idx, self.dtype, self.device, want)
