@@ -83,10 +83,11 @@ class Journal:
             self._write_line({"plan_hash": plan_hash}, mode="w")
 
     def _write_line(self, obj: dict, mode: str = "a") -> None:
+        # No fsync here: a shard is recorded only after its own fsync, so a journal line that reaches the
+        # disk always describes a durable shard, and a line lost in a crash only means that shard is redone
+        # (is_done also checks the file's size). Syncing the journal cost ~0.1 s per shard on ext4.
         with open(self.path, mode, encoding="utf-8") as f:
             f.write(json.dumps(obj) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
 
     def is_done(self, partial: Path, name: str) -> bool:
         size = self.done.get(name)
