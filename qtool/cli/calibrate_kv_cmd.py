@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from qtool.cli.common import add_json_flag, eprint, human_bytes, local_checkpoint, local_only, print_json
+from qtool.cli.common import add_json_flag, check_device, layer_progress, eprint, human_bytes, local_checkpoint, local_only, print_json
 from qtool.errors import UsageError
 
 
@@ -30,19 +30,8 @@ def run(args) -> int:
 
     if not args.output and not args.in_place:
         raise UsageError("say where to write: -o OUT or --in-place")
-    if not (args.device == "cpu" or args.device == "cuda" or args.device.startswith("cuda:")):
-        raise UsageError("--device must be cpu, cuda or cuda:N", got=args.device)
-    bar = None
-    progress = None
-    if not (args.quiet or args.json or args.dry_run):
-        from tqdm import tqdm
-
-        bar = tqdm(desc="layers", unit="layer")
-
-        def progress(idx):
-            bar.update(1)
-
-    try:
+    check_device(args.device)
+    with layer_progress(not (args.quiet or args.json or args.dry_run)) as progress:
         rep = calibrate_kv.run(
             local_only(args.checkpoint) if args.in_place else local_checkpoint(args.checkpoint),
             out=args.output,
@@ -55,9 +44,6 @@ def run(args) -> int:
             dry_run=args.dry_run,
             progress=progress,
         )
-    finally:
-        if bar is not None:
-            bar.close()
     if args.json:
         print_json(rep)
         return 0

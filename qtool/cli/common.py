@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 
@@ -39,3 +40,26 @@ def local_only(spec):
     from qtool.hub.resolve import require_local
 
     return require_local(spec)
+
+
+def check_device(device: str) -> str:
+    from qtool.errors import UsageError
+
+    if not (device == "cpu" or device == "cuda" or device.startswith("cuda:")):
+        raise UsageError("--device must be cpu, cuda or cuda:N", got=device)
+    return device
+
+
+@contextlib.contextmanager
+def layer_progress(enabled: bool):
+    """A per-layer tqdm bar for layer-streamed commands; yields the callback (None when disabled)."""
+    if not enabled:
+        yield None
+        return
+    from tqdm import tqdm
+
+    bar = tqdm(desc="layers", unit="layer")
+    try:
+        yield lambda _idx: bar.update(1)
+    finally:
+        bar.close()

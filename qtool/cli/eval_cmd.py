@@ -7,7 +7,7 @@ reference written by --save-ref."""
 
 from __future__ import annotations
 
-from qtool.cli.common import add_json_flag, eprint, human_bytes, local_checkpoint, print_json
+from qtool.cli.common import add_json_flag, check_device, eprint, human_bytes, local_checkpoint, print_json
 from qtool.errors import UsageError
 
 
@@ -48,8 +48,7 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     if args.what != "kld":
         raise UsageError("say what to evaluate: `qtool eval kld ...`")
-    if not (args.device == "cpu" or args.device == "cuda" or args.device.startswith("cuda:")):
-        raise UsageError("--device must be cpu, cuda or cuda:N", got=args.device)
+    check_device(args.device)
     if args.test is None and not args.save_ref and not args.emit_windows:
         raise UsageError("nothing to do: give --test, --save-ref or --emit-windows")
     from qtool.ops.kld import RESULT_KEYS, KldOptions, run as kld_run

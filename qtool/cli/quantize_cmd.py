@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import sys
 
-from qtool.cli.common import add_json_flag, eprint, human_bytes, local_checkpoint, print_json
-from qtool.errors import UsageError
+from qtool.cli.common import add_json_flag, check_device, layer_progress, eprint, human_bytes, local_checkpoint, print_json
 
 
 def add_arguments(p) -> None:
@@ -31,20 +30,9 @@ def run(args) -> int:
     from qtool.ops import quantize
     from qtool.recipes import Backend, OutFormat, load_recipe
 
-    if not (args.device == "cpu" or args.device == "cuda" or args.device.startswith("cuda:")):
-        raise UsageError("--device must be cpu, cuda or cuda:N", got=args.device)
+    check_device(args.device)
     recipe = load_recipe(args.recipe)
-    bar = None
-    progress = None
-    if not (args.quiet or args.json or args.dry_run):
-        from tqdm import tqdm
-
-        bar = tqdm(desc="layers", unit="layer")
-
-        def progress(idx):
-            bar.update(1)
-
-    try:
+    with layer_progress(not (args.quiet or args.json or args.dry_run)) as progress:
         rep = quantize.run(
             local_checkpoint(args.checkpoint), out=args.output, recipe=recipe,
             backend=Backend(args.backend) if args.backend else None,
@@ -53,9 +41,6 @@ def run(args) -> int:
             resume=args.resume, force=args.force, dry_run=args.dry_run, progress=progress,
             command=" ".join(["qtool", *sys.argv[1:]]),
         )
-    finally:
-        if bar is not None:
-            bar.close()
     if args.json:
         print_json(rep)
         return 0
