@@ -114,7 +114,7 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
 
 
-def _check_weight(w: torch.Tensor) -> None:
+def check_weight(w: torch.Tensor) -> None:
     if w.ndim < 2 or not w.is_floating_point():
         raise CodecError("NVFP4 quantize needs a floating [..., out, in] tensor", got=(w.dtype, tuple(w.shape)))
     if w.shape[-1] % BLOCK_SIZE:
@@ -159,7 +159,7 @@ def _scales_from_block_amax(block_amax: torch.Tensor, row_ws2: torch.Tensor) -> 
 
 def block_scales(w: torch.Tensor, weight_scale_2: torch.Tensor | float) -> torch.Tensor:
     """FP8 E4M3 per-16-element block scales [..., out, in/16] for w given per-matrix weight_scale_2."""
-    _check_weight(w)
+    check_weight(w)
     lead, out, n_in = tuple(w.shape[:-2]), w.shape[-2], w.shape[-1]
     ws2 = _as_matrix_scale(torch.as_tensor(weight_scale_2, device=w.device).float())
     block_amax = _block_amax(w.reshape(-1, n_in // BLOCK_SIZE, BLOCK_SIZE).float())
@@ -179,7 +179,7 @@ def quantize(
     amax, e.g. to share one scale between gate and up. block_scale (float8_e4m3fn [..., out, in/16])
     overrides the block scales, e.g. to re-encode with scales from another tool.
     """
-    _check_weight(w)
+    check_weight(w)
     if global_amax is not None and weight_scale_2 is not None:
         raise CodecError("pass global_amax or weight_scale_2, not both")
     lead, out, n_in = tuple(w.shape[:-2]), w.shape[-2], w.shape[-1]

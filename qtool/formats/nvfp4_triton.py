@@ -200,23 +200,9 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _check(w: torch.Tensor) -> None:
-    if w.ndim < 2 or not w.is_floating_point():
-        raise CodecError(
-            "NVFP4 quantize needs a floating [..., out, in] tensor", got=(w.dtype, tuple(w.shape))
-        )
-    if w.shape[-1] % BLOCK_SIZE:
-        raise CodecError(
-            "NVFP4 needs in-features divisible by the block size",
-            expected=f"multiple of {BLOCK_SIZE}",
-            got=w.shape[-1],
-            hint="exclude this module from NVFP4 quantization (keep it BF16)",
-        )
-
-
 def matrix_amax_triton(w: torch.Tensor, tile: TileConfig = DEFAULT_TILE) -> torch.Tensor:
     """max |w| per [out, in] matrix, float32 of shape w.shape[:-2] (== nvfp4.matrix_amax, NaN included)."""
-    _check(w)
+    nvfp4.check_weight(w)
     amax_k, _ = _kernels()
     w = w.contiguous()
     lead = tuple(w.shape[:-2])
@@ -241,7 +227,7 @@ def quantize_triton(
     tile: TileConfig = DEFAULT_TILE,
 ) -> nvfp4.NVFP4Weight:
     """The Triton kernels; same arguments and result as `nvfp4.quantize` (without block_scale)."""
-    _check(w)
+    nvfp4.check_weight(w)
     if global_amax is not None and weight_scale_2 is not None:
         raise CodecError("pass global_amax or weight_scale_2, not both")
     if w.device.type != "cuda" and not _interpret():
