@@ -9,9 +9,8 @@ import json
 import math
 import os
 import struct
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Union
+from typing import NamedTuple, Union
 
 from qtool.errors import CheckpointError, WriteError
 from qtool.io.checkpoint import INDEX_NAME
@@ -20,8 +19,8 @@ from qtool.io.jsonio import load_json
 from qtool.io.safetensors_header import read_header
 
 
-@dataclass(frozen=True)
-class FileRange:
+# NamedTuples (cheap to make): a 397B checkpoint's shards are described by ~370k of them.
+class FileRange(NamedTuple):
     """Bytes [start, end) of an existing file, copied kernel-side."""
 
     file: str
@@ -33,8 +32,7 @@ class FileRange:
         return self.end - self.start
 
 
-@dataclass(frozen=True)
-class InlineBytes:
+class InlineBytes(NamedTuple):
     data: bytes
 
     @property
@@ -45,8 +43,7 @@ class InlineBytes:
 Source = Union[FileRange, InlineBytes]
 
 
-@dataclass(frozen=True)
-class OutTensor:
+class OutTensor(NamedTuple):
     name: str
     dtype: str
     shape: tuple[int, ...]
@@ -58,19 +55,31 @@ class OutTensor:
 
 
 def build_header(tensors: list[OutTensor], metadata: dict[str, str] | None = None) -> bytes:
-    obj: dict = {}
+    # The JSON is assembled from per-tensor strings rather than json.dumps of one dict: the same compact
+    # text, ~3x faster on a 7k-tensor 397B shard (sizes are needed for every rebuilt shard up front).
+    parts: list[str] = []
     if metadata:
-        obj["__metadata__"] = metadata
+        parts.append('"__metadata__":' + json.dumps(metadata, separators=(",", ":")))
     offset = 0
+    wants: dict[tuple, int | None] = {}  # (dtype, shape) -> bytes: shards repeat a few shapes thousands of times
+    shape_text: dict[tuple, str] = {}
     for t in tensors:
-        want = nbytes_for(t.dtype, t.shape)
-        if want != t.nbytes:
-            raise ValueError(f"{t.name}: {t.nbytes} bytes for {t.dtype}{list(t.shape)} (want {want})")
-        obj[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
-        offset += t.nbytes
-    raw = json.dumps(obj, separators=(",", ":")).encode()
+        n = t.source.nbytes
+        key = (t.dtype, tuple(t.shape))
+        want = wants.get(key, -1)
+        if want == -1:
+            want = wants[key] = nbytes_for(t.dtype, t.shape)
+            shape_text[key] = f'{{"dtype":{json.dumps(t.dtype)},"shape":[{",".join(str(d) for d in t.shape)}],'
+        if want != n:
+            raise ValueError(f"{t.name}: {n} bytes for {t.dtype}{list(t.shape)} (want {want})")
+        parts.append(f'{_json_str(t.name)}:{shape_text[key]}"data_offsets":[{offset},{offset + n}]}}')
+        offset += n
+    raw = ("{" + ",".join(parts) + "}").encode()
     raw += b" " * (-len(raw) % 8)
     return struct.pack("<Q", len(raw)) + raw
+
+
+_json_str = json.encoder.encode_basestring_ascii  # what json.dumps does to a str, in C
 
 
 def shard_size(tensors: list[OutTensor], metadata: dict[str, str] | None = None) -> int:
@@ -103,8 +112,10 @@ def copy_range(src_fd: int, dst_fd: int, start: int, count: int) -> None:
         remaining -= len(buf)
 
 
-def write_shard(path: str | Path, tensors: list[OutTensor], metadata: dict[str, str] | None = None) -> int:
-    """Write a shard; returns its size. fsyncs before returning."""
+def write_shard(path: str | Path, tensors: list[OutTensor], metadata: dict[str, str] | None = None,
+                fsync: bool = True) -> int:
+    """Write a shard; returns its size. fsyncs before returning unless `fsync` is False (the caller then
+    makes it durable, e.g. to do other work while the kernel writes it out)."""
     path = Path(path)
     header = build_header(tensors, metadata)
     fds: dict[str, int] = {}
@@ -135,7 +146,8 @@ def write_shard(path: str | Path, tensors: list[OutTensor], metadata: dict[str, 
                     flush()
                     run.extend((src.file, src.start, src.end))
             flush()
-            os.fsync(dst)
+            if fsync:
+                os.fsync(dst)
     except OSError as e:
         hint = "free disk space or choose another output directory" if e.errno == 28 else None
         raise WriteError(f"writing shard failed: {e.strerror}", path=path, hint=hint) from None

@@ -120,10 +120,40 @@ class InputHasher:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
+def write_shards_section(path: Path, shards, roots: dict[str, Path]) -> None:
+    """Stream the manifest's `"shards": {...}` member to `path` (not fsynced: `write_manifest` copies it
+    into the manifest, which is). `shards`: planned shards whose tensors have `.name` and `.origin`
+    (source, file, tensor, slice). Written while the shards are being copied, so its CPU time overlaps
+    the I/O; one line per tensor, so a 400k-tensor manifest never sits in memory as one object."""
+    import orjson
+
+    rel: dict[tuple[str, str], str] = {}  # (source, file) -> path relative to that source's root
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(' "shards": {')
+        for i, s in enumerate(shards):
+            f.write(("," if i else "") + f"\n  {json.dumps(s.name)}: {{\"action\": {json.dumps(s.action.value)}, "
+                    "\"tensors\": {")
+            for j, t in enumerate(s.tensors):
+                o = t.origin
+                key = (o.source, o.file)
+                if key not in rel:
+                    try:
+                        rel[key] = os.path.relpath(o.file, roots[o.source])
+                    except ValueError:
+                        rel[key] = o.file
+                d = {"source": o.source, "file": rel[key], "tensor": o.tensor}
+                if o.slice:
+                    d["slice"] = o.slice
+                f.write(("," if j else "") + f"\n   {json.dumps(t.name)}: " + orjson.dumps(d).decode())
+            f.write("\n  }}")
+        f.write("\n }\n}\n")
+
+
 def write_manifest(path: Path, *, kind: str, command: str | None, sources: dict[str, dict],
-                   shards, roots: dict[str, Path], summary: dict, checks: dict) -> None:
-    """Stream the manifest to `path` (then fsync). `shards`: planned shards with tensors having
-    `.name` and `.origin` (Origin.to_json)."""
+                   shards_section: Path, summary: dict, checks: dict) -> None:
+    """Write the manifest to `path` (then fsync): the head (version, command, libraries, sources,
+    summary, checks) followed by the `shards_section` file made by `write_shards_section`, which is
+    removed afterwards."""
     from qtool import __version__
 
     head = {
@@ -137,17 +167,14 @@ def write_manifest(path: Path, *, kind: str, command: str | None, sources: dict[
     }
     with open(path, "w", encoding="utf-8") as f:
         text = json.dumps(head, indent=1)
-        f.write(text[: text.rstrip().rfind("}")].rstrip() + ',\n "shards": {')
-        for i, s in enumerate(shards):
-            f.write(("," if i else "") + f"\n  {json.dumps(s.name)}: {{\"action\": {json.dumps(s.action.value)}, "
-                    "\"tensors\": {")
-            for j, t in enumerate(s.tensors):
-                o = t.origin.to_json(roots)
-                f.write(("," if j else "") + f"\n   {json.dumps(t.name)}: {json.dumps(o, separators=(',', ':'))}")
-            f.write("\n  }}")
-        f.write("\n }\n}\n")
+        f.write(text[: text.rstrip().rfind("}")].rstrip() + ",\n")
         f.flush()
+        with open(shards_section, "rb") as body:
+            from qtool.io.writer import copy_range
+
+            copy_range(body.fileno(), f.fileno(), 0, os.fstat(body.fileno()).st_size)
         os.fsync(f.fileno())
+    os.unlink(shards_section)
 
 
 def read_manifest(path: str | Path) -> dict:

@@ -2,7 +2,7 @@
 index, check, write the manifest, and move `<out>.partial/` into place.
 
 Resume: `<out>.partial/.qtool-journal.jsonl` starts with the plan hash; one line per finished shard is
-appended (and fsynced) only after the shard file itself was fsynced. `--resume` skips the shards the
+appended only after the shard file itself was fsynced. `--resume` skips the shards the
 journal lists (size re-checked) and redoes the rest; a journal with another plan hash is refused.
 """
 
@@ -12,7 +12,7 @@ import json
 import os
 import shutil
 import signal
-from collections import deque
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,11 +25,13 @@ from qtool.io.jsonio import dumps
 from qtool.io.writer import FileRange, OutTensor, index_json, write_shard
 from qtool.ops.assemble.linking import Linker
 from qtool.ops.assemble.plan import JOURNAL_NAME, MANIFEST_NAME, HybridPlan, PlannedShard, ShardAction
+from qtool.ops.manifest import InputHasher, write_manifest, write_shards_section
 
 # Test hook: called with the shard name after each shard is journaled (raise to simulate a crash).
 after_shard: Callable[[str], None] | None = None
 SPACE_MARGIN = 64 << 20
 WRITERS = 2  # shards in flight (see execute)
+SHARDS_SECTION_NAME = ".qtool-manifest-shards.part"  # the manifest's tensor list, written during the copy
 
 
 def free_space(path: Path) -> int:
@@ -104,16 +106,44 @@ def _out_tensors(shard: PlannedShard) -> list[OutTensor]:
             for t in shard.tensors]
 
 
-def _place_shard(s: PlannedShard, dst: Path, linker: Linker) -> str | None:
-    """Write (fsynced) or link one shard; returns the link method, None when written."""
+class _Countdown:
+    """Set when `n` shards have had all their bytes written (not necessarily fsynced yet)."""
+
+    def __init__(self, n: int) -> None:
+        self.left = n
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+        if n == 0:
+            self.done.set()
+
+    def one_written(self) -> None:
+        with self.lock:
+            self.left -= 1
+            if self.left == 0:
+                self.done.set()
+
+
+def _place_shard(s: PlannedShard, dst: Path, linker: Linker, written: _Countdown) -> str | None:
+    """Write or link one shard and make it durable; returns the link method, None when written. Tells
+    `written` once the bytes are written, before the (long) fsync, so the checks can start meanwhile."""
     if s.action is ShardAction.LINK:
-        return linker.place(s.source_file, str(dst))
+        method = linker.place(s.source_file, str(dst))  # durable on return
+        written.one_written()
+        return method
     if any(t.origin.slice for t in s.tensors):
         # only unfusing reads alternate between two regions of a file; plain runs read sequentially and
         # the kernel's own readahead does better without our hints (shared-experts-only job, 4 interleaved
         # runs: 4.90-6.32 s without vs 5.49-6.43 s with, `cp -r` + sync 3.36-4.24 s)
         _prefetch(s)
-    write_shard(dst, _out_tensors(s), s.metadata)
+    write_shard(dst, _out_tensors(s), s.metadata, fsync=False)
+    written.one_written()
+    fd = os.open(dst, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        raise WriteError(f"writing shard failed: {e.strerror}", path=dst) from None
+    finally:
+        os.close(fd)
     return None
 
 
@@ -183,6 +213,12 @@ def _copy_extra(plan: HybridPlan, partial: Path) -> None:
             shutil.copyfile(plan.nv.root / rel, dst)
 
 
+def _run_checks(plan: HybridPlan, partial: Path) -> dict:
+    from qtool.ops.checks import hybrid_expectations, run_checks
+
+    return run_checks(partial, hybrid_expectations(plan), baseline=plan.nv_map)
+
+
 def _write_text(path: Path, text: str) -> None:
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)
@@ -203,10 +239,10 @@ def execute(plan: HybridPlan, *, force: bool = False, resume: bool = False, comm
     linker = Linker(opts.link)
     _check_space(plan, partial, linker, journal)
 
-    from qtool.ops.manifest import InputHasher
-
     hasher = InputHasher()
     result = RunResult(out, plan_hash)
+    roots = {"nvfp4": plan.nv.root, "bf16": plan.bf.root}
+    section = partial / SHARDS_SECTION_NAME
     try:
         for s in plan.shards:
             for t in s.tensors:
@@ -228,24 +264,28 @@ def execute(plan: HybridPlan, *, force: bool = False, resume: bool = False, comm
                     bar.update(plan.shard_bytes(s))
             else:
                 todo.append(s)
-        # Shards are written by WRITERS threads, journaled in plan order by this thread as they finish:
-        # one shard's fsync (a synchronous write-out of ~all its bytes: they stay dirty below the kernel's
-        # background-writeback threshold) overlaps the next shard's reads and copies. Only journaled
-        # shards count as done, so a crash redoes the ones in flight.
+        written = _Countdown(len(todo))
+        checks = None
+        # WRITERS threads write the shards (queued in plan order); this thread journals them in plan order
+        # as they finish, and meanwhile does the work that needs no shard bytes (side files, index, the
+        # manifest's tensor list), then the checks as soon as every shard's bytes are written (they read
+        # headers only), so all of it overlaps the copy and the final fsyncs instead of following them.
+        # Two in flight: one shard's fsync (a synchronous write-out of ~all its bytes: they stay dirty below
+        # the kernel's background-writeback threshold) overlaps the next shard's reads and copies. Only
+        # journaled shards count as done, so a crash redoes the ones in flight.
         with ThreadPoolExecutor(max_workers=WRITERS, thread_name_prefix="qtool-shard") as pool:
-            window: deque = deque()
-            pending = iter(todo)
-
-            def fill() -> None:
-                while len(window) < WRITERS and (nxt := next(pending, None)) is not None:
-                    window.append((nxt, pool.submit(_place_shard, nxt, partial / nxt.name, linker)))
-
+            futures = [(s, pool.submit(_place_shard, s, partial / s.name, linker, written)) for s in todo]
             try:
-                fill()
-                while window:
-                    s, fut = window.popleft()
+                _copy_extra(plan, partial)
+                total = sum(t.nbytes for s in plan.shards for t in s.tensors)
+                _write_text(partial / INDEX_NAME,
+                            json.dumps(index_json(plan.weight_map(), total), indent=2) + "\n")
+                write_shards_section(section, plan.shards, roots)
+                for s, fut in futures:
+                    while checks is None and not fut.done():
+                        if written.done.wait(0.05):
+                            checks = _run_checks(plan, partial)
                     method = fut.result()
-                    fill()
                     if method is None:
                         result.shards_written += 1
                     else:
@@ -259,18 +299,13 @@ def execute(plan: HybridPlan, *, force: bool = False, resume: bool = False, comm
                     if bar is not None:
                         bar.update(size)
             except BaseException:
-                for _, f in window:
+                for _, f in futures:
                     f.cancel()
                 raise
         if bar is not None:
             bar.close()
-        _copy_extra(plan, partial)
-        total = sum(t.nbytes for s in plan.shards for t in s.tensors)
-        _write_text(partial / INDEX_NAME, json.dumps(index_json(plan.weight_map(), total), indent=2) + "\n")
-
-        from qtool.ops.checks import hybrid_expectations, run_checks
-
-        checks = run_checks(partial, hybrid_expectations(plan), baseline=plan.nv_map)
+        if checks is None:  # every shard was resumed
+            checks = _run_checks(plan, partial)
         result.checks = checks
         digests = hasher.results()
     except BaseException:
@@ -284,11 +319,8 @@ def execute(plan: HybridPlan, *, force: bool = False, resume: bool = False, comm
         key = "nvfp4" if Path(f).is_relative_to(plan.nv.root) else "bf16"
         sources[key]["files"][os.path.relpath(f, sources[key]["path"])] = {"sha256": d,
                                                                            "bytes": os.path.getsize(f)}
-    from qtool.ops.manifest import write_manifest
-
     write_manifest(partial / MANIFEST_NAME, kind="assemble hybrid", command=command, sources=sources,
-                   shards=plan.shards, roots={"nvfp4": plan.nv.root, "bf16": plan.bf.root},
-                   summary={**plan.summary(), "plan_hash": plan_hash}, checks=checks)
+                   shards_section=section, summary={**plan.summary(), "plan_hash": plan_hash}, checks=checks)
     if not checks["passed"]:
         from qtool.errors import VerificationError
 

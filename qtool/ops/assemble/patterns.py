@@ -124,17 +124,20 @@ def choose_patterns(existing: list[str], bf16_units: list[str], quant_units: lis
     return added
 
 
-def output_units(shards) -> tuple[list[str], list[str], dict[str, str]]:
-    """(BF16 units, quantized units, unit -> representative module) of the planned output."""
+def output_units(shards, known_roles: dict | None = None) -> tuple[list[str], list[str], dict[str, str]]:
+    """(BF16 units, quantized units, unit -> representative module) of the planned output.
+    `known_roles`: name -> role already classified (the NVFP4 source's map, same naming), so that only
+    the added tensors are classified again (~370k names for the 397B)."""
     from qtool.engines.decide import NOT_LINEAR
 
     names = [t.name for s in shards for t in s.tensors]
     naming = detect_naming(names)
+    known = known_roles or {}
     mods: dict[str, dict[str, TensorInfo]] = {}
     groups: dict[str, tuple[Group, Group]] = {}
     for s in shards:
         for t in s.tensors:
-            role = classify(t.name, naming)
+            role = known.get(t.name) or classify(t.name, naming)
             if not role.module:
                 continue
             mods.setdefault(role.module, {})[role.param] = TensorInfo(t.name, "", t.dtype, t.shape, 0, 0)
@@ -152,9 +155,9 @@ def output_units(shards) -> tuple[list[str], list[str], dict[str, str]]:
     return sorted(u for u, v in quant.items() if not v), sorted(u for u, v in quant.items() if v), reps
 
 
-def updated_configs(nv, flavour: str, shards, bf16_modules: list[str]) -> tuple:
+def updated_configs(nv, flavour: str, shards, bf16_modules: list[str], known_roles: dict | None = None) -> tuple:
     """(config.json, hf_quant_config.json or None, patterns added to config.json)."""
-    _, quant_units, reps = output_units(shards)
+    _, quant_units, reps = output_units(shards, known_roles)
     qset = set(quant_units)
     units = sorted({_unit(m) for m in bf16_modules} - qset)
     units = [u for u in units if u in reps]

@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
+from typing import NamedTuple
 
 from qtool.arch.model_map import QUANTIZED_FORMATS, ModelMap, build_map
 from qtool.arch.qwen35 import MTP_PREFIX, Group, Naming, TEXT_PREFIX, engine_module
@@ -54,8 +55,7 @@ class ShardAction(str, Enum):
     NEW = "new"  # a shard that holds only additions
 
 
-@dataclass(frozen=True)
-class Origin:
+class Origin(NamedTuple):  # NamedTuples, not frozen dataclasses: a 397B plan makes ~370k of each
     source: str  # "nvfp4" | "bf16"
     file: str  # absolute path of the source shard
     tensor: str  # tensor name in the source
@@ -63,15 +63,8 @@ class Origin:
     end: int
     slice: str | None = None  # e.g. "gate rows of expert 3" when unfused
 
-    def to_json(self, roots: dict[str, Path]) -> dict:
-        d = {"source": self.source, "file": _rel(self.file, roots[self.source]), "tensor": self.tensor}
-        if self.slice:
-            d["slice"] = self.slice
-        return d
 
-
-@dataclass(frozen=True)
-class PlannedTensor:
+class PlannedTensor(NamedTuple):
     name: str
     dtype: str
     shape: tuple[int, ...]
@@ -133,6 +126,9 @@ class HybridPlan:
     ignore_added: list[str]
     extra_files: list[str]  # non-weight files of the NVFP4 source, relative paths
     warnings: list[str] = field(default_factory=list)
+    # memo of shard sizes (a rebuilt shard's size needs its header built: ~7k tensors per 397B shard)
+    _sizes: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
+    _summary: dict | None = field(default=None, repr=False, compare=False)
 
     # ---- derived figures ------------------------------------------------------------------------
     def bytes_by_action(self) -> dict[str, int]:
@@ -148,11 +144,16 @@ class HybridPlan:
         return out
 
     def shard_bytes(self, shard: PlannedShard) -> int:
-        from qtool.io.writer import shard_size
+        size = self._sizes.get(shard.name)
+        if size is None:
+            from qtool.io.writer import shard_size
 
-        if shard.action is ShardAction.LINK:
-            return os.path.getsize(shard.source_file)
-        return shard_size(_out_tensors(shard), shard.metadata)
+            if shard.action is ShardAction.LINK:
+                size = os.path.getsize(shard.source_file)
+            else:
+                size = shard_size(_out_tensors(shard), shard.metadata)
+            self._sizes[shard.name] = size
+        return size
 
     def output_size(self) -> int:
         small = sum(os.path.getsize(self.nv.root / f) for f in self.extra_files)
@@ -179,6 +180,11 @@ class HybridPlan:
         return h.hexdigest()
 
     def summary(self) -> dict:
+        if self._summary is None:
+            self._summary = self._make_summary()
+        return dict(self._summary)
+
+    def _make_summary(self) -> dict:
         b = self.bytes_by_action()
         counts = {a.value: sum(1 for s in self.shards if s.action is a) for a in ShardAction}
         from_bf16 = [t for s in self.shards for t in s.tensors if t.origin.source == "bf16"]
@@ -212,13 +218,6 @@ def _out_tensors(shard: PlannedShard):
 
     return [OutTensor(t.name, t.dtype, t.shape, FileRange(t.origin.file, t.origin.start, t.origin.end))
             for t in shard.tensors]
-
-
-def _rel(path: str, root: Path) -> str:
-    try:
-        return os.path.relpath(path, root)
-    except ValueError:
-        return path
 
 
 _NUM = re.compile(r"(\d+)")
@@ -316,6 +315,11 @@ class _Planner:
         self.missing: list[str] = []
         self.warnings: list[str] = []
         self.bf16_units: set[str] = set()
+        # NVFP4 tensor names per layer: the per-layer removals below would otherwise scan all ~370k
+        # roles of a 397B checkpoint once per layer
+        self.names_by_layer: dict[int | None, list[str]] = {}
+        for n, r in self.nv_map.roles.items():
+            self.names_by_layer.setdefault(r.layer, []).append(n)
 
     # name translation: the output uses the NVFP4 source's naming
     def bf_name(self, out_name: str) -> str:
@@ -342,8 +346,11 @@ class _Planner:
         homes = sorted((self.nv.shard_of(n) for n in names if n in self.nv.tensors), key=natural_key)
         return homes[0] if homes else None
 
-    def remove_where(self, pred) -> list[str]:
-        gone = sorted((n for n, r in self.nv_map.roles.items() if pred(r)), key=natural_key)
+    def remove_where(self, pred, layer: int | None = None) -> list[str]:
+        """Remove the NVFP4 tensors whose role satisfies `pred` (only among `layer`'s when given)."""
+        roles = self.nv_map.roles
+        names = roles if layer is None else self.names_by_layer.get(layer, [])
+        gone = sorted((n for n in names if pred(roles[n])), key=natural_key)
         self.removed.update(gone)
         return gone
 
@@ -361,10 +368,10 @@ class _Planner:
         prefix = TEXT_PREFIX[self.nv_map.naming]
         for layer in range(self.expect.L):
             gone = self.remove_where(
-                lambda r, layer=layer: r.group is Group.SHARED_EXPERT and r.layer == layer)
+                lambda r, layer=layer: r.group is Group.SHARED_EXPERT and r.layer == layer, layer)
             base = f"{prefix}layers.{layer}.mlp.shared_expert."
             home = self.home_of(gone) or self.home_of(
-                [n for n, r in self.nv_map.roles.items() if r.layer == layer and r.group is not Group.MTP])
+                [n for n in self.names_by_layer.get(layer, []) if self.nv_map.roles[n].group is not Group.MTP])
             for proj in PROJS:
                 name = f"{base}{proj}.weight"
                 info = self.bf_info(name)
@@ -379,7 +386,7 @@ class _Planner:
             raise UsageError(f"--bf16-expert-layers names layer {layer}, the model has {self.expect.L}",
                              expected=f"0..{self.expect.L - 1}", got=layer)
         gone = self.remove_where(
-            lambda r: r.group is Group.ROUTED_EXPERTS and r.layer == layer)
+            lambda r: r.group is Group.ROUTED_EXPERTS and r.layer == layer, layer)
         home = self.home_of(gone)
         base = f"{TEXT_PREFIX[self.nv_map.naming]}layers.{layer}.mlp.experts"
         for t in self.experts_from(self.bf, "bf16", base, self.bf_name(base), f"layer {layer} routed experts"):
@@ -567,7 +574,8 @@ def plan_hybrid(opts: HybridOptions) -> HybridPlan:
 
     from qtool.ops.assemble.patterns import updated_configs
 
-    config, hq, added = updated_configs(p.nv, flavour, shards, sorted(p.bf16_units, key=natural_key))
+    config, hq, added = updated_configs(p.nv, flavour, shards, sorted(p.bf16_units, key=natural_key),
+                                        p.nv_map.roles)
     files = [f for f in extra_files(p.nv.root)]
     return HybridPlan(opts, p.nv, p.bf, p.nv_map, flavour, shards, sorted(p.removed, key=natural_key),
                       mtp_action, sorted(p.bf16_units, key=natural_key), config, hq, added, files, p.warnings)
