@@ -2,7 +2,9 @@
 """Benchmark `qtool assemble hybrid` against `cp -r` of the NVFP4 source (+ `sync`: qtool fsyncs its output)
 and against the naive approach (safetensors load_file each shard, replace, save_file), on a synthetic
 Qwen3.5-MoE pair with real tensor names and dtypes, random data and a scaled-down config. Reports wall
-time (median and min of --repeat runs), peak RSS and the ratio to `cp -r + sync`.
+time (median, min, max of --repeat interleaved rounds), peak RSS and the ratio to `cp -r + sync` (median over
+rounds of the ratio within a round). The row "shared experts only" is the issue's speed target: every shard
+changes, so every byte is rewritten.
 
     python scripts/bench_assemble.py --workdir /tmp/qbench [--hidden 2048 --layers 12 --experts 128]
 
@@ -380,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bf16-full", action="store_true",
                     help="time every run against the full-size (sparse) BF16 source instead of the subset "
                     "checkpoint `--bf16 hf:...` would fetch (the cold run then hashes all of it)")
-    ap.add_argument("--repeat", type=int, default=2, help="runs per measurement (median and min reported)")
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="interleaved rounds (every job once per round; median, min, max reported)")
     ap.add_argument("--cache", choices=["drop", "warm"], default="drop",
                     help="before every run: drop the page cache (needs root; falls back to warm) or read all "
                     "inputs once (warm)")
@@ -413,43 +416,53 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(q, ignore_errors=True)
         return p
 
-    def timed(label: str, cmd: list[str], out: Path, inputs: list[Path], cold_hashes: bool = False) -> None:
-        for _ in range(args.repeat):
-            fresh(out)
+    def qtool(src: Path, out: Path, link: str, layers: str = args.bf16_expert_layers, mtp: str = "auto") -> list[str]:
+        return [sys.executable, "-m", "qtool", "assemble", "hybrid", "--nvfp4", str(nv), "--bf16", str(src),
+                "--bf16-expert-layers", layers, "--mtp", mtp, "--json", "--quiet", "-o", str(out), "--link", link]
+
+    # (label, command, output dir, inputs, drop the sha256 cache first). Runs are interleaved: round r runs
+    # every job once, in this order, so a drift in the disk's speed (this VM's varies up to 2x within
+    # minutes) hits every job alike; ratios are taken within a round. Cached-hash jobs follow a cold one on
+    # the same inputs.
+    kind = "full sparse" if args.bf16_full else "subset"
+    other = "subset" if args.bf16_full else "full sparse"
+    out_cp, out, nout = wd / "out-cp", wd / "out-qtool", wd / "out-naive"
+    base_label = "cp -r + sync (baseline)"
+    shared_label = "qtool copy, shared experts only (all change)"
+    jobs = [
+        (base_label, ["sh", "-c", f"cp -r '{nv}' '{out_cp}' && sync"], out_cp, [nv], False),
+        ("cp -r (no sync)", ["cp", "-r", str(nv), str(out_cp)], out_cp, [nv], False),
+        (f"qtool copy, sha256 cold ({kind})", qtool(bf, out, "copy"), out, [nv, bf], True),
+        ("qtool copy, sha256 cached", qtool(bf, out, "copy"), out, [nv, bf], False),
+        ("qtool --link auto, cached", qtool(bf, out, "auto"), out, [nv, bf], False),
+        (shared_label, qtool(bf, out, "copy", layers="", mtp="drop"), out, [nv, bf], False),
+        (f"qtool copy, sha256 cold ({other} BF16)", qtool(bf_other, out, "copy"), out, [nv, bf_other], True),
+        ("naive load_file/save_file", [sys.executable, "-c", NAIVE, str(nv), str(bf), str(nout),
+                                       args.bf16_expert_layers], nout, [nv, bf], False),
+    ]
+    for r in range(args.repeat):
+        for label, cmd, dst, inputs, cold_hashes in jobs:
+            fresh(dst)
             if cold_hashes:
                 shutil.rmtree(env_cache, ignore_errors=True)
             modes.add(reset_cache(inputs, args.cache))
             results.setdefault(label, []).append(measure(cmd))
-        fresh(out)
-
-    def qtool(src: Path, out: Path, link: str) -> list[str]:
-        return [sys.executable, "-m", "qtool", "assemble", "hybrid", "--nvfp4", str(nv), "--bf16", str(src),
-                "--bf16-expert-layers", args.bf16_expert_layers, "--json", "--quiet", "-o", str(out),
-                "--link", link]
-
-    out = wd / "out-cp"
-    timed("cp -r + sync (baseline)", ["sh", "-c", f"cp -r '{nv}' '{out}' && sync"], out, [nv])
-    timed("cp -r (no sync)", ["cp", "-r", str(nv), str(out)], out, [nv])
-    out = wd / "out-qtool"
-    kind = "full sparse" if args.bf16_full else "subset"
-    other = "subset" if args.bf16_full else "full sparse"
-    timed(f"qtool copy, sha256 cold ({kind})", qtool(bf, out, "copy"), out, [nv, bf], cold_hashes=True)
-    timed("qtool copy, sha256 cached", qtool(bf, out, "copy"), out, [nv, bf])
+            fresh(dst)
+        print(f"round {r + 1}/{args.repeat}: " + ", ".join(f"{k.split(',')[0][:24]} {v[-1]['wall']:.2f}s"
+                                                            for k, v in results.items()), file=sys.stderr)
     res = subprocess.run(qtool(bf, fresh(out), "auto"), capture_output=True, text=True, check=True)
     rep = json.loads(res.stdout)
     out_bytes = _du(out)
-    timed("qtool --link auto, cached", qtool(bf, out, "auto"), out, [nv, bf])
-    timed(f"qtool copy, sha256 cold ({other} BF16)", qtool(bf_other, out, "copy"), out, [nv, bf_other],
-          cold_hashes=True)
-    nout = wd / "out-naive"
-    timed("naive load_file/save_file", [sys.executable, "-c", NAIVE, str(nv), str(bf), str(nout),
-                                        args.bf16_expert_layers], nout, [nv, bf])
+    fresh(out)
+    res = subprocess.run(qtool(bf, out, "copy", layers="", mtp="drop"), capture_output=True, text=True, check=True)
+    shared_plan = json.loads(res.stdout)["plan"]
+    fresh(out)
     load1 = _uptime()
 
     def med(v: list[dict]) -> float:
         return statistics.median(r["wall"] for r in v)
 
-    base = med(results["cp -r + sync (baseline)"])
+    base = results[base_label]
     plan = rep["plan"]
     mode = "page cache dropped before every run" if modes == {"drop"} else (
         "inputs read once before every run (page cache not droppable)" if modes == {"warm"} else f"mixed {modes}")
@@ -458,12 +471,15 @@ def main(argv: list[str] | None = None) -> int:
           f"shards: {plan['shards']}; linked with --link auto: {rep['result']['shards_linked']}")
     print(f"bytes: reused {plan['bytes']['reused'] / GB:.3f} GB, rewritten {plan['bytes']['rewritten'] / GB:.3f} GB, "
           f"new {plan['bytes']['new'] / GB:.3f} GB")
-    print(f"cache mode: {mode}; {args.repeat} runs each; {os.cpu_count()} CPUs; {load0} before, {load1} after")
-    print(f"{'run':<42} {'wall s med':>10} {'min':>7} {'x cp+sync':>10} {'peak RSS MB':>12}")
+    print(f"shared experts only: shards {shared_plan['shards']}, output {shared_plan['bytes']['output'] / GB:.2f} GB")
+    print(f"cache mode: {mode}; {args.repeat} interleaved rounds; {os.cpu_count()} CPUs; {load0} before, "
+          f"{load1} after")
+    print(f"{'run':<46} {'wall s med':>10} {'min':>7} {'max':>7} {'x cp+sync':>10} {'peak RSS MB':>12}")
     for k, v in results.items():
-        m = med(v)
-        print(f"{k:<42} {m:>10.2f} {min(r['wall'] for r in v):>7.2f} {m / base:>10.2f} "
-              f"{max(r['rss_kb'] for r in v) / 1024:>12.0f}")
+        # the ratio: median over rounds of (this run / the baseline run of the same round)
+        ratio = statistics.median(a["wall"] / b["wall"] for a, b in zip(v, base))
+        print(f"{k:<46} {med(v):>10.2f} {min(r['wall'] for r in v):>7.2f} {max(r['wall'] for r in v):>7.2f} "
+              f"{ratio:>10.2f} {max(r['rss_kb'] for r in v) / 1024:>12.0f}")
     if not args.keep:
         shutil.rmtree(wd, ignore_errors=True)
     return 0

@@ -98,6 +98,7 @@ def test_modelopt_fused_bf16_layer0(tmp_path):
     assert all(len(v["sha256"]) == 64 for v in m["sources"]["nvfp4"]["files"].values())
     assert set(m["libraries"]) >= {"transformers", "safetensors", "torch", "nvidia-modelopt", "compressed-tensors"}
     assert not Path(str(out) + ".partial").exists()
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no journal / manifest part left
 
 
 def test_compressed_tensors_per_expert_source(tmp_path):
