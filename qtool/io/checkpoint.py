@@ -35,7 +35,8 @@ class Checkpoint:
     warnings: list[str] = field(default_factory=list)
 
     @classmethod
-    def open(cls, path: str | Path, *, require_config: bool = False) -> Checkpoint:
+    def open(cls, path: str | Path, *, require_config: bool = False, check_file_sizes: bool = True) -> Checkpoint:
+        """`check_file_sizes=False` reads headers of shards whose data may still be being written."""
         root = Path(path)
         if not root.exists():
             raise CheckpointError("checkpoint not found", path=root, hint="check the path")
@@ -75,9 +76,9 @@ class Checkpoint:
         gc.disable()
         try:
             if index is not None:
-                tensors, headers = _load_indexed(root, index)
+                tensors, headers = _load_indexed(root, index, check_file_sizes)
             else:
-                tensors, headers = _load_files(root, files)
+                tensors, headers = _load_files(root, files, check_file_sizes)
         finally:
             if gc_was_enabled:
                 gc.enable()
@@ -131,7 +132,8 @@ def _in_hf_cache_blobs(root: Path, target: Path) -> bool:
     return target.parent == blobs
 
 
-def _load_indexed(root: Path, index: dict) -> tuple[dict[str, TensorInfo], dict[str, SafetensorsHeader]]:
+def _load_indexed(root: Path, index: dict, check_file_sizes: bool = True
+                  ) -> tuple[dict[str, TensorInfo], dict[str, SafetensorsHeader]]:
     index_path = root / INDEX_NAME
     weight_map = index.get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
@@ -150,7 +152,7 @@ def _load_indexed(root: Path, index: dict) -> tuple[dict[str, TensorInfo], dict[
                 path=shard,
                 hint="the download is incomplete; fetch the missing shard",
             )
-        headers[rel] = read_header(shard)
+        headers[rel] = read_header(shard, check_file_size=check_file_sizes)
     tensors: dict[str, TensorInfo] = {}
     for rel, names in by_file.items():
         h = headers[rel].tensors
@@ -176,11 +178,12 @@ def _load_indexed(root: Path, index: dict) -> tuple[dict[str, TensorInfo], dict[
     return tensors, headers
 
 
-def _load_files(root: Path, files: list[str]) -> tuple[dict[str, TensorInfo], dict[str, SafetensorsHeader]]:
+def _load_files(root: Path, files: list[str], check_file_sizes: bool = True
+                ) -> tuple[dict[str, TensorInfo], dict[str, SafetensorsHeader]]:
     tensors: dict[str, TensorInfo] = {}
     headers: dict[str, SafetensorsHeader] = {}
     for rel in files:
-        header = read_header(root / rel)
+        header = read_header(root / rel, check_file_size=check_file_sizes)
         headers[rel] = header
         for name, info in header.tensors.items():
             if name in tensors:

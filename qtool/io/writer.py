@@ -10,7 +10,7 @@ import math
 import os
 import struct
 from pathlib import Path
-from typing import NamedTuple, Union
+from typing import Callable, NamedTuple, Union
 
 from qtool.errors import CheckpointError, WriteError
 from qtool.io.checkpoint import INDEX_NAME
@@ -113,9 +113,10 @@ def copy_range(src_fd: int, dst_fd: int, start: int, count: int) -> None:
 
 
 def write_shard(path: str | Path, tensors: list[OutTensor], metadata: dict[str, str] | None = None,
-                fsync: bool = True) -> int:
+                fsync: bool = True, on_header: Callable[[], None] | None = None) -> int:
     """Write a shard; returns its size. fsyncs before returning unless `fsync` is False (the caller then
-    makes it durable, e.g. to do other work while the kernel writes it out)."""
+    makes it durable, e.g. to do other work while the kernel writes it out). `on_header` is called once
+    the header is written (readable by others), before the tensor data."""
     path = Path(path)
     header = build_header(tensors, metadata)
     fds: dict[str, int] = {}
@@ -123,6 +124,8 @@ def write_shard(path: str | Path, tensors: list[OutTensor], metadata: dict[str, 
         with open(path, "wb") as out:
             out.write(header)
             out.flush()
+            if on_header is not None:
+                on_header()
             dst = out.fileno()
             # Consecutive tensors that are consecutive in the same source file (most of a rebuilt shard)
             # are copied with one call: a 397B shard holds ~7k tensors, many of them 4-byte scales.

@@ -269,10 +269,45 @@ def check_consistency(mm: ModelMap, baseline: ModelMap | None = None) -> dict:
 
 
 def run_checks(path: str | Path, expect: Expectations | None = None, baseline: ModelMap | None = None) -> dict:
-    ckpt = Checkpoint.open(path, require_config=True)
+    return finish_checks(start_checks(path, expect), baseline)
+
+
+@dataclass
+class StartedChecks:
+    mm: ModelMap
+    structure: dict
+    sizes_unchecked: bool
+
+
+def start_checks(path: str | Path, expect: Expectations | None = None, *,
+                 shards_complete: bool = True) -> StartedChecks:
+    """The checks that need headers and configs only (structure). With `shards_complete=False` they can
+    run while shard data is still being written; `finish_checks` then checks every shard's size."""
+    ckpt = Checkpoint.open(path, require_config=True, check_file_sizes=shards_complete)
     mm = build_map(ckpt)
-    checks = [check_structure(mm, expect), check_consistency(mm, baseline)]
+    return StartedChecks(mm, check_structure(mm, expect), not shards_complete)
+
+
+def finish_checks(started: StartedChecks, baseline: ModelMap | None = None) -> dict:
+    """The rest, once every shard is complete: shard sizes (if not checked yet) and consistency (which
+    reads a few scale values)."""
+    structure = started.structure
+    if started.sizes_unchecked:
+        short = _short_shards(started.mm.ckpt)
+        if short:
+            structure = {**structure, "ok": False, "problems": structure["problems"] + short}
+    checks = [structure, check_consistency(started.mm, baseline)]
     return {"passed": all(c["ok"] for c in checks), "checks": checks}
+
+
+def _short_shards(ckpt: Checkpoint) -> list[str]:
+    out = []
+    for rel, h in ckpt.headers.items():
+        want = max((t.end for t in h.tensors.values()), default=h.data_start)
+        got = Path(h.path).stat().st_size
+        if got < want:
+            out.append(f"{rel} is {got} bytes, its header describes {want}")
+    return out
 
 
 def hybrid_expectations(plan) -> Expectations:

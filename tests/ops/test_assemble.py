@@ -334,6 +334,26 @@ def test_checks_flag_stale_scales(tmp_path):
     assert any("stale" in p for p in res["checks"][0]["problems"])
 
 
+def test_checks_started_before_the_data_catch_a_short_shard(tmp_path):
+    """assemble runs the header-only checks while shard data is still being copied; finishing them must
+    still catch a shard that ended up shorter than its header says."""
+    from qtool.errors import CheckpointError
+    from qtool.ops.checks import finish_checks, start_checks
+
+    nv, bf = pair(tmp_path)
+    out = tmp_path / "out"
+    run(nv, bf, out)
+    assert finish_checks(start_checks(out, shards_complete=False))["passed"]
+    started = start_checks(out, shards_complete=False)
+    shard = sorted(out.glob("*.safetensors"))[-1]
+    os.truncate(shard, shard.stat().st_size - 2)
+    res = finish_checks(started)
+    assert not res["passed"]
+    assert any(p.startswith(shard.name) and "its header describes" in p for p in res["checks"][0]["problems"])
+    with pytest.raises(CheckpointError, match="truncated"):
+        start_checks(out)  # a complete open refuses it outright
+
+
 def test_qtool_error_has_hint(tmp_path):
     nv, bf = pair(tmp_path, bf16_overrides={"num_experts": 16})
     try:
