@@ -169,8 +169,12 @@ def _build_map(ckpt: Checkpoint) -> ModelMap:
     naming = detect_naming(ckpt.tensors)
     roles: dict[str, TensorRole] = {}
     modules: dict[str, Module] = {}
+    # one str per distinct parameter name ("weight", "weight_scale", ...) instead of one per tensor, and
+    # the module's own name in every role of the module: ~50 MB less for a 397B checkpoint
+    param_names: dict[str, str] = {}
     for name, info in ckpt.tensors.items():
         module_name, _, param = name.rpartition(".")
+        param = param_names.setdefault(param, param)
         is_kv = param in KV_SCALE_PARAMS
         mod = modules.get(module_name)
         if mod is None:
@@ -181,7 +185,7 @@ def _build_map(ckpt: Checkpoint) -> ModelMap:
         if is_kv:
             roles[name] = classify(name, naming)
         else:
-            roles[name] = TensorRole(mod.group, mod.inner, module_name, param, mod.layer, mod.expert)
+            roles[name] = TensorRole(mod.group, mod.inner, mod.name, param, mod.layer, mod.expert)
         mod.params[param] = info
     for mod in modules.values():
         mod.format = module_format(mod.params)

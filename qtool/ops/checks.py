@@ -248,20 +248,23 @@ def _check_expectations(layer_fmts: dict[int, dict[str, set]], mtp_fmts, expect:
     return list(probs)
 
 
-def check_consistency(mm: ModelMap, baseline: ModelMap | None = None) -> dict:
-    """find_problems must report nothing; with `baseline` (the source an operation started from), problems
-    the source already had are reported as inherited and do not fail the check."""
+def consistency_problems(mm: ModelMap) -> list[str]:
+    """What qtool.ops.inspect.find_problems reports for `mm`, as "[code] message" lines."""
     from qtool.io.quant_config import summarize
     from qtool.ops.inspect import find_problems
 
-    def problems(m: ModelMap) -> list[str]:
-        summary = summarize(m.ckpt.config, m.ckpt.hf_quant_config)
-        return [f"[{p.code}] {p.message}" for p in find_problems(m, summary)]
+    summary = summarize(mm.ckpt.config, mm.ckpt.hf_quant_config)
+    return [f"[{p.code}] {p.message}" for p in find_problems(mm, summary)]
 
-    probs = problems(mm)
+
+def check_consistency(mm: ModelMap, baseline_problems: list[str] | None = None) -> dict:
+    """find_problems must report nothing; problems the source an operation started from already had
+    (`baseline_problems`, from `consistency_problems` of the source) are reported as inherited and do
+    not fail the check."""
+    probs = consistency_problems(mm)
     out = {"name": "consistency", "ok": not probs, "problems": probs}
-    if baseline is not None and probs:
-        before = set(problems(baseline))
+    if baseline_problems is not None and probs:
+        before = set(baseline_problems)
         out["inherited"] = [p for p in probs if p in before]
         out["problems"] = [p for p in probs if p not in before]
         out["ok"] = not out["problems"]
@@ -269,7 +272,7 @@ def check_consistency(mm: ModelMap, baseline: ModelMap | None = None) -> dict:
 
 
 def run_checks(path: str | Path, expect: Expectations | None = None, baseline: ModelMap | None = None) -> dict:
-    return finish_checks(start_checks(path, expect), baseline)
+    return finish_checks(start_checks(path, expect), None if baseline is None else consistency_problems(baseline))
 
 
 @dataclass
@@ -288,15 +291,15 @@ def start_checks(path: str | Path, expect: Expectations | None = None, *,
     return StartedChecks(mm, check_structure(mm, expect), not shards_complete)
 
 
-def finish_checks(started: StartedChecks, baseline: ModelMap | None = None) -> dict:
+def finish_checks(started: StartedChecks, baseline_problems: list[str] | None = None) -> dict:
     """The rest, once every shard is complete: shard sizes (if not checked yet) and consistency (which
-    reads a few scale values)."""
+    reads a few scale values; `baseline_problems`: see check_consistency)."""
     structure = started.structure
     if started.sizes_unchecked:
         short = _short_shards(started.mm.ckpt)
         if short:
             structure = {**structure, "ok": False, "problems": structure["problems"] + short}
-    checks = [structure, check_consistency(started.mm, baseline)]
+    checks = [structure, check_consistency(started.mm, baseline_problems)]
     return {"passed": all(c["ok"] for c in checks), "checks": checks}
 
 

@@ -25,7 +25,7 @@ from qtool.io.jsonio import dumps
 from qtool.io.writer import FileRange, OutTensor, index_json, write_shard
 from qtool.ops.assemble.linking import Linker
 from qtool.ops.assemble.plan import JOURNAL_NAME, MANIFEST_NAME, HybridPlan, PlannedShard, ShardAction
-from qtool.ops.checks import finish_checks, hybrid_expectations, start_checks
+from qtool.ops.checks import consistency_problems, finish_checks, hybrid_expectations, start_checks
 from qtool.ops.manifest import InputHasher, write_manifest, write_shards_section
 
 # Test hook: called with the shard name after each shard is journaled (raise to simulate a crash).
@@ -295,10 +295,15 @@ def execute(plan: HybridPlan, *, force: bool = False, resume: bool = False, comm
                 _write_text(partial / INDEX_NAME,
                             json.dumps(index_json(plan.weight_map(), total), indent=2) + "\n")
                 write_shards_section(section, plan.shards, roots)
+                # what the checks need of the source, then let go of its headers before the checks read
+                # the output's: two 397B header sets at once were ~1 GB
+                expect = hybrid_expectations(plan)
+                source_problems = consistency_problems(plan.nv_map)
+                plan.release_source_headers()
                 for s, fut in futures:
                     while started is None and not fut.done():
                         if headers.done.wait(0.05):
-                            started = start_checks(partial, hybrid_expectations(plan), shards_complete=False)
+                            started = start_checks(partial, expect, shards_complete=False)
                     method = fut.result()
                     if method is None:
                         result.shards_written += 1
@@ -319,8 +324,8 @@ def execute(plan: HybridPlan, *, force: bool = False, resume: bool = False, comm
         if bar is not None:
             bar.close()
         if started is None:  # every shard was resumed, or finished before this thread looked
-            started = start_checks(partial, hybrid_expectations(plan))
-        checks = finish_checks(started, baseline=plan.nv_map)
+            started = start_checks(partial, expect)
+        checks = finish_checks(started, source_problems)
         _fsync_side_files(plan, partial)
         result.checks = checks
         digests = hasher.results()

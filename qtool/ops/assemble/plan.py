@@ -9,6 +9,7 @@ I*H elements; `experts.down_proj` [E, H, I] holds expert e's [H, I] matrix conti
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -115,7 +116,7 @@ class HybridPlan:
     options: HybridOptions
     nv: Checkpoint
     bf: Checkpoint
-    nv_map: ModelMap
+    nv_map: ModelMap | None  # None after release_source_headers
     flavour: str  # "modelopt" | "compressed-tensors"
     shards: list[PlannedShard]
     removed: list[str]  # NVFP4 tensors not in the output
@@ -129,6 +130,15 @@ class HybridPlan:
     # memo of shard sizes (a rebuilt shard's size needs its header built: ~7k tensors per 397B shard)
     _sizes: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
     _summary: dict | None = field(default=None, repr=False, compare=False)
+
+    def release_source_headers(self) -> None:
+        """Drop the sources' per-tensor header metadata and the NVFP4 map (~270 MB for a 397B source),
+        keeping roots, configs and styles; the plan's shards and figures stay usable. `execute` calls it
+        once it no longer needs them, before the checks read the output's headers."""
+        self.summary()  # computed while the sources are still here
+        self.nv = dataclasses.replace(self.nv, tensors={}, headers={}, index=None)
+        self.bf = dataclasses.replace(self.bf, tensors={}, headers={}, index=None)
+        self.nv_map = None
 
     # ---- derived figures ------------------------------------------------------------------------
     def bytes_by_action(self) -> dict[str, int]:
