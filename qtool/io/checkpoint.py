@@ -144,6 +144,11 @@ def _load_indexed(root: Path, index: dict, check_file_sizes: bool = True
     for name, rel in weight_map.items():
         by_file.setdefault(rel, []).append(name)
     headers: dict[str, SafetensorsHeader] = {}
+    tensors: dict[str, TensorInfo] = {}
+    # The parsed weight_map holds its own copy of every name and shard name (~740k strings, ~90 MB for a
+    # 397B checkpoint). Each shard's entries are moved into a map made of the headers' strings as soon as
+    # that shard is validated, so the two never coexist in full (peak) and only the table is kept.
+    compact: dict[str, str] = {}
     for rel in sorted(by_file):
         shard = _safe_shard_path(root, rel, index_path)
         if not shard.exists():
@@ -152,11 +157,9 @@ def _load_indexed(root: Path, index: dict, check_file_sizes: bool = True
                 path=shard,
                 hint="the download is incomplete; fetch the missing shard",
             )
-        headers[rel] = read_header(shard, check_file_size=check_file_sizes)
-    tensors: dict[str, TensorInfo] = {}
-    for rel, names in by_file.items():
-        h = headers[rel].tensors
-        for name in names:
+        header = headers[rel] = read_header(shard, check_file_size=check_file_sizes)
+        h = header.tensors
+        for name in by_file[rel]:
             info = h.get(name)
             if info is None:
                 raise CheckpointError(
@@ -166,19 +169,18 @@ def _load_indexed(root: Path, index: dict, check_file_sizes: bool = True
                     hint="the index and the shards come from different revisions; re-download both",
                 )
             tensors[info.name] = info  # keyed by the header's str: one copy of each name is kept
-    for rel, header in headers.items():
-        extra = [n for n in header.tensors if weight_map.get(n) != rel]
-        if extra:
+        if len(h) != len(by_file[rel]):
+            extra = [n for n in h if weight_map.get(n) != rel]
             raise CheckpointError(
                 f"shard holds {len(extra)} tensor(s) the index does not map to it",
                 path=root / rel,
-                tensor=extra[0],
+                tensor=extra[0] if extra else None,
                 hint="the index and the shards come from different revisions; re-download both",
             )
-    # The parsed weight_map holds its own copy of every name and of every shard name (~740k strings,
-    # ~90 MB for a 397B checkpoint); the same mapping made of the headers' strings costs the table only.
-    shard_name = {rel: rel for rel in by_file}
-    index["weight_map"] = {tensors[n].name: shard_name[rel] for n, rel in weight_map.items()}
+        for name in by_file.pop(rel):
+            del weight_map[name]
+        compact.update((n, rel) for n in h)
+    index["weight_map"] = compact
     return tensors, headers
 
 

@@ -18,7 +18,6 @@ from qtool.arch.model_map import QUANTIZED_FORMATS, module_format
 from qtool.arch.qwen35 import Group, classify, detect_naming
 from qtool.errors import PlanError
 from qtool.io.quant_config import config_ignore, hf_quant_exclude, set_config_ignore, set_hf_quant_exclude
-from qtool.io.safetensors_header import TensorInfo
 
 _LM = "model.language_model."
 _SHARED = re.compile(r"layers\.(\d+)\.mlp\.shared_expert\.")
@@ -133,14 +132,14 @@ def output_units(shards, known_roles: dict | None = None) -> tuple[list[str], li
     names = [t.name for s in shards for t in s.tensors]
     naming = detect_naming(names)
     known = known_roles or {}
-    mods: dict[str, dict[str, TensorInfo]] = {}
+    mods: dict[str, dict] = {}
     groups: dict[str, tuple[Group, Group]] = {}
     for s in shards:
         for t in s.tensors:
             role = known.get(t.name) or classify(t.name, naming)
             if not role.module:
                 continue
-            mods.setdefault(role.module, {})[role.param] = TensorInfo(t.name, "", t.dtype, t.shape, 0, 0)
+            mods.setdefault(role.module, {})[role.param] = t  # module_format reads .dtype and .shape only
             groups[role.module] = (role.group, role.inner)
     quant: dict[str, bool] = {}
     reps: dict[str, str] = {}
