@@ -133,6 +133,10 @@ class ModelMap:
     def modules_in(self, group: Group) -> list[Module]:
         return [m for m in self.modules.values() if m.group is group]
 
+    def read_kv_values(self) -> None:
+        """(Re)read the KV scale values (for a map built with read_values=False)."""
+        self.kv = _kv_scales(self.ckpt, self.roles, self.full_attention, read_values=True)
+
     def group_formats(self) -> dict[Group, str]:
         """group -> storage format of its matrices ("mixed" when they differ), in one pass."""
         seen: dict[Group, set[Format]] = defaultdict(set)
@@ -154,18 +158,21 @@ def _layout(kinds: set[str]) -> str | None:
     return next(iter(kinds)) if len(kinds) == 1 else "mixed"
 
 
-def build_map(ckpt: Checkpoint) -> ModelMap:
+def build_map(ckpt: Checkpoint, *, read_values: bool = True) -> ModelMap:
+    """The checkpoint's modules and roles. Everything comes from headers except the KV scale values
+    (`kv.values`, `kv.calibrated`, `kv.invalid`); `read_values=False` leaves those empty, for shards whose
+    data is still being written (then call `read_kv_values` once it is)."""
     # Same reason as in Checkpoint.open: hundreds of thousands of acyclic objects.
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        return _build_map(ckpt)
+        return _build_map(ckpt, read_values)
     finally:
         if gc_was_enabled:
             gc.enable()
 
 
-def _build_map(ckpt: Checkpoint) -> ModelMap:
+def _build_map(ckpt: Checkpoint, read_values: bool = True) -> ModelMap:
     naming = detect_naming(ckpt.tensors)
     roles: dict[str, TensorRole] = {}
     modules: dict[str, Module] = {}
@@ -206,11 +213,11 @@ def _build_map(ckpt: Checkpoint) -> ModelMap:
 
     return ModelMap(
         ckpt, naming, roles, modules, types, full, overall, layer_layout, _layout(mtp_kinds),
-        _kv_scales(ckpt, roles, full),
+        _kv_scales(ckpt, roles, full, read_values),
     )
 
 
-def _kv_scales(ckpt: Checkpoint, roles: dict[str, TensorRole], full: list[int]) -> KvScales:
+def _kv_scales(ckpt: Checkpoint, roles: dict[str, TensorRole], full: list[int], read_values: bool = True) -> KvScales:
     from qtool.io.reader import read_scalar
 
     found: dict[int, dict[str, TensorInfo]] = defaultdict(dict)
@@ -223,7 +230,7 @@ def _kv_scales(ckpt: Checkpoint, roles: dict[str, TensorRole], full: list[int]) 
     layers = sorted(l for l, p in found.items() if "k_scale" in p and "v_scale" in p)
     values: dict[int, tuple[float, float]] = {}
     invalid: list[str] = []
-    for layer in layers:
+    for layer in layers if read_values else []:
         pair = []
         for p in ("k_scale", "v_scale"):
             info = found[layer][p]

@@ -9,6 +9,7 @@ import json
 import math
 import os
 import struct
+import threading
 from pathlib import Path
 from typing import Callable, NamedTuple, Union
 
@@ -86,15 +87,25 @@ def shard_size(tensors: list[OutTensor], metadata: dict[str, str] | None = None)
     return len(build_header(tensors, metadata)) + sum(t.nbytes for t in tensors)
 
 
-def copy_range(src_fd: int, dst_fd: int, start: int, count: int) -> None:
+class Interrupted(Exception):
+    """A copy was stopped on request (another shard failed, or the user interrupted the run)."""
+
+
+COPY_CHUNK = 256 << 20  # per copy_file_range call: also how often a stop request is looked at
+
+
+def copy_range(src_fd: int, dst_fd: int, start: int, count: int, stop: threading.Event | None = None) -> None:
     """Kernel-side copy (copy_file_range: reflinks on btrfs/xfs, no user-space buffers); falls back to
-    a chunked read/write where the kernel or filesystem refuses."""
+    a chunked read/write where the kernel or filesystem refuses. Raises Interrupted between chunks once
+    `stop` is set."""
     offset = start
     remaining = count
     if hasattr(os, "copy_file_range"):
         try:
             while remaining > 0:
-                n = os.copy_file_range(src_fd, dst_fd, min(remaining, 1 << 30), offset)
+                if stop is not None and stop.is_set():
+                    raise Interrupted()
+                n = os.copy_file_range(src_fd, dst_fd, min(remaining, COPY_CHUNK), offset)
                 if n == 0:
                     break
                 offset += n
@@ -104,6 +115,8 @@ def copy_range(src_fd: int, dst_fd: int, start: int, count: int) -> None:
                 raise
     chunk = 8 << 20
     while remaining > 0:
+        if stop is not None and stop.is_set():
+            raise Interrupted()
         buf = os.pread(src_fd, min(chunk, remaining), offset)
         if not buf:
             raise OSError(5, "source file ended early")
@@ -113,10 +126,12 @@ def copy_range(src_fd: int, dst_fd: int, start: int, count: int) -> None:
 
 
 def write_shard(path: str | Path, tensors: list[OutTensor], metadata: dict[str, str] | None = None,
-                fsync: bool = True, on_header: Callable[[], None] | None = None) -> int:
+                fsync: bool = True, on_header: Callable[[], None] | None = None,
+                stop: threading.Event | None = None) -> int:
     """Write a shard; returns its size. fsyncs before returning unless `fsync` is False (the caller then
     makes it durable, e.g. to do other work while the kernel writes it out). `on_header` is called once
-    the header is written (readable by others), before the tensor data."""
+    the header is written (readable by others), before the tensor data. Once `stop` is set the copy
+    raises Interrupted within a chunk (the file is left incomplete, for the caller's resume logic)."""
     path = Path(path)
     header = build_header(tensors, metadata)
     fds: dict[str, int] = {}
@@ -135,7 +150,7 @@ def write_shard(path: str | Path, tensors: list[OutTensor], metadata: dict[str, 
                 if run:
                     if run[0] not in fds:
                         fds[run[0]] = os.open(run[0], os.O_RDONLY)
-                    copy_range(fds[run[0]], dst, run[1], run[2] - run[1])
+                    copy_range(fds[run[0]], dst, run[1], run[2] - run[1], stop)
                     run.clear()
 
             for t in tensors:

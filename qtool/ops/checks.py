@@ -287,7 +287,7 @@ def start_checks(path: str | Path, expect: Expectations | None = None, *,
     """The checks that need headers and configs only (structure). With `shards_complete=False` they can
     run while shard data is still being written; `finish_checks` then checks every shard's size."""
     ckpt = Checkpoint.open(path, require_config=True, check_file_sizes=shards_complete)
-    mm = build_map(ckpt)
+    mm = build_map(ckpt, read_values=shards_complete)  # KV scale values are data, read when complete
     return StartedChecks(mm, check_structure(mm, expect), not shards_complete)
 
 
@@ -299,6 +299,8 @@ def finish_checks(started: StartedChecks, baseline_problems: list[str] | None = 
         short = _short_shards(started.mm.ckpt)
         if short:
             structure = {**structure, "ok": False, "problems": structure["problems"] + short}
+            return {"passed": False, "checks": [structure]}  # no values to read from incomplete shards
+        started.mm.read_kv_values()
     checks = [structure, check_consistency(started.mm, baseline_problems)]
     return {"passed": all(c["ok"] for c in checks), "checks": checks}
 

@@ -188,6 +188,31 @@ def test_write_shard_from_ranges_is_loadable_and_identical(tmp_path):
     assert n % 8 == 0
 
 
+def test_write_shard_stops_when_asked(tmp_path):
+    """assemble sets `stop` when a run fails or is interrupted: shards in flight end within a chunk
+    (left short, redone by --resume) instead of being copied to the end."""
+    import threading
+
+    from qtool.io import writer
+
+    src = tmp_path / "src.bin"
+    src.write_bytes(os.urandom(3 << 20))
+    out = [OutTensor("x", "U8", (3 << 20,), FileRange(str(src), 0, 3 << 20))]
+    seen = []
+    stop = threading.Event()
+    writer.COPY_CHUNK, old = 1 << 20, writer.COPY_CHUNK
+    try:
+        with pytest.raises(writer.Interrupted):
+            write_shard(tmp_path / "o.safetensors", out, on_header=lambda: (seen.append(1), stop.set()), stop=stop)
+    finally:
+        writer.COPY_CHUNK = old
+    assert seen == [1]
+    size = (tmp_path / "o.safetensors").stat().st_size
+    assert size < writer.shard_size(out)  # header written, data not copied to the end
+    full = write_shard(tmp_path / "p.safetensors", out, stop=threading.Event())  # not set: complete
+    assert full == writer.shard_size(out)
+
+
 def test_plan_shards_and_sizes():
     items = [("a", 40), ("b", 40), ("c", 40), ("d", 200), ("e", 1)]
     assert plan_shards(items, 100) == [["a", "b"], ["c"], ["d"], ["e"]]

@@ -354,6 +354,30 @@ def test_checks_started_before_the_data_catch_a_short_shard(tmp_path):
         start_checks(out)  # a complete open refuses it outright
 
 
+def test_checks_started_when_only_headers_exist(tmp_path):
+    """The header-only checks start as soon as every shard's header is written: they must not read any
+    tensor data then (KV scales included), and finishing them once the data is there must pass."""
+    import shutil
+
+    from qtool.io.safetensors_header import read_header
+    from qtool.ops.checks import finish_checks, start_checks
+
+    nv, bf = pair(tmp_path)
+    out, full = tmp_path / "out", tmp_path / "full"
+    run(nv, bf, out)
+    shutil.copytree(out, full)
+    shards = sorted(out.glob("*.safetensors"))
+    assert any("k_scale" in n for sh in shards for n in read_header(sh).tensors)
+    for sh in shards:
+        os.truncate(sh, read_header(sh).data_start)  # header only, as right after write_shard starts
+    started = start_checks(out, shards_complete=False)
+    for sh in shards:
+        shutil.copyfile(full / sh.name, sh)
+    res = finish_checks(started)
+    assert res["passed"], res
+    assert started.mm.kv.values and started.mm.kv.calibrated is not None
+
+
 def test_qtool_error_has_hint(tmp_path):
     nv, bf = pair(tmp_path, bf16_overrides={"num_experts": 16})
     try:

@@ -124,7 +124,8 @@ class _Countdown:
                 self.done.set()
 
 
-def _place_shard(s: PlannedShard, dst: Path, size: int, linker: Linker, headers: _Countdown) -> str | None:
+def _place_shard(s: PlannedShard, dst: Path, size: int, linker: Linker, headers: _Countdown,
+                 stop: threading.Event) -> str | None:
     """Write or link one shard of `size` bytes and make it durable; returns the link method, None when
     written. Tells `headers` as soon as the shard's header is on disk, so the header-only checks can
     run while the data is still being copied."""
@@ -137,7 +138,7 @@ def _place_shard(s: PlannedShard, dst: Path, size: int, linker: Linker, headers:
         # the kernel's own readahead does better without our hints (shared-experts-only job, 4 interleaved
         # runs: 4.90-6.32 s without vs 5.49-6.43 s with, `cp -r` + sync 3.36-4.24 s)
         _prefetch(s)
-    got = write_shard(dst, _out_tensors(s), s.metadata, fsync=False, on_header=headers.one)
+    got = write_shard(dst, _out_tensors(s), s.metadata, fsync=False, on_header=headers.one, stop=stop)
     if got != size:
         raise WriteError("a written shard does not have its planned size (a qtool bug)", path=dst,
                          expected=f"{size} bytes", got=f"{got} bytes")
@@ -243,7 +244,10 @@ def execute(plan: HybridPlan, *, force: bool = False, resume: bool = False, comm
     partial = prepare_output(out, force=force, resume=resume)
     plan_hash = plan.plan_hash()
     journal = Journal(partial / JOURNAL_NAME, plan_hash, resume)
-    linker = Linker(opts.link)
+    # set when the run fails or is interrupted: the shards in flight stop within a chunk instead of being
+    # finished (four 5 GB shards would otherwise delay Ctrl-C by a minute); they are redone on --resume
+    stop = threading.Event()
+    linker = Linker(opts.link, stop)
     _check_space(plan, partial, linker, journal)
 
     hasher = InputHasher()
@@ -287,8 +291,8 @@ def execute(plan: HybridPlan, *, force: bool = False, resume: bool = False, comm
             # finish alone, long after the others; unchanged ones before all (cheap when linked, and a
             # copied one counts as having a header only once placed).
             order = sorted(todo, key=lambda s: (s.action is not ShardAction.LINK, -plan.shard_bytes(s)))
-            futures = [(s, pool.submit(_place_shard, s, partial / s.name, plan.shard_bytes(s), linker, headers))
-                       for s in order]
+            futures = [(s, pool.submit(_place_shard, s, partial / s.name, plan.shard_bytes(s), linker, headers,
+                                       stop)) for s in order]
             try:
                 _copy_extra(plan, partial)
                 total = sum(t.nbytes for s in plan.shards for t in s.tensors)
@@ -318,6 +322,7 @@ def execute(plan: HybridPlan, *, force: bool = False, resume: bool = False, comm
                     if bar is not None:
                         bar.update(size)
             except BaseException:
+                stop.set()
                 for _, f in futures:
                     f.cancel()
                 raise

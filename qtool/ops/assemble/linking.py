@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import threading
 
 from qtool.errors import WriteError
 from qtool.ops.assemble.plan import LinkMode
@@ -34,13 +35,13 @@ def hardlink(src: str, dst: str) -> bool:
         return False
 
 
-def copy(src: str, dst: str) -> bool:
+def copy(src: str, dst: str, stop: threading.Event | None = None) -> bool:
     from qtool.io.writer import copy_range
 
     size = os.path.getsize(src)
     try:
         with open(src, "rb") as s, open(dst, "wb") as d:
-            copy_range(s.fileno(), d.fileno(), 0, size)
+            copy_range(s.fileno(), d.fileno(), 0, size, stop)
             os.fsync(d.fileno())
     except OSError as e:
         hint = "free disk space or choose another output directory" if e.errno == errno.ENOSPC else None
@@ -58,8 +59,9 @@ _FUNCS = {"reflink": reflink, "hardlink": hardlink, "copy": copy}
 
 
 class Linker:
-    def __init__(self, mode: LinkMode) -> None:
+    def __init__(self, mode: LinkMode, stop: threading.Event | None = None) -> None:
         self.mode = mode
+        self.stop = stop  # copies end early (writer.Interrupted) once set
         self.failed: set[str] = set()
         self.used: dict[str, int] = {}
 
@@ -70,7 +72,7 @@ class Linker:
         for method in _ORDER[self.mode]:
             if method in self.failed:
                 continue
-            if _FUNCS[method](src, dst):
+            if (copy(src, dst, self.stop) if method == "copy" else _FUNCS[method](src, dst)):
                 self.used[method] = self.used.get(method, 0) + 1
                 return method
             self.failed.add(method)
