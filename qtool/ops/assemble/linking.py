@@ -62,8 +62,7 @@ class Linker:
     def __init__(self, mode: LinkMode, stop: threading.Event | None = None) -> None:
         self.mode = mode
         self.stop = stop  # copies end early (writer.Interrupted) once set
-        self.failed: set[str] = set()
-        self.used: dict[str, int] = {}
+        self.failed: set[str] = set()  # methods that did not work here; several writer threads add to it
 
     def place(self, src: str, dst: str) -> str:
         """Put `src` at `dst`; returns the method used."""
@@ -73,7 +72,6 @@ class Linker:
             if method in self.failed:
                 continue
             if (copy(src, dst, self.stop) if method == "copy" else _FUNCS[method](src, dst)):
-                self.used[method] = self.used.get(method, 0) + 1
                 return method
             self.failed.add(method)
         raise WriteError(
