@@ -25,7 +25,13 @@ from qtool.io.jsonio import dumps
 from qtool.io.writer import FileRange, OutTensor, index_json, write_shard
 from qtool.ops.assemble.linking import Linker
 from qtool.ops.assemble.plan import JOURNAL_NAME, MANIFEST_NAME, HybridPlan, PlannedShard, ShardAction
-from qtool.ops.checks import consistency_problems, finish_checks, hybrid_expectations, start_checks
+from qtool.ops.checks import (
+    Expectations,
+    consistency_problems,
+    finish_checks,
+    hybrid_expectations,
+    start_checks,
+)
 from qtool.ops.manifest import InputHasher, write_manifest, write_shards_section
 
 # Test hook: called with the shard name after each shard is journaled (raise to simulate a crash).
@@ -223,6 +229,21 @@ def _write_text(path: Path, text: str) -> None:
         f.write(text)
 
 
+def _work_without_shard_bytes(plan: HybridPlan, partial: Path, section: Path, roots: dict[str, Path]
+                              ) -> tuple[Expectations, list[str]]:
+    """What the main thread does while the writers copy: side files, index, the manifest's tensor list;
+    then it takes what the checks need of the sources (the promised layout, the source's own problems) and
+    drops the sources' headers before the checks read the output's (two 397B header sets at once: ~1 GB)."""
+    _copy_extra(plan, partial)
+    total = sum(t.nbytes for s in plan.shards for t in s.tensors)
+    _write_text(partial / INDEX_NAME, json.dumps(index_json(plan.weight_map(), total), indent=2) + "\n")
+    write_shards_section(section, plan.shards, roots)
+    expect = hybrid_expectations(plan)
+    source_problems = consistency_problems(plan.nv_map)
+    plan.release_source_headers()
+    return expect, source_problems
+
+
 def _fsync_side_files(plan: HybridPlan, partial: Path) -> None:
     """Make the configs, index and other small files durable. Done once the shards are written: an fsync
     issued while the shard writers keep the disk busy waits behind them (0.5 s for a few KB)."""
@@ -294,16 +315,7 @@ def execute(plan: HybridPlan, *, force: bool = False, resume: bool = False, comm
             futures = [(s, pool.submit(_place_shard, s, partial / s.name, plan.shard_bytes(s), linker, headers,
                                        stop)) for s in order]
             try:
-                _copy_extra(plan, partial)
-                total = sum(t.nbytes for s in plan.shards for t in s.tensors)
-                _write_text(partial / INDEX_NAME,
-                            json.dumps(index_json(plan.weight_map(), total), indent=2) + "\n")
-                write_shards_section(section, plan.shards, roots)
-                # what the checks need of the source, then let go of its headers before the checks read
-                # the output's: two 397B header sets at once were ~1 GB
-                expect = hybrid_expectations(plan)
-                source_problems = consistency_problems(plan.nv_map)
-                plan.release_source_headers()
+                expect, source_problems = _work_without_shard_bytes(plan, partial, section, roots)
                 for s, fut in futures:
                     while started is None and not fut.done():
                         if headers.done.wait(0.05):
