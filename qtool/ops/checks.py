@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from qtool.arch.model_map import Format, ModelMap, Module, build_map
 from qtool.arch.qwen35 import Group, text_prefix
@@ -257,14 +258,14 @@ def consistency_problems(mm: ModelMap) -> list[str]:
     return [f"[{p.code}] {p.message}" for p in find_problems(mm, summary)]
 
 
-def check_consistency(mm: ModelMap, baseline_problems: list[str] | None = None) -> dict:
+def check_consistency(mm: ModelMap, baseline: Callable[[], list[str]] | None = None) -> dict:
     """find_problems must report nothing; problems the source an operation started from already had
-    (`baseline_problems`, from `consistency_problems` of the source) are reported as inherited and do
-    not fail the check."""
+    (`baseline()`: `consistency_problems` of the source, only called when there are problems) are
+    reported as inherited and do not fail the check."""
     probs = consistency_problems(mm)
     out = {"name": "consistency", "ok": not probs, "problems": probs}
-    if baseline_problems is not None and probs:
-        before = set(baseline_problems)
+    if baseline is not None and probs:
+        before = set(baseline())
         out["inherited"] = [p for p in probs if p in before]
         out["problems"] = [p for p in probs if p not in before]
         out["ok"] = not out["problems"]
@@ -272,7 +273,8 @@ def check_consistency(mm: ModelMap, baseline_problems: list[str] | None = None) 
 
 
 def run_checks(path: str | Path, expect: Expectations | None = None, baseline: ModelMap | None = None) -> dict:
-    return finish_checks(start_checks(path, expect), None if baseline is None else consistency_problems(baseline))
+    source = None if baseline is None else (lambda: consistency_problems(baseline))
+    return finish_checks(start_checks(path, expect), source)
 
 
 @dataclass
@@ -291,9 +293,9 @@ def start_checks(path: str | Path, expect: Expectations | None = None, *,
     return StartedChecks(mm, check_structure(mm, expect), not shards_complete)
 
 
-def finish_checks(started: StartedChecks, baseline_problems: list[str] | None = None) -> dict:
+def finish_checks(started: StartedChecks, baseline: Callable[[], list[str]] | None = None) -> dict:
     """The rest, once every shard is complete: shard sizes (if not checked yet) and consistency (which
-    reads a few scale values; `baseline_problems`: see check_consistency)."""
+    reads a few scale values; `baseline`: see check_consistency)."""
     structure = started.structure
     if started.sizes_unchecked:
         short = _short_shards(started.mm.ckpt)
@@ -301,7 +303,7 @@ def finish_checks(started: StartedChecks, baseline_problems: list[str] | None = 
             structure = {**structure, "ok": False, "problems": structure["problems"] + short}
             return {"passed": False, "checks": [structure]}  # no values to read from incomplete shards
         started.mm.read_kv_values()
-    checks = [structure, check_consistency(started.mm, baseline_problems)]
+    checks = [structure, check_consistency(started.mm, baseline)]
     return {"passed": all(c["ok"] for c in checks), "checks": checks}
 
 

@@ -378,6 +378,24 @@ def test_checks_started_when_only_headers_exist(tmp_path):
     assert started.mm.kv.values and started.mm.kv.calibrated is not None
 
 
+def test_problems_the_source_already_had_are_inherited_not_failures(tmp_path):
+    """The source's own problems are looked up only when the output has problems (its headers were let
+    go during the copy): a NaN KV scale in the NVFP4 source is carried over, reported as inherited, and
+    the assembly still passes."""
+    import struct as st
+
+    nv, bf = pair(tmp_path)
+    n = Checkpoint.open(nv)
+    k = n.tensors[f"{LM}layers.3.self_attn.k_proj.k_scale"]
+    with open(k.file, "r+b") as f:
+        f.seek(k.start)
+        f.write(st.pack("<f", float("nan")))
+    plan, res = run(nv, bf, tmp_path / "out")
+    cons = next(c for c in res.checks["checks"] if c["name"] == "consistency")
+    assert res.checks["passed"] and cons["ok"] and not cons["problems"]
+    assert any("kv-scale-invalid" in p for p in cons["inherited"]), cons
+
+
 def test_qtool_error_has_hint(tmp_path):
     nv, bf = pair(tmp_path, bf16_overrides={"num_experts": 16})
     try:

@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from qtool.arch.model_map import build_map
 from qtool.errors import WriteError
 from qtool.io.atomic_dir import commit_output, fsync_dir, partial_path, prepare_output
-from qtool.io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG_NAME, INDEX_NAME
+from qtool.io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG_NAME, INDEX_NAME, Checkpoint
 from qtool.io.jsonio import dumps
 from qtool.io.writer import FileRange, OutTensor, index_json, write_shard
 from qtool.ops.assemble.linking import Linker
@@ -230,18 +231,24 @@ def _write_text(path: Path, text: str) -> None:
 
 
 def _work_without_shard_bytes(plan: HybridPlan, partial: Path, section: Path, roots: dict[str, Path]
-                              ) -> tuple[Expectations, list[str]]:
+                              ) -> Expectations:
     """What the main thread does while the writers copy: side files, index, the manifest's tensor list;
-    then it takes what the checks need of the sources (the promised layout, the source's own problems) and
-    drops the sources' headers before the checks read the output's (two 397B header sets at once: ~1 GB)."""
+    then it takes what the checks need of the sources (the promised layout) and drops the sources' headers
+    before the checks read the output's (two 397B header sets at once: ~1 GB)."""
     _copy_extra(plan, partial)
     total = sum(t.nbytes for s in plan.shards for t in s.tensors)
     _write_text(partial / INDEX_NAME, json.dumps(index_json(plan.weight_map(), total), indent=2) + "\n")
     write_shards_section(section, plan.shards, roots)
     expect = hybrid_expectations(plan)
-    source_problems = consistency_problems(plan.nv_map)
     plan.release_source_headers()
-    return expect, source_problems
+    return expect
+
+
+def _source_problems(plan: HybridPlan) -> list[str]:
+    """The NVFP4 source's own consistency problems (reported as inherited, not failures). Only needed when
+    the output has problems, so its headers are read again then rather than kept: the check reads scale
+    values, which from a source the writers keep the disk busy on took seconds."""
+    return consistency_problems(build_map(Checkpoint.open(plan.nv.root)))
 
 
 def _fsync_side_files(plan: HybridPlan, partial: Path) -> None:
@@ -315,7 +322,7 @@ def execute(plan: HybridPlan, *, force: bool = False, resume: bool = False, comm
             futures = [(s, pool.submit(_place_shard, s, partial / s.name, plan.shard_bytes(s), linker, headers,
                                        stop)) for s in order]
             try:
-                expect, source_problems = _work_without_shard_bytes(plan, partial, section, roots)
+                expect = _work_without_shard_bytes(plan, partial, section, roots)
                 for s, fut in futures:
                     while started is None and not fut.done():
                         if headers.done.wait(0.05):
@@ -342,7 +349,7 @@ def execute(plan: HybridPlan, *, force: bool = False, resume: bool = False, comm
             bar.close()
         if started is None:  # every shard was resumed, or finished before this thread looked
             started = start_checks(partial, expect)
-        checks = finish_checks(started, source_problems)
+        checks = finish_checks(started, lambda: _source_problems(plan))
         _fsync_side_files(plan, partial)
         result.checks = checks
         digests = hasher.results()
