@@ -126,12 +126,10 @@ def copy_range(src_fd: int, dst_fd: int, start: int, count: int, stop: threading
 
 
 def write_shard(path: str | Path, tensors: list[OutTensor], metadata: dict[str, str] | None = None,
-                fsync: bool = True, on_header: Callable[[], None] | None = None,
-                stop: threading.Event | None = None) -> int:
-    """Write a shard; returns its size. fsyncs before returning unless `fsync` is False (the caller then
-    makes it durable, e.g. to do other work while the kernel writes it out). `on_header` is called once
-    the header is written (readable by others), before the tensor data. Once `stop` is set the copy
-    raises Interrupted within a chunk (the file is left incomplete, for the caller's resume logic)."""
+                on_header: Callable[[], None] | None = None, stop: threading.Event | None = None) -> int:
+    """Write a shard; returns its size. fsyncs before returning. `on_header` is called once the header
+    is written (readable by others), before the tensor data. Once `stop` is set the copy raises
+    Interrupted within a chunk (the file is left incomplete, for the caller's resume logic)."""
     path = Path(path)
     header = build_header(tensors, metadata)
     fds: dict[str, int] = {}
@@ -164,8 +162,7 @@ def write_shard(path: str | Path, tensors: list[OutTensor], metadata: dict[str, 
                     flush()
                     run.extend((src.file, src.start, src.end))
             flush()
-            if fsync:
-                os.fsync(dst)
+            os.fsync(dst)
     except OSError as e:
         hint = "free disk space or choose another output directory" if e.errno == 28 else None
         raise WriteError(f"writing shard failed: {e.strerror}", path=path, hint=hint) from None
@@ -173,6 +170,21 @@ def write_shard(path: str | Path, tensors: list[OutTensor], metadata: dict[str, 
         for fd in fds.values():
             os.close(fd)
     return path.stat().st_size
+
+
+def write_shard_atomic(path: str | Path, tensors: list[OutTensor], metadata: dict[str, str] | None = None) -> int:
+    """write_shard to a temporary name next to `path`, then rename: readers see the old shard or the new
+    one, never a partial one (the temporary file is removed on failure)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        size = write_shard(tmp, tensors, metadata)
+        os.replace(tmp, path)
+    except BaseException:
+        if tmp.exists():
+            tmp.unlink()
+        raise
+    return size
 
 
 def shard_file_name(i: int, n: int) -> str:

@@ -40,7 +40,7 @@ from qtool.io.atomic_dir import commit_output, partial_path, prepare_output
 from qtool.io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG_NAME, INDEX_NAME, Checkpoint
 from qtool.io.jsonio import load_json, write_json
 from qtool.io.quant_config import HfQuantSchema, hf_quant_schema
-from qtool.io.writer import FileRange, InlineBytes, OutTensor, index_json, write_shard
+from qtool.io.writer import FileRange, InlineBytes, OutTensor, index_json, write_shard, write_shard_atomic
 
 FP8_E4M3_MAX = 448.0
 OUTLIER_RATIO = 10.0
@@ -476,8 +476,8 @@ def write_output(p: KvPlan, stats: dict[int, LayerStat]) -> dict:
     # In place: new shards and configs first (temp + rename), the index last, then drop orphans.
     root = ckpt.root
     for s, new in rewritten.items():
-        _atomic_shard(root / new, _stripped_shard(ckpt, s, remove))
-    _atomic_shard(root / p.kv_shard, new_tensors)
+        write_shard_atomic(root / new, _stripped_shard(ckpt, s, remove))
+    write_shard_atomic(root / p.kv_shard, new_tensors)
     for name, obj, style in configs:
         write_json(root / name, obj, style)
     write_json(root / INDEX_NAME, index, index_style)
@@ -488,17 +488,6 @@ def write_output(p: KvPlan, stats: dict[int, LayerStat]) -> dict:
     files["output"] = str(root)
     files["removed_shards"] = [s for s in dropped if s != p.kv_shard]
     return files
-
-
-def _atomic_shard(path: Path, tensors: list[OutTensor]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        write_shard(tmp, tensors)
-        os.replace(tmp, path)
-    except BaseException:
-        if tmp.exists():
-            tmp.unlink()
-        raise
 
 
 # ---- the whole operation ---------------------------------------------------------------------------

@@ -210,11 +210,9 @@ def _nbytes(s) -> int:
 
 
 def write_rest_shard(path: Path, specs) -> None:
-    from qtool.io.writer import write_shard
+    from qtool.io.writer import write_shard_atomic
 
-    tmp = path.with_name("." + path.name + ".tmp")
-    write_shard(tmp, [OutTensor(s.name, s.dtype, s.shape, s.source) for s in specs])
-    os.replace(tmp, path)
+    write_shard_atomic(path, [OutTensor(s.name, s.dtype, s.shape, s.source) for s in specs])
 
 
 __all__ = ["FileRange", "InlineBytes", "input_amaxes", "write_layer_shard", "write_rest_shard"]
