@@ -39,3 +39,13 @@ def test_user_error_is_not_a_traceback(tmp_path):
 
 def test_no_command_is_usage():
     assert _run().returncode == 2
+
+
+def test_output_cut_short_by_the_reader_is_not_a_traceback(tiny_nvfp4_modelopt):
+    """`qtool inspect CKPT | head -1`: the reader goes away before qtool has written (the whole report of
+    the tiny model would fit in the pipe's buffer, so the pipe is closed before qtool even starts)."""
+    p = subprocess.Popen([sys.executable, "-m", "qtool", "inspect", str(tiny_nvfp4_modelopt)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait() == 141 and "Traceback" not in err, err
