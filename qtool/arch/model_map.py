@@ -9,7 +9,8 @@ from __future__ import annotations
 import gc
 import math
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from enum import Enum
 
 from qtool.arch.qwen35 import (
@@ -66,42 +67,123 @@ REQUIRED_PARAMS: dict[Format, tuple[str, ...]] = {
 _NO_FORMAT = object()
 _FORMAT_BY_SIGNATURE: dict[tuple, object] = {}
 
+# A module's signature: ((param, dtype, ndim), ...) in the order its tensors were seen. A 397B checkpoint
+# has ~95k modules but a handful of signatures, so one shared tuple per distinct signature replaces a dict
+# of TensorInfo per module.
+Signature = tuple
+_SIGNATURES: dict[tuple, tuple] = {}
 
-def module_format(params: dict[str, TensorInfo]) -> Format | None:
-    """Storage format of one module's weight matrix, from its parameter names and dtypes; None for
+
+def extend_signature(sig: Signature, param: str, dtype: str, ndim: int) -> Signature:
+    new = sig + ((param, dtype, ndim),)
+    return _SIGNATURES.setdefault(new, new)
+
+
+def signature_of(params: Mapping[str, TensorInfo]) -> Signature:
+    sig: Signature = ()
+    for k, t in params.items():
+        sig = extend_signature(sig, k, t.dtype, len(t.shape))
+    return sig
+
+
+def signature_format(sig: Signature) -> Format | None:
+    """Storage format of one module's weight matrix, from its parameter names, dtypes and ranks; None for
     modules without a matrix (norms, biases, A_log, scalars)."""
-    w = params.get("weight")
+    fmt = _FORMAT_BY_SIGNATURE.get(sig)
+    if fmt is None:
+        fmt = _FORMAT_BY_SIGNATURE[sig] = _signature_format(sig)
+    return None if fmt is _NO_FORMAT else fmt
+
+
+def _signature_format(sig: Signature):
+    by_param = {p: (dtype, ndim) for p, dtype, ndim in sig}
+    w = by_param.get("weight")
     # Only 2-D weights are Linears an engine may quantize (conv1d [C,1,K] and the vision patch
     # embedding's 5-D conv weight are not).
-    if w is not None and len(w.shape) != 2:
-        return None
-    if w is not None or "weight_packed" in params or "qweight" in params:
-        # ~95k modules in a 397B checkpoint share a handful of (param, dtype) signatures.
-        key = tuple((k, t.dtype) for k, t in params.items())
-        fmt = _FORMAT_BY_SIGNATURE.get(key)
-        if fmt is None:
-            fmt = _FORMAT_BY_SIGNATURE[key] = _FROM_CODEC.get(detect_format(dict(key)), _NO_FORMAT)
-        return None if fmt is _NO_FORMAT else fmt
+    if w is not None and w[1] != 2:
+        return _NO_FORMAT
+    if w is not None or "weight_packed" in by_param or "qweight" in by_param:
+        return _FROM_CODEC.get(detect_format({p: d for p, (d, _) in by_param.items()}), _NO_FORMAT)
     for p in FUSED_EXPERT_PARAMS:  # fused 3-D routed experts: experts.gate_up_proj / experts.down_proj
-        t = params.get(p)
-        if t is not None and len(t.shape) == 3 and t.dtype in FLOAT_DTYPES:
+        t = by_param.get(p)
+        if t is not None and t[1] == 3 and t[0] in FLOAT_DTYPES:
             return Format.BF16
-    return None
+    return _NO_FORMAT
 
 
-@dataclass
+def module_format(params: Mapping[str, TensorInfo]) -> Format | None:
+    """Storage format of a module given its parameters (name -> anything with .dtype and .shape)."""
+    return signature_format(signature_of(params))
+
+
+@dataclass(slots=True, eq=False)
 class Module:
     name: str
     group: Group
     inner: Group
     layer: int | None
     expert: int | None
-    params: dict[str, TensorInfo] = field(default_factory=dict)
+    signature: Signature = ()
     format: Format | None = None
+    tensors: Mapping[str, TensorInfo] | None = None  # the checkpoint's tensors, for `params`
+
+    @property
+    def params(self) -> dict[str, TensorInfo]:
+        """param -> TensorInfo, made on demand (a map keeps no TensorInfo per tensor)."""
+        base = self.name + "." if self.name else ""
+        t = self.tensors
+        return {p: t[base + p] for p, _, _ in self.signature}
+
+    @property
+    def param_names(self) -> list[str]:
+        return [p for p, _, _ in self.signature]
 
     @property
     def is_mtp(self) -> bool:
         return self.group is Group.MTP
+
+
+class RoleMap(Mapping):
+    """tensor name -> TensorRole, made on demand from the tensor's module (KV scales have roles of their
+    own). Iterates in the checkpoint's order."""
+
+    __slots__ = ("_tensors", "_modules", "_kv")
+
+    def __init__(self, tensors: Mapping, modules: dict[str, Module], kv: dict[str, TensorRole]) -> None:
+        self._tensors, self._modules, self._kv = tensors, modules, kv
+
+    def _role(self, name: str) -> TensorRole:
+        r = self._kv.get(name)
+        if r is not None:
+            return r
+        module, _, param = name.rpartition(".")
+        m = self._modules[module]
+        return TensorRole(m.group, m.inner, m.name, param, m.layer, m.expert)
+
+    def __getitem__(self, name: str) -> TensorRole:
+        if name not in self._tensors:
+            raise KeyError(name)
+        return self._role(name)
+
+    def get(self, name: str, default=None):
+        return self._role(name) if name in self._tensors else default
+
+    def __contains__(self, name) -> bool:
+        return name in self._tensors
+
+    def __iter__(self):
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def items(self):
+        role = self._role
+        return ((n, role(n)) for n in self._tensors)
+
+    def values(self):
+        role = self._role
+        return (role(n) for n in self._tensors)
 
 
 @dataclass
@@ -117,7 +199,7 @@ class KvScales:
 class ModelMap:
     ckpt: Checkpoint
     naming: Naming
-    roles: dict[str, TensorRole]
+    roles: RoleMap  # name -> TensorRole
     modules: dict[str, Module]
     layer_types: list[str]
     full_attention: list[int]
@@ -173,29 +255,26 @@ def build_map(ckpt: Checkpoint, *, read_values: bool = True) -> ModelMap:
 
 
 def _build_map(ckpt: Checkpoint, read_values: bool = True) -> ModelMap:
-    naming = detect_naming(ckpt.tensors)
-    roles: dict[str, TensorRole] = {}
+    tensors = ckpt.tensors
+    naming = detect_naming(tensors)
+    kv_roles: dict[str, TensorRole] = {}
     modules: dict[str, Module] = {}
-    # one str per distinct parameter name ("weight", "weight_scale", ...) instead of one per tensor, and
-    # the module's own name in every role of the module: ~50 MB less for a 397B checkpoint
-    param_names: dict[str, str] = {}
-    for name, info in ckpt.tensors.items():
+    for name, info in tensors.items():
         module_name, _, param = name.rpartition(".")
-        param = param_names.setdefault(param, param)
         is_kv = param in KV_SCALE_PARAMS
         mod = modules.get(module_name)
         if mod is None:
             # Classify once per module (an NVFP4 expert Linear has 4 tensors). A module's role comes
             # from the module name; KV scales (k_proj.k_scale) are roles of their own tensors only.
             r = classify(module_name + ".weight" if is_kv else name, naming)
-            mod = modules[module_name] = Module(module_name, r.group, r.inner, r.layer, r.expert)
+            mod = modules[module_name] = Module(module_name, r.group, r.inner, r.layer, r.expert, (), None,
+                                                tensors)
         if is_kv:
-            roles[name] = classify(name, naming)
-        else:
-            roles[name] = TensorRole(mod.group, mod.inner, mod.name, param, mod.layer, mod.expert)
-        mod.params[param] = info
+            kv_roles[name] = classify(name, naming)
+        mod.signature = extend_signature(mod.signature, param, info.dtype, len(info.shape))
     for mod in modules.values():
-        mod.format = module_format(mod.params)
+        mod.format = signature_format(mod.signature)
+    roles = RoleMap(tensors, modules, kv_roles)
 
     text_cfg = ckpt.text_config
     types = layer_types(text_cfg) if text_cfg else []
@@ -217,12 +296,12 @@ def _build_map(ckpt: Checkpoint, read_values: bool = True) -> ModelMap:
     )
 
 
-def _kv_scales(ckpt: Checkpoint, roles: dict[str, TensorRole], full: list[int], read_values: bool = True) -> KvScales:
+def _kv_scales(ckpt: Checkpoint, roles: RoleMap, full: list[int], read_values: bool = True) -> KvScales:
     from qtool.io.reader import read_scalar
 
     found: dict[int, dict[str, TensorInfo]] = defaultdict(dict)
     namings: Counter[str] = Counter()
-    for name, role in roles.items():
+    for name, role in roles._kv.items():
         if role.group is not Group.KV_SCALE or role.layer is None:
             continue
         found[role.layer][role.param] = ckpt.tensors[name]

@@ -16,7 +16,7 @@ Inside a decoder layer (and inside mtp.layers.0):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 from enum import Enum
 
 
@@ -51,8 +51,7 @@ KV_SCALE_PARAMS = frozenset({"k_scale", "v_scale"})
 FUSED_EXPERT_PARAMS = frozenset({"gate_up_proj", "down_proj"})
 
 
-@dataclass(frozen=True, slots=True)
-class TensorRole:
+class TensorRole(NamedTuple):  # a NamedTuple: maps make one per tensor on demand (~370k)
     """What one tensor is. `group` is MTP for every mtp.* tensor; `inner` is then its role inside the
     MTP decoder layer (routed_experts, attention, ...); elsewhere inner == group."""
 

@@ -2,19 +2,24 @@
 
 A checkpoint is a directory with `model.safetensors.index.json` + shards, or with one or more
 `*.safetensors` files and no index. `Checkpoint.open` validates every header and the index and
-returns tensor name -> TensorInfo (file, dtype, shape, absolute byte range). No tensor data is read.
+returns tensor name -> TensorInfo (file, dtype, shape, absolute byte range) as one column-stored
+TensorTable (each shard header's `tensors` is a view of its rows). No tensor data is read.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from qtool.errors import CheckpointError
+from qtool.io.index_file import read_index
 from qtool.io.jsonio import JsonStyle, load_json
 from qtool.io.safetensors_header import SafetensorsHeader, TensorInfo, read_header
+from qtool.io.tensor_table import TensorTable
 
 INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
@@ -25,9 +30,11 @@ GENERATION_CONFIG_NAME = "generation_config.json"
 @dataclass
 class Checkpoint:
     root: Path
-    tensors: dict[str, TensorInfo]
+    tensors: Mapping[str, TensorInfo]  # a TensorTable when opened; any mapping works
     headers: dict[str, SafetensorsHeader]  # shard file name (relative) -> header
-    index: dict | None  # the parsed index JSON, None for unindexed checkpoints
+    # the parsed index JSON without its weight_map (that is each tensor's file in `tensors`), None for
+    # unindexed checkpoints
+    index: dict | None
     config: dict | None
     config_style: JsonStyle | None = None
     hf_quant_config: dict | None = None
@@ -47,14 +54,14 @@ class Checkpoint:
                 )
             files = [root.name]
             root = root.parent
-            index = None
+            index = by_file = None
         else:
             index_path = root / INDEX_NAME
             if index_path.exists():
-                index, _ = load_json(index_path, what="safetensors index")
+                index, by_file = read_index(index_path)
                 files = None
             else:
-                index = None
+                index = by_file = None
                 files = sorted(p.name for p in root.glob("*.safetensors"))
                 if not files:
                     raise CheckpointError(
@@ -76,7 +83,7 @@ class Checkpoint:
         gc.disable()
         try:
             if index is not None:
-                tensors, headers = _load_indexed(root, index, check_file_sizes)
+                tensors, headers = _load_indexed(root, by_file, check_file_sizes)
             else:
                 tensors, headers = _load_files(root, files, check_file_sizes)
         finally:
@@ -132,23 +139,18 @@ def _in_hf_cache_blobs(root: Path, target: Path) -> bool:
     return target.parent == blobs
 
 
-def _load_indexed(root: Path, index: dict, check_file_sizes: bool = True
-                  ) -> tuple[dict[str, TensorInfo], dict[str, SafetensorsHeader]]:
+def _load_indexed(root: Path, by_file: dict[str, list[str]] | None, check_file_sizes: bool = True
+                  ) -> tuple[TensorTable, dict[str, SafetensorsHeader]]:
+    """`by_file`: the index's weight_map as shard -> names (qtool.io.index_file). Each shard's names are
+    dropped as soon as it is validated, so they never coexist in full with the table's own (the table
+    says which shard holds each tensor)."""
     index_path = root / INDEX_NAME
-    weight_map = index.get("weight_map")
-    if not isinstance(weight_map, dict) or not weight_map:
+    if not by_file:
         raise CheckpointError(
             "index has no weight_map", path=index_path, hint="the index is corrupt; re-download it"
         )
-    by_file: dict[str, list[str]] = {}
-    for name, rel in weight_map.items():
-        by_file.setdefault(rel, []).append(name)
     headers: dict[str, SafetensorsHeader] = {}
-    tensors: dict[str, TensorInfo] = {}
-    # The parsed weight_map holds its own copy of every name and shard name (~740k strings, ~90 MB for a
-    # 397B checkpoint). Each shard's entries are moved into a map made of the headers' strings as soon as
-    # that shard is validated, so the two never coexist in full (peak) and only the table is kept.
-    compact: dict[str, str] = {}
+    tensors = TensorTable()
     for rel in sorted(by_file):
         shard = _safe_shard_path(root, rel, index_path)
         if not shard.exists():
@@ -157,41 +159,37 @@ def _load_indexed(root: Path, index: dict, check_file_sizes: bool = True
                 path=shard,
                 hint="the download is incomplete; fetch the missing shard",
             )
-        header = headers[rel] = read_header(shard, check_file_size=check_file_sizes)
+        header = read_header(shard, check_file_size=check_file_sizes)
         h = header.tensors
         for name in by_file[rel]:
-            info = h.get(name)
-            if info is None:
+            if name not in h:
                 raise CheckpointError(
                     "index maps a tensor to a shard that does not contain it",
                     path=root / rel,
                     tensor=name,
                     hint="the index and the shards come from different revisions; re-download both",
                 )
-            tensors[info.name] = info  # keyed by the header's str: one copy of each name is kept
         if len(h) != len(by_file[rel]):
-            extra = [n for n in h if weight_map.get(n) != rel]
+            mapped = set(by_file[rel])
+            extra = [n for n in h if n not in mapped]
             raise CheckpointError(
                 f"shard holds {len(extra)} tensor(s) the index does not map to it",
                 path=root / rel,
                 tensor=extra[0] if extra else None,
                 hint="the index and the shards come from different revisions; re-download both",
             )
-        for name in by_file.pop(rel):
-            del weight_map[name]
-        compact.update((n, rel) for n in h)
-    index["weight_map"] = compact
+        del by_file[rel]
+        headers[rel] = _merge(tensors, header)
     return tensors, headers
 
 
 def _load_files(root: Path, files: list[str], check_file_sizes: bool = True
-                ) -> tuple[dict[str, TensorInfo], dict[str, SafetensorsHeader]]:
-    tensors: dict[str, TensorInfo] = {}
+                ) -> tuple[TensorTable, dict[str, SafetensorsHeader]]:
+    tensors = TensorTable()
     headers: dict[str, SafetensorsHeader] = {}
     for rel in files:
         header = read_header(root / rel, check_file_size=check_file_sizes)
-        headers[rel] = header
-        for name, info in header.tensors.items():
+        for name in header.tensors:
             if name in tensors:
                 raise CheckpointError(
                     "tensor appears in two shards and there is no index to choose",
@@ -199,5 +197,12 @@ def _load_files(root: Path, files: list[str], check_file_sizes: bool = True
                     tensor=name,
                     hint=f"also in {os.path.basename(tensors[name].file)}; remove the stray shard",
                 )
-            tensors[name] = info
+        headers[rel] = _merge(tensors, header)
     return tensors, headers
+
+
+def _merge(table: TensorTable, header: SafetensorsHeader) -> SafetensorsHeader:
+    """Append the shard's rows to the checkpoint's table; the header keeps a view of them (and the shard's
+    own table, with its per-row objects, is dropped)."""
+    rows = table.extend(header.tensors)
+    return dataclasses.replace(header, tensors=table.slice(rows))

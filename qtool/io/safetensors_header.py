@@ -22,36 +22,13 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 from qtool.errors import HeaderError
 from qtool.io.dtypes import DTYPE_BITS, nbytes_for
+from qtool.io.tensor_table import TableSlice, TensorInfo, TensorTable  # noqa: F401 (TensorInfo is re-exported)
 
 # safetensors itself refuses headers above 100 MB (safetensors/src/tensor.rs MAX_HEADER_SIZE).
 MAX_HEADER_BYTES = 100_000_000
-
-
-class TensorInfo(NamedTuple):
-    """Where one tensor lives: absolute byte range [start, end) in `file`. A NamedTuple because a
-    397B checkpoint has ~370k of them and tuple construction is the cheapest Python object."""
-
-    name: str
-    file: str  # path of the shard
-    dtype: str  # safetensors dtype name, e.g. "BF16", "F8_E4M3", "U8"
-    shape: tuple[int, ...]
-    start: int  # absolute file offset of the first data byte
-    end: int  # absolute file offset one past the last data byte
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.start
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +38,7 @@ class SafetensorsHeader:
     data_start: int  # 8 + N
     file_size: int
     metadata: dict[str, str]
-    tensors: dict[str, TensorInfo]
+    tensors: TensorTable | TableSlice  # name -> TensorInfo
 
 
 def read_header(path: str | Path, *, check_file_size: bool = True) -> SafetensorsHeader:
@@ -114,7 +91,8 @@ def parse_header_bytes(path: str, raw: bytes, file_size: int | None) -> Safetens
         raise HeaderError("__metadata__ is not an object", path=path)
     data_size = None if file_size is None else file_size - data_start
     limit = data_size if data_size is not None else float("inf")
-    tensors: dict[str, TensorInfo] = {}
+    tensors = TensorTable()
+    add = tensors.add
     spans: list[tuple[int, int, str]] = []
     bits_of = DTYPE_BITS.get
     canonical = _CANONICAL.setdefault
@@ -153,7 +131,7 @@ def parse_header_bytes(path: str, raw: bytes, file_size: int | None) -> Safetens
             ) from None
         if not ok:
             _explain_bad_entry(path, name, dtype, shape, begin, end, data_start, data_size, file_size)
-        tensors[name] = TensorInfo(name, path, dtype, shape, data_start + begin, data_start + end)
+        add(name, path, dtype, shape, data_start + begin, data_start + end)
         if end > begin:
             spans.append((begin, end, name))
     spans.sort()

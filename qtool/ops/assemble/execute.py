@@ -229,7 +229,7 @@ def _work_without_shard_bytes(plan: HybridPlan, partial: Path, section: Path, ro
     then it takes what the checks need of the sources (the promised layout) and drops the sources' headers
     before the checks read the output's (two 397B header sets at once: ~1 GB)."""
     _copy_extra(plan, partial)
-    total = sum(t.nbytes for s in plan.shards for t in s.tensors)
+    total = sum(s.data_bytes for s in plan.shards)
     _write_text(partial / INDEX_NAME, json.dumps(index_json(plan.weight_map(), total), indent=2) + "\n")
     write_shards_section(section, plan.shards, roots)
     expect = hybrid_expectations(plan)
@@ -276,9 +276,8 @@ def execute(plan: HybridPlan, *, force: bool = False, resume: bool = False, comm
     roots = {"nvfp4": plan.nv.root, "bf16": plan.bf.root}
     section = partial / SHARDS_SECTION_NAME
     try:
-        for s in plan.shards:
-            for t in s.tensors:
-                hasher.submit(t.origin.file)
+        for f in plan.input_files():
+            hasher.submit(f)
         for rel in plan.extra_files:
             hasher.submit(str(plan.nv.root / rel))
         bar = None
@@ -319,6 +318,7 @@ def execute(plan: HybridPlan, *, force: bool = False, resume: bool = False, comm
                 for s, fut in futures:
                     while started is None and not fut.done():
                         if headers.done.wait(0.05):
+                            plan.release_tensors()  # every writer has its tensor list by now
                             started = start_checks(partial, expect, shards_complete=False)
                     method = fut.result()
                     if method is None:
@@ -341,6 +341,7 @@ def execute(plan: HybridPlan, *, force: bool = False, resume: bool = False, comm
         if bar is not None:
             bar.close()
         if started is None:  # every shard was resumed, or finished before this thread looked
+            plan.release_tensors()
             started = start_checks(partial, expect)
         checks = finish_checks(started, lambda: _source_problems(plan))
         _fsync_side_files(plan, partial)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import re
 
-from qtool.arch.model_map import QUANTIZED_FORMATS, module_format
+from qtool.arch.model_map import QUANTIZED_FORMATS, extend_signature, signature_format
 from qtool.arch.qwen35 import Group, classify, detect_naming
 from qtool.errors import PlanError
 from qtool.io.quant_config import config_ignore, hf_quant_exclude, set_config_ignore, set_hf_quant_exclude
@@ -129,22 +129,24 @@ def output_units(shards, known_roles: dict | None = None) -> tuple[list[str], li
     the added tensors are classified again (~370k names for the 397B)."""
     from qtool.engines.decide import NOT_LINEAR
 
-    names = [t.name for s in shards for t in s.tensors]
-    naming = detect_naming(names)
+    naming = detect_naming(n for s in shards for n in s.names())
     known = known_roles or {}
-    mods: dict[str, dict] = {}
+    # per module its signature (one shared tuple per distinct one) and groups: no per-module dicts
+    mods: dict[str, tuple] = {}
     groups: dict[str, tuple[Group, Group]] = {}
+    pairs: dict[tuple, tuple] = {}
     for s in shards:
         for t in s.tensors:
             role = known.get(t.name) or classify(t.name, naming)
             if not role.module:
                 continue
-            mods.setdefault(role.module, {})[role.param] = t  # module_format reads .dtype and .shape only
-            groups[role.module] = (role.group, role.inner)
+            mods[role.module] = extend_signature(mods.get(role.module, ()), role.param, t.dtype, len(t.shape))
+            g = (role.group, role.inner)
+            groups[role.module] = pairs.setdefault(g, g)
     quant: dict[str, bool] = {}
     reps: dict[str, str] = {}
-    for mod, params in mods.items():
-        fmt = module_format(params)
+    for mod, sig in mods.items():
+        fmt = signature_format(sig)
         g, inner = groups[mod]
         if fmt is None or g in NOT_LINEAR or inner in NOT_LINEAR:
             continue

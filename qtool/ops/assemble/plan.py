@@ -17,6 +17,7 @@ import re
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
+from array import array
 from typing import NamedTuple
 
 from qtool.arch.model_map import QUANTIZED_FORMATS, ModelMap, build_map
@@ -26,6 +27,7 @@ from qtool.io.checkpoint import HF_QUANT_CONFIG_NAME, INDEX_NAME, Checkpoint
 from qtool.io.dtypes import DTYPE_BITS, FLOAT_DTYPES
 from qtool.io.quant_config import config_ignore, hf_quant_exclude
 from qtool.io.safetensors_header import TensorInfo
+from qtool.io.tensor_table import TensorTable
 from qtool.io.writer import plan_shards
 
 MANIFEST_NAME = "qtool-manifest.json"
@@ -78,15 +80,40 @@ class PlannedTensor(NamedTuple):
 
 @dataclass
 class PlannedShard:
+    """One output shard. Its tensors are the NVFP4 source's `rows` of `table` (carried over whole, in that
+    order), then `added` (from the BF16 source, or unfused). Rows instead of PlannedTensors: a 397B plan
+    carries ~370k tensors, ~85 MB as objects, 4 bytes each as rows; `tensors` makes them when asked."""
+
     name: str
     action: ShardAction
-    tensors: list[PlannedTensor]
+    rows: array = field(default_factory=lambda: array("I"))
+    added: list[PlannedTensor] = field(default_factory=list)
     source_file: str | None = None  # for LINK/REBUILD: the NVFP4 shard
     metadata: dict[str, str] | None = None
+    table: TensorTable | None = None  # the NVFP4 source's tensors (None once released)
+    data_bytes: int = 0
 
     @property
-    def data_bytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors)
+    def tensors(self) -> list[PlannedTensor]:
+        if self.rows and self.table is None:
+            raise RuntimeError(f"the plan's tensors of {self.name} were released")
+        return [*map(self._carried, self.rows), *self.added] if self.rows else list(self.added)
+
+    def names(self) -> list[str]:
+        carried = map(self.table.name_at, self.rows) if self.rows else ()
+        return [*carried, *(t.name for t in self.added)]
+
+    @property
+    def num_tensors(self) -> int:
+        return len(self.rows) + len(self.added)
+
+    def _carried(self, row: int) -> PlannedTensor:
+        i = self.table.info(row)
+        return PlannedTensor(i.name, i.dtype, i.shape, Origin("nvfp4", i.file, i.name, i.start, i.end))
+
+    def release_tensors(self) -> None:
+        """Forget the source table (execute: once the shard's writer has its tensor list)."""
+        self.table = None
 
 
 @dataclass
@@ -132,25 +159,32 @@ class HybridPlan:
     _summary: dict | None = field(default=None, repr=False, compare=False)
 
     def release_source_headers(self) -> None:
-        """Drop the sources' per-tensor header metadata and the NVFP4 map (~270 MB for a 397B source),
-        keeping roots, configs and styles; the plan's shards and figures stay usable. `execute` calls it
-        once it no longer needs them, before the checks read the output's headers."""
+        """Drop the BF16 source's header metadata and the NVFP4 map, keeping roots, configs and styles;
+        the plan's shards and figures stay usable (they keep the NVFP4 tensor table until
+        `release_tensors`)."""
         self.summary()  # computed while the sources are still here
         self.nv = dataclasses.replace(self.nv, tensors={}, headers={}, index=None)
         self.bf = dataclasses.replace(self.bf, tensors={}, headers={}, index=None)
         self.nv_map = None
 
+    def release_tensors(self) -> None:
+        """Drop the NVFP4 tensor table too (~85 MB for a 397B source): after this only the figures, the
+        sizes already computed and the shards' names remain. `execute` calls it once every shard's writer
+        has taken its tensor list, before the checks read the output's headers."""
+        self.release_source_headers()
+        for s in self.shards:
+            s.release_tensors()
+
     # ---- derived figures ------------------------------------------------------------------------
     def bytes_by_action(self) -> dict[str, int]:
         out = {"reused": 0, "rewritten": 0, "new": 0}
         for s in self.shards:
-            for t in s.tensors:
-                if s.action is ShardAction.LINK:
-                    out["reused"] += t.nbytes
-                elif t.origin.source == "nvfp4":
-                    out["rewritten"] += t.nbytes
-                else:
-                    out["new"] += t.nbytes
+            if s.action is ShardAction.LINK:
+                out["reused"] += s.data_bytes
+                continue
+            new = sum(t.nbytes for t in s.added if t.origin.source != "nvfp4")
+            out["new"] += new
+            out["rewritten"] += s.data_bytes - new
         return out
 
     def shard_bytes(self, shard: PlannedShard) -> int:
@@ -170,7 +204,13 @@ class HybridPlan:
         return sum(self.shard_bytes(s) for s in self.shards) + small
 
     def weight_map(self) -> dict[str, str]:
-        return {t.name: s.name for s in self.shards for t in s.tensors}
+        return {n: s.name for s in self.shards for n in s.names()}
+
+    def input_files(self) -> list[str]:
+        """Every source file some output tensor's bytes come from."""
+        files = {s.source_file for s in self.shards if s.rows}
+        files.update(t.origin.file for s in self.shards for t in s.added)
+        return sorted(files)
 
     def plan_hash(self) -> str:
         """Identity of the output: every shard's name and every tensor's origin byte range, the source
@@ -197,7 +237,7 @@ class HybridPlan:
     def _make_summary(self) -> dict:
         b = self.bytes_by_action()
         counts = {a.value: sum(1 for s in self.shards if s.action is a) for a in ShardAction}
-        from_bf16 = [t for s in self.shards for t in s.tensors if t.origin.source == "bf16"]
+        from_bf16 = [t for s in self.shards for t in s.added if t.origin.source == "bf16"]
         return {
             "nvfp4": str(self.nv.root),
             "bf16": str(self.bf.root),
@@ -207,7 +247,7 @@ class HybridPlan:
             "bf16_expert_layers": list(self.options.bf16_expert_layers),
             "shards": counts,
             "tensors": {
-                "total": sum(len(s.tensors) for s in self.shards),
+                "total": sum(s.num_tensors for s in self.shards),
                 "from_bf16": len(from_bf16),
                 "unfused": sum(1 for t in from_bf16 if t.origin.slice),
                 "removed": len(self.removed),
@@ -217,7 +257,7 @@ class HybridPlan:
             "extra_files": self.extra_files,
             "warnings": self.warnings,
             "shard_plan": [
-                {"name": s.name, "action": s.action.value, "tensors": len(s.tensors), "bytes": s.data_bytes}
+                {"name": s.name, "action": s.action.value, "tensors": s.num_tensors, "bytes": s.data_bytes}
                 for s in self.shards
             ],
         }
@@ -488,35 +528,35 @@ class _Planner:
 
     # ---- shard layout ----------------------------------------------------------------------------
     def layout(self, limit: int) -> list[PlannedShard]:
-        by_shard: dict[str, list[str]] = {}
-        for name, info in self.nv.tensors.items():
-            by_shard.setdefault(self.nv.shard_of(name), []).append(name)
+        table = self.nv.tensors
+        removed = self.removed
         adds: dict[str | None, list[PlannedTensor]] = {}
         for home, t in self.additions:
             adds.setdefault(home, []).append(t)
         shards: list[PlannedShard] = []
         overflow: list[PlannedTensor] = list(adds.pop(None, []))
-        for rel in sorted(by_shard, key=natural_key):
-            names = by_shard[rel]
+        for rel in sorted(self.nv.headers, key=natural_key):
             header = self.nv.headers[rel]
-            kept = sorted((n for n in names if n not in self.removed), key=lambda n: self.nv.tensors[n].start)
-            extra = adds.pop(rel, [])
-            if len(kept) == len(names) and not extra:
-                shards.append(PlannedShard(rel, ShardAction.LINK,
-                                           [_whole("nvfp4", n, self.nv.tensors[n]) for n in kept],
-                                           str(self.nv.root / rel), header.metadata or None))
+            rows = header.tensors.rows  # this shard's rows of the table
+            if not rows:
                 continue
-            tensors = [_whole("nvfp4", n, self.nv.tensors[n]) for n in kept]
-            size = sum(t.nbytes for t in tensors)
+            kept = sorted((r for r in rows if table.name_at(r) not in removed), key=table.start_at)
+            size = sum(map(table.nbytes_at, kept))
+            extra = adds.pop(rel, [])
+            if len(kept) == len(rows) and not extra:
+                shards.append(PlannedShard(rel, ShardAction.LINK, array("I", kept), [], str(self.nv.root / rel),
+                                           header.metadata or None, table, size))
+                continue
+            added: list[PlannedTensor] = []
             for t in extra:
-                if size + t.nbytes <= limit or not tensors:
-                    tensors.append(t)
+                if size + t.nbytes <= limit or not (kept or added):
+                    added.append(t)
                     size += t.nbytes
                 else:
                     overflow.append(t)
-            if tensors:
-                shards.append(PlannedShard(rel, ShardAction.REBUILD, tensors, str(self.nv.root / rel),
-                                           header.metadata or None))
+            if kept or added:
+                shards.append(PlannedShard(rel, ShardAction.REBUILD, array("I", kept), added,
+                                           str(self.nv.root / rel), header.metadata or None, table, size))
         for rest in adds.values():  # homes that do not exist (cannot happen; kept for safety)
             overflow.extend(rest)
         if overflow:
@@ -524,11 +564,12 @@ class _Planner:
             groups = plan_shards([(t.name, t.nbytes) for t in overflow], limit)
             for i, g in enumerate(groups):
                 name = NEW_SHARD_TEMPLATE.format(i=i + 1, n=len(groups))
-                if name in by_shard:
+                if name in self.nv.headers:
                     raise PlanError("the NVFP4 source already has a shard with the name qtool gives new "
                                     "shards", path=self.nv.root / name)
-                shards.append(PlannedShard(name, ShardAction.NEW, [by_name[n] for n in g],
-                                           metadata={"format": "pt"}))
+                added = [by_name[n] for n in g]
+                shards.append(PlannedShard(name, ShardAction.NEW, array("I"), added, metadata={"format": "pt"},
+                                           data_bytes=sum(t.nbytes for t in added)))
         return shards
 
 

@@ -1,0 +1,233 @@
+"""Header metadata of many tensors, stored by column: a name -> TensorInfo mapping that keeps no
+TensorInfo.
+
+A 397B checkpoint has ~370k tensors. As a dict of TensorInfo tuples its headers cost ~450 B a tensor
+(~166 MB); here a tensor costs its name, one dict slot and row number, and 23 bytes of columns (file, dtype
+and shape as indexes into small tables of distinct values, start and end as 64-bit ints), ~200 B in all.
+TensorInfo tuples are made when asked for and dropped by the caller.
+
+Rows are numbered in insertion order (a checkpoint appends shard by shard), so one shard's tensors are a
+contiguous run of rows: `TableSlice` is the per-shard view `SafetensorsHeader.tensors` gives.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterable, Iterator, Mapping
+from typing import NamedTuple
+
+
+class TensorInfo(NamedTuple):
+    """Where one tensor lives: absolute byte range [start, end) in `file`."""
+
+    name: str
+    file: str  # path of the shard
+    dtype: str  # safetensors dtype name, e.g. "BF16", "F8_E4M3", "U8"
+    shape: tuple[int, ...]
+    start: int  # absolute file offset of the first data byte
+    end: int  # absolute file offset one past the last data byte
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+class TensorTable(Mapping):
+    __slots__ = ("_row", "_names", "_file", "_dtype", "_shape", "_start", "_end",
+                 "files", "dtypes", "shapes", "_file_ix", "_dtype_ix", "_shape_ix")
+
+    def __init__(self) -> None:
+        self._row: dict[str, int] = {}  # name -> row
+        self._names: list[str] = []
+        self._file = array("I")
+        self._dtype = array("B")
+        self._shape = array("I")
+        self._start = array("q")
+        self._end = array("q")
+        self.files: list[str] = []  # distinct values, indexed by the columns above
+        self.dtypes: list[str] = []
+        self.shapes: list[tuple[int, ...]] = []
+        self._file_ix: dict[str, int] = {}
+        self._dtype_ix: dict[str, int] = {}
+        self._shape_ix: dict[tuple, int] = {}
+
+    @classmethod
+    def from_infos(cls, infos: Iterable[TensorInfo]) -> TensorTable:
+        t = cls()
+        for i in infos:
+            t.add(i.name, i.file, i.dtype, i.shape, i.start, i.end)
+        return t
+
+    # ---- building ---------------------------------------------------------------------------------
+    def _ix(self, table: dict, values: list, value) -> int:
+        i = table.get(value)
+        if i is None:
+            i = table[value] = len(values)
+            values.append(value)
+        return i
+
+    def add(self, name: str, file: str, dtype: str, shape: tuple[int, ...], start: int, end: int) -> int:
+        """Append a row (a name already present is re-pointed at the new row). Returns the row."""
+        row = len(self._names)
+        self._names.append(name)
+        self._row[name] = row
+        self._file.append(self._ix(self._file_ix, self.files, file))
+        self._dtype.append(self._ix(self._dtype_ix, self.dtypes, dtype))
+        self._shape.append(self._ix(self._shape_ix, self.shapes, shape))
+        self._start.append(start)
+        self._end.append(end)
+        return row
+
+    def extend(self, other: TensorTable) -> range:
+        """Append every row of `other` (keeping its name strings); returns the new rows."""
+        base = len(self._names)
+        fmap = [self._ix(self._file_ix, self.files, f) for f in other.files]
+        dmap = [self._ix(self._dtype_ix, self.dtypes, d) for d in other.dtypes]
+        smap = [self._ix(self._shape_ix, self.shapes, s) for s in other.shapes]
+        self._names.extend(other._names)
+        self._row.update(zip(other._names, range(base, base + len(other._names))))
+        self._file.extend(array("I", (fmap[i] for i in other._file)) if fmap != list(range(len(fmap)))
+                          else other._file)
+        self._dtype.extend(array("B", (dmap[i] for i in other._dtype)) if dmap != list(range(len(dmap)))
+                           else other._dtype)
+        self._shape.extend(array("I", (smap[i] for i in other._shape)) if smap != list(range(len(smap)))
+                           else other._shape)
+        self._start.extend(other._start)
+        self._end.extend(other._end)
+        return range(base, len(self._names))
+
+    # ---- rows -------------------------------------------------------------------------------------
+    def row(self, name: str) -> int:
+        return self._row[name]
+
+    def row_of(self, name: str) -> int | None:
+        return self._row.get(name)
+
+    def name_at(self, row: int) -> str:
+        return self._names[row]
+
+    def info(self, row: int) -> TensorInfo:
+        return TensorInfo(self._names[row], self.files[self._file[row]], self.dtypes[self._dtype[row]],
+                          self.shapes[self._shape[row]], self._start[row], self._end[row])
+
+    def start_at(self, row: int) -> int:
+        return self._start[row]
+
+    def nbytes_at(self, row: int) -> int:
+        return self._end[row] - self._start[row]
+
+    def file_at(self, row: int) -> str:
+        return self.files[self._file[row]]
+
+    def infos(self, rows: Iterable[int]) -> Iterator[TensorInfo]:
+        info = self.info
+        return (info(r) for r in rows)
+
+    def slice(self, rows: range) -> TableSlice:
+        return TableSlice(self, rows)
+
+    def total_bytes(self) -> int:
+        return sum(self._end) - sum(self._start)
+
+    # ---- Mapping ----------------------------------------------------------------------------------
+    def __getitem__(self, name: str) -> TensorInfo:
+        return self.info(self._row[name])
+
+    def get(self, name: str, default=None):
+        r = self._row.get(name)
+        return default if r is None else self.info(r)
+
+    def __contains__(self, name) -> bool:
+        return name in self._row
+
+    def __iter__(self) -> Iterator[str]:
+        # names whose row was re-pointed by a later `add` appear once, at their last row
+        if len(self._row) == len(self._names):
+            return iter(self._names)
+        return iter(self._row)
+
+    def __len__(self) -> int:
+        return len(self._row)
+
+    def keys(self):
+        return self._row.keys()
+
+    def values(self) -> _Values:
+        return _Values(self, self._live_rows())
+
+    def items(self) -> _Items:
+        return _Items(self, self._live_rows())
+
+    def _live_rows(self):
+        if len(self._row) == len(self._names):
+            return range(len(self._names))
+        return list(self._row.values())
+
+    def __repr__(self) -> str:
+        return f"TensorTable({len(self)} tensors in {len(self.files)} files)"
+
+
+class TableSlice(Mapping):
+    """The rows `rows` of a table as a name -> TensorInfo mapping (one shard's tensors)."""
+
+    __slots__ = ("table", "rows")
+
+    def __init__(self, table: TensorTable, rows: range) -> None:
+        self.table = table
+        self.rows = rows
+
+    def __getitem__(self, name: str) -> TensorInfo:
+        r = self.table._row.get(name)
+        if r is None or r not in self.rows:
+            raise KeyError(name)
+        return self.table.info(r)
+
+    def get(self, name: str, default=None):
+        r = self.table._row.get(name)
+        return default if r is None or r not in self.rows else self.table.info(r)
+
+    def __contains__(self, name) -> bool:
+        r = self.table._row.get(name)
+        return r is not None and r in self.rows
+
+    def __iter__(self) -> Iterator[str]:
+        names = self.table._names
+        return (names[r] for r in self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def values(self) -> _Values:
+        return _Values(self.table, self.rows)
+
+    def items(self) -> _Items:
+        return _Items(self.table, self.rows)
+
+
+class _Values:
+    __slots__ = ("table", "rows")
+
+    def __init__(self, table: TensorTable, rows) -> None:
+        self.table, self.rows = table, rows
+
+    def __iter__(self) -> Iterator[TensorInfo]:
+        return self.table.infos(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+class _Items(_Values):
+    __slots__ = ()
+
+    def __iter__(self) -> Iterator[tuple[str, TensorInfo]]:
+        info = self.table.info
+        names = self.table._names
+        return ((names[r], info(r)) for r in self.rows)
