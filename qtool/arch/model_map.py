@@ -10,7 +10,7 @@ import gc
 import math
 from collections import Counter, defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 from qtool.arch.qwen35 import (
@@ -125,7 +125,7 @@ class Module:
     expert: int | None
     signature: Signature = ()
     format: Format | None = None
-    tensors: Mapping[str, TensorInfo] | None = None  # the checkpoint's tensors, for `params`
+    tensors: Mapping[str, TensorInfo] | None = field(default=None, repr=False)  # the checkpoint's, for `params`
 
     @property
     def params(self) -> dict[str, TensorInfo]:
@@ -133,10 +133,6 @@ class Module:
         base = self.name + "." if self.name else ""
         t = self.tensors
         return {p: t[base + p] for p, _, _ in self.signature}
-
-    @property
-    def param_names(self) -> list[str]:
-        return [p for p, _, _ in self.signature]
 
     @property
     def is_mtp(self) -> bool:
