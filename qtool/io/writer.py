@@ -212,6 +212,30 @@ def index_json(weight_map: dict[str, str], total_size: int) -> dict:
     return {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
 
 
+def index_text(weight_map: dict[str, str], metadata: dict):
+    """`json.dumps({"metadata": metadata, "weight_map": sorted weight_map}, indent=2) + "\n"` in chunks
+    (a generator). The same text without the pure-Python indenting encoder, which for a 397B index (~370k
+    entries) took ~3 s and held ~100 MB of pieces before joining them."""
+    enc = json.encoder.encode_basestring_ascii
+    yield '{\n  "metadata": ' + json.dumps(metadata, indent=2).replace("\n", "\n  ") + ',\n  "weight_map": '
+    if not weight_map:
+        yield "{}\n}\n"
+        return
+    names = sorted(weight_map)
+    step = 4096
+    for i in range(0, len(names), step):
+        lines = ",\n".join(f"    {enc(n)}: {enc(weight_map[n])}" for n in names[i:i + step])
+        yield ("{\n" if i == 0 else ",\n") + lines
+    yield "\n  }\n}\n"
+
+
+def write_index_json(path: str | Path, weight_map: dict[str, str], total_size: int) -> None:
+    """Write the index file for `weight_map` (see index_text); not atomic, not fsynced."""
+    with open(path, "w", encoding="utf-8") as f:
+        for chunk in index_text(weight_map, {"total_size": total_size}):
+            f.write(chunk)
+
+
 def read_index(root: str | Path) -> dict:
     """The parsed `model.safetensors.index.json` of the checkpoint directory `root`."""
     index, _ = load_json(Path(root) / INDEX_NAME, what="safetensors index")

@@ -23,7 +23,7 @@ from qtool.errors import WriteError
 from qtool.io.atomic_dir import commit_output, fsync_dir, partial_path, prepare_output
 from qtool.io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG_NAME, INDEX_NAME, Checkpoint
 from qtool.io.jsonio import dumps
-from qtool.io.writer import FileRange, OutTensor, index_json, write_shard
+from qtool.io.writer import FileRange, OutTensor, write_index_json, write_shard
 from qtool.ops.assemble.linking import Linker
 from qtool.ops.assemble.plan import JOURNAL_NAME, MANIFEST_NAME, HybridPlan, PlannedShard, ShardAction
 from qtool.ops.checks import (
@@ -230,7 +230,7 @@ def _work_without_shard_bytes(plan: HybridPlan, partial: Path, section: Path, ro
     before the checks read the output's (two 397B header sets at once: ~1 GB)."""
     _copy_extra(plan, partial)
     total = sum(s.data_bytes for s in plan.shards)
-    _write_text(partial / INDEX_NAME, json.dumps(index_json(plan.weight_map(), total), indent=2) + "\n")
+    write_index_json(partial / INDEX_NAME, plan.weight_map(), total)
     write_shards_section(section, plan.shards, roots)
     expect = hybrid_expectations(plan)
     plan.release_source_headers()
