@@ -6,9 +6,13 @@ of the checks. Written by streaming, shard by shard, so a 400k-tensor manifest n
 object. No timestamps: the same job gives the same manifest.
 
 sha256 of inputs: for files inside a Hugging Face cache (`.../blobs/<sha256>`), the blob name IS the
-LFS sha256 of the content (huggingface_hub file_download.py) and is used as is; otherwise the file is
-hashed once and the digest cached under $QTOOL_CACHE_DIR (default ~/.cache/qtool), keyed by path, size,
-mtime and inode.
+LFS sha256 of the content (huggingface_hub file_download.py) and is used as is; for files that
+`hf download --local-dir` put in a plain directory, huggingface_hub's own record
+(`.cache/huggingface/download/<file>.metadata`: commit, etag, time) holds the LFS sha256 as the etag and
+is used while the file has not been modified since (huggingface_hub's own rule, _local_folder.py
+read_download_metadata); otherwise the file is hashed once and the digest cached under $QTOOL_CACHE_DIR
+(default ~/.cache/qtool), keyed by path, size, mtime and inode. For a local 397B BF16 source (~800 GB, of
+which assemble reads ~15 GB) the difference is reading the whole model or not.
 """
 
 from __future__ import annotations
@@ -74,9 +78,11 @@ class InputHasher:
             return
         real = os.path.realpath(path)
         name = os.path.basename(real)
-        if os.path.basename(os.path.dirname(real)) == "blobs" and _HEX64.match(name):
+        recorded = name if os.path.basename(os.path.dirname(real)) == "blobs" and _HEX64.match(name) else None
+        recorded = recorded or hub_recorded_sha256(path)
+        if recorded:
             f: Future = Future()
-            f.set_result(name)
+            f.set_result(recorded)
         else:
             key = self._key(path)
             cached = self.cache.get(key)
@@ -118,6 +124,30 @@ class InputHasher:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def hub_recorded_sha256(path: str) -> str | None:
+    """The sha256 huggingface_hub recorded when it downloaded `path` into a `--local-dir` (the LFS etag in
+    `<dir>/.cache/huggingface/download/<relative path>.metadata`), if the file has not changed since; None
+    otherwise (not downloaded that way, a regular non-LFS file whose etag is a git sha1, or modified)."""
+    p = Path(os.path.abspath(path))
+    for root in p.parents:
+        meta_dir = root / ".cache" / "huggingface" / "download"
+        if not meta_dir.is_dir():
+            continue
+        meta = meta_dir / (str(p.relative_to(root)) + ".metadata")
+        try:
+            _commit, etag, stamp = meta.read_text(encoding="utf-8").splitlines()[:3]
+            modified = os.stat(p).st_mtime
+        except (OSError, ValueError):
+            return None
+        etag = etag.strip().strip('"')
+        try:
+            fresh = modified - 1 <= float(stamp)  # huggingface_hub allows 1 s of mtime imprecision
+        except ValueError:
+            return None
+        return etag if fresh and _HEX64.match(etag) else None
+    return None
 
 
 def write_shards_section(path: Path, shards, roots: dict[str, Path]) -> None:

@@ -1,0 +1,93 @@
+"""The manifest's input sha256: computed when nothing records it, taken from what the Hub recorded when
+the file is unchanged (HF cache blob names, `hf download --local-dir` metadata)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+
+import pytest
+
+from qtool.ops import manifest
+from qtool.ops.manifest import InputHasher, hub_recorded_sha256
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("QTOOL_CACHE_DIR", str(tmp_path / "qtool-cache"))
+
+
+def _local_dir_download(root, rel: str, data: bytes, etag: str | None = None, stamp: float | None = None):
+    """A file as `hf download --local-dir root` leaves it (huggingface_hub _local_folder.py layout)."""
+    f = root / rel
+    f.parent.mkdir(parents=True, exist_ok=True)
+    f.write_bytes(data)
+    meta = root / ".cache" / "huggingface" / "download" / (rel + ".metadata")
+    meta.parent.mkdir(parents=True, exist_ok=True)
+    etag = etag or hashlib.sha256(data).hexdigest()
+    meta.write_text(f"{'c' * 40}\n{etag}\n{stamp if stamp is not None else time.time()}\n")
+    return f
+
+
+def _digests(paths, monkeypatch, allow_hashing: bool) -> dict:
+    if not allow_hashing:
+        def refuse(self, real, key):
+            raise AssertionError(f"{real} was read to hash it")
+        monkeypatch.setattr(InputHasher, "_hash", refuse)
+    h = InputHasher()
+    for p in paths:
+        h.submit(str(p))
+    return h.results()
+
+
+def test_local_dir_record_is_used_without_reading(tmp_path, monkeypatch):
+    data = os.urandom(1000)
+    f = _local_dir_download(tmp_path / "bf16", "model-00001-of-00002.safetensors", data)
+    g = _local_dir_download(tmp_path / "bf16", "sub/dir/x.safetensors", b"xyz")
+    got = _digests([f, g], monkeypatch, allow_hashing=False)
+    assert got == {str(f): hashlib.sha256(data).hexdigest(), str(g): hashlib.sha256(b"xyz").hexdigest()}
+
+
+@pytest.mark.parametrize("case", ["modified-after", "git-sha1-etag", "no-record", "garbled"])
+def test_otherwise_the_file_is_hashed(tmp_path, monkeypatch, case):
+    data = b"weights" * 100
+    root = tmp_path / "bf16"
+    if case == "no-record":
+        f = root / "a.safetensors"
+        f.parent.mkdir(parents=True)
+        f.write_bytes(data)
+        (root / ".cache" / "huggingface" / "download").mkdir(parents=True)
+    elif case == "modified-after":
+        f = _local_dir_download(root, "a.safetensors", b"old content", stamp=time.time() - 3600)
+        f.write_bytes(data)  # the record says "old content"'s digest; the file changed since
+    elif case == "git-sha1-etag":  # regular (non-LFS) files have a git blob sha1 as etag
+        f = _local_dir_download(root, "a.safetensors", data, etag="a" * 40)
+    else:
+        f = _local_dir_download(root, "a.safetensors", data)
+        (root / ".cache" / "huggingface" / "download" / "a.safetensors.metadata").write_text("half a line")
+    assert hub_recorded_sha256(str(f)) is None
+    got = _digests([f], monkeypatch, allow_hashing=True)
+    assert got == {str(f): hashlib.sha256(data).hexdigest()}
+
+
+def test_hf_cache_blob_name_is_the_digest(tmp_path, monkeypatch):
+    data = b"blob"
+    digest = hashlib.sha256(data).hexdigest()
+    blob = tmp_path / "models--org--m" / "blobs" / digest
+    blob.parent.mkdir(parents=True)
+    blob.write_bytes(data)
+    snap = tmp_path / "models--org--m" / "snapshots" / ("0" * 40)
+    snap.mkdir(parents=True)
+    (snap / "model.safetensors").symlink_to(blob)
+    assert _digests([snap / "model.safetensors"], monkeypatch, allow_hashing=False) == {
+        str(snap / "model.safetensors"): digest}
+
+
+def test_hashes_are_cached_for_reruns(tmp_path, monkeypatch):
+    f = tmp_path / "plain.safetensors"
+    f.write_bytes(b"abc")
+    want = {str(f): hashlib.sha256(b"abc").hexdigest()}
+    assert _digests([f], monkeypatch, allow_hashing=True) == want
+    assert (manifest.cache_dir() / "sha256-cache.json").exists()
+    assert _digests([f], monkeypatch, allow_hashing=False) == want
