@@ -50,9 +50,9 @@ with tempfile.TemporaryDirectory() as d:
 expect = hybrid_expectations(plan)
 # what the WRITERS shards in flight hold while the checks run: their tensor lists and built headers
 from qtool.io.writer import build_header
-from qtool.ops.assemble.execute import WRITERS, _out_tensors
+from qtool.ops.assemble.execute import WRITERS
 largest = sorted(plan.shards, key=lambda s: -s.num_tensors)[:WRITERS]
-in_flight = [(ts, build_header(ts, s.metadata)) for s in largest for ts in [_out_tensors(s)]]
+in_flight = [(ts, build_header(ts, s.metadata)) for s in largest for ts in [s.out_tensors()]]
 plan.release_tensors()
 started = start_checks(nv, expect, shards_complete=False)
 del in_flight

@@ -209,8 +209,8 @@ def check_structure(mm: ModelMap, expect: Expectations | None = None) -> dict:
         if role.group is Group.OTHER:
             probs.add(f"{name} is not part of the Qwen3.5-MoE architecture")
     for m in mods.values():
-        if m.format is None and set(m.params) & QUANT_ONLY:
-            probs.add(f"{m.name} carries {sorted(set(m.params) & QUANT_ONLY)} but no weight (stale scales)")
+        if m.format is None and m.param_names & QUANT_ONLY:
+            probs.add(f"{m.name} carries {sorted(m.param_names & QUANT_ONLY)} but no weight (stale scales)")
     mtp_mods = [m for m in mods.values() if m.group is Group.MTP]
     mtp_fmts = None
     if mtp_mods:

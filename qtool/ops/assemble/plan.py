@@ -28,7 +28,7 @@ from qtool.io.dtypes import DTYPE_BITS, FLOAT_DTYPES
 from qtool.io.quant_config import config_ignore, hf_quant_exclude
 from qtool.io.safetensors_header import TensorInfo
 from qtool.io.tensor_table import TensorTable
-from qtool.io.writer import plan_shards
+from qtool.io.writer import FileRange, OutTensor, plan_shards
 
 MANIFEST_NAME = "qtool-manifest.json"
 JOURNAL_NAME = ".qtool-journal.jsonl"
@@ -106,6 +106,20 @@ class PlannedShard:
     @property
     def num_tensors(self) -> int:
         return len(self.rows) + len(self.added)
+
+    def out_tensors(self) -> list[OutTensor]:
+        """The shard's tensors as the writer takes them (made straight from the table's columns: a 397B
+        shard has ~7k)."""
+        out: list[OutTensor] = []
+        if self.rows:
+            t = self.table
+            names, files, dtypes, shapes = t._names, t.files, t.dtypes, t.shapes
+            fcol, dcol, scol, start, end = t._file, t._dtype, t._shape, t._start, t._end
+            out = [OutTensor(names[r], dtypes[dcol[r]], shapes[scol[r]], FileRange(files[fcol[r]], start[r], end[r]))
+                   for r in self.rows]
+        out.extend(OutTensor(a.name, a.dtype, a.shape, FileRange(a.origin.file, a.origin.start, a.origin.end))
+                   for a in self.added)
+        return out
 
     def _carried(self, row: int) -> PlannedTensor:
         i = self.table.info(row)
@@ -195,7 +209,7 @@ class HybridPlan:
             if shard.action is ShardAction.LINK:
                 size = os.path.getsize(shard.source_file)
             else:
-                size = shard_size(_out_tensors(shard), shard.metadata)
+                size = shard_size(shard.out_tensors(), shard.metadata)
             self._sizes[shard.name] = size
         return size
 
@@ -261,13 +275,6 @@ class HybridPlan:
                 for s in self.shards
             ],
         }
-
-
-def _out_tensors(shard: PlannedShard):
-    from qtool.io.writer import FileRange, OutTensor
-
-    return [OutTensor(t.name, t.dtype, t.shape, FileRange(t.origin.file, t.origin.start, t.origin.end))
-            for t in shard.tensors]
 
 
 _NUM = re.compile(r"(\d+)")
@@ -517,10 +524,11 @@ class _Planner:
         return "graft" if not nv_has else "from-bf16"
 
     def unfuse_kept_mtp(self) -> None:
-        fused = sorted({r.module for n, r in self.nv_map.roles.items()
-                        if r.group is Group.MTP and r.inner is Group.ROUTED_EXPERTS and r.expert is None})
+        modules = self.nv_map.modules
+        fused = sorted(m.name for m in modules.values()
+                       if m.group is Group.MTP and m.inner is Group.ROUTED_EXPERTS and m.expert is None)
         for base in fused:
-            names = [n for n, r in self.nv_map.roles.items() if r.module == base and r.group is Group.MTP]
+            names = [f"{base}.{p}" for p in modules[base].params]
             home = self.home_of(names)
             self.removed.update(names)
             for t in self.experts_from(self.nv, "nvfp4", base, base, "kept MTP routed experts"):

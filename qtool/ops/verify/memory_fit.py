@@ -115,7 +115,7 @@ def weights_per_gpu(mm: ModelMap, tp: int, *, mtp: bool, vision: bool = True) ->
     for mod in mm.modules.values():
         if (mod.group is Group.MTP and not mtp) or (mod.group is Group.VISION and not vision):
             continue
-        b = sum(t.end - t.start for t in mod.params.values()) * _share(mod, tp, nkv)
+        b = mod.nbytes() * _share(mod, tp, nkv)
         key = mod.group.value
         out[key] = out.get(key, 0.0) + b
     return out
