@@ -126,6 +126,13 @@ class TensorTable(Mapping):
     def file_at(self, row: int) -> str:
         return self.files[self._file[row]]
 
+    def each(self, rows: Iterable[int], make):
+        """[make(name, file, dtype, shape, start, end) for each row]: other tuples (a writer's OutTensor)
+        straight from the columns, without a TensorInfo in between."""
+        names, files, dtypes, shapes = self._names, self.files, self.dtypes, self.shapes
+        fcol, dcol, scol, start, end = self._file, self._dtype, self._shape, self._start, self._end
+        return [make(names[r], files[fcol[r]], dtypes[dcol[r]], shapes[scol[r]], start[r], end[r]) for r in rows]
+
     def infos(self, rows: Iterable[int]) -> Iterator[TensorInfo]:
         info = self.info
         return (info(r) for r in rows)

@@ -71,3 +71,9 @@ def test_checkpoint_headers_are_views_of_one_table(tiny_nvfp4_modelopt):
             assert ck.shard_of(name) == rel
     assert seen == len(ck.tensors)
     assert "weight_map" not in ck.index  # the table holds that information
+
+
+def test_each_makes_other_tuples_from_the_columns():
+    t = TensorTable.from_infos(INFOS)
+    assert t.each(range(4), TensorInfo) == INFOS
+    assert t.each([3, 0], lambda n, f, d, s, a, b: (n, b - a)) == [("c", 4), ("a.weight", 32)]

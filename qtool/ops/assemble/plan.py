@@ -112,11 +112,8 @@ class PlannedShard:
         shard has ~7k)."""
         out: list[OutTensor] = []
         if self.rows:
-            t = self.table
-            names, files, dtypes, shapes = t._names, t.files, t.dtypes, t.shapes
-            fcol, dcol, scol, start, end = t._file, t._dtype, t._shape, t._start, t._end
-            out = [OutTensor(names[r], dtypes[dcol[r]], shapes[scol[r]], FileRange(files[fcol[r]], start[r], end[r]))
-                   for r in self.rows]
+            out = self.table.each(self.rows, lambda name, file, dtype, shape, start, end:
+                                  OutTensor(name, dtype, shape, FileRange(file, start, end)))
         out.extend(OutTensor(a.name, a.dtype, a.shape, FileRange(a.origin.file, a.origin.start, a.origin.end))
                    for a in self.added)
         return out
