@@ -35,7 +35,7 @@ from qtool.errors import HeaderError, PlanError, VerificationError
 from qtool.hub.download import RepoListing, download_files, link_into
 from qtool.hub.resolve import HubError, hub_errors
 from qtool.io.safetensors_header import MAX_HEADER_BYTES, SafetensorsHeader, TensorInfo, parse_header_bytes
-from qtool.io.writer import FileRange, OutTensor, build_header, index_json
+from qtool.io.writer import FileRange, OutTensor, build_header, index_text
 
 INDEX = "model.safetensors.index.json"
 MANIFEST = "qtool-download.json"
@@ -234,13 +234,16 @@ def plan_fetch(listing: RepoListing, opts: TensorFetchOptions, *, token: str | N
     reader = RangeReader(listing, token=token)
     if INDEX in listing.files:
         st = download_files(listing, [INDEX])
-        import json
+        from qtool.errors import ConfigError
+        from qtool.io.index_file import read_index
 
         try:
-            wm = json.loads(st.files[0].local.read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError) as e:
+            _, by_file = read_index(st.files[0].local)  # a 397B index: ~41 MB, read entry by entry
+        except ConfigError as e:
             raise HeaderError(f"remote index is malformed ({e})", path=f"{listing.spec} {INDEX}") from None
-        shards = sorted({f for n, f in wm.items() if match(n)})
+        if by_file is None:
+            raise HeaderError("remote index is malformed (no weight_map)", path=f"{listing.spec} {INDEX}")
+        shards = sorted(f for f, names in by_file.items() if any(match(n) for n in names))
         unknown = [s for s in shards if s not in listing.files]
         if unknown:
             raise HeaderError("the index names shards that are not in the repository",
@@ -317,7 +320,7 @@ def fetch_tensors(plan: FetchPlan, out: str | Path, *, resume: bool = False, for
             weight_map[t.name] = s.source
         total += s.data_bytes
     bar.close()
-    atomic_write_text(partial / INDEX, json.dumps(index_json(weight_map, total), indent=2) + "\n")
+    atomic_write_text(partial / INDEX, "".join(index_text(weight_map, {"total_size": total})))
     sides = download_files(plan.listing, plan.side_files, token=token) if plan.side_files else None
     for f in sides.files if sides else []:
         link_into(f.local, partial / f.path, "copy" if link == "copy" else "auto")

@@ -188,6 +188,16 @@ def test_tensors_regex_and_no_match(hub, repo_dir, tmp_path, capsys):
     assert "no tensor matches" in _out_json(capsys)["message"]
 
 
+@pytest.mark.parametrize("index", ['{"weight_map": {"a": ', '{"metadata": {}}'])
+def test_tensors_with_a_malformed_remote_index(hub, repo_dir, tmp_path, capsys, index):
+    (repo_dir / "model.safetensors.index.json").write_text(index)
+    hub.add_dir("org/model", repo_dir)
+    assert main(["download", "org/model", "-o", str(tmp_path / "a"), "--tensors", SHARED, "--json"]) != 0
+    err = _out_json(capsys)
+    assert "remote index is malformed" in err["message"] and "model.safetensors.index.json" in err["path"]
+    assert not (tmp_path / "a").exists()
+
+
 @pytest.mark.parametrize("fault", ["drop", "ignore_range"])
 def test_tensors_survive_faults(hub, repo_dir, tmp_path, capsys, fault):
     hub.add_dir("org/model", repo_dir)
