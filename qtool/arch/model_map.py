@@ -29,7 +29,6 @@ from qtool.formats.naming import REQUIRED_PARAMS as CODEC_REQUIRED_PARAMS
 from qtool.formats.naming import QuantFormat, detect_format
 from qtool.io.dtypes import FLOAT_DTYPES
 from qtool.io.safetensors_header import TensorInfo
-from qtool.io.tensor_table import TensorTable
 
 
 class Format(str, Enum):
@@ -141,12 +140,7 @@ class Module:
         return names
 
     def nbytes(self) -> int:
-        base = self.name + "." if self.name else ""
-        t = self.tensors
-        if isinstance(t, TensorTable):
-            row = t.row
-            return sum(t.nbytes_at(row(base + p)) for p, _, _ in self.signature)
-        return sum(t[base + p].nbytes for p, _, _ in self.signature)
+        return sum(t.nbytes for t in self.params.values())
 
     @property
     def is_mtp(self) -> bool:

@@ -31,9 +31,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from qtool.errors import HeaderError, PlanError, VerificationError
+from qtool.errors import ConfigError, HeaderError, PlanError, VerificationError
 from qtool.hub.download import RepoListing, download_files, link_into
 from qtool.hub.resolve import HubError, hub_errors
+from qtool.io.index_file import read_index
 from qtool.io.safetensors_header import MAX_HEADER_BYTES, SafetensorsHeader, TensorInfo, parse_header_bytes
 from qtool.io.writer import FileRange, OutTensor, build_header, index_text
 
@@ -234,9 +235,6 @@ def plan_fetch(listing: RepoListing, opts: TensorFetchOptions, *, token: str | N
     reader = RangeReader(listing, token=token)
     if INDEX in listing.files:
         st = download_files(listing, [INDEX])
-        from qtool.errors import ConfigError
-        from qtool.io.index_file import read_index
-
         try:
             _, by_file = read_index(st.files[0].local)  # a 397B index: ~41 MB, read entry by entry
         except ConfigError as e:

@@ -72,9 +72,6 @@ def read_header(path: str | Path, *, check_file_size: bool = True) -> Safetensor
     return parse_header_bytes(path, raw, file_size if check_file_size else None)
 
 
-_CANONICAL: dict = {}  # shape tuple / dtype str -> its one shared instance
-
-
 def parse_header_bytes(path: str, raw: bytes, file_size: int | None) -> SafetensorsHeader:
     n = len(raw)
     data_start = 8 + n
@@ -95,17 +92,12 @@ def parse_header_bytes(path: str, raw: bytes, file_size: int | None) -> Safetens
     add = tensors.add
     spans: list[tuple[int, int, str]] = []
     bits_of = DTYPE_BITS.get
-    canonical = _CANONICAL.setdefault
     for name, entry in obj.items():
         # Fast path: one try block for the common well-formed entry; the slow checks below only
         # run to explain what is wrong.
         try:
             dtype = entry["dtype"]
             shape = tuple(entry["shape"])
-            # one shared object per distinct shape / dtype: a 397B checkpoint has ~370k tensors but a few
-            # hundred shapes, and a fresh tuple of fresh ints per tensor cost ~60 MB
-            shape = canonical(shape, shape)
-            dtype = canonical(dtype, dtype)
             begin, end = entry["data_offsets"]
             bits = bits_of(dtype)
             n = 1

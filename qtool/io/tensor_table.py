@@ -93,12 +93,10 @@ class TensorTable(Mapping):
         smap = [self._ix(self._shape_ix, self.shapes, s) for s in other.shapes]
         self._names.extend(other._names)
         self._row.update(zip(other._names, range(base, base + len(other._names))))
-        self._file.extend(array("I", (fmap[i] for i in other._file)) if fmap != list(range(len(fmap)))
-                          else other._file)
-        self._dtype.extend(array("B", (dmap[i] for i in other._dtype)) if dmap != list(range(len(dmap)))
-                           else other._dtype)
-        self._shape.extend(array("I", (smap[i] for i in other._shape)) if smap != list(range(len(smap)))
-                           else other._shape)
+        # the other table's value indexes, renumbered into this one's value tables
+        self._file.extend(fmap[i] for i in other._file)
+        self._dtype.extend(dmap[i] for i in other._dtype)
+        self._shape.extend(smap[i] for i in other._shape)
         self._start.extend(other._start)
         self._end.extend(other._end)
         return range(base, len(self._names))

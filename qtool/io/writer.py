@@ -216,7 +216,7 @@ def index_text(weight_map: dict[str, str], metadata: dict):
     """`json.dumps({"metadata": metadata, "weight_map": sorted weight_map}, indent=2) + "\n"` in chunks
     (a generator). The same text without the pure-Python indenting encoder, which for a 397B index (~370k
     entries) took ~3 s and held ~100 MB of pieces before joining them."""
-    enc = json.encoder.encode_basestring_ascii
+    enc = _json_str
     yield '{\n  "metadata": ' + json.dumps(metadata, indent=2).replace("\n", "\n  ") + ',\n  "weight_map": '
     if not weight_map:
         yield "{}\n}\n"
@@ -247,10 +247,9 @@ def write_index(root: str | Path, weight_map: dict[str, str], metadata: dict | N
     other `metadata` keys (e.g. transformers' `total_parameters`) kept, ahead of `total_size`."""
     root = Path(root)
     total = sum((root / f).stat().st_size for f in set(weight_map.values()))
-    obj = index_json(weight_map, total)
     extra = {k: v for k, v in (metadata or {}).items() if k != "total_size"}
-    obj["metadata"] = {**extra, **obj["metadata"]}
-    (root / INDEX_NAME).write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
+    (root / INDEX_NAME).write_text("".join(index_text(weight_map, {**extra, "total_size": total})),
+                                   encoding="utf-8")
 
 
 def append_shard(root: str | Path, tensors: list[OutTensor]) -> None:

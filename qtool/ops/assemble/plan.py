@@ -93,15 +93,21 @@ class PlannedShard:
     table: TensorTable | None = None  # the NVFP4 source's tensors (None once released)
     data_bytes: int = 0
 
+    def _carried(self, make) -> list:
+        """make(name, file, dtype, shape, start, end) for each carried tensor, in order."""
+        if not self.rows:
+            return []
+        if self.table is None:
+            raise RuntimeError(f"the plan's tensors of {self.name} were released")
+        return self.table.each(self.rows, make)
+
     @property
     def tensors(self) -> list[PlannedTensor]:
-        if self.rows and self.table is None:
-            raise RuntimeError(f"the plan's tensors of {self.name} were released")
-        return [*map(self._carried, self.rows), *self.added] if self.rows else list(self.added)
+        return self._carried(lambda name, file, dtype, shape, start, end: PlannedTensor(
+            name, dtype, shape, Origin("nvfp4", file, name, start, end))) + self.added
 
     def names(self) -> list[str]:
-        carried = map(self.table.name_at, self.rows) if self.rows else ()
-        return [*carried, *(t.name for t in self.added)]
+        return self._carried(lambda name, *_: name) + [t.name for t in self.added]
 
     @property
     def num_tensors(self) -> int:
@@ -110,17 +116,11 @@ class PlannedShard:
     def out_tensors(self) -> list[OutTensor]:
         """The shard's tensors as the writer takes them (made straight from the table's columns: a 397B
         shard has ~7k)."""
-        out: list[OutTensor] = []
-        if self.rows:
-            out = self.table.each(self.rows, lambda name, file, dtype, shape, start, end:
-                                  OutTensor(name, dtype, shape, FileRange(file, start, end)))
+        out = self._carried(lambda name, file, dtype, shape, start, end:
+                            OutTensor(name, dtype, shape, FileRange(file, start, end)))
         out.extend(OutTensor(a.name, a.dtype, a.shape, FileRange(a.origin.file, a.origin.start, a.origin.end))
                    for a in self.added)
         return out
-
-    def _carried(self, row: int) -> PlannedTensor:
-        i = self.table.info(row)
-        return PlannedTensor(i.name, i.dtype, i.shape, Origin("nvfp4", i.file, i.name, i.start, i.end))
 
     def release_tensors(self) -> None:
         """Forget the source table (execute: once the shard's writer has its tensor list)."""
