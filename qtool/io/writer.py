@@ -126,15 +126,19 @@ def copy_range(src_fd: int, dst_fd: int, start: int, count: int, stop: threading
 
 
 def write_shard(path: str | Path, tensors: list[OutTensor], metadata: dict[str, str] | None = None,
-                on_header: Callable[[], None] | None = None, stop: threading.Event | None = None) -> int:
-    """Write a shard; returns its size. fsyncs before returning. `on_header` is called once the header
-    is written (readable by others), before the tensor data. Once `stop` is set the copy raises
-    Interrupted within a chunk (the file is left incomplete, for the caller's resume logic)."""
+                on_header: Callable[[], None] | None = None, stop: threading.Event | None = None,
+                mode: int = 0o644) -> int:
+    """Write a shard as a NEW file (an existing file or link at `path` is unlinked, never written
+    through: qtool.io.output.open_new); returns its size. fsyncs before returning. `on_header` is called
+    once the header is written (readable by others), before the tensor data. Once `stop` is set the copy
+    raises Interrupted within a chunk (the file is left incomplete, for the caller's resume logic)."""
+    from qtool.io.output import open_new
+
     path = Path(path)
     header = build_header(tensors, metadata)
     fds: dict[str, int] = {}
     try:
-        with open(path, "wb") as out:
+        with os.fdopen(open_new(path, mode), "wb") as out:
             out.write(header)
             out.flush()
             if on_header is not None:
@@ -164,21 +168,23 @@ def write_shard(path: str | Path, tensors: list[OutTensor], metadata: dict[str, 
             flush()
             os.fsync(dst)
     except OSError as e:
-        hint = "free disk space or choose another output directory" if e.errno == 28 else None
-        raise WriteError(f"writing shard failed: {e.strerror}", path=path, hint=hint) from None
+        from qtool.io.output import write_error
+
+        raise write_error("writing shard failed", e, path) from None
     finally:
         for fd in fds.values():
             os.close(fd)
     return path.stat().st_size
 
 
-def write_shard_atomic(path: str | Path, tensors: list[OutTensor], metadata: dict[str, str] | None = None) -> int:
+def write_shard_atomic(path: str | Path, tensors: list[OutTensor], metadata: dict[str, str] | None = None,
+                       mode: int = 0o644) -> int:
     """write_shard to a temporary name next to `path`, then rename: readers see the old shard or the new
     one, never a partial one (the temporary file is removed on failure)."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(f".{path.name}.qtool-tmp")
     try:
-        size = write_shard(tmp, tensors, metadata)
+        size = write_shard(tmp, tensors, metadata, mode=mode)
         os.replace(tmp, path)
     except BaseException:
         if tmp.exists():

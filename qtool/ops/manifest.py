@@ -17,7 +17,6 @@ which assemble reads ~15 GB) the difference is reading the whole model or not.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -25,6 +24,8 @@ import shlex
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+
+from qtool.io.output import hash_file as _hash_file
 
 LIBRARIES = ("transformers", "safetensors", "torch", "nvidia-modelopt", "compressed-tensors", "llmcompressor",
              "huggingface_hub")
@@ -43,8 +44,31 @@ def library_versions() -> dict[str, str | None]:
     return out
 
 
+SECRET_FLAGS = ("--token", "--hf-token")
+_TOKEN = re.compile(r"\bhf_[A-Za-z0-9]{8,}")
+
+
+def redact_argv(argv: list[str]) -> list[str]:
+    """argv with secrets replaced by `***`: the value of --token (either form) and anything shaped like a
+    Hugging Face token (a manifest, a log or an error must never carry one)."""
+    out: list[str] = []
+    hide_next = False
+    for a in argv:
+        if hide_next:
+            out.append("***")
+            hide_next = False
+        elif a in SECRET_FLAGS:
+            out.append(a)
+            hide_next = True
+        elif any(a.startswith(f + "=") for f in SECRET_FLAGS):
+            out.append(a.split("=", 1)[0] + "=***")
+        else:
+            out.append(_TOKEN.sub("***", a))
+    return out
+
+
 def command_line(argv: list[str] | None) -> str | None:
-    return None if argv is None else shlex.join(argv)
+    return None if argv is None else shlex.join(redact_argv(argv))
 
 
 def cache_dir() -> Path:
@@ -56,7 +80,7 @@ class InputHasher:
 
     CHUNK = 8 << 20
 
-    def __init__(self, workers: int = 2) -> None:
+    def __init__(self, workers: int = 2, trust_cache: bool = True) -> None:
         self.pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="qtool-sha256")
         self.futures: dict[str, Future] = {}
         self.lock = threading.Lock()
@@ -66,12 +90,21 @@ class InputHasher:
         except (OSError, ValueError):
             self.cache = {}
         self.dirty = False
+        self.trust_cache = trust_cache
 
     @staticmethod
     def _key(path: str) -> str:
         real = os.path.realpath(path)
         st = os.stat(real)
         return f"{real}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
+
+    def submit_output(self, path: str) -> None:
+        """Hash a file qtool just wrote (never cached: its digest is what the manifest promises)."""
+        if path not in self.futures:
+            self.futures[path] = self.pool.submit(_hash_file, path)
+
+    def digest(self, path: str) -> str:
+        return self.futures[path].result()
 
     def submit(self, path: str) -> None:
         if path in self.futures:
@@ -85,7 +118,7 @@ class InputHasher:
             f.set_result(recorded)
         else:
             key = self._key(path)
-            cached = self.cache.get(key)
+            cached = self.cache.get(key) if self.trust_cache else None
             if cached:
                 f = Future()
                 f.set_result(cached)
@@ -94,16 +127,7 @@ class InputHasher:
         self.futures[path] = f
 
     def _hash(self, real: str, key: str) -> str:
-        h = hashlib.sha256()
-        buf = bytearray(self.CHUNK)
-        view = memoryview(buf)
-        with open(real, "rb", buffering=0) as f:
-            while True:
-                n = f.readinto(buf)
-                if not n:
-                    break
-                h.update(view[:n])
-        digest = h.hexdigest()
+        digest = _hash_file(real)
         with self.lock:
             self.cache[key] = digest
             self.dirty = True
@@ -179,12 +203,24 @@ def write_shards_section(path: Path, shards, roots: dict[str, Path]) -> None:
         f.write("\n }\n}\n")
 
 
+def source_entry(root: Path, digests: dict[str, str]) -> dict:
+    """One `sources` entry: the root and {relative path: {sha256, bytes}} of its files in `digests`."""
+    files = {}
+    for f, d in sorted(digests.items()):
+        files[os.path.relpath(f, root)] = {"sha256": d, "bytes": os.path.getsize(f)}
+    return {"path": str(root), "files": files}
+
+
 def write_manifest(path: Path, *, kind: str, command: str | None, sources: dict[str, dict],
-                   shards_section: Path, summary: dict, checks: dict) -> None:
-    """Write the manifest to `path` (then fsync): the head (version, command, libraries, sources,
-    summary, checks) followed by the `shards_section` file made by `write_shards_section`, which is
-    removed afterwards."""
+                   summary: dict, checks: dict, files: dict[str, dict] | None = None,
+                   shards_section: Path | None = None, extra: dict | None = None) -> None:
+    """Write THE manifest (every command's, one schema) to `path`, fsynced: qtool_version, operation,
+    command (secrets redacted), libraries, sources ({name: {path, files: {rel: {sha256, bytes}}}}),
+    summary, checks, `files` (every output file's sha256 and size, what `verify --deep` compares),
+    then the op's own `extra` sections and, for assemble, the streamed `shards_section` (removed
+    afterwards)."""
     from qtool import __version__
+    from qtool.io.output import new_file
 
     head = {
         "qtool_version": __version__,
@@ -194,17 +230,22 @@ def write_manifest(path: Path, *, kind: str, command: str | None, sources: dict[
         "sources": sources,
         "summary": summary,
         "checks": checks,
+        "files": files or {},
+        **(extra or {}),
     }
-    with open(path, "w", encoding="utf-8") as f:
+    with new_file(path) as f:
         text = json.dumps(head, indent=1)
-        f.write(text[: text.rstrip().rfind("}")].rstrip() + ",\n")
-        f.flush()
-        with open(shards_section, "rb") as body:
-            from qtool.io.writer import copy_range
+        if shards_section is None:
+            f.write((text + "\n").encode())
+        else:
+            f.write((text[: text.rstrip().rfind("}")].rstrip() + ",\n").encode())
+            f.flush()
+            with open(shards_section, "rb") as body:
+                from qtool.io.writer import copy_range
 
-            copy_range(body.fileno(), f.fileno(), 0, os.fstat(body.fileno()).st_size)
-        os.fsync(f.fileno())
-    os.unlink(shards_section)
+                copy_range(body.fileno(), f.fileno(), 0, os.fstat(body.fileno()).st_size)
+    if shards_section is not None:
+        os.unlink(shards_section)
 
 
 def read_manifest(path: str | Path) -> dict:

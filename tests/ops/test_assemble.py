@@ -11,6 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from killpoint import run_killed, run_qtool
+
+from qtool.io.output import Journal
 
 from qtool.errors import PlanError, QtoolError, UsageError, WriteError
 from qtool.io.checkpoint import Checkpoint
@@ -198,18 +201,19 @@ def test_resume_after_injected_failure(tmp_path, monkeypatch):
     ref, out = tmp_path / "ref", tmp_path / "out"
     run(nv, bf, ref, bf16_expert_layers=(0,))
     seen = []
+    record = Journal.record
 
-    def boom(name):
+    def boom(self, name, **info):
+        record(self, name, **info)
         seen.append(name)
         if len(seen) == 3:
             raise RuntimeError("simulated crash")
 
-    monkeypatch.setattr(asm.execute_mod if hasattr(asm, "execute_mod") else
-                        sys.modules["qtool.ops.assemble.execute"], "after_shard", boom)
+    monkeypatch.setattr(Journal, "record", boom)
     with pytest.raises(RuntimeError):
         run(nv, bf, out, bf16_expert_layers=(0,))
     assert not out.exists() and Path(str(out) + ".partial").exists()
-    monkeypatch.setattr(sys.modules["qtool.ops.assemble.execute"], "after_shard", None)
+    monkeypatch.setattr(Journal, "record", record)
     # a different plan refuses to resume
     with pytest.raises(WriteError, match="different plan"):
         run(nv, bf, out, bf16_expert_layers=(1,), resume=True)
@@ -222,12 +226,10 @@ def test_resume_after_kill(tmp_path):
     nv, bf = pair(tmp_path)
     ref, out = tmp_path / "ref", tmp_path / "out"
     run(nv, bf, ref)
-    cmd = [sys.executable, "-m", "qtool", "assemble", "hybrid", "--nvfp4", str(nv), "--bf16", str(bf),
-           "-o", str(out), "--quiet"]
-    env = dict(os.environ, QTOOL_TEST_KILL_AFTER_SHARDS="4")
-    p = subprocess.run(cmd, env=env, capture_output=True)
+    args = ["assemble", "hybrid", "--nvfp4", nv, "--bf16", bf, "-o", out, "--quiet"]
+    p = run_killed("qtool.io.output:Journal.record", 4, args)
     assert p.returncode == -9 and not out.exists()
-    p = subprocess.run(cmd + ["--resume", "--json"], capture_output=True, text=True)
+    p = run_qtool(args + ["--resume", "--json"])
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["result"]["shards_resumed"] == 4
     assert files_bytes(out) == files_bytes(ref)
@@ -238,6 +240,13 @@ def test_existing_output_refused(tmp_path):
     nv, bf = pair(tmp_path)
     out = tmp_path / "out"
     out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    for force in (False, True):  # a directory qtool did not make is never replaced, whatever the flags
+        with pytest.raises(WriteError, match="not made by qtool"):
+            run(nv, bf, out, force=force)
+    assert (out / "notes.txt").read_text() == "mine"
+    (out / "notes.txt").unlink()
+    run(nv, bf, out)  # an empty directory is used
     with pytest.raises(WriteError, match="already exists"):
         run(nv, bf, out)
 

@@ -1,30 +1,27 @@
 """Execute a hybrid plan: link unchanged shards, rebuild changed ones from byte ranges, write configs and
-index, check, write the manifest, and move `<out>.partial/` into place.
+index, check, write the manifest, and move `<out>.partial/` into place (qtool.io.output.OutputDir: the
+lock, the overlap and --force rules, the journal).
 
-Resume: `<out>.partial/.qtool-journal.jsonl` starts with the plan hash; one line per finished shard is
-appended only after the shard file itself was fsynced. `--resume` skips the shards the
-journal lists (size re-checked) and redoes the rest; a journal with another plan hash is refused.
+Resume: `<out>.partial/.qtool-journal.jsonl` starts with the plan hash and the inputs' identity; one line
+per finished shard is appended only after the shard file itself was fsynced. `--resume` skips the shards
+the journal lists (size re-checked) and redoes the rest; another plan or a changed input is refused.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import signal
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from qtool.arch.model_map import build_map
 from qtool.errors import WriteError
-from qtool.io.atomic_dir import commit_output, fsync_dir, partial_path, prepare_output
 from qtool.io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG_NAME, INDEX_NAME, Checkpoint
 from qtool.io.jsonio import dumps
-from qtool.io.writer import write_index_json, write_shard
-from qtool.ops.assemble.linking import Linker
+from qtool.io.output import Journal, OutputDir, Placer, fsync_dir, input_identity, new_file
+from qtool.io.writer import index_text, write_shard
 from qtool.ops.assemble.plan import JOURNAL_NAME, MANIFEST_NAME, HybridPlan, PlannedShard, ShardAction
 from qtool.ops.checks import (
     Expectations,
@@ -33,10 +30,8 @@ from qtool.ops.checks import (
     hybrid_expectations,
     start_checks,
 )
-from qtool.ops.manifest import InputHasher, write_manifest, write_shards_section
+from qtool.ops.manifest import InputHasher, source_entry, write_manifest, write_shards_section
 
-# Test hook: called with the shard name after each shard is journaled (raise to simulate a crash).
-after_shard: Callable[[str], None] | None = None
 SPACE_MARGIN = 64 << 20
 WRITERS = 4  # shards in flight (see execute)
 SHARDS_SECTION_NAME = ".qtool-manifest-shards.part"  # the manifest's tensor list, written during the copy
@@ -67,48 +62,6 @@ class RunResult:
         }
 
 
-class Journal:
-    def __init__(self, path: Path, plan_hash: str, resume: bool) -> None:
-        self.path = path
-        self.done: dict[str, int] = {}
-        if resume and path.exists():
-            lines = path.read_text().splitlines()
-            head = json.loads(lines[0]) if lines else {}
-            if head.get("plan_hash") != plan_hash:
-                raise WriteError(
-                    "cannot resume: the unfinished output was started with a different plan",
-                    path=path.parent,
-                    expected=f"plan {plan_hash[:16]}",
-                    got=f"plan {str(head.get('plan_hash'))[:16]}",
-                    hint="run the same command as before (same sources, options and inputs), or drop "
-                    "--resume to start over",
-                )
-            for line in lines[1:]:
-                try:
-                    rec = json.loads(line)
-                except ValueError:
-                    break  # a torn last line: that shard is redone
-                self.done[rec["shard"]] = rec["size"]
-        else:
-            self._write_line({"plan_hash": plan_hash}, mode="w")
-
-    def _write_line(self, obj: dict, mode: str = "a") -> None:
-        # No fsync here: a shard is recorded only after its own fsync, so a journal line that reaches the
-        # disk always describes a durable shard, and a line lost in a crash only means that shard is redone
-        # (is_done also checks the file's size). Syncing the journal cost ~0.1 s per shard on ext4.
-        with open(self.path, mode, encoding="utf-8") as f:
-            f.write(json.dumps(obj) + "\n")
-
-    def is_done(self, partial: Path, name: str) -> bool:
-        size = self.done.get(name)
-        p = partial / name
-        return size is not None and p.exists() and p.stat().st_size == size
-
-    def record(self, name: str, size: int) -> None:
-        self._write_line({"shard": name, "size": size})
-        self.done[name] = size
-
-
 class _Countdown:
     """Set once `n` shards have their header on disk (their data may still be being written)."""
 
@@ -126,13 +79,13 @@ class _Countdown:
                 self.done.set()
 
 
-def _place_shard(s: PlannedShard, dst: Path, size: int, linker: Linker, headers: _Countdown,
+def _place_shard(s: PlannedShard, dst: Path, size: int, placer: Placer, headers: _Countdown,
                  stop: threading.Event) -> str | None:
     """Write or link one shard of `size` bytes and make it durable; returns the link method, None when
     written. Tells `headers` as soon as the shard's header is on disk, so the header-only checks can
     run while the data is still being copied."""
     if s.action is ShardAction.LINK:
-        method = linker.place(s.source_file, str(dst))  # durable on return
+        method = placer.place(s.source_file, dst)  # durable on return
         headers.one()
         return method
     if any(t.origin.slice for t in s.tensors):
@@ -140,7 +93,8 @@ def _place_shard(s: PlannedShard, dst: Path, size: int, linker: Linker, headers:
         # the kernel's own readahead does better without our hints (shared-experts-only job, 4 interleaved
         # runs: 4.90-6.32 s without vs 5.49-6.43 s with, `cp -r` + sync 3.36-4.24 s)
         _prefetch(s)
-    got = write_shard(dst, s.out_tensors(), s.metadata, on_header=headers.one, stop=stop)  # fsynced
+    got = write_shard(dst, s.out_tensors(), s.metadata, on_header=headers.one, stop=stop,
+                      mode=placer.file_mode)  # fsynced
     if got != size:
         raise WriteError("a written shard does not have its planned size (a qtool bug)", path=dst,
                          expected=f"{size} bytes", got=f"{got} bytes")
@@ -178,13 +132,13 @@ def _prefetch(s: PlannedShard) -> None:
             os.close(fd)
 
 
-def _check_space(plan: HybridPlan, partial: Path, linker: Linker, journal: Journal) -> None:
+def _check_space(plan: HybridPlan, partial: Path, placer: Placer, journal: Journal) -> None:
     need = 0
     for s in plan.shards:
-        if journal.is_done(partial, s.name):
+        if journal.file_done(partial, s.name):
             continue
         if s.action is ShardAction.LINK:
-            if linker.expect_new_bytes(s.source_file, str(partial)):
+            if placer.expect_new_bytes(s.source_file, partial):
                 need += os.path.getsize(s.source_file)
         else:
             need += plan.shard_bytes(s)
@@ -201,31 +155,38 @@ def _check_space(plan: HybridPlan, partial: Path, linker: Linker, journal: Journ
         )
 
 
-def _copy_extra(plan: HybridPlan, partial: Path) -> None:
+def _copy_extra(plan: HybridPlan, partial: Path, placer: Placer) -> None:
     for rel in plan.extra_files:
         dst = partial / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
         if rel == CONFIG_NAME and plan.config is not None:
-            _write_text(dst, dumps(plan.config, plan.nv.config_style))
+            _write_text(dst, dumps(plan.config, plan.nv.config_style), placer.file_mode)
         elif rel == HF_QUANT_CONFIG_NAME and plan.hf_quant_config is not None:
-            _write_text(dst, dumps(plan.hf_quant_config, plan.nv.hf_quant_style))
+            _write_text(dst, dumps(plan.hf_quant_config, plan.nv.hf_quant_style), placer.file_mode)
         else:
-            shutil.copyfile(plan.nv.root / rel, dst)
+            _write_text(dst, None, placer.file_mode, src=plan.nv.root / rel)
 
 
-def _write_text(path: Path, text: str) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
+def _write_text(path: Path, text: str | None, mode: int, src: Path | None = None) -> None:
+    """A small side file: `text`, or a copy of `src` (never written through an existing link)."""
+    with new_file(path, mode) as f:
+        f.write(text.encode() if text is not None else src.read_bytes())
 
 
-def _work_without_shard_bytes(plan: HybridPlan, partial: Path, section: Path, roots: dict[str, Path]
-                              ) -> Expectations:
+def _write_index(path: Path, weight_map: dict[str, str], total: int, mode: int) -> None:
+    with new_file(path, mode) as f:
+        for chunk in index_text(weight_map, {"total_size": total}):
+            f.write(chunk.encode())
+
+
+def _work_without_shard_bytes(plan: HybridPlan, partial: Path, section: Path, roots: dict[str, Path],
+                              placer: Placer) -> Expectations:
     """What the main thread does while the writers copy: side files, index, the manifest's tensor list;
     then it takes what the checks need of the sources (the promised layout) and drops the sources' headers
     before the checks read the output's (two 397B header sets at once: ~1 GB)."""
-    _copy_extra(plan, partial)
+    _copy_extra(plan, partial, placer)
     total = sum(s.data_bytes for s in plan.shards)
-    write_index_json(partial / INDEX_NAME, plan.weight_map(), total)
+    _write_index(partial / INDEX_NAME, plan.weight_map(), total, placer.file_mode)
     write_shards_section(section, plan.shards, roots)
     expect = hybrid_expectations(plan)
     plan.release_source_headers()
@@ -239,53 +200,46 @@ def _source_problems(plan: HybridPlan) -> list[str]:
     return consistency_problems(build_map(Checkpoint.open(plan.nv.root)))
 
 
-def _fsync_side_files(plan: HybridPlan, partial: Path) -> None:
-    """Make the configs, index and other small files durable. Done once the shards are written: an fsync
-    issued while the shard writers keep the disk busy waits behind them (0.5 s for a few KB)."""
-    for rel in [*plan.extra_files, INDEX_NAME]:
-        fd = os.open(partial / rel, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 def execute(plan: HybridPlan, *, force: bool = False, resume: bool = False, command: str | None = None,
             progress: bool = False) -> RunResult:
     opts = plan.options
-    out = Path(opts.out)
-    if resume and out.exists() and not partial_path(out).exists() and not force:
-        raise WriteError("nothing to resume: the output is already complete", path=out,
-                         hint="remove it or pass --force to build it again")
-    partial = prepare_output(out, force=force, resume=resume)
-    plan_hash = plan.plan_hash()
-    journal = Journal(partial / JOURNAL_NAME, plan_hash, resume)
     # set when the run fails or is interrupted: the shards in flight stop within a chunk instead of being
     # finished (four 5 GB shards would otherwise delay Ctrl-C by a minute); they are redone on --resume
     stop = threading.Event()
-    linker = Linker(opts.link, stop)
-    _check_space(plan, partial, linker, journal)
+    tx = OutputDir(opts.out, sources=[plan.nv.root, plan.bf.root], force=force, resume=resume,
+                   link=opts.link, stop=stop)
+    with tx:
+        return _execute(plan, tx, stop, resume, command, progress)
 
-    hasher = InputHasher()
-    result = RunResult(out, plan_hash)
+
+def _execute(plan: HybridPlan, tx: OutputDir, stop: threading.Event, resume: bool, command: str | None,
+             progress: bool) -> RunResult:
+    partial, placer = tx.partial, tx.placer
+    plan_hash = plan.plan_hash()
+    inputs = [*plan.input_files(), *(str(plan.nv.root / rel) for rel in plan.extra_files)]
+    journal = Journal(partial / JOURNAL_NAME, plan_hash, input_identity(inputs), resume)
+    _check_space(plan, partial, placer, journal)
+
+    # a resumed run re-hashes its inputs: a cached digest could predate an edit the journal missed
+    hasher = InputHasher(trust_cache=not resume)
+    result = RunResult(tx.out, plan_hash)
     roots = {"nvfp4": plan.nv.root, "bf16": plan.bf.root}
     section = partial / SHARDS_SECTION_NAME
     try:
-        for f in plan.input_files():
+        for f in inputs:
             hasher.submit(f)
-        for rel in plan.extra_files:
-            hasher.submit(str(plan.nv.root / rel))
         bar = None
         if progress:
             from tqdm import tqdm
 
             bar = tqdm(total=sum(plan.shard_bytes(s) for s in plan.shards), unit="B", unit_scale=True,
                        desc="assemble", leave=False)
-        kill_after = int(os.environ.get("QTOOL_TEST_KILL_AFTER_SHARDS", "0") or 0)
         todo = []
         for s in plan.shards:
-            if journal.is_done(partial, s.name):
+            if journal.file_done(partial, s.name):
                 result.shards_resumed += 1
+                if s.action is not ShardAction.LINK:
+                    hasher.submit_output(str(partial / s.name))
                 if bar is not None:
                     bar.update(plan.shard_bytes(s))
             else:
@@ -300,16 +254,18 @@ def execute(plan: HybridPlan, *, force: bool = False, resume: bool = False, comm
         # below the kernel's background-writeback threshold) overlaps other shards' reads and copies, and
         # the disk sees a deeper queue (3 GB job, the copy alone, two sets of 5 interleaved runs, medians:
         # 1 writer 4.89 s, 2: 3.83 s, 3: 3.29 s, 4: 3.11 s; 2: 3.68 s, 4: 3.54 s, 6: 3.52 s, 8: 3.66 s).
-        # Only journaled shards count as done, so a crash redoes the ones in flight.
+        # Only journaled shards count as done, so a crash redoes the ones in flight. A written shard is
+        # hashed (for the manifest's `files`) by the hasher's threads right after it is journaled, while
+        # its bytes are still in the page cache.
         with ThreadPoolExecutor(max_workers=WRITERS, thread_name_prefix="qtool-shard") as pool:
             # Largest first: a big shard (e.g. a new one holding a grafted MTP head) started last would
             # finish alone, long after the others; unchanged ones before all (cheap when linked, and a
             # copied one counts as having a header only once placed).
             order = sorted(todo, key=lambda s: (s.action is not ShardAction.LINK, -plan.shard_bytes(s)))
-            futures = [(s, pool.submit(_place_shard, s, partial / s.name, plan.shard_bytes(s), linker, headers,
+            futures = [(s, pool.submit(_place_shard, s, partial / s.name, plan.shard_bytes(s), placer, headers,
                                        stop)) for s in order]
             try:
-                expect = _work_without_shard_bytes(plan, partial, section, roots)
+                expect = _work_without_shard_bytes(plan, partial, section, roots, placer)
                 for s, fut in futures:
                     while started is None and not fut.done():
                         if headers.done.wait(0.05):
@@ -318,14 +274,11 @@ def execute(plan: HybridPlan, *, force: bool = False, resume: bool = False, comm
                     method = fut.result()
                     if method is None:
                         result.shards_written += 1
+                        hasher.submit_output(str(partial / s.name))
                     else:
                         result.shards_linked[method] = result.shards_linked.get(method, 0) + 1
                     size = plan.shard_bytes(s)
-                    journal.record(s.name, size)
-                    if after_shard is not None:
-                        after_shard(s.name)
-                    if kill_after and result.shards_written + sum(result.shards_linked.values()) >= kill_after:
-                        os.kill(os.getpid(), signal.SIGKILL)
+                    journal.record(s.name, size=size)
                     if bar is not None:
                         bar.update(size)
             except BaseException:
@@ -339,22 +292,18 @@ def execute(plan: HybridPlan, *, force: bool = False, resume: bool = False, comm
             plan.release_tensors()
             started = start_checks(partial, expect)
         checks = finish_checks(started, lambda: _source_problems(plan))
-        _fsync_side_files(plan, partial)
         result.checks = checks
         digests = hasher.results()
     except BaseException:
         hasher.close()
         raise
-    sources = {
-        "nvfp4": {"path": str(plan.nv.root), "files": {}},
-        "bf16": {"path": str(plan.bf.root), "files": {}},
-    }
-    for f, d in digests.items():
-        key = "nvfp4" if Path(f).is_relative_to(plan.nv.root) else "bf16"
-        sources[key]["files"][os.path.relpath(f, sources[key]["path"])] = {"sha256": d,
-                                                                           "bytes": os.path.getsize(f)}
+    sources = {"nvfp4": source_entry(plan.nv.root, {f: d for f, d in digests.items()
+                                                    if Path(f).is_relative_to(plan.nv.root)}),
+               "bf16": source_entry(plan.bf.root, {f: d for f, d in digests.items()
+                                                   if Path(f).is_relative_to(plan.bf.root)})}
     write_manifest(partial / MANIFEST_NAME, kind="assemble hybrid", command=command, sources=sources,
-                   shards_section=section, summary={**plan.summary(), "plan_hash": plan_hash}, checks=checks)
+                   shards_section=section, summary={**plan.summary(), "plan_hash": plan_hash}, checks=checks,
+                   files=_output_files(plan, partial, digests))
     if not checks["passed"]:
         from qtool.errors import VerificationError
 
@@ -367,5 +316,18 @@ def execute(plan: HybridPlan, *, force: bool = False, resume: bool = False, comm
         )
     os.unlink(partial / JOURNAL_NAME)
     fsync_dir(partial)
-    commit_output(partial, out)
+    tx.commit()
     return result
+
+
+def _output_files(plan: HybridPlan, partial: Path, digests: dict[str, str]) -> dict[str, dict]:
+    """The manifest's `files`: a linked shard has its source file's digest, a written one the digest the
+    hasher took after it was written, side files are hashed here (small)."""
+    from qtool.io.output import output_files
+
+    known = {}
+    for s in plan.shards:
+        src = s.source_file if s.action is ShardAction.LINK else str(partial / s.name)
+        if src in digests:
+            known[s.name] = digests[src]
+    return output_files(partial, known, skip=(MANIFEST_NAME, SHARDS_SECTION_NAME, JOURNAL_NAME))

@@ -25,12 +25,12 @@ from qtool.arch.qwen35 import MTP_PREFIX, Group, Naming, TEXT_PREFIX, engine_mod
 from qtool.errors import PlanError, UsageError
 from qtool.io.checkpoint import HF_QUANT_CONFIG_NAME, INDEX_NAME, Checkpoint
 from qtool.io.dtypes import DTYPE_BITS, FLOAT_DTYPES
+from qtool.io.output import MANIFEST_NAME, LinkMode, check_no_overlap
 from qtool.io.quant_config import config_ignore, hf_quant_exclude
 from qtool.io.safetensors_header import TensorInfo
 from qtool.io.tensor_table import TensorTable
 from qtool.io.writer import FileRange, OutTensor, plan_shards
 
-MANIFEST_NAME = "qtool-manifest.json"
 JOURNAL_NAME = ".qtool-journal.jsonl"
 NEW_SHARD_TEMPLATE = "model-hybrid-{i:05d}-of-{n:05d}.safetensors"
 # Files of a source directory that are never carried over (regenerated, or download bookkeeping).
@@ -43,13 +43,6 @@ class MtpMode(str, Enum):
     FROM_BF16 = "from-bf16"
     KEEP = "keep"
     DROP = "drop"
-
-
-class LinkMode(str, Enum):
-    AUTO = "auto"
-    REFLINK = "reflink"
-    HARDLINK = "hardlink"
-    COPY = "copy"
 
 
 class ShardAction(str, Enum):
@@ -603,12 +596,7 @@ def plan_hybrid(opts: HybridOptions) -> HybridPlan:
         raise UsageError("--nvfp4 source not found", path=opts.nvfp4)
     if not opts.bf16.exists():
         raise UsageError("--bf16 source not found", path=opts.bf16)
-    out_real = opts.out.resolve()
-    for src in (opts.nvfp4, opts.bf16):
-        r = src.resolve()
-        if out_real == r or r in out_real.parents or out_real in r.parents:
-            raise UsageError("the output directory overlaps a source", path=opts.out,
-                             hint="choose an -o outside both sources")
+    check_no_overlap(opts.out, (opts.nvfp4, opts.bf16))
     opts.nvfp4, opts.bf16 = opts.nvfp4.resolve(), opts.bf16.resolve()
     p = _Planner(opts)
     flavour = p.flavour()
