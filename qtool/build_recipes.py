@@ -61,7 +61,7 @@ OP_KEYS: dict[Op, tuple[set[str], set[str]]] = {
     Op.QUANTIZE: ({"recipe", "backend", "format", "samples", "seq_len", "dataset", "device"}, set()),
     Op.CONVERT: ({"to"}, set()),
     Op.ASSEMBLE: ({"nvfp4", "bf16", "bf16_expert_layers", "mtp", "link", "max_shard_size"}, {"nvfp4", "bf16"}),
-    Op.CALIBRATE_KV: ({"samples", "seq_len", "dataset", "device", "overwrite"}, set()),
+    Op.CALIBRATE_KV: ({"samples", "seq_len", "dataset", "device", "replace_scales"}, set()),
     Op.PATCH_CONFIG: ({"fixes", "ignore_add", "ignore_remove", "yarn", "original_max_position",
                        "sampling_defaults"}, set()),
     Op.VERIFY: ({"engine", "tp", "gpus", "max_model_len", "max_num_seqs", "kv_cache_dtype", "mtp", "deep"}, set()),

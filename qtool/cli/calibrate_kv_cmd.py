@@ -1,35 +1,41 @@
 """qtool calibrate-kv CKPT (-o OUT | --in-place) [--dataset builtin|FILE.txt|FILE.jsonl] [--samples N]
-[--seq-len L] [--device cpu|cuda|cuda:N] [--overwrite] [--resume] [--dry-run] [--json]"""
+[--seq-len L] [--device cpu|cuda|cuda:N] [--replace-scales] [--force] [--resume] [--dry-run] [--json] [--quiet]"""
 
 from __future__ import annotations
 
-from qtool.cli.common import add_json_flag, check_device, layer_progress, eprint, human_bytes, local_checkpoint, local_only, print_json
+from qtool.cli.common import (
+    add_output_flags,
+    check_device,
+    eprint,
+    human_bytes,
+    layer_progress,
+    local_checkpoint,
+    local_only,
+    print_json,
+    run_command_line,
+)
 from qtool.errors import UsageError
 
 
 def add_arguments(p) -> None:
     p.add_argument("checkpoint", help="checkpoint directory (BF16, NVFP4 ModelOpt/compressed-tensors, AWQ, FP8)")
-    dest = p.add_mutually_exclusive_group()
-    dest.add_argument("-o", "--output", help="write a new checkpoint directory (existing shards hardlinked)")
-    dest.add_argument("--in-place", action="store_true", help="add the scales to CKPT itself (atomic)")
+    p.add_argument("--in-place", action="store_true",
+                   help="add the scales to CKPT itself (built beside it, swapped in atomically)")
     p.add_argument("--dataset", default="builtin",
                    help="`builtin` (shipped corpus), FILE.txt, or FILE.jsonl with a `text` field per line")
     p.add_argument("--samples", type=int, default=4, help="number of token windows (default 4)")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per window (default 512)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace existing KV scales (and an existing -o OUT)")
-    p.add_argument("--resume", action="store_true", help="continue from the last finished layer")
-    p.add_argument("--dry-run", action="store_true", help="print the plan and the memory it needs; write nothing")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    add_json_flag(p)
+    p.add_argument("--replace-scales", action="store_true", help="replace the KV scales the checkpoint already has")
+    add_output_flags(p, output="optional",
+                     output_help="write a new checkpoint directory (unchanged shards linked, never written through)")
 
 
 def run(args) -> int:
     from qtool.ops import calibrate_kv
 
-    if not args.output and not args.in_place:
-        raise UsageError("say where to write: -o OUT or --in-place")
+    if bool(args.output) == bool(args.in_place):
+        raise UsageError("say where to write: -o OUT or --in-place (one of them)")
     check_device(args.device)
     with layer_progress(not (args.quiet or args.json or args.dry_run)) as progress:
         rep = calibrate_kv.run(
@@ -39,10 +45,12 @@ def run(args) -> int:
             samples=args.samples,
             seq_len=args.seq_len,
             device=args.device,
-            overwrite=args.overwrite,
+            replace_scales=args.replace_scales,
+            force=args.force,
             resume=args.resume,
             dry_run=args.dry_run,
             progress=progress,
+            command=run_command_line(),
         )
     if args.json:
         print_json(rep)

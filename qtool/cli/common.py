@@ -11,6 +11,31 @@ def add_json_flag(parser) -> None:
     parser.add_argument("--json", action="store_true", help="print one machine-readable JSON object")
 
 
+def add_output_flags(parser, *, output: str = "required", resume: bool = True, output_help: str | None = None
+                     ) -> None:
+    """The flags every writing command shares, with one meaning each (README "One contract"):
+    -o/--output (`required`, `optional`, or `none` for commands that write in place), --force (replace an
+    OUT that qtool made), --resume, --dry-run, --quiet and --json."""
+    if output != "none":
+        parser.add_argument("-o", "--output", metavar="OUT", required=output == "required",
+                            help=output_help or "output directory (written as OUT.partial/, then renamed)")
+        parser.add_argument("--force", action="store_true",
+                            help="replace an existing OUT that qtool made (any other directory is refused)")
+    if resume:
+        parser.add_argument("--resume", action="store_true",
+                            help="continue an interrupted run of the same command from OUT.partial/")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan (headers and configs only); write nothing")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_json_flag(parser)
+
+
+def run_command_line() -> str:
+    """This process's qtool command line for a manifest, secrets redacted (qtool.ops.manifest)."""
+    from qtool.ops.manifest import command_line
+
+    return command_line(["qtool", *sys.argv[1:]])
+
+
 def print_json(obj) -> None:
     print(json.dumps(obj, indent=2, default=str))
 

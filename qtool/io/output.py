@@ -275,12 +275,10 @@ class OutputLock:
         self.release()
 
 
-def lock_for(out: Path, *, in_place: bool = False) -> OutputLock:
-    """The lock of an output directory: `.NAME.qtool-lock` beside it (OUT and OUT.partial are renamed),
-    or `.qtool-lock` inside a checkpoint edited in place."""
+def lock_for(out: Path) -> OutputLock:
+    """The lock of an output directory (new, or a checkpoint changed in place): `.NAME.qtool-lock`
+    beside it, since OUT, OUT.partial and an in-place checkpoint are all renamed."""
     out = Path(os.path.abspath(out))
-    if in_place:
-        return OutputLock(out / LOCK_NAME, out)
     return OutputLock(out.parent / f".{out.name}{LOCK_NAME}", out)
 
 
@@ -408,6 +406,8 @@ class OutputDir:
     Leaving the block without commit (an error, Ctrl-C) keeps `OUT.partial/` for --resume.
     """
 
+    in_place = False
+
     def __init__(self, out: str | Path, *, sources: Iterable[str | Path] = (), force: bool = False,
                  resume: bool = False, link: LinkMode = LinkMode.AUTO, stop: threading.Event | None = None,
                  file_mode: int | None = None) -> None:
@@ -514,3 +514,96 @@ def output_files(root: Path, known: dict[str, str] | None = None, skip: Iterable
             continue
         out[rel] = {"sha256": known.get(rel) or hash_file(p), "bytes": p.stat().st_size}
     return out
+
+
+# ---- in-place work: the same transaction, swapped in atomically ---------------------------------------
+
+RENAME_EXCHANGE = 2  # linux/fs.h
+
+
+def exchange_paths(a: Path, b: Path) -> bool:
+    """Atomically swap two directory entries (renameat2 RENAME_EXCHANGE, Linux >= 3.15); False where the
+    kernel, libc or filesystem cannot."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd = -100
+    rc = fn(at_fdcwd, os.fsencode(str(a)), at_fdcwd, os.fsencode(str(b)), RENAME_EXCHANGE)
+    return rc == 0
+
+
+class InPlaceDir(OutputDir):
+    """In-place work on the checkpoint `root`, atomic for indexed and unindexed checkpoints alike: the
+    new state is built in `root.partial/` (every file of `root` hard-linked, so unchanged shards cost
+    nothing; the op replaces or removes entries there, never writing through a link), then swapped with
+    `root` in one renameat2(RENAME_EXCHANGE). Readers see the old checkpoint or the new one, never a mix;
+    a kill before the swap leaves `root` untouched."""
+
+    in_place = True
+
+    def __init__(self, root: str | Path, *, resume: bool = False) -> None:
+        super().__init__(root, force=True, resume=resume, file_mode=source_file_mode(Path(root)))
+    def check(self) -> None:
+        if not self.out.is_dir():
+            raise WriteError("the checkpoint to change in place is not a directory", path=self.out)
+        parent = Path(os.path.abspath(self.out)).parent
+        if not os.access(parent, os.W_OK | os.X_OK) or not os.access(self.out, os.W_OK | os.X_OK):
+            raise WriteError("the checkpoint (or the directory holding it) is not writable", path=self.out,
+                             hint="in-place work builds the new state beside the checkpoint and swaps it in: "
+                             "fix the permissions, or write a new checkpoint with -o instead")
+
+    def __enter__(self) -> "InPlaceDir":
+        self.check()
+        self.lock.acquire()
+        try:
+            old = self.out.with_name(self.out.name + ".old")
+            if old.exists():  # a swap whose clean-up was interrupted
+                shutil.rmtree(old)
+            keep = self.resume and self.partial.exists()
+            if self.partial.exists() and not keep:
+                shutil.rmtree(self.partial)
+            self.partial.mkdir(exist_ok=True)
+            self._link_tree()
+        except OSError as e:
+            self.lock.release()
+            raise write_error("cannot prepare the in-place change", e, self.partial) from None
+        except BaseException:
+            self.lock.release()
+            raise
+        return self
+
+    def _link_tree(self) -> None:
+        """Hard-link every file of the checkpoint into the partial tree (files already there are kept:
+        they are the resumed run's work or links made before)."""
+        for dirpath, dirnames, filenames in os.walk(self.out):
+            rel = os.path.relpath(dirpath, self.out)
+            (self.partial / rel).mkdir(parents=True, exist_ok=True)
+            for f in filenames:
+                dst = self.partial / rel / f
+                if os.path.lexists(dst):
+                    continue
+                src = os.path.join(dirpath, f)
+                if os.path.islink(src):
+                    os.symlink(os.readlink(src), dst)
+                else:
+                    os.link(src, dst)
+
+    def commit(self) -> None:
+        self.set_modes()
+        fsync_dir(self.partial)
+        old = self.out.with_name(self.out.name + ".old")
+        try:
+            if exchange_paths(self.partial, self.out):
+                os.rename(self.partial, old)  # now the previous state
+            else:  # no atomic swap here: two renames (a crash between them leaves both names)
+                os.rename(self.out, old)
+                os.rename(self.partial, self.out)
+        except OSError as e:
+            raise write_error("cannot swap the changed checkpoint into place", e, self.out) from None
+        fsync_dir(Path(os.path.abspath(self.out)).parent)
+        shutil.rmtree(old, ignore_errors=True)
+        self.committed = True

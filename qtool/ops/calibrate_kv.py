@@ -36,11 +36,19 @@ from pathlib import Path
 
 from qtool.arch.qwen35 import Group, layer_prefix
 from qtool.errors import PlanError, UsageError, WriteError
-from qtool.io.atomic_dir import commit_output, partial_path, prepare_output
+from qtool.io.output import (
+    MANIFEST_NAME,
+    InPlaceDir,
+    OutputDir,
+    check_no_overlap,
+    input_identity,
+    new_file,
+    partial_path,
+)
 from qtool.io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG_NAME, INDEX_NAME, Checkpoint
 from qtool.io.jsonio import load_json, write_json
 from qtool.io.quant_config import HfQuantSchema, hf_quant_schema
-from qtool.io.writer import FileRange, InlineBytes, OutTensor, index_json, write_shard, write_shard_atomic
+from qtool.io.writer import FileRange, InlineBytes, OutTensor, index_json, write_shard
 
 FP8_E4M3_MAX = 448.0
 OUTLIER_RATIO = 10.0
@@ -150,7 +158,7 @@ def plan(
     seq_len: int = 512,
     dataset: str = "builtin",
     device: str = "cpu",
-    overwrite: bool = False,
+    replace_scales: bool = False,
     dtype: str | None = None,
 ) -> KvPlan:
     from qtool.ops.layer_stream import LayerStreamer
@@ -164,12 +172,12 @@ def plan(
     conv = _convention(ckpt, mm)
     names = {i: scale_names(i, mm.naming, conv) for i in layers}
     existing = sorted(n for n, r in mm.roles.items() if r.group is Group.KV_SCALE)
-    if existing and not overwrite:
+    if existing and not replace_scales:
         raise PlanError(
             f"the checkpoint already has {len(existing)} KV-scale tensor(s)",
             path=ckpt.root,
             tensor=existing[0],
-            hint="pass --overwrite to replace them",
+            hint="pass --replace-scales to replace them",
         )
     by_shard: dict[str, list[str]] = {}
     for n in existing:
@@ -183,11 +191,9 @@ def plan(
         kv_shard = f"model-kv-scales-{k}.safetensors"
     out_p = Path(out) if out is not None else None
     if out_p is not None:
-        if out_p.resolve() == ckpt.root.resolve():
-            raise UsageError("-o OUT is the checkpoint itself", path=out_p, hint="use --in-place instead")
-        work = partial_path(out_p) / ".calibrate-kv"
-    else:
-        work = ckpt.root.parent / (ckpt.root.name + ".calibrate-kv.partial")
+        check_no_overlap(out_p, [ckpt.root])
+    # the hidden states and the journal live in the transaction's partial directory (-o and --in-place)
+    work = partial_path(out_p if out_p is not None else ckpt.root) / ".calibrate-kv"
     changes = []
     qc = ckpt.quantization_config
     if isinstance(qc, dict):
@@ -274,6 +280,8 @@ def _journal_key(p: KvPlan, digest: str, dtype: str) -> str:
         h.update(f"{n}|{i.dtype}|{list(i.shape)}|{os.path.getsize(i.file)}\n".encode())
     h.update(json.dumps(p.ckpt.text_config, sort_keys=True).encode())
     h.update(f"{digest}|{dtype}|{p.samples}|{p.seq_len}".encode())
+    # what the forward reads: a same-size edit of a shard with its mtime put back changes the key
+    h.update(json.dumps(input_identity(h_.path for h_ in p.ckpt.headers.values())).encode())
     return h.hexdigest()[:32]
 
 
@@ -401,42 +409,16 @@ def _stripped_shard(ckpt: Checkpoint, shard: str, remove: set[str]) -> list[OutT
     return out
 
 
-def _link_or_copy(src: Path, dst: Path) -> str:
-    try:
-        os.link(src, dst)
-        return "hardlink"
-    except OSError:
-        pass
-    with open(src, "rb") as fi, open(dst, "wb") as fo:
-        n = os.fstat(fi.fileno()).st_size
-        off = 0
-        try:
-            while off < n:
-                c = os.copy_file_range(fi.fileno(), fo.fileno(), n - off, off, off)
-                if c == 0:
-                    break
-                off += c
-        except OSError:
-            pass
-        if off < n:
-            fi.seek(off)
-            fo.seek(off)
-            shutil.copyfileobj(fi, fo, 8 << 20)
-        os.fsync(fo.fileno())
-    return "copy"
-
-
-def write_output(p: KvPlan, stats: dict[int, LayerStat]) -> dict:
+def write_output(p: KvPlan, stats: dict[int, LayerStat], tx: OutputDir, command: str | None = None) -> dict:
+    """Write the calibrated checkpoint into the transaction's partial directory and commit it. -o: the
+    source's unchanged files are placed there (links); --in-place: the partial directory already holds
+    links of every file (InPlaceDir), and the changed ones replace them there."""
     ckpt = p.ckpt
+    dest = tx.partial
     remove = set(p.remove)
     new_tensors = _kv_tensors(p, stats)
     weight_map = {n: ckpt.shard_of(n) for n in ckpt.tensors if n not in remove}
-    rewritten = {}  # old shard -> new shard name
-    for s in p.rewrite_shards:
-        rewritten[s] = s if p.out is not None else s.replace(".safetensors", "-nokv.safetensors")
-    for n, s in list(weight_map.items()):
-        if s in rewritten:
-            weight_map[n] = rewritten[s]
+    rewritten = sorted(p.rewrite_shards)  # shards that keep their name, minus the replaced scales
     for t in new_tensors:
         weight_map[t.name] = p.kv_shard
     dropped = sorted(s for s in ckpt.headers if s not in set(weight_map.values()))
@@ -446,48 +428,55 @@ def write_output(p: KvPlan, stats: dict[int, LayerStat]) -> dict:
     index["metadata"] = {**(ckpt.index or {}).get("metadata", {}), "total_size": total}
     index_style = load_json(ckpt.root / INDEX_NAME)[1] if ckpt.index is not None else None
     configs = _patched_configs(p)
-    files = {"new_shard": p.kv_shard, "rewritten_shards": sorted(rewritten.values()), "configs": [c[0] for c in configs]}
-
-    if p.out is not None:
-        dest = partial_path(p.out)
-        links: set[str] = set()
-        patched = {c[0] for c in configs}
+    patched = {c[0] for c in configs} | {INDEX_NAME}
+    files = {"new_shard": p.kv_shard, "rewritten_shards": rewritten, "configs": [c[0] for c in configs]}
+    changed = set(dropped) | set(rewritten) | {p.kv_shard} | patched
+    links: set[str] = set()
+    if tx.in_place:
+        for s in dropped:
+            if os.path.lexists(dest / s):
+                os.unlink(dest / s)
+    else:
         for entry in sorted(ckpt.root.iterdir()):
-            if not entry.is_file() or entry.name in (INDEX_NAME,) or entry.name in remove:
-                continue
-            if entry.suffix == ".safetensors":
-                if entry.name in dropped or entry.name in rewritten or entry.name == p.kv_shard:
-                    continue
-                links.add(_link_or_copy(entry, dest / entry.name))
-            elif entry.name not in patched:
-                shutil.copy2(entry, dest / entry.name)
-        for s, new in rewritten.items():
-            write_shard(dest / new, _stripped_shard(ckpt, s, remove))
-        write_shard(dest / p.kv_shard, new_tensors)
-        for name, obj, style in configs:
-            write_json(dest / name, obj, style)
-        write_json(dest / INDEX_NAME, index, index_style)
-        shutil.rmtree(p.work_dir, ignore_errors=True)
-        commit_output(dest, p.out)
-        files["output"] = str(p.out)
-        files["shards_reused_by"] = sorted(links) or ["none"]
-        return files
-
-    # In place: new shards and configs first (temp + rename), the index last, then drop orphans.
-    root = ckpt.root
-    for s, new in rewritten.items():
-        write_shard_atomic(root / new, _stripped_shard(ckpt, s, remove))
-    write_shard_atomic(root / p.kv_shard, new_tensors)
+            if entry.is_file() and entry.name not in changed and entry.name != MANIFEST_NAME:
+                links.add(tx.placer.place(entry, dest / entry.name))
+    for s in rewritten:
+        write_shard(dest / s, _stripped_shard(ckpt, s, remove), ckpt.headers[s].metadata or None,
+                    mode=tx.file_mode)
+    write_shard(dest / p.kv_shard, new_tensors, {"format": "pt"}, mode=tx.file_mode)
     for name, obj, style in configs:
-        write_json(root / name, obj, style)
-    write_json(root / INDEX_NAME, index, index_style)
-    for s in dropped:
-        if s != p.kv_shard:
-            os.unlink(root / s)
+        write_json(dest / name, obj, style)
+    write_json(dest / INDEX_NAME, index, index_style)
     shutil.rmtree(p.work_dir, ignore_errors=True)
-    files["output"] = str(root)
-    files["removed_shards"] = [s for s in dropped if s != p.kv_shard]
+    _write_manifest(p, tx, command, files)
+    tx.commit()
+    files["output"] = str(tx.out)
+    if tx.in_place:
+        files["removed_shards"] = [s for s in dropped if s != p.kv_shard]
+    else:
+        files["shards_reused_by"] = sorted(links) or ["none"]
     return files
+
+
+def _write_manifest(p: KvPlan, tx: OutputDir, command: str | None, files: dict) -> None:
+    from qtool.io.output import output_files
+    from qtool.ops.manifest import InputHasher, read_manifest, source_entry, write_manifest
+
+    hasher = InputHasher()
+    inputs = sorted({h.path for h in p.ckpt.headers.values()})
+    for f in inputs:
+        hasher.submit(f)
+    extra = {"kv_cache": {"convention": p.convention.value, "layers": p.layers, "scale_tensors": files}}
+    old = tx.partial / MANIFEST_NAME
+    if old.is_file():  # in place over a qtool artifact: keep what made it
+        try:
+            prev = read_manifest(old)
+            extra["previous"] = {k: v for k, v in prev.items() if k not in ("shards", "files")}
+        except (OSError, ValueError):
+            pass
+    write_manifest(tx.partial / MANIFEST_NAME, kind="calibrate-kv", command=command,
+                   sources={"checkpoint": source_entry(p.ckpt.root, hasher.results())},
+                   summary=p.to_json(), checks={}, files=output_files(tx.partial), extra=extra)
 
 
 # ---- the whole operation ---------------------------------------------------------------------------
@@ -501,13 +490,15 @@ def run(
     samples: int = 4,
     seq_len: int = 512,
     device: str = "cpu",
-    overwrite: bool = False,
+    replace_scales: bool = False,
+    force: bool = False,
     resume: bool = False,
     dry_run: bool = False,
     progress=None,
+    command: str | None = None,
 ) -> dict:
     p = plan(ckpt_path, out=out, samples=samples, seq_len=seq_len, dataset=dataset, device=device,
-             overwrite=overwrite)
+             replace_scales=replace_scales)
     report = {"plan": p.to_json()}
     if dry_run:
         return report
@@ -523,17 +514,15 @@ def run(
     if int(calib.ids.max()) >= vocab:
         raise PlanError("the tokenizer gives ids beyond the model's vocab_size", expected=f"< {vocab}",
                         got=int(calib.ids.max()), hint="the tokenizer does not belong to this checkpoint")
-    if p.out is not None:
-        prepare_output(p.out, force=overwrite, resume=resume)
-    elif not resume and p.work_dir.exists():
-        shutil.rmtree(p.work_dir)
-    stats, timing = calibrate(p, calib.ids, resume=resume, progress=progress)
-    report["layers"] = [stats[i].to_json() for i in p.layers]
-    report["warnings"] = p.warnings + outlier_warnings(stats)
-    report["timing"] = timing
-    report["calibration"] = {"dataset": dataset, "digest": calib.digest, "tokens": calib.tokens,
-                             "available_tokens": calib.available_tokens}
-    if p.out is None and not os.access(p.ckpt.root, os.W_OK):
-        raise WriteError("checkpoint directory is not writable", path=p.ckpt.root)
-    report["output"] = write_output(p, stats)
+    # the transaction (lock, writability, the --force rules) is taken before the forward pass
+    tx = (OutputDir(p.out, sources=[p.ckpt.root], force=force, resume=resume) if p.out is not None
+          else InPlaceDir(p.ckpt.root, resume=resume))
+    with tx:
+        stats, timing = calibrate(p, calib.ids, resume=resume, progress=progress)
+        report["layers"] = [stats[i].to_json() for i in p.layers]
+        report["warnings"] = p.warnings + outlier_warnings(stats)
+        report["timing"] = timing
+        report["calibration"] = {"dataset": dataset, "digest": calib.digest, "tokens": calib.tokens,
+                                 "available_tokens": calib.available_tokens}
+        report["output"] = write_output(p, stats, tx, command)
     return report

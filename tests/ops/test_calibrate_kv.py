@@ -79,7 +79,7 @@ def test_bf16_scales_equal_full_forward_hooks(request, tmp_path):
 @pytest.mark.parametrize("name", ["tiny_nvfp4_modelopt", "tiny_nvfp4_ct"])
 def test_nvfp4_scales_equal_full_forward_of_dequantized_model(request, tmp_path, name):
     ckpt = fixture_dir(request, name)
-    p, stats = _calibrate(ckpt, tmp_path, overwrite=True)
+    p, stats = _calibrate(ckpt, tmp_path, replace_scales=True)
     model = dense_text_model(ckpt)
     with capture_kv_full_model() as (rec, attach), torch.no_grad():
         attach(model.layers)
@@ -119,7 +119,7 @@ def test_modelopt_output_convention_configs_and_links(request, tmp_path):
     out = tmp_path / "out"
     with pytest.raises(PlanError, match="already has"):
         ck.run(src, out=out, samples=N, seq_len=L)
-    rep = ck.run(src, out=out, samples=N, seq_len=L, overwrite=True)
+    rep = ck.run(src, out=out, samples=N, seq_len=L, replace_scales=True)
     ckpt = Checkpoint.open(out)
     for i in (3, 7):
         for n in (f"model.language_model.layers.{i}.self_attn.k_proj.k_scale",
@@ -178,16 +178,16 @@ def test_in_place_ct_then_overwrite_then_resume(request, tmp_path):
     LayerStreamer.load_layer = crashing
     try:
         with pytest.raises(RuntimeError, match="simulated"):
-            ck.run(work, out=None, samples=N, seq_len=L, overwrite=True)
+            ck.run(work, out=None, samples=N, seq_len=L, replace_scales=True)
     finally:
         LayerStreamer.load_layer = real
-    journal = json.loads((tmp_path / "ct.calibrate-kv.partial" / "journal.json").read_text())
+    journal = json.loads((tmp_path / "ct.partial" / ".calibrate-kv" / "journal.json").read_text())
     assert journal["next_layer"] == 5 and [s["layer"] for s in journal["stats"]] == [3]
-    rep2 = ck.run(work, out=None, samples=N, seq_len=L, overwrite=True, resume=True)
+    rep2 = ck.run(work, out=None, samples=N, seq_len=L, replace_scales=True, resume=True)
     assert rep2["timing"]["resumed_from_layer"] == 5
     assert rep2["layers"] == rep["layers"]
     assert Checkpoint.open(work).tensors.keys() == ckpt.tensors.keys()
-    assert not (tmp_path / "ct.calibrate-kv.partial").exists()
+    assert not (tmp_path / "ct.partial").exists() and not (tmp_path / "ct.old").exists()
 
 
 def test_bf16_dry_run_and_cli(request, tmp_path, capsys):

@@ -82,7 +82,8 @@ def run_calibrate_kv(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
     p = sp.step.params
     rep = mod.run(src, out=sp.dir, dataset=p.get("dataset", "builtin"), samples=int(p.get("samples", 4)),
                   seq_len=int(p.get("seq_len", 512)), device=p.get("device", "cpu"),
-                  overwrite=bool(p.get("overwrite", False)), resume=ctx.get("resume", False))
+                  replace_scales=bool(p.get("replace_scales", False)), force=True, resume=ctx.get("resume", False),
+                  command=ctx.get("command"))
     return {"layers": rep.get("layers"), "warnings": rep.get("warnings"), "calibration": rep.get("calibration")}
 
 
@@ -225,7 +226,8 @@ def validate_step(bp: BuildPlan, sp: StepPlan) -> dict:
     if st.op is Op.CALIBRATE_KV:
         mod = op_module(Op.CALIBRATE_KV, "qtool.ops.calibrate_kv")
         kp = mod.plan(src, out=sp.dir, samples=int(st.params.get("samples", 4)),
-                      seq_len=int(st.params.get("seq_len", 512)), overwrite=bool(st.params.get("overwrite", False)))
+                      seq_len=int(st.params.get("seq_len", 512)),
+                      replace_scales=bool(st.params.get("replace_scales", False)))
         return {"status": "planned", "layers": kp.layers, "changes": kp.config_changes, "warnings": kp.warnings}
     if st.op is Op.QUANTIZE:
         mod = op_module(Op.QUANTIZE, "qtool.ops.quantize")
