@@ -1,23 +1,21 @@
-"""qtool convert SRC -o OUT --to modelopt|compressed-tensors [--force] [--dry-run] [--json]"""
+"""qtool convert SRC -o OUT --to modelopt|compressed-tensors [--force] [--resume] [--dry-run] [--json] [--quiet]"""
 
 from __future__ import annotations
 
-from qtool.cli.common import add_json_flag, local_checkpoint, print_json
+from qtool.cli.common import add_output_flags, local_checkpoint, print_json, run_command_line
 
 
 def add_arguments(p) -> None:
     p.add_argument("checkpoint", help="NVFP4 checkpoint (ModelOpt or compressed-tensors)")
-    p.add_argument("-o", "--output", required=True, help="output directory")
     p.add_argument("--to", required=True, choices=["modelopt", "compressed-tensors"], help="target flavour")
-    p.add_argument("--force", action="store_true", help="replace an existing OUT")
-    p.add_argument("--dry-run", action="store_true", help="print what would change; write nothing")
-    add_json_flag(p)
+    add_output_flags(p)
 
 
 def run(args) -> int:
     from qtool.ops import convert
 
-    rep = convert.run(local_checkpoint(args.checkpoint), out=args.output, to=args.to, force=args.force, dry_run=args.dry_run)
+    rep = convert.run(local_checkpoint(args.checkpoint), out=args.output, to=args.to, force=args.force,
+                      resume=args.resume, dry_run=args.dry_run, command=run_command_line())
     if args.json:
         print_json(rep)
         return 0

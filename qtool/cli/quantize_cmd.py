@@ -1,17 +1,23 @@
 """qtool quantize SRC -o OUT --recipe RECIPE [--backend rtn|modelopt|llmcompressor]
 [--format modelopt|compressed-tensors|awq] [--dataset builtin|FILE] [--samples N] [--seq-len L]
-[--device cpu|cuda[:N]] [--resume] [--force] [--dry-run] [--json]"""
+[--device cpu|cuda[:N]] [--resume] [--force] [--dry-run] [--json] [--quiet]"""
 
 from __future__ import annotations
 
-import sys
-
-from qtool.cli.common import add_json_flag, check_device, layer_progress, eprint, human_bytes, local_checkpoint, print_json
+from qtool.cli.common import (
+    add_output_flags,
+    check_device,
+    eprint,
+    human_bytes,
+    layer_progress,
+    local_checkpoint,
+    print_json,
+    run_command_line,
+)
 
 
 def add_arguments(p) -> None:
     p.add_argument("checkpoint", help="BF16 source checkpoint directory")
-    p.add_argument("-o", "--output", required=True, help="output directory (written via OUT.partial/)")
     p.add_argument("--recipe", required=True, help="shipped recipe name (see recipes/) or a YAML path")
     p.add_argument("--backend", choices=["rtn", "modelopt", "llmcompressor"], help="default: the recipe's")
     p.add_argument("--format", choices=["modelopt", "compressed-tensors", "awq"], help="default: the recipe's")
@@ -19,11 +25,7 @@ def add_arguments(p) -> None:
     p.add_argument("--samples", type=int, default=16, help="calibration windows (default 16)")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per window (default 512)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--resume", action="store_true", help="continue after the last finished layer")
-    p.add_argument("--force", action="store_true", help="replace an existing OUT")
-    p.add_argument("--dry-run", action="store_true", help="print the plan and memory estimate; write nothing")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    add_json_flag(p)
+    add_output_flags(p)
 
 
 def run(args) -> int:
@@ -39,7 +41,7 @@ def run(args) -> int:
             fmt=OutFormat(args.format) if args.format else None,
             dataset=args.dataset, samples=args.samples, seq_len=args.seq_len, device=args.device,
             resume=args.resume, force=args.force, dry_run=args.dry_run, progress=progress,
-            command=" ".join(["qtool", *sys.argv[1:]]),
+            command=run_command_line(),
         )
     if args.json:
         print_json(rep)

@@ -72,7 +72,7 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     """Write `text` to `path` so that readers see either the old or the new file, never a partial one."""
     path = Path(path)
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".qtool-tmp", dir=path.parent)
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(text)

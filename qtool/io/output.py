@@ -124,6 +124,14 @@ def _symlink(src: str, dst: str, mode: int, stop) -> bool:
         return False
 
 
+TMP_SUFFIX = ".qtool-tmp"  # every temporary file qtool makes ends so; a commit sweeps leftovers
+
+
+def copy_file(src: str | Path, dst: str | Path, mode: int = 0o644) -> None:
+    """Copy `src` to a NEW file `dst` (kernel-side, fsynced): side files and small inputs."""
+    _copy(str(src), str(dst), mode, None)
+
+
 def _copy(src: str, dst: str, mode: int, stop) -> bool:
     from qtool.io.writer import copy_range
 
@@ -464,8 +472,14 @@ class OutputDir:
                 if st.st_nlink == 1 and st.st_mode & 0o777 != self.file_mode:
                     os.chmod(p, self.file_mode)
 
+    def sweep(self) -> None:
+        """Remove temporary files a killed run left behind (a resumed run would otherwise publish them)."""
+        for p in self.partial.rglob("*" + TMP_SUFFIX):
+            p.unlink()
+
     def commit(self) -> None:
         """Rename the finished `OUT.partial/` to OUT (a qtool-made OUT is replaced only now)."""
+        self.sweep()
         self.set_modes()
         fsync_dir(self.partial)
         out = self.out
@@ -593,6 +607,7 @@ class InPlaceDir(OutputDir):
                     os.link(src, dst)
 
     def commit(self) -> None:
+        self.sweep()
         self.set_modes()
         fsync_dir(self.partial)
         old = self.out.with_name(self.out.name + ".old")

@@ -182,7 +182,7 @@ def write_shard_atomic(path: str | Path, tensors: list[OutTensor], metadata: dic
     """write_shard to a temporary name next to `path`, then rename: readers see the old shard or the new
     one, never a partial one (the temporary file is removed on failure)."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.qtool-tmp")
+    tmp = path.with_name(f".{path.name}.qtool-tmp")  # qtool.io.output.TMP_SUFFIX
     try:
         size = write_shard(tmp, tensors, metadata, mode=mode)
         os.replace(tmp, path)

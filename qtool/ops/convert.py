@@ -21,8 +21,9 @@ ignore the extra file.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
-import shutil
 import struct
 from enum import Enum
 from pathlib import Path
@@ -30,12 +31,21 @@ from pathlib import Path
 from qtool.arch.model_map import Format, build_map
 from qtool.arch.qwen35 import Group
 from qtool.errors import PlanError, UsageError
-from qtool.io.atomic_dir import commit_output, prepare_output
 from qtool.io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG_NAME, INDEX_NAME, Checkpoint
-from qtool.io.jsonio import load_json, write_json
+from qtool.io.jsonio import atomic_write_text, load_json, write_json
+from qtool.io.output import (
+    MANIFEST_NAME,
+    Journal,
+    OutputDir,
+    check_no_overlap,
+    copy_file,
+    input_identity,
+    output_files,
+)
 from qtool.io.writer import FileRange, InlineBytes, OutTensor, index_json, write_shard
 
 SIDECAR = "qtool-convert.json"
+JOURNAL_NAME = ".qtool-journal.jsonl"
 
 
 class Flavour(str, Enum):
@@ -99,22 +109,15 @@ def plan(src: str | Path, *, out: str | Path, to: Flavour) -> dict:
     have = detect(mm)
     if have is to:
         raise UsageError(f"the checkpoint already is {to.value}", path=ckpt.root)
+    check_no_overlap(Path(out), [ckpt.root])
     ren = _renames(mm, to)
     touched = sorted({ckpt.shard_of(n) for n in ren})
     return {"ckpt": ckpt, "mm": mm, "from": have, "to": to, "renames": ren, "rewrite": touched,
             "link": sorted(s for s in ckpt.headers if s not in touched), "out": Path(out)}
 
 
-def _link_or_copy(src: Path, dst: Path) -> str:
-    try:
-        os.link(src, dst)
-        return "hardlink"
-    except OSError:
-        shutil.copy2(src, dst)
-        return "copy"
-
-
-def run(src: str | Path, *, out: str | Path, to: Flavour | str, force: bool = False, dry_run: bool = False) -> dict:
+def run(src: str | Path, *, out: str | Path, to: Flavour | str, force: bool = False, resume: bool = False,
+        dry_run: bool = False, command: str | None = None) -> dict:
     to = Flavour(to)
     p = plan(src, out=out, to=to)
     ckpt = p["ckpt"]
@@ -128,11 +131,23 @@ def run(src: str | Path, *, out: str | Path, to: Flavour | str, force: bool = Fa
         if side.get("from") != to.value:
             side = None
     restore = (side or {}).get("scalars", {})
-    partial = prepare_output(p["out"], force=force)
+    with OutputDir(p["out"], sources=[ckpt.root], force=force, resume=resume) as tx:
+        _write(p, tx, side, restore, report, command)
+    return report
+
+
+def _write(p: dict, tx: OutputDir, side: dict | None, restore: dict, report: dict, command: str | None) -> None:
+    ckpt, to, partial = p["ckpt"], p["to"], tx.partial
+    plan_hash = hashlib.sha256(json.dumps([to.value, sorted(p["renames"].items()), p["rewrite"], p["link"]]
+                                          ).encode()).hexdigest()
+    journal = Journal(partial / JOURNAL_NAME, plan_hash, input_identity(h.path for h in ckpt.headers.values()),
+                      tx.resume)
     recorded: dict[str, int] = {}
     ways = set()
     for s in p["link"]:
-        ways.add(_link_or_copy(ckpt.root / s, partial / s))
+        if not journal.file_done(partial, s):
+            ways.add(tx.placer.place(ckpt.root / s, partial / s))
+            journal.record(s, size=(partial / s).stat().st_size)
     weight_map = {}
     for n in ckpt.tensors:
         weight_map[p["renames"].get(n, (n, False))[0]] = ckpt.shard_of(n)
@@ -156,14 +171,16 @@ def run(src: str | Path, *, out: str | Path, to: Flavour | str, force: bool = Fa
                 items.append(OutTensor(new, info.dtype, shape, InlineBytes(data)))
             else:
                 items.append(OutTensor(new, info.dtype, shape, FileRange(info.file, info.start, info.end)))
-        write_shard(partial / s, items)
+        if not journal.file_done(partial, s):
+            size = write_shard(partial / s, items, ckpt.headers[s].metadata or None, mode=tx.file_mode)
+            journal.record(s, size=size)
     total = sum(i.nbytes for i in ckpt.tensors.values())
     index_style = load_json(ckpt.root / INDEX_NAME)[1] if (ckpt.root / INDEX_NAME).exists() else None
     write_json(partial / INDEX_NAME, index_json(weight_map, total), index_style)
     for entry in sorted(ckpt.root.iterdir()):
         if entry.is_file() and entry.suffix != ".safetensors" and entry.name not in (
-                INDEX_NAME, CONFIG_NAME, HF_QUANT_CONFIG_NAME, SIDECAR):
-            shutil.copy2(entry, partial / entry.name)
+                INDEX_NAME, CONFIG_NAME, HF_QUANT_CONFIG_NAME, SIDECAR, MANIFEST_NAME):
+            copy_file(entry, partial / entry.name, tx.file_mode)
     cfg, style = load_json(ckpt.root / CONFIG_NAME, what="config.json")
     orig_qc = cfg.get("quantization_config")
     orig_hq = ckpt.hf_quant_config
@@ -185,12 +202,18 @@ def run(src: str | Path, *, out: str | Path, to: Flavour | str, force: bool = Fa
         fmt = OutFormat.MODELOPT if to is Flavour.MODELOPT else OutFormat.COMPRESSED_TENSORS
         qc, hq = quant_configs(mm_out, Scheme.NVFP4, fmt, bool(mm_out.kv.layers), 16, versions)
         cfg["quantization_config"] = qc
+        hq_path = ckpt.root / HF_QUANT_CONFIG_NAME
         write_json(partial / SIDECAR, {"from": p["from"].value, "quantization_config": orig_qc,
                                        "hf_quant_config": orig_hq, "scalars": {
-                                           n: v for n, v in recorded.items()}})
+                                           n: v for n, v in recorded.items()},
+                                       # the file's own text, so that converting back restores its bytes
+                                       "hf_quant_config_text": hq_path.read_text() if hq_path.is_file() else None})
     write_json(partial / CONFIG_NAME, cfg, style)
-    if hq is not None:
-        write_json(partial / HF_QUANT_CONFIG_NAME, hq, ckpt.hf_quant_style if orig_hq is None else None)
+    hq_text = (side or {}).get("hf_quant_config_text")
+    if hq is not None and isinstance(hq_text, str):
+        atomic_write_text(partial / HF_QUANT_CONFIG_NAME, hq_text)
+    elif hq is not None:
+        write_json(partial / HF_QUANT_CONFIG_NAME, hq, ckpt.hf_quant_style)
     from qtool.io.quant_config import summarize
     from qtool.ops.inspect import find_problems
 
@@ -198,5 +221,14 @@ def run(src: str | Path, *, out: str | Path, to: Flavour | str, force: bool = Fa
     problems = [x.to_json() for x in find_problems(build_map(c2), summarize(c2.config, c2.hf_quant_config))]
     report["problems"] = problems
     report["shards_reused_by"] = sorted(ways)
-    commit_output(partial, p["out"])
-    return report
+    from qtool.ops.manifest import InputHasher, source_entry, write_manifest
+
+    hasher = InputHasher()
+    for f in sorted({h.path for h in ckpt.headers.values()}):
+        hasher.submit(f)
+    os.unlink(partial / JOURNAL_NAME)
+    write_manifest(partial / MANIFEST_NAME, kind="convert", command=command,
+                   sources={"checkpoint": source_entry(ckpt.root, hasher.results())},
+                   summary={k: report[k] for k in ("from", "to", "renamed_tensors", "rewritten_shards")},
+                   checks={"inspect_problems": problems}, files=output_files(partial))
+    tx.commit()

@@ -57,8 +57,8 @@ def test_output_consistent_and_manifest(q_modelopt):
     assert man["libraries"]["nvidia-modelopt"] and man["libraries"]["torch"]
     import hashlib
 
-    files = man["source"]["files"]
-    src = Path(man["source"]["path"])
+    files = man["sources"]["bf16"]["files"]
+    src = Path(man["sources"]["bf16"]["path"])
     shards = {os.path.basename(i.file) for i in Checkpoint.open(src).tensors.values()}
     assert shards | {"config.json", "tokenizer.json"} <= set(files)
     for name, f in files.items():
@@ -131,15 +131,27 @@ def test_ct_output_kld_no_worse_than_llmcompressor(tiny_bf16, calib_ids, tiny_nv
     assert kld["qwen35-nvfp4-experts"] <= 1.25 * theirs
 
 
-def test_resume_after_kill_gives_same_output(tiny_bf16, calib_ids, q_modelopt, tmp_path):
+def test_resume_after_kill_gives_same_output(tiny_bf16, calib_ids, q_modelopt, tmp_path, monkeypatch):
+    from qtool.ops.quantize import layer as layer_mod
     from qtool.ops.quantize import run
 
     out = tmp_path / "r"
     r = load_recipe("qwen35-nvfp4-experts")
-    part = run(tiny_bf16, out=out, recipe=r, calib_ids=calib_ids, stop_after_layer=3)
+    real, calls = layer_mod.write_layer_shard, []
+
+    def stop_after_layer_3(path, lp, *a, **k):
+        if lp.index == 4:
+            raise KeyboardInterrupt  # Ctrl-C during layer 4: layers 0-3 are journaled
+        calls.append(lp.index)
+        return real(path, lp, *a, **k)
+
+    monkeypatch.setattr(layer_mod, "write_layer_shard", stop_after_layer_3)
+    with pytest.raises(KeyboardInterrupt):
+        run(tiny_bf16, out=out, recipe=r, calib_ids=calib_ids)
+    monkeypatch.setattr(layer_mod, "write_layer_shard", real)
     assert not out.exists() and (tmp_path / "r.partial" / "model-layer-00003.safetensors").is_file()
     rep = run(tiny_bf16, out=out, recipe=r, calib_ids=calib_ids, resume=True)
-    assert part["stopped_after_layer"] == 3 and rep["resumed_from_layer"] == 4
+    assert calls == [0, 1, 2, 3] and rep["resumed_from_layer"] == 4
     a, b = _tensors(out), _tensors(q_modelopt[0])
     assert set(a) == set(b) and all(torch.equal(a[n], b[n]) for n in a)
 

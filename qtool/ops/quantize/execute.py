@@ -20,16 +20,16 @@ import time
 from pathlib import Path
 
 from qtool.errors import PlanError, UsageError, VerificationError
-from qtool.io.atomic_dir import commit_output, prepare_output
 from qtool.io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG_NAME, INDEX_NAME, Checkpoint
 from qtool.io.jsonio import load_json, write_json
+from qtool.io.output import MANIFEST_NAME as MANIFEST
+from qtool.io.output import OutputDir, copy_file, input_identity, output_files
 from qtool.io.writer import index_json
 from qtool.ops.quantize.plan import REST_SHARD, QuantizePlan, plan
 from qtool.recipes import Backend, KvCache, OutFormat, Recipe, Scheme
 
 JOURNAL = "journal.json"
 WORK = ".quantize"
-MANIFEST = "qtool-manifest.json"
 _SKIP_FILES = {INDEX_NAME, CONFIG_NAME, HF_QUANT_CONFIG_NAME, "recipe.yaml", MANIFEST}
 
 
@@ -40,19 +40,22 @@ def _journal_key(p: QuantizePlan, digest: str) -> str:
         h.update(f"{n}|{i.dtype}|{list(i.shape)}|{os.path.getsize(i.file)}\n".encode())
     h.update(json.dumps(p.recipe.to_json() | {"path": None}, sort_keys=True).encode())
     h.update(f"{p.backend.value}|{p.format.value}|{digest}|{p.awq_rows}".encode())
+    # a same-size edit of an input with its mtime put back changes the key (content samples)
+    h.update(json.dumps(input_identity(str(f) for f in input_files(p))).encode())
     return h.hexdigest()[:32]
 
 
-def _side_files(src: Path, dst: Path) -> list[str]:
+def _side_files(src: Path, dst: Path, mode: int) -> list[str]:
     copied = []
     for entry in sorted(src.iterdir()):
         if entry.is_file() and entry.suffix != ".safetensors" and entry.name not in _SKIP_FILES:
-            shutil.copy2(entry, dst / entry.name)
+            copy_file(entry, dst / entry.name, mode)
             copied.append(entry.name)
     return copied
 
 
-def calibrate_and_write(p: QuantizePlan, partial: Path, ids, *, resume: bool, progress=None) -> dict:
+def calibrate_and_write(p: QuantizePlan, partial: Path, ids, *, resume: bool, progress=None,
+                        mode: int = 0o644) -> dict:
     import torch
 
     from qtool.ops.calib_data import token_digest
@@ -110,7 +113,8 @@ def calibrate_and_write(p: QuantizePlan, partial: Path, ids, *, resume: bool, pr
         attention_tap(layer, None)
         remove_expert_stats(layer.mlp.experts)
         with torch.no_grad():
-            rep = write_layer_shard(partial / lp.shard, lp, layer, stats, (kv.k_amax, kv.v_amax), p, backend)
+            rep = write_layer_shard(partial / lp.shard, lp, layer, stats, (kv.k_amax, kv.v_amax), p, backend,
+                                    mode)
         entry = {"layer": lp.index, "routed_experts": lp.scheme.value, **stats.to_json()}
         if lp.full_attention:
             entry["kv"] = {"k_amax": kv.k_amax, "v_amax": kv.v_amax, "tokens": kv.tokens}
@@ -135,32 +139,24 @@ def input_files(p: QuantizePlan) -> list[Path]:
     return sorted(shards | set(side) | {p.ckpt.root / CONFIG_NAME})
 
 
-def source_files(p: QuantizePlan, hasher, side: list[str]) -> dict[str, dict]:
-    """name -> {sha256, bytes} (qtool.ops.manifest.InputHasher, the same hashing as assemble)."""
-    digests = hasher.results()
-    out = {}
-    for f in input_files(p):
-        out[os.path.relpath(f, p.ckpt.root)] = {"sha256": digests[str(f)], "bytes": f.stat().st_size}
-    return out
-
-
-def finish(p: QuantizePlan, partial: Path, report: dict, command: str | None, hasher) -> dict:
+def finish(p: QuantizePlan, tx: OutputDir, report: dict, command: str | None, hasher) -> dict:
     from qtool.arch.model_map import build_map
     from qtool.io.quant_config import summarize
     from qtool.io.writer import plan_shards
     from qtool.ops.inspect import find_problems
-    from qtool.ops.manifest import library_versions
+    from qtool.ops.manifest import library_versions, source_entry, write_manifest
     from qtool.ops.quantize.configs import quant_configs
     from qtool.ops.quantize.layer import write_rest_shard
     from qtool.ops.quantize.plan import _spec_bytes
 
+    partial = tx.partial
     groups = plan_shards([(s.name, _spec_bytes(s)) for s in p.rest], 5 * 10**9)
     by_name = {s.name: s for s in p.rest}
     weight_map: dict[str, str] = {}
     total = 0
     for k, names in enumerate(groups):
         shard = REST_SHARD.format(k)
-        write_rest_shard(partial / shard, [by_name[n] for n in names])
+        write_rest_shard(partial / shard, [by_name[n] for n in names], tx.file_mode)
         for n in names:
             weight_map[n] = shard
             total += _spec_bytes(by_name[n])
@@ -169,7 +165,7 @@ def finish(p: QuantizePlan, partial: Path, report: dict, command: str | None, ha
             weight_map[s.name] = lp.shard
             total += _spec_bytes(s)
     write_json(partial / INDEX_NAME, index_json(weight_map, total))
-    side = _side_files(p.ckpt.root, partial)
+    side = _side_files(p.ckpt.root, partial, tx.file_mode)
     cfg, style = load_json(p.ckpt.root / CONFIG_NAME, what="config.json")
     cfg.pop("quantization_config", None)
     write_json(partial / CONFIG_NAME, cfg, style)
@@ -188,29 +184,27 @@ def finish(p: QuantizePlan, partial: Path, report: dict, command: str | None, ha
     ckpt = Checkpoint.open(partial, require_config=True)
     mm = build_map(ckpt)
     problems = [pr.to_json() for pr in find_problems(mm, summarize(ckpt.config, ckpt.hf_quant_config))]
-    manifest = {
-        "qtool_version": __version__,
-        "operation": "quantize",
-        "command": command,
-        "libraries": versions,
+    shutil.rmtree(partial / WORK, ignore_errors=True)
+    extra = {
         "recipe": p.recipe.to_json(),
         "backend": p.backend.value,
         "format": p.format.value,
-        "source": {"path": str(p.ckpt.root), "files": source_files(p, hasher, side)},
         "calibration": report.get("calibration"),
         "layers": report["layers"],
-        "shards": {lp.shard: {"layer": lp.index, "routed_experts": lp.scheme.value} for lp in p.layers},
+        "layer_shards": {lp.shard: {"layer": lp.index, "routed_experts": lp.scheme.value} for lp in p.layers},
         "carried_over": {"tensors": len(p.rest), "shards": [REST_SHARD.format(k) for k in range(len(groups))]},
         "side_files": side,
-        "checks": {"inspect_problems": problems},
     }
-    write_json(partial / MANIFEST, manifest)
+    digests = hasher.results()
+    write_manifest(partial / MANIFEST, kind="quantize", command=command,
+                   sources={"bf16": source_entry(p.ckpt.root, {str(f): digests[str(f)] for f in input_files(p)})},
+                   summary={"shards": len(p.layers) + len(groups), "bytes": total}, checks={"inspect_problems": problems},
+                   files=output_files(partial), extra=extra)
     if problems:
         raise VerificationError(f"the output has {len(problems)} problem(s): {problems[0]['message']}",
                                 path=partial, got=[x["code"] for x in problems],
                                 hint="this is a qtool bug; the partial output is kept for inspection")
-    shutil.rmtree(partial / WORK, ignore_errors=True)
-    commit_output(partial, p.out)
+    tx.commit()
     return {"output": str(p.out), "shards": len(p.layers) + len(groups), "bytes": total, "side_files": side,
             "problems": problems}
 
@@ -231,13 +225,11 @@ def run(
     dry_run: bool = False,
     calib_ids=None,
     awq_rows: int = 256,
-    stop_after_layer: int | None = None,
     progress=None,
     command: str | None = None,
 ) -> dict:
     """Plan, calibrate, quantize and write. `calib_ids` ([N, L] token ids) overrides dataset/samples/seq_len
-    (library use: the same windows as another tool). `stop_after_layer` ends the run after that layer
-    with the partial output left for --resume (used by the tests to model a killed run)."""
+    (library use: the same windows as another tool)."""
     if calib_ids is not None:
         samples, seq_len = int(calib_ids.shape[0]), int(calib_ids.shape[1])
     p = plan(src, out=out, recipe=recipe, backend=backend, fmt=fmt, samples=samples, seq_len=seq_len,
@@ -261,22 +253,17 @@ def run(
 
         ids = calib_ids
         report["calibration"] = {"dataset": "ids", "digest": token_digest(ids), "tokens": int(ids.numel())}
-    partial = prepare_output(p.out, force=force, resume=resume)
-    if stop_after_layer is not None:
-        p.layers = [lp for lp in p.layers if lp.index <= stop_after_layer]
-        res = calibrate_and_write(p, partial, ids, resume=resume, progress=progress)
-        report.update(res)
-        report["stopped_after_layer"] = stop_after_layer
-        return report
     from qtool.ops.manifest import InputHasher
 
-    hasher = InputHasher()  # hashes the inputs in background threads while the layers run
-    try:
-        for f in input_files(p):
-            hasher.submit(str(f))
-        res = calibrate_and_write(p, partial, ids, resume=resume, progress=progress)
-        report.update(res)
-        report["output"] = finish(p, partial, report, command, hasher)
-    finally:
-        hasher.close()
+    with OutputDir(p.out, sources=[p.ckpt.root], force=force, resume=resume) as tx:
+        # a resumed run re-hashes its inputs: a cached digest could predate an edit
+        hasher = InputHasher(trust_cache=not resume)  # hashes the inputs in background threads
+        try:
+            for f in input_files(p):
+                hasher.submit(str(f))
+            res = calibrate_and_write(p, tx.partial, ids, resume=resume, progress=progress, mode=tx.file_mode)
+            report.update(res)
+            report["output"] = finish(p, tx, report, command, hasher)
+        finally:
+            hasher.close()
     return report

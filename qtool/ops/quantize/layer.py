@@ -129,7 +129,7 @@ def _int4_expert_chunk(gu, down, inter, stats, e0, recipe, fmt, report) -> dict[
     return res
 
 
-def write_layer_shard(path: Path, lp, layer, stats, kv, p, backend=None) -> dict:
+def write_layer_shard(path: Path, lp, layer, stats, kv, p, backend=None, mode: int = 0o644) -> dict:
     """Write `lp.specs` to `path` (tmp + rename). `layer`: the dense transformers layer; `stats`:
     ExpertStats; `kv`: (k_amax, v_amax) or None; `backend`: a peer backend's per-layer state
     (qtool.ops.quantize.backends) that quantizes the NVFP4 experts instead of qtool's RTN."""
@@ -140,11 +140,13 @@ def write_layer_shard(path: Path, lp, layer, stats, kv, p, backend=None) -> dict
     report: dict = {"awq": []}
     in_amax, mid_amax = input_amaxes(stats, p.recipe.nvfp4.input_scale)
     header = build_header([OutTensor(s.name, s.dtype, s.shape, _Pending(_nbytes(s))) for s in lp.specs])
-    tmp = path.with_name("." + path.name + ".tmp")
+    from qtool.io.output import TMP_SUFFIX, open_new
+
+    tmp = path.with_name("." + path.name + TMP_SUFFIX)
     fds: dict[str, int] = {}
     n_exp = p.n_experts
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(open_new(tmp, mode), "wb") as f:
             f.write(header)
             f.flush()
             dst = f.fileno()
@@ -209,10 +211,10 @@ def _nbytes(s) -> int:
     return nbytes_for(s.dtype, s.shape)
 
 
-def write_rest_shard(path: Path, specs) -> None:
+def write_rest_shard(path: Path, specs, mode: int = 0o644) -> None:
     from qtool.io.writer import write_shard_atomic
 
-    write_shard_atomic(path, [OutTensor(s.name, s.dtype, s.shape, s.source) for s in specs])
+    write_shard_atomic(path, [OutTensor(s.name, s.dtype, s.shape, s.source) for s in specs], mode=mode)
 
 
 __all__ = ["FileRange", "InlineBytes", "input_amaxes", "write_layer_shard", "write_rest_shard"]

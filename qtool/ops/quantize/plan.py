@@ -15,6 +15,7 @@ from qtool.arch.model_map import Format, ModelMap
 from qtool.arch.qwen35 import Group, layer_prefix
 from qtool.errors import PlanError, UsageError
 from qtool.io.checkpoint import Checkpoint
+from qtool.io.output import check_no_overlap
 from qtool.io.writer import FileRange
 from qtool.recipes import FORMATS_FOR, Backend, KvCache, OutFormat, Recipe, Scheme, WeightScale
 
@@ -208,8 +209,7 @@ def plan(
     streamer = LayerStreamer(ckpt, device=device)
     mm = streamer.mm
     outp = Path(out)
-    if outp.resolve() == ckpt.root.resolve():
-        raise UsageError("-o OUT is the source checkpoint", path=outp)
+    check_no_overlap(outp, [ckpt.root])
     scheme = recipe.quantized_scheme
     if scheme in FORMATS_FOR and fmt not in FORMATS_FOR[scheme]:
         raise UsageError(f"--format {fmt.value} cannot hold {scheme.value} weights",
