@@ -1,28 +1,25 @@
-"""qtool download REPO[@REVISION] -o DIR [--include GLOB ...] [--tensors PATTERN ...] [--json]"""
+"""qtool download REPO[@REVISION] -o DIR [--include GLOB ...] [--tensors PATTERN ...] [--link MODE] [--token T]
+[--force] [--resume] [--dry-run] [--json] [--quiet]"""
 
 from __future__ import annotations
 
-from qtool.cli.common import add_json_flag, human_bytes, print_json
+from qtool.cli.common import add_output_flags, human_bytes, print_json, run_command_line
 
 
 def add_arguments(p) -> None:
     p.add_argument("repo", metavar="REPO[@REVISION]", help="ORG/NAME or hf:ORG/NAME, optionally @branch/tag/commit")
-    p.add_argument("-o", "--out", metavar="DIR",
-                   help="output directory (files are hard-linked from the HF cache); without -o files only "
-                        "land in the cache and its snapshot path is printed")
     p.add_argument("--include", action="append", default=[], metavar="GLOB",
                    help="only files matching GLOB (repeatable), e.g. '*.json' 'model-0000[1-3]-*'")
     p.add_argument("--tensors", action="append", default=[], metavar="PATTERN",
                    help="fetch only the tensors matching PATTERN (glob, or re:REGEX; repeatable) by HTTP range "
                         "requests and write a checkpoint of just those")
-    p.add_argument("--link", choices=["auto", "hardlink", "symlink", "copy"], default="auto",
-                   help="how whole files are placed in DIR (default: hardlink, symlink across filesystems)")
-    p.add_argument("--token", help="Hub token (default: HF_TOKEN or the saved login)")
-    p.add_argument("--resume", action="store_true", help="continue an interrupted --tensors fetch in DIR.partial")
-    p.add_argument("--force", action="store_true", help="replace an existing DIR")
-    p.add_argument("--dry-run", action="store_true", help="resolve and plan (headers only), fetch no data")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
-    add_json_flag(p)
+    p.add_argument("--link", choices=["auto", "reflink", "hardlink", "symlink", "copy"], default="auto",
+                   help="how whole files are placed in DIR from the HF cache (auto: reflink, else hardlink, "
+                        "else copy)")
+    p.add_argument("--token", help="Hub token (default: HF_TOKEN or the saved login; never written anywhere)")
+    add_output_flags(p, output="optional",
+                     output_help="output directory; without -o files only land in the HF cache and its "
+                                 "snapshot path is printed")
 
 
 def run(args) -> int:
@@ -32,7 +29,7 @@ def run(args) -> int:
     from qtool.ops import download as dl
 
     spec = parse_spec(args.repo, require_prefix=False)
-    opts = dl.DownloadOptions(spec=spec, out=Path(args.out) if args.out else None, include=args.include,
+    opts = dl.DownloadOptions(spec=spec, out=Path(args.output) if args.output else None, include=args.include,
                               tensors=args.tensors, link=dl.LinkMode(args.link), token=args.token,
                               force=args.force, resume=args.resume)
     plan = dl.plan(opts)
@@ -42,7 +39,7 @@ def run(args) -> int:
         else:
             _print_plan(plan.to_json())
         return 0
-    report = dl.run(plan, progress=not (args.quiet or args.json))
+    report = dl.run(plan, progress=not (args.quiet or args.json), command=run_command_line())
     if args.json:
         print_json(report)
         return 0
@@ -57,10 +54,10 @@ def run(args) -> int:
         print(f"downloaded {human_bytes(report['downloaded_bytes'])}; all files match the Hub's hashes")
         for msg in report["hash_failures_repaired"]:
             print(f"  re-downloaded after a hash mismatch: {msg}")
-        if not args.out:
+        if not args.output:
             print(f"snapshot: {report['snapshot']}")
-    if args.out:
-        print(f"written: {args.out} (commit {plan.listing.commit})")
+    if args.output:
+        print(f"written: {args.output} (commit {plan.listing.commit})")
     return 0
 
 

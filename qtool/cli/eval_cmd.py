@@ -30,7 +30,7 @@ def add_arguments(p) -> None:
                    help="directory with the tokenizer (default: the first checkpoint among --ref/--test)")
     k.add_argument("--save-ref", metavar="OUT", help="write the reference's log-probs compactly to OUT/")
     k.add_argument("--topk", type=int, default=256, help="compact reference: exact top-k per position (256)")
-    k.add_argument("--samples", type=int, default=256,
+    k.add_argument("--tail-samples", type=int, default=256,
                    help="compact reference: tail tokens sampled per position (256)")
     k.add_argument("--seed", type=int, default=0, help="compact reference: sampling seed (0)")
     k.add_argument("--emit-windows", metavar="FILE.jsonl",
@@ -38,7 +38,7 @@ def add_arguments(p) -> None:
     k.add_argument("--model-name", default=None, help="`model` field of the emitted requests")
     k.add_argument("--chunk", type=int, default=256, help="positions per log-prob chunk (memory bound; 256)")
     k.add_argument("--work-dir", default=None, help="where large hidden states are spilled (default: $TMPDIR)")
-    k.add_argument("--overwrite", action="store_true", help="replace an existing --save-ref OUT")
+    k.add_argument("--force", action="store_true", help="replace an existing --save-ref OUT that qtool made")
     k.add_argument("--dry-run", action="store_true",
                    help="check the inputs, make the windows, print the plan (memory per model); run nothing")
     k.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -55,7 +55,8 @@ def run(args) -> int:
 
     opts = KldOptions(dataset=args.dataset, windows=args.windows, seq_len=args.seq_len, stride=args.stride,
                       device=args.device, tokenizer=args.tokenizer, chunk=args.chunk, topk=args.topk,
-                      samples=args.samples, seed=args.seed, work_dir=args.work_dir, overwrite=args.overwrite)
+                      tail_samples=args.tail_samples, seed=args.seed, work_dir=args.work_dir,
+                      force=args.force)
     bars: dict = {}
     progress = None
     if not (args.quiet or args.json):

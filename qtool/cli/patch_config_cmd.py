@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from qtool.cli.common import add_json_flag, local_only, print_json
+from qtool.cli.common import add_json_flag, local_only, print_json, run_command_line
 
 FIX_NAMES = ["router-ignore", "mtp-ignore", "ignore-from-tensors"]
 
@@ -34,7 +34,7 @@ def run(args) -> int:
         original_max_position=args.original_max_position,
         sampling_defaults=args.sampling_defaults,
     )
-    written = [] if args.dry_run else pc.apply(plan)
+    written = [] if args.dry_run else pc.apply(plan, command=run_command_line())
     if args.json:
         out = plan.to_json()
         out["dry_run"] = args.dry_run

@@ -273,12 +273,14 @@ def snapshot(spec: HubSpec, *, allow_download: bool = True, token: str | None = 
         return out
     check_space(listing, paths, cache_dir)
     stats = download_files(listing, paths, cache_dir=cache_dir, token=token, progress=progress)
-    from qtool.io.atomic_dir import commit_output, prepare_output
+    from qtool.io.output import OutputDir
 
-    partial = prepare_output(out, force=True)
-    for f in stats.files:
-        link_into(f.local, partial / f.path)
-    commit_output(partial, out)
+    # qtool's own cache: a directory left incomplete there (no manifest) is replaced
+    with OutputDir(out, force=True, replace_any=True) as tx:
+        for f in stats.files:
+            (tx.partial / f.path).parent.mkdir(parents=True, exist_ok=True)
+            tx.placer.place(f.local, tx.partial / f.path)
+        tx.commit()
     _pin_ref(spec, listing.commit, cache_dir)
     return out
 
@@ -304,21 +306,3 @@ def _pin_ref(spec: HubSpec, commit: str, cache_dir: str | None) -> None:
         pass
 
 
-def link_into(src: Path, dst: Path, mode: str = "auto") -> str:
-    """Place a cached file in the output: hardlink (same filesystem), else symlink (auto) or copy."""
-    real = Path(os.path.realpath(src))
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    if dst.exists() or dst.is_symlink():
-        dst.unlink()
-    if mode in ("auto", "hardlink"):
-        try:
-            os.link(real, dst)
-            return "hardlink"
-        except OSError:
-            if mode == "hardlink":
-                raise
-    if mode in ("auto", "symlink"):
-        os.symlink(real, dst)
-        return "symlink"
-    shutil.copyfile(real, dst)
-    return "copy"

@@ -32,14 +32,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from qtool.errors import ConfigError, HeaderError, PlanError, VerificationError
-from qtool.hub.download import RepoListing, download_files, link_into
+from qtool.hub.download import RepoListing, download_files
 from qtool.hub.resolve import HubError, hub_errors
 from qtool.io.index_file import read_index
 from qtool.io.safetensors_header import MAX_HEADER_BYTES, SafetensorsHeader, TensorInfo, parse_header_bytes
 from qtool.io.writer import FileRange, OutTensor, build_header, index_text
 
 INDEX = "model.safetensors.index.json"
-MANIFEST = "qtool-download.json"
+MANIFEST = "qtool-manifest.json"  # qtool.io.output.MANIFEST_NAME
 MAX_RETRIES = 5  # per range, reset whenever bytes arrive
 
 
@@ -286,16 +286,28 @@ def plan_fetch(listing: RepoListing, opts: TensorFetchOptions, *, token: str | N
 # ---- execute ---------------------------------------------------------------------------------------
 
 
-def fetch_tensors(plan: FetchPlan, out: str | Path, *, resume: bool = False, force: bool = False,
-                  token: str | None = None, progress: bool = False, link: str = "auto") -> dict:
-    """Write the planned tensors as a checkpoint at `out` (via `<out>.partial/`); returns a report."""
-    import json
+def write_hub_manifest(tx, listing: RepoListing, report: dict, command: str | None,
+                       known: dict[str, str]) -> None:
+    """The output's qtool-manifest.json (qtool.ops.manifest's one schema): the Hub repo at its commit as
+    the source, what was fetched (`download`), every output file's sha256 (`files`)."""
+    from qtool.io.output import output_files
+    from qtool.ops.manifest import write_manifest
 
-    from qtool.io.atomic_dir import commit_output, prepare_output
+    src = {"repo": listing.spec.repo_id, "revision": listing.spec.revision, "commit": listing.commit,
+           "files": {p: {"sha256": f.sha256, "bytes": f.size} for p, f in listing.files.items()
+                     if f.sha256 and p in report.get("files", {}) or p in report.get("origins", {})}}
+    write_manifest(tx.partial / MANIFEST, kind="download", command=command, sources={"hub": src},
+                   summary={"repo": listing.spec.repo_id, "commit": listing.commit}, checks={},
+                   files=output_files(tx.partial, known), extra={"download": report})
+
+
+def fetch_tensors(plan: FetchPlan, tx, *, token: str | None = None, progress: bool = False,
+                  command: str | None = None) -> dict:
+    """Write the planned tensors as a checkpoint in the output transaction `tx` (qtool.io.output.OutputDir,
+    entered: `OUT.partial/`, kept for --resume) and commit it; returns a report."""
     from qtool.io.jsonio import atomic_write_text
 
-    out = Path(out)
-    partial = prepare_output(out, force=force, resume=resume)
+    partial = tx.partial
     reader = RangeReader(plan.listing, token=token)
     bar = _bar(progress, plan.data_bytes)
     resumed = 0
@@ -321,7 +333,8 @@ def fetch_tensors(plan: FetchPlan, out: str | Path, *, resume: bool = False, for
     atomic_write_text(partial / INDEX, "".join(index_text(weight_map, {"total_size": total})))
     sides = download_files(plan.listing, plan.side_files, token=token) if plan.side_files else None
     for f in sides.files if sides else []:
-        link_into(f.local, partial / f.path, "copy" if link == "copy" else "auto")
+        (partial / f.path).parent.mkdir(parents=True, exist_ok=True)
+        tx.placer.place(f.local, partial / f.path)
     report = {
         **plan.to_json(),
         "fetch": reader.stats.to_json(),
@@ -330,9 +343,9 @@ def fetch_tensors(plan: FetchPlan, out: str | Path, *, resume: bool = False, for
                                "runs": [list(r) for r in s.runs]} for s in plan.shards},
         "side_file_digests": {f.path: f.digest for f in sides.files} if sides else {},
     }
-    atomic_write_text(partial / MANIFEST, json.dumps(report, indent=1) + "\n")
     _check_output(partial, plan)
-    commit_output(partial, out)
+    write_hub_manifest(tx, plan.listing, report, command, {})
+    tx.commit()
     return report
 
 

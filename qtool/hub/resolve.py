@@ -154,6 +154,7 @@ def fetch_tensor_subset(spec: HubSpec | str, names: Sequence[str], *, allow_down
     Every name must exist remotely (PlanError lists the missing ones)."""
     from qtool.hub.download import repo_listing
     from qtool.hub.remote_safetensors import TensorFetchOptions, fetch_tensors, plan_fetch
+    from qtool.io.output import OutputDir
 
     hs = spec if isinstance(spec, HubSpec) else parse_spec(spec)
     names = sorted(set(names))
@@ -173,7 +174,8 @@ def fetch_tensor_subset(spec: HubSpec | str, names: Sequence[str], *, allow_down
     if (out / "model.safetensors.index.json").exists():
         return out
     plan = plan_fetch(listing, TensorFetchOptions(names=names, exact=True), token=token)
-    fetch_tensors(plan, out, resume=True, token=token, progress=progress)
+    with OutputDir(out, resume=True) as tx:
+        fetch_tensors(plan, tx, token=token, progress=progress)
     return out
 
 
@@ -183,13 +185,15 @@ def fetch_tensor_patterns(spec: HubSpec | str, patterns: Sequence[str], *, token
     --bf16 hf:...` needs: the shared experts, chosen layers' experts and the MTP head of an 800 GB repo)."""
     from qtool.hub.download import repo_listing
     from qtool.hub.remote_safetensors import TensorFetchOptions, fetch_tensors, plan_fetch
+    from qtool.io.output import OutputDir
 
     hs = spec if isinstance(spec, HubSpec) else parse_spec(spec)
     listing = repo_listing(hs, token=token)
     out = subset_dir(hs.repo_id, listing.commit, list(patterns))
     if not (out / "model.safetensors.index.json").exists():
         plan = plan_fetch(listing, TensorFetchOptions(names=list(patterns)), token=token)
-        fetch_tensors(plan, out, resume=True, token=token, progress=progress)
+        with OutputDir(out, resume=True) as tx:
+            fetch_tensors(plan, tx, token=token, progress=progress)
     return out
 
 

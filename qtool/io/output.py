@@ -125,6 +125,7 @@ def _symlink(src: str, dst: str, mode: int, stop) -> bool:
 
 
 TMP_SUFFIX = ".qtool-tmp"  # every temporary file qtool makes ends so; a commit sweeps leftovers
+INPUT_DIGESTS = ".qtool-input-digests.jsonl"  # qtool.ops.manifest.InputHasher's record, in OUT.partial/
 
 
 def copy_file(src: str | Path, dst: str | Path, mode: int = 0o644) -> None:
@@ -210,8 +211,9 @@ def made_by_qtool(path: Path) -> bool:
     return any((path / m).is_file() for m in QTOOL_MARKERS)
 
 
-def check_replaceable(out: Path, *, force: bool) -> None:
-    """An existing OUT may be replaced only with --force and only when qtool made it (or it is empty)."""
+def check_replaceable(out: Path, *, force: bool, any_owner: bool = False) -> None:
+    """An existing OUT may be replaced only with --force and only when qtool made it (or it is empty).
+    `any_owner`: a place only qtool writes (its caches, build steps), where the marker test is skipped."""
     if not os.path.lexists(out):
         return
     if not out.is_dir() or out.is_symlink():
@@ -219,7 +221,7 @@ def check_replaceable(out: Path, *, force: bool) -> None:
                          hint="choose another -o; qtool never replaces it")
     if not any(out.iterdir()):
         return  # an empty directory (e.g. made by `mkdir` first): nothing to lose
-    if not made_by_qtool(out):
+    if not any_owner and not made_by_qtool(out):
         raise WriteError(f"the output directory exists and was not made by qtool (no {MANIFEST_NAME})",
                          path=out, hint="choose another -o; qtool replaces only directories it made, "
                          "even with --force")
@@ -418,7 +420,7 @@ class OutputDir:
 
     def __init__(self, out: str | Path, *, sources: Iterable[str | Path] = (), force: bool = False,
                  resume: bool = False, link: LinkMode = LinkMode.AUTO, stop: threading.Event | None = None,
-                 file_mode: int | None = None) -> None:
+                 file_mode: int | None = None, replace_any: bool = False) -> None:
         self.out = Path(out)
         self.partial = partial_path(self.out)
         self.sources = [Path(s) for s in sources]
@@ -426,7 +428,9 @@ class OutputDir:
         self.file_mode = file_mode if file_mode is not None else (
             source_file_mode(self.sources[0]) if self.sources else 0o644)
         self.placer = Placer(link, stop, self.file_mode)
+        self.input_digests = self.partial / INPUT_DIGESTS
         self.lock = lock_for(self.out)
+        self.replace_any = replace_any  # qtool's own cache and step directories: nobody else's files
         self.committed = False
 
     def check(self) -> None:
@@ -436,20 +440,26 @@ class OutputDir:
         if self.resume and self.out.exists() and not self.partial.exists() and not self.force:
             raise WriteError("nothing to resume: the output is already complete", path=self.out,
                              hint="remove it or pass --force to build it again")
-        check_replaceable(self.out, force=self.force)
+        check_replaceable(self.out, force=self.force, any_owner=self.replace_any)
         parent = Path(os.path.abspath(self.out)).parent
+        while not parent.exists() and parent != parent.parent:
+            parent = parent.parent  # missing parents are created (like mkdir -p) under this one
         if not parent.is_dir():
-            raise WriteError("the output's parent directory does not exist", path=parent,
-                             hint="create it first, or choose another -o")
+            raise WriteError("the output's parent is not a directory", path=parent, hint="choose another -o")
         if not os.access(parent, os.W_OK | os.X_OK):
             raise WriteError("the output's directory is not writable", path=parent,
                              hint="choose another -o or fix the directory's permissions")
 
     def __enter__(self) -> "OutputDir":
         self.check()
+        try:
+            self.out.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise write_error("cannot create the output's parent directory", e, self.out.parent) from None
         self.lock.acquire()
         try:
-            check_replaceable(self.out, force=self.force)  # again, now that no one else writes
+            # again, now that no one else writes
+            check_replaceable(self.out, force=self.force, any_owner=self.replace_any)
             if self.partial.exists() and not self.resume:
                 shutil.rmtree(self.partial)
             self.partial.mkdir(parents=True, exist_ok=True)
@@ -464,6 +474,10 @@ class OutputDir:
     def __exit__(self, *exc) -> None:
         self.lock.release()
 
+    def begin(self) -> "OutputDir":
+        """`with`-less use: enter now; `commit()` releases the lock (so does the process's exit)."""
+        return self.__enter__()
+
     def set_modes(self) -> None:
         """Give every regular file written (not linked) the output's one file mode."""
         for p in self.partial.rglob("*"):
@@ -476,6 +490,8 @@ class OutputDir:
         """Remove temporary files a killed run left behind (a resumed run would otherwise publish them)."""
         for p in self.partial.rglob("*" + TMP_SUFFIX):
             p.unlink()
+        if (self.partial / INPUT_DIGESTS).exists():
+            (self.partial / INPUT_DIGESTS).unlink()
 
     def commit(self) -> None:
         """Rename the finished `OUT.partial/` to OUT (a qtool-made OUT is replaced only now)."""
@@ -486,7 +502,7 @@ class OutputDir:
         old = None
         try:
             if os.path.lexists(out):
-                check_replaceable(out, force=True)
+                check_replaceable(out, force=True, any_owner=self.replace_any)
                 old = out.with_name(out.name + ".old")
                 if old.exists():
                     shutil.rmtree(old)
@@ -500,6 +516,7 @@ class OutputDir:
         if old is not None:
             shutil.rmtree(old)
         self.committed = True
+        self.lock.release()
 
 
 def hash_file(path: str | Path, chunk: int = 8 << 20) -> str:
@@ -528,6 +545,29 @@ def output_files(root: Path, known: dict[str, str] | None = None, skip: Iterable
             continue
         out[rel] = {"sha256": known.get(rel) or hash_file(p), "bytes": p.stat().st_size}
     return out
+
+
+def link_tree(src: Path, dst: Path, placer: Placer, *, keep_existing: bool = False,
+              skip: Iterable[str] = ()) -> None:
+    """Place every file under `src` at the same relative path under `dst` (symlinks copied as links;
+    with `keep_existing`, files already at `dst` are kept: a resumed run's work). `skip`: names left out."""
+    skip = set(skip)
+    for dirpath, _dirnames, filenames in os.walk(src):
+        rel = os.path.relpath(dirpath, src)
+        (dst / rel).mkdir(parents=True, exist_ok=True)
+        for f in filenames:
+            if f in skip:
+                continue
+            target = dst / rel / f
+            if keep_existing and os.path.lexists(target):
+                continue
+            s = os.path.join(dirpath, f)
+            if os.path.islink(s):
+                if os.path.lexists(target):
+                    os.unlink(target)
+                os.symlink(os.readlink(s), target)
+            else:
+                placer.place(s, target)
 
 
 # ---- in-place work: the same transaction, swapped in atomically ---------------------------------------
@@ -591,20 +631,7 @@ class InPlaceDir(OutputDir):
         return self
 
     def _link_tree(self) -> None:
-        """Hard-link every file of the checkpoint into the partial tree (files already there are kept:
-        they are the resumed run's work or links made before)."""
-        for dirpath, dirnames, filenames in os.walk(self.out):
-            rel = os.path.relpath(dirpath, self.out)
-            (self.partial / rel).mkdir(parents=True, exist_ok=True)
-            for f in filenames:
-                dst = self.partial / rel / f
-                if os.path.lexists(dst):
-                    continue
-                src = os.path.join(dirpath, f)
-                if os.path.islink(src):
-                    os.symlink(os.readlink(src), dst)
-                else:
-                    os.link(src, dst)
+        link_tree(self.out, self.partial, Placer(LinkMode.HARDLINK), keep_existing=True)
 
     def commit(self) -> None:
         self.sweep()
@@ -622,3 +649,4 @@ class InPlaceDir(OutputDir):
         fsync_dir(Path(os.path.abspath(self.out)).parent)
         shutil.rmtree(old, ignore_errors=True)
         self.committed = True
+        self.lock.release()

@@ -13,7 +13,7 @@ import threading
 from pathlib import Path
 from typing import Callable, NamedTuple, Union
 
-from qtool.errors import CheckpointError, WriteError
+from qtool.errors import CheckpointError
 from qtool.io.checkpoint import INDEX_NAME
 from qtool.io.dtypes import nbytes_for
 from qtool.io.jsonio import load_json

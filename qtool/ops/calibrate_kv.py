@@ -35,14 +35,13 @@ from enum import Enum
 from pathlib import Path
 
 from qtool.arch.qwen35 import Group, layer_prefix
-from qtool.errors import PlanError, UsageError, WriteError
+from qtool.errors import PlanError, UsageError
 from qtool.io.output import (
     MANIFEST_NAME,
     InPlaceDir,
     OutputDir,
     check_no_overlap,
     input_identity,
-    new_file,
     partial_path,
 )
 from qtool.io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG_NAME, INDEX_NAME, Checkpoint
@@ -409,7 +408,8 @@ def _stripped_shard(ckpt: Checkpoint, shard: str, remove: set[str]) -> list[OutT
     return out
 
 
-def write_output(p: KvPlan, stats: dict[int, LayerStat], tx: OutputDir, command: str | None = None) -> dict:
+def write_output(p: KvPlan, stats: dict[int, LayerStat], tx: OutputDir, command: str | None = None,
+                 hasher=None) -> dict:
     """Write the calibrated checkpoint into the transaction's partial directory and commit it. -o: the
     source's unchanged files are placed there (links); --in-place: the partial directory already holds
     links of every file (InPlaceDir), and the changed ones replace them there."""
@@ -448,7 +448,7 @@ def write_output(p: KvPlan, stats: dict[int, LayerStat], tx: OutputDir, command:
         write_json(dest / name, obj, style)
     write_json(dest / INDEX_NAME, index, index_style)
     shutil.rmtree(p.work_dir, ignore_errors=True)
-    _write_manifest(p, tx, command, files)
+    _write_manifest(p, tx, command, files, hasher)
     tx.commit()
     files["output"] = str(tx.out)
     if tx.in_place:
@@ -458,25 +458,33 @@ def write_output(p: KvPlan, stats: dict[int, LayerStat], tx: OutputDir, command:
     return files
 
 
-def _write_manifest(p: KvPlan, tx: OutputDir, command: str | None, files: dict) -> None:
+def _write_manifest(p: KvPlan, tx: OutputDir, command: str | None, files: dict, hasher=None) -> None:
     from qtool.io.output import output_files
-    from qtool.ops.manifest import InputHasher, read_manifest, source_entry, write_manifest
+    from qtool.ops.manifest import carried_files, previous_head, source_entry, write_manifest
 
-    hasher = InputHasher()
-    inputs = sorted({h.path for h in p.ckpt.headers.values()})
-    for f in inputs:
-        hasher.submit(f)
+    hasher = hasher or start_input_hashes(p, tx, resume=False)
     extra = {"kv_cache": {"convention": p.convention.value, "layers": p.layers, "scale_tensors": files}}
-    old = tx.partial / MANIFEST_NAME
-    if old.is_file():  # in place over a qtool artifact: keep what made it
-        try:
-            prev = read_manifest(old)
-            extra["previous"] = {k: v for k, v in prev.items() if k not in ("shards", "files")}
-        except (OSError, ValueError):
-            pass
+    if tx.in_place:
+        if previous_head(p.ckpt.root):
+            extra["previous"] = previous_head(p.ckpt.root)
+        changed = {p.kv_shard, INDEX_NAME, *p.rewrite_shards, *files["configs"]}
+        out_files = carried_files(tx.partial, p.ckpt.root, changed)
+    else:
+        out_files = output_files(tx.partial)
     write_manifest(tx.partial / MANIFEST_NAME, kind="calibrate-kv", command=command,
                    sources={"checkpoint": source_entry(p.ckpt.root, hasher.results())},
-                   summary=p.to_json(), checks={}, files=output_files(tx.partial), extra=extra)
+                   summary=p.to_json(), checks={}, files=out_files, extra=extra)
+
+
+def start_input_hashes(p: KvPlan, tx: OutputDir, *, resume: bool):
+    """The inputs' sha256 in background threads while the layers run (qtool.ops.manifest.InputHasher),
+    recorded in the partial output so that a resumed run notices an input edited in between."""
+    from qtool.ops.manifest import InputHasher
+
+    hasher = InputHasher(trust_cache=not resume, record=tx.input_digests)
+    for f in sorted({h.path for h in p.ckpt.headers.values()}):
+        hasher.submit(f)
+    return hasher
 
 
 # ---- the whole operation ---------------------------------------------------------------------------
@@ -518,11 +526,16 @@ def run(
     tx = (OutputDir(p.out, sources=[p.ckpt.root], force=force, resume=resume) if p.out is not None
           else InPlaceDir(p.ckpt.root, resume=resume))
     with tx:
-        stats, timing = calibrate(p, calib.ids, resume=resume, progress=progress)
+        hasher = start_input_hashes(p, tx, resume=resume)
+        try:
+            stats, timing = calibrate(p, calib.ids, resume=resume, progress=progress)
+        except BaseException:
+            hasher.close()
+            raise
         report["layers"] = [stats[i].to_json() for i in p.layers]
         report["warnings"] = p.warnings + outlier_warnings(stats)
         report["timing"] = timing
         report["calibration"] = {"dataset": dataset, "digest": calib.digest, "tokens": calib.tokens,
                                  "available_tokens": calib.available_tokens}
-        report["output"] = write_output(p, stats, tx, command)
+        report["output"] = write_output(p, stats, tx, command, hasher)
     return report

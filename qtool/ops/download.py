@@ -6,28 +6,21 @@
 
 Whole files go through huggingface_hub into its cache and are hard-linked (or symlinked/copied) into
 `<out>`; `--tensors` writes a checkpoint of just the matching tensors, fetched by range requests
-(qtool.hub.remote_safetensors). Either way `<out>/qtool-download.json` pins the resolved commit and
-lists what was fetched with its hashes.
+(qtool.hub.remote_safetensors). Either way the output is written through qtool.io.output (lock, --force
+rules, OUT.partial/) and `<out>/qtool-manifest.json` pins the resolved commit and lists what was fetched
+with its hashes (`download`) and every output file's sha256 (`files`).
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
 
 from qtool.errors import UsageError
-from qtool.hub.download import RepoListing, check_space, download_files, link_into, repo_listing
-from qtool.hub.remote_safetensors import MANIFEST, FetchPlan, TensorFetchOptions, fetch_tensors, plan_fetch
+from qtool.hub.download import RepoListing, check_space, download_files, repo_listing
+from qtool.hub.remote_safetensors import FetchPlan, TensorFetchOptions, fetch_tensors, plan_fetch, write_hub_manifest
 from qtool.hub.resolve import HubSpec
-
-
-class LinkMode(str, Enum):
-    AUTO = "auto"  # hardlink from the HF cache, symlink when on another filesystem
-    HARDLINK = "hardlink"
-    SYMLINK = "symlink"
-    COPY = "copy"
+from qtool.io.output import LinkMode, OutputDir
 
 
 @dataclass
@@ -73,24 +66,19 @@ def plan(opts: DownloadOptions) -> DownloadPlan:
     return DownloadPlan(opts, listing, files, None)
 
 
-def run(p: DownloadPlan, *, progress: bool = False) -> dict:
+def run(p: DownloadPlan, *, progress: bool = False, command: str | None = None) -> dict:
     o = p.options
     if p.fetch is not None:
         assert o.out is not None
-        report = fetch_tensors(p.fetch, o.out, resume=o.resume, force=o.force, token=o.token,
-                               progress=progress, link=o.link.value)
+        with OutputDir(o.out, force=o.force, resume=o.resume, link=o.link) as tx:
+            report = fetch_tensors(p.fetch, tx, token=o.token, progress=progress, command=command)
         return {"mode": "tensors", "out": str(o.out), **report}
-    from qtool.io.atomic_dir import commit_output, prepare_output
-    from qtool.io.jsonio import atomic_write_text
-
-    partial = prepare_output(o.out, force=o.force, resume=o.resume) if o.out is not None else None
+    tx = OutputDir(o.out, force=o.force, resume=o.resume, link=o.link) if o.out is not None else None
+    if tx is not None:
+        tx.check()  # refused before any byte is downloaded
     need = check_space(p.listing, p.files, None)
     st = download_files(p.listing, p.files, token=o.token, progress=progress)
     links: dict[str, int] = {}
-    if partial is not None:
-        for f in st.files:
-            how = link_into(f.local, partial / f.path, o.link.value)
-            links[how] = links.get(how, 0) + 1
     report = {
         **p.to_json(),
         "downloaded_bytes": need,
@@ -98,9 +86,15 @@ def run(p: DownloadPlan, *, progress: bool = False) -> dict:
         "hash_failures_repaired": st.hash_failures,
         "placed": links,
     }
-    if partial is not None and o.out is not None:
-        atomic_write_text(partial / MANIFEST, json.dumps(report, indent=1) + "\n")
-        commit_output(partial, o.out)
+    if tx is not None:
+        with tx:
+            for f in st.files:
+                (tx.partial / f.path).parent.mkdir(parents=True, exist_ok=True)
+                how = tx.placer.place(f.local, tx.partial / f.path)
+                links[how] = links.get(how, 0) + 1
+            write_hub_manifest(tx, p.listing, report, command,
+                               {f.path: f.digest for f in st.files if len(f.digest or "") == 64})
+            tx.commit()
     snap = st.files[0].local
     for _ in Path(st.files[0].path).parts:
         snap = snap.parent

@@ -76,11 +76,16 @@ def cache_dir() -> Path:
 
 
 class InputHasher:
-    """sha256 of input files in background threads (hashlib releases the GIL), with a persistent cache."""
+    """sha256 of input files in background threads (hashlib releases the GIL), with a persistent cache.
+
+    `record` (a file in the output's partial directory): every input digest is appended there as soon as
+    it is known, and a resumed run's hasher (trust_cache=False: hashed again) compares its digests with
+    those the interrupted run recorded, so an input edited between the runs (same size, mtime put back:
+    invisible to the journal's quick identity check) is refused before the output is published."""
 
     CHUNK = 8 << 20
 
-    def __init__(self, workers: int = 2, trust_cache: bool = True) -> None:
+    def __init__(self, workers: int = 2, trust_cache: bool = True, record: Path | None = None) -> None:
         self.pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="qtool-sha256")
         self.futures: dict[str, Future] = {}
         self.lock = threading.Lock()
@@ -91,6 +96,15 @@ class InputHasher:
             self.cache = {}
         self.dirty = False
         self.trust_cache = trust_cache
+        self.record = record
+        self.recorded: dict[str, str] = {}
+        if record is not None and record.exists():
+            for line in record.read_text().splitlines():
+                try:
+                    rec = json.loads(line)
+                    self.recorded[rec["path"]] = rec["sha256"]
+                except (ValueError, KeyError, TypeError):
+                    break  # a torn last line
 
     @staticmethod
     def _key(path: str) -> str:
@@ -125,6 +139,15 @@ class InputHasher:
             else:
                 f = self.pool.submit(self._hash, real, key)
         self.futures[path] = f
+        if self.record is not None:
+            f.add_done_callback(lambda fut, p=path: self._note(p, fut))
+
+    def _note(self, path: str, fut: Future) -> None:
+        if fut.cancelled() or fut.exception() is not None or path in self.recorded:
+            return
+        with self.lock:
+            with open(self.record, "a", encoding="utf-8") as f:
+                f.write(json.dumps({"path": path, "sha256": fut.result()}) + "\n")
 
     def _hash(self, real: str, key: str) -> str:
         digest = _hash_file(real)
@@ -136,6 +159,14 @@ class InputHasher:
     def results(self) -> dict[str, str]:
         out = {p: f.result() for p, f in sorted(self.futures.items())}
         self.pool.shutdown()
+        changed = sorted(p for p, d in out.items() if p in self.recorded and self.recorded[p] != d)
+        if changed:
+            from qtool.errors import WriteError
+
+            raise WriteError(f"cannot finish the resumed run: {len(changed)} input file(s) changed since the "
+                             "interrupted run", path=changed[0], got=", ".join(changed[:3]),
+                             hint="run again without --resume to start over (the unfinished output would mix "
+                             "old and new inputs)")
         if self.dirty:
             try:
                 self.cache_path.parent.mkdir(parents=True, exist_ok=True)
@@ -250,3 +281,41 @@ def write_manifest(path: Path, *, kind: str, command: str | None, sources: dict[
 
 def read_manifest(path: str | Path) -> dict:
     return json.loads(Path(path).read_text())
+
+
+def carried_files(partial: Path, root: Path, changed: set[str]) -> dict[str, dict]:
+    """The manifest's `files` for in-place work (root's new state built in `partial`): changed files are
+    hashed; unchanged ones (hard links of root's) take the digest the checkpoint's previous manifest
+    recorded, else only their size (hashing a 233 GB checkpoint to change a config is not worth it)."""
+    from qtool.io.output import MANIFEST_NAME, hash_file
+
+    try:
+        before = read_manifest(root / MANIFEST_NAME).get("files") or {}
+    except (OSError, ValueError):
+        before = {}
+    out: dict[str, dict] = {}
+    for p in sorted(partial.rglob("*")):
+        rel = p.relative_to(partial).as_posix()
+        if not p.is_file() or rel == MANIFEST_NAME or p.name.startswith(".qtool-"):
+            continue
+        size = p.stat().st_size
+        old = before.get(rel) if isinstance(before.get(rel), dict) else {}
+        if rel in changed or p.stat().st_nlink == 1:
+            out[rel] = {"sha256": hash_file(p), "bytes": size}
+        elif old.get("bytes") == size and isinstance(old.get("sha256"), str):
+            out[rel] = {"sha256": old["sha256"], "bytes": size}
+        else:
+            out[rel] = {"sha256": None, "bytes": size}
+    return out
+
+
+def previous_head(root: Path) -> dict | None:
+    """The checkpoint's previous manifest without its bulky sections (kept when an in-place op writes a
+    new one: what made the artifact before)."""
+    from qtool.io.output import MANIFEST_NAME
+
+    try:
+        prev = read_manifest(root / MANIFEST_NAME)
+    except (OSError, ValueError):
+        return None
+    return {k: v for k, v in prev.items() if k not in ("shards", "files")}

@@ -8,6 +8,7 @@ A fix that does not apply to this checkpoint says why and changes nothing.
 from __future__ import annotations
 
 import copy
+import os
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -186,14 +187,39 @@ def plan(
     return p
 
 
-def apply(p: PatchPlan) -> list[str]:
-    """Write the changed files atomically; returns their names."""
-    written = []
-    for f in p.files.values():
-        if f.changed and f.data is not None:
+def apply(p: PatchPlan, *, in_transaction: bool = False, command: str | None = None) -> list[str]:
+    """Write the changed files; returns their names. The checkpoint changes as a whole: its new state is
+    built beside it and swapped in (qtool.io.output.InPlaceDir), so a kill never leaves config.json and
+    hf_quant_config.json disagreeing. `in_transaction`: `p.root` already is a transaction's partial
+    directory (a build step), written directly."""
+    from qtool.io.output import InPlaceDir
+
+    changed = [f for f in p.files.values() if f.changed and f.data is not None]
+    if not changed:
+        return []
+    if in_transaction:
+        for f in changed:
             write_json(p.root / f.name, f.data, f.style)
-            written.append(f.name)
-    return written
+        return [f.name for f in changed]
+    with InPlaceDir(p.root) as tx:
+        for f in changed:
+            write_json(tx.partial / f.name, f.data, f.style)
+        _write_manifest(p, tx, [f.name for f in changed], command)
+        tx.commit()
+    return [f.name for f in changed]
+
+
+def _write_manifest(p: PatchPlan, tx, written: list[str], command: str | None) -> None:
+    from qtool.io.output import MANIFEST_NAME, hash_file
+    from qtool.ops.manifest import carried_files, previous_head, write_manifest
+
+    inputs = {f"{p.root}/{n}": hash_file(p.root / n) for n in written if (p.root / n).is_file()}
+    prev = previous_head(p.root)
+    write_manifest(tx.partial / MANIFEST_NAME, kind="patch-config", command=command,
+                   sources={"checkpoint": {"path": str(p.root), "files": {
+                       os.path.basename(k): {"sha256": v, "bytes": os.path.getsize(k)} for k, v in inputs.items()}}},
+                   summary={"fixes": [r.__dict__ for r in p.results], "written": written}, checks={},
+                   files=carried_files(tx.partial, p.root, set(written)), extra={"previous": prev} if prev else None)
 
 
 def _ignore_add(lists: _IgnoreLists, pattern: str) -> FixResult:

@@ -39,7 +39,7 @@ def test_full_download_pins_commit_and_matches(hub, repo_dir, tmp_path, capsys):
     assert rep["commit"] == commit
     for p in repo_dir.iterdir():
         assert (out / p.name).read_bytes() == p.read_bytes(), p.name
-    pinned = json.loads((out / "qtool-download.json").read_text())
+    pinned = json.loads((out / "qtool-manifest.json").read_text())["download"]
     assert pinned["commit"] == commit and pinned["files"][SHARD1]["digest"] == hub.repos["org/model"].commits[commit][SHARD1].sha256
     # every file was resolved at the pinned commit, never at the branch name
     resolves = [r.path for r in hub.requests(contains="/resolve/")]
@@ -56,7 +56,7 @@ def test_include_and_revision(hub, repo_dir, tmp_path, capsys):
     rep = _out_json(capsys)
     assert rep["commit"] == old
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors.index.json",
-                                                     "qtool-download.json", "tokenizer_config.json"]
+                                                     "qtool-manifest.json", "tokenizer_config.json"]
     assert "changed" not in (out / "config.json").read_text()
 
 
@@ -175,7 +175,7 @@ def test_tensors_fetch_only_ranges(hub, repo_dir, tmp_path, capsys):
     src = Checkpoint.open(repo_dir)
     groups = {(src.shard_of(n), n.split(".")[3]) for n in names}
     assert rep["range_requests"] == len(groups) < len(names)
-    assert (out / "config.json").exists() and json.loads((out / "qtool-download.json").read_text())["commit"]
+    assert (out / "config.json").exists() and json.loads((out / "qtool-manifest.json").read_text())["download"]["commit"]
 
 
 def test_tensors_regex_and_no_match(hub, repo_dir, tmp_path, capsys):

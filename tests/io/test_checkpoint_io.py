@@ -11,8 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from qtool.errors import CheckpointError, HeaderError, WriteError
-from qtool.io.atomic_dir import commit_output, prepare_output
+from qtool.errors import CheckpointError, HeaderError
 from qtool.io.checkpoint import Checkpoint
 from qtool.io.reader import read_scalar, read_scalars, read_tensor
 from qtool.io.safetensors_header import read_header
@@ -220,21 +219,6 @@ def test_plan_shards_and_sizes():
     with pytest.raises(ValueError):
         parse_size("lots")
     assert index_json({"b": "2", "a": "1"}, 3) == {"metadata": {"total_size": 3}, "weight_map": {"a": "1", "b": "2"}}
-
-
-def test_atomic_output_refuses_existing_and_commits(tmp_path):
-    out = tmp_path / "out"
-    partial = prepare_output(out)
-    (partial / "f").write_text("x")
-    assert not out.exists()
-    commit_output(partial, out)
-    assert (out / "f").read_text() == "x" and not partial.exists()
-    with pytest.raises(WriteError, match="already exists"):
-        prepare_output(out)
-    partial = prepare_output(out, force=True)
-    (partial / "g").write_text("y")
-    commit_output(partial, out)
-    assert sorted(os.listdir(out)) == ["g"]
 
 
 def test_hf_cache_snapshot_symlinks_are_inside(tmp_path):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,7 +18,6 @@ from qtool.errors import PlanError, QtoolError, UsageError, WriteError
 from qtool.io.checkpoint import Checkpoint
 from qtool.io.reader import read_bytes
 from qtool.io.writer import FileRange, OutTensor, write_shard
-from qtool.ops import assemble as asm
 from qtool.ops.assemble import HybridOptions, LinkMode, MtpMode, execute, plan_hybrid
 
 ROOT = Path(__file__).resolve().parents[2]

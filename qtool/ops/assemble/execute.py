@@ -221,7 +221,7 @@ def _execute(plan: HybridPlan, tx: OutputDir, stop: threading.Event, resume: boo
     _check_space(plan, partial, placer, journal)
 
     # a resumed run re-hashes its inputs: a cached digest could predate an edit the journal missed
-    hasher = InputHasher(trust_cache=not resume)
+    hasher = InputHasher(trust_cache=not resume, record=tx.input_digests)
     result = RunResult(tx.out, plan_hash)
     roots = {"nvfp4": plan.nv.root, "bf16": plan.bf.root}
     section = partial / SHARDS_SECTION_NAME

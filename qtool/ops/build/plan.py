@@ -162,10 +162,27 @@ def plan(recipe: BuildRecipe, *, out: Path | None = None, overrides: dict[str, P
 
 
 def _finished(d: Path, key: str) -> bool:
+    """A step output is reused only when its marker has this key AND every file it recorded is still
+    there with its size and mtime (an artifact edited through a shared hard link re-runs the step)."""
     try:
-        return json.loads((d / STEP_MARKER).read_text()).get("key") == key
+        marker = json.loads((d / STEP_MARKER).read_text())
     except (OSError, ValueError):
         return False
+    return marker.get("key") == key and files_unchanged(d, marker.get("files"))
+
+
+def file_stats(root: Path) -> dict[str, list[int]]:
+    """rel path -> [size, mtime_ns] of every file under `root` (markers excluded)."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_file() and p.name != STEP_MARKER:
+            st = p.stat()
+            out[p.relative_to(root).as_posix()] = [st.st_size, st.st_mtime_ns]
+    return out
+
+
+def files_unchanged(root: Path, recorded: dict | None) -> bool:
+    return isinstance(recorded, dict) and file_stats(root) == recorded
 
 
 def input_path(bp: BuildPlan, ref: str) -> Path | None:

@@ -4,16 +4,19 @@ provenance chain in qtool-manifest.json."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from pathlib import Path
 
 from qtool.build_recipes import Op
 from qtool.errors import WriteError
-from qtool.ops.build.plan import STEP_MARKER, BuildPlan, StepPlan, input_path
-from qtool.ops.build.steps import RUNNERS, _link_tree
+from qtool.io.output import MANIFEST_NAME as MANIFEST
+from qtool.io.output import LinkMode, OutputDir, Placer, copy_file, output_files
+from qtool.ops.build.plan import STEP_MARKER, BuildPlan, StepPlan, file_stats, files_unchanged, input_path
+from qtool.ops.build.steps import RUNNERS
 
-MANIFEST = "qtool-manifest.json"
+PUBLISHED = "published.json"  # in DIR.build/: what was published, to notice an edited artifact
 
 
 def _mark(sp: StepPlan, report: dict, seconds: float) -> None:
@@ -22,7 +25,7 @@ def _mark(sp: StepPlan, report: dict, seconds: float) -> None:
     sp.dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(sp.dir / STEP_MARKER, json.dumps(
         {"key": sp.key, "step": sp.step.to_json(), "input_keys": sp.input_keys, "seconds": round(seconds, 3),
-         "report": report}, indent=1, default=str) + "\n")
+         "report": report, "files": file_stats(sp.dir)}, indent=1, default=str) + "\n")
 
 
 def _gc(sp: StepPlan) -> None:
@@ -36,9 +39,10 @@ def _gc(sp: StepPlan) -> None:
 def run(bp: BuildPlan, *, resume: bool = False, progress: bool = False, token: str | None = None,
         command: str | None = None, force: bool = False) -> dict:
     ctx = {"resume": resume, "progress": progress, "token": token, "command": command}
-    if bp.out.exists() and not force and not _ours(bp.out):
+    if bp.out.exists() and not force and not _ours(bp.out) and any(bp.out.iterdir()):
         raise WriteError("output exists and was not made by qtool build", path=bp.out,
-                         hint="choose another -o, or pass --force")
+                         hint="choose another -o, or pass --force (a directory qtool did not make is never "
+                         "replaced)")
     ran, skipped = [], []
     chain = []
     for sp in bp.steps:
@@ -72,21 +76,22 @@ def _ours(out: Path) -> bool:
 
 
 def _publish(bp: BuildPlan, chain: list[dict]) -> bool:
-    """Hard-link the artifact step's output to `out` with the build provenance; False when up to date."""
-    from qtool import __version__
-    from qtool.io.atomic_dir import commit_output, prepare_output
+    """Publish the artifact step's output at `out` with the build provenance; False when up to date (same
+    final key and every published file as it was published). Side files are copies and shards reflinks,
+    else hard links made read-only, so that editing the artifact cannot silently change the step cache
+    (and an edited shard also invalidates that step: its marker records the files' stats)."""
     from qtool.io.jsonio import atomic_write_text
 
+    record = bp.work / PUBLISHED
     if _ours(bp.out):
         try:
-            if json.loads((bp.out / MANIFEST).read_text())["build"]["final_key"] == bp.final_key:
+            same_key = json.loads((bp.out / MANIFEST).read_text())["build"]["final_key"] == bp.final_key
+            if same_key and files_unchanged(bp.out, json.loads(record.read_text())):
                 return False
         except (OSError, ValueError, KeyError):
             pass
     src = input_path(bp, bp.recipe.artifact_step.id)
     assert src is not None
-    partial = prepare_output(bp.out, force=True)
-    _link_tree(src, partial)
     build = {
         "recipe": bp.recipe.name,
         "recipe_path": bp.recipe.path,
@@ -94,17 +99,30 @@ def _publish(bp: BuildPlan, chain: list[dict]) -> bool:
         "sources": {n: s.to_json() for n, s in bp.sources.items()},
         "steps": chain,
     }
-    mpath = partial / MANIFEST
-    if mpath.exists():
-        # the producing op's manifest (per-tensor origins) stays; the build chain is added to it. Replace
-        # the hard link by a new file so the step's own copy is not modified.
-        manifest = json.loads(mpath.read_text())
-        mpath.unlink()
-    else:
-        manifest = {"qtool_version": __version__, "operation": "build"}
-    manifest["build"] = build
-    if (src / MANIFEST).exists() and bp.recipe.artifact_step.op is not Op.ASSEMBLE:
-        manifest.setdefault("note", "per-tensor origins are those of the earliest step that wrote them")
-    atomic_write_text(mpath, json.dumps(manifest, indent=1, default=str) + "\n")
-    commit_output(partial, bp.out)
+    with OutputDir(bp.out, force=True) as tx:
+        shards = Placer(LinkMode.AUTO, file_mode=tx.file_mode)
+        for p in sorted(src.rglob("*")):
+            rel = p.relative_to(src)
+            if p.is_dir() or rel.name in (STEP_MARKER, MANIFEST) or any(x.startswith(".") for x in rel.parts):
+                continue
+            dst = tx.partial / rel
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            if p.suffix == ".safetensors":
+                if shards.place(p, dst) == "hardlink":
+                    os.chmod(dst, os.stat(dst).st_mode & ~0o222)  # shared with the cache: read-only
+            else:
+                copy_file(p, dst, tx.file_mode)
+        manifest = json.loads((src / MANIFEST).read_text()) if (src / MANIFEST).exists() else {
+            "operation": "build"}
+        manifest["build"] = build
+        # shards' digests carry over from the producing op (the same bytes); side files are re-hashed
+        # (a patch-config step changed configs after the manifest was written)
+        manifest["files"] = output_files(tx.partial, {
+            k: v["sha256"] for k, v in (manifest.get("files") or {}).items()
+            if isinstance(v, dict) and k.endswith(".safetensors") and isinstance(v.get("sha256"), str)})
+        if (src / MANIFEST).exists() and bp.recipe.artifact_step.op is not Op.ASSEMBLE:
+            manifest.setdefault("note", "per-tensor origins are those of the earliest step that wrote them")
+        atomic_write_text(tx.partial / MANIFEST, json.dumps(manifest, indent=1, default=str) + "\n")
+        tx.commit()
+    atomic_write_text(record, json.dumps(file_stats(bp.out)) + "\n")
     return True

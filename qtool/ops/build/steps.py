@@ -6,8 +6,6 @@ error naming the module."""
 from __future__ import annotations
 
 import importlib
-import os
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -87,38 +85,31 @@ def run_calibrate_kv(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
     return {"layers": rep.get("layers"), "warnings": rep.get("warnings"), "calibration": rep.get("calibration")}
 
 
-def _link_tree(src: Path, dst: Path) -> None:
-    for p in sorted(src.rglob("*")):
-        rel = p.relative_to(src)
-        if rel.name == STEP_MARKER or any(part.startswith(".") for part in rel.parts):
-            continue
-        t = dst / rel
-        if p.is_dir():
-            t.mkdir(parents=True, exist_ok=True)
-            continue
-        t.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.link(os.path.realpath(p), t)
-        except OSError:
-            shutil.copyfile(p, t)
+def _linked_step_dir(src: Path, sp: StepPlan):
+    """A step output that starts as links of its input's files (patch-config, a local download source):
+    an OutputDir in the build's own cache, entered, with `src` linked into its partial directory. Files
+    are replaced there through new inodes only (qtool.io.output), so the input is never modified."""
+    from qtool.io.output import LinkMode, OutputDir, Placer, link_tree
+
+    tx = OutputDir(sp.dir, sources=[src], force=True, replace_any=True).__enter__()
+    link_tree(src, tx.partial, Placer(LinkMode.AUTO), skip=(STEP_MARKER,))
+    return tx
 
 
 def run_patch_config(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
-    from qtool.io.atomic_dir import commit_output, prepare_output
-
     mod = op_module(Op.PATCH_CONFIG, "qtool.ops.patch_config")
     src = materialize(bp, sp.step.inputs[0], token=ctx.get("token"))
-    partial = prepare_output(sp.dir, force=True)
-    _link_tree(src, partial)
-    p = sp.step.params
-    # configs are rewritten atomically (temp file + rename: a new inode), so the hard links to the
-    # input's files are never modified
-    plan = mod.plan(partial, fixes=[mod.Fix(f) for f in p.get("fixes", [])],
-                    ignore_add=p.get("ignore_add", []), ignore_remove=p.get("ignore_remove", []),
-                    yarn=p.get("yarn"), original_max_position=p.get("original_max_position"),
-                    sampling_defaults=bool(p.get("sampling_defaults", False)))
-    written = mod.apply(plan)
-    commit_output(partial, sp.dir)
+    tx = _linked_step_dir(src, sp)
+    try:
+        p = sp.step.params
+        plan = mod.plan(tx.partial, fixes=[mod.Fix(f) for f in p.get("fixes", [])],
+                        ignore_add=p.get("ignore_add", []), ignore_remove=p.get("ignore_remove", []),
+                        yarn=p.get("yarn"), original_max_position=p.get("original_max_position"),
+                        sampling_defaults=bool(p.get("sampling_defaults", False)))
+        written = mod.apply(plan, in_transaction=True)
+        tx.commit()
+    finally:
+        tx.__exit__(None, None, None)
     return {"fixes": [r.__dict__ for r in plan.results], "written": written}
 
 
@@ -148,14 +139,16 @@ def run_quantize(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
     src = materialize(bp, sp.step.inputs[0], token=ctx.get("token"))
     rep = mod.run(src, out=sp.dir, recipe=load_recipe(p["recipe"]), dataset=p.get("dataset", "builtin"),
                   samples=int(p.get("samples", 16)), seq_len=int(p.get("seq_len", 512)),
-                  device=p.get("device", "cpu"), resume=ctx.get("resume", False), force=True)
+                  device=p.get("device", "cpu"), resume=ctx.get("resume", False), force=True,
+                  command=ctx.get("command"))
     return rep if isinstance(rep, dict) else {"result": str(rep)}
 
 
 def run_convert(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
     mod = op_module(Op.CONVERT, "qtool.ops.convert")
     src = materialize(bp, sp.step.inputs[0], token=ctx.get("token"))
-    rep = mod.run(src, out=sp.dir, to=mod.Flavour(sp.step.params["to"]), force=True)
+    rep = mod.run(src, out=sp.dir, to=mod.Flavour(sp.step.params["to"]), force=True, resume=ctx.get("resume", False),
+                  command=ctx.get("command"))
     return rep if isinstance(rep, dict) else {"result": str(rep)}
 
 
@@ -163,11 +156,11 @@ def run_download(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
     ref = sp.step.inputs[0]
     if ref not in bp.sources or bp.sources[ref].source.kind is not SourceKind.HUB or bp.sources[ref].overridden:
         src = materialize(bp, ref)
-        from qtool.io.atomic_dir import commit_output, prepare_output
-
-        partial = prepare_output(sp.dir, force=True)
-        _link_tree(src, partial)
-        commit_output(partial, sp.dir)
+        tx = _linked_step_dir(src, sp)
+        try:
+            tx.commit()
+        finally:
+            tx.__exit__(None, None, None)
         return {"linked_from": str(src)}
     from qtool.hub.resolve import HubSpec
     from qtool.ops import download as dl
@@ -177,7 +170,7 @@ def run_download(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
     opts = dl.DownloadOptions(spec=HubSpec(rs.source.ref, rs.identity["commit"]), out=sp.dir,
                               include=list(p.get("include", [])), tensors=list(p.get("tensors", [])),
                               token=ctx.get("token"), force=True, resume=ctx.get("resume", False))
-    rep = dl.run(dl.plan(opts), progress=ctx.get("progress", False))
+    rep = dl.run(dl.plan(opts), progress=ctx.get("progress", False), command=ctx.get("command"))
     return {"commit": rep.get("commit"), "bytes": rep.get("bytes")}
 
 

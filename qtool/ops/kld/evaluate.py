@@ -31,10 +31,10 @@ class KldOptions:
     tokenizer: str | None = None  # directory with the tokenizer (default: the first checkpoint given)
     chunk: int = 256  # positions per log-prob chunk
     topk: int = C.DEFAULT_TOPK
-    samples: int = C.DEFAULT_SAMPLES
+    tail_samples: int = C.DEFAULT_SAMPLES
     seed: int = C.DEFAULT_SEED
     work_dir: str | None = None
-    overwrite: bool = False
+    force: bool = False
 
 
 @dataclass
@@ -115,10 +115,12 @@ def run(
                              hint="a compact reference can only be --ref")
         if save_ref and r.kind is Kind.COMPACT:
             raise UsageError("--ref is already a compact reference", path=r.path)
-        if save_ref and Path(save_ref).exists() and not o.overwrite:
-            raise UsageError("--save-ref output exists", path=save_ref, hint="pass --overwrite or another path")
-        if o.chunk < 1 or o.topk < 1 or o.samples < 0:
-            raise UsageError("--chunk and --topk must be >= 1, --samples >= 0")
+        if save_ref:
+            from qtool.io.output import check_replaceable
+
+            check_replaceable(Path(save_ref), force=o.force)  # exit 1 (an output problem, not usage)
+        if o.chunk < 1 or o.topk < 1 or o.tail_samples < 0:
+            raise UsageError("--chunk and --topk must be >= 1, --tail-samples >= 0")
 
         # -- windows ------------------------------------------------------------------------------
         ckpts = [s for s in srcs.values() if s.kind is Kind.CHECKPOINT]
@@ -232,12 +234,13 @@ class _RefSaver:
     def __init__(self, out: str, o: KldOptions, src, rep: KldReport):
         import torch
 
-        from qtool.io.atomic_dir import prepare_output
+        from qtool.io.output import OutputDir
 
         self.out = Path(out)
         self.o = o
         self.vocab = src.vocab
-        self.partial = prepare_output(self.out, force=o.overwrite)
+        self.tx = OutputDir(self.out, force=o.force).begin()
+        self.partial = self.tx.partial
         self.rows: list[int] = []
         self.rep = rep
         self.nbytes = 0
@@ -252,7 +255,7 @@ class _RefSaver:
             self.gen.manual_seed(self.o.seed * 1_000_003 + w)
         if self.vocab is None or self.vocab != lp.shape[-1]:
             self.vocab = int(lp.shape[-1])
-        return C.encode(lp, self.o.topk, self.o.samples, self.gen)
+        return C.encode(lp, self.o.topk, self.o.tail_samples, self.gen)
 
     def write(self, w: int, parts: list, rows: int) -> None:
         import torch
@@ -266,7 +269,6 @@ class _RefSaver:
         self.rows.append(rows)
 
     def commit(self) -> dict:
-        from qtool.io.atomic_dir import commit_output
         from qtool.io.jsonio import write_json
 
         positions = sum(self.rows)
@@ -275,7 +277,7 @@ class _RefSaver:
             "format": "qtool-kld-compact",
             "method": C.METHOD,
             "topk": self.o.topk,
-            "samples": self.o.samples,
+            "samples": self.o.tail_samples,  # the compact format's field name
             "seed": self.o.seed,
             "vocab": self.vocab,
             "windows": len(self.rows),
@@ -295,7 +297,7 @@ class _RefSaver:
             # The token windows themselves, so that a later --emit-windows / check can use them.
             save_file({"input_ids": self.ids.to(torch.int32).contiguous()}, str(self.partial / "tokens.safetensors"))
         write_json(self.partial / META, meta)
-        commit_output(self.partial, self.out)
+        self.tx.commit()
         return {"path": str(self.out), **{k: meta[k] for k in ("method", "topk", "samples", "windows",
                                                                 "tensor_bytes", "full_float32_bytes", "size_ratio")}}
 

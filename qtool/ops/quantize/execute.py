@@ -257,7 +257,7 @@ def run(
 
     with OutputDir(p.out, sources=[p.ckpt.root], force=force, resume=resume) as tx:
         # a resumed run re-hashes its inputs: a cached digest could predate an edit
-        hasher = InputHasher(trust_cache=not resume)  # hashes the inputs in background threads
+        hasher = InputHasher(trust_cache=not resume, record=tx.input_digests)  # in background threads
         try:
             for f in input_files(p):
                 hasher.submit(str(f))
