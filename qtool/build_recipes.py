@@ -229,7 +229,7 @@ def load_build_recipe(path: str | Path) -> BuildRecipe:
     try:
         data = yaml.safe_load(p.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise BuildRecipeError("build recipe not found", path=p) from None
+        raise QtoolError("build recipe not found", path=p, hint="check the path (exit 1: a missing input)") from None
     except yaml.YAMLError as e:
         raise BuildRecipeError(f"build recipe is not valid YAML: {e}", path=p) from None
     return parse_build_recipe(data, path=str(p))

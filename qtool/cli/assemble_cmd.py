@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from qtool.cli.common import add_json_flag, human_bytes, local_checkpoint, print_json
+from qtool.cli.common import add_output_flags, human_bytes, local_checkpoint, print_json, run_command_line
 from qtool.errors import UsageError
 
 
@@ -16,7 +16,6 @@ def add_arguments(p) -> None:
                        "spliced into an NVFP4 checkpoint")
     h.add_argument("--nvfp4", required=True, help="NVFP4 checkpoint (ModelOpt or compressed-tensors naming)")
     h.add_argument("--bf16", required=True, help="the BF16 original (fused or per-expert routed experts)")
-    h.add_argument("-o", "--out", required=True, help="output directory (written as OUT.partial, then renamed)")
     h.add_argument("--bf16-expert-layers", default="", metavar="LIST",
                    help="comma-separated decoder layers whose routed experts come from BF16, e.g. 0 or 0,1")
     h.add_argument("--mtp", choices=["auto", "from-bf16", "keep", "drop"], default="auto",
@@ -25,11 +24,7 @@ def add_arguments(p) -> None:
                    help="how unchanged shards are placed (auto: reflink, else hardlink, else copy)")
     h.add_argument("--max-shard-size", default=None, metavar="SIZE",
                    help="e.g. 5GB (default: 5%% above the NVFP4 source's largest shard, at least 5GB)")
-    h.add_argument("--resume", action="store_true", help="finish an interrupted run (same command)")
-    h.add_argument("--force", action="store_true", help="replace an existing OUT")
-    h.add_argument("--dry-run", action="store_true", help="print the plan, write nothing")
-    h.add_argument("--quiet", action="store_true", help="no progress bar")
-    add_json_flag(h)
+    add_output_flags(h)
 
 
 def _layers(text: str) -> tuple[int, ...]:
@@ -45,7 +40,6 @@ def run(args) -> int:
 
     from qtool.io.writer import parse_size
     from qtool.ops.assemble import HybridOptions, LinkMode, MtpMode, execute, plan_hybrid
-    from qtool.ops.manifest import command_line
 
     try:
         max_size = parse_size(args.max_shard_size) if args.max_shard_size else None
@@ -53,7 +47,7 @@ def run(args) -> int:
         raise UsageError(str(e)) from None
     layers = _layers(args.bf16_expert_layers)
     opts = HybridOptions(nvfp4=local_checkpoint(args.nvfp4), bf16=_bf16_source(args.bf16, layers, args.mtp),
-                         out=Path(args.out), bf16_expert_layers=layers, mtp=MtpMode(args.mtp),
+                         out=Path(args.output), bf16_expert_layers=layers, mtp=MtpMode(args.mtp),
                          link=LinkMode(args.link), max_shard_size=max_size)
     plan = plan_hybrid(opts)
     summary = plan.summary()
@@ -64,7 +58,7 @@ def run(args) -> int:
             _print_plan(summary)
         return 0
     result = execute(plan, force=args.force, resume=args.resume,
-                     command=command_line(["qtool"] + sys.argv[1:]),
+                     command=run_command_line(),
                      progress=not args.quiet and not args.json and sys.stderr.isatty())
     if args.json:
         print_json({"plan": summary, "result": result.to_json()})

@@ -1,36 +1,29 @@
-"""qtool build RECIPE.yaml [-o DIR] [--resume] [--dry-run] [--json] [--source NAME=PATH ...]"""
+"""qtool build RECIPE.yaml [-o DIR] [--source NAME=PATH ...] [--token T] [--force] [--resume] [--dry-run]
+[--json] [--quiet]"""
 
 from __future__ import annotations
 
-from qtool.cli.common import add_json_flag, print_json
+from qtool.cli.common import add_output_flags, print_json, run_command_line
 
 
 def add_arguments(p) -> None:
     p.add_argument("recipe", help="build recipe (YAML), e.g. recipes/build/demo-tiny.yaml")
-    p.add_argument("-o", "--out", metavar="DIR", help="final artifact directory (default: build/<recipe name>); "
-                   "step outputs live in DIR.build/")
     p.add_argument("--source", action="append", default=[], metavar="NAME=PATH",
                    help="use a local directory for a recipe source (repeatable; also $QTOOL_BUILD_SOURCES)")
-    p.add_argument("--resume", action="store_true", help="let the running step continue its own partial output")
-    p.add_argument("--dry-run", action="store_true",
-                   help="resolve sources, compute step keys, run each op's own plan where inputs exist")
-    p.add_argument("--force", action="store_true", help="replace an -o DIR that qtool build did not make")
-    p.add_argument("--token", help="Hub token (default: HF_TOKEN or the saved login)")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
-    add_json_flag(p)
+    p.add_argument("--token", help="Hub token (default: HF_TOKEN or the saved login; never written anywhere)")
+    add_output_flags(p, output="optional", output_help="final artifact directory (default: build/<recipe name>); "
+                     "step outputs live in DIR.build/")
 
 
 def run(args) -> int:
-    import sys
     from pathlib import Path
 
     from qtool.build_recipes import load_build_recipe
     from qtool.ops import build
     from qtool.ops.build.plan import parse_overrides
-    from qtool.ops.manifest import command_line
 
     recipe = load_build_recipe(args.recipe)
-    bp = build.plan(recipe, out=Path(args.out) if args.out else None, overrides=parse_overrides(args.source),
+    bp = build.plan(recipe, out=Path(args.output) if args.output else None, overrides=parse_overrides(args.source),
                     token=args.token, validate=args.dry_run)
     if args.dry_run:
         if args.json:
@@ -39,7 +32,7 @@ def run(args) -> int:
             _print_plan(bp)
         return 0
     report = build.run(bp, resume=args.resume, progress=not (args.quiet or args.json), token=args.token,
-                       command=command_line(["qtool", *sys.argv[1:]]), force=args.force)
+                       command=run_command_line(), force=args.force)
     if args.json:
         print_json({**bp.to_json(), **report})
         return 0

@@ -33,8 +33,42 @@ def _load(name: str):
     return importlib.import_module(COMMANDS[name][0])
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a "did you mean" for a mistyped flag, shown with the (sub)command's own usage:
+    argparse reports unknown flags from the top-level parser, which knows none of the command's. No
+    abbreviations: a prefix that works today would silently mean another flag once one is added."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def parse_args(self, args=None, namespace=None):
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            target = self._deepest(ns)
+            options = [o for a in target._actions for o in a.option_strings]
+            import difflib
+
+            hints = []
+            for x in extras:
+                close = difflib.get_close_matches(x.split("=", 1)[0], options, n=1, cutoff=0.6)
+                hints.append(f"{x} (did you mean {close[0]}?)" if close else x)
+            target.error("unrecognized argument(s): " + ", ".join(hints))
+        return ns
+
+    def _deepest(self, ns) -> argparse.ArgumentParser:
+        parser: argparse.ArgumentParser = self
+        for dest in ("command", "kind", "what"):
+            name = getattr(ns, dest, None)
+            subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+            if not name or not subs or name not in subs[0].choices:
+                break
+            parser = subs[0].choices[name]
+        return parser
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="qtool",
         description="Turn huge MoE checkpoints (Qwen3.5-397B-A17B and siblings) into serving-ready, "
         "verified artifacts for vLLM and SGLang.",
@@ -79,6 +113,20 @@ def main(argv: list[str] | None = None) -> int:
         # Python from complaining again while flushing stdout at exit)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    except OSError as e:
+        # an environment failure no op turned into a QtoolError (read-only or full disk, a vanished
+        # file): still one clear message with the file and the fix, never a traceback
+        if os.environ.get("QTOOL_DEBUG"):
+            raise
+        from qtool.io.output import write_error
+
+        err = write_error(f"{e.strerror or type(e).__name__}", e, e.filename or "?")
+        err.message = f"I/O error: {e.strerror or e}"
+        if want_json:
+            print(json.dumps(err.to_json(), indent=2))
+        else:
+            print(err.describe(), file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

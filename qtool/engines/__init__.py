@@ -15,7 +15,7 @@ import enum
 import re
 from dataclasses import dataclass
 
-from qtool.errors import QtoolError
+from qtool.errors import QtoolError, UsageError
 
 
 class Engine(enum.Enum):
@@ -64,7 +64,7 @@ def parse_version(spec: str | EngineVersion, engine: Engine | None = None) -> En
         text = f"{engine.value}@{text}"
     m = _SPEC.match(text)
     if not m:
-        raise QtoolError(
+        raise UsageError(
             f"bad engine version spec {spec!r}",
             expected="vllm@X.Y[.Z] or sglang@X.Y.Z",
             got=spec,

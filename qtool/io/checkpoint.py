@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from qtool.errors import CheckpointError
+from qtool.errors import CheckpointError, ConfigError
 from qtool.io.index_file import read_index
 from qtool.io.jsonio import JsonStyle, load_json
 from qtool.io.safetensors_header import SafetensorsHeader, TensorInfo, read_header
@@ -76,6 +76,7 @@ class Checkpoint:
             raise CheckpointError("config.json not found", path=root / CONFIG_NAME)
         if (root / HF_QUANT_CONFIG_NAME).exists():
             hq, hq_style = load_json(root / HF_QUANT_CONFIG_NAME, what="hf_quant_config.json")
+        cls._check_config_types(root, config, hq)
 
         # The ~1M small objects of a 397B header set make the cyclic GC rescan its young generations
         # over and over (about half the open time); none of them can form a cycle.
@@ -90,6 +91,32 @@ class Checkpoint:
             if gc_was_enabled:
                 gc.enable()
         return cls(root, tensors, headers, index, config, config_style, hq, hq_style)
+
+    @staticmethod
+    def _check_config_types(root: Path, config: dict | None, hq: dict | None) -> None:
+        """The config values qtool relies on have the JSON types the producers write; anything else is a
+        clear error naming the file and the key (not a TypeError deep inside a plan)."""
+        def bad(file: str, key: str, want: str, got) -> ConfigError:
+            return ConfigError(f"{file}: {key} must be {want}", path=root / file, got=f"{type(got).__name__} {got!r}",
+                               hint=f"fix {key} in {file} (or restore the file from the source repository)")
+
+        if config is not None:
+            if "text_config" in config and not isinstance(config["text_config"], dict):
+                raise bad(CONFIG_NAME, "text_config", "an object", config["text_config"])
+            qc = config.get("quantization_config")
+            if qc is not None and not isinstance(qc, dict):
+                raise bad(CONFIG_NAME, "quantization_config", "an object", qc)
+            for key in ("ignore", "modules_to_not_convert"):
+                lst = (qc or {}).get(key)
+                if lst is not None and (not isinstance(lst, list) or not all(isinstance(x, str) for x in lst)):
+                    raise bad(CONFIG_NAME, f"quantization_config.{key}", "a list of strings", lst)
+        if hq is not None:
+            body = hq.get("quantization") if isinstance(hq.get("quantization"), dict) else hq
+            for key in ("exclude_modules", "ignore"):
+                lst = body.get(key)
+                if lst is not None and (not isinstance(lst, list) or not all(isinstance(x, str) for x in lst)):
+                    where = f"quantization.{key}" if body is not hq else key
+                    raise bad(HF_QUANT_CONFIG_NAME, where, "a list of strings", lst)
 
     # ---- conveniences -------------------------------------------------------------------------
     @property

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from qtool.errors import ConfigError
 from qtool.io.jsonio import load_json
 
 try:
@@ -40,6 +41,11 @@ def read_index(path: Path) -> tuple[dict, dict[str, list[str]] | None]:
         return index, None
     by_file: dict[str, list[str]] = {}
     for name, rel in wm.items():
+        if not isinstance(rel, str):
+            raise ConfigError("safetensors index: a weight_map value is not a shard file name", path=path,
+                              tensor=name, got=f"{type(rel).__name__} {rel!r}",
+                              hint="each weight_map entry maps a tensor to its shard's file name (a string); "
+                              "restore the index from the source repository")
         by_file.setdefault(rel, []).append(name)
     return index, by_file
 

@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from qtool.errors import PlanError, UsageError
+from qtool.errors import CheckpointError, PlanError, UsageError
 
 BUILTIN = "builtin"
 
@@ -31,7 +31,7 @@ def read_documents(dataset: str) -> list[str]:
         return [builtin_path().read_text(encoding="utf-8")]
     p = Path(dataset)
     if not p.is_file():
-        raise UsageError("dataset file not found", path=p, hint="pass `builtin`, a .txt or a .jsonl file")
+        raise CheckpointError("dataset file not found", path=p, hint="pass `builtin`, a .txt or a .jsonl file")
     if p.suffix == ".jsonl":
         docs = []
         for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):

@@ -176,7 +176,12 @@ def _write(p: dict, tx: OutputDir, side: dict | None, restore: dict, report: dic
             journal.record(s, size=size)
     total = sum(i.nbytes for i in ckpt.tensors.values())
     index_style = load_json(ckpt.root / INDEX_NAME)[1] if (ckpt.root / INDEX_NAME).exists() else None
-    write_json(partial / INDEX_NAME, index_json(weight_map, total), index_style)
+    index = index_json(weight_map, total)
+    if isinstance((ckpt.index or {}).get("metadata"), dict):
+        # the same tensor bytes (renames, same-size reciprocals): the source's metadata holds as it is
+        # (transformers' total_parameters, its total_size convention)
+        index["metadata"] = ckpt.index["metadata"]
+    write_json(partial / INDEX_NAME, index, index_style)
     for entry in sorted(ckpt.root.iterdir()):
         if entry.is_file() and entry.suffix != ".safetensors" and entry.name not in (
                 INDEX_NAME, CONFIG_NAME, HF_QUANT_CONFIG_NAME, SIDECAR, MANIFEST_NAME):

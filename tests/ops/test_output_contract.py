@@ -155,3 +155,195 @@ def test_concurrent_assemble_runs_publish_one_complete_output(tiny_nvfp4_modelop
     for rc, err in results:
         assert rc == 0 or ("another qtool run" in err or "already exists" in err), err
     assert tree_sha(out) == tree_sha(ref)
+
+
+def drop_tensors(root: Path, drop) -> None:
+    """Rewrite `root`'s shards without the tensors for which `drop(name)` is true (index updated)."""
+    ck = Checkpoint.open(root)
+    idx_path = root / "model.safetensors.index.json"
+    idx = json.loads(idx_path.read_text())
+    for shard, h in ck.headers.items():
+        gone = [n for n in h.tensors if drop(n)]
+        if not gone:
+            continue
+        keep = sorted((t for n, t in h.tensors.items() if not drop(n)), key=lambda t: t.start)
+        tmp = root / (shard + ".new")
+        write_shard(tmp, [OutTensor(t.name, t.dtype, tuple(t.shape), FileRange(t.file, t.start, t.end)) for t in keep])
+        os.replace(tmp, root / shard)
+        for n in gone:
+            del idx["weight_map"][n]
+    idx_path.write_text(json.dumps(idx, indent=2))
+
+
+# ---- validation before execution -------------------------------------------------------------------
+
+
+def test_incomplete_bf16_mtp_head_is_refused_before_writing(tiny_nvfp4_modelopt_nomtp, tiny_bf16, tmp_path):
+    """Found as: assemble noticed a BF16 MTP head without mtp.layers.0.* only after writing every shard."""
+    bf = copy_of(tiny_bf16, tmp_path / "bf")
+    drop_tensors(bf, lambda n: n.startswith("mtp.layers.0."))
+    out = tmp_path / "out"
+    p = run_qtool(["assemble", "hybrid", "--nvfp4", tiny_nvfp4_modelopt_nomtp, "--bf16", bf, "-o", out, "--json"])
+    assert p.returncode == 1
+    err = json.loads(p.stdout)
+    assert "MTP head is incomplete" in err["message"] and "mtp.layers.0.self_attn.q_proj" in err["message"]
+    assert not out.exists() and not (tmp_path / "out.partial").exists()
+
+
+def test_non_string_shard_metadata_is_a_clear_error(tiny_nvfp4_modelopt, tmp_path):
+    """Found as: a source whose __metadata__ had non-string values gave an output safetensors refused,
+    while assemble printed "checks passed"."""
+    nv = copy_of(tiny_nvfp4_modelopt, tmp_path / "nv")
+    shard = sorted(nv.glob("*.safetensors"))[0]
+    raw = shard.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    head = json.loads(raw[8:8 + n])
+    head["__metadata__"] = {"format": 5}  # shorter than the original {"format": "pt"}
+    text = json.dumps(head, separators=(",", ":")).encode()
+    text += b" " * (n - len(text))
+    assert len(text) == n
+    shard.write_bytes(raw[:8] + text + raw[8 + n:])
+    p = run_qtool(["inspect", nv, "--json"])
+    assert p.returncode == 1
+    err = json.loads(p.stdout)
+    assert err["path"] == str(shard) and err["tensor"] == "__metadata__.format"
+
+
+# ---- integrity ---------------------------------------------------------------------------------------
+
+
+def test_verify_deep_catches_a_flipped_byte_in_a_rebuilt_shard(tiny_nvfp4_modelopt, tiny_bf16, tmp_path):
+    """Found as: the manifest recorded sha256 only for inputs and linked shards, so a flipped byte in a
+    rebuilt or new shard passed `verify --deep`."""
+    out = tmp_path / "out"
+    assert run_qtool(["assemble", "hybrid", "--nvfp4", tiny_nvfp4_modelopt, "--bf16", tiny_bf16, "-o", out,
+                      "--bf16-expert-layers", "0", "--quiet"]).returncode == 0
+    man = json.loads((out / "qtool-manifest.json").read_text())
+    assert set(man["files"]) == {p.name for p in out.iterdir()} - {"qtool-manifest.json"}
+    for rel, f in man["files"].items():
+        assert f["sha256"] == hashlib.sha256((out / rel).read_bytes()).hexdigest(), rel
+    assert run_qtool(["verify", out, "--deep", "--tp", "1"]).returncode == 0
+    rebuilt = [s for s, e in man["shards"].items() if e["action"] != "link"]
+    victim = out / rebuilt[0]
+    data = bytearray(victim.read_bytes())
+    data[-3] ^= 0x40
+    victim.write_bytes(bytes(data))
+    p = run_qtool(["verify", out, "--deep", "--tp", "1", "--json"])
+    assert p.returncode == 3
+    codes = {(f["code"], f["module"]) for f in json.loads(p.stdout)["findings"]}
+    assert ("hash-mismatch", rebuilt[0]) in codes
+
+
+def test_every_writing_command_writes_one_manifest_schema(tiny_nvfp4_modelopt, tiny_bf16, tmp_path):
+    """Found as: calibrate-kv -o and convert wrote no qtool-manifest.json; three manifest schemas."""
+    runs = {
+        "assemble": ["assemble", "hybrid", "--nvfp4", tiny_nvfp4_modelopt, "--bf16", tiny_bf16],
+        "calibrate-kv": ["calibrate-kv", tiny_nvfp4_modelopt, *KV, "--replace-scales"],
+        "convert": ["convert", tiny_nvfp4_modelopt, "--to", "compressed-tensors"],
+    }
+    for name, args in runs.items():
+        out = tmp_path / name
+        p = run_qtool([*args, "-o", out, "--quiet"])
+        assert p.returncode == 0, p.stderr
+        man = json.loads((out / "qtool-manifest.json").read_text())
+        assert {"qtool_version", "operation", "command", "libraries", "sources", "summary", "checks",
+                "files"} <= set(man), name
+        assert man["libraries"]["safetensors"] and man["command"].startswith("qtool ")
+        assert set(man["files"]) == {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()} - {
+            "qtool-manifest.json"}, name
+        for src in man["sources"].values():
+            assert src["files"] and all(len(f["sha256"]) == 64 for f in src["files"].values())
+
+
+def test_rewritten_shards_keep_metadata_and_files_share_one_mode(tiny_nvfp4_modelopt, tmp_path):
+    """Found as: rewritten shards dropped the source's __metadata__; linked (0600) and rebuilt (0644)
+    shards had different modes."""
+    from qtool.io.safetensors_header import read_header
+
+    src = copy_of(tiny_nvfp4_modelopt, tmp_path / "src")
+    for f in src.iterdir():
+        os.chmod(f, 0o600)
+    out = tmp_path / "out"
+    p = run_qtool(["convert", src, "-o", out, "--to", "compressed-tensors", "--json"])
+    assert p.returncode == 0, p.stderr
+    rewritten = json.loads(p.stdout)["rewritten_shards"]
+    assert rewritten
+    for s in rewritten:
+        assert read_header(out / s).metadata == read_header(src / s).metadata != {}
+    assert {f.stat().st_mode & 0o777 for f in out.iterdir()} == {0o600}
+
+
+def test_convert_round_trip_is_byte_identical(tiny_nvfp4_modelopt, tmp_path):
+    """Found as: convert re-indented hf_quant_config.json."""
+    ct, back = tmp_path / "ct", tmp_path / "back"
+    assert run_qtool(["convert", tiny_nvfp4_modelopt, "-o", ct, "--to", "compressed-tensors"]).returncode == 0
+    assert run_qtool(["convert", ct, "-o", back, "--to", "modelopt"]).returncode == 0
+    want = tree_sha(tiny_nvfp4_modelopt)
+    got = tree_sha(back, skip=("qtool-manifest.json", "qtool-convert.json"))
+    assert got == want
+
+
+# ---- the build's published artifact ---------------------------------------------------------------
+
+
+DEMO = Path(__file__).resolve().parents[2] / "recipes" / "build" / "demo-tiny.yaml"
+
+
+def test_build_token_never_reaches_the_manifest_and_an_edited_artifact_is_noticed(tmp_path):
+    """Found as: `qtool build --token hf_...` wrote the token into every manifest; editing the published
+    config.json in place edited the step cache and the next build said "up to date"."""
+    out = tmp_path / "demo"
+    token = "hf_" + "Q" * 30
+    p = run_qtool(["build", DEMO, "-o", out, "--token", token, "--quiet", "--json"])
+    assert p.returncode == 0, p.stderr
+    for f in [*out.rglob("*"), *(tmp_path / "demo.build").rglob("*")]:
+        if f.is_file():
+            assert token.encode() not in f.read_bytes(), f
+    cache = {f.name: f for f in (tmp_path / "demo.build").rglob("config.json")}
+    before = {k: v.read_bytes() for k, v in cache.items()}
+    cfg = out / "config.json"
+    with open(cfg, "r+") as f:  # an in-place edit, as an editor or a script does
+        text = f.read()
+        f.seek(0)
+        f.write(text.replace('"model_type"', '"model_type_edited"', 1))
+    assert {k: v.read_bytes() for k, v in cache.items()} == before  # the cache is not the artifact
+    p = run_qtool(["build", DEMO, "-o", out, "--quiet", "--json"])
+    assert p.returncode == 0, p.stderr
+    rep = json.loads(p.stdout)
+    assert rep["published"] is True and rep["ran"] == []
+    assert "model_type_edited" not in cfg.read_text()
+    p = run_qtool(["build", DEMO, "-o", out, "--quiet", "--json"])
+    assert json.loads(p.stdout)["published"] is False
+
+
+# ---- exit codes ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args,code", [
+    (["verify", "/nonexistent"], 1),
+    (["inspect", "/nonexistent"], 1),
+    (["build", "missing.yaml"], 1),
+    (["verify", "CKPT", "--engine", "vlm"], 2),
+    (["assemble", "hybrid", "--nvfp4", "CKPT", "--bf16", "CKPT", "-o", "OUT", "--froce"], 2),
+    (["calibrate-kv", "CKPT"], 2),
+    (["convert", "CKPT", "--to", "modelopt", "-o", "OUT"], 2),
+])
+def test_exit_codes(args, code, tiny_nvfp4_modelopt, tmp_path):
+    args = [str(tiny_nvfp4_modelopt) if a == "CKPT" else str(tmp_path / "o") if a == "OUT" else a for a in args]
+    p = run_qtool(args)
+    assert p.returncode == code, p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_eval_save_ref_over_an_existing_output_is_an_output_error(tiny_nvfp4_modelopt, tmp_path):
+    (tmp_path / "ref").mkdir()
+    (tmp_path / "ref" / "x").write_text("mine")
+    p = run_qtool(["eval", "kld", "--ref", tiny_nvfp4_modelopt, "--save-ref", tmp_path / "ref",
+                   "--windows", "1", "--seq-len", "8"])
+    assert p.returncode == 1 and "not made by qtool" in p.stderr
+
+
+def test_typo_in_a_flag_says_did_you_mean(tmp_path):
+    p = run_qtool(["calibrate-kv", tmp_path, "--in-place", "--replace-scale", "--resum"])
+    assert p.returncode == 2
+    assert "usage: qtool calibrate-kv" in p.stderr and "did you mean --resume" in p.stderr

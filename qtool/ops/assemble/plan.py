@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 from qtool.arch.model_map import QUANTIZED_FORMATS, ModelMap, build_map
 from qtool.arch.qwen35 import MTP_PREFIX, Group, Naming, TEXT_PREFIX, engine_module
-from qtool.errors import PlanError, UsageError
+from qtool.errors import CheckpointError, PlanError, UsageError
 from qtool.io.checkpoint import HF_QUANT_CONFIG_NAME, INDEX_NAME, Checkpoint
 from qtool.io.dtypes import DTYPE_BITS, FLOAT_DTYPES
 from qtool.io.output import MANIFEST_NAME, LinkMode, check_no_overlap
@@ -500,6 +500,7 @@ class _Planner:
                             hint="use --mtp keep or --mtp drop")
         home = self.home_of(gone)
         bf_mtp = sorted((n for n in self.bf.tensors if n.startswith(MTP_PREFIX)), key=natural_key)
+        _check_mtp_complete(bf_mtp, self.bf.root)
         fused_bases = sorted({n.rsplit(".", 1)[0] for n in bf_mtp if self.bf_map.roles[n].inner is
                               Group.ROUTED_EXPERTS and self.bf_map.roles[n].expert is None})
         for n in bf_mtp:
@@ -571,6 +572,24 @@ class _Planner:
         return shards
 
 
+# What an MTP head must hold to be built by the engines' drafters (vLLM qwen3_5_mtp.py, SGLang
+# qwen3_5_mtp.py): the input projection and norms, one decoder layer's attention and MoE.
+MTP_REQUIRED = ("mtp.fc.", "mtp.norm.", "mtp.pre_fc_norm_embedding.", "mtp.pre_fc_norm_hidden.",
+                "mtp.layers.0.self_attn.q_proj.", "mtp.layers.0.self_attn.k_proj.", "mtp.layers.0.self_attn.v_proj.",
+                "mtp.layers.0.self_attn.o_proj.", "mtp.layers.0.mlp.gate.", "mtp.layers.0.mlp.experts.")
+
+
+def _check_mtp_complete(names: list[str], root: Path) -> None:
+    """Refuse to graft an incomplete MTP head before anything is written (found only by the output
+    checks, after every shard was copied, before)."""
+    missing = [r.rstrip(".") for r in MTP_REQUIRED if not any(n.startswith(r) for n in names)]
+    if missing:
+        raise PlanError(f"the BF16 source's MTP head is incomplete: no {', '.join(missing[:4])}"
+                        + (" ..." if len(missing) > 4 else ""), path=root, tensor=missing[0],
+                        hint="download the BF16 source's MTP tensors completely (qtool download ... --tensors "
+                        "'re:^mtp\\.'), or pass --mtp drop / --mtp keep")
+
+
 def default_limit(nv: Checkpoint) -> int:
     largest = max((h.file_size for h in nv.headers.values()), default=0)
     return max(5 * 10**9, int(largest * 1.05))
@@ -593,9 +612,9 @@ def extra_files(root: Path) -> list[str]:
 def plan_hybrid(opts: HybridOptions) -> HybridPlan:
     """Build and validate the plan. Reads headers and configs only; raises PlanError before any write."""
     if not opts.nvfp4.exists():
-        raise UsageError("--nvfp4 source not found", path=opts.nvfp4)
+        raise CheckpointError("--nvfp4 source not found", path=opts.nvfp4)
     if not opts.bf16.exists():
-        raise UsageError("--bf16 source not found", path=opts.bf16)
+        raise CheckpointError("--bf16 source not found", path=opts.bf16)
     check_no_overlap(opts.out, (opts.nvfp4, opts.bf16))
     opts.nvfp4, opts.bf16 = opts.nvfp4.resolve(), opts.bf16.resolve()
     p = _Planner(opts)

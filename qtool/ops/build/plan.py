@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from qtool.build_recipes import BuildRecipe, Op, Source, SourceKind, Step
-from qtool.errors import UsageError
+from qtool.errors import CheckpointError, UsageError
 
 STEP_MARKER = "qtool-step.json"
 OVERRIDE_ENV = "QTOOL_BUILD_SOURCES"  # "name=path,name=path": replace recipe sources by local dirs
@@ -106,14 +106,14 @@ def builtin_path(name: str) -> Path:
 def resolve_source(src: Source, override: Path | None, *, token: str | None = None) -> ResolvedSource:
     if override is not None:
         if not override.exists():
-            raise UsageError(f"override for source {src.name!r} does not exist", path=override)
+            raise CheckpointError(f"override for source {src.name!r} does not exist", path=override)
         ident = {"kind": "path", "path": str(override.resolve()), **dir_fingerprint(override),
                  "stands_for": src.to_json()}
         return ResolvedSource(src, ident, sha(ident), override, overridden=True)
     if src.kind is SourceKind.PATH:
         p = Path(src.ref).expanduser()
         if not p.exists():
-            raise UsageError(f"source {src.name!r}: path does not exist", path=p)
+            raise CheckpointError(f"source {src.name!r}: path does not exist", path=p)
         ident = {"kind": "path", "path": str(p.resolve()), **dir_fingerprint(p)}
         return ResolvedSource(src, ident, sha(ident), p)
     if src.kind is SourceKind.BUILTIN:

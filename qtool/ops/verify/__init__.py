@@ -100,6 +100,11 @@ def verify(path: str | Path, opts: VerifyOptions | None = None) -> VerifyReport:
 
     opts = opts or VerifyOptions()
     versions, target = validate(opts)
+    if not Path(path).exists():
+        from qtool.errors import CheckpointError
+
+        # bad input (exit 1), not a failed verification (exit 3)
+        raise CheckpointError("checkpoint not found", path=path, hint="check the path")
     ckpt, findings = structure.open_checked(path)
     if ckpt is None:
         return VerifyReport(str(path), findings, None, {})
@@ -135,6 +140,11 @@ def verify(path: str | Path, opts: VerifyOptions | None = None) -> VerifyReport:
         "rope_parameters": ckpt.text_config.get("rope_parameters") or ckpt.text_config.get("rope_scaling"),
         "max_position_embeddings": ckpt.text_config.get("max_position_embeddings"),
     }
+    # the per-engine summaries count exactly the findings printed with that engine's tag
+    for eng, counts in engines.items():
+        if "units" in counts:
+            counts["errors"] = sum(1 for f in findings if f.engine == eng and f.is_error)
+            counts["warnings"] = sum(1 for f in findings if f.engine == eng and not f.is_error)
     report = VerifyReport(str(ckpt.root), findings, fit, engines, facts, model_map=mm)
     if opts.deep and not any(f.code in (Code.BAD_HEADER, Code.TRUNCATED_SHARD) for f in findings):
         from qtool.ops.verify.deep import deep_check

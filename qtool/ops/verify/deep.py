@@ -5,9 +5,10 @@ same pass, a numeric scan of the tensor bytes:
   input_global_scale, k_scale / v_scale) finite and in (0, MAX_SCALE]; FP8 block scales non-negative;
 - all-zero weight matrices and all-zero block-scale tensors (a module that dequantizes to zero).
 
-Digests are compared with qtool-manifest.json when it exists: a shard entry's own "sha256" when the
-manifest records one, else, for shards the assembly linked byte for byte ("action": "link"), the sha256
-recorded for their source file (qtool/ops/manifest.py, qtool/ops/assemble/execute.py).
+Digests are compared with qtool-manifest.json when it exists: its `files` section (every output file's
+sha256, written by every command through qtool.ops.manifest.write_manifest); for older manifests, a shard
+entry's own "sha256", else, for shards the assembly linked byte for byte ("action": "link"), the sha256
+recorded for their source file.
 """
 
 from __future__ import annotations
@@ -152,6 +153,10 @@ def expected_hashes(root: Path) -> dict[str, str]:
         return {}
     sources = man.get("sources") or {}
     out: dict[str, str] = {}
+    files = man.get("files")
+    if isinstance(files, dict) and files:
+        return {rel: f["sha256"] for rel, f in files.items()
+                if isinstance(f, dict) and isinstance(f.get("sha256"), str) and rel.endswith(".safetensors")}
     for shard, entry in (man.get("shards") or {}).items():
         if not isinstance(entry, dict):
             continue
