@@ -610,6 +610,8 @@ class InPlaceDir(OutputDir):
                              hint="in-place work builds the new state beside the checkpoint and swaps it in: "
                              "fix the permissions, or write a new checkpoint with -o instead")
 
+    BUILDING = ".qtool-inplace-building"  # in the partial tree while it is being built (not after the swap)
+
     def __enter__(self) -> "InPlaceDir":
         self.check()
         self.lock.acquire()
@@ -617,10 +619,12 @@ class InPlaceDir(OutputDir):
             old = self.out.with_name(self.out.name + ".old")
             if old.exists():  # a swap whose clean-up was interrupted
                 shutil.rmtree(old)
-            keep = self.resume and self.partial.exists()
-            if self.partial.exists() and not keep:
+            if self.partial.exists() and not (self.partial / self.BUILDING).exists():
+                shutil.rmtree(self.partial)  # the previous state, swapped out by a run killed just after
+            if self.partial.exists() and not self.resume:
                 shutil.rmtree(self.partial)
             self.partial.mkdir(exist_ok=True)
+            (self.partial / self.BUILDING).touch()
             self._link_tree()
         except OSError as e:
             self.lock.release()
@@ -630,11 +634,24 @@ class InPlaceDir(OutputDir):
             raise
         return self
 
+    @classmethod
+    def tidy(cls, root: str | Path) -> None:
+        """Remove what a run killed right after its swap left beside `root` (the swapped-out previous
+        state), for in-place commands that find nothing to change this time."""
+        tx = cls(root)
+        stale = tx.partial.exists() and not (tx.partial / cls.BUILDING).exists()
+        old = tx.out.with_name(tx.out.name + ".old")
+        if stale or old.exists():
+            with tx.lock:
+                for d in ([tx.partial] if stale else []) + ([old] if old.exists() else []):
+                    shutil.rmtree(d, ignore_errors=True)
+
     def _link_tree(self) -> None:
-        link_tree(self.out, self.partial, Placer(LinkMode.HARDLINK), keep_existing=True)
+        link_tree(self.out, self.partial, Placer(LinkMode.HARDLINK), keep_existing=True, skip=(LOCK_NAME,))
 
     def commit(self) -> None:
         self.sweep()
+        (self.partial / self.BUILDING).unlink()
         self.set_modes()
         fsync_dir(self.partial)
         old = self.out.with_name(self.out.name + ".old")

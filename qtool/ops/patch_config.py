@@ -196,6 +196,8 @@ def apply(p: PatchPlan, *, in_transaction: bool = False, command: str | None = N
 
     changed = [f for f in p.files.values() if f.changed and f.data is not None]
     if not changed:
+        if not in_transaction:
+            InPlaceDir.tidy(p.root)
         return []
     if in_transaction:
         for f in changed:

@@ -42,8 +42,6 @@ def test_same_as_a_whole_parse(tmp_path, indent, order):
     '{"weight_map": {"a\\u00e9.weight": "s1.safetensors", "b\\"q": "s1.safetensors"}}',
     # "weight_map" as a key inside metadata before the real one
     '{"metadata": {"weight_map": {"x": "y"}}, "weight_map": {"a": "s1.safetensors"}}',
-    # a non-string shard name
-    '{"weight_map": {"a": 3, "b": "s1.safetensors"}}',
 ])
 def test_forms_outside_the_pattern_fall_back_to_the_parser(tmp_path, text):
     p = tmp_path / "i.json"
@@ -52,6 +50,16 @@ def test_forms_outside_the_pattern_fall_back_to_the_parser(tmp_path, text):
     wm = want.pop("weight_map")
     index, by_file = read_index(p)
     assert index == want and by_file == _by_file(wm)
+
+
+def test_non_string_shard_name_is_an_error_naming_the_tensor(tmp_path):
+    from qtool.errors import ConfigError
+
+    p = tmp_path / "i.json"
+    p.write_text('{"weight_map": {"a": 3, "b": "s1.safetensors"}}')
+    with pytest.raises(ConfigError, match="not a shard file name") as e:
+        read_index(p)
+    assert e.value.tensor == "a" and e.value.path == str(p)
 
 
 @pytest.mark.parametrize("text", ['{"metadata": {}}', '{"weight_map": {}}', '{"weight_map": []}'])

@@ -1,0 +1,100 @@
+"""kill -9 sweep: every writing command is killed at several points of its run (a SIGKILL right after the
+named function returns: tests/killpoint.py), then run again with --resume. The output must be
+byte-identical to an uninterrupted run's and the input byte-identical to what it was."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from killpoint import run_killed, run_qtool
+from test_output_contract import KV, tree_sha
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# command -> (arguments given a source dir, kill points (function, Nth return))
+SWEEP = {
+    "assemble": (lambda src, bf: ["assemble", "hybrid", "--nvfp4", src, "--bf16", bf, "--bf16-expert-layers", "0"],
+                 [("qtool.io.output:Journal.record", 1), ("qtool.io.output:Journal.record", 5),
+                  ("qtool.ops.manifest:write_manifest", 1)]),
+    "calibrate-kv": (lambda src, bf: ["calibrate-kv", src, *KV, "--replace-scales"],
+                     [("qtool.ops.layer_stream:LayerStreamer.load_layer", 2), ("qtool.io.output:Placer.place", 3),
+                      ("qtool.io.writer:write_shard", 1)]),
+    "quantize": (lambda src, bf: ["quantize", bf, "--recipe", "qwen35-nvfp4-experts", *KV],
+                 [("qtool.ops.quantize.layer:write_layer_shard", 2), ("qtool.ops.quantize.layer:write_rest_shard", 1)]),
+    "convert": (lambda src, bf: ["convert", src, "--to", "compressed-tensors"],
+                [("qtool.io.output:Journal.record", 2), ("qtool.io.output:Journal.record", 6)]),
+}
+
+
+@pytest.mark.parametrize("command", sorted(SWEEP))
+def test_kill_sweep_new_output(command, tiny_nvfp4_modelopt, tiny_bf16, tmp_path):
+    src = tmp_path / "src"
+    bf = tmp_path / "bf"
+    shutil.copytree(tiny_nvfp4_modelopt, src)
+    shutil.copytree(tiny_bf16, bf)
+    inputs = {"src": tree_sha(src, skip=()), "bf": tree_sha(bf, skip=())}
+    make, points = SWEEP[command]
+    ref = tmp_path / "ref"
+    p = run_qtool([*make(src, bf), "-o", ref, "--quiet"])
+    assert p.returncode == 0, p.stderr
+    for i, (target, n) in enumerate(points):
+        out = tmp_path / f"out{i}"
+        p = run_killed(target, n, [*make(src, bf), "-o", out, "--quiet"])
+        assert p.returncode == -9, (target, n, p.stderr)
+        assert not out.exists()
+        p = run_qtool([*make(src, bf), "-o", out, "--quiet", "--resume"])
+        assert p.returncode == 0, (target, n, p.stderr)
+        assert tree_sha(out) == tree_sha(ref), (target, n)
+        assert not (tmp_path / f"out{i}.partial").exists()
+    assert {"src": tree_sha(src, skip=()), "bf": tree_sha(bf, skip=())} == inputs
+
+
+IN_PLACE = {
+    "calibrate-kv": (["calibrate-kv", *KV, "--replace-scales", "--in-place"],
+                     [("qtool.ops.layer_stream:LayerStreamer.load_layer", 2), ("qtool.io.writer:write_shard", 2),
+                      ("qtool.io.output:exchange_paths", 1)]),
+    "patch-config": (["patch-config", "--fix", "router-ignore", "--sampling-defaults"],
+                     [("qtool.io.jsonio:write_json", 1), ("qtool.io.jsonio:write_json", 2),
+                      ("qtool.io.output:exchange_paths", 1)]),
+}
+
+
+@pytest.mark.parametrize("command", sorted(IN_PLACE))
+def test_kill_sweep_in_place(command, tiny_nvfp4_modelopt, tmp_path):
+    args, points = IN_PLACE[command]
+    ref = tmp_path / "ref"
+    shutil.copytree(tiny_nvfp4_modelopt, ref)
+    p = run_qtool([args[0], ref, *args[1:], "--quiet"] if command != "patch-config" else [args[0], ref, *args[1:]])
+    assert p.returncode == 0, p.stderr
+    for i, (target, n) in enumerate(points):
+        work = tmp_path / f"w{i}"
+        shutil.copytree(tiny_nvfp4_modelopt, work)
+        before = tree_sha(work, skip=())
+        cmd = [args[0], work, *args[1:]]
+        p = run_killed(target, n, cmd)
+        assert p.returncode == -9, (target, n, p.stderr)
+        swapped = target.endswith("exchange_paths")
+        # before the swap: untouched; killed right after it: the complete new state
+        assert tree_sha(work) == (tree_sha(ref) if swapped else {k: v for k, v in before.items()
+                                                                  if k != "qtool-manifest.json"}), (target, n)
+        p = run_qtool(cmd + (["--resume"] if command == "calibrate-kv" else []))
+        assert p.returncode == 0, (target, n, p.stderr)
+        assert tree_sha(work) == tree_sha(ref), (target, n)
+        assert sorted(x.name for x in tmp_path.iterdir() if x.name.startswith(f"w{i}")) == [f"w{i}"]
+
+
+def test_kill_sweep_build(tmp_path):
+    recipe = ROOT / "recipes" / "build" / "demo-tiny.yaml"
+    ref = tmp_path / "ref"
+    assert run_qtool(["build", recipe, "-o", ref, "--quiet"]).returncode == 0
+    for i, (target, n) in enumerate([("qtool.io.output:Journal.record", 3),
+                                     ("qtool.ops.layer_stream:LayerStreamer.load_layer", 3),
+                                     ("qtool.io.jsonio:write_json", 1)]):
+        out = tmp_path / f"out{i}"
+        p = run_killed(target, n, ["build", recipe, "-o", out, "--quiet"])
+        assert p.returncode == -9, (target, n, p.stderr)
+        p = run_qtool(["build", recipe, "-o", out, "--quiet", "--resume"])
+        assert p.returncode == 0, (target, n, p.stderr)
+        assert tree_sha(out) == tree_sha(ref), (target, n)
