@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         # file): still one clear message with the file and the fix, never a traceback
         if os.environ.get("QTOOL_DEBUG"):
             raise
-        from qtool.io.output import write_error
+        from qtool.io.files import write_error
 
         err = write_error(f"{e.strerror or type(e).__name__}", e, e.filename or "?")
         err.message = f"I/O error: {e.strerror or e}"

@@ -132,7 +132,7 @@ def write_shard(path: str | Path, tensors: list[OutTensor], metadata: dict[str, 
     through: qtool.io.output.open_new); returns its size. fsyncs before returning. `on_header` is called
     once the header is written (readable by others), before the tensor data. Once `stop` is set the copy
     raises Interrupted within a chunk (the file is left incomplete, for the caller's resume logic)."""
-    from qtool.io.output import open_new
+    from qtool.io.files import open_new
 
     path = Path(path)
     header = build_header(tensors, metadata)
@@ -168,7 +168,7 @@ def write_shard(path: str | Path, tensors: list[OutTensor], metadata: dict[str, 
             flush()
             os.fsync(dst)
     except OSError as e:
-        from qtool.io.output import write_error
+        from qtool.io.files import write_error
 
         raise write_error("writing shard failed", e, path) from None
     finally:

@@ -36,14 +36,9 @@ from pathlib import Path
 
 from qtool.arch.qwen35 import Group, layer_prefix
 from qtool.errors import PlanError, UsageError
-from qtool.io.output import (
-    MANIFEST_NAME,
-    InPlaceDir,
-    OutputDir,
-    check_no_overlap,
-    input_identity,
-    partial_path,
-)
+from qtool.io.identity import input_identity
+from qtool.io.in_place import InPlaceDir
+from qtool.io.output import MANIFEST_NAME, check_no_overlap, OutputDir, partial_path
 from qtool.io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG_NAME, INDEX_NAME, Checkpoint
 from qtool.io.jsonio import load_json, write_json
 from qtool.io.quant_config import HfQuantSchema, hf_quant_schema

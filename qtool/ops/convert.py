@@ -33,15 +33,9 @@ from qtool.arch.qwen35 import Group
 from qtool.errors import PlanError, UsageError
 from qtool.io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG_NAME, INDEX_NAME, Checkpoint
 from qtool.io.jsonio import atomic_write_text, load_json, write_json
-from qtool.io.output import (
-    MANIFEST_NAME,
-    Journal,
-    OutputDir,
-    check_no_overlap,
-    copy_file,
-    input_identity,
-    output_files,
-)
+from qtool.io.files import copy_file
+from qtool.io.identity import input_identity, Journal
+from qtool.io.output import MANIFEST_NAME, check_no_overlap, output_files, OutputDir
 from qtool.io.writer import FileRange, InlineBytes, OutTensor, index_json, write_shard
 
 SIDECAR = "qtool-convert.json"

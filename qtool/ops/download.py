@@ -20,7 +20,8 @@ from qtool.errors import UsageError
 from qtool.hub.download import RepoListing, check_space, download_files, repo_listing
 from qtool.hub.remote_safetensors import FetchPlan, TensorFetchOptions, fetch_tensors, plan_fetch, write_hub_manifest
 from qtool.hub.resolve import HubSpec
-from qtool.io.output import LinkMode, OutputDir
+from qtool.io.files import LinkMode
+from qtool.io.output import OutputDir
 
 
 @dataclass

@@ -25,7 +25,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from qtool.io.output import hash_file as _hash_file
+from qtool.io.files import hash_file as _hash_file
 
 LIBRARIES = ("transformers", "safetensors", "torch", "nvidia-modelopt", "compressed-tensors", "llmcompressor",
              "huggingface_hub")
@@ -251,7 +251,7 @@ def write_manifest(path: Path, *, kind: str, command: str | None, sources: dict[
     then the op's own `extra` sections and, for assemble, the streamed `shards_section` (removed
     afterwards)."""
     from qtool import __version__
-    from qtool.io.output import new_file
+    from qtool.io.files import new_file
 
     head = {
         "qtool_version": __version__,
@@ -287,7 +287,8 @@ def carried_files(partial: Path, root: Path, changed: set[str]) -> dict[str, dic
     """The manifest's `files` for in-place work (root's new state built in `partial`): changed files are
     hashed; unchanged ones (hard links of root's) take the digest the checkpoint's previous manifest
     recorded, else only their size (hashing a 233 GB checkpoint to change a config is not worth it)."""
-    from qtool.io.output import MANIFEST_NAME, hash_file
+    from qtool.io.files import hash_file
+    from qtool.io.output import MANIFEST_NAME
 
     try:
         before = read_manifest(root / MANIFEST_NAME).get("files") or {}

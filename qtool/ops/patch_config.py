@@ -192,7 +192,7 @@ def apply(p: PatchPlan, *, in_transaction: bool = False, command: str | None = N
     built beside it and swapped in (qtool.io.output.InPlaceDir), so a kill never leaves config.json and
     hf_quant_config.json disagreeing. `in_transaction`: `p.root` already is a transaction's partial
     directory (a build step), written directly."""
-    from qtool.io.output import InPlaceDir
+    from qtool.io.in_place import InPlaceDir
 
     changed = [f for f in p.files.values() if f.changed and f.data is not None]
     if not changed:
@@ -212,7 +212,8 @@ def apply(p: PatchPlan, *, in_transaction: bool = False, command: str | None = N
 
 
 def _write_manifest(p: PatchPlan, tx, written: list[str], command: str | None) -> None:
-    from qtool.io.output import MANIFEST_NAME, hash_file
+    from qtool.io.files import hash_file
+    from qtool.io.output import MANIFEST_NAME
     from qtool.ops.manifest import carried_files, previous_head, write_manifest
 
     inputs = {f"{p.root}/{n}": hash_file(p.root / n) for n in written if (p.root / n).is_file()}

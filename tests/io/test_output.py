@@ -9,17 +9,10 @@ import pytest
 
 from qtool.errors import UsageError, WriteError
 from qtool.io.jsonio import write_json
-from qtool.io.output import (
-    InPlaceDir,
-    LinkMode,
-    OutputDir,
-    Placer,
-    check_no_overlap,
-    exchange_paths,
-    input_identity,
-    lock_for,
-    new_file,
-)
+from qtool.io.files import LinkMode, new_file, Placer
+from qtool.io.identity import input_identity
+from qtool.io.in_place import exchange_paths, InPlaceDir
+from qtool.io.output import check_no_overlap, lock_for, OutputDir
 from qtool.ops.manifest import command_line, write_manifest
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from killpoint import run_killed, run_qtool
 
-from qtool.io.output import Journal
+from qtool.io.identity import Journal
 
 from qtool.errors import PlanError, QtoolError, UsageError, WriteError
 from qtool.io.checkpoint import Checkpoint
@@ -225,7 +225,7 @@ def test_resume_after_kill(tmp_path):
     ref, out = tmp_path / "ref", tmp_path / "out"
     run(nv, bf, ref)
     args = ["assemble", "hybrid", "--nvfp4", nv, "--bf16", bf, "-o", out, "--quiet"]
-    p = run_killed("qtool.io.output:Journal.record", 4, args)
+    p = run_killed("qtool.io.identity:Journal.record", 4, args)
     assert p.returncode == -9 and not out.exists()
     p = run_qtool(args + ["--resume", "--json"])
     assert p.returncode == 0, p.stderr

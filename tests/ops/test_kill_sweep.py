@@ -16,15 +16,15 @@ ROOT = Path(__file__).resolve().parents[2]
 # command -> (arguments given a source dir, kill points (function, Nth return))
 SWEEP = {
     "assemble": (lambda src, bf: ["assemble", "hybrid", "--nvfp4", src, "--bf16", bf, "--bf16-expert-layers", "0"],
-                 [("qtool.io.output:Journal.record", 1), ("qtool.io.output:Journal.record", 5),
+                 [("qtool.io.identity:Journal.record", 1), ("qtool.io.identity:Journal.record", 5),
                   ("qtool.ops.manifest:write_manifest", 1)]),
     "calibrate-kv": (lambda src, bf: ["calibrate-kv", src, *KV, "--replace-scales"],
-                     [("qtool.ops.layer_stream:LayerStreamer.load_layer", 2), ("qtool.io.output:Placer.place", 3),
+                     [("qtool.ops.layer_stream:LayerStreamer.load_layer", 2), ("qtool.io.files:Placer.place", 3),
                       ("qtool.io.writer:write_shard", 1)]),
     "quantize": (lambda src, bf: ["quantize", bf, "--recipe", "qwen35-nvfp4-experts", *KV],
                  [("qtool.ops.quantize.layer:write_layer_shard", 2), ("qtool.ops.quantize.layer:write_rest_shard", 1)]),
     "convert": (lambda src, bf: ["convert", src, "--to", "compressed-tensors"],
-                [("qtool.io.output:Journal.record", 2), ("qtool.io.output:Journal.record", 6)]),
+                [("qtool.io.identity:Journal.record", 2), ("qtool.io.identity:Journal.record", 6)]),
 }
 
 
@@ -54,10 +54,10 @@ def test_kill_sweep_new_output(command, tiny_nvfp4_modelopt, tiny_bf16, tmp_path
 IN_PLACE = {
     "calibrate-kv": (["calibrate-kv", *KV, "--replace-scales", "--in-place"],
                      [("qtool.ops.layer_stream:LayerStreamer.load_layer", 2), ("qtool.io.writer:write_shard", 2),
-                      ("qtool.io.output:exchange_paths", 1)]),
+                      ("qtool.io.in_place:exchange_paths", 1)]),
     "patch-config": (["patch-config", "--fix", "router-ignore", "--sampling-defaults"],
                      [("qtool.io.jsonio:write_json", 1), ("qtool.io.jsonio:write_json", 2),
-                      ("qtool.io.output:exchange_paths", 1)]),
+                      ("qtool.io.in_place:exchange_paths", 1)]),
 }
 
 
@@ -89,7 +89,7 @@ def test_kill_sweep_build(tmp_path):
     recipe = ROOT / "recipes" / "build" / "demo-tiny.yaml"
     ref = tmp_path / "ref"
     assert run_qtool(["build", recipe, "-o", ref, "--quiet"]).returncode == 0
-    for i, (target, n) in enumerate([("qtool.io.output:Journal.record", 3),
+    for i, (target, n) in enumerate([("qtool.io.identity:Journal.record", 3),
                                      ("qtool.ops.layer_stream:LayerStreamer.load_layer", 3),
                                      ("qtool.io.jsonio:write_json", 1)]):
         out = tmp_path / f"out{i}"

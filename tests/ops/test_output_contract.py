@@ -57,7 +57,7 @@ def test_calibrate_kv_resume_after_kill_in_placing_never_truncates_the_input(tin
     ref, out = tmp_path / "ref", tmp_path / "out"
     args = ["calibrate-kv", src, *KV, "--replace-scales", "--quiet"]
     assert run_qtool([*args, "-o", ref]).returncode == 0
-    p = run_killed("qtool.io.output:Placer.place", 2, [*args, "-o", out])
+    p = run_killed("qtool.io.files:Placer.place", 2, [*args, "-o", out])
     assert p.returncode == -9 and not out.exists() and (tmp_path / "out.partial").exists()
     p = run_qtool([*args, "-o", out, "--resume"])
     assert p.returncode == 0, p.stderr

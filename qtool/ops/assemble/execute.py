@@ -20,7 +20,9 @@ from qtool.arch.model_map import build_map
 from qtool.errors import WriteError
 from qtool.io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG_NAME, INDEX_NAME, Checkpoint
 from qtool.io.jsonio import dumps
-from qtool.io.output import Journal, OutputDir, Placer, fsync_dir, input_identity, new_file
+from qtool.io.files import fsync_dir, new_file, Placer
+from qtool.io.identity import input_identity, Journal
+from qtool.io.output import OutputDir
 from qtool.io.writer import index_text, write_shard
 from qtool.ops.assemble.plan import JOURNAL_NAME, MANIFEST_NAME, HybridPlan, PlannedShard, ShardAction
 from qtool.ops.checks import (

@@ -25,7 +25,8 @@ from qtool.arch.qwen35 import MTP_PREFIX, Group, Naming, TEXT_PREFIX, engine_mod
 from qtool.errors import CheckpointError, PlanError, UsageError
 from qtool.io.checkpoint import HF_QUANT_CONFIG_NAME, INDEX_NAME, Checkpoint
 from qtool.io.dtypes import DTYPE_BITS, FLOAT_DTYPES
-from qtool.io.output import MANIFEST_NAME, LinkMode, check_no_overlap
+from qtool.io.files import LinkMode
+from qtool.io.output import MANIFEST_NAME, check_no_overlap
 from qtool.io.quant_config import config_ignore, hf_quant_exclude
 from qtool.io.safetensors_header import TensorInfo
 from qtool.io.tensor_table import TensorTable

@@ -12,7 +12,8 @@ from pathlib import Path
 from qtool.build_recipes import Op
 from qtool.errors import WriteError
 from qtool.io.output import MANIFEST_NAME as MANIFEST
-from qtool.io.output import LinkMode, OutputDir, Placer, copy_file, output_files
+from qtool.io.files import copy_file, LinkMode, Placer
+from qtool.io.output import output_files, OutputDir
 from qtool.ops.build.plan import STEP_MARKER, BuildPlan, StepPlan, file_stats, files_unchanged, input_path
 from qtool.ops.build.steps import RUNNERS
 

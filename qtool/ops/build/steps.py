@@ -89,7 +89,8 @@ def _linked_step_dir(src: Path, sp: StepPlan):
     """A step output that starts as links of its input's files (patch-config, a local download source):
     an OutputDir in the build's own cache, entered, with `src` linked into its partial directory. Files
     are replaced there through new inodes only (qtool.io.output), so the input is never modified."""
-    from qtool.io.output import LinkMode, OutputDir, Placer, link_tree
+    from qtool.io.files import link_tree, LinkMode, Placer
+    from qtool.io.output import OutputDir
 
     tx = OutputDir(sp.dir, sources=[src], force=True, replace_any=True).__enter__()
     link_tree(src, tx.partial, Placer(LinkMode.AUTO), skip=(STEP_MARKER,))

@@ -23,7 +23,9 @@ from qtool.errors import PlanError, UsageError, VerificationError
 from qtool.io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG_NAME, INDEX_NAME, Checkpoint
 from qtool.io.jsonio import load_json, write_json
 from qtool.io.output import MANIFEST_NAME as MANIFEST
-from qtool.io.output import OutputDir, copy_file, input_identity, output_files
+from qtool.io.files import copy_file
+from qtool.io.identity import input_identity
+from qtool.io.output import output_files, OutputDir
 from qtool.io.writer import index_json
 from qtool.ops.quantize.plan import REST_SHARD, QuantizePlan, plan
 from qtool.recipes import Backend, KvCache, OutFormat, Recipe, Scheme

@@ -140,7 +140,7 @@ def write_layer_shard(path: Path, lp, layer, stats, kv, p, backend=None, mode: i
     report: dict = {"awq": []}
     in_amax, mid_amax = input_amaxes(stats, p.recipe.nvfp4.input_scale)
     header = build_header([OutTensor(s.name, s.dtype, s.shape, _Pending(_nbytes(s))) for s in lp.specs])
-    from qtool.io.output import TMP_SUFFIX, open_new
+    from qtool.io.files import TMP_SUFFIX, open_new
 
     tmp = path.with_name("." + path.name + TMP_SUFFIX)
     fds: dict[str, int] = {}

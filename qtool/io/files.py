@@ -1,0 +1,211 @@
+"""Creating and placing files the one safe way (qtool.io.output builds directories on top of this):
+
+- a file is never opened for writing if it already exists: it is unlinked first and created with O_EXCL,
+  so a hard link to a source (what `Placer` makes for unchanged shards) can never be written through,
+  whatever a resumed or crashed run left behind;
+- unchanged inputs are placed by reflink, hard link or a kernel-side copy (`Placer`, the only link helper);
+- OSErrors become WriteErrors with the fix for full or read-only disks (`write_error`).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import os
+import threading
+from contextlib import contextmanager
+from enum import Enum
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from qtool.errors import WriteError
+
+FICLONE = 0x40049409  # _IOW(0x94, 9, int), linux/fs.h
+
+
+class LinkMode(str, Enum):
+    """How an unchanged input file is put into an output (--link)."""
+
+    AUTO = "auto"  # reflink, else hardlink, else copy
+    REFLINK = "reflink"
+    HARDLINK = "hardlink"
+    SYMLINK = "symlink"  # download only: a link into the Hugging Face cache
+    COPY = "copy"
+
+
+def _no_space_hint(e: OSError) -> str | None:
+    return "free disk space or choose another output directory" if e.errno == errno.ENOSPC else None
+
+
+def write_error(what: str, e: OSError, path: str | Path) -> WriteError:
+    """A WriteError for an OSError, with the fix for the common causes (full or read-only disk)."""
+    hint = _no_space_hint(e)
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        hint = "the directory is not writable: choose another output directory (-o) or fix its permissions"
+    return WriteError(f"{what}: {e.strerror}", path=path, hint=hint)
+
+
+def open_new(path: str | Path, mode: int = 0o644) -> int:
+    """A descriptor for writing a NEW file at `path`: an existing file (or a link to a source inode) is
+    unlinked first, never truncated or written through."""
+    if os.path.lexists(path):
+        os.unlink(path)
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+
+
+@contextmanager
+def new_file(path: str | Path, mode: int = 0o644) -> Iterator:
+    """`open_new` as a binary file object; fsynced on success, removed on failure."""
+    fd = open_new(path, mode)
+    f = os.fdopen(fd, "wb")
+    try:
+        yield f
+        f.flush()
+        os.fsync(f.fileno())
+    except BaseException:
+        f.close()
+        if os.path.lexists(path):
+            os.unlink(path)
+        raise
+    f.close()
+
+
+def _reflink(src: str, dst: str, mode: int, stop) -> bool:
+    try:
+        with open(src, "rb") as s, new_file(dst, mode) as d:
+            fcntl.ioctl(d.fileno(), FICLONE, s.fileno())
+        return True
+    except OSError:
+        return False
+
+
+def _linker(make_link):
+    """A placing method that makes a link (the name replaced, never the inode written)."""
+    def place(src: str, dst: str, mode: int, stop) -> bool:
+        try:
+            if os.path.lexists(dst):
+                os.unlink(dst)
+            make_link(os.path.realpath(src), dst)
+            return True
+        except OSError:
+            return False
+    return place
+
+
+_hardlink = _linker(os.link)
+_symlink = _linker(os.symlink)
+
+
+TMP_SUFFIX = ".qtool-tmp"  # every temporary file qtool makes ends so; a commit sweeps leftovers
+INPUT_DIGESTS = ".qtool-input-digests.jsonl"  # qtool.ops.manifest.InputHasher's record, in OUT.partial/
+
+
+def copy_file(src: str | Path, dst: str | Path, mode: int = 0o644) -> None:
+    """Copy `src` to a NEW file `dst` (kernel-side, fsynced): side files and small inputs."""
+    _copy(str(src), str(dst), mode, None)
+
+
+def _copy(src: str, dst: str, mode: int, stop) -> bool:
+    from qtool.io.writer import copy_range
+
+    try:
+        with open(src, "rb") as s, new_file(dst, mode) as d:
+            copy_range(s.fileno(), d.fileno(), 0, os.fstat(s.fileno()).st_size, stop)
+    except OSError as e:
+        raise write_error("copying a file failed", e, dst) from None
+    return True
+
+
+_ORDER = {
+    LinkMode.AUTO: ("reflink", "hardlink", "copy"),
+    LinkMode.REFLINK: ("reflink",),
+    LinkMode.HARDLINK: ("hardlink",),
+    LinkMode.SYMLINK: ("symlink",),
+    LinkMode.COPY: ("copy",),
+}
+_METHODS = {"reflink": _reflink, "hardlink": _hardlink, "symlink": _symlink, "copy": _copy}
+
+
+class Placer:
+    """Puts unchanged input files into an output: the only link/copy helper. `auto` remembers what
+    failed, so a 100-shard job probes each method once (several writer threads share one Placer)."""
+
+    def __init__(self, mode: LinkMode = LinkMode.AUTO, stop: threading.Event | None = None,
+                 file_mode: int = 0o644) -> None:
+        self.mode = LinkMode(mode)
+        self.stop = stop  # copies end early (writer.Interrupted) once set
+        self.file_mode = file_mode
+        self.failed: set[str] = set()
+
+    def place(self, src: str | Path, dst: str | Path) -> str:
+        """Put `src` at `dst` (durable on return); returns the method used."""
+        src, dst = str(src), str(dst)
+        for method in _ORDER[self.mode]:
+            if method in self.failed:
+                continue
+            if _METHODS[method](src, dst, self.file_mode, self.stop):
+                return method
+            self.failed.add(method)
+        raise WriteError(
+            f"--link {self.mode.value} is not possible here",
+            path=dst,
+            hint="the output must be on the same filesystem as the source for hardlinks, and on btrfs/xfs "
+            "for reflinks; use --link auto or --link copy",
+        )
+
+    def expect_new_bytes(self, src: str | Path, out_dir: str | Path) -> bool:
+        """Whether placing `src` will (probably) consume new disk space."""
+        if self.mode is LinkMode.COPY:
+            return True
+        if self.mode is LinkMode.SYMLINK:
+            return False
+        try:
+            same_fs = os.stat(os.path.realpath(src)).st_dev == os.stat(out_dir).st_dev
+        except OSError:
+            return True
+        return not same_fs
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def hash_file(path: str | Path, chunk: int = 8 << 20) -> str:
+    h = hashlib.sha256()
+    buf = bytearray(chunk)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            n = f.readinto(buf)
+            if not n:
+                break
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def link_tree(src: Path, dst: Path, placer: Placer, *, keep_existing: bool = False,
+              skip: Iterable[str] = ()) -> None:
+    """Place every file under `src` at the same relative path under `dst` (symlinks copied as links;
+    with `keep_existing`, files already at `dst` are kept: a resumed run's work). `skip`: names left out."""
+    skip = set(skip)
+    for dirpath, _dirnames, filenames in os.walk(src):
+        rel = os.path.relpath(dirpath, src)
+        (dst / rel).mkdir(parents=True, exist_ok=True)
+        for f in filenames:
+            if f in skip:
+                continue
+            target = dst / rel / f
+            if keep_existing and os.path.lexists(target):
+                continue
+            s = os.path.join(dirpath, f)
+            if os.path.islink(s):
+                if os.path.lexists(target):
+                    os.unlink(target)
+                os.symlink(os.readlink(s), target)
+            else:
+                placer.place(s, target)

@@ -1,0 +1,102 @@
+"""Inputs' identity for resume keys: size, mtime and a digest of sampled content, and the journal that
+records finished units of a run under that identity (qtool.io.output)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Iterable
+
+from qtool.errors import WriteError
+
+SAMPLE_HEAD = 1 << 20  # the safetensors header and the first tensors
+SAMPLE_BLOCK = 64 << 10
+SAMPLE_BLOCKS = 32
+
+
+def content_sample_digest(path: str | Path) -> str:
+    """sha256 of the file's first MiB, its last 64 KiB and 32 evenly spaced 64 KiB blocks: ~3 MiB read
+    per file whatever its size, so that a same-size edit with the mtime put back is caught at resume
+    time without re-reading hundreds of GB (the manifest's full sha256 is computed in the background)."""
+    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        h.update(os.pread(f.fileno(), SAMPLE_HEAD, 0))
+        if size > SAMPLE_HEAD:
+            step = max(SAMPLE_BLOCK, (size - SAMPLE_HEAD) // SAMPLE_BLOCKS)
+            for off in range(SAMPLE_HEAD, size, step):
+                h.update(os.pread(f.fileno(), SAMPLE_BLOCK, off))
+            h.update(os.pread(f.fileno(), SAMPLE_BLOCK, max(0, size - SAMPLE_BLOCK)))
+    return h.hexdigest()
+
+
+def input_identity(files: Iterable[str | Path]) -> dict[str, list]:
+    """path -> [size, mtime_ns, content sample digest] for each input file."""
+    out: dict[str, list] = {}
+    for f in sorted({str(f) for f in files}):
+        st = os.stat(f)
+        out[f] = [st.st_size, st.st_mtime_ns, content_sample_digest(f)]
+    return out
+
+
+def changed_inputs(recorded: dict, now: dict) -> list[str]:
+    return sorted(f for f in set(recorded) | set(now) if recorded.get(f) != now.get(f))
+
+
+def refuse_changed_inputs(recorded: dict, now: dict, partial: Path) -> None:
+    changed = changed_inputs(recorded, now)
+    if changed:
+        raise WriteError(
+            f"cannot resume: {len(changed)} input file(s) changed since the interrupted run",
+            path=changed[0], got=", ".join(changed[:3]),
+            hint=f"run again without --resume to start over (the unfinished output {partial} would mix old "
+            "and new inputs)")
+
+
+class Journal:
+    """`OUT.partial/.qtool-journal.jsonl`: a head line (the plan hash and the inputs' identity), then one
+    line per finished unit (shard, layer), appended only after that unit is durable."""
+
+    def __init__(self, path: Path, plan_hash: str, inputs: dict[str, list], resume: bool) -> None:
+        self.path = path
+        self.done: dict[str, dict] = {}
+        if resume and path.exists():
+            lines = path.read_text().splitlines()
+            try:
+                head = json.loads(lines[0]) if lines else {}
+            except ValueError:
+                head = {}
+            if head.get("plan_hash") != plan_hash:
+                raise WriteError(
+                    "cannot resume: the unfinished output was started with a different plan",
+                    path=path.parent, expected=f"plan {plan_hash[:16]}", got=f"plan {str(head.get('plan_hash'))[:16]}",
+                    hint="run the same command as before (same sources, options and inputs), or drop "
+                    "--resume to start over")
+            refuse_changed_inputs(head.get("inputs") or {}, inputs, path.parent)
+            for line in lines[1:]:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    break  # a torn last line: that unit is redone
+                self.done[rec["unit"]] = rec
+        else:
+            self._write_line({"plan_hash": plan_hash, "inputs": inputs}, mode="w")
+
+    def _write_line(self, obj: dict, mode: str = "a") -> None:
+        # No fsync: a unit is recorded only after its own fsync, so a line that reaches the disk always
+        # describes a durable unit, and a line lost in a crash only means the unit is redone.
+        with open(self.path, mode, encoding="utf-8") as f:
+            f.write(json.dumps(obj) + "\n")
+
+    def record(self, unit: str, **info) -> None:
+        rec = {"unit": unit, **info}
+        self._write_line(rec)
+        self.done[unit] = rec
+
+    def file_done(self, partial: Path, name: str) -> bool:
+        """A finished file unit whose file is still there with the recorded size."""
+        rec = self.done.get(name)
+        p = partial / name
+        return rec is not None and p.exists() and p.stat().st_size == rec.get("size")
