@@ -11,7 +11,7 @@ changes, so every byte is rewritten.
 Fairness: before every timed run, `sync` and drop the page cache (root; otherwise every input is read once
 so all runs start warm; the mode used is printed), then re-import the programs' code (untimed).
 
-The pair generator (`build_pair`) is also used by tests/ops/test_assemble*.py for fast synthetic cases.
+The pair generator (`build_pair`, qtool.fixtures.synthetic) is shared with tests/ops/test_assemble*.py.
 The BF16 source's routed experts are written as holes (sparse files) except for layer 0's and the MTP
 head's (what the run takes from it), so the BF16 side stays small on disk while its layout is the real one. By default the runs use
 a subset of it holding only what assemble takes (`write_bf16_subset`), which is what `--bf16 hf:...`
@@ -31,202 +31,10 @@ import sys
 import time
 from pathlib import Path
 
-from qtool.io.writer import FileRange, OutTensor, build_header
+from qtool.fixtures.synthetic import build_pair, tensor_list, write_checkpoint  # noqa: F401 (used by main)
+from qtool.io.writer import FileRange, OutTensor
 
 GB = 10**9
-
-
-def _cfg(hidden: int, layers: int, experts: int, inter: int, shared: int, vocab: int, mtp: bool) -> dict:
-    layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)]
-    return {
-        "hidden_size": hidden, "num_hidden_layers": layers, "layer_types": layer_types,
-        "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 64, "attn_output_gate": True,
-        "linear_num_key_heads": 2, "linear_key_head_dim": 64, "linear_num_value_heads": 4,
-        "linear_value_head_dim": 64, "linear_conv_kernel_dim": 4, "num_experts": experts,
-        "num_experts_per_tok": 4, "moe_intermediate_size": inter, "shared_expert_intermediate_size": shared,
-        "vocab_size": vocab, "tie_word_embeddings": False, "mtp_num_hidden_layers": 1 if mtp else 0,
-        "model_type": "qwen3_5_moe_text", "rms_norm_eps": 1e-6,
-    }
-
-
-def _layer(out: list, p: str, c: dict, full: bool, quant, experts_fused: bool, experts_quant: bool) -> None:
-    H, E, I, Is = c["hidden_size"], c["num_experts"], c["moe_intermediate_size"], c["shared_expert_intermediate_size"]
-    bf = lambda n, *s: out.append((n, "BF16", tuple(s)))  # noqa: E731
-    bf(p + "input_layernorm.weight", H)
-    bf(p + "post_attention_layernorm.weight", H)
-    if full:
-        nh, nkv, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
-        bf(p + "self_attn.q_proj.weight", 2 * nh * hd, H)
-        bf(p + "self_attn.k_proj.weight", nkv * hd, H)
-        bf(p + "self_attn.v_proj.weight", nkv * hd, H)
-        bf(p + "self_attn.o_proj.weight", H, nh * hd)
-        bf(p + "self_attn.q_norm.weight", hd)
-        bf(p + "self_attn.k_norm.weight", hd)
-        if quant is not None:
-            kv = ("self_attn.k_proj.k_scale", "self_attn.v_proj.v_scale") if quant == "modelopt" else (
-                "self_attn.k_scale", "self_attn.v_scale")
-            for n in kv:
-                out.append((p + n, "F32", ()))
-    else:
-        nk, dk, nv, dv = (c["linear_num_key_heads"], c["linear_key_head_dim"], c["linear_num_value_heads"],
-                          c["linear_value_head_dim"])
-        a = p + "linear_attn."
-        bf(a + "in_proj_qkv.weight", 2 * nk * dk + nv * dv, H)
-        bf(a + "in_proj_z.weight", nv * dv, H)
-        bf(a + "in_proj_b.weight", nv, H)
-        bf(a + "in_proj_a.weight", nv, H)
-        bf(a + "conv1d.weight", 2 * nk * dk + nv * dv, 1, 4)
-        out.append((a + "A_log", "F32", (nv,)))
-        out.append((a + "dt_bias", "BF16", (nv,)))
-        bf(a + "norm.weight", dv)
-        bf(a + "out_proj.weight", H, nv * dv)
-    m = p + "mlp."
-    bf(m + "gate.weight", E, H)
-    bf(m + "shared_expert_gate.weight", 1, H)
-    for proj in ("gate_proj", "up_proj", "down_proj"):
-        o, i = (H, Is) if proj == "down_proj" else (Is, H)
-        _linear(out, f"{m}shared_expert.{proj}", o, i, quant)
-    if experts_fused:
-        out.append((m + "experts.gate_up_proj", "BF16", (E, 2 * I, H)))
-        out.append((m + "experts.down_proj", "BF16", (E, H, I)))
-    else:
-        for e in range(E):
-            for proj in ("gate_proj", "up_proj", "down_proj"):
-                o, i = (H, I) if proj == "down_proj" else (I, H)
-                _linear(out, f"{m}experts.{e}.{proj}", o, i, quant if experts_quant else None)
-
-
-def _linear(out: list, mod: str, o: int, i: int, quant) -> None:
-    if quant is None:
-        out.append((mod + ".weight", "BF16", (o, i)))
-    elif quant == "modelopt":
-        out += [(mod + ".weight", "U8", (o, i // 2)), (mod + ".weight_scale", "F8_E4M3", (o, i // 16)),
-                (mod + ".weight_scale_2", "F32", ()), (mod + ".input_scale", "F32", ())]
-    else:
-        out += [(mod + ".weight_packed", "U8", (o, i // 2)), (mod + ".weight_scale", "F8_E4M3", (o, i // 16)),
-                (mod + ".weight_global_scale", "F32", (1,)), (mod + ".input_global_scale", "F32", (1,))]
-
-
-def tensor_list(c: dict, quant, *, fused: bool, mtp: bool, mtp_fused: bool | None = None,
-                quant_shared: bool = True) -> list[tuple[str, str, tuple]]:
-    H, V = c["hidden_size"], c["vocab_size"]
-    out: list = [("model.language_model.embed_tokens.weight", "BF16", (V, H))]
-    for n in range(c["num_hidden_layers"]):
-        _layer(out, f"model.language_model.layers.{n}.", c, c["layer_types"][n] == "full_attention",
-               quant, fused, quant is not None)
-    if quant is not None and not quant_shared:
-        out = [(n, d, s) for n, d, s in out]
-    out.append(("model.language_model.norm.weight", "BF16", (H,)))
-    out.append(("lm_head.weight", "BF16", (V, H)))
-    if mtp:
-        out += [("mtp.fc.weight", "BF16", (H, 2 * H)), ("mtp.norm.weight", "BF16", (H,)),
-                ("mtp.pre_fc_norm_embedding.weight", "BF16", (H,)), ("mtp.pre_fc_norm_hidden.weight", "BF16", (H,))]
-        mc = dict(c, layer_types=["full_attention"])
-        _layer(out, "mtp.layers.0.", mc, True, None, fused if mtp_fused is None else mtp_fused, False)
-    return out
-
-
-def _value(name: str, dtype: str, shape: tuple, rng, nbytes: int, holes) -> bytes | None:
-    if dtype == "F32" and (name.endswith(("scale_2", "input_scale", "k_scale", "v_scale", "global_scale"))):
-        import struct
-
-        return struct.pack("<f", 1.0) * max(1, nbytes // 4)
-    if holes is not None and holes(name):
-        return None
-    if dtype == "F32":
-        import numpy as np
-
-        return np.full(nbytes // 4, 0.5, dtype="<f4").tobytes()
-    return rng.bytes(nbytes)
-
-
-def write_checkpoint(root: Path, tensors: list, *, shard_bytes: int, seed: int, holes=None) -> None:
-    """Write tensors greedily into shards of at most `shard_bytes`, with an index."""
-    import numpy as np
-
-    from qtool.io.dtypes import nbytes_for
-
-    rng = np.random.default_rng(seed)
-    root.mkdir(parents=True, exist_ok=True)
-    groups: list[list] = [[]]
-    size = 0
-    for t in tensors:
-        nb = nbytes_for(t[1], t[2])
-        if groups[-1] and size + nb > shard_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(t)
-        size += nb
-    weight_map = {}
-    total = 0
-    for i, g in enumerate(groups):
-        name = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-        outs = [OutTensor(n, d, s, FileRange("/dev/zero", 0, nbytes_for(d, s))) for n, d, s in g]
-        header = build_header(outs, {"format": "pt"})
-        with open(root / name, "wb") as f:
-            f.write(header)
-            for (n, d, s), o in zip(g, outs):
-                data = _value(n, d, s, rng, o.nbytes, holes)
-                if data is None:
-                    f.seek(o.nbytes, os.SEEK_CUR)
-                else:
-                    f.write(data)
-                weight_map[n] = name
-                total += o.nbytes
-            f.truncate()
-    (root / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
-
-
-def build_pair(workdir: str | Path, *, hidden: int = 256, layers: int = 4, experts: int = 8, inter: int = 128,
-               shared: int = 128, vocab: int = 512, flavour: str = "modelopt", bf16_layout: str = "fused",
-               nv_mtp: bool = False, bf_mtp: bool = True, shard_bytes: int = 256 << 10, seed: int = 0,
-               sparse_bf16_experts: bool = False, bf16_overrides: dict | None = None) -> tuple[Path, Path]:
-    """A synthetic (NVFP4, BF16) pair in workdir/nvfp4 and workdir/bf16; returns their paths."""
-    workdir = Path(workdir)
-    nv, bf = workdir / "nvfp4", workdir / "bf16"
-    c = _cfg(hidden, layers, experts, inter, shared, vocab, True)
-    cb = dict(c, **(bf16_overrides or {}))
-    write_checkpoint(nv, tensor_list(c, flavour, fused=False, mtp=nv_mtp), shard_bytes=shard_bytes, seed=seed)
-    lm = "model.language_model.layers."
-    holes = (lambda n: n.startswith(lm) and ".mlp.experts" in n and not n.startswith(lm + "0.")) \
-        if sparse_bf16_experts else None
-    write_checkpoint(bf, tensor_list(cb, None, fused=bf16_layout == "fused", mtp=bf_mtp),
-                     shard_bytes=shard_bytes * 4, seed=seed + 1, holes=holes)
-    arch = {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
-            "tie_word_embeddings": False}
-    full = [i for i, t in enumerate(c["layer_types"]) if t == "full_attention"]
-    base_ignore = ["lm_head", "model.visual*", "mtp*"] + [
-        f"model.language_model.layers.{n}.{m}" for n in range(layers)
-        for m in (("self_attn*",) if n in full else ("linear_attn*",)) + ("mlp.gate", "mlp.shared_expert_gate")]
-    if flavour == "modelopt":
-        qc = {"quant_method": "modelopt", "quant_algo": "NVFP4", "ignore": base_ignore,
-              "kv_cache_scheme": {"num_bits": 8, "type": "float", "dynamic": False},
-              "config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "float", "group_size": 16},
-                                            "input_activations": {"num_bits": 4, "type": "float",
-                                                                  "group_size": 16},
-                                            "targets": ["Linear"]}}}
-        hq = {"producer": {"name": "modelopt", "version": "0.47.0"},
-              "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": "FP8", "group_size": 16,
-                               "exclude_modules": list(base_ignore)}}
-        (nv / "hf_quant_config.json").write_text(json.dumps(hq, indent=2) + "\n")
-    else:
-        ig = ["re:.*lm_head$", "re:^mtp.*"] + [f"re:.*layers\\.{n}\\.(self_attn|linear_attn)\\..*" for n in range(layers)] + [
-            "re:.*mlp\\.gate$", "re:.*mlp\\.shared_expert_gate$"]
-        qc = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "ignore": ig,
-              "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
-                                  "symmetric": True},
-              "config_groups": {"group_0": {"targets": ["Linear"], "format": "nvfp4-pack-quantized",
-                                            "weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group",
-                                                        "group_size": 16}}},
-              "quantization_status": "compressed"}
-    (nv / "config.json").write_text(json.dumps(dict(arch, text_config=c, quantization_config=qc), indent=2) + "\n")
-    (bf / "config.json").write_text(json.dumps(dict(arch, text_config=cb), indent=2) + "\n")
-    for d in (nv, bf):
-        (d / "tokenizer_config.json").write_text('{"model_max_length": 4096}\n')
-        (d / "generation_config.json").write_text('{"temperature": 0.6}\n')
-        (d / "chat_template.jinja").write_text("{{ messages }}\n")
-    return nv, bf
 
 
 # ---- measurement --------------------------------------------------------------------------------
@@ -252,7 +60,7 @@ def measure(cmd: list[str]) -> dict:
 # The programs' own code is re-read after each cache drop (not timed), so runs time data movement, not
 # cold imports of torch/safetensors.
 _WARM_CODE = ("import qtool.cli.main, qtool.cli.assemble_cmd, qtool.ops.assemble.execute, qtool.ops.checks, "
-              "qtool.ops.manifest, safetensors.torch")
+              "qtool.io.manifest, safetensors.torch")
 
 
 def _read_all(paths: list[Path]) -> None:

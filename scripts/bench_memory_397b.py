@@ -37,7 +37,7 @@ import json, resource, sys, tempfile, time
 from pathlib import Path
 from qtool.ops.assemble import HybridOptions, LinkMode, plan_hybrid
 from qtool.ops.checks import finish_checks, hybrid_expectations, start_checks
-from qtool.ops.manifest import write_shards_section
+from qtool.io.manifest import write_shards_section
 nv, bf, layers = Path(sys.argv[1]), Path(sys.argv[2]), tuple(int(x) for x in sys.argv[3].split(",") if x)
 t = time.perf_counter()
 plan = plan_hybrid(HybridOptions(nvfp4=nv, bf16=bf, out=Path(tempfile.mkdtemp()) / "out",

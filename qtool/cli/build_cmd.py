@@ -19,8 +19,8 @@ def run(args) -> int:
     from pathlib import Path
 
     from qtool.build_recipes import load_build_recipe
-    from qtool.ops import build
-    from qtool.ops.build.plan import parse_overrides
+    from qtool.ops import pipeline as build
+    from qtool.ops.pipeline.plan import parse_overrides
 
     recipe = load_build_recipe(args.recipe)
     bp = build.plan(recipe, out=Path(args.output) if args.output else None, overrides=parse_overrides(args.source),

@@ -30,8 +30,8 @@ def add_output_flags(parser, *, output: str = "required", resume: bool = True, o
 
 
 def run_command_line() -> str:
-    """This process's qtool command line for a manifest, secrets redacted (qtool.ops.manifest)."""
-    from qtool.ops.manifest import command_line
+    """This process's qtool command line for a manifest, secrets redacted (qtool.io.manifest)."""
+    from qtool.io.manifest import command_line
 
     return command_line(["qtool", *sys.argv[1:]])
 

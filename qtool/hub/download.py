@@ -77,7 +77,7 @@ def repo_listing(spec: HubSpec, *, token: str | None = None) -> RepoListing:
 
 
 def _verified_path() -> Path:
-    from qtool.ops.manifest import cache_dir
+    from qtool.io.manifest import cache_dir
 
     return cache_dir() / "hub-verified.json"
 
@@ -286,7 +286,7 @@ def snapshot(spec: HubSpec, *, allow_download: bool = True, token: str | None = 
 
 
 def _files_dir(spec: HubSpec, commit: str) -> Path:
-    from qtool.ops.manifest import cache_dir
+    from qtool.io.manifest import cache_dir
 
     return cache_dir() / "hub" / spec.repo_id.replace("/", "--") / commit / "files"
 

@@ -288,10 +288,10 @@ def plan_fetch(listing: RepoListing, opts: TensorFetchOptions, *, token: str | N
 
 def write_hub_manifest(tx, listing: RepoListing, report: dict, command: str | None,
                        known: dict[str, str]) -> None:
-    """The output's qtool-manifest.json (qtool.ops.manifest's one schema): the Hub repo at its commit as
+    """The output's qtool-manifest.json (qtool.io.manifest's one schema): the Hub repo at its commit as
     the source, what was fetched (`download`), every output file's sha256 (`files`)."""
     from qtool.io.output import output_files
-    from qtool.ops.manifest import write_manifest
+    from qtool.io.manifest import write_manifest
 
     src = {"repo": listing.spec.repo_id, "revision": listing.spec.revision, "commit": listing.commit,
            "files": {p: {"sha256": f.sha256, "bytes": f.size} for p, f in listing.files.items()

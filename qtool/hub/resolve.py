@@ -141,7 +141,7 @@ def resolve_checkpoint(spec: str | os.PathLike, *, tensors: Sequence[str] | None
 
 
 def subset_dir(repo_id: str, commit: str, names: Sequence[str]) -> Path:
-    from qtool.ops.manifest import cache_dir
+    from qtool.io.manifest import cache_dir
 
     key = hashlib.sha256("\n".join(sorted(set(names))).encode()).hexdigest()[:16]
     return cache_dir() / "hub" / repo_id.replace("/", "--") / commit / f"tensors-{key}"

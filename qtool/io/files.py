@@ -98,7 +98,7 @@ _symlink = _linker(os.symlink)
 
 
 TMP_SUFFIX = ".qtool-tmp"  # every temporary file qtool makes ends so; a commit sweeps leftovers
-INPUT_DIGESTS = ".qtool-input-digests.jsonl"  # qtool.ops.manifest.InputHasher's record, in OUT.partial/
+INPUT_DIGESTS = ".qtool-input-digests.jsonl"  # qtool.io.manifest.InputHasher's record, in OUT.partial/
 
 
 def copy_file(src: str | Path, dst: str | Path, mode: int = 0o644) -> None:

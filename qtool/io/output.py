@@ -30,7 +30,7 @@ from qtool.errors import UsageError, WriteError
 from qtool.io.files import INPUT_DIGESTS, TMP_SUFFIX, LinkMode, Placer, fsync_dir, hash_file, write_error
 
 MANIFEST_NAME = "qtool-manifest.json"
-STEP_MARKER = "qtool-step.json"  # a build step's finished output (qtool/ops/build)
+STEP_MARKER = "qtool-step.json"  # a build step's finished output (qtool/ops/pipeline)
 QTOOL_MARKERS = (MANIFEST_NAME, STEP_MARKER)
 LOCK_NAME = ".qtool-lock"
 

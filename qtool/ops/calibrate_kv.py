@@ -2,7 +2,7 @@
 
 k_scale = amax(K) / 448, v_scale = amax(V) / 448 over all calibration tokens, where K and V are what an
 engine writes into its KV cache: K after k_proj, k_norm and the (partial, mrope) rotary embedding, V
-after v_proj. They are captured at the attention kernel's inputs (qtool.ops.layer_stream.attention_tap:
+after v_proj. They are captured at the attention kernel's inputs (qtool.stream.layer_stream.attention_tap:
 the tensors transformers' Qwen3_5MoeAttention passes to its attention function, after
 apply_rotary_pos_emb), during a layer-streamed forward of the dequantized model. GDN layers have no
 KV cache and get no scales; the MTP head's attention layer is not calibrated (it needs the MTP forward).
@@ -155,7 +155,7 @@ def plan(
     replace_scales: bool = False,
     dtype: str | None = None,
 ) -> KvPlan:
-    from qtool.ops.layer_stream import LayerStreamer
+    from qtool.stream.layer_stream import LayerStreamer
 
     ckpt = Checkpoint.open(ckpt_path, require_config=True)
     streamer = LayerStreamer(ckpt, device=device, dtype=dtype)
@@ -247,7 +247,7 @@ class _KvHooks:
         self.on_done = on_done
 
     def before_layer(self, idx, layer):
-        from qtool.ops.layer_stream import attention_tap
+        from qtool.stream.layer_stream import attention_tap
 
         if idx not in self.layers:
             return
@@ -261,7 +261,7 @@ class _KvHooks:
         attention_tap(layer, tap)
 
     def after_layer(self, idx, layer):
-        from qtool.ops.layer_stream import attention_tap
+        from qtool.stream.layer_stream import attention_tap
 
         attention_tap(layer, None)
         self.on_done(idx)
@@ -290,8 +290,8 @@ def calibrate(
 ) -> tuple[dict[int, LayerStat], dict]:
     """Run the layer-streamed forward on token windows `ids` [N, L]; returns per-layer stats and timing.
     hidden="disk" keeps the hidden states in the work dir (resumable), "memory" in RAM."""
-    from qtool.ops.calib_data import token_digest
-    from qtool.ops.layer_stream import DiskStore, LayerStreamer, MemoryStore
+    from qtool.stream.calib_data import token_digest
+    from qtool.stream.layer_stream import DiskStore, LayerStreamer, MemoryStore
 
     streamer = LayerStreamer(p.ckpt, device=p.device, dtype=dtype)
     n, seq = int(ids.shape[0]), int(ids.shape[1])
@@ -455,7 +455,7 @@ def write_output(p: KvPlan, stats: dict[int, LayerStat], tx: OutputDir, command:
 
 def _write_manifest(p: KvPlan, tx: OutputDir, command: str | None, files: dict, hasher=None) -> None:
     from qtool.io.output import output_files
-    from qtool.ops.manifest import carried_files, previous_head, source_entry, write_manifest
+    from qtool.io.manifest import carried_files, previous_head, source_entry, write_manifest
 
     hasher = hasher or start_input_hashes(p, tx, resume=False)
     extra = {"kv_cache": {"convention": p.convention.value, "layers": p.layers, "scale_tensors": files}}
@@ -472,9 +472,9 @@ def _write_manifest(p: KvPlan, tx: OutputDir, command: str | None, files: dict, 
 
 
 def start_input_hashes(p: KvPlan, tx: OutputDir, *, resume: bool):
-    """The inputs' sha256 in background threads while the layers run (qtool.ops.manifest.InputHasher),
+    """The inputs' sha256 in background threads while the layers run (qtool.io.manifest.InputHasher),
     recorded in the partial output so that a resumed run notices an input edited in between."""
-    from qtool.ops.manifest import InputHasher
+    from qtool.io.manifest import InputHasher
 
     hasher = InputHasher(trust_cache=not resume, record=tx.input_digests)
     for f in sorted({h.path for h in p.ckpt.headers.values()}):
@@ -510,7 +510,7 @@ def run(
 
         if not torch.cuda.is_available():
             raise UsageError("--device cuda but no CUDA device is available", hint="use --device cpu")
-    from qtool.ops.calib_data import build_calib_set
+    from qtool.stream.calib_data import build_calib_set
 
     calib = build_calib_set(p.ckpt.root, dataset, samples, seq_len)
     vocab = int(p.ckpt.text_config.get("vocab_size", 1 << 62))

@@ -187,7 +187,7 @@ def _write(p: dict, tx: OutputDir, side: dict | None, restore: dict, report: dic
         cfg["quantization_config"] = side["quantization_config"]
         hq = side.get("hf_quant_config")
     else:
-        from qtool.ops.manifest import library_versions
+        from qtool.io.manifest import library_versions
         from qtool.ops.quantize.configs import quant_configs
         from qtool.recipes import OutFormat, Scheme
 
@@ -220,7 +220,7 @@ def _write(p: dict, tx: OutputDir, side: dict | None, restore: dict, report: dic
     problems = [x.to_json() for x in find_problems(build_map(c2), summarize(c2.config, c2.hf_quant_config))]
     report["problems"] = problems
     report["shards_reused_by"] = sorted(ways)
-    from qtool.ops.manifest import InputHasher, source_entry, write_manifest
+    from qtool.io.manifest import InputHasher, source_entry, write_manifest
 
     hasher = InputHasher()
     for f in sorted({h.path for h in ckpt.headers.values()}):

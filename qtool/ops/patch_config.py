@@ -214,7 +214,7 @@ def apply(p: PatchPlan, *, in_transaction: bool = False, command: str | None = N
 def _write_manifest(p: PatchPlan, tx, written: list[str], command: str | None) -> None:
     from qtool.io.files import hash_file
     from qtool.io.output import MANIFEST_NAME
-    from qtool.ops.manifest import carried_files, previous_head, write_manifest
+    from qtool.io.manifest import carried_files, previous_head, write_manifest
 
     inputs = {f"{p.root}/{n}": hash_file(p.root / n) for n in written if (p.root / n).is_file()}
     prev = previous_head(p.root)

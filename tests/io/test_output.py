@@ -13,7 +13,7 @@ from qtool.io.files import LinkMode, new_file, Placer
 from qtool.io.identity import input_identity
 from qtool.io.in_place import exchange_paths, InPlaceDir
 from qtool.io.output import check_no_overlap, lock_for, OutputDir
-from qtool.ops.manifest import command_line, write_manifest
+from qtool.io.manifest import command_line, write_manifest
 
 
 def _done(tx: OutputDir, files: dict[str, str]) -> None:
@@ -99,7 +99,7 @@ def test_identity_sees_a_same_size_edit_with_the_mtime_put_back(tmp_path):
 
 
 def test_recorded_input_digests_catch_an_edit_the_samples_miss(tmp_path):
-    from qtool.ops.manifest import InputHasher
+    from qtool.io.manifest import InputHasher
 
     f = tmp_path / "shard.safetensors"
     f.write_bytes(bytes(8 << 20))

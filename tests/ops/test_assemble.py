@@ -3,7 +3,6 @@ layout, byte identity, flavours, MTP modes, determinism, dry run, resume, and er
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
@@ -14,6 +13,7 @@ from killpoint import run_killed, run_qtool
 
 from qtool.io.identity import Journal
 
+from qtool.fixtures.synthetic import build_pair
 from qtool.errors import PlanError, QtoolError, UsageError, WriteError
 from qtool.io.checkpoint import Checkpoint
 from qtool.io.reader import read_bytes
@@ -21,9 +21,6 @@ from qtool.io.writer import FileRange, OutTensor, write_shard
 from qtool.ops.assemble import HybridOptions, LinkMode, MtpMode, execute, plan_hybrid
 
 ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("bench_assemble", ROOT / "scripts" / "bench_assemble.py")
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
 
 LM = "model.language_model."
 
@@ -34,7 +31,7 @@ def _hash_cache(tmp_path, monkeypatch):
 
 
 def pair(tmp_path, **kw):
-    return bench.build_pair(tmp_path / "src", **kw)
+    return build_pair(tmp_path / "src", **kw)
 
 
 def run(nv, bf, out, **kw):

@@ -91,13 +91,13 @@ def test_mtp_from_bf16_replaces_kept_head(fx, tmp_path):
 
 def _dense_dir(src: Path, dst: Path, bf16_config: Path) -> Path:
     """A BF16 copy of `src` that transformers can load: quantized modules dequantized (qtool.formats via
-    qtool.ops.dequant), MTP and KV scales left out (transformers drops them anyway)."""
+    qtool.stream.dequant), MTP and KV scales left out (transformers drops them anyway)."""
     import torch
     from safetensors.torch import save_file
 
     from qtool.arch.model_map import QUANTIZED_FORMATS, build_map
     from qtool.io.reader import read_tensor
-    from qtool.ops.dequant import dense_weight
+    from qtool.stream.dequant import dense_weight
 
     mm = build_map(Checkpoint.open(src))
     sd = {}

@@ -126,7 +126,7 @@ def test_verify_failure_exits_3_and_publishes_nothing(tmp_path, capsys, tiny_bf1
 
 
 def test_missing_op_module_is_a_clear_error(tmp_path, capsys, monkeypatch, tiny_nvfp4_modelopt_nomtp):
-    import qtool.ops.build.steps as steps
+    import qtool.ops.pipeline.steps as steps
     from qtool.build_recipes import Op
 
     assert set(steps.RUNNERS) == set(Op)  # the dispatch table covers every op

@@ -13,7 +13,7 @@ from test_calibrate_kv_support import capture_kv_full_model, dense_text_model, f
 
 from qtool.errors import PlanError
 from qtool.ops import calibrate_kv as ck
-from qtool.ops.calib_data import build_calib_set, read_documents, windows_from_ids
+from qtool.stream.calib_data import build_calib_set, read_documents, windows_from_ids
 
 N, L = 2, 32
 
@@ -149,7 +149,7 @@ def test_modelopt_output_convention_configs_and_links(request, tmp_path):
 def test_in_place_ct_then_overwrite_then_resume(request, tmp_path):
     from qtool.io.checkpoint import Checkpoint
     from qtool.ops.inspect import inspect_checkpoint
-    from qtool.ops.layer_stream import LayerStreamer
+    from qtool.stream.layer_stream import LayerStreamer
 
     work = tmp_path / "ct"
     shutil.copytree(fixture_dir(request, "tiny_nvfp4_ct"), work)

@@ -81,8 +81,8 @@ def dense_text_model(ckpt_dir):
         Qwen3_5MoeTextRotaryEmbedding,
     )
 
-    from qtool.ops.dequant import layer_state_dict, load_param
-    from qtool.ops.layer_stream import LayerStreamer
+    from qtool.stream.dequant import layer_state_dict, load_param
+    from qtool.stream.layer_stream import LayerStreamer
 
     s = LayerStreamer(ckpt_dir)
     cfg = Qwen3_5MoeTextConfig(**{k: v for k, v in s.text_cfg_dict.items() if k != "model_type"})

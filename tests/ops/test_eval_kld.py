@@ -12,7 +12,7 @@ from test_calibrate_kv_support import dense_text_model, fixture_dir
 
 from qtool.cli.main import main
 from qtool.errors import PlanError, UsageError
-from qtool.ops.calib_data import build_calib_set
+from qtool.stream.calib_data import build_calib_set
 from qtool.ops.kld import RESULT_KEYS, KldOptions, run
 from qtool.ops.kld.windows import token_windows
 
@@ -22,8 +22,8 @@ N, L = 2, 24
 def oracle_logprobs(ckpt, ids):
     """Full-model forward (transformers Qwen3_5MoeTextModel, all layers resident) + lm_head, float32
     log_softmax: [N, L, V]."""
-    from qtool.ops.dequant import load_param
-    from qtool.ops.layer_stream import LayerStreamer
+    from qtool.stream.dequant import load_param
+    from qtool.stream.layer_stream import LayerStreamer
 
     model = dense_text_model(ckpt)
     w = load_param(LayerStreamer(ckpt).mm, "lm_head.weight", torch.bfloat16)

@@ -12,7 +12,7 @@ from test_calibrate_kv_support import fixture_dir
 from test_eval_kld import direct_stats, oracle_logprobs, write_dump
 
 from qtool.errors import PlanError
-from qtool.ops.calib_data import build_calib_set
+from qtool.stream.calib_data import build_calib_set
 from qtool.ops.kld import KldOptions, run
 from qtool.ops.kld.compact import bytes_per_position, encode, kl_compact, kl_full
 

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from qtool.ops import manifest
-from qtool.ops.manifest import InputHasher, hub_recorded_sha256
+from qtool.io import manifest
+from qtool.io.manifest import InputHasher, hub_recorded_sha256
 
 
 @pytest.fixture(autouse=True)

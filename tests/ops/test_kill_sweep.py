@@ -17,9 +17,9 @@ ROOT = Path(__file__).resolve().parents[2]
 SWEEP = {
     "assemble": (lambda src, bf: ["assemble", "hybrid", "--nvfp4", src, "--bf16", bf, "--bf16-expert-layers", "0"],
                  [("qtool.io.identity:Journal.record", 1), ("qtool.io.identity:Journal.record", 5),
-                  ("qtool.ops.manifest:write_manifest", 1)]),
+                  ("qtool.io.manifest:write_manifest", 1)]),
     "calibrate-kv": (lambda src, bf: ["calibrate-kv", src, *KV, "--replace-scales"],
-                     [("qtool.ops.layer_stream:LayerStreamer.load_layer", 2), ("qtool.io.files:Placer.place", 3),
+                     [("qtool.stream.layer_stream:LayerStreamer.load_layer", 2), ("qtool.io.files:Placer.place", 3),
                       ("qtool.io.writer:write_shard", 1)]),
     "quantize": (lambda src, bf: ["quantize", bf, "--recipe", "qwen35-nvfp4-experts", *KV],
                  [("qtool.ops.quantize.layer:write_layer_shard", 2), ("qtool.ops.quantize.layer:write_rest_shard", 1)]),
@@ -53,7 +53,7 @@ def test_kill_sweep_new_output(command, tiny_nvfp4_modelopt, tiny_bf16, tmp_path
 
 IN_PLACE = {
     "calibrate-kv": (["calibrate-kv", *KV, "--replace-scales", "--in-place"],
-                     [("qtool.ops.layer_stream:LayerStreamer.load_layer", 2), ("qtool.io.writer:write_shard", 2),
+                     [("qtool.stream.layer_stream:LayerStreamer.load_layer", 2), ("qtool.io.writer:write_shard", 2),
                       ("qtool.io.in_place:exchange_paths", 1)]),
     "patch-config": (["patch-config", "--fix", "router-ignore", "--sampling-defaults"],
                      [("qtool.io.jsonio:write_json", 1), ("qtool.io.jsonio:write_json", 2),
@@ -90,7 +90,7 @@ def test_kill_sweep_build(tmp_path):
     ref = tmp_path / "ref"
     assert run_qtool(["build", recipe, "-o", ref, "--quiet"]).returncode == 0
     for i, (target, n) in enumerate([("qtool.io.identity:Journal.record", 3),
-                                     ("qtool.ops.layer_stream:LayerStreamer.load_layer", 3),
+                                     ("qtool.stream.layer_stream:LayerStreamer.load_layer", 3),
                                      ("qtool.io.jsonio:write_json", 1)]):
         out = tmp_path / f"out{i}"
         p = run_killed(target, n, ["build", recipe, "-o", out, "--quiet"])

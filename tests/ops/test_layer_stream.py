@@ -6,14 +6,14 @@ from __future__ import annotations
 import torch
 from test_calibrate_kv_support import dense_text_model, fixture_dir
 
-from qtool.ops.calib_data import build_calib_set
-from qtool.ops.layer_stream import DiskStore, LayerStreamer, MemoryStore
+from qtool.stream.calib_data import build_calib_set
+from qtool.stream.layer_stream import DiskStore, LayerStreamer, MemoryStore
 
 
 def _final(streamer, store):
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeRMSNorm
 
-    from qtool.ops.dequant import load_param
+    from qtool.stream.dequant import load_param
 
     norm = Qwen3_5MoeRMSNorm(streamer.hidden_size, eps=streamer.hf_config.rms_norm_eps)
     norm.weight.data = load_param(streamer.mm, streamer.prefix + "norm.weight", torch.bfloat16)

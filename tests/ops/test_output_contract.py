@@ -108,7 +108,7 @@ def test_resume_refuses_an_input_edited_with_its_mtime_put_back(tiny_nvfp4_model
     src = copy_of(tiny_nvfp4_modelopt, tmp_path / "src")
     out = tmp_path / "out"
     args = ["calibrate-kv", src, "-o", out, *KV, "--replace-scales", "--quiet"]
-    p = run_killed("qtool.ops.layer_stream:LayerStreamer.load_layer", 2, args)
+    p = run_killed("qtool.stream.layer_stream:LayerStreamer.load_layer", 2, args)
     assert p.returncode == -9
     shard = Checkpoint.open(src).shard_of("model.language_model.layers.0.linear_attn.in_proj_qkv.weight")
     f = src / shard

@@ -86,7 +86,7 @@ def _kld_vs_bf16(tiny_bf16, ckpt_dir, model=None) -> float:
 
     from qtool.arch.model_map import build_map
     from qtool.fixtures.tiny import _calib_ids
-    from qtool.ops.dequant import dense_weight
+    from qtool.stream.dequant import dense_weight
 
     ids = _calib_ids(tiny_bf16, ["Rivers, mountains and the weather in spring are described here.",
                                  "for i in range(10): print(i * i)  # squares"], seq_len=16)
@@ -213,7 +213,7 @@ def test_awq_ct_output_loads_in_transformers(tiny_bf16, calib_ids, tmp_path):
     from transformers import Qwen3_5MoeForConditionalGeneration
 
     from qtool.arch.model_map import build_map
-    from qtool.ops.dequant import dense_weight
+    from qtool.stream.dequant import dense_weight
     from qtool.ops.quantize import run
 
     r = load_recipe("qwen35-awq-int4")

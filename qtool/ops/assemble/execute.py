@@ -32,7 +32,7 @@ from qtool.ops.checks import (
     hybrid_expectations,
     start_checks,
 )
-from qtool.ops.manifest import InputHasher, source_entry, write_manifest, write_shards_section
+from qtool.io.manifest import InputHasher, source_entry, write_manifest, write_shards_section
 
 SPACE_MARGIN = 64 << 20
 WRITERS = 4  # shards in flight (see execute)

@@ -129,7 +129,7 @@ def run(
             tok_dir = o.tokenizer or (str(ckpts[0].path) if ckpts else None)
             if tok_dir is None:
                 raise UsageError("--emit-windows needs a tokenizer: pass --tokenizer DIR or a checkpoint")
-            from qtool.ops.calib_data import token_digest
+            from qtool.stream.calib_data import token_digest
             from qtool.ops.kld.windows import token_windows
 
             ids = token_windows(tok_dir, o.dataset, o.windows, o.seq_len, o.stride)

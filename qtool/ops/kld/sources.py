@@ -2,7 +2,7 @@
 compact reference written by `--save-ref`. Every source gives, per window, `rows(w)` positions; row r is
 the next-token distribution after tokens 0..r of the window.
 
-Checkpoint (in-process): the text decoder layers run layer-streamed (qtool.ops.layer_stream, as
+Checkpoint (in-process): the text decoder layers run layer-streamed (qtool.stream.layer_stream, as
 calibrate-kv: one layer's dequantized weights resident at a time) over all windows; the final hidden
 states stay in a HiddenStore (RAM, or two files on disk when larger than `ram_limit`). Log-probs are then
 made `chunk` positions at a time: final RMSNorm, lm_head (embed_tokens when tie_word_embeddings), float32
@@ -65,7 +65,7 @@ class CheckpointSource:
 
     def __init__(self, path, *, device: str = "cpu", dtype: str | None = None, work_dir=None,
                  ram_limit: int = RAM_LIMIT):
-        from qtool.ops.layer_stream import LayerStreamer
+        from qtool.stream.layer_stream import LayerStreamer
 
         self.path = Path(path)
         self.streamer = LayerStreamer(path, device=device, dtype=dtype)
@@ -94,7 +94,7 @@ class CheckpointSource:
 
     def prepare(self, ids, *, progress=None) -> None:
         """Run all decoder layers over the windows `ids` [N, L]; keeps the final hidden states."""
-        from qtool.ops.layer_stream import DiskStore, MemoryStore
+        from qtool.stream.layer_stream import DiskStore, MemoryStore
 
         s = self.streamer
         n, seq = int(ids.shape[0]), int(ids.shape[1])
@@ -115,7 +115,7 @@ class CheckpointSource:
     def _load_head(self) -> None:
         from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeRMSNorm
 
-        from qtool.ops.dequant import load_param
+        from qtool.stream.dequant import load_param
 
         s = self.streamer
         norm = Qwen3_5MoeRMSNorm(s.hidden_size, eps=s.hf_config.rms_norm_eps)

@@ -1,4 +1,4 @@
-"""Token windows for `eval kld`: the calibrate-kv rule (qtool.ops.calib_data), optionally sliding.
+"""Token windows for `eval kld`: the calibrate-kv rule (qtool.stream.calib_data), optionally sliding.
 
 Without --stride (or with stride = seq_len) the windows ARE calibrate-kv's: `build_calib_set(...).ids`,
 the first N non-overlapping windows of L tokens of the tokenized dataset. With --stride S the same token
@@ -28,7 +28,7 @@ from qtool.errors import PlanError, UsageError
 def token_windows(tokenizer_dir, dataset: str, windows: int, seq_len: int, stride: int | None = None,
                   *, tokenizer=None):
     """LongTensor [windows, seq_len] of token ids (see the module docstring for the rule)."""
-    from qtool.ops.calib_data import build_calib_set
+    from qtool.stream.calib_data import build_calib_set
 
     if windows < 1 or seq_len < 2:
         raise UsageError("--windows must be >= 1 and --seq-len >= 2", got=(windows, seq_len))

@@ -1,6 +1,6 @@
 """Peer backends for `qtool quantize --backend modelopt|llmcompressor`: the peer library's own algorithm,
 driven on ONE decoder layer at a time (the dense transformers `Qwen3_5MoeDecoderLayer` that
-qtool.ops.layer_stream loads, fed with that layer's cached calibration inputs), then written in exactly
+qtool.stream.layer_stream loads, fed with that layer's cached calibration inputs), then written in exactly
 the layout the rtn backend writes (qtool.ops.quantize.layer.NVFP4Experts -> modelopt or
 compressed-tensors tensors).
 

@@ -6,7 +6,7 @@ routed to it, amax of its gate/up input (the routed hidden states) and of its do
 (act(gate) * up), and, for AWQ, up to `keep_rows` rows of the down_proj input. The math and the op order
 are those of transformers' loop, so the layer's output (which feeds the next layer) is unchanged.
 
-Full attention: K/V amax via qtool.ops.layer_stream.attention_tap (same as calibrate-kv).
+Full attention: K/V amax via qtool.stream.layer_stream.attention_tap (same as calibrate-kv).
 """
 
 from __future__ import annotations

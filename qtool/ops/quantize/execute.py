@@ -1,6 +1,6 @@
 """`qtool quantize` execution: layer-streamed calibration + quantization, resumable, atomic output.
 
-Per decoder layer: load it dense (qtool.ops.layer_stream), install the statistics hooks (per-expert token
+Per decoder layer: load it dense (qtool.stream.layer_stream), install the statistics hooks (per-expert token
 counts and input amaxes, AWQ activations, K/V amax), optionally run the peer backend's calibration on
 that layer (qtool.ops.quantize.backends), forward the calibration hidden states through it (BF16
 propagation: the next layer sees the unquantized model's activations, as in ModelOpt's and
@@ -60,8 +60,8 @@ def calibrate_and_write(p: QuantizePlan, partial: Path, ids, *, resume: bool, pr
                         mode: int = 0o644) -> dict:
     import torch
 
-    from qtool.ops.calib_data import token_digest
-    from qtool.ops.layer_stream import DiskStore, LayerStreamer, attention_tap
+    from qtool.stream.calib_data import token_digest
+    from qtool.stream.layer_stream import DiskStore, LayerStreamer, attention_tap
     from qtool.ops.quantize.calib import (
         ExpertStats,
         KvStat,
@@ -146,7 +146,7 @@ def finish(p: QuantizePlan, tx: OutputDir, report: dict, command: str | None, ha
     from qtool.io.quant_config import summarize
     from qtool.io.writer import plan_shards
     from qtool.ops.inspect import find_problems
-    from qtool.ops.manifest import library_versions, source_entry, write_manifest
+    from qtool.io.manifest import library_versions, source_entry, write_manifest
     from qtool.ops.quantize.configs import quant_configs
     from qtool.ops.quantize.layer import write_rest_shard
     from qtool.ops.quantize.plan import _spec_bytes
@@ -245,17 +245,17 @@ def run(
         if not torch.cuda.is_available():
             raise UsageError("--device cuda but no CUDA device is available", hint="use --device cpu")
     if calib_ids is None:
-        from qtool.ops.calib_data import build_calib_set
+        from qtool.stream.calib_data import build_calib_set
 
         calib = build_calib_set(p.ckpt.root, dataset, samples, seq_len)
         ids = calib.ids
         report["calibration"] = {"dataset": dataset, "digest": calib.digest, "tokens": calib.tokens}
     else:
-        from qtool.ops.calib_data import token_digest
+        from qtool.stream.calib_data import token_digest
 
         ids = calib_ids
         report["calibration"] = {"dataset": "ids", "digest": token_digest(ids), "tokens": int(ids.numel())}
-    from qtool.ops.manifest import InputHasher
+    from qtool.io.manifest import InputHasher
 
     with OutputDir(p.out, sources=[p.ckpt.root], force=force, resume=resume) as tx:
         # a resumed run re-hashes its inputs: a cached digest could predate an edit

@@ -201,7 +201,7 @@ def plan(
     device: str = "cpu",
     awq_rows: int = 256,
 ) -> QuantizePlan:
-    from qtool.ops.layer_stream import LayerStreamer
+    from qtool.stream.layer_stream import LayerStreamer
 
     backend = backend or recipe.backend
     fmt = fmt or recipe.format

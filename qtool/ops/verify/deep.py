@@ -6,7 +6,7 @@ same pass, a numeric scan of the tensor bytes:
 - all-zero weight matrices and all-zero block-scale tensors (a module that dequantizes to zero).
 
 Digests are compared with qtool-manifest.json when it exists: its `files` section (every output file's
-sha256, written by every command through qtool.ops.manifest.write_manifest); for older manifests, a shard
+sha256, written by every command through qtool.io.manifest.write_manifest); for older manifests, a shard
 entry's own "sha256", else, for shards the assembly linked byte for byte ("action": "link"), the sha256
 recorded for their source file.
 """

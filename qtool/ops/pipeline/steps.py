@@ -11,7 +11,7 @@ from pathlib import Path
 
 from qtool.build_recipes import Op, SourceKind
 from qtool.errors import PlanError, VerificationError
-from qtool.ops.build.plan import STEP_MARKER, BuildPlan, StepPlan, input_path
+from qtool.ops.pipeline.plan import STEP_MARKER, BuildPlan, StepPlan, input_path
 
 def op_module(op: Op, module: str):
     try:

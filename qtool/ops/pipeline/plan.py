@@ -97,7 +97,7 @@ def dir_fingerprint(root: Path) -> dict:
 
 def builtin_path(name: str) -> Path:
     from qtool.fixtures.tiny import FixtureCache
-    from qtool.ops.manifest import cache_dir
+    from qtool.io.manifest import cache_dir
 
     fixture = name.removeprefix("tiny-").replace("-", "_")
     return FixtureCache(cache_dir() / "fixtures").path(fixture)
@@ -154,7 +154,7 @@ def plan(recipe: BuildRecipe, *, out: Path | None = None, overrides: dict[str, P
         steps.append(StepPlan(st, key, d, cached, ins))
     bp = BuildPlan(recipe, out, work, sources, steps)
     if validate:
-        from qtool.ops.build.steps import validate_step
+        from qtool.ops.pipeline.steps import validate_step
 
         for sp in steps:
             sp.validation = validate_step(bp, sp)

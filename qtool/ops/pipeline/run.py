@@ -14,8 +14,8 @@ from qtool.errors import WriteError
 from qtool.io.output import MANIFEST_NAME as MANIFEST
 from qtool.io.files import copy_file, LinkMode, Placer
 from qtool.io.output import output_files, OutputDir
-from qtool.ops.build.plan import STEP_MARKER, BuildPlan, StepPlan, file_stats, files_unchanged, input_path
-from qtool.ops.build.steps import RUNNERS
+from qtool.ops.pipeline.plan import STEP_MARKER, BuildPlan, StepPlan, file_stats, files_unchanged, input_path
+from qtool.ops.pipeline.steps import RUNNERS
 
 PUBLISHED = "published.json"  # in DIR.build/: what was published, to notice an edited artifact
 

@@ -5,7 +5,7 @@ eval kld (final norm + lm_head on the streamed hidden states).
 
 How (formats doc section 9, checked with transformers 5.17): transformers' own
 `Qwen3_5MoeDecoderLayer(text_config, layer_idx)` built alone, loaded with that layer's weights
-(dequantized to the compute dtype by qtool.ops.dequant, whatever the storage format), called on the
+(dequantized to the compute dtype by qtool.stream.dequant, whatever the storage format), called on the
 hidden states with `position_embeddings` from `Qwen3_5MoeTextRotaryEmbedding` (position ids [3, batch,
 seq], the same positions in all three mrope rows for text) and no attention mask: with the `sdpa`
 attention a missing mask means causal (transformers/integrations/sdpa_attention.py), and the GDN layers
@@ -270,7 +270,7 @@ class LayerStreamer:
         return [n for n in self.ckpt.tensors if n.startswith(p)]
 
     def layer_bytes(self, idx: int) -> int:
-        from qtool.ops.dequant import dense_numel
+        from qtool.stream.dequant import dense_numel
 
         item = 4 if self.dtype_name == "float32" else 2
         p = layer_prefix(idx, self.mm.naming)
@@ -314,7 +314,7 @@ class LayerStreamer:
     # -- pieces ---------------------------------------------------------------------------------
     def embed_into(self, ids, store: HiddenStore, batch: int) -> None:
         """Embed token windows [N, L] into the store (as the input of layer 0)."""
-        from qtool.ops.dequant import load_param
+        from qtool.stream.dequant import load_param
 
         w = load_param(self.mm, self.prefix + "embed_tokens.weight", self.dtype)
         for b0 in range(0, ids.shape[0], batch):
@@ -341,7 +341,7 @@ class LayerStreamer:
         import torch
         from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeDecoderLayer
 
-        from qtool.ops.dequant import layer_state_dict
+        from qtool.stream.dequant import layer_state_dict
 
         from qtool.quiet import transformers_errors_only
 

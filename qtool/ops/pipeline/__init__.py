@@ -12,7 +12,7 @@ section: recipe, sources with commits, each step's key, inputs and timing.
     report = run(p)
 """
 
-from qtool.ops.build.plan import BuildPlan, StepPlan, plan
-from qtool.ops.build.run import run
+from qtool.ops.pipeline.plan import BuildPlan, StepPlan, plan
+from qtool.ops.pipeline.run import run
 
 __all__ = ["BuildPlan", "StepPlan", "plan", "run"]
