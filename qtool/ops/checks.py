@@ -7,7 +7,8 @@
 - expectations: what a given operation promised (e.g. hybrid: shared experts BF16, chosen layers' routed
   experts BF16, MTP present or absent).
 - consistency: qtool.ops.inspect.find_problems (config vs tensors, KV scales, ignore lists) reports nothing.
-Each check gives {"name", "ok", "problems": [str]}; run_checks gives {"passed", "checks"}.
+Each check gives {"name", "ok", "problems": [message], "findings": [qtool.findings.Finding JSON]};
+run_checks gives {"passed", "checks"}.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Callable
 
 from qtool.arch.model_map import Format, ModelMap, Module, build_map
 from qtool.arch.qwen35 import Group, text_prefix
+from qtool.findings import Code, error
 from qtool.io.checkpoint import Checkpoint
 from qtool.io.dtypes import FLOAT_DTYPES, FP8_DTYPES
 
@@ -47,11 +49,42 @@ class Expectations:
 
 
 class _Problems(list):
-    def add(self, msg: str) -> None:
+    """Findings (qtool.findings), at most MAX_PROBLEMS of them listed."""
+
+    more = 0
+
+    def add(self, code: Code, module: str | None, msg: str) -> None:
         if len(self) < MAX_PROBLEMS:
-            self.append(msg)
-        elif len(self) == MAX_PROBLEMS:
-            self.append("... (more problems not listed)")
+            self.append(error(code, module, msg, FIX.get(code)))
+        else:
+            self.more += 1
+
+    def messages(self) -> list[str]:
+        return [f.message for f in self] + ([f"... ({self.more} more problems not listed)"] if self.more else [])
+
+    def result(self, name: str, extra: "_Problems | None" = None) -> dict:
+        """A check's JSON result: ok, problem messages and the findings themselves."""
+        found = list(self) + list(extra or [])
+        return {"name": name, "ok": not found and not self.more,
+                "problems": self.messages() + (extra.messages() if extra else []),
+                "findings": [f.to_json() for f in found]}
+
+
+FIX = {
+    Code.MISSING_TENSOR: "the export or download is incomplete: rebuild it (qtool assemble ...) or re-download "
+    "the shard that should hold it",
+    Code.STALE_TENSOR: "remove the stale tensors (rebuild with qtool assemble, which drops scales of BF16 modules)",
+    Code.DTYPE_MISMATCH: "re-export the module; a relabelled dtype means a corrupt or mis-converted shard",
+    Code.SHAPE_MISMATCH: "the tensor does not match config.json: wrong model revision or a broken conversion",
+    Code.MIXED_EXPERT_LAYOUT: "rebuild with qtool assemble hybrid (it writes per-expert BF16 experts, never fused "
+    "next to per-expert)",
+    Code.BAD_CONFIG: "restore config.json from the source repository",
+}
+
+
+def _mismatch(got_shape, want_shape) -> Code:
+    """A tensor of the wrong kind: its shape differs, or only its dtype."""
+    return Code.SHAPE_MISMATCH if tuple(got_shape) != tuple(want_shape) else Code.DTYPE_MISMATCH
 
 
 def _linear(mods: dict[str, Module], name: str, out: int, inn: int, probs: _Problems,
@@ -59,14 +92,15 @@ def _linear(mods: dict[str, Module], name: str, out: int, inn: int, probs: _Prob
     m = mods.get(name)
     if m is None:
         if required:
-            probs.add(f"missing module {name}")
+            probs.add(Code.MISSING_TENSOR, name, f"missing module {name}")
         return None
     fmt = m.format
     p = m.params
     if fmt is Format.BF16:
         w = p["weight"]
         if w.dtype not in FLOAT_DTYPES or tuple(w.shape) != (out, inn):
-            probs.add(f"{name}.weight is {w.dtype}{list(w.shape)}, expected a float [{out}, {inn}]")
+            probs.add(_mismatch(w.shape, (out, inn)), f"{name}.weight",
+                      f"{name}.weight is {w.dtype}{list(w.shape)}, expected a float [{out}, {inn}]")
     elif fmt is Format.NVFP4 or fmt is Format.NVFP4_CT:
         wk = "weight" if fmt is Format.NVFP4 else "weight_packed"
         gk = "weight_scale_2" if fmt is Format.NVFP4 else "weight_global_scale"
@@ -74,33 +108,36 @@ def _linear(mods: dict[str, Module], name: str, out: int, inn: int, probs: _Prob
         for k, (dt, shape) in want.items():
             t = p.get(k)
             if t is None:
-                probs.add(f"{name} ({fmt.value}) lacks {k}")
+                probs.add(Code.MISSING_TENSOR, name, f"{name} ({fmt.value}) lacks {k}")
             elif t.dtype != dt or tuple(t.shape) != shape:
-                probs.add(f"{name}.{k} is {t.dtype}{list(t.shape)}, expected {dt}{list(shape)}")
+                probs.add(_mismatch(t.shape, shape), f"{name}.{k}",
+                          f"{name}.{k} is {t.dtype}{list(t.shape)}, expected {dt}{list(shape)}")
         g = p.get(gk)
         if g is None:
-            probs.add(f"{name} ({fmt.value}) lacks {gk}")
+            probs.add(Code.MISSING_TENSOR, name, f"{name} ({fmt.value}) lacks {gk}")
         elif g.dtype != "F32" or g.numel != 1:
-            probs.add(f"{name}.{gk} is {g.dtype}{list(g.shape)}, expected a float32 scalar")
+            probs.add(Code.DTYPE_MISMATCH if g.numel == 1 else Code.SHAPE_MISMATCH, f"{name}.{gk}",
+                      f"{name}.{gk} is {g.dtype}{list(g.shape)}, expected a float32 scalar")
     elif fmt is Format.FP8:
         w = p["weight"]
         if w.dtype not in FP8_DTYPES or tuple(w.shape) != (out, inn):
-            probs.add(f"{name}.weight is {w.dtype}{list(w.shape)}, expected FP8 [{out}, {inn}]")
+            probs.add(_mismatch(w.shape, (out, inn)), f"{name}.weight",
+                      f"{name}.weight is {w.dtype}{list(w.shape)}, expected FP8 [{out}, {inn}]")
     elif fmt is None:
-        probs.add(f"{name} has no weight matrix (params: {sorted(p)})")
+        probs.add(Code.MISSING_TENSOR, name, f"{name} has no weight matrix (params: {sorted(p)})")
     if fmt in ALLOWED_PARAMS:
         stale = sorted(set(p) - ALLOWED_PARAMS[fmt])
         if stale:
-            probs.add(f"{name} is {fmt.value} but also carries stale {stale}")
+            probs.add(Code.STALE_TENSOR, name, f"{name} is {fmt.value} but also carries stale {stale}")
     return fmt
 
 
 def _vector(mm: ModelMap, name: str, shape: tuple[int, ...], probs: _Problems) -> None:
     t = mm.ckpt.tensors.get(name)
     if t is None:
-        probs.add(f"missing tensor {name}")
+        probs.add(Code.MISSING_TENSOR, name, f"missing tensor {name}")
     elif tuple(t.shape) != shape:
-        probs.add(f"{name} has shape {list(t.shape)}, expected {list(shape)}")
+        probs.add(Code.SHAPE_MISMATCH, name, f"{name} has shape {list(t.shape)}, expected {list(shape)}")
 
 
 def _experts_by_block(mods: dict[str, Module]) -> dict[str, list[Module]]:
@@ -128,14 +165,16 @@ def _moe(mm: ModelMap, mods: dict[str, Module], p: str, cfg: dict, probs: _Probl
     fused = mods.get(p + "experts")
     per_expert = experts.get(p + "experts.", [])
     if fused is not None and per_expert:
-        probs.add(f"{p}experts mixes the fused layout and per-expert tensors")
+        probs.add(Code.MIXED_EXPERT_LAYOUT, f"{p}experts", f"{p}experts mixes the fused layout and per-expert tensors")
     if fused is not None:
         gu, dn = fused.params.get("gate_up_proj"), fused.params.get("down_proj")
         if gu is None or tuple(gu.shape) != (E, 2 * I, H):
-            probs.add(f"{p}experts.gate_up_proj is {None if gu is None else list(gu.shape)}, expected "
+            probs.add(Code.MISSING_TENSOR if gu is None else Code.SHAPE_MISMATCH, f"{p}experts.gate_up_proj",
+                      f"{p}experts.gate_up_proj is {None if gu is None else list(gu.shape)}, expected "
                       f"[{E}, {2 * I}, {H}]")
         if dn is None or tuple(dn.shape) != (E, H, I):
-            probs.add(f"{p}experts.down_proj is {None if dn is None else list(dn.shape)}, expected [{E}, {H}, {I}]")
+            probs.add(Code.MISSING_TENSOR if dn is None else Code.SHAPE_MISMATCH, f"{p}experts.down_proj",
+                      f"{p}experts.down_proj is {None if dn is None else list(dn.shape)}, expected [{E}, {H}, {I}]")
         fmts["experts"].add(Format.BF16)
         return fmts
     for e in range(E):
@@ -144,7 +183,7 @@ def _moe(mm: ModelMap, mods: dict[str, Module], p: str, cfg: dict, probs: _Probl
             fmts["experts"].add(_linear(mods, f"{p}experts.{e}.{proj}", o, i, probs))
     extra = sorted({m.expert for m in per_expert if m.expert is not None and m.expert >= E})
     if extra:
-        probs.add(f"{p}experts has experts beyond num_experts={E}: {extra[:5]}")
+        probs.add(Code.STALE_TENSOR, f"{p}experts", f"{p}experts has experts beyond num_experts={E}: {extra[:5]}")
     return fmts
 
 
@@ -185,7 +224,8 @@ def check_structure(mm: ModelMap, expect: Expectations | None = None) -> dict:
     cfg = mm.ckpt.text_config
     need = ("hidden_size", "num_experts", "moe_intermediate_size", "num_hidden_layers")
     if not all(isinstance(cfg.get(k), int) for k in need):
-        return {"name": "structure", "ok": False, "problems": [f"config lacks one of {need}"]}
+        probs.add(Code.BAD_CONFIG, None, f"config lacks one of {need}")
+        return probs.result("structure")
     mods = mm.modules
     H, L, V = cfg["hidden_size"], cfg["num_hidden_layers"], cfg.get("vocab_size")
     tp = text_prefix(mm.naming)
@@ -205,70 +245,80 @@ def check_structure(mm: ModelMap, expect: Expectations | None = None) -> dict:
     _vector(mm, tp + "norm.weight", (H,), probs)
     for name, role in mm.roles.items():
         if role.layer is not None and role.group is not Group.MTP and role.layer >= L:
-            probs.add(f"{name} belongs to layer {role.layer}, the config has {L} layers")
+            probs.add(Code.STALE_TENSOR, name, f"{name} belongs to layer {role.layer}, the config has {L} layers")
         if role.group is Group.OTHER:
-            probs.add(f"{name} is not part of the Qwen3.5-MoE architecture")
+            probs.add(Code.STALE_TENSOR, name, f"{name} is not part of the Qwen3.5-MoE architecture")
     for m in mods.values():
         if m.format is None and m.param_names & QUANT_ONLY:
-            probs.add(f"{m.name} carries {sorted(m.param_names & QUANT_ONLY)} but no weight (stale scales)")
+            probs.add(Code.STALE_TENSOR, m.name,
+                      f"{m.name} carries {sorted(m.param_names & QUANT_ONLY)} but no weight (stale scales)")
     mtp_mods = [m for m in mods.values() if m.group is Group.MTP]
     mtp_fmts = None
     if mtp_mods:
         for suffix in ("fc", "norm", "pre_fc_norm_embedding", "pre_fc_norm_hidden"):
             if f"mtp.{suffix}" not in mods:
-                probs.add(f"MTP head lacks mtp.{suffix}")
+                probs.add(Code.MISSING_TENSOR, f"mtp.{suffix}", f"MTP head lacks mtp.{suffix}")
         if "mtp.fc" in mods:
             _linear(mods, "mtp.fc", H, 2 * H, probs)
         mtp_fmts = _moe(mm, mods, "mtp.layers.0.mlp.", cfg, probs, experts)
     if mm.expert_layout == "mixed" or mm.mtp_expert_layout == "mixed" or (
         mm.expert_layout and mm.mtp_expert_layout and mm.expert_layout != mm.mtp_expert_layout
     ):
-        probs.add(f"routed experts mix layouts (decoder layers: {mm.expert_layout}, MTP: {mm.mtp_expert_layout})")
-    out = {"name": "structure", "ok": not probs, "problems": list(probs)}
+        probs.add(Code.MIXED_EXPERT_LAYOUT, None,
+                  f"routed experts mix layouts (decoder layers: {mm.expert_layout}, MTP: {mm.mtp_expert_layout})")
     if expect is not None:
-        out_exp = _check_expectations(layer_fmts, mtp_fmts, expect)
-        return {"name": "structure", "ok": not probs and not out_exp, "problems": list(probs) + out_exp}
-    return out
+        return probs.result("structure", _check_expectations(layer_fmts, mtp_fmts, expect))
+    return probs.result("structure")
 
 
-def _check_expectations(layer_fmts: dict[int, dict[str, set]], mtp_fmts, expect: Expectations) -> list[str]:
+def _check_expectations(layer_fmts: dict[int, dict[str, set]], mtp_fmts, expect: Expectations) -> _Problems:
     probs = _Problems()
     for n, f in layer_fmts.items():
         if expect.bf16_shared_experts and f["shared"] - {Format.BF16, None}:
-            probs.add(f"layer {n}: shared expert is {sorted(x.value for x in f['shared'] if x)}, expected bf16")
+            probs.add(Code.EXPECTATION_NOT_MET, f"layers.{n}.mlp.shared_expert",
+                      f"layer {n}: shared expert is {sorted(x.value for x in f['shared'] if x)}, expected bf16")
         if n in expect.bf16_expert_layers and f["experts"] - {Format.BF16, None}:
-            probs.add(f"layer {n}: routed experts are {sorted(x.value for x in f['experts'] if x)}, expected bf16")
+            probs.add(Code.EXPECTATION_NOT_MET, f"layers.{n}.mlp.experts",
+                      f"layer {n}: routed experts are {sorted(x.value for x in f['experts'] if x)}, expected bf16")
         if expect.quantized_expert_layers is not None and n in expect.quantized_expert_layers and (
             Format.BF16 in f["experts"]
         ):
-            probs.add(f"layer {n}: routed experts are BF16, expected them quantized (unchanged)")
+            probs.add(Code.EXPECTATION_NOT_MET, f"layers.{n}.mlp.experts",
+                      f"layer {n}: routed experts are BF16, expected them quantized (unchanged)")
     if expect.mtp is True and mtp_fmts is None:
-        probs.add("the MTP head is missing")
+        probs.add(Code.EXPECTATION_NOT_MET, "mtp", "the MTP head is missing")
     if expect.mtp is False and mtp_fmts is not None:
-        probs.add("an MTP head is present but should not be")
-    return list(probs)
+        probs.add(Code.EXPECTATION_NOT_MET, "mtp", "an MTP head is present but should not be")
+    return probs
 
 
-def consistency_problems(mm: ModelMap) -> list[str]:
-    """What qtool.ops.inspect.find_problems reports for `mm`, as "[code] message" lines."""
+def consistency_problems(mm: ModelMap) -> list:
+    """What qtool.ops.inspect.find_problems reports for `mm` (Findings)."""
     from qtool.io.quant_config import summarize
     from qtool.ops.inspect import find_problems
 
     summary = summarize(mm.ckpt.config, mm.ckpt.hf_quant_config)
-    return [f"[{p.code}] {p.message}" for p in find_problems(mm, summary)]
+    return find_problems(mm, summary)
 
 
-def check_consistency(mm: ModelMap, baseline: Callable[[], list[str]] | None = None) -> dict:
+def _line(f) -> str:
+    return f"[{f.code.value}] {f.message}"
+
+
+def check_consistency(mm: ModelMap, baseline: Callable[[], list] | None = None) -> dict:
     """find_problems must report nothing; problems the source an operation started from already had
     (`baseline()`: `consistency_problems` of the source, only called when there are problems) are
     reported as inherited and do not fail the check."""
-    probs = consistency_problems(mm)
-    out = {"name": "consistency", "ok": not probs, "problems": probs}
-    if baseline is not None and probs:
-        before = set(baseline())
-        out["inherited"] = [p for p in probs if p in before]
-        out["problems"] = [p for p in probs if p not in before]
-        out["ok"] = not out["problems"]
+    found = consistency_problems(mm)
+    inherited = []
+    if baseline is not None and found:
+        before = {(f.code, f.message) for f in baseline()}
+        inherited = [f for f in found if (f.code, f.message) in before]
+        found = [f for f in found if (f.code, f.message) not in before]
+    out = {"name": "consistency", "ok": not found, "problems": [_line(f) for f in found],
+           "findings": [f.to_json() for f in found]}
+    if baseline is not None and inherited:
+        out["inherited"] = [_line(f) for f in inherited]
     return out
 
 
@@ -293,27 +343,28 @@ def start_checks(path: str | Path, expect: Expectations | None = None, *,
     return StartedChecks(mm, check_structure(mm, expect), not shards_complete)
 
 
-def finish_checks(started: StartedChecks, baseline: Callable[[], list[str]] | None = None) -> dict:
+def finish_checks(started: StartedChecks, baseline: Callable[[], list] | None = None) -> dict:
     """The rest, once every shard is complete: shard sizes (if not checked yet) and consistency (which
     reads a few scale values; `baseline`: see check_consistency)."""
     structure = started.structure
     if started.sizes_unchecked:
         short = _short_shards(started.mm.ckpt)
         if short:
-            structure = {**structure, "ok": False, "problems": structure["problems"] + short}
+            structure = {**structure, "ok": False, "problems": structure["problems"] + [f.message for f in short],
+                         "findings": structure["findings"] + [f.to_json() for f in short]}
             return {"passed": False, "checks": [structure]}  # no values to read from incomplete shards
         started.mm.read_kv_values()
     checks = [structure, check_consistency(started.mm, baseline)]
     return {"passed": all(c["ok"] for c in checks), "checks": checks}
 
 
-def _short_shards(ckpt: Checkpoint) -> list[str]:
+def _short_shards(ckpt: Checkpoint) -> list:
     out = []
     for rel, h in ckpt.headers.items():
         want = max((t.end for t in h.tensors.values()), default=h.data_start)
         got = Path(h.path).stat().st_size
         if got < want:
-            out.append(f"{rel} is {got} bytes, its header describes {want}")
+            out.append(error(Code.TRUNCATED_SHARD, rel, f"{rel} is {got} bytes, its header describes {want}"))
     return out
 
 

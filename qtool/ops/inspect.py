@@ -3,22 +3,18 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
 from pathlib import Path
 
 from qtool.arch.model_map import QUANTIZED_FORMATS, REQUIRED_PARAMS, Format, ModelMap, build_map
 from qtool.arch.qwen35 import Group
+from qtool.findings import Code, Finding, Severity
 from qtool.io.checkpoint import Checkpoint
 from qtool.io.quant_config import QuantSummary, summarize
 
 
-@dataclass
-class Problem:
-    code: str
-    message: str
-
-    def to_json(self) -> dict:
-        return {"code": self.code, "message": self.message}
+def problem(code: Code, message: str, module: str | None = None, engine: str | None = None) -> Finding:
+    """An inspect problem: a Finding (qtool.findings) of error severity; consumers set their own policy."""
+    return Finding(code, Severity.ERROR, module, message, None, engine)
 
 
 def inspect_checkpoint(path: str | Path) -> dict:
@@ -74,8 +70,8 @@ def report(mm: ModelMap) -> dict:
     }
 
 
-def find_problems(mm: ModelMap, summary: QuantSummary) -> list[Problem]:
-    problems: list[Problem] = []
+def find_problems(mm: ModelMap, summary: QuantSummary) -> list[Finding]:
+    problems: list[Finding] = []
     problems += _layout_problems(mm)
     problems += _incomplete_quant_modules(mm)
     problems += _gate_up_scale_mismatch(mm)
@@ -85,26 +81,26 @@ def find_problems(mm: ModelMap, summary: QuantSummary) -> list[Problem]:
     return problems
 
 
-def _layout_problems(mm: ModelMap) -> list[Problem]:
+def _layout_problems(mm: ModelMap) -> list[Finding]:
     out = []
     if mm.expert_layout == "mixed":
         fused = [l for l, k in mm.layer_expert_layout.items() if k == "fused"]
         per = [l for l, k in mm.layer_expert_layout.items() if k == "per_expert"]
         both = [l for l, k in mm.layer_expert_layout.items() if k == "mixed"]
         out.append(
-            Problem(
-                "mixed-expert-layout",
+            problem(
+                Code.MIXED_EXPERT_LAYOUT,
                 f"routed experts mix the fused 3-D layout (layers {_short(fused + both)}) and the per-expert "
                 f"layout (layers {_short(per + both)}); vLLM's qwen3_5 loader switches to the fused mapping "
                 "at the first fused key and silently drops per-expert keys after it",
             )
         )
     if mm.mtp_expert_layout == "mixed":
-        out.append(Problem("mixed-expert-layout", "the MTP layer mixes fused and per-expert routed experts"))
+        out.append(problem(Code.MIXED_EXPERT_LAYOUT, "the MTP layer mixes fused and per-expert routed experts"))
     return out
 
 
-def _incomplete_quant_modules(mm: ModelMap) -> list[Problem]:
+def _incomplete_quant_modules(mm: ModelMap) -> list[Finding]:
     missing: dict[tuple[str, str], list[str]] = defaultdict(list)
     for mod in mm.modules.values():
         if mod.format in REQUIRED_PARAMS:
@@ -112,15 +108,13 @@ def _incomplete_quant_modules(mm: ModelMap) -> list[Problem]:
                 if p not in mod.params:
                     missing[(mod.format.value, p)].append(mod.name)
     return [
-        Problem(
-            "missing-quant-tensor",
-            f"{len(mods)} {fmt} module(s) lack `{param}`, e.g. {mods[0]}",
-        )
+        problem(Code.MISSING_QUANT_TENSOR, f"{len(mods)} {fmt} module(s) lack `{param}`, e.g. {mods[0]}",
+                mods[0])
         for (fmt, param), mods in missing.items()
     ]
 
 
-def _gate_up_scale_mismatch(mm: ModelMap) -> list[Problem]:
+def _gate_up_scale_mismatch(mm: ModelMap) -> list[Finding]:
     """vLLM fuses gate_proj and up_proj into w13 with ONE global scale and warns or mis-scales when
     the two differ (vllm/model_executor/layers/quantization/modelopt.py, ModelOptNvFp4FusedMoE)."""
     from qtool.io.reader import read_scalars
@@ -143,35 +137,34 @@ def _gate_up_scale_mismatch(mm: ModelMap) -> list[Problem]:
     if not bad:
         return []
     return [
-        Problem(
-            "scale-mismatch",
-            f"{len(bad)} expert(s) have different global scales for gate_proj and up_proj, e.g. {bad[0]}; "
-            "vLLM fuses them into w13 with one scale",
-        )
+        problem(Code.SCALE_MISMATCH,
+                f"{len(bad)} expert(s) have different global scales for gate_proj and up_proj, e.g. {bad[0]}; "
+                "vLLM fuses them into w13 with one scale", bad[0])
     ]
 
 
-def _kv_problems(mm: ModelMap, summary: QuantSummary) -> list[Problem]:
+def _kv_problems(mm: ModelMap, summary: QuantSummary) -> list[Finding]:
     out = []
     if mm.kv.invalid:
-        out.append(Problem("kv-scale-invalid", f"KV scale(s) not finite and positive: {mm.kv.invalid[0]}"))
+        out.append(problem(Code.KV_SCALE_INVALID, f"KV scale(s) not finite and positive: {mm.kv.invalid[0]}",
+                           mm.kv.invalid[0]))
     missing = [l for l in mm.full_attention if l not in mm.kv.layers]
     if mm.kv.layers and missing:
-        out.append(Problem("kv-scales-missing", f"full-attention layers without k/v scales: {_short(missing)}"))
+        out.append(problem(Code.KV_SCALES_MISSING, f"full-attention layers without k/v scales: {_short(missing)}"))
     extra = [l for l in mm.kv.layers if l not in mm.full_attention]
     if extra:
-        out.append(Problem("kv-scales-stale", f"k/v scales on layers that are not full attention: {_short(extra)}"))
+        out.append(problem(Code.KV_SCALES_STALE, f"k/v scales on layers that are not full attention: {_short(extra)}"))
     says_fp8 = bool(summary.kv_cache_scheme) or bool(summary.kv_cache_quant_algo)
     if says_fp8 and not mm.kv.layers:
-        out.append(Problem("kv-scales-missing", "the config declares an FP8 KV cache but no k/v scales exist"))
+        out.append(problem(Code.KV_SCALES_MISSING, "the config declares an FP8 KV cache but no k/v scales exist"))
     if mm.kv.layers and not says_fp8 and summary.quantized:
         out.append(
-            Problem("kv-scheme-missing", "k/v scales exist but the config declares no FP8 KV cache scheme")
+            problem(Code.KV_SCHEME_MISSING, "k/v scales exist but the config declares no FP8 KV cache scheme")
         )
     return out
 
 
-def _config_file_disagreement(summary: QuantSummary) -> list[Problem]:
+def _config_file_disagreement(summary: QuantSummary) -> list[Finding]:
     if summary.ignore is None or summary.hf_exclude is None:
         return []
     a, b = set(summary.ignore), set(summary.hf_exclude)
@@ -179,8 +172,8 @@ def _config_file_disagreement(summary: QuantSummary) -> list[Problem]:
         return []
     only_a, only_b = sorted(a - b), sorted(b - a)
     return [
-        Problem(
-            "config-disagreement",
+        problem(
+            Code.CONFIG_DISAGREEMENT,
             "config.json quantization_config.ignore and hf_quant_config.json exclusions differ "
             f"(only in config.json: {only_a[:5]}, only in hf_quant_config.json: {only_b[:5]}); "
             "the engines read config.json first",
@@ -188,7 +181,7 @@ def _config_file_disagreement(summary: QuantSummary) -> list[Problem]:
     ]
 
 
-def _config_vs_tensors(mm: ModelMap, summary: QuantSummary) -> list[Problem]:
+def _config_vs_tensors(mm: ModelMap, summary: QuantSummary) -> list[Finding]:
     """Modules whose tensors are BF16 but that an engine would treat as quantized, and the reverse."""
     from qtool.engines.decide import engine_rules_modelled
 
@@ -196,8 +189,8 @@ def _config_vs_tensors(mm: ModelMap, summary: QuantSummary) -> list[Problem]:
         return []
     if not engine_rules_modelled(summary):
         return [
-            Problem(
-                "engine-rules-not-modelled",
+            problem(
+                Code.ENGINE_RULES_NOT_MODELLED,
                 f"quant_method {summary.quant_method!r}: qtool models the engines' ignore-list matching for "
                 "ModelOpt and compressed-tensors checkpoints only; BF16/quantized module decisions not checked",
             )
@@ -211,26 +204,26 @@ def _config_vs_tensors(mm: ModelMap, summary: QuantSummary) -> list[Problem]:
         quant = [u for u, (excluded, fmt) in decisions.items() if fmt in QUANTIZED_FORMATS and excluded]
         if refused:
             out.append(
-                Problem(
-                    "partial-fused-exclusion",
+                problem(
+                    Code.PARTIAL_FUSED_EXCLUSION,
                     f"{engine}: the ignore list excludes some but not all shards of {len(refused)} fused "
-                    f"module(s), e.g. {refused[0]}; the engine refuses to load this",
+                    f"module(s), e.g. {refused[0]}; the engine refuses to load this", refused[0], str(engine),
                 )
             )
         if bf16:
             out.append(
-                Problem(
-                    "bf16-but-not-ignored",
+                problem(
+                    Code.BF16_BUT_NOT_IGNORED,
                     f"{engine}: {len(bf16)} module(s) are BF16 in the tensors but not excluded in the config, "
-                    f"e.g. {bf16[0]}",
+                    f"e.g. {bf16[0]}", bf16[0], str(engine),
                 )
             )
         if quant:
             out.append(
-                Problem(
-                    "quantized-but-ignored",
+                problem(
+                    Code.QUANTIZED_BUT_IGNORED,
                     f"{engine}: {len(quant)} module(s) are quantized in the tensors but excluded by the config, "
-                    f"e.g. {quant[0]}",
+                    f"e.g. {quant[0]}", quant[0], str(engine),
                 )
             )
     return out

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from qtool.engines import EngineVersion, parse_version
 from qtool.errors import UsageError
-from qtool.ops.verify.findings import Code, Finding, Severity, error
+from qtool.findings import Code, Finding, Severity, error
 from qtool.ops.verify.memory_fit import DEFAULT_GPUS, DEFAULT_UTILIZATION, Fit, Target
 
 KV_CACHE_DTYPES = ("auto", "fp8")

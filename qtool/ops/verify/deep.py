@@ -24,7 +24,7 @@ from pathlib import Path
 
 from qtool.io.checkpoint import Checkpoint
 from qtool.io.safetensors_header import TensorInfo
-from qtool.ops.verify.findings import Code, Finding, error, warning
+from qtool.findings import Code, Finding, error, warning
 
 CHUNK = 16 << 20
 READ_AHEAD = 2  # chunks requested ahead of the one being hashed

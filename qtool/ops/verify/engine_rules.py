@@ -14,7 +14,7 @@ from qtool.arch.qwen35 import Group
 from qtool.engines import EngineVersion, unit_of
 from qtool.engines.decide import decide, engine_rules_modelled, flavour_of, unit_formats
 from qtool.io.quant_config import QuantSummary
-from qtool.ops.verify.findings import Code, Finding, error, patch_cmd, warning
+from qtool.findings import Code, Finding, error, patch_cmd, warning
 
 # NVFP4 GEMMs need the per-GPU input features to be a multiple of the 16-element block:
 # vllm/model_executor/layers/quantization/modelopt.py ModelOptNvFp4LinearMethod.create_weights raises

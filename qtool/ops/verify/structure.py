@@ -8,14 +8,14 @@ so a healthy checkpoint's headers are parsed once.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from qtool.arch.model_map import ModelMap
 from qtool.errors import CheckpointError, ConfigError, HeaderError
 from qtool.io.checkpoint import INDEX_NAME, Checkpoint
 from qtool.io.quant_config import QuantSummary
-from qtool.ops.verify.findings import Code, Finding, error, patch_cmd, warning
+from qtool.findings import Code, Finding, error, patch_cmd, warning
+from qtool.ops.checks import FIX
 
 REDOWNLOAD = "re-download or rebuild this shard (its sha256 is in the Hub's file list / qtool-manifest.json)"
 
@@ -76,81 +76,18 @@ def _diagnose_headers(root: Path) -> list[Finding]:
     return out
 
 
-# ---- check_structure problems -> codes ----------------------------------------------------------
-# Message templates of qtool/ops/checks.py (check_structure and helpers).
-_IS_GOT = re.compile(r"^(?P<name>\S+) is (?P<dt>[A-Z0-9_]+)\[(?P<shape>[\d, ]*)\], expected (?P<want>.*)$")
-_HAS_SHAPE = re.compile(r"^(?P<name>\S+) has shape \[(?P<shape>[\d, ]*)\], expected")
-_FUSED_SHAPE = re.compile(r"^(?P<name>\S+experts\.(?:gate_up_proj|down_proj)) is (?P<got>.+), expected")
-_RULES: list[tuple[re.Pattern[str], Code]] = [
-    (re.compile(r"^missing (?:module|tensor) (?P<name>\S+)"), Code.MISSING_TENSOR),
-    (re.compile(r"^(?P<name>\S+) \([\w-]+\) lacks (?P<p>\S+)"), Code.MISSING_TENSOR),
-    (re.compile(r"^(?P<name>\S+) has no weight matrix"), Code.MISSING_TENSOR),
-    (re.compile(r"^MTP head lacks (?P<name>\S+)"), Code.MISSING_TENSOR),
-    (re.compile(r"^(?P<name>\S+) is [\w-]+ but also carries stale"), Code.STALE_TENSOR),
-    (re.compile(r"^(?P<name>\S+) carries \[.*\] but no weight"), Code.STALE_TENSOR),
-    (re.compile(r"^(?P<name>\S+) belongs to layer"), Code.STALE_TENSOR),
-    (re.compile(r"^(?P<name>\S+) is not part of the"), Code.STALE_TENSOR),
-    (re.compile(r"^(?P<name>\S+) has experts beyond"), Code.STALE_TENSOR),
-    (re.compile(r"^(?P<name>\S+) mixes the fused layout"), Code.MIXED_EXPERT_LAYOUT),
-    (re.compile(r"^routed experts mix layouts"), Code.MIXED_EXPERT_LAYOUT),
-    (re.compile(r"^config lacks"), Code.BAD_CONFIG),
-]
-_FIX = {
-    Code.MISSING_TENSOR: "the export or download is incomplete: rebuild it (qtool assemble ...) or re-download "
-    "the shard that should hold it",
-    Code.STALE_TENSOR: "remove the stale tensors (rebuild with qtool assemble, which drops scales of BF16 modules)",
-    Code.DTYPE_MISMATCH: "re-export the module; a relabelled dtype means a corrupt or mis-converted shard",
-    Code.SHAPE_MISMATCH: "the tensor does not match config.json: wrong model revision or a broken conversion",
-    Code.MIXED_EXPERT_LAYOUT: "rebuild with qtool assemble hybrid (it writes per-expert BF16 experts, never fused "
-    "next to per-expert)",
-    Code.BAD_CONFIG: "restore config.json from the source repository",
-}
-
-
-def _shape(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.replace(" ", "").split(",") if x)
-
-
-def classify_problem(msg: str) -> tuple[Code, str | None]:
-    m = _IS_GOT.match(msg)
-    if m:
-        want = m.group("want")
-        wm = re.search(r"\[([\d, ]*)\]", want)
-        got_shape = _shape(m.group("shape"))
-        if wm is not None:
-            same_shape = got_shape == _shape(wm.group(1))
-        else:  # "a float32 scalar"
-            same_shape = len(got_shape) == 0 or got_shape == (1,)
-        return (Code.DTYPE_MISMATCH if same_shape else Code.SHAPE_MISMATCH), m.group("name")
-    m = _HAS_SHAPE.match(msg)
-    if m:
-        return Code.SHAPE_MISMATCH, m.group("name")
-    m = _FUSED_SHAPE.match(msg)
-    if m:
-        return (Code.MISSING_TENSOR if m.group("got") == "None" else Code.SHAPE_MISMATCH), m.group("name")
-    for rx, code in _RULES:
-        m = rx.match(msg)
-        if m:
-            return code, m.groupdict().get("name")
-    return Code.MISSING_TENSOR if "missing" in msg else Code.STALE_TENSOR, None
+# ---- check_structure's findings and find_problems' findings, with verify's policy -----------------
 
 
 def structure_findings(mm: ModelMap) -> list[Finding]:
     from qtool.ops.checks import MAX_PROBLEMS, check_structure
 
     res = check_structure(mm)
-    out: list[Finding] = []
-    for msg in res["problems"]:
-        if msg.startswith("... (more problems"):
-            out.append(warning(Code.MISSING_TENSOR if not out else out[-1].code, None,
-                               f"more than {MAX_PROBLEMS} structural problems; only the first are listed"))
-            continue
-        code, name = classify_problem(msg)
-        out.append(error(code, name, msg, _FIX.get(code)))
+    out = [Finding.from_json(d) for d in res["findings"]]
+    if len(res["problems"]) > len(out):
+        out.append(warning(out[-1].code if out else Code.MISSING_TENSOR, None,
+                           f"more than {MAX_PROBLEMS} structural problems; only the first are listed"))
     return out
-
-
-# ---- find_problems -> codes ---------------------------------------------------------------------
 
 
 def consistency_findings(mm: ModelMap, summary: QuantSummary, *, kv_fp8: bool) -> list[Finding]:
@@ -166,27 +103,25 @@ def consistency_findings(mm: ModelMap, summary: QuantSummary, *, kv_fp8: bool) -
                 + inspect._gate_up_scale_mismatch(mm) + inspect._kv_problems(mm, summary)
                 + inspect._config_file_disagreement(summary))
     for p in problems:
-        if p.code == "mixed-expert-layout":
-            out.append(error(Code.MIXED_EXPERT_LAYOUT, None, p.message, _FIX[Code.MIXED_EXPERT_LAYOUT]))
-        elif p.code == "missing-quant-tensor":
-            m = re.search(r"e\.g\. (\S+)$", p.message)
-            out.append(error(Code.MISSING_TENSOR, m.group(1) if m else None, p.message, _FIX[Code.MISSING_TENSOR]))
-        elif p.code == "scale-mismatch":
-            m = re.search(r"e\.g\. (\S+?);", p.message)
-            out.append(error(Code.SCALE_MISMATCH, m.group(1) if m else None, p.message,
+        if p.code is Code.MIXED_EXPERT_LAYOUT:
+            out.append(error(Code.MIXED_EXPERT_LAYOUT, p.module, p.message, FIX[Code.MIXED_EXPERT_LAYOUT]))
+        elif p.code is Code.MISSING_QUANT_TENSOR:
+            out.append(error(Code.MISSING_TENSOR, p.module, p.message, FIX[Code.MISSING_TENSOR]))
+        elif p.code is Code.SCALE_MISMATCH:
+            out.append(error(Code.SCALE_MISMATCH, p.module, p.message,
                              "requantize the expert with one global scale for gate_proj and up_proj "
                              "(ModelOpt preprocess_linear_fusion / qtool.formats.nvfp4 shared gate/up scale)"))
-        elif p.code == "config-disagreement":
+        elif p.code is Code.CONFIG_DISAGREEMENT:
             out.append(warning(Code.CONFIG_DISAGREEMENT, None, p.message,
                                patch_cmd(ckpt, "--fix", "ignore-from-tensors")))
-        elif p.code in ("kv-scales-missing", "kv-scale-invalid"):
+        elif p.code in (Code.KV_SCALES_MISSING, Code.KV_SCALE_INVALID):
             # with --kv-cache-dtype fp8 the serving check (engine_rules.kv_findings) reports these as errors
             if not kv_fp8:
-                code = Code.KV_SCALES_MISSING if p.code == "kv-scales-missing" else Code.KV_SCALES_UNCALIBRATED
-                out.append(warning(code, None, p.message, f"qtool calibrate-kv {ckpt} --in-place"))
-        elif p.code == "kv-scales-stale":
+                code = Code.KV_SCALES_MISSING if p.code is Code.KV_SCALES_MISSING else Code.KV_SCALES_UNCALIBRATED
+                out.append(warning(code, p.module, p.message, f"qtool calibrate-kv {ckpt} --in-place"))
+        elif p.code is Code.KV_SCALES_STALE:
             out.append(error(Code.KV_SCALES_STALE, None, p.message, "remove the k/v scales of non-attention layers"))
-        elif p.code == "kv-scheme-missing":
+        elif p.code is Code.KV_SCHEME_MISSING:
             out.append(warning(Code.CONFIG_DISAGREEMENT, None, p.message,
                                "add kv_cache_scheme (FP8) to quantization_config, or drop the scales"))
         # partial-fused-exclusion / bf16-but-not-ignored / quantized-but-ignored: engine_rules, per version

@@ -1,4 +1,8 @@
-"""Findings of `qtool verify`: a stable code, a severity, the module or tensor, a message and a fix."""
+"""The one finding type: a stable code, a severity, the module or tensor, a message and a fix.
+
+Made where a problem is found (qtool.ops.checks for tensors vs architecture, qtool.ops.inspect for
+configs, KV scales and engine decisions, qtool.ops.verify for serving constraints) and consumed as data
+by inspect, verify, assemble, quantize and build: never re-derived from message text."""
 
 from __future__ import annotations
 
@@ -23,6 +27,8 @@ class Code(str, Enum):
     SHAPE_MISMATCH = "shape-mismatch"
     MIXED_EXPERT_LAYOUT = "mixed-expert-layout"
     CONFIG_DISAGREEMENT = "config-disagreement"
+    MISSING_QUANT_TENSOR = "missing-quant-tensor"  # a quantized module without one of its scales
+    EXPECTATION_NOT_MET = "expectation-not-met"  # an operation's promise about its output (checks)
     # engine semantics
     QUANTIZED_BUT_IGNORED = "quantized-but-ignored"
     BF16_BUT_NOT_IGNORED = "bf16-but-not-ignored"
@@ -36,6 +42,8 @@ class Code(str, Enum):
     KV_SCALES_MISSING = "kv-scales-missing"
     KV_SCALES_UNCALIBRATED = "kv-scales-uncalibrated"
     KV_SCALES_STALE = "kv-scales-stale"
+    KV_SCALE_INVALID = "kv-scale-invalid"
+    KV_SCHEME_MISSING = "kv-scheme-missing"
     DOES_NOT_FIT = "does-not-fit"
     # --deep
     HASH_MISMATCH = "hash-mismatch"
@@ -68,6 +76,11 @@ class Finding:
         if self.engine is not None:
             d["engine"] = self.engine
         return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Finding":
+        return cls(Code(d["code"]), Severity(d["severity"]), d.get("module"), d["message"], d.get("fix"),
+                   d.get("engine"))
 
 
 def error(code: Code, module: str | None, message: str, fix: str | None = None, engine: str | None = None) -> Finding:
