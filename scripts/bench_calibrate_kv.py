@@ -119,7 +119,8 @@ def child(ckpt: str, samples: int, seq_len: int, device: str) -> None:
 
     torch.manual_seed(0)
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    p = ck.plan(ckpt, out=ckpt + ".out", samples=samples, seq_len=seq_len, device=device)
+    p = ck.plan(ck.CalibrateKvOptions(Path(ckpt), out=Path(ckpt + ".out"), samples=samples, seq_len=seq_len,
+                                      device=device))
     ids = torch.randint(0, VOCAB, (samples, seq_len))
     t0 = time.perf_counter()
     stats, timing = ck.calibrate(p, ids, hidden="memory")

@@ -13,10 +13,10 @@ def test_ships_the_three_recipes():
 
 @pytest.mark.parametrize("name", list_recipes())
 def test_every_recipe_plans(name, tiny_bf16, tmp_path):
-    from qtool.ops.quantize import plan
+    from qtool.ops.quantize import QuantizeOptions, plan
 
     r = load_recipe(name)
-    p = plan(tiny_bf16, out=tmp_path / "o", recipe=r)
+    p = plan(QuantizeOptions(tiny_bf16, tmp_path / "o", r))
     assert len(p.layers) == 8 and p.to_json()["memory"]["peak_ram_bytes_estimate"] > 0
     assert {lp.scheme for lp in p.layers} - {Scheme.BF16} == {r.quantized_scheme}
     if name == "qwen35-awq-int4":

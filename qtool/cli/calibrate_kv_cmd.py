@@ -37,21 +37,16 @@ def run(args) -> int:
     if bool(args.output) == bool(args.in_place):
         raise UsageError("say where to write: -o OUT or --in-place (one of them)")
     check_device(args.device)
-    with layer_progress(not (args.quiet or args.json or args.dry_run)) as progress:
-        rep = calibrate_kv.run(
-            local_only(args.checkpoint) if args.in_place else local_checkpoint(args.checkpoint),
-            out=args.output,
-            dataset=args.dataset,
-            samples=args.samples,
-            seq_len=args.seq_len,
-            device=args.device,
-            replace_scales=args.replace_scales,
-            force=args.force,
-            resume=args.resume,
-            dry_run=args.dry_run,
-            progress=progress,
-            command=run_command_line(),
-        )
+    opts = calibrate_kv.CalibrateKvOptions(
+        local_only(args.checkpoint) if args.in_place else local_checkpoint(args.checkpoint),
+        out=args.output, dataset=args.dataset, samples=args.samples, seq_len=args.seq_len, device=args.device,
+        replace_scales=args.replace_scales, force=args.force, resume=args.resume, command=run_command_line())
+    p = calibrate_kv.plan(opts)
+    if args.dry_run:
+        rep = {"plan": p.to_json()}
+    else:
+        with layer_progress(not (args.quiet or args.json)) as progress:
+            rep = calibrate_kv.execute(p, progress=progress).to_json()
     if args.json:
         print_json(rep)
         return 0

@@ -14,8 +14,11 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     from qtool.ops import convert
 
-    rep = convert.run(local_checkpoint(args.checkpoint), out=args.output, to=args.to, force=args.force,
-                      resume=args.resume, dry_run=args.dry_run, command=run_command_line())
+    opts = convert.ConvertOptions(local_checkpoint(args.checkpoint), out=args.output,
+                                  to=convert.Flavour(args.to), force=args.force, resume=args.resume,
+                                  command=run_command_line())
+    p = convert.plan(opts)
+    rep = convert.describe(p) if args.dry_run else convert.execute(p).to_json()
     if args.json:
         print_json(rep)
         return 0

@@ -34,15 +34,18 @@ def run(args) -> int:
 
     check_device(args.device)
     recipe = load_recipe(args.recipe)
-    with layer_progress(not (args.quiet or args.json or args.dry_run)) as progress:
-        rep = quantize.run(
-            local_checkpoint(args.checkpoint), out=args.output, recipe=recipe,
-            backend=Backend(args.backend) if args.backend else None,
-            fmt=OutFormat(args.format) if args.format else None,
-            dataset=args.dataset, samples=args.samples, seq_len=args.seq_len, device=args.device,
-            resume=args.resume, force=args.force, dry_run=args.dry_run, progress=progress,
-            command=run_command_line(),
-        )
+    opts = quantize.QuantizeOptions(
+        local_checkpoint(args.checkpoint), out=args.output, recipe=recipe,
+        backend=Backend(args.backend) if args.backend else None,
+        fmt=OutFormat(args.format) if args.format else None,
+        dataset=args.dataset, samples=args.samples, seq_len=args.seq_len, device=args.device,
+        resume=args.resume, force=args.force, command=run_command_line())
+    p = quantize.plan(opts)
+    if args.dry_run:
+        rep = {"plan": p.to_json()}
+    else:
+        with layer_progress(not (args.quiet or args.json)) as progress:
+            rep = quantize.execute(p, progress=progress).to_json()
     if args.json:
         print_json(rep)
         return 0

@@ -42,6 +42,7 @@ from qtool.io.output import MANIFEST_NAME, check_no_overlap, OutputDir, partial_
 from qtool.io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG_NAME, INDEX_NAME, Checkpoint
 from qtool.io.jsonio import load_json, write_json
 from qtool.io.quant_config import HfQuantSchema, hf_quant_schema
+from qtool.ops.contract import Report
 from qtool.io.writer import FileRange, InlineBytes, OutTensor, index_json, write_shard
 
 FP8_E4M3_MAX = 448.0
@@ -108,6 +109,7 @@ class KvPlan:
     stream: object  # layer_stream.StreamPlan
     config_changes: list[str]
     warnings: list[str] = field(default_factory=list)
+    options: "CalibrateKvOptions | None" = None
 
     def to_json(self) -> dict:
         sp = self.stream
@@ -144,20 +146,29 @@ def _convention(ckpt: Checkpoint, mm) -> Convention:
     return Convention.COMPRESSED_TENSORS
 
 
-def plan(
-    ckpt_path: str | Path,
-    *,
-    out: str | Path | None,
-    samples: int = 4,
-    seq_len: int = 512,
-    dataset: str = "builtin",
-    device: str = "cpu",
-    replace_scales: bool = False,
-    dtype: str | None = None,
-) -> KvPlan:
+@dataclass(frozen=True)
+class CalibrateKvOptions:
+    """calibrate-kv's options: the one place their defaults live (CLI, build steps, library)."""
+
+    checkpoint: Path
+    out: Path | None = None  # None: in place
+    dataset: str = "builtin"
+    samples: int = 4  # calibration windows
+    seq_len: int = 512
+    device: str = "cpu"
+    replace_scales: bool = False  # replace the KV scales the checkpoint already has
+    force: bool = False  # replace an existing OUT that qtool made
+    resume: bool = False
+    command: str | None = None  # recorded in the manifest (secrets redacted by the caller)
+    dtype: str | None = None  # compute dtype (default: the layer streamer's)
+
+
+def plan(opts: CalibrateKvOptions) -> KvPlan:
     from qtool.stream.layer_stream import LayerStreamer
 
-    ckpt = Checkpoint.open(ckpt_path, require_config=True)
+    out, samples, seq_len, dataset, device = opts.out, opts.samples, opts.seq_len, opts.dataset, opts.device
+    replace_scales, dtype = opts.replace_scales, opts.dtype
+    ckpt = Checkpoint.open(opts.checkpoint, require_config=True)
     streamer = LayerStreamer(ckpt, device=device, dtype=dtype)
     mm = streamer.mm
     layers = list(mm.full_attention)
@@ -206,7 +217,7 @@ def plan(
         warnings.append("AWQ configs: engines may ignore kv_cache_scheme (vLLM's AWQ method loads no KV scales)")
     return KvPlan(
         ckpt, out_p, conv, layers, max(layers) + 1, names, existing, rewrite, kv_shard, work,
-        samples, seq_len, dataset, device, sp, changes, warnings,
+        samples, seq_len, dataset, device, sp, changes, warnings, opts,
     )
 
 
@@ -485,52 +496,42 @@ def start_input_hashes(p: KvPlan, tx: OutputDir, *, resume: bool):
 # ---- the whole operation ---------------------------------------------------------------------------
 
 
-def run(
-    ckpt_path: str | Path,
-    *,
-    out: str | Path | None,
-    dataset: str = "builtin",
-    samples: int = 4,
-    seq_len: int = 512,
-    device: str = "cpu",
-    replace_scales: bool = False,
-    force: bool = False,
-    resume: bool = False,
-    dry_run: bool = False,
-    progress=None,
-    command: str | None = None,
-) -> dict:
-    p = plan(ckpt_path, out=out, samples=samples, seq_len=seq_len, dataset=dataset, device=device,
-             replace_scales=replace_scales)
+def execute(p: KvPlan, *, progress=None) -> Report:
+    """Calibrate and write (through the output transaction: -o OUT or the in-place swap)."""
+    opts = p.options
     report = {"plan": p.to_json()}
-    if dry_run:
-        return report
-    if device.startswith("cuda"):
+    if p.device.startswith("cuda"):
         import torch
 
         if not torch.cuda.is_available():
             raise UsageError("--device cuda but no CUDA device is available", hint="use --device cpu")
     from qtool.stream.calib_data import build_calib_set
 
-    calib = build_calib_set(p.ckpt.root, dataset, samples, seq_len)
+    calib = build_calib_set(p.ckpt.root, p.dataset, p.samples, p.seq_len)
     vocab = int(p.ckpt.text_config.get("vocab_size", 1 << 62))
     if int(calib.ids.max()) >= vocab:
         raise PlanError("the tokenizer gives ids beyond the model's vocab_size", expected=f"< {vocab}",
                         got=int(calib.ids.max()), hint="the tokenizer does not belong to this checkpoint")
     # the transaction (lock, writability, the --force rules) is taken before the forward pass
-    tx = (OutputDir(p.out, sources=[p.ckpt.root], force=force, resume=resume) if p.out is not None
-          else InPlaceDir(p.ckpt.root, resume=resume))
+    tx = (OutputDir(p.out, sources=[p.ckpt.root], force=opts.force, resume=opts.resume) if p.out is not None
+          else InPlaceDir(p.ckpt.root, resume=opts.resume))
     with tx:
-        hasher = start_input_hashes(p, tx, resume=resume)
+        hasher = start_input_hashes(p, tx, resume=opts.resume)
         try:
-            stats, timing = calibrate(p, calib.ids, resume=resume, progress=progress)
+            stats, timing = calibrate(p, calib.ids, resume=opts.resume, progress=progress)
         except BaseException:
             hasher.close()
             raise
         report["layers"] = [stats[i].to_json() for i in p.layers]
         report["warnings"] = p.warnings + outlier_warnings(stats)
         report["timing"] = timing
-        report["calibration"] = {"dataset": dataset, "digest": calib.digest, "tokens": calib.tokens,
+        report["calibration"] = {"dataset": p.dataset, "digest": calib.digest, "tokens": calib.tokens,
                                  "available_tokens": calib.available_tokens}
-        report["output"] = write_output(p, stats, tx, command, hasher)
-    return report
+        report["output"] = write_output(p, stats, tx, opts.command, hasher)
+    return Report(report)
+
+
+def run(checkpoint: str | Path, *, dry_run: bool = False, progress=None, **options) -> dict:
+    """plan + execute in one call (library convenience): `options` are CalibrateKvOptions fields."""
+    p = plan(CalibrateKvOptions(Path(checkpoint), **options))
+    return {"plan": p.to_json()} if dry_run else execute(p, progress=progress).to_json()

@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import struct
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
@@ -36,6 +37,7 @@ from qtool.io.jsonio import atomic_write_text, load_json, write_json
 from qtool.io.files import copy_file
 from qtool.io.identity import input_identity, Journal
 from qtool.io.output import MANIFEST_NAME, check_no_overlap, output_files, OutputDir
+from qtool.ops.contract import Report
 from qtool.io.writer import FileRange, InlineBytes, OutTensor, index_json, write_shard
 
 SIDECAR = "qtool-convert.json"
@@ -97,7 +99,20 @@ def _renames(mm, to: Flavour) -> dict[str, tuple[str, bool]]:
     return out
 
 
-def plan(src: str | Path, *, out: str | Path, to: Flavour) -> dict:
+@dataclass(frozen=True)
+class ConvertOptions:
+    """convert's options: the one place their defaults live (CLI, build steps, library)."""
+
+    checkpoint: Path
+    out: Path
+    to: Flavour
+    force: bool = False
+    resume: bool = False
+    command: str | None = None
+
+
+def plan(opts: ConvertOptions) -> dict:
+    src, out, to = opts.checkpoint, opts.out, Flavour(opts.to)
     ckpt = Checkpoint.open(src, require_config=True)
     mm = build_map(ckpt)
     have = detect(mm)
@@ -107,27 +122,34 @@ def plan(src: str | Path, *, out: str | Path, to: Flavour) -> dict:
     ren = _renames(mm, to)
     touched = sorted({ckpt.shard_of(n) for n in ren})
     return {"ckpt": ckpt, "mm": mm, "from": have, "to": to, "renames": ren, "rewrite": touched,
-            "link": sorted(s for s in ckpt.headers if s not in touched), "out": Path(out)}
+            "link": sorted(s for s in ckpt.headers if s not in touched), "out": Path(out), "options": opts}
 
 
-def run(src: str | Path, *, out: str | Path, to: Flavour | str, force: bool = False, resume: bool = False,
-        dry_run: bool = False, command: str | None = None) -> dict:
-    to = Flavour(to)
-    p = plan(src, out=out, to=to)
-    ckpt = p["ckpt"]
-    report = {"checkpoint": str(ckpt.root), "output": str(p["out"]), "from": p["from"].value, "to": to.value,
-              "renamed_tensors": len(p["renames"]), "rewritten_shards": p["rewrite"], "linked_shards": p["link"]}
-    if dry_run:
-        return report
+def describe(p: dict) -> dict:
+    return {"checkpoint": str(p["ckpt"].root), "output": str(p["out"]), "from": p["from"].value,
+            "to": p["to"].value, "renamed_tensors": len(p["renames"]), "rewritten_shards": p["rewrite"],
+            "linked_shards": p["link"]}
+
+
+def execute(p: dict) -> Report:
+    """Write the converted checkpoint (through the output transaction)."""
+    ckpt, to, opts = p["ckpt"], p["to"], p["options"]
+    report = describe(p)
     side = None
     if (ckpt.root / SIDECAR).is_file():
         side, _ = load_json(ckpt.root / SIDECAR, what=SIDECAR)
         if side.get("from") != to.value:
             side = None
     restore = (side or {}).get("scalars", {})
-    with OutputDir(p["out"], sources=[ckpt.root], force=force, resume=resume) as tx:
-        _write(p, tx, side, restore, report, command)
-    return report
+    with OutputDir(p["out"], sources=[ckpt.root], force=opts.force, resume=opts.resume) as tx:
+        _write(p, tx, side, restore, report, opts.command)
+    return Report(report)
+
+
+def run(checkpoint: str | Path, *, dry_run: bool = False, **options) -> dict:
+    """plan + execute in one call (library convenience): `options` are ConvertOptions fields."""
+    p = plan(ConvertOptions(Path(checkpoint), **options))
+    return describe(p) if dry_run else execute(p).to_json()
 
 
 def _write(p: dict, tx: OutputDir, side: dict | None, restore: dict, report: dict, command: str | None) -> None:

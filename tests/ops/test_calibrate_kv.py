@@ -23,7 +23,7 @@ def _ids(ckpt):
 
 
 def _calibrate(ckpt, tmp_path, **kw):
-    p = ck.plan(ckpt, out=tmp_path / "out", samples=N, seq_len=L, **kw)
+    p = ck.plan(ck.CalibrateKvOptions(ckpt, out=tmp_path / "out", samples=N, seq_len=L, **kw))
     stats, _ = ck.calibrate(p, _ids(ckpt), hidden="memory")
     return p, stats
 

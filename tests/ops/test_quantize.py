@@ -283,13 +283,13 @@ def test_modelopt_backend_bit_identical_to_rtn(tiny_bf16, calib_ids, q_modelopt,
 
 def test_modelopt_backend_mse_needs_cuda(tiny_bf16, tmp_path):
     from qtool.errors import UsageError
-    from qtool.ops.quantize import plan
+    from qtool.ops.quantize import QuantizeOptions, plan
     from qtool.recipes import Backend
 
     with pytest.raises(UsageError, match="Triton"):
-        plan(tiny_bf16, out=tmp_path / "x", recipe=load_recipe("qwen35-nvfp4-experts-mse"), backend=Backend.MODELOPT)
+        plan(QuantizeOptions(tiny_bf16, tmp_path / "x", load_recipe("qwen35-nvfp4-experts-mse"), Backend.MODELOPT))
     with pytest.raises(UsageError, match="NVFP4"):
-        plan(tiny_bf16, out=tmp_path / "x", recipe=load_recipe("qwen35-awq-int4"), backend=Backend.MODELOPT)
+        plan(QuantizeOptions(tiny_bf16, tmp_path / "x", load_recipe("qwen35-awq-int4"), Backend.MODELOPT))
 
 
 def test_llmcompressor_backend_matches_oneshot(tiny_bf16, calib_ids, tiny_nvfp4_ct, tmp_path):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from qtool.build_recipes import Op, SourceKind
 from qtool.errors import PlanError, VerificationError
+from qtool.ops.contract import options_from
 from qtool.ops.pipeline.plan import STEP_MARKER, BuildPlan, StepPlan, input_path
 
 def op_module(op: Op, module: str):
@@ -78,10 +79,9 @@ def run_calibrate_kv(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
     mod = op_module(Op.CALIBRATE_KV, "qtool.ops.calibrate_kv")
     src = materialize(bp, sp.step.inputs[0], token=ctx.get("token"))
     p = sp.step.params
-    rep = mod.run(src, out=sp.dir, dataset=p.get("dataset", "builtin"), samples=int(p.get("samples", 4)),
-                  seq_len=int(p.get("seq_len", 512)), device=p.get("device", "cpu"),
-                  replace_scales=bool(p.get("replace_scales", False)), force=True, resume=ctx.get("resume", False),
-                  command=ctx.get("command"))
+    opts = options_from(mod.CalibrateKvOptions, p, checkpoint=src, out=sp.dir, force=True,
+                        resume=ctx.get("resume", False), command=ctx.get("command"))
+    rep = mod.execute(mod.plan(opts)).to_json()
     return {"layers": rep.get("layers"), "warnings": rep.get("warnings"), "calibration": rep.get("calibration")}
 
 
@@ -132,25 +132,31 @@ def run_verify(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
     return {"ok": out["ok"], "findings": len(out["findings"])}
 
 
+def _quantize_options(mod, params: dict, src: Path, out: Path, **fixed):
+    from qtool.recipes import Backend, OutFormat, load_recipe
+
+    p = dict(params)
+    recipe = load_recipe(p.pop("recipe"))
+    backend = Backend(p.pop("backend")) if p.get("backend") else p.pop("backend", None)
+    fmt = OutFormat(p.pop("format")) if p.get("format") else p.pop("format", None)
+    return options_from(mod.QuantizeOptions, p, checkpoint=src, out=out, recipe=recipe, backend=backend, fmt=fmt,
+                        **fixed)
+
+
 def run_quantize(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
     mod = op_module(Op.QUANTIZE, "qtool.ops.quantize")
-    from qtool.recipes import load_recipe
-
-    p = sp.step.params
     src = materialize(bp, sp.step.inputs[0], token=ctx.get("token"))
-    rep = mod.run(src, out=sp.dir, recipe=load_recipe(p["recipe"]), dataset=p.get("dataset", "builtin"),
-                  samples=int(p.get("samples", 16)), seq_len=int(p.get("seq_len", 512)),
-                  device=p.get("device", "cpu"), resume=ctx.get("resume", False), force=True,
-                  command=ctx.get("command"))
-    return rep if isinstance(rep, dict) else {"result": str(rep)}
+    opts = _quantize_options(mod, sp.step.params, src, sp.dir, force=True, resume=ctx.get("resume", False),
+                             command=ctx.get("command"))
+    return mod.execute(mod.plan(opts)).to_json()
 
 
 def run_convert(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
     mod = op_module(Op.CONVERT, "qtool.ops.convert")
     src = materialize(bp, sp.step.inputs[0], token=ctx.get("token"))
-    rep = mod.run(src, out=sp.dir, to=mod.Flavour(sp.step.params["to"]), force=True, resume=ctx.get("resume", False),
-                  command=ctx.get("command"))
-    return rep if isinstance(rep, dict) else {"result": str(rep)}
+    opts = options_from(mod.ConvertOptions, {"to": mod.Flavour(sp.step.params["to"])}, checkpoint=src, out=sp.dir,
+                        force=True, resume=ctx.get("resume", False), command=ctx.get("command"))
+    return mod.execute(mod.plan(opts)).to_json()
 
 
 def run_download(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
@@ -219,17 +225,14 @@ def validate_step(bp: BuildPlan, sp: StepPlan) -> dict:
         return {"status": "planned", "ok": rep.ok, "errors": len(rep.errors())}
     if st.op is Op.CALIBRATE_KV:
         mod = op_module(Op.CALIBRATE_KV, "qtool.ops.calibrate_kv")
-        kp = mod.plan(src, out=sp.dir, samples=int(st.params.get("samples", 4)),
-                      seq_len=int(st.params.get("seq_len", 512)),
-                      replace_scales=bool(st.params.get("replace_scales", False)))
+        kp = mod.plan(options_from(mod.CalibrateKvOptions, st.params, checkpoint=src, out=sp.dir))
         return {"status": "planned", "layers": kp.layers, "changes": kp.config_changes, "warnings": kp.warnings}
     if st.op is Op.QUANTIZE:
         mod = op_module(Op.QUANTIZE, "qtool.ops.quantize")
-        from qtool.recipes import load_recipe
-
-        mod.plan(src, out=sp.dir, recipe=load_recipe(st.params["recipe"]))
+        mod.plan(_quantize_options(mod, st.params, src, sp.dir))
         return {"status": "planned"}
     if st.op is Op.CONVERT:
         mod = op_module(Op.CONVERT, "qtool.ops.convert")
-        return {"status": "planned", **mod.plan(src, out=sp.dir, to=mod.Flavour(st.params["to"]))}
+        p = mod.plan(mod.ConvertOptions(src, sp.dir, mod.Flavour(st.params["to"])))
+        return {"status": "planned", **mod.describe(p)}
     return {"status": "ready"}

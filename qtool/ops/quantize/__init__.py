@@ -7,7 +7,7 @@ in qtool.ops.quantize.backends (mtq.quantize / llm-compressor observers on one d
 
 from __future__ import annotations
 
-from qtool.ops.quantize.execute import run
-from qtool.ops.quantize.plan import plan
+from qtool.ops.quantize.execute import execute, run
+from qtool.ops.quantize.plan import QuantizeOptions, plan
 
-__all__ = ["plan", "run"]
+__all__ = ["QuantizeOptions", "execute", "plan", "run"]

@@ -27,8 +27,9 @@ from qtool.io.files import copy_file
 from qtool.io.identity import input_identity
 from qtool.io.output import output_files, OutputDir
 from qtool.io.writer import index_json
-from qtool.ops.quantize.plan import REST_SHARD, QuantizePlan, plan
-from qtool.recipes import Backend, KvCache, OutFormat, Recipe, Scheme
+from qtool.ops.contract import Report
+from qtool.ops.quantize.plan import REST_SHARD, QuantizeOptions, QuantizePlan, plan
+from qtool.recipes import KvCache, Scheme
 
 JOURNAL = "journal.json"
 WORK = ".quantize"
@@ -211,61 +212,43 @@ def finish(p: QuantizePlan, tx: OutputDir, report: dict, command: str | None, ha
             "problems": problems}
 
 
-def run(
-    src: str | Path,
-    *,
-    out: str | Path,
-    recipe: Recipe,
-    backend: Backend | None = None,
-    fmt: OutFormat | None = None,
-    dataset: str = "builtin",
-    samples: int = 16,
-    seq_len: int = 512,
-    device: str = "cpu",
-    resume: bool = False,
-    force: bool = False,
-    dry_run: bool = False,
-    calib_ids=None,
-    awq_rows: int = 256,
-    progress=None,
-    command: str | None = None,
-) -> dict:
-    """Plan, calibrate, quantize and write. `calib_ids` ([N, L] token ids) overrides dataset/samples/seq_len
-    (library use: the same windows as another tool)."""
-    if calib_ids is not None:
-        samples, seq_len = int(calib_ids.shape[0]), int(calib_ids.shape[1])
-    p = plan(src, out=out, recipe=recipe, backend=backend, fmt=fmt, samples=samples, seq_len=seq_len,
-             dataset=dataset, device=device, awq_rows=awq_rows)
+def execute(p: QuantizePlan, *, progress=None) -> Report:
+    """Calibrate, quantize layer by layer and write (through the output transaction)."""
+    opts = p.options
     report: dict = {"plan": p.to_json()}
-    if dry_run:
-        return report
-    if device.startswith("cuda"):
+    if p.device.startswith("cuda"):
         import torch
 
         if not torch.cuda.is_available():
             raise UsageError("--device cuda but no CUDA device is available", hint="use --device cpu")
-    if calib_ids is None:
+    if opts.calib_ids is None:
         from qtool.stream.calib_data import build_calib_set
 
-        calib = build_calib_set(p.ckpt.root, dataset, samples, seq_len)
+        calib = build_calib_set(p.ckpt.root, p.dataset, p.samples, p.seq_len)
         ids = calib.ids
-        report["calibration"] = {"dataset": dataset, "digest": calib.digest, "tokens": calib.tokens}
+        report["calibration"] = {"dataset": p.dataset, "digest": calib.digest, "tokens": calib.tokens}
     else:
         from qtool.stream.calib_data import token_digest
 
-        ids = calib_ids
+        ids = opts.calib_ids
         report["calibration"] = {"dataset": "ids", "digest": token_digest(ids), "tokens": int(ids.numel())}
     from qtool.io.manifest import InputHasher
 
-    with OutputDir(p.out, sources=[p.ckpt.root], force=force, resume=resume) as tx:
+    with OutputDir(p.out, sources=[p.ckpt.root], force=opts.force, resume=opts.resume) as tx:
         # a resumed run re-hashes its inputs: a cached digest could predate an edit
-        hasher = InputHasher(trust_cache=not resume, record=tx.input_digests)  # in background threads
+        hasher = InputHasher(trust_cache=not opts.resume, record=tx.input_digests)  # in background threads
         try:
             for f in input_files(p):
                 hasher.submit(str(f))
-            res = calibrate_and_write(p, tx.partial, ids, resume=resume, progress=progress, mode=tx.file_mode)
+            res = calibrate_and_write(p, tx.partial, ids, resume=opts.resume, progress=progress, mode=tx.file_mode)
             report.update(res)
-            report["output"] = finish(p, tx, report, command, hasher)
+            report["output"] = finish(p, tx, report, opts.command, hasher)
         finally:
             hasher.close()
-    return report
+    return Report(report)
+
+
+def run(checkpoint: str | Path, *, dry_run: bool = False, progress=None, **options) -> dict:
+    """plan + execute in one call (library convenience): `options` are QuantizeOptions fields."""
+    p = plan(QuantizeOptions(Path(checkpoint), **options))
+    return {"plan": p.to_json()} if dry_run else execute(p, progress=progress).to_json()

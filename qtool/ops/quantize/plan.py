@@ -93,6 +93,7 @@ class QuantizePlan:
     stream: object  # layer_stream.StreamPlan
     awq_rows: int
     warnings: list[str] = field(default_factory=list)
+    options: "QuantizeOptions | None" = None
 
     @property
     def kv_names(self) -> str:
@@ -188,24 +189,36 @@ def kv_scale_names(prefix: str, fmt: OutFormat) -> tuple[str, str]:
     return prefix + "self_attn.k_scale", prefix + "self_attn.v_scale"
 
 
-def plan(
-    src: str | Path,
-    *,
-    out: str | Path,
-    recipe: Recipe,
-    backend: Backend | None = None,
-    fmt: OutFormat | None = None,
-    samples: int = 16,
-    seq_len: int = 512,
-    dataset: str = "builtin",
-    device: str = "cpu",
-    awq_rows: int = 256,
-) -> QuantizePlan:
+@dataclass(frozen=True)
+class QuantizeOptions:
+    """quantize's options: the one place their defaults live (CLI, build steps, library)."""
+
+    checkpoint: Path
+    out: Path
+    recipe: Recipe
+    backend: Backend | None = None  # default: the recipe's
+    fmt: OutFormat | None = None  # default: the recipe's
+    dataset: str = "builtin"
+    samples: int = 16  # calibration windows
+    seq_len: int = 512
+    device: str = "cpu"
+    awq_rows: int = 256
+    force: bool = False
+    resume: bool = False
+    command: str | None = None
+    calib_ids: object = None  # [N, L] token ids instead of dataset/samples/seq_len (library use)
+
+
+def plan(opts: QuantizeOptions) -> QuantizePlan:
     from qtool.stream.layer_stream import LayerStreamer
 
-    backend = backend or recipe.backend
-    fmt = fmt or recipe.format
-    ckpt = Checkpoint.open(src, require_config=True)
+    recipe, out, device, awq_rows, dataset = opts.recipe, opts.out, opts.device, opts.awq_rows, opts.dataset
+    samples, seq_len = opts.samples, opts.seq_len
+    if opts.calib_ids is not None:
+        samples, seq_len = int(opts.calib_ids.shape[0]), int(opts.calib_ids.shape[1])
+    backend = opts.backend or recipe.backend
+    fmt = opts.fmt or recipe.format
+    ckpt = Checkpoint.open(opts.checkpoint, require_config=True)
     streamer = LayerStreamer(ckpt, device=device)
     mm = streamer.mm
     outp = Path(out)
@@ -292,4 +305,4 @@ def plan(
                         "method loads none); use --format compressed-tensors for FP8 KV scales")
     keep = awq_rows if (scheme is Scheme.W4A16 and recipe.int4.awq) else 0
     return QuantizePlan(ckpt, mm, recipe, backend, fmt, outp, layers, rest, n_exp, inter, hidden, samples,
-                        seq_len, dataset, device, streamer.plan(samples, seq_len), keep, warnings)
+                        seq_len, dataset, device, streamer.plan(samples, seq_len), keep, warnings, opts)
