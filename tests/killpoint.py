@@ -1,10 +1,12 @@
 """Kill -9 a qtool command at a chosen moment, as a user's crash or `kill -9` would.
 
     python tests/killpoint.py MODULE:QUALNAME N -- qtool-args...
+    python tests/killpoint.py MODULE:QUALNAME N ENOSPC -- qtool-args...
 
 runs `qtool qtool-args...` in this process, with MODULE.QUALNAME wrapped so that the process sends itself
-SIGKILL right after the Nth call of it returns (nothing after that point runs: no finally, no atexit).
-No hook in qtool's own code: the tests choose the moment by naming the function.
+SIGKILL right after the Nth call of it returns (nothing after that point runs: no finally, no atexit), or,
+with an errno name, so that the Nth call raises that OSError instead (a full or read-only disk at that
+moment). No hook in qtool's own code: the tests choose the moment by naming the function.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import sys
 from pathlib import Path
 
 
-def install(target: str, n: int) -> None:
+def install(target: str, n: int, fail: str | None = None) -> None:
     mod_name, qual = target.split(":")
     obj = importlib.import_module(mod_name)
     *owners, attr = qual.split(".")
@@ -27,9 +29,14 @@ def install(target: str, n: int) -> None:
     calls = [0]
 
     def wrapped(*a, **k):
-        r = fn(*a, **k)
         calls[0] += 1
-        if calls[0] >= n:
+        if fail is not None and calls[0] == n:
+            import errno
+
+            code = getattr(errno, fail)
+            raise OSError(code, os.strerror(code), str(a[0]) if a and isinstance(a[0], (str, os.PathLike)) else None)
+        r = fn(*a, **k)
+        if fail is None and calls[0] >= n:
             os.kill(os.getpid(), signal.SIGKILL)
         return r
 
@@ -42,14 +49,22 @@ def run_killed(target: str, n: int, args: list[str], **kw) -> subprocess.Complet
     return subprocess.run(cmd, capture_output=True, text=True, **kw)
 
 
+def run_failing(target: str, n: int, errno_name: str, args: list[str], **kw) -> subprocess.CompletedProcess:
+    """Run `qtool args` in a subprocess whose Nth call of `target` raises OSError(errno_name)."""
+    cmd = [sys.executable, str(Path(__file__)), target, str(n), errno_name, "--", *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, **kw)
+
+
 def run_qtool(args: list[str], **kw) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "qtool", *map(str, args)], capture_output=True, text=True, **kw)
 
 
 if __name__ == "__main__":
-    target, n, sep, *argv = sys.argv[1:]
-    assert sep == "--", "usage: killpoint.py MODULE:QUALNAME N -- ARGS"
-    install(target, int(n))
+    target, n, *rest = sys.argv[1:]
+    fail = None if rest[0] == "--" else rest.pop(0)
+    assert rest[0] == "--", "usage: killpoint.py MODULE:QUALNAME N [ERRNO] -- ARGS"
+    argv = rest[1:]
+    install(target, int(n), fail)
     from qtool.cli.main import main
 
     sys.exit(main(argv))

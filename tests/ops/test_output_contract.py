@@ -347,3 +347,51 @@ def test_typo_in_a_flag_says_did_you_mean(tmp_path):
     p = run_qtool(["calibrate-kv", tmp_path, "--in-place", "--replace-scale", "--resum"])
     assert p.returncode == 2
     assert "usage: qtool calibrate-kv" in p.stderr and "did you mean --resume" in p.stderr
+
+
+# ---- environment failures: a clear error, nothing lost ----------------------------------------------
+
+
+@pytest.mark.parametrize("target,errno_name,fix", [
+    ("qtool.io.writer:copy_range", "ENOSPC", "free disk space"),  # the disk fills while a shard is written
+    ("qtool.io.writer:write_shard", "EROFS", "not writable"),  # a read-only output filesystem
+])
+def test_calibrate_kv_disk_failures_are_clear_errors(tiny_nvfp4_modelopt, tmp_path, target, errno_name, fix):
+    """Found as: ENOSPC in calibrate-kv and read-only output dirs gave tracebacks."""
+    from killpoint import run_failing
+
+    src = copy_of(tiny_nvfp4_modelopt, tmp_path / "src")
+    before = tree_sha(src, skip=())
+    out = tmp_path / "out"
+    p = run_failing(target, 1, errno_name, ["calibrate-kv", src, "-o", out, *KV, "--replace-scales", "--quiet"])
+    assert p.returncode == 1, p.stderr
+    assert "Traceback" not in p.stderr and fix in p.stderr and "error:" in p.stderr
+    assert tree_sha(src, skip=()) == before and not out.exists()
+    p = run_qtool(["calibrate-kv", src, "-o", out, *KV, "--replace-scales", "--quiet", "--resume"])
+    assert p.returncode == 0, p.stderr  # and the partial output resumes once the disk is fine again
+
+
+@pytest.mark.parametrize("case", ["convert X -o X", "quantize P/bf -o P", "assemble -o inside the BF16 source"])
+def test_outputs_overlapping_an_input_are_refused_for_every_command(case, tiny_nvfp4_modelopt, tiny_bf16, tmp_path):
+    """Found as: `convert X -o X --force` and `quantize P/bf -o P --force` deleted or replaced the inputs."""
+    P = tmp_path / "P"
+    nv = copy_of(tiny_nvfp4_modelopt, P / "nv")
+    bf = copy_of(tiny_bf16, P / "bf")
+    before = tree_sha(P, skip=())
+    args = {
+        "convert X -o X": ["convert", nv, "-o", nv, "--to", "compressed-tensors"],
+        "quantize P/bf -o P": ["quantize", bf, "-o", P, "--recipe", "qwen35-nvfp4-experts", *KV],
+        "assemble -o inside the BF16 source": ["assemble", "hybrid", "--nvfp4", nv, "--bf16", bf, "-o", bf / "out"],
+    }[case]
+    p = run_qtool([*args, "--force", "--json"])
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "overlaps" in json.loads(p.stdout)["message"]
+    assert tree_sha(P, skip=()) == before
+
+
+def test_a_second_quantize_on_the_same_output_is_refused(tiny_bf16, tmp_path):
+    """Found as: two quantize runs sharing `.quantize/hidden.*` published wrong input scales."""
+    out = tmp_path / "q"
+    with lock_for(out):
+        p = run_qtool(["quantize", tiny_bf16, "-o", out, "--recipe", "qwen35-nvfp4-experts", *KV])
+    assert p.returncode == 1 and "another qtool run" in p.stderr and not (tmp_path / "q.partial").exists()
