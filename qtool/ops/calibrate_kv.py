@@ -45,7 +45,6 @@ from qtool.io.quant_config import HfQuantSchema, hf_quant_schema
 from qtool.ops.contract import Report
 from qtool.io.writer import FileRange, InlineBytes, OutTensor, index_json, write_shard
 
-FP8_E4M3_MAX = 448.0
 OUTLIER_RATIO = 10.0
 KV_SHARD = "model-kv-scales.safetensors"
 JOURNAL = "journal.json"
@@ -245,10 +244,11 @@ class LayerStat:
 
 
 def _scale(amax: float) -> float:
-    """float32(amax) / 448 in float32, as ModelOpt computes it; a zero amax gives 1.0 (no information)."""
-    if amax <= 0:
-        return 1.0
-    return struct.unpack("<f", struct.pack("<f", struct.unpack("<f", struct.pack("<f", amax))[0] / FP8_E4M3_MAX))[0]
+    """float32(amax) / 448 in float32, as ModelOpt computes it (qtool.formats.fp8.kv_scale_from_amax); a
+    zero amax gives 1.0 (no information)."""
+    from qtool.formats.fp8 import kv_scale_from_amax
+
+    return 1.0 if amax <= 0 else float(kv_scale_from_amax(amax))
 
 
 class _KvHooks:
