@@ -33,6 +33,7 @@ from qtool.arch.model_map import Format, build_map
 from qtool.arch.qwen35 import Group
 from qtool.errors import PlanError, UsageError
 from qtool.io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG_NAME, INDEX_NAME, Checkpoint
+from qtool.formats.naming import NVFP4_NAMINGS, QuantFormat
 from qtool.io.jsonio import atomic_write_text, load_json, write_json
 from qtool.io.files import copy_file
 from qtool.io.identity import input_identity, Journal
@@ -49,21 +50,34 @@ class Flavour(str, Enum):
     COMPRESSED_TENSORS = "compressed-tensors"
 
 
-# param renames modelopt -> compressed-tensors; True = value is the float32 reciprocal
-_MO_TO_CT = {"weight": ("weight_packed", False), "weight_scale": ("weight_scale", False),
-             "weight_scale_2": ("weight_global_scale", True), "input_scale": ("input_global_scale", True)}
+# param renames modelopt -> compressed-tensors, from the flavours' one naming table (qtool.formats.naming);
+# True = the value is the float32 reciprocal
+_MO, _CT = NVFP4_NAMINGS[QuantFormat.NVFP4], NVFP4_NAMINGS[QuantFormat.NVFP4_CT]
+_MO_TO_CT = {_MO.weight: (_CT.weight, False), _MO.block_scale: (_CT.block_scale, False),
+             _MO.weight_global: (_CT.weight_global, _MO.reciprocal != _CT.reciprocal),
+             _MO.input_global: (_CT.input_global, _MO.reciprocal != _CT.reciprocal)}
 _CT_TO_MO = {v[0]: (k, v[1]) for k, v in _MO_TO_CT.items()}
 
 
-def _f32_bits(x: float) -> int:
-    return struct.unpack("<I", struct.pack("<f", x))[0]
+def _global_scale(name: str, old: bytes, to: Flavour, orig_bits: int | None) -> bytes:
+    """The converted bytes of one global scale (float32), by the exact converter
+    qtool.formats.naming.convert_nvfp4; `orig_bits`: the value a previous opposite conversion recorded
+    (restored when it still maps to `old`, so round trips are bit-identical)."""
+    import torch
 
+    from qtool.formats.naming import convert_nvfp4
 
-def _recip(b: bytes) -> bytes:
-    import numpy as np
+    src, dst = ((QuantFormat.NVFP4, QuantFormat.NVFP4_CT) if to is Flavour.COMPRESSED_TENSORS
+                else (QuantFormat.NVFP4_CT, QuantFormat.NVFP4))
+    param = name.rsplit(".", 1)[1]
+    new = (_MO_TO_CT if to is Flavour.COMPRESSED_TENSORS else _CT_TO_MO)[param][0]
 
-    v = np.frombuffer(b, dtype=np.float32)[0]
-    return np.float32(np.float32(1.0) / v).tobytes()
+    def f32(b: bytes):
+        return torch.frombuffer(bytearray(b), dtype=torch.float32)
+
+    originals = {new: f32(struct.pack("<I", orig_bits))} if orig_bits is not None else None
+    out = convert_nvfp4({param: f32(old)}, src, dst, originals=originals).tensors[new]
+    return out.float().reshape(-1).numpy().tobytes()
 
 
 def detect(mm) -> Flavour:
@@ -179,10 +193,7 @@ def _write(p: dict, tx: OutputDir, side: dict | None, restore: dict, report: dic
                 with open(info.file, "rb") as f:
                     f.seek(info.start)
                     old = f.read(4)
-                data = _recip(old)
-                orig = restore.get(new)
-                if orig is not None and _recip(struct.pack("<I", orig)) == old:
-                    data = struct.pack("<I", orig)
+                data = _global_scale(name, old, to, restore.get(new))
                 recorded[name] = struct.unpack("<I", old)[0]
                 items.append(OutTensor(new, info.dtype, shape, InlineBytes(data)))
             else:
