@@ -16,18 +16,12 @@ import re
 from dataclasses import dataclass
 
 from qtool.errors import QtoolError, UsageError
+from qtool.formats.naming import Flavour  # which quantization_config schema an ignore list belongs to
 
 
 class Engine(enum.Enum):
     VLLM = "vllm"
     SGLANG = "sglang"
-
-
-class Flavour(enum.Enum):
-    """Which quantization_config schema the ignore list belongs to."""
-
-    MODELOPT = "modelopt"  # quant_method "modelopt": `ignore` / `exclude_modules` are fnmatch-style globs
-    COMPRESSED_TENSORS = "compressed-tensors"  # `ignore`: exact module names and `re:` regexes
 
 
 @dataclass(frozen=True, order=True)

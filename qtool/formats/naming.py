@@ -30,6 +30,14 @@ if TYPE_CHECKING:
     import torch
 
 
+class Flavour(str, Enum):
+    """The two checkpoint conventions qtool reads and writes (the one enum for them: convert's target,
+    calibrate-kv's KV-scale naming, the engines' ignore-list schema)."""
+
+    MODELOPT = "modelopt"  # quant_method "modelopt": fnmatch globs; self_attn.k_proj.k_scale
+    COMPRESSED_TENSORS = "compressed-tensors"  # exact names and `re:` regexes; self_attn.k_scale
+
+
 class QuantFormat(str, Enum):
     """How one Linear module's weight is stored."""
 

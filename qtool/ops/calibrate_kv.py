@@ -31,10 +31,10 @@ import statistics
 import struct
 import time
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
 
 from qtool.arch.qwen35 import Group, layer_prefix
+from qtool.formats.naming import Flavour
 from qtool.errors import PlanError, UsageError
 from qtool.io.identity import input_identity
 from qtool.io.in_place import InPlaceDir
@@ -50,9 +50,9 @@ KV_SHARD = "model-kv-scales.safetensors"
 JOURNAL = "journal.json"
 
 
-class Convention(str, Enum):
-    MODELOPT = "modelopt"  # self_attn.k_proj.k_scale (modelopt/torch/export/unified_export_hf.py)
-    COMPRESSED_TENSORS = "compressed-tensors"  # self_attn.k_scale (compressed_tensors kv_cache)
+# KV-scale naming: modelopt self_attn.k_proj.k_scale (modelopt/torch/export/unified_export_hf.py),
+# compressed-tensors self_attn.k_scale (compressed_tensors kv_cache): the one flavour enum
+Convention = Flavour
 
 
 # config.json quantization_config.kv_cache_scheme per convention.

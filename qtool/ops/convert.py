@@ -26,14 +26,13 @@ import json
 import os
 import struct
 from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
 
 from qtool.arch.model_map import Format, build_map
 from qtool.arch.qwen35 import Group
 from qtool.errors import PlanError, UsageError
 from qtool.io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG_NAME, INDEX_NAME, Checkpoint
-from qtool.formats.naming import NVFP4_NAMINGS, QuantFormat
+from qtool.formats.naming import NVFP4_NAMINGS, Flavour, QuantFormat
 from qtool.io.jsonio import atomic_write_text, load_json, write_json
 from qtool.io.files import copy_file
 from qtool.io.identity import input_identity, Journal
@@ -43,11 +42,6 @@ from qtool.io.writer import FileRange, InlineBytes, OutTensor, index_json, write
 
 SIDECAR = "qtool-convert.json"
 JOURNAL_NAME = ".qtool-journal.jsonl"
-
-
-class Flavour(str, Enum):
-    MODELOPT = "modelopt"
-    COMPRESSED_TENSORS = "compressed-tensors"
 
 
 # param renames modelopt -> compressed-tensors, from the flavours' one naming table (qtool.formats.naming);
