@@ -258,18 +258,12 @@ class _KvHooks:
         self.on_done = on_done
 
     def before_layer(self, idx, layer):
-        from qtool.stream.layer_stream import attention_tap
+        from qtool.stream.layer_stream import attention_tap, kv_amax_tap
 
         if idx not in self.layers:
             return
-        st = self.stats[idx] = LayerStat(idx, 0.0, 0.0, 0)
-
-        def tap(module, key, value):  # key/value: [batch, kv_heads, seq, head_dim]
-            st.k_amax = max(st.k_amax, float(key.detach().abs().amax().float()))
-            st.v_amax = max(st.v_amax, float(value.detach().abs().amax().float()))
-            st.tokens += int(key.shape[0] * key.shape[2])
-
-        attention_tap(layer, tap)
+        self.stats[idx] = LayerStat(idx, 0.0, 0.0, 0)
+        attention_tap(layer, kv_amax_tap(self.stats[idx]))
 
     def after_layer(self, idx, layer):
         from qtool.stream.layer_stream import attention_tap

@@ -61,6 +61,19 @@ def _register_tap() -> None:
     AttentionInterface.register(TAP_ATTENTION, tapped)
 
 
+def kv_amax_tap(st) -> Callable:
+    """The one K/V statistics tap (calibrate-kv and quantize): running amax of the key and value that
+    reach the attention kernel (after k_norm and RoPE, i.e. what the KV cache holds) and the tokens seen,
+    into `st` (any object with k_amax, v_amax and tokens). key/value: [batch, kv_heads, seq, head_dim]."""
+
+    def tap(module, key, value):
+        st.k_amax = max(st.k_amax, float(key.detach().abs().amax().float()))
+        st.v_amax = max(st.v_amax, float(value.detach().abs().amax().float()))
+        st.tokens += int(key.shape[0] * key.shape[2])
+
+    return tap
+
+
 def attention_tap(layer, fn: Callable | None) -> None:
     """Set (or clear, fn=None) the K/V tap of a decoder layer's full attention (no-op for GDN layers)."""
     attn = getattr(layer, "self_attn", None)

@@ -98,9 +98,7 @@ class KvStat:
 
 
 def kv_tap(st: KvStat):
-    def tap(module, key, value):
-        st.k_amax = max(st.k_amax, float(key.detach().abs().amax().float()))
-        st.v_amax = max(st.v_amax, float(value.detach().abs().amax().float()))
-        st.tokens += int(key.shape[0] * key.shape[2])
+    """The K/V amax tap (qtool.stream.layer_stream.kv_amax_tap, shared with calibrate-kv)."""
+    from qtool.stream.layer_stream import kv_amax_tap
 
-    return tap
+    return kv_amax_tap(st)
