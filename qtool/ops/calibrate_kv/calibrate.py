@@ -1,0 +1,162 @@
+"""calibrate-kv: the layer-streamed forward and its K/V statistics."""
+
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+from qtool.errors import PlanError
+from qtool.io.identity import input_identity
+from qtool.io.jsonio import load_json, write_json
+
+from qtool.ops.calibrate_kv.plan import JOURNAL, OUTLIER_RATIO, KvPlan
+
+
+# ---- calibrate -------------------------------------------------------------------------------------
+
+
+@dataclass
+class LayerStat:
+    layer: int
+    k_amax: float
+    v_amax: float
+    tokens: int
+
+    @property
+    def k_scale(self) -> float:
+        return _scale(self.k_amax)
+
+    @property
+    def v_scale(self) -> float:
+        return _scale(self.v_amax)
+
+    def to_json(self) -> dict:
+        return {"layer": self.layer, "k_amax": self.k_amax, "v_amax": self.v_amax,
+                "k_scale": self.k_scale, "v_scale": self.v_scale, "tokens": self.tokens}
+
+
+def _scale(amax: float) -> float:
+    """float32(amax) / 448 in float32, as ModelOpt computes it (qtool.formats.fp8.kv_scale_from_amax); a
+    zero amax gives 1.0 (no information)."""
+    from qtool.formats.fp8 import kv_scale_from_amax
+
+    return 1.0 if amax <= 0 else float(kv_scale_from_amax(amax))
+
+
+class _KvHooks:
+    def __init__(self, layers, on_done):
+        self.layers = set(layers)
+        self.stats: dict[int, LayerStat] = {}
+        self.on_done = on_done
+
+    def before_layer(self, idx, layer):
+        from qtool.stream.layer_stream import attention_tap, kv_amax_tap
+
+        if idx not in self.layers:
+            return
+        self.stats[idx] = LayerStat(idx, 0.0, 0.0, 0)
+        attention_tap(layer, kv_amax_tap(self.stats[idx]))
+
+    def after_layer(self, idx, layer):
+        from qtool.stream.layer_stream import attention_tap
+
+        attention_tap(layer, None)
+        self.on_done(idx)
+
+
+def _journal_key(p: KvPlan, digest: str, dtype: str) -> str:
+    h = hashlib.sha256()
+    for n in sorted(p.ckpt.tensors):
+        i = p.ckpt.tensors[n]
+        h.update(f"{n}|{i.dtype}|{list(i.shape)}|{os.path.getsize(i.file)}\n".encode())
+    h.update(json.dumps(p.ckpt.text_config, sort_keys=True).encode())
+    h.update(f"{digest}|{dtype}|{p.samples}|{p.seq_len}".encode())
+    # what the forward reads: a same-size edit of a shard with its mtime put back changes the key
+    h.update(json.dumps(input_identity(h_.path for h_ in p.ckpt.headers.values())).encode())
+    return h.hexdigest()[:32]
+
+
+def calibrate(
+    p: KvPlan,
+    ids,
+    *,
+    resume: bool = False,
+    hidden: str = "disk",
+    dtype: str | None = None,
+    progress=None,
+) -> tuple[dict[int, LayerStat], dict]:
+    """Run the layer-streamed forward on token windows `ids` [N, L]; returns per-layer stats and timing.
+    hidden="disk" keeps the hidden states in the work dir (resumable), "memory" in RAM."""
+    from qtool.stream.calib_data import token_digest
+    from qtool.stream.layer_stream import DiskStore, LayerStreamer, MemoryStore
+
+    streamer = LayerStreamer(p.ckpt, device=p.device, dtype=dtype)
+    n, seq = int(ids.shape[0]), int(ids.shape[1])
+    shape = (n, seq, streamer.hidden_size)
+    key = _journal_key(p, token_digest(ids), streamer.dtype_name)
+    p.work_dir.mkdir(parents=True, exist_ok=True)
+    jpath = p.work_dir / JOURNAL
+    journal = None
+    if resume and jpath.exists():
+        journal, _ = load_json(jpath, what="calibrate-kv journal")
+        if journal.get("key") != key:
+            raise PlanError(
+                "--resume: the journal was written for other inputs (checkpoint, data or settings)",
+                path=jpath,
+                hint="run again without --resume to start over",
+            )
+    start = 0
+    stats: dict[int, LayerStat] = {}
+    if journal:
+        start = int(journal["next_layer"])
+        for s in journal["stats"]:
+            stats[s["layer"]] = LayerStat(s["layer"], s["k_amax"], s["v_amax"], s["tokens"])
+    if hidden == "disk":
+        store = DiskStore(p.work_dir, shape, streamer.dtype, current=(journal or {}).get("current", "a"))
+    else:
+        if start:
+            raise PlanError("--resume needs the hidden states on disk")
+        store = MemoryStore.empty(shape, streamer.dtype)
+    batch = streamer.batch_windows(seq)
+    t0 = time.perf_counter()
+
+    def save(next_layer: int):
+        if hidden != "disk":
+            return
+        write_json(jpath, {"key": key, "next_layer": next_layer, "current": store.current,
+                           "stats": [s.to_json() for s in sorted(hooks.stats.values(), key=lambda s: s.layer)]})
+
+    hooks = _KvHooks(p.layers, lambda idx: save(idx + 1))
+    hooks.stats.update(stats)
+    if start == 0:
+        streamer.embed_into(ids, store, batch)
+        save(0)
+    streamer.run(store, seq, start=start, stop=p.run_layers, hooks=hooks, batch=batch, progress=progress)
+    elapsed = time.perf_counter() - t0
+    layers_run = p.run_layers - start
+    timing = {"seconds": elapsed, "layers_run": layers_run, "resumed_from_layer": start,
+              "tokens_per_s": (n * seq * layers_run / p.run_layers) / elapsed if elapsed > 0 else None}
+    return {i: hooks.stats[i] for i in p.layers}, timing
+
+
+def outlier_warnings(stats: dict[int, LayerStat]) -> list[str]:
+    out = []
+    for what in ("k", "v"):
+        vals = {i: getattr(s, f"{what}_scale") for i, s in stats.items()}
+        if len(vals) < 3:
+            continue
+        med = statistics.median(vals.values())
+        for i, v in vals.items():
+            if med > 0 and (v > OUTLIER_RATIO * med or v < med / OUTLIER_RATIO):
+                out.append(f"layer {i}: {what}_scale {v:.4g} is {v / med:.3g}x the median {med:.4g}")
+    for i, s in stats.items():
+        if s.k_amax <= 0 or s.v_amax <= 0 or s.tokens == 0:
+            out.append(f"layer {i}: no K/V seen (amax 0); scale set to 1.0")
+    return out
+
+

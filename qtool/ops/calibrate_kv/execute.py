@@ -1,0 +1,59 @@
+"""calibrate-kv: execute (calibrate, then write) and run."""
+
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from qtool.errors import PlanError, UsageError
+from qtool.io.in_place import InPlaceDir
+from qtool.io.output import OutputDir
+from qtool.ops.contract import Report
+
+from qtool.ops.calibrate_kv.plan import CalibrateKvOptions, KvPlan, plan
+from qtool.ops.calibrate_kv.calibrate import calibrate, outlier_warnings
+from qtool.ops.calibrate_kv.write import start_input_hashes, write_output
+
+
+# ---- the whole operation ---------------------------------------------------------------------------
+
+
+def execute(p: KvPlan, *, progress=None) -> Report:
+    """Calibrate and write (through the output transaction: -o OUT or the in-place swap)."""
+    opts = p.options
+    report = {"plan": p.to_json()}
+    if p.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda but no CUDA device is available", hint="use --device cpu")
+    from qtool.stream.calib_data import build_calib_set
+
+    calib = build_calib_set(p.ckpt.root, p.dataset, p.samples, p.seq_len)
+    vocab = int(p.ckpt.text_config.get("vocab_size", 1 << 62))
+    if int(calib.ids.max()) >= vocab:
+        raise PlanError("the tokenizer gives ids beyond the model's vocab_size", expected=f"< {vocab}",
+                        got=int(calib.ids.max()), hint="the tokenizer does not belong to this checkpoint")
+    # the transaction (lock, writability, the --force rules) is taken before the forward pass
+    tx = (OutputDir(p.out, sources=[p.ckpt.root], force=opts.force, resume=opts.resume) if p.out is not None
+          else InPlaceDir(p.ckpt.root, resume=opts.resume))
+    with tx:
+        hasher = start_input_hashes(p, tx, resume=opts.resume)
+        try:
+            stats, timing = calibrate(p, calib.ids, resume=opts.resume, progress=progress)
+        except BaseException:
+            hasher.close()
+            raise
+        report["layers"] = [stats[i].to_json() for i in p.layers]
+        report["warnings"] = p.warnings + outlier_warnings(stats)
+        report["timing"] = timing
+        report["calibration"] = {"dataset": p.dataset, "digest": calib.digest, "tokens": calib.tokens,
+                                 "available_tokens": calib.available_tokens}
+        report["output"] = write_output(p, stats, tx, opts.command, hasher)
+    return Report(report)
+
+
+def run(checkpoint: str | Path, *, dry_run: bool = False, progress=None, **options) -> dict:
+    """plan + execute in one call (library convenience): `options` are CalibrateKvOptions fields."""
+    p = plan(CalibrateKvOptions(Path(checkpoint), **options))
+    return {"plan": p.to_json()} if dry_run else execute(p, progress=progress).to_json()
