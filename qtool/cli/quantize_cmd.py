@@ -37,7 +37,7 @@ def run(args) -> int:
     opts = quantize.QuantizeOptions(
         local_checkpoint(args.checkpoint), out=args.output, recipe=recipe,
         backend=Backend(args.backend) if args.backend else None,
-        fmt=OutFormat(args.format) if args.format else None,
+        format=OutFormat(args.format) if args.format else None,
         dataset=args.dataset, samples=args.samples, seq_len=args.seq_len, device=args.device,
         resume=args.resume, force=args.force, command=run_command_line())
     p = quantize.plan(opts)

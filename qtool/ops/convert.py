@@ -118,6 +118,9 @@ class ConvertOptions:
     resume: bool = False
     command: str | None = None
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "to", Flavour(self.to))
+
 
 def plan(opts: ConvertOptions) -> dict:
     src, out, to = opts.checkpoint, opts.out, Flavour(opts.to)

@@ -117,7 +117,7 @@ def test_ct_output_kld_no_worse_than_llmcompressor(tiny_bf16, calib_ids, tiny_nv
     kld = {}
     for recipe in ("qwen35-nvfp4-experts", "qwen35-nvfp4-experts-mse"):
         out = tmp_path / recipe
-        rep = run(tiny_bf16, out=out, recipe=load_recipe(recipe), fmt=OutFormat.COMPRESSED_TENSORS, calib_ids=calib_ids)
+        rep = run(tiny_bf16, out=out, recipe=load_recipe(recipe), format=OutFormat.COMPRESSED_TENSORS, calib_ids=calib_ids)
         assert rep["output"]["problems"] == []
         qc = json.loads((out / "config.json").read_text())["quantization_config"]
         assert qc["format"] == "nvfp4-pack-quantized" and qc["kv_cache_scheme"]["num_bits"] == 8
@@ -300,7 +300,7 @@ def test_llmcompressor_backend_matches_oneshot(tiny_bf16, calib_ids, tiny_nvfp4_
 
     out = tmp_path / "lc"
     rep = run(tiny_bf16, out=out, recipe=load_recipe("qwen35-nvfp4-experts"), backend=Backend.LLMCOMPRESSOR,
-              fmt=OutFormat.COMPRESSED_TENSORS, calib_ids=calib_ids)
+              format=OutFormat.COMPRESSED_TENSORS, calib_ids=calib_ids)
     assert rep["output"]["problems"] == []
     a, b = _tensors(out), _tensors(tiny_nvfp4_ct)
     weights = [n for n in b if ".mlp.experts." in n and not n.startswith("mtp.")

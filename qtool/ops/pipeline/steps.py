@@ -11,7 +11,7 @@ from pathlib import Path
 
 from qtool.build_recipes import Op, SourceKind
 from qtool.errors import PlanError, VerificationError
-from qtool.ops.contract import options_from
+from qtool.ops.contract import OpSpec, options_from
 from qtool.ops.pipeline.plan import STEP_MARKER, BuildPlan, StepPlan, input_path
 
 def op_module(op: Op, module: str):
@@ -75,14 +75,27 @@ def run_assemble(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
     return result.to_json()
 
 
-def run_calibrate_kv(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
-    mod = op_module(Op.CALIBRATE_KV, "qtool.ops.calibrate_kv")
+# Ops on the one op contract (qtool.ops.contract): {op: (module, options class)}; their step runs as
+# options_from(`with` + the step's input and output) -> plan -> execute.
+CONTRACT_OPS: dict[Op, tuple[str, str]] = {
+    Op.CALIBRATE_KV: ("qtool.ops.calibrate_kv", "CalibrateKvOptions"),
+    Op.QUANTIZE: ("qtool.ops.quantize", "QuantizeOptions"),
+    Op.CONVERT: ("qtool.ops.convert", "ConvertOptions"),
+}
+
+
+def contract_spec(op: Op) -> OpSpec:
+    module, options = CONTRACT_OPS[op]
+    mod = op_module(op, module)
+    return OpSpec(getattr(mod, options), mod.plan, mod.execute)
+
+
+def run_contract_op(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
+    spec = contract_spec(sp.step.op)
     src = materialize(bp, sp.step.inputs[0], token=ctx.get("token"))
-    p = sp.step.params
-    opts = options_from(mod.CalibrateKvOptions, p, checkpoint=src, out=sp.dir, force=True,
+    opts = options_from(spec.options, sp.step.params, checkpoint=src, out=sp.dir, force=True,
                         resume=ctx.get("resume", False), command=ctx.get("command"))
-    rep = mod.execute(mod.plan(opts)).to_json()
-    return {"layers": rep.get("layers"), "warnings": rep.get("warnings"), "calibration": rep.get("calibration")}
+    return spec.execute(spec.plan(opts)).to_json()
 
 
 def _linked_step_dir(src: Path, sp: StepPlan):
@@ -132,33 +145,6 @@ def run_verify(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
     return {"ok": out["ok"], "findings": len(out["findings"])}
 
 
-def _quantize_options(mod, params: dict, src: Path, out: Path, **fixed):
-    from qtool.recipes import Backend, OutFormat, load_recipe
-
-    p = dict(params)
-    recipe = load_recipe(p.pop("recipe"))
-    backend = Backend(p.pop("backend")) if p.get("backend") else p.pop("backend", None)
-    fmt = OutFormat(p.pop("format")) if p.get("format") else p.pop("format", None)
-    return options_from(mod.QuantizeOptions, p, checkpoint=src, out=out, recipe=recipe, backend=backend, fmt=fmt,
-                        **fixed)
-
-
-def run_quantize(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
-    mod = op_module(Op.QUANTIZE, "qtool.ops.quantize")
-    src = materialize(bp, sp.step.inputs[0], token=ctx.get("token"))
-    opts = _quantize_options(mod, sp.step.params, src, sp.dir, force=True, resume=ctx.get("resume", False),
-                             command=ctx.get("command"))
-    return mod.execute(mod.plan(opts)).to_json()
-
-
-def run_convert(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
-    mod = op_module(Op.CONVERT, "qtool.ops.convert")
-    src = materialize(bp, sp.step.inputs[0], token=ctx.get("token"))
-    opts = options_from(mod.ConvertOptions, {"to": mod.Flavour(sp.step.params["to"])}, checkpoint=src, out=sp.dir,
-                        force=True, resume=ctx.get("resume", False), command=ctx.get("command"))
-    return mod.execute(mod.plan(opts)).to_json()
-
-
 def run_download(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
     ref = sp.step.inputs[0]
     if ref not in bp.sources or bp.sources[ref].source.kind is not SourceKind.HUB or bp.sources[ref].overridden:
@@ -183,10 +169,10 @@ def run_download(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
 
 RUNNERS: dict[Op, Callable[[BuildPlan, StepPlan, dict], dict]] = {
     Op.DOWNLOAD: run_download,
-    Op.QUANTIZE: run_quantize,
-    Op.CONVERT: run_convert,
+    Op.QUANTIZE: run_contract_op,
+    Op.CONVERT: run_contract_op,
     Op.ASSEMBLE: run_assemble,
-    Op.CALIBRATE_KV: run_calibrate_kv,
+    Op.CALIBRATE_KV: run_contract_op,
     Op.PATCH_CONFIG: run_patch_config,
     Op.VERIFY: run_verify,
 }
@@ -223,16 +209,12 @@ def validate_step(bp: BuildPlan, sp: StepPlan) -> dict:
         mod, opts = _verify_opts(st.params)
         rep = mod.verify(src, opts)
         return {"status": "planned", "ok": rep.ok, "errors": len(rep.errors())}
-    if st.op is Op.CALIBRATE_KV:
-        mod = op_module(Op.CALIBRATE_KV, "qtool.ops.calibrate_kv")
-        kp = mod.plan(options_from(mod.CalibrateKvOptions, st.params, checkpoint=src, out=sp.dir))
-        return {"status": "planned", "layers": kp.layers, "changes": kp.config_changes, "warnings": kp.warnings}
-    if st.op is Op.QUANTIZE:
-        mod = op_module(Op.QUANTIZE, "qtool.ops.quantize")
-        mod.plan(_quantize_options(mod, st.params, src, sp.dir))
-        return {"status": "planned"}
-    if st.op is Op.CONVERT:
-        mod = op_module(Op.CONVERT, "qtool.ops.convert")
-        p = mod.plan(mod.ConvertOptions(src, sp.dir, mod.Flavour(st.params["to"])))
-        return {"status": "planned", **mod.describe(p)}
+    if st.op in CONTRACT_OPS:
+        spec = contract_spec(st.op)
+        planned = spec.plan(options_from(spec.options, st.params, checkpoint=src, out=sp.dir))
+        if not hasattr(planned, "to_json"):  # convert's plan is a dict; its summary is describe()
+            return {"status": "planned", **op_module(st.op, CONTRACT_OPS[st.op][0]).describe(planned)}
+        summary = planned.to_json()
+        keys = {"full_attention_layers": "layers", "config_changes": "changes", "warnings": "warnings"}
+        return {"status": "planned", **{short: summary[k] for k, short in keys.items() if k in summary}}
     return {"status": "ready"}

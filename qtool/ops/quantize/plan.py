@@ -197,7 +197,7 @@ class QuantizeOptions:
     out: Path
     recipe: Recipe
     backend: Backend | None = None  # default: the recipe's
-    fmt: OutFormat | None = None  # default: the recipe's
+    format: OutFormat | None = None  # default: the recipe's
     dataset: str = "builtin"
     samples: int = 16  # calibration windows
     seq_len: int = 512
@@ -208,6 +208,20 @@ class QuantizeOptions:
     command: str | None = None
     calib_ids: object = None  # [N, L] token ids instead of dataset/samples/seq_len (library use)
 
+    def __post_init__(self) -> None:
+        # the values a build recipe's `with` (or a caller) gives as text become their types here
+        from qtool.recipes import load_recipe
+
+        set_ = object.__setattr__
+        set_(self, "checkpoint", Path(self.checkpoint))
+        set_(self, "out", Path(self.out))
+        if isinstance(self.recipe, str):
+            set_(self, "recipe", load_recipe(self.recipe))
+        if isinstance(self.backend, str):
+            set_(self, "backend", Backend(self.backend))
+        if isinstance(self.format, str):
+            set_(self, "format", OutFormat(self.format))
+
 
 def plan(opts: QuantizeOptions) -> QuantizePlan:
     from qtool.stream.layer_stream import LayerStreamer
@@ -217,7 +231,7 @@ def plan(opts: QuantizeOptions) -> QuantizePlan:
     if opts.calib_ids is not None:
         samples, seq_len = int(opts.calib_ids.shape[0]), int(opts.calib_ids.shape[1])
     backend = opts.backend or recipe.backend
-    fmt = opts.fmt or recipe.format
+    fmt = opts.format or recipe.format
     ckpt = Checkpoint.open(opts.checkpoint, require_config=True)
     streamer = LayerStreamer(ckpt, device=device)
     mm = streamer.mm
