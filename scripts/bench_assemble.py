@@ -97,7 +97,7 @@ def write_bf16_subset(bf: Path, out: Path, layers: list[int], mtp: str = "auto")
     from qtool.hub.remote_safetensors import matcher
     from qtool.io.safetensors_header import read_header
     from qtool.io.writer import index_json, write_shard
-    from qtool.ops.assemble.plan import bf16_source_patterns
+    from qtool.ops.assemble.model import bf16_source_patterns
 
     match = matcher(bf16_source_patterns(layers, mtp))
     shutil.rmtree(out, ignore_errors=True)

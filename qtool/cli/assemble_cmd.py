@@ -96,7 +96,7 @@ def _bf16_source(spec: str, layers: tuple[int, ...], mtp: str) -> Path:
     """A Hub BF16 source is range-fetched: only the tensors the plan can take (shared experts, chosen
     layers' experts, MTP head: ~1.5 GB of the 397B's ~800 GB); local paths are used as they are."""
     from qtool.hub.resolve import fetch_tensor_patterns, is_hub_spec
-    from qtool.ops.assemble.plan import bf16_source_patterns
+    from qtool.ops.assemble.model import bf16_source_patterns
 
     if not is_hub_spec(spec):
         return Path(spec)

@@ -6,7 +6,7 @@ spliced into an NVFP4 checkpoint by byte ranges (formats doc section 7).
 """
 
 from qtool.ops.assemble.execute import RunResult, execute, free_space
-from qtool.ops.assemble.plan import (
+from qtool.ops.assemble.model import (
     HybridOptions,
     HybridPlan,
     LinkMode,
@@ -14,8 +14,8 @@ from qtool.ops.assemble.plan import (
     PlannedShard,
     PlannedTensor,
     ShardAction,
-    plan_hybrid,
 )
+from qtool.ops.assemble.plan import plan_hybrid
 
 
 def assemble_hybrid(opts: HybridOptions, *, force: bool = False, resume: bool = False,

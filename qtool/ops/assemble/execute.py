@@ -24,7 +24,7 @@ from qtool.io.files import fsync_dir, new_file, Placer
 from qtool.io.identity import input_identity, Journal
 from qtool.io.output import OutputDir
 from qtool.io.writer import index_text, write_shard
-from qtool.ops.assemble.plan import JOURNAL_NAME, MANIFEST_NAME, HybridPlan, PlannedShard, ShardAction
+from qtool.ops.assemble.model import JOURNAL_NAME, MANIFEST_NAME, HybridPlan, PlannedShard, ShardAction
 from qtool.ops.checks import (
     Expectations,
     consistency_problems,

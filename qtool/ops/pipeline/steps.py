@@ -40,7 +40,7 @@ def materialize(bp: BuildPlan, ref: str, *, for_assemble: dict | None = None, to
     spec = HubSpec(src.ref, rs.identity["commit"])
     if src.tensors == "assemble" and for_assemble is not None:
         from qtool.hub.resolve import fetch_tensor_patterns
-        from qtool.ops.assemble.plan import bf16_source_patterns
+        from qtool.ops.assemble.model import bf16_source_patterns
 
         pats = bf16_source_patterns(for_assemble.get("bf16_expert_layers") or (), for_assemble.get("mtp", "auto"))
         rs.path = fetch_tensor_patterns(spec, pats, token=token, progress=progress)
