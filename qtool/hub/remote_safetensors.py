@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from qtool.errors import ConfigError, HeaderError, PlanError, VerificationError
+from qtool.errors import WriteError, ConfigError, HeaderError, PlanError, VerificationError
 from qtool.hub.download import RepoListing, download_files
 from qtool.hub.resolve import HubError, hub_errors
 from qtool.io.index_file import read_index
@@ -308,6 +308,13 @@ def fetch_tensors(plan: FetchPlan, tx, *, token: str | None = None, progress: bo
     from qtool.io.jsonio import atomic_write_text
 
     partial = tx.partial
+    # a resumed fetch continues only the same commit's bytes (a branch may have moved since)
+    pinned = partial / ".qtool-download-commit"
+    if pinned.exists() and pinned.read_text().strip() != plan.listing.commit:
+        raise WriteError("cannot resume: the unfinished download is of another commit", path=partial,
+                         expected=plan.listing.commit, got=pinned.read_text().strip(),
+                         hint=f"resume at that commit (REPO@{pinned.read_text().strip()}) or drop --resume")
+    pinned.write_text(plan.listing.commit)
     reader = RangeReader(plan.listing, token=token)
     bar = _bar(progress, plan.data_bytes)
     resumed = 0
@@ -345,6 +352,7 @@ def fetch_tensors(plan: FetchPlan, tx, *, token: str | None = None, progress: bo
     }
     _check_output(partial, plan)
     write_hub_manifest(tx, plan.listing, report, command, {})
+    pinned.unlink()
     tx.commit()
     return report
 

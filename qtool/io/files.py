@@ -193,9 +193,12 @@ def link_tree(src: Path, dst: Path, placer: Placer, *, keep_existing: bool = Fal
     """Place every file under `src` at the same relative path under `dst` (symlinks copied as links;
     with `keep_existing`, files already at `dst` are kept: a resumed run's work). `skip`: names left out."""
     skip = set(skip)
-    for dirpath, _dirnames, filenames in os.walk(src):
+    for dirpath, dirnames, filenames in os.walk(src):
         rel = os.path.relpath(dirpath, src)
         (dst / rel).mkdir(parents=True, exist_ok=True)
+        for d in [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
+            dirnames.remove(d)  # a symlinked directory is placed as the link it is, not walked
+            filenames.append(d)
         for f in filenames:
             if f in skip:
                 continue

@@ -35,7 +35,8 @@ def content_sample_digest(path: str | Path) -> str:
 def input_identity(files: Iterable[str | Path]) -> dict[str, list]:
     """path -> [size, mtime_ns, content sample digest] for each input file."""
     out: dict[str, list] = {}
-    for f in sorted({str(f) for f in files}):
+    # keyed by the real path: a resume may name the same input as ./src or /abs/src
+    for f in sorted({os.path.realpath(f) for f in files}):
         st = os.stat(f)
         out[f] = [st.st_size, st.st_mtime_ns, content_sample_digest(f)]
     return out

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from qtool.errors import WriteError
 from qtool.io.files import LinkMode, Placer, fsync_dir, link_tree, write_error
-from qtool.io.output import LOCK_NAME, OutputDir, source_file_mode
+from qtool.io.output import OutputDir, source_file_mode
 
 RENAME_EXCHANGE = 2  # linux/fs.h
 
@@ -29,37 +29,60 @@ def exchange_paths(a: Path, b: Path) -> bool:
     return rc == 0
 
 
+def in_place_partial(root: Path) -> Path:
+    """Where the new state of a checkpoint changed in place is built: a hidden name of qtool's own beside
+    it (never a name a user's own directory could have, such as CKPT.partial)."""
+    root = Path(os.path.realpath(root))
+    return root.with_name(f".{root.name}.qtool-inplace")
+
+
 class InPlaceDir(OutputDir):
     """In-place work on the checkpoint `root`, atomic for indexed and unindexed checkpoints alike: the
-    new state is built in `root.partial/` (every file of `root` hard-linked, so unchanged shards cost
-    nothing; the op replaces or removes entries there, never writing through a link), then swapped with
-    `root` in one renameat2(RENAME_EXCHANGE). Readers see the old checkpoint or the new one, never a mix;
-    a kill before the swap leaves `root` untouched."""
+    new state is built in `.CKPT.qtool-inplace/` beside it (every file of `root` hard-linked, so unchanged
+    shards cost nothing; the op replaces or removes entries there, never writing through a link), then
+    swapped with `root` in one renameat2(RENAME_EXCHANGE). Readers see the old checkpoint or the new one,
+    never a mix; a kill before the swap leaves `root` untouched."""
 
     in_place = True
+    BUILDING = ".qtool-inplace-building"  # in the partial tree while it is being built (not after the swap)
 
     def __init__(self, root: str | Path, *, resume: bool = False) -> None:
-        super().__init__(root, force=True, resume=resume, file_mode=source_file_mode(Path(root)))
+        real = Path(os.path.realpath(root))  # a symlinked checkpoint: its target changes, the link stays
+        super().__init__(real, force=True, resume=resume, file_mode=source_file_mode(real))
+        self.partial = in_place_partial(real)
+        self.input_digests = self.partial / ".qtool-input-digests.jsonl"
+
+    def _recover(self) -> None:
+        """A run without RENAME_EXCHANGE killed between its two renames left the checkpoint under the old
+        name and the complete new state in the partial directory: finish the swap."""
+        if not self.out.exists() and self.old.is_dir() and self.partial.is_dir() and not (
+                self.partial / self.BUILDING).exists():
+            os.rename(self.partial, self.out)
+
     def check(self) -> None:
+        self._recover()
         if not self.out.is_dir():
             raise WriteError("the checkpoint to change in place is not a directory", path=self.out)
-        parent = Path(os.path.abspath(self.out)).parent
+        parent = self.out.parent
         if not os.access(parent, os.W_OK | os.X_OK) or not os.access(self.out, os.W_OK | os.X_OK):
             raise WriteError("the checkpoint (or the directory holding it) is not writable", path=self.out,
                              hint="in-place work builds the new state beside the checkpoint and swaps it in: "
                              "fix the permissions, or write a new checkpoint with -o instead")
+        if os.stat(self.out).st_dev != os.stat(parent).st_dev:
+            raise WriteError("the checkpoint is a mount point: its new state cannot be built beside it",
+                             path=self.out, hint="write a new checkpoint with -o instead")
 
-    BUILDING = ".qtool-inplace-building"  # in the partial tree while it is being built (not after the swap)
+    def _clear_stale(self) -> None:
+        if os.path.lexists(self.old):  # a swap whose clean-up was interrupted (qtool's own name)
+            shutil.rmtree(self.old)
+        if self.partial.exists() and not (self.partial / self.BUILDING).exists():
+            shutil.rmtree(self.partial)  # the previous state, swapped out by a run killed just after
 
     def __enter__(self) -> "InPlaceDir":
         self.check()
         self.lock.acquire()
         try:
-            old = self.out.with_name(self.out.name + ".old")
-            if old.exists():  # a swap whose clean-up was interrupted
-                shutil.rmtree(old)
-            if self.partial.exists() and not (self.partial / self.BUILDING).exists():
-                shutil.rmtree(self.partial)  # the previous state, swapped out by a run killed just after
+            self._clear_stale()
             if self.partial.exists() and not self.resume:
                 shutil.rmtree(self.partial)
             self.partial.mkdir(exist_ok=True)
@@ -78,31 +101,34 @@ class InPlaceDir(OutputDir):
         """Remove what a run killed right after its swap left beside `root` (the swapped-out previous
         state), for in-place commands that find nothing to change this time."""
         tx = cls(root)
-        stale = tx.partial.exists() and not (tx.partial / cls.BUILDING).exists()
-        old = tx.out.with_name(tx.out.name + ".old")
-        if stale or old.exists():
+        if os.path.lexists(tx.old) or (tx.partial.exists() and not (tx.partial / cls.BUILDING).exists()):
             with tx.lock:
-                for d in ([tx.partial] if stale else []) + ([old] if old.exists() else []):
-                    shutil.rmtree(d, ignore_errors=True)
+                tx._clear_stale()
 
     def _link_tree(self) -> None:
-        link_tree(self.out, self.partial, Placer(LinkMode.HARDLINK), keep_existing=True, skip=(LOCK_NAME,))
+        """The checkpoint's current files, hard-linked. On --resume the work directories of the run being
+        resumed (hidden entries the checkpoint itself does not have) are kept; everything else is linked
+        afresh, so a file changed or removed in the checkpoint since is not brought back."""
+        for entry in list(self.partial.iterdir()):
+            if entry.name.startswith(".") and not os.path.lexists(self.out / entry.name):
+                continue
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+        link_tree(self.out, self.partial, Placer(LinkMode.HARDLINK))
 
     def commit(self) -> None:
         self.sweep()
         (self.partial / self.BUILDING).unlink()
         self.set_modes()
         fsync_dir(self.partial)
-        old = self.out.with_name(self.out.name + ".old")
         try:
             if exchange_paths(self.partial, self.out):
-                os.rename(self.partial, old)  # now the previous state
-            else:  # no atomic swap here: two renames (a crash between them leaves both names)
-                os.rename(self.out, old)
+                os.rename(self.partial, self.old)  # now the previous state
+            else:  # no atomic swap here: two renames (a kill between them is finished by _recover)
+                os.rename(self.out, self.old)
                 os.rename(self.partial, self.out)
         except OSError as e:
             raise write_error("cannot swap the changed checkpoint into place", e, self.out) from None
-        fsync_dir(Path(os.path.abspath(self.out)).parent)
-        shutil.rmtree(old, ignore_errors=True)
+        fsync_dir(self.out.parent)
+        shutil.rmtree(self.old, ignore_errors=True)
         self.committed = True
         self.lock.release()

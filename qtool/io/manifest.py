@@ -143,11 +143,12 @@ class InputHasher:
             f.add_done_callback(lambda fut, p=path: self._note(p, fut))
 
     def _note(self, path: str, fut: Future) -> None:
-        if fut.cancelled() or fut.exception() is not None or path in self.recorded:
+        real = os.path.realpath(path)
+        if fut.cancelled() or fut.exception() is not None or real in self.recorded:
             return
         with self.lock:
             with open(self.record, "a", encoding="utf-8") as f:
-                f.write(json.dumps({"path": path, "sha256": fut.result()}) + "\n")
+                f.write(json.dumps({"path": real, "sha256": fut.result()}) + "\n")
 
     def _hash(self, real: str, key: str) -> str:
         digest = _hash_file(real)
@@ -159,7 +160,8 @@ class InputHasher:
     def results(self) -> dict[str, str]:
         out = {p: f.result() for p, f in sorted(self.futures.items())}
         self.pool.shutdown()
-        changed = sorted(p for p, d in out.items() if p in self.recorded and self.recorded[p] != d)
+        real = {p: os.path.realpath(p) for p in out}
+        changed = sorted(p for p, d in out.items() if self.recorded.get(real[p], d) != d)
         if changed:
             from qtool.errors import WriteError
 
@@ -244,7 +246,7 @@ def source_entry(root: Path, digests: dict[str, str]) -> dict:
 
 def write_manifest(path: Path, *, kind: str, command: str | None, sources: dict[str, dict],
                    summary: dict, checks: dict, files: dict[str, dict] | None = None,
-                   shards_section: Path | None = None, extra: dict | None = None) -> None:
+                   shards_section: Path | None = None, extra: dict | None = None, created: bool = True) -> None:
     """Write THE manifest (every command's, one schema) to `path`, fsynced: qtool_version, operation,
     command (secrets redacted), libraries, sources ({name: {path, files: {rel: {sha256, bytes}}}}),
     summary, checks, `files` (every output file's sha256 and size, what `verify --deep` compares),
@@ -256,6 +258,8 @@ def write_manifest(path: Path, *, kind: str, command: str | None, sources: dict[
     head = {
         "qtool_version": __version__,
         "operation": kind,
+        # False for an in-place change of a checkpoint qtool did not create (qtool.io.output.made_by_qtool)
+        "created_by_qtool": created,
         "command": command,
         "libraries": library_versions(),
         "sources": sources,

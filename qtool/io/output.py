@@ -6,8 +6,8 @@ Promises (README "Outputs"), kept here once instead of in each op:
   resolved) is refused before anything is written;
 - an existing OUT is replaced only with --force and only when qtool made it (it holds a qtool manifest
   or build-step marker); any other non-empty directory or file is refused whatever the flags;
-- one writer at a time: an exclusive lock (flock) next to OUT, or inside the checkpoint for in-place
-  work; a second run gets an error naming the process that holds it;
+- one writer at a time: an exclusive lock (flock) beside OUT (also for a checkpoint changed in place);
+  a second run gets an error naming the process that holds it;
 - work happens in `OUT.partial/`, moved into place only when complete;
 - files are created and placed by qtool.io.files (never written through a link to a source);
 - every output file gets the same permission bits (those of the primary source's files, since hard
@@ -33,10 +33,27 @@ MANIFEST_NAME = "qtool-manifest.json"
 STEP_MARKER = "qtool-step.json"  # a build step's finished output (qtool/ops/pipeline)
 QTOOL_MARKERS = (MANIFEST_NAME, STEP_MARKER)
 LOCK_NAME = ".qtool-lock"
+PARTIAL_MARKER = ".qtool-partial"  # in every OUT.partial/ qtool makes: only such a directory is ever removed
 
 
 def partial_path(out: Path) -> Path:
     return out.with_name(out.name + ".partial")
+
+
+def old_path(out: Path) -> Path:
+    """Where a replaced OUT (or a checkpoint's previous state) waits to be removed: a hidden name of qtool's
+    own, never one a user's backup could have (`OUT.old`)."""
+    return out.with_name(f".{out.name}.qtool-old")
+
+
+def remove_ours(path: Path) -> None:
+    """rmtree a directory qtool made (its partial marker present, or empty); anything else is refused."""
+    if not os.path.lexists(path):
+        return
+    if path.is_symlink() or not path.is_dir() or (any(path.iterdir()) and not (path / PARTIAL_MARKER).exists()):
+        raise WriteError("a directory in qtool's way was not made by qtool", path=path,
+                         hint="move it away (qtool uses this name for its unfinished output)")
+    shutil.rmtree(path)
 
 
 # ---- where an output may go ------------------------------------------------------------------------
@@ -53,7 +70,17 @@ def check_no_overlap(out: Path, sources: Iterable[Path], *, what: str = "-o") ->
 
 
 def made_by_qtool(path: Path) -> bool:
-    return any((path / m).is_file() for m in QTOOL_MARKERS)
+    """A directory qtool created (a build step, or an output whose manifest says so). An in-place op on a
+    user's checkpoint writes a manifest with `"created_by_qtool": false`: that checkpoint stays the
+    user's, never replaced by --force."""
+    if (path / STEP_MARKER).is_file():
+        return True
+    try:
+        with open(path / MANIFEST_NAME, "rb") as f:
+            head = f.read(4096)  # the key stands near the top (qtool.io.manifest.write_manifest)
+    except OSError:
+        return False
+    return b'"created_by_qtool": false' not in head
 
 
 def check_replaceable(out: Path, *, force: bool, any_owner: bool = False) -> None:
@@ -167,6 +194,7 @@ class OutputDir:
                  file_mode: int | None = None, replace_any: bool = False) -> None:
         self.out = Path(out)
         self.partial = partial_path(self.out)
+        self.old = old_path(self.out)
         self.sources = [Path(s) for s in sources]
         self.force, self.resume = force, resume
         self.file_mode = file_mode if file_mode is not None else (
@@ -179,8 +207,8 @@ class OutputDir:
 
     def check(self) -> None:
         """Everything that can be refused before any work: overlap, an existing OUT, a writable parent."""
-        check_no_overlap(self.out, self.sources)
-        check_no_overlap(self.partial, self.sources)
+        for p in (self.out, self.partial, self.old):
+            check_no_overlap(p, self.sources)
         if self.resume and self.out.exists() and not self.partial.exists() and not self.force:
             raise WriteError("nothing to resume: the output is already complete", path=self.out,
                              hint="remove it or pass --force to build it again")
@@ -204,9 +232,10 @@ class OutputDir:
         try:
             # again, now that no one else writes
             check_replaceable(self.out, force=self.force, any_owner=self.replace_any)
-            if self.partial.exists() and not self.resume:
-                shutil.rmtree(self.partial)
+            if os.path.lexists(self.partial) and (not self.resume or not (self.partial / PARTIAL_MARKER).exists()):
+                remove_ours(self.partial)  # a user's own OUT.partial is refused, never removed
             self.partial.mkdir(parents=True, exist_ok=True)
+            (self.partial / PARTIAL_MARKER).touch()
         except OSError as e:
             self.lock.release()
             raise write_error("cannot create the output directory", e, self.partial) from None
@@ -247,12 +276,15 @@ class OutputDir:
         try:
             if os.path.lexists(out):
                 check_replaceable(out, force=True, any_owner=self.replace_any)
-                old = out.with_name(out.name + ".old")
-                if old.exists():
-                    shutil.rmtree(old)
+                old = self.old
+                if os.path.lexists(old):
+                    shutil.rmtree(old)  # qtool's own name: a replaced output a killed commit left
                 os.rename(out, old)
+            (self.partial / PARTIAL_MARKER).unlink(missing_ok=True)
             os.rename(self.partial, out)
         except OSError as e:
+            if self.partial.exists():
+                (self.partial / PARTIAL_MARKER).touch()
             if old is not None and not out.exists():
                 os.rename(old, out)
             raise write_error("cannot move the finished output into place", e, out) from None

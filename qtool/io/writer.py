@@ -129,7 +129,7 @@ def write_shard(path: str | Path, tensors: list[OutTensor], metadata: dict[str, 
                 on_header: Callable[[], None] | None = None, stop: threading.Event | None = None,
                 mode: int = 0o644) -> int:
     """Write a shard as a NEW file (an existing file or link at `path` is unlinked, never written
-    through: qtool.io.output.open_new); returns its size. fsyncs before returning. `on_header` is called
+    through: qtool.io.files.open_new); returns its size. fsyncs before returning. `on_header` is called
     once the header is written (readable by others), before the tensor data. Once `stop` is set the copy
     raises Interrupted within a chunk (the file is left incomplete, for the caller's resume logic)."""
     from qtool.io.files import open_new

@@ -252,7 +252,7 @@ def _write(p: dict, tx: OutputDir, side: dict | None, restore: dict, report: dic
     report["shards_reused_by"] = sorted(ways)
     from qtool.io.manifest import InputHasher, source_entry, write_manifest
 
-    hasher = InputHasher()
+    hasher = InputHasher(trust_cache=not tx.resume, record=tx.input_digests)
     for f in sorted({h.path for h in ckpt.headers.values()}):
         hasher.submit(f)
     os.unlink(partial / JOURNAL_NAME)

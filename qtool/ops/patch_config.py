@@ -15,7 +15,7 @@ from pathlib import Path
 
 from qtool.arch.model_map import Format, ModelMap, build_map
 from qtool.arch.qwen35 import Group
-from qtool.errors import ConfigError, UsageError
+from qtool.errors import ConfigError, UsageError, WriteError
 from qtool.io.checkpoint import CONFIG_NAME, GENERATION_CONFIG_NAME, HF_QUANT_CONFIG_NAME, Checkpoint
 from qtool.io.jsonio import JsonStyle, dumps, load_json, unified_diff, write_json
 from qtool.io import quant_config as qcfg
@@ -189,7 +189,7 @@ def plan(
 
 def apply(p: PatchPlan, *, in_transaction: bool = False, command: str | None = None) -> list[str]:
     """Write the changed files; returns their names. The checkpoint changes as a whole: its new state is
-    built beside it and swapped in (qtool.io.output.InPlaceDir), so a kill never leaves config.json and
+    built beside it and swapped in (qtool.io.in_place.InPlaceDir), so a kill never leaves config.json and
     hf_quant_config.json disagreeing. `in_transaction`: `p.root` already is a transaction's partial
     directory (a build step), written directly."""
     from qtool.io.in_place import InPlaceDir
@@ -204,6 +204,13 @@ def apply(p: PatchPlan, *, in_transaction: bool = False, command: str | None = N
             write_json(p.root / f.name, f.data, f.style)
         return [f.name for f in changed]
     with InPlaceDir(p.root) as tx:
+        # the plan read the configs before the lock: another run may have changed them since
+        for f in p.files.values():
+            path = p.root / f.name
+            now = load_json(path)[0] if path.exists() else None
+            if now != f.original:
+                raise WriteError("the checkpoint's config changed while this run was planning", path=path,
+                                 hint="run the command again (it re-reads the current files)")
         for f in changed:
             write_json(tx.partial / f.name, f.data, f.style)
         _write_manifest(p, tx, [f.name for f in changed], command)
@@ -213,7 +220,7 @@ def apply(p: PatchPlan, *, in_transaction: bool = False, command: str | None = N
 
 def _write_manifest(p: PatchPlan, tx, written: list[str], command: str | None) -> None:
     from qtool.io.files import hash_file
-    from qtool.io.output import MANIFEST_NAME
+    from qtool.io.output import MANIFEST_NAME, made_by_qtool
     from qtool.io.manifest import carried_files, previous_head, write_manifest
 
     inputs = {f"{p.root}/{n}": hash_file(p.root / n) for n in written if (p.root / n).is_file()}
@@ -222,7 +229,8 @@ def _write_manifest(p: PatchPlan, tx, written: list[str], command: str | None) -
                    sources={"checkpoint": {"path": str(p.root), "files": {
                        os.path.basename(k): {"sha256": v, "bytes": os.path.getsize(k)} for k, v in inputs.items()}}},
                    summary={"fixes": [r.__dict__ for r in p.results], "written": written}, checks={},
-                   files=carried_files(tx.partial, p.root, set(written)), extra={"previous": prev} if prev else None)
+                   files=carried_files(tx.partial, p.root, set(written)), extra={"previous": prev} if prev else None,
+                   created=made_by_qtool(p.root))
 
 
 def _ignore_add(lists: _IgnoreLists, pattern: str) -> FixResult:

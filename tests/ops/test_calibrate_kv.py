@@ -181,13 +181,13 @@ def test_in_place_ct_then_overwrite_then_resume(request, tmp_path):
             ck.run(work, out=None, samples=N, seq_len=L, replace_scales=True)
     finally:
         LayerStreamer.load_layer = real
-    journal = json.loads((tmp_path / "ct.partial" / ".calibrate-kv" / "journal.json").read_text())
+    journal = json.loads((tmp_path / ".ct.qtool-inplace" / ".calibrate-kv" / "journal.json").read_text())
     assert journal["next_layer"] == 5 and [s["layer"] for s in journal["stats"]] == [3]
     rep2 = ck.run(work, out=None, samples=N, seq_len=L, replace_scales=True, resume=True)
     assert rep2["timing"]["resumed_from_layer"] == 5
     assert rep2["layers"] == rep["layers"]
     assert Checkpoint.open(work).tensors.keys() == ckpt.tensors.keys()
-    assert not (tmp_path / "ct.partial").exists() and not (tmp_path / "ct.old").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ct"]
 
 
 def test_bf16_dry_run_and_cli(request, tmp_path, capsys):

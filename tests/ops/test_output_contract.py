@@ -395,3 +395,79 @@ def test_a_second_quantize_on_the_same_output_is_refused(tiny_bf16, tmp_path):
     with lock_for(out):
         p = run_qtool(["quantize", tiny_bf16, "-o", out, "--recipe", "qwen35-nvfp4-experts", *KV])
     assert p.returncode == 1 and "another qtool run" in p.stderr and not (tmp_path / "q.partial").exists()
+
+
+# ---- found by review: names and links a user may have --------------------------------------------
+
+
+def test_a_users_backup_named_like_qtools_scratch_is_never_removed(tiny_nvfp4_modelopt, tmp_path):
+    """`convert m.old -o m --force` removed the input m.old (commit parked OUT at OUT.old); patch-config
+    removed a user's `ck.old` backup and `ck.partial`."""
+    m_old = copy_of(tiny_nvfp4_modelopt, tmp_path / "m.old")
+    before = tree_sha(m_old, skip=())
+    args = ["convert", m_old, "-o", tmp_path / "m", "--to", "compressed-tensors", "--quiet"]
+    assert run_qtool(args).returncode == 0
+    assert run_qtool([*args, "--force"]).returncode == 0
+    assert tree_sha(m_old, skip=()) == before
+    ck = copy_of(tiny_nvfp4_modelopt, tmp_path / "ck")
+    copy_of(ck, tmp_path / "ck.old")
+    (tmp_path / "ck.partial").mkdir()
+    (tmp_path / "ck.partial" / "mine").write_text("x")
+    for _ in range(2):  # a change, then nothing to change
+        assert run_qtool(["patch-config", ck, "--fix", "router-ignore"]).returncode == 0
+    assert (tmp_path / "ck.old" / "config.json").exists() and (tmp_path / "ck.partial" / "mine").exists()
+    p = run_qtool(["convert", tiny_nvfp4_modelopt, "-o", tmp_path / "ck", "--to", "compressed-tensors"])
+    assert p.returncode == 1 and "not made by qtool" in p.stderr  # ck: a checkpoint qtool did not make
+
+
+def test_in_place_through_a_symlink_and_with_a_symlinked_directory(tiny_nvfp4_modelopt, tmp_path):
+    """In-place on a symlinked checkpoint replaced the link by a directory and left its target unchanged;
+    a symlinked directory inside the checkpoint vanished."""
+    real = copy_of(tiny_nvfp4_modelopt, tmp_path / "real")
+    (tmp_path / "assets").mkdir()
+    (real / "assets").symlink_to(tmp_path / "assets")
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    assert run_qtool(["patch-config", link, "--fix", "router-ignore"]).returncode == 0
+    assert link.is_symlink() and "*.mlp.gate" in (real / "config.json").read_text()
+    assert (real / "assets").is_symlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["assets", "link", "real"]
+
+
+def test_build_publishing_keeps_the_sources_permissions_and_refuses_a_source_as_output(tiny_nvfp4_modelopt,
+                                                                                       tmp_path):
+    """Publishing chmod-ed hard links shared with the user's --source files read-only; `build -o SRC`
+    replaced the source."""
+    import stat as st
+
+    src = copy_of(tiny_nvfp4_modelopt, tmp_path / "src")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("name: r\nsources:\n  nv: {path: %s}\nsteps:\n"
+                      "  - {id: p, op: patch-config, input: nv, with: {fixes: [router-ignore]}}\n" % src)
+    modes = {f.name: st.S_IMODE(f.stat().st_mode) for f in src.iterdir()}
+    assert run_qtool(["build", recipe, "-o", tmp_path / "out", "--quiet"]).returncode == 0, "build"
+    assert {f.name: st.S_IMODE(f.stat().st_mode) for f in src.iterdir()} == modes
+    before = tree_sha(src, skip=())
+    p = run_qtool(["build", recipe, "-o", src, "--force", "--json"])
+    assert p.returncode == 2 and "overlaps" in json.loads(p.stdout)["message"]
+    assert tree_sha(src, skip=()) == before
+
+
+def test_resume_names_the_input_either_way_and_in_place_resume_takes_the_current_files(tiny_nvfp4_modelopt,
+                                                                                        tmp_path):
+    """--resume with ./src instead of /abs/src was refused as "14 input files changed"; an in-place resume
+    brought back a side file edited or deleted since the kill."""
+    src = copy_of(tiny_nvfp4_modelopt, tmp_path / "src")
+    out = tmp_path / "out"
+    args = [*KV, "--replace-scales", "--quiet"]
+    assert run_killed("qtool.stream.layer_stream:LayerStreamer.load_layer", 2,
+                      ["calibrate-kv", src, "-o", out, *args]).returncode == -9
+    p = run_qtool(["calibrate-kv", "src", "-o", "out", *args, "--resume"], cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    work = copy_of(tiny_nvfp4_modelopt, tmp_path / "work")
+    assert run_killed("qtool.io.writer:write_shard", 1, ["calibrate-kv", work, *args, "--in-place"]).returncode == -9
+    (work / "generation_config.json").write_text('{"edited": true}\n')
+    (work / "video_preprocessor_config.json").unlink()
+    assert run_qtool(["calibrate-kv", work, *args, "--in-place", "--resume"]).returncode == 0
+    assert (work / "generation_config.json").read_text() == '{"edited": true}\n'
+    assert not (work / "video_preprocessor_config.json").exists()

@@ -9,6 +9,7 @@ from pathlib import Path
 from qtool.arch.qwen35 import Group, layer_prefix
 from qtool.formats.naming import Flavour
 from qtool.errors import PlanError
+from qtool.io.in_place import in_place_partial
 from qtool.io.output import check_no_overlap, partial_path
 from qtool.io.checkpoint import Checkpoint
 
@@ -164,7 +165,7 @@ def plan(opts: CalibrateKvOptions) -> KvPlan:
     if out_p is not None:
         check_no_overlap(out_p, [ckpt.root])
     # the hidden states and the journal live in the transaction's partial directory (-o and --in-place)
-    work = partial_path(out_p if out_p is not None else ckpt.root) / ".calibrate-kv"
+    work = (partial_path(out_p) if out_p is not None else in_place_partial(ckpt.root)) / ".calibrate-kv"
     changes = []
     qc = ckpt.quantization_config
     if isinstance(qc, dict):

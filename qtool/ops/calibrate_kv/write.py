@@ -8,7 +8,7 @@ import os
 import shutil
 import struct
 
-from qtool.io.output import MANIFEST_NAME, OutputDir
+from qtool.io.output import MANIFEST_NAME, OutputDir, made_by_qtool
 from qtool.io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG_NAME, INDEX_NAME, Checkpoint
 from qtool.io.jsonio import load_json, write_json
 from qtool.io.quant_config import HfQuantSchema, hf_quant_schema
@@ -128,7 +128,8 @@ def _write_manifest(p: KvPlan, tx: OutputDir, command: str | None, files: dict, 
         out_files = output_files(tx.partial)
     write_manifest(tx.partial / MANIFEST_NAME, kind="calibrate-kv", command=command,
                    sources={"checkpoint": source_entry(p.ckpt.root, hasher.results())},
-                   summary=p.to_json(), checks={}, files=out_files, extra=extra)
+                   summary=p.to_json(), checks={}, files=out_files, extra=extra,
+                   created=not tx.in_place or made_by_qtool(p.ckpt.root))
 
 
 def start_input_hashes(p: KvPlan, tx: OutputDir, *, resume: bool):

@@ -100,7 +100,8 @@ def _publish(bp: BuildPlan, chain: list[dict]) -> bool:
         "sources": {n: s.to_json() for n, s in bp.sources.items()},
         "steps": chain,
     }
-    with OutputDir(bp.out, force=True) as tx:
+    inputs = [s.path for s in bp.sources.values() if s.path is not None]
+    with OutputDir(bp.out, sources=inputs, force=True) as tx:
         shards = Placer(LinkMode.AUTO, file_mode=tx.file_mode)
         for p in sorted(src.rglob("*")):
             rel = p.relative_to(src)
@@ -109,8 +110,10 @@ def _publish(bp: BuildPlan, chain: list[dict]) -> bool:
             dst = tx.partial / rel
             dst.parent.mkdir(parents=True, exist_ok=True)
             if p.suffix == ".safetensors":
-                if shards.place(p, dst) == "hardlink":
-                    os.chmod(dst, os.stat(dst).st_mode & ~0o222)  # shared with the cache: read-only
+                # shared with the cache alone (2 links): made read-only; a cache file that is itself a link
+                # to a user's source or an HF blob (more links) keeps its mode: its permissions are theirs
+                if shards.place(p, dst) == "hardlink" and os.stat(dst).st_nlink == 2:
+                    os.chmod(dst, os.stat(dst).st_mode & ~0o222)
             else:
                 copy_file(p, dst, tx.file_mode)
         manifest = json.loads((src / MANIFEST).read_text()) if (src / MANIFEST).exists() else {

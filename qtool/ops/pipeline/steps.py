@@ -6,6 +6,7 @@ error naming the module."""
 from __future__ import annotations
 
 import importlib
+from contextlib import contextmanager
 from collections.abc import Callable
 from pathlib import Path
 
@@ -98,23 +99,23 @@ def run_contract_op(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
     return spec.execute(spec.plan(opts)).to_json()
 
 
+@contextmanager
 def _linked_step_dir(src: Path, sp: StepPlan):
     """A step output that starts as links of its input's files (patch-config, a local download source):
-    an OutputDir in the build's own cache, entered, with `src` linked into its partial directory. Files
-    are replaced there through new inodes only (qtool.io.output), so the input is never modified."""
-    from qtool.io.files import link_tree, LinkMode, Placer
+    an OutputDir in the build's own cache, with `src` linked into its partial directory. Files are
+    replaced there through new inodes only (qtool.io.files), so the input is never modified."""
+    from qtool.io.files import LinkMode, Placer, link_tree
     from qtool.io.output import OutputDir
 
-    tx = OutputDir(sp.dir, sources=[src], force=True, replace_any=True).__enter__()
-    link_tree(src, tx.partial, Placer(LinkMode.AUTO), skip=(STEP_MARKER,))
-    return tx
+    with OutputDir(sp.dir, sources=[src], force=True, replace_any=True) as tx:
+        link_tree(src, tx.partial, Placer(LinkMode.AUTO), skip=(STEP_MARKER,))
+        yield tx
 
 
 def run_patch_config(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
     mod = op_module(Op.PATCH_CONFIG, "qtool.ops.patch_config")
     src = materialize(bp, sp.step.inputs[0], token=ctx.get("token"))
-    tx = _linked_step_dir(src, sp)
-    try:
+    with _linked_step_dir(src, sp) as tx:
         p = sp.step.params
         plan = mod.plan(tx.partial, fixes=[mod.Fix(f) for f in p.get("fixes", [])],
                         ignore_add=p.get("ignore_add", []), ignore_remove=p.get("ignore_remove", []),
@@ -122,8 +123,6 @@ def run_patch_config(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
                         sampling_defaults=bool(p.get("sampling_defaults", False)))
         written = mod.apply(plan, in_transaction=True)
         tx.commit()
-    finally:
-        tx.__exit__(None, None, None)
     return {"fixes": [r.__dict__ for r in plan.results], "written": written}
 
 
@@ -149,11 +148,8 @@ def run_download(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
     ref = sp.step.inputs[0]
     if ref not in bp.sources or bp.sources[ref].source.kind is not SourceKind.HUB or bp.sources[ref].overridden:
         src = materialize(bp, ref)
-        tx = _linked_step_dir(src, sp)
-        try:
+        with _linked_step_dir(src, sp) as tx:
             tx.commit()
-        finally:
-            tx.__exit__(None, None, None)
         return {"linked_from": str(src)}
     from qtool.hub.resolve import HubSpec
     from qtool.ops import download as dl
