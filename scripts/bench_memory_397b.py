@@ -98,7 +98,8 @@ ex.free_space = lambda path: 1 << 50
 nv, bf, out, layers = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), tuple(int(x) for x in sys.argv[4].split(",") if x)
 t = time.perf_counter()
 plan = plan_hybrid(HybridOptions(nvfp4=nv, bf16=bf, out=out, bf16_expert_layers=layers, link=LinkMode.COPY))
-res = ex.execute(plan, force=True)
+plan.options.force = True
+res = ex.execute(plan)
 print(json.dumps({"seconds": round(time.perf_counter() - t, 1), "passed": res.checks["passed"],
                   "written": res.shards_written,
                   "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024}))

@@ -48,7 +48,8 @@ def run(args) -> int:
     layers = _layers(args.bf16_expert_layers)
     opts = HybridOptions(nvfp4=local_checkpoint(args.nvfp4), bf16=_bf16_source(args.bf16, layers, args.mtp),
                          out=Path(args.output), bf16_expert_layers=layers, mtp=MtpMode(args.mtp),
-                         link=LinkMode(args.link), max_shard_size=max_size)
+                         link=LinkMode(args.link), max_shard_size=max_size, force=args.force,
+                         resume=args.resume, command=run_command_line())
     plan = plan_hybrid(opts)
     summary = plan.summary()
     if args.dry_run:
@@ -57,9 +58,7 @@ def run(args) -> int:
         else:
             _print_plan(summary)
         return 0
-    result = execute(plan, force=args.force, resume=args.resume,
-                     command=run_command_line(),
-                     progress=not args.quiet and not args.json and sys.stderr.isatty())
+    result = execute(plan, progress=not args.quiet and not args.json and sys.stderr.isatty())
     if args.json:
         print_json({"plan": summary, "result": result.to_json()})
         return 0

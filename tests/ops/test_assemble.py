@@ -35,10 +35,9 @@ def pair(tmp_path, **kw):
 
 
 def run(nv, bf, out, **kw):
-    flags = {k: kw.pop(k) for k in ("force", "resume") if k in kw}
-    opts = HybridOptions(nvfp4=nv, bf16=bf, out=out, **kw)
+    opts = HybridOptions(nvfp4=nv, bf16=bf, out=out, command="test", **kw)
     plan = plan_hybrid(opts)
-    return plan, execute(plan, command="test", **flags)
+    return plan, execute(plan)
 
 
 def files_bytes(d: Path) -> dict[str, bytes]:

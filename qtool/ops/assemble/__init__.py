@@ -1,8 +1,8 @@
 """`qtool assemble hybrid`: BF16 shared experts (and chosen layers' routed experts, and the MTP head)
 spliced into an NVFP4 checkpoint by byte ranges (formats doc section 7).
 
-    plan = plan_hybrid(HybridOptions(nvfp4=..., bf16=..., out=...))   # headers + configs only
-    result = execute(plan, force=False, resume=False, command="qtool assemble hybrid ...")
+    plan = plan_hybrid(HybridOptions(nvfp4=..., bf16=..., out=..., force=False, resume=False))  # headers
+    result = execute(plan)                                                                        # + configs only
 """
 
 from qtool.ops.assemble.execute import RunResult, execute, free_space
@@ -18,10 +18,9 @@ from qtool.ops.assemble.model import (
 from qtool.ops.assemble.plan import plan_hybrid
 
 
-def assemble_hybrid(opts: HybridOptions, *, force: bool = False, resume: bool = False,
-                    command: str | None = None, progress: bool = False) -> tuple[HybridPlan, RunResult]:
+def assemble_hybrid(opts: HybridOptions, *, progress: bool = False) -> tuple[HybridPlan, RunResult]:
     plan = plan_hybrid(opts)
-    return plan, execute(plan, force=force, resume=resume, command=command, progress=progress)
+    return plan, execute(plan, progress=progress)
 
 
 __all__ = [

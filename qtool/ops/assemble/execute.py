@@ -202,9 +202,9 @@ def _source_problems(plan: HybridPlan) -> list[str]:
     return consistency_problems(build_map(Checkpoint.open(plan.nv.root)))
 
 
-def execute(plan: HybridPlan, *, force: bool = False, resume: bool = False, command: str | None = None,
-            progress: bool = False) -> RunResult:
+def execute(plan: HybridPlan, *, progress: bool = False) -> RunResult:
     opts = plan.options
+    force, resume, command = opts.force, opts.resume, opts.command
     # set when the run fails or is interrupted: the shards in flight stop within a chunk instead of being
     # finished (four 5 GB shards would otherwise delay Ctrl-C by a minute); they are redone on --resume
     stop = threading.Event()

@@ -112,6 +112,8 @@ class PlannedShard:
 
 @dataclass
 class HybridOptions:
+    """assemble hybrid's options: the one place their defaults live (CLI, build steps, library)."""
+
     nvfp4: Path
     bf16: Path
     out: Path
@@ -119,6 +121,9 @@ class HybridOptions:
     mtp: MtpMode = MtpMode.AUTO
     link: LinkMode = LinkMode.AUTO
     max_shard_size: int | None = None  # None: 5% above the NVFP4 source's largest shard, at least 5 GB
+    force: bool = False  # replace an existing OUT that qtool made
+    resume: bool = False
+    command: str | None = None  # recorded in the manifest (secrets redacted by the caller)
 
 
 def bf16_source_patterns(bf16_expert_layers, mtp: str = "auto") -> list[str]:

@@ -5,6 +5,7 @@ error naming the module."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from contextlib import contextmanager
 from collections.abc import Callable
@@ -72,7 +73,8 @@ def run_assemble(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
     from qtool.ops.assemble import assemble_hybrid
 
     opts = _assemble_opts(bp, sp, sp.dir, token=ctx.get("token"), progress=ctx.get("progress", False))
-    _, result = assemble_hybrid(opts, force=True, resume=ctx.get("resume", False), command=ctx.get("command"))
+    opts = dataclasses.replace(opts, force=True, resume=ctx.get("resume", False), command=ctx.get("command"))
+    _, result = assemble_hybrid(opts)
     return result.to_json()
 
 
