@@ -25,16 +25,17 @@ def run(args) -> int:
 
     if not (args.fix or args.ignore_add or args.ignore_remove or args.yarn or args.sampling_defaults):
         raise UsageError("no fix given", hint="e.g. --fix router-ignore --fix mtp-ignore (see --help)")
-    plan = pc.plan(
+    plan = pc.plan(pc.PatchOptions(
         local_only(args.checkpoint),
-        fixes=[pc.Fix(f) for f in args.fix],
-        ignore_add=args.ignore_add,
-        ignore_remove=args.ignore_remove,
+        fixes=tuple(args.fix),
+        ignore_add=tuple(args.ignore_add),
+        ignore_remove=tuple(args.ignore_remove),
         yarn=args.yarn,
         original_max_position=args.original_max_position,
         sampling_defaults=args.sampling_defaults,
-    )
-    written = [] if args.dry_run else pc.apply(plan, command=run_command_line())
+        command=run_command_line(),
+    ))
+    written = [] if args.dry_run else pc.execute(plan).to_json()["written"]
     if args.json:
         out = plan.to_json()
         out["dry_run"] = args.dry_run

@@ -19,6 +19,7 @@ from qtool.errors import ConfigError, UsageError, WriteError
 from qtool.io.checkpoint import CONFIG_NAME, GENERATION_CONFIG_NAME, HF_QUANT_CONFIG_NAME, Checkpoint
 from qtool.io.jsonio import JsonStyle, dumps, load_json, unified_diff, write_json
 from qtool.io import quant_config as qcfg
+from qtool.ops.contract import Report
 
 # The router pattern. The seed (and the formats doc) use "model.language_model.layers..mlp.gate", but
 # the real matching code of vLLM 0.33.0 and SGLang 0.5.23 (modelopt.py is_layer_excluded; checked with
@@ -71,6 +72,7 @@ class PatchPlan:
     root: Path
     files: dict[str, ConfigFile]
     results: list[FixResult] = field(default_factory=list)
+    options: "PatchOptions | None" = None
 
     @property
     def changed(self) -> bool:
@@ -143,21 +145,31 @@ class _IgnoreLists:
             qcfg.set_hf_quant_exclude(self.hq, globs)
 
 
-def plan(
-    checkpoint: str | Path,
-    *,
-    fixes: list[Fix] = (),
-    ignore_add: list[str] = (),
-    ignore_remove: list[str] = (),
-    yarn: float | None = None,
-    original_max_position: int | None = None,
-    sampling_defaults: bool = False,
-) -> PatchPlan:
-    root = Path(checkpoint)
+@dataclass(frozen=True)
+class PatchOptions:
+    """patch-config's options: the one place their defaults live (CLI, build steps, library)."""
+
+    checkpoint: Path
+    fixes: tuple = ()  # Fix values (strings from a recipe are accepted)
+    ignore_add: tuple = ()
+    ignore_remove: tuple = ()
+    yarn: float | None = None
+    original_max_position: int | None = None
+    sampling_defaults: bool = False
+    command: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "fixes", tuple(Fix(f) for f in self.fixes))
+
+
+def plan(opts: PatchOptions) -> PatchPlan:
+    fixes, ignore_add, ignore_remove = opts.fixes, opts.ignore_add, opts.ignore_remove
+    yarn, original_max_position, sampling_defaults = opts.yarn, opts.original_max_position, opts.sampling_defaults
+    root = Path(opts.checkpoint)
     files = {n: _load_optional(root, n) for n in (CONFIG_NAME, HF_QUANT_CONFIG_NAME, GENERATION_CONFIG_NAME)}
     if files[CONFIG_NAME].data is None:
         raise ConfigError("config.json not found", path=root / CONFIG_NAME, hint="point at a model directory")
-    p = PatchPlan(root, files)
+    p = PatchPlan(root, files, options=opts)
     mm: ModelMap | None = None
 
     def model_map() -> ModelMap:
@@ -194,6 +206,7 @@ def apply(p: PatchPlan, *, in_transaction: bool = False, command: str | None = N
     directory (a build step), written directly."""
     from qtool.io.in_place import InPlaceDir
 
+    command = command if command is not None else (p.options.command if p.options else None)
     changed = [f for f in p.files.values() if f.changed and f.data is not None]
     if not changed:
         if not in_transaction:
@@ -216,6 +229,12 @@ def apply(p: PatchPlan, *, in_transaction: bool = False, command: str | None = N
         _write_manifest(p, tx, [f.name for f in changed], command)
         tx.commit()
     return [f.name for f in changed]
+
+
+def execute(p: PatchPlan) -> Report:
+    """The op contract's execute: apply the plan in place (atomically); the report is the plan plus the
+    files written."""
+    return Report({**p.to_json(), "written": apply(p)})
 
 
 def _write_manifest(p: PatchPlan, tx, written: list[str], command: str | None) -> None:

@@ -51,7 +51,7 @@ def _qtool(*args):
 @pytest.mark.parametrize("ckpt", ["modelopt"], indirect=True)
 def test_router_ignore_in_both_schemas_and_idempotent(ckpt):
     before_cfg = (ckpt / "config.json").read_text()
-    plan = pc.plan(ckpt, fixes=[pc.Fix.ROUTER_IGNORE])
+    plan = pc.plan(pc.PatchOptions(ckpt, fixes=[pc.Fix.ROUTER_IGNORE]))
     assert plan.results[0].applied and plan.changed
     added = [l for l in plan.files["config.json"].diff().splitlines() if l.startswith("+") and not l.startswith("+++")]
     assert any(f'"{ROUTER}"' in l for l in added)
@@ -61,7 +61,7 @@ def test_router_ignore_in_both_schemas_and_idempotent(ckpt):
     assert _hq(ckpt)["quantization"]["exclude_modules"][-1] == ROUTER  # ModelOpt native schema
     assert "ignore" not in _hq(ckpt)
     after = (ckpt / "config.json").read_text()
-    again = pc.plan(ckpt, fixes=[pc.Fix.ROUTER_IGNORE])
+    again = pc.plan(pc.PatchOptions(ckpt, fixes=[pc.Fix.ROUTER_IGNORE]))
     assert not again.changed and not again.results[0].applied
     assert pc.apply(again) == [] and (ckpt / "config.json").read_text() == after
     # key order of the untouched keys is preserved
@@ -72,7 +72,7 @@ def test_router_ignore_in_both_schemas_and_idempotent(ckpt):
 def test_flat_hf_quant_schema_is_kept_flat(ckpt):
     flat = {"quant_algo": "NVFP4", "ignore": ["lm_head"]}
     (ckpt / "hf_quant_config.json").write_text(json.dumps(flat, indent=4) + "\n")
-    pc.apply(pc.plan(ckpt, fixes=[pc.Fix.ROUTER_IGNORE]))
+    pc.apply(pc.plan(pc.PatchOptions(ckpt, fixes=[pc.Fix.ROUTER_IGNORE])))
     text = (ckpt / "hf_quant_config.json").read_text()
     assert json.loads(text) == {"quant_algo": "NVFP4", "ignore": ["lm_head", ROUTER]}
     assert text.startswith('{\n    "quant_algo"')  # the file's 4-space indent survives
@@ -80,7 +80,7 @@ def test_flat_hf_quant_schema_is_kept_flat(ckpt):
 
 @pytest.mark.parametrize("ckpt", ["ct"], indirect=True)
 def test_compressed_tensors_gets_regex_patterns(ckpt):
-    pc.apply(pc.plan(ckpt, fixes=[pc.Fix.ROUTER_IGNORE, pc.Fix.MTP_IGNORE]))
+    pc.apply(pc.plan(pc.PatchOptions(ckpt, fixes=[pc.Fix.ROUTER_IGNORE, pc.Fix.MTP_IGNORE])))
     ignore = _cfg(ckpt)["quantization_config"]["ignore"]
     assert pc.ROUTER_REGEX in ignore
     assert all(p.startswith("re:") or "." not in p or p == "lm_head" for p in ignore)
@@ -94,7 +94,7 @@ def test_mtp_ignore_when_mtp_is_bf16(ckpt):
         lst[:] = [p for p in lst if not p.startswith("mtp")]
         (ckpt / name).write_text(json.dumps(obj, indent=2))
     assert any(p["code"] == "bf16-but-not-ignored" for p in inspect_checkpoint(ckpt)["problems"])
-    plan = pc.plan(ckpt, fixes=[pc.Fix.MTP_IGNORE])
+    plan = pc.plan(pc.PatchOptions(ckpt, fixes=[pc.Fix.MTP_IGNORE]))
     assert plan.results[0].applied and "whole MTP head" in plan.results[0].message
     pc.apply(plan)
     assert "mtp*" in _cfg(ckpt)["quantization_config"]["ignore"]
@@ -103,7 +103,7 @@ def test_mtp_ignore_when_mtp_is_bf16(ckpt):
 
 @pytest.mark.parametrize("ckpt", ["modelopt-nomtp"], indirect=True)
 def test_fix_that_does_not_apply_changes_nothing(ckpt):
-    plan = pc.plan(ckpt, fixes=[pc.Fix.MTP_IGNORE])
+    plan = pc.plan(pc.PatchOptions(ckpt, fixes=[pc.Fix.MTP_IGNORE]))
     assert not plan.results[0].applied and "no MTP head" in plan.results[0].message
     assert not plan.changed
 
@@ -114,7 +114,7 @@ def test_ignore_from_tensors_repairs_a_wrong_list(ckpt):
     cfg["quantization_config"]["ignore"] = ["lm_head", "*.layers.1.mlp.experts*"]  # wrong both ways
     (ckpt / "config.json").write_text(json.dumps(cfg, indent=2))
     assert inspect_checkpoint(ckpt)["problems"]
-    plan = pc.plan(ckpt, fixes=[pc.Fix.IGNORE_FROM_TENSORS])
+    plan = pc.plan(pc.PatchOptions(ckpt, fixes=[pc.Fix.IGNORE_FROM_TENSORS]))
     assert plan.results[0].applied
     pc.apply(plan)
     ignore = _cfg(ckpt)["quantization_config"]["ignore"]
@@ -125,19 +125,19 @@ def test_ignore_from_tensors_repairs_a_wrong_list(ckpt):
 
 @pytest.mark.parametrize("ckpt", ["modelopt"], indirect=True)
 def test_ignore_add_and_remove(ckpt):
-    pc.apply(pc.plan(ckpt, ignore_add=["foo*"]))
+    pc.apply(pc.plan(pc.PatchOptions(ckpt, ignore_add=["foo*"])))
     assert "foo*" in _cfg(ckpt)["quantization_config"]["ignore"]
     assert "foo*" in _hq(ckpt)["quantization"]["exclude_modules"]
-    pc.apply(pc.plan(ckpt, ignore_remove=["foo*"]))
+    pc.apply(pc.plan(pc.PatchOptions(ckpt, ignore_remove=["foo*"])))
     assert "foo*" not in _cfg(ckpt)["quantization_config"]["ignore"]
-    plan = pc.plan(ckpt, ignore_remove=["never-there"])
+    plan = pc.plan(pc.PatchOptions(ckpt, ignore_remove=["never-there"]))
     assert not plan.changed and not plan.results[0].applied
 
 
 @pytest.mark.parametrize("ckpt", ["modelopt"], indirect=True)
 def test_yarn_keeps_mrope_and_is_idempotent(ckpt):
     before = _cfg(ckpt)["text_config"]["rope_parameters"]
-    pc.apply(pc.plan(ckpt, yarn=4))
+    pc.apply(pc.plan(pc.PatchOptions(ckpt, yarn=4)))
     tc = _cfg(ckpt)["text_config"]
     rp = tc["rope_parameters"]
     assert rp["rope_type"] == "yarn" and rp["factor"] == 4.0
@@ -145,13 +145,13 @@ def test_yarn_keeps_mrope_and_is_idempotent(ckpt):
     assert tc["max_position_embeddings"] == 262144 * 4
     for k in ("mrope_interleaved", "mrope_section", "rope_theta", "partial_rotary_factor"):
         assert rp[k] == before[k], k
-    assert not pc.plan(ckpt, yarn=4).changed
+    assert not pc.plan(pc.PatchOptions(ckpt, yarn=4)).changed
 
 
 @pytest.mark.parametrize("ckpt", ["modelopt"], indirect=True)
 def test_sampling_defaults(ckpt):
     (ckpt / "generation_config.json").unlink(missing_ok=True)
-    pc.apply(pc.plan(ckpt, sampling_defaults=True))
+    pc.apply(pc.plan(pc.PatchOptions(ckpt, sampling_defaults=True)))
     gen = json.loads((ckpt / "generation_config.json").read_text())
     assert gen["temperature"] == 0.6 and gen["top_p"] == 0.95 and gen["top_k"] == 20 and gen["min_p"] == 0.0
 
@@ -188,7 +188,7 @@ def test_router_ignore_protects_the_router_in_old_vllm(ckpt):
     assert not vllm.is_excluded(router, ignore, version="vllm@0.16")
     # the seed's literal does not help (it matches no mapped module name)
     assert not vllm.is_excluded(router, ignore + [pc.SEED_ROUTER_LITERAL], version="vllm@0.16")
-    pc.apply(pc.plan(ckpt, fixes=[pc.Fix.ROUTER_IGNORE]))
+    pc.apply(pc.plan(pc.PatchOptions(ckpt, fixes=[pc.Fix.ROUTER_IGNORE])))
     ignore = _cfg(ckpt)["quantization_config"]["ignore"]
     assert vllm.is_excluded(router, ignore, version="vllm@0.16")
     assert sglang.is_excluded(router, ignore)

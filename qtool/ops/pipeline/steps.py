@@ -114,15 +114,17 @@ def _linked_step_dir(src: Path, sp: StepPlan):
         yield tx
 
 
+def _tuples(params: dict) -> dict:
+    """A recipe's lists as the tuples a frozen options dataclass holds."""
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in params.items()}
+
+
 def run_patch_config(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
     mod = op_module(Op.PATCH_CONFIG, "qtool.ops.patch_config")
     src = materialize(bp, sp.step.inputs[0], token=ctx.get("token"))
     with _linked_step_dir(src, sp) as tx:
         p = sp.step.params
-        plan = mod.plan(tx.partial, fixes=[mod.Fix(f) for f in p.get("fixes", [])],
-                        ignore_add=p.get("ignore_add", []), ignore_remove=p.get("ignore_remove", []),
-                        yarn=p.get("yarn"), original_max_position=p.get("original_max_position"),
-                        sampling_defaults=bool(p.get("sampling_defaults", False)))
+        plan = mod.plan(options_from(mod.PatchOptions, _tuples(p), checkpoint=tx.partial))
         written = mod.apply(plan, in_transaction=True)
         tx.commit()
     return {"fixes": [r.__dict__ for r in plan.results], "written": written}
@@ -198,10 +200,7 @@ def validate_step(bp: BuildPlan, sp: StepPlan) -> dict:
     if st.op is Op.PATCH_CONFIG:
         mod = op_module(Op.PATCH_CONFIG, "qtool.ops.patch_config")
         p = st.params
-        pp = mod.plan(src, fixes=[mod.Fix(f) for f in p.get("fixes", [])], ignore_add=p.get("ignore_add", []),
-                      ignore_remove=p.get("ignore_remove", []), yarn=p.get("yarn"),
-                      original_max_position=p.get("original_max_position"),
-                      sampling_defaults=bool(p.get("sampling_defaults", False)))
+        pp = mod.plan(options_from(mod.PatchOptions, _tuples(p), checkpoint=src))
         return {"status": "planned", "fixes": [r.__dict__ for r in pp.results]}
     if st.op is Op.VERIFY:
         mod, opts = _verify_opts(st.params)
