@@ -31,7 +31,7 @@ def run(args) -> int:
     spec = parse_spec(args.repo, require_prefix=False)
     opts = dl.DownloadOptions(spec=spec, out=Path(args.output) if args.output else None, include=args.include,
                               tensors=args.tensors, link=dl.LinkMode(args.link), token=args.token,
-                              force=args.force, resume=args.resume)
+                              force=args.force, resume=args.resume, command=run_command_line())
     plan = dl.plan(opts)
     if args.dry_run:
         if args.json:
@@ -39,7 +39,7 @@ def run(args) -> int:
         else:
             _print_plan(plan.to_json())
         return 0
-    report = dl.run(plan, progress=not (args.quiet or args.json), command=run_command_line())
+    report = dl.execute(plan, progress=not (args.quiet or args.json)).to_json()
     if args.json:
         print_json(report)
         return 0

@@ -22,6 +22,7 @@ from qtool.hub.remote_safetensors import FetchPlan, TensorFetchOptions, fetch_te
 from qtool.hub.resolve import HubSpec
 from qtool.io.files import LinkMode
 from qtool.io.output import OutputDir
+from qtool.ops.contract import Report
 
 
 @dataclass
@@ -34,6 +35,7 @@ class DownloadOptions:
     token: str | None = None
     force: bool = False
     resume: bool = False
+    command: str | None = None  # recorded in the manifest (secrets redacted by the caller)
 
 
 @dataclass
@@ -67,8 +69,14 @@ def plan(opts: DownloadOptions) -> DownloadPlan:
     return DownloadPlan(opts, listing, files, None)
 
 
-def run(p: DownloadPlan, *, progress: bool = False, command: str | None = None) -> dict:
+def execute(p: DownloadPlan, *, progress: bool = False) -> Report:
+    """The op contract's execute (qtool.ops.contract): fetch and write through the output transaction."""
+    return Report(_run(p, progress=progress))
+
+
+def _run(p: DownloadPlan, *, progress: bool = False) -> dict:
     o = p.options
+    command = o.command
     if p.fetch is not None:
         assert o.out is not None
         with OutputDir(o.out, force=o.force, resume=o.resume, link=o.link) as tx:

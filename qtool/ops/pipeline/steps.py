@@ -162,8 +162,9 @@ def run_download(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
     p = sp.step.params
     opts = dl.DownloadOptions(spec=HubSpec(rs.source.ref, rs.identity["commit"]), out=sp.dir,
                               include=list(p.get("include", [])), tensors=list(p.get("tensors", [])),
-                              token=ctx.get("token"), force=True, resume=ctx.get("resume", False))
-    rep = dl.run(dl.plan(opts), progress=ctx.get("progress", False), command=ctx.get("command"))
+                              token=ctx.get("token"), force=True, resume=ctx.get("resume", False),
+                              command=ctx.get("command"))
+    rep = dl.execute(dl.plan(opts), progress=ctx.get("progress", False)).to_json()
     return {"commit": rep.get("commit"), "bytes": rep.get("bytes")}
 
 
