@@ -220,4 +220,7 @@ def require_local(spec: str | os.PathLike) -> Path:
     if is_hub_spec(spec):
         raise CheckpointError("this argument must be a local directory", got=str(spec),
                               hint=f"download it first: qtool download {str(spec)[len(PREFIX):]} -o DIR")
+    from qtool.io.in_place import InPlaceDir
+
+    InPlaceDir.recover(spec)  # a checkpoint an interrupted in-place swap left parked: put back first
     return Path(spec)

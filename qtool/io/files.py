@@ -189,9 +189,11 @@ def hash_file(path: str | Path, chunk: int = 8 << 20) -> str:
 
 
 def link_tree(src: Path, dst: Path, placer: Placer, *, keep_existing: bool = False,
-              skip: Iterable[str] = ()) -> None:
-    """Place every file under `src` at the same relative path under `dst` (symlinks copied as links;
-    with `keep_existing`, files already at `dst` are kept: a resumed run's work). `skip`: names left out."""
+              skip: Iterable[str] = (), relative_links: bool = False) -> None:
+    """Place every file under `src` at the same relative path under `dst`: symlinks (to files or
+    directories) as links, made absolute unless `relative_links` (dst a sibling of src, where relative
+    targets resolve alike: an HF snapshot's `../../blobs/...`); with `keep_existing`, files already at
+    `dst` are kept (a resumed run's work). `skip`: names left out."""
     skip = set(skip)
     for dirpath, dirnames, filenames in os.walk(src):
         rel = os.path.relpath(dirpath, src)
@@ -209,6 +211,6 @@ def link_tree(src: Path, dst: Path, placer: Placer, *, keep_existing: bool = Fal
             if os.path.islink(s):
                 if os.path.lexists(target):
                     os.unlink(target)
-                os.symlink(os.readlink(s), target)
+                os.symlink(os.readlink(s) if relative_links else os.path.realpath(s), target)
             else:
                 placer.place(s, target)

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 from pathlib import Path
 
 from qtool.errors import WriteError
 from qtool.io.files import LinkMode, Placer, fsync_dir, link_tree, write_error
-from qtool.io.output import OutputDir, source_file_mode
+from qtool.io.output import SWAPPED_MARKER, OutputDir, remove_parked, source_file_mode
 
 RENAME_EXCHANGE = 2  # linux/fs.h
 
@@ -46,21 +47,26 @@ class InPlaceDir(OutputDir):
     in_place = True
     BUILDING = ".qtool-inplace-building"  # in the partial tree while it is being built (not after the swap)
 
-    def __init__(self, root: str | Path, *, resume: bool = False) -> None:
+    def __init__(self, root: str | Path, *, resume: bool = False, keep_partial: bool = True) -> None:
         real = Path(os.path.realpath(root))  # a symlinked checkpoint: its target changes, the link stays
         super().__init__(real, force=True, resume=resume, file_mode=source_file_mode(real))
         self.partial = in_place_partial(real)
         self.input_digests = self.partial / ".qtool-input-digests.jsonl"
+        self.keep_partial = keep_partial  # False: an op without --resume removes its partial on failure
 
-    def _recover(self) -> None:
-        """A run without RENAME_EXCHANGE killed between its two renames left the checkpoint under the old
-        name and the complete new state in the partial directory: finish the swap."""
-        if not self.out.exists() and self.old.is_dir() and self.partial.is_dir() and not (
-                self.partial / self.BUILDING).exists():
-            os.rename(self.partial, self.out)
+    @classmethod
+    def recover(cls, root: str | Path) -> None:
+        """A run without RENAME_EXCHANGE killed between its two renames left the checkpoint parked under
+        qtool's old name and its complete new state in the partial directory: finish the swap (called
+        before the checkpoint is opened, so that "not found" never hides the data)."""
+        tx = cls(root)
+        if (not os.path.lexists(tx.out) and (tx.old / SWAPPED_MARKER).exists() and tx.partial.is_dir()
+                and not (tx.partial / cls.BUILDING).exists()):
+            with tx.lock:
+                os.rename(tx.partial, tx.out)
+                shutil.rmtree(tx.old)
 
     def check(self) -> None:
-        self._recover()
         if not self.out.is_dir():
             raise WriteError("the checkpoint to change in place is not a directory", path=self.out)
         parent = self.out.parent
@@ -73,10 +79,16 @@ class InPlaceDir(OutputDir):
                              path=self.out, hint="write a new checkpoint with -o instead")
 
     def _clear_stale(self) -> None:
-        if os.path.lexists(self.old):  # a swap whose clean-up was interrupted (qtool's own name)
-            shutil.rmtree(self.old)
-        if self.partial.exists() and not (self.partial / self.BUILDING).exists():
-            shutil.rmtree(self.partial)  # the previous state, swapped out by a run killed just after
+        remove_parked(self.old)  # a swap whose clean-up was interrupted
+        if (self.out / SWAPPED_MARKER).exists():  # a run killed just before its swap marked the old state
+            (self.out / SWAPPED_MARKER).unlink()
+        if os.path.lexists(self.partial) and not (self.partial / self.BUILDING).exists():
+            remove_parked(self.partial)  # the previous state, swapped out by a run killed just after
+
+    def __exit__(self, *exc) -> None:
+        if not self.committed and not self.keep_partial and self.partial.exists():
+            shutil.rmtree(self.partial, ignore_errors=True)
+        self.lock.release()
 
     def __enter__(self) -> "InPlaceDir":
         self.check()
@@ -113,17 +125,24 @@ class InPlaceDir(OutputDir):
             if entry.name.startswith(".") and not os.path.lexists(self.out / entry.name):
                 continue
             shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
-        link_tree(self.out, self.partial, Placer(LinkMode.HARDLINK))
+        link_tree(self.out, self.partial, Placer(LinkMode.HARDLINK), skip=(SWAPPED_MARKER,), relative_links=True)
 
     def commit(self) -> None:
         self.sweep()
         (self.partial / self.BUILDING).unlink()
         self.set_modes()
+        st = os.stat(self.out)  # the checkpoint directory keeps its own mode, owner and group
+        os.chmod(self.partial, stat.S_IMODE(st.st_mode))
+        try:
+            os.chown(self.partial, st.st_uid, st.st_gid)
+        except PermissionError:
+            pass  # not ours to give away: the directory stays the caller's, like the files it writes
         fsync_dir(self.partial)
+        (self.out / SWAPPED_MARKER).touch()  # the state about to be parked: qtool's to remove
         try:
             if exchange_paths(self.partial, self.out):
                 os.rename(self.partial, self.old)  # now the previous state
-            else:  # no atomic swap here: two renames (a kill between them is finished by _recover)
+            else:  # no atomic swap here: two renames (a kill between them is finished by recover())
                 os.rename(self.out, self.old)
                 os.rename(self.partial, self.out)
         except OSError as e:

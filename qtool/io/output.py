@@ -22,6 +22,7 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+import stat
 import threading
 from pathlib import Path
 from typing import Iterable
@@ -34,16 +35,30 @@ STEP_MARKER = "qtool-step.json"  # a build step's finished output (qtool/ops/pip
 QTOOL_MARKERS = (MANIFEST_NAME, STEP_MARKER)
 LOCK_NAME = ".qtool-lock"
 PARTIAL_MARKER = ".qtool-partial"  # in every OUT.partial/ qtool makes: only such a directory is ever removed
+SWAPPED_MARKER = ".qtool-swapped-out"  # in a replaced state qtool parked under its hidden `.NAME.qtool-old`
 
 
 def partial_path(out: Path) -> Path:
+    out = Path(os.path.abspath(out))  # `-o .` has no name to extend
     return out.with_name(out.name + ".partial")
 
 
 def old_path(out: Path) -> Path:
     """Where a replaced OUT (or a checkpoint's previous state) waits to be removed: a hidden name of qtool's
     own, never one a user's backup could have (`OUT.old`)."""
+    out = Path(os.path.abspath(out))
     return out.with_name(f".{out.name}.qtool-old")
+
+
+def remove_parked(path: Path) -> None:
+    """Remove a previous state qtool parked at `path` (it carries SWAPPED_MARKER); a directory of anyone
+    else's at that name is refused, never removed."""
+    if not os.path.lexists(path):
+        return
+    if path.is_symlink() or not path.is_dir() or not (path / SWAPPED_MARKER).exists():
+        raise WriteError("a directory at a name qtool uses for replaced outputs was not made by qtool",
+                         path=path, hint="move it away")
+    shutil.rmtree(path)
 
 
 def remove_ours(path: Path) -> None:
@@ -117,9 +132,15 @@ class OutputLock:
     def acquire(self) -> "OutputLock":
         for _ in range(5):
             try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+                # O_NOFOLLOW: a symlink planted at the lock's name must not lead the pid write elsewhere
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
             except OSError as e:
-                raise write_error("cannot create the output's lock file", e, self.path) from None
+                raise write_error("cannot create the output's lock file (a symlink or unwritable there?)", e,
+                                  self.path) from None
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                raise WriteError("the output's lock file is not a regular file", path=self.path,
+                                 hint="remove it (qtool creates it as a plain file)")
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -192,7 +213,7 @@ class OutputDir:
     def __init__(self, out: str | Path, *, sources: Iterable[str | Path] = (), force: bool = False,
                  resume: bool = False, link: LinkMode = LinkMode.AUTO, stop: threading.Event | None = None,
                  file_mode: int | None = None, replace_any: bool = False) -> None:
-        self.out = Path(out)
+        self.out = Path(os.path.abspath(out))
         self.partial = partial_path(self.out)
         self.old = old_path(self.out)
         self.sources = [Path(s) for s in sources]
@@ -232,6 +253,7 @@ class OutputDir:
         try:
             # again, now that no one else writes
             check_replaceable(self.out, force=self.force, any_owner=self.replace_any)
+            remove_parked(self.old)  # a previous OUT a commit killed midway parked there
             if os.path.lexists(self.partial) and (not self.resume or not (self.partial / PARTIAL_MARKER).exists()):
                 remove_ours(self.partial)  # a user's own OUT.partial is refused, never removed
             self.partial.mkdir(parents=True, exist_ok=True)
@@ -277,16 +299,15 @@ class OutputDir:
             if os.path.lexists(out):
                 check_replaceable(out, force=True, any_owner=self.replace_any)
                 old = self.old
-                if os.path.lexists(old):
-                    shutil.rmtree(old)  # qtool's own name: a replaced output a killed commit left
+                remove_parked(old)
+                (out / SWAPPED_MARKER).touch()  # out is qtool-made (checked above): mark it as parked
                 os.rename(out, old)
-            (self.partial / PARTIAL_MARKER).unlink(missing_ok=True)
             os.rename(self.partial, out)
+            (out / PARTIAL_MARKER).unlink(missing_ok=True)
         except OSError as e:
-            if self.partial.exists():
-                (self.partial / PARTIAL_MARKER).touch()
             if old is not None and not out.exists():
                 os.rename(old, out)
+                (out / SWAPPED_MARKER).unlink(missing_ok=True)
             raise write_error("cannot move the finished output into place", e, out) from None
         fsync_dir(Path(os.path.abspath(out)).parent)
         if old is not None:

@@ -216,7 +216,7 @@ def apply(p: PatchPlan, *, in_transaction: bool = False, command: str | None = N
         for f in changed:
             write_json(p.root / f.name, f.data, f.style)
         return [f.name for f in changed]
-    with InPlaceDir(p.root) as tx:
+    with InPlaceDir(p.root, keep_partial=False) as tx:
         # the plan read the configs before the lock: another run may have changed them since
         for f in p.files.values():
             path = p.root / f.name

@@ -471,3 +471,82 @@ def test_resume_names_the_input_either_way_and_in_place_resume_takes_the_current
     assert run_qtool(["calibrate-kv", work, *args, "--in-place", "--resume"]).returncode == 0
     assert (work / "generation_config.json").read_text() == '{"edited": true}\n'
     assert not (work / "video_preprocessor_config.json").exists()
+
+
+# ---- found by the second review ------------------------------------------------------------------
+
+
+def test_a_two_rename_swap_killed_midway_is_put_back(tiny_nvfp4_modelopt, tmp_path, monkeypatch):
+    """Without RENAME_EXCHANGE a kill between the two renames left the checkpoint parked under qtool's
+    hidden name; every later command said "checkpoint not found"."""
+    import qtool.io.in_place as ip
+    from qtool.hub.resolve import require_local
+    from qtool.io.jsonio import write_json
+
+    ck = copy_of(tiny_nvfp4_modelopt, tmp_path / "ck")
+    tx = ip.InPlaceDir(ck).begin()
+    write_json(tx.partial / "generation_config.json", {"new": True})
+    monkeypatch.setattr(ip, "exchange_paths", lambda a, b: False)
+    real_rename, calls = os.rename, []
+
+    def rename_then_die(a, b):
+        calls.append(a)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # the process dies between the two renames
+        real_rename(a, b)
+
+    monkeypatch.setattr(ip.os, "rename", rename_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        tx.commit()
+    monkeypatch.setattr(ip.os, "rename", real_rename)
+    tx.lock.release()
+    assert not ck.exists()
+    require_local(ck)  # what every in-place command does first
+    assert json.loads((ck / "generation_config.json").read_text()) == {"new": True}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+
+
+def test_users_directories_at_qtools_hidden_names_and_a_symlinked_lock_are_refused(tiny_nvfp4_modelopt,
+                                                                                  tmp_path):
+    ck = copy_of(tiny_nvfp4_modelopt, tmp_path / "ck")
+    mine = tmp_path / ".ck.qtool-inplace"
+    mine.mkdir()
+    (mine / "n").write_text("x")
+    p = run_qtool(["patch-config", ck, "--fix", "router-ignore"])
+    assert p.returncode == 1 and "not made by qtool" in p.stderr and (mine / "n").exists()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    (tmp_path / ".o.qtool-lock").symlink_to(victim)
+    p = run_qtool(["convert", tiny_nvfp4_modelopt, "-o", tmp_path / "o", "--to", "compressed-tensors"])
+    assert p.returncode == 1 and "Traceback" not in p.stderr and victim.read_text() == "precious"
+
+
+def test_in_place_keeps_the_directory_mode_and_a_refused_patch_leaves_nothing(tiny_nvfp4_modelopt, tmp_path):
+    from qtool.errors import WriteError
+    from qtool.ops import patch_config as pc
+
+    ck = copy_of(tiny_nvfp4_modelopt, tmp_path / "ck")
+    os.chmod(ck, 0o2770)
+    assert run_qtool(["patch-config", ck, "--fix", "router-ignore"]).returncode == 0
+    assert os.stat(ck).st_mode & 0o7777 == 0o2770
+    plan = pc.plan(pc.PatchOptions(ck, ignore_add=("foo*",)))
+    assert plan.changed
+    (ck / "config.json").write_text((ck / "config.json").read_text().replace("}", ', "x": 1}', 1))
+    with pytest.raises(WriteError, match="changed while this run was planning"):
+        pc.apply(plan)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+
+
+def test_output_dot_and_build_over_a_source_refused_before_any_step(tiny_nvfp4_modelopt, tmp_path):
+    here = tmp_path / "here"
+    here.mkdir()
+    p = run_qtool(["convert", tiny_nvfp4_modelopt, "-o", ".", "--to", "compressed-tensors", "--quiet"], cwd=here)
+    assert p.returncode == 0, p.stderr
+    assert (here / "qtool-manifest.json").exists()
+    src = copy_of(tiny_nvfp4_modelopt, tmp_path / "nv")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("name: r\nsources:\n  nv: {path: %s}\nsteps:\n"
+                      "  - {id: p, op: patch-config, input: nv, with: {fixes: [router-ignore]}}\n" % src)
+    p = run_qtool(["build", recipe, "-o", src, "--force"])
+    assert p.returncode == 2 and "overlaps" in p.stderr
+    assert not (tmp_path / "nv.build").exists()

@@ -13,7 +13,7 @@ from qtool.build_recipes import Op
 from qtool.errors import WriteError
 from qtool.io.output import MANIFEST_NAME as MANIFEST
 from qtool.io.files import copy_file, LinkMode, Placer
-from qtool.io.output import output_files, OutputDir
+from qtool.io.output import OutputDir, check_no_overlap, output_files
 from qtool.ops.pipeline.plan import STEP_MARKER, BuildPlan, StepPlan, file_stats, files_unchanged, input_path
 from qtool.ops.pipeline.steps import RUNNERS
 
@@ -40,6 +40,8 @@ def _gc(sp: StepPlan) -> None:
 def run(bp: BuildPlan, *, resume: bool = False, progress: bool = False, token: str | None = None,
         command: str | None = None, force: bool = False) -> dict:
     ctx = {"resume": resume, "progress": progress, "token": token, "command": command}
+    # refused before any step runs (publishing would refuse it only at the end)
+    check_no_overlap(bp.out, [s.path for s in bp.sources.values() if s.path is not None])
     if bp.out.exists() and not force and not _ours(bp.out) and any(bp.out.iterdir()):
         raise WriteError("output exists and was not made by qtool build", path=bp.out,
                          hint="choose another -o, or pass --force (a directory qtool did not make is never "
