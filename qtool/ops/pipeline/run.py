@@ -4,7 +4,6 @@ provenance chain in qtool-manifest.json."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from pathlib import Path
@@ -13,7 +12,7 @@ from qtool.build_recipes import Op
 from qtool.errors import WriteError
 from qtool.io.output import MANIFEST_NAME as MANIFEST
 from qtool.io.files import copy_file, LinkMode, Placer
-from qtool.io.output import OutputDir, check_no_overlap, output_files
+from qtool.io.output import OutputDir, check_no_overlap, output_files, source_file_mode
 from qtool.ops.pipeline.plan import STEP_MARKER, BuildPlan, StepPlan, file_stats, files_unchanged, input_path
 from qtool.ops.pipeline.steps import RUNNERS
 
@@ -80,9 +79,9 @@ def _ours(out: Path) -> bool:
 
 def _publish(bp: BuildPlan, chain: list[dict]) -> bool:
     """Publish the artifact step's output at `out` with the build provenance; False when up to date (same
-    final key and every published file as it was published). Side files are copies and shards reflinks,
-    else hard links made read-only, so that editing the artifact cannot silently change the step cache
-    (and an edited shard also invalidates that step: its marker records the files' stats)."""
+    final key and every published file as it was published). Side files (what people edit) are copies, so
+    editing them cannot change the step cache; shards are reflinks, else hard links, and an edited shard
+    invalidates its step too (the step marker records the files' stats)."""
     from qtool.io.jsonio import atomic_write_text
 
     record = bp.work / PUBLISHED
@@ -103,7 +102,7 @@ def _publish(bp: BuildPlan, chain: list[dict]) -> bool:
         "steps": chain,
     }
     inputs = [s.path for s in bp.sources.values() if s.path is not None]
-    with OutputDir(bp.out, sources=inputs, force=True) as tx:
+    with OutputDir(bp.out, sources=inputs, force=True, file_mode=source_file_mode(src)) as tx:
         shards = Placer(LinkMode.AUTO, file_mode=tx.file_mode)
         for p in sorted(src.rglob("*")):
             rel = p.relative_to(src)
@@ -112,10 +111,10 @@ def _publish(bp: BuildPlan, chain: list[dict]) -> bool:
             dst = tx.partial / rel
             dst.parent.mkdir(parents=True, exist_ok=True)
             if p.suffix == ".safetensors":
-                # shared with the cache alone (2 links): made read-only; a cache file that is itself a link
-                # to a user's source or an HF blob (more links) keeps its mode: its permissions are theirs
-                if shards.place(p, dst) == "hardlink" and os.stat(dst).st_nlink == 2:
-                    os.chmod(dst, os.stat(dst).st_mode & ~0o222)
+                # reflink, else hard link: modes are left alone (a cache file may itself be a link to a
+                # user's source or an HF blob); an edit through a link changes its stats, which the next
+                # build notices both here (published.json) and in the step's marker (the step re-runs)
+                shards.place(p, dst)
             else:
                 copy_file(p, dst, tx.file_mode)
         manifest = json.loads((src / MANIFEST).read_text()) if (src / MANIFEST).exists() else {
