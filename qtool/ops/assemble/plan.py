@@ -24,6 +24,7 @@ from qtool.io.quant_config import config_ignore, hf_quant_exclude
 from qtool.io.safetensors_header import TensorInfo
 from qtool.io.writer import plan_shards
 
+from qtool.ops.assemble.validate import check_bf16_tensor, check_mtp_complete, check_same_model, ArchShapes
 from qtool.ops.assemble.model import (
     NEW_SHARD_TEMPLATE,
     SKIP_DIRS,
@@ -53,62 +54,6 @@ def _whole(source: str, name: str, info: TensorInfo) -> PlannedTensor:
     return PlannedTensor(name, info.dtype, info.shape, _origin(source, info))
 
 
-def _need(cfg: dict, key: str, where: Path) -> int:
-    v = cfg.get(key)
-    if not isinstance(v, int):
-        raise PlanError(f"config lacks text_config.{key}", path=where / "config.json",
-                        hint="the checkpoint's config.json is not a Qwen3.5-MoE config")
-    return v
-
-
-ARCH_KEYS = ("hidden_size", "num_experts", "moe_intermediate_size", "shared_expert_intermediate_size",
-             "num_hidden_layers")
-
-
-def _check_same_model(nv: Checkpoint, bf: Checkpoint) -> None:
-    a, b = nv.text_config, bf.text_config
-    if not b:
-        return  # shapes are still checked tensor by tensor
-    for key in ARCH_KEYS:
-        if key in a and key in b and a[key] != b[key]:
-            raise PlanError(
-                f"the two sources are different models: text_config.{key} differs",
-                path=bf.root / "config.json",
-                expected=f"{a[key]} (NVFP4 source)",
-                got=f"{b[key]} (BF16 source)",
-                hint="pass the BF16 original of the model the NVFP4 checkpoint was quantized from",
-            )
-
-
-class _Expect:
-    """Shapes the architecture (config) requires of the tensors this assembly writes."""
-
-    def __init__(self, cfg: dict, root: Path) -> None:
-        self.H = _need(cfg, "hidden_size", root)
-        self.E = _need(cfg, "num_experts", root)
-        self.I = _need(cfg, "moe_intermediate_size", root)
-        self.Is = cfg.get("shared_expert_intermediate_size", self.I)
-        self.L = _need(cfg, "num_hidden_layers", root)
-
-    def shared(self, proj: str) -> tuple[int, ...]:
-        return (self.H, self.Is) if proj == "down_proj" else (self.Is, self.H)
-
-    def expert(self, proj: str) -> tuple[int, ...]:
-        return (self.H, self.I) if proj == "down_proj" else (self.I, self.H)
-
-
-def _check_bf16(name: str, info: TensorInfo, shape: tuple[int, ...], what: str) -> None:
-    if info.dtype not in FLOAT_DTYPES:
-        raise PlanError(f"BF16 source tensor for the {what} is not a float tensor", path=info.file,
-                        tensor=name, expected="BF16/F16/F32", got=info.dtype,
-                        hint="--bf16 must point at the unquantized original")
-    if tuple(info.shape) != tuple(shape):
-        raise PlanError(f"BF16 source tensor for the {what} has the wrong shape for this architecture",
-                        path=info.file, tensor=name, expected=list(shape), got=list(info.shape),
-                        hint="the two sources are different models (compare hidden_size / "
-                             "moe_intermediate_size / num_experts in their config.json)")
-
-
 PROJS = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -117,10 +62,10 @@ class _Planner:
         self.opts = opts
         self.nv = Checkpoint.open(opts.nvfp4, require_config=True)
         self.bf = Checkpoint.open(opts.bf16)
-        _check_same_model(self.nv, self.bf)
+        check_same_model(self.nv, self.bf)
         self.nv_map = build_map(self.nv)
         self.bf_map = build_map(self.bf)
-        self.expect = _Expect(self.nv.text_config, self.nv.root)
+        self.expect = ArchShapes(self.nv.text_config, self.nv.root)
         self.removed: set[str] = set()
         # additions: (home NVFP4 shard or None, tensor)
         self.additions: list[tuple[str | None, PlannedTensor]] = []
@@ -189,7 +134,7 @@ class _Planner:
                 info = self.bf_info(name)
                 if info is None:
                     continue
-                _check_bf16(info.name, info, self.expect.shared(proj), f"layer {layer} shared expert")
+                check_bf16_tensor(info.name, info, self.expect.shared(proj), f"layer {layer} shared expert")
                 self.add(home, PlannedTensor(name, info.dtype, info.shape, _origin("bf16", info)))
                 self.bf16_units.add(base + proj)
 
@@ -217,8 +162,8 @@ class _Planner:
                 self.missing.append(src_base + (".gate_up_proj" if fused_gu is None else ".down_proj"))
                 return []
             H, I = self.expect.H, self.expect.I
-            _check_bf16(fused_gu.name, fused_gu, (E, 2 * I, H), what + " (fused gate_up_proj)")
-            _check_bf16(fused_d.name, fused_d, (E, H, I), what + " (fused down_proj)")
+            check_bf16_tensor(fused_gu.name, fused_gu, (E, 2 * I, H), what + " (fused gate_up_proj)")
+            check_bf16_tensor(fused_d.name, fused_d, (E, H, I), what + " (fused down_proj)")
             eb = DTYPE_BITS[fused_gu.dtype] // 8
             mat = I * H * eb
             for e in range(E):
@@ -238,7 +183,7 @@ class _Planner:
                 if info is None:
                     self.missing.append(src)
                     continue
-                _check_bf16(src, info, self.expect.expert(proj), what)
+                check_bf16_tensor(src, info, self.expect.expert(proj), what)
                 out.append(PlannedTensor(f"{out_base}.{e}.{proj}.weight", info.dtype, info.shape,
                                          _origin(source, info)))
         return out
@@ -265,7 +210,7 @@ class _Planner:
                             hint="use --mtp keep or --mtp drop")
         home = self.home_of(gone)
         bf_mtp = sorted((n for n in self.bf.tensors if n.startswith(MTP_PREFIX)), key=natural_key)
-        _check_mtp_complete(bf_mtp, self.bf.root)
+        check_mtp_complete(bf_mtp, self.bf.root)
         fused_bases = sorted({n.rsplit(".", 1)[0] for n in bf_mtp if self.bf_map.roles[n].inner is
                               Group.ROUTED_EXPERTS and self.bf_map.roles[n].expert is None})
         for n in bf_mtp:
@@ -335,24 +280,6 @@ class _Planner:
                 shards.append(PlannedShard(name, ShardAction.NEW, array("I"), added, metadata={"format": "pt"},
                                            data_bytes=sum(t.nbytes for t in added)))
         return shards
-
-
-# What an MTP head must hold to be built by the engines' drafters (vLLM qwen3_5_mtp.py, SGLang
-# qwen3_5_mtp.py): the input projection and norms, one decoder layer's attention and MoE.
-MTP_REQUIRED = ("mtp.fc.", "mtp.norm.", "mtp.pre_fc_norm_embedding.", "mtp.pre_fc_norm_hidden.",
-                "mtp.layers.0.self_attn.q_proj.", "mtp.layers.0.self_attn.k_proj.", "mtp.layers.0.self_attn.v_proj.",
-                "mtp.layers.0.self_attn.o_proj.", "mtp.layers.0.mlp.gate.", "mtp.layers.0.mlp.experts.")
-
-
-def _check_mtp_complete(names: list[str], root: Path) -> None:
-    """Refuse to graft an incomplete MTP head before anything is written (found only by the output
-    checks, after every shard was copied, before)."""
-    missing = [r.rstrip(".") for r in MTP_REQUIRED if not any(n.startswith(r) for n in names)]
-    if missing:
-        raise PlanError(f"the BF16 source's MTP head is incomplete: no {', '.join(missing[:4])}"
-                        + (" ..." if len(missing) > 4 else ""), path=root, tensor=missing[0],
-                        hint="download the BF16 source's MTP tensors completely (qtool download ... --tensors "
-                        "'re:^mtp\\.'), or pass --mtp drop / --mtp keep")
 
 
 def default_limit(nv: Checkpoint) -> int:
