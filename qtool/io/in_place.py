@@ -90,23 +90,15 @@ class InPlaceDir(OutputDir):
             shutil.rmtree(self.partial, ignore_errors=True)
         self.lock.release()
 
-    def __enter__(self) -> "InPlaceDir":
-        self.check()
-        self.lock.acquire()
-        try:
-            self._clear_stale()
-            if self.partial.exists() and not self.resume:
-                shutil.rmtree(self.partial)
-            self.partial.mkdir(exist_ok=True)
-            (self.partial / self.BUILDING).touch()
-            self._link_tree()
-        except OSError as e:
-            self.lock.release()
-            raise write_error("cannot prepare the in-place change", e, self.partial) from None
-        except BaseException:
-            self.lock.release()
-            raise
-        return self
+    PREPARE_FAILED = "cannot prepare the in-place change"
+
+    def _prepare(self) -> None:
+        self._clear_stale()
+        if self.partial.exists() and not self.resume:
+            shutil.rmtree(self.partial)
+        self.partial.mkdir(exist_ok=True)
+        (self.partial / self.BUILDING).touch()
+        self._link_tree()
 
     @classmethod
     def tidy(cls, root: str | Path) -> None:

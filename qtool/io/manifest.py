@@ -117,9 +117,6 @@ class InputHasher:
         if path not in self.futures:
             self.futures[path] = self.pool.submit(_hash_file, path)
 
-    def digest(self, path: str) -> str:
-        return self.futures[path].result()
-
     def submit(self, path: str) -> None:
         if path in self.futures:
             return
@@ -242,6 +239,13 @@ def source_entry(root: Path, digests: dict[str, str]) -> dict:
     for f, d in sorted(digests.items()):
         files[os.path.relpath(f, root)] = {"sha256": d, "bytes": os.path.getsize(f)}
     return {"path": str(root), "files": files}
+
+
+def placed_digests(root: Path, names, digests: dict[str, str]) -> dict[str, str]:
+    """Known `files` digests for outputs placed unchanged from `root` (a link or a copy of the same bytes):
+    their input's digest, so a shard is not read a second time to hash its output."""
+    real = {os.path.realpath(p): d for p, d in digests.items()}
+    return {n: real[os.path.realpath(root / n)] for n in names if os.path.realpath(root / n) in real}
 
 
 def write_manifest(path: Path, *, kind: str, command: str | None, sources: dict[str, dict],

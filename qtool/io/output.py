@@ -32,7 +32,6 @@ from qtool.io.files import INPUT_DIGESTS, TMP_SUFFIX, LinkMode, Placer, fsync_di
 
 MANIFEST_NAME = "qtool-manifest.json"
 STEP_MARKER = "qtool-step.json"  # a build step's finished output (qtool/ops/pipeline)
-QTOOL_MARKERS = (MANIFEST_NAME, STEP_MARKER)
 LOCK_NAME = ".qtool-lock"
 PARTIAL_MARKER = ".qtool-partial"  # in every OUT.partial/ qtool makes: only such a directory is ever removed
 SWAPPED_MARKER = ".qtool-swapped-out"  # in a replaced state qtool parked under its hidden `.NAME.qtool-old`
@@ -251,20 +250,25 @@ class OutputDir:
             raise write_error("cannot create the output's parent directory", e, self.out.parent) from None
         self.lock.acquire()
         try:
-            # again, now that no one else writes
-            check_replaceable(self.out, force=self.force, any_owner=self.replace_any)
-            remove_parked(self.old)  # a previous OUT a commit killed midway parked there
-            if os.path.lexists(self.partial) and (not self.resume or not (self.partial / PARTIAL_MARKER).exists()):
-                remove_ours(self.partial)  # a user's own OUT.partial is refused, never removed
-            self.partial.mkdir(parents=True, exist_ok=True)
-            (self.partial / PARTIAL_MARKER).touch()
+            self._prepare()
         except OSError as e:
             self.lock.release()
-            raise write_error("cannot create the output directory", e, self.partial) from None
+            raise write_error(self.PREPARE_FAILED, e, self.partial) from None
         except BaseException:
             self.lock.release()
             raise
         return self
+
+    PREPARE_FAILED = "cannot create the output directory"
+
+    def _prepare(self) -> None:
+        """Under the lock: the partial directory made ready (a resumed one kept)."""
+        check_replaceable(self.out, force=self.force, any_owner=self.replace_any)  # again, now no one else writes
+        remove_parked(self.old)  # a previous OUT a commit killed midway parked there
+        if os.path.lexists(self.partial) and (not self.resume or not (self.partial / PARTIAL_MARKER).exists()):
+            remove_ours(self.partial)  # a user's own OUT.partial is refused, never removed
+        self.partial.mkdir(parents=True, exist_ok=True)
+        (self.partial / PARTIAL_MARKER).touch()
 
     def __exit__(self, *exc) -> None:
         self.lock.release()

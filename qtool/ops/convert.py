@@ -250,14 +250,16 @@ def _write(p: dict, tx: OutputDir, side: dict | None, restore: dict, report: dic
     problems = [x.to_json() for x in find_problems(build_map(c2), summarize(c2.config, c2.hf_quant_config))]
     report["problems"] = problems
     report["shards_reused_by"] = sorted(ways)
-    from qtool.io.manifest import InputHasher, source_entry, write_manifest
+    from qtool.io.manifest import InputHasher, placed_digests, source_entry, write_manifest
 
     hasher = InputHasher(trust_cache=not tx.resume, record=tx.input_digests)
     for f in sorted({h.path for h in ckpt.headers.values()}):
         hasher.submit(f)
     os.unlink(partial / JOURNAL_NAME)
+    digests = hasher.results()
     write_manifest(partial / MANIFEST_NAME, kind="convert", command=command,
-                   sources={"checkpoint": source_entry(ckpt.root, hasher.results())},
+                   sources={"checkpoint": source_entry(ckpt.root, digests)},
                    summary={k: report[k] for k in ("from", "to", "renamed_tensors", "rewritten_shards")},
-                   checks={"inspect_problems": problems}, files=output_files(partial))
+                   checks={"inspect_problems": problems},
+                   files=output_files(partial, placed_digests(ckpt.root, p["link"], digests)))
     tx.commit()

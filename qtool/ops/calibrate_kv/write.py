@@ -87,6 +87,7 @@ def write_output(p: KvPlan, stats: dict[int, LayerStat], tx: OutputDir, command:
     files = {"new_shard": p.kv_shard, "rewritten_shards": rewritten, "configs": [c[0] for c in configs]}
     changed = set(dropped) | set(rewritten) | {p.kv_shard} | patched
     links: set[str] = set()
+    placed: list[str] = []
     if tx.in_place:
         for s in dropped:
             if os.path.lexists(dest / s):
@@ -95,6 +96,7 @@ def write_output(p: KvPlan, stats: dict[int, LayerStat], tx: OutputDir, command:
         for entry in sorted(ckpt.root.iterdir()):
             if entry.is_file() and entry.name not in changed and entry.name != MANIFEST_NAME:
                 links.add(tx.placer.place(entry, dest / entry.name))
+                placed.append(entry.name)
     for s in rewritten:
         write_shard(dest / s, _stripped_shard(ckpt, s, remove), ckpt.headers[s].metadata or None,
                     mode=tx.file_mode)
@@ -103,7 +105,7 @@ def write_output(p: KvPlan, stats: dict[int, LayerStat], tx: OutputDir, command:
         write_json(dest / name, obj, style)
     write_json(dest / INDEX_NAME, index, index_style)
     shutil.rmtree(p.work_dir, ignore_errors=True)
-    _write_manifest(p, tx, command, files, hasher)
+    _write_manifest(p, tx, command, files, hasher, placed)
     tx.commit()
     files["output"] = str(tx.out)
     if tx.in_place:
@@ -113,11 +115,13 @@ def write_output(p: KvPlan, stats: dict[int, LayerStat], tx: OutputDir, command:
     return files
 
 
-def _write_manifest(p: KvPlan, tx: OutputDir, command: str | None, files: dict, hasher=None) -> None:
+def _write_manifest(p: KvPlan, tx: OutputDir, command: str | None, files: dict, hasher=None,
+                    placed: list[str] = ()) -> None:
+    from qtool.io.manifest import carried_files, placed_digests, previous_head, source_entry, write_manifest
     from qtool.io.output import output_files
-    from qtool.io.manifest import carried_files, previous_head, source_entry, write_manifest
 
     hasher = hasher or start_input_hashes(p, tx, resume=False)
+    digests = hasher.results()
     extra = {"kv_cache": {"convention": p.convention.value, "layers": p.layers, "scale_tensors": files}}
     if tx.in_place:
         if previous_head(p.ckpt.root):
@@ -125,9 +129,9 @@ def _write_manifest(p: KvPlan, tx: OutputDir, command: str | None, files: dict, 
         changed = {p.kv_shard, INDEX_NAME, *p.rewrite_shards, *files["configs"]}
         out_files = carried_files(tx.partial, p.ckpt.root, changed)
     else:
-        out_files = output_files(tx.partial)
+        out_files = output_files(tx.partial, placed_digests(p.ckpt.root, placed, digests))
     write_manifest(tx.partial / MANIFEST_NAME, kind="calibrate-kv", command=command,
-                   sources={"checkpoint": source_entry(p.ckpt.root, hasher.results())},
+                   sources={"checkpoint": source_entry(p.ckpt.root, digests)},
                    summary=p.to_json(), checks={}, files=out_files, extra=extra,
                    created=not tx.in_place or made_by_qtool(p.ckpt.root))
 

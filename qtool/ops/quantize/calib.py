@@ -95,10 +95,3 @@ class KvStat:
     k_amax: float = 0.0
     v_amax: float = 0.0
     tokens: int = 0
-
-
-def kv_tap(st: KvStat):
-    """The K/V amax tap (qtool.stream.layer_stream.kv_amax_tap, shared with calibrate-kv)."""
-    from qtool.stream.layer_stream import kv_amax_tap
-
-    return kv_amax_tap(st)

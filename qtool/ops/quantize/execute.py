@@ -62,12 +62,11 @@ def calibrate_and_write(p: QuantizePlan, partial: Path, ids, *, resume: bool, pr
     import torch
 
     from qtool.stream.calib_data import token_digest
-    from qtool.stream.layer_stream import DiskStore, LayerStreamer, attention_tap
+    from qtool.stream.layer_stream import DiskStore, LayerStreamer, attention_tap, kv_amax_tap
     from qtool.ops.quantize.calib import (
         ExpertStats,
         KvStat,
         install_expert_stats,
-        kv_tap,
         remove_expert_stats,
     )
     from qtool.ops.quantize.layer import write_layer_shard
@@ -111,7 +110,7 @@ def calibrate_and_write(p: QuantizePlan, partial: Path, ids, *, resume: bool, pr
                 stats.batch_hooks += backend.batch_hooks
         install_expert_stats(layer.mlp.experts, stats)
         if lp.full_attention:
-            attention_tap(layer, kv_tap(kv))
+            attention_tap(layer, kv_amax_tap(kv))
         streamer.forward_layer(layer, store, seq, batch)
         attention_tap(layer, None)
         remove_expert_stats(layer.mlp.experts)
