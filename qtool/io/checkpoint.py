@@ -206,7 +206,7 @@ def _load_indexed(root: Path, by_file: dict[str, list[str]] | None, check_file_s
                 hint="the index and the shards come from different revisions; re-download both",
             )
         del by_file[rel]
-        headers[rel] = _merge(tensors, header)
+        headers[rel] = merge_header(tensors, header)
     return tensors, headers
 
 
@@ -224,11 +224,11 @@ def _load_files(root: Path, files: list[str], check_file_sizes: bool = True
                     tensor=name,
                     hint=f"also in {os.path.basename(tensors[name].file)}; remove the stray shard",
                 )
-        headers[rel] = _merge(tensors, header)
+        headers[rel] = merge_header(tensors, header)
     return tensors, headers
 
 
-def _merge(table: TensorTable, header: SafetensorsHeader) -> SafetensorsHeader:
+def merge_header(table: TensorTable, header: SafetensorsHeader) -> SafetensorsHeader:
     """Append the shard's rows to the checkpoint's table; the header keeps a view of them (and the shard's
     own table, with its per-row objects, is dropped)."""
     rows = table.extend(header.tensors)

@@ -21,9 +21,6 @@ ignore the extra file.
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,15 +30,13 @@ from qtool.arch.qwen35 import Group
 from qtool.errors import PlanError, UsageError
 from qtool.io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG_NAME, INDEX_NAME, Checkpoint
 from qtool.formats.naming import NVFP4_NAMINGS, Flavour, QuantFormat
-from qtool.io.jsonio import atomic_write_text, load_json, write_json
-from qtool.io.files import copy_file
-from qtool.io.identity import input_identity, Journal
-from qtool.io.output import MANIFEST_NAME, check_no_overlap, output_files, OutputDir
+from qtool.io.jsonio import load_json
+from qtool.io.output import MANIFEST_NAME, check_no_overlap, OutputDir
+from qtool.io.plan import Copy, Json, Link, OutputPlan, Shard, Text
 from qtool.ops.contract import Report
-from qtool.io.writer import FileRange, InlineBytes, OutTensor, index_json, write_shard
+from qtool.io.writer import FileRange, InlineBytes, OutTensor, index_json
 
 SIDECAR = "qtool-convert.json"
-JOURNAL_NAME = ".qtool-journal.jsonl"
 
 
 # param renames modelopt -> compressed-tensors, from the flavours' one naming table (qtool.formats.naming);
@@ -122,38 +117,153 @@ class ConvertOptions:
         object.__setattr__(self, "to", Flavour(self.to))
 
 
-def plan(opts: ConvertOptions) -> dict:
-    src, out, to = opts.checkpoint, opts.out, Flavour(opts.to)
+@dataclass
+class ConvertPlan:
+    """convert's decision: the output as data (qtool.io.plan.OutputPlan) and what the report says."""
+
+    options: ConvertOptions
+    ckpt: Checkpoint
+    have: Flavour
+    renames: dict[str, tuple[str, bool]]
+    output: OutputPlan
+
+    def to_json(self) -> dict:
+        return {"checkpoint": str(self.ckpt.root), "output": str(self.options.out), "from": self.have.value,
+                "to": self.options.to.value, "renamed_tensors": len(self.renames),
+                "rewritten_shards": [e.name for e in self.output.entries(Shard)],
+                "linked_shards": [e.name for e in self.output.entries(Link) if e.name.endswith(".safetensors")]}
+
+
+def plan(opts: ConvertOptions) -> ConvertPlan:
+    """Read the checkpoint's headers and configs and decide every output file (nothing is written)."""
+    src, out, to = opts.checkpoint, Path(opts.out), Flavour(opts.to)
     ckpt = Checkpoint.open(src, require_config=True)
     mm = build_map(ckpt)
     have = detect(mm)
     if have is to:
         raise UsageError(f"the checkpoint already is {to.value}", path=ckpt.root)
-    check_no_overlap(Path(out), [ckpt.root])
+    check_no_overlap(out, [ckpt.root])
     ren = _renames(mm, to)
-    touched = sorted({ckpt.shard_of(n) for n in ren})
-    return {"ckpt": ckpt, "mm": mm, "from": have, "to": to, "renames": ren, "rewrite": touched,
-            "link": sorted(s for s in ckpt.headers if s not in touched), "out": Path(out), "options": opts}
-
-
-def describe(p: dict) -> dict:
-    return {"checkpoint": str(p["ckpt"].root), "output": str(p["out"]), "from": p["from"].value,
-            "to": p["to"].value, "renamed_tensors": len(p["renames"]), "rewritten_shards": p["rewrite"],
-            "linked_shards": p["link"]}
-
-
-def execute(p: dict) -> Report:
-    """Write the converted checkpoint (through the output transaction)."""
-    ckpt, to, opts = p["ckpt"], p["to"], p["options"]
-    report = describe(p)
     side = None
     if (ckpt.root / SIDECAR).is_file():
         side, _ = load_json(ckpt.root / SIDECAR, what=SIDECAR)
         if side.get("from") != to.value:
             side = None
     restore = (side or {}).get("scalars", {})
-    with OutputDir(p["out"], sources=[ckpt.root], force=opts.force, resume=opts.resume) as tx:
-        _write(p, tx, side, restore, report, opts.command)
+    touched = {ckpt.shard_of(n) for n in ren}
+    files: list = []
+    recorded: dict[str, int] = {}
+    for s in sorted(ckpt.headers):
+        if s in touched:
+            files.append(Shard(s, _converted_tensors(ckpt, s, ren, to, restore, recorded),
+                               ckpt.headers[s].metadata or None))
+        else:
+            files.append(Link(s, str(ckpt.root / s)))
+    for entry in sorted(ckpt.root.iterdir()):
+        if entry.is_file() and entry.suffix != ".safetensors" and entry.name not in (
+                INDEX_NAME, CONFIG_NAME, HF_QUANT_CONFIG_NAME, SIDECAR, MANIFEST_NAME):
+            files.append(Copy(entry.name, str(entry)))
+    files.append(_index(ckpt, ren))
+    output = OutputPlan("convert", files, sources={"checkpoint": ckpt.root},
+                        inputs=sorted({h.path for h in ckpt.headers.values()}))
+    files += _configs(ckpt, have, to, side, recorded, output, out)
+    p = ConvertPlan(opts, ckpt, have, ren, output)
+    output.summary = {k: v for k, v in p.to_json().items() if k in ("from", "to", "renamed_tensors", "rewritten_shards")}
+    return p
+
+
+def _converted_tensors(ckpt: Checkpoint, shard: str, ren: dict, to: Flavour, restore: dict,
+                       recorded: dict[str, int]) -> list[OutTensor]:
+    """The shard's tensors in file order: renamed ones by name, global scales as their reciprocal (new
+    bytes; the original's float32 bits go to `recorded`), every other byte a range of the source."""
+    items = []
+    for name, info in sorted(ckpt.headers[shard].tensors.items(), key=lambda kv: kv[1].start):
+        new, rec = ren.get(name, (name, False))
+        shape = tuple(info.shape)
+        if new != name and info.dtype == "F32" and len(shape) <= 1 and info.nbytes == 4:
+            # scalar: [] in ModelOpt, [1] in compressed-tensors
+            shape = (1,) if to is Flavour.COMPRESSED_TENSORS and rec else (() if rec else shape)
+        if rec:
+            with open(info.file, "rb") as f:
+                f.seek(info.start)
+                old = f.read(4)
+            recorded[name] = struct.unpack("<I", old)[0]
+            items.append(OutTensor(new, info.dtype, shape, InlineBytes(_global_scale(name, old, to, restore.get(new)))))
+        else:
+            items.append(OutTensor(new, info.dtype, shape, FileRange(info.file, info.start, info.end)))
+    return items
+
+
+def _index(ckpt: Checkpoint, ren: dict) -> Json:
+    weight_map = {ren.get(n, (n, False))[0]: ckpt.shard_of(n) for n in ckpt.tensors}
+    index = index_json(weight_map, sum(i.nbytes for i in ckpt.tensors.values()))
+    if isinstance((ckpt.index or {}).get("metadata"), dict):
+        # the same tensor bytes (renames, same-size reciprocals): the source's metadata holds as it is
+        # (transformers' total_parameters, its total_size convention)
+        index["metadata"] = ckpt.index["metadata"]
+    style = load_json(ckpt.root / INDEX_NAME)[1] if (ckpt.root / INDEX_NAME).exists() else None
+    return Json(INDEX_NAME, index, style)
+
+
+def _configs(ckpt: Checkpoint, have: Flavour, to: Flavour, side: dict | None, recorded: dict,
+             output: OutputPlan, out: Path) -> list:
+    """config.json and hf_quant_config.json of the output: the originals a previous conversion recorded in
+    its sidecar, else made for the output's tensors (and a sidecar recording what this conversion changed)."""
+    cfg, style = load_json(ckpt.root / CONFIG_NAME, what="config.json")
+    if side is not None:
+        cfg["quantization_config"] = side["quantization_config"]
+        files = [Json(CONFIG_NAME, cfg, style)]
+        hq, hq_text = side.get("hf_quant_config"), side.get("hf_quant_config_text")
+        if hq is not None and isinstance(hq_text, str):
+            files.append(Text(HF_QUANT_CONFIG_NAME, hq_text))  # its bytes as they were
+        elif hq is not None:
+            files.append(Json(HF_QUANT_CONFIG_NAME, hq, ckpt.hf_quant_style))
+        return files
+    from qtool import __version__
+    from qtool.io.manifest import library_versions
+    from qtool.io.plan import header_checkpoint
+    from qtool.ops.quantize.configs import quant_configs
+    from qtool.recipes import OutFormat, Scheme
+
+    orig_qc = cfg.pop("quantization_config", None)
+    mm_out = build_map(header_checkpoint(out, output, cfg), read_values=False)
+    versions = {**library_versions(), "qtool": __version__}
+    fmt = OutFormat.MODELOPT if to is Flavour.MODELOPT else OutFormat.COMPRESSED_TENSORS
+    qc, hq = quant_configs(mm_out, Scheme.NVFP4, fmt, bool(mm_out.kv.layers), 16, versions)
+    cfg["quantization_config"] = qc
+    hq_path = ckpt.root / HF_QUANT_CONFIG_NAME
+    files = [Json(CONFIG_NAME, cfg, style),
+             Json(SIDECAR, {"from": have.value, "quantization_config": orig_qc,
+                            "hf_quant_config": ckpt.hf_quant_config, "scalars": dict(recorded),
+                            # the file's own text, so that converting back restores its bytes
+                            "hf_quant_config_text": hq_path.read_text() if hq_path.is_file() else None})]
+    if hq is not None:
+        files.append(Json(HF_QUANT_CONFIG_NAME, hq, ckpt.hf_quant_style))
+    return files
+
+
+def describe(p: ConvertPlan) -> dict:
+    return p.to_json()
+
+
+def execute(p: ConvertPlan) -> Report:
+    """Write the converted checkpoint (the shared executor, qtool.io.apply, in an output transaction)."""
+    from qtool.io.apply import write_output
+
+    opts = p.options
+    report = p.to_json()
+
+    def check() -> dict:
+        from qtool.io.quant_config import summarize
+        from qtool.ops.inspect import find_problems
+
+        c2 = Checkpoint.open(tx.partial, require_config=True)
+        report["problems"] = [x.to_json() for x in find_problems(build_map(c2), summarize(c2.config, c2.hf_quant_config))]
+        return {"inspect_problems": report["problems"]}
+
+    with OutputDir(opts.out, sources=[p.ckpt.root], force=opts.force, resume=opts.resume) as tx:
+        applied = write_output(p.output, tx, command=opts.command, check=check)
+    report["shards_reused_by"] = sorted(applied.linked)
     return Report(report)
 
 
@@ -161,105 +271,3 @@ def run(checkpoint: str | Path, *, dry_run: bool = False, **options) -> dict:
     """plan + execute in one call (library convenience): `options` are ConvertOptions fields."""
     p = plan(ConvertOptions(Path(checkpoint), **options))
     return describe(p) if dry_run else execute(p).to_json()
-
-
-def _write(p: dict, tx: OutputDir, side: dict | None, restore: dict, report: dict, command: str | None) -> None:
-    ckpt, to, partial = p["ckpt"], p["to"], tx.partial
-    plan_hash = hashlib.sha256(json.dumps([to.value, sorted(p["renames"].items()), p["rewrite"], p["link"]]
-                                          ).encode()).hexdigest()
-    journal = Journal(partial / JOURNAL_NAME, plan_hash, input_identity(h.path for h in ckpt.headers.values()),
-                      tx.resume)
-    recorded: dict[str, int] = {}
-    ways = set()
-    for s in p["link"]:
-        if not journal.file_done(partial, s):
-            ways.add(tx.placer.place(ckpt.root / s, partial / s))
-            journal.record(s, size=(partial / s).stat().st_size)
-    weight_map = {}
-    for n in ckpt.tensors:
-        weight_map[p["renames"].get(n, (n, False))[0]] = ckpt.shard_of(n)
-    for s in p["rewrite"]:
-        items = []
-        for name, info in sorted(ckpt.headers[s].tensors.items(), key=lambda kv: kv[1].start):
-            new, rec = p["renames"].get(name, (name, False))
-            shape = tuple(info.shape)
-            if new != name and info.dtype == "F32" and len(shape) <= 1 and info.nbytes == 4:
-                # scalar: [] in ModelOpt, [1] in compressed-tensors
-                shape = (1,) if to is Flavour.COMPRESSED_TENSORS and rec else (() if rec else shape)
-            if rec:
-                with open(info.file, "rb") as f:
-                    f.seek(info.start)
-                    old = f.read(4)
-                data = _global_scale(name, old, to, restore.get(new))
-                recorded[name] = struct.unpack("<I", old)[0]
-                items.append(OutTensor(new, info.dtype, shape, InlineBytes(data)))
-            else:
-                items.append(OutTensor(new, info.dtype, shape, FileRange(info.file, info.start, info.end)))
-        if not journal.file_done(partial, s):
-            size = write_shard(partial / s, items, ckpt.headers[s].metadata or None, mode=tx.file_mode)
-            journal.record(s, size=size)
-    total = sum(i.nbytes for i in ckpt.tensors.values())
-    index_style = load_json(ckpt.root / INDEX_NAME)[1] if (ckpt.root / INDEX_NAME).exists() else None
-    index = index_json(weight_map, total)
-    if isinstance((ckpt.index or {}).get("metadata"), dict):
-        # the same tensor bytes (renames, same-size reciprocals): the source's metadata holds as it is
-        # (transformers' total_parameters, its total_size convention)
-        index["metadata"] = ckpt.index["metadata"]
-    write_json(partial / INDEX_NAME, index, index_style)
-    for entry in sorted(ckpt.root.iterdir()):
-        if entry.is_file() and entry.suffix != ".safetensors" and entry.name not in (
-                INDEX_NAME, CONFIG_NAME, HF_QUANT_CONFIG_NAME, SIDECAR, MANIFEST_NAME):
-            copy_file(entry, partial / entry.name, tx.file_mode)
-    cfg, style = load_json(ckpt.root / CONFIG_NAME, what="config.json")
-    orig_qc = cfg.get("quantization_config")
-    orig_hq = ckpt.hf_quant_config
-    if side is not None:
-        cfg["quantization_config"] = side["quantization_config"]
-        hq = side.get("hf_quant_config")
-    else:
-        from qtool.io.manifest import library_versions
-        from qtool.ops.quantize.configs import quant_configs
-        from qtool.recipes import OutFormat, Scheme
-
-        cfg.pop("quantization_config", None)
-        write_json(partial / CONFIG_NAME, cfg, style)
-        mm_out = build_map(Checkpoint.open(partial, require_config=True))
-        versions = library_versions()
-        from qtool import __version__
-
-        versions["qtool"] = __version__
-        fmt = OutFormat.MODELOPT if to is Flavour.MODELOPT else OutFormat.COMPRESSED_TENSORS
-        qc, hq = quant_configs(mm_out, Scheme.NVFP4, fmt, bool(mm_out.kv.layers), 16, versions)
-        cfg["quantization_config"] = qc
-        hq_path = ckpt.root / HF_QUANT_CONFIG_NAME
-        write_json(partial / SIDECAR, {"from": p["from"].value, "quantization_config": orig_qc,
-                                       "hf_quant_config": orig_hq, "scalars": {
-                                           n: v for n, v in recorded.items()},
-                                       # the file's own text, so that converting back restores its bytes
-                                       "hf_quant_config_text": hq_path.read_text() if hq_path.is_file() else None})
-    write_json(partial / CONFIG_NAME, cfg, style)
-    hq_text = (side or {}).get("hf_quant_config_text")
-    if hq is not None and isinstance(hq_text, str):
-        atomic_write_text(partial / HF_QUANT_CONFIG_NAME, hq_text)
-    elif hq is not None:
-        write_json(partial / HF_QUANT_CONFIG_NAME, hq, ckpt.hf_quant_style)
-    from qtool.io.quant_config import summarize
-    from qtool.ops.inspect import find_problems
-
-    c2 = Checkpoint.open(partial, require_config=True)
-    problems = [x.to_json() for x in find_problems(build_map(c2), summarize(c2.config, c2.hf_quant_config))]
-    report["problems"] = problems
-    report["shards_reused_by"] = sorted(ways)
-    from qtool.io.manifest import InputHasher, placed_digests, source_entry, write_manifest
-
-    hasher = InputHasher(trust_cache=not tx.resume, record=tx.input_digests)
-    for f in sorted({h.path for h in ckpt.headers.values()}):
-        hasher.submit(f)
-    os.unlink(partial / JOURNAL_NAME)
-    digests = hasher.results()
-    write_manifest(partial / MANIFEST_NAME, kind="convert", command=command,
-                   sources={"checkpoint": source_entry(ckpt.root, digests)},
-                   summary={k: report[k] for k in ("from", "to", "renamed_tensors", "rewritten_shards")},
-                   checks={"inspect_problems": problems},
-                   files=output_files(partial, placed_digests(ckpt.root, p["link"], digests)))
-    tx.commit()

@@ -119,7 +119,9 @@ def test_resume_refuses_an_input_edited_with_its_mtime_put_back(tiny_nvfp4_model
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
     p = run_qtool([*args, "--resume", "--json"])
     assert p.returncode == 1
-    assert "journal was written for other inputs" in json.loads(p.stdout)["message"]
+    err = json.loads(p.stdout)
+    assert "changed since the interrupted run" in err["message"]
+    assert shard in json.dumps(err)  # the error names the edited file
     assert not out.exists()
 
 

@@ -17,8 +17,9 @@ quantization_config (formats doc section 4).
 
 Plan -> validate -> execute: `plan()` reads headers and configs only; `calibrate()` runs the forward
 (resumable: a journal plus the hidden states after the last finished layer live in the work directory);
-`write_output()` writes `-o OUT` through `OUT.partial/` or, in place, new shard + configs + index (last),
-each by temp file + rename.
+`write.output_plan()` decides every output file before calibration (the KV scales are its Pending values),
+and the shared executor (qtool.io.apply) writes `-o OUT` through `OUT.partial/` or, in place, builds the
+new state beside the checkpoint and swaps it in.
 """
 
 from qtool.ops.calibrate_kv.calibrate import LayerStat, calibrate, outlier_warnings
@@ -36,8 +37,8 @@ from qtool.ops.calibrate_kv.plan import (
     plan,
     scale_names,
 )
-from qtool.ops.calibrate_kv.write import start_input_hashes, write_output
+from qtool.ops.calibrate_kv.write import output_plan, scale_values
 
 __all__ = ["CT_KV_SCHEME", "JOURNAL", "KV_SHARD", "MODELOPT_KV_SCHEME", "OUTLIER_RATIO", "CalibrateKvOptions",
            "Convention", "KvPlan", "LayerStat", "calibrate", "execute", "kv_only_quantization_config",
-           "outlier_warnings", "plan", "run", "scale_names", "start_input_hashes", "write_output"]
+           "outlier_warnings", "plan", "run", "scale_names", "output_plan", "scale_values"]

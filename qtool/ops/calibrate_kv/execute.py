@@ -3,16 +3,19 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from qtool.errors import PlanError, UsageError
+from qtool.io.apply import write_output
 from qtool.io.in_place import InPlaceDir
+from qtool.io.plan import Remove
 from qtool.io.output import OutputDir
 from qtool.ops.contract import Report
 
 from qtool.ops.calibrate_kv.plan import CalibrateKvOptions, KvPlan, plan
 from qtool.ops.calibrate_kv.calibrate import calibrate, outlier_warnings
-from qtool.ops.calibrate_kv.write import start_input_hashes, write_output
+from qtool.ops.calibrate_kv.write import scale_values
 
 
 # ---- the whole operation ---------------------------------------------------------------------------
@@ -37,19 +40,31 @@ def execute(p: KvPlan, *, progress=None) -> Report:
     # the transaction (lock, writability, the --force rules) is taken before the forward pass
     tx = (OutputDir(p.out, sources=[p.ckpt.root], force=opts.force, resume=opts.resume) if p.out is not None
           else InPlaceDir(p.ckpt.root, resume=opts.resume))
+    state: dict = {}
+
+    def produce() -> dict:
+        stats, state["timing"] = calibrate(p, calib.ids, resume=opts.resume, progress=progress)
+        state["stats"] = stats
+        return scale_values(p, stats)
+
+    def check() -> dict:
+        shutil.rmtree(p.work_dir, ignore_errors=True)  # the hidden states: every file is written now
+        return {}
+
     with tx:
-        hasher = start_input_hashes(p, tx, resume=opts.resume)
-        try:
-            stats, timing = calibrate(p, calib.ids, resume=opts.resume, progress=progress)
-        except BaseException:
-            hasher.close()
-            raise
-        report["layers"] = [stats[i].to_json() for i in p.layers]
-        report["warnings"] = p.warnings + outlier_warnings(stats)
-        report["timing"] = timing
-        report["calibration"] = {"dataset": p.dataset, "digest": calib.digest, "tokens": calib.tokens,
-                                 "available_tokens": calib.available_tokens}
-        report["output"] = write_output(p, stats, tx, opts.command, hasher)
+        applied = write_output(p.output, tx, command=opts.command, produce=produce, check=check)
+    stats = state["stats"]
+    report["layers"] = [stats[i].to_json() for i in p.layers]
+    report["warnings"] = p.warnings + outlier_warnings(stats)
+    report["timing"] = state["timing"]
+    report["calibration"] = {"dataset": p.dataset, "digest": calib.digest, "tokens": calib.tokens,
+                             "available_tokens": calib.available_tokens}
+    files = dict(p.output.extra["kv_cache"]["scale_tensors"], output=str(tx.out))
+    if tx.in_place:
+        files["removed_shards"] = [e.name for e in p.output.entries(Remove)]
+    else:
+        files["shards_reused_by"] = sorted(applied.linked) or ["none"]
+    report["output"] = files
     return Report(report)
 
 

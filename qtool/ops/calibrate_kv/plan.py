@@ -3,6 +3,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from qtool.io.plan import OutputPlan
+
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,6 +82,7 @@ class KvPlan:
     config_changes: list[str]
     warnings: list[str] = field(default_factory=list)
     options: "CalibrateKvOptions | None" = None
+    output: "OutputPlan | None" = None  # every output file (calibrate_kv.write.output_plan)
 
     def to_json(self) -> dict:
         sp = self.stream
@@ -182,9 +188,14 @@ def plan(opts: CalibrateKvOptions) -> KvPlan:
         warnings.append("the MTP head's attention layer is not calibrated (engines use 1.0 for it)")
     if ckpt.quantization_config and ckpt.quantization_config.get("quant_method") == "awq":
         warnings.append("AWQ configs: engines may ignore kv_cache_scheme (vLLM's AWQ method loads no KV scales)")
-    return KvPlan(
+    p = KvPlan(
         ckpt, out_p, conv, layers, max(layers) + 1, names, existing, rewrite, kv_shard, work,
         samples, seq_len, dataset, device, sp, changes, warnings, opts,
     )
+    from qtool.ops.calibrate_kv.write import output_plan
+
+    p.output = output_plan(p)
+    p.output.summary = p.to_json()
+    return p
 
 

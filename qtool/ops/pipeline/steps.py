@@ -210,9 +210,9 @@ def validate_step(bp: BuildPlan, sp: StepPlan) -> dict:
     if st.op in CONTRACT_OPS:
         spec = contract_spec(st.op)
         planned = spec.plan(options_from(spec.options, st.params, checkpoint=src, out=sp.dir))
-        if not hasattr(planned, "to_json"):  # convert's plan is a dict; its summary is describe()
-            return {"status": "planned", **op_module(st.op, CONTRACT_OPS[st.op][0]).describe(planned)}
         summary = planned.to_json()
+        if st.op is Op.CONVERT:
+            return {"status": "planned", **summary}
         keys = {"full_attention_layers": "layers", "config_changes": "changes", "warnings": "warnings"}
         return {"status": "planned", **{short: summary[k] for k, short in keys.items() if k in summary}}
     return {"status": "ready"}

@@ -1,0 +1,206 @@
+"""An output as data: what every file of an output directory will be, decided before anything is written.
+
+Each writing op reads its inputs (Checkpoint + ModelMap), then a pure decide step returns an `OutputPlan`:
+  Link(name, source)          an input file placed unchanged (reflink / hard link / copy: io.files.Placer)
+  Copy(name, source)          a small side file copied byte for byte (a file of its own)
+  Shard(name, tensors, meta)  a safetensors shard written from byte ranges of sources, inline bytes, or
+                              values the op computes later (`Pending`, e.g. calibrated KV scales)
+  Produced(name, tensors)     a shard a streaming producer writes during execution (quantize's layers, a
+                              range-fetched Hub shard); `tensors` is the header it promises
+  Json(name, obj, style)      a JSON file (configs, the index) in a given file's own formatting
+  Text(name, text)            a small text file, byte for byte
+  Remove(name)                in-place work only: a file the new state of the checkpoint no longer has
+plus what its manifest records (kind, sources, summary, checks, op-specific sections). One executor
+(qtool.io.apply.write_output) runs every plan; `--dry-run` prints `describe()`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, NamedTuple, Sequence, Union
+
+from qtool.io.jsonio import JsonStyle, dumps
+from qtool.io.writer import FileRange, InlineBytes, OutTensor, shard_size
+
+
+class Pending(NamedTuple):
+    """Bytes the op computes during execution (given to the executor as `values[key]`), of a known size."""
+
+    key: str
+    nbytes: int
+
+
+class Link(NamedTuple):
+    name: str
+    source: str
+
+
+class Copy(NamedTuple):
+    name: str
+    source: str
+
+
+class Shard(NamedTuple):
+    name: str
+    # a list, or a function that makes it when the writer starts: a 397B plan keeps its ~370k tensors as
+    # table rows (qtool.ops.assemble.model.PlannedShard) rather than as objects
+    tensors: Union[Sequence[OutTensor], Callable[[], list[OutTensor]]]
+    metadata: dict | None = None
+    size: int | None = None  # the file's size when the planner already knows it
+
+
+class Produced(NamedTuple):
+    name: str
+    tensors: Sequence[OutTensor]  # the promised header (sources: Pending of the tensor's size)
+    metadata: dict | None = None
+
+
+class Json(NamedTuple):
+    name: str
+    obj: dict
+    style: JsonStyle | None = None
+
+
+class Text(NamedTuple):
+    name: str
+    text: str
+
+
+class Remove(NamedTuple):
+    name: str
+
+
+Entry = Union[Link, Copy, Shard, Produced, Json, Text, Remove]
+SHARD_ENTRIES = (Link, Shard, Produced)  # the big ones: written by the executor's writer threads
+
+
+def tensors_of(entry: Shard | Produced) -> list[OutTensor]:
+    t = entry.tensors
+    return t() if callable(t) else list(t)
+
+
+def promised(name: str, dtype: str, shape, nbytes: int) -> OutTensor:
+    """A tensor of a Produced shard's promised header."""
+    return OutTensor(name, dtype, tuple(shape), Pending(name, nbytes))
+
+
+@dataclass
+class OutputPlan:
+    kind: str  # the manifest's "operation"
+    files: list[Entry]
+    sources: dict[str, Path]  # the manifest's sources: name -> root directory
+    inputs: list[str]  # every input file whose bytes reach the output (identity for --resume, sha256)
+    summary: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)  # op-specific manifest sections
+    hash: str | None = None  # the planner's own identity of the output (assemble: ~370k tensors, cheaper)
+
+    def entries(self, *kinds) -> list:
+        return [e for e in self.files if isinstance(e, kinds)]
+
+    def names(self) -> list[str]:
+        return [e.name for e in self.files if not isinstance(e, Remove)]
+
+    def plan_hash(self) -> str:
+        """Identity of the output: every file's name and what it is made of (sources' byte ranges, the JSON,
+        inline bytes' digests). Inputs' identity is kept apart (the journal compares it separately)."""
+        if self.hash is not None:
+            return self.hash
+        h = hashlib.sha256(self.kind.encode())
+        for e in self.files:
+            h.update(type(e).__name__.encode())
+            if isinstance(e, (Link, Copy)):
+                h.update(json.dumps([e.name, os.path.abspath(e.source)]).encode())
+            elif isinstance(e, (Shard, Produced)):
+                h.update(json.dumps([e.name, e.metadata]).encode())
+                for t in tensors_of(e):
+                    h.update(json.dumps([t.name, t.dtype, list(t.shape), _source_key(t.source)]).encode())
+            elif isinstance(e, Json):
+                h.update(json.dumps([e.name, dumps(e.obj, e.style)]).encode())
+            elif isinstance(e, Text):
+                h.update(json.dumps([e.name, e.text]).encode())
+            else:
+                h.update(e.name.encode())
+        return h.hexdigest()
+
+    def file_size(self, e: Entry) -> int:
+        """Bytes the entry's file will have (a Link's: its source's)."""
+        if isinstance(e, (Link, Copy)):
+            return os.path.getsize(e.source)
+        if isinstance(e, Shard) and e.size is not None:
+            return e.size
+        if isinstance(e, (Shard, Produced)):
+            return shard_size(tensors_of(e), e.metadata)
+        if isinstance(e, Json):
+            return len(dumps(e.obj, e.style).encode())
+        if isinstance(e, Text):
+            return len(e.text.encode())
+        return 0
+
+    def describe(self) -> dict:
+        """What --dry-run prints: each file with what it will be."""
+        how = {Link: "unchanged", Copy: "copied", Shard: "written", Produced: "computed", Json: "written",
+               Text: "written", Remove: "removed"}
+        out: dict[str, list[str]] = {}
+        for e in self.files:
+            out.setdefault(how[type(e)], []).append(e.name)
+        return {"operation": self.kind, "files": out}
+
+
+def _source_key(src) -> list:
+    if isinstance(src, FileRange):
+        return ["range", os.path.abspath(src.file), src.start, src.end]
+    if isinstance(src, InlineBytes):
+        return ["bytes", hashlib.sha256(src.data).hexdigest()]
+    return ["pending", src.key, src.nbytes]
+
+
+def resolve(tensors: list[OutTensor], values: dict[str, bytes]) -> list[OutTensor]:
+    """The shard's tensors with every Pending source replaced by its computed bytes."""
+    out = []
+    for t in tensors:
+        if isinstance(t.source, Pending):
+            data = values.get(t.source.key)
+            if data is None or len(data) != t.source.nbytes:
+                raise ValueError(f"{t.name}: the op gave no {t.source.nbytes}-byte value for {t.source.key}")
+            t = t._replace(source=InlineBytes(data))
+        out.append(t)
+    return out
+
+
+def header_checkpoint(root: Path, plan: OutputPlan, config: dict | None, hf_quant_config: dict | None = None):
+    """A Checkpoint of the planned output made from the plan alone (nothing written yet): every shard with
+    the header the writer will give it; a tensor copied from a source points at the source's bytes (so it
+    can be read), a new one at its planned place in the output. Lets a decide step compute what depends on
+    the output's tensors (quantization configs, ignore lists, findings) before execution."""
+    from qtool.io.checkpoint import Checkpoint
+    from qtool.io.safetensors_header import SafetensorsHeader, read_header
+    from qtool.io.tensor_table import TensorTable
+    from qtool.io.writer import build_header
+
+    table = TensorTable()
+    headers = {}
+    for e in plan.files:
+        if isinstance(e, Link) and e.name.endswith(".safetensors"):
+            h = read_header(e.source)
+            rows = table.extend(h.tensors)
+            headers[e.name] = SafetensorsHeader(h.path, h.header_len, h.data_start, h.file_size, h.metadata,
+                                                table.slice(rows))
+        elif isinstance(e, (Shard, Produced)):
+            tensors = tensors_of(e)
+            head = len(build_header(tensors, e.metadata))
+            path, first, offset = str(root / e.name), len(table), head
+            for t in tensors:
+                src = t.source
+                if isinstance(src, FileRange):
+                    table.add(t.name, src.file, t.dtype, tuple(t.shape), src.start, src.end)
+                else:
+                    table.add(t.name, path, t.dtype, tuple(t.shape), offset, offset + src.nbytes)
+                offset += src.nbytes
+            headers[e.name] = SafetensorsHeader(path, head - 8, head, offset, dict(e.metadata or {}),
+                                                table.slice(range(first, len(table))))
+    return Checkpoint(root=Path(root), tensors=table, headers=headers, index=None, config=config,
+                      hf_quant_config=hf_quant_config)
