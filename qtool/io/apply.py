@@ -139,7 +139,8 @@ def _check_produced(plan: OutputPlan, partial: Path) -> None:
 def write_output(plan: OutputPlan, tx: OutputDir, *, command: str | None, values: dict | None = None,
                  produce: Callable[[], dict | None] | None = None, overlap: Callable[[], None] | None = None,
                  on_headers: Callable[[], None] | None = None, check: Callable[[], dict] | None = None,
-                 shards_section: Path | None = None, progress: bool = False,
+                 extra: Callable[[], dict] | None = None, shards_section: Path | None = None,
+                 progress: bool = False,
                  stop: threading.Event | None = None) -> Applied:
     """Run `plan` in the open transaction `tx` and commit it.
 
@@ -174,7 +175,7 @@ def write_output(plan: OutputPlan, tx: OutputDir, *, command: str | None, values
     finally:
         hasher.close()
     os.unlink(partial / JOURNAL_NAME)
-    _manifest(plan, tx, digests, command, applied.checks, shards_section)
+    _manifest(plan, tx, digests, command, applied.checks, shards_section, extra() if extra else {})
     if applied.checks and not applied.checks.get("passed", True):
         raise VerificationError(
             f"the output failed its checks; it was left in {partial}", path=partial,
@@ -243,12 +244,12 @@ def _write_shards(plan, tx, journal, hasher, values, overlap, on_headers, applie
 
 
 def _manifest(plan: OutputPlan, tx: OutputDir, digests: dict[str, str], command: str | None, checks: dict,
-              shards_section: Path | None) -> None:
+              shards_section: Path | None, run_extra: dict) -> None:
     partial = tx.partial
     sources = {}
     for name, root in plan.sources.items():
         sources[name] = source_entry(root, {f: d for f, d in digests.items() if Path(f).is_relative_to(root)})
-    extra = dict(plan.extra)
+    extra = {**plan.extra, **run_extra}
     skip = (MANIFEST_NAME, JOURNAL_NAME) + ((shards_section.name,) if shards_section else ())
     if tx.in_place:
         root = next(iter(plan.sources.values()))

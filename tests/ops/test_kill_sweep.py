@@ -22,7 +22,7 @@ SWEEP = {
                      [("qtool.stream.layer_stream:LayerStreamer.load_layer", 2), ("qtool.io.files:Placer.place", 3),
                       ("qtool.io.writer:write_shard", 1)]),
     "quantize": (lambda src, bf: ["quantize", bf, "--recipe", "qwen35-nvfp4-experts", *KV],
-                 [("qtool.ops.quantize.layer:write_layer_shard", 2), ("qtool.ops.quantize.layer:write_rest_shard", 1)]),
+                 [("qtool.ops.quantize.layer:write_layer_shard", 2), ("qtool.io.identity:Journal.record", 1)]),
     "convert": (lambda src, bf: ["convert", src, "--to", "compressed-tensors"],
                 [("qtool.io.identity:Journal.record", 2), ("qtool.io.identity:Journal.record", 6)]),
 }

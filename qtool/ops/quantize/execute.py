@@ -19,21 +19,18 @@ import shutil
 import time
 from pathlib import Path
 
-from qtool.errors import PlanError, UsageError, VerificationError
-from qtool.io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG_NAME, INDEX_NAME, Checkpoint
+from qtool.errors import PlanError, UsageError
+from qtool.io.checkpoint import Checkpoint
 from qtool.io.jsonio import load_json, write_json
-from qtool.io.output import MANIFEST_NAME as MANIFEST
-from qtool.io.files import copy_file
 from qtool.io.identity import input_identity
-from qtool.io.output import output_files, OutputDir
-from qtool.io.writer import index_json
+from qtool.io.output import OutputDir
 from qtool.ops.contract import Report
-from qtool.ops.quantize.plan import REST_SHARD, QuantizeOptions, QuantizePlan, plan
-from qtool.recipes import KvCache, Scheme
+from qtool.ops.quantize.output import input_files
+from qtool.ops.quantize.plan import QuantizeOptions, QuantizePlan, plan
+from qtool.recipes import Scheme
 
 JOURNAL = "journal.json"
 WORK = ".quantize"
-_SKIP_FILES = {INDEX_NAME, CONFIG_NAME, HF_QUANT_CONFIG_NAME, "recipe.yaml", MANIFEST}
 
 
 def _journal_key(p: QuantizePlan, digest: str) -> str:
@@ -46,15 +43,6 @@ def _journal_key(p: QuantizePlan, digest: str) -> str:
     # a same-size edit of an input with its mtime put back changes the key (content samples)
     h.update(json.dumps(input_identity(str(f) for f in input_files(p))).encode())
     return h.hexdigest()[:32]
-
-
-def _side_files(src: Path, dst: Path, mode: int) -> list[str]:
-    copied = []
-    for entry in sorted(src.iterdir()):
-        if entry.is_file() and entry.suffix != ".safetensors" and entry.name not in _SKIP_FILES:
-            copy_file(entry, dst / entry.name, mode)
-            copied.append(entry.name)
-    return copied
 
 
 def calibrate_and_write(p: QuantizePlan, partial: Path, ids, *, resume: bool, progress=None,
@@ -132,85 +120,6 @@ def calibrate_and_write(p: QuantizePlan, partial: Path, ids, *, resume: bool, pr
     return {"layers": layer_reports, "seconds": time.perf_counter() - t0, "resumed_from_layer": start}
 
 
-def input_files(p: QuantizePlan) -> list[Path]:
-    """Every source file that contributes bytes: the shards holding any tensor (copied by byte range or
-    read dense for calibration and quantization), config.json and the copied side files."""
-    shards = {Path(i.file) for i in p.ckpt.tensors.values()}
-    side = [e for e in p.ckpt.root.iterdir()
-            if e.is_file() and e.suffix != ".safetensors" and e.name not in _SKIP_FILES]
-    return sorted(shards | set(side) | {p.ckpt.root / CONFIG_NAME})
-
-
-def finish(p: QuantizePlan, tx: OutputDir, report: dict, command: str | None, hasher) -> dict:
-    from qtool.arch.model_map import build_map
-    from qtool.io.quant_config import summarize
-    from qtool.io.writer import plan_shards
-    from qtool.ops.inspect import find_problems
-    from qtool.io.manifest import library_versions, source_entry, write_manifest
-    from qtool.ops.quantize.configs import quant_configs
-    from qtool.ops.quantize.layer import write_rest_shard
-    from qtool.ops.quantize.plan import _spec_bytes
-
-    partial = tx.partial
-    groups = plan_shards([(s.name, _spec_bytes(s)) for s in p.rest], 5 * 10**9)
-    by_name = {s.name: s for s in p.rest}
-    weight_map: dict[str, str] = {}
-    total = 0
-    for k, names in enumerate(groups):
-        shard = REST_SHARD.format(k)
-        write_rest_shard(partial / shard, [by_name[n] for n in names], tx.file_mode)
-        for n in names:
-            weight_map[n] = shard
-            total += _spec_bytes(by_name[n])
-    for lp in p.layers:
-        for s in lp.specs:
-            weight_map[s.name] = lp.shard
-            total += _spec_bytes(s)
-    write_json(partial / INDEX_NAME, index_json(weight_map, total))
-    side = _side_files(p.ckpt.root, partial, tx.file_mode)
-    cfg, style = load_json(p.ckpt.root / CONFIG_NAME, what="config.json")
-    cfg.pop("quantization_config", None)
-    write_json(partial / CONFIG_NAME, cfg, style)
-    mm = build_map(Checkpoint.open(partial, require_config=True))
-    versions = library_versions()
-    from qtool import __version__
-
-    versions["qtool"] = __version__
-    kv = p.recipe.kv_cache is KvCache.FP8
-    qc, hq = quant_configs(mm, p.recipe.quantized_scheme, p.format, kv, p.recipe.int4.group_size, versions,
-                           {"gate_proj": p.hidden, "up_proj": p.hidden, "down_proj": p.inter})
-    cfg["quantization_config"] = qc
-    write_json(partial / CONFIG_NAME, cfg, style)
-    if hq is not None:
-        write_json(partial / HF_QUANT_CONFIG_NAME, hq)
-    ckpt = Checkpoint.open(partial, require_config=True)
-    mm = build_map(ckpt)
-    problems = [pr.to_json() for pr in find_problems(mm, summarize(ckpt.config, ckpt.hf_quant_config))]
-    shutil.rmtree(partial / WORK, ignore_errors=True)
-    extra = {
-        "recipe": p.recipe.to_json(),
-        "backend": p.backend.value,
-        "format": p.format.value,
-        "calibration": report.get("calibration"),
-        "layers": report["layers"],
-        "layer_shards": {lp.shard: {"layer": lp.index, "routed_experts": lp.scheme.value} for lp in p.layers},
-        "carried_over": {"tensors": len(p.rest), "shards": [REST_SHARD.format(k) for k in range(len(groups))]},
-        "side_files": side,
-    }
-    digests = hasher.results()
-    write_manifest(partial / MANIFEST, kind="quantize", command=command,
-                   sources={"bf16": source_entry(p.ckpt.root, {str(f): digests[str(f)] for f in input_files(p)})},
-                   summary={"shards": len(p.layers) + len(groups), "bytes": total}, checks={"inspect_problems": problems},
-                   files=output_files(partial), extra=extra)
-    if problems:
-        raise VerificationError(f"the output has {len(problems)} problem(s): {problems[0]['message']}",
-                                path=partial, got=[x["code"] for x in problems],
-                                hint="this is a qtool bug; the partial output is kept for inspection")
-    tx.commit()
-    return {"output": str(p.out), "shards": len(p.layers) + len(groups), "bytes": total, "side_files": side,
-            "problems": problems}
-
-
 def execute(p: QuantizePlan, *, progress=None) -> Report:
     """Calibrate, quantize layer by layer and write (through the output transaction)."""
     opts = p.options
@@ -231,19 +140,29 @@ def execute(p: QuantizePlan, *, progress=None) -> Report:
 
         ids = opts.calib_ids
         report["calibration"] = {"dataset": "ids", "digest": token_digest(ids), "tokens": int(ids.numel())}
-    from qtool.io.manifest import InputHasher
+    from qtool.io.apply import write_output
+
+    def produce() -> None:
+        report.update(calibrate_and_write(p, tx.partial, ids, resume=opts.resume, progress=progress,
+                                          mode=tx.file_mode))
+
+    def check() -> dict:
+        from qtool.arch.model_map import build_map
+        from qtool.io.quant_config import summarize
+        from qtool.ops.inspect import find_problems
+
+        shutil.rmtree(tx.partial / WORK, ignore_errors=True)  # the hidden states: every file is written now
+        ckpt = Checkpoint.open(tx.partial, require_config=True)
+        problems = [x.to_json() for x in find_problems(build_map(ckpt), summarize(ckpt.config, ckpt.hf_quant_config))]
+        report["problems"] = problems
+        return {"inspect_problems": problems, "passed": not problems,
+                "summary": problems[0]["message"] if problems else None}
 
     with OutputDir(p.out, sources=[p.ckpt.root], force=opts.force, resume=opts.resume) as tx:
-        # a resumed run re-hashes its inputs: a cached digest could predate an edit
-        hasher = InputHasher(trust_cache=not opts.resume, record=tx.input_digests)  # in background threads
-        try:
-            for f in input_files(p):
-                hasher.submit(str(f))
-            res = calibrate_and_write(p, tx.partial, ids, resume=opts.resume, progress=progress, mode=tx.file_mode)
-            report.update(res)
-            report["output"] = finish(p, tx, report, opts.command, hasher)
-        finally:
-            hasher.close()
+        write_output(p.output, tx, command=opts.command, produce=produce, check=check,
+                     extra=lambda: {"calibration": report.get("calibration"), "layers": report["layers"]})
+    report["output"] = {"output": str(p.out), **p.output.summary, "side_files": p.output.extra["side_files"],
+                        "problems": report["problems"]}
     return Report(report)
 
 

@@ -211,10 +211,4 @@ def _nbytes(s) -> int:
     return nbytes_for(s.dtype, s.shape)
 
 
-def write_rest_shard(path: Path, specs, mode: int = 0o644) -> None:
-    from qtool.io.writer import write_shard_atomic
-
-    write_shard_atomic(path, [OutTensor(s.name, s.dtype, s.shape, s.source) for s in specs], mode=mode)
-
-
-__all__ = ["FileRange", "InlineBytes", "input_amaxes", "write_layer_shard", "write_rest_shard"]
+__all__ = ["FileRange", "InlineBytes", "input_amaxes", "write_layer_shard"]

@@ -21,7 +21,6 @@ from qtool.recipes import FORMATS_FOR, Backend, KvCache, OutFormat, Recipe, Sche
 
 PARTS = ("down_proj", "gate_proj", "up_proj")  # header order of one expert's modules (sorted names)
 LAYER_SHARD = "model-layer-{:05d}.safetensors"
-REST_SHARD = "model-rest-{:05d}.safetensors"
 
 # Output params of one quantized expert Linear, per (scheme, format): name -> (dtype, shape fn(out, in, g)).
 QUANT_PARAMS: dict[tuple[Scheme, OutFormat], tuple[tuple[str, str, object], ...]] = {
@@ -94,6 +93,7 @@ class QuantizePlan:
     awq_rows: int
     warnings: list[str] = field(default_factory=list)
     options: "QuantizeOptions | None" = None
+    output: object = None  # every output file: qtool.io.plan.OutputPlan (quantize.output.output_plan)
 
     @property
     def kv_names(self) -> str:
@@ -318,5 +318,9 @@ def plan(opts: QuantizeOptions) -> QuantizePlan:
         warnings.append("AutoAWQ form: no KV scales written (the awq config has no kv_cache_scheme and vLLM's AWQ "
                         "method loads none); use --format compressed-tensors for FP8 KV scales")
     keep = awq_rows if (scheme is Scheme.W4A16 and recipe.int4.awq) else 0
-    return QuantizePlan(ckpt, mm, recipe, backend, fmt, outp, layers, rest, n_exp, inter, hidden, samples,
-                        seq_len, dataset, device, streamer.plan(samples, seq_len), keep, warnings, opts)
+    p = QuantizePlan(ckpt, mm, recipe, backend, fmt, outp, layers, rest, n_exp, inter, hidden, samples,
+                     seq_len, dataset, device, streamer.plan(samples, seq_len), keep, warnings, opts)
+    from qtool.ops.quantize.output import output_plan
+
+    p.output = output_plan(p)
+    return p

@@ -1,0 +1,85 @@
+"""quantize: the output checkpoint as an output plan (qtool.io.plan), decided before any layer runs.
+
+Each decoder layer's shard is Produced (the layer loop writes it: its quantized experts are computed);
+the carried-over tensors (embeddings, lm_head, the MTP head, vision) are Shards of byte ranges, split at
+5 GB; configs are made for the output's tensors from the plan's own headers (qtool.io.plan.header_checkpoint),
+so `--dry-run` shows them and nothing about them is decided after the layers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from qtool.io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG_NAME, INDEX_NAME
+from qtool.io.jsonio import load_json
+from qtool.io.output import MANIFEST_NAME
+from qtool.io.plan import Copy, Json, OutputPlan, Pending, Produced, Shard, header_checkpoint
+from qtool.io.writer import OutTensor, index_json, plan_shards
+from qtool.recipes import KvCache
+
+if TYPE_CHECKING:
+    from qtool.ops.quantize.plan import QuantizePlan
+
+REST_SHARD = "model-rest-{:05d}.safetensors"
+REST_SHARD_BYTES = 5 * 10**9
+# source files never carried over: regenerated here, or the recipe that made the source
+SKIP_FILES = {INDEX_NAME, CONFIG_NAME, HF_QUANT_CONFIG_NAME, "recipe.yaml", MANIFEST_NAME}
+
+
+def _tensor(s) -> OutTensor:
+    from qtool.ops.quantize.plan import _spec_bytes
+
+    return OutTensor(s.name, s.dtype, tuple(s.shape), s.source if s.source is not None else Pending(s.name, _spec_bytes(s)))
+
+
+def side_files(root: Path) -> list[Path]:
+    return [e for e in sorted(root.iterdir())
+            if e.is_file() and e.suffix != ".safetensors" and e.name not in SKIP_FILES]
+
+
+def input_files(p: QuantizePlan) -> list[str]:
+    """Every source file that contributes bytes: the shards holding any tensor (copied by byte range or
+    read dense for calibration and quantization), config.json and the copied side files."""
+    shards = {i.file for i in p.ckpt.tensors.values()}
+    return sorted(shards | {str(e) for e in side_files(p.ckpt.root)} | {str(p.ckpt.root / CONFIG_NAME)})
+
+
+def output_plan(p: QuantizePlan) -> OutputPlan:
+    from qtool import __version__
+    from qtool.arch.model_map import build_map
+    from qtool.io.manifest import library_versions
+    from qtool.ops.quantize.configs import quant_configs
+
+    files: list = [Produced(lp.shard, [_tensor(s) for s in lp.specs]) for lp in p.layers]
+    by_name = {s.name: s for s in p.rest}
+    from qtool.ops.quantize.plan import _spec_bytes
+
+    groups = plan_shards([(s.name, _spec_bytes(s)) for s in p.rest], REST_SHARD_BYTES)
+    files += [Shard(REST_SHARD.format(k), [_tensor(by_name[n]) for n in names]) for k, names in enumerate(groups)]
+    weight_map = {t.name: e.name for e in files for t in e.tensors}
+    total = sum(t.nbytes for e in files for t in e.tensors)
+    side = side_files(p.ckpt.root)
+    files += [Copy(e.name, str(e)) for e in side]
+    cfg, style = load_json(p.ckpt.root / CONFIG_NAME, what="config.json")
+    cfg.pop("quantization_config", None)
+    out = OutputPlan("quantize", files, sources={"bf16": p.ckpt.root}, inputs=input_files(p))
+    mm = build_map(header_checkpoint(p.out, out, cfg), read_values=False)
+    versions = {**library_versions(), "qtool": __version__}
+    qc, hq = quant_configs(mm, p.recipe.quantized_scheme, p.format, p.recipe.kv_cache is KvCache.FP8,
+                           p.recipe.int4.group_size, versions,
+                           {"gate_proj": p.hidden, "up_proj": p.hidden, "down_proj": p.inter})
+    cfg["quantization_config"] = qc
+    files.append(Json(CONFIG_NAME, cfg, style))
+    if hq is not None:
+        files.append(Json(HF_QUANT_CONFIG_NAME, hq))
+    files.append(Json(INDEX_NAME, index_json(weight_map, total)))
+    out.summary = {"shards": len(p.layers) + len(groups), "bytes": total}
+    out.extra = {
+        "recipe": p.recipe.to_json(),
+        "backend": p.backend.value,
+        "format": p.format.value,
+        "layer_shards": {lp.shard: {"layer": lp.index, "routed_experts": lp.scheme.value} for lp in p.layers},
+        "carried_over": {"tensors": len(p.rest), "shards": [REST_SHARD.format(k) for k in range(len(groups))]},
+        "side_files": [e.name for e in side],
+    }
+    return out
