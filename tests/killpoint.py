@@ -6,7 +6,8 @@
 runs `qtool qtool-args...` in this process, with MODULE.QUALNAME wrapped so that the process sends itself
 SIGKILL right after the Nth call of it returns (nothing after that point runs: no finally, no atexit), or,
 with an errno name, so that the Nth call raises that OSError instead (a full or read-only disk at that
-moment). No hook in qtool's own code: the tests choose the moment by naming the function.
+moment), or with PAUSE:FILE, so that the process stops there (it creates FILE.paused and waits for FILE.go:
+a second run can then be made to happen at exactly that moment). No hook in qtool's own code: the tests choose the moment by naming the function.
 """
 
 from __future__ import annotations
@@ -30,13 +31,20 @@ def install(target: str, n: int, fail: str | None = None) -> None:
 
     def wrapped(*a, **k):
         calls[0] += 1
-        if fail is not None and calls[0] == n:
+        if fail is not None and not fail.startswith("PAUSE:") and calls[0] == n:
             import errno
 
             code = getattr(errno, fail)
             raise OSError(code, os.strerror(code), str(a[0]) if a and isinstance(a[0], (str, os.PathLike)) else None)
         r = fn(*a, **k)
-        if fail is None and calls[0] >= n:
+        if fail is not None and fail.startswith("PAUSE:") and calls[0] == n:
+            import time
+
+            marker = fail.split(":", 1)[1]
+            Path(marker + ".paused").touch()
+            while not os.path.exists(marker + ".go"):
+                time.sleep(0.05)
+        elif fail is None and calls[0] >= n:
             os.kill(os.getpid(), signal.SIGKILL)
         return r
 
@@ -53,6 +61,13 @@ def run_failing(target: str, n: int, errno_name: str, args: list[str], **kw) -> 
     """Run `qtool args` in a subprocess whose Nth call of `target` raises OSError(errno_name)."""
     cmd = [sys.executable, str(Path(__file__)), target, str(n), errno_name, "--", *map(str, args)]
     return subprocess.run(cmd, capture_output=True, text=True, **kw)
+
+
+def start_paused(target: str, n: int, marker: Path, args: list[str]) -> subprocess.Popen:
+    """Start `qtool args`; it stops right after the Nth return of `target` (`marker`.paused appears) until
+    `marker`.go exists."""
+    cmd = [sys.executable, str(Path(__file__)), target, str(n), f"PAUSE:{marker}", "--", *map(str, args)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def run_qtool(args: list[str], **kw) -> subprocess.CompletedProcess:

@@ -36,7 +36,7 @@ from qtool.hub.download import RepoListing, download_files
 from qtool.hub.resolve import HubError, hub_errors
 from qtool.io.index_file import read_index
 from qtool.io.safetensors_header import MAX_HEADER_BYTES, SafetensorsHeader, TensorInfo, parse_header_bytes
-from qtool.io.writer import FileRange, OutTensor, build_header, index_text
+from qtool.io.writer import FileRange, OutTensor, build_header
 
 INDEX = "model.safetensors.index.json"
 MANIFEST = "qtool-manifest.json"  # qtool.io.output.MANIFEST_NAME
@@ -286,40 +286,64 @@ def plan_fetch(listing: RepoListing, opts: TensorFetchOptions, *, token: str | N
 # ---- execute ---------------------------------------------------------------------------------------
 
 
-def write_hub_manifest(tx, listing: RepoListing, report: dict, command: str | None,
-                       known: dict[str, str]) -> None:
-    """The output's qtool-manifest.json (qtool.io.manifest's one schema): the Hub repo at its commit as
-    the source, what was fetched (`download`), every output file's sha256 (`files`)."""
-    from qtool.io.output import output_files
-    from qtool.io.manifest import write_manifest
-
-    src = {"repo": listing.spec.repo_id, "revision": listing.spec.revision, "commit": listing.commit,
-           "files": {p: {"sha256": f.sha256, "bytes": f.size} for p, f in listing.files.items()
-                     if f.sha256 and p in report.get("files", {}) or p in report.get("origins", {})}}
-    write_manifest(tx.partial / MANIFEST, kind="download", command=command, sources={"hub": src},
-                   summary={"repo": listing.spec.repo_id, "commit": listing.commit}, checks={},
-                   files=output_files(tx.partial, known), extra={"download": report})
+def hub_source(listing: RepoListing, paths) -> dict:
+    """The manifest's source entry for a Hub repo at its commit: the fetched files' sha256 (LFS) and sizes."""
+    paths = set(paths)
+    return {"path": f"hf:{listing.spec.repo_id}@{listing.commit}", "repo": listing.spec.repo_id,
+            "revision": listing.spec.revision, "commit": listing.commit,
+            "files": {p: {"sha256": f.sha256, "bytes": f.size} for p, f in listing.files.items() if p in paths}}
 
 
 def fetch_tensors(plan: FetchPlan, tx, *, token: str | None = None, progress: bool = False,
                   command: str | None = None) -> dict:
     """Write the planned tensors as a checkpoint in the output transaction `tx` (qtool.io.output.OutputDir,
-    entered: `OUT.partial/`, kept for --resume) and commit it; returns a report."""
-    from qtool.io.jsonio import atomic_write_text
+    entered: `OUT.partial/`, kept for --resume) through the shared executor; returns a report. Each shard
+    is Produced: its header is known from the remote headers, its bytes come by range requests."""
+    from qtool.io.apply import write_output
+    from qtool.io.plan import Json, Link, OutputPlan, Produced, promised
 
     partial = tx.partial
+    sides = download_files(plan.listing, plan.side_files, token=token) if plan.side_files else None
+    files: list = [Produced(s.source, [promised(t.name, t.dtype, t.shape, t.nbytes) for t in s.tensors], s.metadata)
+                   for s in plan.shards]
+    files += [Link(f.path, str(f.local)) for f in (sides.files if sides else [])]
+    weight_map = {t.name: s.source for s in plan.shards for t in s.tensors}
+    files.append(Json(INDEX, {"metadata": {"total_size": plan.data_bytes}, "weight_map": dict(sorted(weight_map.items()))}))
+    fetched = [s.source for s in plan.shards] + [f.path for f in (sides.files if sides else [])]
+    output = OutputPlan("download", files, sources={"hub": hub_source(plan.listing, fetched)},
+                        inputs=[str(f.local) for f in (sides.files if sides else [])],
+                        summary={"repo": plan.listing.spec.repo_id, "commit": plan.listing.commit})
+    report = {**plan.to_json(), "origins": {s.source: {"sha256": plan.listing.files[s.source].sha256,
+                                                        "runs": [list(r) for r in s.runs]} for s in plan.shards},
+              "side_file_digests": {f.path: f.digest for f in sides.files} if sides else {}}
     # a resumed fetch continues only the same commit's bytes (a branch may have moved since)
     pinned = partial / ".qtool-download-commit"
+
     if pinned.exists() and pinned.read_text().strip() != plan.listing.commit:
         raise WriteError("cannot resume: the unfinished download is of another commit", path=partial,
                          expected=plan.listing.commit, got=pinned.read_text().strip(),
                          hint=f"resume at that commit (REPO@{pinned.read_text().strip()}) or drop --resume")
     pinned.write_text(plan.listing.commit)
-    reader = RangeReader(plan.listing, token=token)
+
+    def produce() -> None:
+        reader = RangeReader(plan.listing, token=token)
+        report["resumed_bytes"] = _fetch_shards(plan, reader, partial, progress)
+        report["fetch"] = reader.stats.to_json()
+
+    def check() -> dict:
+        _check_output(partial, plan)
+        pinned.unlink()
+        return {}
+
+    write_output(output, tx, command=command, produce=produce, check=check, extra=lambda: {"download": report})
+    return report
+
+
+def _fetch_shards(plan: FetchPlan, reader: RangeReader, partial: Path, progress: bool) -> int:
+    """Every planned shard into `partial` (a `.part` file continued where it stopped, renamed when
+    complete); returns the bytes found already there."""
     bar = _bar(progress, plan.data_bytes)
     resumed = 0
-    weight_map: dict[str, str] = {}
-    total = 0
     for s in plan.shards:
         final = partial / s.source
         part = partial / (s.source + ".part")
@@ -333,28 +357,8 @@ def fetch_tensors(plan: FetchPlan, tx, *, token: str | None = None, progress: bo
             if size != want:
                 raise VerificationError("fetched shard has the wrong size", path=part, expected=want, got=size)
             os.replace(part, final)
-        for t in s.tensors:
-            weight_map[t.name] = s.source
-        total += s.data_bytes
     bar.close()
-    atomic_write_text(partial / INDEX, "".join(index_text(weight_map, {"total_size": total})))
-    sides = download_files(plan.listing, plan.side_files, token=token) if plan.side_files else None
-    for f in sides.files if sides else []:
-        (partial / f.path).parent.mkdir(parents=True, exist_ok=True)
-        tx.placer.place(f.local, partial / f.path)
-    report = {
-        **plan.to_json(),
-        "fetch": reader.stats.to_json(),
-        "resumed_bytes": resumed,
-        "origins": {s.source: {"sha256": plan.listing.files[s.source].sha256,
-                               "runs": [list(r) for r in s.runs]} for s in plan.shards},
-        "side_file_digests": {f.path: f.digest for f in sides.files} if sides else {},
-    }
-    _check_output(partial, plan)
-    write_hub_manifest(tx, plan.listing, report, command, {})
-    pinned.unlink()
-    tx.commit()
-    return report
+    return resumed
 
 
 def _head_matches(path: Path, header: bytes) -> bool:

@@ -248,7 +248,10 @@ def _manifest(plan: OutputPlan, tx: OutputDir, digests: dict[str, str], command:
     partial = tx.partial
     sources = {}
     for name, root in plan.sources.items():
-        sources[name] = source_entry(root, {f: d for f, d in digests.items() if Path(f).is_relative_to(root)})
+        if isinstance(root, dict):  # already an entry (a Hub repo at a commit)
+            sources[name] = root
+        else:
+            sources[name] = source_entry(root, {f: d for f, d in digests.items() if Path(f).is_relative_to(root)})
     extra = {**plan.extra, **run_extra}
     skip = (MANIFEST_NAME, JOURNAL_NAME) + ((shards_section.name,) if shards_section else ())
     if tx.in_place:

@@ -92,7 +92,7 @@ def promised(name: str, dtype: str, shape, nbytes: int) -> OutTensor:
 class OutputPlan:
     kind: str  # the manifest's "operation"
     files: list[Entry]
-    sources: dict[str, Path]  # the manifest's sources: name -> root directory
+    sources: dict[str, Path | dict]  # the manifest's sources: name -> root directory (or a ready entry)
     inputs: list[str]  # every input file whose bytes reach the output (identity for --resume, sha256)
     summary: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)  # op-specific manifest sections

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from qtool.errors import UsageError
 from qtool.hub.download import RepoListing, check_space, download_files, repo_listing
-from qtool.hub.remote_safetensors import FetchPlan, TensorFetchOptions, fetch_tensors, plan_fetch, write_hub_manifest
+from qtool.hub.remote_safetensors import FetchPlan, TensorFetchOptions, fetch_tensors, plan_fetch
 from qtool.hub.resolve import HubSpec
 from qtool.io.files import LinkMode
 from qtool.io.output import OutputDir
@@ -96,14 +96,17 @@ def _run(p: DownloadPlan, *, progress: bool = False) -> dict:
         "placed": links,
     }
     if tx is not None:
+        from qtool.hub.remote_safetensors import hub_source
+        from qtool.io.apply import write_output
+        from qtool.io.plan import Link, OutputPlan
+
+        output = OutputPlan("download", [Link(f.path, str(f.local)) for f in st.files],
+                            sources={"hub": hub_source(p.listing, [f.path for f in st.files])},
+                            inputs=[str(f.local) for f in st.files],
+                            summary={"repo": p.listing.spec.repo_id, "commit": p.listing.commit}, extra={"download": report})
         with tx:
-            for f in st.files:
-                (tx.partial / f.path).parent.mkdir(parents=True, exist_ok=True)
-                how = tx.placer.place(f.local, tx.partial / f.path)
-                links[how] = links.get(how, 0) + 1
-            write_hub_manifest(tx, p.listing, report, command,
-                               {f.path: f.digest for f in st.files if len(f.digest or "") == 64})
-            tx.commit()
+            applied = write_output(output, tx, command=command)
+        links.update(applied.linked)
     snap = st.files[0].local
     for _ in Path(st.files[0].path).parts:
         snap = snap.parent

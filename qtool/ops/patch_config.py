@@ -8,7 +8,6 @@ A fix that does not apply to this checkpoint says why and changes nothing.
 from __future__ import annotations
 
 import copy
-import os
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -19,6 +18,7 @@ from qtool.errors import ConfigError, UsageError, WriteError
 from qtool.io.checkpoint import CONFIG_NAME, GENERATION_CONFIG_NAME, HF_QUANT_CONFIG_NAME, Checkpoint
 from qtool.io.jsonio import JsonStyle, dumps, load_json, unified_diff, write_json
 from qtool.io import quant_config as qcfg
+from qtool.io.plan import Json, OutputPlan
 from qtool.ops.contract import Report
 
 # The router pattern. The seed (and the formats doc) use "model.language_model.layers..mlp.gate", but
@@ -77,6 +77,15 @@ class PatchPlan:
     @property
     def changed(self) -> bool:
         return any(f.changed for f in self.files.values())
+
+    def output(self) -> OutputPlan:
+        """The checkpoint's new state as data: the changed files (Json in each file's own formatting); the
+        rest stays as it is (in-place work: qtool.io.in_place.InPlaceDir links every other file)."""
+        changed = [f for f in self.files.values() if f.changed and f.data is not None]
+        return OutputPlan("patch-config", [Json(f.name, f.data, f.style) for f in changed],
+                          sources={"checkpoint": self.root},
+                          inputs=[str(self.root / f.name) for f in changed if (self.root / f.name).is_file()],
+                          summary={"fixes": [r.__dict__ for r in self.results], "written": [f.name for f in changed]})
 
     def to_json(self) -> dict:
         return {
@@ -201,21 +210,23 @@ def plan(opts: PatchOptions) -> PatchPlan:
 
 def apply(p: PatchPlan, *, in_transaction: bool = False, command: str | None = None) -> list[str]:
     """Write the changed files; returns their names. The checkpoint changes as a whole: its new state is
-    built beside it and swapped in (qtool.io.in_place.InPlaceDir), so a kill never leaves config.json and
-    hf_quant_config.json disagreeing. `in_transaction`: `p.root` already is a transaction's partial
-    directory (a build step), written directly."""
+    built beside it and swapped in (qtool.io.in_place.InPlaceDir, written by the shared executor
+    qtool.io.apply), so a kill never leaves config.json and hf_quant_config.json disagreeing.
+    `in_transaction`: `p.root` already is a transaction's partial directory (a build step), written directly."""
+    from qtool.io.apply import write_output
     from qtool.io.in_place import InPlaceDir
 
     command = command if command is not None else (p.options.command if p.options else None)
-    changed = [f for f in p.files.values() if f.changed and f.data is not None]
-    if not changed:
+    output = p.output()
+    written = output.names()
+    if not written:
         if not in_transaction:
             InPlaceDir.tidy(p.root)
         return []
     if in_transaction:
-        for f in changed:
-            write_json(p.root / f.name, f.data, f.style)
-        return [f.name for f in changed]
+        for e in output.files:
+            write_json(p.root / e.name, e.obj, e.style)
+        return written
     with InPlaceDir(p.root, keep_partial=False) as tx:
         # the plan read the configs before the lock: another run may have changed them since
         for f in p.files.values():
@@ -224,32 +235,14 @@ def apply(p: PatchPlan, *, in_transaction: bool = False, command: str | None = N
             if now != f.original:
                 raise WriteError("the checkpoint's config changed while this run was planning", path=path,
                                  hint="run the command again (it re-reads the current files)")
-        for f in changed:
-            write_json(tx.partial / f.name, f.data, f.style)
-        _write_manifest(p, tx, [f.name for f in changed], command)
-        tx.commit()
-    return [f.name for f in changed]
+        write_output(output, tx, command=command)
+    return written
 
 
 def execute(p: PatchPlan) -> Report:
     """The op contract's execute: apply the plan in place (atomically); the report is the plan plus the
     files written."""
     return Report({**p.to_json(), "written": apply(p)})
-
-
-def _write_manifest(p: PatchPlan, tx, written: list[str], command: str | None) -> None:
-    from qtool.io.files import hash_file
-    from qtool.io.output import MANIFEST_NAME, made_by_qtool
-    from qtool.io.manifest import carried_files, previous_head, write_manifest
-
-    inputs = {f"{p.root}/{n}": hash_file(p.root / n) for n in written if (p.root / n).is_file()}
-    prev = previous_head(p.root)
-    write_manifest(tx.partial / MANIFEST_NAME, kind="patch-config", command=command,
-                   sources={"checkpoint": {"path": str(p.root), "files": {
-                       os.path.basename(k): {"sha256": v, "bytes": os.path.getsize(k)} for k, v in inputs.items()}}},
-                   summary={"fixes": [r.__dict__ for r in p.results], "written": written}, checks={},
-                   files=carried_files(tx.partial, p.root, set(written)), extra={"previous": prev} if prev else None,
-                   created=made_by_qtool(p.root))
 
 
 def _ignore_add(lists: _IgnoreLists, pattern: str) -> FixResult:

@@ -236,6 +236,32 @@ def test_tensors_resume_after_interruption(hub, repo_dir, tmp_path, capsys, monk
     assert hub.bytes_served("/cdn/") - before <= rep["bytes"] - rep["resumed_bytes"] + headers
 
 
+def test_tensors_resume_after_the_branch_moved_is_refused(hub, repo_dir, tmp_path, capsys, monkeypatch):
+    """Found as: `download --tensors --resume` after the branch moved continued the old commit's partial
+    shards with the new commit's bytes (same headers, other data)."""
+    from qtool.hub import remote_safetensors as rs
+
+    old = hub.add_dir("org/model", repo_dir)
+    out = tmp_path / "se"
+    monkeypatch.setattr(rs, "MAX_RETRIES", 0)
+    hub.fault("drop", SHARD2, skip=2)
+    args = ["download", "org/model", "-o", str(out), "--tensors", SHARED, "--json"]
+    assert main(args) == 1
+    capsys.readouterr()
+    new = hub.add_dir("org/model", make_repo_dir(tmp_path / "src2", seed=1))  # same names, other bytes
+    assert new != old
+    monkeypatch.setattr(rs, "MAX_RETRIES", 5)
+    assert main([*args, "--resume"]) == 1
+    err = _out_json(capsys)
+    assert "another commit" in err["message"] and old in json.dumps(err)
+    assert not out.exists()
+    assert main(["download", f"org/model@{old}", *args[2:], "--resume"]) == 0
+    capsys.readouterr()
+    for n in _shared_names(repo_dir):
+        assert read_tensor_bytes(out, n) == read_tensor_bytes(repo_dir, n)
+    assert json.loads((out / "qtool-manifest.json").read_text())["sources"]["hub"]["commit"] == old
+
+
 def test_tensor_subset_for_assemble(hub, repo_dir, tmp_path):
     from qtool.hub.resolve import fetch_tensor_subset
 

@@ -56,7 +56,7 @@ IN_PLACE = {
                      [("qtool.stream.layer_stream:LayerStreamer.load_layer", 2), ("qtool.io.writer:write_shard", 2),
                       ("qtool.io.in_place:exchange_paths", 1)]),
     "patch-config": (["patch-config", "--fix", "router-ignore", "--sampling-defaults"],
-                     [("qtool.io.jsonio:write_json", 1), ("qtool.io.jsonio:write_json", 2),
+                     [("qtool.io.apply:_write_small", 1), ("qtool.io.apply:_write_small", 2),
                       ("qtool.io.in_place:exchange_paths", 1)]),
 }
 

@@ -552,3 +552,32 @@ def test_output_dot_and_build_over_a_source_refused_before_any_step(tiny_nvfp4_m
     p = run_qtool(["build", recipe, "-o", src, "--force"])
     assert p.returncode == 2 and "overlaps" in p.stderr
     assert not (tmp_path / "nv.build").exists()
+
+
+def test_two_concurrent_patch_config_runs_lose_no_change(tiny_nvfp4_modelopt, tmp_path):
+    """Found as: two patch-config runs on one checkpoint, the second planned before the first committed:
+    the second's swap published its own configs and the first run's change was lost."""
+    import time
+
+    from killpoint import start_paused
+
+    ck = copy_of(tiny_nvfp4_modelopt, tmp_path / "ck")
+    marker = tmp_path / "a"
+    a = start_paused("qtool.ops.patch_config:plan", 1, marker, ["patch-config", ck, "--ignore-add", "first*", "--json"])
+    deadline = time.time() + 120
+    while not (tmp_path / "a.paused").exists():
+        assert a.poll() is None and time.time() < deadline, a.communicate()
+        time.sleep(0.05)
+    # run B plans and commits while run A sits between its plan and its lock
+    b = run_qtool(["patch-config", ck, "--ignore-add", "second*"])
+    assert b.returncode == 0, b.stderr
+    (tmp_path / "a.go").touch()
+    out, err = a.communicate(timeout=120)
+    assert a.returncode == 1, err
+    assert "changed while this run was planning" in json.loads(out)["message"]
+    cfg = (ck / "config.json").read_text()
+    assert "second*" in cfg and "first*" not in cfg  # B's change kept, A's refused (not half-applied)
+    assert run_qtool(["patch-config", ck, "--ignore-add", "first*"]).returncode == 0  # run again: both
+    cfg = (ck / "config.json").read_text()
+    assert "second*" in cfg and "first*" in cfg
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.go", "a.paused", "ck"]
