@@ -50,7 +50,7 @@ with tempfile.TemporaryDirectory() as d:
 expect = hybrid_expectations(plan)
 # what the WRITERS shards in flight hold while the checks run: their tensor lists and built headers
 from qtool.io.writer import build_header
-from qtool.ops.assemble.execute import WRITERS
+from qtool.io.apply import WRITERS
 largest = sorted(plan.shards, key=lambda s: -s.num_tensors)[:WRITERS]
 in_flight = [(ts, build_header(ts, s.metadata)) for s in largest for ts in [s.out_tensors()]]
 plan.release_tensors()
@@ -68,6 +68,7 @@ import importlib
 import qtool.io.writer as writer
 from qtool.ops.assemble import HybridOptions, LinkMode, plan_hybrid
 ex = importlib.import_module("qtool.ops.assemble.execute")  # the package exports a function of that name
+apply = importlib.import_module("qtool.io.apply")  # the shared executor
 real_copy = writer.copy_range
 def sparse_copy(src_fd, dst_fd, start, count, stop=None):
     # copies the source range's data extents and leaves its holes as holes (SEEK_DATA / SEEK_HOLE): the
@@ -89,12 +90,14 @@ def sparse_copy(src_fd, dst_fd, start, count, stop=None):
     if os.fstat(dst_fd).st_size < base + count:
         os.ftruncate(dst_fd, base + count)
 class NoHashes:  # sha256 of ~240 GB of holes would take minutes and hold 16 MB of buffers at most
+    def __init__(self, *a, **k): pass
     def submit(self, path): pass
+    def submit_output(self, path): pass
     def results(self): return {}
     def close(self): pass
 writer.copy_range = sparse_copy
-ex.InputHasher = NoHashes
-ex.free_space = lambda path: 1 << 50
+apply.InputHasher = NoHashes
+apply.free_space = lambda path: 1 << 50
 nv, bf, out, layers = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), tuple(int(x) for x in sys.argv[4].split(",") if x)
 t = time.perf_counter()
 plan = plan_hybrid(HybridOptions(nvfp4=nv, bf16=bf, out=out, bf16_expert_layers=layers, link=LinkMode.COPY))

@@ -300,7 +300,7 @@ def fetch_tensors(plan: FetchPlan, tx, *, token: str | None = None, progress: bo
     entered: `OUT.partial/`, kept for --resume) through the shared executor; returns a report. Each shard
     is Produced: its header is known from the remote headers, its bytes come by range requests."""
     from qtool.io.apply import write_output
-    from qtool.io.plan import Json, Link, OutputPlan, Produced, promised
+    from qtool.io.plan import Index, Link, OutputPlan, Produced, promised
 
     partial = tx.partial
     sides = download_files(plan.listing, plan.side_files, token=token) if plan.side_files else None
@@ -308,7 +308,7 @@ def fetch_tensors(plan: FetchPlan, tx, *, token: str | None = None, progress: bo
                    for s in plan.shards]
     files += [Link(f.path, str(f.local)) for f in (sides.files if sides else [])]
     weight_map = {t.name: s.source for s in plan.shards for t in s.tensors}
-    files.append(Json(INDEX, {"metadata": {"total_size": plan.data_bytes}, "weight_map": dict(sorted(weight_map.items()))}))
+    files.append(Index(INDEX, weight_map, {"total_size": plan.data_bytes}))
     fetched = [s.source for s in plan.shards] + [f.path for f in (sides.files if sides else [])]
     output = OutputPlan("download", files, sources={"hub": hub_source(plan.listing, fetched)},
                         inputs=[str(f.local) for f in (sides.files if sides else [])],

@@ -27,8 +27,8 @@ from qtool.io.identity import Journal, input_identity
 from qtool.io.jsonio import dumps
 from qtool.io.manifest import InputHasher, carried_files, previous_head, source_entry, write_manifest
 from qtool.io.output import MANIFEST_NAME, OutputDir, made_by_qtool, output_files
-from qtool.io.plan import (Copy, Json, Link, OutputPlan, Produced, Remove, Shard, Text, resolve,
-                           tensors_of)
+from qtool.io.plan import (Copy, Index, Json, Link, OutputPlan, Produced, Remove, Shard, Text, index_text_of,
+                           resolve, tensors_of)
 from qtool.io.writer import write_shard
 
 JOURNAL_NAME = ".qtool-journal.jsonl"
@@ -108,6 +108,11 @@ def _write_small(e, tx: OutputDir) -> None:
     """A side file: never written through an existing link (io.files.new_file)."""
     dst = tx.partial / e.name
     dst.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(e, Index):
+        with new_file(dst, tx.file_mode) as f:
+            for chunk in index_text_of(e):
+                f.write(chunk.encode())
+        return
     if isinstance(e, Json):
         data = dumps(e.obj, e.style).encode()
     elif isinstance(e, Text):
@@ -213,7 +218,7 @@ def _write_shards(plan, tx, journal, hasher, values, overlap, on_headers, applie
         order = sorted(todo, key=lambda e: (not isinstance(e, Link), -plan.file_size(e)))
         futures = [(e, pool.submit(_place, e, tx, values, headers, stop)) for e in order]
         try:
-            for e in plan.entries(Copy, Json, Text):
+            for e in plan.entries(Copy, Json, Text, Index):
                 _write_small(e, tx)
             if overlap is not None:
                 overlap()

@@ -9,6 +9,7 @@ Each writing op reads its inputs (Checkpoint + ModelMap), then a pure decide ste
                               range-fetched Hub shard); `tensors` is the header it promises
   Json(name, obj, style)      a JSON file (configs, the index) in a given file's own formatting
   Text(name, text)            a small text file, byte for byte
+  Index(name, map, metadata)  the safetensors index in transformers' layout
   Remove(name)                in-place work only: a file the new state of the checkpoint no longer has
 plus what its manifest records (kind, sources, summary, checks, op-specific sections). One executor
 (qtool.io.apply.write_output) runs every plan; `--dry-run` prints `describe()`.
@@ -70,11 +71,20 @@ class Text(NamedTuple):
     text: str
 
 
+class Index(NamedTuple):
+    """A `model.safetensors.index.json` in transformers' own layout (qtool.io.writer.index_text: the
+    same text as json.dumps(indent=2), streamed: a 397B index has ~370k entries)."""
+
+    name: str
+    weight_map: Union[dict, Callable[[], dict]]  # or a function that makes it when it is written
+    metadata: dict
+
+
 class Remove(NamedTuple):
     name: str
 
 
-Entry = Union[Link, Copy, Shard, Produced, Json, Text, Remove]
+Entry = Union[Link, Copy, Shard, Produced, Json, Text, Index, Remove]
 SHARD_ENTRIES = (Link, Shard, Produced)  # the big ones: written by the executor's writer threads
 
 
@@ -122,6 +132,8 @@ class OutputPlan:
                 h.update(json.dumps([e.name, dumps(e.obj, e.style)]).encode())
             elif isinstance(e, Text):
                 h.update(json.dumps([e.name, e.text]).encode())
+            elif isinstance(e, Index):
+                h.update(json.dumps([e.name, e.metadata, sorted(_weight_map(e).items())]).encode())
             else:
                 h.update(e.name.encode())
         return h.hexdigest()
@@ -138,16 +150,28 @@ class OutputPlan:
             return len(dumps(e.obj, e.style).encode())
         if isinstance(e, Text):
             return len(e.text.encode())
+        if isinstance(e, Index):
+            return 100 * len(_weight_map(e))  # about; only the free-space check asks
         return 0
 
     def describe(self) -> dict:
         """What --dry-run prints: each file with what it will be."""
         how = {Link: "unchanged", Copy: "copied", Shard: "written", Produced: "computed", Json: "written",
-               Text: "written", Remove: "removed"}
+               Text: "written", Index: "written", Remove: "removed"}
         out: dict[str, list[str]] = {}
         for e in self.files:
             out.setdefault(how[type(e)], []).append(e.name)
         return {"operation": self.kind, "files": out}
+
+
+def _weight_map(e: Index) -> dict:
+    return e.weight_map() if callable(e.weight_map) else e.weight_map
+
+
+def index_text_of(e: Index):
+    from qtool.io.writer import index_text
+
+    return index_text(_weight_map(e), e.metadata)
 
 
 def _source_key(src) -> list:

@@ -285,7 +285,7 @@ def test_mismatched_shapes_without_config(tmp_path):
 
 def test_not_enough_disk(tmp_path, monkeypatch):
     nv, bf = pair(tmp_path)
-    monkeypatch.setattr(sys.modules["qtool.ops.assemble.execute"], "free_space", lambda p: 1000)
+    monkeypatch.setattr(sys.modules["qtool.io.apply"], "free_space", lambda p: 1000)
     out = tmp_path / "out"
     with pytest.raises(WriteError, match="not enough free disk") as e:
         run(nv, bf, out)

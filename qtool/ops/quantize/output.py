@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 from qtool.io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG_NAME, INDEX_NAME
 from qtool.io.jsonio import load_json
 from qtool.io.output import MANIFEST_NAME
-from qtool.io.plan import Copy, Json, OutputPlan, Pending, Produced, Shard, header_checkpoint
-from qtool.io.writer import OutTensor, index_json, plan_shards
+from qtool.io.plan import Copy, Index, Json, OutputPlan, Pending, Produced, Shard, header_checkpoint
+from qtool.io.writer import OutTensor, plan_shards
 from qtool.recipes import KvCache
 
 if TYPE_CHECKING:
@@ -72,7 +72,7 @@ def output_plan(p: QuantizePlan) -> OutputPlan:
     files.append(Json(CONFIG_NAME, cfg, style))
     if hq is not None:
         files.append(Json(HF_QUANT_CONFIG_NAME, hq))
-    files.append(Json(INDEX_NAME, index_json(weight_map, total)))
+    files.append(Index(INDEX_NAME, weight_map, {"total_size": total}))
     out.summary = {"shards": len(p.layers) + len(groups), "bytes": total}
     out.extra = {
         "recipe": p.recipe.to_json(),
