@@ -1,8 +1,8 @@
-"""qtool patch-config CKPT [--fix NAME ...] [--ignore-add P] [--ignore-remove P] [--yarn F] ..."""
+"""qtool patch-config CKPT [--fix NAME ...] [--ignore-add P] [--ignore-remove P] [--yarn F] ... [-o OUT]"""
 
 from __future__ import annotations
 
-from qtool.cli.common import add_json_flag, local_only, print_json, run_command_line
+from qtool.cli.common import add_output_flags, local_only, print_json, run_command_line
 
 FIX_NAMES = ["router-ignore", "mtp-ignore", "ignore-from-tensors"]
 
@@ -15,8 +15,8 @@ def add_arguments(p) -> None:
     p.add_argument("--yarn", type=float, metavar="FACTOR", help="YaRN rope scaling factor (e.g. 4)")
     p.add_argument("--original-max-position", type=int, metavar="N")
     p.add_argument("--sampling-defaults", action="store_true", help="recommended sampling into generation_config.json")
-    p.add_argument("--dry-run", action="store_true", help="show the diff, write nothing")
-    add_json_flag(p)
+    add_output_flags(p, output="optional",
+                     output_help="write a patched copy to OUT (unchanged files linked) instead of patching in place")
 
 
 def run(args) -> int:
@@ -33,6 +33,7 @@ def run(args) -> int:
         yarn=args.yarn,
         original_max_position=args.original_max_position,
         sampling_defaults=args.sampling_defaults,
+        out=args.output, force=args.force, resume=args.resume,
         command=run_command_line(),
     ))
     written = [] if args.dry_run else pc.execute(plan).to_json()["written"]

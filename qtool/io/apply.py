@@ -92,6 +92,7 @@ def check_space(plan: OutputPlan, tx: OutputDir, journal: Journal) -> None:
 def _place(e, tx: OutputDir, values: dict, headers: _Countdown, stop: threading.Event) -> str | None:
     """Write or link one shard and make it durable; returns the link method, None when written."""
     dst = tx.partial / e.name
+    dst.parent.mkdir(parents=True, exist_ok=True)
     if isinstance(e, Link):
         method = tx.placer.place(e.source, dst)  # durable on return
         headers.one()

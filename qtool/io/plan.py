@@ -88,6 +88,20 @@ Entry = Union[Link, Copy, Shard, Produced, Json, Text, Index, Remove]
 SHARD_ENTRIES = (Link, Shard, Produced)  # the big ones: written by the executor's writer threads
 
 
+def unchanged_files(root: Path, changed: set[str]) -> list[Link]:
+    """Links of every file under `root` except `changed` ones, qtool's own bookkeeping and the manifest
+    (written anew): what a new output keeps of its input unchanged."""
+    from qtool.io.output import MANIFEST_NAME
+
+    out = []
+    for p in sorted(Path(root).rglob("*")):
+        rel = p.relative_to(root).as_posix()
+        if (p.is_file() and rel not in changed and rel != MANIFEST_NAME and not p.name.startswith(".qtool-")
+                and ".cache" not in p.relative_to(root).parts):
+            out.append(Link(rel, str(p)))
+    return out
+
+
 def tensors_of(entry: Shard | Produced) -> list[OutTensor]:
     t = entry.tensors
     return t() if callable(t) else list(t)

@@ -16,9 +16,9 @@ from qtool.arch.model_map import Format, ModelMap, build_map
 from qtool.arch.qwen35 import Group
 from qtool.errors import ConfigError, UsageError, WriteError
 from qtool.io.checkpoint import CONFIG_NAME, GENERATION_CONFIG_NAME, HF_QUANT_CONFIG_NAME, Checkpoint
-from qtool.io.jsonio import JsonStyle, dumps, load_json, unified_diff, write_json
+from qtool.io.jsonio import JsonStyle, dumps, load_json, unified_diff
 from qtool.io import quant_config as qcfg
-from qtool.io.plan import Json, OutputPlan
+from qtool.io.plan import Json, OutputPlan, unchanged_files
 from qtool.ops.contract import Report
 
 # The router pattern. The seed (and the formats doc) use "model.language_model.layers..mlp.gate", but
@@ -79,13 +79,35 @@ class PatchPlan:
         return any(f.changed for f in self.files.values())
 
     def output(self) -> OutputPlan:
-        """The checkpoint's new state as data: the changed files (Json in each file's own formatting); the
-        rest stays as it is (in-place work: qtool.io.in_place.InPlaceDir links every other file)."""
+        """The patched checkpoint as data: the changed files (Json in each file's own formatting). In place
+        the rest stays as it is (qtool.io.in_place.InPlaceDir links every other file); with -o the other
+        files are Links."""
         changed = [f for f in self.files.values() if f.changed and f.data is not None]
-        return OutputPlan("patch-config", [Json(f.name, f.data, f.style) for f in changed],
-                          sources={"checkpoint": self.root},
+        files: list = []
+        if self.options is not None and self.options.out is not None:
+            files += unchanged_files(self.root, {f.name for f in changed})
+        files += [Json(f.name, f.data, f.style) for f in changed]
+        return OutputPlan("patch-config", files, sources={"checkpoint": self.root},
                           inputs=[str(self.root / f.name) for f in changed if (self.root / f.name).is_file()],
-                          summary={"fixes": [r.__dict__ for r in self.results], "written": [f.name for f in changed]})
+                          summary={"fixes": [r.__dict__ for r in self.results], "written": [f.name for f in changed]},
+                          extra=self._kept_sections())
+
+    def _kept_sections(self) -> dict:
+        """Every tensor stays as it was: the input manifest's tensor origins (`shards`, assemble's) still
+        describe the output, and its head says what made it (in place the executor records it)."""
+        from qtool.io.manifest import previous_head, read_manifest
+        from qtool.io.output import MANIFEST_NAME
+
+        try:
+            shards = read_manifest(self.root / MANIFEST_NAME).get("shards")
+        except (OSError, ValueError):
+            shards = None
+        out = {}
+        if self.options is not None and self.options.out is not None and previous_head(self.root):
+            out["previous"] = previous_head(self.root)
+        if shards:
+            out["shards"] = shards
+        return out
 
     def to_json(self) -> dict:
         return {
@@ -165,6 +187,9 @@ class PatchOptions:
     yarn: float | None = None
     original_max_position: int | None = None
     sampling_defaults: bool = False
+    out: Path | None = None  # -o: a patched copy (unchanged files linked); None: the checkpoint in place
+    force: bool = False
+    resume: bool = False
     command: str | None = None
 
     def __post_init__(self) -> None:
@@ -208,25 +233,26 @@ def plan(opts: PatchOptions) -> PatchPlan:
     return p
 
 
-def apply(p: PatchPlan, *, in_transaction: bool = False, command: str | None = None) -> list[str]:
-    """Write the changed files; returns their names. The checkpoint changes as a whole: its new state is
-    built beside it and swapped in (qtool.io.in_place.InPlaceDir, written by the shared executor
-    qtool.io.apply), so a kill never leaves config.json and hf_quant_config.json disagreeing.
-    `in_transaction`: `p.root` already is a transaction's partial directory (a build step), written directly."""
+def apply(p: PatchPlan, *, command: str | None = None) -> list[str]:
+    """Write the changed files; returns their names. In place, the checkpoint changes as a whole: its new
+    state is built beside it and swapped in (qtool.io.in_place.InPlaceDir); with -o OUT a new checkpoint is
+    built in OUT.partial/ (qtool.io.output.OutputDir). Both are written by the shared executor
+    (qtool.io.apply), so a kill never leaves config.json and hf_quant_config.json disagreeing."""
     from qtool.io.apply import write_output
     from qtool.io.in_place import InPlaceDir
+    from qtool.io.output import OutputDir
 
-    command = command if command is not None else (p.options.command if p.options else None)
+    opts = p.options or PatchOptions(p.root)
+    command = command if command is not None else opts.command
     output = p.output()
-    written = output.names()
-    if not written:
-        if not in_transaction:
-            InPlaceDir.tidy(p.root)
-        return []
-    if in_transaction:
-        for e in output.files:
-            write_json(p.root / e.name, e.obj, e.style)
+    written = [e.name for e in output.entries(Json)]
+    if opts.out is not None:
+        with OutputDir(opts.out, sources=[p.root], force=opts.force, resume=opts.resume) as tx:
+            write_output(output, tx, command=command)
         return written
+    if not written:
+        InPlaceDir.tidy(p.root)
+        return []
     with InPlaceDir(p.root, keep_partial=False) as tx:
         # the plan read the configs before the lock: another run may have changed them since
         for f in p.files.values():

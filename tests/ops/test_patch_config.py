@@ -199,3 +199,32 @@ def test_router_ignore_protects_the_router_in_old_vllm(ckpt):
 def test_compressed_tensors_checkpoint_inspects_clean(ckpt):
     # vLLM's compressed-tensors path never quantizes lm_head (ParallelLMHead is not a LinearBase)
     assert inspect_checkpoint(ckpt)["problems"] == []
+
+
+def test_output_flag_writes_a_patched_copy_and_leaves_the_input_alone(tiny_nvfp4_modelopt, tmp_path):
+    """patch-config takes the same -o/--force/--resume as every writing command: a patched copy whose
+    unchanged files are links, the input byte-identical, the manifest listing every file."""
+    import hashlib
+
+    from qtool.cli.main import main
+
+    def tree(d):
+        return {p.relative_to(d).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+                for p in sorted(d.rglob("*")) if p.is_file()}
+
+    src = _copy(tiny_nvfp4_modelopt, tmp_path / "src")
+    before = tree(src)
+    out = tmp_path / "out"
+    assert main(["patch-config", str(src), "--fix", "router-ignore", "--sampling-defaults", "-o", str(out)]) == 0
+    assert tree(src) == before
+    got = tree(out)
+    assert {n for n in got if got[n] != before.get(n)} == {"config.json", "hf_quant_config.json",
+                                                             "generation_config.json", "qtool-manifest.json"}
+    man = json.loads((out / "qtool-manifest.json").read_text())
+    assert man["operation"] == "patch-config" and set(man["files"]) == set(got) - {"qtool-manifest.json"}
+    assert all(man["files"][n]["sha256"] == got[n] for n in man["files"])
+    assert "*.mlp.gate" in json.dumps(json.loads((out / "hf_quant_config.json").read_text()))
+    assert main(["patch-config", str(src), "--fix", "router-ignore", "-o", str(out)]) == 1  # exists
+    assert main(["patch-config", str(src), "--fix", "router-ignore", "-o", str(out), "--force"]) == 0
+    assert main(["patch-config", str(src), "--fix", "router-ignore", "-o", str(src / "sub")]) == 2  # inside SRC
+    assert tree(src) == before

@@ -125,6 +125,11 @@ class HybridOptions:
     resume: bool = False
     command: str | None = None  # recorded in the manifest (secrets redacted by the caller)
 
+    def __post_init__(self) -> None:
+        # a build recipe gives strings and lists
+        self.mtp, self.link = MtpMode(self.mtp), LinkMode(self.link)
+        self.bf16_expert_layers = tuple(int(x) for x in self.bf16_expert_layers)
+
 
 def bf16_source_patterns(bf16_expert_layers, mtp: str = "auto") -> list[str]:
     """Tensor-name patterns of everything `assemble hybrid` can take from the BF16 source: every layer's

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from contextlib import contextmanager
 from collections.abc import Callable
 from pathlib import Path
 
@@ -54,64 +53,61 @@ def materialize(bp: BuildPlan, ref: str, *, for_assemble: dict | None = None, to
 
 
 # ---- runners ---------------------------------------------------------------------------------------
+# Every op runs on the one op contract (qtool.ops.contract): its step makes the op's options from the
+# recipe's `with` keys plus the step's input and output directory, then plan -> execute. The table says,
+# per op, which module and options class, and how the step's inputs become options.
 
 
-def _assemble_opts(bp: BuildPlan, sp: StepPlan, out: Path, **kw):
+def _single_input(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
+    return {"checkpoint": materialize(bp, sp.step.inputs[0], token=ctx.get("token")), "out": sp.dir}
+
+
+def _assemble_inputs(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
     from qtool.io.writer import parse_size
-    from qtool.ops.assemble import HybridOptions, LinkMode, MtpMode
 
-    p = sp.step.params
-    nv = materialize(bp, p["nvfp4"], **kw)
-    bf = materialize(bp, p["bf16"], for_assemble=p, **kw)
+    p, kw = sp.step.params, {"token": ctx.get("token"), "progress": ctx.get("progress", False)}
     mss = p.get("max_shard_size")
-    return HybridOptions(nvfp4=nv, bf16=bf, out=out, bf16_expert_layers=tuple(int(x) for x in p.get("bf16_expert_layers") or ()),
-                         mtp=MtpMode(p.get("mtp", "auto")), link=LinkMode(p.get("link", "auto")),
-                         max_shard_size=parse_size(str(mss)) if mss is not None else None)
+    return {"nvfp4": materialize(bp, p["nvfp4"], **kw), "bf16": materialize(bp, p["bf16"], for_assemble=p, **kw),
+            "out": sp.dir, "max_shard_size": parse_size(str(mss)) if mss is not None else None,
+            "bf16_expert_layers": tuple(int(x) for x in p.get("bf16_expert_layers") or ())}
 
 
-def run_assemble(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
-    from qtool.ops.assemble import assemble_hybrid
+def _download_inputs(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
+    from qtool.hub.resolve import HubSpec
 
-    opts = _assemble_opts(bp, sp, sp.dir, token=ctx.get("token"), progress=ctx.get("progress", False))
-    opts = dataclasses.replace(opts, force=True, resume=ctx.get("resume", False), command=ctx.get("command"))
-    _, result = assemble_hybrid(opts)
-    return result.to_json()
+    rs = bp.sources[sp.step.inputs[0]]
+    return {"spec": HubSpec(rs.source.ref, rs.identity["commit"]), "out": sp.dir, "token": ctx.get("token")}
 
 
-# Ops on the one op contract (qtool.ops.contract): {op: (module, options class)}; their step runs as
-# options_from(`with` + the step's input and output) -> plan -> execute.
-CONTRACT_OPS: dict[Op, tuple[str, str]] = {
-    Op.CALIBRATE_KV: ("qtool.ops.calibrate_kv", "CalibrateKvOptions"),
-    Op.QUANTIZE: ("qtool.ops.quantize", "QuantizeOptions"),
-    Op.CONVERT: ("qtool.ops.convert", "ConvertOptions"),
+def _verify_inputs(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
+    return {"checkpoint": materialize(bp, sp.step.inputs[0], token=ctx.get("token"))}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOp:
+    module: str
+    options: str  # the options class's name in `module`
+    inputs: Callable[[BuildPlan, StepPlan, dict], dict]  # the options the step fixes (paths, output)
+    writes: bool = True  # False: the op writes nothing (verify); its report's `ok` decides the step
+    plan: str = "plan"  # the module's plan / execute functions
+    execute: str = "execute"
+
+
+STEP_OPS: dict[Op, StepOp] = {
+    Op.DOWNLOAD: StepOp("qtool.ops.download", "DownloadOptions", _download_inputs),
+    Op.QUANTIZE: StepOp("qtool.ops.quantize", "QuantizeOptions", _single_input),
+    Op.CONVERT: StepOp("qtool.ops.convert", "ConvertOptions", _single_input),
+    Op.ASSEMBLE: StepOp("qtool.ops.assemble", "HybridOptions", _assemble_inputs, plan="plan_hybrid"),
+    Op.CALIBRATE_KV: StepOp("qtool.ops.calibrate_kv", "CalibrateKvOptions", _single_input),
+    Op.PATCH_CONFIG: StepOp("qtool.ops.patch_config", "PatchOptions", _single_input),
+    Op.VERIFY: StepOp("qtool.ops.verify", "VerifyOptions", _verify_inputs, writes=False),
 }
 
 
 def contract_spec(op: Op) -> OpSpec:
-    module, options = CONTRACT_OPS[op]
-    mod = op_module(op, module)
-    return OpSpec(getattr(mod, options), mod.plan, mod.execute)
-
-
-def run_contract_op(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
-    spec = contract_spec(sp.step.op)
-    src = materialize(bp, sp.step.inputs[0], token=ctx.get("token"))
-    opts = options_from(spec.options, sp.step.params, checkpoint=src, out=sp.dir, force=True,
-                        resume=ctx.get("resume", False), command=ctx.get("command"))
-    return spec.execute(spec.plan(opts)).to_json()
-
-
-@contextmanager
-def _linked_step_dir(src: Path, sp: StepPlan):
-    """A step output that starts as links of its input's files (patch-config, a local download source):
-    an OutputDir in the build's own cache, with `src` linked into its partial directory. Files are
-    replaced there through new inodes only (qtool.io.files), so the input is never modified."""
-    from qtool.io.files import LinkMode, Placer, link_tree
-    from qtool.io.output import OutputDir
-
-    with OutputDir(sp.dir, sources=[src], force=True, replace_any=True) as tx:
-        link_tree(src, tx.partial, Placer(LinkMode.AUTO), skip=(STEP_MARKER,))
-        yield tx
+    row = STEP_OPS[op]
+    mod = op_module(op, row.module)
+    return OpSpec(getattr(mod, row.options), getattr(mod, row.plan), getattr(mod, row.execute))
 
 
 def _tuples(params: dict) -> dict:
@@ -119,64 +115,61 @@ def _tuples(params: dict) -> dict:
     return {k: tuple(v) if isinstance(v, list) else v for k, v in params.items()}
 
 
-def run_patch_config(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
-    mod = op_module(Op.PATCH_CONFIG, "qtool.ops.patch_config")
-    src = materialize(bp, sp.step.inputs[0], token=ctx.get("token"))
-    with _linked_step_dir(src, sp) as tx:
-        p = sp.step.params
-        plan = mod.plan(options_from(mod.PatchOptions, _tuples(p), checkpoint=tx.partial))
-        written = mod.apply(plan, in_transaction=True)
+def step_options(bp: BuildPlan, sp: StepPlan, ctx: dict, **fixed):
+    """The op's options for this step: the recipe's `with` keys, the step's inputs and output, and (for
+    a writing op) --force on its own cache directory, --resume and the command line from `ctx`."""
+    row, spec = STEP_OPS[sp.step.op], contract_spec(sp.step.op)
+    params = _tuples(sp.step.params)  # the fixed values below take precedence (input refs -> paths)
+    names = {f.name for f in dataclasses.fields(spec.options)}
+    given = row.inputs(bp, sp, ctx)
+    if row.writes:
+        given.update(force=True, resume=ctx.get("resume", False), command=ctx.get("command"))
+    given.update(fixed)
+    return options_from(spec.options, params, **{k: v for k, v in given.items() if k in names})
+
+
+def _linked_local_source(src: Path, sp: StepPlan) -> dict:
+    """A download step whose source is local (a path, or a Hub source overridden by one): the step output
+    is links of its files, in the build's own cache (never written through: qtool.io.files)."""
+    from qtool.io.files import LinkMode, Placer, link_tree
+    from qtool.io.output import OutputDir
+
+    with OutputDir(sp.dir, sources=[src], force=True, replace_any=True) as tx:
+        link_tree(src, tx.partial, Placer(LinkMode.AUTO), skip=(STEP_MARKER,))
         tx.commit()
-    return {"fixes": [r.__dict__ for r in plan.results], "written": written}
+    return {"linked_from": str(src)}
 
 
-def _verify_opts(p: dict):
-    mod = op_module(Op.VERIFY, "qtool.ops.verify")
-    return mod, mod.VerifyOptions(**{k: v for k, v in p.items()})
-
-
-def run_verify(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
-    mod, opts = _verify_opts(sp.step.params)
-    src = materialize(bp, sp.step.inputs[0], token=ctx.get("token"))
-    rep = mod.verify(src, opts)
-    out = rep.to_json()
-    if not rep.ok:
-        errs = rep.errors()
-        raise VerificationError(f"verify step {sp.step.id!r}: {len(errs)} error(s)", path=src,
+def run_step(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
+    """Run one build step: options -> plan -> execute (a verify step that finds errors fails the build)."""
+    op = sp.step.op
+    if op is Op.DOWNLOAD:
+        ref = sp.step.inputs[0]
+        if ref not in bp.sources or bp.sources[ref].source.kind is not SourceKind.HUB or bp.sources[ref].overridden:
+            return _linked_local_source(materialize(bp, ref), sp)
+    spec = contract_spec(op)
+    opts = step_options(bp, sp, ctx)
+    report = spec.execute(spec.plan(opts))
+    if getattr(report, "ok", True) is False:
+        errs = report.errors()
+        raise VerificationError(f"verify step {sp.step.id!r}: {len(errs)} error(s)", path=opts.checkpoint,
                                 got="; ".join(getattr(e, "message", str(e)) for e in errs[:3]),
-                                hint=f"see `qtool verify {src}` for the fixes")
-    return {"ok": out["ok"], "findings": len(out["findings"])}
+                                hint=f"see `qtool verify {opts.checkpoint}` for the fixes")
+    return _step_summary(op, report.to_json())
 
 
-def run_download(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
-    ref = sp.step.inputs[0]
-    if ref not in bp.sources or bp.sources[ref].source.kind is not SourceKind.HUB or bp.sources[ref].overridden:
-        src = materialize(bp, ref)
-        with _linked_step_dir(src, sp) as tx:
-            tx.commit()
-        return {"linked_from": str(src)}
-    from qtool.hub.resolve import HubSpec
-    from qtool.ops import download as dl
-
-    rs = bp.sources[ref]
-    p = sp.step.params
-    opts = dl.DownloadOptions(spec=HubSpec(rs.source.ref, rs.identity["commit"]), out=sp.dir,
-                              include=list(p.get("include", [])), tensors=list(p.get("tensors", [])),
-                              token=ctx.get("token"), force=True, resume=ctx.get("resume", False),
-                              command=ctx.get("command"))
-    rep = dl.execute(dl.plan(opts), progress=ctx.get("progress", False)).to_json()
-    return {"commit": rep.get("commit"), "bytes": rep.get("bytes")}
+def _step_summary(op: Op, rep: dict) -> dict:
+    """The few figures a build step records of its op's report."""
+    if op is Op.VERIFY:
+        return {"ok": rep["ok"], "findings": len(rep["findings"])}
+    if op is Op.DOWNLOAD:
+        return {"commit": rep.get("commit"), "bytes": rep.get("bytes")}
+    if op is Op.PATCH_CONFIG:
+        return {"fixes": rep["fixes"], "written": rep["written"]}
+    return rep
 
 
-RUNNERS: dict[Op, Callable[[BuildPlan, StepPlan, dict], dict]] = {
-    Op.DOWNLOAD: run_download,
-    Op.QUANTIZE: run_contract_op,
-    Op.CONVERT: run_contract_op,
-    Op.ASSEMBLE: run_assemble,
-    Op.CALIBRATE_KV: run_contract_op,
-    Op.PATCH_CONFIG: run_patch_config,
-    Op.VERIFY: run_verify,
-}
+RUNNERS: dict[Op, Callable[[BuildPlan, StepPlan, dict], dict]] = {op: run_step for op in STEP_OPS}
 
 
 # ---- dry-run validation ----------------------------------------------------------------------------
@@ -190,29 +183,21 @@ def validate_step(bp: BuildPlan, sp: StepPlan) -> dict:
         return {"status": "cached"}
     if waiting:
         return {"status": "waits", "for": waiting}
-    if st.op is Op.ASSEMBLE:
-        from qtool.ops.assemble import plan_hybrid
-
-        hp = plan_hybrid(_assemble_opts(bp, sp, sp.dir))
-        return {"status": "planned", "shards": len(hp.shards), "mtp": hp.mtp_action,
-                "bf16_tensors": sum(1 for s in hp.shards for t in s.tensors if t.origin.source == "bf16"),
-                "warnings": hp.warnings}
-    src = input_path(bp, st.inputs[0])
-    if st.op is Op.PATCH_CONFIG:
-        mod = op_module(Op.PATCH_CONFIG, "qtool.ops.patch_config")
-        p = st.params
-        pp = mod.plan(options_from(mod.PatchOptions, _tuples(p), checkpoint=src))
-        return {"status": "planned", "fixes": [r.__dict__ for r in pp.results]}
+    if st.op is Op.DOWNLOAD:
+        return {"status": "ready"}
+    spec = contract_spec(st.op)
+    planned = spec.plan(step_options(bp, sp, {}))
     if st.op is Op.VERIFY:
-        mod, opts = _verify_opts(st.params)
-        rep = mod.verify(src, opts)
+        rep = spec.execute(planned)  # verify writes nothing: its checks are its plan's validation
         return {"status": "planned", "ok": rep.ok, "errors": len(rep.errors())}
-    if st.op in CONTRACT_OPS:
-        spec = contract_spec(st.op)
-        planned = spec.plan(options_from(spec.options, st.params, checkpoint=src, out=sp.dir))
-        summary = planned.to_json()
-        if st.op is Op.CONVERT:
-            return {"status": "planned", **summary}
-        keys = {"full_attention_layers": "layers", "config_changes": "changes", "warnings": "warnings"}
-        return {"status": "planned", **{short: summary[k] for k, short in keys.items() if k in summary}}
-    return {"status": "ready"}
+    if st.op is Op.ASSEMBLE:
+        return {"status": "planned", "shards": len(planned.shards), "mtp": planned.mtp_action,
+                "bf16_tensors": sum(1 for s in planned.shards for t in s.tensors if t.origin.source == "bf16"),
+                "warnings": planned.warnings}
+    if st.op is Op.PATCH_CONFIG:
+        return {"status": "planned", "fixes": [r.__dict__ for r in planned.results]}
+    summary = planned.to_json()
+    if st.op is Op.CONVERT:
+        return {"status": "planned", **summary}
+    keys = {"full_attention_layers": "layers", "config_changes": "changes", "warnings": "warnings"}
+    return {"status": "planned", **{short: summary[k] for k, short in keys.items() if k in summary}}

@@ -1,6 +1,6 @@
 """`qtool verify`: is this artifact ready to serve on the target with the chosen engines?
 
-plan (options validated, engines parsed) -> checks from headers and configs (structure, engine
+plan(VerifyOptions) (options validated, engines parsed) -> execute: checks from headers and configs (structure, engine
 semantics per version, TP / MTP / KV constraints, memory fit) -> optional --deep pass over the data
 (sha256 of every shard vs qtool-manifest.json, numeric scan). Library code: returns a VerifyReport.
 """
@@ -30,6 +30,17 @@ class VerifyOptions:
     mtp: int = 0
     deep: bool = False
     deep_workers: int | None = None
+    checkpoint: Path | None = None  # the op contract's input (verify(path, opts) sets it)
+
+
+@dataclass
+class VerifyPlan:
+    """The checked options: the engines to model and the GPUs to fit, and the checkpoint to judge."""
+
+    options: VerifyOptions
+    path: Path
+    versions: list[EngineVersion]
+    target: Target
 
 
 @dataclass
@@ -91,20 +102,35 @@ def validate(opts: VerifyOptions) -> tuple[list[EngineVersion], Target]:
     return versions, target
 
 
+def plan(opts: VerifyOptions) -> VerifyPlan:
+    """The op contract's plan: options validated (usage errors, exit 2), the checkpoint's presence (exit 1)."""
+    versions, target = validate(opts)
+    path = opts.checkpoint
+    if path is None or not Path(path).exists():
+        from qtool.errors import CheckpointError
+
+        # bad input (exit 1), not a failed verification (exit 3)
+        raise CheckpointError("checkpoint not found", path=path, hint="check the path")
+    return VerifyPlan(opts, Path(path), versions, target)
+
+
 def verify(path: str | Path, opts: VerifyOptions | None = None) -> VerifyReport:
+    """plan + execute in one call: the report of `path` under `opts`."""
+    import dataclasses
+
+    return execute(plan(dataclasses.replace(opts or VerifyOptions(), checkpoint=Path(path))))
+
+
+def execute(p: VerifyPlan) -> VerifyReport:
+    """The op contract's execute: every check (headers and configs; the data too with --deep). Writes
+    nothing; the report's `ok` says whether the artifact passed (the CLI and build steps exit 3 if not)."""
     from qtool.arch.model_map import build_map
     from qtool.arch.qwen35 import Group
     from qtool.io.quant_config import summarize
     from qtool.ops.verify import engine_rules, structure
     from qtool.ops.verify.memory_fit import memory_fit
 
-    opts = opts or VerifyOptions()
-    versions, target = validate(opts)
-    if not Path(path).exists():
-        from qtool.errors import CheckpointError
-
-        # bad input (exit 1), not a failed verification (exit 3)
-        raise CheckpointError("checkpoint not found", path=path, hint="check the path")
+    opts, path, versions, target = p.options, p.path, p.versions, p.target
     ckpt, findings = structure.open_checked(path)
     if ckpt is None:
         return VerifyReport(str(path), findings, None, {})
@@ -155,4 +181,5 @@ def verify(path: str | Path, opts: VerifyOptions | None = None) -> VerifyReport:
     return report
 
 
-__all__ = ["Code", "Finding", "Severity", "VerifyOptions", "VerifyReport", "parse_engines", "verify"]
+__all__ = ["Code", "Finding", "Severity", "VerifyOptions", "VerifyPlan", "VerifyReport", "execute", "parse_engines",
+           "plan", "verify"]

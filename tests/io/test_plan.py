@@ -1,0 +1,135 @@
+"""qtool.io.plan / qtool.io.apply: an output decided as data, then written by the one executor."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+
+from qtool.errors import VerificationError, WriteError
+from qtool.io.apply import write_output
+from qtool.io.checkpoint import Checkpoint
+from qtool.io.output import OutputDir
+from qtool.io.plan import (Copy, Index, Json, Link, OutputPlan, Pending, Produced, Shard, header_checkpoint,
+                           promised)
+from qtool.io.writer import FileRange, InlineBytes, OutTensor, write_shard
+
+
+def _source(tmp_path: Path) -> Path:
+    src = tmp_path / "src"
+    src.mkdir()
+    write_shard(src / "a.safetensors", [OutTensor("x", "F32", (4,), InlineBytes(struct.pack("<4f", 1, 2, 3, 4))),
+                                        OutTensor("y", "BF16", (2,), InlineBytes(b"\x80\x3f\x00\x40"))],
+                {"format": "pt"})
+    (src / "tokenizer.json").write_text('{"t": 1}')
+    return src
+
+
+def _plan(src: Path) -> OutputPlan:
+    info = Checkpoint.open(src).tensors["x"]
+    return OutputPlan("test", [
+        Link("a.safetensors", str(src / "a.safetensors")),
+        Shard("b.safetensors", [OutTensor("x2", "F32", (4,), FileRange(info.file, info.start, info.end)),
+                                OutTensor("s", "F32", (), Pending("s", 4))], {"format": "pt"}),
+        Copy("tokenizer.json", str(src / "tokenizer.json")),
+        Json("config.json", {"architectures": ["X"]}),
+        Index("model.safetensors.index.json", {"x": "a.safetensors", "y": "a.safetensors",
+                                              "x2": "b.safetensors", "s": "b.safetensors"}, {"total_size": 36}),
+    ], sources={"src": src}, inputs=[str(src / "a.safetensors"), str(src / "tokenizer.json")])
+
+
+def test_the_executor_writes_what_the_plan_says_and_records_every_file(tmp_path):
+    src = _source(tmp_path)
+    plan = _plan(src)
+    with OutputDir(tmp_path / "out", sources=[src]) as tx:
+        applied = write_output(plan, tx, command="qtool test", values={"s": struct.pack("<f", 0.5)})
+    out = tmp_path / "out"
+    assert applied.written == ["b.safetensors"] and sum(applied.linked.values()) == 1
+    ck = Checkpoint.open(out)
+    assert sorted(ck.tensors) == ["s", "x", "x2", "y"]
+    assert (out / "b.safetensors").read_bytes()[-4:] == struct.pack("<f", 0.5)
+    from qtool.io.reader import read_bytes
+
+    assert read_bytes(ck.tensors["x2"]) == read_bytes(ck.tensors["x"])
+    assert ck.headers["b.safetensors"].metadata == {"format": "pt"}
+    assert json.loads((out / "config.json").read_text()) == {"architectures": ["X"]}
+    man = json.loads((out / "qtool-manifest.json").read_text())
+    assert man["operation"] == "test" and man["command"] == "qtool test"
+    for rel, entry in man["files"].items():  # every output file with its real digest
+        assert entry["sha256"] == hashlib.sha256((out / rel).read_bytes()).hexdigest(), rel
+    assert set(man["files"]) == {"a.safetensors", "b.safetensors", "tokenizer.json", "config.json",
+                                 "model.safetensors.index.json"}
+    assert set(man["sources"]["src"]["files"]) == {"a.safetensors", "tokenizer.json"}
+    assert not list(out.glob(".qtool-*"))
+
+
+def test_the_plans_own_checkpoint_is_the_written_ones(tmp_path):
+    """header_checkpoint (what a decide step computes configs from) has exactly the headers the writer
+    then writes, and a copied tensor can be read through it before anything is written."""
+    src = _source(tmp_path)
+    plan = _plan(src)
+    virtual = header_checkpoint(tmp_path / "out", plan, {"architectures": ["X"]})
+    with OutputDir(tmp_path / "out", sources=[src]) as tx:
+        write_output(plan, tx, command=None, values={"s": struct.pack("<f", 0.5)})
+    real = Checkpoint.open(tmp_path / "out")
+    assert {n: (i.dtype, i.shape) for n, i in virtual.tensors.items()} == \
+        {n: (i.dtype, i.shape) for n, i in real.tensors.items()}
+    assert {s: h.file_size for s, h in virtual.headers.items()} == {s: h.file_size for s, h in real.headers.items()}
+    from qtool.io.reader import read_bytes
+
+    assert read_bytes(virtual.tensors["x2"]) == struct.pack("<4f", 1, 2, 3, 4)
+
+
+def test_plan_hash_changes_with_any_byte_range_and_not_with_nothing(tmp_path):
+    src = _source(tmp_path)
+    a, b = _plan(src), _plan(src)
+    assert a.plan_hash() == b.plan_hash()
+    t = b.files[1].tensors
+    t[0] = t[0]._replace(source=FileRange(t[0].source.file, t[0].source.start + 4, t[0].source.end + 4))
+    assert a.plan_hash() != b.plan_hash()
+
+
+def test_a_missing_pending_value_or_a_wrong_produced_shard_publishes_nothing(tmp_path):
+    src = _source(tmp_path)
+    with OutputDir(tmp_path / "out", sources=[src]) as tx, pytest.raises(ValueError, match="no 4-byte value"):
+        write_output(_plan(src), tx, command=None)
+    assert not (tmp_path / "out").exists()
+    plan = OutputPlan("test", [Produced("p.safetensors", [promised("w", "F32", (2,), 8)])], sources={"src": src},
+                      inputs=[])
+
+    def produce_wrong() -> None:  # a producer that writes another shape than it promised
+        write_shard(tx.partial / "p.safetensors", [OutTensor("w", "F32", (1, 2), InlineBytes(bytes(8)))])
+
+    with OutputDir(tmp_path / "out2", sources=[src]) as tx, pytest.raises(VerificationError, match="not what the plan"):
+        write_output(plan, tx, command=None, produce=produce_wrong)
+    assert not (tmp_path / "out2").exists()
+
+
+def test_free_space_counts_what_a_resumed_partial_already_holds(tmp_path, monkeypatch):
+    import qtool.io.apply as apply
+
+    src = _source(tmp_path)
+    big = src / "big.safetensors"
+    write_shard(big, [OutTensor("z", "U8", (1 << 20,), InlineBytes(bytes(1 << 20)))])
+    info = Checkpoint.open(src, check_file_sizes=False).tensors["z"]
+    plan = OutputPlan("test", [Shard("z.safetensors", [OutTensor("z", "U8", (1 << 20,), FileRange(
+        info.file, info.start, info.end))])], sources={"src": src}, inputs=[str(big)])
+    monkeypatch.setattr(apply, "SPACE_MARGIN", 0)
+    monkeypatch.setattr(apply, "free_space", lambda p: 1000)
+    with OutputDir(tmp_path / "out", sources=[src]) as tx, pytest.raises(WriteError, match="free disk space"):
+        write_output(plan, tx, command=None)
+    # the shard written and journaled by an interrupted run: a resumed run needs no space for it
+    partial = tmp_path / "out.partial"
+    from qtool.io.identity import Journal, input_identity
+
+    write_shard(partial / "z.safetensors", [OutTensor("z", "U8", (1 << 20,), FileRange(info.file, info.start, info.end))])
+    Journal(partial / ".qtool-journal.jsonl", plan.plan_hash(), input_identity(plan.inputs), resume=False).record(
+        "z.safetensors", size=(partial / "z.safetensors").stat().st_size)
+    with OutputDir(tmp_path / "out", sources=[src], resume=True) as tx:
+        applied = write_output(plan, tx, command=None)
+    assert applied.resumed == ["z.safetensors"] and (tmp_path / "out" / "z.safetensors").exists()
+    shutil.rmtree(tmp_path / "out")
