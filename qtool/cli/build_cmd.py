@@ -22,9 +22,11 @@ def run(args) -> int:
     from qtool.ops import pipeline as build
     from qtool.ops.pipeline.plan import parse_overrides
 
+    from qtool.fixtures.builtin import builtin_source
+
     recipe = load_build_recipe(args.recipe)
     bp = build.plan(recipe, out=Path(args.output) if args.output else None, overrides=parse_overrides(args.source),
-                    token=args.token, validate=args.dry_run)
+                    token=args.token, validate=args.dry_run, builtins=builtin_source)
     if args.dry_run:
         if args.json:
             print_json({"dry_run": True, **bp.to_json()})

@@ -6,7 +6,7 @@ safetensors files.
     resolve.resolve_checkpoint("hf:...", tensors=None)              -> local directory (full snapshot)
     resolve.fetch_tensor_subset("hf:...", ["model.layers.0...."])   -> local checkpoint with just those
     download.download_files(...)                                     -> files verified against the Hub sha256
-    remote_safetensors.fetch_tensors(...)                            -> range-fetched tensors + index
+    tensor_fetch.fetch_tensors(...)                                  -> range-fetched tensors + index
 
 huggingface_hub is imported inside the functions, so `qtool --help` stays cheap.
 """

@@ -153,7 +153,8 @@ def fetch_tensor_subset(spec: HubSpec | str, names: Sequence[str], *, allow_down
     repo, fetched by HTTP range requests; cached under $QTOOL_CACHE_DIR/hub/<org>--<name>/<commit>/.
     Every name must exist remotely (PlanError lists the missing ones)."""
     from qtool.hub.download import repo_listing
-    from qtool.hub.remote_safetensors import TensorFetchOptions, fetch_tensors, plan_fetch
+    from qtool.hub.remote_safetensors import TensorFetchOptions, plan_fetch
+    from qtool.hub.tensor_fetch import fetch_tensors
     from qtool.io.output import OutputDir
 
     hs = spec if isinstance(spec, HubSpec) else parse_spec(spec)
@@ -184,7 +185,8 @@ def fetch_tensor_patterns(spec: HubSpec | str, patterns: Sequence[str], *, token
     """Like fetch_tensor_subset, with glob / `re:` patterns instead of exact names (what `assemble hybrid
     --bf16 hf:...` needs: the shared experts, chosen layers' experts and the MTP head of an 800 GB repo)."""
     from qtool.hub.download import repo_listing
-    from qtool.hub.remote_safetensors import TensorFetchOptions, fetch_tensors, plan_fetch
+    from qtool.hub.remote_safetensors import TensorFetchOptions, plan_fetch
+    from qtool.hub.tensor_fetch import fetch_tensors
     from qtool.io.output import OutputDir
 
     hs = spec if isinstance(spec, HubSpec) else parse_spec(spec)

@@ -18,7 +18,8 @@ from pathlib import Path
 
 from qtool.errors import UsageError
 from qtool.hub.download import RepoListing, check_space, download_files, repo_listing
-from qtool.hub.remote_safetensors import FetchPlan, TensorFetchOptions, fetch_tensors, plan_fetch
+from qtool.hub.remote_safetensors import FetchPlan, TensorFetchOptions, plan_fetch
+from qtool.hub.tensor_fetch import fetch_tensors
 from qtool.hub.resolve import HubSpec
 from qtool.io.files import LinkMode
 from qtool.io.output import OutputDir
@@ -96,7 +97,7 @@ def _run(p: DownloadPlan, *, progress: bool = False) -> dict:
         "placed": links,
     }
     if tx is not None:
-        from qtool.hub.remote_safetensors import hub_source
+        from qtool.hub.tensor_fetch import hub_source
         from qtool.io.apply import write_output
         from qtool.io.plan import Link, OutputPlan
 

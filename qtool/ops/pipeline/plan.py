@@ -5,11 +5,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from qtool.build_recipes import BuildRecipe, Op, Source, SourceKind, Step
-from qtool.errors import CheckpointError, UsageError
+from qtool.errors import CheckpointError, PlanError, UsageError
 
 STEP_MARKER = "qtool-step.json"
 OVERRIDE_ENV = "QTOOL_BUILD_SOURCES"  # "name=path,name=path": replace recipe sources by local dirs
@@ -95,15 +96,12 @@ def dir_fingerprint(root: Path) -> dict:
     return {"files": len(files), "digest": sha(files)}
 
 
-def builtin_path(name: str) -> Path:
-    from qtool.fixtures.tiny import FixtureCache
-    from qtool.io.manifest import cache_dir
-
-    fixture = name.removeprefix("tiny-").replace("-", "_")
-    return FixtureCache(cache_dir() / "fixtures").path(fixture)
+# (directory, identity) of a `builtin:` source; qtool.fixtures.builtin.builtin_source is the one qtool has
+BuiltinSources = Callable[[str], tuple[Path, dict]]
 
 
-def resolve_source(src: Source, override: Path | None, *, token: str | None = None) -> ResolvedSource:
+def resolve_source(src: Source, override: Path | None, *, token: str | None = None,
+                   builtins: BuiltinSources | None = None) -> ResolvedSource:
     if override is not None:
         if not override.exists():
             raise CheckpointError(f"override for source {src.name!r} does not exist", path=override)
@@ -117,10 +115,12 @@ def resolve_source(src: Source, override: Path | None, *, token: str | None = No
         ident = {"kind": "path", "path": str(p.resolve()), **dir_fingerprint(p)}
         return ResolvedSource(src, ident, sha(ident), p)
     if src.kind is SourceKind.BUILTIN:
-        from qtool.fixtures.tiny import FIXTURE_VERSION
-
-        ident = {"kind": "builtin", "name": src.ref, "fixture_version": FIXTURE_VERSION}
-        return ResolvedSource(src, ident, sha(ident), builtin_path(src.ref))
+        if builtins is None:
+            raise PlanError(f"source {src.name!r} is builtin:{src.ref}, and no builtin sources were given",
+                            hint="pass builtins=qtool.fixtures.builtin.builtin_source (qtool build does)")
+        path, version = builtins(src.ref)
+        ident = {"kind": "builtin", "name": src.ref, **version}
+        return ResolvedSource(src, ident, sha(ident), path)
     from qtool.hub.download import repo_listing
     from qtool.hub.resolve import parse_spec
 
@@ -132,7 +132,7 @@ def resolve_source(src: Source, override: Path | None, *, token: str | None = No
 
 
 def plan(recipe: BuildRecipe, *, out: Path | None = None, overrides: dict[str, Path] | None = None,
-         token: str | None = None, validate: bool = False) -> BuildPlan:
+         token: str | None = None, validate: bool = False, builtins: BuiltinSources | None = None) -> BuildPlan:
     from qtool import __version__
 
     overrides = overrides or {}
@@ -142,7 +142,8 @@ def plan(recipe: BuildRecipe, *, out: Path | None = None, overrides: dict[str, P
                          expected=", ".join(sorted(recipe.sources)))
     out = out or Path("build") / recipe.name
     work = out.with_name(out.name + ".build")
-    sources = {n: resolve_source(s, overrides.get(n), token=token) for n, s in recipe.sources.items()}
+    sources = {n: resolve_source(s, overrides.get(n), token=token, builtins=builtins)
+               for n, s in recipe.sources.items()}
     keys: dict[str, str] = {n: s.key for n, s in sources.items()}
     steps: list[StepPlan] = []
     for st in recipe.steps:
