@@ -222,14 +222,52 @@ def _step(i: int, st: object, known: set[str], path: str | None) -> Step:
     return Step(sid, op, inputs, dict(params))
 
 
-def load_build_recipe(path: str | Path) -> BuildRecipe:
+def shipped_build_recipes() -> dict[str, Path]:
+    """name -> file of every build recipe shipped with qtool (package data)."""
+    from qtool.recipes import recipes_dir
+
+    return {p.stem: p for p in sorted((recipes_dir() / "build").glob("*.yaml"))}
+
+
+def find_build_recipe(name_or_path: str | Path) -> Path:
+    """A build recipe file: a path, or the name of a shipped one (`demo-tiny`)."""
+    p = Path(name_or_path)
+    if p.is_file() or p.suffix in (".yaml", ".yml") or len(p.parts) > 1:
+        return p
+    shipped = shipped_build_recipes()
+    if str(name_or_path) in shipped:
+        return shipped[str(name_or_path)]
+    raise QtoolError("no such build recipe", got=str(name_or_path), expected=sorted(shipped),
+                     hint="pass a shipped build recipe's name (qtool recipes list) or a YAML file's path")
+
+
+def _resolve_file_refs(recipe: BuildRecipe, base: Path) -> None:
+    """A quantize step's `recipe:` file resolves relative to the build recipe's own folder, then as a
+    shipped recipe of that name, so a build recipe runs from any working directory."""
+    from qtool.recipes import recipes_dir
+
+    for st in recipe.steps:
+        ref = st.params.get("recipe")
+        if st.op is not Op.QUANTIZE or not isinstance(ref, str) or not Path(ref).suffix or Path(ref).is_absolute():
+            continue
+        beside = base / ref
+        if beside.is_file():
+            st.params["recipe"] = str(beside.resolve())
+        elif (recipes_dir() / Path(ref).name).is_file():
+            st.params["recipe"] = Path(ref).stem  # the shipped recipe of that name
+        # else: left as written, resolved against the working directory (and refused there if missing)
+
+
+def load_build_recipe(name_or_path: str | Path) -> BuildRecipe:
     import yaml
 
-    p = Path(path)
+    p = find_build_recipe(name_or_path)
     try:
         data = yaml.safe_load(p.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise QtoolError("build recipe not found", path=p, hint="check the path (exit 1: a missing input)") from None
     except yaml.YAMLError as e:
         raise BuildRecipeError(f"build recipe is not valid YAML: {e}", path=p) from None
-    return parse_build_recipe(data, path=str(p))
+    recipe = parse_build_recipe(data, path=str(p))
+    _resolve_file_refs(recipe, p.resolve().parent)
+    return recipe

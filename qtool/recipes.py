@@ -151,7 +151,9 @@ class Recipe:
 
 
 def recipes_dir() -> Path:
-    return Path(__file__).resolve().parent.parent / "recipes"
+    """The shipped quantization recipes (package data: `qtool/data/recipes/`; `recipes/` in the repo links
+    there); build recipes are in its `build/` folder."""
+    return Path(__file__).resolve().parent / "data" / "recipes"
 
 
 def list_recipes() -> list[str]:

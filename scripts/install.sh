@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Install qtool and its pinned dependencies into ./.venv (or into $QTOOL_VENV).
-# - torch: keeps a torch that the interpreter already has (a GPU box); otherwise installs the CPU build
-#   torch==2.13.0, so pip never pulls a multi-GB CUDA build on a CPU machine.
+# - torch: keeps a torch that the interpreter already has (a GPU box); otherwise installs torch==2.13.0:
+#   on a machine without an NVIDIA GPU the CPU build from the PyTorch CPU wheel index ($QTOOL_TORCH_INDEX),
+#   since the default index serves the CUDA build (~2 GB of nvidia wheels) there; if that index cannot be
+#   reached, pip's configured index (which may itself serve a CPU build, as a mirror often does).
 # - everything else: pinned by constraints.txt (the versions qtool is tested against).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -19,7 +21,16 @@ if torch_version="$("$py" -c 'import torch; print(torch.__version__.split("+")[0
   echo "torch==$torch_version" >> "$cons"
 else
   echo "torch==2.13.0" >> "$cons"
-  "$py" -m pip install -q -c "$cons" "torch==2.13.0"
+  cpu_index="${QTOOL_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"
+  if ! command -v nvidia-smi >/dev/null 2>&1 && [ ! -e /proc/driver/nvidia ] && [ -n "$cpu_index" ] &&
+     "$py" -m pip install -q --timeout 15 --retries 0 --index-url "$cpu_index" "torch==2.13.0" 2>/dev/null; then
+    echo "qtool install: torch 2.13.0 (CPU build) from $cpu_index"
+  else
+    "$py" -m pip install -q -c "$cons" "torch==2.13.0"
+  fi
+  if "$py" -c 'import sys, torch; sys.exit(0 if torch.version.cuda is None else 1)' && [ -e /proc/driver/nvidia ]; then
+    echo "qtool install: note: this torch is a CPU build on a machine with an NVIDIA GPU" >&2
+  fi
 fi
 "$py" -m pip install -q -c "$cons" -e "$root[quant,test]"
 echo "qtool install: done ($("$venv/bin/qtool" --version))"

@@ -52,7 +52,24 @@ def git_blob_oid(data: bytes) -> str:
 @dataclass
 class FakeFile:
     path: str
-    data: bytes
+    data: bytes = b""
+    # a file served from disk instead (a real-scale sparse stand-in: 233 GB of mostly holes), with a
+    # declared LFS sha256: hashing the holes would take minutes, and the tests that serve such files never
+    # download their data (a download would fail its sha256 check, as it should)
+    disk: Path | None = None
+    declared_sha256: str | None = None
+
+    @property
+    def size(self) -> int:
+        return self.disk.stat().st_size if self.disk is not None else len(self.data)
+
+    def read(self, a: int, b: int) -> bytes:
+        """Bytes [a, b] (inclusive, like an HTTP range)."""
+        if self.disk is None:
+            return self.data[a:b + 1]
+        with open(self.disk, "rb") as f:
+            f.seek(a)
+            return f.read(b + 1 - a)
 
     @property
     def lfs(self) -> bool:
@@ -60,7 +77,7 @@ class FakeFile:
 
     @property
     def sha256(self) -> str:
-        return hashlib.sha256(self.data).hexdigest()
+        return self.declared_sha256 or hashlib.sha256(self.data).hexdigest()
 
     @property
     def oid(self) -> str:
@@ -121,7 +138,11 @@ class FakeHub:
     def add_repo(self, repo_id: str, files: dict[str, bytes], *, commit: str | None = None,
                  branch: str = "main", private_token: str | None = None, gated: bool = False) -> str:
         """Add (or add a commit to) a repo; returns the commit sha."""
-        fmap = {p: FakeFile(p, d) for p, d in sorted(files.items())}
+        return self._add(repo_id, {p: FakeFile(p, d) for p, d in sorted(files.items())}, commit=commit,
+                         branch=branch, private_token=private_token, gated=gated)
+
+    def _add(self, repo_id: str, fmap: dict[str, FakeFile], *, commit: str | None = None, branch: str = "main",
+             private_token: str | None = None, gated: bool = False) -> str:
         if commit is None:
             h = hashlib.sha1(repo_id.encode())
             for p, f in fmap.items():
@@ -133,6 +154,24 @@ class FakeHub:
         repo.commits[commit] = fmap
         repo.refs[branch] = commit
         return commit
+
+    def add_sparse_dir(self, repo_id: str, root: str | Path, *, big: int = 64 << 20, **kw) -> str:
+        """Like add_dir, for a real-scale sparse layout (qtool.fixtures.sparse): files above `big` bytes are
+        served from disk with a declared sha256 (see FakeFile)."""
+        root = Path(root)
+        fmap = {}
+        for p in sorted(root.rglob("*")):
+            if not p.is_file() or ".cache" in p.parts:
+                continue
+            rel = str(p.relative_to(root))
+            if p.stat().st_size > big:
+                with open(p, "rb") as f:
+                    head = f.read(1 << 20)
+                digest = hashlib.sha256(head + str(p.stat().st_size).encode()).hexdigest()
+                fmap[rel] = FakeFile(rel, disk=p, declared_sha256=digest)
+            else:
+                fmap[rel] = FakeFile(rel, p.read_bytes())
+        return self._add(repo_id, fmap, **kw)
 
     def add_dir(self, repo_id: str, root: str | Path, **kw) -> str:
         root = Path(root)
@@ -189,13 +228,13 @@ _RANGE = re.compile(r"^bytes=(\d+)-(\d*)$")
 
 def _entry(f: FakeFile, tree: bool) -> dict:
     if tree:
-        e: dict = {"type": "file", "oid": f.oid, "size": len(f.data), "path": f.path}
+        e: dict = {"type": "file", "oid": f.oid, "size": f.size, "path": f.path}
         if f.lfs:
-            e["lfs"] = {"oid": f.sha256, "size": len(f.data), "pointerSize": 134}
+            e["lfs"] = {"oid": f.sha256, "size": f.size, "pointerSize": 134}
         return e
-    e = {"rfilename": f.path, "size": len(f.data), "blobId": f.oid}
+    e = {"rfilename": f.path, "size": f.size, "blobId": f.oid}
     if f.lfs:
-        e["lfs"] = {"sha256": f.sha256, "size": len(f.data), "pointerSize": 134}
+        e["lfs"] = {"sha256": f.sha256, "size": f.size, "pointerSize": 134}
     return e
 
 
@@ -316,7 +355,7 @@ def _make_handler(hub: FakeHub):
             common = {"X-Repo-Commit": commit}
             if f.lfs:
                 headers = {**common, "Location": f"{hub.cdn}/cdn/{f.sha256}", "X-Linked-Etag": f'"{f.sha256}"',
-                           "X-Linked-Size": str(len(f.data)), "ETag": f'"{f.oid}"'}
+                           "X-Linked-Size": str(f.size), "ETag": f'"{f.oid}"'}
                 return self._send(302, b"", headers)
             return self._body(f, {**common, "ETag": f'"{f.oid}"'})
 
@@ -327,7 +366,7 @@ def _make_handler(hub: FakeHub):
             self._body(f, {"ETag": f'"{sha}"'})
 
         def _body(self, f: FakeFile, headers: dict) -> None:
-            data = f.data
+            size = f.size
             status = 200
             rng = self.headers.get("Range")
             headers = {**headers, "Accept-Ranges": "bytes"}
@@ -336,14 +375,18 @@ def _make_handler(hub: FakeHub):
                 if m is None:
                     return self._error(416, "RangeNotSatisfiable", f"bad range {rng}")
                 a = int(m.group(1))
-                b = int(m.group(2)) if m.group(2) else len(data) - 1
-                b = min(b, len(data) - 1)
-                if a >= len(data) or a > b:
-                    return self._error(416, "RangeNotSatisfiable", f"range {rng} of {len(data)}",
-                                       {"Content-Range": f"bytes */{len(data)}"})
-                data = data[a:b + 1]
+                b = int(m.group(2)) if m.group(2) else size - 1
+                b = min(b, size - 1)
+                if a >= size or a > b:
+                    return self._error(416, "RangeNotSatisfiable", f"range {rng} of {size}",
+                                       {"Content-Range": f"bytes */{size}"})
                 status = 206
-                headers["Content-Range"] = f"bytes {a}-{b}/{len(f.data)}"
+                headers["Content-Range"] = f"bytes {a}-{b}/{size}"
+            else:
+                a, b = 0, size - 1
+            if self.command == "HEAD":
+                return self._send(status, b"", headers, ctype="application/octet-stream", length=b + 1 - a)
+            data = f.read(a, b) if b >= a else b""
             if self.command != "HEAD" and hub.take_fault("corrupt", f.path) and data:
                 i = len(data) // 2
                 data = data[:i] + bytes([data[i] ^ 0xFF]) + data[i + 1:]

@@ -19,8 +19,23 @@ def test_readme_has_exactly_the_two_setup_commands_and_ci_runs_the_test_one():
     commands = re.findall(r"```\n(.*?)\n```", setup, flags=re.S)
     assert len(commands) == 2
     demo, tests = commands
-    assert "qtool build recipes/build/demo-tiny.yaml" in demo and demo.startswith("bash scripts/install.sh")
+    assert "qtool build demo-tiny" in demo and demo.startswith("bash scripts/install.sh")
     assert tests == "bash scripts/install.sh && .venv/bin/python -m pytest -q"
     ci = (ROOT / ".ci/run").read_text()
     assert "bash scripts/install.sh" in ci and ".venv/bin/python -m pytest -q" in ci
-    assert (ROOT / "recipes/build/demo-tiny.yaml").exists()
+    assert (ROOT / "qtool/data/recipes/build/demo-tiny.yaml").exists() and (ROOT / "recipes/build/demo-tiny.yaml").exists()
+
+
+def test_the_readme_demo_runs_and_verifies_as_the_readme_runs_it(tmp_path):
+    """Found as: the README's demo built an artifact that the README's own `qtool verify demo-out` failed."""
+    import sys
+
+    text = (ROOT / "README.md").read_text()
+    demo = re.findall(r"```\n(.*?)\n```", text.split("## Set-up: two commands", 1)[1], flags=re.S)[0]
+    steps = [c.strip() for c in demo.split("&&")][1:]  # after install.sh: the qtool commands
+    assert steps and all(c.startswith(".venv/bin/qtool ") for c in steps)
+    for c in steps:
+        argv = c.split()[1:]
+        p = subprocess.run([sys.executable, "-m", "qtool", *argv], cwd=tmp_path, capture_output=True, text=True)
+        assert p.returncode == 0, (c, p.stdout[-2000:], p.stderr[-2000:])
+    assert "ok" in p.stdout.splitlines()[-1]

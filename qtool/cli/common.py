@@ -60,6 +60,24 @@ def local_checkpoint(spec, *, tensors=None, progress: bool = True):
     return resolve_checkpoint(spec, tensors=tensors, progress=progress)
 
 
+def headers_checkpoint(spec, *, token=None):
+    """For commands that read only headers and configs (inspect, verify without --deep, serve-config): a
+    local path as it is; `hf:ORG/NAME[@REV]` as a header-only stand-in (qtool.hub.headers: configs and
+    shard headers by range requests, cached by commit, offline when cached), its traffic on stderr."""
+    from qtool.hub.resolve import is_hub_spec, parse_spec
+
+    if not is_hub_spec(spec):
+        return local_checkpoint(spec)
+    from qtool.hub.headers import remote_headers
+
+    path, got = remote_headers(parse_spec(str(spec)), token=token)
+    how = "from the cache, nothing fetched" if got["cached"] else (
+        f"{human_bytes(got['bytes_moved'])} in {got['requests']} range request(s)")
+    print(f"{spec}: headers and configs of commit {got['commit'][:12]} ({how}); data not downloaded",
+          file=sys.stderr)
+    return path
+
+
 def local_only(spec):
     """For commands that write into the checkpoint itself: a Hub source gets a clear error."""
     from qtool.hub.resolve import require_local

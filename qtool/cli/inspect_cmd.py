@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from qtool.cli.common import add_json_flag, human_bytes, local_checkpoint, print_json
+from qtool.cli.common import add_json_flag, human_bytes, headers_checkpoint, print_json
 
 
 def add_arguments(p) -> None:
@@ -13,7 +13,7 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     from qtool.ops.inspect import inspect_checkpoint
 
-    rep = inspect_checkpoint(local_checkpoint(args.checkpoint, progress=not args.json))
+    rep = inspect_checkpoint(headers_checkpoint(args.checkpoint))
     if args.json:
         print_json(rep)
         return 0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from qtool.cli.common import add_json_flag, local_checkpoint, print_json
+from qtool.cli.common import add_json_flag, headers_checkpoint, print_json
 
 
 def add_arguments(p) -> None:
@@ -28,7 +28,7 @@ def run(args) -> int:
                         max_num_seqs=args.max_num_seqs, kv_cache_dtype=args.kv_cache_dtype,
                         gpu_memory_utilization=args.gpu_memory_utilization, yarn=args.yarn,
                         served_model_name=args.served_model_name)
-    launch = plan(local_checkpoint(args.checkpoint, progress=False), opts)
+    launch = plan(headers_checkpoint(args.checkpoint), opts)
     text = render(launch, opts)
     if args.json:
         print_json({"engine": launch.engine, "env": launch.env, "argv": launch.argv, "format": opts.format.value,

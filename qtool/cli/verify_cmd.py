@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from qtool.cli.common import add_json_flag, local_checkpoint, print_json
+from qtool.cli.common import add_json_flag, headers_checkpoint, local_checkpoint, print_json
 
 MAX_PER_CODE = 5
 
@@ -76,7 +76,8 @@ def run(args) -> int:
 
     from qtool.ops.verify import verify
 
-    rep = verify(local_checkpoint(args.checkpoint, progress=False), options(args, args.engine))
+    ckpt = (local_checkpoint(args.checkpoint, progress=False) if args.deep else headers_checkpoint(args.checkpoint))
+    rep = verify(ckpt, options(args, args.engine))
     if args.json:
         print_json(rep.to_json())
     else:

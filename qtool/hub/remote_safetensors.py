@@ -135,17 +135,22 @@ class RangeReader:
         self.read(path, start, end, buf.extend)
         return bytes(buf)
 
-    def header(self, path: str) -> SafetensorsHeader:
-        """Fetch and validate the safetensors header of `path` (two small range requests)."""
+    def raw_header(self, path: str) -> bytes:
+        """The first 8 + N bytes of `path` (the length, then the header JSON): two small range requests."""
         size = self.listing.files[path].size
         where = f"{self.listing.spec} {path}"
         if size < 8:
             raise HeaderError("remote file is too short to be safetensors", path=where, got=f"{size} bytes")
-        (n,) = struct.unpack("<Q", self.read_bytes(path, 0, 8))
+        head = self.read_bytes(path, 0, 8)
+        (n,) = struct.unpack("<Q", head)
         if n == 0 or n > MAX_HEADER_BYTES or 8 + n > size:
             raise HeaderError("remote header length is not plausible", path=where, got=n,
                               expected=f"1..{min(MAX_HEADER_BYTES, size - 8)}")
-        return parse_header_bytes(path, self.read_bytes(path, 8, 8 + n), size)
+        return head + self.read_bytes(path, 8, 8 + n)
+
+    def header(self, path: str) -> SafetensorsHeader:
+        """Fetch and validate the safetensors header of `path`."""
+        return parse_header_bytes(path, self.raw_header(path)[8:], self.listing.files[path].size)
 
 
 def _content_range_start(value: str | None) -> int | None:

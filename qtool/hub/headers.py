@@ -1,0 +1,137 @@
+"""Header-only stand-ins of Hub checkpoints, for the commands that only read headers and configs
+(inspect, verify, serve-config, the plans of --dry-run): `hf:ORG/NAME[@REV]` without downloading 233 GB.
+
+The stand-in is a local directory qtool's other code opens like any checkpoint: the config and tokenizer
+files (downloaded and verified through huggingface_hub, in its cache), and each safetensors shard as a
+sparse file of the remote file's size holding its real header and the bytes of its small tensors (the
+scales and KV scales that checks read; safetensors stores them together, so it is about one range
+request a shard) and holes elsewhere. Cached by commit under $QTOOL_CACHE_DIR/hub/<org>--<name>/<commit>/
+headers, with the branch -> commit resolutions beside it, so a pinned or already-resolved source works
+offline (HF_HUB_OFFLINE=1) or with the network down. Data reads (`verify --deep`) need the real files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from qtool.hub.resolve import HubError, HubSpec, is_commit
+
+SMALL_TENSOR_BYTES = 64  # tensors this small are fetched (scalar scales, [1] global scales, KV scales)
+GAP_BYTES = 1 << 20  # small tensors this close together are fetched with one request
+SKIP_SUFFIXES = (".bin", ".pt", ".pth", ".gguf", ".onnx", ".msgpack", ".h5", ".ckpt")  # other weight formats
+STATS = ".qtool-headers.json"
+
+
+def _repo_cache(repo_id: str) -> Path:
+    from qtool.io.manifest import cache_dir
+
+    return cache_dir() / "hub" / repo_id.replace("/", "--")
+
+
+def headers_dir(repo_id: str, commit: str) -> Path:
+    return _repo_cache(repo_id) / commit / "headers"
+
+
+def _offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def _known_commit(spec: HubSpec) -> str | None:
+    """The commit of `spec` without asking the Hub: a pinned commit, or a branch resolved before."""
+    if is_commit(spec.revision):
+        return spec.revision
+    try:
+        return (_repo_cache(spec.repo_id) / "refs" / spec.rev).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _cached(spec: HubSpec) -> Path | None:
+    commit = _known_commit(spec)
+    d = headers_dir(spec.repo_id, commit) if commit else None
+    return d if d is not None and (d / STATS).is_file() else None
+
+
+def remote_headers(spec: HubSpec, *, token: str | None = None) -> tuple[Path, dict]:
+    """(the stand-in directory, what it took: {"commit", "bytes_moved", "requests", "cached"}).
+
+    A commit-pinned source already cached is used without any request; offline (HF_HUB_OFFLINE=1) a cached
+    branch is too; otherwise the revision is resolved (one API call) and whatever is missing fetched."""
+    cached = _cached(spec) if (is_commit(spec.revision) or _offline()) else None
+    if cached is not None:
+        return cached, {**json.loads((cached / STATS).read_text()), "cached": True}
+    if _offline():
+        raise HubError("the headers of this revision are not cached and HF_HUB_OFFLINE is set", path=str(spec),
+                       hint="run the same command once online (it caches configs and headers: about 90 MB "
+                       "for the 397B), or unset HF_HUB_OFFLINE")
+    from qtool.hub.download import repo_listing
+
+    try:
+        listing = repo_listing(spec, token=token)
+    except HubError as e:
+        fallback = _cached(spec)
+        if fallback is None or "network error" not in e.message:
+            raise
+        return fallback, {**json.loads((fallback / STATS).read_text()), "cached": True}  # the Hub is unreachable
+    refs = _repo_cache(spec.repo_id) / "refs"
+    refs.mkdir(parents=True, exist_ok=True)
+    (refs / spec.rev).write_text(listing.commit)
+    out = headers_dir(spec.repo_id, listing.commit)
+    if (out / STATS).is_file():
+        return out, {**json.loads((out / STATS).read_text()), "cached": True}
+    return out, {**_fetch(listing, out, token), "cached": False}
+
+
+def _fetch(listing, out: Path, token: str | None) -> dict:
+    from qtool.hub.download import download_files
+    from qtool.hub.remote_safetensors import RangeReader
+    from qtool.io.files import copy_file
+    from qtool.io.output import OutputDir
+    from qtool.io.safetensors_header import parse_header_bytes
+
+    shards = [p for p in listing.files if p.endswith(".safetensors")]
+    side = [p for p in listing.files if not p.endswith(".safetensors") and not p.endswith(SKIP_SUFFIXES)
+            and not p.startswith(".")]
+    reader = RangeReader(listing, token=token)
+    with OutputDir(out, resume=True, force=True, replace_any=True) as tx:
+        moved = 0
+        for f in download_files(listing, side, token=token).files if side else []:
+            (tx.partial / f.path).parent.mkdir(parents=True, exist_ok=True)
+            copy_file(f.local, tx.partial / f.path)
+            moved += f.size if not f.cached else 0
+        for path in shards:
+            raw = reader.raw_header(path)
+            size = listing.files[path].size
+            header = parse_header_bytes(path, raw[8:], size)
+            dst = tx.partial / path
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                os.pwrite(fd, raw, 0)
+                for start, end in _small_runs(header):
+                    data = reader.read_bytes(path, start, end)
+                    os.pwrite(fd, data, start)
+                os.ftruncate(fd, size)
+            finally:
+                os.close(fd)
+        stats = {"commit": listing.commit, "bytes_moved": moved + reader.stats.bytes,
+                 "requests": reader.stats.requests, "shards": len(shards), "side_files": len(side)}
+        (tx.partial / STATS).write_text(json.dumps(stats))
+        tx.commit()
+    return stats
+
+
+def _small_runs(header) -> list[tuple[int, int]]:
+    """Absolute byte ranges covering every small tensor, neighbours within GAP_BYTES merged."""
+    spans = sorted((i.start, i.end) for i in header.tensors.values() if i.nbytes <= SMALL_TENSOR_BYTES)
+    runs: list[list[int]] = []
+    for a, b in spans:
+        if runs and a - runs[-1][1] <= GAP_BYTES:
+            runs[-1][1] = max(runs[-1][1], b)
+        else:
+            runs.append([a, b])
+    return [(a, b) for a, b in runs]

@@ -1,0 +1,86 @@
+"""Read-only commands on `hf:` sources read headers and configs by range requests, never the data; what
+they read is cached by commit and works offline (qtool.hub.headers)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from qtool.cli.main import main
+
+
+@pytest.fixture(scope="module")
+def s397(tmp_path_factory) -> Path:
+    from qtool.fixtures.sparse import build_sparse
+
+    return build_sparse(tmp_path_factory.mktemp("s397") / "m", model="397b", flavour="modelopt-nvfp4")
+
+
+def _without_path(rep: dict) -> dict:
+    return {k: v for k, v in rep.items() if k != "path"}
+
+
+def test_inspect_of_the_397b_on_the_hub_reads_headers_only(hub, s397, capsys):
+    """Found as: `qtool inspect hf:ORG/NAME` downloaded every shard (233 GB for the 397B NVFP4) although it
+    reads only headers."""
+    hub.add_sparse_dir("nvidia/Qwen3.5-397B-A17B-NVFP4", s397)
+    assert main(["inspect", str(s397), "--json"]) == 0
+    local = json.loads(capsys.readouterr().out)
+    before = hub.bytes_served("")
+    assert main(["inspect", "hf:nvidia/Qwen3.5-397B-A17B-NVFP4", "--json"]) == 0
+    out = capsys.readouterr()
+    remote = json.loads(out.out)
+    moved = hub.bytes_served("") - before
+    assert _without_path(remote) == _without_path(local)
+    assert local["total_bytes"] > 200e9  # the real size, of which ...
+    assert moved < 200e6, moved  # ... under 200 MB moved
+    assert "range request" in out.err and "data not downloaded" in out.err
+    # again: from the cache, nothing moves (the revision is resolved once more: one API call)
+    before = hub.bytes_served("/cdn/")
+    assert main(["verify", "hf:nvidia/Qwen3.5-397B-A17B-NVFP4", "--json"]) in (0, 3)
+    assert hub.bytes_served("/cdn/") == before
+    assert json.loads(capsys.readouterr().out)["facts"]["quant_algo"]
+
+
+def test_offline_uses_what_is_cached_and_names_what_is_not(hub, tiny_nvfp4_modelopt_nomtp, monkeypatch, capsys):
+    commit = hub.add_dir("org/nv", tiny_nvfp4_modelopt_nomtp)
+    assert main(["inspect", f"hf:org/nv@{commit}", "--json"]) == 0  # online once: cached
+    online = json.loads(capsys.readouterr().out)
+    assert main(["inspect", "hf:org/nv", "--json"]) == 0  # the branch resolved once: remembered
+    capsys.readouterr()
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    n = len(hub.log)
+    for spec in (f"hf:org/nv@{commit}", "hf:org/nv"):
+        assert main(["inspect", spec, "--json"]) == 0, spec
+        assert _without_path(json.loads(capsys.readouterr().out)) == _without_path(online)
+        assert main(["verify", spec, "--tp", "1", "--json"]) in (0, 3)
+        capsys.readouterr()
+    assert len(hub.log) == n  # offline: not one request
+    assert main(["inspect", "hf:org/other", "--json"]) == 1  # never seen: a named error, no traceback
+    err = json.loads(capsys.readouterr().out)
+    assert "not cached" in err["message"] and "hf:org/other" in err["path"] and "online" in err["hint"]
+
+
+def test_a_pinned_cached_source_needs_no_network(hub, tiny_nvfp4_modelopt_nomtp, tmp_path):
+    """Found as: with the network down a cached hf:ORG/NAME@COMMIT failed, because qtool asked the API
+    first."""
+    import os
+
+    commit = hub.add_dir("org/nv", tiny_nvfp4_modelopt_nomtp)
+    assert main(["inspect", f"hf:org/nv@{commit}", "--json"]) == 0
+    env = {**os.environ, "HF_ENDPOINT": "http://127.0.0.1:9"}  # nothing listens there: the network is down
+    p = subprocess.run([sys.executable, "-m", "qtool", "inspect", f"hf:org/nv@{commit}", "--json"],
+                       capture_output=True, text=True, env=env)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["architecture"] == "Qwen3_5MoeForConditionalGeneration"
+    p = subprocess.run([sys.executable, "-m", "qtool", "inspect", "hf:org/never-seen", "--json"],
+                       capture_output=True, text=True, env=env)
+    assert p.returncode == 1 and "Traceback" not in p.stderr
+    assert "network" in json.loads(p.stdout)["message"]
