@@ -70,6 +70,7 @@ def repo_listing(spec: HubSpec, *, token: str | None = None) -> RepoListing:
     for s in info.siblings or []:
         files[s.rfilename] = RemoteFileInfo(s.rfilename, int(s.size or 0), s.blob_id,
                                             s.lfs.sha256 if s.lfs else None)
+    _pin_ref(spec, info.sha, None)  # remembered: offline, or with the Hub unreachable, this branch still resolves
     return RepoListing(spec, info.sha, files)
 
 
@@ -252,8 +253,11 @@ def snapshot(spec: HubSpec, *, allow_download: bool = True, token: str | None = 
 
     The HF cache's snapshot directory holds symlinks into ../../blobs, which Checkpoint.open refuses
     (it rejects shards resolving outside the checkpoint), so the files are hard-linked (symlinked across
-    filesystems) into $QTOOL_CACHE_DIR/hub/<org>--<name>/<commit>/files/; no bytes are copied."""
-    if not allow_download:
+    filesystems) into $QTOOL_CACHE_DIR/hub/<org>--<name>/<commit>/files/; no bytes are copied.
+    Offline (HF_HUB_OFFLINE=1) only what is cached is used."""
+    from qtool.hub.resolve import hub_offline
+
+    if not allow_download or hub_offline():
         from huggingface_hub import snapshot_download
 
         with hub_errors(spec):

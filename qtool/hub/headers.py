@@ -6,7 +6,8 @@ files (downloaded and verified through huggingface_hub, in its cache), and each 
 sparse file of the remote file's size holding its real header and the bytes of its small tensors (the
 scales and KV scales that checks read; safetensors stores them together, so it is about one range
 request a shard) and holes elsewhere. Cached by commit under $QTOOL_CACHE_DIR/hub/<org>--<name>/<commit>/
-headers, with the branch -> commit resolutions beside it, so a pinned or already-resolved source works
+headers (branch -> commit resolutions are kept in huggingface_hub's cache refs), so a pinned or
+already-resolved source works
 offline (HF_HUB_OFFLINE=1) or with the network down. Data reads (`verify --deep`) need the real files.
 """
 
@@ -16,7 +17,7 @@ import json
 import os
 from pathlib import Path
 
-from qtool.hub.resolve import HubError, HubSpec, is_commit
+from qtool.hub.resolve import HubError, HubSpec, cached_commit, hub_offline, is_commit
 
 SMALL_TENSOR_BYTES = 64  # tensors this small are fetched (scalar scales, [1] global scales, KV scales)
 GAP_BYTES = 1 << 20  # small tensors this close together are fetched with one request
@@ -34,24 +35,8 @@ def headers_dir(repo_id: str, commit: str) -> Path:
     return _repo_cache(repo_id) / commit / "headers"
 
 
-def _offline() -> bool:
-    from huggingface_hub import constants
-
-    return bool(constants.HF_HUB_OFFLINE)
-
-
-def _known_commit(spec: HubSpec) -> str | None:
-    """The commit of `spec` without asking the Hub: a pinned commit, or a branch resolved before."""
-    if is_commit(spec.revision):
-        return spec.revision
-    try:
-        return (_repo_cache(spec.repo_id) / "refs" / spec.rev).read_text().strip() or None
-    except OSError:
-        return None
-
-
 def _cached(spec: HubSpec) -> Path | None:
-    commit = _known_commit(spec)
+    commit = cached_commit(spec)
     d = headers_dir(spec.repo_id, commit) if commit else None
     return d if d is not None and (d / STATS).is_file() else None
 
@@ -61,10 +46,10 @@ def remote_headers(spec: HubSpec, *, token: str | None = None) -> tuple[Path, di
 
     A commit-pinned source already cached is used without any request; offline (HF_HUB_OFFLINE=1) a cached
     branch is too; otherwise the revision is resolved (one API call) and whatever is missing fetched."""
-    cached = _cached(spec) if (is_commit(spec.revision) or _offline()) else None
+    cached = _cached(spec) if (is_commit(spec.revision) or hub_offline()) else None
     if cached is not None:
         return cached, {**json.loads((cached / STATS).read_text()), "cached": True}
-    if _offline():
+    if hub_offline():
         raise HubError("the headers of this revision are not cached and HF_HUB_OFFLINE is set", path=str(spec),
                        hint="run the same command once online (it caches configs and headers: about 90 MB "
                        "for the 397B), or unset HF_HUB_OFFLINE")
@@ -77,9 +62,6 @@ def remote_headers(spec: HubSpec, *, token: str | None = None) -> tuple[Path, di
         if fallback is None or "network error" not in e.message:
             raise
         return fallback, {**json.loads((fallback / STATS).read_text()), "cached": True}  # the Hub is unreachable
-    refs = _repo_cache(spec.repo_id) / "refs"
-    refs.mkdir(parents=True, exist_ok=True)
-    (refs / spec.rev).write_text(listing.commit)
     out = headers_dir(spec.repo_id, listing.commit)
     if (out / STATS).is_file():
         return out, {**json.loads((out / STATS).read_text()), "cached": True}

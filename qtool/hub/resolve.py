@@ -93,6 +93,10 @@ def hub_errors(spec: HubSpec | str, path: str | None = None) -> Iterator[None]:
     except hfe.RepositoryNotFoundError as e:
         raise HubError("repository not found, or private and this token has no access", path=where,
                        got=_status(e), hint="check ORG/NAME; " + token_hint) from None
+    except hfe.OfflineModeIsEnabled:
+        raise HubError("HF_HUB_OFFLINE is set, and this needs the Hub (nothing usable is cached for it)",
+                       path=where, hint="unset HF_HUB_OFFLINE, or run it once online first; a revision qtool "
+                       "has read before is used from the cache (pin it: hf:ORG/NAME@COMMIT)") from None
     except hfe.LocalEntryNotFoundError:
         raise HubError("not in the local cache and the Hub cannot be reached", path=where,
                        hint="check the network and HF_ENDPOINT, or unset HF_HUB_OFFLINE") from None
@@ -110,6 +114,28 @@ def hub_errors(spec: HubSpec | str, path: str | None = None) -> Iterator[None]:
             raise WriteError("no space left on device", path=getattr(e, "filename", None) or where,
                              hint="free space, or point HF_HUB_CACHE / -o at a larger disk") from None
         raise
+
+
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE as huggingface_hub reads it."""
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def cached_commit(spec: HubSpec) -> str | None:
+    """The commit of `spec` without asking the Hub: a pinned commit, or a branch resolved before (qtool
+    records every resolution in huggingface_hub's cache refs, as snapshot_download does)."""
+    if is_commit(spec.revision):
+        return spec.revision
+    from huggingface_hub import constants
+
+    ref = Path(constants.HF_HUB_CACHE) / f"models--{spec.repo_id.replace('/', '--')}" / "refs" / spec.rev
+    try:
+        commit = ref.read_text().strip()
+    except OSError:
+        return None
+    return commit if is_commit(commit) else None
 
 
 def _status(e: Exception) -> int | None:

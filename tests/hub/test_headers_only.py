@@ -84,3 +84,30 @@ def test_a_pinned_cached_source_needs_no_network(hub, tiny_nvfp4_modelopt_nomtp,
                        capture_output=True, text=True, env=env)
     assert p.returncode == 1 and "Traceback" not in p.stderr
     assert "network" in json.loads(p.stdout)["message"]
+
+
+def test_offline_build_dry_run_and_download(hub, tiny_nvfp4_modelopt_nomtp, tmp_path, monkeypatch, capsys):
+    """Found as: HF_HUB_OFFLINE=1 gave a raw OfflineModeIsEnabled traceback in download and build
+    --dry-run, also for a repo pinned at a commit that was in both caches."""
+    commit = hub.add_dir("org/nv", tiny_nvfp4_modelopt_nomtp)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"name: r\nsources:\n  nv: {{hub: org/nv, revision: {commit}}}\n  other: {{hub: org/nv}}\n"
+                      "steps:\n  - {id: p, op: patch-config, input: nv, with: {fixes: [router-ignore]}}\n")
+    assert main(["download", "org/nv", "-o", str(tmp_path / "dl"), "--quiet"]) == 0  # online once: main resolved
+    capsys.readouterr()
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    n = len(hub.log)
+    assert main(["build", str(recipe), "--dry-run", "--json"]) == 0, capsys.readouterr()
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["sources"]["nv"]["identity"]["commit"] == commit == plan["sources"]["other"]["identity"]["commit"]
+    assert main(["download", "org/never-seen", "-o", str(tmp_path / "x"), "--json"]) == 1
+    err = json.loads(capsys.readouterr().out)
+    assert "HF_HUB_OFFLINE" in err["message"] and err["hint"]
+    recipe.write_text("name: r\nsources:\n  nv: {hub: org/never-seen}\nsteps:\n"
+                      "  - {id: p, op: patch-config, input: nv, with: {fixes: [router-ignore]}}\n")
+    assert main(["build", str(recipe), "--dry-run", "--json"]) == 1
+    assert "never resolved" in json.loads(capsys.readouterr().out)["message"]
+    assert len(hub.log) == n

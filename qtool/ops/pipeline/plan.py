@@ -100,6 +100,26 @@ def dir_fingerprint(root: Path) -> dict:
 BuiltinSources = Callable[[str], tuple[Path, dict]]
 
 
+def _hub_commit(spec, token: str | None) -> str:
+    """The source's commit: asked of the Hub, or, offline (HF_HUB_OFFLINE=1) or with the Hub unreachable,
+    what is cached (a pinned commit, a branch resolved before)."""
+    from qtool.hub.download import repo_listing
+    from qtool.hub.resolve import HubError, cached_commit, hub_offline
+
+    if hub_offline():
+        commit = cached_commit(spec)
+        if commit is None:
+            raise HubError("HF_HUB_OFFLINE is set and this source's revision was never resolved here",
+                           path=str(spec), hint="pin it (revision: COMMIT) or run once online")
+        return commit
+    try:
+        return repo_listing(spec, token=token).commit
+    except HubError as e:
+        if "network error" in e.message and cached_commit(spec):
+            return cached_commit(spec)
+        raise
+
+
 def resolve_source(src: Source, override: Path | None, *, token: str | None = None,
                    builtins: BuiltinSources | None = None) -> ResolvedSource:
     if override is not None:
@@ -121,12 +141,10 @@ def resolve_source(src: Source, override: Path | None, *, token: str | None = No
         path, version = builtins(src.ref)
         ident = {"kind": "builtin", "name": src.ref, **version}
         return ResolvedSource(src, ident, sha(ident), path)
-    from qtool.hub.download import repo_listing
     from qtool.hub.resolve import parse_spec
 
     spec = parse_spec(src.ref + (f"@{src.revision}" if src.revision else ""), require_prefix=False)
-    listing = repo_listing(spec, token=token)
-    ident = {"kind": "hub", "repo": spec.repo_id, "revision": spec.revision, "commit": listing.commit,
+    ident = {"kind": "hub", "repo": spec.repo_id, "revision": spec.revision, "commit": _hub_commit(spec, token),
              "tensors": src.tensors}
     return ResolvedSource(src, ident, sha(ident), None)
 
