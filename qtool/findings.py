@@ -45,6 +45,7 @@ class Code(str, Enum):
     KV_SCALE_INVALID = "kv-scale-invalid"
     KV_SCHEME_MISSING = "kv-scheme-missing"
     DOES_NOT_FIT = "does-not-fit"
+    REMOTE_CODE = "remote-code"  # warning: auto_map / .py files: the engines would run the checkpoint's code
     # --deep
     HASH_MISMATCH = "hash-mismatch"
     NAN_INF = "nan-inf"

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import sys
+
 from qtool.cli.common import add_json_flag, headers_checkpoint, print_json
 
 
@@ -28,11 +31,20 @@ def run(args) -> int:
                         max_num_seqs=args.max_num_seqs, kv_cache_dtype=args.kv_cache_dtype,
                         gpu_memory_utilization=args.gpu_memory_utilization, yarn=args.yarn,
                         served_model_name=args.served_model_name)
-    launch = plan(headers_checkpoint(args.checkpoint), opts)
+    from qtool.hub.resolve import is_hub_spec
+
+    path = headers_checkpoint(args.checkpoint)
+    if is_hub_spec(args.checkpoint):  # the launch names the repo and the commit verify read, not qtool's cache
+        from qtool.hub.headers import stand_in_commit
+
+        opts = dataclasses.replace(opts, hub=args.checkpoint, commit=stand_in_commit(path))
+    launch = plan(path, opts)
     text = render(launch, opts)
     if args.json:
         print_json({"engine": launch.engine, "env": launch.env, "argv": launch.argv, "format": opts.format.value,
                     "text": text, "notes": launch.notes, "fit": launch.report.fit.to_json()})
         return 0
     print(text, end="")
+    for note in launch.notes:
+        print(f"note: {note}", file=sys.stderr)
     return 0

@@ -41,6 +41,14 @@ def _cached(spec: HubSpec) -> Path | None:
     return d if d is not None and (d / STATS).is_file() else None
 
 
+def stand_in_commit(path: Path) -> str | None:
+    """The commit a header-only stand-in (remote_headers' directory) was read at."""
+    try:
+        return json.loads((Path(path) / STATS).read_text())["commit"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
 def remote_headers(spec: HubSpec, *, token: str | None = None) -> tuple[Path, dict]:
     """(the stand-in directory, what it took: {"commit", "bytes_moved", "requests", "cached"}).
 

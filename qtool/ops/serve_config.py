@@ -21,6 +21,7 @@ exit 3). Every flag is derived from what verify found:
 from __future__ import annotations
 
 import json
+import os
 import shlex
 from dataclasses import dataclass, field, replace
 from enum import Enum
@@ -31,7 +32,9 @@ from qtool.errors import UsageError, VerificationError
 from qtool.ops.verify import VerifyOptions, VerifyReport, verify
 
 VLLM_MTP_METHOD_SINCE = (0, 17, 0)  # seed: "qwen3_next_mtp", "or for newer vLLM versions: mtp"
-IMAGES = {Engine.VLLM: "vllm/vllm-openai:latest", Engine.SGLANG: "lmsysorg/sglang:latest"}
+# the engines' published images, tagged with the release verify modelled (never `latest`: another
+# release may load the artifact differently)
+IMAGES = {Engine.VLLM: "vllm/vllm-openai:v{version}", Engine.SGLANG: "lmsysorg/sglang:v{version}"}
 # Seed "NCCL Environment Variables": PHB is the safe P2P level on PCIe-only hosts (SYS can deadlock).
 COMMON_ENV = {"NCCL_P2P_LEVEL": "PHB", "NCCL_IB_DISABLE": "1", "SAFETENSORS_FAST_GPU": "1", "OMP_NUM_THREADS": "8"}
 
@@ -56,6 +59,8 @@ class ServeOptions:
     yarn: float | None = None
     served_model_name: str | None = None
     host: str = "0.0.0.0"
+    hub: str | None = None  # the hf:ORG/NAME[@REV] source (the engine downloads ORG/NAME at `commit` itself)
+    commit: str | None = None
 
 
 @dataclass
@@ -84,13 +89,23 @@ class Launch:
         lines.append(" \\\n  ".join(parts))
         return "\n".join(lines) + "\n"
 
-    def compose(self, model_dir: str, port: int, tp: int) -> str:
-        eng = Engine(self.engine.split("@")[0])
+    def compose(self, model_dir: str | None, port: int, tp: int) -> str:
+        """A docker-compose service. `model_dir`: bound read-only at /model by its absolute path (a relative
+        one would be a named volume); None for a Hub model, whose download cache is bound instead."""
+        eng, _, version = self.engine.partition("@")
+        eng = Engine(eng)
         q = json.dumps
-        out = ["services:", f"  qwen35-{eng.value}:", f"    image: {q(IMAGES[eng])}", "    ipc: host",
+        if model_dir is not None:
+            volume = f"{os.path.abspath(model_dir)}:/model:ro"
+        else:
+            from huggingface_hub import constants
+
+            volume = f"{os.path.abspath(constants.HF_HOME)}:/root/.cache/huggingface"
+        out = ["services:", f"  qwen35-{eng.value}:", f"    image: {q(IMAGES[eng].format(version=version))}",
+               "    ipc: host",
                '    shm_size: "16g"', "    ports:", f"      - {q(f'{port}:{port}')}", "    environment:"]
         out += [f"      - {q(f'{k}={v}')}" for k, v in self.env.items()]
-        out += ["    volumes:", f"      - {q(f'{model_dir}:/model:ro')}",
+        out += ["    volumes:", f"      - {q(volume)}",
                 "    deploy:", "      resources:", "        reservations:", "          devices:",
                 "            - driver: nvidia", f"              count: {tp}", "              capabilities: [gpu]",
                 "    entrypoint:"]
@@ -115,6 +130,13 @@ def plan(path: str | Path, opts: ServeOptions) -> Launch:
                           max_num_seqs=opts.max_num_seqs, kv_cache_dtype=opts.kv_cache_dtype or "auto",
                           gpu_memory_utilization=opts.gpu_memory_utilization, mtp=opts.mtp)
     rep = verify(path, vopts)
+    rope = rep.facts.get("rope_parameters") or {}
+    skipped_yarn = None
+    if opts.yarn and "yarn" in (rope.get("rope_type"), rope.get("type")):
+        # patch-config --yarn already did it: applying it again would scale the context twice
+        skipped_yarn = (f"--yarn {opts.yarn} skipped: the checkpoint's config already has YaRN (factor "
+                        f"{rope.get('factor')}, max_position_embeddings {rep.facts.get('max_position_embeddings')})")
+        opts = replace(opts, yarn=None)
     if rep.ok:
         # fp8 KV when real scales exist; the YaRN-extended context: verify the final target once more
         kv = "fp8" if opts.kv_cache_dtype is None and rep.facts.get("kv_scales_calibrated") else vopts.kv_cache_dtype
@@ -131,15 +153,27 @@ def plan(path: str | Path, opts: ServeOptions) -> Launch:
             got="; ".join(f"[{f.code.value}] {f.module or ''} {f.message}" for f in errs[:3]),
             hint=errs[0].fix or "run `qtool verify` for the full list",
         )
-    return _build(rep, v, vopts, opts)
+    launch = _build(rep, v, vopts, opts)
+    if skipped_yarn:
+        launch.notes.insert(0, skipped_yarn)
+    return launch
 
 
 def _build(rep: VerifyReport, v, vopts: VerifyOptions, opts: ServeOptions) -> Launch:
     facts = rep.facts
     fit = rep.fit
     assert fit is not None
-    model = "/model" if opts.format is OutputFormat.COMPOSE else rep.path
-    name = opts.served_model_name or Path(rep.path).name
+    if opts.hub:  # the engine fetches the repo itself, at the commit verify read
+        model = opts.hub.removeprefix("hf:").partition("@")[0]
+        name = opts.served_model_name or model.split("/")[-1]
+    else:
+        model = "/model" if opts.format is OutputFormat.COMPOSE else os.path.abspath(rep.path)
+        name = opts.served_model_name or Path(os.path.abspath(rep.path)).name
+    source = ["--revision", opts.commit] if opts.hub and opts.commit else []
+    # only a checkpoint that ships its own code needs it (verify warns about that); never by default
+    remote = ["--trust-remote-code"] if facts.get("remote_code") else []
+    notes = []
+    yarn = opts.yarn
     kv_fp8 = vopts.kv_cache_dtype == "fp8"
     qm, algo = facts.get("quant_method"), (facts.get("quant_algo") or "").upper()
     mtp = opts.mtp if facts.get("mtp") else 0
@@ -150,8 +184,8 @@ def _build(rep: VerifyReport, v, vopts: VerifyOptions, opts: ServeOptions) -> La
         env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
         if fit.max_model_len > maxpos:
             env["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
-        argv = ["vllm", "serve", model, "--served-model-name", name, "--host", opts.host, "--port", str(opts.port),
-                "--tensor-parallel-size", str(opts.tp), "--trust-remote-code"]
+        argv = ["vllm", "serve", model, *source, "--served-model-name", name, "--host", opts.host,
+                "--port", str(opts.port), "--tensor-parallel-size", str(opts.tp), *remote]
         if qm == "modelopt" and algo == "NVFP4":
             argv += ["--quantization", "modelopt_fp4"]
         elif qm == "compressed-tensors":
@@ -168,14 +202,14 @@ def _build(rep: VerifyReport, v, vopts: VerifyOptions, opts: ServeOptions) -> La
             method = "mtp" if v.at_least(VLLM_MTP_METHOD_SINCE) else "qwen3_next_mtp"
             argv += ["--speculative-config", json.dumps({"method": method, "num_speculative_tokens": mtp},
                                                         separators=(",", ":"))]
-        if opts.yarn:
-            argv += ["--hf-overrides", json.dumps(_yarn_rope(rep, opts.yarn), separators=(",", ":"))]
+        if yarn:
+            argv += ["--hf-overrides", json.dumps(_yarn_rope(rep, yarn), separators=(",", ":"))]
     else:
         env["SGLANG_DISABLE_DEEP_GEMM"] = "1"
         if mtp:
             env["SGLANG_ENABLE_SPEC_V2"] = "True"
-        argv = ["python3", "-m", "sglang.launch_server", "--model-path", model, "--served-model-name", name,
-                "--host", opts.host, "--port", str(opts.port), "--tp-size", str(opts.tp), "--trust-remote-code"]
+        argv = ["python3", "-m", "sglang.launch_server", "--model-path", model, *source, "--served-model-name",
+                name, "--host", opts.host, "--port", str(opts.port), "--tp-size", str(opts.tp), *remote]
         if qm == "modelopt" and algo == "NVFP4":
             argv += ["--quantization", "modelopt_fp4"]
         argv += ["--mem-fraction-static", str(vopts.gpu_memory_utilization), "--context-length",
@@ -190,13 +224,14 @@ def _build(rep: VerifyReport, v, vopts: VerifyOptions, opts: ServeOptions) -> La
                      "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(mtp + 1)]
             if vlm:
                 argv += ["--mamba-scheduler-strategy", "extra_buffer"]
-        if opts.yarn:
-            argv += ["--json-model-override-args", json.dumps(_yarn_rope(rep, opts.yarn), separators=(",", ":"))]
-    notes = [] if kv_fp8 else ["KV cache in BF16: no calibrated FP8 k/v scales (qtool calibrate-kv adds them)"]
+        if yarn:
+            argv += ["--json-model-override-args", json.dumps(_yarn_rope(rep, yarn), separators=(",", ":"))]
+    if not kv_fp8:
+        notes.append("KV cache in BF16: no calibrated FP8 k/v scales (qtool calibrate-kv adds them)")
     return Launch(str(v), env, argv, rep, notes)
 
 
 def render(launch: Launch, opts: ServeOptions) -> str:
     if opts.format is OutputFormat.COMPOSE:
-        return launch.compose(launch.report.path, opts.port, opts.tp)
+        return launch.compose(None if opts.hub else launch.report.path, opts.port, opts.tp)
     return launch.shell()

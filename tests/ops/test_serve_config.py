@@ -78,7 +78,7 @@ def test_vllm_compose_and_language_model_only_without_vision(tiny_nvfp4_modelopt
     assert main(["serve-config", str(tiny_nvfp4_modelopt_nomtp), "--engine", "vllm", "--tp", "2",
                  "--format", "compose", "--max-num-seqs", "8"]) == 0
     out = capsys.readouterr().out
-    assert '"vllm/vllm-openai:latest"' in out and '      - "--max-num-seqs"\n      - "8"' in out
+    assert '"vllm/vllm-openai:v0.33.0"' in out and '      - "--max-num-seqs"\n      - "8"' in out
     assert '"--mm-encoder-tp-mode"' in out and "speculative" not in out
 
 
@@ -91,3 +91,4 @@ def test_refuses_broken_and_unservable(tiny_nvfp4_modelopt, tiny_nvfp4_modelopt_
                  "--mtp", "2"]) == 3
     assert "mtp-missing" in capsys.readouterr().err
     assert main(["serve-config", str(tiny_nvfp4_modelopt), "--engine", "vllm"]) == 3  # TP 4: tp-divisibility
+

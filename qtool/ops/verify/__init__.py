@@ -154,7 +154,18 @@ def execute(p: VerifyPlan) -> VerifyReport:
         findings.append(error(Code.DOES_NOT_FIT, None, f"does not fit on {opts.tp} x {fit.gpu_gib:.1f} GiB: "
                               f"{fit.reason}", "use more GPUs (e.g. --gpus 8x97887MiB --tp 8), a smaller "
                               "--max-model-len / --max-num-seqs, or --kv-cache-dtype fp8 with calibrated scales"))
+    remote_code = sorted(p.name for p in Path(ckpt.root).glob("*.py"))
+    auto_map = (ckpt.config or {}).get("auto_map")
+    if auto_map or remote_code:
+        from qtool.findings import warning
+
+        what = ", ".join(([f"config.json auto_map ({', '.join(sorted(auto_map))})"] if isinstance(auto_map, dict)
+                          and auto_map else (["config.json auto_map"] if auto_map else [])) + remote_code)
+        findings.append(warning(Code.REMOTE_CODE, None, f"the checkpoint carries code the engines would run with "
+                                f"--trust-remote-code: {what}", "Qwen3.5 needs no remote code (both engines "
+                                "implement it); remove auto_map and the .py files unless you trust and need them"))
     facts = {
+        "remote_code": bool(auto_map),
         "architecture": ((ckpt.config or {}).get("architectures") or [None])[0],
         "naming": mm.naming.value,
         "vision": bool(mm.modules_in(Group.VISION)),
