@@ -15,9 +15,22 @@ names the Python of a venv with vLLM/SGLang.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/fake_hub.py, tests/killpoint.py
+
+
+@pytest.fixture
+def hub(monkeypatch, tmp_path):
+    """A fake Hugging Face Hub on 127.0.0.1 (tests/fake_hub.py) that huggingface_hub and datasets talk to."""
+    from fake_hub import FakeHub, point_hf_at
+
+    with FakeHub(page_size=3) as h:
+        point_hf_at(monkeypatch, h, tmp_path)
+        yield h
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

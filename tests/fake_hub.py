@@ -173,6 +173,10 @@ class FakeHub:
                 fmap[rel] = FakeFile(rel, p.read_bytes())
         return self._add(repo_id, fmap, **kw)
 
+    def add_dataset(self, repo_id: str, files: dict[str, bytes], **kw) -> str:
+        """A dataset repo (served under /api/datasets/ and /datasets/ like the Hub's)."""
+        return self.add_repo(DATASET + repo_id, files, **kw)
+
     def add_dir(self, repo_id: str, root: str | Path, **kw) -> str:
         root = Path(root)
         files = {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
@@ -220,8 +224,10 @@ class FakeHub:
         return None
 
 
-_API = re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)(?:/(?P<kind>revision|tree|paths-info)/(?P<rev>[^/]+)(?:/(?P<path>.*))?)?$")
-_RESOLVE = re.compile(r"^/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<path>.+)$")
+_API = re.compile(r"^/api/(?P<rtype>models|datasets)/(?P<repo>[^/]+/[^/]+)(?:/(?P<kind>revision|tree|paths-info)/"
+                  r"(?P<rev>[^/]+)(?:/(?P<path>.*))?)?$")
+_RESOLVE = re.compile(r"^/(?:(?P<rtype>datasets)/)?(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<path>.+)$")
+DATASET = "datasets/"  # dataset repos are kept under this prefix (the Hub's own URL prefix for them)
 _CDN = re.compile(r"^/cdn/(?P<sha>[0-9a-f]{64})$")
 _RANGE = re.compile(r"^bytes=(\d+)-(\d*)$")
 
@@ -301,10 +307,11 @@ def _make_handler(hub: FakeHub):
                 if m := _CDN.match(path):
                     return self._cdn(m.group("sha"))
                 if m := _RESOLVE.match(path):
-                    return self._resolve(m.group("repo"), m.group("rev"), m.group("path"))
+                    key = (DATASET if m.group("rtype") else "") + m.group("repo")
+                    return self._resolve(key, m.group("rev"), m.group("path"))
                 if m := _API.match(url.path):
-                    return self._api(unquote(m.group("repo")), m.group("kind"), m.group("rev"),
-                                     m.group("path"), query)
+                    key = (DATASET if m.group("rtype") == "datasets" else "") + unquote(m.group("repo"))
+                    return self._api(key, m.group("kind"), m.group("rev"), m.group("path"), query)
                 self._error(404, "NotFound", f"no route for {path}")
             except (BrokenPipeError, ConnectionResetError):
                 pass
@@ -320,18 +327,35 @@ def _make_handler(hub: FakeHub):
             if kind in (None, "revision"):
                 blobs = query.get("blobs", ["False"])[0].lower() == "true"
                 siblings = [_entry(f, False) if blobs else {"rfilename": f.path} for f in files.values()]
-                body = {"id": repo_id, "modelId": repo_id, "sha": commit, "private": repo.private_token is not None,
+                rid = repo_id.removeprefix(DATASET)
+                body = {"id": rid, "modelId": rid, "sha": commit, "private": repo.private_token is not None,
                         "gated": "manual" if repo.gated else False, "siblings": siblings, "tags": []}
                 return self._send(200, json.dumps(body).encode())
             if kind == "tree":
-                prefix = unquote(sub) + "/" if sub else ""
-                entries = [_entry(f, True) for p, f in files.items() if p.startswith(prefix)]
+                # as the Hub: the folder's files and sub-folders ("directory" entries), all levels with
+                # recursive=true, only the first level otherwise
+                prefix = unquote(sub).strip("/") + "/" if sub else ""
+                recursive = query.get("recursive", ["false"])[0].lower() == "true"
+                entries, dirs = [], set()
+                for p, f in files.items():
+                    if not p.startswith(prefix):
+                        continue
+                    parts = p[len(prefix):].split("/")
+                    for k in range(1, len(parts) if recursive else min(2, len(parts))):
+                        d = prefix + "/".join(parts[:k])
+                        if d not in dirs:
+                            dirs.add(d)
+                            entries.append({"type": "directory", "oid": hashlib.sha1(d.encode()).hexdigest(),
+                                            "size": 0, "path": d})
+                    if recursive or len(parts) == 1:
+                        entries.append(_entry(f, True))
                 start = int(query.get("cursor", ["0"])[0])
                 page = entries[start:start + hub.page_size]
                 headers = {}
                 if start + hub.page_size < len(entries):
-                    nxt = (f"{hub.endpoint}/api/models/{repo_id}/tree/{rev}{'/' + quote(sub) if sub else ''}"
-                           f"?recursive=True&cursor={start + hub.page_size}")
+                    kind_path = "datasets/" + repo_id.removeprefix(DATASET) if repo_id.startswith(DATASET) else f"models/{repo_id}"
+                    nxt = (f"{hub.endpoint}/api/{kind_path}/tree/{rev}{'/' + quote(sub) if sub else ''}"
+                           f"?recursive={str(recursive)}&cursor={start + hub.page_size}")
                     headers["Link"] = f'<{nxt}>; rel="next"'
                 return self._send(200, json.dumps(page).encode(), headers)
             # paths-info: urlencoded form, `paths` repeated
@@ -426,6 +450,13 @@ def point_hf_at(monkeypatch, hub: FakeHub, tmp: Path) -> None:
     monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", hub.endpoint + "/{repo_id}/resolve/{revision}/{filename}")
     monkeypatch.setattr(constants, "HF_HUB_CACHE", env["HF_HUB_CACHE"])
     monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp / "hf-datasets"))
+    import datasets.config as dsc  # the `datasets` library reads these at import time, like huggingface_hub
+
+    monkeypatch.setattr(dsc, "HF_ENDPOINT", hub.endpoint)
+    monkeypatch.setattr(dsc, "HUB_DATASETS_URL", hub.endpoint + "/datasets/{repo_id}/resolve/{revision}/{path}")
+    monkeypatch.setattr(dsc, "HF_DATASETS_CACHE", tmp / "hf-datasets")
+    monkeypatch.setattr(dsc, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp / "hf-home" / "token"))
 
@@ -483,3 +514,29 @@ def read_tensor_bytes(root: Path, name: str) -> bytes:
 
 def files_equal(a: Path, b: Path) -> bool:
     return os.path.getsize(a) == os.path.getsize(b) and Path(a).read_bytes() == Path(b).read_bytes()
+
+
+def chat_dataset_files(rows: int, *, split: str = "train_sft", words: int = 60, seed: int = 0) -> dict[str, bytes]:
+    """A chat dataset in the Hub's layout (as HuggingFaceH4/ultrachat_200k: parquet shards under data/, the
+    splits declared in the README's YAML header), each row a `messages` conversation."""
+    import io
+    import random
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = random.Random(seed)
+    vocab = ["the", "model", "expert", "layer", "token", "scale", "cache", "route", "shared", "attention", "why",
+             "how", "works", "serve", "GPU", "memory", "quantize", "calibrate", "window", "context"]
+
+    def text(n: int) -> str:
+        return " ".join(rng.choice(vocab) for _ in range(n)) + "."
+
+    table = pa.Table.from_pylist([{"prompt": text(8), "messages": [
+        {"role": "user", "content": text(words // 3)}, {"role": "assistant", "content": text(words)}]}
+        for _ in range(rows)])
+    buf = io.BytesIO()
+    pq.write_table(table, buf)
+    readme = (f"---\nconfigs:\n- config_name: default\n  data_files:\n  - split: {split}\n"
+              f"    path: data/{split}-*\n---\n# a chat dataset for tests\n").encode()
+    return {f"data/{split}-00000-of-00001.parquet": buf.getvalue(), "README.md": readme}

@@ -1,4 +1,4 @@
-"""qtool calibrate-kv CKPT (-o OUT | --in-place) [--dataset builtin|FILE.txt|FILE.jsonl] [--samples N]
+"""qtool calibrate-kv CKPT (-o OUT | --in-place) [--dataset builtin|FILE|hf:ORG/NAME[:SPLIT]] [--samples N]
 [--seq-len L] [--device cpu|cuda|cuda:N] [--replace-scales] [--force] [--resume] [--dry-run] [--json] [--quiet]"""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def add_arguments(p) -> None:
     p.add_argument("--in-place", action="store_true",
                    help="add the scales to CKPT itself (built beside it, swapped in atomically)")
     p.add_argument("--dataset", default="builtin",
-                   help="`builtin` (shipped corpus), FILE.txt, or FILE.jsonl with a `text` field per line")
+                   help="`builtin` (shipped corpus), FILE.txt, FILE.jsonl / FILE.parquet (a `text` or chat `messages` column), or a Hub dataset hf:ORG/NAME[@REV][:SPLIT] (e.g. hf:HuggingFaceH4/ultrachat_200k:train_sft)")
     p.add_argument("--samples", type=int, default=4, help="number of token windows (default 4)")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per window (default 512)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
@@ -74,7 +74,9 @@ def _print_plan(p: dict) -> None:
     print(f"{p['checkpoint']} -> {p['output']}")
     print(f"  convention     {p['convention']} ({len(p['scale_tensors'])} scale tensors in {p['new_shard']})")
     print(f"  layers         full attention {p['full_attention_layers']}; decoder layers run: {p['decoder_layers_run']}")
-    print(f"  calibration    {c['dataset']}: {c['samples']} x {c['seq_len']} = {c['tokens']} tokens on {p['device']}")
+    print(f"  calibration    {c['dataset']}: {c['samples']} x {c['seq_len']} = {c['tokens']} tokens on {p['device']}"
+          + (f" (the dataset gives {c['available_tokens']}: up to {c['available_windows']} windows)"
+             if "available_tokens" in c else ""))
     print(f"  memory         one layer {human_bytes(m['max_layer_bytes'])} ({m['compute_dtype']}), "
           f"embedding {human_bytes(m['embed_bytes'])}, activations ~{human_bytes(m['activation_bytes'])} "
           f"({m['batch_windows']} windows/batch)")

@@ -1,5 +1,5 @@
 """qtool quantize SRC -o OUT --recipe RECIPE [--backend rtn|modelopt|llmcompressor]
-[--format modelopt|compressed-tensors|awq] [--dataset builtin|FILE] [--samples N] [--seq-len L]
+[--format modelopt|compressed-tensors|awq] [--dataset builtin|FILE|hf:ORG/NAME[:SPLIT]] [--samples N] [--seq-len L]
 [--device cpu|cuda[:N]] [--resume] [--force] [--dry-run] [--json] [--quiet]"""
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ def add_arguments(p) -> None:
     p.add_argument("--recipe", required=True, help="shipped recipe name (see recipes/) or a YAML path")
     p.add_argument("--backend", choices=["rtn", "modelopt", "llmcompressor"], help="default: the recipe's")
     p.add_argument("--format", choices=["modelopt", "compressed-tensors", "awq"], help="default: the recipe's")
-    p.add_argument("--dataset", default="builtin", help="`builtin`, FILE.txt or FILE.jsonl (`text` per line)")
+    p.add_argument("--dataset", default="builtin",
+                   help="`builtin` (shipped corpus), FILE.txt, FILE.jsonl / FILE.parquet (a `text` or chat `messages` column), or a Hub dataset hf:ORG/NAME[@REV][:SPLIT] (e.g. hf:HuggingFaceH4/ultrachat_200k:train_sft)")
     p.add_argument("--samples", type=int, default=16, help="calibration windows (default 16)")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per window (default 512)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
@@ -59,7 +60,9 @@ def run(args) -> int:
     for s, ls in schemes.items():
         print(f"  experts      {s}: layers {ls[0]}..{ls[-1]} ({len(ls)})")
     c = p["calibration"]
-    print(f"  calibration  {c['dataset']}: {c['samples']} x {c['seq_len']} tokens on {p['device']}")
+    print(f"  calibration  {c['dataset']}: {c['samples']} x {c['seq_len']} tokens on {p['device']}"
+          + (f" (the dataset gives {c['available_tokens']}: up to {c['available_windows']} windows)"
+             if "available_tokens" in c else ""))
     print(f"  memory       one layer {human_bytes(m['max_layer_bytes'])}, activations ~{human_bytes(m['activation_bytes'])}, "
           f"peak RAM ~{human_bytes(m['peak_ram_bytes_estimate'])}; hidden states {human_bytes(m['hidden_bytes'])} x2 on disk")
     print(f"  output       ~{human_bytes(p['output_bytes'])}")

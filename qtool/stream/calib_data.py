@@ -3,7 +3,10 @@
 The rule (shared by calibrate-kv and later quantize / eval kld):
   1. read the documents: `builtin` = qtool/data/calib_builtin.txt as ONE document (prose, code, a
      tool-call transcript, several languages; original text written for qtool); FILE.txt = the whole
-     file as one document; FILE.jsonl = the `text` field of every line, in file order, one document each;
+     file as one document; FILE.jsonl / FILE.parquet / `hf:ORG/NAME[@REV][:SPLIT]` (a Hub dataset, through
+     the `datasets` library: its cache, token and offline mode) = one document per row, in order: its
+     `text` column, or its chat `messages` column rendered with the checkpoint's own chat template (the
+     text an engine would feed the model for that conversation);
   2. tokenize each document with the checkpoint's tokenizer WITHOUT special tokens
      (`add_special_tokens=False`) and concatenate the token ids, documents in order, nothing in between;
   3. take the first N consecutive, non-overlapping windows of L tokens: window i = ids[i*L:(i+1)*L].
@@ -26,12 +29,76 @@ def builtin_path() -> Path:
     return Path(__file__).resolve().parent.parent / "data" / "calib_builtin.txt"
 
 
-def read_documents(dataset: str) -> list[str]:
+def parse_hub_dataset(spec: str) -> tuple[str, str | None, str]:
+    """`hf:ORG/NAME[@REV][:SPLIT]` -> (repo, revision, split); the split defaults to `train`."""
+    from qtool.hub.resolve import parse_spec
+
+    body, sep, split = spec.removeprefix("hf:").rpartition(":")
+    if not sep:
+        body, split = split, ""
+    hs = parse_spec("hf:" + body)
+    return hs.repo_id, hs.revision, split or "train"
+
+
+def dataset_revision(dataset: str) -> str | None:
+    """The commit a Hub dataset resolves to (recorded in manifests and pinned for loading); None for local
+    data; offline (HF_HUB_OFFLINE=1) the revision as given (the datasets cache answers)."""
+    if not dataset.startswith("hf:"):
+        return None
+    from huggingface_hub import HfApi
+
+    from qtool.hub.resolve import HubSpec, hub_errors, hub_offline, is_commit
+
+    repo, rev, _ = parse_hub_dataset(dataset)
+    if is_commit(rev) or hub_offline():
+        return rev
+    with hub_errors(HubSpec(repo, rev)):
+        return HfApi().dataset_info(repo, revision=rev).sha
+
+
+def _rows(dataset: str) -> list[dict]:
+    """The rows of a .parquet file or a Hub dataset split, as dicts."""
+    if dataset.startswith("hf:"):
+        import datasets
+
+        from qtool.hub.resolve import HubSpec, hub_errors
+
+        repo, rev, split = parse_hub_dataset(dataset)
+        with hub_errors(HubSpec(repo, rev)):
+            try:
+                ds = datasets.load_dataset(repo, revision=dataset_revision(dataset), split=split)
+            except (ValueError, FileNotFoundError) as e:  # unknown split, no data files, not cached offline
+                raise UsageError(f"cannot load the dataset ({type(e).__name__}: {str(e).splitlines()[0]})",
+                                 path=dataset, hint="check ORG/NAME, @REVISION and :SPLIT (e.g. "
+                                 "hf:HuggingFaceH4/ultrachat_200k:train_sft)") from None
+        return list(ds)
+    import pyarrow.parquet as pq
+
+    return pq.read_table(dataset).to_pylist()
+
+
+def _document(row, i: int, where, tokenizer) -> str:
+    """A row's text: its `text`, or its chat `messages` rendered by the checkpoint's chat template."""
+    if isinstance(row, dict) and isinstance(row.get("text"), str):
+        return row["text"]
+    msgs = row.get("messages") if isinstance(row, dict) else None
+    if isinstance(msgs, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in msgs):
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise UsageError("the dataset is chat `messages`, and the checkpoint's tokenizer has no chat template",
+                             path=where, hint="copy tokenizer_config.json / chat_template.jinja from the original model")
+        return tokenizer.apply_chat_template(msgs, tokenize=False)
+    raise UsageError(f"row {i} has neither a string `text` nor a chat `messages` list", path=where)
+
+
+def read_documents(dataset: str, tokenizer=None) -> list[str]:
     if dataset == BUILTIN:
         return [builtin_path().read_text(encoding="utf-8")]
+    if dataset.startswith("hf:"):
+        return [_document(r, i, dataset, tokenizer) for i, r in enumerate(_rows(dataset), 1)]
     p = Path(dataset)
     if not p.is_file():
-        raise CheckpointError("dataset file not found", path=p, hint="pass `builtin`, a .txt or a .jsonl file")
+        raise CheckpointError("dataset file not found", path=p,
+                              hint="pass `builtin`, a .txt / .jsonl / .parquet file, or hf:ORG/NAME[:SPLIT]")
     if p.suffix == ".jsonl":
         docs = []
         for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
@@ -41,13 +108,13 @@ def read_documents(dataset: str) -> list[str]:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise UsageError(f"line {i} is not JSON ({e.msg})", path=p) from None
-            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-                raise UsageError(f"line {i} has no string `text` field", path=p)
-            docs.append(obj["text"])
+            docs.append(_document(obj, i, p, tokenizer))
         return docs
+    if p.suffix == ".parquet":
+        return [_document(r, i, p, tokenizer) for i, r in enumerate(_rows(str(p)), 1)]
     if p.suffix in (".txt", ".md", ""):
         return [p.read_text(encoding="utf-8")]
-    raise UsageError("unsupported dataset file type", path=p, expected=".txt or .jsonl", got=p.suffix)
+    raise UsageError("unsupported dataset file type", path=p, expected=".txt, .jsonl or .parquet", got=p.suffix)
 
 
 @dataclass
@@ -57,6 +124,14 @@ class CalibSet:
     ids: object
     dataset: str
     available_tokens: int
+    revision: str | None = None  # a Hub dataset's commit
+
+    def to_json(self) -> dict:
+        """What plans, reports and manifests record: the dataset, its revision, the tokens it gives, the
+        token ids' digest."""
+        return {"dataset": self.dataset, "revision": self.revision, "samples": self.samples,
+                "seq_len": self.seq_len, "tokens": self.tokens, "available_tokens": self.available_tokens,
+                "available_windows": self.available_tokens // self.seq_len, "digest": self.digest}
 
     @property
     def samples(self) -> int:
@@ -116,6 +191,18 @@ def load_tokenizer(ckpt_dir: str | Path):
         ) from None
 
 
+def plan_calibration(ckpt, dataset: str, samples: int, seq_len: int) -> CalibSet:
+    """The calibration windows of a plan (before any weight is read): the dataset read and tokenized with
+    the checkpoint's tokenizer; too few tokens, or ids past the model's vocab, refuse here."""
+    calib = build_calib_set(ckpt.root, dataset, samples, seq_len)
+    vocab = int(ckpt.text_config.get("vocab_size", 1 << 62))
+    if int(calib.ids.max()) >= vocab:
+        raise PlanError("the tokenizer gives ids beyond the model's vocab_size", expected=f"< {vocab}",
+                        got=int(calib.ids.max()), hint="the tokenizer does not belong to this checkpoint")
+    calib.revision = dataset_revision(dataset)
+    return calib
+
+
 def build_calib_set(ckpt_dir: str | Path, dataset: str, samples: int, seq_len: int, *, tokenizer=None) -> CalibSet:
     tok = tokenizer if tokenizer is not None else load_tokenizer(ckpt_dir)
     ids: list[int] = []
@@ -123,7 +210,7 @@ def build_calib_set(ckpt_dir: str | Path, dataset: str, samples: int, seq_len: i
     from qtool.quiet import transformers_errors_only
 
     with transformers_errors_only():  # a whole document is longer than model_max_length on purpose
-        for doc in read_documents(dataset):
+        for doc in read_documents(dataset, tok):
             ids.extend(tok(doc, add_special_tokens=False)["input_ids"])
             if len(ids) >= need:
                 break

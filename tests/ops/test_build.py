@@ -163,8 +163,12 @@ def sparse_397b(tmp_path_factory):
     ("qwen35-397b-sehyo-kv", {"nvfp4": "ct"}, "kv"),
     ("qwen35-397b-awq-int4", {"bf16": "bf16"}, "quant"),
 ])
-def test_seed_recipes_plan_on_sparse(sparse_397b, tmp_path, capsys, monkeypatch, recipe, sources, first):
-    monkeypatch.chdir(Path(__file__).resolve().parents[2])  # recipe paths inside recipes are repo-relative
+def test_seed_recipes_plan_on_sparse(sparse_397b, hub, tmp_path, capsys, monkeypatch, recipe, sources, first):
+    from fake_hub import chat_dataset_files
+
+    # the calibration dataset the shipped recipes name (a stand-in with enough tokens for 128 x 2048)
+    hub.add_dataset("HuggingFaceH4/ultrachat_200k", chat_dataset_files(1200, words=300))
+    monkeypatch.chdir(tmp_path)  # shipped recipes run from any directory
     monkeypatch.setenv("QTOOL_BUILD_SOURCES", ",".join(f"{k}={sparse_397b[v]}" for k, v in sources.items()))
     rep = _build(capsys, RECIPES / f"{recipe}.yaml", "-o", tmp_path / "o", "--dry-run")
     steps = {s["id"]: s for s in rep["steps"]}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from qtool.errors import PlanError, UsageError
+from qtool.errors import UsageError
 from qtool.io.apply import write_output
 from qtool.io.in_place import InPlaceDir
 from qtool.io.plan import Remove
@@ -30,13 +30,7 @@ def execute(p: KvPlan, *, progress=None) -> Report:
 
         if not torch.cuda.is_available():
             raise UsageError("--device cuda but no CUDA device is available", hint="use --device cpu")
-    from qtool.stream.calib_data import build_calib_set
-
-    calib = build_calib_set(p.ckpt.root, p.dataset, p.samples, p.seq_len)
-    vocab = int(p.ckpt.text_config.get("vocab_size", 1 << 62))
-    if int(calib.ids.max()) >= vocab:
-        raise PlanError("the tokenizer gives ids beyond the model's vocab_size", expected=f"< {vocab}",
-                        got=int(calib.ids.max()), hint="the tokenizer does not belong to this checkpoint")
+    calib = p.calib
     # the transaction (lock, writability, the --force rules) is taken before the forward pass
     tx = (OutputDir(p.out, sources=[p.ckpt.root], force=opts.force, resume=opts.resume) if p.out is not None
           else InPlaceDir(p.ckpt.root, resume=opts.resume))
@@ -57,8 +51,7 @@ def execute(p: KvPlan, *, progress=None) -> Report:
     report["layers"] = [stats[i].to_json() for i in p.layers]
     report["warnings"] = p.warnings + outlier_warnings(stats)
     report["timing"] = state["timing"]
-    report["calibration"] = {"dataset": p.dataset, "digest": calib.digest, "tokens": calib.tokens,
-                             "available_tokens": calib.available_tokens}
+    report["calibration"] = calib.to_json()
     files = dict(p.output.extra["kv_cache"]["scale_tensors"], output=str(tx.out))
     if tx.in_place:
         files["removed_shards"] = [e.name for e in p.output.entries(Remove)]

@@ -83,6 +83,7 @@ class KvPlan:
     warnings: list[str] = field(default_factory=list)
     options: "CalibrateKvOptions | None" = None
     output: "OutputPlan | None" = None  # every output file (calibrate_kv.write.output_plan)
+    calib: object = None  # the token windows (stream.calib_data.CalibSet), made by the plan
 
     def to_json(self) -> dict:
         sp = self.stream
@@ -97,8 +98,9 @@ class KvPlan:
             "rewrites_shards": self.rewrite_shards,
             "new_shard": self.kv_shard,
             "config_changes": self.config_changes,
-            "calibration": {"dataset": self.dataset, "samples": self.samples, "seq_len": self.seq_len,
-                            "tokens": self.samples * self.seq_len},
+            "calibration": self.calib.to_json() if self.calib is not None else {
+                "dataset": self.dataset, "samples": self.samples, "seq_len": self.seq_len,
+                "tokens": self.samples * self.seq_len},
             "device": self.device,
             "work_dir": str(self.work_dir),
             "memory": {
@@ -193,7 +195,9 @@ def plan(opts: CalibrateKvOptions) -> KvPlan:
         samples, seq_len, dataset, device, sp, changes, warnings, opts,
     )
     from qtool.ops.calibrate_kv.write import output_plan
+    from qtool.stream.calib_data import plan_calibration
 
+    p.calib = plan_calibration(ckpt, dataset, samples, seq_len)  # refused here if the data is too small
     p.output = output_plan(p)
     p.output.summary = p.to_json()
     return p

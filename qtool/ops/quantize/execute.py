@@ -130,11 +130,8 @@ def execute(p: QuantizePlan, *, progress=None) -> Report:
         if not torch.cuda.is_available():
             raise UsageError("--device cuda but no CUDA device is available", hint="use --device cpu")
     if opts.calib_ids is None:
-        from qtool.stream.calib_data import build_calib_set
-
-        calib = build_calib_set(p.ckpt.root, p.dataset, p.samples, p.seq_len)
-        ids = calib.ids
-        report["calibration"] = {"dataset": p.dataset, "digest": calib.digest, "tokens": calib.tokens}
+        ids = p.calib.ids
+        report["calibration"] = p.calib.to_json()
     else:
         from qtool.stream.calib_data import token_digest
 

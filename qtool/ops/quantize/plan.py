@@ -94,6 +94,7 @@ class QuantizePlan:
     warnings: list[str] = field(default_factory=list)
     options: "QuantizeOptions | None" = None
     output: object = None  # every output file: qtool.io.plan.OutputPlan (quantize.output.output_plan)
+    calib: object = None  # the token windows (stream.calib_data.CalibSet); None with calib_ids
 
     @property
     def kv_names(self) -> str:
@@ -119,8 +120,9 @@ class QuantizePlan:
             "carried_over_tensors": len(self.rest),
             "output_bytes": out_bytes,
             "source_bytes": self.ckpt.total_bytes() if hasattr(self.ckpt, "total_bytes") else None,
-            "calibration": {"dataset": self.dataset, "samples": self.samples, "seq_len": self.seq_len,
-                            "tokens": self.samples * self.seq_len},
+            "calibration": self.calib.to_json() if self.calib is not None else {
+                "dataset": self.dataset, "samples": self.samples, "seq_len": self.seq_len,
+                "tokens": self.samples * self.seq_len},
             "device": self.device,
             "memory": {**sp.to_json(), "awq_activation_bytes": self.n_experts * self.awq_rows * self.inter * 4,
                        "peak_ram_bytes_estimate": self.peak_ram_bytes(),
@@ -322,5 +324,9 @@ def plan(opts: QuantizeOptions) -> QuantizePlan:
                      seq_len, dataset, device, streamer.plan(samples, seq_len), keep, warnings, opts)
     from qtool.ops.quantize.output import output_plan
 
+    if opts.calib_ids is None:
+        from qtool.stream.calib_data import plan_calibration
+
+        p.calib = plan_calibration(ckpt, dataset, samples, seq_len)  # refused here if the data is too small
     p.output = output_plan(p)
     return p
