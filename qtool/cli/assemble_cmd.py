@@ -6,7 +6,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from qtool.cli.common import add_output_flags, human_bytes, local_checkpoint, print_json, run_command_line
+from qtool.cli.common import (add_output_flags, headers_checkpoint, human_bytes, local_checkpoint, print_json,
+                              run_command_line)
 from qtool.errors import UsageError
 
 
@@ -46,7 +47,10 @@ def run(args) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     layers = _layers(args.bf16_expert_layers)
-    opts = HybridOptions(nvfp4=local_checkpoint(args.nvfp4), bf16=_bf16_source(args.bf16, layers, args.mtp),
+    # --dry-run reads headers only, also of hf: sources (qtool.hub.headers); a real run fetches what it copies
+    src = headers_checkpoint if args.dry_run else local_checkpoint
+    opts = HybridOptions(nvfp4=src(args.nvfp4), bf16=(headers_checkpoint(args.bf16) if args.dry_run else
+                                                     _bf16_source(args.bf16, layers, args.mtp)),
                          out=Path(args.output), bf16_expert_layers=layers, mtp=MtpMode(args.mtp),
                          link=LinkMode(args.link), max_shard_size=max_size, force=args.force,
                          resume=args.resume, command=run_command_line())

@@ -9,6 +9,7 @@ from qtool.cli.common import (
     eprint,
     human_bytes,
     layer_progress,
+    headers_checkpoint,
     local_checkpoint,
     local_only,
     print_json,
@@ -38,7 +39,8 @@ def run(args) -> int:
         raise UsageError("say where to write: -o OUT or --in-place (one of them)")
     check_device(args.device)
     opts = calibrate_kv.CalibrateKvOptions(
-        local_only(args.checkpoint) if args.in_place else local_checkpoint(args.checkpoint),
+        local_only(args.checkpoint) if args.in_place else (
+            headers_checkpoint(args.checkpoint) if args.dry_run else local_checkpoint(args.checkpoint)),
         out=args.output, dataset=args.dataset, samples=args.samples, seq_len=args.seq_len, device=args.device,
         replace_scales=args.replace_scales, force=args.force, resume=args.resume, command=run_command_line())
     p = calibrate_kv.plan(opts)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from qtool.cli.common import add_output_flags, local_only, print_json, run_command_line
+from qtool.cli.common import add_output_flags, headers_checkpoint, local_only, print_json, run_command_line
 
 FIX_NAMES = ["router-ignore", "mtp-ignore", "ignore-from-tensors"]
 
@@ -26,7 +26,7 @@ def run(args) -> int:
     if not (args.fix or args.ignore_add or args.ignore_remove or args.yarn or args.sampling_defaults):
         raise UsageError("no fix given", hint="e.g. --fix router-ignore --fix mtp-ignore (see --help)")
     plan = pc.plan(pc.PatchOptions(
-        local_only(args.checkpoint),
+        headers_checkpoint(args.checkpoint) if args.dry_run else local_only(args.checkpoint),
         fixes=tuple(args.fix),
         ignore_add=tuple(args.ignore_add),
         ignore_remove=tuple(args.ignore_remove),

@@ -10,6 +10,7 @@ from qtool.cli.common import (
     eprint,
     human_bytes,
     layer_progress,
+    headers_checkpoint,
     local_checkpoint,
     print_json,
     run_command_line,
@@ -36,7 +37,8 @@ def run(args) -> int:
     check_device(args.device)
     recipe = load_recipe(args.recipe)
     opts = quantize.QuantizeOptions(
-        local_checkpoint(args.checkpoint), out=args.output, recipe=recipe,
+        headers_checkpoint(args.checkpoint) if args.dry_run else local_checkpoint(args.checkpoint),
+        out=args.output, recipe=recipe,
         backend=Backend(args.backend) if args.backend else None,
         format=OutFormat(args.format) if args.format else None,
         dataset=args.dataset, samples=args.samples, seq_len=args.seq_len, device=args.device,

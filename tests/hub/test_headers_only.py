@@ -111,3 +111,26 @@ def test_offline_build_dry_run_and_download(hub, tiny_nvfp4_modelopt_nomtp, tmp_
     assert main(["build", str(recipe), "--dry-run", "--json"]) == 1
     assert "never resolved" in json.loads(capsys.readouterr().out)["message"]
     assert len(hub.log) == n
+
+
+def test_dry_runs_on_hub_sources_read_headers_only(hub, tiny_nvfp4_modelopt_nomtp, tiny_bf16, tmp_path, capsys):
+    """The plans of calibrate-kv, quantize, assemble and patch-config --dry-run on hf: sources: configs
+    and shard headers by range requests, no shard downloaded whole."""
+    import hashlib
+
+    hub.add_dir("org/nv", tiny_nvfp4_modelopt_nomtp)
+    hub.add_dir("org/bf16", tiny_bf16)
+    blobs = {hashlib.sha256(p.read_bytes()).hexdigest()
+             for d in (tiny_nvfp4_modelopt_nomtp, tiny_bf16) for p in d.glob("*.safetensors")}
+    runs = [["calibrate-kv", "hf:org/nv", "-o", str(tmp_path / "kv"), "--samples", "2", "--seq-len", "32",
+             "--replace-scales"],
+            ["quantize", "hf:org/bf16", "-o", str(tmp_path / "q"), "--recipe", "qwen35-nvfp4-experts",
+             "--samples", "2", "--seq-len", "32"],
+            ["assemble", "hybrid", "--nvfp4", "hf:org/nv", "--bf16", "hf:org/bf16", "-o", str(tmp_path / "h")],
+            ["patch-config", "hf:org/nv", "--fix", "router-ignore"]]
+    for args in runs:
+        assert main([*args, "--dry-run", "--json"]) == 0, (args, capsys.readouterr())
+        capsys.readouterr()
+    shard_gets = [r for r in hub.requests("GET", "/cdn/") if r.path.rsplit("/", 1)[-1] in blobs]
+    assert shard_gets and all(r.range for r in shard_gets)  # ranges only: headers and small tensors
+    assert not any((tmp_path / n).exists() for n in ("kv", "q", "h"))
