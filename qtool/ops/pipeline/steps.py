@@ -26,11 +26,14 @@ def op_module(op: Op, module: str):
 
 
 def materialize(bp: BuildPlan, ref: str, *, for_assemble: dict | None = None, token: str | None = None,
-                progress: bool = False) -> Path:
-    """A local directory for an input: sources are downloaded/fetched here (hub), steps must have run."""
+                progress: bool = False, stand_ins: dict | None = None) -> Path:
+    """A local directory for an input: sources are downloaded/fetched here (hub), steps must have run.
+    `stand_ins`: header-only stand-ins of Hub sources (qtool.hub.headers) for planning (--dry-run)."""
     p = input_path(bp, ref)
     if p is not None:
         return p
+    if stand_ins and ref in stand_ins:
+        return stand_ins[ref]
     if ref not in bp.sources:
         raise PlanError(f"input {ref!r} has not been built", hint="run without --dry-run")
     rs = bp.sources[ref]
@@ -59,13 +62,15 @@ def materialize(bp: BuildPlan, ref: str, *, for_assemble: dict | None = None, to
 
 
 def _single_input(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
-    return {"checkpoint": materialize(bp, sp.step.inputs[0], token=ctx.get("token")), "out": sp.dir}
+    return {"checkpoint": materialize(bp, sp.step.inputs[0], token=ctx.get("token"), stand_ins=ctx.get("stand_ins")),
+            "out": sp.dir}
 
 
 def _assemble_inputs(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
     from qtool.io.writer import parse_size
 
-    p, kw = sp.step.params, {"token": ctx.get("token"), "progress": ctx.get("progress", False)}
+    p, kw = sp.step.params, {"token": ctx.get("token"), "progress": ctx.get("progress", False),
+                             "stand_ins": ctx.get("stand_ins")}
     mss = p.get("max_shard_size")
     return {"nvfp4": materialize(bp, p["nvfp4"], **kw), "bf16": materialize(bp, p["bf16"], for_assemble=p, **kw),
             "out": sp.dir, "max_shard_size": parse_size(str(mss)) if mss is not None else None,
@@ -80,7 +85,7 @@ def _download_inputs(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
 
 
 def _verify_inputs(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
-    return {"checkpoint": materialize(bp, sp.step.inputs[0], token=ctx.get("token"))}
+    return {"checkpoint": materialize(bp, sp.step.inputs[0], token=ctx.get("token"), stand_ins=ctx.get("stand_ins"))}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,18 +180,38 @@ RUNNERS: dict[Op, Callable[[BuildPlan, StepPlan, dict], dict]] = {op: run_step f
 # ---- dry-run validation ----------------------------------------------------------------------------
 
 
+def _hub_stand_ins(bp: BuildPlan, refs) -> dict[str, Path]:
+    """Header-only stand-ins (qtool.hub.headers) of the Hub sources among `refs` not downloaded yet, so a
+    --dry-run plans the first steps without downloading them; a source that cannot be read now (offline,
+    not cached) is left out and its step waits."""
+    from qtool.hub.headers import remote_headers
+    from qtool.hub.resolve import HubError, HubSpec
+
+    out = {}
+    for ref in refs:
+        rs = bp.sources.get(ref)
+        if rs is None or rs.source.kind is not SourceKind.HUB or rs.overridden or input_path(bp, ref) is not None:
+            continue
+        try:
+            out[ref] = remote_headers(HubSpec(rs.source.ref, rs.identity["commit"]))[0]
+        except HubError:
+            continue
+    return out
+
+
 def validate_step(bp: BuildPlan, sp: StepPlan) -> dict:
     """Run the op's own plan() where its inputs are already local; otherwise say what it waits for."""
     st = sp.step
-    waiting = [i for i in st.inputs if input_path(bp, i) is None]
     if sp.cached:
         return {"status": "cached"}
+    if st.op is Op.DOWNLOAD:
+        return {"status": "ready"} if all(i in bp.sources for i in st.inputs) else {"status": "waits"}
+    stand_ins = _hub_stand_ins(bp, st.inputs)
+    waiting = [i for i in st.inputs if input_path(bp, i) is None and i not in stand_ins]
     if waiting:
         return {"status": "waits", "for": waiting}
-    if st.op is Op.DOWNLOAD:
-        return {"status": "ready"}
     spec = contract_spec(st.op)
-    planned = spec.plan(step_options(bp, sp, {}))
+    planned = spec.plan(step_options(bp, sp, {"stand_ins": stand_ins}))
     if st.op is Op.VERIFY:
         rep = spec.execute(planned)  # verify writes nothing: its checks are its plan's validation
         return {"status": "planned", "ok": rep.ok, "errors": len(rep.errors())}
