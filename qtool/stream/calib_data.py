@@ -56,25 +56,32 @@ def dataset_revision(dataset: str) -> str | None:
         return HfApi().dataset_info(repo, revision=rev).sha
 
 
-def _rows(dataset: str) -> list[dict]:
-    """The rows of a .parquet file or a Hub dataset split, as dicts."""
+def _rows(dataset: str):
+    """The rows of a .parquet file or a Hub dataset split, as dicts, one at a time (a caller that has the
+    tokens it needs stops reading: ultrachat_200k's train_sft split is 200k conversations)."""
     if dataset.startswith("hf:"):
         import datasets
 
-        from qtool.hub.resolve import HubSpec, hub_errors
+        from qtool.hub.resolve import HubSpec, hub_errors, hub_offline
 
         repo, rev, split = parse_hub_dataset(dataset)
         with hub_errors(HubSpec(repo, rev)):
             try:
-                ds = datasets.load_dataset(repo, revision=dataset_revision(dataset), split=split)
+                # streaming: rows arrive as they are read (range requests on the parquet files), so a run
+                # that needs 262k tokens reads a few MB of a multi-GB split, in bounded memory
+                ds = datasets.load_dataset(repo, revision=dataset_revision(dataset), split=split,
+                                           streaming=not hub_offline())
             except (ValueError, FileNotFoundError) as e:  # unknown split, no data files, not cached offline
                 raise UsageError(f"cannot load the dataset ({type(e).__name__}: {str(e).splitlines()[0]})",
                                  path=dataset, hint="check ORG/NAME, @REVISION and :SPLIT (e.g. "
                                  "hf:HuggingFaceH4/ultrachat_200k:train_sft)") from None
-        return list(ds)
+        with hub_errors(HubSpec(repo, rev)):  # a network error while rows stream in: named, no traceback
+            yield from ds
+        return
     import pyarrow.parquet as pq
 
-    return pq.read_table(dataset).to_pylist()
+    for batch in pq.ParquetFile(dataset).iter_batches(batch_size=256):
+        yield from batch.to_pylist()
 
 
 def _document(row, i: int, where, tokenizer) -> str:
@@ -90,11 +97,12 @@ def _document(row, i: int, where, tokenizer) -> str:
     raise UsageError(f"row {i} has neither a string `text` nor a chat `messages` list", path=where)
 
 
-def read_documents(dataset: str, tokenizer=None) -> list[str]:
+def read_documents(dataset: str, tokenizer=None):
+    """The dataset's documents in order (an iterable: Hub datasets and parquet files are read lazily)."""
     if dataset == BUILTIN:
         return [builtin_path().read_text(encoding="utf-8")]
     if dataset.startswith("hf:"):
-        return [_document(r, i, dataset, tokenizer) for i, r in enumerate(_rows(dataset), 1)]
+        return (_document(r, i, dataset, tokenizer) for i, r in enumerate(_rows(dataset), 1))
     p = Path(dataset)
     if not p.is_file():
         raise CheckpointError("dataset file not found", path=p,
@@ -111,7 +119,7 @@ def read_documents(dataset: str, tokenizer=None) -> list[str]:
             docs.append(_document(obj, i, p, tokenizer))
         return docs
     if p.suffix == ".parquet":
-        return [_document(r, i, p, tokenizer) for i, r in enumerate(_rows(str(p)), 1)]
+        return (_document(r, i, p, tokenizer) for i, r in enumerate(_rows(str(p)), 1))
     if p.suffix in (".txt", ".md", ""):
         return [p.read_text(encoding="utf-8")]
     raise UsageError("unsupported dataset file type", path=p, expected=".txt, .jsonl or .parquet", got=p.suffix)
