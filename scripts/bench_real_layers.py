@@ -1,0 +1,251 @@
+#!/usr/bin/env python3
+"""Layer-streamed jobs at the real Qwen3.5-397B layer size, timed next to `cat` of the same bytes.
+
+Builds a checkpoint whose every tensor has the 397B's real shape (hidden 4096, 512 experts x 1024 per
+expert, shared expert 1024, GDN 16/64 heads of 128, attention 32/2 heads of 256, vocab 248320; random
+BF16; N decoder layers, the last one full attention, no MTP head; a 13 GB BF16 layer) on the local disk,
+then runs, each as a user would (`python -m qtool ...`, its own process):
+  quantize --recipe qwen35-nvfp4-experts     (BF16 -> NVFP4 routed experts + calibrated scales)
+  calibrate-kv --replace-scales              (on quantize's output)
+cold (page cache dropped, where the kernel lets root do it) and warm (the same run again), and `cat` of the
+job's input files once, in the same run. Prints per job: wall, layer loop, seconds per layer, time before
+the first layer, the ratio of the layer loop to `cat`, peak host RSS (the job's process) and peak GPU
+memory (nvidia-smi, sampled), and the projection to 60 layers on this disk and on a 14 GB/s one.
+
+    python3 scripts/bench_real_layers.py --workdir /tmp/brl --layers 2 --samples 16 --seq-len 2048
+    python3 scripts/bench_real_layers.py --smoke --workdir /tmp/brl-smoke   # tiny shapes on CPU (CI smoke)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+REAL_LAYERS_397B = 60
+FAST_DISK = 14e9  # bytes/s: the users' NVMe RAID0
+
+
+def _random_bytes(n_elems: int, device: str) -> bytes:
+    import torch
+
+    t = (torch.randn(n_elems, device=device, dtype=torch.float32) * 0.02).to(torch.bfloat16)
+    return t.view(torch.int16).cpu().numpy().tobytes()
+
+
+def build_real(out: Path, layers: int, device: str) -> None:
+    """A real-shape BF16 checkpoint of `layers` decoder layers (the last one full attention)."""
+    from qtool.fixtures.sparse import tensor_specs
+    from qtool.fixtures.sparse_config import Flavour, real_config
+    from qtool.fixtures.tokenizer import save_tokenizer_files
+    from qtool.io.writer import InlineBytes, OutTensor, index_json, write_shard
+
+    if (out / "model.safetensors.index.json").exists():
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    specs = tensor_specs("397b", Flavour.BF16_PER_EXPERT, mtp=False, vision=True)
+    # decoder layers: linear-attention layers 0..layers-2, then the real layer 3 (full attention) as the last
+    pick = {i: i for i in range(layers - 1)} | {3: layers - 1}
+    chosen = []
+    for t in specs:
+        if ".layers." in t.name and t.name.startswith("model.language_model.layers."):
+            idx = int(t.name.split(".")[3])
+            if idx not in pick:
+                continue
+            t = t._replace(name=t.name.replace(f".layers.{idx}.", f".layers.{pick[idx]}.", 1))
+        chosen.append(t)
+    cfg = real_config("397b", Flavour.BF16_PER_EXPERT)
+    text = cfg["text_config"]
+    text["num_hidden_layers"] = layers
+    text["layer_types"] = ["linear_attention"] * (layers - 1) + ["full_attention"]
+    text["mtp_num_hidden_layers"] = 0
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    save_tokenizer_files(out)
+    shards: list[list] = [[]]
+    size = 0
+    for t in chosen:  # 5 GB shards in module order, like save_pretrained
+        if size + t.nbytes > 5e9 and shards[-1]:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += t.nbytes
+    weight_map = {}
+    for k, group in enumerate(shards):
+        name = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        items = [OutTensor(t.name, t.dtype, t.shape, InlineBytes(
+            t.value if t.value is not None and t.dtype != "BF16" else
+            (_random_bytes(t.nbytes // 2, device) if t.dtype == "BF16" else bytes(t.nbytes)))) for t in group]
+        write_shard(out / name, items, {"format": "pt"})
+        weight_map.update({t.name: name for t in group})
+        del items
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps(index_json(weight_map, sum(t.nbytes for t in chosen)), indent=2) + "\n")
+
+
+def build_smoke(out: Path) -> None:
+    """The tiny BF16 fixture (CPU smoke mode: the same jobs and table, toy shapes)."""
+    from qtool.fixtures.builtin import FixtureCache
+    from qtool.io.manifest import cache_dir
+
+    if not out.exists():
+        shutil.copytree(FixtureCache(cache_dir() / "fixtures").path("bf16"), out)
+
+
+def write_dataset(path: Path, tokens: int) -> None:
+    """A plain-text corpus giving at least `tokens` tokens with the checkpoint's tokenizer."""
+    import random
+
+    rng = random.Random(0)
+    words = ["expert", "layer", "token", "scale", "cache", "route", "shared", "attention", "memory", "stream",
+             "disk", "quantize", "calibrate", "window", "context", "the", "of", "and", "model", "serve"]
+    path.write_text(" ".join(rng.choice(words) for _ in range(int(tokens * 1.5) + 1000)) + "\n")
+
+
+def drop_caches() -> bool:
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+class GpuPeak:
+    """Peak GPU memory in use, sampled with nvidia-smi every 100 ms (None without one)."""
+
+    def __init__(self) -> None:
+        self.peak = None
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                                     capture_output=True, text=True, timeout=5).stdout
+                mib = max(int(x) for x in out.split())
+                self.peak = max(self.peak or 0, mib)
+            except (OSError, ValueError, subprocess.SubprocessError):
+                return
+            self.stop.wait(0.1)
+
+    def __enter__(self) -> "GpuPeak":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+RSS_WRAPPER = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
+               "print('PEAK_RSS_KB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); "
+               "sys.exit(r.returncode)")
+
+
+def run_job(argv: list[str]) -> dict:
+    """One qtool command in its own process: wall seconds, its --json report, peak RSS and GPU memory."""
+    cmd = [sys.executable, "-c", RSS_WRAPPER, sys.executable, "-m", "qtool", *argv, "--json", "--quiet"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    with GpuPeak() as gpu:
+        t0 = time.perf_counter()
+        p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        wall = time.perf_counter() - t0
+    if p.returncode != 0:
+        raise SystemExit(f"{' '.join(argv)} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    rss = next((int(line.split()[1]) for line in p.stderr.splitlines() if line.startswith("PEAK_RSS_KB")), 0)
+    return {"wall": wall, "report": json.loads(p.stdout), "rss_bytes": rss * 1024,
+            "gpu_peak_bytes": gpu.peak * 2**20 if gpu.peak else None}
+
+
+def cat_seconds(files: list[Path]) -> float:
+    t0 = time.perf_counter()
+    subprocess.run(["cat", *map(str, files)], stdout=subprocess.DEVNULL, check=True)
+    return time.perf_counter() - t0
+
+
+def shard_files(root: Path) -> list[Path]:
+    return sorted(root.glob("*.safetensors"))
+
+
+def one_job(name: str, argv: list[str], inputs: Path, layers: int, cold: bool) -> dict:
+    files = shard_files(inputs)
+    nbytes = sum(f.stat().st_size for f in files)
+    dropped = drop_caches() if cold else False
+    cat = cat_seconds(files)  # cold when dropped: the disk's time for these bytes
+    if cold:
+        drop_caches()
+    res = run_job(argv)
+    rep = res["report"]
+    loop = rep.get("seconds") or (rep.get("timing") or {}).get("seconds")
+    per_layer = loop / layers
+    return {"job": name, "cache": "cold" if dropped else ("warm" if not cold else "cold?"), "input_bytes": nbytes,
+            "wall_s": res["wall"], "loop_s": loop, "per_layer_s": per_layer,
+            "before_first_layer_s": res["wall"] - loop, "cat_s": cat, "loop_over_cat": loop / cat if cat else None,
+            "peak_rss_bytes": res["rss_bytes"], "peak_gpu_bytes": res["gpu_peak_bytes"],
+            "projected_60_layers_s": res["wall"] - loop + per_layer * REAL_LAYERS_397B,
+            "projected_60_layers_fast_disk_s": res["wall"] - loop + REAL_LAYERS_397B * max(
+                per_layer - cat / layers, 0) + REAL_LAYERS_397B * (nbytes / layers) / FAST_DISK}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workdir", type=Path, required=True)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--samples", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (what CI runs; not timed)")
+    ap.add_argument("--jobs", default="quantize,calibrate-kv")
+    ap.add_argument("--out", type=Path, help="write the results as JSON here")
+    a = ap.parse_args()
+    w = a.workdir
+    w.mkdir(parents=True, exist_ok=True)
+    src = w / "bf16"
+    t0 = time.perf_counter()
+    if a.smoke:
+        a.device, a.samples, a.seq_len = "cpu", 2, 32
+        build_smoke(src)
+        layers = json.loads((src / "config.json").read_text())["text_config"]["num_hidden_layers"]
+    else:
+        build_real(src, a.layers, a.device)
+        layers = a.layers
+    print(f"checkpoint {src}: {sum(f.stat().st_size for f in shard_files(src)) / 1e9:.1f} GB, {layers} layers "
+          f"(built in {time.perf_counter() - t0:.0f} s)", flush=True)
+    data = w / "calib.txt"
+    write_dataset(data, a.samples * a.seq_len)
+    common = ["--dataset", str(data), "--samples", str(a.samples), "--seq-len", str(a.seq_len), "--device", a.device]
+    rows = []
+    jobs = a.jobs.split(",")
+    q = w / "nvfp4"
+    for cold in (True, False):
+        if "quantize" in jobs:
+            rows.append(one_job("quantize", ["quantize", str(src), "-o", str(q), "--recipe", "qwen35-nvfp4-experts",
+                                             "--force", *common], src, layers, cold))
+        if "calibrate-kv" in jobs:
+            rows.append(one_job("calibrate-kv", ["calibrate-kv", str(q), "-o", str(w / "kv"), "--replace-scales",
+                                                 "--force", *common], q, layers, cold))
+    print(f"\n{'job':13s} {'cache':5s} {'in GB':>6s} {'wall':>7s} {'loop':>7s} {'s/layer':>8s} {'start':>6s} "
+          f"{'cat':>6s} {'loop/cat':>8s} {'RSS GB':>7s} {'GPU GB':>7s} {'60 layers':>9s} {'@14GB/s':>8s}")
+    for r in rows:
+        gpu = f"{r['peak_gpu_bytes'] / 1e9:7.1f}" if r["peak_gpu_bytes"] else "      -"
+        print(f"{r['job']:13s} {r['cache']:5s} {r['input_bytes'] / 1e9:6.1f} {r['wall_s']:7.1f} {r['loop_s']:7.1f} "
+              f"{r['per_layer_s']:8.2f} {r['before_first_layer_s']:6.1f} {r['cat_s']:6.1f} "
+              f"{r['loop_over_cat'] or 0:8.2f} {r['peak_rss_bytes'] / 1e9:7.1f} {gpu} "
+              f"{r['projected_60_layers_s'] / 60:8.1f}m {r['projected_60_layers_fast_disk_s'] / 60:7.1f}m")
+    if a.out:
+        a.out.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
