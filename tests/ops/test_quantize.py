@@ -262,7 +262,8 @@ def test_dry_run_writes_nothing(tiny_bf16, tmp_path):
     from qtool.cli.main import main
 
     out = tmp_path / "d"
-    assert main(["quantize", str(tiny_bf16), "-o", str(out), "--recipe", "qwen35-nvfp4-experts", "--dry-run", "--json"]) == 0
+    assert main(["quantize", str(tiny_bf16), "-o", str(out), "--recipe", "qwen35-nvfp4-experts", "--dry-run", "--json",
+                 "--samples", "4", "--seq-len", "256"]) == 0
     assert not out.exists() and not os.path.exists(str(out) + ".partial")
 
 
