@@ -152,15 +152,17 @@ RSS_WRAPPER = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:
                "sys.exit(r.returncode)")
 
 
-def run_job(argv: list[str]) -> dict:
-    """One qtool command in its own process: wall seconds, its --json report, peak RSS and GPU memory."""
-    cmd = [sys.executable, "-c", RSS_WRAPPER, sys.executable, "-m", "qtool", *argv, "--json", "--quiet"]
+def run_job(argv: list[str], profile: Path | None = None) -> dict:
+    """One qtool command in its own process: wall seconds, its --json report, peak RSS and GPU memory
+    (`profile`: under cProfile, its stats written there)."""
+    prof = ["-m", "cProfile", "-o", str(profile)] if profile else []
+    cmd = [sys.executable, "-c", RSS_WRAPPER, sys.executable, *prof, "-m", "qtool", *argv, "--json", "--quiet"]
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     with GpuPeak() as gpu:
         t0 = time.perf_counter()
         p = subprocess.run(cmd, capture_output=True, text=True, env=env)
         wall = time.perf_counter() - t0
-    if p.returncode != 0:
+    if p.returncode != 0 or '"error"' in p.stdout[:200]:  # (under cProfile a failed run exits 0)
         raise SystemExit(f"{' '.join(argv)} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
     rss = next((int(line.split()[1]) for line in p.stderr.splitlines() if line.startswith("PEAK_RSS_KB")), 0)
     return {"wall": wall, "report": json.loads(p.stdout), "rss_bytes": rss * 1024,
@@ -177,14 +179,25 @@ def shard_files(root: Path) -> list[Path]:
     return sorted(root.glob("*.safetensors"))
 
 
-def one_job(name: str, argv: list[str], inputs: Path, layers: int, cold: bool) -> dict:
+def print_profile(path: Path, top: int = 25) -> None:
+    import pstats
+
+    print(f"\n--- {path.name}: top {top} by cumulative time")
+    pstats.Stats(str(path)).sort_stats("cumulative").print_stats(top)
+
+
+def one_job(name: str, argv: list[str], inputs: Path, layers: int, cold: bool, profile_dir: Path | None = None
+            ) -> dict:
     files = shard_files(inputs)
     nbytes = sum(f.stat().st_size for f in files)
     dropped = drop_caches() if cold else False
     cat = cat_seconds(files)  # cold when dropped: the disk's time for these bytes
     if cold:
         drop_caches()
-    res = run_job(argv)
+    prof = profile_dir / f"{name}-{'cold' if cold else 'warm'}.prof" if profile_dir else None
+    res = run_job(argv, prof)
+    if prof is not None:
+        print_profile(prof)
     rep = res["report"]
     loop = rep.get("seconds") or (rep.get("timing") or {}).get("seconds")
     per_layer = loop / layers
@@ -207,6 +220,8 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (what CI runs; not timed)")
     ap.add_argument("--jobs", default="quantize,calibrate-kv")
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
+    ap.add_argument("--profile", type=Path, help="run each job under cProfile, stats into this folder (printed)")
+    ap.add_argument("--warm-only", action="store_true", help="skip the cold runs")
     a = ap.parse_args()
     w = a.workdir
     w.mkdir(parents=True, exist_ok=True)
@@ -227,13 +242,15 @@ def main() -> int:
     rows = []
     jobs = a.jobs.split(",")
     q = w / "nvfp4"
-    for cold in (True, False):
+    if a.profile:
+        a.profile.mkdir(parents=True, exist_ok=True)
+    for cold in ((False,) if a.warm_only else (True, False)):
         if "quantize" in jobs:
             rows.append(one_job("quantize", ["quantize", str(src), "-o", str(q), "--recipe", "qwen35-nvfp4-experts",
-                                             "--force", *common], src, layers, cold))
+                                             "--force", *common], src, layers, cold, a.profile))
         if "calibrate-kv" in jobs:
             rows.append(one_job("calibrate-kv", ["calibrate-kv", str(q), "-o", str(w / "kv"), "--replace-scales",
-                                                 "--force", *common], q, layers, cold))
+                                                 "--force", *common], q, layers, cold, a.profile))
     print(f"\n{'job':13s} {'cache':5s} {'in GB':>6s} {'wall':>7s} {'loop':>7s} {'s/layer':>8s} {'start':>6s} "
           f"{'cat':>6s} {'loop/cat':>8s} {'RSS GB':>7s} {'GPU GB':>7s} {'60 layers':>9s} {'@14GB/s':>8s}")
     for r in rows:

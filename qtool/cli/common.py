@@ -60,6 +60,20 @@ def local_checkpoint(spec, *, tensors=None, progress: bool = True):
     return resolve_checkpoint(spec, tensors=tensors, progress=progress)
 
 
+# header-only stand-in directory -> the hf: source it stands for: what the user sees in messages and fixes
+# (a fix naming qtool's cache would have the user patch the cache instead of their checkpoint)
+STAND_INS: dict[str, str] = {}
+
+
+def as_user_named(text):
+    """`text` (a str, or None) with every header-only stand-in path replaced by its hf: source."""
+    if not isinstance(text, str):
+        return text
+    for path, spec in STAND_INS.items():
+        text = text.replace(path, spec)
+    return text
+
+
 def headers_checkpoint(spec, *, token=None):
     """For commands that read only headers and configs (inspect, verify without --deep, serve-config): a
     local path as it is; `hf:ORG/NAME[@REV]` as a header-only stand-in (qtool.hub.headers: configs and
@@ -71,6 +85,7 @@ def headers_checkpoint(spec, *, token=None):
     from qtool.hub.headers import remote_headers
 
     path, got = remote_headers(parse_spec(str(spec)), token=token)
+    STAND_INS[str(path)] = str(spec)
     how = "from the cache, nothing fetched" if got["cached"] else (
         f"{human_bytes(got['bytes_moved'])} in {got['requests']} range request(s)")
     print(f"{spec}: headers and configs of commit {got['commit'][:12]} ({how}); data not downloaded",

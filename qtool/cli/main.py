@@ -101,6 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     except QtoolError as e:
         if os.environ.get("QTOOL_DEBUG"):
             raise
+        from qtool.cli.common import as_user_named
+
+        for field in ("message", "path", "hint", "expected", "got"):
+            setattr(e, field, as_user_named(getattr(e, field)))
         if want_json:
             print(json.dumps(e.to_json(), indent=2))
         else:

@@ -47,7 +47,8 @@ def run(args) -> int:
         print(f"{'applied' if r.applied else 'no change':>9}  {r.fix}: {r.message}")
     for f in plan.files.values():
         if f.changed:
-            print(f.diff(), end="")
+            d = f.diff()
+            print(d, end="" if d.endswith("\n") else "\n")  # a file without a final newline: the diff has none
     if args.dry_run:
         print("dry run: nothing written")
     elif written:

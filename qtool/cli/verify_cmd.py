@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from qtool.cli.common import add_json_flag, headers_checkpoint, local_checkpoint, print_json
+from qtool.cli.common import STAND_INS, add_json_flag, as_user_named, headers_checkpoint, local_checkpoint, print_json
 
 MAX_PER_CODE = 5
 
@@ -78,6 +78,12 @@ def run(args) -> int:
 
     ckpt = (local_checkpoint(args.checkpoint, progress=False) if args.deep else headers_checkpoint(args.checkpoint))
     rep = verify(ckpt, options(args, args.engine))
+    if str(ckpt) in STAND_INS:  # an hf: source read header-only: findings and fixes name the source
+        import dataclasses
+
+        rep.path = STAND_INS[str(ckpt)]
+        rep.findings = [dataclasses.replace(f, message=as_user_named(f.message), fix=as_user_named(f.fix))
+                        for f in rep.findings]
     if args.json:
         print_json(rep.to_json())
     else:

@@ -248,6 +248,12 @@ def require_local(spec: str | os.PathLike) -> Path:
     if is_hub_spec(spec):
         raise CheckpointError("this argument must be a local directory", got=str(spec),
                               hint=f"download it first: qtool download {str(spec)[len(PREFIX):]} -o DIR")
+    from qtool.io.manifest import cache_dir
+
+    hub_cache = cache_dir() / "hub"
+    if Path(os.path.realpath(spec)).is_relative_to(os.path.realpath(hub_cache)):
+        raise CheckpointError("this is qtool's cache of a Hub checkpoint, not a checkpoint of yours", path=spec,
+                              hint="download the repo (qtool download ORG/NAME -o DIR) and change that copy")
     from qtool.io.in_place import InPlaceDir
 
     InPlaceDir.recover(spec)  # a checkpoint an interrupted in-place swap left parked: put back first

@@ -53,7 +53,7 @@ def fetch_tensors(plan: FetchPlan, tx, *, token: str | None = None, progress: bo
                          hint=f"resume at that commit (REPO@{pinned.read_text().strip()}) or drop --resume")
     pinned.write_text(plan.listing.commit)
 
-    def produce() -> None:
+    def produce(_done) -> None:
         reader = RangeReader(plan.listing, token=token)
         report["resumed_bytes"] = _fetch_shards(plan, reader, partial, progress)
         report["fetch"] = reader.stats.to_json()

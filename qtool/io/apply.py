@@ -23,7 +23,7 @@ from typing import Callable
 
 from qtool.errors import VerificationError, WriteError
 from qtool.io.files import fsync_dir, new_file
-from qtool.io.identity import Journal, input_identity
+from qtool.io.identity import JOURNAL_NAME, Journal, input_identity
 from qtool.io.jsonio import dumps
 from qtool.io.manifest import InputHasher, carried_files, previous_head, source_entry, write_manifest
 from qtool.io.output import MANIFEST_NAME, OutputDir, made_by_qtool, output_files
@@ -31,7 +31,6 @@ from qtool.io.plan import (Copy, Index, Json, Link, OutputPlan, Produced, Remove
                            resolve, tensors_of)
 from qtool.io.writer import write_shard
 
-JOURNAL_NAME = ".qtool-journal.jsonl"
 SPACE_MARGIN = 64 << 20
 # Shards in flight. Several: a shard's fsync (a synchronous write-out of ~all its bytes) overlaps other
 # shards' reads and copies and the disk sees a deeper queue (3 GB assemble job, medians of 5 interleaved
@@ -143,7 +142,7 @@ def _check_produced(plan: OutputPlan, partial: Path) -> None:
 
 
 def write_output(plan: OutputPlan, tx: OutputDir, *, command: str | None, values: dict | None = None,
-                 produce: Callable[[], dict | None] | None = None, overlap: Callable[[], None] | None = None,
+                 produce: Callable[[Callable[[str], None]], dict | None] | None = None, overlap: Callable[[], None] | None = None,
                  on_headers: Callable[[], None] | None = None, check: Callable[[], dict] | None = None,
                  extra: Callable[[], dict] | None = None, shards_section: Path | None = None,
                  progress: bool = False,
@@ -152,7 +151,7 @@ def write_output(plan: OutputPlan, tx: OutputDir, *, command: str | None, values
 
     values: the bytes of the plan's Pending sources. produce(): the op's long work (calibration, quantized
     layers: resumable on its own), run while the inputs are hashed; it writes the Produced shards into
-    `tx.partial` and may return more Pending values. overlap(): more work for this thread while the writers copy.
+    `tx.partial`, calls done(name) as each is complete, and may return more Pending values. overlap(): more work for this thread while the writers copy.
     on_headers(): called once every shard's header is on disk. check() -> {"passed": bool, ...}: run once
     every file is written, before the manifest: the output's checks (recorded in the manifest; a failure keeps the partial output and exits 3)."""
     values = dict(values or {})
@@ -171,9 +170,11 @@ def write_output(plan: OutputPlan, tx: OutputDir, *, command: str | None, values
             if os.path.lexists(partial / e.name):
                 os.unlink(partial / e.name)
         if produce is not None:
-            values.update(produce() or {})
+            # the producer says when each Produced file is complete: it is hashed then, while its bytes are
+            # in the page cache and the producer works on the next (not all at the end)
+            values.update(produce(lambda name: hasher.submit_output(str(partial / name))) or {})
         for e in plan.entries(Produced):
-            hasher.submit_output(str(partial / e.name))
+            hasher.submit_output(str(partial / e.name))  # the ones resumed or not announced
         _write_shards(plan, tx, journal, hasher, values, overlap, on_headers, applied, progress, stop)
         _check_produced(plan, partial)
         applied.checks = check() if check is not None else {}

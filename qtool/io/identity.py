@@ -56,6 +56,25 @@ def refuse_changed_inputs(recorded: dict, now: dict, partial: Path) -> None:
             "and new inputs)")
 
 
+JOURNAL_NAME = ".qtool-journal.jsonl"  # in the partial output (qtool.io.apply keeps it)
+
+
+def journaled_files(path: Path) -> set[str]:
+    """The units a journal records as finished (file names), without checking its head: what a resumed
+    in-place run keeps of its partial state (the executor then checks the plan and the inputs)."""
+    out = set()
+    try:
+        lines = path.read_text().splitlines()[1:]
+    except OSError:
+        return out
+    for line in lines:
+        try:
+            out.add(json.loads(line)["unit"])
+        except (ValueError, KeyError, TypeError):
+            break
+    return out
+
+
 class Journal:
     """`OUT.partial/.qtool-journal.jsonl`: a head line (the plan hash and the inputs' identity), then one
     line per finished unit (shard, layer), appended only after that unit is durable."""

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from qtool.errors import WriteError
 from qtool.io.files import LinkMode, Placer, fsync_dir, link_tree, write_error
-from qtool.io.output import SWAPPED_MARKER, OutputDir, remove_parked, source_file_mode
+from qtool.io.identity import JOURNAL_NAME, journaled_files
+from qtool.io.output import PARTIAL_MARKER, SWAPPED_MARKER, OutputDir, remove_parked, source_file_mode
 
 RENAME_EXCHANGE = 2  # linux/fs.h
 
@@ -83,7 +84,10 @@ class InPlaceDir(OutputDir):
         if (self.out / SWAPPED_MARKER).exists():  # a run killed just before its swap marked the old state
             (self.out / SWAPPED_MARKER).unlink()
         if os.path.lexists(self.partial) and not (self.partial / self.BUILDING).exists():
-            remove_parked(self.partial)  # the previous state, swapped out by a run killed just after
+            if (self.partial / PARTIAL_MARKER).exists() and not (self.partial / SWAPPED_MARKER).exists():
+                shutil.rmtree(self.partial)  # a new state killed in the commit before its swap: ours, unused
+            else:
+                remove_parked(self.partial)  # the previous state, swapped out by a run killed just after
 
     def __exit__(self, *exc) -> None:
         if not self.committed and not self.keep_partial and self.partial.exists():
@@ -98,6 +102,7 @@ class InPlaceDir(OutputDir):
             shutil.rmtree(self.partial)
         self.partial.mkdir(exist_ok=True)
         (self.partial / self.BUILDING).touch()
+        (self.partial / PARTIAL_MARKER).touch()  # qtool's own, until it is swapped in
         self._link_tree()
 
     @classmethod
@@ -110,14 +115,19 @@ class InPlaceDir(OutputDir):
                 tx._clear_stale()
 
     def _link_tree(self) -> None:
-        """The checkpoint's current files, hard-linked. On --resume the work directories of the run being
-        resumed (hidden entries the checkpoint itself does not have) are kept; everything else is linked
-        afresh, so a file changed or removed in the checkpoint since is not brought back."""
+        """The checkpoint's current files, hard-linked. On --resume the work of the run being resumed is
+        kept: its work directories (hidden entries the checkpoint itself does not have) and the files its
+        journal records as finished; everything else is linked afresh, so a file changed or removed in the
+        checkpoint since is not brought back."""
+        done = journaled_files(self.partial / JOURNAL_NAME) if self.resume else set()
         for entry in list(self.partial.iterdir()):
             if entry.name.startswith(".") and not os.path.lexists(self.out / entry.name):
                 continue
+            if entry.name in done and entry.is_file():
+                continue
             shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
-        link_tree(self.out, self.partial, Placer(LinkMode.HARDLINK), skip=(SWAPPED_MARKER,), relative_links=True)
+        link_tree(self.out, self.partial, Placer(LinkMode.HARDLINK), skip=(SWAPPED_MARKER,), relative_links=True,
+                  keep_existing=True)
 
     def commit(self) -> None:
         self.sweep()
@@ -139,6 +149,7 @@ class InPlaceDir(OutputDir):
                 os.rename(self.partial, self.out)
         except OSError as e:
             raise write_error("cannot swap the changed checkpoint into place", e, self.out) from None
+        (self.out / PARTIAL_MARKER).unlink(missing_ok=True)  # swapped in: no longer qtool's scratch
         fsync_dir(self.out.parent)
         shutil.rmtree(self.old, ignore_errors=True)
         self.committed = True

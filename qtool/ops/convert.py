@@ -159,10 +159,12 @@ def plan(opts: ConvertOptions) -> ConvertPlan:
                                ckpt.headers[s].metadata or None))
         else:
             files.append(Link(s, str(ckpt.root / s)))
-    for entry in sorted(ckpt.root.iterdir()):
-        if entry.is_file() and entry.suffix != ".safetensors" and entry.name not in (
-                INDEX_NAME, CONFIG_NAME, HF_QUANT_CONFIG_NAME, SIDECAR, MANIFEST_NAME):
-            files.append(Copy(entry.name, str(entry)))
+    for entry in sorted(ckpt.root.rglob("*")):  # the side files, in sub-folders too
+        rel = entry.relative_to(ckpt.root).as_posix()
+        if (entry.is_file() and entry.suffix != ".safetensors" and not entry.name.startswith(".qtool-")
+                and ".cache" not in entry.relative_to(ckpt.root).parts
+                and rel not in (INDEX_NAME, CONFIG_NAME, HF_QUANT_CONFIG_NAME, SIDECAR, MANIFEST_NAME)):
+            files.append(Copy(rel, str(entry)))
     files.append(_index(ckpt, ren))
     output = OutputPlan("convert", files, sources={"checkpoint": ckpt.root},
                         inputs=sorted({h.path for h in ckpt.headers.values()}))

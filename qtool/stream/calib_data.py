@@ -176,8 +176,9 @@ def windows_from_ids(ids: list[int], samples: int, seq_len: int, *, dataset: str
             f"the dataset gives {len(ids)} tokens, {need} needed for {samples} x {seq_len}",
             expected=need,
             got=len(ids),
-            hint=f"use at most --samples {len(ids) // seq_len} at --seq-len {seq_len}, "
-            "a shorter --seq-len, or a larger --dataset",
+            hint=(f"use at most --samples {len(ids) // seq_len} at --seq-len {seq_len}, a shorter --seq-len, "
+                  "or a larger --dataset") if len(ids) >= seq_len else (
+                f"the dataset gives less than one window: --seq-len {len(ids)} at most, or a larger --dataset"),
         )
     t = torch.tensor(ids[:need], dtype=torch.long).view(samples, seq_len)
     return CalibSet(t, dataset, len(ids))

@@ -134,3 +134,26 @@ def test_dry_runs_on_hub_sources_read_headers_only(hub, tiny_nvfp4_modelopt_nomt
     shard_gets = [r for r in hub.requests("GET", "/cdn/") if r.path.rsplit("/", 1)[-1] in blobs]
     assert shard_gets and all(r.range for r in shard_gets)  # ranges only: headers and small tensors
     assert not any((tmp_path / n).exists() for n in ("kv", "q", "h"))
+
+
+def test_messages_name_the_hub_source_and_the_cache_is_not_a_patch_target(hub, tiny_nvfp4_modelopt_nomtp, capsys):
+    """Found in review: verify's fix for an hf: source said `qtool patch-config <qtool's header cache> ...`;
+    following it rewrote the cached configs, and later header-only reads reported the patched lists as
+    the Hub commit's."""
+    import os
+
+    hub.add_dir("org/nv", tiny_nvfp4_modelopt_nomtp)
+    assert main(["verify", "hf:org/nv", "--json"]) in (0, 3)
+    text = capsys.readouterr().out
+    rep = json.loads(text)
+    cache = os.environ["QTOOL_CACHE_DIR"]
+    assert cache not in text and rep["path"] == "hf:org/nv"
+    assert any("hf:org/nv" in (f.get("fix") or "") for f in rep["findings"]), rep["findings"]
+    from qtool.hub.headers import headers_dir
+
+    stand_in = next(p for p in (Path(cache) / "hub" / "org--nv").glob("*/headers"))
+    assert stand_in == headers_dir("org/nv", stand_in.parent.name)
+    before = (stand_in / "config.json").read_text()
+    assert main(["patch-config", str(stand_in), "--fix", "ignore-from-tensors", "--json"]) == 1
+    assert "qtool's cache" in json.loads(capsys.readouterr().out)["message"]
+    assert (stand_in / "config.json").read_text() == before

@@ -101,7 +101,7 @@ def test_a_missing_pending_value_or_a_wrong_produced_shard_publishes_nothing(tmp
     plan = OutputPlan("test", [Produced("p.safetensors", [promised("w", "F32", (2,), 8)])], sources={"src": src},
                       inputs=[])
 
-    def produce_wrong() -> None:  # a producer that writes another shape than it promised
+    def produce_wrong(done) -> None:  # a producer that writes another shape than it promised
         write_shard(tx.partial / "p.safetensors", [OutTensor("w", "F32", (1, 2), InlineBytes(bytes(8)))])
 
     with OutputDir(tmp_path / "out2", sources=[src]) as tx, pytest.raises(VerificationError, match="not what the plan"):

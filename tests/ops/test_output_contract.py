@@ -581,3 +581,52 @@ def test_two_concurrent_patch_config_runs_lose_no_change(tiny_nvfp4_modelopt, tm
     cfg = (ck / "config.json").read_text()
     assert "second*" in cfg and "first*" in cfg
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.go", "a.paused", "ck"]
+
+
+def test_in_place_resume_keeps_the_shards_its_journal_finished(tiny_nvfp4_modelopt, tmp_path):
+    """Found in review: `calibrate-kv --in-place --resume` killed after its first journaled shard re-linked
+    the checkpoint's files over the finished work and published the OLD kv-scales shard (same size), with
+    the new statistics in the manifest."""
+    src = copy_of(tiny_nvfp4_modelopt, tmp_path / "src")
+    base = ["calibrate-kv", "--replace-scales", "--in-place", "--samples", "2", "--seq-len", "32", "--quiet"]
+    other = tmp_path / "other.txt"
+    other.write_text("a different corpus: numbers 0123456789 and words " * 40)  # other scales, same shard size
+    assert run_qtool([base[0], src, *base[1:], "--dataset", other]).returncode == 0
+    ref = copy_of(src, tmp_path / "ref")
+    assert run_qtool([base[0], ref, *base[1:]]).returncode == 0
+    work = copy_of(src, tmp_path / "work")
+    p = run_killed("qtool.io.identity:Journal.record", 1, [base[0], work, *base[1:]])
+    assert p.returncode == -9
+    assert run_qtool([base[0], work, *base[1:], "--resume"]).returncode == 0
+    assert tree_sha(src)["model-kv-scales.safetensors"] != tree_sha(ref)["model-kv-scales.safetensors"]
+    assert tree_sha(work) == tree_sha(ref)
+
+
+def test_a_kill_in_the_in_place_commit_before_the_swap_is_cleaned_up(tiny_nvfp4_modelopt, tmp_path):
+    """Found in review: a kill after the commit removed its building marker, before the swap, left qtool's
+    own work directory unmarked, and every later in-place command refused it as a user's directory."""
+    ck = copy_of(tiny_nvfp4_modelopt, tmp_path / "ck")
+    before = tree_sha(ck, skip=())
+    p = run_killed("qtool.io.in_place:fsync_dir", 1, ["patch-config", ck, "--yarn", "2"])
+    assert p.returncode == -9
+    assert tree_sha(ck, skip=()) == before  # the checkpoint is untouched
+    p = run_qtool(["patch-config", ck, "--yarn", "2"])
+    assert p.returncode == 0, p.stderr
+    assert '"yarn"' in (ck / "config.json").read_text()
+    assert sorted(q.name for q in tmp_path.iterdir()) == ["ck"]
+
+
+def test_new_outputs_keep_the_side_files_in_sub_folders(tiny_nvfp4_modelopt, tmp_path):
+    """Found in review: calibrate-kv -o (and convert, quantize) copied only the top level: a checkpoint's
+    `original/params.json` or `assets/` were silently dropped."""
+    src = copy_of(tiny_nvfp4_modelopt, tmp_path / "src")
+    (src / "original").mkdir()
+    (src / "original" / "params.json").write_text('{"dim": 64}\n')
+    out = tmp_path / "kv"
+    assert run_qtool(["calibrate-kv", src, "-o", out, *KV, "--replace-scales", "--quiet"]).returncode == 0
+    assert (out / "original" / "params.json").read_text() == '{"dim": 64}\n'
+    out2 = tmp_path / "ct"
+    assert run_qtool(["convert", src, "-o", out2, "--to", "compressed-tensors", "--quiet"]).returncode == 0
+    assert (out2 / "original" / "params.json").read_text() == '{"dim": 64}\n'
+    man = json.loads((out2 / "qtool-manifest.json").read_text())
+    assert "original/params.json" in man["files"]

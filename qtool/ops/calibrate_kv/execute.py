@@ -36,7 +36,7 @@ def execute(p: KvPlan, *, progress=None) -> Report:
           else InPlaceDir(p.ckpt.root, resume=opts.resume))
     state: dict = {}
 
-    def produce() -> dict:
+    def produce(_done) -> dict:  # writes no Produced shard: the scales are Pending values
         stats, state["timing"] = calibrate(p, calib.ids, resume=opts.resume, progress=progress)
         state["stats"] = stats
         return scale_values(p, stats)

@@ -9,8 +9,7 @@ import struct
 
 from qtool.io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG_NAME, INDEX_NAME, Checkpoint
 from qtool.io.jsonio import load_json
-from qtool.io.output import MANIFEST_NAME
-from qtool.io.plan import Json, Link, OutputPlan, Pending, Remove, Shard
+from qtool.io.plan import Json, OutputPlan, Pending, Remove, Shard, unchanged_files
 from qtool.io.quant_config import HfQuantSchema, hf_quant_schema
 from qtool.io.writer import FileRange, OutTensor, index_json
 
@@ -82,8 +81,7 @@ def output_plan(p: KvPlan) -> OutputPlan:
     if p.out is None:
         files += [Remove(s) for s in dropped]
     else:
-        files += [Link(e.name, str(e)) for e in sorted(ckpt.root.iterdir())
-                  if e.is_file() and e.name not in changed and e.name != MANIFEST_NAME]
+        files += unchanged_files(ckpt.root, changed)  # every other file, in sub-folders too
     files += [Shard(s, _stripped_shard(ckpt, s, remove), ckpt.headers[s].metadata or None)
               for s in sorted(p.rewrite_shards)]
     files.append(Shard(p.kv_shard, new_tensors, {"format": "pt"}))

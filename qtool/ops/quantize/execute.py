@@ -46,7 +46,7 @@ def _journal_key(p: QuantizePlan, digest: str) -> str:
 
 
 def calibrate_and_write(p: QuantizePlan, partial: Path, ids, *, resume: bool, progress=None,
-                        mode: int = 0o644) -> dict:
+                        mode: int = 0o644, done=None) -> dict:
     import torch
 
     from qtool.stream.calib_data import token_digest
@@ -105,6 +105,8 @@ def calibrate_and_write(p: QuantizePlan, partial: Path, ids, *, resume: bool, pr
         with torch.no_grad():
             rep = write_layer_shard(partial / lp.shard, lp, layer, stats, (kv.k_amax, kv.v_amax), p, backend,
                                     mode)
+        if done is not None:
+            done(lp.shard)  # hashed for the manifest now, while the next layer runs
         entry = {"layer": lp.index, "routed_experts": lp.scheme.value, **stats.to_json()}
         if lp.full_attention:
             entry["kv"] = {"k_amax": kv.k_amax, "v_amax": kv.v_amax, "tokens": kv.tokens}
@@ -139,9 +141,9 @@ def execute(p: QuantizePlan, *, progress=None) -> Report:
         report["calibration"] = {"dataset": "ids", "digest": token_digest(ids), "tokens": int(ids.numel())}
     from qtool.io.apply import write_output
 
-    def produce() -> None:
+    def produce(done) -> None:
         report.update(calibrate_and_write(p, tx.partial, ids, resume=opts.resume, progress=progress,
-                                          mode=tx.file_mode))
+                                          mode=tx.file_mode, done=done))
 
     def check() -> dict:
         from qtool.arch.model_map import build_map

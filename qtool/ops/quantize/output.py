@@ -33,8 +33,10 @@ def _tensor(s) -> OutTensor:
 
 
 def side_files(root: Path) -> list[Path]:
-    return [e for e in sorted(root.iterdir())
-            if e.is_file() and e.suffix != ".safetensors" and e.name not in SKIP_FILES]
+    """The source's files other than weights and the configs made anew, in sub-folders too."""
+    return [e for e in sorted(root.rglob("*"))
+            if e.is_file() and e.suffix != ".safetensors" and e.relative_to(root).as_posix() not in SKIP_FILES
+            and not e.name.startswith(".qtool-") and ".cache" not in e.relative_to(root).parts]
 
 
 def input_files(p: QuantizePlan) -> list[str]:
@@ -59,7 +61,7 @@ def output_plan(p: QuantizePlan) -> OutputPlan:
     weight_map = {t.name: e.name for e in files for t in e.tensors}
     total = sum(t.nbytes for e in files for t in e.tensors)
     side = side_files(p.ckpt.root)
-    files += [Copy(e.name, str(e)) for e in side]
+    files += [Copy(e.relative_to(p.ckpt.root).as_posix(), str(e)) for e in side]
     cfg, style = load_json(p.ckpt.root / CONFIG_NAME, what="config.json")
     cfg.pop("quantization_config", None)
     out = OutputPlan("quantize", files, sources={"bf16": p.ckpt.root}, inputs=input_files(p))
@@ -80,6 +82,6 @@ def output_plan(p: QuantizePlan) -> OutputPlan:
         "format": p.format.value,
         "layer_shards": {lp.shard: {"layer": lp.index, "routed_experts": lp.scheme.value} for lp in p.layers},
         "carried_over": {"tensors": len(p.rest), "shards": [REST_SHARD.format(k) for k in range(len(groups))]},
-        "side_files": [e.name for e in side],
+        "side_files": [e.relative_to(p.ckpt.root).as_posix() for e in side],
     }
     return out
