@@ -19,6 +19,8 @@ A recipe is a YAML file in `recipes/` (or any path), validated here at the bound
       awq: true                  # activation-aware scale search (see qtool.ops.quantize.awq_search)
       awq_grid: 20
     defaults: {backend: rtn, format: modelopt}
+    calibration:                 # the data the recipe is meant to calibrate on (plans warn when a run uses less)
+      {dataset: "hf:HuggingFaceH4/ultrachat_200k:train_sft", samples: 128, seq_len: 2048}
 
 Only the routed experts can be quantized by this version: the MTP head and the vision tower are always
 BF16 and excluded (formats doc sections 6-7), and the measured best policies keep shared expert,
@@ -95,7 +97,7 @@ GROUP_SCHEMES: dict[str, tuple[Scheme, ...]] = {
 }
 
 _TOP_KEYS = {"schema_version", "name", "description", "groups", "layer_overrides", "kv_cache", "nvfp4", "int4",
-             "defaults"}
+             "defaults", "calibration"}
 
 
 @dataclass(frozen=True)
@@ -123,6 +125,7 @@ class Recipe:
     backend: Backend = Backend.RTN
     format: OutFormat = OutFormat.MODELOPT
     path: str | None = None
+    calibration: dict | None = None  # {dataset, samples, seq_len}: the data the recipe is meant for
 
     def scheme_for(self, group: str, layer: int | None) -> Scheme:
         if layer is not None and group in self.layer_overrides.get(layer, {}):
@@ -146,6 +149,7 @@ class Recipe:
             "nvfp4": {"weight_scale": self.nvfp4.weight_scale.value, "input_scale": self.nvfp4.input_scale.value},
             "int4": {"group_size": self.int4.group_size, "awq": self.int4.awq, "awq_grid": self.int4.awq_grid},
             "defaults": {"backend": self.backend.value, "format": self.format.value},
+            "calibration": self.calibration,
             "path": self.path,
         }
 
@@ -257,7 +261,18 @@ def parse_recipe(data, *, path: str | None = None) -> Recipe:
         backend=backend,
         format=fmt,
         path=path,
+        calibration=_calibration(data.get("calibration"), path),
     )
+
+
+def _calibration(obj, path) -> dict | None:
+    if obj is None:
+        return None
+    c = _mapping(obj, "calibration", path)
+    if set(c) - {"dataset", "samples", "seq_len"} or not isinstance(c.get("dataset"), str) or not all(
+            isinstance(c.get(k), int) and c[k] > 0 for k in ("samples", "seq_len")):
+        raise RecipeError("calibration needs {dataset: TEXT, samples: N, seq_len: N}", path=path, got=obj)
+    return {"dataset": c["dataset"], "samples": c["samples"], "seq_len": c["seq_len"]}
 
 
 def load_recipe(name_or_path: str | Path) -> Recipe:

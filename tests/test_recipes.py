@@ -48,3 +48,15 @@ def test_mse_recipe_not_worse_than_rtn_per_block():
 def test_bad_recipes_rejected(bad, msg):
     with pytest.raises(RecipeError, match=msg):
         parse_recipe(bad)
+
+
+def test_shipped_recipes_say_what_they_calibrate_on(tiny_bf16, tmp_path):
+    """Recipes name the real dataset and token budget they are meant for; a run on less (the builtin corpus,
+    for the demo and offline use) plans with a warning saying so."""
+    from qtool.ops.quantize import QuantizeOptions, plan
+
+    for name in ("qwen35-nvfp4-experts", "qwen35-nvfp4-experts-mse", "qwen35-awq-int4"):
+        r = load_recipe(name)
+        assert r.calibration["dataset"].startswith("hf:") and r.calibration["samples"] * r.calibration["seq_len"] >= 32768
+    p = plan(QuantizeOptions(tiny_bf16, tmp_path / "o", load_recipe("qwen35-nvfp4-experts"), samples=4, seq_len=256))
+    assert any("meant to calibrate on hf:HuggingFaceH4/ultrachat_200k" in w for w in p.warnings)

@@ -37,7 +37,9 @@ def _show(name: str) -> dict:
                 "does": [f"{g}: {s.value}" for g, s in sorted(r.groups.items())] +
                         [f"layer {n}: {g} {s.value}" for n, o in sorted(r.layer_overrides.items())
                          for g, s in sorted(o.items())] +
-                        ["every other group: bf16 (kept)", f"kv cache: {r.kv_cache.value}"],
+                        ["every other group: bf16 (kept)", f"kv cache: {r.kv_cache.value}"] +
+                        ([f"calibrates on {r.calibration['dataset']}: {r.calibration['samples']} x "
+                          f"{r.calibration['seq_len']} tokens"] if r.calibration else []),
                 "text": Path(r.path).read_text()}
     if name in shipped_build_recipes() or Path(name).is_file():
         path = find_build_recipe(name)

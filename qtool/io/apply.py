@@ -250,6 +250,28 @@ def _write_shards(plan, tx, journal, hasher, values, overlap, on_headers, applie
         bar.close()
 
 
+def _recorded_link_digests(plan: OutputPlan, known: dict[str, str]) -> dict[str, str]:
+    """Digests of linked files that were not hashed as inputs (patch-config -o links every shard of a
+    233 GB checkpoint to change one config), taken from the source's own manifest when it records the
+    file at the same size; the rest are hashed by output_files."""
+    from qtool.io.manifest import read_manifest
+
+    out: dict[str, str] = {}
+    recorded: dict[str, dict] = {}
+    for root in plan.sources.values():
+        if isinstance(root, Path) and (root / MANIFEST_NAME).is_file():
+            try:
+                files = read_manifest(root / MANIFEST_NAME).get("files") or {}
+            except (OSError, ValueError):
+                continue
+            recorded.update({str(root / rel): v for rel, v in files.items() if isinstance(v, dict)})
+    for e in plan.entries(Link):
+        rec = recorded.get(e.source)
+        if e.name not in known and rec and isinstance(rec.get("sha256"), str) and rec.get("bytes") == os.path.getsize(e.source):
+            out[e.name] = rec["sha256"]
+    return out
+
+
 def _manifest(plan: OutputPlan, tx: OutputDir, digests: dict[str, str], command: str | None, checks: dict,
               shards_section: Path | None, run_extra: dict) -> None:
     partial = tx.partial
@@ -275,6 +297,7 @@ def _manifest(plan: OutputPlan, tx: OutputDir, digests: dict[str, str], command:
                  if os.path.realpath(e.source) in real}
         known.update({os.path.relpath(f, partial): d for f, d in digests.items()
                       if Path(f).is_relative_to(partial)})
+        known.update(_recorded_link_digests(plan, known))
         files = output_files(partial, known, skip=skip)
         created = True
     write_manifest(partial / MANIFEST_NAME, kind=plan.kind, command=command, sources=sources,

@@ -328,5 +328,10 @@ def plan(opts: QuantizeOptions) -> QuantizePlan:
         from qtool.stream.calib_data import plan_calibration
 
         p.calib = plan_calibration(ckpt, dataset, samples, seq_len)  # refused here if the data is too small
+    want = recipe.calibration
+    if want and (dataset != want["dataset"] or samples * seq_len < want["samples"] * want["seq_len"]):
+        p.warnings.append(f"the recipe {recipe.name} is meant to calibrate on {want['dataset']} "
+                          f"({want['samples']} x {want['seq_len']} tokens); this run uses {dataset} "
+                          f"({samples} x {seq_len}): pass --dataset/--samples/--seq-len for a real run")
     p.output = output_plan(p)
     return p
