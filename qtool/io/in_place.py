@@ -11,7 +11,7 @@ from pathlib import Path
 from qtool.errors import WriteError
 from qtool.io.files import LinkMode, Placer, fsync_dir, link_tree, write_error
 from qtool.io.identity import JOURNAL_NAME, journaled_files
-from qtool.io.output import PARTIAL_MARKER, SWAPPED_MARKER, OutputDir, remove_parked, source_file_mode
+from qtool.io.output import SWAPPED_MARKER, OutputDir, remove_parked, source_file_mode
 
 RENAME_EXCHANGE = 2  # linux/fs.h
 
@@ -81,13 +81,14 @@ class InPlaceDir(OutputDir):
 
     def _clear_stale(self) -> None:
         remove_parked(self.old)  # a swap whose clean-up was interrupted
-        if (self.out / SWAPPED_MARKER).exists():  # a run killed just before its swap marked the old state
+        marked = (self.out / SWAPPED_MARKER).exists()  # a run killed in its commit, just before the swap
+        if (marked and os.path.isdir(self.partial) and not (self.partial / self.BUILDING).exists()
+                and not (self.partial / SWAPPED_MARKER).exists()):
+            shutil.rmtree(self.partial)  # that run's finished new state, never swapped in: ours, unused
+        if marked:
             (self.out / SWAPPED_MARKER).unlink()
         if os.path.lexists(self.partial) and not (self.partial / self.BUILDING).exists():
-            if (self.partial / PARTIAL_MARKER).exists() and not (self.partial / SWAPPED_MARKER).exists():
-                shutil.rmtree(self.partial)  # a new state killed in the commit before its swap: ours, unused
-            else:
-                remove_parked(self.partial)  # the previous state, swapped out by a run killed just after
+            remove_parked(self.partial)  # the previous state, swapped out by a run killed just after
 
     def __exit__(self, *exc) -> None:
         if not self.committed and not self.keep_partial and self.partial.exists():
@@ -102,7 +103,6 @@ class InPlaceDir(OutputDir):
             shutil.rmtree(self.partial)
         self.partial.mkdir(exist_ok=True)
         (self.partial / self.BUILDING).touch()
-        (self.partial / PARTIAL_MARKER).touch()  # qtool's own, until it is swapped in
         self._link_tree()
 
     @classmethod
@@ -131,7 +131,6 @@ class InPlaceDir(OutputDir):
 
     def commit(self) -> None:
         self.sweep()
-        (self.partial / self.BUILDING).unlink()
         self.set_modes()
         st = os.stat(self.out)  # the checkpoint directory keeps its own mode, owner and group
         os.chmod(self.partial, stat.S_IMODE(st.st_mode))
@@ -140,7 +139,10 @@ class InPlaceDir(OutputDir):
         except PermissionError:
             pass  # not ours to give away: the directory stays the caller's, like the files it writes
         fsync_dir(self.partial)
-        (self.out / SWAPPED_MARKER).touch()  # the state about to be parked: qtool's to remove
+        # the state about to be parked is marked first, and only then is the new one unmarked: a kill at any
+        # point leaves markers that say which directory is which (_clear_stale)
+        (self.out / SWAPPED_MARKER).touch()
+        (self.partial / self.BUILDING).unlink()
         try:
             if exchange_paths(self.partial, self.out):
                 os.rename(self.partial, self.old)  # now the previous state
@@ -148,8 +150,10 @@ class InPlaceDir(OutputDir):
                 os.rename(self.out, self.old)
                 os.rename(self.partial, self.out)
         except OSError as e:
+            if self.out.is_dir() and self.partial.is_dir() and not (self.partial / SWAPPED_MARKER).exists():
+                (self.out / SWAPPED_MARKER).unlink(missing_ok=True)  # nothing moved: as before the commit
+                (self.partial / self.BUILDING).touch()
             raise write_error("cannot swap the changed checkpoint into place", e, self.out) from None
-        (self.out / PARTIAL_MARKER).unlink(missing_ok=True)  # swapped in: no longer qtool's scratch
         fsync_dir(self.out.parent)
         shutil.rmtree(self.old, ignore_errors=True)
         self.committed = True

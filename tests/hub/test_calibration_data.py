@@ -68,7 +68,7 @@ def test_a_too_small_dataset_is_refused_before_any_weight_is_read(hub, tiny_nvfp
         p = run_failing("qtool.stream.layer_stream:LayerStreamer.load_layer", 1, "EIO", [*args, *extra])
         assert p.returncode == 1, p.stderr
         err = json.loads(p.stdout)
-        assert "tokens" in err["message"] and "32768 needed" in err["message"] and "--samples" in err["hint"]
+        assert "tokens" in err["message"] and "32768 needed" in err["message"] and "--seq-len" in err["hint"]
     assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
 
 

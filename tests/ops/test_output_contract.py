@@ -630,3 +630,19 @@ def test_new_outputs_keep_the_side_files_in_sub_folders(tiny_nvfp4_modelopt, tmp
     assert (out2 / "original" / "params.json").read_text() == '{"dim": 64}\n'
     man = json.loads((out2 / "qtool-manifest.json").read_text())
     assert "original/params.json" in man["files"]
+
+
+def test_a_failed_swap_leaves_markers_the_next_run_understands(tiny_nvfp4_modelopt, tmp_path):
+    """The moment between marking the old state and the swap itself (here the swap fails with EIO): the next
+    in-place run removes the unused new state instead of refusing it as a user's directory."""
+    from killpoint import run_failing
+
+    ck = copy_of(tiny_nvfp4_modelopt, tmp_path / "ck")
+    before = tree_sha(ck)
+    args = ["calibrate-kv", ck, "--in-place", "--replace-scales", *KV, "--quiet"]
+    p = run_failing("qtool.io.in_place:exchange_paths", 1, "EIO", args)
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
+    assert tree_sha(ck) == before
+    p = run_qtool(args)
+    assert p.returncode == 0, p.stderr
+    assert sorted(q.name for q in tmp_path.iterdir()) == ["ck"]
