@@ -8,7 +8,8 @@ from qtool.cli.common import (
     check_device,
     eprint,
     human_bytes,
-    layer_progress,
+    plan_then_execute,
+    dataset_supply,
     headers_checkpoint,
     local_checkpoint,
     local_only,
@@ -43,12 +44,7 @@ def run(args) -> int:
             headers_checkpoint(args.checkpoint) if args.dry_run else local_checkpoint(args.checkpoint)),
         out=args.output, dataset=args.dataset, samples=args.samples, seq_len=args.seq_len, device=args.device,
         replace_scales=args.replace_scales, force=args.force, resume=args.resume, command=run_command_line())
-    p = calibrate_kv.plan(opts)
-    if args.dry_run:
-        rep = {"plan": p.to_json()}
-    else:
-        with layer_progress(not (args.quiet or args.json)) as progress:
-            rep = calibrate_kv.execute(p, progress=progress).to_json()
+    rep = plan_then_execute(calibrate_kv, opts, args)
     if args.json:
         print_json(rep)
         return 0
@@ -77,8 +73,7 @@ def _print_plan(p: dict) -> None:
     print(f"  convention     {p['convention']} ({len(p['scale_tensors'])} scale tensors in {p['new_shard']})")
     print(f"  layers         full attention {p['full_attention_layers']}; decoder layers run: {p['decoder_layers_run']}")
     print(f"  calibration    {c['dataset']}: {c['samples']} x {c['seq_len']} = {c['tokens']} tokens on {p['device']}"
-          + (f" (the dataset gives {c['available_tokens']}: up to {c['available_windows']} windows)"
-             if "available_tokens" in c else ""))
+          + dataset_supply(c))
     print(f"  memory         one layer {human_bytes(m['max_layer_bytes'])} ({m['compute_dtype']}), "
           f"embedding {human_bytes(m['embed_bytes'])}, activations ~{human_bytes(m['activation_bytes'])} "
           f"({m['batch_windows']} windows/batch)")

@@ -108,6 +108,23 @@ def check_device(device: str) -> str:
     return device
 
 
+def plan_then_execute(op, opts, args) -> dict:
+    """A layer-streamed op from the CLI: `op.plan(opts)`, then (unless --dry-run) `op.execute` with a
+    per-layer progress bar; the report as `--json` prints it ({"plan": ...} for a dry run)."""
+    p = op.plan(opts)
+    if args.dry_run:
+        return {"plan": p.to_json()}
+    with layer_progress(not (args.quiet or args.json)) as progress:
+        return op.execute(p, progress=progress).to_json()
+
+
+def dataset_supply(c: dict) -> str:
+    """The text ` (the dataset gives N: up to W windows)` for a plan's calibration section, when counted."""
+    if "available_tokens" not in c:
+        return ""
+    return f" (the dataset gives {c['available_tokens']}: up to {c['available_windows']} windows)"
+
+
 @contextlib.contextmanager
 def layer_progress(enabled: bool):
     """A per-layer tqdm bar for layer-streamed commands; yields the callback (None when disabled)."""

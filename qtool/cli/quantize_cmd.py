@@ -9,7 +9,8 @@ from qtool.cli.common import (
     check_device,
     eprint,
     human_bytes,
-    layer_progress,
+    plan_then_execute,
+    dataset_supply,
     headers_checkpoint,
     local_checkpoint,
     print_json,
@@ -43,12 +44,7 @@ def run(args) -> int:
         format=OutFormat(args.format) if args.format else None,
         dataset=args.dataset, samples=args.samples, seq_len=args.seq_len, device=args.device,
         resume=args.resume, force=args.force, command=run_command_line())
-    p = quantize.plan(opts)
-    if args.dry_run:
-        rep = {"plan": p.to_json()}
-    else:
-        with layer_progress(not (args.quiet or args.json)) as progress:
-            rep = quantize.execute(p, progress=progress).to_json()
+    rep = plan_then_execute(quantize, opts, args)
     if args.json:
         print_json(rep)
         return 0
@@ -63,8 +59,7 @@ def run(args) -> int:
         print(f"  experts      {s}: layers {ls[0]}..{ls[-1]} ({len(ls)})")
     c = p["calibration"]
     print(f"  calibration  {c['dataset']}: {c['samples']} x {c['seq_len']} tokens on {p['device']}"
-          + (f" (the dataset gives {c['available_tokens']}: up to {c['available_windows']} windows)"
-             if "available_tokens" in c else ""))
+          + dataset_supply(c))
     print(f"  memory       one layer {human_bytes(m['max_layer_bytes'])}, activations ~{human_bytes(m['activation_bytes'])}, "
           f"peak RAM ~{human_bytes(m['peak_ram_bytes_estimate'])}; hidden states {human_bytes(m['hidden_bytes'])} x2 on disk")
     print(f"  output       ~{human_bytes(p['output_bytes'])}")

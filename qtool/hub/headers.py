@@ -35,6 +35,10 @@ def headers_dir(repo_id: str, commit: str) -> Path:
     return _repo_cache(repo_id) / commit / "headers"
 
 
+def _from_cache(d: Path) -> tuple[Path, dict]:
+    return d, {**json.loads((d / STATS).read_text()), "cached": True}
+
+
 def _cached(spec: HubSpec) -> Path | None:
     commit = cached_commit(spec)
     d = headers_dir(spec.repo_id, commit) if commit else None
@@ -56,7 +60,7 @@ def remote_headers(spec: HubSpec, *, token: str | None = None) -> tuple[Path, di
     branch is too; otherwise the revision is resolved (one API call) and whatever is missing fetched."""
     cached = _cached(spec) if (is_commit(spec.revision) or hub_offline()) else None
     if cached is not None:
-        return cached, {**json.loads((cached / STATS).read_text()), "cached": True}
+        return _from_cache(cached)
     if hub_offline():
         raise HubError("the headers of this revision are not cached and HF_HUB_OFFLINE is set", path=str(spec),
                        hint="run the same command once online (it caches configs and headers: about 90 MB "
@@ -69,10 +73,10 @@ def remote_headers(spec: HubSpec, *, token: str | None = None) -> tuple[Path, di
         fallback = _cached(spec)
         if fallback is None or "network error" not in e.message:
             raise
-        return fallback, {**json.loads((fallback / STATS).read_text()), "cached": True}  # the Hub is unreachable
+        return _from_cache(fallback)  # the Hub is unreachable: what was read before
     out = headers_dir(spec.repo_id, listing.commit)
     if (out / STATS).is_file():
-        return out, {**json.loads((out / STATS).read_text()), "cached": True}
+        return _from_cache(out)
     return out, {**_fetch(listing, out, token), "cached": False}
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from qtool.errors import VerificationError, WriteError
-from qtool.io.files import fsync_dir, new_file
+from qtool.io.files import copy_file, fsync_dir, new_file
 from qtool.io.identity import JOURNAL_NAME, Journal, input_identity
 from qtool.io.jsonio import dumps
 from qtool.io.manifest import InputHasher, carried_files, previous_head, source_entry, write_manifest
@@ -108,6 +108,9 @@ def _write_small(e, tx: OutputDir) -> None:
     """A side file: never written through an existing link (io.files.new_file)."""
     dst = tx.partial / e.name
     dst.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(e, Copy):
+        copy_file(e.source, dst, tx.file_mode)
+        return
     if isinstance(e, Index):
         with new_file(dst, tx.file_mode) as f:
             for chunk in index_text_of(e):
@@ -115,11 +118,8 @@ def _write_small(e, tx: OutputDir) -> None:
         return
     if isinstance(e, Json):
         data = dumps(e.obj, e.style).encode()
-    elif isinstance(e, Text):
+    else:
         data = e.text.encode()
-    else:  # Copy
-        with open(e.source, "rb") as f:
-            data = f.read()
     with new_file(dst, tx.file_mode) as f:
         f.write(data)
 
