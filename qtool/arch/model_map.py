@@ -140,7 +140,12 @@ class Module:
         return names
 
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.params.values())
+        # verify's memory fit and the layer grid ask for every module's size (~95k modules, ~370k tensors
+        # in a 397B checkpoint): straight from the tensor table's columns where there is one
+        by_name = getattr(self.tensors, "nbytes_of", None)
+        if by_name is None:
+            return sum(t.nbytes for t in self.params.values())
+        return sum(by_name(f"{self.name}.{p}") for p in self.param_names)
 
     @property
     def is_mtp(self) -> bool:
@@ -283,6 +288,18 @@ def build_map(ckpt: Checkpoint, *, read_values: bool = True) -> ModelMap:
     """The checkpoint's modules and roles. Everything comes from headers except the KV scale values
     (`kv.values`, `kv.calibrated`, `kv.invalid`); `read_values=False` leaves those empty, for shards whose
     data is still being written (then call `read_kv_values` once it is)."""
+    from qtool.io.checkpoint import _REUSED
+
+    memo = _REUSED.get()
+    if memo is not None:  # inside reuse_opened(): one map per opened checkpoint
+        key = ("model_map", id(ckpt), read_values)
+        if key not in memo:
+            memo[key] = (ckpt, _built_map(ckpt, read_values))  # the checkpoint kept alive: its id stays unique
+        return memo[key][1]
+    return _built_map(ckpt, read_values)
+
+
+def _built_map(ckpt: Checkpoint, read_values: bool) -> ModelMap:
     # Same reason as in Checkpoint.open: hundreds of thousands of acyclic objects.
     gc_was_enabled = gc.isenabled()
     gc.disable()

@@ -19,13 +19,9 @@ def add_arguments(p) -> None:
                        "compact reference from --save-ref.")
     k.add_argument("--ref", help="reference: checkpoint, dump directory or compact reference")
     k.add_argument("--test", help="model under test: checkpoint or dump directory")
-    k.add_argument("--dataset", default="builtin",
-                   help="`builtin`, FILE.txt or FILE.jsonl (`text` per line); tokenized as calibrate-kv does")
-    k.add_argument("--windows", type=int, default=4, help="number of token windows (default 4)")
-    k.add_argument("--seq-len", type=int, default=512, help="tokens per window (default 512)")
+    add_window_flags(k)
     k.add_argument("--stride", type=int, default=None,
                    help="sliding windows: window i starts at i*STRIDE (default: non-overlapping = calibrate-kv's)")
-    k.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     k.add_argument("--tokenizer", default=None,
                    help="directory with the tokenizer (default: the first checkpoint among --ref/--test)")
     k.add_argument("--save-ref", metavar="OUT", help="write the reference's log-probs compactly to OUT/")
@@ -43,6 +39,15 @@ def add_arguments(p) -> None:
                    help="check the inputs, make the windows, print the plan (memory per model); run nothing")
     k.add_argument("--quiet", action="store_true", help="no progress bars")
     add_json_flag(k)
+
+
+def add_window_flags(k) -> None:
+    """The flags that choose eval kld's token windows and device (shared with `qtool report --ref`)."""
+    k.add_argument("--dataset", default="builtin",
+                   help="`builtin`, FILE.txt or FILE.jsonl (`text` per line); tokenized as calibrate-kv does")
+    k.add_argument("--windows", type=int, default=4, help="number of token windows (default 4)")
+    k.add_argument("--seq-len", type=int, default=512, help="tokens per window (default 512)")
+    k.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
 
 
 def run(args) -> int:

@@ -26,6 +26,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve-config": ("qtool.cli.serve_config_cmd", "launch command / docker-compose service for a verified artifact"),
     "quantize": ("qtool.cli.quantize_cmd", "quantize a BF16 checkpoint by a recipe (layer-streamed, NVFP4 / AWQ INT4)"),
     "convert": ("qtool.cli.convert_cmd", "convert NVFP4 between ModelOpt and compressed-tensors (lossless)"),
+    "report": ("qtool.cli.report_cmd", "one self-contained HTML page of an artifact (or two, compared): formats per "
+               "layer, engine findings, KV scales, memory fit, KLD, provenance"),
     "recipes": ("qtool.cli.recipes_cmd", "the shipped quantization and build recipes, and what each will do"),
 }
 

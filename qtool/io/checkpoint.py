@@ -11,7 +11,9 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +27,23 @@ INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
 HF_QUANT_CONFIG_NAME = "hf_quant_config.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
+
+
+# Set by reuse_opened(): opened checkpoints (and their model maps, qtool.arch.model_map) by key.
+_REUSED: ContextVar[dict | None] = ContextVar("qtool_reused_checkpoints", default=None)
+
+
+@contextmanager
+def reuse_opened() -> Iterator[dict]:
+    """A scope in which each checkpoint is opened (headers parsed, model map built) once: for a command
+    that looks at one unchanging artifact several ways (`qtool report` runs inspect, verify and
+    serve-config's verify per engine: ~1-2 s each on a 397B checkpoint). Nothing may write to the
+    checkpoints inside the scope."""
+    token = _REUSED.set({})
+    try:
+        yield _REUSED.get()
+    finally:
+        _REUSED.reset(token)
 
 
 @dataclass
@@ -43,7 +62,18 @@ class Checkpoint:
 
     @classmethod
     def open(cls, path: str | Path, *, require_config: bool = False, check_file_sizes: bool = True) -> Checkpoint:
-        """`check_file_sizes=False` reads headers of shards whose data may still be being written."""
+        """`check_file_sizes=False` reads headers of shards whose data may still be being written.
+        Inside `reuse_opened()` the same directory opened the same way gives the same object."""
+        memo = _REUSED.get()
+        if memo is None:
+            return cls._open(path, require_config=require_config, check_file_sizes=check_file_sizes)
+        key = ("checkpoint", os.path.abspath(path), require_config, check_file_sizes)
+        if key not in memo:
+            memo[key] = cls._open(path, require_config=require_config, check_file_sizes=check_file_sizes)
+        return memo[key]
+
+    @classmethod
+    def _open(cls, path: str | Path, *, require_config: bool, check_file_sizes: bool) -> Checkpoint:
         root = Path(path)
         if not root.exists():
             raise CheckpointError("checkpoint not found", path=root, hint="check the path")

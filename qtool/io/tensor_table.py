@@ -121,6 +121,11 @@ class TensorTable(Mapping):
     def nbytes_at(self, row: int) -> int:
         return self._end[row] - self._start[row]
 
+    def nbytes_of(self, name: str) -> int:
+        """A tensor's byte count by name, without making its TensorInfo."""
+        row = self._row[name]
+        return self._end[row] - self._start[row]
+
     def file_at(self, row: int) -> str:
         return self.files[self._file[row]]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
+from qtool.arch.layer_grid import layer_grid
 from qtool.arch.model_map import QUANTIZED_FORMATS, REQUIRED_PARAMS, Format, ModelMap, build_map
 from qtool.arch.qwen35 import Group
 from qtool.findings import Code, Finding, Severity
@@ -64,7 +65,10 @@ def report(mm: ModelMap) -> dict:
             "layers": mm.kv.layers,
             "calibrated": mm.kv.calibrated,
             "naming": mm.kv.naming,
+            # per full-attention layer; empty when the values were not read (a header-only hf: source)
+            "values": [{"layer": layer, "k": k, "v": v} for layer, (k, v) in sorted(mm.kv.values.items())],
         },
+        "grid": layer_grid(mm),
         "quantization": summary.to_json(),
         "problems": [p.to_json() for p in find_problems(mm, summary)],
     }

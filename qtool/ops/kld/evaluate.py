@@ -17,7 +17,12 @@ from qtool.errors import PlanError, UsageError
 from qtool.ops.kld import compact as C
 from qtool.ops.kld.sources import META, CompactSource, Kind, open_source
 
-RESULT_KEYS = ("mean", "median", "p95", "p99", "max", "top1_agreement", "positions")
+RESULT_KEYS = ("mean", "median", "p95", "p99", "max", "top1_agreement", "positions", "histogram", "per_position")
+# KLD histogram edges: fixed (10^-6 .. 10^1 nats, 4 bins a decade) so that the histograms of several
+# checkpoints, or of one checkpoint over time, are comparable bin by bin; values below the first edge
+# (identical distributions give 0) and above the last are counted apart.
+HIST_DECADES = (-6, 1)
+HIST_BINS_PER_DECADE = 4
 
 
 @dataclass
@@ -58,8 +63,10 @@ class KldReport:
                                               "warnings")}
 
 
-def summarize(kl, top1) -> dict:
-    """The reported statistics of per-position KLD values `kl` [P] and top-1 matches `top1` [P] (bool)."""
+def summarize(kl, top1, positions=None) -> dict:
+    """The reported statistics of per-position KLD values `kl` [P] and top-1 matches `top1` [P] (bool):
+    quantiles, the histogram (fixed log-spaced edges) and, with `positions` [P] (each value's position in
+    its window), the mean KLD and top-1 agreement at each window position."""
     import numpy as np
 
     a = kl.double().cpu().numpy()
@@ -74,7 +81,40 @@ def summarize(kl, top1) -> dict:
         "max": float(a.max()),
         "top1_agreement": float(top1.double().mean()),
         "positions": int(a.size),
+        "histogram": _histogram(a),
+        "per_position": _per_position(a, top1.cpu().numpy(), None if positions is None else positions.cpu().numpy()),
     }
+
+
+def _histogram(a) -> dict:
+    import numpy as np
+
+    lo, hi = HIST_DECADES
+    edges = np.logspace(lo, hi, (hi - lo) * HIST_BINS_PER_DECADE + 1)
+    counts, _ = np.histogram(np.clip(a, edges[0], edges[-1]), bins=edges)
+    below = int((a < edges[0]).sum())
+    above = int((a > edges[-1]).sum())
+    counts[0] -= below  # np.clip put them in the first bin, the last bin includes its right edge
+    counts[-1] -= above
+    return {"edges": [float(e) for e in edges], "counts": [int(c) for c in counts], "below": below,
+            "above": above}
+
+
+def _per_position(a, top1, positions) -> dict | None:
+    """Mean KLD and top-1 agreement by position in the window (where errors grow with context)."""
+    import numpy as np
+
+    if positions is None:
+        return None
+    n = int(positions.max()) + 1
+    count = np.bincount(positions, minlength=n)
+    kl_sum = np.bincount(positions, weights=a, minlength=n)
+    agree = np.bincount(positions, weights=top1.astype(np.float64), minlength=n)
+    seen = count > 0
+    return {"position": [int(p) for p in np.flatnonzero(seen)],
+            "mean": [float(x) for x in kl_sum[seen] / count[seen]],
+            "top1_agreement": [float(x) for x in agree[seen] / count[seen]],
+            "windows": [int(c) for c in count[seen]]}
 
 
 def _describe(src) -> dict:
@@ -182,7 +222,7 @@ def run(
         saver = _RefSaver(save_ref, o, r, rep) if save_ref else None
         if saver is not None:
             saver.ids = ids
-        kls, top1s, est = [], [], []
+        kls, top1s, est, where = [], [], [], []
         for w in range(n):
             rows = r.rows(w) if t is None else min(r.rows(w), t.rows(w))
             if t is not None and r.rows(w) != t.rows(w) and not rep.warnings:
@@ -208,6 +248,7 @@ def run(
                         est.append(C.kl_compact(parts[-1], lq)[0].cpu())
                 kls.append(kl.cpu())
                 top1s.append((ref_top == lq.argmax(-1)).cpu())
+                where.append(torch.arange(r0, r0 + kl.shape[0]))
             if saver is not None:
                 saver.write(w, parts, rows)
             if progress:
@@ -220,7 +261,7 @@ def run(
                 rep.saved_ref["check"] = {"exact_mean": exact, "compact_mean": approx,
                                           "relative_error": (approx - exact) / exact if exact else 0.0}
         if t is not None:
-            rep.result = summarize(torch.cat(kls), torch.cat(top1s))
+            rep.result = summarize(torch.cat(kls), torch.cat(top1s), torch.cat(where))
         return rep
     finally:
         for s in srcs.values():

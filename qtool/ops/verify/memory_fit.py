@@ -20,7 +20,7 @@ Model (per GPU, bytes; all from headers and config, no data read):
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from qtool.arch.model_map import ModelMap
 from qtool.arch.qwen35 import Group
@@ -74,6 +74,11 @@ class Fit:
     reason: str
     kv_cache_dtype: str
     breakdown_gib: dict[str, float]
+    # the budget at the checked point (max_model_len x max_num_seqs): weights, KV cache, GDN state,
+    # reserve and what is left unused; they add up to budget_gib
+    usage_gib: dict[str, float] = field(default_factory=dict)
+    # sequences that fit at each context length (powers of two from 4096 to the model's context)
+    capacity: list[dict] = field(default_factory=list)
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -81,6 +86,7 @@ class Fit:
             if isinstance(v, float):
                 d[k] = round(v, 3)
         d["breakdown_gib"] = {k: round(v, 3) for k, v in self.breakdown_gib.items()}
+        d["usage_gib"] = {k: round(v, 3) for k, v in self.usage_gib.items()}
         return d
 
 
@@ -195,6 +201,11 @@ def memory_fit(
         if not fits:
             reason = (f"one sequence of {length} tokens needs {(length * kv_tok + state) / GIB:.1f} GiB of KV cache, "
                       f"{free / GIB:.1f} GiB is left per GPU")
+    seqs_used = out_seqs if fits else 0
+    kv_used = seqs_used * out_len * kv_tok
+    state_used = seqs_used * state
+    usage = {"weights": weights, "kv_cache": kv_used, "gdn_state": state_used, "reserve": reserve,
+             "unused": max(budget - weights - reserve - kv_used - state_used, 0.0)}
     return Fit(
         tp=tp,
         gpu_gib=target.gpu_bytes / GIB,
@@ -210,4 +221,19 @@ def memory_fit(
         reason=reason,
         kv_cache_dtype=kv_cache_dtype,
         breakdown_gib={k: v / GIB for k, v in sorted(parts.items())},
+        usage_gib={k: v / GIB for k, v in usage.items()},
+        capacity=capacity_curve(max(free, 0.0), kv_tok, state, ctx_default),
     )
+
+
+def capacity_curve(free_bytes: float, kv_bytes_per_token: int, state_bytes: int, context: int) -> list[dict]:
+    """Sequences that fit in `free_bytes` at context lengths 4096, 8192, ... up to `context` (and
+    `context` itself): each sequence holds its KV cache for the whole length plus one GDN state."""
+    lengths = []
+    length = 4096
+    while length < context:
+        lengths.append(length)
+        length *= 2
+    lengths.append(context)
+    return [{"max_model_len": n, "max_num_seqs": int(free_bytes // (n * kv_bytes_per_token + state_bytes))}
+            for n in lengths]

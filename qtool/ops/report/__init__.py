@@ -1,0 +1,148 @@
+"""`qtool report`: one or two artifacts as one self-contained HTML page (layer x module-group grid by
+storage format with the verify findings in place, KV scales, expert layout, memory fit per GPU and
+sequences vs context, KLD against a reference, provenance and the launch command).
+
+plan(ReportOptions) checks the options, the checkpoints' presence, the KLD results and the output file
+(nothing is read beyond headers, configs and the manifest); execute(plan) runs inspect and verify (and
+eval kld with --ref), draws the page and writes it atomically. The page's numbers are the objects those
+commands print with --json (qtool.ops.report.data).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from qtool.errors import CheckpointError, PlanError, UsageError
+from qtool.ops.report.data import Artifact
+
+GENERATOR = '<meta name="generator" content="qtool report'
+MAX_ARTIFACTS = 2  # a page compares two side by side; more would not fit a screen's width
+
+
+@dataclass(frozen=True)
+class ReportOptions:
+    artifacts: tuple[Artifact, ...]
+    out: Path
+    verify: object  # qtool.ops.verify.VerifyOptions: engine, TP, GPUs, context, KV dtype, MTP
+    ref: str | None = None  # eval kld's reference (each artifact is evaluated against it)
+    kld: tuple[str, ...] = ()  # saved `eval kld --json` results, one per artifact in order
+    kld_options: object | None = None  # qtool.ops.kld.KldOptions for --ref
+    force: bool = False
+
+
+@dataclass
+class ReportPlan:
+    options: ReportOptions
+    klds: list[dict | None]  # per artifact: a loaded --kld result, or None (then --ref runs eval kld)
+
+    def to_json(self) -> dict:
+        o = self.options
+        return {"artifacts": [a.label for a in o.artifacts], "out": str(o.out), "ref": o.ref,
+                "kld": list(o.kld), "engine": o.verify.engine, "tp": o.verify.tp, "gpus": o.verify.gpus}
+
+
+@dataclass
+class ReportResult:
+    path: str
+    bytes: int
+    artifacts: list[str]
+    ok: list[bool]
+    sections: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"path": self.path, "bytes": self.bytes, "artifacts": self.artifacts, "ok": self.ok,
+                "sections": self.sections}
+
+
+def plan(opts: ReportOptions) -> ReportPlan:
+    from qtool.ops.verify import validate
+
+    validate(opts.verify)
+    if not opts.artifacts:
+        raise UsageError("give the checkpoint to report on", hint="qtool report CKPT -o report.html")
+    if len(opts.artifacts) > MAX_ARTIFACTS:
+        raise UsageError(f"a report compares at most {MAX_ARTIFACTS} artifacts", got=len(opts.artifacts))
+    for a in opts.artifacts:
+        if not Path(a.path).exists():
+            raise CheckpointError("checkpoint not found", path=a.label, hint="check the path")
+    if opts.ref and opts.kld:
+        raise UsageError("--ref and --kld both give the KLD: pass one",
+                         hint="--ref REF runs eval kld now; --kld FILE.json reads a saved `eval kld --json` result")
+    if opts.kld and len(opts.kld) != len(opts.artifacts):
+        raise UsageError(f"--kld gives {len(opts.kld)} result(s) for {len(opts.artifacts)} artifact(s)",
+                         hint="pass one --kld FILE.json per checkpoint, in the same order")
+    _check_output(opts.out, opts.force)
+    klds = [load_kld(Path(k)) for k in opts.kld] or [None] * len(opts.artifacts)
+    return ReportPlan(opts, klds)
+
+
+def _check_output(out: Path, force: bool) -> None:
+    if out.suffix.lower() not in (".html", ".htm"):
+        raise UsageError("-o must name an .html file", got=str(out), hint="e.g. -o report.html")
+    if out.is_dir():
+        raise UsageError("-o names a directory", path=out, hint="name the .html file to write, e.g. -o report.html")
+    if not out.parent.is_dir():
+        raise PlanError("the output's directory does not exist", path=out.parent, hint="create it first")
+    if out.exists() and not force:
+        head = out.read_bytes()[:512].decode("utf-8", "replace")
+        if GENERATOR not in head:
+            raise PlanError("the output file exists and is not a qtool report", path=out,
+                            hint="choose another -o, or pass --force to replace it")
+
+
+def load_kld(path: Path) -> dict:
+    """A saved `eval kld --json` result, checked: it must hold the statistics the page draws."""
+    from qtool.ops.kld import RESULT_KEYS
+
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError("KLD result not found", path=path, hint="save one with `qtool eval kld ... --json > FILE`")
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"KLD result is not JSON ({e})", path=path,
+                              hint="save it with `qtool eval kld --ref REF --test TEST --json > FILE`") from None
+    if isinstance(obj, dict) and isinstance(obj.get("result"), dict):
+        obj = obj["result"]  # the full report (`--dry-run`-less to_json) holds it under "result"
+    missing = [k for k in RESULT_KEYS if not isinstance(obj, dict) or k not in obj]
+    if missing:
+        raise CheckpointError("KLD result lacks " + ", ".join(missing), path=path,
+                              hint="re-run `qtool eval kld ... --json` with this qtool version (it prints them)")
+    return {k: obj[k] for k in RESULT_KEYS}
+
+
+def execute(p: ReportPlan, *, progress=None) -> ReportResult:
+    from qtool import __version__
+    from qtool.io.jsonio import atomic_write_text
+    from qtool.ops.report.data import artifact_data, grid_difference
+    from qtool.ops.report.page import render
+
+    o = p.options
+    klds = list(p.klds)
+    if o.ref:
+        klds = [run_kld(o.ref, a.path, o.kld_options, progress) for a in o.artifacts]
+    from qtool.io.checkpoint import reuse_opened
+
+    with reuse_opened():  # inspect, verify and serve-config read the same headers: parse them once
+        artifacts = [artifact_data(a, o.verify, kld) for a, kld in zip(o.artifacts, klds)]
+    difference = (grid_difference(artifacts[0]["inspect"]["grid"], artifacts[1]["inspect"]["grid"])
+                  if len(artifacts) == 2 else None)
+    v = o.verify
+    data = {"qtool_version": __version__, "artifacts": artifacts, "difference": difference,
+            "options": {"engine": v.engine, "tp": v.tp, "gpus": v.gpus, "max_model_len": v.max_model_len,
+                        "max_num_seqs": v.max_num_seqs, "kv_cache_dtype": v.kv_cache_dtype, "mtp": v.mtp}}
+    html = render(data)
+    atomic_write_text(o.out, html)
+    sections = ["verdict", "grid", "kv", "memory", "provenance"] + (["kld"] if any(klds) else []) + (
+        ["difference"] if difference is not None else [])
+    return ReportResult(str(o.out), len(html.encode("utf-8")), [a["label"] for a in artifacts],
+                        [a["verify"]["ok"] for a in artifacts], sections)
+
+
+def run_kld(ref: str, test: Path, kld_options, progress) -> dict:
+    """eval kld of `test` against `ref` (the same run and result as `qtool eval kld --ref REF --test TEST`)."""
+    from qtool.ops.kld import RESULT_KEYS, KldOptions, run
+
+    rep = run(ref, str(test), opts=kld_options or KldOptions(), progress=progress)
+    return {k: rep.result[k] for k in RESULT_KEYS}

@@ -1,0 +1,158 @@
+"""What a report shows of one artifact, as plain JSON: the objects `inspect --json`, `verify --json`
+and `eval kld --json` print (one source of truth), and what the page adds by joining them: the verify
+findings placed in the layer grid, the manifest's provenance, the serve-config launch command.
+
+The page embeds exactly this data (script#qtool-report-data); the tests compare it with the commands'
+own JSON output.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from qtool.arch.layer_grid import cell_of
+from qtool.arch.qwen35 import Naming
+from qtool.errors import QtoolError
+from qtool.io.output import MANIFEST_NAME
+
+
+@dataclass(frozen=True)
+class Artifact:
+    path: Path  # what the ops read (a local directory, or the header-only stand-in of an hf: source)
+    label: str  # what the page calls it (the user's argument: a path or hf:ORG/NAME@REV)
+
+
+def artifact_data(art: Artifact, verify_opts, kld: dict | None = None) -> dict:
+    """One artifact's section of the report."""
+    from qtool.ops.inspect import inspect_checkpoint
+    from qtool.ops.verify import verify
+
+    inspected = inspect_checkpoint(art.path)
+    verified = verify(art.path, replace(verify_opts, deep=False)).to_json()
+    if art.label != str(art.path):  # an hf: source's stand-in: messages and fixes name the source
+        inspected, verified = (_renamed(x, str(art.path), art.label) for x in (inspected, verified))
+    naming = Naming(inspected["naming"])
+    return {
+        "label": art.label,
+        "inspect": inspected,
+        "verify": verified,
+        "marks": place_findings(verified["findings"], naming),
+        "kld": kld,
+        "provenance": provenance(art.path),
+        "launch": launch_commands(art.path, verify_opts),
+    }
+
+
+def _renamed(obj, old: str, new: str):
+    if isinstance(obj, str):
+        return obj.replace(old, new)
+    if isinstance(obj, list):
+        return [_renamed(x, old, new) for x in obj]
+    if isinstance(obj, dict):
+        return {k: _renamed(v, old, new) for k, v in obj.items()}
+    return obj
+
+
+def place_findings(findings: list[dict], naming: Naming) -> dict:
+    """{"cells": {row: {column: [finding index]}}, "elsewhere": [finding index]}: each verify finding in
+    the grid cell of the module it names (what an engine will do differently from the tensors, in place)."""
+    cells: dict[str, dict[str, list[int]]] = {}
+    elsewhere: list[int] = []
+    for i, f in enumerate(findings):
+        where = cell_of(f["module"], naming) if f.get("module") else None
+        if where is None:
+            elsewhere.append(i)
+            continue
+        row, col = where
+        cells.setdefault(row, {}).setdefault(col, []).append(i)
+    return {"cells": cells, "elsewhere": elsewhere}
+
+
+def provenance(root: Path) -> dict | None:
+    """The manifest's record of how the artifact was made: qtool version, command, operation, library
+    versions, sources (path or Hub repo, commit, every file's sha256), the build recipe and its steps.
+    None for a checkpoint qtool did not make."""
+    path = Path(root) / MANIFEST_NAME
+    if not path.is_file():
+        return None
+    try:
+        m = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {"error": f"{path} is not readable JSON"}
+    sources = []
+    for name, src in (m.get("sources") or {}).items():
+        if not isinstance(src, dict):
+            continue
+        files = src.get("files") or {}
+        sources.append({"name": name, "path": src.get("path"), "repo": src.get("repo"),
+                        "commit": src.get("commit") or src.get("revision"),
+                        "files": [{"file": f, "sha256": (v or {}).get("sha256"), "bytes": (v or {}).get("bytes")}
+                                  for f, v in sorted(files.items())]})
+    build = m.get("build") or None
+    if build:
+        build = {"recipe": build.get("recipe"), "final_key": build.get("final_key"),
+                 "sources": build.get("sources"),
+                 "steps": [{k: s.get(k) for k in ("id", "op", "key", "inputs")} for s in build.get("steps") or []]}
+    return {"qtool_version": m.get("qtool_version"), "operation": m.get("operation"), "command": m.get("command"),
+            "libraries": m.get("libraries") or {}, "sources": sources, "build": build}
+
+
+def launch_commands(root: Path, verify_opts) -> dict[str, dict]:
+    """engine -> {"command": the serve-config shell text} or {"refused": why} (serve-config refuses an
+    artifact that verify fails), for each engine the report checks."""
+    from qtool.ops.serve_config import ServeOptions, plan, render
+    from qtool.ops.verify import parse_engines
+
+    out: dict[str, dict] = {}
+    for v in parse_engines(verify_opts.engine):
+        opts = ServeOptions(engine=str(v), tp=verify_opts.tp, mtp=verify_opts.mtp, gpus=verify_opts.gpus,
+                            max_model_len=verify_opts.max_model_len, max_num_seqs=verify_opts.max_num_seqs,
+                            gpu_memory_utilization=verify_opts.gpu_memory_utilization)
+        try:
+            out[str(v)] = {"command": render(plan(root, opts), opts)}
+        except QtoolError as e:
+            out[str(v)] = {"refused": e.message + (f" ({e.got})" if e.got else "")}
+    return out
+
+
+def grid_difference(a: dict, b: dict) -> list[dict]:
+    """Cells whose storage format differs between two artifacts' grids (inspect's `grid`): one entry per
+    column and run of consecutive decoder layers with the same pair of formats, e.g. {"rows": "layers
+    0-59", "column": "routed_experts", "a": "nvfp4", "b": "bf16", "cells": 60}."""
+    def cells(grid: dict) -> dict[tuple[str, str], str]:
+        out = {("model", c): cell["format"] for c, cell in grid["model"].items()}
+        for r in grid["rows"]:
+            out.update({(r["row"], c): cell["format"] for c, cell in r["cells"].items()})
+        return out
+
+    ca, cb = cells(a), cells(b)
+    out: list[dict] = []
+    for col in list(dict.fromkeys(a["model_columns"] + a["columns"] + b["columns"])):
+        rows = sorted({r for r, c in set(ca) | set(cb) if c == col and ca.get((r, c)) != cb.get((r, c))},
+                      key=_row_order)
+        for row in rows:
+            pair = (ca.get((row, col)), cb.get((row, col)))
+            last = out[-1] if out else None
+            layer = _layer_of(row)
+            if (last and last["column"] == col and (last["a"], last["b"]) == pair and layer is not None
+                    and last["_last"] == layer - 1):
+                last["_last"] = layer
+                last["cells"] += 1
+                last["rows"] = f"layers {last['_first']}-{layer}"
+                continue
+            out.append({"rows": row, "column": col, "a": pair[0], "b": pair[1], "cells": 1,
+                        "_first": layer, "_last": layer})
+    for d in out:
+        del d["_first"], d["_last"]
+    return out
+
+
+def _layer_of(row: str) -> int | None:
+    return int(row.split()[1]) if row.startswith("layer ") else None
+
+
+def _row_order(row: str) -> tuple[int, int]:
+    layer = _layer_of(row)
+    return (0, 0) if row == "model" else (1, layer) if layer is not None else (2, 0)

@@ -1,0 +1,66 @@
+"""The report as one self-contained HTML page: a Jinja2 template (qtool/data/report/report.html.j2), the
+charts inline as SVG, the data the page was drawn from embedded as JSON. Nothing is loaded from the
+network when the page is opened."""
+
+from __future__ import annotations
+
+from importlib import resources
+
+from qtool.ops.report import charts
+
+COLUMN_TITLES = {"attention": "attention / GDN", "router": "router", "shared_expert": "shared expert",
+                 "routed_experts": "routed experts", "other": "other"}
+
+
+def _cell(artifact: dict, row: str, col: str, cell: dict | None, marks: dict):
+    """One grid cell: coloured by format, titled with its formats and byte count, flagged with the verify
+    findings placed in it."""
+    from markupsafe import Markup, escape
+
+    found = [artifact["verify"]["findings"][k] for k in marks.get(row, {}).get(col, [])]
+    if cell is None and not found:
+        return Markup(f'<td class="empty" data-row="{escape(row)}" data-col="{escape(col)}"></td>')
+    fmt = cell["format"] if cell else "none"
+    lines = []
+    if cell:
+        lines.append(", ".join(f"{n} x {f}" for f, n in cell["formats"].items()) + f"; {cell['bytes']:,} bytes")
+    for f in found:
+        eng = f" [{f['engine']}]" if f.get("engine") else ""
+        lines.append(f"{f['severity']} {f['code']}{eng}: {f['message']}")
+    classes = [f"f-{fmt}"] + (["flag"] if found else [])
+    badge = f'<span class="badge">!{len(found)}</span>' if found else ""
+    return Markup(f'<td class="{" ".join(classes)}" data-row="{escape(row)}" data-col="{escape(col)}" '
+                  f'data-format="{escape(fmt)}" data-findings="{len(found)}" title="{escape(chr(10).join(lines))}">'
+                  f'{escape(fmt)}{Markup(badge)}</td>')
+
+
+def page_charts(artifacts: list[dict]) -> dict[str, str | None]:
+    labels = [a["label"] for a in artifacts]
+    fits = [(label, a["verify"]["fit"]) for label, a in zip(labels, artifacts)]
+    klds = [(label, a["kld"]) for label, a in zip(labels, artifacts)]
+    return {
+        "kv": charts.kv_scales_chart([(label, a["inspect"]["kv_scales"]) for label, a in zip(labels, artifacts)], "kv"),
+        "memory": charts.memory_chart(fits, "mem"),
+        "capacity": charts.capacity_chart(fits, "cap"),
+        "kld_histogram": charts.kld_histogram_chart(klds, "kldh"),
+        "kld_position": charts.kld_position_chart(klds, "kldp"),
+    }
+
+
+def render(data: dict) -> str:
+    """The page for `data` ({"qtool_version", "options", "artifacts": [artifact_data...], "difference"})."""
+    import jinja2
+
+    template_text = resources.files("qtool").joinpath("data/report/report.html.j2").read_text(encoding="utf-8")
+    env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined, trim_blocks=True,
+                             lstrip_blocks=True)
+    template = env.from_string(template_text)
+    svg = {k: (None if v is None else _markup(v)) for k, v in page_charts(data["artifacts"]).items()}
+    return template.render(**data, data=data, charts=svg, cell=_cell, colours=charts.FORMAT_COLOURS,
+                           column_titles=COLUMN_TITLES)
+
+
+def _markup(svg: str):
+    from markupsafe import Markup
+
+    return Markup(svg)  # matplotlib's own SVG output, not user text
