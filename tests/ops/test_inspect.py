@@ -50,7 +50,20 @@ def test_real_scale_397b_nvfp4(s397_nvfp4):
         assert rep["groups"][g]["format"] == "bf16", g
     assert rep["groups"]["norm"]["format"] is None  # norms do not count
     assert rep["expert_layout"] == "per_expert" and rep["mtp"] and rep["vision"]
-    assert rep["kv_scales"] == {"layers": list(range(3, 60, 4)), "calibrated": True, "naming": "modelopt"}
+    kv = rep["kv_scales"]
+    assert {k: kv[k] for k in ("layers", "calibrated", "naming")} == {
+        "layers": list(range(3, 60, 4)), "calibrated": True, "naming": "modelopt"}
+    assert [v["layer"] for v in kv["values"]] == kv["layers"]
+    assert all(0 < v["k"] < 1 and 0 < v["v"] < 1 for v in kv["values"])  # calibrated values, read as scalars
+    # the grid: 60 decoder rows + MTP; NVIDIA's layout has NVFP4 routed experts and BF16 everywhere else
+    grid = rep["grid"]
+    assert [r["row"] for r in grid["rows"]] == [f"layer {i}" for i in range(60)] + ["mtp"]
+    for r in grid["rows"][:60]:
+        assert r["cells"]["routed_experts"] == {"format": "nvfp4", "formats": {"nvfp4": 512 * 3}, "modules": 512 * 3,
+                                                "bytes": r["cells"]["routed_experts"]["bytes"]}
+        assert {c["format"] for k, c in r["cells"].items() if k != "routed_experts"} == {"bf16"}
+    assert sum(c["bytes"] for r in grid["rows"] for c in r["cells"].values()) + sum(
+        c["bytes"] for c in grid["model"].values()) <= rep["total_bytes"]
     assert rep["quantization"]["quant_method"] == "modelopt"
     assert rep["quantization"]["hf_quant_config"]["schema"] == "modelopt-native"
     assert rep["problems"] == []
