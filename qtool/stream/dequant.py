@@ -149,17 +149,31 @@ def dense_weight(mod: Module, dtype, device="cpu", src: TensorSource | None = No
     raise PlanError(f"module has no weight matrix ({fmt})", tensor=mod.name)
 
 
-def layer_state_dict(mm: ModelMap, idx: int, dtype, device, want: dict[str, tuple[tuple, object]]) -> dict:
-    """State dict for transformers' decoder layer `idx` (local names, e.g. `mlp.experts.gate_up_proj`),
-    every tensor dense in `dtype` on `device`; `want` = local name -> (shape, dtype) of the module."""
-    import torch
-
+def _layer_modules(mm: ModelMap, idx: int) -> list[Module]:
     pre = layer_prefix(idx, mm.naming)
-    src = TensorSource()
-    sd: dict = {}
     mods = [m for m in mm.modules.values() if m.layer == idx and not m.is_mtp and m.name.startswith(pre)]
     if not mods:
         raise PlanError(f"no tensors for decoder layer {idx}", path=mm.ckpt.root, expected=pre + "*")
+    return mods
+
+
+def layer_tensors(mm: ModelMap, idx: int) -> list[TensorInfo]:
+    """Every tensor `layer_state_dict` reads for decoder layer `idx` (what the read-ahead fetches)."""
+    return [info for m in _layer_modules(mm, idx) if m.group is not Group.KV_SCALE for info in m.params.values()]
+
+
+def layer_state_dict(mm: ModelMap, idx: int, dtype, device, want: dict[str, tuple[tuple, object]],
+                     src=None) -> dict:
+    """State dict for transformers' decoder layer `idx` (local names, e.g. `mlp.experts.gate_up_proj`),
+    every tensor dense in `dtype` on `device`; `want` = local name -> (shape, dtype) of the module.
+    `src`: where the tensors come from (a qtool.stream.layer_read.LayerBytes read ahead; default: read
+    now, one tensor at a time)."""
+    import torch
+
+    pre = layer_prefix(idx, mm.naming)
+    src = src or TensorSource()
+    sd: dict = {}
+    mods = _layer_modules(mm, idx)
     experts: dict[int, Module] = {}
     try:
         for mod in mods:

@@ -126,19 +126,27 @@ class MemoryStore(HiddenStore):
 
 
 class DiskStore(HiddenStore):
-    """Two raw files `hidden.a` / `hidden.b` in `dir`: a layer reads one and writes the other; `current`
-    names the one holding the last committed layer's output (recorded by the caller's journal)."""
+    """Raw files `hidden.a`, `hidden.b` (, `hidden.c`) in `dir`, used in turn: a layer reads `current` and
+    writes the next one; `current` names the one holding the last committed layer's output (recorded by
+    the caller's journal). With `files=3` the input of a layer whose results are still being written
+    (quantize's write-behind) survives the next layer's forward, so a journal that lags one layer behind
+    still points at intact hidden states."""
 
-    def __init__(self, dir: Path, shape, dtype, current: str = "a"):
+    NAMES = ("a", "b", "c")
+
+    def __init__(self, dir: Path, shape, dtype, current: str = "a", files: int = 2):
         import torch
 
+        if not 2 <= files <= len(self.NAMES):
+            raise ValueError(f"files must be 2..{len(self.NAMES)}")
         self.dir = Path(dir)
         self.shape = tuple(shape)
         self.dtype = dtype
         self.itemsize = torch.empty((), dtype=dtype).element_size()
-        self.current = current
+        self.names = self.NAMES[:files]
+        self.current = current if current in self.names else self.names[0]
         self.row = shape[1] * shape[2] * self.itemsize
-        for name in ("a", "b"):
+        for name in self.names:
             p = self.path(name)
             if not p.exists() or p.stat().st_size != self.nbytes:
                 with open(p, "ab") as f:
@@ -149,7 +157,8 @@ class DiskStore(HiddenStore):
 
     @property
     def other(self) -> str:
-        return "b" if self.current == "a" else "a"
+        """The file the next layer writes."""
+        return self.names[(self.names.index(self.current) + 1) % len(self.names)]
 
     def read(self, b0, b1):
         import torch
@@ -158,9 +167,9 @@ class DiskStore(HiddenStore):
             buf = bytearray(os.pread(f.fileno(), (b1 - b0) * self.row, b0 * self.row))
         return torch.frombuffer(buf, dtype=self.dtype).view(b1 - b0, *self.shape[1:])
 
-    def write(self, b0, b1, x):
+    def write(self, b0, b1, x, name: str | None = None):
         data = x.detach().to("cpu", self.dtype).contiguous().view(-1).view(dtype=_u8()).numpy().tobytes()
-        fd = os.open(self.path(self.other), os.O_WRONLY)
+        fd = os.open(self.path(name or self.other), os.O_WRONLY)
         try:
             os.pwrite(fd, data, b0 * self.row)
         finally:
@@ -168,11 +177,7 @@ class DiskStore(HiddenStore):
 
     def write_current(self, b0, b1, x):
         """Write into the current file (used to fill the embeddings before layer 0)."""
-        self.current = self.other
-        try:
-            self.write(b0, b1, x)
-        finally:
-            self.current = self.other
+        self.write(b0, b1, x, name=self.current)
 
     def commit(self):
         fd = os.open(self.path(self.other), os.O_RDONLY)
@@ -248,6 +253,9 @@ class LayerStreamer:
         self.prefix = text_prefix(self.mm.naming)
         self._hf_config = None
         self._rotary = None
+        from qtool.stream.layer_read import Prefetcher
+
+        self._reader = Prefetcher(device)
 
     # -- config ---------------------------------------------------------------------------------
     @property
@@ -354,17 +362,32 @@ class LayerStreamer:
         import torch
         from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeDecoderLayer
 
-        from qtool.stream.dequant import layer_state_dict
+        from qtool.stream.dequant import layer_state_dict, layer_tensors
 
         from qtool.quiet import transformers_errors_only
 
         with torch.device("meta"), transformers_errors_only():
             layer = Qwen3_5MoeDecoderLayer(self.hf_config, idx)
         want = {n: (tuple(p.shape), p.dtype) for n, p in layer.state_dict().items()}
-        sd = layer_state_dict(self.mm, idx, self.dtype, self.device, want)
+        read = self._reader.take(idx) or self._reader.read_now(layer_tensors(self.mm, idx))
+        try:
+            sd = layer_state_dict(self.mm, idx, self.dtype, self.device, want, src=read)
+        finally:
+            read.close()  # what the layer keeps (views of BF16 weights) stays alive through it
         layer.load_state_dict(sd, strict=True, assign=True)
         del sd
         return layer.eval()
+
+    def prefetch(self, idx: int) -> None:
+        """Start reading layer `idx`'s bytes in the background (qtool.stream.layer_read): the next
+        `load_layer(idx)` takes them instead of reading. A no-op past the last layer."""
+        if 0 <= idx < self.num_layers:
+            from qtool.stream.dequant import layer_tensors
+
+            self._reader.start(idx, layer_tensors(self.mm, idx))
+
+    def close(self) -> None:
+        self._reader.close()
 
     def forward_layer(self, layer, store: HiddenStore, seq_len: int, batch: int) -> None:
         import torch
@@ -395,8 +418,16 @@ class LayerStreamer:
         """Run layers start..stop-1 over the store (which holds layer `start`'s input)."""
         batch = batch or self.batch_windows(seq_len)
         stop = self.num_layers if stop is None else stop
+        try:
+            self._run(store, seq_len, start, stop, hooks, batch, progress)
+        finally:
+            self._reader.close()  # an error mid-run: no read left going on behind the caller's back
+
+    def _run(self, store, seq_len, start, stop, hooks, batch, progress) -> None:
         for idx in range(start, stop):
             layer = self.load_layer(idx)
+            if idx + 1 < stop:
+                self.prefetch(idx + 1)  # read while this layer computes
             if hooks is not None:
                 hooks.before_layer(idx, layer)
             self.forward_layer(layer, store, seq_len, batch)

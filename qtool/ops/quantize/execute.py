@@ -47,17 +47,8 @@ def _journal_key(p: QuantizePlan, digest: str) -> str:
 
 def calibrate_and_write(p: QuantizePlan, partial: Path, ids, *, resume: bool, progress=None,
                         mode: int = 0o644, done=None) -> dict:
-    import torch
-
     from qtool.stream.calib_data import token_digest
-    from qtool.stream.layer_stream import DiskStore, LayerStreamer, attention_tap, kv_amax_tap
-    from qtool.ops.quantize.calib import (
-        ExpertStats,
-        KvStat,
-        install_expert_stats,
-        remove_expert_stats,
-    )
-    from qtool.ops.quantize.layer import write_layer_shard
+    from qtool.stream.layer_stream import DiskStore, LayerStreamer
 
     work = partial / WORK
     work.mkdir(parents=True, exist_ok=True)
@@ -71,40 +62,44 @@ def calibrate_and_write(p: QuantizePlan, partial: Path, ids, *, resume: bool, pr
                             path=jpath, hint="run again without --resume to start over")
     streamer = LayerStreamer(p.ckpt, device=p.device)
     n, seq = int(ids.shape[0]), int(ids.shape[1])
-    store = DiskStore(work, (n, seq, streamer.hidden_size), streamer.dtype, current=(journal or {}).get("current", "a"))
+    # three files: with write-behind the journal may lag one layer behind the forward (_quantize_layers)
+    store = DiskStore(work, (n, seq, streamer.hidden_size), streamer.dtype,
+                      current=(journal or {}).get("current", "a"), files=3)
     batch = streamer.batch_windows(seq)
     start = int((journal or {}).get("next_layer", 0))
     layer_reports: list[dict] = list((journal or {}).get("layers", []))
 
-    def save(next_layer: int) -> None:
-        write_json(jpath, {"key": key, "next_layer": next_layer, "current": store.current, "layers": layer_reports})
+    def save(next_layer: int, current: str) -> None:
+        write_json(jpath, {"key": key, "next_layer": next_layer, "current": current, "layers": layer_reports})
 
     if start == 0:
         streamer.embed_into(ids, store, batch)
-        save(0)
+        save(0, store.current)
     t0 = time.perf_counter()
-    for lp in p.layers[start:]:
-        layer = streamer.load_layer(lp.index)
-        stats = ExpertStats(p.n_experts, keep_rows=p.awq_rows if lp.scheme is Scheme.W4A16 else 0)
-        kv = KvStat()
-        backend = None
-        if lp.scheme is Scheme.NVFP4:
-            from qtool.ops.quantize import backends
+    try:
+        _quantize_layers(p, partial, streamer, store, seq, batch, start, layer_reports, save, progress, mode, done)
+    finally:
+        streamer.close()
+    return {"layers": layer_reports, "seconds": time.perf_counter() - t0, "resumed_from_layer": start}
 
-            backend = backends.for_layer(p)
-            if backend is not None:
-                backend.calibrate(layer, streamer, store, seq, batch)
-                stats.hooks += backend.hooks
-                stats.batch_hooks += backend.batch_hooks
-        install_expert_stats(layer.mlp.experts, stats)
-        if lp.full_attention:
-            attention_tap(layer, kv_amax_tap(kv))
-        streamer.forward_layer(layer, store, seq, batch)
-        attention_tap(layer, None)
-        remove_expert_stats(layer.mlp.experts)
+
+def _quantize_layers(p, partial, streamer, store, seq, batch, start, layer_reports, save, progress, mode, done):
+    """The layer loop: layer L+1's bytes are read while L computes (streamer.prefetch), and L's experts are
+    quantized and its shard written by one writer thread while L+1 loads and runs forward (write-behind,
+    at most one layer pending; not with a peer backend, whose library state is not thread-safe). The
+    journal entry of L is saved by the writer once L's shard is on disk, in layer order; the store keeps
+    three hidden-state files so that L's input survives L+1's forward until then."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from qtool.ops.quantize.calib import ExpertStats, KvStat, install_expert_stats, remove_expert_stats
+    from qtool.ops.quantize.layer import write_layer_shard
+    from qtool.stream.layer_stream import attention_tap, kv_amax_tap
+
+    def finish(lp, layer, stats, kv, backend, current) -> None:
         with torch.no_grad():
-            rep = write_layer_shard(partial / lp.shard, lp, layer, stats, (kv.k_amax, kv.v_amax), p, backend,
-                                    mode)
+            rep = write_layer_shard(partial / lp.shard, lp, layer, stats, (kv.k_amax, kv.v_amax), p, backend, mode)
         if done is not None:
             done(lp.shard)  # hashed for the manifest now, while the next layer runs
         entry = {"layer": lp.index, "routed_experts": lp.scheme.value, **stats.to_json()}
@@ -115,11 +110,53 @@ def calibrate_and_write(p: QuantizePlan, partial: Path, ids, *, resume: bool, pr
                             "down_mse": sum(r["down_mse"] for r in rep["awq"]),
                             "down_mse_rtn": sum(r["down_mse_rtn"] for r in rep["awq"])}
         layer_reports.append(entry)
-        save(lp.index + 1)
-        del layer, backend
+        save(lp.index + 1, current)
         if progress is not None:
             progress(lp.index)
-    return {"layers": layer_reports, "seconds": time.perf_counter() - t0, "resumed_from_layer": start}
+
+    todo = p.layers[start:]
+    pending = None
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="qtool-layer-write") as writer:
+        try:
+            for k, lp in enumerate(todo):
+                layer = streamer.load_layer(lp.index)
+                if k + 1 < len(todo):
+                    streamer.prefetch(todo[k + 1].index)  # read while this layer computes and is written
+                stats = ExpertStats(p.n_experts, keep_rows=p.awq_rows if lp.scheme is Scheme.W4A16 else 0)
+                kv = KvStat()
+                backend = None
+                if lp.scheme is Scheme.NVFP4:
+                    from qtool.ops.quantize import backends
+
+                    backend = backends.for_layer(p)
+                    if backend is not None:
+                        backend.calibrate(layer, streamer, store, seq, batch)
+                        stats.hooks += backend.hooks
+                        stats.batch_hooks += backend.batch_hooks
+                install_expert_stats(layer.mlp.experts, stats)
+                if lp.full_attention:
+                    attention_tap(layer, kv_amax_tap(kv))
+                streamer.forward_layer(layer, store, seq, batch)
+                attention_tap(layer, None)
+                remove_expert_stats(layer.mlp.experts)
+                if pending is not None:
+                    pending.result()  # the previous layer is written and journaled (its error raised here)
+                    pending = None
+                job = (lp, layer, stats, kv, backend, store.current)
+                if backend is None:
+                    pending = writer.submit(finish, *job)
+                else:
+                    finish(*job)
+                del layer, backend, job
+            if pending is not None:
+                pending.result()
+        finally:
+            if pending is not None:
+                pending.cancel()
+                try:
+                    pending.result()
+                except BaseException:
+                    pass  # the error that brought us here is the one raised
 
 
 def execute(p: QuantizePlan, *, progress=None) -> Report:

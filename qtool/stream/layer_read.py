@@ -1,0 +1,202 @@
+"""A decoder layer's tensor bytes in a few large reads, one layer ahead of the compute.
+
+A 397B layer is ~3,100 tensors (512 experts x 3 projections x NVFP4's 4 params, or x 1 in BF16) that
+lie next to each other in one or two shards. Read one by one they cost 3,072 small `preadv` calls and as
+many host->device copies, one after the other; here the byte ranges of a layer are coalesced per shard
+(gaps up to MAX_GAP are read through), each run read in CHUNK pieces, and on CUDA every piece goes
+through one of two pinned staging buffers to the device asynchronously on a side stream, so the disk,
+the copy engine and the compute work at the same time. Tensors are then views of the device buffer
+(`get`), so dequantization runs on the device.
+
+`Prefetcher` reads layer L+1 in a thread while layer L computes (bounded: one layer ahead). Memory: the
+device holds the raw bytes of at most two layers (the one in use and the one being read); the host only
+the two staging buffers (CPU: the raw layer itself, read straight into its tensor).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+
+from qtool.errors import PlanError
+from qtool.io.safetensors_header import TensorInfo
+
+MAX_GAP = 1 << 20  # read through holes up to 1 MiB (another layer's norm, a header) rather than split
+CHUNK = 64 << 20  # one preadv and one host->device copy
+
+
+@dataclass
+class _Run:
+    file: str
+    start: int
+    end: int
+    tensors: list[TensorInfo]
+
+
+def coalesce(infos: list[TensorInfo], max_gap: int = MAX_GAP) -> list[_Run]:
+    """The byte runs covering `infos`, per shard in file order; tensors closer than `max_gap` share one."""
+    runs: list[_Run] = []
+    for info in sorted(infos, key=lambda i: (i.file, i.start)):
+        last = runs[-1] if runs else None
+        if last is not None and last.file == info.file and info.start - last.end <= max_gap:
+            last.end = max(last.end, info.end)
+            last.tensors.append(info)
+        else:
+            runs.append(_Run(info.file, info.start, info.end, [info]))
+    return runs
+
+
+class LayerBytes:
+    """The tensors `infos`, read in coalesced runs onto `device`; `get(info)` is a view, no copy."""
+
+    def __init__(self, infos: list[TensorInfo], device: str = "cpu") -> None:
+        self.runs = coalesce(infos)
+        self.device = device
+        self._where: dict[str, tuple[int, int]] = {}  # tensor name -> (run, offset in the run)
+        for k, run in enumerate(self.runs):
+            for info in run.tensors:
+                self._where[info.name] = (k, info.start - run.start)
+        self._bufs: list = []
+        self.nbytes = sum(r.end - r.start for r in self.runs)
+
+    def read(self, staging: _Staging | None = None) -> LayerBytes:
+        import torch
+
+        cuda = self.device != "cpu"
+        for run in self.runs:
+            n = run.end - run.start
+            buf = torch.empty(n, dtype=torch.uint8, device=self.device)
+            fd = os.open(run.file, os.O_RDONLY)
+            try:
+                for off in range(0, n, CHUNK):
+                    m = min(CHUNK, n - off)
+                    if cuda:
+                        assert staging is not None
+                        staging.upload(fd, run.start + off, m, buf[off:off + m], run.file)
+                    else:
+                        _pread_into(fd, memoryview(buf[off:off + m].numpy()), run.start + off, run.file)
+            finally:
+                os.close(fd)
+            self._bufs.append(buf)
+        if cuda:
+            staging.finish()
+        return self
+
+    def get(self, info: TensorInfo):
+        """The tensor `info` as a view of the read bytes (on the device it was read to)."""
+        import torch
+
+        from qtool.io.dtypes import TORCH_DTYPE_NAMES
+
+        where = self._where.get(info.name)
+        if where is None:
+            raise PlanError("tensor was not read with its layer", tensor=info.name, path=info.file)
+        k, off = where
+        raw = self._bufs[k][off:off + info.nbytes]
+        dtype = getattr(torch, TORCH_DTYPE_NAMES[info.dtype])
+        if info.nbytes == 0:
+            return torch.empty(tuple(info.shape), dtype=dtype, device=self.device)
+        if off % dtype.itemsize:  # safetensors does not align offsets: a view needs whole elements
+            raw = raw.clone()
+        return raw.view(dtype).reshape(tuple(info.shape))
+
+    def close(self) -> None:
+        self._bufs.clear()
+
+
+def _pread_into(fd: int, view: memoryview, offset: int, path: str) -> None:
+    got = 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n <= 0:
+            raise PlanError("shard ended before the layer's tensor bytes", path=path,
+                            hint="the shard is truncated: re-download or rebuild it")
+        got += n
+
+
+class _Staging:
+    """Two pinned host buffers: while one is copied to the device (side stream), the next chunk is read
+    into the other."""
+
+    def __init__(self, device: str) -> None:
+        import torch
+
+        self.torch = torch
+        self.stream = torch.cuda.Stream(device=device)
+        self.host = [torch.empty(CHUNK, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        self.done = [None, None]  # the event after which buffer i may be overwritten
+        self.turn = 0
+
+    def upload(self, fd: int, offset: int, n: int, dst, path: str) -> None:
+        i = self.turn
+        self.turn ^= 1
+        if self.done[i] is not None:
+            self.done[i].synchronize()
+        host = self.host[i][:n]
+        _pread_into(fd, memoryview(host.numpy()), offset, path)
+        with self.torch.cuda.stream(self.stream):
+            dst.copy_(host, non_blocking=True)
+            ev = self.torch.cuda.Event()
+            ev.record(self.stream)
+        self.done[i] = ev
+
+    def finish(self) -> None:
+        self.stream.synchronize()
+
+
+class Prefetcher:
+    """Reads the next layer's bytes in a background thread: `start(key, infos)` begins, `take(key)`
+    waits and returns the LayerBytes (an error in the thread is raised here)."""
+
+    def __init__(self, device: str = "cpu") -> None:
+        self.device = device
+        self._staging = None
+        self._thread: threading.Thread | None = None
+        self._key = None
+        self._result: LayerBytes | None = None
+        self._error: BaseException | None = None
+
+    def _stage(self):
+        if self.device != "cpu" and self._staging is None:
+            self._staging = _Staging(self.device)
+        return self._staging
+
+    def read_now(self, infos: list[TensorInfo]) -> LayerBytes:
+        return LayerBytes(infos, self.device).read(self._stage())
+
+    def start(self, key, infos: list[TensorInfo]) -> None:
+        self.wait()
+        self._key, self._result, self._error = key, None, None
+        staging = self._stage()
+
+        def work() -> None:
+            try:
+                self._result = LayerBytes(infos, self.device).read(staging)
+            except BaseException as e:  # handed to take()
+                self._error = e
+
+        self._thread = threading.Thread(target=work, name="qtool-layer-read", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def take(self, key) -> LayerBytes | None:
+        """The prefetched bytes of `key`, or None when another (or no) layer was prefetched."""
+        if self._key != key:
+            return None
+        self.wait()
+        self._key = None
+        err, self._error = self._error, None
+        if err is not None:
+            raise err
+        res, self._result = self._result, None
+        return res
+
+    def close(self) -> None:
+        self.wait()
+        self._result = None
+        self._key = None

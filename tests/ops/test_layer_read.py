@@ -1,0 +1,83 @@
+"""The read-ahead (qtool.stream.layer_read): a layer's tensors read in coalesced runs are the bytes the
+one-tensor-at-a-time reader gives, a truncated shard is a named error at the layer that needs it, and a
+streamed run with read-ahead equals one without."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_calibrate_kv_support import fixture_dir
+
+from qtool.errors import PlanError
+from qtool.io.safetensors_header import TensorInfo
+from qtool.stream.dequant import TensorSource, layer_tensors
+from qtool.stream.layer_read import MAX_GAP, LayerBytes, Prefetcher, coalesce
+from qtool.stream.layer_stream import LayerStreamer, MemoryStore
+
+
+def _info(name, file, start, end, dtype="U8"):
+    return TensorInfo(name, file, dtype, [end - start], start, end)
+
+
+def test_coalesce_merges_neighbours_per_file_and_splits_at_holes():
+    infos = [_info("b", "s1", 100, 200), _info("a", "s1", 0, 100), _info("c", "s1", 200 + MAX_GAP, 300 + MAX_GAP),
+             _info("d", "s1", 301 + 2 * MAX_GAP, 400 + 2 * MAX_GAP), _info("e", "s2", 0, 10)]
+    runs = coalesce(infos)
+    assert [(r.file, r.start, r.end, [t.name for t in r.tensors]) for r in runs] == [
+        ("s1", 0, 300 + MAX_GAP, ["a", "b", "c"]),  # a hole of exactly MAX_GAP is read through
+        ("s1", 301 + 2 * MAX_GAP, 400 + 2 * MAX_GAP, ["d"]),
+        ("s2", 0, 10, ["e"]),
+    ]
+
+
+@pytest.mark.parametrize("fixture", ["tiny_nvfp4_modelopt", "tiny_bf16", "tiny_nvfp4_ct"])
+def test_layer_bytes_equal_the_per_tensor_reads(request, fixture):
+    s = LayerStreamer(fixture_dir(request, fixture))
+    one = TensorSource()
+    try:
+        for idx in (0, 3):
+            infos = layer_tensors(s.mm, idx)
+            got = LayerBytes(infos).read()
+            assert len(got.runs) < len(infos)  # coalesced
+            for info in infos:
+                a, b = got.get(info), one.get(info)
+                assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(-1).view(torch.uint8),
+                                                                                  b.view(-1).view(torch.uint8))
+    finally:
+        one.close()
+
+
+def test_prefetched_run_equals_unprefetched(request):
+    ckpt = fixture_dir(request, "tiny_nvfp4_modelopt")
+    from qtool.stream.calib_data import build_calib_set
+
+    ids = build_calib_set(ckpt, "builtin", 2, 16).ids
+    out = []
+    for prefetch in (True, False):
+        s = LayerStreamer(ckpt)
+        if not prefetch:
+            s.prefetch = lambda idx: None
+        mem = MemoryStore.empty((2, 16, s.hidden_size), s.dtype)
+        s.embed_into(ids, mem, 2)
+        s.run(mem, 16, batch=2)
+        out.append(mem.read(0, 2))
+    assert torch.equal(out[0], out[1])
+
+
+def test_a_truncated_shard_is_named_when_its_layer_is_taken(request, tmp_path):
+    import shutil
+
+    src = fixture_dir(request, "tiny_bf16")
+    ck = tmp_path / "ck"
+    shutil.copytree(src, ck)
+    s = LayerStreamer(ck)
+    infos = layer_tensors(s.mm, 5)
+    shard = ck / infos[-1].file.rpartition("/")[2]
+    with open(shard, "r+b") as f:
+        f.truncate(max(i.end for i in infos if i.file == infos[-1].file) - 1)
+    r = Prefetcher()
+    r.start(5, infos)
+    with pytest.raises(PlanError) as e:
+        r.take(5)
+    assert "truncated" in e.value.hint and str(shard) in str(e.value.path)
+    assert r.take(5) is None  # taken once; another layer's bytes are not handed out for it
