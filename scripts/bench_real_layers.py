@@ -159,13 +159,14 @@ def run_job(argv: list[str], profile: Path | None = None) -> dict:
     cmd = [sys.executable, "-c", RSS_WRAPPER, sys.executable, *prof, "-m", "qtool", *argv, "--json", "--quiet"]
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     with GpuPeak() as gpu:
+        launched = time.time()
         t0 = time.perf_counter()
         p = subprocess.run(cmd, capture_output=True, text=True, env=env)
         wall = time.perf_counter() - t0
     if p.returncode != 0 or '"error"' in p.stdout[:200]:  # (under cProfile a failed run exits 0)
         raise SystemExit(f"{' '.join(argv)} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
     rss = next((int(line.split()[1]) for line in p.stderr.splitlines() if line.startswith("PEAK_RSS_KB")), 0)
-    return {"wall": wall, "report": json.loads(p.stdout), "rss_bytes": rss * 1024,
+    return {"wall": wall, "launched": launched, "report": json.loads(p.stdout), "rss_bytes": rss * 1024,
             "gpu_peak_bytes": gpu.peak * 2**20 if gpu.peak else None}
 
 
@@ -198,16 +199,23 @@ def one_job(name: str, argv: list[str], inputs: Path, layers: int, cold: bool, p
     res = run_job(argv, prof)
     if prof is not None:
         print_profile(prof)
-    rep = res["report"]
-    loop = rep.get("seconds") or (rep.get("timing") or {}).get("seconds")
-    per_layer = loop / layers
+    clock = res["report"].get("timing") or {}
+    done, first = clock["layers_done"], clock["first_layer_start"]
+    # the layer loop: from the first layer's load to the last layer done (its shard written); per layer in
+    # the steady state: between the first and the last layer done (the read-ahead overlaps from layer 1 on)
+    loop = done[-1] - first
+    per_layer = (done[-1] - done[0]) / (len(done) - 1) if len(done) > 1 else loop
+    before = first - res["launched"]
+    after = res["launched"] + res["wall"] - done[-1]
     return {"job": name, "cache": "cold" if dropped else ("warm" if not cold else "cold?"), "input_bytes": nbytes,
-            "wall_s": res["wall"], "loop_s": loop, "per_layer_s": per_layer,
-            "before_first_layer_s": res["wall"] - loop, "cat_s": cat, "loop_over_cat": loop / cat if cat else None,
+            "wall_s": res["wall"], "loop_s": loop, "per_layer_s": per_layer, "first_layer_s": done[0] - first,
+            "before_first_layer_s": before, "after_last_layer_s": after,
+            "cat_s": cat, "loop_over_cat": loop / cat if cat else None,
             "peak_rss_bytes": res["rss_bytes"], "peak_gpu_bytes": res["gpu_peak_bytes"],
-            "projected_60_layers_s": res["wall"] - loop + per_layer * REAL_LAYERS_397B,
-            "projected_60_layers_fast_disk_s": res["wall"] - loop + REAL_LAYERS_397B * max(
-                per_layer - cat / layers, 0) + REAL_LAYERS_397B * (nbytes / layers) / FAST_DISK}
+            "projected_60_layers_s": before + after + per_layer * REAL_LAYERS_397B,
+            # on a 14 GB/s disk a layer takes the longer of its host/GPU work and its read there
+            "projected_60_layers_fast_disk_s": before + after + REAL_LAYERS_397B * max(
+                per_layer - cat / layers, (nbytes / layers) / FAST_DISK)}
 
 
 def main() -> int:
@@ -252,11 +260,11 @@ def main() -> int:
             rows.append(one_job("calibrate-kv", ["calibrate-kv", str(q), "-o", str(w / "kv"), "--replace-scales",
                                                  "--force", *common], q, layers, cold, a.profile))
     print(f"\n{'job':13s} {'cache':5s} {'in GB':>6s} {'wall':>7s} {'loop':>7s} {'s/layer':>8s} {'start':>6s} "
-          f"{'cat':>6s} {'loop/cat':>8s} {'RSS GB':>7s} {'GPU GB':>7s} {'60 layers':>9s} {'@14GB/s':>8s}")
+          f"{'end':>5s} {'cat':>6s} {'loop/cat':>8s} {'RSS GB':>7s} {'GPU GB':>7s} {'60 layers':>9s} {'@14GB/s':>8s}")
     for r in rows:
         gpu = f"{r['peak_gpu_bytes'] / 1e9:7.1f}" if r["peak_gpu_bytes"] else "      -"
         print(f"{r['job']:13s} {r['cache']:5s} {r['input_bytes'] / 1e9:6.1f} {r['wall_s']:7.1f} {r['loop_s']:7.1f} "
-              f"{r['per_layer_s']:8.2f} {r['before_first_layer_s']:6.1f} {r['cat_s']:6.1f} "
+              f"{r['per_layer_s']:8.2f} {r['before_first_layer_s']:6.1f} {r['after_last_layer_s']:5.1f} {r['cat_s']:6.1f} "
               f"{r['loop_over_cat'] or 0:8.2f} {r['peak_rss_bytes'] / 1e9:7.1f} {gpu} "
               f"{r['projected_60_layers_s'] / 60:8.1f}m {r['projected_60_layers_fast_disk_s'] / 60:7.1f}m")
     if a.out:

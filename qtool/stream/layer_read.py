@@ -8,9 +8,10 @@ through one of two pinned staging buffers to the device asynchronously on a side
 the copy engine and the compute work at the same time. Tensors are then views of the device buffer
 (`get`), so dequantization runs on the device.
 
-`Prefetcher` reads layer L+1 in a thread while layer L computes (bounded: one layer ahead). Memory: the
-device holds the raw bytes of at most two layers (the one in use and the one being read); the host only
-the two staging buffers (CPU: the raw layer itself, read straight into its tensor).
+`Prefetcher` reads layer L+1 in a thread while layer L computes (bounded: one layer ahead), READERS
+threads to a layer. Memory: the device holds the raw bytes of at most two layers (the one in use and the
+one being read); the host only the staging buffers, 2 x CHUNK per reader (CPU: the raw layer itself,
+read straight into its tensor).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from qtool.io.safetensors_header import TensorInfo
 
 MAX_GAP = 1 << 20  # read through holes up to 1 MiB (another layer's norm, a header) rather than split
 CHUNK = 64 << 20  # one preadv and one host->device copy
+READERS = 4  # threads reading one layer (each with its own pinned staging pair on CUDA)
 
 
 @dataclass
@@ -60,27 +62,50 @@ class LayerBytes:
         self._bufs: list = []
         self.nbytes = sum(r.end - r.start for r in self.runs)
 
-    def read(self, staging: _Staging | None = None) -> LayerBytes:
+    def read(self, staging: list[_Staging] | None = None) -> LayerBytes:
+        """Read every run, its CHUNK pieces spread over READERS threads (one staging pair each on CUDA):
+        a single reader leaves an NVMe array, and a sandboxed page cache, well below their speed."""
         import torch
 
         cuda = self.device != "cpu"
+        pieces = []
         for run in self.runs:
             n = run.end - run.start
             buf = torch.empty(n, dtype=torch.uint8, device=self.device)
-            fd = os.open(run.file, os.O_RDONLY)
-            try:
-                for off in range(0, n, CHUNK):
-                    m = min(CHUNK, n - off)
-                    if cuda:
-                        assert staging is not None
-                        staging.upload(fd, run.start + off, m, buf[off:off + m], run.file)
-                    else:
-                        _pread_into(fd, memoryview(buf[off:off + m].numpy()), run.start + off, run.file)
-            finally:
-                os.close(fd)
             self._bufs.append(buf)
-        if cuda:
-            staging.finish()
+            pieces += [(run.file, run.start + off, buf[off:off + min(CHUNK, n - off)]) for off in range(0, n, CHUNK)]
+        workers = len(staging) if cuda else READERS
+        errors: list[BaseException] = []
+
+        def work(k: int) -> None:
+            fds: dict[str, int] = {}
+            try:
+                for path, offset, dst in pieces[k::workers]:
+                    if errors:
+                        return
+                    fd = fds.get(path)
+                    if fd is None:
+                        fd = fds[path] = os.open(path, os.O_RDONLY)
+                    if cuda:
+                        staging[k].upload(fd, offset, dst.numel(), dst, path)
+                    else:
+                        _pread_into(fd, memoryview(dst.numpy()), offset, path)
+                if cuda:
+                    staging[k].finish()
+            except BaseException as e:
+                errors.append(e)
+            finally:
+                for fd in fds.values():
+                    os.close(fd)
+
+        threads = [threading.Thread(target=work, args=(k,), name=f"qtool-read-{k}") for k in range(1, workers)]
+        for t in threads:
+            t.start()
+        work(0)
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
         return self
 
     def get(self, info: TensorInfo):
@@ -159,7 +184,7 @@ class Prefetcher:
 
     def _stage(self):
         if self.device != "cpu" and self._staging is None:
-            self._staging = _Staging(self.device)
+            self._staging = [_Staging(self.device) for _ in range(READERS)]
         return self._staging
 
     def read_now(self, infos: list[TensorInfo]) -> LayerBytes:

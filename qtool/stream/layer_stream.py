@@ -256,6 +256,9 @@ class LayerStreamer:
         from qtool.stream.layer_read import Prefetcher
 
         self._reader = Prefetcher(device)
+        # wall-clock times (epoch seconds) for benchmarks: when the first layer began loading, when each
+        # layer was done (the op appends: quantize once its shard is written); reported, never in manifests
+        self.clock: dict = {"first_layer_start": None, "layers_done": []}
 
     # -- config ---------------------------------------------------------------------------------
     @property
@@ -359,6 +362,10 @@ class LayerStreamer:
 
     def load_layer(self, idx: int):
         """transformers' decoder layer `idx` with this checkpoint's weights, dense, on self.device."""
+        if self.clock["first_layer_start"] is None:
+            import time
+
+            self.clock["first_layer_start"] = time.time()
         import torch
         from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeDecoderLayer
 
@@ -433,6 +440,9 @@ class LayerStreamer:
             self.forward_layer(layer, store, seq_len, batch)
             if hooks is not None:
                 hooks.after_layer(idx, layer)
+            import time
+
+            self.clock["layers_done"].append(time.time())
             del layer  # no cycles: freed here (gc.collect costs seconds on a busy machine)
             if self.device != "cpu":
                 import torch

@@ -133,6 +133,7 @@ def calibrate(
 
     hooks = _KvHooks(p.layers, lambda idx: save(idx + 1))
     hooks.stats.update(stats)
+    streamer.prefetch(start)  # the first layer is read while the embeddings are made
     if start == 0:
         streamer.embed_into(ids, store, batch)
         save(0)
@@ -140,7 +141,8 @@ def calibrate(
     elapsed = time.perf_counter() - t0
     layers_run = p.run_layers - start
     timing = {"seconds": elapsed, "layers_run": layers_run, "resumed_from_layer": start,
-              "tokens_per_s": (n * seq * layers_run / p.run_layers) / elapsed if elapsed > 0 else None}
+              "tokens_per_s": (n * seq * layers_run / p.run_layers) / elapsed if elapsed > 0 else None,
+              **streamer.clock}
     return {i: hooks.stats[i] for i in p.layers}, timing
 
 

@@ -72,6 +72,8 @@ def calibrate_and_write(p: QuantizePlan, partial: Path, ids, *, resume: bool, pr
     def save(next_layer: int, current: str) -> None:
         write_json(jpath, {"key": key, "next_layer": next_layer, "current": current, "layers": layer_reports})
 
+    if start < len(p.layers):
+        streamer.prefetch(p.layers[start].index)  # the first layer is read while the embeddings are made
     if start == 0:
         streamer.embed_into(ids, store, batch)
         save(0, store.current)
@@ -80,7 +82,8 @@ def calibrate_and_write(p: QuantizePlan, partial: Path, ids, *, resume: bool, pr
         _quantize_layers(p, partial, streamer, store, seq, batch, start, layer_reports, save, progress, mode, done)
     finally:
         streamer.close()
-    return {"layers": layer_reports, "seconds": time.perf_counter() - t0, "resumed_from_layer": start}
+    return {"layers": layer_reports, "seconds": time.perf_counter() - t0, "resumed_from_layer": start,
+            "timing": streamer.clock}
 
 
 def _quantize_layers(p, partial, streamer, store, seq, batch, start, layer_reports, save, progress, mode, done):
@@ -111,6 +114,7 @@ def _quantize_layers(p, partial, streamer, store, seq, batch, start, layer_repor
                             "down_mse_rtn": sum(r["down_mse_rtn"] for r in rep["awq"])}
         layer_reports.append(entry)
         save(lp.index + 1, current)
+        streamer.clock["layers_done"].append(time.time())
         if progress is not None:
             progress(lp.index)
 
