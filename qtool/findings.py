@@ -36,6 +36,7 @@ class Code(str, Enum):
     ENGINE_RULES_NOT_MODELLED = "engine-rules-not-modelled"  # warning: fp8 / AutoAWQ / GPTQ configs
     # serving constraints
     SCALE_MISMATCH = "scale-mismatch"
+    MOE_SCHEME_MISMATCH = "moe-scheme-mismatch"  # gate/up vs down of one layer's experts in different schemes
     TP_DIVISIBILITY = "tp-divisibility"
     MTP_MISSING = "mtp-missing"
     MTP_NOT_EXCLUDED = "mtp-not-excluded"

@@ -53,6 +53,25 @@ class Int4Weight:
         return ((q - z) * self.scales.float().unsqueeze(-1)).flatten(-2).to(dtype)
 
 
+def expert_group_size(in_features: list[int], group_size: int) -> int:
+    """The ONE group size for every projection of a MoE expert (gate/up: hidden in-features, down:
+    intermediate): both engines build a fused MoE layer with a single scheme and refuse at model build
+    with "All MoE projections need to have same quantization scheme but found multiple" (vLLM 0.33 and
+    SGLang 0.5.23 compressed_tensors_moe.py). `group_size`, or the smallest projection's whole row when
+    that is shorter, provided it divides every projection's in-features."""
+    g = min(effective_group_size(i, group_size) for i in in_features)
+    bad = [i for i in in_features if i % g]
+    if bad:
+        raise CodecError(
+            "no single INT4 group size fits every projection of an expert",
+            expected=f"a group size dividing {sorted(set(in_features))}",
+            got=g,
+            hint="the engines need one scheme for all MoE projections (\"All MoE projections need to have same "
+                 "quantization scheme\"): set int4.group_size in the recipe to a common divisor",
+        )
+    return g
+
+
 def effective_group_size(in_features: int, group_size: int) -> int:
     """The group actually used: the whole row when in_features < group_size."""
     if in_features < group_size:

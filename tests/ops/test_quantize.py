@@ -186,11 +186,13 @@ def test_awq_int4_ct_uses_formats_awq_codec(tiny_bf16, calib_ids, tmp_path):
     assert rep["output"]["problems"] == []
     t = _tensors(out)
     assert t["model.language_model.layers.0.mlp.experts.0.down_proj.weight"].dtype == torch.bfloat16
-    # in-features (64 / 32) < group 128: one group per row, and the config says so per projection
+    # in-features (gate/up 64, down 32) < group 128: ONE group size for every projection, 32 (the engines
+    # refuse per-projection schemes: "All MoE projections need to have same quantization scheme", #15 item 3)
     p = "model.language_model.layers.1.mlp.experts.0."
-    assert t[p + "gate_proj.weight_scale"].shape == (32, 1) and t[p + "down_proj.weight_scale"].shape == (64, 1)
+    assert t[p + "gate_proj.weight_scale"].shape == (32, 2) and t[p + "down_proj.weight_scale"].shape == (64, 1)
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
-    assert sorted(g["weights"]["group_size"] for g in qc["config_groups"].values()) == [32, 64]
+    assert [g["weights"]["group_size"] for g in qc["config_groups"].values()] == [32]
+    assert any("group size 32 for every expert projection" in w for w in rep["plan"]["warnings"])
     # the stored tensors are exactly qtool.formats.awq's compressed-tensors form of the stored codes
     q = awq.from_compressed_tensors(t[p + "down_proj.weight_packed"], t[p + "down_proj.weight_scale"],
                                     t[p + "down_proj.weight_shape"])
@@ -316,3 +318,39 @@ def test_llmcompressor_backend_matches_oneshot(tiny_bf16, calib_ids, tiny_nvfp4_
     mine, theirs = _kld_vs_bf16(tiny_bf16, out), _kld_vs_bf16(tiny_bf16, tiny_nvfp4_ct)
     print(f"KLD vs BF16: qtool --backend llmcompressor {mine:.6g}, llm-compressor oneshot {theirs:.6g}")
     assert 0 < mine <= 1.01 * theirs
+
+
+def test_per_projection_int4_groups_are_refused_by_verify(tiny_bf16, calib_ids, tmp_path):
+    """The output qtool wrote before #15 item 3: gate/up with INT4 group 64, down with 32 (one group per
+    row each). Both engines refuse it at model build; verify now says so, per engine, and names the layer."""
+    import dataclasses
+
+    from test_verify import edit_tensors
+
+    from qtool.ops.quantize import run
+    from qtool.ops.verify import VerifyOptions, verify
+
+    out = tmp_path / "awq"
+    r = dataclasses.replace(load_recipe("qwen35-awq-int4"), kv_cache=KvCache.NONE)
+    run(tiny_bf16, out=out, recipe=r, calib_ids=calib_ids)
+    assert verify(out, VerifyOptions(tp=2)).ok
+    # rewrite layer 1's gate/up as one group per row of 64 (what the old plan wrote)
+    from qtool.formats import awq
+
+    t = _tensors(out)
+    p = "model.language_model.layers.1.mlp.experts."
+    change = {}
+    for e in range(8):
+        for part in ("gate_proj", "up_proj"):
+            w = awq.from_compressed_tensors(t[f"{p}{e}.{part}.weight_packed"], t[f"{p}{e}.{part}.weight_scale"],
+                                            t[f"{p}{e}.{part}.weight_shape"]).dequantize(torch.bfloat16)
+            ct = awq.to_compressed_tensors(awq.quantize(w, 64, symmetric=True, scale_dtype=torch.bfloat16),
+                                           torch.bfloat16)
+            change[f"{p}{e}.{part}.weight_packed"] = ct["weight_packed"]
+            change[f"{p}{e}.{part}.weight_scale"] = ct["weight_scale"]
+    edit_tensors(out, change)
+    rep = verify(out, VerifyOptions(tp=2))
+    bad = [f for f in rep.findings if f.code.value == "moe-scheme-mismatch"]
+    assert {f.engine for f in bad} == {"vllm@0.33.0", "sglang@0.5.23"} and not rep.ok
+    assert {f.module for f in bad} == {"model.language_model.layers.1.mlp.experts"}
+    assert "group 32" in bad[0].message and "group 64" in bad[0].message

@@ -107,13 +107,12 @@ def nvfp4_rtn(gu, down, inter, in_amax, mid_amax, recipe) -> dict[str, NVFP4Expe
     return res
 
 
-def _int4_expert_chunk(gu, down, inter, stats, e0, recipe, fmt, report) -> dict[str, list]:
+def _int4_expert_chunk(gu, down, inter, stats, e0, recipe, fmt, report, g: int) -> dict[str, list]:
     """INT4 W4A16 of a chunk of experts with qtool.formats.awq (RTN, one group per row when in < group),
     after the AWQ down_proj scale search when the recipe asks for it."""
     from qtool.formats import awq
     from qtool.ops.quantize.awq_search import awq_down_scales, rtn
 
-    g = recipe.int4.group_size
     # scales are rounded to the stored dtype before the codes are computed (stored scales and codes agree)
     sdt = torch.float16 if fmt is OutFormat.AWQ else torch.bfloat16
     res: dict[str, list] = {p: [] for p in ("down_proj", "gate_proj", "up_proj")}
@@ -189,7 +188,8 @@ def write_layer_shard(path: Path, lp, layer, stats, kv, p, backend=None, mode: i
                             parts = nvfp4_rtn(gu, dn, inter, a_in, a_mid, p.recipe)
                         chunk = {part: q.rows(p.format) for part, q in parts.items()}
                     else:
-                        chunk = _int4_expert_chunk(gu, dn, inter, stats, chunk_start, p.recipe, p.format, report["awq"])
+                        chunk = _int4_expert_chunk(gu, dn, inter, stats, chunk_start, p.recipe, p.format, report["awq"],
+                                                   p.int4_group)  # one group for every projection (engine rule)
                 from qtool.ops.quantize.plan import QUANT_PARAMS
 
                 names = [n for n, _, _ in QUANT_PARAMS[(lp.scheme, p.format)]]

@@ -68,7 +68,7 @@ def output_plan(p: QuantizePlan) -> OutputPlan:
     mm = build_map(header_checkpoint(p.out, out, cfg), read_values=False)
     versions = {**library_versions(), "qtool": __version__}
     qc, hq = quant_configs(mm, p.recipe.quantized_scheme, p.format, p.recipe.kv_cache is KvCache.FP8,
-                           p.recipe.int4.group_size, versions,
+                           p.int4_group, versions,
                            {"gate_proj": p.hidden, "up_proj": p.hidden, "down_proj": p.inter})
     cfg["quantization_config"] = qc
     files.append(Json(CONFIG_NAME, cfg, style))

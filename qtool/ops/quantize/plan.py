@@ -95,6 +95,7 @@ class QuantizePlan:
     options: "QuantizeOptions | None" = None
     output: object = None  # every output file: qtool.io.plan.OutputPlan (quantize.output.output_plan)
     calib: object = None  # the token windows (stream.calib_data.CalibSet); None with calib_ids
+    int4_group: int = 128  # W4A16: the one group size of every expert projection (formats.awq.expert_group_size)
 
     @property
     def kv_names(self) -> str:
@@ -263,11 +264,15 @@ def plan(opts: QuantizeOptions) -> QuantizePlan:
                         tensor=bad[0].name, got=bad[0].format.value, hint="start from the BF16 original")
     if scheme is Scheme.NVFP4 and (hidden % 16 or inter % 16):
         raise PlanError("NVFP4 needs expert in-features divisible by 16", got=(hidden, inter))
+    int4_group, group_note = recipe.int4.group_size, None
     if scheme is Scheme.W4A16:
-        from qtool.formats.awq import effective_group_size
+        from qtool.formats.awq import expert_group_size
 
-        for i in (hidden, inter):
-            effective_group_size(i, recipe.int4.group_size)
+        int4_group = expert_group_size([hidden, inter], recipe.int4.group_size)  # one for all projections
+        if int4_group != recipe.int4.group_size:
+            group_note = (f"INT4 group size {int4_group} for every expert projection (the recipe's "
+                            f"{recipe.int4.group_size} exceeds an in-features; the engines need one scheme for all "
+                            "MoE projections)")
         if fmt is OutFormat.AWQ and (hidden % 8 or inter % 8):
             raise PlanError("AutoAWQ GEMM needs out-features divisible by 8", got=(hidden, inter))
     layers = []
@@ -289,7 +294,7 @@ def plan(opts: QuantizeOptions) -> QuantizePlan:
             if s is Scheme.BF16:
                 specs += _bf16_expert_specs(mm, prefix, e, hidden, inter)
             else:
-                specs += expert_specs(prefix, e, s, fmt, hidden, inter, recipe.int4.group_size)
+                specs += expert_specs(prefix, e, s, fmt, hidden, inter, int4_group)
         full = idx in mm.full_attention
         if full and recipe.kv_cache is KvCache.FP8 and fmt is not OutFormat.AWQ:
             specs += [Spec(n, "F32", ()) for n in kv_scale_names(prefix, fmt)]
@@ -311,7 +316,7 @@ def plan(opts: QuantizeOptions) -> QuantizePlan:
             continue
         rest.append(Spec(n, i.dtype, tuple(i.shape), FileRange(i.file, i.start, i.end)))
     rest.sort(key=lambda sp: sp.name)
-    warnings = []
+    warnings = [group_note] if group_note else []
     if mm.expert_layout == "fused":
         warnings.append("source experts are fused; the output is per expert (BF16 experts split by byte range)")
     if not any(n.startswith("mtp.") for n in ckpt.tensors):
@@ -321,7 +326,8 @@ def plan(opts: QuantizeOptions) -> QuantizePlan:
                         "method loads none); use --format compressed-tensors for FP8 KV scales")
     keep = awq_rows if (scheme is Scheme.W4A16 and recipe.int4.awq) else 0
     p = QuantizePlan(ckpt, mm, recipe, backend, fmt, outp, layers, rest, n_exp, inter, hidden, samples,
-                     seq_len, dataset, device, streamer.plan(samples, seq_len), keep, warnings, opts)
+                     seq_len, dataset, device, streamer.plan(samples, seq_len), keep, warnings, opts,
+                     int4_group=int4_group)
     from qtool.ops.quantize.output import output_plan
 
     if opts.calib_ids is None:

@@ -144,6 +144,7 @@ def execute(p: VerifyPlan) -> VerifyReport:
                                                                      mtp_requested=opts.mtp > 0)
     findings += dec_findings
     findings += engine_rules.tp_findings(mm, opts.tp, decisions)
+    findings += engine_rules.moe_scheme_findings(mm, versions)
     findings += engine_rules.mtp_findings(mm, opts.mtp)
     findings += engine_rules.kv_findings(mm, opts.kv_cache_dtype)
 

@@ -62,6 +62,12 @@ def decision_findings(
     for v in versions:
         eng = str(v)
         dec = {u: d for u, d in decide(mm, ignore, fl, v).items() if not u.endswith(NOT_LINEAR_SUFFIXES)}
+        if not summary.weights_quantized:
+            # a KV-cache-only compressed-tensors config (`config_groups: {}`, what calibrate-kv writes on a
+            # BF16 model): no scheme targets any Linear, so both engines build every one unquantized
+            # whatever `ignore` says (vLLM compressed_tensors.py get_scheme -> None ->
+            # UnquantizedLinearMethod; SGLang compressed_tensors.py likewise) and load only the KV scales
+            dec = {u: (True, fmt) for u, (_ex, fmt) in dec.items()}
         decisions_by_engine[eng] = {u: ex for u, (ex, _f) in dec.items()}
         counts = {"units": len(dec), "quantized": 0, "excluded": 0, "refused": 0, "errors": 0, "warnings": 0}
         for unit, (excluded, fmt) in sorted(dec.items()):
@@ -119,6 +125,41 @@ def _in_features(mm: ModelMap, module: str) -> int | None:
     if dn is not None and len(dn.shape) == 3:  # fused experts: down_proj [E, H, I]
         return dn.shape[2]
     return None
+
+
+def _expert_scheme(m) -> tuple[str, int | None]:
+    """(storage format, INT4 group size or None) of one routed-expert projection, from its tensors."""
+    p = m.params
+    if m.format is Format.INT4_CT and "weight_scale" in p and "weight_packed" in p:
+        n_in = p["weight_packed"].shape[-1] * 8  # int32 words of 8 nibbles
+        return m.format.value, n_in // max(1, p["weight_scale"].shape[-1])
+    if m.format is Format.AWQ and "scales" in p and "qweight" in p:
+        return m.format.value, p["qweight"].shape[0] // max(1, p["scales"].shape[0])  # [in, out/8], [in/g, out]
+    return (m.format.value if m.format else "none"), None
+
+
+def moe_scheme_findings(mm: ModelMap, versions: list[EngineVersion]) -> list[Finding]:
+    """Every projection of a layer's experts in one scheme: vLLM 0.33 and SGLang 0.5.23 build one fused MoE
+    method per layer and refuse at model build with "All MoE projections need to have same quantization
+    scheme but found multiple" (compressed_tensors_moe.py CompressedTensorsMoEMethod.get_moe_method) when
+    gate/up and down differ (e.g. INT4 group 64 for gate/up and 32 for down)."""
+    schemes: dict[str, set] = {}
+    for m in mm.modules.values():
+        if m.inner is Group.ROUTED_EXPERTS and m.expert is not None and m.format in QUANTIZED_FORMATS:
+            unit = m.name.partition(".mlp.experts.")[0] + ".mlp.experts"
+            schemes.setdefault(unit, set()).add(_expert_scheme(m))
+    out: list[Finding] = []
+    for unit, found in sorted(schemes.items()):
+        if len(found) < 2:
+            continue
+        what = ", ".join(f"{fmt}" + (f" group {g}" if g else "") for fmt, g in sorted(found, key=str))
+        for v in versions:
+            out.append(error(Code.MOE_SCHEME_MISMATCH, unit,
+                             f"the expert projections of {unit} use several schemes ({what}); {v} refuses at model "
+                             "build: \"All MoE projections need to have same quantization scheme but found multiple\"",
+                             "requantize the experts with one scheme for gate/up and down (qtool quantize picks "
+                             "one INT4 group size for all projections)", str(v)))
+    return out
 
 
 def tp_findings(mm: ModelMap, tp: int, decisions: dict[str, dict[str, bool | None]]) -> list[Finding]:

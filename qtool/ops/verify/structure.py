@@ -108,9 +108,15 @@ def consistency_findings(mm: ModelMap, summary: QuantSummary, *, kv_fp8: bool) -
         elif p.code is Code.MISSING_QUANT_TENSOR:
             out.append(error(Code.MISSING_TENSOR, p.module, p.message, FIX[Code.MISSING_TENSOR]))
         elif p.code is Code.SCALE_MISMATCH:
-            out.append(error(Code.SCALE_MISMATCH, p.module, p.message,
-                             "requantize the expert with one global scale for gate_proj and up_proj "
-                             "(ModelOpt preprocess_linear_fusion / qtool.formats.nvfp4 shared gate/up scale)"))
+            # a warning: both engines load it. vLLM fuses gate/up into w13 with one global scale, warns
+            # "w1_weight_scale_2 must match w3_weight_scale_2. Accuracy may be affected." and uses the
+            # first (vllm/model_executor/layers/quantization/modelopt.py, ModelOptNvFp4FusedMoE
+            # process_weights_after_loading); SGLang 0.5.23 loads the pair likewise (#15, item 4)
+            out.append(warning(Code.SCALE_MISMATCH, p.module,
+                               p.message + " (vLLM warns \"Accuracy may be affected\" and uses gate_proj's scale "
+                               "for both; the checkpoint loads in both engines)",
+                               "requantize the expert with one global scale for gate_proj and up_proj "
+                               "(ModelOpt preprocess_linear_fusion / qtool.formats.nvfp4 shared gate/up scale)"))
         elif p.code is Code.CONFIG_DISAGREEMENT:
             out.append(warning(Code.CONFIG_DISAGREEMENT, None, p.message,
                                patch_cmd(ckpt, "--fix", "ignore-from-tensors")))
