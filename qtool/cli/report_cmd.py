@@ -26,17 +26,22 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    from qtool.errors import UsageError
     from qtool.cli.verify_cmd import options as verify_options
     from qtool.ops import report
     from qtool.ops.kld import KldOptions
     from qtool.ops.report.data import Artifact
 
     check_device(args.device)
-    artifacts = tuple(Artifact(Path(headers_checkpoint(spec)), str(spec)) for spec in args.checkpoints)
-    ref = local_checkpoint(args.ref, progress=False) if args.ref else None
+    if not args.ref and any(a != b for a, b in ((args.dataset, "builtin"), (args.windows, 4), (args.seq_len, 512))):
+        raise UsageError("--dataset, --windows and --seq-len choose eval kld's windows: they need --ref")
+    # header-only for what reads headers; --ref runs the models, so their data is downloaded (verified)
+    fetch = local_checkpoint if args.ref else headers_checkpoint
+    artifacts = tuple(Artifact(Path(fetch(spec)), str(spec)) for spec in args.checkpoints)
+    ref = local_checkpoint(args.ref, progress=False) if args.ref and not args.dry_run else args.ref
     opts = report.ReportOptions(
         artifacts=artifacts, out=Path(args.output), verify=verify_options(args, args.engine),
-        ref=None if ref is None else str(ref), kld=tuple(args.kld),
+        ref=None if ref is None else str(ref), ref_label=args.ref, kld=tuple(args.kld),
         kld_options=KldOptions(dataset=args.dataset, windows=args.windows, seq_len=args.seq_len,
                                device=args.device),
         force=args.force)

@@ -257,3 +257,75 @@ def test_page_renders_in_headless_chromium(tiny_nvfp4_modelopt, tmp_path, capsys
     assert share((0, 0, 1200, 700), grey) > 0.01
     blue = (0x3D, 0x6F, 0xB6)  # k_scale bars and the weights segment
     assert share(whole, blue) > 0.001
+
+
+# ---- found by the review (a helper using the command as a new user) --------------------------------
+
+
+def test_review_findings_kv_dtype_mtp_and_broken_inputs(tiny_nvfp4_modelopt, tiny_nvfp4_modelopt_nomtp, tmp_path,
+                                                        capsys):
+    # the launch command uses the KV-cache dtype the memory fit assumed (it said fp8 while the fit was BF16)
+    out = tmp_path / "r.html"
+    assert main(["report", str(tiny_nvfp4_modelopt), "--tp", "2", "-o", str(out)]) == 0
+    a = _page(out).data["artifacts"][0]
+    assert a["verify"]["fit"]["kv_cache_dtype"] == "auto"
+    assert "--kv-cache-dtype" not in a["launch"]["vllm@0.33.0"]["command"]
+    assert main(["report", str(tiny_nvfp4_modelopt), "--tp", "2", "--kv-cache-dtype", "fp8", "-o", str(out)]) == 0
+    assert "--kv-cache-dtype fp8" in _page(out).data["artifacts"][0]["launch"]["vllm@0.33.0"]["command"]
+    # a finding whose row the grid does not draw (no MTP head, --mtp 1) is listed beside the grid
+    assert main(["report", str(tiny_nvfp4_modelopt_nomtp), "--tp", "2", "--mtp", "1", "-o", str(out)]) == 0
+    a = _page(out).data["artifacts"][0]
+    codes = [a["verify"]["findings"][i]["code"] for i in a["marks"]["elsewhere"]]
+    assert "mtp-missing" in codes and not a["verify"]["ok"]
+    # a manifest that is not a JSON object, and a --kld file with a null statistic: named errors, no traceback
+    ck = tmp_path / "ck"
+    shutil.copytree(tiny_nvfp4_modelopt, ck)
+    (ck / "qtool-manifest.json").write_text("[1, 2]")
+    capsys.readouterr()
+    assert main(["report", str(ck), "--tp", "2", "-o", str(out)]) == 0
+    assert "not a readable qtool manifest" in _page(out).data["artifacts"][0]["provenance"]["error"]
+    kld = tmp_path / "k.json"
+    kld.write_text(json.dumps({"mean": None, "median": 0, "p95": 0, "p99": 0, "max": 0, "top1_agreement": 1,
+                               "positions": 1, "histogram": {}, "per_position": None}))
+    assert main(["report", str(ck), "--kld", str(kld), "-o", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "wrong type: mean, histogram" in err and str(kld) in err
+    # window flags without --ref would be ignored: refused; an unwritable output directory before any work
+    assert main(["report", str(ck), "--windows", "8", "-o", str(out)]) == 2
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        import os
+
+        if os.access(ro, os.W_OK):  # root ignores the mode bits: nothing to test here
+            return
+        assert main(["report", str(ck), "-o", str(ro / "r.html")]) == 1
+        assert "not writable" in capsys.readouterr().err
+    finally:
+        ro.chmod(0o700)
+
+
+def test_report_ref_on_an_hf_source_uses_its_data(hub, tiny_bf16, tiny_nvfp4_modelopt, tmp_path, capsys):
+    """Found as: `report hf:... --ref REF` ran eval kld on the header-only stand-in (zeros for data) and
+    drew a made-up KLD. The source is downloaded for --ref; the op refuses a stand-in outright."""
+    from qtool.errors import UsageError
+    from qtool.ops import report
+    from qtool.ops.report.data import Artifact
+    from qtool.ops.verify import VerifyOptions
+
+    commit = hub.add_dir("org/nv", tiny_nvfp4_modelopt)
+    window = ["--windows", "1", "--seq-len", "8"]
+    local = _json_of(capsys, ["eval", "kld", "--ref", str(tiny_bf16), "--test", str(tiny_nvfp4_modelopt), *window,
+                              "--json", "--quiet"])
+    out = tmp_path / "hub.html"
+    assert main(["report", f"hf:org/nv@{commit}", "--tp", "2", "--ref", str(tiny_bf16), *window, "-o", str(out)]) == 0
+    capsys.readouterr()
+    assert _page(out).data["artifacts"][0]["kld"] == local
+    from qtool.cli.common import headers_checkpoint
+
+    stand_in = headers_checkpoint(f"hf:org/nv@{commit}")
+    opts = report.ReportOptions((Artifact(Path(stand_in), "hf:org/nv"),), tmp_path / "x.html", VerifyOptions(tp=2),
+                                ref=str(tiny_bf16))
+    with pytest.raises(UsageError, match="header-only"):
+        report.plan(opts)

@@ -29,6 +29,7 @@ class ReportOptions:
     ref: str | None = None  # eval kld's reference (each artifact is evaluated against it)
     kld: tuple[str, ...] = ()  # saved `eval kld --json` results, one per artifact in order
     kld_options: object | None = None  # qtool.ops.kld.KldOptions for --ref
+    ref_label: str | None = None  # how the user named --ref (an hf: source), for the page
     force: bool = False
 
 
@@ -67,6 +68,9 @@ def plan(opts: ReportOptions) -> ReportPlan:
     for a in opts.artifacts:
         if not Path(a.path).exists():
             raise CheckpointError("checkpoint not found", path=a.label, hint="check the path")
+        if opts.ref and _header_only(Path(a.path)):
+            raise UsageError("--ref needs the checkpoint's data, and this is a header-only stand-in", path=a.label,
+                             hint="download it first (qtool download ORG/NAME -o DIR) or report a local copy")
     if opts.ref and opts.kld:
         raise UsageError("--ref and --kld both give the KLD: pass one",
                          hint="--ref REF runs eval kld now; --kld FILE.json reads a saved `eval kld --json` result")
@@ -78,13 +82,25 @@ def plan(opts: ReportOptions) -> ReportPlan:
     return ReportPlan(opts, klds)
 
 
+def _header_only(path: Path) -> bool:
+    from qtool.hub.headers import stand_in_commit
+
+    return stand_in_commit(path) is not None
+
+
 def _check_output(out: Path, force: bool) -> None:
-    if out.suffix.lower() not in (".html", ".htm"):
-        raise UsageError("-o must name an .html file", got=str(out), hint="e.g. -o report.html")
+    import os
+
     if out.is_dir():
         raise UsageError("-o names a directory", path=out, hint="name the .html file to write, e.g. -o report.html")
-    if not out.parent.is_dir():
-        raise PlanError("the output's directory does not exist", path=out.parent, hint="create it first")
+    if out.suffix.lower() not in (".html", ".htm"):
+        raise UsageError("-o must name an .html file", got=str(out), hint="e.g. -o report.html")
+    parent = out.parent if str(out.parent) else Path(".")
+    if not parent.is_dir():
+        raise PlanError("the output's directory does not exist", path=parent, hint="create it first")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise PlanError("the output's directory is not writable", path=parent,
+                        hint="choose another -o, or fix the directory's permissions")
     if out.exists() and not force:
         head = out.read_bytes()[:512].decode("utf-8", "replace")
         if GENERATOR not in head:
@@ -109,7 +125,22 @@ def load_kld(path: Path) -> dict:
     if missing:
         raise CheckpointError("KLD result lacks " + ", ".join(missing), path=path,
                               hint="re-run `qtool eval kld ... --json` with this qtool version (it prints them)")
+    bad = [k for k in RESULT_KEYS if not _kld_value_ok(k, obj[k])]
+    if bad:
+        raise CheckpointError("KLD result has values of the wrong type: " + ", ".join(bad), path=path,
+                              hint="save it anew with `qtool eval kld ... --json > FILE` (it was edited or truncated)")
     return {k: obj[k] for k in RESULT_KEYS}
+
+
+def _kld_value_ok(key: str, v) -> bool:
+    num = (int, float)
+    if key == "histogram":
+        return (isinstance(v, dict) and isinstance(v.get("edges"), list) and isinstance(v.get("counts"), list)
+                and len(v["edges"]) == len(v["counts"]) + 1 and all(isinstance(x, num) for x in v["edges"] + v["counts"])
+                and isinstance(v.get("below"), int) and isinstance(v.get("above"), int))
+    if key == "per_position":
+        return v is None or (isinstance(v, dict) and all(isinstance(v.get(k), list) for k in ("position", "mean")))
+    return isinstance(v, num) and not isinstance(v, bool)
 
 
 def execute(p: ReportPlan, *, progress=None) -> ReportResult:
@@ -119,17 +150,25 @@ def execute(p: ReportPlan, *, progress=None) -> ReportResult:
     from qtool.ops.report.page import render
 
     o = p.options
-    klds = list(p.klds)
-    if o.ref:
-        klds = [run_kld(o.ref, a.path, o.kld_options, progress) for a in o.artifacts]
     from qtool.io.checkpoint import reuse_opened
 
     with reuse_opened():  # inspect, verify and serve-config read the same headers: parse them once
-        artifacts = [artifact_data(a, o.verify, kld) for a, kld in zip(o.artifacts, klds)]
+        artifacts = [artifact_data(a, o.verify, kld) for a, kld in zip(o.artifacts, p.klds)]
+    if o.ref:  # after the header-only work: a broken artifact fails before the long run
+        for a, art in zip(artifacts, o.artifacts):
+            a["kld"] = run_kld(o.ref, art.path, o.kld_options, progress)
+    klds = [a["kld"] for a in artifacts]
     difference = (grid_difference(artifacts[0]["inspect"]["grid"], artifacts[1]["inspect"]["grid"])
                   if len(artifacts) == 2 else None)
     v = o.verify
-    data = {"qtool_version": __version__, "artifacts": artifacts, "difference": difference,
+    kld_run = None
+    if o.ref:
+        ko = o.kld_options
+        kld_run = {"ref": o.ref_label or o.ref, "dataset": getattr(ko, "dataset", "builtin"),
+                   "windows": getattr(ko, "windows", None), "seq_len": getattr(ko, "seq_len", None)}
+    elif o.kld:
+        kld_run = {"files": list(o.kld)}
+    data = {"qtool_version": __version__, "artifacts": artifacts, "difference": difference, "kld_run": kld_run,
             "options": {"engine": v.engine, "tp": v.tp, "gpus": v.gpus, "max_model_len": v.max_model_len,
                         "max_num_seqs": v.max_num_seqs, "kv_cache_dtype": v.kv_cache_dtype, "mtp": v.mtp}}
     html = render(data)

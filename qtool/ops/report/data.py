@@ -38,10 +38,10 @@ def artifact_data(art: Artifact, verify_opts, kld: dict | None = None) -> dict:
         "label": art.label,
         "inspect": inspected,
         "verify": verified,
-        "marks": place_findings(verified["findings"], naming),
+        "marks": place_findings(verified["findings"], naming, inspected["grid"]),
         "kld": kld,
         "provenance": provenance(art.path),
-        "launch": launch_commands(art.path, verify_opts),
+        "launch": launch_commands(art, verify_opts),
     }
 
 
@@ -55,14 +55,16 @@ def _renamed(obj, old: str, new: str):
     return obj
 
 
-def place_findings(findings: list[dict], naming: Naming) -> dict:
+def place_findings(findings: list[dict], naming: Naming, grid: dict) -> dict:
     """{"cells": {row: {column: [finding index]}}, "elsewhere": [finding index]}: each verify finding in
-    the grid cell of the module it names (what an engine will do differently from the tensors, in place)."""
+    the grid cell of the module it names (what an engine will do differently from the tensors, in place);
+    a finding whose row the grid does not draw (an MTP head that is missing) is listed beside it."""
+    drawn = {"model"} | {r["row"] for r in grid["rows"]}
     cells: dict[str, dict[str, list[int]]] = {}
     elsewhere: list[int] = []
     for i, f in enumerate(findings):
         where = cell_of(f["module"], naming) if f.get("module") else None
-        if where is None:
+        if where is None or where[0] not in drawn:
             elsewhere.append(i)
             continue
         row, col = where
@@ -80,7 +82,9 @@ def provenance(root: Path) -> dict | None:
     try:
         m = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return {"error": f"{path} is not readable JSON"}
+        m = None
+    if not isinstance(m, dict):
+        return {"error": f"{path} is not a readable qtool manifest (JSON object)"}
     sources = []
     for name, src in (m.get("sources") or {}).items():
         if not isinstance(src, dict):
@@ -99,19 +103,24 @@ def provenance(root: Path) -> dict | None:
             "libraries": m.get("libraries") or {}, "sources": sources, "build": build}
 
 
-def launch_commands(root: Path, verify_opts) -> dict[str, dict]:
+def launch_commands(art: Artifact, verify_opts) -> dict[str, dict]:
     """engine -> {"command": the serve-config shell text} or {"refused": why} (serve-config refuses an
-    artifact that verify fails), for each engine the report checks."""
+    artifact that verify fails), for each engine the report checks, with the report's KV-cache dtype (the
+    one its memory fit assumed); an hf: source is served by repo id at the commit it was read at."""
+    from qtool.hub.headers import stand_in_commit
     from qtool.ops.serve_config import ServeOptions, plan, render
     from qtool.ops.verify import parse_engines
 
+    hub = art.label if art.label.startswith("hf:") else None
     out: dict[str, dict] = {}
     for v in parse_engines(verify_opts.engine):
         opts = ServeOptions(engine=str(v), tp=verify_opts.tp, mtp=verify_opts.mtp, gpus=verify_opts.gpus,
                             max_model_len=verify_opts.max_model_len, max_num_seqs=verify_opts.max_num_seqs,
-                            gpu_memory_utilization=verify_opts.gpu_memory_utilization)
+                            kv_cache_dtype=verify_opts.kv_cache_dtype,
+                            gpu_memory_utilization=verify_opts.gpu_memory_utilization,
+                            hub=hub, commit=stand_in_commit(art.path) if hub else None)
         try:
-            out[str(v)] = {"command": render(plan(root, opts), opts)}
+            out[str(v)] = {"command": render(plan(art.path, opts), opts)}
         except QtoolError as e:
             out[str(v)] = {"refused": e.message + (f" ({e.got})" if e.got else "")}
     return out

@@ -54,10 +54,20 @@ def render(data: dict) -> str:
     template_text = resources.files("qtool").joinpath("data/report/report.html.j2").read_text(encoding="utf-8")
     env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined, trim_blocks=True,
                              lstrip_blocks=True)
+    env.filters["dict_values"] = lambda d: list(d.values())
     template = env.from_string(template_text)
     svg = {k: (None if v is None else _markup(v)) for k, v in page_charts(data["artifacts"]).items()}
     return template.render(**data, data=data, charts=svg, cell=_cell, colours=charts.FORMAT_COLOURS,
-                           column_titles=COLUMN_TITLES)
+                           column_titles=COLUMN_TITLES, kld_source=_kld_source(data.get("kld_run")))
+
+
+def _kld_source(run: dict | None) -> str | None:
+    if not run:
+        return None
+    if run.get("files"):
+        return "from saved `qtool eval kld --json` results: " + ", ".join(run["files"])
+    return (f"qtool eval kld against {run['ref']}: {run['windows']} windows x {run['seq_len']} tokens of "
+            f"{run['dataset']}")
 
 
 def _markup(svg: str):

@@ -182,10 +182,10 @@ def tp_findings(mm: ModelMap, tp: int, decisions: dict[str, dict[str, bool | Non
         if isinstance(n, int) and n % tp:
             out.append(error(Code.TP_DIVISIBILITY, key, f"{key}={n} is not divisible by TP={tp}", fix_tp))
     reps = unit_formats(mm)
-    seen: set[str] = set()
+    seen: set[tuple[str, str]] = set()  # (engine, unit): each engine that builds it gets its finding
     for eng, dec in decisions.items():
         for unit, excluded in dec.items():
-            if excluded is not False or unit in seen:
+            if excluded is not False or (eng, unit) in seen:
                 continue
             rep, fmt = reps[unit]
             if fmt not in (Format.NVFP4, Format.NVFP4_CT, Format.BF16):
@@ -202,7 +202,7 @@ def tp_findings(mm: ModelMap, tp: int, decisions: dict[str, dict[str, bool | Non
                 continue
             per_gpu = inn // tp if row else inn
             if (row and inn % tp) or per_gpu % NVFP4_BLOCK:
-                seen.add(unit)
+                seen.add((eng, unit))
                 fix = ("exclude it from quantization and serve the vision tower data-parallel: "
                        + patch_cmd(str(mm.ckpt.root), "--ignore-add", "model.visual*")
                        + " ; then --mm-encoder-tp-mode data") if unit.startswith("model.visual.") else (
