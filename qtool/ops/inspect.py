@@ -95,8 +95,9 @@ def _layout_problems(mm: ModelMap) -> list[Finding]:
             problem(
                 Code.MIXED_EXPERT_LAYOUT,
                 f"routed experts mix the fused 3-D layout (layers {_short(fused + both)}) and the per-expert "
-                f"layout (layers {_short(per + both)}); vLLM's qwen3_5 loader switches to the fused mapping "
-                "at the first fused key and silently drops per-expert keys after it",
+                f"layout (layers {_short(per + both)}); SGLang 0.5.23's loader silently drops the per-expert "
+                "keys that come after the first fused one in its load order (vLLM 0.33 maps each tensor by "
+                "its own layout and loads both)",
             )
         )
     if mm.mtp_expert_layout == "mixed":
