@@ -36,7 +36,9 @@ class Code(str, Enum):
     ENGINE_RULES_NOT_MODELLED = "engine-rules-not-modelled"  # warning: fp8 / AutoAWQ / GPTQ configs
     # serving constraints
     SCALE_MISMATCH = "scale-mismatch"
-    MOE_SCHEME_MISMATCH = "moe-scheme-mismatch"  # gate/up vs down of one layer's experts in different schemes
+    MOE_SCHEME_MISMATCH = "moe-scheme-mismatch"
+    INPUT_SCALE_MISSING = "input-scale-missing"  # W4A4 NVFP4 module without its activation scale
+    ATTENTION_GATE_QUANTIZED = "attention-gate-quantized"  # warning: q_proj (with the output gate) in NVFP4  # gate/up vs down of one layer's experts in different schemes
     TP_DIVISIBILITY = "tp-divisibility"
     MTP_MISSING = "mtp-missing"
     MTP_NOT_EXCLUDED = "mtp-not-excluded"

@@ -294,3 +294,52 @@ def test_kv_only_config_over_quantized_tensors_is_caught(tiny_nvfp4_ct, tmp_path
     rep = verify(ck, VerifyOptions(**TP2))
     mods = {f.module for f in rep.findings if f.code.value == "quantized-but-ignored"}
     assert "model.language_model.layers.0.mlp.experts" in mods and not rep.ok
+
+
+def test_nvfp4_without_input_scales(tiny_nvfp4_modelopt, tmp_path):
+    """NVFP4 modules with no input_scale passed verify (#15): under a W4A4 config the engines create the
+    scale and nothing fills it (error); under a weight-only config vLLM before PR 54427 folded 0.0 into
+    every expert (vllm issue 54189: a warning naming the fix)."""
+    from qtool.io.checkpoint import Checkpoint
+
+    ck = copy(tiny_nvfp4_modelopt, tmp_path)
+    names = [n for n in Checkpoint.open(ck).tensors if ".layers.1.mlp.experts." in n and n.endswith(".input_scale")]
+    assert len(names) == 24
+    edit_tensors(ck, {n: None for n in names})
+    rep = verify(ck, VerifyOptions(**TP2))
+    f = [f for f in rep.findings if f.code.value == "input-scale-missing"]
+    assert [(x.module, x.is_error) for x in f] == [("model.language_model.layers.1.mlp.experts", True)]
+    assert "24 NVFP4 module(s)" in f[0].message
+    cfg = json.loads((ck / "config.json").read_text())
+    for g in cfg["quantization_config"]["config_groups"].values():
+        g["input_activations"] = None  # a weight-only (W4A16) NVFP4 config
+    (ck / "config.json").write_text(json.dumps(cfg, indent=2))
+    rep = verify(ck, VerifyOptions(**TP2))
+    f = [f for f in rep.findings if f.code.value == "input-scale-missing"]
+    assert len(f) == 1 and not f[0].is_error and "54427" in f[0].message and rep.ok
+
+
+def test_nvfp4_attention_output_gate_is_a_warning(tiny_nvfp4_modelopt, tmp_path):
+    """q_proj carries Qwen3.5's attention output gate; NVFP4 there degraded perplexity in reports
+    (ModelOpt issue 2091, disputed): a warning with the source."""
+    import torch
+
+    from qtool.formats import nvfp4
+    from qtool.io.checkpoint import Checkpoint
+    from safetensors.torch import load_file
+
+    ck = copy(tiny_nvfp4_modelopt, tmp_path)
+    c = Checkpoint.open(ck)
+    name = "model.language_model.layers.3.self_attn.q_proj.weight"
+    w = load_file(str(ck / c.shard_of(name)))[name]
+    q = nvfp4.quantize(w.float())
+    mod = name.rpartition(".")[0]
+    edit_tensors(ck, {name: q.packed, mod + ".weight_scale": q.block_scale,
+                      mod + ".weight_scale_2": q.weight_scale_2.reshape(()).float(),
+                      mod + ".input_scale": torch.tensor(0.01)})
+    edit_config(ck, lambda qc: qc.update(ignore=[p for p in qc["ignore"] if "layers.3.self_attn" not in p]))
+    rep = verify(ck, VerifyOptions(**TP2))
+    f = [f for f in rep.findings if f.code.value == "attention-gate-quantized"]
+    assert len(f) == 1 and not f[0].is_error and "[3]" in f[0].message and "2091" in f[0].message
+    assert not [f for f in verify(tiny_nvfp4_modelopt, VerifyOptions(**TP2)).findings
+                if f.code.value == "attention-gate-quantized"]

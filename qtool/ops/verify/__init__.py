@@ -145,6 +145,8 @@ def execute(p: VerifyPlan) -> VerifyReport:
     findings += dec_findings
     findings += engine_rules.tp_findings(mm, opts.tp, decisions)
     findings += engine_rules.moe_scheme_findings(mm, versions)
+    findings += engine_rules.input_scale_findings(mm)
+    findings += engine_rules.attention_gate_findings(mm)
     findings += engine_rules.mtp_findings(mm, opts.mtp)
     findings += engine_rules.kv_findings(mm, opts.kv_cache_dtype)
 

@@ -162,6 +162,70 @@ def moe_scheme_findings(mm: ModelMap, versions: list[EngineVersion]) -> list[Fin
     return out
 
 
+def _weight_only(config: dict | None) -> bool:
+    """True when the config's schemes quantize no activations (`input_activations: null` in every config
+    group: ModelOpt / compressed-tensors NVFP4A16)."""
+    qc = (config or {}).get("quantization_config") or {}
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        return False
+    return all(isinstance(g, dict) and g.get("input_activations") is None for g in groups.values())
+
+
+_INPUT_SCALE = {Format.NVFP4: "input_scale", Format.NVFP4_CT: "input_global_scale"}
+
+
+def input_scale_findings(mm: ModelMap) -> list[Finding]:
+    """NVFP4 modules without their activation scale, one finding per layer's experts or per module.
+
+    W4A4 (the config quantizes activations): the engines create the scale parameter and nothing fills it
+    (vLLM modelopt.py ModelOptNvFp4LinearMethod / FusedMoE create `input_scale`; compressed-tensors
+    `input_global_scale`): the module computes with an uninitialised scale, an error. Weight-only configs
+    (`input_activations: null`): vLLM folded an uninitialised input_scale of 0.0 into the experts, so
+    every expert output was zero (vllm issue 54189, fixed by PR 54427): a warning naming the fix."""
+    weight_only = _weight_only(mm.ckpt.config)
+    missing: dict[str, list[str]] = {}
+    for m in mm.modules.values():
+        key = _INPUT_SCALE.get(m.format)
+        if key is None or key in m.param_names:
+            continue
+        unit = m.name.partition(".mlp.experts.")[0] + ".mlp.experts" if m.expert is not None else m.name
+        missing.setdefault(unit, []).append(m.name)
+    out: list[Finding] = []
+    for unit, mods in sorted(missing.items()):
+        what = f"{len(mods)} NVFP4 module(s) of {unit} lack {_INPUT_SCALE.get(mm.modules[mods[0]].format)}"
+        if weight_only:
+            out.append(warning(Code.INPUT_SCALE_MISSING, unit,
+                               f"{what} (a weight-only config): vLLM builds before PR 54427 fold an uninitialised "
+                               "input_scale of 0.0 into them and every expert outputs zero (vllm issue 54189)",
+                               "serve with a vLLM that has PR 54427, or write input scales (qtool quantize "
+                               "calibrates them)"))
+        else:
+            out.append(error(Code.INPUT_SCALE_MISSING, unit,
+                             f"{what}, and the config quantizes activations (W4A4): the engines create the scale "
+                             "and nothing fills it", "requantize with calibration (qtool quantize writes calibrated "
+                             "input scales), or restore the missing tensors"))
+    return out
+
+
+def attention_gate_findings(mm: ModelMap) -> list[Finding]:
+    """Qwen3.5's full-attention q_proj holds the query AND the attention output gate (attn_output_gate:
+    the gate half of the fused q_proj). NVFP4 there was reported to degrade hybrid Qwen3.5/3.6 exports
+    2-6x in perplexity (NVIDIA ModelOpt issue 2091); later measurements upstream dispute the cause, so a
+    warning with the source, not an error."""
+    if not mm.ckpt.text_config.get("attn_output_gate", True):
+        return []
+    layers = sorted({m.layer for m in mm.modules.values() if m.name.endswith(".self_attn.q_proj")
+                     and m.format in (Format.NVFP4, Format.NVFP4_CT) and m.layer is not None})
+    if not layers:
+        return []
+    return [warning(Code.ATTENTION_GATE_QUANTIZED, None,
+                    f"q_proj of full-attention layers {layers} is NVFP4; it carries the attention output gate, and "
+                    "NVFP4 there was reported to degrade Qwen3.5 perplexity 2-6x (NVIDIA ModelOpt issue 2091; "
+                    "disputed upstream)", "keep self_attn.q_proj in BF16 (add it to the ignore list before "
+                    "quantizing), or measure with qtool eval kld")]
+
+
 def tp_findings(mm: ModelMap, tp: int, decisions: dict[str, dict[str, bool | None]]) -> list[Finding]:
     """Head counts divisible by TP, and NVFP4 per-GPU input features a multiple of 16 for every module an
     engine builds quantized."""
