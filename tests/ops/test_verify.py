@@ -343,3 +343,57 @@ def test_nvfp4_attention_output_gate_is_a_warning(tiny_nvfp4_modelopt, tmp_path)
     assert len(f) == 1 and not f[0].is_error and "[3]" in f[0].message and "2091" in f[0].message
     assert not [f for f in verify(tiny_nvfp4_modelopt, VerifyOptions(**TP2)).findings
                 if f.code.value == "attention-gate-quantized"]
+
+
+def _mixed_precision(src: Path, tmp_path: Path) -> Path:
+    """nvidia's NVFP4-V2 form on the tiny model: layer 3's attention o_proj in FP8 per-tensor, the
+    routed experts NVFP4, `quant_algo: MIXED_PRECISION` with a per-module `quantized_layers`."""
+    import torch
+    from safetensors.torch import load_file
+
+    from qtool.formats import fp8
+    from qtool.io.checkpoint import Checkpoint
+
+    ck = copy(src, tmp_path, "mixed")
+    c = Checkpoint.open(ck)
+    o = "model.language_model.layers.3.self_attn.o_proj"
+    w = load_file(str(ck / c.shard_of(o + ".weight")))[o + ".weight"]
+    q = fp8.quantize_per_tensor(w.float())
+    edit_tensors(ck, {o + ".weight": q.weight, o + ".weight_scale": q.scale.reshape(()).float(),
+                      o + ".input_scale": torch.tensor(0.02)})
+    layers = {m: {"quant_algo": "NVFP4", "group_size": 16} for m in
+              sorted({n.rpartition(".")[0] for n in c.tensors if ".mlp.experts." in n and n.endswith(".weight_scale_2")})}
+    layers[o] = {"quant_algo": "FP8"}
+    hq = json.loads((ck / "hf_quant_config.json").read_text())
+    hq["quantization"].update(quant_algo="MIXED_PRECISION", quantized_layers=layers)
+    (ck / "hf_quant_config.json").write_text(json.dumps(hq, indent=2))
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg["quantization_config"].update(quant_algo="MIXED_PRECISION", quantized_layers=layers)
+    cfg["quantization_config"]["ignore"] = [p for p in cfg["quantization_config"]["ignore"] if "layers.3.self_attn" not in p]
+    (ck / "config.json").write_text(json.dumps(cfg, indent=2))
+    return ck
+
+
+def test_modelopt_mixed_precision_is_checked_per_module(tiny_nvfp4_modelopt, tmp_path):
+    """MIXED_PRECISION (nvidia/Qwen3.5-397B-A17B-NVFP4-V2's form, vllm PR 35047) was "not modelled": now
+    each module is checked against its `quantized_layers` entry as vLLM 0.33.0 resolves it."""
+    ck = _mixed_precision(tiny_nvfp4_modelopt, tmp_path)
+    rep = verify(ck, VerifyOptions(engine="vllm", **TP2))
+    assert rep.ok, [f.to_json() for f in rep.findings if f.is_error][:3]
+    assert rep.engines["vllm@0.33.0"]["quant_algo"] == "MIXED_PRECISION"
+    assert rep.engines["vllm@0.33.0"]["quantized"] == 1 + 8  # layer 3 o_proj + 8 layers of routed experts
+    # SGLang's handling is not modelled: a warning, not a verdict
+    both = verify(ck, VerifyOptions(**TP2))
+    assert any(f.code.value == "engine-rules-not-modelled" and f.engine == "sglang@0.5.23" for f in both.findings)
+    # an FP8 module missing from quantized_layers is built unquantized by vLLM
+    hq = json.loads((ck / "hf_quant_config.json").read_text())
+    cfg = json.loads((ck / "config.json").read_text())
+    for body in (hq["quantization"], cfg["quantization_config"]):
+        del body["quantized_layers"]["model.language_model.layers.3.self_attn.o_proj"]
+        body["quantized_layers"]["model.language_model.layers.3.self_attn.q_proj"] = {"quant_algo": "FP8"}
+    (ck / "hf_quant_config.json").write_text(json.dumps(hq, indent=2))
+    (ck / "config.json").write_text(json.dumps(cfg, indent=2))
+    bad = verify(ck, VerifyOptions(engine="vllm", **TP2))
+    got = {(f.code.value, f.module) for f in bad.findings if f.is_error}
+    assert ("quantized-but-ignored", "model.language_model.layers.3.self_attn.o_proj") in got
+    assert any(code == "bf16-but-not-ignored" and "layers.3.self_attn" in mod for code, mod in got)

@@ -48,6 +48,10 @@ def decision_findings(
         for v in versions:
             summaries[str(v)] = {"quantized_checkpoint": False}
         return findings, summaries, decisions_by_engine
+    from qtool.ops.verify import mixed_precision
+
+    if mixed_precision.is_mixed(summary):  # per-module algorithms: its own rule (ops/verify/mixed_precision.py)
+        return mixed_precision.mixed_findings(mm, summary, versions)
     if not engine_rules_modelled(summary):
         findings.append(warning(
             Code.ENGINE_RULES_NOT_MODELLED, None,
