@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from qtool.arch.model_map import QUANTIZED_FORMATS, Format, ModelMap
 from qtool.arch.qwen35 import Group
-from qtool.engines import EngineVersion, unit_of
+from qtool.engines import Engine, EngineVersion, unit_of
 from qtool.engines.decide import decide, engine_rules_modelled, flavour_of, unit_formats
 from qtool.io.quant_config import QuantSummary
 from qtool.findings import Code, Finding, error, patch_cmd, warning
@@ -129,6 +129,22 @@ def _in_features(mm: ModelMap, module: str) -> int | None:
     if dn is not None and len(dn.shape) == 3:  # fused experts: down_proj [E, H, I]
         return dn.shape[2]
     return None
+
+
+def per_engine_layout(findings: list[Finding], versions: list[EngineVersion]) -> list[Finding]:
+    """`mixed-expert-layout` for the engines it concerns: vLLM 0.33 maps each expert tensor by its own
+    layout (a fused layer among per-expert ones loads bit-identical: checked with vLLM's real loader,
+    tests/engines/test_loaders.py), so no finding for it; SGLang 0.5.23's loader switches to the fused
+    mapping at the first fused key and drops the per-expert keys after it (#15), an error per version."""
+    layout = [f for f in findings if f.code is Code.MIXED_EXPERT_LAYOUT and f.engine is None]
+    if not layout:
+        return findings
+    out = [f for f in findings if not (f.code is Code.MIXED_EXPERT_LAYOUT and f.engine is None)]
+    for v in versions:
+        if v.engine is Engine.SGLANG:
+            out += [Finding(f.code, f.severity, f.module, f"{f.message} ({v} drops per-expert keys after the first "
+                            "fused one)", f.fix, str(v)) for f in layout]
+    return out
 
 
 def _expert_scheme(m) -> tuple[str, int | None]:

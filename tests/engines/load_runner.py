@@ -1,0 +1,112 @@
+"""Runs inside QTOOL_ENGINES_PYTHON (vllm==0.33.0): vLLM's REAL model construction and weight loader on
+a CPU, over one checkpoint. Prints one JSON object: {"loaded": bool, "stage", "error", "tensors",
+"params", "unwritten": [param names not (fully) written by load_weights]}.
+
+The approach of issue #15: `EngineArgs(...).create_engine_config()` with VLLM_TARGET_DEVICE=cpu, a
+one-process gloo group, `initialize_model`, `DefaultModelLoader.get_all_weights` and `model.load_weights`,
+then `process_weights_after_loading` for real. Only kernel-availability checks refuse a CPU, so vLLM's own
+emulation kernels are registered for it (the NVFP4 linear registry has no CPU entry; the NVFP4 MoE
+backend selection rejects CPU; the unquantized CPU MoE repacks with compiled ops the CUDA wheel lacks).
+Every float parameter is filled with NaN before loading, so a parameter
+the loader never wrote, or wrote only in part (a missing expert), is found afterwards.
+Kept free of qtool imports: it runs in the other interpreter.
+"""
+
+import json
+import logging
+import os
+import sys
+import tempfile
+import traceback
+import warnings
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+warnings.filterwarnings("ignore")
+logging.disable(logging.WARNING)
+
+# attention parameters vLLM creates and checkpoints need not carry (defaults apply)
+OPTIONAL = (".attn.q_scale", ".attn.prob_scale", ".attn.k_scale", ".attn.v_scale", ".attn.q_zero_point",
+            ".attn.k_zero_point", ".attn.v_zero_point")
+
+
+def _cpu_registrations() -> None:
+    from vllm.model_executor.kernels import linear as kl
+    from vllm.model_executor.kernels.linear.nvfp4.emulation import EmulationNvFp4LinearKernel
+    from vllm.model_executor.layers.fused_moe.experts.nvfp4_emulation_moe import (
+        Nvfp4QuantizationEmulationTritonExperts,
+    )
+    from vllm.model_executor.layers.fused_moe.oracle import nvfp4 as nv
+    from vllm.model_executor.layers.quantization import modelopt
+    from vllm.platforms import PlatformEnum
+
+    kl._POSSIBLE_NVFP4_KERNELS.setdefault(PlatformEnum.CPU, [EmulationNvFp4LinearKernel])
+
+    def pick(*_a, **_k):
+        return nv.NvFp4MoeBackend.EMULATION, Nvfp4QuantizationEmulationTritonExperts
+
+    nv.select_nvfp4_moe_backend = pick
+    modelopt.select_nvfp4_moe_backend = pick
+    # the unquantized CPU MoE repacks its weights with vLLM's compiled CPU ops (absent from the CUDA wheel):
+    # a layout change for its kernels after loading, not part of what is loaded
+    from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+
+    cpu_moe.cpu_prepack_moe_weight = lambda w, isa: w
+
+
+def load(ckpt: str) -> dict:
+    import torch
+
+    out = {"loaded": False, "stage": "config", "error": None, "tensors": 0, "params": 0, "unwritten": []}
+    try:
+        _cpu_registrations()
+        from vllm.config import set_current_vllm_config
+        from vllm.distributed import init_distributed_environment, initialize_model_parallel
+        from vllm.engine.arg_utils import EngineArgs
+
+        cfg = EngineArgs(model=ckpt, tokenizer=ckpt, tensor_parallel_size=1, enforce_eager=True, max_model_len=256,
+                         dtype="bfloat16", load_format="safetensors", skip_tokenizer_init=True).create_engine_config()
+        with set_current_vllm_config(cfg):
+            init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                         distributed_init_method=f"file://{tempfile.mktemp()}")
+            initialize_model_parallel(1, 1)
+            from vllm.model_executor.model_loader import get_model_loader
+            from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
+
+            out["stage"] = "build"
+            with torch.device("cpu"):
+                model = initialize_model(vllm_config=cfg)
+            params = dict(model.named_parameters())
+            out["params"] = len(params)
+            with torch.no_grad():
+                for p in params.values():
+                    if p.dtype.is_floating_point:
+                        p.fill_(float("nan"))
+            out["stage"] = "load"
+            loader = get_model_loader(cfg.load_config)
+            seen = []
+
+            def weights():
+                for name, t in loader.get_all_weights(cfg.model_config, model):
+                    seen.append(name)
+                    yield name, t
+
+            model.load_weights(weights())
+            out["tensors"] = len(seen)
+            for name, p in params.items():
+                if name.endswith(OPTIONAL) or not p.dtype.is_floating_point:
+                    continue
+                if torch.isnan(p.float()).any():
+                    out["unwritten"].append(name)
+            out["stage"] = "process"
+            process_weights_after_loading(model, cfg.model_config, torch.device("cpu"))
+            out["stage"] = "done"
+            out["loaded"] = not out["unwritten"]
+    except Exception as e:  # the verdict: what the engine says, in its words
+        out["error"] = f"{type(e).__name__}: {e}"[:2000]
+        out["trace"] = traceback.format_exc()[-3000:]
+    return out
+
+
+if __name__ == "__main__":
+    print("QTOOL-ORACLE " + json.dumps(load(sys.argv[1])))
