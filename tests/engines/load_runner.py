@@ -54,7 +54,9 @@ def _cpu_registrations() -> None:
     cpu_moe.cpu_prepack_moe_weight = lambda w, isa: w
 
 
-def load(ckpt: str) -> dict:
+def load(ckpt: str, mtp: bool = False) -> dict:
+    """The target model's load, or with `mtp` the MTP drafter's (Qwen3_5MoeMTP, built from the speculative
+    config's draft model config as the proposer builds it: llm_base_proposer.py _get_model)."""
     import torch
 
     out = {"loaded": False, "stage": "config", "error": None, "tensors": 0, "params": 0, "unwritten": []}
@@ -64,8 +66,11 @@ def load(ckpt: str) -> dict:
         from vllm.distributed import init_distributed_environment, initialize_model_parallel
         from vllm.engine.arg_utils import EngineArgs
 
+        spec = {"speculative_config": {"method": "mtp", "num_speculative_tokens": 1}} if mtp else {}
         cfg = EngineArgs(model=ckpt, tokenizer=ckpt, tensor_parallel_size=1, enforce_eager=True, max_model_len=256,
-                         dtype="bfloat16", load_format="safetensors", skip_tokenizer_init=True).create_engine_config()
+                         dtype="bfloat16", load_format="safetensors", skip_tokenizer_init=True,
+                         **spec).create_engine_config()
+        model_config = cfg.speculative_config.draft_model_config if mtp else cfg.model_config
         with set_current_vllm_config(cfg):
             init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
                                          distributed_init_method=f"file://{tempfile.mktemp()}")
@@ -75,19 +80,20 @@ def load(ckpt: str) -> dict:
 
             out["stage"] = "build"
             with torch.device("cpu"):
-                model = initialize_model(vllm_config=cfg)
+                model = initialize_model(vllm_config=cfg, model_config=model_config)
+            out["model"] = type(model).__name__
             params = dict(model.named_parameters())
             out["params"] = len(params)
             with torch.no_grad():
-                for p in params.values():
-                    if p.dtype.is_floating_point:
+                for name, p in params.items():  # optional ones keep vLLM's defaults (k_scale 1.0 ...)
+                    if p.dtype.is_floating_point and not name.endswith(OPTIONAL):
                         p.fill_(float("nan"))
             out["stage"] = "load"
             loader = get_model_loader(cfg.load_config)
             seen = []
 
             def weights():
-                for name, t in loader.get_all_weights(cfg.model_config, model):
+                for name, t in loader.get_all_weights(model_config, model):
                     seen.append(name)
                     yield name, t
 
@@ -99,7 +105,7 @@ def load(ckpt: str) -> dict:
                 if torch.isnan(p.float()).any():
                     out["unwritten"].append(name)
             out["stage"] = "process"
-            process_weights_after_loading(model, cfg.model_config, torch.device("cpu"))
+            process_weights_after_loading(model, model_config, torch.device("cpu"))
             out["stage"] = "done"
             out["loaded"] = not out["unwritten"]
     except Exception as e:  # the verdict: what the engine says, in its words
@@ -109,4 +115,4 @@ def load(ckpt: str) -> dict:
 
 
 if __name__ == "__main__":
-    print("QTOOL-ORACLE " + json.dumps(load(sys.argv[1])))
+    print("QTOOL-ORACLE " + json.dumps(load(sys.argv[1], mtp=sys.argv[2:] == ["mtp"])))

@@ -4,7 +4,7 @@ loading on a CPU; tests/engines/load_runner.py) over qtool's artifacts and broke
 
 Runs only when QTOOL_ENGINES_PYTHON points at a python with vllm==0.33.0 (see the README's engines venv).
 A verdict: the engine loaded every parameter fully and processed the weights (True), or it raised / left
-parameters unwritten (False). The SGLang loader and the MTP drafter are not covered yet (#15).
+parameters unwritten (False). The MTP drafter is checked too; the SGLang loader is not covered yet (#15).
 """
 
 from __future__ import annotations
@@ -29,17 +29,18 @@ L = "model.language_model.layers"
 KV = ["--samples", "2", "--seq-len", "32", "--quiet"]
 
 
-def vllm_loads(ckpt: Path) -> dict:
-    p = subprocess.run([PY, str(RUNNER), str(ckpt)], capture_output=True, text=True, timeout=600)
+def vllm_loads(ckpt: Path, mtp: bool = False) -> dict:
+    p = subprocess.run([PY, str(RUNNER), str(ckpt), *(["mtp"] if mtp else [])], capture_output=True, text=True,
+                       timeout=600)
     line = next((x for x in p.stdout.splitlines() if x.startswith("QTOOL-ORACLE ")), None)
     assert line is not None, p.stdout[-2000:] + p.stderr[-3000:]
     return json.loads(line[len("QTOOL-ORACLE "):])
 
 
-def verify_ok(ckpt: Path) -> tuple[bool, list[str]]:
+def verify_ok(ckpt: Path, mtp: int = 0) -> tuple[bool, list[str]]:
     from qtool.ops.verify import VerifyOptions, verify
 
-    rep = verify(ckpt, VerifyOptions(engine="vllm@0.33.0", tp=1, gpus="1x97887MiB"))
+    rep = verify(ckpt, VerifyOptions(engine="vllm@0.33.0", tp=1, gpus="1x97887MiB", mtp=mtp))
     return rep.ok, sorted({f.code.value for f in rep.findings if f.is_error})
 
 
@@ -90,6 +91,12 @@ def artifacts(tmp_path_factory, tiny_bf16, tiny_nvfp4_modelopt, tiny_nvfp4_ct, t
                                       str(root / "qmo"), *KV])
     qtool("quantize-nvfp4-ct", ["quantize", str(tiny_bf16), "--recipe", "qwen35-nvfp4-experts", "--format",
                                 "compressed-tensors", "-o", str(root / "qct"), *KV])
+    qtool("build-demo-tiny", ["build", "demo-tiny", "-o", str(root / "demo"), "--quiet"])
+    inplace = _copy(tiny_nvfp4_modelopt_nomtp, root / "kv-in-place")
+    assert main(["calibrate-kv", str(inplace), "--in-place", "--replace-scales", *KV]) == 0
+    out["calibrate-kv-in-place"] = inplace
+    qtool("patch-config-o", ["patch-config", str(tiny_nvfp4_modelopt), "--fix", "router-ignore", "--fix", "mtp-ignore",
+                             "-o", str(root / "patched"), "--quiet"])
     qtool("convert-to-ct", ["convert", str(tiny_nvfp4_modelopt), "--to", "compressed-tensors", "-o", str(root / "cv"),
                             "--quiet"])
     # broken variants
@@ -154,7 +161,8 @@ def _set_tensor(ck: Path, name: str, value: float) -> None:
 
 
 CASES = ["fixture-nvfp4-modelopt", "fixture-nvfp4-ct", "fixture-bf16", "assemble-hybrid", "calibrate-kv-nvfp4",
-         "calibrate-kv-bf16", "quantize-nvfp4-modelopt", "quantize-nvfp4-ct", "convert-to-ct",
+         "calibrate-kv-bf16", "quantize-nvfp4-modelopt", "quantize-nvfp4-ct", "convert-to-ct", "build-demo-tiny",
+         "calibrate-kv-in-place", "patch-config-o",
          "broken-quantized-but-ignored", "broken-missing-expert", "broken-kv-only-config-over-nvfp4",
          "variant-scale-mismatch",
          "broken-bf16-experts-in-nvfp4",
@@ -172,3 +180,18 @@ def test_verify_gives_the_real_loaders_verdict(artifacts, case):
     if not case.startswith(("broken-", "variant-")):  # every qtool output loads, every parameter written
         assert engine["loaded"], engine
     assert ok == engine["loaded"], (case, codes, engine.get("error"), engine["unwritten"][:5])
+
+
+MTP_CASES = ["fixture-nvfp4-modelopt", "fixture-nvfp4-ct", "fixture-bf16", "assemble-hybrid", "quantize-nvfp4-modelopt",
+             "quantize-nvfp4-ct", "convert-to-ct", "patch-config-o"]
+
+
+@pytest.mark.parametrize("case", MTP_CASES)
+def test_the_mtp_drafter_loads_and_verify_agrees(artifacts, case):
+    """The MTP drafter (Qwen3_5MoeMTP, what --speculative-config method mtp builds) from the same
+    checkpoint: every qtool artifact with an MTP head loads in it, and `verify --mtp 1` agrees."""
+    ckpt = artifacts[case]
+    engine = vllm_loads(ckpt, mtp=True)
+    ok, codes = verify_ok(ckpt, mtp=1)
+    assert engine["model"] == "Qwen3_5MoeMTP" and engine["loaded"], engine
+    assert ok, codes
