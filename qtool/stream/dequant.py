@@ -67,18 +67,13 @@ class TensorSource:
         import torch
 
         from qtool.io.dtypes import TORCH_DTYPE_NAMES
+        from qtool.stream.layer_read import pread_exact
 
         fd = self._fds.get(info.file)
         if fd is None:
             fd = self._fds[info.file] = os.open(info.file, os.O_RDONLY)
         buf = bytearray(info.nbytes)
-        view = memoryview(buf)
-        got = 0
-        while got < info.nbytes:
-            n = os.preadv(fd, [view[got:]], info.start + got)
-            if n <= 0:
-                raise PlanError("shard ended before the tensor's bytes", path=info.file, tensor=info.name)
-            got += n
+        pread_exact(fd, memoryview(buf), info.start, info.file, tensor=info.name)
         dtype = getattr(torch, TORCH_DTYPE_NAMES[info.dtype])
         if info.nbytes == 0:
             return torch.empty(tuple(info.shape), dtype=dtype)

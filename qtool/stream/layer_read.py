@@ -89,7 +89,7 @@ class LayerBytes:
                     if cuda:
                         staging[k].upload(fd, offset, dst.numel(), dst, path)
                     else:
-                        _pread_into(fd, memoryview(dst.numpy()), offset, path)
+                        pread_exact(fd, memoryview(dst.numpy()), offset, path)
                 if cuda:
                     staging[k].finish()
             except BaseException as e:
@@ -130,12 +130,15 @@ class LayerBytes:
         self._bufs.clear()
 
 
-def _pread_into(fd: int, view: memoryview, offset: int, path: str) -> None:
+def pread_exact(fd: int, view: memoryview, offset: int, path: str, tensor: str | None = None) -> None:
+    """Fill `view` from `fd` at `offset` (preadv returns short counts on large reads); a shard that ends
+    early is a named error."""
     got = 0
     while got < len(view):
         n = os.preadv(fd, [view[got:]], offset + got)
         if n <= 0:
-            raise PlanError("shard ended before the layer's tensor bytes", path=path,
+            raise PlanError("shard ended before the layer's tensor bytes" if tensor is None
+                            else "shard ended before the tensor's bytes", path=path, tensor=tensor,
                             hint="the shard is truncated: re-download or rebuild it")
         got += n
 
@@ -159,7 +162,7 @@ class _Staging:
         if self.done[i] is not None:
             self.done[i].synchronize()
         host = self.host[i][:n]
-        _pread_into(fd, memoryview(host.numpy()), offset, path)
+        pread_exact(fd, memoryview(host.numpy()), offset, path)
         with self.torch.cuda.stream(self.stream):
             dst.copy_(host, non_blocking=True)
             ev = self.torch.cuda.Event()
