@@ -1,10 +1,11 @@
-"""Oracle: vLLM 0.33.0's REAL weight loader (model construction, load_weights, process_weights_after_
-loading on a CPU; tests/engines/load_runner.py) over qtool's artifacts and broken variants, against
-`qtool verify --engine vllm@0.33.0`'s verdict for the same checkpoint.
+"""Oracle: the REAL weight loaders of vLLM 0.33.0 and SGLang 0.5.23 (model construction, load_weights,
+process_weights_after_loading on a CPU; tests/engines/{vllm,sglang}_load_runner.py) over qtool's artifacts
+and broken variants, against `qtool verify --engine vllm@0.33.0` / `sglang@0.5.23` for the same checkpoint.
 
-Runs only when QTOOL_ENGINES_PYTHON points at a python with vllm==0.33.0 (see the README's engines venv).
-A verdict: the engine loaded every parameter fully and processed the weights (True), or it raised / left
-parameters unwritten (False). The MTP drafter is checked too; the SGLang loader is not covered yet (#15).
+Runs only when QTOOL_ENGINES_PYTHON points at a python with both engines (see the README's engines venv).
+A verdict: the engine read every checkpoint tensor of the model it builds, wrote every parameter fully and
+processed the weights (True), or it raised, dropped tensors or left parameters unwritten (False). The MTP
+drafter (each engine's own class, from the same checkpoint) is checked too.
 """
 
 from __future__ import annotations
@@ -24,23 +25,25 @@ PY = os.environ.get("QTOOL_ENGINES_PYTHON")
 if not PY:
     pytest.skip("QTOOL_ENGINES_PYTHON not set", allow_module_level=True)
 
-RUNNER = Path(__file__).with_name("load_runner.py")
+RUNNERS = {"vllm@0.33.0": Path(__file__).with_name("vllm_load_runner.py"),
+           "sglang@0.5.23": Path(__file__).with_name("sglang_load_runner.py")}
+ENGINES = list(RUNNERS)
 L = "model.language_model.layers"
 KV = ["--samples", "2", "--seq-len", "32", "--quiet"]
 
 
-def vllm_loads(ckpt: Path, mtp: bool = False) -> dict:
-    p = subprocess.run([PY, str(RUNNER), str(ckpt), *(["mtp"] if mtp else [])], capture_output=True, text=True,
-                       timeout=600)
+def engine_loads(engine: str, ckpt: Path, mtp: bool = False) -> dict:
+    p = subprocess.run([PY, str(RUNNERS[engine]), str(ckpt), *(["mtp"] if mtp else [])], capture_output=True,
+                       text=True, timeout=600)
     line = next((x for x in p.stdout.splitlines() if x.startswith("QTOOL-ORACLE ")), None)
     assert line is not None, p.stdout[-2000:] + p.stderr[-3000:]
     return json.loads(line[len("QTOOL-ORACLE "):])
 
 
-def verify_ok(ckpt: Path, mtp: int = 0) -> tuple[bool, list[str]]:
+def verify_ok(engine: str, ckpt: Path, mtp: int = 0) -> tuple[bool, list[str]]:
     from qtool.ops.verify import VerifyOptions, verify
 
-    rep = verify(ckpt, VerifyOptions(engine="vllm@0.33.0", tp=1, gpus="1x97887MiB", mtp=mtp))
+    rep = verify(ckpt, VerifyOptions(engine=engine, tp=1, gpus="1x97887MiB", mtp=mtp))
     return rep.ok, sorted({f.code.value for f in rep.findings if f.is_error})
 
 
@@ -113,39 +116,26 @@ def artifacts(tmp_path_factory, tiny_bf16, tiny_nvfp4_modelopt, tiny_nvfp4_ct, t
     sm = _copy(tiny_nvfp4_modelopt, root / "scale-mismatch")
     _set_tensor(sm, f"{L}.1.mlp.experts.3.up_proj.weight_scale_2", 0.123)
     out["variant-scale-mismatch"] = sm
+    from qtool.fixtures.broken import fuse_layer_experts
     from qtool.fixtures.tiny import make_broken
 
     out["broken-bf16-experts-in-nvfp4"] = make_broken(tiny_nvfp4_modelopt, root / "mixed", "mixed_expert_layout")
-    out["variant-fused-layer-0-bf16"] = _fuse_layer_experts(_copy(tiny_bf16, root / "fused0"), 0)
+    out["variant-fused-layer-0-bf16"] = fuse_layer_experts(_copy(tiny_bf16, root / "fused0"), 0)
+    out["variant-fused-layer-7-bf16"] = fuse_layer_experts(_copy(tiny_bf16, root / "fused7"), 7)
     return out
 
 
-def _fuse_layer_experts(ck: Path, layer: int) -> Path:
-    """Layer `layer`'s per-expert BF16 experts rewritten in transformers' fused 3-D layout
-    (mlp.experts.gate_up_proj [E, 2I, H], mlp.experts.down_proj [E, H, I]); the other layers unchanged."""
-    import torch
+def _rename_tensors(ck: Path, fn) -> Path:
+    """Every tensor renamed by `fn(name)` (same bytes), shards and index rewritten."""
     from safetensors.torch import load_file, save_file
 
     idx_path = ck / "model.safetensors.index.json"
     idx = json.loads(idx_path.read_text())
-    pre = f"{L}.{layer}.mlp.experts."
-    names = [n for n in idx["weight_map"] if n.startswith(pre)]
-    shards = sorted({idx["weight_map"][n] for n in names})
-    tensors = {}
-    for sh in shards:
-        tensors.update({n: t for n, t in load_file(str(ck / sh)).items() if n.startswith(pre)})
-    n_exp = 1 + max(int(n[len(pre):].split(".")[0]) for n in names)
-    gate_up = torch.stack([torch.cat([tensors[f"{pre}{e}.gate_proj.weight"], tensors[f"{pre}{e}.up_proj.weight"]])
-                           for e in range(n_exp)])
-    down = torch.stack([tensors[f"{pre}{e}.down_proj.weight"] for e in range(n_exp)])
-    for sh in shards:
-        kept = {n: t for n, t in load_file(str(ck / sh)).items() if not n.startswith(pre)}
-        if sh == shards[0]:
-            kept[pre + "gate_up_proj"], kept[pre + "down_proj"] = gate_up.contiguous(), down.contiguous()
-        save_file(kept, str(ck / sh), metadata={"format": "pt"})
-    wm = {n: f for n, f in idx["weight_map"].items() if not n.startswith(pre)}
-    wm[pre + "gate_up_proj"] = wm[pre + "down_proj"] = shards[0]
-    idx["weight_map"] = dict(sorted(wm.items()))
+    for shard in sorted(set(idx["weight_map"].values())):
+        tensors = load_file(str(ck / shard))
+        if any(fn(n) != n for n in tensors):
+            save_file({fn(n): t for n, t in tensors.items()}, str(ck / shard), metadata={"format": "pt"})
+    idx["weight_map"] = dict(sorted((fn(n), f) for n, f in idx["weight_map"].items()))
     idx_path.write_text(json.dumps(idx, indent=2))
     return ck
 
@@ -171,27 +161,33 @@ CASES = ["fixture-nvfp4-modelopt", "fixture-nvfp4-ct", "fixture-bf16", "assemble
          "variant-fused-layer-0-bf16"]
 
 
+@pytest.mark.parametrize("engine_name", ENGINES)
 @pytest.mark.parametrize("case", CASES)
-def test_verify_gives_the_real_loaders_verdict(artifacts, case):
+def test_verify_gives_the_real_loaders_verdict(artifacts, case, engine_name):
     ckpt = artifacts[case]
-    engine = vllm_loads(ckpt)
-    ok, codes = verify_ok(ckpt)
+    engine = engine_loads(engine_name, ckpt)
+    ok, codes = verify_ok(engine_name, ckpt)
     assert engine["stage"] in ("done", "load", "process", "build", "config")
     if not case.startswith(("broken-", "variant-")):  # every qtool output loads, every parameter written
         assert engine["loaded"], engine
-    assert ok == engine["loaded"], (case, codes, engine.get("error"), engine["unwritten"][:5])
+    assert ok == engine["loaded"], (case, codes, engine.get("error"), engine["unwritten"][:5], engine["dropped"][:5])
 
 
 MTP_CASES = ["fixture-nvfp4-modelopt", "fixture-nvfp4-ct", "fixture-bf16", "assemble-hybrid", "quantize-nvfp4-modelopt",
              "quantize-nvfp4-ct", "convert-to-ct", "patch-config-o"]
 
 
+DRAFTERS = {"vllm@0.33.0": "Qwen3_5MoeMTP", "sglang@0.5.23": "Qwen3_5ForCausalLMMTP"}
+
+
+@pytest.mark.parametrize("engine_name", ENGINES)
 @pytest.mark.parametrize("case", MTP_CASES)
-def test_the_mtp_drafter_loads_and_verify_agrees(artifacts, case):
-    """The MTP drafter (Qwen3_5MoeMTP, what --speculative-config method mtp builds) from the same
-    checkpoint: every qtool artifact with an MTP head loads in it, and `verify --mtp 1` agrees."""
+def test_the_mtp_drafter_loads_and_verify_agrees(artifacts, case, engine_name):
+    """The MTP drafter (vLLM: Qwen3_5MoeMTP, what --speculative-config method mtp builds; SGLang:
+    Qwen3_5ForCausalLMMTP, what --speculative-algorithm NEXTN builds) from the same checkpoint: every
+    qtool artifact with an MTP head loads in it, and `verify --mtp 1` agrees."""
     ckpt = artifacts[case]
-    engine = vllm_loads(ckpt, mtp=True)
-    ok, codes = verify_ok(ckpt, mtp=1)
-    assert engine["model"] == "Qwen3_5MoeMTP" and engine["loaded"], engine
+    engine = engine_loads(engine_name, ckpt, mtp=True)
+    ok, codes = verify_ok(engine_name, ckpt, mtp=1)
+    assert engine.get("model") == DRAFTERS[engine_name] and engine["loaded"], engine
     assert ok, codes

@@ -397,3 +397,26 @@ def test_modelopt_mixed_precision_is_checked_per_module(tiny_nvfp4_modelopt, tmp
     got = {(f.code.value, f.module) for f in bad.findings if f.is_error}
     assert ("quantized-but-ignored", "model.language_model.layers.3.self_attn.o_proj") in got
     assert any(code == "bf16-but-not-ignored" and "layers.3.self_attn" in mod for code, mod in got)
+
+
+@pytest.mark.parametrize("layer, dropped", [(0, 168), (7, 0)])
+def test_mixed_expert_layout_is_sglangs_error_only_when_its_load_order_drops_experts(tiny_bf16, tmp_path, layer,
+                                                                                     dropped):
+    """#15 item 1, checked against both real loaders (tests/engines/test_loaders.py variant-fused-layer-*):
+    vLLM 0.33 loads a fused layer among per-expert ones; SGLang 0.5.23 drops the per-expert tensors that
+    sort after the first fused one (layer 0 fused: layers 1-7's 7 x 8 experts x 3 = 168 tensors; layer 7
+    fused sorts last and loads)."""
+    from qtool.fixtures.broken import fuse_layer_experts
+
+    ck = fuse_layer_experts(copy(tiny_bf16, tmp_path), layer)
+    vllm = verify(ck, VerifyOptions(engine="vllm@0.33.0", **TP2))
+    sglang = verify(ck, VerifyOptions(engine="sglang@0.5.23", **TP2))
+    assert "mixed-expert-layout" not in codes(vllm, None) and vllm.ok
+    layout = [f for f in sglang.findings if f.code.value == "mixed-expert-layout"]
+    assert sglang.ok == (dropped == 0)
+    if dropped:
+        assert len(layout) == 1 and layout[0].engine == "sglang@0.5.23" and layout[0].is_error
+        assert f"drops {dropped} per-expert tensors (layers 1-7)" in layout[0].message
+        assert "layers.0.mlp.experts.down_proj" in layout[0].message
+    else:
+        assert not layout

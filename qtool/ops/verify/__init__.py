@@ -144,7 +144,7 @@ def execute(p: VerifyPlan) -> VerifyReport:
                                                                      mtp_requested=opts.mtp > 0)
     findings += dec_findings
     findings += engine_rules.tp_findings(mm, opts.tp, decisions)
-    findings = engine_rules.per_engine_layout(findings, versions)
+    findings = engine_rules.per_engine_layout(findings, versions, mm)
     findings += engine_rules.moe_scheme_findings(mm, versions)
     findings += engine_rules.input_scale_findings(mm)
     findings += engine_rules.attention_gate_findings(mm)

@@ -9,12 +9,16 @@ against the storage format the tensors really have, and the TP / MTP / KV constr
 
 from __future__ import annotations
 
+import re
+from collections import defaultdict
+
 from qtool.arch.model_map import QUANTIZED_FORMATS, Format, ModelMap
 from qtool.arch.qwen35 import Group
 from qtool.engines import Engine, EngineVersion, unit_of
 from qtool.engines.decide import decide, engine_rules_modelled, flavour_of, unit_formats
 from qtool.io.quant_config import QuantSummary
 from qtool.findings import Code, Finding, error, patch_cmd, warning
+from qtool.ops.checks import FIX
 
 # NVFP4 GEMMs need the per-GPU input features to be a multiple of the 16-element block:
 # vllm/model_executor/layers/quantization/modelopt.py ModelOptNvFp4LinearMethod.create_weights raises
@@ -131,20 +135,66 @@ def _in_features(mm: ModelMap, module: str) -> int | None:
     return None
 
 
-def per_engine_layout(findings: list[Finding], versions: list[EngineVersion]) -> list[Finding]:
-    """`mixed-expert-layout` for the engines it concerns: vLLM 0.33 maps each expert tensor by its own
-    layout (a fused layer among per-expert ones loads bit-identical: checked with vLLM's real loader,
-    tests/engines/test_loaders.py), so no finding for it; SGLang 0.5.23's loader switches to the fused
-    mapping at the first fused key and drops the per-expert keys after it (#15), an error per version."""
-    layout = [f for f in findings if f.code is Code.MIXED_EXPERT_LAYOUT and f.engine is None]
-    if not layout:
+_PER_EXPERT_KEY = re.compile(r"\.mlp\.experts\.\d+\.")
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+def sglang_dropped_experts(mm: ModelMap) -> tuple[str | None, list[str]]:
+    """The per-expert tensors SGLang 0.5.23's target model never loads, and the fused key that caused it.
+
+    Its loader (models/qwen3_5.py Qwen3_5MoeForConditionalGeneration.load_weights) switches a sticky
+    `is_fused_expert` flag at the first `*.experts.gate_up_proj` / `*.experts.down_proj` it meets and maps
+    every later expert tensor by the fused names only, so a per-expert tensor after that point matches
+    nothing and is skipped with a warning. Its order: shard files sorted by name, keys sorted within a shard
+    (safetensors' `keys()`); names containing "mtp" are the drafter's (whose loader decides per tensor).
+    A fused layer that sorts after every per-expert one therefore loads; one before them empties them."""
+    by_file: dict[str, list[str]] = defaultdict(list)
+    for name in mm.ckpt.tensors:
+        if "mtp" not in name:
+            by_file[mm.ckpt.shard_of(name)].append(name)
+    first_fused, dropped = None, []
+    for shard in sorted(by_file):
+        for name in sorted(by_file[shard]):
+            if first_fused is None and name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                first_fused = name
+            elif first_fused is not None and _PER_EXPERT_KEY.search(name):
+                dropped.append(name)
+    return first_fused, dropped
+
+
+def per_engine_layout(findings: list[Finding], versions: list[EngineVersion], mm: ModelMap) -> list[Finding]:
+    """`mixed-expert-layout` for the engine whose loader loses tensors over it. vLLM 0.33 maps each expert
+    tensor by its own layout (a fused layer among per-expert ones, a fused MTP with a per-expert decoder, the
+    transformers fused export: all load bit-identical; tests/engines/test_loaders.py), so no finding for it.
+    SGLang 0.5.23 drops the per-expert tensors that come after the first fused one in its load order
+    (sglang_dropped_experts): an error naming how many and which layers, or nothing when none are lost."""
+    if not any(f.code is Code.MIXED_EXPERT_LAYOUT and f.engine is None for f in findings):
         return findings
     out = [f for f in findings if not (f.code is Code.MIXED_EXPERT_LAYOUT and f.engine is None)]
+    first_fused, dropped = sglang_dropped_experts(mm)
+    if not dropped:
+        return out
+    layers = sorted({int(m.group(1)) for n in dropped if (m := _LAYER.search(n))})
+    module = first_fused.rsplit(".", 1)[0] if first_fused else None
+    fix = FIX[Code.MIXED_EXPERT_LAYOUT]
     for v in versions:
         if v.engine is Engine.SGLANG:
-            out += [Finding(f.code, f.severity, f.module, f"{f.message} ({v} drops per-expert keys after the first "
-                            "fused one)", f.fix, str(v)) for f in layout]
+            out.append(error(Code.MIXED_EXPERT_LAYOUT, module,
+                             f"{v} drops {len(dropped)} per-expert tensors (layers {_ranges(layers)}) that come after "
+                             f"the first fused expert tensor {first_fused} in its load order (shards by name, keys "
+                             "sorted): its Qwen3.5 loader maps every later expert tensor by the fused names "
+                             "(sglang models/qwen3_5.py load_weights, is_fused_expert)", fix, engine=str(v)))
     return out
+
+
+def _ranges(xs: list[int]) -> str:
+    runs: list[list[int]] = []
+    for x in xs:
+        if runs and x == runs[-1][1] + 1:
+            runs[-1][1] = x
+        else:
+            runs.append([x, x])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _expert_scheme(m) -> tuple[str, int | None]:

@@ -1,15 +1,14 @@
 """Runs inside QTOOL_ENGINES_PYTHON (vllm==0.33.0): vLLM's REAL model construction and weight loader on
 a CPU, over one checkpoint. Prints one JSON object: {"loaded": bool, "stage", "error", "tensors",
-"params", "unwritten": [param names not (fully) written by load_weights]}.
+"params", "unwritten": [param names not (fully) written by load_weights], "dropped": [checkpoint tensors never read]}.
 
 The approach of issue #15: `EngineArgs(...).create_engine_config()` with VLLM_TARGET_DEVICE=cpu, a
 one-process gloo group, `initialize_model`, `DefaultModelLoader.get_all_weights` and `model.load_weights`,
 then `process_weights_after_loading` for real. Only kernel-availability checks refuse a CPU, so vLLM's own
 emulation kernels are registered for it (the NVFP4 linear registry has no CPU entry; the NVFP4 MoE
 backend selection rejects CPU; the unquantized CPU MoE repacks with compiled ops the CUDA wheel lacks).
-Every float parameter is filled with NaN before loading, so a parameter
-the loader never wrote, or wrote only in part (a missing expert), is found afterwards.
-Kept free of qtool imports: it runs in the other interpreter.
+loader_probe.py finds parameters never (fully) written (NaN-filled before loading) and checkpoint tensors
+the loader dropped without reading them. Kept free of qtool imports: it runs in the other interpreter.
 """
 
 import json
@@ -20,14 +19,12 @@ import tempfile
 import traceback
 import warnings
 
+from loader_probe import DEFAULTED, ConsumptionProbe, dropped, fill_nan, unwritten, watched_weights
+
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 warnings.filterwarnings("ignore")
 logging.disable(logging.WARNING)
-
-# attention parameters vLLM creates and checkpoints need not carry (defaults apply)
-OPTIONAL = (".attn.q_scale", ".attn.prob_scale", ".attn.k_scale", ".attn.v_scale", ".attn.q_zero_point",
-            ".attn.k_zero_point", ".attn.v_zero_point")
 
 
 def _cpu_registrations() -> None:
@@ -59,7 +56,8 @@ def load(ckpt: str, mtp: bool = False) -> dict:
     config's draft model config as the proposer builds it: llm_base_proposer.py _get_model)."""
     import torch
 
-    out = {"loaded": False, "stage": "config", "error": None, "tensors": 0, "params": 0, "unwritten": []}
+    out = {"loaded": False, "stage": "config", "error": None, "tensors": 0, "params": 0, "unwritten": [],
+           "dropped": []}
     try:
         _cpu_registrations()
         from vllm.config import set_current_vllm_config
@@ -84,30 +82,20 @@ def load(ckpt: str, mtp: bool = False) -> dict:
             out["model"] = type(model).__name__
             params = dict(model.named_parameters())
             out["params"] = len(params)
-            with torch.no_grad():
-                for name, p in params.items():  # optional ones keep vLLM's defaults (k_scale 1.0 ...)
-                    if p.dtype.is_floating_point and not name.endswith(OPTIONAL):
-                        p.fill_(float("nan"))
+            fill_nan(params, keep=lambda n: n.endswith(DEFAULTED))
             out["stage"] = "load"
             loader = get_model_loader(cfg.load_config)
-            seen = []
-
-            def weights():
-                for name, t in loader.get_all_weights(model_config, model):
-                    seen.append(name)
-                    yield name, t
-
-            model.load_weights(weights())
+            seen: list[str] = []
+            probe = ConsumptionProbe()
+            with probe:
+                model.load_weights(watched_weights(loader.get_all_weights(model_config, model), probe, seen))
             out["tensors"] = len(seen)
-            for name, p in params.items():
-                if name.endswith(OPTIONAL) or not p.dtype.is_floating_point:
-                    continue
-                if torch.isnan(p.float()).any():
-                    out["unwritten"].append(name)
+            out["dropped"] = dropped(seen, probe.consumed, mtp)
+            out["unwritten"] = unwritten(params, skip=lambda n: n.endswith(DEFAULTED))
             out["stage"] = "process"
             process_weights_after_loading(model, model_config, torch.device("cpu"))
             out["stage"] = "done"
-            out["loaded"] = not out["unwritten"]
+            out["loaded"] = not out["unwritten"] and not out["dropped"]
     except Exception as e:  # the verdict: what the engine says, in its words
         out["error"] = f"{type(e).__name__}: {e}"[:2000]
         out["trace"] = traceback.format_exc()[-3000:]

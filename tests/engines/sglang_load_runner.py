@@ -1,0 +1,111 @@
+"""Runs inside QTOOL_ENGINES_PYTHON (sglang==0.5.23): SGLang's REAL model construction and weight loader
+on a CPU, over one checkpoint. Prints one JSON object like vllm_load_runner.py: {"loaded", "stage",
+"error", "tensors", "params", "unwritten", "dropped", "model"}.
+
+The approach of issue #15: `ServerArgs(device="cpu")` published as the scheduler publishes it, a one-process
+gloo group, `ModelConfig.from_server_args` (with `is_draft_model` for the MTP drafter, which turns the
+architecture into Qwen3_5ForCausalLMMTP as the NEXTN worker does), `_initialize_model`, the default
+loader's weight iterator and `load_weights`, then every quant method's `process_weights_after_loading`.
+Only kernel-availability checks refuse a CPU, so the runner says what the GPU would say:
+- the platform is Blackwell (the NVFP4 MoE schemes refuse anything else: modelopt_quant.py
+  ModelOptNvFp4FusedMoEMethod, compressed_tensors_w4a4_nvfp4_moe.py), through SGLang's own
+  `override_platform`;
+- torch.cuda reports capability 10.0 (compressed_tensors.py `_check_scheme_supported` asks it);
+- the CUTLASS scale swizzle is a no-op: it pads the row count to 128 for the kernel, a layout change
+  after loading that the tiny model (2 x 32 rows per expert) would need and the real one (2 x 1024) not.
+The radix cache is off (its Mamba snapshot buffer is a serving feature the CPU platform lacks).
+loader_probe.py finds unwritten parameters and dropped tensors. Kept free of qtool imports.
+"""
+
+import json
+import logging
+import os
+import sys
+import tempfile
+import traceback
+import warnings
+
+from loader_probe import DEFAULTED, ConsumptionProbe, dropped, fill_nan, unwritten, watched_weights
+
+os.environ.setdefault("SGLANG_LOG_LEVEL", "error")
+warnings.filterwarnings("ignore")
+logging.disable(logging.WARNING)
+
+# parameters process_weights_after_loading derives from loaded ones (the swizzled block scales)
+DERIVED = ("_blockscale_swizzled",)
+# the NEXTN drafter's embedding and head are the target's (eagle_worker_v2.init_lm_head: set_embed_and_head)
+SHARED_WITH_TARGET = ("lm_head.weight", "model.embed_tokens.weight")
+
+
+def _cpu_as_blackwell() -> None:
+    import torch
+    from sglang.srt.layers.quantization import modelopt_quant
+    from sglang.srt.runtime_context import override_platform
+
+    override_platform(is_blackwell=True).install()
+    torch.cuda.get_device_capability = lambda *a, **k: (10, 0)
+    modelopt_quant.swizzle_blockscale = lambda scale: scale.clone()
+
+
+def load(ckpt: str, mtp: bool = False) -> dict:
+    import torch
+
+    out = {"loaded": False, "stage": "config", "error": None, "tensors": 0, "params": 0, "unwritten": [],
+           "dropped": []}
+    try:
+        _cpu_as_blackwell()
+        from sglang.srt.configs.load_config import LoadConfig
+        from sglang.srt.configs.model_config import ModelConfig
+        from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+        from sglang.srt.layers.dp_attention import init_dp_gathered_buffer, initialize_dp_attention
+        from sglang.srt.layers.moe import initialize_moe_config
+        from sglang.srt.model_loader.loader import _get_quantization_config, _initialize_model, get_model_loader
+        from sglang.srt.model_loader.utils import set_default_torch_dtype
+        from sglang.srt.runtime_context import SpawnRanks, publish
+        from sglang.srt.server_args import ServerArgs
+
+        spec = {"speculative_algorithm": "NEXTN"} if mtp else {}
+        args = ServerArgs(model_path=ckpt, device="cpu", tp_size=1, dtype="bfloat16", skip_tokenizer_init=True,
+                          load_format="safetensors", disable_radix_cache=True, **spec)
+        publish(args, role="scheduler", ranks=SpawnRanks(world_rank=0, gpu_id=0))
+        initialize_moe_config()
+        model_config = ModelConfig.from_server_args(args, is_draft_model=mtp)
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method=f"file://{tempfile.mktemp()}")
+        initialize_model_parallel()
+        initialize_dp_attention(args)
+        init_dp_gathered_buffer(model_config)
+        load_config = LoadConfig(load_format="safetensors")
+        loader = get_model_loader(load_config=load_config, model_config=model_config)
+        out["stage"] = "build"
+        quant_config = _get_quantization_config(model_config, load_config)
+        cpu = torch.device("cpu")
+        with set_default_torch_dtype(model_config.dtype):
+            with cpu:
+                model = _initialize_model(model_config, load_config, quant_config)
+            out["model"] = type(model).__name__
+            params = dict(model.named_parameters())
+            out["params"] = len(params)
+            fill_nan(params, keep=lambda n: n.endswith(DEFAULTED))
+            out["stage"] = "load"
+            seen: list[str] = []
+            probe = ConsumptionProbe()
+            with probe:
+                loader.load_weights_only(model, watched_weights(loader._get_all_weights(model_config, model), probe,
+                                                                seen), cpu)
+            out["tensors"] = len(seen)
+            out["dropped"] = dropped(seen, probe.consumed, mtp)
+            skip = DERIVED + (SHARED_WITH_TARGET if mtp else ())
+            out["unwritten"] = unwritten(params, skip=lambda n: n.endswith(DERIVED + DEFAULTED) or n in skip)
+            out["stage"] = "process"
+            loader.postprocess_weights(model, cpu)
+            out["stage"] = "done"
+            out["loaded"] = not out["unwritten"] and not out["dropped"]
+    except Exception as e:  # the verdict: what the engine says, in its words
+        out["error"] = f"{type(e).__name__}: {e}"[:2000]
+        out["trace"] = traceback.format_exc()[-3000:]
+    return out
+
+
+if __name__ == "__main__":
+    print("QTOOL-ORACLE " + json.dumps(load(sys.argv[1], mtp=sys.argv[2:] == ["mtp"])))
