@@ -36,9 +36,9 @@ class Code(str, Enum):
     ENGINE_RULES_NOT_MODELLED = "engine-rules-not-modelled"  # warning: fp8 / AutoAWQ / GPTQ configs
     # serving constraints
     SCALE_MISMATCH = "scale-mismatch"
-    MOE_SCHEME_MISMATCH = "moe-scheme-mismatch"
+    MOE_SCHEME_MISMATCH = "moe-scheme-mismatch"  # gate/up vs down of one layer's experts in different schemes
     INPUT_SCALE_MISSING = "input-scale-missing"  # W4A4 NVFP4 module without its activation scale
-    ATTENTION_GATE_QUANTIZED = "attention-gate-quantized"  # warning: q_proj (with the output gate) in NVFP4  # gate/up vs down of one layer's experts in different schemes
+    ATTENTION_GATE_QUANTIZED = "attention-gate-quantized"  # warning: q_proj (with the output gate) in NVFP4
     TP_DIVISIBILITY = "tp-divisibility"
     MTP_MISSING = "mtp-missing"
     MTP_NOT_EXCLUDED = "mtp-not-excluded"
@@ -47,6 +47,7 @@ class Code(str, Enum):
     KV_SCALES_STALE = "kv-scales-stale"
     KV_SCALE_INVALID = "kv-scale-invalid"
     KV_SCHEME_MISSING = "kv-scheme-missing"
+    KV_SCALE_NAME_IGNORED = "kv-scale-name-ignored"  # a KV-scale spelling the engine maps to no parameter
     DOES_NOT_FIT = "does-not-fit"
     REMOTE_CODE = "remote-code"  # warning: auto_map / .py files: the engines would run the checkpoint's code
     # --deep

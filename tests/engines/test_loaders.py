@@ -40,11 +40,27 @@ def engine_loads(engine: str, ckpt: Path, mtp: bool = False) -> dict:
     return json.loads(line[len("QTOOL-ORACLE "):])
 
 
-def verify_ok(engine: str, ckpt: Path, mtp: int = 0) -> tuple[bool, list[str]]:
+def verify_report(engine: str, ckpt: Path, mtp: int = 0):
     from qtool.ops.verify import VerifyOptions, verify
 
-    rep = verify(ckpt, VerifyOptions(engine=engine, tp=1, gpus="1x97887MiB", mtp=mtp))
+    return verify(ckpt, VerifyOptions(engine=engine, tp=1, gpus="1x97887MiB", mtp=mtp))
+
+
+def verify_ok(engine: str, ckpt: Path, mtp: int = 0) -> tuple[bool, list[str]]:
+    rep = verify_report(engine, ckpt, mtp)
     return rep.ok, sorted({f.code.value for f in rep.findings if f.is_error})
+
+
+def engine_verdict(engine_name: str, engine: dict, rep) -> bool:
+    """The engine's verdict: it loaded every tensor and parameter, or it loaded all but tensors it skips on
+    purpose with a warning (SGLang: a scale on a BF16 module) and verify names each of them in a warning for
+    that engine. A tensor dropped without verify saying so is a failed load."""
+    if engine["loaded"]:
+        return True
+    if engine["error"] or engine["unwritten"] or engine["stage"] != "done":
+        return False
+    warned = {f.module for f in rep.findings if f.engine == engine_name and not f.is_error and f.module}
+    return all(any(d == m or d.startswith(m + ".") for m in warned) for d in engine["dropped"])
 
 
 def _copy(src: Path, dst: Path) -> Path:
@@ -122,6 +138,18 @@ def artifacts(tmp_path_factory, tiny_bf16, tiny_nvfp4_modelopt, tiny_nvfp4_ct, t
     out["broken-bf16-experts-in-nvfp4"] = make_broken(tiny_nvfp4_modelopt, root / "mixed", "mixed_expert_layout")
     out["variant-fused-layer-0-bf16"] = fuse_layer_experts(_copy(tiny_bf16, root / "fused0"), 0)
     out["variant-fused-layer-7-bf16"] = fuse_layer_experts(_copy(tiny_bf16, root / "fused7"), 7)
+    # KV-scale spellings of the producers (sglang issue 39942): ModelOpt's k_proj.k_scale is the fixture's
+    for form, new in (("qkv-proj", "qkv_proj.{}_scale"), ("attn", "attn.{}_scale"), ("self-attn", "{}_scale")):
+        ck = _copy(tiny_nvfp4_modelopt, root / f"kv-{form}")
+        out[f"variant-kv-{form}-naming"] = _rename_tensors(ck, lambda n, new=new: n.replace(
+            "self_attn.k_proj.k_scale", "self_attn." + new.format("k")).replace(
+            "self_attn.v_proj.v_scale", "self_attn." + new.format("v")))
+    # scales on BF16 modules (vllm issue 45102, sglang issue 19587)
+    for case, src, name, key in (
+            ("lm-head-input-scale", tiny_nvfp4_modelopt, "lm_head", "input_scale"),
+            ("lm-head-input-global-scale", tiny_nvfp4_ct, "lm_head", "input_global_scale"),
+            ("in-proj-a-input-scale", tiny_nvfp4_modelopt, f"{L}.0.linear_attn.in_proj_a", "input_scale")):
+        out[f"variant-stray-{case}"] = _add_tensor(_copy(src, root / case), f"{name}.{key}", name + ".weight")
     return out
 
 
@@ -136,6 +164,22 @@ def _rename_tensors(ck: Path, fn) -> Path:
         if any(fn(n) != n for n in tensors):
             save_file({fn(n): t for n, t in tensors.items()}, str(ck / shard), metadata={"format": "pt"})
     idx["weight_map"] = dict(sorted((fn(n), f) for n, f in idx["weight_map"].items()))
+    idx_path.write_text(json.dumps(idx, indent=2))
+    return ck
+
+
+def _add_tensor(ck: Path, name: str, beside: str, value: float = 0.5) -> Path:
+    """A float32 scalar `name` added to the shard (and index entry) of `beside`."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    idx_path = ck / "model.safetensors.index.json"
+    idx = json.loads(idx_path.read_text())
+    shard = idx["weight_map"][beside]
+    tensors = load_file(str(ck / shard))
+    tensors[name] = torch.tensor(value, dtype=torch.float32)
+    save_file(tensors, str(ck / shard), metadata={"format": "pt"})
+    idx["weight_map"][name] = shard
     idx_path.write_text(json.dumps(idx, indent=2))
     return ck
 
@@ -158,7 +202,12 @@ CASES = ["fixture-nvfp4-modelopt", "fixture-nvfp4-ct", "fixture-bf16", "assemble
          "broken-bf16-experts-in-nvfp4",
          # vLLM 0.33 maps each expert tensor by its own layout: a fused layer 0 among per-expert ones loads
          # (verify called it an error for every engine before #15 item 1)
-         "variant-fused-layer-0-bf16"]
+         "variant-fused-layer-0-bf16",
+         # SGLang drops per-expert keys only after the first fused one in its load order: a fused layer 7 loads
+         "variant-fused-layer-7-bf16",
+         "variant-kv-qkv-proj-naming", "variant-kv-attn-naming", "variant-kv-self-attn-naming",
+         "variant-stray-lm-head-input-scale", "variant-stray-lm-head-input-global-scale",
+         "variant-stray-in-proj-a-input-scale"]
 
 
 @pytest.mark.parametrize("engine_name", ENGINES)
@@ -166,11 +215,13 @@ CASES = ["fixture-nvfp4-modelopt", "fixture-nvfp4-ct", "fixture-bf16", "assemble
 def test_verify_gives_the_real_loaders_verdict(artifacts, case, engine_name):
     ckpt = artifacts[case]
     engine = engine_loads(engine_name, ckpt)
-    ok, codes = verify_ok(engine_name, ckpt)
+    rep = verify_report(engine_name, ckpt)
+    codes = sorted({f.code.value for f in rep.findings if f.is_error})
     assert engine["stage"] in ("done", "load", "process", "build", "config")
-    if not case.startswith(("broken-", "variant-")):  # every qtool output loads, every parameter written
-        assert engine["loaded"], engine
-    assert ok == engine["loaded"], (case, codes, engine.get("error"), engine["unwritten"][:5], engine["dropped"][:5])
+    if not case.startswith(("broken-", "variant-")):  # every qtool output loads: every tensor read, every
+        assert engine["loaded"], engine  # parameter fully written
+    assert rep.ok == engine_verdict(engine_name, engine, rep), (case, codes, engine.get("error"),
+                                                               engine["unwritten"][:5], engine["dropped"][:5])
 
 
 MTP_CASES = ["fixture-nvfp4-modelopt", "fixture-nvfp4-ct", "fixture-bf16", "assemble-hybrid", "quantize-nvfp4-modelopt",

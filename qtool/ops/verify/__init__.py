@@ -145,9 +145,11 @@ def execute(p: VerifyPlan) -> VerifyReport:
     findings += dec_findings
     findings += engine_rules.tp_findings(mm, opts.tp, decisions)
     findings = engine_rules.per_engine_layout(findings, versions, mm)
+    findings = engine_rules.per_engine_stale_scales(findings, versions, mm)
     findings += engine_rules.moe_scheme_findings(mm, versions)
     findings += engine_rules.input_scale_findings(mm)
     findings += engine_rules.attention_gate_findings(mm)
+    findings += engine_rules.kv_naming_findings(mm, versions)
     findings += engine_rules.mtp_findings(mm, opts.mtp)
     findings += engine_rules.kv_findings(mm, opts.kv_cache_dtype)
 

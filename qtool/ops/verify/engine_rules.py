@@ -278,6 +278,50 @@ def input_scale_findings(mm: ModelMap) -> list[Finding]:
     return out
 
 
+def per_engine_stale_scales(findings: list[Finding], versions: list[EngineVersion], mm: ModelMap) -> list[Finding]:
+    """`stale-tensor` for scales on a module stored in BF16, as each engine treats them. The engines build
+    the module unquantized, with no parameter for the scale: vLLM 0.33 refuses at load ("There is no module
+    or parameter named 'lm_head.input_scale'", vllm issue 45102; an AttributeError for in_proj_a/b, which it
+    stacks), an error; SGLang 0.5.23 skips it with "Parameter ... not found in params_dict" (the crash of
+    sglang issue 19587 is now that warning), a warning. Both checked with the real loaders
+    (tests/engines/test_loaders.py variant-stray-*). Other stale tensors keep their engine-free error."""
+    def on_bf16_module(f: Finding) -> bool:
+        m = mm.modules.get(f.module or "")
+        return (f.code is Code.STALE_TENSOR and f.engine is None and m is not None and m.format is Format.BF16)
+
+    stale = [f for f in findings if on_bf16_module(f)]
+    if not stale:
+        return findings
+    out = [f for f in findings if not on_bf16_module(f)]
+    for f in stale:
+        for v in versions:
+            if v.engine is Engine.VLLM:
+                out.append(error(f.code, f.module, f"{f.message}: {v} has no parameter for them and refuses at load "
+                                 "(vllm issue 45102)", f.fix, engine=str(v)))
+            else:
+                out.append(warning(f.code, f.module, f"{f.message}: {v} skips them with a warning (sglang issue "
+                                   "19587)", f.fix, engine=str(v)))
+    return out
+
+
+def kv_naming_findings(mm: ModelMap, versions: list[EngineVersion]) -> list[Finding]:
+    """KV scales spelled in a form the engine maps to no attention parameter. The producers write
+    `self_attn.k_proj.k_scale` (ModelOpt), `self_attn.k_scale` (compressed-tensors) or
+    `self_attn.qkv_proj.k_scale` (older llm-compressor); the engines' attention holds `self_attn.attn.k_scale`.
+    vLLM 0.33 loads all four; SGLang 0.5.23's QWEN3_5_KV_SCALE_MAPPER (models/qwen3_5.py) maps the
+    k_proj, self_attn and attn forms and skips the qkv_proj form as an ignorable `.k_scale` suffix, so the
+    FP8 KV cache runs with scale 1.0 (sglang issue 39942). Checked with both real loaders."""
+    qkv = sorted(n for n, r in mm.roles.items() if r.group is Group.KV_SCALE and r.module.endswith(".qkv_proj"))
+    if not qkv:
+        return []
+    fix = (f"qtool calibrate-kv {mm.ckpt.root} -o OUT --replace-scales (writes them as "
+           f"{'self_attn.k_proj.k_scale' if mm.kv.naming == 'modelopt' else 'self_attn.k_scale'}, "
+           "which both engines map)")
+    return [error(Code.KV_SCALE_NAME_IGNORED, qkv[0], f"{len(qkv)} KV scale(s) named self_attn.qkv_proj.{{k,v}}_scale: "
+                  f"{v} maps no parameter to them and skips them, so its KV cache uses scale 1.0 (sglang issue "
+                  "39942)", fix, engine=str(v)) for v in versions if v.engine is Engine.SGLANG]
+
+
 def attention_gate_findings(mm: ModelMap) -> list[Finding]:
     """Qwen3.5's full-attention q_proj holds the query AND the attention output gate (attn_output_gate:
     the gate half of the fused q_proj). NVFP4 there was reported to degrade hybrid Qwen3.5/3.6 exports
