@@ -235,8 +235,9 @@ class KvScales:
     layers: list[int]  # full-attention layers that have both k and v scales
     naming: str | None  # "modelopt" (self_attn.k_proj.k_scale) | "compressed-tensors" (self_attn.k_scale)
     calibrated: bool | None  # False when every scale is the constant 1.0 (fp8_cast recipes)
-    values: dict[int, tuple[float, float]]  # layer -> (k_scale, v_scale)
+    values: dict[int, tuple[float, float]]  # layer -> (k_scale, v_scale); per-head scales: the largest head's
     invalid: list[str]  # tensors whose value is not a finite positive number
+    per_head: bool = False  # [num_kv_heads] scales (compressed-tensors `strategy: attn_head`), not scalars
 
 
 @dataclass
@@ -353,7 +354,7 @@ def _build_map(ckpt: Checkpoint, read_values: bool = True) -> ModelMap:
 
 
 def _kv_scales(ckpt: Checkpoint, roles: RoleMap, full: list[int], read_values: bool = True) -> KvScales:
-    from qtool.io.reader import read_scalar
+    from qtool.io.reader import read_floats
 
     found: dict[int, dict[str, TensorInfo]] = defaultdict(dict)
     namings: Counter[str] = Counter()
@@ -365,21 +366,23 @@ def _kv_scales(ckpt: Checkpoint, roles: RoleMap, full: list[int], read_values: b
     layers = sorted(l for l, p in found.items() if "k_scale" in p and "v_scale" in p)
     values: dict[int, tuple[float, float]] = {}
     invalid: list[str] = []
+    # per attention head (compressed-tensors `strategy: attn_head`, vllm PR 30141): one F32 per KV head
+    per_head = any(found[l][p].numel > 1 for l in layers for p in ("k_scale", "v_scale"))
     for layer in layers if read_values else []:
         pair = []
         for p in ("k_scale", "v_scale"):
             info = found[layer][p]
             try:
-                v = read_scalar(info)
+                vs = read_floats(info) if info.numel >= 1 else [float("nan")]
             except ValueError:
-                v = float("nan")
-            if not (math.isfinite(v) and v > 0):
+                vs = [float("nan")]
+            if not all(math.isfinite(v) and v > 0 for v in vs):
                 invalid.append(info.name)
-            pair.append(v)
+            pair.append(max(vs))
         values[layer] = (pair[0], pair[1])
     calibrated = None
     if values:
         flat = [v for kv in values.values() for v in kv]
         calibrated = not all(v == 1.0 for v in flat) and not invalid
     naming = namings.most_common(1)[0][0] if namings else None
-    return KvScales(layers, naming, calibrated, values, invalid)
+    return KvScales(layers, naming, calibrated, values, invalid, per_head)

@@ -35,6 +35,19 @@ def read_scalar(info: TensorInfo) -> float:
     raise ValueError(f"{info.name}: unsupported scalar dtype {info.dtype}")
 
 
+def read_floats(info: TensorInfo) -> list[float]:
+    """A small float tensor's values (a per-head KV scale: [num_kv_heads] float32), read without torch."""
+    import struct
+
+    fmt = {"F32": "f", "F64": "d", "F16": "e"}.get(info.dtype)
+    raw = read_bytes(info)
+    if fmt is not None:
+        return list(struct.unpack(f"<{info.numel}{fmt}", raw))
+    if info.dtype == "BF16":
+        return [struct.unpack("<f", b"\x00\x00" + raw[i:i + 2])[0] for i in range(0, len(raw), 2)]
+    raise ValueError(f"{info.name}: unsupported float dtype {info.dtype}")
+
+
 def read_scalars(infos: list[TensorInfo]) -> list[float]:
     """Many scalar reads with one open per file (a 397B checkpoint has ~60k weight_scale_2 scalars)."""
     import os

@@ -65,6 +65,7 @@ def report(mm: ModelMap) -> dict:
             "layers": mm.kv.layers,
             "calibrated": mm.kv.calibrated,
             "naming": mm.kv.naming,
+            "per_head": mm.kv.per_head,
             # per full-attention layer; empty when the values were not read (a header-only hf: source)
             "values": [{"layer": layer, "k": k, "v": v} for layer, (k, v) in sorted(mm.kv.values.items())],
         },
@@ -159,6 +160,17 @@ def _kv_problems(mm: ModelMap, summary: QuantSummary) -> list[Finding]:
     extra = [l for l in mm.kv.layers if l not in mm.full_attention]
     if extra:
         out.append(problem(Code.KV_SCALES_STALE, f"k/v scales on layers that are not full attention: {_short(extra)}"))
+    if mm.kv.per_head:
+        heads = mm.ckpt.text_config.get("num_key_value_heads")
+        wrong = sorted(n for n, r in mm.roles.items() if r.group is Group.KV_SCALE
+                       and mm.ckpt.tensors[n].numel not in (1, heads))
+        if wrong:
+            out.append(problem(Code.KV_SCALE_INVALID, f"per-head KV scale(s) with {list(mm.ckpt.tensors[wrong[0]].shape)}"
+                               f" elements, expected {heads} (num_key_value_heads): {wrong[0]}", wrong[0]))
+        strategy = (summary.kv_cache_scheme or {}).get("strategy")
+        if strategy != "attn_head":
+            out.append(problem(Code.CONFIG_DISAGREEMENT, f"KV scales are per attention head but kv_cache_scheme "
+                               f"strategy is {strategy!r} (expected 'attn_head')"))
     says_fp8 = bool(summary.kv_cache_scheme) or bool(summary.kv_cache_quant_algo)
     if says_fp8 and not mm.kv.layers:
         out.append(problem(Code.KV_SCALES_MISSING, "the config declares an FP8 KV cache but no k/v scales exist"))

@@ -59,8 +59,14 @@ def engine_verdict(engine_name: str, engine: dict, rep) -> bool:
         return True
     if engine["error"] or engine["unwritten"] or engine["stage"] != "done":
         return False
-    warned = {f.module for f in rep.findings if f.engine == engine_name and not f.is_error and f.module}
-    return all(any(d == m or d.startswith(m + ".") for m in warned) for d in engine["dropped"])
+    warned = [f for f in rep.findings if f.engine == engine_name and not f.is_error]
+    modules = {f.module for f in warned if f.module}
+    kv_warned = any(f.code.value == "kv-scales-ignored" for f in warned)
+
+    def foreseen(d: str) -> bool:
+        return any(d == m or d.startswith(m + ".") for m in modules) or (kv_warned and d.endswith(("k_scale", "v_scale")))
+
+    return all(foreseen(d) for d in engine["dropped"])
 
 
 def _copy(src: Path, dst: Path) -> Path:
@@ -138,6 +144,7 @@ def artifacts(tmp_path_factory, tiny_bf16, tiny_nvfp4_modelopt, tiny_nvfp4_ct, t
     out["broken-bf16-experts-in-nvfp4"] = make_broken(tiny_nvfp4_modelopt, root / "mixed", "mixed_expert_layout")
     out["variant-fused-layer-0-bf16"] = fuse_layer_experts(_copy(tiny_bf16, root / "fused0"), 0)
     out["variant-fused-layer-7-bf16"] = fuse_layer_experts(_copy(tiny_bf16, root / "fused7"), 7)
+    out["variant-kv-per-head"] = _per_head_kv(_copy(out["quantize-nvfp4-ct"], root / "kv-per-head"))
     # KV-scale spellings of the producers (sglang issue 39942): ModelOpt's k_proj.k_scale is the fixture's
     for form, new in (("qkv-proj", "qkv_proj.{}_scale"), ("attn", "attn.{}_scale"), ("self-attn", "{}_scale")):
         ck = _copy(tiny_nvfp4_modelopt, root / f"kv-{form}")
@@ -165,6 +172,26 @@ def _rename_tensors(ck: Path, fn) -> Path:
             save_file({fn(n): t for n, t in tensors.items()}, str(ck / shard), metadata={"format": "pt"})
     idx["weight_map"] = dict(sorted((fn(n), f) for n, f in idx["weight_map"].items()))
     idx_path.write_text(json.dumps(idx, indent=2))
+    return ck
+
+
+def _per_head_kv(ck: Path) -> Path:
+    """compressed-tensors KV scales made per attention head ([num_kv_heads] F32, `strategy: attn_head`)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    heads = json.loads((ck / "config.json").read_text())["text_config"]["num_key_value_heads"]
+    idx = json.loads((ck / "model.safetensors.index.json").read_text())
+    for shard in sorted(set(idx["weight_map"].values())):
+        tensors = load_file(str(ck / shard))
+        kv = [n for n in tensors if n.endswith(("self_attn.k_scale", "self_attn.v_scale"))]
+        for n in kv:
+            tensors[n] = float(tensors[n]) * torch.linspace(1.0, 1.5, heads, dtype=torch.float32)
+        if kv:
+            save_file(tensors, str(ck / shard), metadata={"format": "pt"})
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg["quantization_config"]["kv_cache_scheme"]["strategy"] = "attn_head"
+    (ck / "config.json").write_text(json.dumps(cfg, indent=2))
     return ck
 
 
@@ -205,7 +232,7 @@ CASES = ["fixture-nvfp4-modelopt", "fixture-nvfp4-ct", "fixture-bf16", "assemble
          "variant-fused-layer-0-bf16",
          # SGLang drops per-expert keys only after the first fused one in its load order: a fused layer 7 loads
          "variant-fused-layer-7-bf16",
-         "variant-kv-qkv-proj-naming", "variant-kv-attn-naming", "variant-kv-self-attn-naming",
+         "variant-kv-qkv-proj-naming", "variant-kv-attn-naming", "variant-kv-self-attn-naming", "variant-kv-per-head",
          "variant-stray-lm-head-input-scale", "variant-stray-lm-head-input-global-scale",
          "variant-stray-in-proj-a-input-scale"]
 

@@ -420,3 +420,71 @@ def test_mixed_expert_layout_is_sglangs_error_only_when_its_load_order_drops_exp
         assert "layers.0.mlp.experts.down_proj" in layout[0].message
     else:
         assert not layout
+
+
+def _engines_verdicts(ck: Path, **kw) -> dict[str, object]:
+    return {e: verify(ck, VerifyOptions(engine=e, tp=1, **kw)) for e in ("vllm@0.33.0", "sglang@0.5.23")}
+
+
+def test_kv_scales_spelled_qkv_proj_are_skipped_by_sglang_only(tiny_nvfp4_modelopt, tmp_path):
+    """sglang issue 39942, checked with both real loaders: vLLM 0.33 loads self_attn.qkv_proj.k_scale, SGLang
+    0.5.23's mapper skips it (a warning; an error when the FP8 KV cache would run with scale 1.0)."""
+    from safetensors.torch import load_file
+
+    ck = copy(tiny_nvfp4_modelopt, tmp_path)
+    wm = json.loads((ck / "model.safetensors.index.json").read_text())["weight_map"]
+    change: dict = {}
+    for n in [n for n in wm if n.endswith(("k_proj.k_scale", "v_proj.v_scale"))]:
+        t = load_file(str(ck / wm[n]))[n]
+        change[n] = None
+        change[n.replace("k_proj.k_scale", "qkv_proj.k_scale").replace("v_proj.v_scale", "qkv_proj.v_scale")] = t
+    edit_tensors(ck, change)
+    reps = _engines_verdicts(ck)
+    assert reps["vllm@0.33.0"].ok and "kv-scales-ignored" not in codes(reps["vllm@0.33.0"], None)
+    sg = [f for f in reps["sglang@0.5.23"].findings if f.code.value == "kv-scales-ignored"]
+    assert reps["sglang@0.5.23"].ok and len(sg) == 1 and not sg[0].is_error and "39942" in sg[0].message
+    fp8 = verify(ck, VerifyOptions(engine="sglang@0.5.23", tp=1, kv_cache_dtype="fp8"))
+    assert not fp8.ok and "kv-scales-ignored" in codes(fp8)
+
+
+def test_per_head_kv_scales_are_read_and_sglang_skips_them(tiny_nvfp4_ct, tmp_path):
+    """compressed-tensors `strategy: attn_head` ([num_kv_heads] F32 scales, vllm PR 30141): inspect reads
+    them (not 'not finite'), vLLM 0.33 loads them, SGLang 0.5.23 builds no KV method for the scheme."""
+    import torch
+
+    from qtool.arch.model_map import build_map
+    from qtool.io.checkpoint import Checkpoint
+
+    ck = copy(tiny_nvfp4_ct, tmp_path)
+    heads = json.loads((ck / "config.json").read_text())["text_config"]["num_key_value_heads"]
+    L = "model.language_model.layers"
+    edit_tensors(ck, {f"{L}.{i}.self_attn.{p}_scale": torch.tensor([0.25, 0.5][:heads]) for i in (3, 7)
+                      for p in ("k", "v")})
+    edit_config(ck, lambda qc: qc.update(kv_cache_scheme={"num_bits": 8, "type": "float", "symmetric": True,
+                                                         "dynamic": False, "strategy": "attn_head"}))
+    mm = build_map(Checkpoint.open(ck))
+    assert mm.kv.per_head and mm.kv.layers == [3, 7] and mm.kv.values[3] == (0.5, 0.5) and not mm.kv.invalid
+    reps = _engines_verdicts(ck)
+    assert reps["vllm@0.33.0"].ok and not codes(reps["vllm@0.33.0"], "warning") & {"kv-scales-ignored",
+                                                                                   "kv-scales-uncalibrated"}
+    sg = [f for f in reps["sglang@0.5.23"].findings if f.code.value == "kv-scales-ignored"]
+    assert len(sg) == 1 and "strategy='attn_head'" in sg[0].message
+    # a per-head scale of the wrong length is an error
+    edit_tensors(ck, {f"{L}.3.self_attn.k_scale": torch.tensor([0.25] * (heads + 1))})
+    rep = verify(ck, VerifyOptions(tp=1))
+    assert any("num_key_value_heads" in f.message for f in rep.findings), [f.message for f in rep.findings]
+
+
+@pytest.mark.parametrize("module", ["lm_head", "model.language_model.layers.0.linear_attn.in_proj_a"])
+def test_a_scale_on_a_bf16_module_is_vllms_error_and_sglangs_warning(tiny_nvfp4_modelopt, tmp_path, module):
+    """vllm issue 45102 / sglang issue 19587, checked with both real loaders: vLLM 0.33 refuses at load
+    ("There is no module or parameter named 'lm_head.input_scale'"), SGLang 0.5.23 skips it with a warning."""
+    import torch
+
+    ck = copy(tiny_nvfp4_modelopt, tmp_path)
+    edit_tensors(ck, {f"{module}.input_scale": torch.tensor(0.5)})
+    reps = _engines_verdicts(ck)
+    vl = [f for f in reps["vllm@0.33.0"].findings if f.code.value == "stale-tensor"]
+    sg = [f for f in reps["sglang@0.5.23"].findings if f.code.value == "stale-tensor"]
+    assert not reps["vllm@0.33.0"].ok and [f.module for f in vl] == [module] and vl[0].is_error
+    assert reps["sglang@0.5.23"].ok and [f.module for f in sg] == [module] and not sg[0].is_error

@@ -149,7 +149,7 @@ def execute(p: VerifyPlan) -> VerifyReport:
     findings += engine_rules.moe_scheme_findings(mm, versions)
     findings += engine_rules.input_scale_findings(mm)
     findings += engine_rules.attention_gate_findings(mm)
-    findings += engine_rules.kv_naming_findings(mm, versions)
+    findings += engine_rules.kv_ignored_findings(mm, summary, versions, opts.kv_cache_dtype)
     findings += engine_rules.mtp_findings(mm, opts.mtp)
     findings += engine_rules.kv_findings(mm, opts.kv_cache_dtype)
 

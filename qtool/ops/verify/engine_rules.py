@@ -304,22 +304,48 @@ def per_engine_stale_scales(findings: list[Finding], versions: list[EngineVersio
     return out
 
 
-def kv_naming_findings(mm: ModelMap, versions: list[EngineVersion]) -> list[Finding]:
-    """KV scales spelled in a form the engine maps to no attention parameter. The producers write
-    `self_attn.k_proj.k_scale` (ModelOpt), `self_attn.k_scale` (compressed-tensors) or
-    `self_attn.qkv_proj.k_scale` (older llm-compressor); the engines' attention holds `self_attn.attn.k_scale`.
-    vLLM 0.33 loads all four; SGLang 0.5.23's QWEN3_5_KV_SCALE_MAPPER (models/qwen3_5.py) maps the
-    k_proj, self_attn and attn forms and skips the qkv_proj form as an ignorable `.k_scale` suffix, so the
-    FP8 KV cache runs with scale 1.0 (sglang issue 39942). Checked with both real loaders."""
-    qkv = sorted(n for n, r in mm.roles.items() if r.group is Group.KV_SCALE and r.module.endswith(".qkv_proj"))
-    if not qkv:
+def _sglang_reads_kv_scheme(scheme: dict | None) -> bool:
+    """SGLang 0.5.23 builds a KV-cache method only for static symmetric per-tensor FP8 (compressed_tensors.py
+    CompressedTensorsKVCacheMethod.is_supported_scheme); any other kv_cache_scheme is ignored with a warning."""
+    if not scheme:
+        return True  # ModelOpt / no compressed-tensors scheme: its per-tensor method
+    return (scheme.get("type") == "float" and scheme.get("num_bits") == 8 and scheme.get("strategy") == "tensor"
+            and scheme.get("symmetric", True) and not scheme.get("dynamic", False))
+
+
+def kv_ignored_findings(mm: ModelMap, summary: QuantSummary, versions: list[EngineVersion],
+                        kv_cache_dtype: str) -> list[Finding]:
+    """KV scales an engine skips, so its FP8 KV cache runs with scale 1.0 (an error with --kv-cache-dtype fp8,
+    else a warning: the scales are unused then). vLLM 0.33 loads every form below. SGLang 0.5.23 skips:
+    - the `self_attn.qkv_proj.{k,v}_scale` spelling (older llm-compressor): its QWEN3_5_KV_SCALE_MAPPER
+      (models/qwen3_5.py) maps `self_attn.k_proj.k_scale` (ModelOpt), `self_attn.k_scale` (compressed-
+      tensors) and `self_attn.attn.k_scale` only, and drops the rest as ignorable suffixes (sglang 39942);
+    - per-head scales and any kv_cache_scheme but static symmetric per-tensor FP8 (`strategy: attn_head`,
+      vllm PR 30141): it builds no KV-cache method for them.
+    Checked with both real loaders (tests/engines/test_loaders.py variant-kv-*)."""
+    kv_names = sorted(n for n, r in mm.roles.items() if r.group is Group.KV_SCALE)
+    if not kv_names:
         return []
-    fix = (f"qtool calibrate-kv {mm.ckpt.root} -o OUT --replace-scales (writes them as "
-           f"{'self_attn.k_proj.k_scale' if mm.kv.naming == 'modelopt' else 'self_attn.k_scale'}, "
-           "which both engines map)")
-    return [error(Code.KV_SCALE_NAME_IGNORED, qkv[0], f"{len(qkv)} KV scale(s) named self_attn.qkv_proj.{{k,v}}_scale: "
-                  f"{v} maps no parameter to them and skips them, so its KV cache uses scale 1.0 (sglang issue "
-                  "39942)", fix, engine=str(v)) for v in versions if v.engine is Engine.SGLANG]
+    reasons = []
+    qkv = [n for n in kv_names if mm.roles[n].module.endswith(".qkv_proj")]
+    if qkv:
+        reasons.append(f"{len(qkv)} are spelled self_attn.qkv_proj.{{k,v}}_scale, which its Qwen3.5 KV-scale "
+                       "mapper does not map (sglang issue 39942)")
+    scheme = summary.kv_cache_scheme if summary.quant_method == "compressed-tensors" else None
+    if mm.kv.per_head or not _sglang_reads_kv_scheme(scheme):
+        form = ", ".join(f"{k}={(scheme or {}).get(k)!r}" for k in ("strategy", "num_bits", "dynamic"))
+        reasons.append(f"{'per-head scales, ' if mm.kv.per_head else ''}kv_cache_scheme {form} is not static "
+                       "per-tensor FP8, the only KV scheme it builds (compressed_tensors.py is_supported_scheme)")
+    if not reasons:
+        return []
+    fp8 = kv_cache_dtype == "fp8"
+    make = error if fp8 else warning
+    naming = "self_attn.k_proj.k_scale" if mm.kv.naming == "modelopt" else "self_attn.k_scale"
+    fix = (f"qtool calibrate-kv {mm.ckpt.root} -o OUT --replace-scales (per-tensor FP8 scales named {naming}, "
+           "which both engines load)")
+    return [make(Code.KV_SCALES_IGNORED, kv_names[0], f"{v} skips the checkpoint's {len(kv_names)} KV scales, so its "
+                 f"{'FP8 ' if fp8 else ''}KV cache would use scale 1.0: " + "; ".join(reasons), fix, engine=str(v))
+            for v in versions if v.engine is Engine.SGLANG]
 
 
 def attention_gate_findings(mm: ModelMap) -> list[Finding]:
