@@ -38,9 +38,10 @@ class Format(str, Enum):
     FP8 = "fp8"
     AWQ = "awq"  # AutoAWQ GEMM: qweight/qzeros/scales
     INT4_CT = "int4-ct"  # compressed-tensors pack-quantized: weight_packed I32
+    MXFP4 = "mxfp4"  # OCP MX FP4 (Quark `weight` / compressed-tensors `weight_packed`) + E8M0 scale per 32
 
 
-QUANTIZED_FORMATS = frozenset({Format.NVFP4, Format.NVFP4_CT, Format.FP8, Format.AWQ, Format.INT4_CT})
+QUANTIZED_FORMATS = frozenset({Format.NVFP4, Format.NVFP4_CT, Format.FP8, Format.AWQ, Format.INT4_CT, Format.MXFP4})
 
 # qtool.formats.naming knows every storage format by its parameter names and dtypes; the architecture
 # map only distinguishes what the engines and the operations act on.
@@ -54,14 +55,18 @@ _FROM_CODEC: dict[QuantFormat, Format] = {
     QuantFormat.FP8_BLOCK: Format.FP8,
     QuantFormat.AWQ: Format.AWQ,
     QuantFormat.INT4_CT: Format.INT4_CT,
+    QuantFormat.MXFP4: Format.MXFP4,
+    QuantFormat.MXFP4_CT: Format.MXFP4,
 }
 
 # The tensors each quantized format needs next to its packed weight.
 REQUIRED_PARAMS: dict[Format, tuple[str, ...]] = {
     fmt: tuple(sorted(CODEC_REQUIRED_PARAMS[q]))
     for q, fmt in _FROM_CODEC.items()
-    if fmt in QUANTIZED_FORMATS and q is not QuantFormat.FP8_BLOCK  # per-tensor FP8 is the base form
+    # per-tensor FP8 is the base form; MXFP4's two namings share one map format (their own check in checks.py)
+    if fmt in QUANTIZED_FORMATS and q not in (QuantFormat.FP8_BLOCK, QuantFormat.MXFP4_CT)
 }
+REQUIRED_PARAMS[Format.MXFP4] = ("weight_scale",)  # its matrix is `weight` (Quark) or `weight_packed` (CT)
 
 
 _NO_FORMAT = object()

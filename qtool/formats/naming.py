@@ -47,6 +47,7 @@ class QuantFormat(str, Enum):
     NVFP4 = "nvfp4"  # ModelOpt naming
     NVFP4_CT = "nvfp4-ct"  # compressed-tensors nvfp4-pack-quantized
     MXFP4_CT = "mxfp4-ct"  # compressed-tensors mxfp4-pack-quantized (uint8 E8M0 scales, no global)
+    MXFP4 = "mxfp4"  # AMD Quark / OCP MX naming: uint8 `weight` (E2M1 pairs) + E8M0 `weight_scale` per 32
     FP8 = "fp8"  # per-tensor / per-channel `weight_scale` (ModelOpt and CT float-quantized agree)
     FP8_BLOCK = "fp8-block"  # `weight_scale_inv` 128x128 blocks (Qwen/DeepSeek FP8 releases)
     AWQ = "awq"  # AutoAWQ GEMM qweight/qzeros/scales
@@ -65,6 +66,7 @@ REQUIRED_PARAMS: dict[QuantFormat, frozenset[str]] = {
     QuantFormat.NVFP4: frozenset({"weight", "weight_scale", "weight_scale_2"}),
     QuantFormat.NVFP4_CT: frozenset({"weight_packed", "weight_scale", "weight_global_scale"}),
     QuantFormat.MXFP4_CT: frozenset({"weight_packed", "weight_scale"}),
+    QuantFormat.MXFP4: frozenset({"weight", "weight_scale"}),
     QuantFormat.FP8: frozenset({"weight", "weight_scale"}),
     QuantFormat.FP8_BLOCK: frozenset({"weight", "weight_scale_inv"}),
     QuantFormat.AWQ: frozenset({"qweight", "qzeros", "scales"}),
@@ -144,6 +146,8 @@ def detect_format(params: Mapping[str, Any]) -> QuantFormat:
         # ModelOpt NVFP4 packs E2M1 pairs into uint8 `weight` with an F8 block scale.
         if "weight_scale_2" in p or p.get("weight_scale") == "F8_E4M3":
             return QuantFormat.NVFP4
+        if p.get("weight_scale") in ("U8", "F8_E8M0"):  # Quark MXFP4: E8M0 exponents, one per 32 values
+            return QuantFormat.MXFP4
         return QuantFormat.UNKNOWN
     if w in ("F8_E4M3", "F8_E5M2"):
         return QuantFormat.FP8_BLOCK if "weight_scale_inv" in p else QuantFormat.FP8

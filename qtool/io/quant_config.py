@@ -25,7 +25,8 @@ class HfQuantSchema(str, Enum):
 
 
 def config_ignore_key(qc: dict) -> str:
-    return "modules_to_not_convert" if qc.get("quant_method") == "awq" else "ignore"
+    """AutoAWQ: modules_to_not_convert; AMD Quark: exclude; ModelOpt and compressed-tensors: ignore."""
+    return {"awq": "modules_to_not_convert", "quark": "exclude"}.get(qc.get("quant_method"), "ignore")
 
 
 def config_ignore(config: dict | None) -> list[str] | None:

@@ -32,6 +32,7 @@ ALLOWED_PARAMS: dict[Format, frozenset[str]] = {
     Format.NVFP4_CT: frozenset({"weight_packed", "weight_scale", "weight_global_scale", "input_global_scale",
                                 "k_scale", "v_scale"}),
     Format.FP8: frozenset({"weight", "weight_scale", "input_scale", "k_scale", "v_scale"}),
+    Format.MXFP4: frozenset({"weight", "weight_packed", "weight_scale", "input_scale", "k_scale", "v_scale"}),
 }
 QUANT_ONLY = frozenset({"weight_scale", "weight_scale_2", "input_scale", "weight_packed", "weight_global_scale",
                         "input_global_scale", "weight_zero_point", "weight_shape", "qweight", "qzeros", "scales"})
@@ -118,6 +119,15 @@ def _linear(mods: dict[str, Module], name: str, out: int, inn: int, probs: _Prob
         elif g.dtype != "F32" or g.numel != 1:
             probs.add(Code.DTYPE_MISMATCH if g.numel == 1 else Code.SHAPE_MISMATCH, f"{name}.{gk}",
                       f"{name}.{gk} is {g.dtype}{list(g.shape)}, expected a float32 scalar")
+    elif fmt is Format.MXFP4:
+        wk = "weight" if "weight" in p else "weight_packed"
+        for k, dts, shape in ((wk, ("U8",), (out, inn // 2)), ("weight_scale", ("U8", "F8_E8M0"), (out, inn // 32))):
+            t = p.get(k)
+            if t is None:
+                probs.add(Code.MISSING_TENSOR, name, f"{name} (mxfp4) lacks {k}")
+            elif t.dtype not in dts or tuple(t.shape) != shape:
+                probs.add(_mismatch(t.shape, shape), f"{name}.{k}",
+                          f"{name}.{k} is {t.dtype}{list(t.shape)}, expected {dts[0]}{list(shape)}")
     elif fmt is Format.FP8:
         w = p["weight"]
         if w.dtype not in FP8_DTYPES or tuple(w.shape) != (out, inn):

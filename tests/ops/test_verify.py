@@ -488,3 +488,38 @@ def test_a_scale_on_a_bf16_module_is_vllms_error_and_sglangs_warning(tiny_nvfp4_
     sg = [f for f in reps["sglang@0.5.23"].findings if f.code.value == "stale-tensor"]
     assert not reps["vllm@0.33.0"].ok and [f.module for f in vl] == [module] and vl[0].is_error
     assert reps["sglang@0.5.23"].ok and [f.module for f in sg] == [module] and not sg[0].is_error
+
+
+def test_mxfp4_quark_experts_are_classified_and_shape_checked(tiny_bf16, tmp_path):
+    """#15: the MXFP4 form (AMD Quark: uint8 `weight` [out, in/2] + E8M0 `weight_scale` [out, in/32])
+    is a storage format of its own in inspect and verify (not 'unknown'); a wrong scale shape is an error;
+    the engines' Quark rules are not modelled (a warning that says so)."""
+    import torch
+
+    from qtool.arch.model_map import Format, build_map
+    from qtool.io.checkpoint import Checkpoint
+
+    ck = copy(tiny_bf16, tmp_path)
+    wm = json.loads((ck / "model.safetensors.index.json").read_text())["weight_map"]
+    shapes = {n: Checkpoint.open(ck).tensors[n].shape for n in wm}
+    change = {}
+    for n in wm:
+        if ".mlp.experts." in n and n.endswith("_proj.weight") and not n.startswith("mtp."):
+            o, i = shapes[n]
+            change[n] = torch.zeros(o, i // 2, dtype=torch.uint8)
+            change[n.removesuffix("weight") + "weight_scale"] = torch.full((o, i // 32), 127, dtype=torch.uint8)
+    edit_tensors(ck, change)
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "quark", "exclude": ["lm_head"], "layer_quant_config": {},
+                                  "global_quant_config": {"weight": {"dtype": "fp4", "qscheme": "per_group",
+                                                                     "group_size": 32, "scale_format": "e8m0"}}}
+    (ck / "config.json").write_text(json.dumps(cfg, indent=2))
+    mm = build_map(Checkpoint.open(ck))
+    experts = [m for m in mm.modules.values() if m.expert is not None and m.group.value == "routed_experts"]
+    assert experts and {m.format for m in experts} == {Format.MXFP4}
+    rep = verify(ck, VerifyOptions(tp=1))
+    assert rep.ok and "engine-rules-not-modelled" in codes(rep, "warning")
+    bad = next(n for n in change if n.endswith("weight_scale"))
+    edit_tensors(ck, {bad: torch.full((shapes[bad.removesuffix("_scale")][0], 3), 127, dtype=torch.uint8)})
+    rep = verify(ck, VerifyOptions(tp=1))
+    assert not rep.ok and any(f.module == bad and f.code.value == "shape-mismatch" for f in rep.findings)

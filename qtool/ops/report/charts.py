@@ -18,6 +18,7 @@ FORMAT_COLOURS = {
     "fp8": "#e08a2c",
     "awq": "#7b5ea7",
     "int4-ct": "#a05195",
+    "mxfp4": "#c4a000",
     "mixed": "#d64545",
 }
 USAGE_COLOURS = {"weights": "#3d6fb6", "kv_cache": "#2e9e5b", "gdn_state": "#e0b02c", "reserve": "#9aa5b1",
