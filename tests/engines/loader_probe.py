@@ -11,6 +11,10 @@ Runs inside QTOOL_ENGINES_PYTHON; kept free of qtool imports.
 
 from __future__ import annotations
 
+import json
+import sys
+import traceback
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -84,3 +88,20 @@ def watched_weights(weights, probe: ConsumptionProbe, seen: list[str]):
         seen.append(name)
         probe.watch(name, t)
         yield name, t
+
+
+def new_result() -> dict:
+    """A runner's verdict before anything ran (stages: config, build, load, process, done)."""
+    return {"loaded": False, "stage": "config", "error": None, "tensors": 0, "params": 0, "unwritten": [],
+            "dropped": []}
+
+
+def record_failure(out: dict, e: Exception) -> None:
+    """The engine's refusal, in its own words."""
+    out["error"] = f"{type(e).__name__}: {e}"[:2000]
+    out["trace"] = traceback.format_exc()[-3000:]
+
+
+def main(load) -> None:
+    """`runner.py CKPT [mtp]`: one QTOOL-ORACLE JSON line (test_loaders.py reads it among the engine's logs)."""
+    print("QTOOL-ORACLE " + json.dumps(load(sys.argv[1], mtp=sys.argv[2:] == ["mtp"])))

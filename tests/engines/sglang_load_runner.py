@@ -17,15 +17,13 @@ The radix cache is off (its Mamba snapshot buffer is a serving feature the CPU p
 loader_probe.py finds unwritten parameters and dropped tensors. Kept free of qtool imports.
 """
 
-import json
 import logging
 import os
-import sys
 import tempfile
-import traceback
 import warnings
 
-from loader_probe import DEFAULTED, ConsumptionProbe, dropped, fill_nan, unwritten, watched_weights
+from loader_probe import (DEFAULTED, ConsumptionProbe, dropped, fill_nan, main, new_result, record_failure,
+                          unwritten, watched_weights)
 
 os.environ.setdefault("SGLANG_LOG_LEVEL", "error")
 warnings.filterwarnings("ignore")
@@ -50,8 +48,7 @@ def _cpu_as_blackwell() -> None:
 def load(ckpt: str, mtp: bool = False) -> dict:
     import torch
 
-    out = {"loaded": False, "stage": "config", "error": None, "tensors": 0, "params": 0, "unwritten": [],
-           "dropped": []}
+    out = new_result()
     try:
         _cpu_as_blackwell()
         from sglang.srt.configs.load_config import LoadConfig
@@ -102,10 +99,9 @@ def load(ckpt: str, mtp: bool = False) -> dict:
             out["stage"] = "done"
             out["loaded"] = not out["unwritten"] and not out["dropped"]
     except Exception as e:  # the verdict: what the engine says, in its words
-        out["error"] = f"{type(e).__name__}: {e}"[:2000]
-        out["trace"] = traceback.format_exc()[-3000:]
+        record_failure(out, e)
     return out
 
 
 if __name__ == "__main__":
-    print("QTOOL-ORACLE " + json.dumps(load(sys.argv[1], mtp=sys.argv[2:] == ["mtp"])))
+    main(load)

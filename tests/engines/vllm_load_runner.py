@@ -11,15 +11,13 @@ loader_probe.py finds parameters never (fully) written (NaN-filled before loadin
 the loader dropped without reading them. Kept free of qtool imports: it runs in the other interpreter.
 """
 
-import json
 import logging
 import os
-import sys
 import tempfile
-import traceback
 import warnings
 
-from loader_probe import DEFAULTED, ConsumptionProbe, dropped, fill_nan, unwritten, watched_weights
+from loader_probe import (DEFAULTED, ConsumptionProbe, dropped, fill_nan, main, new_result, record_failure,
+                          unwritten, watched_weights)
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
@@ -56,8 +54,7 @@ def load(ckpt: str, mtp: bool = False) -> dict:
     config's draft model config as the proposer builds it: llm_base_proposer.py _get_model)."""
     import torch
 
-    out = {"loaded": False, "stage": "config", "error": None, "tensors": 0, "params": 0, "unwritten": [],
-           "dropped": []}
+    out = new_result()
     try:
         _cpu_registrations()
         from vllm.config import set_current_vllm_config
@@ -97,10 +94,9 @@ def load(ckpt: str, mtp: bool = False) -> dict:
             out["stage"] = "done"
             out["loaded"] = not out["unwritten"] and not out["dropped"]
     except Exception as e:  # the verdict: what the engine says, in its words
-        out["error"] = f"{type(e).__name__}: {e}"[:2000]
-        out["trace"] = traceback.format_exc()[-3000:]
+        record_failure(out, e)
     return out
 
 
 if __name__ == "__main__":
-    print("QTOOL-ORACLE " + json.dumps(load(sys.argv[1], mtp=sys.argv[2:] == ["mtp"])))
+    main(load)
