@@ -22,17 +22,9 @@ def read_tensor(info: TensorInfo):
 
 def read_scalar(info: TensorInfo) -> float:
     """A one-element float tensor's value, read with a 2-8 byte read (no torch)."""
-    import struct
-
-    fmt = {"F32": "<f", "F64": "<d", "F16": "<e"}.get(info.dtype)
-    raw = read_bytes(info)
     if info.numel != 1:
         raise ValueError(f"{info.name} is not a scalar: shape {list(info.shape)}")
-    if fmt is not None:
-        return struct.unpack(fmt, raw)[0]
-    if info.dtype == "BF16":
-        return struct.unpack("<f", b"\x00\x00" + raw)[0]
-    raise ValueError(f"{info.name}: unsupported scalar dtype {info.dtype}")
+    return read_floats(info)[0]
 
 
 def read_floats(info: TensorInfo) -> list[float]:

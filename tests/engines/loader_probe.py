@@ -90,6 +90,22 @@ def watched_weights(weights, probe: ConsumptionProbe, seen: list[str]):
         yield name, t
 
 
+def record_load(out: dict, params: dict[str, torch.Tensor], seen: list[str], probe: ConsumptionProbe, mtp: bool,
+                skip) -> None:
+    """After load_weights: how many tensors the engine was handed, which of its own it dropped, which
+    parameters (but those `skip(name)` names) it left unwritten; the stage moves on to post-processing."""
+    out["tensors"] = len(seen)
+    out["dropped"] = dropped(seen, probe.consumed, mtp)
+    out["unwritten"] = unwritten(params, skip=skip)
+    out["stage"] = "process"
+
+
+def record_done(out: dict) -> None:
+    """After post-processing: the verdict (every parameter written, no tensor of its own dropped)."""
+    out["stage"] = "done"
+    out["loaded"] = not out["unwritten"] and not out["dropped"]
+
+
 def new_result() -> dict:
     """A runner's verdict before anything ran (stages: config, build, load, process, done)."""
     return {"loaded": False, "stage": "config", "error": None, "tensors": 0, "params": 0, "unwritten": [],

@@ -22,8 +22,8 @@ import os
 import tempfile
 import warnings
 
-from loader_probe import (DEFAULTED, ConsumptionProbe, dropped, fill_nan, main, new_result, record_failure,
-                          unwritten, watched_weights)
+from loader_probe import (DEFAULTED, ConsumptionProbe, fill_nan, main, new_result, record_done, record_failure,
+                          record_load, watched_weights)
 
 os.environ.setdefault("SGLANG_LOG_LEVEL", "error")
 warnings.filterwarnings("ignore")
@@ -90,14 +90,10 @@ def load(ckpt: str, mtp: bool = False) -> dict:
             with probe:
                 loader.load_weights_only(model, watched_weights(loader._get_all_weights(model_config, model), probe,
                                                                 seen), cpu)
-            out["tensors"] = len(seen)
-            out["dropped"] = dropped(seen, probe.consumed, mtp)
-            skip = DERIVED + (SHARED_WITH_TARGET if mtp else ())
-            out["unwritten"] = unwritten(params, skip=lambda n: n.endswith(DERIVED + DEFAULTED) or n in skip)
-            out["stage"] = "process"
+            shared = SHARED_WITH_TARGET if mtp else ()
+            record_load(out, params, seen, probe, mtp, skip=lambda n: n.endswith(DERIVED + DEFAULTED) or n in shared)
             loader.postprocess_weights(model, cpu)
-            out["stage"] = "done"
-            out["loaded"] = not out["unwritten"] and not out["dropped"]
+            record_done(out)
     except Exception as e:  # the verdict: what the engine says, in its words
         record_failure(out, e)
     return out

@@ -16,8 +16,8 @@ import os
 import tempfile
 import warnings
 
-from loader_probe import (DEFAULTED, ConsumptionProbe, dropped, fill_nan, main, new_result, record_failure,
-                          unwritten, watched_weights)
+from loader_probe import (DEFAULTED, ConsumptionProbe, fill_nan, main, new_result, record_done, record_failure,
+                          record_load, watched_weights)
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
@@ -86,13 +86,9 @@ def load(ckpt: str, mtp: bool = False) -> dict:
             probe = ConsumptionProbe()
             with probe:
                 model.load_weights(watched_weights(loader.get_all_weights(model_config, model), probe, seen))
-            out["tensors"] = len(seen)
-            out["dropped"] = dropped(seen, probe.consumed, mtp)
-            out["unwritten"] = unwritten(params, skip=lambda n: n.endswith(DEFAULTED))
-            out["stage"] = "process"
+            record_load(out, params, seen, probe, mtp, skip=lambda n: n.endswith(DEFAULTED))
             process_weights_after_loading(model, model_config, torch.device("cpu"))
-            out["stage"] = "done"
-            out["loaded"] = not out["unwritten"] and not out["dropped"]
+            record_done(out)
     except Exception as e:  # the verdict: what the engine says, in its words
         record_failure(out, e)
     return out
