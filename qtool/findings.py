@@ -47,6 +47,7 @@ class Code(str, Enum):
     KV_SCALES_STALE = "kv-scales-stale"
     KV_SCALE_INVALID = "kv-scale-invalid"
     KV_SCHEME_MISSING = "kv-scheme-missing"
+    KV_SCHEME_MISMATCH = "kv-scheme-mismatch"  # per-head scales under a per-tensor kv_cache_scheme, or back
     KV_SCALES_IGNORED = "kv-scales-ignored"  # KV scales the engine skips (a spelling or a scheme it lacks)
     DOES_NOT_FIT = "does-not-fit"
     REMOTE_CODE = "remote-code"  # warning: auto_map / .py files: the engines would run the checkpoint's code

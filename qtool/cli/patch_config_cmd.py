@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from qtool.cli.common import add_output_flags, headers_checkpoint, local_only, print_json, run_command_line
 
-FIX_NAMES = ["router-ignore", "mtp-ignore", "ignore-from-tensors"]
+FIX_NAMES = ["router-ignore", "mtp-ignore", "ignore-from-tensors", "kv-scheme-from-tensors"]  # qtool.ops.patch_config.Fix
 
 
 def add_arguments(p) -> None:

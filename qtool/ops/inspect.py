@@ -149,6 +149,17 @@ def _gate_up_scale_mismatch(mm: ModelMap) -> list[Finding]:
     ]
 
 
+def kv_scheme_strategy(mm: ModelMap, summary: QuantSummary) -> str | None:
+    """The compressed-tensors kv_cache_scheme `strategy` the KV-scale tensors call for ("attn_head" for
+    [num_kv_heads] scales, "tensor" for scalars), or None when the config already says it (or has no
+    compressed-tensors KV scheme to correct)."""
+    scheme = summary.kv_cache_scheme
+    if summary.quant_method != "compressed-tensors" or not isinstance(scheme, dict) or not mm.kv.layers:
+        return None
+    want = "attn_head" if mm.kv.per_head else "tensor"
+    return None if scheme.get("strategy") == want else want
+
+
 def _kv_problems(mm: ModelMap, summary: QuantSummary) -> list[Finding]:
     out = []
     if mm.kv.invalid:
@@ -167,10 +178,11 @@ def _kv_problems(mm: ModelMap, summary: QuantSummary) -> list[Finding]:
         if wrong:
             out.append(problem(Code.KV_SCALE_INVALID, f"per-head KV scale(s) with {list(mm.ckpt.tensors[wrong[0]].shape)}"
                                f" elements, expected {heads} (num_key_value_heads): {wrong[0]}", wrong[0]))
-        strategy = (summary.kv_cache_scheme or {}).get("strategy")
-        if strategy != "attn_head":
-            out.append(problem(Code.CONFIG_DISAGREEMENT, f"KV scales are per attention head but kv_cache_scheme "
-                               f"strategy is {strategy!r} (expected 'attn_head')"))
+    strategy = kv_scheme_strategy(mm, summary)
+    if strategy is not None:
+        out.append(problem(Code.KV_SCHEME_MISMATCH, f"KV scales are {'per attention head' if mm.kv.per_head else 'per tensor'}"
+                           f" but kv_cache_scheme strategy is {summary.kv_cache_scheme.get('strategy')!r} (expected "
+                           f"{strategy!r})"))
     says_fp8 = bool(summary.kv_cache_scheme) or bool(summary.kv_cache_quant_algo)
     if says_fp8 and not mm.kv.layers:
         out.append(problem(Code.KV_SCALES_MISSING, "the config declares an FP8 KV cache but no k/v scales exist"))

@@ -41,6 +41,7 @@ class Fix(str, Enum):
     ROUTER_IGNORE = "router-ignore"
     MTP_IGNORE = "mtp-ignore"
     IGNORE_FROM_TENSORS = "ignore-from-tensors"
+    KV_SCHEME_FROM_TENSORS = "kv-scheme-from-tensors"
 
 
 @dataclass
@@ -220,6 +221,8 @@ def plan(opts: PatchOptions) -> PatchPlan:
             p.results.append(_mtp_ignore(lists, model_map()))
         elif fix is Fix.IGNORE_FROM_TENSORS:
             p.results.append(_ignore_from_tensors(lists, model_map()))
+        elif fix is Fix.KV_SCHEME_FROM_TENSORS:
+            p.results.append(_kv_scheme_from_tensors(files[CONFIG_NAME].data, model_map()))
     for pat in ignore_add:
         p.results.append(_ignore_add(lists, pat))
     for pat in ignore_remove:
@@ -314,6 +317,21 @@ def _ignore_from_tensors(lists: _IgnoreLists, mm: ModelMap) -> FixResult:
         changed,
         f"exclusion lists now say exactly which modules are BF16: {globs}" if changed else "already exact",
     )
+
+
+def _kv_scheme_from_tensors(config: dict, mm: ModelMap) -> FixResult:
+    """compressed-tensors `kv_cache_scheme.strategy` as the KV-scale tensors are: "attn_head" for
+    [num_kv_heads] scales (vllm PR 30141), "tensor" for scalars."""
+    from qtool.ops.inspect import kv_scheme_strategy
+
+    want = kv_scheme_strategy(mm, qcfg.summarize(config, None))
+    if want is None:
+        return FixResult(Fix.KV_SCHEME_FROM_TENSORS.value, False,
+                         "nothing to correct: no compressed-tensors kv_cache_scheme with KV scales, or its strategy "
+                         "already matches them")
+    scheme = config["quantization_config"]["kv_cache_scheme"]
+    old, scheme["strategy"] = scheme.get("strategy"), want
+    return FixResult(Fix.KV_SCHEME_FROM_TENSORS.value, True, f"kv_cache_scheme.strategy {old!r} -> {want!r}")
 
 
 def _yarn(config: dict, factor: float, original: int | None) -> FixResult:

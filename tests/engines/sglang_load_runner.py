@@ -12,7 +12,9 @@ Only kernel-availability checks refuse a CPU, so the runner says what the GPU wo
   `override_platform`;
 - torch.cuda reports capability 10.0 (compressed_tensors.py `_check_scheme_supported` asks it);
 - the CUTLASS scale swizzle is a no-op: it pads the row count to 128 for the kernel, a layout change
-  after loading that the tiny model (2 x 32 rows per expert) would need and the real one (2 x 1024) not.
+  after loading that the tiny model (2 x 32 rows per expert) would need and the real one (2 x 1024) not;
+- the Marlin repack of INT4 experts (a JIT-compiled CUDA kernel, also a layout change) returns a tensor of
+  its output shape, and its workspace (sized by the GPU's SM count) is one element.
 The radix cache is off (its Mamba snapshot buffer is a serving feature the CPU platform lacks).
 loader_probe.py finds unwritten parameters and dropped tensors. Kept free of qtool imports.
 """
@@ -43,6 +45,16 @@ def _cpu_as_blackwell() -> None:
     override_platform(is_blackwell=True).install()
     torch.cuda.get_device_capability = lambda *a, **k: (10, 0)
     modelopt_quant.swizzle_blockscale = lambda scale: scale.clone()
+    # INT4 experts: the Marlin repack is a JIT-compiled CUDA kernel (a layout change after loading); a tensor
+    # of its output shape stands in, so the rest of process_weights_after_loading runs for real
+    from sglang.srt.hardware_backend.gpu.quantization import gptq_kernels
+
+    gptq_kernels.gptq_marlin_repack = lambda q, perm, size_k, size_n, num_bits: torch.zeros(
+        size_k // 16, size_n * 16 // (32 // num_bits), dtype=torch.int32)
+    # ... and its scratch workspace is sized by the GPU's SM count
+    from sglang.srt.layers.quantization.compressed_tensors.schemes import compressed_tensors_wNa16_moe as wna16_moe
+
+    wna16_moe.marlin_make_workspace = lambda device, max_blocks_per_sm=1: torch.zeros(1, dtype=torch.int, device=device)
 
 
 def load(ckpt: str, mtp: bool = False) -> dict:

@@ -116,6 +116,8 @@ def artifacts(tmp_path_factory, tiny_bf16, tiny_nvfp4_modelopt, tiny_nvfp4_ct, t
                                       str(root / "qmo"), *KV])
     qtool("quantize-nvfp4-ct", ["quantize", str(tiny_bf16), "--recipe", "qwen35-nvfp4-experts", "--format",
                                 "compressed-tensors", "-o", str(root / "qct"), *KV])
+    qtool("quantize-awq-int4", ["quantize", str(tiny_bf16), "--recipe", "qwen35-awq-int4", "-o", str(root / "awq"),
+                                *KV])
     qtool("build-demo-tiny", ["build", "demo-tiny", "-o", str(root / "demo"), "--quiet"])
     inplace = _copy(tiny_nvfp4_modelopt_nomtp, root / "kv-in-place")
     assert main(["calibrate-kv", str(inplace), "--in-place", "--replace-scales", *KV]) == 0
@@ -144,6 +146,7 @@ def artifacts(tmp_path_factory, tiny_bf16, tiny_nvfp4_modelopt, tiny_nvfp4_ct, t
     out["broken-bf16-experts-in-nvfp4"] = make_broken(tiny_nvfp4_modelopt, root / "mixed", "mixed_expert_layout")
     out["variant-fused-layer-0-bf16"] = fuse_layer_experts(_copy(tiny_bf16, root / "fused0"), 0)
     out["variant-fused-layer-7-bf16"] = fuse_layer_experts(_copy(tiny_bf16, root / "fused7"), 7)
+    out["broken-awq-moe-scheme-mismatch"] = _down_proj_group_16(_copy(out["quantize-awq-int4"], root / "awq-mix"))
     out["variant-kv-per-head"] = _per_head_kv(_copy(out["quantize-nvfp4-ct"], root / "kv-per-head"))
     # KV-scale spellings of the producers (sglang issue 39942): ModelOpt's k_proj.k_scale is the fixture's
     for form, new in (("qkv-proj", "qkv_proj.{}_scale"), ("attn", "attn.{}_scale"), ("self-attn", "{}_scale")):
@@ -172,6 +175,32 @@ def _rename_tensors(ck: Path, fn) -> Path:
             save_file({fn(n): t for n, t in tensors.items()}, str(ck / shard), metadata={"format": "pt"})
     idx["weight_map"] = dict(sorted((fn(n), f) for n, f in idx["weight_map"].items()))
     idx_path.write_text(json.dumps(idx, indent=2))
+    return ck
+
+
+def _down_proj_group_16(ck: Path) -> Path:
+    """#15 item 3 rebuilt by hand (qtool no longer writes it): the INT4 experts' down_proj in groups of 16
+    (scales repeated) under a config group of its own, gate/up keep 32: one scheme per projection."""
+    import copy
+
+    from safetensors.torch import load_file, save_file
+
+    idx = json.loads((ck / "model.safetensors.index.json").read_text())
+    for shard in sorted(set(idx["weight_map"].values())):
+        tensors = load_file(str(ck / shard))
+        down = [n for n in tensors if ".mlp.experts." in n and n.endswith("down_proj.weight_scale")]
+        for n in down:
+            tensors[n] = tensors[n].repeat_interleave(2, dim=1).contiguous()
+        if down:
+            save_file(tensors, str(ck / shard), metadata={"format": "pt"})
+    cfg = json.loads((ck / "config.json").read_text())
+    qc = cfg["quantization_config"]
+    base = qc["config_groups"]["group_0"]
+    down_group = copy.deepcopy(base)
+    down_group["weights"]["group_size"] = 16
+    down_group["targets"] = ["re:.*mlp\\.experts\\.\\d+\\.down_proj$"]
+    qc["config_groups"] = {"group_0": down_group, "group_1": base}
+    (ck / "config.json").write_text(json.dumps(cfg, indent=2))
     return ck
 
 
@@ -222,11 +251,14 @@ def _set_tensor(ck: Path, name: str, value: float) -> None:
 
 
 CASES = ["fixture-nvfp4-modelopt", "fixture-nvfp4-ct", "fixture-bf16", "assemble-hybrid", "calibrate-kv-nvfp4",
-         "calibrate-kv-bf16", "quantize-nvfp4-modelopt", "quantize-nvfp4-ct", "convert-to-ct", "build-demo-tiny",
+         "calibrate-kv-bf16", "quantize-nvfp4-modelopt", "quantize-nvfp4-ct", "quantize-awq-int4", "convert-to-ct",
+         "build-demo-tiny",
          "calibrate-kv-in-place", "patch-config-o",
          "broken-quantized-but-ignored", "broken-missing-expert", "broken-kv-only-config-over-nvfp4",
          "variant-scale-mismatch",
          "broken-bf16-experts-in-nvfp4",
+         # #15 item 3: INT4 expert projections in two group sizes; both engines refuse at model build
+         "broken-awq-moe-scheme-mismatch",
          # vLLM 0.33 maps each expert tensor by its own layout: a fused layer 0 among per-expert ones loads
          # (verify called it an error for every engine before #15 item 1)
          "variant-fused-layer-0-bf16",
@@ -252,7 +284,7 @@ def test_verify_gives_the_real_loaders_verdict(artifacts, case, engine_name):
 
 
 MTP_CASES = ["fixture-nvfp4-modelopt", "fixture-nvfp4-ct", "fixture-bf16", "assemble-hybrid", "quantize-nvfp4-modelopt",
-             "quantize-nvfp4-ct", "convert-to-ct", "patch-config-o"]
+             "quantize-nvfp4-ct", "quantize-awq-int4", "convert-to-ct", "patch-config-o"]
 
 
 DRAFTERS = {"vllm@0.33.0": "Qwen3_5MoeMTP", "sglang@0.5.23": "Qwen3_5ForCausalLMMTP"}

@@ -42,6 +42,17 @@ def _cpu_registrations() -> None:
 
     nv.select_nvfp4_moe_backend = pick
     modelopt.select_nvfp4_moe_backend = pick
+    # INT4 (W4A16) experts: the CPU backends need AMX / vLLM's compiled CPU ops; vLLM's own emulation backend
+    from vllm.model_executor.layers.fused_moe.experts.int4_emulation_moe import Int4EmulationTritonExperts
+    from vllm.model_executor.layers.fused_moe.oracle import int_wna16
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (
+        compressed_tensors_moe_wna16 as ct_wna16,
+    )
+
+    def pick_wna16(*_a, **_k):
+        return int_wna16.WNA16MoEBackend.EMULATION, Int4EmulationTritonExperts
+
+    int_wna16.select_wna16_moe_backend = ct_wna16.select_wna16_moe_backend = pick_wna16
     # the unquantized CPU MoE repacks its weights with vLLM's compiled CPU ops (absent from the CUDA wheel):
     # a layout change for its kernels after loading, not part of what is loaded
     from vllm.model_executor.layers.fused_moe.experts import cpu_moe

@@ -523,3 +523,26 @@ def test_mxfp4_quark_experts_are_classified_and_shape_checked(tiny_bf16, tmp_pat
     edit_tensors(ck, {bad: torch.full((shapes[bad.removesuffix("_scale")][0], 3), 127, dtype=torch.uint8)})
     rep = verify(ck, VerifyOptions(tp=1))
     assert not rep.ok and any(f.module == bad and f.code.value == "shape-mismatch" for f in rep.findings)
+
+
+def test_per_head_scales_under_a_per_tensor_scheme_are_fixed_by_patch_config(tiny_nvfp4_ct, tmp_path):
+    """A config change repairs this one (#15): per-head KV scales whose compressed-tensors kv_cache_scheme
+    says `strategy: tensor` get a `kv-scheme-mismatch` warning naming `patch-config --fix
+    kv-scheme-from-tensors`, which sets `attn_head`; a second run changes nothing."""
+    import torch
+
+    ck = copy(tiny_nvfp4_ct, tmp_path)
+    L = "model.language_model.layers"
+    edit_tensors(ck, {f"{L}.{i}.self_attn.{p}_scale": torch.tensor([0.25, 0.5]) for i in (3, 7) for p in ("k", "v")})
+    edit_config(ck, lambda qc: qc.update(kv_cache_scheme={"num_bits": 8, "type": "float", "symmetric": True,
+                                                         "dynamic": False, "strategy": "tensor"}))
+    rep = verify(ck, VerifyOptions(tp=1))
+    found = [f for f in rep.findings if f.code.value == "kv-scheme-mismatch"]
+    assert len(found) == 1 and "kv-scheme-from-tensors" in found[0].fix and "'tensor'" in found[0].message
+    assert main(["patch-config", str(ck), "--fix", "kv-scheme-from-tensors", "--quiet"]) == 0
+    cfg = json.loads((ck / "config.json").read_text())
+    assert cfg["quantization_config"]["kv_cache_scheme"]["strategy"] == "attn_head"
+    assert "kv-scheme-mismatch" not in codes(verify(ck, VerifyOptions(tp=1)), None)
+    before = (ck / "config.json").read_bytes()
+    assert main(["patch-config", str(ck), "--fix", "kv-scheme-from-tensors", "--quiet"]) == 0
+    assert (ck / "config.json").read_bytes() == before

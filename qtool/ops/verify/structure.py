@@ -125,6 +125,9 @@ def consistency_findings(mm: ModelMap, summary: QuantSummary, *, kv_fp8: bool) -
             if not kv_fp8:
                 code = Code.KV_SCALES_MISSING if p.code is Code.KV_SCALES_MISSING else Code.KV_SCALES_UNCALIBRATED
                 out.append(warning(code, p.module, p.message, f"qtool calibrate-kv {ckpt} --in-place"))
+        elif p.code is Code.KV_SCHEME_MISMATCH:
+            out.append(warning(Code.KV_SCHEME_MISMATCH, None, p.message,
+                               patch_cmd(ckpt, "--fix", "kv-scheme-from-tensors")))
         elif p.code is Code.KV_SCALES_STALE:
             out.append(error(Code.KV_SCALES_STALE, None, p.message, "remove the k/v scales of non-attention layers"))
         elif p.code is Code.KV_SCHEME_MISSING:
