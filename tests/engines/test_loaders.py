@@ -97,7 +97,8 @@ def _drop_tensors(ck: Path, pred) -> None:
 
 
 @pytest.fixture(scope="module")
-def artifacts(tmp_path_factory, tiny_bf16, tiny_nvfp4_modelopt, tiny_nvfp4_ct, tiny_nvfp4_modelopt_nomtp):
+def artifacts(tmp_path_factory, tiny_bf16, tiny_bf16_fused, tiny_nvfp4_modelopt, tiny_nvfp4_ct,
+              tiny_nvfp4_modelopt_nomtp):
     """name -> (checkpoint, what vLLM is expected to do: True loads / False refuses or leaves holes)."""
     root = tmp_path_factory.mktemp("loaders")
     out: dict[str, Path] = {"fixture-nvfp4-modelopt": tiny_nvfp4_modelopt, "fixture-nvfp4-ct": tiny_nvfp4_ct,
@@ -109,6 +110,10 @@ def artifacts(tmp_path_factory, tiny_bf16, tiny_nvfp4_modelopt, tiny_nvfp4_ct, t
 
     qtool("assemble-hybrid", ["assemble", "hybrid", "--nvfp4", str(tiny_nvfp4_modelopt), "--bf16", str(tiny_bf16),
                               "-o", str(root / "hybrid"), "--quiet"])
+    qtool("assemble-hybrid-ct", ["assemble", "hybrid", "--nvfp4", str(tiny_nvfp4_ct), "--bf16", str(tiny_bf16), "-o",
+                                 str(root / "hybrid-ct"), "--quiet"])
+    qtool("assemble-hybrid-from-fused-bf16", ["assemble", "hybrid", "--nvfp4", str(tiny_nvfp4_modelopt), "--bf16",
+                                              str(tiny_bf16_fused), "-o", str(root / "hybrid-fused"), "--quiet"])
     qtool("calibrate-kv-nvfp4", ["calibrate-kv", str(tiny_nvfp4_modelopt_nomtp), "-o", str(root / "kv"), *KV,
                                  "--replace-scales"])
     qtool("calibrate-kv-bf16", ["calibrate-kv", str(tiny_bf16), "-o", str(root / "kvbf16"), *KV])
@@ -126,6 +131,8 @@ def artifacts(tmp_path_factory, tiny_bf16, tiny_nvfp4_modelopt, tiny_nvfp4_ct, t
                              "-o", str(root / "patched"), "--quiet"])
     qtool("convert-to-ct", ["convert", str(tiny_nvfp4_modelopt), "--to", "compressed-tensors", "-o", str(root / "cv"),
                             "--quiet"])
+    qtool("convert-to-modelopt", ["convert", str(tiny_nvfp4_ct), "--to", "modelopt", "-o", str(root / "cv-mo"),
+                                  "--quiet"])
     # broken variants
     ig = _copy(tiny_nvfp4_modelopt, root / "ignored")
     _edit_config(ig, lambda qc: qc["ignore"].append("*.layers.2.mlp.experts*"))
@@ -250,7 +257,8 @@ def _set_tensor(ck: Path, name: str, value: float) -> None:
     save_file(tensors, str(ck / shard), metadata={"format": "pt"})
 
 
-CASES = ["fixture-nvfp4-modelopt", "fixture-nvfp4-ct", "fixture-bf16", "assemble-hybrid", "calibrate-kv-nvfp4",
+CASES = ["fixture-nvfp4-modelopt", "fixture-nvfp4-ct", "fixture-bf16", "assemble-hybrid", "assemble-hybrid-ct",
+         "assemble-hybrid-from-fused-bf16", "convert-to-modelopt", "calibrate-kv-nvfp4",
          "calibrate-kv-bf16", "quantize-nvfp4-modelopt", "quantize-nvfp4-ct", "quantize-awq-int4", "convert-to-ct",
          "build-demo-tiny",
          "calibrate-kv-in-place", "patch-config-o",
@@ -284,7 +292,8 @@ def test_verify_gives_the_real_loaders_verdict(artifacts, case, engine_name):
 
 
 MTP_CASES = ["fixture-nvfp4-modelopt", "fixture-nvfp4-ct", "fixture-bf16", "assemble-hybrid", "quantize-nvfp4-modelopt",
-             "quantize-nvfp4-ct", "quantize-awq-int4", "convert-to-ct", "patch-config-o"]
+             "quantize-nvfp4-ct", "quantize-awq-int4", "convert-to-ct", "patch-config-o", "assemble-hybrid-ct",
+             "assemble-hybrid-from-fused-bf16", "convert-to-modelopt"]
 
 
 DRAFTERS = {"vllm@0.33.0": "Qwen3_5MoeMTP", "sglang@0.5.23": "Qwen3_5ForCausalLMMTP"}
