@@ -546,3 +546,14 @@ def test_per_head_scales_under_a_per_tensor_scheme_are_fixed_by_patch_config(tin
     before = (ck / "config.json").read_bytes()
     assert main(["patch-config", str(ck), "--fix", "kv-scheme-from-tensors", "--quiet"]) == 0
     assert (ck / "config.json").read_bytes() == before
+
+
+def test_a_scale_on_a_bf16_module_failed_older_sglang(tiny_nvfp4_modelopt, tmp_path):
+    """The version range of the finding above: SGLang before 0.5.23 failed the load (sglang issue 19587)."""
+    import torch
+
+    ck = copy(tiny_nvfp4_modelopt, tmp_path)
+    edit_tensors(ck, {"lm_head.input_scale": torch.tensor(0.5)})
+    rep = verify(ck, VerifyOptions(engine="sglang@0.5.9", tp=1))
+    assert not rep.ok and any(f.code.value == "stale-tensor" and f.is_error and "19587" in f.message
+                              for f in rep.findings)

@@ -282,8 +282,8 @@ def per_engine_stale_scales(findings: list[Finding], versions: list[EngineVersio
     """`stale-tensor` for scales on a module stored in BF16, as each engine treats them. The engines build
     the module unquantized, with no parameter for the scale: vLLM 0.33 refuses at load ("There is no module
     or parameter named 'lm_head.input_scale'", vllm issue 45102; an AttributeError for in_proj_a/b, which it
-    stacks), an error; SGLang 0.5.23 skips it with "Parameter ... not found in params_dict" (the crash of
-    sglang issue 19587 is now that warning), a warning. Both checked with the real loaders
+    stacks), an error; SGLang 0.5.23 skips it with "Parameter ... not found in params_dict", a warning;
+    older SGLang (sglang issue 19587, reported on main of 2026-02-28) then failed a shape assertion: an error. Both checked with the real loaders
     (tests/engines/test_loaders.py variant-stray-*). Other stale tensors keep their engine-free error."""
     def on_bf16_module(f: Finding) -> bool:
         m = mm.modules.get(f.module or "")
@@ -298,9 +298,13 @@ def per_engine_stale_scales(findings: list[Finding], versions: list[EngineVersio
             if v.engine is Engine.VLLM:
                 out.append(error(f.code, f.module, f"{f.message}: {v} has no parameter for them and refuses at load "
                                  "(vllm issue 45102)", f.fix, engine=str(v)))
-            else:
-                out.append(warning(f.code, f.module, f"{f.message}: {v} skips them with a warning (sglang issue "
-                                   "19587)", f.fix, engine=str(v)))
+            elif v.at_least((0, 5, 23)):
+                out.append(warning(f.code, f.module, f"{f.message}: {v} skips them with a warning (the load failure "
+                                   "of sglang issue 19587 is a skip since)", f.fix, engine=str(v)))
+            else:  # the SGLang of sglang issue 19587 (main of 2026-02-28) failed the load on them
+                out.append(error(f.code, f.module, f"{f.message}: {v} fails the load on them (\"Parameter ... not "
+                                 "found in params_dict\", then a shape assertion: sglang issue 19587)", f.fix,
+                                 engine=str(v)))
     return out
 
 
