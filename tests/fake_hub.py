@@ -254,6 +254,8 @@ def _make_handler(hub: FakeHub):
         # ---- helpers ---------------------------------------------------------------------------
         def _send(self, status: int, body: bytes = b"", headers: dict | None = None,
                   ctype: str = "application/json", length: int | None = None) -> None:
+            # recorded before the response goes out: a client that has its answer finds the request logged
+            self._record(status, 0 if self.command == "HEAD" else len(body))
             self.send_response(status)
             self.send_header("Content-Type", ctype)
             self.send_header("Content-Length", str(len(body) if length is None else length))
@@ -262,7 +264,6 @@ def _make_handler(hub: FakeHub):
             self.end_headers()
             if self.command != "HEAD" and body:
                 self.wfile.write(body)
-            self._record(status, 0 if self.command == "HEAD" else len(body))
 
         def _record(self, status: int, nbytes: int) -> None:
             with hub.lock:
@@ -422,9 +423,9 @@ def _make_handler(hub: FakeHub):
                     self.send_header(k, v)
                 self.end_headers()
                 half = data[: len(data) // 2]
+                self._record(status, len(half))
                 self.wfile.write(half)
                 self.wfile.flush()
-                self._record(status, len(half))
                 self.close_connection = True
                 return
             self._send(status, data, headers, ctype="application/octet-stream")
