@@ -17,7 +17,7 @@ def test_every_recipe_plans(name, tiny_bf16, tmp_path):
 
     r = load_recipe(name)
     p = plan(QuantizeOptions(tiny_bf16, tmp_path / "o", r, samples=4, seq_len=256))  # what the builtin corpus gives
-    assert len(p.layers) == 8 and p.to_json()["memory"]["peak_ram_bytes_estimate"] > 0
+    assert len(p.layers) == 8 and p.to_json()["memory"]["need"]["host_bytes_per_rank"] > 0
     assert {lp.scheme for lp in p.layers} - {Scheme.BF16} == {r.quantized_scheme}
     if name == "qwen35-awq-int4":
         assert p.layers[0].scheme is Scheme.BF16

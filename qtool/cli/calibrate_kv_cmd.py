@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from qtool.cli.common import (
+    memory_line,
     add_output_flags,
     check_device,
     eprint,
@@ -39,6 +40,10 @@ def run(args) -> int:
     if bool(args.output) == bool(args.in_place):
         raise UsageError("say where to write: -o OUT or --in-place (one of them)")
     check_device(args.device)
+    if not args.dry_run:
+        from qtool.stream import warm_import
+
+        warm_import.start()  # transformers' decoder module, while the plan is made and the inputs hashed
     opts = calibrate_kv.CalibrateKvOptions(
         local_only(args.checkpoint) if args.in_place else (
             headers_checkpoint(args.checkpoint) if args.dry_run else local_checkpoint(args.checkpoint)),
@@ -77,8 +82,8 @@ def _print_plan(p: dict) -> None:
     print(f"  memory         one layer {human_bytes(m['max_layer_bytes'])} ({m['compute_dtype']}), "
           f"embedding {human_bytes(m['embed_bytes'])}, activations ~{human_bytes(m['activation_bytes'])} "
           f"({m['batch_windows']} windows/batch)")
-    print(f"                 peak RAM ~{human_bytes(m['peak_ram_bytes_estimate'])}; hidden states "
-          f"{human_bytes(m['hidden_bytes'])} x2 on disk in {p['work_dir']}")
+    print(f"                 hidden states {human_bytes(m['hidden_bytes'])} x2 on disk in {p['work_dir']}")
+    print(f"  peak memory    {memory_line(m['need'])}")
     for ch in p["config_changes"]:
         print(f"  config         {ch}")
     if p["replaces"]:

@@ -48,6 +48,18 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def memory_line(m: dict) -> str:
+    """One line for the plan printout from MemoryNeed.to_json()."""
+    per = f"host ~{human_bytes(m['host_bytes_per_rank'])}"
+    if m["gpu_bytes_per_rank"] is not None:
+        per += f", GPU ~{human_bytes(m['gpu_bytes_per_rank'])}"
+    if m["ranks"] > 1:
+        per += f" per rank x {m['ranks']}"
+    verdict = {True: "fits this machine", False: "does NOT fit: " + "; ".join(m["problems"]),
+               None: "fit unknown here (no limit readable for " + m["device"] + ")"}[m["fits"]]
+    return f"{per}; {verdict}"
+
+
 def eprint(*args) -> None:
     print(*args, file=sys.stderr)
 

@@ -7,7 +7,7 @@ reference written by --save-ref."""
 
 from __future__ import annotations
 
-from qtool.cli.common import add_json_flag, check_device, eprint, human_bytes, local_checkpoint, print_json
+from qtool.cli.common import add_json_flag, check_device, eprint, human_bytes, local_checkpoint, memory_line, print_json
 from qtool.errors import UsageError
 
 
@@ -54,6 +54,10 @@ def run(args) -> int:
     if args.what != "kld":
         raise UsageError("say what to evaluate: `qtool eval kld ...`")
     check_device(args.device)
+    if not args.dry_run:
+        from qtool.stream import warm_import
+
+        warm_import.start()  # transformers' decoder module, while the plan is made and the inputs hashed
     if args.test is None and not args.save_ref and not args.emit_windows:
         raise UsageError("nothing to do: give --test, --save-ref or --emit-windows")
     from qtool.ops.kld import RESULT_KEYS, KldOptions, run as kld_run
@@ -127,7 +131,7 @@ def _print_plan(rep) -> None:
             m = p["memory"]
             line += (f": one layer {human_bytes(m['max_layer_bytes'])}, final hidden states "
                      f"{human_bytes(m['hidden_bytes'])} ({'RAM' if m['hidden_in_ram'] else 'disk'}), "
-                     f"peak RAM ~{human_bytes(m['peak_ram_bytes_estimate'])}")
+                     f"peak {memory_line(m['need'])}")
         print(line)
 
 

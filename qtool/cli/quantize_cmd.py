@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from qtool.cli.common import (
+    memory_line,
     add_output_flags,
     check_device,
     eprint,
@@ -36,6 +37,10 @@ def run(args) -> int:
     from qtool.recipes import Backend, OutFormat, load_recipe
 
     check_device(args.device)
+    if not args.dry_run:
+        from qtool.stream import warm_import
+
+        warm_import.start()  # transformers' decoder module, while the plan is made and the inputs hashed
     recipe = load_recipe(args.recipe)
     opts = quantize.QuantizeOptions(
         headers_checkpoint(args.checkpoint) if args.dry_run else local_checkpoint(args.checkpoint),
@@ -61,7 +66,8 @@ def run(args) -> int:
     print(f"  calibration  {c['dataset']}: {c['samples']} x {c['seq_len']} tokens on {p['device']}"
           + dataset_supply(c))
     print(f"  memory       one layer {human_bytes(m['max_layer_bytes'])}, activations ~{human_bytes(m['activation_bytes'])}, "
-          f"peak RAM ~{human_bytes(m['peak_ram_bytes_estimate'])}; hidden states {human_bytes(m['hidden_bytes'])} x2 on disk")
+          f"hidden states {human_bytes(m['hidden_bytes'])} x3 on disk")
+    print(f"  peak memory  {memory_line(m['need'])}")
     print(f"  output       ~{human_bytes(p['output_bytes'])}")
     for w in p["warnings"]:
         print(f"  note         {w}")

@@ -213,16 +213,16 @@ class StreamPlan:
     hidden_bytes: int  # the calibration set's hidden states, one copy
     batch_windows: int
     activation_bytes: int  # rough per-micro-batch activation peak
+    seq_len: int = 0
+    stored_layer_bytes: list[int] = None  # each decoder layer's bytes as stored (what is read ahead)
 
     @property
     def max_layer_bytes(self) -> int:
         return max(self.layer_bytes) if self.layer_bytes else 0
 
-    def peak_bytes(self, *, hidden_in_ram: bool) -> int:
-        """Estimate: the embedding while the set is embedded, else one layer (plus one expert being
-        dequantized) + one micro-batch's activations (+ the hidden states when they live in RAM)."""
-        steady = self.max_layer_bytes + self.activation_bytes + (self.hidden_bytes if hidden_in_ram else 0)
-        return max(self.embed_bytes + (self.hidden_bytes if hidden_in_ram else 0), steady)
+    @property
+    def max_stored_layer_bytes(self) -> int:
+        return max(self.stored_layer_bytes) if self.stored_layer_bytes else 0
 
     def to_json(self) -> dict:
         return {
@@ -230,6 +230,7 @@ class StreamPlan:
             "hidden_size": self.hidden_size,
             "compute_dtype": self.compute_dtype,
             "max_layer_bytes": self.max_layer_bytes,
+            "max_stored_layer_bytes": self.max_stored_layer_bytes,
             "embed_bytes": self.embed_bytes,
             "hidden_bytes": self.hidden_bytes,
             "batch_windows": self.batch_windows,
@@ -294,21 +295,31 @@ class LayerStreamer:
         return [n for n in self.ckpt.tensors if n.startswith(p)]
 
     def layer_bytes(self, idx: int) -> int:
+        return self.layer_sizes()[0][idx]
+
+    def layer_sizes(self) -> tuple[list[int], list[int]]:
+        """Per decoder layer: (dense bytes in the compute dtype, bytes as stored: what is read), in one
+        pass over the modules (a 397B NVFP4 map has ~90k of them)."""
         from qtool.stream.dequant import dense_numel
 
         item = 4 if self.dtype_name == "float32" else 2
-        p = layer_prefix(idx, self.mm.naming)
-        total = 0
+        dense, stored = [0] * self.num_layers, [0] * self.num_layers
+        prefixes = [layer_prefix(i, self.mm.naming) for i in range(self.num_layers)]
         for mod in self.mm.modules.values():
-            if mod.layer == idx and not mod.is_mtp and mod.name.startswith(p) and mod.group is not Group.KV_SCALE:
-                total += dense_numel(mod) * item
-        return total
+            i = mod.layer
+            if (i is None or not 0 <= i < self.num_layers or mod.is_mtp or mod.group is Group.KV_SCALE
+                    or not mod.name.startswith(prefixes[i])):
+                continue
+            dense[i] += dense_numel(mod) * item
+            stored[i] += sum(t.nbytes for t in mod.params.values())
+        return dense, stored
 
     def plan(self, samples: int, seq_len: int, *, tokens_per_batch: int | None = None) -> StreamPlan:
         tc = self.text_cfg_dict
         item = 4 if self.dtype_name == "float32" else 2
         h = self.hidden_size
-        bw = self.batch_windows(seq_len, tokens_per_batch)
+        bw = min(max(1, samples), self.batch_windows(seq_len, tokens_per_batch))
+        dense, stored = self.layer_sizes()
         toks = bw * seq_len
         embed = self.ckpt.tensors.get(self.prefix + "embed_tokens.weight")
         inter = max(
@@ -317,17 +328,21 @@ class LayerStreamer:
             int(tc.get("num_experts", 1)),
             int(tc.get("shared_expert_intermediate_size", 0)) * 2,
         )
-        act = toks * (6 * h + 3 * inter) * 4  # a few float32 copies of the widest intermediates
+        # float32 copies of the widest intermediates; x2 fitted to the peaks measured on an H200 at the
+        # 397B's layer size (32k tokens a micro-batch: 48 GB calibrate-kv, 70 GB quantize; issue 13 notes)
+        act = toks * (6 * h + 3 * inter) * 4 * 2
         return StreamPlan(
             num_layers=self.num_layers,
             layer_types=list(self.mm.layer_types),
             hidden_size=h,
             compute_dtype=self.dtype_name,
-            layer_bytes=[self.layer_bytes(i) for i in range(self.num_layers)],
+            layer_bytes=dense,
             embed_bytes=(embed.numel * item) if embed is not None else 0,
             hidden_bytes=samples * seq_len * h * item,
             batch_windows=bw,
             activation_bytes=act,
+            seq_len=seq_len,
+            stored_layer_bytes=stored,
         )
 
     def batch_windows(self, seq_len: int, tokens_per_batch: int | None = None) -> int:
@@ -383,6 +398,9 @@ class LayerStreamer:
             read.close()  # what the layer keeps (views of BF16 weights) stays alive through it
         layer.load_state_dict(sd, strict=True, assign=True)
         del sd
+        from qtool.stream import experts
+
+        experts.install(layer.mlp.experts)  # eager math without a host sync per expert
         return layer.eval()
 
     def prefetch(self, idx: int) -> None:

@@ -46,3 +46,31 @@ def test_plan_counts_one_dense_layer(request):
     dense = sum(p.numel() * p.element_size() for p in layer.parameters())
     assert plan.layer_bytes[3] == dense
     assert plan.hidden_bytes == 4 * 64 * s.hidden_size * 2
+
+
+def test_routed_forward_is_transformers_eager_bit_for_bit():
+    """qtool.stream.experts drops eager's per-expert host sync, not its numerics: same output bytes,
+    and the recorder sees each expert's rows in eager's order (experts hit, missed, all top-k slots)."""
+    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeExperts
+
+    from qtool.stream import experts as routed
+
+    cfg = Qwen3_5MoeTextConfig(hidden_size=64, moe_intermediate_size=32, num_experts=24, num_experts_per_tok=4)
+    cfg._experts_implementation = "eager"
+    torch.manual_seed(0)
+    mod = Qwen3_5MoeExperts(cfg).to(torch.bfloat16)
+    for p in mod.parameters():
+        p.data.normal_(0, 0.05)
+    x = torch.randn(300, 64, dtype=torch.bfloat16)
+    idx = torch.stack([torch.randperm(20)[:4] for _ in range(300)])  # experts 20..23 never hit
+    w = torch.softmax(torch.randn(300, 4), -1).to(torch.bfloat16)
+    with torch.no_grad():
+        want = mod(x, idx, w)
+        seen = {}
+        got = routed.routed_forward(mod, x, idx, w, lambda e, cur, mid: seen.setdefault(e, cur.clone()))
+    assert torch.equal(got, want)
+    assert sorted(seen) == list(range(20))
+    mask = torch.nn.functional.one_hot(idx, 24).permute(2, 1, 0)
+    for e, cur in seen.items():
+        assert torch.equal(cur, x[torch.where(mask[e])[1]])

@@ -17,6 +17,7 @@ from qtool.errors import PlanError
 from qtool.io.in_place import in_place_partial
 from qtool.io.output import check_no_overlap, partial_path
 from qtool.io.checkpoint import Checkpoint
+from qtool.stream.memory_plan import need
 
 OUTLIER_RATIO = 10.0
 KV_SHARD = "model-kv-scales.safetensors"
@@ -84,6 +85,7 @@ class KvPlan:
     options: "CalibrateKvOptions | None" = None
     output: "OutputPlan | None" = None  # every output file (calibrate_kv.write.output_plan)
     calib: object = None  # the token windows (stream.calib_data.CalibSet), made by the plan
+    memory: object = None  # peak host/GPU need and fit (stream.memory_plan.MemoryNeed)
 
     def to_json(self) -> dict:
         sp = self.stream
@@ -105,7 +107,7 @@ class KvPlan:
             "work_dir": str(self.work_dir),
             "memory": {
                 **sp.to_json(),
-                "peak_ram_bytes_estimate": sp.peak_bytes(hidden_in_ram=False),
+                "need": self.memory.to_json(),
                 "hidden_disk_bytes": 2 * sp.hidden_bytes,
             },
             "warnings": self.warnings,
@@ -198,6 +200,9 @@ def plan(opts: CalibrateKvOptions) -> KvPlan:
     from qtool.stream.calib_data import plan_calibration
 
     p.calib = plan_calibration(ckpt, dataset, samples, seq_len)  # refused here if the data is too small
+    p.memory = need(sp, device=device)
+    if p.memory.warning():
+        p.warnings.append(p.memory.warning())
     p.output = output_plan(p)
     p.output.summary = p.to_json()
     return p

@@ -84,13 +84,19 @@ class CheckpointSource:
     def plan(self, windows: int, seq_len: int, chunk: int = 256) -> dict:
         """Memory of the in-process forward (headers only): one decoder layer + activations, the final
         hidden states (RAM or disk), one chunk of log-probs."""
+        from qtool.stream.memory_plan import need
+
         sp = self.streamer.plan(windows, seq_len)
         in_ram = sp.hidden_bytes <= self.ram_limit
         item = 4 if sp.compute_dtype == "float32" else 2
         # after the layers: lm_head + a chunk of logits/log-probs (float32, ~3 copies) of both sides
         head = self.vocab * sp.hidden_size * item + chunk * self.vocab * 4 * 3
-        peak = max(sp.peak_bytes(hidden_in_ram=in_ram), head + (sp.hidden_bytes if in_ram else 0))
-        return {**sp.to_json(), "hidden_in_ram": in_ram, "head_bytes": head, "peak_ram_bytes_estimate": peak}
+        m = need(sp, device=self.device, hidden_in_ram=in_ram)
+        if m.gpu_bytes is None:
+            m.host_bytes = max(m.host_bytes, head + (sp.hidden_bytes if in_ram else 0))
+        else:
+            m.gpu_bytes = max(m.gpu_bytes, head)
+        return {**sp.to_json(), "hidden_in_ram": in_ram, "head_bytes": head, "need": m.to_json()}
 
     def prepare(self, ids, *, progress=None) -> None:
         """Run all decoder layers over the windows `ids` [N, L]; keeps the final hidden states."""

@@ -41,9 +41,13 @@ class ExpertStats:
         return torch.cat(self.mid_rows[e])
 
     def record(self, e: int, x: torch.Tensor, mid: torch.Tensor) -> None:
+        """Called per expert hit: no host sync (the amaxes stay on x's device until `settle`)."""
+        if self.in_amax.device != x.device:
+            self.in_amax = self.in_amax.to(x.device)
+            self.mid_amax = self.mid_amax.to(x.device)
         self.tokens[e] += x.shape[0]
-        self.in_amax[e] = max(float(self.in_amax[e]), float(x.abs().amax().float()))
-        self.mid_amax[e] = max(float(self.mid_amax[e]), float(mid.abs().amax().float()))
+        torch.maximum(self.in_amax[e], x.abs().amax().float(), out=self.in_amax[e])
+        torch.maximum(self.mid_amax[e], mid.abs().amax().float(), out=self.mid_amax[e])
         room = self.keep_rows - self._kept[e]
         if room > 0:
             take = mid[:room].detach().float().cpu()
@@ -51,6 +55,11 @@ class ExpertStats:
             self._kept[e] += take.shape[0]
         for hook in self.hooks:
             hook(e, x, mid)
+
+    def settle(self) -> None:
+        """The layer's forward is done: the statistics to the host (one copy each)."""
+        self.in_amax = self.in_amax.cpu()
+        self.mid_amax = self.mid_amax.cpu()
 
     def to_json(self) -> dict:
         return {
@@ -62,32 +71,16 @@ class ExpertStats:
 
 
 def install_expert_stats(experts, stats: ExpertStats) -> None:
-    """Replace `experts.forward` (instance attribute) by the recording twin of transformers' loop."""
-    import torch.nn.functional as F
+    """Route the experts through qtool.stream.experts (transformers' eager math) recording the stats."""
+    from qtool.stream import experts as routed
 
-    def forward(hidden_states, top_k_index, top_k_weights):
-        for hook in stats.batch_hooks:
-            hook(hidden_states)
-        final = torch.zeros_like(hidden_states)
-        with torch.no_grad():
-            mask = F.one_hot(top_k_index, num_classes=experts.num_experts).permute(2, 1, 0)
-            hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
-        for idx in hit:
-            e = int(idx[0])
-            top_k_pos, token_idx = torch.where(mask[e])
-            cur = hidden_states[token_idx]
-            gate, up = F.linear(cur, experts.gate_up_proj[e]).chunk(2, dim=-1)
-            mid = experts.act_fn(gate) * up
-            stats.record(e, cur, mid)
-            out = F.linear(mid, experts.down_proj[e]) * top_k_weights[token_idx, top_k_pos, None]
-            final.index_add_(0, token_idx, out.to(final.dtype))
-        return final
-
-    experts.forward = forward
+    routed.install(experts, stats.record, stats.batch_hooks)
 
 
 def remove_expert_stats(experts) -> None:
-    experts.__dict__.pop("forward", None)
+    from qtool.stream import experts as routed
+
+    routed.install(experts)
 
 
 @dataclass

@@ -143,6 +143,7 @@ def _quantize_layers(p, partial, streamer, store, seq, batch, start, layer_repor
                 streamer.forward_layer(layer, store, seq, batch)
                 attention_tap(layer, None)
                 remove_expert_stats(layer.mlp.experts)
+                stats.settle()
                 if pending is not None:
                     pending.result()  # the previous layer is written and journaled (its error raised here)
                     pending = None

@@ -95,17 +95,22 @@ class QuantizePlan:
     options: "QuantizeOptions | None" = None
     output: object = None  # every output file: qtool.io.plan.OutputPlan (quantize.output.output_plan)
     calib: object = None  # the token windows (stream.calib_data.CalibSet); None with calib_ids
+    memory: object = None  # peak host/GPU need and fit (stream.memory_plan.MemoryNeed)
     int4_group: int = 128  # W4A16: the one group size of every expert projection (formats.awq.expert_group_size)
 
     @property
     def kv_names(self) -> str:
         return "modelopt" if self.format is OutFormat.MODELOPT else "compressed-tensors"
 
-    def peak_ram_bytes(self) -> int:
-        sp = self.stream
+    def memory_need(self):
+        """Peak host/GPU memory (qtool.stream.memory_plan): with qtool's own codec a finished layer is
+        quantized and written behind the next one, so two dense layers are held."""
+        from qtool.ops.quantize.backends import LAYER_BACKENDS
+        from qtool.stream.memory_plan import need
+
+        write_behind = self.backend not in LAYER_BACKENDS
         awq = self.n_experts * self.awq_rows * self.inter * 4
-        # + one layer's quantized output being assembled (at most the dense size of its experts / 3)
-        return sp.peak_bytes(hidden_in_ram=False) + awq + sp.max_layer_bytes // 3
+        return need(self.stream, device=self.device, held_layers=2 if write_behind else 1, extra_host=awq)
 
     def to_json(self) -> dict:
         sp = self.stream
@@ -126,8 +131,8 @@ class QuantizePlan:
                 "tokens": self.samples * self.seq_len},
             "device": self.device,
             "memory": {**sp.to_json(), "awq_activation_bytes": self.n_experts * self.awq_rows * self.inter * 4,
-                       "peak_ram_bytes_estimate": self.peak_ram_bytes(),
-                       "hidden_disk_bytes": 2 * sp.hidden_bytes},
+                       "need": self.memory.to_json(),
+                       "hidden_disk_bytes": 3 * sp.hidden_bytes},
             "warnings": self.warnings,
         }
 
@@ -339,5 +344,8 @@ def plan(opts: QuantizeOptions) -> QuantizePlan:
         p.warnings.append(f"the recipe {recipe.name} is meant to calibrate on {want['dataset']} "
                           f"({want['samples']} x {want['seq_len']} tokens); this run uses {dataset} "
                           f"({samples} x {seq_len}): pass --dataset/--samples/--seq-len for a real run")
+    p.memory = p.memory_need()
+    if p.memory.warning():
+        p.warnings.append(p.memory.warning())
     p.output = output_plan(p)
     return p

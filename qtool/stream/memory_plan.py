@@ -1,0 +1,113 @@
+"""What a layer-streamed job holds at its peak, in host RAM and on each GPU, and whether that fits the
+machine it is planned on (quantize, calibrate-kv and eval kld print it; `--dry-run` says fit or not).
+
+The model follows the pipeline of qtool.stream.layer_read / layer_stream (per rank process):
+- the layer being run, dense in the compute dtype (`held_layers` of them when a finished layer is still
+  being quantized and written behind the next one: quantize's write-behind holds two);
+- the next layer's stored bytes, read ahead (Prefetcher: one layer ahead);
+- one micro-batch's activations;
+- on CUDA, tensors live on the device; the host holds the pinned staging buffers (READERS x 2 x CHUNK),
+  the micro-batch of hidden states going to and from the store, and the embedding table while the
+  calibration set is embedded (host side, before layer 0);
+- on CPU all of it is host RAM.
+Op-specific extras (AWQ's kept activation rows, eval kld's lm_head phase) are passed in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class MemoryNeed:
+    device: str
+    ranks: int
+    host_bytes: int  # per rank process
+    gpu_bytes: int | None  # per GPU (one rank each); None on CPU
+    host_available: int | None = None  # MemAvailable of this machine
+    gpu_available: dict[str, int] = field(default_factory=dict)  # free bytes per device, where visible
+
+    @property
+    def problems(self) -> list[str]:
+        out = []
+        host = self.host_bytes * self.ranks
+        if self.host_available is not None and host > self.host_available:
+            each = f" ({self.ranks} ranks x {_gib(self.host_bytes)})" if self.ranks > 1 else ""
+            out.append(f"host RAM: needs ~{_gib(host)}{each}, {_gib(self.host_available)} available")
+        for dev, free in self.gpu_available.items():
+            if self.gpu_bytes is not None and self.gpu_bytes > free:
+                out.append(f"{dev}: needs ~{_gib(self.gpu_bytes)}, {_gib(free)} free")
+        return out
+
+    @property
+    def fits(self) -> bool | None:
+        """False when a known limit is exceeded; None when no limit could be read (e.g. no GPU here)."""
+        if self.problems:
+            return False
+        known = self.host_available is not None and (self.gpu_bytes is None or bool(self.gpu_available))
+        return True if known else None
+
+    def warning(self) -> str | None:
+        """For the plan's warnings (printed by a real run too, before hours are spent)."""
+        if not self.problems:
+            return None
+        return ("peak memory does not fit this machine: " + "; ".join(self.problems)
+                + " (fewer --samples / a shorter --seq-len shrink the activations; a GPU takes the layer off the host)")
+
+    def to_json(self) -> dict:
+        return {"device": self.device, "ranks": self.ranks, "host_bytes_per_rank": self.host_bytes,
+                "gpu_bytes_per_rank": self.gpu_bytes, "host_available": self.host_available,
+                "gpu_available": self.gpu_available, "fits": self.fits, "problems": self.problems}
+
+
+def need(sp, *, device: str, devices: list[str] | None = None, held_layers: int = 1, extra_host: int = 0,
+         hidden_in_ram: bool = False, ranks: int = 1) -> MemoryNeed:
+    """`sp`: layer_stream.StreamPlan. `devices`: the GPUs the ranks use (default: `device`)."""
+    from qtool.stream.layer_read import CHUNK, READERS
+
+    dense, stored = sp.max_layer_bytes, sp.max_stored_layer_bytes
+    item = 4 if sp.compute_dtype == "float32" else 2
+    hidden = sp.hidden_bytes if hidden_in_ram else 0
+    if device == "cpu":
+        steady = held_layers * dense + stored + sp.activation_bytes
+        host = max(sp.embed_bytes + stored, steady) + hidden + extra_host
+        gpu = None
+    else:
+        micro = 2 * sp.batch_windows * sp.seq_len * sp.hidden_size * item
+        host = READERS * 2 * CHUNK + max(sp.embed_bytes, micro) + hidden + extra_host
+        gpu = held_layers * dense + stored + sp.activation_bytes
+    return MemoryNeed(device, ranks, host, gpu, _host_available(),
+                      _gpu_free(devices or [device]) if gpu is not None else {})
+
+
+def _host_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _gpu_free(devices: list[str]) -> dict[str, int]:
+    """Free memory of each CUDA device named, where torch sees it (a dry run on another machine: none)."""
+    if not any(d.startswith("cuda") for d in devices):
+        return {}
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return {}
+        out = {}
+        for d in devices:
+            dev = torch.device(d)
+            out[d] = int(torch.cuda.mem_get_info(dev.index or 0)[0])
+        return out
+    except Exception:  # noqa: BLE001 -- a driver that will not answer leaves the fit unknown
+        return {}
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
