@@ -40,10 +40,6 @@ def run(args) -> int:
     if bool(args.output) == bool(args.in_place):
         raise UsageError("say where to write: -o OUT or --in-place (one of them)")
     check_device(args.device)
-    if not args.dry_run:
-        from qtool.stream import warm_import
-
-        warm_import.start()  # transformers' decoder module, while the plan is made and the inputs hashed
     opts = calibrate_kv.CalibrateKvOptions(
         local_only(args.checkpoint) if args.in_place else (
             headers_checkpoint(args.checkpoint) if args.dry_run else local_checkpoint(args.checkpoint)),

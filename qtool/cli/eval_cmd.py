@@ -7,7 +7,16 @@ reference written by --save-ref."""
 
 from __future__ import annotations
 
-from qtool.cli.common import add_json_flag, check_device, eprint, human_bytes, local_checkpoint, memory_line, print_json
+from qtool.cli.common import (
+    add_json_flag,
+    check_device,
+    eprint,
+    human_bytes,
+    local_checkpoint,
+    memory_line,
+    print_json,
+    run_command_line,
+)
 from qtool.errors import UsageError
 
 
@@ -54,10 +63,6 @@ def run(args) -> int:
     if args.what != "kld":
         raise UsageError("say what to evaluate: `qtool eval kld ...`")
     check_device(args.device)
-    if not args.dry_run:
-        from qtool.stream import warm_import
-
-        warm_import.start()  # transformers' decoder module, while the plan is made and the inputs hashed
     if args.test is None and not args.save_ref and not args.emit_windows:
         raise UsageError("nothing to do: give --test, --save-ref or --emit-windows")
     from qtool.ops.kld import RESULT_KEYS, KldOptions, run as kld_run
@@ -65,7 +70,7 @@ def run(args) -> int:
     opts = KldOptions(dataset=args.dataset, windows=args.windows, seq_len=args.seq_len, stride=args.stride,
                       device=args.device, tokenizer=args.tokenizer, chunk=args.chunk, topk=args.topk,
                       tail_samples=args.tail_samples, seed=args.seed, work_dir=args.work_dir,
-                      force=args.force)
+                      force=args.force, command=run_command_line())
     bars: dict = {}
     progress = None
     if not (args.quiet or args.json):

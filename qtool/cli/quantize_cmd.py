@@ -37,10 +37,6 @@ def run(args) -> int:
     from qtool.recipes import Backend, OutFormat, load_recipe
 
     check_device(args.device)
-    if not args.dry_run:
-        from qtool.stream import warm_import
-
-        warm_import.start()  # transformers' decoder module, while the plan is made and the inputs hashed
     recipe = load_recipe(args.recipe)
     opts = quantize.QuantizeOptions(
         headers_checkpoint(args.checkpoint) if args.dry_run else local_checkpoint(args.checkpoint),

@@ -272,6 +272,9 @@ class LayerStreamer:
     def hf_config(self):
         """transformers' Qwen3_5MoeTextConfig from the checkpoint's text config, attention = the tap."""
         if self._hf_config is None:
+            from qtool.stream import warm_import
+
+            warm_import.join()
             from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
 
             _register_tap()
@@ -367,6 +370,8 @@ class LayerStreamer:
 
     def position_embeddings(self, batch: int, seq_len: int):
         import torch
+
+        self.hf_config  # noqa: B018 -- after the background import (warm_import.join)
         from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTextRotaryEmbedding
 
         if self._rotary is None:
@@ -382,6 +387,8 @@ class LayerStreamer:
 
             self.clock["first_layer_start"] = time.time()
         import torch
+
+        cfg = self.hf_config  # after the background import (warm_import.join)
         from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeDecoderLayer
 
         from qtool.stream.dequant import layer_state_dict, layer_tensors
@@ -389,7 +396,7 @@ class LayerStreamer:
         from qtool.quiet import transformers_errors_only
 
         with torch.device("meta"), transformers_errors_only():
-            layer = Qwen3_5MoeDecoderLayer(self.hf_config, idx)
+            layer = Qwen3_5MoeDecoderLayer(cfg, idx)
         want = {n: (tuple(p.shape), p.dtype) for n, p in layer.state_dict().items()}
         read = self._reader.take(idx) or self._reader.read_now(layer_tensors(self.mm, idx))
         try:
@@ -407,8 +414,10 @@ class LayerStreamer:
         """Start reading layer `idx`'s bytes in the background (qtool.stream.layer_read): the next
         `load_layer(idx)` takes them instead of reading. A no-op past the last layer."""
         if 0 <= idx < self.num_layers:
+            from qtool.stream import warm_import
             from qtool.stream.dequant import layer_tensors
 
+            warm_import.start()  # transformers' decoder module, while this layer is read
             self._reader.start(idx, layer_tensors(self.mm, idx))
 
     def close(self) -> None:

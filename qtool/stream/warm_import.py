@@ -1,12 +1,14 @@
-"""Import transformers' Qwen3.5-MoE decoder module in the background while the command plans, hashes its
-inputs and reads the first layer.
+"""Import transformers' Qwen3.5-MoE decoder module in the background while a streamed job hashes its
+inputs, reads the first layer and embeds the calibration set.
 
 That import costs ~4-7 s (transformers pulls in torch.distributed.tensor, torch._dynamo and their
 custom ops; measured with `python -X importtime`), all before a streamed job can build its first
 layer. It is mostly Python work, but the disk reads, hashing and torch kernels that run meanwhile
-release the GIL, so it overlaps. The streamer's own `import` of the module simply waits for this one
-(Python's per-module import lock), so nothing else changes; an import error is left for that import to
-raise where the user sees it.
+release the GIL, so it overlaps. Started by the streamer's first read-ahead (execution, never planning:
+the plan's tokenizer import must not race it), and joined before the streamer touches transformers
+(`join()`): transformers swaps a lazy module into sys.modules while it initialises, so a second thread's
+`from transformers import X` does not wait on Python's import lock and can fail. An import error is
+left for the streamer's own import to raise where the user sees it.
 """
 
 from __future__ import annotations
@@ -35,3 +37,9 @@ def start() -> None:
 
     _started = threading.Thread(target=work, name="qtool-warm-import", daemon=True)
     _started.start()
+
+
+def join() -> None:
+    """Wait for a started background import (call before any transformers import in this process)."""
+    if _started is not None:
+        _started.join()

@@ -114,3 +114,23 @@ def test_tiny_models_compact_within_1pct(request, tmp_path):
     # other windows than the reference was saved with: refused
     with pytest.raises(PlanError, match="other token windows"):
         run(str(out), str(test), opts=KldOptions(windows=n, seq_len=seq, stride=5))
+
+
+def test_save_ref_again_with_force_replaces_it(request, tmp_path):
+    """`eval kld --ref CK --save-ref OUT --force` twice: the second run replaces the first's OUT (it
+    carries qtool's manifest, as every qtool output does); without --force it is refused, OUT intact."""
+    from qtool.cli.main import main
+    from qtool.io.manifest import read_manifest
+
+    ck = fixture_dir(request, "tiny_nvfp4_modelopt")
+    out = tmp_path / "ref"
+    argv = ["eval", "kld", "--ref", str(ck), "--save-ref", str(out), "--windows", "2", "--seq-len", "32", "--quiet"]
+    assert main(argv) == 0
+    m = read_manifest(out / "qtool-manifest.json")
+    assert m["operation"] == "eval-kld-save-ref" and "0.safetensors" in m["files"]
+    assert m["sources"]["ref"]["path"] == str(ck) and m["command"].startswith("qtool ")
+    first = (out / "0.safetensors").read_bytes()
+    assert main(argv) != 0  # exists, no --force
+    assert (out / "0.safetensors").read_bytes() == first
+    assert main([*argv, "--force", "--seed", "1"]) == 0
+    assert (out / "0.safetensors").read_bytes() != first

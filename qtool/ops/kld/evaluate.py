@@ -40,6 +40,7 @@ class KldOptions:
     seed: int = C.DEFAULT_SEED
     work_dir: str | None = None
     force: bool = False
+    command: str | None = None  # the command line, for the --save-ref output's manifest
 
 
 @dataclass
@@ -56,11 +57,12 @@ class KldReport:
     plan: dict | None = None
     seconds: float = 0.0
     warnings: list[str] = field(default_factory=list)
+    timing: dict = field(default_factory=dict)  # per streamed side: its layer clock (benchmarks)
 
     def to_json(self) -> dict:
         return {k: getattr(self, k) for k in ("result", "ref", "test", "windows", "seq_len", "stride",
                                               "token_digest", "emitted", "saved_ref", "plan", "seconds",
-                                              "warnings")}
+                                              "warnings", "timing")}
 
 
 def summarize(kl, top1, positions=None) -> dict:
@@ -213,10 +215,11 @@ def run(
         rep.test = _describe(t) if t is not None else None
         if dry_run:
             return rep
-        for s in srcs.values():
+        for role, s in srcs.items():
             if s.kind is Kind.CHECKPOINT:
                 s.prepare(ids, progress=(lambda i, s=s: progress(f"layers {s.path.name}", i + 1, s.streamer.num_layers))
                           if progress else None)
+                rep.timing[role] = s.streamer.clock
 
         # -- execute ----------------------------------------------------------------------------
         saver = _RefSaver(save_ref, o, r, rep) if save_ref else None
@@ -279,6 +282,7 @@ class _RefSaver:
 
         self.out = Path(out)
         self.o = o
+        self.src_path = getattr(src, "path", None)
         self.vocab = src.vocab
         self.tx = OutputDir(self.out, force=o.force).begin()
         self.partial = self.tx.partial
@@ -338,6 +342,16 @@ class _RefSaver:
             # The token windows themselves, so that a later --emit-windows / check can use them.
             save_file({"input_ids": self.ids.to(torch.int32).contiguous()}, str(self.partial / "tokens.safetensors"))
         write_json(self.partial / META, meta)
+        from qtool.io.manifest import write_manifest
+        from qtool.io.output import MANIFEST_NAME, output_files
+
+        # the one manifest schema (what lets a later --force replace this directory); the reference
+        # model's files are named, not hashed: its log-probs are the output, and re-reading 800 GB to
+        # hash them would double the job
+        write_manifest(self.partial / MANIFEST_NAME, kind="eval-kld-save-ref", command=self.o.command,
+                       sources={"ref": {"path": str(self.src_path), "files": {}}},
+                       summary={k: meta[k] for k in ("method", "windows", "seq_len", "token_digest", "tensor_bytes")},
+                       checks={}, files=output_files(self.partial))
         self.tx.commit()
         return {"path": str(self.out), **{k: meta[k] for k in ("method", "topk", "samples", "windows",
                                                                 "tensor_bytes", "full_float32_bytes", "size_ratio")}}

@@ -113,6 +113,7 @@ class CheckpointSource:
             self._tmp = tempfile.TemporaryDirectory(prefix="qtool-kld-", dir=base)
             self.store = DiskStore(Path(self._tmp.name), shape, s.dtype)
         batch = s.batch_windows(seq)
+        s.prefetch(0)  # the first layer is read while the windows are embedded
         s.embed_into(ids, self.store, batch)
         s.run(self.store, seq, batch=batch, progress=progress)
         self.windows = n
