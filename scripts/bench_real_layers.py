@@ -247,9 +247,10 @@ def main() -> int:
     print(f"checkpoint {src}: {sum(f.stat().st_size for f in shard_files(src)) / 1e9:.1f} GB, {layers} layers "
           f"(built in {time.perf_counter() - t0:.0f} s)", flush=True)
     # bytecode: pip compiles an installed package's .py files; the GPU machine's image ships without .pyc
-    # and a read-only site-packages, so each job would compile transformers anew (~7 s). Compile once,
+    # and sets PYTHONDONTWRITEBYTECODE, so each job would compile transformers anew (~7 s). Compile once,
     # into a cache of our own, before timing anything.
     os.environ["PYTHONPYCACHEPREFIX"] = str(w / "pycache")
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)  # set on these machines: no cache would ever be written
     subprocess.run([sys.executable, "-c", "import qtool.cli.main, qtool.ops.quantize, qtool.ops.calibrate_kv, "
                     "qtool.ops.kld, transformers.models.qwen3_5_moe.modeling_qwen3_5_moe"], check=True,
                    env={**os.environ, "PYTHONPATH": str(ROOT)})

@@ -197,7 +197,7 @@ def test_bf16_dry_run_and_cli(request, tmp_path, capsys):
     out = tmp_path / "o"
     assert main(["calibrate-kv", str(src), "-o", str(out), "--samples", "2", "--seq-len", "32", "--dry-run"]) == 0
     text = capsys.readouterr().out
-    assert "peak RAM" in text and "[3, 7]" in text and not out.exists()
+    assert "peak memory    host ~" in text and "fits this machine" in text and "[3, 7]" in text and not out.exists()
     assert main(["calibrate-kv", str(src), "-o", str(out), "--samples", "2", "--seq-len", "32", "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)
     assert [s["layer"] for s in rep["layers"]] == [3, 7]
