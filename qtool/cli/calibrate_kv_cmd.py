@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from qtool.cli.common import (
+    add_parallel_flags,
     memory_line,
     add_output_flags,
     check_device,
@@ -32,6 +33,7 @@ def add_arguments(p) -> None:
     p.add_argument("--replace-scales", action="store_true", help="replace the KV scales the checkpoint already has")
     add_output_flags(p, output="optional",
                      output_help="write a new checkpoint directory (unchanged shards linked, never written through)")
+    add_parallel_flags(p)
 
 
 def run(args) -> int:
@@ -44,7 +46,8 @@ def run(args) -> int:
         local_only(args.checkpoint) if args.in_place else (
             headers_checkpoint(args.checkpoint) if args.dry_run else local_checkpoint(args.checkpoint)),
         out=args.output, dataset=args.dataset, samples=args.samples, seq_len=args.seq_len, device=args.device,
-        replace_scales=args.replace_scales, force=args.force, resume=args.resume, command=run_command_line())
+        replace_scales=args.replace_scales, force=args.force, resume=args.resume, command=run_command_line(),
+        batch_tokens=args.batch_tokens)
     rep = plan_then_execute(calibrate_kv, opts, args)
     if args.json:
         print_json(rep)

@@ -29,6 +29,17 @@ def add_output_flags(parser, *, output: str = "required", resume: bool = True, o
     add_json_flag(parser)
 
 
+def add_parallel_flags(parser) -> None:
+    """The data-parallel flags of the layer-streamed commands (quantize, calibrate-kv, eval kld), one
+    meaning each (qtool.dist): ranks over the calibration windows, and the micro-batch they share."""
+    parser.add_argument("--nproc", type=int, default=None, metavar="N",
+                        help="run N ranks (processes) over the windows: gloo on CPU, one GPU each with --device cuda")
+    parser.add_argument("--devices", default=None, metavar="LIST",
+                        help="one rank per device, e.g. cuda:0,cuda:1,cuda:2,cuda:3 (NCCL + gloo)")
+    parser.add_argument("--batch-tokens", type=int, default=None, metavar="T",
+                        help="tokens per micro-batch (default 4096 on CPU, 32768 on GPU); the unit the ranks share")
+
+
 def run_command_line() -> str:
     """This process's qtool command line for a manifest, secrets redacted (qtool.io.manifest)."""
     from qtool.io.manifest import command_line

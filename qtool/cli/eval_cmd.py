@@ -8,6 +8,7 @@ reference written by --save-ref."""
 from __future__ import annotations
 
 from qtool.cli.common import (
+    add_parallel_flags,
     add_json_flag,
     check_device,
     eprint,
@@ -48,6 +49,7 @@ def add_arguments(p) -> None:
                    help="check the inputs, make the windows, print the plan (memory per model); run nothing")
     k.add_argument("--quiet", action="store_true", help="no progress bars")
     add_json_flag(k)
+    add_parallel_flags(k)
 
 
 def add_window_flags(k) -> None:

@@ -85,6 +85,38 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _parallel(args, argv: list[str]) -> int | None:
+    """`--nproc` / `--devices`: start the ranks here (qtool.dist.launch) and return the run's exit code; in a
+    rank (WORLD_SIZE set by the launch or torchrun), take this rank's device and quiet its output. None:
+    run the command in this process."""
+    if not hasattr(args, "nproc"):
+        return None
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        devices = [d for d in os.environ.get("QTOOL_DEVICES", "").split(",") if d]
+        local = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
+        if devices:
+            args.device = devices[local]
+        elif args.device.startswith("cuda") and ":" not in args.device:
+            args.device = f"cuda:{local}"  # torchrun: one GPU per local rank
+        if int(os.environ.get("RANK", "0")) > 0:
+            # rank 0 speaks for the run; the others' reports go to their (discarded) stdout as JSON, and
+            # their errors still reach stderr (main() chose the error format before this)
+            args.quiet = True
+            args.json = True
+        return None
+    from qtool.dist.launch import rank_devices, spawn
+
+    devices = rank_devices(args.nproc, args.devices, args.device)
+    if len(devices) == 1:
+        args.device = devices[0]
+        return None
+    if getattr(args, "dry_run", False):
+        os.environ["QTOOL_PLANNED_RANKS"] = str(len(devices))  # the plan's memory is per rank
+        return None
+    return spawn(argv, devices)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # Only the chosen command's module is imported, so `--help` stays cheap.
@@ -99,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     # expected when qtool runs decoder layers one at a time; it reads this variable at import time.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     try:
+        launched = _parallel(args, argv)
+        if launched is not None:
+            return launched
         return int(_load(args.command).run(args) or 0)
     except QtoolError as e:
         if os.environ.get("QTOOL_DEBUG"):

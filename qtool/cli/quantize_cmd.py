@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from qtool.cli.common import (
+    add_parallel_flags,
     memory_line,
     add_output_flags,
     check_device,
@@ -30,6 +31,7 @@ def add_arguments(p) -> None:
     p.add_argument("--seq-len", type=int, default=512, help="tokens per window (default 512)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     add_output_flags(p)
+    add_parallel_flags(p)
 
 
 def run(args) -> int:
@@ -44,7 +46,7 @@ def run(args) -> int:
         backend=Backend(args.backend) if args.backend else None,
         format=OutFormat(args.format) if args.format else None,
         dataset=args.dataset, samples=args.samples, seq_len=args.seq_len, device=args.device,
-        resume=args.resume, force=args.force, command=run_command_line())
+        resume=args.resume, force=args.force, command=run_command_line(), batch_tokens=args.batch_tokens)
     rep = plan_then_execute(quantize, opts, args)
     if args.json:
         print_json(rep)

@@ -253,7 +253,12 @@ class StreamPlan:
 class LayerStreamer:
     """Streams a checkpoint's text decoder layers. Construct from a Checkpoint or path."""
 
-    def __init__(self, ckpt: Checkpoint | str | Path, *, device: str = "cpu", dtype: str | None = None):
+    def __init__(self, ckpt: Checkpoint | str | Path, *, device: str = "cpu", dtype: str | None = None,
+                 batch_tokens: int | None = None):
+        from qtool import dist
+
+        self.group = dist.current()  # data parallel: this rank computes its share of the micro-batches
+        self.batch_tokens = batch_tokens  # tokens per micro-batch (default: 4096 on CPU, 32768 on GPU)
         self.ckpt = ckpt if isinstance(ckpt, Checkpoint) else Checkpoint.open(ckpt, require_config=True)
         self.mm: ModelMap = build_map(self.ckpt)
         tc = self.ckpt.text_config
@@ -361,6 +366,7 @@ class LayerStreamer:
         )
 
     def batch_windows(self, seq_len: int, tokens_per_batch: int | None = None) -> int:
+        tokens_per_batch = tokens_per_batch or self.batch_tokens
         if tokens_per_batch is None:
             tokens_per_batch = 4096 if self.device == "cpu" else 32768
         return max(1, tokens_per_batch // seq_len)
@@ -371,14 +377,20 @@ class LayerStreamer:
         from qtool.stream.dequant import load_param
 
         w = load_param(self.mm, self.prefix + "embed_tokens.weight", self.dtype)
-        for b0 in range(0, ids.shape[0], batch):
-            b1 = min(ids.shape[0], b0 + batch)
+        for b0, b1 in self.my_batches(ids.shape[0], batch):
             x = w[ids[b0:b1]]
             if isinstance(store, DiskStore):
                 store.write_current(b0, b1, x)
             else:
                 store.write(b0, b1, x)
         del w
+        self.group.barrier()  # every rank's windows are in the store before the journal says layer 0
+
+    def my_batches(self, n: int, batch: int) -> list[tuple[int, int]]:
+        """The window ranges [b0, b1) of the micro-batches this rank computes (all of them alone): the
+        same micro-batches whatever the number of ranks (qtool.dist)."""
+        spans = [(b0, min(n, b0 + batch)) for b0 in range(0, n, batch)]
+        return [spans[k] for k in self.group.mine(len(spans))]
 
     def position_embeddings(self, batch: int, seq_len: int):
         import torch
@@ -435,20 +447,24 @@ class LayerStreamer:
     def close(self) -> None:
         self._reader.close()
 
-    def forward_layer(self, layer, store: HiddenStore, seq_len: int, batch: int) -> None:
+    def forward_layer(self, layer, store: HiddenStore, seq_len: int, batch: int,
+                      on_batch: Callable[[int], None] | None = None) -> None:
+        """Run this rank's micro-batches through `layer`; on_batch(b0) before each (AWQ keeps rows in
+        window order). Returns once every rank's outputs of the layer are committed."""
         import torch
 
-        n = store.shape[0]
         pe = {}
         with torch.inference_mode():
-            for b0 in range(0, n, batch):
-                b1 = min(n, b0 + batch)
+            for b0, b1 in self.my_batches(store.shape[0], batch):
+                if on_batch is not None:
+                    on_batch(b0)
                 x = store.read(b0, b1).to(self.device, self.dtype)
                 if (b1 - b0) not in pe:
                     pe[b1 - b0] = self.position_embeddings(b1 - b0, seq_len)
                 y = layer(x, position_embeddings=pe[b1 - b0], attention_mask=None)
                 store.write(b0, b1, y)
         store.commit()
+        self.group.barrier()  # a journal written after this point finds every rank's windows durable
 
     def run(
         self,

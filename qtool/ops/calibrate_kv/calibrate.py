@@ -49,7 +49,8 @@ def _scale(amax: float) -> float:
 
 
 class _KvHooks:
-    def __init__(self, layers, on_done):
+    def __init__(self, layers, on_done, group):
+        self.group = group
         self.layers = set(layers)
         self.stats: dict[int, LayerStat] = {}
         self.on_done = on_done
@@ -66,7 +67,21 @@ class _KvHooks:
         from qtool.stream.layer_stream import attention_tap
 
         attention_tap(layer, None)
+        if idx in self.layers:
+            reduce_kv(self.stats[idx], self.group)
         self.on_done(idx)
+
+
+def reduce_kv(st, group) -> None:
+    """`st` (k_amax, v_amax, tokens) over all ranks, exactly: max of the amaxes (float64 holds each
+    float32 amax exactly), sum of the tokens."""
+    if group.world == 1:
+        return
+    import torch
+
+    amax = group.max_(torch.tensor([st.k_amax, st.v_amax], dtype=torch.float64))
+    st.k_amax, st.v_amax = float(amax[0]), float(amax[1])
+    st.tokens = int(group.sum_(torch.tensor([st.tokens], dtype=torch.int64))[0])
 
 
 def _journal_key(p: KvPlan, digest: str, dtype: str) -> str:
@@ -95,10 +110,16 @@ def calibrate(
     from qtool.stream.calib_data import token_digest
     from qtool.stream.layer_stream import DiskStore, LayerStreamer, MemoryStore
 
-    streamer = LayerStreamer(p.ckpt, device=p.device, dtype=dtype)
+    opts = p.options
+    streamer = LayerStreamer(p.ckpt, device=p.device, dtype=dtype or (opts.dtype if opts else None),
+                             batch_tokens=opts.batch_tokens if opts else None)
+    g = streamer.group
     n, seq = int(ids.shape[0]), int(ids.shape[1])
     shape = (n, seq, streamer.hidden_size)
-    key = _journal_key(p, token_digest(ids), streamer.dtype_name)
+    batch = streamer.batch_windows(seq)
+    key = _journal_key(p, token_digest(ids), f"{streamer.dtype_name}|{batch}")
+    g.barrier()  # rank 0 has opened the output transaction (its work dir exists from here on)
+    g.agree("the calibration job (inputs, data, settings)", key)
     p.work_dir.mkdir(parents=True, exist_ok=True)
     jpath = p.work_dir / JOURNAL
     journal = None
@@ -110,6 +131,7 @@ def calibrate(
                 path=jpath,
                 hint="run again without --resume to start over",
             )
+    g.barrier()  # every rank has read the journal before rank 0 writes the next one
     start = 0
     stats: dict[int, LayerStat] = {}
     if journal:
@@ -122,16 +144,15 @@ def calibrate(
         if start:
             raise PlanError("--resume needs the hidden states on disk")
         store = MemoryStore.empty(shape, streamer.dtype)
-    batch = streamer.batch_windows(seq)
     t0 = time.perf_counter()
 
     def save(next_layer: int):
-        if hidden != "disk":
+        if hidden != "disk" or not g.leader:
             return
         write_json(jpath, {"key": key, "next_layer": next_layer, "current": store.current,
                            "stats": [s.to_json() for s in sorted(hooks.stats.values(), key=lambda s: s.layer)]})
 
-    hooks = _KvHooks(p.layers, lambda idx: save(idx + 1))
+    hooks = _KvHooks(p.layers, lambda idx: save(idx + 1), g)
     hooks.stats.update(stats)
     streamer.prefetch(start)  # the first layer is read while the embeddings are made
     if start == 0:

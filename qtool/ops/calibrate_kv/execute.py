@@ -31,6 +31,12 @@ def execute(p: KvPlan, *, progress=None) -> Report:
         if not torch.cuda.is_available():
             raise UsageError("--device cuda but no CUDA device is available", hint="use --device cpu")
     calib = p.calib
+    from qtool import dist
+
+    if not dist.current().leader:  # a data-parallel rank: its share of the forward; rank 0 writes
+        stats, timing = calibrate(p, calib.ids, resume=opts.resume)
+        return Report({**report, "rank": dist.current().rank, "layers": [stats[i].to_json() for i in p.layers],
+                       "timing": timing})
     # the transaction (lock, writability, the --force rules) is taken before the forward pass
     tx = (OutputDir(p.out, sources=[p.ckpt.root], force=opts.force, resume=opts.resume) if p.out is not None
           else InPlaceDir(p.ckpt.root, resume=opts.resume))

@@ -138,6 +138,7 @@ class CalibrateKvOptions:
     resume: bool = False
     command: str | None = None  # recorded in the manifest (secrets redacted by the caller)
     dtype: str | None = None  # compute dtype (default: the layer streamer's)
+    batch_tokens: int | None = None  # tokens per micro-batch (default: the layer streamer's)
 
 
 def plan(opts: CalibrateKvOptions) -> KvPlan:
@@ -146,7 +147,7 @@ def plan(opts: CalibrateKvOptions) -> KvPlan:
     out, samples, seq_len, dataset, device = opts.out, opts.samples, opts.seq_len, opts.dataset, opts.device
     replace_scales, dtype = opts.replace_scales, opts.dtype
     ckpt = Checkpoint.open(opts.checkpoint, require_config=True)
-    streamer = LayerStreamer(ckpt, device=device, dtype=dtype)
+    streamer = LayerStreamer(ckpt, device=device, dtype=dtype, batch_tokens=opts.batch_tokens)
     mm = streamer.mm
     layers = list(mm.full_attention)
     if not layers:
@@ -200,11 +201,14 @@ def plan(opts: CalibrateKvOptions) -> KvPlan:
     from qtool.stream.calib_data import plan_calibration
 
     p.calib = plan_calibration(ckpt, dataset, samples, seq_len)  # refused here if the data is too small
-    p.memory = need(sp, device=device)
+    from qtool.dist import planned_ranks
+
+    p.memory = need(sp, device=device, ranks=planned_ranks())
     if p.memory.warning():
         p.warnings.append(p.memory.warning())
     p.output = output_plan(p)
     p.output.summary = p.to_json()
+    p.output.summary["memory"].pop("need")  # this machine's free memory: the run's report, not the artifact's record
     return p
 
 

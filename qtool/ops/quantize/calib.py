@@ -33,7 +33,13 @@ class ExpertStats:
         self.in_amax = torch.zeros(e, dtype=torch.float32)
         self.mid_amax = torch.zeros(e, dtype=torch.float32)
         self.mid_rows = [[] for _ in range(e)]
+        self._row_batches = [[] for _ in range(e)]  # the micro-batch (first window) of each kept piece
         self._kept = [0] * e
+        self.batch = 0  # the micro-batch being run (LayerStreamer.forward_layer's on_batch)
+        self.searched: dict | None = None  # AWQ scales searched over ranks (qtool.ops.quantize.layer)
+
+    def set_batch(self, b0: int) -> None:
+        self.batch = b0
 
     def rows(self, e: int) -> torch.Tensor:
         if not self.mid_rows[e]:
@@ -52,6 +58,7 @@ class ExpertStats:
         if room > 0:
             take = mid[:room].detach().float().cpu()
             self.mid_rows[e].append(take)
+            self._row_batches[e].append(self.batch)
             self._kept[e] += take.shape[0]
         for hook in self.hooks:
             hook(e, x, mid)
@@ -68,6 +75,27 @@ class ExpertStats:
             "gate_up_input_amax": float(self.in_amax.max()),
             "down_input_amax": float(self.mid_amax.max()),
         }
+
+
+def reduce_expert_stats(stats: ExpertStats, group) -> None:
+    """The layer's statistics over all ranks, exactly as one process gathers them: token counts summed,
+    amaxes maxed, and the AWQ rows of each expert merged in window order and cut to keep_rows (each
+    rank kept the first keep_rows of its own windows, which holds every row of the merged first ones)."""
+    if group.world == 1:
+        return
+    group.sum_(stats.tokens)
+    group.max_(stats.in_amax)
+    group.max_(stats.mid_amax)
+    if not stats.keep_rows:
+        return
+    mine = [list(zip(stats._row_batches[e], stats.mid_rows[e])) for e in range(stats.n_experts)]
+    every = group.gather(mine)
+    for e in range(stats.n_experts):
+        pieces = sorted(((b, t) for rank in every for b, t in rank[e]), key=lambda bt: bt[0])
+        if pieces:
+            rows = torch.cat([t for _, t in pieces])[:stats.keep_rows]
+            stats.mid_rows[e], stats._row_batches[e] = [rows], [0]
+            stats._kept[e] = rows.shape[0]
 
 
 def install_expert_stats(experts, stats: ExpertStats) -> None:

@@ -50,9 +50,15 @@ def calibrate_and_write(p: QuantizePlan, partial: Path, ids, *, resume: bool, pr
     from qtool.stream.calib_data import token_digest
     from qtool.stream.layer_stream import DiskStore, LayerStreamer
 
+    streamer = LayerStreamer(p.ckpt, device=p.device, batch_tokens=p.options.batch_tokens if p.options else None)
+    g = streamer.group
+    n, seq = int(ids.shape[0]), int(ids.shape[1])
+    batch = streamer.batch_windows(seq)
+    key = _journal_key(p, f"{token_digest(ids)}|{batch}")
+    g.barrier()  # rank 0 has opened the output transaction (OUT.partial exists from here on)
+    g.agree("the quantize job (source, recipe, data, flags)", key)
     work = partial / WORK
     work.mkdir(parents=True, exist_ok=True)
-    key = _journal_key(p, token_digest(ids))
     jpath = work / JOURNAL
     journal = None
     if resume and jpath.exists():
@@ -60,16 +66,16 @@ def calibrate_and_write(p: QuantizePlan, partial: Path, ids, *, resume: bool, pr
         if journal.get("key") != key:
             raise PlanError("--resume: the journal was written for other inputs (source, recipe, data or flags)",
                             path=jpath, hint="run again without --resume to start over")
-    streamer = LayerStreamer(p.ckpt, device=p.device)
-    n, seq = int(ids.shape[0]), int(ids.shape[1])
+    g.barrier()  # every rank has read the journal before rank 0 writes the next one
     # three files: with write-behind the journal may lag one layer behind the forward (_quantize_layers)
     store = DiskStore(work, (n, seq, streamer.hidden_size), streamer.dtype,
                       current=(journal or {}).get("current", "a"), files=3)
-    batch = streamer.batch_windows(seq)
     start = int((journal or {}).get("next_layer", 0))
     layer_reports: list[dict] = list((journal or {}).get("layers", []))
 
     def save(next_layer: int, current: str) -> None:
+        if not g.leader:
+            return  # rank 0 keeps the journal
         write_json(jpath, {"key": key, "next_layer": next_layer, "current": current, "layers": layer_reports})
 
     if start < len(p.layers):
@@ -96,9 +102,13 @@ def _quantize_layers(p, partial, streamer, store, seq, batch, start, layer_repor
 
     import torch
 
-    from qtool.ops.quantize.calib import ExpertStats, KvStat, install_expert_stats, remove_expert_stats
-    from qtool.ops.quantize.layer import write_layer_shard
+    from qtool.ops.calibrate_kv.calibrate import reduce_kv
+    from qtool.ops.quantize.calib import (ExpertStats, KvStat, install_expert_stats, reduce_expert_stats,
+                                          remove_expert_stats)
+    from qtool.ops.quantize.layer import search_awq_over_ranks, write_layer_shard
     from qtool.stream.layer_stream import attention_tap, kv_amax_tap
+
+    g = streamer.group
 
     def finish(lp, layer, stats, kv, backend, current) -> None:
         with torch.no_grad():
@@ -140,10 +150,17 @@ def _quantize_layers(p, partial, streamer, store, seq, batch, start, layer_repor
                 install_expert_stats(layer.mlp.experts, stats)
                 if lp.full_attention:
                     attention_tap(layer, kv_amax_tap(kv))
-                streamer.forward_layer(layer, store, seq, batch)
+                streamer.forward_layer(layer, store, seq, batch, on_batch=stats.set_batch)
                 attention_tap(layer, None)
                 remove_expert_stats(layer.mlp.experts)
                 stats.settle()
+                reduce_expert_stats(stats, g)  # data parallel: every rank now holds the whole layer's stats
+                reduce_kv(kv, g)
+                if g.world > 1 and lp.scheme is Scheme.W4A16 and p.recipe.int4.awq:
+                    search_awq_over_ranks(layer, stats, p, g)  # here: collectives stay on this thread
+                if not g.leader:
+                    del layer, backend
+                    continue  # rank 0 quantizes and writes the layer
                 if pending is not None:
                     pending.result()  # the previous layer is written and journaled (its error raised here)
                     pending = None
@@ -181,6 +198,13 @@ def execute(p: QuantizePlan, *, progress=None) -> Report:
 
         ids = opts.calib_ids
         report["calibration"] = {"dataset": "ids", "digest": token_digest(ids), "tokens": int(ids.numel())}
+    from qtool import dist
+
+    if not dist.current().leader:  # a data-parallel rank: its share of the forward; rank 0 writes
+        from qtool.io.output import partial_path
+
+        report.update(calibrate_and_write(p, partial_path(p.out), ids, resume=opts.resume), rank=dist.current().rank)
+        return Report(report)
     from qtool.io.apply import write_output
 
     def produce(done) -> None:

@@ -113,14 +113,14 @@ def _int4_expert_chunk(gu, down, inter, stats, e0, recipe, fmt, report, g: int) 
     from qtool.formats import awq
     from qtool.ops.quantize.awq_search import awq_down_scales, rtn
 
-    # scales are rounded to the stored dtype before the codes are computed (stored scales and codes agree)
-    sdt = torch.float16 if fmt is OutFormat.AWQ else torch.bfloat16
+    sdt = _int4_scale_dtype(fmt)
     res: dict[str, list] = {p: [] for p in ("down_proj", "gate_proj", "up_proj")}
     for k in range(gu.shape[0]):
         e = e0 + k
         gate, up, dn = gu[k, :inter], gu[k, inter:], down[k]
         if recipe.int4.awq and stats is not None:
-            s, alpha, mse, rtn_mse = awq_down_scales(stats.rows(e), dn, g, recipe.int4.awq_grid, sdt)
+            s, alpha, mse, rtn_mse = (stats.searched[e] if stats.searched is not None
+                                      else awq_down_scales(stats.rows(e), dn, g, recipe.int4.awq_grid, sdt))
             # fold: down columns * s, up rows / s (exact in real arithmetic)
             dn = (dn.float() * s).to(dn.dtype)
             up = (up.float() / s.unsqueeze(-1)).to(up.dtype)
@@ -134,6 +134,25 @@ def _int4_expert_chunk(gu, down, inter, stats, e0, recipe, fmt, report, g: int) 
                 t = awq.to_awq(q)
                 res[part].append([_b(t["qweight"]), _b(t["qzeros"]), _b(t["scales"])])
     return res
+
+
+def _int4_scale_dtype(fmt: OutFormat) -> torch.dtype:
+    """INT4 scales are rounded to the stored dtype before the codes are computed (stored scales and
+    codes agree): float16 in AutoAWQ's form, bfloat16 in compressed-tensors'."""
+    return torch.float16 if fmt is OutFormat.AWQ else torch.bfloat16
+
+
+def search_awq_over_ranks(layer, stats, p, group) -> None:
+    """AWQ's down_proj scale search (the compute-bound part of W4A16) split over the ranks by expert
+    (expert e on rank e % world) and gathered into `stats.searched` on every rank; the same function on
+    the same rows and weights as one process runs, so the result does not depend on the rank count."""
+    from qtool.ops.quantize.awq_search import awq_down_scales
+
+    down = layer.mlp.experts.down_proj.data
+    sdt = _int4_scale_dtype(p.format)
+    mine = {e: awq_down_scales(stats.rows(e), down[e], p.int4_group, p.recipe.int4.awq_grid, sdt)
+            for e in range(group.rank, p.n_experts, group.world)}
+    stats.searched = {e: r for part in group.gather(mine) for e, r in part.items()}
 
 
 def write_layer_shard(path: Path, lp, layer, stats, kv, p, backend=None, mode: int = 0o644) -> dict:

@@ -110,7 +110,10 @@ class QuantizePlan:
 
         write_behind = self.backend not in LAYER_BACKENDS
         awq = self.n_experts * self.awq_rows * self.inter * 4
-        return need(self.stream, device=self.device, held_layers=2 if write_behind else 1, extra_host=awq)
+        from qtool.dist import planned_ranks
+
+        return need(self.stream, device=self.device, held_layers=2 if write_behind else 1, extra_host=awq,
+                    ranks=planned_ranks())
 
     def to_json(self) -> dict:
         sp = self.stream
@@ -215,6 +218,7 @@ class QuantizeOptions:
     resume: bool = False
     command: str | None = None
     calib_ids: object = None  # [N, L] token ids instead of dataset/samples/seq_len (library use)
+    batch_tokens: int | None = None  # tokens per micro-batch (default: the layer streamer's)
 
     def __post_init__(self) -> None:
         # the values a build recipe's `with` (or a caller) gives as text become their types here
@@ -241,7 +245,7 @@ def plan(opts: QuantizeOptions) -> QuantizePlan:
     backend = opts.backend or recipe.backend
     fmt = opts.format or recipe.format
     ckpt = Checkpoint.open(opts.checkpoint, require_config=True)
-    streamer = LayerStreamer(ckpt, device=device)
+    streamer = LayerStreamer(ckpt, device=device, batch_tokens=opts.batch_tokens)
     mm = streamer.mm
     outp = Path(out)
     check_no_overlap(outp, [ckpt.root])
@@ -257,6 +261,11 @@ def plan(opts: QuantizeOptions) -> QuantizePlan:
         raise UsageError("--backend modelopt with an MSE recipe needs a CUDA device (ModelOpt's static "
                          "NVFP4 fake-quant, used by its MSE calibration, is a Triton kernel)",
                          hint="use --device cuda, or --backend rtn / llmcompressor for MSE weight scales on CPU")
+    from qtool.dist import planned_ranks
+
+    if backend is not Backend.RTN and planned_ranks() > 1:
+        raise UsageError(f"--backend {backend.value} runs in one process (the peer library's calibration state is "
+                         "not reduced over ranks)", hint="use --backend rtn with --nproc/--devices, or one process")
     if backend is not Backend.RTN and scheme is not Scheme.NVFP4:
         raise UsageError(f"--backend {backend.value} drives the peer's NVFP4 calibration only", got=scheme.value,
                          hint="use --backend rtn for W4A16 recipes (qtool's AWQ search + INT4 codec)")
