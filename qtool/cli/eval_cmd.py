@@ -72,7 +72,8 @@ def run(args) -> int:
     opts = KldOptions(dataset=args.dataset, windows=args.windows, seq_len=args.seq_len, stride=args.stride,
                       device=args.device, tokenizer=args.tokenizer, chunk=args.chunk, topk=args.topk,
                       tail_samples=args.tail_samples, seed=args.seed, work_dir=args.work_dir,
-                      force=args.force, command=run_command_line())
+                      force=args.force, command=run_command_line(),
+                      batch_tokens=args.batch_tokens)
     bars: dict = {}
     progress = None
     if not (args.quiet or args.json):

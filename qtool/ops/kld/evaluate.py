@@ -41,6 +41,7 @@ class KldOptions:
     work_dir: str | None = None
     force: bool = False
     command: str | None = None  # the command line, for the --save-ref output's manifest
+    batch_tokens: int | None = None  # tokens per micro-batch of the streamed forward (the ranks' unit)
 
 
 @dataclass
@@ -150,13 +151,20 @@ def run(
     try:
         for role, path in (("ref", ref), ("test", test)):
             if path is not None:
-                srcs[role] = open_source(path, device=o.device, dtype=o.dtype, work_dir=o.work_dir)
+                srcs[role] = open_source(path, device=o.device, dtype=o.dtype, work_dir=o.work_dir,
+                                         batch_tokens=o.batch_tokens)
         r, t = srcs.get("ref"), srcs.get("test")
         if t is not None and t.kind is Kind.COMPACT:
             raise UsageError("the test side must give full log-probs (a checkpoint or a dump)", path=t.path,
                              hint="a compact reference can only be --ref")
         if save_ref and r.kind is Kind.COMPACT:
             raise UsageError("--ref is already a compact reference", path=r.path)
+        from qtool import dist
+
+        group = dist.current()
+        if group.world > 1 and (save_ref or emit_windows):
+            raise UsageError("--save-ref and --emit-windows run in one process",
+                             hint="drop --nproc/--devices for them; the KLD comparison itself runs on any number of ranks")
         if save_ref:
             from qtool.io.output import check_replaceable
 
@@ -226,7 +234,8 @@ def run(
         if saver is not None:
             saver.ids = ids
         kls, top1s, est, where = [], [], [], []
-        for w in range(n):
+        mine = _my_windows(n, ckpts, ids, group)
+        for w in mine:
             rows = r.rows(w) if t is None else min(r.rows(w), t.rows(w))
             if t is not None and r.rows(w) != t.rows(w) and not rep.warnings:
                 rep.warnings.append(f"window {w}: ref has {r.rows(w)} positions, test {t.rows(w)}; "
@@ -264,12 +273,43 @@ def run(
                 rep.saved_ref["check"] = {"exact_mean": exact, "compact_mean": approx,
                                           "relative_error": (approx - exact) / exact if exact else 0.0}
         if t is not None:
+            if group.world > 1:  # every rank's windows, in window order: the statistics of one process
+                kls, top1s, where = _gather_windows(group, mine, kls, top1s, where, o.chunk, r, t)
             rep.result = summarize(torch.cat(kls), torch.cat(top1s), torch.cat(where))
         return rep
     finally:
         for s in srcs.values():
             s.close()
         rep.seconds = time.time() - t0
+
+
+def _my_windows(n: int, ckpts, ids, group) -> list[int]:
+    """The windows this rank evaluates: those of its micro-batches of the streamed forward (the same
+    micro-batches as one process; qtool.dist), or every world-th window when no side is streamed."""
+    if group.world == 1:
+        return list(range(n))
+    if not ckpts:
+        return list(range(group.rank, n, group.world))
+    s = ckpts[0].streamer
+    return [w for b0, b1 in s.my_batches(n, s.batch_windows(int(ids.shape[1]))) for w in range(b0, b1)]
+
+
+def _gather_windows(group, mine, kls, top1s, where, chunk, r, t):
+    """Per-position KLD, top-1 and positions of all ranks, put back in window order."""
+    import torch
+
+    # split the chunk lists back into windows (each window gave ceil(rows / chunk) chunks)
+    per_window, k = {}, 0
+    for w in mine:
+        rows = min(r.rows(w), t.rows(w))
+        m = -(-rows // chunk)
+        per_window[w] = (torch.cat(kls[k:k + m]), torch.cat(top1s[k:k + m]), torch.cat(where[k:k + m]))
+        k += m
+    every = {}
+    for part in group.gather(per_window):
+        every.update(part)
+    order = sorted(every)
+    return [every[w][0] for w in order], [every[w][1] for w in order], [every[w][2] for w in order]
 
 
 class _RefSaver:

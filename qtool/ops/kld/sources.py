@@ -64,11 +64,11 @@ class CheckpointSource:
     kind = Kind.CHECKPOINT
 
     def __init__(self, path, *, device: str = "cpu", dtype: str | None = None, work_dir=None,
-                 ram_limit: int = RAM_LIMIT):
+                 ram_limit: int = RAM_LIMIT, batch_tokens: int | None = None):
         from qtool.stream.layer_stream import LayerStreamer
 
         self.path = Path(path)
-        self.streamer = LayerStreamer(path, device=device, dtype=dtype)
+        self.streamer = LayerStreamer(path, device=device, dtype=dtype, batch_tokens=batch_tokens)
         self.device = device
         self.work_dir = work_dir
         self.ram_limit = ram_limit
@@ -91,7 +91,9 @@ class CheckpointSource:
         item = 4 if sp.compute_dtype == "float32" else 2
         # after the layers: lm_head + a chunk of logits/log-probs (float32, ~3 copies) of both sides
         head = self.vocab * sp.hidden_size * item + chunk * self.vocab * 4 * 3
-        m = need(sp, device=self.device, hidden_in_ram=in_ram)
+        from qtool.dist import planned_ranks
+
+        m = need(sp, device=self.device, hidden_in_ram=in_ram, ranks=planned_ranks())
         if m.gpu_bytes is None:
             m.host_bytes = max(m.host_bytes, head + (sp.hidden_bytes if in_ram else 0))
         else:
@@ -232,10 +234,10 @@ class CompactSource:
         self._cache = None
 
 
-def open_source(path, *, device="cpu", dtype=None, work_dir=None):
+def open_source(path, *, device="cpu", dtype=None, work_dir=None, batch_tokens=None):
     kind = detect(path)
     if kind is Kind.CHECKPOINT:
-        return CheckpointSource(path, device=device, dtype=dtype, work_dir=work_dir)
+        return CheckpointSource(path, device=device, dtype=dtype, work_dir=work_dir, batch_tokens=batch_tokens)
     if kind is Kind.DUMP:
         return DumpSource(path, device=device)
     return CompactSource(path, device=device)

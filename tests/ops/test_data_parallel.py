@@ -1,0 +1,162 @@
+"""Data parallel over calibration windows on CPU (gloo, 2 processes), as a user runs it: `--nproc 2`
+gives the same bytes / statistics as one process, for quantize (NVFP4 and AWQ), calibrate-kv and eval
+kld; a rank that dies ends the run on every rank with a clear error (no hang), and the partial output
+resumes with another number of ranks to the same bytes. torchrun's environment (WORLD_SIZE, RANK,
+MASTER_ADDR/PORT) is what the ranks run under, here set by hand for the killed-rank case."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from killpoint import run_qtool
+from test_calibrate_kv_support import fixture_dir
+
+ROOT = Path(__file__).resolve().parents[2]
+# 4 windows of 64 tokens, 2 windows per micro-batch: one micro-batch per rank
+JOB = ["--samples", "4", "--seq-len", "64", "--batch-tokens", "128", "--quiet"]
+TIMEOUT = 240  # a hang fails the test instead of the suite
+
+
+def _same_output(a: Path, b: Path) -> None:
+    names = sorted(p.name for p in a.iterdir())
+    assert names == sorted(p.name for p in b.iterdir())
+    for name in names:
+        if name != "qtool-manifest.json":
+            assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    # the output's own path is recorded (output, work_dir): the same under another name
+    ma, mb = (json.loads((d / "qtool-manifest.json").read_text().replace(str(d), "OUT")) for d in (a, b))
+    for key in set(ma) | set(mb):
+        if key != "command":
+            assert ma.get(key) == mb.get(key), key  # per-layer statistics, files and their digests included
+
+
+def _run(args, **kw):
+    p = run_qtool(args, timeout=TIMEOUT, **kw)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p
+
+
+@pytest.mark.parametrize("recipe", ["qwen35-nvfp4-experts", "qwen35-awq-int4"])
+def test_quantize_two_ranks_same_bytes(request, tmp_path, recipe):
+    src = fixture_dir(request, "tiny_bf16")
+    one, two = tmp_path / "one", tmp_path / "two"
+    _run(["quantize", src, "-o", one, "--recipe", recipe, *JOB])
+    _run(["quantize", src, "-o", two, "--recipe", recipe, *JOB, "--nproc", "2"])
+    _same_output(one, two)
+
+
+def test_calibrate_kv_two_ranks_same_bytes(request, tmp_path):
+    src = fixture_dir(request, "tiny_nvfp4_modelopt")
+    one, two = tmp_path / "one", tmp_path / "two"
+    _run(["calibrate-kv", src, "-o", one, "--replace-scales", *JOB])
+    _run(["calibrate-kv", src, "-o", two, "--replace-scales", *JOB, "--nproc", "2"])
+    _same_output(one, two)
+
+
+def test_eval_kld_two_ranks_same_statistics(request, tmp_path):
+    ref, test = fixture_dir(request, "tiny_bf16"), fixture_dir(request, "tiny_nvfp4_modelopt")
+    job = ["eval", "kld", "--ref", ref, "--test", test, "--windows", "4", "--seq-len", "64", "--batch-tokens", "128",
+           "--json", "--quiet"]
+    one = json.loads(_run(job).stdout)
+    two = json.loads(_run([*job, "--nproc", "2"]).stdout)
+    assert one == two and one["positions"] == 4 * 64  # every position of every window, in order
+
+
+def test_dry_run_plans_memory_per_rank(request, tmp_path):
+    src = fixture_dir(request, "tiny_nvfp4_modelopt")
+    p = _run(["calibrate-kv", src, "-o", tmp_path / "o", "--replace-scales", *JOB, "--nproc", "2", "--dry-run",
+              "--json"])
+    need = json.loads(p.stdout)["plan"]["memory"]["need"]
+    assert need["ranks"] == 2 and not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ranks(args: list, kill_rank: int, after_layers: int) -> list[subprocess.Popen]:
+    """Two ranks under torchrun's environment; `kill_rank` SIGKILLs itself once it has run
+    `after_layers` decoder layers (tests/killpoint.py)."""
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+           "QTOOL_DIST_TIMEOUT": "60", "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    procs = []
+    for r in range(2):
+        e = {**env, "RANK": str(r), "LOCAL_RANK": str(r)}
+        if r == kill_rank:
+            cmd = [sys.executable, str(ROOT / "tests/killpoint.py"),
+                   "qtool.stream.layer_stream:LayerStreamer.forward_layer", str(after_layers), "--", *map(str, args)]
+        else:
+            cmd = [sys.executable, "-m", "qtool", *map(str, args)]
+        procs.append(subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+@pytest.mark.parametrize("kill_rank", [1, 0])
+def test_killed_rank_stops_every_rank_and_resumes_with_another_count(request, tmp_path, kill_rank):
+    src = fixture_dir(request, "tiny_bf16")
+    clean, out = tmp_path / "clean", tmp_path / "out"
+    args = ["quantize", src, "-o", out, "--recipe", "qwen35-nvfp4-experts", *JOB]
+    _run(["quantize", src, "-o", clean, "--recipe", "qwen35-nvfp4-experts", *JOB])
+    procs = _ranks(args, kill_rank, after_layers=3)
+    t0 = time.monotonic()
+    results = [p.communicate(timeout=TIMEOUT) for p in procs]
+    assert time.monotonic() - t0 < 120  # the survivor stopped on its own (the collectives' peer was gone)
+    assert procs[kill_rank].returncode == -9
+    survivor = procs[1 - kill_rank]
+    assert survivor.returncode == 1
+    err = results[1 - kill_rank][1]
+    assert "lost the other ranks" in err and "--resume" in err and "Traceback" not in err
+    assert not out.exists() and (out.parent / "out.partial").is_dir()
+    journal = json.loads((out.parent / "out.partial/.quantize/journal.json").read_text())
+    assert 1 <= journal["next_layer"] <= 3  # a partial run, not a restart
+    _run([*args, "--resume"])  # one process now
+    _same_output(clean, out)
+
+
+def test_launcher_ends_the_run_when_a_rank_dies(request, tmp_path):
+    """`--nproc 2` and an outside `kill -9` of rank 1: the command exits non-zero, names the rank, and
+    keeps the partial output; `--resume --nproc 2` completes it to the clean bytes."""
+    src = fixture_dir(request, "tiny_bf16")
+    clean, out = tmp_path / "clean", tmp_path / "out"
+    job = ["quantize", src, "-o", out, "--recipe", "qwen35-nvfp4-experts", *JOB]
+    _run(["quantize", src, "-o", clean, "--recipe", "qwen35-nvfp4-experts", *JOB])
+    p = subprocess.Popen([sys.executable, "-m", "qtool", *map(str, job), "--nproc", "2"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    journal = out.parent / "out.partial/.quantize/journal.json"
+    deadline = time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline:
+        if journal.exists() and json.loads(journal.read_text() or "{}").get("next_layer", 0) >= 1:
+            break
+        time.sleep(0.05)
+    rank1 = _child_with_rank(p.pid, 1)
+    os.kill(rank1, 9)
+    _, err = p.communicate(timeout=TIMEOUT)
+    assert p.returncode != 0
+    assert "rank 1 of 2 was killed by signal 9" in err and "--resume" in err
+    assert not out.exists()
+    _run([*job, "--resume", "--nproc", "2"])
+    _same_output(clean, out)
+
+
+def _child_with_rank(parent: int, rank: int) -> int:
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            env = (d / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        ppid = int(stat.rpartition(")")[2].split()[1])
+        if ppid == parent and f"RANK={rank}".encode() in env:
+            return int(d.name)
+    raise AssertionError(f"no rank {rank} under {parent}")
