@@ -42,7 +42,7 @@ def qtool(args: list, ranks: int, device: str, same_gpu: bool) -> tuple[float, s
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         env |= {"WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                "QTOOL_DEVICES": ",".join([device] * ranks)}
+                "QTOOL_DEVICES": ",".join([device if ":" in device or device == "cpu" else device + ":0"] * ranks)}
         procs = [subprocess.Popen(base, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True) for r in range(ranks)]
         out = []
@@ -92,7 +92,8 @@ def main() -> int:
     outs = {}
     for n in (1, a.nproc):
         outs[n] = a.workdir / f"kv-{n}"
-        wall, _ = qtool(["calibrate-kv", q, "-o", outs[n], "--force", *JOB], n, a.device, a.same_gpu)
+        wall, _ = qtool(["calibrate-kv", q, "-o", outs[n], "--force", "--replace-scales", *JOB], n, a.device,
+                        a.same_gpu)
         print(f"calibrate-kv     {n} rank(s): {wall:6.1f} s", flush=True)
     diff = same_dirs(outs[1], outs[a.nproc])
     bad += bool(diff)

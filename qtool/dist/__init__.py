@@ -118,7 +118,7 @@ def _from_env() -> Group:
     if device and device.startswith("cuda"):
         import torch
 
-        torch.cuda.set_device(torch.device(device))
+        torch.cuda.set_device(torch.device(device).index or 0)
         backend = "cpu:gloo,cuda:nccl"  # the small statistics are reduced on the host (gloo)
     timeout = datetime.timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, "600")))
     try:

@@ -64,3 +64,19 @@ def test_modelopt_mse_backend_runs_on_cuda(tiny_bf16, calib_ids, tmp_path):
     rep = run(tiny_bf16, out=tmp_path / "mse", recipe=load_recipe("qwen35-nvfp4-experts-mse"),
               backend=Backend.MODELOPT, calib_ids=calib_ids, device="cuda")
     assert rep["output"]["problems"] == []
+
+
+def test_cuda_awq_quantize_runs_and_keeps_the_int4_layout(tiny_bf16, calib_ids, tmp_path):
+    """`quantize --recipe qwen35-awq-int4 --device cuda` (the AWQ search ran on host rows against GPU
+    weights and failed with a device mismatch): the same tensors, dtypes and shapes as the CPU run, and
+    the searched scales close to the CPU's."""
+    from qtool.ops.quantize import run
+
+    recipe = load_recipe("qwen35-awq-int4")
+    cpu = run(tiny_bf16, out=tmp_path / "cpu", recipe=recipe, calib_ids=calib_ids, device="cpu")
+    gpu = run(tiny_bf16, out=tmp_path / "gpu", recipe=recipe, calib_ids=calib_ids, device="cuda")
+    assert cpu["output"]["problems"] == [] and gpu["output"]["problems"] == []
+    a, b = _tensors(tmp_path / "cpu"), _tensors(tmp_path / "gpu")
+    assert {n: (t.dtype, t.shape) for n, t in a.items()} == {n: (t.dtype, t.shape) for n, t in b.items()}
+    scales = [n for n in a if n.endswith("down_proj.weight_scale")]
+    assert scales and all(torch.allclose(a[n].float(), b[n].float(), rtol=0.05) for n in scales)

@@ -30,8 +30,8 @@ def awq_down_scales(x: torch.Tensor, w_down: torch.Tensor, group_size: int, grid
     so the chosen scale is never worse than RTN on these activations."""
     n_in = w_down.shape[-1]
     if x.numel() == 0:
-        return torch.ones(n_in), 0.0, 0.0, 0.0
-    xf = x.float()
+        return torch.ones(n_in, device=w_down.device), 0.0, 0.0, 0.0
+    xf = x.to(w_down.device).float()  # the kept rows live on the host; the search runs where the weights are
     wf = w_down.float()
     ref = xf @ wf.t()
     x_mean = xf.abs().mean(dim=0)

@@ -121,6 +121,7 @@ def _int4_expert_chunk(gu, down, inter, stats, e0, recipe, fmt, report, g: int) 
         if recipe.int4.awq and stats is not None:
             s, alpha, mse, rtn_mse = (stats.searched[e] if stats.searched is not None
                                       else awq_down_scales(stats.rows(e), dn, g, recipe.int4.awq_grid, sdt))
+            s = s.to(dn.device)  # searched on another rank: gathered through the host
             # fold: down columns * s, up rows / s (exact in real arithmetic)
             dn = (dn.float() * s).to(dn.dtype)
             up = (up.float() / s.unsqueeze(-1)).to(up.dtype)
@@ -150,8 +151,10 @@ def search_awq_over_ranks(layer, stats, p, group) -> None:
 
     down = layer.mlp.experts.down_proj.data
     sdt = _int4_scale_dtype(p.format)
-    mine = {e: awq_down_scales(stats.rows(e), down[e], p.int4_group, p.recipe.int4.awq_grid, sdt)
-            for e in range(group.rank, p.n_experts, group.world)}
+    mine = {}
+    for e in range(group.rank, p.n_experts, group.world):
+        s, alpha, mse, rtn_mse = awq_down_scales(stats.rows(e), down[e], p.int4_group, p.recipe.int4.awq_grid, sdt)
+        mine[e] = (s.cpu(), alpha, mse, rtn_mse)
     stats.searched = {e: r for part in group.gather(mine) for e, r in part.items()}
 
 
