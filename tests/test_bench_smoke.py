@@ -22,7 +22,8 @@ def test_bench_real_layers_smoke(tmp_path):
 
     rows = json.loads(out.read_text())
     assert [(r["job"], r["cache"] == "warm") for r in rows] == [
-        ("quantize", False), ("calibrate-kv", False), ("quantize", True), ("calibrate-kv", True)]
+        ("quantize", False), ("calibrate-kv", False), ("eval-kld", False),
+        ("quantize", True), ("calibrate-kv", True), ("eval-kld", True)]
     for r in rows:
         assert r["loop_s"] > 0 and r["per_layer_s"] > 0 and r["peak_rss_bytes"] > 0 and r["input_bytes"] > 0
     assert "loop/cat" in p.stdout
