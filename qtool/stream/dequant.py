@@ -220,6 +220,52 @@ def _put(sd: dict, want: dict, key: str, tensor, origin: str) -> None:
     sd[key] = tensor
 
 
+EXPERT_BATCH = 32  # experts dequantized by one batched call (a 397B batch: ~1 GB of float32 temporaries)
+
+
+def _dense_experts(mods: list[Module], dtype, device, src, want: tuple[int, int]):
+    """The same projection of several experts, dense [k, out, in]. NVFP4 (both namings) is dequantized in
+    one batched call: per expert, ~10 small kernels x 1,536 matrices cost ~0.6 s of a 397B layer on a
+    GPU. Element-wise the same arithmetic as one matrix at a time, so the values are identical."""
+    import torch
+
+    fmt = mods[0].format
+    packed = (want[0], want[1] // 2)
+    batched = fmt in (Format.NVFP4, Format.NVFP4_CT) and all(
+        m.format is fmt and tuple(m.params[_codes_name(fmt)].shape) == packed
+        and tuple(m.params["weight_scale"].shape) == (want[0], want[1] // nvfp4_block()) for m in mods)
+    if batched:
+        from qtool.formats import nvfp4
+
+        codes, scale, glob = (("weight", "weight_scale", "weight_scale_2") if fmt is Format.NVFP4
+                              else ("weight_packed", "weight_scale", "weight_global_scale"))
+
+        def stacked(name):
+            return torch.stack([src.get(m.params[name]).to(device) for m in mods])
+
+        g = torch.stack([src.get(m.params[glob]).to(device).float().reshape(()) for m in mods])
+        ws2 = g if fmt is Format.NVFP4 else 1.0 / g  # compressed-tensors stores the reciprocal
+        return nvfp4.dequantize(stacked(codes), stacked(scale), ws2, dtype=dtype)
+    dense = []
+    for m in mods:  # one at a time: any format, and the expert whose shape is off is named
+        w = dense_weight(m, dtype, device, src)
+        if tuple(w.shape) != tuple(want):
+            raise PlanError("expert weight shape differs from the config's", tensor=m.name, expected=list(want),
+                            got=list(w.shape))
+        dense.append(w)
+    return torch.stack(dense)
+
+
+def nvfp4_block() -> int:
+    from qtool.formats.nvfp4 import BLOCK_SIZE
+
+    return BLOCK_SIZE
+
+
+def _codes_name(fmt: Format) -> str:
+    return "weight" if fmt is Format.NVFP4 else "weight_packed"
+
+
 def _fill_experts(sd, want, experts: dict[int, dict[str, Module]], dtype, device, src) -> None:
     import torch
 
@@ -232,18 +278,11 @@ def _fill_experts(sd, want, experts: dict[int, dict[str, Module]], dtype, device
         raise PlanError(f"routed experts missing: {missing[:8]}", expected=f"{n_exp} experts", got=len(experts))
     gate_up = torch.empty(gu_shape, dtype=dtype, device=device)
     down = torch.empty(dn_shape, dtype=dtype, device=device)
-    for e in range(n_exp):
-        mods = experts[e]
-        for part, rows in (("gate_proj", slice(0, inter)), ("up_proj", slice(inter, two_i))):
-            w = dense_weight(mods[part], dtype, device, src)
-            if tuple(w.shape) != tuple(gate_up[e, rows].shape):
-                raise PlanError("expert weight shape differs from the config's", tensor=mods[part].name,
-                                expected=list(gate_up[e, rows].shape), got=list(w.shape))
-            gate_up[e, rows].copy_(w)
-        w = dense_weight(mods["down_proj"], dtype, device, src)
-        if tuple(w.shape) != tuple(down[e].shape):
-            raise PlanError("expert weight shape differs from the config's", tensor=mods["down_proj"].name,
-                            expected=list(down[e].shape), got=list(w.shape))
-        down[e].copy_(w)
+    for e0 in range(0, n_exp, EXPERT_BATCH):
+        es = range(e0, min(n_exp, e0 + EXPERT_BATCH))
+        for part, dst in (("gate_proj", gate_up[es.start:es.stop, :inter]),
+                          ("up_proj", gate_up[es.start:es.stop, inter:]), ("down_proj", down[es.start:es.stop])):
+            mods = [experts[e][part] for e in es]
+            dst.copy_(_dense_experts(mods, dtype, device, src, tuple(dst.shape[1:])))
     sd["mlp.experts.gate_up_proj"] = gate_up
     sd["mlp.experts.down_proj"] = down

@@ -74,3 +74,26 @@ def test_routed_forward_is_transformers_eager_bit_for_bit():
     mask = torch.nn.functional.one_hot(idx, 24).permute(2, 1, 0)
     for e, cur in seen.items():
         assert torch.equal(cur, x[torch.where(mask[e])[1]])
+
+
+def test_batched_expert_dequant_is_the_per_expert_one(request):
+    """NVFP4 experts (both namings) dequantized in one batched call: the same values as one matrix at a
+    time; an expert whose shape disagrees with the config is named."""
+    import pytest
+
+    from qtool.arch.model_map import build_map
+    from qtool.errors import PlanError
+    from qtool.io.checkpoint import Checkpoint
+    from qtool.stream.dequant import TensorSource, _dense_experts, dense_weight
+
+    for name in ("tiny_nvfp4_modelopt", "tiny_nvfp4_ct"):
+        mm = build_map(Checkpoint.open(fixture_dir(request, name)))
+        mods = sorted((m for m in mm.modules.values() if m.layer == 1 and m.name.endswith(".down_proj")
+                       and ".mlp.experts." in m.name), key=lambda m: int(m.name.split(".mlp.experts.")[1].split(".")[0]))
+        src = TensorSource()
+        one = torch.stack([dense_weight(m, torch.bfloat16, "cpu", src) for m in mods])
+        assert torch.equal(_dense_experts(mods, torch.bfloat16, "cpu", src, tuple(one.shape[1:])), one)
+        with pytest.raises(PlanError, match="expert weight shape differs") as e:
+            _dense_experts(mods, torch.bfloat16, "cpu", src, (one.shape[1], one.shape[2] * 2))
+        assert e.value.tensor == mods[0].name
+        src.close()
