@@ -130,15 +130,26 @@ class DiskStore(HiddenStore):
     writes the next one; `current` names the one holding the last committed layer's output (recorded by
     the caller's journal). With `files=3` the input of a layer whose results are still being written
     (quantize's write-behind) survives the next layer's forward, so a journal that lags one layer behind
-    still points at intact hidden states."""
+    still points at intact hidden states.
+
+    `write_behind=True` (one process only): writes, the end-of-layer fsync and `when_durable` callbacks
+    (the caller's journal) run on one writer thread, in order, while the next layer is built; every read
+    first waits for them. The layer being written goes to the file the journal does not name, and the
+    journal moves on only once those writes are on disk, so a crash at any point resumes correctly."""
 
     NAMES = ("a", "b", "c")
 
-    def __init__(self, dir: Path, shape, dtype, current: str = "a", files: int = 2):
+    def __init__(self, dir: Path, shape, dtype, current: str = "a", files: int = 2, write_behind: bool = False):
         import torch
 
         if not 2 <= files <= len(self.NAMES):
             raise ValueError(f"files must be 2..{len(self.NAMES)}")
+        self._writer = None
+        self._pending: list = []
+        if write_behind:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qtool-hidden-write")
         self.dir = Path(dir)
         self.shape = tuple(shape)
         self.dtype = dtype
@@ -160,11 +171,38 @@ class DiskStore(HiddenStore):
         """The file the next layer writes."""
         return self.names[(self.names.index(self.current) + 1) % len(self.names)]
 
+    def _submit(self, fn, *a) -> None:
+        if self._writer is None:
+            fn(*a)
+        else:
+            self._pending.append(self._writer.submit(fn, *a))
+
+    def drain(self) -> None:
+        """Wait for the writer thread's queue (its first error is raised here)."""
+        pending, self._pending = self._pending, []
+        for f in pending:
+            f.result()
+
+    def when_durable(self, fn) -> None:
+        """Call fn() once everything written so far is on disk (at once without write-behind)."""
+        self._submit(fn)
+
+    def close(self, quiet: bool = False) -> None:
+        try:
+            self.drain()
+        except Exception:
+            if not quiet:
+                raise
+        finally:
+            if self._writer is not None:
+                self._writer.shutdown(wait=True)
+
     def read(self, b0, b1):
         import torch
 
         from qtool.stream.layer_read import pread_exact
 
+        self.drain()  # the previous layer's outputs (and its journal) are on disk
         # straight into the tensor's memory: one copy (a 397B micro-batch is 268 MB; `bytes` + bytearray
         # took two more)
         buf = torch.empty((b1 - b0) * self.row, dtype=torch.uint8)
@@ -178,26 +216,35 @@ class DiskStore(HiddenStore):
 
     def write(self, b0, b1, x, name: str | None = None):
         data = x.detach().to("cpu", self.dtype).contiguous().view(-1).view(dtype=_u8()).numpy()
-        view, off = memoryview(data), b0 * self.row  # no bytes copy
-        fd = os.open(self.path(name or self.other), os.O_WRONLY)
-        try:
-            while view:  # pwrite may write less than asked on large buffers
-                n = os.pwrite(fd, view, off)
-                view, off = view[n:], off + n
-        finally:
-            os.close(fd)
+        self._submit(_pwrite_file, self.path(name or self.other), data, b0 * self.row)
 
     def write_current(self, b0, b1, x):
         """Write into the current file (used to fill the embeddings before layer 0)."""
         self.write(b0, b1, x, name=self.current)
 
     def commit(self):
-        fd = os.open(self.path(self.other), os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        self._submit(_fsync_file, self.path(self.other))
         self.current = self.other
+
+
+
+def _pwrite_file(path: Path, data, off: int) -> None:
+    view = memoryview(data)  # no bytes copy
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        while view:  # pwrite may write less than asked on large buffers
+            n = os.pwrite(fd, view, off)
+            view, off = view[n:], off + n
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _u8():

@@ -223,3 +223,27 @@ def test_gpu_scales_equal_cpu(request, tmp_path):
     _, gpu = _calibrate(ckpt, tmp_path, device="cuda")
     for i in cpu:
         assert _rel(gpu[i].k_amax, cpu[i].k_amax) <= 0.01 and _rel(gpu[i].v_amax, cpu[i].v_amax) <= 0.01
+
+
+@pytest.mark.parametrize("point", [("qtool.stream.layer_stream:_fsync_file", 3),
+                                   ("qtool.stream.layer_stream:_pwrite_file", 4),
+                                   ("qtool.io.jsonio:write_json", 3)])
+def test_kill_in_the_hidden_state_writer_resumes_to_the_same_scales(request, tmp_path, point):
+    """The hidden states and the journal are written behind the next layer (one writer thread): a kill
+    -9 at its fsync, its write or its journal write leaves a journal that points at intact hidden states;
+    --resume gives the bytes of an uninterrupted run."""
+    from killpoint import run_killed, run_qtool
+
+    src = fixture_dir(request, "tiny_nvfp4_modelopt")
+    args = ["calibrate-kv", src, "--replace-scales", "--samples", "4", "--seq-len", "32", "--batch-tokens", "64",
+            "--quiet"]
+    clean, out = tmp_path / "clean", tmp_path / "out"
+    assert run_qtool([*args, "-o", clean]).returncode == 0
+    killed = run_killed(*point, [*args, "-o", out])
+    assert killed.returncode == -9 and not out.exists()
+    journal = json.loads((tmp_path / "out.partial/.calibrate-kv/journal.json").read_text())
+    assert journal["next_layer"] >= 0
+    p = run_qtool([*args, "-o", out, "--resume"])
+    assert p.returncode == 0, p.stderr[-2000:]
+    for f in clean.glob("*.safetensors"):
+        assert (out / f.name).read_bytes() == f.read_bytes(), f.name

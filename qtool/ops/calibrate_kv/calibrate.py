@@ -139,7 +139,10 @@ def calibrate(
         for s in journal["stats"]:
             stats[s["layer"]] = LayerStat(s["layer"], s["k_amax"], s["v_amax"], s["tokens"])
     if hidden == "disk":
-        store = DiskStore(p.work_dir, shape, streamer.dtype, current=(journal or {}).get("current", "a"))
+        # write-behind of the hidden states in one process (the ranks' journal needs every rank's writes
+        # durable at the layer's barrier, so they write synchronously)
+        store = DiskStore(p.work_dir, shape, streamer.dtype, current=(journal or {}).get("current", "a"),
+                          write_behind=g.world == 1)
     else:
         if start:
             raise PlanError("--resume needs the hidden states on disk")
@@ -149,8 +152,9 @@ def calibrate(
     def save(next_layer: int):
         if hidden != "disk" or not g.leader:
             return
-        write_json(jpath, {"key": key, "next_layer": next_layer, "current": store.current,
-                           "stats": [s.to_json() for s in sorted(hooks.stats.values(), key=lambda s: s.layer)]})
+        entry = {"key": key, "next_layer": next_layer, "current": store.current,
+                 "stats": [s.to_json() for s in sorted(hooks.stats.values(), key=lambda s: s.layer)]}
+        store.when_durable(lambda: write_json(jpath, entry))  # once the layer's hidden states are on disk
 
     hooks = _KvHooks(p.layers, lambda idx: save(idx + 1), g)
     hooks.stats.update(stats)
@@ -158,7 +162,14 @@ def calibrate(
     if start == 0:
         streamer.embed_into(ids, store, batch)
         save(0)
-    streamer.run(store, seq, start=start, stop=p.run_layers, hooks=hooks, batch=batch, progress=progress)
+    try:
+        streamer.run(store, seq, start=start, stop=p.run_layers, hooks=hooks, batch=batch, progress=progress)
+    except BaseException:
+        if hidden == "disk":
+            store.close(quiet=True)  # what was queued is still valid; the error that brought us here is raised
+        raise
+    if hidden == "disk":
+        store.close()  # the last journal entry and writes (an error of theirs is raised here)
     elapsed = time.perf_counter() - t0
     layers_run = p.run_layers - start
     timing = {"seconds": elapsed, "layers_run": layers_run, "resumed_from_layer": start,
