@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from qtool.errors import VerificationError, WriteError
-from qtool.io.files import copy_file, fsync_dir, new_file
+from qtool.io.files import copy_file, fsync_path, new_file
 from qtool.io.identity import JOURNAL_NAME, Journal, input_identity
 from qtool.io.jsonio import dumps
 from qtool.io.manifest import InputHasher, carried_files, previous_head, source_entry, write_manifest
@@ -188,7 +188,7 @@ def write_output(plan: OutputPlan, tx: OutputDir, *, command: str | None, values
             f"the output failed its checks; it was left in {partial}", path=partial,
             got=applied.checks.get("summary"),
             hint="this is a qtool bug or an inconsistent source; see qtool-manifest.json there")
-    fsync_dir(partial)
+    fsync_path(partial)
     tx.commit()
     return applied
 

@@ -167,7 +167,8 @@ class Placer:
         return not same_fs
 
 
-def fsync_dir(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (a directory's fsync makes the renames and links in it durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

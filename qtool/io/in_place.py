@@ -9,7 +9,7 @@ import stat
 from pathlib import Path
 
 from qtool.errors import WriteError
-from qtool.io.files import LinkMode, Placer, fsync_dir, link_tree, write_error
+from qtool.io.files import LinkMode, Placer, fsync_path, link_tree, write_error
 from qtool.io.identity import JOURNAL_NAME, journaled_files
 from qtool.io.output import SWAPPED_MARKER, OutputDir, remove_parked, source_file_mode
 
@@ -138,7 +138,7 @@ class InPlaceDir(OutputDir):
             os.chown(self.partial, st.st_uid, st.st_gid)
         except PermissionError:
             pass  # not ours to give away: the directory stays the caller's, like the files it writes
-        fsync_dir(self.partial)
+        fsync_path(self.partial)
         # the state about to be parked is marked first, and only then is the new one unmarked: a kill at any
         # point leaves markers that say which directory is which (_clear_stale)
         (self.out / SWAPPED_MARKER).touch()
@@ -154,7 +154,7 @@ class InPlaceDir(OutputDir):
                 (self.out / SWAPPED_MARKER).unlink(missing_ok=True)  # nothing moved: as before the commit
                 (self.partial / self.BUILDING).touch()
             raise write_error("cannot swap the changed checkpoint into place", e, self.out) from None
-        fsync_dir(self.out.parent)
+        fsync_path(self.out.parent)
         shutil.rmtree(self.old, ignore_errors=True)
         self.committed = True
         self.lock.release()

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Iterable
 
 from qtool.errors import UsageError, WriteError
-from qtool.io.files import INPUT_DIGESTS, TMP_SUFFIX, LinkMode, Placer, fsync_dir, hash_file, write_error
+from qtool.io.files import INPUT_DIGESTS, TMP_SUFFIX, LinkMode, Placer, fsync_path, hash_file, write_error
 
 MANIFEST_NAME = "qtool-manifest.json"
 STEP_MARKER = "qtool-step.json"  # a build step's finished output (qtool/ops/pipeline)
@@ -296,7 +296,7 @@ class OutputDir:
         """Rename the finished `OUT.partial/` to OUT (a qtool-made OUT is replaced only now)."""
         self.sweep()
         self.set_modes()
-        fsync_dir(self.partial)
+        fsync_path(self.partial)
         out = self.out
         old = None
         try:
@@ -313,7 +313,7 @@ class OutputDir:
                 os.rename(old, out)
                 (out / SWAPPED_MARKER).unlink(missing_ok=True)
             raise write_error("cannot move the finished output into place", e, out) from None
-        fsync_dir(Path(os.path.abspath(out)).parent)
+        fsync_path(Path(os.path.abspath(out)).parent)
         if old is not None:
             shutil.rmtree(old)
         self.committed = True

@@ -223,7 +223,9 @@ class DiskStore(HiddenStore):
         self.write(b0, b1, x, name=self.current)
 
     def commit(self):
-        self._submit(_fsync_file, self.path(self.other))
+        from qtool.io.files import fsync_path
+
+        self._submit(fsync_path, self.path(self.other))
         self.current = self.other
 
 
@@ -235,14 +237,6 @@ def _pwrite_file(path: Path, data, off: int) -> None:
         while view:  # pwrite may write less than asked on large buffers
             n = os.pwrite(fd, view, off)
             view, off = view[n:], off + n
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
     finally:
         os.close(fd)
 

@@ -225,7 +225,7 @@ def test_gpu_scales_equal_cpu(request, tmp_path):
         assert _rel(gpu[i].k_amax, cpu[i].k_amax) <= 0.01 and _rel(gpu[i].v_amax, cpu[i].v_amax) <= 0.01
 
 
-@pytest.mark.parametrize("point", [("qtool.stream.layer_stream:_fsync_file", 3),
+@pytest.mark.parametrize("point", [("qtool.io.files:fsync_path", 3),
                                    ("qtool.stream.layer_stream:_pwrite_file", 4),
                                    ("qtool.io.jsonio:write_json", 3)])
 def test_kill_in_the_hidden_state_writer_resumes_to_the_same_scales(request, tmp_path, point):

@@ -607,7 +607,7 @@ def test_a_kill_in_the_in_place_commit_before_the_swap_is_cleaned_up(tiny_nvfp4_
     own work directory unmarked, and every later in-place command refused it as a user's directory."""
     ck = copy_of(tiny_nvfp4_modelopt, tmp_path / "ck")
     before = tree_sha(ck, skip=())
-    p = run_killed("qtool.io.in_place:fsync_dir", 1, ["patch-config", ck, "--yarn", "2"])
+    p = run_killed("qtool.io.in_place:fsync_path", 1, ["patch-config", ck, "--yarn", "2"])
     assert p.returncode == -9
     assert tree_sha(ck, skip=()) == before  # the checkpoint is untouched
     p = run_qtool(["patch-config", ck, "--yarn", "2"])
