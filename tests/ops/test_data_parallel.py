@@ -43,12 +43,14 @@ def _run(args, **kw):
     return p
 
 
-@pytest.mark.parametrize("recipe", ["qwen35-nvfp4-experts", "qwen35-awq-int4"])
+@pytest.mark.parametrize("recipe", ["qwen35-nvfp4-experts", "qwen35-nvfp4-experts-mse", "qwen35-awq-int4"])
 def test_quantize_two_ranks_same_bytes(request, tmp_path, recipe):
+    """RTN NVFP4; NVFP4 with MSE block scales (searched over the ranks by chunk of experts); AWQ INT4
+    (its scale search split by expert)."""
     src = fixture_dir(request, "tiny_bf16")
     one, two = tmp_path / "one", tmp_path / "two"
-    _run(["quantize", src, "-o", one, "--recipe", recipe, *JOB])
-    _run(["quantize", src, "-o", two, "--recipe", recipe, *JOB, "--nproc", "2"])
+    _run(["quantize", src, "-o", one, "--recipe", recipe, "--backend", "rtn", *JOB])
+    _run(["quantize", src, "-o", two, "--recipe", recipe, "--backend", "rtn", *JOB, "--nproc", "2"])
     _same_output(one, two)
 
 

@@ -27,7 +27,7 @@ from qtool.io.output import OutputDir
 from qtool.ops.contract import Report
 from qtool.ops.quantize.output import input_files
 from qtool.ops.quantize.plan import QuantizeOptions, QuantizePlan, plan
-from qtool.recipes import Scheme
+from qtool.recipes import Scheme, WeightScale
 
 JOURNAL = "journal.json"
 WORK = ".quantize"
@@ -105,7 +105,7 @@ def _quantize_layers(p, partial, streamer, store, seq, batch, start, layer_repor
     from qtool.ops.calibrate_kv.calibrate import reduce_kv
     from qtool.ops.quantize.calib import (ExpertStats, KvStat, install_expert_stats, reduce_expert_stats,
                                           remove_expert_stats)
-    from qtool.ops.quantize.layer import search_awq_over_ranks, write_layer_shard
+    from qtool.ops.quantize.layer import search_awq_over_ranks, search_mse_over_ranks, write_layer_shard
     from qtool.stream.layer_stream import attention_tap, kv_amax_tap
 
     g = streamer.group
@@ -158,6 +158,8 @@ def _quantize_layers(p, partial, streamer, store, seq, batch, start, layer_repor
                 reduce_kv(kv, g)
                 if g.world > 1 and lp.scheme is Scheme.W4A16 and p.recipe.int4.awq:
                     search_awq_over_ranks(layer, stats, p, g)  # here: collectives stay on this thread
+                if g.world > 1 and lp.scheme is Scheme.NVFP4 and p.recipe.nvfp4.weight_scale is WeightScale.MSE:
+                    stats.block_scales = search_mse_over_ranks(layer, p, g)
                 if not g.leader:
                     del layer, backend
                     continue  # rank 0 quantizes and writes the layer

@@ -87,20 +87,33 @@ class NVFP4Experts:
         return out
 
 
-def nvfp4_rtn(gu, down, inter, in_amax, mid_amax, recipe) -> dict[str, NVFP4Experts]:
-    """qtool's own NVFP4 of a chunk of experts (ModelOpt numerics; MSE-searched block scales when the
-    recipe asks). gate_proj and up_proj share weight_scale_2 (vLLM requirement)."""
+def _nvfp4_parts(gu, down, inter):
+    """(part, weight, weight_scale_2) of a chunk of experts: gate_proj and up_proj share weight_scale_2
+    (vLLM requirement)."""
     from qtool.formats import nvfp4
-    from qtool.formats.nvfp4_triton import quantize_fast  # Triton kernel on CUDA, torch codec elsewhere
-    from qtool.ops.quantize.nvfp4_mse import search_block_scales
 
     gate, up = gu[:, :inter], gu[:, inter:]
     ws2_gu = nvfp4.shared_weight_scale_2(gate, up)
     ws2_dn = nvfp4.weight_scale_2_from_amax(nvfp4.matrix_amax(down))
+    return (("down_proj", down, ws2_dn), ("gate_proj", gate, ws2_gu), ("up_proj", up, ws2_gu))
+
+
+def nvfp4_rtn(gu, down, inter, in_amax, mid_amax, recipe, block_scales: dict | None = None
+              ) -> dict[str, NVFP4Experts]:
+    """qtool's own NVFP4 of a chunk of experts (ModelOpt numerics; MSE-searched block scales when the
+    recipe asks, or `block_scales` {part: scales} searched by the ranks: search_mse_over_ranks)."""
+    from qtool.formats import nvfp4
+    from qtool.formats.nvfp4_triton import quantize_fast  # Triton kernel on CUDA, torch codec elsewhere
+    from qtool.ops.quantize.nvfp4_mse import search_block_scales
+
     res: dict[str, NVFP4Experts] = {}
-    for part, w, ws2, amax in (("down_proj", down, ws2_dn, mid_amax), ("gate_proj", gate, ws2_gu, in_amax),
-                               ("up_proj", up, ws2_gu, in_amax)):
-        bs = search_block_scales(w, ws2) if recipe.nvfp4.weight_scale is WeightScale.MSE else None
+    amaxes = {"down_proj": mid_amax, "gate_proj": in_amax, "up_proj": in_amax}
+    for part, w, ws2 in _nvfp4_parts(gu, down, inter):
+        amax = amaxes[part]
+        if block_scales is not None:
+            bs = block_scales[part].to(w.device)
+        else:
+            bs = search_block_scales(w, ws2) if recipe.nvfp4.weight_scale is WeightScale.MSE else None
         q = quantize_fast(w, weight_scale_2=ws2, block_scale=bs)
         res[part] = NVFP4Experts(q.packed, q.block_scale, q.weight_scale_2.reshape(-1).float(),
                                  nvfp4.input_scale_from_amax(amax.float()).reshape(-1))
@@ -158,6 +171,24 @@ def search_awq_over_ranks(layer, stats, p, group) -> None:
     stats.searched = {e: r for part in group.gather(mine) for e, r in part.items()}
 
 
+def search_mse_over_ranks(layer, p, group) -> dict[int, dict]:
+    """The MSE block-scale search (recipe `weight_scale: mse`) split over the ranks by chunk of experts
+    (chunk k on rank k % world), gathered on every rank: {chunk start: {part: scales}}, the same values
+    write_layer_shard's own search gives (the same function on the same weights)."""
+    from qtool.ops.quantize.nvfp4_mse import search_block_scales
+
+    experts = layer.mlp.experts
+    starts = list(range(0, p.n_experts, CHUNK_EXPERTS))
+    mine = {}
+    for c0 in starts[group.rank::group.world]:
+        c1 = min(p.n_experts, c0 + CHUNK_EXPERTS)
+        parts = _nvfp4_parts(experts.gate_up_proj.data[c0:c1], experts.down_proj.data[c0:c1], p.inter)
+        # as bytes: torch's pickling of float8 storages fails on load (UntypedStorage has no dtype)
+        mine[c0] = {part: search_block_scales(w, ws2).cpu().view(torch.uint8) for part, w, ws2 in parts}
+    return {c0: {part: b.view(torch.float8_e4m3fn) for part, b in bs.items()}
+            for every in group.gather(mine) for c0, bs in every.items()}
+
+
 def write_layer_shard(path: Path, lp, layer, stats, kv, p, backend=None, mode: int = 0o644) -> dict:
     """Write `lp.specs` to `path` (tmp + rename). `layer`: the dense transformers layer; `stats`:
     ExpertStats; `kv`: (k_amax, v_amax) or None; `backend`: a peer backend's per-layer state
@@ -207,7 +238,8 @@ def write_layer_shard(path: Path, lp, layer, stats, kv, p, backend=None, mode: i
                         if backend is not None:
                             parts = backend.nvfp4_chunk(chunk_start, e1, gu, dn, a_in, a_mid)
                         else:
-                            parts = nvfp4_rtn(gu, dn, inter, a_in, a_mid, p.recipe)
+                            searched = (stats.block_scales or {}).get(chunk_start)
+                            parts = nvfp4_rtn(gu, dn, inter, a_in, a_mid, p.recipe, searched)
                         chunk = {part: q.rows(p.format) for part, q in parts.items()}
                     else:
                         chunk = _int4_expert_chunk(gu, dn, inter, stats, chunk_start, p.recipe, p.format, report["awq"],
