@@ -91,6 +91,10 @@ def _parallel(args, argv: list[str]) -> int | None:
     run the command in this process."""
     if not hasattr(args, "nproc"):
         return None
+    if args.batch_tokens is not None and args.batch_tokens < 1:
+        from qtool.errors import UsageError
+
+        raise UsageError(f"--batch-tokens must be at least 1, got {args.batch_tokens}")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         devices = [d for d in os.environ.get("QTOOL_DEVICES", "").split(",") if d]
@@ -100,21 +104,31 @@ def _parallel(args, argv: list[str]) -> int | None:
         elif args.device.startswith("cuda") and ":" not in args.device:
             args.device = f"cuda:{local}"  # torchrun: one GPU per local rank
         if int(os.environ.get("RANK", "0")) > 0:
-            # rank 0 speaks for the run; the others' reports go to their (discarded) stdout as JSON, and
-            # their errors still reach stderr (main() chose the error format before this)
+            # rank 0 speaks for the run; the others' reports are discarded (also under torchrun, which
+            # shows every rank's stdout), their errors still reach stderr (main() chose their format)
             args.quiet = True
             args.json = True
+            sys.stdout = open(os.devnull, "w")
         return None
     from qtool.dist.launch import rank_devices, spawn
 
-    devices = rank_devices(args.nproc, args.devices, args.device)
+    devices = rank_devices(args.nproc, args.devices, args.device, check_gpus=not getattr(args, "dry_run", False))
+    args.device = devices[0]  # (a dry run plans rank 0's device; the ranks set their own)
     if len(devices) == 1:
-        args.device = devices[0]
         return None
     if getattr(args, "dry_run", False):
         os.environ["QTOOL_PLANNED_RANKS"] = str(len(devices))  # the plan's memory is per rank
         return None
-    return spawn(argv, devices)
+    from qtool.errors import UsageError
+
+    # refusals every rank would make, made once here
+    if getattr(args, "save_ref", None) or getattr(args, "emit_windows", None):
+        raise UsageError("--save-ref and --emit-windows run in one process",
+                         hint="drop --nproc/--devices for them; the KLD comparison itself runs on any number of ranks")
+    if getattr(args, "backend", None) not in (None, "rtn"):
+        raise UsageError(f"--backend {args.backend} runs in one process (the peer library's calibration state is "
+                         "not reduced over ranks)", hint="use --backend rtn with --nproc/--devices, or one process")
+    return spawn(argv, devices, resumable=hasattr(args, "resume"))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,23 +19,49 @@ from qtool.errors import UsageError
 GRACE_S = 10.0  # how long the other ranks get to stop on their own after one failed
 
 
-def rank_devices(nproc: int | None, devices: str | None, device: str) -> list[str]:
-    """The device of each rank: --devices as given; --nproc N on cuda: cuda:0..N-1; on cpu: N x cpu."""
+def rank_devices(nproc: int | None, devices: str | None, device: str, check_gpus: bool = True) -> list[str]:
+    """The device of each rank: --devices as given; --nproc N on cuda: cuda:0..N-1; on cpu: N x cpu.
+    check_gpus=False for a dry run, which may plan a GPU job on another machine."""
+    if nproc is not None and nproc < 1:
+        raise UsageError(f"--nproc must be at least 1, got {nproc}")
     if devices:
-        out = [d.strip() for d in devices.split(",") if d.strip()]
+        out = [_indexed(d.strip()) for d in devices.split(",") if d.strip()]
         if nproc not in (None, len(out)):
             raise UsageError(f"--nproc {nproc} but --devices names {len(out)} devices", hint="give one of them")
-        if len(set(out)) != len(out) and not all(d == "cpu" for d in out):
+        if len({d == "cpu" for d in out}) > 1:
+            raise UsageError(f"--devices mixes CPU and GPU ranks: {devices}",
+                             hint="one kind of device for every rank (their numerics must agree)")
+        if len(set(out)) != len(out) and out[0] != "cpu":
             raise UsageError(f"--devices names a GPU twice: {devices}", hint="one rank per GPU")
+        if check_gpus:
+            _check_gpus(out)
         return out
     n = nproc or 1
-    if n < 1:
-        raise UsageError("--nproc must be at least 1")
     if device.startswith("cuda"):
         if ":" in device and n > 1:
             raise UsageError(f"--device {device} with --nproc {n}", hint="use --devices cuda:0,cuda:1,... instead")
-        return [f"cuda:{i}" for i in range(n)] if n > 1 else [device]
+        out = [f"cuda:{i}" for i in range(n)] if n > 1 else [device]
+        if n > 1 and check_gpus:
+            _check_gpus(out)
+        return out
     return [device] * n
+
+
+def _indexed(d: str) -> str:
+    return "cuda:0" if d == "cuda" else d
+
+
+def _check_gpus(devices: list[str]) -> None:
+    """Before any rank starts: the GPUs named exist (else every rank would fail on its own)."""
+    if devices[0] == "cpu":
+        return
+    import torch
+
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    need = max(int(d.partition(":")[2] or 0) for d in devices) + 1
+    if have < need:
+        raise UsageError(f"{len(devices)} GPU ranks ({', '.join(devices)}) but this machine has {have} CUDA device(s)",
+                         hint="use --nproc/--devices within the GPUs present, or --device cpu")
 
 
 def _free_port() -> int:
@@ -44,7 +70,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(argv: list[str], devices: list[str]) -> int:
+def spawn(argv: list[str], devices: list[str], resumable: bool = True) -> int:
     """Run `qtool argv` once per device as ranks 0..N-1; returns the run's exit code."""
     world = len(devices)
     base = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
@@ -55,15 +81,20 @@ def spawn(argv: list[str], devices: list[str]) -> int:
         # rank 0 speaks for the run (its report, progress, errors); the others only report errors
         procs.append(subprocess.Popen([sys.executable, "-m", "qtool", *argv], env=env,
                                       stdout=None if r == 0 else subprocess.DEVNULL))
+    def terminate(signum, frame):  # a SIGTERM to the launcher stops the ranks too (no orphans)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, terminate)
     try:
-        return _watch(procs)
+        return _watch(procs, resumable)
     except KeyboardInterrupt:
-        _stop(procs)
-        print("interrupted", file=sys.stderr)
+        _stop(procs)  # each rank reports its own interruption
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
-def _watch(procs: list[subprocess.Popen]) -> int:
+def _watch(procs: list[subprocess.Popen], resumable: bool) -> int:
     failed: tuple[int, int] | None = None
     deadline = None
     while True:
@@ -83,8 +114,10 @@ def _watch(procs: list[subprocess.Popen]) -> int:
         return 0
     rank, code = failed
     how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
-    print(f"qtool: rank {rank} of {len(procs)} {how}; the run stopped on every rank. The partial output is kept: "
-          f"re-run the same command with --resume (any number of ranks) to continue.", file=sys.stderr)
+    then = (" If it had started writing, its partial output is kept: re-run the same command with --resume "
+            "(any number of ranks) to continue." if resumable else "")
+    print(f"qtool: rank {rank} of {len(procs)} {how} (its error is above); the run stopped on every rank.{then}",
+          file=sys.stderr)
     rc0 = procs[0].returncode
     return rc0 if rc0 not in (None, 0) and rc0 > 0 else 1
 

@@ -146,6 +146,7 @@ class DiskStore(HiddenStore):
             raise ValueError(f"files must be 2..{len(self.NAMES)}")
         self._writer = None
         self._pending: list = []
+        self._failed: BaseException | None = None
         if write_behind:
             from concurrent.futures import ThreadPoolExecutor
 
@@ -175,7 +176,18 @@ class DiskStore(HiddenStore):
         if self._writer is None:
             fn(*a)
         else:
-            self._pending.append(self._writer.submit(fn, *a))
+            self._pending.append(self._writer.submit(self._in_order, fn, *a))
+
+    def _in_order(self, fn, *a) -> None:
+        """Run a queued task unless an earlier one failed: a failed write must not be followed by the
+        fsync and the journal entry that would declare the layer's hidden states complete."""
+        if self._failed is not None:
+            raise self._failed
+        try:
+            fn(*a)
+        except BaseException as e:
+            self._failed = e
+            raise
 
     def drain(self) -> None:
         """Wait for the writer thread's queue (its first error is raised here)."""

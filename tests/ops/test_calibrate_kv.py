@@ -247,3 +247,24 @@ def test_kill_in_the_hidden_state_writer_resumes_to_the_same_scales(request, tmp
     assert p.returncode == 0, p.stderr[-2000:]
     for f in clean.glob("*.safetensors"):
         assert (out / f.name).read_bytes() == f.read_bytes(), f.name
+
+
+def test_failed_hidden_state_write_is_never_journaled(request, tmp_path):
+    """With the writer thread, a failed write of a layer's hidden states stops the queue: neither its
+    fsync nor the journal entry that would declare the layer complete runs; --resume recomputes it."""
+    from killpoint import run_failing, run_qtool
+
+    src = fixture_dir(request, "tiny_nvfp4_modelopt")
+    args = ["calibrate-kv", src, "--replace-scales", "--samples", "4", "--seq-len", "32", "--batch-tokens", "64",
+            "--quiet"]
+    clean, out = tmp_path / "clean", tmp_path / "out"
+    assert run_qtool([*args, "-o", clean]).returncode == 0
+    # writes: 2 micro-batches of embeddings, then 2 per layer: the 4th is layer 0's last
+    failed = run_failing("qtool.stream.layer_stream:_pwrite_file", 4, "ENOSPC", [*args, "-o", out])
+    assert failed.returncode != 0 and "No space left on device" in failed.stderr
+    journal = json.loads((tmp_path / "out.partial/.calibrate-kv/journal.json").read_text())
+    assert journal["next_layer"] == 0  # layer 0 not declared done
+    p = run_qtool([*args, "-o", out, "--resume"])
+    assert p.returncode == 0, p.stderr[-2000:]
+    for f in clean.glob("*.safetensors"):
+        assert (out / f.name).read_bytes() == f.read_bytes(), f.name

@@ -85,17 +85,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _ranks(args: list, kill_rank: int, after_layers: int) -> list[subprocess.Popen]:
+def _ranks(args: list, kill_rank: int, after_layers: int, point: list[str] | None = None) -> list[subprocess.Popen]:
     """Two ranks under torchrun's environment; `kill_rank` SIGKILLs itself once it has run
-    `after_layers` decoder layers (tests/killpoint.py)."""
+    `after_layers` decoder layers, or meets `point` (tests/killpoint.py arguments)."""
     env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
            "QTOOL_DIST_TIMEOUT": "60", "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     procs = []
     for r in range(2):
         e = {**env, "RANK": str(r), "LOCAL_RANK": str(r)}
         if r == kill_rank:
-            cmd = [sys.executable, str(ROOT / "tests/killpoint.py"),
-                   "qtool.stream.layer_stream:LayerStreamer.forward_layer", str(after_layers), "--", *map(str, args)]
+            point = point or ["qtool.stream.layer_stream:LayerStreamer.forward_layer", str(after_layers)]
+            cmd = [sys.executable, str(ROOT / "tests/killpoint.py"), *point, "--", *map(str, args)]
         else:
             cmd = [sys.executable, "-m", "qtool", *map(str, args)]
         procs.append(subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
@@ -162,3 +162,23 @@ def _child_with_rank(parent: int, rank: int) -> int:
         if ppid == parent and f"RANK={rank}".encode() in env:
             return int(d.name)
     raise AssertionError(f"no rank {rank} under {parent}")
+
+
+@pytest.mark.parametrize("command, point", [
+    # rank 0's write of layer 2 fails while rank 1 runs on: rank 1 must not overwrite the hidden states the
+    # journal still names (quantize: three files, one layer of lag)
+    (["quantize", "--recipe", "qwen35-nvfp4-experts"], ["qtool.ops.quantize.layer:write_layer_shard", "3", "ENOSPC"]),
+    # rank 0's journal write fails (calibrate-kv: two files)
+    (["calibrate-kv", "--replace-scales"], ["qtool.io.jsonio:write_json", "4", "ENOSPC"]),
+])
+def test_a_failed_write_on_rank_0_resumes_to_the_same_bytes(request, tmp_path, command, point):
+    src = fixture_dir(request, "tiny_bf16" if command[0] == "quantize" else "tiny_nvfp4_modelopt")
+    job = [command[0], src, *command[1:], "--samples", "6", "--seq-len", "64", "--batch-tokens", "64", "--quiet"]
+    clean, out = tmp_path / "clean", tmp_path / "out"
+    _run([*job, "-o", clean])
+    procs = _ranks([*job, "-o", out], 0, 0, point)
+    results = [p.communicate(timeout=TIMEOUT) for p in procs]
+    assert procs[0].returncode == 1 and "No space left on device" in results[0][1]
+    assert procs[1].returncode == 1
+    _run([*job, "-o", out, "--resume", "--nproc", "2"])
+    _same_output(clean, out)

@@ -70,6 +70,9 @@ class _KvHooks:
         if idx in self.layers:
             reduce_kv(self.stats[idx], self.group)
         self.on_done(idx)
+        # the other ranks wait for rank 0's journal entry: the next layer writes the file the previous
+        # entry names (two files)
+        self.group.barrier()
 
 
 def reduce_kv(st, group) -> None:

@@ -160,12 +160,15 @@ def _quantize_layers(p, partial, streamer, store, seq, batch, start, layer_repor
                     search_awq_over_ranks(layer, stats, p, g)  # here: collectives stay on this thread
                 if g.world > 1 and lp.scheme is Scheme.NVFP4 and p.recipe.nvfp4.weight_scale is WeightScale.MSE:
                     stats.block_scales = search_mse_over_ranks(layer, p, g)
-                if not g.leader:
-                    del layer, backend
-                    continue  # rank 0 quantizes and writes the layer
                 if pending is not None:
                     pending.result()  # the previous layer is written and journaled (its error raised here)
                     pending = None
+                # the other ranks wait for that journal entry: the next layer's forward overwrites the
+                # file the previous journal entry names (three files, one layer of lag)
+                g.barrier()
+                if not g.leader:
+                    del layer, backend
+                    continue  # rank 0 quantizes and writes the layer
                 job = (lp, layer, stats, kv, backend, store.current)
                 if backend is None:
                     pending = writer.submit(finish, *job)
