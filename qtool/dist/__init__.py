@@ -129,12 +129,6 @@ def _from_env() -> Group:
     return Group(rank, world, device)
 
 
-def device_for(requested: str) -> str:
-    """The device this rank computes on: its launch device when there is one, else the requested one."""
-    g = current()
-    return g.device or requested
-
-
 def planned_ranks() -> int:
     """How many ranks the job runs on (a dry run of `--nproc N` plans for N without starting them)."""
     return int(os.environ.get("WORLD_SIZE") or os.environ.get("QTOOL_PLANNED_RANKS") or 1)

@@ -229,16 +229,16 @@ def _dense_experts(mods: list[Module], dtype, device, src, want: tuple[int, int]
     GPU. Element-wise the same arithmetic as one matrix at a time, so the values are identical."""
     import torch
 
+    from qtool.formats.nvfp4 import BLOCK_SIZE
+
     fmt = mods[0].format
-    packed = (want[0], want[1] // 2)
+    codes, scale, glob = (("weight", "weight_scale", "weight_scale_2") if fmt is Format.NVFP4
+                          else ("weight_packed", "weight_scale", "weight_global_scale"))
     batched = fmt in (Format.NVFP4, Format.NVFP4_CT) and all(
-        m.format is fmt and tuple(m.params[_codes_name(fmt)].shape) == packed
-        and tuple(m.params["weight_scale"].shape) == (want[0], want[1] // nvfp4_block()) for m in mods)
+        m.format is fmt and tuple(m.params[codes].shape) == (want[0], want[1] // 2)
+        and tuple(m.params[scale].shape) == (want[0], want[1] // BLOCK_SIZE) for m in mods)
     if batched:
         from qtool.formats import nvfp4
-
-        codes, scale, glob = (("weight", "weight_scale", "weight_scale_2") if fmt is Format.NVFP4
-                              else ("weight_packed", "weight_scale", "weight_global_scale"))
 
         def stacked(name):
             return torch.stack([src.get(m.params[name]).to(device) for m in mods])
@@ -254,16 +254,6 @@ def _dense_experts(mods: list[Module], dtype, device, src, want: tuple[int, int]
                             got=list(w.shape))
         dense.append(w)
     return torch.stack(dense)
-
-
-def nvfp4_block() -> int:
-    from qtool.formats.nvfp4 import BLOCK_SIZE
-
-    return BLOCK_SIZE
-
-
-def _codes_name(fmt: Format) -> str:
-    return "weight" if fmt is Format.NVFP4 else "weight_packed"
 
 
 def _fill_experts(sd, want, experts: dict[int, dict[str, Module]], dtype, device, src) -> None:

@@ -60,9 +60,9 @@ class MemoryNeed:
                 "gpu_available": self.gpu_available, "fits": self.fits, "problems": self.problems}
 
 
-def need(sp, *, device: str, devices: list[str] | None = None, held_layers: int = 1, extra_host: int = 0,
+def need(sp, *, device: str, held_layers: int = 1, extra_host: int = 0,
          hidden_in_ram: bool = False, ranks: int = 1) -> MemoryNeed:
-    """`sp`: layer_stream.StreamPlan. `devices`: the GPUs the ranks use (default: `device`)."""
+    """`sp`: layer_stream.StreamPlan; per rank, on `device` (the fit reads that GPU's free memory)."""
     from qtool.stream.layer_read import CHUNK, READERS
 
     dense, stored = sp.max_layer_bytes, sp.max_stored_layer_bytes
@@ -77,7 +77,7 @@ def need(sp, *, device: str, devices: list[str] | None = None, held_layers: int 
         host = READERS * 2 * CHUNK + max(sp.embed_bytes, micro) + hidden + extra_host
         gpu = held_layers * dense + stored + sp.activation_bytes
     return MemoryNeed(device, ranks, host, gpu, _host_available(),
-                      _gpu_free(devices or [device]) if gpu is not None else {})
+                      _gpu_free([device]) if gpu is not None else {})
 
 
 def _host_available() -> int | None:
