@@ -126,6 +126,11 @@ def _from_env() -> Group:
     except (RuntimeError, ValueError, ConnectionError) as e:
         raise RankError(f"rank {rank}: could not join the {world} ranks ({str(e)[:200]})",
                         hint="MASTER_ADDR/MASTER_PORT must name a reachable rank 0; use --nproc or torchrun") from None
+    import atexit
+
+    # torch's process group owns C++ threads: destroyed with the interpreter they abort the exit
+    # ("terminate called without an active exception", SIGABRT) on a rank that ends before the others
+    atexit.register(dist.destroy_process_group)
     return Group(rank, world, device)
 
 
