@@ -132,6 +132,14 @@ def _parallel(args, argv: list[str]) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    code = _main(argv)
+    from qtool import dist
+
+    dist.end_rank(code)  # a rank of several ends here, without the interpreter's teardown
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # Only the chosen command's module is imported, so `--help` stays cheap.
     chosen = next((a for a in argv if a in COMMANDS), None)

@@ -6,8 +6,9 @@ rank plans the same job and streams the same layers (each reads them itself: the
 layer from disk, the page cache serves the others). The calibration windows are cut into the same
 micro-batches as in a one-process run and micro-batch b goes to rank b % world, so every micro-batch is
 computed exactly as it would be alone; the statistics are then reduced exactly (max of amaxes, sum of
-counts, AWQ rows merged in window order), so the results do not depend on the number of ranks. Rank 0
-owns the output transaction and the journal; the hidden states live in one shared set of files indexed
+counts, AWQ rows merged in window order), so the results do not depend on the number of ranks. The
+weight side (quantize's codecs and scale searches) is split by chunk of experts, each rank writing its
+experts' bytes into the layer's shard file. Rank 0 owns the output transaction and the journal; the hidden states live in one shared set of files indexed
 by window, which is what lets `--resume` continue with any number of ranks.
 
 `current()` gives this process's Group: a one-rank Group (every collective the identity) unless the
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 from dataclasses import dataclass
 
 from qtool.errors import QtoolError
@@ -132,6 +134,23 @@ def _from_env() -> Group:
     # ("terminate called without an active exception", SIGABRT) on a rank that ends before the others
     atexit.register(dist.destroy_process_group)
     return Group(rank, world, device)
+
+
+def end_rank(code: int) -> None:
+    """Exit a rank of several with `code` once its command is done (its files are fsynced, its output
+    flushed here), skipping the interpreter's teardown: gloo's C++ threads still hold tensors then, and
+    freeing them while Python finalises aborts the process now and then ("terminate called without an
+    active exception", SIGABRT: a clean run reported as a dead rank; seen in CI even with the process
+    group destroyed at exit). The kernel closes the sockets; the other ranks have no collective left
+    with this one. No-op in one process."""
+    if _current is None or _current.world == 1:
+        return
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass  # a closed or vanished pipe: nothing more can reach it
+    os._exit(code)
 
 
 def planned_ranks() -> int:

@@ -102,7 +102,9 @@ def _watch(procs: list[subprocess.Popen], resumable: bool) -> int:
         if failed is None:
             bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
             if bad:
-                failed = bad[0]
+                # seen in one pass: a rank killed by a signal is the cause, the others' exits the effect
+                # (they lost it: a rank exits as soon as its collective fails)
+                failed = min(bad, key=lambda rc: (rc[1] > 0, rc[0]))
                 deadline = time.monotonic() + GRACE_S
         if all(c is not None for c in codes):
             break

@@ -45,8 +45,8 @@ def _run(args, **kw):
 
 @pytest.mark.parametrize("recipe", ["qwen35-nvfp4-experts", "qwen35-nvfp4-experts-mse", "qwen35-awq-int4"])
 def test_quantize_two_ranks_same_bytes(request, tmp_path, recipe):
-    """RTN NVFP4; NVFP4 with MSE block scales (searched over the ranks by chunk of experts); AWQ INT4
-    (its scale search split by expert)."""
+    """RTN NVFP4; NVFP4 with MSE block scales; AWQ INT4: each rank codes its chunks of experts (with
+    their MSE or AWQ scale search) and writes them into the one shard file."""
     src = fixture_dir(request, "tiny_bf16")
     one, two = tmp_path / "one", tmp_path / "two"
     _run(["quantize", src, "-o", one, "--recipe", recipe, "--backend", "rtn", *JOB])
@@ -164,21 +164,28 @@ def _child_with_rank(parent: int, rank: int) -> int:
     raise AssertionError(f"no rank {rank} under {parent}")
 
 
-@pytest.mark.parametrize("command, point", [
+@pytest.mark.parametrize("command, rank, point", [
     # rank 0's write of layer 2 fails while rank 1 runs on: rank 1 must not overwrite the hidden states the
     # journal still names (quantize: three files, one layer of lag)
-    (["quantize", "--recipe", "qwen35-nvfp4-experts"], ["qtool.ops.quantize.layer:write_layer_shard", "3", "ENOSPC"]),
+    (["quantize", "--recipe", "qwen35-nvfp4-experts"], 0, ["qtool.ops.quantize.layer:write_layer_shard", "3", "ENOSPC"]),
+    # rank 1's share of layer 2 fails (it codes and writes half the experts): rank 0 must not name the file
+    (["quantize", "--recipe", "qwen35-awq-int4"], 1, ["qtool.ops.quantize.layer:write_layer_shard", "3", "ENOSPC"]),
     # rank 0's journal write fails (calibrate-kv: two files)
-    (["calibrate-kv", "--replace-scales"], ["qtool.io.jsonio:write_json", "4", "ENOSPC"]),
+    (["calibrate-kv", "--replace-scales"], 0, ["qtool.io.jsonio:write_json", "4", "ENOSPC"]),
 ])
-def test_a_failed_write_on_rank_0_resumes_to_the_same_bytes(request, tmp_path, command, point):
+def test_a_failed_write_on_a_rank_resumes_to_the_same_bytes(request, tmp_path, command, rank, point):
     src = fixture_dir(request, "tiny_bf16" if command[0] == "quantize" else "tiny_nvfp4_modelopt")
     job = [command[0], src, *command[1:], "--samples", "6", "--seq-len", "64", "--batch-tokens", "64", "--quiet"]
     clean, out = tmp_path / "clean", tmp_path / "out"
     _run([*job, "-o", clean])
-    procs = _ranks([*job, "-o", out], 0, 0, point)
+    procs = _ranks([*job, "-o", out], rank, 0, point)
     results = [p.communicate(timeout=TIMEOUT) for p in procs]
-    assert procs[0].returncode == 1 and "No space left on device" in results[0][1]
-    assert procs[1].returncode == 1
+    assert procs[rank].returncode == 1 and "No space left on device" in results[rank][1]
+    assert procs[1 - rank].returncode == 1
+    if rank == 1:
+        assert "lost the other ranks" in results[0][1]
+        partial = out.parent / "out.partial"
+        assert json.loads((partial / ".quantize/journal.json").read_text())["next_layer"] == 2
+        assert not (partial / "model-layer-00002.safetensors").exists()  # the half-written shard was not named
     _run([*job, "-o", out, "--resume", "--nproc", "2"])
     _same_output(clean, out)

@@ -36,8 +36,6 @@ class ExpertStats:
         self._row_batches = [[] for _ in range(e)]  # the micro-batch (first window) of each kept piece
         self._kept = [0] * e
         self.batch = 0  # the micro-batch being run (LayerStreamer.forward_layer's on_batch)
-        self.searched: dict | None = None  # AWQ scales searched over ranks (qtool.ops.quantize.layer)
-        self.block_scales: dict | None = None  # NVFP4 MSE block scales searched over ranks (same)
 
     def set_batch(self, b0: int) -> None:
         self.batch = b0

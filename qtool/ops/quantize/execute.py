@@ -27,7 +27,7 @@ from qtool.io.output import OutputDir
 from qtool.ops.contract import Report
 from qtool.ops.quantize.output import input_files
 from qtool.ops.quantize.plan import QuantizeOptions, QuantizePlan, plan
-from qtool.recipes import Scheme, WeightScale
+from qtool.recipes import Scheme
 
 JOURNAL = "journal.json"
 WORK = ".quantize"
@@ -96,8 +96,10 @@ def _quantize_layers(p, partial, streamer, store, seq, batch, start, layer_repor
     """The layer loop: layer L+1's bytes are read while L computes (streamer.prefetch), and L's experts are
     quantized and its shard written by one writer thread while L+1 loads and runs forward (write-behind,
     at most one layer pending; not with a peer backend, whose library state is not thread-safe). The
-    journal entry of L is saved by the writer once L's shard is on disk, in layer order; the store keeps
-    three hidden-state files so that L's input survives L+1's forward until then."""
+    journal entry of L is saved once L's shard is on disk, in layer order; the store keeps three
+    hidden-state files so that L's input survives L+1's forward until then. With several ranks every rank
+    codes and writes its share of L's experts (layer.Share) into the one file, and rank 0 renames and
+    journals it once every share is written (the ranks meet at L+1's end)."""
     from concurrent.futures import ThreadPoolExecutor
 
     import torch
@@ -105,28 +107,50 @@ def _quantize_layers(p, partial, streamer, store, seq, batch, start, layer_repor
     from qtool.ops.calibrate_kv.calibrate import reduce_kv
     from qtool.ops.quantize.calib import (ExpertStats, KvStat, install_expert_stats, reduce_expert_stats,
                                           remove_expert_stats)
-    from qtool.ops.quantize.layer import search_awq_over_ranks, search_mse_over_ranks, write_layer_shard
+    from qtool.ops.quantize.layer import Share, create_layer_tmp, layer_tmp, write_layer_shard
     from qtool.stream.layer_stream import attention_tap, kv_amax_tap
 
     g = streamer.group
+    share = Share(g.rank, g.world)
 
-    def finish(lp, layer, stats, kv, backend, current) -> None:
-        with torch.no_grad():
-            rep = write_layer_shard(partial / lp.shard, lp, layer, stats, (kv.k_amax, kv.v_amax), p, backend, mode)
+    def commit(lp, stats, kv, current, awq: list[dict]) -> None:
+        """Rank 0, once the layer's shard is whole on disk: named, hashed and journaled."""
+        if g.world > 1:
+            os.replace(layer_tmp(partial / lp.shard), partial / lp.shard)
         if done is not None:
             done(lp.shard)  # hashed for the manifest now, while the next layer runs
         entry = {"layer": lp.index, "routed_experts": lp.scheme.value, **stats.to_json()}
         if lp.full_attention:
             entry["kv"] = {"k_amax": kv.k_amax, "v_amax": kv.v_amax, "tokens": kv.tokens}
-        if rep["awq"]:
-            entry["awq"] = {"mean_alpha": sum(r["alpha"] for r in rep["awq"]) / len(rep["awq"]),
-                            "down_mse": sum(r["down_mse"] for r in rep["awq"]),
-                            "down_mse_rtn": sum(r["down_mse_rtn"] for r in rep["awq"])}
+        if awq:
+            awq = sorted(awq, key=lambda r: r["expert"])  # the ranks' experts, summed in one process's order
+            entry["awq"] = {"mean_alpha": sum(r["alpha"] for r in awq) / len(awq),
+                            "down_mse": sum(r["down_mse"] for r in awq),
+                            "down_mse_rtn": sum(r["down_mse_rtn"] for r in awq)}
         layer_reports.append(entry)
         save(lp.index + 1, current)
         streamer.clock["layers_done"].append(time.time())
         if progress is not None:
             progress(lp.index)
+
+    def finish(lp, layer, stats, kv, backend, current) -> list[dict]:
+        """Write this rank's share of the layer; one rank also commits it here, on the writer thread."""
+        with torch.no_grad():
+            rep = write_layer_shard(partial / lp.shard, lp, layer, stats, (kv.k_amax, kv.v_amax), p, backend, mode,
+                                    share)
+        if g.world == 1:
+            commit(lp, stats, kv, current, rep["awq"])
+        return rep["awq"]
+
+    def settle(previous) -> None:
+        """Wait for this rank's share of the previous layer; with several ranks, meet the others (each
+        share is on disk once the gather returns) and commit it on rank 0."""
+        fut, lp, stats, kv, current = previous
+        awq = fut.result()  # its error is raised here
+        if g.world > 1:
+            every = g.gather(awq)  # here: collectives stay on this thread
+            if g.leader:
+                commit(lp, stats, kv, current, [r for part in every for r in part])
 
     todo = p.layers[start:]
     pending = None
@@ -156,32 +180,28 @@ def _quantize_layers(p, partial, streamer, store, seq, batch, start, layer_repor
                 stats.settle()
                 reduce_expert_stats(stats, g)  # data parallel: every rank now holds the whole layer's stats
                 reduce_kv(kv, g)
-                if g.world > 1 and lp.scheme is Scheme.W4A16 and p.recipe.int4.awq:
-                    search_awq_over_ranks(layer, stats, p, g)  # here: collectives stay on this thread
-                if g.world > 1 and lp.scheme is Scheme.NVFP4 and p.recipe.nvfp4.weight_scale is WeightScale.MSE:
-                    stats.block_scales = search_mse_over_ranks(layer, p, g)
                 if pending is not None:
-                    pending.result()  # the previous layer is written and journaled (its error raised here)
-                    pending = None
+                    previous, pending = pending, None
+                    settle(previous)  # the previous layer is written and journaled
+                if g.world > 1 and g.leader:
+                    create_layer_tmp(partial / lp.shard, mode)  # the file every rank writes its share into
                 # the other ranks wait for that journal entry: the next layer's forward overwrites the
                 # file the previous journal entry names (three files, one layer of lag)
                 g.barrier()
-                if not g.leader:
-                    del layer, backend
-                    continue  # rank 0 quantizes and writes the layer
                 job = (lp, layer, stats, kv, backend, store.current)
                 if backend is None:
-                    pending = writer.submit(finish, *job)
+                    pending = (writer.submit(finish, *job), lp, stats, kv, store.current)
                 else:
                     finish(*job)
                 del layer, backend, job
             if pending is not None:
-                pending.result()
+                previous, pending = pending, None
+                settle(previous)
         finally:
             if pending is not None:
-                pending.cancel()
+                pending[0].cancel()
                 try:
-                    pending.result()
+                    pending[0].result()
                 except BaseException:
                     pass  # the error that brought us here is the one raised
 

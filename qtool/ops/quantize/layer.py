@@ -98,10 +98,9 @@ def _nvfp4_parts(gu, down, inter):
     return (("down_proj", down, ws2_dn), ("gate_proj", gate, ws2_gu), ("up_proj", up, ws2_gu))
 
 
-def nvfp4_rtn(gu, down, inter, in_amax, mid_amax, recipe, block_scales: dict | None = None
-              ) -> dict[str, NVFP4Experts]:
+def nvfp4_rtn(gu, down, inter, in_amax, mid_amax, recipe) -> dict[str, NVFP4Experts]:
     """qtool's own NVFP4 of a chunk of experts (ModelOpt numerics; MSE-searched block scales when the
-    recipe asks, or `block_scales` {part: scales} searched by the ranks: search_mse_over_ranks)."""
+    recipe asks). Every expert is coded on its own: the chunking does not change a byte."""
     from qtool.formats import nvfp4
     from qtool.formats.nvfp4_triton import quantize_fast  # Triton kernel on CUDA, torch codec elsewhere
     from qtool.ops.quantize.nvfp4_mse import search_block_scales
@@ -110,10 +109,7 @@ def nvfp4_rtn(gu, down, inter, in_amax, mid_amax, recipe, block_scales: dict | N
     amaxes = {"down_proj": mid_amax, "gate_proj": in_amax, "up_proj": in_amax}
     for part, w, ws2 in _nvfp4_parts(gu, down, inter):
         amax = amaxes[part]
-        if block_scales is not None:
-            bs = block_scales[part].to(w.device)
-        else:
-            bs = search_block_scales(w, ws2) if recipe.nvfp4.weight_scale is WeightScale.MSE else None
+        bs = search_block_scales(w, ws2) if recipe.nvfp4.weight_scale is WeightScale.MSE else None
         q = quantize_fast(w, weight_scale_2=ws2, block_scale=bs)
         res[part] = NVFP4Experts(q.packed, q.block_scale, q.weight_scale_2.reshape(-1).float(),
                                  nvfp4.input_scale_from_amax(amax.float()).reshape(-1))
@@ -132,9 +128,7 @@ def _int4_expert_chunk(gu, down, inter, stats, e0, recipe, fmt, report, g: int) 
         e = e0 + k
         gate, up, dn = gu[k, :inter], gu[k, inter:], down[k]
         if recipe.int4.awq and stats is not None:
-            s, alpha, mse, rtn_mse = (stats.searched[e] if stats.searched is not None
-                                      else awq_down_scales(stats.rows(e), dn, g, recipe.int4.awq_grid, sdt))
-            s = s.to(dn.device)  # searched on another rank: gathered through the host
+            s, alpha, mse, rtn_mse = awq_down_scales(stats.rows(e), dn, g, recipe.int4.awq_grid, sdt)
             # fold: down columns * s, up rows / s (exact in real arithmetic)
             dn = (dn.float() * s).to(dn.dtype)
             up = (up.float() / s.unsqueeze(-1)).to(up.dtype)
@@ -156,81 +150,103 @@ def _int4_scale_dtype(fmt: OutFormat) -> torch.dtype:
     return torch.float16 if fmt is OutFormat.AWQ else torch.bfloat16
 
 
-def search_awq_over_ranks(layer, stats, p, group) -> None:
-    """AWQ's down_proj scale search (the compute-bound part of W4A16) split over the ranks by expert
-    (expert e on rank e % world) and gathered into `stats.searched` on every rank; the same function on
-    the same rows and weights as one process runs, so the result does not depend on the rank count."""
-    from qtool.ops.quantize.awq_search import awq_down_scales
+@dataclass(frozen=True)
+class Share:
+    """The part of a layer shard one rank codes and writes: rank 0 writes the header, the copied tensors
+    and the KV scales; the routed experts go by chunk (chunk k on rank k % world), so the codecs, AWQ's
+    scale search and the MSE block-scale search are split over the ranks with nothing to gather: each
+    rank writes its experts' bytes at their offsets in the one file (every rank sees the same disk)."""
 
-    down = layer.mlp.experts.down_proj.data
-    sdt = _int4_scale_dtype(p.format)
-    mine = {}
-    for e in range(group.rank, p.n_experts, group.world):
-        s, alpha, mse, rtn_mse = awq_down_scales(stats.rows(e), down[e], p.int4_group, p.recipe.int4.awq_grid, sdt)
-        mine[e] = (s.cpu(), alpha, mse, rtn_mse)
-    stats.searched = {e: r for part in group.gather(mine) for e, r in part.items()}
+    rank: int = 0
+    world: int = 1
 
+    def chunk(self, n_experts: int) -> int:
+        """Experts per chunk: CHUNK_EXPERTS, smaller where that leaves a rank without work."""
+        return max(1, min(CHUNK_EXPERTS, -(-n_experts // self.world)))
 
-def search_mse_over_ranks(layer, p, group) -> dict[int, dict]:
-    """The MSE block-scale search (recipe `weight_scale: mse`) split over the ranks by chunk of experts
-    (chunk k on rank k % world), gathered on every rank: {chunk start: {part: scales}}, the same values
-    write_layer_shard's own search gives (the same function on the same weights)."""
-    from qtool.ops.quantize.nvfp4_mse import search_block_scales
-
-    experts = layer.mlp.experts
-    starts = list(range(0, p.n_experts, CHUNK_EXPERTS))
-    mine = {}
-    for c0 in starts[group.rank::group.world]:
-        c1 = min(p.n_experts, c0 + CHUNK_EXPERTS)
-        parts = _nvfp4_parts(experts.gate_up_proj.data[c0:c1], experts.down_proj.data[c0:c1], p.inter)
-        # as bytes: torch's pickling of float8 storages fails on load (UntypedStorage has no dtype)
-        mine[c0] = {part: search_block_scales(w, ws2).cpu().view(torch.uint8) for part, w, ws2 in parts}
-    return {c0: {part: b.view(torch.float8_e4m3fn) for part, b in bs.items()}
-            for every in group.gather(mine) for c0, bs in every.items()}
+    def owns(self, spec_expert: int | None, chunk: int) -> bool:
+        if spec_expert is None:
+            return self.rank == 0
+        return (spec_expert // chunk) % self.world == self.rank
 
 
-def write_layer_shard(path: Path, lp, layer, stats, kv, p, backend=None, mode: int = 0o644) -> dict:
-    """Write `lp.specs` to `path` (tmp + rename). `layer`: the dense transformers layer; `stats`:
-    ExpertStats; `kv`: (k_amax, v_amax) or None; `backend`: a peer backend's per-layer state
-    (qtool.ops.quantize.backends) that quantizes the NVFP4 experts instead of qtool's RTN."""
+def layer_tmp(path: Path) -> Path:
+    from qtool.io.files import TMP_SUFFIX
+
+    return path.with_name("." + path.name + TMP_SUFFIX)
+
+
+def create_layer_tmp(path: Path, mode: int = 0o644) -> None:
+    """The empty file the ranks write their shares into (rank 0, before the others open it)."""
+    from qtool.io.files import open_new
+
+    os.close(open_new(layer_tmp(path), mode))
+
+
+def _expert_of(name: str) -> tuple[int, str, str] | None:
+    """(expert, part, param) of a quantized expert param `...experts.{E}.{part}.{param}`, else None."""
+    if ".mlp.experts." not in name:
+        return None
+    mod, _, param = name.rpartition(".")
+    rest = mod.rpartition(".mlp.experts.")[2]
+    return int(rest.partition(".")[0]), rest.partition(".")[2], param
+
+
+def write_layer_shard(path: Path, lp, layer, stats, kv, p, backend=None, mode: int = 0o644,
+                      share: Share = Share()) -> dict:
+    """Write `lp.specs` to `path`. One rank: the whole shard to a tmp file renamed to `path`. Several:
+    this rank's Share into the tmp file rank 0 made (create_layer_tmp), at the header's offsets, fsynced;
+    rank 0 renames it (os.replace) once every rank's share is on disk. `layer`: the dense transformers
+    layer; `stats`: ExpertStats; `kv`: (k_amax, v_amax) or None; `backend`: a peer backend's per-layer
+    state (qtool.ops.quantize.backends) that quantizes the NVFP4 experts instead of qtool's RTN."""
+    from qtool.io.files import open_new
     from qtool.ops.calibrate_kv import LayerStat
+    from qtool.ops.quantize.plan import QUANT_PARAMS
 
     experts = layer.mlp.experts
     inter = p.inter
     report: dict = {"awq": []}
     in_amax, mid_amax = input_amaxes(stats, p.recipe.nvfp4.input_scale)
     header = build_header([OutTensor(s.name, s.dtype, s.shape, _Pending(_nbytes(s))) for s in lp.specs])
-    from qtool.io.files import TMP_SUFFIX, open_new
-
-    tmp = path.with_name("." + path.name + TMP_SUFFIX)
+    names = [n for n, _, _ in QUANT_PARAMS[(lp.scheme, p.format)]] if lp.scheme is not Scheme.BF16 else []
+    tmp = layer_tmp(path)
     fds: dict[str, int] = {}
     n_exp = p.n_experts
+    step = share.chunk(n_exp)
     try:
+        fd = open_new(tmp, mode) if share.world == 1 else os.open(tmp, os.O_WRONLY)
         # buffered: ~12k expert params per 397B layer become a few large writes
-        with os.fdopen(open_new(tmp, mode), "wb", buffering=WRITE_BUFFER) as f:
-            f.write(header)
+        with os.fdopen(fd, "wb", buffering=WRITE_BUFFER) as f:
+            pos = 0  # where this rank's next byte goes; another rank's tensors are skipped by seeking
+            if share.rank == 0:
+                f.write(header)
+            pos = len(header)
             dst = f.fileno()
             chunk: dict = {}
             chunk_start = -1
             for s in lp.specs:
+                at, pos = pos, pos + _nbytes(s)
+                quantized = s.source is None and not s.name.endswith(("k_scale", "v_scale"))
+                which = _expert_of(s.name) if quantized else None
+                if not share.owns(which[0] if which else None, step):
+                    continue
+                if f.tell() != at:
+                    f.seek(at)
                 if s.source is not None:
                     f.flush()  # copied below the buffer, straight between descriptors
                     if s.source.file not in fds:
                         fds[s.source.file] = os.open(s.source.file, os.O_RDONLY)
                     copy_range(fds[s.source.file], dst, s.source.start, s.source.nbytes)
+                    f.seek(pos)  # the descriptor moved under the buffer
                     continue
-                if s.name.endswith(("k_scale", "v_scale")):
+                if which is None:
                     st = LayerStat(lp.index, kv[0], kv[1], 0)
                     f.write(_f32(st.k_scale if s.name.endswith("k_scale") else st.v_scale))
                     continue
-                # a quantized expert param: ...experts.{E}.{part}.{param}
-                mod, _, param = s.name.rpartition(".")
-                rest = mod.rpartition(".mlp.experts.")[2]
-                e = int(rest.partition(".")[0])
-                part = rest.partition(".")[2]
-                if not (chunk_start <= e < chunk_start + CHUNK_EXPERTS) or chunk_start < 0:
-                    chunk_start = (e // CHUNK_EXPERTS) * CHUNK_EXPERTS
-                    e1 = min(n_exp, chunk_start + CHUNK_EXPERTS)
+                e, part, param = which
+                if not (chunk_start <= e < chunk_start + step) or chunk_start < 0:
+                    chunk_start = (e // step) * step
+                    e1 = min(n_exp, chunk_start + step)
                     gu = experts.gate_up_proj.data[chunk_start:e1]
                     dn = experts.down_proj.data[chunk_start:e1]
                     if lp.scheme is Scheme.NVFP4:
@@ -238,27 +254,26 @@ def write_layer_shard(path: Path, lp, layer, stats, kv, p, backend=None, mode: i
                         if backend is not None:
                             parts = backend.nvfp4_chunk(chunk_start, e1, gu, dn, a_in, a_mid)
                         else:
-                            searched = (stats.block_scales or {}).get(chunk_start)
-                            parts = nvfp4_rtn(gu, dn, inter, a_in, a_mid, p.recipe, searched)
+                            parts = nvfp4_rtn(gu, dn, inter, a_in, a_mid, p.recipe)
                         chunk = {part: q.rows(p.format) for part, q in parts.items()}
                     else:
                         chunk = _int4_expert_chunk(gu, dn, inter, stats, chunk_start, p.recipe, p.format, report["awq"],
                                                    p.int4_group)  # one group for every projection (engine rule)
-                from qtool.ops.quantize.plan import QUANT_PARAMS
-
-                names = [n for n, _, _ in QUANT_PARAMS[(lp.scheme, p.format)]]
                 data = chunk[part][e - chunk_start][names.index(param)]
                 if len(data) != _nbytes(s):
                     raise AssertionError(f"{s.name}: {len(data)} bytes, planned {_nbytes(s)}")
                 f.write(data)
             f.flush()
             os.fsync(dst)
-        os.replace(tmp, path)
+        if share.world == 1:
+            os.replace(tmp, path)
+    except BaseException:
+        if tmp.exists():
+            tmp.unlink()  # the layer is redone on resume (it was not journaled)
+        raise
     finally:
         for fd in fds.values():
             os.close(fd)
-        if tmp.exists():
-            tmp.unlink()
     return report
 
 
@@ -268,4 +283,4 @@ def _nbytes(s) -> int:
     return nbytes_for(s.dtype, s.shape)
 
 
-__all__ = ["FileRange", "InlineBytes", "input_amaxes", "write_layer_shard"]
+__all__ = ["FileRange", "InlineBytes", "Share", "create_layer_tmp", "input_amaxes", "layer_tmp", "write_layer_shard"]
