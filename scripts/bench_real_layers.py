@@ -3,17 +3,22 @@
 
 Builds a checkpoint whose every tensor has the 397B's real shape (hidden 4096, 512 experts x 1024 per
 expert, shared expert 1024, GDN 16/64 heads of 128, attention 32/2 heads of 256, vocab 248320; random
-BF16; N decoder layers, the last one full attention, no MTP head; a 13 GB BF16 layer) on the local disk,
-then runs, each as a user would (`python -m qtool ...`, its own process):
+BF16; N decoder layers, the last one full attention, no MTP head; a 13 GB BF16 layer; `--model 122b` /
+`35b`: the siblings' shapes) on the local disk, then runs, each as a user would (`python -m qtool ...`,
+its own process, or `--nproc N` ranks: one row per rank count of `--nproc 1,2,4`, the scaling table):
   quantize --recipe qwen35-nvfp4-experts     (BF16 -> NVFP4 routed experts + calibrated scales)
+  awq: quantize --recipe qwen35-awq-int4     (BF16 -> INT4 routed experts, AWQ scale search)
   calibrate-kv --replace-scales              (on quantize's output)
+  eval-kld --save-ref                        (on quantize's output; one process only)
 cold (page cache dropped, where the kernel lets root do it) and warm (the same run again), and `cat` of the
 job's input files once, in the same run. Prints per job: wall, layer loop, seconds per layer, time before
 the first layer, the ratio of the layer loop to `cat`, peak host RSS (the job's process) and peak GPU
-memory (nvidia-smi, sampled), and the projection to 60 layers on this disk and on a 14 GB/s one.
+memory (nvidia-smi, sampled), and the projection to all the model's layers (60 for the 397B) on this disk and on a 14 GB/s one.
 
     python3 scripts/bench_real_layers.py --workdir /tmp/brl --layers 2 --samples 16 --seq-len 2048
     python3 scripts/bench_real_layers.py --smoke --workdir /tmp/brl-smoke   # tiny shapes on CPU (CI smoke)
+    python3 scripts/bench_real_layers.py --workdir /tmp/brl --jobs awq,calibrate-kv --nproc 1,2,4 --samples 64
+        # several GPUs: per-layer seconds at 1, 2 and 4 ranks (cuda:0..N-1)
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-REAL_LAYERS_397B = 60
+REAL_LAYERS = {"397b": 60, "122b": 48, "35b": 40}
 FAST_DISK = 14e9  # bytes/s: the users' NVMe RAID0
 
 
@@ -42,7 +47,7 @@ def _random_bytes(n_elems: int, device: str) -> bytes:
     return t.view(torch.int16).cpu().numpy().tobytes()
 
 
-def build_real(out: Path, layers: int, device: str) -> None:
+def build_real(out: Path, layers: int, device: str, model: str = "397b") -> None:
     """A real-shape BF16 checkpoint of `layers` decoder layers (the last one full attention)."""
     from qtool.fixtures.sparse import tensor_specs
     from qtool.fixtures.sparse_config import Flavour, real_config
@@ -52,7 +57,7 @@ def build_real(out: Path, layers: int, device: str) -> None:
     if (out / "model.safetensors.index.json").exists():
         return
     out.mkdir(parents=True, exist_ok=True)
-    specs = tensor_specs("397b", Flavour.BF16_PER_EXPERT, mtp=False, vision=True)
+    specs = tensor_specs(model, Flavour.BF16_PER_EXPERT, mtp=False, vision=True)
     # decoder layers: linear-attention layers 0..layers-2, then the real layer 3 (full attention) as the last
     pick = {i: i for i in range(layers - 1)} | {3: layers - 1}
     chosen = []
@@ -63,7 +68,7 @@ def build_real(out: Path, layers: int, device: str) -> None:
                 continue
             t = t._replace(name=t.name.replace(f".layers.{idx}.", f".layers.{pick[idx]}.", 1))
         chosen.append(t)
-    cfg = real_config("397b", Flavour.BF16_PER_EXPERT)
+    cfg = real_config(model, Flavour.BF16_PER_EXPERT)
     text = cfg["text_config"]
     text["num_hidden_layers"] = layers
     text["layer_types"] = ["linear_attention"] * (layers - 1) + ["full_attention"]
@@ -187,16 +192,16 @@ def print_profile(path: Path, top: int = 25) -> None:
     pstats.Stats(str(path)).sort_stats("cumulative").print_stats(top)
 
 
-def one_job(name: str, argv: list[str], inputs: Path, layers: int, cold: bool, profile_dir: Path | None = None
-            ) -> dict:
+def one_job(name: str, argv: list[str], inputs: Path, layers: int, cold: bool, profile_dir: Path | None = None,
+            ranks: int = 1, real_layers: int = REAL_LAYERS["397b"]) -> dict:
     files = shard_files(inputs)
     nbytes = sum(f.stat().st_size for f in files)
     dropped = drop_caches() if cold else False
     cat = cat_seconds(files)  # cold when dropped: the disk's time for these bytes
     if cold:
         drop_caches()
-    prof = profile_dir / f"{name}-{'cold' if cold else 'warm'}.prof" if profile_dir else None
-    res = run_job(argv, prof)
+    prof = profile_dir / f"{name}-{ranks}-{'cold' if cold else 'warm'}.prof" if profile_dir else None
+    res = run_job([*argv, "--nproc", str(ranks)] if ranks > 1 else argv, prof)
     if prof is not None:
         print_profile(prof)
     clock = res["report"].get("timing") or {}
@@ -209,14 +214,15 @@ def one_job(name: str, argv: list[str], inputs: Path, layers: int, cold: bool, p
     per_layer = (done[-1] - done[0]) / (len(done) - 1) if len(done) > 1 else loop
     before = first - res["launched"]
     after = res["launched"] + res["wall"] - done[-1]
-    return {"job": name, "cache": "cold" if dropped else ("warm" if not cold else "cold?"), "input_bytes": nbytes,
+    return {"job": name, "ranks": ranks, "cache": "cold" if dropped else ("warm" if not cold else "cold?"),
+            "input_bytes": nbytes,
             "wall_s": res["wall"], "loop_s": loop, "per_layer_s": per_layer, "first_layer_s": done[0] - first,
             "before_first_layer_s": before, "after_last_layer_s": after,
             "cat_s": cat, "loop_over_cat": loop / cat if cat else None,
             "peak_rss_bytes": res["rss_bytes"], "peak_gpu_bytes": res["gpu_peak_bytes"],
-            "projected_60_layers_s": before + after + per_layer * REAL_LAYERS_397B,
+            "projected_all_layers_s": before + after + per_layer * real_layers,
             # on a 14 GB/s disk a layer takes the longer of its host/GPU work and its read there
-            "projected_60_layers_fast_disk_s": before + after + REAL_LAYERS_397B * max(
+            "projected_all_layers_fast_disk_s": before + after + real_layers * max(
                 per_layer - cat / layers, (nbytes / layers) / FAST_DISK)}
 
 
@@ -228,7 +234,9 @@ def main() -> int:
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (what CI runs; not timed)")
-    ap.add_argument("--jobs", default="quantize,calibrate-kv,eval-kld")
+    ap.add_argument("--jobs", default="quantize,calibrate-kv,eval-kld", help="of quantize,awq,calibrate-kv,eval-kld")
+    ap.add_argument("--model", default="397b", choices=sorted(REAL_LAYERS), help="whose real layer shapes")
+    ap.add_argument("--nproc", default="1", help="rank counts, e.g. 1,2,4: every job once per count (--nproc N)")
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
     ap.add_argument("--profile", type=Path, help="run each job under cProfile, stats into this folder (printed)")
     ap.add_argument("--warm-only", action="store_true", help="skip the cold runs")
@@ -242,7 +250,7 @@ def main() -> int:
         build_smoke(src)
         layers = json.loads((src / "config.json").read_text())["text_config"]["num_hidden_layers"]
     else:
-        build_real(src, a.layers, a.device)
+        build_real(src, a.layers, a.device, a.model)
         layers = a.layers
     print(f"checkpoint {src}: {sum(f.stat().st_size for f in shard_files(src)) / 1e9:.1f} GB, {layers} layers "
           f"(built in {time.perf_counter() - t0:.0f} s)", flush=True)
@@ -259,28 +267,41 @@ def main() -> int:
     common = ["--dataset", str(data), "--samples", str(a.samples), "--seq-len", str(a.seq_len), "--device", a.device]
     rows = []
     jobs = a.jobs.split(",")
+    unknown = set(jobs) - {"quantize", "awq", "calibrate-kv", "eval-kld"}
+    if unknown:
+        raise SystemExit(f"--jobs: unknown {sorted(unknown)}")
     q = w / "nvfp4"
     if a.profile:
         a.profile.mkdir(parents=True, exist_ok=True)
+    nvfp4 = ["quantize", str(src), "-o", str(q), "--recipe", "qwen35-nvfp4-experts", "--force", *common]
+    if "quantize" not in jobs and {"calibrate-kv", "eval-kld"} & set(jobs) and not q.exists():
+        run_job(nvfp4)  # their input (not timed)
+    real_layers = REAL_LAYERS[a.model]
     for cold in ((False,) if a.warm_only else (True, False)):
-        if "quantize" in jobs:
-            rows.append(one_job("quantize", ["quantize", str(src), "-o", str(q), "--recipe", "qwen35-nvfp4-experts",
-                                             "--force", *common], src, layers, cold, a.profile))
-        if "calibrate-kv" in jobs:
-            rows.append(one_job("calibrate-kv", ["calibrate-kv", str(q), "-o", str(w / "kv"), "--replace-scales",
-                                                 "--force", *common], q, layers, cold, a.profile))
-        if "eval-kld" in jobs:  # one streamed side (the NVFP4 model) into a compact reference
-            rows.append(one_job("eval-kld", ["eval", "kld", "--ref", str(q), "--save-ref", str(w / "ref"), "--force",
-                                             "--dataset", str(data), "--windows", str(a.samples), "--seq-len", str(a.seq_len),
-                                             "--device", a.device], q, layers, cold, a.profile))
-    print(f"\n{'job':13s} {'cache':5s} {'in GB':>6s} {'wall':>7s} {'loop':>7s} {'s/layer':>8s} {'start':>6s} "
-          f"{'end':>5s} {'cat':>6s} {'loop/cat':>8s} {'RSS GB':>7s} {'GPU GB':>7s} {'60 layers':>9s} {'@14GB/s':>8s}")
+        for ranks in (int(n) for n in a.nproc.split(",")):
+            def job(name, argv, inputs):
+                rows.append(one_job(name, argv, inputs, layers, cold, a.profile, ranks, real_layers))
+
+            if "quantize" in jobs:
+                job("quantize", nvfp4, src)
+            if "awq" in jobs:
+                job("awq", ["quantize", str(src), "-o", str(w / "awq"), "--recipe", "qwen35-awq-int4", "--force",
+                            *common], src)
+            if "calibrate-kv" in jobs:
+                job("calibrate-kv", ["calibrate-kv", str(q), "-o", str(w / "kv"), "--replace-scales", "--force",
+                                     *common], q)
+            if "eval-kld" in jobs and ranks == 1:  # one streamed side (the NVFP4 model) into a compact reference
+                job("eval-kld", ["eval", "kld", "--ref", str(q), "--save-ref", str(w / "ref"), "--force",
+                                 "--dataset", str(data), "--windows", str(a.samples), "--seq-len", str(a.seq_len),
+                                 "--device", a.device], q)
+    print(f"\n{'job':13s} {'ranks':>5s} {'cache':5s} {'in GB':>6s} {'wall':>7s} {'loop':>7s} {'s/layer':>8s} {'start':>6s} "
+          f"{'end':>5s} {'cat':>6s} {'loop/cat':>8s} {'RSS GB':>7s} {'GPU GB':>7s} {'all layers':>10s} {'@14GB/s':>8s}")
     for r in rows:
         gpu = f"{r['peak_gpu_bytes'] / 1e9:7.1f}" if r["peak_gpu_bytes"] else "      -"
-        print(f"{r['job']:13s} {r['cache']:5s} {r['input_bytes'] / 1e9:6.1f} {r['wall_s']:7.1f} {r['loop_s']:7.1f} "
+        print(f"{r['job']:13s} {r['ranks']:5d} {r['cache']:5s} {r['input_bytes'] / 1e9:6.1f} {r['wall_s']:7.1f} {r['loop_s']:7.1f} "
               f"{r['per_layer_s']:8.2f} {r['before_first_layer_s']:6.1f} {r['after_last_layer_s']:5.1f} {r['cat_s']:6.1f} "
               f"{r['loop_over_cat'] or 0:8.2f} {r['peak_rss_bytes'] / 1e9:7.1f} {gpu} "
-              f"{r['projected_60_layers_s'] / 60:8.1f}m {r['projected_60_layers_fast_disk_s'] / 60:7.1f}m")
+              f"{r['projected_all_layers_s'] / 60:9.1f}m {r['projected_all_layers_fast_disk_s'] / 60:7.1f}m")
     if a.out:
         a.out.write_text(json.dumps(rows, indent=1))
     return 0

@@ -27,3 +27,20 @@ def test_bench_real_layers_smoke(tmp_path):
     for r in rows:
         assert r["loop_s"] > 0 and r["per_layer_s"] > 0 and r["peak_rss_bytes"] > 0 and r["input_bytes"] > 0
     assert "loop/cat" in p.stdout
+
+
+@pytest.mark.slow
+def test_bench_real_layers_scaling_rows(tmp_path):
+    """The scaling table's run (`--nproc 1,2`, the AWQ job, calibrate-kv on an untimed quantize): one
+    row per job and rank count, each from a run that completed."""
+    import json
+
+    out = tmp_path / "rows.json"
+    p = subprocess.run([sys.executable, str(ROOT / "scripts/bench_real_layers.py"), "--smoke", "--warm-only",
+                        "--jobs", "awq,calibrate-kv", "--nproc", "1,2", "--workdir", str(tmp_path / "w"),
+                        "--out", str(out)], capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    rows = json.loads(out.read_text())
+    assert [(r["job"], r["ranks"]) for r in rows] == [("awq", 1), ("calibrate-kv", 1), ("awq", 2), ("calibrate-kv", 2)]
+    assert all(r["per_layer_s"] > 0 for r in rows)
+    assert (tmp_path / "w/awq/model.safetensors.index.json").exists()

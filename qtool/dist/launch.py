@@ -75,6 +75,10 @@ def spawn(argv: list[str], devices: list[str], resumable: bool = True) -> int:
     world = len(devices)
     base = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
             "QTOOL_DEVICES": ",".join(devices)}
+    if "OMP_NUM_THREADS" not in os.environ:
+        # the box's cores shared out (torchrun sets 1): N ranks of torch's default each would run N times
+        # the cores' threads and slow every rank down
+        base["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // world))
     procs = []
     for r in range(world):
         env = {**base, "RANK": str(r), "LOCAL_RANK": str(r)}
