@@ -189,3 +189,30 @@ def test_a_failed_write_on_a_rank_resumes_to_the_same_bytes(request, tmp_path, c
         assert not (partial / "model-layer-00002.safetensors").exists()  # the half-written shard was not named
     _run([*job, "-o", out, "--resume", "--nproc", "2"])
     _same_output(clean, out)
+
+
+def test_launcher_shares_the_cores_out(monkeypatch):
+    """N CPU ranks of torch's default thread count would each run the box's cores' threads: the launcher
+    gives each cores / N (OMP_NUM_THREADS, as torchrun sets it), and a user's own setting wins."""
+    from qtool.dist import launch
+
+    seen = []
+
+    class Exited:  # a rank that has already ended cleanly
+        returncode = 0
+
+        def __init__(self, cmd, env, stdout):
+            seen.append(env)
+
+        def poll(self):
+            return 0
+
+    monkeypatch.setattr(launch.subprocess, "Popen", Exited)
+    monkeypatch.setattr(launch.os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert launch.spawn(["calibrate-kv", "x"], ["cpu", "cpu"]) == 0
+    assert [e["OMP_NUM_THREADS"] for e in seen] == ["4", "4"]
+    seen.clear()
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert launch.spawn(["calibrate-kv", "x"], ["cpu", "cpu", "cpu"]) == 0
+    assert [e["OMP_NUM_THREADS"] for e in seen] == ["3", "3", "3"]
