@@ -65,6 +65,16 @@ class Group:
         self._call(dist.all_gather_object, out, obj)
         return out
 
+    def gather_to(self, obj, dst: int) -> list | None:
+        """Every rank's `obj`, in rank order, on rank `dst` only (None on the others)."""
+        if self.world == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out = [None] * self.world if self.rank == dst else None
+        self._call(dist.gather_object, obj, out, dst=dst)
+        return out
+
     def barrier(self) -> None:
         if self.world > 1:
             import torch.distributed as dist

@@ -76,10 +76,12 @@ class ExpertStats:
         }
 
 
-def reduce_expert_stats(stats: ExpertStats, group) -> None:
+def reduce_expert_stats(stats: ExpertStats, group, owner) -> None:
     """The layer's statistics over all ranks, exactly as one process gathers them: token counts summed,
     amaxes maxed, and the AWQ rows of each expert merged in window order and cut to keep_rows (each
-    rank kept the first keep_rows of its own windows, which holds every row of the merged first ones)."""
+    rank kept the first keep_rows of its own windows, which holds every row of the merged first ones).
+    The rows go to the rank that codes the expert only (`owner(e)`: layer.Share.owner), and the others
+    drop theirs: at 397B size a rank holds up to 512 MB of them, N times that if every rank took all."""
     if group.world == 1:
         return
     group.sum_(stats.tokens)
@@ -87,14 +89,21 @@ def reduce_expert_stats(stats: ExpertStats, group) -> None:
     group.max_(stats.mid_amax)
     if not stats.keep_rows:
         return
-    mine = [list(zip(stats._row_batches[e], stats.mid_rows[e])) for e in range(stats.n_experts)]
-    every = group.gather(mine)
+    for dst in range(group.world):
+        mine = {e: list(zip(stats._row_batches[e], stats.mid_rows[e]))
+                for e in range(stats.n_experts) if owner(e) == dst}
+        every = group.gather_to(mine, dst)
+        if every is None:
+            continue
+        for e in mine:
+            pieces = sorted(((b, t) for rank in every for b, t in rank[e]), key=lambda bt: bt[0])
+            if pieces:
+                rows = torch.cat([t for _, t in pieces])[:stats.keep_rows]
+                stats.mid_rows[e], stats._row_batches[e] = [rows], [0]
+                stats._kept[e] = rows.shape[0]
     for e in range(stats.n_experts):
-        pieces = sorted(((b, t) for rank in every for b, t in rank[e]), key=lambda bt: bt[0])
-        if pieces:
-            rows = torch.cat([t for _, t in pieces])[:stats.keep_rows]
-            stats.mid_rows[e], stats._row_batches[e] = [rows], [0]
-            stats._kept[e] = rows.shape[0]
+        if owner(e) != group.rank:
+            stats.mid_rows[e], stats._row_batches[e], stats._kept[e] = [], [], 0  # another rank codes it
 
 
 def install_expert_stats(experts, stats: ExpertStats) -> None:

@@ -178,7 +178,8 @@ def _quantize_layers(p, partial, streamer, store, seq, batch, start, layer_repor
                 attention_tap(layer, None)
                 remove_expert_stats(layer.mlp.experts)
                 stats.settle()
-                reduce_expert_stats(stats, g)  # data parallel: every rank now holds the whole layer's stats
+                # data parallel: every rank now holds the layer's stats (the AWQ rows of the experts it codes)
+                reduce_expert_stats(stats, g, owner=lambda e: share.owner(e, p.n_experts))
                 reduce_kv(kv, g)
                 if pending is not None:
                     previous, pending = pending, None

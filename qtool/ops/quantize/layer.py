@@ -164,10 +164,15 @@ class Share:
         """Experts per chunk: CHUNK_EXPERTS, smaller where that leaves a rank without work."""
         return max(1, min(CHUNK_EXPERTS, -(-n_experts // self.world)))
 
-    def owns(self, spec_expert: int | None, chunk: int) -> bool:
+    def owner(self, expert: int, n_experts: int) -> int:
+        """The rank that codes `expert`."""
+        return (expert // self.chunk(n_experts)) % self.world
+
+    def owns(self, spec_expert: int | None, n_experts: int) -> bool:
+        """Whether this rank writes a spec: of `spec_expert`, or (None) not an expert's."""
         if spec_expert is None:
             return self.rank == 0
-        return (spec_expert // chunk) % self.world == self.rank
+        return self.owner(spec_expert, n_experts) == self.rank
 
 
 def layer_tmp(path: Path) -> Path:
@@ -228,7 +233,7 @@ def write_layer_shard(path: Path, lp, layer, stats, kv, p, backend=None, mode: i
                 at, pos = pos, pos + _nbytes(s)
                 quantized = s.source is None and not s.name.endswith(("k_scale", "v_scale"))
                 which = _expert_of(s.name) if quantized else None
-                if not share.owns(which[0] if which else None, step):
+                if not share.owns(which[0] if which else None, n_exp):
                     continue
                 if f.tell() != at:
                     f.seek(at)
