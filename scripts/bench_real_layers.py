@@ -175,6 +175,17 @@ def run_job(argv: list[str], profile: Path | None = None) -> dict:
             "gpu_peak_bytes": gpu.peak * 2**20 if gpu.peak else None}
 
 
+def disk_read_bytes(path: Path) -> int | None:
+    """Bytes the block device holding `path` has read so far (/sys/dev/block/M:m/stat, sectors read):
+    the difference over a job is what it pulled from the disk, not from the page cache."""
+    dev = path.stat().st_dev
+    try:
+        fields = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat").read_text().split()
+    except OSError:
+        return None  # overlay or network filesystems have no block device
+    return int(fields[2]) * 512
+
+
 def cat_seconds(files: list[Path]) -> float:
     t0 = time.perf_counter()
     subprocess.run(["cat", *map(str, files)], stdout=subprocess.DEVNULL, check=True)
@@ -201,7 +212,9 @@ def one_job(name: str, argv: list[str], inputs: Path, layers: int, cold: bool, p
     if cold:
         drop_caches()
     prof = profile_dir / f"{name}-{ranks}-{'cold' if cold else 'warm'}.prof" if profile_dir else None
+    read0 = disk_read_bytes(inputs)
     res = run_job([*argv, "--nproc", str(ranks)] if ranks > 1 else argv, prof)
+    read1 = disk_read_bytes(inputs)
     if prof is not None:
         print_profile(prof)
     clock = res["report"].get("timing") or {}
@@ -219,6 +232,9 @@ def one_job(name: str, argv: list[str], inputs: Path, layers: int, cold: bool, p
             "wall_s": res["wall"], "loop_s": loop, "per_layer_s": per_layer, "first_layer_s": done[0] - first,
             "before_first_layer_s": before, "after_last_layer_s": after,
             "cat_s": cat, "loop_over_cat": loop / cat if cat else None,
+            # from the disk during the job (any process): with N ranks cold, ~input_bytes when the page
+            # cache serves the other ranks' reads of each layer, ~N x when every rank reads the disk
+            "disk_read_bytes": None if read0 is None or read1 is None else read1 - read0,
             "peak_rss_bytes": res["rss_bytes"], "peak_gpu_bytes": res["gpu_peak_bytes"],
             "projected_all_layers_s": before + after + per_layer * real_layers,
             # on a 14 GB/s disk a layer takes the longer of its host/GPU work and its read there
@@ -295,12 +311,13 @@ def main() -> int:
                                  "--dataset", str(data), "--windows", str(a.samples), "--seq-len", str(a.seq_len),
                                  "--device", a.device], q)
     print(f"\n{'job':13s} {'ranks':>5s} {'cache':5s} {'in GB':>6s} {'wall':>7s} {'loop':>7s} {'s/layer':>8s} {'start':>6s} "
-          f"{'end':>5s} {'cat':>6s} {'loop/cat':>8s} {'RSS GB':>7s} {'GPU GB':>7s} {'all layers':>10s} {'@14GB/s':>8s}")
+          f"{'end':>5s} {'cat':>6s} {'loop/cat':>8s} {'RSS GB':>7s} {'GPU GB':>7s} {'disk GB':>7s} {'all layers':>10s} {'@14GB/s':>8s}")
     for r in rows:
         gpu = f"{r['peak_gpu_bytes'] / 1e9:7.1f}" if r["peak_gpu_bytes"] else "      -"
+        disk = f"{r['disk_read_bytes'] / 1e9:7.1f}" if r["disk_read_bytes"] is not None else "      -"
         print(f"{r['job']:13s} {r['ranks']:5d} {r['cache']:5s} {r['input_bytes'] / 1e9:6.1f} {r['wall_s']:7.1f} {r['loop_s']:7.1f} "
               f"{r['per_layer_s']:8.2f} {r['before_first_layer_s']:6.1f} {r['after_last_layer_s']:5.1f} {r['cat_s']:6.1f} "
-              f"{r['loop_over_cat'] or 0:8.2f} {r['peak_rss_bytes'] / 1e9:7.1f} {gpu} "
+              f"{r['loop_over_cat'] or 0:8.2f} {r['peak_rss_bytes'] / 1e9:7.1f} {gpu} {disk} "
               f"{r['projected_all_layers_s'] / 60:9.1f}m {r['projected_all_layers_fast_disk_s'] / 60:7.1f}m")
     if a.out:
         a.out.write_text(json.dumps(rows, indent=1))
