@@ -8,8 +8,8 @@ micro-batches as in a one-process run and micro-batch b goes to rank b % world, 
 computed exactly as it would be alone; the statistics are then reduced exactly (max of amaxes, sum of
 counts, AWQ rows merged in window order), so the results do not depend on the number of ranks. The
 weight side (quantize's codecs and scale searches) is split by chunk of experts, each rank writing its
-experts' bytes into the layer's shard file. Rank 0 owns the output transaction and the journal; the hidden states live in one shared set of files indexed
-by window, which is what lets `--resume` continue with any number of ranks.
+experts' bytes into the layer's shard file. Rank 0 owns the output transaction and the journal; the
+hidden states live in one shared set of files indexed by window, which is what lets `--resume` continue with any number of ranks.
 
 `current()` gives this process's Group: a one-rank Group (every collective the identity) unless the
 environment says otherwise, so each op has one code path.
@@ -140,8 +140,8 @@ def _from_env() -> Group:
                         hint="MASTER_ADDR/MASTER_PORT must name a reachable rank 0; use --nproc or torchrun") from None
     import atexit
 
-    # torch's process group owns C++ threads: destroyed with the interpreter they abort the exit
-    # ("terminate called without an active exception", SIGABRT) on a rank that ends before the others
+    # for library callers: torch's process group owns C++ threads, which can abort the interpreter's
+    # teardown (SIGABRT); the CLI goes further and skips that teardown (end_rank)
     atexit.register(dist.destroy_process_group)
     return Group(rank, world, device)
 

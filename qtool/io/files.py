@@ -98,6 +98,12 @@ _symlink = _linker(os.symlink)
 
 
 TMP_SUFFIX = ".qtool-tmp"  # every temporary file qtool makes ends so; a commit sweeps leftovers
+
+
+def tmp_path(path: str | Path) -> Path:
+    """The hidden temporary name next to `path` that a file is written under before its rename."""
+    path = Path(path)
+    return path.with_name("." + path.name + TMP_SUFFIX)
 INPUT_DIGESTS = ".qtool-input-digests.jsonl"  # qtool.io.manifest.InputHasher's record, in OUT.partial/
 
 

@@ -181,8 +181,10 @@ def write_shard_atomic(path: str | Path, tensors: list[OutTensor], metadata: dic
                        mode: int = 0o644) -> int:
     """write_shard to a temporary name next to `path`, then rename: readers see the old shard or the new
     one, never a partial one (the temporary file is removed on failure)."""
+    from qtool.io.files import tmp_path
+
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.qtool-tmp")  # qtool.io.output.TMP_SUFFIX
+    tmp = tmp_path(path)
     try:
         size = write_shard(tmp, tensors, metadata, mode=mode)
         os.replace(tmp, path)

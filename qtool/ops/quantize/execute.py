@@ -107,7 +107,8 @@ def _quantize_layers(p, partial, streamer, store, seq, batch, start, layer_repor
     from qtool.ops.calibrate_kv.calibrate import reduce_kv
     from qtool.ops.quantize.calib import (ExpertStats, KvStat, install_expert_stats, reduce_expert_stats,
                                           remove_expert_stats)
-    from qtool.ops.quantize.layer import Share, create_layer_tmp, layer_tmp, write_layer_shard
+    from qtool.io.files import tmp_path
+    from qtool.ops.quantize.layer import Share, create_layer_tmp, write_layer_shard
     from qtool.stream.layer_stream import attention_tap, kv_amax_tap
 
     g = streamer.group
@@ -116,7 +117,7 @@ def _quantize_layers(p, partial, streamer, store, seq, batch, start, layer_repor
     def commit(lp, stats, kv, current, awq: list[dict]) -> None:
         """Rank 0, once the layer's shard is whole on disk: named, hashed and journaled."""
         if g.world > 1:
-            os.replace(layer_tmp(partial / lp.shard), partial / lp.shard)
+            os.replace(tmp_path(partial / lp.shard), partial / lp.shard)
         if done is not None:
             done(lp.shard)  # hashed for the manifest now, while the next layer runs
         entry = {"layer": lp.index, "routed_experts": lp.scheme.value, **stats.to_json()}

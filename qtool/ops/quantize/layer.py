@@ -175,17 +175,11 @@ class Share:
         return self.owner(spec_expert, n_experts) == self.rank
 
 
-def layer_tmp(path: Path) -> Path:
-    from qtool.io.files import TMP_SUFFIX
-
-    return path.with_name("." + path.name + TMP_SUFFIX)
-
-
 def create_layer_tmp(path: Path, mode: int = 0o644) -> None:
     """The empty file the ranks write their shares into (rank 0, before the others open it)."""
-    from qtool.io.files import open_new
+    from qtool.io.files import open_new, tmp_path
 
-    os.close(open_new(layer_tmp(path), mode))
+    os.close(open_new(tmp_path(path), mode))
 
 
 def _expert_of(name: str) -> tuple[int, str, str] | None:
@@ -204,7 +198,7 @@ def write_layer_shard(path: Path, lp, layer, stats, kv, p, backend=None, mode: i
     rank 0 renames it (os.replace) once every rank's share is on disk. `layer`: the dense transformers
     layer; `stats`: ExpertStats; `kv`: (k_amax, v_amax) or None; `backend`: a peer backend's per-layer
     state (qtool.ops.quantize.backends) that quantizes the NVFP4 experts instead of qtool's RTN."""
-    from qtool.io.files import open_new
+    from qtool.io.files import open_new, tmp_path
     from qtool.ops.calibrate_kv import LayerStat
     from qtool.ops.quantize.plan import QUANT_PARAMS
 
@@ -214,7 +208,7 @@ def write_layer_shard(path: Path, lp, layer, stats, kv, p, backend=None, mode: i
     in_amax, mid_amax = input_amaxes(stats, p.recipe.nvfp4.input_scale)
     header = build_header([OutTensor(s.name, s.dtype, s.shape, _Pending(_nbytes(s))) for s in lp.specs])
     names = [n for n, _, _ in QUANT_PARAMS[(lp.scheme, p.format)]] if lp.scheme is not Scheme.BF16 else []
-    tmp = layer_tmp(path)
+    tmp = tmp_path(path)
     fds: dict[str, int] = {}
     n_exp = p.n_experts
     step = share.chunk(n_exp)
@@ -222,17 +216,15 @@ def write_layer_shard(path: Path, lp, layer, stats, kv, p, backend=None, mode: i
         fd = open_new(tmp, mode) if share.world == 1 else os.open(tmp, os.O_WRONLY)
         # buffered: ~12k expert params per 397B layer become a few large writes
         with os.fdopen(fd, "wb", buffering=WRITE_BUFFER) as f:
-            pos = 0  # where this rank's next byte goes; another rank's tensors are skipped by seeking
             if share.rank == 0:
                 f.write(header)
-            pos = len(header)
+            pos = len(header)  # where the next spec's bytes go; another rank's specs are skipped by seeking
             dst = f.fileno()
             chunk: dict = {}
             chunk_start = -1
             for s in lp.specs:
                 at, pos = pos, pos + _nbytes(s)
-                quantized = s.source is None and not s.name.endswith(("k_scale", "v_scale"))
-                which = _expert_of(s.name) if quantized else None
+                which = _expert_of(s.name) if s.source is None else None  # None: copied, or a KV scale
                 if not share.owns(which[0] if which else None, n_exp):
                     continue
                 if f.tell() != at:
@@ -288,4 +280,4 @@ def _nbytes(s) -> int:
     return nbytes_for(s.dtype, s.shape)
 
 
-__all__ = ["FileRange", "InlineBytes", "Share", "create_layer_tmp", "input_amaxes", "layer_tmp", "write_layer_shard"]
+__all__ = ["FileRange", "InlineBytes", "Share", "create_layer_tmp", "input_amaxes", "write_layer_shard"]
