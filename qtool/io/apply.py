@@ -158,10 +158,13 @@ def write_output(plan: OutputPlan, tx: OutputDir, *, command: str | None, values
     stop = stop or threading.Event()
     partial = tx.partial
     plan_hash = plan.plan_hash()
+    resuming = tx.resume and (partial / JOURNAL_NAME).exists()
     journal = Journal(partial / JOURNAL_NAME, plan_hash, input_identity(plan.inputs), tx.resume)
     check_space(plan, tx, journal)
     # a resumed run re-hashes its inputs: a cached digest could predate an edit the journal missed
     hasher = InputHasher(trust_cache=not tx.resume, record=tx.input_digests)
+    if resuming:
+        hasher.refuse_unproven(plan.inputs, partial)
     applied = Applied(plan_hash)
     try:
         for f in plan.inputs:
@@ -289,7 +292,7 @@ def _manifest(plan: OutputPlan, tx: OutputDir, digests: dict[str, str], command:
         if prev:
             extra["previous"] = prev
         changed = {e.name for e in plan.files if not isinstance(e, (Link, Remove))}
-        files = carried_files(partial, root, changed)
+        files = carried_files(partial, root, changed, digests)
         created = made_by_qtool(root)
     else:
         real = {os.path.realpath(f): d for f, d in digests.items()}

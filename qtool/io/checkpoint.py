@@ -46,6 +46,50 @@ def reuse_opened() -> Iterator[dict]:
         _REUSED.reset(token)
 
 
+
+def _is_str_list(v) -> bool:
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+
+def _is_pos_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+_OBJECT = (lambda v: isinstance(v, dict), "an object")
+_OBJECT_OR_NULL = (lambda v: v is None or isinstance(v, dict), "an object or null")
+_STR = (lambda v: isinstance(v, str), "a string")
+_STR_OR_NULL = (lambda v: v is None or isinstance(v, str), "a string or null")
+_STR_LIST = (_is_str_list, "a list of strings")
+_POS_INT = (_is_pos_int, "a positive integer")
+_POS_INT_OR_NULL = (lambda v: v is None or _is_pos_int(v), "a positive integer or null")
+
+# Every config field qtool reads, with the JSON type its producers write (transformers' Qwen3.5 configs,
+# compressed-tensors' QuantizationConfig, ModelOpt's hf_quant_config.json): checked when the checkpoint is
+# opened, so a wrong type is a named error before any plan.
+CONFIG_TYPES = {"text_config": _OBJECT, "quantization_config": _OBJECT, "vision_config": _OBJECT_OR_NULL,
+                "architectures": _STR_LIST, "model_type": _STR}
+TEXT_CONFIG_TYPES = {
+    "num_hidden_layers": _POS_INT, "hidden_size": _POS_INT, "num_attention_heads": _POS_INT,
+    "num_key_value_heads": _POS_INT, "vocab_size": _POS_INT, "head_dim": _POS_INT_OR_NULL,
+    "num_experts": _POS_INT_OR_NULL, "num_experts_per_tok": _POS_INT_OR_NULL,
+    "moe_intermediate_size": _POS_INT_OR_NULL, "shared_expert_intermediate_size": _POS_INT_OR_NULL,
+    "intermediate_size": _POS_INT_OR_NULL, "full_attention_interval": _POS_INT_OR_NULL,
+    "mtp_num_hidden_layers": (lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0),
+                              "a non-negative integer or null"),
+    "linear_num_key_heads": _POS_INT_OR_NULL, "linear_num_value_heads": _POS_INT_OR_NULL,
+    "linear_key_head_dim": _POS_INT_OR_NULL, "linear_value_head_dim": _POS_INT_OR_NULL,
+    "layer_types": _STR_LIST, "model_type": _STR,
+}
+QUANT_CONFIG_TYPES = {
+    "quant_method": _STR, "format": _STR_OR_NULL, "config_groups": _OBJECT_OR_NULL,
+    "kv_cache_scheme": _OBJECT_OR_NULL, "ignore": _STR_LIST, "modules_to_not_convert": _STR_LIST,
+    "quant_algo": _STR_OR_NULL, "kv_cache_quant_algo": _STR_OR_NULL, "exclude_modules": _STR_LIST,
+    "quantization_status": _STR_OR_NULL, "producer": _OBJECT_OR_NULL,
+}
+HF_QUANT_TYPES = {"quant_algo": _STR_OR_NULL, "kv_cache_quant_algo": _STR_OR_NULL, "exclude_modules": _STR_LIST,
+                  "ignore": _STR_LIST, "group_size": _POS_INT_OR_NULL, "producer": _OBJECT_OR_NULL}
+
+
 @dataclass
 class Checkpoint:
     root: Path
@@ -106,7 +150,7 @@ class Checkpoint:
             raise CheckpointError("config.json not found", path=root / CONFIG_NAME)
         if (root / HF_QUANT_CONFIG_NAME).exists():
             hq, hq_style = load_json(root / HF_QUANT_CONFIG_NAME, what="hf_quant_config.json")
-        cls._check_config_types(root, config, hq)
+        cls._check_config_types(root, config, hq, index)
 
         # The ~1M small objects of a 397B header set make the cyclic GC rescan its young generations
         # over and over (about half the open time); none of them can form a cycle.
@@ -123,30 +167,36 @@ class Checkpoint:
         return cls(root, tensors, headers, index, config, config_style, hq, hq_style)
 
     @staticmethod
-    def _check_config_types(root: Path, config: dict | None, hq: dict | None) -> None:
+    def _check_config_types(root: Path, config: dict | None, hq: dict | None, index: dict | None = None) -> None:
         """The config values qtool relies on have the JSON types the producers write; anything else is a
-        clear error naming the file and the key (not a TypeError deep inside a plan)."""
-        def bad(file: str, key: str, want: str, got) -> ConfigError:
-            return ConfigError(f"{file}: {key} must be {want}", path=root / file, got=f"{type(got).__name__} {got!r}",
-                               hint=f"fix {key} in {file} (or restore the file from the source repository)")
+        clear error naming the file and the key (not a TypeError deep inside a plan, and not a wrong value
+        carried into an output). The table is CONFIG_TYPES below."""
+        def check(file: str, obj: dict, prefix: str, rules) -> None:
+            for key, (ok, want) in rules.items():
+                if key in obj and not ok(obj[key]):
+                    got = obj[key]
+                    raise ConfigError(f"{file}: {prefix}{key} must be {want}", path=root / file,
+                                      got=f"{type(got).__name__} {got!r}"[:200],
+                                      hint=f"fix {prefix}{key} in {file} (or restore the file from the source "
+                                      "repository)")
 
         if config is not None:
-            if "text_config" in config and not isinstance(config["text_config"], dict):
-                raise bad(CONFIG_NAME, "text_config", "an object", config["text_config"])
+            check(CONFIG_NAME, config, "", CONFIG_TYPES)
+            text = config.get("text_config") if isinstance(config.get("text_config"), dict) else None
+            check(CONFIG_NAME, text or config, "text_config." if text else "", TEXT_CONFIG_TYPES)
             qc = config.get("quantization_config")
-            if qc is not None and not isinstance(qc, dict):
-                raise bad(CONFIG_NAME, "quantization_config", "an object", qc)
-            for key in ("ignore", "modules_to_not_convert"):
-                lst = (qc or {}).get(key)
-                if lst is not None and (not isinstance(lst, list) or not all(isinstance(x, str) for x in lst)):
-                    raise bad(CONFIG_NAME, f"quantization_config.{key}", "a list of strings", lst)
+            if qc is not None:
+                check(CONFIG_NAME, qc, "quantization_config.", QUANT_CONFIG_TYPES)
+                groups = qc.get("config_groups") or {}
+                for name, g in groups.items():
+                    if not isinstance(g, dict):
+                        check(CONFIG_NAME, {name: g}, "quantization_config.config_groups.", {name: _OBJECT})
         if hq is not None:
+            check(HF_QUANT_CONFIG_NAME, hq, "", {"quantization": _OBJECT})
             body = hq.get("quantization") if isinstance(hq.get("quantization"), dict) else hq
-            for key in ("exclude_modules", "ignore"):
-                lst = body.get(key)
-                if lst is not None and (not isinstance(lst, list) or not all(isinstance(x, str) for x in lst)):
-                    where = f"quantization.{key}" if body is not hq else key
-                    raise bad(HF_QUANT_CONFIG_NAME, where, "a list of strings", lst)
+            check(HF_QUANT_CONFIG_NAME, body, "quantization." if body is not hq else "", HF_QUANT_TYPES)
+        if index is not None:
+            check(INDEX_NAME, index, "", {"metadata": _OBJECT_OR_NULL})
 
     # ---- conveniences -------------------------------------------------------------------------
     @property
@@ -175,13 +225,13 @@ def _safe_shard_path(root: Path, rel: str, index_path: Path) -> Path:
             hint="shard names in weight_map must be plain file names inside the directory",
         )
     p = root / rel
-    real_root = root.resolve()
-    target = p.resolve()
+    real_root = Path(os.path.realpath(root))
+    target = Path(os.path.realpath(p))  # not Path.resolve(): a symlink loop is read_header's named error
     if real_root not in target.parents and not _in_hf_cache_blobs(root, target):
         raise CheckpointError(
             "index names a shard that resolves outside the checkpoint directory (symlink)",
             path=index_path,
-            got=f"{rel} -> {p.resolve()}",
+            got=f"{rel} -> {target}",
             hint="replace the symlink by the file itself, or by a link inside the directory",
         )
     return p
@@ -210,7 +260,7 @@ def _load_indexed(root: Path, by_file: dict[str, list[str]] | None, check_file_s
     tensors = TensorTable()
     for rel in sorted(by_file):
         shard = _safe_shard_path(root, rel, index_path)
-        if not shard.exists():
+        if not os.path.lexists(shard):
             raise CheckpointError(
                 f"index names a shard that does not exist ({len(by_file[rel])} tensors)",
                 path=shard,
@@ -245,6 +295,12 @@ def _load_files(root: Path, files: list[str], check_file_sizes: bool = True
     tensors = TensorTable()
     headers: dict[str, SafetensorsHeader] = {}
     for rel in files:
+        try:
+            rel.encode("utf-8")
+        except UnicodeEncodeError:
+            raise CheckpointError("a shard's file name is not UTF-8", path=root / rel.encode("utf-8", "replace").decode(),
+                                  got=ascii(rel), hint="rename the file (safetensors indexes and the engines use "
+                                  "UTF-8 names)") from None
         header = read_header(root / rel, check_file_size=check_file_sizes)
         for name in header.tensors:
             if name in tensors:

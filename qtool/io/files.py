@@ -13,6 +13,7 @@ import errno
 import fcntl
 import hashlib
 import os
+import stat
 import threading
 from contextlib import contextmanager
 from enum import Enum
@@ -32,6 +33,7 @@ class LinkMode(str, Enum):
     HARDLINK = "hardlink"
     SYMLINK = "symlink"  # download only: a link into the Hugging Face cache
     COPY = "copy"
+    OWN_INODE = "own-inode"  # reflink, else copy: never an inode shared with the source (build's publish)
 
 
 def _no_space_hint(e: OSError) -> str | None:
@@ -129,6 +131,7 @@ _ORDER = {
     LinkMode.HARDLINK: ("hardlink",),
     LinkMode.SYMLINK: ("symlink",),
     LinkMode.COPY: ("copy",),
+    LinkMode.OWN_INODE: ("reflink", "copy"),
 }
 _METHODS = {"reflink": _reflink, "hardlink": _hardlink, "symlink": _symlink, "copy": _copy}
 
@@ -162,7 +165,7 @@ class Placer:
 
     def expect_new_bytes(self, src: str | Path, out_dir: str | Path) -> bool:
         """Whether placing `src` will (probably) consume new disk space."""
-        if self.mode is LinkMode.COPY:
+        if self.mode in (LinkMode.COPY, LinkMode.OWN_INODE):
             return True
         if self.mode is LinkMode.SYMLINK:
             return False
@@ -182,11 +185,45 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+def open_regular(path: str | Path, what: str = "file", error: type | None = None) -> int:
+    """A read descriptor for `path` only if it is a regular file: opened with O_NONBLOCK first, so a FIFO
+    (or a device) named like a shard or a config is refused at once instead of hanging the run; a
+    directory, a symlink loop or a missing file is a CheckpointError (or `error`, a subclass) naming the
+    path."""
+    from qtool.errors import CheckpointError
+
+    err = error or CheckpointError
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise err(f"{what} not found", path=path, hint="restore it (or re-download the checkpoint)") from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise err(f"{what} is a symlink loop", path=path, hint="point the link at a real file") from None
+        if e.errno == errno.EISDIR:
+            raise err(f"{what} is a directory, not a file", path=path) from None
+        raise err(f"cannot open {what}: {e.strerror}", path=path) from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) else "a device or socket"
+        raise err(f"{what} is {kind}, not a regular file", path=path,
+                  hint="replace it with the real file (qtool reads only regular files)")
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    return fd
+
+
+def read_regular(path: str | Path, what: str = "file", error: type | None = None) -> bytes:
+    """The bytes of a regular file (`open_regular`'s checks)."""
+    with os.fdopen(open_regular(path, what, error), "rb") as f:
+        return f.read()
+
+
 def hash_file(path: str | Path, chunk: int = 8 << 20) -> str:
     h = hashlib.sha256()
     buf = bytearray(chunk)
     view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
+    with os.fdopen(open_regular(path), "rb", buffering=0) as f:
         while True:
             n = f.readinto(buf)
             if not n:

@@ -30,7 +30,9 @@ _ENTRY = re.compile(_STR + rb"\s*:\s*" + _STR + rb"\s*(,\s*|\})")
 def read_index(path: Path) -> tuple[dict, dict[str, list[str]] | None]:
     """(index without "weight_map", {shard: [names in file order]}). The grouping is None when the index
     has no usable weight_map (missing, not an object, empty); errors in the JSON raise ConfigError."""
-    raw = path.read_bytes()
+    from qtool.io.files import read_regular
+
+    raw = read_regular(path, "safetensors index", ConfigError)
     fast = _fast(raw)
     if fast is not None:
         return fast

@@ -43,10 +43,10 @@ def detect_style(text: str) -> JsonStyle:
 def load_json(path: str | Path, *, what: str = "JSON file") -> tuple[dict, JsonStyle]:
     """Load a JSON object; ConfigError names the file and the position of a syntax error."""
     path = Path(path)
+    from qtool.io.files import read_regular
+
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{what} not found", path=path) from None
+        text = read_regular(path, what, ConfigError).decode("utf-8")
     except UnicodeDecodeError as e:
         raise ConfigError(f"{what} is not UTF-8 ({e})", path=path) from None
     try:

@@ -11,8 +11,9 @@ LFS sha256 of the content (huggingface_hub file_download.py) and is used as is; 
 (`.cache/huggingface/download/<file>.metadata`: commit, etag, time) holds the LFS sha256 as the etag and
 is used while the file has not been modified since (huggingface_hub's own rule, _local_folder.py
 read_download_metadata); otherwise the file is hashed once and the digest cached under $QTOOL_CACHE_DIR
-(default ~/.cache/qtool), keyed by path, size, mtime and inode. For a local 397B BF16 source (~800 GB, of
-which assemble reads ~15 GB) the difference is reading the whole model or not.
+(default ~/.cache/qtool), keyed by path, device, inode, size, mtime and ctime (InputHasher._key: a
+same-size edit with its mtime put back is hashed again). For a local 397B BF16 source (~800 GB, of which
+assemble reads ~15 GB) the difference is reading the whole model or not.
 """
 
 from __future__ import annotations
@@ -67,6 +68,11 @@ def redact_argv(argv: list[str]) -> list[str]:
     return out
 
 
+def redact_text(text: str) -> str:
+    """`text` with anything shaped like a Hugging Face token replaced by `***`."""
+    return _TOKEN.sub("***", text)
+
+
 def command_line(argv: list[str] | None) -> str | None:
     return None if argv is None else shlex.join(redact_argv(argv))
 
@@ -108,9 +114,28 @@ class InputHasher:
 
     @staticmethod
     def _key(path: str) -> str:
+        """The cache key: path, device, inode, size, mtime AND ctime. ctime is set by the kernel on every
+        change of the file (a write, a truncate, a rename onto it) and no user tool can put it back the
+        way `touch -d` / `cp -p` / `rsync -t` put back an mtime, so a same-size edit with the mtime
+        restored misses the cache and is hashed again (a link or chmod also moves it: that costs one
+        re-hash, never a wrong digest)."""
         real = os.path.realpath(path)
         st = os.stat(real)
-        return f"{real}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
+        return f"{real}|{st.st_dev}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}"
+
+    def refuse_unproven(self, inputs, partial: Path) -> None:
+        """A resumed run can prove its inputs unchanged only by their full digests: the journal's identity
+        (size, mtime, sampled content) misses a same-size edit outside the sampled blocks with the mtime
+        put back. An input whose digest the interrupted run had not recorded yet is refused."""
+        missing = sorted(p for p in inputs if os.path.realpath(p) not in self.recorded)
+        if missing:
+            from qtool.errors import WriteError
+
+            raise WriteError(f"cannot resume: the interrupted run stopped before it had hashed {len(missing)} "
+                             "input file(s), so an edit since then cannot be ruled out", path=missing[0],
+                             got=", ".join(missing[:3]),
+                             hint=f"run again without --resume (it starts over; the unfinished {partial} is "
+                             "replaced)")
 
     def submit_output(self, path: str) -> None:
         """Hash a file qtool just wrote (never cached: its digest is what the manifest promises)."""
@@ -149,9 +174,10 @@ class InputHasher:
 
     def _hash(self, real: str, key: str) -> str:
         digest = _hash_file(real)
-        with self.lock:
-            self.cache[key] = digest
-            self.dirty = True
+        if self._key(real) == key:  # not changed (or linked) while it was read: the digest is the key's
+            with self.lock:
+                self.cache[key] = digest
+                self.dirty = True
         return digest
 
     def results(self) -> dict[str, str]:
@@ -291,16 +317,19 @@ def read_manifest(path: str | Path) -> dict:
     return json.loads(Path(path).read_text())
 
 
-def carried_files(partial: Path, root: Path, changed: set[str]) -> dict[str, dict]:
-    """The manifest's `files` for in-place work (root's new state built in `partial`): changed files are
-    hashed; unchanged ones (hard links of root's) take the digest the checkpoint's previous manifest
-    recorded, else only their size (hashing a 233 GB checkpoint to change a config is not worth it)."""
+def carried_files(partial: Path, root: Path, changed: set[str], known: dict[str, str] | None = None
+                  ) -> dict[str, dict]:
+    """The manifest's `files` for in-place work (root's new state built in `partial`): every file with its
+    sha256, so that `verify --deep` can check each one. Changed files are hashed; unchanged ones (hard
+    links of root's) take the digest this run already has for root's file (`known`: real path -> sha256),
+    else the one the checkpoint's previous manifest recorded for the same size, else they are hashed."""
     from qtool.io.files import hash_file
     from qtool.io.output import MANIFEST_NAME
 
+    known = {os.path.realpath(p): d for p, d in (known or {}).items()}
     try:
         before = read_manifest(root / MANIFEST_NAME).get("files") or {}
-    except (OSError, ValueError):
+    except (OSError, ValueError, AttributeError):
         before = {}
     out: dict[str, dict] = {}
     for p in sorted(partial.rglob("*")):
@@ -309,12 +338,12 @@ def carried_files(partial: Path, root: Path, changed: set[str]) -> dict[str, dic
             continue
         size = p.stat().st_size
         old = before.get(rel) if isinstance(before.get(rel), dict) else {}
-        if rel in changed or p.stat().st_nlink == 1:
-            out[rel] = {"sha256": hash_file(p), "bytes": size}
-        elif old.get("bytes") == size and isinstance(old.get("sha256"), str):
-            out[rel] = {"sha256": old["sha256"], "bytes": size}
-        else:
-            out[rel] = {"sha256": None, "bytes": size}
+        digest = None
+        if rel not in changed and p.stat().st_nlink > 1:
+            digest = known.get(os.path.realpath(root / rel))
+            if digest is None and old.get("bytes") == size and isinstance(old.get("sha256"), str):
+                digest = old["sha256"]
+        out[rel] = {"sha256": digest or hash_file(p), "bytes": size}
     return out
 
 

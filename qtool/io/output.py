@@ -20,14 +20,15 @@ Promises (README "Outputs"), kept here once instead of in each op:
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import shutil
 import stat
 import threading
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
-from qtool.errors import UsageError, WriteError
+from qtool.errors import QtoolError, UsageError, WriteError
 from qtool.io.files import INPUT_DIGESTS, TMP_SUFFIX, LinkMode, Placer, fsync_path, hash_file, write_error
 
 MANIFEST_NAME = "qtool-manifest.json"
@@ -83,18 +84,59 @@ def check_no_overlap(out: Path, sources: Iterable[Path], *, what: str = "-o") ->
                              hint=f"choose an {what} outside every input directory")
 
 
-def made_by_qtool(path: Path) -> bool:
-    """A directory qtool created (a build step, or an output whose manifest says so). An in-place op on a
-    user's checkpoint writes a manifest with `"created_by_qtool": false`: that checkpoint stays the
-    user's, never replaced by --force."""
-    if (path / STEP_MARKER).is_file():
-        return True
+MANIFEST_HEAD = ("qtool_version", "operation", "command", "libraries", "sources", "summary", "checks")
+
+
+def not_ours_reason(path: Path) -> str | None:
+    """None when `path` is a directory qtool published as a NEW output, else why not (for the error).
+
+    Ownership is read, never guessed from a file name: the manifest is parsed and must carry the head
+    fields only qtool's executor writes (qtool.io.manifest.write_manifest) with `created_by_qtool: true`,
+    and every file it lists must be there (a user's edit of one keeps it qtool's); a build step's marker
+    must carry its key and file list the same way. A checkpoint qtool changed in place says
+    `created_by_qtool: false` (it stays the user's), and an empty or foreign manifest proves nothing."""
+    from qtool.io.files import read_regular
+
+    marker = path / STEP_MARKER
+    if os.path.lexists(marker):
+        try:
+            obj = json.loads(read_regular(marker))
+        except (QtoolError, ValueError):
+            return f"its {STEP_MARKER} is not a qtool build-step marker"
+        files = obj.get("files") if isinstance(obj, dict) else None
+        if not isinstance(files, dict) or not isinstance(obj.get("key"), str):
+            return f"its {STEP_MARKER} is not a qtool build-step marker"
+        missing = [rel for rel in files if not _is_file(path / rel)]
+        return f"files its {STEP_MARKER} lists are missing: {', '.join(missing[:3])}" if missing else None
+    if not os.path.lexists(path / MANIFEST_NAME):
+        return f"no {MANIFEST_NAME}"
     try:
-        with open(path / MANIFEST_NAME, "rb") as f:
-            head = f.read(4096)  # the key stands near the top (qtool.io.manifest.write_manifest)
+        import orjson
+
+        m = orjson.loads(read_regular(path / MANIFEST_NAME))
+    except (QtoolError, ValueError):
+        return f"its {MANIFEST_NAME} is not a qtool manifest (unreadable or not JSON)"
+    if not isinstance(m, dict) or any(k not in m for k in MANIFEST_HEAD) or not isinstance(m.get("files"), dict) \
+            or not m["files"]:
+        return f"its {MANIFEST_NAME} is not a qtool manifest (the fields qtool writes are missing)"
+    if m.get("created_by_qtool") is not True:
+        return "qtool changed this checkpoint in place: it stays yours"
+    missing = [rel for rel in m["files"] if not _is_file(path / rel)]
+    if missing:
+        return f"files its {MANIFEST_NAME} lists are missing: {', '.join(missing[:3])}"
+    return None
+
+
+def _is_file(p: Path) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(p).st_mode)
     except OSError:
         return False
-    return b'"created_by_qtool": false' not in head
+
+
+def made_by_qtool(path: Path) -> bool:
+    """A directory qtool created (a build step, or a published output): `not_ours_reason` is None."""
+    return not_ours_reason(path) is None
 
 
 def check_replaceable(out: Path, *, force: bool, any_owner: bool = False) -> None:
@@ -107,13 +149,52 @@ def check_replaceable(out: Path, *, force: bool, any_owner: bool = False) -> Non
                          hint="choose another -o; qtool never replaces it")
     if not any(out.iterdir()):
         return  # an empty directory (e.g. made by `mkdir` first): nothing to lose
-    if not any_owner and not made_by_qtool(out):
-        raise WriteError(f"the output directory exists and was not made by qtool (no {MANIFEST_NAME})",
+    why = None if any_owner else not_ours_reason(out)
+    if why is not None:
+        raise WriteError(f"the output directory exists and was not made by qtool ({why})",
                          path=out, hint="choose another -o; qtool replaces only directories it made, "
                          "even with --force")
     if not force:
         raise WriteError("output already exists", path=out,
                          hint="choose another -o, or pass --force to replace it")
+
+
+def check_file_output(out: Path, *, sources: Iterable[Path], force: bool, ours: Callable[[bytes], bool],
+                      what: str = "-o") -> None:
+    """The directory contract's promises for a one-file output (`report -o`, `eval kld --emit-windows`):
+    never a path that is or lies inside a source (symlinks resolved); an existing file is replaced only
+    with --force and only when `ours(its first 4 KiB)` says qtool wrote it; a FIFO, a directory or a
+    symlink at that name is refused without being opened for writing (a FIFO would hang the run)."""
+    out = Path(out)
+    out_real = Path(os.path.realpath(out))
+    for src in sources:
+        r = Path(os.path.realpath(src))
+        if out_real == r or r in out_real.parents:
+            raise UsageError(f"{what} lies inside an input ({r})", path=out,
+                             hint=f"choose an {what} outside every input")
+    if not os.path.lexists(out):
+        parent = out_real.parent
+        if not parent.is_dir():
+            raise WriteError("the output's directory does not exist", path=parent, hint="create it first")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise WriteError("the output's directory is not writable", path=parent,
+                             hint=f"choose another {what}, or fix the directory's permissions")
+        return
+    st = os.lstat(out)
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a symlink" if stat.S_ISLNK(st.st_mode) else (
+            "a FIFO" if stat.S_ISFIFO(st.st_mode) else "not a regular file")
+        raise WriteError(f"the output path exists and is {kind}", path=out,
+                         hint=f"choose another {what}; qtool replaces only regular files it wrote")
+    from qtool.io.files import open_regular
+
+    with os.fdopen(open_regular(out, "the output file"), "rb") as f:
+        head = f.read(4096)
+    if not ours(head):
+        raise WriteError("the output file exists and was not written by qtool", path=out,
+                         hint=f"choose another {what}; qtool replaces only files it wrote, even with --force")
+    if not force:
+        raise WriteError("output already exists", path=out, hint=f"choose another {what}, or pass --force to replace it")
 
 
 # ---- one writer at a time --------------------------------------------------------------------------

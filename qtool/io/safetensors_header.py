@@ -44,8 +44,10 @@ class SafetensorsHeader:
 def read_header(path: str | Path, *, check_file_size: bool = True) -> SafetensorsHeader:
     """Parse and validate the header of `path`. Raises HeaderError naming the file and the tensor."""
     path = os.fspath(path)
+    from qtool.io.files import open_regular
+
     try:
-        with open(path, "rb") as f:
+        with os.fdopen(open_regular(path, "shard file", HeaderError), "rb") as f:
             file_size = os.fstat(f.fileno()).st_size
             head = f.read(8)
             if len(head) < 8:

@@ -206,6 +206,10 @@ def plan(opts: PatchOptions) -> PatchPlan:
         raise ConfigError("config.json not found", path=root / CONFIG_NAME, hint="point at a model directory")
     p = PatchPlan(root, files, options=opts)
     mm: ModelMap | None = None
+    if opts.out is not None:
+        # a copy must hold every shard: read their headers now (a missing, truncated, FIFO or non-file
+        # shard is a named error here, not a copy that silently lacks it)
+        Checkpoint.open(root)
 
     def model_map() -> ModelMap:
         nonlocal mm

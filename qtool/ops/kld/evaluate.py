@@ -165,10 +165,18 @@ def run(
         if group.world > 1 and (save_ref or emit_windows):
             raise UsageError("--save-ref and --emit-windows run in one process",
                              hint="drop --nproc/--devices for them; the KLD comparison itself runs on any number of ranks")
+        inputs = [s.path for s in srcs.values()] + ([Path(o.tokenizer)] if o.tokenizer else [])
         if save_ref:
-            from qtool.io.output import check_replaceable
+            from qtool.io.output import OutputDir
 
-            check_replaceable(Path(save_ref), force=o.force)  # exit 1 (an output problem, not usage)
+            # the one directory contract: never over or inside an input, replaced only when qtool made it
+            OutputDir(save_ref, sources=inputs, force=o.force).check()
+        if emit_windows:
+            from qtool.io.output import check_file_output
+            from qtool.ops.kld.windows import is_emitted_requests
+
+            check_file_output(Path(emit_windows), sources=inputs, force=o.force, ours=is_emitted_requests,
+                              what="--emit-windows file")
         if o.chunk < 1 or o.topk < 1 or o.tail_samples < 0:
             raise UsageError("--chunk and --topk must be >= 1, --tail-samples >= 0")
 
@@ -230,7 +238,7 @@ def run(
                 rep.timing[role] = s.streamer.clock
 
         # -- execute ----------------------------------------------------------------------------
-        saver = _RefSaver(save_ref, o, r, rep) if save_ref else None
+        saver = _RefSaver(save_ref, o, r, rep, inputs) if save_ref else None
         if saver is not None:
             saver.ids = ids
         kls, top1s, est, where = [], [], [], []
@@ -315,7 +323,7 @@ def _gather_windows(group, mine, kls, top1s, where, chunk, r, t):
 class _RefSaver:
     """Writes the compact reference window by window into `<out>.partial/`, then renames."""
 
-    def __init__(self, out: str, o: KldOptions, src, rep: KldReport):
+    def __init__(self, out: str, o: KldOptions, src, rep: KldReport, inputs: list[Path]):
         import torch
 
         from qtool.io.output import OutputDir
@@ -324,7 +332,7 @@ class _RefSaver:
         self.o = o
         self.src_path = getattr(src, "path", None)
         self.vocab = src.vocab
-        self.tx = OutputDir(self.out, force=o.force).begin()
+        self.tx = OutputDir(self.out, sources=inputs, force=o.force).begin()
         self.partial = self.tx.partial
         self.rows: list[int] = []
         self.rep = rep

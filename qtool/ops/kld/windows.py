@@ -20,6 +20,7 @@ engine compute (and dump) the log-probs of every prompt position while generatin
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from qtool.errors import PlanError, UsageError
@@ -54,13 +55,24 @@ def completion_body(ids: list[int], model: str) -> dict:
     return {"model": model, "prompt": ids, "max_tokens": 1, "temperature": 0.0, "echo": True, "logprobs": 1}
 
 
+_EMITTED = re.compile(rb'^\{"model":"(?:[^"\\]|\\.)*","prompt":\[')
+
+
+def is_emitted_requests(head: bytes) -> bool:
+    """Whether a file's first bytes are an `emit_requests` file (what --force may replace): its first
+    line opens as `completion_body` writes it (a window's line is longer than the head read)."""
+    return _EMITTED.match(head) is not None
+
+
 def emit_requests(ids, path: str | Path, model: str) -> int:
     """Write one /v1/completions body per window (JSON Lines, window order); returns the count.
-    Written to a temp file and renamed."""
+    Written to a hidden temp file (created new, fsynced) and renamed."""
+    from qtool.io.files import new_file, tmp_path
+
     p = Path(path)
-    tmp = p.with_name(p.name + ".partial")
-    with open(tmp, "w", encoding="utf-8") as f:
+    tmp = tmp_path(p)
+    with new_file(tmp) as f:
         for row in ids.tolist():
-            f.write(json.dumps(completion_body(row, model), separators=(",", ":")) + "\n")
+            f.write((json.dumps(completion_body(row, model), separators=(",", ":")) + "\n").encode())
     tmp.replace(p)
     return int(ids.shape[0])

@@ -190,18 +190,21 @@ def _finished(d: Path, key: str) -> bool:
     return marker.get("key") == key and files_unchanged(d, marker.get("files"))
 
 
-def file_stats(root: Path) -> dict[str, list[int]]:
-    """rel path -> [size, mtime_ns] of every file under `root` (markers excluded)."""
+def file_stats(root: Path, *, strict: bool = False) -> dict[str, list[int]]:
+    """rel path -> [size, mtime_ns] of every file under `root` (markers excluded); `strict` adds the ctime
+    and inode (what no user tool puts back after an edit; for files nothing else links, since a hard link
+    moves the ctime: the published artifact, not the step cache)."""
     out = {}
     for p in sorted(root.rglob("*")):
         if p.is_file() and p.name != STEP_MARKER:
             st = p.stat()
-            out[p.relative_to(root).as_posix()] = [st.st_size, st.st_mtime_ns]
+            out[p.relative_to(root).as_posix()] = [st.st_size, st.st_mtime_ns] + (
+                [st.st_ctime_ns, st.st_ino] if strict else [])
     return out
 
 
-def files_unchanged(root: Path, recorded: dict | None) -> bool:
-    return isinstance(recorded, dict) and file_stats(root) == recorded
+def files_unchanged(root: Path, recorded: dict | None, *, strict: bool = False) -> bool:
+    return isinstance(recorded, dict) and file_stats(root, strict=strict) == recorded
 
 
 def input_path(bp: BuildPlan, ref: str) -> Path | None:

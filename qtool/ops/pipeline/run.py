@@ -4,6 +4,7 @@ provenance chain in qtool-manifest.json."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -12,7 +13,7 @@ from qtool.build_recipes import Op
 from qtool.errors import WriteError
 from qtool.io.output import MANIFEST_NAME as MANIFEST
 from qtool.io.files import copy_file, LinkMode, Placer
-from qtool.io.output import OutputDir, check_no_overlap, output_files, source_file_mode
+from qtool.io.output import OutputDir, check_no_overlap, check_replaceable, output_files, source_file_mode
 from qtool.ops.pipeline.plan import STEP_MARKER, BuildPlan, StepPlan, file_stats, files_unchanged, input_path
 from qtool.ops.pipeline.steps import RUNNERS
 
@@ -41,6 +42,8 @@ def run(bp: BuildPlan, *, resume: bool = False, progress: bool = False, token: s
     ctx = {"resume": resume, "progress": progress, "token": token, "command": command}
     # refused before any step runs (publishing would refuse it only at the end)
     check_no_overlap(bp.out, [s.path for s in bp.sources.values() if s.path is not None])
+    if os.path.lexists(bp.out):
+        check_replaceable(bp.out, force=True)  # a file, a link or a directory qtool did not make: never
     if bp.out.exists() and not force and not _ours(bp.out) and any(bp.out.iterdir()):
         raise WriteError("output exists and was not made by qtool build", path=bp.out,
                          hint="choose another -o, or pass --force (a directory qtool did not make is never "
@@ -80,15 +83,17 @@ def _ours(out: Path) -> bool:
 def _publish(bp: BuildPlan, chain: list[dict]) -> bool:
     """Publish the artifact step's output at `out` with the build provenance; False when up to date (same
     final key and every published file as it was published). Side files (what people edit) are copies, so
-    editing them cannot change the step cache; shards are reflinks, else hard links, and an edited shard
-    invalidates its step too (the step marker records the files' stats)."""
+    editing them cannot change the step cache; shards are reflinks, else copies, never hard links (an
+    edit of a published shard through a shared inode would corrupt the step cache too). The record of
+    what was published holds each file's size, mtime, ctime and inode: a same-size edit with the mtime
+    put back still moves the ctime, so it is noticed and the artifact is published again."""
     from qtool.io.jsonio import atomic_write_text
 
     record = bp.work / PUBLISHED
     if _ours(bp.out):
         try:
             same_key = json.loads((bp.out / MANIFEST).read_text())["build"]["final_key"] == bp.final_key
-            if same_key and files_unchanged(bp.out, json.loads(record.read_text())):
+            if same_key and files_unchanged(bp.out, json.loads(record.read_text()), strict=True):
                 return False
         except (OSError, ValueError, KeyError):
             pass
@@ -103,7 +108,7 @@ def _publish(bp: BuildPlan, chain: list[dict]) -> bool:
     }
     inputs = [s.path for s in bp.sources.values() if s.path is not None]
     with OutputDir(bp.out, sources=inputs, force=True, file_mode=source_file_mode(src)) as tx:
-        shards = Placer(LinkMode.AUTO, file_mode=tx.file_mode)
+        shards = Placer(LinkMode.OWN_INODE, file_mode=tx.file_mode)
         for p in sorted(src.rglob("*")):
             rel = p.relative_to(src)
             if p.is_dir() or rel.name in (STEP_MARKER, MANIFEST) or any(x.startswith(".") for x in rel.parts):
@@ -111,10 +116,7 @@ def _publish(bp: BuildPlan, chain: list[dict]) -> bool:
             dst = tx.partial / rel
             dst.parent.mkdir(parents=True, exist_ok=True)
             if p.suffix == ".safetensors":
-                # reflink, else hard link: modes are left alone (a cache file may itself be a link to a
-                # user's source or an HF blob); an edit through a link changes its stats, which the next
-                # build notices both here (published.json) and in the step's marker (the step re-runs)
-                shards.place(p, dst)
+                shards.place(p, dst)  # a reflink (no new disk space) where the filesystem has them
             else:
                 copy_file(p, dst, tx.file_mode)
         manifest = json.loads((src / MANIFEST).read_text()) if (src / MANIFEST).exists() else {
@@ -129,5 +131,5 @@ def _publish(bp: BuildPlan, chain: list[dict]) -> bool:
             manifest.setdefault("note", "per-tensor origins are those of the earliest step that wrote them")
         atomic_write_text(tx.partial / MANIFEST, json.dumps(manifest, indent=1, default=str) + "\n")
         tx.commit()
-    atomic_write_text(record, json.dumps(file_stats(bp.out)) + "\n")
+    atomic_write_text(record, json.dumps(file_stats(bp.out, strict=True)) + "\n")
     return True

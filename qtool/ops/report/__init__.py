@@ -11,6 +11,7 @@ commands print with --json (qtool.ops.report.data).
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,7 +78,7 @@ def plan(opts: ReportOptions) -> ReportPlan:
     if opts.kld and len(opts.kld) != len(opts.artifacts):
         raise UsageError(f"--kld gives {len(opts.kld)} result(s) for {len(opts.artifacts)} artifact(s)",
                          hint="pass one --kld FILE.json per checkpoint, in the same order")
-    _check_output(opts.out, opts.force)
+    _check_output(opts)
     klds = [load_kld(Path(k)) for k in opts.kld] or [None] * len(opts.artifacts)
     return ReportPlan(opts, klds)
 
@@ -88,34 +89,31 @@ def _header_only(path: Path) -> bool:
     return stand_in_commit(path) is not None
 
 
-def _check_output(out: Path, force: bool) -> None:
-    import os
+def _check_output(opts: ReportOptions) -> None:
+    """-o is an output of the one contract (qtool.io.output.check_file_output): an .html file outside
+    every input, replacing only a report qtool wrote, and that only with --force."""
+    from qtool.io.output import check_file_output
 
+    out = opts.out
     if out.is_dir():
         raise UsageError("-o names a directory", path=out, hint="name the .html file to write, e.g. -o report.html")
     if out.suffix.lower() not in (".html", ".htm"):
         raise UsageError("-o must name an .html file", got=str(out), hint="e.g. -o report.html")
-    parent = out.parent if str(out.parent) else Path(".")
-    if not parent.is_dir():
-        raise PlanError("the output's directory does not exist", path=parent, hint="create it first")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise PlanError("the output's directory is not writable", path=parent,
-                        hint="choose another -o, or fix the directory's permissions")
-    if out.exists() and not force:
-        head = out.read_bytes()[:512].decode("utf-8", "replace")
-        if GENERATOR not in head:
-            raise PlanError("the output file exists and is not a qtool report", path=out,
-                            hint="choose another -o, or pass --force to replace it")
+    sources = [a.path for a in opts.artifacts] + [Path(k) for k in opts.kld] + ([Path(opts.ref)] if opts.ref else [])
+    check_file_output(out, sources=sources, force=opts.force,
+                      ours=lambda head: GENERATOR in head[:512].decode("utf-8", "replace"))
 
 
 def load_kld(path: Path) -> dict:
     """A saved `eval kld --json` result, checked: it must hold the statistics the page draws."""
     from qtool.ops.kld import RESULT_KEYS
 
-    try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
+    from qtool.io.files import read_regular
+
+    if not os.path.lexists(path):
         raise CheckpointError("KLD result not found", path=path, hint="save one with `qtool eval kld ... --json > FILE`")
+    try:
+        obj = json.loads(read_regular(path, "KLD result").decode("utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise CheckpointError(f"KLD result is not JSON ({e})", path=path,
                               hint="save it with `qtool eval kld --ref REF --test TEST --json > FILE`") from None

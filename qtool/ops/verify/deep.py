@@ -155,8 +155,8 @@ def expected_hashes(root: Path) -> dict[str, str]:
     out: dict[str, str] = {}
     files = man.get("files")
     if isinstance(files, dict) and files:
-        return {rel: f["sha256"] for rel, f in files.items()
-                if isinstance(f, dict) and isinstance(f.get("sha256"), str) and rel.endswith(".safetensors")}
+        # every file the manifest lists: shards, configs, tokenizer files, templates alike
+        return {rel: f["sha256"] for rel, f in files.items() if isinstance(f, dict) and isinstance(f.get("sha256"), str)}
     for shard, entry in (man.get("shards") or {}).items():
         if not isinstance(entry, dict):
             continue
@@ -210,10 +210,22 @@ def deep_check(ckpt: Checkpoint, *, scan: bool = True, workers: int | None = Non
     by_file: dict[str, list[TensorInfo]] = {}
     for info in ckpt.tensors.values():
         by_file.setdefault(info.file, []).append(info)
-    paths = sorted(by_file)
-    results, wall = hash_files(paths, workers, by_file if scan else None)
     want = expected_hashes(ckpt.root)
     findings: list[Finding] = []
+    # the manifest's other files (config.json, tokenizer files, chat template...) are hashed too; a listed
+    # file that is gone is a finding of its own
+    others = set()
+    for rel in sorted(want):
+        p = os.path.join(ckpt.root, rel)
+        if p in by_file:
+            continue
+        if os.path.isfile(p):
+            others.add(p)
+        else:
+            findings.append(error(Code.HASH_MISMATCH, rel, f"{rel} is listed in qtool-manifest.json but missing "
+                                  "(or not a regular file)", "restore it, or rebuild the output"))
+    paths = sorted(by_file) + sorted(others)
+    results, wall = hash_files(paths, workers, by_file if scan else None)
     digests: dict[str, str] = {}
     compared = 0
     for p in paths:
@@ -225,8 +237,8 @@ def deep_check(ckpt: Checkpoint, *, scan: bool = True, workers: int | None = Non
             if want[name] != r.sha256:
                 findings.append(error(Code.HASH_MISMATCH, name,
                                       f"sha256 {r.sha256[:16]}... differs from qtool-manifest.json "
-                                      f"({want[name][:16]}...)", "the shard changed after it was written: "
-                                      "rebuild it (qtool assemble ... --resume) or restore it"))
+                                      f"({want[name][:16]}...)", "the file changed after it was written: "
+                                      "restore it, or rebuild the output"))
     if scan:
         findings += _scan_findings(ckpt, results, max_listed)
     total = sum(r.bytes for r in results.values())
