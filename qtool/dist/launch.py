@@ -70,6 +70,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with(launcher: int):
+    """A rank's pre-exec hook: the kernel sends it SIGKILL when the launcher dies (a kill -9 of the launcher
+    alone must not leave ranks that go on and publish; the output contract makes it a resumable kill)."""
+    def hook() -> None:
+        import ctypes
+
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            return  # not Linux: the launcher's SIGTERM handler is all there is
+        if os.getppid() != launcher:  # the launcher died before the prctl took effect
+            os._exit(1)
+    return hook
+
+
 def spawn(argv: list[str], devices: list[str], resumable: bool = True) -> int:
     """Run `qtool argv` once per device as ranks 0..N-1; returns the run's exit code."""
     world = len(devices)
@@ -84,7 +102,8 @@ def spawn(argv: list[str], devices: list[str], resumable: bool = True) -> int:
         env = {**base, "RANK": str(r), "LOCAL_RANK": str(r)}
         # rank 0 speaks for the run (its report, progress, errors); the others only report errors
         procs.append(subprocess.Popen([sys.executable, "-m", "qtool", *argv], env=env,
-                                      stdout=None if r == 0 else subprocess.DEVNULL))
+                                      stdout=None if r == 0 else subprocess.DEVNULL,
+                                      preexec_fn=_die_with(os.getpid())))
     def terminate(signum, frame):  # a SIGTERM to the launcher stops the ranks too (no orphans)
         raise KeyboardInterrupt
 

@@ -28,6 +28,7 @@ def fetch_tensors(plan: FetchPlan, tx, *, token: str | None = None, progress: bo
     entered: `OUT.partial/`, kept for --resume) through the shared executor; returns a report. Each shard
     is Produced: its header is known from the remote headers, its bytes come by range requests."""
     from qtool.io.apply import write_output
+    from qtool.io.manifest import RUN
     from qtool.io.plan import Index, Link, OutputPlan, Produced, promised
 
     partial = tx.partial
@@ -53,18 +54,21 @@ def fetch_tensors(plan: FetchPlan, tx, *, token: str | None = None, progress: bo
                          hint=f"resume at that commit (REPO@{pinned.read_text().strip()}) or drop --resume")
     pinned.write_text(plan.listing.commit)
 
+    run: dict = {"header_requests": report.pop("header_requests", None)}  # the header cache's doing
+
     def produce(_done) -> None:
         reader = RangeReader(plan.listing, token=token)
-        report["resumed_bytes"] = _fetch_shards(plan, reader, partial, progress)
-        report["fetch"] = reader.stats.to_json()
+        run["resumed_bytes"] = _fetch_shards(plan, reader, partial, progress)
+        run["fetch"] = reader.stats.to_json()
 
     def check() -> dict:
         _check_output(partial, plan)
         pinned.unlink()
         return {}
 
-    write_output(output, tx, command=command, produce=produce, check=check, extra=lambda: {"download": report})
-    return report
+    write_output(output, tx, command=command, produce=produce, check=check,
+                 extra=lambda: {"download": report, RUN: run})
+    return {**report, **run}
 
 
 def _fetch_shards(plan: FetchPlan, reader: RangeReader, partial: Path, progress: bool) -> int:

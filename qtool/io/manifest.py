@@ -45,6 +45,10 @@ def library_versions() -> dict[str, str | None]:
     return out
 
 
+# The manifest section that may differ between two runs of the same job: timings, cache hits, retries,
+# resume counters. Every other section of a resumed run's manifest equals an uninterrupted run's.
+RUN = "run"
+
 SECRET_FLAGS = ("--token", "--hf-token")
 _TOKEN = re.compile(r"\bhf_[A-Za-z0-9]{8,}")
 

@@ -62,13 +62,23 @@ def remove_parked(path: Path) -> None:
 
 
 def remove_ours(path: Path) -> None:
-    """rmtree a directory qtool made (its partial marker present, or empty); anything else is refused."""
+    """rmtree a directory qtool made (its partial marker present, a finished output whose commit was
+    killed before its rename, or empty); anything else is refused."""
     if not os.path.lexists(path):
         return
-    if path.is_symlink() or not path.is_dir() or (any(path.iterdir()) and not (path / PARTIAL_MARKER).exists()):
+    if path.is_symlink() or not path.is_dir() or (any(path.iterdir()) and not (path / PARTIAL_MARKER).exists()
+                                                  and not made_by_qtool(path)):
         raise WriteError("a directory in qtool's way was not made by qtool", path=path,
                          hint="move it away (qtool uses this name for its unfinished output)")
     shutil.rmtree(path)
+
+
+def unmark(partial: Path) -> None:
+    """Remove a finished partial's marker (durably) right before its rename, so that a kill right after
+    the rename leaves a clean OUT; a kill between the two leaves a finished OUT.partial without it, which
+    its manifest proves qtool's (remove_ours)."""
+    (partial / PARTIAL_MARKER).unlink(missing_ok=True)
+    fsync_path(partial)
 
 
 # ---- where an output may go ------------------------------------------------------------------------
@@ -377,7 +387,7 @@ class OutputDir:
         """Rename the finished `OUT.partial/` to OUT (a qtool-made OUT is replaced only now)."""
         self.sweep()
         self.set_modes()
-        fsync_path(self.partial)
+        unmark(self.partial)
         out = self.out
         old = None
         try:
@@ -388,7 +398,6 @@ class OutputDir:
                 (out / SWAPPED_MARKER).touch()  # out is qtool-made (checked above): mark it as parked
                 os.rename(out, old)
             os.rename(self.partial, out)
-            (out / PARTIAL_MARKER).unlink(missing_ok=True)
         except OSError as e:
             if old is not None and not out.exists():
                 os.rename(old, out)

@@ -13,6 +13,8 @@ with its hashes (`download`) and every output file's sha256 (`files`).
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +24,7 @@ from qtool.hub.remote_safetensors import FetchPlan, TensorFetchOptions, plan_fet
 from qtool.hub.tensor_fetch import fetch_tensors
 from qtool.hub.resolve import HubSpec
 from qtool.io.files import LinkMode
+from qtool.io.manifest import RUN
 from qtool.io.output import OutputDir
 from qtool.ops.contract import Report
 
@@ -58,6 +61,8 @@ class DownloadPlan:
 def plan(opts: DownloadOptions) -> DownloadPlan:
     if opts.tensors and opts.out is None:
         raise UsageError("--tensors needs -o DIR", hint="the tensors are written as a new checkpoint in DIR")
+    if opts.out is not None:
+        _refuse_hub_cache(opts.out)
     listing = repo_listing(opts.spec, token=opts.token)
     if opts.tensors:
         side = listing.select(opts.include) if opts.include else None
@@ -91,11 +96,13 @@ def _run(p: DownloadPlan, *, progress: bool = False) -> dict:
     links: dict[str, int] = {}
     report = {
         **p.to_json(),
-        "downloaded_bytes": need,
-        "files": {f.path: f.to_json() for f in st.files},
-        "hash_failures_repaired": st.hash_failures,
+        "files": {f.path: {"size": f.size, "digest": f.digest} for f in st.files},
         "placed": links,
     }
+    # what differs between an uninterrupted run and a resumed one (or one that found files cached): the
+    # manifest keeps it apart, so `download` is the same for the same commit and files (io.manifest.RUN)
+    run = {"downloaded_bytes": need, "hash_failures_repaired": st.hash_failures,
+           "fetched": {f.path: {"cached": f.cached, "attempts": f.attempts} for f in st.files}}
     if tx is not None:
         from qtool.hub.tensor_fetch import hub_source
         from qtool.io.apply import write_output
@@ -104,7 +111,8 @@ def _run(p: DownloadPlan, *, progress: bool = False) -> dict:
         output = OutputPlan("download", [Link(f.path, str(f.local)) for f in st.files],
                             sources={"hub": hub_source(p.listing, [f.path for f in st.files])},
                             inputs=[str(f.local) for f in st.files],
-                            summary={"repo": p.listing.spec.repo_id, "commit": p.listing.commit}, extra={"download": report})
+                            summary={"repo": p.listing.spec.repo_id, "commit": p.listing.commit},
+                            extra={"download": report, RUN: run})
         with tx:
             applied = write_output(output, tx, command=command)
         links.update(applied.linked)
@@ -112,4 +120,26 @@ def _run(p: DownloadPlan, *, progress: bool = False) -> dict:
     for _ in Path(st.files[0].path).parts:
         snap = snap.parent
     report["snapshot"] = str(snap)
-    return report
+    return {**report, **run}
+
+
+_CACHE_REPO = re.compile(r"^(models|datasets|spaces)--.+")
+
+
+def _refuse_hub_cache(out: Path) -> None:
+    """-o never lies inside a Hugging Face cache (a `models--ORG--NAME/` repo folder, or the cache root
+    huggingface_hub uses): huggingface_hub owns those files (snapshots are links into blobs/, named by
+    their hashes), and a directory qtool wrote there would be taken for part of a snapshot."""
+    real = Path(os.path.realpath(out))
+    roots = []
+    try:
+        from huggingface_hub import constants
+
+        roots.append(Path(os.path.realpath(constants.HF_HUB_CACHE)))
+    except ImportError:
+        pass
+    for d in (real, *real.parents):
+        if _CACHE_REPO.match(d.name) or d in roots:
+            raise UsageError("-o lies inside a Hugging Face cache", path=out, got=str(d),
+                             hint="choose an -o outside the cache (qtool reads the cache as it is: pass the "
+                             "snapshot directory itself as an input)")

@@ -234,6 +234,17 @@ def test_tensors_resume_after_interruption(hub, repo_dir, tmp_path, capsys, monk
     assert rep["resumed_bytes"] > 0
     headers = 6 * 1400  # the resumed run re-reads the remote headers (small)
     assert hub.bytes_served("/cdn/") - before <= rep["bytes"] - rep["resumed_bytes"] + headers
+    # the manifest equals an uninterrupted run's but for its `run` section (resume counters, requests)
+    ref = tmp_path / "ref"
+    assert main(["download", "org/model", "-o", str(ref), "--tensors", SHARED, "--json"]) == 0
+    capsys.readouterr()
+
+    def but_run(d):
+        m = json.loads((d / "qtool-manifest.json").read_text())
+        assert m.pop("run")["resumed_bytes"] == (rep["resumed_bytes"] if d == out else 0)
+        m.pop("command")
+        return m
+    assert but_run(out) == but_run(ref)
 
 
 def test_tensors_resume_after_the_branch_moved_is_refused(hub, repo_dir, tmp_path, capsys, monkeypatch):

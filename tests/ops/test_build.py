@@ -195,7 +195,7 @@ def test_demo_recipe_builds(tmp_path, capsys, tiny_bf16, tiny_nvfp4_modelopt_nom
                  "--source", f"nvfp4={tiny_nvfp4_modelopt_nomtp}", "--source", f"bf16={tiny_bf16}")
     assert rep["ran"] == ["hybrid", "kv", "patched", "check"]
     man = json.loads((tmp_path / "o" / "qtool-manifest.json").read_text())
-    assert man["build"]["steps"][1]["report"]["layers"]
+    assert man["run"]["steps"][1]["report"]["layers"]
 
 
 # ---- Hub sources -------------------------------------------------------------------------------------

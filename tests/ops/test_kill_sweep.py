@@ -17,12 +17,13 @@ ROOT = Path(__file__).resolve().parents[2]
 SWEEP = {
     "assemble": (lambda src, bf: ["assemble", "hybrid", "--nvfp4", src, "--bf16", bf, "--bf16-expert-layers", "0"],
                  [("qtool.io.identity:Journal.record", 1), ("qtool.io.identity:Journal.record", 5),
-                  ("qtool.io.manifest:write_manifest", 1)]),
+                  ("qtool.io.manifest:write_manifest", 1), ("qtool.io.output:unmark", 1)]),
     "calibrate-kv": (lambda src, bf: ["calibrate-kv", src, *KV, "--replace-scales"],
                      [("qtool.stream.layer_stream:LayerStreamer.load_layer", 2), ("qtool.io.files:Placer.place", 3),
                       ("qtool.io.writer:write_shard", 1)]),
     "quantize": (lambda src, bf: ["quantize", bf, "--recipe", "qwen35-nvfp4-experts", *KV],
-                 [("qtool.ops.quantize.layer:write_layer_shard", 2), ("qtool.io.identity:Journal.record", 1)]),
+                 [("qtool.ops.quantize.layer:write_layer_shard", 2), ("qtool.io.identity:Journal.record", 1),
+                  ("qtool.io.output:unmark", 1)]),
     "convert": (lambda src, bf: ["convert", src, "--to", "compressed-tensors"],
                 [("qtool.io.identity:Journal.record", 2), ("qtool.io.identity:Journal.record", 6)]),
 }
@@ -98,3 +99,15 @@ def test_kill_sweep_build(tmp_path):
         p = run_qtool(["build", recipe, "-o", out, "--quiet", "--resume"])
         assert p.returncode == 0, (target, n, p.stderr)
         assert tree_sha(out) == tree_sha(ref), (target, n)
+        # the manifest too, but for its `run` section (timings, resume counters) and the output's name
+        assert _manifest_but_run(out) == _manifest_but_run(ref), (target, n)
+
+
+def _manifest_but_run(out: Path) -> dict:
+    import json
+
+    m = json.loads((out / "qtool-manifest.json").read_text().replace(str(out), "OUT").replace(
+        " --resume", ""))
+    assert "run" in m
+    m.pop("run")
+    return m

@@ -8,6 +8,10 @@ import hashlib
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -312,19 +316,32 @@ def test_a_kill_right_after_the_commit_rename_leaves_a_clean_output(tiny_nvfp4_m
     assert p.returncode == -9
     assert out.is_dir() and not (tmp_path / "out.partial").exists()
     assert not (out / ".qtool-partial").exists()
-    p = run_qtool([*args, "--resume"], timeout=TIMEOUT)
-    assert p.returncode == 0, p.stderr
     assert tree_sha(out) == tree_sha(ref)
-    assert not (out / ".qtool-partial").exists() and not list(tmp_path.glob(".out.qtool-lock"))
+    # the resume the user tries next is told the truth, and the stale lock file is no obstacle
+    p = run_qtool([*args, "--resume"], timeout=TIMEOUT)
+    assert p.returncode == 1 and "already complete" in p.stderr, p.stderr
+    p = run_qtool([*args, "--force"], timeout=TIMEOUT)
+    assert p.returncode == 0, p.stderr
+    assert tree_sha(out) == tree_sha(ref) and not (out / ".qtool-partial").exists()
+    assert not list(tmp_path.glob(".out.qtool-lock"))
+
+
+def test_a_kill_between_the_marker_removal_and_the_rename_is_cleaned_up(tiny_nvfp4_modelopt, tmp_path):
+    out = tmp_path / "out"
+    args = ["convert", tiny_nvfp4_modelopt, "--to", "compressed-tensors", "-o", out, "--quiet"]
+    for extra in (["--resume"], []):
+        p = run_killed("qtool.io.output:unmark", 1, args)
+        assert p.returncode == -9
+        assert not out.exists() and (tmp_path / "out.partial").is_dir()
+        assert not (tmp_path / "out.partial" / ".qtool-partial").exists()
+        p = run_qtool([*args, *extra], timeout=TIMEOUT)
+        assert p.returncode == 0, p.stderr
+        assert not (tmp_path / "out.partial").exists()
+        shutil.rmtree(out)
 
 
 def test_killing_the_launcher_kills_its_ranks(tiny_bf16, tmp_path):
     """Found as: killing only the --nproc launcher left its ranks running, and they published."""
-    import signal
-    import subprocess
-    import sys
-    import time
-
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "qtool", "quantize", str(tiny_bf16), "--recipe", "qwen35-nvfp4-experts", *KV,
            "-o", str(out), "--quiet", "--nproc", "2"]
@@ -398,3 +415,25 @@ def test_a_non_utf8_shard_name_and_a_shard_symlink_loop_are_named_errors(tiny_nv
     p = run_qtool(["convert", ck, "--to", "compressed-tensors", "-o", tmp_path / "c"], timeout=TIMEOUT)
     assert p.returncode == 1 and "symlink loop" in p.stderr and "Traceback" not in p.stderr, p.stderr
     shutil.rmtree(ck)
+
+
+def test_a_build_paused_between_steps_while_another_runs_lets_only_one_publish(tmp_path):
+    """Found as: a build paused between steps while another build of the same OUT ran: both exited 0."""
+    from killpoint import start_paused
+
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "build" / "demo-tiny.yaml"
+    out, marker = tmp_path / "out", tmp_path / "pause"
+    first = start_paused("qtool.ops.pipeline.run:_mark", 1, marker, ["build", recipe, "-o", out, "--quiet"])
+    try:
+        deadline = time.time() + 180
+        while not Path(str(marker) + ".paused").exists():
+            assert first.poll() is None, first.communicate()
+            assert time.time() < deadline
+            time.sleep(0.2)
+        p = run_qtool(["build", recipe, "-o", out, "--quiet"], timeout=TIMEOUT)
+        assert p.returncode == 1 and "another qtool run" in p.stderr, p.stderr
+        assert not out.exists()
+    finally:
+        Path(str(marker) + ".go").touch()
+    assert first.wait(timeout=300) == 0, first.communicate()
+    assert (out / "qtool-manifest.json").is_file()

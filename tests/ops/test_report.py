@@ -178,8 +178,8 @@ def test_bad_input_is_refused_before_writing(tiny_nvfp4_modelopt, tmp_path, caps
     ck = str(tiny_nvfp4_modelopt)
     notes = tmp_path / "notes.html"
     notes.write_text("<p>my notes</p>")
-    assert main(["report", ck, "-o", str(notes)]) == 1  # not a qtool report: kept
-    assert "not a qtool report" in capsys.readouterr().err and notes.read_text() == "<p>my notes</p>"
+    assert main(["report", ck, "-o", str(notes), "--force"]) == 1  # not a qtool report: kept, even with --force
+    assert "not written by qtool" in capsys.readouterr().err and notes.read_text() == "<p>my notes</p>"
     assert main(["report", ck, "-o", str(tmp_path / "r.txt")]) == 2
     assert ".html" in capsys.readouterr().err
     assert main(["report", ck, "--kld", "a.json", "--kld", "b.json", "-o", str(tmp_path / "r.html")]) == 2
@@ -195,10 +195,12 @@ def test_bad_input_is_refused_before_writing(tiny_nvfp4_modelopt, tmp_path, caps
     assert "histogram" in capsys.readouterr().err
     assert main(["report", str(tmp_path / "missing"), "-o", str(tmp_path / "r.html")]) == 1
     assert not (tmp_path / "r.html").exists()
-    # a report is replaced by the next one (it is ours), without --force
+    # a report qtool wrote is replaced with --force (the one output contract: as for directories)
     out = tmp_path / "r.html"
     assert main(["report", ck, "--tp", "2", "-o", str(out)]) == 0
-    assert main(["report", ck, "--tp", "1", "-o", str(out)]) == 0
+    assert main(["report", ck, "--tp", "1", "-o", str(out)]) == 1
+    assert "--force" in capsys.readouterr().err
+    assert main(["report", ck, "--tp", "1", "-o", str(out), "--force"]) == 0
     assert _page(out).data["options"]["tp"] == 1
 
 
@@ -270,10 +272,10 @@ def test_review_findings_kv_dtype_mtp_and_broken_inputs(tiny_nvfp4_modelopt, tin
     a = _page(out).data["artifacts"][0]
     assert a["verify"]["fit"]["kv_cache_dtype"] == "auto"
     assert "--kv-cache-dtype" not in a["launch"]["vllm@0.33.0"]["command"]
-    assert main(["report", str(tiny_nvfp4_modelopt), "--tp", "2", "--kv-cache-dtype", "fp8", "-o", str(out)]) == 0
+    assert main(["report", str(tiny_nvfp4_modelopt), "--tp", "2", "--kv-cache-dtype", "fp8", "-o", str(out), "--force"]) == 0
     assert "--kv-cache-dtype fp8" in _page(out).data["artifacts"][0]["launch"]["vllm@0.33.0"]["command"]
     # a finding whose row the grid does not draw (no MTP head, --mtp 1) is listed beside the grid
-    assert main(["report", str(tiny_nvfp4_modelopt_nomtp), "--tp", "2", "--mtp", "1", "-o", str(out)]) == 0
+    assert main(["report", str(tiny_nvfp4_modelopt_nomtp), "--tp", "2", "--mtp", "1", "-o", str(out), "--force"]) == 0
     a = _page(out).data["artifacts"][0]
     codes = [a["verify"]["findings"][i]["code"] for i in a["marks"]["elsewhere"]]
     assert "mtp-missing" in codes and not a["verify"]["ok"]
@@ -282,16 +284,16 @@ def test_review_findings_kv_dtype_mtp_and_broken_inputs(tiny_nvfp4_modelopt, tin
     shutil.copytree(tiny_nvfp4_modelopt, ck)
     (ck / "qtool-manifest.json").write_text("[1, 2]")
     capsys.readouterr()
-    assert main(["report", str(ck), "--tp", "2", "-o", str(out)]) == 0
+    assert main(["report", str(ck), "--tp", "2", "-o", str(out), "--force"]) == 0
     assert "not a readable qtool manifest" in _page(out).data["artifacts"][0]["provenance"]["error"]
     kld = tmp_path / "k.json"
     kld.write_text(json.dumps({"mean": None, "median": 0, "p95": 0, "p99": 0, "max": 0, "top1_agreement": 1,
                                "positions": 1, "histogram": {}, "per_position": None}))
-    assert main(["report", str(ck), "--kld", str(kld), "-o", str(out)]) == 1
+    assert main(["report", str(ck), "--kld", str(kld), "-o", str(out), "--force"]) == 1
     err = capsys.readouterr().err
     assert "wrong type: mean, histogram" in err and str(kld) in err
     # window flags without --ref would be ignored: refused; an unwritable output directory before any work
-    assert main(["report", str(ck), "--windows", "8", "-o", str(out)]) == 2
+    assert main(["report", str(ck), "--windows", "8", "-o", str(out), "--force"]) == 2
     ro = tmp_path / "ro"
     ro.mkdir()
     ro.chmod(0o500)

@@ -168,7 +168,7 @@ def plan(recipe: BuildRecipe, *, out: Path | None = None, overrides: dict[str, P
         ins = [keys[i] for i in st.inputs]
         key = sha({"op": st.op.value, "with": st.params, "inputs": ins, "qtool": __version__})
         d = work / "steps" / f"{st.id}-{key[:12]}"
-        cached = _finished(d, key)
+        cached = step_finished(d, key)
         keys[st.id] = key
         steps.append(StepPlan(st, key, d, cached, ins))
     bp = BuildPlan(recipe, out, work, sources, steps)
@@ -180,7 +180,7 @@ def plan(recipe: BuildRecipe, *, out: Path | None = None, overrides: dict[str, P
     return bp
 
 
-def _finished(d: Path, key: str) -> bool:
+def step_finished(d: Path, key: str) -> bool:
     """A step output is reused only when its marker has this key AND every file it recorded is still
     there with its size and mtime (an artifact edited through a shared hard link re-runs the step)."""
     try:

@@ -11,10 +11,13 @@ from pathlib import Path
 
 from qtool.build_recipes import Op
 from qtool.errors import WriteError
+from qtool.io.manifest import RUN
 from qtool.io.output import MANIFEST_NAME as MANIFEST
 from qtool.io.files import copy_file, LinkMode, Placer
-from qtool.io.output import OutputDir, check_no_overlap, check_replaceable, output_files, source_file_mode
-from qtool.ops.pipeline.plan import STEP_MARKER, BuildPlan, StepPlan, file_stats, files_unchanged, input_path
+from qtool.io.output import (OutputDir, check_no_overlap, check_replaceable, lock_for, output_files,
+                             source_file_mode)
+from qtool.ops.pipeline.plan import (STEP_MARKER, BuildPlan, StepPlan, file_stats, files_unchanged, input_path,
+                                    step_finished)
 from qtool.ops.pipeline.steps import RUNNERS
 
 PUBLISHED = "published.json"  # in DIR.build/: what was published, to notice an edited artifact
@@ -48,8 +51,19 @@ def run(bp: BuildPlan, *, resume: bool = False, progress: bool = False, token: s
         raise WriteError("output exists and was not made by qtool build", path=bp.out,
                          hint="choose another -o, or pass --force (a directory qtool did not make is never "
                          "replaced)")
+    # one build of an OUT at a time, for its whole run: a second one (or one paused between steps while
+    # another ran) is refused, never two publishing; the steps' reuse is decided again under the lock
+    bp.work.parent.mkdir(parents=True, exist_ok=True)
+    with lock_for(bp.work):
+        for sp in bp.steps:
+            sp.cached = step_finished(sp.dir, sp.key)
+        return _run_steps(bp, ctx, resume)
+
+
+def _run_steps(bp: BuildPlan, ctx: dict, resume: bool) -> dict:
     ran, skipped = [], []
-    chain = []
+    chain: list[dict] = []
+    timings: list[dict] = []
     for sp in bp.steps:
         if sp.cached:
             skipped.append(sp.step.id)
@@ -66,9 +80,10 @@ def run(bp: BuildPlan, *, resume: bool = False, progress: bool = False, token: s
             ran.append(sp.step.id)
             info = json.loads((sp.dir / STEP_MARKER).read_text())
         chain.append({"id": sp.step.id, "op": sp.step.op.value, "key": sp.key, "inputs": list(sp.step.inputs),
-                      "input_keys": sp.input_keys, "with": sp.step.params, "seconds": info.get("seconds"),
-                      "report": info.get("report")})
-    final = _publish(bp, chain)
+                      "input_keys": sp.input_keys, "with": sp.step.params})
+        # the step's report and time differ between a resumed and an uninterrupted build: the `run` section
+        timings.append({"id": sp.step.id, "seconds": info.get("seconds"), "report": info.get("report")})
+    final = _publish(bp, chain, timings)
     return {"recipe": bp.recipe.name, "out": str(bp.out), "ran": ran, "skipped": skipped,
             "final_key": bp.final_key, "published": final}
 
@@ -80,7 +95,7 @@ def _ours(out: Path) -> bool:
         return False
 
 
-def _publish(bp: BuildPlan, chain: list[dict]) -> bool:
+def _publish(bp: BuildPlan, chain: list[dict], timings: list[dict]) -> bool:
     """Publish the artifact step's output at `out` with the build provenance; False when up to date (same
     final key and every published file as it was published). Side files (what people edit) are copies, so
     editing them cannot change the step cache; shards are reflinks, else copies, never hard links (an
@@ -122,6 +137,7 @@ def _publish(bp: BuildPlan, chain: list[dict]) -> bool:
         manifest = json.loads((src / MANIFEST).read_text()) if (src / MANIFEST).exists() else {
             "operation": "build"}
         manifest["build"] = build
+        manifest[RUN] = {"steps": timings}  # qtool.io.manifest.RUN: what another run of the build may change
         # shards' digests carry over from the producing op (the same bytes); side files are re-hashed
         # (a patch-config step changed configs after the manifest was written)
         manifest["files"] = output_files(tx.partial, {

@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from qtool.errors import CheckpointError, PlanError, UsageError
+from qtool.errors import CheckpointError, UsageError
 from qtool.ops.report.data import Artifact
 
 GENERATOR = '<meta name="generator" content="qtool report'
