@@ -1,3 +1,3 @@
-from qtool.cli.main import main
+from qtool.cli.main import console
 
-raise SystemExit(main())
+console()

@@ -147,6 +147,17 @@ def _parallel(args, argv: list[str]) -> int | None:
     return spawn(argv, devices, resumable=hasattr(args, "resume"))
 
 
+def console() -> None:
+    """The `qtool` executable (and `python -m qtool`): main(), then the interpreter's teardown with Ctrl-C
+    ignored. The command's work and exit code are settled by then; a Ctrl-C landing in torch's exit
+    handlers would only print a KeyboardInterrupt traceback over a finished run."""
+    import signal
+
+    code = main()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise SystemExit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
     code = _main(argv)
     from qtool import dist
@@ -210,4 +221,4 @@ def _main(argv: list[str] | None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    console()

@@ -322,6 +322,13 @@ class LayerStreamer:
         want = dtype or tc.get("dtype") or tc.get("torch_dtype") or (self.ckpt.config or {}).get("dtype") or "bfloat16"
         self.dtype_name = _DTYPES.get(str(want), "bfloat16")
         self.prefix = text_prefix(self.mm.naming)
+        embed = self.ckpt.tensors.get(self.prefix + "embed_tokens.weight")
+        if embed is not None and (len(embed.shape) != 2 or embed.shape[1] != int(tc["hidden_size"])):
+            # a config that disagrees with the tensors fails here by name, not as a shape error mid-forward
+            raise PlanError("config.json's hidden_size does not match the embedding's width", path=self.ckpt.root
+                            / "config.json", tensor=embed.name, expected=f"hidden_size {embed.shape[-1]}",
+                            got=f"hidden_size {tc['hidden_size']}",
+                            hint="restore config.json from the checkpoint's source repository")
         self._hf_config = None
         self._rotary = None
         from qtool.stream.layer_read import Prefetcher

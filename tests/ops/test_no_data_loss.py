@@ -230,6 +230,21 @@ def test_wrong_typed_config_fields_are_named_errors(file, path, value, tiny_nvfp
     assert not (tmp_path / "kv").exists() and not (tmp_path / "r.html").exists()
 
 
+def test_a_hidden_size_that_disagrees_with_the_tensors_is_named(tiny_nvfp4_modelopt, tmp_path):
+    """Found as: a bad hidden_size read as "cannot load the checkpoint's tokenizer" (and, with a tokenizer, a
+    shape error deep in the forward)."""
+    ck = copy_of(tiny_nvfp4_modelopt, tmp_path / "ck")
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg["text_config"]["hidden_size"] += 1
+    (ck / "config.json").write_text(json.dumps(cfg))
+    for cmd in (["calibrate-kv", ck, *KV, "--replace-scales", "-o", tmp_path / "kv", "--dry-run"],
+                ["eval", "kld", "--ref", ck, "--windows", "1", "--seq-len", "8", "--save-ref", tmp_path / "ref"]):
+        p = run_qtool(cmd, timeout=TIMEOUT)
+        assert p.returncode == 1, p.stderr
+        assert "hidden_size does not match" in p.stderr and "Traceback" not in p.stderr, p.stderr
+        assert "tokenizer" not in p.stderr
+
+
 @pytest.mark.parametrize("how", ["fifo", "directory", "dev-zero", "symlink-loop", "missing", "truncated"])
 def test_patch_config_copy_with_a_broken_shard_is_refused(how, tiny_nvfp4_modelopt, tmp_path):
     """Found as: `patch-config -o` on a checkpoint whose shard is a FIFO, a directory, /dev/zero or a
@@ -286,6 +301,7 @@ def test_a_fifo_named_like_a_shard_is_an_error_not_a_hang(where, tiny_nvfp4_mode
     os.mkfifo(fifo)
     for cmd in (["inspect", ck], ["verify", ck, "--tp", "1"], ["verify", ck, "--deep", "--tp", "1"],
                 ["convert", ck, "--to", "compressed-tensors", "-o", tmp_path / "c"],
+                ["assemble", "hybrid", "--nvfp4", ck, "--bf16", ck, "-o", tmp_path / "a"],
                 ["calibrate-kv", ck, *KV, "-o", tmp_path / "kv", "--dry-run"]):
         p = run_qtool(cmd, timeout=TIMEOUT)
         assert p.returncode == (3 if cmd[0] == "verify" else 1), (cmd[0], p.stderr)
@@ -406,15 +422,45 @@ def test_a_non_utf8_shard_name_and_a_shard_symlink_loop_are_named_errors(tiny_nv
     ck = copy_of(tiny_nvfp4_modelopt, tmp_path / "ck")
     (ck / "model.safetensors.index.json").unlink()
     shards = sorted(ck.glob("*.safetensors"))
+    commands = (["convert", ck, "--to", "compressed-tensors", "-o", tmp_path / "c"],
+                ["assemble", "hybrid", "--nvfp4", ck, "--bf16", tiny_nvfp4_modelopt, "-o", tmp_path / "a"])
     os.rename(bytes(shards[0]), bytes(shards[0].parent) + b"/m\xff.safetensors")
-    p = run_qtool(["convert", ck, "--to", "compressed-tensors", "-o", tmp_path / "c"], timeout=TIMEOUT)
-    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
+    for cmd in commands:
+        p = run_qtool(cmd, timeout=TIMEOUT)
+        assert p.returncode == 1 and "not UTF-8" in p.stderr and "Traceback" not in p.stderr, p.stderr
     os.rename(bytes(shards[0].parent) + b"/m\xff.safetensors", bytes(shards[0]))
     shards[1].unlink()
     shards[1].symlink_to(shards[1].name)
-    p = run_qtool(["convert", ck, "--to", "compressed-tensors", "-o", tmp_path / "c"], timeout=TIMEOUT)
-    assert p.returncode == 1 and "symlink loop" in p.stderr and "Traceback" not in p.stderr, p.stderr
+    for cmd in commands:
+        p = run_qtool(cmd, timeout=TIMEOUT)
+        assert p.returncode == 1 and "symlink loop" in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert not (tmp_path / "c").exists() and not (tmp_path / "a").exists()
     shutil.rmtree(ck)
+
+
+def test_an_edited_published_build_shard_is_republished_and_the_cache_is_intact(tmp_path):
+    """Found as: `qtool build` tracked published files by size and mtime only, and a published shard shared
+    its inode with the step cache: an in-place edit with the mtime restored was "up to date" and had
+    corrupted the cache too."""
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "build" / "demo-tiny.yaml"
+    out = tmp_path / "out"
+    assert run_qtool(["build", recipe, "-o", out, "--quiet"], timeout=600).returncode == 0
+    shard = biggest_shard(out)
+    clean = sha(shard)
+    cache = {p: sha(p) for p in (tmp_path / "out.build").rglob("*.safetensors")}
+    assert all(os.stat(p).st_ino != shard.stat().st_ino for p in cache)  # its own inode (reflink or copy)
+    with open(shard, "r+b") as f:  # in place, as an editor or a script does; the mtime put back
+        st = os.fstat(f.fileno())
+        f.seek(st.st_size // 2)
+        b = f.read(1)
+        f.seek(st.st_size // 2)
+        f.write(bytes([b[0] ^ 1]))
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert {p: sha(p) for p in cache} == cache  # the step cache is not the artifact
+    p = run_qtool(["build", recipe, "-o", out, "--json"], timeout=600)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["published"] is True
+    assert sha(shard) == clean
 
 
 def test_a_build_paused_between_steps_while_another_runs_lets_only_one_publish(tmp_path):
@@ -437,3 +483,17 @@ def test_a_build_paused_between_steps_while_another_runs_lets_only_one_publish(t
         Path(str(marker) + ".go").touch()
     assert first.wait(timeout=300) == 0, first.communicate()
     assert (out / "qtool-manifest.json").is_file()
+
+
+def test_a_ctrl_c_during_interpreter_shutdown_prints_no_traceback(tiny_nvfp4_modelopt):
+    """Found as: a KeyboardInterrupt traceback from torch when Ctrl-C landed during interpreter shutdown
+    (exit 0). The Ctrl-C is sent from the last exit handler to run, after the command finished."""
+    code = ("import atexit, os, signal, sys, time\n"
+            "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(0.5)))\n"
+            f"sys.argv = ['qtool', 'inspect', {str(tiny_nvfp4_modelopt)!r}]\n"
+            "import torch  # its own exit handlers, as in a quantize run\n"
+            "from qtool.cli.main import console\n"
+            "console()\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=TIMEOUT)
+    assert p.returncode == 0, p.stderr
+    assert "Traceback" not in p.stderr and "KeyboardInterrupt" not in p.stderr, p.stderr
