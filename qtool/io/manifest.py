@@ -11,8 +11,8 @@ LFS sha256 of the content (huggingface_hub file_download.py) and is used as is; 
 (`.cache/huggingface/download/<file>.metadata`: commit, etag, time) holds the LFS sha256 as the etag and
 is used while the file has not been modified since (huggingface_hub's own rule, _local_folder.py
 read_download_metadata); otherwise the file is hashed once and the digest cached under $QTOOL_CACHE_DIR
-(default ~/.cache/qtool), keyed by path, device, inode, size, mtime and ctime (InputHasher._key: a
-same-size edit with its mtime put back is hashed again). For a local 397B BF16 source (~800 GB, of which
+(default ~/.cache/qtool) by content identity (qtool.io.digest_cache: a same-size edit with its mtime put
+back is hashed again). For a local 397B BF16 source (~800 GB, of which
 assemble reads ~15 GB) the difference is reading the whole model or not.
 """
 
@@ -26,6 +26,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+from qtool.io.digest_cache import DigestCache
 from qtool.io.files import hash_file as _hash_file
 
 LIBRARIES = ("transformers", "safetensors", "torch", "nvidia-modelopt", "compressed-tensors", "llmcompressor",
@@ -99,12 +100,7 @@ class InputHasher:
         self.pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="qtool-sha256")
         self.futures: dict[str, Future] = {}
         self.lock = threading.Lock()
-        self.cache_path = cache_dir() / "sha256-cache.json"
-        try:
-            self.cache: dict[str, str] = json.loads(self.cache_path.read_text())
-        except (OSError, ValueError):
-            self.cache = {}
-        self.dirty = False
+        self.cache = DigestCache(cache_dir() / "sha256-cache.json")
         self.trust_cache = trust_cache
         self.record = record
         self.recorded: dict[str, str] = {}
@@ -115,17 +111,6 @@ class InputHasher:
                     self.recorded[rec["path"]] = rec["sha256"]
                 except (ValueError, KeyError, TypeError):
                     break  # a torn last line
-
-    @staticmethod
-    def _key(path: str) -> str:
-        """The cache key: path, device, inode, size, mtime AND ctime. ctime is set by the kernel on every
-        change of the file (a write, a truncate, a rename onto it) and no user tool can put it back the
-        way `touch -d` / `cp -p` / `rsync -t` put back an mtime, so a same-size edit with the mtime
-        restored misses the cache and is hashed again (a link or chmod also moves it: that costs one
-        re-hash, never a wrong digest)."""
-        real = os.path.realpath(path)
-        st = os.stat(real)
-        return f"{real}|{st.st_dev}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}"
 
     def refuse_unproven(self, inputs, partial: Path) -> None:
         """A resumed run can prove its inputs unchanged only by their full digests: the journal's identity
@@ -157,13 +142,12 @@ class InputHasher:
             f: Future = Future()
             f.set_result(recorded)
         else:
-            key = self._key(path)
-            cached = self.cache.get(key) if self.trust_cache else None
+            cached = self.cache.lookup(real) if self.trust_cache else None
             if cached:
                 f = Future()
                 f.set_result(cached)
             else:
-                f = self.pool.submit(self._hash, real, key)
+                f = self.pool.submit(self._hash, real)
         self.futures[path] = f
         if self.record is not None:
             f.add_done_callback(lambda fut, p=path: self._note(p, fut))
@@ -176,12 +160,10 @@ class InputHasher:
             with open(self.record, "a", encoding="utf-8") as f:
                 f.write(json.dumps({"path": real, "sha256": fut.result()}) + "\n")
 
-    def _hash(self, real: str, key: str) -> str:
+    def _hash(self, real: str) -> str:
+        before = os.stat(real)
         digest = _hash_file(real)
-        if self._key(real) == key:  # not changed (or linked) while it was read: the digest is the key's
-            with self.lock:
-                self.cache[key] = digest
-                self.dirty = True
+        self.cache.store(real, digest, before)
         return digest
 
     def results(self) -> dict[str, str]:
@@ -196,14 +178,7 @@ class InputHasher:
                              "interrupted run", path=changed[0], got=", ".join(changed[:3]),
                              hint="run again without --resume to start over (the unfinished output would mix "
                              "old and new inputs)")
-        if self.dirty:
-            try:
-                self.cache_path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = self.cache_path.with_suffix(f".{os.getpid()}.tmp")
-                tmp.write_text(json.dumps(self.cache, indent=0, sort_keys=True))
-                os.replace(tmp, self.cache_path)
-            except OSError:
-                pass  # the cache is an optimisation only
+        self.cache.save()
         return out
 
     def close(self) -> None:

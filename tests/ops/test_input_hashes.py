@@ -32,7 +32,7 @@ def _local_dir_download(root, rel: str, data: bytes, etag: str | None = None, st
 
 def _digests(paths, monkeypatch, allow_hashing: bool) -> dict:
     if not allow_hashing:
-        def refuse(self, real, key):
+        def refuse(self, real, *_):
             raise AssertionError(f"{real} was read to hash it")
         monkeypatch.setattr(InputHasher, "_hash", refuse)
     h = InputHasher()
@@ -91,3 +91,24 @@ def test_hashes_are_cached_for_reruns(tmp_path, monkeypatch):
     assert _digests([f], monkeypatch, allow_hashing=True) == want
     assert (manifest.cache_dir() / "sha256-cache.json").exists()
     assert _digests([f], monkeypatch, allow_hashing=False) == want
+
+
+def test_the_cache_survives_links_but_not_a_same_size_edit(tmp_path, monkeypatch):
+    """Issue 25: the cache was keyed by path, size, mtime and inode, so a same-size edit with the mtime put
+    back kept the old digest. The ctime now decides; a hard link made or removed (qtool's own links into an
+    output, `rm -rf` of an old output) moves the ctime too but is recognised by the link count and the
+    content sample, so the re-run of an assemble that links its inputs still reads nothing to hash them."""
+    f = tmp_path / "shard.safetensors"
+    f.write_bytes(b"a" * 5000)
+    want = {str(f): hashlib.sha256(b"a" * 5000).hexdigest()}
+    assert _digests([f], monkeypatch, allow_hashing=True) == want
+    os.link(f, tmp_path / "linked-into-an-output")
+    assert _digests([f], monkeypatch, allow_hashing=False) == want
+    os.unlink(tmp_path / "linked-into-an-output")
+    assert _digests([f], monkeypatch, allow_hashing=False) == want
+    st = f.stat()
+    f.write_bytes(b"b" + b"a" * 4999)
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    monkeypatch.undo()
+    monkeypatch.setenv("QTOOL_CACHE_DIR", str(tmp_path / "qtool-cache"))
+    assert _digests([f], monkeypatch, allow_hashing=True) == {str(f): hashlib.sha256(b"b" + b"a" * 4999).hexdigest()}
