@@ -299,9 +299,10 @@ def read_manifest(path: str | Path) -> dict:
 def carried_files(partial: Path, root: Path, changed: set[str], known: dict[str, str] | None = None
                   ) -> dict[str, dict]:
     """The manifest's `files` for in-place work (root's new state built in `partial`): every file with its
-    sha256, so that `verify --deep` can check each one. Changed files are hashed; unchanged ones (hard
-    links of root's) take the digest this run already has for root's file (`known`: real path -> sha256),
-    else the one the checkpoint's previous manifest recorded for the same size, else they are hashed."""
+    sha256, so that `verify --deep` can check each one. Changed files are hashed; unchanged ones (links of
+    root's) take the digest this run already has for root's file (`known`: real path -> sha256), else the
+    one the checkpoint's previous manifest recorded for the same size, else what InputHasher finds (a Hub
+    cache blob's name, huggingface_hub's download record, the sha256 cache) or computes."""
     from qtool.io.files import hash_file
     from qtool.io.output import MANIFEST_NAME
 
@@ -311,6 +312,7 @@ def carried_files(partial: Path, root: Path, changed: set[str], known: dict[str,
     except (OSError, ValueError, AttributeError):
         before = {}
     out: dict[str, dict] = {}
+    unknown: dict[str, str] = {}  # rel -> root's file, for the hasher
     for p in sorted(partial.rglob("*")):
         rel = p.relative_to(partial).as_posix()
         if not p.is_file() or rel == MANIFEST_NAME or p.name.startswith(".qtool-"):
@@ -318,11 +320,27 @@ def carried_files(partial: Path, root: Path, changed: set[str], known: dict[str,
         size = p.stat().st_size
         old = before.get(rel) if isinstance(before.get(rel), dict) else {}
         digest = None
-        if rel not in changed and p.stat().st_nlink > 1:
+        if rel in changed:
+            digest = hash_file(p)
+        elif p.is_symlink() or p.stat().st_nlink > 1:  # root's own file, linked into the new state
             digest = known.get(os.path.realpath(root / rel))
             if digest is None and old.get("bytes") == size and isinstance(old.get("sha256"), str):
                 digest = old["sha256"]
-        out[rel] = {"sha256": digest or hash_file(p), "bytes": size}
+            if digest is None:
+                unknown[rel] = str(root / rel)
+        else:
+            unknown[rel] = str(p)
+        out[rel] = {"sha256": digest, "bytes": size}
+    if unknown:
+        hasher = InputHasher()
+        try:
+            for f in unknown.values():
+                hasher.submit(f)
+            found = hasher.results()
+        finally:
+            hasher.close()
+        for rel, f in unknown.items():
+            out[rel]["sha256"] = found[f]
     return out
 
 
