@@ -4,9 +4,10 @@ qtool.io.manifest.InputHasher so that a re-run does not read hundreds of GB agai
 An entry is found by path, device, inode, size and mtime, and is trusted only while the file's ctime is
 the one recorded: the kernel moves the ctime on every change of the file and no user tool can put it back
 the way `touch -d`, `cp -p` or `rsync -t` put back an mtime, so a same-size edit with the mtime restored is
-hashed again. A link made or removed (qtool's own hard links into an output, or `rm -rf` of an old output)
-also moves the ctime; it changes the link count but not the content, so an entry whose link count changed
-is trusted again when the content sample (qtool.io.identity.content_sample_digest: ~3 MiB read) agrees.
+hashed again, whatever else happened to the file. A link made or removed moves the ctime too; qtool's own
+links into an output are made during a run, so at the end of the run the entries of the files it hashed or
+found are re-recorded with their ctime of then (`refresh`): the next run does not read them again. (A
+link made or removed between runs, e.g. `rm -rf` of an old output, costs one re-hash, never a wrong digest.)
 """
 
 from __future__ import annotations
@@ -16,10 +17,9 @@ import os
 import threading
 from pathlib import Path
 
-from qtool.io.identity import content_sample_digest
 
-
-def _key(real: str, st: os.stat_result) -> str:
+def file_key(real: str, st: os.stat_result | None = None) -> str:
+    st = st or os.stat(real)
     return f"{real}|{st.st_dev}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}"
 
 
@@ -39,30 +39,33 @@ class DigestCache:
     def lookup(self, real: str) -> str | None:
         """The cached sha256 of `real` (a resolved path), or None when it must be hashed."""
         st = os.stat(real)
-        e = self.entries.get(_key(real, st))
-        if e is None or not isinstance(e.get("sha256"), str):
-            return None
-        if e.get("ctime") == st.st_ctime_ns:
-            return e["sha256"]
-        if e.get("nlink") != st.st_nlink and e.get("sample") == content_sample_digest(real):
-            with self.lock:
-                e.update(ctime=st.st_ctime_ns, nlink=st.st_nlink)
-                self.dirty = True
+        e = self.entries.get(file_key(real, st))
+        if e is not None and isinstance(e.get("sha256"), str) and e.get("ctime") == st.st_ctime_ns:
             return e["sha256"]
         return None
 
     def store(self, real: str, digest: str, before: os.stat_result) -> None:
-        """Record `digest`, hashed from `real` whose stat was `before` when the read began: only if the file
-        did not change meanwhile (a link made meanwhile is fine: same key, another link count)."""
+        """Record `digest`, hashed from `real` whose stat was `before` when the read began, if the file did not
+        change meanwhile (changed at all: its ctime too)."""
         after = os.stat(real)
-        if _key(real, after) != _key(real, before) or (
-                after.st_ctime_ns != before.st_ctime_ns and after.st_nlink == before.st_nlink):
+        if file_key(real, after) == file_key(real, before) and after.st_ctime_ns == before.st_ctime_ns:
+            self._put(file_key(real, after), digest, after.st_ctime_ns)
+
+    def refresh(self, real: str, digest: str, key: str) -> None:
+        """At the end of a run: `digest` was found for `real` under `key` earlier in this run, and the file's
+        ctime has moved only by what this run did to it (qtool's own links): record the ctime of now."""
+        try:
+            st = os.stat(real)
+        except OSError:
             return
-        entry = {"sha256": digest, "ctime": after.st_ctime_ns, "nlink": after.st_nlink,
-                 "sample": content_sample_digest(real)}
+        if file_key(real, st) == key:
+            self._put(key, digest, st.st_ctime_ns)
+
+    def _put(self, key: str, digest: str, ctime: int) -> None:
         with self.lock:
-            self.entries[_key(real, after)] = entry
-            self.dirty = True
+            if self.entries.get(key) != {"sha256": digest, "ctime": ctime}:
+                self.entries[key] = {"sha256": digest, "ctime": ctime}
+                self.dirty = True
 
     def save(self) -> None:
         if not self.dirty:

@@ -26,7 +26,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from qtool.io.digest_cache import DigestCache
+from qtool.io.digest_cache import DigestCache, file_key
 from qtool.io.files import hash_file as _hash_file
 
 LIBRARIES = ("transformers", "safetensors", "torch", "nvidia-modelopt", "compressed-tensors", "llmcompressor",
@@ -101,6 +101,7 @@ class InputHasher:
         self.futures: dict[str, Future] = {}
         self.lock = threading.Lock()
         self.cache = DigestCache(cache_dir() / "sha256-cache.json")
+        self.keys: dict[str, str] = {}  # real path -> its cache key when submitted
         self.trust_cache = trust_cache
         self.record = record
         self.recorded: dict[str, str] = {}
@@ -142,6 +143,7 @@ class InputHasher:
             f: Future = Future()
             f.set_result(recorded)
         else:
+            self.keys[real] = file_key(real)  # what `refresh` re-records at the end of the run
             cached = self.cache.lookup(real) if self.trust_cache else None
             if cached:
                 f = Future()
@@ -178,8 +180,18 @@ class InputHasher:
                              "interrupted run", path=changed[0], got=", ".join(changed[:3]),
                              hint="run again without --resume to start over (the unfinished output would mix "
                              "old and new inputs)")
-        self.cache.save()
+        self.refresh(out)
         return out
+
+    def refresh(self, digests: dict[str, str]) -> None:
+        """Re-record the cache entries of the files this run hashed or found (qtool.io.digest_cache): their
+        ctime has moved by the links this run made into its output. Called by `results`, and by a caller
+        whose own later links would move it again (a build, once every step ran)."""
+        for p, d in digests.items():
+            real = os.path.realpath(p)
+            if real in self.keys:
+                self.cache.refresh(real, d, self.keys[real])
+        self.cache.save()
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

@@ -102,8 +102,8 @@ def not_ours_reason(path: Path) -> str | None:
 
     Ownership is read, never guessed from a file name: the manifest is parsed and must carry the head
     fields only qtool's executor writes (qtool.io.manifest.write_manifest) with `created_by_qtool: true`,
-    and every file it lists must be there (a user's edit of one keeps it qtool's); a build step's marker
-    must carry its key and file list the same way. A checkpoint qtool changed in place says
+    and every shard it lists must be there (a user's edit or removal of a side file keeps it qtool's); a
+    build step's marker must carry its key and file list the same way. A checkpoint qtool changed in place says
     `created_by_qtool: false` (it stays the user's), and an empty or foreign manifest proves nothing."""
     from qtool.io.files import read_regular
 
@@ -131,9 +131,13 @@ def not_ours_reason(path: Path) -> str | None:
         return f"its {MANIFEST_NAME} is not a qtool manifest (the fields qtool writes are missing)"
     if m.get("created_by_qtool") is not True:
         return "qtool changed this checkpoint in place: it stays yours"
-    missing = [rel for rel in m["files"] if not _is_file(path / rel)]
-    if missing:
-        return f"files its {MANIFEST_NAME} lists are missing: {', '.join(missing[:3])}"
+    # the shards it lists must be there: a manifest copied into someone else's directory does not make it
+    # qtool's; a side file the user deleted or edited (a tokenizer file, config.json) does not make a qtool
+    # output theirs
+    shards = [rel for rel in m["files"] if rel.endswith(".safetensors")]
+    missing = [rel for rel in shards if not _is_file(path / rel)]
+    if not shards or missing:
+        return f"the shards its {MANIFEST_NAME} lists are missing: {', '.join(missing[:3]) or 'none listed'}"
     return None
 
 

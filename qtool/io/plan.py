@@ -88,18 +88,32 @@ Entry = Union[Link, Copy, Shard, Produced, Json, Text, Index, Remove]
 SHARD_ENTRIES = (Link, Shard, Produced)  # the big ones: written by the executor's writer threads
 
 
+def checkpoint_files(root: Path) -> list[tuple[str, Path]]:
+    """(relative path, path) of every file under `root`, in sub-folders too, without qtool's bookkeeping
+    (`.qtool-*`) and caches (`.cache/`): what an output made from `root` carries over. An entry that is
+    neither a regular file nor a directory (a FIFO, a device, a dangling symlink, a symlink loop) is a named
+    error: a copy silently without it would be worse."""
+    from qtool.errors import CheckpointError
+
+    out = []
+    for p in sorted(Path(root).rglob("*")):
+        parts = p.relative_to(root).parts
+        if ".cache" in parts or p.name.startswith(".qtool-") or p.is_dir():
+            continue
+        if not p.is_file():
+            kind = "a dangling symlink or a symlink loop" if p.is_symlink() else "a FIFO, a device or a socket"
+            raise CheckpointError(f"{p.relative_to(root).as_posix()} is {kind}, not a regular file", path=p,
+                                  hint="replace it with the real file, or remove it from the checkpoint")
+        out.append((p.relative_to(root).as_posix(), p))
+    return out
+
+
 def unchanged_files(root: Path, changed: set[str]) -> list[Link]:
     """Links of every file under `root` except `changed` ones, qtool's own bookkeeping and the manifest
     (written anew): what a new output keeps of its input unchanged."""
     from qtool.io.output import MANIFEST_NAME
 
-    out = []
-    for p in sorted(Path(root).rglob("*")):
-        rel = p.relative_to(root).as_posix()
-        if (p.is_file() and rel not in changed and rel != MANIFEST_NAME and not p.name.startswith(".qtool-")
-                and ".cache" not in p.relative_to(root).parts):
-            out.append(Link(rel, str(p)))
-    return out
+    return [Link(rel, str(p)) for rel, p in checkpoint_files(root) if rel not in changed and rel != MANIFEST_NAME]
 
 
 def tensors_of(entry: Shard | Produced) -> list[OutTensor]:

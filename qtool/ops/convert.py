@@ -32,7 +32,7 @@ from qtool.io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG_NAME, INDEX_NAME, C
 from qtool.formats.naming import NVFP4_NAMINGS, Flavour, QuantFormat
 from qtool.io.jsonio import load_json
 from qtool.io.output import MANIFEST_NAME, check_no_overlap, OutputDir
-from qtool.io.plan import Copy, Json, Link, OutputPlan, Shard, Text
+from qtool.io.plan import Copy, Json, Link, OutputPlan, Shard, Text, checkpoint_files
 from qtool.ops.contract import Report
 from qtool.io.writer import FileRange, InlineBytes, OutTensor, index_json
 
@@ -159,11 +159,9 @@ def plan(opts: ConvertOptions) -> ConvertPlan:
                                ckpt.headers[s].metadata or None))
         else:
             files.append(Link(s, str(ckpt.root / s)))
-    for entry in sorted(ckpt.root.rglob("*")):  # the side files, in sub-folders too
-        rel = entry.relative_to(ckpt.root).as_posix()
-        if (entry.is_file() and entry.suffix != ".safetensors" and not entry.name.startswith(".qtool-")
-                and ".cache" not in entry.relative_to(ckpt.root).parts
-                and rel not in (INDEX_NAME, CONFIG_NAME, HF_QUANT_CONFIG_NAME, SIDECAR, MANIFEST_NAME)):
+    for rel, entry in checkpoint_files(ckpt.root):  # the side files, in sub-folders too
+        if entry.suffix != ".safetensors" and rel not in (INDEX_NAME, CONFIG_NAME, HF_QUANT_CONFIG_NAME, SIDECAR,
+                                                          MANIFEST_NAME):
             files.append(Copy(rel, str(entry)))
     files.append(_index(ckpt, ren))
     output = OutputPlan("convert", files, sources={"checkpoint": ckpt.root},

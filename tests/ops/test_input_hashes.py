@@ -93,22 +93,26 @@ def test_hashes_are_cached_for_reruns(tmp_path, monkeypatch):
     assert _digests([f], monkeypatch, allow_hashing=False) == want
 
 
-def test_the_cache_survives_links_but_not_a_same_size_edit(tmp_path, monkeypatch):
+def test_the_cache_is_trusted_only_while_the_ctime_is_the_recorded_one(tmp_path, monkeypatch):
     """Issue 25: the cache was keyed by path, size, mtime and inode, so a same-size edit with the mtime put
-    back kept the old digest. The ctime now decides; a hard link made or removed (qtool's own links into an
-    output, `rm -rf` of an old output) moves the ctime too but is recognised by the link count and the
-    content sample, so the re-run of an assemble that links its inputs still reads nothing to hash them."""
+    back kept the old digest; and (review) a link made or removed with such an edit must not bring the old
+    digest back either. Links that a run itself makes are re-recorded at its end (`refresh`), so the re-run
+    of an assemble that links its inputs reads nothing to hash them."""
     f = tmp_path / "shard.safetensors"
     f.write_bytes(b"a" * 5000)
     want = {str(f): hashlib.sha256(b"a" * 5000).hexdigest()}
-    assert _digests([f], monkeypatch, allow_hashing=True) == want
-    os.link(f, tmp_path / "linked-into-an-output")
-    assert _digests([f], monkeypatch, allow_hashing=False) == want
-    os.unlink(tmp_path / "linked-into-an-output")
-    assert _digests([f], monkeypatch, allow_hashing=False) == want
+    h = InputHasher()
+    h.submit(str(f))
+    os.link(f, tmp_path / "linked-into-the-output")  # what the run does while it hashes
+    assert h.results() == want
+    assert _digests([f], monkeypatch, allow_hashing=False) == want  # the run's own link: still a hit
     st = f.stat()
-    f.write_bytes(b"b" + b"a" * 4999)
+    with open(f, "r+b") as w:  # a same-size edit with the mtime put back, and an old output removed
+        w.write(b"b")
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.unlink(tmp_path / "linked-into-the-output")
+    with pytest.raises(AssertionError, match="was read to hash it"):
+        _digests([f], monkeypatch, allow_hashing=False)
     monkeypatch.undo()
     monkeypatch.setenv("QTOOL_CACHE_DIR", str(tmp_path / "qtool-cache"))
     assert _digests([f], monkeypatch, allow_hashing=True) == {str(f): hashlib.sha256(b"b" + b"a" * 4999).hexdigest()}

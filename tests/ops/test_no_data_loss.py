@@ -52,6 +52,15 @@ def test_save_ref_onto_or_inside_the_reference_is_refused(tiny_nvfp4_modelopt, t
         assert p.returncode == 2, p.stdout + p.stderr
         assert "overlaps an input" in json.loads(p.stdout)["message"]
     assert tree_sha(ref, skip=()) == before and not (ref / "sub").exists()
+    # (review) a local dataset is an input too, and --emit-windows may not lie inside --save-ref
+    r1 = tmp_path / "R1"
+    r1.mkdir()
+    (r1 / "data.jsonl").write_text('{"text": "one two three"}\n' * 50)
+    for extra in (["--dataset", r1 / "data.jsonl"], ["--emit-windows", r1 / "w.jsonl"]):
+        p = run_qtool(["eval", "kld", "--ref", ref, "--windows", "1", "--seq-len", "8", "--save-ref", r1, "--force",
+                       *extra, "--json"], timeout=TIMEOUT)
+        assert p.returncode == 2, p.stdout + p.stderr
+    assert (r1 / "data.jsonl").exists() and not (r1 / "w.jsonl").exists()
 
 
 def test_report_never_replaces_a_users_file_nor_writes_into_a_source(tiny_nvfp4_modelopt, tmp_path):
@@ -109,6 +118,18 @@ def test_force_never_replaces_a_directory_whose_manifest_does_not_prove_qtool_ma
     assert tree_sha(d, skip=()) == before
 
 
+def test_force_replaces_a_qtool_output_whose_user_removed_a_side_file(tiny_nvfp4_modelopt, tmp_path):
+    """Found by the review: after `rm OUT/tokenizer.json` a qtool output could never be replaced again."""
+    out = tmp_path / "out"
+    args = ["convert", tiny_nvfp4_modelopt, "--to", "compressed-tensors", "-o", out, "--quiet"]
+    assert run_qtool(args, timeout=TIMEOUT).returncode == 0
+    ref = tree_sha(out)
+    (out / "tokenizer.json").unlink()
+    p = run_qtool([*args, "--force"], timeout=TIMEOUT)
+    assert p.returncode == 0, p.stderr
+    assert tree_sha(out) == ref
+
+
 # ---- wrong bytes or a wrong manifest with exit 0 -------------------------------------------------------
 
 
@@ -122,6 +143,7 @@ def test_a_same_size_edit_with_the_mtime_put_back_gets_its_new_sha256(tiny_nvfp4
     assert run_qtool([*base, "-o", tmp_path / "o1"], timeout=TIMEOUT).returncode == 0
     shard = biggest_shard(src)
     same_size_edit(shard, shard.stat().st_size // 2)
+    shutil.rmtree(tmp_path / "o1")  # (review) removing the old output's links must not bring the old digest back
     assert run_qtool([*base, "-o", tmp_path / "o2"], timeout=TIMEOUT).returncode == 0
     m = json.loads((tmp_path / "o2" / "qtool-manifest.json").read_text())
     recorded = m["sources"]["nvfp4"]["files"][shard.name]["sha256"]
@@ -497,3 +519,51 @@ def test_a_ctrl_c_during_interpreter_shutdown_prints_no_traceback(tiny_nvfp4_mod
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=TIMEOUT)
     assert p.returncode == 0, p.stderr
     assert "Traceback" not in p.stderr and "KeyboardInterrupt" not in p.stderr, p.stderr
+
+
+def test_a_build_notices_a_same_size_edit_of_a_local_source(tiny_nvfp4_modelopt, tiny_bf16, tmp_path):
+    """Found by the review: a build from local sources said "up to date" after a same-size edit of a source
+    shard with its mtime put back (the source's identity was sizes and mtimes), and its step cache, hard
+    links of the source, then published the edited bytes under the old sha256."""
+    src = copy_of(tiny_nvfp4_modelopt, tmp_path / "src")
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "build" / "demo-tiny.yaml"
+    args = ["build", recipe, "--source", f"nvfp4={src}", "--source", f"bf16={tiny_bf16}", "--json"]
+    out = tmp_path / "out"
+    p = run_qtool([*args, "-o", out], timeout=600)
+    assert p.returncode == 0, p.stderr
+    p = run_qtool([*args, "-o", out], timeout=600)
+    assert json.loads(p.stdout)["ran"] == []  # unchanged: nothing runs
+    shard = biggest_shard(src)
+    same_size_edit(shard, shard.stat().st_size // 2)
+    p = run_qtool([*args, "-o", out], timeout=600)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["ran"], "the edited source was taken as unchanged"
+    p = run_qtool(["verify", out, "--deep", "--tp", "1", "--json"], timeout=TIMEOUT)
+    assert "hash-mismatch" not in p.stdout  # the published files are the ones the manifest names
+
+
+@pytest.mark.parametrize("how", ["fifo", "dangling-symlink"])
+@pytest.mark.parametrize("name", ["tokenizer.json", "chat_template.jinja"])
+def test_a_side_file_that_is_not_a_regular_file_is_named_not_left_out(how, name, tiny_nvfp4_modelopt, tiny_bf16,
+                                                                       tmp_path):
+    """Found by the review: a FIFO or a dangling symlink at tokenizer.json / chat_template.jinja was
+    silently left out of convert's and patch-config -o's output (exit 0)."""
+    ck = copy_of(tiny_nvfp4_modelopt, tmp_path / "ck")
+    bf = copy_of(tiny_bf16, tmp_path / "bf")
+    for d in (ck, bf):
+        (d / name).unlink(missing_ok=True)
+        if how == "fifo":
+            os.mkfifo(d / name)
+        else:
+            (d / name).symlink_to(d / "gone")
+    for cmd in (["convert", ck, "--to", "compressed-tensors"], ["patch-config", ck, "--fix", "router-ignore"],
+                ["calibrate-kv", ck, *KV, "--replace-scales"],
+                ["quantize", bf, "--recipe", "qwen35-nvfp4-experts", *KV]):
+        out = tmp_path / "out"
+        p = run_qtool([*cmd, "-o", out, "--quiet"], timeout=TIMEOUT)
+        assert p.returncode == 1, (cmd[0], p.stdout, p.stderr)
+        assert name in p.stderr and "Traceback" not in p.stderr, p.stderr
+        # (calibrate-kv and quantize load the tokenizer first: that error names the file to restore)
+        assert "not a regular file" in p.stderr or "cannot load the checkpoint's tokenizer" in p.stderr, p.stderr
+        assert not out.exists()
+        shutil.rmtree(tmp_path / "out.partial", ignore_errors=True)

@@ -8,6 +8,7 @@ by chunk; `save_ref` writes the compact reference through `<out>.partial/`.
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -166,6 +167,12 @@ def run(
             raise UsageError("--save-ref and --emit-windows run in one process",
                              hint="drop --nproc/--devices for them; the KLD comparison itself runs on any number of ranks")
         inputs = [s.path for s in srcs.values()] + ([Path(o.tokenizer)] if o.tokenizer else [])
+        if os.path.exists(o.dataset):  # a local dataset file or directory is an input too
+            inputs.append(Path(o.dataset))
+        if save_ref and emit_windows and Path(os.path.realpath(save_ref)) in Path(
+                os.path.realpath(emit_windows)).parents:
+            raise UsageError("--emit-windows lies inside the --save-ref directory (which is replaced whole)",
+                             path=emit_windows, hint="write the requests file outside --save-ref OUT")
         if save_ref:
             from qtool.io.output import OutputDir
 

@@ -31,6 +31,8 @@ class ResolvedSource:
     key: str
     path: Path | None  # local directory, when known without downloading
     overridden: bool = False
+    # a local source's digests re-recorded in the sha256 cache once the build ran (dir_fingerprint)
+    refresh: Callable[[], None] | None = field(default=None, repr=False, compare=False)
 
     def to_json(self) -> dict:
         return {**self.source.to_json(), "identity": self.identity, "key": self.key,
@@ -86,14 +88,25 @@ def parse_overrides(items: list[str] | None, env: str | None = None) -> dict[str
     return out
 
 
-def dir_fingerprint(root: Path) -> dict:
-    """Cheap identity of a local directory: every file's relative name, size and mtime (no hashing)."""
-    files = []
-    for p in sorted(root.rglob("*")):
-        if p.is_file() and not p.name.startswith("."):
-            st = p.stat()
-            files.append([str(p.relative_to(root)), st.st_size, st.st_mtime_ns])
-    return {"files": len(files), "digest": sha(files)}
+def dir_fingerprint(root: Path) -> tuple[dict, Callable[[], None]]:
+    """Identity of a local directory by content: every file's relative name, size and sha256, found as an
+    op's input digests are (qtool.io.manifest.InputHasher: a Hub cache blob's name, huggingface_hub's
+    download record, or the sha256 cache, trusted only while a file's ctime is unchanged); a first build
+    reads the files once, later ones stat them. Size and mtime alone missed a same-size edit with the mtime
+    put back, which the step cache (hard links of the source) then served as the old content. Returns the
+    identity and the refresh to call once the build has made and removed its links to the files."""
+    from qtool.io.manifest import InputHasher
+
+    files = [p for p in sorted(root.rglob("*")) if p.is_file() and not p.name.startswith(".")]
+    hasher = InputHasher()
+    try:
+        for p in files:
+            hasher.submit(str(p))
+        digests = hasher.results()
+    finally:
+        hasher.close()
+    entries = [[str(p.relative_to(root)), p.stat().st_size, digests[str(p)]] for p in files]
+    return {"files": len(files), "digest": sha(entries)}, lambda: hasher.refresh(digests)
 
 
 # (directory, identity) of a `builtin:` source; qtool.fixtures.builtin.builtin_source is the one qtool has
@@ -125,15 +138,16 @@ def resolve_source(src: Source, override: Path | None, *, token: str | None = No
     if override is not None:
         if not override.exists():
             raise CheckpointError(f"override for source {src.name!r} does not exist", path=override)
-        ident = {"kind": "path", "path": str(override.resolve()), **dir_fingerprint(override),
-                 "stands_for": src.to_json()}
-        return ResolvedSource(src, ident, sha(ident), override, overridden=True)
+        fingerprint, refresh = dir_fingerprint(override)
+        ident = {"kind": "path", "path": str(override.resolve()), **fingerprint, "stands_for": src.to_json()}
+        return ResolvedSource(src, ident, sha(ident), override, overridden=True, refresh=refresh)
     if src.kind is SourceKind.PATH:
         p = Path(src.ref).expanduser()
         if not p.exists():
             raise CheckpointError(f"source {src.name!r}: path does not exist", path=p)
-        ident = {"kind": "path", "path": str(p.resolve()), **dir_fingerprint(p)}
-        return ResolvedSource(src, ident, sha(ident), p)
+        fingerprint, refresh = dir_fingerprint(p)
+        ident = {"kind": "path", "path": str(p.resolve()), **fingerprint}
+        return ResolvedSource(src, ident, sha(ident), p, refresh=refresh)
     if src.kind is SourceKind.BUILTIN:
         if builtins is None:
             raise PlanError(f"source {src.name!r} is builtin:{src.ref}, and no builtin sources were given",

@@ -57,7 +57,11 @@ def run(bp: BuildPlan, *, resume: bool = False, progress: bool = False, token: s
     with lock_for(bp.work):
         for sp in bp.steps:
             sp.cached = step_finished(sp.dir, sp.key)
-        return _run_steps(bp, ctx, resume)
+        report = _run_steps(bp, ctx, resume)
+    for s in bp.sources.values():
+        if s.refresh is not None:
+            s.refresh()  # the steps linked the sources' files (and removed old steps' links): see dir_fingerprint
+    return report
 
 
 def _run_steps(bp: BuildPlan, ctx: dict, resume: bool) -> dict:

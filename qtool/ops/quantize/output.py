@@ -34,9 +34,9 @@ def _tensor(s) -> OutTensor:
 
 def side_files(root: Path) -> list[Path]:
     """The source's files other than weights and the configs made anew, in sub-folders too."""
-    return [e for e in sorted(root.rglob("*"))
-            if e.is_file() and e.suffix != ".safetensors" and e.relative_to(root).as_posix() not in SKIP_FILES
-            and not e.name.startswith(".qtool-") and ".cache" not in e.relative_to(root).parts]
+    from qtool.io.plan import checkpoint_files
+
+    return [e for rel, e in checkpoint_files(root) if e.suffix != ".safetensors" and rel not in SKIP_FILES]
 
 
 def input_files(p: QuantizePlan) -> list[str]:
