@@ -69,10 +69,15 @@ class _Parser(argparse.ArgumentParser):
             target.error("unrecognized argument(s): " + ", ".join(hints))
         return ns
 
+    secrets: tuple[str, ...] = ()  # the values given to --token in this command line (set by _main)
+
     def error(self, message: str):
-        """argparse's usage error, with anything shaped like a token redacted (an error never shows one)."""
+        """argparse's usage error, with the --token value and anything shaped like a token redacted (an
+        error never shows one)."""
         from qtool.io.manifest import redact_text
 
+        for secret in _Parser.secrets:
+            message = message.replace(secret, "***")
         super().error(redact_text(message))
 
     def _deepest(self, ns) -> argparse.ArgumentParser:
@@ -84,6 +89,24 @@ class _Parser(argparse.ArgumentParser):
                 break
             parser = subs[0].choices[name]
         return parser
+
+
+def _secret_values(argv: list[str]) -> tuple[str, ...]:
+    """The values of --token / --hf-token (and of a flag mistyped close to them) anywhere in argv."""
+    import difflib
+
+    from qtool.io.manifest import SECRET_FLAGS
+
+    out = []
+    for i, a in enumerate(argv):
+        flag, eq, value = a.partition("=")
+        if flag.startswith("-") and (flag in SECRET_FLAGS or difflib.get_close_matches(flag, SECRET_FLAGS, n=1,
+                                                                                        cutoff=0.7)):
+            if eq and value:
+                out.append(value)
+            elif i + 1 < len(argv) and not argv[i + 1].startswith("-"):
+                out.append(argv[i + 1])
+    return tuple(v for v in out if len(v) >= 4)  # a short value would redact ordinary words
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
@@ -170,6 +193,7 @@ def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # Only the chosen command's module is imported, so `--help` stays cheap.
     chosen = next((a for a in argv if a in COMMANDS), None)
+    _Parser.secrets = _secret_values(argv)
     parser = build_parser(chosen)
     args = parser.parse_args(argv)
     if args.command is None:

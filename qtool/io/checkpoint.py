@@ -78,8 +78,17 @@ TEXT_CONFIG_TYPES = {
                               "a non-negative integer or null"),
     "linear_num_key_heads": _POS_INT_OR_NULL, "linear_num_value_heads": _POS_INT_OR_NULL,
     "linear_key_head_dim": _POS_INT_OR_NULL, "linear_value_head_dim": _POS_INT_OR_NULL,
-    "layer_types": _STR_LIST, "model_type": _STR,
+    "layer_types": _STR_LIST, "model_type": _STR, "max_position_embeddings": _POS_INT_OR_NULL,
+    "rope_parameters": _OBJECT_OR_NULL, "rope_scaling": _OBJECT_OR_NULL,
+    "tie_word_embeddings": (lambda v: isinstance(v, bool), "true or false"),
 }
+# each entry of compressed-tensors' config_groups (compressed_tensors/quantization/quant_scheme.py)
+CONFIG_GROUP_TYPES = {"targets": _STR_LIST, "weights": _OBJECT_OR_NULL, "input_activations": _OBJECT_OR_NULL,
+                      "output_activations": _OBJECT_OR_NULL, "format": _STR_OR_NULL}
+# its QuantizationArgs (compressed_tensors/quantization/quant_args.py), for weights and activations
+QUANT_ARGS_TYPES = {"num_bits": _POS_INT, "type": _STR, "symmetric": (lambda v: isinstance(v, bool), "true or false"),
+                    "strategy": _STR_OR_NULL, "group_size": _POS_INT_OR_NULL, "dynamic": (
+                        lambda v: isinstance(v, (bool, str)), "true, false or a string such as \"local\"")}
 QUANT_CONFIG_TYPES = {
     "quant_method": _STR, "format": _STR_OR_NULL, "config_groups": _OBJECT_OR_NULL,
     "kv_cache_scheme": _OBJECT_OR_NULL, "ignore": _STR_LIST, "modules_to_not_convert": _STR_LIST,
@@ -189,8 +198,15 @@ class Checkpoint:
                 check(CONFIG_NAME, qc, "quantization_config.", QUANT_CONFIG_TYPES)
                 groups = qc.get("config_groups") or {}
                 for name, g in groups.items():
-                    if not isinstance(g, dict):
-                        check(CONFIG_NAME, {name: g}, "quantization_config.config_groups.", {name: _OBJECT})
+                    where = f"quantization_config.config_groups.{name}"
+                    check(CONFIG_NAME, {name: g}, "quantization_config.config_groups.", {name: _OBJECT})
+                    check(CONFIG_NAME, g, where + ".", CONFIG_GROUP_TYPES)
+                    for part in ("weights", "input_activations", "output_activations"):
+                        if isinstance(g.get(part), dict):
+                            check(CONFIG_NAME, g[part], f"{where}.{part}.", QUANT_ARGS_TYPES)
+                kv = qc.get("kv_cache_scheme")
+                if isinstance(kv, dict):
+                    check(CONFIG_NAME, kv, "quantization_config.kv_cache_scheme.", QUANT_ARGS_TYPES)
         if hq is not None:
             check(HF_QUANT_CONFIG_NAME, hq, "", {"quantization": _OBJECT})
             body = hq.get("quantization") if isinstance(hq.get("quantization"), dict) else hq

@@ -22,6 +22,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import shutil
 import stat
 import threading
@@ -148,6 +149,28 @@ def _is_file(p: Path) -> bool:
         return False
 
 
+_HUB_REPO_DIR = re.compile(r"^(models|datasets|spaces)--.+")
+
+
+def check_not_in_hub_cache(out: Path, what: str = "-o") -> None:
+    """An output never lies inside a Hugging Face cache (a `models--ORG--NAME/` repo folder, or the cache
+    root huggingface_hub uses): huggingface_hub owns those files (snapshots are links into blobs/, named by
+    their hashes), and a directory qtool wrote there would pass for part of a snapshot."""
+    real = Path(os.path.realpath(out))
+    roots = []
+    try:
+        from huggingface_hub import constants
+
+        roots.append(Path(os.path.realpath(constants.HF_HUB_CACHE)))
+    except ImportError:
+        pass
+    for d in (real, *real.parents):
+        if _HUB_REPO_DIR.match(d.name) or d in roots:
+            raise UsageError(f"{what} lies inside a Hugging Face cache", path=out, got=str(d),
+                             hint=f"choose an {what} outside the cache (qtool reads the cache as it is: pass the "
+                             "snapshot directory itself as an input)")
+
+
 def made_by_qtool(path: Path) -> bool:
     """A directory qtool created (a build step, or a published output): `not_ours_reason` is None."""
     return not_ours_reason(path) is None
@@ -186,6 +209,7 @@ def check_file_output(out: Path, *, sources: Iterable[Path], force: bool, ours: 
         if out_real == r or r in out_real.parents:
             raise UsageError(f"{what} lies inside an input ({r})", path=out,
                              hint=f"choose an {what} outside every input")
+    check_not_in_hub_cache(out, what)
     if not os.path.lexists(out):
         parent = out_real.parent
         if not parent.is_dir():
@@ -324,6 +348,8 @@ class OutputDir:
         """Everything that can be refused before any work: overlap, an existing OUT, a writable parent."""
         for p in (self.out, self.partial, self.old):
             check_no_overlap(p, self.sources)
+        if not self.replace_any:  # (qtool's own cache and step directories are never in a Hub cache)
+            check_not_in_hub_cache(self.out)
         if self.resume and self.out.exists() and not self.partial.exists() and not self.force:
             raise WriteError("nothing to resume: the output is already complete", path=self.out,
                              hint="remove it or pass --force to build it again")

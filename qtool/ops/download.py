@@ -13,8 +13,6 @@ with its hashes (`download`) and every output file's sha256 (`files`).
 
 from __future__ import annotations
 
-import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,7 +23,7 @@ from qtool.hub.tensor_fetch import fetch_tensors
 from qtool.hub.resolve import HubSpec
 from qtool.io.files import LinkMode
 from qtool.io.manifest import RUN
-from qtool.io.output import OutputDir
+from qtool.io.output import OutputDir, check_not_in_hub_cache
 from qtool.ops.contract import Report
 
 
@@ -62,7 +60,7 @@ def plan(opts: DownloadOptions) -> DownloadPlan:
     if opts.tensors and opts.out is None:
         raise UsageError("--tensors needs -o DIR", hint="the tensors are written as a new checkpoint in DIR")
     if opts.out is not None:
-        _refuse_hub_cache(opts.out)
+        check_not_in_hub_cache(opts.out)  # before any request
     listing = repo_listing(opts.spec, token=opts.token)
     if opts.tensors:
         side = listing.select(opts.include) if opts.include else None
@@ -121,25 +119,3 @@ def _run(p: DownloadPlan, *, progress: bool = False) -> dict:
         snap = snap.parent
     report["snapshot"] = str(snap)
     return {**report, **run}
-
-
-_CACHE_REPO = re.compile(r"^(models|datasets|spaces)--.+")
-
-
-def _refuse_hub_cache(out: Path) -> None:
-    """-o never lies inside a Hugging Face cache (a `models--ORG--NAME/` repo folder, or the cache root
-    huggingface_hub uses): huggingface_hub owns those files (snapshots are links into blobs/, named by
-    their hashes), and a directory qtool wrote there would be taken for part of a snapshot."""
-    real = Path(os.path.realpath(out))
-    roots = []
-    try:
-        from huggingface_hub import constants
-
-        roots.append(Path(os.path.realpath(constants.HF_HUB_CACHE)))
-    except ImportError:
-        pass
-    for d in (real, *real.parents):
-        if _CACHE_REPO.match(d.name) or d in roots:
-            raise UsageError("-o lies inside a Hugging Face cache", path=out, got=str(d),
-                             hint="choose an -o outside the cache (qtool reads the cache as it is: pass the "
-                             "snapshot directory itself as an input)")

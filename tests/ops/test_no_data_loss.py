@@ -230,6 +230,9 @@ def test_verify_deep_checks_every_file_the_manifest_lists(tiny_nvfp4_modelopt, t
     ("hf_quant_config.json", ["quantization", "exclude_modules"], 5),
     ("hf_quant_config.json", ["quantization", "quant_algo"], 7),
     ("model.safetensors.index.json", ["metadata"], "oops"),
+    ("config.json", ["text_config", "rope_parameters"], "yarn"),  # (review) tracebacks in serve-config, patch
+    ("config.json", ["text_config", "max_position_embeddings"], "4096"),
+    ("config.json", ["text_config", "tie_word_embeddings"], "false"),
 ])
 def test_wrong_typed_config_fields_are_named_errors(file, path, value, tiny_nvfp4_modelopt, tmp_path):
     """Found as: wrong-typed quantization configs gave verify "ok" and were carried into outputs; other
@@ -301,7 +304,8 @@ def test_a_mistyped_flag_next_to_a_token_never_prints_the_token(tmp_path):
     --json?), hf_..."."""
     secret = "hf_" + "Ab3" * 10
     for args in (["inspect", "hf:org/x", "--token", secret], ["inspect", "hf:org/x", f"--token={secret}"],
-                 ["inspect", "hf:org/x", "--tokn", "s3cr3t-value"], ["inspect", "hf:org/x", "--json", "--token", secret]):
+                 ["inspect", "hf:org/x", "--tokn", "s3cr3t-value"], ["inspect", "hf:org/x", "--json", "--token", secret],
+                 ["--token", "s3cr3t-value", "inspect", "hf:org/x"]):  # (review) the flag before the command
         p = run_qtool(args, timeout=TIMEOUT)
         assert p.returncode == 2, p.stderr
         assert secret not in p.stderr + p.stdout and "s3cr3t-value" not in p.stderr + p.stdout, p.stderr
@@ -409,14 +413,26 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_download_into_a_hugging_face_cache_snapshot_is_refused(tmp_path, monkeypatch):
-    """Found as: `download -o` inside a Hugging Face cache snapshot was accepted."""
+def test_outputs_inside_a_hugging_face_cache_are_refused(tiny_nvfp4_modelopt, tmp_path):
+    """Found as: `download -o` inside a Hugging Face cache snapshot was accepted (and, the review found,
+    `patch-config -o` / `convert -o` wrote a fake snapshot there)."""
     snap = tmp_path / "hub" / "models--org--x" / "snapshots" / ("a" * 40)
     snap.mkdir(parents=True)
-    p = run_qtool(["download", "hf:org/x", "-o", snap / "sub", "--json"], timeout=TIMEOUT)
-    assert p.returncode == 2, p.stdout + p.stderr
-    assert "Hugging Face cache" in json.loads(p.stdout)["message"]
-    assert not (snap / "sub").exists()
+    for cmd in (["download", "hf:org/x"], ["patch-config", tiny_nvfp4_modelopt, "--sampling-defaults"],
+                ["convert", tiny_nvfp4_modelopt, "--to", "compressed-tensors"]):
+        p = run_qtool([*cmd, "-o", snap / "sub", "--json"], timeout=TIMEOUT)
+        assert p.returncode == 2, p.stdout + p.stderr
+        assert "Hugging Face cache" in json.loads(p.stdout)["message"]
+        assert not (snap / "sub").exists()
+
+
+def test_build_into_the_current_directory(tmp_path):
+    """Found by the review: `build demo-tiny -o .` was a traceback (`PosixPath('.') has an empty name`)."""
+    here = tmp_path / "here"
+    here.mkdir()
+    p = run_qtool(["build", "demo-tiny", "-o", ".", "--quiet"], cwd=here, timeout=600)
+    assert p.returncode == 0, p.stderr
+    assert (here / "qtool-manifest.json").is_file() and (tmp_path / "here.build").is_dir()
 
 
 def test_build_onto_a_foreign_directory_or_a_file_is_refused_before_any_step(tmp_path):

@@ -172,7 +172,7 @@ def plan(recipe: BuildRecipe, *, out: Path | None = None, overrides: dict[str, P
     if unknown:
         raise UsageError(f"override for unknown source(s): {', '.join(sorted(unknown))}",
                          expected=", ".join(sorted(recipe.sources)))
-    out = out or Path("build") / recipe.name
+    out = Path(os.path.abspath(out or Path("build") / recipe.name))  # `-o .` has no name to extend
     work = out.with_name(out.name + ".build")
     sources = {n: resolve_source(s, overrides.get(n), token=token, builtins=builtins)
                for n, s in recipe.sources.items()}
