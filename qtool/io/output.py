@@ -135,10 +135,11 @@ def not_ours_reason(path: Path) -> str | None:
     # the shards it lists must be there: a manifest copied into someone else's directory does not make it
     # qtool's; a side file the user deleted or edited (a tokenizer file, config.json) does not make a qtool
     # output theirs
-    shards = [rel for rel in m["files"] if rel.endswith(".safetensors")]
+    # (an output of side files only, e.g. `download --include '*.json'`, needs all of them)
+    shards = [rel for rel in m["files"] if rel.endswith(".safetensors")] or list(m["files"])
     missing = [rel for rel in shards if not _is_file(path / rel)]
-    if not shards or missing:
-        return f"the shards its {MANIFEST_NAME} lists are missing: {', '.join(missing[:3]) or 'none listed'}"
+    if missing:
+        return f"files its {MANIFEST_NAME} lists are missing: {', '.join(missing[:3])}"
     return None
 
 

@@ -12,7 +12,7 @@ from qtool.io.jsonio import write_json
 from qtool.io.files import LinkMode, new_file, Placer
 from qtool.io.identity import input_identity
 from qtool.io.in_place import exchange_paths, InPlaceDir
-from qtool.io.output import check_no_overlap, lock_for, OutputDir
+from qtool.io.output import check_no_overlap, lock_for, output_files, OutputDir
 from qtool.io.manifest import command_line, write_manifest
 
 
@@ -21,7 +21,7 @@ def _done(tx: OutputDir, files: dict[str, str]) -> None:
         with new_file(tx.partial / name) as f:
             f.write(text.encode())
     write_manifest(tx.partial / "qtool-manifest.json", kind="test", command=None, sources={}, summary={},
-                   checks={})
+                   checks={}, files=output_files(tx.partial))
     tx.commit()
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import struct
 from pathlib import Path
@@ -129,6 +130,10 @@ def test_free_space_counts_what_a_resumed_partial_already_holds(tmp_path, monkey
     write_shard(partial / "z.safetensors", [OutTensor("z", "U8", (1 << 20,), FileRange(info.file, info.start, info.end))])
     Journal(partial / ".qtool-journal.jsonl", plan.plan_hash(), input_identity(plan.inputs), resume=False).record(
         "z.safetensors", size=(partial / "z.safetensors").stat().st_size)
+    # ... after it had hashed its input (a resume is refused for an input it had not: issue 25)
+    from qtool.io.files import INPUT_DIGESTS, hash_file
+
+    (partial / INPUT_DIGESTS).write_text(json.dumps({"path": os.path.realpath(big), "sha256": hash_file(big)}) + "\n")
     with OutputDir(tmp_path / "out", sources=[src], resume=True) as tx:
         applied = write_output(plan, tx, command=None)
     assert applied.resumed == ["z.safetensors"] and (tmp_path / "out" / "z.safetensors").exists()

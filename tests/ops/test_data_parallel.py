@@ -201,7 +201,7 @@ def test_launcher_shares_the_cores_out(monkeypatch):
     class Exited:  # a rank that has already ended cleanly
         returncode = 0
 
-        def __init__(self, cmd, env, stdout):
+        def __init__(self, cmd, env, stdout, **kw):
             seen.append(env)
 
         def poll(self):
