@@ -52,19 +52,11 @@ class _Parser(argparse.ArgumentParser):
             options = [o for a in target._actions for o in a.option_strings]
             import difflib
 
-            from qtool.io.manifest import SECRET_FLAGS, redact_argv
+            from qtool.io.manifest import redact_argv
 
             hints = []
-            hide_next = False
-            for x in redact_argv(extras):
-                if hide_next and not x.startswith("-"):
-                    x, hide_next = "***", False  # the value of a mistyped --token: a secret all the same
-                flag = x.split("=", 1)[0]
-                close = difflib.get_close_matches(flag, options, n=1, cutoff=0.6)
-                if flag.startswith("-") and (close and close[0] in SECRET_FLAGS
-                                             or difflib.get_close_matches(flag, SECRET_FLAGS, n=1, cutoff=0.7)):
-                    hide_next = "=" not in x
-                    x = flag + ("=***" if "=" in x else "")
+            for x in redact_argv(extras):  # a mistyped --token's value: redacted by error() (_secret_values)
+                close = difflib.get_close_matches(x.split("=", 1)[0], options, n=1, cutoff=0.6)
                 hints.append(f"{x} (did you mean {close[0]}?)" if close else x)
             target.error("unrecognized argument(s): " + ", ".join(hints))
         return ns

@@ -104,8 +104,8 @@ def not_ours_reason(path: Path) -> str | None:
     Ownership is read, never guessed from a file name: the manifest is parsed and must carry the head
     fields only qtool's executor writes (qtool.io.manifest.write_manifest) with `created_by_qtool: true`,
     and every shard it lists must be there (a user's edit or removal of a side file keeps it qtool's); a
-    build step's marker must carry its key and file list the same way. A checkpoint qtool changed in place says
-    `created_by_qtool: false` (it stays the user's), and an empty or foreign manifest proves nothing."""
+    build step's marker must carry its key and file list the same way. A checkpoint qtool changed in place
+    says `created_by_qtool: false` (it stays the user's), and an empty or foreign manifest proves nothing."""
     from qtool.io.files import read_regular
 
     marker = path / STEP_MARKER
@@ -132,10 +132,9 @@ def not_ours_reason(path: Path) -> str | None:
         return f"its {MANIFEST_NAME} is not a qtool manifest (the fields qtool writes are missing)"
     if m.get("created_by_qtool") is not True:
         return "qtool changed this checkpoint in place: it stays yours"
-    # the shards it lists must be there: a manifest copied into someone else's directory does not make it
-    # qtool's; a side file the user deleted or edited (a tokenizer file, config.json) does not make a qtool
-    # output theirs
-    # (an output of side files only, e.g. `download --include '*.json'`, needs all of them)
+    # the shards it lists must be there (all its files for an output of side files only, e.g. `download
+    # --include '*.json'`): a manifest copied into someone else's directory does not make it qtool's, and a
+    # side file the user deleted or edited (a tokenizer file, config.json) does not make a qtool output theirs
     shards = [rel for rel in m["files"] if rel.endswith(".safetensors")] or list(m["files"])
     missing = [rel for rel in shards if not _is_file(path / rel)]
     if missing:
