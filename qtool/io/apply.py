@@ -19,7 +19,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 from qtool.errors import VerificationError, WriteError
 from qtool.io.files import copy_file, fsync_path, new_file
@@ -145,15 +145,17 @@ def write_output(plan: OutputPlan, tx: OutputDir, *, command: str | None, values
                  produce: Callable[[Callable[[str], None]], dict | None] | None = None, overlap: Callable[[], None] | None = None,
                  on_headers: Callable[[], None] | None = None, check: Callable[[], dict] | None = None,
                  extra: Callable[[], dict] | None = None, shards_section: Path | None = None,
-                 progress: bool = False,
+                 progress: bool = False, hash_from_reads: Iterable[str] = (),
                  stop: threading.Event | None = None) -> Applied:
     """Run `plan` in the open transaction `tx` and commit it.
 
     values: the bytes of the plan's Pending sources. produce(): the op's long work (calibration, quantized
     layers: resumable on its own), run while the inputs are hashed; it writes the Produced shards into
-    `tx.partial`, calls done(name) as each is complete, and may return more Pending values. overlap(): more work for this thread while the writers copy.
+    `tx.partial`, calls done(name[, sha256 if it hashed the file as it wrote it]) as each is complete, and may return more Pending values. overlap(): more work for this thread while the writers copy.
     on_headers(): called once every shard's header is on disk. check() -> {"passed": bool, ...}: run once
-    every file is written, before the manifest: the output's checks (recorded in the manifest; a failure keeps the partial output and exits 3)."""
+    every file is written, before the manifest: the output's checks (recorded in the manifest; a failure keeps the partial output and exits 3).
+    hash_from_reads: the input files produce() reads (a layer-streamed job's shards): their sha256 is
+    computed from those reads (qtool.io.stream_digest), the bytes it did not need are read once it returns."""
     values = dict(values or {})
     stop = stop or threading.Event()
     partial = tx.partial
@@ -162,7 +164,7 @@ def write_output(plan: OutputPlan, tx: OutputDir, *, command: str | None, values
     journal = Journal(partial / JOURNAL_NAME, plan_hash, input_identity(plan.inputs), tx.resume)
     check_space(plan, tx, journal)
     # a resumed run re-hashes its inputs: a cached digest could predate an edit the journal missed
-    hasher = InputHasher(trust_cache=not tx.resume, record=tx.input_digests)
+    hasher = InputHasher(trust_cache=not tx.resume, record=tx.input_digests, from_reads=hash_from_reads)
     if resuming:
         hasher.refuse_unproven(plan.inputs, partial)
     applied = Applied(plan_hash)
@@ -175,7 +177,8 @@ def write_output(plan: OutputPlan, tx: OutputDir, *, command: str | None, values
         if produce is not None:
             # the producer says when each Produced file is complete: it is hashed then, while its bytes are
             # in the page cache and the producer works on the next (not all at the end)
-            values.update(produce(lambda name: hasher.submit_output(str(partial / name))) or {})
+            values.update(produce(lambda name, sha256=None: hasher.submit_output(str(partial / name), sha256)) or {})
+        hasher.finish_streams()
         for e in plan.entries(Produced):
             hasher.submit_output(str(partial / e.name))  # the ones resumed or not announced
         _write_shards(plan, tx, journal, hasher, values, overlap, on_headers, applied, progress, stop)

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from qtool.io.digest_cache import DigestCache, file_key
 from qtool.io.files import hash_file as _hash_file
+from qtool.io.stream_digest import StreamDigests
 
 LIBRARIES = ("transformers", "safetensors", "torch", "nvidia-modelopt", "compressed-tensors", "llmcompressor",
              "huggingface_hub")
@@ -96,7 +97,8 @@ class InputHasher:
 
     CHUNK = 8 << 20
 
-    def __init__(self, workers: int = 2, trust_cache: bool = True, record: Path | None = None) -> None:
+    def __init__(self, workers: int = 2, trust_cache: bool = True, record: Path | None = None,
+                 from_reads=()) -> None:
         self.pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="qtool-sha256")
         self.futures: dict[str, Future] = {}
         self.lock = threading.Lock()
@@ -105,19 +107,36 @@ class InputHasher:
         self.trust_cache = trust_cache
         self.record = record
         self.recorded: dict[str, str] = {}
+        self.prefixes: dict[str, tuple[int, str]] = {}  # real path -> the longest prefix digest recorded
         if record is not None and record.exists():
             for line in record.read_text().splitlines():
                 try:
                     rec = json.loads(line)
-                    self.recorded[rec["path"]] = rec["sha256"]
+                    if "prefix" in rec:
+                        if rec["prefix"] >= self.prefixes.get(rec["path"], (0, ""))[0]:
+                            self.prefixes[rec["path"]] = (int(rec["prefix"]), rec["sha256"])
+                    else:
+                        self.recorded[rec["path"]] = rec["sha256"]
                 except (ValueError, KeyError, TypeError):
                     break  # a torn last line
+        # from_reads: the input files the job reads (a layer stream's shards), hashed from those reads
+        # (qtool.io.stream_digest), not read a second time; `finish_streams` hashes what the job did not read
+        self.from_reads = {os.path.realpath(f) for f in from_reads}
+        self.streams = StreamDigests(on_snapshot=self._note_prefixes if record is not None else None) \
+            if self.from_reads else None
+        self._streamed: dict[str, tuple[str, os.stat_result]] = {}  # path -> (real path, stat when submitted)
+        self.changed: set[str] = set()  # inputs whose recorded prefix digest differs from this run's
+        if self.streams is not None:
+            StreamDigests.active = self.streams
 
     def refuse_unproven(self, inputs, partial: Path) -> None:
-        """A resumed run can prove its inputs unchanged only by their full digests: the journal's identity
+        """A resumed run can prove its inputs unchanged only by their digests: the journal's identity
         (size, mtime, sampled content) misses a same-size edit outside the sampled blocks with the mtime
-        put back. An input whose digest the interrupted run had not recorded yet is refused."""
-        missing = sorted(p for p in inputs if os.path.realpath(p) not in self.recorded)
+        put back. An input whose digest the interrupted run had not recorded yet is refused, except one
+        hashed from the job's reads: the finished units used only the prefix whose digest it recorded (none
+        if it recorded none), which the resumed run checks as it hashes the file again."""
+        missing = sorted(p for p in inputs if os.path.realpath(p) not in self.recorded
+                         and os.path.realpath(p) not in self.from_reads)
         if missing:
             from qtool.errors import WriteError
 
@@ -127,36 +146,61 @@ class InputHasher:
                              hint=f"run again without --resume (it starts over; the unfinished {partial} is "
                              "replaced)")
 
-    def submit_output(self, path: str) -> None:
-        """Hash a file qtool just wrote (never cached: its digest is what the manifest promises)."""
+    def submit_output(self, path: str, sha256: str | None = None) -> None:
+        """Hash a file qtool just wrote (never cached: its digest is what the manifest promises), unless its
+        writer hashed the bytes it wrote (`sha256`)."""
         if path not in self.futures:
-            self.futures[path] = self.pool.submit(_hash_file, path)
+            self.futures[path] = _done(sha256) if sha256 else self.pool.submit(_hash_file, path)
 
     def submit(self, path: str) -> None:
-        if path in self.futures:
+        if path in self.futures or path in self._streamed:
             return
         real = os.path.realpath(path)
         name = os.path.basename(real)
         recorded = name if os.path.basename(os.path.dirname(real)) == "blobs" and _HEX64.match(name) else None
         recorded = recorded or hub_recorded_sha256(path)
         if recorded:
-            f: Future = Future()
-            f.set_result(recorded)
+            self._put(path, _done(recorded))
+            return
+        self.keys[real] = file_key(real)  # what `refresh` re-records at the end of the run
+        cached = self.cache.lookup(real) if self.trust_cache else None
+        if cached:
+            self._put(path, _done(cached))
+        elif real in self.from_reads:
+            self.streams.add(real, check=self.prefixes.get(real))
+            self._streamed[path] = (real, os.stat(real))
         else:
-            self.keys[real] = file_key(real)  # what `refresh` re-records at the end of the run
-            cached = self.cache.lookup(real) if self.trust_cache else None
-            if cached:
-                f = Future()
-                f.set_result(cached)
-            else:
-                f = self.pool.submit(self._hash, real)
+            self._put(path, self.pool.submit(self._hash, real))
+
+    def _put(self, path: str, f: Future) -> None:
         self.futures[path] = f
         if self.record is not None:
             f.add_done_callback(lambda fut, p=path: self._note(p, fut))
 
+    def finish_streams(self) -> None:
+        """Once the job has read what it needs: hash the rest of each input hashed from its reads."""
+        for path, (real, before) in sorted(self._streamed.items()):
+            self._put(path, self.pool.submit(self._finish_stream, real, before))
+        self._streamed.clear()
+
+    def _finish_stream(self, real: str, before: os.stat_result) -> str:
+        d = self.streams.files[real]
+        digest = d.finish()
+        if d.mismatch:
+            self.changed.add(real)
+        else:
+            self.cache.store(real, digest, before)
+        return digest
+
+    def _note_prefixes(self, prefixes: dict[str, tuple[int, str]]) -> None:
+        with self.lock:
+            with open(self.record, "a", encoding="utf-8") as f:
+                for real, (n, sha) in sorted(prefixes.items()):
+                    f.write(json.dumps({"path": real, "prefix": n, "sha256": sha}) + "\n")
+
     def _note(self, path: str, fut: Future) -> None:
         real = os.path.realpath(path)
-        if fut.cancelled() or fut.exception() is not None or real in self.recorded:
+        if fut.cancelled() or fut.exception() is not None or real in self.recorded or real in self.changed:
             return
         with self.lock:
             with open(self.record, "a", encoding="utf-8") as f:
@@ -169,10 +213,11 @@ class InputHasher:
         return digest
 
     def results(self) -> dict[str, str]:
+        self.finish_streams()
         out = {p: f.result() for p, f in sorted(self.futures.items())}
         self.pool.shutdown()
         real = {p: os.path.realpath(p) for p in out}
-        changed = sorted(p for p, d in out.items() if self.recorded.get(real[p], d) != d)
+        changed = sorted(p for p, d in out.items() if self.recorded.get(real[p], d) != d or real[p] in self.changed)
         if changed:
             from qtool.errors import WriteError
 
@@ -195,6 +240,14 @@ class InputHasher:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+        if self.streams is not None and StreamDigests.active is self.streams:
+            StreamDigests.active = None
+
+
+def _done(value: str) -> Future:
+    f: Future = Future()
+    f.set_result(value)
+    return f
 
 
 def hub_recorded_sha256(path: str) -> str | None:

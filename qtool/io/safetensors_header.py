@@ -49,6 +49,9 @@ def read_header(path: str | Path, *, check_file_size: bool = True) -> Safetensor
     try:
         with os.fdopen(open_regular(path, "shard file", HeaderError), "rb") as f:
             file_size = os.fstat(f.fileno()).st_size
+            # the header only: read-ahead (up to 8 MiB on a VM disk) would fetch tensor bytes that are
+            # evicted again before a 397B job reads them, once its input does not fit the page cache
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
             head = f.read(8)
             if len(head) < 8:
                 raise HeaderError(

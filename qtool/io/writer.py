@@ -91,6 +91,7 @@ class Interrupted(Exception):
     """A copy was stopped on request (another shard failed, or the user interrupted the run)."""
 
 
+SHORT_COPY = 64 << 20
 COPY_CHUNK = 256 << 20  # per copy_file_range call: also how often a stop request is looked at
 
 
@@ -125,6 +126,38 @@ def copy_range(src_fd: int, dst_fd: int, start: int, count: int, stop: threading
         remaining -= len(buf)
 
 
+class HashedWrites:
+    """Writes buffers to a file in order and computes the file's sha256 from them on a thread of its own
+    (hashlib releases the GIL), so the manifest's digest of a freshly written shard costs no second read
+    and the hash overlaps the writes. A buffer is kept alive until hashed, at most `depth` behind."""
+
+    def __init__(self, f, depth: int = 4) -> None:
+        import hashlib
+        from collections import deque
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.f = f
+        self.h = hashlib.sha256()
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qtool-out-sha256")
+        self.pending: deque = deque()
+        self.depth = depth
+
+    def write(self, data) -> None:
+        self.pending.append(self.pool.submit(self.h.update, data))
+        self.f.write(data)
+        while len(self.pending) > self.depth:
+            self.pending.popleft().result()
+
+    def hexdigest(self) -> str:
+        while self.pending:
+            self.pending.popleft().result()
+        self.pool.shutdown()
+        return self.h.hexdigest()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
 def write_shard(path: str | Path, tensors: list[OutTensor], metadata: dict[str, str] | None = None,
                 on_header: Callable[[], None] | None = None, stop: threading.Event | None = None,
                 mode: int = 0o644) -> int:
@@ -152,7 +185,12 @@ def write_shard(path: str | Path, tensors: list[OutTensor], metadata: dict[str, 
                 if run:
                     if run[0] not in fds:
                         fds[run[0]] = os.open(run[0], os.O_RDONLY)
-                    copy_range(fds[run[0]], dst, run[1], run[2] - run[1], stop)
+                    n = run[2] - run[1]
+                    # a short range without the kernel's read-ahead: it would fetch up to 8 MiB of the
+                    # neighbours (another layer, read already), evicted again from a page cache too small
+                    # for the input; a long one keeps it (the copy's own pace)
+                    os.posix_fadvise(fds[run[0]], 0, 0, os.POSIX_FADV_RANDOM if n < SHORT_COPY else os.POSIX_FADV_NORMAL)
+                    copy_range(fds[run[0]], dst, run[1], n, stop)
                     run.clear()
 
             for t in tensors:

@@ -67,11 +67,11 @@ class TensorSource:
         import torch
 
         from qtool.io.dtypes import TORCH_DTYPE_NAMES
-        from qtool.stream.layer_read import pread_exact
+        from qtool.stream.layer_read import open_for_reads, pread_exact
 
         fd = self._fds.get(info.file)
         if fd is None:
-            fd = self._fds[info.file] = os.open(info.file, os.O_RDONLY)
+            fd = self._fds[info.file] = open_for_reads(info.file)
         buf = bytearray(info.nbytes)
         pread_exact(fd, memoryview(buf), info.start, info.file, tensor=info.name)
         dtype = getattr(torch, TORCH_DTYPE_NAMES[info.dtype])

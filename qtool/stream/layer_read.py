@@ -21,10 +21,12 @@ import threading
 from dataclasses import dataclass
 
 from qtool.errors import PlanError
+from qtool.io import stream_digest
 from qtool.io.safetensors_header import TensorInfo
 
 MAX_GAP = 1 << 20  # read through holes up to 1 MiB (another layer's norm, a header) rather than split
 CHUNK = 64 << 20  # one preadv and one host->device copy
+READ_PIECE = 8 << 20  # one preadv call
 READERS = 4  # threads reading one layer (each with its own pinned staging pair on CUDA)
 
 
@@ -76,6 +78,10 @@ class LayerBytes:
             pieces += [(run.file, run.start + off, buf[off:off + min(CHUNK, n - off)]) for off in range(0, n, CHUNK)]
         workers = len(staging) if cuda else READERS
         errors: list[BaseException] = []
+        # the input's sha256 is computed from these reads (qtool.io.stream_digest): every piece is claimed
+        # first, so a reader ahead of the digest's cursor waits for its peers rather than reading their bytes
+        for path, offset, dst in pieces:
+            stream_digest.claim(path, offset, offset + dst.numel())
 
         def work(k: int) -> None:
             fds: dict[str, int] = {}
@@ -85,7 +91,7 @@ class LayerBytes:
                         return
                     fd = fds.get(path)
                     if fd is None:
-                        fd = fds[path] = os.open(path, os.O_RDONLY)
+                        fd = fds[path] = open_for_reads(path)
                     if cuda:
                         staging[k].upload(fd, offset, dst.numel(), dst, path)
                     else:
@@ -94,6 +100,8 @@ class LayerBytes:
                     staging[k].finish()
             except BaseException as e:
                 errors.append(e)
+                for path, offset, _ in pieces:  # the peers waiting on this reader's pieces go on without
+                    stream_digest.release(path, offset)
             finally:
                 for fd in fds.values():
                     os.close(fd)
@@ -106,7 +114,19 @@ class LayerBytes:
             t.join()
         if errors:
             raise errors[0]
+        stream_digest.snapshot()
         return self
+
+    def has(self, info: TensorInfo) -> bool:
+        return info.name in self._where
+
+    def raw(self, info: TensorInfo):
+        """The file bytes of `info` (uint8, a view on the device they were read to)."""
+        where = self._where.get(info.name)
+        if where is None:
+            raise PlanError("tensor was not read with its layer", tensor=info.name, path=info.file)
+        k, off = where
+        return self._bufs[k][off:off + info.nbytes]
 
     def get(self, info: TensorInfo):
         """The tensor `info` as a view of the read bytes (on the device it was read to)."""
@@ -114,11 +134,8 @@ class LayerBytes:
 
         from qtool.io.dtypes import TORCH_DTYPE_NAMES
 
-        where = self._where.get(info.name)
-        if where is None:
-            raise PlanError("tensor was not read with its layer", tensor=info.name, path=info.file)
-        k, off = where
-        raw = self._bufs[k][off:off + info.nbytes]
+        raw = self.raw(info)
+        off = self._where[info.name][1]
         dtype = getattr(torch, TORCH_DTYPE_NAMES[info.dtype])
         if info.nbytes == 0:
             return torch.empty(tuple(info.shape), dtype=dtype, device=self.device)
@@ -130,17 +147,34 @@ class LayerBytes:
         self._bufs.clear()
 
 
+def open_for_reads(path: str) -> int:
+    """A descriptor for large explicit reads: the kernel's read-ahead is turned off (POSIX_FADV_RANDOM),
+    since every byte it would fetch ahead is asked for anyway, and pages it fetched early are the first
+    to go when the input does not fit the page cache (read twice from the disk, then)."""
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    return fd
+
+
 def pread_exact(fd: int, view: memoryview, offset: int, path: str, tensor: str | None = None) -> None:
     """Fill `view` from `fd` at `offset` (preadv returns short counts on large reads); a shard that ends
-    early is a named error."""
+    early is a named error. The bytes feed the input's sha256 when the job hashes it from its reads."""
     got = 0
-    while got < len(view):
-        n = os.preadv(fd, [view[got:]], offset + got)
-        if n <= 0:
-            raise PlanError("shard ended before the layer's tensor bytes" if tensor is None
-                            else "shard ended before the tensor's bytes", path=path, tensor=tensor,
-                            hint="the shard is truncated: re-download or rebuild it")
-        got += n
+    stream_digest.claim(path, offset, offset + len(view))
+    try:
+        while got < len(view):
+            # at most READ_PIECE per call: the kernel reads a request's pages before it copies them, and
+            # a page of a long request can be evicted meanwhile (read twice) once the input does not fit
+            n = os.preadv(fd, [view[got:got + READ_PIECE]], offset + got)
+            if n <= 0:
+                raise PlanError("shard ended before the layer's tensor bytes" if tensor is None
+                                else "shard ended before the tensor's bytes", path=path, tensor=tensor,
+                                hint="the shard is truncated: re-download or rebuild it")
+            got += n
+    except BaseException:
+        stream_digest.release(path, offset)
+        raise
+    stream_digest.feed(path, offset, view)
 
 
 class _Staging:

@@ -28,12 +28,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Callable, Iterable, Protocol
 
 from qtool.arch.model_map import ModelMap, build_map
 from qtool.arch.qwen35 import Group, layer_prefix, text_prefix
 from qtool.errors import PlanError
 from qtool.io.checkpoint import Checkpoint
+from qtool.io.safetensors_header import TensorInfo
 
 TAP_ATTENTION = "qtool_tap_sdpa"
 _DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
@@ -303,6 +304,17 @@ class StreamPlan:
         }
 
 
+def streamed_files(ckpt: Checkpoint) -> set[str]:
+    """The shard files a layer-streamed job reads (its decoder layers' and the embedding's): what it hashes
+    from its own reads (qtool.io.apply.write_output's hash_from_reads)."""
+    from qtool.stream.dequant import layer_tensors
+
+    mm = build_map(ckpt)
+    files = {i.file for idx in range(mm.num_layers) for i in layer_tensors(mm, idx)}
+    embed = ckpt.tensors.get(text_prefix(mm.naming) + "embed_tokens.weight")
+    return files | ({embed.file} if embed is not None else set())
+
+
 class LayerStreamer:
     """Streams a checkpoint's text decoder layers. Construct from a Checkpoint or path."""
 
@@ -464,8 +476,10 @@ class LayerStreamer:
         x = torch.empty(0, dtype=self.dtype, device=self.device)
         return self._rotary(x, pos)
 
-    def load_layer(self, idx: int):
-        """transformers' decoder layer `idx` with this checkpoint's weights, dense, on self.device."""
+    def load_layer(self, idx: int, keep_bytes: Iterable[TensorInfo] = ()):
+        """transformers' decoder layer `idx` with this checkpoint's weights, dense, on self.device.
+        keep_bytes: tensors whose file bytes the caller writes out unchanged (quantize's copied tensors):
+        kept as host uint8 tensors in `layer.qtool_bytes` (name -> tensor), not read from the file again."""
         if self.clock["first_layer_start"] is None:
             import time
 
@@ -484,6 +498,7 @@ class LayerStreamer:
         want = {n: (tuple(p.shape), p.dtype) for n, p in layer.state_dict().items()}
         read = self._reader.take(idx) or self._reader.read_now(layer_tensors(self.mm, idx))
         try:
+            kept = {i.name: read.raw(i).cpu() for i in keep_bytes if read.has(i)}
             sd = layer_state_dict(self.mm, idx, self.dtype, self.device, want, src=read)
         finally:
             read.close()  # what the layer keeps (views of BF16 weights) stays alive through it
@@ -492,6 +507,7 @@ class LayerStreamer:
         from qtool.stream import experts
 
         experts.install(layer.mlp.experts)  # eager math without a host sync per expert
+        layer.qtool_bytes = kept
         return layer.eval()
 
     def prefetch(self, idx: int) -> None:

@@ -12,6 +12,7 @@ from qtool.io.in_place import InPlaceDir
 from qtool.io.plan import Remove
 from qtool.io.output import OutputDir
 from qtool.ops.contract import Report
+from qtool.stream.layer_stream import streamed_files
 
 from qtool.ops.calibrate_kv.plan import CalibrateKvOptions, KvPlan, plan
 from qtool.ops.calibrate_kv.calibrate import calibrate, outlier_warnings
@@ -52,7 +53,8 @@ def execute(p: KvPlan, *, progress=None) -> Report:
         return {}
 
     with tx:
-        applied = write_output(p.output, tx, command=opts.command, produce=produce, check=check)
+        applied = write_output(p.output, tx, command=opts.command, produce=produce, check=check,
+                               hash_from_reads=streamed_files(p.ckpt))
     stats = state["stats"]
     report["layers"] = [stats[i].to_json() for i in p.layers]
     report["warnings"] = p.warnings + outlier_warnings(stats)

@@ -114,12 +114,12 @@ def _quantize_layers(p, partial, streamer, store, seq, batch, start, layer_repor
     g = streamer.group
     share = Share(g.rank, g.world)
 
-    def commit(lp, stats, kv, current, awq: list[dict]) -> None:
+    def commit(lp, stats, kv, current, awq: list[dict], sha256: str | None = None) -> None:
         """Rank 0, once the layer's shard is whole on disk: named, hashed and journaled."""
         if g.world > 1:
             os.replace(tmp_path(partial / lp.shard), partial / lp.shard)
         if done is not None:
-            done(lp.shard)  # hashed for the manifest now, while the next layer runs
+            done(lp.shard, sha256)  # hashed as it was written; or (several ranks) now, while the next layer runs
         entry = {"layer": lp.index, "routed_experts": lp.scheme.value, **stats.to_json()}
         if lp.full_attention:
             entry["kv"] = {"k_amax": kv.k_amax, "v_amax": kv.v_amax, "tokens": kv.tokens}
@@ -140,7 +140,7 @@ def _quantize_layers(p, partial, streamer, store, seq, batch, start, layer_repor
             rep = write_layer_shard(partial / lp.shard, lp, layer, stats, (kv.k_amax, kv.v_amax), p, backend, mode,
                                     share)
         if g.world == 1:
-            commit(lp, stats, kv, current, rep["awq"])
+            commit(lp, stats, kv, current, rep["awq"], rep.get("sha256"))
         return rep["awq"]
 
     def settle(previous) -> None:
@@ -158,7 +158,8 @@ def _quantize_layers(p, partial, streamer, store, seq, batch, start, layer_repor
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="qtool-layer-write") as writer:
         try:
             for k, lp in enumerate(todo):
-                layer = streamer.load_layer(lp.index)
+                copied = [p.ckpt.tensors[s.name] for s in lp.specs if s.source is not None] if share.rank == 0 else []
+                layer = streamer.load_layer(lp.index, keep_bytes=copied)  # the copied tensors: written from memory
                 if k + 1 < len(todo):
                     streamer.prefetch(todo[k + 1].index)  # read while this layer computes and is written
                 stats = ExpertStats(p.n_experts, keep_rows=p.awq_rows if lp.scheme is Scheme.W4A16 else 0)
@@ -233,6 +234,7 @@ def execute(p: QuantizePlan, *, progress=None) -> Report:
         report.update(calibrate_and_write(p, partial_path(p.out), ids, resume=opts.resume), rank=dist.current().rank)
         return Report(report)
     from qtool.io.apply import write_output
+    from qtool.stream.layer_stream import streamed_files
 
     def produce(done) -> None:
         report.update(calibrate_and_write(p, tx.partial, ids, resume=opts.resume, progress=progress,
@@ -251,7 +253,7 @@ def execute(p: QuantizePlan, *, progress=None) -> Report:
                 "summary": problems[0]["message"] if problems else None}
 
     with OutputDir(p.out, sources=[p.ckpt.root], force=opts.force, resume=opts.resume) as tx:
-        write_output(p.output, tx, command=opts.command, produce=produce, check=check,
+        write_output(p.output, tx, command=opts.command, produce=produce, check=check, hash_from_reads=streamed_files(p.ckpt),
                      extra=lambda: {"calibration": report.get("calibration"), "layers": report["layers"]})
     report["output"] = {"output": str(p.out), **p.output.summary, "side_files": p.output.extra["side_files"],
                         "problems": report["problems"]}

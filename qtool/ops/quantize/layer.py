@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from qtool.io.writer import FileRange, InlineBytes, OutTensor, build_header, copy_range
+from qtool.io.writer import FileRange, HashedWrites, InlineBytes, OutTensor, build_header, copy_range
 from qtool.recipes import InputScale, OutFormat, Scheme, WeightScale
 
 CHUNK_EXPERTS = 16
@@ -21,15 +21,6 @@ _LAYER_FALLBACK_AMAX = 1.0  # a layer that saw no token at all (cannot happen wi
 class _Pending:
     def __init__(self, n: int):
         self.nbytes = n
-
-
-def _b(t: torch.Tensor) -> memoryview:
-    """The tensor's bytes without a copy where it already is contiguous on the host (the writer takes
-    memoryviews: a 397B layer's 3.9 GB of codes are not copied once more into `bytes`)."""
-    t = t.detach().cpu().contiguous()  # codes and scales may come from the GPU kernel
-    if t.dtype in (torch.bfloat16, torch.float8_e4m3fn):
-        t = t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t.view(torch.int16)
-    return memoryview(t.numpy()).cast("B")
 
 
 def _f32(x: float) -> bytes:
@@ -66,25 +57,36 @@ class NVFP4Experts:
     weight_global_scale: torch.Tensor | None = None  # float32 [E]
     input_global_scale: torch.Tensor | None = None  # float32 [E]
 
-    def rows(self, fmt: OutFormat) -> list[list[bytes]]:
-        """Per expert, the params' bytes in QUANT_PARAMS order of `fmt`."""
+    def expert_tensors(self, fmt: OutFormat) -> list[list[torch.Tensor]]:
+        """Per expert, the params in QUANT_PARAMS order of `fmt`, on the codes' device (written by
+        `chunk_bytes` in one device->host copy per chunk, not one per expert and param)."""
         one = torch.tensor(1.0, dtype=torch.float32)
-        out = []
-        # to the host once per chunk, not once per expert and param (16 x 4 synchronising copies)
-        host = {f: None if getattr(self, f) is None else getattr(self, f).cpu()
-                for f in ("packed", "block_scale", "weight_scale_2", "input_scale", "weight_global_scale",
-                          "input_global_scale")}
-        self = NVFP4Experts(**host)
-        for k in range(self.packed.shape[0]):
-            if fmt is OutFormat.MODELOPT:
-                ws2 = self.weight_scale_2[k] if self.weight_global_scale is None else one / self.weight_global_scale[k]
-                ins = self.input_scale[k] if self.input_global_scale is None else one / self.input_global_scale[k]
-                out.append([_b(ins), _b(self.packed[k]), _b(self.block_scale[k]), _b(ws2)])
-            else:
-                gs_w = one / self.weight_scale_2[k] if self.weight_global_scale is None else self.weight_global_scale[k]
-                gs_in = one / self.input_scale[k] if self.input_global_scale is None else self.input_global_scale[k]
-                out.append([_b(gs_in.reshape(1)), _b(gs_w.reshape(1)), _b(self.packed[k]), _b(self.block_scale[k])])
-        return out
+        dev = self.packed.device
+        # the reciprocal scales on the host, as they always were computed (bit for bit), then to the device once
+        cpu = {f: None if getattr(self, f) is None else getattr(self, f).cpu()
+               for f in ("weight_scale_2", "input_scale", "weight_global_scale", "input_global_scale")}
+        ws2, ins, gs_w, gs_in = cpu["weight_scale_2"], cpu["input_scale"], cpu["weight_global_scale"], cpu["input_global_scale"]
+        if fmt is OutFormat.MODELOPT:
+            a = (ins if gs_in is None else one / gs_in).to(dev)
+            b = (ws2 if gs_w is None else one / gs_w).to(dev)
+            return [[a[k], self.packed[k], self.block_scale[k], b[k]] for k in range(self.packed.shape[0])]
+        a = (one / ins if gs_in is None else gs_in).to(dev)
+        b = (one / ws2 if gs_w is None else gs_w).to(dev)
+        return [[a[k].reshape(1), b[k].reshape(1), self.packed[k], self.block_scale[k]] for k in range(self.packed.shape[0])]
+
+
+def chunk_bytes(tensors: list[torch.Tensor], pinned: bool):
+    """The tensors' bytes back to back (their order in the shard) as one host uint8 tensor: one device
+    concatenation and one device->host copy (into page-locked memory on CUDA: torch's caching host
+    allocator reuses it), instead of a `.cpu()` and a Python buffer per tensor."""
+    dev = next((t.device for t in tensors if t.numel() > 1), tensors[0].device)
+    flat = [t.detach().contiguous().reshape(-1).view(torch.uint8).to(dev) for t in tensors]
+    buf = torch.cat(flat) if len(flat) > 1 else flat[0]
+    if buf.device.type == "cpu":
+        return buf
+    host = torch.empty(buf.numel(), dtype=torch.uint8, pin_memory=pinned)
+    host.copy_(buf)
+    return host
 
 
 def _nvfp4_parts(gu, down, inter):
@@ -137,10 +139,10 @@ def _int4_expert_chunk(gu, down, inter, stats, e0, recipe, fmt, report, g: int) 
             q = rtn(w, g, sdt)
             if fmt is OutFormat.COMPRESSED_TENSORS:
                 t = awq.to_compressed_tensors(q, sdt)
-                res[part].append([_b(t["weight_packed"]), _b(t["weight_scale"]), _b(t["weight_shape"])])
+                res[part].append([t["weight_packed"], t["weight_scale"], t["weight_shape"]])
             else:
                 t = awq.to_awq(q)
-                res[part].append([_b(t["qweight"]), _b(t["qzeros"]), _b(t["scales"])])
+                res[part].append([t["qweight"], t["qzeros"], t["scales"]])
     return res
 
 
@@ -212,17 +214,23 @@ def write_layer_shard(path: Path, lp, layer, stats, kv, p, backend=None, mode: i
     fds: dict[str, int] = {}
     n_exp = p.n_experts
     step = share.chunk(n_exp)
+    out = None
+    hashed = share.world == 1  # one writer, in file order: the shard's sha256 is computed as it is written
+    pinned = experts.gate_up_proj.device.type == "cuda"
+    kept = getattr(layer, "qtool_bytes", {})  # the copied tensors' file bytes, read with the layer
+    specs = lp.specs
     try:
         fd = open_new(tmp, mode) if share.world == 1 else os.open(tmp, os.O_WRONLY)
-        # buffered: ~12k expert params per 397B layer become a few large writes
+        # buffered: the small tensors (norms, scales) become a few large writes
         with os.fdopen(fd, "wb", buffering=WRITE_BUFFER) as f:
+            out = HashedWrites(f) if hashed else f
             if share.rank == 0:
-                f.write(header)
+                out.write(header)
             pos = len(header)  # where the next spec's bytes go; another rank's specs are skipped by seeking
-            dst = f.fileno()
-            chunk: dict = {}
-            chunk_start = -1
-            for s in lp.specs:
+            i = 0
+            while i < len(specs):
+                s = specs[i]
+                i += 1
                 at, pos = pos, pos + _nbytes(s)
                 which = _expert_of(s.name) if s.source is None else None  # None: copied, or a KV scale
                 if not share.owns(which[0] if which else None, n_exp):
@@ -230,38 +238,46 @@ def write_layer_shard(path: Path, lp, layer, stats, kv, p, backend=None, mode: i
                 if f.tell() != at:
                     f.seek(at)
                 if s.source is not None:
-                    f.flush()  # copied below the buffer, straight between descriptors
-                    if s.source.file not in fds:
-                        fds[s.source.file] = os.open(s.source.file, os.O_RDONLY)
-                    copy_range(fds[s.source.file], dst, s.source.start, s.source.nbytes)
-                    f.seek(pos)  # the descriptor moved under the buffer
+                    _copy_spec(s, kept.get(s.name), out, f, fds, hashed, pos)
                     continue
                 if which is None:
                     st = LayerStat(lp.index, kv[0], kv[1], 0)
-                    f.write(_f32(st.k_scale if s.name.endswith("k_scale") else st.v_scale))
+                    out.write(_f32(st.k_scale if s.name.endswith("k_scale") else st.v_scale))
                     continue
-                e, part, param = which
-                if not (chunk_start <= e < chunk_start + step) or chunk_start < 0:
-                    chunk_start = (e // step) * step
-                    e1 = min(n_exp, chunk_start + step)
-                    gu = experts.gate_up_proj.data[chunk_start:e1]
-                    dn = experts.down_proj.data[chunk_start:e1]
-                    if lp.scheme is Scheme.NVFP4:
-                        a_in, a_mid = in_amax[chunk_start:e1], mid_amax[chunk_start:e1]
-                        if backend is not None:
-                            parts = backend.nvfp4_chunk(chunk_start, e1, gu, dn, a_in, a_mid)
-                        else:
-                            parts = nvfp4_rtn(gu, dn, inter, a_in, a_mid, p.recipe)
-                        chunk = {part: q.rows(p.format) for part, q in parts.items()}
+                # the first param of a chunk of experts: the chunk's params follow it in the header (experts
+                # in order), coded together and written as one buffer
+                e0 = (which[0] // step) * step
+                e1 = min(n_exp, e0 + step)
+                members = [(s, which)]
+                while i < len(specs) and specs[i].source is None:
+                    w = _expert_of(specs[i].name)
+                    if w is None or w[0] >= e1:
+                        break
+                    members.append((specs[i], w))
+                    pos += _nbytes(specs[i])
+                    i += 1
+                gu = experts.gate_up_proj.data[e0:e1]
+                dn = experts.down_proj.data[e0:e1]
+                if lp.scheme is Scheme.NVFP4:
+                    a_in, a_mid = in_amax[e0:e1], mid_amax[e0:e1]
+                    if backend is not None:
+                        parts = backend.nvfp4_chunk(e0, e1, gu, dn, a_in, a_mid)
                     else:
-                        chunk = _int4_expert_chunk(gu, dn, inter, stats, chunk_start, p.recipe, p.format, report["awq"],
-                                                   p.int4_group)  # one group for every projection (engine rule)
-                data = chunk[part][e - chunk_start][names.index(param)]
-                if len(data) != _nbytes(s):
-                    raise AssertionError(f"{s.name}: {len(data)} bytes, planned {_nbytes(s)}")
-                f.write(data)
+                        parts = nvfp4_rtn(gu, dn, inter, a_in, a_mid, p.recipe)
+                    chunk = {part: q.expert_tensors(p.format) for part, q in parts.items()}
+                else:
+                    chunk = _int4_expert_chunk(gu, dn, inter, stats, e0, p.recipe, p.format, report["awq"],
+                                               p.int4_group)  # one group for every projection (engine rule)
+                data = chunk_bytes([chunk[part][e - e0][names.index(param)] for _, (e, part, param) in members],
+                                   pinned)
+                if data.numel() != pos - at:
+                    raise AssertionError(f"{s.name}: experts {e0}-{e1 - 1} coded to {data.numel()} bytes, planned "
+                                         f"{pos - at}")
+                out.write(memoryview(data.numpy()))
+            if hashed:
+                report["sha256"] = out.hexdigest()
             f.flush()
-            os.fsync(dst)
+            os.fsync(f.fileno())
         if share.world == 1:
             os.replace(tmp, path)
     except BaseException:
@@ -269,9 +285,27 @@ def write_layer_shard(path: Path, lp, layer, stats, kv, p, backend=None, mode: i
             tmp.unlink()  # the layer is redone on resume (it was not journaled)
         raise
     finally:
+        if isinstance(out, HashedWrites):
+            out.close()
         for fd in fds.values():
             os.close(fd)
     return report
+
+
+def _copy_spec(s, kept, out, f, fds: dict, hashed: bool, end: int) -> None:
+    """Write a tensor copied unchanged from the source: from the bytes read with the layer, else from its
+    file (read, where the shard is being hashed; else copied in the kernel, below the buffer)."""
+    if kept is not None:
+        out.write(memoryview(kept.numpy()))
+        return
+    if s.source.file not in fds:
+        fds[s.source.file] = os.open(s.source.file, os.O_RDONLY)
+    if hashed:
+        out.write(os.pread(fds[s.source.file], s.source.nbytes, s.source.start))
+        return
+    f.flush()
+    copy_range(fds[s.source.file], f.fileno(), s.source.start, s.source.nbytes)
+    f.seek(end)  # the descriptor moved under the buffer
 
 
 def _nbytes(s) -> int:
