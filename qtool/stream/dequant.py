@@ -62,8 +62,6 @@ class TensorSource:
         self._fds: dict[str, int] = {}
 
     def get(self, info: TensorInfo):
-        import os
-
         import torch
 
         from qtool.io.dtypes import TORCH_DTYPE_NAMES
