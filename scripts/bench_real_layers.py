@@ -94,6 +94,26 @@ def build_real(out: Path, layers: int, device: str, model: str = "397b") -> None
         del items
     (out / "model.safetensors.index.json").write_text(
         json.dumps(index_json(weight_map, sum(t.nbytes for t in chosen)), indent=2) + "\n")
+    record_as_downloaded(out)
+
+
+def record_as_downloaded(root: Path) -> None:
+    """Leave what `hf download --local-dir` leaves beside each shard (huggingface_hub's
+    `.cache/huggingface/download/<file>.metadata`: commit, the LFS sha256 as etag, time): a user's 397B comes
+    from the Hub, so its digests are known and a job reads nothing to hash them (qtool.io.manifest)."""
+    import hashlib
+    from concurrent.futures import ThreadPoolExecutor
+
+    from qtool.io.files import hash_file
+
+    files = shard_files(root)
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        digests = list(pool.map(hash_file, files))
+    meta = root / ".cache" / "huggingface" / "download"
+    meta.mkdir(parents=True, exist_ok=True)
+    commit = hashlib.sha1(b"bench").hexdigest()
+    for f, d in zip(files, digests):
+        (meta / (f.name + ".metadata")).write_text(f"{commit}\n{d}\n{time.time()}\n")
 
 
 def build_smoke(out: Path) -> None:
@@ -192,6 +212,38 @@ def cat_seconds(files: list[Path]) -> float:
     return time.perf_counter() - t0
 
 
+DD_MAX = 4 << 30  # bytes dd writes at most (the time is scaled to the output's size): the disk stays free
+
+
+def dd_seconds(where: Path, nbytes: int) -> float | None:
+    """`dd` of the job's output size (at most DD_MAX, scaled) into a file beside its output, fsynced
+    (conv=fsync): the disk's time to write what the job writes. With `cat` of its input, each job's floor
+    max(read, write) in the same run. None if dd failed (a full disk)."""
+    f = where / ".dd-floor"
+    mib = max(1, min(nbytes, DD_MAX) >> 20)
+    t0 = time.perf_counter()
+    r = subprocess.run(["dd", "if=/dev/zero", f"of={f}", "bs=1M", f"count={mib}", "conv=fsync"],
+                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    took = time.perf_counter() - t0
+    f.unlink(missing_ok=True)
+    if r.returncode != 0:
+        print(f"dd failed: {r.stderr.strip()[-200:]}", file=sys.stderr)
+        return None
+    return took * max(1, nbytes >> 20) / mib
+
+
+def output_bytes(argv: list[str]) -> tuple[Path, int]:
+    """The job's output directory and the bytes it wrote (links to its input not counted)."""
+    out = Path(argv[argv.index("--save-ref" if "--save-ref" in argv else "-o") + 1])
+    seen, total = set(), 0
+    for f in out.rglob("*"):
+        st = f.lstat()
+        if f.is_file() and st.st_nlink == 1 and st.st_ino not in seen:
+            seen.add(st.st_ino)
+            total += st.st_size
+    return out, total
+
+
 def shard_files(root: Path) -> list[Path]:
     return sorted(root.glob("*.safetensors"))
 
@@ -217,6 +269,9 @@ def one_job(name: str, argv: list[str], inputs: Path, layers: int, cold: bool, p
     read1 = disk_read_bytes(inputs)
     if prof is not None:
         print_profile(prof)
+    out, written = output_bytes(argv)
+    dd = dd_seconds(out.parent, written)
+    floor = max(cat, dd or 0)
     clock = res["report"].get("timing") or {}
     if "layers_done" not in clock and clock:  # eval kld: one clock per streamed side
         clock = next(iter(clock.values()))
@@ -232,6 +287,8 @@ def one_job(name: str, argv: list[str], inputs: Path, layers: int, cold: bool, p
             "wall_s": res["wall"], "loop_s": loop, "per_layer_s": per_layer, "first_layer_s": done[0] - first,
             "before_first_layer_s": before, "after_last_layer_s": after,
             "cat_s": cat, "loop_over_cat": loop / cat if cat else None,
+            "output_bytes": written, "dd_s": dd, "floor_s": floor, "loop_over_floor": loop / floor if floor else None,
+            "wall_over_floor": res["wall"] / floor if floor else None,
             # from the disk during the job (any process): with N ranks cold, ~input_bytes when the page
             # cache serves the other ranks' reads of each layer, ~N x when every rank reads the disk
             "disk_read_bytes": None if read0 is None or read1 is None else read1 - read0,
@@ -240,6 +297,20 @@ def one_job(name: str, argv: list[str], inputs: Path, layers: int, cold: bool, p
             # on a 14 GB/s disk a layer takes the longer of its host/GPU work and its read there
             "projected_all_layers_fast_disk_s": before + after + real_layers * max(
                 per_layer - cat / layers, (nbytes / layers) / FAST_DISK)}
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"\n{'job':13s} {'ranks':>5s} {'cache':5s} {'in GB':>6s} {'wall':>7s} {'loop':>7s} {'s/layer':>8s} {'start':>6s} "
+          f"{'end':>5s} {'cat':>6s} {'dd':>6s} {'loop/floor':>10s} {'wall/floor':>10s} {'RSS GB':>7s} {'GPU GB':>7s} "
+          f"{'disk GB':>7s} {'all layers':>10s} {'@14GB/s':>8s}")
+    for r in rows:
+        gpu = f"{r['peak_gpu_bytes'] / 1e9:7.1f}" if r["peak_gpu_bytes"] else "      -"
+        disk = f"{r['disk_read_bytes'] / 1e9:7.1f}" if r["disk_read_bytes"] is not None else "      -"
+        print(f"{r['job']:13s} {r['ranks']:5d} {r['cache']:5s} {r['input_bytes'] / 1e9:6.1f} {r['wall_s']:7.1f} {r['loop_s']:7.1f} "
+              f"{r['per_layer_s']:8.2f} {r['before_first_layer_s']:6.1f} {r['after_last_layer_s']:5.1f} {r['cat_s']:6.1f} "
+              f"{r['dd_s'] or 0:6.1f} {r['loop_over_floor'] or 0:10.2f} {r['wall_over_floor'] or 0:10.2f} "
+              f"{r['peak_rss_bytes'] / 1e9:7.1f} {gpu} {disk} "
+              f"{r['projected_all_layers_s'] / 60:9.1f}m {r['projected_all_layers_fast_disk_s'] / 60:7.1f}m")
 
 
 def main() -> int:
@@ -256,7 +327,12 @@ def main() -> int:
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
     ap.add_argument("--profile", type=Path, help="run each job under cProfile, stats into this folder (printed)")
     ap.add_argument("--warm-only", action="store_true", help="skip the cold runs")
+    ap.add_argument("--tmpfs", action="store_true",
+                    help="input and outputs in /dev/shm/<workdir name>: a disk as fast as memory (the users' "
+                    "NVMe stands in), warm runs only")
     a = ap.parse_args()
+    if a.tmpfs:
+        a.workdir, a.warm_only = Path("/dev/shm") / a.workdir.name, True
     w = a.workdir
     w.mkdir(parents=True, exist_ok=True)
     src = w / "bf16"
@@ -297,6 +373,9 @@ def main() -> int:
         for ranks in (int(n) for n in a.nproc.split(",")):
             def job(name, argv, inputs):
                 rows.append(one_job(name, argv, inputs, layers, cold, a.profile, ranks, real_layers))
+                print_table(rows[-1:])  # as it comes: a later failure keeps the rows so far
+                if a.out:
+                    a.out.write_text(json.dumps(rows, indent=1))
 
             if "quantize" in jobs:
                 job("quantize", nvfp4, src)
@@ -310,15 +389,7 @@ def main() -> int:
                 job("eval-kld", ["eval", "kld", "--ref", str(q), "--save-ref", str(w / "ref"), "--force",
                                  "--dataset", str(data), "--windows", str(a.samples), "--seq-len", str(a.seq_len),
                                  "--device", a.device], q)
-    print(f"\n{'job':13s} {'ranks':>5s} {'cache':5s} {'in GB':>6s} {'wall':>7s} {'loop':>7s} {'s/layer':>8s} {'start':>6s} "
-          f"{'end':>5s} {'cat':>6s} {'loop/cat':>8s} {'RSS GB':>7s} {'GPU GB':>7s} {'disk GB':>7s} {'all layers':>10s} {'@14GB/s':>8s}")
-    for r in rows:
-        gpu = f"{r['peak_gpu_bytes'] / 1e9:7.1f}" if r["peak_gpu_bytes"] else "      -"
-        disk = f"{r['disk_read_bytes'] / 1e9:7.1f}" if r["disk_read_bytes"] is not None else "      -"
-        print(f"{r['job']:13s} {r['ranks']:5d} {r['cache']:5s} {r['input_bytes'] / 1e9:6.1f} {r['wall_s']:7.1f} {r['loop_s']:7.1f} "
-              f"{r['per_layer_s']:8.2f} {r['before_first_layer_s']:6.1f} {r['after_last_layer_s']:5.1f} {r['cat_s']:6.1f} "
-              f"{r['loop_over_cat'] or 0:8.2f} {r['peak_rss_bytes'] / 1e9:7.1f} {gpu} {disk} "
-              f"{r['projected_all_layers_s'] / 60:9.1f}m {r['projected_all_layers_fast_disk_s'] / 60:7.1f}m")
+    print_table(rows)
     if a.out:
         a.out.write_text(json.dumps(rows, indent=1))
     return 0

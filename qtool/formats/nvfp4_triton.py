@@ -184,8 +184,14 @@ def _quantize_body(
 
 @functools.cache
 def _kernels() -> tuple[Any, Any]:
-    """Import triton (first call only) and JIT-wrap the kernel bodies."""
+    """Import triton (first call only) and JIT-wrap the kernel bodies. The compiled kernels are kept in
+    qtool's cache dir (`$QTOOL_CACHE_DIR/triton`, unless TRITON_CACHE_DIR says otherwise): compiled once per
+    machine and CUDA version, found there by every later run (a CI cache keeps them too)."""
     global tl
+    if not os.environ.get("TRITON_CACHE_DIR"):
+        from qtool.io.manifest import cache_dir
+
+        os.environ["TRITON_CACHE_DIR"] = str(cache_dir() / "triton")
     import triton
     import triton.language as tl_mod
 

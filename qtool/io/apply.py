@@ -188,7 +188,7 @@ def write_output(plan: OutputPlan, tx: OutputDir, *, command: str | None, values
     finally:
         hasher.close()
     os.unlink(partial / JOURNAL_NAME)
-    _manifest(plan, tx, digests, command, applied.checks, shards_section, extra() if extra else {})
+    files = _manifest(plan, tx, digests, command, applied.checks, shards_section, extra() if extra else {})
     if applied.checks and not applied.checks.get("passed", True):
         raise VerificationError(
             f"the output failed its checks; it was left in {partial}", path=partial,
@@ -196,7 +196,22 @@ def write_output(plan: OutputPlan, tx: OutputDir, *, command: str | None, values
             hint="this is a qtool bug or an inconsistent source; see qtool-manifest.json there")
     fsync_path(partial)
     tx.commit()
+    _remember_digests(tx.out, files)
     return applied
+
+
+def _remember_digests(root: Path, files: dict) -> None:
+    """The sha256 of a committed output's files into qtool's cache (qtool.io.digest_cache), under their
+    final paths and ctimes: the next job that reads this output (calibrate-kv of a quantize output, eval
+    kld of both) finds them instead of reading its hundreds of GB to hash them."""
+    from qtool.io.digest_cache import DigestCache
+    from qtool.io.manifest import cache_dir
+
+    cache = DigestCache(cache_dir() / "sha256-cache.json")
+    for rel, entry in files.items():
+        if isinstance(entry, dict) and isinstance(entry.get("sha256"), str):
+            cache.record(os.path.realpath(root / rel), entry["sha256"], entry.get("bytes"))
+    cache.save()
 
 
 def _write_shards(plan, tx, journal, hasher, values, overlap, on_headers, applied, progress, stop) -> None:
@@ -309,3 +324,4 @@ def _manifest(plan: OutputPlan, tx: OutputDir, digests: dict[str, str], command:
     write_manifest(partial / MANIFEST_NAME, kind=plan.kind, command=command, sources=sources,
                    summary=plan.summary, checks=checks, files=files, extra=extra, created=created,
                    shards_section=shards_section)
+    return files

@@ -51,6 +51,15 @@ class DigestCache:
         if file_key(real, after) == file_key(real, before) and after.st_ctime_ns == before.st_ctime_ns:
             self._put(file_key(real, after), digest, after.st_ctime_ns)
 
+    def record(self, real: str, digest: str, size: int | None) -> None:
+        """Record the digest of a file qtool has just written and hashed (a committed output), as it is now."""
+        try:
+            st = os.stat(real)
+        except OSError:
+            return
+        if size is None or st.st_size == size:
+            self._put(file_key(real, st), digest, st.st_ctime_ns)
+
     def refresh(self, real: str, digest: str, key: str) -> None:
         """At the end of a run: `digest` was found for `real` under `key` earlier in this run, and the file's
         ctime has moved only by what this run did to it (qtool's own links): record the ctime of now."""

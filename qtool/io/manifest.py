@@ -240,8 +240,10 @@ class InputHasher:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
-        if self.streams is not None and StreamDigests.active is self.streams:
-            StreamDigests.active = None
+        if self.streams is not None:
+            self.streams.close()
+            if StreamDigests.active is self.streams:
+                StreamDigests.active = None
 
 
 def _done(value: str) -> Future:

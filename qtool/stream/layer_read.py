@@ -26,7 +26,7 @@ from qtool.io.safetensors_header import TensorInfo
 
 MAX_GAP = 1 << 20  # read through holes up to 1 MiB (another layer's norm, a header) rather than split
 CHUNK = 64 << 20  # one preadv and one host->device copy
-READ_PIECE = 8 << 20  # one preadv call
+READ_PIECE = 1 << 20  # one preadv call
 READERS = 4  # threads reading one layer (each with its own pinned staging pair on CUDA)
 
 
@@ -79,7 +79,7 @@ class LayerBytes:
         workers = len(staging) if cuda else READERS
         errors: list[BaseException] = []
         # the input's sha256 is computed from these reads (qtool.io.stream_digest): every piece is claimed
-        # first, so a reader ahead of the digest's cursor waits for its peers rather than reading their bytes
+        # first, so the digest waits for them rather than reading their bytes itself
         for path, offset, dst in pieces:
             stream_digest.claim(path, offset, offset + dst.numel())
 
@@ -100,7 +100,7 @@ class LayerBytes:
                     staging[k].finish()
             except BaseException as e:
                 errors.append(e)
-                for path, offset, _ in pieces:  # the peers waiting on this reader's pieces go on without
+                for path, offset, _ in pieces:  # the digest reads what will not be offered
                     stream_digest.release(path, offset)
             finally:
                 for fd in fds.values():
@@ -114,7 +114,6 @@ class LayerBytes:
             t.join()
         if errors:
             raise errors[0]
-        stream_digest.snapshot()
         return self
 
     def has(self, info: TensorInfo) -> bool:
@@ -156,9 +155,11 @@ def open_for_reads(path: str) -> int:
     return fd
 
 
-def pread_exact(fd: int, view: memoryview, offset: int, path: str, tensor: str | None = None) -> None:
+def pread_exact(fd: int, view: memoryview, offset: int, path: str, tensor: str | None = None,
+                reused: bool = False) -> None:
     """Fill `view` from `fd` at `offset` (preadv returns short counts on large reads); a shard that ends
-    early is a named error. The bytes feed the input's sha256 when the job hashes it from its reads."""
+    early is a named error. The bytes feed the input's sha256 when the job hashes it from its reads
+    (qtool.io.stream_digest; `reused`: the buffer is overwritten soon, so the digest takes a copy)."""
     got = 0
     stream_digest.claim(path, offset, offset + len(view))
     try:
@@ -174,7 +175,7 @@ def pread_exact(fd: int, view: memoryview, offset: int, path: str, tensor: str |
     except BaseException:
         stream_digest.release(path, offset)
         raise
-    stream_digest.feed(path, offset, view)
+    stream_digest.offer(path, offset, view, (lambda: bytearray(view)) if reused else None)
 
 
 class _Staging:
@@ -196,7 +197,7 @@ class _Staging:
         if self.done[i] is not None:
             self.done[i].synchronize()
         host = self.host[i][:n]
-        pread_exact(fd, memoryview(host.numpy()), offset, path)
+        pread_exact(fd, memoryview(host.numpy()), offset, path, reused=True)
         with self.torch.cuda.stream(self.stream):
             dst.copy_(host, non_blocking=True)
             ev = self.torch.cuda.Event()

@@ -349,6 +349,7 @@ class LayerStreamer:
         # wall-clock times (epoch seconds) for benchmarks: when the first layer began loading, when each
         # layer was done (the op appends: quantize once its shard is written); reported, never in manifests
         self.clock: dict = {"first_layer_start": None, "layers_done": []}
+        self.gdn_kernel: str | None = None  # qtool.stream.kernels: set when the first layer is built
 
     # -- config ---------------------------------------------------------------------------------
     @property
@@ -491,6 +492,11 @@ class LayerStreamer:
 
         from qtool.stream.dequant import layer_state_dict, layer_tensors
 
+        if self.gdn_kernel is None:
+            from qtool.stream.kernels import select_gdn_kernel
+
+            self.gdn_kernel = select_gdn_kernel(self.device)
+
         from qtool.quiet import transformers_errors_only
 
         with torch.device("meta"), transformers_errors_only():
@@ -509,6 +515,20 @@ class LayerStreamer:
         experts.install(layer.mlp.experts)  # eager math without a host sync per expert
         layer.qtool_bytes = kept
         return layer.eval()
+
+    def inputs_hashed(self, idx: int) -> None:
+        """Wait until the input bytes layer `idx` used (its tensors and the embedding) are hashed, where the
+        job hashes its inputs from its reads (qtool.io.stream_digest): call before journaling the layer."""
+        from qtool.io import stream_digest
+        from qtool.stream.dequant import layer_tensors
+
+        if stream_digest.StreamDigests.active is None:
+            return
+        ends: dict[str, int] = {}
+        embed = self.ckpt.tensors.get(self.prefix + "embed_tokens.weight")
+        for i in layer_tensors(self.mm, idx) + ([embed] if embed is not None else []):
+            ends[i.file] = max(ends.get(i.file, 0), i.end)
+        stream_digest.covered(ends)
 
     def prefetch(self, idx: int) -> None:
         """Start reading layer `idx`'s bytes in the background (qtool.stream.layer_read): the next

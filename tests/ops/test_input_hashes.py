@@ -116,3 +116,28 @@ def test_the_cache_is_trusted_only_while_the_ctime_is_the_recorded_one(tmp_path,
     monkeypatch.undo()
     monkeypatch.setenv("QTOOL_CACHE_DIR", str(tmp_path / "qtool-cache"))
     assert _digests([f], monkeypatch, allow_hashing=True) == {str(f): hashlib.sha256(b"b" + b"a" * 4999).hexdigest()}
+
+
+def test_a_committed_outputs_digests_are_known_to_the_next_job(request, tmp_path, monkeypatch):
+    """quantize's output is calibrate-kv's and eval kld's input: the digests quantize computed as it wrote
+    its shards are in the cache under their final paths, so the next job reads nothing to hash them."""
+    from test_calibrate_kv_support import fixture_dir
+
+    from qtool.ops import quantize
+
+    out = tmp_path / "nvfp4"
+    from qtool.recipes import load_recipe
+
+    quantize.run(fixture_dir(request, "tiny_bf16"), recipe=load_recipe("qwen35-nvfp4-experts"), out=out, samples=2,
+                 seq_len=32)
+    shards = sorted(out.glob("*.safetensors"))
+    got = _digests(shards, monkeypatch, allow_hashing=False)
+    assert got == {str(f): hashlib.sha256(f.read_bytes()).hexdigest() for f in shards}
+    # an edit after the commit is not hidden by the cache (its ctime moved)
+    with open(shards[0], "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        f.write(b"\x01")
+    monkeypatch.undo()
+    monkeypatch.setenv("QTOOL_CACHE_DIR", str(tmp_path / "qtool-cache"))
+    assert _digests(shards[:1], monkeypatch, allow_hashing=True)[str(shards[0])] == \
+        hashlib.sha256(shards[0].read_bytes()).hexdigest()

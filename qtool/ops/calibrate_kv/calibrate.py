@@ -155,6 +155,8 @@ def calibrate(
     def save(next_layer: int):
         if hidden != "disk" or not g.leader:
             return
+        if next_layer > 0:
+            streamer.inputs_hashed(next_layer - 1)  # the digests a resume relies on cover that layer
         entry = {"key": key, "next_layer": next_layer, "current": store.current,
                  "stats": [s.to_json() for s in sorted(hooks.stats.values(), key=lambda s: s.layer)]}
         store.when_durable(lambda: write_json(jpath, entry))  # once the layer's hidden states are on disk
@@ -177,7 +179,7 @@ def calibrate(
     layers_run = p.run_layers - start
     timing = {"seconds": elapsed, "layers_run": layers_run, "resumed_from_layer": start,
               "tokens_per_s": (n * seq * layers_run / p.run_layers) / elapsed if elapsed > 0 else None,
-              **streamer.clock}
+              **streamer.clock, "kernels": {"gated_deltanet": streamer.gdn_kernel}}
     return {i: hooks.stats[i] for i in p.layers}, timing
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from qtool.errors import UsageError
 from qtool.io.apply import write_output
 from qtool.io.in_place import InPlaceDir
+from qtool.io.manifest import RUN
 from qtool.io.plan import Remove
 from qtool.io.output import OutputDir
 from qtool.ops.contract import Report
@@ -54,7 +55,8 @@ def execute(p: KvPlan, *, progress=None) -> Report:
 
     with tx:
         applied = write_output(p.output, tx, command=opts.command, produce=produce, check=check,
-                               hash_from_reads=streamed_files(p.ckpt))
+                               hash_from_reads=streamed_files(p.ckpt),
+                               extra=lambda: {RUN: {"kernels": state["timing"].get("kernels")}})
     stats = state["stats"]
     report["layers"] = [stats[i].to_json() for i in p.layers]
     report["warnings"] = p.warnings + outlier_warnings(stats)

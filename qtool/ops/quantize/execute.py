@@ -22,6 +22,7 @@ from pathlib import Path
 from qtool.errors import PlanError, UsageError
 from qtool.io.checkpoint import Checkpoint
 from qtool.io.jsonio import load_json, write_json
+from qtool.io.manifest import RUN
 from qtool.io.identity import input_identity
 from qtool.io.output import OutputDir
 from qtool.ops.contract import Report
@@ -89,7 +90,7 @@ def calibrate_and_write(p: QuantizePlan, partial: Path, ids, *, resume: bool, pr
     finally:
         streamer.close()
     return {"layers": layer_reports, "seconds": time.perf_counter() - t0, "resumed_from_layer": start,
-            "timing": streamer.clock}
+            "timing": streamer.clock, "kernels": {"gated_deltanet": streamer.gdn_kernel}}
 
 
 def _quantize_layers(p, partial, streamer, store, seq, batch, start, layer_reports, save, progress, mode, done):
@@ -129,6 +130,7 @@ def _quantize_layers(p, partial, streamer, store, seq, batch, start, layer_repor
                             "down_mse": sum(r["down_mse"] for r in awq),
                             "down_mse_rtn": sum(r["down_mse_rtn"] for r in awq)}
         layer_reports.append(entry)
+        streamer.inputs_hashed(lp.index)  # the digests the journal's resume relies on cover this layer
         save(lp.index + 1, current)
         streamer.clock["layers_done"].append(time.time())
         if progress is not None:
@@ -254,7 +256,8 @@ def execute(p: QuantizePlan, *, progress=None) -> Report:
 
     with OutputDir(p.out, sources=[p.ckpt.root], force=opts.force, resume=opts.resume) as tx:
         write_output(p.output, tx, command=opts.command, produce=produce, check=check, hash_from_reads=streamed_files(p.ckpt),
-                     extra=lambda: {"calibration": report.get("calibration"), "layers": report["layers"]})
+                     extra=lambda: {"calibration": report.get("calibration"), "layers": report["layers"],
+                                    RUN: {"kernels": report.get("kernels")}})
     report["output"] = {"output": str(p.out), **p.output.summary, "side_files": p.output.extra["side_files"],
                         "problems": report["problems"]}
     return Report(report)
