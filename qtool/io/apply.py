@@ -27,8 +27,8 @@ from qtool.io.identity import JOURNAL_NAME, Journal, input_identity
 from qtool.io.jsonio import dumps
 from qtool.io.manifest import InputHasher, carried_files, previous_head, source_entry, write_manifest
 from qtool.io.output import MANIFEST_NAME, OutputDir, made_by_qtool, output_files
-from qtool.io.plan import (Copy, Index, Json, Link, OutputPlan, Produced, Remove, Shard, Text, index_text_of,
-                           resolve, tensors_of)
+from qtool.io.plan import (Copy, Index, Json, Link, OutputPlan, Pending, Produced, Remove, Shard, Text,
+                           index_text_of, resolve, tensors_of)
 from qtool.io.writer import write_shard
 
 SPACE_MARGIN = 64 << 20
@@ -145,7 +145,7 @@ def write_output(plan: OutputPlan, tx: OutputDir, *, command: str | None, values
                  produce: Callable[[Callable[[str], None]], dict | None] | None = None, overlap: Callable[[], None] | None = None,
                  on_headers: Callable[[], None] | None = None, check: Callable[[], dict] | None = None,
                  extra: Callable[[], dict] | None = None, shards_section: Path | None = None,
-                 progress: bool = False, hash_from_reads: Iterable[str] = (),
+                 progress: bool = False, hash_from_reads: Iterable[str] = (), early_shards: bool = False,
                  stop: threading.Event | None = None) -> Applied:
     """Run `plan` in the open transaction `tx` and commit it.
 
@@ -155,7 +155,9 @@ def write_output(plan: OutputPlan, tx: OutputDir, *, command: str | None, values
     on_headers(): called once every shard's header is on disk. check() -> {"passed": bool, ...}: run once
     every file is written, before the manifest: the output's checks (recorded in the manifest; a failure keeps the partial output and exits 3).
     hash_from_reads: the input files produce() reads (a layer-streamed job's shards): their sha256 is
-    computed from those reads (qtool.io.stream_digest), the bytes it did not need are read once it returns."""
+    computed from those reads (qtool.io.stream_digest), the bytes it did not need are read once it returns.
+    early_shards: the Shard entries that need no Pending value (quantize's embedding, lm_head, vision tower
+    and MTP head, copied) are written while produce() runs, not after its last layer."""
     values = dict(values or {})
     stop = stop or threading.Event()
     partial = tx.partial
@@ -174,14 +176,30 @@ def write_output(plan: OutputPlan, tx: OutputDir, *, command: str | None, values
         for e in plan.entries(Remove):
             if os.path.lexists(partial / e.name):
                 os.unlink(partial / e.name)
-        if produce is not None:
-            # the producer says when each Produced file is complete: it is hashed then, while its bytes are
-            # in the page cache and the producer works on the next (not all at the end)
-            values.update(produce(lambda name, sha256=None: hasher.submit_output(str(partial / name), sha256)) or {})
+        early = _early_shards(plan) if produce is not None and early_shards else set()
+        writing = None
+        if early:
+            writing = threading.Thread(target=_write_early, name="qtool-early-shards",
+                                       args=(plan, tx, journal, hasher, applied, stop, early))
+            writing.start()
+        try:
+            if produce is not None:
+                # the producer says when each Produced file is complete: it is hashed then, while its bytes
+                # are in the page cache and the producer works on the next (not all at the end)
+                values.update(produce(lambda name, sha256=None: hasher.submit_output(str(partial / name), sha256))
+                              or {})
+        except BaseException:
+            stop.set()
+            raise
+        finally:
+            if writing is not None:
+                writing.join()
+        if writing is not None and writing.error is not None:
+            raise writing.error
         hasher.finish_streams()
         for e in plan.entries(Produced):
             hasher.submit_output(str(partial / e.name))  # the ones resumed or not announced
-        _write_shards(plan, tx, journal, hasher, values, overlap, on_headers, applied, progress, stop)
+        _write_shards(plan, tx, journal, hasher, values, overlap, on_headers, applied, progress, stop, skip=early)
         _check_produced(plan, partial)
         applied.checks = check() if check is not None else {}
         digests = hasher.results()
@@ -214,10 +232,30 @@ def _remember_digests(root: Path, files: dict) -> None:
     cache.save()
 
 
-def _write_shards(plan, tx, journal, hasher, values, overlap, on_headers, applied, progress, stop) -> None:
+def _early_shards(plan: OutputPlan) -> set[str]:
+    return {e.name for e in plan.entries(Shard)
+            if not any(isinstance(t.source, Pending) for t in tensors_of(e))}
+
+
+def _write_early(plan, tx, journal, hasher, applied, stop, names) -> None:
+    """Thread body: the `names` shards, journaled as they finish (an error is kept for write_output)."""
+    me = threading.current_thread()
+    me.error = None
+    try:
+        _write_shards(plan, tx, journal, hasher, {}, None, None, applied, False, stop, names=names)
+    except BaseException as e:
+        me.error = e
+
+
+def _write_shards(plan, tx, journal, hasher, values, overlap, on_headers, applied, progress, stop,
+                  names: set[str] | None = None, skip: set[str] = frozenset()) -> None:
+    """Write the plan's Link and Shard entries (`names`: only those, and no side files; `skip`: not those,
+    written already) and, with every entry, its side files."""
     partial = tx.partial
     todo = []
     for e in plan.entries(Link, Shard):
+        if (names is not None and e.name not in names) or e.name in skip:
+            continue
         if journal.file_done(partial, e.name):
             applied.resumed.append(e.name)
             if not isinstance(e, Link):
@@ -241,7 +279,7 @@ def _write_shards(plan, tx, journal, hasher, values, overlap, on_headers, applie
         order = sorted(todo, key=lambda e: (not isinstance(e, Link), -plan.file_size(e)))
         futures = [(e, pool.submit(_place, e, tx, values, headers, stop)) for e in order]
         try:
-            for e in plan.entries(Copy, Json, Text, Index):
+            for e in plan.entries(Copy, Json, Text, Index) if names is None else ():
                 _write_small(e, tx)
             if overlap is not None:
                 overlap()

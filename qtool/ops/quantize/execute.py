@@ -255,7 +255,7 @@ def execute(p: QuantizePlan, *, progress=None) -> Report:
                 "summary": problems[0]["message"] if problems else None}
 
     with OutputDir(p.out, sources=[p.ckpt.root], force=opts.force, resume=opts.resume) as tx:
-        write_output(p.output, tx, command=opts.command, produce=produce, check=check, hash_from_reads=streamed_files(p.ckpt),
+        write_output(p.output, tx, command=opts.command, produce=produce, check=check, hash_from_reads=streamed_files(p.ckpt), early_shards=True,
                      extra=lambda: {"calibration": report.get("calibration"), "layers": report["layers"],
                                     RUN: {"kernels": report.get("kernels")}})
     report["output"] = {"output": str(p.out), **p.output.summary, "side_files": p.output.extra["side_files"],
