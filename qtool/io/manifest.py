@@ -97,7 +97,8 @@ class InputHasher:
 
     CHUNK = 8 << 20
 
-    def __init__(self, workers: int = 2, trust_cache: bool = True, record: Path | None = None,
+    def __init__(self, workers: int = max(2, min(8, (os.cpu_count() or 2) // 2)), trust_cache: bool = True,
+                 record: Path | None = None,
                  from_reads=()) -> None:
         self.pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="qtool-sha256")
         self.futures: dict[str, Future] = {}

@@ -35,16 +35,16 @@ def awq_down_scales(x: torch.Tensor, w_down: torch.Tensor, group_size: int, grid
     wf = w_down.float()
     ref = xf @ wf.t()
     x_mean = xf.abs().mean(dim=0)
-    best = (None, 0.0, float("inf"))
-    rtn_err = float("nan")
-    for i in range(grid):
-        alpha = i / grid
-        s = x_mean.pow(alpha).clamp(min=1e-4)
+    scales, errs = [], []
+    for i in range(grid):  # every alpha's error stays on the device: one host sync per expert, not per alpha
+        s = x_mean.pow(i / grid).clamp(min=1e-4)
         s = s / (s.max() * s.min()).sqrt()
         wq = rtn((wf * s).to(w_down.dtype), group_size, scale_dtype).dequantize(torch.float32)
-        err = float(((xf / s) @ wq.t() - ref).pow(2).mean())
-        if i == 0:
-            rtn_err = err
-        if err < best[2]:
-            best = (s, alpha, err)
-    return best[0], best[1], best[2], rtn_err
+        scales.append(s)
+        errs.append(((xf / s) @ wq.t() - ref).pow(2).mean())
+    values = torch.stack(errs).tolist()
+    best, best_err = None, float("inf")
+    for i, err in enumerate(values):  # the first lowest (NaN never wins), as the one-at-a-time search chose
+        if err < best_err:
+            best, best_err = i, err
+    return (None, 0.0, best_err, values[0]) if best is None else (scales[best], best / grid, best_err, values[0])

@@ -275,7 +275,7 @@ def write_layer_shard(path: Path, lp, layer, stats, kv, p, backend=None, mode: i
                                          f"{pos - at}")
                 out.write(memoryview(data.numpy()))
             if hashed:
-                report["sha256"] = out.hexdigest()
+                report["sha256"] = out.hexdigest()  # None when the hash fell behind: hashed from the file
             f.flush()
             os.fsync(f.fileno())
         if share.world == 1:
