@@ -26,7 +26,9 @@ def test_bench_real_layers_smoke(tmp_path):
         ("quantize", True), ("calibrate-kv", True), ("eval-kld", True)]
     for r in rows:
         assert r["loop_s"] > 0 and r["per_layer_s"] > 0 and r["peak_rss_bytes"] > 0 and r["input_bytes"] > 0
-    assert "loop/cat" in p.stdout
+        # each job's floor: cat of its input and dd of its output, in the same run
+        assert r["output_bytes"] > 0 and r["dd_s"] > 0 and r["floor_s"] >= r["cat_s"]
+    assert "loop/floor" in p.stdout
 
 
 @pytest.mark.slow
