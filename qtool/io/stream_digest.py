@@ -157,8 +157,9 @@ class FileDigest:
 
     def _open(self) -> int:
         if self._fd is None:
-            self._fd = os.open(self.path, os.O_RDONLY)
-            os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)  # read-ahead would fetch the readers' bytes
+            from qtool.io.files import open_for_reads
+
+            self._fd = open_for_reads(self.path)  # no read-ahead: it would fetch the readers' bytes
         return self._fd
 
     def _update(self, view) -> None:

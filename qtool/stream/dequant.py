@@ -65,7 +65,8 @@ class TensorSource:
         import torch
 
         from qtool.io.dtypes import TORCH_DTYPE_NAMES
-        from qtool.stream.layer_read import open_for_reads, pread_exact
+        from qtool.io.files import open_for_reads
+        from qtool.stream.layer_read import pread_exact
 
         fd = self._fds.get(info.file)
         if fd is None:

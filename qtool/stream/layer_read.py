@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from qtool.errors import PlanError
 from qtool.io import stream_digest
+from qtool.io.files import open_for_reads
 from qtool.io.safetensors_header import TensorInfo
 
 MAX_GAP = 1 << 20  # read through holes up to 1 MiB (another layer's norm, a header) rather than split
@@ -144,15 +145,6 @@ class LayerBytes:
 
     def close(self) -> None:
         self._bufs.clear()
-
-
-def open_for_reads(path: str) -> int:
-    """A descriptor for large explicit reads: the kernel's read-ahead is turned off (POSIX_FADV_RANDOM),
-    since every byte it would fetch ahead is asked for anyway, and pages it fetched early are the first
-    to go when the input does not fit the page cache (read twice from the disk, then)."""
-    fd = os.open(path, os.O_RDONLY)
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-    return fd
 
 
 def pread_exact(fd: int, view: memoryview, offset: int, path: str, tensor: str | None = None,
