@@ -8,6 +8,8 @@ SIGKILL right after the Nth call of it returns (nothing after that point runs: n
 with an errno name, so that the Nth call raises that OSError instead (a full or read-only disk at that
 moment), or with PAUSE:FILE, so that the process stops there (it creates FILE.paused and waits for FILE.go:
 a second run can then be made to happen at exactly that moment). No hook in qtool's own code: the tests choose the moment by naming the function.
+KILLPOINT_SLOW=MODULE:QUALNAME:SECONDS (environment) also makes each call of that function take that much
+longer (a slow disk or hash, where a race depends on it).
 """
 
 from __future__ import annotations
@@ -51,6 +53,24 @@ def install(target: str, n: int, fail: str | None = None) -> None:
     setattr(obj, attr, wrapped)
 
 
+def slow_down(spec: str) -> None:
+    """MODULE:QUALNAME:SECONDS: each call sleeps that long first."""
+    import time
+
+    mod_name, qual, seconds = spec.rsplit(":", 2)
+    obj = importlib.import_module(mod_name)
+    *owners, attr = qual.split(".")
+    for o in owners:
+        obj = getattr(obj, o)
+    fn = getattr(obj, attr)
+
+    def slowed(*a, **k):
+        time.sleep(float(seconds))
+        return fn(*a, **k)
+
+    setattr(obj, attr, slowed)
+
+
 def run_killed(target: str, n: int, args: list[str], **kw) -> subprocess.CompletedProcess:
     """Run `qtool args` in a subprocess killed after the Nth return of `target`."""
     cmd = [sys.executable, str(Path(__file__)), target, str(n), "--", *map(str, args)]
@@ -80,6 +100,8 @@ if __name__ == "__main__":
     assert rest[0] == "--", "usage: killpoint.py MODULE:QUALNAME N [ERRNO] -- ARGS"
     argv = rest[1:]
     install(target, int(n), fail)
+    if os.environ.get("KILLPOINT_SLOW"):
+        slow_down(os.environ["KILLPOINT_SLOW"])
     from qtool.cli.main import main
 
     sys.exit(main(argv))

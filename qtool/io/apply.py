@@ -29,7 +29,7 @@ from qtool.io.manifest import InputHasher, carried_files, previous_head, source_
 from qtool.io.output import MANIFEST_NAME, OutputDir, made_by_qtool, output_files
 from qtool.io.plan import (Copy, Index, Json, Link, OutputPlan, Pending, Produced, Remove, Shard, Text,
                            index_text_of, resolve, tensors_of)
-from qtool.io.writer import write_shard
+from qtool.io.writer import FileRange, write_shard
 
 SPACE_MARGIN = 64 << 20
 # Shards in flight. Several: a shard's fsync (a synchronous write-out of ~all its bytes) overlaps other
@@ -167,7 +167,9 @@ def write_output(plan: OutputPlan, tx: OutputDir, *, command: str | None, values
     check_space(plan, tx, journal)
     # a resumed run re-hashes its inputs: a cached digest could predate an edit the journal missed
     hasher = InputHasher(trust_cache=not tx.resume, record=tx.input_digests, from_reads=hash_from_reads)
-    if resuming:
+    if resuming and journal.done:
+        # units are journaled only once their inputs are on record (InputHasher.on_record): a partial
+        # output without any holds nothing that rests on an input the interrupted run had not hashed
         hasher.refuse_unproven(plan.inputs, partial)
     applied = Applied(plan_hash)
     try:
@@ -270,6 +272,7 @@ def _write_shards(plan, tx, journal, hasher, values, overlap, on_headers, applie
                    leave=False)
     headers = _Countdown(len(todo))
     told = on_headers is None
+    unrecorded: list = []  # written, not journaled: the input bytes they hold are not all hashed yet
     # The writers write the shards; this thread journals them in queue order as they finish (only journaled
     # shards count as done, so a crash redoes the ones in flight) and meanwhile writes the side files and
     # the op's overlap work, so all of it overlaps the copy. A written shard is hashed (for the manifest's
@@ -295,7 +298,8 @@ def _write_shards(plan, tx, journal, hasher, values, overlap, on_headers, applie
                 else:
                     applied.linked[method] = applied.linked.get(method, 0) + 1
                 size = (partial / e.name).stat().st_size
-                journal.record(e.name, size=size)
+                unrecorded.append((e, size))
+                unrecorded = [(w, n) for w, n in unrecorded if not _journal_if_on_record(w, n, journal, hasher)]
                 if bar is not None:
                     bar.update(size)
         except BaseException:
@@ -307,6 +311,27 @@ def _write_shards(plan, tx, journal, hasher, values, overlap, on_headers, applie
         on_headers()
     if bar is not None:
         bar.close()
+
+
+def _journal_if_on_record(e, size: int, journal: Journal, hasher: InputHasher) -> bool:
+    """Journal a written entry once the input bytes it holds are on record (manifest.InputHasher's rule),
+    never waiting for them: one left unjournaled is written again by a resumed run (a hard link: nothing;
+    a shard from an input's tail, hashed only once the job has read the rest: its copy)."""
+    if not hasher.on_record(lambda: _source_ends(e), wait=False):
+        return False
+    journal.record(e.name, size=size)
+    return True
+
+
+def _source_ends(e) -> dict[str, int]:
+    """input path -> the end of the bytes `e` takes from it."""
+    if isinstance(e, Link):
+        return {e.source: os.path.getsize(e.source)}
+    ends: dict[str, int] = {}
+    for t in tensors_of(e):
+        if isinstance(t.source, FileRange):
+            ends[t.source.file] = max(ends.get(t.source.file, 0), t.source.end)
+    return ends
 
 
 def _recorded_link_digests(plan: OutputPlan, known: dict[str, str]) -> dict[str, str]:

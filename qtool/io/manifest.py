@@ -93,7 +93,12 @@ class InputHasher:
     `record` (a file in the output's partial directory): every input digest is appended there as soon as
     it is known, and a resumed run's hasher (trust_cache=False: hashed again) compares its digests with
     those the interrupted run recorded, so an input edited between the runs (same size, mtime put back:
-    invisible to the journal's quick identity check) is refused before the output is published."""
+    invisible to the journal's quick identity check) is refused before the output is published.
+
+    The rule a resume relies on: a unit (a layer, a shard) is journaled only once the input bytes it used
+    are on record (`on_record`): every input hashed by the pool, and the prefix of each input hashed from
+    the job's reads that covers the unit's bytes. A resumed run then refuses only inputs whose digest the
+    interrupted run had not recorded (`refuse_unproven`), and finished units never rest on those."""
 
     CHUNK = 8 << 20
 
@@ -123,8 +128,10 @@ class InputHasher:
         # from_reads: the input files the job reads (a layer stream's shards), hashed from those reads
         # (qtool.io.stream_digest), not read a second time; `finish_streams` hashes what the job did not read
         self.from_reads = {os.path.realpath(f) for f in from_reads}
-        self.streams = StreamDigests(on_snapshot=self._note_prefixes if record is not None else None) \
-            if self.from_reads else None
+        self.streams = StreamDigests(on_snapshot=self._note_prefixes if record is not None else None,
+                                     settled=self._settled if record is not None else None) \
+            if self.from_reads or record is not None else None
+        self._inputs: list[Future] = []  # the pool's input digests (recorded before their future is done)
         self._streamed: dict[str, tuple[str, os.stat_result]] = {}  # path -> (real path, stat when submitted)
         self.changed: set[str] = set()  # inputs whose recorded prefix digest differs from this run's
         if self.streams is not None:
@@ -161,37 +168,51 @@ class InputHasher:
         recorded = name if os.path.basename(os.path.dirname(real)) == "blobs" and _HEX64.match(name) else None
         recorded = recorded or hub_recorded_sha256(path)
         if recorded:
-            self._put(path, _done(recorded))
+            self._put(path, _done(self._note(path, recorded)))
             return
         self.keys[real] = file_key(real)  # what `refresh` re-records at the end of the run
         cached = self.cache.lookup(real) if self.trust_cache else None
         if cached:
-            self._put(path, _done(cached))
+            self._put(path, _done(self._note(path, cached)))
         elif real in self.from_reads:
             self.streams.add(real, check=self.prefixes.get(real))
             self._streamed[path] = (real, os.stat(real))
         else:
-            self._put(path, self.pool.submit(self._hash, real))
+            self._put(path, self.pool.submit(self._hash, path, real))
 
     def _put(self, path: str, f: Future) -> None:
         self.futures[path] = f
-        if self.record is not None:
-            f.add_done_callback(lambda fut, p=path: self._note(p, fut))
+        self._inputs.append(f)
+
+    def _settled(self) -> None:
+        """Wait until every input the pool hashes is on record (a failed hash raises)."""
+        for f in list(self._inputs):
+            f.result()
+
+    def on_record(self, ends, wait: bool = True) -> bool:
+        """Whether the input bytes a unit used are on record (see the class): every pooled input (waited
+        for: small files, or shards hashed since the job started), and of the inputs hashed from the job's
+        reads the bytes before `ends()` (path -> end offset; called only when there are such inputs).
+        wait=False: never wait for those (a caller that can journal the unit later, or not at all).
+        """
+        if self.record is None or self.streams is None:
+            return True
+        return self.streams.covered(ends() if self.streams.files else {}, wait=wait)
 
     def finish_streams(self) -> None:
         """Once the job has read what it needs: hash the rest of each input hashed from its reads."""
         for path, (real, before) in sorted(self._streamed.items()):
-            self._put(path, self.pool.submit(self._finish_stream, real, before))
+            self.futures[path] = self.pool.submit(self._finish_stream, path, real, before)
         self._streamed.clear()
 
-    def _finish_stream(self, real: str, before: os.stat_result) -> str:
+    def _finish_stream(self, path: str, real: str, before: os.stat_result) -> str:
         d = self.streams.files[real]
         digest = d.finish()
         if d.mismatch:
             self.changed.add(real)
         else:
             self.cache.store(real, digest, before)
-        return digest
+        return self._note(path, digest)
 
     def _note_prefixes(self, prefixes: dict[str, tuple[int, str]]) -> None:
         with self.lock:
@@ -199,19 +220,20 @@ class InputHasher:
                 for real, (n, sha) in sorted(prefixes.items()):
                     f.write(json.dumps({"path": real, "prefix": n, "sha256": sha}) + "\n")
 
-    def _note(self, path: str, fut: Future) -> None:
+    def _note(self, path: str, digest: str) -> str:
+        """Record an input's digest (before its future is done: `_settled` relies on that)."""
         real = os.path.realpath(path)
-        if fut.cancelled() or fut.exception() is not None or real in self.recorded or real in self.changed:
-            return
-        with self.lock:
-            with open(self.record, "a", encoding="utf-8") as f:
-                f.write(json.dumps({"path": real, "sha256": fut.result()}) + "\n")
+        if self.record is not None and real not in self.recorded and real not in self.changed:
+            with self.lock:
+                with open(self.record, "a", encoding="utf-8") as f:
+                    f.write(json.dumps({"path": real, "sha256": digest}) + "\n")
+        return digest
 
-    def _hash(self, real: str) -> str:
+    def _hash(self, path: str, real: str) -> str:
         before = os.stat(real)
         digest = _hash_file(real)
         self.cache.store(real, digest, before)
-        return digest
+        return self._note(path, digest)
 
     def results(self) -> dict[str, str]:
         self.finish_streams()

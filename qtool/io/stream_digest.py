@@ -40,7 +40,8 @@ class FileDigest:
     def __init__(self, path: str, check: tuple[int, str] | None = None) -> None:
         self.path = path
         self.h = hashlib.sha256()
-        self.cursor = 0
+        self.cursor = 0  # the bytes hashed (changed with `h` under `hlock`)
+        self.hlock = threading.Lock()
         self.claims: dict[int, int] = {}  # start -> end of bytes a reader is reading
         self.queue: list = []  # heap of (start, seq, view): offered bytes
         self.queued = 0
@@ -99,7 +100,14 @@ class FileDigest:
                 self.cond.wait()
             if self.error is not None:
                 raise self.error
-            return self.cursor, self.h.copy().hexdigest()
+            return self._snapshot()
+
+    def covered_now(self, end: int) -> tuple[int, str] | None:
+        """The prefix (offset, sha256) if the bytes before `end` are hashed already, else None."""
+        with self.cond:
+            if self.error is not None:
+                raise self.error
+            return self._snapshot() if self.cursor >= end else None
 
     # -- the digest's thread ------------------------------------------------------------------------
     def _run(self) -> None:
@@ -163,15 +171,23 @@ class FileDigest:
         return self._fd
 
     def _update(self, view) -> None:
-        """Hash `view` (the bytes at the cursor), checking the recorded prefix digest where it falls."""
-        if self.check is not None and self.cursor <= self.check[0] < self.cursor + len(view):
-            k = self.check[0] - self.cursor
-            self.h.update(view[:k])
-            self.cursor += k
-            view = view[k:]
+        """Hash `view` (the bytes at the cursor), checking the recorded prefix digest where it falls; in
+        pieces, each under `hlock` with its cursor step, so that a snapshot's digest is the cursor's."""
+        while True:
             self._check_here()
-        self.h.update(view)
-        self.cursor += len(view)
+            if not len(view):
+                return
+            n = min(len(view), CHUNK)
+            if self.check is not None and self.cursor < self.check[0]:
+                n = min(n, self.check[0] - self.cursor)
+            with self.hlock:
+                self.h.update(view[:n])
+                self.cursor += n
+            view = view[n:]
+
+    def _snapshot(self) -> tuple[int, str]:
+        with self.hlock:
+            return self.cursor, self.h.copy().hexdigest()
 
     def _check_here(self) -> None:
         if self.check is not None and self.check[0] == self.cursor:
@@ -207,11 +223,12 @@ class StreamDigests:
 
     active: StreamDigests | None = None
 
-    def __init__(self, on_snapshot=None) -> None:
+    def __init__(self, on_snapshot=None, settled=None) -> None:
         self.files: dict[str, FileDigest] = {}
         self._real: dict[str, str] = {}
         self.lock = threading.Lock()
         self.on_snapshot = on_snapshot  # fn({realpath: (offset, prefix sha256)}): the resume record
+        self.settled = settled  # fn(): wait until the job's other inputs (hashed whole) are on record
         self._last: dict[str, tuple[int, str]] = {}
 
     def add(self, path: str, check: tuple[int, str] | None = None) -> FileDigest:
@@ -230,18 +247,31 @@ class StreamDigests:
             real = self._real[path] = os.path.realpath(path)
         return self.files.get(real)
 
-    def covered(self, ends: dict[str, int]) -> None:
-        """Wait until each file's bytes before its end in `ends` (path -> offset) are hashed, then hand the
-        prefixes to `on_snapshot`: what a unit about to be journaled used is then on record."""
+    def covered(self, ends: dict[str, int], wait: bool = True) -> bool:
+        """Wait until each file's bytes before its end in `ends` (path -> offset) are hashed, and the job's
+        other inputs too (`settled`), then hand the prefixes to `on_snapshot`: what a unit about to be
+        journaled used is then on record. wait=False: never wait for (nor make the digest read ahead to)
+        those bytes; False if some are not hashed yet."""
+        if self.settled is not None:
+            self.settled()
         now = {}
         for path, end in ends.items():
             d = self.get(path)
-            if d is not None:
+            if d is None:
+                continue
+            if wait:
                 now[d.path] = d.wait_covered(end)
-        new = {p: v for p, v in now.items() if v[0] > 0 and self._last.get(p) != v}
-        self._last.update(new)
-        if new and self.on_snapshot is not None:
-            self.on_snapshot(new)
+            else:
+                got = d.covered_now(end)
+                if got is None:
+                    return False
+                now[d.path] = got
+        with self.lock:
+            new = {p: v for p, v in now.items() if v[0] > 0 and self._last.get(p) != v}
+            self._last.update(new)
+            if new and self.on_snapshot is not None:
+                self.on_snapshot(new)
+        return True
 
     def close(self) -> None:
         for d in self.files.values():
@@ -280,7 +310,7 @@ def release(path: str, start: int) -> None:
 
 
 def covered(ends: dict[str, int]) -> None:
-    """See StreamDigests.covered; a no-op when no job hashes from its reads."""
+    """See StreamDigests.covered; a no-op when no job records its input digests."""
     reg = StreamDigests.active
     if reg is not None:
         reg.covered(ends)
