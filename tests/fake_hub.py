@@ -28,6 +28,7 @@ Faults (per file path, each with a count of how many requests it affects):
 - "corrupt":      flip one byte in the body;
 - "ignore_range": answer 200 with the whole file even when a Range was asked for;
 - "404":          the file answers 404 EntryNotFound.
+- "expired":      the CDN answers 403 (its signed URL has expired), once per fault.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import os
 import json
 import re
 import threading
+import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -116,13 +118,17 @@ class Request:
     range: str | None
     status: int
     body_bytes: int
+    authorized: bool = False  # an Authorization header came with it
 
 
 class FakeHub:
     """Start with `with FakeHub() as hub:`; `hub.endpoint` is the HF_ENDPOINT to use."""
 
-    def __init__(self, page_size: int = 50) -> None:
+    def __init__(self, page_size: int = 50, latency_s: float = 0.0) -> None:
         self.repos: dict[str, FakeRepo] = {}
+        # each request waits this long before it is answered (the real Hub: 50-100 ms a request, answered
+        # concurrently): what a client's number of round trips costs; `log` counts them
+        self.latency_s = latency_s
         self.faults: list[Fault] = []
         self.log: list[Request] = []
         self.page_size = page_size
@@ -267,7 +273,8 @@ def _make_handler(hub: FakeHub):
 
         def _record(self, status: int, nbytes: int) -> None:
             with hub.lock:
-                hub.log.append(Request(self.command, self.path, self.headers.get("Range"), status, nbytes))
+                hub.log.append(Request(self.command, self.path, self.headers.get("Range"), status, nbytes,
+                                       "Authorization" in self.headers))
 
         def _error(self, status: int, code: str, message: str, extra: dict | None = None) -> None:
             body = json.dumps({"error": message}).encode()
@@ -301,6 +308,8 @@ def _make_handler(hub: FakeHub):
             self._dispatch()
 
         def _dispatch(self) -> None:
+            if hub.latency_s:
+                time.sleep(hub.latency_s)
             url = urlparse(self.path)
             path = unquote(url.path)
             query = parse_qs(url.query)
@@ -388,6 +397,8 @@ def _make_handler(hub: FakeHub):
             f = hub.blob(sha)
             if f is None:
                 return self._error(404, "EntryNotFound", "blob not found")
+            if hub.take_fault("expired", f.path):  # the real CDN URL is signed for a limited time
+                return self._error(403, "AccessDenied", "Request has expired")
             self._body(f, {"ETag": f'"{sha}"'})
 
         def _body(self, f: FakeFile, headers: dict) -> None:

@@ -3,11 +3,10 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from qtool.cli.common import (add_output_flags, headers_checkpoint, human_bytes, local_checkpoint, print_json,
-                              run_command_line)
+                              run_command_line, show_progress)
 from qtool.errors import UsageError
 
 
@@ -50,7 +49,7 @@ def run(args) -> int:
     # --dry-run reads headers only, also of hf: sources (qtool.hub.headers); a real run fetches what it copies
     src = headers_checkpoint if args.dry_run else local_checkpoint
     opts = HybridOptions(nvfp4=src(args.nvfp4), bf16=(headers_checkpoint(args.bf16) if args.dry_run else
-                                                     _bf16_source(args.bf16, layers, args.mtp)),
+                                                     _bf16_source(args.bf16, layers, args.mtp, show_progress(args))),
                          out=Path(args.output), bf16_expert_layers=layers, mtp=MtpMode(args.mtp),
                          link=LinkMode(args.link), max_shard_size=max_size, force=args.force,
                          resume=args.resume, command=run_command_line())
@@ -62,7 +61,7 @@ def run(args) -> int:
         else:
             _print_plan(summary)
         return 0
-    result = execute(plan, progress=not args.quiet and not args.json and sys.stderr.isatty())
+    result = execute(plan, progress=show_progress(args))
     if args.json:
         print_json({"plan": summary, "result": result.to_json()})
         return 0
@@ -95,7 +94,7 @@ def _print_plan(s: dict, header: str | None = None) -> None:
         print(f"  warning        {w}")
 
 
-def _bf16_source(spec: str, layers: tuple[int, ...], mtp: str) -> Path:
+def _bf16_source(spec: str, layers: tuple[int, ...], mtp: str, progress: bool) -> Path:
     """A Hub BF16 source is range-fetched: only the tensors the plan can take (shared experts, chosen
     layers' experts, MTP head: ~1.5 GB of the 397B's ~800 GB); local paths are used as they are."""
     from qtool.hub.resolve import fetch_tensor_patterns, is_hub_spec
@@ -103,4 +102,4 @@ def _bf16_source(spec: str, layers: tuple[int, ...], mtp: str) -> Path:
 
     if not is_hub_spec(spec):
         return Path(spec)
-    return fetch_tensor_patterns(spec, bf16_source_patterns(layers, mtp), progress=True)
+    return fetch_tensor_patterns(spec, bf16_source_patterns(layers, mtp), progress=progress)

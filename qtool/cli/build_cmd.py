@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from qtool.cli.common import add_output_flags, print_json, run_command_line
+from qtool.cli.common import add_output_flags, print_json, run_command_line, show_progress
 
 
 def add_arguments(p) -> None:
@@ -33,7 +33,7 @@ def run(args) -> int:
         else:
             _print_plan(bp)
         return 0
-    report = build.run(bp, resume=args.resume, progress=not (args.quiet or args.json), token=args.token,
+    report = build.run(bp, resume=args.resume, progress=show_progress(args), token=args.token,
                        command=run_command_line(), force=args.force)
     if args.json:
         print_json({**bp.to_json(), **report})

@@ -75,12 +75,15 @@ def eprint(*args) -> None:
     print(*args, file=sys.stderr)
 
 
-def local_checkpoint(spec, *, tensors=None, progress: bool = True):
+def local_checkpoint(spec, *, tensors=None, progress: bool | None = None):
     """A checkpoint argument (local path or `hf:ORG/NAME[@REV]`) -> a local directory; Hub sources are
-    downloaded (verified) through qtool.hub. Imported lazily: huggingface_hub is not needed for --help."""
+    downloaded (verified) through qtool.hub, with progress bars when stderr is a terminal (progress=None).
+    Imported lazily: huggingface_hub is not needed for --help."""
+    import sys
+
     from qtool.hub.resolve import resolve_checkpoint
 
-    return resolve_checkpoint(spec, tensors=tensors, progress=progress)
+    return resolve_checkpoint(spec, tensors=tensors, progress=sys.stderr.isatty() if progress is None else progress)
 
 
 # header-only stand-in directory -> the hf: source it stands for: what the user sees in messages and fixes
@@ -131,13 +134,21 @@ def check_device(device: str) -> str:
     return device
 
 
+def show_progress(args) -> bool:
+    """Progress bars only for a person watching: not with --quiet or --json, and not when stderr is a
+    file or a pipe (a CI log would get a line per redraw)."""
+    import sys
+
+    return not (getattr(args, "quiet", False) or getattr(args, "json", False)) and sys.stderr.isatty()
+
+
 def plan_then_execute(op, opts, args) -> dict:
     """A layer-streamed op from the CLI: `op.plan(opts)`, then (unless --dry-run) `op.execute` with a
     per-layer progress bar; the report as `--json` prints it ({"plan": ...} for a dry run)."""
     p = op.plan(opts)
     if args.dry_run:
         return {"plan": p.to_json()}
-    with layer_progress(not (args.quiet or args.json)) as progress:
+    with layer_progress(show_progress(args)) as progress:
         return op.execute(p, progress=progress).to_json()
 
 

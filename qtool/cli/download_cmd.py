@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from qtool.cli.common import add_output_flags, human_bytes, print_json, run_command_line
+from qtool.cli.common import add_output_flags, human_bytes, print_json, run_command_line, show_progress
 
 
 def add_arguments(p) -> None:
@@ -39,7 +39,7 @@ def run(args) -> int:
         else:
             _print_plan(plan.to_json())
         return 0
-    report = dl.execute(plan, progress=not (args.quiet or args.json)).to_json()
+    report = dl.execute(plan, progress=show_progress(args)).to_json()
     if args.json:
         print_json(report)
         return 0

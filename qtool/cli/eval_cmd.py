@@ -11,6 +11,7 @@ from qtool.cli.common import (
     add_parallel_flags,
     add_json_flag,
     check_device,
+    show_progress,
     eprint,
     human_bytes,
     local_checkpoint,
@@ -76,7 +77,7 @@ def run(args) -> int:
                       batch_tokens=args.batch_tokens)
     bars: dict = {}
     progress = None
-    if not (args.quiet or args.json):
+    if show_progress(args):
         from tqdm import tqdm
 
         def progress(what, done, total):

@@ -62,15 +62,23 @@ class _Parser(argparse.ArgumentParser):
         return ns
 
     secrets: tuple[str, ...] = ()  # the values given to --token in this command line (set by _main)
+    json_errors = False  # --json in this command line (set by _main): a usage error is JSON too
 
     def error(self, message: str):
         """argparse's usage error, with the --token value and anything shaped like a token redacted (an
-        error never shows one)."""
+        error never shows one); under --json the same error object as any other error, on stdout."""
         from qtool.io.manifest import redact_text
 
         for secret in _Parser.secrets:
             message = message.replace(secret, "***")
-        super().error(redact_text(message))
+        message = redact_text(message)
+        if _Parser.json_errors:
+            from qtool.errors import UsageError
+
+            err = UsageError(message, hint=f"see `{self.prog} --help`")
+            print(json.dumps(err.to_json(), indent=2))
+            self.exit(err.exit_code)
+        super().error(message)
 
     def _deepest(self, ns) -> argparse.ArgumentParser:
         parser: argparse.ArgumentParser = self
@@ -186,7 +194,15 @@ def _main(argv: list[str] | None) -> int:
     # Only the chosen command's module is imported, so `--help` stays cheap.
     chosen = next((a for a in argv if a in COMMANDS), None)
     _Parser.secrets = _secret_values(argv)
+    _Parser.json_errors = "--json" in argv
     parser = build_parser(chosen)
+    first = next((a for a in argv if not a.startswith("-")), None)
+    if chosen is None and first is not None:
+        import difflib
+
+        close = difflib.get_close_matches(first, COMMANDS, n=1, cutoff=0.6)
+        parser.error(f"unknown command {first!r}" + (f" (did you mean {close[0]}?)" if close else
+                                                      f"; the commands: {', '.join(COMMANDS)}"))
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

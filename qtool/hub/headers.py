@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from qtool.hub.resolve import HubError, HubSpec, cached_commit, hub_offline, is_commit
@@ -23,6 +24,7 @@ SMALL_TENSOR_BYTES = 64  # tensors this small are fetched (scalar scales, [1] gl
 GAP_BYTES = 1 << 20  # small tensors this close together are fetched with one request
 SKIP_SUFFIXES = (".bin", ".pt", ".pth", ".gguf", ".onnx", ".msgpack", ".h5", ".ckpt")  # other weight formats
 STATS = ".qtool-headers.json"
+PARALLEL = 8  # shards read at once
 
 
 def _repo_cache(repo_id: str) -> Path:
@@ -85,7 +87,6 @@ def _fetch(listing, out: Path, token: str | None) -> dict:
     from qtool.hub.remote_safetensors import RangeReader
     from qtool.io.files import copy_file
     from qtool.io.output import OutputDir
-    from qtool.io.safetensors_header import parse_header_bytes
 
     shards = [p for p in listing.files if p.endswith(".safetensors")]
     side = [p for p in listing.files if not p.endswith(".safetensors") and not p.endswith(SKIP_SUFFIXES)
@@ -97,26 +98,35 @@ def _fetch(listing, out: Path, token: str | None) -> dict:
             (tx.partial / f.path).parent.mkdir(parents=True, exist_ok=True)
             copy_file(f.local, tx.partial / f.path)
             moved += f.size if not f.cached else 0
-        for path in shards:
-            raw = reader.raw_header(path)
-            size = listing.files[path].size
-            header = parse_header_bytes(path, raw[8:], size)
-            dst = tx.partial / path
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                os.pwrite(fd, raw, 0)
-                for start, end in _small_runs(header):
-                    data = reader.read_bytes(path, start, end)
-                    os.pwrite(fd, data, start)
-                os.ftruncate(fd, size)
-            finally:
-                os.close(fd)
+        # the shards at once: each costs a round trip or two, which is what a header-only job waits for
+        with ThreadPoolExecutor(max_workers=PARALLEL, thread_name_prefix="qtool-headers") as pool:
+            for _ in pool.map(lambda path: _stand_in_shard(reader, path, tx.partial / path), shards):
+                pass
         stats = {"commit": listing.commit, "bytes_moved": moved + reader.stats.bytes,
                  "requests": reader.stats.requests, "shards": len(shards), "side_files": len(side)}
         (tx.partial / STATS).write_text(json.dumps(stats))
         tx.commit()
     return stats
+
+
+def _stand_in_shard(reader, path: str, dst: Path) -> None:
+    """`dst`: a sparse file of the remote shard's size holding its header and its small tensors' bytes."""
+    from qtool.io.safetensors_header import parse_header_bytes
+
+    head, end = reader.head(path)
+    size = reader.listing.files[path].size
+    header = parse_header_bytes(path, head[8:end], size)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.pwrite(fd, head, 0)
+        for start, stop in _small_runs(header):
+            start = max(start, len(head))  # read with the header already
+            if start < stop:
+                os.pwrite(fd, reader.read_bytes(path, start, stop), start)
+        os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
 
 
 def _small_runs(header) -> list[tuple[int, int]]:

@@ -18,6 +18,11 @@
 HTTP goes through huggingface_hub's session (utils/_http.py get_session, build_hf_headers): same token,
 proxies, user agent and endpoint as the rest of the download; redirects to the CDN are followed by the
 session (and httpx drops the Authorization header on the cross-host hop).
+
+Latency, not bandwidth, bounds the small reads (the real Hub answers in 50-100 ms): a file's CDN location is
+kept after its first redirect (later ranges go there directly, without the token, which is the Hub's
+own business; an expired location is resolved again), and a header is read with one request that also
+takes the bytes after it (`head`: where safetensors puts its float32 scales, sorted first).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from __future__ import annotations
 import fnmatch
 import re
 import struct
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -39,6 +45,9 @@ from qtool.io.writer import FileRange, OutTensor, build_header
 INDEX = "model.safetensors.index.json"
 MANIFEST = "qtool-manifest.json"  # qtool.io.output.MANIFEST_NAME
 MAX_RETRIES = 5  # per range, reset whenever bytes arrive
+# a shard's first request: the 8-byte length, the header and the float32 tensors right after it, in one
+# round trip (the 397B's shards, both NVFP4 flavours: header and scalars end by 1.15 MB)
+HEAD_GUESS = 5 << 18  # 1.25 MiB
 
 
 @dataclass
@@ -69,6 +78,13 @@ class RangeReader:
         self.max_retries = MAX_RETRIES if max_retries is None else max_retries
         self.backoff_s = backoff_s
         self.stats = FetchStats()
+        self.lock = threading.Lock()  # stats and locations: readers may run in threads
+        self.locations: dict[str, str] = {}  # path -> the CDN URL its first request was redirected to
+
+    def _count(self, **add: int) -> None:
+        with self.lock:
+            for k, v in add.items():
+                setattr(self.stats, k, getattr(self.stats, k) + v)
 
     def read(self, path: str, start: int, end: int, sink: Callable[[bytes], None]) -> None:
         """Stream bytes [start, end) of `path` into sink, resuming after dropped connections."""
@@ -79,20 +95,29 @@ class RangeReader:
         pos = start
         tries = 0
         while pos < end:
-            headers = {**self.headers, "Range": f"bytes={pos}-{end - 1}"}
-            self.stats.requests += 1
+            located = self.locations.get(path)
+            # the Hub's token goes to the Hub only (the CDN URL is signed), as httpx does on a redirect
+            headers = {**({k: v for k, v in self.headers.items() if k.lower() != "authorization"} if located
+                          else self.headers), "Range": f"bytes={pos}-{end - 1}"}
+            self._count(requests=1)
             try:
                 with self.session.stream(
-                    "GET", self.url(path), headers=headers, timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT
+                    "GET", located or self.url(path), headers=headers, timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT
                 ) as r:
+                    if r.status_code >= 400 and located:
+                        r.read()
+                        self.locations.pop(path, None)  # expired: ask the Hub again
+                        continue
                     if r.status_code >= 400:
                         r.read()
                         with hub_errors(self.listing.spec, path):
                             hf_raise_for_status(r)
+                    if r.history and not located:
+                        self.locations[path] = str(r.url)
                     skip = 0
                     if r.status_code == 200:
                         # Range ignored: the body is the whole file from byte 0.
-                        self.stats.ranges_ignored += 1
+                        self._count(ranges_ignored=1)
                         skip = pos
                     elif r.status_code == 206:
                         got = _content_range_start(r.headers.get("Content-Range"))
@@ -107,21 +132,21 @@ class RangeReader:
                         if skip:
                             if len(chunk) <= skip:
                                 skip -= len(chunk)
-                                self.stats.bytes_discarded += len(chunk)
+                                self._count(bytes_discarded=len(chunk))
                                 continue
-                            self.stats.bytes_discarded += skip
+                            self._count(bytes_discarded=skip)
                             chunk = chunk[skip:]
                             skip = 0
                         take = chunk[: end - pos]
                         sink(take)
                         pos += len(take)
-                        self.stats.bytes += len(take)
+                        self._count(bytes=len(take))
                         tries = 0
                         if pos >= end:
                             break
             except httpx.TransportError as e:  # dropped connection, timeout: resume from `pos`
                 tries += 1
-                self.stats.retries += 1
+                self._count(retries=1)
                 if tries > self.max_retries:
                     raise HubError(f"network error reading a byte range ({type(e).__name__}: {e})",
                                    path=f"{self.listing.spec} {path}", got=f"{tries - 1} retries",
@@ -135,18 +160,26 @@ class RangeReader:
         self.read(path, start, end, buf.extend)
         return bytes(buf)
 
-    def raw_header(self, path: str) -> bytes:
-        """The first 8 + N bytes of `path` (the length, then the header JSON): two small range requests."""
+    def head(self, path: str, guess: int = HEAD_GUESS) -> tuple[bytes, int]:
+        """(the first bytes of `path`: at least its 8-byte length and header, up to `guess` bytes; the
+        header's end 8 + N): one range request, a second only for a header longer than the guess."""
         size = self.listing.files[path].size
         where = f"{self.listing.spec} {path}"
         if size < 8:
             raise HeaderError("remote file is too short to be safetensors", path=where, got=f"{size} bytes")
-        head = self.read_bytes(path, 0, 8)
-        (n,) = struct.unpack("<Q", head)
+        head = self.read_bytes(path, 0, min(size, max(8, guess)))
+        (n,) = struct.unpack("<Q", head[:8])
         if n == 0 or n > MAX_HEADER_BYTES or 8 + n > size:
             raise HeaderError("remote header length is not plausible", path=where, got=n,
                               expected=f"1..{min(MAX_HEADER_BYTES, size - 8)}")
-        return head + self.read_bytes(path, 8, 8 + n)
+        if 8 + n > len(head):
+            head += self.read_bytes(path, len(head), 8 + n)
+        return head, 8 + n
+
+    def raw_header(self, path: str) -> bytes:
+        """The first 8 + N bytes of `path` (the length, then the header JSON)."""
+        head, end = self.head(path, guess=8 + (64 << 10))
+        return head[:end]
 
     def header(self, path: str) -> SafetensorsHeader:
         """Fetch and validate the safetensors header of `path`."""

@@ -49,3 +49,27 @@ def test_output_cut_short_by_the_reader_is_not_a_traceback(tiny_nvfp4_modelopt):
     p.stdout.close()
     err = p.stderr.read().decode()
     assert p.wait() == 141 and "Traceback" not in err, err
+
+
+def test_a_mistyped_command_gets_a_did_you_mean():
+    r = _run("inspcet", "x")
+    assert r.returncode == 2 and "did you mean inspect?" in r.stderr
+
+
+def test_usage_errors_under_json_are_json():
+    """Found as: with --json, a usage error printed argparse's text (a script parsing stdout got nothing)."""
+    import json
+
+    for args in (["inspcet", "x", "--json"], ["inspect", "--json"], ["verify", "x", "--tp", "two", "--json"]):
+        r = _run(*args)
+        assert r.returncode == 2, args
+        err = json.loads(r.stdout)
+        assert err["error"] == "UsageError" and err["message"] and err["hint"], args
+
+
+def test_progress_bars_only_on_a_terminal(tiny_nvfp4_modelopt, tmp_path):
+    """Found as: `layers: 0layer [00:00, ?layer/s]` in logs: bars were drawn into a pipe."""
+    r = _run("calibrate-kv", str(tiny_nvfp4_modelopt), "-o", str(tmp_path / "kv"), "--samples", "2",
+             "--seq-len", "32", "--replace-scales")
+    assert r.returncode == 0, r.stderr
+    assert "layer/s" not in r.stderr and "it/s" not in r.stderr, r.stderr

@@ -46,6 +46,53 @@ def test_inspect_of_the_397b_on_the_hub_reads_headers_only(hub, s397, capsys):
     assert json.loads(capsys.readouterr().out)["facts"]["quant_algo"]
 
 
+@pytest.mark.parametrize("flavour", ["modelopt-nvfp4", "ct-nvfp4"])
+def test_inspect_of_the_397b_costs_few_round_trips(hub, flavour, tmp_path, capsys):
+    """Found as: against a Hub that answers in 50-100 ms, header-only `inspect hf:` of the 397B made 320
+    requests one after another (per shard: its length, its header, its scalars, each through a redirect),
+    so latency, not bytes, set its time. Here the fake Hub waits 50 ms before every answer."""
+    from qtool.fixtures.sparse import build_sparse
+
+    src = build_sparse(tmp_path / "m", model="397b", flavour=flavour)
+    shards = len(list(src.glob("*.safetensors")))
+    hub.add_sparse_dir("nvidia/Qwen3.5-397B-A17B-NVFP4", src)
+    hub.latency_s = 0.05
+    assert main(["inspect", str(src), "--json"]) == 0
+    local = json.loads(capsys.readouterr().out)
+    n = len(hub.log)
+    assert main(["inspect", "hf:nvidia/Qwen3.5-397B-A17B-NVFP4", "--json"]) == 0
+    remote = json.loads(capsys.readouterr().out)
+    assert _without_path(remote) == _without_path(local)  # the scales checks read are all there
+    made = hub.log[n:]
+    assert len(made) <= 200, len(made)
+    # each shard: one request through the Hub (redirected), none more; the CDN location is reused
+    ranged = [r for r in made if r.range is not None and "/cdn/" in r.path]
+    assert len(ranged) == shards
+    assert all(not r.authorized for r in made if "/cdn/" in r.path)  # the token never goes to the CDN
+
+
+def test_the_cdn_location_is_reused_without_the_token_and_resolved_again_when_refused(hub, tiny_nvfp4_modelopt_nomtp):
+    from qtool.hub.download import repo_listing
+    from qtool.hub.remote_safetensors import RangeReader
+    from qtool.hub.resolve import parse_spec
+
+    hub.add_dir("org/nv", tiny_nvfp4_modelopt_nomtp, private_token="hf_secret")
+    listing = repo_listing(parse_spec("hf:org/nv"), token="hf_secret")
+    path = sorted(p for p in listing.files if p.endswith(".safetensors"))[0]
+    data = (tiny_nvfp4_modelopt_nomtp / path).read_bytes()
+    reader = RangeReader(listing, token="hf_secret")
+    n = len(hub.log)
+    assert reader.read_bytes(path, 0, 100) == data[:100]
+    assert reader.read_bytes(path, 100, 300) == data[100:300]
+    first, redirected, second = hub.log[n:]
+    assert "/resolve/" in first.path and first.authorized and first.status == 302
+    assert "/cdn/" in redirected.path and "/cdn/" in second.path and not second.authorized
+    # a CDN location that stopped working (the real one is signed and expires): asked through the Hub again
+    hub.fault("expired", path)
+    assert reader.read_bytes(path, 300, 400) == data[300:400]
+    assert [r.path.split("/")[1] for r in hub.log[n + 3:]] == ["cdn", "org", "cdn"]
+
+
 def test_offline_uses_what_is_cached_and_names_what_is_not(hub, tiny_nvfp4_modelopt_nomtp, monkeypatch, capsys):
     commit = hub.add_dir("org/nv", tiny_nvfp4_modelopt_nomtp)
     assert main(["inspect", f"hf:org/nv@{commit}", "--json"]) == 0  # online once: cached

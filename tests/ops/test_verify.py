@@ -268,7 +268,12 @@ def test_cli_exit_codes_and_json(tiny_nvfp4_modelopt, tmp_path, capsys):
     assert set(f) >= {"code", "severity", "module", "message", "fix"} and f["severity"] == "error"
     assert main(["verify", str(bad), "--tp", "2"]) == 3
     assert "missing-tensor" in capsys.readouterr().out
-    assert main(["verify", str(tiny_nvfp4_modelopt), "--engine", "vllm@0.1"]) == 1  # outside the modelled range
+    # outside the modelled range: a usage error (exit 2, as documented) with a fix (found by a newcomer:
+    # `--engine vllm@0.99` was exit 1 with no fix)
+    for spec in ("vllm@0.1", "vllm@0.99"):
+        assert main(["verify", str(tiny_nvfp4_modelopt), "--engine", spec, "--json"]) == 2
+        err = json.loads(capsys.readouterr().out)
+        assert "outside the modelled range" in err["message"] and "vllm@0.33.0" in err["hint"]
 
 
 def test_kv_only_config_on_bf16_weights_verifies(tiny_bf16, tmp_path, capsys):
