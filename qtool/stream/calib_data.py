@@ -176,9 +176,12 @@ def windows_from_ids(ids: list[int], samples: int, seq_len: int, *, dataset: str
             f"the dataset gives {len(ids)} tokens, {need} needed for {samples} x {seq_len}",
             expected=need,
             got=len(ids),
-            hint=(f"use at most --samples {len(ids) // seq_len} at --seq-len {seq_len}, a shorter --seq-len, "
-                  "or a larger --dataset") if len(ids) >= seq_len else (
-                f"the dataset gives less than one window: --seq-len {len(ids)} at most, or a larger --dataset"),
+            hint=((f"use at most --samples {len(ids) // seq_len} at --seq-len {seq_len}, a shorter --seq-len, "
+                   "or a larger --dataset") if len(ids) >= seq_len else (
+                f"the dataset gives less than one window: --seq-len {len(ids)} at most, or a larger --dataset"))
+            + (f"; `{BUILTIN}` is a short sample for smoke runs: for a real calibration pass e.g. --dataset "
+               "hf:HuggingFaceH4/ultrachat_200k:train_sft (what the shipped 397B recipes use)"
+               if dataset == BUILTIN else ""),
         )
     t = torch.tensor(ids[:need], dtype=torch.long).view(samples, seq_len)
     return CalibSet(t, dataset, len(ids))

@@ -562,3 +562,61 @@ def test_a_scale_on_a_bf16_module_failed_older_sglang(tiny_nvfp4_modelopt, tmp_p
     rep = verify(ck, VerifyOptions(engine="sglang@0.5.9", tp=1))
     assert not rep.ok and any(f.code.value == "stale-tensor" and f.is_error and "19587" in f.message
                               for f in rep.findings)
+
+
+def _fixes(ck: Path, capsys, *extra: str) -> dict[str, str]:
+    """code -> fix of each finding verify gives `ck` (TP 1, FP8 KV cache)."""
+    main(["verify", str(ck), "--tp", "1", "--kv-cache-dtype", "fp8", "--json", *extra])
+    return {f["code"]: f["fix"] for f in json.loads(capsys.readouterr().out)["findings"] if f.get("fix")}
+
+
+def test_every_qtool_command_in_a_fix_line_parses(tiny_nvfp4_modelopt, tmp_path, capsys):
+    """Found as: verify's fix for uncalibrated KV scales said `calibrate-kv --in-place --overwrite`, a flag
+    that no longer exists (exit 2 for the user who pasted it)."""
+    import shlex
+
+    from qtool.cli.main import build_parser
+    from qtool.fixtures.broken import BrokenKind
+
+    fixes = []
+    for kind in BrokenKind:
+        fixes += _fixes(make_broken(tiny_nvfp4_modelopt, tmp_path / kind.value, kind), capsys).values()
+    fixes += _fixes(_uncalibrated(tiny_nvfp4_modelopt, tmp_path / "ones"), capsys).values()
+    commands = [f[f.index("qtool "):] for f in fixes if "qtool " in f]
+    # a command line to paste (flags, no placeholder), not prose naming a command
+    commands = [c for c in commands if " --" in c.split(" (")[0] and "..." not in c.split(";")[0]]
+    assert any("calibrate-kv" in c for c in commands), fixes
+    for c in commands:
+        argv = shlex.split(c.split(";")[0].split(" (")[0])[1:]
+        try:
+            build_parser(argv[0]).parse_args(argv)
+        except SystemExit:
+            pytest.fail(f"a fix line's command does not parse: {c}")
+
+
+def _uncalibrated(src: Path, dst: Path) -> Path:
+    """A copy of `src` whose every k/v scale is the constant 1.0 (an fp8_cast export)."""
+    import struct
+
+    from qtool.io.checkpoint import Checkpoint
+
+    shutil.copytree(src, dst)
+    ck = Checkpoint.open(dst)
+    for name, info in ck.tensors.items():
+        if name.endswith((".k_scale", ".v_scale")):
+            with open(info.file, "r+b") as f:
+                f.seek(info.start)
+                f.write(struct.pack(f"<{info.numel}f", *([1.0] * info.numel)))
+    return dst
+
+
+def test_the_uncalibrated_kv_fix_clears_it(tiny_nvfp4_modelopt, tmp_path, capsys):
+    """A fix line is one that, applied as written, clears its finding."""
+    import shlex
+
+    ck = _uncalibrated(tiny_nvfp4_modelopt, tmp_path / "ones")
+    fix = _fixes(ck, capsys)["kv-scales-uncalibrated"]
+    argv = shlex.split(fix[fix.index("qtool "):])[1:]
+    assert main([*argv, "--quiet"]) == 0
+    capsys.readouterr()
+    assert "kv-scales-uncalibrated" not in _fixes(ck, capsys)

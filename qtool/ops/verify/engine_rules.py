@@ -439,8 +439,9 @@ def kv_findings(mm: ModelMap, kv_cache_dtype: str) -> list[Finding]:
     if kv_cache_dtype != "fp8":
         return []
     ckpt = str(mm.ckpt.root)
-    fix = f"qtool calibrate-kv {ckpt} --in-place"
     kv = mm.kv
+    # scales already there (some layers', or uncalibrated ones) are replaced only when asked
+    fix = f"qtool calibrate-kv {ckpt} --in-place" + (" --replace-scales" if kv.layers else "")
     missing = [l for l in mm.full_attention if l not in kv.layers]
     out: list[Finding] = []
     if missing:
@@ -453,5 +454,5 @@ def kv_findings(mm: ModelMap, kv_cache_dtype: str) -> list[Finding]:
     elif kv.layers and kv.calibrated is False:
         out.append(error(Code.KV_SCALES_UNCALIBRATED, None,
                          "every k/v scale is the constant 1.0 (an fp8_cast export, not calibrated)",
-                         fix.replace("--in-place", "--in-place --overwrite")))
+                         fix))
     return out
