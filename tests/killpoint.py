@@ -22,13 +22,18 @@ import sys
 from pathlib import Path
 
 
-def install(target: str, n: int, fail: str | None = None) -> None:
+def _owner(target: str):
+    """MODULE:QUALNAME -> (the object holding it, its attribute name, the function)."""
     mod_name, qual = target.split(":")
     obj = importlib.import_module(mod_name)
     *owners, attr = qual.split(".")
     for o in owners:
         obj = getattr(obj, o)
-    fn = getattr(obj, attr)
+    return obj, attr, getattr(obj, attr)
+
+
+def install(target: str, n: int, fail: str | None = None) -> None:
+    obj, attr, fn = _owner(target)
     calls = [0]
 
     def wrapped(*a, **k):
@@ -57,12 +62,8 @@ def slow_down(spec: str) -> None:
     """MODULE:QUALNAME:SECONDS: each call sleeps that long first."""
     import time
 
-    mod_name, qual, seconds = spec.rsplit(":", 2)
-    obj = importlib.import_module(mod_name)
-    *owners, attr = qual.split(".")
-    for o in owners:
-        obj = getattr(obj, o)
-    fn = getattr(obj, attr)
+    target, seconds = spec.rsplit(":", 1)
+    obj, attr, fn = _owner(target)
 
     def slowed(*a, **k):
         time.sleep(float(seconds))
