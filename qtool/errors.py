@@ -88,3 +88,11 @@ class VerificationError(QtoolError):
     """An artifact failed verification."""
 
     exit_code = 3
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C, with what was running when it came (e.g. a build step), for the CLI's message."""
+
+    def __init__(self, during: str) -> None:
+        super().__init__(during)
+        self.during = during

@@ -10,11 +10,16 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 venv="${QTOOL_VENV:-$root/.venv}"
 python="${PYTHON:-python3}"
 if [ ! -x "$venv/bin/python" ]; then
-  # --system-site-packages lets a GPU box's preinstalled torch be seen and kept.
-  "$python" -m venv --system-site-packages "$venv"
+  # A GPU box's preinstalled torch is seen and kept (--system-site-packages), but only where there is one:
+  # otherwise the system's other packages would leak in and pip would report their conflicts as errors.
+  if "$python" -c 'import torch' 2>/dev/null; then
+    "$python" -m venv --system-site-packages "$venv"
+  else
+    "$python" -m venv "$venv"
+  fi
 fi
 py="$venv/bin/python"
-cons="$(mktemp)"; trap 'rm -f "$cons"' EXIT
+cons="$(mktemp)"; report="$(mktemp)"; trap 'rm -f "$cons" "$report"' EXIT
 cp "$root/constraints.txt" "$cons"
 if torch_version="$("$py" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null)"; then
   echo "qtool install: keeping the installed torch $torch_version"
@@ -23,8 +28,11 @@ else
   echo "torch==2.13.0" >> "$cons"
   cpu_index="${QTOOL_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"
   if ! command -v nvidia-smi >/dev/null 2>&1 && [ ! -e /proc/driver/nvidia ] && [ -n "$cpu_index" ] &&
-     "$py" -m pip install -q --timeout 15 --retries 0 --index-url "$cpu_index" "torch==2.13.0" 2>/dev/null; then
-    echo "qtool install: torch 2.13.0 (CPU build) from $cpu_index"
+     "$py" -m pip install -q --timeout 15 --retries 0 --index-url "$cpu_index" --report "$report" \
+       "torch==2.13.0" 2>/dev/null; then
+    # pip's own record of where the wheel came from (a find-links folder or a mirror may serve it first)
+    echo "qtool install: torch 2.13.0 (CPU build) from $("$py" -c 'import json, sys
+print(json.load(open(sys.argv[1]))["install"][0]["download_info"]["url"].rsplit("/", 1)[0])' "$report")"
   else
     "$py" -m pip install -q -c "$cons" "torch==2.13.0"
   fi

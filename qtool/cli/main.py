@@ -208,6 +208,9 @@ def _main(argv: list[str] | None) -> int:
         parser.print_help()
         return 2
     want_json = bool(getattr(args, "json", False))
+    from qtool import notices
+
+    notices.to_stderr(not getattr(args, "quiet", False))
     # transformers' notices (kernel fallbacks, standalone expert modules, long tokenizer inputs) are
     # expected when qtool runs decoder layers one at a time; it reads this variable at import time.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -228,8 +231,8 @@ def _main(argv: list[str] | None) -> int:
         else:
             print(e.describe(), file=sys.stderr)
         return e.exit_code
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:
+        print(_interrupted(args, argv, e), file=sys.stderr)
         return 130
     except BrokenPipeError:
         # `qtool inspect ... | head`: the reader went away; exit quietly like other CLI tools (and keep
@@ -250,6 +253,22 @@ def _main(argv: list[str] | None) -> int:
         else:
             print(err.describe(), file=sys.stderr)
         return 1
+
+
+def _interrupted(args, argv: list[str], e: KeyboardInterrupt) -> str:
+    """Ctrl-C's message: what was running, what was kept, and the command that continues it."""
+    from qtool.io.manifest import command_line
+    from qtool.io.output import kept_partials
+
+    during = getattr(e, "during", None)
+    lines = [f"interrupted{f' during {during}' if during else ''}"]
+    kept = kept_partials()
+    for p in kept:
+        lines.append(f"  kept:     {p} (the work finished so far)")
+    if kept and hasattr(args, "resume"):
+        again = argv if "--resume" in argv else [*argv, "--resume"]
+        lines.append(f"  continue: {command_line(['qtool', *again])}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from pathlib import Path
 from qtool.errors import WriteError
 from qtool.io.files import LinkMode, Placer, fsync_path, link_tree, write_error
 from qtool.io.identity import JOURNAL_NAME, journaled_files
-from qtool.io.output import SWAPPED_MARKER, OutputDir, remove_parked, source_file_mode
+from qtool.io.output import SWAPPED_MARKER, OutputDir, remove_parked, source_file_mode, tell_discarded
 
 RENAME_EXCHANGE = 2  # linux/fs.h
 
@@ -100,6 +100,7 @@ class InPlaceDir(OutputDir):
     def _prepare(self) -> None:
         self._clear_stale()
         if self.partial.exists() and not self.resume:
+            tell_discarded(self.partial, self.out)
             shutil.rmtree(self.partial)
         self.partial.mkdir(exist_ok=True)
         (self.partial / self.BUILDING).touch()

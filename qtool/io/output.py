@@ -378,6 +378,7 @@ class OutputDir:
         except BaseException:
             self.lock.release()
             raise
+        OPEN.append(self)
         return self
 
     PREPARE_FAILED = "cannot create the output directory"
@@ -387,6 +388,7 @@ class OutputDir:
         check_replaceable(self.out, force=self.force, any_owner=self.replace_any)  # again, now no one else writes
         remove_parked(self.old)  # a previous OUT a commit killed midway parked there
         if os.path.lexists(self.partial) and (not self.resume or not (self.partial / PARTIAL_MARKER).exists()):
+            tell_discarded(self.partial, self.out)
             remove_ours(self.partial)  # a user's own OUT.partial is refused, never removed
         self.partial.mkdir(parents=True, exist_ok=True)
         (self.partial / PARTIAL_MARKER).touch()
@@ -438,6 +440,28 @@ class OutputDir:
             shutil.rmtree(old)
         self.committed = True
         self.lock.release()
+
+
+# the transactions of this process begun and not committed: what an interruption leaves for --resume
+OPEN: list[OutputDir] = []
+
+
+def kept_partials() -> list[Path]:
+    """The partial outputs an interruption of this process leaves behind (for the CLI's message)."""
+    return [tx.partial for tx in OPEN if not tx.committed and tx.partial.is_dir()
+            and getattr(tx, "keep_partial", True)]
+
+
+def tell_discarded(partial: Path, out: Path) -> None:
+    """Say so when a run without --resume starts over from an interrupted run's partial output."""
+    from qtool.io.identity import JOURNAL_NAME, journaled_files
+    from qtool.notices import tell
+
+    units = len(journaled_files(partial / JOURNAL_NAME))
+    if not units:
+        return  # nothing finished there: nothing a user would miss
+    tell(f"starting over: {partial} (an interrupted run's, {units} unit(s) finished) is discarded; "
+         f"run with --resume instead to continue it")
 
 
 def output_files(root: Path, known: dict[str, str] | None = None, skip: Iterable[str] = (MANIFEST_NAME,)

@@ -60,6 +60,9 @@ def _rows(dataset: str):
     """The rows of a .parquet file or a Hub dataset split, as dicts, one at a time (a caller that has the
     tokens it needs stops reading: ultrachat_200k's train_sft split is 200k conversations)."""
     if dataset.startswith("hf:"):
+        from qtool.extras import require
+
+        require("datasets", f"the dataset {dataset}")
         import datasets
 
         from qtool.hub.resolve import HubSpec, hub_errors, hub_offline
@@ -165,12 +168,20 @@ def token_digest(ids) -> str:
     return hashlib.sha256(t.detach().cpu().numpy().tobytes() + str(tuple(t.shape)).encode()).hexdigest()[:16]
 
 
-def windows_from_ids(ids: list[int], samples: int, seq_len: int, *, dataset: str = "?") -> CalibSet:
+def windows_from_ids(ids: list[int], samples: int, seq_len: int, *, dataset: str = "?",
+                     at_most: bool = False) -> CalibSet:
+    """`samples` windows of `seq_len` tokens; `at_most`: fewer when the dataset gives fewer (at least one)."""
     import torch
 
     if samples < 1 or seq_len < 1:
         raise UsageError("--samples and --seq-len must be positive", got=(samples, seq_len))
+    if at_most and len(ids) >= seq_len:
+        samples = min(samples, len(ids) // seq_len)
     need = samples * seq_len
+    if not ids:
+        raise PlanError("the dataset gave no tokens at all (empty documents, or a tokenizer that yields none)",
+                        path=dataset, expected=need, got=0,
+                        hint="check the dataset's text column and the checkpoint's tokenizer.json")
     if len(ids) < need:
         raise PlanError(
             f"the dataset gives {len(ids)} tokens, {need} needed for {samples} x {seq_len}",
@@ -187,10 +198,22 @@ def windows_from_ids(ids: list[int], samples: int, seq_len: int, *, dataset: str
     return CalibSet(t, dataset, len(ids))
 
 
+# what AutoTokenizer reads (fast tokenizers: tokenizer.json; slow ones: the vocab files)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
 def load_tokenizer(ckpt_dir: str | Path):
     from transformers import AutoTokenizer
 
     from qtool.quiet import transformers_errors_only
+
+    if Path(ckpt_dir).is_dir() and not any((Path(ckpt_dir) / f).is_file() for f in TOKENIZER_FILES):
+        # AutoTokenizer would otherwise build an empty tokenizer from the processor configs: 0 tokens
+        raise PlanError(
+            "the checkpoint has no tokenizer (no tokenizer.json or vocabulary file): the calibration text "
+            "cannot be tokenized", path=ckpt_dir, expected=" or ".join(TOKENIZER_FILES),
+            hint="copy tokenizer.json and tokenizer_config.json from the original model into the checkpoint "
+            "(e.g. hf download Qwen/Qwen3.5-397B-A17B tokenizer.json tokenizer_config.json --local-dir CKPT)")
 
     try:
         with transformers_errors_only():
@@ -203,10 +226,11 @@ def load_tokenizer(ckpt_dir: str | Path):
         ) from None
 
 
-def plan_calibration(ckpt, dataset: str, samples: int, seq_len: int) -> CalibSet:
+def plan_calibration(ckpt, dataset: str, samples: int, seq_len: int, *, at_most: bool = False) -> CalibSet:
     """The calibration windows of a plan (before any weight is read): the dataset read and tokenized with
-    the checkpoint's tokenizer; too few tokens, or ids past the model's vocab, refuse here."""
-    calib = build_calib_set(ckpt.root, dataset, samples, seq_len)
+    the checkpoint's tokenizer; too few tokens, or ids past the model's vocab, refuse here (`at_most`:
+    fewer windows than `samples` where the dataset gives fewer)."""
+    calib = build_calib_set(ckpt.root, dataset, samples, seq_len, at_most=at_most)
     vocab = int(ckpt.text_config.get("vocab_size", 1 << 62))
     if int(calib.ids.max()) >= vocab:
         raise PlanError("the tokenizer gives ids beyond the model's vocab_size", expected=f"< {vocab}",
@@ -215,7 +239,8 @@ def plan_calibration(ckpt, dataset: str, samples: int, seq_len: int) -> CalibSet
     return calib
 
 
-def build_calib_set(ckpt_dir: str | Path, dataset: str, samples: int, seq_len: int, *, tokenizer=None) -> CalibSet:
+def build_calib_set(ckpt_dir: str | Path, dataset: str, samples: int, seq_len: int, *, tokenizer=None,
+                    at_most: bool = False) -> CalibSet:
     tok = tokenizer if tokenizer is not None else load_tokenizer(ckpt_dir)
     ids: list[int] = []
     need = samples * seq_len
@@ -226,4 +251,4 @@ def build_calib_set(ckpt_dir: str | Path, dataset: str, samples: int, seq_len: i
             ids.extend(tok(doc, add_special_tokens=False)["input_ids"])
             if len(ids) >= need:
                 break
-    return windows_from_ids(ids, samples, seq_len, dataset=dataset)
+    return windows_from_ids(ids, samples, seq_len, dataset=dataset, at_most=at_most)

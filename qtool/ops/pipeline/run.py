@@ -10,7 +10,8 @@ import time
 from pathlib import Path
 
 from qtool.build_recipes import Op
-from qtool.errors import WriteError
+from qtool.errors import Interrupted, WriteError
+from qtool.notices import tell
 from qtool.io.manifest import RUN
 from qtool.io.output import MANIFEST_NAME as MANIFEST
 from qtool.io.files import copy_file, LinkMode, Placer
@@ -70,14 +71,21 @@ def _run_steps(bp: BuildPlan, ctx: dict, resume: bool) -> dict:
     timings: list[dict] = []
     for sp in bp.steps:
         if sp.cached:
+            tell(f"step {sp.step.id} ({sp.step.op.value}): unchanged, reused")
             skipped.append(sp.step.id)
             info = json.loads((sp.dir / STEP_MARKER).read_text())
         else:
             if sp.dir.exists() and not resume:
                 shutil.rmtree(sp.dir)
             t0 = time.perf_counter()
-            report = RUNNERS[sp.step.op](bp, sp, ctx)
+            what = f"step {sp.step.id} ({sp.step.op.value})"
+            tell(f"{what}: running")
+            try:
+                report = RUNNERS[sp.step.op](bp, sp, ctx)
+            except KeyboardInterrupt:
+                raise Interrupted(what) from None
             dt = time.perf_counter() - t0
+            tell(f"{what}: done in {dt:.1f} s")
             _mark(sp, report, dt)
             _gc(sp)
             sp.cached = True

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from qtool.arch.model_map import Format, ModelMap
 from qtool.arch.qwen35 import Group, layer_prefix
+from qtool.extras import require
 from qtool.errors import PlanError, UsageError
 from qtool.io.checkpoint import Checkpoint
 from qtool.io.output import check_no_overlap
@@ -51,6 +52,9 @@ QUANT_PARAMS: dict[tuple[Scheme, OutFormat], tuple[tuple[str, str, object], ...]
         ("scales", "F16", lambda o, i, g: (i // g, o)),
     ),
 }
+
+
+DEFAULT_SAMPLES = 16
 
 
 @dataclass(frozen=True)
@@ -210,7 +214,7 @@ class QuantizeOptions:
     backend: Backend | None = None  # default: the recipe's
     format: OutFormat | None = None  # default: the recipe's
     dataset: str = "builtin"
-    samples: int = 16  # calibration windows
+    samples: int | None = None  # calibration windows (None: DEFAULT_SAMPLES, or fewer if the dataset is short)
     seq_len: int = 512
     device: str = "cpu"
     awq_rows: int = 256
@@ -240,11 +244,20 @@ def plan(opts: QuantizeOptions) -> QuantizePlan:
 
     recipe, out, device, awq_rows, dataset = opts.recipe, opts.out, opts.device, opts.awq_rows, opts.dataset
     samples, seq_len = opts.samples, opts.seq_len
+    ckpt = Checkpoint.open(opts.checkpoint, require_config=True)
+    early_calib = None
+    if samples is None and opts.calib_ids is None:
+        # the default: 16 windows, or as many as the dataset gives (the builtin corpus is a short sample:
+        # 5.8k tokens with the 397B's tokenizer); the recipe's calibration warning below says what a real
+        # run uses
+        from qtool.stream.calib_data import plan_calibration
+
+        early_calib = plan_calibration(ckpt, dataset, DEFAULT_SAMPLES, seq_len, at_most=True)
+        samples = early_calib.samples
     if opts.calib_ids is not None:
         samples, seq_len = int(opts.calib_ids.shape[0]), int(opts.calib_ids.shape[1])
     backend = opts.backend or recipe.backend
     fmt = opts.format or recipe.format
-    ckpt = Checkpoint.open(opts.checkpoint, require_config=True)
     streamer = LayerStreamer(ckpt, device=device, batch_tokens=opts.batch_tokens)
     mm = streamer.mm
     outp = Path(out)
@@ -261,6 +274,10 @@ def plan(opts: QuantizeOptions) -> QuantizePlan:
         raise UsageError("--backend modelopt with an MSE recipe needs a CUDA device (ModelOpt's static "
                          "NVFP4 fake-quant, used by its MSE calibration, is a Triton kernel)",
                          hint="use --device cuda, or --backend rtn / llmcompressor for MSE weight scales on CPU")
+    if backend is Backend.MODELOPT:
+        require("modelopt", "--backend modelopt")
+    elif backend is Backend.LLMCOMPRESSOR:
+        require("llmcompressor", "--backend llmcompressor")
     from qtool.dist import planned_ranks
 
     if backend is not Backend.RTN and planned_ranks() > 1:
@@ -344,7 +361,9 @@ def plan(opts: QuantizeOptions) -> QuantizePlan:
                      int4_group=int4_group)
     from qtool.ops.quantize.output import output_plan
 
-    if opts.calib_ids is None:
+    if early_calib is not None:
+        p.calib = early_calib
+    elif opts.calib_ids is None:
         from qtool.stream.calib_data import plan_calibration
 
         p.calib = plan_calibration(ckpt, dataset, samples, seq_len)  # refused here if the data is too small

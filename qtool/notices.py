@@ -1,0 +1,29 @@
+"""What a run tells the person watching while it works (a build step starts or ends, a builtin source is
+being made, an interrupted run's partial output is discarded). Library code never prints (DESIGN.md): it
+calls `tell`, and the CLI decides where the lines go (stderr; nowhere under --quiet)."""
+
+from __future__ import annotations
+
+import logging
+
+LOG = logging.getLogger("qtool")
+
+
+def tell(message: str) -> None:
+    LOG.info(message)
+
+
+def to_stderr(enabled: bool) -> None:
+    """The CLI's choice: the notices as plain lines on stderr (flushed as they come), or none."""
+    import sys
+
+    for h in list(LOG.handlers):
+        LOG.removeHandler(h)
+    LOG.propagate = False
+    if enabled:
+        h = logging.StreamHandler(sys.stderr)
+        h.setFormatter(logging.Formatter("%(message)s"))
+        LOG.addHandler(h)
+        LOG.setLevel(logging.INFO)
+    else:
+        LOG.setLevel(logging.WARNING + 100)
