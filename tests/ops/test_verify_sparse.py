@@ -111,3 +111,37 @@ def test_397b_fp8_does_not_fit_on_4_gpus_but_on_8(tmp_path):
     codes = {(f.code.value, f.severity.value) for f in rep.findings}
     # fp8's ignore-list matching is not modelled: a warning, never a false error
     assert codes == {("does-not-fit", "error"), ("engine-rules-not-modelled", "warning")}, codes
+
+
+def test_the_does_not_fit_fix_is_what_makes_it_fit(s397, capsys):
+    """Issue 26, found as: a model whose weights alone exceed the budget was told to lower --max-model-len.
+    Each case's fix, applied as written, fits; a fix that cannot be applied says why."""
+    import shlex
+
+    from qtool.cli.main import main
+
+    def fit_finding(argv):
+        main(["verify", str(s397), *argv, "--json"])
+        return [f for f in json.loads(capsys.readouterr().out)["findings"] if f["code"] == "does-not-fit"]
+
+    # the weights alone: 233 GB over 2 GPUs of 96 GB
+    (weights,) = fit_finding(["--gpus", "2x97887MiB", "--tp", "2"])
+    assert "weights alone" in weights["fix"] and "--max-model-len" not in weights["fix"]
+    argv = shlex.split(weights["fix"][weights["fix"].index("qtool "):])[1:]
+    assert "--tp" in argv and argv[argv.index("--tp") + 1] == "4"
+    assert argv[:2] == ["verify", str(s397)] and fit_finding(argv[2:]) == []
+    # the KV cache: 64 sequences of 262k tokens in BF16 KV; the fix's --max-model-len fits
+    (kv,) = fit_finding(["--max-model-len", "262144", "--max-num-seqs", "64"])
+    assert "KV cache" in kv["fix"] and "--kv-cache-dtype fp8" in kv["fix"]
+    room = int(kv["fix"].split("--max-model-len ")[1].split()[0])
+    assert fit_finding(["--max-model-len", str(room), "--max-num-seqs", "64"]) == []
+    assert fit_finding(["--max-model-len", str(room + 1024), "--max-num-seqs", "64"])
+
+
+def test_gpu_sizes_need_their_unit(s397, capsys):
+    """Found: `--gpus 4x96` was taken as GiB without a word (96 GB cards are 89.4 GiB)."""
+    from qtool.cli.main import main
+
+    assert main(["verify", str(s397), "--gpus", "4x96"]) == 2
+    err = capsys.readouterr().err
+    assert "needs its unit" in err and "4x96GB" in err

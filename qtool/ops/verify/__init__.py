@@ -158,8 +158,7 @@ def execute(p: VerifyPlan) -> VerifyReport:
                      max_num_seqs=opts.max_num_seqs)
     if not fit.fits:
         findings.append(error(Code.DOES_NOT_FIT, None, f"does not fit on {opts.tp} x {fit.gpu_gib:.1f} GiB: "
-                              f"{fit.reason}", "use more GPUs (e.g. --gpus 8x97887MiB --tp 8), a smaller "
-                              "--max-model-len / --max-num-seqs, or --kv-cache-dtype fp8 with calibrated scales"))
+                              f"{fit.reason}", _fit_fix(mm, fit, opts, target)))
     remote_code = sorted(p.name for p in Path(ckpt.root).glob("*.py"))
     auto_map = (ckpt.config or {}).get("auto_map")
     if auto_map or remote_code:
@@ -200,3 +199,35 @@ def execute(p: VerifyPlan) -> VerifyReport:
 
 __all__ = ["Code", "Finding", "Severity", "VerifyOptions", "VerifyPlan", "VerifyReport", "execute", "parse_engines",
            "plan", "verify"]
+
+
+def _fit_fix(mm, fit, opts, target) -> str:
+    """What makes it fit, by what does not: the weights alone (more GPUs of the same size, the first TP
+    that holds them), or the KV cache (a context or batch that fits, FP8 KV)."""
+    from qtool.ops.verify.engine_rules import TP_SIZES
+    from qtool.ops.verify.memory_fit import GIB, memory_fit
+
+    if fit.kv_cache_gib <= 0:  # the weights and the reserve alone exceed the budget
+        for t in (t for t in TP_SIZES if t > opts.tp):
+            bigger = memory_fit(mm, tp=t, target=type(target)(t, target.gpu_bytes),
+                                gpu_memory_utilization=opts.gpu_memory_utilization,
+                                kv_cache_dtype=opts.kv_cache_dtype, mtp=opts.mtp, max_model_len=opts.max_model_len,
+                                max_num_seqs=opts.max_num_seqs)
+            if bigger.fits:
+                return (f"the weights alone ({fit.weights_per_gpu_gib:.1f} GiB per GPU) exceed the budget: serve on "
+                        f"{t} GPUs: qtool verify {mm.ckpt.root} --gpus {t}x{target.gpu_bytes // (1 << 20)}MiB --tp {t}")
+        return (f"the weights alone ({fit.weights_per_gpu_gib:.1f} GiB per GPU) exceed the budget at every TP up to "
+                f"{TP_SIZES[-1]}: a smaller checkpoint (NVFP4 routed experts, fewer BF16 pieces) or larger GPUs")
+    per_seq = fit.kv_bytes_per_token
+    fixes = []
+    if per_seq and opts.max_model_len:
+        seqs = max(opts.max_num_seqs or 1, 1)
+        room = int((fit.kv_cache_gib * GIB - seqs * fit.state_bytes_per_seq) // (seqs * per_seq))
+        if room >= 1:
+            fixes.append(f"--max-model-len {room} at most for {seqs} sequence(s)")
+    if opts.max_num_seqs and fit.max_num_seqs == 0 and opts.max_model_len:
+        fixes.append("fewer --max-num-seqs")
+    if opts.kv_cache_dtype != "fp8":
+        fixes.append("--kv-cache-dtype fp8 with calibrated scales (half the KV cache)")
+    fixes.append(f"more GPUs (--gpus {TP_SIZES[-1]}x{target.gpu_bytes // (1 << 20)}MiB --tp {TP_SIZES[-1]})")
+    return "the KV cache does not fit: " + ", or ".join(fixes)

@@ -370,25 +370,58 @@ def attention_gate_findings(mm: ModelMap) -> list[Finding]:
                     "quantizing), or measure with qtool eval kld")]
 
 
+TP_SIZES = (1, 2, 4, 8)  # the tensor-parallel sizes people serve at (one box's GPUs)
+
+
 def tp_findings(mm: ModelMap, tp: int, decisions: dict[str, dict[str, bool | None]]) -> list[Finding]:
-    """Head counts divisible by TP, and NVFP4 per-GPU input features a multiple of 16 for every module an
-    engine builds quantized."""
+    """Head counts and expert sizes divisible by TP, and NVFP4 per-GPU input features a multiple of 16 for
+    every module an engine builds quantized. Each fix names what works for this checkpoint: the TP sizes
+    it shards at (never the one that failed), or the patch that makes a config agree with its tensors."""
+    found = _tp_problems(mm, tp, decisions)
+    if not found:
+        return []
+    works = [t for t in TP_SIZES if t != tp and not _tp_problems(mm, t, decisions)]
+    best = max([t for t in works if t < tp] or works or [0])
+    ckpt = str(mm.ckpt.root)
+    if best:
+        serve = (f"serve at --tp {best} (this checkpoint shards at TP {', '.join(map(str, works))}): "
+                 f"qtool verify {ckpt} --tp {best}")
+    else:
+        serve = f"no TP size of {', '.join(map(str, TP_SIZES))} shards this checkpoint: serve it on one GPU"
+    out = []
+    for module, message, engine, config_only in found:
+        if config_only:  # BF16 tensors the config calls quantized: make the config agree
+            fix = patch_cmd(ckpt, "--fix", "ignore-from-tensors")
+        elif module.startswith("model.visual."):
+            fix = ("exclude it from quantization and serve the vision tower data-parallel: "
+                   + patch_cmd(ckpt, "--ignore-add", "model.visual*") + " ; then --mm-encoder-tp-mode data")
+        else:
+            fix = serve
+        out.append(error(Code.TP_DIVISIBILITY, module, message, fix, engine))
+    return out
+
+
+def _tp_problems(mm: ModelMap, tp: int, decisions: dict[str, dict[str, bool | None]]
+                 ) -> list[tuple[str, str, str | None, bool]]:
+    """(module or config key, message, engine, whether the config alone is wrong) for each way the
+    checkpoint does not shard at `tp`."""
     cfg = mm.ckpt.text_config
-    out: list[Finding] = []
-    fix_tp = "serve with a TP size that divides the head counts (e.g. --tp 2, 4 or 8 for Qwen3.5-397B)"
-    for key in ("num_attention_heads", "linear_num_key_heads", "linear_num_value_heads"):
+    out: list[tuple[str, str, str | None, bool]] = []
+    for key, what in (("num_attention_heads", "attention heads"), ("linear_num_key_heads", "GDN key heads"),
+                      ("linear_num_value_heads", "GDN value heads")):
         n = cfg.get(key)
         if isinstance(n, int) and n % tp:
-            out.append(error(Code.TP_DIVISIBILITY, key, f"{key}={n} is not divisible by TP={tp}", fix_tp))
+            out.append((key, f"{key}={n}: {n} {what} do not split over TP={tp}", None, False))
     nkv = cfg.get("num_key_value_heads")
     # KV heads are split when nkv >= tp and replicated when tp is a multiple of nkv (vLLM QKVParallelLinear)
     if isinstance(nkv, int) and nkv % tp and tp % nkv:
-        out.append(error(Code.TP_DIVISIBILITY, "num_key_value_heads",
-                         f"num_key_value_heads={nkv} neither divides nor is divided by TP={tp}", fix_tp))
-    for key in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+        out.append(("num_key_value_heads", f"num_key_value_heads={nkv} neither divides nor is divided by TP={tp}",
+                    None, False))
+    for key, what in (("moe_intermediate_size", "each routed expert's intermediate size"),
+                      ("shared_expert_intermediate_size", "the shared expert's intermediate size")):
         n = cfg.get(key)
         if isinstance(n, int) and n % tp:
-            out.append(error(Code.TP_DIVISIBILITY, key, f"{key}={n} is not divisible by TP={tp}", fix_tp))
+            out.append((key, f"{key}={n} ({what}) does not split over TP={tp}", None, False))
     reps = unit_formats(mm)
     seen: set[tuple[str, str]] = set()  # (engine, unit): each engine that builds it gets its finding
     for eng, dec in decisions.items():
@@ -411,14 +444,9 @@ def tp_findings(mm: ModelMap, tp: int, decisions: dict[str, dict[str, bool | Non
             per_gpu = inn // tp if row else inn
             if (row and inn % tp) or per_gpu % NVFP4_BLOCK:
                 seen.add((eng, unit))
-                fix = ("exclude it from quantization and serve the vision tower data-parallel: "
-                       + patch_cmd(str(mm.ckpt.root), "--ignore-add", "model.visual*")
-                       + " ; then --mm-encoder-tp-mode data") if unit.startswith("model.visual.") else (
-                    patch_cmd(str(mm.ckpt.root), "--fix", "ignore-from-tensors"))
-                out.append(error(Code.TP_DIVISIBILITY, unit,
-                                 f"{eng} builds {unit} as NVFP4 with {inn} input features, {per_gpu} per GPU at "
-                                 f"TP={tp}: not a multiple of {NVFP4_BLOCK} (\"Unsupported model when in features "
-                                 "size is not multiple of 16\")", fix, eng))
+                out.append((unit, f"{eng} builds {unit} as NVFP4 with {inn} input features, {per_gpu} per GPU at "
+                            f"TP={tp}: not a multiple of {NVFP4_BLOCK} (\"Unsupported model when in features "
+                            "size is not multiple of 16\")", eng, fmt is Format.BF16))
     return out
 
 

@@ -51,7 +51,11 @@ class Target:
         m = _SIZE.match(text)
         if not m:
             raise UsageError(f"bad --gpus {text!r}", expected="NxSIZE, e.g. 4x97887MiB, 4x96GiB or 8x96GB")
-        n, size, unit = int(m.group(1)), float(m.group(2)), (m.group(3) or "GiB")
+        if not m.group(3):  # 96 could be GB or GiB (a 7% difference): never guessed
+            raise UsageError(f"bad --gpus {text!r}: the size needs its unit", expected=(
+                f"{m.group(1)}x{m.group(2)}GB, {m.group(1)}x{m.group(2)}GiB or MiB as nvidia-smi prints it "
+                "(an RTX PRO 6000 Blackwell: 4x97887MiB)"))
+        n, size, unit = int(m.group(1)), float(m.group(2)), m.group(3)
         mult = {"MiB": MIB, "GiB": GIB, "GB": 10**9, "MB": 10**6}[unit]
         if n < 1 or size <= 0:
             raise UsageError(f"bad --gpus {text!r}: need at least one GPU with memory")
