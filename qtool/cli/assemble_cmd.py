@@ -84,7 +84,9 @@ def _print_plan(s: dict, header: str | None = None) -> None:
           f"experts of every layer" + (f", routed experts of layers {s['bf16_expert_layers']}"
                                        if s["bf16_expert_layers"] else ""))
     print(f"  MTP            {s['mtp']}")
-    print(f"  removed        {t['removed']} NVFP4 tensors")
+    bf16 = t["removed"] - t["removed_quantized"]
+    print(f"  replaced       {t['removed']} tensors of the NVFP4 input ({t['removed_quantized']} quantized, "
+          f"{bf16} BF16 already)")
     sh = s["shards"]
     print(f"  shards         {sh['link']} unchanged (linked), {sh['rebuild']} rebuilt, {sh['new']} new")
     print(f"  bytes          reused {human_bytes(b['reused'])}, rewritten {human_bytes(b['rewritten'])}, "

@@ -44,7 +44,9 @@ def run(args) -> int:
         print("  quantization   none")
     print("  groups:")
     for g, info in rep["groups"].items():
-        print(f"    {g:<20} {str(info['format']):<10} {info['tensors']:>8} tensors {human_bytes(info['bytes']):>12}")
+        # a group of no Linear (norms, KV scales) has no quantization format: its dtypes say what it is
+        kind = info["format"] or "/".join(d.lower() for d in info["dtypes"])
+        print(f"    {g:<20} {kind:<10} {info['tensors']:>8} tensors {human_bytes(info['bytes']):>12}")
     if rep["problems"]:
         print(f"  problems ({len(rep['problems'])}):")
         for p in rep["problems"]:

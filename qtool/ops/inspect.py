@@ -29,15 +29,18 @@ def report(mm: ModelMap) -> dict:
     summary = summarize(ckpt.config, ckpt.hf_quant_config)
     groups: dict[str, dict] = {}
     counts: dict[Group, list[int]] = defaultdict(lambda: [0, 0])
+    dtypes: dict[Group, set[str]] = defaultdict(set)
     for name, role in mm.roles.items():
         c = counts[role.group]
         c[0] += 1
         c[1] += ckpt.tensors[name].nbytes
+        dtypes[role.group].add(ckpt.tensors[name].dtype)
     formats = mm.group_formats()
     for group in Group:
         if group in counts:
             groups[group.value] = {
-                "format": formats.get(group),
+                "format": formats.get(group),  # None for groups of no Linear (norms, KV scales)
+                "dtypes": sorted(dtypes[group]),
                 "tensors": counts[group][0],
                 "bytes": counts[group][1],
             }

@@ -148,3 +148,27 @@ def test_quantize_with_its_defaults_plans_on_the_builtin_corpus(tiny_bf16, tmp_p
     explicit = _qtool(["quantize", str(tiny_bf16), "-o", str(tmp_path / "q"), "--recipe", "qwen35-nvfp4-experts",
                        "--samples", "16", "--dry-run"], cwd=tmp_path)
     assert explicit.returncode == 1 and "needed for 16 x 512" in explicit.stderr  # what was asked for, exactly
+
+
+def test_inspect_never_prints_none_as_a_format(tiny_nvfp4_modelopt, tmp_path):
+    """Found: `inspect` printed `None` as the format of the norms and the KV scales."""
+    r = _qtool(["inspect", str(tiny_nvfp4_modelopt)], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    groups = r.stdout.split("groups:")[1].split("problems:")[0]
+    assert "None" not in groups
+    assert any(ln.split()[:2] == ["kv_scale", "f32"] for ln in groups.splitlines() if ln.strip())
+
+
+def test_assemble_says_when_the_shared_experts_it_splices_are_bf16_already(tiny_nvfp4_modelopt_nomtp, tiny_bf16,
+                                                                         tmp_path):
+    """Found: the assemble plan said "removed 180 NVFP4 tensors" for shared experts that are BF16 in the NVFP4
+    input, with no word that the splice swaps BF16 for BF16."""
+    r = _qtool(["assemble", "hybrid", "--nvfp4", str(tiny_nvfp4_modelopt_nomtp), "--bf16", str(tiny_bf16),
+                "-o", str(tmp_path / "h"), "--bf16-expert-layers", "0", "--dry-run"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "NVFP4 tensors" not in r.stdout
+    replaced = next(ln for ln in r.stdout.splitlines() if ln.strip().startswith("replaced"))
+    # layer 0's routed experts were NVFP4 (8 experts x 3 projections x 4 tensors); the 8 layers' shared experts
+    # (3 projections each) were BF16 already
+    assert "(96 quantized, 24 BF16 already)" in replaced
+    assert "shared experts are BF16 already" in r.stdout

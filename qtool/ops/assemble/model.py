@@ -14,7 +14,7 @@ from pathlib import Path
 from array import array
 from typing import NamedTuple
 
-from qtool.arch.model_map import ModelMap
+from qtool.arch.model_map import Format, ModelMap
 from qtool.io.checkpoint import INDEX_NAME, Checkpoint
 from qtool.io.apply import JOURNAL_NAME
 from qtool.io.files import LinkMode
@@ -238,6 +238,12 @@ class HybridPlan:
             self._summary = self._make_summary()
         return dict(self._summary)
 
+    def _quantized(self, name: str) -> bool:
+        """Whether a tensor of the NVFP4 input belongs to a quantized module (not a BF16 one)."""
+        role = self.nv_map.roles.get(name)
+        module = self.nv_map.modules.get(role.module) if role is not None else None
+        return module is not None and module.format not in (None, Format.BF16)
+
     def _make_summary(self) -> dict:
         b = self.bytes_by_action()
         counts = {a.value: sum(1 for s in self.shards if s.action is a) for a in ShardAction}
@@ -255,6 +261,7 @@ class HybridPlan:
                 "from_bf16": len(from_bf16),
                 "unfused": sum(1 for t in from_bf16 if t.origin.slice),
                 "removed": len(self.removed),
+                "removed_quantized": sum(1 for n in self.removed if self._quantized(n)),
             },
             "bytes": {**b, "output": self.output_size()},
             "ignore_added": self.ignore_added,

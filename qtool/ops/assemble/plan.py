@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from array import array
 
-from qtool.arch.model_map import QUANTIZED_FORMATS, build_map
+from qtool.arch.model_map import QUANTIZED_FORMATS, Format, build_map
 from qtool.arch.qwen35 import MTP_PREFIX, Group, Naming, TEXT_PREFIX, engine_module
 from qtool.errors import CheckpointError, PlanError, UsageError
 from qtool.io.checkpoint import HF_QUANT_CONFIG_NAME, Checkpoint
@@ -123,6 +123,13 @@ class _Planner:
     # ---- the three kinds of replacement ----------------------------------------------------------
     def shared_experts(self) -> None:
         prefix = TEXT_PREFIX[self.nv_map.naming]
+        modules = self.nv_map.modules
+        already = [m for m in modules.values() if m.group is Group.SHARED_EXPERT and m.format is Format.BF16]
+        if already and len(already) == sum(1 for m in modules.values() if m.group is Group.SHARED_EXPERT):
+            # ModelOpt's and Sehyo's exports keep the shared expert BF16: the splice then swaps BF16 for
+            # the same BF16 weights (wanted for layers' experts and MTP; this part changes nothing)
+            self.warnings.append("the NVFP4 input's shared experts are BF16 already: they are replaced by the BF16 "
+                                 "source's (the same weights, no quality or memory change)")
         for layer in range(self.expect.L):
             gone = self.remove_where(
                 lambda r, layer=layer: r.group is Group.SHARED_EXPERT and r.layer == layer, layer)
