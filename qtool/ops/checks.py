@@ -161,6 +161,9 @@ def _experts_by_block(mods: dict[str, Module]) -> dict[str, list[Module]]:
     return out
 
 
+_SPLIT = object()  # a projection of a fused experts block given per expert instead (checked as such)
+
+
 def _moe(mm: ModelMap, mods: dict[str, Module], p: str, cfg: dict, probs: _Problems,
          experts: dict[str, list[Module]]) -> dict[str, set]:
     """Check one MoE block at prefix `p` (ending in 'mlp.'); returns {part: formats}."""
@@ -178,11 +181,27 @@ def _moe(mm: ModelMap, mods: dict[str, Module], p: str, cfg: dict, probs: _Probl
         probs.add(Code.MIXED_EXPERT_LAYOUT, f"{p}experts", f"{p}experts mixes the fused layout and per-expert tensors")
     if fused is not None:
         gu, dn = fused.params.get("gate_up_proj"), fused.params.get("down_proj")
-        if gu is None or tuple(gu.shape) != (E, 2 * I, H):
+        # a projection may stay per expert beside a fused other one (vLLM 0.33's loader maps each tensor on
+        # its own: a fused gate_up_proj and per-expert down_proj.weight load, every parameter written)
+        have = {(m.expert, m.name.rsplit(".", 1)[-1]) for m in per_expert}
+        if gu is None and all((e, q) in have for e in range(E) for q in ("gate_proj", "up_proj")):
+            for e in range(E):
+                for q in ("gate_proj", "up_proj"):
+                    fmts["experts"].add(_linear(mods, f"{p}experts.{e}.{q}", I, H, probs))
+            gu = _SPLIT
+        if dn is None and all((e, "down_proj") in have for e in range(E)):
+            for e in range(E):
+                fmts["experts"].add(_linear(mods, f"{p}experts.{e}.down_proj", H, I, probs))
+            dn = _SPLIT
+        if gu is _SPLIT:
+            pass
+        elif gu is None or tuple(gu.shape) != (E, 2 * I, H):
             probs.add(Code.MISSING_TENSOR if gu is None else Code.SHAPE_MISMATCH, f"{p}experts.gate_up_proj",
                       f"{p}experts.gate_up_proj is {None if gu is None else list(gu.shape)}, expected "
                       f"[{E}, {2 * I}, {H}]")
-        if dn is None or tuple(dn.shape) != (E, H, I):
+        if dn is _SPLIT:
+            pass
+        elif dn is None or tuple(dn.shape) != (E, H, I):
             probs.add(Code.MISSING_TENSOR if dn is None else Code.SHAPE_MISMATCH, f"{p}experts.down_proj",
                       f"{p}experts.down_proj is {None if dn is None else list(dn.shape)}, expected [{E}, {H}, {I}]")
         fmts["experts"].add(Format.BF16)
