@@ -44,7 +44,7 @@ def run(args) -> int:
         ref=None if ref is None else str(ref), ref_label=args.ref, kld=tuple(args.kld),
         kld_options=KldOptions(dataset=args.dataset, windows=args.windows, seq_len=args.seq_len,
                                device=args.device),
-        force=args.force)
+        force=args.force, kv_cache_dtype=args.kv_cache_dtype)
     p = report.plan(opts)
     if args.dry_run:
         if args.json:

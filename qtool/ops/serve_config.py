@@ -121,6 +121,14 @@ def _yarn_rope(report: VerifyReport, factor: float) -> dict:
     return {"text_config": {"rope_parameters": rope}}
 
 
+def served_kv_cache_dtype(asked: str | None, facts: dict) -> str:
+    """The KV-cache dtype a launch uses (serve-config, and the report's launch lines and memory fit): the
+    one asked for, else fp8 where the checkpoint carries calibrated scales, else the engine's auto."""
+    if asked:
+        return asked
+    return "fp8" if facts.get("kv_scales_calibrated") else "auto"
+
+
 def plan(path: str | Path, opts: ServeOptions) -> Launch:
     v = parse_version(opts.engine)
     if opts.yarn is not None and opts.yarn <= 1:
@@ -139,7 +147,7 @@ def plan(path: str | Path, opts: ServeOptions) -> Launch:
         opts = replace(opts, yarn=None)
     if rep.ok:
         # fp8 KV when real scales exist; the YaRN-extended context: verify the final target once more
-        kv = "fp8" if opts.kv_cache_dtype is None and rep.facts.get("kv_scales_calibrated") else vopts.kv_cache_dtype
+        kv = served_kv_cache_dtype(opts.kv_cache_dtype, rep.facts)
         if opts.yarn and max_len is None:
             max_len = int(int(rep.facts.get("max_position_embeddings") or 262144) * opts.yarn)
         if kv != vopts.kv_cache_dtype or max_len != vopts.max_model_len:

@@ -84,7 +84,9 @@ def test_tiny_report_shows_what_inspect_and_verify_print(tiny_nvfp4_modelopt, tm
     page = _page(out)
     a = page.data["artifacts"][0]
     assert a["inspect"] == _json_of(capsys, ["inspect", str(tiny_nvfp4_modelopt), "--json"])
-    assert a["verify"] == _json_of(capsys, ["verify", str(tiny_nvfp4_modelopt), "--tp", "2", "--json"])
+    # its KV scales are calibrated: the report judges it with the FP8 KV cache serve-config launches it with
+    assert a["verify"] == _json_of(capsys, ["verify", str(tiny_nvfp4_modelopt), "--tp", "2", "--kv-cache-dtype", "fp8",
+                                            "--json"])
     n = _cells_match_inspect(page, "grid-0", a["inspect"]["grid"])
     assert n == 8 * 4 + 5 + 3  # 8 decoder layers x 4 groups, the MTP layer's 4 + mtp.fc, embed/lm_head/vision
     # the tiny fixture's routed experts are NVFP4, everything else BF16 (the field report's layout)
@@ -156,7 +158,7 @@ def test_two_397b_artifacts_compared(tmp_path_factory, tmp_path, capsys):
     assert res["ok"] == [True, False] and "difference" in res["sections"]
     page = _page(out)
     a, b = page.data["artifacts"]
-    assert a["verify"] == _json_of(capsys, ["verify", str(nv), "--json"])
+    assert a["verify"] == _json_of(capsys, ["verify", str(nv), "--kv-cache-dtype", "fp8", "--json"])  # calibrated
     assert b["inspect"]["grid"] == _json_of(capsys, ["inspect", str(bf), "--json"])["grid"]
     assert _cells_match_inspect(page, "grid-0", a["inspect"]["grid"]) == 60 * 4 + 5 + 3
     _cells_match_inspect(page, "grid-1", b["inspect"]["grid"])
@@ -266,14 +268,21 @@ def test_page_renders_in_headless_chromium(tiny_nvfp4_modelopt, tmp_path, capsys
 
 def test_review_findings_kv_dtype_mtp_and_broken_inputs(tiny_nvfp4_modelopt, tiny_nvfp4_modelopt_nomtp, tmp_path,
                                                         capsys):
-    # the launch command uses the KV-cache dtype the memory fit assumed (it said fp8 while the fit was BF16)
+    # the launch command uses the KV-cache dtype the memory fit assumed (it said fp8 while the fit was BF16),
+    # and (issue 26) the one serve-config chooses for the same flags: fp8 where the scales are calibrated
     out = tmp_path / "r.html"
     assert main(["report", str(tiny_nvfp4_modelopt), "--tp", "2", "-o", str(out)]) == 0
     a = _page(out).data["artifacts"][0]
+    assert a["verify"]["fit"]["kv_cache_dtype"] == "fp8"
+    capsys.readouterr()
+    assert main(["serve-config", str(tiny_nvfp4_modelopt), "--tp", "2", "--engine", "vllm@0.33.0"]) == 0
+    assert a["launch"]["vllm@0.33.0"]["command"].strip() == capsys.readouterr().out.strip()
+    assert "--kv-cache-dtype fp8" in a["launch"]["vllm@0.33.0"]["command"]
+    assert main(["report", str(tiny_nvfp4_modelopt), "--tp", "2", "--kv-cache-dtype", "auto", "-o", str(out),
+                 "--force"]) == 0
+    a = _page(out).data["artifacts"][0]
     assert a["verify"]["fit"]["kv_cache_dtype"] == "auto"
     assert "--kv-cache-dtype" not in a["launch"]["vllm@0.33.0"]["command"]
-    assert main(["report", str(tiny_nvfp4_modelopt), "--tp", "2", "--kv-cache-dtype", "fp8", "-o", str(out), "--force"]) == 0
-    assert "--kv-cache-dtype fp8" in _page(out).data["artifacts"][0]["launch"]["vllm@0.33.0"]["command"]
     # a finding whose row the grid does not draw (no MTP head, --mtp 1) is listed beside the grid
     assert main(["report", str(tiny_nvfp4_modelopt_nomtp), "--tp", "2", "--mtp", "1", "-o", str(out), "--force"]) == 0
     a = _page(out).data["artifacts"][0]
@@ -331,3 +340,34 @@ def test_report_ref_on_an_hf_source_uses_its_data(hub, tiny_bf16, tiny_nvfp4_mod
                                 ref=str(tiny_bf16))
     with pytest.raises(UsageError, match="header-only"):
         report.plan(opts)
+
+
+def test_the_kv_legend_stays_off_the_bars(tiny_nvfp4_modelopt):
+    """Issue 26, found as: the KV-scale chart's legend covered the bars."""
+    from qtool.ops.inspect import inspect_checkpoint
+    from qtool.ops.report.charts import kv_scales_figure
+
+    kv = inspect_checkpoint(tiny_nvfp4_modelopt)["kv_scales"]
+    fig = kv_scales_figure([("a", kv), ("b", kv)])
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    legend = ax.get_legend().get_window_extent()
+    bars = [p.get_window_extent() for p in ax.patches]
+    assert bars and not any(legend.overlaps(b) for b in bars)
+
+
+def test_header_provenance_of_a_build(tiny_bf16, tiny_nvfp4_modelopt_nomtp, tmp_path, capsys):
+    """Issue 26, found as: at TP=1 the header said "TP=1 on 4x97887MiB" over one GPU's bars, and a build's
+    provenance named `demo-out.build/steps/kv-...` instead of the recipe's sources."""
+    out = tmp_path / "demo-out"
+    assert main(["build", "demo-tiny", "-o", str(out), "--source", f"nvfp4={tiny_nvfp4_modelopt_nomtp}",
+                 "--source", f"bf16={tiny_bf16}", "--quiet"]) == 0
+    page = tmp_path / "r.html"
+    assert main(["report", str(out), "--tp", "1", "-o", str(page)]) == 0
+    text = page.read_text()
+    assert "TP=1: 1 GPU(s) of\n97887 MiB (of the 4x97887MiB given)" in text
+    prov = _page(page).data["artifacts"][0]["provenance"]
+    where = {s["name"]: s["path"] for s in prov["sources"]}
+    assert where == {"nvfp4": f"{tiny_nvfp4_modelopt_nomtp} (--source, for the recipe's builtin "
+                              "tiny-nvfp4-modelopt-nomtp)", "bf16": f"{tiny_bf16} (--source, for the recipe's builtin tiny-bf16)"}
+    assert ".build/steps/" not in json.dumps(prov["sources"])

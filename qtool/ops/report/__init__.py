@@ -32,6 +32,8 @@ class ReportOptions:
     kld_options: object | None = None  # qtool.ops.kld.KldOptions for --ref
     ref_label: str | None = None  # how the user named --ref (an hf: source), for the page
     force: bool = False
+    # --kv-cache-dtype as given; None: each artifact's as serve-config chooses it (fp8 where calibrated)
+    kv_cache_dtype: str | None = None
 
 
 @dataclass
@@ -151,7 +153,7 @@ def execute(p: ReportPlan, *, progress=None) -> ReportResult:
     from qtool.io.checkpoint import reuse_opened
 
     with reuse_opened():  # inspect, verify and serve-config read the same headers: parse them once
-        artifacts = [artifact_data(a, o.verify, kld) for a, kld in zip(o.artifacts, p.klds)]
+        artifacts = [artifact_data(a, o.verify, kld, o.kv_cache_dtype) for a, kld in zip(o.artifacts, p.klds)]
     if o.ref:  # after the header-only work: a broken artifact fails before the long run
         for a, art in zip(artifacts, o.artifacts):
             a["kld"] = run_kld(o.ref, art.path, o.kld_options, progress)
@@ -166,9 +168,14 @@ def execute(p: ReportPlan, *, progress=None) -> ReportResult:
                    "windows": getattr(ko, "windows", None), "seq_len": getattr(ko, "seq_len", None)}
     elif o.kld:
         kld_run = {"files": list(o.kld)}
+    from qtool.ops.verify.memory_fit import Target
+
+    target = Target.parse(v.gpus)  # the header names the GPUs the TP group uses, not all that were given
     data = {"qtool_version": __version__, "artifacts": artifacts, "difference": difference, "kld_run": kld_run,
-            "options": {"engine": v.engine, "tp": v.tp, "gpus": v.gpus, "max_model_len": v.max_model_len,
-                        "max_num_seqs": v.max_num_seqs, "kv_cache_dtype": v.kv_cache_dtype, "mtp": v.mtp}}
+            "options": {"engine": v.engine, "tp": v.tp, "gpus": v.gpus, "num_gpus": target.num_gpus,
+                        "gpu_size": f"{target.gpu_bytes / 2**20:.0f} MiB", "max_model_len": v.max_model_len,
+                        "max_num_seqs": v.max_num_seqs, "kv_cache_dtype": o.kv_cache_dtype or "fp8 where calibrated, else auto (as serve-config)",
+                        "mtp": v.mtp}}
     html = render(data)
     atomic_write_text(o.out, html)
     sections = ["verdict", "grid", "kv", "memory", "provenance"] + (["kld"] if any(klds) else []) + (

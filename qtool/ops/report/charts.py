@@ -52,6 +52,13 @@ def _svg(fig, prefix: str) -> str:
 def kv_scales_chart(series: list[tuple[str, dict]], prefix: str) -> str | None:
     """k and v scale per full-attention layer (inspect's `kv_scales.values`), one pair of bars per layer
     and artifact; None when no artifact has values."""
+    fig = kv_scales_figure(series)
+    return None if fig is None else _svg(fig, prefix)
+
+
+def kv_scales_figure(series: list[tuple[str, dict]]):
+    """The KV-scale chart's matplotlib figure (its legend beside the axes: over them it covered the tallest
+    bars)."""
     series = [(label, kv) for label, kv in series if kv.get("values")]
     if not series:
         return None
@@ -69,8 +76,8 @@ def kv_scales_chart(series: list[tuple[str, dict]], prefix: str) -> str | None:
     ax.set_xticks(range(len(layers)), [str(layer) for layer in layers])
     ax.set_xlabel("full-attention layer")
     ax.set_ylabel("scale")
-    ax.legend(frameon=False, fontsize=8)
-    return _svg(fig, prefix)
+    ax.legend(frameon=False, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+    return fig
 
 
 def memory_chart(fits: list[tuple[str, dict]], prefix: str) -> str | None:

@@ -24,13 +24,20 @@ class Artifact:
     label: str  # what the page calls it (the user's argument: a path or hf:ORG/NAME@REV)
 
 
-def artifact_data(art: Artifact, verify_opts, kld: dict | None = None) -> dict:
-    """One artifact's section of the report."""
+def artifact_data(art: Artifact, verify_opts, kld: dict | None = None, kv_cache_dtype: str | None = None) -> dict:
+    """One artifact's section of the report; its memory fit and launch lines with the KV-cache dtype
+    serve-config would use (`kv_cache_dtype`, else fp8 where the artifact's scales are calibrated)."""
     from qtool.ops.inspect import inspect_checkpoint
+    from qtool.ops.serve_config import served_kv_cache_dtype
     from qtool.ops.verify import verify
 
     inspected = inspect_checkpoint(art.path)
-    verified = verify(art.path, replace(verify_opts, deep=False)).to_json()
+    rep = verify(art.path, replace(verify_opts, deep=False, kv_cache_dtype=kv_cache_dtype or "auto"))
+    kv = served_kv_cache_dtype(kv_cache_dtype, rep.facts)
+    verify_opts = replace(verify_opts, kv_cache_dtype=kv)
+    if kv != (kv_cache_dtype or "auto"):  # calibrated scales: fit and launch lines with an FP8 KV cache
+        rep = verify(art.path, replace(verify_opts, deep=False))
+    verified = rep.to_json()
     if art.label != str(art.path):  # an hf: source's stand-in: messages and fixes name the source
         inspected, verified = (_renamed(x, str(art.path), art.label) for x in (inspected, verified))
     naming = Naming(inspected["naming"])
@@ -95,12 +102,27 @@ def provenance(root: Path) -> dict | None:
                         "files": [{"file": f, "sha256": (v or {}).get("sha256"), "bytes": (v or {}).get("bytes")}
                                   for f, v in sorted(files.items())]})
     build = m.get("build") or None
+    if isinstance(build, dict) and isinstance(build.get("sources"), dict):
+        # a build's artifact: its sources are the recipe's (the last step's input is only a step directory)
+        sources = [_recipe_source(n, s) for n, s in build["sources"].items() if isinstance(s, dict)]
     if build:
         build = {"recipe": build.get("recipe"), "final_key": build.get("final_key"),
                  "sources": build.get("sources"),
                  "steps": [{k: s.get(k) for k in ("id", "op", "key", "inputs")} for s in build.get("steps") or []]}
     return {"qtool_version": m.get("qtool_version"), "operation": m.get("operation"), "command": m.get("command"),
             "libraries": m.get("libraries") or {}, "sources": sources, "build": build}
+
+
+def _recipe_source(name: str, src: dict) -> dict:
+    """A build recipe's source as the provenance table shows one: where it is (the Hub repo, the builtin's
+    name, the local path) and its commit."""
+    ident = src.get("identity") if isinstance(src.get("identity"), dict) else {}
+    kind, ref = src.get("kind"), src.get("ref")
+    where = {"hub": None, "builtin": f"builtin {ref}"}.get(kind, src.get("path") or ref)
+    if src.get("overridden"):  # `build --source NAME=PATH` stood in for the recipe's source
+        where = f"{src.get('path')} (--source, for the recipe's {kind} {ref})"
+    return {"name": name, "path": where, "repo": ref if kind == "hub" else None,
+            "commit": ident.get("commit"), "files": []}
 
 
 def launch_commands(art: Artifact, verify_opts) -> dict[str, dict]:
