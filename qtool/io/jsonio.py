@@ -18,9 +18,19 @@ from pathlib import Path
 from qtool.errors import ConfigError, WriteError
 
 try:  # a 397B index has ~370k weight_map entries; orjson parses it several times faster
+    from orjson import dumps as _odumps
     from orjson import loads as _loads
-except ImportError:  # pragma: no cover - orjson is a declared dependency
+
+    def dumps_compact(obj) -> str:
+        """One line, no spaces, UTF-8 as is (the same text as the fallback's)."""
+        return _odumps(obj).decode()
+except ImportError:  # orjson is a declared dependency; an environment without it still works, slower
     _loads = json.loads
+
+    def dumps_compact(obj) -> str:
+        return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+
+loads = _loads  # bytes or str -> object, the fast parser where there is one
 
 
 @dataclass

@@ -304,7 +304,7 @@ def write_shards_section(path: Path, shards, roots: dict[str, Path]) -> None:
     into the manifest, which is). `shards`: planned shards whose tensors have `.name` and `.origin`
     (source, file, tensor, slice). Written while the shards are being copied, so its CPU time overlaps
     the I/O; one line per tensor, so a 400k-tensor manifest never sits in memory as one object."""
-    import orjson
+    from qtool.io.jsonio import dumps_compact
 
     rel: dict[tuple[str, str], str] = {}  # (source, file) -> path relative to that source's root
     with open(path, "w", encoding="utf-8") as f:
@@ -323,7 +323,7 @@ def write_shards_section(path: Path, shards, roots: dict[str, Path]) -> None:
                 d = {"source": o.source, "file": rel[key], "tensor": o.tensor}
                 if o.slice:
                     d["slice"] = o.slice
-                f.write(("," if j else "") + f"\n   {json.dumps(t.name)}: " + orjson.dumps(d).decode())
+                f.write(("," if j else "") + f"\n   {json.dumps(t.name)}: " + dumps_compact(d))
             f.write("\n  }}")
         f.write("\n }\n}\n")
 

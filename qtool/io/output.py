@@ -122,9 +122,9 @@ def not_ours_reason(path: Path) -> str | None:
     if not os.path.lexists(path / MANIFEST_NAME):
         return f"no {MANIFEST_NAME}"
     try:
-        import orjson
+        from qtool.io.jsonio import loads
 
-        m = orjson.loads(read_regular(path / MANIFEST_NAME))
+        m = loads(read_regular(path / MANIFEST_NAME))
     except (QtoolError, ValueError):
         return f"its {MANIFEST_NAME} is not a qtool manifest (unreadable or not JSON)"
     if not isinstance(m, dict) or any(k not in m for k in MANIFEST_HEAD) or not isinstance(m.get("files"), dict) \

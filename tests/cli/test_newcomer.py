@@ -172,3 +172,20 @@ def test_assemble_says_when_the_shared_experts_it_splices_are_bf16_already(tiny_
     # (3 projections each) were BF16 already
     assert "(96 quantized, 24 BF16 already)" in replaced
     assert "shared experts are BF16 already" in r.stdout
+
+
+def test_an_environment_without_orjson_still_writes_and_replaces_outputs(tiny_nvfp4_modelopt_nomtp, tiny_bf16,
+                                                                         tmp_path):
+    """Found on the GPU machine (its image has no orjson): the bench's second quantize --force into an
+    existing output died in an `import orjson`; the other JSON readers fall back to the standard library."""
+    args = ["assemble", "hybrid", "--nvfp4", str(tiny_nvfp4_modelopt_nomtp), "--bf16", str(tiny_bf16),
+            "-o", str(tmp_path / "h"), "--bf16-expert-layers", "0", "--quiet"]
+    first = _qtool(args, cwd=tmp_path, hide=("orjson",))
+    assert first.returncode == 0, first.stderr
+    again = _qtool([*args, "--force"], cwd=tmp_path, hide=("orjson",))
+    assert again.returncode == 0, again.stderr
+    with_orjson = _qtool([*args[:-3], "-o", str(tmp_path / "h2"), "--bf16-expert-layers", "0", "--quiet"],
+                         cwd=tmp_path)
+    assert with_orjson.returncode == 0, with_orjson.stderr
+    man = [json.loads((tmp_path / d / "qtool-manifest.json").read_text()) for d in ("h", "h2")]
+    assert man[0]["shards"] == json.loads(json.dumps(man[1]["shards"]).replace(str(tmp_path / "h2"), str(tmp_path / "h")))
