@@ -172,7 +172,15 @@ def test_seed_recipes_plan_on_sparse(sparse_397b, hub, tmp_path, capsys, monkeyp
     hub.add_dataset("HuggingFaceH4/ultrachat_200k", chat_dataset_files(1200, words=300))
     monkeypatch.chdir(tmp_path)  # shipped recipes run from any directory
     monkeypatch.setenv("QTOOL_BUILD_SOURCES", ",".join(f"{k}={sparse_397b[v]}" for k, v in sources.items()))
+    # one sha256 cache for the cases, as a user's runs share theirs: a build names its local sources by
+    # content, and each case would otherwise hash the ~1 TB of the stand-ins' holes again (minutes each)
+    shared, mine = sparse_397b["bf16"].parent / "sha256-cache.json", Path(os.environ["QTOOL_CACHE_DIR"])
+    mine.mkdir(parents=True, exist_ok=True)
+    if shared.exists():
+        shutil.copy(shared, mine / shared.name)
     rep = _build(capsys, RECIPES / f"{recipe}.yaml", "-o", tmp_path / "o", "--dry-run")
+    if (mine / shared.name).exists():
+        shutil.copy(mine / shared.name, shared)
     steps = {s["id"]: s for s in rep["steps"]}
     assert steps[first]["validation"]["status"] == "planned", steps[first]
     assert all(s["state"] == "run" for s in rep["steps"])
