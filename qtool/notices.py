@@ -15,15 +15,26 @@ def tell(message: str) -> None:
 
 def to_stderr(enabled: bool) -> None:
     """The CLI's choice: the notices as plain lines on stderr (flushed as they come), or none."""
-    import sys
-
     for h in list(LOG.handlers):
         LOG.removeHandler(h)
     LOG.propagate = False
     if enabled:
-        h = logging.StreamHandler(sys.stderr)
+        h = _Stderr()
         h.setFormatter(logging.Formatter("%(message)s"))
         LOG.addHandler(h)
         LOG.setLevel(logging.INFO)
     else:
         LOG.setLevel(logging.WARNING + 100)
+
+
+class _Stderr(logging.Handler):
+    """Whatever sys.stderr is when a line is told (not the stream of the moment the CLI started: an
+    in-process caller such as pytest's capture may have replaced and closed that one since)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        import sys
+
+        try:
+            print(self.format(record), file=sys.stderr, flush=True)
+        except (OSError, ValueError):
+            pass

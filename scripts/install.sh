@@ -19,7 +19,7 @@ if [ ! -x "$venv/bin/python" ]; then
   fi
 fi
 py="$venv/bin/python"
-cons="$(mktemp)"; report="$(mktemp)"; trap 'rm -f "$cons" "$report"' EXIT
+cons="$(mktemp)"; trap 'rm -f "$cons"' EXIT
 cp "$root/constraints.txt" "$cons"
 if torch_version="$("$py" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null)"; then
   echo "qtool install: keeping the installed torch $torch_version"
@@ -28,11 +28,9 @@ else
   echo "torch==2.13.0" >> "$cons"
   cpu_index="${QTOOL_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"
   if ! command -v nvidia-smi >/dev/null 2>&1 && [ ! -e /proc/driver/nvidia ] && [ -n "$cpu_index" ] &&
-     "$py" -m pip install -q --timeout 15 --retries 0 --index-url "$cpu_index" --report "$report" \
-       "torch==2.13.0" 2>/dev/null; then
-    # pip's own record of where the wheel came from (a find-links folder or a mirror may serve it first)
-    echo "qtool install: torch 2.13.0 (CPU build) from $("$py" -c 'import json, sys
-print(json.load(open(sys.argv[1]))["install"][0]["download_info"]["url"].rsplit("/", 1)[0])' "$report")"
+     "$py" -m pip install -q --timeout 15 --retries 0 --index-url "$cpu_index" "torch==2.13.0" 2>/dev/null; then
+    # (pip may take the wheel from a configured find-links folder or mirror rather than the index)
+    echo "qtool install: torch 2.13.0 (CPU build)"
   else
     "$py" -m pip install -q -c "$cons" "torch==2.13.0"
   fi

@@ -220,14 +220,22 @@ def _fit_fix(mm, fit, opts, target) -> str:
                 f"{TP_SIZES[-1]}: a smaller checkpoint (NVFP4 routed experts, fewer BF16 pieces) or larger GPUs")
     per_seq = fit.kv_bytes_per_token
     fixes = []
-    if per_seq and opts.max_model_len:
+    length = opts.max_model_len or fit.max_model_len
+    if per_seq and length:
         seqs = max(opts.max_num_seqs or 1, 1)
         room = int((fit.kv_cache_gib * GIB - seqs * fit.state_bytes_per_seq) // (seqs * per_seq))
         if room >= 1:
             fixes.append(f"--max-model-len {room} at most for {seqs} sequence(s)")
-    if opts.max_num_seqs and fit.max_num_seqs == 0 and opts.max_model_len:
-        fixes.append("fewer --max-num-seqs")
+    if opts.max_num_seqs and per_seq and length:
+        fit_seqs = int(fit.kv_cache_gib * GIB // (length * per_seq + fit.state_bytes_per_seq))
+        if 1 <= fit_seqs < opts.max_num_seqs:
+            fixes.append(f"--max-num-seqs {fit_seqs} at most at {length} tokens")
     if opts.kv_cache_dtype != "fp8":
         fixes.append("--kv-cache-dtype fp8 with calibrated scales (half the KV cache)")
-    fixes.append(f"more GPUs (--gpus {TP_SIZES[-1]}x{target.gpu_bytes // (1 << 20)}MiB --tp {TP_SIZES[-1]})")
-    return "the KV cache does not fit: " + ", or ".join(fixes)
+    for t in (t for t in TP_SIZES if t > opts.tp):  # more GPUs only where that fits (KV heads stop splitting)
+        if memory_fit(mm, tp=t, target=type(target)(t, target.gpu_bytes), gpu_memory_utilization=opts.gpu_memory_utilization,
+                      kv_cache_dtype=opts.kv_cache_dtype, mtp=opts.mtp, max_model_len=opts.max_model_len,
+                      max_num_seqs=opts.max_num_seqs).fits:
+            fixes.append(f"more GPUs (--gpus {t}x{target.gpu_bytes // (1 << 20)}MiB --tp {t})")
+            break
+    return "the KV cache does not fit: " + (", or ".join(fixes) if fixes else "no setting of these flags holds it")
