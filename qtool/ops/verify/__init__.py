@@ -204,18 +204,15 @@ __all__ = ["Code", "Finding", "Severity", "VerifyOptions", "VerifyPlan", "Verify
 def _fit_fix(mm, fit, opts, target) -> str:
     """What makes it fit, by what does not: the weights alone (more GPUs of the same size, the first TP
     that holds them), or the KV cache (a context or batch that fits, FP8 KV)."""
-    from qtool.ops.verify.engine_rules import TP_SIZES
-    from qtool.ops.verify.memory_fit import GIB, memory_fit
+    from qtool.ops.verify.memory_fit import GIB
 
+    more = _more_gpus(mm, opts, target)
     if fit.kv_cache_gib <= 0:  # the weights and the reserve alone exceed the budget
-        for t in (t for t in TP_SIZES if t > opts.tp):
-            bigger = memory_fit(mm, tp=t, target=type(target)(t, target.gpu_bytes),
-                                gpu_memory_utilization=opts.gpu_memory_utilization,
-                                kv_cache_dtype=opts.kv_cache_dtype, mtp=opts.mtp, max_model_len=opts.max_model_len,
-                                max_num_seqs=opts.max_num_seqs)
-            if bigger.fits:
-                return (f"the weights alone ({fit.weights_per_gpu_gib:.1f} GiB per GPU) exceed the budget: serve on "
-                        f"{t} GPUs: qtool verify {mm.ckpt.root} --gpus {t}x{target.gpu_bytes // (1 << 20)}MiB --tp {t}")
+        if more:
+            return (f"the weights alone ({fit.weights_per_gpu_gib:.1f} GiB per GPU) exceed the budget: serve on "
+                    f"{more[0]} GPUs: qtool verify {mm.ckpt.root} {more[1]}")
+        from qtool.ops.verify.engine_rules import TP_SIZES
+
         return (f"the weights alone ({fit.weights_per_gpu_gib:.1f} GiB per GPU) exceed the budget at every TP up to "
                 f"{TP_SIZES[-1]}: a smaller checkpoint (NVFP4 routed experts, fewer BF16 pieces) or larger GPUs")
     per_seq = fit.kv_bytes_per_token
@@ -232,10 +229,19 @@ def _fit_fix(mm, fit, opts, target) -> str:
             fixes.append(f"--max-num-seqs {fit_seqs} at most at {length} tokens")
     if opts.kv_cache_dtype != "fp8":
         fixes.append("--kv-cache-dtype fp8 with calibrated scales (half the KV cache)")
-    for t in (t for t in TP_SIZES if t > opts.tp):  # more GPUs only where that fits (KV heads stop splitting)
+    if more:  # more GPUs only where that fits (the KV heads stop splitting beyond their count)
+        fixes.append(f"more GPUs ({more[1]})")
+    return "the KV cache does not fit: " + (", or ".join(fixes) if fixes else "no setting of these flags holds it")
+
+
+def _more_gpus(mm, opts, target) -> tuple[int, str] | None:
+    """(TP, its --gpus/--tp flags) of the first larger TP group of the same GPUs that fits, else None."""
+    from qtool.ops.verify.engine_rules import TP_SIZES
+    from qtool.ops.verify.memory_fit import memory_fit
+
+    for t in (t for t in TP_SIZES if t > opts.tp):
         if memory_fit(mm, tp=t, target=type(target)(t, target.gpu_bytes), gpu_memory_utilization=opts.gpu_memory_utilization,
                       kv_cache_dtype=opts.kv_cache_dtype, mtp=opts.mtp, max_model_len=opts.max_model_len,
                       max_num_seqs=opts.max_num_seqs).fits:
-            fixes.append(f"more GPUs (--gpus {t}x{target.gpu_bytes // (1 << 20)}MiB --tp {t})")
-            break
-    return "the KV cache does not fit: " + (", or ".join(fixes) if fixes else "no setting of these flags holds it")
+            return t, f"--gpus {t}x{target.gpu_bytes // (1 << 20)}MiB --tp {t}"
+    return None
