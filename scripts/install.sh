@@ -34,7 +34,7 @@ else
   else
     "$py" -m pip install -q -c "$cons" "torch==2.13.0"
   fi
-  if "$py" -c 'import sys, torch; sys.exit(0 if torch.version.cuda is None else 1)' && [ -e /proc/driver/nvidia ]; then
+  if "$py" -c 'import sys, torch; sys.exit(0 if torch.version.cuda is None else 1)' 2>/dev/null && [ -e /proc/driver/nvidia ]; then
     echo "qtool install: note: this torch is a CPU build on a machine with an NVIDIA GPU" >&2
   fi
 fi
