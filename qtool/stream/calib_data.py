@@ -207,6 +207,11 @@ def load_tokenizer(ckpt_dir: str | Path):
 
     from qtool.quiet import transformers_errors_only
 
+    if Path(ckpt_dir).is_dir():
+        # a FIFO or a dangling symlink at tokenizer.json is named as such, not as "no tokenizer"
+        from qtool.io.plan import checkpoint_files
+
+        checkpoint_files(Path(ckpt_dir))
     if Path(ckpt_dir).is_dir() and not any((Path(ckpt_dir) / f).is_file() for f in TOKENIZER_FILES):
         # AutoTokenizer would otherwise build an empty tokenizer from the processor configs: 0 tokens
         raise PlanError(
