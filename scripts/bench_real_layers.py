@@ -353,7 +353,7 @@ def main() -> int:
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)  # set on these machines: no cache would ever be written
     subprocess.run([sys.executable, "-c", "import qtool.cli.main, qtool.ops.quantize, qtool.ops.calibrate_kv, "
                     "qtool.ops.kld, transformers.models.qwen3_5_moe.modeling_qwen3_5_moe"], check=True,
-                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+                   env={**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")})
     data = w / "calib.txt"
     write_dataset(data, a.samples * a.seq_len)
     common = ["--dataset", str(data), "--samples", str(a.samples), "--seq-len", str(a.seq_len), "--device", a.device]
