@@ -21,8 +21,11 @@ def test_readme_has_exactly_the_two_setup_commands_and_ci_runs_the_test_one():
     demo, tests = commands
     assert "qtool build demo-tiny" in demo and demo.startswith("bash scripts/install.sh")
     assert tests == "bash scripts/install.sh && .venv/bin/python -m pytest -q"
-    ci = (ROOT / ".ci/run").read_text()
-    assert "bash scripts/install.sh" in ci and ".venv/bin/python -m pytest -q" in ci
+    # CI runs a newcomer's run: these two commands as the README writes them
+    assert "bash scripts/newcomer.sh" in (ROOT / ".ci/run").read_text()
+    printed = subprocess.run(["bash", str(ROOT / "scripts/newcomer.sh"), "--print"], capture_output=True, text=True,
+                             check=True).stdout
+    assert printed.splitlines() == [demo, tests]
     assert (ROOT / "qtool/data/recipes/build/demo-tiny.yaml").exists() and (ROOT / "recipes/build/demo-tiny.yaml").exists()
 
 
