@@ -54,6 +54,7 @@ class InPlaceDir(OutputDir):
         self.partial = in_place_partial(real)
         self.input_digests = self.partial / ".qtool-input-digests.jsonl"
         self.keep_partial = keep_partial  # False: an op without --resume removes its partial on failure
+        self.resumable = keep_partial
 
     @classmethod
     def recover(cls, root: str | Path) -> None:

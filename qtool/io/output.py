@@ -342,6 +342,10 @@ class OutputDir:
         self.input_digests = self.partial / INPUT_DIGESTS
         self.lock = lock_for(self.out)
         self.replace_any = replace_any  # qtool's own cache and step directories: nobody else's files
+        # whether an interruption leaves work a `--resume` re-run continues (what Ctrl-C lists as kept);
+        # not qtool's own caches and step directories: the next run makes them again by itself, whatever
+        # its flags, so promising their partial to the user would be a promise qtool does not keep
+        self.resumable = not replace_any
         self.committed = False
 
     def check(self) -> None:
@@ -447,9 +451,9 @@ OPEN: list[OutputDir] = []
 
 
 def kept_partials() -> list[Path]:
-    """The partial outputs an interruption of this process leaves behind (for the CLI's message)."""
-    return [tx.partial for tx in OPEN if not tx.committed and tx.partial.is_dir()
-            and getattr(tx, "keep_partial", True)]
+    """The partial outputs an interruption of this process leaves for a `--resume` re-run (for the CLI's
+    message); a cache's partial is not one of them (OutputDir.resumable)."""
+    return [tx.partial for tx in OPEN if not tx.committed and tx.resumable and tx.partial.is_dir()]
 
 
 def tell_discarded(partial: Path, out: Path) -> None:

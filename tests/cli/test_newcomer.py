@@ -189,3 +189,33 @@ def test_an_environment_without_orjson_still_writes_and_replaces_outputs(tiny_nv
     assert with_orjson.returncode == 0, with_orjson.stderr
     man = [json.loads((tmp_path / d / "qtool-manifest.json").read_text()) for d in ("h", "h2")]
     assert man[0]["shards"] == json.loads(json.dumps(man[1]["shards"]).replace(str(tmp_path / "h2"), str(tmp_path / "h")))
+
+
+def _ctrl_c(args: list[str], at: str, n: int, marker: Path) -> str:
+    """stderr of `qtool ARGS` given Ctrl-C (SIGINT) right after the Nth return of `at` (exit 130 checked)."""
+    import signal
+
+    from killpoint import start_paused
+
+    p = start_paused(at, n, marker, args)
+    try:
+        _wait_for(Path(str(marker) + ".paused"), p)
+        p.send_signal(signal.SIGINT)
+    finally:
+        Path(str(marker) + ".go").touch()
+    _out, err = p.communicate(timeout=300)
+    assert p.returncode == 130, err
+    return err
+
+
+def test_ctrl_c_while_qtool_makes_a_cache_promises_nothing_of_it(tmp_path, monkeypatch):
+    """Found: Ctrl-C while `build demo-tiny` made its builtin tiny-bf16 listed the cache's half-made
+    `bf16.partial` as "kept: ... (the work finished so far)" with a `--resume` line; but a cache is made
+    again from the start by the next run, --resume or not. Only what a --resume re-run continues is kept."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("QTOOL_CACHE_DIR", str(cache))  # (the child's environment)
+    err = _ctrl_c(["build", "demo-tiny", "-o", str(tmp_path / "out")], "qtool.fixtures.tiny:_init_model", 1,
+                  tmp_path / "m")
+    assert "interrupted" in err and "making the builtin tiny-bf16" in err, err
+    assert list(cache.rglob("bf16.partial")), "the pause was not inside the fixture's transaction"
+    assert "kept:" not in err and "continue:" not in err, err
