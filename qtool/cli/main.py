@@ -266,8 +266,14 @@ def _interrupted(args, argv: list[str], e: KeyboardInterrupt) -> str:
     for p in kept:
         lines.append(f"  kept:     {p} (the work finished so far)")
     if kept and hasattr(args, "resume"):
-        again = argv if "--resume" in argv else [*argv, "--resume"]
+        from qtool.io.manifest import without_secrets
+
+        # a token is never printed, and `--token '***'` is no command to run: it is left out, and said so
+        again, had_token = without_secrets(argv)
+        again = again if "--resume" in again else [*again, "--resume"]
         lines.append(f"  continue: {command_line(['qtool', *again])}")
+        if had_token:
+            lines.append("            (give the token again: set HF_TOKEN, or add --token TOKEN)")
     return "\n".join(lines)
 
 

@@ -74,6 +74,23 @@ def redact_argv(argv: list[str]) -> list[str]:
     return out
 
 
+def without_secrets(argv: list[str]) -> tuple[list[str], bool]:
+    """(argv without the secret flags and their values, whether it had any): for a command line printed to
+    be run again, where `--token '***'` would be a command that fails on the Hub."""
+    out: list[str] = []
+    dropped = skip_next = False
+    for a in argv:
+        if skip_next:
+            skip_next = False
+        elif a in SECRET_FLAGS:
+            dropped = skip_next = True
+        elif any(a.startswith(f + "=") for f in SECRET_FLAGS):
+            dropped = True
+        else:
+            out.append(a)
+    return out, dropped
+
+
 def redact_text(text: str) -> str:
     """`text` with anything shaped like a Hugging Face token replaced by `***`."""
     return _TOKEN.sub("***", text)

@@ -219,3 +219,23 @@ def test_ctrl_c_while_qtool_makes_a_cache_promises_nothing_of_it(tmp_path, monke
     assert "interrupted" in err and "making the builtin tiny-bf16" in err, err
     assert list(cache.rglob("bf16.partial")), "the pause was not inside the fixture's transaction"
     assert "kept:" not in err and "continue:" not in err, err
+
+
+def test_ctrl_c_with_a_token_gives_a_continue_line_that_runs(tmp_path, tiny_bf16, tiny_nvfp4_modelopt_nomtp):
+    """Found: the `continue:` line after Ctrl-C of a run given `--token` said `--token '***'` (secrets never
+    reach output), a command that fails on the Hub if pasted. The token is left out of it, and the user is
+    told to give it again."""
+    import shlex
+
+    from qtool.cli.main import build_parser
+
+    token = "hf_" + "x" * 20  # shaped like a real one
+    args = ["build", "demo-tiny", "-o", str(tmp_path / "out"), "--token", token, "--source",
+            f"nvfp4={tiny_nvfp4_modelopt_nomtp}", "--source", f"bf16={tiny_bf16}"]
+    err = _ctrl_c(args, "qtool.io.identity:Journal.record", 1, tmp_path / "m")
+    assert token not in err and "***" not in err, err
+    again = next(ln.split("continue:", 1)[1].strip() for ln in err.splitlines() if "continue:" in ln)
+    argv = shlex.split(again)
+    assert argv[1:] == [*args[:4], *args[6:], "--resume"], again
+    build_parser("build").parse_args(argv[1:])
+    assert "HF_TOKEN" in err and "--token" in err.split("continue:", 1)[1], err
