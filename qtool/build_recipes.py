@@ -60,7 +60,7 @@ OP_KEYS: dict[Op, tuple[set[str], set[str]]] = {
     Op.DOWNLOAD: ({"include", "tensors"}, set()),
     Op.QUANTIZE: ({"recipe", "backend", "format", "samples", "seq_len", "dataset", "device"}, set()),
     Op.CONVERT: ({"to"}, set()),
-    Op.ASSEMBLE: ({"nvfp4", "bf16", "bf16_expert_layers", "mtp", "link", "max_shard_size"}, {"nvfp4", "bf16"}),
+    Op.ASSEMBLE: ({"nvfp4", "bf16", "bf16_expert_layers", "bf16_shared_expert_layers", "mtp", "link", "max_shard_size"}, {"nvfp4", "bf16"}),
     Op.CALIBRATE_KV: ({"samples", "seq_len", "dataset", "device", "replace_scales"}, set()),
     Op.PATCH_CONFIG: ({"fixes", "ignore_add", "ignore_remove", "yarn", "original_max_position",
                        "sampling_defaults"}, set()),

@@ -1,4 +1,5 @@
-"""qtool assemble hybrid --nvfp4 SRC --bf16 SRC -o OUT [--bf16-expert-layers LIST] [--mtp MODE]
+"""qtool assemble hybrid --nvfp4 SRC --bf16 SRC -o OUT [--bf16-expert-layers LIST]
+[--bf16-shared-experts all|none|LIST] [--mtp MODE]
 [--link MODE] [--max-shard-size SIZE] [--resume] [--force] [--dry-run] [--json] [--quiet]"""
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ def add_arguments(p) -> None:
     h.add_argument("--bf16", required=True, help="the BF16 original (fused or per-expert routed experts)")
     h.add_argument("--bf16-expert-layers", default="", metavar="LIST",
                    help="comma-separated decoder layers whose routed experts come from BF16, e.g. 0 or 0,1")
+    h.add_argument("--bf16-shared-experts", default="all", metavar="all|none|LIST",
+                   help="whose shared experts come from BF16: all layers (default), none, or e.g. 0,1,5")
     h.add_argument("--mtp", choices=["auto", "from-bf16", "keep", "drop"], default="auto",
                    help="MTP head: auto grafts BF16's when the NVFP4 source has none (default)")
     h.add_argument("--link", choices=["auto", "reflink", "hardlink", "copy"], default="auto",
@@ -27,11 +30,17 @@ def add_arguments(p) -> None:
     add_output_flags(h)
 
 
-def _layers(text: str) -> tuple[int, ...]:
+def _layers(text: str, flag: str = "--bf16-expert-layers") -> tuple[int, ...]:
     try:
         return tuple(sorted({int(x) for x in text.replace(" ", "").split(",") if x}))
     except ValueError:
-        raise UsageError("--bf16-expert-layers takes comma-separated layer numbers", got=text) from None
+        raise UsageError(f"{flag} takes comma-separated layer numbers", got=text) from None
+
+
+def _shared_layers(text: str) -> tuple[int, ...] | None:
+    """--bf16-shared-experts: all -> None (every layer), none -> (), else the layers."""
+    t = text.strip().lower()
+    return None if t == "all" else () if t == "none" else _layers(text, "--bf16-shared-experts (all, none or LIST)")
 
 
 def run(args) -> int:
@@ -46,11 +55,13 @@ def run(args) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     layers = _layers(args.bf16_expert_layers)
+    shared = _shared_layers(args.bf16_shared_experts)
     # --dry-run reads headers only, also of hf: sources (qtool.hub.headers); a real run fetches what it copies
     src = headers_checkpoint if args.dry_run else local_checkpoint
     opts = HybridOptions(nvfp4=src(args.nvfp4), bf16=(headers_checkpoint(args.bf16) if args.dry_run else
-                                                     _bf16_source(args.bf16, layers, args.mtp, show_progress(args))),
-                         out=Path(args.output), bf16_expert_layers=layers, mtp=MtpMode(args.mtp),
+                                                     _bf16_source(args.bf16, layers, args.mtp, show_progress(args), shared)),
+                         out=Path(args.output), bf16_expert_layers=layers, bf16_shared_expert_layers=shared,
+                         mtp=MtpMode(args.mtp),
                          link=LinkMode(args.link), max_shard_size=max_size, force=args.force,
                          resume=args.resume, command=run_command_line())
     plan = plan_hybrid(opts)
@@ -80,9 +91,11 @@ def _print_plan(s: dict, header: str | None = None) -> None:
     print(header or f"plan: {s['out']} (dry run, nothing written)")
     print(f"  sources        NVFP4 {s['nvfp4']} ({s['flavour']}), BF16 {s['bf16']}")
     t = s["tensors"]
-    print(f"  from BF16      {t['from_bf16']} tensors ({t['unfused']} unfused from the fused layout): shared "
-          f"experts of every layer" + (f", routed experts of layers {s['bf16_expert_layers']}"
-                                       if s["bf16_expert_layers"] else ""))
+    shared = s.get("bf16_shared_expert_layers")
+    shared = ("shared experts of every layer" if shared is None else
+              f"shared experts of layers {shared}" if shared else "no shared expert")
+    print(f"  from BF16      {t['from_bf16']} tensors ({t['unfused']} unfused from the fused layout): {shared}"
+          + (f", routed experts of layers {s['bf16_expert_layers']}" if s["bf16_expert_layers"] else ""))
     print(f"  MTP            {s['mtp']}")
     bf16 = t["removed"] - t["removed_quantized"]
     print(f"  replaced       {t['removed']} tensors of the NVFP4 input ({t['removed_quantized']} quantized, "
@@ -96,7 +109,7 @@ def _print_plan(s: dict, header: str | None = None) -> None:
         print(f"  warning        {w}")
 
 
-def _bf16_source(spec: str, layers: tuple[int, ...], mtp: str, progress: bool) -> Path:
+def _bf16_source(spec: str, layers: tuple[int, ...], mtp: str, progress: bool, shared=None) -> Path:
     """A Hub BF16 source is range-fetched: only the tensors the plan can take (shared experts, chosen
     layers' experts, MTP head: ~1.5 GB of the 397B's ~800 GB); local paths are used as they are."""
     from qtool.hub.resolve import fetch_tensor_patterns, is_hub_spec
@@ -104,4 +117,4 @@ def _bf16_source(spec: str, layers: tuple[int, ...], mtp: str, progress: bool) -
 
     if not is_hub_spec(spec):
         return Path(spec)
-    return fetch_tensor_patterns(spec, bf16_source_patterns(layers, mtp), progress=progress)
+    return fetch_tensor_patterns(spec, bf16_source_patterns(layers, mtp, shared), progress=progress)

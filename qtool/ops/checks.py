@@ -43,6 +43,7 @@ class Expectations:
     """What an operation promised about its output."""
 
     bf16_shared_experts: bool = False
+    bf16_shared_expert_layers: tuple[int, ...] | None = None  # with bf16_shared_experts; None: every layer
     bf16_expert_layers: tuple[int, ...] = ()
     quantized_expert_layers: tuple[int, ...] | None = None  # None: not checked
     mtp: bool | None = None  # True: an MTP head must be present; False: none; None: not checked
@@ -303,7 +304,9 @@ def check_structure(mm: ModelMap, expect: Expectations | None = None) -> dict:
 def _check_expectations(layer_fmts: dict[int, dict[str, set]], mtp_fmts, expect: Expectations) -> _Problems:
     probs = _Problems()
     for n, f in layer_fmts.items():
-        if expect.bf16_shared_experts and f["shared"] - {Format.BF16, None}:
+        shared_promised = expect.bf16_shared_experts and (expect.bf16_shared_expert_layers is None
+                                                          or n in expect.bf16_shared_expert_layers)
+        if shared_promised and f["shared"] - {Format.BF16, None}:
             probs.add(Code.EXPECTATION_NOT_MET, f"layers.{n}.mlp.shared_expert",
                       f"layer {n}: shared expert is {sorted(x.value for x in f['shared'] if x)}, expected bf16")
         if n in expect.bf16_expert_layers and f["experts"] - {Format.BF16, None}:
@@ -404,8 +407,10 @@ def hybrid_expectations(plan) -> Expectations:
     src_quant = {m.layer for m in plan.nv_map.modules.values()
                  if m.group is Group.ROUTED_EXPERTS and m.format not in (None, Format.BF16)}
     mtp = {"keep": True, "graft": True, "from-bf16": True, "drop": False}.get(plan.mtp_action)
+    shared = plan.options.bf16_shared_expert_layers
     return Expectations(
-        bf16_shared_experts=True,
+        bf16_shared_experts=shared is None or bool(shared),
+        bf16_shared_expert_layers=None if shared is None else tuple(sorted(set(shared))),
         bf16_expert_layers=tuple(sorted(bf)),
         quantized_expert_layers=tuple(n for n in range(L) if n not in bf and n in src_quant),
         mtp=mtp,

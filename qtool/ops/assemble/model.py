@@ -118,6 +118,8 @@ class HybridOptions:
     bf16: Path
     out: Path
     bf16_expert_layers: tuple[int, ...] = ()
+    # the layers whose shared expert comes from BF16: None = every layer (the seed's hybrid), () = none
+    bf16_shared_expert_layers: tuple[int, ...] | None = None
     mtp: MtpMode = MtpMode.AUTO
     link: LinkMode = LinkMode.AUTO
     max_shard_size: int | None = None  # None: 5% above the NVFP4 source's largest shard, at least 5 GB
@@ -129,13 +131,20 @@ class HybridOptions:
         # a build recipe gives strings and lists
         self.mtp, self.link = MtpMode(self.mtp), LinkMode(self.link)
         self.bf16_expert_layers = tuple(int(x) for x in self.bf16_expert_layers)
+        if self.bf16_shared_expert_layers is not None:
+            self.bf16_shared_expert_layers = tuple(int(x) for x in self.bf16_shared_expert_layers)
 
 
-def bf16_source_patterns(bf16_expert_layers, mtp: str = "auto") -> list[str]:
-    """Tensor-name patterns of everything `assemble hybrid` can take from the BF16 source: every layer's
-    shared expert (and its gate), the routed experts of `bf16_expert_layers`, and the MTP head for
-    mtp auto/from-bf16. Used to range-fetch just these from a Hub repo instead of ~800 GB."""
-    pats = ["*.mlp.shared_expert.*", "*.mlp.shared_expert_gate.*"]
+def bf16_source_patterns(bf16_expert_layers, mtp: str = "auto", shared_expert_layers=None) -> list[str]:
+    """Tensor-name patterns of everything `assemble hybrid` can take from the BF16 source: the shared
+    experts (and their gates) of `shared_expert_layers` (None: every layer), the routed experts of
+    `bf16_expert_layers`, and the MTP head for mtp auto/from-bf16. Used to range-fetch just these from a
+    Hub repo instead of ~800 GB."""
+    if shared_expert_layers is None:
+        pats = ["*.mlp.shared_expert.*", "*.mlp.shared_expert_gate.*"]
+    else:
+        pats = [f"*.layers.{int(layer)}.mlp.shared_expert{tail}" for layer in shared_expert_layers
+                for tail in (".*", "_gate.*")]
     pats += [f"*.layers.{int(layer)}.mlp.experts.*" for layer in bf16_expert_layers]
     if str(getattr(mtp, "value", mtp)) in ("auto", "from-bf16"):
         pats.append("mtp.*")
@@ -255,6 +264,8 @@ class HybridPlan:
             "flavour": self.flavour,
             "mtp": self.mtp_action,
             "bf16_expert_layers": list(self.options.bf16_expert_layers),
+            "bf16_shared_expert_layers": (None if self.options.bf16_shared_expert_layers is None
+                                          else list(self.options.bf16_shared_expert_layers)),
             "shards": counts,
             "tensors": {
                 "total": sum(s.num_tensors for s in self.shards),

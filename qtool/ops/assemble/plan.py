@@ -125,12 +125,18 @@ class _Planner:
         prefix = TEXT_PREFIX[self.nv_map.naming]
         modules = self.nv_map.modules
         already = [m for m in modules.values() if m.group is Group.SHARED_EXPERT and m.format is Format.BF16]
-        if already and len(already) == sum(1 for m in modules.values() if m.group is Group.SHARED_EXPERT):
+        splices = self.opts.bf16_shared_expert_layers is None or bool(self.opts.bf16_shared_expert_layers)
+        if splices and already and len(already) == sum(1 for m in modules.values() if m.group is Group.SHARED_EXPERT):
             # ModelOpt's and Sehyo's exports keep the shared expert BF16: the splice then swaps BF16 for
             # the same BF16 weights (wanted for layers' experts and MTP; this part changes nothing)
             self.warnings.append("the NVFP4 input's shared experts are BF16 already: they are replaced by the BF16 "
                                  "source's (the same weights, no quality or memory change)")
-        for layer in range(self.expect.L):
+        chosen = self.opts.bf16_shared_expert_layers
+        for layer in chosen if chosen is not None else ():
+            if not 0 <= layer < self.expect.L:
+                raise UsageError(f"--bf16-shared-experts names layer {layer}, the model has {self.expect.L}",
+                                 expected=f"0..{self.expect.L - 1}", got=layer)
+        for layer in range(self.expect.L) if chosen is None else sorted(set(chosen)):
             gone = self.remove_where(
                 lambda r, layer=layer: r.group is Group.SHARED_EXPERT and r.layer == layer, layer)
             base = f"{prefix}layers.{layer}.mlp.shared_expert."

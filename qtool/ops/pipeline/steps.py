@@ -46,7 +46,8 @@ def materialize(bp: BuildPlan, ref: str, *, for_assemble: dict | None = None, to
         from qtool.hub.resolve import fetch_tensor_patterns
         from qtool.ops.assemble.model import bf16_source_patterns
 
-        pats = bf16_source_patterns(for_assemble.get("bf16_expert_layers") or (), for_assemble.get("mtp", "auto"))
+        pats = bf16_source_patterns(for_assemble.get("bf16_expert_layers") or (), for_assemble.get("mtp", "auto"),
+                                    for_assemble.get("bf16_shared_expert_layers"))
         rs.path = fetch_tensor_patterns(spec, pats, token=token, progress=progress)
         return rs.path
     from qtool.hub.download import snapshot
@@ -72,9 +73,12 @@ def _assemble_inputs(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
     p, kw = sp.step.params, {"token": ctx.get("token"), "progress": ctx.get("progress", False),
                              "stand_ins": ctx.get("stand_ins")}
     mss = p.get("max_shard_size")
-    return {"nvfp4": materialize(bp, p["nvfp4"], **kw), "bf16": materialize(bp, p["bf16"], for_assemble=p, **kw),
+    out = {"nvfp4": materialize(bp, p["nvfp4"], **kw), "bf16": materialize(bp, p["bf16"], for_assemble=p, **kw),
             "out": sp.dir, "max_shard_size": parse_size(str(mss)) if mss is not None else None,
             "bf16_expert_layers": tuple(int(x) for x in p.get("bf16_expert_layers") or ())}
+    if p.get("bf16_shared_expert_layers") is not None:  # absent: every layer's (the default)
+        out["bf16_shared_expert_layers"] = tuple(int(x) for x in p["bf16_shared_expert_layers"])
+    return out
 
 
 def _download_inputs(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:

@@ -1,0 +1,145 @@
+"""`qtool sensitivity BF16 QUANTIZED -o OUT`: how much each unit's quantization costs, measured.
+
+One streamed pass over a BF16 checkpoint and its quantized sibling (NVFP4 of either flavour, AWQ / INT4)
+on calibration windows (the dataset options of calibrate-kv). Output: OUT/sensitivity.json, a table with
+one row per unit (qtool.ops.sensitivity.units: a layer's routed experts, its shared expert, its token
+mixer, the MTP head, lm_head): its format, its bytes in BF16 and quantized, the extra bytes per GPU in BF16
+at each TP size, and, for the units the quantized side quantizes, the measured error and effect
+(qtool.ops.sensitivity.measure). `qtool plan hybrid` reads it.
+
+plan -> execute: `plan()` reads headers, configs and the tokenizer (the windows); `execute()` runs the
+pass through the output transaction (OUT.partial/, a journal per layer for --resume, the manifest).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from qtool.io.checkpoint import Checkpoint
+from qtool.ops.contract import Report
+from qtool.ops.sensitivity.units import TP_SIZES, Unit, check_pair, list_units
+
+TABLE = "sensitivity.json"
+FORMAT = "qtool-sensitivity"
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class SensitivityOptions:
+    bf16: Path
+    quantized: Path
+    out: Path
+    dataset: str = "builtin"
+    samples: int = 4
+    seq_len: int = 512
+    device: str = "cpu"
+    dtype: str | None = None
+    batch_tokens: int | None = None
+    force: bool = False
+    resume: bool = False
+    command: str | None = None
+
+
+@dataclass
+class SensitivityPlan:
+    options: SensitivityOptions
+    bf: Checkpoint
+    q: Checkpoint
+    units: list[Unit]
+    calib: object  # qtool.stream.calib_data.CalibSet
+    work_dir: Path
+    warnings: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        measured = [u for u in self.units if u.measured]
+        return {"bf16": str(self.bf.root), "quantized": str(self.q.root), "output": str(self.options.out),
+                "units": len(self.units), "measured": [u.id for u in measured],
+                "not_measured": {u.id: u.note for u in self.units if not u.measured},
+                "calibration": self.calib.to_json(), "device": self.options.device, "warnings": self.warnings}
+
+
+def plan(opts: SensitivityOptions) -> SensitivityPlan:
+    from qtool.arch.model_map import build_map
+    from qtool.io.output import OutputDir
+    from qtool.ops.sensitivity.measure import work_dir
+    from qtool.stream.calib_data import plan_calibration
+
+    bf = Checkpoint.open(opts.bf16, require_config=True)
+    q = Checkpoint.open(opts.quantized, require_config=True)
+    bf_map, q_map = build_map(bf), build_map(q)
+    check_pair(bf_map, q_map)
+    units = list_units(bf_map, q_map)
+    for u in units:
+        if u.quantized and u.layer is not None and not u.note:
+            u.measured = True
+        elif u.quantized and not u.note:
+            u.note = "not measured: its forward is not part of the decoder stream (cost listed)"
+    OutputDir(opts.out, sources=[bf.root, q.root], force=opts.force, resume=opts.resume).check()
+    calib = plan_calibration(bf, opts.dataset, opts.samples, opts.seq_len)
+    return SensitivityPlan(opts, bf, q, units, calib, work_dir(Path(opts.out)))
+
+
+def table(p: SensitivityPlan, timing: dict | None) -> dict:
+    """sensitivity.json: the sources, the windows and the unit rows."""
+    return {"format": FORMAT, "schema_version": SCHEMA_VERSION,
+            "bf16": {"path": str(p.bf.root)}, "quantized": {"path": str(p.q.root)},
+            "tp_sizes": list(TP_SIZES), "calibration": p.calib.to_json(), "device": p.options.device,
+            "timing": timing, "units": [u.to_json() for u in p.units]}
+
+
+def execute(p: SensitivityPlan, *, progress=None) -> Report:
+    from qtool.errors import UsageError
+    from qtool.io.jsonio import write_json
+    from qtool.io.manifest import write_manifest
+    from qtool.io.output import MANIFEST_NAME, OutputDir, output_files
+    from qtool.ops.sensitivity.measure import fill, measure
+
+    o = p.options
+    if o.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda but no CUDA device is available", hint="use --device cpu")
+    t0 = time.perf_counter()
+    with OutputDir(o.out, sources=[p.bf.root, p.q.root], force=o.force, resume=o.resume) as tx:
+        result = measure(p, resume=o.resume, progress=progress)
+        fill(p.units, result)
+        data = table(p, result["timing"])
+        import shutil
+
+        shutil.rmtree(p.work_dir, ignore_errors=True)  # the hidden states: the table is all that is kept
+        write_json(tx.partial / TABLE, data)
+        # the one manifest schema; the checkpoints are named, not hashed: the table is the output, and
+        # hashing 800 GB again would double the job (as eval kld's --save-ref)
+        write_manifest(tx.partial / MANIFEST_NAME, kind="sensitivity", command=o.command,
+                       sources={"bf16": {"path": str(p.bf.root), "files": {}},
+                                "quantized": {"path": str(p.q.root), "files": {}}},
+                       summary={"units": len(p.units), "measured": sum(u.measured for u in p.units),
+                                "calibration": p.calib.to_json()},
+                       checks={}, files=output_files(tx.partial))
+        tx.commit()
+    return Report({"plan": p.to_json(), "table": data, "output": str(tx.out),
+                   "seconds": time.perf_counter() - t0})
+
+
+def load_table(path: str | Path) -> dict:
+    """A sensitivity table: OUT/ (its sensitivity.json) or the JSON file itself; a named error otherwise."""
+    from qtool.errors import PlanError
+    from qtool.io.jsonio import load_json
+
+    path = Path(path)
+    f = path / TABLE if path.is_dir() else path
+    data, _ = load_json(f, what="sensitivity table")
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise PlanError("not a qtool sensitivity table", path=f, expected=f'{{"format": "{FORMAT}", ...}}',
+                        hint="make one with qtool sensitivity BF16 QUANTIZED -o OUT")
+    if data.get("schema_version") != SCHEMA_VERSION:
+        raise PlanError("the sensitivity table has another schema version", path=f,
+                        expected=SCHEMA_VERSION, got=data.get("schema_version"),
+                        hint="make it again with this qtool: qtool sensitivity BF16 QUANTIZED -o OUT")
+    return data
+
+
+__all__ = ["SensitivityOptions", "SensitivityPlan", "TABLE", "execute", "load_table", "plan", "table"]

@@ -1,0 +1,205 @@
+"""The streamed pass of `qtool sensitivity`: each unit's error with its quantized weights, on the inputs
+the BF16 model gives it.
+
+Both checkpoints are streamed a decoder layer at a time (qtool.stream.layer_stream: transformers' own
+decoder layer, the quantized side dequantized to the compute dtype). The hidden states follow the BF16
+model. While the BF16 layer runs a micro-batch, a forward hook on each measured unit's module (the layer's
+`mlp.experts`, `mlp.shared_expert`, `self_attn` / `linear_attn`) runs the quantized layer's module on the
+very same inputs (the routed experts with the BF16 router's choice) and adds up, in float32:
+
+  error  = sum ||out_q - out||^2 / sum ||out||^2                 (the unit alone)
+  effect = sum ||delta of what it adds to the residual||^2 / sum ||the layer's output||^2
+
+For the shared expert "what it adds" is sigmoid(shared_expert_gate(x)) * out, as the MoE block adds it;
+for the others it is the module's output itself. The effects of a layer's units add up (to first order)
+to the layer's error, which is what the planner sums.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+
+from qtool.errors import PlanError
+from qtool.io.jsonio import load_json, write_json
+
+JOURNAL = "journal.json"
+_MODULES = {"routed_experts": "mlp.experts", "shared_expert": "mlp.shared_expert"}
+
+
+def _module_of(layer, kind: str):
+    if kind == "attention":
+        return getattr(layer, "self_attn", None) or getattr(layer, "linear_attn")
+    obj = layer
+    for part in _MODULES[kind].split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _first(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+class _Sums:
+    """Running float32 sums of one unit: ||delta||^2, ||out||^2, ||delta added||^2 (and tokens)."""
+
+    def __init__(self, d: dict | None = None) -> None:
+        d = d or {}
+        self.delta, self.out, self.added, self.tokens = (float(d.get(k, 0.0)) for k in ("delta", "out", "added",
+                                                                                         "tokens"))
+
+    def to_json(self) -> dict:
+        return {"delta": self.delta, "out": self.out, "added": self.added, "tokens": self.tokens}
+
+
+class _Probe:
+    """The hooks of one layer: a hook per measured unit and one on the layer for ||layer output||^2."""
+
+    def __init__(self, layer_b, layer_q, kinds: list[str], sums: dict[str, _Sums], layer_sum: _Sums) -> None:
+        self.handles = []
+        self.layer_sum = layer_sum
+        for kind in kinds:
+            mod_b, mod_q = _module_of(layer_b, kind), _module_of(layer_q, kind)
+            gate = layer_b.mlp.shared_expert_gate if kind == "shared_expert" else None
+            self.handles.append(mod_b.register_forward_hook(self._unit(mod_q, gate, sums[kind]), with_kwargs=True))
+        self.handles.append(layer_b.register_forward_hook(self._layer, with_kwargs=True))
+
+    @staticmethod
+    def _unit(mod_q, gate, s: _Sums):
+        import torch
+
+        def hook(_module, args, kwargs, output):
+            out = _first(output).float()
+            q = _first(mod_q(*args, **kwargs)).float()
+            delta = q - out
+            s.delta += float(delta.pow(2).sum())
+            s.out += float(out.pow(2).sum())
+            if gate is not None:  # the MoE block adds sigmoid(gate(x)) * shared_expert(x)
+                delta = delta * torch.sigmoid(gate(args[0] if args else kwargs["hidden_states"]).float())
+            s.added += float(delta.pow(2).sum())
+            s.tokens += int(out.numel() // out.shape[-1])
+
+        return hook
+
+    def _layer(self, _module, _args, _kwargs, output):
+        y = _first(output).float()
+        self.layer_sum.out += float(y.pow(2).sum())
+        self.layer_sum.tokens += int(y.numel() // y.shape[-1])
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def journal_key(bf_ckpt, q_ckpt, digest: str, dtype: str, unit_ids: list[str]) -> str:
+    """What a --resume must find unchanged: both checkpoints' tensors, the token windows, the settings."""
+    from qtool.io.identity import input_identity
+
+    h = hashlib.sha256()
+    for ck in (bf_ckpt, q_ckpt):
+        for n in sorted(ck.tensors):
+            i = ck.tensors[n]
+            h.update(f"{n}|{i.dtype}|{list(i.shape)}\n".encode())
+        h.update(json.dumps(input_identity(x.path for x in ck.headers.values())).encode())
+    h.update(f"{digest}|{dtype}|{','.join(unit_ids)}".encode())
+    return h.hexdigest()[:32]
+
+
+def measure(plan, *, resume: bool, progress=None) -> dict:
+    """Run the pass; returns {"units": {id: sums}, "layers": {i: sums}, "timing": ...}. The hidden states
+    and a journal live in plan.work_dir: an interrupted run resumes at its next layer."""
+    from qtool.stream.calib_data import token_digest
+    from qtool.stream.layer_stream import DiskStore, LayerStreamer
+
+    o = plan.options
+    bf = LayerStreamer(plan.bf, device=o.device, dtype=o.dtype, batch_tokens=o.batch_tokens)
+    q = LayerStreamer(plan.q, device=o.device, dtype=bf.dtype_name, batch_tokens=o.batch_tokens)
+    ids = plan.calib.ids
+    n, seq = int(ids.shape[0]), int(ids.shape[1])
+    batch = bf.batch_windows(seq)
+    measured = [u for u in plan.units if u.measured]
+    key = journal_key(plan.bf, plan.q, token_digest(ids), f"{bf.dtype_name}|{batch}", [u.id for u in measured])
+    plan.work_dir.mkdir(parents=True, exist_ok=True)
+    jpath = plan.work_dir / JOURNAL
+    journal: dict = {}
+    if resume and jpath.exists():
+        journal, _ = load_json(jpath, what="sensitivity journal")
+        if journal.get("key") != key:
+            raise PlanError("--resume: the journal was written for other inputs (checkpoints, data or settings)",
+                            path=jpath, hint="run again without --resume to start over")
+    start = int(journal.get("next_layer", 0))
+    sums = {uid: _Sums(d) for uid, d in journal.get("units", {}).items()}
+    layer_sums = {int(i): _Sums(d) for i, d in journal.get("layers", {}).items()}
+    store = DiskStore(plan.work_dir, (n, seq, bf.hidden_size), bf.dtype, current=journal.get("current", "a"),
+                      write_behind=True)
+
+    def save(next_layer: int) -> None:
+        entry = {"key": key, "next_layer": next_layer, "current": store.current,
+                 "units": {k: v.to_json() for k, v in sums.items()},
+                 "layers": {str(k): v.to_json() for k, v in layer_sums.items()}}
+        store.when_durable(lambda: write_json(jpath, entry))
+
+    by_layer: dict[int, list[str]] = {}
+    for u in measured:
+        by_layer.setdefault(u.layer, []).append(u.kind)
+    t0 = time.perf_counter()
+    bf.prefetch(start)
+    q.prefetch(start)
+    try:
+        if start == 0:
+            bf.embed_into(ids, store, batch)
+            save(0)
+        for idx in range(start, bf.num_layers):
+            layer_b = bf.load_layer(idx)
+            layer_q = q.load_layer(idx) if by_layer.get(idx) else None
+            bf.prefetch(idx + 1)
+            if by_layer.get(idx + 1):
+                q.prefetch(idx + 1)
+            kinds = by_layer.get(idx, [])
+            unit_sums = {k: sums.setdefault(f"layer.{idx}.{k}", _Sums()) for k in kinds}
+            layer_sums[idx] = _Sums()
+            probe = _Probe(layer_b, layer_q, kinds, unit_sums, layer_sums[idx]) if kinds else None
+            try:
+                bf.forward_layer(layer_b, store, seq, batch)
+            finally:
+                if probe is not None:
+                    probe.remove()
+            del layer_b, layer_q
+            if o.device != "cpu":
+                import torch
+
+                torch.cuda.empty_cache()
+            save(idx + 1)
+            if progress is not None:
+                progress(idx)
+    except BaseException:
+        store.close(quiet=True)
+        raise
+    finally:
+        bf.close()
+        q.close()
+    store.close()
+    return {"units": {k: v.to_json() for k, v in sums.items()},
+            "layers": {str(k): v.to_json() for k, v in layer_sums.items()},
+            "timing": {"seconds": time.perf_counter() - t0, "resumed_from_layer": start,
+                       "layers_run": bf.num_layers - start, "kernels": {"gated_deltanet": bf.gdn_kernel}}}
+
+
+def fill(units, result: dict) -> None:
+    """Put the measured error and effect into the units (the table's columns)."""
+    for u in units:
+        s = result["units"].get(u.id)
+        if s is None:
+            continue
+        layer = result["layers"].get(str(u.layer), {})
+        u.error = s["delta"] / s["out"] if s["out"] > 0 else 0.0
+        u.effect = s["added"] / layer["out"] if layer.get("out") else 0.0
+        u.tokens = int(s["tokens"])
+
+
+def work_dir(out: Path) -> Path:
+    from qtool.io.output import partial_path
+
+    return partial_path(out) / ".sensitivity"
