@@ -11,7 +11,7 @@ from pathlib import Path
 from qtool.errors import WriteError
 from qtool.io.files import LinkMode, Placer, fsync_path, link_tree, write_error
 from qtool.io.identity import JOURNAL_NAME, journaled_files
-from qtool.io.output import SWAPPED_MARKER, OutputDir, remove_parked, source_file_mode, tell_discarded
+from qtool.io.output import SWAPPED_MARKER, OutputDir, forget, remove_parked, source_file_mode, tell_discarded
 
 RENAME_EXCHANGE = 2  # linux/fs.h
 
@@ -94,6 +94,7 @@ class InPlaceDir(OutputDir):
     def __exit__(self, *exc) -> None:
         if not self.committed and not self.keep_partial and self.partial.exists():
             shutil.rmtree(self.partial, ignore_errors=True)
+            forget(self)
         self.lock.release()
 
     PREPARE_FAILED = "cannot prepare the in-place change"
@@ -159,4 +160,5 @@ class InPlaceDir(OutputDir):
         fsync_path(self.out.parent)
         shutil.rmtree(self.old, ignore_errors=True)
         self.committed = True
+        forget(self)
         self.lock.release()

@@ -382,6 +382,9 @@ class OutputDir:
         except BaseException:
             self.lock.release()
             raise
+        # a new attempt at an output replaces an earlier, interrupted one of this process: the partial is
+        # this one's now (listed once)
+        OPEN[:] = [tx for tx in OPEN if tx.partial != self.partial]
         OPEN.append(self)
         return self
 
@@ -443,11 +446,19 @@ class OutputDir:
         if old is not None:
             shutil.rmtree(old)
         self.committed = True
+        forget(self)
         self.lock.release()
 
 
-# the transactions of this process begun and not committed: what an interruption leaves for --resume
+# the transactions of this process begun and neither committed nor removed: what an interruption leaves
+# for --resume (each leaves by `forget`, so this never grows over a long process: a build, a test session)
 OPEN: list[OutputDir] = []
+
+
+def forget(tx: OutputDir) -> None:
+    """Take `tx` out of OPEN: it was committed, or its partial removed, so it leaves nothing to resume."""
+    if tx in OPEN:
+        OPEN.remove(tx)
 
 
 def kept_partials() -> list[Path]:

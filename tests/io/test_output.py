@@ -159,3 +159,29 @@ def test_secrets_never_reach_the_command_line():
     line = command_line(["qtool", "build", "r.yaml", "--token", "hf_abcdefghijkl", "--token=hf_zzzzzzzzzz",
                          "--source", "x=https://u:hf_secretsecret@host/x"])
     assert "hf_" not in line and line.count("***") == 3
+
+
+def test_open_lists_only_the_transactions_still_open(tmp_path):
+    """Issue 26: OPEN (what Ctrl-C lists as kept) was never pruned: every transaction of the process stayed,
+    and an output begun again after an interruption was listed twice. Committed or removed, it leaves OPEN;
+    interrupted, it stays (its partial is what --resume continues) until the same output is begun again."""
+    from qtool.io.output import OPEN, kept_partials
+
+    done = OutputDir(tmp_path / "done").begin()
+    done.commit()
+    assert done not in OPEN
+    with pytest.raises(KeyboardInterrupt):
+        with OutputDir(tmp_path / "cut") as cut:
+            raise KeyboardInterrupt
+    assert cut in OPEN and cut.partial in kept_partials()
+    again = OutputDir(tmp_path / "cut").begin()  # the same output once more, in the same process
+    assert cut not in OPEN and kept_partials().count(again.partial) == 1
+    again.commit()
+    assert again not in OPEN and again.partial not in kept_partials()
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    (root / "config.json").write_text("{}")
+    with pytest.raises(KeyboardInterrupt):
+        with InPlaceDir(root, keep_partial=False) as gone:  # its partial is removed on the way out
+            raise KeyboardInterrupt
+    assert gone not in OPEN and not gone.partial.exists()
