@@ -657,10 +657,20 @@ def _drop_mtp_ignores(qc):
     qc.update(ignore=[p for p in qc["ignore"] if not p.startswith("mtp")] + ["mtp.layers*", "mtp.pre_fc*", "mtp.norm"])
 
 
+def test_the_tp_fix_names_no_tp_that_does_not_fit(tiny_nvfp4_modelopt, capsys):
+    """Issue 26: the tp-divisibility fix suggested `--tp 2` without checking memory; on GPUs where no TP the
+    checkpoint shards at fits, it says so instead of offering a command that fails (does-not-fit)."""
+    main(["verify", str(tiny_nvfp4_modelopt), "--tp", "4", "--gpus", "4x1GiB", "--json"])
+    found = json.loads(capsys.readouterr().out)["findings"]
+    tp = {f["fix"] for f in found if f["code"] == "tp-divisibility"}
+    assert len(tp) == 1 and "qtool verify" not in next(iter(tp)), tp
+    assert "TP 1, 2" in next(iter(tp)) and "fits" in next(iter(tp)) and "1.0 GiB" in next(iter(tp)), tp
+
+
 @pytest.mark.parametrize("case,edit,args", [
     ("router-not-ignored", _drop_router_ignores, ["--engine", "vllm@0.16", "--tp", "2"]),
     ("mtp-not-excluded", _drop_mtp_ignores, ["--engine", "vllm@0.16", "--mtp", "1", "--tp", "2"]),
-    ("tp-4-on-the-tiny-model", None, ["--tp", "4"]),
+    ("tp-4-on-the-tiny-model", None, ["--tp", "4", "--gpus", "4x80GiB", "--engine", "sglang"]),
     ("uncalibrated-kv", "ones", ["--tp", "2", "--kv-cache-dtype", "fp8"]),
 ])
 def test_each_fix_applied_as_written_clears_its_finding(tiny_nvfp4_modelopt, tmp_path, capsys, case, edit, args):
@@ -685,6 +695,10 @@ def test_each_fix_applied_as_written_clears_its_finding(tiny_nvfp4_modelopt, tmp
         cleared = {(f["code"], f["module"]) for f in with_fix if f["fix"] == fix}
         assert "--tp 4" not in fix or "--tp 4" not in args
         if argv[0] == "verify":  # the fix is to serve otherwise: that verify is clean of these findings
+            # ... on the same target: the flags the user gave stay (found: --gpus and --engine were dropped)
+            given = dict(zip(args[::2], args[1::2]))
+            assert {k: v for k, v in given.items() if k != "--tp"} == {
+                k: argv[argv.index(k) + 1] for k in given if k != "--tp" and k in argv}, fix
             after = findings(argv)
         else:
             assert main([*argv, "--quiet"]) == 0, fix

@@ -145,3 +145,26 @@ def test_gpu_sizes_need_their_unit(s397, capsys):
     assert main(["verify", str(s397), "--gpus", "4x96"]) == 2
     err = capsys.readouterr().err
     assert "needs its unit" in err and "4x96GB" in err
+
+
+def test_the_tp_fix_is_a_tp_that_shards_and_fits(s397, capsys):
+    """Issue 26, found as: `--tp 3` on three 96 GB GPUs (fits, but 32 heads do not split over 3) was told
+    `qtool verify CKPT --tp 2`: TP 2 shards, but 233 GB do not fit on two of those GPUs, and --engine and
+    --gpus were dropped. The fix is the TP that shards and fits (here 4, on 4 GPUs of the same size), with
+    the user's flags, and applied as written it is clean of both findings."""
+    import shlex
+
+    from qtool.cli.main import main
+
+    def findings(argv):
+        main(["verify", str(s397), *argv, "--json"])
+        return json.loads(capsys.readouterr().out)["findings"]
+
+    before = findings(["--tp", "3", "--gpus", "3x97887MiB", "--engine", "vllm"])
+    assert {f["code"] for f in before} == {"tp-divisibility"}, before
+    fix = before[0]["fix"]
+    argv = shlex.split(fix[fix.index("qtool "):])[1:]
+    assert argv[:2] == ["verify", str(s397)], fix
+    flags = dict(zip(argv[2::2], argv[3::2]))
+    assert flags == {"--engine": "vllm", "--gpus": "4x97887MiB", "--tp": "4"}, fix
+    assert findings(argv[2:]) == []

@@ -143,7 +143,7 @@ def execute(p: VerifyPlan) -> VerifyReport:
     dec_findings, engines, decisions = engine_rules.decision_findings(mm, summary, versions,
                                                                      mtp_requested=opts.mtp > 0)
     findings += dec_findings
-    findings += engine_rules.tp_findings(mm, opts.tp, decisions)
+    findings += engine_rules.tp_findings(mm, opts.tp, decisions, lambda works: _tp_fix(mm, works, opts, target))
     findings = engine_rules.per_engine_layout(findings, versions, mm)
     findings = engine_rules.per_engine_stale_scales(findings, versions, mm)
     findings += engine_rules.moe_scheme_findings(mm, versions)
@@ -210,7 +210,7 @@ def _fit_fix(mm, fit, opts, target) -> str:
     if fit.kv_cache_gib <= 0:  # the weights and the reserve alone exceed the budget
         if more:
             return (f"the weights alone ({fit.weights_per_gpu_gib:.1f} GiB per GPU) exceed the budget: serve on "
-                    f"{more[0]} GPUs: qtool verify {mm.ckpt.root} {more[1]}")
+                    f"{more[0]} GPUs: {_verify_line(mm, opts, more[0], more[1])}")
         from qtool.ops.verify.engine_rules import TP_SIZES
 
         return (f"the weights alone ({fit.weights_per_gpu_gib:.1f} GiB per GPU) exceed the budget at every TP up to "
@@ -230,18 +230,66 @@ def _fit_fix(mm, fit, opts, target) -> str:
     if opts.kv_cache_dtype != "fp8":
         fixes.append("--kv-cache-dtype fp8 with calibrated scales (half the KV cache)")
     if more:  # more GPUs only where that fits (the KV heads stop splitting beyond their count)
-        fixes.append(f"more GPUs ({more[1]})")
+        fixes.append(f"more GPUs (--gpus {more[1]} --tp {more[0]})")
     return "the KV cache does not fit: " + (", or ".join(fixes) if fixes else "no setting of these flags holds it")
 
 
 def _more_gpus(mm, opts, target) -> tuple[int, str] | None:
-    """(TP, its --gpus/--tp flags) of the first larger TP group of the same GPUs that fits, else None."""
+    """(TP, its --gpus) of the first larger TP group of the same GPUs that fits, else None."""
     from qtool.ops.verify.engine_rules import TP_SIZES
-    from qtool.ops.verify.memory_fit import memory_fit
 
     for t in (t for t in TP_SIZES if t > opts.tp):
-        if memory_fit(mm, tp=t, target=type(target)(t, target.gpu_bytes), gpu_memory_utilization=opts.gpu_memory_utilization,
-                      kv_cache_dtype=opts.kv_cache_dtype, mtp=opts.mtp, max_model_len=opts.max_model_len,
-                      max_num_seqs=opts.max_num_seqs).fits:
-            return t, f"--gpus {t}x{target.gpu_bytes // (1 << 20)}MiB --tp {t}"
+        if _fits_at(mm, opts, target, t):
+            return t, _gpus_for(opts, target, t)
     return None
+
+
+def _tp_fix(mm, works: list[int], opts, target) -> str:
+    """The tp-divisibility fix: of the TP sizes the checkpoint shards at (`works`), one that also fits in
+    memory, since a TP that shards but does not fit only trades this error for does-not-fit. Preferred: the
+    largest below the TP asked for (the user's GPUs, fewer of them), else the smallest above it (the fewest
+    more GPUs of the same size); as a verify line with the user's other flags."""
+    from qtool.ops.verify.engine_rules import TP_SIZES
+    from qtool.ops.verify.memory_fit import GIB
+
+    if not works:
+        return f"no TP size of {', '.join(map(str, TP_SIZES))} shards this checkpoint: serve it on one GPU"
+    shards = f"this checkpoint shards at TP {', '.join(map(str, works))}"
+    for t in sorted((t for t in works if t < opts.tp), reverse=True) + sorted(t for t in works if t > opts.tp):
+        if _fits_at(mm, opts, target, t):
+            return f"serve at --tp {t} ({shards}): {_verify_line(mm, opts, t, _gpus_for(opts, target, t))}"
+    return (f"{shards}, but it fits at none of them on GPUs of {target.gpu_bytes / GIB:.1f} GiB: a smaller "
+            "checkpoint (NVFP4 routed experts, fewer BF16 pieces) or larger GPUs")
+
+
+def _fits_at(mm, opts, target, tp: int) -> bool:
+    """Whether the checkpoint fits at `tp` on GPUs of the target's size, with the user's other settings."""
+    from qtool.ops.verify.memory_fit import memory_fit
+
+    return memory_fit(mm, tp=tp, target=Target(max(tp, target.num_gpus), target.gpu_bytes),
+                      gpu_memory_utilization=opts.gpu_memory_utilization, kv_cache_dtype=opts.kv_cache_dtype,
+                      mtp=opts.mtp, max_model_len=opts.max_model_len, max_num_seqs=opts.max_num_seqs).fits
+
+
+def _gpus_for(opts, target, tp: int) -> str:
+    """--gpus for serving at `tp`: the user's own when they have that many, else `tp` of the same size."""
+    return opts.gpus if tp <= target.num_gpus else f"{tp}x{target.gpu_bytes // (1 << 20)}MiB"
+
+
+def _verify_line(mm, opts, tp: int, gpus: str) -> str:
+    """`qtool verify CKPT` at `tp` on `gpus`, keeping every other flag the user gave (the engines, the
+    context, the batch, the KV cache dtype, MTP, the utilization): a fix line applied as written checks the
+    same serving setup, changed only where the fix says."""
+    import shlex
+
+    default = VerifyOptions()
+    argv = ["qtool", "verify", str(mm.ckpt.root)]
+    if opts.engine != default.engine:
+        argv += ["--engine", opts.engine]
+    argv += ["--gpus", gpus, "--tp", str(tp)]
+    for flag, name in (("--max-model-len", "max_model_len"), ("--max-num-seqs", "max_num_seqs"),
+                       ("--kv-cache-dtype", "kv_cache_dtype"), ("--gpu-memory-utilization", "gpu_memory_utilization"),
+                       ("--mtp", "mtp")):
+        if getattr(opts, name) != getattr(default, name):
+            argv += [flag, str(getattr(opts, name))]
+    return shlex.join(argv)

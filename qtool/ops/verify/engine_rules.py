@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
+from typing import Callable
 
 from qtool.arch.model_map import QUANTIZED_FORMATS, Format, ModelMap
 from qtool.arch.qwen35 import Group
@@ -373,21 +374,17 @@ def attention_gate_findings(mm: ModelMap) -> list[Finding]:
 TP_SIZES = (1, 2, 4, 8)  # the tensor-parallel sizes people serve at (one box's GPUs)
 
 
-def tp_findings(mm: ModelMap, tp: int, decisions: dict[str, dict[str, bool | None]]) -> list[Finding]:
+def tp_findings(mm: ModelMap, tp: int, decisions: dict[str, dict[str, bool | None]],
+                serve_at: Callable[[list[int]], str]) -> list[Finding]:
     """Head counts and expert sizes divisible by TP, and NVFP4 per-GPU input features a multiple of 16 for
-    every module an engine builds quantized. Each fix names what works for this checkpoint: the TP sizes
-    it shards at (never the one that failed), or the patch that makes a config agree with its tensors."""
+    every module an engine builds quantized. Each fix names what works for this checkpoint: the patch that
+    makes a config agree with its tensors, or `serve_at(the TP sizes it shards at, never the one that
+    failed)`: the caller's, which knows the GPUs and the user's flags (qtool.ops.verify._tp_fix)."""
     found = _tp_problems(mm, tp, decisions)
     if not found:
         return []
-    works = [t for t in TP_SIZES if t != tp and not _tp_problems(mm, t, decisions)]
-    best = max([t for t in works if t < tp] or works or [0])
+    serve = serve_at([t for t in TP_SIZES if t != tp and not _tp_problems(mm, t, decisions)])
     ckpt = str(mm.ckpt.root)
-    if best:
-        serve = (f"serve at --tp {best} (this checkpoint shards at TP {', '.join(map(str, works))}): "
-                 f"qtool verify {ckpt} --tp {best}")
-    else:
-        serve = f"no TP size of {', '.join(map(str, TP_SIZES))} shards this checkpoint: serve it on one GPU"
     out = []
     for module, message, engine, config_only in found:
         if config_only:  # BF16 tensors the config calls quantized: make the config agree
