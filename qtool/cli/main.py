@@ -28,6 +28,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("qtool.cli.convert_cmd", "convert NVFP4 between ModelOpt and compressed-tensors (lossless)"),
     "report": ("qtool.cli.report_cmd", "one self-contained HTML page of an artifact (or two, compared): formats per "
                "layer, engine findings, KV scales, memory fit, KLD, provenance"),
+    "sensitivity": ("qtool.cli.sensitivity_cmd", "measure each unit's quantization error against BF16 "
+                    "(layer-streamed): the table plan hybrid chooses from"),
+    "plan": ("qtool.cli.plan_cmd", "plan an artifact (hybrid: the BF16 units that fit and buy the most quality)"),
     "recipes": ("qtool.cli.recipes_cmd", "the shipped quantization and build recipes, and what each will do"),
 }
 

@@ -1,0 +1,74 @@
+"""qtool plan hybrid --sensitivity S [--gpus 4x97887MiB] [--tp 4] [--max-model-len N] [--max-num-seqs N]
+[--kv-cache-dtype auto|fp8] [--mtp N] [--engine both] [--max-weights-gib G] [-o RECIPE.yaml] [--force] [--json]"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from qtool.cli.common import add_json_flag, human_bytes, print_json
+from qtool.errors import UsageError
+
+
+def add_arguments(p) -> None:
+    from qtool.cli.verify_cmd import add_common
+
+    sub = p.add_subparsers(dest="kind", metavar="KIND")
+    h = sub.add_parser("hybrid", help="the BF16 units that buy the most quality in the memory left, from a "
+                       "sensitivity table; writes a build recipe")
+    h.add_argument("--sensitivity", required=True, metavar="S", help="qtool sensitivity's output (OUT or its JSON)")
+    add_common(h)  # the serving target, with verify's flags and defaults
+    h.add_argument("--engine", default="both", help="the engines the recipe's verify step checks (default both)")
+    h.add_argument("--max-weights-gib", type=float, default=None, metavar="G",
+                   help="budget the weights per GPU directly (instead of the memory fit's headroom)")
+    h.add_argument("--quantized", default=None, metavar="PATH", help="the quantized checkpoint, if moved since")
+    h.add_argument("--bf16", default=None, metavar="PATH", help="the BF16 checkpoint, if moved since")
+    h.add_argument("-o", "--output", default=None, metavar="RECIPE.yaml", help="write the build recipe here")
+    h.add_argument("--force", action="store_true", help="replace a recipe this command wrote")
+    h.add_argument("--name", default=None, help="the recipe's name (default planned-hybrid)")
+    add_json_flag(h)
+
+
+def run(args) -> int:
+    if getattr(args, "kind", None) != "hybrid":
+        raise UsageError("plan needs a kind", expected="qtool plan hybrid --sensitivity S ...")
+    from qtool.ops.sensitivity.plan_hybrid import PlanHybridOptions, plan, write_recipe
+
+    opts = PlanHybridOptions(
+        Path(args.sensitivity), gpus=args.gpus, tp=args.tp, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs or 1, kv_cache_dtype=args.kv_cache_dtype or "auto", mtp=args.mtp,
+        engine=args.engine, max_weights_gib=args.max_weights_gib, gpu_memory_utilization=args.gpu_memory_utilization,
+        quantized=Path(args.quantized) if args.quantized else None, bf16=Path(args.bf16) if args.bf16 else None,
+        out=Path(args.output) if args.output else None, force=args.force, name=args.name)
+    choice = plan(opts)
+    if opts.out is not None:
+        write_recipe(choice, opts.out)
+    rep = choice.to_json()
+    if args.json:
+        print_json({**rep, "recipe": str(opts.out) if opts.out else None})
+        return 0
+    t = rep["target"]
+    print(f"plan: {rep['quantized']} on {t['gpus']}, TP={t['tp']}, {t['max_num_seqs']} x {t['max_model_len']} tokens, "
+          f"KV {t['kv_cache_dtype']}" + (f", MTP {t['mtp']}" if t["mtp"] else ""))
+    print(f"  budget         {human_bytes(rep['budget_bytes_per_gpu'])} per GPU for BF16 units"
+          + (" (--max-weights-gib)" if opts.max_weights_gib is not None else " (what the memory fit leaves)"))
+    for f in rep["fixed"]:
+        print(f"  fixed          {f['what']}: {human_bytes(f['bytes_per_gpu'])} per GPU")
+    print(f"  chosen         {len(rep['chosen'])} unit(s), {human_bytes(rep['used_bytes_per_gpu'])} per GPU:")
+    for c in rep["chosen"]:
+        print(f"    {c['id']:<28} +{human_bytes(c['extra_bytes_per_gpu']):>10}  gain {c['gain']:.3g}")
+    pe = rep["predicted_error"]
+    print(f"  predicted      error {pe['planned']:.3g} (the quantized checkpoint: {pe['quantized']:.3g})")
+    hp = rep["hand_picked"]
+    if hp["units"]:
+        print(f"  hand-picked    BF16 shared experts: +{human_bytes(hp['extra_bytes_per_gpu'])} per GPU, error "
+              f"{hp['predicted_error']:.3g}" + ("" if hp["fits"] else " (does not fit)"))
+    print(f"  headroom       {human_bytes(rep['headroom_bytes_per_gpu'])} per GPU left")
+    if rep["next"]:
+        n = rep["next"]
+        print(f"  next           {n['id']} would cost +{human_bytes(n['extra_bytes_per_gpu'])} per GPU "
+              f"(gain {n['gain']:.3g})")
+    for note in rep["notes"]:
+        print(f"  note           {note}")
+    if opts.out is not None:
+        print(f"wrote {opts.out}; build it: qtool build {opts.out} -o OUT")
+    return 0

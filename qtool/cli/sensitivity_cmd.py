@@ -1,0 +1,55 @@
+"""qtool sensitivity BF16 QUANTIZED -o OUT [--dataset D] [--samples N] [--seq-len L] [--device cpu|cuda]
+[--force] [--resume] [--dry-run] [--json] [--quiet]"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from qtool.cli.common import (add_output_flags, check_device, dataset_supply, eprint, human_bytes, local_checkpoint,
+                              plan_then_execute, print_json, run_command_line)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("bf16", help="the BF16 checkpoint (the reference)")
+    p.add_argument("quantized", help="its quantized sibling (NVFP4 ModelOpt / compressed-tensors, AWQ / INT4)")
+    p.add_argument("--dataset", default="builtin",
+                   help="calibration text, as calibrate-kv: builtin, FILE.txt / .jsonl / .parquet, hf:ORG/NAME[:SPLIT]")
+    p.add_argument("--samples", type=int, default=4, help="number of token windows (default 4)")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per window (default 512)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    p.add_argument("--batch-tokens", type=int, default=None, metavar="T",
+                   help="tokens per micro-batch (default 4096 on CPU, 32768 on GPU)")
+    add_output_flags(p, output_help="output directory: OUT/sensitivity.json (+ manifest)")
+
+
+def run(args) -> int:
+    from qtool import ops  # noqa: F401
+    from qtool.ops import sensitivity
+
+    check_device(args.device)
+    opts = sensitivity.SensitivityOptions(
+        Path(local_checkpoint(args.bf16)), Path(local_checkpoint(args.quantized)), Path(args.output),
+        dataset=args.dataset, samples=args.samples, seq_len=args.seq_len, device=args.device,
+        batch_tokens=args.batch_tokens, force=args.force, resume=args.resume, command=run_command_line())
+    rep = plan_then_execute(sensitivity, opts, args)
+    if args.json:
+        print_json(rep)
+        return 0
+    p = rep["plan"]
+    c = p["calibration"]
+    print(f"{p['bf16']} vs {p['quantized']} -> {p['output']}")
+    print(f"  units          {p['units']}, measured {len(p['measured'])}")
+    print(f"  calibration    {c['dataset']}: {c['samples']} x {c['seq_len']} = {c['tokens']} tokens on {p['device']}"
+          + dataset_supply(c))
+    if args.dry_run:
+        return 0
+    print(f"  {'unit':<28} {'format':<8} {'error':>9} {'effect':>10} {'+GPU @TP4':>11}")
+    for u in rep["table"]["units"]:
+        if u["measured"]:
+            print(f"  {u['id']:<28} {u['quantized_format']:<8} {u['error']:>9.3g} {u['effect']:>10.3g} "
+                  f"{human_bytes(u['extra_bytes_per_gpu']['4']):>11}")
+    for w in p["warnings"]:
+        eprint(f"warning: {w}")
+    print(f"wrote {rep['output']}/sensitivity.json ({rep['seconds']:.1f} s); next: qtool plan hybrid "
+          f"--sensitivity {rep['output']} --gpus ... --tp ... --max-model-len ...")
+    return 0

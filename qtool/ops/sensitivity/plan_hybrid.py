@@ -1,0 +1,263 @@
+"""`qtool plan hybrid`: the set of BF16 units that removes the most measured error within the memory fit.
+
+Inputs: a sensitivity table (qtool.ops.sensitivity), the quantized checkpoint's headers (the table names
+it), and the serving target (GPUs, TP, context, sequences, KV dtype, MTP). The budget per GPU is what
+verify's memory fit (qtool.ops.verify.memory_fit) leaves unused at that target with the quantized
+checkpoint as it is (or `--max-weights-gib` minus its weights per GPU). Each candidate unit costs its
+extra bytes per GPU in BF16 at that TP and gains its measured effect (the error it adds to its layer's
+output, which the BF16 unit removes); the choice is a 0/1 knapsack over the candidates, solved exactly on
+a grid of at most GRID cells (costs rounded up to the cell: the choice never exceeds the budget).
+
+Only what `assemble hybrid` can splice is a candidate: a layer's routed experts (whole: the engines load a
+layer's experts as one fused MoE) and a layer's shared expert, of an NVFP4 checkpoint. The output is a
+build recipe (assemble hybrid + calibrate-kv + patch-config + verify at the planned target) that
+`qtool build` runs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from qtool.errors import PlanError, UsageError
+from qtool.ops.sensitivity.units import Unit
+
+GIB = 1 << 30
+GRID = 200_000  # knapsack cells: exact to 1/200000 of the budget
+
+
+@dataclass
+class PlanHybridOptions:
+    sensitivity: Path
+    gpus: str = "4x97887MiB"
+    tp: int = 4
+    max_model_len: int | None = None  # default: the model's context
+    max_num_seqs: int = 1
+    kv_cache_dtype: str = "auto"
+    mtp: int = 0
+    engine: str = "both"
+    max_weights_gib: float | None = None  # a weights budget per GPU instead of the memory fit's
+    gpu_memory_utilization: float | None = None
+    quantized: Path | None = None  # default: the path the table names
+    bf16: Path | None = None
+    out: Path | None = None  # the build recipe to write
+    force: bool = False  # replace a recipe this command wrote before
+    name: str | None = None  # the recipe's name (its output directory)
+
+
+@dataclass
+class HybridChoice:
+    options: PlanHybridOptions
+    table: dict
+    budget_bytes: int  # extra bytes per GPU the units may take
+    chosen: list[Unit]
+    candidates: list[Unit]
+    fixed: list[dict]  # costs the plan pays whatever it chooses (an MTP head grafted for --mtp)
+    fit: dict  # the quantized checkpoint's memory fit at the target
+    max_model_len: int
+    mtp_mode: str
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def tp(self) -> int:
+        return self.options.tp
+
+    def cost(self, u: Unit) -> int:
+        return u.extra_bytes_per_gpu[self.tp]
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(self.cost(u) for u in self.chosen)
+
+    def predicted_error(self, bf16_ids: set[str]) -> float:
+        """The sum of the effects of the measured units left quantized (the planner's objective)."""
+        return sum(u.effect or 0.0 for u in self.table_units if u.measured and u.id not in bf16_ids)
+
+    @property
+    def table_units(self) -> list[Unit]:
+        return [Unit.from_json(d) for d in self.table["units"]]
+
+    def next_unit(self) -> Unit | None:
+        """The best not chosen (gain per byte): what more memory would buy next."""
+        ids = {u.id for u in self.chosen}
+        rest = [u for u in self.candidates if u.id not in ids]
+        return max(rest, key=lambda u: (u.effect or 0.0) / max(self.cost(u), 1), default=None)
+
+    def hand_picked(self) -> dict:
+        """The seed's hand-picked hybrid (BF16 shared experts in every layer) by the same measure."""
+        shared = [u for u in self.candidates if u.kind == "shared_expert"]
+        cost = sum(self.cost(u) for u in shared)
+        return {"units": [u.id for u in shared], "extra_bytes_per_gpu": cost, "fits": cost <= self.budget_bytes,
+                "predicted_error": self.predicted_error({u.id for u in shared})}
+
+    def assemble_with(self) -> dict:
+        """assemble hybrid's options for the choice (a build step's `with`)."""
+        experts = sorted(u.layer for u in self.chosen if u.kind == "routed_experts")
+        shared = sorted(u.layer for u in self.chosen if u.kind == "shared_expert")
+        return {"nvfp4": "nvfp4", "bf16": "bf16", "bf16_expert_layers": experts,
+                "bf16_shared_expert_layers": shared, "mtp": self.mtp_mode}
+
+    def recipe(self) -> dict:
+        o = self.options
+        calib = self.table.get("calibration") or {}
+        verify = {"engine": o.engine, "tp": o.tp, "gpus": o.gpus, "max_model_len": self.max_model_len,
+                  "max_num_seqs": o.max_num_seqs, "kv_cache_dtype": "fp8" if o.kv_cache_dtype == "fp8" else "auto",
+                  "mtp": o.mtp}
+        fixes = ["router-ignore"] + (["mtp-ignore"] if self.mtp_mode != "keep" or self._has_mtp() else [])
+        kv = {"replace_scales": True, "samples": calib.get("samples") or 4, "seq_len": calib.get("seq_len") or 512}
+        if calib.get("dataset"):
+            kv["dataset"] = calib["dataset"]
+        return {
+            "name": o.name or "planned-hybrid",
+            "description": (f"planned by qtool plan hybrid: {len(self.chosen)} unit(s) BF16 in "
+                            f"{Path(self.table['quantized']['path']).name}, {self.used_bytes / GIB:.2f} GiB per GPU "
+                            f"at TP={o.tp} on {o.gpus}"),
+            "sources": {"nvfp4": {"path": str(self.quantized_path)}, "bf16": {"path": str(self.bf16_path)}},
+            "steps": [
+                {"id": "hybrid", "op": "assemble", "with": self.assemble_with()},
+                {"id": "kv", "op": "calibrate-kv", "input": "hybrid", "with": kv},
+                {"id": "patched", "op": "patch-config", "input": "kv", "with": {"fixes": fixes}},
+                {"id": "check", "op": "verify", "input": "patched", "with": verify},
+            ],
+        }
+
+    def _has_mtp(self) -> bool:
+        return any(u["id"] == "mtp" and u["quantized_bytes"] > 0 for u in self.table["units"])
+
+    @property
+    def quantized_path(self) -> Path:
+        return Path(self.options.quantized or self.table["quantized"]["path"])
+
+    @property
+    def bf16_path(self) -> Path:
+        return Path(self.options.bf16 or self.table["bf16"]["path"])
+
+    def to_json(self) -> dict:
+        nxt = self.next_unit()
+        chosen = {u.id for u in self.chosen}
+        return {
+            "sensitivity": str(self.options.sensitivity), "quantized": str(self.quantized_path),
+            "target": {"gpus": self.options.gpus, "tp": self.tp, "max_model_len": self.max_model_len,
+                       "max_num_seqs": self.options.max_num_seqs, "kv_cache_dtype": self.options.kv_cache_dtype,
+                       "mtp": self.options.mtp},
+            "budget_bytes_per_gpu": self.budget_bytes, "used_bytes_per_gpu": self.used_bytes,
+            "headroom_bytes_per_gpu": self.budget_bytes - self.used_bytes,
+            "chosen": [{"id": u.id, "extra_bytes_per_gpu": self.cost(u), "gain": u.effect} for u in self.chosen],
+            "next": None if nxt is None else {"id": nxt.id, "extra_bytes_per_gpu": self.cost(nxt), "gain": nxt.effect},
+            "fixed": self.fixed, "fit": self.fit,
+            "predicted_error": {"quantized": self.predicted_error(set()), "planned": self.predicted_error(chosen)},
+            "hand_picked": self.hand_picked(), "assemble": self.assemble_with(), "notes": self.notes,
+        }
+
+
+def knapsack(items: list[tuple[int, float]], budget: int) -> list[int]:
+    """Indices of the items (cost in bytes, gain) with the largest total gain whose costs fit `budget`
+    (exact on a grid of GRID cells; costs rounded up, so the total never exceeds the budget)."""
+    import numpy as np
+
+    if budget <= 0 or not items:
+        return []
+    if sum(c for c, _ in items) <= budget:
+        return list(range(len(items)))
+    cell = max(1, math.ceil(budget / GRID))
+    cap = budget // cell
+    best = np.zeros(cap + 1)
+    took = np.zeros((len(items), cap + 1), dtype=bool)
+    for k, (c, g) in enumerate(items):
+        w = math.ceil(c / cell)
+        if w > cap or g <= 0:
+            continue
+        cand = np.full(cap + 1, -1.0)
+        cand[w:] = best[:cap + 1 - w] + g
+        better = cand > best
+        took[k] = better
+        best = np.where(better, cand, best)
+    out, j = [], int(np.argmax(best))
+    for k in range(len(items) - 1, -1, -1):
+        if took[k, j]:
+            out.append(k)
+            j -= math.ceil(items[k][0] / cell)
+    return sorted(out)
+
+
+def plan(opts: PlanHybridOptions) -> HybridChoice:
+    from qtool.arch.model_map import build_map
+    from qtool.io.checkpoint import Checkpoint
+    from qtool.ops.sensitivity import load_table
+    from qtool.ops.verify.memory_fit import DEFAULT_UTILIZATION, Target, default_context, memory_fit
+
+    check_recipe_output(opts)
+    table = load_table(opts.sensitivity)
+    if opts.tp not in (int(t) for t in table.get("tp_sizes", ())):
+        raise UsageError(f"--tp {opts.tp}: the table has costs for TP {table.get('tp_sizes')}")
+    if opts.kv_cache_dtype not in ("auto", "fp8"):
+        raise UsageError("--kv-cache-dtype takes auto or fp8", got=opts.kv_cache_dtype)
+    units = [Unit.from_json(d) for d in table["units"]]
+    qpath = Path(opts.quantized or table["quantized"]["path"])
+    if not qpath.exists():
+        raise PlanError("the quantized checkpoint the table was measured on is not there", path=qpath,
+                        hint="pass --quantized PATH (the same checkpoint, moved)")
+    q = build_map(Checkpoint.open(qpath, require_config=True), read_values=False)
+    if not any(u.spliceable for u in units):
+        raise PlanError("nothing in this table can be spliced: assemble hybrid splices BF16 routed or shared "
+                        "experts into an NVFP4 checkpoint", path=qpath, got=sorted({u.quantized_format for u in units
+                                                                                 if u.quantized}),
+                        hint="measure a ModelOpt or compressed-tensors NVFP4 checkpoint")
+    target = Target.parse(opts.gpus)
+    length = opts.max_model_len or default_context(q.ckpt.text_config)
+    fit = memory_fit(q, tp=opts.tp, target=target, kv_cache_dtype=opts.kv_cache_dtype, mtp=opts.mtp,
+                     max_model_len=length, max_num_seqs=opts.max_num_seqs,
+                     gpu_memory_utilization=opts.gpu_memory_utilization or DEFAULT_UTILIZATION)
+    has_mtp = any(u.id == "mtp" and u.quantized_bytes > 0 for u in units)
+    fixed = []
+    if opts.mtp > 0 and not has_mtp:
+        mtp_unit = next((u for u in units if u.id == "mtp"), None)
+        if mtp_unit is None:
+            raise PlanError("--mtp: neither checkpoint has an MTP head", path=qpath, hint="plan with --mtp 0")
+        fixed.append({"what": "MTP head grafted from BF16 (for --mtp)", "bytes_per_gpu": mtp_unit.extra_bytes_per_gpu[opts.tp]})
+    mtp_mode = "auto" if opts.mtp > 0 else "keep"
+    if opts.max_weights_gib is not None:
+        budget = int(opts.max_weights_gib * GIB - fit.weights_per_gpu_gib * GIB)
+    else:
+        if not fit.fits:
+            raise PlanError(f"the quantized checkpoint alone does not fit: {fit.reason}", path=qpath,
+                            hint=f"check it first: qtool verify {qpath} --gpus {opts.gpus} --tp {opts.tp}")
+        budget = int(fit.usage_gib["unused"] * GIB)
+    budget -= sum(f["bytes_per_gpu"] for f in fixed)
+    notes = []
+    if budget < 0:
+        raise PlanError(f"no memory is left for BF16 units: {-budget / GIB:.2f} GiB per GPU short", path=qpath,
+                        hint="a shorter --max-model-len, fewer --max-num-seqs, --kv-cache-dtype fp8, or more GPUs")
+    candidates = [u for u in units if u.spliceable and u.measured and u.extra_bytes_per_gpu[opts.tp] > 0]
+    left_out = [u.id for u in units if u.measured and not u.spliceable]
+    if left_out:
+        notes.append(f"measured but not spliceable by assemble hybrid: {', '.join(left_out)}")
+    pick = knapsack([(u.extra_bytes_per_gpu[opts.tp], u.effect or 0.0) for u in candidates], budget)
+    return HybridChoice(opts, table, budget, [candidates[k] for k in pick], candidates, fixed, fit.to_json(),
+                        length, mtp_mode, notes)
+
+
+RECIPE_HEAD = "# written by qtool plan hybrid"
+
+
+def check_recipe_output(opts: PlanHybridOptions) -> None:
+    """-o is a one-file output of the one contract: outside the inputs, and replaced only with --force
+    when this command wrote it."""
+    from qtool.io.output import check_file_output
+
+    if opts.out is not None:
+        check_file_output(Path(opts.out), sources=[p for p in (opts.quantized, opts.bf16) if p], force=opts.force,
+                          ours=lambda head: head.startswith(RECIPE_HEAD.encode()))
+
+
+def write_recipe(choice: HybridChoice, path: Path) -> None:
+    """The build recipe, written atomically (a YAML file qtool build reads)."""
+    import yaml
+
+    from qtool.io.jsonio import atomic_write_text
+
+    head = (f"{RECIPE_HEAD} ({choice.options.sensitivity}): run it with\n"
+            f"#   qtool build {path} -o OUT\n")
+    atomic_write_text(path, head + yaml.safe_dump(choice.recipe(), sort_keys=False, default_flow_style=None,
+                                                  width=110))

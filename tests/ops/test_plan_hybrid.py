@@ -1,0 +1,175 @@
+"""qtool sensitivity + qtool plan hybrid on the tiny fixtures, proved by measurement.
+
+The pair: the tiny BF16 model, with one layer's routed experts given an outlier in every 16-weight block
+(what makes a real layer quantize badly: the block scale follows the outlier and the other 15 weights
+round to few levels), and its NVFP4 export by ModelOpt with the shared experts NVFP4 too (nvidia's own
+397B export quantizes them; NVFP4_MLP_ONLY_CFG). Measured: the planned hybrid's KLD against BF16 is lower
+than the hand-picked hybrid's (BF16 shared experts, the seed's) at the same memory per GPU, and lower
+than the median of 5 random picks of that memory; the recipe builds and verifies."""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+from pathlib import Path
+
+import pytest
+
+from qtool.cli.main import main
+
+OUTLIER_LAYER = 5
+WINDOWS = ["--samples", "4", "--seq-len", "64"]
+
+
+def run_json(capsys, argv: list[str]) -> dict:
+    capsys.readouterr()
+    rc = main([*argv, "--json"])
+    out = capsys.readouterr().out
+    assert rc == 0, out[-3000:]
+    return json.loads(out)
+
+
+def with_outliers(src: Path, dst: Path, layer: int) -> Path:
+    """A copy of the BF16 checkpoint whose layer `layer` routed experts have one large weight per block."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    shutil.copytree(src, dst)
+    idx = json.loads((dst / "model.safetensors.index.json").read_text())
+    tag = f"layers.{layer}.mlp.experts."
+    for shard in sorted({f for n, f in idx["weight_map"].items() if tag in n}):
+        with safe_open(str(dst / shard), "pt") as f:
+            meta = f.metadata()
+            tensors = {n: f.get_tensor(n) for n in f.keys()}
+        for n, t in tensors.items():
+            if tag in n:
+                t = t.clone()
+                t[..., ::16] = t[..., ::16].sign() * t.abs().amax() * 8  # one outlier per 16-block of a row
+                tensors[n] = t.contiguous()
+        (dst / shard).unlink()
+        save_file(tensors, str(dst / shard), metadata=meta)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_bf16, tmp_path_factory):
+    from qtool.fixtures.quantized import build_nvfp4_modelopt
+
+    d = tmp_path_factory.mktemp("plan-hybrid")
+    bf = with_outliers(tiny_bf16, d / "bf16", OUTLIER_LAYER)
+    q = build_nvfp4_modelopt(bf, d / "nvfp4", quant_cfg="NVFP4_MLP_ONLY_CFG", max_shard_size="2MB")
+    return bf, q, d
+
+
+@pytest.fixture(scope="module")
+def table(pair):
+    bf, q, d = pair
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(["sensitivity", str(bf), str(q), "-o", str(d / "sens"), *WINDOWS, "--quiet", "--json"]) == 0
+    return json.loads(buf.getvalue())["table"]
+
+
+def test_the_table_covers_every_unit_and_finds_the_bad_layer(table):
+    ids = {u["id"] for u in table["units"]}
+    want = {f"layer.{i}.{k}" for i in range(8) for k in ("routed_experts", "shared_expert", "attention")}
+    assert want | {"lm_head"} <= ids
+    measured = {u["id"]: u for u in table["units"] if u["measured"]}
+    # every unit the NVFP4 side quantizes (routed + shared experts), no other
+    assert set(measured) == {f"layer.{i}.{k}" for i in range(8) for k in ("routed_experts", "shared_expert")}
+    assert all(u["error"] > 0 and u["effect"] > 0 and u["tokens"] == 4 * 64 for u in measured.values())
+    bad = measured[f"layer.{OUTLIER_LAYER}.routed_experts"]
+    assert bad["effect"] == max(u["effect"] for u in measured.values())
+    # costs: a layer's experts in BF16 (8 experts x 3 x 32 x 64 x 2 bytes) minus their NVFP4 bytes
+    assert bad["bf16_bytes"] == 8 * 3 * 32 * 64 * 2 and 0 < bad["quantized_bytes"] < bad["bf16_bytes"] / 3
+    assert bad["extra_bytes_per_gpu"]["2"] == pytest.approx((bad["bf16_bytes"] - bad["quantized_bytes"]) / 2, abs=8)
+
+
+def _kld(capsys, bf: Path, test: Path) -> float:
+    rep = run_json(capsys, ["eval", "kld", "--ref", str(bf), "--test", str(test), "--windows", "4", "--seq-len",
+                            "64", "--quiet"])
+    return rep["mean"]
+
+
+def _assemble(capsys, bf, q, out: Path, experts: list[int], shared: list[int]) -> Path:
+    run_json(capsys, ["assemble", "hybrid", "--nvfp4", str(q), "--bf16", str(bf), "-o", str(out), "--mtp", "keep",
+                      "--bf16-expert-layers", ",".join(map(str, experts)),
+                      "--bf16-shared-experts", ",".join(map(str, shared)) or "none", "--quiet"])
+    return out
+
+
+def test_the_planned_hybrid_beats_the_hand_picked_and_random_picks_of_equal_memory(pair, table, capsys):
+    bf, q, d = pair
+    from qtool.arch.model_map import build_map
+    from qtool.io.checkpoint import Checkpoint
+    from qtool.ops.verify.memory_fit import GIB, weights_per_gpu
+
+    units = {u["id"]: u for u in table["units"]}
+    shared_cost = sum(u["extra_bytes_per_gpu"]["1"] for u in units.values()
+                      if u["kind"] == "shared_expert" and u["spliceable"])
+    weights = sum(weights_per_gpu(build_map(Checkpoint.open(q)), 1, mtp=False).values())
+    # the budget: exactly what the hand-picked hybrid (every shared expert BF16) adds per GPU
+    recipe = d / "planned.yaml"
+    plan = run_json(capsys, ["plan", "hybrid", "--sensitivity", str(d / "sens"), "--tp", "1",
+                             "--max-weights-gib", repr((weights + shared_cost) / GIB), "-o", str(recipe)])
+    chosen = {c["id"] for c in plan["chosen"]}
+    assert plan["used_bytes_per_gpu"] <= shared_cost
+    assert f"layer.{OUTLIER_LAYER}.routed_experts" in chosen
+    assert plan["hand_picked"]["extra_bytes_per_gpu"] == shared_cost
+    assert plan["predicted_error"]["planned"] < plan["hand_picked"]["predicted_error"]
+
+    # the recipe builds and verifies (its last step is verify at the planned target)
+    built = run_json(capsys, ["build", str(recipe), "-o", str(d / "planned"), "--quiet"])
+    assert [s["op"] for s in built["steps"]] == ["assemble", "calibrate-kv", "patch-config", "verify"]
+    assert built["published"] and built["steps"][-1]["with"]["tp"] == 1
+    planned = d / "planned"
+    assert (planned / "config.json").exists()
+
+    hand = _assemble(capsys, bf, q, d / "hand", [], list(range(8)))
+    experts = sorted(int(c.split(".")[1]) for c in chosen if c.endswith("routed_experts"))
+    shared = sorted(int(c.split(".")[1]) for c in chosen if c.endswith("shared_expert"))
+    rng = random.Random(28)
+    randoms = []
+    for k in range(5):  # the same numbers of each kind of unit: the same memory, other layers
+        e, s = rng.sample(range(8), len(experts)), rng.sample(range(8), len(shared))
+        randoms.append((e, s, _assemble(capsys, bf, q, d / f"random{k}", sorted(e), sorted(s))))
+    kld = {"quantized": _kld(capsys, bf, q), "planned": _kld(capsys, bf, planned), "hand-picked": _kld(capsys, bf, hand)}
+    for k, (_, _, path) in enumerate(randoms):
+        kld[f"random{k}"] = _kld(capsys, bf, path)
+    median_random = statistics.median(kld[f"random{k}"] for k in range(5))
+    print("KLD vs BF16 (mean):", json.dumps(kld, indent=1), "median random", median_random)
+    assert kld["planned"] < kld["hand-picked"] < kld["quantized"]
+    assert kld["planned"] < median_random
+
+    # the planner's prediction against the measurement: rank correlation over the hybrids
+    def predicted(exp, sh) -> float:
+        bf16 = {f"layer.{i}.routed_experts" for i in exp} | {f"layer.{i}.shared_expert" for i in sh}
+        return sum(u["effect"] for u in units.values() if u["measured"] and u["id"] not in bf16)
+
+    pred = {"quantized": predicted([], []), "planned": predicted(experts, shared), "hand-picked": predicted([], range(8))}
+    for k, (e, s, _) in enumerate(randoms):
+        pred[f"random{k}"] = predicted(e, s)
+    names = sorted(kld)
+    rho = _spearman([pred[n] for n in names], [kld[n] for n in names])
+    print("predicted error:", json.dumps(pred, indent=1), "Spearman rho", rho)
+    assert rho > 0  # reported in the issue's note; the random picks' predictions nearly tie
+
+
+def _spearman(a: list[float], b: list[float]) -> float:
+    def ranks(x):
+        order = sorted(range(len(x)), key=lambda i: x[i])
+        r = [0.0] * len(x)
+        for pos, i in enumerate(order):
+            r[i] = float(pos)
+        return r
+
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = statistics.mean(ra), statistics.mean(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    return cov / (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
