@@ -173,3 +173,97 @@ def _spearman(a: list[float], b: list[float]) -> float:
     ma, mb = statistics.mean(ra), statistics.mean(rb)
     cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
     return cov / (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+
+
+def test_both_nvfp4_flavours_and_awq_give_a_table_of_every_unit(tiny_bf16, tiny_nvfp4_ct, tmp_path, capsys):
+    """compressed-tensors NVFP4 (llm-compressor's export: routed experts) and AWQ INT4 (qtool quantize's
+    qwen35-awq-int4: layer 0's experts BF16) are measured unit by unit; only NVFP4 can be spliced."""
+    ct = run_json(capsys, ["sensitivity", str(tiny_bf16), str(tiny_nvfp4_ct), "-o", str(tmp_path / "ct"), *WINDOWS,
+                           "--quiet"])["table"]
+    measured = {u["id"]: u for u in ct["units"] if u["measured"]}
+    assert set(measured) == {f"layer.{i}.routed_experts" for i in range(8)}
+    assert {u["quantized_format"] for u in measured.values()} == {"nvfp4-ct"}
+    assert all(u["spliceable"] and u["effect"] > 0 for u in measured.values())
+    shared = [u for u in ct["units"] if u["kind"] == "shared_expert"]
+    assert shared and all(not u["measured"] and u["note"] == "BF16 in both checkpoints" for u in shared)
+
+    awq = tmp_path / "awq"
+    run_json(capsys, ["quantize", str(tiny_bf16), "-o", str(awq), "--recipe", "qwen35-awq-int4", *WINDOWS, "--quiet"])
+    table = run_json(capsys, ["sensitivity", str(tiny_bf16), str(awq), "-o", str(tmp_path / "awq-sens"), *WINDOWS,
+                              "--quiet"])["table"]
+    measured = {u["id"]: u for u in table["units"] if u["measured"]}
+    assert set(measured) == {f"layer.{i}.routed_experts" for i in range(1, 8)}  # the recipe keeps layer 0 BF16
+    assert all(u["error"] > 0 and not u["spliceable"] for u in measured.values())
+    capsys.readouterr()
+    assert main(["plan", "hybrid", "--sensitivity", str(tmp_path / "awq-sens"), "--tp", "1"]) == 1
+    assert "nothing in this table can be spliced" in capsys.readouterr().err
+
+
+def test_checkpoints_that_do_not_pair_are_named(tiny_bf16, tiny_nvfp4_ct, tmp_path, capsys):
+    import shutil
+
+    capsys.readouterr()
+    assert main(["sensitivity", str(tiny_nvfp4_ct), str(tiny_bf16), "-o", str(tmp_path / "s"), "--dry-run"]) == 1
+    assert "the second checkpoint has no quantized module" in capsys.readouterr().err
+    other = tmp_path / "other"
+    shutil.copytree(tiny_bf16, other)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["text_config"]["num_experts"] = 16
+    (other / "config.json").write_text(json.dumps(cfg))
+    assert main(["sensitivity", str(other), str(tiny_nvfp4_ct), "-o", str(tmp_path / "s"), "--dry-run"]) == 1
+    err = capsys.readouterr().err
+    assert "not one model: num_experts differs" in err and "config.json" in err
+    assert not (tmp_path / "s").exists() and not (tmp_path / "s.partial").exists()
+
+
+def test_a_sparse_397b_pair_plans_from_the_table_and_headers(tmp_path_factory, capsys):
+    """The real 397B's headers (nvidia's NVFP4 layout, shared experts NVFP4; the BF16 release), holes for
+    data: the unit table and costs come from the headers; the effects are stand-ins (a sensitivity run needs
+    the weights), made so that the choice is known: later layers matter more."""
+    import time
+
+    from qtool.arch.model_map import build_map
+    from qtool.fixtures.sparse import build_sparse
+    from qtool.io.checkpoint import Checkpoint
+    from qtool.ops.sensitivity import FORMAT, SCHEMA_VERSION, TABLE
+    from qtool.ops.sensitivity.units import TP_SIZES, list_units
+    from qtool.ops.verify.memory_fit import GIB, Target, memory_fit
+
+    d = tmp_path_factory.mktemp("s397-plan")
+    bf = build_sparse(d / "bf16", model="397b", flavour="bf16-fused")
+    q = build_sparse(d / "nvfp4", model="397b", flavour="modelopt-nvfp4", quantize_shared_expert=True)
+    units = list_units(build_map(Checkpoint.open(bf)), build_map(Checkpoint.open(q)))
+    for u in units:
+        if u.quantized and u.layer is not None:
+            u.measured, u.error = True, 0.01
+            u.effect = (u.layer + 1) * (3.0 if u.kind == "shared_expert" else 1.0) * 1e-4  # stand-in
+    (d / "sens").mkdir()
+    (d / "sens" / TABLE).write_text(json.dumps({
+        "format": FORMAT, "schema_version": SCHEMA_VERSION, "bf16": {"path": str(bf)}, "quantized": {"path": str(q)},
+        "tp_sizes": list(TP_SIZES), "calibration": {"dataset": "builtin", "samples": 16, "seq_len": 2048},
+        "units": [u.to_json() for u in units]}))
+    t0 = time.perf_counter()
+    plan = run_json(capsys, ["plan", "hybrid", "--sensitivity", str(d / "sens"), "--gpus", "4x97887MiB", "--tp", "4",
+                             "--max-model-len", "262144", "--max-num-seqs", "4", "--kv-cache-dtype", "fp8",
+                             "-o", str(d / "plan.yaml")])
+    print(f"plan hybrid of the sparse 397B pair: {time.perf_counter() - t0:.1f} s")
+    shared = [u for u in units if u.kind == "shared_expert" and u.quantized]
+    experts = [u for u in units if u.kind == "routed_experts"]
+    assert len(shared) == 60 and len(experts) == 60
+    # a 397B layer's experts: 12.9 GB in BF16, 3.6 GB in NVFP4, so 2.2 GiB more per GPU at TP=4 in BF16;
+    # a shared expert 25 MB vs 7 MB: 4.5 MB more per GPU
+    assert 2.0 * GIB < experts[0].extra_bytes_per_gpu[4] < 2.4 * GIB
+    assert 4.0e6 < shared[0].extra_bytes_per_gpu[4] < 5.0e6
+    chosen = {c["id"] for c in plan["chosen"]}
+    assert {u.id for u in shared} <= chosen  # the stand-ins make them the best gain per byte
+    # what was chosen fits: the quantized checkpoint's fit at the target, plus the chosen units' bytes
+    fit = memory_fit(build_map(Checkpoint.open(q)), tp=4, target=Target.parse("4x97887MiB"), kv_cache_dtype="fp8",
+                     max_model_len=262144, max_num_seqs=4)
+    assert fit.fits
+    assert plan["used_bytes_per_gpu"] <= plan["budget_bytes_per_gpu"] <= fit.usage_gib["unused"] * GIB + 1
+    nxt = plan["next"]
+    assert nxt is None or nxt["extra_bytes_per_gpu"] > plan["headroom_bytes_per_gpu"]
+    from qtool.build_recipes import load_build_recipe
+
+    recipe = load_build_recipe(d / "plan.yaml")
+    assert [s.op.value for s in recipe.steps] == ["assemble", "calibrate-kv", "patch-config", "verify"]
