@@ -18,7 +18,7 @@ from fake_hub import chat_dataset_files
 from killpoint import run_qtool
 
 ROOT = Path(__file__).resolve().parents[2]
-WRITERS = {"download", "assemble", "calibrate-kv", "quantize", "eval"}  # run as --dry-run
+WRITERS = {"download", "assemble", "calibrate-kv", "quantize", "eval", "sensitivity"}  # run as --dry-run
 
 
 def walkthrough_commands() -> list[str]:
@@ -42,14 +42,18 @@ def stand_ins(tmp_path_factory) -> dict[str, Path]:
     bf16 = build_sparse(d / "bf16", model="397b", flavour="bf16-fused")
     # the hybrid after step 2 (the NVFP4 export's shared experts are BF16 already, as the splice leaves them)
     hybrid = build_sparse(d / "hybrid", model="397b", flavour="modelopt-nvfp4")
-    return {"nvfp4": nvfp4, "bf16": bf16, "hybrid": hybrid, "root": d}
+    # what step 7 writes (its dry run writes nothing): the pair's units from the headers, stand-in effects
+    from sensitivity_stand_in import write_stand_in_table
+
+    write_stand_in_table(bf16, nvfp4, d / "sens")
+    return {"nvfp4": nvfp4, "bf16": bf16, "hybrid": hybrid, "sens": d / "sens", "root": d}
 
 
 def test_the_walkthrough_has_its_steps():
     cmds = walkthrough_commands()
     verbs = [shlex.split(c)[1] for c in cmds]
     assert {"download", "assemble", "calibrate-kv", "patch-config", "verify", "serve-config", "report",
-            "quantize", "eval"} <= set(verbs), verbs
+            "quantize", "eval", "sensitivity", "plan"} <= set(verbs), verbs
 
 
 def test_the_walkthrough_runs_as_written(hub, stand_ins, tmp_path):
@@ -60,7 +64,8 @@ def test_the_walkthrough_runs_as_written(hub, stand_ins, tmp_path):
     paths = {"/models/nvfp4": stand_ins["nvfp4"], "/models/bf16-parts": stand_ins["bf16"],
              "/models/bf16": stand_ins["bf16"], "/models/hybrid-kv": stand_ins["hybrid"],
              "/models/hybrid": stand_ins["hybrid"], "/models/awq": tmp_path / "awq",
-             "hybrid-vs-nvidia.html": tmp_path / "report.html", "CKPT": stand_ins["bf16"], "OUT": tmp_path / "out"}
+             "hybrid-vs-nvidia.html": tmp_path / "report.html", "CKPT": stand_ins["bf16"], "OUT": tmp_path / "out",
+             "/models/sens": stand_ins["sens"], "planned.yaml": tmp_path / "planned.yaml"}
     for line in walkthrough_commands():
         args = shlex.split(line)[1:]
         args = [str(paths.get(a, a)) for a in args]

@@ -225,23 +225,13 @@ def test_a_sparse_397b_pair_plans_from_the_table_and_headers(tmp_path_factory, c
     from qtool.arch.model_map import build_map
     from qtool.fixtures.sparse import build_sparse
     from qtool.io.checkpoint import Checkpoint
-    from qtool.ops.sensitivity import FORMAT, SCHEMA_VERSION, TABLE
-    from qtool.ops.sensitivity.units import TP_SIZES, list_units
     from qtool.ops.verify.memory_fit import GIB, Target, memory_fit
+    from sensitivity_stand_in import write_stand_in_table
 
     d = tmp_path_factory.mktemp("s397-plan")
     bf = build_sparse(d / "bf16", model="397b", flavour="bf16-fused")
     q = build_sparse(d / "nvfp4", model="397b", flavour="modelopt-nvfp4", quantize_shared_expert=True)
-    units = list_units(build_map(Checkpoint.open(bf)), build_map(Checkpoint.open(q)))
-    for u in units:
-        if u.quantized and u.layer is not None:
-            u.measured, u.error = True, 0.01
-            u.effect = (u.layer + 1) * (3.0 if u.kind == "shared_expert" else 1.0) * 1e-4  # stand-in
-    (d / "sens").mkdir()
-    (d / "sens" / TABLE).write_text(json.dumps({
-        "format": FORMAT, "schema_version": SCHEMA_VERSION, "bf16": {"path": str(bf)}, "quantized": {"path": str(q)},
-        "tp_sizes": list(TP_SIZES), "calibration": {"dataset": "builtin", "samples": 16, "seq_len": 2048},
-        "units": [u.to_json() for u in units]}))
+    units = write_stand_in_table(bf, q, d / "sens")
     t0 = time.perf_counter()
     plan = run_json(capsys, ["plan", "hybrid", "--sensitivity", str(d / "sens"), "--gpus", "4x97887MiB", "--tp", "4",
                              "--max-model-len", "262144", "--max-num-seqs", "4", "--kv-cache-dtype", "fp8",
