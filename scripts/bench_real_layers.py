@@ -10,6 +10,8 @@ its own process, or `--nproc N` ranks: one row per rank count of `--nproc 1,2,4`
   awq: quantize --recipe qwen35-awq-int4     (BF16 -> INT4 routed experts, AWQ scale search)
   calibrate-kv --replace-scales              (on quantize's output)
   eval-kld --save-ref                        (on quantize's output; one process only)
+  eval-kld-pair: eval kld --ref BF16 --test NVFP4   (both sides streamed: sensitivity's inputs)
+  sensitivity BF16 NVFP4                     (every unit's error, measured; compare with eval-kld-pair)
 cold (page cache dropped, where the kernel lets root do it) and warm (the same run again), and `cat` of the
 job's input files once, in the same run. Prints per job: wall, layer loop, seconds per layer, time before
 the first layer, the ratio of the layer loop to `cat`, peak host RSS (the job's process) and peak GPU
@@ -233,8 +235,12 @@ def dd_seconds(where: Path, nbytes: int) -> float | None:
 
 
 def output_bytes(argv: list[str]) -> tuple[Path, int]:
-    """The job's output directory and the bytes it wrote (links to its input not counted)."""
-    out = Path(argv[argv.index("--save-ref" if "--save-ref" in argv else "-o") + 1])
+    """The job's output directory and the bytes it wrote (links to its input not counted; a job without
+    one, an eval kld of two checkpoints, wrote none)."""
+    flag = "--save-ref" if "--save-ref" in argv else "-o"
+    if flag not in argv:
+        return Path(os.getcwd()), 0
+    out = Path(argv[argv.index(flag) + 1])
     seen, total = set(), 0
     for f in out.rglob("*"):
         st = f.lstat()
@@ -270,11 +276,14 @@ def one_job(name: str, argv: list[str], inputs: Path, layers: int, cold: bool, p
     if prof is not None:
         print_profile(prof)
     out, written = output_bytes(argv)
-    dd = dd_seconds(out.parent, written)
+    dd = dd_seconds(out.parent, written) if written else 0.0
     floor = max(cat, dd or 0)
     clock = res["report"].get("timing") or {}
     if "layers_done" not in clock and clock:  # eval kld: one clock per streamed side
         clock = next(iter(clock.values()))
+    if "layers_done" not in clock:  # eval kld of two checkpoints prints only its result: the wall clock
+        clock = {"first_layer_start": res["launched"],
+                 "layers_done": [res["launched"] + res["wall"] * (k + 1) / layers for k in range(layers)]}
     done, first = clock["layers_done"], clock["first_layer_start"]
     # the layer loop: from the first layer's load to the last layer done (its shard written); per layer in
     # the steady state: between the first and the last layer done (the read-ahead overlaps from layer 1 on)
@@ -359,14 +368,14 @@ def main() -> int:
     common = ["--dataset", str(data), "--samples", str(a.samples), "--seq-len", str(a.seq_len), "--device", a.device]
     rows = []
     jobs = a.jobs.split(",")
-    unknown = set(jobs) - {"quantize", "awq", "calibrate-kv", "eval-kld"}
+    unknown = set(jobs) - {"quantize", "awq", "calibrate-kv", "eval-kld", "sensitivity", "eval-kld-pair"}
     if unknown:
         raise SystemExit(f"--jobs: unknown {sorted(unknown)}")
     q = w / "nvfp4"
     if a.profile:
         a.profile.mkdir(parents=True, exist_ok=True)
     nvfp4 = ["quantize", str(src), "-o", str(q), "--recipe", "qwen35-nvfp4-experts", "--force", *common]
-    if "quantize" not in jobs and {"calibrate-kv", "eval-kld"} & set(jobs) and not q.exists():
+    if "quantize" not in jobs and {"calibrate-kv", "eval-kld", "sensitivity", "eval-kld-pair"} & set(jobs) and not q.exists():
         run_job(nvfp4)  # their input (not timed)
     real_layers = REAL_LAYERS[a.model]
     for cold in ((False,) if a.warm_only else (True, False)):
@@ -389,6 +398,12 @@ def main() -> int:
                 job("eval-kld", ["eval", "kld", "--ref", str(q), "--save-ref", str(w / "ref"), "--force",
                                  "--dataset", str(data), "--windows", str(a.samples), "--seq-len", str(a.seq_len),
                                  "--device", a.device], q)
+            if "eval-kld-pair" in jobs and ranks == 1:  # both sides streamed: sensitivity's inputs
+                job("eval-kld-pair", ["eval", "kld", "--ref", str(src), "--test", str(q), "--dataset", str(data),
+                                      "--windows", str(a.samples), "--seq-len", str(a.seq_len), "--device", a.device],
+                    src)
+            if "sensitivity" in jobs and ranks == 1:  # BF16 vs its NVFP4: every unit's error
+                job("sensitivity", ["sensitivity", str(src), str(q), "-o", str(w / "sens"), "--force", *common], src)
     print_table(rows)
     if a.out:
         a.out.write_text(json.dumps(rows, indent=1))

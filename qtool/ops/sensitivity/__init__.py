@@ -120,7 +120,7 @@ def execute(p: SensitivityPlan, *, progress=None) -> Report:
                                 "calibration": p.calib.to_json()},
                        checks={}, files=output_files(tx.partial))
         tx.commit()
-    return Report({"plan": p.to_json(), "table": data, "output": str(tx.out),
+    return Report({"plan": p.to_json(), "table": data, "output": str(tx.out), "timing": result["timing"],
                    "seconds": time.perf_counter() - t0})
 
 
