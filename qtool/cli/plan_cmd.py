@@ -25,6 +25,7 @@ def add_arguments(p) -> None:
     h.add_argument("-o", "--output", default=None, metavar="RECIPE.yaml", help="write the build recipe here")
     h.add_argument("--force", action="store_true", help="replace a recipe this command wrote")
     h.add_argument("--name", default=None, help="the recipe's name (default planned-hybrid)")
+    h.add_argument("--quiet", action="store_true", help="no progress bars (it shows none: for scripts' uniformity)")
     add_json_flag(h)
 
 

@@ -32,12 +32,25 @@ WRITERS = {
     ("report", "-o"): (FILE, lambda i: ["report", i["ck"], "--tp", "1"], "ck"),
     ("eval kld", "--save-ref"): (DIR, lambda i: ["eval", "kld", "--ref", i["ck"], "--windows", "1", "--seq-len", "8"],
                                  "ck"),
+    ("sensitivity", "-o"): (DIR, lambda i: ["sensitivity", i["bf"], i["ck"], *KV], "ck"),
+    ("plan hybrid", "-o"): (FILE, lambda i: ["plan", "hybrid", "--sensitivity", _table(i), "--quantized", i["ck"],
+                                             "--bf16", i["bf"], "--tp", "1"], "ck"),
     ("eval kld", "--emit-windows"): (FILE, lambda i: ["eval", "kld", "--ref", i["ck"], "--windows", "1",
                                                       "--seq-len", "8"], "ck"),
 }
 # options whose help says "write" but that name no path to write
 NOT_OUTPUTS = {("download", "--tensors")}
-SUFFIX = {"report": ".html", "eval kld": ".jsonl"}
+SUFFIX = {"report": ".html", "eval kld": ".jsonl", "plan hybrid": ".yaml"}
+
+
+def _table(i: dict) -> Path:
+    """A real sensitivity table of the inputs (plan hybrid must refuse its -o before reading it)."""
+    from qtool.cli.main import main
+
+    out = i["ck"].parent / "sens"
+    if not out.exists():
+        assert main(["sensitivity", str(i["bf"]), str(i["ck"]), "-o", str(out), *KV, "--quiet"]) == 0
+    return out
 
 
 def _parsers():
