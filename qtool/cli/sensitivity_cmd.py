@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qtool.cli.common import (add_output_flags, check_device, dataset_supply, eprint, human_bytes, local_checkpoint,
-                              plan_then_execute, print_json, run_command_line)
+from qtool.cli.common import (add_output_flags, check_device, dataset_supply, human_bytes, local_checkpoint,
+                              memory_line, plan_then_execute, print_json, run_command_line)
 
 
 def add_arguments(p) -> None:
@@ -23,7 +23,6 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from qtool import ops  # noqa: F401
     from qtool.ops import sensitivity
 
     check_device(args.device)
@@ -41,6 +40,13 @@ def run(args) -> int:
     print(f"  units          {p['units']}, measured {len(p['measured'])}")
     print(f"  calibration    {c['dataset']}: {c['samples']} x {c['seq_len']} = {c['tokens']} tokens on {p['device']}"
           + dataset_supply(c))
+    m = p["memory"]
+    print(f"  memory         a layer of each side dense ({human_bytes(m['max_layer_bytes'])} each, {m['compute_dtype']}), "
+          f"activations ~{human_bytes(m['activation_bytes'])} ({m['batch_windows']} windows/batch)")
+    print(f"                 hidden states {human_bytes(m['hidden_bytes'])} x2 on disk in {p['work_dir']}")
+    print(f"  peak memory    {memory_line(m['need'])}")
+    for w in p["warnings"]:
+        print(f"  note           {w}")
     if args.dry_run:
         return 0
     print(f"  {'unit':<28} {'format':<8} {'error':>9} {'effect':>10} {'+GPU @TP4':>11}")
@@ -48,8 +54,6 @@ def run(args) -> int:
         if u["measured"]:
             print(f"  {u['id']:<28} {u['quantized_format']:<8} {u['error']:>9.3g} {u['effect']:>10.3g} "
                   f"{human_bytes(u['extra_bytes_per_gpu']['4']):>11}")
-    for w in p["warnings"]:
-        eprint(f"warning: {w}")
     print(f"wrote {rep['output']}/sensitivity.json ({rep['seconds']:.1f} s); next: qtool plan hybrid "
           f"--sensitivity {rep['output']} --gpus ... --tp ... --max-model-len ...")
     return 0

@@ -239,3 +239,29 @@ def test_ctrl_c_with_a_token_gives_a_continue_line_that_runs(tmp_path, tiny_bf16
     assert argv[1:] == [*args[:4], *args[6:], "--resume"], again
     build_parser("build").parse_args(argv[1:])
     assert "HF_TOKEN" in err and "--token" in err.split("continue:", 1)[1], err
+
+
+import pytest  # noqa: E402
+
+
+@pytest.mark.parametrize("case", ["foreign-output", "missing-extra", "format"])
+def test_quantize_refuses_a_wrong_flag_before_reading_the_dataset(case, tiny_bf16, tmp_path):
+    """Found: `quantize` without --samples read (and with hf: downloaded) its dataset to plan the windows,
+    and only then refused a wrong flag. Every refusal that needs no data comes first: here the dataset is a
+    file that does not exist, so reading it would give its own error instead of the refusal."""
+    args = ["quantize", str(tiny_bf16), "-o", "q", "--recipe", "qwen35-nvfp4-experts", "--dataset", "missing.txt"]
+    hide: tuple[str, ...] = ()
+    if case == "foreign-output":
+        (tmp_path / "q").mkdir()
+        (tmp_path / "q" / "notes.txt").write_text("a user's own")
+        want = "was not made by qtool"
+    elif case == "missing-extra":
+        args += ["--backend", "modelopt"]
+        hide, want = ("modelopt",), "qtool[quant]"
+    else:
+        args += ["--format", "awq"]
+        want = "--format awq cannot hold nvfp4"
+    r = _qtool(args, cwd=tmp_path, hide=hide)
+    assert r.returncode in (1, 2), r.stderr
+    assert want in r.stderr and "dataset" not in r.stderr, r.stderr
+    assert (tmp_path / "q" / "notes.txt").exists() if case == "foreign-output" else not (tmp_path / "q").exists()

@@ -50,6 +50,8 @@ class SensitivityPlan:
     units: list[Unit]
     calib: object  # qtool.stream.calib_data.CalibSet
     work_dir: Path
+    stream: dict = field(default_factory=dict)  # the BF16 side's StreamPlan (layer sizes, micro-batch)
+    memory: object = None  # qtool.stream.memory_plan.MemoryNeed
     warnings: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
@@ -57,7 +59,9 @@ class SensitivityPlan:
         return {"bf16": str(self.bf.root), "quantized": str(self.q.root), "output": str(self.options.out),
                 "units": len(self.units), "measured": [u.id for u in measured],
                 "not_measured": {u.id: u.note for u in self.units if not u.measured},
-                "calibration": self.calib.to_json(), "device": self.options.device, "warnings": self.warnings}
+                "calibration": self.calib.to_json(), "device": self.options.device, "work_dir": str(self.work_dir),
+                "memory": {**self.stream, "need": self.memory.to_json() if self.memory else None},
+                "warnings": self.warnings}
 
 
 def plan(opts: SensitivityOptions) -> SensitivityPlan:
@@ -78,7 +82,17 @@ def plan(opts: SensitivityOptions) -> SensitivityPlan:
             u.note = "not measured: its forward is not part of the decoder stream (cost listed)"
     OutputDir(opts.out, sources=[bf.root, q.root], force=opts.force, resume=opts.resume).check()
     calib = plan_calibration(bf, opts.dataset, opts.samples, opts.seq_len)
-    return SensitivityPlan(opts, bf, q, units, calib, work_dir(Path(opts.out)))
+    from qtool.stream.layer_stream import LayerStreamer
+    from qtool.stream.memory_plan import need
+
+    sp = LayerStreamer(bf, device=opts.device, dtype=opts.dtype, batch_tokens=opts.batch_tokens).plan(
+        calib.samples, calib.seq_len)
+    # a BF16 layer and its quantized twin are dense at once (the twin's modules run on the same inputs)
+    memory = need(sp, device=opts.device, held_layers=2)
+    p = SensitivityPlan(opts, bf, q, units, calib, work_dir(Path(opts.out)), sp.to_json(), memory)
+    if memory.warning():
+        p.warnings.append(memory.warning())
+    return p
 
 
 def table(p: SensitivityPlan, timing: dict | None) -> dict:
