@@ -21,6 +21,8 @@ def add_arguments(p) -> None:
                    "compact reference) and draw the KLD")
     p.add_argument("--kld", metavar="KLD.json", action="append", default=[],
                    help="a saved `qtool eval kld --json` result, one per CKPT in order (instead of --ref)")
+    p.add_argument("--sensitivity", metavar="S", default=None,
+                   help="a `qtool sensitivity` output: drawn as a heat layer on the format grid")
     add_window_flags(p)
     add_output_flags(p, resume=False, output_help="the HTML file to write (atomically)")
 
@@ -44,7 +46,8 @@ def run(args) -> int:
         ref=None if ref is None else str(ref), ref_label=args.ref, kld=tuple(args.kld),
         kld_options=KldOptions(dataset=args.dataset, windows=args.windows, seq_len=args.seq_len,
                                device=args.device),
-        force=args.force, kv_cache_dtype=args.kv_cache_dtype)
+        force=args.force, kv_cache_dtype=args.kv_cache_dtype,
+        sensitivity=Path(args.sensitivity) if args.sensitivity else None)
     p = report.plan(opts)
     if args.dry_run:
         if args.json:

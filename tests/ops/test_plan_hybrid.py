@@ -277,3 +277,24 @@ def test_a_killed_sensitivity_run_resumes_at_its_next_layer_to_the_same_table(ti
     assert json.loads(p.stdout)["timing"]["resumed_from_layer"] == 3
     rows = lambda d: json.loads((d / "sensitivity.json").read_text())["units"]  # noqa: E731
     assert rows(out) == rows(clean)
+
+
+def test_the_report_draws_the_sensitivity_as_a_heat_layer_on_its_grid(pair, table, tmp_path, capsys):
+    import re
+
+    bf, q, d = pair
+    out = tmp_path / "r.html"
+    capsys.readouterr()
+    assert main(["report", str(q), "--tp", "1", "--sensitivity", str(d / "sens"), "-o", str(out), "--quiet"]) == 0
+    html = out.read_text()
+    cells = re.findall(r'data-row="([^"]+)" data-col="([^"]+)"[^>]*data-effect="([^"]+)" data-rank="(\d+)"', html)
+    measured = [u for u in table["units"] if u["measured"]]
+    assert len(cells) == len(measured) == html.count('class="heat"')
+    ranks = {(r, c): int(k) for r, c, _, k in cells}
+    assert ranks[(f"layer {OUTLIER_LAYER}", "routed_experts")] == 1
+    assert f"layer {OUTLIER_LAYER} routed experts (#1)" in html
+    # a file that is not a sensitivity table: named before any of the page's work
+    (tmp_path / "x.json").write_text("{}")
+    assert main(["report", str(q), "--tp", "1", "--sensitivity", str(tmp_path / "x.json"), "-o",
+                 str(tmp_path / "r2.html")]) == 1
+    assert "not a qtool sensitivity table" in capsys.readouterr().err and not (tmp_path / "r2.html").exists()

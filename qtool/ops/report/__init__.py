@@ -34,6 +34,7 @@ class ReportOptions:
     force: bool = False
     # --kv-cache-dtype as given; None: each artifact's as serve-config chooses it (fp8 where calibrated)
     kv_cache_dtype: str | None = None
+    sensitivity: Path | None = None  # a `qtool sensitivity` table: drawn as a heat layer on the grid
 
 
 @dataclass
@@ -64,6 +65,10 @@ def plan(opts: ReportOptions) -> ReportPlan:
     from qtool.ops.verify import validate
 
     validate(opts.verify)
+    if opts.sensitivity is not None:
+        from qtool.ops.sensitivity import load_table
+
+        load_table(opts.sensitivity)  # a named error now, not after the page's work
     if not opts.artifacts:
         raise UsageError("give the checkpoint to report on", hint="qtool report CKPT -o report.html")
     if len(opts.artifacts) > MAX_ARTIFACTS:
@@ -171,7 +176,16 @@ def execute(p: ReportPlan, *, progress=None) -> ReportResult:
     from qtool.ops.verify.memory_fit import Target
 
     target = Target.parse(v.gpus)  # the header names the GPUs the TP group uses, not all that were given
+    heat = None
+    if o.sensitivity is not None:
+        from qtool.ops.sensitivity import heat_cells, load_table
+
+        cells = heat_cells(load_table(o.sensitivity))
+        top = sorted(({"row": r, "col": c, "rank": h["rank"]} for r, cols in cells.items() for c, h in cols.items()),
+                     key=lambda t: t["rank"])[:5]
+        heat = {"path": str(o.sensitivity), "cells": cells, "top": top}
     data = {"qtool_version": __version__, "artifacts": artifacts, "difference": difference, "kld_run": kld_run,
+            "sensitivity": heat,
             "options": {"engine": v.engine, "tp": v.tp, "gpus": v.gpus, "num_gpus": target.num_gpus,
                         "gpu_size": f"{target.gpu_bytes / 2**20:.0f} MiB", "max_model_len": v.max_model_len,
                         "max_num_seqs": v.max_num_seqs, "kv_cache_dtype": o.kv_cache_dtype or "fp8 where calibrated, else auto (as serve-config)",
@@ -179,7 +193,7 @@ def execute(p: ReportPlan, *, progress=None) -> ReportResult:
     html = render(data)
     atomic_write_text(o.out, html)
     sections = ["verdict", "grid", "kv", "memory", "provenance"] + (["kld"] if any(klds) else []) + (
-        ["difference"] if difference is not None else [])
+        ["difference"] if difference is not None else []) + (["sensitivity"] if heat else [])
     return ReportResult(str(o.out), len(html.encode("utf-8")), [a["label"] for a in artifacts],
                         [a["verify"]["ok"] for a in artifacts], sections)
 

@@ -12,13 +12,15 @@ COLUMN_TITLES = {"attention": "attention / GDN", "router": "router", "shared_exp
                  "routed_experts": "routed experts", "other": "other"}
 
 
-def _cell(artifact: dict, row: str, col: str, cell: dict | None, marks: dict):
+def _cell(artifact: dict, row: str, col: str, cell: dict | None, marks: dict, heat: dict | None = None):
     """One grid cell: coloured by format, titled with its formats and byte count, flagged with the verify
-    findings placed in it."""
+    findings placed in it; with a sensitivity table, a heat mark (its opacity: the unit's measured effect
+    against the most sensitive unit's) and the effect and rank in its title."""
     from markupsafe import Markup, escape
 
+    hot = ((heat or {}).get("cells") or {}).get(row, {}).get(col)
     found = [artifact["verify"]["findings"][k] for k in marks.get(row, {}).get(col, [])]
-    if cell is None and not found:
+    if cell is None and not found and hot is None:
         return Markup(f'<td class="empty" data-row="{escape(row)}" data-col="{escape(col)}"></td>')
     fmt = cell["format"] if cell else "none"
     lines = []
@@ -27,11 +29,17 @@ def _cell(artifact: dict, row: str, col: str, cell: dict | None, marks: dict):
     for f in found:
         eng = f" [{f['engine']}]" if f.get("engine") else ""
         lines.append(f"{f['severity']} {f['code']}{eng}: {f['message']}")
+    heat_attr = heat_mark = ""
+    if hot is not None:
+        lines.append(f"sensitivity: effect {hot['effect']:.3g}, error {hot['error']:.3g} (rank {hot['rank']} of "
+                     f"{hot['of']})")
+        heat_attr = f' data-effect="{hot["effect"]:.6g}" data-rank="{hot["rank"]}"'
+        heat_mark = f'<span class="heat" style="opacity:{0.15 + 0.85 * hot["level"]:.2f}"></span>'
     classes = [f"f-{fmt}"] + (["flag"] if found else [])
     badge = f'<span class="badge">!{len(found)}</span>' if found else ""
     return Markup(f'<td class="{" ".join(classes)}" data-row="{escape(row)}" data-col="{escape(col)}" '
-                  f'data-format="{escape(fmt)}" data-findings="{len(found)}" title="{escape(chr(10).join(lines))}">'
-                  f'{escape(fmt)}{Markup(badge)}</td>')
+                  f'data-format="{escape(fmt)}" data-findings="{len(found)}"{heat_attr} '
+                  f'title="{escape(chr(10).join(lines))}">{escape(fmt)}{Markup(badge)}{Markup(heat_mark)}</td>')
 
 
 def page_charts(artifacts: list[dict]) -> dict[str, str | None]:
@@ -57,7 +65,10 @@ def render(data: dict) -> str:
     env.filters["dict_values"] = lambda d: list(d.values())
     template = env.from_string(template_text)
     svg = {k: (None if v is None else _markup(v)) for k, v in page_charts(data["artifacts"]).items()}
-    return template.render(**data, data=data, charts=svg, cell=_cell, colours=charts.FORMAT_COLOURS,
+    import functools
+
+    cell = functools.partial(_cell, heat=data.get("sensitivity"))
+    return template.render(**data, data=data, charts=svg, cell=cell, colours=charts.FORMAT_COLOURS,
                            column_titles=COLUMN_TITLES, kld_source=_kld_source(data.get("kld_run")))
 
 

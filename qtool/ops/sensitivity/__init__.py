@@ -156,4 +156,20 @@ def load_table(path: str | Path) -> dict:
     return data
 
 
-__all__ = ["SensitivityOptions", "SensitivityPlan", "TABLE", "execute", "load_table", "plan", "table"]
+def heat_cells(data: dict) -> dict:
+    """The measured units as the report's layer grid places them: {row: {column: {"effect", "rank",
+    "level"}}} (rank 1 = the most sensitive; level = effect / the largest effect, 0..1)."""
+    from qtool.arch.layer_grid import row_name
+
+    measured = sorted((u for u in data["units"] if u.get("measured") and u.get("effect") is not None
+                       and u.get("layer") is not None), key=lambda u: -u["effect"])
+    top = measured[0]["effect"] if measured and measured[0]["effect"] > 0 else 1.0
+    out: dict = {}
+    for rank, u in enumerate(measured, 1):
+        out.setdefault(row_name(u["layer"], False), {})[u["kind"]] = {
+            "effect": u["effect"], "error": u["error"], "rank": rank, "of": len(measured),
+            "level": u["effect"] / top}
+    return out
+
+
+__all__ = ["heat_cells", "SensitivityOptions", "SensitivityPlan", "TABLE", "execute", "load_table", "plan", "table"]
