@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -239,9 +241,6 @@ def test_ctrl_c_with_a_token_gives_a_continue_line_that_runs(tmp_path, tiny_bf16
     assert argv[1:] == [*args[:4], *args[6:], "--resume"], again
     build_parser("build").parse_args(argv[1:])
     assert "HF_TOKEN" in err and "--token" in err.split("continue:", 1)[1], err
-
-
-import pytest  # noqa: E402
 
 
 @pytest.mark.parametrize("case", ["foreign-output", "missing-extra", "format"])

@@ -16,7 +16,7 @@ from qtool.arch.qwen35 import Group, layer_prefix
 from qtool.extras import require
 from qtool.errors import PlanError, UsageError
 from qtool.io.checkpoint import Checkpoint
-from qtool.io.output import check_no_overlap
+from qtool.io.output import OutputDir
 from qtool.io.writer import FileRange
 from qtool.recipes import FORMATS_FOR, Backend, KvCache, OutFormat, Recipe, Scheme, WeightScale
 
@@ -245,15 +245,6 @@ def plan(opts: QuantizeOptions) -> QuantizePlan:
     recipe, out, device, awq_rows, dataset = opts.recipe, opts.out, opts.device, opts.awq_rows, opts.dataset
     samples, seq_len = opts.samples, opts.seq_len
     ckpt = Checkpoint.open(opts.checkpoint, require_config=True)
-    early_calib = None
-    if samples is None and opts.calib_ids is None:
-        # the default: 16 windows, or as many as the dataset gives (the builtin corpus is a short sample:
-        # 5.8k tokens with the 397B's tokenizer); the recipe's calibration warning below says what a real
-        # run uses
-        from qtool.stream.calib_data import plan_calibration
-
-        early_calib = plan_calibration(ckpt, dataset, DEFAULT_SAMPLES, seq_len, at_most=True)
-        samples = early_calib.samples
     if opts.calib_ids is not None:
         samples, seq_len = int(opts.calib_ids.shape[0]), int(opts.calib_ids.shape[1])
     backend = opts.backend or recipe.backend
@@ -261,7 +252,9 @@ def plan(opts: QuantizeOptions) -> QuantizePlan:
     streamer = LayerStreamer(ckpt, device=device, batch_tokens=opts.batch_tokens)
     mm = streamer.mm
     outp = Path(out)
-    check_no_overlap(outp, [ckpt.root])
+    # the output is refused here, before the dataset is read below (with hf: a download), as every other
+    # refusal that needs no data; execute's transaction checks it again under its lock
+    OutputDir(outp, sources=[ckpt.root], force=opts.force, resume=opts.resume).check()
     scheme = recipe.quantized_scheme
     if scheme in FORMATS_FOR and fmt not in FORMATS_FOR[scheme]:
         raise UsageError(f"--format {fmt.value} cannot hold {scheme.value} weights",
@@ -356,17 +349,22 @@ def plan(opts: QuantizeOptions) -> QuantizePlan:
         warnings.append("AutoAWQ form: no KV scales written (the awq config has no kv_cache_scheme and vLLM's AWQ "
                         "method loads none); use --format compressed-tensors for FP8 KV scales")
     keep = awq_rows if (scheme is Scheme.W4A16 and recipe.int4.awq) else 0
+    calib = None
+    if opts.calib_ids is None:
+        # the windows, from the dataset: only now, after every refusal that needs no data. The default is 16
+        # windows, or as many as the dataset gives (the builtin corpus is a short sample: 5.8k tokens with the
+        # 397B's tokenizer; the recipe's calibration warning below says what a real run uses); an explicit
+        # --samples too large for the data is refused here
+        from qtool.stream.calib_data import plan_calibration
+
+        calib = plan_calibration(ckpt, dataset, DEFAULT_SAMPLES if samples is None else samples, seq_len, at_most=samples is None)
+        samples = calib.samples
     p = QuantizePlan(ckpt, mm, recipe, backend, fmt, outp, layers, rest, n_exp, inter, hidden, samples,
                      seq_len, dataset, device, streamer.plan(samples, seq_len), keep, warnings, opts,
                      int4_group=int4_group)
     from qtool.ops.quantize.output import output_plan
 
-    if early_calib is not None:
-        p.calib = early_calib
-    elif opts.calib_ids is None:
-        from qtool.stream.calib_data import plan_calibration
-
-        p.calib = plan_calibration(ckpt, dataset, samples, seq_len)  # refused here if the data is too small
+    p.calib = calib
     want = recipe.calibration
     if want and (dataset != want["dataset"] or samples * seq_len < want["samples"] * want["seq_len"]):
         p.warnings.append(f"the recipe {recipe.name} is meant to calibrate on {want['dataset']} "
