@@ -25,6 +25,7 @@ def add_arguments(p) -> None:
     h.add_argument("-o", "--output", default=None, metavar="RECIPE.yaml", help="write the build recipe here")
     h.add_argument("--force", action="store_true", help="replace a recipe this command wrote")
     h.add_argument("--name", default=None, help="the recipe's name (default planned-hybrid)")
+    h.add_argument("--dry-run", action="store_true", help="print the plan and its memory fit; write no recipe")
     h.add_argument("--quiet", action="store_true", help="no progress bars (it shows none: for scripts' uniformity)")
     add_json_flag(h)
 
@@ -39,17 +40,21 @@ def run(args) -> int:
         max_num_seqs=args.max_num_seqs or 1, kv_cache_dtype=args.kv_cache_dtype or "auto", mtp=args.mtp,
         engine=args.engine, max_weights_gib=args.max_weights_gib, gpu_memory_utilization=args.gpu_memory_utilization,
         quantized=Path(args.quantized) if args.quantized else None, bf16=Path(args.bf16) if args.bf16 else None,
-        out=Path(args.output) if args.output else None, force=args.force, name=args.name)
+        out=Path(args.output) if args.output else None, force=args.force, name=args.name, dry_run=args.dry_run)
     choice = plan(opts)
-    if opts.out is not None:
+    written = opts.out is not None and not opts.dry_run
+    if written:
         write_recipe(choice, opts.out)
     rep = choice.to_json()
     if args.json:
-        print_json({**rep, "recipe": str(opts.out) if opts.out else None})
+        print_json({**rep, "dry_run": opts.dry_run, "recipe": str(opts.out) if written else None})
         return 0
     t = rep["target"]
     print(f"plan: {rep['quantized']} on {t['gpus']}, TP={t['tp']}, {t['max_num_seqs']} x {t['max_model_len']} tokens, "
           f"KV {t['kv_cache_dtype']}" + (f", MTP {t['mtp']}" if t["mtp"] else ""))
+    u = rep["fit"]["usage_gib"]
+    print(f"  memory fit     per GPU of {rep['fit']['budget_gib']:.1f} GiB: weights {u['weights']:.2f}, KV cache "
+          f"{u['kv_cache']:.2f}, GDN state {u['gdn_state']:.2f}, reserve {u['reserve']:.2f}, unused {u['unused']:.2f} GiB")
     print(f"  budget         {human_bytes(rep['budget_bytes_per_gpu'])} per GPU for BF16 units"
           + (" (--max-weights-gib)" if opts.max_weights_gib is not None else " (what the memory fit leaves)"))
     for f in rep["fixed"]:
@@ -70,6 +75,8 @@ def run(args) -> int:
               f"(gain {n['gain']:.3g})")
     for note in rep["notes"]:
         print(f"  note           {note}")
-    if opts.out is not None:
+    if written:
         print(f"wrote {opts.out}; build it: qtool build {opts.out} -o OUT")
+    elif opts.dry_run:
+        print("dry run: no recipe written")
     return 0

@@ -298,3 +298,15 @@ def test_the_report_draws_the_sensitivity_as_a_heat_layer_on_its_grid(pair, tabl
     assert main(["report", str(q), "--tp", "1", "--sensitivity", str(tmp_path / "x.json"), "-o",
                  str(tmp_path / "r2.html")]) == 1
     assert "not a qtool sensitivity table" in capsys.readouterr().err and not (tmp_path / "r2.html").exists()
+
+
+def test_a_tp_the_model_does_not_shard_at_is_refused_and_a_dry_run_writes_nothing(pair, table, tmp_path, capsys):
+    bf, q, d = pair
+    capsys.readouterr()
+    assert main(["plan", "hybrid", "--sensitivity", str(d / "sens"), "--tp", "4", "-o", str(tmp_path / "p.yaml")]) == 1
+    err = capsys.readouterr().err
+    assert "--tp 4" in err and "do not split over TP=4" in err and "--tp 2" in err
+    rep = run_json(capsys, ["plan", "hybrid", "--sensitivity", str(d / "sens"), "--tp", "2", "--dry-run",
+                            "-o", str(tmp_path / "p.yaml")])
+    assert rep["dry_run"] and rep["recipe"] is None and rep["chosen"] and not (tmp_path / "p.yaml").exists()
+    assert rep["fit"]["usage_gib"]["unused"] * (1 << 30) == pytest.approx(rep["budget_bytes_per_gpu"], rel=1e-4)

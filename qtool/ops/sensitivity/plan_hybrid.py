@@ -43,6 +43,7 @@ class PlanHybridOptions:
     bf16: Path | None = None
     out: Path | None = None  # the build recipe to write
     force: bool = False  # replace a recipe this command wrote before
+    dry_run: bool = False  # print the plan, write no recipe
     name: str | None = None  # the recipe's name (its output directory)
 
 
@@ -206,6 +207,7 @@ def plan(opts: PlanHybridOptions) -> HybridChoice:
                         hint="measure a ModelOpt or compressed-tensors NVFP4 checkpoint")
     target = Target.parse(opts.gpus)
     length = opts.max_model_len or default_context(q.ckpt.text_config)
+    _check_tp(qpath, opts)
     fit = memory_fit(q, tp=opts.tp, target=target, kv_cache_dtype=opts.kv_cache_dtype, mtp=opts.mtp,
                      max_model_len=length, max_num_seqs=opts.max_num_seqs,
                      gpu_memory_utilization=opts.gpu_memory_utilization or DEFAULT_UTILIZATION)
@@ -249,6 +251,19 @@ def check_recipe_output(opts: PlanHybridOptions) -> None:
     if opts.out is not None:
         check_file_output(Path(opts.out), sources=[p for p in (opts.quantized, opts.bf16) if p], force=opts.force,
                           ours=lambda head: head.startswith(RECIPE_HEAD.encode()))
+
+
+def _check_tp(qpath: Path, opts: PlanHybridOptions) -> None:
+    """The target TP must shard the model (verify's own TP rule, for the engines asked): a plan for a TP
+    the engines refuse would be a recipe that fails at its last step."""
+    from qtool.findings import Code
+    from qtool.ops.verify import VerifyOptions, verify
+
+    rep = verify(qpath, VerifyOptions(engine=opts.engine, tp=opts.tp, gpus=opts.gpus))
+    bad = [f for f in rep.findings if f.code is Code.TP_DIVISIBILITY and f.severity.value == "error"]
+    if bad:
+        raise PlanError(f"--tp {opts.tp}: {bad[0].message}", path=qpath,
+                        hint="plan with a --tp the model shards at" + (f" (verify: {bad[0].fix})" if bad[0].fix else ""))
 
 
 def write_recipe(choice: HybridChoice, path: Path) -> None:
