@@ -100,6 +100,10 @@ if __name__ == "__main__":
     fail = None if rest[0] == "--" else rest.pop(0)
     assert rest[0] == "--", "usage: killpoint.py MODULE:QUALNAME N [ERRNO] -- ARGS"
     argv = rest[1:]
+    # a user's Ctrl-C comes from a terminal: Python's KeyboardInterrupt handler, even when the test run was
+    # started in the background (`cmd &` in a script starts it with SIGINT ignored, and Python then keeps
+    # SIG_IGN: the interrupt tests would see a run that ignores Ctrl-C)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     install(target, int(n), fail)
     if os.environ.get("KILLPOINT_SLOW"):
         slow_down(os.environ["KILLPOINT_SLOW"])
