@@ -121,21 +121,13 @@ def _yarn_rope(report: VerifyReport, factor: float) -> dict:
     return {"text_config": {"rope_parameters": rope}}
 
 
-def served_kv_cache_dtype(asked: str | None, facts: dict) -> str:
-    """The KV-cache dtype a launch uses (serve-config, and the report's launch lines and memory fit): the
-    one asked for, else fp8 where the checkpoint carries calibrated scales, else the engine's auto."""
-    if asked:
-        return asked
-    return "fp8" if facts.get("kv_scales_calibrated") else "auto"
-
-
 def plan(path: str | Path, opts: ServeOptions) -> Launch:
     v = parse_version(opts.engine)
     if opts.yarn is not None and opts.yarn <= 1:
         raise UsageError("--yarn FACTOR must be > 1", got=opts.yarn)
     max_len = opts.max_model_len
     vopts = VerifyOptions(engine=str(v), tp=opts.tp, gpus=opts.gpus, max_model_len=max_len,
-                          max_num_seqs=opts.max_num_seqs, kv_cache_dtype=opts.kv_cache_dtype or "auto",
+                          max_num_seqs=opts.max_num_seqs, kv_cache_dtype=opts.kv_cache_dtype,  # None: verify's
                           gpu_memory_utilization=opts.gpu_memory_utilization, mtp=opts.mtp)
     rep = verify(path, vopts)
     rope = rep.facts.get("rope_parameters") or {}
@@ -145,14 +137,14 @@ def plan(path: str | Path, opts: ServeOptions) -> Launch:
         skipped_yarn = (f"--yarn {opts.yarn} skipped: the checkpoint's config already has YaRN (factor "
                         f"{rope.get('factor')}, max_position_embeddings {rep.facts.get('max_position_embeddings')})")
         opts = replace(opts, yarn=None)
-    if rep.ok:
-        # fp8 KV when real scales exist; the YaRN-extended context: verify the final target once more
-        kv = served_kv_cache_dtype(opts.kv_cache_dtype, rep.facts)
-        if opts.yarn and max_len is None:
-            max_len = int(int(rep.facts.get("max_position_embeddings") or 262144) * opts.yarn)
-        if kv != vopts.kv_cache_dtype or max_len != vopts.max_model_len:
-            vopts = replace(vopts, kv_cache_dtype=kv, max_model_len=max_len)
-            rep = verify(path, vopts)
+    # the KV-cache dtype verify judged with (without --kv-cache-dtype: fp8 where real scales exist,
+    # qtool.ops.verify.served_kv_cache_dtype) is the launch's
+    vopts = replace(vopts, kv_cache_dtype=rep.kv_cache_dtype)
+    if rep.ok and opts.yarn and max_len is None:
+        # the YaRN-extended context: verify the final target once more
+        max_len = int(int(rep.facts.get("max_position_embeddings") or 262144) * opts.yarn)
+        vopts = replace(vopts, max_model_len=max_len)
+        rep = verify(path, vopts)
     if not rep.ok:
         errs = rep.errors()
         raise VerificationError(

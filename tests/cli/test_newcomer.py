@@ -264,3 +264,41 @@ def test_quantize_refuses_a_wrong_flag_before_reading_the_dataset(case, tiny_bf1
     assert r.returncode in (1, 2), r.stderr
     assert want in r.stderr and "dataset" not in r.stderr, r.stderr
     assert (tmp_path / "q" / "notes.txt").exists() if case == "foreign-output" else not (tmp_path / "q").exists()
+
+
+def test_report_and_serve_config_verify_a_calibrated_artifact_once(tiny_nvfp4_modelopt, tmp_path, monkeypatch,
+                                                                  capsys):
+    """Found: `report` (and `serve-config`) of an artifact with calibrated KV scales ran verify twice: once with
+    the auto KV cache to learn that the scales are calibrated, then again with FP8. Verify now decides the
+    served KV-cache dtype itself; the page and the launch line are what they were."""
+    import re
+
+    import qtool.ops.verify as verify_op
+    from qtool.cli.main import main
+
+    calls = []
+    real = verify_op.execute
+
+    def counted(p):
+        calls.append(p.options.engine)
+        return real(p)
+
+    monkeypatch.setattr(verify_op, "execute", counted)
+    flags = ["--tp", "2", "--engine", "vllm@0.33.0"]
+    out = tmp_path / "r.html"
+    assert main(["report", str(tiny_nvfp4_modelopt), *flags, "-o", str(out)]) == 0
+    assert len(calls) == 2, calls  # the page's verify, and the launch line's (serve-config's own)
+    html = out.read_text(encoding="utf-8")
+    data = json.loads(re.search(r'<script[^>]*id="qtool-report-data"[^>]*>(.*?)</script>', html, re.S).group(1))
+    a = data["artifacts"][0]
+    capsys.readouterr()
+    calls.clear()
+    assert main(["serve-config", str(tiny_nvfp4_modelopt), *flags]) == 0
+    assert len(calls) == 1, calls
+    launch = capsys.readouterr().out
+    assert main(["verify", str(tiny_nvfp4_modelopt), *flags, "--kv-cache-dtype", "fp8", "--json"]) == 0
+    # the page judges it with the FP8 KV cache serve-config launches it with, as before
+    assert a["verify"] == json.loads(capsys.readouterr().out)
+    assert a["verify"]["fit"]["kv_cache_dtype"] == "fp8"
+    assert a["launch"]["vllm@0.33.0"]["command"].strip() == launch.strip()
+    assert "--kv-cache-dtype fp8" in launch

@@ -28,15 +28,12 @@ def artifact_data(art: Artifact, verify_opts, kld: dict | None = None, kv_cache_
     """One artifact's section of the report; its memory fit and launch lines with the KV-cache dtype
     serve-config would use (`kv_cache_dtype`, else fp8 where the artifact's scales are calibrated)."""
     from qtool.ops.inspect import inspect_checkpoint
-    from qtool.ops.serve_config import served_kv_cache_dtype
     from qtool.ops.verify import verify
 
     inspected = inspect_checkpoint(art.path)
-    rep = verify(art.path, replace(verify_opts, deep=False, kv_cache_dtype=kv_cache_dtype or "auto"))
-    kv = served_kv_cache_dtype(kv_cache_dtype, rep.facts)
-    verify_opts = replace(verify_opts, kv_cache_dtype=kv)
-    if kv != (kv_cache_dtype or "auto"):  # calibrated scales: fit and launch lines with an FP8 KV cache
-        rep = verify(art.path, replace(verify_opts, deep=False))
+    # kv_cache_dtype None: verify judges it with the dtype it is served with (fp8 where calibrated), once
+    rep = verify(art.path, replace(verify_opts, deep=False, kv_cache_dtype=kv_cache_dtype))
+    verify_opts = replace(verify_opts, kv_cache_dtype=rep.kv_cache_dtype)  # the launch lines' too
     verified = rep.to_json()
     if art.label != str(art.path):  # an hf: source's stand-in: messages and fixes name the source
         inspected, verified = (_renamed(x, str(art.path), art.label) for x in (inspected, verified))

@@ -25,7 +25,9 @@ class VerifyOptions:
     gpus: str = DEFAULT_GPUS
     max_model_len: int | None = None
     max_num_seqs: int | None = None
-    kv_cache_dtype: str = "auto"
+    # None: the one the artifact is served with (served_kv_cache_dtype), decided by verify itself, so that
+    # serve-config and report judge a calibrated artifact once, with FP8, not once more to learn it is
+    kv_cache_dtype: str | None = "auto"
     gpu_memory_utilization: float = DEFAULT_UTILIZATION
     mtp: int = 0
     deep: bool = False
@@ -52,6 +54,7 @@ class VerifyReport:
     facts: dict = field(default_factory=dict)  # what serve-config needs: naming, vision, mtp, kv, quant
     deep: dict | None = None
     model_map: object = field(default=None, repr=False)  # the ModelMap (for serve-config); not serialized
+    kv_cache_dtype: str = "auto"  # the KV-cache dtype it was judged with (VerifyOptions' None decided)
 
     @property
     def ok(self) -> bool:
@@ -91,7 +94,7 @@ def validate(opts: VerifyOptions) -> tuple[list[EngineVersion], Target]:
         raise UsageError("--tp must be >= 1", got=opts.tp)
     if opts.tp > target.num_gpus:
         raise UsageError(f"--tp {opts.tp} needs {opts.tp} GPUs, --gpus has {target.num_gpus}")
-    if opts.kv_cache_dtype not in KV_CACHE_DTYPES:
+    if opts.kv_cache_dtype is not None and opts.kv_cache_dtype not in KV_CACHE_DTYPES:
         raise UsageError(f"--kv-cache-dtype {opts.kv_cache_dtype!r}", expected=KV_CACHE_DTYPES)
     if opts.mtp < 0:
         raise UsageError("--mtp must be >= 0", got=opts.mtp)
@@ -100,6 +103,19 @@ def validate(opts: VerifyOptions) -> tuple[list[EngineVersion], Target]:
         if v is not None and v < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1", got=v)
     return versions, target
+
+
+def served_kv_cache_dtype(asked: str | None, facts: dict) -> str:
+    """The KV-cache dtype a launch uses (serve-config, and the report's launch lines and memory fit): the
+    one asked for, else fp8 where the checkpoint carries calibrated scales, else the engine's auto."""
+    if asked:
+        return asked
+    return "fp8" if facts.get("kv_scales_calibrated") else "auto"
+
+
+def _kv_scales_calibrated(mm) -> bool:
+    """Every full-attention layer has k/v scales, and they are calibrated (not the constant 1.0)."""
+    return bool(mm.kv.layers) and mm.kv.calibrated is True and len(mm.kv.layers) == len(mm.full_attention)
 
 
 def plan(opts: VerifyOptions) -> VerifyPlan:
@@ -133,9 +149,15 @@ def execute(p: VerifyPlan) -> VerifyReport:
     opts, path, versions, target = p.options, p.path, p.versions, p.target
     ckpt, findings = structure.open_checked(path)
     if ckpt is None:
-        return VerifyReport(str(path), findings, None, {})
+        return VerifyReport(str(path), findings, None, {}, kv_cache_dtype=opts.kv_cache_dtype or "auto")
     mm = build_map(ckpt)
     summary = summarize(ckpt.config, ckpt.hf_quant_config)
+    calibrated = _kv_scales_calibrated(mm)
+    if opts.kv_cache_dtype is None:  # as served: every check below (and every fix line) with that dtype
+        import dataclasses
+
+        served = served_kv_cache_dtype(None, {"kv_scales_calibrated": calibrated})
+        opts = dataclasses.replace(opts, kv_cache_dtype=served)
     kv_fp8 = opts.kv_cache_dtype == "fp8"
 
     findings += structure.structure_findings(mm)
@@ -175,8 +197,7 @@ def execute(p: VerifyPlan) -> VerifyReport:
         "naming": mm.naming.value,
         "vision": bool(mm.modules_in(Group.VISION)),
         "mtp": bool(mm.modules_in(Group.MTP)),
-        "kv_scales_calibrated": bool(mm.kv.layers) and mm.kv.calibrated is True
-        and len(mm.kv.layers) == len(mm.full_attention),
+        "kv_scales_calibrated": calibrated,
         "quant_method": summary.quant_method or (summary.hf_quant_algo and "modelopt"),
         "quant_algo": summary.quant_algo or summary.hf_quant_algo,
         "rope_parameters": ckpt.text_config.get("rope_parameters") or ckpt.text_config.get("rope_scaling"),
@@ -187,7 +208,8 @@ def execute(p: VerifyPlan) -> VerifyReport:
         if "units" in counts:
             counts["errors"] = sum(1 for f in findings if f.engine == eng and f.is_error)
             counts["warnings"] = sum(1 for f in findings if f.engine == eng and not f.is_error)
-    report = VerifyReport(str(ckpt.root), findings, fit, engines, facts, model_map=mm)
+    report = VerifyReport(str(ckpt.root), findings, fit, engines, facts, model_map=mm,
+                          kv_cache_dtype=opts.kv_cache_dtype)
     if opts.deep and not any(f.code in (Code.BAD_HEADER, Code.TRUNCATED_SHARD) for f in findings):
         from qtool.ops.verify.deep import deep_check
 
@@ -198,7 +220,7 @@ def execute(p: VerifyPlan) -> VerifyReport:
 
 
 __all__ = ["Code", "Finding", "Severity", "VerifyOptions", "VerifyPlan", "VerifyReport", "execute", "parse_engines",
-           "plan", "verify"]
+           "plan", "served_kv_cache_dtype", "verify"]
 
 
 def _fit_fix(mm, fit, opts, target) -> str:
