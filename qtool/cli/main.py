@@ -229,10 +229,7 @@ def _main(argv: list[str] | None) -> int:
 
         for field in ("message", "path", "hint", "expected", "got"):
             setattr(e, field, as_user_named(getattr(e, field)))
-        if want_json:
-            print(json.dumps(e.to_json(), indent=2))
-        else:
-            print(e.describe(), file=sys.stderr)
+        _print_error(e, want_json)
         return e.exit_code
     except KeyboardInterrupt as e:
         print(_interrupted(args, argv, e), file=sys.stderr)
@@ -251,11 +248,19 @@ def _main(argv: list[str] | None) -> int:
 
         err = write_error(f"{e.strerror or type(e).__name__}", e, e.filename or "?")
         err.message = f"I/O error: {e.strerror or e}"
-        if want_json:
-            print(json.dumps(err.to_json(), indent=2))
-        else:
-            print(err.describe(), file=sys.stderr)
+        _print_error(err, want_json)
         return 1
+
+
+def _print_error(e: QtoolError, want_json: bool) -> None:
+    """The error as JSON on stdout with --json, else as text on stderr. A rank other than rank 0 of several
+    always writes text to stderr: its stdout is discarded (rank 0 speaks for the run, _parallel), and the
+    launcher's last line says its error is above."""
+    other_rank = int(os.environ.get("WORLD_SIZE", "1")) > 1 and int(os.environ.get("RANK", "0")) > 0
+    if want_json and not other_rank:
+        print(json.dumps(e.to_json(), indent=2))
+    else:
+        print(e.describe(), file=sys.stderr)
 
 
 def _interrupted(args, argv: list[str], e: KeyboardInterrupt) -> str:

@@ -118,16 +118,19 @@ def spawn(argv: list[str], devices: list[str], resumable: bool = True) -> int:
 
 
 def _watch(procs: list[subprocess.Popen], resumable: bool) -> int:
-    failed: tuple[int, int] | None = None
+    failed: list[tuple[int, int]] = []
     deadline = None
     while True:
         codes = [p.poll() for p in procs]
-        if failed is None:
+        if not failed:
             bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-            if bad:
-                # seen in one pass: a rank killed by a signal is the cause, the others' exits the effect
-                # (they lost it: a rank exits as soon as its collective fails)
-                failed = min(bad, key=lambda rc: (rc[1] > 0, rc[0]))
+            # seen in one pass: a rank killed by a signal is the cause, the others' exits the effect (they
+            # lost it: a rank exits as soon as its collective fails). Ranks that exited with a status in one
+            # pass are all named: the one that failed exits only milliseconds before those that lose it, and
+            # naming the lowest of them alone often named rank 0, whose error is only "lost the other ranks"
+            killed = [rc for rc in bad if rc[1] < 0]
+            failed = killed[:1] or bad
+            if failed:
                 deadline = time.monotonic() + GRACE_S
         if all(c is not None for c in codes):
             break
@@ -135,14 +138,19 @@ def _watch(procs: list[subprocess.Popen], resumable: bool) -> int:
             _stop(procs)
             break
         time.sleep(0.1)
-    if failed is None:
+    if not failed:
         return 0
-    rank, code = failed
-    how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+    if len(failed) == 1:
+        rank, code = failed[0]
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+        who = f"rank {rank} of {len(procs)} {how} (its error is above)"
+    else:
+        ranks = ", ".join(f"{r} (status {c})" for r, c in failed)
+        who = (f"ranks {ranks} of {len(procs)} exited at once (their errors are above: the one that does not "
+               "say it lost the other ranks is the cause)")
     then = (" If it had started writing, its partial output is kept: re-run the same command with --resume "
             "(any number of ranks) to continue." if resumable else "")
-    print(f"qtool: rank {rank} of {len(procs)} {how} (its error is above); the run stopped on every rank.{then}",
-          file=sys.stderr)
+    print(f"qtool: {who}; the run stopped on every rank.{then}", file=sys.stderr)
     rc0 = procs[0].returncode
     return rc0 if rc0 not in (None, 0) and rc0 > 0 else 1
 

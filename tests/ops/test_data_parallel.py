@@ -216,3 +216,37 @@ def test_launcher_shares_the_cores_out(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert launch.spawn(["calibrate-kv", "x"], ["cpu", "cpu", "cpu"]) == 0
     assert [e["OMP_NUM_THREADS"] for e in seen] == ["3", "3", "3"]
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_a_failing_ranks_own_error_reaches_the_user(request, tmp_path, monkeypatch, capfd, as_json):
+    """Found (issue 26): under `--nproc 2`, when one rank failed the user could be left with the generic "lost
+    the other ranks" and the launcher's "rank 1 ... exited with status 1 (its error is above)", and no real
+    error above: with --json, a rank other than 0 printed its error as JSON to its stdout, which the launcher
+    discards. Here rank 1's write of a layer fails (a full disk) under the launcher itself."""
+    from qtool.cli.main import main
+    from qtool.dist import launch
+
+    src = fixture_dir(request, "tiny_bf16")
+    real = launch.subprocess.Popen
+
+    def popen(cmd, env, **kw):  # rank 1 runs under tests/killpoint.py: its 3rd layer write raises ENOSPC
+        if env["RANK"] == "1":
+            assert cmd[1:3] == ["-m", "qtool"], cmd
+            cmd = [cmd[0], str(ROOT / "tests/killpoint.py"), "qtool.ops.quantize.layer:write_layer_shard", "3",
+                   "ENOSPC", "--", *cmd[3:]]
+            env = {**env, "PYTHONPATH": str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")}
+        return real(cmd, env=env, **kw)
+
+    monkeypatch.setattr(launch.subprocess, "Popen", popen)
+    args = ["quantize", str(src), "-o", str(tmp_path / "out"), "--recipe", "qwen35-nvfp4-experts", "--samples", "6",
+            "--seq-len", "64", "--batch-tokens", "64", "--quiet", "--nproc", "2"]
+    assert main([*args, "--json"] if as_json else args) == 1
+    out, err = capfd.readouterr()
+    # the launcher's last line names rank 1: alone, or with rank 0 when both exits are seen at once (rank 0
+    # follows within milliseconds, with "lost the other ranks")
+    last = next(ln for ln in err.splitlines() if ln.startswith("qtool: rank"))
+    assert ("rank 1 of 2 exited with status 1" in last or "ranks 0 (status 1), 1 (status 1) of 2" in last), err
+    above = err.split(last)[0]
+    assert "No space left on device" in above and "model-layer-00002.safetensors" in above, err
+    assert "Traceback" not in err
