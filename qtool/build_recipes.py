@@ -64,7 +64,8 @@ OP_KEYS: dict[Op, tuple[set[str], set[str]]] = {
     Op.CALIBRATE_KV: ({"samples", "seq_len", "dataset", "device", "replace_scales"}, set()),
     Op.PATCH_CONFIG: ({"fixes", "ignore_add", "ignore_remove", "yarn", "original_max_position",
                        "sampling_defaults"}, set()),
-    Op.VERIFY: ({"engine", "tp", "gpus", "max_model_len", "max_num_seqs", "kv_cache_dtype", "mtp", "deep"}, set()),
+    Op.VERIFY: ({"engine", "tp", "gpus", "max_model_len", "max_num_seqs", "kv_cache_dtype", "mtp", "deep",
+                 "gpu_memory_utilization"}, set()),
 }
 _ID = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
 

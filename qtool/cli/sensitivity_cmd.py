@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qtool.cli.common import (add_output_flags, check_device, dataset_supply, human_bytes, local_checkpoint,
+from qtool.cli.common import (add_output_flags, check_device, dataset_supply, headers_checkpoint, human_bytes,
+                              local_checkpoint,
                               memory_line, plan_then_execute, print_json, run_command_line)
 
 
@@ -26,8 +27,10 @@ def run(args) -> int:
     from qtool.ops import sensitivity
 
     check_device(args.device)
+    # --dry-run reads headers only, also of hf: sources; a real run needs both checkpoints' data
+    src = headers_checkpoint if args.dry_run else local_checkpoint
     opts = sensitivity.SensitivityOptions(
-        Path(local_checkpoint(args.bf16)), Path(local_checkpoint(args.quantized)), Path(args.output),
+        Path(src(args.bf16)), Path(src(args.quantized)), Path(args.output),
         dataset=args.dataset, samples=args.samples, seq_len=args.seq_len, device=args.device,
         batch_tokens=args.batch_tokens, force=args.force, resume=args.resume, command=run_command_line())
     rep = plan_then_execute(sensitivity, opts, args)

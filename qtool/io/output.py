@@ -473,10 +473,20 @@ def tell_discarded(partial: Path, out: Path) -> None:
     from qtool.notices import tell
 
     units = len(journaled_files(partial / JOURNAL_NAME))
-    if not units:
+    layers = max((_layers_done(j) for j in partial.glob(".*/journal.json")), default=0)  # a layer job's own
+    if not units and not layers:
         return  # nothing finished there: nothing a user would miss
-    tell(f"starting over: {partial} (an interrupted run's, {units} unit(s) finished) is discarded; "
+    done = f"{units} unit(s)" if units else f"{layers} layer(s)"
+    tell(f"starting over: {partial} (an interrupted run's, {done} finished) is discarded; "
          f"run with --resume instead to continue it")
+
+
+def _layers_done(journal: Path) -> int:
+    """The layers a layer-streamed job's journal (calibrate-kv's, sensitivity's) says are finished."""
+    try:
+        return int(json.loads(journal.read_text()).get("next_layer", 0))
+    except (OSError, ValueError, AttributeError, TypeError):
+        return 0
 
 
 def output_files(root: Path, known: dict[str, str] | None = None, skip: Iterable[str] = (MANIFEST_NAME,)

@@ -277,6 +277,10 @@ def test_a_killed_sensitivity_run_resumes_at_its_next_layer_to_the_same_table(ti
     assert json.loads(p.stdout)["timing"]["resumed_from_layer"] == 3
     rows = lambda d: json.loads((d / "sensitivity.json").read_text())["units"]  # noqa: E731
     assert rows(out) == rows(clean)
+    # killed again, then run without --resume: it says that it starts over
+    assert run_killed("qtool.io.jsonio:write_json", 2, [*args, "-o", tmp_path / "again"]).returncode == -9
+    p = run_qtool([*args[:-1], "-o", tmp_path / "again"])  # (without --quiet: the notice is for the user)
+    assert p.returncode == 0 and "starting over" in p.stderr, p.stderr[-2000:]
 
 
 def test_the_report_draws_the_sensitivity_as_a_heat_layer_on_its_grid(pair, table, tmp_path, capsys):
@@ -310,3 +314,52 @@ def test_a_tp_the_model_does_not_shard_at_is_refused_and_a_dry_run_writes_nothin
                             "-o", str(tmp_path / "p.yaml")])
     assert rep["dry_run"] and rep["recipe"] is None and rep["chosen"] and not (tmp_path / "p.yaml").exists()
     assert rep["fit"]["usage_gib"]["unused"] * (1 << 30) == pytest.approx(rep["budget_bytes_per_gpu"], rel=1e-4)
+
+
+def test_the_knapsack_finds_the_best_set_within_the_budget():
+    """Against brute force on small random sets, with budgets that bind."""
+    import itertools
+
+    from qtool.ops.sensitivity import plan_hybrid
+
+    rng = random.Random(7)
+    for _ in range(200):
+        items = [(rng.randint(1, 50), rng.random()) for _ in range(rng.randint(1, 9))]
+        budget = rng.randint(0, sum(c for c, _ in items))
+        pick = plan_hybrid.knapsack(items, budget)
+        assert sum(items[k][0] for k in pick) <= budget
+        best = max((sum(items[k][1] for k in combo) for r in range(len(items) + 1)
+                    for combo in itertools.combinations(range(len(items)), r)
+                    if sum(items[k][0] for k in combo) <= budget), default=0.0)
+        assert sum(items[k][1] for k in pick) == pytest.approx(best)
+
+
+def test_a_tight_plan_with_a_grafted_mtp_head_builds_and_verifies_at_its_target(pair, table, tmp_path, capsys):
+    """The review's case: the export has no MTP head and --mtp 1 grafts BF16's, whose weights AND KV cache
+    the budget must hold. The target leaves room for the head and two of the three layers' worth of units:
+    the recipe's own verify step (which counts the grafted head) must pass at exactly that target."""
+    from qtool.arch.model_map import build_map
+    from qtool.io.checkpoint import Checkpoint
+    from qtool.ops.verify.memory_fit import GIB, RESERVE_GIB, Target, kv_bytes_per_token, memory_fit
+
+    bf, q, d = pair
+    units = {u["id"]: u for u in table["units"]}
+    assert "mtp" in units and units["mtp"]["quantized_bytes"] == 0  # the export has none; BF16 has one
+    qm = build_map(Checkpoint.open(q))
+    length, seqs = 8192, 2
+    base = memory_fit(qm, tp=1, target=Target.parse("1x64GiB"), max_model_len=length, max_num_seqs=seqs)
+    used = base.usage_gib["weights"] * GIB + base.usage_gib["kv_cache"] * GIB + base.usage_gib["gdn_state"] * GIB
+    mtp_kv = seqs * length * kv_bytes_per_token(qm.ckpt.text_config, 1, 1, "auto")
+    room = units["mtp"]["extra_bytes_per_gpu"]["1"] + mtp_kv + 2 * units[f"layer.{OUTLIER_LAYER}.routed_experts"][
+        "extra_bytes_per_gpu"]["1"] + 1000
+    gpu = (used + RESERVE_GIB * GIB + room) / 0.9
+    gpus = f"1x{gpu / 2**20:.4f}MiB"
+    recipe = tmp_path / "tight.yaml"
+    plan = run_json(capsys, ["plan", "hybrid", "--sensitivity", str(d / "sens"), "--gpus", gpus, "--tp", "1",
+                             "--max-model-len", str(length), "--max-num-seqs", str(seqs), "--mtp", "1",
+                             "-o", str(recipe)])
+    assert [f["bytes_per_gpu"] for f in plan["fixed"]] == [units["mtp"]["extra_bytes_per_gpu"]["1"], mtp_kv]
+    assert plan["used_bytes_per_gpu"] <= plan["budget_bytes_per_gpu"] < 3 * units[
+        f"layer.{OUTLIER_LAYER}.routed_experts"]["extra_bytes_per_gpu"]["1"]
+    built = run_json(capsys, ["build", str(recipe), "-o", str(tmp_path / "tight"), "--quiet"])
+    assert built["published"]  # its verify step (MTP counted) passed at the planned target

@@ -26,7 +26,7 @@ FORMAT = "qtool-sensitivity"
 SCHEMA_VERSION = 1
 
 
-@dataclass
+@dataclass(frozen=True)
 class SensitivityOptions:
     bf16: Path
     quantized: Path
@@ -153,6 +153,13 @@ def load_table(path: str | Path) -> dict:
         raise PlanError("the sensitivity table has another schema version", path=f,
                         expected=SCHEMA_VERSION, got=data.get("schema_version"),
                         hint="make it again with this qtool: qtool sensitivity BF16 QUANTIZED -o OUT")
+    missing = [k for k in ("bf16", "quantized", "tp_sizes", "units") if k not in data]
+    bad_rows = [i for i, u in enumerate(data.get("units") or []) if not isinstance(u, dict) or
+                not {"id", "kind", "extra_bytes_per_gpu", "measured"} <= set(u)]
+    if missing or not isinstance(data.get("units"), list) or bad_rows:
+        raise PlanError("the sensitivity table is incomplete", path=f,
+                        got=f"missing {missing}" if missing else f"unit row {bad_rows[0] if bad_rows else '?'}",
+                        hint="make it again: qtool sensitivity BF16 QUANTIZED -o OUT")
     return data
 
 

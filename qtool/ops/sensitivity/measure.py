@@ -11,8 +11,8 @@ very same inputs (the routed experts with the BF16 router's choice) and adds up,
   effect = sum ||delta of what it adds to the residual||^2 / sum ||the layer's output||^2
 
 For the shared expert "what it adds" is sigmoid(shared_expert_gate(x)) * out, as the MoE block adds it;
-for the others it is the module's output itself. The effects of a layer's units add up (to first order)
-to the layer's error, which is what the planner sums.
+for the others it is the module's output itself. The planner sums the effects of the units left quantized:
+its assumption is that their errors are uncorrelated (the cross terms of ||sum of deltas||^2 vanish).
 """
 
 from __future__ import annotations
@@ -93,8 +93,34 @@ class _Probe:
             h.remove()
 
 
+class _Hooks:
+    """LayerStreamer.run's hooks: the quantized twin of each BF16 layer that has measured units is loaded
+    and probed around the BF16 forward; the journal entry follows each layer."""
+
+    def __init__(self, q, by_layer: dict[int, list[str]], sums: dict, layer_sums: dict, save) -> None:
+        self.q, self.by_layer, self.sums, self.layer_sums, self.save = q, by_layer, sums, layer_sums, save
+        self.probe: _Probe | None = None
+
+    def before_layer(self, idx: int, layer_b) -> None:
+        kinds = self.by_layer.get(idx, [])
+        self.layer_sums[idx] = _Sums()
+        layer_q = self.q.load_layer(idx) if kinds else None
+        if self.by_layer.get(idx + 1):
+            self.q.prefetch(idx + 1)  # read while this layer computes, as the BF16 side's next layer
+        if kinds:
+            unit_sums = {k: self.sums.setdefault(f"layer.{idx}.{k}", _Sums()) for k in kinds}
+            self.probe = _Probe(layer_b, layer_q, kinds, unit_sums, self.layer_sums[idx])
+
+    def after_layer(self, idx: int, layer_b) -> None:
+        if self.probe is not None:
+            self.probe.remove()  # its hooks held the quantized layer: freed with them
+            self.probe = None
+        self.save(idx + 1)
+
+
 def journal_key(bf_ckpt, q_ckpt, digest: str, dtype: str, unit_ids: list[str]) -> str:
-    """What a --resume must find unchanged: both checkpoints' tensors, the token windows, the settings."""
+    """What a --resume must find unchanged: both checkpoints' tensors and text configs (a config edit
+    changes the forward), the token windows, the settings."""
     from qtool.io.identity import input_identity
 
     h = hashlib.sha256()
@@ -102,6 +128,7 @@ def journal_key(bf_ckpt, q_ckpt, digest: str, dtype: str, unit_ids: list[str]) -
         for n in sorted(ck.tensors):
             i = ck.tensors[n]
             h.update(f"{n}|{i.dtype}|{list(i.shape)}\n".encode())
+        h.update(json.dumps(ck.text_config, sort_keys=True).encode())
         h.update(json.dumps(input_identity(x.path for x in ck.headers.values())).encode())
     h.update(f"{digest}|{dtype}|{','.join(unit_ids)}".encode())
     return h.hexdigest()[:32]
@@ -144,42 +171,20 @@ def measure(plan, *, resume: bool, progress=None) -> dict:
     by_layer: dict[int, list[str]] = {}
     for u in measured:
         by_layer.setdefault(u.layer, []).append(u.kind)
+    hooks = _Hooks(q, by_layer, sums, layer_sums, save)
     t0 = time.perf_counter()
     bf.prefetch(start)
-    q.prefetch(start)
+    if by_layer.get(start):
+        q.prefetch(start)
     try:
         if start == 0:
             bf.embed_into(ids, store, batch)
             save(0)
-        for idx in range(start, bf.num_layers):
-            layer_b = bf.load_layer(idx)
-            layer_q = q.load_layer(idx) if by_layer.get(idx) else None
-            bf.prefetch(idx + 1)
-            if by_layer.get(idx + 1):
-                q.prefetch(idx + 1)
-            kinds = by_layer.get(idx, [])
-            unit_sums = {k: sums.setdefault(f"layer.{idx}.{k}", _Sums()) for k in kinds}
-            layer_sums[idx] = _Sums()
-            probe = _Probe(layer_b, layer_q, kinds, unit_sums, layer_sums[idx]) if kinds else None
-            try:
-                bf.forward_layer(layer_b, store, seq, batch)
-            finally:
-                if probe is not None:
-                    probe.remove()
-            del layer_b, layer_q
-            if o.device != "cpu":
-                import torch
-
-                torch.cuda.empty_cache()
-            save(idx + 1)
-            bf.clock["layers_done"].append(time.time())
-            if progress is not None:
-                progress(idx)
+        bf.run(store, seq, start=start, hooks=hooks, batch=batch, progress=progress)  # the one layer loop
     except BaseException:
         store.close(quiet=True)
         raise
     finally:
-        bf.close()
         q.close()
     store.close()
     return {"units": {k: v.to_json() for k, v in sums.items()},

@@ -27,7 +27,7 @@ GIB = 1 << 30
 GRID = 200_000  # knapsack cells: exact to 1/200000 of the budget
 
 
-@dataclass
+@dataclass(frozen=True)
 class PlanHybridOptions:
     sensitivity: Path
     gpus: str = "4x97887MiB"
@@ -105,6 +105,8 @@ class HybridChoice:
         verify = {"engine": o.engine, "tp": o.tp, "gpus": o.gpus, "max_model_len": self.max_model_len,
                   "max_num_seqs": o.max_num_seqs, "kv_cache_dtype": "fp8" if o.kv_cache_dtype == "fp8" else "auto",
                   "mtp": o.mtp}
+        if o.gpu_memory_utilization is not None:  # the budget was planned at it: the check must use it too
+            verify["gpu_memory_utilization"] = o.gpu_memory_utilization
         fixes = ["router-ignore"] + (["mtp-ignore"] if self.mtp_mode != "keep" or self._has_mtp() else [])
         kv = {"replace_scales": True, "samples": calib.get("samples") or 4, "seq_len": calib.get("seq_len") or 512}
         if calib.get("dataset"):
@@ -186,12 +188,14 @@ def plan(opts: PlanHybridOptions) -> HybridChoice:
     from qtool.arch.model_map import build_map
     from qtool.io.checkpoint import Checkpoint
     from qtool.ops.sensitivity import load_table
-    from qtool.ops.verify.memory_fit import DEFAULT_UTILIZATION, Target, default_context, memory_fit
+    from qtool.ops.verify.memory_fit import DEFAULT_UTILIZATION, Target, default_context, kv_bytes_per_token, memory_fit
 
     check_recipe_output(opts)
     table = load_table(opts.sensitivity)
+    check_recipe_output(opts, table)  # again, now that the table names its checkpoints
     if opts.tp not in (int(t) for t in table.get("tp_sizes", ())):
-        raise UsageError(f"--tp {opts.tp}: the table has costs for TP {table.get('tp_sizes')}")
+        raise UsageError(f"--tp {opts.tp}: the table has costs for TP {table.get('tp_sizes')}",
+                         hint=f"plan at one of them, e.g. --tp {table['tp_sizes'][-1]}")
     if opts.kv_cache_dtype not in ("auto", "fp8"):
         raise UsageError("--kv-cache-dtype takes auto or fp8", got=opts.kv_cache_dtype)
     units = [Unit.from_json(d) for d in table["units"]]
@@ -217,7 +221,13 @@ def plan(opts: PlanHybridOptions) -> HybridChoice:
         mtp_unit = next((u for u in units if u.id == "mtp"), None)
         if mtp_unit is None:
             raise PlanError("--mtp: neither checkpoint has an MTP head", path=qpath, hint="plan with --mtp 0")
+        # the fit above could not count what the grafted head adds: its weights and its layers' KV cache
+        # (verify counts both on the assembled hybrid)
+        cfg = q.ckpt.text_config
+        kv = opts.max_num_seqs * length * kv_bytes_per_token(cfg, int(cfg.get("mtp_num_hidden_layers") or 1),
+                                                             opts.tp, opts.kv_cache_dtype)
         fixed.append({"what": "MTP head grafted from BF16 (for --mtp)", "bytes_per_gpu": mtp_unit.extra_bytes_per_gpu[opts.tp]})
+        fixed.append({"what": "its KV cache at the target (for --mtp)", "bytes_per_gpu": kv})
     mtp_mode = "auto" if opts.mtp > 0 else "keep"
     if opts.max_weights_gib is not None:
         budget = int(opts.max_weights_gib * GIB - fit.weights_per_gpu_gib * GIB)
@@ -243,14 +253,19 @@ def plan(opts: PlanHybridOptions) -> HybridChoice:
 RECIPE_HEAD = "# written by qtool plan hybrid"
 
 
-def check_recipe_output(opts: PlanHybridOptions) -> None:
-    """-o is a one-file output of the one contract: outside the inputs, and replaced only with --force
-    when this command wrote it."""
+def check_recipe_output(opts: PlanHybridOptions, table: dict | None = None) -> None:
+    """-o is a one-file output of the one contract: outside the inputs (both checkpoints, the ones the
+    table names, the table's own directory), and replaced only with --force when this command wrote it."""
     from qtool.io.output import check_file_output
 
-    if opts.out is not None:
-        check_file_output(Path(opts.out), sources=[p for p in (opts.quantized, opts.bf16) if p], force=opts.force,
-                          ours=lambda head: head.startswith(RECIPE_HEAD.encode()))
+    if opts.out is None:
+        return
+    sources = [p for p in (opts.quantized, opts.bf16) if p]
+    sources.append(Path(opts.sensitivity))  # OUT/ of sensitivity, or its JSON file itself
+    if table is not None:
+        sources += [Path(table[k]["path"]) for k in ("quantized", "bf16")]
+    check_file_output(Path(opts.out), sources=sources, force=opts.force,
+                      ours=lambda head: head.startswith(RECIPE_HEAD.encode()))
 
 
 def _check_tp(qpath: Path, opts: PlanHybridOptions) -> None:

@@ -11,17 +11,15 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from qtool.arch.layer_grid import COLUMNS
 from qtool.arch.model_map import QUANTIZED_FORMATS, Format, ModelMap
 from qtool.arch.qwen35 import Group
 from qtool.errors import PlanError
 
 TP_SIZES = (1, 2, 4, 8)
-# unit kind -> the groups of modules it holds (outside the MTP head)
-KIND_GROUPS: dict[str, tuple[Group, ...]] = {
-    "routed_experts": (Group.ROUTED_EXPERTS,),
-    "shared_expert": (Group.SHARED_EXPERT,),
-    "attention": (Group.ATTENTION, Group.LINEAR_ATTN),
-}
+# unit kind -> the groups of modules it holds (outside the MTP head): the report grid's columns of the same
+# names, so that the report places a unit in its own cell
+KIND_GROUPS: dict[str, tuple[Group, ...]] = {k: COLUMNS[k] for k in ("routed_experts", "shared_expert", "attention")}
 # what `assemble hybrid` can splice from BF16 into an NVFP4 checkpoint (the planner's choices)
 SPLICEABLE = frozenset({"routed_experts", "shared_expert"})
 NVFP4_FORMATS = frozenset({Format.NVFP4, Format.NVFP4_CT})
@@ -138,9 +136,9 @@ def list_units(bf: ModelMap, q: ModelMap) -> list[Unit]:
         extra = {tp: round(_per_gpu(b, tp, nkv) - _per_gpu(qm, tp, nkv)) for tp in TP_SIZES}
         u = Unit(uid, kind, layer, fmt, sum(m.nbytes() for m in b), sum(m.nbytes() for m in qm), extra,
                  spliceable=nvfp4 and kind in SPLICEABLE and fmt != Format.BF16.value)
-        if not u.quantized:
+        if not qm or not b:
+            u.note = f"missing from the {'quantized' if not qm else 'BF16'} checkpoint"
+        elif not u.quantized:
             u.note = "BF16 in both checkpoints"
-        elif not qm or not b:
-            u.note = "missing from one checkpoint"
         units.append(u)
     return units
