@@ -256,6 +256,17 @@ def test_quantize_refuses_a_wrong_flag_before_reading_the_dataset(case, tiny_bf1
     assert (tmp_path / "q" / "notes.txt").exists() if case == "foreign-output" else not (tmp_path / "q").exists()
 
 
+def test_calibrate_kv_refuses_a_users_own_output_before_reading_the_dataset(tiny_nvfp4_modelopt, tmp_path):
+    """Found by the review (as quantize's): calibrate-kv read its dataset before it looked at -o."""
+    (tmp_path / "kv").mkdir()
+    (tmp_path / "kv" / "notes.txt").write_text("a user's own")
+    r = _qtool(["calibrate-kv", str(tiny_nvfp4_modelopt), "-o", "kv", "--replace-scales", "--dataset", "missing.txt"],
+               cwd=tmp_path)
+    assert r.returncode in (1, 2), r.stderr
+    assert "was not made by qtool" in r.stderr and "dataset" not in r.stderr, r.stderr
+    assert (tmp_path / "kv" / "notes.txt").read_text() == "a user's own"
+
+
 def test_report_and_serve_config_verify_a_calibrated_artifact_once(tiny_nvfp4_modelopt, tmp_path, monkeypatch,
                                                                   capsys):
     """Found: `report` (and `serve-config`) of an artifact with calibrated KV scales ran verify twice: once with

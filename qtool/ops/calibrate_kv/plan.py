@@ -175,6 +175,10 @@ def plan(opts: CalibrateKvOptions) -> KvPlan:
     out_p = Path(out) if out is not None else None
     if out_p is not None:
         check_no_overlap(out_p, [ckpt.root])
+        from qtool.io.output import OutputDir
+
+        # a user's own -o (or one --force may not replace) is refused now, before the dataset is read
+        OutputDir(out_p, sources=[ckpt.root], force=opts.force, resume=opts.resume).check()
     # the hidden states and the journal live in the transaction's partial directory (-o and --in-place)
     work = (partial_path(out_p) if out_p is not None else in_place_partial(ckpt.root)) / ".calibrate-kv"
     changes = []
