@@ -9,6 +9,29 @@ from qtool.cli.common import add_json_flag, human_bytes, print_json
 from qtool.errors import UsageError
 
 
+LIST_AT_MOST = 20  # chosen units listed one per line up to this many
+
+
+def _by_kind(chosen: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for c in chosen:
+        out.setdefault(c["id"].split(".")[-1], []).append(c)
+    return out
+
+
+def _ranges(layers: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> "0-2, 5, 7-8"."""
+    out, run = [], []
+    for n in sorted(layers):
+        if run and n != run[-1] + 1:
+            out.append(run)
+            run = []
+        run.append(n)
+    if run:
+        out.append(run)
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in out)
+
+
 def add_arguments(p) -> None:
     from qtool.cli.verify_cmd import add_common
 
@@ -60,8 +83,13 @@ def run(args) -> int:
     for f in rep["fixed"]:
         print(f"  fixed          {f['what']}: {human_bytes(f['bytes_per_gpu'])} per GPU")
     print(f"  chosen         {len(rep['chosen'])} unit(s), {human_bytes(rep['used_bytes_per_gpu'])} per GPU:")
-    for c in rep["chosen"]:
-        print(f"    {c['id']:<28} +{human_bytes(c['extra_bytes_per_gpu']):>10}  gain {c['gain']:.3g}")
+    if len(rep["chosen"]) <= LIST_AT_MOST:
+        for c in rep["chosen"]:
+            print(f"    {c['id']:<28} +{human_bytes(c['extra_bytes_per_gpu']):>10}  gain {c['gain']:.3g}")
+    else:  # a 397B plan chooses dozens: one line per kind of unit (--json lists each)
+        for kind, cs in _by_kind(rep["chosen"]).items():
+            print(f"    {kind:<16} layers {_ranges([int(c['id'].split('.')[1]) for c in cs])}: {len(cs)} unit(s), "
+                  f"+{human_bytes(sum(c['extra_bytes_per_gpu'] for c in cs))}, gain {sum(c['gain'] for c in cs):.3g}")
     pe = rep["predicted_error"]
     print(f"  predicted      error {pe['planned']:.3g} (the quantized checkpoint: {pe['quantized']:.3g})")
     hp = rep["hand_picked"]

@@ -253,6 +253,12 @@ def test_a_sparse_397b_pair_plans_from_the_table_and_headers(tmp_path_factory, c
     assert plan["used_bytes_per_gpu"] <= plan["budget_bytes_per_gpu"] <= fit.usage_gib["unused"] * GIB + 1
     nxt = plan["next"]
     assert nxt is None or nxt["extra_bytes_per_gpu"] > plan["headroom_bytes_per_gpu"]
+    # what a person reads: one line per kind of unit when there are dozens
+    capsys.readouterr()
+    assert main(["plan", "hybrid", "--sensitivity", str(d / "sens"), "--tp", "4", "--max-model-len", "262144",
+                 "--max-num-seqs", "4", "--kv-cache-dtype", "fp8", "--dry-run"]) == 0
+    text = capsys.readouterr().out
+    assert "shared_expert    layers 0-59: 60 unit(s)" in text and "dry run: no recipe written" in text
     from qtool.build_recipes import load_build_recipe
 
     recipe = load_build_recipe(d / "plan.yaml")
