@@ -17,7 +17,7 @@ def write_stand_in_table(bf16: Path, quantized: Path, out: Path) -> list:
     """OUT/sensitivity.json for the pair; returns the units."""
     from qtool.arch.model_map import build_map
     from qtool.io.checkpoint import Checkpoint
-    from qtool.ops.sensitivity import FORMAT, SCHEMA_VERSION, TABLE
+    from qtool.ops.sensitivity import FORMAT, SCHEMA_VERSION, TABLE, model_shape
     from qtool.ops.sensitivity.units import TP_SIZES, list_units
 
     units = list_units(build_map(Checkpoint.open(bf16)), build_map(Checkpoint.open(quantized)))
@@ -27,6 +27,6 @@ def write_stand_in_table(bf16: Path, quantized: Path, out: Path) -> list:
     out.mkdir(parents=True, exist_ok=True)
     (out / TABLE).write_text(json.dumps({
         "format": FORMAT, "schema_version": SCHEMA_VERSION, "bf16": {"path": str(bf16)},
-        "quantized": {"path": str(quantized)}, "tp_sizes": list(TP_SIZES),
+        "quantized": {"path": str(quantized)}, "model": model_shape(Checkpoint.open(bf16)), "tp_sizes": list(TP_SIZES),
         "calibration": {"dataset": "builtin", "samples": 16, "seq_len": 2048}, "units": [u.to_json() for u in units]}))
     return units

@@ -59,6 +59,17 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def layer_ranges(layers) -> str:
+    """[0, 1, 2, 5, 7, 8] -> "0-2, 5, 7-8"."""
+    out: list[list[int]] = []
+    for n in sorted(layers):
+        if out and n == out[-1][-1] + 1:
+            out[-1].append(n)
+        else:
+            out.append([n])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in out)
+
+
 def memory_line(m: dict) -> str:
     """One line for the plan printout from MemoryNeed.to_json()."""
     per = f"host ~{human_bytes(m['host_bytes_per_rank'])}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qtool.cli.common import add_json_flag, human_bytes, print_json
+from qtool.cli.common import add_json_flag, human_bytes, layer_ranges, print_json
 from qtool.errors import UsageError
 
 
@@ -19,25 +19,15 @@ def _by_kind(chosen: list[dict]) -> dict[str, list[dict]]:
     return out
 
 
-def _ranges(layers: list[int]) -> str:
-    """[0, 1, 2, 5, 7, 8] -> "0-2, 5, 7-8"."""
-    out, run = [], []
-    for n in sorted(layers):
-        if run and n != run[-1] + 1:
-            out.append(run)
-            run = []
-        run.append(n)
-    if run:
-        out.append(run)
-    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in out)
-
-
 def add_arguments(p) -> None:
     from qtool.cli.verify_cmd import add_common
 
     sub = p.add_subparsers(dest="kind", metavar="KIND")
     h = sub.add_parser("hybrid", help="the BF16 units that buy the most quality in the memory left, from a "
-                       "sensitivity table; writes a build recipe")
+                       "sensitivity table; writes a build recipe",
+                       description="Pick the BF16 units (a layer's routed experts, a layer's shared expert) that "
+                       "remove the most measured error within what verify's memory fit leaves at the target; "
+                       "print the plan and write a build recipe (-o). See docs/plan-hybrid.md.")
     h.add_argument("--sensitivity", required=True, metavar="S", help="qtool sensitivity's output (OUT or its JSON)")
     add_common(h)  # the serving target, with verify's flags and defaults
     h.add_argument("--engine", default="both", help="the engines the recipe's verify step checks (default both)")
@@ -75,20 +65,21 @@ def run(args) -> int:
     t = rep["target"]
     print(f"plan: {rep['quantized']} on {t['gpus']}, TP={t['tp']}, {t['max_num_seqs']} x {t['max_model_len']} tokens, "
           f"KV {t['kv_cache_dtype']}" + (f", MTP {t['mtp']}" if t["mtp"] else ""))
-    u = rep["fit"]["usage_gib"]
-    print(f"  memory fit     per GPU of {rep['fit']['budget_gib']:.1f} GiB: weights {u['weights']:.2f}, KV cache "
-          f"{u['kv_cache']:.2f}, GDN state {u['gdn_state']:.2f}, reserve {u['reserve']:.2f}, unused {u['unused']:.2f} GiB")
-    print(f"  budget         {human_bytes(rep['budget_bytes_per_gpu'])} per GPU for BF16 units"
-          + (" (--max-weights-gib)" if opts.max_weights_gib is not None else " (what the memory fit leaves)"))
+    u = {k: human_bytes(v * 2**30) for k, v in rep["fit"]["usage_gib"].items()}
+    print(f"  memory fit     per GPU of {human_bytes(rep['fit']['budget_gib'] * 2**30)}: weights {u['weights']}, "
+          f"KV cache {u['kv_cache']}, GDN state {u['gdn_state']}, reserve {u['reserve']}, unused {u['unused']}")
     for f in rep["fixed"]:
         print(f"  fixed          {f['what']}: {human_bytes(f['bytes_per_gpu'])} per GPU")
+    print(f"  budget         {human_bytes(rep['budget_bytes_per_gpu'])} per GPU for BF16 units"
+          + (" (--max-weights-gib" if opts.max_weights_gib is not None else " (what the memory fit leaves")
+          + (", less the fixed costs above)" if rep["fixed"] else ")"))
     print(f"  chosen         {len(rep['chosen'])} unit(s), {human_bytes(rep['used_bytes_per_gpu'])} per GPU:")
     if len(rep["chosen"]) <= LIST_AT_MOST:
         for c in rep["chosen"]:
             print(f"    {c['id']:<28} +{human_bytes(c['extra_bytes_per_gpu']):>10}  gain {c['gain']:.3g}")
     else:  # a 397B plan chooses dozens: one line per kind of unit (--json lists each)
         for kind, cs in _by_kind(rep["chosen"]).items():
-            print(f"    {kind:<16} layers {_ranges([int(c['id'].split('.')[1]) for c in cs])}: {len(cs)} unit(s), "
+            print(f"    {kind:<16} layers {layer_ranges([int(c['id'].split('.')[1]) for c in cs])}: {len(cs)} unit(s), "
                   f"+{human_bytes(sum(c['extra_bytes_per_gpu'] for c in cs))}, gain {sum(c['gain'] for c in cs):.3g}")
     pe = rep["predicted_error"]
     print(f"  predicted      error {pe['planned']:.3g} (the quantized checkpoint: {pe['quantized']:.3g})")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from qtool.cli.common import (add_output_flags, check_device, dataset_supply, headers_checkpoint, human_bytes,
-                              local_checkpoint,
+                              layer_ranges, local_checkpoint,
                               memory_line, plan_then_execute, print_json, run_command_line)
 
 
@@ -40,7 +40,12 @@ def run(args) -> int:
     p = rep["plan"]
     c = p["calibration"]
     print(f"{p['bf16']} vs {p['quantized']} -> {p['output']}")
-    print(f"  units          {p['units']}, measured {len(p['measured'])}")
+    print(f"  units          {p['units']}, measured {len(p['measured'])}:")
+    kinds: dict[str, list[int]] = {}
+    for uid in p["measured"]:
+        kinds.setdefault(uid.split(".")[-1], []).append(int(uid.split(".")[1]))
+    for kind, layers in kinds.items():
+        print(f"    {kind:<16} layers {layer_ranges(layers)}")
     print(f"  calibration    {c['dataset']}: {c['samples']} x {c['seq_len']} = {c['tokens']} tokens on {p['device']}"
           + dataset_supply(c))
     m = p["memory"]
@@ -52,11 +57,13 @@ def run(args) -> int:
         print(f"  note           {w}")
     if args.dry_run:
         return 0
-    print(f"  {'unit':<28} {'format':<8} {'error':>9} {'effect':>10} {'+GPU @TP4':>11}")
+    if rep["timing"].get("resumed_from_layer"):
+        print(f"  resumed        at layer {rep['timing']['resumed_from_layer']}")
+    print(f"  {'unit':<28} {'format':<8} {'error':>10} {'effect':>10} {'BF16':>10} {'quantized':>10}")
     for u in rep["table"]["units"]:
         if u["measured"]:
-            print(f"  {u['id']:<28} {u['quantized_format']:<8} {u['error']:>9.3g} {u['effect']:>10.3g} "
-                  f"{human_bytes(u['extra_bytes_per_gpu']['4']):>11}")
+            print(f"  {u['id']:<28} {u['quantized_format']:<8} {u['error']:>10.3e} {u['effect']:>10.3e} "
+                  f"{human_bytes(u['bf16_bytes']):>10} {human_bytes(u['quantized_bytes']):>10}")
     print(f"wrote {rep['output']}/sensitivity.json ({rep['seconds']:.1f} s); next: qtool plan hybrid "
           f"--sensitivity {rep['output']} --gpus ... --tp ... --max-model-len ...")
     return 0

@@ -216,7 +216,7 @@ def test_checkpoints_that_do_not_pair_are_named(tiny_bf16, tiny_nvfp4_ct, tmp_pa
     assert not (tmp_path / "s").exists() and not (tmp_path / "s.partial").exists()
 
 
-def test_a_sparse_397b_pair_plans_from_the_table_and_headers(tmp_path_factory, capsys):
+def test_a_sparse_397b_pair_plans_from_the_table_and_headers(tmp_path_factory, capsys, tiny_nvfp4_ct):
     """The real 397B's headers (nvidia's NVFP4 layout, shared experts NVFP4; the BF16 release), holes for
     data: the unit table and costs come from the headers; the effects are stand-ins (a sensitivity run needs
     the weights), made so that the choice is known: later layers matter more."""
@@ -253,6 +253,13 @@ def test_a_sparse_397b_pair_plans_from_the_table_and_headers(tmp_path_factory, c
     assert plan["used_bytes_per_gpu"] <= plan["budget_bytes_per_gpu"] <= fit.usage_gib["unused"] * GIB + 1
     nxt = plan["next"]
     assert nxt is None or nxt["extra_bytes_per_gpu"] > plan["headroom_bytes_per_gpu"]
+    # the table and another checkpoint (found by a new user's try: it planned 60 layers for an 8-layer model)
+    assert main(["plan", "hybrid", "--sensitivity", str(d / "sens"), "--tp", "1", "--quantized",
+                 str(tiny_nvfp4_ct)]) == 1
+    assert "not the one the table measured" in capsys.readouterr().err
+    assert main(["report", str(tiny_nvfp4_ct), "--tp", "1", "--sensitivity", str(d / "sens"), "-o",
+                 str(d / "r.html")]) == 1
+    assert "measured on another model" in capsys.readouterr().err and not (d / "r.html").exists()
     # what a person reads: one line per kind of unit when there are dozens
     capsys.readouterr()
     assert main(["plan", "hybrid", "--sensitivity", str(d / "sens"), "--tp", "4", "--max-model-len", "262144",
@@ -316,6 +323,15 @@ def test_a_tp_the_model_does_not_shard_at_is_refused_and_a_dry_run_writes_nothin
     assert main(["plan", "hybrid", "--sensitivity", str(d / "sens"), "--tp", "4", "-o", str(tmp_path / "p.yaml")]) == 1
     err = capsys.readouterr().err
     assert "--tp 4" in err and "do not split over TP=4" in err and "--tp 2" in err
+    # found by a new user's try: a TP the table has no costs for was answered with one the model does not
+    # shard at; --mtp -1 went into the recipe; a mistyped table path was told to "restore" it
+    assert main(["plan", "hybrid", "--sensitivity", str(d / "sens"), "--tp", "3", "--gpus", "3x90GB"]) == 1
+    err = capsys.readouterr().err
+    assert "shards at (1, 2)" in err and "--tp 2" in err and "--tp 8" not in err
+    assert main(["plan", "hybrid", "--sensitivity", str(d / "sens"), "--tp", "1", "--mtp", "-1"]) == 2
+    assert "--mtp must be >= 0" in capsys.readouterr().err
+    assert main(["plan", "hybrid", "--sensitivity", str(tmp_path / "nosuch"), "--tp", "1"]) == 1
+    assert "no sensitivity table there" in capsys.readouterr().err
     rep = run_json(capsys, ["plan", "hybrid", "--sensitivity", str(d / "sens"), "--tp", "2", "--dry-run",
                             "-o", str(tmp_path / "p.yaml")])
     assert rep["dry_run"] and rep["recipe"] is None and rep["chosen"] and not (tmp_path / "p.yaml").exists()

@@ -65,10 +65,13 @@ def plan(opts: ReportOptions) -> ReportPlan:
     from qtool.ops.verify import validate
 
     validate(opts.verify)
-    if opts.sensitivity is not None:
-        from qtool.ops.sensitivity import load_table
+    if opts.sensitivity is not None:  # a named error now, not after the page's work
+        from qtool.io.checkpoint import Checkpoint
+        from qtool.ops.sensitivity import check_table_model, load_table
 
-        load_table(opts.sensitivity)  # a named error now, not after the page's work
+        table = load_table(opts.sensitivity)
+        for a in opts.artifacts:
+            check_table_model(table, Checkpoint.open(a.path, require_config=True), a.label)
     if not opts.artifacts:
         raise UsageError("give the checkpoint to report on", hint="qtool report CKPT -o report.html")
     if len(opts.artifacts) > MAX_ARTIFACTS:
@@ -183,7 +186,8 @@ def execute(p: ReportPlan, *, progress=None) -> ReportResult:
         cells = heat_cells(load_table(o.sensitivity))
         top = sorted(({"row": r, "col": c, "rank": h["rank"]} for r, cols in cells.items() for c, h in cols.items()),
                      key=lambda t: t["rank"])[:5]
-        heat = {"path": str(o.sensitivity), "cells": cells, "top": top}
+        table = load_table(o.sensitivity)
+        heat = {"path": str(o.sensitivity), "cells": cells, "top": top, "measured_on": table["quantized"]["path"]}
     data = {"qtool_version": __version__, "artifacts": artifacts, "difference": difference, "kld_run": kld_run,
             "sensitivity": heat,
             "options": {"engine": v.engine, "tp": v.tp, "gpus": v.gpus, "num_gpus": target.num_gpus,

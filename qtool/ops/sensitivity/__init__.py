@@ -98,7 +98,7 @@ def plan(opts: SensitivityOptions) -> SensitivityPlan:
 def table(p: SensitivityPlan, timing: dict | None) -> dict:
     """sensitivity.json: the sources, the windows and the unit rows."""
     return {"format": FORMAT, "schema_version": SCHEMA_VERSION,
-            "bf16": {"path": str(p.bf.root)}, "quantized": {"path": str(p.q.root)},
+            "bf16": {"path": str(p.bf.root)}, "quantized": {"path": str(p.q.root)}, "model": model_shape(p.bf),
             "tp_sizes": list(TP_SIZES), "calibration": p.calib.to_json(), "device": p.options.device,
             "timing": timing, "units": [u.to_json() for u in p.units]}
 
@@ -138,6 +138,26 @@ def execute(p: SensitivityPlan, *, progress=None) -> Report:
                    "seconds": time.perf_counter() - t0})
 
 
+MODEL_KEYS = ("num_hidden_layers", "hidden_size", "num_experts", "moe_intermediate_size")
+
+
+def model_shape(ck: Checkpoint) -> dict:
+    """The text config's keys that tell one model from another (a table is about one model)."""
+    return {k: ck.text_config.get(k) for k in MODEL_KEYS}
+
+
+def check_table_model(data: dict, ck: Checkpoint, what: str) -> None:
+    """A named error when the table was measured on another model than `ck` (tables of this schema name it)."""
+    from qtool.errors import PlanError
+
+    want = data.get("model")
+    if want and model_shape(ck) != want:
+        k = next(k for k in MODEL_KEYS if model_shape(ck).get(k) != want.get(k))
+        raise PlanError(f"the sensitivity table was measured on another model than {what}", path=ck.root,
+                        expected=f"{k} {want.get(k)} (the table's)", got=f"{k} {ck.text_config.get(k)}",
+                        hint="give the table made from this model's checkpoints (qtool sensitivity BF16 QUANTIZED -o OUT)")
+
+
 def load_table(path: str | Path) -> dict:
     """A sensitivity table: OUT/ (its sensitivity.json) or the JSON file itself; a named error otherwise."""
     from qtool.errors import PlanError
@@ -145,6 +165,9 @@ def load_table(path: str | Path) -> dict:
 
     path = Path(path)
     f = path / TABLE if path.is_dir() else path
+    if not f.exists():
+        raise PlanError("no sensitivity table there", path=f,
+                        hint="make one: qtool sensitivity BF16 QUANTIZED -o OUT, then pass OUT (or OUT/sensitivity.json)")
     data, _ = load_json(f, what="sensitivity table")
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise PlanError("not a qtool sensitivity table", path=f, expected=f'{{"format": "{FORMAT}", ...}}',

@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from qtool.errors import PlanError, UsageError
+from qtool.errors import PlanError
 from qtool.ops.sensitivity.units import Unit
 
 GIB = 1 << 30
@@ -114,7 +114,7 @@ class HybridChoice:
         return {
             "name": o.name or "planned-hybrid",
             "description": (f"planned by qtool plan hybrid: {len(self.chosen)} unit(s) BF16 in "
-                            f"{Path(self.table['quantized']['path']).name}, {self.used_bytes / GIB:.2f} GiB per GPU "
+                            f"{Path(self.table['quantized']['path']).name}, {human(self.used_bytes)} more per GPU "
                             f"at TP={o.tp} on {o.gpus}"),
             "sources": {"nvfp4": {"path": str(self.quantized_path)}, "bf16": {"path": str(self.bf16_path)}},
             "steps": [
@@ -190,28 +190,31 @@ def plan(opts: PlanHybridOptions) -> HybridChoice:
     from qtool.ops.sensitivity import load_table
     from qtool.ops.verify.memory_fit import DEFAULT_UTILIZATION, Target, default_context, kv_bytes_per_token, memory_fit
 
+    from qtool.ops.verify import VerifyOptions, validate
+
+    # the target's flags mean what they mean to verify, and are refused as verify refuses them
+    validate(VerifyOptions(engine=opts.engine, tp=opts.tp, gpus=opts.gpus, max_model_len=opts.max_model_len,
+                           max_num_seqs=opts.max_num_seqs, kv_cache_dtype=opts.kv_cache_dtype, mtp=opts.mtp))
     check_recipe_output(opts)
     table = load_table(opts.sensitivity)
     check_recipe_output(opts, table)  # again, now that the table names its checkpoints
-    if opts.tp not in (int(t) for t in table.get("tp_sizes", ())):
-        raise UsageError(f"--tp {opts.tp}: the table has costs for TP {table.get('tp_sizes')}",
-                         hint=f"plan at one of them, e.g. --tp {table['tp_sizes'][-1]}")
-    if opts.kv_cache_dtype not in ("auto", "fp8"):
-        raise UsageError("--kv-cache-dtype takes auto or fp8", got=opts.kv_cache_dtype)
     units = [Unit.from_json(d) for d in table["units"]]
     qpath = Path(opts.quantized or table["quantized"]["path"])
-    if not qpath.exists():
-        raise PlanError("the quantized checkpoint the table was measured on is not there", path=qpath,
-                        hint="pass --quantized PATH (the same checkpoint, moved)")
+    bpath = Path(opts.bf16 or table["bf16"]["path"])
+    for path, flag in ((qpath, "--quantized"), (bpath, "--bf16")):
+        if not path.exists():
+            raise PlanError("a checkpoint the table was measured on is not there", path=path,
+                            hint=f"pass {flag} PATH (the same checkpoint, moved)")
     q = build_map(Checkpoint.open(qpath, require_config=True), read_values=False)
+    _check_same_checkpoint(q, units, qpath, opts)
     if not any(u.spliceable for u in units):
         raise PlanError("nothing in this table can be spliced: assemble hybrid splices BF16 routed or shared "
                         "experts into an NVFP4 checkpoint", path=qpath, got=sorted({u.quantized_format for u in units
                                                                                  if u.quantized}),
                         hint="measure a ModelOpt or compressed-tensors NVFP4 checkpoint")
+    _check_tp(qpath, opts, [int(t) for t in table["tp_sizes"]])
     target = Target.parse(opts.gpus)
     length = opts.max_model_len or default_context(q.ckpt.text_config)
-    _check_tp(qpath, opts)
     fit = memory_fit(q, tp=opts.tp, target=target, kv_cache_dtype=opts.kv_cache_dtype, mtp=opts.mtp,
                      max_model_len=length, max_num_seqs=opts.max_num_seqs,
                      gpu_memory_utilization=opts.gpu_memory_utilization or DEFAULT_UTILIZATION)
@@ -229,18 +232,27 @@ def plan(opts: PlanHybridOptions) -> HybridChoice:
         fixed.append({"what": "MTP head grafted from BF16 (for --mtp)", "bytes_per_gpu": mtp_unit.extra_bytes_per_gpu[opts.tp]})
         fixed.append({"what": "its KV cache at the target (for --mtp)", "bytes_per_gpu": kv})
     mtp_mode = "auto" if opts.mtp > 0 else "keep"
+    notes = []
+    unused = int(fit.usage_gib["unused"] * GIB) if fit.fits else 0
     if opts.max_weights_gib is not None:
         budget = int(opts.max_weights_gib * GIB - fit.weights_per_gpu_gib * GIB)
+        if budget - sum(f["bytes_per_gpu"] for f in fixed) > unused:
+            notes.append(f"--max-weights-gib allows {human(budget - unused)} per GPU more than the memory fit leaves "
+                         f"at this target: the recipe's verify step will refuse what exceeds it")
     else:
         if not fit.fits:
             raise PlanError(f"the quantized checkpoint alone does not fit: {fit.reason}", path=qpath,
                             hint=f"check it first: qtool verify {qpath} --gpus {opts.gpus} --tp {opts.tp}")
-        budget = int(fit.usage_gib["unused"] * GIB)
+        budget = unused
     budget -= sum(f["bytes_per_gpu"] for f in fixed)
-    notes = []
     if budget < 0:
-        raise PlanError(f"no memory is left for BF16 units: {-budget / GIB:.2f} GiB per GPU short", path=qpath,
-                        hint="a shorter --max-model-len, fewer --max-num-seqs, --kv-cache-dtype fp8, or more GPUs")
+        if opts.max_weights_gib is not None:
+            hint = f"a --max-weights-gib of at least {(fit.weights_per_gpu_gib * GIB - budget) / GIB:.4g}"
+        else:
+            hint = "a shorter --max-model-len, fewer --max-num-seqs, --kv-cache-dtype fp8, or more GPUs"
+        if fixed:
+            hint += f", or --mtp 0 (the grafted MTP head takes {human(sum(f['bytes_per_gpu'] for f in fixed))})"
+        raise PlanError(f"no memory is left for BF16 units: {human(-budget)} per GPU short", path=qpath, hint=hint)
     candidates = [u for u in units if u.spliceable and u.measured and u.extra_bytes_per_gpu[opts.tp] > 0]
     left_out = [u.id for u in units if u.measured and not u.spliceable]
     if left_out:
@@ -268,17 +280,47 @@ def check_recipe_output(opts: PlanHybridOptions, table: dict | None = None) -> N
                       ours=lambda head: head.startswith(RECIPE_HEAD.encode()))
 
 
-def _check_tp(qpath: Path, opts: PlanHybridOptions) -> None:
-    """The target TP must shard the model (verify's own TP rule, for the engines asked): a plan for a TP
-    the engines refuse would be a recipe that fails at its last step."""
+def _tp_shards(qpath: Path, opts: PlanHybridOptions, tp: int) -> list:
+    """verify's tp-divisibility errors for the engines asked, at `tp` (on that many GPUs of the target's)."""
     from qtool.findings import Code
     from qtool.ops.verify import VerifyOptions, verify
+    from qtool.ops.verify.memory_fit import Target
 
-    rep = verify(qpath, VerifyOptions(engine=opts.engine, tp=opts.tp, gpus=opts.gpus))
-    bad = [f for f in rep.findings if f.code is Code.TP_DIVISIBILITY and f.severity.value == "error"]
-    if bad:
-        raise PlanError(f"--tp {opts.tp}: {bad[0].message}", path=qpath,
-                        hint="plan with a --tp the model shards at" + (f" (verify: {bad[0].fix})" if bad[0].fix else ""))
+    t = Target.parse(opts.gpus)
+    rep = verify(qpath, VerifyOptions(engine=opts.engine, tp=tp, gpus=f"{max(tp, t.num_gpus)}x{t.gpu_bytes / 2**20:.4f}MiB"))
+    return [f for f in rep.findings if f.code is Code.TP_DIVISIBILITY and f.severity.value == "error"]
+
+
+def _check_tp(qpath: Path, opts: PlanHybridOptions, table_tps: list[int]) -> None:
+    """The target TP must shard the model (verify's own TP rule, for the engines asked) and be one the table
+    has costs for: a plan for a TP the engines refuse would be a recipe that fails at its last step."""
+    bad = _tp_shards(qpath, opts, opts.tp)
+    if bad or opts.tp not in table_tps:
+        ok = [tp for tp in table_tps if tp != opts.tp and not _tp_shards(qpath, opts, tp)]
+        why = bad[0].message if bad else f"the table has costs for TP {table_tps}"
+        hint = (f"plan at a TP it shards at ({', '.join(map(str, ok))}): qtool plan hybrid --sensitivity "
+                f"{opts.sensitivity} --tp {ok[-1]} ..." if ok else "no TP size the table has costs for shards this model")
+        raise PlanError(f"--tp {opts.tp}: {why}", path=qpath, hint=hint)
+
+
+def _check_same_checkpoint(q, units: list[Unit], qpath: Path, opts: PlanHybridOptions) -> None:
+    """The quantized checkpoint is the one the table measured: each unit's bytes as the table has them."""
+    from qtool.ops.sensitivity.units import unit_modules
+
+    have = {uid: sum(m.nbytes() for m in mods) for uid, mods in unit_modules(q).items()}
+    differ = [u.id for u in units if have.get(u.id, 0) != u.quantized_bytes]
+    if differ:
+        raise PlanError("the quantized checkpoint is not the one the table measured", path=qpath,
+                        got=f"{len(differ)} unit(s) differ, e.g. {differ[0]}: {have.get(differ[0], 0)} bytes here, "
+                        f"{next(u.quantized_bytes for u in units if u.id == differ[0])} in the table",
+                        hint=f"measure this checkpoint: qtool sensitivity BF16 {qpath} -o OUT (or pass --quantized "
+                        "the checkpoint the table was made from)")
+
+
+def human(n: float) -> str:
+    from qtool.cli.common import human_bytes
+
+    return human_bytes(n)
 
 
 def write_recipe(choice: HybridChoice, path: Path) -> None:

@@ -66,7 +66,7 @@ class UnitTable:
         return {u.id: u for u in self.units}
 
 
-def _unit_modules(mm: ModelMap) -> dict[str, list]:
+def unit_modules(mm: ModelMap) -> dict[str, list]:
     """unit id -> the map's modules in it."""
     out: dict[str, list] = {}
     for mod in mm.modules.values():
@@ -118,7 +118,7 @@ def check_pair(bf: ModelMap, q: ModelMap) -> None:
 
 def list_units(bf: ModelMap, q: ModelMap) -> list[Unit]:
     """Every unit of the model, in model order, with its bytes and its per-GPU cost in BF16."""
-    bf_units, q_units = _unit_modules(bf), _unit_modules(q)
+    bf_units, q_units = unit_modules(bf), unit_modules(q)
     nkv = int(q.ckpt.text_config.get("num_key_value_heads") or 0)
     nvfp4 = any(m.format in NVFP4_FORMATS for m in q.modules.values())
 
