@@ -185,6 +185,14 @@ def knapsack(items: list[tuple[int, float]], budget: int) -> list[int]:
 
 
 def plan(opts: PlanHybridOptions) -> HybridChoice:
+    """The choice (reads the table and the quantized checkpoint's headers; writes nothing)."""
+    from qtool.io.checkpoint import reuse_opened
+
+    with reuse_opened():  # the map below and verify's TP check read the same headers: parse them once
+        return _plan(opts)
+
+
+def _plan(opts: PlanHybridOptions) -> HybridChoice:
     from qtool.arch.model_map import build_map
     from qtool.io.checkpoint import Checkpoint
     from qtool.ops.sensitivity import load_table
