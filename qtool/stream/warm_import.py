@@ -19,6 +19,24 @@ MODULE = "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe"
 _started: threading.Thread | None = None
 
 
+def skip_unused_imports() -> None:
+    """Keep transformers from importing what a streamed job never runs. Its modeling module imports the
+    generation package, whose assisted-generation candidate generator imports scikit-learn's metrics
+    (`if is_sklearn_available(): from sklearn.metrics import roc_curve`) where scikit-learn is
+    installed: 1.1 s (with scipy and pandas) of the 4 s import, measured with `python -X importtime` on
+    the lent GPU machine. That generator is for `generate()` with an assistant model; qtool runs decoder
+    layers. Only this process's view of transformers changes, and only if it has not imported that
+    module yet (where transformers names the check differently, nothing changes)."""
+    import sys
+
+    if "transformers.generation.candidate_generator" in sys.modules:
+        return
+    import transformers.utils as tu
+
+    if callable(getattr(tu, "is_sklearn_available", None)):
+        tu.is_sklearn_available = lambda: False
+
+
 def start() -> None:
     """Begin the import once per process (torch first, in the caller's thread: the two threads then
     never import torch's core in opposite orders)."""
@@ -31,6 +49,7 @@ def start() -> None:
 
     def work() -> None:
         try:
+            skip_unused_imports()
             importlib.import_module(MODULE)
         except Exception:  # noqa: BLE001 -- re-raised by the streamer's own import
             pass

@@ -81,3 +81,28 @@ def test_cuda_awq_quantize_runs_and_keeps_the_int4_layout(tiny_bf16, calib_ids, 
     assert {n: (t.dtype, t.shape) for n, t in a.items()} == {n: (t.dtype, t.shape) for n, t in b.items()}
     awq = [lay["awq"] for lay in gpu["layers"] if "awq" in lay]
     assert awq and all(r["down_mse"] <= r["down_mse_rtn"] for r in awq)
+
+
+def test_awq_rows_kept_on_cuda_are_the_cpu_rows():
+    """ExpertStats keeps AWQ rows from CUDA in one page-locked buffer without a sync per expert hit: after
+    settle() they are exactly the rows a CPU run keeps, over several micro-batches, cut at keep_rows; an
+    expert's rows stay page-locked (their upload to the GPU does not wait for the host)."""
+    from qtool.ops.quantize.calib import ExpertStats
+
+    g = torch.Generator().manual_seed(0)
+    batches = [[torch.randn(n, 32, generator=g).to(torch.bfloat16) for n in (5, 0, 9)] for _ in range(3)]
+    kept = {}
+    for dev in ("cpu", "cuda"):
+        st = ExpertStats(3, keep_rows=12)
+        for b, mids in enumerate(batches):
+            st.set_batch(b)
+            for e, mid in enumerate(mids):
+                if mid.shape[0]:
+                    mid = mid.to(dev)
+                    st.record(e, mid, mid)
+        st.settle()
+        kept[dev] = [st.rows(e) for e in range(3)]
+    for e in range(3):
+        assert torch.equal(kept["cpu"][e], kept["cuda"][e]), e
+    assert kept["cuda"][0].shape == (12, 32) and kept["cuda"][1].numel() == 0 and kept["cuda"][2].shape == (12, 32)
+    assert kept["cuda"][0].is_pinned() and kept["cuda"][2].is_pinned()

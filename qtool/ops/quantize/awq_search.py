@@ -12,9 +12,15 @@ norm and the router; with a BF16 router and shared expert that would change BF16
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from qtool.formats import awq
+
+# the float32 candidates of one batched RTN: 7 alphas of a 397B down_proj (4096 x 1024), ~0.6 GB of
+# transients in all, so the search adds little to the GPU peak of the forward it overlaps
+CANDIDATE_BYTES = 128 << 20
 
 
 def rtn(w: torch.Tensor, group_size: int, scale_dtype: torch.dtype) -> awq.Int4Weight:
@@ -22,29 +28,73 @@ def rtn(w: torch.Tensor, group_size: int, scale_dtype: torch.dtype) -> awq.Int4W
     return awq.quantize(w, group_size, symmetric=True, scale_dtype=scale_dtype)
 
 
-def awq_down_scales(x: torch.Tensor, w_down: torch.Tensor, group_size: int, grid: int,
-                    scale_dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, float, float, float]:
-    """Best per-input-channel scale s [I] for down_proj (W [H, I]) given activations x [n, I].
+@dataclass
+class ChunkScales:
+    """The search's result for a chunk of k experts, on the weights' device until `report` (one host sync
+    for the chunk, after its codes are queued)."""
 
-    Returns (s, best_alpha, best_mse, rtn_mse); s = 1 (alpha 0) when x is empty. Alpha 0 is plain RTN,
-    so the chosen scale is never worse than RTN on these activations."""
-    n_in = w_down.shape[-1]
-    if x.numel() == 0:
-        return torch.ones(n_in, device=w_down.device), 0.0, 0.0, 0.0
-    xf = x.to(w_down.device).float()  # the kept rows live on the host; the search runs where the weights are
-    wf = w_down.float()
-    ref = xf @ wf.t()
-    x_mean = xf.abs().mean(dim=0)
-    scales, errs = [], []
-    for i in range(grid):  # every alpha's error stays on the device: one host sync per expert, not per alpha
+    s: torch.Tensor  # float32 [k, I]: down_proj column scales (1 where the expert had no rows)
+    best: torch.Tensor  # int64 [k]: the chosen alpha's index in the grid
+    best_err: torch.Tensor  # float32 [k]
+    rtn_err: torch.Tensor  # float32 [k]: alpha 0's error (plain RTN)
+    grid: int
+
+    def report(self, e0: int) -> list[dict]:
+        best, err, rtn_err = (t.tolist() for t in (self.best, self.best_err, self.rtn_err))
+        return [{"expert": e0 + k, "alpha": b / self.grid, "down_mse": m, "down_mse_rtn": r}
+                for k, (b, m, r) in enumerate(zip(best, err, rtn_err))]
+
+
+def alpha_scales(x_mean: torch.Tensor, grid: int) -> torch.Tensor:
+    """s = mean|x|^alpha for alpha = i / grid, each normalised by sqrt(max * min): [grid, k, I] from
+    x_mean [k, I]. One elementwise op per alpha for the whole chunk; the scalar exponent keeps torch's
+    special cases (alpha 0.5 is a sqrt), so every value is the one an expert-by-expert search computes."""
+    out = []
+    for i in range(grid):
         s = x_mean.pow(i / grid).clamp(min=1e-4)
-        s = s / (s.max() * s.min()).sqrt()
-        wq = rtn((wf * s).to(w_down.dtype), group_size, scale_dtype).dequantize(torch.float32)
-        scales.append(s)
-        errs.append(((xf / s) @ wq.t() - ref).pow(2).mean())
-    values = torch.stack(errs).tolist()
-    best, best_err = None, float("inf")
-    for i, err in enumerate(values):  # the first lowest (NaN never wins), as the one-at-a-time search chose
-        if err < best_err:
-            best, best_err = i, err
-    return (None, 0.0, best_err, values[0]) if best is None else (scales[best], best / grid, best_err, values[0])
+        out.append(s / (s.amax(-1, keepdim=True) * s.amin(-1, keepdim=True)).sqrt())
+    return torch.stack(out)
+
+
+def awq_down_scales(rows: list[torch.Tensor], w_down: torch.Tensor, group_size: int, grid: int,
+                    scale_dtype: torch.dtype = torch.bfloat16) -> ChunkScales:
+    """Best per-input-channel scales for the down_proj of a chunk of experts (W [k, H, I]) given each
+    expert's activations rows[k] [n_k, I] (n_k may be 0: s = 1, alpha 0).
+
+    Alpha 0 is plain RTN, so the chosen scale is never worse than RTN on these activations; the first
+    lowest error wins and NaN never does (all NaN: alpha 0). The candidate weights of all alphas are coded
+    in one batched RTN per expert ([grid, H, I]: elementwise and max/min, so each slice is bit for bit
+    the one-alpha RTN), the errors stay on the device, and nothing syncs with the host: the search, the
+    fold and the codes of a whole chunk are queued before the writer waits for its bytes."""
+    k, _, n_in = w_down.shape
+    dev = w_down.device
+    xs = [r.to(dev, non_blocking=True).float() for r in rows]  # pinned host rows (CUDA): no sync
+    x_mean = torch.ones(k, n_in, device=dev)
+    for j, x in enumerate(xs):
+        if x.numel():
+            x_mean[j] = x.abs().mean(dim=0)
+    scales = alpha_scales(x_mean, grid)  # [grid, k, I]
+    inf = torch.tensor(float("inf"), device=dev)
+    errs = torch.full((k, grid), float("inf"), device=dev)
+    zero = torch.zeros(grid, device=dev)
+    for j, x in enumerate(xs):
+        if not x.numel():
+            errs[j] = zero
+            continue
+        wf = w_down[j].float()
+        ref = x @ wf.t()
+        err = []
+        step = max(1, CANDIDATE_BYTES // (wf.numel() * 4))
+        for i0 in range(0, grid, step):
+            i1 = min(grid, i0 + step)
+            cand = (wf * scales[i0:i1, j, None, :]).to(w_down.dtype)
+            wq = rtn(cand, group_size, scale_dtype).dequantize(torch.float32)
+            err += [((x / scales[i, j]) @ wq[i - i0].t() - ref).pow(2).mean() for i in range(i0, i1)]
+        errs[j] = torch.stack(err)
+    best = torch.where(errs.isnan(), inf, errs).argmin(dim=1)  # the first lowest
+    empty = torch.tensor([not x.numel() for x in xs], device=dev)
+    best = torch.where(empty, torch.zeros_like(best), best)
+    s = scales.permute(1, 0, 2)[torch.arange(k, device=dev), best]  # [k, I]
+    s = torch.where(empty[:, None], torch.ones_like(s), s)
+    best_err = errs.gather(1, best[:, None]).squeeze(1)
+    return ChunkScales(s, best, best_err, errs[:, 0], grid)

@@ -36,14 +36,39 @@ class ExpertStats:
         self._row_batches = [[] for _ in range(e)]  # the micro-batch (first window) of each kept piece
         self._kept = [0] * e
         self.batch = 0  # the micro-batch being run (LayerStreamer.forward_layer's on_batch)
+        self._pinned = None  # float32 [E, keep_rows, I] page-locked: the kept rows' home (CUDA)
+        self._pending = None  # the device whose copies into it are still in flight
 
     def set_batch(self, b0: int) -> None:
         self.batch = b0
 
     def rows(self, e: int) -> torch.Tensor:
-        if not self.mid_rows[e]:
+        """Expert e's kept rows [n, I] float32 (on the host: settle() first where they were kept on CUDA)."""
+        pieces = self.mid_rows[e]
+        if not pieces:
             return torch.empty(0)
-        return torch.cat(self.mid_rows[e])
+        if len(pieces) == 1:
+            return pieces[0]
+        home = None if self._pinned is None else self._pinned.untyped_storage().data_ptr()
+        if home is not None and all(p.untyped_storage().data_ptr() == home for p in pieces):
+            # kept back to back from row 0 (_keep): the buffer's own rows, still page-locked (a `cat`
+            # would give pageable memory, whose upload to the GPU waits for the host)
+            return self._pinned[e, :sum(p.shape[0] for p in pieces)]
+        return torch.cat(pieces)
+
+    def _keep(self, e: int, rows: torch.Tensor) -> torch.Tensor:
+        """A host copy of `rows`. From CUDA: into one page-locked buffer for the layer, without waiting
+        (a `.cpu()` here would sync the host with the GPU once per expert hit, 512 times a micro-batch at
+        the 397B's size); `settle` waits once for all of them."""
+        if rows.device.type != "cuda":
+            return rows.float().cpu()
+        if self._pinned is None:
+            self._pinned = torch.empty((self.n_experts, self.keep_rows, rows.shape[-1]), dtype=torch.float32,
+                                       pin_memory=True)
+        dst = self._pinned[e, self._kept[e]:self._kept[e] + rows.shape[0]]
+        dst.copy_(rows.float(), non_blocking=True)
+        self._pending = rows.device
+        return dst
 
     def record(self, e: int, x: torch.Tensor, mid: torch.Tensor) -> None:
         """Called per expert hit: no host sync (the amaxes stay on x's device until `settle`)."""
@@ -55,7 +80,7 @@ class ExpertStats:
         torch.maximum(self.mid_amax[e], mid.abs().amax().float(), out=self.mid_amax[e])
         room = self.keep_rows - self._kept[e]
         if room > 0:
-            take = mid[:room].detach().float().cpu()
+            take = self._keep(e, mid[:room].detach())
             self.mid_rows[e].append(take)
             self._row_batches[e].append(self.batch)
             self._kept[e] += take.shape[0]
@@ -66,6 +91,9 @@ class ExpertStats:
         """The layer's forward is done: the statistics to the host (one copy each)."""
         self.in_amax = self.in_amax.cpu()
         self.mid_amax = self.mid_amax.cpu()
+        if self._pending is not None:
+            torch.cuda.synchronize(self._pending)  # the kept rows' copies (see _keep)
+            self._pending = None
 
     def to_json(self) -> dict:
         return {
@@ -90,7 +118,8 @@ def reduce_expert_stats(stats: ExpertStats, group, owner) -> None:
     if not stats.keep_rows:
         return
     for dst in range(group.world):
-        mine = {e: list(zip(stats._row_batches[e], stats.mid_rows[e]))
+        # clones: a piece is a view of the layer's page-locked buffer, which pickling would send whole
+        mine = {e: [(b, t.clone()) for b, t in zip(stats._row_batches[e], stats.mid_rows[e])]
                 for e in range(stats.n_experts) if owner(e) == dst}
         every = group.gather_to(mine, dst)
         if every is None:

@@ -120,29 +120,35 @@ def nvfp4_rtn(gu, down, inter, in_amax, mid_amax, recipe) -> dict[str, NVFP4Expe
 
 def _int4_expert_chunk(gu, down, inter, stats, e0, recipe, fmt, report, g: int) -> dict[str, list]:
     """INT4 W4A16 of a chunk of experts with qtool.formats.awq (RTN, one group per row when in < group),
-    after the AWQ down_proj scale search when the recipe asks for it."""
+    after the AWQ down_proj scale search when the recipe asks for it. The chunk is coded as one batch
+    (elementwise ops and group max/min: each expert's bytes are those of coding it alone), so the GPU
+    sees a few large ops, not a Python loop of small ones, and the host waits once, for the report."""
     from qtool.formats import awq
-    from qtool.ops.quantize.awq_search import awq_down_scales, rtn
+    from qtool.ops.quantize.awq_search import CANDIDATE_BYTES, awq_down_scales, rtn
 
     sdt = _int4_scale_dtype(fmt)
-    res: dict[str, list] = {p: [] for p in ("down_proj", "gate_proj", "up_proj")}
-    for k in range(gu.shape[0]):
-        e = e0 + k
-        gate, up, dn = gu[k, :inter], gu[k, inter:], down[k]
-        if recipe.int4.awq and stats is not None:
-            s, alpha, mse, rtn_mse = awq_down_scales(stats.rows(e), dn, g, recipe.int4.awq_grid, sdt)
-            # fold: down columns * s, up rows / s (exact in real arithmetic)
-            dn = (dn.float() * s).to(dn.dtype)
-            up = (up.float() / s.unsqueeze(-1)).to(up.dtype)
-            report.append({"expert": e, "alpha": alpha, "down_mse": mse, "down_mse_rtn": rtn_mse})
-        for part, w in (("down_proj", dn), ("gate_proj", gate), ("up_proj", up)):
-            q = rtn(w, g, sdt)
+    gate, up, dn = gu[:, :inter], gu[:, inter:], down
+    searched = None
+    if recipe.int4.awq and stats is not None:
+        searched = awq_down_scales([stats.rows(e0 + k) for k in range(gu.shape[0])], dn, g, recipe.int4.awq_grid, sdt)
+        s = searched.s
+        # fold: down columns * s, up rows / s (exact in real arithmetic)
+        dn = (dn.float() * s[:, None, :]).to(dn.dtype)
+        up = (up.float() / s[:, :, None]).to(up.dtype)
+    res: dict[str, list] = {"down_proj": [], "gate_proj": [], "up_proj": []}
+    for part, w in (("down_proj", dn), ("gate_proj", gate), ("up_proj", up)):
+        per = max(1, CANDIDATE_BYTES // (w[0].numel() * 4))  # the transients of a batch: as the search's
+        shape = torch.tensor(w.shape[1:], dtype=torch.int64)
+        for k0 in range(0, w.shape[0], per):
+            q = rtn(w[k0:k0 + per], g, sdt)
             if fmt is OutFormat.COMPRESSED_TENSORS:
                 t = awq.to_compressed_tensors(q, sdt)
-                res[part].append([t["weight_packed"], t["weight_scale"], t["weight_shape"]])
+                res[part] += [[t["weight_packed"][k], t["weight_scale"][k], shape] for k in range(q.codes.shape[0])]
             else:
                 t = awq.to_awq(q)
-                res[part].append([t["qweight"], t["qzeros"], t["scales"]])
+                res[part] += [[t["qweight"][k], t["qzeros"][k], t["scales"][k]] for k in range(q.codes.shape[0])]
+    if searched is not None:
+        report.extend(searched.report(e0))
     return res
 
 
