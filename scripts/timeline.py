@@ -24,19 +24,19 @@ T0 = time.perf_counter()
 def _place(frame) -> str:
     """The innermost qtool frame of a stack (file:function), else the innermost frame, with the
     module being imported if the stack is inside an import."""
-    inner, importing, ours = None, None, None
+    inner, importing, ours = None, None, []
     f = frame
     while f is not None:
         code = f.f_code
         name = code.co_filename
         if inner is None:
             inner = f"{name.rsplit('/', 2)[-1]}:{code.co_name}"
-        if ours is None and "/qtool/" in name and "/scripts/" not in name:
-            ours = f"{name.split('/qtool/', 1)[1]}:{code.co_name}"
+        if len(ours) < 2 and "/qtool/" in name and "/scripts/" not in name:
+            ours.append(f"{name.split('/qtool/', 1)[1]}:{code.co_name}")
         if importing is None and code.co_name == "_find_and_load":
             importing = f.f_locals.get("name")
         f = f.f_back
-    where = ours or inner or "?"
+    where = " < ".join(ours) if ours else (inner or "?")  # the innermost qtool frame, then its caller
     return f"{where} [import {importing}]" if importing else where
 
 
@@ -92,9 +92,9 @@ def main() -> int:
             for p, s in sorted(total.items(), key=lambda kv: -kv[1])[:a.top]:
                 print(f"  {s:7.2f} s  {p}", file=sys.stderr)
             if name == "MainThread":
-                print("[MainThread] in order (segments >= 0.2 s):", file=sys.stderr)
+                print("[MainThread] in order (segments >= 0.1 s):", file=sys.stderr)
                 for s0, s1, p in segs:
-                    if s1 - s0 >= 0.2:
+                    if s1 - s0 >= 0.1:
                         print(f"  {s0:7.2f} - {s1:7.2f}  {p}", file=sys.stderr)
     return code
 

@@ -171,11 +171,34 @@ class InputHasher:
                              hint=f"run again without --resume (it starts over; the unfinished {partial} is "
                              "replaced)")
 
-    def submit_output(self, path: str, sha256: str | None = None) -> None:
+    def submit_output(self, path: str, sha256: "str | Future | None" = None) -> None:
         """Hash a file qtool just wrote (never cached: its digest is what the manifest promises), unless its
-        writer hashed the bytes it wrote (`sha256`)."""
-        if path not in self.futures:
+        writer hashed the bytes it wrote (`sha256`: the digest, or a Future of it that may hold None: then
+        the file is hashed here after all)."""
+        if path in self.futures:
+            return
+        if isinstance(sha256, Future):
+            self.futures[path] = self._or_hashed(sha256, path)
+        else:
             self.futures[path] = _done(sha256) if sha256 else self.pool.submit(_hash_file, path)
+
+    def _or_hashed(self, digest: Future, path: str) -> Future:
+        """`digest`'s value, or (where it holds None) the file's hash from the pool: no pool thread waits."""
+        out: Future = Future()
+
+        def settle(f: Future) -> None:
+            try:
+                value = f.result()
+            except BaseException as e:  # noqa: BLE001 -- raised by results()
+                out.set_exception(e)
+                return
+            if value:
+                out.set_result(value)
+            else:
+                self.pool.submit(_hash_file, path).add_done_callback(settle)
+
+        digest.add_done_callback(settle)
+        return out
 
     def submit(self, path: str) -> None:
         if path in self.futures or path in self._streamed:

@@ -127,47 +127,134 @@ def copy_range(src_fd: int, dst_fd: int, start: int, count: int, stop: threading
 
 
 class HashedWrites:
-    """Writes buffers to a file in order and computes the file's sha256 from them on a thread of its own
-    (hashlib releases the GIL), so the manifest's digest of a freshly written shard costs no second read
-    and the hash overlaps the writes. A buffer is kept alive until hashed, at most `depth` of them: when the
-    hash falls further behind (sha256 runs at ~1.2 GB/s on the H200 machine's cores, slower than a layer is
-    written there), it stops, and `hexdigest` returns None: the file is then hashed by the output hasher's
-    threads, which read it back from the page cache, several files at a time, without holding up the writer."""
+    """Writes buffers to a file in order and computes the file's sha256 on a thread of its own (hashlib
+    releases the GIL), so the hash overlaps the writes and the writer never waits for it.
 
-    def __init__(self, f, depth: int = 4) -> None:
+    The thread hashes the written buffers themselves, keeping at most `depth` of them alive. When it falls
+    further behind (sha256 runs at ~1.2 GB/s on the H200 machine's cores, a layer shard is written at
+    ~2.5 GB/s there), the buffers are let go and the thread goes on from the file (`path`), trailing the
+    writer through the bytes just written (the page cache): the digest is ready about when the hash of the
+    file would be, not a whole second read after the last write. `digest()` is that digest, a Future;
+    without `path` a hash that falls behind gives up (the future holds None: the caller hashes the file)."""
+
+    READ = 16 << 20  # bytes the trailing hash reads at a time
+
+    def __init__(self, f, depth: int = 4, path: str | os.PathLike | None = None) -> None:
         import hashlib
         from collections import deque
-        from concurrent.futures import ThreadPoolExecutor
+        from concurrent.futures import Future
 
         self.f = f
         self.h = hashlib.sha256()
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qtool-out-sha256")
-        self.pending: deque = deque()
         self.depth = depth
+        self.path = path
+        self.cond = threading.Condition()
+        self.queue: deque = deque()  # buffers to hash; a None: from here on, trail the file
+        self.written = 0  # bytes handed to the file so far (in order)
+        self.flushed = 0  # of those, in the file (readable by the trailing hash)
+        self.trailing_from: int | None = None
+        self.closed = False  # no more writes: everything up to `written` is (or will be) flushed
+        self.cancelled = False
+        self.future: Future = Future()
         self.behind = False
+        # opened now: the writer renames the file once written, maybe before the hash reaches the file
+        self.fd = os.open(path, os.O_RDONLY) if path is not None else None
+        self.thread = threading.Thread(target=self._run, name="qtool-out-sha256", daemon=True)
+        self.thread.start()
 
     def write(self, data) -> None:
-        if not self.behind:
-            while self.pending and self.pending[0].done():
-                self.pending.popleft().result()
-            if len(self.pending) >= self.depth:
-                self.behind = True  # let it go: the writer never waits for the hash
-                self.pool.shutdown(wait=False, cancel_futures=True)
-                self.pending.clear()
-            else:
-                self.pending.append(self.pool.submit(self.h.update, data))
+        n = memoryview(data).nbytes
+        with self.cond:
+            if not self.behind:
+                if len(self.queue) >= self.depth:
+                    self.behind = True
+                    # the queued buffers are hashed from the file instead (the one being hashed is not queued)
+                    self.trailing_from = self.written - sum(memoryview(b).nbytes for b in self.queue)
+                    self.queue.clear()
+                    self.queue.append(None)
+                    if self.path is None:
+                        self.future.set_result(None)  # no file to trail: the caller hashes it
+                else:
+                    self.queue.append(data)
+                self.cond.notify()
         self.f.write(data)
+        with self.cond:
+            self.written += n
+            if self.behind:
+                self.flushed = self._flushed()
+                self.cond.notify()
+
+    def _flushed(self) -> int:
+        """Bytes of the file the OS holds: the written ones, less what the buffered writer still holds."""
+        buffered = getattr(self.f, "raw", None) is not None
+        return os.lseek(self.f.fileno(), 0, os.SEEK_CUR) if buffered else self.written
+
+    def _run(self) -> None:
+        fd = self.fd
+        try:
+            while True:
+                with self.cond:
+                    while not self.queue and not self.closed and not self.cancelled:
+                        self.cond.wait()
+                    if self.cancelled:
+                        return
+                    if not self.queue:
+                        break  # closed, all hashed
+                    item = self.queue.popleft()
+                if item is not None:
+                    self.h.update(item)
+                    continue
+                if self.path is None:
+                    return  # fell behind (the future says None)
+                pos = self.trailing_from
+                while True:
+                    with self.cond:
+                        while pos >= self.flushed and not (self.closed and self.flushed == self.written) \
+                                and not self.cancelled:
+                            self.cond.wait()
+                        if self.cancelled:
+                            return
+                        upto, last = self.flushed, self.closed and self.flushed == self.written
+                    while pos < upto:
+                        b = os.pread(fd, min(self.READ, upto - pos), pos)
+                        if not b:
+                            raise OSError(f"{self.path}: shorter than the {upto} bytes written")
+                        self.h.update(b)
+                        pos += len(b)
+                    if last and pos >= self.written:
+                        break
+                break
+            if not self.future.done():
+                self.future.set_result(self.h.hexdigest())
+        except BaseException as e:  # noqa: BLE001 -- the digest's reader sees it
+            if not self.future.done():
+                self.future.set_exception(e)
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    def digest(self):
+        """The file's sha256 as a Future (hexdigest str; None where the hash fell behind without `path`):
+        flushes the writer's buffer; no write may follow."""
+        self.f.flush()
+        with self.cond:
+            self.flushed = self._flushed() if self.behind else self.written
+            self.closed = True
+            self.cond.notify()
+        return self.future
 
     def hexdigest(self) -> str | None:
-        if self.behind:
-            return None
-        while self.pending:
-            self.pending.popleft().result()
-        self.pool.shutdown()
-        return self.h.hexdigest()
+        return self.digest().result()
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        """After `digest`: nothing (the hash goes on, for the future's reader). Before it, on an error path
+        (the file is being thrown away): stop the hash."""
+        with self.cond:
+            if self.closed:
+                return
+            self.cancelled = True
+            self.cond.notify()
+        self.thread.join()
 
 
 def write_shard(path: str | Path, tensors: list[OutTensor], metadata: dict[str, str] | None = None,

@@ -44,3 +44,50 @@ def test_a_hash_that_falls_behind_gives_none_and_never_holds_the_writer(tmp_path
         gate.set()
         out.close()
     assert p.read_bytes() == b"".join(bytes([k]) * 1000 for k in range(6))
+
+
+def test_a_hash_that_falls_behind_trails_the_file_to_the_same_digest(tmp_path):
+    """With the file's path, a hash that falls behind lets the buffers go and reads the rest back from the
+    file as it is written: the digest is still that of the bytes on disk, the writer never waits, and the
+    file may be renamed before the hash is done (the layer shard's tmp file is)."""
+    gate = threading.Event()
+    p = tmp_path / "shard.tmp"
+    parts = [os.urandom(n) for n in (5, 1 << 20, 3, 7, 2 << 20, 1, 333)]
+    with open(p, "wb", buffering=1 << 16) as f:  # buffered: the small writes reach the file late
+        out = HashedWrites(f, depth=2, path=p)
+        real = out.h
+
+        class Slow:  # the first update waits for the test: the writer runs ahead
+            def __init__(self):
+                self.calls = 0
+
+            def update(self, data):
+                self.calls += 1
+                if self.calls == 1:
+                    gate.wait(5)
+                real.update(data)
+
+            def hexdigest(self):
+                return real.hexdigest()
+
+        out.h = Slow()
+        for b in parts:
+            out.write(memoryview(b))
+        assert out.behind
+        digest = out.digest()
+        assert not digest.done()
+    renamed = tmp_path / "shard.safetensors"
+    os.replace(p, renamed)
+    gate.set()
+    assert digest.result(10) == hashlib.sha256(b"".join(parts)).hexdigest()
+    assert renamed.read_bytes() == b"".join(parts)
+
+
+def test_a_cancelled_hash_stops(tmp_path):
+    p = tmp_path / "shard.tmp"
+    with open(p, "wb") as f:
+        out = HashedWrites(f, depth=1, path=p)
+        for k in range(5):
+            out.write(bytes([k]) * 100)
+        out.close()  # an error path: no digest asked
+    assert not out.thread.is_alive()

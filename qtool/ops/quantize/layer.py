@@ -229,7 +229,7 @@ def write_layer_shard(path: Path, lp, layer, stats, kv, p, backend=None, mode: i
         fd = open_new(tmp, mode) if share.world == 1 else os.open(tmp, os.O_WRONLY)
         # buffered: the small tensors (norms, scales) become a few large writes
         with os.fdopen(fd, "wb", buffering=WRITE_BUFFER) as f:
-            out = HashedWrites(f) if hashed else f
+            out = HashedWrites(f, path=tmp) if hashed else f
             if share.rank == 0:
                 out.write(header)
             pos = len(header)  # where the next spec's bytes go; another rank's specs are skipped by seeking
@@ -281,7 +281,7 @@ def write_layer_shard(path: Path, lp, layer, stats, kv, p, backend=None, mode: i
                                          f"{pos - at}")
                 out.write(memoryview(data.numpy()))
             if hashed:
-                report["sha256"] = out.hexdigest()  # None when the hash fell behind: hashed from the file
+                report["sha256"] = out.digest()  # a Future: the hash finishes on its own thread
             f.flush()
             os.fsync(f.fileno())
         if share.world == 1:
