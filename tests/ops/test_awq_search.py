@@ -61,7 +61,14 @@ def _chunk(k=6, hidden=64, inter=32, seed=0):
 
 
 @pytest.mark.parametrize("fmt", [OutFormat.COMPRESSED_TENSORS, OutFormat.AWQ])
-def test_the_chunk_coder_gives_each_experts_own_bytes_and_alpha(fmt):
+@pytest.mark.parametrize("batch", ["whole", "by 3"])
+def test_the_chunk_coder_gives_each_experts_own_bytes_and_alpha(fmt, batch, monkeypatch):
+    """`by 3`: the candidates' memory bound splits the alphas (and the experts' final coding) into batches
+    of 3, as a 397B expert's are split in 7s."""
+    from qtool.ops.quantize import awq_search
+
+    if batch == "by 3":
+        monkeypatch.setattr(awq_search, "CANDIDATE_BYTES", 3 * 64 * 32 * 4)
     recipe = load_recipe("qwen35-awq-int4")
     gu, dn, rows = _chunk()
     inter = dn.shape[-1]

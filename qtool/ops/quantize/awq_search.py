@@ -73,13 +73,11 @@ def awq_down_scales(rows: list[torch.Tensor], w_down: torch.Tensor, group_size: 
     for j, x in enumerate(xs):
         if x.numel():
             x_mean[j] = x.abs().mean(dim=0)
-    scales = alpha_scales(x_mean, grid)  # [grid, k, I]
-    inf = torch.tensor(float("inf"), device=dev)
-    errs = torch.full((k, grid), float("inf"), device=dev)
-    zero = torch.zeros(grid, device=dev)
+    scales = alpha_scales(x_mean, grid)  # [grid, k, I]; an expert without rows: all ones (x_mean 1)
+    # nothing below copies from the host (a tensor made from Python values would): no sync
+    errs = torch.zeros(k, grid, device=dev)  # an expert without rows: all 0, so alpha 0 (s = 1) wins
     for j, x in enumerate(xs):
         if not x.numel():
-            errs[j] = zero
             continue
         wf = w_down[j].float()
         ref = x @ wf.t()
@@ -87,14 +85,16 @@ def awq_down_scales(rows: list[torch.Tensor], w_down: torch.Tensor, group_size: 
         step = max(1, CANDIDATE_BYTES // (wf.numel() * 4))
         for i0 in range(0, grid, step):
             i1 = min(grid, i0 + step)
-            cand = (wf * scales[i0:i1, j, None, :]).to(w_down.dtype)
-            wq = rtn(cand, group_size, scale_dtype).dequantize(torch.float32)
-            err += [((x / scales[i, j]) @ wq[i - i0].t() - ref).pow(2).mean() for i in range(i0, i1)]
+            s_b = scales[i0:i1, j, None, :]
+            wq = rtn((wf * s_b).to(w_down.dtype), group_size, scale_dtype).dequantize(torch.float32)
+            xs_b = x / s_b  # [b, n, I]: each slice is x / s of its alpha
+            out = torch.empty(i1 - i0, *ref.shape, device=dev)
+            for b in range(i1 - i0):
+                torch.mm(xs_b[b], wq[b].t(), out=out[b])  # as x / s @ wq.t() alone (same call, same layout)
+            d = (out - ref).pow_(2)  # elementwise: each slice as its own; the means stay one per alpha
+            err += [d[b].mean() for b in range(i1 - i0)]
         errs[j] = torch.stack(err)
-    best = torch.where(errs.isnan(), inf, errs).argmin(dim=1)  # the first lowest
-    empty = torch.tensor([not x.numel() for x in xs], device=dev)
-    best = torch.where(empty, torch.zeros_like(best), best)
+    best = torch.where(errs.isnan(), float("inf"), errs).argmin(dim=1)  # the first lowest; NaN never wins
     s = scales.permute(1, 0, 2)[torch.arange(k, device=dev), best]  # [k, I]
-    s = torch.where(empty[:, None], torch.ones_like(s), s)
     best_err = errs.gather(1, best[:, None]).squeeze(1)
     return ChunkScales(s, best, best_err, errs[:, 0], grid)
