@@ -239,6 +239,11 @@ class HashedWrites:
         self.f.flush()
         with self.cond:
             self.flushed = self._flushed() if self.behind else self.written
+            if self.flushed != self.written:  # a seek or a write past this object: no digest of the file
+                self.cancelled = True
+                if not self.future.done():
+                    self.future.set_exception(OSError(
+                        f"{self.path}: the file holds {self.flushed} bytes, {self.written} were written in order"))
             self.closed = True
             self.cond.notify()
         return self.future

@@ -91,3 +91,35 @@ def test_a_cancelled_hash_stops(tmp_path):
             out.write(bytes([k]) * 100)
         out.close()  # an error path: no digest asked
     assert not out.thread.is_alive()
+
+
+def test_a_file_not_written_in_order_is_an_error_not_a_hang(tmp_path):
+    """Behind, the hash trails the file up to the bytes written in order: a seek past this object leaves a
+    file it cannot vouch for, so the digest is an error (never a wait for bytes that will not come)."""
+    gate = threading.Event()
+    p = tmp_path / "shard.tmp"
+    with open(p, "wb") as f:
+        out = HashedWrites(f, depth=1, path=p)
+        real = out.h
+
+        class Slow:
+            def update(self, data):
+                gate.wait(5)
+                real.update(data)
+
+            def hexdigest(self):
+                return real.hexdigest()
+
+        out.h = Slow()
+        for k in range(4):
+            out.write(bytes([k]) * 100)
+        f.seek(200)
+        out.write(b"x" * 100)
+        digest = out.digest()
+        gate.set()
+    try:
+        digest.result(5)
+    except OSError as e:
+        assert "written in order" in str(e)
+    else:
+        raise AssertionError("a digest of a file written out of order")

@@ -62,25 +62,27 @@ def _chunk(k=6, hidden=64, inter=32, seed=0):
 
 @pytest.mark.parametrize("fmt", [OutFormat.COMPRESSED_TENSORS, OutFormat.AWQ])
 @pytest.mark.parametrize("batch", ["whole", "by 3"])
-def test_the_chunk_coder_gives_each_experts_own_bytes_and_alpha(fmt, batch, monkeypatch):
+@pytest.mark.parametrize("inter,group", [(32, 32), (56, 8)])
+def test_the_chunk_coder_gives_each_experts_own_bytes_and_alpha(fmt, batch, inter, group, monkeypatch):
     """`by 3`: the candidates' memory bound splits the alphas (and the experts' final coding) into batches
-    of 3, as a 397B expert's are split in 7s."""
+    of 3, as a 397B expert's are split in 7s. inter 56: not a multiple of the CPU's SIMD width, where
+    torch's pow of a [k, I] tensor is not each row's own (the search takes it row by row)."""
     from qtool.ops.quantize import awq_search
 
     if batch == "by 3":
-        monkeypatch.setattr(awq_search, "CANDIDATE_BYTES", 3 * 64 * 32 * 4)
+        monkeypatch.setattr(awq_search, "CANDIDATE_BYTES", 3 * 64 * inter * 4)
     recipe = load_recipe("qwen35-awq-int4")
-    gu, dn, rows = _chunk()
+    gu, dn, rows = _chunk(inter=inter)
     inter = dn.shape[-1]
     sdt = torch.float16 if fmt is OutFormat.AWQ else torch.bfloat16
     stats = ExpertStats(10 + len(rows), keep_rows=128)  # the chunk: experts 10-15 of the layer
     stats.mid_rows[10:] = [[r] if r.numel() else [] for r in rows]
     report: list = []
-    got = _int4_expert_chunk(gu, dn, inter, stats, 10, recipe, fmt, report, 32)
+    got = _int4_expert_chunk(gu, dn, inter, stats, 10, recipe, fmt, report, group)
     assert [r["expert"] for r in report] == [10 + k for k in range(len(rows))]
     alphas = set()
     for k, x in enumerate(rows):
-        want, (_, best, best_err, rtn_err) = _one_expert_tensors(gu[k, :inter], gu[k, inter:], dn[k], x, 32,
+        want, (_, best, best_err, rtn_err) = _one_expert_tensors(gu[k, :inter], gu[k, inter:], dn[k], x, group,
                                                                   recipe.int4.awq_grid, sdt, fmt)
         assert report[k]["alpha"] == best / recipe.int4.awq_grid
         assert report[k]["down_mse"] == best_err and report[k]["down_mse_rtn"] == rtn_err
@@ -112,5 +114,8 @@ def test_nan_errors_fall_back_to_rtn_not_a_crash():
     found = awq_down_scales(rows, dn, 32, 20)
     assert found.best.tolist()[0] == 0 and torch.equal(found.s[0], torch.ones(dn.shape[-1]))
     assert found.best_err.isnan().tolist()[0]
+    rep = found.report(0)
+    assert rep[0]["down_mse"] is None and rep[0]["down_mse_rtn"] is None  # the manifest stays JSON
+    assert rep[1]["down_mse"] is not None
     _, best, _, _ = _one_expert_search(rows[1], dn[1], 32, 20, torch.bfloat16)
     assert found.best.tolist()[1] == best

@@ -12,14 +12,16 @@ norm and the router; with a BF16 router and shared expert that would change BF16
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from qtool.formats import awq
 
-# the float32 candidates of one batched RTN: 7 alphas of a 397B down_proj (4096 x 1024), ~0.6 GB of
-# transients in all, so the search adds little to the GPU peak of the forward it overlaps
+# the float32 candidates of one batched RTN: 7 alphas of a 397B down_proj (4096 x 1024); the RTN's
+# temporaries are 4-5x that (~0.6 GB), so the search adds little to the GPU peak of the forward it
+# overlaps. The chunk's final coding (and its fold) goes by batches of the same bound.
 CANDIDATE_BYTES = 128 << 20
 
 
@@ -40,18 +42,27 @@ class ChunkScales:
     grid: int
 
     def report(self, e0: int) -> list[dict]:
+        """Per expert: the alpha and the errors; an error that is not finite (the expert's rows hold a NaN
+        or an inf: it got plain RTN, s = 1) is None, so the manifest stays JSON."""
         best, err, rtn_err = (t.tolist() for t in (self.best, self.best_err, self.rtn_err))
-        return [{"expert": e0 + k, "alpha": b / self.grid, "down_mse": m, "down_mse_rtn": r}
+        return [{"expert": e0 + k, "alpha": b / self.grid, "down_mse": _finite(m), "down_mse_rtn": _finite(r)}
                 for k, (b, m, r) in enumerate(zip(best, err, rtn_err))]
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
 
 
 def alpha_scales(x_mean: torch.Tensor, grid: int) -> torch.Tensor:
     """s = mean|x|^alpha for alpha = i / grid, each normalised by sqrt(max * min): [grid, k, I] from
-    x_mean [k, I]. One elementwise op per alpha for the whole chunk; the scalar exponent keeps torch's
-    special cases (alpha 0.5 is a sqrt), so every value is the one an expert-by-expert search computes."""
+    x_mean [k, I], every value the one an expert-by-expert search computes. The power is taken one
+    expert's row at a time, with a scalar exponent: torch's CPU pow codes the elements of a SIMD vector
+    and a tensor's tail differently (last-bit differences where I is not a multiple of the vector), so a
+    [k, I] call would not give each row's [I] result; the exponent keeps torch's special cases (alpha 0.5
+    is a sqrt). The rest is exact elementwise (max, min, product, sqrt, division) and runs on the chunk."""
     out = []
     for i in range(grid):
-        s = x_mean.pow(i / grid).clamp(min=1e-4)
+        s = torch.stack([x_mean[j].pow(i / grid) for j in range(x_mean.shape[0])]).clamp(min=1e-4)
         out.append(s / (s.amax(-1, keepdim=True) * s.amin(-1, keepdim=True)).sqrt())
     return torch.stack(out)
 

@@ -37,7 +37,7 @@ class ExpertStats:
         self._kept = [0] * e
         self.batch = 0  # the micro-batch being run (LayerStreamer.forward_layer's on_batch)
         self._pinned = None  # float32 [E, keep_rows, I] page-locked: the kept rows' home (CUDA)
-        self._pending = None  # the device whose copies into it are still in flight
+        self._pending: set = set()  # the devices whose copies into it are still in flight
 
     def set_batch(self, b0: int) -> None:
         self.batch = b0
@@ -67,7 +67,7 @@ class ExpertStats:
                                        pin_memory=True)
         dst = self._pinned[e, self._kept[e]:self._kept[e] + rows.shape[0]]
         dst.copy_(rows.float(), non_blocking=True)
-        self._pending = rows.device
+        self._pending.add(rows.device)
         return dst
 
     def record(self, e: int, x: torch.Tensor, mid: torch.Tensor) -> None:
@@ -91,9 +91,9 @@ class ExpertStats:
         """The layer's forward is done: the statistics to the host (one copy each)."""
         self.in_amax = self.in_amax.cpu()
         self.mid_amax = self.mid_amax.cpu()
-        if self._pending is not None:
-            torch.cuda.synchronize(self._pending)  # the kept rows' copies (see _keep)
-            self._pending = None
+        for device in self._pending:
+            torch.cuda.synchronize(device)  # the kept rows' copies (see _keep)
+        self._pending.clear()
 
     def to_json(self) -> dict:
         return {

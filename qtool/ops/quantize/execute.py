@@ -127,8 +127,10 @@ def _quantize_layers(p, partial, streamer, store, seq, batch, start, layer_repor
         if awq:
             awq = sorted(awq, key=lambda r: r["expert"])  # the ranks' experts, summed in one process's order
             entry["awq"] = {"mean_alpha": sum(r["alpha"] for r in awq) / len(awq),
-                            "down_mse": sum(r["down_mse"] for r in awq),
-                            "down_mse_rtn": sum(r["down_mse_rtn"] for r in awq)}
+                            # None: an expert whose rows held a NaN or an inf (plain RTN); not summed
+                            "down_mse": sum(r["down_mse"] for r in awq if r["down_mse"] is not None),
+                            "down_mse_rtn": sum(r["down_mse_rtn"] for r in awq if r["down_mse_rtn"] is not None),
+                            "experts_not_searched": sum(r["down_mse"] is None for r in awq)}
         layer_reports.append(entry)
         streamer.inputs_hashed(lp.index)  # the digests the journal's resume relies on cover this layer
         save(lp.index + 1, current)

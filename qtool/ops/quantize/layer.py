@@ -128,19 +128,28 @@ def _int4_expert_chunk(gu, down, inter, stats, e0, recipe, fmt, report, g: int) 
 
     sdt = _int4_scale_dtype(fmt)
     gate, up, dn = gu[:, :inter], gu[:, inter:], down
+    s = None
     searched = None
     if recipe.int4.awq and stats is not None:
         searched = awq_down_scales([stats.rows(e0 + k) for k in range(gu.shape[0])], dn, g, recipe.int4.awq_grid, sdt)
         s = searched.s
-        # fold: down columns * s, up rows / s (exact in real arithmetic)
-        dn = (dn.float() * s[:, None, :]).to(dn.dtype)
-        up = (up.float() / s[:, :, None]).to(up.dtype)
+
+    def folded(part: str, w, k0: int, k1: int):
+        """Experts k0..k1-1 of `w`, the AWQ scales folded in: down columns * s, up rows / s (exact in real
+        arithmetic); a batch at a time, so the float32 copies stay within the batch's bound."""
+        w = w[k0:k1]
+        if s is None or part == "gate_proj":
+            return w
+        if part == "down_proj":
+            return (w.float() * s[k0:k1, None, :]).to(w.dtype)
+        return (w.float() / s[k0:k1, :, None]).to(w.dtype)
+
     res: dict[str, list] = {"down_proj": [], "gate_proj": [], "up_proj": []}
     for part, w in (("down_proj", dn), ("gate_proj", gate), ("up_proj", up)):
         per = max(1, CANDIDATE_BYTES // (w[0].numel() * 4))  # the transients of a batch: as the search's
         shape = torch.tensor(w.shape[1:], dtype=torch.int64)
         for k0 in range(0, w.shape[0], per):
-            q = rtn(w[k0:k0 + per], g, sdt)
+            q = rtn(folded(part, w, k0, k0 + per), g, sdt)
             if fmt is OutFormat.COMPRESSED_TENSORS:
                 t = awq.to_compressed_tensors(q, sdt)
                 res[part] += [[t["weight_packed"][k], t["weight_scale"][k], shape] for k in range(q.codes.shape[0])]
@@ -242,6 +251,8 @@ def write_layer_shard(path: Path, lp, layer, stats, kv, p, backend=None, mode: i
                 if not share.owns(which[0] if which else None, n_exp):
                     continue
                 if f.tell() != at:
+                    if hashed:  # one writer writes the shard in order: the hash is of the bytes written
+                        raise AssertionError(f"{s.name}: written at {f.tell()}, planned at {at}")
                     f.seek(at)
                 if s.source is not None:
                     _copy_spec(s, kept.get(s.name), out, f, fds, hashed, pos)
