@@ -447,11 +447,15 @@ class LayerStreamer:
     # -- pieces ---------------------------------------------------------------------------------
     def embed_into(self, ids, store: HiddenStore, batch: int) -> None:
         """Embed token windows [N, L] into the store (as the input of layer 0)."""
-        from qtool.stream.dequant import load_param
+        import torch
 
-        w = load_param(self.mm, self.prefix + "embed_tokens.weight", self.dtype)
-        for b0, b1 in self.my_batches(ids.shape[0], batch):
-            x = w[ids[b0:b1]]
+        from qtool.stream.dequant import embedding_rows
+
+        mine = self.my_batches(ids.shape[0], batch)
+        used = torch.cat([ids[b0:b1].reshape(-1) for b0, b1 in mine]) if mine else ids[:0]
+        w, lookup = embedding_rows(self.mm, self.prefix + "embed_tokens.weight", used, self.dtype)
+        for b0, b1 in mine:
+            x = w[lookup[ids[b0:b1]]]
             if isinstance(store, DiskStore):
                 store.write_current(b0, b1, x)
             else:
