@@ -10,6 +10,22 @@ import threading
 from qtool.io.writer import HashedWrites
 
 
+class SlowHash:
+    """A hash that cannot keep up: its updates (or only its first, `first_only`) wait for the test's gate."""
+
+    def __init__(self, real, gate: threading.Event, first_only: bool = False):
+        self.real, self.gate, self.first_only, self.calls = real, gate, first_only, 0
+
+    def update(self, data):
+        self.calls += 1
+        if self.calls == 1 or not self.first_only:
+            self.gate.wait(5)
+        self.real.update(data)
+
+    def hexdigest(self):
+        return self.real.hexdigest()
+
+
 def test_the_digest_is_of_the_bytes_written(tmp_path):
     parts = [os.urandom(n) for n in (8, 1 << 20, 3, 5 << 20, 0, 77)]
     p = tmp_path / "shard.safetensors"
@@ -27,17 +43,7 @@ def test_a_hash_that_falls_behind_gives_none_and_never_holds_the_writer(tmp_path
     p = tmp_path / "shard.safetensors"
     with open(p, "wb") as f:
         out = HashedWrites(f, depth=2)
-        real = out.h
-
-        class Slow:  # a hash that cannot keep up (it waits for the test)
-            def update(self, data):
-                gate.wait(5)
-                real.update(data)
-
-            def hexdigest(self):
-                return real.hexdigest()
-
-        out.h = Slow()
+        out.h = SlowHash(out.h, gate)
         for k in range(6):
             out.write(bytes([k]) * 1000)  # returns although no update has finished
         assert out.hexdigest() is None
@@ -55,22 +61,7 @@ def test_a_hash_that_falls_behind_trails_the_file_to_the_same_digest(tmp_path):
     parts = [os.urandom(n) for n in (5, 1 << 20, 3, 7, 2 << 20, 1, 333)]
     with open(p, "wb", buffering=1 << 16) as f:  # buffered: the small writes reach the file late
         out = HashedWrites(f, depth=2, path=p)
-        real = out.h
-
-        class Slow:  # the first update waits for the test: the writer runs ahead
-            def __init__(self):
-                self.calls = 0
-
-            def update(self, data):
-                self.calls += 1
-                if self.calls == 1:
-                    gate.wait(5)
-                real.update(data)
-
-            def hexdigest(self):
-                return real.hexdigest()
-
-        out.h = Slow()
+        out.h = SlowHash(out.h, gate, first_only=True)  # the writer runs ahead of the first update
         for b in parts:
             out.write(memoryview(b))
         assert out.behind
@@ -100,17 +91,7 @@ def test_a_file_not_written_in_order_is_an_error_not_a_hang(tmp_path):
     p = tmp_path / "shard.tmp"
     with open(p, "wb") as f:
         out = HashedWrites(f, depth=1, path=p)
-        real = out.h
-
-        class Slow:
-            def update(self, data):
-                gate.wait(5)
-                real.update(data)
-
-            def hexdigest(self):
-                return real.hexdigest()
-
-        out.h = Slow()
+        out.h = SlowHash(out.h, gate)
         for k in range(4):
             out.write(bytes([k]) * 100)
         f.seek(200)
