@@ -104,12 +104,13 @@ def load_param(mm: ModelMap, name: str, dtype, device="cpu"):
 EMBED_GAP = 1 << 20  # bytes of unused rows read through rather than split into another read
 
 
-def embedding_rows(mm: ModelMap, name: str, ids, dtype):
+def embedding_rows(mm: ModelMap, name: str, ids, dtype, every_id=None):
     """(table, lookup) with table[lookup[ids]] == load_param(mm, name, dtype)[ids]: the rows of the
     embedding matrix the token ids use, read alone (runs of nearby rows read together). A calibration set
     uses ~1-5% of the 397B's 248,320 rows, so its 2 GB table is not read to make the first layer's input
     (what the input's sha256 needs besides, the digest reads itself). A quantized embedding is dequantized
-    whole, as load_param does."""
+    whole, as load_param does. every_id: the ids of every rank (checked, so that a bad one stops them all
+    with the same error, not one rank while the others wait at a barrier); default `ids`."""
     import torch
 
     from qtool.io.dtypes import TORCH_DTYPE_NAMES
@@ -125,8 +126,10 @@ def embedding_rows(mm: ModelMap, name: str, ids, dtype):
         return w, torch.arange(w.shape[0])
     rows, width = info.shape
     used = torch.unique(ids.reshape(-1)).tolist()  # sorted
-    if used and (used[0] < 0 or used[-1] >= rows):
-        bad = used[-1] if used[-1] >= rows else used[0]
+    every = ids if every_id is None else every_id
+    lo, hi = (int(every.min()), int(every.max())) if every.numel() else (0, 0)
+    if lo < 0 or hi >= rows:
+        bad = hi if hi >= rows else lo
         raise PlanError(f"token id {bad} is outside the embedding's {rows} rows", path=info.file, tensor=name,
                         hint="the tokenizer does not belong to this checkpoint: use the model's own tokenizer.json")
     row_bytes = info.nbytes // rows if rows else 0

@@ -453,7 +453,7 @@ class LayerStreamer:
 
         mine = self.my_batches(ids.shape[0], batch)
         used = torch.cat([ids[b0:b1].reshape(-1) for b0, b1 in mine]) if mine else ids[:0]
-        w, lookup = embedding_rows(self.mm, self.prefix + "embed_tokens.weight", used, self.dtype)
+        w, lookup = embedding_rows(self.mm, self.prefix + "embed_tokens.weight", used, self.dtype, every_id=ids)
         for b0, b1 in mine:
             x = w[lookup[ids[b0:b1]]]
             if isinstance(store, DiskStore):

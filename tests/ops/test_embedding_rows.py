@@ -54,3 +54,12 @@ def test_a_token_id_beyond_the_table_is_named(tiny_bf16):
     with pytest.raises(PlanError, match="outside the embedding's 1024 rows") as e:
         dequant.embedding_rows(mm, NAME, torch.tensor([[3, 1024]]), torch.bfloat16)
     assert "tokenizer" in e.value.hint
+
+
+def test_a_bad_id_of_another_ranks_windows_is_named_on_this_rank_too(tiny_bf16):
+    """Each rank reads the rows of its own windows, but checks every window's ids: all ranks stop with the
+    same error (one rank alone would leave the others waiting at the barrier after the embedding)."""
+    mm = build_map(Checkpoint.open(tiny_bf16))
+    mine, every = torch.tensor([[3, 4]]), torch.tensor([[3, 4], [5, 4096]])
+    with pytest.raises(PlanError, match="token id 4096"):
+        dequant.embedding_rows(mm, NAME, mine, torch.bfloat16, every_id=every)
