@@ -203,6 +203,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt
 
 
 def load_tokenizer(ckpt_dir: str | Path):
+    from qtool.stream.warm_import import skip_unused_imports
+
+    skip_unused_imports()  # the job's first transformers import: without what it never runs
     from transformers import AutoTokenizer
 
     from qtool.quiet import transformers_errors_only

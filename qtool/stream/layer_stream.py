@@ -104,6 +104,19 @@ class HiddenStore:
     itemsize = 2
 
 
+# The calibration set's hidden states stay on the GPU where two sets (a layer's input and its output) take
+# at most this: the layer then reads its input from the device, not the file (a 397B layer's 16 x 2048
+# windows are 256 MiB: a 0.2 s read and upload plus a 0.2 s download on the main thread, per layer, on the
+# lent H200 machine), and the file written for --resume is written behind from page-locked memory.
+HIDDEN_ON_DEVICE_MAX = 4 << 30
+
+
+def hidden_on_device(device: str, nbytes: int) -> bool:
+    """Whether a store of `nbytes` of hidden states keeps them on `device` (the memory plan counts the
+    two sets on the GPU where it does)."""
+    return str(device).startswith("cuda") and 2 * nbytes <= HIDDEN_ON_DEVICE_MAX
+
+
 class MemoryStore(HiddenStore):
     def __init__(self, hidden):
         self.t = hidden
@@ -111,13 +124,18 @@ class MemoryStore(HiddenStore):
         self.itemsize = hidden.element_size()
 
     @classmethod
-    def empty(cls, shape, dtype) -> MemoryStore:
+    def empty(cls, shape, dtype, device: str = "cpu") -> MemoryStore:
+        """On `device` where the hidden states fit there (hidden_on_device), else in host RAM."""
         import torch
 
-        return cls(torch.empty(shape, dtype=dtype))
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        n, seq, h = shape
+        on = device if hidden_on_device(device, n * seq * h * itemsize) else "cpu"
+        return cls(torch.empty(shape, dtype=dtype, device=on))
 
     def read(self, b0, b1):
-        return self.t[b0:b1]
+        # a copy on the device: the layer's output overwrites these windows while a hook may still hold them
+        return self.t[b0:b1] if self.t.device.type == "cpu" else self.t[b0:b1].clone()
 
     def write(self, b0, b1, x):
         self.t[b0:b1].copy_(x.to(self.t.device, self.t.dtype))
@@ -136,11 +154,17 @@ class DiskStore(HiddenStore):
     `write_behind=True` (one process only): writes, the end-of-layer fsync and `when_durable` callbacks
     (the caller's journal) run on one writer thread, in order, while the next layer is built; every read
     first waits for them. The layer being written goes to the file the journal does not name, and the
-    journal moves on only once those writes are on disk, so a crash at any point resumes correctly."""
+    journal moves on only once those writes are on disk, so a crash at any point resumes correctly.
+
+    `device` (the layers' device): where hidden_on_device holds, the store also keeps on it what it wrote
+    to the current file and to the one being written, and reads are served from there (a copy, the same
+    values as the file's); the files are still written, from page-locked memory after a non-blocking
+    download, behind the forward where `write_behind`. A store opened on a resume reads the files."""
 
     NAMES = ("a", "b", "c")
 
-    def __init__(self, dir: Path, shape, dtype, current: str = "a", files: int = 2, write_behind: bool = False):
+    def __init__(self, dir: Path, shape, dtype, current: str = "a", files: int = 2, write_behind: bool = False,
+                 device: str = "cpu"):
         import torch
 
         if not 2 <= files <= len(self.NAMES):
@@ -159,6 +183,8 @@ class DiskStore(HiddenStore):
         self.names = self.NAMES[:files]
         self.current = current if current in self.names else self.names[0]
         self.row = shape[1] * shape[2] * self.itemsize
+        self.keep_on = device if hidden_on_device(device, self.nbytes) else None
+        self._kept: dict[str, dict[tuple[int, int], object]] = {}  # file -> (b0, b1) -> device tensor
         for name in self.names:
             p = self.path(name)
             if not p.exists() or p.stat().st_size != self.nbytes:
@@ -209,6 +235,7 @@ class DiskStore(HiddenStore):
         finally:
             if self._writer is not None:
                 self._writer.shutdown(wait=True)
+            self._kept = {}
 
     def read(self, b0, b1):
         import torch
@@ -216,6 +243,9 @@ class DiskStore(HiddenStore):
         from qtool.stream.layer_read import pread_exact
 
         self.drain()  # the previous layer's outputs (and its journal) are on disk
+        for (k0, k1), t in self._kept.get(self.current, {}).items():
+            if k0 <= b0 and b1 <= k1:
+                return t[b0 - k0:b1 - k0].clone()  # the caller's own: the kept set serves later reads too
         # straight into the tensor's memory: one copy (a 397B micro-batch is 268 MB; `bytes` + bytearray
         # took two more)
         buf = torch.empty((b1 - b0) * self.row, dtype=torch.uint8)
@@ -228,8 +258,21 @@ class DiskStore(HiddenStore):
         return buf.view(self.dtype).view(b1 - b0, *self.shape[1:])
 
     def write(self, b0, b1, x, name: str | None = None):
+        name = name or self.other
+        if self.keep_on is not None and x.device.type == "cuda":
+            import torch
+
+            y = x.detach().to(dtype=self.dtype).contiguous()
+            self._kept.setdefault(name, {})[(b0, b1)] = y
+            # downloaded without a wait on this thread; the writer waits for the copy, then writes
+            host = torch.empty(y.numel() * self.itemsize, dtype=torch.uint8, pin_memory=True)
+            host.copy_(y.view(-1).view(torch.uint8), non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            self._submit(_pwrite_when, done, self.path(name), host, b0 * self.row)
+            return
         data = x.detach().to("cpu", self.dtype).contiguous().view(-1).view(dtype=_u8()).numpy()
-        self._submit(_pwrite_file, self.path(name or self.other), data, b0 * self.row)
+        self._submit(_pwrite_file, self.path(name), data, b0 * self.row)
 
     def write_current(self, b0, b1, x):
         """Write into the current file (used to fill the embeddings before layer 0)."""
@@ -240,6 +283,8 @@ class DiskStore(HiddenStore):
 
         self._submit(fsync_path, self.path(self.other))
         self.current = self.other
+        # on the device: the new current set only (the file the next layer writes is rewritten)
+        self._kept = {name: kept for name, kept in self._kept.items() if name == self.current}
 
 
 
@@ -252,6 +297,12 @@ def _pwrite_file(path: Path, data, off: int) -> None:
             view, off = view[n:], off + n
     finally:
         os.close(fd)
+
+
+def _pwrite_when(done, path: Path, host, off: int) -> None:
+    """Write page-locked `host` once its download (`done`, a CUDA event) has finished."""
+    done.synchronize()
+    _pwrite_file(path, host.numpy(), off)
 
 
 def _u8():

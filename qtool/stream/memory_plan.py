@@ -8,7 +8,8 @@ The model follows the pipeline of qtool.stream.layer_read / layer_stream (per ra
 - one micro-batch's activations;
 - on CUDA, tensors live on the device; the host holds the pinned staging buffers (READERS x 2 x CHUNK),
   the micro-batch of hidden states going to and from the store, and the embedding table while the
-  calibration set is embedded (host side, before layer 0);
+  calibration set is embedded (host side, before layer 0); where the calibration set's hidden states
+  stay on the device (layer_stream.hidden_on_device), two sets of them are on the GPU and none in RAM;
 - on CPU all of it is host RAM.
 Op-specific extras (AWQ's kept activation rows, eval kld's lm_head phase) are passed in.
 """
@@ -64,10 +65,12 @@ def need(sp, *, device: str, held_layers: int = 1, extra_host: int = 0,
          hidden_in_ram: bool = False, ranks: int = 1) -> MemoryNeed:
     """`sp`: layer_stream.StreamPlan; per rank, on `device` (the fit reads that GPU's free memory)."""
     from qtool.stream.layer_read import CHUNK, READERS
+    from qtool.stream.layer_stream import hidden_on_device
 
     dense, stored = sp.max_layer_bytes, sp.max_stored_layer_bytes
     item = 4 if sp.compute_dtype == "float32" else 2
-    hidden = sp.hidden_bytes if hidden_in_ram else 0
+    on_device = hidden_on_device(device, sp.hidden_bytes)
+    hidden = sp.hidden_bytes if hidden_in_ram and not on_device else 0
     if device == "cpu":
         steady = held_layers * dense + stored + sp.activation_bytes
         host = max(sp.embed_bytes + stored, steady) + hidden + extra_host
@@ -75,7 +78,7 @@ def need(sp, *, device: str, held_layers: int = 1, extra_host: int = 0,
     else:
         micro = 2 * sp.batch_windows * sp.seq_len * sp.hidden_size * item
         host = READERS * 2 * CHUNK + max(sp.embed_bytes, micro) + hidden + extra_host
-        gpu = held_layers * dense + stored + sp.activation_bytes
+        gpu = held_layers * dense + stored + sp.activation_bytes + (2 * sp.hidden_bytes if on_device else 0)
     return MemoryNeed(device, ranks, host, gpu, _host_available(),
                       _gpu_free([device]) if gpu is not None else {})
 

@@ -20,17 +20,27 @@ _started: threading.Thread | None = None
 
 
 def skip_unused_imports() -> None:
-    """Keep transformers from importing what a streamed job never runs. Its modeling module imports the
-    generation package, whose assisted-generation candidate generator imports scikit-learn's metrics
-    (`if is_sklearn_available(): from sklearn.metrics import roc_curve`) where scikit-learn is
-    installed: 1.1 s (with scipy and pandas) of the 4 s import, measured with `python -X importtime` on
-    the lent GPU machine. That generator is for `generate()` with an assistant model; qtool runs decoder
-    layers. Only this process's view of transformers changes, and only if it has not imported that
-    module yet (where transformers names the check differently, nothing changes)."""
+    """Keep transformers' import to what a streamed job runs. Call before the process's first transformers
+    import (the tokenizer's, then the decoder module's); where transformers is already imported, nothing
+    changes.
+
+    - Its import of `transformers.utils` maps every installed distribution's files
+      (`importlib.metadata.packages_distributions`, 1.08 s on the lent GPU machine's image): served from a
+      cache kept between runs (qtool.stream.package_map).
+    - Its configuration module imports the generation package, whose assisted-generation candidate
+      generator imports scikit-learn's metrics (`if is_sklearn_available(): from sklearn.metrics import
+      roc_curve`) where scikit-learn is installed: 1.8 s with scipy on that machine (`python -X
+      importtime`), on the tokenizer's path. That generator is for `generate()` with an assistant model;
+      qtool tokenizes text and runs decoder layers. Only this process's view of transformers changes
+      (where transformers names the check differently, nothing changes)."""
     import sys
 
     if "transformers.generation.candidate_generator" in sys.modules:
         return
+    if "transformers.utils.import_utils" not in sys.modules:
+        from qtool.stream import package_map
+
+        package_map.install()
     import transformers.utils as tu
 
     if callable(getattr(tu, "is_sklearn_available", None)):

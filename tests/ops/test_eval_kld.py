@@ -184,3 +184,16 @@ def test_dry_run_plans_without_running(pair, capsys):
     mem = out["plan"]["ref"]["memory"]
     assert mem["num_layers"] == 8 and mem["hidden_bytes"] == N * L * 64 * 2 and mem["hidden_in_ram"]
     assert mem["head_bytes"] >= 1024 * 64 * 2
+
+
+@pytest.mark.gpu
+def test_inprocess_on_cuda_equals_full_transformers_forward(pair):
+    """On CUDA the final hidden states stay on the device and the lm_head is loaded while the last layer
+    runs (a side stream): the statistics are the CPU oracle's, up to CUDA's BF16 GEMM rounding."""
+    ref, test, _ids, lp, lq = pair
+    rep = run(str(ref), str(test), opts=KldOptions(windows=N, seq_len=L, chunk=10, device="cuda"))
+    want = direct_stats(lp, lq)
+    assert rep.result["positions"] == want["positions"]
+    assert rep.result["top1_agreement"] == pytest.approx(want["top1_agreement"], abs=0.05)
+    for k in ("mean", "median", "p95"):
+        assert rep.result[k] == pytest.approx(want[k], rel=0.05), k

@@ -3,6 +3,7 @@ layer, final norm applied), with the hidden states in RAM or on disk."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from test_calibrate_kv_support import dense_text_model, fixture_dir
 
@@ -97,3 +98,39 @@ def test_batched_expert_dequant_is_the_per_expert_one(request):
             _dense_experts(mods, torch.bfloat16, "cpu", src, (one.shape[1], one.shape[2] * 2))
         assert e.value.tensor == mods[0].name
         src.close()
+
+
+@pytest.mark.gpu
+def test_hidden_states_kept_on_cuda_are_the_files(request, tmp_path):
+    """On CUDA the stores keep the hidden states on the device (reads served from there): the streamed
+    forward gives the same hidden states as on the CPU path's files, the files hold the same bytes (what
+    --resume reads), a store reopened on a resume reads them, and a caller's read is its own copy."""
+    ckpt = fixture_dir(request, "tiny_nvfp4_ct")
+    ids = build_calib_set(ckpt, "builtin", 3, 16).ids
+    s = LayerStreamer(ckpt, device="cuda")
+    shape = (3, 16, s.hidden_size)
+    disk = DiskStore(tmp_path / "kept", shape, s.dtype, write_behind=True, device="cuda")
+    assert disk.keep_on == "cuda"
+    s.embed_into(ids, disk, 2)
+    s.run(disk, 16, stop=3, batch=2)
+    disk.drain()
+    reopened = DiskStore(tmp_path / "kept", shape, s.dtype, current=disk.current)  # a resumed run: no copy kept
+    assert reopened.keep_on is None
+    kept = disk.read(0, 3)
+    assert kept.device.type == "cuda"
+    assert torch.equal(kept.cpu(), reopened.read(0, 3))  # the file holds what the device copy holds
+    kept.zero_()
+    assert not torch.equal(disk.read(0, 3).cpu(), kept.cpu())  # the caller's copy, not the store's
+    s.run(disk, 16, start=3, batch=2)
+
+    plain = DiskStore(tmp_path / "files", shape, s.dtype, device="cpu")  # the file path, same device compute
+    s.embed_into(ids, plain, 2)
+    s.run(plain, 16, batch=2)
+    assert plain.keep_on is None
+    assert torch.equal(disk.read(0, 3).cpu(), plain.read(0, 3))
+    mem = MemoryStore.empty(shape, s.dtype, "cuda")
+    assert mem.t.device.type == "cuda"
+    s.embed_into(ids, mem, 2)
+    s.run(mem, 16, batch=2)
+    assert torch.equal(mem.read(0, 3).cpu(), plain.read(0, 3))
+    disk.close()

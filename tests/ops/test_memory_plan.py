@@ -8,7 +8,7 @@ import pytest
 from qtool.fixtures.sparse import build_sparse
 from qtool.ops import calibrate_kv, quantize
 from qtool.recipes import load_recipe
-from qtool.stream import memory_plan
+from qtool.stream import layer_stream, memory_plan
 
 GiB = 2**30
 
@@ -37,7 +37,9 @@ def test_quantize_holds_two_dense_layers_and_one_read_ahead(real_bf16, tmp_path)
     assert cpu.memory.gpu_bytes is None
     assert cpu.memory.host_bytes >= 2 * sp.max_layer_bytes + sp.max_stored_layer_bytes
     gpu = _quantize_plan(real_bf16, tmp_path, "cuda")
-    assert gpu.memory.gpu_bytes == 2 * sp.max_layer_bytes + sp.max_stored_layer_bytes + gpu.stream.activation_bytes
+    kept = 2 * gpu.stream.hidden_bytes  # the layer's input and output hidden states, kept on the GPU
+    assert 0 < kept <= layer_stream.HIDDEN_ON_DEVICE_MAX
+    assert gpu.memory.gpu_bytes == 2 * sp.max_layer_bytes + sp.max_stored_layer_bytes + gpu.stream.activation_bytes + kept
     assert gpu.memory.host_bytes < 4 * GiB  # staging buffers + the embedding table, not the layer
 
 
@@ -46,8 +48,23 @@ def test_calibrate_kv_holds_one_dense_layer_and_the_next_as_stored(real_nvfp4, t
                                                           device="cuda"))
     sp = p.stream
     assert 3 * GiB < sp.max_stored_layer_bytes < 4 * GiB  # an NVFP4 layer (~3.9 GB)
-    assert p.memory.gpu_bytes == sp.max_layer_bytes + sp.max_stored_layer_bytes + sp.activation_bytes
-    assert p.to_json()["memory"]["need"]["gpu_bytes_per_rank"] == p.memory.gpu_bytes
+    assert p.memory.gpu_bytes == sp.max_layer_bytes + sp.max_stored_layer_bytes + sp.activation_bytes \
+        + 2 * sp.hidden_bytes  # the hidden states kept on the GPU
+
+
+def test_hidden_states_too_large_for_the_gpu_stay_on_disk_only(real_nvfp4):
+    """A calibration set whose two hidden-state sets would pass HIDDEN_ON_DEVICE_MAX is not kept on the
+    GPU: the plan counts none there (the store reads the files); a smaller one is counted twice."""
+    from qtool.stream.layer_stream import LayerStreamer
+
+    streamer = LayerStreamer(real_nvfp4, device="cuda")
+    big, small = streamer.plan(160, 2048), streamer.plan(16, 2048)
+    assert 2 * big.hidden_bytes > layer_stream.HIDDEN_ON_DEVICE_MAX >= 2 * small.hidden_bytes
+    assert not layer_stream.hidden_on_device("cuda", big.hidden_bytes)
+    assert not layer_stream.hidden_on_device("cpu", small.hidden_bytes)
+    fixed = big.max_layer_bytes + big.max_stored_layer_bytes
+    assert memory_plan.need(big, device="cuda").gpu_bytes == fixed + big.activation_bytes
+    assert memory_plan.need(small, device="cuda").gpu_bytes == fixed + small.activation_bytes + 2 * small.hidden_bytes
 
 
 def test_dry_run_says_whether_it_fits(real_bf16, tmp_path, monkeypatch):

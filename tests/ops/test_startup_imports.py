@@ -1,6 +1,7 @@
-"""A streamed job's start imports what it runs: transformers' decoder module without scikit-learn (its
-assisted-generation candidate generator imports sklearn.metrics where scikit-learn is installed: 1.1 s
-of the 4 s import on the lent GPU machine). scikit-learn is not a qtool dependency, so a stand-in
+"""A streamed job's start imports what it runs: transformers' tokenizer and decoder module without
+scikit-learn (its assisted-generation candidate generator imports sklearn.metrics where scikit-learn is
+installed: 1.8 s with scipy on the lent GPU machine), and transformers' map of the installed
+distributions from qtool's cache (1.08 s there). scikit-learn is not a qtool dependency, so a stand-in
 package that transformers detects as installed shows what a user's environment with it does."""
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ print("sklearn.metrics" in sys.modules)
 """
 
 
-def _imports_sklearn(tmp_path, prepare: str) -> bool:
+def _imports_sklearn(tmp_path, prepare: str, probe: str = PROBE) -> bool:
     pkg = tmp_path / "site" / "sklearn"
     pkg.mkdir(parents=True, exist_ok=True)
     (pkg / "__init__.py").write_text("__version__ = '1.7.0'\n")
     (pkg / "metrics.py").write_text("def roc_curve(*a, **k):\n    raise AssertionError('not for qtool')\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run([sys.executable, "-c", PROBE.format(prepare=prepare)], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-c", probe.format(prepare=prepare)], capture_output=True, text=True,
                        env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     return r.stdout.strip().splitlines()[-1] == "True"
@@ -38,3 +39,82 @@ def test_the_decoder_module_comes_without_scikit_learn(tmp_path):
 def test_the_background_import_skips_it_too(tmp_path):
     assert not _imports_sklearn(tmp_path, "from qtool.stream import warm_import\n"
                                           "warm_import.start(); warm_import.join()")
+
+
+TOKENIZER_PROBE = """
+import sys
+{prepare}
+print(len(load_tokenizer(sys.argv[1])("the quick brown fox")["input_ids"]) > 0)
+print("sklearn.metrics" in sys.modules)
+"""
+
+
+def test_the_tokenizer_comes_without_scikit_learn(tmp_path):
+    """The tokenizer is a streamed job's first transformers import (the plan's): the skip applies there,
+    not only to the decoder module imported after it."""
+    from qtool.fixtures.tokenizer import save_tokenizer_files
+
+    (tmp_path / "ckpt").mkdir()
+    save_tokenizer_files(tmp_path / "ckpt")
+    probe = TOKENIZER_PROBE.replace("sys.argv[1]", repr(str(tmp_path / "ckpt")))
+    plain = "from transformers import AutoTokenizer\nload_tokenizer = AutoTokenizer.from_pretrained"
+    assert _imports_sklearn(tmp_path, plain, probe)  # transformers alone imports the stand-in
+    assert not _imports_sklearn(tmp_path, "from qtool.stream.calib_data import load_tokenizer", probe)
+
+
+def test_the_distribution_map_is_the_standard_librarys(tmp_path, monkeypatch):
+    """Served from the cache, the map is what importlib.metadata computes; a distribution installed since
+    (a new dist-info in a sys.path directory) is in the next call's map; an unwritable cache is skipped."""
+    import importlib.metadata
+
+    from qtool.stream import package_map
+
+    monkeypatch.setenv("QTOOL_CACHE_DIR", str(tmp_path / "cache"))
+    truth = package_map._ORIGINAL()
+    assert package_map.packages_distributions() == truth  # computed, and written
+    assert (tmp_path / "cache" / package_map.FILE).is_file()
+    assert package_map.packages_distributions() == truth  # from the cache
+    first = package_map.packages_distributions()
+    first.clear()  # a caller's copy: the next caller's map is whole
+    assert package_map.packages_distributions() == truth
+
+    site = tmp_path / "site"
+    site.mkdir()
+    monkeypatch.syspath_prepend(str(site))
+    importlib.invalidate_caches()
+    assert "qtool_probe_pkg" not in package_map.packages_distributions()
+    dist = site / "qtool_probe_dist-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: qtool-probe-dist\nVersion: 1.0\n")
+    (dist / "top_level.txt").write_text("qtool_probe_pkg\n")
+    importlib.invalidate_caches()
+    assert package_map.packages_distributions()["qtool_probe_pkg"] == ["qtool-probe-dist"]
+    assert package_map.packages_distributions() == package_map._ORIGINAL()
+
+    (tmp_path / "cache" / package_map.FILE).write_text("{torn")
+    assert package_map.packages_distributions() == package_map._ORIGINAL()
+    monkeypatch.setenv("QTOOL_CACHE_DIR", "/proc/qtool-cannot-write-here")
+    assert package_map.packages_distributions() == package_map._ORIGINAL()
+    assert importlib.metadata.packages_distributions is package_map._ORIGINAL  # install() was not called
+
+
+def test_transformers_sees_the_same_distributions_through_the_cache(tmp_path):
+    """transformers' import-time map (what its `is_*_available` checks use) is the same with the cache
+    installed, on the run that fills it and on the run that reads it."""
+    probe = ("import sys\n{prepare}\nimport transformers.utils.import_utils as iu\n"
+             "import json; print(json.dumps(iu.PACKAGE_DISTRIBUTION_MAPPING, sort_keys=True))\n")
+    env = {**os.environ, "QTOOL_CACHE_DIR": str(tmp_path / "cache")}
+
+    def mapping(prepare: str) -> dict:
+        r = subprocess.run([sys.executable, "-c", probe.format(prepare=prepare)], capture_output=True, text=True,
+                           env=env, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        import json
+
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    cached = "from qtool.stream.warm_import import skip_unused_imports\nskip_unused_imports()"
+    plain = mapping("")
+    assert mapping(cached) == plain  # fills the cache
+    assert (tmp_path / "cache" / "packages-distributions.json").is_file()
+    assert mapping(cached) == plain  # read from it

@@ -145,11 +145,11 @@ def calibrate(
         # write-behind of the hidden states in one process (the ranks' journal needs every rank's writes
         # durable at the layer's barrier, so they write synchronously)
         store = DiskStore(p.work_dir, shape, streamer.dtype, current=(journal or {}).get("current", "a"),
-                          write_behind=g.world == 1)
+                          write_behind=g.world == 1, device=streamer.device)
     else:
         if start:
             raise PlanError("--resume needs the hidden states on disk")
-        store = MemoryStore.empty(shape, streamer.dtype)
+        store = MemoryStore.empty(shape, streamer.dtype, streamer.device)
     t0 = time.perf_counter()
 
     def save(next_layer: int):

@@ -70,7 +70,7 @@ def calibrate_and_write(p: QuantizePlan, partial: Path, ids, *, resume: bool, pr
     g.barrier()  # every rank has read the journal before rank 0 writes the next one
     # three files: with write-behind the journal may lag one layer behind the forward (_quantize_layers)
     store = DiskStore(work, (n, seq, streamer.hidden_size), streamer.dtype,
-                      current=(journal or {}).get("current", "a"), files=3)
+                      current=(journal or {}).get("current", "a"), files=3, device=streamer.device)
     start = int((journal or {}).get("next_layer", 0))
     layer_reports: list[dict] = list((journal or {}).get("layers", []))
 

@@ -160,7 +160,7 @@ def measure(plan, *, resume: bool, progress=None) -> dict:
     sums = {uid: _Sums(d) for uid, d in journal.get("units", {}).items()}
     layer_sums = {int(i): _Sums(d) for i, d in journal.get("layers", {}).items()}
     store = DiskStore(plan.work_dir, (n, seq, bf.hidden_size), bf.dtype, current=journal.get("current", "a"),
-                      write_behind=True)
+                      write_behind=True, device=bf.device)
 
     def save(next_layer: int) -> None:
         entry = {"key": key, "next_layer": next_layer, "current": store.current,

@@ -1,0 +1,64 @@
+"""`importlib.metadata.packages_distributions()`, kept on disk between runs.
+
+transformers calls it once, when `transformers.utils.import_utils` is first imported, to map import names
+to distributions. It opens every installed distribution's file list (RECORD / top_level.txt): 1.08 s of
+a streamed job's start on the lent GPU machine's image (`python -X importtime`, self time of
+`import_utils`), on the critical path before the first layer, and the same again in every run.
+
+The cache holds the result under a key of everything it depends on: the interpreter, and each `sys.path`
+entry with its directory's mtime and inode. Installing, upgrading or removing a distribution adds or
+removes a `*.dist-info` / `*.egg-info` entry in its `sys.path` directory, which changes that directory's
+mtime: the next call computes the map again. A cache that cannot be read or written is skipped (the map
+is computed as before); nothing else in the process changes.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import sys
+
+_ORIGINAL = importlib.metadata.packages_distributions
+FILE = "packages-distributions.json"
+
+
+def _key() -> list:
+    """What the map depends on: the interpreter and the directories it finds distributions in."""
+    entries = []
+    for entry in sys.path:
+        try:
+            st = os.stat(entry or ".")
+        except OSError:
+            continue
+        entries.append([os.path.abspath(entry or "."), st.st_mtime_ns, st.st_ino])
+    return [sys.version, sys.prefix, entries]
+
+
+def packages_distributions() -> dict[str, list[str]]:
+    """The standard library's map (import name -> distribution names), from the cache where its key
+    matches; a fresh copy each call, as the standard library gives."""
+    from qtool.errors import WriteError
+    from qtool.io.jsonio import atomic_write_text
+    from qtool.io.manifest import cache_dir
+
+    path = cache_dir() / FILE
+    key = _key()
+    try:
+        data = json.loads(path.read_text())
+        if data.get("key") == key:
+            return {name: list(dists) for name, dists in data["map"].items()}
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        pass  # none yet, torn or foreign: computed below
+    fresh = _ORIGINAL()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps({"key": key, "map": fresh}))
+    except (OSError, WriteError):
+        pass  # a read-only or full cache dir: the job goes on, paying the scan again next time
+    return {name: list(dists) for name, dists in fresh.items()}
+
+
+def install() -> None:
+    """Serve this process's `importlib.metadata.packages_distributions()` from the cache."""
+    importlib.metadata.packages_distributions = packages_distributions
