@@ -238,20 +238,36 @@ def plan_calibration(ckpt, dataset: str, samples: int, seq_len: int, *, at_most:
     """The calibration windows of a plan (before any weight is read): the dataset read and tokenized with
     the checkpoint's tokenizer; too few tokens, or ids past the model's vocab, refuse here (`at_most`:
     fewer windows than `samples` where the dataset gives fewer)."""
-    calib = build_calib_set(ckpt.root, dataset, samples, seq_len, at_most=at_most)
+    revision = dataset_revision(dataset)
+    calib = build_calib_set(ckpt.root, dataset, samples, seq_len, at_most=at_most, revision=revision)
     vocab = int(ckpt.text_config.get("vocab_size", 1 << 62))
     if int(calib.ids.max()) >= vocab:
         raise PlanError("the tokenizer gives ids beyond the model's vocab_size", expected=f"< {vocab}",
                         got=int(calib.ids.max()), hint="the tokenizer does not belong to this checkpoint")
-    calib.revision = dataset_revision(dataset)
+    calib.revision = revision
     return calib
 
 
 def build_calib_set(ckpt_dir: str | Path, dataset: str, samples: int, seq_len: int, *, tokenizer=None,
-                    at_most: bool = False) -> CalibSet:
-    tok = tokenizer if tokenizer is not None else load_tokenizer(ckpt_dir)
-    ids: list[int] = []
+                    at_most: bool = False, revision: str | None = None) -> CalibSet:
+    """The windows of `dataset` tokenized with the tokenizer of `ckpt_dir` (or `tokenizer`). The ids come from
+    qtool's token cache where this tokenizer already tokenized this data (qtool.stream.token_cache;
+    `revision`: a Hub dataset's resolved commit, part of the key)."""
     need = samples * seq_len
+    key = None
+    if tokenizer is None:
+        from qtool.stream import token_cache
+
+        if Path(ckpt_dir).is_dir():
+            from qtool.io.plan import checkpoint_files
+
+            checkpoint_files(Path(ckpt_dir))  # a side file that is not a regular file is named, hit or not
+        key = token_cache.key(ckpt_dir, dataset, need, revision)
+        ids = token_cache.load(key)
+        if ids is not None:
+            return windows_from_ids(ids, samples, seq_len, dataset=dataset, at_most=at_most)
+    tok = tokenizer if tokenizer is not None else load_tokenizer(ckpt_dir)
+    ids = []
     from qtool.quiet import transformers_errors_only
 
     with transformers_errors_only():  # a whole document is longer than model_max_length on purpose
@@ -259,4 +275,6 @@ def build_calib_set(ckpt_dir: str | Path, dataset: str, samples: int, seq_len: i
             ids.extend(tok(doc, add_special_tokens=False)["input_ids"])
             if len(ids) >= need:
                 break
+    if key is not None and ids:
+        token_cache.save(key, ids)
     return windows_from_ids(ids, samples, seq_len, dataset=dataset, at_most=at_most)

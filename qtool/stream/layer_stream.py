@@ -271,6 +271,8 @@ class DiskStore(HiddenStore):
             done.record()
             self._submit(_pwrite_when, done, self.path(name), host, b0 * self.row)
             return
+        if self.keep_on is not None:  # the embeddings (computed on the host): layer 0 reads them from the device
+            self._kept.setdefault(name, {})[(b0, b1)] = x.detach().to(self.keep_on, self.dtype)
         data = x.detach().to("cpu", self.dtype).contiguous().view(-1).view(dtype=_u8()).numpy()
         self._submit(_pwrite_file, self.path(name), data, b0 * self.row)
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import re
 import tempfile
-import threading
 from enum import Enum
 from pathlib import Path
 
@@ -61,29 +60,6 @@ def _numbered(p: Path) -> list[Path]:
     return sorted(files, key=lambda f: int(f.stem))
 
 
-def _load_on_side_stream(load):
-    """Run `load` (CUDA uploads) on a thread of its own and a CUDA stream of its own, so the uploads overlap
-    the default stream's kernels; the Future is done once the uploads are (the stream synchronized)."""
-    from concurrent.futures import Future
-
-    import torch
-
-    done: Future = Future()
-
-    def work() -> None:
-        try:
-            side = torch.cuda.Stream()
-            with torch.cuda.stream(side):
-                load()
-            side.synchronize()
-            done.set_result(None)
-        except BaseException as e:  # noqa: BLE001 -- raised where the head is used
-            done.set_exception(e)
-
-    threading.Thread(target=work, name="qtool-kld-head", daemon=True).start()
-    return done
-
-
 class CheckpointSource:
     kind = Kind.CHECKPOINT
 
@@ -99,7 +75,6 @@ class CheckpointSource:
         self.store = None
         self._tmp = None
         self._head = None
-        self._head_ahead = None  # a Future: the final norm and lm_head, loaded during the last layer
         tc = self.streamer.text_cfg_dict
         head = self.streamer.ckpt.tensors.get("lm_head.weight")
         self.vocab = int(head.shape[0]) if head is not None else int(tc.get("vocab_size") or 0)
@@ -122,8 +97,7 @@ class CheckpointSource:
         if m.gpu_bytes is None:
             m.host_bytes = max(m.host_bytes, head + (sp.hidden_bytes if in_ram else 0))
         else:
-            # the lm_head is loaded while the last layer runs (CheckpointSource.prepare): both on the GPU
-            m.gpu_bytes = max(m.gpu_bytes + self.vocab * sp.hidden_size * item, head)
+            m.gpu_bytes = max(m.gpu_bytes, head)
         return {**sp.to_json(), "hidden_in_ram": in_ram, "head_bytes": head, "need": m.to_json()}
 
     def prepare(self, ids, *, progress=None) -> None:
@@ -143,15 +117,7 @@ class CheckpointSource:
         batch = s.batch_windows(seq)
         s.prefetch(0)  # the first layer is read while the windows are embedded
         s.embed_into(ids, self.store, batch)
-        last = s.num_layers - 1
-
-        def on_layer(idx: int) -> None:
-            if idx == last - 1 and self.device.startswith("cuda"):
-                self._head_ahead = _load_on_side_stream(self._load_head)  # read while the last layer runs
-            if progress is not None:
-                progress(idx)
-
-        s.run(self.store, seq, batch=batch, progress=on_layer)
+        s.run(self.store, seq, batch=batch, progress=progress)
         self.windows = n
         self.seq_len = seq
 
@@ -181,10 +147,7 @@ class CheckpointSource:
         import torch
 
         if self._head is None:
-            if self._head_ahead is not None:
-                self._head_ahead.result()  # its error, if any, is raised here
-            else:
-                self._load_head()
+            self._load_head()
         norm, weight = self._head
         with torch.inference_mode():
             h = self.store.read(w, w + 1)[0, r0:r1].to(self.device, self.streamer.dtype)
@@ -192,9 +155,6 @@ class CheckpointSource:
             return torch.log_softmax(logits.float(), dim=-1)
 
     def close(self) -> None:
-        if self._head_ahead is not None:
-            self._head_ahead.exception()  # never leave the load running behind the caller
-            self._head_ahead = None
         self._head = None
         self.store = None
         if self._tmp is not None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from qtool.io.writer import FileRange, HashedWrites, InlineBytes, OutTensor, build_header, copy_range
+from qtool.io.writer import FileRange, HashedWrites, InlineBytes, InOrder, OutTensor, build_header, copy_range
 from qtool.recipes import InputScale, OutFormat, Scheme, WeightScale
 
 CHUNK_EXPERTS = 16
@@ -78,15 +78,35 @@ class NVFP4Experts:
 def chunk_bytes(tensors: list[torch.Tensor], pinned: bool):
     """The tensors' bytes back to back (their order in the shard) as one host uint8 tensor: one device
     concatenation and one device->host copy (into page-locked memory on CUDA: torch's caching host
-    allocator reuses it), instead of a `.cpu()` and a Python buffer per tensor."""
+    allocator reuses it), instead of a `.cpu()` and a Python buffer per tensor. Returns (bytes, ready):
+    `ready` is None, or (page-locked, non-blocking copy) a CUDA event to wait on before the bytes are read."""
     dev = next((t.device for t in tensors if t.numel() > 1), tensors[0].device)
     flat = [t.detach().contiguous().reshape(-1).view(torch.uint8).to(dev) for t in tensors]
     buf = torch.cat(flat) if len(flat) > 1 else flat[0]
     if buf.device.type == "cpu":
-        return buf
+        return buf, None
     host = torch.empty(buf.numel(), dtype=torch.uint8, pin_memory=pinned)
-    host.copy_(buf)
-    return host
+    if not pinned:
+        host.copy_(buf)
+        return host, None
+    host.copy_(buf, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
+
+
+def _write_chunk(out, data, ready) -> None:
+    if ready is not None:
+        ready.synchronize()
+    out.write(memoryview(data.numpy()))
+
+
+def _position(f, at: int, hashed: bool, name: str) -> None:
+    """Move to where `name`'s bytes go (another rank's specs were skipped); one writer writes in order."""
+    if f.tell() != at:
+        if hashed:  # one writer writes the shard in order: the hash is of the bytes written
+            raise AssertionError(f"{name}: written at {f.tell()}, planned at {at}")
+        f.seek(at)
 
 
 def _nvfp4_parts(gu, down, inter):
@@ -216,81 +236,30 @@ def write_layer_shard(path: Path, lp, layer, stats, kv, p, backend=None, mode: i
     layer; `stats`: ExpertStats; `kv`: (k_amax, v_amax) or None; `backend`: a peer backend's per-layer
     state (qtool.ops.quantize.backends) that quantizes the NVFP4 experts instead of qtool's RTN."""
     from qtool.io.files import open_new, tmp_path
-    from qtool.ops.calibrate_kv import LayerStat
     from qtool.ops.quantize.plan import QUANT_PARAMS
 
-    experts = layer.mlp.experts
-    inter = p.inter
     report: dict = {"awq": []}
-    in_amax, mid_amax = input_amaxes(stats, p.recipe.nvfp4.input_scale)
     header = build_header([OutTensor(s.name, s.dtype, s.shape, _Pending(_nbytes(s))) for s in lp.specs])
     names = [n for n, _, _ in QUANT_PARAMS[(lp.scheme, p.format)]] if lp.scheme is not Scheme.BF16 else []
     tmp = tmp_path(path)
     fds: dict[str, int] = {}
-    n_exp = p.n_experts
-    step = share.chunk(n_exp)
     out = None
     hashed = share.world == 1  # one writer, in file order: the shard's sha256 is computed as it is written
-    pinned = experts.gate_up_proj.device.type == "cuda"
+    pinned = layer.mlp.experts.gate_up_proj.device.type == "cuda"
     kept = getattr(layer, "qtool_bytes", {})  # the copied tensors' file bytes, read with the layer
-    specs = lp.specs
     try:
         fd = open_new(tmp, mode) if share.world == 1 else os.open(tmp, os.O_WRONLY)
         # buffered: the small tensors (norms, scales) become a few large writes
         with os.fdopen(fd, "wb", buffering=WRITE_BUFFER) as f:
             out = HashedWrites(f, path=tmp) if hashed else f
-            if share.rank == 0:
-                out.write(header)
-            pos = len(header)  # where the next spec's bytes go; another rank's specs are skipped by seeking
-            i = 0
-            while i < len(specs):
-                s = specs[i]
-                i += 1
-                at, pos = pos, pos + _nbytes(s)
-                which = _expert_of(s.name) if s.source is None else None  # None: copied, or a KV scale
-                if not share.owns(which[0] if which else None, n_exp):
-                    continue
-                if f.tell() != at:
-                    if hashed:  # one writer writes the shard in order: the hash is of the bytes written
-                        raise AssertionError(f"{s.name}: written at {f.tell()}, planned at {at}")
-                    f.seek(at)
-                if s.source is not None:
-                    _copy_spec(s, kept.get(s.name), out, f, fds, hashed, pos)
-                    continue
-                if which is None:
-                    st = LayerStat(lp.index, kv[0], kv[1], 0)
-                    out.write(_f32(st.k_scale if s.name.endswith("k_scale") else st.v_scale))
-                    continue
-                # the first param of a chunk of experts: the chunk's params follow it in the header (experts
-                # in order), coded together and written as one buffer
-                e0 = (which[0] // step) * step
-                e1 = min(n_exp, e0 + step)
-                members = [(s, which)]
-                while i < len(specs) and specs[i].source is None:
-                    w = _expert_of(specs[i].name)
-                    if w is None or w[0] >= e1:
-                        break
-                    members.append((specs[i], w))
-                    pos += _nbytes(specs[i])
-                    i += 1
-                gu = experts.gate_up_proj.data[e0:e1]
-                dn = experts.down_proj.data[e0:e1]
-                if lp.scheme is Scheme.NVFP4:
-                    a_in, a_mid = in_amax[e0:e1], mid_amax[e0:e1]
-                    if backend is not None:
-                        parts = backend.nvfp4_chunk(e0, e1, gu, dn, a_in, a_mid)
-                    else:
-                        parts = nvfp4_rtn(gu, dn, inter, a_in, a_mid, p.recipe)
-                    chunk = {part: q.expert_tensors(p.format) for part, q in parts.items()}
-                else:
-                    chunk = _int4_expert_chunk(gu, dn, inter, stats, e0, p.recipe, p.format, report["awq"],
-                                               p.int4_group)  # one group for every projection (engine rule)
-                data = chunk_bytes([chunk[part][e - e0][names.index(param)] for _, (e, part, param) in members],
-                                   pinned)
-                if data.numel() != pos - at:
-                    raise AssertionError(f"{s.name}: experts {e0}-{e1 - 1} coded to {data.numel()} bytes, planned "
-                                         f"{pos - at}")
-                out.write(memoryview(data.numpy()))
+            ops = InOrder()  # the file's writes, in order, while the next chunk is coded
+            try:
+                _write_specs(ops, out, f, lp, layer, stats, kv, p, backend, share, header, names, kept, fds,
+                             hashed, pinned, report)
+            except BaseException:
+                ops.abandon()  # nothing is left writing once the file closes
+                raise
+            ops.close()  # every write done; a write's error is raised here
             if hashed:
                 report["sha256"] = out.digest()  # a Future: the hash finishes on its own thread
             f.flush()
@@ -307,6 +276,68 @@ def write_layer_shard(path: Path, lp, layer, stats, kv, p, backend=None, mode: i
         for fd in fds.values():
             os.close(fd)
     return report
+
+
+def _write_specs(ops: InOrder, out, f, lp, layer, stats, kv, p, backend, share: Share, header: bytes,
+                 names: list[str], kept: dict, fds: dict, hashed: bool, pinned: bool, report: dict) -> None:
+    """Code the layer's tensors in header order and queue their bytes on `ops` (coded here, written there)."""
+    from qtool.ops.calibrate_kv import LayerStat
+
+    experts = layer.mlp.experts
+    inter = p.inter
+    n_exp = p.n_experts
+    step = share.chunk(n_exp)
+    specs = lp.specs
+    in_amax, mid_amax = input_amaxes(stats, p.recipe.nvfp4.input_scale)
+    if share.rank == 0:
+        ops.call(out.write, header)
+    pos = len(header)  # where the next spec's bytes go; another rank's specs are skipped by seeking
+    i = 0
+    while i < len(specs):
+        s = specs[i]
+        i += 1
+        at, pos = pos, pos + _nbytes(s)
+        which = _expert_of(s.name) if s.source is None else None  # None: copied, or a KV scale
+        if not share.owns(which[0] if which else None, n_exp):
+            continue
+        ops.call(_position, f, at, hashed, s.name)
+        if s.source is not None:
+            ops.call(_copy_spec, s, kept.get(s.name), out, f, fds, hashed, pos)
+            continue
+        if which is None:
+            st = LayerStat(lp.index, kv[0], kv[1], 0)
+            ops.call(out.write, _f32(st.k_scale if s.name.endswith("k_scale") else st.v_scale))
+            continue
+        # the first param of a chunk of experts: the chunk's params follow it in the header (experts in
+        # order), coded together and written as one buffer
+        e0 = (which[0] // step) * step
+        e1 = min(n_exp, e0 + step)
+        members = [(s, which)]
+        while i < len(specs) and specs[i].source is None:
+            w = _expert_of(specs[i].name)
+            if w is None or w[0] >= e1:
+                break
+            members.append((specs[i], w))
+            pos += _nbytes(specs[i])
+            i += 1
+        gu = experts.gate_up_proj.data[e0:e1]
+        dn = experts.down_proj.data[e0:e1]
+        if lp.scheme is Scheme.NVFP4:
+            a_in, a_mid = in_amax[e0:e1], mid_amax[e0:e1]
+            if backend is not None:
+                parts = backend.nvfp4_chunk(e0, e1, gu, dn, a_in, a_mid)
+            else:
+                parts = nvfp4_rtn(gu, dn, inter, a_in, a_mid, p.recipe)
+            chunk = {part: q.expert_tensors(p.format) for part, q in parts.items()}
+        else:
+            chunk = _int4_expert_chunk(gu, dn, inter, stats, e0, p.recipe, p.format, report["awq"],
+                                       p.int4_group)  # one group for every projection (engine rule)
+        data, ready = chunk_bytes([chunk[part][e - e0][names.index(param)] for _, (e, part, param) in members],
+                                  pinned)
+        if data.numel() != pos - at:
+            raise AssertionError(f"{s.name}: experts {e0}-{e1 - 1} coded to {data.numel()} bytes, planned "
+                                 f"{pos - at}")
+        ops.call(_write_chunk, out, data, ready)
 
 
 def _copy_spec(s, kept, out, f, fds: dict, hashed: bool, end: int) -> None:
