@@ -134,11 +134,11 @@ class InOrder:
     waits for everything queued, so the file is never closed under a write (`abandon`: the caller failed;
     skip what is queued, wait for the one running)."""
 
-    def __init__(self, depth: int = 2) -> None:
+    def __init__(self, depth: int = 2, name: str = "qtool-file-write") -> None:
         from collections import deque
         from concurrent.futures import ThreadPoolExecutor
 
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qtool-file-write")
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
         self.pending: deque = deque()
         self.depth = depth
         self.failed: BaseException | None = None
@@ -163,8 +163,14 @@ class InOrder:
         self._raise()
         self.pending.append(self.pool.submit(self._run, fn, args))
 
-    def close(self) -> None:
+    def drain(self) -> None:
         """Wait for every queued operation; raise the first error (again on each call)."""
+        while self.pending:
+            self.pending.popleft().result()
+        self._raise()
+
+    def close(self) -> None:
+        """drain(), and end the thread."""
         while self.pending:
             self.pending.popleft().result()
         if not self.closed:

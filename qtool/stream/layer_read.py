@@ -78,6 +78,14 @@ class LayerBytes:
             self._bufs.append(buf)
             pieces += [(run.file, run.start + off, buf[off:off + min(CHUNK, n - off)]) for off in range(0, n, CHUNK)]
         workers = len(staging) if cuda else READERS
+        if cuda and self.runs:
+            # the buffers came from the device's default stream, where kernels queued before their
+            # allocation may still use that memory (tensors another thread freed): the uploads, on side
+            # streams, wait for those kernels first
+            allocated = torch.cuda.Event()
+            allocated.record(torch.cuda.current_stream(torch.device(self.device)))
+            for s in staging:
+                s.stream.wait_event(allocated)
         errors: list[BaseException] = []
         # the input's sha256 is computed from these reads (qtool.io.stream_digest): every piece is claimed
         # first, so the digest waits for them rather than reading their bytes itself

@@ -169,13 +169,11 @@ class DiskStore(HiddenStore):
 
         if not 2 <= files <= len(self.NAMES):
             raise ValueError(f"files must be 2..{len(self.NAMES)}")
-        self._writer = None
-        self._pending: list = []
-        self._failed: BaseException | None = None
-        if write_behind:
-            from concurrent.futures import ThreadPoolExecutor
+        from qtool.io.writer import InOrder
 
-            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qtool-hidden-write")
+        # a failed write stops the fsync and the journal entry queued after it (they would declare the
+        # layer's hidden states complete); the queue holds at most one layer's writes (read() drains it)
+        self._writer = InOrder(depth=1 << 20, name="qtool-hidden-write") if write_behind else None
         self.dir = Path(dir)
         self.shape = tuple(shape)
         self.dtype = dtype
@@ -203,24 +201,12 @@ class DiskStore(HiddenStore):
         if self._writer is None:
             fn(*a)
         else:
-            self._pending.append(self._writer.submit(self._in_order, fn, *a))
-
-    def _in_order(self, fn, *a) -> None:
-        """Run a queued task unless an earlier one failed: a failed write must not be followed by the
-        fsync and the journal entry that would declare the layer's hidden states complete."""
-        if self._failed is not None:
-            raise self._failed
-        try:
-            fn(*a)
-        except BaseException as e:
-            self._failed = e
-            raise
+            self._writer.call(fn, *a)
 
     def drain(self) -> None:
         """Wait for the writer thread's queue (its first error is raised here)."""
-        pending, self._pending = self._pending, []
-        for f in pending:
-            f.result()
+        if self._writer is not None:
+            self._writer.drain()
 
     def when_durable(self, fn) -> None:
         """Call fn() once everything written so far is on disk (at once without write-behind)."""
@@ -228,13 +214,12 @@ class DiskStore(HiddenStore):
 
     def close(self, quiet: bool = False) -> None:
         try:
-            self.drain()
+            if self._writer is not None:
+                self._writer.close()
         except Exception:
             if not quiet:
                 raise
         finally:
-            if self._writer is not None:
-                self._writer.shutdown(wait=True)
             self._kept = {}
 
     def read(self, b0, b1):
@@ -260,16 +245,12 @@ class DiskStore(HiddenStore):
     def write(self, b0, b1, x, name: str | None = None):
         name = name or self.other
         if self.keep_on is not None and x.device.type == "cuda":
-            import torch
+            from qtool.stream.device_copy import download
 
             y = x.detach().to(dtype=self.dtype).contiguous()
             self._kept.setdefault(name, {})[(b0, b1)] = y
             # downloaded without a wait on this thread; the writer waits for the copy, then writes
-            host = torch.empty(y.numel() * self.itemsize, dtype=torch.uint8, pin_memory=True)
-            host.copy_(y.view(-1).view(torch.uint8), non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
-            self._submit(_pwrite_when, done, self.path(name), host, b0 * self.row)
+            self._submit(_pwrite_when, download(y), self.path(name), b0 * self.row)
             return
         if self.keep_on is not None:  # the embeddings (computed on the host): layer 0 reads them from the device
             self._kept.setdefault(name, {})[(b0, b1)] = x.detach().to(self.keep_on, self.dtype)
@@ -279,6 +260,13 @@ class DiskStore(HiddenStore):
     def write_current(self, b0, b1, x):
         """Write into the current file (used to fill the embeddings before layer 0)."""
         self.write(b0, b1, x, name=self.current)
+
+    def settle_current(self) -> None:
+        """The current file's writes (the embeddings) on disk before the caller journals them."""
+        from qtool.io.files import fsync_path
+
+        self._submit(fsync_path, self.path(self.current))
+        self.drain()
 
     def commit(self):
         from qtool.io.files import fsync_path
@@ -301,10 +289,9 @@ def _pwrite_file(path: Path, data, off: int) -> None:
         os.close(fd)
 
 
-def _pwrite_when(done, path: Path, host, off: int) -> None:
-    """Write page-locked `host` once its download (`done`, a CUDA event) has finished."""
-    done.synchronize()
-    _pwrite_file(path, host.numpy(), off)
+def _pwrite_when(data, path: Path, off: int) -> None:
+    """Write a device_copy.Download once its copy has landed."""
+    _pwrite_file(path, data.wait().numpy(), off)
 
 
 def _u8():
@@ -514,6 +501,8 @@ class LayerStreamer:
             else:
                 store.write(b0, b1, x)
         del w
+        if isinstance(store, DiskStore):
+            store.settle_current()  # durable before the caller's journal names them as layer 0's input
         self.group.barrier()  # every rank's windows are in the store before the journal says layer 0
 
     def my_batches(self, n: int, batch: int) -> list[tuple[int, int]]:

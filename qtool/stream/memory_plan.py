@@ -77,7 +77,11 @@ def need(sp, *, device: str, held_layers: int = 1, extra_host: int = 0,
         gpu = None
     else:
         micro = 2 * sp.batch_windows * sp.seq_len * sp.hidden_size * item
-        host = READERS * 2 * CHUNK + max(sp.embed_bytes, micro) + hidden + extra_host
+        # on the device: a layer's outputs wait in page-locked memory for the file writes behind the forward
+        # (torch keeps those pages for reuse); two sets on the GPU (a layer's input and output; eval kld's
+        # in-memory store holds one, and the reference's stays there while the test side runs: two)
+        host = READERS * 2 * CHUNK + max(sp.embed_bytes, micro) + hidden + extra_host \
+            + (sp.hidden_bytes if on_device else 0)
         gpu = held_layers * dense + stored + sp.activation_bytes + (2 * sp.hidden_bytes if on_device else 0)
     return MemoryNeed(device, ranks, host, gpu, _host_available(),
                       _gpu_free([device]) if gpu is not None else {})

@@ -12,12 +12,14 @@ The key holds everything the ids depend on:
 - the tokenizer: the sha256 of each tokenizer file in the checkpoint directory (TOKENIZER_FILES; the chat
   template renders chat datasets), and the config's `model_type` / `tokenizer_class` (AutoTokenizer picks the
   class from them when tokenizer_config.json names none);
-- the libraries: transformers' and tokenizers' versions;
+- the libraries: transformers', tokenizers' and jinja2's (chat templates) versions, and the bytes of
+  qtool's own rule that turns rows into text and text into ids (calib_data.py);
 - the data: a local file's path, size, mtime and ctime (a rewrite changes the ctime, which no tool sets
-  back), the built-in sample's the same way, a Hub dataset's resolved commit and split (no key, so no cache,
-  when the commit is not known);
-- the number of tokens asked for, and FORMAT (bumped when the tokenization rule in calib_data changes).
-A cache entry that cannot be read is ignored; one that cannot be written is skipped.
+  back), the built-in sample's the same way, a Hub dataset's commit and split (no key, so no cache, unless
+  the revision is a commit: offline, a branch name would stand for whatever the datasets cache holds);
+- the number of tokens asked for.
+An entry holds its key, its token count and the sha256 of its ids, written to a temporary file, fsynced and
+renamed: a torn, short or foreign entry is a miss. One that cannot be written is skipped.
 """
 
 from __future__ import annotations
@@ -28,18 +30,15 @@ import os
 from array import array
 from pathlib import Path
 
-FORMAT = 1
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "chat_template.jinja",
-                   "chat_template.json")
+MAGIC = b"qtool-tokens 1\n"
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(8 << 20):
-            h.update(chunk)
-    return h.hexdigest()
+def _key_files() -> tuple[str, ...]:
+    """What AutoTokenizer reads (calib_data.TOKENIZER_FILES) and the files that shape its output."""
+    from qtool.stream.calib_data import TOKENIZER_FILES
+
+    return TOKENIZER_FILES + ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                              "merges.txt", "chat_template.jinja", "chat_template.json")
 
 
 def _version(dist: str) -> str | None:
@@ -52,10 +51,11 @@ def _version(dist: str) -> str | None:
 
 
 def _data_identity(dataset: str, revision: str | None) -> list | None:
+    from qtool.hub.resolve import is_commit
     from qtool.stream.calib_data import BUILTIN, builtin_path, parse_hub_dataset
 
     if dataset.startswith("hf:"):
-        if not revision:
+        if not revision or not is_commit(revision):
             return None
         repo, _rev, split = parse_hub_dataset(dataset)
         return ["hub", repo, revision, split]
@@ -71,15 +71,18 @@ def _data_identity(dataset: str, revision: str | None) -> list | None:
 def key(ckpt_dir: str | Path, dataset: str, need: int, revision: str | None = None) -> str | None:
     """The cache key of the first `need` tokens of `dataset` with the tokenizer in `ckpt_dir`; None where
     one of its parts cannot be known (then nothing is cached)."""
+    from qtool.io.files import hash_file
+    from qtool.stream import calib_data
+
     root = Path(ckpt_dir)
     data = _data_identity(dataset, revision)
     if data is None or not root.is_dir():
         return None
     tokenizer = {}
-    for name in TOKENIZER_FILES:
+    for name in _key_files():
         p = root / name
         if p.is_file():
-            tokenizer[name] = _sha256(p)
+            tokenizer[name] = hash_file(p)
     if not tokenizer:
         return None
     try:
@@ -87,8 +90,9 @@ def key(ckpt_dir: str | Path, dataset: str, need: int, revision: str | None = No
     except (OSError, ValueError):
         cfg = {}
     picks = {k: cfg.get(k) for k in ("model_type", "tokenizer_class")} if isinstance(cfg, dict) else {}
-    parts = {"format": FORMAT, "need": need, "tokenizer": tokenizer, "config": picks, "data": data,
-             "libs": {d: _version(d) for d in ("transformers", "tokenizers")}}
+    parts = {"magic": MAGIC.decode(), "need": need, "tokenizer": tokenizer, "config": picks, "data": data,
+             "libs": {d: _version(d) for d in ("transformers", "tokenizers", "jinja2")},
+             "rule": hash_file(calib_data.__file__)}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
@@ -106,28 +110,33 @@ def load(k: str | None) -> list[int] | None:
         raw = _path(k).read_bytes()
     except OSError:
         return None
-    if len(raw) % 4:
-        return None  # torn
+    head = MAGIC + k.encode() + b"\n"
+    if not raw.startswith(head) or len(raw) < len(head) + 40:
+        return None  # foreign or torn
+    count = int.from_bytes(raw[len(head):len(head) + 8], "little")
+    digest, body = raw[len(head) + 8:len(head) + 40], raw[len(head) + 40:]
+    if len(body) != 4 * count or count == 0 or hashlib.sha256(body).digest() != digest:
+        return None  # short or damaged
     ids = array("i")
-    ids.frombytes(raw)
-    if ids.itemsize != 4:
-        return None
+    ids.frombytes(body)
     return ids.tolist()
 
 
 def save(k: str | None, ids: list[int]) -> None:
     if k is None:
         return
-    import tempfile
+    from qtool.errors import WriteError
+    from qtool.io.jsonio import atomic_write_bytes
 
-    tmp = None
     try:
+        body = array("i", ids)
+        if body.itemsize != 4:
+            return
+        body = body.tobytes()
         p = _path(k)
         p.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".qtool-tmp", dir=p.parent)
-        with os.fdopen(fd, "wb") as f:
-            f.write(array("i", ids).tobytes())
-        os.replace(tmp, p)  # a reader sees the whole entry or none (runs in parallel fill it alike)
-    except (OSError, OverflowError):
-        if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)  # a read-only or full cache dir: the next run tokenizes again
+        # a reader sees the whole entry or none (runs in parallel fill it alike)
+        atomic_write_bytes(p, MAGIC + k.encode() + b"\n" + len(ids).to_bytes(8, "little")
+                           + hashlib.sha256(body).digest() + body)
+    except (OSError, OverflowError, WriteError):
+        pass  # a read-only or full cache dir: the next run tokenizes again

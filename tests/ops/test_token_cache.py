@@ -88,6 +88,8 @@ def test_the_builtin_sample_and_a_hub_commit_are_keyed(ckpt, cache):
     b = token_cache.key(ckpt, "hf:org/chat:train_sft", 64, revision="b" * 40)
     c = token_cache.key(ckpt, "hf:org/chat:test", 64, revision="a" * 40)
     assert None not in (a, b, c) and len({a, b, c}) == 3
+    # offline, a branch stands for whatever the datasets cache holds: not a key
+    assert token_cache.key(ckpt, "hf:org/chat@main:train_sft", 64, revision="main") is None
 
 
 def test_a_broken_cache_is_ignored(ckpt, cache, tmp_path, monkeypatch):
@@ -95,8 +97,11 @@ def test_a_broken_cache_is_ignored(ckpt, cache, tmp_path, monkeypatch):
     data.write_text("one two three four five six " * 30)
     fresh = build_calib_set(ckpt, str(data), 2, 16)
     (entry,) = cache.iterdir()
-    entry.write_bytes(entry.read_bytes()[:-2])  # torn
-    assert build_calib_set(ckpt, str(data), 2, 16).digest == fresh.digest
+    whole = entry.read_bytes()
+    for broken in (whole[:-4], whole[:-2], b"", whole[:60], whole[:-8] + b"\0" * 8):  # short, torn, damaged
+        entry.write_bytes(broken)
+        again = build_calib_set(ckpt, str(data), 2, 16, at_most=True)
+        assert again.digest == fresh.digest and again.available_tokens == fresh.available_tokens
     shutil.rmtree(cache)
     monkeypatch.setenv("QTOOL_CACHE_DIR", "/proc/qtool-cannot-write-here")
     assert build_calib_set(ckpt, str(data), 2, 16).digest == fresh.digest

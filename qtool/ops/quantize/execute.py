@@ -159,7 +159,13 @@ def _quantize_layers(p, partial, streamer, store, seq, batch, start, layer_repor
 
     todo = p.layers[start:]
     pending = None
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="qtool-layer-write") as writer:
+    # the writer codes on the job's device: a new thread's current CUDA device is 0 whatever the job's is
+    on_device = (None, ())
+    if streamer.device.startswith("cuda"):
+        index = torch.device(streamer.device).index
+        on_device = (torch.cuda.set_device, (torch.cuda.current_device() if index is None else index,))
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="qtool-layer-write", initializer=on_device[0],
+                            initargs=on_device[1]) as writer:
         try:
             for k, lp in enumerate(todo):
                 copied = [p.ckpt.tensors[s.name] for s in lp.specs if s.source is not None] if share.rank == 0 else []

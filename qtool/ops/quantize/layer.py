@@ -75,30 +75,19 @@ class NVFP4Experts:
         return [[a[k].reshape(1), b[k].reshape(1), self.packed[k], self.block_scale[k]] for k in range(self.packed.shape[0])]
 
 
-def chunk_bytes(tensors: list[torch.Tensor], pinned: bool):
-    """The tensors' bytes back to back (their order in the shard) as one host uint8 tensor: one device
-    concatenation and one device->host copy (into page-locked memory on CUDA: torch's caching host
-    allocator reuses it), instead of a `.cpu()` and a Python buffer per tensor. Returns (bytes, ready):
-    `ready` is None, or (page-locked, non-blocking copy) a CUDA event to wait on before the bytes are read."""
+def chunk_bytes(tensors: list[torch.Tensor]):
+    """The tensors' bytes back to back (their order in the shard), as a qtool.stream.device_copy.Download:
+    one device concatenation and one non-blocking device->host copy into page-locked memory (torch's
+    caching host allocator reuses it), instead of a `.cpu()` and a Python buffer per tensor."""
+    from qtool.stream.device_copy import download
+
     dev = next((t.device for t in tensors if t.numel() > 1), tensors[0].device)
     flat = [t.detach().contiguous().reshape(-1).view(torch.uint8).to(dev) for t in tensors]
-    buf = torch.cat(flat) if len(flat) > 1 else flat[0]
-    if buf.device.type == "cpu":
-        return buf, None
-    host = torch.empty(buf.numel(), dtype=torch.uint8, pin_memory=pinned)
-    if not pinned:
-        host.copy_(buf)
-        return host, None
-    host.copy_(buf, non_blocking=True)
-    ready = torch.cuda.Event()
-    ready.record()
-    return host, ready
+    return download(torch.cat(flat) if len(flat) > 1 else flat[0])
 
 
-def _write_chunk(out, data, ready) -> None:
-    if ready is not None:
-        ready.synchronize()
-    out.write(memoryview(data.numpy()))
+def _write_chunk(out, data) -> None:
+    out.write(memoryview(data.wait().numpy()))
 
 
 def _position(f, at: int, hashed: bool, name: str) -> None:
@@ -245,7 +234,6 @@ def write_layer_shard(path: Path, lp, layer, stats, kv, p, backend=None, mode: i
     fds: dict[str, int] = {}
     out = None
     hashed = share.world == 1  # one writer, in file order: the shard's sha256 is computed as it is written
-    pinned = layer.mlp.experts.gate_up_proj.device.type == "cuda"
     kept = getattr(layer, "qtool_bytes", {})  # the copied tensors' file bytes, read with the layer
     try:
         fd = open_new(tmp, mode) if share.world == 1 else os.open(tmp, os.O_WRONLY)
@@ -255,11 +243,11 @@ def write_layer_shard(path: Path, lp, layer, stats, kv, p, backend=None, mode: i
             ops = InOrder()  # the file's writes, in order, while the next chunk is coded
             try:
                 _write_specs(ops, out, f, lp, layer, stats, kv, p, backend, share, header, names, kept, fds,
-                             hashed, pinned, report)
+                             hashed, report)
+                ops.close()  # every write done; a write's error is raised here
             except BaseException:
-                ops.abandon()  # nothing is left writing once the file closes
+                ops.abandon()  # nothing is left writing once the file closes (also after a partial close)
                 raise
-            ops.close()  # every write done; a write's error is raised here
             if hashed:
                 report["sha256"] = out.digest()  # a Future: the hash finishes on its own thread
             f.flush()
@@ -279,7 +267,7 @@ def write_layer_shard(path: Path, lp, layer, stats, kv, p, backend=None, mode: i
 
 
 def _write_specs(ops: InOrder, out, f, lp, layer, stats, kv, p, backend, share: Share, header: bytes,
-                 names: list[str], kept: dict, fds: dict, hashed: bool, pinned: bool, report: dict) -> None:
+                 names: list[str], kept: dict, fds: dict, hashed: bool, report: dict) -> None:
     """Code the layer's tensors in header order and queue their bytes on `ops` (coded here, written there)."""
     from qtool.ops.calibrate_kv import LayerStat
 
@@ -332,12 +320,11 @@ def _write_specs(ops: InOrder, out, f, lp, layer, stats, kv, p, backend, share: 
         else:
             chunk = _int4_expert_chunk(gu, dn, inter, stats, e0, p.recipe, p.format, report["awq"],
                                        p.int4_group)  # one group for every projection (engine rule)
-        data, ready = chunk_bytes([chunk[part][e - e0][names.index(param)] for _, (e, part, param) in members],
-                                  pinned)
-        if data.numel() != pos - at:
-            raise AssertionError(f"{s.name}: experts {e0}-{e1 - 1} coded to {data.numel()} bytes, planned "
+        data = chunk_bytes([chunk[part][e - e0][names.index(param)] for _, (e, part, param) in members])
+        if data.host.numel() != pos - at:
+            raise AssertionError(f"{s.name}: experts {e0}-{e1 - 1} coded to {data.host.numel()} bytes, planned "
                                  f"{pos - at}")
-        ops.call(_write_chunk, out, data, ready)
+        ops.call(_write_chunk, out, data)
 
 
 def _copy_spec(s, kept, out, f, fds: dict, hashed: bool, end: int) -> None:
