@@ -109,6 +109,8 @@ def test_hidden_states_kept_on_cuda_are_the_files(request, tmp_path):
     ids = build_calib_set(ckpt, "builtin", 3, 16).ids
     s = LayerStreamer(ckpt, device="cuda")
     shape = (3, 16, s.hidden_size)
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "files").mkdir()
     disk = DiskStore(tmp_path / "kept", shape, s.dtype, write_behind=True, device="cuda")
     assert disk.keep_on == "cuda"
     s.embed_into(ids, disk, 2)
