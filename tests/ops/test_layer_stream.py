@@ -118,11 +118,13 @@ def test_hidden_states_kept_on_cuda_are_the_files(request, tmp_path):
     disk.drain()
     reopened = DiskStore(tmp_path / "kept", shape, s.dtype, current=disk.current)  # a resumed run: no copy kept
     assert reopened.keep_on is None
-    kept = disk.read(0, 3)
+    kept = disk.read(0, 2)  # a micro-batch as written (windows 0-1): from the device
     assert kept.device.type == "cuda"
-    assert torch.equal(kept.cpu(), reopened.read(0, 3))  # the file holds what the device copy holds
+    assert torch.equal(kept.cpu(), reopened.read(0, 2))  # the file holds what the device copy holds
+    assert disk.read(2, 3).device.type == "cuda"
+    assert disk.read(0, 3).device.type == "cpu"  # across two kept micro-batches: read from the file
     kept.zero_()
-    assert not torch.equal(disk.read(0, 3).cpu(), kept.cpu())  # the caller's copy, not the store's
+    assert not torch.equal(disk.read(0, 2).cpu(), kept.cpu())  # the caller's copy, not the store's
     s.run(disk, 16, start=3, batch=2)
 
     plain = DiskStore(tmp_path / "files", shape, s.dtype, device="cpu")  # the file path, same device compute
