@@ -5,11 +5,13 @@ to distributions. It opens every installed distribution's file list (RECORD / to
 a streamed job's start on the lent GPU machine's image (`python -X importtime`, self time of
 `import_utils`), on the critical path before the first layer, and the same again in every run.
 
-The cache holds the result under a key of everything it depends on: the interpreter, and each `sys.path`
-entry with its directory's mtime and inode. Installing, upgrading or removing a distribution adds or
-removes a `*.dist-info` / `*.egg-info` entry in its `sys.path` directory, which changes that directory's
-mtime: the next call computes the map again. A cache that cannot be read or written is skipped (the map
-is computed as before); nothing else in the process changes.
+The cache holds the result under a key of everything it depends on: the interpreter, and for each
+`sys.path` directory the `*.dist-info` / `*.egg-info` entries in it with their mtimes and inodes.
+Installing, upgrading or removing a distribution adds, replaces or removes such an entry: the next call
+computes the map again. Not the directories' own mtimes: the working directory is on `sys.path` for
+`python -m qtool`, and every output a job makes there would change it. One file per key, so environments
+(venvs, working directories) that differ do not evict each other. A cache that cannot be read or written
+is skipped (the map is computed as before); nothing else in the process changes.
 """
 
 from __future__ import annotations
@@ -20,18 +22,26 @@ import os
 import sys
 
 _ORIGINAL = importlib.metadata.packages_distributions
-FILE = "packages-distributions.json"
+FILE = "packages-distributions"
 
 
 def _key() -> list:
-    """What the map depends on: the interpreter and the directories it finds distributions in."""
+    """What the map depends on: the interpreter and the distributions' metadata entries on sys.path."""
     entries = []
     for entry in sys.path:
+        d = entry or "."
         try:
-            st = os.stat(entry or ".")
+            names = sorted(n for n in os.listdir(d) if n.endswith((".dist-info", ".egg-info")))
         except OSError:
-            continue
-        entries.append([os.path.abspath(entry or "."), st.st_mtime_ns, st.st_ino])
+            continue  # not a directory (a zip), or gone
+        found = []
+        for name in names:
+            try:
+                st = os.stat(os.path.join(d, name))
+            except OSError:
+                continue
+            found.append([name, st.st_mtime_ns, st.st_ino])
+        entries.append([os.path.abspath(d), found])
     return [sys.version, sys.prefix, entries]
 
 
@@ -42,8 +52,10 @@ def packages_distributions() -> dict[str, list[str]]:
     from qtool.io.jsonio import atomic_write_text
     from qtool.io.manifest import cache_dir
 
-    path = cache_dir() / FILE
+    import hashlib
+
     key = _key()
+    path = cache_dir() / f"{FILE}-{hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]}.json"
     try:
         data = json.loads(path.read_text())
         if data.get("key") == key:

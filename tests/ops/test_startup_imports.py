@@ -72,7 +72,7 @@ def test_the_distribution_map_is_the_standard_librarys(tmp_path, monkeypatch):
     monkeypatch.setenv("QTOOL_CACHE_DIR", str(tmp_path / "cache"))
     truth = package_map._ORIGINAL()
     assert package_map.packages_distributions() == truth  # computed, and written
-    assert (tmp_path / "cache" / package_map.FILE).is_file()
+    (entry,) = (tmp_path / "cache").glob(package_map.FILE + "-*.json")
     assert package_map.packages_distributions() == truth  # from the cache
     first = package_map.packages_distributions()
     first.clear()  # a caller's copy: the next caller's map is whole
@@ -90,8 +90,18 @@ def test_the_distribution_map_is_the_standard_librarys(tmp_path, monkeypatch):
     importlib.invalidate_caches()
     assert package_map.packages_distributions()["qtool_probe_pkg"] == ["qtool-probe-dist"]
     assert package_map.packages_distributions() == package_map._ORIGINAL()
+    # a job's outputs in a sys.path directory (the working directory, under `python -m qtool`): still a hit
+    scans = []
+    original = package_map._ORIGINAL
+    monkeypatch.setattr(package_map, "_ORIGINAL", lambda: scans.append(1) or original())
+    (site / "out").mkdir()
+    (site / "model.safetensors").write_bytes(b"x")
+    assert package_map.packages_distributions()["qtool_probe_pkg"] == ["qtool-probe-dist"]
+    assert scans == []
+    monkeypatch.setattr(package_map, "_ORIGINAL", original)
 
-    (tmp_path / "cache" / package_map.FILE).write_text("{torn")
+    for entry in (tmp_path / "cache").glob(package_map.FILE + "-*.json"):
+        entry.write_text("{torn")
     assert package_map.packages_distributions() == package_map._ORIGINAL()
     monkeypatch.setenv("QTOOL_CACHE_DIR", "/proc/qtool-cannot-write-here")
     assert package_map.packages_distributions() == package_map._ORIGINAL()
@@ -115,5 +125,5 @@ def test_transformers_sees_the_same_distributions_through_the_cache(tmp_path):
     cached = "from qtool.stream.warm_import import skip_unused_imports\nskip_unused_imports()"
     plain = mapping("")
     assert mapping(cached) == plain  # fills the cache
-    assert (tmp_path / "cache" / "packages-distributions.json").is_file()
+    assert list((tmp_path / "cache").glob("packages-distributions-*.json"))
     assert mapping(cached) == plain  # read from it
