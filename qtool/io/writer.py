@@ -171,17 +171,18 @@ class InOrder:
 
     def close(self) -> None:
         """drain(), and end the thread."""
-        while self.pending:
-            self.pending.popleft().result()
-        if not self.closed:
-            self.closed = True
-            self.pool.shutdown(wait=True)
-        self._raise()
+        try:
+            self.drain()
+        finally:
+            self._shutdown()
 
     def abandon(self) -> None:
         """The caller failed: skip the queued operations, wait for the one running; raise nothing."""
         self.skip = True
         self.pending.clear()
+        self._shutdown()
+
+    def _shutdown(self) -> None:
         if not self.closed:
             self.closed = True
             self.pool.shutdown(wait=True)

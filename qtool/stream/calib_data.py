@@ -203,6 +203,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt
 
 
 def load_tokenizer(ckpt_dir: str | Path):
+    """The checkpoint's tokenizer (its side files already checked by the caller, build_calib_set)."""
     from qtool.stream.warm_import import skip_unused_imports
 
     skip_unused_imports()  # the job's first transformers import: without what it never runs
@@ -210,11 +211,6 @@ def load_tokenizer(ckpt_dir: str | Path):
 
     from qtool.quiet import transformers_errors_only
 
-    if Path(ckpt_dir).is_dir():
-        # a FIFO or a dangling symlink at tokenizer.json is named as such, not as "no tokenizer"
-        from qtool.io.plan import checkpoint_files
-
-        checkpoint_files(Path(ckpt_dir))
     if Path(ckpt_dir).is_dir() and not any((Path(ckpt_dir) / f).is_file() for f in TOKENIZER_FILES):
         # AutoTokenizer would otherwise build an empty tokenizer from the processor configs: 0 tokens
         raise PlanError(
@@ -261,7 +257,8 @@ def build_calib_set(ckpt_dir: str | Path, dataset: str, samples: int, seq_len: i
         if Path(ckpt_dir).is_dir():
             from qtool.io.plan import checkpoint_files
 
-            checkpoint_files(Path(ckpt_dir))  # a side file that is not a regular file is named, hit or not
+            # a FIFO or a dangling symlink at tokenizer.json is named as such (not "no tokenizer"), hit or not
+            checkpoint_files(Path(ckpt_dir))
         key = token_cache.key(ckpt_dir, dataset, need, revision)
         ids = token_cache.load(key)
         if ids is not None:
