@@ -234,6 +234,48 @@ def dd_seconds(where: Path, nbytes: int) -> float | None:
     return took * max(1, nbytes >> 20) / mib
 
 
+def both_seconds(files: list[Path], where: Path, nbytes: int) -> float | None:
+    """`cat` of the job's input and `dd` of its output's size (fsynced, in files of at most DD_MAX, each
+    deleted once written: the disk stays free) at the same time: what reading and writing take together
+    on one device, where they share its bandwidth (a job that reads one disk and writes it is bound by
+    this, not by the longer of the two alone). None if dd failed."""
+    failed = []
+
+    def write() -> None:
+        left, f = nbytes, where / ".dd-both"
+        while left > 0 and not failed:
+            mib = max(1, min(left, DD_MAX) >> 20)
+            r = subprocess.run(["dd", "if=/dev/zero", f"of={f}", "bs=1M", f"count={mib}", "conv=fsync"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            f.unlink(missing_ok=True)
+            failed.extend([r.stderr.strip()[-200:]] if r.returncode != 0 else [])
+            left -= mib << 20
+
+    t0 = time.perf_counter()
+    writer = threading.Thread(target=write)
+    writer.start()
+    subprocess.run(["cat", *map(str, files)], stdout=subprocess.DEVNULL, check=True)
+    writer.join()
+    took = time.perf_counter() - t0
+    if failed:
+        print(f"dd (with cat) failed: {failed[0]}", file=sys.stderr)
+        return None
+    return took
+
+
+def layer_bytes(files: list[Path]) -> int:
+    """Bytes of the decoder layers' tensors in these shards (their headers), not the embedding, lm_head,
+    vision or MTP tensors: a layer's share of a job's reads or writes is this over the layer count."""
+    total = 0
+    for f in files:
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(n))
+        total += sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items()
+                     if k != "__metadata__" and ".layers." in k and ".mtp." not in k)
+    return total
+
+
 def output_bytes(argv: list[str]) -> tuple[Path, int]:
     """The job's output directory and the bytes it wrote (links to its input not counted; a job without
     one, an eval kld of two checkpoints, wrote none)."""
@@ -278,6 +320,13 @@ def one_job(name: str, argv: list[str], inputs: Path, layers: int, cold: bool, p
     out, written = output_bytes(argv)
     dd = dd_seconds(out.parent, written) if written else 0.0
     floor = max(cat, dd or 0)
+    if cold:
+        drop_caches()
+    both = both_seconds(files, out.parent, written) if written else cat_seconds(files)
+    # a steady layer's floor: its share of the input read at cat's rate, of the output written at dd's
+    layer_in = layer_bytes(files) / layers
+    layer_out = layer_bytes([f for f in shard_files(out) if f.lstat().st_nlink == 1]) / layers if written else 0
+    layer_floor = max(cat * layer_in / nbytes, (dd or 0) * layer_out / written if written else 0)
     clock = res["report"].get("timing") or {}
     if "layers_done" not in clock and clock:  # eval kld: one clock per streamed side
         clock = next(iter(clock.values()))
@@ -298,6 +347,9 @@ def one_job(name: str, argv: list[str], inputs: Path, layers: int, cold: bool, p
             "cat_s": cat, "loop_over_cat": loop / cat if cat else None,
             "output_bytes": written, "dd_s": dd, "floor_s": floor, "loop_over_floor": loop / floor if floor else None,
             "wall_over_floor": res["wall"] / floor if floor else None,
+            "both_s": both, "loop_over_both": loop / both if both else None,
+            "layer_in_bytes": layer_in, "layer_out_bytes": layer_out, "layer_floor_s": layer_floor,
+            "per_layer_over_layer_floor": per_layer / layer_floor if layer_floor else None,
             # from the disk during the job (any process): with N ranks cold, ~input_bytes when the page
             # cache serves the other ranks' reads of each layer, ~N x when every rank reads the disk
             "disk_read_bytes": None if read0 is None or read1 is None else read1 - read0,
@@ -311,7 +363,8 @@ def one_job(name: str, argv: list[str], inputs: Path, layers: int, cold: bool, p
 def print_table(rows: list[dict]) -> None:
     print(f"\n{'job':13s} {'ranks':>5s} {'cache':5s} {'in GB':>6s} {'wall':>7s} {'loop':>7s} {'s/layer':>8s} {'start':>6s} "
           f"{'end':>5s} {'cat':>6s} {'dd':>6s} {'loop/floor':>10s} {'wall/floor':>10s} {'RSS GB':>7s} {'GPU GB':>7s} "
-          f"{'disk GB':>7s} {'all layers':>10s} {'@14GB/s':>8s}")
+          f"{'disk GB':>7s} {'all layers':>10s} {'@14GB/s':>8s} {'cat+dd':>6s} {'loop/both':>9s} "
+          f"{'layer floor':>11s} {'s/layer/lf':>10s}")
     for r in rows:
         gpu = f"{r['peak_gpu_bytes'] / 1e9:7.1f}" if r["peak_gpu_bytes"] else "      -"
         disk = f"{r['disk_read_bytes'] / 1e9:7.1f}" if r["disk_read_bytes"] is not None else "      -"
@@ -319,7 +372,9 @@ def print_table(rows: list[dict]) -> None:
               f"{r['per_layer_s']:8.2f} {r['before_first_layer_s']:6.1f} {r['after_last_layer_s']:5.1f} {r['cat_s']:6.1f} "
               f"{r['dd_s'] or 0:6.1f} {r['loop_over_floor'] or 0:10.2f} {r['wall_over_floor'] or 0:10.2f} "
               f"{r['peak_rss_bytes'] / 1e9:7.1f} {gpu} {disk} "
-              f"{r['projected_all_layers_s'] / 60:9.1f}m {r['projected_all_layers_fast_disk_s'] / 60:7.1f}m")
+              f"{r['projected_all_layers_s'] / 60:9.1f}m {r['projected_all_layers_fast_disk_s'] / 60:7.1f}m "
+              f"{r['both_s'] or 0:6.1f} {r['loop_over_both'] or 0:9.2f} {r['layer_floor_s']:11.2f} "
+              f"{r['per_layer_over_layer_floor'] or 0:10.2f}")
 
 
 def main() -> int:
