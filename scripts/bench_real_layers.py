@@ -391,6 +391,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
     ap.add_argument("--profile", type=Path, help="run each job under cProfile, stats into this folder (printed)")
     ap.add_argument("--warm-only", action="store_true", help="skip the cold runs")
+    ap.add_argument("--cold-only", action="store_true",
+                    help="skip the warm runs (a disk too small for a second output beside the first)")
     ap.add_argument("--tmpfs", action="store_true",
                     help="input and outputs in /dev/shm/<workdir name>: a disk as fast as memory (the users' "
                     "NVMe stands in), warm runs only")
@@ -433,7 +435,7 @@ def main() -> int:
     if "quantize" not in jobs and {"calibrate-kv", "eval-kld", "sensitivity", "eval-kld-pair"} & set(jobs) and not q.exists():
         run_job(nvfp4)  # their input (not timed)
     real_layers = REAL_LAYERS[a.model]
-    for cold in ((False,) if a.warm_only else (True, False)):
+    for cold in ((False,) if a.warm_only else (True,) if a.cold_only else (True, False)):
         for ranks in (int(n) for n in a.nproc.split(",")):
             def job(name, argv, inputs):
                 rows.append(one_job(name, argv, inputs, layers, cold, a.profile, ranks, real_layers))
