@@ -214,6 +214,45 @@ def cat_seconds(files: list[Path]) -> float:
     return time.perf_counter() - t0
 
 
+def pread_seconds(files: list[Path]) -> float:
+    """The job's input read as qtool's layer reader reads it: READERS threads, each preading its share of
+    64 MiB pieces into its own buffer. Where one `cat` stream leaves the device below its speed (a page
+    cache, tmpfs, an NVMe array) this is the faster read and so the job's read floor."""
+    from qtool.stream.layer_read import CHUNK, READERS
+
+    pieces = [(f, off, min(CHUNK, f.stat().st_size - off)) for f in files for off in range(0, f.stat().st_size, CHUNK)]
+    errors: list[BaseException] = []
+
+    def work(k: int) -> None:
+        buf, fds = bytearray(CHUNK), {}
+        try:
+            for f, off, n in pieces[k::READERS]:
+                fd = fds.get(f)
+                if fd is None:
+                    fd = fds[f] = os.open(f, os.O_RDONLY)
+                view, done = memoryview(buf)[:n], 0
+                while done < n:
+                    got = os.preadv(fd, [view[done:]], off + done)
+                    if got <= 0:
+                        raise OSError(f"{f}: short read at {off + done}")
+                    done += got
+        except BaseException as e:
+            errors.append(e)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(READERS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return time.perf_counter() - t0
+
+
 DD_MAX = 4 << 30  # bytes dd writes at most (the time is scaled to the output's size): the disk stays free
 
 
@@ -311,6 +350,9 @@ def one_job(name: str, argv: list[str], inputs: Path, layers: int, cold: bool, p
     cat = cat_seconds(files)  # cold when dropped: the disk's time for these bytes
     if cold:
         drop_caches()
+    pread = pread_seconds(files)  # as the layer reader reads (cold when dropped)
+    if cold:
+        drop_caches()
     prof = profile_dir / f"{name}-{ranks}-{'cold' if cold else 'warm'}.prof" if profile_dir else None
     read0 = disk_read_bytes(inputs)
     res = run_job([*argv, "--nproc", str(ranks)] if ranks > 1 else argv, prof)
@@ -323,10 +365,11 @@ def one_job(name: str, argv: list[str], inputs: Path, layers: int, cold: bool, p
     if cold:
         drop_caches()
     both = both_seconds(files, out.parent, written) if written else cat_seconds(files)
-    # a steady layer's floor: its share of the input read at cat's rate, of the output written at dd's
+    # a steady layer's floor: its share of the input read at the faster of cat's and the parallel read's
+    # rate, of the output written at dd's
     layer_in = layer_bytes(files) / layers
     layer_out = layer_bytes([f for f in shard_files(out) if f.lstat().st_nlink == 1]) / layers if written else 0
-    layer_floor = max(cat * layer_in / nbytes, (dd or 0) * layer_out / written if written else 0)
+    layer_floor = max(min(cat, pread) * layer_in / nbytes, (dd or 0) * layer_out / written if written else 0)
     clock = res["report"].get("timing") or {}
     if "layers_done" not in clock and clock:  # eval kld: one clock per streamed side
         clock = next(iter(clock.values()))
@@ -344,7 +387,7 @@ def one_job(name: str, argv: list[str], inputs: Path, layers: int, cold: bool, p
             "input_bytes": nbytes,
             "wall_s": res["wall"], "loop_s": loop, "per_layer_s": per_layer, "first_layer_s": done[0] - first,
             "before_first_layer_s": before, "after_last_layer_s": after,
-            "cat_s": cat, "loop_over_cat": loop / cat if cat else None,
+            "cat_s": cat, "loop_over_cat": loop / cat if cat else None, "pread_s": pread,
             "output_bytes": written, "dd_s": dd, "floor_s": floor, "loop_over_floor": loop / floor if floor else None,
             "wall_over_floor": res["wall"] / floor if floor else None,
             "both_s": both, "loop_over_both": loop / both if both else None,
@@ -364,7 +407,7 @@ def print_table(rows: list[dict]) -> None:
     print(f"\n{'job':13s} {'ranks':>5s} {'cache':5s} {'in GB':>6s} {'wall':>7s} {'loop':>7s} {'s/layer':>8s} {'start':>6s} "
           f"{'end':>5s} {'cat':>6s} {'dd':>6s} {'loop/floor':>10s} {'wall/floor':>10s} {'RSS GB':>7s} {'GPU GB':>7s} "
           f"{'disk GB':>7s} {'all layers':>10s} {'@14GB/s':>8s} {'cat+dd':>6s} {'loop/both':>9s} "
-          f"{'layer floor':>11s} {'s/layer/lf':>10s}")
+          f"{'pread':>6s} {'layer floor':>11s} {'s/layer/lf':>10s}")
     for r in rows:
         gpu = f"{r['peak_gpu_bytes'] / 1e9:7.1f}" if r["peak_gpu_bytes"] else "      -"
         disk = f"{r['disk_read_bytes'] / 1e9:7.1f}" if r["disk_read_bytes"] is not None else "      -"
@@ -373,7 +416,7 @@ def print_table(rows: list[dict]) -> None:
               f"{r['dd_s'] or 0:6.1f} {r['loop_over_floor'] or 0:10.2f} {r['wall_over_floor'] or 0:10.2f} "
               f"{r['peak_rss_bytes'] / 1e9:7.1f} {gpu} {disk} "
               f"{r['projected_all_layers_s'] / 60:9.1f}m {r['projected_all_layers_fast_disk_s'] / 60:7.1f}m "
-              f"{r['both_s'] or 0:6.1f} {r['loop_over_both'] or 0:9.2f} {r['layer_floor_s']:11.2f} "
+              f"{r['both_s'] or 0:6.1f} {r['loop_over_both'] or 0:9.2f} {r['pread_s']:6.1f} {r['layer_floor_s']:11.2f} "
               f"{r['per_layer_over_layer_floor'] or 0:10.2f}")
 
 
