@@ -42,12 +42,18 @@ def _place(frame) -> str:
 
 def sample(every: float, out: dict, stop: threading.Event) -> None:
     me = threading.get_ident()
+    keys: dict[int, str] = {}  # thread -> its name, made unique (each shard's hash thread has the same name)
     while not stop.is_set():
         now = time.perf_counter() - T0
         names = {t.ident: t.name for t in threading.enumerate()}
         for ident, frame in sys._current_frames().items():
             if ident != me:
-                out[names.get(ident, str(ident))].append((now, _place(frame)))
+                key = keys.get(ident)
+                if key is None:
+                    base = names.get(ident, str(ident))
+                    taken = sum(1 for k in keys.values() if k == base or k.startswith(base + "#"))
+                    key = keys[ident] = base if not taken else f"{base}#{taken + 1}"
+                out[key].append((now, _place(frame)))
         time.sleep(every)
 
 
@@ -65,6 +71,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--every", type=float, default=0.05)
     ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--all-in-order", action="store_true",
+                    help="every thread's segments in order (not only the main thread's)")
     ap.add_argument("args", nargs=argparse.REMAINDER)
     a = ap.parse_args()
     args = a.args[1:] if a.args[:1] == ["--"] else a.args
@@ -91,8 +99,8 @@ def main() -> int:
             print(f"\n[{name}] most time:", file=sys.stderr)
             for p, s in sorted(total.items(), key=lambda kv: -kv[1])[:a.top]:
                 print(f"  {s:7.2f} s  {p}", file=sys.stderr)
-            if name == "MainThread":
-                print("[MainThread] in order (segments >= 0.1 s):", file=sys.stderr)
+            if name == "MainThread" or a.all_in_order:
+                print(f"[{name}] in order (segments >= 0.1 s):", file=sys.stderr)
                 for s0, s1, p in segs:
                     if s1 - s0 >= 0.1:
                         print(f"  {s0:7.2f} - {s1:7.2f}  {p}", file=sys.stderr)
