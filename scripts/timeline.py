@@ -42,17 +42,19 @@ def _place(frame) -> str:
 
 def sample(every: float, out: dict, stop: threading.Event) -> None:
     me = threading.get_ident()
-    keys: dict[int, str] = {}  # thread -> its name, made unique (each shard's hash thread has the same name)
+    # (thread id, name) -> a unique name: each shard's hash thread has the same name, and a new thread may
+    # get the id of one that ended
+    keys: dict[tuple[int, str], str] = {}
     while not stop.is_set():
         now = time.perf_counter() - T0
         names = {t.ident: t.name for t in threading.enumerate()}
         for ident, frame in sys._current_frames().items():
             if ident != me:
-                key = keys.get(ident)
+                base = names.get(ident, str(ident))
+                key = keys.get((ident, base))
                 if key is None:
-                    base = names.get(ident, str(ident))
                     taken = sum(1 for k in keys.values() if k == base or k.startswith(base + "#"))
-                    key = keys[ident] = base if not taken else f"{base}#{taken + 1}"
+                    key = keys[(ident, base)] = base if not taken else f"{base}#{taken + 1}"
                 out[key].append((now, _place(frame)))
         time.sleep(every)
 

@@ -252,7 +252,7 @@ class HashedWrites:
         return os.lseek(self.f.fileno(), 0, os.SEEK_CUR) if buffered else self.written
 
     def _run(self) -> None:
-        fd = self.fd
+        fd, buf = self.fd, None
         try:
             while True:
                 with self.cond:
@@ -278,11 +278,13 @@ class HashedWrites:
                             return
                         upto, last = self.flushed, self.closed and self.flushed == self.written
                     while pos < upto:
-                        b = os.pread(fd, min(self.READ, upto - pos), pos)
-                        if not b:
+                        if buf is None:
+                            buf = memoryview(bytearray(self.READ))  # one buffer, not a new bytes per read
+                        n = os.preadv(fd, [buf[:min(self.READ, upto - pos)]], pos)
+                        if not n:
                             raise OSError(f"{self.path}: shorter than the {upto} bytes written")
-                        self.h.update(b)
-                        pos += len(b)
+                        self.h.update(buf[:n])
+                        pos += n
                     if last and pos >= self.written:
                         break
                 break
