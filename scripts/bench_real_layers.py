@@ -208,6 +208,26 @@ def disk_read_bytes(path: Path) -> int | None:
     return int(fields[2]) * 512
 
 
+# what a job's process loads before it reads its input: Python, torch and its CUDA libraries (a matmul and
+# a Triton kernel load cuBLAS and the driver's JIT), qtool's and transformers' modules
+PROGRAM_LOAD = ("import sys, torch, qtool.cli.main, qtool.ops.quantize, qtool.ops.calibrate_kv, qtool.ops.kld, "
+                "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe\n"
+                "x = torch.ones(64, 64, device=sys.argv[1], dtype=torch.bfloat16); (x @ x).float().sum().item()\n")
+
+
+def program_read_bytes(where: Path, device: str) -> int | None:
+    """Bytes the disk holding `where` reads, caches dropped, for a process that loads what a job loads and
+    reads no input: a cold job's disk reads less this are its own (its input, hidden states and side files),
+    not its program's. None where the disk's count cannot be read or the caches not dropped."""
+    if not drop_caches():
+        return None
+    r0 = disk_read_bytes(where)
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    subprocess.run([sys.executable, "-c", PROGRAM_LOAD, device], check=True, env=env)
+    r1 = disk_read_bytes(where)
+    return None if r0 is None or r1 is None else r1 - r0
+
+
 def cat_seconds(files: list[Path]) -> float:
     t0 = time.perf_counter()
     subprocess.run(["cat", *map(str, files)], stdout=subprocess.DEVNULL, check=True)
@@ -343,7 +363,7 @@ def print_profile(path: Path, top: int = 25) -> None:
 
 
 def one_job(name: str, argv: list[str], inputs: Path, layers: int, cold: bool, profile_dir: Path | None = None,
-            ranks: int = 1, real_layers: int = REAL_LAYERS["397b"]) -> dict:
+            ranks: int = 1, real_layers: int = REAL_LAYERS["397b"], device: str = "cuda") -> dict:
     files = shard_files(inputs)
     nbytes = sum(f.stat().st_size for f in files)
     dropped = drop_caches() if cold else False
@@ -351,6 +371,7 @@ def one_job(name: str, argv: list[str], inputs: Path, layers: int, cold: bool, p
     if cold:
         drop_caches()
     pread = pread_seconds(files)  # as the layer reader reads (cold when dropped)
+    program = program_read_bytes(inputs, device) if cold else 0
     if cold:
         drop_caches()
     prof = profile_dir / f"{name}-{ranks}-{'cold' if cold else 'warm'}.prof" if profile_dir else None
@@ -396,6 +417,8 @@ def one_job(name: str, argv: list[str], inputs: Path, layers: int, cold: bool, p
             # from the disk during the job (any process): with N ranks cold, ~input_bytes when the page
             # cache serves the other ranks' reads of each layer, ~N x when every rank reads the disk
             "disk_read_bytes": None if read0 is None or read1 is None else read1 - read0,
+            # of those, what the job's program (libraries, modules) loads from that disk, measured alone
+            "program_read_bytes": program,
             "peak_rss_bytes": res["rss_bytes"], "peak_gpu_bytes": res["gpu_peak_bytes"],
             "projected_all_layers_s": before + after + per_layer * real_layers,
             # on a 14 GB/s disk a layer takes the longer of its host/GPU work and its read there
@@ -407,17 +430,18 @@ def print_table(rows: list[dict]) -> None:
     print(f"\n{'job':13s} {'ranks':>5s} {'cache':5s} {'in GB':>6s} {'wall':>7s} {'loop':>7s} {'s/layer':>8s} {'start':>6s} "
           f"{'end':>5s} {'cat':>6s} {'dd':>6s} {'loop/floor':>10s} {'wall/floor':>10s} {'RSS GB':>7s} {'GPU GB':>7s} "
           f"{'disk GB':>7s} {'all layers':>10s} {'@14GB/s':>8s} {'cat+dd':>6s} {'loop/both':>9s} "
-          f"{'pread':>6s} {'layer floor':>11s} {'s/layer/lf':>10s}")
+          f"{'pread':>6s} {'layer floor':>11s} {'s/layer/lf':>10s} {'prog GB':>7s}")
     for r in rows:
         gpu = f"{r['peak_gpu_bytes'] / 1e9:7.1f}" if r["peak_gpu_bytes"] else "      -"
         disk = f"{r['disk_read_bytes'] / 1e9:7.1f}" if r["disk_read_bytes"] is not None else "      -"
+        prog = f"{r['program_read_bytes'] / 1e9:6.1f}" if r.get("program_read_bytes") is not None else "     -"
         print(f"{r['job']:13s} {r['ranks']:5d} {r['cache']:5s} {r['input_bytes'] / 1e9:6.1f} {r['wall_s']:7.1f} {r['loop_s']:7.1f} "
               f"{r['per_layer_s']:8.2f} {r['before_first_layer_s']:6.1f} {r['after_last_layer_s']:5.1f} {r['cat_s']:6.1f} "
               f"{r['dd_s'] or 0:6.1f} {r['loop_over_floor'] or 0:10.2f} {r['wall_over_floor'] or 0:10.2f} "
               f"{r['peak_rss_bytes'] / 1e9:7.1f} {gpu} {disk} "
               f"{r['projected_all_layers_s'] / 60:9.1f}m {r['projected_all_layers_fast_disk_s'] / 60:7.1f}m "
               f"{r['both_s'] or 0:6.1f} {r['loop_over_both'] or 0:9.2f} {r['pread_s']:6.1f} {r['layer_floor_s']:11.2f} "
-              f"{r['per_layer_over_layer_floor'] or 0:10.2f}")
+              f"{r['per_layer_over_layer_floor'] or 0:10.2f} {prog:>7s}")
 
 
 def main() -> int:
@@ -481,7 +505,7 @@ def main() -> int:
     for cold in ((False,) if a.warm_only else (True,) if a.cold_only else (True, False)):
         for ranks in (int(n) for n in a.nproc.split(",")):
             def job(name, argv, inputs):
-                rows.append(one_job(name, argv, inputs, layers, cold, a.profile, ranks, real_layers))
+                rows.append(one_job(name, argv, inputs, layers, cold, a.profile, ranks, real_layers, a.device))
                 print_table(rows[-1:])  # as it comes: a later failure keeps the rows so far
                 if a.out:
                     a.out.write_text(json.dumps(rows, indent=1))

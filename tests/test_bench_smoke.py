@@ -31,6 +31,8 @@ def test_bench_real_layers_smoke(tmp_path):
         # reading and writing at once on the one device, and a steady layer's share of the floor
         assert r["both_s"] > 0 and 0 < r["layer_in_bytes"] * 2 < r["input_bytes"]
         assert r["pread_s"] > 0  # the input read as the layer reader reads it (its threads)
+        if r["cache"] == "cold" and r["disk_read_bytes"] is not None:  # the program's own reads, measured alone
+            assert r["program_read_bytes"] is not None and r["program_read_bytes"] >= 0
         assert 0 < r["layer_floor_s"] < r["floor_s"]
         if r["job"] == "quantize":  # (eval kld's reference holds no layers; calibrate-kv's links its input's)
             assert 0 < r["layer_out_bytes"] * 2 < r["output_bytes"]

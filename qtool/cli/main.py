@@ -185,13 +185,6 @@ def console() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # qtool's reader, writer and sha256 threads each let go of the GIL for a long C call (a pread, a write,
-    # a hash of 8-64 MiB) and then wait to get it back while the main thread and the layer coder run
-    # Python. CPython makes a waiting thread wait up to its switch interval (5 ms) for that: a sha256
-    # thread beside one busy Python thread hashed 0.38 GB/s instead of 1.04 (8 MiB pieces, 2-core VM),
-    # and on the H200 a layer shard's trailing hash ran at 0.74 GB/s, the last one after the last layer.
-    # At 1 ms it hashed 0.88 GB/s there; the busy thread only switches more often when another waits.
-    sys.setswitchinterval(0.001)
     code = _main(argv)
     from qtool import dist
 
