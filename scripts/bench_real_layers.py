@@ -208,8 +208,8 @@ def disk_read_bytes(path: Path) -> int | None:
     return int(fields[2]) * 512
 
 
-# what a job's process loads before it reads its input: Python, torch and its CUDA libraries (a matmul and
-# a Triton kernel load cuBLAS and the driver's JIT), qtool's and transformers' modules
+# what a job's process loads before it reads its input: Python, torch and its CUDA libraries (a matmul loads
+# cuBLAS), qtool's and transformers' modules. Not Triton's: its compiled kernels are in qtool's cache dir.
 PROGRAM_LOAD = ("import sys, torch, qtool.cli.main, qtool.ops.quantize, qtool.ops.calibrate_kv, qtool.ops.kld, "
                 "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe\n"
                 "x = torch.ones(64, 64, device=sys.argv[1], dtype=torch.bfloat16); (x @ x).float().sum().item()\n")
@@ -235,27 +235,26 @@ def cat_seconds(files: list[Path]) -> float:
 
 
 def pread_seconds(files: list[Path]) -> float:
-    """The job's input read as qtool's layer reader reads it: READERS threads, each preading its share of
-    64 MiB pieces into its own buffer. Where one `cat` stream leaves the device below its speed (a page
-    cache, tmpfs, an NVMe array) this is the faster read and so the job's read floor."""
-    from qtool.stream.layer_read import CHUNK, READERS
+    """The job's input read as qtool's layer reader reads it (qtool.stream.layer_read: READERS threads,
+    each with its share of the 64 MiB pieces, read with the kernel's read-ahead off in 1 MiB requests by
+    its own `pread_exact`). Where one `cat` stream leaves the device below its speed (a page cache, tmpfs,
+    an NVMe array) this is the faster read, and so the job's read floor."""
+    from qtool.io.files import open_for_reads
+    from qtool.stream.layer_read import CHUNK, READERS, pread_exact
 
     pieces = [(f, off, min(CHUNK, f.stat().st_size - off)) for f in files for off in range(0, f.stat().st_size, CHUNK)]
     errors: list[BaseException] = []
 
     def work(k: int) -> None:
-        buf, fds = bytearray(CHUNK), {}
+        view, fds = memoryview(bytearray(CHUNK)), {}
         try:
             for f, off, n in pieces[k::READERS]:
+                if errors:
+                    return
                 fd = fds.get(f)
                 if fd is None:
-                    fd = fds[f] = os.open(f, os.O_RDONLY)
-                view, done = memoryview(buf)[:n], 0
-                while done < n:
-                    got = os.preadv(fd, [view[done:]], off + done)
-                    if got <= 0:
-                        raise OSError(f"{f}: short read at {off + done}")
-                    done += got
+                    fd = fds[f] = open_for_reads(str(f))
+                pread_exact(fd, view[:n], off, str(f))
         except BaseException as e:
             errors.append(e)
         finally:
@@ -371,7 +370,7 @@ def one_job(name: str, argv: list[str], inputs: Path, layers: int, cold: bool, p
     if cold:
         drop_caches()
     pread = pread_seconds(files)  # as the layer reader reads (cold when dropped)
-    program = program_read_bytes(inputs, device) if cold else 0
+    program = program_read_bytes(inputs, device) if cold else None
     if cold:
         drop_caches()
     prof = profile_dir / f"{name}-{ranks}-{'cold' if cold else 'warm'}.prof" if profile_dir else None
@@ -382,7 +381,8 @@ def one_job(name: str, argv: list[str], inputs: Path, layers: int, cold: bool, p
         print_profile(prof)
     out, written = output_bytes(argv)
     dd = dd_seconds(out.parent, written) if written else 0.0
-    floor = max(cat, dd or 0)
+    floor = max(cat, dd or 0)  # the issue's floor: `cat` of the input, `dd` of the output
+    read = min(cat, pread)  # the faster read of the input: what a layer's own read can take
     if cold:
         drop_caches()
     both = both_seconds(files, out.parent, written) if written else cat_seconds(files)
@@ -390,7 +390,7 @@ def one_job(name: str, argv: list[str], inputs: Path, layers: int, cold: bool, p
     # rate, of the output written at dd's
     layer_in = layer_bytes(files) / layers
     layer_out = layer_bytes([f for f in shard_files(out) if f.lstat().st_nlink == 1]) / layers if written else 0
-    layer_floor = max(min(cat, pread) * layer_in / nbytes, (dd or 0) * layer_out / written if written else 0)
+    layer_floor = max(read * layer_in / nbytes, (dd or 0) * layer_out / written if written else 0)
     clock = res["report"].get("timing") or {}
     if "layers_done" not in clock and clock:  # eval kld: one clock per streamed side
         clock = next(iter(clock.values()))
@@ -421,9 +421,10 @@ def one_job(name: str, argv: list[str], inputs: Path, layers: int, cold: bool, p
             "program_read_bytes": program,
             "peak_rss_bytes": res["rss_bytes"], "peak_gpu_bytes": res["gpu_peak_bytes"],
             "projected_all_layers_s": before + after + per_layer * real_layers,
-            # on a 14 GB/s disk a layer takes the longer of its host/GPU work and its read there
+            # on a 14 GB/s disk a layer takes the longer of its host/GPU work (its time here less its read
+            # at the faster of cat and pread) and its read there
             "projected_all_layers_fast_disk_s": before + after + real_layers * max(
-                per_layer - cat / layers, (nbytes / layers) / FAST_DISK)}
+                per_layer - read / layers, (nbytes / layers) / FAST_DISK)}
 
 
 def print_table(rows: list[dict]) -> None:

@@ -42,20 +42,22 @@ def _place(frame) -> str:
 
 def sample(every: float, out: dict, stop: threading.Event) -> None:
     me = threading.get_ident()
-    # (thread id, name) -> a unique name: each shard's hash thread has the same name, and a new thread may
-    # get the id of one that ended
-    keys: dict[tuple[int, str], str] = {}
+    # each thread (the object: a new thread may get the id of one that ended) -> a unique name, since each
+    # shard's hash thread has the same name as the others
+    keys: dict[threading.Thread, str] = {}
+    counts: dict[str, int] = defaultdict(int)
     while not stop.is_set():
         now = time.perf_counter() - T0
-        names = {t.ident: t.name for t in threading.enumerate()}
+        threads = {t.ident: t for t in threading.enumerate()}
         for ident, frame in sys._current_frames().items():
-            if ident != me:
-                base = names.get(ident, str(ident))
-                key = keys.get((ident, base))
-                if key is None:
-                    taken = sum(1 for k in keys.values() if k == base or k.startswith(base + "#"))
-                    key = keys[(ident, base)] = base if not taken else f"{base}#{taken + 1}"
-                out[key].append((now, _place(frame)))
+            t = threads.get(ident)
+            if ident == me or t is None:
+                continue
+            key = keys.get(t)
+            if key is None:
+                counts[t.name] += 1
+                key = keys[t] = t.name if counts[t.name] == 1 else f"{t.name}#{counts[t.name]}"
+            out[key].append((now, _place(frame)))
         time.sleep(every)
 
 

@@ -74,6 +74,25 @@ def test_a_hash_that_falls_behind_trails_the_file_to_the_same_digest(tmp_path):
     assert renamed.read_bytes() == b"".join(parts)
 
 
+def test_the_trailing_hash_reads_the_file_in_many_pieces_into_one_buffer(tmp_path, monkeypatch):
+    """A file far longer than one trailing read (a real shard is GBs, the read 16 MiB): the one buffer the
+    trailing hash reads into is refilled many times, with pieces that end mid-write; the digest is still
+    that of the bytes on disk."""
+    monkeypatch.setattr(HashedWrites, "READ", 4099)
+    gate = threading.Event()
+    p = tmp_path / "shard.tmp"
+    parts = [os.urandom(n) for n in (5, 70_001, 3, 12_345, 1, 99_999)]
+    with open(p, "wb") as f:
+        out = HashedWrites(f, depth=1, path=p)
+        out.h = SlowHash(out.h, gate, first_only=True)
+        for b in parts:
+            out.write(memoryview(b))
+        assert out.behind
+        digest = out.digest()
+    gate.set()
+    assert digest.result(10) == hashlib.sha256(b"".join(parts)).hexdigest()
+
+
 def test_a_cancelled_hash_stops(tmp_path):
     p = tmp_path / "shard.tmp"
     with open(p, "wb") as f:
