@@ -184,7 +184,7 @@ def run_job(argv: list[str], profile: Path | None = None) -> dict:
     (`profile`: under cProfile, its stats written there)."""
     prof = ["-m", "cProfile", "-o", str(profile)] if profile else []
     cmd = [sys.executable, "-c", RSS_WRAPPER, sys.executable, *prof, "-m", "qtool", *argv, "--json", "--quiet"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = job_env()
     with GpuPeak() as gpu:
         launched = time.time()
         t0 = time.perf_counter()
@@ -208,11 +208,18 @@ def disk_read_bytes(path: Path) -> int | None:
     return int(fields[2]) * 512
 
 
+# the modules a job imports (their bytecode compiled before timing; loaded alone for the program's reads)
+JOB_MODULES = ("qtool.cli.main, qtool.ops.quantize, qtool.ops.calibrate_kv, qtool.ops.kld, "
+               "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe")
 # what a job's process loads before it reads its input: Python, torch and its CUDA libraries (a matmul loads
 # cuBLAS), qtool's and transformers' modules. Not Triton's: its compiled kernels are in qtool's cache dir.
-PROGRAM_LOAD = ("import sys, torch, qtool.cli.main, qtool.ops.quantize, qtool.ops.calibrate_kv, qtool.ops.kld, "
-                "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe\n"
+PROGRAM_LOAD = (f"import sys, torch, {JOB_MODULES}\n"
                 "x = torch.ones(64, 64, device=sys.argv[1], dtype=torch.bfloat16); (x @ x).float().sum().item()\n")
+
+
+def job_env() -> dict:
+    """The environment a job's process runs in: this checkout's qtool first on the path."""
+    return {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
 def program_read_bytes(where: Path, device: str) -> int | None:
@@ -222,7 +229,7 @@ def program_read_bytes(where: Path, device: str) -> int | None:
     if not drop_caches():
         return None
     r0 = disk_read_bytes(where)
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = job_env()
     subprocess.run([sys.executable, "-c", PROGRAM_LOAD, device], check=True, env=env)
     r1 = disk_read_bytes(where)
     return None if r0 is None or r1 is None else r1 - r0
@@ -485,9 +492,7 @@ def main() -> int:
     # into a cache of our own, before timing anything.
     os.environ["PYTHONPYCACHEPREFIX"] = str(w / "pycache")
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)  # set on these machines: no cache would ever be written
-    subprocess.run([sys.executable, "-c", "import qtool.cli.main, qtool.ops.quantize, qtool.ops.calibrate_kv, "
-                    "qtool.ops.kld, transformers.models.qwen3_5_moe.modeling_qwen3_5_moe"], check=True,
-                   env={**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    subprocess.run([sys.executable, "-c", f"import {JOB_MODULES}"], check=True, env=job_env())
     data = w / "calib.txt"
     write_dataset(data, a.samples * a.seq_len)
     common = ["--dataset", str(data), "--samples", str(a.samples), "--seq-len", str(a.seq_len), "--device", a.device]
