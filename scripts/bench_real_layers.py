@@ -179,17 +179,21 @@ RSS_WRAPPER = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:
                "sys.exit(r.returncode)")
 
 
-def run_job(argv: list[str], profile: Path | None = None) -> dict:
+def run_job(argv: list[str], profile: Path | None = None, timeline: Path | None = None) -> dict:
     """One qtool command in its own process: wall seconds, its --json report, peak RSS and GPU memory
-    (`profile`: under cProfile, its stats written there)."""
+    (`profile`: under cProfile, its stats written there; `timeline`: under scripts/timeline.py, every
+    thread's segments in order written there)."""
     prof = ["-m", "cProfile", "-o", str(profile)] if profile else []
-    cmd = [sys.executable, "-c", RSS_WRAPPER, sys.executable, *prof, "-m", "qtool", *argv, "--json", "--quiet"]
+    run = ([str(ROOT / "scripts" / "timeline.py"), "--all-in-order", "--"] if timeline else [*prof, "-m", "qtool"])
+    cmd = [sys.executable, "-c", RSS_WRAPPER, sys.executable, *run, *argv, "--json", "--quiet"]
     env = job_env()
     with GpuPeak() as gpu:
         launched = time.time()
         t0 = time.perf_counter()
         p = subprocess.run(cmd, capture_output=True, text=True, env=env)
         wall = time.perf_counter() - t0
+    if timeline:
+        timeline.write_text(p.stderr)
     if p.returncode != 0 or '"error"' in p.stdout[:200]:  # (under cProfile a failed run exits 0)
         raise SystemExit(f"{' '.join(argv)} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
     rss = next((int(line.split()[1]) for line in p.stderr.splitlines() if line.startswith("PEAK_RSS_KB")), 0)
@@ -299,6 +303,45 @@ def dd_seconds(where: Path, nbytes: int) -> float | None:
     return took * max(1, nbytes >> 20) / mib
 
 
+def mem_write_seconds(where: Path, nbytes: int) -> float | None:
+    """The job's output size (at most DD_MAX, scaled) written into a file beside its output from 1 GiB of
+    host memory in 128 MiB pieces, fsynced: what quantize's file thread does (its chunks are coded into
+    page-locked memory that no CPU cache holds). `dd` writes one 1 MiB block again and again, from the
+    CPU's cache: where a write is a copy (tmpfs, the page cache), this is the floor of writing bytes held
+    in memory. None on an error (a full disk)."""
+    piece = 128 << 20
+    bufs = [memoryview(bytearray(os.urandom(1 << 20) * 128)) for _ in range(8)]  # 1 GiB: never all cached
+    n = max(piece, min(nbytes, DD_MAX) // piece * piece)
+    f = where / ".mem-write-floor"
+    try:
+        fd = os.open(f, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        t0 = time.perf_counter()
+        try:
+            for k in range(n // piece):
+                view = bufs[k % len(bufs)]
+                while view:
+                    view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        took = time.perf_counter() - t0
+    except OSError as e:
+        print(f"memory write failed: {e}", file=sys.stderr)
+        return None
+    finally:
+        f.unlink(missing_ok=True)
+    return took * nbytes / n
+
+
+def clear_output(argv: list[str]) -> None:
+    """Remove the job's output of an earlier run before timing it: with --force the job would park the old
+    output and delete it after its commit (1.8 s for quantize's 12 GB in /dev/shm on the H200 machine),
+    which a user's first run does not do."""
+    flag = "--save-ref" if "--save-ref" in argv else "-o"
+    if flag in argv:
+        shutil.rmtree(argv[argv.index(flag) + 1], ignore_errors=True)
+
+
 def both_seconds(files: list[Path], where: Path, nbytes: int) -> float | None:
     """`cat` of the job's input and `dd` of its output's size (fsynced, in files of at most DD_MAX, each
     deleted once written: the disk stays free) at the same time: what reading and writing take together
@@ -369,9 +412,11 @@ def print_profile(path: Path, top: int = 25) -> None:
 
 
 def one_job(name: str, argv: list[str], inputs: Path, layers: int, cold: bool, profile_dir: Path | None = None,
-            ranks: int = 1, real_layers: int = REAL_LAYERS["397b"], device: str = "cuda") -> dict:
+            ranks: int = 1, real_layers: int = REAL_LAYERS["397b"], device: str = "cuda",
+            timeline_dir: Path | None = None) -> dict:
     files = shard_files(inputs)
     nbytes = sum(f.stat().st_size for f in files)
+    clear_output(argv)
     dropped = drop_caches() if cold else False
     cat = cat_seconds(files)  # cold when dropped: the disk's time for these bytes
     if cold:
@@ -382,12 +427,14 @@ def one_job(name: str, argv: list[str], inputs: Path, layers: int, cold: bool, p
         drop_caches()
     prof = profile_dir / f"{name}-{ranks}-{'cold' if cold else 'warm'}.prof" if profile_dir else None
     read0 = disk_read_bytes(inputs)
-    res = run_job([*argv, "--nproc", str(ranks)] if ranks > 1 else argv, prof)
+    tl = timeline_dir / f"{name}-{ranks}-{'cold' if cold else 'warm'}.txt" if timeline_dir else None
+    res = run_job([*argv, "--nproc", str(ranks)] if ranks > 1 else argv, prof, tl)
     read1 = disk_read_bytes(inputs)
     if prof is not None:
         print_profile(prof)
     out, written = output_bytes(argv)
     dd = dd_seconds(out.parent, written) if written else 0.0
+    mem_write = mem_write_seconds(out.parent, written) if written else 0.0
     floor = max(cat, dd or 0)  # the issue's floor: `cat` of the input, `dd` of the output
     read = min(cat, pread)  # the faster read of the input: what a layer's own read can take
     if cold:
@@ -416,7 +463,9 @@ def one_job(name: str, argv: list[str], inputs: Path, layers: int, cold: bool, p
             "wall_s": res["wall"], "loop_s": loop, "per_layer_s": per_layer, "first_layer_s": done[0] - first,
             "before_first_layer_s": before, "after_last_layer_s": after,
             "cat_s": cat, "loop_over_cat": loop / cat if cat else None, "pread_s": pread,
-            "output_bytes": written, "dd_s": dd, "floor_s": floor, "loop_over_floor": loop / floor if floor else None,
+            "output_bytes": written, "dd_s": dd, "mem_write_s": mem_write,
+            "layer_mem_write_s": (mem_write or 0) * layer_out / written if written else 0,
+            "floor_s": floor, "loop_over_floor": loop / floor if floor else None,
             "wall_over_floor": res["wall"] / floor if floor else None,
             "both_s": both, "loop_over_both": loop / both if both else None,
             "layer_in_bytes": layer_in, "layer_out_bytes": layer_out, "layer_floor_s": layer_floor,
@@ -427,6 +476,9 @@ def one_job(name: str, argv: list[str], inputs: Path, layers: int, cold: bool, p
             # of those, what the job's program (libraries, modules) loads from that disk, measured alone
             "program_read_bytes": program,
             "peak_rss_bytes": res["rss_bytes"], "peak_gpu_bytes": res["gpu_peak_bytes"],
+            # torch's allocator in the job: the most handed out and the most held (the layer loop's)
+            "gpu_allocated_bytes": (clock.get("gpu_peak") or {}).get("allocated"),
+            "gpu_reserved_bytes": (clock.get("gpu_peak") or {}).get("reserved"),
             "projected_all_layers_s": before + after + per_layer * real_layers,
             # on a 14 GB/s disk a layer takes the longer of its host/GPU work (its time here less its read
             # at the faster of cat and pread) and its read there
@@ -438,18 +490,21 @@ def print_table(rows: list[dict]) -> None:
     print(f"\n{'job':13s} {'ranks':>5s} {'cache':5s} {'in GB':>6s} {'wall':>7s} {'loop':>7s} {'s/layer':>8s} {'start':>6s} "
           f"{'end':>5s} {'cat':>6s} {'dd':>6s} {'loop/floor':>10s} {'wall/floor':>10s} {'RSS GB':>7s} {'GPU GB':>7s} "
           f"{'disk GB':>7s} {'all layers':>10s} {'@14GB/s':>8s} {'cat+dd':>6s} {'loop/both':>9s} "
-          f"{'pread':>6s} {'layer floor':>11s} {'s/layer/lf':>10s} {'prog GB':>7s}")
+          f"{'pread':>6s} {'layer floor':>11s} {'s/layer/lf':>10s} {'prog GB':>7s} {'alloc/held GB':>13s} {'mem wr':>6s} {'layer wr':>8s}")
     for r in rows:
         gpu = f"{r['peak_gpu_bytes'] / 1e9:7.1f}" if r["peak_gpu_bytes"] else "      -"
         disk = f"{r['disk_read_bytes'] / 1e9:7.1f}" if r["disk_read_bytes"] is not None else "      -"
         prog = f"{r['program_read_bytes'] / 1e9:6.1f}" if r.get("program_read_bytes") is not None else "     -"
+        alloc = (f"{r['gpu_allocated_bytes'] / 1e9:.1f}/{r['gpu_reserved_bytes'] / 1e9:.1f}"
+                 if r.get("gpu_allocated_bytes") else "-")
         print(f"{r['job']:13s} {r['ranks']:5d} {r['cache']:5s} {r['input_bytes'] / 1e9:6.1f} {r['wall_s']:7.1f} {r['loop_s']:7.1f} "
               f"{r['per_layer_s']:8.2f} {r['before_first_layer_s']:6.1f} {r['after_last_layer_s']:5.1f} {r['cat_s']:6.1f} "
               f"{r['dd_s'] or 0:6.1f} {r['loop_over_floor'] or 0:10.2f} {r['wall_over_floor'] or 0:10.2f} "
               f"{r['peak_rss_bytes'] / 1e9:7.1f} {gpu} {disk} "
               f"{r['projected_all_layers_s'] / 60:9.1f}m {r['projected_all_layers_fast_disk_s'] / 60:7.1f}m "
               f"{r['both_s'] or 0:6.1f} {r['loop_over_both'] or 0:9.2f} {r['pread_s']:6.1f} {r['layer_floor_s']:11.2f} "
-              f"{r['per_layer_over_layer_floor'] or 0:10.2f} {prog:>7s}")
+              f"{r['per_layer_over_layer_floor'] or 0:10.2f} {prog:>7s} {alloc:>13s} {r.get('mem_write_s') or 0:6.1f} "
+              f"{r.get('layer_mem_write_s') or 0:8.2f}")
 
 
 def main() -> int:
@@ -465,6 +520,8 @@ def main() -> int:
     ap.add_argument("--nproc", default="1", help="rank counts, e.g. 1,2,4: every job once per count (--nproc N)")
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
     ap.add_argument("--profile", type=Path, help="run each job under cProfile, stats into this folder (printed)")
+    ap.add_argument("--timeline", type=Path,
+                    help="run each job under scripts/timeline.py (every thread's segments in order) into this folder")
     ap.add_argument("--warm-only", action="store_true", help="skip the cold runs")
     ap.add_argument("--cold-only", action="store_true",
                     help="skip the warm runs (a disk too small for a second output beside the first)")
@@ -502,8 +559,9 @@ def main() -> int:
     if unknown:
         raise SystemExit(f"--jobs: unknown {sorted(unknown)}")
     q = w / "nvfp4"
-    if a.profile:
-        a.profile.mkdir(parents=True, exist_ok=True)
+    for folder in (a.profile, a.timeline):
+        if folder:
+            folder.mkdir(parents=True, exist_ok=True)
     nvfp4 = ["quantize", str(src), "-o", str(q), "--recipe", "qwen35-nvfp4-experts", "--force", *common]
     if "quantize" not in jobs and {"calibrate-kv", "eval-kld", "sensitivity", "eval-kld-pair"} & set(jobs) and not q.exists():
         run_job(nvfp4)  # their input (not timed)
@@ -511,7 +569,8 @@ def main() -> int:
     for cold in ((False,) if a.warm_only else (True,) if a.cold_only else (True, False)):
         for ranks in (int(n) for n in a.nproc.split(",")):
             def job(name, argv, inputs):
-                rows.append(one_job(name, argv, inputs, layers, cold, a.profile, ranks, real_layers, a.device))
+                rows.append(one_job(name, argv, inputs, layers, cold, a.profile, ranks, real_layers, a.device,
+                                    a.timeline))
                 print_table(rows[-1:])  # as it comes: a later failure keeps the rows so far
                 if a.out:
                     a.out.write_text(json.dumps(rows, indent=1))

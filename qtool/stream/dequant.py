@@ -87,13 +87,25 @@ class TensorSource:
         self._fds.clear()
 
 
-def load_param(mm: ModelMap, name: str, dtype, device="cpu"):
+QUANTIZED = (Format.NVFP4, Format.NVFP4_CT, Format.FP8, Format.AWQ, Format.INT4_CT)
+
+
+def stored_dense(mm: ModelMap, name: str) -> bool:
+    """Whether the tensor `name` is stored as its own dense values (not a quantized module's weight)."""
+    mod = mm.modules.get(name.rpartition(".")[0])
+    return name in mm.ckpt.tensors and (mod is None or mod.format not in QUANTIZED)
+
+
+def load_param(mm: ModelMap, name: str, dtype, device="cpu", read=None):
+    """The tensor `name` dense in `dtype` on `device` (a quantized weight dequantized); `read`: a
+    qtool.stream.layer_read.LayerBytes that holds its bytes already (read ahead), else it is read here."""
     info = mm.ckpt.tensors.get(name)
     if info is None:
         raise PlanError("tensor missing from the checkpoint", path=mm.ckpt.root, tensor=name)
-    mod = mm.modules.get(name.rpartition(".")[0])
-    if mod is not None and mod.format in (Format.NVFP4, Format.NVFP4_CT, Format.FP8, Format.AWQ, Format.INT4_CT):
-        return dense_weight(mod, dtype, device)
+    if not stored_dense(mm, name):
+        return dense_weight(mm.modules[name.rpartition(".")[0]], dtype, device)
+    if read is not None and read.has(info):
+        return read.get(info).to(device=device, dtype=dtype)
     src = TensorSource()
     try:
         return src.get(info).to(device=device, dtype=dtype)

@@ -390,6 +390,7 @@ class LayerStreamer:
         # layer was done (the op appends: quantize once its shard is written); reported, never in manifests
         self.clock: dict = {"first_layer_start": None, "layers_done": []}
         self.gdn_kernel: str | None = None  # qtool.stream.kernels: set when the first layer is built
+        self._after_layers: tuple | None = None  # (key, tensors) read while the last layer runs
 
     # -- config ---------------------------------------------------------------------------------
     @property
@@ -586,8 +587,29 @@ class LayerStreamer:
             warm_import.start()  # transformers' decoder module, while this layer is read
             self._reader.start(idx, layer_tensors(self.mm, idx))
 
+    def read_after_layers(self, key, infos: list[TensorInfo]) -> None:
+        """Have `infos` read while `run`'s last layer computes, in the read-ahead's place (the reader is
+        idle then), for `take_read(key)` after the run: eval kld's final norm and lm_head (a 397B's lm_head
+        is 2 GB: read on the main thread after the layers, then uploaded, it took 0.8 s on the H200)."""
+        self._after_layers = (key, infos)
+
+    def take_read(self, key):
+        """What `read_after_layers(key, ...)` read (a LayerBytes on the device), or None."""
+        return self._reader.take(key)
+
     def close(self) -> None:
         self._reader.close()
+        self._note_gpu_peak()
+
+    def _note_gpu_peak(self) -> None:
+        """Into the clock: the most torch's allocator handed out against the most it held (nvidia-smi's
+        figure); the difference is its cache and fragmentation (benchmarks read it from the report)."""
+        if self.device.startswith("cuda"):
+            import torch
+
+            dev = torch.device(self.device)
+            self.clock["gpu_peak"] = {"allocated": torch.cuda.max_memory_allocated(dev),
+                                      "reserved": torch.cuda.max_memory_reserved(dev)}
 
     def forward_layer(self, layer, store: HiddenStore, seq_len: int, batch: int,
                       on_batch: Callable[[int], None] | None = None) -> None:
@@ -624,14 +646,19 @@ class LayerStreamer:
         stop = self.num_layers if stop is None else stop
         try:
             self._run(store, seq_len, start, stop, hooks, batch, progress)
-        finally:
+        except BaseException:
             self._reader.close()  # an error mid-run: no read left going on behind the caller's back
+            raise
+        finally:
+            self._note_gpu_peak()
 
     def _run(self, store, seq_len, start, stop, hooks, batch, progress) -> None:
         for idx in range(start, stop):
             layer = self.load_layer(idx)
             if idx + 1 < stop:
                 self.prefetch(idx + 1)  # read while this layer computes
+            elif self._after_layers is not None:
+                self._reader.start(*self._after_layers)
             if hooks is not None:
                 hooks.before_layer(idx, layer)
             self.forward_layer(layer, store, seq_len, batch)

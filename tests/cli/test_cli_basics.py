@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 
@@ -73,3 +74,24 @@ def test_progress_bars_only_on_a_terminal(tiny_nvfp4_modelopt, tmp_path):
              "--seq-len", "32", "--replace-scales")
     assert r.returncode == 0, r.stderr
     assert "layer/s" not in r.stderr and "it/s" not in r.stderr, r.stderr
+
+
+def test_a_job_gets_growing_gpu_segments_unless_the_user_configured_the_allocator(monkeypatch, capsys):
+    """Every qtool command sets torch's CUDA allocator to expandable segments (less memory held for the same
+    tensors in a layer-streamed job) before it runs; a user's own setting, under either of the names torch
+    reads, is kept."""
+    from qtool.cli.main import main
+
+    for user in ({}, {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"},
+                 {"PYTORCH_ALLOC_CONF": "expandable_segments:False"}):
+        for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in user.items():
+            monkeypatch.setenv(name, value)
+        assert main(["recipes", "list"]) == 0
+        got = {n: os.environ.get(n) for n in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
+        want = {"PYTORCH_CUDA_ALLOC_CONF": None, "PYTORCH_ALLOC_CONF": None, **user}
+        if not user:
+            want["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+        assert got == want
+    capsys.readouterr()

@@ -204,3 +204,24 @@ def test_inprocess_on_cuda_equals_the_cpu_path(request, tmp_path):
     assert gpu.result["top1_agreement"] == pytest.approx(cpu.result["top1_agreement"], abs=0.05)
     for k, rel in (("mean", 0.05), ("median", 0.05), ("p95", 0.15)):  # a tail moves more with the rounding
         assert gpu.result[k] == pytest.approx(cpu.result[k], rel=rel), k
+
+
+def test_the_head_is_read_with_the_last_layer_not_after_it(pair, monkeypatch):
+    """The final norm and the lm_head are read while the last layer computes (the read-ahead's turn, the
+    reader is idle then), not by the main thread after the layers; the log-probs are the oracle's."""
+    from qtool.ops.kld.sources import CheckpointSource
+    from qtool.stream.dequant import TensorSource
+
+    ref, _test, ids, lp_ref, _ = pair
+    after: list[str] = []
+    real_get = TensorSource.get
+    monkeypatch.setattr(TensorSource, "get", lambda self, info: after.append(info.name) or real_get(self, info))
+    src = CheckpointSource(ref)
+    try:
+        src.prepare(ids)
+        assert src.streamer._reader._key == "head"  # being read, or read, during the last layer
+        got = torch.stack([src.logprobs(w, 0, L) for w in range(N)])
+    finally:
+        src.close()
+    assert not [n for n in after if n.endswith(("lm_head.weight", "model.language_model.norm.weight"))], after
+    torch.testing.assert_close(got, lp_ref, rtol=1e-4, atol=1e-4)

@@ -58,6 +58,7 @@ def test_cuda_quantize_matches_cpu(tiny_bf16, calib_ids, tmp_path):
 
 
 def test_modelopt_mse_backend_runs_on_cuda(tiny_bf16, calib_ids, tmp_path):
+    pytest.importorskip("modelopt", reason="the quant extra (nvidia-modelopt) is not installed")
     from qtool.ops.quantize import run
     from qtool.recipes import Backend
 

@@ -31,6 +31,7 @@ from qtool.ops.kld.compact import CompactChunk
 DUMP_KEY = "log_probs"  # upstream SGLang capture (patches/sglang-kld-logit-capture.py)
 META = "meta.json"
 RAM_LIMIT = 8 << 30
+HEAD_READ = "head"  # the LayerStreamer's read-ahead key for the final norm and the lm_head
 
 
 class Kind(str, Enum):
@@ -115,11 +116,36 @@ class CheckpointSource:
             self._tmp = tempfile.TemporaryDirectory(prefix="qtool-kld-", dir=base)
             self.store = DiskStore(Path(self._tmp.name), shape, s.dtype, device=s.device)
         batch = s.batch_windows(seq)
+        head = self._head_tensors()
+        stored = s.layer_sizes()[1]
+        if head and sum(i.nbytes for i in head) <= max(stored, default=0):
+            s.read_after_layers(HEAD_READ, head)  # in the next layer's read-ahead's place: within the plan
         s.prefetch(0)  # the first layer is read while the windows are embedded
         s.embed_into(ids, self.store, batch)
         s.run(self.store, seq, batch=batch, progress=progress)
         self.windows = n
         self.seq_len = seq
+
+    def _head_name(self) -> str:
+        s = self.streamer
+        name = "lm_head.weight"
+        if name not in s.ckpt.tensors:
+            if not s.text_cfg_dict.get("tie_word_embeddings") and not (s.ckpt.config or {}).get("tie_word_embeddings"):
+                raise PlanError("checkpoint has no lm_head.weight and does not tie word embeddings",
+                                path=s.ckpt.root, tensor=name)
+            name = s.prefix + "embed_tokens.weight"  # tied (transformers PreTrainedModel.tie_weights)
+        return name
+
+    def _head_tensors(self) -> list:
+        """The final norm's and the lm_head's tensors where both are stored dense (read ahead with the
+        layers); [] otherwise (a quantized head is dequantized by load_param after the layers)."""
+        from qtool.stream.dequant import stored_dense
+
+        s = self.streamer
+        names = [s.prefix + "norm.weight", self._head_name()]
+        if not all(stored_dense(s.mm, n) for n in names):
+            return []
+        return [s.ckpt.tensors[n] for n in names]
 
     def _load_head(self) -> None:
         from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeRMSNorm
@@ -127,16 +153,15 @@ class CheckpointSource:
         from qtool.stream.dequant import load_param
 
         s = self.streamer
-        norm = Qwen3_5MoeRMSNorm(s.hidden_size, eps=s.hf_config.rms_norm_eps)
-        norm.weight.data = load_param(s.mm, s.prefix + "norm.weight", s.dtype, self.device)
-        norm = norm.to(self.device)
-        name = "lm_head.weight"
-        if name not in s.ckpt.tensors:
-            if not s.text_cfg_dict.get("tie_word_embeddings") and not (s.ckpt.config or {}).get("tie_word_embeddings"):
-                raise PlanError("checkpoint has no lm_head.weight and does not tie word embeddings",
-                                path=s.ckpt.root, tensor=name)
-            name = s.prefix + "embed_tokens.weight"  # tied (transformers PreTrainedModel.tie_weights)
-        w = load_param(s.mm, name, s.dtype, self.device)
+        read = s.take_read(HEAD_READ)  # None where it was not read ahead
+        try:
+            norm = Qwen3_5MoeRMSNorm(s.hidden_size, eps=s.hf_config.rms_norm_eps)
+            norm.weight.data = load_param(s.mm, s.prefix + "norm.weight", s.dtype, self.device, read=read)
+            norm = norm.to(self.device)
+            w = load_param(s.mm, self._head_name(), s.dtype, self.device, read=read)
+        finally:
+            if read is not None:
+                read.close()  # the tensors above keep what they view
         self.vocab = int(w.shape[0])
         self._head = (norm, w)
 
@@ -157,6 +182,7 @@ class CheckpointSource:
     def close(self) -> None:
         self._head = None
         self.store = None
+        self.streamer.close()  # a read ahead not taken (an error before the log-probs) ends here
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None

@@ -111,6 +111,7 @@ def _quantize_layers(p, partial, streamer, store, seq, batch, start, layer_repor
     from qtool.io.files import tmp_path
     from qtool.ops.quantize.layer import Share, create_layer_tmp, write_layer_shard
     from qtool.stream.layer_stream import attention_tap, kv_amax_tap
+    from qtool.stream.side_stream import SideStream
 
     g = streamer.group
     share = Share(g.rank, g.world)
@@ -138,9 +139,10 @@ def _quantize_layers(p, partial, streamer, store, seq, batch, start, layer_repor
         if progress is not None:
             progress(lp.index)
 
-    def finish(lp, layer, stats, kv, backend, current) -> list[dict]:
-        """Write this rank's share of the layer; one rank also commits it here, on the writer thread."""
-        with torch.no_grad():
+    def finish(lp, layer, stats, kv, backend, current, ready=None) -> list[dict]:
+        """Write this rank's share of the layer; one rank also commits it here, on the writer thread (on
+        its own CUDA stream, after the handoff mark `ready`: qtool.stream.side_stream)."""
+        with torch.no_grad(), coder.run(ready):
             rep = write_layer_shard(partial / lp.shard, lp, layer, stats, (kv.k_amax, kv.v_amax), p, backend, mode,
                                     share)
         if g.world == 1:
@@ -159,6 +161,7 @@ def _quantize_layers(p, partial, streamer, store, seq, batch, start, layer_repor
 
     todo = p.layers[start:]
     pending = None
+    coder = SideStream(streamer.device)  # the writer codes beside the next layer's forward, not behind it
     # the writer codes on the job's device: a new thread's current CUDA device is 0 whatever the job's is
     on_device = (None, ())
     if streamer.device.startswith("cuda"):
@@ -203,7 +206,7 @@ def _quantize_layers(p, partial, streamer, store, seq, batch, start, layer_repor
                 g.barrier()
                 job = (lp, layer, stats, kv, backend, store.current)
                 if backend is None:
-                    pending = (writer.submit(finish, *job), lp, stats, kv, store.current)
+                    pending = (writer.submit(finish, *job, coder.handoff()), lp, stats, kv, store.current)
                 else:
                     finish(*job)
                 del layer, backend, job
