@@ -145,11 +145,11 @@ class MemoryStore(HiddenStore):
 
 
 class DiskStore(HiddenStore):
-    """Raw files `hidden.a`, `hidden.b` (, `hidden.c`) in `dir`, used in turn: a layer reads `current` and
-    writes the next one; `current` names the one holding the last committed layer's output (recorded by
-    the caller's journal). With `files=3` the input of a layer whose results are still being written
-    (quantize's write-behind) survives the next layer's forward, so a journal that lags one layer behind
-    still points at intact hidden states.
+    """Raw files `hidden.a`, `hidden.b` (, `hidden.c`, `hidden.d`) in `dir`, used in turn: a layer reads
+    `current` and writes the next one; `current` names the one holding the last committed layer's output
+    (recorded by the caller's journal). With `files=2 + k` the inputs of the k layers whose results are
+    still being written (quantize's write-behind) survive the next layer's forward, so a journal that lags
+    k layers behind still points at intact hidden states.
 
     `write_behind=True` (one process only): writes, the end-of-layer fsync and `when_durable` callbacks
     (the caller's journal) run on one writer thread, in order, while the next layer is built; every read
@@ -161,7 +161,7 @@ class DiskStore(HiddenStore):
     values as the file's); the files are still written, from page-locked memory after a non-blocking
     download, behind the forward where `write_behind`. A store opened on a resume reads the files."""
 
-    NAMES = ("a", "b", "c")
+    NAMES = ("a", "b", "c", "d")
 
     def __init__(self, dir: Path, shape, dtype, current: str = "a", files: int = 2, write_behind: bool = False,
                  device: str = "cpu"):

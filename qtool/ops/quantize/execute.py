@@ -27,7 +27,7 @@ from qtool.io.identity import input_identity
 from qtool.io.output import OutputDir
 from qtool.ops.contract import Report
 from qtool.ops.quantize.output import input_files
-from qtool.ops.quantize.plan import QuantizeOptions, QuantizePlan, plan
+from qtool.ops.quantize.plan import HIDDEN_FILES, QuantizeOptions, QuantizePlan, plan
 from qtool.recipes import Scheme
 
 JOURNAL = "journal.json"
@@ -68,9 +68,10 @@ def calibrate_and_write(p: QuantizePlan, partial: Path, ids, *, resume: bool, pr
             raise PlanError("--resume: the journal was written for other inputs (source, recipe, data or flags)",
                             path=jpath, hint="run again without --resume to start over")
     g.barrier()  # every rank has read the journal before rank 0 writes the next one
-    # three files: with write-behind the journal may lag one layer behind the forward (_quantize_layers)
+    # with write-behind the journal may lag p.layers_in_flight layers behind the forward (_quantize_layers);
+    # always HIDDEN_FILES, so that a resume finds the file its journal names whatever it plans in flight
     store = DiskStore(work, (n, seq, streamer.hidden_size), streamer.dtype,
-                      current=(journal or {}).get("current", "a"), files=3, device=streamer.device)
+                      current=(journal or {}).get("current", "a"), files=HIDDEN_FILES, device=streamer.device)
     start = int((journal or {}).get("next_layer", 0))
     layer_reports: list[dict] = list((journal or {}).get("layers", []))
 
@@ -95,13 +96,17 @@ def calibrate_and_write(p: QuantizePlan, partial: Path, ids, *, resume: bool, pr
 
 def _quantize_layers(p, partial, streamer, store, seq, batch, start, layer_reports, save, progress, mode, done):
     """The layer loop: layer L+1's bytes are read while L computes (streamer.prefetch), and L's experts are
-    quantized and its shard written by one writer thread while L+1 loads and runs forward (write-behind,
-    at most one layer pending; not with a peer backend, whose library state is not thread-safe). The
-    journal entry of L is saved once L's shard is on disk, in layer order; the store keeps three
-    hidden-state files so that L's input survives L+1's forward until then. With several ranks every rank
-    codes and writes its share of L's experts (layer.Share) into the one file, and rank 0 renames and
-    journals it once every share is written (the ranks meet at L+1's end)."""
+    quantized and its shard written by a writer thread while L+1 loads and runs forward (write-behind, at
+    most p.layers_in_flight layers pending, each on a writer thread and a CUDA stream of its own; not with a
+    peer backend, whose library state is not thread-safe). The journal entry of L is saved once L's shard
+    is on disk, in layer order (a layer written before the one ahead of it waits for that one's entry);
+    the store keeps HIDDEN_FILES hidden-state files so that the inputs of the layers in flight survive the
+    forward until then. With several ranks every rank codes and writes its share of L's experts
+    (layer.Share) into the one file, and rank 0 renames and journals it once every share is written (the
+    ranks meet at L+1's end)."""
+    from collections import deque
     from concurrent.futures import ThreadPoolExecutor
+    from contextlib import nullcontext
 
     import torch
 
@@ -139,13 +144,16 @@ def _quantize_layers(p, partial, streamer, store, seq, batch, start, layer_repor
         if progress is not None:
             progress(lp.index)
 
-    def finish(lp, layer, stats, kv, backend, current, ready=None) -> list[dict]:
-        """Write this rank's share of the layer; one rank also commits it here, on the writer thread (on
-        its own CUDA stream, after the handoff mark `ready`: qtool.stream.side_stream)."""
-        with torch.no_grad(), coder.run(ready):
+    def finish(lp, layer, stats, kv, backend, current, coder=None, ready=None, ahead=None) -> list[dict]:
+        """Write this rank's share of the layer; one rank also commits it here, on the writer thread, once
+        the layer `ahead` of it (a Future) has committed. The coding runs on the writer's own CUDA stream,
+        after the handoff mark `ready` (qtool.stream.side_stream)."""
+        with torch.no_grad(), (coder.run(ready) if coder is not None else nullcontext()):
             rep = write_layer_shard(partial / lp.shard, lp, layer, stats, (kv.k_amax, kv.v_amax), p, backend, mode,
                                     share)
         if g.world == 1:
+            if ahead is not None:
+                ahead.result()  # its error is this layer's too: no journal entry past a layer not on disk
             commit(lp, stats, kv, current, rep["awq"], rep.get("sha256"))
         return rep["awq"]
 
@@ -160,14 +168,16 @@ def _quantize_layers(p, partial, streamer, store, seq, batch, start, layer_repor
                 commit(lp, stats, kv, current, [r for part in every for r in part])
 
     todo = p.layers[start:]
-    pending = None
-    coder = SideStream(streamer.device)  # the writer codes beside the next layer's forward, not behind it
+    in_flight = p.layers_in_flight if g.world == 1 else 1
+    pending: deque = deque()  # (future, lp, stats, kv, current) of the layers being written, in order
+    # each writer codes beside the next layer's forward, not behind it, on a stream of its own
+    coders = [SideStream(streamer.device) for _ in range(in_flight)]
     # the writer codes on the job's device: a new thread's current CUDA device is 0 whatever the job's is
     on_device = (None, ())
     if streamer.device.startswith("cuda"):
         index = torch.device(streamer.device).index
         on_device = (torch.cuda.set_device, (torch.cuda.current_device() if index is None else index,))
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="qtool-layer-write", initializer=on_device[0],
+    with ThreadPoolExecutor(max_workers=in_flight, thread_name_prefix="qtool-layer-write", initializer=on_device[0],
                             initargs=on_device[1]) as writer:
         try:
             for k, lp in enumerate(todo):
@@ -196,9 +206,11 @@ def _quantize_layers(p, partial, streamer, store, seq, batch, start, layer_repor
                 # data parallel: every rank now holds the layer's stats (the AWQ rows of the experts it codes)
                 reduce_expert_stats(stats, g, owner=lambda e: share.owner(e, p.n_experts))
                 reduce_kv(kv, g)
-                if pending is not None:
-                    previous, pending = pending, None
-                    settle(previous)  # the previous layer is written and journaled
+                # the oldest layer in flight written and journaled; all of them, in order, once one has
+                # failed (its error is raised here, before another layer is begun)
+                failed = any(f.done() and f.exception() is not None for f, *_ in pending)
+                while pending and (len(pending) >= in_flight or failed):
+                    settle(pending.popleft())
                 if g.world > 1 and g.leader:
                     create_layer_tmp(partial / lp.shard, mode)  # the file every rank writes its share into
                 # the other ranks wait for that journal entry: the next layer's forward overwrites the
@@ -206,18 +218,21 @@ def _quantize_layers(p, partial, streamer, store, seq, batch, start, layer_repor
                 g.barrier()
                 job = (lp, layer, stats, kv, backend, store.current)
                 if backend is None:
-                    pending = (writer.submit(finish, *job, coder.handoff()), lp, stats, kv, store.current)
+                    coder = coders[k % in_flight]
+                    ahead = pending[-1][0] if pending else None
+                    pending.append((writer.submit(finish, *job, coder, coder.handoff(), ahead), lp, stats, kv,
+                                    store.current))
                 else:
                     finish(*job)
                 del layer, backend, job
-            if pending is not None:
-                previous, pending = pending, None
-                settle(previous)
+            while pending:
+                settle(pending.popleft())
         finally:
-            if pending is not None:
-                pending[0].cancel()
+            for fut, *_ in pending:
+                fut.cancel()
+            for fut, *_ in pending:
                 try:
-                    pending[0].result()
+                    fut.result()
                 except BaseException:
                     pass  # the error that brought us here is the one raised
 

@@ -76,6 +76,12 @@ class LayerPlan:
     shard: str
 
 
+# the calibration set's hidden states on disk: the layer running reads one file and writes another, and the
+# input of each layer still being written behind stays intact for a resume from the journal, which names it
+# (qtool.stream.layer_stream.DiskStore): two files, plus one per layer in flight (at most two)
+HIDDEN_FILES = 4
+
+
 @dataclass
 class QuantizePlan:
     ckpt: Checkpoint
@@ -101,14 +107,16 @@ class QuantizePlan:
     calib: object = None  # the token windows (stream.calib_data.CalibSet); None with calib_ids
     memory: object = None  # peak host/GPU need and fit (stream.memory_plan.MemoryNeed)
     int4_group: int = 128  # W4A16: the one group size of every expert projection (formats.awq.expert_group_size)
+    layers_in_flight: int = 1  # finished layers coded and written at once behind the forward (execute)
 
     @property
     def kv_names(self) -> str:
         return "modelopt" if self.format is OutFormat.MODELOPT else "compressed-tensors"
 
-    def memory_need(self):
-        """Peak host/GPU memory (qtool.stream.memory_plan): with qtool's own codec a finished layer is
-        quantized and written behind the next one, so two dense layers are held."""
+    def memory_need(self, in_flight: int | None = None):
+        """Peak host/GPU memory (qtool.stream.memory_plan): with qtool's own codec finished layers are
+        quantized and written behind the next one (`in_flight` of them, default the plan's), so that many
+        dense layers more are held."""
         from qtool.ops.quantize.backends import LAYER_BACKENDS
         from qtool.stream.memory_plan import need
 
@@ -116,8 +124,21 @@ class QuantizePlan:
         awq = self.n_experts * self.awq_rows * self.inter * 4
         from qtool.dist import planned_ranks
 
-        return need(self.stream, device=self.device, held_layers=2 if write_behind else 1, extra_host=awq,
-                    ranks=planned_ranks())
+        held = 1 + (self.layers_in_flight if in_flight is None else in_flight) if write_behind else 1
+        return need(self.stream, device=self.device, held_layers=held, extra_host=awq, ranks=planned_ranks())
+
+    def choose_layers_in_flight(self) -> int:
+        """Two finished layers coded and written at once, where that fits: a layer's shard is written by one
+        thread, and one thread's buffered writes copy at ~2 GB/s on the lent H200 machine (the page cache of
+        its /dev/shm, and the users' NVMe alike: the copy, not the disk, is the limit), so two shards written
+        side by side write twice as fast. Not with a peer backend (no write-behind), with several ranks (their
+        shares meet layer by layer), nor where the AWQ search keeps each layer's activations on the host."""
+        from qtool.dist import planned_ranks
+        from qtool.ops.quantize.backends import LAYER_BACKENDS
+
+        if self.backend in LAYER_BACKENDS or self.awq_rows or planned_ranks() > 1:
+            return 1
+        return 2 if self.memory_need(2).fits is not False else 1
 
     def to_json(self) -> dict:
         sp = self.stream
@@ -139,7 +160,8 @@ class QuantizePlan:
             "device": self.device,
             "memory": {**sp.to_json(), "awq_activation_bytes": self.n_experts * self.awq_rows * self.inter * 4,
                        "need": self.memory.to_json(),
-                       "hidden_disk_bytes": 3 * sp.hidden_bytes},
+                       "hidden_disk_bytes": HIDDEN_FILES * sp.hidden_bytes,
+                       "layers_in_flight": self.layers_in_flight},
             "warnings": self.warnings,
         }
 
@@ -370,6 +392,7 @@ def plan(opts: QuantizeOptions) -> QuantizePlan:
         p.warnings.append(f"the recipe {recipe.name} is meant to calibrate on {want['dataset']} "
                           f"({want['samples']} x {want['seq_len']} tokens); this run uses {dataset} "
                           f"({samples} x {seq_len}): pass --dataset/--samples/--seq-len for a real run")
+    p.layers_in_flight = p.choose_layers_in_flight()
     p.memory = p.memory_need()
     if p.memory.warning():
         p.warnings.append(p.memory.warning())
