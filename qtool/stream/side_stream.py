@@ -8,7 +8,7 @@ run between the forward's; `SideStream.handoff()` records where the handing thre
 the work on the side stream starts after it (the layer's weights and statistics are complete there).
 
 Memory stays safe across the streams because the handed-over tensors are held by the job until the side
-stream's work on them has been waited for (the coder waits for each chunk's download).
+stream's work on them is done: `run` waits for the side stream when its block ends, also on an error.
 """
 
 from __future__ import annotations
@@ -49,4 +49,9 @@ class SideStream:
 
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(ready)
-            yield
+            try:
+                yield
+            finally:
+                # nothing queued here outlives the block: the caller then lets go of the handed-over tensors
+                # (a failed job skips the downloads it would have waited for)
+                self.stream.synchronize()

@@ -202,7 +202,9 @@ def test_inprocess_on_cuda_equals_the_cpu_path(request, tmp_path):
     gpu = run(str(ref), str(test), opts=KldOptions(windows=N, seq_len=L, chunk=10, device="cuda"))
     assert gpu.result["positions"] == cpu.result["positions"] and cpu.result["mean"] > 0
     assert gpu.result["top1_agreement"] == pytest.approx(cpu.result["top1_agreement"], abs=0.05)
-    for k, rel in (("mean", 0.05), ("median", 0.05), ("p95", 0.15)):  # a tail moves more with the rounding
+    # the tiny model's KLD is ~1.5e-5, near BF16's rounding: on one H200 machine (2026-12-05) CUDA's GEMMs
+    # moved the mean by 8.6% (1.535e-5 on the CPU, 1.403e-5 on CUDA, with the lm_head read ahead or not)
+    for k, rel in (("mean", 0.15), ("median", 0.15), ("p95", 0.15)):
         assert gpu.result[k] == pytest.approx(cpu.result[k], rel=rel), k
 
 

@@ -163,7 +163,8 @@ def calibrate(
 
     hooks = _KvHooks(p.layers, lambda idx: save(idx + 1), g)
     hooks.stats.update(stats)
-    streamer.prefetch(start)  # the first layer is read while the embeddings are made
+    if start < p.run_layers:
+        streamer.prefetch(start)  # the first layer is read while the embeddings are made
     if start == 0:
         streamer.embed_into(ids, store, batch)
         save(0)

@@ -241,7 +241,7 @@ def run(
         for role, s in srcs.items():
             if s.kind is Kind.CHECKPOINT:
                 s.prepare(ids, progress=(lambda i, s=s: progress(f"layers {s.path.name}", i + 1, s.streamer.num_layers))
-                          if progress else None)
+                          if progress else None, head_ahead=s is ckpts[-1])
                 rep.timing[role] = s.streamer.clock
 
         # -- execute ----------------------------------------------------------------------------

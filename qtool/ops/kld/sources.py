@@ -101,8 +101,10 @@ class CheckpointSource:
             m.gpu_bytes = max(m.gpu_bytes, head)
         return {**sp.to_json(), "hidden_in_ram": in_ram, "head_bytes": head, "need": m.to_json()}
 
-    def prepare(self, ids, *, progress=None) -> None:
-        """Run all decoder layers over the windows `ids` [N, L]; keeps the final hidden states."""
+    def prepare(self, ids, *, progress=None, head_ahead: bool = True) -> None:
+        """Run all decoder layers over the windows `ids` [N, L]; keeps the final hidden states.
+        `head_ahead`: read the final norm and lm_head while the last layer runs (only for the source
+        prepared last: another's layers would run with them held)."""
         from qtool.stream.layer_stream import DiskStore, MemoryStore
 
         s = self.streamer
@@ -118,7 +120,7 @@ class CheckpointSource:
         batch = s.batch_windows(seq)
         head = self._head_tensors()
         stored = s.layer_sizes()[1]
-        if head and sum(i.nbytes for i in head) <= max(stored, default=0):
+        if head_ahead and head and sum(i.nbytes for i in head) <= max(stored, default=0):
             s.read_after_layers(HEAD_READ, head)  # in the next layer's read-ahead's place: within the plan
         s.prefetch(0)  # the first layer is read while the windows are embedded
         s.embed_into(ids, self.store, batch)

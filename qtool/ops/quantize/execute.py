@@ -148,6 +148,8 @@ def _quantize_layers(p, partial, streamer, store, seq, batch, start, layer_repor
         """Write this rank's share of the layer; one rank also commits it here, on the writer thread, once
         the layer `ahead` of it (a Future) has committed. The coding runs on the writer's own CUDA stream,
         after the handoff mark `ready` (qtool.stream.side_stream)."""
+        if ahead is not None and ahead.done() and ahead.exception() is not None:
+            raise ahead.exception()  # the layer ahead failed: this one is not begun
         with torch.no_grad(), (coder.run(ready) if coder is not None else nullcontext()):
             rep = write_layer_shard(partial / lp.shard, lp, layer, stats, (kv.k_amax, kv.v_amax), p, backend, mode,
                                     share)

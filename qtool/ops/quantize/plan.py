@@ -80,6 +80,7 @@ class LayerPlan:
 # input of each layer still being written behind stays intact for a resume from the journal, which names it
 # (qtool.stream.layer_stream.DiskStore): two files, plus one per layer in flight (at most two)
 HIDDEN_FILES = 4
+HEADROOM = 0.9  # two layers in flight only within this share of the free memory
 
 
 @dataclass
@@ -138,7 +139,12 @@ class QuantizePlan:
 
         if self.backend in LAYER_BACKENDS or self.awq_rows or planned_ranks() > 1:
             return 1
-        return 2 if self.memory_need(2).fits is not False else 1
+        two = self.memory_need(2)
+        # with room to spare: the allocator holds more than it hands out, and two coders' temporaries
+        room = [free * HEADROOM for free in two.gpu_available.values()] if two.gpu_bytes is not None else \
+            [two.host_available * HEADROOM / two.ranks] if two.host_available is not None else []
+        need = two.gpu_bytes if two.gpu_bytes is not None else two.host_bytes
+        return 2 if two.fits is not False and all(need <= r for r in room) else 1
 
     def to_json(self) -> dict:
         sp = self.stream
