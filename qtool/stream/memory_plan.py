@@ -30,13 +30,17 @@ class MemoryNeed:
 
     @property
     def problems(self) -> list[str]:
+        return self.problems_within(1.0)
+
+    def problems_within(self, share: float) -> list[str]:
+        """The limits exceeded where only `share` of the available memory may be used."""
         out = []
         host = self.host_bytes * self.ranks
-        if self.host_available is not None and host > self.host_available:
+        if self.host_available is not None and host > self.host_available * share:
             each = f" ({self.ranks} ranks x {_gib(self.host_bytes)})" if self.ranks > 1 else ""
             out.append(f"host RAM: needs ~{_gib(host)}{each}, {_gib(self.host_available)} available")
         for dev, free in self.gpu_available.items():
-            if self.gpu_bytes is not None and self.gpu_bytes > free:
+            if self.gpu_bytes is not None and self.gpu_bytes > free * share:
                 out.append(f"{dev}: needs ~{_gib(self.gpu_bytes)}, {_gib(free)} free")
         return out
 

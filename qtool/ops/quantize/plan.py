@@ -139,12 +139,8 @@ class QuantizePlan:
 
         if self.backend in LAYER_BACKENDS or self.awq_rows or planned_ranks() > 1:
             return 1
-        two = self.memory_need(2)
         # with room to spare: the allocator holds more than it hands out, and two coders' temporaries
-        room = [free * HEADROOM for free in two.gpu_available.values()] if two.gpu_bytes is not None else \
-            [two.host_available * HEADROOM / two.ranks] if two.host_available is not None else []
-        need = two.gpu_bytes if two.gpu_bytes is not None else two.host_bytes
-        return 2 if two.fits is not False and all(need <= r for r in room) else 1
+        return 1 if self.memory_need(2).problems_within(HEADROOM) else 2
 
     def to_json(self) -> dict:
         sp = self.stream
