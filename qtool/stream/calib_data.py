@@ -204,8 +204,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt
 
 def load_tokenizer(ckpt_dir: str | Path):
     """The checkpoint's tokenizer (its side files already checked by the caller, build_calib_set)."""
-    from qtool.stream.warm_import import skip_unused_imports
+    from qtool.stream.warm_import import join, skip_unused_imports
 
+    join()  # the decoder module's background import, where the job started it before planning
     skip_unused_imports()  # the job's first transformers import: without what it never runs
     from transformers import AutoTokenizer
 

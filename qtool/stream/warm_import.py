@@ -1,14 +1,18 @@
-"""Import transformers' Qwen3.5-MoE decoder module in the background while a streamed job hashes its
-inputs, reads the first layer and embeds the calibration set.
+"""Import transformers' Qwen3.5-MoE decoder module in the background while a streamed job plans, hashes
+its inputs, reads the first layer and embeds the calibration set.
 
-That import costs ~4-7 s (transformers pulls in torch.distributed.tensor, torch._dynamo and their
-custom ops; measured with `python -X importtime`), all before a streamed job can build its first
-layer. It is mostly Python work, but the disk reads, hashing and torch kernels that run meanwhile
-release the GIL, so it overlaps. Started by the streamer's first read-ahead (execution, never planning:
-the plan's tokenizer import must not race it), and joined before the streamer touches transformers
-(`join()`): transformers swaps a lazy module into sys.modules while it initialises, so a second thread's
-`from transformers import X` does not wait on Python's import lock and can fail. An import error is
-left for the streamer's own import to raise where the user sees it.
+That import costs ~3-7 s warm (transformers pulls in torch.distributed.tensor, torch._dynamo and their
+custom ops; measured with `python -X importtime`) and 9-12 s on a cold disk that the job's first reads
+keep busy (the H200's timelines), all before a streamed job can build its first layer. It is mostly Python
+work, but the planning, disk reads, hashing and torch kernels that run meanwhile release the GIL, so it
+overlaps. Started as soon as a command knows it will run a streamed job, before it plans (the CLI's
+`plan_then_execute`, eval kld's `run`; never for a dry run, which builds no layer), and again (a no-op) by
+the streamer's first read-ahead.
+
+Every transformers import of this process's other threads joins it first (`join()`: `load_tokenizer`,
+`qtool.quiet`, the streamer's `hf_config`): transformers swaps a lazy module into sys.modules while it
+initialises, so a second thread's `from transformers import X` does not wait on Python's import lock and
+can fail. An import error is left for the importer that joined to raise where the user sees it.
 """
 
 from __future__ import annotations

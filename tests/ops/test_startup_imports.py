@@ -127,3 +127,31 @@ def test_transformers_sees_the_same_distributions_through_the_cache(tmp_path):
     assert mapping(cached) == plain  # fills the cache
     assert list((tmp_path / "cache").glob("packages-distributions-*.json"))
     assert mapping(cached) == plain  # read from it
+
+
+def test_the_decoder_module_is_imported_while_the_job_plans(tiny_bf16, tmp_path, monkeypatch, capsys):
+    """A quantize that will run starts transformers' decoder-module import before it plans (the H200's cold
+    timeline: 9 s of the first layer's start was this import, begun only at the first read-ahead), and the
+    plan's tokenizer joins it before its own transformers import; a dry run builds no layer and starts
+    none."""
+    from qtool.cli.main import main
+    from qtool.stream import calib_data, warm_import
+
+    events: list[str] = []
+    real_start, real_join, real_load = warm_import.start, warm_import.join, calib_data.load_tokenizer
+    monkeypatch.setattr(warm_import, "start", lambda: (events.append("start"), real_start())[1])
+    monkeypatch.setattr(warm_import, "join", lambda: (events.append("join"), real_join())[1])
+    monkeypatch.setattr(calib_data, "load_tokenizer", lambda d: (events.append("tokenizer"), real_load(d))[1])
+    args = ["quantize", str(tiny_bf16), "--recipe", "qwen35-nvfp4-experts", "--samples", "2", "--seq-len", "16",
+            "--json"]
+
+    monkeypatch.setenv("QTOOL_CACHE_DIR", str(tmp_path / "cache-1"))  # no cached token ids: the plan tokenizes
+    assert main([*args, "-o", str(tmp_path / "dry"), "--dry-run"]) == 0
+    assert "start" not in events and "tokenizer" in events
+    events.clear()
+    monkeypatch.setenv("QTOOL_CACHE_DIR", str(tmp_path / "cache-2"))
+    assert main([*args, "-o", str(tmp_path / "out")]) == 0
+    capsys.readouterr()
+    assert events[0] == "start", events
+    assert events[events.index("tokenizer") + 1] == "join", events  # before its own transformers import
+    assert list((tmp_path / "out").glob("*.safetensors"))

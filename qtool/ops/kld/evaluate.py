@@ -189,6 +189,10 @@ def run(
 
         # -- windows ------------------------------------------------------------------------------
         ckpts = [s for s in srcs.values() if s.kind is Kind.CHECKPOINT]
+        if ckpts and r is not None and not dry_run and (save_ref or t is not None):
+            from qtool.stream import warm_import
+
+            warm_import.start()  # transformers' decoder module, imported while the windows are tokenized
         ids = None
         if ckpts or emit_windows:
             tok_dir = o.tokenizer or (str(ckpts[0].path) if ckpts else None)
