@@ -227,8 +227,14 @@ class Checkpoint:
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
 
+    def tensor_bytes(self, name: str) -> int:
+        """A tensor's byte count (from the table's columns where there is one: no TensorInfo made)."""
+        nbytes_of = getattr(self.tensors, "nbytes_of", None)
+        return nbytes_of(name) if nbytes_of is not None else self.tensors[name].nbytes
+
     def shard_of(self, name: str) -> str:
-        return os.path.basename(self.tensors[name].file)
+        file_of = getattr(self.tensors, "file_of", None)  # a 397B has ~370k tensors: asked of each by a plan
+        return os.path.basename(file_of(name) if file_of is not None else self.tensors[name].file)
 
 
 def _safe_shard_path(root: Path, rel: str, index_path: Path) -> Path:

@@ -129,6 +129,10 @@ class TensorTable(Mapping):
     def file_at(self, row: int) -> str:
         return self.files[self._file[row]]
 
+    def file_of(self, name: str) -> str:
+        """A tensor's file by name, without making its TensorInfo."""
+        return self.files[self._file[self._row[name]]]
+
     def each(self, rows: Iterable[int], make):
         """[make(name, file, dtype, shape, start, end) for each row]: other tuples (a writer's OutTensor)
         straight from the columns, without a TensorInfo in between."""

@@ -445,7 +445,7 @@ class LayerStreamer:
                     or not mod.name.startswith(prefixes[i])):
                 continue
             dense[i] += dense_numel(mod) * item
-            stored[i] += sum(t.nbytes for t in mod.params.values())
+            stored[i] += mod.nbytes()  # from the tensor table's columns, like dense_numel: no TensorInfo
         return dense, stored
 
     def plan(self, samples: int, seq_len: int, *, tokens_per_batch: int | None = None) -> StreamPlan:

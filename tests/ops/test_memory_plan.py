@@ -83,3 +83,68 @@ def test_dry_run_says_whether_it_fits(real_bf16, tmp_path, monkeypatch):
     monkeypatch.setattr(memory_plan, "_gpu_free", lambda devs: {d: 30 * GiB for d in devs})
     m = small.memory_need()
     assert m.fits is False and m.problems[0].startswith("cuda: needs ~")
+
+
+def _dense_numel_from_shapes(mod) -> int:
+    """The dense element count from each tensor's header shape (what a layer's state dict holds)."""
+    from math import prod
+
+    from qtool.arch.model_map import Format
+    from qtool.stream.dequant import _AUX_PARAMS
+
+    p = dict(mod.params.items())
+    plain = sum(i.numel for n, i in p.items()
+                if n not in _AUX_PARAMS and not (n == "weight" and i.dtype in ("U8", "F8_E4M3", "F8_E5M2")))
+    if mod.format in (Format.NVFP4, Format.NVFP4_CT):
+        w = p.get("weight") or p.get("weight_packed")
+        return prod(w.shape) * 2 + plain  # two FP4 values a byte
+    if mod.format is Format.INT4_CT:
+        return prod(p["weight_packed"].shape) * 8 + plain  # eight INT4 values an int32
+    if mod.format is Format.AWQ:
+        return prod(p["qweight"].shape) * 8 + plain
+    return plain + (p["weight"].numel if mod.format is Format.FP8 else 0)
+
+
+@pytest.mark.parametrize("flavour", ["bf16-fused", "bf16-per-expert", "modelopt-nvfp4", "ct-nvfp4"])
+def test_dense_layer_sizes_from_byte_counts_match_the_shapes(tmp_path, flavour):
+    """layer_sizes (the memory plan's per-layer dense and stored bytes) reads byte counts, not shapes (a 397B
+    map has ~93k modules; making each tensor's TensorInfo took seconds of a plan): every module's dense size
+    equals the one its header shapes give, in each stored format."""
+    from qtool.arch.model_map import build_map
+    from qtool.io.checkpoint import Checkpoint
+    from qtool.stream.dequant import dense_numel
+
+    src = build_sparse(tmp_path / flavour, model="35b", flavour=flavour, mtp=True)
+    mm = build_map(Checkpoint.open(src), read_values=False)
+    formats = set()
+    for mod in mm.modules.values():
+        assert dense_numel(mod) == _dense_numel_from_shapes(mod), mod.name
+        formats.add(mod.format)
+    assert len(formats) >= (3 if "nvfp4" in flavour else 2)  # the quantized, BF16 and matrix-less modules
+
+
+@pytest.mark.parametrize("fmt,params", [
+    ("AWQ", [("qweight", "I32", (64, 16)), ("qzeros", "I32", (2, 16)), ("scales", "F16", (2, 128))]),
+    ("INT4_CT", [("weight_packed", "I32", (128, 8)), ("weight_scale", "BF16", (128, 2)), ("weight_shape", "I64", (2,))]),
+    ("FP8", [("weight", "F8_E4M3", (128, 64)), ("weight_scale_inv", "F32", (1, 1))]),
+    ("BF16", [("weight", "BF16", (128, 64)), ("bias", "BF16", (128,))]),
+])
+def test_dense_sizes_of_packed_int4_and_fp8_modules(fmt, params):
+    """The formats no sparse fixture stores: AWQ's qweight and compressed-tensors' weight_packed (eight INT4
+    values an int32), FP8 with its block scales, and BF16 with a bias."""
+    from qtool.arch.model_map import Format, Module, extend_signature
+    from qtool.arch.qwen35 import Group
+    from qtool.io.dtypes import nbytes_for
+    from qtool.io.tensor_table import TensorTable
+    from qtool.stream.dequant import dense_numel
+
+    table, sig, start = TensorTable(), (), 0
+    for name, dtype, shape in params:
+        n = nbytes_for(dtype, shape)
+        table.add(f"m.{name}", "shard", dtype, shape, start, start + n)
+        sig, start = extend_signature(sig, name, dtype, len(shape)), start + n
+    mod = Module("m", Group.ROUTED_EXPERTS, Group.ROUTED_EXPERTS, 0, 0, sig,
+                 None if fmt == "BF16" else Format[fmt], tensors=table)
+    assert dense_numel(mod) == _dense_numel_from_shapes(mod)
+    # the dequantized matrix (its scales, zeros and shape vanish in it), and a bias as it is
+    assert dense_numel(mod) == 128 * 64 + (128 if fmt == "BF16" else 0)

@@ -70,7 +70,7 @@ def output_plan(p: KvPlan) -> OutputPlan:
     for t in new_tensors:
         weight_map[t.name] = p.kv_shard
     dropped = sorted(s for s in ckpt.headers if s not in set(weight_map.values()))
-    total = sum(i.nbytes for n, i in ckpt.tensors.items() if n not in remove) + sum(t.nbytes for t in new_tensors)
+    total = sum(ckpt.tensor_bytes(n) for n in ckpt.tensors if n not in remove) + sum(t.nbytes for t in new_tensors)
     index = dict(ckpt.index or {})
     index.update(index_json(weight_map, total))
     index["metadata"] = {**(ckpt.index or {}).get("metadata", {}), "total_size": total}

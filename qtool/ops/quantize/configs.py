@@ -85,6 +85,7 @@ def quant_configs(mm: ModelMap, scheme: Scheme, fmt: OutFormat, kv: bool, group_
                   in_features: dict[str, int] | None = None) -> tuple[dict, dict | None]:
     """(config.json quantization_config, hf_quant_config.json or None). `in_features`: routed expert
     projection -> in-features (W4A16: the group actually used per projection)."""
+    from qtool.engines import Flavour
     from qtool.engines.decide import ignore_patterns_for
     from qtool.ops.calibrate_kv import CT_KV_SCHEME, MODELOPT_KV_SCHEME
 
@@ -92,8 +93,8 @@ def quant_configs(mm: ModelMap, scheme: Scheme, fmt: OutFormat, kv: bool, group_
     if fmt is OutFormat.AWQ:
         return ({"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm",
                  "modules_to_not_convert": awq_not_convert(mm)}, None)
-    globs, regexes = ignore_patterns_for(mm)
     if fmt is OutFormat.MODELOPT:
+        (globs,) = ignore_patterns_for(mm, (Flavour.MODELOPT,))
         qc = {
             "config_groups": {"group_0": {"input_activations": dict(_NVFP4_ARGS), "weights": dict(_NVFP4_ARGS),
                                           "targets": ["Linear"]}},
@@ -107,6 +108,7 @@ def quant_configs(mm: ModelMap, scheme: Scheme, fmt: OutFormat, kv: bool, group_
               "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": "FP8" if kv else None,
                                "group_size": 16, "exclude_modules": globs}}
         return qc, hq
+    (regexes,) = ignore_patterns_for(mm, (Flavour.COMPRESSED_TENSORS,))
     if scheme is Scheme.NVFP4:
         groups = {"group_0": copy.deepcopy(_CT_NVFP4_GROUP)}
     else:

@@ -1,0 +1,92 @@
+#!/usr/bin/env python
+"""How long the streamed jobs plan at the real 397B's tensor count, before any layer is read.
+
+    python scripts/bench_plan_397b.py --workdir /tmp/plan397 [--rounds 3] [--jobs quantize,calibrate-kv,eval-kld]
+
+The layer benches (scripts/bench_real_layers.py) run 2-3 real-size layers, so a plan's per-tensor work is
+20-30x smaller there than for the 60-layer model: quantize of the 397B plans 372k output tensors (every
+routed expert's NVFP4 weight and scales). This bench builds sparse real-scale checkpoints (real headers,
+holes for data: scripts/make_sparse_397b.py's builder; ~1 MB of disk each) and times, each in a fresh
+process, the plan of each job (`--dry-run --json`: the same plan an executing run makes first), against a
+baseline in the same run: a process that imports what every job imports (torch and qtool's CLI) and
+plans nothing. Prints the median wall and CPU time (user + system, the child's own: steadier than the wall
+on a busy machine) of each, and the plan's own seconds (each less the baseline's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+JOBS = {
+    "quantize": lambda w: ["quantize", str(w / "bf16"), "-o", str(w / "out-q"), "--recipe", "qwen35-nvfp4-experts"],
+    "calibrate-kv": lambda w: ["calibrate-kv", str(w / "nvfp4"), "-o", str(w / "out-c"), "--replace-scales"],
+    "eval-kld": lambda w: ["eval", "kld", "--ref", str(w / "nvfp4"), "--save-ref", str(w / "out-k")],
+}
+BASELINE = "import torch, qtool.cli.main"
+
+
+def build(workdir: Path) -> None:
+    from qtool.fixtures.sparse import build_sparse
+    from qtool.fixtures.tokenizer import save_tokenizer_files
+
+    for name, flavour in (("bf16", "bf16-fused"), ("nvfp4", "modelopt-nvfp4")):
+        out = workdir / name
+        if not (out / "model.safetensors.index.json").exists():
+            build_sparse(out, model="397b", flavour=flavour)
+            save_tokenizer_files(out)
+
+
+def _children_cpu() -> float:
+    u = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return u.ru_utime + u.ru_stime
+
+
+def timed(argv: list[str]) -> tuple[float, float]:
+    """(wall, CPU) seconds of one run of `argv` in a fresh process."""
+    c, t = _children_cpu(), time.perf_counter()
+    r = subprocess.run(argv, capture_output=True, text=True)
+    wall, cpu = time.perf_counter() - t, _children_cpu() - c
+    if r.returncode != 0:
+        raise SystemExit(f"{' '.join(argv)} failed ({r.returncode}):\n{r.stderr[-2000:]}")
+    return wall, cpu
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workdir", type=Path, required=True)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--jobs", default=",".join(JOBS))
+    args = ap.parse_args(argv)
+    jobs = [j for j in args.jobs.split(",") if j]
+    unknown = sorted(set(jobs) - set(JOBS))
+    if unknown:
+        raise SystemExit(f"unknown job(s) {unknown}: choose from {sorted(JOBS)}")
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    build(args.workdir)
+    runs: dict[str, list[tuple[float, float]]] = {"baseline": []} | {j: [] for j in jobs}
+    for _ in range(args.rounds):  # interleaved, so that a slower moment of the machine hits every row
+        runs["baseline"].append(timed([sys.executable, "-c", BASELINE]))
+        for j in jobs:
+            timed_argv = [sys.executable, "-m", "qtool", *JOBS[j](args.workdir), "--dry-run", "--json"]
+            runs[j].append(timed(timed_argv))
+    def median(name: str, k: int) -> float:
+        return statistics.median(r[k] for r in runs[name])
+
+    print(f"{'run':<14} {'wall':>8} {'CPU':>8} {'plan: wall':>11} {'plan: CPU':>10}   rounds (wall / CPU)")
+    for name, rs in runs.items():
+        wall, cpu = median(name, 0), median(name, 1)
+        plan = ("-", "-") if name == "baseline" else (f"{wall - median('baseline', 0):.2f} s",
+                                                      f"{cpu - median('baseline', 1):.2f} s")
+        print(f"{name:<14} {wall:6.2f} s {cpu:6.2f} s {plan[0]:>11} {plan[1]:>10}   "
+              + " ".join(f"{w:.2f}/{c:.2f}" for w, c in rs))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
