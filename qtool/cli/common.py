@@ -156,11 +156,10 @@ def show_progress(args) -> bool:
 def plan_then_execute(op, opts, args) -> dict:
     """A layer-streamed op from the CLI: `op.plan(opts)`, then (unless --dry-run) `op.execute` with a
     per-layer progress bar; the report as `--json` prints it ({"plan": ...} for a dry run)."""
-    if not args.dry_run:
-        from qtool.stream import warm_import
+    from qtool.stream import warm_import
 
-        warm_import.start()  # transformers' decoder module, imported while the job plans
-    p = op.plan(opts)
+    with warm_import.overlapping(not args.dry_run):  # transformers' decoder module, imported while the job plans
+        p = op.plan(opts)
     if args.dry_run:
         return {"plan": p.to_json()}
     with layer_progress(show_progress(args)) as progress:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from qtool.arch.model_map import Format, ModelMap, build_map
 from qtool.arch.qwen35 import Group
+from qtool.engines import Flavour
 from qtool.errors import ConfigError, UsageError, WriteError
 from qtool.io.checkpoint import CONFIG_NAME, GENERATION_CONFIG_NAME, HF_QUANT_CONFIG_NAME, Checkpoint
 from qtool.io.jsonio import JsonStyle, dumps, load_json, unified_diff
@@ -170,6 +171,16 @@ class _IgnoreLists:
                 removed.append(HF_QUANT_CONFIG_NAME)
         return removed
 
+    @property
+    def flavours(self) -> tuple[Flavour, ...]:
+        """The pattern dialects `replace` writes: ModelOpt's globs, compressed-tensors' `re:` patterns."""
+        out = []
+        if self.hq is not None or (self.config_quantized and not self.config_regex):
+            out.append(Flavour.MODELOPT)
+        if self.config_quantized and self.config_regex:
+            out.append(Flavour.COMPRESSED_TENSORS)
+        return tuple(out)
+
     def replace(self, globs: list[str], regexes: list[str]) -> None:
         if self.config_quantized:
             qcfg.set_config_ignore(self.config, regexes if self.config_regex else globs)
@@ -311,7 +322,9 @@ def _ignore_from_tensors(lists: _IgnoreLists, mm: ModelMap) -> FixResult:
         return FixResult(Fix.IGNORE_FROM_TENSORS.value, False, "not quantized: nothing to exclude")
     from qtool.engines.decide import ignore_patterns_for
 
-    globs, regexes = ignore_patterns_for(mm)
+    # only the dialects this checkpoint's lists use: each list is verified against every engine release
+    made = dict(zip(lists.flavours, ignore_patterns_for(mm, lists.flavours)))
+    globs, regexes = made.get(Flavour.MODELOPT, []), made.get(Flavour.COMPRESSED_TENSORS, [])
     before = (qcfg.config_ignore(lists.config), qcfg.hf_quant_exclude(lists.hq))
     lists.replace(globs, regexes)
     after = (qcfg.config_ignore(lists.config), qcfg.hf_quant_exclude(lists.hq))
@@ -319,7 +332,7 @@ def _ignore_from_tensors(lists: _IgnoreLists, mm: ModelMap) -> FixResult:
     return FixResult(
         Fix.IGNORE_FROM_TENSORS.value,
         changed,
-        f"exclusion lists now say exactly which modules are BF16: {globs}" if changed else "already exact",
+        f"exclusion lists now say exactly which modules are BF16: {globs or regexes}" if changed else "already exact",
     )
 
 

@@ -17,7 +17,9 @@ can fail. An import error is left for the importer that joined to raise where th
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 
 MODULE = "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe"
 _started: threading.Thread | None = None
@@ -70,6 +72,20 @@ def start() -> None:
 
     _started = threading.Thread(target=work, name="qtool-warm-import", daemon=True)
     _started.start()
+
+
+@contextlib.contextmanager
+def overlapping(enabled: bool = True) -> Iterator[None]:
+    """Begin the import (where `enabled`) while the block runs (a job's plan). If the block raises, the
+    import is waited for before the error leaves: an in-process caller (a test, a library user) may import
+    transformers next, which must not race it."""
+    if enabled:
+        start()
+    try:
+        yield
+    except BaseException:
+        join()
+        raise
 
 
 def join() -> None:

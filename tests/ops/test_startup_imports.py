@@ -133,7 +133,8 @@ def test_the_decoder_module_is_imported_while_the_job_plans(tiny_bf16, tmp_path,
     """A quantize that will run starts transformers' decoder-module import before it plans (the H200's cold
     timeline: 9 s of the first layer's start was this import, begun only at the first read-ahead), and the
     plan's tokenizer joins it before its own transformers import; a dry run builds no layer and starts
-    none."""
+    none; a plan that fails waits for it before the error leaves (an in-process caller may import
+    transformers next)."""
     from qtool.cli.main import main
     from qtool.stream import calib_data, warm_import
 
@@ -142,6 +143,8 @@ def test_the_decoder_module_is_imported_while_the_job_plans(tiny_bf16, tmp_path,
     monkeypatch.setattr(warm_import, "start", lambda: (events.append("start"), real_start())[1])
     monkeypatch.setattr(warm_import, "join", lambda: (events.append("join"), real_join())[1])
     monkeypatch.setattr(calib_data, "load_tokenizer", lambda d: (events.append("tokenizer"), real_load(d))[1])
+    real_skip = warm_import.skip_unused_imports  # the tokenizer's first step toward its transformers import
+    monkeypatch.setattr(warm_import, "skip_unused_imports", lambda: (events.append("skip"), real_skip())[1])
     args = ["quantize", str(tiny_bf16), "--recipe", "qwen35-nvfp4-experts", "--samples", "2", "--seq-len", "16",
             "--json"]
 
@@ -153,5 +156,12 @@ def test_the_decoder_module_is_imported_while_the_job_plans(tiny_bf16, tmp_path,
     assert main([*args, "-o", str(tmp_path / "out")]) == 0
     capsys.readouterr()
     assert events[0] == "start", events
-    assert events[events.index("tokenizer") + 1] == "join", events  # before its own transformers import
+    after = events[events.index("tokenizer"):]
+    assert "join" in after and after.index("join") < after.index("skip"), events  # before its own import
     assert list((tmp_path / "out").glob("*.safetensors"))
+
+    events.clear()
+    monkeypatch.setattr(warm_import, "_started", None)  # a fresh process's state: nothing imported yet
+    assert main([*args, "-o", str(tmp_path / "out")]) != 0  # refused by the plan: the output exists
+    capsys.readouterr()
+    assert events[0] == "start" and "join" in events, events

@@ -296,6 +296,11 @@ def run(
                 kls, top1s, where = _gather_windows(group, mine, kls, top1s, where, o.chunk, r, t)
             rep.result = summarize(torch.cat(kls), torch.cat(top1s), torch.cat(where))
         return rep
+    except BaseException:
+        from qtool.stream import warm_import
+
+        warm_import.join()  # begun before the windows: a library caller may import transformers next
+        raise
     finally:
         for s in srcs.values():
             s.close()
