@@ -382,6 +382,7 @@ class LayerStreamer:
                             got=f"hidden_size {tc['hidden_size']}",
                             hint="restore config.json from the checkpoint's source repository")
         self._hf_config = None
+        self._layer_sizes: tuple[list[int], list[int]] | None = None
         self._rotary = None
         from qtool.stream.layer_read import Prefetcher
 
@@ -433,7 +434,10 @@ class LayerStreamer:
 
     def layer_sizes(self) -> tuple[list[int], list[int]]:
         """Per decoder layer: (dense bytes in the compute dtype, bytes as stored: what is read), in one
-        pass over the modules (a 397B NVFP4 map has ~90k of them)."""
+        pass over the modules (a 397B NVFP4 map has ~90k of them), made once (the plan and eval kld's
+        prepare both ask)."""
+        if self._layer_sizes is not None:
+            return list(self._layer_sizes[0]), list(self._layer_sizes[1])  # callers' own lists
         from qtool.stream.dequant import dense_numel
 
         item = 4 if self.dtype_name == "float32" else 2
@@ -446,6 +450,7 @@ class LayerStreamer:
                 continue
             dense[i] += dense_numel(mod) * item
             stored[i] += mod.nbytes()  # from the tensor table's columns, like dense_numel: no TensorInfo
+        self._layer_sizes = (list(dense), list(stored))
         return dense, stored
 
     def plan(self, samples: int, seq_len: int, *, tokens_per_batch: int | None = None) -> StreamPlan:
