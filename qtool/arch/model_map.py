@@ -25,6 +25,7 @@ from qtool.arch.qwen35 import (
     layer_types,
 )
 from qtool.io.checkpoint import Checkpoint
+from qtool.io.tensor_table import nbytes_of
 from qtool.formats.naming import REQUIRED_PARAMS as CODEC_REQUIRED_PARAMS
 from qtool.formats.naming import QuantFormat, detect_format
 from qtool.io.dtypes import FLOAT_DTYPES
@@ -144,13 +145,14 @@ class Module:
             names = _PARAM_NAMES[self.signature] = frozenset(p for p, _, _ in self.signature)
         return names
 
+    def param_nbytes(self, param: str) -> int:
+        """One parameter's byte count, straight from the tensor table's columns where there is one."""
+        return nbytes_of(self.tensors, f"{self.name}.{param}" if self.name else param)
+
     def nbytes(self) -> int:
-        # verify's memory fit and the layer grid ask for every module's size (~95k modules, ~370k tensors
-        # in a 397B checkpoint): straight from the tensor table's columns where there is one
-        by_name = getattr(self.tensors, "nbytes_of", None)
-        if by_name is None:
-            return sum(t.nbytes for t in self.params.values())
-        return sum(by_name(f"{self.name}.{p}") for p in self.param_names)
+        # verify's memory fit, the layer grid and the memory plan ask for every module's size (~95k modules,
+        # ~370k tensors in a 397B checkpoint): no TensorInfo made
+        return sum(self.param_nbytes(p) for p in self.param_names)
 
     @property
     def is_mtp(self) -> bool:

@@ -21,7 +21,7 @@ from qtool.errors import CheckpointError, ConfigError
 from qtool.io.index_file import read_index
 from qtool.io.jsonio import JsonStyle, load_json
 from qtool.io.safetensors_header import SafetensorsHeader, TensorInfo, read_header
-from qtool.io.tensor_table import TensorTable
+from qtool.io.tensor_table import TensorTable, nbytes_of
 
 INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
@@ -229,8 +229,7 @@ class Checkpoint:
 
     def tensor_bytes(self, name: str) -> int:
         """A tensor's byte count (from the table's columns where there is one: no TensorInfo made)."""
-        nbytes_of = getattr(self.tensors, "nbytes_of", None)
-        return nbytes_of(name) if nbytes_of is not None else self.tensors[name].nbytes
+        return nbytes_of(self.tensors, name)
 
     def shard_of(self, name: str) -> str:
         file_of = getattr(self.tensors, "file_of", None)  # a 397B has ~370k tensors: asked of each by a plan

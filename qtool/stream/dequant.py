@@ -35,13 +35,7 @@ def dense_numel(mod: Module) -> int:
     signature (param, dtype, rank) alone: no TensorInfo is made (layer_sizes asks this of every module,
     ~93k in a 397B map). Packed 4-bit weights hold two elements a byte (NVFP4's U8, the INT4 formats'
     I32 words of eight)."""
-    by_name = getattr(mod.tensors, "nbytes_of", None)
-
-    def nbytes(param: str) -> int:
-        if by_name is None:
-            return mod.params[param].nbytes
-        return by_name(f"{mod.name}.{param}" if mod.name else param)
-
+    nbytes = mod.param_nbytes
     dtypes = {param: dtype for param, dtype, _ in mod.signature}
     plain = sum(nbytes(n) * 8 // DTYPE_BITS[dt] for n, dt in dtypes.items()
                 if n not in _AUX_PARAMS and not (n == "weight" and dt in ("U8", "F8_E4M3", "F8_E5M2")))
