@@ -2,6 +2,7 @@
 """How long the streamed jobs plan at the real 397B's tensor count, before any layer is read.
 
     python scripts/bench_plan_397b.py --workdir /tmp/plan397 [--rounds 3] [--jobs quantize,calibrate-kv,eval-kld]
+        [--executing]
 
 The layer benches (scripts/bench_real_layers.py) run 2-3 real-size layers, so a plan's per-tensor work is
 20-30x smaller there than for the 60-layer model: quantize of the 397B plans 372k output tensors (every
@@ -11,6 +12,13 @@ process, the plan of each job (`--dry-run --json`: the same plan an executing ru
 baseline in the same run: a process that imports what every job imports (torch and qtool's CLI) and
 plans nothing. Prints the median wall and CPU time (user + system, the child's own: steadier than the wall
 on a busy machine) of each, and the plan's own seconds (each less the baseline's).
+
+`--executing` times, instead of the dry run, an executing job up to its first layer: what a user waits for
+before the 397B's first layer starts (an executing run also hashes its plan for the journal, identifies
+its inputs, makes the output directory, starts copying the carried-over shards and embeds the calibration
+tokens). Each run ends itself at the first `LayerStreamer.load_layer` call, and is told the disk has room
+for the output (the sparse checkpoint's real output would be 233 GB; nothing past the early shards is
+written).
 
 The runs use a cache dir of their own (`WORKDIR/cache`), filled by one untimed round first (the token ids,
 transformers' package map), as a user's second run finds it. A dry run does not begin the background
@@ -23,6 +31,7 @@ from __future__ import annotations
 import argparse
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -36,6 +45,19 @@ JOBS = {
     "eval-kld": lambda w: ["eval", "kld", "--ref", str(w / "nvfp4"), "--save-ref", str(w / "out-k")],
 }
 BASELINE = "import torch, qtool.cli.main"
+# an executing job, ended at its first layer (see --executing)
+UNTIL_FIRST_LAYER = """
+import os, sys
+import qtool.io.apply
+from qtool.stream.layer_stream import LayerStreamer
+
+qtool.io.apply.free_space = lambda path: 1 << 60
+LayerStreamer.load_layer = lambda *args, **kwargs: os._exit(0)
+from qtool.cli.main import console
+
+sys.argv = ["qtool", *sys.argv[1:]]
+console()
+"""
 
 
 def build(workdir: Path, jobs: list[str]) -> None:
@@ -74,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", type=Path, required=True)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--jobs", default=",".join(JOBS))
+    ap.add_argument("--executing", action="store_true",
+                    help="time an executing job up to its first layer instead of the dry run")
     args = ap.parse_args(argv)
     jobs = [j for j in args.jobs.split(",") if j]
     unknown = sorted(set(jobs) - set(JOBS))
@@ -85,15 +109,23 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[tuple[float, float]]] = {"baseline": []} | {j: [] for j in jobs}
     for k in range(args.rounds + 1):  # interleaved, so that a slower moment of the machine hits every row
         for name in runs:
-            argv = ([sys.executable, "-c", BASELINE] if name == "baseline" else
-                    [sys.executable, "-m", "qtool", *JOBS[name](args.workdir), "--dry-run", "--json"])
+            if name == "baseline":
+                argv = [sys.executable, "-c", BASELINE]
+            elif args.executing:
+                for out in args.workdir.glob("out-*"):  # a fresh output each run, as a user's first
+                    shutil.rmtree(out)
+                few = ["--windows", "1"] if name == "eval-kld" else ["--samples", "1"]  # a small calibration set
+                argv = [sys.executable, "-c", UNTIL_FIRST_LAYER, *JOBS[name](args.workdir), *few, "--seq-len", "16"]
+            else:
+                argv = [sys.executable, "-m", "qtool", *JOBS[name](args.workdir), "--dry-run", "--json"]
             t = timed(argv)
             if k > 0:  # round 0 fills the cache dir
                 runs[name].append(t)
     def median(name: str, k: int) -> float:
         return statistics.median(r[k] for r in runs[name])
 
-    print(f"{'run':<14} {'wall':>8} {'CPU':>8} {'plan: wall':>11} {'plan: CPU':>10}   rounds (wall / CPU)")
+    what = "start" if args.executing else "plan"
+    print(f"{'run':<14} {'wall':>8} {'CPU':>8} {what + ': wall':>11} {what + ': CPU':>10}   rounds (wall / CPU)")
     for name, rs in runs.items():
         wall, cpu = median(name, 0), median(name, 1)
         plan = ("-", "-") if name == "baseline" else (f"{wall - median('baseline', 0):.2f} s",

@@ -7,6 +7,11 @@ frame in qtool (else the innermost frame of any module, e.g. an import), then pr
 segments of consecutive samples in the same place, longest first, and the main thread's timeline.
 
     python3 scripts/timeline.py [--every 0.05] [--top 40] -- quantize SRC -o OUT --recipe ... --device cuda
+
+`--stop-at qtool.stream.layer_stream:LayerStreamer.load_layer` ends the command (os._exit, no clean-up: use
+a scratch output) when that function is first called, and prints the timeline up to there: a job's start
+at the 397B's real tensor count on a sparse checkpoint (scripts/make_sparse_397b.py), whose layers no box
+here could run.
 """
 
 from __future__ import annotations
@@ -77,6 +82,9 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--all-in-order", action="store_true",
                     help="every thread's segments in order (not only the main thread's)")
+    ap.add_argument("--stop-at", metavar="MODULE:QUALNAME",
+                    help="end the command when this function is first called (e.g. "
+                    "qtool.stream.layer_stream:LayerStreamer.load_layer) and print the timeline up to there")
     ap.add_argument("args", nargs=argparse.REMAINDER)
     a = ap.parse_args()
     args = a.args[1:] if a.args[:1] == ["--"] else a.args
@@ -84,13 +92,8 @@ def main() -> int:
     stop = threading.Event()
     th = threading.Thread(target=sample, args=(a.every, samples, stop), daemon=True)
     th.start()
-    sys.argv = ["qtool", *args]
-    code = 0
-    try:
-        runpy.run_module("qtool", run_name="__main__")
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    finally:
+
+    def report() -> None:
         stop.set()
         th.join()
         end = time.perf_counter() - T0
@@ -108,7 +111,40 @@ def main() -> int:
                 for s0, s1, p in segs:
                     if s1 - s0 >= 0.1:
                         print(f"  {s0:7.2f} - {s1:7.2f}  {p}", file=sys.stderr)
+
+    if a.stop_at:
+        _stop_at(a.stop_at, report)
+    sys.argv = ["qtool", *args]
+    code = 0
+    try:
+        runpy.run_module("qtool", run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        report()
     return code
+
+
+def _stop_at(target: str, report) -> None:
+    """Make the first call of `target` print the timeline and end the process at once."""
+    import importlib
+    import os
+
+    modname, _, qual = target.partition(":")
+    owner = importlib.import_module(modname)
+    *path, attr = qual.split(".")
+    for p in path:
+        owner = getattr(owner, p)
+    fn = getattr(owner, attr)
+
+    def stopped(*args, **kwargs):
+        print(f"\n--- stopped at the first call of {target}: {time.perf_counter() - T0:.2f} s", file=sys.stderr)
+        report()
+        sys.stderr.flush()
+        os._exit(0)
+
+    setattr(owner, attr, stopped)
+    del fn
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from qtool.arch.qwen35 import (
     layer_types,
 )
 from qtool.io.checkpoint import Checkpoint
-from qtool.io.tensor_table import nbytes_of
+from qtool.io.tensor_table import nbytes_of, tensor_rows
 from qtool.formats.naming import REQUIRED_PARAMS as CODEC_REQUIRED_PARAMS
 from qtool.formats.naming import QuantFormat, detect_format
 from qtool.io.dtypes import FLOAT_DTYPES
@@ -232,6 +232,10 @@ class RoleMap(Mapping):
         role = self._role
         return ((n, role(n)) for n in self._tensors)
 
+    def kv_roles(self):
+        """(name, role) of the tensors whose param is a KV scale (their roles are kept, not made)."""
+        return self._kv.items()
+
     def values(self):
         role = self._role
         return (role(n) for n in self._tensors)
@@ -266,6 +270,17 @@ class ModelMap:
 
     def modules_in(self, group: Group) -> list[Module]:
         return [m for m in self.modules.values() if m.group is group]
+
+    def kv_scale_names(self) -> list[str]:
+        """The KV-scale tensors' names (k_scale / v_scale), sorted: from the few roles the map keeps for
+        them, not a role made for each of the 397B's ~370k tensors."""
+        return sorted(n for n, r in self.roles.kv_roles() if r.group is Group.KV_SCALE)
+
+    def has_group(self, group: Group) -> bool:
+        """Whether any tensor has a role in `group` (a tensor takes its module's group, a KV scale has a
+        role of its own)."""
+        return (any(m.group is group and not m.param_names <= KV_SCALE_PARAMS for m in self.modules.values())
+                or any(r.group is group for _, r in self.roles.kv_roles()))
 
     def read_kv_values(self) -> None:
         """(Re)read the KV scale values (for a map built with read_values=False)."""
@@ -323,7 +338,7 @@ def _build_map(ckpt: Checkpoint, read_values: bool = True) -> ModelMap:
     naming = detect_naming(tensors)
     kv_roles: dict[str, TensorRole] = {}
     modules: dict[str, Module] = {}
-    for name, info in tensors.items():
+    for name, _, dtype, shape in tensor_rows(tensors):
         module_name, _, param = name.rpartition(".")
         is_kv = param in KV_SCALE_PARAMS
         mod = modules.get(module_name)
@@ -335,7 +350,7 @@ def _build_map(ckpt: Checkpoint, read_values: bool = True) -> ModelMap:
                                                 tensors)
         if is_kv:
             kv_roles[name] = classify(name, naming)
-        mod.signature = extend_signature(mod.signature, param, info.dtype, len(info.shape))
+        mod.signature = extend_signature(mod.signature, param, dtype, len(shape))
     for mod in modules.values():
         mod.format = signature_format(mod.signature)
     roles = RoleMap(tensors, modules, kv_roles)

@@ -36,6 +36,31 @@ def decider(v: EngineVersion, fl: Flavour) -> Decider:
     return lambda m, ign: mod.is_excluded(m, ign, version=v, quant_method=fl)
 
 
+class UnitDecider:
+    """Which of a set of units every modelled engine release excludes, for candidate ignore lists: what a
+    pattern search asks again and again. Each unit is found once (`reps`: unit -> a representative HF
+    module) and each list made a tuple once per question, not per unit and release (the 397B's ~600 units,
+    6 releases and ~20 candidates: 60k answers)."""
+
+    def __init__(self, fl: Flavour, reps: dict[str, str], versions: list[EngineVersion] | None = None) -> None:
+        self.fl = fl
+        self.units = {u: unit_of(m) for u, m in reps.items()}
+        self.engines = [(vllm if v.engine is Engine.VLLM else sglang, v) for v in versions or all_versions()]
+
+    def excluded(self, patterns: list[str], units: Iterable[str] | None = None) -> list[set[str]] | None:
+        """Per release, the units (of `units`, default all) it excludes; None where a release refuses the
+        list (some but not all shards of a fused module excluded)."""
+        ign, fl = tuple(patterns), self.fl
+        pick = [(u, self.units[u]) for u in (self.units if units is None else units)]
+        out = []
+        for mod, v in self.engines:
+            try:
+                out.append({u for u, unit in pick if mod.unit_excluded(unit, ign, v, fl)})
+            except PartialFusedExclusion:
+                return None
+        return out
+
+
 def engine_decisions(
     modules: Iterable[str],
     ignore: list[str],
@@ -132,9 +157,6 @@ def compact_ignore_patterns(
     fused module / FusedMoE mixes quantized and unquantized parts, or when no pattern list can express
     the split for some engine."""
     fl = parse_flavour(flavour)
-    versions = all_versions()
-    deciders = [decider(v, fl) for v in versions]
-
     units: dict[str, list[str]] = {}
     state: dict[str, bool] = {}
     for mods, unq in ((unquantized_modules, True), (quantized_modules, False)):
@@ -147,18 +169,9 @@ def compact_ignore_patterns(
                     hint="fused q/k/v, gate/up, in_proj pairs and all experts of a layer must share one precision",
                 )
             units.setdefault(u, []).append(m)
-    rep = {u: ms[0] for u, ms in units.items()}
+    excluded = UnitDecider(fl, {u: ms[0] for u, ms in units.items()}).excluded
     U = {u for u, s in state.items() if s}
     Q = set(state) - U
-
-    def excluded(patterns: list[str]) -> list[set[str]] | None:
-        out = []
-        for d in deciders:
-            try:
-                out.append({u for u in state if d(rep[u], patterns)})
-            except PartialFusedExclusion:
-                return None
-        return out
 
     base = excluded([])
     assert base is not None

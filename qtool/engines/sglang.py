@@ -14,7 +14,16 @@ from __future__ import annotations
 import re
 from functools import lru_cache
 
-from qtool.engines import Engine, EngineVersion, Flavour, PartialFusedExclusion, parse_flavour, parse_version, unit_of
+from qtool.engines import (
+    Engine,
+    EngineVersion,
+    Flavour,
+    PartialFusedExclusion,
+    Unit,
+    parse_flavour,
+    parse_version,
+    unit_of,
+)
 
 # Language-model prefix by release. 0.5.23: "model.language_model" (models/qwen3_vl.py). The
 # community guide (voipmonitor/rtx6kpro, early 2026) reports "model.layers.X" for Qwen3.5; the exact
@@ -179,7 +188,10 @@ def is_excluded(
 
     Raises PartialFusedExclusion where SGLang would refuse the list (mixed fused shards).
     """
-    v = parse_version(version, Engine.SGLANG)
-    fl = parse_flavour(quant_method)
-    u = unit_of(hf_module_name)
-    return _decide(u.name, u.kind, tuple(ignore), v, fl)
+    return unit_excluded(unit_of(hf_module_name), tuple(ignore), parse_version(version, Engine.SGLANG),
+                         parse_flavour(quant_method))
+
+
+def unit_excluded(unit: Unit, ignore: tuple[str, ...], version: EngineVersion, fl: Flavour) -> bool:
+    """is_excluded for a unit already found (unit_of) and parsed arguments (see vllm.unit_excluded)."""
+    return _decide(unit.name, unit.kind, ignore, version, fl)

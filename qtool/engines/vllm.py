@@ -22,6 +22,7 @@ from qtool.engines import (
     EngineVersion,
     Flavour,
     PartialFusedExclusion,
+    Unit,
     is_mtp,
     parse_flavour,
     parse_version,
@@ -187,13 +188,20 @@ def _hardcoded(kind: str, version: EngineVersion, flavour: Flavour) -> str | Non
     return None
 
 
+@lru_cache(maxsize=1024)
+def _mapped(ignore: tuple[str, ...], fl: Flavour, mtp: bool) -> list[str]:
+    # one mapping per list, not per unit: a pattern search asks every unit of the 397B under each list
+    # (the callers only read the result)
+    return mapped_ignore(list(ignore), fl, mtp=mtp)
+
+
 @lru_cache(maxsize=65536)
 def _decide(unit_name: str, kind: str, ignore: tuple[str, ...], version: EngineVersion, fl: Flavour) -> bool:
     if _hardcoded(kind, version, fl):
         return True
     mtp = is_mtp(unit_name)
     prefix = _runtime_of_unit(unit_name)
-    lst = mapped_ignore(list(ignore), fl, mtp=mtp)
+    lst = _mapped(ignore, fl, mtp)
     if fl is Flavour.MODELOPT:
         return modelopt_is_layer_excluded(prefix, lst)
     return ct_should_ignore_layer(prefix, lst)
@@ -210,10 +218,14 @@ def is_excluded(
 
     Raises PartialFusedExclusion where vLLM would refuse the list (mixed fused shards).
     """
-    v = parse_version(version, Engine.VLLM)
-    fl = parse_flavour(quant_method)
-    unit = unit_of(hf_module_name)
-    return _decide(unit.name, unit.kind, tuple(ignore), v, fl)
+    return unit_excluded(unit_of(hf_module_name), tuple(ignore), parse_version(version, Engine.VLLM),
+                         parse_flavour(quant_method))
+
+
+def unit_excluded(unit: Unit, ignore: tuple[str, ...], version: EngineVersion, fl: Flavour) -> bool:
+    """is_excluded for a unit already found (unit_of) and parsed arguments: what a caller that asks for the
+    same units under many candidate lists calls (qtool.engines.patterns.UnitDecider)."""
+    return _decide(unit.name, unit.kind, ignore, version, fl)
 
 
 # Releases where the modelled behaviour changes; checking these covers every supported release.

@@ -24,12 +24,11 @@ from typing import Callable, Iterable
 from qtool.errors import VerificationError, WriteError
 from qtool.io.files import copy_file, fsync_path, new_file
 from qtool.io.identity import JOURNAL_NAME, Journal, input_identity
-from qtool.io.jsonio import dumps
 from qtool.io.manifest import InputHasher, carried_files, previous_head, source_entry, write_manifest
 from qtool.io.output import MANIFEST_NAME, OutputDir, made_by_qtool, output_files
 from qtool.io.plan import (Copy, Index, Json, Link, OutputPlan, Pending, Produced, Remove, Shard, Text,
                            index_text_of, resolve, tensors_of)
-from qtool.io.writer import FileRange, write_shard
+from qtool.io.writer import FileRange, build_header, write_shard
 
 SPACE_MARGIN = 64 << 20
 # Shards in flight. Several: a shard's fsync (a synchronous write-out of ~all its bytes) overlaps other
@@ -104,7 +103,7 @@ def _place(e, tx: OutputDir, values: dict, headers: _Countdown, stop: threading.
     return None
 
 
-def _write_small(e, tx: OutputDir) -> None:
+def _write_small(e, tx: OutputDir, plan: OutputPlan) -> None:
     """A side file: never written through an existing link (io.files.new_file)."""
     dst = tx.partial / e.name
     dst.parent.mkdir(parents=True, exist_ok=True)
@@ -117,7 +116,7 @@ def _write_small(e, tx: OutputDir) -> None:
                 f.write(chunk.encode())
         return
     if isinstance(e, Json):
-        data = dumps(e.obj, e.style).encode()
+        data = plan.json_bytes(e)
     else:
         data = e.text.encode()
     with new_file(dst, tx.file_mode) as f:
@@ -132,6 +131,13 @@ def _check_produced(plan: OutputPlan, partial: Path) -> None:
         path = partial / e.name
         if not path.exists():
             raise VerificationError("a shard the plan promised was not written (a qtool bug)", path=path)
+        # qtool's own producers write the header the plan promised byte for byte: compared as bytes (the
+        # 397B's 60 layer shards, 372k tensors: 2.1 s parsed and compared tensor by tensor on the 2-core VM,
+        # ~0.6 s this way); another header (a range-fetched Hub shard's own) is compared tensor by tensor
+        planned = build_header(tensors_of(e), e.metadata)
+        with open(path, "rb") as f:
+            if f.read(len(planned)) == planned:
+                continue
         got = [(n, i.dtype, tuple(i.shape)) for n, i in read_header(path).tensors.items()]
         want = [(t.name, t.dtype, tuple(t.shape)) for t in e.tensors]
         if got != want:
@@ -283,7 +289,7 @@ def _write_shards(plan, tx, journal, hasher, values, overlap, on_headers, applie
         futures = [(e, pool.submit(_place, e, tx, values, headers, stop)) for e in order]
         try:
             for e in plan.entries(Copy, Json, Text, Index) if names is None else ():
-                _write_small(e, tx)
+                _write_small(e, tx, plan)
             if overlap is not None:
                 overlap()
             for e, fut in futures:

@@ -225,7 +225,18 @@ class Checkpoint:
         return (self.config or {}).get("quantization_config")
 
     def total_bytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors.values())
+        by_column = getattr(self.tensors, "total_bytes", None)  # a TensorTable: no TensorInfo per tensor
+        return by_column() if by_column is not None else sum(t.nbytes for t in self.tensors.values())
+
+    def weight_map(self) -> dict[str, str]:
+        """name -> shard file name of every tensor, as an index's weight_map: one name per shard, not a
+        lookup per tensor (~370k for the 397B)."""
+        out: dict[str, str] = {}
+        for h in self.headers.values():
+            out.update(dict.fromkeys(h.tensors, os.path.basename(h.path)))
+        if len(out) != len(self.tensors):  # a name in two shards: the table keeps the later, as `shard_of`
+            out = {n: self.shard_of(n) for n in self.tensors}
+        return out
 
     def tensor_bytes(self, name: str) -> int:
         """A tensor's byte count (from the table's columns where there is one: no TensorInfo made)."""

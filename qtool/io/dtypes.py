@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 # Bits per element. Sub-byte types (F4, F6_*) are packed; safetensors requires whole bytes per tensor.
 DTYPE_BITS: dict[str, int] = {
     "BOOL": 8,
@@ -51,6 +53,12 @@ TORCH_DTYPE_NAMES: dict[str, str] = {
 
 def nbytes_for(dtype: str, shape: tuple[int, ...] | list[int]) -> int | None:
     """Byte length of a tensor, or None when the element count does not fill whole bytes."""
+    return _nbytes(dtype, tuple(shape))
+
+
+@lru_cache(maxsize=4096)
+def _nbytes(dtype: str, shape: tuple[int, ...]) -> int | None:
+    # cached: a 397B plan asks for the same few (dtype, shape) pairs ~750k times (every expert's tensors)
     n = 1
     for d in shape:
         n *= d

@@ -46,6 +46,21 @@ def nbytes_of(tensors: Mapping[str, TensorInfo], name: str) -> int:
     return by_name(name) if by_name is not None else tensors[name].nbytes
 
 
+def file_of(tensors: Mapping[str, TensorInfo], name: str) -> str:
+    """A tensor's file: from a TensorTable's columns (no TensorInfo made), else the mapping's TensorInfo."""
+    by_name = getattr(tensors, "file_of", None)
+    return by_name(name) if by_name is not None else tensors[name].file
+
+
+def tensor_rows(tensors: Mapping[str, TensorInfo]) -> Iterator[tuple[str, str, str, tuple[int, ...]]]:
+    """(name, file, dtype, shape) of every tensor, in order: from a TensorTable's columns (no TensorInfo
+    made: a model map of the 397B's planned output reads 372k), else from the mapping's TensorInfo."""
+    by_column = getattr(tensors, "rows", None)
+    if by_column is not None:
+        return by_column()
+    return ((n, i.file, i.dtype, i.shape) for n, i in tensors.items())
+
+
 class TensorTable(Mapping):
     __slots__ = ("_row", "_names", "_file", "_dtype", "_shape", "_start", "_end",
                  "files", "dtypes", "shapes", "_file_ix", "_dtype_ix", "_shape_ix")
@@ -85,9 +100,13 @@ class TensorTable(Mapping):
         row = len(self._names)
         self._names.append(name)
         self._row[name] = row
-        self._file.append(self._ix(self._file_ix, self.files, file))
-        self._dtype.append(self._ix(self._dtype_ix, self.dtypes, dtype))
-        self._shape.append(self._ix(self._shape_ix, self.shapes, shape))
+        # the value indexes looked up inline: a planned 397B output adds 372k rows
+        f = self._file_ix.get(file)
+        self._file.append(f if f is not None else self._ix(self._file_ix, self.files, file))
+        d = self._dtype_ix.get(dtype)
+        self._dtype.append(d if d is not None else self._ix(self._dtype_ix, self.dtypes, dtype))
+        sh = self._shape_ix.get(shape)
+        self._shape.append(sh if sh is not None else self._ix(self._shape_ix, self.shapes, shape))
         self._start.append(start)
         self._end.append(end)
         return row
@@ -147,6 +166,12 @@ class TensorTable(Mapping):
         fcol, dcol, scol, start, end = self._file, self._dtype, self._shape, self._start, self._end
         return [make(names[r], files[fcol[r]], dtypes[dcol[r]], shapes[scol[r]], start[r], end[r]) for r in rows]
 
+    def rows(self) -> Iterator[tuple[str, str, str, tuple[int, ...]]]:
+        """(name, file, dtype, shape) of every tensor, in order, from the columns (see `tensor_rows`)."""
+        names, files, dtypes, shapes = self._names, self.files, self.dtypes, self.shapes
+        fcol, dcol, scol = self._file, self._dtype, self._shape
+        return ((names[r], files[fcol[r]], dtypes[dcol[r]], shapes[scol[r]]) for r in self._live_rows())
+
     def infos(self, rows: Iterable[int]) -> Iterator[TensorInfo]:
         info = self.info
         return (info(r) for r in rows)
@@ -155,7 +180,9 @@ class TensorTable(Mapping):
         return TableSlice(self, rows)
 
     def total_bytes(self) -> int:
-        return sum(self._end) - sum(self._start)
+        if len(self._row) == len(self._names):
+            return sum(self._end) - sum(self._start)
+        return sum(self._end[r] - self._start[r] for r in self._row.values())  # re-pointed names once
 
     # ---- Mapping ----------------------------------------------------------------------------------
     def __getitem__(self, name: str) -> TensorInfo:

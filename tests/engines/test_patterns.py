@@ -95,3 +95,29 @@ def test_engine_decisions_reports_partial_as_none():
 def test_everything_listed_small():
     groups = model_modules(n_layers=8)
     assert flatten(groups)
+
+
+def test_unit_decider_answers_as_each_module_asked():
+    """The pattern search's per-unit shortcut (UnitDecider) decides as the engines' per-module functions."""
+    from qtool.engines import parse_flavour, unit_of
+    from qtool.engines.patterns import UnitDecider
+
+    unq, q = _split(model_modules(), _hybrid)
+    mods = unq + q
+    reps: dict[str, str] = {}
+    for m in mods:
+        reps.setdefault(unit_of(m).name, m)
+    for flavour, lists in (("modelopt", [[], ["*.mlp.shared_expert.*", "lm_head"], ["*.layers.0.*"]]),
+                           ("compressed-tensors", [[], [r"re:.*\.layers\.0\.", "lm_head"]])):
+        dec = UnitDecider(parse_flavour(flavour), reps)
+        for ign in lists:
+            by_module = engine_decisions(mods, ign, flavour)
+            got = dec.excluded(ign)
+            assert got is not None
+            for row, units in zip(by_module.values(), got, strict=True):
+                assert units == {unit_of(m).name for m in mods if row[m]}, (flavour, ign)
+        # some but not all shards of a fused module: refused, as each module's decision is
+        partial = [m for m in mods if m.endswith("layers.3.self_attn.q_proj")]
+        if flavour == "modelopt" and partial:
+            assert dec.excluded(partial) is None
+            assert None in engine_decisions(mods, partial, flavour)["vllm@0.33.0"].values()

@@ -94,6 +94,31 @@ def test_plan_hash_changes_with_any_byte_range_and_not_with_nothing(tmp_path):
     assert a.plan_hash() != b.plan_hash()
 
 
+def test_plan_hash_is_the_json_of_every_tensor(tmp_path, monkeypatch):
+    """A --resume compares the plan hash with its journal's: the hash of a shard's tensors stays the
+    sha256 of each tensor's `json.dumps([name, dtype, shape, source key])`, in order (what qtool wrote
+    before it built that text itself for the 397B's 372k tensors), for every kind of source."""
+    src = _source(tmp_path)
+    monkeypatch.chdir(src)  # a relative source path: hashed as its absolute path
+    tensors = [OutTensor("x2", "F32", (4,), FileRange("a.safetensors", 8, 24)),
+               OutTensor("s", "F32", (), Pending("s", 4)),
+               OutTensor("w\u00e9.\"q\"", "U8", (2, 3, 1), InlineBytes(b"\x01" * 6)),
+               OutTensor("z", "BF16", (2,), Pending("z", 4))]
+    plan = OutputPlan("test", [Shard("b.safetensors", tensors, {"format": "pt"}),
+                               Produced("c.safetensors", tensors[1:2])], sources={}, inputs=[])
+    h = hashlib.sha256(b"test")
+    for e in plan.files:
+        h.update(type(e).__name__.encode())
+        h.update(json.dumps([e.name, e.metadata]).encode())
+        for t in e.tensors:
+            s = t.source
+            key = (["range", os.path.abspath(s.file), s.start, s.end] if isinstance(s, FileRange) else
+                   ["bytes", hashlib.sha256(s.data).hexdigest()] if isinstance(s, InlineBytes) else
+                   ["pending", s.key, s.nbytes])
+            h.update(json.dumps([t.name, t.dtype, list(t.shape), key]).encode())
+    assert plan.plan_hash() == h.hexdigest()
+
+
 def test_a_missing_pending_value_or_a_wrong_produced_shard_publishes_nothing(tmp_path):
     src = _source(tmp_path)
     with OutputDir(tmp_path / "out", sources=[src]) as tx, pytest.raises(ValueError, match="no 4-byte value"):

@@ -6,7 +6,7 @@ import pytest
 
 from qtool.io.checkpoint import Checkpoint
 from qtool.io.safetensors_header import read_header
-from qtool.io.tensor_table import TensorInfo, TensorTable
+from qtool.io.tensor_table import TensorInfo, TensorTable, tensor_rows
 
 INFOS = [
     TensorInfo("a.weight", "/m/s1.safetensors", "U8", (4, 8), 100, 132),
@@ -57,6 +57,16 @@ def test_add_again_repoints_the_name():
     assert len(t) == 4 and t["c"].file == "/m/s3.safetensors"
     assert list(t) == ["a.weight", "a.weight_scale", "b.weight", "c"]
     assert [i.file for i in t.values()][-1] == "/m/s3.safetensors"
+    assert t.total_bytes() == sum(i.nbytes for i in t.values())  # the name's old row not counted
+
+
+def test_rows_from_the_columns():
+    t = TensorTable.from_infos(INFOS)
+    want = [(i.name, i.file, i.dtype, i.shape) for i in INFOS]
+    assert list(t.rows()) == want
+    assert list(tensor_rows(t)) == want and list(tensor_rows({i.name: i for i in INFOS})) == want
+    t.add("a.weight", "/m/s3.safetensors", "BF16", (2,), 0, 4)  # re-pointed: once, at its new row
+    assert list(t.rows()) == [(n, i.file, i.dtype, i.shape) for n, i in t.items()]
 
 
 def test_checkpoint_headers_are_views_of_one_table(tiny_nvfp4_modelopt):

@@ -30,29 +30,6 @@ def _unit(module: str) -> str:
     return unit_of(module).name
 
 
-class _Decider:
-    """Which units every modelled engine release excludes for a given list."""
-
-    def __init__(self, flavour: str, reps: dict[str, str]) -> None:
-        from qtool.engines import Flavour
-        from qtool.engines.patterns import decider, all_versions
-
-        fl = Flavour.COMPRESSED_TENSORS if flavour == "compressed-tensors" else Flavour.MODELOPT
-        self.deciders = [decider(v, fl) for v in all_versions()]
-        self.reps = reps  # unit -> representative HF module
-
-    def excluded(self, patterns: list[str], units) -> list[set[str]] | None:
-        from qtool.engines import PartialFusedExclusion
-
-        out = []
-        for d in self.deciders:
-            try:
-                out.append({u for u in units if d(self.reps[u], patterns)})
-            except PartialFusedExclusion:
-                return None
-        return out
-
-
 def _groups(bf16_units: list[str], regex: bool) -> list[tuple[set[str], list[list[str]]]]:
     """(units, alternative pattern lists, broadest first) per group of new BF16 units."""
     shared = [u for u in bf16_units if _SHARED.search(u) and not u.startswith("mtp.")]
@@ -89,7 +66,10 @@ def choose_patterns(existing: list[str], bf16_units: list[str], quant_units: lis
     and nothing of `quant_units` that `existing` did not already exclude."""
     if not bf16_units:
         return []
-    dec = _Decider(flavour, reps)
+    from qtool.engines import Flavour
+    from qtool.engines.patterns import UnitDecider
+
+    dec = UnitDecider(Flavour.COMPRESSED_TENSORS if flavour == "compressed-tensors" else Flavour.MODELOPT, reps)
     units = set(bf16_units) | set(quant_units)
     base = dec.excluded(existing, units)
     if base is None:

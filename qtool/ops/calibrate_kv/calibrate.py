@@ -88,10 +88,21 @@ def reduce_kv(st, group) -> None:
 
 
 def _journal_key(p: KvPlan, digest: str, dtype: str) -> str:
+    from qtool.io.tensor_table import tensor_rows
+
     h = hashlib.sha256()
-    for n in sorted(p.ckpt.tensors):
-        i = p.ckpt.tensors[n]
-        h.update(f"{n}|{i.dtype}|{list(i.shape)}|{os.path.getsize(i.file)}\n".encode())
+    sizes: dict[str, int] = {}  # per shard, not a stat per tensor (~370k for the 397B)
+    shapes: dict[tuple, str] = {}  # a few distinct shapes
+    lines = []
+    for n, file, dtype, shape in sorted(tensor_rows(p.ckpt.tensors)):
+        size = sizes.get(file)
+        if size is None:
+            size = sizes[file] = os.path.getsize(file)
+        text = shapes.get(shape)
+        if text is None:
+            text = shapes[shape] = str(list(shape))
+        lines.append(f"{n}|{dtype}|{text}|{size}\n")
+    h.update("".join(lines).encode())
     h.update(json.dumps(p.ckpt.text_config, sort_keys=True).encode())
     h.update(f"{digest}|{dtype}|{p.samples}|{p.seq_len}".encode())
     # what the forward reads: a same-size edit of a shard with its mtime put back changes the key
@@ -115,7 +126,7 @@ def calibrate(
 
     opts = p.options
     streamer = LayerStreamer(p.ckpt, device=p.device, dtype=dtype or (opts.dtype if opts else None),
-                             batch_tokens=opts.batch_tokens if opts else None)
+                             batch_tokens=opts.batch_tokens if opts else None, mm=p.mm)
     g = streamer.group
     n, seq = int(ids.shape[0]), int(ids.shape[1])
     shape = (n, seq, streamer.hidden_size)

@@ -55,7 +55,7 @@ def execute(p: KvPlan, *, progress=None) -> Report:
 
     with tx:
         applied = write_output(p.output, tx, command=opts.command, produce=produce, check=check,
-                               hash_from_reads=streamed_files(p.ckpt), early_shards=True,
+                               hash_from_reads=streamed_files(p.ckpt, p.mm), early_shards=True,
                                extra=lambda: {RUN: {"kernels": state["timing"].get("kernels")}})
     stats = state["stats"]
     report["layers"] = [stats[i].to_json() for i in p.layers]

@@ -86,6 +86,7 @@ class KvPlan:
     output: "OutputPlan | None" = None  # every output file (calibrate_kv.write.output_plan)
     calib: object = None  # the token windows (stream.calib_data.CalibSet), made by the plan
     memory: object = None  # peak host/GPU need and fit (stream.memory_plan.MemoryNeed)
+    mm: object = None  # the checkpoint's ModelMap (execute's layer streamer reuses it)
 
     def to_json(self) -> dict:
         sp = self.stream
@@ -154,7 +155,7 @@ def plan(opts: CalibrateKvOptions) -> KvPlan:
         raise PlanError("the model has no full-attention layers (text_config.layer_types)", path=ckpt.root)
     conv = _convention(ckpt, mm)
     names = {i: scale_names(i, mm.naming, conv) for i in layers}
-    existing = sorted(n for n, r in mm.roles.items() if r.group is Group.KV_SCALE)
+    existing = mm.kv_scale_names()
     if existing and not replace_scales:
         raise PlanError(
             f"the checkpoint already has {len(existing)} KV-scale tensor(s)",
@@ -193,7 +194,7 @@ def plan(opts: CalibrateKvOptions) -> KvPlan:
     warnings = []
     if mm.kv.layers and set(mm.kv.layers) != set(layers):
         warnings.append(f"existing KV scales cover layers {mm.kv.layers}, full attention is {layers}")
-    if any(r.group is Group.MTP for r in mm.roles.values()):
+    if mm.has_group(Group.MTP):
         warnings.append("the MTP head's attention layer is not calibrated (engines use 1.0 for it)")
     if ckpt.quantization_config and ckpt.quantization_config.get("quant_method") == "awq":
         warnings.append("AWQ configs: engines may ignore kv_cache_scheme (vLLM's AWQ method loads no KV scales)")
@@ -204,6 +205,7 @@ def plan(opts: CalibrateKvOptions) -> KvPlan:
     from qtool.ops.calibrate_kv.write import output_plan
     from qtool.stream.calib_data import plan_calibration
 
+    p.mm = mm
     p.calib = plan_calibration(ckpt, dataset, samples, seq_len)  # refused here if the data is too small
     from qtool.dist import planned_ranks
 

@@ -52,11 +52,9 @@ def _patched_configs(p: KvPlan) -> list[Json]:
 
 
 def _stripped_shard(ckpt: Checkpoint, shard: str, remove: set[str]) -> list[OutTensor]:
-    out = []
-    for name, info in sorted(ckpt.headers[shard].tensors.items(), key=lambda kv: kv[1].start):
-        if name not in remove:
-            out.append(OutTensor(name, info.dtype, tuple(info.shape), FileRange(info.file, info.start, info.end)))
-    return out
+    out = [OutTensor(i.name, i.dtype, tuple(i.shape), FileRange(i.file, i.start, i.end))
+           for i in ckpt.headers[shard].tensors.values() if i.name not in remove]
+    return sorted(out, key=lambda t: t.source.start)
 
 
 def output_plan(p: KvPlan) -> OutputPlan:
@@ -66,11 +64,13 @@ def output_plan(p: KvPlan) -> OutputPlan:
     ckpt = p.ckpt
     remove = set(p.remove)
     new_tensors = _kv_tensors(p)
-    weight_map = {n: ckpt.shard_of(n) for n in ckpt.tensors if n not in remove}
+    weight_map = ckpt.weight_map()
+    for n in remove:
+        del weight_map[n]
     for t in new_tensors:
         weight_map[t.name] = p.kv_shard
     dropped = sorted(s for s in ckpt.headers if s not in set(weight_map.values()))
-    total = sum(ckpt.tensor_bytes(n) for n in ckpt.tensors if n not in remove) + sum(t.nbytes for t in new_tensors)
+    total = ckpt.total_bytes() - sum(ckpt.tensor_bytes(n) for n in remove) + sum(t.nbytes for t in new_tensors)
     index = dict(ckpt.index or {})
     index.update(index_json(weight_map, total))
     index["metadata"] = {**(ckpt.index or {}).get("metadata", {}), "total_size": total}

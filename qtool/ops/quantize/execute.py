@@ -51,7 +51,8 @@ def calibrate_and_write(p: QuantizePlan, partial: Path, ids, *, resume: bool, pr
     from qtool.stream.calib_data import token_digest
     from qtool.stream.layer_stream import DiskStore, LayerStreamer
 
-    streamer = LayerStreamer(p.ckpt, device=p.device, batch_tokens=p.options.batch_tokens if p.options else None)
+    streamer = LayerStreamer(p.ckpt, device=p.device, batch_tokens=p.options.batch_tokens if p.options else None,
+                             mm=p.mm)
     g = streamer.group
     n, seq = int(ids.shape[0]), int(ids.shape[1])
     batch = streamer.batch_windows(seq)
@@ -283,7 +284,7 @@ def execute(p: QuantizePlan, *, progress=None) -> Report:
                 "summary": problems[0]["message"] if problems else None}
 
     with OutputDir(p.out, sources=[p.ckpt.root], force=opts.force, resume=opts.resume) as tx:
-        write_output(p.output, tx, command=opts.command, produce=produce, check=check, hash_from_reads=streamed_files(p.ckpt), early_shards=True,
+        write_output(p.output, tx, command=opts.command, produce=produce, check=check, hash_from_reads=streamed_files(p.ckpt, p.mm), early_shards=True,
                      extra=lambda: {"calibration": report.get("calibration"), "layers": report["layers"],
                                     RUN: {"kernels": report.get("kernels")}})
     report["output"] = {"output": str(p.out), **p.output.summary, "side_files": p.output.extra["side_files"],

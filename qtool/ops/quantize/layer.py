@@ -228,7 +228,7 @@ def write_layer_shard(path: Path, lp, layer, stats, kv, p, backend=None, mode: i
     from qtool.ops.quantize.plan import QUANT_PARAMS
 
     report: dict = {"awq": []}
-    header = build_header([OutTensor(s.name, s.dtype, s.shape, _Pending(_nbytes(s))) for s in lp.specs])
+    header = build_header([OutTensor(s.name, s.dtype, s.shape, _Pending(s.nbytes)) for s in lp.specs])
     names = [n for n, _, _ in QUANT_PARAMS[(lp.scheme, p.format)]] if lp.scheme is not Scheme.BF16 else []
     tmp = tmp_path(path)
     fds: dict[str, int] = {}
@@ -284,7 +284,7 @@ def _write_specs(ops: InOrder, out, f, lp, layer, stats, kv, p, backend, share: 
     while i < len(specs):
         s = specs[i]
         i += 1
-        at, pos = pos, pos + _nbytes(s)
+        at, pos = pos, pos + s.nbytes
         which = _expert_of(s.name) if s.source is None else None  # None: copied, or a KV scale
         if not share.owns(which[0] if which else None, n_exp):
             continue
@@ -306,7 +306,7 @@ def _write_specs(ops: InOrder, out, f, lp, layer, stats, kv, p, backend, share: 
             if w is None or w[0] >= e1:
                 break
             members.append((specs[i], w))
-            pos += _nbytes(specs[i])
+            pos += specs[i].nbytes
             i += 1
         gu = experts.gate_up_proj.data[e0:e1]
         dn = experts.down_proj.data[e0:e1]
@@ -341,12 +341,6 @@ def _copy_spec(s, kept, out, f, fds: dict, hashed: bool, end: int) -> None:
     f.flush()
     copy_range(fds[s.source.file], f.fileno(), s.source.start, s.source.nbytes)
     f.seek(end)  # the descriptor moved under the buffer
-
-
-def _nbytes(s) -> int:
-    from qtool.io.dtypes import nbytes_for
-
-    return nbytes_for(s.dtype, s.shape)
 
 
 __all__ = ["FileRange", "InlineBytes", "Share", "create_layer_tmp", "input_amaxes", "write_layer_shard"]

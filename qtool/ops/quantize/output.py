@@ -27,9 +27,7 @@ SKIP_FILES = {INDEX_NAME, CONFIG_NAME, HF_QUANT_CONFIG_NAME, "recipe.yaml", MANI
 
 
 def _tensor(s) -> OutTensor:
-    from qtool.ops.quantize.plan import _spec_bytes
-
-    return OutTensor(s.name, s.dtype, tuple(s.shape), s.source if s.source is not None else Pending(s.name, _spec_bytes(s)))
+    return OutTensor(s.name, s.dtype, s.shape, s.source if s.source is not None else Pending(s.name, s.nbytes))
 
 
 def side_files(root: Path) -> list[Path]:
@@ -54,9 +52,7 @@ def output_plan(p: QuantizePlan) -> OutputPlan:
 
     files: list = [Produced(lp.shard, [_tensor(s) for s in lp.specs]) for lp in p.layers]
     by_name = {s.name: s for s in p.rest}
-    from qtool.ops.quantize.plan import _spec_bytes
-
-    groups = plan_shards([(s.name, _spec_bytes(s)) for s in p.rest], REST_SHARD_BYTES)
+    groups = plan_shards([(s.name, s.nbytes) for s in p.rest], REST_SHARD_BYTES)
     files += [Shard(REST_SHARD.format(k), [_tensor(by_name[n]) for n in names]) for k, names in enumerate(groups)]
     weight_map = {t.name: e.name for e in files for t in e.tensors}
     total = sum(t.nbytes for e in files for t in e.tensors)
