@@ -54,3 +54,17 @@ def test_bench_real_layers_scaling_rows(tmp_path):
     assert [(r["job"], r["ranks"]) for r in rows] == [("awq", 1), ("calibrate-kv", 1), ("awq", 2), ("calibrate-kv", 2)]
     assert all(r["per_layer_s"] > 0 for r in rows)
     assert (tmp_path / "w/awq/model.safetensors.index.json").exists()
+
+
+@pytest.mark.slow
+def test_bench_plan_397b_executing(tmp_path):
+    """bench_plan_397b's executing mode runs a job on the sparse 397B up to its first layer and stops there
+    (it replaces two of qtool's functions to do so: a rename must fail here, not run 397B layers)."""
+    p = subprocess.run([sys.executable, str(ROOT / "scripts/bench_plan_397b.py"), "--workdir", str(tmp_path / "w"),
+                        "--rounds", "1", "--jobs", "eval-kld", "--executing"], capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    # "eval-kld  WALL s  CPU s  START s  START-CPU s  WALL/CPU" (one round)
+    row = next(line.split() for line in p.stdout.splitlines() if line.startswith("eval-kld"))
+    assert len(row) == 10 and float(row[1]) > 0 and float(row[3]) > 0, row
+    assert "start: wall" in p.stdout
