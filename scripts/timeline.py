@@ -135,16 +135,16 @@ def _stop_at(target: str, report) -> None:
     *path, attr = qual.split(".")
     for p in path:
         owner = getattr(owner, p)
-    fn = getattr(owner, attr)
+    getattr(owner, attr)  # a mistyped target fails here, before the command runs (not never stopping)
 
     def stopped(*args, **kwargs):
         print(f"\n--- stopped at the first call of {target}: {time.perf_counter() - T0:.2f} s", file=sys.stderr)
         report()
+        sys.stdout.flush()  # os._exit skips the interpreter's own flushing
         sys.stderr.flush()
         os._exit(0)
 
     setattr(owner, attr, stopped)
-    del fn
 
 
 if __name__ == "__main__":

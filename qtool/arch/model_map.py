@@ -271,7 +271,7 @@ class ModelMap:
     def modules_in(self, group: Group) -> list[Module]:
         return [m for m in self.modules.values() if m.group is group]
 
-    def kv_scale_names(self) -> list[str]:
+    def kv_scale_tensors(self) -> list[str]:
         """The KV-scale tensors' names (k_scale / v_scale), sorted: from the few roles the map keeps for
         them, not a role made for each of the 397B's ~370k tensors."""
         return sorted(n for n, r in self.roles.kv_roles() if r.group is Group.KV_SCALE)

@@ -14,6 +14,7 @@ quant config keeps the checkpoint's names.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from fnmatch import fnmatch
 from functools import lru_cache
 
@@ -106,7 +107,7 @@ def mapped_ignore(ignore: list[str], flavour: Flavour, *, mtp: bool = False) -> 
 # --- modelopt ------------------------------------------------------------------------------------
 
 
-def _is_layer_skipped_exact(prefix: str, ignore: list[str]) -> bool:
+def _is_layer_skipped_exact(prefix: str, ignore: Sequence[str]) -> bool:
     """layers/quantization/utils/quant_utils.py is_layer_skipped(match_mode="exact")."""
     proj = prefix.split(".")[-1]
     if proj in VLLM_PACKED and prefix in ignore:  # fused name listed directly
@@ -129,7 +130,7 @@ def _is_layer_skipped_exact(prefix: str, ignore: list[str]) -> bool:
     return prefix in ignore
 
 
-def modelopt_is_layer_excluded(prefix: str, exclude: list[str]) -> bool:
+def modelopt_is_layer_excluded(prefix: str, exclude: Sequence[str]) -> bool:
     """modelopt.py ModelOptQuantConfigBase.is_layer_excluded on an already-mapped list."""
     if not exclude:
         return False
@@ -154,7 +155,7 @@ def _ct_match(name: str, target: str) -> bool:
     return target == name
 
 
-def ct_should_ignore_layer(prefix: str, ignore: list[str]) -> bool:
+def ct_should_ignore_layer(prefix: str, ignore: Sequence[str]) -> bool:
     """compressed_tensors/utils.py should_ignore_layer(fused_mapping=packed_modules_mapping)."""
     proj = prefix.split(".")[-1]
     names = [prefix.replace(proj, s) for s in VLLM_PACKED[proj]] if proj in VLLM_PACKED else [prefix]
@@ -189,10 +190,9 @@ def _hardcoded(kind: str, version: EngineVersion, flavour: Flavour) -> str | Non
 
 
 @lru_cache(maxsize=1024)
-def _mapped(ignore: tuple[str, ...], fl: Flavour, mtp: bool) -> list[str]:
+def _mapped(ignore: tuple[str, ...], fl: Flavour, mtp: bool) -> tuple[str, ...]:
     # one mapping per list, not per unit: a pattern search asks every unit of the 397B under each list
-    # (the callers only read the result)
-    return mapped_ignore(list(ignore), fl, mtp=mtp)
+    return tuple(mapped_ignore(list(ignore), fl, mtp=mtp))
 
 
 @lru_cache(maxsize=65536)

@@ -21,7 +21,7 @@ from qtool.errors import CheckpointError, ConfigError
 from qtool.io.index_file import read_index
 from qtool.io.jsonio import JsonStyle, load_json
 from qtool.io.safetensors_header import SafetensorsHeader, TensorInfo, read_header
-from qtool.io.tensor_table import TensorTable, nbytes_of
+from qtool.io.tensor_table import TensorTable, file_of, nbytes_of
 
 INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
@@ -232,10 +232,8 @@ class Checkpoint:
         """name -> shard file name of every tensor, as an index's weight_map: one name per shard, not a
         lookup per tensor (~370k for the 397B)."""
         out: dict[str, str] = {}
-        for h in self.headers.values():
+        for h in self.headers.values():  # in the table's order: a name in two shards maps to the later one
             out.update(dict.fromkeys(h.tensors, os.path.basename(h.path)))
-        if len(out) != len(self.tensors):  # a name in two shards: the table keeps the later, as `shard_of`
-            out = {n: self.shard_of(n) for n in self.tensors}
         return out
 
     def tensor_bytes(self, name: str) -> int:
@@ -243,8 +241,7 @@ class Checkpoint:
         return nbytes_of(self.tensors, name)
 
     def shard_of(self, name: str) -> str:
-        file_of = getattr(self.tensors, "file_of", None)  # a 397B has ~370k tensors: asked of each by a plan
-        return os.path.basename(file_of(name) if file_of is not None else self.tensors[name].file)
+        return os.path.basename(file_of(self.tensors, name))  # no TensorInfo: plans ask it of many tensors
 
 
 def _safe_shard_path(root: Path, rel: str, index_path: Path) -> Path:

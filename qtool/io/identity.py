@@ -57,6 +57,26 @@ def input_identity(files: Iterable[str | Path]) -> dict[str, list]:
 _SAMPLED: dict[tuple, str] = {}
 
 
+def tensor_list_text(tensors) -> bytes:
+    """`name|dtype|[shape]|its file's size` of every tensor, one line each, sorted by name: what a layer job's
+    journal key records of the checkpoint it reads (a --resume against another list starts over). Read
+    from a TensorTable's columns with one `stat` per shard (a 397B has ~370k tensors in ~50 shards)."""
+    from qtool.io.tensor_table import tensor_rows
+
+    sizes: dict[str, int] = {}
+    shapes: dict[tuple, str] = {}  # a few distinct shapes
+    lines = []
+    for name, file, tensor_dtype, shape in sorted(tensor_rows(tensors)):
+        size = sizes.get(file)
+        if size is None:
+            size = sizes[file] = os.path.getsize(file)
+        text = shapes.get(tuple(shape))
+        if text is None:
+            text = shapes[tuple(shape)] = str(list(shape))
+        lines.append(f"{name}|{tensor_dtype}|{text}|{size}\n")
+    return "".join(lines).encode()
+
+
 def changed_inputs(recorded: dict, now: dict) -> list[str]:
     return sorted(f for f in set(recorded) | set(now) if recorded.get(f) != now.get(f))
 

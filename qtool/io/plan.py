@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Callable, NamedTuple, Sequence, Union
 
 from qtool.io.jsonio import JsonStyle, dumps
-from qtool.io.writer import FileRange, InlineBytes, OutTensor, _json_str, shard_size
+from qtool.io.writer import FileRange, InlineBytes, OutTensor, json_str, shard_size
 
 
 class Pending(NamedTuple):
@@ -222,20 +222,28 @@ def _tensor_keys(tensors: list[OutTensor], paths: dict[str, str]) -> str:
     each, concatenated (the same bytes, so plan hashes, which a --resume compares with its journal's, are
     unchanged), written without json.dumps for the usual sources: a 397B quantize hashes 372k tensors
     (2.2 s that way on the 2-core VM). `paths` caches each source file's absolute path as JSON."""
-    enc = _json_str
+    enc = json_str
+    shapes: dict[tuple, str | None] = {}  # each distinct shape's JSON, None where str() would not be it
     parts = []
     for t in tensors:
-        src = t.source
-        if isinstance(src, FileRange):
+        src, shape = t.source, t.shape if type(t.shape) is tuple else tuple(t.shape)
+        text = shapes.get(shape, "")
+        if text == "":
+            # str() of an int is its JSON; of a bool or a numpy int it is not (json.dumps below)
+            text = shapes[shape] = (", ".join(map(str, shape)) if all(type(d) is int for d in shape) else None)
+        if isinstance(src, FileRange) and type(src.start) is int and type(src.end) is int:
             f = paths.get(src.file)
             if f is None:
                 f = paths[src.file] = enc(os.path.abspath(src.file))
             key = f"[\"range\", {f}, {src.start}, {src.end}]"
-        elif isinstance(src, Pending) and type(src.key) is str:
+        elif isinstance(src, Pending) and type(src.key) is str and type(src.nbytes) is int:
             key = f"[\"pending\", {enc(src.key)}, {src.nbytes}]"
         else:
-            key = json.dumps(_source_key(src))
-        parts.append(f"[{enc(t.name)}, {enc(t.dtype)}, [{', '.join(map(str, t.shape))}], {key}]")
+            key = None
+        if text is None or key is None or type(t.name) is not str or type(t.dtype) is not str:
+            parts.append(json.dumps([t.name, t.dtype, list(shape), _source_key(src)]))
+        else:
+            parts.append(f"[{enc(t.name)}, {enc(t.dtype)}, [{text}], {key}]")
     return "".join(parts)
 
 

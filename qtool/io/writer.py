@@ -73,14 +73,14 @@ def build_header(tensors: list[OutTensor], metadata: dict[str, str] | None = Non
             shape_text[key] = f'{{"dtype":{json.dumps(t.dtype)},"shape":[{",".join(str(d) for d in t.shape)}],'
         if want != n:
             raise ValueError(f"{t.name}: {n} bytes for {t.dtype}{list(t.shape)} (want {want})")
-        parts.append(f'{_json_str(t.name)}:{shape_text[key]}"data_offsets":[{offset},{offset + n}]}}')
+        parts.append(f'{json_str(t.name)}:{shape_text[key]}"data_offsets":[{offset},{offset + n}]}}')
         offset += n
     raw = ("{" + ",".join(parts) + "}").encode()
     raw += b" " * (-len(raw) % 8)
     return struct.pack("<Q", len(raw)) + raw
 
 
-_json_str = json.encoder.encode_basestring_ascii  # what json.dumps does to a str, in C
+json_str = json.encoder.encode_basestring_ascii  # what json.dumps does to a str, in C
 
 
 def shard_size(tensors: list[OutTensor], metadata: dict[str, str] | None = None) -> int:
@@ -433,7 +433,7 @@ def index_text(weight_map: dict[str, str], metadata: dict):
     """`json.dumps({"metadata": metadata, "weight_map": sorted weight_map}, indent=2) + "\n"` in chunks
     (a generator). The same text without the pure-Python indenting encoder, which for a 397B index (~370k
     entries) took ~3 s and held ~100 MB of pieces before joining them."""
-    enc = _json_str
+    enc = json_str
     yield '{\n  "metadata": ' + json.dumps(metadata, indent=2).replace("\n", "\n  ") + ',\n  "weight_map": '
     if not weight_map:
         yield "{}\n}\n"

@@ -176,7 +176,7 @@ def _kv_problems(mm: ModelMap, summary: QuantSummary) -> list[Finding]:
         out.append(problem(Code.KV_SCALES_STALE, f"k/v scales on layers that are not full attention: {_short(extra)}"))
     if mm.kv.per_head:
         heads = mm.ckpt.text_config.get("num_key_value_heads")
-        wrong = [n for n in mm.kv_scale_names() if mm.ckpt.tensors[n].numel not in (1, heads)]
+        wrong = [n for n in mm.kv_scale_tensors() if mm.ckpt.tensors[n].numel not in (1, heads)]
         if wrong:
             out.append(problem(Code.KV_SCALE_INVALID, f"per-head KV scale(s) with {list(mm.ckpt.tensors[wrong[0]].shape)}"
                                f" elements, expected {heads} (num_key_value_heads): {wrong[0]}", wrong[0]))

@@ -350,16 +350,16 @@ def streamed_files(ckpt: Checkpoint, mm: ModelMap | None = None) -> set[str]:
     The layers' modules are those `layer_tensors` reads, found in one pass (per layer, over the 397B's ~95k
     modules and with a TensorInfo per tensor, it took seconds)."""
     from qtool.io.tensor_table import file_of
+    from qtool.stream.dequant import missing_layer, modules_by_layer
 
     mm = mm if mm is not None and mm.ckpt is ckpt else build_map(ckpt)
-    prefixes = [layer_prefix(i, mm.naming) for i in range(mm.num_layers)]
     files = set()
-    for m in mm.modules.values():
-        i = m.layer
-        if (i is None or not 0 <= i < len(prefixes) or m.is_mtp or m.group is Group.KV_SCALE
-                or not m.name.startswith(prefixes[i])):
-            continue
-        files.update(file_of(ckpt.tensors, f"{m.name}.{p}" if m.name else p) for p in m.param_names)
+    for i, mods in enumerate(modules_by_layer(mm)):
+        if not mods:
+            raise missing_layer(mm, i)  # as layer_tensors
+        for m in mods:
+            if m.group is not Group.KV_SCALE:  # as layer_tensors
+                files.update(file_of(ckpt.tensors, f"{m.name}.{p}" if m.name else p) for p in m.param_names)
     embed = text_prefix(mm.naming) + "embed_tokens.weight"
     return files | ({file_of(ckpt.tensors, embed)} if embed in ckpt.tensors else set())
 
@@ -448,18 +448,16 @@ class LayerStreamer:
         prepare both ask)."""
         if self._layer_sizes is not None:
             return list(self._layer_sizes[0]), list(self._layer_sizes[1])  # callers' own lists
-        from qtool.stream.dequant import dense_numel
+        from qtool.stream.dequant import dense_numel, modules_by_layer
 
         item = 4 if self.dtype_name == "float32" else 2
         dense, stored = [0] * self.num_layers, [0] * self.num_layers
-        prefixes = [layer_prefix(i, self.mm.naming) for i in range(self.num_layers)]
-        for mod in self.mm.modules.values():
-            i = mod.layer
-            if (i is None or not 0 <= i < self.num_layers or mod.is_mtp or mod.group is Group.KV_SCALE
-                    or not mod.name.startswith(prefixes[i])):
-                continue
-            dense[i] += dense_numel(mod) * item
-            stored[i] += mod.nbytes()  # from the tensor table's columns, like dense_numel: no TensorInfo
+        for i, mods in enumerate(modules_by_layer(self.mm)):
+            for mod in mods:
+                if mod.group is Group.KV_SCALE:
+                    continue
+                dense[i] += dense_numel(mod) * item
+                stored[i] += mod.nbytes()  # from the tensor table's columns, like dense_numel: no TensorInfo
         self._layer_sizes = (list(dense), list(stored))
         return dense, stored
 

@@ -44,7 +44,7 @@ def test_shortcuts_agree_with_a_role_per_tensor(fixture, request, tmp_path):
     ~370k tensors) give what asking every tensor gives."""
     ck = Checkpoint.open(request.getfixturevalue(fixture))
     mm = build_map(ck)
-    assert mm.kv_scale_names() == sorted(n for n, r in mm.roles.items() if r.group is Group.KV_SCALE)
+    assert mm.kv_scale_tensors() == sorted(n for n, r in mm.roles.items() if r.group is Group.KV_SCALE)
     for g in Group:
         assert mm.has_group(g) == any(r.group is g for r in mm.roles.values()), g
     assert ck.weight_map() == {n: ck.shard_of(n) for n in ck.tensors}

@@ -268,3 +268,24 @@ def test_failed_hidden_state_write_is_never_journaled(request, tmp_path):
     assert p.returncode == 0, p.stderr[-2000:]
     for f in clean.glob("*.safetensors"):
         assert (out / f.name).read_bytes() == f.read_bytes(), f.name
+
+
+def test_journal_key_records_the_tensors_and_the_run_settings(tiny_nvfp4_modelopt, tmp_path):
+    """A --resume is refused when what the journal recorded differs: the tensor list (its text kept as
+    before, so a run journaled by an earlier qtool resumes), and the compute dtype and micro-batch."""
+    import hashlib
+
+    from qtool.io.identity import input_identity, tensor_list_text
+    from qtool.ops.calibrate_kv.calibrate import _journal_key
+
+    p = ck.plan(ck.CalibrateKvOptions(tiny_nvfp4_modelopt, out=tmp_path / "out", samples=N, seq_len=L,
+                                      replace_scales=True))
+    t = p.ckpt.tensors
+    old = "".join(f"{n}|{t[n].dtype}|{list(t[n].shape)}|{os.path.getsize(t[n].file)}\n" for n in sorted(t))
+    assert tensor_list_text(t) == old.encode()
+    h = hashlib.sha256(old.encode())
+    h.update(json.dumps(p.ckpt.text_config, sort_keys=True).encode())
+    h.update(f"d|bfloat16|8|{p.samples}|{p.seq_len}".encode())
+    h.update(json.dumps(input_identity(x.path for x in p.ckpt.headers.values())).encode())
+    assert _journal_key(p, "d", "bfloat16|8") == h.hexdigest()[:32]
+    assert len({_journal_key(p, "d", s) for s in ("bfloat16|8", "float32|8", "bfloat16|16")}) == 3

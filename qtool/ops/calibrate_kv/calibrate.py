@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import statistics
 import time
 from dataclasses import dataclass
 
 from qtool.errors import PlanError
-from qtool.io.identity import input_identity
+from qtool.io.identity import input_identity, tensor_list_text
 from qtool.io.jsonio import load_json, write_json
 
 from qtool.ops.calibrate_kv.plan import JOURNAL, OUTLIER_RATIO, KvPlan
@@ -88,21 +87,7 @@ def reduce_kv(st, group) -> None:
 
 
 def _journal_key(p: KvPlan, digest: str, dtype: str) -> str:
-    from qtool.io.tensor_table import tensor_rows
-
-    h = hashlib.sha256()
-    sizes: dict[str, int] = {}  # per shard, not a stat per tensor (~370k for the 397B)
-    shapes: dict[tuple, str] = {}  # a few distinct shapes
-    lines = []
-    for n, file, dtype, shape in sorted(tensor_rows(p.ckpt.tensors)):
-        size = sizes.get(file)
-        if size is None:
-            size = sizes[file] = os.path.getsize(file)
-        text = shapes.get(shape)
-        if text is None:
-            text = shapes[shape] = str(list(shape))
-        lines.append(f"{n}|{dtype}|{text}|{size}\n")
-    h.update("".join(lines).encode())
+    h = hashlib.sha256(tensor_list_text(p.ckpt.tensors))
     h.update(json.dumps(p.ckpt.text_config, sort_keys=True).encode())
     h.update(f"{digest}|{dtype}|{p.samples}|{p.seq_len}".encode())
     # what the forward reads: a same-size edit of a shard with its mtime put back changes the key

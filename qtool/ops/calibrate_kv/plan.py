@@ -11,6 +11,7 @@ if TYPE_CHECKING:
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from qtool.arch.model_map import ModelMap
 from qtool.arch.qwen35 import Group, layer_prefix
 from qtool.formats.naming import Flavour
 from qtool.errors import PlanError
@@ -86,7 +87,7 @@ class KvPlan:
     output: "OutputPlan | None" = None  # every output file (calibrate_kv.write.output_plan)
     calib: object = None  # the token windows (stream.calib_data.CalibSet), made by the plan
     memory: object = None  # peak host/GPU need and fit (stream.memory_plan.MemoryNeed)
-    mm: object = None  # the checkpoint's ModelMap (execute's layer streamer reuses it)
+    mm: ModelMap | None = None  # the checkpoint's map (execute's layer streamer reuses it)
 
     def to_json(self) -> dict:
         sp = self.stream
@@ -155,7 +156,7 @@ def plan(opts: CalibrateKvOptions) -> KvPlan:
         raise PlanError("the model has no full-attention layers (text_config.layer_types)", path=ckpt.root)
     conv = _convention(ckpt, mm)
     names = {i: scale_names(i, mm.naming, conv) for i in layers}
-    existing = mm.kv_scale_names()
+    existing = mm.kv_scale_tensors()
     if existing and not replace_scales:
         raise PlanError(
             f"the checkpoint already has {len(existing)} KV-scale tensor(s)",
@@ -200,12 +201,11 @@ def plan(opts: CalibrateKvOptions) -> KvPlan:
         warnings.append("AWQ configs: engines may ignore kv_cache_scheme (vLLM's AWQ method loads no KV scales)")
     p = KvPlan(
         ckpt, out_p, conv, layers, max(layers) + 1, names, existing, rewrite, kv_shard, work,
-        samples, seq_len, dataset, device, sp, changes, warnings, opts,
+        samples, seq_len, dataset, device, sp, changes, warnings, opts, mm=mm,
     )
     from qtool.ops.calibrate_kv.write import output_plan
     from qtool.stream.calib_data import plan_calibration
 
-    p.mm = mm
     p.calib = plan_calibration(ckpt, dataset, samples, seq_len)  # refused here if the data is too small
     from qtool.dist import planned_ranks
 

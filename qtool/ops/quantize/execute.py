@@ -23,7 +23,7 @@ from qtool.errors import PlanError, UsageError
 from qtool.io.checkpoint import Checkpoint
 from qtool.io.jsonio import load_json, write_json
 from qtool.io.manifest import RUN
-from qtool.io.identity import input_identity
+from qtool.io.identity import input_identity, tensor_list_text
 from qtool.io.output import OutputDir
 from qtool.ops.contract import Report
 from qtool.ops.quantize.output import input_files
@@ -35,10 +35,7 @@ WORK = ".quantize"
 
 
 def _journal_key(p: QuantizePlan, digest: str) -> str:
-    h = hashlib.sha256()
-    for n in sorted(p.ckpt.tensors):
-        i = p.ckpt.tensors[n]
-        h.update(f"{n}|{i.dtype}|{list(i.shape)}|{os.path.getsize(i.file)}\n".encode())
+    h = hashlib.sha256(tensor_list_text(p.ckpt.tensors))
     h.update(json.dumps(p.recipe.to_json() | {"path": None}, sort_keys=True).encode())
     h.update(f"{p.backend.value}|{p.format.value}|{digest}|{p.awq_rows}".encode())
     # a same-size edit of an input with its mtime put back changes the key (content samples)

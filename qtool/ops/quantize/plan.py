@@ -240,8 +240,10 @@ def kv_scale_names(prefix: str, fmt: OutFormat) -> tuple[str, str]:
 
 def _layer_tensors(names: list[str], prefix: str) -> list[str]:
     """The names in sorted `names` that start with `prefix`: one contiguous run, found by bisection (a scan
-    per layer over the 397B's tensors, ~280k for a per-expert source, took seconds)."""
-    return names[bisect_left(names, prefix):bisect_left(names, prefix + "\U0010ffff")]
+    per layer over the 397B's tensors, ~280k for a per-expert source, took seconds). It ends before the
+    first name not below `prefix` with its last character incremented."""
+    after = prefix[:-1] + chr(ord(prefix[-1]) + 1)
+    return names[bisect_left(names, prefix):bisect_left(names, after)]
 
 
 @dataclass(frozen=True)
@@ -340,7 +342,7 @@ def plan(opts: QuantizeOptions) -> QuantizePlan:
         if fmt is OutFormat.AWQ and (hidden % 8 or inter % 8):
             raise PlanError("AutoAWQ GEMM needs out-features divisible by 8", got=(hidden, inter))
     layers = []
-    kv_names_existing = {n for n in mm.kv_scale_names() if not n.startswith("mtp.")}
+    kv_names_existing = {n for n in mm.kv_scale_tensors() if not n.startswith("mtp.")}
     names = sorted(ckpt.tensors)
     for idx in range(mm.num_layers):
         prefix = layer_prefix(idx, mm.naming)

@@ -328,7 +328,7 @@ def kv_ignored_findings(mm: ModelMap, summary: QuantSummary, versions: list[Engi
     - per-head scales and any kv_cache_scheme but static symmetric per-tensor FP8 (`strategy: attn_head`,
       vllm PR 30141): it builds no KV-cache method for them.
     Checked with both real loaders (tests/engines/test_loaders.py variant-kv-*)."""
-    kv_names = mm.kv_scale_names()
+    kv_names = mm.kv_scale_tensors()
     if not kv_names:
         return []
     reasons = []
