@@ -131,10 +131,10 @@ def _check_produced(plan: OutputPlan, partial: Path) -> None:
         path = partial / e.name
         if not path.exists():
             raise VerificationError("a shard the plan promised was not written (a qtool bug)", path=path)
-        # qtool's own producers write the header the plan promised byte for byte: compared as bytes, with
-        # the file's size (the 397B's 60 layer shards, 372k tensors: 1.9 s parsed and compared tensor by
-        # tensor on the 2-core VM, 0.3 s this way); another header (a range-fetched Hub shard's own) is
-        # parsed, which checks the size too, and compared tensor by tensor
+        # the producers (quantize's layers, a range-fetched Hub shard) write the header the plan promised,
+        # byte for byte: compared as bytes, with the file's size (the 397B's 60 layer shards, 372k
+        # tensors: 1.9 s parsed and compared tensor by tensor on the 2-core VM, 0.3 s this way); anything
+        # else is parsed, which checks the size too, and compared tensor by tensor to name what differs
         planned = build_header(tensors_of(e), e.metadata)
         with open(path, "rb") as f:
             if f.read(len(planned)) == planned and os.fstat(f.fileno()).st_size == plan.file_size(e):

@@ -70,9 +70,13 @@ def tensor_list_text(tensors) -> bytes:
         size = sizes.get(file)
         if size is None:
             size = sizes[file] = os.path.getsize(file)
-        text = shapes.get(tuple(shape))
+        # cached for all-int shapes only: (True, 2) and (1.0, 2) are equal to (1, 2) as dict keys
+        cached = type(shape) is tuple and all(type(d) is int for d in shape)
+        text = shapes.get(shape) if cached else None
         if text is None:
-            text = shapes[tuple(shape)] = str(list(shape))
+            text = str(list(shape))
+            if cached:
+                shapes[shape] = text
         lines.append(f"{name}|{tensor_dtype}|{text}|{size}\n")
     return "".join(lines).encode()
 

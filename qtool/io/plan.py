@@ -223,14 +223,18 @@ def _tensor_keys(tensors: list[OutTensor], paths: dict[str, str]) -> str:
     unchanged), written without json.dumps for the usual sources: a 397B quantize hashes 372k tensors
     (2.2 s that way on the 2-core VM). `paths` caches each source file's absolute path as JSON."""
     enc = json_str
-    shapes: dict[tuple, str | None] = {}  # each distinct shape's JSON, None where str() would not be it
+    shapes: dict[tuple, str] = {}  # each distinct all-int shape's JSON
     parts = []
     for t in tensors:
-        src, shape = t.source, t.shape if type(t.shape) is tuple else tuple(t.shape)
-        text = shapes.get(shape, "")
-        if text == "":
-            # str() of an int is its JSON; of a bool or a numpy int it is not (json.dumps below)
-            text = shapes[shape] = (", ".join(map(str, shape)) if all(type(d) is int for d in shape) else None)
+        src, shape = t.source, t.shape
+        # str() of an int is its JSON; of a bool or a float it is not (json.dumps below). Checked before the
+        # lookup: (True, 2) and (1.0, 2) are equal to (1, 2) as dict keys
+        if type(shape) is tuple and all(type(d) is int for d in shape):
+            text = shapes.get(shape)
+            if text is None:
+                text = shapes[shape] = ", ".join(map(str, shape))
+        else:
+            text = None
         if isinstance(src, FileRange) and type(src.start) is int and type(src.end) is int:
             f = paths.get(src.file)
             if f is None:

@@ -104,7 +104,9 @@ def test_plan_hash_is_the_json_of_every_tensor(tmp_path, monkeypatch):
                OutTensor("s", "F32", (), Pending("s", 4)),
                OutTensor("w\u00e9.\"q\"", "U8", (2, 3, 1), InlineBytes(b"\x01" * 6)),
                OutTensor("z", "BF16", (2,), Pending("z", 4)),
-               OutTensor("b", "BOOL", (True, 2), Pending("b", 2)),  # JSON's true, not str()'s True
+               OutTensor("i", "BOOL", (1, 2), Pending("i", 2)),
+               OutTensor("b", "BOOL", (True, 2), Pending("b", 2)),  # JSON's true (and not (1, 2)'s text)
+               OutTensor("f", "BOOL", (1.0, 2), Pending("f", 2)),
                OutTensor("l", "F32", [3], FileRange("a.safetensors", 0, 12))]
     plan = OutputPlan("test", [Shard("b.safetensors", tensors, {"format": "pt"}),
                                Produced("c.safetensors", tensors[1:2])], sources={}, inputs=[])
