@@ -25,7 +25,7 @@ from qtool.arch.qwen35 import (
     layer_types,
 )
 from qtool.io.checkpoint import Checkpoint
-from qtool.io.tensor_table import nbytes_of, tensor_rows
+from qtool.io.tensor_table import file_of, nbytes_of, tensor_rows
 from qtool.formats.naming import REQUIRED_PARAMS as CODEC_REQUIRED_PARAMS
 from qtool.formats.naming import QuantFormat, detect_format
 from qtool.io.dtypes import FLOAT_DTYPES
@@ -145,9 +145,17 @@ class Module:
             names = _PARAM_NAMES[self.signature] = frozenset(p for p, _, _ in self.signature)
         return names
 
+    def param_name(self, param: str) -> str:
+        """The tensor name of one of the module's parameters (a module with the empty name: the param's)."""
+        return f"{self.name}.{param}" if self.name else param
+
     def param_nbytes(self, param: str) -> int:
         """One parameter's byte count, straight from the tensor table's columns where there is one."""
-        return nbytes_of(self.tensors, f"{self.name}.{param}" if self.name else param)
+        return nbytes_of(self.tensors, self.param_name(param))
+
+    def param_file(self, param: str) -> str:
+        """One parameter's shard file, straight from the tensor table's columns where there is one."""
+        return file_of(self.tensors, self.param_name(param))
 
     def nbytes(self) -> int:
         # verify's memory fit, the layer grid and the memory plan ask for every module's size (~95k modules,
@@ -172,14 +180,10 @@ class ModuleParams(Mapping):
     def __init__(self, module: Module) -> None:
         self._module = module
 
-    def _name(self, param: str) -> str:
-        m = self._module
-        return f"{m.name}.{param}" if m.name else param
-
     def __getitem__(self, param: str) -> TensorInfo:
         if param not in self._module.param_names:
             raise KeyError(param)
-        return self._module.tensors[self._name(param)]
+        return self._module.tensors[self._module.param_name(param)]
 
     def get(self, param: str, default=None):
         return self[param] if param in self._module.param_names else default

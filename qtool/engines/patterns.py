@@ -42,10 +42,10 @@ class UnitDecider:
     module) and each list made a tuple once per question, not per unit and release (the 397B's ~600 units,
     6 releases and ~20 candidates: 60k answers)."""
 
-    def __init__(self, fl: Flavour, reps: dict[str, str], versions: list[EngineVersion] | None = None) -> None:
+    def __init__(self, fl: Flavour, reps: dict[str, str]) -> None:
         self.fl = fl
         self.units = {u: unit_of(m) for u, m in reps.items()}
-        self.engines = [(vllm if v.engine is Engine.VLLM else sglang, v) for v in versions or all_versions()]
+        self.engines = [(vllm if v.engine is Engine.VLLM else sglang, v) for v in all_versions()]
 
     def excluded(self, patterns: list[str], units: Iterable[str] | None = None) -> list[set[str]] | None:
         """Per release, the units (of `units`, default all) it excludes; None where a release refuses the

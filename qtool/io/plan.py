@@ -180,15 +180,15 @@ class OutputPlan:
     def file_size(self, e: Entry) -> int:
         """Bytes the entry's file will have (a Link's: its source's). A shard's is computed once (its header
         is built to know its length: ~6k tensors a 397B layer; header_checkpoint fills this in too)."""
-        if isinstance(e, (Shard, Produced)) and not (isinstance(e, Shard) and e.size is not None):
-            size = self._shard_sizes.get(e.name)
-            if size is None:
-                size = self._shard_sizes[e.name] = shard_size(tensors_of(e), e.metadata)
-            return size
         if isinstance(e, (Link, Copy)):
             return os.path.getsize(e.source)
         if isinstance(e, Shard) and e.size is not None:
             return e.size
+        if isinstance(e, (Shard, Produced)):
+            size = self._shard_sizes.get(e.name)
+            if size is None:
+                size = self._shard_sizes[e.name] = shard_size(tensors_of(e), e.metadata)
+            return size
         if isinstance(e, Json):
             return len(self.json_bytes(e))
         if isinstance(e, Text):

@@ -359,7 +359,7 @@ def streamed_files(ckpt: Checkpoint, mm: ModelMap | None = None) -> set[str]:
             raise missing_layer(mm, i)  # as layer_tensors
         for m in mods:
             if m.group is not Group.KV_SCALE:  # as layer_tensors
-                files.update(file_of(ckpt.tensors, f"{m.name}.{p}" if m.name else p) for p in m.param_names)
+                files.update(m.param_file(p) for p in m.param_names)
     embed = text_prefix(mm.naming) + "embed_tokens.weight"
     return files | ({file_of(ckpt.tensors, embed)} if embed in ckpt.tensors else set())
 
