@@ -72,6 +72,14 @@ def load_json(path: str | Path, *, what: str = "JSON file") -> tuple[dict, JsonS
     return obj, detect_style(text)
 
 
+def file_style(path: str | Path, *, what: str = "JSON file") -> JsonStyle:
+    """The style of a JSON file, without parsing it (a 397B index is 41 MB: parsed only for its style it
+    took 0.46 s on the 2-core VM); the file's own parse, where it matters, already checked it."""
+    from qtool.io.files import read_regular
+
+    return detect_style(read_regular(Path(path), what, ConfigError).decode("utf-8", errors="replace"))
+
+
 def dumps(obj: dict, style: JsonStyle | None = None) -> str:
     style = style or JsonStyle()
     text = json.dumps(obj, indent=style.indent, ensure_ascii=style.ensure_ascii)

@@ -30,7 +30,7 @@ from qtool.arch.qwen35 import Group
 from qtool.errors import PlanError, UsageError
 from qtool.io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG_NAME, INDEX_NAME, Checkpoint
 from qtool.formats.naming import NVFP4_NAMINGS, Flavour, QuantFormat
-from qtool.io.jsonio import load_json
+from qtool.io.jsonio import file_style, load_json
 from qtool.io.output import MANIFEST_NAME, check_no_overlap, OutputDir
 from qtool.io.plan import Copy, Json, Link, OutputPlan, Shard, Text, checkpoint_files
 from qtool.ops.contract import Report
@@ -201,7 +201,7 @@ def _index(ckpt: Checkpoint, ren: dict) -> Json:
         # the same tensor bytes (renames, same-size reciprocals): the source's metadata holds as it is
         # (transformers' total_parameters, its total_size convention)
         index["metadata"] = ckpt.index["metadata"]
-    style = load_json(ckpt.root / INDEX_NAME)[1] if (ckpt.root / INDEX_NAME).exists() else None
+    style = file_style(ckpt.root / INDEX_NAME, what="safetensors index") if (ckpt.root / INDEX_NAME).exists() else None
     return Json(INDEX_NAME, index, style)
 
 

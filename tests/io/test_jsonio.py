@@ -30,3 +30,20 @@ def test_malformed_json_names_file_and_position(tmp_path):
     p.write_text("[1, 2]")
     with pytest.raises(ConfigError, match="object"):
         load_json(p)
+
+
+@pytest.mark.parametrize("text", ['{\n    "a": {\n        "b": "\\u00e9"\n    }\n}', '{"a": 1}\n', '{\n\t"a": [\n\t\t1\n\t]\n}\n',
+                                  '{\n  "weight_map": {\n    "x": "é"\n  }\n}\n'])
+def test_file_style_is_load_jsons_style_without_the_parse(tmp_path, text):
+    """calibrate-kv and convert keep their source index's style: read from its text (a 397B index is 41 MB),
+    the same style load_json finds; a missing file is named."""
+    from qtool.io.jsonio import file_style
+
+    p = tmp_path / "model.safetensors.index.json"
+    p.write_text(text, encoding="utf-8")
+    assert file_style(p) == load_json(p)[1]
+    obj, style = load_json(p)
+    assert dumps(obj, file_style(p)) == text
+    with pytest.raises(ConfigError) as e:
+        file_style(tmp_path / "missing.json", what="safetensors index")
+    assert "missing.json" in str(e.value.path)

@@ -8,7 +8,7 @@ import json
 import struct
 
 from qtool.io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG_NAME, INDEX_NAME, Checkpoint
-from qtool.io.jsonio import load_json
+from qtool.io.jsonio import file_style
 from qtool.io.plan import Json, OutputPlan, Pending, Remove, Shard, unchanged_files
 from qtool.io.quant_config import HfQuantSchema, hf_quant_schema
 from qtool.io.writer import FileRange, OutTensor, index_json
@@ -74,7 +74,7 @@ def output_plan(p: KvPlan) -> OutputPlan:
     index = dict(ckpt.index or {})
     index.update(index_json(weight_map, total))
     index["metadata"] = {**(ckpt.index or {}).get("metadata", {}), "total_size": total}
-    index_style = load_json(ckpt.root / INDEX_NAME)[1] if ckpt.index is not None else None
+    index_style = file_style(ckpt.root / INDEX_NAME, what="safetensors index") if ckpt.index is not None else None
     configs = _patched_configs(p)
     changed = set(dropped) | set(p.rewrite_shards) | {p.kv_shard, INDEX_NAME} | {c.name for c in configs}
     files: list = []
