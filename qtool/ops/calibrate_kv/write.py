@@ -69,7 +69,8 @@ def output_plan(p: KvPlan) -> OutputPlan:
         del weight_map[n]
     for t in new_tensors:
         weight_map[t.name] = p.kv_shard
-    dropped = sorted(s for s in ckpt.headers if s not in set(weight_map.values()))
+    kept = set(weight_map.values())
+    dropped = sorted(s for s in ckpt.headers if s not in kept)
     total = ckpt.total_bytes() - sum(ckpt.tensor_bytes(n) for n in remove) + sum(t.nbytes for t in new_tensors)
     index = dict(ckpt.index or {})
     index.update(index_json(weight_map, total))
