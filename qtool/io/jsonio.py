@@ -53,12 +53,7 @@ def detect_style(text: str) -> JsonStyle:
 def load_json(path: str | Path, *, what: str = "JSON file") -> tuple[dict, JsonStyle]:
     """Load a JSON object; ConfigError names the file and the position of a syntax error."""
     path = Path(path)
-    from qtool.io.files import read_regular
-
-    try:
-        text = read_regular(path, what, ConfigError).decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{what} is not UTF-8 ({e})", path=path) from None
+    text = _read_text(path, what)
     try:
         obj = _loads(text)
     except json.JSONDecodeError as e:
@@ -75,9 +70,17 @@ def load_json(path: str | Path, *, what: str = "JSON file") -> tuple[dict, JsonS
 def file_style(path: str | Path, *, what: str = "JSON file") -> JsonStyle:
     """The style of a JSON file, without parsing it (a 397B index is 41 MB: parsed only for its style it
     took 0.46 s on the 2-core VM); the file's own parse, where it matters, already checked it."""
+    return detect_style(_read_text(Path(path), what))
+
+
+def _read_text(path: Path, what: str) -> str:
+    """A JSON file's text; ConfigError names the file (missing, not a regular file, not UTF-8)."""
     from qtool.io.files import read_regular
 
-    return detect_style(read_regular(Path(path), what, ConfigError).decode("utf-8", errors="replace"))
+    try:
+        return read_regular(path, what, ConfigError).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{what} is not UTF-8 ({e})", path=path) from None
 
 
 def dumps(obj: dict, style: JsonStyle | None = None) -> str:
