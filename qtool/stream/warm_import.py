@@ -37,8 +37,14 @@ def skip_unused_imports() -> None:
       generator imports scikit-learn's metrics (`if is_sklearn_available(): from sklearn.metrics import
       roc_curve`) where scikit-learn is installed: 1.8 s with scipy on that machine (`python -X
       importtime`), on the tokenizer's path. That generator is for `generate()` with an assistant model;
-      qtool tokenizes text and runs decoder layers. Only this process's view of transformers changes
-      (where transformers names the check differently, nothing changes)."""
+      qtool tokenizes text and runs decoder layers.
+    - Its modeling utilities import the object-detection losses, which import `scipy.optimize` where scipy
+      is installed (0.45 s of the decoder module's 3.4 s on a 2-core CPU, `python -X importtime`), and its
+      image utilities import torchvision where it is installed (the lent GPU machine's image has it). Both
+      serve vision models' losses and image processors; qtool builds neither.
+
+    Only this process's view of transformers changes (where transformers names a check differently,
+    nothing changes)."""
     import sys
 
     if "transformers.generation.candidate_generator" in sys.modules:
@@ -49,8 +55,17 @@ def skip_unused_imports() -> None:
         package_map.install()
     import transformers.utils as tu
 
-    if callable(getattr(tu, "is_sklearn_available", None)):
-        tu.is_sklearn_available = lambda: False
+    for check in UNUSED_BACKENDS:
+        if callable(getattr(tu, check, None)):
+            setattr(tu, check, _not_available)
+
+
+# transformers' `is_*_available` checks that gate imports a streamed job never uses (skip_unused_imports)
+UNUSED_BACKENDS = ("is_sklearn_available", "is_scipy_available", "is_torchvision_available")
+
+
+def _not_available() -> bool:
+    return False
 
 
 def start() -> None:
