@@ -368,7 +368,7 @@ class LayerStreamer:
     """Streams a checkpoint's text decoder layers. Construct from a Checkpoint or path."""
 
     def __init__(self, ckpt: Checkpoint | str | Path, *, device: str = "cpu", dtype: str | None = None,
-                 batch_tokens: int | None = None, mm: ModelMap | None = None):
+                 batch_tokens: int | None = None, mm: ModelMap | None = None, routed_experts: str = "eager"):
         from qtool import dist
 
         self.group = dist.current()  # data parallel: this rank computes its share of the micro-batches
@@ -401,6 +401,9 @@ class LayerStreamer:
         # layer was done (the op appends: quantize once its shard is written); reported, never in manifests
         self.clock: dict = {"first_layer_start": None, "layers_done": []}
         self.gdn_kernel: str | None = None  # qtool.stream.kernels: set when the first layer is built
+        # qtool.stream.experts: what the op asks for ("grouped_mm": eval kld) and, from the first layer, runs
+        self._routed_wanted = routed_experts
+        self.experts_kernel: str | None = None
         self._after_layers: tuple | None = None  # (key, tensors) read while the last layer runs
 
     # -- config ---------------------------------------------------------------------------------
@@ -572,9 +575,19 @@ class LayerStreamer:
         del sd
         from qtool.stream import experts
 
-        experts.install(layer.mlp.experts)  # eager math without a host sync per expert
+        if self.experts_kernel is None:
+            tc = self.text_cfg_dict
+            self.experts_kernel = experts.choose(self._routed_wanted, self.device, self.hidden_size,
+                                                 int(tc.get("moe_intermediate_size") or 0))
+        experts.install(layer.mlp.experts, kind=self.experts_kernel)  # no host sync per expert
         layer.qtool_bytes = kept
         return layer.eval()
+
+    @property
+    def kernels(self) -> dict:
+        """What the manifest and reports record of the kernels that computed the hidden states (two kernels
+        round differently): the Gated-DeltaNet mixer's and the routed experts'."""
+        return {"gated_deltanet": self.gdn_kernel, "routed_experts": self.experts_kernel}
 
     def inputs_hashed(self, idx: int) -> None:
         """Wait until the input bytes layer `idx` used (its tensors and the embedding) are hashed, where the

@@ -97,6 +97,8 @@ def test_inprocess_equals_full_transformers_forward(pair, inproc):
     assert want["mean"] > 0 and want["top1_agreement"] < 1.0  # the pair really differs
     assert_stats_close(inproc.result, want)
     assert inproc.windows == N and inproc.token_digest
+    for side in (inproc.ref, inproc.test):  # on a CPU: transformers' own kernels, hence its numbers exactly
+        assert side["kernels"] == {"gated_deltanet": "torch", "routed_experts": "eager"}
 
 
 def test_inprocess_same_model_is_zero(pair):
@@ -201,6 +203,8 @@ def test_inprocess_on_cuda_equals_the_cpu_path(request, tmp_path):
     cpu = run(str(ref), str(test), opts=KldOptions(windows=N, seq_len=L, chunk=10))
     gpu = run(str(ref), str(test), opts=KldOptions(windows=N, seq_len=L, chunk=10, device="cuda"))
     assert gpu.result["positions"] == cpu.result["positions"] and cpu.result["mean"] > 0
+    # Hopper and newer run torch's grouped matmul: eval kld's routed experts on CUDA (qtool.stream.experts)
+    assert gpu.ref["kernels"]["routed_experts"] == gpu.test["kernels"]["routed_experts"] == "grouped_mm"
     assert gpu.result["top1_agreement"] == pytest.approx(cpu.result["top1_agreement"], abs=0.05)
     # the tiny model's KLD is ~1.5e-5, near BF16's rounding: on one H200 machine (2026-12-05) CUDA's GEMMs
     # moved the mean by 8.6% (1.535e-5 on the CPU, 1.403e-5 on CUDA, with the lm_head read ahead or not)

@@ -76,4 +76,4 @@ def test_a_cpu_layer_runs_with_fla_installed_and_the_manifest_names_the_kernel(t
                        capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     m = json.loads((out / "qtool-manifest.json").read_text())
-    assert m["run"]["kernels"] == {"gated_deltanet": "torch"}
+    assert m["run"]["kernels"] == {"gated_deltanet": "torch", "routed_experts": "eager"}

@@ -77,6 +77,38 @@ def test_routed_forward_is_transformers_eager_bit_for_bit():
         assert torch.equal(cur, x[torch.where(mask[e])[1]])
 
 
+def test_grouped_experts_match_the_loop_to_rounding(monkeypatch):
+    """eval kld's grouped matmul (qtool.stream.experts.grouped_forward, run here by torch's CPU kernel)
+    gives the eager loop's output to bf16 rounding, chunk by chunk, the same bytes on every call; it is
+    chosen only on a GPU that runs it, at widths it takes, unless QTOOL_ROUTED_EXPERTS=eager."""
+    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeExperts
+
+    from qtool.stream import experts as routed
+
+    cfg = Qwen3_5MoeTextConfig(hidden_size=64, moe_intermediate_size=32, num_experts=24, num_experts_per_tok=4)
+    torch.manual_seed(0)
+    mod = Qwen3_5MoeExperts(cfg).to(torch.bfloat16)
+    for p in mod.parameters():
+        p.data.normal_(0, 0.05)
+    x = torch.randn(300, 64, dtype=torch.bfloat16)
+    idx = torch.stack([torch.randperm(20)[:4] for _ in range(300)])  # experts 20..23 never hit
+    w = torch.softmax(torch.randn(300, 4), -1).to(torch.bfloat16)
+    want = routed.routed_forward(mod, x, idx, w)
+    got = routed.grouped_forward(mod, x, idx, w)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-3)  # bf16: a few ulps where sums differ
+    assert not torch.equal(routed.grouped_forward(mod, x, idx, w.flip(-1)), got)  # the weights matter
+    monkeypatch.setattr(routed, "GROUPED_TOKENS", 128)  # 3 chunks, the last one short
+    assert torch.equal(routed.grouped_forward(mod, x, idx, w), got)
+
+    assert routed.choose(routed.GROUPED, "cpu", 64, 32) == routed.EAGER  # CPU: transformers' numbers exactly
+    assert routed.choose(routed.EAGER, "cuda", 64, 32) == routed.EAGER
+    assert routed.choose(routed.GROUPED, "cuda", 64, 36) == routed.EAGER  # 72-byte rows: not for the kernel
+    monkeypatch.setenv("QTOOL_ROUTED_EXPERTS", "eager")
+    assert routed.choose(routed.GROUPED, "cuda", 64, 32) == routed.EAGER
+
+
 def test_batched_expert_dequant_is_the_per_expert_one(request):
     """NVFP4 experts (both namings) dequantized in one batched call: the same values as one matrix at a
     time; an expert whose shape disagrees with the config is named."""

@@ -176,7 +176,7 @@ def calibrate(
     layers_run = p.run_layers - start
     timing = {"seconds": elapsed, "layers_run": layers_run, "resumed_from_layer": start,
               "tokens_per_s": (n * seq * layers_run / p.run_layers) / elapsed if elapsed > 0 else None,
-              **streamer.clock, "kernels": {"gated_deltanet": streamer.gdn_kernel}}
+              **streamer.clock, "kernels": streamer.kernels}
     return {i: hooks.stats[i] for i in p.layers}, timing
 
 

@@ -247,6 +247,7 @@ def run(
                 s.prepare(ids, progress=(lambda i, s=s: progress(f"layers {s.path.name}", i + 1, s.streamer.num_layers))
                           if progress else None, head_ahead=s is ckpts[-1])
                 rep.timing[role] = s.streamer.clock
+                getattr(rep, role)["kernels"] = s.streamer.kernels  # they made its log-probs
 
         # -- execute ----------------------------------------------------------------------------
         saver = _RefSaver(save_ref, o, r, rep, inputs) if save_ref else None

@@ -69,7 +69,9 @@ class CheckpointSource:
         from qtool.stream.layer_stream import LayerStreamer
 
         self.path = Path(path)
-        self.streamer = LayerStreamer(path, device=device, dtype=dtype, batch_tokens=batch_tokens)
+        # the grouped matmul on a GPU that runs it: both sides the same way (qtool.stream.experts)
+        self.streamer = LayerStreamer(path, device=device, dtype=dtype, batch_tokens=batch_tokens,
+                                      routed_experts="grouped_mm")
         self.device = device
         self.work_dir = work_dir
         self.ram_limit = ram_limit

@@ -89,7 +89,7 @@ def calibrate_and_write(p: QuantizePlan, partial: Path, ids, *, resume: bool, pr
     finally:
         streamer.close()
     return {"layers": layer_reports, "seconds": time.perf_counter() - t0, "resumed_from_layer": start,
-            "timing": streamer.clock, "kernels": {"gated_deltanet": streamer.gdn_kernel}}
+            "timing": streamer.clock, "kernels": streamer.kernels}
 
 
 def _quantize_layers(p, partial, streamer, store, seq, batch, start, layer_reports, save, progress, mode, done):

@@ -190,7 +190,7 @@ def measure(plan, *, resume: bool, progress=None) -> dict:
     return {"units": {k: v.to_json() for k, v in sums.items()},
             "layers": {str(k): v.to_json() for k, v in layer_sums.items()},
             "timing": {"seconds": time.perf_counter() - t0, "resumed_from_layer": start,
-                       "layers_run": bf.num_layers - start, "kernels": {"gated_deltanet": bf.gdn_kernel},
+                       "layers_run": bf.num_layers - start, "kernels": bf.kernels,
                        **bf.clock}}  # the layer clock (benchmarks; not in the table's manifest)
 
 
