@@ -49,13 +49,11 @@ def test_plan_counts_one_dense_layer(request):
     assert plan.hidden_bytes == 4 * 64 * s.hidden_size * 2
 
 
-def test_routed_forward_is_transformers_eager_bit_for_bit():
-    """qtool.stream.experts drops eager's per-expert host sync, not its numerics: same output bytes,
-    and the recorder sees each expert's rows in eager's order (experts hit, missed, all top-k slots)."""
+def _experts_and_routing():
+    """transformers' eager routed experts (hidden 64, 24 experts, top 4) and 300 tokens' routing that
+    leaves experts 20..23 unhit."""
     from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeExperts
-
-    from qtool.stream import experts as routed
 
     cfg = Qwen3_5MoeTextConfig(hidden_size=64, moe_intermediate_size=32, num_experts=24, num_experts_per_tok=4)
     cfg._experts_implementation = "eager"
@@ -64,8 +62,17 @@ def test_routed_forward_is_transformers_eager_bit_for_bit():
     for p in mod.parameters():
         p.data.normal_(0, 0.05)
     x = torch.randn(300, 64, dtype=torch.bfloat16)
-    idx = torch.stack([torch.randperm(20)[:4] for _ in range(300)])  # experts 20..23 never hit
+    idx = torch.stack([torch.randperm(20)[:4] for _ in range(300)])
     w = torch.softmax(torch.randn(300, 4), -1).to(torch.bfloat16)
+    return mod, x, idx, w
+
+
+def test_routed_forward_is_transformers_eager_bit_for_bit():
+    """qtool.stream.experts drops eager's per-expert host sync, not its numerics: same output bytes,
+    and the recorder sees each expert's rows in eager's order (experts hit, missed, all top-k slots)."""
+    from qtool.stream import experts as routed
+
+    mod, x, idx, w = _experts_and_routing()
     with torch.no_grad():
         want = mod(x, idx, w)
         seen = {}
@@ -81,19 +88,9 @@ def test_grouped_experts_match_the_loop_to_rounding(monkeypatch):
     """eval kld's grouped matmul (qtool.stream.experts.grouped_forward, run here by torch's CPU kernel)
     gives the eager loop's output to bf16 rounding, chunk by chunk, the same bytes on every call; it is
     chosen only on a GPU that runs it, at widths it takes, unless QTOOL_ROUTED_EXPERTS=eager."""
-    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
-    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeExperts
-
     from qtool.stream import experts as routed
 
-    cfg = Qwen3_5MoeTextConfig(hidden_size=64, moe_intermediate_size=32, num_experts=24, num_experts_per_tok=4)
-    torch.manual_seed(0)
-    mod = Qwen3_5MoeExperts(cfg).to(torch.bfloat16)
-    for p in mod.parameters():
-        p.data.normal_(0, 0.05)
-    x = torch.randn(300, 64, dtype=torch.bfloat16)
-    idx = torch.stack([torch.randperm(20)[:4] for _ in range(300)])  # experts 20..23 never hit
-    w = torch.softmax(torch.randn(300, 4), -1).to(torch.bfloat16)
+    mod, x, idx, w = _experts_and_routing()
     want = routed.routed_forward(mod, x, idx, w)
     got = routed.grouped_forward(mod, x, idx, w)
     assert got.dtype == want.dtype and got.shape == want.shape
