@@ -87,20 +87,22 @@ def check_space(plan: OutputPlan, tx: OutputDir, journal: Journal) -> None:
             "shards are links that take no space")
 
 
-def _place(e, tx: OutputDir, values: dict, headers: _Countdown, stop: threading.Event) -> str | None:
-    """Write or link one shard and make it durable; returns the link method, None when written."""
+def _place(e, tx: OutputDir, values: dict, headers: _Countdown, stop: threading.Event):
+    """Write or link one shard and make it durable; returns (the link method, None) when linked,
+    (None, its sha256 as a Future: hashed as it was written) when written."""
     dst = tx.partial / e.name
     dst.parent.mkdir(parents=True, exist_ok=True)
     if isinstance(e, Link):
         method = tx.placer.place(e.source, dst)  # durable on return
         headers.one()
-        return method
+        return method, None
+    digest: list = []
     got = write_shard(dst, resolve(tensors_of(e), values), e.metadata, on_header=headers.one, stop=stop,
-                      mode=tx.file_mode)  # fsynced
+                      mode=tx.file_mode, on_digest=digest.append)  # fsynced
     if e.size is not None and got != e.size:
         raise WriteError("a written shard does not have its planned size (a qtool bug)", path=dst,
                          expected=f"{e.size} bytes", got=f"{got} bytes")
-    return None
+    return None, digest[0]
 
 
 def _write_small(e, tx: OutputDir, plan: OutputPlan) -> None:
@@ -283,7 +285,8 @@ def _write_shards(plan, tx, journal, hasher, values, overlap, on_headers, applie
     # The writers write the shards; this thread journals them in queue order as they finish (only journaled
     # shards count as done, so a crash redoes the ones in flight) and meanwhile writes the side files and
     # the op's overlap work, so all of it overlaps the copy. A written shard is hashed (for the manifest's
-    # `files`) by the hasher's threads right after it is journaled, while its bytes are in the page cache.
+    # `files`) as it is written, by a thread trailing its writer through the page cache (write_shard's
+    # on_digest); the hasher takes that digest.
     with ThreadPoolExecutor(max_workers=WRITERS, thread_name_prefix="qtool-shard") as pool:
         # Linked ones first (cheap), then largest first: a big shard started last would finish alone.
         order = sorted(todo, key=lambda e: (not isinstance(e, Link), -plan.file_size(e)))
@@ -298,10 +301,10 @@ def _write_shards(plan, tx, journal, hasher, values, overlap, on_headers, applie
                     if headers.done.wait(0.05):
                         told = True
                         on_headers()
-                method = fut.result()
+                method, digest = fut.result()
                 if method is None:
                     applied.written.append(e.name)
-                    hasher.submit_output(str(partial / e.name))
+                    hasher.submit_output(str(partial / e.name), digest)
                 else:
                     applied.linked[method] = applied.linked.get(method, 0) + 1
                 size = (partial / e.name).stat().st_size

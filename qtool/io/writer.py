@@ -95,10 +95,11 @@ SHORT_COPY = 64 << 20
 COPY_CHUNK = 256 << 20  # per copy_file_range call: also how often a stop request is looked at
 
 
-def copy_range(src_fd: int, dst_fd: int, start: int, count: int, stop: threading.Event | None = None) -> None:
+def copy_range(src_fd: int, dst_fd: int, start: int, count: int, stop: threading.Event | None = None,
+               copied: Callable[[], None] | None = None) -> None:
     """Kernel-side copy (copy_file_range: reflinks on btrfs/xfs, no user-space buffers); falls back to
     a chunked read/write where the kernel or filesystem refuses. Raises Interrupted between chunks once
-    `stop` is set."""
+    `stop` is set; calls `copied()` after each chunk (a hash trailing the copy reads what it wrote)."""
     offset = start
     remaining = count
     if hasattr(os, "copy_file_range"):
@@ -111,6 +112,8 @@ def copy_range(src_fd: int, dst_fd: int, start: int, count: int, stop: threading
                     break
                 offset += n
                 remaining -= n
+                if copied is not None:
+                    copied()
         except OSError as e:
             if e.errno == 28:  # ENOSPC
                 raise
@@ -124,6 +127,8 @@ def copy_range(src_fd: int, dst_fd: int, start: int, count: int, stop: threading
         os.write(dst_fd, buf)
         offset += len(buf)
         remaining -= len(buf)
+        if copied is not None:
+            copied()
 
 
 class InOrder:
@@ -249,6 +254,18 @@ class HashedWrites:
                 self.flushed = self._flushed()
                 self.cond.notify()
 
+    def grew(self) -> None:
+        """Bytes reached the file past `write` (a kernel copy into its descriptor, after a flush): the hash
+        reads them from the file, trailing it from wherever it stands."""
+        with self.cond:
+            if not self.behind:
+                self.behind = True
+                self.trailing_from = self.written - sum(memoryview(b).nbytes for b in self.queue)
+                self.queue.clear()
+                self.queue.append(None)
+            self.written = self.flushed = self._flushed()
+            self.cond.notify()
+
     def _flushed(self) -> int:
         """Bytes of the file the OS holds: the written ones, less what the buffered writer still holds."""
         buffered = getattr(self.f, "raw", None) is not None
@@ -331,19 +348,26 @@ class HashedWrites:
 
 def write_shard(path: str | Path, tensors: list[OutTensor], metadata: dict[str, str] | None = None,
                 on_header: Callable[[], None] | None = None, stop: threading.Event | None = None,
-                mode: int = 0o644) -> int:
+                mode: int = 0o644, on_digest: Callable[[object], None] | None = None) -> int:
     """Write a shard as a NEW file (an existing file or link at `path` is unlinked, never written
     through: qtool.io.files.open_new); returns its size. fsyncs before returning. `on_header` is called
     once the header is written (readable by others), before the tensor data. Once `stop` is set the copy
-    raises Interrupted within a chunk (the file is left incomplete, for the caller's resume logic)."""
+    raises Interrupted within a chunk (the file is left incomplete, for the caller's resume logic).
+    `on_digest` is handed the file's sha256 (a Future, HashedWrites.digest) once it is written: hashed on
+    a thread of its own right behind the copy (the bytes it just wrote, from the page cache), not in a
+    second pass once the copy is done (the H200's quantize waited 2.0 s after its last layer for that
+    pass over its 5 GB of embeddings, head and vision tower)."""
     from qtool.io.files import open_new
 
     path = Path(path)
     header = build_header(tensors, metadata)
     fds: dict[str, int] = {}
+    hashing: HashedWrites | None = None
     try:
         with os.fdopen(open_new(path, mode), "wb") as out:
-            out.write(header)
+            if on_digest is not None:
+                hashing = HashedWrites(out, depth=0, path=path)  # trails the file from its first byte
+            (hashing or out).write(header)
             out.flush()
             if on_header is not None:
                 on_header()
@@ -361,14 +385,20 @@ def write_shard(path: str | Path, tensors: list[OutTensor], metadata: dict[str, 
                     # neighbours (another layer, read already), evicted again from a page cache too small
                     # for the input; a long one keeps it (the copy's own pace)
                     os.posix_fadvise(fds[run[0]], 0, 0, os.POSIX_FADV_RANDOM if n < SHORT_COPY else os.POSIX_FADV_NORMAL)
-                    copy_range(fds[run[0]], dst, run[1], n, stop)
+                    copy_range(fds[run[0]], dst, run[1], n, stop, hashing.grew if hashing is not None else None)
                     run.clear()
 
             for t in tensors:
                 src = t.source
                 if isinstance(src, InlineBytes):
                     flush()
-                    os.write(dst, src.data) if len(src.data) < (1 << 30) else out.write(src.data)
+                    if len(src.data) < (1 << 30):
+                        os.write(dst, src.data)
+                    else:
+                        out.write(src.data)
+                        out.flush()
+                    if hashing is not None:
+                        hashing.grew()
                 elif run and run[0] == src.file and run[2] == src.start:
                     run[2] = src.end
                 else:
@@ -376,11 +406,16 @@ def write_shard(path: str | Path, tensors: list[OutTensor], metadata: dict[str, 
                     run.extend((src.file, src.start, src.end))
             flush()
             os.fsync(dst)
+            if hashing is not None:
+                on_digest(hashing.digest())
+                hashing = None
     except OSError as e:
         from qtool.io.files import write_error
 
         raise write_error("writing shard failed", e, path) from None
     finally:
+        if hashing is not None:  # not written whole: the hash is stopped
+            hashing.close()
         for fd in fds.values():
             os.close(fd)
     return path.stat().st_size

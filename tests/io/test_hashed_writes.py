@@ -123,3 +123,54 @@ def test_a_file_not_written_in_order_is_an_error_not_a_hang(tmp_path):
         assert "written in order" in str(e)
     else:
         raise AssertionError("a digest of a file written out of order")
+
+
+def _copied_shard(tmp_path):
+    """A source file and a shard plan taking its ranges in two runs around a small inline tensor and a
+    large copied one (what an assemble or a quantize's non-layer shard writes)."""
+    from qtool.io.writer import FileRange, InlineBytes, OutTensor
+
+    src = tmp_path / "src.bin"
+    src.write_bytes(os.urandom(3 << 20))
+    s = str(src)
+    tensors = [OutTensor("a", "BF16", (1 << 19,), FileRange(s, 0, 1 << 20)),
+               OutTensor("b", "U8", (5,), InlineBytes(b"12345")),
+               OutTensor("c", "U8", (2 << 20,), FileRange(s, 1 << 20, 3 << 20))]
+    return tensors
+
+
+def test_a_copied_shard_is_hashed_as_it_is_written(tmp_path, monkeypatch):
+    """write_shard's on_digest: the sha256 of exactly the file written, by a thread that trails the kernel
+    copy chunk by chunk (not a second pass once the file is written)."""
+    from qtool.io import writer
+
+    monkeypatch.setattr(writer, "COPY_CHUNK", 256 << 10)  # many chunks: the hash trails each of them
+    monkeypatch.setattr(writer.HashedWrites, "READ", 96 << 10)
+    grown = []
+    real_grew = writer.HashedWrites.grew
+    monkeypatch.setattr(writer.HashedWrites, "grew", lambda self: grown.append(1) or real_grew(self))
+    digests = []
+    tensors = _copied_shard(tmp_path)
+    out = tmp_path / "out.safetensors"
+    size = writer.write_shard(out, tensors, {"format": "pt"}, on_digest=digests.append)
+    assert size == out.stat().st_size
+    assert digests[0].result(5) == hashlib.sha256(out.read_bytes()).hexdigest()
+    assert len(grown) >= 12  # after each chunk of the copy, not once at the end
+    plain = tmp_path / "plain.safetensors"
+    writer.write_shard(plain, tensors, {"format": "pt"})
+    assert plain.read_bytes() == out.read_bytes()  # hashing changes nothing in what is written
+
+
+def test_an_interrupted_copy_stops_its_hash(tmp_path, monkeypatch):
+    import pytest
+
+    from qtool.io import writer
+
+    monkeypatch.setattr(writer, "COPY_CHUNK", 256 << 10)
+    stop = threading.Event()
+    stop.set()
+    digests = []
+    with pytest.raises(writer.Interrupted):
+        writer.write_shard(tmp_path / "out.safetensors", _copied_shard(tmp_path), stop=stop, on_digest=digests.append)
+    assert digests == []
+    assert not [t for t in threading.enumerate() if t.name == "qtool-out-sha256" and t.is_alive()]
