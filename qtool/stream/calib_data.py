@@ -245,6 +245,19 @@ def plan_calibration(ckpt, dataset: str, samples: int, seq_len: int, *, at_most:
     return calib
 
 
+def _tokenize(tok, dataset: str, need: int) -> list[int]:
+    """The dataset's token ids, documents in order, until `need` of them (or the data's end)."""
+    from qtool.quiet import transformers_errors_only
+
+    ids: list[int] = []
+    with transformers_errors_only():  # a whole document is longer than model_max_length on purpose
+        for doc in read_documents(dataset, tok):
+            ids.extend(tok(doc, add_special_tokens=False)["input_ids"])
+            if len(ids) >= need:
+                break
+    return ids
+
+
 def build_calib_set(ckpt_dir: str | Path, dataset: str, samples: int, seq_len: int, *, tokenizer=None,
                     at_most: bool = False, revision: str | None = None) -> CalibSet:
     """The windows of `dataset` tokenized with the tokenizer of `ckpt_dir` (or `tokenizer`). The ids come from
@@ -264,15 +277,14 @@ def build_calib_set(ckpt_dir: str | Path, dataset: str, samples: int, seq_len: i
         ids = token_cache.load(key)
         if ids is not None:
             return windows_from_ids(ids, samples, seq_len, dataset=dataset, at_most=at_most)
-    tok = tokenizer if tokenizer is not None else load_tokenizer(ckpt_dir)
-    ids = []
-    from qtool.quiet import transformers_errors_only
+    if tokenizer is not None:
+        ids = _tokenize(tokenizer, dataset, need)
+    else:
+        from qtool.stream import warm_import
 
-    with transformers_errors_only():  # a whole document is longer than model_max_length on purpose
-        for doc in read_documents(dataset, tok):
-            ids.extend(tok(doc, add_special_tokens=False)["input_ids"])
-            if len(ids) >= need:
-                break
+        # in the background import's thread, before it imports the decoder module (which then overlaps the
+        # rest of the job's plan), where a streamed job started it; else here
+        ids = warm_import.before_decoder(lambda: _tokenize(load_tokenizer(ckpt_dir), dataset, need))
     if key is not None and ids:
         token_cache.save(key, ids)
     return windows_from_ids(ids, samples, seq_len, dataset=dataset, at_most=at_most)

@@ -193,3 +193,49 @@ def test_the_decoder_module_is_imported_while_the_job_plans(tiny_bf16, tmp_path,
     assert main([*args, "-o", str(tmp_path / "out")]) != 0  # refused by the plan: the output exists
     capsys.readouterr()
     assert events[0] == "start" and "join" in events, events
+
+
+HANDOFF_PROBE = """
+import json, sys, threading
+from qtool.errors import PlanError
+from qtool.stream import calib_data, warm_import
+
+seen = []
+real = calib_data.load_tokenizer
+def load(d):
+    seen.append([threading.current_thread().name, warm_import.MODULE in sys.modules])
+    return real(d)
+calib_data.load_tokenizer = load
+warm_import.start()
+ids = calib_data.build_calib_set(sys.argv[1], "builtin", 2, 16).ids.tolist()
+try:
+    calib_data.build_calib_set(sys.argv[2], "builtin", 2, 16)
+    error = None
+except PlanError as e:
+    error = str(e)
+warm_import.join()
+direct = calib_data.build_calib_set(sys.argv[1], "builtin", 2, 16, tokenizer=real(sys.argv[1])).ids.tolist()
+print(json.dumps({"seen": seen, "same": ids == direct, "error": error}))
+"""
+
+
+def test_the_plan_tokenizes_in_the_import_thread_before_the_decoder_module(tmp_path):
+    """A streamed job's tokenizer runs in the background import's thread once the tokenizer's modules are
+    in, before the decoder module (whose import then overlaps the rest of the plan): the same ids as the
+    plan's own thread gives, and a tokenizer error still reaches the plan as its PlanError."""
+    import json
+
+    from qtool.fixtures.tokenizer import save_tokenizer_files
+
+    good, bad = tmp_path / "ckpt", tmp_path / "no-tokenizer"
+    good.mkdir()
+    bad.mkdir()
+    save_tokenizer_files(good)
+    env = {**os.environ, "QTOOL_CACHE_DIR": str(tmp_path / "cache")}  # no cached ids: both tokenize
+    r = subprocess.run([sys.executable, "-c", HANDOFF_PROBE, str(good), str(bad)], capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["seen"][0] == ["qtool-warm-import", False], got  # that thread, before the decoder module
+    assert got["same"]
+    assert got["error"] and "no tokenizer" in got["error"], got
