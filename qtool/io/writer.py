@@ -209,7 +209,7 @@ class HashedWrites:
     # thread on the 2-core VM, 16 MiB pieces hashed at 0.62 GB/s, 64 MiB at 0.85 (alone: 0.97-0.99)
     READ = 64 << 20
 
-    def __init__(self, f, depth: int = 4, path: str | os.PathLike | None = None) -> None:
+    def __init__(self, f, depth: int = 4, path: str | os.PathLike | None = None, read: int | None = None) -> None:
         import hashlib
         from collections import deque
         from concurrent.futures import Future
@@ -218,6 +218,7 @@ class HashedWrites:
         self.h = hashlib.sha256()
         self.depth = depth
         self.path = path
+        self.read = read or self.READ  # the trailing hash's buffer (one per file being written)
         self.cond = threading.Condition()
         self.queue: deque = deque()  # buffers to hash; a None: from here on, trail the file
         self.written = 0  # bytes handed to the file so far (in order)
@@ -299,8 +300,8 @@ class HashedWrites:
                         upto, last = self.flushed, self.closed and self.flushed == self.written
                     while pos < upto:
                         if buf is None:
-                            buf = memoryview(bytearray(self.READ))  # one buffer, not a new bytes per read
-                        n = os.preadv(fd, [buf[:min(self.READ, upto - pos)]], pos)
+                            buf = memoryview(bytearray(self.read))  # one buffer, not a new bytes per read
+                        n = os.preadv(fd, [buf[:min(self.read, upto - pos)]], pos)
                         if not n:
                             raise OSError(f"{self.path}: shorter than the {upto} bytes written")
                         self.h.update(buf[:n])
@@ -346,6 +347,9 @@ class HashedWrites:
         self.thread.join()
 
 
+TRAILING_COPY_READ = 8 << 20  # the hash trailing a copied shard reads this much at a time (write_shard)
+
+
 def write_shard(path: str | Path, tensors: list[OutTensor], metadata: dict[str, str] | None = None,
                 on_header: Callable[[], None] | None = None, stop: threading.Event | None = None,
                 mode: int = 0o644, on_digest: Callable[[object], None] | None = None) -> int:
@@ -366,7 +370,10 @@ def write_shard(path: str | Path, tensors: list[OutTensor], metadata: dict[str, 
     try:
         with os.fdopen(open_new(path, mode), "wb") as out:
             if on_digest is not None:
-                hashing = HashedWrites(out, depth=0, path=path)  # trails the file from its first byte
+                # trails the file from its first byte; 8 MiB pieces, as hash_file reads: one buffer per shard
+                # being written, up to apply.WRITERS at once (64 MiB ones took assemble's peak RSS from 57
+                # to 353 MB)
+                hashing = HashedWrites(out, depth=0, path=path, read=TRAILING_COPY_READ)
             (hashing or out).write(header)
             out.flush()
             if on_header is not None:

@@ -145,7 +145,7 @@ def test_a_copied_shard_is_hashed_as_it_is_written(tmp_path, monkeypatch):
     from qtool.io import writer
 
     monkeypatch.setattr(writer, "COPY_CHUNK", 256 << 10)  # many chunks: the hash trails each of them
-    monkeypatch.setattr(writer.HashedWrites, "READ", 96 << 10)
+    monkeypatch.setattr(writer, "TRAILING_COPY_READ", 96 << 10)
     grown = []
     real_grew = writer.HashedWrites.grew
     monkeypatch.setattr(writer.HashedWrites, "grew", lambda self: grown.append(1) or real_grew(self))
