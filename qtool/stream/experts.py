@@ -90,13 +90,14 @@ def _grouped_rows(experts, x, top_k_index, top_k_weights):
     return slots.view(n_tok, top_k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)
 
 
-def choose(wanted: str, device: str, hidden: int, intermediate: int) -> str:
+def choose(wanted: str, device: str, hidden: int, intermediate: int, dtype: str = "bfloat16") -> str:
     """The routed experts' implementation a streamer uses: `wanted` GROUPED where `device` is a GPU whose
-    torch runs grouped matmuls (probed once) on these widths (rows of 16-byte multiples), else EAGER.
-    QTOOL_ROUTED_EXPERTS=eager keeps the loop everywhere (to compare, or to reproduce an older report)."""
+    torch runs grouped matmuls (probed once) in bf16 on these widths (rows of 16-byte multiples), else
+    EAGER. QTOOL_ROUTED_EXPERTS=eager keeps the loop everywhere (to compare, or to reproduce an older
+    report)."""
     if wanted != GROUPED or not device.startswith("cuda") or os.environ.get("QTOOL_ROUTED_EXPERTS") == EAGER:
         return EAGER
-    if hidden % 8 or intermediate % 8:
+    if dtype != "bfloat16" or hidden % 8 or intermediate % 8:
         return EAGER
     return GROUPED if _grouped_mm_runs(device) else EAGER
 

@@ -578,7 +578,7 @@ class LayerStreamer:
         if self.experts_kernel is None:
             tc = self.text_cfg_dict
             self.experts_kernel = experts.choose(self._routed_wanted, self.device, self.hidden_size,
-                                                 int(tc.get("moe_intermediate_size") or 0))
+                                                 int(tc.get("moe_intermediate_size") or 0), self.dtype_name)
         experts.install(layer.mlp.experts, kind=self.experts_kernel)  # no host sync per expert
         layer.qtool_bytes = kept
         return layer.eval()

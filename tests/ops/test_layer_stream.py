@@ -102,6 +102,7 @@ def test_grouped_experts_match_the_loop_to_rounding(monkeypatch):
     assert routed.choose(routed.GROUPED, "cpu", 64, 32) == routed.EAGER  # CPU: transformers' numbers exactly
     assert routed.choose(routed.EAGER, "cuda", 64, 32) == routed.EAGER
     assert routed.choose(routed.GROUPED, "cuda", 64, 36) == routed.EAGER  # 72-byte rows: not for the kernel
+    assert routed.choose(routed.GROUPED, "cuda", 64, 32, "float32") == routed.EAGER  # a float32 run
     monkeypatch.setenv("QTOOL_ROUTED_EXPERTS", "eager")
     assert routed.choose(routed.GROUPED, "cuda", 64, 32) == routed.EAGER
 
