@@ -99,6 +99,8 @@ def test_grouped_experts_match_the_loop_to_rounding(monkeypatch):
     monkeypatch.setattr(routed, "GROUPED_TOKENS", 128)  # 3 chunks, the last one short
     assert torch.equal(routed.grouped_forward(mod, x, idx, w), got)
 
+    monkeypatch.setattr(routed, "_grouped_mm_runs", lambda device: True)  # a GPU whose torch runs it
+    assert routed.choose(routed.GROUPED, "cuda", 64, 32) == routed.GROUPED
     assert routed.choose(routed.GROUPED, "cpu", 64, 32) == routed.EAGER  # CPU: transformers' numbers exactly
     assert routed.choose(routed.EAGER, "cuda", 64, 32) == routed.EAGER
     assert routed.choose(routed.GROUPED, "cuda", 64, 36) == routed.EAGER  # 72-byte rows: not for the kernel
