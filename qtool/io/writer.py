@@ -238,13 +238,7 @@ class HashedWrites:
         with self.cond:
             if not self.behind:
                 if len(self.queue) >= self.depth:
-                    self.behind = True
-                    # the queued buffers are hashed from the file instead (the one being hashed is not queued)
-                    self.trailing_from = self.written - sum(memoryview(b).nbytes for b in self.queue)
-                    self.queue.clear()
-                    self.queue.append(None)
-                    if self.path is None:
-                        self.future.set_result(None)  # no file to trail: the caller hashes it
+                    self._trail()
                 else:
                     self.queue.append(data)
                 self.cond.notify()
@@ -260,12 +254,19 @@ class HashedWrites:
         reads them from the file, trailing it from wherever it stands."""
         with self.cond:
             if not self.behind:
-                self.behind = True
-                self.trailing_from = self.written - sum(memoryview(b).nbytes for b in self.queue)
-                self.queue.clear()
-                self.queue.append(None)
+                self._trail()
             self.written = self.flushed = self._flushed()
             self.cond.notify()
+
+    def _trail(self) -> None:
+        """From here on the hash reads the file (call holding `cond`): the queued buffers are hashed from it
+        instead (the one being hashed is not queued)."""
+        self.behind = True
+        self.trailing_from = self.written - sum(memoryview(b).nbytes for b in self.queue)
+        self.queue.clear()
+        self.queue.append(None)
+        if self.path is None:
+            self.future.set_result(None)  # no file to trail: the caller hashes it
 
     def _flushed(self) -> int:
         """Bytes of the file the OS holds: the written ones, less what the buffered writer still holds."""
