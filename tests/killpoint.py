@@ -9,7 +9,8 @@ with an errno name, so that the Nth call raises that OSError instead (a full or 
 moment), or with PAUSE:FILE, so that the process stops there (it creates FILE.paused and waits for FILE.go:
 a second run can then be made to happen at exactly that moment). No hook in qtool's own code: the tests choose the moment by naming the function.
 KILLPOINT_SLOW=MODULE:QUALNAME:SECONDS (environment) also makes each call of that function take that much
-longer (a slow disk or hash, where a race depends on it).
+longer (a slow disk or hash, where a race depends on it). A run that exits (not killed) says on stderr which
+of qtool's threads were still alive at its exit ("qtool threads alive at exit: ..."): none may be.
 """
 
 from __future__ import annotations
@@ -105,6 +106,20 @@ if __name__ == "__main__":
     # SIG_IGN: the interrupt tests would see a run that ignores Ctrl-C)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     install(target, int(n), fail)
+    import atexit
+    import faulthandler
+    import threading
+
+    faulthandler.enable()  # an abort (SIGABRT from a C++ terminate) prints every thread's Python stack
+
+    def _lingering() -> None:
+        # after the non-daemon threads are joined: a qtool daemon thread still running here is killed at
+        # its next step, and one in torch's code then aborts the process (pytorch#38228)
+        alive = sorted(t.name for t in threading.enumerate() if t.name.startswith("qtool-") and t.is_alive())
+        if alive:
+            print(f"qtool threads alive at exit: {', '.join(alive)}", file=sys.stderr)
+
+    atexit.register(_lingering)
     if os.environ.get("KILLPOINT_SLOW"):
         slow_down(os.environ["KILLPOINT_SLOW"])
     from qtool.cli.main import main

@@ -148,6 +148,7 @@ class InputHasher:
         self.streams = StreamDigests(on_snapshot=self._note_prefixes if record is not None else None,
                                      settled=self._settled if record is not None else None) \
             if self.from_reads or record is not None else None
+        self._trailing: list[Future] = []  # output digests computed by their writers (HashedWrites)
         self._inputs: list[Future] = []  # the pool's input digests (recorded before their future is done)
         self._streamed: dict[str, tuple[str, os.stat_result]] = {}  # path -> (real path, stat when submitted)
         self.changed: set[str] = set()  # inputs whose recorded prefix digest differs from this run's
@@ -178,6 +179,7 @@ class InputHasher:
         if path in self.futures:
             return
         if isinstance(sha256, Future):
+            self._trailing.append(sha256)
             self.futures[path] = self._or_hashed(sha256, path)
         else:
             self.futures[path] = _done(sha256) if sha256 else self.pool.submit(_hash_file, path)
@@ -302,7 +304,12 @@ class InputHasher:
         self.cache.save()
 
     def close(self) -> None:
+        """The end of the job, or an error's way out: every hash thread this job started is stopped and
+        joined (the pool's running ones finish their file first: not daemons), none left running into the interpreter's exit
+        (qtool.io.writer.HashedWrites.stop says why that matters)."""
         self.pool.shutdown(wait=False, cancel_futures=True)
+        for digest in self._trailing:
+            digest.cancel()  # a no-op on one that is done
         if self.streams is not None:
             self.streams.close()
             if StreamDigests.active is self.streams:

@@ -48,6 +48,7 @@ class FileDigest:
         self._seq = 0
         self.cond = threading.Condition()
         self.finishing = False
+        self.abandoned = False  # the job failed: the thread stops at its next step
         self.want = 0  # wait_covered's target: the digest reads what is missing up to it
         self.error: BaseException | None = None
         self.gap_bytes = 0  # read by the digest itself
@@ -145,6 +146,8 @@ class FileDigest:
 
     def _next_step(self):
         """Under the lock: ('hash', start, view) | ('gap', cursor, until) | 'done' | None (wait)."""
+        if self.abandoned:
+            return "done"
         while self.queue and self.queue[0][0] + len(self.queue[0][2]) <= self.cursor:
             _, _, v = heapq.heappop(self.queue)  # read twice by the job: hashed already
             self.queued -= len(v)
@@ -175,7 +178,7 @@ class FileDigest:
         pieces, each under `hlock` with its cursor step, so that a snapshot's digest is the cursor's."""
         while True:
             self._check_here()
-            if not len(view):
+            if not len(view) or self.abandoned:
                 return
             n = min(len(view), CHUNK)
             if self.check is not None and self.cursor < self.check[0]:
@@ -210,12 +213,17 @@ class FileDigest:
         return self.h.hexdigest()
 
     def abandon(self) -> None:
+        """The job failed: stop hashing (not read the rest of the file) and wait for the thread. It may
+        hold the job's torch buffers; a daemon thread doing so at the interpreter's exit aborts the process
+        (qtool.io.writer.HashedWrites.stop)."""
         with self.cond:
-            self.finishing = True
+            self.abandoned = True
             self.claims.clear()
             self.queue.clear()
             self.error = self.error or RuntimeError("abandoned")
             self.cond.notify_all()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
 
 
 class StreamDigests:

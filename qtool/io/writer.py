@@ -10,6 +10,7 @@ import math
 import os
 import struct
 import threading
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Callable, NamedTuple, Union
 
@@ -212,7 +213,6 @@ class HashedWrites:
     def __init__(self, f, depth: int = 4, path: str | os.PathLike | None = None, read: int | None = None) -> None:
         import hashlib
         from collections import deque
-        from concurrent.futures import Future
 
         self.f = f
         self.h = hashlib.sha256()
@@ -226,7 +226,7 @@ class HashedWrites:
         self.trailing_from: int | None = None
         self.closed = False  # no more writes: everything up to `written` is (or will be) flushed
         self.cancelled = False
-        self.future: Future = Future()
+        self.future: Future = _Digest(self)
         self.behind = False
         # opened now: the writer renames the file once written, maybe before the hash reaches the file
         self.fd = os.open(path, os.O_RDONLY) if path is not None else None
@@ -299,7 +299,7 @@ class HashedWrites:
                         if self.cancelled:
                             return
                         upto, last = self.flushed, self.closed and self.flushed == self.written
-                    while pos < upto:
+                    while pos < upto and not self.cancelled:
                         if buf is None:
                             buf = memoryview(bytearray(self.read))  # one buffer, not a new bytes per read
                         n = os.preadv(fd, [buf[:min(self.read, upto - pos)]], pos)
@@ -307,6 +307,8 @@ class HashedWrites:
                             raise OSError(f"{self.path}: shorter than the {upto} bytes written")
                         self.h.update(buf[:n])
                         pos += n
+                    if self.cancelled:
+                        return
                     if last and pos >= self.written:
                         break
                 break
@@ -338,14 +340,37 @@ class HashedWrites:
         return self.digest().result()
 
     def close(self) -> None:
-        """After `digest`: nothing (the hash goes on, for the future's reader). Before it, on an error path
-        (the file is being thrown away): stop the hash."""
+        """After `digest`: nothing (the hash goes on, for the future's reader, who may cancel it). Before
+        it, on an error path (the file is being thrown away): stop the hash."""
         with self.cond:
             if self.closed:
                 return
+        self.stop()
+
+    def stop(self) -> None:
+        """Stop the hash and wait for its thread: nothing of it may run on past an error. A daemon thread
+        still running at the interpreter's exit is killed where it next takes the GIL; one holding or
+        dropping a torch object there aborts the process ("terminate called without an active
+        exception", pytorch#38228: CI saw it after a full disk)."""
+        with self.cond:
             self.cancelled = True
             self.cond.notify()
-        self.thread.join()
+        if self.thread is not threading.current_thread():
+            self.thread.join()
+
+
+class _Digest(Future):
+    """HashedWrites' digest: cancelling it (a reader that no longer wants it, on an error path) stops the
+    hash and waits for its thread."""
+
+    def __init__(self, hashing: HashedWrites) -> None:
+        super().__init__()
+        self._hashing = hashing
+
+    def cancel(self) -> bool:
+        cancelled = super().cancel()
+        self._hashing.stop()
+        return cancelled
 
 
 TRAILING_COPY_READ = 8 << 20  # the hash trailing a copied shard reads this much at a time (write_shard)

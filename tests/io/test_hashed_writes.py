@@ -174,3 +174,36 @@ def test_an_interrupted_copy_stops_its_hash(tmp_path, monkeypatch):
         writer.write_shard(tmp_path / "out.safetensors", _copied_shard(tmp_path), stop=stop, on_digest=digests.append)
     assert digests == []
     assert not [t for t in threading.enumerate() if t.name == "qtool-out-sha256" and t.is_alive()]
+
+
+def test_a_digest_nobody_waits_for_any_more_stops_its_thread_when_cancelled(tmp_path):
+    """Found as: a job that failed after some shards were written left their hashes running into the
+    interpreter's exit (daemon threads there can abort the process: pytorch#38228). InputHasher.close
+    cancels the digests it was handed; the hash stops and its thread is gone before cancel returns."""
+    gate = threading.Event()
+    p = tmp_path / "shard.tmp"
+    with open(p, "wb") as f:
+        out = HashedWrites(f, depth=0, path=p, read=1 << 20)
+        out.h = SlowHash(out.h, gate)  # a hash far behind the writer
+        for k in range(8):
+            out.write(bytes([k]) * (1 << 20))
+        digest = out.digest()
+    assert out.thread.is_alive()
+    threading.Timer(0.2, gate.set).start()  # the hash in its first update when cancelled
+    assert digest.cancel() and digest.cancelled()
+    assert not out.thread.is_alive()
+    assert out.h.calls == 1  # it stopped: not hashed to the end of the file
+
+
+def test_an_input_digest_abandoned_by_a_failed_job_stops_and_does_not_read_the_rest(tmp_path):
+    """Found as the digest above: FileDigest.abandon (a failed layer-streamed job) used to read and hash the
+    rest of the input (hundreds of GB at real size) on a thread nobody waited for."""
+    from qtool.io.stream_digest import CHUNK, FileDigest
+
+    p = tmp_path / "model-00001-of-00002.safetensors"
+    p.write_bytes(os.urandom(8 * CHUNK))
+    d = FileDigest(str(p))
+    d.wait_covered(CHUNK)  # the job read its first layer, then failed
+    d.abandon()
+    assert not d._thread.is_alive()
+    assert d.cursor < 8 * CHUNK

@@ -258,10 +258,15 @@ def test_failed_hidden_state_write_is_never_journaled(request, tmp_path):
     args = ["calibrate-kv", src, "--replace-scales", "--samples", "4", "--seq-len", "32", "--batch-tokens", "64",
             "--quiet"]
     clean, out = tmp_path / "clean", tmp_path / "out"
+    # writes: 2 micro-batches of embeddings, then 2 per layer: the 4th is layer 0's last. The input is hashed
+    # from the job's reads (a cache of its own: no digests of this input on record), lagging behind them as
+    # sha256 does behind a fast disk; none of that hashing may run on into the interpreter's exit
+    slow = {**os.environ, "KILLPOINT_SLOW": "qtool.io.stream_digest:FileDigest._update:1",
+            "QTOOL_CACHE_DIR": str(tmp_path / "cache")}
+    failed = run_failing("qtool.stream.layer_stream:_pwrite_file", 4, "ENOSPC", [*args, "-o", out], env=slow)
+    assert failed.returncode == 1 and "No space left on device" in failed.stderr
+    assert "alive at exit" not in failed.stderr
     assert run_qtool([*args, "-o", clean]).returncode == 0
-    # writes: 2 micro-batches of embeddings, then 2 per layer: the 4th is layer 0's last
-    failed = run_failing("qtool.stream.layer_stream:_pwrite_file", 4, "ENOSPC", [*args, "-o", out])
-    assert failed.returncode != 0 and "No space left on device" in failed.stderr
     journal = json.loads((tmp_path / "out.partial/.calibrate-kv/journal.json").read_text())
     assert journal["next_layer"] == 0  # layer 0 not declared done
     p = run_qtool([*args, "-o", out, "--resume"])

@@ -365,8 +365,14 @@ def test_calibrate_kv_disk_failures_are_clear_errors(tiny_nvfp4_modelopt, tmp_pa
     src = copy_of(tiny_nvfp4_modelopt, tmp_path / "src")
     before = tree_sha(src, skip=())
     out = tmp_path / "out"
-    p = run_failing(target, 1, errno_name, ["calibrate-kv", src, "-o", out, *KV, "--replace-scales", "--quiet"])
+    # the input's hash from the job's reads lags the job (as sha256 does behind a fast disk): CI once saw
+    # this run abort at exit (-6, "terminate called without an active exception") from that hash's daemon
+    # thread, still running into the interpreter's teardown
+    slow = {**os.environ, "KILLPOINT_SLOW": "qtool.io.stream_digest:FileDigest._update:0.1"}
+    p = run_failing(target, 1, errno_name, ["calibrate-kv", src, "-o", out, *KV, "--replace-scales", "--quiet"],
+                    env=slow)
     assert p.returncode == 1, p.stderr
+    assert "alive at exit" not in p.stderr
     assert "Traceback" not in p.stderr and fix in p.stderr and "error:" in p.stderr
     assert tree_sha(src, skip=()) == before and not out.exists()
     p = run_qtool(["calibrate-kv", src, "-o", out, *KV, "--replace-scales", "--quiet", "--resume"])
@@ -646,3 +652,17 @@ def test_a_failed_swap_leaves_markers_the_next_run_understands(tiny_nvfp4_modelo
     p = run_qtool(args)
     assert p.returncode == 0, p.stderr
     assert sorted(q.name for q in tmp_path.iterdir()) == ["ck"]
+
+
+def test_a_job_that_fails_before_its_layers_leaves_no_import_running_at_exit(tiny_bf16, tmp_path):
+    """Found as: calibrate-kv's full-disk run aborted at exit in CI (-6, "terminate called without an active
+    exception"): a daemon thread still in torch's code when the interpreter tears down (pytorch#38228). The
+    background import of transformers (qtool.stream.warm_import) runs until the first layer; a job that
+    fails before it (here the output's free-space check) must not exit beside it."""
+    from killpoint import run_failing
+
+    slow = {**os.environ, "KILLPOINT_SLOW": "qtool.stream.warm_import:skip_unused_imports:3"}
+    p = run_failing("qtool.io.apply:check_space", 1, "ENOSPC",
+                    ["quantize", tiny_bf16, "-o", tmp_path / "q", "--recipe", "qwen35-nvfp4-experts", *KV], env=slow)
+    assert p.returncode == 1 and "No space left on device" in p.stderr, p.stderr
+    assert "alive at exit" not in p.stderr
