@@ -228,12 +228,20 @@ def open_for_reads(path: str) -> int:
     return fd
 
 
-def hash_file(path: str | Path, chunk: int = 8 << 20) -> str:
+class HashStopped(Exception):
+    """hash_file was stopped (its job failed or was interrupted): no digest."""
+
+
+def hash_file(path: str | Path, chunk: int = 8 << 20, stop: threading.Event | None = None) -> str:
+    """The file's sha256; once `stop` is set, HashStopped within a chunk (a failed job's exit does not wait
+    for the rest of a 5 GB input shard)."""
     h = hashlib.sha256()
     buf = bytearray(chunk)
     view = memoryview(buf)
     with os.fdopen(open_regular(path), "rb", buffering=0) as f:
         while True:
+            if stop is not None and stop.is_set():
+                raise HashStopped(str(path))
             n = f.readinto(buf)
             if not n:
                 break

@@ -123,6 +123,7 @@ class InputHasher:
                  record: Path | None = None,
                  from_reads=()) -> None:
         self.pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="qtool-sha256")
+        self._stop = threading.Event()  # set by close: the pool's hashes stop within a chunk
         self.futures: dict[str, Future] = {}
         self.lock = threading.Lock()
         self.cache = DigestCache(cache_dir() / "sha256-cache.json")
@@ -182,7 +183,7 @@ class InputHasher:
             self._trailing.append(sha256)
             self.futures[path] = self._or_hashed(sha256, path)
         else:
-            self.futures[path] = _done(sha256) if sha256 else self.pool.submit(_hash_file, path)
+            self.futures[path] = _done(sha256) if sha256 else self.pool.submit(_hash_file, path, stop=self._stop)
 
     def _or_hashed(self, digest: Future, path: str) -> Future:
         """`digest`'s value, or (where it holds None) the file's hash from the pool: no pool thread waits."""
@@ -197,7 +198,7 @@ class InputHasher:
             if value:
                 out.set_result(value)
             else:
-                self.pool.submit(_hash_file, path).add_done_callback(settle)
+                self.pool.submit(_hash_file, path, stop=self._stop).add_done_callback(settle)
 
         digest.add_done_callback(settle)
         return out
@@ -273,7 +274,7 @@ class InputHasher:
 
     def _hash(self, path: str, real: str) -> str:
         before = os.stat(real)
-        digest = _hash_file(real)
+        digest = _hash_file(real, stop=self._stop)
         self.cache.store(real, digest, before)
         return self._note(path, digest)
 
@@ -305,8 +306,10 @@ class InputHasher:
 
     def close(self) -> None:
         """The end of the job, or an error's way out: every hash thread this job started is stopped and
-        joined (the pool's running ones finish their file first: not daemons), none left running into the interpreter's exit
-        (qtool.io.writer.HashedWrites.stop says why that matters)."""
+        joined, none left running into the interpreter's exit (qtool.io.writer.HashedWrites.stop says why
+        that matters); the pool's running ones stop within a chunk (the pool's threads are joined at exit:
+        a failed or interrupted 397B job does not wait there for whole input shards to be hashed)."""
+        self._stop.set()
         self.pool.shutdown(wait=False, cancel_futures=True)
         for digest in self._trailing:
             digest.cancel()  # a no-op on one that is done

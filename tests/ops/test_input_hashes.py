@@ -141,3 +141,28 @@ def test_a_committed_outputs_digests_are_known_to_the_next_job(request, tmp_path
     monkeypatch.setenv("QTOOL_CACHE_DIR", str(tmp_path / "qtool-cache"))
     assert _digests(shards[:1], monkeypatch, allow_hashing=True)[str(shards[0])] == \
         hashlib.sha256(shards[0].read_bytes()).hexdigest()
+
+
+def test_a_failed_job_does_not_wait_for_its_input_hashes_to_finish(tmp_path, monkeypatch):
+    """The pool's threads are joined at the interpreter's exit: a failed or interrupted job would wait there
+    for each input shard being hashed to be read to its end (seconds per 5 GB shard of a 397B). close()
+    stops them within a chunk; the digest is then never given."""
+    from concurrent.futures import wait
+
+    from qtool.io import files
+
+    big = tmp_path / "model-00001-of-00001.safetensors"
+    with open(big, "wb") as f:
+        f.truncate(4 << 30)  # sparse: reads at memory speed, still about 2 s to hash here
+    hashing = []
+    real = files.hash_file
+    monkeypatch.setattr(manifest, "_hash_file", lambda *a, **k: hashing.append(1) or real(*a, **k))
+    h = InputHasher(workers=1)
+    h.submit(str(big))
+    while not hashing:
+        time.sleep(0.001)
+    h.close()
+    (fut,) = h.futures.values()
+    wait([fut], timeout=60)
+    with pytest.raises(files.HashStopped):
+        fut.result()
