@@ -20,6 +20,7 @@ import importlib.metadata
 import json
 import os
 import sys
+from pathlib import Path
 
 _ORIGINAL = importlib.metadata.packages_distributions
 FILE = "packages-distributions"
@@ -66,9 +67,27 @@ def packages_distributions() -> dict[str, list[str]]:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, json.dumps({"key": key, "map": fresh}))
+        _drop_old_maps(path)
     except (OSError, WriteError):
         pass  # a read-only or full cache dir: the job goes on, paying the scan again next time
     return {name: list(dists) for name, dists in fresh.items()}
+
+
+KEEP_MAPS = 8  # environments (venvs, or one venv's states before and after an install) served at once
+
+
+def _drop_old_maps(new: Path) -> None:
+    """Every install into an environment keys a new map: keep the KEEP_MAPS most recently written (a day of
+    this project's tests left ~300 of them)."""
+    maps = []
+    for p in new.parent.glob(f"{FILE}-*.json"):
+        try:
+            maps.append((p.stat().st_mtime_ns, p))
+        except OSError:
+            continue  # removed meanwhile by another run
+    for _, p in sorted(maps, reverse=True)[KEEP_MAPS:]:
+        if p != new:
+            p.unlink(missing_ok=True)
 
 
 def install() -> None:

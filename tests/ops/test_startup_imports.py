@@ -239,3 +239,24 @@ def test_the_plan_tokenizes_in_the_import_thread_before_the_decoder_module(tmp_p
     assert got["seen"][0] == ["qtool-warm-import", False], got  # that thread, before the decoder module
     assert got["same"]
     assert got["error"] and "no tokenizer" in got["error"], got
+
+
+def test_the_distribution_maps_of_old_environments_are_dropped(tmp_path, monkeypatch):
+    """Every install into an environment keys a new map; the cache keeps the KEEP_MAPS newest, the one just
+    written among them (a day of this project's tests had left ~300)."""
+    import os
+
+    from qtool.stream import package_map
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    monkeypatch.setenv("QTOOL_CACHE_DIR", str(cache))
+    for i in range(12):
+        old = cache / f"{package_map.FILE}-old{i:02d}.json"
+        old.write_text("{}")
+        os.utime(old, ns=(i * 10**9, i * 10**9))  # long ago, oldest first
+    assert package_map.packages_distributions() == package_map._ORIGINAL()
+    left = sorted(p.name for p in cache.glob(package_map.FILE + "-*.json"))
+    assert len(left) == package_map.KEEP_MAPS
+    assert [n for n in left if "old" not in n]  # the map just written is kept
+    assert f"{package_map.FILE}-old11.json" in left and f"{package_map.FILE}-old00.json" not in left
