@@ -199,13 +199,15 @@ def gpu_allocator_defaults() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    code = _main(argv)
-    warm = sys.modules.get("qtool.stream.warm_import")
-    if warm is not None:
-        # a job that failed before its layers (a full disk, a lock held) may leave the background import
-        # of transformers running: a daemon thread in torch's code at the interpreter's exit aborts it
-        # (qtool.io.writer.HashedWrites.stop)
-        warm.join()
+    try:
+        code = _main(argv)
+    finally:
+        warm = sys.modules.get("qtool.stream.warm_import")
+        if warm is not None:
+            # a job that failed before its layers (a full disk, a lock held, a bug's traceback) may leave the
+            # background import of transformers running: a daemon thread in torch's code at the
+            # interpreter's exit aborts it (qtool.io.writer.HashedWrites.stop)
+            warm.join()
     from qtool import dist
 
     dist.end_rank(code)  # a rank of several ends here, without the interpreter's teardown

@@ -100,6 +100,7 @@ def _place(e, tx: OutputDir, values: dict, headers: _Countdown, stop: threading.
     got = write_shard(dst, resolve(tensors_of(e), values), e.metadata, on_header=headers.one, stop=stop,
                       mode=tx.file_mode, on_digest=digest.append)  # fsynced
     if e.size is not None and got != e.size:
+        digest[0].cancel()
         raise WriteError("a written shard does not have its planned size (a qtool bug)", path=dst,
                          expected=f"{e.size} bytes", got=f"{got} bytes")
     return None, digest[0]
@@ -316,11 +317,25 @@ def _write_shards(plan, tx, journal, hasher, values, overlap, on_headers, applie
             stop.set()
             for _, f in futures:
                 f.cancel()
+            _cancel_digests([f for _, f in futures])
             raise
     if not told:
         on_headers()
     if bar is not None:
         bar.close()
+
+
+def _cancel_digests(futures) -> None:
+    """A failed write: the shards written meanwhile are thrown away, so are their hashes (qtool.io.writer.
+    HashedWrites.stop: none may run on into the interpreter's exit)."""
+    from concurrent.futures import wait
+
+    wait(futures)
+    for f in futures:
+        if not f.cancelled() and f.exception() is None:
+            _, digest = f.result()
+            if digest is not None:
+                digest.cancel()
 
 
 def _journal_if_on_record(e, size: int, journal: Journal, hasher: InputHasher) -> bool:

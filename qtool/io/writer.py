@@ -255,7 +255,8 @@ class HashedWrites:
         with self.cond:
             if not self.behind:
                 self._trail()
-            self.written = self.flushed = self._flushed()
+            # the descriptor's offset: a kernel copy moved it past anything `write` counted (buffered or not)
+            self.written = self.flushed = os.lseek(self.f.fileno(), 0, os.SEEK_CUR)
             self.cond.notify()
 
     def _trail(self) -> None:
@@ -393,6 +394,7 @@ def write_shard(path: str | Path, tensors: list[OutTensor], metadata: dict[str, 
     header = build_header(tensors, metadata)
     fds: dict[str, int] = {}
     hashing: HashedWrites | None = None
+    done = False
     try:
         with os.fdopen(open_new(path, mode), "wb") as out:
             if on_digest is not None:
@@ -441,14 +443,14 @@ def write_shard(path: str | Path, tensors: list[OutTensor], metadata: dict[str, 
             os.fsync(dst)
             if hashing is not None:
                 on_digest(hashing.digest())
-                hashing = None
+        done = True
     except OSError as e:
         from qtool.io.files import write_error
 
         raise write_error("writing shard failed", e, path) from None
     finally:
-        if hashing is not None:  # not written whole: the hash is stopped
-            hashing.close()
+        if hashing is not None and not done:  # not written whole (or its close failed): the hash stops
+            hashing.stop()
         for fd in fds.values():
             os.close(fd)
     return path.stat().st_size

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -245,13 +246,17 @@ def plan_calibration(ckpt, dataset: str, samples: int, seq_len: int, *, at_most:
     return calib
 
 
-def _tokenize(tok, dataset: str, need: int) -> list[int]:
-    """The dataset's token ids, documents in order, until `need` of them (or the data's end)."""
+def _tokenize(tok, dataset: str, need: int, stop: threading.Event | None = None) -> list[int]:
+    """The dataset's token ids, documents in order, until `need` of them (or the data's end); once `stop`
+    is set (the job was interrupted while this ran on another thread), Interrupted at the next document."""
+    from qtool.errors import Interrupted
     from qtool.quiet import transformers_errors_only
 
     ids: list[int] = []
     with transformers_errors_only():  # a whole document is longer than model_max_length on purpose
         for doc in read_documents(dataset, tok):
+            if stop is not None and stop.is_set():
+                raise Interrupted("tokenizing the calibration data")
             ids.extend(tok(doc, add_special_tokens=False)["input_ids"])
             if len(ids) >= need:
                 break
@@ -284,7 +289,7 @@ def build_calib_set(ckpt_dir: str | Path, dataset: str, samples: int, seq_len: i
 
         # in the background import's thread, before it imports the decoder module (which then overlaps the
         # rest of the job's plan), where a streamed job started it; else here
-        ids = warm_import.before_decoder(lambda: _tokenize(load_tokenizer(ckpt_dir), dataset, need))
+        ids = warm_import.before_decoder(lambda stop: _tokenize(load_tokenizer(ckpt_dir), dataset, need, stop))
     if key is not None and ids:
         token_cache.save(key, ids)
     return windows_from_ids(ids, samples, seq_len, dataset=dataset, at_most=at_most)

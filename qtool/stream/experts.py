@@ -80,8 +80,11 @@ def grouped_forward(experts, hidden_states, top_k_index, top_k_weights):
 def _grouped_rows(experts, x, top_k_index, top_k_weights):
     n_tok, top_k = top_k_index.shape
     flat = top_k_index.reshape(-1)  # slot r: token r // top_k, its (r % top_k)-th expert
-    order = torch.sort(flat, stable=True).indices  # the slots grouped by expert
-    ends = torch.cumsum(torch.bincount(flat, minlength=experts.num_experts), 0).to(torch.int32)
+    grouped, order = torch.sort(flat, stable=True)  # the slots grouped by expert
+    # each expert's end in that order (bincount would synchronise with the host on CUDA: it sizes its
+    # output from the input's max)
+    ends = torch.searchsorted(grouped, torch.arange(experts.num_experts, device=flat.device), right=True)
+    ends = ends.to(torch.int32)
     gate, up = torch._grouped_mm(x[order // top_k], experts.gate_up_proj.transpose(1, 2), offs=ends).chunk(2, -1)
     y = torch._grouped_mm(experts.act_fn(gate) * up, experts.down_proj.transpose(1, 2), offs=ends)
     y = y * top_k_weights.reshape(-1)[order, None]
@@ -97,7 +100,7 @@ def choose(wanted: str, device: str, hidden: int, intermediate: int, dtype: str 
     report)."""
     if wanted != GROUPED or not device.startswith("cuda") or os.environ.get("QTOOL_ROUTED_EXPERTS") == EAGER:
         return EAGER
-    if dtype != "bfloat16" or hidden % 8 or intermediate % 8:
+    if dtype != "bfloat16" or hidden <= 0 or intermediate <= 0 or hidden % 8 or intermediate % 8:
         return EAGER
     return GROUPED if _grouped_mm_runs(device) else EAGER
 

@@ -93,15 +93,18 @@ def start() -> None:
 
     def work() -> None:
         try:
-            skip_unused_imports()
-            importlib.import_module(TOKENIZER_MODULE)
-        except Exception:  # noqa: BLE001 -- re-raised by the importer's own import
-            pass
-        _serve_waiting()
-        try:
-            importlib.import_module(MODULE)
-        except Exception:  # noqa: BLE001 -- re-raised by the streamer's own import
-            pass
+            try:
+                skip_unused_imports()
+                importlib.import_module(TOKENIZER_MODULE)
+            except Exception:  # noqa: BLE001 -- re-raised by the importer's own import
+                pass
+            _serve_waiting()
+            try:
+                importlib.import_module(MODULE)
+            except Exception:  # noqa: BLE001 -- re-raised by the streamer's own import
+                pass
+        finally:
+            _no_more_work()  # ended by anything (a SystemExit in an import): no caller waits on it for ever
 
     with _lock:
         _decoder_begun = False
@@ -126,23 +129,48 @@ def _serve_waiting() -> None:
             fut.set_exception(e)
 
 
+class _Ended(Exception):
+    """The background thread ended before it ran the work handed to it: the caller runs it."""
+
+
+def _no_more_work() -> None:
+    global _decoder_begun
+    with _lock:
+        _decoder_begun = True
+        left = list(_waiting)
+        _waiting.clear()
+    for _, fut in left:
+        fut.set_exception(_Ended())
+
+
 def before_decoder(fn):
     """fn()'s result, computed where transformers may be imported without racing the background import:
     in the background thread, once it has imported the tokenizer's modules and before it begins the decoder
     module, where it has not begun that yet (the caller then waits only for the tokenizer's part, and the
     decoder module is imported while the caller goes on: the rest of its plan, its first layer's read);
-    else here, after join(). For a streamed job's tokenizer (qtool.stream.calib_data.build_calib_set)."""
+    else here, after join(). For a streamed job's tokenizer (qtool.stream.calib_data.build_calib_set).
+
+    fn(stop) takes a threading.Event, set when the caller gives up waiting (Ctrl-C): work that can take long
+    (tokenizing a Hub dataset as it streams in) checks it and ends, so that the caller's way out, which
+    waits for the background thread, does not wait for that work to finish."""
     from concurrent.futures import Future
 
     fut: Future = Future()
+    stop = threading.Event()
     with _lock:
         queued = _started is not None and not _decoder_begun
         if queued:
-            _waiting.append((fn, fut))
+            _waiting.append((lambda: fn(stop), fut))
     if queued:
-        return fut.result()
+        try:
+            return fut.result()
+        except _Ended:
+            pass  # run here, below
+        except BaseException:
+            stop.set()
+            raise
     join()
-    return fn()
+    return fn(stop)
 
 
 @contextlib.contextmanager

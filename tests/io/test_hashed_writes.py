@@ -207,3 +207,16 @@ def test_an_input_digest_abandoned_by_a_failed_job_stops_and_does_not_read_the_r
     d.abandon()
     assert not d._thread.is_alive()
     assert d.cursor < 8 * CHUNK
+
+
+def test_bytes_copied_into_an_unbuffered_file_are_in_its_digest(tmp_path):
+    """grew() after a kernel copy into the descriptor: the hash reads what the copy put there, whether or not
+    the file object buffers (an unbuffered one used to give the digest of the header alone)."""
+    p = tmp_path / "shard.tmp"
+    with open(p, "wb", buffering=0) as f:
+        out = HashedWrites(f, depth=0, path=p)
+        out.write(b"header" * 100)
+        os.write(f.fileno(), os.urandom(3 << 20))  # as copy_range's kernel copy does
+        out.grew()
+        digest = out.digest()
+    assert digest.result(10) == hashlib.sha256(p.read_bytes()).hexdigest()

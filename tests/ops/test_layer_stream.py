@@ -105,6 +105,7 @@ def test_grouped_experts_match_the_loop_to_rounding(monkeypatch):
     assert routed.choose(routed.EAGER, "cuda", 64, 32) == routed.EAGER
     assert routed.choose(routed.GROUPED, "cuda", 64, 36) == routed.EAGER  # 72-byte rows: not for the kernel
     assert routed.choose(routed.GROUPED, "cuda", 64, 32, "float32") == routed.EAGER  # a float32 run
+    assert routed.choose(routed.GROUPED, "cuda", 64, 0) == routed.EAGER  # a config without moe_intermediate_size
     monkeypatch.setenv("QTOOL_ROUTED_EXPERTS", "eager")
     assert routed.choose(routed.GROUPED, "cuda", 64, 32) == routed.EAGER
 

@@ -654,15 +654,31 @@ def test_a_failed_swap_leaves_markers_the_next_run_understands(tiny_nvfp4_modelo
     assert sorted(q.name for q in tmp_path.iterdir()) == ["ck"]
 
 
-def test_a_job_that_fails_before_its_layers_leaves_no_import_running_at_exit(tiny_bf16, tmp_path):
+@pytest.mark.parametrize("debug", [False, True])
+def test_a_job_that_fails_before_its_layers_leaves_no_import_running_at_exit(tiny_bf16, tmp_path, debug):
     """Found as: calibrate-kv's full-disk run aborted at exit in CI (-6, "terminate called without an active
     exception"): a daemon thread still in torch's code when the interpreter tears down (pytorch#38228). The
     background import of transformers (qtool.stream.warm_import) runs until the first layer; a job that
-    fails before it (here the output's free-space check) must not exit beside it."""
+    fails before it (here the output's free-space check) must not exit beside it, with QTOOL_DEBUG's
+    traceback too."""
     from killpoint import run_failing
 
     slow = {**os.environ, "KILLPOINT_SLOW": "qtool.stream.warm_import:skip_unused_imports:3"}
+    if debug:
+        slow["QTOOL_DEBUG"] = "1"
     p = run_failing("qtool.io.apply:check_space", 1, "ENOSPC",
                     ["quantize", tiny_bf16, "-o", tmp_path / "q", "--recipe", "qwen35-nvfp4-experts", *KV], env=slow)
+    assert p.returncode == 1 and "No space left on device" in p.stderr, p.stderr
+    assert "alive at exit" not in p.stderr
+
+
+def test_a_failed_write_stops_the_hashes_of_the_shards_written_before_it(tiny_nvfp4_modelopt, tmp_path):
+    """Found in review: when the journal's write failed (a full disk) after some shards were written, their
+    sha256 threads (handed to no one yet) read on to each file's end, into the interpreter's exit."""
+    from killpoint import run_failing
+
+    slow = {**os.environ, "KILLPOINT_SLOW": "qtool.io.writer:HashedWrites._run:2"}
+    p = run_failing("qtool.io.apply:_journal_if_on_record", 1, "ENOSPC",
+                    ["convert", tiny_nvfp4_modelopt, "-o", tmp_path / "ct", "--to", "compressed-tensors"], env=slow)
     assert p.returncode == 1 and "No space left on device" in p.stderr, p.stderr
     assert "alive at exit" not in p.stderr

@@ -260,3 +260,49 @@ def test_the_distribution_maps_of_old_environments_are_dropped(tmp_path, monkeyp
     assert len(left) == package_map.KEEP_MAPS
     assert [n for n in left if "old" not in n]  # the map just written is kept
     assert f"{package_map.FILE}-old11.json" in left and f"{package_map.FILE}-old00.json" not in left
+
+
+def _run_python(code: str, timeout: int = 120):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+
+
+def test_ctrl_c_while_the_background_thread_tokenizes_stops_the_tokenizing():
+    """Found as: with the plan's tokenizing in the import thread, Ctrl-C left the plan only once all of it was
+    done (a Hub dataset tokenized as it streams in: minutes, or never on a stalled network). The work is
+    told to stop; the way out waits only for the import after it."""
+    p = _run_python("""
+import os, signal, time
+from qtool.stream import warm_import as w
+seen = []
+def tokenize(stop):
+    os.kill(os.getpid(), signal.SIGINT)  # the user's Ctrl-C, while this runs
+    t = time.monotonic()
+    while not stop.is_set() and time.monotonic() - t < 100:
+        time.sleep(0.01)
+    seen.append(stop.is_set())
+    return [1, 2, 3]
+try:
+    with w.overlapping(True):
+        w.before_decoder(tokenize)
+    print("not interrupted")
+except KeyboardInterrupt:
+    print("interrupted", seen)
+""")
+    assert p.stdout.strip() == "interrupted [True]", p.stdout + p.stderr
+
+
+def test_work_handed_to_a_background_thread_that_died_runs_in_the_caller():
+    """A background import ended by a BaseException (a SystemExit raised inside an import) never ran the
+    work queued for it: its caller waited for ever. It now runs in the caller's thread."""
+    p = _run_python("""
+from qtool.stream import warm_import as w
+def boom():
+    raise SystemExit("an import called sys.exit")
+w.skip_unused_imports = boom
+w.start()
+print("result", w.before_decoder(lambda stop: 42))
+""", timeout=120)
+    assert "result 42" in p.stdout, p.stdout + p.stderr

@@ -255,12 +255,12 @@ def write_layer_shard(path: Path, lp, layer, stats, kv, p, backend=None, mode: i
         if share.world == 1:
             os.replace(tmp, path)
     except BaseException:
+        if isinstance(out, HashedWrites):
+            out.stop()  # before or after digest() (a failed flush, fsync or rename): the hash ends here
         if tmp.exists():
             tmp.unlink()  # the layer is redone on resume (it was not journaled)
         raise
     finally:
-        if isinstance(out, HashedWrites):
-            out.close()
         for fd in fds.values():
             os.close(fd)
     return report
