@@ -157,18 +157,18 @@ def before_decoder(fn):
 
     fut: Future = Future()
     stop = threading.Event()
-    with _lock:
-        queued = _started is not None and not _decoder_begun
+    try:
+        with _lock:
+            queued = _started is not None and not _decoder_begun
+            if queued:
+                _waiting.append((lambda: fn(stop), fut))
         if queued:
-            _waiting.append((lambda: fn(stop), fut))
-    if queued:
-        try:
             return fut.result()
-        except _Ended:
-            pass  # run here, below
-        except BaseException:
-            stop.set()
-            raise
+    except _Ended:
+        pass  # run here, below
+    except BaseException:
+        stop.set()  # (a Ctrl-C the moment the work was queued too)
+        raise
     join()
     return fn(stop)
 
