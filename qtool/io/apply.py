@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import shutil
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
@@ -194,12 +194,19 @@ def write_output(plan: OutputPlan, tx: OutputDir, *, command: str | None, values
             writing = threading.Thread(target=_write_early, name="qtool-early-shards",
                                        args=(plan, tx, journal, hasher, applied, stop, early))
             writing.start()
+        def done(name: str, sha256=None) -> None:
+            failed = getattr(writing, "error", None)
+            if failed is not None:  # an early shard's write failed: the producer stops at its next file
+                if isinstance(sha256, Future):
+                    sha256.cancel()
+                raise failed
+            hasher.submit_output(str(partial / name), sha256)
+
         try:
             if produce is not None:
                 # the producer says when each Produced file is complete: it is hashed then, while its bytes
                 # are in the page cache and the producer works on the next (not all at the end)
-                values.update(produce(lambda name, sha256=None: hasher.submit_output(str(partial / name), sha256))
-                              or {})
+                values.update(produce(done) or {})
         except BaseException:
             stop.set()
             raise

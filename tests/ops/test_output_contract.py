@@ -682,3 +682,23 @@ def test_a_failed_write_stops_the_hashes_of_the_shards_written_before_it(tiny_nv
                     ["convert", tiny_nvfp4_modelopt, "-o", tmp_path / "ct", "--to", "compressed-tensors"], env=slow)
     assert p.returncode == 1 and "No space left on device" in p.stderr, p.stderr
     assert "alive at exit" not in p.stderr
+
+
+def test_a_failed_early_shard_stops_quantize_at_its_next_layer(tiny_bf16, tmp_path):
+    """The shards that need no layer (embeddings, lm_head, vision tower) are copied while the layers run. When
+    that copy failed (EIO on one file), quantize still computed every layer before it said so: at the 397B,
+    minutes of work after the error. It now stops at the next layer it finishes; the partial output resumes."""
+    import json
+
+    from killpoint import run_failing, run_qtool
+
+    out = tmp_path / "q"
+    args = ["quantize", tiny_bf16, "-o", out, "--recipe", "qwen35-nvfp4-experts", *KV, "--quiet"]
+    p = run_failing("qtool.io.writer:copy_range", 1, "EIO", args)
+    assert p.returncode == 1 and "Input/output error" in p.stderr, p.stderr
+    assert "alive at exit" not in p.stderr
+    journal = json.loads((tmp_path / "q.partial/.quantize/journal.json").read_text())
+    layers = json.loads((tiny_bf16 / "config.json").read_text())["text_config"]["num_hidden_layers"]
+    assert journal["next_layer"] <= 2 < layers
+    p = run_qtool([*args, "--resume"])
+    assert p.returncode == 0, p.stderr
