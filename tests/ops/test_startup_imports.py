@@ -276,6 +276,9 @@ def test_ctrl_c_while_the_background_thread_tokenizes_stops_the_tokenizing():
     p = _run_python("""
 import os, signal, time
 from qtool.stream import warm_import as w
+# Python's Ctrl-C handler, even where the test run was started in the background (SIGINT ignored, and
+# Python then keeps SIG_IGN)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 seen = []
 def tokenize(stop):
     os.kill(os.getpid(), signal.SIGINT)  # the user's Ctrl-C, while this runs
