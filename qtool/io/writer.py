@@ -340,16 +340,9 @@ class HashedWrites:
     def hexdigest(self) -> str | None:
         return self.digest().result()
 
-    def close(self) -> None:
-        """After `digest`: nothing (the hash goes on, for the future's reader, who may cancel it). Before
-        it, on an error path (the file is being thrown away): stop the hash."""
-        with self.cond:
-            if self.closed:
-                return
-        self.stop()
-
     def stop(self) -> None:
-        """Stop the hash and wait for its thread: nothing of it may run on past an error. A daemon thread
+        """Stop the hash and wait for its thread (an error path, before or after `digest`; after it, the
+        digest's reader may cancel it instead): nothing of it may run on past an error. A daemon thread
         still running at the interpreter's exit is killed where it next takes the GIL; one holding or
         dropping a torch object there aborts the process ("terminate called without an active
         exception", pytorch#38228: CI saw it after a full disk)."""

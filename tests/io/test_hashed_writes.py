@@ -48,7 +48,7 @@ def test_a_hash_that_falls_behind_gives_none_and_never_holds_the_writer(tmp_path
             out.write(bytes([k]) * 1000)  # returns although no update has finished
         assert out.hexdigest() is None
         gate.set()
-        out.close()
+        out.stop()
     assert p.read_bytes() == b"".join(bytes([k]) * 1000 for k in range(6))
 
 
@@ -99,7 +99,7 @@ def test_a_cancelled_hash_stops(tmp_path):
         out = HashedWrites(f, depth=1, path=p)
         for k in range(5):
             out.write(bytes([k]) * 100)
-        out.close()  # an error path: no digest asked
+        out.stop()  # an error path: no digest asked
     assert not out.thread.is_alive()
 
 
