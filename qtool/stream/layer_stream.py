@@ -543,7 +543,10 @@ class LayerStreamer:
     def load_layer(self, idx: int, keep_bytes: Iterable[TensorInfo] = ()):
         """transformers' decoder layer `idx` with this checkpoint's weights, dense, on self.device.
         keep_bytes: tensors whose file bytes the caller writes out unchanged (quantize's copied tensors):
-        kept as host uint8 tensors in `layer.qtool_bytes` (name -> tensor), not read from the file again."""
+        kept as uint8 views of the bytes read, where they were read to (the device), in `layer.qtool_bytes`
+        (name -> tensor), not read from the file again. Views, not host copies: a layer kept in BF16 copies
+        all its experts (~13 GB at the 397B), whose `.cpu()` here took 9 s of the main thread and as much
+        host memory; the writer takes them down in pieces behind the next layer's forward."""
         if self.clock["first_layer_start"] is None:
             import time
 
@@ -567,7 +570,7 @@ class LayerStreamer:
         want = {n: (tuple(p.shape), p.dtype) for n, p in layer.state_dict().items()}
         read = self._reader.take(idx) or self._reader.read_now(layer_tensors(self.mm, idx))
         try:
-            kept = {i.name: read.raw(i).cpu() for i in keep_bytes if read.has(i)}
+            kept = {i.name: read.raw(i) for i in keep_bytes if read.has(i)}
             sd = layer_state_dict(self.mm, idx, self.dtype, self.device, want, src=read)
         finally:
             read.close()  # what the layer keeps (views of BF16 weights) stays alive through it

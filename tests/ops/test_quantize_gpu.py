@@ -82,6 +82,11 @@ def test_cuda_awq_quantize_runs_and_keeps_the_int4_layout(tiny_bf16, calib_ids, 
     assert {n: (t.dtype, t.shape) for n, t in a.items()} == {n: (t.dtype, t.shape) for n, t in b.items()}
     awq = [lay["awq"] for lay in gpu["layers"] if "awq" in lay]
     assert awq and all(r["down_mse"] <= r["down_mse_rtn"] for r in awq)
+    # layer 0 is kept in BF16 (the recipe's override): its experts are written from the bytes read to the
+    # GPU, taken down in pieces by the writer; the source's bytes exactly
+    src = _tensors(tiny_bf16)
+    kept = [n for n in b if ".layers.0.mlp.experts." in n]
+    assert kept and all(torch.equal(b[n], src[n]) for n in kept)
 
 
 def test_awq_rows_kept_on_cuda_are_the_cpu_rows():
