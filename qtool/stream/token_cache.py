@@ -19,7 +19,9 @@ The key holds everything the ids depend on:
   the revision is a commit: offline, a branch name would stand for whatever the datasets cache holds);
 - the number of tokens asked for.
 An entry holds its key, its token count and the sha256 of its ids, written to a temporary file, fsynced and
-renamed: a torn, short or foreign entry is a miss. One that cannot be written is skipped.
+renamed: a torn, short or foreign entry is a miss. One that cannot be written is skipped. The folder keeps
+the KEEP_ENTRIES entries used last (a hit marks its entry used): every new dataset, sample count or
+tokenizer adds one (4 MB for 512 x 2048 tokens), and nothing else would ever remove them.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from array import array
 from pathlib import Path
 
 MAGIC = b"qtool-tokens 1\n"
+KEEP_ENTRIES = 64
 
 
 def _key_files() -> tuple[str, ...]:
@@ -119,6 +122,10 @@ def load(k: str | None) -> list[int] | None:
         return None  # short or damaged
     ids = array("i")
     ids.frombytes(body)
+    try:
+        os.utime(_path(k))  # used: the last entry the folder's pruning removes
+    except OSError:
+        pass  # a read-only cache dir
     return ids.tolist()
 
 
@@ -138,5 +145,19 @@ def save(k: str | None, ids: list[int]) -> None:
         # a reader sees the whole entry or none (runs in parallel fill it alike)
         atomic_write_bytes(p, MAGIC + k.encode() + b"\n" + len(ids).to_bytes(8, "little")
                            + hashlib.sha256(body).digest() + body)
+        _prune(p.parent)
     except (OSError, OverflowError, WriteError):
         pass  # a read-only or full cache dir: the next run tokenizes again
+
+
+def _prune(folder: Path) -> None:
+    """Down to the KEEP_ENTRIES entries used last (by mtime: written or loaded)."""
+    def used(p: Path) -> int:
+        try:
+            return p.stat().st_mtime_ns
+        except OSError:
+            return 0  # removed meanwhile by a run beside this one
+
+    entries = sorted(folder.glob("*.i32"), key=used)
+    for p in entries[:max(0, len(entries) - KEEP_ENTRIES)]:
+        p.unlink(missing_ok=True)

@@ -132,3 +132,23 @@ def test_a_hit_does_not_import_transformers(ckpt, tmp_path):
     assert all(r.returncode == 0 for r in runs), runs[0].stderr[-2000:] + runs[1].stderr[-2000:]
     (d1, t1), (d2, t2) = (r.stdout.split() for r in runs)
     assert d1 == d2 and t1 == "True" and t2 == "False"
+
+
+def test_the_folder_keeps_the_entries_used_last(ckpt, cache, tmp_path, monkeypatch):
+    """Every new dataset adds an entry: the folder keeps the KEEP_ENTRIES used last (a hit counts as a
+    use), so a CI box that calibrates on many datasets does not fill its disk with token ids."""
+    monkeypatch.setattr(token_cache, "KEEP_ENTRIES", 2)
+    datasets = []
+    for k in range(3):
+        d = tmp_path / f"d{k}.txt"
+        d.write_text(f"dataset {k}: the quick brown fox jumps over the lazy dog. " * 20)
+        datasets.append(d)
+    build_calib_set(ckpt, str(datasets[0]), 2, 16)
+    build_calib_set(ckpt, str(datasets[1]), 2, 16)
+    first, second = (token_cache.key(ckpt, str(d), 32) for d in datasets[:2])
+    os.utime(token_cache._path(first), ns=(1, 1))  # written long ago ...
+    os.utime(token_cache._path(second), ns=(2, 2))  # (after the first; the clock's tick may be coarse)
+    assert token_cache.load(first) is not None  # ... but used now
+    build_calib_set(ckpt, str(datasets[2]), 2, 16)  # a third entry: the one used longest ago goes
+    kept = sorted(p.name for p in cache.iterdir())
+    assert kept == sorted(f"{token_cache.key(ckpt, str(d), 32)}.i32" for d in (datasets[0], datasets[2]))
