@@ -161,7 +161,8 @@ def write_output(plan: OutputPlan, tx: OutputDir, *, command: str | None, values
 
     values: the bytes of the plan's Pending sources. produce(): the op's long work (calibration, quantized
     layers: resumable on its own), run while the inputs are hashed; it writes the Produced shards into
-    `tx.partial`, calls done(name[, sha256 if it hashed the file as it wrote it]) as each is complete, and may return more Pending values. overlap(): more work for this thread while the writers copy.
+    `tx.partial`, calls done(name[, sha256 if it hashed the file as it wrote it]) as each is complete, and may return more Pending values;
+    done() and done.check() raise an early shard's write error, so the producer stops at its next step. overlap(): more work for this thread while the writers copy.
     on_headers(): called once every shard's header is on disk. check() -> {"passed": bool, ...}: run once
     every file is written, before the manifest: the output's checks (recorded in the manifest; a failure keeps the partial output and exits 3).
     hash_from_reads: the input files produce() reads (a layer-streamed job's shards): their sha256 is
@@ -194,13 +195,21 @@ def write_output(plan: OutputPlan, tx: OutputDir, *, command: str | None, values
             writing = threading.Thread(target=_write_early, name="qtool-early-shards",
                                        args=(plan, tx, journal, hasher, applied, stop, early))
             writing.start()
-        def done(name: str, sha256=None) -> None:
+        def early_failed() -> None:
             failed = getattr(writing, "error", None)
-            if failed is not None:  # an early shard's write failed: the producer stops at its next file
+            if failed is not None:  # an early shard's write failed: the producer stops where it asks
+                raise failed
+
+        def done(name: str, sha256=None) -> None:
+            try:
+                early_failed()
+            except BaseException:
                 if isinstance(sha256, Future):
                     sha256.cancel()
-                raise failed
+                raise
             hasher.submit_output(str(partial / name), sha256)
+
+        done.check = early_failed  # for a producer that finishes no file of its own as it goes (calibrate-kv)
 
         try:
             if produce is not None:

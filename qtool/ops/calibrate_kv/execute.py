@@ -44,8 +44,13 @@ def execute(p: KvPlan, *, progress=None) -> Report:
           else InPlaceDir(p.ckpt.root, resume=opts.resume))
     state: dict = {}
 
-    def produce(_done) -> dict:  # writes no Produced shard: the scales are Pending values
-        stats, state["timing"] = calibrate(p, calib.ids, resume=opts.resume, progress=progress)
+    def produce(done) -> dict:  # writes no Produced shard: the scales are Pending values
+        def each_layer(idx: int) -> None:
+            done.check()  # a failed early shard (the copies beside the layers) stops the job at its next layer
+            if progress is not None:
+                progress(idx)
+
+        stats, state["timing"] = calibrate(p, calib.ids, resume=opts.resume, progress=each_layer)
         state["stats"] = stats
         return scale_values(p, stats)
 
