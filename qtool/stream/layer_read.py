@@ -136,6 +136,14 @@ class LayerBytes:
         k, off = where
         return self._bufs[k][off:off + info.nbytes]
 
+    def span(self, file: str, start: int, end: int):
+        """Bytes [start, end) of `file` (uint8, a view on the device they were read to), or None where no
+        run read them all: a slice of a tensor (one expert of a fused source) as well as a whole one."""
+        for k, run in enumerate(self.runs):
+            if run.file == file and run.start <= start and end <= run.end:
+                return self._bufs[k][start - run.start:end - run.start]
+        return None
+
     def get(self, info: TensorInfo):
         """The tensor `info` as a view of the read bytes (on the device it was read to)."""
         import torch

@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Protocol
+from typing import Callable, Protocol
 
 from qtool.arch.model_map import ModelMap, build_map
 from qtool.arch.qwen35 import Group, layer_prefix, text_prefix
@@ -540,11 +540,12 @@ class LayerStreamer:
         x = torch.empty(0, dtype=self.dtype, device=self.device)
         return self._rotary(x, pos)
 
-    def load_layer(self, idx: int, keep_bytes: Iterable[TensorInfo] = ()):
+    def load_layer(self, idx: int, keep_bytes: dict | None = None):
         """transformers' decoder layer `idx` with this checkpoint's weights, dense, on self.device.
-        keep_bytes: tensors whose file bytes the caller writes out unchanged (quantize's copied tensors):
-        kept as uint8 views of the bytes read, where they were read to (the device), in `layer.qtool_bytes`
-        (name -> tensor), not read from the file again. Views, not host copies: a layer kept in BF16 copies
+        keep_bytes: output tensor name -> the source's byte range (a FileRange) it copies unchanged (quantize's
+        copied tensors, whole tensors or one expert's slice of a fused one): kept as uint8 views of the
+        bytes read, where they were read to (the device), in `layer.qtool_bytes` (name -> tensor), not read
+        from the file again. Views, not host copies: a layer kept in BF16 copies
         all its experts (~13 GB at the 397B), whose `.cpu()` here took 9 s of the main thread and as much
         host memory; the writer takes them down in pieces behind the next layer's forward."""
         if self.clock["first_layer_start"] is None:
@@ -570,7 +571,8 @@ class LayerStreamer:
         want = {n: (tuple(p.shape), p.dtype) for n, p in layer.state_dict().items()}
         read = self._reader.take(idx) or self._reader.read_now(layer_tensors(self.mm, idx))
         try:
-            kept = {i.name: read.raw(i) for i in keep_bytes if read.has(i)}
+            kept = {name: view for name, src in (keep_bytes or {}).items()
+                    if (view := read.span(src.file, src.start, src.end)) is not None}
             sd = layer_state_dict(self.mm, idx, self.dtype, self.device, want, src=read)
         finally:
             read.close()  # what the layer keeps (views of BF16 weights) stays alive through it

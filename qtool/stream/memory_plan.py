@@ -65,11 +65,9 @@ class MemoryNeed:
                 "gpu_available": self.gpu_available, "fits": self.fits, "problems": self.problems}
 
 
-def need(sp, *, device: str, held_layers: int = 1, extra_host: int = 0, held_reads: int = 0,
+def need(sp, *, device: str, held_layers: int = 1, extra_host: int = 0,
          hidden_in_ram: bool = False, ranks: int = 1) -> MemoryNeed:
-    """`sp`: layer_stream.StreamPlan; per rank, on `device` (the fit reads that GPU's free memory).
-    `held_reads`: layers whose read bytes stay on the device after their forward (quantize's layers kept
-    in BF16, written from those bytes behind the next layer)."""
+    """`sp`: layer_stream.StreamPlan; per rank, on `device` (the fit reads that GPU's free memory)."""
     from qtool.stream.layer_read import CHUNK, READERS
     from qtool.stream.layer_stream import hidden_on_device
 
@@ -88,8 +86,7 @@ def need(sp, *, device: str, held_layers: int = 1, extra_host: int = 0, held_rea
         # in-memory store holds one, and the reference's stays there while the test side runs: two)
         host = READERS * 2 * CHUNK + max(sp.embed_bytes, micro) + hidden + extra_host \
             + (sp.hidden_bytes if on_device else 0)
-        gpu = held_layers * dense + (1 + held_reads) * stored + sp.activation_bytes \
-            + (2 * sp.hidden_bytes if on_device else 0)
+        gpu = held_layers * dense + stored + sp.activation_bytes + (2 * sp.hidden_bytes if on_device else 0)
     return MemoryNeed(device, ranks, host, gpu, _host_available(),
                       _gpu_free([device]) if gpu is not None else {})
 

@@ -46,17 +46,6 @@ def test_quantize_holds_the_layers_in_flight_and_one_read_ahead(real_bf16, tmp_p
     assert gpu.memory.host_bytes < 4 * GiB  # staging buffers + the embedding table, not the layer
 
 
-def test_a_layer_kept_in_bf16_holds_its_read_bytes_on_the_gpu_until_written(real_bf16, tmp_path):
-    """AWQ's recipe keeps layer 0 in BF16: its experts are written from the bytes read to the GPU behind the
-    next layer, so the plan counts one more stored layer there than a recipe that codes every layer."""
-    p = quantize.plan(quantize.QuantizeOptions(real_bf16, out=tmp_path / "awq", recipe=load_recipe("qwen35-awq-int4"),
-                                               samples=2, seq_len=2048, device="cuda"))
-    sp = p.stream
-    assert p.layers[0].scheme.value == "bf16" and p.layers_in_flight == 1
-    assert p.memory.gpu_bytes == 2 * sp.max_layer_bytes + 2 * sp.max_stored_layer_bytes + sp.activation_bytes \
-        + 2 * sp.hidden_bytes
-
-
 def test_calibrate_kv_holds_one_dense_layer_and_the_next_as_stored(real_nvfp4, tmp_path):
     p = calibrate_kv.plan(calibrate_kv.CalibrateKvOptions(real_nvfp4, out=tmp_path / "kv", samples=2, seq_len=2048,
                                                           device="cuda"))

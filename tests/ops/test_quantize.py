@@ -187,6 +187,11 @@ def test_awq_int4_ct_uses_formats_awq_codec(tiny_bf16, calib_ids, tmp_path):
     assert rep["output"]["problems"] == []
     t = _tensors(out)
     assert t["model.language_model.layers.0.mlp.experts.0.down_proj.weight"].dtype == torch.bfloat16
+    # layer 0 is kept in BF16 (the recipe's override): its experts are the source's bytes, written from the
+    # bytes read with the layer after its dense copy was released (layer.copied_whole)
+    src = _tensors(tiny_bf16)
+    kept = [n for n in t if ".layers.0.mlp.experts." in n]
+    assert kept and all(torch.equal(t[n], src[n]) for n in kept)
     # in-features (gate/up 64, down 32) < group 128: ONE group size for every projection, 32 (the engines
     # refuse per-projection schemes: "All MoE projections need to have same quantization scheme", #15 item 3)
     p = "model.language_model.layers.1.mlp.experts.0."
@@ -405,3 +410,35 @@ def test_one_layer_in_flight_where_two_would_not_fit_or_cannot_be(tiny_bf16, tmp
     assert plan(QuantizeOptions(tiny_bf16, **{**opts, "recipe": load_recipe("qwen35-awq-int4")})).layers_in_flight == 1
     monkeypatch.setattr("qtool.dist.planned_ranks", lambda: 2)
     assert plan(QuantizeOptions(tiny_bf16, **opts)).layers_in_flight == 1
+
+
+def test_only_a_layer_whose_experts_are_all_copied_releases_its_dense_experts(tiny_bf16, tiny_bf16_fused, tmp_path):
+    """AWQ keeps layer 0 in BF16: from a per-expert BF16 source every expert is copied unchanged, so the
+    dense experts go before the layer's write behind the next one (the bytes read are written); from a
+    fused source the experts are split from the dense layer, which the write needs."""
+    from qtool.ops.quantize import QuantizeOptions, plan
+    from qtool.ops.quantize.layer import copied_whole
+
+    recipe = load_recipe("qwen35-awq-int4")
+    per_expert = plan(QuantizeOptions(tiny_bf16, tmp_path / "a", recipe, samples=2, seq_len=16))
+    assert [copied_whole(lp) for lp in per_expert.layers] == [True] + [False] * (len(per_expert.layers) - 1)
+    fused = plan(QuantizeOptions(tiny_bf16_fused, tmp_path / "b", recipe, samples=2, seq_len=16))
+    assert [copied_whole(lp) for lp in fused.layers] == [True] + [False] * (len(fused.layers) - 1)
+
+
+def test_awq_of_a_fused_source_copies_each_experts_slice_of_layer_0(tiny_bf16_fused, calib_ids, tmp_path):
+    """Found as: `quantize FUSED --recipe qwen35-awq-int4` (layer 0 kept in BF16) ended in a KeyError
+    traceback: the copied tensors were looked up by their output names, which a fused source does not have.
+    Each expert's BF16 weights are now that expert's byte slice of the fused tensor, from the bytes read."""
+    from qtool.ops.quantize import run
+
+    out = tmp_path / "awq"
+    rep = run(tiny_bf16_fused, out=out, recipe=load_recipe("qwen35-awq-int4"), calib_ids=calib_ids)
+    assert rep["output"]["problems"] == []
+    t, src = _tensors(out), _tensors(tiny_bf16_fused)
+    pre = "model.language_model.layers.0.mlp.experts."
+    inter = src[pre + "down_proj"].shape[-1]
+    for e in range(src[pre + "down_proj"].shape[0]):
+        assert torch.equal(t[f"{pre}{e}.down_proj.weight"], src[pre + "down_proj"][e])
+        assert torch.equal(t[f"{pre}{e}.gate_proj.weight"], src[pre + "gate_up_proj"][e][:inter])
+        assert torch.equal(t[f"{pre}{e}.up_proj.weight"], src[pre + "gate_up_proj"][e][inter:])

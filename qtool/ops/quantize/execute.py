@@ -112,7 +112,7 @@ def _quantize_layers(p, partial, streamer, store, seq, batch, start, layer_repor
     from qtool.ops.quantize.calib import (ExpertStats, KvStat, install_expert_stats, reduce_expert_stats,
                                           remove_expert_stats)
     from qtool.io.files import tmp_path
-    from qtool.ops.quantize.layer import Share, create_layer_tmp, write_layer_shard
+    from qtool.ops.quantize.layer import Share, copied_whole, create_layer_tmp, release_dense_experts, write_layer_shard
     from qtool.stream.layer_stream import attention_tap, kv_amax_tap
     from qtool.stream.side_stream import SideStream
 
@@ -181,7 +181,8 @@ def _quantize_layers(p, partial, streamer, store, seq, batch, start, layer_repor
                             initargs=on_device[1]) as writer:
         try:
             for k, lp in enumerate(todo):
-                copied = [p.ckpt.tensors[s.name] for s in lp.specs if s.source is not None] if share.rank == 0 else []
+                # the copied tensors' source bytes (whole tensors, or one expert's slice of a fused source)
+                copied = {s.name: s.source for s in lp.specs if s.source is not None} if share.rank == 0 else {}
                 layer = streamer.load_layer(lp.index, keep_bytes=copied)  # the copied tensors: written from memory
                 if k + 1 < len(todo):
                     streamer.prefetch(todo[k + 1].index)  # read while this layer computes and is written
@@ -216,6 +217,8 @@ def _quantize_layers(p, partial, streamer, store, seq, batch, start, layer_repor
                 # the other ranks wait for that journal entry: the next layer's forward overwrites the
                 # file the previous journal entry names (three files, one layer of lag)
                 g.barrier()
+                if copied_whole(lp):
+                    release_dense_experts(layer)
                 job = (lp, layer, stats, kv, backend, store.current)
                 if backend is None:
                     coder = coders[k % in_flight]

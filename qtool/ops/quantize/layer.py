@@ -89,6 +89,21 @@ def chunk_bytes(tensors: list[torch.Tensor]):
     return download(torch.cat(flat) if len(flat) > 1 else flat[0])
 
 
+def copied_whole(lp) -> bool:
+    """Whether every routed expert of layer plan `lp` is copied unchanged (a layer kept in BF16 from a
+    per-expert BF16 source): its shard is then written from the bytes read, not from the dense layer."""
+    return lp.scheme is Scheme.BF16 and all(s.source is not None for s in lp.specs if _expert_of(s.name))
+
+
+def release_dense_experts(layer) -> None:
+    """Drop the dense expert weights of a layer whose forward is done and whose experts are written from
+    the bytes read with it (`copied_whole`): the write behind the next layer then holds those bytes on the
+    device instead of both (~13 GB more at the 397B)."""
+    experts = layer.mlp.experts
+    for name in ("gate_up_proj", "down_proj"):
+        setattr(experts, name, None)
+
+
 def _on_device(t) -> bool:
     return t is not None and t.device.type == "cuda"
 
@@ -362,4 +377,5 @@ def _copy_spec(s, kept, out, f, fds: dict, hashed: bool, end: int) -> None:
     f.seek(end)  # the descriptor moved under the buffer
 
 
-__all__ = ["FileRange", "InlineBytes", "Share", "create_layer_tmp", "input_amaxes", "write_layer_shard"]
+__all__ = ["FileRange", "InlineBytes", "Share", "copied_whole", "create_layer_tmp", "input_amaxes",
+           "release_dense_experts", "write_layer_shard"]

@@ -134,11 +134,7 @@ class QuantizePlan:
         from qtool.dist import planned_ranks
 
         held = 1 + (self.layers_in_flight if in_flight is None else in_flight) if write_behind else 1
-        # a layer kept in BF16 is written from the bytes read to the device (layer.write_layer_shard), which
-        # stay there until written: behind the next layer with write-behind
-        copied_layer = write_behind and any(lp.scheme is Scheme.BF16 for lp in self.layers)
-        return need(self.stream, device=self.device, held_layers=held, extra_host=awq,
-                    held_reads=int(copied_layer), ranks=planned_ranks())
+        return need(self.stream, device=self.device, held_layers=held, extra_host=awq, ranks=planned_ranks())
 
     def choose_layers_in_flight(self) -> int:
         """Two finished layers coded and written at once, where that fits: a layer's shard is written by one
