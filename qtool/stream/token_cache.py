@@ -151,7 +151,16 @@ def save(k: str | None, ids: list[int]) -> None:
 
 
 def _prune(folder: Path) -> None:
-    """Down to the KEEP_ENTRIES entries used last (by mtime: written or loaded)."""
+    """Down to the KEEP_ENTRIES entries used last (by mtime: written or loaded); the temporary files of runs
+    killed while saving go once they are a day old (a run saving now has a fresh one)."""
+    import time
+
+    for tmp in folder.glob("*.qtool-tmp"):
+        try:
+            if time.time() - tmp.stat().st_mtime > 86400:
+                tmp.unlink(missing_ok=True)
+        except OSError:
+            pass  # removed meanwhile
     def used(p: Path) -> int:
         try:
             return p.stat().st_mtime_ns

@@ -413,9 +413,10 @@ def test_one_layer_in_flight_where_two_would_not_fit_or_cannot_be(tiny_bf16, tmp
 
 
 def test_only_a_layer_whose_experts_are_all_copied_releases_its_dense_experts(tiny_bf16, tiny_bf16_fused, tmp_path):
-    """AWQ keeps layer 0 in BF16: from a per-expert BF16 source every expert is copied unchanged, so the
-    dense experts go before the layer's write behind the next one (the bytes read are written); from a
-    fused source the experts are split from the dense layer, which the write needs."""
+    """AWQ keeps layer 0 in BF16: every expert is copied unchanged (from a per-expert source whole, from a
+    fused one as its byte slice), so that layer's dense experts go before its write behind the next one
+    (the bytes read are written); the other layers' are coded from the dense layer. The AWQ runs here and
+    in test_awq_of_a_fused_source_* write layer 0 after that release, and check its bytes."""
     from qtool.ops.quantize import QuantizeOptions, plan
     from qtool.ops.quantize.layer import copied_whole
 
@@ -442,3 +443,22 @@ def test_awq_of_a_fused_source_copies_each_experts_slice_of_layer_0(tiny_bf16_fu
         assert torch.equal(t[f"{pre}{e}.down_proj.weight"], src[pre + "down_proj"][e])
         assert torch.equal(t[f"{pre}{e}.gate_proj.weight"], src[pre + "gate_up_proj"][e][:inter])
         assert torch.equal(t[f"{pre}{e}.up_proj.weight"], src[pre + "gate_up_proj"][e][inter:])
+
+
+def test_copied_tensors_written_in_small_pieces_give_the_same_bytes(tiny_bf16, calib_ids, tmp_path, monkeypatch):
+    """The copied tensors read with a layer go out in groups of at most COPY_PIECE bytes (bounded page-locked
+    memory on CUDA): with pieces of a tensor or two the shards are byte for byte those of one piece per
+    layer."""
+    import hashlib
+
+    from qtool.ops.quantize import layer, run
+
+    recipe = load_recipe("qwen35-awq-int4")
+    run(tiny_bf16, out=tmp_path / "big", recipe=recipe, calib_ids=calib_ids)
+    monkeypatch.setattr(layer, "COPY_PIECE", 6000)  # tiny experts' tensors are 4 KiB
+    run(tiny_bf16, out=tmp_path / "small", recipe=recipe, calib_ids=calib_ids)
+
+    def shards(root):
+        return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(root.glob("*.safetensors"))}
+
+    assert shards(tmp_path / "big") == shards(tmp_path / "small") and len(shards(tmp_path / "big")) > 1

@@ -149,6 +149,11 @@ def test_the_folder_keeps_the_entries_used_last(ckpt, cache, tmp_path, monkeypat
     os.utime(token_cache._path(first), ns=(1, 1))  # written long ago ...
     os.utime(token_cache._path(second), ns=(2, 2))  # (after the first; the clock's tick may be coarse)
     assert token_cache.load(first) is not None  # ... but used now
+    killed, saving = cache / ".a.i32.x.qtool-tmp", cache / ".b.i32.y.qtool-tmp"  # a killed run's, a running one's
+    killed.write_bytes(b"torn")
+    os.utime(killed, (1, 1))
+    saving.write_bytes(b"being written")
     build_calib_set(ckpt, str(datasets[2]), 2, 16)  # a third entry: the one used longest ago goes
     kept = sorted(p.name for p in cache.iterdir())
-    assert kept == sorted(f"{token_cache.key(ckpt, str(d), 32)}.i32" for d in (datasets[0], datasets[2]))
+    assert kept == sorted([f"{token_cache.key(ckpt, str(d), 32)}.i32" for d in (datasets[0], datasets[2])]
+                          + [saving.name])

@@ -14,8 +14,9 @@ from qtool.io.writer import FileRange, HashedWrites, InlineBytes, InOrder, OutTe
 from qtool.recipes import InputScale, OutFormat, Scheme, WeightScale
 
 CHUNK_EXPERTS = 16
-# copied tensors read to the device go down to the host in pieces of about this size: page-locked memory
-# stays bounded (the writer queues two), where a layer kept in BF16 copies ~13 GB at the 397B
+# copied tensors read with the layer are written in pieces of at most this size (one larger tensor alone):
+# on CUDA they go down through page-locked memory, which stays bounded (the writer queues two), where a
+# layer kept in BF16 copies ~13 GB at the 397B
 COPY_PIECE = 256 << 20
 WRITE_BUFFER = 16 << 20
 _LAYER_FALLBACK_AMAX = 1.0  # a layer that saw no token at all (cannot happen with >= 1 window)
@@ -102,10 +103,6 @@ def release_dense_experts(layer) -> None:
     experts = layer.mlp.experts
     for name in ("gate_up_proj", "down_proj"):
         setattr(experts, name, None)
-
-
-def _on_device(t) -> bool:
-    return t is not None and t.device.type == "cuda"
 
 
 def _write_chunk(out, data) -> None:
@@ -312,19 +309,21 @@ def _write_specs(ops: InOrder, out, f, lp, layer, stats, kv, p, backend, share: 
             continue
         ops.call(_position, f, at, hashed, s.name)
         if s.source is not None:
-            raw = kept.get(s.name)
-            if raw is not None and raw.device.type == "cuda":
-                # read to the device with the layer: the copied tensors that follow in the header go down
-                # together, in pieces of at most COPY_PIECE through page-locked memory, behind the forward
-                group = [raw]
-                while (i < len(specs) and specs[i].source is not None and pos - at < COPY_PIECE
-                       and _on_device(kept.get(specs[i].name))):
-                    group.append(kept[specs[i].name])
-                    pos += specs[i].nbytes
-                    i += 1
-                ops.call(_write_chunk, out, chunk_bytes(group))
+            if s.name not in kept:  # not read with the layer: from its file
+                ops.call(_copy_spec, s, out, f, fds, hashed, pos)
                 continue
-            ops.call(_copy_spec, s, raw, out, f, fds, hashed, pos)
+            # read with the layer (to the device, on CUDA): the copied tensors that follow in the header go
+            # out together, in pieces of at most COPY_PIECE (through page-locked memory, behind the forward)
+            group = [kept[s.name]]
+            while (i < len(specs) and specs[i].source is not None and specs[i].name in kept
+                   and pos - at + specs[i].nbytes <= COPY_PIECE):
+                group.append(kept[specs[i].name])
+                pos += specs[i].nbytes
+                i += 1
+            data = chunk_bytes(group)
+            if data.host.numel() != pos - at:
+                raise AssertionError(f"{s.name}: copied {data.host.numel()} bytes, planned {pos - at}")
+            ops.call(_write_chunk, out, data)
             continue
         if which is None:
             st = LayerStat(lp.index, kv[0], kv[1], 0)
@@ -361,12 +360,9 @@ def _write_specs(ops: InOrder, out, f, lp, layer, stats, kv, p, backend, share: 
         ops.call(_write_chunk, out, data)
 
 
-def _copy_spec(s, kept, out, f, fds: dict, hashed: bool, end: int) -> None:
-    """Write a tensor copied unchanged from the source: from the bytes read with the layer, else from its
-    file (read, where the shard is being hashed; else copied in the kernel, below the buffer)."""
-    if kept is not None:
-        out.write(memoryview(kept.numpy()))
-        return
+def _copy_spec(s, out, f, fds: dict, hashed: bool, end: int) -> None:
+    """Write a tensor copied unchanged from its source file (read, where the shard is being hashed; else
+    copied in the kernel, below the buffer)."""
     if s.source.file not in fds:
         fds[s.source.file] = os.open(s.source.file, os.O_RDONLY)
     if hashed:
