@@ -219,6 +219,21 @@ def read_regular(path: str | Path, what: str = "file", error: type | None = None
         return f.read()
 
 
+def keep_newest(folder: Path, pattern: str, keep: int, spare: Path | None = None) -> None:
+    """Remove the files of `folder` matching `pattern` but the `keep` with the latest mtime (qtool's caches:
+    a use that should count touches its file) and `spare` (the one just written). Safe beside other runs
+    doing the same."""
+    found = []
+    for p in folder.glob(pattern):
+        try:
+            found.append((p.stat().st_mtime_ns, p))
+        except OSError:
+            continue  # removed meanwhile by another run
+    for _, p in sorted(found, reverse=True)[keep:]:
+        if p != spare:
+            p.unlink(missing_ok=True)
+
+
 def open_for_reads(path: str) -> int:
     """A descriptor for large explicit reads: the kernel's read-ahead is turned off (POSIX_FADV_RANDOM),
     since every byte it would fetch ahead is asked for anyway, and pages it fetched early are the first

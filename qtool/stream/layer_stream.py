@@ -545,9 +545,9 @@ class LayerStreamer:
         keep_bytes: output tensor name -> the source's byte range (a FileRange) it copies unchanged (quantize's
         copied tensors, whole tensors or one expert's slice of a fused one): kept as uint8 views of the
         bytes read, where they were read to (the device), in `layer.qtool_bytes` (name -> tensor), not read
-        from the file again. Views, not host copies: a layer kept in BF16 copies
-        all its experts (~13 GB at the 397B), whose `.cpu()` here took 9 s of the main thread and as much
-        host memory; the writer takes them down in pieces behind the next layer's forward."""
+        from the file again. Views, not host copies: a layer kept in BF16 copies all its experts (~13 GB
+        at the 397B), whose `.cpu()` here took 9 s of the main thread and as much host memory; the writer
+        takes them down in pieces behind the next layer's forward."""
         if self.clock["first_layer_start"] is None:
             import time
 

@@ -78,16 +78,10 @@ KEEP_MAPS = 8  # environments (venvs, or one venv's states before and after an i
 
 def _drop_old_maps(new: Path) -> None:
     """Every install into an environment keys a new map: keep the KEEP_MAPS most recently written (a day of
-    this project's tests left ~300 of them)."""
-    maps = []
-    for p in new.parent.glob(f"{FILE}-*.json"):
-        try:
-            maps.append((p.stat().st_mtime_ns, p))
-        except OSError:
-            continue  # removed meanwhile by another run
-    for _, p in sorted(maps, reverse=True)[KEEP_MAPS:]:
-        if p != new:
-            p.unlink(missing_ok=True)
+    this project's tests left ~300 of them); `new`, just written, is among them."""
+    from qtool.io.files import keep_newest
+
+    keep_newest(new.parent, f"{FILE}-*.json", KEEP_MAPS, spare=new)
 
 
 def install() -> None:

@@ -155,18 +155,12 @@ def _prune(folder: Path) -> None:
     killed while saving go once they are a day old (a run saving now has a fresh one)."""
     import time
 
-    for tmp in folder.glob("*.qtool-tmp"):
+    from qtool.io.files import TMP_SUFFIX, keep_newest
+
+    for tmp in folder.glob("*" + TMP_SUFFIX):
         try:
             if time.time() - tmp.stat().st_mtime > 86400:
                 tmp.unlink(missing_ok=True)
         except OSError:
             pass  # removed meanwhile
-    def used(p: Path) -> int:
-        try:
-            return p.stat().st_mtime_ns
-        except OSError:
-            return 0  # removed meanwhile by a run beside this one
-
-    entries = sorted(folder.glob("*.i32"), key=used)
-    for p in entries[:max(0, len(entries) - KEEP_ENTRIES)]:
-        p.unlink(missing_ok=True)
+    keep_newest(folder, "*.i32", KEEP_ENTRIES)

@@ -91,8 +91,9 @@ def chunk_bytes(tensors: list[torch.Tensor]):
 
 
 def copied_whole(lp) -> bool:
-    """Whether every routed expert of layer plan `lp` is copied unchanged (a layer kept in BF16 from a
-    per-expert BF16 source): its shard is then written from the bytes read, not from the dense layer."""
+    """Whether every routed expert of layer plan `lp` is copied unchanged (a layer kept in BF16: whole
+    tensors of a per-expert source, byte slices of a fused one): its shard is then written from the bytes
+    read, not from the dense layer."""
     return lp.scheme is Scheme.BF16 and all(s.source is not None for s in lp.specs if _expert_of(s.name))
 
 
