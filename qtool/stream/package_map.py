@@ -8,8 +8,9 @@ a streamed job's start on the lent GPU machine's image (`python -X importtime`, 
 The cache holds the result under a key of everything it depends on: the interpreter, and for each
 `sys.path` directory the `*.dist-info` / `*.egg-info` entries in it with their mtimes and inodes.
 Installing, upgrading or removing a distribution adds, replaces or removes such an entry: the next call
-computes the map again. Not the directories' own mtimes: the working directory is on `sys.path` for
-`python -m qtool`, and every output a job makes there would change it. One file per key, so environments
+computes the map again. Not the directories' own mtimes, nor the directories that hold no such entry: the
+working directory is on `sys.path` for `python -m qtool`, and every output a job makes there, or a run
+from another directory, would change the key. One file per key, so environments
 (venvs, working directories) that differ do not evict each other. A cache that cannot be read or written
 is skipped (the map is computed as before); nothing else in the process changes.
 """
@@ -42,7 +43,8 @@ def _key() -> list:
             except OSError:
                 continue
             found.append([name, st.st_mtime_ns, st.st_ino])
-        entries.append([os.path.abspath(d), found])
+        if found:  # a directory without any (the working directory, for `python -m qtool`) adds nothing to the map
+            entries.append([os.path.abspath(d), found])
     return [sys.version, sys.prefix, entries]
 
 

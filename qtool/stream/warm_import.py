@@ -47,6 +47,10 @@ def skip_unused_imports() -> None:
       is installed (0.45 s of the decoder module's 3.4 s on a 2-core CPU, `python -X importtime`), and its
       image utilities import torchvision where it is installed (the lent GPU machine's image has it). Both
       serve vision models' losses and image processors; qtool builds neither.
+    - Its audio utilities (imported by the processing utilities the decoder module imports) import
+      torchaudio, librosa and soundfile where they are installed: torchaudio and its wav2vec2 pipelines are
+      in the lent GPU machine's image and were sampled in the import thread's timeline. They load and
+      resample audio for audio models' processors.
 
     Only this process's view of transformers changes (where transformers names a check differently,
     nothing changes)."""
@@ -66,7 +70,8 @@ def skip_unused_imports() -> None:
 
 
 # transformers' `is_*_available` checks that gate imports a streamed job never uses (skip_unused_imports)
-UNUSED_BACKENDS = ("is_sklearn_available", "is_scipy_available", "is_torchvision_available")
+UNUSED_BACKENDS = ("is_sklearn_available", "is_scipy_available", "is_torchvision_available",
+                   "is_torchaudio_available", "is_librosa_available", "is_soundfile_available")
 
 
 def _not_available() -> bool:
@@ -100,6 +105,9 @@ def start() -> None:
                 pass
             _serve_waiting()
             try:
+                from qtool.stream.kernels import import_gdn_kernel_alone
+
+                import_gdn_kernel_alone()  # before transformers' own import of all of fla (kernels.py)
                 importlib.import_module(MODULE)
             except Exception:  # noqa: BLE001 -- re-raised by the streamer's own import
                 pass

@@ -126,6 +126,11 @@ def test_the_distribution_map_is_the_standard_librarys(tmp_path, monkeypatch):
     (site / "model.safetensors").write_bytes(b"x")
     assert package_map.packages_distributions()["qtool_probe_pkg"] == ["qtool-probe-dist"]
     assert scans == []
+    # a run from another working directory (`python -m qtool` puts it on sys.path) without distributions
+    monkeypatch.syspath_prepend(str(tmp_path / "elsewhere"))
+    (tmp_path / "elsewhere").mkdir()
+    assert package_map.packages_distributions()["qtool_probe_pkg"] == ["qtool-probe-dist"]
+    assert scans == []
     monkeypatch.setattr(package_map, "_ORIGINAL", original)
 
     for entry in (tmp_path / "cache").glob(package_map.FILE + "-*.json"):
