@@ -65,7 +65,10 @@ def import_gdn_kernel_alone() -> bool:
         importlib.import_module(GDN_MODULE)
         return True
     except Exception:  # noqa: BLE001 -- undone below; transformers' own import then reports what is wrong
-        for name in sorted(set(sys.modules) - before, reverse=True):  # children before their parents
+        # fla's modules only: what else got imported meanwhile (triton, torch._dynamo) is whole and stays (a
+        # second copy of a torch module, imported again later, would not share the first one's state)
+        ours = [n for n in set(sys.modules) - before if n == "fla" or n.startswith("fla.")]
+        for name in sorted(ours, reverse=True):  # children before their parents
             parent, _, child = name.rpartition(".")
             if parent in sys.modules and getattr(sys.modules[parent], child, None) is sys.modules[name]:
                 delattr(sys.modules[parent], child)

@@ -88,7 +88,7 @@ FLA_LAYOUT = {
     "fla/ops/gated_delta_rule/__init__.py": "from .chunk import chunk_gated_delta_rule\n"
                                             "from .fused_recurrent import fused_recurrent_gated_delta_rule\n",
     "fla/ops/gated_delta_rule/chunk.py":
-        "from fla.modules.norm.l2norm import l2norm_fwd\n{needs}"
+        "import fla_dep_probe\nfrom fla.modules.norm.l2norm import l2norm_fwd\n{needs}"
         "def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,\n"
         "                           use_qk_l2norm_in_kernel=False, cu_seqlens=None):\n"
         "    raise RuntimeError('fla kernel called')\n",
@@ -100,6 +100,8 @@ FLA_LAYOUT = {
     "fla/modules/norm/__init__.py": "import fla_marker_norms\n",
     "fla/modules/norm/l2norm.py": "def l2norm_fwd(x):\n    return x\n",
     "fla_marker_all_families.py": "", "fla_marker_activations.py": "", "fla_marker_norms.py": "",
+    # a module outside fla that the kernel imports (as fla's import torch._dynamo): counts its executions
+    "fla_dep_probe.py": "import sys\nsys.fla_dep_loads = getattr(sys, 'fla_dep_loads', 0) + 1\n",
 }
 
 IMPORT_PROBE = textwrap.dedent("""
@@ -113,6 +115,7 @@ IMPORT_PROBE = textwrap.dedent("""
         "bound_to_fla": kernels._implementation(m.torch_chunk_gated_delta_rule) is gdr.chunk_gated_delta_rule,
         "markers": sorted(n for n in sys.modules if n.startswith("fla_marker")),
         "ops_opened": hasattr(sys.modules["fla.ops"], "HELPER"),
+        "dep_loads": sys.fla_dep_loads,
     }))
 """)
 
@@ -134,17 +137,18 @@ def test_a_streamed_jobs_import_takes_fla_s_kernel_without_the_rest_of_fla(tmp_p
     module's import on the 2-core VM): a streamed job imports the Gated-DeltaNet kernel's modules alone, and
     transformers binds the same function it binds with fla imported whole."""
     plain = _import_with_fla_layout(tmp_path / "a", "plain")
-    assert plain == {"bound_to_fla": True, "ops_opened": True,
+    assert plain == {"bound_to_fla": True, "ops_opened": True, "dep_loads": 1,
                      "markers": ["fla_marker_activations", "fla_marker_all_families", "fla_marker_norms"]}
     assert _import_with_fla_layout(tmp_path / "b", "qtool") == {"bound_to_fla": True, "markers": [],
-                                                                 "ops_opened": False}
+                                                                 "ops_opened": False, "dep_loads": 1}
 
 
 def test_an_fla_whose_kernel_needs_a_package_init_is_imported_whole(tmp_path):
     """A layout where the kernel's module uses what `fla.ops`' __init__ defines: the import alone fails, is
-    undone, and transformers imports fla whole and binds its kernel, as without qtool."""
+    undone, and transformers imports fla whole and binds its kernel, as without qtool. What the attempt
+    imported outside fla stays imported once (a torch module imported twice would be two copies)."""
     got = _import_with_fla_layout(tmp_path, "qtool", needs="from fla.ops import HELPER\n")
-    assert got == {"bound_to_fla": True, "ops_opened": True,
+    assert got == {"bound_to_fla": True, "ops_opened": True, "dep_loads": 1,
                    "markers": ["fla_marker_activations", "fla_marker_all_families", "fla_marker_norms"]}
 
 
