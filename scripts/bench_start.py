@@ -8,6 +8,8 @@ noise is as large as the change):
 
 The first layer's start is the job's own clock (`first_layer_start` in the --json report). On a GPU
 machine pass `--device cuda`; the tiny model (qtool.fixtures.tiny) is built once under --workdir.
+`--path DIR` puts DIR on every run's path after the checkout: a folder with the gpu extra (fla-core) and
+Triton installed (`pip install --target DIR`), whose import the decoder module pays for.
 """
 
 from __future__ import annotations
@@ -38,11 +40,11 @@ def _first_layer_start(report) -> float | None:
     return None
 
 
-def run_once(tree: Path, src: Path, work: Path, device: str) -> tuple[float, float]:
+def run_once(tree: Path, src: Path, work: Path, device: str, path: list[Path]) -> tuple[float, float]:
     out, cache = work / "out", work / f"cache-{abs(hash(str(tree)))}"
     shutil.rmtree(out, ignore_errors=True)
     shutil.rmtree(cache / "tokens", ignore_errors=True)  # the plan tokenizes; other caches stay warm
-    env = {**os.environ, "PYTHONPATH": str(tree), "QTOOL_CACHE_DIR": str(cache)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, [tree, *path])), "QTOOL_CACHE_DIR": str(cache)}
     t0 = time.time()
     p = subprocess.run([sys.executable, "-m", "qtool", "quantize", str(src), "-o", str(out), "--recipe",
                         "qwen35-nvfp4-experts", "--samples", "2", "--seq-len", "16", "--device", device, "--json"],
@@ -62,6 +64,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/qtool-bench-start"))
+    ap.add_argument("--path", action="append", type=Path, default=[],
+                    help="a folder put on each run's path after the checkout (repeatable)")
     a = ap.parse_args()
     trees = [t.resolve() for t in (a.tree or [ROOT])]
     a.workdir.mkdir(parents=True, exist_ok=True)
@@ -72,11 +76,11 @@ def main() -> int:
 
         tiny.build_bf16(src)
     for tree in trees:  # untimed: bytecode and the caches other than the token cache
-        run_once(tree, src, a.workdir, a.device)
+        run_once(tree, src, a.workdir, a.device, a.path)
     times: dict[Path, list[tuple[float, float]]] = {t: [] for t in trees}
     for r in range(a.rounds):
         for tree in trees:
-            times[tree].append(run_once(tree, src, a.workdir, a.device))
+            times[tree].append(run_once(tree, src, a.workdir, a.device, a.path))
             print(f"round {r + 1}: {tree}: first layer at {times[tree][-1][0]:.2f} s, wall {times[tree][-1][1]:.2f} s",
                   flush=True)
     print(f"{'checkout':60s} {'first layer s (median, min)':>28s} {'wall s (median)':>16s}")
