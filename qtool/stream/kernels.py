@@ -46,6 +46,8 @@ def import_gdn_kernel_alone() -> bool:
     try:
         if importlib.util.find_spec("fla") is None:
             return False
+        if importlib.util.find_spec("torch_npu") is not None:
+            return False  # `fla.modules.norm`'s __init__ registers the Ascend NPU kernels (its l2norm's too)
     except (ImportError, ValueError):
         return False
     before = set(sys.modules)

@@ -33,9 +33,14 @@ def _key() -> list:
     for entry in sys.path:
         d = entry or "."
         try:
-            names = sorted(n for n in os.listdir(d) if n.endswith((".dist-info", ".egg-info")))
+            names = sorted(n for n in os.listdir(d) if n.endswith((".dist-info", ".egg-info")) or n == "EGG-INFO")
         except OSError:
-            continue  # not a directory (a zip), or gone
+            try:  # a zip (zipped eggs and wheels hold distributions too): the file itself
+                st = os.stat(d)
+            except OSError:
+                continue  # gone
+            entries.append([os.path.abspath(d), st.st_mtime_ns, st.st_ino])
+            continue
         found = []
         for name in names:
             try:
@@ -43,7 +48,9 @@ def _key() -> list:
             except OSError:
                 continue
             found.append([name, st.st_mtime_ns, st.st_ino])
-        if found:  # a directory without any (the working directory, for `python -m qtool`) adds nothing to the map
+        # a directory without any (the working directory, for `python -m qtool`) adds nothing to the map;
+        # an unpacked `*.egg` on the path is a distribution through its EGG-INFO (found above)
+        if found:
             entries.append([os.path.abspath(d), found])
     return [sys.version, sys.prefix, entries]
 

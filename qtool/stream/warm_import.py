@@ -108,6 +108,9 @@ def start() -> None:
                 from qtool.stream.kernels import import_gdn_kernel_alone
 
                 import_gdn_kernel_alone()  # before transformers' own import of all of fla (kernels.py)
+            except Exception:  # noqa: BLE001 -- it undoes its own failures; anything else costs only time
+                pass
+            try:
                 importlib.import_module(MODULE)
             except Exception:  # noqa: BLE001 -- re-raised by the streamer's own import
                 pass

@@ -107,7 +107,10 @@ FLA_LAYOUT = {
 IMPORT_PROBE = textwrap.dedent("""
     import json, sys
     from qtool.stream import kernels, warm_import
-    if sys.argv[1] == "qtool":
+    if sys.argv[1] == "fla-first":  # fla imported whole before the job's import (a library user's process)
+        import fla.ops
+        first = fla.ops
+    if sys.argv[1] in ("qtool", "fla-first"):
         warm_import.start(); warm_import.join()  # a streamed job's background import
     from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as m
     import fla.ops.gated_delta_rule as gdr
@@ -116,6 +119,7 @@ IMPORT_PROBE = textwrap.dedent("""
         "markers": sorted(n for n in sys.modules if n.startswith("fla_marker")),
         "ops_opened": hasattr(sys.modules["fla.ops"], "HELPER"),
         "dep_loads": sys.fla_dep_loads,
+        **({"same_fla_ops": sys.modules["fla.ops"] is first} if sys.argv[1] == "fla-first" else {}),
     }))
 """)
 
@@ -149,6 +153,14 @@ def test_an_fla_whose_kernel_needs_a_package_init_is_imported_whole(tmp_path):
     imported outside fla stays imported once (a torch module imported twice would be two copies)."""
     got = _import_with_fla_layout(tmp_path, "qtool", needs="from fla.ops import HELPER\n")
     assert got == {"bound_to_fla": True, "ops_opened": True, "dep_loads": 1,
+                   "markers": ["fla_marker_activations", "fla_marker_all_families", "fla_marker_norms"]}
+
+
+def test_an_fla_imported_whole_already_is_left_as_it_is(tmp_path):
+    """A process that imported fla whole before the job (a library user's): its `fla.ops` stays the one
+    module object, not replaced by one without its __init__."""
+    got = _import_with_fla_layout(tmp_path, "fla-first")
+    assert got == {"bound_to_fla": True, "ops_opened": True, "dep_loads": 1, "same_fla_ops": True,
                    "markers": ["fla_marker_activations", "fla_marker_all_families", "fla_marker_norms"]}
 
 

@@ -69,6 +69,38 @@ def test_the_decoder_module_comes_without_scipy():
     assert imported("from qtool.stream.warm_import import skip_unused_imports\nskip_unused_imports()") == "[]"
 
 
+AUDIO_PROBE = """
+import sys
+{prepare}
+import transformers.models.qwen3_5_moe.modeling_qwen3_5_moe
+print("torchaudio" in sys.modules)
+"""
+
+
+def test_the_decoder_module_comes_without_torchaudio(tmp_path):
+    """transformers' audio utilities (imported with the decoder module) import torchaudio where it is
+    installed (with its wav2vec2 pipelines on the lent GPU machine); a streamed job loads no audio. A stand-in
+    distribution that transformers detects as installed shows what a user's environment with it does."""
+    site = tmp_path / "site"
+    (site / "torchaudio").mkdir(parents=True)
+    (site / "torchaudio" / "__init__.py").write_text("__version__ = '2.11.0'\n")
+    dist = site / "torchaudio-2.11.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: torchaudio\nVersion: 2.11.0\n")
+    (dist / "top_level.txt").write_text("torchaudio\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
+           "QTOOL_CACHE_DIR": str(tmp_path / "cache")}
+
+    def imports_torchaudio(prepare: str) -> bool:
+        r = subprocess.run([sys.executable, "-c", AUDIO_PROBE.format(prepare=prepare)], capture_output=True,
+                           text=True, env=env, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return r.stdout.strip().splitlines()[-1] == "True"
+
+    assert imports_torchaudio("")  # what transformers alone imports
+    assert not imports_torchaudio("from qtool.stream import warm_import\nwarm_import.start(); warm_import.join()")
+
+
 TOKENIZER_PROBE = """
 import sys
 {prepare}
@@ -132,6 +164,14 @@ def test_the_distribution_map_is_the_standard_librarys(tmp_path, monkeypatch):
     assert package_map.packages_distributions()["qtool_probe_pkg"] == ["qtool-probe-dist"]
     assert scans == []
     monkeypatch.setattr(package_map, "_ORIGINAL", original)
+    # an unpacked egg put on sys.path is a distribution (through its EGG-INFO): the key sees it come
+    egg = tmp_path / "qtool_probe_egg-1.0-py3.egg"
+    (egg / "EGG-INFO").mkdir(parents=True)
+    (egg / "EGG-INFO" / "PKG-INFO").write_text("Metadata-Version: 1.1\nName: qtool-probe-egg\nVersion: 1.0\n")
+    (egg / "EGG-INFO" / "top_level.txt").write_text("qtool_probe_egg_pkg\n")
+    monkeypatch.syspath_prepend(str(egg))
+    importlib.invalidate_caches()
+    assert package_map.packages_distributions()["qtool_probe_egg_pkg"] == ["qtool-probe-egg"]
 
     for entry in (tmp_path / "cache").glob(package_map.FILE + "-*.json"):
         entry.write_text("{torn")
