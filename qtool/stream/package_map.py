@@ -5,8 +5,9 @@ to distributions. It opens every installed distribution's file list (RECORD / to
 a streamed job's start on the lent GPU machine's image (`python -X importtime`, self time of
 `import_utils`), on the critical path before the first layer, and the same again in every run.
 
-The cache holds the result under a key of everything it depends on: the interpreter, and for each
-`sys.path` directory the `*.dist-info` / `*.egg-info` entries in it with their mtimes and inodes.
+The cache holds the result under a key of everything it depends on: the interpreter, for each `sys.path`
+directory the `*.dist-info` / `*.egg-info` entries in it (an unpacked egg's `EGG-INFO`) with their mtimes
+and inodes, and each zip on `sys.path` with its own.
 Installing, upgrading or removing a distribution adds, replaces or removes such an entry: the next call
 computes the map again. Not the directories' own mtimes, nor the directories that hold no such entry: the
 working directory is on `sys.path` for `python -m qtool`, and every output a job makes there, or a run
