@@ -391,6 +391,45 @@ def test_two_finished_layers_are_written_at_once_and_journaled_in_order(tiny_bf1
     assert set(a) == set(b) and all(torch.equal(a[n], b[n]) for n in a)
 
 
+def test_the_last_layer_is_written_beside_the_one_ahead_where_one_is_in_flight(tiny_bf16, calib_ids, q_modelopt,
+                                                                                 tmp_path, monkeypatch):
+    """Where one layer is in flight (two would not fit), the last layer is still coded and written beside
+    the layer ahead of it: no layer runs after it, and its shard's sha256 (one core's, 3.4 s for a 397B
+    shard) is the job's end. Here layer 6's shard is held back until layer 7's is written; the journal
+    keeps layer order, and the bytes are those of one layer at a time."""
+    import threading
+
+    from qtool.ops.quantize import layer as layer_mod
+    from qtool.ops.quantize.execute import execute
+    from qtool.ops.quantize.plan import QuantizeOptions, plan
+    from qtool.stream import memory_plan
+
+    opts = dict(out=tmp_path / "one", recipe=load_recipe("qwen35-nvfp4-experts"), calib_ids=calib_ids)
+    room = plan(QuantizeOptions(tiny_bf16, **opts)).memory_need(1).host_bytes  # two dense layers fit, three do not
+    monkeypatch.setattr(memory_plan, "_host_available", lambda: room)
+    p = plan(QuantizeOptions(tiny_bf16, **opts))
+    assert p.layers_in_flight == 1
+    real = layer_mod.write_layer_shard
+    last_written = threading.Event()
+    begun: list[int] = []
+
+    def hold_layer_6(path, lp, *a, **k):
+        begun.append(lp.index)
+        if lp.index == 6:
+            assert last_written.wait(30), "layer 7's shard was not written while layer 6's was"
+        rep = real(path, lp, *a, **k)
+        if lp.index == 7:
+            last_written.set()
+        return rep
+
+    monkeypatch.setattr(layer_mod, "write_layer_shard", hold_layer_6)
+    rep = execute(p).to_json()
+    assert begun == list(range(8))
+    assert [e["layer"] for e in rep["layers"]] == list(range(8))  # journaled in layer order
+    a, b = _tensors(tmp_path / "one"), _tensors(q_modelopt[0])
+    assert set(a) == set(b) and all(torch.equal(a[n], b[n]) for n in a)
+
+
 def test_one_layer_in_flight_where_two_would_not_fit_or_cannot_be(tiny_bf16, tmp_path, monkeypatch):
     """Two layers in flight hold one dense layer more: planned only where that fits the machine, and never
     with a peer backend, several ranks or AWQ's kept activations."""
