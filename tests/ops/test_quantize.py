@@ -362,28 +362,38 @@ def test_per_projection_int4_groups_are_refused_by_verify(tiny_bf16, calib_ids, 
     assert "group 32" in bad[0].message and "group 64" in bad[0].message
 
 
+def _hold_shard_until_written(monkeypatch, held: int, until: int) -> list[int]:
+    """Layer `held`'s shard is begun only once layer `until`'s is written (an assertion fails after 30 s
+    where the writer never gets to it); returns the layers in the order their shards are begun."""
+    import threading
+
+    from qtool.ops.quantize import layer as layer_mod
+
+    real = layer_mod.write_layer_shard
+    written = threading.Event()
+    begun: list[int] = []
+
+    def hold(path, lp, *a, **k):
+        begun.append(lp.index)
+        if lp.index == held:
+            assert written.wait(30), f"layer {until}'s shard was not written while layer {held}'s was"
+        rep = real(path, lp, *a, **k)
+        if lp.index == until:
+            written.set()
+        return rep
+
+    monkeypatch.setattr(layer_mod, "write_layer_shard", hold)
+    return begun
+
+
 def test_two_finished_layers_are_written_at_once_and_journaled_in_order(tiny_bf16, calib_ids, q_modelopt, tmp_path,
                                                                          monkeypatch):
     """A layer's shard is written by one thread, and one thread's writes copy at ~2 GB/s: two finished
     layers are coded and written side by side. Here layer 1's shard is begun and finished while layer 0's
     is held back; layer 1's journal entry still waits for layer 0's, and the bytes are those of one at a time."""
-    import threading
-
-    from qtool.ops.quantize import layer as layer_mod
     from qtool.ops.quantize import run
 
-    real = layer_mod.write_layer_shard
-    layer1_written = threading.Event()
-
-    def hold_layer_0(path, lp, *a, **k):
-        if lp.index == 0:
-            assert layer1_written.wait(60), "layer 1's shard was not written while layer 0's was"
-        rep = real(path, lp, *a, **k)
-        if lp.index == 1:
-            layer1_written.set()
-        return rep
-
-    monkeypatch.setattr(layer_mod, "write_layer_shard", hold_layer_0)
+    _hold_shard_until_written(monkeypatch, held=0, until=1)
     rep = run(tiny_bf16, out=tmp_path / "two", recipe=load_recipe("qwen35-nvfp4-experts"), calib_ids=calib_ids)
     assert rep["plan"]["memory"]["layers_in_flight"] == 2
     assert [e["layer"] for e in rep["layers"]] == list(range(8))  # journaled in layer order
@@ -397,9 +407,6 @@ def test_the_last_layer_is_written_beside_the_one_ahead_where_one_is_in_flight(t
     the layer ahead of it: no layer runs after it, and its shard's sha256 (one core's, 3.4 s for a 397B
     shard) is the job's end. Here layer 6's shard is held back until layer 7's is written; the journal
     keeps layer order, and the bytes are those of one layer at a time."""
-    import threading
-
-    from qtool.ops.quantize import layer as layer_mod
     from qtool.ops.quantize.execute import execute
     from qtool.ops.quantize.plan import QuantizeOptions, plan
     from qtool.stream import memory_plan
@@ -409,20 +416,7 @@ def test_the_last_layer_is_written_beside_the_one_ahead_where_one_is_in_flight(t
     monkeypatch.setattr(memory_plan, "_host_available", lambda: room)
     p = plan(QuantizeOptions(tiny_bf16, **opts))
     assert p.layers_in_flight == 1
-    real = layer_mod.write_layer_shard
-    last_written = threading.Event()
-    begun: list[int] = []
-
-    def hold_layer_6(path, lp, *a, **k):
-        begun.append(lp.index)
-        if lp.index == 6:
-            assert last_written.wait(30), "layer 7's shard was not written while layer 6's was"
-        rep = real(path, lp, *a, **k)
-        if lp.index == 7:
-            last_written.set()
-        return rep
-
-    monkeypatch.setattr(layer_mod, "write_layer_shard", hold_layer_6)
+    begun = _hold_shard_until_written(monkeypatch, held=6, until=7)
     rep = execute(p).to_json()
     assert begun == list(range(8))
     assert [e["layer"] for e in rep["layers"]] == list(range(8))  # journaled in layer order
