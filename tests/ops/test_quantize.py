@@ -424,6 +424,48 @@ def test_the_last_layer_is_written_beside_the_one_ahead_where_one_is_in_flight(t
     assert set(a) == set(b) and all(torch.equal(a[n], b[n]) for n in a)
 
 
+def test_a_peer_backends_last_layer_waits_for_a_bf16_layer_written_behind(tiny_bf16, calib_ids, tmp_path,
+                                                                          monkeypatch):
+    """With a peer backend the layers it codes run on the main thread, but a layer overridden to BF16 is
+    still written behind. When that layer is the one before the last, the last layer must not be journaled
+    before it: a kill in between would leave a journal whose `next_layer` skips a shard that is not on disk."""
+    import importlib
+    import time
+
+    import yaml
+
+    from qtool.ops.quantize import layer as layer_mod
+    from qtool.ops.quantize.execute import execute
+    from qtool.ops.quantize.plan import QuantizeOptions, plan
+    from qtool.recipes import Backend, recipes_dir
+
+    recipe = yaml.safe_load((recipes_dir() / "qwen35-nvfp4-experts.yaml").read_text())
+    recipe.update(name="nvfp4-layer-6-bf16", layer_overrides={6: {"routed_experts": "bf16"}})
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    p = plan(QuantizeOptions(tiny_bf16, out=tmp_path / "o", recipe=load_recipe(path), backend=Backend.MODELOPT,
+                             calib_ids=calib_ids))
+    execute_mod = importlib.import_module("qtool.ops.quantize.execute")  # the package exports execute()
+    real_write, real_save = layer_mod.write_layer_shard, execute_mod.write_json
+    saved: list[tuple[int, list[int]]] = []
+
+    def slow_layer_6(path, lp, *a, **k):
+        if lp.index == 6:
+            time.sleep(2)  # still being written while layer 7 is coded on the main thread
+        return real_write(path, lp, *a, **k)
+
+    def save(path, journal):
+        saved.append((journal["next_layer"], [e["layer"] for e in journal["layers"]]))
+        return real_save(path, journal)
+
+    monkeypatch.setattr(layer_mod, "write_layer_shard", slow_layer_6)
+    monkeypatch.setattr(execute_mod, "write_json", save)
+    rep = execute(p).to_json()
+    assert [e["layer"] for e in rep["layers"]] == list(range(8))
+    assert [n for n, _ in saved] == sorted(n for n, _ in saved)  # next_layer never goes back
+    assert all(layers == list(range(n)) for n, layers in saved)  # every entry up to it, in order
+
+
 def test_one_layer_in_flight_where_two_would_not_fit_or_cannot_be(tiny_bf16, tmp_path, monkeypatch):
     """Two layers in flight hold one dense layer more: planned only where that fits the machine, and never
     with a peer backend, several ranks or AWQ's kept activations."""

@@ -216,7 +216,9 @@ def _quantize_layers(p, partial, streamer, store, seq, batch, start, layer_repor
                 # the oldest layer in flight written and journaled; all of them, in order, once one has
                 # failed (its error is raised here, before another layer is begun)
                 failed = any(f.done() and f.exception() is not None for f, *_ in pending)
-                slots = writers if k == len(todo) - 1 else in_flight
+                # a layer a peer backend codes here, on this thread, comes after every layer in flight (a BF16
+                # override's layer is written behind even then); the last layer written behind, beside them
+                slots = 1 if backend is not None else writers if k == len(todo) - 1 else in_flight
                 while pending and (len(pending) >= slots or failed):
                     settle(pending.popleft())
                 if g.world > 1 and g.leader:
