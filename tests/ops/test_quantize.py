@@ -266,6 +266,26 @@ def test_expert_without_tokens_falls_back_to_layer_max():
     assert st.to_json()["experts_without_tokens"] == [1, 3]
 
 
+def test_awq_rows_are_kept_in_the_forwards_dtype_as_their_own_copy(tiny_bf16, tmp_path):
+    """The AWQ search's rows stay in the forward's bf16 (exact: they are bf16 values; the search computes in
+    float32 from them): 256 MiB a 397B layer, not 512. Each is a copy of its rows, not a view that would keep
+    the micro-batch's whole activation alive. The plan's memory counts them at that size."""
+    from qtool.ops.quantize.calib import ExpertStats
+    from qtool.ops.quantize.plan import QuantizeOptions, plan
+
+    st = ExpertStats(2, keep_rows=3)
+    mid = torch.randn(5, 8).to(torch.bfloat16)
+    st.record(0, mid, mid)
+    st.record(0, mid, mid)  # full at 3 rows: nothing more kept
+    rows = st.rows(0)
+    assert rows.dtype == torch.bfloat16 and torch.equal(rows, mid[:3])
+    assert rows.untyped_storage().nbytes() == 3 * 8 * 2 and st.rows(1).numel() == 0
+    p = plan(QuantizeOptions(tiny_bf16, out=tmp_path / "o", recipe=load_recipe("qwen35-awq-int4"), samples=4,
+                             seq_len=64))
+    assert p.stream.compute_dtype == "bfloat16"
+    assert p.to_json()["memory"]["awq_activation_bytes"] == p.n_experts * p.awq_rows * p.inter * 2
+
+
 def test_dry_run_writes_nothing(tiny_bf16, tmp_path):
     from qtool.cli.main import main
 

@@ -112,3 +112,4 @@ def test_awq_rows_kept_on_cuda_are_the_cpu_rows():
         assert torch.equal(kept["cpu"][e], kept["cuda"][e]), e
     assert kept["cuda"][0].shape == (12, 32) and kept["cuda"][1].numel() == 0 and kept["cuda"][2].shape == (12, 32)
     assert kept["cuda"][0].is_pinned() and kept["cuda"][2].is_pinned()
+    assert kept["cuda"][0].dtype == torch.bfloat16  # the forward's dtype: half of float32's pinned memory

@@ -36,14 +36,15 @@ class ExpertStats:
         self._row_batches = [[] for _ in range(e)]  # the micro-batch (first window) of each kept piece
         self._kept = [0] * e
         self.batch = 0  # the micro-batch being run (LayerStreamer.forward_layer's on_batch)
-        self._pinned = None  # float32 [E, keep_rows, I] page-locked: the kept rows' home (CUDA)
+        self._pinned = None  # [E, keep_rows, I] page-locked, in the rows' dtype: their home (CUDA)
         self._pending: set = set()  # the devices whose copies into it are still in flight
 
     def set_batch(self, b0: int) -> None:
         self.batch = b0
 
     def rows(self, e: int) -> torch.Tensor:
-        """Expert e's kept rows [n, I] float32 (on the host: settle() first where they were kept on CUDA)."""
+        """Expert e's kept rows [n, I] in the forward's dtype (on the host: settle() first where they were
+        kept on CUDA). The AWQ search computes in float32 from them (awq_search.awq_down_scales)."""
         pieces = self.mid_rows[e]
         if not pieces:
             return torch.empty(0)
@@ -59,14 +60,15 @@ class ExpertStats:
     def _keep(self, e: int, rows: torch.Tensor) -> torch.Tensor:
         """A host copy of `rows`. From CUDA: into one page-locked buffer for the layer, without waiting
         (a `.cpu()` here would sync the host with the GPU once per expert hit, 512 times a micro-batch at
-        the 397B's size); `settle` waits once for all of them."""
+        the 397B's size); `settle` waits once for all of them. Kept in their own dtype: the forward's bf16
+        values are exact in it, and half the size of float32 (256 MiB a 397B layer, not 512)."""
         if rows.device.type != "cuda":
-            return rows.float().cpu()
+            return rows.clone()  # not a view: that would keep the whole batch's activations alive
         if self._pinned is None:
-            self._pinned = torch.empty((self.n_experts, self.keep_rows, rows.shape[-1]), dtype=torch.float32,
+            self._pinned = torch.empty((self.n_experts, self.keep_rows, rows.shape[-1]), dtype=rows.dtype,
                                        pin_memory=True)
         dst = self._pinned[e, self._kept[e]:self._kept[e] + rows.shape[0]]
-        dst.copy_(rows.float(), non_blocking=True)
+        dst.copy_(rows, non_blocking=True)
         self._pending.add(rows.device)
         return dst
 
@@ -109,7 +111,7 @@ def reduce_expert_stats(stats: ExpertStats, group, owner) -> None:
     amaxes maxed, and the AWQ rows of each expert merged in window order and cut to keep_rows (each
     rank kept the first keep_rows of its own windows, which holds every row of the merged first ones).
     The rows go to the rank that codes the expert only (`owner(e)`: layer.Share.owner), and the others
-    drop theirs: at 397B size a rank holds up to 512 MB of them, N times that if every rank took all."""
+    drop theirs: at 397B size a rank holds up to 256 MB of them (bf16), N times that if every rank took all."""
     if group.world == 1:
         return
     group.sum_(stats.tokens)

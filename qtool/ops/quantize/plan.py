@@ -130,11 +130,16 @@ class QuantizePlan:
         from qtool.stream.memory_plan import need
 
         write_behind = self.backend not in LAYER_BACKENDS
-        awq = self.n_experts * self.awq_rows * self.inter * 4
         from qtool.dist import planned_ranks
 
         held = 1 + (self.layers_in_flight if in_flight is None else in_flight) if write_behind else 1
-        return need(self.stream, device=self.device, held_layers=held, extra_host=awq, ranks=planned_ranks())
+        return need(self.stream, device=self.device, held_layers=held, extra_host=self.awq_activation_bytes,
+                    ranks=planned_ranks())
+
+    @property
+    def awq_activation_bytes(self) -> int:
+        """A layer's down_proj input rows kept for the AWQ search, in the forward's dtype (calib.ExpertStats)."""
+        return self.n_experts * self.awq_rows * self.inter * (4 if self.stream.compute_dtype == "float32" else 2)
 
     def choose_layers_in_flight(self) -> int:
         """Two finished layers coded and written at once, where that fits: a layer's shard is written by one
@@ -168,7 +173,7 @@ class QuantizePlan:
                 "dataset": self.dataset, "samples": self.samples, "seq_len": self.seq_len,
                 "tokens": self.samples * self.seq_len},
             "device": self.device,
-            "memory": {**sp.to_json(), "awq_activation_bytes": self.n_experts * self.awq_rows * self.inter * 4,
+            "memory": {**sp.to_json(), "awq_activation_bytes": self.awq_activation_bytes,
                        "need": self.memory.to_json(),
                        "hidden_disk_bytes": HIDDEN_FILES * sp.hidden_bytes,
                        "layers_in_flight": self.layers_in_flight},
