@@ -32,6 +32,27 @@ def test_pack_round_trips():
     assert torch.equal(awq.unpack_int32(awq.pack_int32(ragged), 13), ragged)
 
 
+def _packed_by_formula(codes: torch.Tensor, order) -> torch.Tensor:
+    """The word as its definition says: sum of code << 4i over the 8 nibbles (int64), as a signed int32."""
+    v = torch.nn.functional.pad(codes.to(torch.int64), (0, -codes.shape[-1] % 8)).unflatten(-1, (-1, 8))
+    if order is not None:
+        v = v[..., list(order)]
+    word = (v << torch.arange(0, 32, 4)).sum(-1)
+    return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+
+
+@pytest.mark.parametrize("order", [None, awq.AWQ_ORDER])
+def test_pack_is_the_formula_on_batched_transposed_and_ragged_codes(order):
+    """The AutoAWQ form packs transposed codes (along OUT) of a chunk of experts [E, out, in]."""
+    g = torch.Generator().manual_seed(1)
+    codes = torch.randint(0, 16, (3, 24, 40), dtype=torch.uint8, generator=g)
+    for c in (codes, codes.transpose(-1, -2), codes[..., :37], codes.transpose(-1, -2)[..., :21]):
+        got = awq.pack_int32(c, order)
+        assert got.dtype == torch.int32 and got.is_contiguous()
+        assert torch.equal(got, _packed_by_formula(c, order))
+    assert (awq.pack_int32(torch.full((1, 8), 15, dtype=torch.uint8)) == -1).all()  # every bit set
+
+
 @pytest.mark.parametrize("symmetric", [False, True])
 def test_quantize_round_trips_through_both_formats(symmetric):
     torch.manual_seed(1)
