@@ -32,7 +32,6 @@ from qtool.formats import CodecError
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i holds element AWQ_ORDER[i]
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # element j sits in nibble AWQ_REVERSE_ORDER[j]
-_SHIFTS = tuple(range(0, 32, 4))
 
 
 @dataclass(frozen=True)
@@ -151,17 +150,20 @@ def pack_int32(codes: torch.Tensor, order: tuple[int, ...] | None = None) -> tor
 
 
 def unpack_int32(packed: torch.Tensor, n: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
-    """int32 [..., ceil(n/8)] -> uint8 codes [..., n]; inverse of `pack_int32` with the same order."""
+    """int32 [..., ceil(n/8)] -> uint8 codes [..., n]; inverse of `pack_int32` with the same order (a byte
+    at a time as well: each word's 4 bytes, low nibble then high)."""
     if packed.dtype != torch.int32:
         raise CodecError("packed INT4 tensor must be int32", expected=torch.int32, got=packed.dtype)
-    shifts = torch.tensor(_SHIFTS, dtype=torch.int64, device=packed.device)
-    nib = (packed.to(torch.int64).unsqueeze(-1) >> shifts) & 0xF  # [..., words, 8] by nibble
+    word = packed.unsqueeze(-1).view(torch.uint8)  # [..., words, 4]
+    if sys.byteorder == "big":
+        word = word.flip(-1)
+    nib = torch.stack((word & 0xF, word >> 4), dim=-1).flatten(-2)  # [..., words, 8]: nibble i at i
     if order is not None:
         inverse = [0] * 8
         for i, j in enumerate(order):
             inverse[j] = i
         nib = nib[..., inverse]
-    return nib.flatten(-2)[..., :n].to(torch.uint8)
+    return nib.flatten(-2)[..., :n].contiguous()
 
 
 # ------------------------------------------------------------------ AutoAWQ GEMM

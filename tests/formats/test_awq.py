@@ -50,6 +50,10 @@ def test_pack_is_the_formula_on_batched_transposed_and_ragged_codes(order):
         got = awq.pack_int32(c, order)
         assert got.dtype == torch.int32 and got.is_contiguous()
         assert torch.equal(got, _packed_by_formula(c, order))
+        back = awq.unpack_int32(got, c.shape[-1], order)
+        assert back.dtype == torch.uint8 and back.is_contiguous() and torch.equal(back, c)
+        # compressed-tensors' zero points are unpacked from a transposed view of their int32 words
+        assert torch.equal(awq.unpack_int32(got.transpose(0, 1).contiguous().transpose(0, 1), c.shape[-1], order), c)
     assert (awq.pack_int32(torch.full((1, 8), 15, dtype=torch.uint8)) == -1).all()  # every bit set
 
 
