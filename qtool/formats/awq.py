@@ -122,11 +122,6 @@ def quantize(
 # ------------------------------------------------------------------ int32 nibble packing
 
 
-def _to_int32(v: torch.Tensor) -> torch.Tensor:
-    """int64 holding an unsigned 32-bit pattern -> int32 with the same bits."""
-    return torch.where(v >= 2**31, v - 2**32, v).to(torch.int32)
-
-
 def pack_int32(codes: torch.Tensor, order: tuple[int, ...] | None = None) -> torch.Tensor:
     """[..., n] codes 0..15 -> int32 [..., ceil(n/8)]; nibble i holds element order[i] (default i).
     A ragged tail is zero-padded (as compressed-tensors `pack_to_int32` does).
