@@ -308,6 +308,11 @@ class LayerHooks(Protocol):
     def after_layer(self, idx: int, layer) -> None: ...
 
 
+def compute_itemsize(dtype_name: str) -> int:
+    """Bytes an element of the streamed compute dtype takes (float32, else bfloat16 / float16)."""
+    return 4 if dtype_name == "float32" else 2
+
+
 @dataclass
 class StreamPlan:
     num_layers: int
@@ -321,6 +326,10 @@ class StreamPlan:
     activation_bytes: int  # rough per-micro-batch activation peak
     seq_len: int = 0
     stored_layer_bytes: list[int] = None  # each decoder layer's bytes as stored (what is read ahead)
+
+    @property
+    def itemsize(self) -> int:
+        return compute_itemsize(self.compute_dtype)
 
     @property
     def max_layer_bytes(self) -> int:
@@ -453,7 +462,7 @@ class LayerStreamer:
             return list(self._layer_sizes[0]), list(self._layer_sizes[1])  # callers' own lists
         from qtool.stream.dequant import dense_numel, modules_by_layer
 
-        item = 4 if self.dtype_name == "float32" else 2
+        item = compute_itemsize(self.dtype_name)
         dense, stored = [0] * self.num_layers, [0] * self.num_layers
         for i, mods in enumerate(modules_by_layer(self.mm)):
             for mod in mods:
@@ -466,7 +475,7 @@ class LayerStreamer:
 
     def plan(self, samples: int, seq_len: int, *, tokens_per_batch: int | None = None) -> StreamPlan:
         tc = self.text_cfg_dict
-        item = 4 if self.dtype_name == "float32" else 2
+        item = compute_itemsize(self.dtype_name)
         h = self.hidden_size
         bw = min(max(1, samples), self.batch_windows(seq_len, tokens_per_batch))
         dense, stored = self.layer_sizes()

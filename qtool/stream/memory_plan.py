@@ -72,7 +72,7 @@ def need(sp, *, device: str, held_layers: int = 1, extra_host: int = 0,
     from qtool.stream.layer_stream import hidden_on_device
 
     dense, stored = sp.max_layer_bytes, sp.max_stored_layer_bytes
-    item = 4 if sp.compute_dtype == "float32" else 2
+    item = sp.itemsize
     on_device = hidden_on_device(device, sp.hidden_bytes)
     hidden = sp.hidden_bytes if hidden_in_ram and not on_device else 0
     if device == "cpu":

@@ -91,7 +91,7 @@ class CheckpointSource:
 
         sp = self.streamer.plan(windows, seq_len)
         in_ram = sp.hidden_bytes <= self.ram_limit
-        item = 4 if sp.compute_dtype == "float32" else 2
+        item = sp.itemsize
         # after the layers: lm_head + a chunk of logits/log-probs (float32, ~3 copies) of both sides
         head = self.vocab * sp.hidden_size * item + chunk * self.vocab * 4 * 3
         from qtool.dist import planned_ranks
@@ -107,12 +107,12 @@ class CheckpointSource:
         """Run all decoder layers over the windows `ids` [N, L]; keeps the final hidden states.
         `head_ahead`: read the final norm and lm_head while the last layer runs (only for the source
         prepared last: another's layers would run with them held)."""
-        from qtool.stream.layer_stream import DiskStore, MemoryStore
+        from qtool.stream.layer_stream import DiskStore, MemoryStore, compute_itemsize
 
         s = self.streamer
         n, seq = int(ids.shape[0]), int(ids.shape[1])
         shape = (n, seq, s.hidden_size)
-        nbytes = n * seq * s.hidden_size * (4 if s.dtype_name == "float32" else 2)
+        nbytes = n * seq * s.hidden_size * compute_itemsize(s.dtype_name)
         if nbytes <= self.ram_limit:
             self.store = MemoryStore.empty(shape, s.dtype, s.device)
         else:

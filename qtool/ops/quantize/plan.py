@@ -139,7 +139,7 @@ class QuantizePlan:
     @property
     def awq_activation_bytes(self) -> int:
         """A layer's down_proj input rows kept for the AWQ search, in the forward's dtype (calib.ExpertStats)."""
-        return self.n_experts * self.awq_rows * self.inter * (4 if self.stream.compute_dtype == "float32" else 2)
+        return self.n_experts * self.awq_rows * self.inter * self.stream.itemsize
 
     def choose_layers_in_flight(self) -> int:
         """Two finished layers coded and written at once, where that fits: a layer's shard is written by one
