@@ -12,6 +12,11 @@ shard (3.9 GB for the 397B) is hashed while it is written, and the job ends when
 the main thread; this shows how much of the gap that is: if a child process hashes no faster beside the
 busy thread than a thread does, the GIL is not the cause. The file is written once (random bytes, so no
 page is shared), read from the page cache (or tmpfs) by every run: what is timed is the hash, not a disk.
+
+Two more rows time qtool's own writer (qtool.io.writer.HashedWrites) writing the same bytes into a new file
+in --dir from 64 MiB buffers, beside the busy thread, to its digest: "trailing" lets the hash fall behind and
+read the file back (every layer shard but the last), "keeping pace" makes the writer wait for the hash, which
+then hashes the buffers themselves (the job's last shard).
 """
 
 from __future__ import annotations
@@ -62,7 +67,27 @@ def busy(stop: threading.Event) -> None:
             x += i * i
 
 
-def timed(mode: str, path: Path, read_mib: int) -> tuple[float, str]:
+def write_hashed(path: Path, size: int, block: bytes, keep_pace: bool) -> str:
+    """Write `size` bytes of `block` repeated into a new file through HashedWrites; its digest."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from qtool.io.writer import HashedWrites
+
+    out_path = path.with_suffix(".out")
+    try:
+        with open(out_path, "wb", buffering=16 << 20) as f:  # the layer writer's buffer (layer.WRITE_BUFFER)
+            # as quantize's layer writer: the last shard's keeps one buffer for its hash (write_layer_shard)
+            out = HashedWrites(f, depth=1, path=out_path, keep_pace=True) if keep_pace else HashedWrites(f, path=out_path)
+            left = size
+            while left:
+                k = min(left, len(block))
+                out.write(memoryview(block)[:k])
+                left -= k
+            return out.digest().result()
+    finally:
+        out_path.unlink(missing_ok=True)
+
+
+def timed(mode: str, path: Path, read_mib: int, size: int = 0, block: bytes = b"") -> tuple[float, str]:
     stop = threading.Event()
     worker = None
     if mode.endswith("busy"):
@@ -70,7 +95,13 @@ def timed(mode: str, path: Path, read_mib: int) -> tuple[float, str]:
         worker.start()
     t = time.perf_counter()
     try:
-        if mode.startswith("thread"):
+        if mode.startswith("writer"):
+            out: list[str] = []
+            th = threading.Thread(target=lambda: out.append(write_hashed(path, size, block, "pace" in mode)))
+            th.start()
+            th.join()
+            digest = out[0]
+        elif mode.startswith("thread"):
             out: list[str] = []
             th = threading.Thread(target=lambda: out.append(hash_file(path, read_mib)))
             th.start()
@@ -106,12 +137,13 @@ def main() -> int:
             f.write(block[:k])
             left -= k
     try:
-        modes = ["thread alone", "thread, main busy", "child, main busy", "sha256sum"]
+        modes = ["thread alone", "thread, main busy", "child, main busy", "sha256sum",
+                 "writer trailing, busy", "writer keeping pace, busy"]
         results: dict[str, list[float]] = {m: [] for m in modes}
         digests = set()
         for _ in range(a.rounds):  # interleaved: a slower moment of the machine hits every row
             for m in modes:
-                s, d = timed(m, path, a.read_mib)
+                s, d = timed(m, path, a.read_mib, size, block)
                 results[m].append(s)
                 digests.add(d)
         if len(digests) != 1:
@@ -120,7 +152,7 @@ def main() -> int:
         print(f"{size / 1e9:.1f} GB in {a.dir}, {a.read_mib} MiB reads, best of {a.rounds}:")
         for m in modes:
             s = min(results[m])
-            print(f"  {m:<20} {s:6.2f} s  {size / s / 1e9:5.2f} GB/s  x{s / base:.2f} of the thread alone")
+            print(f"  {m:<26} {s:6.2f} s  {size / s / 1e9:5.2f} GB/s  x{s / base:.2f} of the thread alone")
     finally:
         path.unlink(missing_ok=True)
     return 0

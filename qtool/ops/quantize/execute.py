@@ -143,15 +143,17 @@ def _quantize_layers(p, partial, streamer, store, seq, batch, start, layer_repor
         if progress is not None:
             progress(lp.index)
 
-    def finish(lp, layer, stats, kv, backend, current, coder=None, ready=None, ahead=None) -> list[dict]:
+    def finish(lp, layer, stats, kv, backend, current, coder=None, ready=None, ahead=None,
+               keep_pace=False) -> list[dict]:
         """Write this rank's share of the layer; one rank also commits it here, on the writer thread, once
         the layer `ahead` of it (a Future) has committed. The coding runs on the writer's own CUDA stream,
-        after the handoff mark `ready` (qtool.stream.side_stream)."""
+        after the handoff mark `ready` (qtool.stream.side_stream). `keep_pace`: the job's last layer
+        (write_layer_shard)."""
         if ahead is not None and ahead.done() and ahead.exception() is not None:
             raise ahead.exception()  # the layer ahead failed: this one is not begun
         with torch.no_grad(), (coder.run(ready) if coder is not None else nullcontext()):
             rep = write_layer_shard(partial / lp.shard, lp, layer, stats, (kv.k_amax, kv.v_amax), p, backend, mode,
-                                    share)
+                                    share, keep_pace)
         if g.world == 1:
             if ahead is not None:
                 ahead.result()  # its error is this layer's too: no journal entry past a layer not on disk
@@ -229,13 +231,14 @@ def _quantize_layers(p, partial, streamer, store, seq, batch, start, layer_repor
                 if copied_whole(lp):
                     release_dense_experts(layer)
                 job = (lp, layer, stats, kv, backend, store.current)
+                last = k == len(todo) - 1  # no layer waits for its write: it keeps pace with its sha256
                 if backend is None:
                     coder = coders[k % writers]
                     ahead = pending[-1][0] if pending else None
-                    pending.append((writer.submit(finish, *job, coder, coder.handoff(), ahead), lp, stats, kv,
-                                    store.current))
+                    pending.append((writer.submit(finish, *job, coder, coder.handoff(), ahead, last), lp, stats,
+                                    kv, store.current))
                 else:
-                    finish(*job)
+                    finish(*job, keep_pace=last)
                 del layer, backend, job
             while pending:
                 settle(pending.popleft())

@@ -238,12 +238,19 @@ def _expert_of(name: str) -> tuple[int, str, str] | None:
 
 
 def write_layer_shard(path: Path, lp, layer, stats, kv, p, backend=None, mode: int = 0o644,
-                      share: Share = Share()) -> dict:
+                      share: Share = Share(), keep_pace: bool = False) -> dict:
     """Write `lp.specs` to `path`. One rank: the whole shard to a tmp file renamed to `path`. Several:
     this rank's Share into the tmp file rank 0 made (create_layer_tmp), at the header's offsets, fsynced;
     rank 0 renames it (os.replace) once every rank's share is on disk. `layer`: the dense transformers
     layer; `stats`: ExpertStats; `kv`: (k_amax, v_amax) or None; `backend`: a peer backend's per-layer
-    state (qtool.ops.quantize.backends) that quantizes the NVFP4 experts instead of qtool's RTN."""
+    state (qtool.ops.quantize.backends) that quantizes the NVFP4 experts instead of qtool's RTN.
+    `keep_pace`: the job's last layer, whose write no layer waits for: the writer goes at the pace of the
+    shard's sha256, which then hashes the written buffers at one core's full rate instead of reading the
+    file back behind the writer (io.writer.HashedWrites), and the job ends when that digest does. The hash
+    then holds two chunks (the one it hashes and one queued; a 397B chunk of 16 experts is ~108 MB, a
+    128 MiB page-locked block) besides the pipeline's three (the one being written, one queued, the one
+    coded): five, where a trailing hash's writer holds three in the steady state and up to seven before
+    the hash falls behind. The others trail the file: layers in flight wait for their writes."""
     from qtool.io.files import open_new, tmp_path
     from qtool.ops.quantize.plan import QUANT_PARAMS
 
@@ -259,7 +266,9 @@ def write_layer_shard(path: Path, lp, layer, stats, kv, p, backend=None, mode: i
         fd = open_new(tmp, mode) if share.world == 1 else os.open(tmp, os.O_WRONLY)
         # buffered: the small tensors (norms, scales) become a few large writes
         with os.fdopen(fd, "wb", buffering=WRITE_BUFFER) as f:
-            out = HashedWrites(f, path=tmp) if hashed else f
+            out = f
+            if hashed:
+                out = HashedWrites(f, depth=1, path=tmp, keep_pace=True) if keep_pace else HashedWrites(f, path=tmp)
             ops = InOrder()  # the file's writes, in order, while the next chunk is coded
             try:
                 _write_specs(ops, out, f, lp, layer, stats, kv, p, backend, share, header, names, kept, fds,
