@@ -67,8 +67,18 @@ def busy(stop: threading.Event) -> None:
             x += i * i
 
 
-def write_hashed(path: Path, size: int, block: bytes, keep_pace: bool) -> str:
-    """Write `size` bytes of `block` repeated into a new file through HashedWrites; its digest."""
+def pieces(size: int, blocks: list[bytes]):
+    """`size` bytes: the blocks in turn, the last one cut short (the bench file's bytes, and the writer's)."""
+    left, i = size, 0
+    while left:
+        k = min(left, len(blocks[i % len(blocks)]))
+        yield memoryview(blocks[i % len(blocks)])[:k]
+        left -= k
+        i += 1
+
+
+def write_hashed(path: Path, size: int, blocks: list[bytes], keep_pace: bool) -> str:
+    """Write `size` bytes of the blocks in turn into a new file through HashedWrites; its digest."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from qtool.io.writer import HashedWrites
 
@@ -77,17 +87,14 @@ def write_hashed(path: Path, size: int, block: bytes, keep_pace: bool) -> str:
         with open(out_path, "wb", buffering=16 << 20) as f:  # the layer writer's buffer (layer.WRITE_BUFFER)
             # as quantize's layer writer: the last shard's keeps one buffer for its hash (write_layer_shard)
             out = HashedWrites(f, depth=1, path=out_path, keep_pace=True) if keep_pace else HashedWrites(f, path=out_path)
-            left = size
-            while left:
-                k = min(left, len(block))
-                out.write(memoryview(block)[:k])
-                left -= k
+            for piece in pieces(size, blocks):
+                out.write(piece)
             return out.digest().result()
     finally:
         out_path.unlink(missing_ok=True)
 
 
-def timed(mode: str, path: Path, read_mib: int, size: int = 0, block: bytes = b"") -> tuple[float, str]:
+def timed(mode: str, path: Path, read_mib: int, size: int = 0, blocks: list[bytes] = ()) -> tuple[float, str]:
     stop = threading.Event()
     worker = None
     if mode.endswith("busy"):
@@ -97,7 +104,7 @@ def timed(mode: str, path: Path, read_mib: int, size: int = 0, block: bytes = b"
     try:
         if mode.startswith("writer"):
             out: list[str] = []
-            th = threading.Thread(target=lambda: out.append(write_hashed(path, size, block, "pace" in mode)))
+            th = threading.Thread(target=lambda: out.append(write_hashed(path, size, blocks, "pace" in mode)))
             th.start()
             th.join()
             digest = out[0]
@@ -129,13 +136,11 @@ def main() -> int:
     a = ap.parse_args()
     path = a.dir / "qtool-sha256-bench.bin"
     size = int(a.gb * 1e9)
-    block = os.urandom(64 << 20)
+    # several distinct blocks, 256 MiB in all: more than a cache holds, as the fresh buffers quantize writes
+    blocks = [os.urandom(64 << 20) for _ in range(4)]
     with open(path, "wb") as f:
-        left = size
-        while left:
-            k = min(left, len(block))
-            f.write(block[:k])
-            left -= k
+        for piece in pieces(size, blocks):
+            f.write(piece)
     try:
         modes = ["thread alone", "thread, main busy", "child, main busy", "sha256sum",
                  "writer trailing, busy", "writer keeping pace, busy"]
@@ -143,7 +148,7 @@ def main() -> int:
         digests = set()
         for _ in range(a.rounds):  # interleaved: a slower moment of the machine hits every row
             for m in modes:
-                s, d = timed(m, path, a.read_mib, size, block)
+                s, d = timed(m, path, a.read_mib, size, blocks)
                 results[m].append(s)
                 digests.add(d)
         if len(digests) != 1:
