@@ -85,8 +85,7 @@ def write_hashed(path: Path, size: int, blocks: list[bytes], keep_pace: bool) ->
     out_path = path.with_suffix(".out")
     try:
         with open(out_path, "wb", buffering=16 << 20) as f:  # the layer writer's buffer (layer.WRITE_BUFFER)
-            # as quantize's layer writer: the last shard's keeps one buffer for its hash (write_layer_shard)
-            out = HashedWrites(f, depth=1, path=out_path, keep_pace=True) if keep_pace else HashedWrites(f, path=out_path)
+            out = HashedWrites(f, path=out_path, keep_pace=keep_pace)  # as quantize's layer writer
             for piece in pieces(size, blocks):
                 out.write(piece)
             return out.digest().result()

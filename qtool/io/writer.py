@@ -210,19 +210,21 @@ class HashedWrites:
     the file back costs the hash a copy and a pass over memory no cache holds: on the lent H100 machines
     the last shard's trailing hash ran at 0.76-0.80 GB/s beside the layer ahead's, against 1.17-1.44 GB/s
     for one core alone; on the 2-core VM, 64 MiB pieces read back from /dev/shm and hashed ran at 1.12 GiB/s,
-    the buffers themselves at 1.43. The buffers are then kept until hashed: `depth` queued and the one being
-    hashed, besides the one the writer waits to queue."""
+    the buffers themselves at 1.43. The buffers are then kept until hashed: `depth` queued (one by default:
+    the hash always has the next) and the one being hashed, besides the one the writer waits to queue."""
 
     # bytes the trailing hash reads at a time: each read and each update gives up the GIL and then waits
     # for it behind the job's busy main thread (up to the 5 ms switch interval): beside a busy Python
     # thread on the 2-core VM, 16 MiB pieces hashed at 0.62 GB/s, 64 MiB at 0.85 (alone: 0.97-0.99)
     READ = 64 << 20
 
-    def __init__(self, f, depth: int = 4, path: str | os.PathLike | None = None, read: int | None = None,
+    def __init__(self, f, depth: int | None = None, path: str | os.PathLike | None = None, read: int | None = None,
                  keep_pace: bool = False) -> None:
         import hashlib
         from collections import deque
 
+        if depth is None:
+            depth = 1 if keep_pace else 4
         if keep_pace and depth < 1:
             raise ValueError("keep_pace needs room for one buffer (depth >= 1)")
         self.f = f

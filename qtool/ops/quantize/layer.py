@@ -266,9 +266,7 @@ def write_layer_shard(path: Path, lp, layer, stats, kv, p, backend=None, mode: i
         fd = open_new(tmp, mode) if share.world == 1 else os.open(tmp, os.O_WRONLY)
         # buffered: the small tensors (norms, scales) become a few large writes
         with os.fdopen(fd, "wb", buffering=WRITE_BUFFER) as f:
-            out = f
-            if hashed:
-                out = HashedWrites(f, depth=1, path=tmp, keep_pace=True) if keep_pace else HashedWrites(f, path=tmp)
+            out = HashedWrites(f, path=tmp, keep_pace=keep_pace) if hashed else f
             ops = InOrder()  # the file's writes, in order, while the next chunk is coded
             try:
                 _write_specs(ops, out, f, lp, layer, stats, kv, p, backend, share, header, names, kept, fds,
