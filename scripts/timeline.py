@@ -17,6 +17,7 @@ here could run.
 from __future__ import annotations
 
 import argparse
+import atexit
 import runpy
 import sys
 import threading
@@ -94,6 +95,8 @@ def main() -> int:
     th.start()
 
     def report() -> None:
+        if stop.is_set():
+            return  # printed once: from the exit handler or after the command returns
         stop.set()
         th.join()
         end = time.perf_counter() - T0
@@ -114,6 +117,8 @@ def main() -> int:
 
     if a.stop_at:
         _stop_at(a.stop_at, report)
+    # qtool's own exit (qtool.process_exit) runs the exit handlers and then ends the process at once
+    atexit.register(report)
     sys.argv = ["qtool", *args]
     code = 0
     try:

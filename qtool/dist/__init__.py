@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import sys
 from dataclasses import dataclass
 
 from qtool.errors import QtoolError
@@ -155,12 +154,9 @@ def end_rank(code: int) -> None:
     with this one. No-op in one process."""
     if _current is None or _current.world == 1:
         return
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass  # a closed or vanished pipe: nothing more can reach it
-    os._exit(code)
+    from qtool.process_exit import end_now
+
+    end_now(code, exit_handlers=False)  # not even destroy_process_group's (registered above)
 
 
 def planned_ranks() -> int:
