@@ -101,6 +101,39 @@ def test_the_decoder_module_comes_without_torchaudio(tmp_path):
     assert not imports_torchaudio("from qtool.stream import warm_import\nwarm_import.start(); warm_import.join()")
 
 
+VISION_PROBE = """
+import sys
+{prepare}
+from transformers.utils import import_utils
+import transformers.models.qwen3_5_moe.modeling_qwen3_5_moe
+print(import_utils.is_torchvision_available(), sorted(m for m in sys.modules if m.split(".")[0] == "torchvision"))
+"""
+
+
+def test_the_decoder_module_comes_without_torchvision(tmp_path):
+    """transformers' video processing utilities (imported with the decoder module) import torchvision's
+    transforms where it is installed, through a check of their own (`is_torchvision_v2_available`): 0.20 s
+    of the import on the lent GPU machine, whose image has torchvision; a streamed job processes no image
+    or video. A stand-in distribution that transformers detects as installed shows what a user's
+    environment with it does."""
+    site = tmp_path / "site"
+    (site / "torchvision" / "transforms" / "v2").mkdir(parents=True)
+    for init in ("", "transforms", "transforms/v2"):
+        (site / "torchvision" / init / "__init__.py").write_text("__version__ = '0.26.0'\n" if not init else "")
+    (site / "torchvision" / "transforms" / "v2" / "functional.py").write_text("")
+    dist = site / "torchvision-0.26.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: torchvision\nVersion: 0.26.0\n")
+    (dist / "top_level.txt").write_text("torchvision\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
+           "QTOOL_CACHE_DIR": str(tmp_path / "cache")}
+    r = subprocess.run([sys.executable, "-c", VISION_PROBE.format(prepare="from qtool.stream import warm_import\n"
+                                                                  "warm_import.start(); warm_import.join()")],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == "True []"  # installed as transformers sees it, and not imported
+
+
 TOKENIZER_PROBE = """
 import sys
 {prepare}
