@@ -456,15 +456,9 @@ def one_job(name: str, argv: list[str], inputs: Path, layers: int, cold: bool, p
         clock = {"first_layer_start": res["launched"],
                  "layers_done": [res["launched"] + res["wall"] * (k + 1) / layers for k in range(layers)]}
     done, first = clock["layers_done"], clock["first_layer_start"]
-    # the layer loop: from the first layer's load to the last layer done (its shard written); per layer in
-    # the steady state: between the first layer done and the last but one (the read-ahead overlaps from
-    # layer 1 on; quantize's last layer is done only once its shard is hashed, which no other layer waits
-    # for: qtool.io.writer.HashedWrites keep_pace), or the last where only two layers ran
+    # the layer loop: from the first layer's load to the last layer done (its shard written)
     loop = done[-1] - first
-    steady = done[:-1] if len(done) > 2 else done
-    per_layer = (steady[-1] - steady[0]) / (len(steady) - 1) if len(steady) > 1 else loop
-    # what the last layer took beyond a steady one (its shard's hash): part of every run's end
-    tail = max(0.0, done[-1] - done[-2] - per_layer) if len(done) > 2 else 0.0
+    per_layer, tail = steady_layer(done, first)
     before = first - res["launched"]
     after = res["launched"] + res["wall"] - done[-1]
     return {"job": name, "ranks": ranks, "cache": "cold" if dropped else ("warm" if not cold else "cold?"),
@@ -493,6 +487,17 @@ def one_job(name: str, argv: list[str], inputs: Path, layers: int, cold: bool, p
             # at the faster of cat and pread) and its read there
             "projected_all_layers_fast_disk_s": before + after + tail + real_layers * max(
                 per_layer - read / layers, (nbytes / layers) / FAST_DISK)}
+
+
+def steady_layer(done: list[float], first: float) -> tuple[float, float]:
+    """(seconds a steady layer takes, what the last layer took beyond one) from when each layer was done
+    and the first began: between the first layer done and the last but one (the read-ahead overlaps from
+    layer 1 on; quantize's last layer is done only once its shard is hashed, which no other layer waits for:
+    qtool.io.writer.HashedWrites keep_pace), or the last where only two layers ran. The tail is part of
+    every run's end."""
+    steady = done[:-1] if len(done) > 2 else done
+    per_layer = (steady[-1] - steady[0]) / (len(steady) - 1) if len(steady) > 1 else done[-1] - first
+    return per_layer, max(0.0, done[-1] - done[-2] - per_layer) if len(done) > 2 else 0.0
 
 
 def print_table(rows: list[dict]) -> None:
