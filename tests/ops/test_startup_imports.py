@@ -69,6 +69,28 @@ def test_the_decoder_module_comes_without_scipy():
     assert imported("from qtool.stream.warm_import import skip_unused_imports\nskip_unused_imports()") == "[]"
 
 
+def _stand_in_installed(tmp_path, name: str, version: str, modules: tuple[str, ...] = ()) -> dict:
+    """The environment of a process in which a stand-in distribution `name` is installed, as transformers
+    detects one (its package and its dist-info), with the empty `modules` (dotted, below the package) that
+    transformers' own imports of it reach."""
+    site = tmp_path / "site"
+    package = site / name
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(f"__version__ = '{version}'\n")
+    for module in modules:
+        *folders, leaf = module.split(".")
+        for k in range(1, len(folders) + 1):
+            package.joinpath(*folders[:k]).mkdir(exist_ok=True)
+            package.joinpath(*folders[:k], "__init__.py").touch()
+        package.joinpath(*folders, leaf + ".py").touch()
+    dist = site / f"{name}-{version}.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    (dist / "top_level.txt").write_text(f"{name}\n")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
+            "QTOOL_CACHE_DIR": str(tmp_path / "cache")}
+
+
 AUDIO_PROBE = """
 import sys
 {prepare}
@@ -81,15 +103,7 @@ def test_the_decoder_module_comes_without_torchaudio(tmp_path):
     """transformers' audio utilities (imported with the decoder module) import torchaudio where it is
     installed (with its wav2vec2 pipelines on the lent GPU machine); a streamed job loads no audio. A stand-in
     distribution that transformers detects as installed shows what a user's environment with it does."""
-    site = tmp_path / "site"
-    (site / "torchaudio").mkdir(parents=True)
-    (site / "torchaudio" / "__init__.py").write_text("__version__ = '2.11.0'\n")
-    dist = site / "torchaudio-2.11.0.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: torchaudio\nVersion: 2.11.0\n")
-    (dist / "top_level.txt").write_text("torchaudio\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
-           "QTOOL_CACHE_DIR": str(tmp_path / "cache")}
+    env = _stand_in_installed(tmp_path, "torchaudio", "2.11.0")
 
     def imports_torchaudio(prepare: str) -> bool:
         r = subprocess.run([sys.executable, "-c", AUDIO_PROBE.format(prepare=prepare)], capture_output=True,
@@ -116,17 +130,7 @@ def test_the_decoder_module_comes_without_torchvision(tmp_path):
     of the import on the lent GPU machine, whose image has torchvision; a streamed job processes no image
     or video. A stand-in distribution that transformers detects as installed shows what a user's
     environment with it does."""
-    site = tmp_path / "site"
-    (site / "torchvision" / "transforms" / "v2").mkdir(parents=True)
-    for init in ("", "transforms", "transforms/v2"):
-        (site / "torchvision" / init / "__init__.py").write_text("__version__ = '0.26.0'\n" if not init else "")
-    (site / "torchvision" / "transforms" / "v2" / "functional.py").write_text("")
-    dist = site / "torchvision-0.26.0.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: torchvision\nVersion: 0.26.0\n")
-    (dist / "top_level.txt").write_text("torchvision\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
-           "QTOOL_CACHE_DIR": str(tmp_path / "cache")}
+    env = _stand_in_installed(tmp_path, "torchvision", "0.26.0", modules=("transforms.v2.functional",))
     r = subprocess.run([sys.executable, "-c", VISION_PROBE.format(prepare="from qtool.stream import warm_import\n"
                                                                   "warm_import.start(); warm_import.join()")],
                        capture_output=True, text=True, env=env, timeout=300)
