@@ -6,9 +6,9 @@ machine, in the same page cache, interleaved (A B, B A, ...) so that a drift of 
     python3 scripts/ab_trees.py 4 new=. old=/tmp/old -- quantize SRC -o OUT --recipe ... --force --device cuda
 
 where /tmp/old holds the other tree (`git archive REV qtool | tar -x -C /tmp/old`). Each run is
-`python -m qtool ARGS --json --quiet` in its tree's folder (the folder a `python -m` run imports from
-first). Per run: wall; start (launch to the first layer's load); loop (that to the last layer done);
-per_layer (a steady layer: the first layer done to the last but one, with 3 or more layers, as
+`python -P -m qtool ARGS --json --quiet` with the tree first on PYTHONPATH (Python 3.11+: `-P` keeps the
+working folder, a checkout of its own, from coming first). Per run: wall; start (launch to the first
+layer's load); loop (that to the last layer done); per_layer (a steady layer: the first layer done to the last but one, with 3 or more layers, as
 bench_real_layers.py counts it); tail (what the last layer took beyond a steady one: quantize's last shard
 hash); end (the last layer done to the process's exit). Then each tree's means.
 """
@@ -31,8 +31,10 @@ def run_once(tag: str, tree: str, args: list[str]) -> dict | None:
     env = {**os.environ, "PYTHONPATH": tree + os.pathsep + os.environ.get("PYTHONPATH", "")}
     launched = time.time()
     t0 = time.perf_counter()
-    p = subprocess.run([sys.executable, "-m", "qtool", *args, "--json", "--quiet"], capture_output=True,
-                       text=True, env=env, cwd=tree)
+    # -P: the working folder does not come before PYTHONPATH (as `python -m` puts it), so that a run in a
+    # checkout imports the tree it is given; relative paths in ARGS stay the caller's
+    p = subprocess.run([sys.executable, "-P", "-m", "qtool", *args, "--json", "--quiet"], capture_output=True,
+                       text=True, env=env)
     wall = time.perf_counter() - t0
     if p.returncode:
         print(f"{tag}: exit {p.returncode}\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}", flush=True)
@@ -40,6 +42,9 @@ def run_once(tag: str, tree: str, args: list[str]) -> dict | None:
     clock = json.loads(p.stdout).get("timing") or {}
     if "layers_done" not in clock and clock:  # eval kld: one clock per streamed side
         clock = next(iter(clock.values()))
+    if not clock.get("layers_done"):
+        print(f"{tag}: the report has no layer clock (not a layer-streamed run?)", flush=True)
+        return None
     done, first = clock["layers_done"], clock["first_layer_start"]
     per_layer, tail = steady_layer(done, first)
     return {"tag": tag, "wall": wall, "start": first - launched, "loop": done[-1] - first, "per_layer": per_layer,

@@ -2,6 +2,7 @@
 (qtool.process_exit): what a user sees of the command stays whole."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -21,9 +22,12 @@ console()
 """
 
 
-def _run(argv, before=""):
+def _run(argv, before="", stdout=subprocess.PIPE):
     code = PROGRAM.format(argv=argv, before=before)
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    # stdout buffered as a user's is: a flush left out loses output here (this machine sets PYTHONUNBUFFERED)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    return subprocess.run([sys.executable, "-c", code], stdout=stdout, stderr=subprocess.PIPE, text=True,
+                          env=env, timeout=300)
 
 
 def test_a_finished_command_skips_the_teardown_and_keeps_its_output_its_exit_handlers_and_its_code():
@@ -39,6 +43,26 @@ def test_a_failed_command_keeps_its_error_and_its_exit_code(tmp_path):
     assert p.returncode == 1, p.stderr
     assert json.loads(p.stdout)["message"] == "checkpoint not found"
     assert "TORN DOWN" not in p.stderr
+
+
+def test_what_native_code_printed_is_flushed_too():
+    p = _run(["recipes", "list"], before="import ctypes\nctypes.CDLL(None).printf(b'NATIVE LINE\\n')")
+    assert p.returncode == 0, p.stderr
+    assert "NATIVE LINE" in p.stdout and "qwen35-nvfp4-experts" in p.stdout
+    assert "TORN DOWN" not in p.stderr
+
+
+def test_a_report_that_cannot_be_written_is_no_success():
+    """`qtool ... > out.json` on a full disk: the report is still in stdout's buffer when the command ends."""
+    if not os.path.exists("/dev/full"):
+        import pytest
+
+        pytest.skip("no /dev/full here")
+    with open("/dev/full", "w") as full:
+        p = _run(["recipes", "list", "--json"], stdout=full)
+    assert p.returncode == 120, p.stderr
+    assert "could not write the output to stdout" in p.stderr and "No space left" in p.stderr
+    assert "Traceback" not in p.stderr
 
 
 def test_a_thread_still_running_gets_the_normal_exit_which_waits_for_it():
