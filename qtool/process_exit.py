@@ -50,8 +50,8 @@ def flush_stdio(code: int) -> int:
         import ctypes
 
         ctypes.CDLL(None).fflush(None)  # what native code printed, which os._exit would drop
-    except (OSError, AttributeError):
-        pass  # no C library to ask (not expected on Linux or macOS)
+    except (OSError, AttributeError, TypeError):
+        pass  # no C library to ask by that name (Windows: CDLL(None) is refused)
     return code
 
 
