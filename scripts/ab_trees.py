@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 
-from bench_real_layers import steady_layer  # (this folder is the script's: first on the path)
+from bench_real_layers import layer_clock, steady_layer  # (this folder is the script's: first on the path)
 
 FIELDS = ("wall", "start", "loop", "per_layer", "tail", "end")
 
@@ -39,9 +39,7 @@ def run_once(tag: str, tree: str, args: list[str]) -> dict | None:
     if p.returncode:
         print(f"{tag}: exit {p.returncode}\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}", flush=True)
         return None
-    clock = json.loads(p.stdout).get("timing") or {}
-    if "layers_done" not in clock and clock:  # eval kld: one clock per streamed side
-        clock = next(iter(clock.values()))
+    clock = layer_clock(json.loads(p.stdout))
     if not clock.get("layers_done"):
         print(f"{tag}: the report has no layer clock (not a layer-streamed run?)", flush=True)
         return None

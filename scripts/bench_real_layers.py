@@ -449,9 +449,7 @@ def one_job(name: str, argv: list[str], inputs: Path, layers: int, cold: bool, p
     layer_in = layer_bytes(files) / layers
     layer_out = layer_bytes([f for f in shard_files(out) if f.lstat().st_nlink == 1]) / layers if written else 0
     layer_floor = max(read * layer_in / nbytes, (dd or 0) * layer_out / written if written else 0)
-    clock = res["report"].get("timing") or {}
-    if "layers_done" not in clock and clock:  # eval kld: one clock per streamed side
-        clock = next(iter(clock.values()))
+    clock = layer_clock(res["report"])
     if "layers_done" not in clock:  # eval kld of two checkpoints prints only its result: the wall clock
         clock = {"first_layer_start": res["launched"],
                  "layers_done": [res["launched"] + res["wall"] * (k + 1) / layers for k in range(layers)]}
@@ -487,6 +485,15 @@ def one_job(name: str, argv: list[str], inputs: Path, layers: int, cold: bool, p
             # at the faster of cat and pread) and its read there
             "projected_all_layers_fast_disk_s": before + after + tail + real_layers * max(
                 per_layer - read / layers, (nbytes / layers) / FAST_DISK)}
+
+
+def layer_clock(report: dict) -> dict:
+    """A streamed job's layer clock from its --json report (first_layer_start, layers_done), {} if none:
+    eval kld reports one clock per streamed side, and the first is taken."""
+    clock = report.get("timing") or {}
+    if "layers_done" not in clock and clock:
+        clock = next(iter(clock.values()))
+    return clock
 
 
 def steady_layer(done: list[float], first: float) -> tuple[float, float]:
