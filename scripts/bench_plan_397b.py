@@ -13,6 +13,14 @@ baseline in the same run: a process that imports what every job imports (torch a
 plans nothing. Prints the median wall and CPU time (user + system, the child's own: steadier than the wall
 on a busy machine) of each, and the plan's own seconds (each less the baseline's).
 
+`--end` times the other end of an executing quantize: what a user waits for after the 397B's last layer is
+written (the index, configs and side files, the check that every shard is the one planned, the output's
+checks, the manifest, the commit). The layers are stand-ins that write each planned layer shard at once
+as its header and holes (1.0 in every float32 scalar: the scales the checks read) and hand the writer a
+digest, so no 233 GB is coded, written or hashed; the source's digests are recorded in the cache dir
+first, as a download or an earlier run leaves them. Prints the seconds from the last layer's shard to the
+process's end, and the end's parts.
+
 `--executing` times, instead of the dry run, an executing job up to its first layer: what a user waits for
 before the 397B's first layer starts (an executing run also hashes its plan for the journal, identifies
 its inputs, makes the output directory, starts copying the carried-over shards and embeds the calibration
@@ -62,6 +70,95 @@ sys.argv = ["qtool", *sys.argv[1:]]
 console()
 """
 
+# an executing quantize whose layers are stand-ins (see --end); prints the end's seconds and its parts
+AFTER_LAST_LAYER = """
+import atexit, os, struct, sys, threading, time
+import qtool.arch.model_map, qtool.io.apply, qtool.io.checkpoint, qtool.io.manifest, qtool.io.output
+import qtool.ops.inspect
+import qtool.ops.quantize.execute
+execute = sys.modules["qtool.ops.quantize.execute"]  # the package's `execute` is the function of that name
+from qtool.io.plan import Produced, tensors_of
+from qtool.io.writer import build_header
+
+parts, clock = {}, {}
+def timed(owner, name):
+    fn = getattr(owner, name, None)
+    if not callable(fn):
+        raise SystemExit(f"bench_plan_397b: {owner.__name__}.{name} is gone; update AFTER_LAST_LAYER")
+    def wrapper(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if "last_layer" in clock:  # the end's part (the carried-over shards' writer calls some before)
+                parts[name] = parts.get(name, 0.0) + time.perf_counter() - t
+    setattr(owner, name, wrapper)
+
+for owner, name in ((qtool.io.apply, "_write_shards"), (qtool.io.apply, "_check_produced"),
+                    (qtool.io.checkpoint.Checkpoint, "open"), (qtool.arch.model_map, "build_map"),
+                    (qtool.ops.inspect, "find_problems"),
+                    (qtool.io.manifest.InputHasher, "results"), (qtool.io.apply, "_manifest"),
+                    (qtool.io.output.OutputDir, "commit"), (qtool.io.apply, "_remember_digests")):
+    timed(owner, name)
+qtool.io.apply.free_space = lambda path: 1 << 60
+hashers = []
+_init = qtool.io.manifest.InputHasher.__init__
+def init(self, *args, **kwargs):
+    _init(self, *args, **kwargs)
+    hashers.append(self)
+qtool.io.manifest.InputHasher.__init__ = init
+
+def layers(p, partial, ids, *, resume, progress=None, mode=0o644, done=None):
+    entries = {e.name: e for e in p.output.entries(Produced)}
+    for lp in p.layers:
+        e = entries[lp.shard]
+        tensors = tensors_of(e)
+        offset = len(head := build_header(tensors, e.metadata))
+        fd = os.open(partial / lp.shard, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+        try:
+            os.write(fd, head)
+            for t in tensors:
+                if t.dtype == "F32" and t.source.nbytes == 4:
+                    os.pwrite(fd, struct.pack("<f", 1.0), offset)
+                offset += t.source.nbytes
+            os.ftruncate(fd, offset)
+        finally:
+            os.close(fd)
+        done(lp.shard, "0" * 64)
+    for t in threading.enumerate():  # the carried-over shards, long written by a real 60-layer job's end
+        if t.name == "qtool-early-shards":
+            t.join()
+    for f in [f for h in hashers for f in h.futures.values()]:  # and hashed
+        f.result()
+    clock["last_layer"] = time.perf_counter()
+    return {"layers": [{"layer": lp.index, "routed_experts": lp.scheme.value, "tokens_per_expert": [1],
+                        "experts_without_tokens": []} for lp in p.layers], "seconds": 0.0}
+
+execute.calibrate_and_write = layers
+def report():
+    if "last_layer" in clock:
+        end = time.perf_counter() - clock["last_layer"]
+        rest = end - sum(parts.values())
+        print("END", end, " ".join(f"{k}={v:.2f}" for k, v in [*parts.items(), ("rest", rest)]), file=sys.stderr)
+atexit.register(report)
+from qtool.cli.main import console
+
+sys.argv = ["qtool", *sys.argv[1:]]
+console()
+"""
+
+
+def record_source_digests(workdir: Path, source: Path) -> None:
+    """The source's sha256 in the cache dir, as a download or an earlier run records them (the sparse
+    shards' real digests would take reading 800 GB of holes; the value is never compared here)."""
+    from qtool.io.digest_cache import DigestCache
+
+    cache = DigestCache(workdir / "cache" / "sha256-cache.json")
+    for f in sorted(source.iterdir()):
+        if f.is_file():
+            cache.record(os.path.realpath(f), "0" * 64, f.stat().st_size)
+    cache.save()
+
 
 def build(workdir: Path, jobs: list[str]) -> None:
     from qtool.fixtures.sparse import build_sparse
@@ -101,14 +198,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", default=",".join(JOBS))
     ap.add_argument("--executing", action="store_true",
                     help="time an executing job up to its first layer instead of the dry run")
+    ap.add_argument("--end", action="store_true",
+                    help="time an executing quantize after its last layer (stand-in layers) instead")
     args = ap.parse_args(argv)
-    jobs = [j for j in args.jobs.split(",") if j]
+    jobs = ["quantize"] if args.end else [j for j in args.jobs.split(",") if j]
     unknown = sorted(set(jobs) - set(JOBS))
     if unknown:
         raise SystemExit(f"unknown job(s) {unknown}: choose from {sorted(JOBS)}")
     args.workdir.mkdir(parents=True, exist_ok=True)
     build(args.workdir, jobs)
     ENV["QTOOL_CACHE_DIR"] = str(args.workdir / "cache")
+    if args.end:
+        return end_rounds(args)
     runs: dict[str, list[tuple[float, float]]] = {"baseline": []} | {j: [] for j in jobs}
     for k in range(args.rounds + 1):  # interleaved, so that a slower moment of the machine hits every row
         for name in runs:
@@ -135,6 +236,27 @@ def main(argv: list[str] | None = None) -> int:
                                                       f"{cpu - median('baseline', 1):.2f} s")
         print(f"{name:<14} {wall:6.2f} s {cpu:6.2f} s {plan[0]:>11} {plan[1]:>10}   "
               + " ".join(f"{w:.2f}/{c:.2f}" for w, c in rs))
+    return 0
+
+
+def end_rounds(args) -> int:
+    """--end: each round a fresh output; the seconds after the last layer and their parts, each round's."""
+    record_source_digests(args.workdir, args.workdir / SOURCES["quantize"])
+    print(f"{'round':<6} {'end':>7}   parts (s)")
+    ends = []
+    for k in range(args.rounds):
+        for out in args.workdir.glob("out-*"):
+            shutil.rmtree(out)
+        argv = [sys.executable, "-c", AFTER_LAST_LAYER, *JOBS["quantize"](args.workdir), "--samples", "1",
+                "--seq-len", "16"]
+        r = subprocess.run(argv, capture_output=True, text=True, env=ENV)
+        line = next((x for x in r.stderr.splitlines() if x.startswith("END ")), None)
+        if r.returncode != 0 or line is None:
+            raise SystemExit(f"{' '.join(argv[:2])} ... failed ({r.returncode}):\n{r.stderr[-3000:]}")
+        _, end, *parts = line.split()
+        ends.append(float(end))
+        print(f"{k:<6} {float(end):5.2f} s   {' '.join(parts)}")
+    print(f"median {statistics.median(ends):5.2f} s")
     return 0
 
 
