@@ -6,7 +6,6 @@ Built from headers and configs only; the few KV-scale scalars are the only data 
 
 from __future__ import annotations
 
-import gc
 import math
 from collections import Counter, defaultdict
 from collections.abc import Mapping
@@ -25,7 +24,7 @@ from qtool.arch.qwen35 import (
     layer_types,
 )
 from qtool.io.checkpoint import Checkpoint
-from qtool.io.tensor_table import file_of, nbytes_of, tensor_rows
+from qtool.io.tensor_table import file_of, nbytes_of, no_cyclic_gc, tensor_rows
 from qtool.formats.naming import REQUIRED_PARAMS as CODEC_REQUIRED_PARAMS
 from qtool.formats.naming import QuantFormat, detect_format
 from qtool.io.dtypes import FLOAT_DTYPES
@@ -327,14 +326,8 @@ def build_map(ckpt: Checkpoint, *, read_values: bool = True) -> ModelMap:
 
 
 def _built_map(ckpt: Checkpoint, read_values: bool) -> ModelMap:
-    # Same reason as in Checkpoint.open: hundreds of thousands of acyclic objects.
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with no_cyclic_gc():  # hundreds of thousands of acyclic objects
         return _build_map(ckpt, read_values)
-    finally:
-        if gc_was_enabled:
-            gc.enable()
 
 
 def _build_map(ckpt: Checkpoint, read_values: bool = True) -> ModelMap:

@@ -126,11 +126,13 @@ def _write_small(e, tx: OutputDir, plan: OutputPlan) -> None:
         f.write(data)
 
 
-def _check_produced(plan: OutputPlan, partial: Path) -> None:
-    """Every produced shard holds exactly the tensors (names, dtypes, shapes, order) its entry promised."""
+def check_written(plan: OutputPlan, partial: Path, kinds: tuple = (Produced,)) -> None:
+    """Every shard of `kinds` (Produced: write_output checks those; a job whose checks use the plan's view
+    of its output asks for Shard too) holds exactly the tensors (names, dtypes, shapes, order) its entry
+    promised."""
     from qtool.io.safetensors_header import read_header
 
-    for e in plan.entries(Produced):
+    for e in plan.entries(*kinds):
         path = partial / e.name
         if not path.exists():
             raise VerificationError("a shard the plan promised was not written (a qtool bug)", path=path)
@@ -228,7 +230,7 @@ def write_output(plan: OutputPlan, tx: OutputDir, *, command: str | None, values
         for e in plan.entries(Produced):
             hasher.submit_output(str(partial / e.name))  # the ones resumed or not announced
         _write_shards(plan, tx, journal, hasher, values, overlap, on_headers, applied, progress, stop, skip=early)
-        _check_produced(plan, partial)
+        check_written(plan, partial)
         applied.checks = check() if check is not None else {}
         digests = hasher.results()
     finally:

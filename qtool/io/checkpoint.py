@@ -9,7 +9,6 @@ TensorTable (each shard header's `tensors` is a view of its rows). No tensor dat
 from __future__ import annotations
 
 import dataclasses
-import gc
 import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -21,7 +20,7 @@ from qtool.errors import CheckpointError, ConfigError
 from qtool.io.index_file import read_index
 from qtool.io.jsonio import JsonStyle, load_json
 from qtool.io.safetensors_header import SafetensorsHeader, TensorInfo, read_header
-from qtool.io.tensor_table import TensorTable, file_of, nbytes_of
+from qtool.io.tensor_table import TensorTable, file_of, nbytes_of, no_cyclic_gc
 
 INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
@@ -161,18 +160,11 @@ class Checkpoint:
             hq, hq_style = load_json(root / HF_QUANT_CONFIG_NAME, what="hf_quant_config.json")
         cls._check_config_types(root, config, hq, index)
 
-        # The ~1M small objects of a 397B header set make the cyclic GC rescan its young generations
-        # over and over (about half the open time); none of them can form a cycle.
-        gc_was_enabled = gc.isenabled()
-        gc.disable()
-        try:
+        with no_cyclic_gc():  # ~1M small objects of a 397B header set, none in a cycle
             if index is not None:
                 tensors, headers = _load_indexed(root, by_file, check_file_sizes)
             else:
                 tensors, headers = _load_files(root, files, check_file_sizes)
-        finally:
-            if gc_was_enabled:
-                gc.enable()
         return cls(root, tensors, headers, index, config, config_style, hq, hq_style)
 
     @staticmethod

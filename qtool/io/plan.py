@@ -272,11 +272,14 @@ def resolve(tensors: list[OutTensor], values: dict[str, bytes]) -> list[OutTenso
     return out
 
 
-def header_checkpoint(root: Path, plan: OutputPlan, config: dict | None, hf_quant_config: dict | None = None):
+def header_checkpoint(root: Path, plan: OutputPlan, config: dict | None, hf_quant_config: dict | None = None,
+                      *, as_written: bool = False):
     """A Checkpoint of the planned output made from the plan alone (nothing written yet): every shard with
     the header the writer will give it; a tensor copied from a source points at the source's bytes (so it
     can be read), a new one at its planned place in the output. Lets a decide step compute what depends on
-    the output's tensors (quantization configs, ignore lists, findings) before execution."""
+    the output's tensors (quantization configs, ignore lists, findings) before execution.
+    `as_written`: every tensor at its place in the output under `root` (a copied one too), so that values
+    read through it come from the written files once they are there."""
     from qtool.io.checkpoint import Checkpoint
     from qtool.io.safetensors_header import SafetensorsHeader, read_header
     from qtool.io.tensor_table import TensorTable
@@ -287,8 +290,14 @@ def header_checkpoint(root: Path, plan: OutputPlan, config: dict | None, hf_quan
     for e in plan.files:
         if isinstance(e, Link) and e.name.endswith(".safetensors"):
             h = read_header(e.source)
-            rows = table.extend(h.tensors)
-            headers[e.name] = SafetensorsHeader(h.path, h.header_len, h.data_start, h.file_size, h.metadata,
+            if as_written:
+                path, first = str(root / e.name), len(table)
+                for info in h.tensors.values():
+                    table.add(info.name, path, info.dtype, tuple(info.shape), info.start, info.end)
+                rows = range(first, len(table))
+            else:
+                path, rows = h.path, table.extend(h.tensors)
+            headers[e.name] = SafetensorsHeader(path, h.header_len, h.data_start, h.file_size, h.metadata,
                                                 table.slice(rows))
         elif isinstance(e, (Shard, Produced)):
             tensors = tensors_of(e)
@@ -296,7 +305,7 @@ def header_checkpoint(root: Path, plan: OutputPlan, config: dict | None, hf_quan
             path, first, offset = str(root / e.name), len(table), head
             for t in tensors:
                 src = t.source
-                if isinstance(src, FileRange):
+                if isinstance(src, FileRange) and not as_written:
                     table.add(t.name, src.file, t.dtype, tuple(t.shape), src.start, src.end)
                 else:
                     table.add(t.name, path, t.dtype, tuple(t.shape), offset, offset + src.nbytes)

@@ -11,6 +11,7 @@ from qtool.arch.qwen35 import Group
 from qtool.findings import Code, Finding, Severity
 from qtool.io.checkpoint import Checkpoint
 from qtool.io.quant_config import QuantSummary, summarize
+from qtool.io.tensor_table import no_cyclic_gc
 
 
 def problem(code: Code, message: str, module: str | None = None, engine: str | None = None) -> Finding:
@@ -79,14 +80,21 @@ def report(mm: ModelMap) -> dict:
 
 
 def find_problems(mm: ModelMap, summary: QuantSummary) -> list[Finding]:
-    problems: list[Finding] = []
-    problems += _layout_problems(mm)
-    problems += _incomplete_quant_modules(mm)
-    problems += _gate_up_scale_mismatch(mm)
-    problems += _kv_problems(mm, summary)
-    problems += _config_file_disagreement(summary)
-    problems += _config_vs_tensors(mm, summary)
-    return problems
+    return structure_problems(mm, summary) + value_problems(mm, summary)
+
+
+def structure_problems(mm: ModelMap, summary: QuantSummary) -> list[Finding]:
+    """find_problems' part that needs headers and configs only (no tensor value is read): a job can find it
+    on its output's planned view while the output is written (qtool.ops.checks.PlannedProblems)."""
+    with no_cyclic_gc():  # a 397B's ~95k modules
+        return (_layout_problems(mm) + _incomplete_quant_modules(mm) + _config_file_disagreement(summary)
+                + _config_vs_tensors(mm, summary))
+
+
+def value_problems(mm: ModelMap, summary: QuantSummary) -> list[Finding]:
+    """find_problems' part that reads scale values (gate/up global scales; the KV scales the map read)."""
+    with no_cyclic_gc():  # a 397B's 61k gate/up scales
+        return _gate_up_scale_mismatch(mm) + _kv_problems(mm, summary)
 
 
 def _layout_problems(mm: ModelMap) -> list[Finding]:

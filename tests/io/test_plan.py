@@ -85,6 +85,25 @@ def test_the_plans_own_checkpoint_is_the_written_ones(tmp_path):
     assert read_bytes(virtual.tensors["x2"]) == struct.pack("<4f", 1, 2, 3, 4)
 
 
+def test_the_plans_checkpoint_as_written_is_the_written_one_tensor_for_tensor(tmp_path):
+    """as_written: every tensor (a copied one too) at the file and byte range where the written output
+    holds it, so a job's checks can read values back from its output through the plan's view."""
+    src = _source(tmp_path)
+    plan = _plan(src)
+    out = tmp_path / "out"
+    written = header_checkpoint(out, plan, {"architectures": ["X"]}, as_written=True)
+    assert any(i.file.startswith(str(src)) for i in header_checkpoint(out, plan, None).tensors.values())
+    with OutputDir(out, sources=[src]) as tx:
+        write_output(plan, tx, command=None, values={"s": struct.pack("<f", 0.5)})
+    real = Checkpoint.open(out)
+    assert dict(written.tensors.items()) == dict(real.tensors.items())
+    assert {s: (h.path, h.data_start, h.file_size) for s, h in written.headers.items()} == \
+        {s: (h.path, h.data_start, h.file_size) for s, h in real.headers.items()}
+    from qtool.io.reader import read_bytes
+
+    assert read_bytes(written.tensors["s"]) == struct.pack("<f", 0.5)
+
+
 def test_plan_hash_changes_with_any_byte_range_and_not_with_nothing(tmp_path):
     src = _source(tmp_path)
     a, b = _plan(src), _plan(src)

@@ -1,0 +1,124 @@
+"""quantize's output check (find_problems) made on the plan's view of its output while the layers are
+written (qtool.ops.checks.PlannedProblems), with the scale values read back from the written shards and
+every shard's header compared with the planned one: what the check catches, and that the end does not
+open the written output again (2.4 s after the 397B's last layer)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import struct
+from pathlib import Path
+
+import pytest
+
+from qtool.errors import VerificationError
+from qtool.io.checkpoint import Checkpoint
+from qtool.io.safetensors_header import read_header
+from qtool.recipes import load_recipe
+
+execute = importlib.import_module("qtool.ops.quantize.execute")  # the package exports execute()
+
+
+@pytest.fixture(scope="module")
+def calib_ids(tiny_bf16):
+    from qtool.fixtures.tiny import _calib_ids
+
+    return _calib_ids(tiny_bf16, None)
+
+
+def _quantize(src, out, calib_ids):
+    from qtool.ops.quantize import run
+
+    return run(src, out=out, recipe=load_recipe("qwen35-nvfp4-experts"), calib_ids=calib_ids)
+
+
+def _failed_checks(out: Path) -> list[dict]:
+    """The problems the manifest of an output left unpublished records."""
+    partial = out.with_name(out.name + ".partial")
+    assert not out.exists() and partial.is_dir()
+    man = json.loads((partial / "qtool-manifest.json").read_text())
+    assert man["checks"]["passed"] is False
+    return man["checks"]["inspect_problems"]
+
+
+def test_the_end_does_not_open_the_written_output_again(tiny_bf16, calib_ids, tmp_path, monkeypatch):
+    opened = []
+    real_open = Checkpoint._open.__func__
+
+    def spy(cls, path, **kw):
+        opened.append(Path(path).resolve())
+        return real_open(cls, path, **kw)
+
+    monkeypatch.setattr(Checkpoint, "_open", classmethod(spy))
+    out = tmp_path / "q"
+    rep = _quantize(tiny_bf16, out, calib_ids)
+    assert rep["output"]["problems"] == []
+    assert [p for p in opened if p.name.startswith(out.name)] == []
+    man = json.loads((out / "qtool-manifest.json").read_text())
+    assert man["checks"] == {"inspect_problems": [], "passed": True, "summary": None}
+
+
+def test_a_scale_written_unlike_its_twin_fails_the_check(tiny_bf16, calib_ids, tmp_path, monkeypatch):
+    """The gate/up global scales are read back from the written shard, not taken from the plan."""
+    produce = execute.calibrate_and_write
+
+    def then_corrupt(p, partial, *args, **kwargs):
+        rep = produce(p, partial, *args, **kwargs)
+        shard = partial / p.layers[0].shard
+        h = read_header(shard)
+        name = next(n for n in h.tensors if n.endswith("experts.0.up_proj.weight_scale_2"))
+        with open(shard, "r+b") as f:
+            f.seek(h.tensors[name].start)
+            f.write(struct.pack("<f", 12345.0))
+        return rep
+
+    monkeypatch.setattr(execute, "calibrate_and_write", then_corrupt)
+    out = tmp_path / "q"
+    with pytest.raises(VerificationError, match="failed its checks"):
+        _quantize(tiny_bf16, out, calib_ids)
+    assert [p["code"] for p in _failed_checks(out)] == ["scale-mismatch"]
+
+
+def test_a_config_unlike_the_tensors_fails_the_check(tiny_bf16, calib_ids, tmp_path, monkeypatch):
+    """The structure's problems are found on the plan's view: here its configs leave lm_head (BF16) out of
+    their ignore lists."""
+    import qtool.ops.quantize.configs as configs
+
+    made = configs.quant_configs
+
+    def without_lm_head(*args, **kwargs):
+        qc, hq = made(*args, **kwargs)
+        qc["ignore"] = [g for g in qc["ignore"] if "lm_head" not in g]
+        hq["quantization"]["exclude_modules"] = [g for g in hq["quantization"]["exclude_modules"] if "lm_head" not in g]
+        return qc, hq
+
+    monkeypatch.setattr(configs, "quant_configs", without_lm_head)
+    out = tmp_path / "q"
+    with pytest.raises(VerificationError, match="failed its checks"):
+        _quantize(tiny_bf16, out, calib_ids)
+    problems = _failed_checks(out)
+    assert {p["code"] for p in problems} == {"bf16-but-not-ignored"} and "lm_head" in problems[0]["message"]
+
+
+def test_a_carried_over_shard_written_unlike_its_plan_is_refused(tiny_bf16, calib_ids, tmp_path, monkeypatch):
+    """The checks stand for the written output because every shard holds the header the plan promised:
+    the carried-over ones (embeddings, lm_head) are compared too."""
+    import qtool.io.apply as apply
+
+    compare = apply.check_written
+
+    def corrupt_first(plan, partial, *args, **kwargs):
+        rest = partial / "model-rest-00000.safetensors"
+        raw = bytearray(rest.read_bytes())
+        i = raw.index(b"embed_tokens")
+        raw[i:i + 12] = b"embed_tokenZ"
+        rest.write_bytes(bytes(raw))
+        monkeypatch.setattr(apply, "check_written", compare)
+        return compare(plan, partial, *args, **kwargs)
+
+    monkeypatch.setattr(apply, "check_written", corrupt_first)
+    out = tmp_path / "q"
+    with pytest.raises(VerificationError, match="not what the plan promised") as e:
+        _quantize(tiny_bf16, out, calib_ids)
+    assert "model-rest-00000.safetensors" in str(e.value.path)
