@@ -141,9 +141,24 @@ def write_dataset(path: Path, tokens: int) -> None:
         path.write_text(text)
 
 
-def drop_caches() -> bool:
+# --cold-input: a cold run evicts only the job's input from the page cache, not the program's files: what
+# a user's run of an 800 GB input sees once qtool has run on that machine (the input never fits the cache,
+# Python, torch and transformers do)
+COLD_INPUT_ONLY = False
+
+
+def drop_caches(files: list[Path] | None = None) -> bool:
+    """The page cache dropped (or, with --cold-input, `files`' pages evicted); False where not allowed."""
     try:
         os.sync()
+        if COLD_INPUT_ONLY and files is not None:
+            for f in files:
+                fd = os.open(f, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+            return True
         Path("/proc/sys/vm/drop_caches").write_text("3\n")
         return True
     except OSError:
@@ -421,14 +436,14 @@ def one_job(name: str, argv: list[str], inputs: Path, layers: int, cold: bool, p
     files = shard_files(inputs)
     nbytes = sum(f.stat().st_size for f in files)
     clear_output(argv)
-    dropped = drop_caches() if cold else False
+    dropped = drop_caches(files) if cold else False
     cat = cat_seconds(files)  # cold when dropped: the disk's time for these bytes
     if cold:
-        drop_caches()
+        drop_caches(files)
     pread = pread_seconds(files)  # as the layer reader reads (cold when dropped)
-    program = program_read_bytes(inputs, device) if cold else None
+    program = program_read_bytes(inputs, device) if cold and not COLD_INPUT_ONLY else None
     if cold:
-        drop_caches()
+        drop_caches(files)
     prof = profile_dir / f"{name}-{ranks}-{'cold' if cold else 'warm'}.prof" if profile_dir else None
     read0 = disk_read_bytes(inputs)
     tl = timeline_dir / f"{name}-{ranks}-{'cold' if cold else 'warm'}.txt" if timeline_dir else None
@@ -442,7 +457,7 @@ def one_job(name: str, argv: list[str], inputs: Path, layers: int, cold: bool, p
     floor = max(cat, dd or 0)  # the issue's floor: `cat` of the input, `dd` of the output
     read = min(cat, pread)  # the faster read of the input: what a layer's own read can take
     if cold:
-        drop_caches()
+        drop_caches(files)
     both = both_seconds(files, out.parent, written) if written else cat_seconds(files)
     # a steady layer's floor: its share of the input read at the faster of cat's and the parallel read's
     # rate, of the output written at dd's
@@ -459,7 +474,8 @@ def one_job(name: str, argv: list[str], inputs: Path, layers: int, cold: bool, p
     per_layer, tail = steady_layer(done, first)
     before = first - res["launched"]
     after = res["launched"] + res["wall"] - done[-1]
-    return {"job": name, "ranks": ranks, "cache": "cold" if dropped else ("warm" if not cold else "cold?"),
+    cache = ("cold in" if COLD_INPUT_ONLY else "cold") if dropped else ("warm" if not cold else "cold?")
+    return {"job": name, "ranks": ranks, "cache": cache,
             "input_bytes": nbytes,
             "wall_s": res["wall"], "loop_s": loop, "per_layer_s": per_layer, "first_layer_s": done[0] - first,
             "before_first_layer_s": before, "after_last_layer_s": after, "last_layer_tail_s": tail,
@@ -508,7 +524,7 @@ def steady_layer(done: list[float], first: float) -> tuple[float, float]:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"\n{'job':13s} {'ranks':>5s} {'cache':5s} {'in GB':>6s} {'wall':>7s} {'loop':>7s} {'s/layer':>8s} {'start':>6s} "
+    print(f"\n{'job':13s} {'ranks':>5s} {'cache':7s} {'in GB':>6s} {'wall':>7s} {'loop':>7s} {'s/layer':>8s} {'start':>6s} "
           f"{'end':>5s} {'tail':>5s} {'cat':>6s} {'dd':>6s} {'loop/floor':>10s} {'wall/floor':>10s} {'RSS GB':>7s} {'GPU GB':>7s} "
           f"{'disk GB':>7s} {'all layers':>10s} {'@14GB/s':>8s} {'cat+dd':>6s} {'loop/both':>9s} "
           f"{'pread':>6s} {'layer floor':>11s} {'s/layer/lf':>10s} {'prog GB':>7s} {'alloc/held GB':>13s} {'mem wr':>6s} {'layer wr':>8s}")
@@ -518,7 +534,7 @@ def print_table(rows: list[dict]) -> None:
         prog = f"{r['program_read_bytes'] / 1e9:6.1f}" if r.get("program_read_bytes") is not None else "     -"
         alloc = (f"{r['gpu_allocated_bytes'] / 1e9:.1f}/{r['gpu_reserved_bytes'] / 1e9:.1f}"
                  if r.get("gpu_allocated_bytes") else "-")
-        print(f"{r['job']:13s} {r['ranks']:5d} {r['cache']:5s} {r['input_bytes'] / 1e9:6.1f} {r['wall_s']:7.1f} {r['loop_s']:7.1f} "
+        print(f"{r['job']:13s} {r['ranks']:5d} {r['cache']:7s} {r['input_bytes'] / 1e9:6.1f} {r['wall_s']:7.1f} {r['loop_s']:7.1f} "
               f"{r['per_layer_s']:8.2f} {r['before_first_layer_s']:6.1f} {r['after_last_layer_s']:5.1f} "
               f"{r.get('last_layer_tail_s') or 0:5.1f} {r['cat_s']:6.1f} "
               f"{r['dd_s'] or 0:6.1f} {r['loop_over_floor'] or 0:10.2f} {r['wall_over_floor'] or 0:10.2f} "
@@ -550,7 +566,12 @@ def main() -> int:
     ap.add_argument("--tmpfs", action="store_true",
                     help="input and outputs in /dev/shm/<workdir name>: a disk as fast as memory (the users' "
                     "NVMe stands in), warm runs only")
+    ap.add_argument("--cold-input", action="store_true",
+                    help="cold runs evict only the input's pages (posix_fadvise), not the program's files, as "
+                    "a user's run of an input larger than the page cache finds them once qtool has run there")
     a = ap.parse_args()
+    global COLD_INPUT_ONLY
+    COLD_INPUT_ONLY = a.cold_input
     if a.tmpfs:
         a.workdir, a.warm_only = Path("/dev/shm") / a.workdir.name, True
     w = a.workdir
