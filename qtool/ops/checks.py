@@ -400,8 +400,10 @@ class PlannedProblems:
     produced ones; `check_written` the others). At the 397B's 372k tensors, opening the written output and
     mapping it again held quantize's end for 2.4 s on the 2-core VM."""
 
-    def __init__(self, plan, root: Path) -> None:
-        self.plan, self.root = plan, Path(root)
+    def __init__(self, plan, root: Path, mm: ModelMap | None = None) -> None:
+        """`mm`: the output's model map the planner made already (qtool.io.plan.header_checkpoint as
+        written under `root`, KV values not read), or None to make it here."""
+        self.plan, self.root, self.mm = plan, Path(root), mm
         self._thread: threading.Thread | None = None
         self._found: tuple | None = None  # (map, summary, structure problems)
         self._error: BaseException | None = None
@@ -422,7 +424,8 @@ class PlannedProblems:
         try:
             jsons = {e.name: e.obj for e in self.plan.entries(Json)}
             config, hq = jsons.get(CONFIG_NAME), jsons.get(HF_QUANT_CONFIG_NAME)
-            mm = build_map(header_checkpoint(self.root, self.plan, config, hq, as_written=True), read_values=False)
+            mm = self.mm or build_map(header_checkpoint(self.root, self.plan, config, hq, as_written=True),
+                                      read_values=False)
             summary = summarize(config, hq)
             self._found = (mm, summary, structure_problems(mm, summary))
         except BaseException as e:  # noqa: BLE001 -- raised by result()

@@ -51,10 +51,17 @@ def test_the_end_does_not_open_the_written_output_again(tiny_bf16, calib_ids, tm
         return real_open(cls, path, **kw)
 
     monkeypatch.setattr(Checkpoint, "_open", classmethod(spy))
+    import qtool.io.plan
+
+    views = []
+    make_view = qtool.io.plan.header_checkpoint
+    for module in (qtool.io.plan, importlib.import_module("qtool.ops.quantize.output")):
+        monkeypatch.setattr(module, "header_checkpoint", lambda *a, **kw: views.append(a[0]) or make_view(*a, **kw))
     out = tmp_path / "q"
     rep = _quantize(tiny_bf16, out, calib_ids)
     assert rep["output"]["problems"] == []
     assert [p for p in opened if p.name.startswith(out.name)] == []
+    assert views == [out.with_name("q.partial")]  # the planner's view of the output, checked too
     man = json.loads((out / "qtool-manifest.json").read_text())
     assert man["checks"] == {"inspect_problems": [], "passed": True, "summary": None}
 

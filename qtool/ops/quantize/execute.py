@@ -302,7 +302,8 @@ def execute(p: QuantizePlan, *, progress=None) -> Report:
     with OutputDir(p.out, sources=[p.ckpt.root], force=opts.force, resume=opts.resume) as tx:
         # the output's checks on the plan's view of it, found while the layers are written: reading the
         # 397B's written headers back and mapping them took 2.4 s after its last layer (2-core VM)
-        checking = PlannedProblems(p.output, tx.partial)
+        planned = p.output_map if p.output_map is not None and p.output_map.ckpt.root == tx.partial else None
+        checking = PlannedProblems(p.output, tx.partial, planned)
         write_output(p.output, tx, command=opts.command, produce=produce, check=check, hash_from_reads=streamed_files(p.ckpt, p.mm), early_shards=True,
                      extra=lambda: {"calibration": report.get("calibration"), "layers": report["layers"],
                                     RUN: {"kernels": report.get("kernels")}})

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from qtool.io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG_NAME, INDEX_NAME
 from qtool.io.jsonio import load_json
-from qtool.io.output import MANIFEST_NAME
+from qtool.io.output import MANIFEST_NAME, partial_path
 from qtool.io.plan import Copy, Index, Json, OutputPlan, Pending, Produced, Shard, header_checkpoint
 from qtool.io.writer import OutTensor, plan_shards
 from qtool.recipes import KvCache
@@ -61,7 +61,9 @@ def output_plan(p: QuantizePlan) -> OutputPlan:
     cfg, style = load_json(p.ckpt.root / CONFIG_NAME, what="config.json")
     cfg.pop("quantization_config", None)
     out = OutputPlan("quantize", files, sources={"bf16": p.ckpt.root}, inputs=input_files(p))
-    mm = build_map(header_checkpoint(p.out, out, cfg), read_values=False)
+    # every tensor where OUT.partial will hold it: the output's checks read its scale values back there
+    mm = p.output_map = build_map(header_checkpoint(partial_path(p.out), out, cfg, as_written=True),
+                                  read_values=False)
     versions = {**library_versions(), "qtool": __version__}
     qc, hq = quant_configs(mm, p.recipe.quantized_scheme, p.format, p.recipe.kv_cache is KvCache.FP8,
                            p.int4_group, versions,

@@ -113,6 +113,9 @@ class QuantizePlan:
     warnings: list[str] = field(default_factory=list)
     options: "QuantizeOptions | None" = None
     output: object = None  # every output file: qtool.io.plan.OutputPlan (quantize.output.output_plan)
+    # the output's model map as it will be written in OUT.partial (made with the output plan: its configs'
+    # ignore lists come from it, and the output's checks, qtool.ops.checks.PlannedProblems)
+    output_map: object = None
     calib: object = None  # the token windows (stream.calib_data.CalibSet); None with calib_ids
     memory: object = None  # peak host/GPU need and fit (stream.memory_plan.MemoryNeed)
     int4_group: int = 128  # W4A16: the one group size of every expert projection (formats.awq.expert_group_size)
