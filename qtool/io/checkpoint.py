@@ -158,7 +158,7 @@ class Checkpoint:
             raise CheckpointError("config.json not found", path=root / CONFIG_NAME)
         if (root / HF_QUANT_CONFIG_NAME).exists():
             hq, hq_style = load_json(root / HF_QUANT_CONFIG_NAME, what="hf_quant_config.json")
-        cls._check_config_types(root, config, hq, index)
+        cls.check_config_types(root, config, hq, index)
 
         with no_cyclic_gc():  # ~1M small objects of a 397B header set, none in a cycle
             if index is not None:
@@ -168,7 +168,7 @@ class Checkpoint:
         return cls(root, tensors, headers, index, config, config_style, hq, hq_style)
 
     @staticmethod
-    def _check_config_types(root: Path, config: dict | None, hq: dict | None, index: dict | None = None) -> None:
+    def check_config_types(root: Path, config: dict | None, hq: dict | None, index: dict | None = None) -> None:
         """The config values qtool relies on have the JSON types the producers write; anything else is a
         clear error naming the file and the key (not a TypeError deep inside a plan, and not a wrong value
         carried into an output). The table is CONFIG_TYPES below."""

@@ -23,6 +23,7 @@ from qtool.arch.qwen35 import Group, text_prefix
 from qtool.findings import Code, error
 from qtool.io.checkpoint import Checkpoint
 from qtool.io.dtypes import FLOAT_DTYPES, FP8_DTYPES
+from qtool.io.files import hash_file
 
 MAX_PROBLEMS = 20
 
@@ -397,15 +398,18 @@ class PlannedProblems:
     from the plan's own view of the output (qtool.io.plan.header_checkpoint), found in a thread once
     `begin` is called while the job writes; `result` then reads the scale values back from the written
     files. Valid once every shard is known to hold the header the plan promised (write_output checks the
-    produced ones; `check_written` the others). At the 397B's 372k tensors, opening the written output and
-    mapping it again held quantize's end for 2.4 s on the 2-core VM."""
+    produced ones; `check_written` the others) and every config and index file the bytes planned (the
+    thread checks the planned ones as opening the output would: the configs' field types, the index mapping
+    exactly the shards' tensors; `result` compares the written files' sha256 with theirs). At the 397B's
+    372k tensors, opening the written output and mapping it again held quantize's end for 2.4 s on the
+    2-core VM."""
 
     def __init__(self, plan, root: Path, mm: ModelMap | None = None) -> None:
         """`mm`: the output's model map the planner made already (qtool.io.plan.header_checkpoint as
         written under `root`, KV values not read), or None to make it here."""
         self.plan, self.root, self.mm = plan, Path(root), mm
         self._thread: threading.Thread | None = None
-        self._found: tuple | None = None  # (map, summary, structure problems)
+        self._found: tuple | None = None  # (map, summary, structure problems, side files' planned sha256)
         self._error: BaseException | None = None
 
     def begin(self) -> None:
@@ -424,12 +428,39 @@ class PlannedProblems:
         try:
             jsons = {e.name: e.obj for e in self.plan.entries(Json)}
             config, hq = jsons.get(CONFIG_NAME), jsons.get(HF_QUANT_CONFIG_NAME)
+            Checkpoint.check_config_types(self.root, config, hq)
             mm = self.mm or build_map(header_checkpoint(self.root, self.plan, config, hq, as_written=True),
                                       read_values=False)
             summary = summarize(config, hq)
-            self._found = (mm, summary, structure_problems(mm, summary))
+            self._found = (mm, summary, structure_problems(mm, summary), self._side_files(mm.ckpt))
         except BaseException as e:  # noqa: BLE001 -- raised by result()
             self._error = e
+
+    def _side_files(self, view: Checkpoint) -> dict[str, str]:
+        """The sha256 of each planned config, index and text file, once the index is known to map exactly
+        the planned shards' tensors (what Checkpoint.open would check of the written one)."""
+        import hashlib
+        import json
+
+        from qtool.errors import VerificationError
+        from qtool.io.plan import Index, Json, Text, index_text_of
+
+        digests = {}
+        for e in self.plan.entries(Json, Text, Index):
+            if isinstance(e, Index):
+                data = "".join(index_text_of(e)).encode()
+                held = {name: rel for rel, h in view.headers.items() for name in h.tensors}
+                mapped = json.loads(data).get("weight_map")
+                if mapped != held:
+                    odd = next((n for n in sorted(set(held) | set(mapped or {}))
+                                if (mapped or {}).get(n) != held.get(n)), None)
+                    raise VerificationError("the planned index does not map the planned shards' tensors (a qtool "
+                                            "bug)", path=self.root / e.name, tensor=odd,
+                                            expected=held.get(odd), got=(mapped or {}).get(odd))
+            else:
+                data = self.plan.json_bytes(e) if isinstance(e, Json) else e.text.encode()
+            digests[e.name] = hashlib.sha256(data).hexdigest()
+        return digests
 
     def result(self) -> list:
         """Every problem (Findings), in find_problems' order: the structure's, then the values' read now."""
@@ -439,7 +470,13 @@ class PlannedProblems:
         self._thread.join()
         if self._error is not None:
             raise self._error
-        mm, summary, structure = self._found
+        mm, summary, structure, side = self._found
+        for name, digest in side.items():
+            if hash_file(self.root / name) != digest:
+                from qtool.errors import VerificationError
+
+                raise VerificationError("a written file is not what the plan promised (a qtool bug)",
+                                        path=self.root / name, expected=f"sha256 {digest}")
         mm.read_kv_values()
         return structure + value_problems(mm, summary)
 

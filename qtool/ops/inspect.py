@@ -86,9 +86,8 @@ def find_problems(mm: ModelMap, summary: QuantSummary) -> list[Finding]:
 def structure_problems(mm: ModelMap, summary: QuantSummary) -> list[Finding]:
     """find_problems' part that needs headers and configs only (no tensor value is read): a job can find it
     on its output's planned view while the output is written (qtool.ops.checks.PlannedProblems)."""
-    with no_cyclic_gc():  # a 397B's ~95k modules
-        return (_layout_problems(mm) + _incomplete_quant_modules(mm) + _config_file_disagreement(summary)
-                + _config_vs_tensors(mm, summary))
+    return (_layout_problems(mm) + _incomplete_quant_modules(mm) + _config_file_disagreement(summary)
+            + _config_vs_tensors(mm, summary))
 
 
 def value_problems(mm: ModelMap, summary: QuantSummary) -> list[Finding]:

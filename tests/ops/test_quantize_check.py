@@ -129,3 +129,44 @@ def test_a_carried_over_shard_written_unlike_its_plan_is_refused(tiny_bf16, cali
     with pytest.raises(VerificationError, match="not what the plan promised") as e:
         _quantize(tiny_bf16, out, calib_ids)
     assert "model-rest-00000.safetensors" in str(e.value.path)
+
+
+@pytest.mark.parametrize("wrong", ["written", "planned"])
+def test_an_index_one_entry_short_is_refused(tiny_bf16, calib_ids, tmp_path, monkeypatch, wrong):
+    """The written index (and configs) stand for the planned ones the checks used: their bytes are compared,
+    and the planned index must map exactly the planned shards' tensors (a streamed 397B index is ~40 MB of
+    hand-written JSON: qtool.io.writer.index_text)."""
+    import qtool.io.apply as apply
+    import qtool.io.writer as writer
+
+    owner, name = (apply, "index_text_of") if wrong == "written" else (writer, "index_text")
+    real_text = getattr(owner, name)
+
+    def one_entry_short(*args):
+        text = "".join(real_text(*args))
+        first = text.index('"weight_map": {\n') + len('"weight_map": {\n')  # its first entry's line, dropped
+        return iter([text[:first] + text[text.index("\n", first) + 1:]])
+
+    monkeypatch.setattr(owner, name, one_entry_short)
+    out = tmp_path / "q"
+    with pytest.raises(VerificationError, match="not what the plan promised" if wrong == "written" else
+                       "planned index does not map") as e:
+        _quantize(tiny_bf16, out, calib_ids)
+    assert str(e.value.path).endswith("model.safetensors.index.json")
+
+
+def test_a_config_field_of_the_wrong_type_is_refused(tiny_bf16, calib_ids, tmp_path, monkeypatch):
+    """What Checkpoint.open checks of a config's types is checked of the planned ones."""
+    import qtool.ops.quantize.configs as configs
+
+    made = configs.quant_configs
+
+    def wrong_type(*args, **kwargs):
+        qc, hq = made(*args, **kwargs)
+        return {**qc, "quant_method": 7}, hq
+
+    monkeypatch.setattr(configs, "quant_configs", wrong_type)
+    from qtool.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="quant_method"):
+        _quantize(tiny_bf16, tmp_path / "q", calib_ids)
