@@ -24,9 +24,13 @@ process's end, and the end's parts.
 `--executing` times, instead of the dry run, an executing job up to its first layer: what a user waits for
 before the 397B's first layer starts (an executing run also hashes its plan for the journal, identifies
 its inputs, makes the output directory, starts copying the carried-over shards and embeds the calibration
-tokens). Each run ends itself at the first `LayerStreamer.load_layer` call, and is told the disk has room
-for the output (the sparse checkpoint's real output would be 233 GB; nothing past the early shards is
-written).
+tokens). Each run ends itself at the first `LayerStreamer.load_layer` call once it has the layer's bytes
+(read ahead since the job's start, or read there), and is told the disk has room for the output (the
+sparse checkpoint's real output would be 233 GB; nothing past the early shards is written). Prints the
+seconds from the spawn to that call ("at load") and to the layer's bytes in hand ("read": the process's
+wall). The sparse layer's bytes are holes: a read as fast as the kernel hands out zeros, hashed (the
+input's sha256 from the job's reads) on the same cores, so on a 2-core machine the read and its hash
+slow the plan they overlap.
 
 The runs use a cache dir of their own (`WORKDIR/cache`), filled by one untimed round first (the token ids,
 transformers' package map), as a user's second run finds it. A dry run does not begin the background
@@ -55,7 +59,7 @@ JOBS = {
 BASELINE = "import torch, qtool.cli.main"
 # an executing job, ended at its first layer (see --executing)
 UNTIL_FIRST_LAYER = """
-import os, sys
+import os, sys, time
 import qtool.io.apply
 from qtool.stream.layer_stream import LayerStreamer
 
@@ -63,7 +67,16 @@ for owner, name in ((qtool.io.apply, "free_space"), (LayerStreamer, "load_layer"
     if not callable(getattr(owner, name, None)):  # renamed: the job would run its 397B layers for real
         raise SystemExit(f"bench_plan_397b: {owner.__name__}.{name} is gone; update UNTIL_FIRST_LAYER")
 qtool.io.apply.free_space = lambda path: 1 << 60
-LayerStreamer.load_layer = lambda *args, **kwargs: os._exit(0)
+
+def first_layer(self, idx, *args, **kwargs):
+    print("MARK load", time.time(), file=sys.stderr, flush=True)
+    if self._reader.take(idx) is None:  # not read ahead: read here, as load_layer would
+        from qtool.stream.dequant import layer_tensors
+        self._reader.read_now(layer_tensors(self.mm, idx))
+    print("MARK read", time.time(), file=sys.stderr, flush=True)
+    os._exit(0)
+
+LayerStreamer.load_layer = first_layer
 from qtool.cli.main import console
 
 sys.argv = ["qtool", *sys.argv[1:]]
@@ -182,14 +195,16 @@ def _children_cpu() -> float:
     return u.ru_utime + u.ru_stime
 
 
-def timed(argv: list[str]) -> tuple[float, float]:
-    """(wall, CPU) seconds of one run of `argv` in a fresh process."""
-    c, t = _children_cpu(), time.perf_counter()
+def timed(argv: list[str]) -> tuple[float, float, dict[str, float]]:
+    """(wall, CPU) seconds of one run of `argv` in a fresh process, and the seconds from its spawn to each
+    `MARK name EPOCH` line it printed on stderr."""
+    c, t, t_epoch = _children_cpu(), time.perf_counter(), time.time()
     r = subprocess.run(argv, capture_output=True, text=True, env=ENV)
     wall, cpu = time.perf_counter() - t, _children_cpu() - c
     if r.returncode != 0:
         raise SystemExit(f"{' '.join(argv)} failed ({r.returncode}):\n{r.stderr[-2000:]}")
-    return wall, cpu
+    marks = {x.split()[1]: float(x.split()[2]) - t_epoch for x in r.stderr.splitlines() if x.startswith("MARK ")}
+    return wall, cpu, marks
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     ENV["QTOOL_CACHE_DIR"] = str(args.workdir / "cache")
     if args.end:
         return end_rounds(args)
-    runs: dict[str, list[tuple[float, float]]] = {"baseline": []} | {j: [] for j in jobs}
+    runs: dict[str, list[tuple[float, float, dict]]] = {"baseline": []} | {j: [] for j in jobs}
     for k in range(args.rounds + 1):  # interleaved, so that a slower moment of the machine hits every row
         for name in runs:
             if name == "baseline":
@@ -229,14 +244,23 @@ def main(argv: list[str] | None = None) -> int:
     def median(name: str, k: int) -> float:
         return statistics.median(r[k] for r in runs[name])
 
-    what = "start" if args.executing else "plan"
-    print(f"{'run':<14} {'wall':>8} {'CPU':>8} {what + ': wall':>11} {what + ': CPU':>10}   rounds (wall / CPU)")
+    if args.executing:
+        print(f"{'run':<14} {'at load':>8} {'read':>8} {'CPU':>8}   rounds (at load / read / CPU)")
+        for name, rs in runs.items():
+            if name == "baseline":
+                print(f"{name:<14} {median(name, 0):6.2f} s {'-':>8} {median(name, 1):6.2f} s")
+                continue
+            at = [r[2]["load"] for r in rs]
+            print(f"{name:<14} {statistics.median(at):6.2f} s {median(name, 0):6.2f} s {median(name, 1):6.2f} s   "
+                  + " ".join(f"{a:.2f}/{w:.2f}/{c:.2f}" for a, (w, c, _) in zip(at, rs)))
+        return 0
+    print(f"{'run':<14} {'wall':>8} {'CPU':>8} {'plan: wall':>11} {'plan: CPU':>10}   rounds (wall / CPU)")
     for name, rs in runs.items():
         wall, cpu = median(name, 0), median(name, 1)
         plan = ("-", "-") if name == "baseline" else (f"{wall - median('baseline', 0):.2f} s",
                                                       f"{cpu - median('baseline', 1):.2f} s")
         print(f"{name:<14} {wall:6.2f} s {cpu:6.2f} s {plan[0]:>11} {plan[1]:>10}   "
-              + " ".join(f"{w:.2f}/{c:.2f}" for w, c in rs))
+              + " ".join(f"{w:.2f}/{c:.2f}" for w, c, _ in rs))
     return 0
 
 

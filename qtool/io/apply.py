@@ -158,7 +158,7 @@ def write_output(plan: OutputPlan, tx: OutputDir, *, command: str | None, values
                  on_headers: Callable[[], None] | None = None, check: Callable[[], dict] | None = None,
                  extra: Callable[[], dict] | None = None, shards_section: Path | None = None,
                  progress: bool = False, hash_from_reads: Iterable[str] = (), early_shards: bool = False,
-                 stop: threading.Event | None = None) -> Applied:
+                 stop: threading.Event | None = None, hasher: InputHasher | None = None) -> Applied:
     """Run `plan` in the open transaction `tx` and commit it.
 
     values: the bytes of the plan's Pending sources. produce(): the op's long work (calibration, quantized
@@ -170,24 +170,32 @@ def write_output(plan: OutputPlan, tx: OutputDir, *, command: str | None, values
     hash_from_reads: the input files produce() reads (a layer-streamed job's shards): their sha256 is
     computed from those reads (qtool.io.stream_digest), the bytes it did not need are read once it returns.
     early_shards: the Shard entries that need no Pending value (quantize's embedding, lm_head, vision tower
-    and MTP head, copied) are written while produce() runs, not after its last layer."""
+    and MTP head, copied) are written while produce() runs, not after its last layer.
+    hasher: the transaction's `input_hasher`, where the job began reading before its plan was made (it
+    hashes `hash_from_reads` then); write_output closes it, whatever happens."""
     values = dict(values or {})
     stop = stop or threading.Event()
     partial = tx.partial
-    plan_hash = plan.plan_hash()
-    resuming = tx.resume and (partial / JOURNAL_NAME).exists()
-    journal = Journal(partial / JOURNAL_NAME, plan_hash, input_identity(plan.inputs), tx.resume)
-    check_space(plan, tx, journal)
-    # a resumed run re-hashes its inputs: a cached digest could predate an edit the journal missed
-    hasher = InputHasher(trust_cache=not tx.resume, record=tx.input_digests, from_reads=hash_from_reads)
-    if resuming and journal.done:
-        # units are journaled only once their inputs are on record (InputHasher.on_record): a partial
-        # output without any holds nothing that rests on an input the interrupted run had not hashed
-        hasher.refuse_unproven(plan.inputs, partial)
+    try:
+        plan_hash = plan.plan_hash()
+        resuming = tx.resume and (partial / JOURNAL_NAME).exists()
+        journal = Journal(partial / JOURNAL_NAME, plan_hash, input_identity(plan.inputs), tx.resume)
+        check_space(plan, tx, journal)
+    except BaseException:
+        if hasher is not None:
+            hasher.close()
+        raise
+    hasher = hasher or input_hasher(tx, hash_from_reads)
     applied = Applied(plan_hash)
     try:
+        if resuming and journal.done:
+            # units are journaled only once their inputs are on record (InputHasher.on_record): a partial
+            # output without any holds nothing that rests on an input the interrupted run had not hashed.
+            # Before the other inputs are submitted: their digests would be recorded as if the interrupted
+            # run had made them, and a second --resume would trust them
+            hasher.refuse_unproven(plan.inputs, partial)
         for f in plan.inputs:
-            hasher.submit(f)
+            hasher.submit(f)  # (a no-op for those hashed from reads: input_hasher took them)
         for e in plan.entries(Remove):
             if os.path.lexists(partial / e.name):
                 os.unlink(partial / e.name)
@@ -246,6 +254,24 @@ def write_output(plan: OutputPlan, tx: OutputDir, *, command: str | None, values
     tx.commit()
     _remember_digests(tx.out, files)
     return applied
+
+
+def input_hasher(tx: OutputDir, hash_from_reads: Iterable[str] = ()) -> InputHasher:
+    """The transaction's input hasher, with the files hashed from the job's reads (`hash_from_reads`:
+    qtool.io.stream_digest) submitted: they must be before the job's first read of them. write_output
+    submits the other inputs after its resume check. A job that reads before its output plan is made
+    (quantize's first layer) makes this first and hands it to write_output (and closes it itself on an
+    error before then)."""
+    files = list(hash_from_reads)
+    # a resumed run re-hashes its inputs: a cached digest could predate an edit the journal missed
+    hasher = InputHasher(trust_cache=not tx.resume, record=tx.input_digests, from_reads=files)
+    try:
+        for f in files:
+            hasher.submit(f)
+    except BaseException:
+        hasher.close()
+        raise
+    return hasher
 
 
 def _remember_digests(root: Path, files: dict) -> None:

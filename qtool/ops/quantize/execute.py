@@ -42,13 +42,31 @@ def _journal_key(p: QuantizePlan, digest: str) -> str:
     return h.hexdigest()[:32]
 
 
-def calibrate_and_write(p: QuantizePlan, partial: Path, ids, *, resume: bool, progress=None,
-                        mode: int = 0o644, done=None) -> dict:
-    from qtool.stream.calib_data import token_digest
-    from qtool.stream.layer_stream import DiskStore, LayerStreamer
+def layer_streamer(p: QuantizePlan):
+    from qtool.stream.layer_stream import LayerStreamer
 
-    streamer = LayerStreamer(p.ckpt, device=p.device, batch_tokens=p.options.batch_tokens if p.options else None,
-                             mm=p.mm)
+    return LayerStreamer(p.ckpt, device=p.device, batch_tokens=p.options.batch_tokens if p.options else None,
+                         mm=p.mm)
+
+
+def resume_point(partial: Path, resume: bool) -> int:
+    """The layer a --resume goes on from, as the journal says (0 without one): what execute reads first,
+    before calibrate_and_write has checked that the journal is this job's."""
+    try:
+        return int(json.loads((partial / WORK / JOURNAL).read_text()).get("next_layer", 0)) if resume else 0
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 0
+
+
+def calibrate_and_write(p: QuantizePlan, partial: Path, ids, *, resume: bool, progress=None,
+                        mode: int = 0o644, done=None, streamer=None, prefetched: int | None = None) -> dict:
+    """The layers, calibrated, quantized and written. `streamer`: one that has begun reading layer
+    p.layers[prefetched] (execute). Closed here once the layers have run, or failed: the reads end before
+    the input hasher their bytes go to is closed (write_output)."""
+    from qtool.stream.calib_data import token_digest
+    from qtool.stream.layer_stream import DiskStore
+
+    streamer = streamer or layer_streamer(p)
     g = streamer.group
     n, seq = int(ids.shape[0]), int(ids.shape[1])
     batch = streamer.batch_windows(seq)
@@ -77,7 +95,7 @@ def calibrate_and_write(p: QuantizePlan, partial: Path, ids, *, resume: bool, pr
             return  # rank 0 keeps the journal
         write_json(jpath, {"key": key, "next_layer": next_layer, "current": current, "layers": layer_reports})
 
-    if start < len(p.layers):
+    if start < len(p.layers) and start != prefetched:
         streamer.prefetch(p.layers[start].index)  # the first layer is read while the embeddings are made
     if start == 0:
         streamer.embed_into(ids, store, batch)
@@ -254,7 +272,7 @@ def _quantize_layers(p, partial, streamer, store, seq, batch, start, layer_repor
 def execute(p: QuantizePlan, *, progress=None) -> Report:
     """Calibrate, quantize layer by layer and write (through the output transaction)."""
     opts = p.options
-    report: dict = {"plan": p.to_json()}
+    report: dict = {}
     if p.device.startswith("cuda"):
         import torch
 
@@ -273,9 +291,10 @@ def execute(p: QuantizePlan, *, progress=None) -> Report:
     if not dist.current().leader:  # a data-parallel rank: its share of the forward; rank 0 writes
         from qtool.io.output import partial_path
 
+        report["plan"] = p.to_json()
         report.update(calibrate_and_write(p, partial_path(p.out), ids, resume=opts.resume), rank=dist.current().rank)
         return Report(report)
-    from qtool.io.apply import write_output
+    from qtool.io.apply import input_hasher, write_output
     from qtool.ops.checks import PlannedProblems
     from qtool.stream.layer_stream import streamed_files
 
@@ -286,7 +305,7 @@ def execute(p: QuantizePlan, *, progress=None) -> Report:
 
         layer_done.check = done.check
         report.update(calibrate_and_write(p, tx.partial, ids, resume=opts.resume, progress=progress,
-                                          mode=tx.file_mode, done=layer_done))
+                                          mode=tx.file_mode, done=layer_done, streamer=streamer, prefetched=first))
 
     def check() -> dict:
         from qtool.io.apply import check_written
@@ -300,16 +319,31 @@ def execute(p: QuantizePlan, *, progress=None) -> Report:
                 "summary": problems[0]["message"] if problems else None}
 
     with OutputDir(p.out, sources=[p.ckpt.root], force=opts.force, resume=opts.resume) as tx:
-        # the output's checks on the plan's view of it, found while the layers are written: reading the
-        # 397B's written headers back and mapping them took 2.4 s after its last layer (2-core VM)
-        planned = p.output_map if p.output_map is not None and p.output_map.ckpt.root == tx.partial else None
-        checking = PlannedProblems(p.output, tx.partial, planned)
-        write_output(p.output, tx, command=opts.command, produce=produce, check=check, hash_from_reads=streamed_files(p.ckpt, p.mm), early_shards=True,
-                     extra=lambda: {"calibration": report.get("calibration"), "layers": report["layers"],
-                                    RUN: {"kernels": report.get("kernels")}})
+        # the first layer is read while the output is planned: the input's hashes are taken from the reads
+        # from the first one on, so the hasher comes first
+        hasher = input_hasher(tx, streamed_files(p.ckpt, p.mm))
+        streamer = None
+        try:
+            streamer = layer_streamer(p)
+            first = resume_point(tx.partial, opts.resume)
+            if first < len(p.layers):
+                streamer.prefetch(p.layers[first].index)
+            report["plan"] = p.to_json()  # (makes the output plan)
+            # the output's checks on the plan's view of it, found while the layers are written: reading the
+            # 397B's written headers back and mapping them took 2.4 s after its last layer (2-core VM)
+            planned = p.output_map if p.output_map is not None and p.output_map.ckpt.root == tx.partial else None
+            checking = PlannedProblems(p.output, tx.partial, planned)
+            write_output(p.output, tx, command=opts.command, produce=produce, check=check, hasher=hasher,
+                         early_shards=True,
+                         extra=lambda: {"calibration": report.get("calibration"), "layers": report["layers"],
+                                        RUN: {"kernels": report.get("kernels")}})
+        finally:  # (each a no-op where write_output and calibrate_and_write did it)
+            if streamer is not None:
+                streamer.close()  # before the hasher: its reads hand their bytes to the hasher's digests
+            hasher.close()
     report["output"] = {"output": str(p.out), **p.output.summary, "side_files": p.output.extra["side_files"],
                         "problems": report["problems"]}
-    return Report(report)
+    return Report({"plan": report.pop("plan"), **report})
 
 
 def run(checkpoint: str | Path, *, dry_run: bool = False, progress=None, **options) -> dict:

@@ -112,7 +112,7 @@ class QuantizePlan:
     awq_rows: int
     warnings: list[str] = field(default_factory=list)
     options: "QuantizeOptions | None" = None
-    output: object = None  # every output file: qtool.io.plan.OutputPlan (quantize.output.output_plan)
+    output: object = None  # every output file: qtool.io.plan.OutputPlan, once make_output() has run
     # the output's model map as it will be written in OUT.partial (made with the output plan: its configs'
     # ignore lists come from it, and the output's checks, qtool.ops.checks.PlannedProblems)
     output_map: object = None
@@ -158,9 +158,20 @@ class QuantizePlan:
         # with room to spare: the allocator holds more than it hands out, and two coders' temporaries
         return 1 if self.memory_need(2).problems_within(HEADROOM) else 2
 
+    def make_output(self):
+        """The output plan (quantize.output.output_plan), made once. An executing run makes it while its
+        first layer is read (execute): it is per-tensor Python, 3 s for the 397B's 372k output tensors on
+        the 2-core VM, that delayed the first read. A dry run's to_json makes it too, so that a dry run
+        refuses what the run would."""
+        if self.output is None:
+            from qtool.ops.quantize.output import output_plan
+
+            self.output = output_plan(self)
+        return self.output
+
     def to_json(self) -> dict:
         sp = self.stream
-        out_bytes = sum(s.nbytes for lp in self.layers for s in lp.specs) + sum(s.nbytes for s in self.rest)
+        output = self.make_output()
         return {
             "checkpoint": str(self.ckpt.root),
             "output": str(self.out),
@@ -170,7 +181,8 @@ class QuantizePlan:
             "layers": [{"layer": lp.index, "routed_experts": lp.scheme.value, "full_attention": lp.full_attention,
                         "tensors": len(lp.specs), "shard": lp.shard} for lp in self.layers],
             "carried_over_tensors": len(self.rest),
-            "output_bytes": out_bytes,
+            "output_bytes": output.summary["bytes"],
+            "output_shards": output.summary["shards"],
             "source_bytes": self.ckpt.total_bytes() if hasattr(self.ckpt, "total_bytes") else None,
             "calibration": self.calib.to_json() if self.calib is not None else {
                 "dataset": self.dataset, "samples": self.samples, "seq_len": self.seq_len,
@@ -415,8 +427,6 @@ def plan(opts: QuantizeOptions) -> QuantizePlan:
     p = QuantizePlan(ckpt, mm, recipe, backend, fmt, outp, layers, rest, n_exp, inter, hidden, samples,
                      seq_len, dataset, device, streamer.plan(samples, seq_len), keep, warnings, opts,
                      int4_group=int4_group)
-    from qtool.ops.quantize.output import output_plan
-
     p.calib = calib
     want = recipe.calibration
     if want and (dataset != want["dataset"] or samples * seq_len < want["samples"] * want["seq_len"]):
@@ -427,5 +437,4 @@ def plan(opts: QuantizeOptions) -> QuantizePlan:
     p.memory = p.memory_need()
     if p.memory.warning():
         p.warnings.append(p.memory.warning())
-    p.output = output_plan(p)
-    return p
+    return p  # its output plan: make_output()
