@@ -122,7 +122,8 @@ def init(self, *args, **kwargs):
     hashers.append(self)
 qtool.io.manifest.InputHasher.__init__ = init
 
-def layers(p, partial, ids, *, resume, progress=None, mode=0o644, done=None):
+def layers(p, partial, ids, streamer, *, resume, progress=None, mode=0o644, done=None, prefetched=None):
+    streamer.close()  # the first layer's read begun at the start: a real job's reads are over at its end
     entries = {e.name: e for e in p.output.entries(Produced)}
     for lp in p.layers:
         e = entries[lp.shard]

@@ -69,3 +69,15 @@ def test_bench_plan_397b_executing(tmp_path):
     row = next(line.split() for line in p.stdout.splitlines() if line.startswith("eval-kld"))
     assert len(row) == 8 and 0 < float(row[1]) <= float(row[3]) and float(row[5]) > 0, row
     assert "at load" in p.stdout
+
+
+@pytest.mark.slow
+def test_bench_plan_397b_end(tmp_path):
+    """bench_plan_397b's end mode runs an executing quantize of the sparse 397B whose layers are stand-ins
+    (it replaces calibrate_and_write: a change of its signature must fail here) and prints the end's parts."""
+    p = subprocess.run([sys.executable, str(ROOT / "scripts/bench_plan_397b.py"), "--workdir", str(tmp_path / "w"),
+                        "--rounds", "1", "--end"], capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    row = next(line.split() for line in p.stdout.splitlines() if line.startswith("0 "))
+    parts = dict(x.split("=") for x in row[3:])
+    assert float(row[1]) > 0 and {"check_written", "commit", "rest"} <= set(parts), row

@@ -172,19 +172,17 @@ def write_output(plan: OutputPlan, tx: OutputDir, *, command: str | None, values
     early_shards: the Shard entries that need no Pending value (quantize's embedding, lm_head, vision tower
     and MTP head, copied) are written while produce() runs, not after its last layer.
     hasher: the transaction's `input_hasher`, where the job began reading before its plan was made (it
-    hashes `hash_from_reads` then); write_output closes it, whatever happens."""
+    hashes the files read then; its maker closes it, after the reads have ended)."""
     values = dict(values or {})
     stop = stop or threading.Event()
     partial = tx.partial
-    try:
-        plan_hash = plan.plan_hash()
-        resuming = tx.resume and (partial / JOURNAL_NAME).exists()
-        journal = Journal(partial / JOURNAL_NAME, plan_hash, input_identity(plan.inputs), tx.resume)
-        check_space(plan, tx, journal)
-    except BaseException:
-        if hasher is not None:
-            hasher.close()
-        raise
+    if hasher is not None and hash_from_reads:
+        raise ValueError("hash_from_reads is the hasher's: input_hasher(tx, hash_from_reads)")
+    plan_hash = plan.plan_hash()
+    resuming = tx.resume and (partial / JOURNAL_NAME).exists()
+    journal = Journal(partial / JOURNAL_NAME, plan_hash, input_identity(plan.inputs), tx.resume)
+    check_space(plan, tx, journal)
+    own_hasher = hasher is None
     hasher = hasher or input_hasher(tx, hash_from_reads)
     applied = Applied(plan_hash)
     try:
@@ -242,7 +240,8 @@ def write_output(plan: OutputPlan, tx: OutputDir, *, command: str | None, values
         applied.checks = check() if check is not None else {}
         digests = hasher.results()
     finally:
-        hasher.close()
+        if own_hasher:
+            hasher.close()
     os.unlink(partial / JOURNAL_NAME)
     files = _manifest(plan, tx, digests, command, applied.checks, shards_section, extra() if extra else {})
     if applied.checks and not applied.checks.get("passed", True):
@@ -260,8 +259,8 @@ def input_hasher(tx: OutputDir, hash_from_reads: Iterable[str] = ()) -> InputHas
     """The transaction's input hasher, with the files hashed from the job's reads (`hash_from_reads`:
     qtool.io.stream_digest) submitted: they must be before the job's first read of them. write_output
     submits the other inputs after its resume check. A job that reads before its output plan is made
-    (quantize's first layer) makes this first and hands it to write_output (and closes it itself on an
-    error before then)."""
+    (quantize's first layer) makes this first, hands it to write_output and closes it once its reads
+    have ended."""
     files = list(hash_from_reads)
     # a resumed run re-hashes its inputs: a cached digest could predate an edit the journal missed
     hasher = InputHasher(trust_cache=not tx.resume, record=tx.input_digests, from_reads=files)

@@ -347,6 +347,7 @@ class OutputDir:
         # its flags, so promising their partial to the user would be a promise qtool does not keep
         self.resumable = not replace_any
         self.committed = False
+        self.fresh = False  # whether _prepare made the partial (not a resumed one)
 
     def check(self) -> None:
         """Everything that can be refused before any work: overlap, an existing OUT, a writable parent."""
@@ -397,11 +398,20 @@ class OutputDir:
         if os.path.lexists(self.partial) and (not self.resume or not (self.partial / PARTIAL_MARKER).exists()):
             tell_discarded(self.partial, self.out)
             remove_ours(self.partial)  # a user's own OUT.partial is refused, never removed
+        self.fresh = not os.path.lexists(self.partial)  # (else a resumed one, the interrupted run's work)
         self.partial.mkdir(parents=True, exist_ok=True)
         (self.partial / PARTIAL_MARKER).touch()
 
     def __exit__(self, *exc) -> None:
         self.lock.release()
+
+    def withdraw(self) -> None:
+        """The run was refused before it did any work (an op whose plan is finished inside the transaction:
+        quantize's output plan): its new partial is removed, as if it had never begun; a resumed one is
+        kept, with the interrupted run's work."""
+        if self.fresh:
+            remove_ours(self.partial)
+            forget(self)
 
     def begin(self) -> "OutputDir":
         """`with`-less use: enter now; `commit()` releases the lock (so does the process's exit)."""

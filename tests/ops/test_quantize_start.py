@@ -9,6 +9,7 @@ import hashlib
 import importlib
 import json
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -41,10 +42,17 @@ def reference(tiny_bf16, calib_ids, tmp_path_factory) -> Path:
 
 
 def _events(monkeypatch) -> list:
-    """('read', layer) as each layer's read ahead begins, ('output plan',) as the output plan is made."""
+    """('read', layer, files the input hasher takes from the reads) as each layer's read ahead begins,
+    ('output plan',) as the output plan is made."""
     events: list = []
     start, plan = Prefetcher.start, output_module.output_plan
-    monkeypatch.setattr(Prefetcher, "start", lambda self, key, infos: events.append(("read", key)) or start(self, key, infos))
+
+    def read(self, key, infos):
+        digests = StreamDigests.active
+        events.append(("read", key, len(digests.files) if digests is not None else 0))
+        return start(self, key, infos)
+
+    monkeypatch.setattr(Prefetcher, "start", read)
     monkeypatch.setattr(output_module, "output_plan", lambda p: events.append(("output plan",)) or plan(p))
     return events
 
@@ -69,11 +77,19 @@ def test_the_first_layer_is_read_while_the_output_is_planned(tiny_bf16, calib_id
                                                              monkeypatch):
     from qtool.ops.quantize import run
 
+    monkeypatch.setenv("QTOOL_CACHE_DIR", str(tmp_path / "cache"))  # no digest on record: hashed from the reads
     events = _events(monkeypatch)
     out = tmp_path / "q"
     rep = run(tiny_bf16, out=out, recipe=load_recipe(RECIPE), calib_ids=calib_ids)
-    assert events[:2] == [("read", 0), ("output plan",)]
-    assert events.count(("read", 0)) == 1  # not read again when the layers begin
+    from qtool.io.checkpoint import Checkpoint
+    from qtool.stream.layer_stream import streamed_files
+
+    shards = len(streamed_files(Checkpoint.open(tiny_bf16)))
+    assert shards > 0
+    # the input's hashes taken from the reads from the first one on (a read before the hasher: its bytes
+    # read again by the hash); not read again when the layers begin
+    assert events[:2] == [("read", 0, shards), ("output plan",)]
+    assert [e for e in events if e[:2] == ("read", 0)] == [events[0]]
     assert rep["output"]["problems"] == [] and rep["plan"]["output_shards"] == rep["output"]["shards"]
     _same_files(out, reference)
     _digests_are_the_inputs(out, tiny_bf16)  # the reads begun before the plan were hashed
@@ -97,7 +113,8 @@ def test_a_resume_reads_the_layer_it_goes_on_from_first(tiny_bf16, calib_ids, re
     events = _events(monkeypatch)
     rep = run(tiny_bf16, out=out, recipe=load_recipe(RECIPE), calib_ids=calib_ids, resume=True)
     assert rep["resumed_from_layer"] == 2
-    assert events[:2] == [("read", 2), ("output plan",)] and events.count(("read", 2)) == 1
+    assert [e[:2] for e in events[:2]] == [("read", 2), ("output plan",)]
+    assert len([e for e in events if e[:2] == ("read", 2)]) == 1
     _same_files(out, reference)
 
 
@@ -105,22 +122,31 @@ def test_a_plan_that_fails_after_the_read_began_leaves_nothing_running(tiny_bf16
                                                                       monkeypatch):
     from qtool.ops.quantize import run
 
+    from qtool.stream import layer_read
+
     before = set(threading.enumerate())
+    reading = threading.Event()
+    slow_read = layer_read.pread_exact
+
+    def slow(*args, **kwargs):  # the read still running when the plan fails
+        reading.set()
+        time.sleep(0.05)
+        return slow_read(*args, **kwargs)
 
     def fails(p):
+        assert reading.wait(10)
         raise PlanError("an output plan that fails", path=p.out)
 
+    monkeypatch.setattr(layer_read, "pread_exact", slow)
     monkeypatch.setattr(output_module, "output_plan", fails)
-    read = []
-    start = Prefetcher.start
-    monkeypatch.setattr(Prefetcher, "start", lambda self, key, infos: read.append(key) or start(self, key, infos))
     out = tmp_path / "q"
     with pytest.raises(PlanError, match="an output plan that fails"):
         run(tiny_bf16, out=out, recipe=load_recipe(RECIPE), calib_ids=calib_ids)
-    assert read == [0]  # it had begun
     left = [t.name for t in set(threading.enumerate()) - before if t.is_alive()]
     assert not [n for n in left if n.startswith(("qtool-layer-read", "qtool-stream-sha256", "qtool-sha256"))], left
-    assert StreamDigests.active is None and not out.exists()
+    assert StreamDigests.active is None
+    # refused by its plan: nothing of the run is left, as of a refusal before the output is opened
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
     monkeypatch.undo()
     run(tiny_bf16, out=out, recipe=load_recipe(RECIPE), calib_ids=calib_ids)  # and the next run is not in its way
     _same_files(out, reference)

@@ -12,12 +12,14 @@ and checked (qtool.ops.inspect.find_problems finds nothing).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
 import time
 from pathlib import Path
+from typing import Iterator
 
 from qtool.errors import PlanError, UsageError
 from qtool.io.jsonio import load_json, write_json
@@ -42,31 +44,37 @@ def _journal_key(p: QuantizePlan, digest: str) -> str:
     return h.hexdigest()[:32]
 
 
-def layer_streamer(p: QuantizePlan):
+@contextlib.contextmanager
+def first_layer_read(p: QuantizePlan, partial: Path) -> Iterator[tuple[object, int]]:
+    """(a LayerStreamer, the run's first layer) with that layer's read begun: a --resume's next layer, as
+    its journal says (0 without one; calibrate_and_write checks the journal is this job's). The rest of
+    the start (the output plan: 3 s of per-tensor Python for the 397B's 372k output tensors on the 2-core
+    VM) runs while it is read. The streamer is closed on the way out (its reads end there)."""
     from qtool.stream.layer_stream import LayerStreamer
 
-    return LayerStreamer(p.ckpt, device=p.device, batch_tokens=p.options.batch_tokens if p.options else None,
-                         mm=p.mm)
-
-
-def resume_point(partial: Path, resume: bool) -> int:
-    """The layer a --resume goes on from, as the journal says (0 without one): what execute reads first,
-    before calibrate_and_write has checked that the journal is this job's."""
+    streamer = LayerStreamer(p.ckpt, device=p.device, mm=p.mm,
+                             batch_tokens=p.options.batch_tokens if p.options else None)
     try:
-        return int(json.loads((partial / WORK / JOURNAL).read_text()).get("next_layer", 0)) if resume else 0
-    except (OSError, ValueError, TypeError, AttributeError):
-        return 0
+        first = 0
+        if p.options is not None and p.options.resume:
+            try:
+                first = int(json.loads((partial / WORK / JOURNAL).read_text()).get("next_layer", 0))
+            except (OSError, ValueError, TypeError, AttributeError):
+                pass  # no journal, or not one to resume from: calibrate_and_write says which
+        if 0 <= first < len(p.layers):
+            streamer.prefetch(p.layers[first].index)
+        yield streamer, first
+    finally:
+        streamer.close()
 
 
-def calibrate_and_write(p: QuantizePlan, partial: Path, ids, *, resume: bool, progress=None,
-                        mode: int = 0o644, done=None, streamer=None, prefetched: int | None = None) -> dict:
-    """The layers, calibrated, quantized and written. `streamer`: one that has begun reading layer
-    p.layers[prefetched] (execute). Closed here once the layers have run, or failed: the reads end before
-    the input hasher their bytes go to is closed (write_output)."""
+def calibrate_and_write(p: QuantizePlan, partial: Path, ids, streamer, *, resume: bool, progress=None,
+                        mode: int = 0o644, done=None, prefetched: int | None = None) -> dict:
+    """The layers, calibrated, quantized and written, through `streamer` (first_layer_read's, which has
+    begun reading p.layers[prefetched] and closes it)."""
     from qtool.stream.calib_data import token_digest
     from qtool.stream.layer_stream import DiskStore
 
-    streamer = streamer or layer_streamer(p)
     g = streamer.group
     n, seq = int(ids.shape[0]), int(ids.shape[1])
     batch = streamer.batch_windows(seq)
@@ -101,10 +109,8 @@ def calibrate_and_write(p: QuantizePlan, partial: Path, ids, *, resume: bool, pr
         streamer.embed_into(ids, store, batch)
         save(0, store.current)
     t0 = time.perf_counter()
-    try:
-        _quantize_layers(p, partial, streamer, store, seq, batch, start, layer_reports, save, progress, mode, done)
-    finally:
-        streamer.close()
+    _quantize_layers(p, partial, streamer, store, seq, batch, start, layer_reports, save, progress, mode, done)
+    streamer.close()  # (the reads are over: the GPU peak into the clock reported here)
     return {"layers": layer_reports, "seconds": time.perf_counter() - t0, "resumed_from_layer": start,
             "timing": streamer.clock, "kernels": streamer.kernels}
 
@@ -291,9 +297,11 @@ def execute(p: QuantizePlan, *, progress=None) -> Report:
     if not dist.current().leader:  # a data-parallel rank: its share of the forward; rank 0 writes
         from qtool.io.output import partial_path
 
-        report["plan"] = p.to_json()
-        report.update(calibrate_and_write(p, partial_path(p.out), ids, resume=opts.resume), rank=dist.current().rank)
-        return Report(report)
+        with first_layer_read(p, partial_path(p.out)) as (streamer, first):
+            report["plan"] = p.to_json()  # (makes the output plan, as rank 0 does)
+            report.update(calibrate_and_write(p, partial_path(p.out), ids, streamer, resume=opts.resume,
+                                              prefetched=first), rank=dist.current().rank)
+        return Report({"plan": report.pop("plan"), **report})
     from qtool.io.apply import input_hasher, write_output
     from qtool.ops.checks import PlannedProblems
     from qtool.stream.layer_stream import streamed_files
@@ -304,8 +312,8 @@ def execute(p: QuantizePlan, *, progress=None) -> Report:
             checking.begin()  # from the first layer written on: the start has nothing to share its CPU with
 
         layer_done.check = done.check
-        report.update(calibrate_and_write(p, tx.partial, ids, resume=opts.resume, progress=progress,
-                                          mode=tx.file_mode, done=layer_done, streamer=streamer, prefetched=first))
+        report.update(calibrate_and_write(p, tx.partial, ids, streamer, resume=opts.resume, progress=progress,
+                                          mode=tx.file_mode, done=layer_done, prefetched=first))
 
     def check() -> dict:
         from qtool.io.apply import check_written
@@ -322,25 +330,23 @@ def execute(p: QuantizePlan, *, progress=None) -> Report:
         # the first layer is read while the output is planned: the input's hashes are taken from the reads
         # from the first one on, so the hasher comes first
         hasher = input_hasher(tx, streamed_files(p.ckpt, p.mm))
-        streamer = None
+        planned = False
         try:
-            streamer = layer_streamer(p)
-            first = resume_point(tx.partial, opts.resume)
-            if first < len(p.layers):
-                streamer.prefetch(p.layers[first].index)
-            report["plan"] = p.to_json()  # (makes the output plan)
-            # the output's checks on the plan's view of it, found while the layers are written: reading the
-            # 397B's written headers back and mapping them took 2.4 s after its last layer (2-core VM)
-            planned = p.output_map if p.output_map is not None and p.output_map.ckpt.root == tx.partial else None
-            checking = PlannedProblems(p.output, tx.partial, planned)
-            write_output(p.output, tx, command=opts.command, produce=produce, check=check, hasher=hasher,
-                         early_shards=True,
-                         extra=lambda: {"calibration": report.get("calibration"), "layers": report["layers"],
-                                        RUN: {"kernels": report.get("kernels")}})
-        finally:  # (each a no-op where write_output and calibrate_and_write did it)
-            if streamer is not None:
-                streamer.close()  # before the hasher: its reads hand their bytes to the hasher's digests
-            hasher.close()
+            with first_layer_read(p, tx.partial) as (streamer, first):
+                report["plan"] = p.to_json()  # (makes the output plan)
+                planned = True
+                # the output's checks on the plan's view of it, found while the layers are written: reading
+                # the 397B's written headers back and mapping them took 2.4 s after its last layer (2-core VM)
+                view = p.output_map if p.output_map is not None and p.output_map.ckpt.root == tx.partial else None
+                checking = PlannedProblems(p.output, tx.partial, view)
+                write_output(p.output, tx, command=opts.command, produce=produce, check=check, hasher=hasher,
+                             early_shards=True,
+                             extra=lambda: {"calibration": report.get("calibration"), "layers": report["layers"],
+                                            RUN: {"kernels": report.get("kernels")}})
+        finally:
+            hasher.close()  # (after the streamer: its reads hand their bytes to the hasher's digests)
+            if not planned:  # refused by its output plan: nothing is left of the run, as of a refusal in plan()
+                tx.withdraw()
     report["output"] = {"output": str(p.out), **p.output.summary, "side_files": p.output.extra["side_files"],
                         "problems": report["problems"]}
     return Report({"plan": report.pop("plan"), **report})
