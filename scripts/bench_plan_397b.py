@@ -2,7 +2,7 @@
 """How long the streamed jobs plan at the real 397B's tensor count, before any layer is read.
 
     python scripts/bench_plan_397b.py --workdir /tmp/plan397 [--rounds 3] [--jobs quantize,calibrate-kv,eval-kld]
-        [--executing]
+        [--executing [--device cuda]] [--end]
 
 The layer benches (scripts/bench_real_layers.py) run 2-3 real-size layers, so a plan's per-tensor work is
 20-30x smaller there than for the 60-layer model: quantize of the 397B plans 372k output tensors (every
@@ -215,6 +215,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", default=",".join(JOBS))
     ap.add_argument("--executing", action="store_true",
                     help="time an executing job up to its first layer instead of the dry run")
+    ap.add_argument("--device", default="cpu",
+                    help="--executing: the jobs' device (cuda: the first layer is read through pinned staging "
+                         "buffers to the GPU, as a user's job reads it; cpu: into fresh host memory)")
+    ap.add_argument("--cache-filled", action="store_true",
+                    help="an earlier run of this bench filled WORKDIR/cache: no untimed round first")
     ap.add_argument("--end", action="store_true",
                     help="time an executing quantize after its last layer (stand-in layers) instead")
     args = ap.parse_args(argv)
@@ -228,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.end:
         return end_rounds(args)
     runs: dict[str, list[tuple[float, float, dict]]] = {"baseline": []} | {j: [] for j in jobs}
-    for k in range(args.rounds + 1):  # interleaved, so that a slower moment of the machine hits every row
+    first_round = 1 if args.cache_filled else 0  # round 0 (untimed) fills the cache dir
+    for k in range(first_round, args.rounds + 1):  # interleaved: a slower moment of the machine hits every row
         for name in runs:
             if name == "baseline":
                 argv = [sys.executable, "-c", BASELINE]
@@ -236,12 +242,16 @@ def main(argv: list[str] | None = None) -> int:
                 for out in args.workdir.glob("out-*"):  # a fresh output each run, as a user's first
                     shutil.rmtree(out)
                 few = ["--windows", "1"] if name == "eval-kld" else ["--samples", "1"]  # a small calibration set
-                argv = [sys.executable, "-c", UNTIL_FIRST_LAYER, *JOBS[name](args.workdir), *few, "--seq-len", "16"]
+                argv = [sys.executable, "-c", UNTIL_FIRST_LAYER, *JOBS[name](args.workdir), *few, "--seq-len", "16",
+                        "--device", args.device]
             else:
                 argv = [sys.executable, "-m", "qtool", *JOBS[name](args.workdir), "--dry-run", "--json"]
             t = timed(argv)
             if k > 0:  # round 0 fills the cache dir
                 runs[name].append(t)
+    if args.rounds == 0:
+        return 0  # (the cache dir filled, for --cache-filled runs)
+
     def median(name: str, k: int) -> float:
         return statistics.median(r[k] for r in runs[name])
 
