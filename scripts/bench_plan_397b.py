@@ -175,6 +175,18 @@ def record_source_digests(workdir: Path, source: Path) -> None:
     cache.save()
 
 
+def evict(source: Path) -> None:
+    """The source's pages dropped from the page cache (its next read comes from the disk)."""
+    for f in sorted(source.iterdir()):
+        if f.is_file():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
 def build(workdir: Path, jobs: list[str]) -> None:
     from qtool.fixtures.sparse import build_sparse
     from qtool.fixtures.tokenizer import save_tokenizer_files
@@ -218,6 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu",
                     help="--executing: the jobs' device (cuda: the first layer is read through pinned staging "
                          "buffers to the GPU, as a user's job reads it; cpu: into fresh host memory)")
+    ap.add_argument("--evict-input", action="store_true",
+                    help="--executing: the job's input evicted from the page cache before each run "
+                         "(posix_fadvise DONTNEED): the first layer read from the disk, where its bytes are "
+                         "data, not holes")
     ap.add_argument("--cache-filled", action="store_true",
                     help="an earlier run of this bench filled WORKDIR/cache: no untimed round first")
     ap.add_argument("--end", action="store_true",
@@ -241,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
             elif args.executing:
                 for out in args.workdir.glob("out-*"):  # a fresh output each run, as a user's first
                     shutil.rmtree(out)
+                if args.evict_input:
+                    evict(args.workdir / SOURCES[name])
                 few = ["--windows", "1"] if name == "eval-kld" else ["--samples", "1"]  # a small calibration set
                 argv = [sys.executable, "-c", UNTIL_FIRST_LAYER, *JOBS[name](args.workdir), *few, "--seq-len", "16",
                         "--device", args.device]
