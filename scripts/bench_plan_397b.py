@@ -175,18 +175,6 @@ def record_source_digests(workdir: Path, source: Path) -> None:
     cache.save()
 
 
-def evict(source: Path) -> None:
-    """The source's pages dropped from the page cache (its next read comes from the disk)."""
-    for f in sorted(source.iterdir()):
-        if f.is_file():
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
 def build(workdir: Path, jobs: list[str]) -> None:
     from qtool.fixtures.sparse import build_sparse
     from qtool.fixtures.tokenizer import save_tokenizer_files
@@ -257,8 +245,10 @@ def main(argv: list[str] | None = None) -> int:
             elif args.executing:
                 for out in args.workdir.glob("out-*"):  # a fresh output each run, as a user's first
                     shutil.rmtree(out)
-                if args.evict_input:
-                    evict(args.workdir / SOURCES[name])
+                if args.evict_input:  # (its next read comes from the disk)
+                    from qtool.fixtures.page_cache import evict
+
+                    evict(f for f in sorted((args.workdir / SOURCES[name]).iterdir()) if f.is_file())
                 few = ["--windows", "1"] if name == "eval-kld" else ["--samples", "1"]  # a small calibration set
                 argv = [sys.executable, "-c", UNTIL_FIRST_LAYER, *JOBS[name](args.workdir), *few, "--seq-len", "16",
                         "--device", args.device]

@@ -152,12 +152,9 @@ def drop_caches(files: list[Path] | None = None) -> bool:
     try:
         os.sync()
         if COLD_INPUT_ONLY and files is not None:
-            for f in files:
-                fd = os.open(f, os.O_RDONLY)
-                try:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                finally:
-                    os.close(fd)
+            from qtool.fixtures.page_cache import evict
+
+            evict(files)
             return True
         Path("/proc/sys/vm/drop_caches").write_text("3\n")
         return True

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import pytest
 
+from qtool.fixtures.page_cache import evict
+
 
 
 def _shards(root: Path) -> list[Path]:
@@ -39,13 +41,7 @@ def _run_dropping_pages(args: list[str], files: list[Path], env: dict) -> int:
 
     def drop() -> None:
         while not stop.is_set():
-            for f in files:
-                try:
-                    fd = os.open(f, os.O_RDONLY)
-                except OSError:
-                    continue
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                os.close(fd)
+            evict(files)
             stop.wait(0.05)
 
     t = threading.Thread(target=drop, daemon=True)
