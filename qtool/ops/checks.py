@@ -462,6 +462,12 @@ class PlannedProblems:
             digests[e.name] = hashlib.sha256(data).hexdigest()
         return digests
 
+    def found_early(self) -> list:
+        """The structure's problems if the thread has found them by now (else []; its error, if it failed,
+        is raised by `result`): a job that writes for an hour stops at the next layer, not at its end."""
+        found = self._found
+        return list(found[2]) if found is not None else []
+
     def result(self) -> list:
         """Every problem (Findings), in find_problems' order: the structure's, then the values' read now."""
         from qtool.ops.inspect import value_problems

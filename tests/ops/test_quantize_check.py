@@ -102,10 +102,14 @@ def test_a_config_unlike_the_tensors_fails_the_check(tiny_bf16, calib_ids, tmp_p
 
     monkeypatch.setattr(configs, "quant_configs", without_lm_head)
     out = tmp_path / "q"
-    with pytest.raises(VerificationError, match="failed its checks"):
+    with pytest.raises(VerificationError) as e:
         _quantize(tiny_bf16, out, calib_ids)
-    problems = _failed_checks(out)
-    assert {p["code"] for p in problems} == {"bf16-but-not-ignored"} and "lm_head" in problems[0]["message"]
+    if "failed its checks" in e.value.message:  # found at the end (the check's thread had not run sooner)
+        problems = _failed_checks(out)
+        assert {p["code"] for p in problems} == {"bf16-but-not-ignored"} and "lm_head" in problems[0]["message"]
+    else:  # found a layer or two in: the job stopped there
+        assert "the planned output has" in e.value.message and not out.exists()
+        assert str(e.value.got).startswith("bf16-but-not-ignored: ") and "lm_head" in str(e.value.got)
 
 
 def test_a_carried_over_shard_written_unlike_its_plan_is_refused(tiny_bf16, calib_ids, tmp_path, monkeypatch):
@@ -170,3 +174,39 @@ def test_a_config_field_of_the_wrong_type_is_refused(tiny_bf16, calib_ids, tmp_p
 
     with pytest.raises(ConfigError, match="quant_method"):
         _quantize(tiny_bf16, tmp_path / "q", calib_ids)
+
+
+def test_a_structure_problem_stops_the_job_at_the_next_layer(tiny_bf16, calib_ids, tmp_path, monkeypatch):
+    """The structure's problems are known a layer or two into the job (a wrong plan: a qtool bug); the job
+    stops there with the problem, not after its last layer (an hour later at the 397B)."""
+    import threading
+
+    import qtool.ops.inspect
+    from qtool.findings import Code, error
+
+    layer_module = importlib.import_module("qtool.ops.quantize.layer")
+    found = threading.Event()
+    real_problems = qtool.ops.inspect.structure_problems
+
+    def planted(mm, summary):
+        problems = real_problems(mm, summary) + [error(Code.MISSING_TENSOR, "model.language_model.layers.0",
+                                                       "a planted problem")]
+        found.set()
+        return problems
+
+    written = []
+    real_write = layer_module.write_layer_shard
+
+    def write(path, lp, *a, **k):
+        if lp.index >= 2:
+            assert found.wait(60)  # the check has run by the third layer (deterministic: no race with it)
+        written.append(lp.index)
+        return real_write(path, lp, *a, **k)
+
+    monkeypatch.setattr(qtool.ops.inspect, "structure_problems", planted)
+    monkeypatch.setattr(layer_module, "write_layer_shard", write)
+    out = tmp_path / "q"
+    with pytest.raises(VerificationError, match="the planned output has 1 problem") as e:
+        _quantize(tiny_bf16, out, calib_ids)
+    assert "a planted problem" in str(e.value.got)
+    assert len(written) < 8 and not out.exists()  # of the tiny model's 8 layers

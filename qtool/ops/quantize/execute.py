@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from qtool.errors import PlanError, UsageError
+from qtool.errors import PlanError, UsageError, VerificationError
 from qtool.io.jsonio import load_json, write_json
 from qtool.io.manifest import RUN
 from qtool.io.identity import input_identity, tensor_list_text
@@ -310,6 +310,12 @@ def execute(p: QuantizePlan, *, progress=None) -> Report:
         def layer_done(name: str, sha256=None) -> None:
             done(name, sha256)
             checking.begin()  # from the first layer written on: the start has nothing to share its CPU with
+            problems = checking.found_early()
+            if problems:  # the plan itself is wrong (a qtool bug): the end's check would fail it, an hour later
+                raise VerificationError(f"the planned output has {len(problems)} problem(s); stopped at "
+                                        f"{name}", path=tx.partial,
+                                        got="; ".join(f"{x.code.value}: {x.message}" for x in problems[:3]),
+                                        hint="this is a qtool bug: please report it with this message")
 
         layer_done.check = done.check
         report.update(calibrate_and_write(p, tx.partial, ids, streamer, resume=opts.resume, progress=progress,
