@@ -335,9 +335,9 @@ def execute(p: QuantizePlan, *, progress=None) -> Report:
     with OutputDir(p.out, sources=[p.ckpt.root], force=opts.force, resume=opts.resume) as tx:
         # the first layer is read while the output is planned: the input's hashes are taken from the reads
         # from the first one on, so the hasher comes first
-        hasher = input_hasher(tx, streamed_files(p.ckpt, p.mm))
-        planned = False
+        hasher, planned = None, False
         try:
+            hasher = input_hasher(tx, streamed_files(p.ckpt, p.mm))
             with first_layer_read(p, tx.partial) as (streamer, first):
                 report["plan"] = p.to_json()  # (makes the output plan)
                 planned = True
@@ -350,8 +350,9 @@ def execute(p: QuantizePlan, *, progress=None) -> Report:
                              extra=lambda: {"calibration": report.get("calibration"), "layers": report["layers"],
                                             RUN: {"kernels": report.get("kernels")}})
         finally:
-            hasher.close()  # (after the streamer: its reads hand their bytes to the hasher's digests)
-            if not planned:  # refused by its output plan: nothing is left of the run, as of a refusal in plan()
+            if hasher is not None:
+                hasher.close()  # (after the streamer: its reads hand their bytes to the hasher's digests)
+            if not planned:  # refused by (or before) its output plan: nothing is left, as of a refusal in plan()
                 tx.withdraw()
     report["output"] = {"output": str(p.out), **p.output.summary, "side_files": p.output.extra["side_files"],
                         "problems": report["problems"]}
