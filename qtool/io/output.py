@@ -407,10 +407,14 @@ class OutputDir:
 
     def withdraw(self) -> None:
         """The run was refused before it did any work (an op whose plan is finished inside the transaction:
-        quantize's output plan): its new partial is removed, as if it had never begun; a resumed one is
-        kept, with the interrupted run's work."""
+        quantize's output plan): its new partial is removed (an interrupted run's, which a run without
+        --resume discards as it begins, is gone already); a resumed one is kept, with the interrupted run's
+        work. Never raises: the refusal is the error to report."""
         if self.fresh:
-            remove_ours(self.partial)
+            try:
+                remove_ours(self.partial)
+            except (OSError, WriteError):
+                return
             forget(self)
 
     def begin(self) -> "OutputDir":

@@ -463,8 +463,10 @@ class PlannedProblems:
         return digests
 
     def found_early(self) -> list:
-        """The structure's problems if the thread has found them by now (else []; its error, if it failed,
-        is raised by `result`): a job that writes for an hour stops at the next layer, not at its end."""
+        """The structure's problems if the thread has found them by now (else []; the error it failed with,
+        raised): a job that writes for an hour stops at the next layer, not at its end."""
+        if self._error is not None:  # (a plan the thread could not check: the planned index, a config)
+            raise self._error
         found = self._found
         return list(found[2]) if found is not None else []
 

@@ -110,6 +110,18 @@ def test_a_resume_reads_the_layer_it_goes_on_from_first(tiny_bf16, calib_ids, re
     with pytest.raises(KeyboardInterrupt):
         run(tiny_bf16, out=out, recipe=load_recipe(RECIPE), calib_ids=calib_ids)
     monkeypatch.setattr(layer_module, "write_layer_shard", real)
+    partial = tmp_path / "r.partial"
+    kept = sorted(f.name for f in partial.glob("*.safetensors"))
+    assert "model-layer-00001.safetensors" in kept
+
+    def fails(p):
+        raise PlanError("an output plan that fails", path=p.out)
+
+    monkeypatch.setattr(output_module, "output_plan", fails)
+    with pytest.raises(PlanError, match="an output plan that fails"):  # a --resume refused by its plan
+        run(tiny_bf16, out=out, recipe=load_recipe(RECIPE), calib_ids=calib_ids, resume=True)
+    assert sorted(f.name for f in partial.glob("*.safetensors")) == kept  # keeps the interrupted run's work
+    monkeypatch.undo()
     events = _events(monkeypatch)
     rep = run(tiny_bf16, out=out, recipe=load_recipe(RECIPE), calib_ids=calib_ids, resume=True)
     assert rep["resumed_from_layer"] == 2
