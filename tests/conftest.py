@@ -71,6 +71,15 @@ def tiny_bf16(tiny_cache) -> Path:
     return tiny_cache.path("bf16")
 
 
+@pytest.fixture(scope="module")
+def calib_ids(tiny_bf16):
+    """The tiny model's calibration windows: the ones build_nvfp4_modelopt calibrated on (the quantize
+    tests' default; a module's own tensors, as each of them had)."""
+    from qtool.fixtures.tiny import _calib_ids
+
+    return _calib_ids(tiny_bf16, None)
+
+
 @pytest.fixture(scope="session")
 def tiny_bf16_fused(tiny_cache) -> Path:
     return tiny_cache.path("bf16_fused")

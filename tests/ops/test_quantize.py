@@ -22,13 +22,6 @@ def _tensors(root):
 
 
 @pytest.fixture(scope="module")
-def calib_ids(tiny_bf16):
-    from qtool.fixtures.tiny import _calib_ids
-
-    return _calib_ids(tiny_bf16, None)  # the windows build_nvfp4_modelopt calibrated on
-
-
-@pytest.fixture(scope="module")
 def q_modelopt(tiny_bf16, calib_ids, tmp_path_factory):
     from qtool.ops.quantize import run
 

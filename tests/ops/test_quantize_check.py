@@ -21,13 +21,6 @@ from qtool.recipes import load_recipe
 execute = importlib.import_module("qtool.ops.quantize.execute")  # the package exports execute()
 
 
-@pytest.fixture(scope="module")
-def calib_ids(tiny_bf16):
-    from qtool.fixtures.tiny import _calib_ids
-
-    return _calib_ids(tiny_bf16, None)
-
-
 def _quantize(src, out, calib_ids):
     from qtool.ops.quantize import run
 

@@ -22,13 +22,6 @@ def _tensors(root):
     return {n: t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for n, t in ts.items()}
 
 
-@pytest.fixture(scope="module")
-def calib_ids(tiny_bf16):
-    from qtool.fixtures.tiny import _calib_ids
-
-    return _calib_ids(tiny_bf16, None)
-
-
 def test_cuda_quantize_matches_cpu(tiny_bf16, calib_ids, tmp_path):
     from qtool.ops.quantize import run
 

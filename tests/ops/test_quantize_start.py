@@ -25,13 +25,6 @@ RECIPE = "qwen35-nvfp4-experts"
 
 
 @pytest.fixture(scope="module")
-def calib_ids(tiny_bf16):
-    from qtool.fixtures.tiny import _calib_ids
-
-    return _calib_ids(tiny_bf16, None)
-
-
-@pytest.fixture(scope="module")
 def reference(tiny_bf16, calib_ids, tmp_path_factory) -> Path:
     """An uninterrupted run's output."""
     from qtool.ops.quantize import run

@@ -297,10 +297,11 @@ def execute(p: QuantizePlan, *, progress=None) -> Report:
     if not dist.current().leader:  # a data-parallel rank: its share of the forward; rank 0 writes
         from qtool.io.output import partial_path
 
-        with first_layer_read(p, partial_path(p.out)) as (streamer, first):
+        partial = partial_path(p.out)
+        with first_layer_read(p, partial) as (streamer, first):
             report["plan"] = p.to_json()  # (makes the output plan, as rank 0 does)
-            report.update(calibrate_and_write(p, partial_path(p.out), ids, streamer, resume=opts.resume,
-                                              prefetched=first), rank=dist.current().rank)
+            report.update(calibrate_and_write(p, partial, ids, streamer, resume=opts.resume, prefetched=first),
+                          rank=dist.current().rank)
         return Report({"plan": report.pop("plan"), **report})
     from qtool.io.apply import input_hasher, write_output
     from qtool.ops.checks import PlannedProblems
