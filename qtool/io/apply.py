@@ -71,6 +71,8 @@ class _Countdown:
 
 
 def check_space(plan: OutputPlan, tx: OutputDir, journal: Journal) -> None:
+    """Refuse a run whose output does not fit the free space, before any work: the partial output this run
+    made is withdrawn (nothing is left behind for every command at once), a resumed one kept."""
     need = 0
     for e in plan.files:
         if isinstance(e, Remove) or journal.file_done(tx.partial, e.name):
@@ -80,8 +82,9 @@ def check_space(plan: OutputPlan, tx: OutputDir, journal: Journal) -> None:
         need += plan.file_size(e)
     have = free_space(tx.partial)
     if have < need + SPACE_MARGIN:
+        tx.withdraw()
         raise WriteError(
-            "not enough free disk space for the output", path=tx.partial,
+            "not enough free disk space for the output", path=tx.out,
             expected=f"{need + SPACE_MARGIN} bytes free", got=f"{have} bytes free",
             hint="free space, choose another -o, or put the output on the source's filesystem so unchanged "
             "shards are links that take no space")

@@ -104,9 +104,17 @@ class InPlaceDir(OutputDir):
         if self.partial.exists() and not self.resume:
             tell_discarded(self.partial, self.out)
             shutil.rmtree(self.partial)
+        self.fresh = not self.partial.exists()  # (else a resumed one, the interrupted run's work)
         self.partial.mkdir(exist_ok=True)
         (self.partial / self.BUILDING).touch()
         self._link_tree()
+
+    def withdraw(self) -> None:
+        """OutputDir.withdraw's promise: the new state this run began (links of the checkpoint's files) is
+        removed, a resumed one kept; never raises."""
+        if self.fresh:
+            shutil.rmtree(self.partial, ignore_errors=True)
+            forget(self)
 
     @classmethod
     def tidy(cls, root: str | Path) -> None:

@@ -407,7 +407,8 @@ class OutputDir:
 
     def withdraw(self) -> None:
         """The run was refused before it did any work (an op whose plan is finished inside the transaction:
-        quantize's output plan): its new partial is removed (an interrupted run's, which a run without
+        quantize's output plan; the output's free-space check, qtool.io.apply.check_space): its new
+        partial is removed (an interrupted run's, which a run without
         --resume discards as it begins, is gone already); a resumed one is kept, with the interrupted run's
         work. Never raises: the refusal is the error to report."""
         if self.fresh:

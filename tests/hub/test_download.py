@@ -217,6 +217,20 @@ def test_tensors_survive_faults(hub, repo_dir, tmp_path, capsys, fault):
         assert rep["fetch"]["ranges_ignored"] >= 1 and rep["fetch"]["bytes_discarded"] > 0
 
 
+@pytest.mark.parametrize("what", [[], ["--tensors", SHARED]])
+def test_a_disk_too_small_for_the_output_leaves_no_partial(hub, repo_dir, tmp_path, capsys, monkeypatch, what):
+    """The output's free-space refusal (qtool.io.apply) left an empty OUT.partial/ behind."""
+    import qtool.io.apply as apply
+
+    hub.add_dir("org/model", repo_dir)
+    out = tmp_path / "o"
+    monkeypatch.setattr(apply, "free_space", lambda p: 1000)
+    assert main(["download", "org/model", "-o", str(out), *what, "--json"]) == 1
+    err = _out_json(capsys)
+    assert "not enough free disk space" in err["message"] and str(out) in err["path"] and "-o" in err["hint"]
+    assert not out.exists() and not (tmp_path / "o.partial").exists()
+
+
 def test_tensors_resume_after_interruption(hub, repo_dir, tmp_path, capsys, monkeypatch):
     from qtool.hub import remote_safetensors as rs
 

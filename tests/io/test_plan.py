@@ -171,10 +171,14 @@ def test_free_space_counts_what_a_resumed_partial_already_holds(tmp_path, monkey
     monkeypatch.setattr(apply, "free_space", lambda p: 1000)
     with OutputDir(tmp_path / "out", sources=[src]) as tx, pytest.raises(WriteError, match="free disk space"):
         write_output(plan, tx, command=None)
-    # the shard written and journaled by an interrupted run: a resumed run needs no space for it
     partial = tmp_path / "out.partial"
+    assert not partial.exists()  # the refused run's own partial is withdrawn
+    # the shard written and journaled by an interrupted run: a resumed run needs no space for it
     from qtool.io.identity import Journal, input_identity
+    from qtool.io.output import PARTIAL_MARKER
 
+    partial.mkdir()
+    (partial / PARTIAL_MARKER).touch()
     write_shard(partial / "z.safetensors", [OutTensor("z", "U8", (1 << 20,), FileRange(info.file, info.start, info.end))])
     Journal(partial / ".qtool-journal.jsonl", plan.plan_hash(), input_identity(plan.inputs), resume=False).record(
         "z.safetensors", size=(partial / "z.safetensors").stat().st_size)

@@ -379,6 +379,57 @@ def test_calibrate_kv_disk_failures_are_clear_errors(tiny_nvfp4_modelopt, tmp_pa
     assert p.returncode == 0, p.stderr  # and the partial output resumes once the disk is fine again
 
 
+@pytest.mark.parametrize("command", ["quantize", "convert", "assemble", "calibrate-kv", "patch-config",
+                                     "calibrate-kv --in-place"])
+def test_a_disk_too_small_refuses_the_run_and_leaves_no_partial(command, tiny_nvfp4_modelopt, tiny_bf16, tmp_path,
+                                                                monkeypatch, capsys):
+    """Found as: `qtool quantize SRC -o OUT` on a disk too small for OUT was refused (rightly) but left an
+    empty OUT.partial/ behind; so did every command that writes through the output executor (and
+    calibrate-kv --in-place its hard-linked `.CKPT.qtool-inplace/`)."""
+    import qtool.io.apply as apply
+    from qtool.cli.main import main
+
+    ck = copy_of(tiny_nvfp4_modelopt, tmp_path / "ck")
+    before = tree_sha(ck, skip=())
+    out = tmp_path / "out"
+    args = {
+        "quantize": ["quantize", tiny_bf16, "--recipe", "qwen35-nvfp4-experts", *KV, "-o", out],
+        "convert": ["convert", ck, "--to", "compressed-tensors", "-o", out],
+        "assemble": ["assemble", "hybrid", "--nvfp4", ck, "--bf16", tiny_bf16, "-o", out],
+        "calibrate-kv": ["calibrate-kv", ck, *KV, "--replace-scales", "-o", out],
+        "patch-config": ["patch-config", ck, "--fix", "router-ignore", "-o", out],
+        "calibrate-kv --in-place": ["calibrate-kv", ck, *KV, "--replace-scales", "--in-place"],
+    }[command]
+    monkeypatch.setattr(apply, "free_space", lambda p: 1000)
+    assert main([*map(str, args), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "not enough free disk space" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]  # no OUT, no partial, no lock
+    named = ck if "--in-place" in args else out  # the output the user named (its partial is gone), and the fix
+    assert f"file:     {named}\n" in err and "fix:      free space, choose another -o" in err, err
+    assert tree_sha(ck, skip=()) == before
+
+
+def test_a_disk_too_small_for_a_resumed_run_keeps_the_interrupted_runs_work(tiny_nvfp4_modelopt, tmp_path,
+                                                                           monkeypatch, capsys):
+    """The refusal withdraws only a partial output it made: a --resume's is the interrupted run's work."""
+    import qtool.io.apply as apply
+    from qtool.cli.main import main
+
+    out = tmp_path / "ct"
+    args = ["convert", tiny_nvfp4_modelopt, "-o", out, "--to", "compressed-tensors", "--quiet"]
+    assert run_killed("qtool.io.apply:_journal_if_on_record", 1, args).returncode == -9
+    partial = tmp_path / "ct.partial"
+    kept = tree_sha(partial, skip=())
+    assert any(name.endswith(".safetensors") for name in kept)
+    with monkeypatch.context() as m:
+        m.setattr(apply, "free_space", lambda p: 1000)
+        assert main([*map(str, args), "--resume"]) == 1
+    assert "not enough free disk space" in capsys.readouterr().err
+    assert tree_sha(partial, skip=()) == kept and not out.exists()
+    assert main([*map(str, args), "--resume"]) == 0  # and it resumes once there is room
+
+
 @pytest.mark.parametrize("case", ["convert X -o X", "quantize P/bf -o P", "assemble -o inside the BF16 source"])
 def test_outputs_overlapping_an_input_are_refused_for_every_command(case, tiny_nvfp4_modelopt, tiny_bf16, tmp_path):
     """Found as: `convert X -o X --force` and `quantize P/bf -o P --force` deleted or replaced the inputs."""
