@@ -1,8 +1,9 @@
 """Data parallel over calibration windows on CPU (gloo, 2 processes), as a user runs it: `--nproc 2`
 gives the same bytes / statistics as one process, for quantize (NVFP4 and AWQ), calibrate-kv and eval
-kld; a rank that dies ends the run on every rank with a clear error (no hang), and the partial output
-resumes with another number of ranks to the same bytes. torchrun's environment (WORLD_SIZE, RANK,
-MASTER_ADDR/PORT) is what the ranks run under, here set by hand for the killed-rank case."""
+kld; a rank that dies ends the run on every rank with a clear error (no hang), as does a problem rank 0
+finds in the planned output (exit 3), and the partial output resumes with another number of ranks to the
+same bytes. torchrun's environment (WORLD_SIZE, RANK, MASTER_ADDR/PORT) is what the ranks run under, here
+set by hand for the killed-rank case."""
 
 from __future__ import annotations
 
@@ -250,3 +251,84 @@ def test_a_failing_ranks_own_error_reaches_the_user(request, tmp_path, monkeypat
     above = err.split(last)[0]
     assert "No space left on device" in above and "model-layer-00002.safetensors" in above, err
     assert "Traceback" not in err
+
+
+# rank 0 of a `--nproc 2` run with a problem planted in its planned output's structure (as
+# tests/ops/test_quantize_check.py plants it in one process); its writes from the third layer on wait for the
+# check to have found it, so that the run stops early however slowly the check's thread is scheduled
+PLANTED = """
+import importlib, sys, threading
+import qtool.ops.inspect
+layer = importlib.import_module("qtool.ops.quantize.layer")
+from qtool.findings import Code, error
+real_problems, real_write, found = qtool.ops.inspect.structure_problems, layer.write_layer_shard, threading.Event()
+def planted(mm, summary):
+    problems = real_problems(mm, summary) + [error(Code.MISSING_TENSOR, "model.language_model.layers.0",
+                                                   "a planted problem")]
+    found.set()
+    return problems
+def write(path, lp, *a, **k):
+    if lp.index >= 2:
+        assert found.wait(60)
+    return real_write(path, lp, *a, **k)
+qtool.ops.inspect.structure_problems, layer.write_layer_shard = planted, write
+from qtool.cli.main import main
+code = main(sys.argv[1:])
+alive = sorted(t.name for t in threading.enumerate() if t.name.startswith("qtool-") and t.is_alive())
+if alive:
+    print(f"qtool threads alive at exit: {alive}", file=sys.stderr)
+sys.exit(code)
+"""
+
+
+def _running_with(entry: str) -> list[int]:
+    """The processes (not zombies) whose environment holds `entry` (NAME=value)."""
+    found = []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and entry.encode() in (d / "environ").read_bytes().split(b"\0") and \
+                    (d / "stat").read_text().rpartition(")")[2].split()[0] != "Z":
+                found.append(int(d.name))
+        except OSError:
+            continue
+    return found
+
+
+def test_a_structure_problem_stops_every_rank_at_the_next_layer(request, tmp_path, monkeypatch, capfd):
+    """`--nproc 2` with a wrong plan (a qtool bug, planted on rank 0, which checks the output): the command
+    exits 3 naming the problem a layer or two in, not after the last layer; every rank has ended (rank 1 on
+    its own, having lost rank 0), the layer it stopped at is not journaled, and `--resume` (the bug mended)
+    finishes to the bytes of a run that never stopped."""
+    from qtool.cli.main import main
+    from qtool.dist import launch
+
+    src = fixture_dir(request, "tiny_bf16")
+    clean, out = tmp_path / "clean", tmp_path / "out"
+    job = ["quantize", str(src), "-o", str(out), "--recipe", "qwen35-nvfp4-experts", *JOB]
+    _run(["quantize", src, "-o", clean, "--recipe", "qwen35-nvfp4-experts", *JOB])
+    real, ranks, ports = launch.subprocess.Popen, [], set()
+
+    def popen(cmd, env, **kw):
+        if env["RANK"] == "0":
+            assert cmd[1:3] == ["-m", "qtool"], cmd
+            cmd = [cmd[0], "-c", PLANTED, *cmd[3:]]
+        ports.add(env["MASTER_PORT"])
+        ranks.append(real(cmd, env=env, **kw))
+        return ranks[-1]
+
+    monkeypatch.setattr(launch.subprocess, "Popen", popen)
+    capfd.readouterr()
+    assert main([*job, "--nproc", "2"]) == 3
+    _, err = capfd.readouterr()
+    assert "the planned output has 1 problem(s); stopped at" in err and "missing-tensor: a planted problem" in err
+    assert "qtool threads alive at exit" not in err and "Traceback" not in err, err
+    assert [p.returncode for p in ranks] == [3, 1], err  # rank 1 stopped on its own (not the launcher's SIGTERM)
+    assert _running_with(f"MASTER_PORT={ports.pop()}") == []  # no rank, nor anything a rank started, runs on
+    stopped = int(err.split("stopped at model-layer-")[1][:5])
+    assert stopped < 7 and not out.exists()  # of the tiny model's 8 layers (0..7)
+    journal = json.loads((out.parent / "out.partial/.quantize/journal.json").read_text())
+    assert journal["next_layer"] == stopped  # every layer before it kept; the one it stopped at not journaled done
+    monkeypatch.undo()
+    rep = json.loads(_run([*job, "--resume", "--nproc", "2", "--json"]).stdout)
+    assert rep["resumed_from_layer"] == stopped and rep["output"]["problems"] == []
+    _same_output(clean, out)
