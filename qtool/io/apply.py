@@ -254,6 +254,9 @@ def write_output(plan: OutputPlan, tx: OutputDir, *, command: str | None, values
             hint="this is a qtool bug or an inconsistent source; see qtool-manifest.json there")
     fsync_path(partial)
     tx.commit()
+    # the commit removed the output it replaced (--force), whose links into the inputs moved their ctime
+    # once more: re-recorded, or the next run would hash them all again (qtool.io.digest_cache)
+    hasher.refresh(digests)
     _remember_digests(tx.out, files)
     return applied
 

@@ -143,6 +143,39 @@ def test_a_committed_outputs_digests_are_known_to_the_next_job(request, tmp_path
         hashlib.sha256(shards[0].read_bytes()).hexdigest()
 
 
+def test_a_forced_rerun_into_the_same_output_reads_nothing_to_hash_its_input(request, tmp_path, monkeypatch):
+    """`calibrate-kv SRC -o OUT --force` again and again, as a user tunes it: each run links SRC's unchanged
+    shards into its output, and its commit removes the output it replaces, whose links into SRC move their
+    ctime once more. That removal came after the run re-recorded its input digests, so every other run
+    read SRC again (or hashed it from its reads) to hash it: at the 397B, minutes of sha256 on the layer
+    path. Only the first run may hash."""
+    import shutil
+
+    from test_calibrate_kv_support import fixture_dir
+
+    from qtool.cli.main import main
+    from qtool.io import stream_digest
+
+    src = tmp_path / "src"
+    shutil.copytree(fixture_dir(request, "tiny_nvfp4_modelopt"), src)  # its own inodes: links move its ctimes
+    hashed: list[str] = []
+    real_hash, real_add = InputHasher._hash, stream_digest.StreamDigests.add
+    monkeypatch.setattr(InputHasher, "_hash",
+                        lambda self, path, real: hashed.append(real) or real_hash(self, path, real))
+    monkeypatch.setattr(stream_digest.StreamDigests, "add",
+                        lambda self, real, *a, **k: hashed.append(real) or real_add(self, real, *a, **k))
+    argv = ["calibrate-kv", str(src), "-o", str(tmp_path / "kv"), "--replace-scales", "--force", "--samples", "2",
+            "--seq-len", "32", "--quiet"]
+    assert main(argv) == 0
+    assert any(p.endswith(".safetensors") for p in hashed)  # the first run has no digest on record
+    linked = [f for f in src.glob("*.safetensors") if f.stat().st_nlink > 1]
+    assert linked  # the case: the output holds links into SRC
+    for _ in range(2):  # the second run replaces the first's output, the third the second's
+        hashed.clear()
+        assert main(argv) == 0
+        assert [p for p in hashed if p.endswith(".safetensors")] == []
+
+
 def test_a_failed_job_does_not_wait_for_its_input_hashes_to_finish(tmp_path, monkeypatch):
     """The pool's threads are joined at the interpreter's exit: a failed or interrupted job would wait there
     for each input shard being hashed to be read to its end (seconds per 5 GB shard of a 397B). close()
