@@ -80,6 +80,22 @@ def calib_ids(tiny_bf16):
     return _calib_ids(tiny_bf16, None)
 
 
+@pytest.fixture
+def inputs_hashed(monkeypatch) -> list[str]:
+    """The input files the job reads to hash them (qtool.io.manifest's pool) or hashes from its own reads
+    (qtool.io.stream_digest), as they are taken on: a job that finds every digest on record adds none."""
+    from qtool.io import stream_digest
+    from qtool.io.manifest import InputHasher
+
+    hashed: list[str] = []
+    real_hash, real_add = InputHasher._hash, stream_digest.StreamDigests.add
+    monkeypatch.setattr(InputHasher, "_hash",
+                        lambda self, path, real: hashed.append(real) or real_hash(self, path, real))
+    monkeypatch.setattr(stream_digest.StreamDigests, "add",
+                        lambda self, real, *a, **k: hashed.append(real) or real_add(self, real, *a, **k))
+    return hashed
+
+
 @pytest.fixture(scope="session")
 def tiny_bf16_fused(tiny_cache) -> Path:
     return tiny_cache.path("bf16_fused")

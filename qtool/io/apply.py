@@ -86,8 +86,7 @@ def check_space(plan: OutputPlan, tx: OutputDir, journal: Journal) -> None:
         raise WriteError(
             "not enough free disk space for the output", path=tx.out,
             expected=f"{need + SPACE_MARGIN} bytes free", got=f"{have} bytes free",
-            hint="free space, choose another -o, or put the output on the source's filesystem so unchanged "
-            "shards are links that take no space")
+            hint=tx.SPACE_HINT)
 
 
 def _place(e, tx: OutputDir, values: dict, headers: _Countdown, stop: threading.Event):
@@ -283,10 +282,9 @@ def _remember_digests(root: Path, files: dict) -> None:
     """The sha256 of a committed output's files into qtool's cache (qtool.io.digest_cache), under their
     final paths and ctimes: the next job that reads this output (calibrate-kv of a quantize output, eval
     kld of both) finds them instead of reading its hundreds of GB to hash them."""
-    from qtool.io.digest_cache import DigestCache
-    from qtool.io.manifest import cache_dir
+    from qtool.io.digest_cache import user_cache
 
-    cache = DigestCache(cache_dir() / "sha256-cache.json")
+    cache = user_cache()
     for rel, entry in files.items():
         if isinstance(entry, dict) and isinstance(entry.get("sha256"), str):
             cache.record(os.path.realpath(root / rel), entry["sha256"], entry.get("bytes"))

@@ -12,9 +12,11 @@ link made or removed between runs, e.g. `rm -rf` of an old output, costs one re-
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -29,18 +31,40 @@ def file_key(real: str, st: os.stat_result | None = None) -> str:
     return f"{real}|{st.st_dev}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}"
 
 
+def user_cache() -> "DigestCache":
+    """The cache under qtool's cache dir (`$QTOOL_CACHE_DIR/sha256-cache.json`)."""
+    from qtool.io.manifest import cache_dir
+
+    return DigestCache(cache_dir() / "sha256-cache.json")
+
+
+def files_in(root: Path) -> list[Path]:
+    """The regular files directly in `root` (a checkpoint's shards, configs): what its users link."""
+    try:
+        return [f for f in root.iterdir() if f.is_file() and not f.is_symlink()]
+    except OSError:
+        return []
+
+
+def _load(path: Path) -> dict[str, dict]:
+    try:
+        loaded = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    # entries of the older string form (keyed without the ctime) prove nothing: dropped
+    return {k: v for k, v in loaded.items() if isinstance(v, dict)} if isinstance(loaded, dict) else {}
+
+
 class DigestCache:
     def __init__(self, path: Path) -> None:
         self.path = path
-        try:
-            loaded = json.loads(path.read_text())
-        except (OSError, ValueError):
-            loaded = {}
-        # entries of the older string form (keyed without the ctime) prove nothing: dropped
-        self.entries: dict[str, dict] = {k: v for k, v in loaded.items() if isinstance(v, dict)} \
-            if isinstance(loaded, dict) else {}
+        self.entries: dict[str, dict] = _load(path)
         self.lock = threading.Lock()
-        self.dirty = False
+        self.changed: dict[str, dict] = {}  # what this object put since its last save: all `save` writes
+
+    @property
+    def dirty(self) -> bool:
+        return bool(self.changed)
 
     def lookup(self, real: str) -> str | None:
         """The cached sha256 of `real` (a resolved path), or None when it must be hashed."""
@@ -81,21 +105,51 @@ class DigestCache:
             old = self.entries.pop(key, None)
             self.entries[key] = {"sha256": digest, "ctime": ctime}  # last: the most recently used
             if old != self.entries[key]:
-                self.dirty = True
+                self.changed[key] = self.entries[key]
 
     def save(self) -> None:
+        """Write what this object put into the file as it is now: other jobs, and other objects of this
+        process (a build's steps beside its own fingerprints), save theirs meanwhile, and a whole copy
+        loaded earlier would take their entries back out."""
         if not self.dirty:
             return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-            with self.lock:
+            with self.lock, _locked(self.path.with_name(self.path.name + ".lock")):
+                merged = _load(self.path)
+                for key, entry in self.changed.items():
+                    merged.pop(key, None)
+                    merged[key] = entry  # last: the most recently used
+                self.entries = merged
                 if len(self.entries) > MAX_ENTRIES:
                     self._prune()
                 tmp.write_text(json.dumps(self.entries, indent=0))  # in order of use: _prune relies on it
-            os.replace(tmp, self.path)
+                os.replace(tmp, self.path)
+                self.changed = {}
         except OSError:
             pass  # the cache is an optimisation only
+
+    @contextmanager
+    def keeping(self, files):
+        """Around qtool's own links made or removed (an in-place run's scratch links, an old output's
+        removal): those move the ctime of each file linked, and the entries valid before are re-recorded
+        after, so the next run does not hash those files again. A file changed meanwhile (another key) is
+        not re-recorded."""
+        valid = []
+        for f in files:
+            real = os.path.realpath(f)
+            try:
+                digest = self.lookup(real)
+                key = file_key(real)
+            except OSError:
+                continue
+            if digest is not None:
+                valid.append((real, digest, key))
+        yield
+        for real, digest, key in valid:
+            self.refresh(real, digest, key)
+        self.save()
 
     def _prune(self) -> None:
         """Down to MAX_ENTRIES (holding the lock): first the entries that can never match again (the file is
@@ -108,3 +162,14 @@ class DigestCache:
 
         live = {k: v for k, v in self.entries.items() if current(k)}
         self.entries = dict(list(live.items())[-MAX_ENTRIES:])
+
+
+@contextmanager
+def _locked(path: Path):
+    """The cache file's read-merge-write, one process at a time (a blocking flock on a file of its own)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)

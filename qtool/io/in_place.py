@@ -9,6 +9,7 @@ import stat
 from pathlib import Path
 
 from qtool.errors import WriteError
+from qtool.io.digest_cache import files_in, user_cache
 from qtool.io.files import LinkMode, Placer, fsync_path, link_tree, write_error
 from qtool.io.identity import JOURNAL_NAME, journaled_files
 from qtool.io.output import SWAPPED_MARKER, OutputDir, forget, remove_parked, source_file_mode, tell_discarded
@@ -98,16 +99,21 @@ class InPlaceDir(OutputDir):
         self.lock.release()
 
     PREPARE_FAILED = "cannot prepare the in-place change"
+    # its unchanged files are links already: only the rewritten ones need room, beside the checkpoint
+    SPACE_HINT = "free space on the checkpoint's filesystem (the files this run rewrites are written beside it)"
 
     def _prepare(self) -> None:
         self._clear_stale()
-        if self.partial.exists() and not self.resume:
-            tell_discarded(self.partial, self.out)
-            shutil.rmtree(self.partial)
-        self.fresh = not self.partial.exists()  # (else a resumed one, the interrupted run's work)
-        self.partial.mkdir(exist_ok=True)
-        (self.partial / self.BUILDING).touch()
-        self._link_tree()
+        # the links removed and made here move the checkpoint's files' ctimes: their sha256 cache entries
+        # are kept, or every in-place run would hash the whole checkpoint again (qtool.io.digest_cache)
+        with user_cache().keeping(files_in(self.out)):
+            if self.partial.exists() and not self.resume:
+                tell_discarded(self.partial, self.out)
+                shutil.rmtree(self.partial)
+            self.fresh = not self.partial.exists()  # (else a resumed one, the interrupted run's work)
+            self.partial.mkdir(exist_ok=True)
+            (self.partial / self.BUILDING).touch()
+            self._link_tree()
 
     def withdraw(self) -> None:
         """OutputDir.withdraw's promise: the new state this run began (links of the checkpoint's files) is

@@ -26,7 +26,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from qtool.io.digest_cache import DigestCache, file_key
+from qtool.io.digest_cache import file_key, user_cache
 from qtool.io.files import hash_file as _hash_file
 from qtool.io.stream_digest import StreamDigests
 
@@ -126,7 +126,7 @@ class InputHasher:
         self._stop = threading.Event()  # set by close: the pool's hashes stop within a chunk
         self.futures: dict[str, Future] = {}
         self.lock = threading.Lock()
-        self.cache = DigestCache(cache_dir() / "sha256-cache.json")
+        self.cache = user_cache()
         self.keys: dict[str, str] = {}  # real path -> its cache key when submitted
         self.trust_cache = trust_cache
         self.record = record

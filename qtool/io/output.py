@@ -405,6 +405,10 @@ class OutputDir:
     def __exit__(self, *exc) -> None:
         self.lock.release()
 
+    # the fix a refusal for want of free space names (qtool.io.apply.check_space)
+    SPACE_HINT = ("free space, choose another -o, or put the output on the source's filesystem so unchanged "
+                  "shards are links that take no space")
+
     def withdraw(self) -> None:
         """The run was refused before it did any work (an op whose plan is finished inside the transaction:
         quantize's output plan; the output's free-space check, qtool.io.apply.check_space): its new

@@ -114,6 +114,32 @@ def test_caching_semantics(tmp_path, capsys, tiny_bf16, tiny_nvfp4_modelopt_nomt
     assert r4["ran"] == ["hybrid", "patched", "check"]
 
 
+def test_a_rebuild_of_a_changed_step_reads_nothing_to_hash_its_inputs(tmp_path, capsys, inputs_hashed, tiny_bf16,
+                                                                      tiny_nvfp4_modelopt_nomtp):
+    """A user edits a step's settings and builds again: the step runs again on its upstream step's output,
+    whose digests the first build recorded. They were lost twice over: the build's own fingerprints saved
+    the cache over the steps' entries, and the removal of the step's older output (its links into that
+    upstream output) moved their ctimes. Each rebuild hashed the whole upstream output again."""
+    import shutil
+
+    nv, bf = tmp_path / "nv", tmp_path / "bf"
+    shutil.copytree(tiny_nvfp4_modelopt_nomtp, nv)  # inodes of their own: the builds' links move their ctimes
+    shutil.copytree(tiny_bf16, bf)
+    hashed = inputs_hashed
+    rec = tmp_path / "r.yaml"
+    for k, samples in enumerate((2, 3, 2)):
+        rec.write_text(f"name: kv\nsources:\n  nvfp4: {{path: {nv}}}\n  bf16: {{path: {bf}}}\nsteps:\n"
+                       "  - {id: hybrid, op: assemble, with: {nvfp4: nvfp4, bf16: bf16, bf16_expert_layers: [0], "
+                       "mtp: from-bf16}}\n"
+                       f"  - {{id: kv, op: calibrate-kv, input: hybrid, with: {{samples: {samples}, seq_len: 32, "
+                       "replace_scales: true}}\n")
+        hashed.clear()
+        rep = _build(capsys, rec, "-o", tmp_path / "out")
+        assert rep["ran"] == (["hybrid", "kv"] if k == 0 else ["kv"])  # (the older kv output is removed)
+        if k > 0:  # only the first build has no digest on record
+            assert [p for p in hashed if p.endswith(".safetensors")] == []
+
+
 def test_verify_failure_exits_3_and_publishes_nothing(tmp_path, capsys, tiny_bf16, tiny_nvfp4_modelopt_nomtp):
     rec = _recipe(tmp_path, tiny_nvfp4_modelopt_nomtp, tiny_bf16)
     rec.write_text(rec.read_text().replace("tp: 1", "tp: 4"))  # tiny dims are not divisible at TP=4

@@ -143,37 +143,53 @@ def test_a_committed_outputs_digests_are_known_to_the_next_job(request, tmp_path
         hashlib.sha256(shards[0].read_bytes()).hexdigest()
 
 
-def test_a_forced_rerun_into_the_same_output_reads_nothing_to_hash_its_input(request, tmp_path, monkeypatch):
-    """`calibrate-kv SRC -o OUT --force` again and again, as a user tunes it: each run links SRC's unchanged
+@pytest.mark.parametrize("where", ["-o OUT --force", "--in-place"])
+def test_a_rerun_reads_nothing_to_hash_its_input(request, tmp_path, inputs_hashed, where):
+    """calibrate-kv again and again, as a user tunes it. `-o OUT --force`: each run links SRC's unchanged
     shards into its output, and its commit removes the output it replaces, whose links into SRC move their
-    ctime once more. That removal came after the run re-recorded its input digests, so every other run
+    ctime once more; that removal came after the run re-recorded its input digests, so every other run
     read SRC again (or hashed it from its reads) to hash it: at the 397B, minutes of sha256 on the layer
-    path. Only the first run may hash."""
+    path. `--in-place`: the run links the checkpoint's files into its scratch before it looks their digests
+    up, so every run hashed the whole checkpoint. Only the first run may hash."""
     import shutil
 
     from test_calibrate_kv_support import fixture_dir
 
     from qtool.cli.main import main
-    from qtool.io import stream_digest
 
     src = tmp_path / "src"
     shutil.copytree(fixture_dir(request, "tiny_nvfp4_modelopt"), src)  # its own inodes: links move its ctimes
-    hashed: list[str] = []
-    real_hash, real_add = InputHasher._hash, stream_digest.StreamDigests.add
-    monkeypatch.setattr(InputHasher, "_hash",
-                        lambda self, path, real: hashed.append(real) or real_hash(self, path, real))
-    monkeypatch.setattr(stream_digest.StreamDigests, "add",
-                        lambda self, real, *a, **k: hashed.append(real) or real_add(self, real, *a, **k))
-    argv = ["calibrate-kv", str(src), "-o", str(tmp_path / "kv"), "--replace-scales", "--force", "--samples", "2",
-            "--seq-len", "32", "--quiet"]
+    hashed = inputs_hashed
+    out = ["-o", str(tmp_path / "kv"), "--force"] if where.startswith("-o") else ["--in-place"]
+    argv = ["calibrate-kv", str(src), *out, "--replace-scales", "--samples", "2", "--seq-len", "32", "--quiet"]
     assert main(argv) == 0
     assert any(p.endswith(".safetensors") for p in hashed)  # the first run has no digest on record
-    linked = [f for f in src.glob("*.safetensors") if f.stat().st_nlink > 1]
-    assert linked  # the case: the output holds links into SRC
+    if where.startswith("-o"):
+        assert [f for f in src.glob("*.safetensors") if f.stat().st_nlink > 1]  # the output links into SRC
     for _ in range(2):  # the second run replaces the first's output, the third the second's
         hashed.clear()
         assert main(argv) == 0
         assert [p for p in hashed if p.endswith(".safetensors")] == []
+
+
+def test_two_jobs_saving_the_cache_keep_each_others_entries(tmp_path):
+    """Each job (and a build's own fingerprints beside its steps) loads the cache, then saves it at its end:
+    a save of the whole copy loaded took back out what the others had saved meanwhile, so after a build the
+    cache held none of its steps' outputs, and the next build hashed them all again."""
+    from qtool.io.digest_cache import DigestCache
+
+    path = tmp_path / "sha256-cache.json"
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    a.write_bytes(b"a")
+    b.write_bytes(b"b")
+    first, second = DigestCache(path), DigestCache(path)  # both loaded before either saves
+    first.store(str(a), hashlib.sha256(b"a").hexdigest(), os.stat(a))
+    second.store(str(b), hashlib.sha256(b"b").hexdigest(), os.stat(b))
+    first.save()
+    second.save()
+    again = DigestCache(path)
+    assert again.lookup(str(a)) == hashlib.sha256(b"a").hexdigest()
+    assert again.lookup(str(b)) == hashlib.sha256(b"b").hexdigest()
 
 
 def test_a_failed_job_does_not_wait_for_its_input_hashes_to_finish(tmp_path, monkeypatch):

@@ -406,7 +406,8 @@ def test_a_disk_too_small_refuses_the_run_and_leaves_no_partial(command, tiny_nv
     assert "not enough free disk space" in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]  # no OUT, no partial, no lock
     named = ck if "--in-place" in args else out  # the output the user named (its partial is gone), and the fix
-    assert f"file:     {named}\n" in err and "fix:      free space, choose another -o" in err, err
+    fix = "free space on the checkpoint's filesystem" if "--in-place" in args else "free space, choose another -o"
+    assert f"file:     {named}\n" in err and f"fix:      {fix}" in err, err
     assert tree_sha(ck, skip=()) == before
 
 
@@ -428,6 +429,26 @@ def test_a_disk_too_small_for_a_resumed_run_keeps_the_interrupted_runs_work(tiny
     assert "not enough free disk space" in capsys.readouterr().err
     assert tree_sha(partial, skip=()) == kept and not out.exists()
     assert main([*map(str, args), "--resume"]) == 0  # and it resumes once there is room
+
+
+def test_a_disk_too_small_for_a_resumed_in_place_run_keeps_its_scratch(tiny_nvfp4_modelopt, tmp_path, monkeypatch,
+                                                                        capsys):
+    """The same for `--in-place`: its scratch beside the checkpoint is the interrupted run's work (review)."""
+    import qtool.io.apply as apply
+    from qtool.cli.main import main
+
+    work = copy_of(tiny_nvfp4_modelopt, tmp_path / "work")
+    args = ["calibrate-kv", work, *KV, "--replace-scales", "--in-place", "--quiet"]
+    assert run_killed("qtool.io.identity:Journal.record", 1, args).returncode == -9
+    journal = tmp_path / ".work.qtool-inplace" / ".qtool-journal.jsonl"
+    kept = journal.read_text()
+    assert kept
+    with monkeypatch.context() as m:
+        m.setattr(apply, "free_space", lambda p: 1000)
+        assert main([*map(str, args), "--resume"]) == 1
+    err = capsys.readouterr().err
+    assert "not enough free disk space" in err and "checkpoint's filesystem" in err
+    assert journal.read_text() == kept  # (a resumed in-place run links its unjournaled files afresh)
 
 
 @pytest.mark.parametrize("case", ["convert X -o X", "quantize P/bf -o P", "assemble -o inside the BF16 source"])

@@ -12,6 +12,7 @@ from pathlib import Path
 from qtool.build_recipes import Op
 from qtool.errors import Interrupted, WriteError
 from qtool.notices import tell
+from qtool.io.digest_cache import files_in, user_cache
 from qtool.io.manifest import RUN
 from qtool.io.output import MANIFEST_NAME as MANIFEST
 from qtool.io.files import copy_file, LinkMode, Placer
@@ -33,11 +34,17 @@ def _mark(sp: StepPlan, report: dict, seconds: float) -> None:
          "report": report, "files": file_stats(sp.dir)}, indent=1, default=str) + "\n")
 
 
-def _gc(sp: StepPlan) -> None:
-    """Remove older outputs of the same step id (other keys): the work dir stays bounded."""
+def _gc(bp: BuildPlan, sp: StepPlan) -> None:
+    """Remove older outputs of the same step id (other keys): the work dir stays bounded. Their links into
+    the step's inputs go with them, which moves those files' ctimes: their sha256 cache entries are kept
+    (qtool.io.digest_cache), or the next build would hash the inputs of every step it re-runs again."""
     steps = sp.dir.parent
-    for d in steps.glob(f"{sp.step.id}-*"):
-        if d != sp.dir and d.is_dir() and len(d.name) == len(sp.dir.name):
+    old = [d for d in steps.glob(f"{sp.step.id}-*") if d != sp.dir and d.is_dir() and len(d.name) == len(sp.dir.name)]
+    if not old:
+        return
+    inputs = [input_path(bp, ref) for ref in sp.step.inputs]
+    with user_cache().keeping([f for root in inputs if root is not None for f in files_in(root)]):
+        for d in old:
             shutil.rmtree(d, ignore_errors=True)
 
 
@@ -87,7 +94,7 @@ def _run_steps(bp: BuildPlan, ctx: dict, resume: bool) -> dict:
             dt = time.perf_counter() - t0
             tell(f"{what}: done in {dt:.1f} s")
             _mark(sp, report, dt)
-            _gc(sp)
+            _gc(bp, sp)
             sp.cached = True
             ran.append(sp.step.id)
             info = json.loads((sp.dir / STEP_MARKER).read_text())
