@@ -16,6 +16,7 @@ import fcntl
 import json
 import os
 import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from pathlib import Path
 # the cache grew by every file any run ever hashed (a day of this project's tests: 55k entries, 13 MB, of
 # which 97% named files long gone), and every job pays its load and save: 0.14 + 0.42 s on the 2-core VM.
 MAX_ENTRIES = 8192
+LOCK_WAIT = 5.0  # seconds a save waits for another job's save before it gives up on its own
 
 
 def file_key(real: str, st: os.stat_result | None = None) -> str:
@@ -66,9 +68,10 @@ class DigestCache:
     def dirty(self) -> bool:
         return bool(self.changed)
 
-    def lookup(self, real: str) -> str | None:
-        """The cached sha256 of `real` (a resolved path), or None when it must be hashed."""
-        st = os.stat(real)
+    def lookup(self, real: str, st: os.stat_result | None = None) -> str | None:
+        """The cached sha256 of `real` (a resolved path; `st`: its stat, taken by a caller that keys
+        something else by it), or None when it must be hashed."""
+        st = st or os.stat(real)
         e = self.entries.get(file_key(real, st))
         if e is not None and isinstance(e.get("sha256"), str) and e.get("ctime") == st.st_ctime_ns:
             return e["sha256"]
@@ -116,18 +119,23 @@ class DigestCache:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-            with self.lock, _locked(self.path.with_name(self.path.name + ".lock")):
+            # the entries that can never match again, found before the lock: it stats every one
+            dead = self._dead() if len(self.entries) > MAX_ENTRIES else set()
+            with self.lock, _locked(self.path.with_name(self.path.name + ".lock")) as locked:
+                if not locked:
+                    return  # held too long by another job: this one's entries wait for its next save
                 merged = _load(self.path)
                 for key, entry in self.changed.items():
                     merged.pop(key, None)
                     merged[key] = entry  # last: the most recently used
+                if len(merged) > MAX_ENTRIES:  # the dead first, then the least recently used
+                    merged = {k: v for k, v in merged.items() if k not in dead}
+                    merged = dict(list(merged.items())[-MAX_ENTRIES:])
                 self.entries = merged
-                if len(self.entries) > MAX_ENTRIES:
-                    self._prune()
-                tmp.write_text(json.dumps(self.entries, indent=0))  # in order of use: _prune relies on it
+                tmp.write_text(json.dumps(self.entries, indent=0))  # in order of use: the cut relies on it
                 os.replace(tmp, self.path)
                 self.changed = {}
-        except OSError:
+        except (OSError, ValueError):
             pass  # the cache is an optimisation only
 
     @contextmanager
@@ -140,10 +148,10 @@ class DigestCache:
         for f in files:
             real = os.path.realpath(f)
             try:
-                digest = self.lookup(real)
-                key = file_key(real)
+                st = os.stat(real)  # one stat for both: a file replaced between two would take the old digest
             except OSError:
                 continue
+            digest, key = self.lookup(real, st), file_key(real, st)
             if digest is not None:
                 valid.append((real, digest, key))
         yield
@@ -151,25 +159,37 @@ class DigestCache:
             self.refresh(real, digest, key)
         self.save()
 
-    def _prune(self) -> None:
-        """Down to MAX_ENTRIES (holding the lock): first the entries that can never match again (the file is
-        gone, or replaced: another inode, size or mtime), then the least recently used."""
-        def current(key: str) -> bool:
-            try:
-                return file_key(key.rsplit("|", 4)[0]) == key
-            except OSError:
-                return False
+    def _dead(self) -> set[str]:
+        """The keys whose file is gone or replaced (another inode, size or mtime): they can never match."""
+        with self.lock:
+            keys = list(self.entries)
+        return {k for k in keys if not _current(k)}
 
-        live = {k: v for k, v in self.entries.items() if current(k)}
-        self.entries = dict(list(live.items())[-MAX_ENTRIES:])
+
+def _current(key: str) -> bool:
+    try:
+        return file_key(key.rsplit("|", 4)[0]) == key
+    except (OSError, ValueError):  # gone; or a key no path can have (a NUL in a hand-edited file)
+        return False
 
 
 @contextmanager
-def _locked(path: Path):
-    """The cache file's read-merge-write, one process at a time (a blocking flock on a file of its own)."""
+def _locked(path: Path, wait: float | None = None):
+    """The cache file's read-merge-write, one process at a time (a flock on a file of its own); yields
+    False when another job held it for `wait` seconds: the cache never holds a job up."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
+        deadline = time.monotonic() + (LOCK_WAIT if wait is None else wait)
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                locked = True
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    locked = False
+                    break
+                time.sleep(0.02)
+        yield locked
     finally:
         os.close(fd)

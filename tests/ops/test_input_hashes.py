@@ -192,6 +192,64 @@ def test_two_jobs_saving_the_cache_keep_each_others_entries(tmp_path):
     assert again.lookup(str(b)) == hashlib.sha256(b"b").hexdigest()
 
 
+def test_the_cache_never_holds_a_job_up_nor_fails_it(tmp_path, monkeypatch):
+    """Review: a save waits for another job's save under a lock; one holding it (a hung stat on a network
+    mount while it prunes) must not stall every job, and a key no path can have must not fail one."""
+    import fcntl
+
+    from qtool.io import digest_cache
+    from qtool.io.digest_cache import DigestCache
+
+    monkeypatch.setattr(digest_cache, "LOCK_WAIT", 0.2)
+    path = tmp_path / "sha256-cache.json"
+    f = tmp_path / "a.safetensors"
+    f.write_bytes(b"a")
+    cache = DigestCache(path)
+    cache.store(str(f), hashlib.sha256(b"a").hexdigest(), os.stat(f))
+    held = os.open(tmp_path / "sha256-cache.json.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(held, fcntl.LOCK_EX)  # another job's save
+    t0 = time.monotonic()
+    cache.save()
+    assert time.monotonic() - t0 < 5 and not path.exists()  # gave up on its own save, kept its entries
+    os.close(held)
+    cache.save()
+    assert DigestCache(path).lookup(str(f)) == hashlib.sha256(b"a").hexdigest()
+    path.write_text('{"bad\\u0000key|0|0|0|0": {"sha256": "0", "ctime": 0}}')  # pruned: stat raises ValueError
+    monkeypatch.setattr(digest_cache, "MAX_ENTRIES", 0)
+    again = DigestCache(path)
+    again.store(str(f), hashlib.sha256(b"a").hexdigest(), os.stat(f))
+    again.save()  # no error
+    with again.keeping([f]):
+        pass
+
+
+def test_keeping_never_gives_a_replaced_file_the_old_digest(tmp_path, monkeypatch):
+    """Review: `keeping` looked the entry up with one stat and keyed it with another: a file replaced in
+    between (an editor's write-and-rename of a config) was re-recorded with the old file's digest."""
+    from qtool.io.digest_cache import DigestCache
+
+    path = tmp_path / "sha256-cache.json"
+    f = tmp_path / "config.json"
+    f.write_text('{"a": 1}')
+    cache = DigestCache(path)
+    cache.record(str(f), hashlib.sha256(f.read_bytes()).hexdigest(), None)
+    cache.save()
+    cache = DigestCache(path)
+    real_lookup = DigestCache.lookup
+
+    def lookup_then_replaced(self, real, *a):
+        found = real_lookup(self, real, *a)
+        (tmp_path / "new").write_text('{"a": 2}')
+        os.replace(tmp_path / "new", f)
+        return found
+
+    monkeypatch.setattr(DigestCache, "lookup", lookup_then_replaced)
+    with cache.keeping([f]):
+        pass
+    monkeypatch.undo()
+    assert DigestCache(path).lookup(str(f)) in (None, hashlib.sha256(f.read_bytes()).hexdigest())
+
+
 def test_a_failed_job_does_not_wait_for_its_input_hashes_to_finish(tmp_path, monkeypatch):
     """The pool's threads are joined at the interpreter's exit: a failed or interrupted job would wait there
     for each input shard being hashed to be read to its end (seconds per 5 GB shard of a 397B). close()
