@@ -3,6 +3,7 @@ machine at real layer size and reported in the issue notes, never asserted here)
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -81,3 +82,13 @@ def test_bench_plan_397b_end(tmp_path):
     row = next(line.split() for line in p.stdout.splitlines() if line.startswith("0 "))
     parts = dict(x.split("=") for x in row[3:])
     assert float(row[1]) > 0 and {"check_written", "commit", "rest"} <= set(parts), row
+
+
+def test_bench_read_beside_python(tmp_path):
+    f = tmp_path / "layer.bin"
+    f.write_bytes(os.urandom(8 << 20))
+    p = subprocess.run([sys.executable, str(ROOT / "scripts/bench_read_beside_python.py"), str(f), "--readers", "2"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    rows = [line for line in p.stdout.splitlines() if "a call: reads" in line]
+    assert len(rows) == 2 and all("GB/s beside Python" in r and "x its speed alone" in r for r in rows), p.stdout

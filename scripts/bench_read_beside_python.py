@@ -1,0 +1,93 @@
+#!/usr/bin/env python3
+"""How fast the layer reader's reads go while the main thread runs Python (a plan), against the same reads
+alone, in one run on one cached file.
+
+quantize reads its first layer while it makes its output plan (session 30). The reader's threads read in
+READ_PIECE `preadv` calls in a Python loop (qtool.stream.layer_read), so each call's return needs the
+interpreter back; while the main thread runs pure Python, a thread that wants it waits up to the switch
+interval (`sys.getswitchinterval()`, 5 ms) for each. This bench reads FILE (cached first) with READERS
+threads in pieces of 1 MiB (qtool's) and 16 MiB, alone and beside a busy Python loop, and prints the read
+rate of each and how fast the Python loop ran beside the reads against alone.
+
+    python3 scripts/bench_read_beside_python.py FILE [--readers 4] [--switch-interval 0.0005]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+
+CHUNK = 64 << 20  # one reader's request of the layer (qtool.stream.layer_read.CHUNK)
+
+
+def read_all(path: str, size: int, piece: int, readers: int) -> float:
+    """Seconds to read the file with `readers` threads, each its share of CHUNK pieces, `piece` a call."""
+    chunks = list(range(0, size, CHUNK))
+
+    def work(k: int) -> None:
+        fd, buf = os.open(path, os.O_RDONLY), memoryview(bytearray(CHUNK))
+        try:
+            for off in chunks[k::readers]:
+                want, got = min(CHUNK, size - off), 0
+                while got < want:
+                    got += os.preadv(fd, [buf[got:min(want, got + piece)]], off + got)
+        finally:
+            os.close(fd)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(readers)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
+def python_loop(stop: threading.Event) -> int:
+    """Pure Python, like a plan's per-tensor work: rounds done until `stop`."""
+    rounds, table = 0, {}
+    while not stop.is_set():
+        for i in range(1000):
+            table[i] = str(i)
+        rounds += 1
+    return rounds
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("file")
+    ap.add_argument("--readers", type=int, default=4)
+    ap.add_argument("--switch-interval", type=float, help="sys.setswitchinterval for the run (default 5 ms)")
+    a = ap.parse_args()
+    if a.switch_interval:
+        sys.setswitchinterval(a.switch_interval)
+    size = os.path.getsize(a.file)
+    read_all(a.file, size, 16 << 20, a.readers)  # into the page cache
+    print(f"{a.file}: {size / 1e9:.2f} GB cached, {a.readers} readers, switch interval "
+          f"{sys.getswitchinterval() * 1e3:.2f} ms")
+    for piece in (1 << 20, 16 << 20):
+        alone = read_all(a.file, size, piece, a.readers)
+        stop, took = threading.Event(), {}
+
+        def reads() -> None:
+            took["s"] = read_all(a.file, size, piece, a.readers)
+            stop.set()
+
+        r = threading.Thread(target=reads)
+        r.start()
+        beside = python_loop(stop)
+        r.join()
+        stop2 = threading.Event()
+        threading.Timer(took["s"], stop2.set).start()
+        solo = python_loop(stop2)
+        print(f"  {piece >> 20:2d} MiB a call: reads {size / alone / 1e9:.2f} GB/s alone, "
+              f"{size / took['s'] / 1e9:.2f} GB/s beside Python; the Python loop ran at "
+              f"{beside / max(solo, 1):.2f}x its speed alone", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
