@@ -6,8 +6,8 @@ quantize reads its first layer while it makes its output plan (session 30). The 
 READ_PIECE `preadv` calls in a Python loop (qtool.stream.layer_read), so each call's return needs the
 interpreter back; while the main thread runs pure Python, a thread that wants it waits up to the switch
 interval (`sys.getswitchinterval()`, 5 ms) for each. This bench reads FILE (cached first) with READERS
-threads in pieces of 1 MiB (qtool's) and 16 MiB, alone and beside a busy Python loop, and prints the read
-rate of each and how fast the Python loop ran beside the reads against alone.
+threads in pieces of READ_PIECE (qtool's, 1 MiB) and 16 MiB, alone and beside a busy Python loop, and
+prints the read rate of each and how fast the Python loop ran beside the reads against alone.
 
     python3 scripts/bench_read_beside_python.py FILE [--readers 4] [--switch-interval 0.0005]
 """
@@ -19,8 +19,10 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 
-CHUNK = 64 << 20  # one reader's request of the layer (qtool.stream.layer_read.CHUNK)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # qtool from this checkout
+from qtool.stream.layer_read import CHUNK, READ_PIECE, READERS  # as the layer reader reads
 
 
 def read_all(path: str, size: int, piece: int, readers: int) -> float:
@@ -59,7 +61,7 @@ def python_loop(stop: threading.Event) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("file")
-    ap.add_argument("--readers", type=int, default=4)
+    ap.add_argument("--readers", type=int, default=READERS)
     ap.add_argument("--switch-interval", type=float, help="sys.setswitchinterval for the run (default 5 ms)")
     a = ap.parse_args()
     if a.switch_interval:
@@ -68,7 +70,7 @@ def main() -> int:
     read_all(a.file, size, 16 << 20, a.readers)  # into the page cache
     print(f"{a.file}: {size / 1e9:.2f} GB cached, {a.readers} readers, switch interval "
           f"{sys.getswitchinterval() * 1e3:.2f} ms")
-    for piece in (1 << 20, 16 << 20):
+    for piece in (READ_PIECE, 16 << 20):
         alone = read_all(a.file, size, piece, a.readers)
         stop, took = threading.Event(), {}
 
