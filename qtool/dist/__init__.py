@@ -100,8 +100,9 @@ class Group:
             return fn(*a, **k)
         except (RuntimeError, ConnectionError) as e:  # gloo/NCCL: a peer closed, timed out or failed
             raise RankError(f"rank {self.rank}: lost the other ranks ({type(e).__name__}: {str(e)[:200]})",
-                            hint="another rank failed (its error is printed above) or was killed; the partial "
-                                 "output is kept: re-run with --resume (with any number of ranks)") from None
+                            hint="another rank failed (its error is printed above) or was killed; if the run had "
+                                 "started writing, its partial output is kept: re-run with --resume (with any "
+                                 "number of ranks)") from None
 
 
 _current: Group | None = None

@@ -27,7 +27,11 @@ from qtool.io.safetensors_header import TensorInfo
 
 MAX_GAP = 1 << 20  # read through holes up to 1 MiB (another layer's norm, a header) rather than split
 CHUNK = 64 << 20  # one preadv and one host->device copy
-READ_PIECE = 1 << 20  # one preadv call
+# the most one preadv call asks for: a whole CHUNK. Each call's return needs the interpreter back, and while
+# the main thread runs Python (the output plan, a layer's dispatch) a reader waits up to the 5 ms switch
+# interval for it: 1 MiB calls read at 0.87 GB/s beside a busy loop where they read at 6.2 alone (2-core
+# VM, scripts/bench_read_beside_python.py)
+READ_PIECE = CHUNK
 READERS = 4  # threads reading one layer (each with its own pinned staging pair on CUDA)
 
 
@@ -172,8 +176,8 @@ def pread_exact(fd: int, view: memoryview, offset: int, path: str, tensor: str |
     stream_digest.claim(path, offset, offset + len(view))
     try:
         while got < len(view):
-            # at most READ_PIECE per call: the kernel reads a request's pages before it copies them, and
-            # a page of a long request can be evicted meanwhile (read twice) once the input does not fit
+            # (a long request's pages could be dropped between their read and their copy where the input does
+            # not fit the page cache, but the one-read test's dropper found no more re-reads at 64 MiB than at 1)
             n = os.preadv(fd, [view[got:got + READ_PIECE]], offset + got)
             if n <= 0:
                 raise PlanError("shard ended before the layer's tensor bytes" if tensor is None
