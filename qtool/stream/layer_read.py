@@ -176,8 +176,9 @@ def pread_exact(fd: int, view: memoryview, offset: int, path: str, tensor: str |
     stream_digest.claim(path, offset, offset + len(view))
     try:
         while got < len(view):
-            # (a long request's pages could be dropped between their read and their copy where the input does
-            # not fit the page cache, but the one-read test's dropper found no more re-reads at 64 MiB than at 1)
+            # (a long call does not read all its pages before it copies them: with FADV_RANDOM the kernel reads
+            # at most max(io_pages, ra_pages) ahead of its copy, whatever the call's size, so no more pages
+            # can be dropped unread-out where the input does not fit the page cache than with short calls)
             n = os.preadv(fd, [view[got:got + READ_PIECE]], offset + got)
             if n <= 0:
                 raise PlanError("shard ended before the layer's tensor bytes" if tensor is None
