@@ -139,6 +139,9 @@ def _parallel(args, argv: list[str]) -> int | None:
         raise UsageError(f"--batch-tokens must be at least 1, got {args.batch_tokens}")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
+        from qtool import dist
+
+        dist.resumable = hasattr(args, "resume")
         devices = [d for d in os.environ.get("QTOOL_DEVICES", "").split(",") if d]
         local = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
         if devices:

@@ -99,13 +99,15 @@ class Group:
         try:
             return fn(*a, **k)
         except (RuntimeError, ConnectionError) as e:  # gloo/NCCL: a peer closed, timed out or failed
+            then = ("if the run had started writing, its partial output is kept: re-run with --resume (with any "
+                    "number of ranks)" if resumable else "run the command again")
             raise RankError(f"rank {self.rank}: lost the other ranks ({type(e).__name__}: {str(e)[:200]})",
-                            hint="another rank failed (its error is printed above) or was killed; if the run had "
-                                 "started writing, its partial output is kept: re-run with --resume (with any "
-                                 "number of ranks)") from None
+                            hint=f"another rank failed (its error is printed above) or was killed; {then}") from None
 
 
 _current: Group | None = None
+# whether the command these ranks run has --resume (the CLI sets it in each rank): what a lost rank's hint offers
+resumable = True
 
 
 def current() -> Group:

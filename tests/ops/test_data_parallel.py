@@ -125,6 +125,20 @@ def test_killed_rank_stops_every_rank_and_resumes_with_another_count(request, tm
     _same_output(clean, out)
 
 
+
+def test_a_lost_rank_of_a_command_without_resume_does_not_offer_it(request, tmp_path):
+    """Found in review: the survivor of a killed `eval kld` rank said "re-run with --resume", an option eval
+    kld does not have (the launcher's own message already left it out)."""
+    ref, test = fixture_dir(request, "tiny_bf16"), fixture_dir(request, "tiny_nvfp4_modelopt")
+    job = ["eval", "kld", "--ref", ref, "--test", test, "--windows", "4", "--seq-len", "64", "--batch-tokens", "128",
+           "--quiet"]
+    procs = _ranks(job, kill_rank=1, after_layers=2)
+    results = [p.communicate(timeout=TIMEOUT) for p in procs]
+    assert procs[1].returncode == -9 and procs[0].returncode == 1
+    err = results[0][1]
+    assert "lost the other ranks" in err and "run the command again" in err and "--resume" not in err, err
+    assert "Traceback" not in err
+
 def test_launcher_ends_the_run_when_a_rank_dies(request, tmp_path):
     """`--nproc 2` and an outside `kill -9` of rank 1: the command exits non-zero, names the rank, and
     keeps the partial output; `--resume --nproc 2` completes it to the clean bytes."""
