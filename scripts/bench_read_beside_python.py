@@ -6,9 +6,9 @@ quantize reads its first layer while it makes its output plan (session 30). The 
 `preadv` calls in a Python loop (qtool.stream.layer_read), so each call's return needs the interpreter
 back; while the main thread runs pure Python, a thread that wants it waits up to the switch interval
 (`sys.getswitchinterval()`, 5 ms) for each. This bench reads FILE (cached first) with READERS threads in
-calls of 1 MiB (qtool's until session 32), 16 MiB and READ_PIECE (qtool's now: a whole CHUNK), alone and
-beside a busy Python loop, and prints the read rate of each and how fast the Python loop ran beside the
-reads against alone.
+calls of READ_PIECE (qtool's: 1 MiB), 16 MiB and 64 MiB, alone and beside a busy Python loop, and prints
+the read rate of each and how fast the Python loop ran beside the reads against alone (qtool keeps 1 MiB
+calls for an input the page cache cannot hold: qtool.stream.layer_read says why).
 
     python3 scripts/bench_read_beside_python.py FILE [--readers 4] [--switch-interval 0.0005]
 """
@@ -71,7 +71,7 @@ def main() -> int:
     read_all(a.file, size, 16 << 20, a.readers)  # into the page cache
     print(f"{a.file}: {size / 1e9:.2f} GB cached, {a.readers} readers, switch interval "
           f"{sys.getswitchinterval() * 1e3:.2f} ms")
-    for piece in sorted({1 << 20, 16 << 20, READ_PIECE}):
+    for piece in sorted({READ_PIECE, 16 << 20, 64 << 20}):
         alone = read_all(a.file, size, piece, a.readers)
         stop, took = threading.Event(), {}
 

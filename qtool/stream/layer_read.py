@@ -27,11 +27,14 @@ from qtool.io.safetensors_header import TensorInfo
 
 MAX_GAP = 1 << 20  # read through holes up to 1 MiB (another layer's norm, a header) rather than split
 CHUNK = 64 << 20  # one preadv and one host->device copy
-# the most one preadv call asks for: a whole CHUNK. Each call's return needs the interpreter back, and while
-# the main thread runs Python (the output plan, a layer's dispatch) a reader waits up to the 5 ms switch
-# interval for it: 1 MiB calls read at 0.87 GB/s beside a busy loop where they read at 6.2 alone (2-core
-# VM, scripts/bench_read_beside_python.py)
-READ_PIECE = CHUNK
+# the most one preadv call asks for. The kernel reads up to min(call, max(io_pages, ra_pages)) of a call's
+# pages before it copies them out, and where the input does not fit the page cache a page read but not yet
+# copied can be dropped and read again: with tests/ops/test_one_read.py's dropper on the VM's disk (an 8 MiB
+# window), 1 MiB calls read 1.017-1.038x the input, 64 MiB calls 1.034-1.132x. The cost of short calls:
+# each return needs the interpreter back, which a busy main thread holds up to the 5 ms switch interval
+# (on the H200, 4 readers read 0.64 GB/s beside a Python loop in 1 MiB calls, 8.94 GB/s in 64 MiB calls:
+# scripts/bench_read_beside_python.py); session 32 measured both and kept the one read
+READ_PIECE = 1 << 20
 READERS = 4  # threads reading one layer (each with its own pinned staging pair on CUDA)
 
 
@@ -176,9 +179,7 @@ def pread_exact(fd: int, view: memoryview, offset: int, path: str, tensor: str |
     stream_digest.claim(path, offset, offset + len(view))
     try:
         while got < len(view):
-            # (a long call does not read all its pages before it copies them: with FADV_RANDOM the kernel reads
-            # at most max(io_pages, ra_pages) ahead of its copy, whatever the call's size, so no more pages
-            # can be dropped unread-out where the input does not fit the page cache than with short calls)
+            # at most READ_PIECE a call (above: a page of a long call can be dropped before it is copied)
             n = os.preadv(fd, [view[got:got + READ_PIECE]], offset + got)
             if n <= 0:
                 raise PlanError("shard ended before the layer's tensor bytes" if tensor is None

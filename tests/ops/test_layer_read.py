@@ -82,28 +82,3 @@ def test_a_truncated_shard_is_named_when_its_layer_is_taken(request, tmp_path):
     assert "truncated" in e.value.hint and str(shard) in str(e.value.path)
     assert r.take(5) is None  # taken once; another layer's bytes are not handed out for it
 
-
-def test_a_layer_run_is_read_in_one_call_per_chunk(tmp_path, monkeypatch):
-    """Each preadv's return needs the interpreter back, which a main thread busy with Python (the output
-    plan) holds for up to the 5 ms switch interval: read in 1 MiB calls, quantize's first layer came in at
-    under 1 GB/s while the job planned. A layer's run is read in one call per CHUNK piece, the bytes unchanged."""
-    import os
-
-    import qtool.stream.layer_read as layer_read
-
-    data = os.urandom(3 << 20) + os.urandom(100)
-    shard = tmp_path / "model-00001-of-00001.safetensors"
-    shard.write_bytes(data)
-    infos = [_info("a", str(shard), 0, 2 << 20), _info("b", str(shard), 2 << 20, len(data))]
-    calls = []
-    real = os.preadv
-
-    def counted(fd, buffers, offset, *flags):
-        if os.readlink(f"/proc/self/fd/{fd}") == str(shard):  # (not another test's stray thread's)
-            calls.append(sum(len(b) for b in buffers))
-        return real(fd, buffers, offset, *flags)
-
-    monkeypatch.setattr(layer_read.os, "preadv", counted)
-    got = LayerBytes(infos).read()
-    assert calls == [len(data)]  # one run, under one CHUNK: one call for all of it
-    assert bytes(got.get(infos[0]).numpy()) == data[:2 << 20] and bytes(got.get(infos[1]).numpy()) == data[2 << 20:]
