@@ -125,7 +125,6 @@ def test_killed_rank_stops_every_rank_and_resumes_with_another_count(request, tm
     _same_output(clean, out)
 
 
-
 def test_a_lost_rank_of_a_command_without_resume_does_not_offer_it(request, tmp_path):
     """Found in review: the survivor of a killed `eval kld` rank said "re-run with --resume", an option eval
     kld does not have (the launcher's own message already left it out)."""
@@ -138,6 +137,7 @@ def test_a_lost_rank_of_a_command_without_resume_does_not_offer_it(request, tmp_
     err = results[0][1]
     assert "lost the other ranks" in err and "run the command again" in err and "--resume" not in err, err
     assert "Traceback" not in err
+
 
 def test_launcher_ends_the_run_when_a_rank_dies(request, tmp_path):
     """`--nproc 2` and an outside `kill -9` of rank 1: the command exits non-zero, names the rank, and

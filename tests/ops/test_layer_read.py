@@ -81,4 +81,3 @@ def test_a_truncated_shard_is_named_when_its_layer_is_taken(request, tmp_path):
         r.take(5)
     assert "truncated" in e.value.hint and str(shard) in str(e.value.path)
     assert r.take(5) is None  # taken once; another layer's bytes are not handed out for it
-
