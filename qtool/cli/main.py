@@ -137,11 +137,11 @@ def _parallel(args, argv: list[str]) -> int | None:
         from qtool.errors import UsageError
 
         raise UsageError(f"--batch-tokens must be at least 1, got {args.batch_tokens}")
+    from qtool import dist
+
+    dist.resumable = hasattr(args, "resume")  # what a lost rank (here or in the launcher) offers
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
-        from qtool import dist
-
-        dist.resumable = hasattr(args, "resume")
         devices = [d for d in os.environ.get("QTOOL_DEVICES", "").split(",") if d]
         local = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
         if devices:
@@ -173,7 +173,7 @@ def _parallel(args, argv: list[str]) -> int | None:
     if getattr(args, "backend", None) not in (None, "rtn"):
         raise UsageError(f"--backend {args.backend} runs in one process (the peer library's calibration state is "
                          "not reduced over ranks)", hint="use --backend rtn with --nproc/--devices, or one process")
-    return spawn(argv, devices, resumable=hasattr(args, "resume"))
+    return spawn(argv, devices, resumable=dist.resumable)
 
 
 def console() -> None:
