@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
 """How fast the layer reader's reads go while the main thread runs Python (a plan), against the same reads
-alone, in one run on one cached file.
+alone, in one run on one file.
 
 quantize reads its first layer while it makes its output plan (session 30). The reader's threads read in
 `preadv` calls in a Python loop (qtool.stream.layer_read), so each call's return needs the interpreter
 back; while the main thread runs pure Python, a thread that wants it waits up to the switch interval
-(`sys.getswitchinterval()`, 5 ms) for each. This bench reads FILE (cached first) with READERS threads in
-calls of READ_PIECE (qtool's: 1 MiB), 16 MiB and 64 MiB, alone and beside a busy Python loop, and prints
-the read rate of each and how fast the Python loop ran beside the reads against alone (qtool keeps 1 MiB
-calls for an input the page cache cannot hold: qtool.stream.layer_read says why).
+(`sys.getswitchinterval()`, 5 ms) for each. This bench reads FILE with READERS threads: through the page
+cache (the file cached first) in calls of READ_PIECE (qtool's where a filesystem refuses direct reads:
+1 MiB), 16 MiB and 64 MiB, and as qtool reads it (around the page cache, a CHUNK a call: from the disk
+on a disk), alone and beside a busy Python loop, and prints the read rate of each and how fast the
+Python loop ran beside the reads against alone (qtool.stream.layer_read says why it reads as it does).
 
     python3 scripts/bench_read_beside_python.py FILE [--readers 4] [--switch-interval 0.0005]
 """
@@ -23,22 +24,29 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # qtool from this checkout
-from qtool.stream.layer_read import CHUNK, READ_PIECE, READERS  # as the layer reader reads
+from qtool.stream.layer_read import CHUNK, READ_PIECE, READERS, ShardFiles, aligned_empty, read_pieces
+
+DIRECT = 0  # `piece` of qtool's own reads
 
 
 def read_all(path: str, size: int, piece: int, readers: int) -> float:
-    """Seconds to read the file with `readers` threads, each its share of CHUNK pieces, `piece` a call."""
-    chunks = list(range(0, size, CHUNK))
+    """Seconds to read the file with `readers` threads, each its share of CHUNK pieces, `piece` a call
+    through the page cache, or (DIRECT) as qtool's layer reader reads."""
+    chunks = read_pieces(path, 0, size)
 
     def work(k: int) -> None:
-        fd, buf = os.open(path, os.O_RDONLY), memoryview(bytearray(CHUNK))
+        fd, buf, reader = os.open(path, os.O_RDONLY), memoryview(aligned_empty(CHUNK).numpy()), ShardFiles()
         try:
-            for off in chunks[k::readers]:
-                want, got = min(CHUNK, size - off), 0
+            for p in chunks[k::readers]:
+                if piece == DIRECT:
+                    reader.read(p, buf[:p.end - p.start])
+                    continue
+                want, got = p.hi - p.lo, 0
                 while got < want:
-                    got += os.preadv(fd, [buf[got:min(want, got + piece)]], off + got)
+                    got += os.preadv(fd, [buf[got:min(want, got + piece)]], p.lo + got)
         finally:
             os.close(fd)
+            reader.close()
 
     threads = [threading.Thread(target=work, args=(k,)) for k in range(readers)]
     t0 = time.perf_counter()
@@ -71,7 +79,7 @@ def main() -> int:
     read_all(a.file, size, 16 << 20, a.readers)  # into the page cache
     print(f"{a.file}: {size / 1e9:.2f} GB cached, {a.readers} readers, switch interval "
           f"{sys.getswitchinterval() * 1e3:.2f} ms")
-    for piece in sorted({READ_PIECE, 16 << 20, 64 << 20}):
+    for piece in [*sorted({READ_PIECE, 16 << 20, 64 << 20}), DIRECT]:
         alone = read_all(a.file, size, piece, a.readers)
         stop, took = threading.Event(), {}
 
@@ -86,7 +94,8 @@ def main() -> int:
         stop2 = threading.Event()
         threading.Timer(took["s"], stop2.set).start()
         solo = python_loop(stop2)
-        print(f"  {piece >> 20:2d} MiB a call: reads {size / alone / 1e9:.2f} GB/s alone, "
+        how = f"{piece >> 20:2d} MiB a call" if piece != DIRECT else f"direct, {CHUNK >> 20} MiB a call"
+        print(f"  {how}: reads {size / alone / 1e9:.2f} GB/s alone, "
               f"{size / took['s'] / 1e9:.2f} GB/s beside Python; the Python loop ran at "
               f"{beside / max(solo, 1):.2f}x its speed alone", flush=True)
     return 0

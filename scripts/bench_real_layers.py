@@ -263,30 +263,25 @@ def cat_seconds(files: list[Path]) -> float:
 
 def pread_seconds(files: list[Path]) -> float:
     """The job's input read as qtool's layer reader reads it (qtool.stream.layer_read: READERS threads,
-    each with its share of the 64 MiB pieces, read with the kernel's read-ahead off in 1 MiB requests by
-    its own `pread_exact`). Where one `cat` stream leaves the device below its speed (a page cache, tmpfs,
-    an NVMe array) this is the faster read, and so the job's read floor."""
-    from qtool.io.files import open_for_reads
-    from qtool.stream.layer_read import CHUNK, READERS, pread_exact
+    each with its share of the 64 MiB pieces, read around the page cache where the filesystem allows it).
+    Where one `cat` stream leaves the device below its speed (a page cache, tmpfs, an NVMe array) this is
+    the faster read, and so the job's read floor."""
+    from qtool.stream.layer_read import CHUNK, READERS, ShardFiles, aligned_empty, read_pieces
 
-    pieces = [(f, off, min(CHUNK, f.stat().st_size - off)) for f in files for off in range(0, f.stat().st_size, CHUNK)]
+    pieces = [p for f in files for p in read_pieces(str(f), 0, f.stat().st_size)]
     errors: list[BaseException] = []
 
     def work(k: int) -> None:
-        view, fds = memoryview(bytearray(CHUNK)), {}
+        view, reader = memoryview(aligned_empty(CHUNK).numpy()), ShardFiles()
         try:
-            for f, off, n in pieces[k::READERS]:
+            for p in pieces[k::READERS]:
                 if errors:
                     return
-                fd = fds.get(f)
-                if fd is None:
-                    fd = fds[f] = open_for_reads(str(f))
-                pread_exact(fd, view[:n], off, str(f))
+                reader.read(p, view[:p.end - p.start])
         except BaseException as e:
             errors.append(e)
         finally:
-            for fd in fds.values():
-                os.close(fd)
+            reader.close()
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=work, args=(k,)) for k in range(READERS)]

@@ -12,10 +12,22 @@ the copy engine and the compute work at the same time. Tensors are then views of
 threads to a layer. Memory: the device holds the raw bytes of at most two layers (the one in use and the
 one being read); the host only the staging buffers, 2 x CHUNK per reader (CPU: the raw layer itself,
 read straight into its tensor).
+
+The runs are read around the page cache (`O_DIRECT`), a whole piece a call, where the filesystem allows it;
+elsewhere (a filesystem that refuses it) through the page cache in READ_PIECE calls. Why both matter:
+- An 800 GB input does not fit the page cache. A page read by the kernel for a call but dropped before it
+  is copied out is read again; the longer a buffered call, the more of them (READ_PIECE below). Direct
+  reads have no such pages: the input is read once whatever the call's length.
+- Each call's return needs the interpreter back, which a busy main thread holds up to the 5 ms switch
+  interval: short calls starve the readers while the main thread runs Python (the output plan, a layer's
+  dispatch). Direct reads take a whole CHUNK a call.
+A direct read's offset, length and buffer are multiples of ALIGN, so a run is read from the block before
+its first byte to the block after its last; only the run's own bytes are used and hashed.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 from dataclasses import dataclass
@@ -36,6 +48,9 @@ CHUNK = 64 << 20  # one preadv and one host->device copy
 # scripts/bench_read_beside_python.py); session 32 measured both and kept the one read
 READ_PIECE = 1 << 20
 READERS = 4  # threads reading one layer (each with its own pinned staging pair on CUDA)
+# O_DIRECT's alignment of file offsets, lengths and buffer addresses: the device's logical block size, 512
+# or 4096 bytes; 4096 serves both
+ALIGN = 4096
 
 
 @dataclass
@@ -44,6 +59,19 @@ class _Run:
     start: int
     end: int
     tensors: list[TensorInfo]
+
+
+@dataclass
+class Piece:
+    """One read: the file's bytes [start, end) (ALIGN-aligned; `end` may pass the file's end, where the
+    read stops), of which the run's own are [lo, hi)."""
+
+    path: str
+    start: int
+    end: int
+    lo: int
+    hi: int
+    dst: object = None  # the run's bytes [lo, hi) on its device (CPU: the host buffer read into)
 
 
 def coalesce(infos: list[TensorInfo], max_gap: int = MAX_GAP) -> list[_Run]:
@@ -59,6 +87,34 @@ def coalesce(infos: list[TensorInfo], max_gap: int = MAX_GAP) -> list[_Run]:
     return runs
 
 
+def _down(n: int) -> int:
+    return n - n % ALIGN
+
+
+def _up(n: int) -> int:
+    return _down(n + ALIGN - 1)
+
+
+def aligned_empty(n: int, pin: bool = False):
+    """A uint8 host tensor of `n` bytes whose address is a multiple of ALIGN (a direct read's buffer)."""
+    import torch
+
+    # pinned memory comes page-aligned (and the pinned allocator rounds a size up to a power of two, so n
+    # + ALIGN would double a staging buffer): n first, n + ALIGN only where that is not aligned
+    raw = torch.empty(n, dtype=torch.uint8, pin_memory=pin)
+    if raw.data_ptr() % ALIGN:
+        raw = torch.empty(n + ALIGN, dtype=torch.uint8, pin_memory=pin)
+    shift = -raw.data_ptr() % ALIGN
+    return raw[shift:shift + n]
+
+
+def read_pieces(path: str, lo: int, hi: int) -> list[Piece]:
+    """Bytes [lo, hi) of `path` as the reader reads them: CHUNK pieces over the ALIGN-aligned extent."""
+    first, last = _down(lo), _up(hi)
+    return [Piece(path, start, min(start + CHUNK, last), max(start, lo), min(start + CHUNK, hi))
+            for start in range(first, last, CHUNK)]
+
+
 class LayerBytes:
     """The tensors `infos`, read in coalesced runs onto `device`; `get(info)` is a view, no copy."""
 
@@ -72,18 +128,31 @@ class LayerBytes:
         self._bufs: list = []
         self.nbytes = sum(r.end - r.start for r in self.runs)
 
+    def _pieces(self, run: _Run) -> list[Piece]:
+        """The run's pieces (`read_pieces`), each with its destination; allocates the run's buffer."""
+        import torch
+
+        pieces = read_pieces(run.file, run.start, run.end)
+        first = pieces[0].start if pieces else run.start  # (none: a run of empty tensors)
+        if self.device == "cpu":  # read straight into the run's buffer: its extent's blocks, aligned
+            host = aligned_empty(pieces[-1].end - first if pieces else 0)
+            buf = host[run.start - first:run.end - first]
+            for p in pieces:
+                p.dst = host[p.start - first:p.end - first]
+        else:
+            buf = torch.empty(run.end - run.start, dtype=torch.uint8, device=self.device)
+            for p in pieces:
+                p.dst = buf[p.lo - run.start:p.hi - run.start]
+        self._bufs.append(buf)
+        return pieces
+
     def read(self, staging: list[_Staging] | None = None) -> LayerBytes:
         """Read every run, its CHUNK pieces spread over READERS threads (one staging pair each on CUDA):
         a single reader leaves an NVMe array, and a sandboxed page cache, well below their speed."""
         import torch
 
         cuda = self.device != "cpu"
-        pieces = []
-        for run in self.runs:
-            n = run.end - run.start
-            buf = torch.empty(n, dtype=torch.uint8, device=self.device)
-            self._bufs.append(buf)
-            pieces += [(run.file, run.start + off, buf[off:off + min(CHUNK, n - off)]) for off in range(0, n, CHUNK)]
+        pieces = [p for run in self.runs for p in self._pieces(run)]
         workers = len(staging) if cuda else READERS
         if cuda and self.runs:
             # the buffers came from the device's default stream, where kernels queued before their
@@ -96,31 +165,27 @@ class LayerBytes:
         errors: list[BaseException] = []
         # the input's sha256 is computed from these reads (qtool.io.stream_digest): every piece is claimed
         # first, so the digest waits for them rather than reading their bytes itself
-        for path, offset, dst in pieces:
-            stream_digest.claim(path, offset, offset + dst.numel())
+        for p in pieces:
+            stream_digest.claim(p.path, p.lo, p.hi)
 
         def work(k: int) -> None:
-            fds: dict[str, int] = {}
+            files = ShardFiles()
             try:
-                for path, offset, dst in pieces[k::workers]:
+                for p in pieces[k::workers]:
                     if errors:
                         return
-                    fd = fds.get(path)
-                    if fd is None:
-                        fd = fds[path] = open_for_reads(path)
                     if cuda:
-                        staging[k].upload(fd, offset, dst.numel(), dst, path)
+                        staging[k].upload(files, p)
                     else:
-                        pread_exact(fd, memoryview(dst.numpy()), offset, path)
+                        stream_digest.offer(p.path, p.lo, files.read(p, memoryview(p.dst.numpy())))
                 if cuda:
                     staging[k].finish()
             except BaseException as e:
                 errors.append(e)
-                for path, offset, _ in pieces:  # the digest reads what will not be offered
-                    stream_digest.release(path, offset)
+                for p in pieces:  # the digest reads what will not be offered
+                    stream_digest.release(p.path, p.lo)
             finally:
-                for fd in fds.values():
-                    os.close(fd)
+                files.close()
 
         threads = [threading.Thread(target=work, args=(k,), name=f"qtool-read-{k}") for k in range(1, workers)]
         for t in threads:
@@ -170,22 +235,78 @@ class LayerBytes:
         self._bufs.clear()
 
 
+class ShardFiles:
+    """One reader thread's descriptors: direct where the filesystem allows it, else through the page cache."""
+
+    def __init__(self) -> None:
+        self.direct: dict[str, int | None] = {}
+        self.buffered: dict[str, int] = {}
+
+    def read(self, p: Piece, view: memoryview) -> memoryview:
+        """Read the piece into `view` (its [start, end), ALIGN-aligned); the run's bytes [lo, hi) of it."""
+        own = view[p.lo - p.start:p.hi - p.start]
+        fd = self._direct(p.path)
+        if fd is not None:
+            try:
+                got = _read_upto(fd, view, p.start, len(view), direct=True)
+            except OSError as e:
+                if e.errno != errno.EINVAL:  # refused for this file after all (an odd filesystem)
+                    raise
+                os.close(fd)
+                self.direct[p.path] = fd = None
+        if fd is None:
+            fd = self.buffered.get(p.path)
+            if fd is None:
+                fd = self.buffered[p.path] = open_for_reads(p.path)
+            got = p.lo - p.start + _read_upto(fd, own, p.lo, READ_PIECE)
+        if got < p.hi - p.start:
+            raise _truncated(p.path, None)
+        return own
+
+    def _direct(self, path: str) -> int | None:
+        if path not in self.direct:
+            try:
+                self.direct[path] = os.open(path, os.O_RDONLY | os.O_DIRECT)
+            except OSError as e:
+                if e.errno != errno.EINVAL:  # EINVAL: this filesystem has no direct reads
+                    raise
+                self.direct[path] = None
+        return self.direct[path]
+
+    def close(self) -> None:
+        for fd in [*self.direct.values(), *self.buffered.values()]:
+            if fd is not None:
+                os.close(fd)
+
+
+def _read_upto(fd: int, view: memoryview, offset: int, call: int, direct: bool = False) -> int:
+    """Fill `view` from `fd` at `offset` in calls of at most `call` bytes (preadv returns short counts on
+    large reads); the bytes read, fewer only where the file ends."""
+    got = 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:got + call]], offset + got)
+        got += max(n, 0)
+        if n <= 0 or (direct and got % ALIGN):  # a direct read short of a block's end met the file's end
+            break
+    return got
+
+
+def _truncated(path: str, tensor: str | None) -> PlanError:
+    return PlanError("shard ended before the layer's tensor bytes" if tensor is None
+                     else "shard ended before the tensor's bytes", path=path, tensor=tensor,
+                     hint="the shard is truncated: re-download or rebuild it")
+
+
 def pread_exact(fd: int, view: memoryview, offset: int, path: str, tensor: str | None = None,
                 reused: bool = False) -> None:
-    """Fill `view` from `fd` at `offset` (preadv returns short counts on large reads); a shard that ends
-    early is a named error. The bytes feed the input's sha256 when the job hashes it from its reads
-    (qtool.io.stream_digest; `reused`: the buffer is overwritten soon, so the digest takes a copy)."""
-    got = 0
+    """Fill `view` from `fd` at `offset`; a shard that ends early is a named error. The bytes feed the
+    input's sha256 when the job hashes it from its reads (qtool.io.stream_digest; `reused`: the buffer is
+    overwritten soon, so the digest takes a copy)."""
     stream_digest.claim(path, offset, offset + len(view))
     try:
-        while got < len(view):
-            # at most READ_PIECE a call (above: a page of a long call can be dropped before it is copied)
-            n = os.preadv(fd, [view[got:got + READ_PIECE]], offset + got)
-            if n <= 0:
-                raise PlanError("shard ended before the layer's tensor bytes" if tensor is None
-                                else "shard ended before the tensor's bytes", path=path, tensor=tensor,
-                                hint="the shard is truncated: re-download or rebuild it")
-            got += n
+        # at most READ_PIECE a call (above: a page of a long call can be dropped before it is copied)
+        if _read_upto(fd, view, offset, READ_PIECE) < len(view):
+            raise _truncated(path, tensor)
     except BaseException:
         stream_digest.release(path, offset)
         raise
@@ -201,19 +322,20 @@ class _Staging:
 
         self.torch = torch
         self.stream = torch.cuda.Stream(device=device)
-        self.host = [torch.empty(CHUNK, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        self.host = [aligned_empty(CHUNK, pin=True) for _ in range(2)]
         self.done = [None, None]  # the event after which buffer i may be overwritten
         self.turn = 0
 
-    def upload(self, fd: int, offset: int, n: int, dst, path: str) -> None:
+    def upload(self, files: ShardFiles, p: Piece) -> None:
         i = self.turn
         self.turn ^= 1
         if self.done[i] is not None:
             self.done[i].synchronize()
-        host = self.host[i][:n]
-        pread_exact(fd, memoryview(host.numpy()), offset, path, reused=True)
+        host = self.host[i][:p.end - p.start]
+        own = files.read(p, memoryview(host.numpy()))
+        stream_digest.offer(p.path, p.lo, own, lambda: bytearray(own))
         with self.torch.cuda.stream(self.stream):
-            dst.copy_(host, non_blocking=True)
+            p.dst.copy_(host[p.lo - p.start:p.hi - p.start], non_blocking=True)
             ev = self.torch.cuda.Event()
             ev.record(self.stream)
         self.done[i] = ev

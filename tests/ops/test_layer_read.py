@@ -4,6 +4,8 @@ streamed run with read-ahead equals one without."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from test_calibrate_kv_support import fixture_dir
@@ -11,7 +13,7 @@ from test_calibrate_kv_support import fixture_dir
 from qtool.errors import PlanError
 from qtool.io.safetensors_header import TensorInfo
 from qtool.stream.dequant import TensorSource, layer_tensors
-from qtool.stream.layer_read import MAX_GAP, LayerBytes, Prefetcher, coalesce
+from qtool.stream.layer_read import ALIGN, MAX_GAP, LayerBytes, Prefetcher, coalesce
 from qtool.stream.layer_stream import LayerStreamer, MemoryStore
 
 
@@ -81,3 +83,66 @@ def test_a_truncated_shard_is_named_when_its_layer_is_taken(request, tmp_path):
         r.take(5)
     assert "truncated" in e.value.hint and str(shard) in str(e.value.path)
     assert r.take(5) is None  # taken once; another layer's bytes are not handed out for it
+
+
+def _reads_with_flags(monkeypatch) -> list[bool]:
+    """Whether each preadv of the layer reader went around the page cache (O_DIRECT on its descriptor)."""
+    import fcntl
+
+    direct = []
+    real = os.preadv
+
+    def preadv(fd, buffers, offset, *args):
+        direct.append(bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT))
+        return real(fd, buffers, offset, *args)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    return direct
+
+
+def _refuse_direct(monkeypatch, at: str) -> None:
+    """A filesystem without direct reads: EINVAL at the open (tmpfs before Linux 6.6) or at the read."""
+    import errno
+    import fcntl
+
+    real_open, real_preadv = os.open, os.preadv
+
+    def refuse_open(path, flags, *args, **kwargs):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument", path)
+        return real_open(path, flags, *args, **kwargs)
+
+    def refuse_read(fd, buffers, offset, *args):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_preadv(fd, buffers, offset, *args)
+
+    if at == "open":
+        monkeypatch.setattr(os, "open", refuse_open)
+    else:
+        monkeypatch.setattr(os, "preadv", refuse_read)
+
+
+@pytest.mark.parametrize("refused", [None, "open", "read"])
+def test_layers_are_read_around_the_page_cache_where_the_filesystem_allows_it(request, monkeypatch, refused):
+    """An 800 GB input does not fit the page cache: its layers are read with O_DIRECT, whole 64 MiB pieces
+    (no page read for a call but dropped before it is copied out, read twice); a filesystem that refuses
+    it is read through the page cache. Either way the tensors are the file's bytes, and a run's blocks
+    around its own bytes (a direct read's alignment) are not part of any tensor."""
+    s = LayerStreamer(fixture_dir(request, "tiny_bf16"))
+    if refused:
+        _refuse_direct(monkeypatch, refused)
+    flags = _reads_with_flags(monkeypatch)
+    one = TensorSource()
+    try:
+        infos = layer_tensors(s.mm, 2) + layer_tensors(s.mm, 5)
+        got = LayerBytes(infos).read()
+        # a run that ends at its shard's end, inside a block: the direct read stops short there
+        assert any(r.end == os.path.getsize(r.file) and r.end % ALIGN for r in got.runs)
+        assert flags and all(flags) == (refused is None) and (refused is None or not flags[-1])
+        for info in infos:
+            assert torch.equal(got.get(info).view(-1).view(torch.uint8), one.get(info).view(-1).view(torch.uint8))
+        for k, run in enumerate(got.runs):
+            assert got._bufs[k].numel() == run.end - run.start
+    finally:
+        one.close()

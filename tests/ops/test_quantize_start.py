@@ -131,7 +131,7 @@ def test_a_plan_that_fails_after_the_read_began_leaves_nothing_running(tiny_bf16
 
     before = set(threading.enumerate())
     reading = threading.Event()
-    slow_read = layer_read.pread_exact
+    slow_read = layer_read.ShardFiles.read
 
     def slow(*args, **kwargs):  # the read still running when the plan fails
         reading.set()
@@ -142,7 +142,7 @@ def test_a_plan_that_fails_after_the_read_began_leaves_nothing_running(tiny_bf16
         assert reading.wait(10)
         raise PlanError("an output plan that fails", path=p.out)
 
-    monkeypatch.setattr(layer_read, "pread_exact", slow)
+    monkeypatch.setattr(layer_read.ShardFiles, "read", slow)
     monkeypatch.setattr(output_module, "output_plan", fails)
     out = tmp_path / "q"
     with pytest.raises(PlanError, match="an output plan that fails"):
