@@ -311,6 +311,17 @@ def offer(path: str, start: int, view, keep=None) -> None:
         d.offer(start, view, keep)
 
 
+def queue_full(path: str, n: int) -> bool:
+    """Whether an offer of `n` bytes of `path` now would be dropped (the digest would read them itself):
+    a reader that bypasses the page cache reads such a piece through it instead, so that the digest finds
+    it there rather than on the disk."""
+    d = digest_of(path)
+    if d is None:
+        return False
+    with d.cond:
+        return d.queued + n > QUEUE_BYTES
+
+
 def release(path: str, start: int) -> None:
     d = digest_of(path)
     if d is not None:

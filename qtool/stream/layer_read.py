@@ -38,14 +38,15 @@ from qtool.io.files import open_for_reads
 from qtool.io.safetensors_header import TensorInfo
 
 MAX_GAP = 1 << 20  # read through holes up to 1 MiB (another layer's norm, a header) rather than split
-CHUNK = 64 << 20  # one preadv and one host->device copy
-# the most one preadv call asks for. The kernel reads up to min(call, max(io_pages, ra_pages)) of a call's
-# pages before it copies them out, and where the input does not fit the page cache a page read but not yet
-# copied can be dropped and read again: with tests/ops/test_one_read.py's dropper on the VM's disk (an 8 MiB
-# window), 1 MiB calls read 1.017-1.038x the input, 64 MiB calls 1.034-1.132x. The cost of short calls:
-# each return needs the interpreter back, which a busy main thread holds up to the 5 ms switch interval
-# (on the H200, 4 readers read 0.64 GB/s beside a Python loop in 1 MiB calls, 8.94 GB/s in 64 MiB calls:
-# scripts/bench_read_beside_python.py); session 32 measured both and kept the one read
+CHUNK = 64 << 20  # one preadv (a direct read) and one host->device copy
+# the most one preadv call through the page cache asks for (a filesystem without direct reads, and single
+# tensors' reads). The kernel reads up to min(call, max(io_pages, ra_pages)) of a call's pages before it
+# copies them out, and where the input does not fit the page cache a page read but not yet copied can be
+# dropped and read again: with tests/ops/test_one_read.py's dropper on the VM's disk (an 8 MiB window),
+# 1 MiB calls read 1.017-1.038x the input, 64 MiB calls 1.034-1.132x, direct 64 MiB reads 1.008-1.011x.
+# The cost of short calls: each return needs the interpreter back, which a busy main thread holds up to
+# the 5 ms switch interval (on the H200, 4 readers read 0.64 GB/s beside a Python loop in 1 MiB calls,
+# 8.94 GB/s in 64 MiB calls: scripts/bench_read_beside_python.py)
 READ_PIECE = 1 << 20
 READERS = 4  # threads reading one layer (each with its own pinned staging pair on CUDA)
 # O_DIRECT's alignment of file offsets, lengths and buffer addresses: the device's logical block size, 512
@@ -245,7 +246,8 @@ class ShardFiles:
     def read(self, p: Piece, view: memoryview) -> memoryview:
         """Read the piece into `view` (its [start, end), ALIGN-aligned); the run's bytes [lo, hi) of it."""
         own = view[p.lo - p.start:p.hi - p.start]
-        fd = self._direct(p.path)
+        # (a piece the input's digest has no room for: read into the page cache, where the digest reads it)
+        fd = None if stream_digest.queue_full(p.path, p.hi - p.lo) else self._direct(p.path)
         if fd is not None:
             try:
                 got = _read_upto(fd, view, p.start, len(view), direct=True)

@@ -123,12 +123,15 @@ def _refuse_direct(monkeypatch, at: str) -> None:
         monkeypatch.setattr(os, "preadv", refuse_read)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("refused", [None, "open", "read"])
-def test_layers_are_read_around_the_page_cache_where_the_filesystem_allows_it(request, monkeypatch, refused):
+def test_layers_are_read_around_the_page_cache_where_the_filesystem_allows_it(request, monkeypatch, refused,
+                                                                              device):
     """An 800 GB input does not fit the page cache: its layers are read with O_DIRECT, whole 64 MiB pieces
     (no page read for a call but dropped before it is copied out, read twice); a filesystem that refuses
     it is read through the page cache. Either way the tensors are the file's bytes, and a run's blocks
-    around its own bytes (a direct read's alignment) are not part of any tensor."""
+    around its own bytes (a direct read's alignment) are not part of any tensor. On CUDA the pieces go
+    through the pinned staging buffers (aligned for direct reads)."""
     s = LayerStreamer(fixture_dir(request, "tiny_bf16"))
     if refused:
         _refuse_direct(monkeypatch, refused)
@@ -136,13 +139,39 @@ def test_layers_are_read_around_the_page_cache_where_the_filesystem_allows_it(re
     one = TensorSource()
     try:
         infos = layer_tensors(s.mm, 2) + layer_tensors(s.mm, 5)
-        got = LayerBytes(infos).read()
+        got = Prefetcher(device).read_now(infos)
         # a run that ends at its shard's end, inside a block: the direct read stops short there
         assert any(r.end == os.path.getsize(r.file) and r.end % ALIGN for r in got.runs)
         assert flags and all(flags) == (refused is None) and (refused is None or not flags[-1])
         for info in infos:
-            assert torch.equal(got.get(info).view(-1).view(torch.uint8), one.get(info).view(-1).view(torch.uint8))
+            assert torch.equal(got.get(info).cpu().view(-1).view(torch.uint8), one.get(info).view(-1).view(torch.uint8))
         for k, run in enumerate(got.runs):
             assert got._bufs[k].numel() == run.end - run.start
     finally:
         one.close()
+
+
+@pytest.mark.parametrize("room", [True, False])
+def test_a_piece_the_input_digest_has_no_room_for_is_read_through_the_page_cache(request, monkeypatch, room):
+    """The input's sha256 comes from the layer reader's reads (qtool.io.stream_digest). A piece its queue
+    has no room for is dropped there and read again by the digest: read around the page cache, that second
+    read would go to the disk, so such a piece is read through the page cache, where the digest finds it.
+    Either way the digest is the file's."""
+    import hashlib
+    from pathlib import Path
+
+    from qtool.io import stream_digest
+
+    s = LayerStreamer(fixture_dir(request, "tiny_bf16"))
+    infos = layer_tensors(s.mm, 2)
+    if not room:
+        monkeypatch.setattr(stream_digest, "QUEUE_BYTES", 0)
+    flags = _reads_with_flags(monkeypatch)
+    with stream_digest.StreamDigests() as reg:
+        digests = {f: reg.add(f) for f in {i.file for i in infos}}
+        LayerBytes(infos).read()
+        direct = list(flags)
+        for f, d in digests.items():
+            assert d.finish() == hashlib.sha256(Path(f).read_bytes()).hexdigest()
+            assert (d.dropped == 0) == room
+    assert direct and all(direct) == room and any(direct) == room
