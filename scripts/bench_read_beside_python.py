@@ -7,9 +7,11 @@ quantize reads its first layer while it makes its output plan (session 30). The 
 back; while the main thread runs pure Python, a thread that wants it waits up to the switch interval
 (`sys.getswitchinterval()`, 5 ms) for each. This bench reads FILE with READERS threads: through the page
 cache (the file cached first) in calls of READ_PIECE (qtool's where a filesystem refuses direct reads:
-1 MiB), 16 MiB and 64 MiB, and as qtool reads it (around the page cache, a CHUNK a call: from the disk
-on a disk), alone and beside a busy Python loop, and prints the read rate of each and how fast the
-Python loop ran beside the reads against alone (qtool.stream.layer_read says why it reads as it does).
+1 MiB), 16 MiB and 64 MiB; then as qtool's reader reads it, cached (copied from the page cache, a CHUNK
+a call) and evicted before each read (around the page cache where the filesystem allows it: from the
+disk on a disk; tmpfs keeps its pages), alone and beside a busy Python loop, and prints the read rate of
+each and how fast the Python loop ran beside the reads against alone (qtool.stream.layer_read says why
+it reads as it does).
 
     python3 scripts/bench_read_beside_python.py FILE [--readers 4] [--switch-interval 0.0005]
 """
@@ -24,21 +26,24 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # qtool from this checkout
+from qtool.fixtures.page_cache import evict
 from qtool.stream.layer_read import CHUNK, READ_PIECE, READERS, ShardFiles, aligned_empty, read_pieces
 
-DIRECT = 0  # `piece` of qtool's own reads
+QTOOL_CACHED, QTOOL_EVICTED = 0, -1  # `piece`: as qtool's layer reader reads, the file cached / evicted
 
 
 def read_all(path: str, size: int, piece: int, readers: int) -> float:
     """Seconds to read the file with `readers` threads, each its share of CHUNK pieces, `piece` a call
-    through the page cache, or (DIRECT) as qtool's layer reader reads."""
+    through the page cache, or (QTOOL_*) as qtool's layer reader reads."""
     chunks = read_pieces(path, 0, size)
+    if piece == QTOOL_EVICTED:
+        evict([path])
 
     def work(k: int) -> None:
         fd, buf, reader = os.open(path, os.O_RDONLY), memoryview(aligned_empty(CHUNK).numpy()), ShardFiles()
         try:
             for p in chunks[k::readers]:
-                if piece == DIRECT:
+                if piece <= 0:
                     reader.read(p, buf[:p.end - p.start])
                     continue
                 want, got = p.hi - p.lo, 0
@@ -79,7 +84,7 @@ def main() -> int:
     read_all(a.file, size, 16 << 20, a.readers)  # into the page cache
     print(f"{a.file}: {size / 1e9:.2f} GB cached, {a.readers} readers, switch interval "
           f"{sys.getswitchinterval() * 1e3:.2f} ms")
-    for piece in [*sorted({READ_PIECE, 16 << 20, 64 << 20}), DIRECT]:
+    for piece in [*sorted({READ_PIECE, 16 << 20, 64 << 20}), QTOOL_CACHED, QTOOL_EVICTED]:
         alone = read_all(a.file, size, piece, a.readers)
         stop, took = threading.Event(), {}
 
@@ -94,7 +99,8 @@ def main() -> int:
         stop2 = threading.Event()
         threading.Timer(took["s"], stop2.set).start()
         solo = python_loop(stop2)
-        how = f"{piece >> 20:2d} MiB a call" if piece != DIRECT else f"direct, {CHUNK >> 20} MiB a call"
+        how = (f"{piece >> 20:2d} MiB a call" if piece > 0 else
+               f"qtool's reads, {'cached' if piece == QTOOL_CACHED else 'evicted'}, {CHUNK >> 20} MiB a call")
         print(f"  {how}: reads {size / alone / 1e9:.2f} GB/s alone, "
               f"{size / took['s'] / 1e9:.2f} GB/s beside Python; the Python loop ran at "
               f"{beside / max(solo, 1):.2f}x its speed alone", flush=True)

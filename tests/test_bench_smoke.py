@@ -91,4 +91,5 @@ def test_bench_read_beside_python(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     rows = [line for line in p.stdout.splitlines() if "a call: reads" in line]
-    assert len(rows) == 3 and all("GB/s beside Python" in r and "x its speed alone" in r for r in rows), p.stdout
+    assert len(rows) == 5 and all("GB/s beside Python" in r and "x its speed alone" in r for r in rows), p.stdout
+    assert "qtool's reads, cached" in rows[-2] and "qtool's reads, evicted" in rows[-1]

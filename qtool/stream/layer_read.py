@@ -33,7 +33,7 @@ import threading
 from dataclasses import dataclass
 
 from qtool.errors import PlanError
-from qtool.io import stream_digest
+from qtool.io import page_cache, stream_digest
 from qtool.io.files import open_for_reads
 from qtool.io.safetensors_header import TensorInfo
 
@@ -237,7 +237,12 @@ class LayerBytes:
 
 
 class ShardFiles:
-    """One reader thread's descriptors: direct where the filesystem allows it, else through the page cache."""
+    """One reader thread's descriptors and its choice of read for each piece:
+    - bytes the page cache holds already (a re-run on an input that fits memory; the output the previous
+      job just wrote): copied from there, one call (nothing is read from the disk, so nothing twice);
+    - else around the page cache (`O_DIRECT`), one call, where the filesystem allows it;
+    - else, and for a piece the input's digest has no room for (it is read again there, from the page
+      cache while it is still there), through the page cache in READ_PIECE calls."""
 
     def __init__(self) -> None:
         self.direct: dict[str, int | None] = {}
@@ -246,24 +251,39 @@ class ShardFiles:
     def read(self, p: Piece, view: memoryview) -> memoryview:
         """Read the piece into `view` (its [start, end), ALIGN-aligned); the run's bytes [lo, hi) of it."""
         own = view[p.lo - p.start:p.hi - p.start]
-        # (a piece the input's digest has no room for: read into the page cache, where the digest reads it)
-        fd = None if stream_digest.queue_full(p.path, p.hi - p.lo) else self._direct(p.path)
-        if fd is not None:
-            try:
-                got = _read_upto(fd, view, p.start, len(view), direct=True)
-            except OSError as e:
-                if e.errno != errno.EINVAL:  # refused for this file after all (an odd filesystem)
-                    raise
-                os.close(fd)
-                self.direct[p.path] = fd = None
-        if fd is None:
-            fd = self.buffered.get(p.path)
-            if fd is None:
-                fd = self.buffered[p.path] = open_for_reads(p.path)
-            got = p.lo - p.start + _read_upto(fd, own, p.lo, READ_PIECE)
-        if got < p.hi - p.start:
+        cached = self._buffered(p.path)
+        if page_cache.resident(cached, p.lo, len(own)):
+            got = _read_upto(cached, own, p.lo, len(own))
+        else:
+            got = self._read_direct(p, view)
+            if got is None:
+                got = _read_upto(cached, own, p.lo, READ_PIECE)
+        if got < len(own):
             raise _truncated(p.path, None)
         return own
+
+    def _read_direct(self, p: Piece, view: memoryview) -> int | None:
+        """The bytes of [lo, hi) read around the page cache, or None where they are to be read through it."""
+        if stream_digest.queue_full(p.path, p.hi - p.lo):
+            return None
+        fd = self._direct(p.path)
+        if fd is None:
+            return None
+        try:
+            got = _read_upto(fd, view, p.start, len(view), direct=True)
+        except OSError as e:
+            if e.errno != errno.EINVAL:  # EINVAL: refused for this file after all (an odd filesystem)
+                raise
+            os.close(fd)
+            self.direct[p.path] = None
+            return None
+        return min(max(got - (p.lo - p.start), 0), p.hi - p.lo)
+
+    def _buffered(self, path: str) -> int:
+        fd = self.buffered.get(path)
+        if fd is None:
+            fd = self.buffered[path] = open_for_reads(path)
+        return fd
 
     def _direct(self, path: str) -> int | None:
         if path not in self.direct:

@@ -5,6 +5,7 @@ streamed run with read-ahead equals one without."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from test_calibrate_kv_support import fixture_dir
 from qtool.errors import PlanError
 from qtool.io.safetensors_header import TensorInfo
 from qtool.stream.dequant import TensorSource, layer_tensors
-from qtool.stream.layer_read import ALIGN, MAX_GAP, LayerBytes, Prefetcher, coalesce
+from qtool.stream.layer_read import ALIGN, MAX_GAP, LayerBytes, Prefetcher, coalesce, read_pieces
 from qtool.stream.layer_stream import LayerStreamer, MemoryStore
 
 
@@ -85,6 +86,13 @@ def test_a_truncated_shard_is_named_when_its_layer_is_taken(request, tmp_path):
     assert r.take(5) is None  # taken once; another layer's bytes are not handed out for it
 
 
+def _own_copy(request, tmp_path: Path) -> Path:
+    """tiny_bf16 copied: pages another test's open map holds stay in the page cache, whatever evicts them."""
+    import shutil
+
+    return Path(shutil.copytree(fixture_dir(request, "tiny_bf16"), tmp_path / "bf16"))
+
+
 def _reads_with_flags(monkeypatch) -> list[bool]:
     """Whether each preadv of the layer reader went around the page cache (O_DIRECT on its descriptor)."""
     import fcntl
@@ -124,25 +132,43 @@ def _refuse_direct(monkeypatch, at: str) -> None:
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("refused", [None, "open", "read"])
-def test_layers_are_read_around_the_page_cache_where_the_filesystem_allows_it(request, monkeypatch, refused,
-                                                                              device):
+@pytest.mark.parametrize("how", ["direct", "cached", "refused at open", "refused at read"])
+def test_layers_are_read_around_the_page_cache_unless_it_holds_them(request, tmp_path, monkeypatch, how, device):
     """An 800 GB input does not fit the page cache: its layers are read with O_DIRECT, whole 64 MiB pieces
-    (no page read for a call but dropped before it is copied out, read twice); a filesystem that refuses
-    it is read through the page cache. Either way the tensors are the file's bytes, and a run's blocks
-    around its own bytes (a direct read's alignment) are not part of any tensor. On CUDA the pieces go
-    through the pinned staging buffers (aligned for direct reads)."""
-    s = LayerStreamer(fixture_dir(request, "tiny_bf16"))
-    if refused:
-        _refuse_direct(monkeypatch, refused)
+    (no page read for a call but dropped before it is copied out, read twice). Bytes the page cache holds
+    (a re-run on an input that fits memory) are copied from there, a piece a call; a filesystem that refuses
+    direct reads is read through the page cache. Each way the tensors are the file's bytes, and a run's
+    blocks around its own bytes (a direct read's alignment) are not part of any tensor. On CUDA the pieces
+    go through the pinned staging buffers (aligned for direct reads)."""
+    from qtool.fixtures.page_cache import evict
+    from qtool.io import page_cache
+
+    s = LayerStreamer(_own_copy(request, tmp_path))
+    infos = layer_tensors(s.mm, 2) + layer_tensors(s.mm, 5)
+    shards = sorted({i.file for i in infos})
+    if how == "cached":
+        if not page_cache.available():
+            pytest.skip("this kernel has no cachestat (Linux 6.5+): every piece is read around the page cache")
+        for f in shards:
+            Path(f).read_bytes()
+    else:
+        evict(shards)
+    if how.startswith("refused"):
+        _refuse_direct(monkeypatch, how.rpartition(" ")[2])
     flags = _reads_with_flags(monkeypatch)
     one = TensorSource()
     try:
-        infos = layer_tensors(s.mm, 2) + layer_tensors(s.mm, 5)
-        got = Prefetcher(device).read_now(infos)
+        r = Prefetcher(device)
+        got = r.read_now(infos)
         # a run that ends at its shard's end, inside a block: the direct read stops short there
-        assert any(r.end == os.path.getsize(r.file) and r.end % ALIGN for r in got.runs)
-        assert flags and all(flags) == (refused is None) and (refused is None or not flags[-1])
+        assert any(run.end == os.path.getsize(run.file) and run.end % ALIGN for run in got.runs)
+        if how == "direct":
+            assert flags and all(flags)
+        elif how == "cached":
+            assert not any(flags) and len(flags) == len([p for run in got.runs for p in read_pieces(run.file, run.start,
+                                                                                                    run.end)])
+        else:
+            assert flags and not flags[-1]
         for info in infos:
             assert torch.equal(got.get(info).cpu().view(-1).view(torch.uint8), one.get(info).view(-1).view(torch.uint8))
         for k, run in enumerate(got.runs):
@@ -152,18 +178,21 @@ def test_layers_are_read_around_the_page_cache_where_the_filesystem_allows_it(re
 
 
 @pytest.mark.parametrize("room", [True, False])
-def test_a_piece_the_input_digest_has_no_room_for_is_read_through_the_page_cache(request, monkeypatch, room):
+def test_a_piece_the_input_digest_has_no_room_for_is_read_through_the_page_cache(request, tmp_path, monkeypatch,
+                                                                                 room):
     """The input's sha256 comes from the layer reader's reads (qtool.io.stream_digest). A piece its queue
     has no room for is dropped there and read again by the digest: read around the page cache, that second
     read would go to the disk, so such a piece is read through the page cache, where the digest finds it.
     Either way the digest is the file's."""
     import hashlib
-    from pathlib import Path
 
     from qtool.io import stream_digest
 
-    s = LayerStreamer(fixture_dir(request, "tiny_bf16"))
+    from qtool.fixtures.page_cache import evict
+
+    s = LayerStreamer(_own_copy(request, tmp_path))
     infos = layer_tensors(s.mm, 2)
+    evict({i.file for i in infos})
     if not room:
         monkeypatch.setattr(stream_digest, "QUEUE_BYTES", 0)
     flags = _reads_with_flags(monkeypatch)
