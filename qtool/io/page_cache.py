@@ -28,7 +28,7 @@ class _Stat(ctypes.Structure):
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
-_available = True  # False once the kernel said it has no cachestat (older than 6.5, or a sandbox refused it)
+_available = True  # False once the kernel said it has no cachestat (older than 6.5)
 
 
 def resident(fd: int, offset: int, length: int) -> bool:
@@ -41,7 +41,9 @@ def resident(fd: int, offset: int, length: int) -> bool:
     rng, st = _Range(first * _PAGE, (end - first) * _PAGE), _Stat()
     if _libc.syscall(ctypes.c_long(_SYS_CACHESTAT), ctypes.c_int(fd), ctypes.byref(rng), ctypes.byref(st),
                      ctypes.c_uint(0)) != 0:
-        if ctypes.get_errno() in (errno.ENOSYS, errno.EPERM):
+        # ENOSYS: no cachestat in this kernel (nor will there be for the next file). EPERM is the file's:
+        # like mincore, cachestat answers only a caller who may write the file or owns it
+        if ctypes.get_errno() == errno.ENOSYS:
             _available = False
         return False
     return st.nr_cache >= end - first

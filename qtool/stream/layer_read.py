@@ -72,7 +72,8 @@ class Piece:
     end: int
     lo: int
     hi: int
-    dst: object = None  # the run's bytes [lo, hi) on its device (CPU: the host buffer read into)
+    # CUDA: the run's bytes [lo, hi) on the device; CPU: the host buffer [start, end) is read into
+    dst: object = None
 
 
 def coalesce(infos: list[TensorInfo], max_gap: int = MAX_GAP) -> list[_Run]:
@@ -100,10 +101,10 @@ def aligned_empty(n: int, pin: bool = False):
     """A uint8 host tensor of `n` bytes whose address is a multiple of ALIGN (a direct read's buffer)."""
     import torch
 
-    # pinned memory comes page-aligned (and the pinned allocator rounds a size up to a power of two, so n
-    # + ALIGN would double a staging buffer): n first, n + ALIGN only where that is not aligned
-    raw = torch.empty(n, dtype=torch.uint8, pin_memory=pin)
-    if raw.data_ptr() % ALIGN:
+    # pinned memory comes page-aligned, and the pinned allocator rounds a size up to a power of two (n +
+    # ALIGN would double a staging buffer): n first there; a large CPU tensor is 64-byte aligned only
+    raw = torch.empty(n, dtype=torch.uint8, pin_memory=True) if pin else None
+    if raw is None or raw.data_ptr() % ALIGN:
         raw = torch.empty(n + ALIGN, dtype=torch.uint8, pin_memory=pin)
     shift = -raw.data_ptr() % ALIGN
     return raw[shift:shift + n]
@@ -224,11 +225,12 @@ class LayerBytes:
         from qtool.io.dtypes import TORCH_DTYPE_NAMES
 
         raw = self.raw(info)
-        off = self._where[info.name][1]
         dtype = getattr(torch, TORCH_DTYPE_NAMES[info.dtype])
         if info.nbytes == 0:
             return torch.empty(tuple(info.shape), dtype=dtype, device=self.device)
-        if off % dtype.itemsize:  # safetensors does not align offsets: a view needs whole elements
+        # safetensors does not align offsets, and a CPU run's buffer starts inside an aligned block: a view
+        # needs whole elements from the storage's start
+        if raw.storage_offset() % dtype.itemsize:
             raw = raw.clone()
         return raw.view(dtype).reshape(tuple(info.shape))
 
@@ -251,24 +253,26 @@ class ShardFiles:
     def read(self, p: Piece, view: memoryview) -> memoryview:
         """Read the piece into `view` (its [start, end), ALIGN-aligned); the run's bytes [lo, hi) of it."""
         own = view[p.lo - p.start:p.hi - p.start]
-        cached = self._buffered(p.path)
-        if page_cache.resident(cached, p.lo, len(own)):
-            got = _read_upto(cached, own, p.lo, len(own))
+        buffered_fd = self._buffered(p.path)
+        if page_cache.resident(buffered_fd, p.lo, len(own)):
+            got = _read_upto(buffered_fd, own, p.lo, len(own))
         else:
             got = self._read_direct(p, view)
-            if got is None:
-                got = _read_upto(cached, own, p.lo, READ_PIECE)
+            # the rest through the page cache: all of it where direct reads are not to be, and what a
+            # direct read returned short of (a filesystem's short count, or the file's end: read as 0 here)
+            got += _read_upto(buffered_fd, own[got:], p.lo + got, READ_PIECE)
         if got < len(own):
             raise _truncated(p.path, None)
         return own
 
-    def _read_direct(self, p: Piece, view: memoryview) -> int | None:
-        """The bytes of [lo, hi) read around the page cache, or None where they are to be read through it."""
+    def _read_direct(self, p: Piece, view: memoryview) -> int:
+        """How many of the bytes [lo, hi) were read around the page cache (0: they are to be read through
+        it)."""
         if stream_digest.queue_full(p.path, p.hi - p.lo):
-            return None
+            return 0
         fd = self._direct(p.path)
         if fd is None:
-            return None
+            return 0
         try:
             got = _read_upto(fd, view, p.start, len(view), direct=True)
         except OSError as e:
@@ -276,7 +280,7 @@ class ShardFiles:
                 raise
             os.close(fd)
             self.direct[p.path] = None
-            return None
+            return 0
         return min(max(got - (p.lo - p.start), 0), p.hi - p.lo)
 
     def _buffered(self, path: str) -> int:
@@ -308,7 +312,7 @@ def _read_upto(fd: int, view: memoryview, offset: int, call: int, direct: bool =
     while got < len(view):
         n = os.preadv(fd, [view[got:got + call]], offset + got)
         got += max(n, 0)
-        if n <= 0 or (direct and got % ALIGN):  # a direct read short of a block's end met the file's end
+        if n <= 0 or (direct and got % ALIGN):  # a direct read goes on only from a block's start
             break
     return got
 

@@ -93,6 +93,25 @@ def _own_copy(request, tmp_path: Path) -> Path:
     return Path(shutil.copytree(fixture_dir(request, "tiny_bf16"), tmp_path / "bf16"))
 
 
+def _evict_or_skip(files) -> None:
+    """Drop the files' pages, or skip where this filesystem keeps them (tmpfs) or has no direct reads."""
+    from qtool.fixtures.page_cache import evict
+    from qtool.io import page_cache
+
+    evict(files)
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            if page_cache.resident(fd, 0, os.path.getsize(f)):
+                pytest.skip(f"{f}'s filesystem keeps its pages in memory (tmpfs): nothing to read from a disk")
+        finally:
+            os.close(fd)
+        try:
+            os.close(os.open(f, os.O_RDONLY | os.O_DIRECT))
+        except OSError:
+            pytest.skip(f"{f}'s filesystem has no direct reads")
+
+
 def _reads_with_flags(monkeypatch) -> list[bool]:
     """Whether each preadv of the layer reader went around the page cache (O_DIRECT on its descriptor)."""
     import fcntl
@@ -139,10 +158,12 @@ def test_layers_are_read_around_the_page_cache_unless_it_holds_them(request, tmp
     (a re-run on an input that fits memory) are copied from there, a piece a call; a filesystem that refuses
     direct reads is read through the page cache. Each way the tensors are the file's bytes, and a run's
     blocks around its own bytes (a direct read's alignment) are not part of any tensor. On CUDA the pieces
-    go through the pinned staging buffers (aligned for direct reads)."""
-    from qtool.fixtures.page_cache import evict
+    go through the pinned staging buffers (aligned for direct reads). Pieces of 3 blocks here, so that a
+    run is several pieces, its first and last read beyond its own bytes."""
     from qtool.io import page_cache
+    from qtool.stream import layer_read
 
+    monkeypatch.setattr(layer_read, "CHUNK", 3 * ALIGN)
     s = LayerStreamer(_own_copy(request, tmp_path))
     infos = layer_tensors(s.mm, 2) + layer_tensors(s.mm, 5)
     shards = sorted({i.file for i in infos})
@@ -152,7 +173,7 @@ def test_layers_are_read_around_the_page_cache_unless_it_holds_them(request, tmp
         for f in shards:
             Path(f).read_bytes()
     else:
-        evict(shards)
+        _evict_or_skip(shards)
     if how.startswith("refused"):
         _refuse_direct(monkeypatch, how.rpartition(" ")[2])
     flags = _reads_with_flags(monkeypatch)
@@ -188,11 +209,9 @@ def test_a_piece_the_input_digest_has_no_room_for_is_read_through_the_page_cache
 
     from qtool.io import stream_digest
 
-    from qtool.fixtures.page_cache import evict
-
     s = LayerStreamer(_own_copy(request, tmp_path))
     infos = layer_tensors(s.mm, 2)
-    evict({i.file for i in infos})
+    _evict_or_skip(sorted({i.file for i in infos}))
     if not room:
         monkeypatch.setattr(stream_digest, "QUEUE_BYTES", 0)
     flags = _reads_with_flags(monkeypatch)
@@ -204,3 +223,69 @@ def test_a_piece_the_input_digest_has_no_room_for_is_read_through_the_page_cache
             assert d.finish() == hashlib.sha256(Path(f).read_bytes()).hexdigest()
             assert (d.dropped == 0) == room
     assert direct and all(direct) == room and any(direct) == room
+
+
+def _raw_file(tmp_path: Path, size: int) -> tuple[Path, bytes]:
+    data = os.urandom(size)
+    f = tmp_path / "model-00001-of-00001.safetensors"
+    f.write_bytes(data)
+    return f, data
+
+
+def test_a_tensor_at_an_odd_offset_is_its_bytes(tmp_path):
+    """safetensors does not align offsets, and a CPU run's buffer starts inside an aligned block: a BF16
+    tensor at an odd file offset is still a tensor of its bytes (found by review: a view of the buffer
+    needs whole elements from the storage's start)."""
+    f, data = _raw_file(tmp_path, 3 * ALIGN + 77)
+    _evict_or_skip([str(f)])
+    infos = [TensorInfo("a", str(f), "BF16", [100], 101, 301), TensorInfo("b", str(f), "F32", [50], 303, 503),
+             TensorInfo("c", str(f), "U8", [77], 3 * ALIGN, 3 * ALIGN + 77)]
+    got = LayerBytes(infos).read()
+    for info in infos:
+        t = got.get(info)
+        assert list(t.shape) == info.shape and t.view(-1).view(torch.uint8).numpy().tobytes() == data[info.start:info.end]
+
+
+def test_a_short_direct_read_is_finished_not_called_truncated(tmp_path, monkeypatch):
+    """A filesystem may return short counts from a direct read (FUSE, network filesystems) that are not a
+    block's multiple: the piece's rest is read through the page cache, not reported as a truncated shard
+    (found by review)."""
+    import fcntl
+
+    f, data = _raw_file(tmp_path, 5 * ALIGN + 1234)
+    _evict_or_skip([str(f)])
+    real = os.preadv
+
+    def short(fd, buffers, offset, *args):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            buffers = [memoryview(buffers[0])[:12800]]  # a multiple of 512, not of ALIGN
+        return real(fd, buffers, offset, *args)
+
+    monkeypatch.setattr(os, "preadv", short)
+    info = TensorInfo("t", str(f), "U8", [len(data) - 10], 5, len(data) - 5)
+    got = LayerBytes([info]).read()
+    assert got.get(info).numpy().tobytes() == data[5:-5]
+
+
+def test_cachestat_refused_for_one_file_still_answers_for_the_next(monkeypatch):
+    """cachestat answers only a caller who may write the file or owns it (EPERM otherwise, as mincore):
+    a checkpoint the user only reads must not turn the check off for every file (found by review). A
+    kernel without it (ENOSYS) does."""
+    import ctypes
+    import errno
+
+    from qtool.io import page_cache
+
+    monkeypatch.setattr(page_cache, "_available", True)
+    answer = {"errno": errno.EPERM}
+
+    class Libc:
+        @staticmethod
+        def syscall(*args):
+            ctypes.set_errno(answer["errno"])
+            return -1
+
+    monkeypatch.setattr(page_cache, "_libc", Libc)
+    assert not page_cache.resident(0, 0, 1) and page_cache._available
+    answer["errno"] = errno.ENOSYS
+    assert not page_cache.resident(0, 0, 1) and not page_cache._available
