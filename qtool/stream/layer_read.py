@@ -14,7 +14,8 @@ one being read); the host only the staging buffers, 2 x CHUNK per reader (CPU: t
 read straight into its tensor).
 
 The runs are read around the page cache (`O_DIRECT`), a whole piece a call, where the filesystem allows it;
-elsewhere (a filesystem that refuses it) through the page cache in READ_PIECE calls. Why both matter:
+elsewhere (a filesystem that refuses it) through the page cache in READ_PIECE calls; bytes the page cache
+holds already are copied from there, a piece a call (`ShardFiles`). Why the first two matter:
 - An 800 GB input does not fit the page cache. A page read by the kernel for a call but dropped before it
   is copied out is read again; the longer a buffered call, the more of them (READ_PIECE below). Direct
   reads have no such pages: the input is read once whatever the call's length.
