@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import sys
 
 _SYS_CACHESTAT = 451  # the same number on every architecture (the generic table's, Linux 6.5)
 
@@ -28,7 +29,8 @@ class _Stat(ctypes.Structure):
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
-_available = True  # False once the kernel said it has no cachestat (older than 6.5)
+# False once the kernel said it has no cachestat (older than 6.5); the number is Linux's only
+_available = sys.platform == "linux"
 
 
 def resident(fd: int, offset: int, length: int) -> bool:

@@ -53,6 +53,7 @@ READERS = 4  # threads reading one layer (each with its own pinned staging pair 
 # O_DIRECT's alignment of file offsets, lengths and buffer addresses: the device's logical block size, 512
 # or 4096 bytes; 4096 serves both
 ALIGN = 4096
+O_DIRECT = getattr(os, "O_DIRECT", 0)  # (Linux's; elsewhere every read goes through the page cache)
 
 
 @dataclass
@@ -292,8 +293,11 @@ class ShardFiles:
 
     def _direct(self, path: str) -> int | None:
         if path not in self.direct:
+            if not O_DIRECT:
+                self.direct[path] = None
+                return None
             try:
-                self.direct[path] = os.open(path, os.O_RDONLY | os.O_DIRECT)
+                self.direct[path] = os.open(path, os.O_RDONLY | O_DIRECT)
             except OSError as e:
                 if e.errno != errno.EINVAL:  # EINVAL: this filesystem has no direct reads
                     raise
