@@ -1,6 +1,6 @@
 """Typed errors. Library code raises these; the CLI formats them (what, where, expected vs got, fix).
 
-Exit codes (DESIGN.md): 0 ok, 1 error, 2 usage, 3 verification failed.
+Exit codes (docs/design.md): 0 ok, 1 error, 2 usage, 3 verification failed.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """What a run tells the person watching while it works (a build step starts or ends, a builtin source is
-being made, an interrupted run's partial output is discarded). Library code never prints (DESIGN.md): it
+being made, an interrupted run's partial output is discarded). Library code never prints (docs/design.md): it
 calls `tell`, and the CLI decides where the lines go (stderr; nowhere under --quiet)."""
 
 from __future__ import annotations

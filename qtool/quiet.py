@@ -1,5 +1,5 @@
 """Silence the producer libraries (ModelOpt, transformers, llm-compressor, compressed-tensors) while
-qtool drives them: library code never prints (DESIGN.md), and their prints, warnings, log lines and
+qtool drives them: library code never prints (docs/design.md), and their prints, warnings, log lines and
 progress bars would otherwise interleave with qtool's own report."""
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ A recipe is a YAML file in `recipes/` (or any path), validated here at the bound
       {dataset: "hf:HuggingFaceH4/ultrachat_200k:train_sft", samples: 128, seq_len: 2048}
 
 Only the routed experts can be quantized by this version: the MTP head and the vision tower are always
-BF16 and excluded (formats doc sections 6-7), and the measured best policies keep shared expert,
+BF16 and excluded (docs/formats.md §6-7), and the measured best policies keep shared expert,
 attention, GDN and router BF16 too. A recipe that asks otherwise is rejected with a RecipeError.
 """
 

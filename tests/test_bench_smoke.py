@@ -1,9 +1,8 @@
-"""scripts/bench_real_layers.py's CPU smoke mode (what CI can run of it; the figures are measured on the GPU
+"""benchmarks/bench_real_layers.py's CPU smoke mode (what CI can run of it; the figures are measured on the GPU
 machine at real layer size and reported in the issue notes, never asserted here)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_bench_real_layers_smoke(tmp_path):
     out = tmp_path / "rows.json"
-    p = subprocess.run([sys.executable, str(ROOT / "scripts/bench_real_layers.py"), "--smoke", "--workdir",
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks/bench_real_layers.py"), "--smoke", "--workdir",
                         str(tmp_path / "w"), "--out", str(out)], capture_output=True, text=True)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     import json
@@ -47,7 +46,7 @@ def test_bench_real_layers_scaling_rows(tmp_path):
     import json
 
     out = tmp_path / "rows.json"
-    p = subprocess.run([sys.executable, str(ROOT / "scripts/bench_real_layers.py"), "--smoke", "--warm-only",
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks/bench_real_layers.py"), "--smoke", "--warm-only",
                         "--jobs", "awq,calibrate-kv", "--nproc", "1,2", "--workdir", str(tmp_path / "w"),
                         "--out", str(out)], capture_output=True, text=True)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
@@ -61,7 +60,7 @@ def test_bench_real_layers_scaling_rows(tmp_path):
 def test_bench_plan_397b_executing(tmp_path):
     """bench_plan_397b's executing mode runs a job on the sparse 397B up to its first layer and stops there
     (it replaces two of qtool's functions to do so: a rename must fail here, not run 397B layers)."""
-    p = subprocess.run([sys.executable, str(ROOT / "scripts/bench_plan_397b.py"), "--workdir", str(tmp_path / "w"),
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks/bench_plan_397b.py"), "--workdir", str(tmp_path / "w"),
                         "--rounds", "1", "--jobs", "eval-kld", "--executing"], capture_output=True, text=True,
                        timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
@@ -76,20 +75,9 @@ def test_bench_plan_397b_executing(tmp_path):
 def test_bench_plan_397b_end(tmp_path):
     """bench_plan_397b's end mode runs an executing quantize of the sparse 397B whose layers are stand-ins
     (it replaces calibrate_and_write: a change of its signature must fail here) and prints the end's parts."""
-    p = subprocess.run([sys.executable, str(ROOT / "scripts/bench_plan_397b.py"), "--workdir", str(tmp_path / "w"),
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks/bench_plan_397b.py"), "--workdir", str(tmp_path / "w"),
                         "--rounds", "1", "--end"], capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     row = next(line.split() for line in p.stdout.splitlines() if line.startswith("0 "))
     parts = dict(x.split("=") for x in row[3:])
     assert float(row[1]) > 0 and {"check_written", "commit", "rest"} <= set(parts), row
-
-
-def test_bench_read_beside_python(tmp_path):
-    f = tmp_path / "layer.bin"
-    f.write_bytes(os.urandom(8 << 20))
-    p = subprocess.run([sys.executable, str(ROOT / "scripts/bench_read_beside_python.py"), str(f), "--readers", "2"],
-                       capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr
-    rows = [line for line in p.stdout.splitlines() if "a call: reads" in line]
-    assert len(rows) == 5 and all("GB/s beside Python" in r and "x its speed alone" in r for r in rows), p.stdout
-    assert "qtool's reads, cached" in rows[-2] and "qtool's reads, evicted" in rows[-1]

@@ -1,6 +1,6 @@
 """Tensor-name knowledge for the Qwen3.5 MoE family (397B-A17B, 122B-A10B, 35B-A3B).
 
-Names (formats doc section 2; transformers models/qwen3_5_moe, vLLM models/qwen3_5.py):
+Names (docs/formats.md §2; transformers models/qwen3_5_moe, vLLM models/qwen3_5.py):
   multimodal: model.language_model.{embed_tokens,norm,layers.N.*}, model.visual.*, lm_head.*, mtp.*
   text-only:  model.{embed_tokens,norm,layers.N.*}, lm_head.*, mtp.*
 Inside a decoder layer (and inside mtp.layers.0):

@@ -94,7 +94,7 @@ _LAYER = re.compile(r"^model\.language_model\.layers\.(\d+)\.(.*)$")
 _MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.(.*)$")
 
 # component of a unit inside a decoder layer -> (glob suffix, regex suffix). The shared-expert glob
-# keeps its dot so it never reaches `shared_expert_gate` (formats doc section 7).
+# keeps its dot so it never reaches `shared_expert_gate` (docs/formats.md §7).
 _COMPONENTS = {
     "self_attn": ("self_attn*", r"self_attn\."),
     "linear_attn": ("linear_attn*", r"linear_attn\."),

@@ -6,7 +6,7 @@ multiplies, `w ~= float(q) * scale`, and `scale = amax / 448`. Quantization divi
 casts with round-to-nearest-even; we clamp to +-448 first so a value a hair above amax cannot become
 NaN (float8_e4m3fn has no infinity; torch maps out-of-range values to NaN).
 
-KV-cache scales (reference doc section 3): `k_scale` / `v_scale` = amax / 448, float32 scalars.
+KV-cache scales (docs/formats.md §3): `k_scale` / `v_scale` = amax / 448, float32 scalars.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Tensor naming of the quantization formats, as data, plus lossless NVFP4 flavour conversion.
 
-Two NVFP4 flavours store the same bytes under different names (reference doc sections 3-4):
+Two NVFP4 flavours store the same bytes under different names (docs/formats.md §3-4):
 
     ModelOpt             compressed-tensors        relation
     weight          U8   weight_packed        U8    same bytes
@@ -175,7 +175,7 @@ class NVFP4Naming:
     reciprocal: bool  # global scales stored as 1/scale (compressed-tensors) rather than scale
     scalar_shape: tuple[int, ...]  # trailing shape of the global scales: () or (1,)
     # KV-cache scale owners relative to the attention module (ModelOpt: on k_proj / v_proj,
-    # compressed-tensors: on the attention module itself). Reference doc sections 3-4.
+    # compressed-tensors: on the attention module itself). docs/formats.md §3-4.
     k_scale: str = field(default="k_proj.k_scale")
     v_scale: str = field(default="v_proj.v_scale")
 

@@ -1,4 +1,4 @@
-"""Where each config schema keeps its quantization facts (formats doc sections 3-5).
+"""Where each config schema keeps its quantization facts (docs/formats.md §3-5).
 
 config.json `quantization_config`:
   ModelOpt export:        quant_method "modelopt", quant_algo, ignore [...], kv_cache_scheme

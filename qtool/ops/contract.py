@@ -1,4 +1,4 @@
-"""The one op contract (DESIGN.md "Shapes every op shares"):
+"""The one op contract (docs/design.md "Shapes every op shares"):
 
     opts = CalibrateKvOptions(checkpoint=..., samples=16)   # typed, frozen: the only place defaults live
     p = plan(opts)                                           # headers and configs only; all validation

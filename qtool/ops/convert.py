@@ -1,6 +1,6 @@
 """`qtool convert`: lossless conversion between the two NVFP4 checkpoint flavours.
 
-ModelOpt <-> compressed-tensors (formats doc sections 3-4; compressed-tensors' own converter
+ModelOpt <-> compressed-tensors (docs/formats.md §3-4; compressed-tensors' own converter
 compressed_tensors/entrypoints/convert/converters/modelopt_nvfp4.py does the same rename + reciprocal):
   weight            <-> weight_packed          (same bytes)
   weight_scale      <-> weight_scale           (same bytes)

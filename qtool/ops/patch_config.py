@@ -22,7 +22,7 @@ from qtool.io import quant_config as qcfg
 from qtool.io.plan import Json, OutputPlan, unchanged_files
 from qtool.ops.contract import Report
 
-# The router pattern. The seed (and the formats doc) use "model.language_model.layers..mlp.gate", but
+# The router pattern. The field report (docs/formats.md §6, §12) uses "model.language_model.layers..mlp.gate", but
 # the real matching code of vLLM 0.33.0 and SGLang 0.5.23 (modelopt.py is_layer_excluded; checked with
 # tests/engines/test_oracle.py) matches nothing with it: the double dot never occurs in a mapped name.
 # "*.mlp.gate" is an fnmatch/glob full match on every layer's router in both engines and cannot reach
@@ -34,7 +34,7 @@ ROUTER_REGEX = r"re:.*\.mlp\.gate$"  # compressed-tensors ignore entries are exa
 MTP_FC_GLOB, MTP_ALL_GLOB = "mtp.fc", "mtp*"
 MTP_FC_REGEX, MTP_ALL_REGEX = r"re:^mtp\.fc$", r"re:^mtp.*"
 
-# Seed "Recommended sampling parameters" (Qwen3.5 model card values).
+# The Qwen3.5 model card's sampling values (docs/formats.md §12).
 SAMPLING_DEFAULTS = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0}
 
 
@@ -352,7 +352,7 @@ def _kv_scheme_from_tensors(config: dict, mm: ModelMap) -> FixResult:
 
 
 def _yarn(config: dict, factor: float, original: int | None) -> FixResult:
-    """YaRN rope scaling as the seed's --hf-overrides does, keeping the mrope settings."""
+    """YaRN rope scaling as the field report's --hf-overrides does (docs/formats.md §12), keeping the mrope settings."""
     if factor <= 1:
         raise UsageError("--yarn FACTOR must be greater than 1", got=factor)
     text = config.get("text_config", config)

@@ -2,20 +2,20 @@
 
 Verify runs first with the same target; an artifact with any error gets no command (VerificationError,
 exit 3). Every flag is derived from what verify found:
-- quantization: vLLM `--quantization modelopt_fp4` for ModelOpt NVFP4 (vLLM docs/features/quantization/
+- quantization: vLLM `--quantization modelopt_fp4` for ModelOpt NVFP4 (vllm/docs/features/quantization/
   modelopt.md), `compressed-tensors` for llm-compressor exports; SGLang `--quantization modelopt_fp4`
-  (seed "Launch Commands -- SGLang"), compressed-tensors is auto-detected (no flag);
+  (docs/formats.md §12), compressed-tensors is auto-detected (no flag);
 - `--kv-cache-dtype fp8` (SGLang `fp8_e4m3`) only when every full-attention layer has calibrated scales;
-- MTP: vLLM `--speculative-config {"method": "mtp", ...}` ("qwen3_next_mtp" before 0.17, seed "MTP flags
+- MTP: vLLM `--speculative-config {"method": "mtp", ...}` ("qwen3_next_mtp" before 0.17, docs/formats.md §12 "MTP flags
   -- vLLM"); SGLang NEXTN (`--speculative-algorithm NEXTN --speculative-num-steps N --speculative-eagle-topk 1
   --speculative-num-draft-tokens N+1`, SGLANG_ENABLE_SPEC_V2=True) plus `--mamba-scheduler-strategy
-  extra_buffer` for the VLM format (Qwen3_5MoeForConditionalGeneration; seed AWQ note);
+  extra_buffer` for the VLM format (Qwen3_5MoeForConditionalGeneration; docs/formats.md §12);
 - parsers: `--reasoning-parser qwen3 --tool-call-parser qwen3_coder` (vLLM also --enable-auto-tool-choice);
 - vision: vLLM `--mm-encoder-tp-mode data` with a vision tower, `--language-model-only` without;
 - context: `--max-model-len` / `--context-length` from the fit; YaRN via `--hf-overrides` /
-  `--json-model-override-args` when asked for (seed "YaRN Extended Context") and
+  `--json-model-override-args` when asked for (docs/formats.md §12) and
   VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 past max_position_embeddings;
-- environment: the seed's PCIe NCCL settings (NCCL_P2P_LEVEL=PHB, NCCL_IB_DISABLE=1) and loader tuning.
+- environment: the field report's PCIe NCCL settings (docs/formats.md §12) (NCCL_P2P_LEVEL=PHB, NCCL_IB_DISABLE=1) and loader tuning.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ VLLM_MTP_METHOD_SINCE = (0, 17, 0)  # seed: "qwen3_next_mtp", "or for newer vLLM
 # the engines' published images, tagged with the release verify modelled (never `latest`: another
 # release may load the artifact differently)
 IMAGES = {Engine.VLLM: "vllm/vllm-openai:v{version}", Engine.SGLANG: "lmsysorg/sglang:v{version}"}
-# Seed "NCCL Environment Variables": PHB is the safe P2P level on PCIe-only hosts (SYS can deadlock).
+# docs/formats.md §12 (NCCL on PCIe): PHB is the safe P2P level on PCIe-only hosts (SYS can deadlock).
 COMMON_ENV = {"NCCL_P2P_LEVEL": "PHB", "NCCL_IB_DISABLE": "1", "SAFETENSORS_FAST_GPU": "1", "OMP_NUM_THREADS": "8"}
 
 

@@ -183,7 +183,7 @@ def dense_weight(mod: Module, dtype, device="cpu", src: TensorSource | None = No
     if fmt is Format.NVFP4_CT:
         from qtool.formats import nvfp4
 
-        # compressed-tensors stores the reciprocal global scale (formats doc section 4).
+        # compressed-tensors stores the reciprocal global scale (docs/formats.md §4).
         ws2 = 1.0 / t("weight_global_scale").float().reshape(())
         return nvfp4.dequantize(t("weight_packed"), t("weight_scale"), ws2, dtype=dtype)
     if fmt is Format.FP8:

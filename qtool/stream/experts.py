@@ -11,7 +11,7 @@ the output is identical to eager (tested), hence the hidden states, statistics a
 
 A grouped matmul (`grouped_forward`: one `torch._grouped_mm` per projection) drops the Python loop as well:
 0.03 s against the loop's 0.21-0.25 s for a 397B layer's 16 x 2048 tokens on an H200
-(scripts/profile_streamed_layer.py). It rounds differently (each expert's rows in one GEMM, the top_k
+(measured with torch's profiler over one layer). It rounds differently (each expert's rows in one GEMM, the top_k
 contributions summed in float32 instead of bf16 `index_add_`), so the calibration statistics would no
 longer match the eager transformers model the peers calibrate: quantize and calibrate-kv keep the loop.
 eval kld, whose numbers are a distance between two models run the same way, takes it on a GPU that runs

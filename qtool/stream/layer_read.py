@@ -47,7 +47,7 @@ CHUNK = 64 << 20  # one preadv (a direct read) and one host->device copy
 # 1 MiB calls read 1.017-1.038x the input, 64 MiB calls 1.034-1.132x, direct 64 MiB reads 1.008-1.011x.
 # The cost of short calls: each return needs the interpreter back, which a busy main thread holds up to
 # the 5 ms switch interval (on the H200, 4 readers read 0.64 GB/s beside a Python loop in 1 MiB calls,
-# 8.94 GB/s in 64 MiB calls: scripts/bench_read_beside_python.py)
+# 8.94 GB/s in 64 MiB calls, measured with the page cache warm)
 READ_PIECE = 1 << 20
 READERS = 4  # threads reading one layer (each with its own pinned staging pair on CUDA)
 # O_DIRECT's alignment of file offsets, lengths and buffer addresses: the device's logical block size, 512

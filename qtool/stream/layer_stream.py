@@ -3,7 +3,7 @@
 Shared by calibrate-kv (KV-cache scales), and meant for quantize (per-layer activation statistics) and
 eval kld (final norm + lm_head on the streamed hidden states).
 
-How (formats doc section 9, checked with transformers 5.17): transformers' own
+How (docs/formats.md §9, checked with transformers 5.17): transformers' own
 `Qwen3_5MoeDecoderLayer(text_config, layer_idx)` built alone, loaded with that layer's weights
 (dequantized to the compute dtype by qtool.stream.dequant, whatever the storage format), called on the
 hidden states with `position_embeddings` from `Qwen3_5MoeTextRotaryEmbedding` (position ids [3, batch,

@@ -1,4 +1,4 @@
-"""Realistic Qwen3.5-397B-A17B Linear module names (formats doc section 2), built small enough for tests."""
+"""Realistic Qwen3.5-397B-A17B Linear module names (docs/formats.md §2), built small enough for tests."""
 
 from __future__ import annotations
 

@@ -74,7 +74,7 @@ def test_shared_expert_glob_spares_shared_expert_gate_in_old_vllm():
 
 
 def test_double_dot_gate_entry_matches_nothing():
-    # the seed's "model.language_model.layers..mlp.gate" is not a substring/glob of any runtime name
+    # the field report's "model.language_model.layers..mlp.gate" is not a substring/glob of any runtime name
     ign = ["model.language_model.layers..mlp.gate"]
     assert not vllm.is_excluded(f"{L}.0.mlp.gate", ign, version="vllm@0.16")
     assert not sglang.modelopt_is_layer_excluded("model.language_model.layers.0.mlp.gate", ign)

@@ -186,7 +186,7 @@ def test_router_ignore_protects_the_router_in_old_vllm(ckpt):
     router = "model.language_model.layers.5.mlp.gate"
     ignore = _cfg(ckpt)["quantization_config"]["ignore"]
     assert not vllm.is_excluded(router, ignore, version="vllm@0.16")
-    # the seed's literal does not help (it matches no mapped module name)
+    # the field report's literal does not help (it matches no mapped module name)
     assert not vllm.is_excluded(router, ignore + [pc.SEED_ROUTER_LITERAL], version="vllm@0.16")
     pc.apply(pc.plan(pc.PatchOptions(ckpt, fixes=[pc.Fix.ROUTER_IGNORE])))
     ignore = _cfg(ckpt)["quantization_config"]["ignore"]

@@ -4,7 +4,7 @@ The pair: the tiny BF16 model, with one layer's routed experts given an outlier 
 (what makes a real layer quantize badly: the block scale follows the outlier and the other 15 weights
 round to few levels), and its NVFP4 export by ModelOpt with the shared experts NVFP4 too (nvidia's own
 397B export quantizes them; NVFP4_MLP_ONLY_CFG). Measured: the planned hybrid's KLD against BF16 is lower
-than the hand-picked hybrid's (BF16 shared experts, the seed's) at the same memory per GPU, and lower
+than the hand-picked hybrid's (BF16 shared experts in every layer) at the same memory per GPU, and lower
 than the median of 5 random picks of that memory; the recipe builds and verifies."""
 
 from __future__ import annotations

@@ -156,7 +156,7 @@ def test_fused_source_gives_per_expert_output(tiny_bf16_fused, calib_ids, q_mode
     out = tmp_path / "f"
     run(tiny_bf16_fused, out=out, recipe=load_recipe("qwen35-nvfp4-experts"), calib_ids=calib_ids)
     a, b = _tensors(out), _tensors(q_modelopt[0])
-    # decoder layers AND the MTP head come out per expert (formats doc section 2)
+    # decoder layers AND the MTP head come out per expert (docs/formats.md §2)
     assert not any(n.endswith(("experts.gate_up_proj", "experts.down_proj")) for n in a)
     common = [n for n in b if ".mlp.experts." in n and not n.startswith("mtp.")]
     assert common and all(torch.equal(a[n], b[n]) for n in common)

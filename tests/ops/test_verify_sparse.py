@@ -1,5 +1,5 @@
 """verify on real-scale sparse layouts (headers of the real 397B, holes for data): clean NVFP4 passes fast,
-the memory fit against the seed's numbers, FP8 does not fit on 4 GPUs but does on 8."""
+the memory fit against the field report's numbers (docs/formats.md §12), FP8 does not fit on 4 GPUs but does on 8."""
 
 from __future__ import annotations
 

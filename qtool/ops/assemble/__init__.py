@@ -1,5 +1,5 @@
 """`qtool assemble hybrid`: BF16 shared experts (and chosen layers' routed experts, and the MTP head)
-spliced into an NVFP4 checkpoint by byte ranges (formats doc section 7).
+spliced into an NVFP4 checkpoint by byte ranges (docs/formats.md §7).
 
     plan = plan_hybrid(HybridOptions(nvfp4=..., bf16=..., out=..., force=False, resume=False))  # headers
     result = execute(plan)                                                                        # + configs only

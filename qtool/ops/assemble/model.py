@@ -118,7 +118,7 @@ class HybridOptions:
     bf16: Path
     out: Path
     bf16_expert_layers: tuple[int, ...] = ()
-    # the layers whose shared expert comes from BF16: None = every layer (the seed's hybrid), () = none
+    # the layers whose shared expert comes from BF16: None = every layer (the usual hybrid), () = none
     bf16_shared_expert_layers: tuple[int, ...] | None = None
     mtp: MtpMode = MtpMode.AUTO
     link: LinkMode = LinkMode.AUTO

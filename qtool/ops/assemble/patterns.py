@@ -5,7 +5,7 @@ made BF16 (shared experts, chosen layers' routed experts, a grafted MTP head). E
 with the engine models of qtool.engines (every modelled vLLM and SGLang release, both prefix schemes):
 the new list must exclude every new BF16 unit and must not exclude any still-quantized unit that the
 source list did not already exclude. Broad patterns are tried first (`*.mlp.shared_expert.*` keeps its
-trailing dot so it never reaches `shared_expert_gate`, formats doc section 7), then narrower ones that
+trailing dot so it never reaches `shared_expert_gate`, docs/formats.md §7), then narrower ones that
 spare the MTP head (engines name `mtp.layers.0` like decoder layer 0).
 """
 

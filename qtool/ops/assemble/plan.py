@@ -1,4 +1,4 @@
-"""Plan a hybrid assembly (formats doc section 7) from headers and configs only.
+"""Plan a hybrid assembly (docs/formats.md §7) from headers and configs only.
 
 The plan says, for every output shard, whether it is the NVFP4 source's shard unchanged (linked), rebuilt
 from byte ranges under its own name, or new; and for every output tensor where its bytes come from. Fused

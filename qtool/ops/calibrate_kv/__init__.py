@@ -7,13 +7,13 @@ the tensors transformers' Qwen3_5MoeAttention passes to its attention function, 
 apply_rotary_pos_emb), during a layer-streamed forward of the dequantized model. GDN layers have no
 KV cache and get no scales; the MTP head's attention layer is not calibrated (it needs the MTP forward).
 
-Output in the checkpoint's own convention (formats doc sections 3 and 4):
+Output in the checkpoint's own convention (docs/formats.md §3 and §4):
   ModelOpt              `...self_attn.k_proj.k_scale`, `...self_attn.v_proj.v_scale`
   compressed-tensors    `...self_attn.k_scale`, `...self_attn.v_scale`   (also BF16, FP8 and AWQ models)
 float32 scalars in ONE new shard added to the index (other shards reused unchanged), plus
 `kv_cache_scheme` in config.json's quantization_config and `kv_cache_quant_algo: FP8` in
 hf_quant_config.json. A model with neither config gets llm-compressor's KV-cache-only
-quantization_config (formats doc section 4).
+quantization_config (docs/formats.md §4).
 
 Plan -> validate -> execute: `plan()` reads headers and configs only; `calibrate()` runs the forward
 (resumable: a journal plus the hidden states after the last finished layer live in the work directory);

@@ -43,7 +43,7 @@ CT_KV_SCHEME = {
 
 
 def kv_only_quantization_config() -> dict:
-    """What llm-compressor 0.14 writes for KV-cache-only quantization of a BF16 model (formats doc s.4)."""
+    """What llm-compressor 0.14 writes for KV-cache-only quantization of a BF16 model (docs/formats.md §4)."""
     return {
         "config_groups": {},
         "format": "dense",

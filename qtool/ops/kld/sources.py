@@ -10,7 +10,7 @@ log_softmax -- so neither model, nor any [L, V] window, has to fit at once.
 
 Dump (engine): `<dir>/<i>.safetensors`, i = 0, 1, ... in request order, one tensor `log_probs`
 [positions, vocab] (float32; float16/bfloat16 accepted) -- the format of the upstream SGLang capture
-(voipmonitor/rtx6kpro patches/sglang-kld-logit-capture.py + scripts/sglang_kld_eval.py), which qtool's
+(voipmonitor/rtx6kpro/patches/sglang-kld-logit-capture.py + rtx6kpro/scripts/sglang_kld_eval.py), which qtool's
 patches in patches/sglang and patches/vllm write too. vLLM dumps have L-1 rows (prompt logprobs exist for
 positions 0..L-2), SGLang ones L; the evaluation compares the rows both sides have.
 
@@ -28,7 +28,7 @@ from pathlib import Path
 from qtool.errors import CheckpointError, PlanError, UsageError
 from qtool.ops.kld.compact import CompactChunk
 
-DUMP_KEY = "log_probs"  # upstream SGLang capture (patches/sglang-kld-logit-capture.py)
+DUMP_KEY = "log_probs"  # upstream SGLang capture (rtx6kpro/patches/sglang-kld-logit-capture.py)
 META = "meta.json"
 RAM_LIMIT = 8 << 30
 HEAD_READ = "head"  # the LayerStreamer's read-ahead key for the final norm and the lm_head

@@ -50,8 +50,8 @@ class NVFP4Experts:
     """One projection (gate/up/down) of a chunk of experts, quantized; leading dim = expert.
 
     ModelOpt convention: dequant = fp4 * block_scale * weight_scale_2, input_scale = amax / (6 * 448).
-    compressed-tensors stores the reciprocals (weight_global_scale, input_global_scale; formats doc
-    section 4); a producer that computes those natively (llm-compressor) passes them, else they are
+    compressed-tensors stores the reciprocals (weight_global_scale, input_global_scale;
+    docs/formats.md §4); a producer that computes those natively (llm-compressor) passes them, else they are
     1 / the ModelOpt values (which keeps the CT output equal to `qtool convert` of the ModelOpt output)."""
 
     packed: torch.Tensor  # uint8 [E, out, in/2]

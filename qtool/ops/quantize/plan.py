@@ -29,14 +29,14 @@ LAYER_SHARD = "model-layer-{:05d}.safetensors"
 
 # Output params of one quantized expert Linear, per (scheme, format): name -> (dtype, shape fn(out, in, g)).
 QUANT_PARAMS: dict[tuple[Scheme, OutFormat], tuple[tuple[str, str, object], ...]] = {
-    # ModelOpt (modelopt/torch/export/unified_export_hf.py, formats doc section 3)
+    # ModelOpt (modelopt/torch/export/unified_export_hf.py, docs/formats.md §3)
     (Scheme.NVFP4, OutFormat.MODELOPT): (
         ("input_scale", "F32", lambda o, i, g: ()),
         ("weight", "U8", lambda o, i, g: (o, i // 2)),
         ("weight_scale", "F8_E4M3", lambda o, i, g: (o, i // 16)),
         ("weight_scale_2", "F32", lambda o, i, g: ()),
     ),
-    # compressed-tensors nvfp4-pack-quantized (formats doc section 4)
+    # compressed-tensors nvfp4-pack-quantized (docs/formats.md §4)
     (Scheme.NVFP4, OutFormat.COMPRESSED_TENSORS): (
         ("input_global_scale", "F32", lambda o, i, g: (1,)),
         ("weight_global_scale", "F32", lambda o, i, g: (1,)),
@@ -49,7 +49,7 @@ QUANT_PARAMS: dict[tuple[Scheme, OutFormat], tuple[tuple[str, str, object], ...]
         ("weight_scale", "BF16", lambda o, i, g: (o, i // g)),
         ("weight_shape", "I64", lambda o, i, g: (2,)),
     ),
-    # AutoAWQ GEMM (formats doc section 5)
+    # AutoAWQ GEMM (docs/formats.md §5)
     (Scheme.W4A16, OutFormat.AWQ): (
         ("qweight", "I32", lambda o, i, g: (i, o // 8)),
         ("qzeros", "I32", lambda o, i, g: (i // g, o // 8)),
@@ -397,7 +397,7 @@ def plan(opts: QuantizeOptions) -> QuantizePlan:
         if n.startswith("mtp.") and n.endswith(".mlp.experts.down_proj"):
             continue  # split with its gate_up_proj below
         if n.startswith("mtp.") and n.endswith(".mlp.experts.gate_up_proj"):
-            # the MTP head's fused experts: per expert, by byte range (formats doc section 2: engines
+            # the MTP head's fused experts: per expert, by byte range (docs/formats.md §2: engines
             # mis-load fused MTP experts next to per-expert decoder layers); the decoder layers' code path
             prefix = n[: -len("mlp.experts.gate_up_proj")]
             for e in range(int(i.shape[0])):

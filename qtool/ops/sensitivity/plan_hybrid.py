@@ -86,7 +86,7 @@ class HybridChoice:
         return max(rest, key=lambda u: (u.effect or 0.0) / max(self.cost(u), 1), default=None)
 
     def hand_picked(self) -> dict:
-        """The seed's hand-picked hybrid (BF16 shared experts in every layer) by the same measure."""
+        """The usual hand-picked hybrid (BF16 shared experts in every layer) by the same measure."""
         shared = [u for u in self.candidates if u.kind == "shared_expert"]
         cost = sum(self.cost(u) for u in shared)
         return {"units": [u.id for u in shared], "extra_bytes_per_gpu": cost, "fits": cost <= self.budget_bytes,

@@ -23,7 +23,7 @@ from qtool.ops.checks import FIX
 
 # NVFP4 GEMMs need the per-GPU input features to be a multiple of the 16-element block:
 # vllm/model_executor/layers/quantization/modelopt.py ModelOptNvFp4LinearMethod.create_weights raises
-# "Unsupported model when in features size is not multiple of 16" (formats doc section 6).
+# "Unsupported model when in features size is not multiple of 16" (docs/formats.md §6).
 NVFP4_BLOCK = 16
 # Row-parallel Linears split their INPUT features across TP ranks (RowParallelLinear in vLLM/SGLang
 # models/qwen3_5.py, qwen3_next.py, qwen3_vl.py); column-parallel ones split outputs.
@@ -460,7 +460,7 @@ def mtp_findings(mm: ModelMap, mtp: int) -> list[Finding]:
 
 def kv_findings(mm: ModelMap, kv_cache_dtype: str) -> list[Finding]:
     """With --kv-cache-dtype fp8 every full-attention layer needs real (calibrated) k/v scales; without
-    them vLLM and SGLang fall back to scale 1.0 (formats doc section 6, seed "KV Cache considerations")."""
+    them vLLM and SGLang fall back to scale 1.0 (docs/formats.md §6, §12)."""
     if kv_cache_dtype != "fp8":
         return []
     ckpt = str(mm.ckpt.root)

@@ -28,7 +28,7 @@ from qtool.errors import UsageError
 
 MIB = 1 << 20
 GIB = 1 << 30
-# RTX PRO 6000 Blackwell: 97,887 MiB per GPU (seed "Driver / CUDA Versions").
+# RTX PRO 6000 Blackwell: 97,887 MiB per GPU (docs/formats.md §12).
 RTX_PRO_6000_MIB = 97_887
 DEFAULT_GPUS = f"4x{RTX_PRO_6000_MIB}MiB"
 # Activations for a 4096..8192-token prefill chunk of a hidden-4096 MoE (~1.5 GiB), CUDA graphs (~1 GiB),

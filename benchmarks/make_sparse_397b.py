@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Build a sparse real-scale Qwen3.5-MoE checkpoint (real headers, holes for data).
 
-    python scripts/make_sparse_397b.py OUT --flavour modelopt-nvfp4 [--model 397b] [--no-mtp]
+    python benchmarks/make_sparse_397b.py OUT --flavour modelopt-nvfp4 [--model 397b] [--no-mtp]
         [--no-vision] [--kv-scales/--no-kv-scales] [--num-shards N] [--no-fill-scalars] [--measure]
 
 --measure also times qtool.io.checkpoint.Checkpoint.open on the result and reports peak RSS

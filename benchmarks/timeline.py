@@ -6,11 +6,11 @@ Runs `python -m qtool ARGS` in this process, and every `--every` seconds records
 frame in qtool (else the innermost frame of any module, e.g. an import), then prints each thread's
 segments of consecutive samples in the same place, longest first, and the main thread's timeline.
 
-    python3 scripts/timeline.py [--every 0.05] [--top 40] -- quantize SRC -o OUT --recipe ... --device cuda
+    python3 benchmarks/timeline.py [--every 0.05] [--top 40] -- quantize SRC -o OUT --recipe ... --device cuda
 
 `--stop-at qtool.stream.layer_stream:LayerStreamer.load_layer` ends the command (os._exit, no clean-up: use
 a scratch output) when that function is first called, and prints the timeline up to there: a job's start
-at the 397B's real tensor count on a sparse checkpoint (scripts/make_sparse_397b.py), whose layers no box
+at the 397B's real tensor count on a sparse checkpoint (benchmarks/make_sparse_397b.py), whose layers no box
 here could run.
 """
 
@@ -37,7 +37,7 @@ def _place(frame) -> str:
         name = code.co_filename
         if inner is None:
             inner = f"{name.rsplit('/', 2)[-1]}:{code.co_name}"
-        if len(ours) < 2 and "/qtool/" in name and "/scripts/" not in name:
+        if len(ours) < 2 and "/qtool/" in name and "/benchmarks/" not in name:
             ours.append(f"{name.split('/qtool/', 1)[1]}:{code.co_name}")
         if importing is None and code.co_name == "_find_and_load":
             importing = f.f_locals.get("name")

@@ -17,9 +17,9 @@ job's input files once, in the same run. Prints per job: wall, layer loop, secon
 the first layer, the ratio of the layer loop to `cat`, peak host RSS (the job's process) and peak GPU
 memory (nvidia-smi, sampled), and the projection to all the model's layers (60 for the 397B) on this disk and on a 14 GB/s one.
 
-    python3 scripts/bench_real_layers.py --workdir /tmp/brl --layers 2 --samples 16 --seq-len 2048
-    python3 scripts/bench_real_layers.py --smoke --workdir /tmp/brl-smoke   # tiny shapes on CPU (CI smoke)
-    python3 scripts/bench_real_layers.py --workdir /tmp/brl --jobs awq,calibrate-kv --nproc 1,2,4 --samples 64
+    python3 benchmarks/bench_real_layers.py --workdir /tmp/brl --layers 2 --samples 16 --seq-len 2048
+    python3 benchmarks/bench_real_layers.py --smoke --workdir /tmp/brl-smoke   # tiny shapes on CPU (CI smoke)
+    python3 benchmarks/bench_real_layers.py --workdir /tmp/brl --jobs awq,calibrate-kv --nproc 1,2,4 --samples 64
         # several GPUs: per-layer seconds at 1, 2 and 4 ranks (cuda:0..N-1)
 """
 
@@ -197,10 +197,10 @@ RSS_WRAPPER = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:
 
 def run_job(argv: list[str], profile: Path | None = None, timeline: Path | None = None) -> dict:
     """One qtool command in its own process: wall seconds, its --json report, peak RSS and GPU memory
-    (`profile`: under cProfile, its stats written there; `timeline`: under scripts/timeline.py, every
+    (`profile`: under cProfile, its stats written there; `timeline`: under benchmarks/timeline.py, every
     thread's segments in order written there)."""
     prof = ["-m", "cProfile", "-o", str(profile)] if profile else []
-    run = ([str(ROOT / "scripts" / "timeline.py"), "--all-in-order", "--"] if timeline else [*prof, "-m", "qtool"])
+    run = ([str(ROOT / "benchmarks" / "timeline.py"), "--all-in-order", "--"] if timeline else [*prof, "-m", "qtool"])
     cmd = [sys.executable, "-c", RSS_WRAPPER, sys.executable, *run, *argv, "--json", "--quiet"]
     env = job_env()
     with GpuPeak() as gpu:
@@ -551,7 +551,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
     ap.add_argument("--profile", type=Path, help="run each job under cProfile, stats into this folder (printed)")
     ap.add_argument("--timeline", type=Path,
-                    help="run each job under scripts/timeline.py (every thread's segments in order) into this folder")
+                    help="run each job under benchmarks/timeline.py (every thread's segments in order) into this folder")
     ap.add_argument("--warm-only", action="store_true", help="skip the cold runs")
     ap.add_argument("--cold-only", action="store_true",
                     help="skip the warm runs (a disk too small for a second output beside the first)")

@@ -1,6 +1,6 @@
 """Benchmark `verify --deep` hashing against `cat FILES > /dev/null` and `sha256sum FILES` on the same files.
 
-    python scripts/bench_verify_deep.py [--dir D] [--gb 4] [--files 4]
+    python benchmarks/bench_verify_deep.py [--dir D] [--gb 4] [--files 4]
 
 Writes FILES of random (non-sparse) data, drops nothing from the page cache (run as root with
 --drop-caches to measure the disk; otherwise all three read from the cache, measuring CPU + memory),

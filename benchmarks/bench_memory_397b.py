@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Peak memory of qtool's metadata at the real 397B scale (366,866 tensors), on sparse checkpoints.
 
-    python scripts/bench_memory_397b.py --workdir /tmp/s397mem [--layers 0] [--keep]
+    python benchmarks/bench_memory_397b.py --workdir /tmp/s397mem [--layers 0] [--keep]
 
-Builds (or reuses) the sparse real-scale pair with scripts/make_sparse_397b.py's builder (real headers,
+Builds (or reuses) the sparse real-scale pair with benchmarks/make_sparse_397b.py's builder (real headers,
 holes for data: ~1 GB of disk), then measures, each in a fresh process, the peak RSS (ru_maxrss) of:
 - baseline: the interpreter with qtool's CLI imported;
 - `qtool inspect NVFP4 --json`;
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep the sparse checkpoints for a re-run")
     a = ap.parse_args(argv)
     nv, bf = a.workdir / "nvfp4", a.workdir / "bf16"
-    make = [sys.executable, str(ROOT / "scripts" / "make_sparse_397b.py")]
+    make = [sys.executable, str(ROOT / "benchmarks" / "make_sparse_397b.py")]
     for path, flavour in ((nv, "modelopt-nvfp4"), (bf, "bf16-fused")):
         if not (path / "model.safetensors.index.json").exists():
             subprocess.run([*make, str(path), "--flavour", flavour], check=True, stdout=subprocess.DEVNULL)

@@ -1,13 +1,13 @@
 #!/usr/bin/env python
 """How long the streamed jobs plan at the real 397B's tensor count, before any layer is read.
 
-    python scripts/bench_plan_397b.py --workdir /tmp/plan397 [--rounds 3] [--jobs quantize,calibrate-kv,eval-kld]
+    python benchmarks/bench_plan_397b.py --workdir /tmp/plan397 [--rounds 3] [--jobs quantize,calibrate-kv,eval-kld]
         [--executing [--device cuda]] [--end]
 
-The layer benches (scripts/bench_real_layers.py) run 2-3 real-size layers, so a plan's per-tensor work is
+The layer benches (benchmarks/bench_real_layers.py) run 2-3 real-size layers, so a plan's per-tensor work is
 20-30x smaller there than for the 60-layer model: quantize of the 397B plans 372k output tensors (every
 routed expert's NVFP4 weight and scales). This bench builds sparse real-scale checkpoints (real headers,
-holes for data: scripts/make_sparse_397b.py's builder; ~1 MB of disk each) and times, each in a fresh
+holes for data: benchmarks/make_sparse_397b.py's builder; ~1 MB of disk each) and times, each in a fresh
 process, the plan of each job (`--dry-run --json`: the same plan an executing run makes first), against a
 baseline in the same run: a process that imports what every job imports (torch and qtool's CLI) and
 plans nothing. Prints the median wall and CPU time (user + system, the child's own: steadier than the wall

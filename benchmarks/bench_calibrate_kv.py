@@ -6,7 +6,7 @@ the calibration (hidden states in RAM) in a fresh subprocess and reports its pea
 post-import baseline (CPU) or torch.cuda.max_memory_allocated (GPU), against the target
 `2 x one layer's weights + the calibration set's hidden states`.
 
-    python scripts/bench_calibrate_kv.py --dir /tmp/kvbench --layers 4 8 16 [--device cuda]
+    python benchmarks/bench_calibrate_kv.py --dir /tmp/kvbench --layers 4 8 16 [--device cuda]
 """
 
 from __future__ import annotations

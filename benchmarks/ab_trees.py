@@ -3,7 +3,7 @@
 report, when its first layer began loading and when each layer was done. For an A/B of a change on the same
 machine, in the same page cache, interleaved (A B, B A, ...) so that a drift of the machine falls on both.
 
-    python3 scripts/ab_trees.py 4 new=. old=/tmp/old -- quantize SRC -o OUT --recipe ... --force --device cuda
+    python3 benchmarks/ab_trees.py 4 new=. old=/tmp/old -- quantize SRC -o OUT --recipe ... --force --device cuda
 
 where /tmp/old holds the other tree (`git archive REV qtool | tar -x -C /tmp/old`). Each run is
 `python -P -m qtool ARGS --json --quiet` with the tree first on PYTHONPATH (Python 3.11+: `-P` keeps the

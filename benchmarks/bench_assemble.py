@@ -6,7 +6,7 @@ time (median, min, max of --repeat interleaved rounds), peak RSS and the ratio t
 rounds of the ratio within a round). The row "shared experts only" is the issue's speed target: every shard
 changes, so every byte is rewritten.
 
-    python scripts/bench_assemble.py --workdir /tmp/qbench [--hidden 2048 --layers 12 --experts 128]
+    python benchmarks/bench_assemble.py --workdir /tmp/qbench [--hidden 2048 --layers 12 --experts 128]
 
 Fairness: before every timed run, `sync` and drop the page cache (root; otherwise every input is read once
 so all runs start warm; the mode used is printed), then re-import the programs' code (untimed).

@@ -3,7 +3,7 @@ compressed-tensors' quantize + pack_fp4_to_uint8, on the same BF16 tensors (GB/s
 
 Each peer does the full job it does on export: ModelOpt computes the global and block scales and packs;
 compressed-tensors gets qtool's (identical) scales and does quantize + pack, so the comparison favours
-it. Usage: python scripts/bench_nvfp4_codec.py [--experts 4] [--out 1024] [--in 4096] [--repeat 3]
+it. Usage: python benchmarks/bench_nvfp4_codec.py [--experts 4] [--out 1024] [--in 4096] [--repeat 3]
 """
 
 from __future__ import annotations

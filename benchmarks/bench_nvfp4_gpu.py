@@ -3,7 +3,7 @@
 codec, ModelOpt `NVFP4QTensor.quantize` and compressed-tensors quantize + pack, on the same tensors,
 with a device-to-device copy of the same BF16 bytes measured in the same run as the speed ceiling.
 
-    python scripts/bench_nvfp4_gpu.py [--experts 64 --out-features 1024 --in-features 4096]
+    python benchmarks/bench_nvfp4_gpu.py [--experts 64 --out-features 1024 --in-features 4096]
                                       [--runs 20 --peer-runs 3] [--json results.json]
 
 Throughput is GB/s of BF16 weights consumed (E * out * in * 2 bytes / median time; GB = 1e9 B). Times
