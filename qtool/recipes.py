@@ -12,7 +12,7 @@ A recipe is a YAML file in `recipes/` (or any path), validated here at the bound
       0: {routed_experts: bf16}
     kv_cache: fp8                # fp8 | none   (FP8 KV-cache scales calibrated on the full-attention layers)
     nvfp4:                       # only with an nvfp4 group
-      weight_scale: max          # max (RTN from amax) | mse (searched per-matrix global scale)
+      weight_scale: max          # max (RTN from amax) | mse (7 shrink factors per block) | mse_sweep (126 E4M3 scales per block)
       input_scale: layer_max     # layer_max (ModelOpt: one amax shared by all experts) | per_expert
     int4:                        # only with a w4a16 group
       group_size: 128
@@ -51,8 +51,9 @@ class Scheme(str, Enum):
 
 
 class WeightScale(str, Enum):
-    MAX = "max"
-    MSE = "mse"
+    MAX = "max"  # round to nearest from each block's maximum (ModelOpt's default)
+    MSE = "mse"  # each block's scale: the maximum shrunk by 1.0 .. 0.7, lowest squared error
+    MSE_SWEEP = "mse_sweep"  # each block's scale: every E4M3 value tried, lowest squared error
 
 
 class InputScale(str, Enum):

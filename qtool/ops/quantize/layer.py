@@ -119,14 +119,25 @@ def _position(f, at: int, hashed: bool, name: str) -> None:
 
 
 def _nvfp4_parts(gu, down, inter):
-    """(part, weight, weight_scale_2) of a chunk of experts: gate_proj and up_proj share weight_scale_2
-    (vLLM requirement)."""
+    """(part, weight, per-matrix amax) of a chunk of experts: gate_proj and up_proj share one amax, so
+    one weight_scale_2 (vLLM requirement; ModelOpt's `preprocess_linear_fusion` takes the larger)."""
     from qtool.formats import nvfp4
 
     gate, up = gu[:, :inter], gu[:, inter:]
-    ws2_gu = nvfp4.shared_weight_scale_2(gate, up)
-    ws2_dn = nvfp4.weight_scale_2_from_amax(nvfp4.matrix_amax(down))
-    return (("down_proj", down, ws2_dn), ("gate_proj", gate, ws2_gu), ("up_proj", up, ws2_gu))
+    amax_gu = torch.maximum(nvfp4.matrix_amax(gate), nvfp4.matrix_amax(up))
+    amax_dn = nvfp4.matrix_amax(down)
+    return (("down_proj", down, amax_dn), ("gate_proj", gate, amax_gu), ("up_proj", up, amax_gu))
+
+
+def _block_scales(w, global_amax, weight_scale_2, method: WeightScale):
+    """The block scales a recipe's `nvfp4.weight_scale` asks for (None: round to nearest from the max)."""
+    from qtool.ops.quantize.nvfp4_mse import search_block_scales, sweep_block_scales
+
+    if method is WeightScale.MSE:
+        return search_block_scales(w, weight_scale_2)
+    if method is WeightScale.MSE_SWEEP:
+        return sweep_block_scales(w, global_amax)
+    return None
 
 
 def nvfp4_rtn(gu, down, inter, in_amax, mid_amax, recipe) -> dict[str, NVFP4Experts]:
@@ -134,13 +145,13 @@ def nvfp4_rtn(gu, down, inter, in_amax, mid_amax, recipe) -> dict[str, NVFP4Expe
     recipe asks). Every expert is coded on its own: the chunking does not change a byte."""
     from qtool.formats import nvfp4
     from qtool.formats.nvfp4_triton import quantize_fast  # Triton kernel on CUDA, torch codec elsewhere
-    from qtool.ops.quantize.nvfp4_mse import search_block_scales
 
     res: dict[str, NVFP4Experts] = {}
     amaxes = {"down_proj": mid_amax, "gate_proj": in_amax, "up_proj": in_amax}
-    for part, w, ws2 in _nvfp4_parts(gu, down, inter):
+    for part, w, w_amax in _nvfp4_parts(gu, down, inter):
         amax = amaxes[part]
-        bs = search_block_scales(w, ws2) if recipe.nvfp4.weight_scale is WeightScale.MSE else None
+        ws2 = nvfp4.weight_scale_2_from_amax(w_amax)
+        bs = _block_scales(w, w_amax, ws2, recipe.nvfp4.weight_scale)
         q = quantize_fast(w, weight_scale_2=ws2, block_scale=bs)
         res[part] = NVFP4Experts(q.packed, q.block_scale, q.weight_scale_2.reshape(-1).float(),
                                  nvfp4.input_scale_from_amax(amax.float()).reshape(-1))

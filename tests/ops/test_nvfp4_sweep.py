@@ -1,0 +1,140 @@
+"""`nvfp4.weight_scale: mse_sweep`: every finite E4M3 value tried as each 16-element block's scale, as
+ModelOpt 0.47's NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG does (its candidates, its loss, its tie rule); never a
+larger block error than round-to-nearest from the max or the 7-factor `mse` search; the quantize output
+plain NVFP4 with those scales."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from qtool.formats import nvfp4
+from qtool.ops.quantize.nvfp4_mse import fp8_scale_values, search_block_scales, sweep_block_scales
+
+
+def _weights(seed: int = 0) -> torch.Tensor:
+    """Two experts' [64, 128] weights with a few outlier columns, as trained weights have."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(2, 64, 128, generator=g) * 0.02
+    w[:, :, 5] *= 12
+    w[:, 3, :16] = 0  # an all-zero block
+    return w.to(torch.bfloat16)
+
+
+def _block_errors(w: torch.Tensor, block_scale: torch.Tensor | None) -> torch.Tensor:
+    amax = nvfp4.matrix_amax(w)
+    q = nvfp4.quantize(w, global_amax=amax, block_scale=block_scale)
+    err = (q.dequantize(torch.float32) - w.float()).pow(2)
+    return err.reshape(*w.shape[:-1], -1, nvfp4.BLOCK_SIZE).sum(-1)
+
+
+def _modelopt_candidates() -> torch.Tensor:
+    pytest.importorskip("modelopt")
+    from modelopt.torch.kernels.quantization.gemm._fp8_scale_candidates import fp8_scale_candidates
+
+    return fp8_scale_candidates("cpu").float()
+
+
+def test_the_candidates_are_modelopts():
+    assert torch.equal(fp8_scale_values() / nvfp4.E4M3_MAX, _modelopt_candidates())
+    assert fp8_scale_values().numel() == 126
+
+
+def test_sweep_picks_the_scale_modelopts_loss_picks():
+    """The reference sweep written block by block, as ModelOpt's kernel states it: scale = c * amax / 6,
+    loss = sum((|w| - round(|w| / scale) * scale)^2), the first smallest loss kept."""
+    w = _weights()
+    candidates = _modelopt_candidates()
+    amax = nvfp4.matrix_amax(w)
+    got = sweep_block_scales(w, amax).float()
+    magnitudes = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    for e in range(w.shape[0]):
+        blocks = w[e].float().abs().reshape(-1, nvfp4.BLOCK_SIZE)
+        for b in range(0, blocks.shape[0], 7):  # a spread of blocks, the zero one included
+            x = blocks[b]
+            losses = []
+            for c in candidates:
+                scale = c * amax[e] / 6.0
+                q = magnitudes[(x / scale).unsqueeze(-1).sub(magnitudes).abs().argmin(-1)]
+                # ties between two magnitudes go to the even code: recompute those with qtool's encoder
+                q = torch.where(((x / scale).unsqueeze(-1) - magnitudes).abs().sort(-1).values[..., 0]
+                                == ((x / scale).unsqueeze(-1) - magnitudes).abs().sort(-1).values[..., 1],
+                                nvfp4.decode_e2m1(nvfp4.encode_e2m1(x / scale)), q)
+                losses.append(float((x - q * scale).pow(2).sum()))
+            best = min(range(len(losses)), key=lambda k: (losses[k], k))
+            assert got.reshape(w.shape[0], -1)[e, b] == candidates[best] * nvfp4.E4M3_MAX, (e, b)
+
+
+def test_sweep_never_loses_to_max_or_the_shrink_search():
+    w = _weights(1)
+    amax = nvfp4.matrix_amax(w)
+    sweep = _block_errors(w, sweep_block_scales(w, amax))
+    rtn = _block_errors(w, None)
+    shrink = _block_errors(w, search_block_scales(w, nvfp4.weight_scale_2_from_amax(amax)))
+    assert (sweep <= rtn * (1 + 1e-6) + 1e-12).all() and (sweep <= shrink * (1 + 1e-6) + 1e-12).all()
+    assert sweep.sum() < 0.9 * rtn.sum()  # and it finds better scales, not only equal ones
+    assert torch.isfinite(sweep).all()
+
+
+def test_sweep_of_an_all_zero_matrix_stays_finite():
+    w = torch.zeros(32, 64, dtype=torch.bfloat16)
+    scales = sweep_block_scales(w, nvfp4.matrix_amax(w))
+    q = nvfp4.quantize(w, block_scale=scales)
+    assert torch.isfinite(q.block_scale.float()).all() and torch.equal(q.dequantize(), w)
+
+
+def test_quantize_with_the_sweep_writes_plain_nvfp4_with_lower_error(tiny_bf16, calib_ids, tmp_path):
+    from qtool.io.checkpoint import Checkpoint
+    from qtool.io.reader import read_tensor
+    from qtool.ops.quantize import run
+    from qtool.recipes import load_recipe
+
+    recipe_file = tmp_path / "sweep.yaml"
+    shipped = load_recipe("qwen35-nvfp4-experts-mse")
+    assert shipped.nvfp4.weight_scale.value == "mse"
+    import yaml
+
+    from qtool.recipes import recipes_dir
+
+    data = yaml.safe_load((recipes_dir() / "qwen35-nvfp4-experts-mse.yaml").read_text())
+    data["name"] = "sweep"
+    data["nvfp4"]["weight_scale"] = "mse_sweep"
+    recipe_file.write_text(yaml.safe_dump(data))
+    outs = {}
+    for name, recipe in (("max", load_recipe("qwen35-nvfp4-experts")), ("sweep", load_recipe(str(recipe_file)))):
+        outs[name] = tmp_path / name
+        rep = run(tiny_bf16, out=outs[name], recipe=recipe, calib_ids=calib_ids)
+        assert rep["output"]["problems"] == []
+    ref = Checkpoint.open(tiny_bf16).tensors
+    swept = Checkpoint.open(outs["sweep"]).tensors
+    rtn = Checkpoint.open(outs["max"]).tensors
+    name = next(n for n in swept if n.endswith("experts.3.down_proj.weight"))
+    stem = name[: -len("weight")]
+    errs = {}
+    for label, tensors in (("sweep", swept), ("max", rtn)):
+        assert read_tensor(tensors[stem + "weight"]).dtype == torch.uint8  # plain NVFP4, same names
+        w = nvfp4.dequantize(read_tensor(tensors[stem + "weight"]), read_tensor(tensors[stem + "weight_scale"]),
+                             read_tensor(tensors[stem + "weight_scale_2"]), torch.float32)
+        errs[label] = float((w - read_tensor(ref[name]).float()).pow(2).sum())
+    assert errs["sweep"] < errs["max"]
+    # the same global scale: only block scales (and so codes) change
+    assert torch.equal(read_tensor(swept[stem + "weight_scale_2"]), read_tensor(rtn[stem + "weight_scale_2"]))
+    manifest = json.loads((outs["sweep"] / "qtool-manifest.json").read_text())
+    assert "mse_sweep" in json.dumps(manifest["recipe"])
+
+
+@pytest.mark.gpu
+def test_sweep_equals_modelopts_triton_kernel():
+    pytest.importorskip("modelopt")
+    from modelopt.torch.kernels.quantization.gemm import nvfp4_fp8_scale_sweep
+
+    w = _weights(2).cuda()
+    for e in range(w.shape[0]):
+        amax = nvfp4.matrix_amax(w[e])
+        best_amax = nvfp4_fp8_scale_sweep(w[e].reshape(-1, nvfp4.BLOCK_SIZE), amax, block_size=nvfp4.BLOCK_SIZE)
+        # ModelOpt exports the block scale best_amax / (6 * weight_scale_2), cast to E4M3
+        theirs = (best_amax / (nvfp4.E2M1_MAX * nvfp4.weight_scale_2_from_amax(amax))).to(torch.float8_e4m3fn)
+        ours = sweep_block_scales(w[e], amax).reshape(-1)
+        assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8))
