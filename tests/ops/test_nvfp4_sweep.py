@@ -138,3 +138,18 @@ def test_sweep_equals_modelopts_triton_kernel():
         theirs = (best_amax / (nvfp4.E2M1_MAX * nvfp4.weight_scale_2_from_amax(amax))).to(torch.float8_e4m3fn)
         ours = sweep_block_scales(w[e], amax).reshape(-1)
         assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8))
+
+
+@pytest.mark.parametrize("backend", ["modelopt", "llmcompressor"])
+def test_sweep_with_a_peer_backend_is_a_usage_error(backend, tiny_bf16, tmp_path):
+    import yaml
+
+    from qtool.cli.main import main
+    from qtool.recipes import recipes_dir
+
+    data = yaml.safe_load((recipes_dir() / "qwen35-nvfp4-experts-mse.yaml").read_text())
+    data["name"], data["nvfp4"]["weight_scale"] = "sweep", "mse_sweep"
+    (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(data))
+    rc = main(["quantize", str(tiny_bf16), "-o", str(tmp_path / "o"), "--recipe", str(tmp_path / "sweep.yaml"),
+               "--backend", backend, "--dry-run", "--quiet"])
+    assert rc == 2 and not (tmp_path / "o").exists()

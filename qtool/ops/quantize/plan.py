@@ -329,6 +329,10 @@ def plan(opts: QuantizeOptions) -> QuantizePlan:
         raise UsageError("--backend modelopt with an MSE recipe needs a CUDA device (ModelOpt's static "
                          "NVFP4 fake-quant, used by its MSE calibration, is a Triton kernel)",
                          hint="use --device cuda, or --backend rtn / llmcompressor for MSE weight scales on CPU")
+    if recipe.nvfp4.weight_scale is WeightScale.MSE_SWEEP and backend is not Backend.RTN:
+        # the peers' own runs of the sweep are the oracle in the tests, not a backend of qtool's
+        raise UsageError(f"nvfp4.weight_scale mse_sweep is qtool's own codec: --backend {backend.value} "
+                         "does not run it", hint="use --backend rtn (the default)")
     if backend is Backend.MODELOPT:
         require("modelopt", "--backend modelopt")
     elif backend is Backend.LLMCOMPRESSOR:
