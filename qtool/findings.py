@@ -34,6 +34,7 @@ class Code(str, Enum):
     BF16_BUT_NOT_IGNORED = "bf16-but-not-ignored"
     PARTIAL_FUSED_EXCLUSION = "partial-fused-exclusion"
     ENGINE_RULES_NOT_MODELLED = "engine-rules-not-modelled"  # warning: fp8 / AutoAWQ / GPTQ configs
+    ENGINE_REJECTS_CONFIG = "engine-rejects-config"  # a quant algo, KV / weight scheme or layer type it lacks
     # serving constraints
     SCALE_MISMATCH = "scale-mismatch"
     MOE_SCHEME_MISMATCH = "moe-scheme-mismatch"  # gate/up vs down of one layer's experts in different schemes

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 
+from qtool.redact import redact_text
+
 LOG = logging.getLogger("qtool")
 
 
@@ -35,6 +37,6 @@ class _Stderr(logging.Handler):
         import sys
 
         try:
-            print(self.format(record), file=sys.stderr, flush=True)
+            print(redact_text(self.format(record)), file=sys.stderr, flush=True)
         except (OSError, ValueError):
             pass

@@ -10,7 +10,7 @@ import json
 import os
 import sys
 
-from qtool import __version__
+from qtool import __version__, redact
 from qtool.errors import QtoolError
 
 # name -> (module, one-line help). Sub-command groups (e.g. `assemble hybrid`) are handled by the module.
@@ -55,26 +55,19 @@ class _Parser(argparse.ArgumentParser):
             options = [o for a in target._actions for o in a.option_strings]
             import difflib
 
-            from qtool.io.manifest import redact_argv
-
             hints = []
-            for x in redact_argv(extras):  # a mistyped --token's value: redacted by error() (_secret_values)
+            for x in redact.redact_argv(extras):  # a mistyped --token's value too (qtool.redact.is_secret_flag)
                 close = difflib.get_close_matches(x.split("=", 1)[0], options, n=1, cutoff=0.6)
                 hints.append(f"{x} (did you mean {close[0]}?)" if close else x)
             target.error("unrecognized argument(s): " + ", ".join(hints))
         return ns
 
-    secrets: tuple[str, ...] = ()  # the values given to --token in this command line (set by _main)
     json_errors = False  # --json in this command line (set by _main): a usage error is JSON too
 
     def error(self, message: str):
         """argparse's usage error, with the --token value and anything shaped like a token redacted (an
         error never shows one); under --json the same error object as any other error, on stdout."""
-        from qtool.io.manifest import redact_text
-
-        for secret in _Parser.secrets:
-            message = message.replace(secret, "***")
-        message = redact_text(message)
+        message = redact.redact_text(message)
         if _Parser.json_errors:
             from qtool.errors import UsageError
 
@@ -94,22 +87,15 @@ class _Parser(argparse.ArgumentParser):
         return parser
 
 
-def _secret_values(argv: list[str]) -> tuple[str, ...]:
-    """The values of --token / --hf-token (and of a flag mistyped close to them) anywhere in argv."""
-    import difflib
-
-    from qtool.io.manifest import SECRET_FLAGS
-
-    out = []
-    for i, a in enumerate(argv):
-        flag, eq, value = a.partition("=")
-        if flag.startswith("-") and (flag in SECRET_FLAGS or difflib.get_close_matches(flag, SECRET_FLAGS, n=1,
-                                                                                        cutoff=0.7)):
-            if eq and value:
-                out.append(value)
-            elif i + 1 < len(argv) and not argv[i + 1].startswith("-"):
-                out.append(argv[i + 1])
-    return tuple(v for v in out if len(v) >= 4)  # a short value would redact ordinary words
+def _option_strings(parser: argparse.ArgumentParser) -> set[str]:
+    """Every flag the parser (and its sub-commands) knows: a real flag is never taken for a mistyped --token."""
+    out: set[str] = set()
+    for action in parser._actions:
+        out.update(action.option_strings)
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                out |= _option_strings(sub)
+    return out
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
@@ -208,9 +194,13 @@ def gpu_allocator_defaults() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # what a command prints (a report naming the paths the user typed, an error, a notice) is redacted
+    out, err = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = redact.RedactingStream(out), redact.RedactingStream(err)
     try:
         code = _main(argv)
     finally:
+        sys.stdout, sys.stderr = out, err
         warm = sys.modules.get("qtool.stream.warm_import")
         if warm is not None:
             # a job that failed before its layers (a full disk, a lock held, a bug's traceback) may leave the
@@ -227,9 +217,9 @@ def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # Only the chosen command's module is imported, so `--help` stays cheap.
     chosen = next((a for a in argv if a in COMMANDS), None)
-    _Parser.secrets = _secret_values(argv)
     _Parser.json_errors = "--json" in argv
     parser = build_parser(chosen)
+    redact.learn_from_argv(argv, _option_strings(parser))
     first = next((a for a in argv if not a.startswith("-")), None)
     if chosen is None and first is not None:
         import difflib
@@ -290,9 +280,9 @@ def _print_error(e: QtoolError, want_json: bool) -> None:
     launcher's last line says its error is above."""
     other_rank = int(os.environ.get("WORLD_SIZE", "1")) > 1 and int(os.environ.get("RANK", "0")) > 0
     if want_json and not other_rank:
-        print(json.dumps(e.to_json(), indent=2))
+        print(json.dumps(redact.redact_json(e.to_json()), indent=2))
     else:
-        print(e.describe(), file=sys.stderr)
+        print(redact.redact_text(e.describe()), file=sys.stderr)
 
 
 def _interrupted(args, argv: list[str], e: KeyboardInterrupt) -> str:
@@ -306,10 +296,8 @@ def _interrupted(args, argv: list[str], e: KeyboardInterrupt) -> str:
     for p in kept:
         lines.append(f"  kept:     {p} (the work finished so far)")
     if kept and hasattr(args, "resume"):
-        from qtool.io.manifest import without_secrets
-
         # a token is never printed, and `--token '***'` is no command to run: it is left out, and said so
-        again, had_token = without_secrets(argv)
+        again, had_token = redact.without_secrets(argv)
         again = again if "--resume" in again else [*again, "--resume"]
         lines.append(f"  continue: {command_line(['qtool', *again])}")
         if had_token:

@@ -29,6 +29,7 @@ from pathlib import Path
 from qtool.io.digest_cache import file_key, user_cache
 from qtool.io.files import hash_file as _hash_file
 from qtool.io.stream_digest import StreamDigests
+from qtool.redact import SECRET_FLAGS, redact_argv, redact_json, redact_text, without_secrets  # noqa: F401
 
 LIBRARIES = ("transformers", "safetensors", "torch", "nvidia-modelopt", "compressed-tensors", "llmcompressor",
              "huggingface_hub")
@@ -51,51 +52,7 @@ def library_versions() -> dict[str, str | None]:
 # resume counters. Every other section of a resumed run's manifest equals an uninterrupted run's.
 RUN = "run"
 
-SECRET_FLAGS = ("--token", "--hf-token")
-_TOKEN = re.compile(r"\bhf_[A-Za-z0-9]{8,}")
-
-
-def redact_argv(argv: list[str]) -> list[str]:
-    """argv with secrets replaced by `***`: the value of --token (either form) and anything shaped like a
-    Hugging Face token (a manifest, a log or an error must never carry one)."""
-    out: list[str] = []
-    hide_next = False
-    for a in argv:
-        if hide_next:
-            out.append("***")
-            hide_next = False
-        elif a in SECRET_FLAGS:
-            out.append(a)
-            hide_next = True
-        elif any(a.startswith(f + "=") for f in SECRET_FLAGS):
-            out.append(a.split("=", 1)[0] + "=***")
-        else:
-            out.append(_TOKEN.sub("***", a))
-    return out
-
-
-def without_secrets(argv: list[str]) -> tuple[list[str], bool]:
-    """(argv without the secret flags and their values, whether it had any): for a command line printed to
-    be run again, where `--token '***'` would be a command that fails on the Hub."""
-    out: list[str] = []
-    dropped = skip_next = False
-    for a in argv:
-        if skip_next:
-            skip_next = False
-        elif a in SECRET_FLAGS:
-            dropped = skip_next = True
-        elif any(a.startswith(f + "=") for f in SECRET_FLAGS):
-            dropped = True
-        else:
-            out.append(a)
-    return out, dropped
-
-
-def redact_text(text: str) -> str:
-    """`text` with anything shaped like a Hugging Face token replaced by `***`."""
-    return _TOKEN.sub("***", text)
-
-
+# secrets: one redaction for every printed or written text (qtool/redact.py); re-exported for callers
 def command_line(argv: list[str] | None) -> str | None:
     return None if argv is None else shlex.join(redact_argv(argv))
 
@@ -418,7 +375,7 @@ def write_manifest(path: Path, *, kind: str, command: str | None, sources: dict[
         **(extra or {}),
     }
     with new_file(path) as f:
-        text = json.dumps(head, indent=1)
+        text = json.dumps(redact_json(head), indent=1)  # every field: a token in a path the user typed too
         if shards_section is None:
             f.write((text + "\n").encode())
         else:

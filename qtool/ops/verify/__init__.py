@@ -143,7 +143,7 @@ def execute(p: VerifyPlan) -> VerifyReport:
     from qtool.arch.model_map import build_map
     from qtool.arch.qwen35 import Group
     from qtool.io.quant_config import summarize
-    from qtool.ops.verify import engine_rules, structure
+    from qtool.ops.verify import engine_rules, refusals, structure
     from qtool.ops.verify.memory_fit import memory_fit
 
     opts, path, versions, target = p.options, p.path, p.versions, p.target
@@ -162,6 +162,7 @@ def execute(p: VerifyPlan) -> VerifyReport:
 
     findings += structure.structure_findings(mm)
     findings += structure.consistency_findings(mm, summary, kv_fp8=kv_fp8)
+    findings += refusals.refusal_findings(ckpt, versions)
     dec_findings, engines, decisions = engine_rules.decision_findings(mm, summary, versions,
                                                                      mtp_requested=opts.mtp > 0)
     findings += dec_findings
