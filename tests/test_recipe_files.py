@@ -242,3 +242,37 @@ def test_shipped_build_recipes_load_through_the_strict_loader():
 
     for name, path in shipped_build_recipes().items():
         assert load_build_recipe(path).name == name
+
+
+def test_every_with_key_takes_its_values(tmp_path):
+    """The schema refuses only what the ops refuse: a recipe that gives every key a valid value (null where
+    the option's default is None, as plan hybrid writes them) loads."""
+    recipe = tmp_path / "all.yaml"
+    recipe.write_text("""name: all
+sources:
+  nv: {hub: org/nv, revision: "0123"}
+  bf: {hub: org/bf, tensors: assemble}
+steps:
+  - {id: dl, op: download, input: nv, with: {include: ["*.json"], tensors: ["model.layers.0.*"]}}
+  - id: hybrid
+    op: assemble
+    with: {nvfp4: dl, bf16: bf, bf16_expert_layers: [0, 3], bf16_shared_expert_layers: null, mtp: from-bf16,
+           link: hardlink, max_shard_size: 5GB}
+  - {id: ct, op: convert, input: hybrid, with: {to: compressed-tensors}}
+  - {id: q, op: quantize, input: bf, with: {recipe: qwen35-awq-int4, backend: rtn, format: awq, samples: null,
+                                           seq_len: 16, dataset: builtin, device: "cuda:1"}}
+  - {id: kv, op: calibrate-kv, input: ct, with: {samples: 2, seq_len: 8, device: cuda, replace_scales: false}}
+  - id: patched
+    op: patch-config
+    input: kv
+    with: {fixes: [router-ignore, mtp-ignore], ignore_add: ["a.*"], ignore_remove: [], yarn: 4,
+           original_max_position: 262144, sampling_defaults: true}
+  - id: check
+    op: verify
+    input: patched
+    with: {engine: "vllm@0.17,sglang", tp: 4, gpus: 4x96GiB, max_model_len: null, max_num_seqs: 8,
+           kv_cache_dtype: fp8, mtp: 0, deep: false, gpu_memory_utilization: 0.85}
+""")
+    r = load_build_recipe(recipe)
+    assert [s.id for s in r.steps] == ["dl", "hybrid", "ct", "q", "kv", "patched", "check"]
+    assert r.sources["nv"].revision == "0123" and r.step("hybrid").inputs == ("bf", "dl")
