@@ -185,7 +185,7 @@ def _step(i: int, st: object, known: set[str], path: str | None) -> Step:
         op = Op(st.get("op"))
     except (ValueError, TypeError):
         raise _err(f"step {sid!r}: unknown op", path, got=st.get("op"), expected=", ".join(o.value for o in Op)) from None
-    params = st.get("with") or {}
+    params = {} if st.get("with") is None else st["with"]  # `with:` left empty: no options
     if not isinstance(params, dict):
         raise _err(f"step {sid!r}: `with` must be a mapping", path)
     _check_with(sid, op, params, path)

@@ -98,6 +98,8 @@ BAD_WITH = [
     ("quantize", "{recipe: qwen35-nvfp4-experts, format: awq2}", "format"),
     ("quantize", "{samples: 4}", "recipe"),
     ("download", "{include: '*.json'}", "include"),
+    ("verify", "0", "with"),
+    ("verify", "[tp, 4]", "with"),
 ]
 
 
