@@ -169,7 +169,7 @@ BAD_FILES = {
                     + b"    with: *w\n"), "anchor &w"),
     "billion-laughs": (_file(_laughs()), "anchor &a0"),
     "oversized": (_file(GOOD_BUILD + b"#" * MAX_RECIPE_BYTES + b"\n"), "larger than"),
-    "deeply-nested": (_file(b"name: " + b"[" * 20000 + b"]" * 20000 + b"\n"), "recipe"),
+    "deeply-nested": (_file(b"name: " + b"[" * 20000 + b"]" * 20000 + b"\n"), "nested too deeply"),
     "not-yaml": (_file(b"name: [unclosed\n"), "not valid YAML"),
 }
 
