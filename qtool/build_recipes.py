@@ -23,28 +23,22 @@ Inputs of a step are named in `input` (one) or, for assemble, in `with.nvfp4` / 
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
+from qtool.build_with import INPUT_KEYS, REQUIRED_KEYS, Op, with_problems, with_schema
 from qtool.errors import QtoolError
+from qtool.io.yamlio import load_recipe_yaml
+from qtool.recipes import load_recipe, recipes_dir
 
 
 class BuildRecipeError(QtoolError):
     """A build recipe that cannot be used (YAML, unknown keys, bad references)."""
 
     exit_code = 2
-
-
-class Op(str, Enum):
-    DOWNLOAD = "download"
-    QUANTIZE = "quantize"
-    CONVERT = "convert"
-    ASSEMBLE = "assemble"
-    CALIBRATE_KV = "calibrate-kv"
-    PATCH_CONFIG = "patch-config"
-    VERIFY = "verify"
 
 
 class SourceKind(str, Enum):
@@ -55,18 +49,6 @@ class SourceKind(str, Enum):
 
 BUILTINS = ("tiny-bf16", "tiny-bf16-fused", "tiny-nvfp4-modelopt", "tiny-nvfp4-modelopt-nomtp", "tiny-nvfp4-ct")
 
-# Which `with` keys each op accepts, and which of them name inputs (sources or earlier steps).
-OP_KEYS: dict[Op, tuple[set[str], set[str]]] = {
-    Op.DOWNLOAD: ({"include", "tensors"}, set()),
-    Op.QUANTIZE: ({"recipe", "backend", "format", "samples", "seq_len", "dataset", "device"}, set()),
-    Op.CONVERT: ({"to"}, set()),
-    Op.ASSEMBLE: ({"nvfp4", "bf16", "bf16_expert_layers", "bf16_shared_expert_layers", "mtp", "link", "max_shard_size"}, {"nvfp4", "bf16"}),
-    Op.CALIBRATE_KV: ({"samples", "seq_len", "dataset", "device", "replace_scales"}, set()),
-    Op.PATCH_CONFIG: ({"fixes", "ignore_add", "ignore_remove", "yarn", "original_max_position",
-                       "sampling_defaults"}, set()),
-    Op.VERIFY: ({"engine", "tp", "gpus", "max_model_len", "max_num_seqs", "kv_cache_dtype", "mtp", "deep",
-                 "gpu_memory_utilization"}, set()),
-}
 _ID = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
 
 
@@ -127,17 +109,17 @@ def parse_build_recipe(data: object, *, path: str | None = None) -> BuildRecipe:
         raise _err("a build recipe is a YAML mapping", path)
     unknown = set(data) - {"name", "description", "sources", "steps"}
     if unknown:
-        raise _err(f"unknown top-level key(s): {', '.join(sorted(unknown))}", path,
+        raise _err(f"unknown top-level key(s): {', '.join(sorted(map(str, unknown)))}", path,
                    expected="name, description, sources, steps")
     name = data.get("name")
-    if not isinstance(name, str) or not _ID.match(name):
+    if not isinstance(name, str) or not _ID.fullmatch(name):
         raise _err("`name` must be a lower-case identifier (it names the output directory)", path, got=name)
     srcs = data.get("sources") or {}
     if not isinstance(srcs, dict) or not srcs:
         raise _err("`sources` must map names to {hub|path|builtin: ...}", path)
     sources: dict[str, Source] = {}
     for sname, s in srcs.items():
-        sources[sname] = _source(str(sname), s, path)
+        sources[str(sname)] = _source(str(sname), s, path)
     raw_steps = data.get("steps") or []
     if not isinstance(raw_steps, list) or not raw_steps:
         raise _err("`steps` must be a non-empty list", path)
@@ -167,8 +149,10 @@ def _source(name: str, s: object, path: str | None) -> Source:
     kind = SourceKind(kinds[0])
     unknown = set(s) - {kinds[0], "revision", "tensors"}
     if unknown:
-        raise _err(f"source {name!r}: unknown key(s) {', '.join(sorted(unknown))}", path)
-    ref = str(s[kinds[0]])
+        raise _err(f"source {name!r}: unknown key(s) {', '.join(sorted(map(str, unknown)))}", path)
+    ref = s[kinds[0]]
+    if not isinstance(ref, str) or not ref:
+        raise _err(f"source {name!r}: `{kinds[0]}` must be a non-empty string", path, got=repr(ref))
     if kind is SourceKind.BUILTIN and ref not in BUILTINS:
         raise _err(f"source {name!r}: unknown builtin", path, got=ref, expected=", ".join(BUILTINS))
     if kind is not SourceKind.HUB and ("revision" in s or "tensors" in s):
@@ -181,7 +165,10 @@ def _source(name: str, s: object, path: str | None) -> Source:
     if tensors not in (None, "assemble"):
         raise _err(f"source {name!r}: tensors must be 'assemble'", path, got=tensors)
     rev = s.get("revision")
-    return Source(name, kind, ref, None if rev is None else str(rev), tensors)
+    if rev is not None and not isinstance(rev, str):
+        raise _err(f"source {name!r}: `revision` must be a string (a branch, tag or commit)", path, got=repr(rev),
+                   hint="quote it: revision: \"0123abc\" (YAML reads bare digits as a number)")
+    return Source(name, kind, ref, rev, tensors)
 
 
 def _step(i: int, st: object, known: set[str], path: str | None) -> Step:
@@ -189,33 +176,33 @@ def _step(i: int, st: object, known: set[str], path: str | None) -> Step:
         raise _err(f"step {i} must be a mapping", path)
     unknown = set(st) - {"id", "op", "input", "with"}
     if unknown:
-        raise _err(f"step {i}: unknown key(s) {', '.join(sorted(unknown))}", path, expected="id, op, input, with")
+        raise _err(f"step {i}: unknown key(s) {', '.join(sorted(map(str, unknown)))}", path,
+                   expected="id, op, input, with")
     sid = st.get("id")
-    if not isinstance(sid, str) or not _ID.match(sid):
+    if not isinstance(sid, str) or not _ID.fullmatch(sid):
         raise _err(f"step {i}: `id` must be a lower-case identifier", path, got=sid)
     try:
         op = Op(st.get("op"))
-    except ValueError:
+    except (ValueError, TypeError):
         raise _err(f"step {sid!r}: unknown op", path, got=st.get("op"), expected=", ".join(o.value for o in Op)) from None
-    params = st.get("with") or {}
+    params = {} if st.get("with") is None else st["with"]  # `with:` left empty: no options
     if not isinstance(params, dict):
         raise _err(f"step {sid!r}: `with` must be a mapping", path)
-    allowed, input_keys = OP_KEYS[op]
-    bad = set(params) - allowed
-    if bad:
-        raise _err(f"step {sid!r} ({op.value}): unknown option(s) {', '.join(sorted(bad))}", path,
-                   expected=", ".join(sorted(allowed)))
+    _check_with(sid, op, params, path)
+    input_keys = INPUT_KEYS.get(op, ())
     if input_keys:
         if "input" in st:
-            raise _err(f"step {sid!r}: {op.value} names its inputs in `with` ({', '.join(sorted(input_keys))})", path)
-        inputs = tuple(str(params.get(k)) for k in sorted(input_keys))
-        missing = [k for k in sorted(input_keys) if k not in params]
+            raise _err(f"step {sid!r}: {op.value} names its inputs in `with` ({', '.join(input_keys)})", path)
+        missing = [k for k in input_keys if k not in params]
         if missing:
             raise _err(f"step {sid!r}: missing input(s) {', '.join(missing)}", path)
+        inputs = tuple(params[k] for k in input_keys)
     else:
         if "input" not in st:
             raise _err(f"step {sid!r}: `input` (a source or an earlier step) is required", path)
-        inputs = (str(st["input"]),)
+        if not isinstance(st["input"], str):
+            raise _err(f"step {sid!r}: `input` must name a source or an earlier step", path, got=st["input"])
+        inputs = (st["input"],)
     for ref in inputs:
         if ref not in known:
             raise _err(f"step {sid!r}: input {ref!r} is neither a source nor an earlier step", path,
@@ -223,30 +210,43 @@ def _step(i: int, st: object, known: set[str], path: str | None) -> Step:
     return Step(sid, op, inputs, dict(params))
 
 
+def _check_with(sid: str, op: Op, params: dict, path: str | None) -> None:
+    """Every `with` key known to `op` and of the type and values it takes (qtool.build_with)."""
+    schema = with_schema(op)
+    bad = set(params) - set(schema)
+    if bad:
+        raise _err(f"step {sid!r} ({op.value}): unknown option(s) {', '.join(sorted(map(str, bad)))}", path,
+                   expected=", ".join(sorted(schema)))
+    missing = [k for k in REQUIRED_KEYS.get(op, ()) if k not in params]
+    if missing:
+        raise _err(f"step {sid!r} ({op.value}): `with` needs {', '.join(missing)}", path,
+                   hint=f"add {missing[0]}: to the step's `with`")
+    for key, expected, got in with_problems(op, params):
+        raise _err(f"step {sid!r} ({op.value}): `with.{key}` must be {expected}", path, expected=expected,
+                   got=repr(got), hint=f"correct `{key}:` in step {sid!r}" + (
+                       " (leave the key out for its default)" if got is None else ""))
+
+
 def shipped_build_recipes() -> dict[str, Path]:
     """name -> file of every build recipe shipped with qtool (package data)."""
-    from qtool.recipes import recipes_dir
-
     return {p.stem: p for p in sorted((recipes_dir() / "build").glob("*.yaml"))}
 
 
 def find_build_recipe(name_or_path: str | Path) -> Path:
     """A build recipe file: a path, or the name of a shipped one (`demo-tiny`)."""
     p = Path(name_or_path)
-    if p.is_file() or p.suffix in (".yaml", ".yml") or len(p.parts) > 1:
+    if p.suffix in (".yaml", ".yml") or len(p.parts) > 1 or (os.path.lexists(p) and not p.is_dir()):
         return p
     shipped = shipped_build_recipes()
     if str(name_or_path) in shipped:
         return shipped[str(name_or_path)]
-    raise QtoolError("no such build recipe", got=str(name_or_path), expected=sorted(shipped),
-                     hint="pass a shipped build recipe's name (qtool recipes list) or a YAML file's path")
+    raise BuildRecipeError("no such build recipe", got=str(name_or_path), expected=sorted(shipped),
+                           hint="pass a shipped build recipe's name (qtool recipes list) or a YAML file's path")
 
 
 def _resolve_file_refs(recipe: BuildRecipe, base: Path) -> None:
     """A quantize step's `recipe:` file resolves relative to the build recipe's own folder, then as a
     shipped recipe of that name, so a build recipe runs from any working directory."""
-    from qtool.recipes import recipes_dir
-
     for st in recipe.steps:
         ref = st.params.get("recipe")
         if st.op is not Op.QUANTIZE or not isinstance(ref, str) or not Path(ref).suffix or Path(ref).is_absolute():
@@ -259,16 +259,18 @@ def _resolve_file_refs(recipe: BuildRecipe, base: Path) -> None:
         # else: left as written, resolved against the working directory (and refused there if missing)
 
 
-def load_build_recipe(name_or_path: str | Path) -> BuildRecipe:
-    import yaml
+def _check_quantize_recipes(recipe: BuildRecipe) -> None:
+    """Each quantize step's quantization recipe loads (a RecipeError names that file), before any step runs."""
+    for st in recipe.steps:
+        if st.op is Op.QUANTIZE and "recipe" in st.params:
+            load_recipe(st.params["recipe"])
 
+
+def load_build_recipe(name_or_path: str | Path) -> BuildRecipe:
+    """A build recipe by shipped name or path, strictly read (qtool.io.yamlio) and validated, each step's
+    `with` included; BuildRecipeError (a usage error) names the file and the key."""
     p = find_build_recipe(name_or_path)
-    try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise QtoolError("build recipe not found", path=p, hint="check the path (exit 1: a missing input)") from None
-    except yaml.YAMLError as e:
-        raise BuildRecipeError(f"build recipe is not valid YAML: {e}", path=p) from None
-    recipe = parse_build_recipe(data, path=str(p))
+    recipe = parse_build_recipe(load_recipe_yaml(p, "build recipe", BuildRecipeError), path=str(p))
     _resolve_file_refs(recipe, p.resolve().parent)
+    _check_quantize_recipes(recipe)
     return recipe

@@ -34,6 +34,7 @@ from enum import Enum
 from pathlib import Path
 
 from qtool.errors import QtoolError
+from qtool.io.yamlio import load_recipe_yaml
 
 SCHEMA_VERSION = 1
 
@@ -165,10 +166,14 @@ def list_recipes() -> list[str]:
     return sorted(p.stem for p in recipes_dir().glob("*.yaml"))
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # YAML's true is no number
+
+
 def _enum(cls, value, where: str, path):
     try:
         return cls(value)
-    except ValueError:
+    except (ValueError, TypeError):
         raise RecipeError(f"unknown value for {where}", path=path, expected=[m.value for m in cls], got=value) from None
 
 
@@ -200,10 +205,10 @@ def parse_recipe(data, *, path: str | None = None) -> Recipe:
     """Validate a recipe's parsed YAML into a Recipe (raises RecipeError with the offending key)."""
     if not isinstance(data, dict):
         raise RecipeError("a recipe must be a YAML mapping", path=path, got=type(data).__name__)
-    unknown = sorted(set(data) - _TOP_KEYS)
+    unknown = sorted(map(str, set(data) - _TOP_KEYS))
     if unknown:
         raise RecipeError("unknown recipe keys", path=path, expected=sorted(_TOP_KEYS), got=unknown)
-    if data.get("schema_version") != SCHEMA_VERSION:
+    if not _is_int(data.get("schema_version")) or data["schema_version"] != SCHEMA_VERSION:
         raise RecipeError("unsupported recipe schema_version", path=path, expected=SCHEMA_VERSION,
                           got=data.get("schema_version"))
     name = data.get("name")
@@ -212,12 +217,10 @@ def parse_recipe(data, *, path: str | None = None) -> Recipe:
     groups = _groups(data.get("groups"), "groups", path)
     overrides: dict[int, dict[str, Scheme]] = {}
     for k, v in _mapping(data.get("layer_overrides"), "layer_overrides", path).items():
-        try:
-            idx = int(k)
-        except (TypeError, ValueError):
-            raise RecipeError("layer_overrides keys are decoder layer indices", path=path, got=k) from None
-        if idx < 0:
-            raise RecipeError("layer index must be >= 0", path=path, got=idx)
+        if not _is_int(k) or k < 0:
+            raise RecipeError("layer_overrides keys are decoder layer indices (integers >= 0)", path=path,
+                              got=repr(k))
+        idx = k
         overrides[idx] = _groups(v, f"layer_overrides.{idx}", path)
     used = {s for s in groups.values() if s is not Scheme.BF16}
     used |= {s for o in overrides.values() for s in o.values() if s is not Scheme.BF16}
@@ -225,7 +228,7 @@ def parse_recipe(data, *, path: str | None = None) -> Recipe:
         raise RecipeError("a recipe may use one quantized scheme (plus bf16)", path=path,
                           got=sorted(s.value for s in used))
     nv = _mapping(data.get("nvfp4"), "nvfp4", path)
-    bad = sorted(set(nv) - {"weight_scale", "input_scale"})
+    bad = sorted(map(str, set(nv) - {"weight_scale", "input_scale"}))
     if bad:
         raise RecipeError("unknown nvfp4 options", path=path, got=bad)
     nvfp4 = NVFP4Options(
@@ -233,16 +236,19 @@ def parse_recipe(data, *, path: str | None = None) -> Recipe:
         _enum(InputScale, nv.get("input_scale", "layer_max"), "nvfp4.input_scale", path),
     )
     i4 = _mapping(data.get("int4"), "int4", path)
-    bad = sorted(set(i4) - {"group_size", "awq", "awq_grid"})
+    bad = sorted(map(str, set(i4) - {"group_size", "awq", "awq_grid"}))
     if bad:
         raise RecipeError("unknown int4 options", path=path, got=bad)
     gs = i4.get("group_size", 128)
-    if not isinstance(gs, int) or gs < 8 or gs % 8:
+    if not _is_int(gs) or gs < 8 or gs % 8:
         raise RecipeError("int4.group_size must be a positive multiple of 8", path=path, got=gs)
     grid = i4.get("awq_grid", 20)
-    if not isinstance(grid, int) or grid < 1:
+    if not _is_int(grid) or grid < 1:
         raise RecipeError("int4.awq_grid must be a positive integer", path=path, got=grid)
-    int4 = Int4Options(gs, bool(i4.get("awq", True)), grid)
+    awq = i4.get("awq", True)
+    if not isinstance(awq, bool):
+        raise RecipeError("int4.awq must be true or false", path=path, got=repr(awq))
+    int4 = Int4Options(gs, awq, grid)
     d = _mapping(data.get("defaults"), "defaults", path)
     backend = _enum(Backend, d.get("backend", "rtn"), "defaults.backend", path)
     scheme = next(iter(used)) if used else Scheme.BF16
@@ -271,26 +277,19 @@ def _calibration(obj, path) -> dict | None:
         return None
     c = _mapping(obj, "calibration", path)
     if set(c) - {"dataset", "samples", "seq_len"} or not isinstance(c.get("dataset"), str) or not all(
-            isinstance(c.get(k), int) and c[k] > 0 for k in ("samples", "seq_len")):
+            _is_int(c.get(k)) and c[k] > 0 for k in ("samples", "seq_len")):
         raise RecipeError("calibration needs {dataset: TEXT, samples: N, seq_len: N}", path=path, got=obj)
     return {"dataset": c["dataset"], "samples": c["samples"], "seq_len": c["seq_len"]}
 
 
 def load_recipe(name_or_path: str | Path) -> Recipe:
-    """A shipped recipe by name (`qwen35-nvfp4-experts`) or a YAML file path."""
-    import yaml
-
+    """A shipped recipe by name (`qwen35-nvfp4-experts`) or a YAML file path, strictly read (qtool.io.yamlio);
+    a RecipeError (a usage error) names the file and the key."""
     p = Path(name_or_path)
-    if not p.suffix:
+    if not p.suffix and len(p.parts) == 1:
         cand = recipes_dir() / f"{name_or_path}.yaml"
         if not cand.is_file():
             raise RecipeError("no such recipe", got=str(name_or_path), expected=list_recipes(),
                               hint="pass a shipped recipe name or the path of a YAML file")
         p = cand
-    if not p.is_file():
-        raise RecipeError("recipe file not found", path=p)
-    try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except yaml.YAMLError as e:
-        raise RecipeError(f"recipe is not valid YAML ({e})", path=p) from None
-    return parse_recipe(data, path=str(p))
+    return parse_recipe(load_recipe_yaml(p, "recipe", RecipeError), path=str(p))

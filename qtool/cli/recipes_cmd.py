@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from qtool.cli.common import add_json_flag, print_json
 
 
@@ -25,30 +27,31 @@ def _show(name: str) -> dict:
     """A quantization recipe (what each module group becomes) or a build recipe (its sources and steps)."""
     from pathlib import Path
 
-    import yaml
-
     from qtool.build_recipes import find_build_recipe, load_build_recipe, shipped_build_recipes
-    from qtool.errors import QtoolError
+    from qtool.errors import UsageError
+    from qtool.io.yamlio import load_recipe_yaml
     from qtool.recipes import list_recipes, load_recipe, recipes_dir
 
-    if name in list_recipes() or (Path(name).is_file() and "steps" not in (yaml.safe_load(Path(name).read_text()) or {})):
+    given = os.path.lexists(name) and not os.path.isdir(name) and name not in list_recipes()
+    data = load_recipe_yaml(name, "recipe", UsageError) if given else None  # a FIFO is refused here
+    if name in list_recipes() or (given and not (isinstance(data, dict) and "steps" in data)):
         r = load_recipe(name)
         return {"kind": "quantize", "file": r.path, **r.to_json(),
                 "does": [f"{g}: {s.value}" for g, s in sorted(r.groups.items())] +
                         [f"layer {n}: {g} {s.value}" for n, o in sorted(r.layer_overrides.items())
                          for g, s in sorted(o.items())] +
                         ["every other group: bf16 (kept)", f"kv cache: {r.kv_cache.value}"] +
-                        ([f"calibrates on {r.calibration['dataset']}: {r.calibration['samples']} x "
-                          f"{r.calibration['seq_len']} tokens"] if r.calibration else []),
+                        ([(f"calibrates on {r.calibration['dataset']}: {r.calibration['samples']} x "
+                           f"{r.calibration['seq_len']} tokens")] if r.calibration else []),
                 "text": Path(r.path).read_text()}
-    if name in shipped_build_recipes() or Path(name).is_file():
+    if name in shipped_build_recipes() or given:
         path = find_build_recipe(name)
         b = load_build_recipe(path)
         return {"kind": "build", "file": str(path), "name": b.name, "description": b.description,
                 "sources": {n: s.to_json() for n, s in b.sources.items()},
                 "does": [f"{st.id}: {st.op.value} {', '.join(st.inputs)} with {st.params}" for st in b.steps],
                 "text": Path(path).read_text()}
-    raise QtoolError("no such recipe", got=name, expected=list_recipes() + sorted(shipped_build_recipes()),
+    raise UsageError("no such recipe", got=name, expected=list_recipes() + sorted(shipped_build_recipes()),
                      hint=f"qtool recipes list (shipped in {recipes_dir()})")
 
 

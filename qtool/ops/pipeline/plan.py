@@ -144,7 +144,9 @@ def resolve_source(src: Source, override: Path | None, *, token: str | None = No
     if src.kind is SourceKind.PATH:
         p = Path(src.ref).expanduser()
         if not p.exists():
-            raise CheckpointError(f"source {src.name!r}: path does not exist", path=p)
+            raise CheckpointError(f"source {src.name!r}: path does not exist", path=p,
+                                  hint=f"correct the recipe's `path:` of source {src.name!r}, or point it at a "
+                                  f"checkpoint directory with --source {src.name}=DIR")
         fingerprint, refresh = dir_fingerprint(p)
         ident = {"kind": "path", "path": str(p.resolve()), **fingerprint}
         return ResolvedSource(src, ident, sha(ident), p, refresh=refresh)
