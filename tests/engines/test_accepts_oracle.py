@@ -1,6 +1,6 @@
 """Oracle: qtool.engines.accepts' tables against the engines' own code (vLLM 0.33.0, SGLang 0.5.23).
 
-Runs only when QTOOL_ENGINES_PYTHON names a python with both engines (docs/_dev.md); CI never has it. The
+Runs only when QTOOL_ENGINES_PYTHON names a python with both engines (CONTRIBUTING.md); CI never has it. The
 engines' lists are read where they are data (vLLM modelopt.py QUANT_ALGOS / KV_CACHE_QUANT_ALGOS) and probed
 where they are code (each candidate value fed to the engine's own config parser, accepted when it does not
 raise)."""
