@@ -26,6 +26,15 @@ def _tracked_text_files() -> list[Path]:
     return [ROOT / n for n in names.splitlines() if Path(n).suffix in TEXT_SUFFIXES and (ROOT / n).is_file()]
 
 
+def _lines(skip_self: bool = True):
+    """(file, line number, line) of every tracked text file (this test's own file left out)."""
+    for f in _tracked_text_files():
+        if skip_self and f.name == "test_docs_references.py":
+            continue
+        for lineno, line in enumerate(f.read_text(errors="replace").splitlines(), 1):
+            yield f, lineno, line
+
+
 def _exists(ref: str, cited_in: Path) -> bool:
     ref = ref.rstrip(".")
     if "NAME" in ref or any(ch in ref for ch in "{<"):  # a placeholder, not a file
@@ -42,15 +51,12 @@ def _formats_sections() -> set[int]:
 
 def test_every_repository_path_cited_exists():
     missing = []
-    for f in _tracked_text_files():
-        if f.name == "test_docs_references.py":
+    for f, lineno, line in _lines():
+        if "docs-ref: not a repository path" in line:
             continue
-        for lineno, line in enumerate(f.read_text(errors="replace").splitlines(), 1):
-            if "docs-ref: not a repository path" in line:
-                continue
-            for ref in PATH_REF.findall(line):
-                if not _exists(ref, f):
-                    missing.append(f"{f.relative_to(ROOT)}:{lineno}: {ref}")
+        for ref in PATH_REF.findall(line):
+            if not _exists(ref, f):
+                missing.append(f"{f.relative_to(ROOT)}:{lineno}: {ref}")
     assert not missing, "references to files the repository does not have:\n" + "\n".join(missing)
 
 
@@ -73,23 +79,17 @@ def test_markdown_links_point_at_files_in_the_repository():
 def test_formats_sections_cited_exist():
     sections = _formats_sections()
     bad = []
-    for f in _tracked_text_files():
-        for lineno, line in enumerate(f.read_text(errors="replace").splitlines(), 1):
-            for first, last in SECTION_REF.findall(line):
-                wanted = range(int(first), int(last or first) + 1)
-                if not set(wanted) <= sections:
-                    bad.append(f"{f.relative_to(ROOT)}:{lineno}: §{first}{'-' + last if last else ''}")
+    for f, lineno, line in _lines(skip_self=False):
+        for first, last in SECTION_REF.findall(line):
+            wanted = range(int(first), int(last or first) + 1)
+            if not set(wanted) <= sections:
+                bad.append(f"{f.relative_to(ROOT)}:{lineno}: §{first}{'-' + last if last else ''}")
     assert not bad, f"docs/formats.md has sections {sorted(sections)}; cited:\n" + "\n".join(bad)
 
 
 def test_nothing_cites_a_document_outside_the_repository():
-    cited = []
-    for f in _tracked_text_files():
-        if f.name == "test_docs_references.py":
-            continue
-        for lineno, line in enumerate(f.read_text(errors="replace").splitlines(), 1):
-            if OUTSIDE.search(line):
-                cited.append(f"{f.relative_to(ROOT)}:{lineno}: {line.strip()[:120]}")
+    cited = [f"{f.relative_to(ROOT)}:{lineno}: {line.strip()[:120]}" for f, lineno, line in _lines()
+             if OUTSIDE.search(line)]
     assert not cited, "cites a document the repository does not have:\n" + "\n".join(cited)
 
 
