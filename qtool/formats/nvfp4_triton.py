@@ -182,6 +182,50 @@ def _quantize_body(
     tl.store(packed_ptr + poffs, packed, mask=m2[:, :, None])
 
 
+def _sweep_body(
+    x_ptr,
+    amax_ptr,  # [matrices] float32: the per-matrix amax the global scale comes from
+    cand_ptr,  # [NC] float32: the finite positive E4M3 values / 448, ascending
+    byte_ptr,  # [NC] uint8: the same values' E4M3 bytes
+    best_ptr,  # [rows, n_blocks] uint8 out: the chosen block scale's byte
+    n_rows,
+    n_blocks,
+    rows_per_mat,
+    BLOCK_R: tl.constexpr,
+    NB: tl.constexpr,
+    NC: tl.constexpr,
+):
+    # The per-block FP8 scale sweep (qtool.ops.quantize.nvfp4_mse): every candidate c scales the block by
+    # c * amax / 6, written as ModelOpt's sweep kernel writes it (kernels/quantization/gemm/
+    # nvfp4_fp8_sweep.py), so both compile to the same float32 operations; the first smallest loss wins.
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    rows = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    blks = pid_c * NB + tl.arange(0, NB)
+    rmask = rows < n_rows
+    m2 = rmask[:, None] & (blks < n_blocks)[None, :]
+    e16 = tl.arange(0, 16)
+    offs = rows[:, None, None] * (n_blocks * 16) + blks[None, :, None] * 16 + e16[None, None, :]
+    x = tl.abs(tl.load(x_ptr + offs, mask=m2[:, :, None], other=0.0).to(tl.float32))
+    ga = tl.load(amax_ptr + rows // rows_per_mat, mask=rmask, other=0.0)
+    best_loss = tl.full([BLOCK_R, NB], float("inf"), dtype=tl.float32)
+    best_k = tl.zeros([BLOCK_R, NB], dtype=tl.int32)
+    for k in range(NC):
+        c = tl.load(cand_ptr + k)
+        scale = c * ga / 6.0
+        scale = tl.where(scale == 0.0, 1.0, scale)[:, None, None]
+        a = x / scale
+        q = tl.where(a <= 0.25, 0.0, tl.where(a < 0.75, 0.5, tl.where(a <= 1.25, 1.0, tl.where(
+            a < 1.75, 1.5, tl.where(a <= 2.5, 2.0, tl.where(a < 3.5, 3.0, tl.where(a <= 5.0, 4.0, 6.0)))))))
+        diff = x - q * scale
+        loss = tl.sum(diff * diff, axis=2)
+        better = loss < best_loss
+        best_loss = tl.where(better, loss, best_loss)
+        best_k = tl.where(better, k, best_k)
+    byte = tl.load(byte_ptr + best_k)
+    tl.store(best_ptr + rows[:, None] * n_blocks + blks[None, :], byte, mask=m2)
+
+
 @functools.cache
 def _kernels() -> tuple[Any, Any]:
     """Import triton (first call only) and JIT-wrap the kernel bodies. The compiled kernels are kept in
@@ -197,6 +241,36 @@ def _kernels() -> tuple[Any, Any]:
 
     tl = tl_mod
     return triton.jit(_amax_body), triton.jit(_quantize_body)
+
+
+@functools.cache
+def _sweep_kernel() -> Any:
+    _kernels()  # binds `tl` and the cache dir
+    import triton
+
+    return triton.jit(_sweep_body)
+
+
+def sweep_block_scales_triton(w: torch.Tensor, global_amax: torch.Tensor, tile: TileConfig = DEFAULT_TILE
+                              ) -> torch.Tensor:
+    """`qtool.ops.quantize.nvfp4_mse.sweep_block_scales` as one Triton launch (CUDA tensors)."""
+    nvfp4.check_weight(w)
+    w = w.contiguous()
+    lead, out, n_in = tuple(w.shape[:-2]), w.shape[-2], w.shape[-1]
+    nb = n_in // BLOCK_SIZE
+    n_rows = torch.Size(lead).numel() * out
+    values = torch.arange(0, 128, dtype=torch.uint8, device=w.device)
+    as_float = values.view(torch.float8_e4m3fn).float()
+    keep = torch.isfinite(as_float) & (as_float > 0)
+    candidates = (as_float[keep] / nvfp4.E4M3_MAX).contiguous()
+    amax = torch.as_tensor(global_amax, device=w.device).float().expand(lead).contiguous()
+    best = torch.empty((*lead, out, nb), dtype=torch.uint8, device=w.device)
+    if n_rows and nb:
+        grid = (_cdiv(n_rows, tile.block_rows), _cdiv(nb, tile.blocks_per_tile))
+        _sweep_kernel()[grid](w, amax, candidates, values[keep].contiguous(), best, n_rows, nb, out,
+                              BLOCK_R=tile.block_rows, NB=tile.blocks_per_tile, NC=int(candidates.numel()),
+                              num_warps=tile.num_warps)
+    return best.view(torch.float8_e4m3fn)
 
 
 # ---------------------------------------------------------------- launchers

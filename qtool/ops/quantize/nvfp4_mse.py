@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from qtool.formats import nvfp4
+from qtool.formats import nvfp4, nvfp4_triton
 
 FACTORS = tuple(1.0 - 0.05 * i for i in range(7))
 
@@ -70,6 +70,8 @@ def sweep_block_scales(w: torch.Tensor, global_amax: torch.Tensor) -> torch.Tens
     `global_amax` is the per-matrix amax the global scale comes from (shape w.shape[:-2], or a scalar;
     gate and up of an expert pass the larger of their two, as they share weight_scale_2)."""
     nvfp4.check_weight(w)
+    if w.is_cuda and nvfp4_triton.triton_available():
+        return nvfp4_triton.sweep_block_scales_triton(w, global_amax)
     lead, out, n_in = tuple(w.shape[:-2]), w.shape[-2], w.shape[-1]
     nb = n_in // nvfp4.BLOCK_SIZE
     values = fp8_scale_values(w.device)
