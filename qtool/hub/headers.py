@@ -168,12 +168,11 @@ def fetch_deferred(infos) -> int:
     """Fetch, into their header-only stand-ins, the deferred small tensors among `infos` (TensorInfos a
     check is about to read): only the ranges that hold them, PARALLEL_RANGES requests at once. A no-op for
     files of other checkpoints. Returns the number of ranges fetched."""
-    by_dir: dict[Path, list] = {}
+    by_dir: dict[str, list] = {}
     for info in infos:
-        d = Path(info.file).parent
-        if (d / DEFERRED).is_file():
-            by_dir.setdefault(d, []).append(info)
-    return sum(_fetch_deferred_in(d, wanted) for d, wanted in by_dir.items())
+        by_dir.setdefault(os.path.dirname(info.file), []).append(info)
+    return sum(_fetch_deferred_in(Path(d), wanted) for d, wanted in by_dir.items()
+               if os.path.isfile(os.path.join(d, DEFERRED)))
 
 
 def _fetch_deferred_in(d: Path, wanted: list) -> int:
@@ -191,6 +190,10 @@ def _fetch_deferred_in(d: Path, wanted: list) -> int:
     if not todo:
         return 0
     stats = json.loads((d / STATS).read_text())
+    if hub_offline():
+        raise HubError(f"{len(todo)} range(s) of expert scales this check reads were never fetched, and "
+                       "HF_HUB_OFFLINE is set", path=f"hf:{stats['repo']}@{stats['commit']}",
+                       hint="run the same command once online (what it fetches is cached)")
     reader = RangeReader(repo_listing(HubSpec(stats["repo"], stats["commit"])))
 
     def fetch(item: tuple[str, tuple[int, int]]) -> None:
