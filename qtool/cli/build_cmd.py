@@ -57,3 +57,5 @@ def _print_plan(bp, ran: set[str] | None = None) -> None:
         extra = f" [{v.get('status')}]" if v else ""
         state = sp.state if ran is None else ("ran" if sp.step.id in ran else "reused (unchanged)")
         print(f"  step   {sp.step.id:<10} {sp.step.op.value:<13} {sp.key[:12]} {state}{extra}")
+    for warning in bp.warnings:
+        print(f"  note: {warning}")

@@ -5,7 +5,10 @@ The stand-in is a local directory qtool's other code opens like any checkpoint: 
 files (downloaded and verified through huggingface_hub, in its cache), and each safetensors shard as a
 sparse file of the remote file's size holding its real header and the bytes of its small tensors (the
 scales and KV scales that checks read; safetensors stores them together, so it is about one range
-request a shard) and holes elsewhere. Cached by commit under $QTOOL_CACHE_DIR/hub/<org>--<name>/<commit>/
+request a shard) and holes elsewhere. Where a shard's small tensors are spread through it (a streaming
+writer's module order: every expert's scalars between its weights, one request each, 92k for the 397B),
+only those outside the routed experts are fetched; the experts' are left unread (DEFERRED lists their
+byte ranges) until a check asks for them (`fetch_deferred`: only those, many requests at once). Cached by commit under $QTOOL_CACHE_DIR/hub/<org>--<name>/<commit>/
 headers (branch -> commit resolutions are kept in huggingface_hub's cache refs), so a pinned or
 already-resolved source works
 offline (HF_HUB_OFFLINE=1) or with the network down. Data reads (`verify --deep`) need the real files.
@@ -18,13 +21,18 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from qtool.hub import remote_safetensors
 from qtool.hub.resolve import HubError, HubSpec, cached_commit, hub_offline, is_commit
 
 SMALL_TENSOR_BYTES = 64  # tensors this small are fetched (scalar scales, [1] global scales, KV scales)
-GAP_BYTES = 1 << 20  # small tensors this close together are fetched with one request
+GAP_BYTES = 64 << 10  # small tensors this close together are fetched with one request (the gap is read too)
 SKIP_SUFFIXES = (".bin", ".pt", ".pth", ".gguf", ".onnx", ".msgpack", ".h5", ".ckpt")  # other weight formats
 STATS = ".qtool-headers.json"
+DEFERRED = ".qtool-deferred.json"  # shard -> byte ranges of small tensors not fetched yet
 PARALLEL = 8  # shards read at once
+EAGER_RUNS = 16  # a shard whose small tensors need more range requests than this defers the experts'
+HEAD_GUESS = remote_safetensors.HEAD_GUESS  # a shard's first request: its header and the bytes after it
+PARALLEL_RANGES = 32  # deferred ranges fetched at once (latency, not bandwidth, bounds them)
 
 
 def _repo_cache(repo_id: str) -> Path:
@@ -100,38 +108,53 @@ def _fetch(listing, out: Path, token: str | None) -> dict:
             moved += f.size if not f.cached else 0
         # the shards at once: each costs a round trip or two, which is what a header-only job waits for
         with ThreadPoolExecutor(max_workers=PARALLEL, thread_name_prefix="qtool-headers") as pool:
-            for _ in pool.map(lambda path: _stand_in_shard(reader, path, tx.partial / path), shards):
-                pass
-        stats = {"commit": listing.commit, "bytes_moved": moved + reader.stats.bytes,
-                 "requests": reader.stats.requests, "shards": len(shards), "side_files": len(side)}
+            deferred = dict(zip(shards, pool.map(
+                lambda path: _stand_in_shard(reader, path, tx.partial / path), shards)))
+        deferred = {s: runs for s, runs in deferred.items() if runs}
+        if deferred:
+            (tx.partial / DEFERRED).write_text(json.dumps(deferred))
+        stats = {"commit": listing.commit, "repo": listing.spec.repo_id, "bytes_moved": moved + reader.stats.bytes,
+                 "requests": reader.stats.requests, "shards": len(shards), "side_files": len(side),
+                 "deferred_ranges": sum(len(r) for r in deferred.values())}
         (tx.partial / STATS).write_text(json.dumps(stats))
         tx.commit()
     return stats
 
 
-def _stand_in_shard(reader, path: str, dst: Path) -> None:
-    """`dst`: a sparse file of the remote shard's size holding its header and its small tensors' bytes."""
+def _stand_in_shard(reader, path: str, dst: Path) -> list[tuple[int, int]]:
+    """`dst`: a sparse file of the remote shard's size holding its header and its small tensors' bytes;
+    returns the ranges of small tensors left unread (see the module's docstring)."""
     from qtool.io.safetensors_header import parse_header_bytes
 
-    head, end = reader.head(path)
+    head, end = reader.head(path, HEAD_GUESS)
     size = reader.listing.files[path].size
     header = parse_header_bytes(path, head[8:end], size)
+    runs = [(max(a, len(head)), b) for a, b in _small_runs(header.tensors.values()) if b > len(head)]
+    deferred: list[tuple[int, int]] = []
+    if len(runs) > EAGER_RUNS:
+        runs = _small_runs(i for i in header.tensors.values() if not _routed_expert(i.name))
+        runs = [(max(a, len(head)), b) for a, b in runs if b > len(head)]
+        deferred = [r for r in _small_runs(i for i in header.tensors.values() if _routed_expert(i.name))
+                    if r[1] > len(head)]
     dst.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         os.pwrite(fd, head, 0)
-        for start, stop in _small_runs(header):
-            start = max(start, len(head))  # read with the header already
-            if start < stop:
-                os.pwrite(fd, reader.read_bytes(path, start, stop), start)
+        for start, stop in runs:
+            os.pwrite(fd, reader.read_bytes(path, start, stop), start)
         os.ftruncate(fd, size)
     finally:
         os.close(fd)
+    return deferred
 
 
-def _small_runs(header) -> list[tuple[int, int]]:
+def _routed_expert(name: str) -> bool:
+    return ".experts." in name
+
+
+def _small_runs(tensors) -> list[tuple[int, int]]:
     """Absolute byte ranges covering every small tensor, neighbours within GAP_BYTES merged."""
-    spans = sorted((i.start, i.end) for i in header.tensors.values() if i.nbytes <= SMALL_TENSOR_BYTES)
+    spans = sorted((i.start, i.end) for i in tensors if i.nbytes <= SMALL_TENSOR_BYTES)
     runs: list[list[int]] = []
     for a, b in spans:
         if runs and a - runs[-1][1] <= GAP_BYTES:
@@ -139,3 +162,52 @@ def _small_runs(header) -> list[tuple[int, int]]:
         else:
             runs.append([a, b])
     return [(a, b) for a, b in runs]
+
+
+def fetch_deferred(infos) -> int:
+    """Fetch, into their header-only stand-ins, the deferred small tensors among `infos` (TensorInfos a
+    check is about to read): only the ranges that hold them, PARALLEL_RANGES requests at once. A no-op for
+    files of other checkpoints. Returns the number of ranges fetched."""
+    by_dir: dict[str, list] = {}
+    for info in infos:
+        by_dir.setdefault(os.path.dirname(info.file), []).append(info)
+    return sum(_fetch_deferred_in(Path(d), wanted) for d, wanted in by_dir.items()
+               if os.path.isfile(os.path.join(d, DEFERRED)))
+
+
+def _fetch_deferred_in(d: Path, wanted: list) -> int:
+    from qtool.hub.download import repo_listing
+    from qtool.hub.remote_safetensors import RangeReader
+    from qtool.io.jsonio import atomic_write_text
+
+    deferred = {s: [tuple(r) for r in runs] for s, runs in json.loads((d / DEFERRED).read_text()).items()}
+    todo: dict[tuple[str, tuple[int, int]], None] = {}
+    for info in wanted:
+        shard = Path(info.file).name
+        for r in deferred.get(shard, ()):
+            if r[0] <= info.start and info.end <= r[1]:
+                todo[(shard, r)] = None
+    if not todo:
+        return 0
+    stats = json.loads((d / STATS).read_text())
+    if hub_offline():
+        raise HubError(f"{len(todo)} range(s) of expert scales this check reads were never fetched, and "
+                       "HF_HUB_OFFLINE is set", path=f"hf:{stats['repo']}@{stats['commit']}",
+                       hint="run the same command once online (what it fetches is cached)")
+    reader = RangeReader(repo_listing(HubSpec(stats["repo"], stats["commit"])))
+
+    def fetch(item: tuple[str, tuple[int, int]]) -> None:
+        shard, (a, b) = item
+        data = reader.read_bytes(shard, a, b)
+        fd = os.open(d / shard, os.O_WRONLY)
+        try:
+            os.pwrite(fd, data, a)
+        finally:
+            os.close(fd)
+
+    with ThreadPoolExecutor(max_workers=PARALLEL_RANGES, thread_name_prefix="qtool-scalars") as pool:
+        list(pool.map(fetch, todo))
+    for shard, r in todo:
+        deferred[shard].remove(r)
+    atomic_write_text(d / DEFERRED, json.dumps({s: runs for s, runs in deferred.items() if runs}))
+    return len(todo)

@@ -160,20 +160,26 @@ class InputHasher:
         digest.add_done_callback(settle)
         return out
 
-    def submit(self, path: str) -> None:
-        if path in self.futures or path in self._streamed:
-            return
+    def known(self, path: str) -> str | None:
+        """An input's digest where it is on record, without reading the file: a Hub cache blob's name,
+        huggingface_hub's download record, or the sha256 cache (trusted while the file's ctime is the
+        recorded one); None where only reading the file would tell."""
         real = os.path.realpath(path)
         name = os.path.basename(real)
         recorded = name if os.path.basename(os.path.dirname(real)) == "blobs" and _HEX64.match(name) else None
         recorded = recorded or hub_recorded_sha256(path)
         if recorded:
-            self._put(path, _done(self._note(path, recorded)))
-            return
+            return recorded
         self.keys[real] = file_key(real)  # what `refresh` re-records at the end of the run
-        cached = self.cache.lookup(real) if self.trust_cache else None
-        if cached:
-            self._put(path, _done(self._note(path, cached)))
+        return self.cache.lookup(real) if self.trust_cache else None
+
+    def submit(self, path: str) -> None:
+        if path in self.futures or path in self._streamed:
+            return
+        real = os.path.realpath(path)
+        on_record = self.known(path)
+        if on_record:
+            self._put(path, _done(self._note(path, on_record)))
         elif real in self.from_reads:
             self.streams.add(real, check=self.prefixes.get(real))
             self._streamed[path] = (real, os.stat(real))

@@ -133,6 +133,7 @@ def _incomplete_quant_modules(mm: ModelMap) -> list[Finding]:
 def _gate_up_scale_mismatch(mm: ModelMap) -> list[Finding]:
     """vLLM fuses gate_proj and up_proj into w13 with ONE global scale and warns or mis-scales when
     the two differ (vllm/model_executor/layers/quantization/modelopt.py, ModelOptNvFp4FusedMoE)."""
+    from qtool.hub.headers import fetch_deferred
     from qtool.io.reader import read_scalars
 
     pairs = []
@@ -147,7 +148,9 @@ def _gate_up_scale_mismatch(mm: ModelMap) -> list[Finding]:
             pairs.append((mod.name, mod.params[key], up.params[key]))
     if not pairs:
         return []
-    values = read_scalars([p[1] for p in pairs] + [p[2] for p in pairs])
+    infos = [p[1] for p in pairs] + [p[2] for p in pairs]
+    fetch_deferred(infos)  # a header-only stand-in of a Hub repo fetches them now, and only them
+    values = read_scalars(infos)
     n = len(pairs)
     bad = [pairs[i][0] for i in range(n) if values[i] != values[n + i]]
     if not bad:

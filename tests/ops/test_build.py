@@ -168,6 +168,50 @@ def test_missing_op_module_is_a_clear_error(tmp_path, capsys, monkeypatch, tiny_
     assert "qtool.ops.convert is missing" in json.loads(capsys.readouterr().out)["message"]
 
 
+def _bytes_read() -> int:
+    """What this process has read so far, from any file (Linux's /proc/self/io rchar)."""
+    return int(next(ln for ln in Path("/proc/self/io").read_text().splitlines() if ln.startswith("rchar:"))
+               .split()[1])
+
+
+def test_planning_reads_no_tensor_data(tmp_path, capsys, inputs_hashed, tiny_bf16, tiny_nvfp4_modelopt_nomtp):
+    """`build --dry-run` and the planning a real build does before its first step read headers and
+    configs only: a local source is hashed (its content identity) once the build executes, not while it
+    plans. A dry-run of a 397B recipe on a user's 800 GB BF16 directory read all of it first."""
+    from qtool.ops import pipeline
+    from qtool.ops.pipeline.plan import parse_overrides
+
+    nv, bf = tmp_path / "nv", tmp_path / "bf"
+    shutil.copytree(tiny_nvfp4_modelopt_nomtp, nv)
+    shutil.copytree(tiny_bf16, bf)
+    tensor_bytes = sum(p.stat().st_size for root in (nv, bf) for p in root.glob("*.safetensors"))
+    sources = ["--source", f"nvfp4={nv}", "--source", f"bf16={bf}"]
+    before = _bytes_read()
+    rep = _build(capsys, RECIPES / "demo-tiny.yaml", "-o", tmp_path / "o", "--dry-run", *sources)
+    # (the tiny shards are mostly headers, and the count has the modules imported on the way: a loose bound
+    # here; test_seed_recipes_plan_on_sparse bounds it at real scale)
+    assert _bytes_read() - before < tensor_bytes / 2
+    assert inputs_hashed == []
+    assert rep["steps"][0]["validation"]["status"] == "planned"
+    assert all(s["state"] == "run" for s in rep["steps"])
+    assert any("not hashed yet" in w for w in rep["warnings"])
+
+    recipe = load_build_recipe(RECIPES / "demo-tiny.yaml")
+    before = _bytes_read()
+    bp = pipeline.plan(recipe, out=tmp_path / "o", overrides=parse_overrides(sources[1::2]))
+    assert _bytes_read() - before < tensor_bytes / 2 and inputs_hashed == []
+    rep = pipeline.run(bp)  # the run hashes the sources (their content names the steps)
+    assert rep["ran"] == ["hybrid", "kv", "patched", "check"]
+    assert {os.path.realpath(p) for p in nv.glob("*.safetensors")} <= set(inputs_hashed)
+
+    # once built, a dry-run finds every digest on record and every step reused, still reading no data
+    inputs_hashed.clear()
+    before = _bytes_read()
+    rep = _build(capsys, RECIPES / "demo-tiny.yaml", "-o", tmp_path / "o", "--dry-run", *sources)
+    assert _bytes_read() - before < tensor_bytes / 2 and inputs_hashed == []
+    assert all(s["state"] == "cached" for s in rep["steps"]) and rep["warnings"] == []
+
+
 # ---- shipped recipes planned against sparse real-scale stand-ins ----------------------------------------
 
 
@@ -198,15 +242,11 @@ def test_seed_recipes_plan_on_sparse(sparse_397b, hub, tmp_path, capsys, monkeyp
     hub.add_dataset("HuggingFaceH4/ultrachat_200k", chat_dataset_files(1200, words=300))
     monkeypatch.chdir(tmp_path)  # shipped recipes run from any directory
     monkeypatch.setenv("QTOOL_BUILD_SOURCES", ",".join(f"{k}={sparse_397b[v]}" for k, v in sources.items()))
-    # one sha256 cache for the cases, as a user's runs share theirs: a build names its local sources by
-    # content, and each case would otherwise hash the ~1 TB of the stand-ins' holes again (minutes each)
-    shared, mine = sparse_397b["bf16"].parent / "sha256-cache.json", Path(os.environ["QTOOL_CACHE_DIR"])
-    mine.mkdir(parents=True, exist_ok=True)
-    if shared.exists():
-        shutil.copy(shared, mine / shared.name)
+    # a plan reads headers and configs only: no sha256 cache is shared between the cases, and none of the
+    # stand-ins' hundreds of GB (holes) is read (a dry-run of the awq-int4 recipe read 495 GB to hash them)
+    before = _bytes_read()
     rep = _build(capsys, RECIPES / f"{recipe}.yaml", "-o", tmp_path / "o", "--dry-run")
-    if (mine / shared.name).exists():
-        shutil.copy(mine / shared.name, shared)
+    assert _bytes_read() - before < 2e9
     steps = {s["id"]: s for s in rep["steps"]}
     assert steps[first]["validation"]["status"] == "planned", steps[first]
     assert all(s["state"] == "run" for s in rep["steps"])

@@ -1,4 +1,5 @@
-"""Resolve sources to identities and compute every step's content key (no data is read or written)."""
+"""Resolve sources to identities and compute every step's content key (no tensor data is read, nothing is
+written; a local source's files are hashed when the build runs, see hash_sources)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,11 @@ class ResolvedSource:
     overridden: bool = False
     # a local source's digests re-recorded in the sha256 cache once the build ran (dir_fingerprint)
     refresh: Callable[[], None] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def unhashed(self) -> bool:
+        """A local source some of whose files have no sha256 on record yet (see dir_fingerprint)."""
+        return self.identity.get("kind") == "path" and self.identity.get("digest") is None
 
     def to_json(self) -> dict:
         return {**self.source.to_json(), "identity": self.identity, "key": self.key,
@@ -88,25 +94,61 @@ def parse_overrides(items: list[str] | None, env: str | None = None) -> dict[str
     return out
 
 
-def dir_fingerprint(root: Path) -> tuple[dict, Callable[[], None]]:
+def dir_fingerprint(root: Path, *, read: bool = True) -> tuple[dict, Callable[[], None]]:
     """Identity of a local directory by content: every file's relative name, size and sha256, found as an
     op's input digests are (qtool.io.manifest.InputHasher: a Hub cache blob's name, huggingface_hub's
     download record, or the sha256 cache, trusted only while a file's ctime is unchanged); a first build
     reads the files once, later ones stat them. Size and mtime alone missed a same-size edit with the mtime
     put back, which the step cache (hard links of the source) then served as the old content. Returns the
-    identity and the refresh to call once the build has made and removed its links to the files."""
+    identity and the refresh to call once the build has made and removed its links to the files.
+
+    read=False (planning: headers and configs only): no file is read; where a digest is not on record the
+    identity's `digest` is None and `unhashed` / `unhashed_bytes` say what the build will read to hash."""
     from qtool.io.manifest import InputHasher
 
     files = [p for p in sorted(root.rglob("*")) if p.is_file() and not p.name.startswith(".")]
-    hasher = InputHasher()
+    hasher = InputHasher()  # its pool starts threads only for files it is given to read
     try:
-        for p in files:
-            hasher.submit(str(p))
-        digests = hasher.results()
+        if read:
+            for p in files:
+                hasher.submit(str(p))
+            digests = hasher.results()
+        else:
+            digests = {str(p): hasher.known(str(p)) for p in files}
     finally:
         hasher.close()
+    unhashed = [p for p in files if digests[str(p)] is None]
+    if unhashed:
+        return {"files": len(files), "digest": None, "unhashed": len(unhashed),
+                "unhashed_bytes": sum(p.stat().st_size for p in unhashed)}, lambda: None
     entries = [[str(p.relative_to(root)), p.stat().st_size, digests[str(p)]] for p in files]
     return {"files": len(files), "digest": sha(entries)}, lambda: hasher.refresh(digests)
+
+
+def _path_source(src: Source, path: Path, *, overridden: bool, read: bool) -> ResolvedSource:
+    fingerprint, refresh = dir_fingerprint(path, read=read)
+    ident = {"kind": "path", "path": str(path.resolve()), **fingerprint}
+    if overridden:
+        ident["stands_for"] = src.to_json()
+    return ResolvedSource(src, ident, sha(ident), path, overridden=overridden, refresh=refresh)
+
+
+def hash_sources(bp: BuildPlan) -> None:
+    """The first thing a build executes: hash the local sources whose digests were not on record when it
+    planned (planning reads no data), and key the steps again by that content."""
+    unhashed = [n for n, s in bp.sources.items() if s.unhashed]
+    for name in unhashed:
+        old = bp.sources[name]
+        bp.sources[name] = _path_source(old.source, old.path, overridden=old.overridden, read=True)
+        bp.warnings.remove(_unhashed_warning(name, old))
+    if unhashed:
+        _key_steps(bp.steps, bp.work, {n: s.key for n, s in bp.sources.items()})
+
+
+def _unhashed_warning(name: str, rs: ResolvedSource) -> str:
+    return (f"source {name}: {rs.identity['unhashed']} file(s), {rs.identity['unhashed_bytes'] / 1e9:.1f} GB, "
+            "not hashed yet: the build reads them once before its first step (their content names the "
+            "steps); a step that depends on them shows as 'run' until then")
 
 
 # (directory, identity) of a `builtin:` source; qtool.fixtures.builtin.builtin_source is the one qtool has
@@ -138,18 +180,14 @@ def resolve_source(src: Source, override: Path | None, *, token: str | None = No
     if override is not None:
         if not override.exists():
             raise CheckpointError(f"override for source {src.name!r} does not exist", path=override)
-        fingerprint, refresh = dir_fingerprint(override)
-        ident = {"kind": "path", "path": str(override.resolve()), **fingerprint, "stands_for": src.to_json()}
-        return ResolvedSource(src, ident, sha(ident), override, overridden=True, refresh=refresh)
+        return _path_source(src, override, overridden=True, read=False)
     if src.kind is SourceKind.PATH:
         p = Path(src.ref).expanduser()
         if not p.exists():
             raise CheckpointError(f"source {src.name!r}: path does not exist", path=p,
                                   hint=f"correct the recipe's `path:` of source {src.name!r}, or point it at a "
                                   f"checkpoint directory with --source {src.name}=DIR")
-        fingerprint, refresh = dir_fingerprint(p)
-        ident = {"kind": "path", "path": str(p.resolve()), **fingerprint}
-        return ResolvedSource(src, ident, sha(ident), p, refresh=refresh)
+        return _path_source(src, p, overridden=False, read=False)
     if src.kind is SourceKind.BUILTIN:
         if builtins is None:
             raise PlanError(f"source {src.name!r} is builtin:{src.ref}, and no builtin sources were given",
@@ -167,8 +205,8 @@ def resolve_source(src: Source, override: Path | None, *, token: str | None = No
 
 def plan(recipe: BuildRecipe, *, out: Path | None = None, overrides: dict[str, Path] | None = None,
          token: str | None = None, validate: bool = False, builtins: BuiltinSources | None = None) -> BuildPlan:
-    from qtool import __version__
-
+    """Headers and configs only: a local source whose digests are not on record yet is hashed by `run`
+    (hash_sources), and until then the steps after it are keyed by a placeholder and show as `run`."""
     overrides = overrides or {}
     unknown = set(overrides) - set(recipe.sources)
     if unknown:
@@ -178,22 +216,30 @@ def plan(recipe: BuildRecipe, *, out: Path | None = None, overrides: dict[str, P
     work = out.with_name(out.name + ".build")
     sources = {n: resolve_source(s, overrides.get(n), token=token, builtins=builtins)
                for n, s in recipe.sources.items()}
-    keys: dict[str, str] = {n: s.key for n, s in sources.items()}
-    steps: list[StepPlan] = []
-    for st in recipe.steps:
-        ins = [keys[i] for i in st.inputs]
-        key = sha({"op": st.op.value, "with": st.params, "inputs": ins, "qtool": __version__})
-        d = work / "steps" / f"{st.id}-{key[:12]}"
-        cached = step_finished(d, key)
-        keys[st.id] = key
-        steps.append(StepPlan(st, key, d, cached, ins))
-    bp = BuildPlan(recipe, out, work, sources, steps)
+    steps = [StepPlan(st, "", work, False, []) for st in recipe.steps]
+    _key_steps(steps, work, {n: s.key for n, s in sources.items()})
+    bp = BuildPlan(recipe, out, work, sources, steps,
+                   warnings=[_unhashed_warning(n, s) for n, s in sources.items() if s.unhashed])
     if validate:
         from qtool.ops.pipeline.steps import validate_step
 
         for sp in steps:
             sp.validation = validate_step(bp, sp)
     return bp
+
+
+def _key_steps(steps: list[StepPlan], work: Path, keys: dict[str, str]) -> None:
+    """Each step's key from its op, `with` section, inputs' keys and qtool's version; its directory and
+    whether a finished output with that key is there. `keys`: the sources' keys (the steps' are added)."""
+    from qtool import __version__
+
+    for sp in steps:
+        sp.input_keys = [keys[i] for i in sp.step.inputs]
+        sp.key = sha({"op": sp.step.op.value, "with": sp.step.params, "inputs": sp.input_keys,
+                      "qtool": __version__})
+        sp.dir = work / "steps" / f"{sp.step.id}-{sp.key[:12]}"
+        sp.cached = step_finished(sp.dir, sp.key)
+        keys[sp.step.id] = sp.key
 
 
 def step_finished(d: Path, key: str) -> bool:

@@ -18,8 +18,8 @@ from qtool.io.output import MANIFEST_NAME as MANIFEST
 from qtool.io.files import copy_file, LinkMode, Placer
 from qtool.io.output import (OutputDir, check_no_overlap, check_replaceable, lock_for, output_files,
                              source_file_mode)
-from qtool.ops.pipeline.plan import (STEP_MARKER, BuildPlan, StepPlan, file_stats, files_unchanged, input_path,
-                                    step_finished)
+from qtool.ops.pipeline.plan import (STEP_MARKER, BuildPlan, StepPlan, file_stats, files_unchanged, hash_sources,
+                                    input_path, step_finished)
 from qtool.ops.pipeline.steps import RUNNERS
 
 PUBLISHED = "published.json"  # in DIR.build/: what was published, to notice an edited artifact
@@ -63,6 +63,7 @@ def run(bp: BuildPlan, *, resume: bool = False, progress: bool = False, token: s
     # another ran) is refused, never two publishing; the steps' reuse is decided again under the lock
     bp.work.parent.mkdir(parents=True, exist_ok=True)
     with lock_for(bp.work):
+        hash_sources(bp)  # planning read no data: a local source without digests on record is read now
         for sp in bp.steps:
             sp.cached = step_finished(sp.dir, sp.key)
         report = _run_steps(bp, ctx, resume)
