@@ -48,11 +48,10 @@ def run(args) -> int:
         out=args.output, dataset=args.dataset, samples=args.samples, seq_len=args.seq_len, device=args.device,
         replace_scales=args.replace_scales, force=args.force, resume=args.resume, command=run_command_line(),
         batch_tokens=args.batch_tokens)
-    rep = plan_then_execute(calibrate_kv, opts, args)
+    rep = plan_then_execute(calibrate_kv, opts, args, show_plan=_print_plan)
     if args.json:
         print_json(rep)
         return 0
-    _print_plan(rep["plan"])
     if args.dry_run:
         return 0
     print("  layer   tokens     k_amax    k_scale     v_amax    v_scale")

@@ -83,7 +83,7 @@ def memory_line(m: dict) -> str:
 
 
 def eprint(*args) -> None:
-    print(*args, file=sys.stderr)
+    print(*args, file=sys.stderr, flush=True)
 
 
 def local_checkpoint(spec, *, tensors=None, progress: bool | None = None):
@@ -148,21 +148,31 @@ def check_device(device: str) -> str:
 def show_progress(args) -> bool:
     """Progress bars only for a person watching: not with --quiet or --json, and not when stderr is a
     file or a pipe (a CI log would get a line per redraw)."""
-    import sys
-
     return not (getattr(args, "quiet", False) or getattr(args, "json", False)) and sys.stderr.isatty()
 
 
-def plan_then_execute(op, opts, args) -> dict:
-    """A layer-streamed op from the CLI: `op.plan(opts)`, then (unless --dry-run) `op.execute` with a
-    per-layer progress bar; the report as `--json` prints it ({"plan": ...} for a dry run)."""
+def progress_lines(args) -> bool:
+    """A line per step of work instead of a bar: stderr is a file or a pipe (a log of a long job must show it
+    moving), and neither --quiet nor --json was given."""
+    return not (getattr(args, "quiet", False) or getattr(args, "json", False) or sys.stderr.isatty())
+
+
+def plan_then_execute(op, opts, args, show_plan=None) -> dict:
+    """A layer-streamed op from the CLI: `op.plan(opts)`, the plan shown (`show_plan(plan_json)`, unless
+    --json) before any work starts, then (unless --dry-run) `op.execute` with a per-layer progress bar (or a
+    line per layer when stderr is not a terminal); the report as `--json` prints it ({"plan": ...} for a
+    dry run)."""
     from qtool.stream import warm_import
 
     with warm_import.overlapping(not args.dry_run):  # transformers' decoder module, imported while the job plans
         p = op.plan(opts)
+    if show_plan is not None and not getattr(args, "json", False):
+        show_plan(p.to_json())
+        sys.stdout.flush()
     if args.dry_run:
         return {"plan": p.to_json()}
-    with layer_progress(show_progress(args)) as progress:
+    mode = "bar" if show_progress(args) else "lines" if progress_lines(args) else None
+    with layer_progress(mode, total=getattr(p, "layers_run", None)) as progress:
         return op.execute(p, progress=progress).to_json()
 
 
@@ -174,15 +184,21 @@ def dataset_supply(c: dict) -> str:
 
 
 @contextlib.contextmanager
-def layer_progress(enabled: bool):
-    """A per-layer tqdm bar for layer-streamed commands; yields the callback (None when disabled)."""
-    if not enabled:
+def layer_progress(mode: str | None, total: int | None = None):
+    """Per-layer progress for layer-streamed commands; yields the callback, given the index of the layer
+    just finished (None when off). mode "bar": a tqdm bar with the total, percentage and ETA; "lines": a
+    line per layer on stderr (`layers: 3/8 done`)."""
+    if mode is None:
         yield None
+        return
+    if mode == "lines":
+        yield lambda idx: eprint(f"layers: {idx + 1}/{total or '?'} done")
         return
     from tqdm import tqdm
 
-    bar = tqdm(desc="layers", unit="layer")
+    bar = tqdm(desc="layers", unit="layer", total=total)
     try:
-        yield lambda _idx: bar.update(1)
+        # set to the layer's position, not +1: a resumed run starts where its journal stopped
+        yield lambda idx: bar.update(idx + 1 - bar.n)
     finally:
         bar.close()

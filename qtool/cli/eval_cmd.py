@@ -17,6 +17,7 @@ from qtool.cli.common import (
     local_checkpoint,
     memory_line,
     print_json,
+    progress_lines,
     run_command_line,
 )
 from qtool.errors import UsageError
@@ -85,6 +86,14 @@ def run(args) -> int:
             if bar is None:
                 bar = bars[what] = tqdm(desc=what, total=total, unit="")
             bar.update(done - bar.n)
+    elif progress_lines(args):
+        shown: dict = {}
+
+        def progress(what, done, total):
+            tenth = 10 * done // max(1, total)  # a line per tenth of each stage: a log shows it moving
+            if shown.get(what) != tenth:
+                shown[what] = tenth
+                eprint(f"{what}: {done}/{total} done")
 
     try:
         rep = kld_run(_local(args.ref), _local(args.test), opts=opts, save_ref=args.save_ref, emit_windows=args.emit_windows,

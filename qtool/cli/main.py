@@ -186,6 +186,9 @@ def console() -> None:
 
     from qtool import process_exit
 
+    # a line at a time also into a file or a pipe (`qtool quantize ... > log`): a long job's plan and
+    # progress reach the log as they are printed, not in one block at its end
+    sys.stdout.reconfigure(line_buffering=True)
     code = main()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if not process_exit.teardown_needed():

@@ -48,11 +48,25 @@ def run(args) -> int:
         format=OutFormat(args.format) if args.format else None,
         dataset=args.dataset, samples=args.samples, seq_len=args.seq_len, device=args.device,
         resume=args.resume, force=args.force, command=run_command_line(), batch_tokens=args.batch_tokens)
-    rep = plan_then_execute(quantize, opts, args)
+    rep = plan_then_execute(quantize, opts, args, show_plan=_print_plan)
     if args.json:
         print_json(rep)
         return 0
-    p = rep["plan"]
+    if args.dry_run:
+        return 0
+    for lr in rep["layers"]:
+        none = lr["experts_without_tokens"]
+        t = lr["tokens_per_expert"]
+        print(f"  layer {lr['layer']:>3} {lr['routed_experts']:>6}: tokens/expert min {min(t)} max {max(t)}"
+              + (f", {len(none)} expert(s) saw none (layer-max input amax used)" if none else ""))
+    o = rep["output"]
+    print(f"wrote {o['shards']} shards, {human_bytes(o['bytes'])} -> {o['output']} in {rep['seconds']:.1f} s")
+    if o["problems"]:
+        eprint(f"problems: {o['problems']}")
+    return 0
+
+
+def _print_plan(p: dict) -> None:
     m = p["memory"]
     print(f"{p['checkpoint']} -> {p['output']}")
     print(f"  recipe       {p['recipe']['name']} (backend {p['backend']}, format {p['format']})")
@@ -72,15 +86,3 @@ def run(args) -> int:
     print(f"  output       ~{human_bytes(p['output_bytes'])}")
     for w in p["warnings"]:
         print(f"  note         {w}")
-    if args.dry_run:
-        return 0
-    for lr in rep["layers"]:
-        none = lr["experts_without_tokens"]
-        t = lr["tokens_per_expert"]
-        print(f"  layer {lr['layer']:>3} {lr['routed_experts']:>6}: tokens/expert min {min(t)} max {max(t)}"
-              + (f", {len(none)} expert(s) saw none (layer-max input amax used)" if none else ""))
-    o = rep["output"]
-    print(f"wrote {o['shards']} shards, {human_bytes(o['bytes'])} -> {o['output']} in {rep['seconds']:.1f} s")
-    if o["problems"]:
-        eprint(f"problems: {o['problems']}")
-    return 0

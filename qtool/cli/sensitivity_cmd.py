@@ -33,11 +33,25 @@ def run(args) -> int:
         Path(src(args.bf16)), Path(src(args.quantized)), Path(args.output),
         dataset=args.dataset, samples=args.samples, seq_len=args.seq_len, device=args.device,
         batch_tokens=args.batch_tokens, force=args.force, resume=args.resume, command=run_command_line())
-    rep = plan_then_execute(sensitivity, opts, args)
+    rep = plan_then_execute(sensitivity, opts, args, show_plan=_print_plan)
     if args.json:
         print_json(rep)
         return 0
-    p = rep["plan"]
+    if args.dry_run:
+        return 0
+    if rep["timing"].get("resumed_from_layer"):
+        print(f"  resumed        at layer {rep['timing']['resumed_from_layer']}")
+    print(f"  {'unit':<28} {'format':<8} {'error':>10} {'effect':>10} {'BF16':>10} {'quantized':>10}")
+    for u in rep["table"]["units"]:
+        if u["measured"]:
+            print(f"  {u['id']:<28} {u['quantized_format']:<8} {u['error']:>10.3e} {u['effect']:>10.3e} "
+                  f"{human_bytes(u['bf16_bytes']):>10} {human_bytes(u['quantized_bytes']):>10}")
+    print(f"wrote {rep['output']}/sensitivity.json ({rep['seconds']:.1f} s); next: qtool plan hybrid "
+          f"--sensitivity {rep['output']} --gpus ... --tp ... --max-model-len ...")
+    return 0
+
+
+def _print_plan(p: dict) -> None:
     c = p["calibration"]
     print(f"{p['bf16']} vs {p['quantized']} -> {p['output']}")
     print(f"  units          {p['units']}, measured {len(p['measured'])}:")
@@ -55,15 +69,3 @@ def run(args) -> int:
     print(f"  peak memory    {memory_line(m['need'])}")
     for w in p["warnings"]:
         print(f"  note           {w}")
-    if args.dry_run:
-        return 0
-    if rep["timing"].get("resumed_from_layer"):
-        print(f"  resumed        at layer {rep['timing']['resumed_from_layer']}")
-    print(f"  {'unit':<28} {'format':<8} {'error':>10} {'effect':>10} {'BF16':>10} {'quantized':>10}")
-    for u in rep["table"]["units"]:
-        if u["measured"]:
-            print(f"  {u['id']:<28} {u['quantized_format']:<8} {u['error']:>10.3e} {u['effect']:>10.3e} "
-                  f"{human_bytes(u['bf16_bytes']):>10} {human_bytes(u['quantized_bytes']):>10}")
-    print(f"wrote {rep['output']}/sensitivity.json ({rep['seconds']:.1f} s); next: qtool plan hybrid "
-          f"--sensitivity {rep['output']} --gpus ... --tp ... --max-model-len ...")
-    return 0

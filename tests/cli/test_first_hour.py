@@ -3,13 +3,14 @@ same command and input it was found with."""
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-
 
 def _installed_qtool(args, *, cwd, timeout=300):
     """`qtool ARGS` as the installed console script runs it: the script's own folder first on sys.path (never
@@ -21,7 +22,6 @@ def _installed_qtool(args, *, cwd, timeout=300):
     return subprocess.run([sys.executable, "-c", boot, *map(str, args)], cwd=cwd, capture_output=True, text=True,
                           env=env, timeout=timeout)
 
-
 def test_ranks_start_in_a_folder_that_holds_a_qtool_folder(tiny_bf16, tmp_path):
     """Found: `cd DIR && qtool quantize ... --nproc 2` where DIR holds a folder named `qtool` (the parent of a
     clone): every rank died with `ImportError: cannot import name '__version__' from 'qtool'` (the ranks ran
@@ -32,3 +32,51 @@ def test_ranks_start_in_a_folder_that_holds_a_qtool_folder(tiny_bf16, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "Traceback" not in r.stderr
     assert (tmp_path / "q" / "qtool-manifest.json").exists()
+
+def _printed_so_far(stream) -> str:
+    """What a paused process has written into its pipe so far (no wait for its end)."""
+    os.set_blocking(stream.fileno(), False)
+    data = os.read(stream.fileno(), 1 << 20) if stream else b""
+    return data.decode()
+
+def test_a_job_without_a_terminal_prints_its_plan_and_layers_as_it_goes(tiny_bf16, tmp_path):
+    """Found: `qtool quantize ... > log` printed no line until its end (0 lines at 5 and 15 s of a 20.7 s
+    job); on a terminal the plan ("fits this machine") came only after the work. Here the job is paused at
+    its second layer's journal entry (the first is done), with stdout and stderr pipes: the plan and the first layer are out."""
+    from killpoint import start_paused
+
+    marker = tmp_path / "m"
+    p = start_paused("qtool.ops.quantize.execute:write_json", 3, marker,
+                     ["quantize", tiny_bf16, "-o", tmp_path / "q", "--recipe", "qwen35-nvfp4-experts",
+                      "--backend", "rtn", "--samples", "2", "--seq-len", "16"])
+    try:
+        deadline = 120
+        while not Path(str(marker) + ".paused").exists():
+            assert p.poll() is None, p.communicate()
+            time.sleep(0.05)
+            deadline -= 0.05
+            assert deadline > 0
+        out, err = _printed_so_far(p.stdout), _printed_so_far(p.stderr)
+    finally:
+        Path(str(marker) + ".go").touch()
+    _, rest_err = p.communicate(timeout=300)
+    assert p.returncode == 0, err + rest_err
+    assert "peak memory" in out and "recipe" in out, (out, err)
+    assert "wrote" not in out
+    assert "layers: 1/" in err, err
+    assert "layers: 8/8 done" in err + rest_err
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+def test_the_layer_bar_on_a_terminal_has_a_total(tiny_bf16, tmp_path, monkeypatch):
+    """Found: quantize, calibrate-kv and sensitivity drew `layers: 7layer [00:08, 1.38layer/s]` on a
+    terminal: no total, no percentage, no ETA (eval kld's bars have them)."""
+    from qtool.cli.main import main
+
+    term = _Terminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    assert main(["quantize", str(tiny_bf16), "-o", str(tmp_path / "q"), "--recipe", "qwen35-nvfp4-experts",
+                 "--backend", "rtn", "--samples", "2", "--seq-len", "16"]) == 0
+    assert "100%" in term.getvalue() and "8/8" in term.getvalue(), term.getvalue()

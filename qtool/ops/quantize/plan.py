@@ -122,6 +122,11 @@ class QuantizePlan:
     layers_in_flight: int = 1  # finished layers coded and written at once behind the forward (execute)
 
     @property
+    def layers_run(self) -> int:
+        """The decoder layers the job runs (its progress's total)."""
+        return len(self.layers)
+
+    @property
     def kv_names(self) -> str:
         return "modelopt" if self.format is OutFormat.MODELOPT else "compressed-tensors"
 
