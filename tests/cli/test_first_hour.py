@@ -80,3 +80,23 @@ def test_the_layer_bar_on_a_terminal_has_a_total(tiny_bf16, tmp_path, monkeypatc
     assert main(["quantize", str(tiny_bf16), "-o", str(tmp_path / "q"), "--recipe", "qwen35-nvfp4-experts",
                  "--backend", "rtn", "--samples", "2", "--seq-len", "16"]) == 0
     assert "100%" in term.getvalue() and "8/8" in term.getvalue(), term.getvalue()
+
+
+def test_a_reference_of_other_windows_gives_a_fix_that_runs(tiny_bf16, tiny_nvfp4_modelopt_nomtp, tmp_path,
+                                                            capsys):
+    """Found: `eval kld --ref REF.compact --test T --windows 8 --seq-len 64` with a reference saved with
+    other windows said `... --stride None` in its fix, which the parser rejects (rc 2)."""
+    import shlex
+
+    from qtool.cli.main import main
+
+    ref = tmp_path / "ref.compact"
+    assert main(["eval", "kld", "--ref", str(tiny_bf16), "--save-ref", str(ref), "--windows", "2", "--seq-len", "32",
+                 "--quiet"]) == 0
+    capsys.readouterr()
+    test = ["eval", "kld", "--ref", str(ref), "--test", str(tiny_nvfp4_modelopt_nomtp), "--quiet"]
+    assert main([*test, "--windows", "8", "--seq-len", "64"]) == 1
+    err = capsys.readouterr().err
+    fix = err.split("use the windows it was saved with:", 1)[1].splitlines()[0]
+    assert "None" not in fix, err
+    assert main([*test, *shlex.split(fix)]) == 0, capsys.readouterr().err
