@@ -144,7 +144,10 @@ def resolve_source(src: Source, override: Path | None, *, token: str | None = No
     if src.kind is SourceKind.PATH:
         p = Path(src.ref).expanduser()
         if not p.exists():
-            raise CheckpointError(f"source {src.name!r}: path does not exist", path=p)
+            raise CheckpointError(
+                f"source {src.name!r}: path does not exist", path=p.absolute(),
+                hint=f"a relative path in a recipe is read from the working directory ({Path.cwd()}): write the "
+                f"absolute path in the recipe, or give it: --source {src.name}=PATH")
         fingerprint, refresh = dir_fingerprint(p)
         ident = {"kind": "path", "path": str(p.resolve()), **fingerprint}
         return ResolvedSource(src, ident, sha(ident), p, refresh=refresh)
