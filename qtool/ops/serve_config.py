@@ -227,8 +227,16 @@ def _build(rep: VerifyReport, v, vopts: VerifyOptions, opts: ServeOptions) -> La
         if yarn:
             argv += ["--json-model-override-args", json.dumps(_yarn_rope(rep, yarn), separators=(",", ":"))]
     if not kv_fp8:
-        notes.append("KV cache in BF16: no calibrated FP8 k/v scales (qtool calibrate-kv adds them)")
+        notes.append(_bf16_kv_note(rep.facts))
     return Launch(str(v), env, argv, rep, notes)
+
+
+def _bf16_kv_note(facts: dict) -> str:
+    """Why the KV cache is BF16: the scales are missing, or they are there and --kv-cache-dtype auto was asked."""
+    if facts.get("kv_scales_calibrated"):
+        return ("KV cache in BF16 (--kv-cache-dtype auto): the checkpoint's calibrated FP8 k/v scales are not used; "
+                "without --kv-cache-dtype the launch serves an FP8 KV cache with them")
+    return "KV cache in BF16: no calibrated FP8 k/v scales (qtool calibrate-kv adds them)"
 
 
 def render(launch: Launch, opts: ServeOptions) -> str:

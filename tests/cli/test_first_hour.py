@@ -100,3 +100,15 @@ def test_a_reference_of_other_windows_gives_a_fix_that_runs(tiny_bf16, tiny_nvfp
     fix = err.split("use the windows it was saved with:", 1)[1].splitlines()[0]
     assert "None" not in fix, err
     assert main([*test, *shlex.split(fix)]) == 0, capsys.readouterr().err
+
+
+def test_serve_config_with_auto_kv_does_not_say_a_calibrated_checkpoint_lacks_scales(tiny_nvfp4_modelopt, capsys):
+    """Found: `serve-config demo-out --engine vllm --tp 1 --kv-cache-dtype auto` said "no calibrated FP8 k/v
+    scales (qtool calibrate-kv adds them)" for a checkpoint that has them."""
+    from qtool.cli.main import main
+
+    assert main(["serve-config", str(tiny_nvfp4_modelopt), "--engine", "vllm", "--tp", "1",
+                 "--kv-cache-dtype", "auto"]) == 0
+    said = capsys.readouterr()
+    assert "no calibrated FP8" not in said.out + said.err
+    assert "calibrated FP8 k/v scales are not used" in said.out + said.err
