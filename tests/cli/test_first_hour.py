@@ -112,3 +112,37 @@ def test_serve_config_with_auto_kv_does_not_say_a_calibrated_checkpoint_lacks_sc
     said = capsys.readouterr()
     assert "no calibrated FP8" not in said.out + said.err
     assert "calibrated FP8 k/v scales are not used" in said.out + said.err
+
+
+def _reflinks_possible(folder: Path) -> bool:
+    from qtool.io.files import LinkMode, Placer
+
+    (folder / "probe").write_bytes(b"x" * 4096)
+    try:
+        return Placer(LinkMode.REFLINK).place(folder / "probe", folder / "probe2") == "reflink"
+    except Exception:
+        return False
+    finally:
+        for name in ("probe", "probe2"):
+            (folder / name).unlink(missing_ok=True)
+
+
+def test_build_says_when_its_published_shards_are_copies(tiny_bf16, tiny_nvfp4_modelopt_nomtp, tmp_path, capsys):
+    """Found: docs/build.md said the published shards are reflinks or hard links; on ext4 they are full copies
+    (link count 1), so a 397B build needs ~234 GiB more disk than the doc implied. The published artifact
+    never shares an inode with the step cache (an edit through it would reach the cache and, through the
+    cache's own links, the sources); the build says what the copies cost, and the doc says it."""
+    from qtool.cli.main import main
+
+    out = tmp_path / "demo-out"
+    assert main(["build", "demo-tiny", "-o", str(out), "--source", f"nvfp4={tiny_nvfp4_modelopt_nomtp}",
+                 "--source", f"bf16={tiny_bf16}", "--quiet"]) == 0
+    said = capsys.readouterr().out
+    shards = sorted(out.glob("*.safetensors"))
+    assert shards and all(s.stat().st_nlink == 1 for s in shards)
+    if _reflinks_possible(tmp_path):
+        assert "shards copied" not in said
+    else:
+        assert "shards copied" in said and "this filesystem has no reflinks" in said, said
+    doc = " ".join((ROOT / "docs" / "build.md").read_text().split())
+    assert "hard links (an edit" not in doc and "a full copy" in doc
