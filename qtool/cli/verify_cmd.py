@@ -63,9 +63,12 @@ def print_fit(fit, out) -> None:
     if fit is None:
         return
     gb = fit.budget_gib * (1 << 30) / 1e9
-    print(f"fit (TP={fit.tp}, per GPU): budget {fit.budget_gib:.1f} GiB ({gb:.1f} GB) = weights "
-          f"{fit.weights_per_gpu_gib:.1f} GiB + reserve {fit.reserve_gib:.1f} GiB + KV/state "
-          f"{fit.kv_cache_gib:.1f} GiB", file=out)
+    parts = f"weights {fit.weights_per_gpu_gib:.1f} GiB + reserve {fit.reserve_gib:.1f} GiB"
+    if fit.kv_cache_gib > 0:
+        split = f"= {parts} + KV/state {fit.kv_cache_gib:.1f} GiB"
+    else:  # the weights and the reserve alone are over the budget: nothing is left for the KV cache
+        split = f"< {parts} = {fit.weights_per_gpu_gib + fit.reserve_gib:.1f} GiB (nothing left for KV/state)"
+    print(f"fit (TP={fit.tp}, per GPU): budget {fit.budget_gib:.1f} GiB ({gb:.1f} GB) {split}", file=out)
     print(f"  KV {fit.kv_bytes_per_token} B/token ({fit.kv_cache_dtype}), GDN state {fit.state_bytes_per_seq / 2**20:.1f}"
           f" MiB/sequence -> max_model_len {fit.max_model_len} x max_num_seqs {fit.max_num_seqs}: "
           f"{'fits' if fit.fits else 'DOES NOT FIT'}", file=out)

@@ -146,3 +146,17 @@ def test_build_says_when_its_published_shards_are_copies(tiny_bf16, tiny_nvfp4_m
         assert "shards copied" in said and "this filesystem has no reflinks" in said, said
     doc = " ".join((ROOT / "docs" / "build.md").read_text().split())
     assert "hard links (an edit" not in doc and "a full copy" in doc
+
+
+def test_a_gpu_smaller_than_the_reserve_is_blamed_on_the_reserve(tiny_nvfp4_modelopt, capsys):
+    """Found: `verify demo-out --tp 1 --gpus 1x1GB --max-model-len 1000000` blamed "the weights alone (0.0 GiB
+    per GPU)"; the 4 GiB reserve is what does not fit, and the fit line (budget 0.8 = weights 0.0 + reserve 4.0
+    + KV 0.0) did not add up."""
+    from qtool.cli.main import main
+
+    assert main(["verify", str(tiny_nvfp4_modelopt), "--tp", "1", "--gpus", "1x1GB", "--max-model-len", "1000000"]) == 3
+    out = capsys.readouterr().out
+    fix = next(ln for ln in out.splitlines() if ln.strip().startswith("fix:"))
+    assert "weights alone" not in fix and "reserve (4.0 GiB" in fix and "GPUs of more than 4.4 GiB" in fix, out
+    fit = next(ln for ln in out.splitlines() if ln.startswith("fit ("))
+    assert "budget 0.8 GiB (0.9 GB) < weights 0.0 GiB + reserve 4.0 GiB = 4.0 GiB" in fit, fit
