@@ -160,3 +160,25 @@ def test_a_gpu_smaller_than_the_reserve_is_blamed_on_the_reserve(tiny_nvfp4_mode
     assert "weights alone" not in fix and "reserve (4.0 GiB" in fix and "GPUs of more than 4.4 GiB" in fix, out
     fit = next(ln for ln in out.splitlines() if ln.startswith("fit ("))
     assert "budget 0.8 GiB (0.9 GB) < weights 0.0 GiB + reserve 4.0 GiB = 4.0 GiB" in fit, fit
+
+
+def test_the_planned_host_memory_counts_the_process_itself(tiny_bf16, tmp_path):
+    """Found: quantize's plan said "peak memory host ~36.7 MiB" for a run whose peak was 581-819 MB: the
+    interpreter with torch and transformers was not counted. The plan is at least the process's own peak."""
+    import re
+
+    # the run's peak resident memory, measured by a parent of its own (RUSAGE_CHILDREN of this process would
+    # be the largest of every child the test session ran)
+    measure = ("import resource, subprocess, sys\n"
+               "r = subprocess.run(sys.argv[1:], capture_output=True, text=True)\n"
+               "print(r.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)\n"
+               "print(r.stdout + r.stderr)\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-c", measure, sys.executable, "-m", "qtool", "quantize", str(tiny_bf16),
+                        "-o", "q", "--recipe", "qwen35-nvfp4-experts", "--backend", "rtn", "--samples", "2",
+                        "--seq-len", "16"], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
+    rc, peak = map(int, r.stdout.splitlines()[0].split())
+    assert rc == 0, r.stdout
+    size, unit = re.search(r"peak memory\s+host ~([\d.]+) (\w+)", r.stdout).groups()
+    planned = float(size) * {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
+    assert planned >= 0.8 * peak, (r.stdout, peak)
