@@ -182,3 +182,27 @@ def test_the_planned_host_memory_counts_the_process_itself(tiny_bf16, tmp_path):
     size, unit = re.search(r"peak memory\s+host ~([\d.]+) (\w+)", r.stdout).groups()
     planned = float(size) * {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
     assert planned >= 0.8 * peak, (r.stdout, peak)
+
+
+def test_each_refusal_a_newcomer_met_has_a_fix_line(tiny_bf16, tiny_nvfp4_modelopt_nomtp, tmp_path, capsys):
+    """Found: these refusals had no `fix:` line (the README promises one): quantize --format awq with an NVFP4
+    recipe, convert of a ModelOpt checkpoint --to modelopt, convert of an AWQ checkpoint, assemble
+    --bf16-expert-layers 0,9 (a layer the model does not have)."""
+    from qtool.cli.main import main
+
+    awq = tmp_path / "awq"
+    assert main(["quantize", str(tiny_bf16), "-o", str(awq), "--recipe", "qwen35-awq-int4", "--backend", "rtn",
+                 "--samples", "2", "--seq-len", "16", "--quiet"]) == 0
+    capsys.readouterr()
+    cases = [
+        ["quantize", str(tiny_bf16), "-o", str(tmp_path / "q"), "--recipe", "qwen35-nvfp4-experts", "--format", "awq"],
+        ["convert", str(tiny_nvfp4_modelopt_nomtp), "-o", str(tmp_path / "c"), "--to", "modelopt"],
+        ["convert", str(awq), "-o", str(tmp_path / "c"), "--to", "compressed-tensors"],
+        ["assemble", "hybrid", "--nvfp4", str(tiny_nvfp4_modelopt_nomtp), "--bf16", str(tiny_bf16), "-o",
+         str(tmp_path / "h"), "--bf16-expert-layers", "0,9"],
+    ]
+    for argv in cases:
+        assert main(argv) in (1, 2), argv
+        err = capsys.readouterr().err
+        assert "\n    fix:" in err or "\nfix:" in err or "  fix:" in err, (argv, err)
+        assert "Traceback" not in err
