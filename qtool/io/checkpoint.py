@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from qtool.errors import CheckpointError, ConfigError
+from qtool.hub.resolve import checkpoint_not_found
 from qtool.io.index_file import read_index
 from qtool.io.jsonio import JsonStyle, load_json
 from qtool.io.safetensors_header import SafetensorsHeader, TensorInfo, read_header
@@ -128,7 +129,7 @@ class Checkpoint:
     def _open(cls, path: str | Path, *, require_config: bool, check_file_sizes: bool) -> Checkpoint:
         root = Path(path)
         if not root.exists():
-            raise CheckpointError("checkpoint not found", path=root, hint="check the path")
+            raise checkpoint_not_found(path)
         if root.is_file():
             if root.suffix != ".safetensors":
                 raise CheckpointError(

@@ -206,3 +206,14 @@ def test_each_refusal_a_newcomer_met_has_a_fix_line(tiny_bf16, tiny_nvfp4_modelo
         err = capsys.readouterr().err
         assert "\n    fix:" in err or "\nfix:" in err or "  fix:" in err, (argv, err)
         assert "Traceback" not in err
+
+
+def test_a_hub_name_without_hf_is_answered_with_the_hf_source(tmp_path):
+    """Found: `qtool inspect nvidia/Qwen3.5-397B-A17B-NVFP4` said "checkpoint not found; fix: check the path",
+    with no "did you mean hf:nvidia/..."."""
+    for cmd in (["inspect"], ["verify", "--tp", "1"]):
+        r = _installed_qtool([*cmd, "nvidia/Qwen3.5-397B-A17B-NVFP4"], cwd=tmp_path)
+        assert r.returncode == 1, r.stderr
+        assert "did you mean hf:nvidia/Qwen3.5-397B-A17B-NVFP4?" in r.stderr, r.stderr
+    r = _installed_qtool(["inspect", "./missing"], cwd=tmp_path)
+    assert r.returncode == 1 and "hf:" not in r.stderr and "check the path" in r.stderr, r.stderr

@@ -123,10 +123,9 @@ def plan(opts: VerifyOptions) -> VerifyPlan:
     versions, target = validate(opts)
     path = opts.checkpoint
     if path is None or not Path(path).exists():
-        from qtool.errors import CheckpointError
+        from qtool.hub.resolve import checkpoint_not_found
 
-        # bad input (exit 1), not a failed verification (exit 3)
-        raise CheckpointError("checkpoint not found", path=path, hint="check the path")
+        raise checkpoint_not_found(path)  # bad input (exit 1), not a failed verification (exit 3)
     return VerifyPlan(opts, Path(path), versions, target)
 
 
