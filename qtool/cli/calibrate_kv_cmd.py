@@ -41,7 +41,7 @@ def run(args) -> int:
 
     if bool(args.output) == bool(args.in_place):
         raise UsageError("say where to write: -o OUT or --in-place (one of them)")
-    check_device(args.device)
+    check_device(args.device, present=not args.dry_run)
     opts = calibrate_kv.CalibrateKvOptions(
         local_only(args.checkpoint) if args.in_place else (
             headers_checkpoint(args.checkpoint) if args.dry_run else local_checkpoint(args.checkpoint)),
@@ -63,7 +63,8 @@ def run(args) -> int:
     print(f"  {rep['calibration']['tokens']} tokens, {t['seconds']:.1f} s, {tps} tokens/s"
           + (f" (resumed at layer {t['resumed_from_layer']})" if t["resumed_from_layer"] else ""))
     for w in rep["warnings"]:
-        eprint(f"warning: {w}")
+        if w not in rep["plan"]["warnings"]:  # the plan's were printed with it, before the work
+            eprint(f"warning: {w}")
     o = rep["output"]
     print(f"wrote {o['new_shard']} and {', '.join(o['configs']) or 'no config'} -> {o['output']}")
     return 0

@@ -137,11 +137,18 @@ def local_only(spec):
     return require_local(spec)
 
 
-def check_device(device: str) -> str:
+def check_device(device: str, *, present: bool = False) -> str:
+    """--device's form; with `present` (a run that computes here, not a dry run that may plan a GPU job on
+    another machine) also that the GPU exists: said at once, before the plan reads the data."""
     from qtool.errors import UsageError
 
     if not (device == "cpu" or device == "cuda" or device.startswith("cuda:")):
         raise UsageError("--device must be cpu, cuda or cuda:N", got=device)
+    if present and device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {device} but no CUDA device is available", hint="use --device cpu")
     return device
 
 

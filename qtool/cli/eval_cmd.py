@@ -66,7 +66,7 @@ def add_window_flags(k) -> None:
 def run(args) -> int:
     if args.what != "kld":
         raise UsageError("say what to evaluate: `qtool eval kld ...`")
-    check_device(args.device)
+    check_device(args.device, present=not args.dry_run)
     if args.test is None and not args.save_ref and not args.emit_windows:
         raise UsageError("nothing to do: give --test, --save-ref or --emit-windows")
     from qtool.ops.kld import RESULT_KEYS, KldOptions, run as kld_run

@@ -251,6 +251,9 @@ def _main(argv: list[str] | None) -> int:
     # transformers' notices (kernel fallbacks, standalone expert modules, long tokenizer inputs) are
     # expected when qtool runs decoder layers one at a time; it reads this variable at import time.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    from qtool.quiet import pinned_pair_warnings_off
+
+    pinned_pair_warnings_off()
     gpu_allocator_defaults()
     try:
         launched = _parallel(args, argv)

@@ -39,7 +39,7 @@ def run(args) -> int:
     from qtool.ops import quantize
     from qtool.recipes import Backend, OutFormat, load_recipe
 
-    check_device(args.device)
+    check_device(args.device, present=not args.dry_run)
     recipe = load_recipe(args.recipe)
     opts = quantize.QuantizeOptions(
         headers_checkpoint(args.checkpoint) if args.dry_run else local_checkpoint(args.checkpoint),

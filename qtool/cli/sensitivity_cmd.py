@@ -26,7 +26,7 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     from qtool.ops import sensitivity
 
-    check_device(args.device)
+    check_device(args.device, present=not args.dry_run)
     # --dry-run reads headers only, also of hf: sources; a real run needs both checkpoints' data
     src = headers_checkpoint if args.dry_run else local_checkpoint
     opts = sensitivity.SensitivityOptions(

@@ -100,7 +100,11 @@ def run(args) -> int:
                           f"{s['errors']} error(s)")
         if rep.deep:
             d = rep.deep
-            print(f"deep: {len(d['shards'])} shard(s), {d['bytes'] / 1e9:.2f} GB in {d['seconds']:.1f} s "
+            # d["shards"] holds every file hashed: the shards and the manifest's other files (configs, tokenizer)
+            shards = sum(name.endswith(".safetensors") for name in d["shards"])
+            others = len(d["shards"]) - shards
+            print(f"deep: {shards} shard(s)" + (f" and {others} other file(s)" if others else "")
+                  + f", {d['bytes'] / 1e9:.2f} GB in {d['seconds']:.1f} s "
                   f"({d['gb_per_s']:.2f} GB/s), {d['compared_with_manifest']} compared with qtool-manifest.json")
         n_err = len(rep.errors())
         print("ok" if rep.ok else f"FAILED: {n_err} error(s)")

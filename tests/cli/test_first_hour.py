@@ -217,3 +217,75 @@ def test_a_hub_name_without_hf_is_answered_with_the_hf_source(tmp_path):
         assert "did you mean hf:nvidia/Qwen3.5-397B-A17B-NVFP4?" in r.stderr, r.stderr
     r = _installed_qtool(["inspect", "./missing"], cwd=tmp_path)
     assert r.returncode == 1 and "hf:" not in r.stderr and "check the path" in r.stderr, r.stderr
+
+
+def test_the_set_up_leaves_the_clone_clean():
+    """Found: the README's set-up (`qtool build demo-tiny -o demo-out` in the clone) left `demo-out.build/`
+    untracked."""
+    ignored = (ROOT / ".gitignore").read_text().split()
+    assert "/demo-out/" in ignored and "/demo-out.build/" in ignored
+
+
+def test_the_modelopt_backend_does_not_warn_of_the_pinned_transformers(tiny_bf16, tmp_path):
+    """Found: the modelopt backend printed "transformers 5.17.0 is not tested with current version of
+    modelopt" for the versions qtool pins (and tests together)."""
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec("modelopt") is None:
+        pytest.skip("needs qtool[quant]")
+    r = _installed_qtool(["quantize", tiny_bf16, "-o", "q", "--recipe", "qwen35-nvfp4-experts", "--backend",
+                          "modelopt", "--samples", "2", "--seq-len", "16", "--quiet"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "is not tested with current version of modelopt" not in r.stderr, r.stderr
+
+
+def test_verify_deep_counts_shards_and_other_files_apart(tiny_nvfp4_modelopt_nomtp, tiny_bf16, tmp_path, capsys):
+    """Found: `verify --deep` said "17 shard(s)" for 8 shards and 9 other files (the manifest's)."""
+    from qtool.cli.main import main
+
+    out = tmp_path / "h"
+    assert main(["assemble", "hybrid", "--nvfp4", str(tiny_nvfp4_modelopt_nomtp), "--bf16", str(tiny_bf16), "-o",
+                 str(out), "--bf16-expert-layers", "0", "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["verify", str(out), "--tp", "1", "--deep"]) == 0
+    deep = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("deep:"))
+    shards = len(list(out.glob("*.safetensors")))
+    others = sum(1 for p in out.iterdir() if p.is_file() and p.suffix != ".safetensors"
+                 and p.name != "qtool-manifest.json")
+    assert deep.startswith(f"deep: {shards} shard(s) and {others} other file(s),"), deep
+
+
+def test_a_folder_of_checkpoints_is_the_same_error_in_verify_and_inspect(tiny_nvfp4_modelopt_nomtp, tmp_path):
+    """Found: a folder of checkpoints was exit 3 (a failed verification) in verify and 1 in inspect."""
+    import shutil
+
+    shutil.copytree(tiny_nvfp4_modelopt_nomtp, tmp_path / "models" / "nvfp4")
+    for cmd in (["inspect"], ["verify", "--tp", "1"]):
+        r = _installed_qtool([*cmd, tmp_path / "models"], cwd=tmp_path)
+        assert r.returncode == 1, (cmd, r.stdout, r.stderr)
+        assert "in this folder: nvfp4" in r.stderr, r.stderr
+
+
+def test_calibrate_kv_on_a_machine_without_cuda_says_so_before_any_work(tiny_nvfp4_modelopt_nomtp, tmp_path):
+    """Found: calibrate-kv --device cuda without a CUDA device printed its plan and began; the missing device
+    came seconds later. It is said at once, before the plan, and nothing is left behind."""
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    r = _installed_qtool(["calibrate-kv", tiny_nvfp4_modelopt_nomtp, "-o", "kv", "--replace-scales", "--samples", "2",
+                          "--seq-len", "16", "--device", "cuda"], cwd=tmp_path)
+    assert r.returncode == 2 and "no CUDA device is available" in r.stderr, r.stderr
+    assert r.stdout == "" and sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_the_mtp_note_is_said_once(tiny_nvfp4_modelopt, tmp_path):
+    """Found: "the MTP head's attention layer is not calibrated" was printed twice (a plan note and a
+    warning at the end)."""
+    r = _installed_qtool(["calibrate-kv", tiny_nvfp4_modelopt, "-o", "kv", "--replace-scales", "--samples", "2",
+                          "--seq-len", "16"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert (r.stdout + r.stderr).count("the MTP head's attention layer is not calibrated") == 1
