@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from qtool.cli.common import (
+    DATASET_HELP,
     add_parallel_flags,
     memory_line,
     add_output_flags,
@@ -26,7 +27,7 @@ def add_arguments(p) -> None:
     p.add_argument("--in-place", action="store_true",
                    help="add the scales to CKPT itself (built beside it, swapped in atomically)")
     p.add_argument("--dataset", default="builtin",
-                   help="`builtin` (shipped corpus), FILE.txt, FILE.jsonl / FILE.parquet (a `text` or chat `messages` column), or a Hub dataset hf:ORG/NAME[@REV][:SPLIT] (e.g. hf:HuggingFaceH4/ultrachat_200k:train_sft)")
+                   help=DATASET_HELP)
     p.add_argument("--samples", type=int, default=4, help="number of token windows (default 4)")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per window (default 512)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")

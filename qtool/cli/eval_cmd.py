@@ -8,6 +8,7 @@ reference written by --save-ref."""
 from __future__ import annotations
 
 from qtool.cli.common import (
+    DATASET_HELP,
     add_parallel_flags,
     add_json_flag,
     check_device,
@@ -57,7 +58,7 @@ def add_arguments(p) -> None:
 def add_window_flags(k) -> None:
     """The flags that choose eval kld's token windows and device (shared with `qtool report --ref`)."""
     k.add_argument("--dataset", default="builtin",
-                   help="`builtin`, FILE.txt or FILE.jsonl (`text` per line); tokenized as calibrate-kv does")
+                   help=DATASET_HELP)
     k.add_argument("--windows", type=int, default=4, help="number of token windows (default 4)")
     k.add_argument("--seq-len", type=int, default=512, help="tokens per window (default 512)")
     k.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")

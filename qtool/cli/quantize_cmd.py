@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from qtool.cli.common import (
+    DATASET_HELP,
     add_parallel_flags,
     memory_line,
     add_output_flags,
@@ -26,7 +27,7 @@ def add_arguments(p) -> None:
     p.add_argument("--backend", choices=["rtn", "modelopt", "llmcompressor"], help="default: the recipe's")
     p.add_argument("--format", choices=["modelopt", "compressed-tensors", "awq"], help="default: the recipe's")
     p.add_argument("--dataset", default="builtin",
-                   help="`builtin` (shipped corpus), FILE.txt, FILE.jsonl / FILE.parquet (a `text` or chat `messages` column), or a Hub dataset hf:ORG/NAME[@REV][:SPLIT] (e.g. hf:HuggingFaceH4/ultrachat_200k:train_sft)")
+                   help=DATASET_HELP)
     p.add_argument("--samples", type=int, default=None,
                    help="calibration windows (default 16, or as many as a shorter dataset gives)")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per window (default 512)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qtool.cli.common import (add_output_flags, check_device, dataset_supply, headers_checkpoint, human_bytes,
+from qtool.cli.common import (DATASET_HELP, add_output_flags, check_device, dataset_supply, headers_checkpoint, human_bytes,
                               layer_ranges, local_checkpoint,
                               memory_line, plan_then_execute, print_json, run_command_line)
 
@@ -14,7 +14,7 @@ def add_arguments(p) -> None:
     p.add_argument("bf16", help="the BF16 checkpoint (the reference)")
     p.add_argument("quantized", help="its quantized sibling (NVFP4 ModelOpt / compressed-tensors, AWQ / INT4)")
     p.add_argument("--dataset", default="builtin",
-                   help="calibration text, as calibrate-kv: builtin, FILE.txt / .jsonl / .parquet, hf:ORG/NAME[:SPLIT]")
+                   help=DATASET_HELP)
     p.add_argument("--samples", type=int, default=4, help="number of token windows (default 4)")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per window (default 512)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")

@@ -16,10 +16,12 @@ def add_common(p) -> None:
     p.add_argument("--max-model-len", type=int, default=None, metavar="N", help="context length to check")
     p.add_argument("--max-num-seqs", type=int, default=None, metavar="N", help="concurrent sequences to check")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default=None,
-                   help="KV cache dtype (verify: default auto = BF16)")
+                   help="KV cache dtype (default: fp8 where every full-attention layer has calibrated k/v "
+                   "scales, else auto = BF16, as the launch serves it)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F",
                    help="fraction of each GPU the engine may use (default 0.9)")
-    p.add_argument("--mtp", type=int, default=0, metavar="N", help="speculative tokens from the MTP head (0: off)")
+    p.add_argument("--mtp", type=int, default=0, metavar="N",
+                   help="speculative tokens from the MTP head (0: off; more than 3 is unstable, a warning)")
 
 
 def add_arguments(p) -> None:

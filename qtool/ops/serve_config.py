@@ -29,6 +29,7 @@ from pathlib import Path
 
 from qtool.engines import Engine, parse_version
 from qtool.errors import UsageError, VerificationError
+from qtool.findings import Code
 from qtool.ops.verify import VerifyOptions, VerifyReport, verify
 
 VLLM_MTP_METHOD_SINCE = (0, 17, 0)  # seed: "qwen3_next_mtp", "or for newer vLLM versions: mtp"
@@ -228,6 +229,7 @@ def _build(rep: VerifyReport, v, vopts: VerifyOptions, opts: ServeOptions) -> La
             argv += ["--json-model-override-args", json.dumps(_yarn_rope(rep, yarn), separators=(",", ":"))]
     if not kv_fp8:
         notes.append(_bf16_kv_note(rep.facts))
+    notes += [f"{f.message}; fix: {f.fix}" for f in rep.findings if f.code is Code.MTP_UNSTABLE]
     return Launch(str(v), env, argv, rep, notes)
 
 

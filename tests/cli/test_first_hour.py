@@ -289,3 +289,36 @@ def test_the_mtp_note_is_said_once(tiny_nvfp4_modelopt, tmp_path):
                           "--seq-len", "16"], cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert (r.stdout + r.stderr).count("the MTP head's attention layer is not calibrated") == 1
+
+
+def test_more_than_three_speculative_tokens_is_a_warning(tiny_nvfp4_modelopt, capsys):
+    """Found: the docs say MTP above 3 is unstable, while `verify --mtp 5` and `serve-config --mtp 5` passed
+    without a word."""
+    from qtool.cli.main import main
+
+    assert main(["verify", str(tiny_nvfp4_modelopt), "--tp", "1", "--mtp", "5"]) == 0  # a warning, not an error
+    assert "mtp-unstable" in capsys.readouterr().out
+    assert main(["serve-config", str(tiny_nvfp4_modelopt), "--engine", "vllm", "--tp", "1", "--mtp", "5"]) == 0
+    said = capsys.readouterr()
+    assert "--mtp 3 at most" in said.out + said.err
+    assert main(["verify", str(tiny_nvfp4_modelopt), "--tp", "1", "--mtp", "3"]) == 0
+    assert "mtp-unstable" not in capsys.readouterr().out
+
+
+def test_the_help_says_the_kv_default_and_every_dataset_form(capsys):
+    """Found: `--help` of serve-config and report said the KV-cache default is BF16 (it is FP8 where the
+    scales are calibrated); eval kld's `--dataset` help left out hf: datasets."""
+    import pytest
+
+    from qtool.cli.main import main
+
+    for cmd in (["serve-config"], ["report"], ["verify"]):
+        with pytest.raises(SystemExit):
+            main([*cmd, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert "default: fp8 where every full- attention layer has calibrated" in text or \
+            "default: fp8 where every full-attention layer has calibrated" in text, (cmd, text)
+    for cmd in (["eval", "kld"], ["quantize"], ["calibrate-kv"], ["sensitivity"]):
+        with pytest.raises(SystemExit):
+            main([*cmd, "--help"])
+        assert "hf:ORG/NAME" in capsys.readouterr().out, cmd
