@@ -6,7 +6,6 @@ import contextlib
 import json
 import sys
 
-
 # --dataset of every command that tokenizes text (qtool.stream.calib_data reads each of these)
 DATASET_HELP = ("`builtin` (shipped corpus), FILE.txt, FILE.jsonl / FILE.parquet (a `text` or chat `messages` "
                 "column), or a Hub dataset hf:ORG/NAME[@REV][:SPLIT] (e.g. hf:HuggingFaceH4/ultrachat_200k:train_sft)")

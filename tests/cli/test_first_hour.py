@@ -20,7 +20,7 @@ def _installed_qtool(args, *, cwd, timeout=300):
             "from qtool.cli.main import console\nsys.argv = ['qtool', *sys.argv[1:]]\nconsole()\n")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     return subprocess.run([sys.executable, "-c", boot, *map(str, args)], cwd=cwd, capture_output=True, text=True,
-                          env=env, timeout=timeout)
+                          env=env, timeout=timeout, check=False)
 
 def test_ranks_start_in_a_folder_that_holds_a_qtool_folder(tiny_bf16, tmp_path):
     """Found: `cd DIR && qtool quantize ... --nproc 2` where DIR holds a folder named `qtool` (the parent of a
@@ -115,12 +115,13 @@ def test_serve_config_with_auto_kv_does_not_say_a_calibrated_checkpoint_lacks_sc
 
 
 def _reflinks_possible(folder: Path) -> bool:
+    from qtool.errors import WriteError
     from qtool.io.files import LinkMode, Placer
 
     (folder / "probe").write_bytes(b"x" * 4096)
     try:
         return Placer(LinkMode.REFLINK).place(folder / "probe", folder / "probe2") == "reflink"
-    except Exception:
+    except WriteError:  # no reflinks here
         return False
     finally:
         for name in ("probe", "probe2"):
@@ -176,7 +177,8 @@ def test_the_planned_host_memory_counts_the_process_itself(tiny_bf16, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     r = subprocess.run([sys.executable, "-c", measure, sys.executable, "-m", "qtool", "quantize", str(tiny_bf16),
                         "-o", "q", "--recipe", "qwen35-nvfp4-experts", "--backend", "rtn", "--samples", "2",
-                        "--seq-len", "16"], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
+                        "--seq-len", "16"], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300,
+                       check=False)
     rc, peak = map(int, r.stdout.splitlines()[0].split())
     assert rc == 0, r.stdout
     size, unit = re.search(r"peak memory\s+host ~([\d.]+) (\w+)", r.stdout).groups()
