@@ -43,6 +43,7 @@ class Code(str, Enum):
     TP_DIVISIBILITY = "tp-divisibility"
     MTP_MISSING = "mtp-missing"
     MTP_NOT_EXCLUDED = "mtp-not-excluded"
+    MTP_UNSTABLE = "mtp-unstable"  # warning: more speculative tokens than the GDN backend serves stably
     KV_SCALES_MISSING = "kv-scales-missing"
     KV_SCALES_UNCALIBRATED = "kv-scales-uncalibrated"
     KV_SCALES_STALE = "kv-scales-stale"

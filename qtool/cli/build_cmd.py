@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from qtool.cli.common import add_output_flags, print_json, run_command_line, show_progress
+from qtool.cli.common import add_output_flags, human_bytes, print_json, run_command_line, show_progress
 
 
 def add_arguments(p) -> None:
@@ -41,6 +41,11 @@ def run(args) -> int:
     _print_plan(bp, ran=set(report["ran"]))
     print(f"ran: {', '.join(report['ran']) or '-'}; skipped (unchanged): {', '.join(report['skipped']) or '-'}")
     print(f"{'published' if report['published'] else 'up to date'}: {report['out']}")
+    copied = report["shards_placed"].get("copy")
+    if copied:
+        print(f"  shards copied ({human_bytes(copied)} more on disk): this filesystem has no reflinks, and the "
+              "published artifact never shares a file with the step cache in "
+              f"{report['out']}.build/ (delete that folder once you no longer need its steps)")
     return 0
 
 

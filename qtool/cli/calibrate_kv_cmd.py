@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from qtool.cli.common import (
+    DATASET_HELP,
     add_parallel_flags,
     memory_line,
     add_output_flags,
@@ -26,7 +27,7 @@ def add_arguments(p) -> None:
     p.add_argument("--in-place", action="store_true",
                    help="add the scales to CKPT itself (built beside it, swapped in atomically)")
     p.add_argument("--dataset", default="builtin",
-                   help="`builtin` (shipped corpus), FILE.txt, FILE.jsonl / FILE.parquet (a `text` or chat `messages` column), or a Hub dataset hf:ORG/NAME[@REV][:SPLIT] (e.g. hf:HuggingFaceH4/ultrachat_200k:train_sft)")
+                   help=DATASET_HELP)
     p.add_argument("--samples", type=int, default=4, help="number of token windows (default 4)")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per window (default 512)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
@@ -41,18 +42,17 @@ def run(args) -> int:
 
     if bool(args.output) == bool(args.in_place):
         raise UsageError("say where to write: -o OUT or --in-place (one of them)")
-    check_device(args.device)
+    check_device(args.device, present=not args.dry_run)
     opts = calibrate_kv.CalibrateKvOptions(
         local_only(args.checkpoint) if args.in_place else (
             headers_checkpoint(args.checkpoint) if args.dry_run else local_checkpoint(args.checkpoint)),
         out=args.output, dataset=args.dataset, samples=args.samples, seq_len=args.seq_len, device=args.device,
         replace_scales=args.replace_scales, force=args.force, resume=args.resume, command=run_command_line(),
         batch_tokens=args.batch_tokens)
-    rep = plan_then_execute(calibrate_kv, opts, args)
+    rep = plan_then_execute(calibrate_kv, opts, args, show_plan=_print_plan)
     if args.json:
         print_json(rep)
         return 0
-    _print_plan(rep["plan"])
     if args.dry_run:
         return 0
     print("  layer   tokens     k_amax    k_scale     v_amax    v_scale")
@@ -64,7 +64,8 @@ def run(args) -> int:
     print(f"  {rep['calibration']['tokens']} tokens, {t['seconds']:.1f} s, {tps} tokens/s"
           + (f" (resumed at layer {t['resumed_from_layer']})" if t["resumed_from_layer"] else ""))
     for w in rep["warnings"]:
-        eprint(f"warning: {w}")
+        if w not in rep["plan"]["warnings"]:  # the plan's were printed with it, before the work
+            eprint(f"warning: {w}")
     o = rep["output"]
     print(f"wrote {o['new_shard']} and {', '.join(o['configs']) or 'no config'} -> {o['output']}")
     return 0

@@ -6,6 +6,10 @@ import contextlib
 import json
 import sys
 
+# --dataset of every command that tokenizes text (qtool.stream.calib_data reads each of these)
+DATASET_HELP = ("`builtin` (shipped corpus), FILE.txt, FILE.jsonl / FILE.parquet (a `text` or chat `messages` "
+                "column), or a Hub dataset hf:ORG/NAME[@REV][:SPLIT] (e.g. hf:HuggingFaceH4/ultrachat_200k:train_sft)")
+
 
 def add_json_flag(parser) -> None:
     parser.add_argument("--json", action="store_true", help="print one machine-readable JSON object")
@@ -83,7 +87,7 @@ def memory_line(m: dict) -> str:
 
 
 def eprint(*args) -> None:
-    print(*args, file=sys.stderr)
+    print(*args, file=sys.stderr, flush=True)
 
 
 def local_checkpoint(spec, *, tensors=None, progress: bool | None = None):
@@ -137,32 +141,49 @@ def local_only(spec):
     return require_local(spec)
 
 
-def check_device(device: str) -> str:
+def check_device(device: str, *, present: bool = False) -> str:
+    """--device's form; with `present` (a run that computes here, not a dry run that may plan a GPU job on
+    another machine) also that the GPU exists: said at once, before the plan reads the data."""
     from qtool.errors import UsageError
 
     if not (device == "cpu" or device == "cuda" or device.startswith("cuda:")):
         raise UsageError("--device must be cpu, cuda or cuda:N", got=device)
+    if present and device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {device} but no CUDA device is available", hint="use --device cpu")
     return device
 
 
 def show_progress(args) -> bool:
     """Progress bars only for a person watching: not with --quiet or --json, and not when stderr is a
     file or a pipe (a CI log would get a line per redraw)."""
-    import sys
-
     return not (getattr(args, "quiet", False) or getattr(args, "json", False)) and sys.stderr.isatty()
 
 
-def plan_then_execute(op, opts, args) -> dict:
-    """A layer-streamed op from the CLI: `op.plan(opts)`, then (unless --dry-run) `op.execute` with a
-    per-layer progress bar; the report as `--json` prints it ({"plan": ...} for a dry run)."""
+def progress_lines(args) -> bool:
+    """A line per step of work instead of a bar: stderr is a file or a pipe (a log of a long job must show it
+    moving), and neither --quiet nor --json was given."""
+    return not (getattr(args, "quiet", False) or getattr(args, "json", False) or sys.stderr.isatty())
+
+
+def plan_then_execute(op, opts, args, show_plan=None) -> dict:
+    """A layer-streamed op from the CLI: `op.plan(opts)`, the plan shown (`show_plan(plan_json)`, unless
+    --json) before any work starts, then (unless --dry-run) `op.execute` with a per-layer progress bar (or a
+    line per layer when stderr is not a terminal); the report as `--json` prints it ({"plan": ...} for a
+    dry run)."""
     from qtool.stream import warm_import
 
     with warm_import.overlapping(not args.dry_run):  # transformers' decoder module, imported while the job plans
         p = op.plan(opts)
+    if show_plan is not None and not getattr(args, "json", False):
+        show_plan(p.to_json())
+        sys.stdout.flush()
     if args.dry_run:
         return {"plan": p.to_json()}
-    with layer_progress(show_progress(args)) as progress:
+    mode = "bar" if show_progress(args) else "lines" if progress_lines(args) else None
+    with layer_progress(mode, total=getattr(p, "layers_run", None)) as progress:
         return op.execute(p, progress=progress).to_json()
 
 
@@ -174,15 +195,21 @@ def dataset_supply(c: dict) -> str:
 
 
 @contextlib.contextmanager
-def layer_progress(enabled: bool):
-    """A per-layer tqdm bar for layer-streamed commands; yields the callback (None when disabled)."""
-    if not enabled:
+def layer_progress(mode: str | None, total: int | None = None):
+    """Per-layer progress for layer-streamed commands; yields the callback, given the index of the layer
+    just finished (None when off). mode "bar": a tqdm bar with the total, percentage and ETA; "lines": a
+    line per layer on stderr (`layers: 3/8 done`)."""
+    if mode is None:
         yield None
+        return
+    if mode == "lines":
+        yield lambda idx: eprint(f"layers: {idx + 1}/{total or '?'} done")
         return
     from tqdm import tqdm
 
-    bar = tqdm(desc="layers", unit="layer")
+    bar = tqdm(desc="layers", unit="layer", total=total)
     try:
-        yield lambda _idx: bar.update(1)
+        # set to the layer's position, not +1: a resumed run starts where its journal stopped
+        yield lambda idx: bar.update(idx + 1 - bar.n)
     finally:
         bar.close()

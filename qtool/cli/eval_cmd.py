@@ -8,6 +8,7 @@ reference written by --save-ref."""
 from __future__ import annotations
 
 from qtool.cli.common import (
+    DATASET_HELP,
     add_parallel_flags,
     add_json_flag,
     check_device,
@@ -17,6 +18,7 @@ from qtool.cli.common import (
     local_checkpoint,
     memory_line,
     print_json,
+    progress_lines,
     run_command_line,
 )
 from qtool.errors import UsageError
@@ -56,7 +58,7 @@ def add_arguments(p) -> None:
 def add_window_flags(k) -> None:
     """The flags that choose eval kld's token windows and device (shared with `qtool report --ref`)."""
     k.add_argument("--dataset", default="builtin",
-                   help="`builtin`, FILE.txt or FILE.jsonl (`text` per line); tokenized as calibrate-kv does")
+                   help=DATASET_HELP)
     k.add_argument("--windows", type=int, default=4, help="number of token windows (default 4)")
     k.add_argument("--seq-len", type=int, default=512, help="tokens per window (default 512)")
     k.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
@@ -65,7 +67,7 @@ def add_window_flags(k) -> None:
 def run(args) -> int:
     if args.what != "kld":
         raise UsageError("say what to evaluate: `qtool eval kld ...`")
-    check_device(args.device)
+    check_device(args.device, present=not args.dry_run)
     if args.test is None and not args.save_ref and not args.emit_windows:
         raise UsageError("nothing to do: give --test, --save-ref or --emit-windows")
     from qtool.ops.kld import RESULT_KEYS, KldOptions, run as kld_run
@@ -85,6 +87,14 @@ def run(args) -> int:
             if bar is None:
                 bar = bars[what] = tqdm(desc=what, total=total, unit="")
             bar.update(done - bar.n)
+    elif progress_lines(args):
+        shown: dict = {}
+
+        def progress(what, done, total):
+            tenth = 10 * done // max(1, total)  # a line per tenth of each stage: a log shows it moving
+            if shown.get(what) != tenth:
+                shown[what] = tenth
+                eprint(f"{what}: {done}/{total} done")
 
     try:
         rep = kld_run(_local(args.ref), _local(args.test), opts=opts, save_ref=args.save_ref, emit_windows=args.emit_windows,

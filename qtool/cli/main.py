@@ -172,6 +172,9 @@ def console() -> None:
 
     from qtool import process_exit
 
+    # a line at a time also into a file or a pipe (`qtool quantize ... > log`): a long job's plan and
+    # progress reach the log as they are printed, not in one block at its end
+    sys.stdout.reconfigure(line_buffering=True)
     code = main()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if not process_exit.teardown_needed():
@@ -238,6 +241,9 @@ def _main(argv: list[str] | None) -> int:
     # transformers' notices (kernel fallbacks, standalone expert modules, long tokenizer inputs) are
     # expected when qtool runs decoder layers one at a time; it reads this variable at import time.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    from qtool.quiet import pinned_pair_warnings_off
+
+    pinned_pair_warnings_off()
     gpu_allocator_defaults()
     try:
         launched = _parallel(args, argv)

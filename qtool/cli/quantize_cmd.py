@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from qtool.cli.common import (
+    DATASET_HELP,
     add_parallel_flags,
     memory_line,
     add_output_flags,
@@ -26,7 +27,7 @@ def add_arguments(p) -> None:
     p.add_argument("--backend", choices=["rtn", "modelopt", "llmcompressor"], help="default: the recipe's")
     p.add_argument("--format", choices=["modelopt", "compressed-tensors", "awq"], help="default: the recipe's")
     p.add_argument("--dataset", default="builtin",
-                   help="`builtin` (shipped corpus), FILE.txt, FILE.jsonl / FILE.parquet (a `text` or chat `messages` column), or a Hub dataset hf:ORG/NAME[@REV][:SPLIT] (e.g. hf:HuggingFaceH4/ultrachat_200k:train_sft)")
+                   help=DATASET_HELP)
     p.add_argument("--samples", type=int, default=None,
                    help="calibration windows (default 16, or as many as a shorter dataset gives)")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per window (default 512)")
@@ -39,7 +40,7 @@ def run(args) -> int:
     from qtool.ops import quantize
     from qtool.recipes import Backend, OutFormat, load_recipe
 
-    check_device(args.device)
+    check_device(args.device, present=not args.dry_run)
     recipe = load_recipe(args.recipe)
     opts = quantize.QuantizeOptions(
         headers_checkpoint(args.checkpoint) if args.dry_run else local_checkpoint(args.checkpoint),
@@ -48,11 +49,25 @@ def run(args) -> int:
         format=OutFormat(args.format) if args.format else None,
         dataset=args.dataset, samples=args.samples, seq_len=args.seq_len, device=args.device,
         resume=args.resume, force=args.force, command=run_command_line(), batch_tokens=args.batch_tokens)
-    rep = plan_then_execute(quantize, opts, args)
+    rep = plan_then_execute(quantize, opts, args, show_plan=_print_plan)
     if args.json:
         print_json(rep)
         return 0
-    p = rep["plan"]
+    if args.dry_run:
+        return 0
+    for lr in rep["layers"]:
+        none = lr["experts_without_tokens"]
+        t = lr["tokens_per_expert"]
+        print(f"  layer {lr['layer']:>3} {lr['routed_experts']:>6}: tokens/expert min {min(t)} max {max(t)}"
+              + (f", {len(none)} expert(s) saw none (layer-max input amax used)" if none else ""))
+    o = rep["output"]
+    print(f"wrote {o['shards']} shards, {human_bytes(o['bytes'])} -> {o['output']} in {rep['seconds']:.1f} s")
+    if o["problems"]:
+        eprint(f"problems: {o['problems']}")
+    return 0
+
+
+def _print_plan(p: dict) -> None:
     m = p["memory"]
     print(f"{p['checkpoint']} -> {p['output']}")
     print(f"  recipe       {p['recipe']['name']} (backend {p['backend']}, format {p['format']})")
@@ -72,15 +87,3 @@ def run(args) -> int:
     print(f"  output       ~{human_bytes(p['output_bytes'])}")
     for w in p["warnings"]:
         print(f"  note         {w}")
-    if args.dry_run:
-        return 0
-    for lr in rep["layers"]:
-        none = lr["experts_without_tokens"]
-        t = lr["tokens_per_expert"]
-        print(f"  layer {lr['layer']:>3} {lr['routed_experts']:>6}: tokens/expert min {min(t)} max {max(t)}"
-              + (f", {len(none)} expert(s) saw none (layer-max input amax used)" if none else ""))
-    o = rep["output"]
-    print(f"wrote {o['shards']} shards, {human_bytes(o['bytes'])} -> {o['output']} in {rep['seconds']:.1f} s")
-    if o["problems"]:
-        eprint(f"problems: {o['problems']}")
-    return 0

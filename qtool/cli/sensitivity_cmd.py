@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qtool.cli.common import (add_output_flags, check_device, dataset_supply, headers_checkpoint, human_bytes,
+from qtool.cli.common import (DATASET_HELP, add_output_flags, check_device, dataset_supply, headers_checkpoint, human_bytes,
                               layer_ranges, local_checkpoint,
                               memory_line, plan_then_execute, print_json, run_command_line)
 
@@ -14,7 +14,7 @@ def add_arguments(p) -> None:
     p.add_argument("bf16", help="the BF16 checkpoint (the reference)")
     p.add_argument("quantized", help="its quantized sibling (NVFP4 ModelOpt / compressed-tensors, AWQ / INT4)")
     p.add_argument("--dataset", default="builtin",
-                   help="calibration text, as calibrate-kv: builtin, FILE.txt / .jsonl / .parquet, hf:ORG/NAME[:SPLIT]")
+                   help=DATASET_HELP)
     p.add_argument("--samples", type=int, default=4, help="number of token windows (default 4)")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per window (default 512)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
@@ -26,18 +26,32 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     from qtool.ops import sensitivity
 
-    check_device(args.device)
+    check_device(args.device, present=not args.dry_run)
     # --dry-run reads headers only, also of hf: sources; a real run needs both checkpoints' data
     src = headers_checkpoint if args.dry_run else local_checkpoint
     opts = sensitivity.SensitivityOptions(
         Path(src(args.bf16)), Path(src(args.quantized)), Path(args.output),
         dataset=args.dataset, samples=args.samples, seq_len=args.seq_len, device=args.device,
         batch_tokens=args.batch_tokens, force=args.force, resume=args.resume, command=run_command_line())
-    rep = plan_then_execute(sensitivity, opts, args)
+    rep = plan_then_execute(sensitivity, opts, args, show_plan=_print_plan)
     if args.json:
         print_json(rep)
         return 0
-    p = rep["plan"]
+    if args.dry_run:
+        return 0
+    if rep["timing"].get("resumed_from_layer"):
+        print(f"  resumed        at layer {rep['timing']['resumed_from_layer']}")
+    print(f"  {'unit':<28} {'format':<8} {'error':>10} {'effect':>10} {'BF16':>10} {'quantized':>10}")
+    for u in rep["table"]["units"]:
+        if u["measured"]:
+            print(f"  {u['id']:<28} {u['quantized_format']:<8} {u['error']:>10.3e} {u['effect']:>10.3e} "
+                  f"{human_bytes(u['bf16_bytes']):>10} {human_bytes(u['quantized_bytes']):>10}")
+    print(f"wrote {rep['output']}/sensitivity.json ({rep['seconds']:.1f} s); next: qtool plan hybrid "
+          f"--sensitivity {rep['output']} --gpus ... --tp ... --max-model-len ...")
+    return 0
+
+
+def _print_plan(p: dict) -> None:
     c = p["calibration"]
     print(f"{p['bf16']} vs {p['quantized']} -> {p['output']}")
     print(f"  units          {p['units']}, measured {len(p['measured'])}:")
@@ -55,15 +69,3 @@ def run(args) -> int:
     print(f"  peak memory    {memory_line(m['need'])}")
     for w in p["warnings"]:
         print(f"  note           {w}")
-    if args.dry_run:
-        return 0
-    if rep["timing"].get("resumed_from_layer"):
-        print(f"  resumed        at layer {rep['timing']['resumed_from_layer']}")
-    print(f"  {'unit':<28} {'format':<8} {'error':>10} {'effect':>10} {'BF16':>10} {'quantized':>10}")
-    for u in rep["table"]["units"]:
-        if u["measured"]:
-            print(f"  {u['id']:<28} {u['quantized_format']:<8} {u['error']:>10.3e} {u['effect']:>10.3e} "
-                  f"{human_bytes(u['bf16_bytes']):>10} {human_bytes(u['quantized_bytes']):>10}")
-    print(f"wrote {rep['output']}/sensitivity.json ({rep['seconds']:.1f} s); next: qtool plan hybrid "
-          f"--sensitivity {rep['output']} --gpus ... --tp ... --max-model-len ...")
-    return 0

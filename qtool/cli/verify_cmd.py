@@ -16,10 +16,12 @@ def add_common(p) -> None:
     p.add_argument("--max-model-len", type=int, default=None, metavar="N", help="context length to check")
     p.add_argument("--max-num-seqs", type=int, default=None, metavar="N", help="concurrent sequences to check")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default=None,
-                   help="KV cache dtype (verify: default auto = BF16)")
+                   help="KV cache dtype (default: fp8 where every full-attention layer has calibrated k/v "
+                   "scales, else auto = BF16, as the launch serves it)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F",
                    help="fraction of each GPU the engine may use (default 0.9)")
-    p.add_argument("--mtp", type=int, default=0, metavar="N", help="speculative tokens from the MTP head (0: off)")
+    p.add_argument("--mtp", type=int, default=0, metavar="N",
+                   help="speculative tokens from the MTP head (0: off; more than 3 is unstable, a warning)")
 
 
 def add_arguments(p) -> None:
@@ -63,9 +65,12 @@ def print_fit(fit, out) -> None:
     if fit is None:
         return
     gb = fit.budget_gib * (1 << 30) / 1e9
-    print(f"fit (TP={fit.tp}, per GPU): budget {fit.budget_gib:.1f} GiB ({gb:.1f} GB) = weights "
-          f"{fit.weights_per_gpu_gib:.1f} GiB + reserve {fit.reserve_gib:.1f} GiB + KV/state "
-          f"{fit.kv_cache_gib:.1f} GiB", file=out)
+    parts = f"weights {fit.weights_per_gpu_gib:.1f} GiB + reserve {fit.reserve_gib:.1f} GiB"
+    if fit.kv_cache_gib > 0:
+        split = f"= {parts} + KV/state {fit.kv_cache_gib:.1f} GiB"
+    else:  # the weights and the reserve alone are over the budget: nothing is left for the KV cache
+        split = f"< {parts} = {fit.weights_per_gpu_gib + fit.reserve_gib:.1f} GiB (nothing left for KV/state)"
+    print(f"fit (TP={fit.tp}, per GPU): budget {fit.budget_gib:.1f} GiB ({gb:.1f} GB) {split}", file=out)
     print(f"  KV {fit.kv_bytes_per_token} B/token ({fit.kv_cache_dtype}), GDN state {fit.state_bytes_per_seq / 2**20:.1f}"
           f" MiB/sequence -> max_model_len {fit.max_model_len} x max_num_seqs {fit.max_num_seqs}: "
           f"{'fits' if fit.fits else 'DOES NOT FIT'}", file=out)
@@ -97,7 +102,11 @@ def run(args) -> int:
                           f"{s['errors']} error(s)")
         if rep.deep:
             d = rep.deep
-            print(f"deep: {len(d['shards'])} shard(s), {d['bytes'] / 1e9:.2f} GB in {d['seconds']:.1f} s "
+            # d["shards"] holds every file hashed: the shards and the manifest's other files (configs, tokenizer)
+            shards = sum(name.endswith(".safetensors") for name in d["shards"])
+            others = len(d["shards"]) - shards
+            print(f"deep: {shards} shard(s)" + (f" and {others} other file(s)" if others else "")
+                  + f", {d['bytes'] / 1e9:.2f} GB in {d['seconds']:.1f} s "
                   f"({d['gb_per_s']:.2f} GB/s), {d['compared_with_manifest']} compared with qtool-manifest.json")
         n_err = len(rep.errors())
         print("ok" if rep.ok else f"FAILED: {n_err} error(s)")

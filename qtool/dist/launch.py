@@ -13,7 +13,9 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+import qtool
 from qtool.errors import UsageError
 
 GRACE_S = 10.0  # how long the other ranks get to stop on their own after one failed
@@ -88,6 +90,16 @@ def _die_with(launcher: int):
     return hook
 
 
+def rank_command(argv: list[str]) -> list[str]:
+    """The command line of one rank: this interpreter running the qtool package this process runs. Not
+    `python -m qtool`: that puts the current folder first on sys.path, and a folder named `qtool` there (the
+    parent of a clone, or any empty `qtool/`) shadows the package in every rank."""
+    package_root = str(Path(qtool.__file__).resolve().parents[1])
+    boot = (f"import sys; sys.path[0] = {package_root!r}; "
+            "from qtool.cli.main import console; console()")
+    return [sys.executable, "-c", boot, *argv]
+
+
 def spawn(argv: list[str], devices: list[str], resumable: bool = True) -> int:
     """Run `qtool argv` once per device as ranks 0..N-1; returns the run's exit code."""
     world = len(devices)
@@ -101,7 +113,7 @@ def spawn(argv: list[str], devices: list[str], resumable: bool = True) -> int:
     for r in range(world):
         env = {**base, "RANK": str(r), "LOCAL_RANK": str(r)}
         # rank 0 speaks for the run (its report, progress, errors); the others only report errors
-        procs.append(subprocess.Popen([sys.executable, "-m", "qtool", *argv], env=env,
+        procs.append(subprocess.Popen(rank_command(argv), env=env,
                                       stdout=None if r == 0 else subprocess.DEVNULL,
                                       preexec_fn=_die_with(os.getpid())))
     def terminate(signum, frame):  # a SIGTERM to the launcher stops the ranks too (no orphans)

@@ -63,6 +63,18 @@ def parse_spec(spec: str, *, require_prefix: bool = True) -> HubSpec:
     return HubSpec(repo, rev or None)
 
 
+def checkpoint_not_found(path: str | Path) -> CheckpointError:
+    """The error for a checkpoint path that does not exist; where it is written like a Hub repository
+    (ORG/NAME[@REV], as a model card names it), the fix is the hf: source."""
+    text = str(path)
+    repo = text.partition("@")[0]
+    if _REPO.match(repo) and not text.startswith("."):
+        hint = f"did you mean hf:{text}? (a Hub repository is named with hf:; a local folder must exist)"
+    else:
+        hint = "check the path"
+    return CheckpointError("checkpoint not found", path=path, hint=hint)
+
+
 def is_commit(rev: str | None) -> bool:
     return bool(rev) and bool(_COMMIT.match(rev or ""))
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from qtool.errors import CheckpointError, ConfigError
+from qtool.hub.resolve import checkpoint_not_found
 from qtool.io.index_file import read_index
 from qtool.io.jsonio import JsonStyle, load_json
 from qtool.io.safetensors_header import SafetensorsHeader, TensorInfo, read_header
@@ -98,6 +99,13 @@ HF_QUANT_TYPES = {"quant_algo": _STR_OR_NULL, "kv_cache_quant_algo": _STR_OR_NUL
                   "ignore": _STR_LIST, "group_size": _POS_INT_OR_NULL, "producer": _OBJECT_OR_NULL}
 
 
+def _checkpoints_inside(root: Path) -> str:
+    """` (here: A, B)`: the folders in `root` that hold shards, for a user who named their parent."""
+    inside = sorted(d.name for d in root.iterdir() if d.is_dir() and (
+        (d / INDEX_NAME).is_file() or any(d.glob("*.safetensors"))))
+    return f" (in this folder: {', '.join(inside[:5])}{', ...' if len(inside) > 5 else ''})" if inside else ""
+
+
 @dataclass
 class Checkpoint:
     root: Path
@@ -128,7 +136,7 @@ class Checkpoint:
     def _open(cls, path: str | Path, *, require_config: bool, check_file_sizes: bool) -> Checkpoint:
         root = Path(path)
         if not root.exists():
-            raise CheckpointError("checkpoint not found", path=root, hint="check the path")
+            raise checkpoint_not_found(path)
         if root.is_file():
             if root.suffix != ".safetensors":
                 raise CheckpointError(
@@ -149,7 +157,7 @@ class Checkpoint:
                     raise CheckpointError(
                         "no *.safetensors files and no model.safetensors.index.json",
                         path=root,
-                        hint="point at the directory that holds the model's shards",
+                        hint="point at the directory that holds the model's shards" + _checkpoints_inside(root),
                     )
         config = config_style = hq = hq_style = None
         if (root / CONFIG_NAME).exists():

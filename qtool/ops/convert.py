@@ -76,7 +76,10 @@ def detect(mm) -> Flavour:
     if Format.NVFP4_CT in fmts and Format.NVFP4 not in fmts:
         return Flavour.COMPRESSED_TENSORS
     raise PlanError("not an NVFP4 checkpoint of one flavour", path=mm.ckpt.root,
-                    got=sorted(f.value for f in fmts if f is not None))
+                    got=sorted(f.value for f in fmts if f is not None),
+                    hint="convert reads an NVFP4 checkpoint (ModelOpt or compressed-tensors) and writes the other "
+                    "flavour; `qtool inspect` shows what this one holds (a BF16 checkpoint is quantized with "
+                    "`qtool quantize`)")
 
 
 def _renames(mm, to: Flavour) -> dict[str, tuple[str, bool]]:
@@ -141,7 +144,9 @@ def plan(opts: ConvertOptions) -> ConvertPlan:
     mm = build_map(ckpt)
     have = detect(mm)
     if have is to:
-        raise UsageError(f"the checkpoint already is {to.value}", path=ckpt.root)
+        other = next(f for f in Flavour if f is not to)
+        raise UsageError(f"the checkpoint already is {to.value}", path=ckpt.root,
+                         hint=f"nothing to convert: serve it as it is, or give --to {other.value}")
     check_no_overlap(out, [ckpt.root])
     ren = _renames(mm, to)
     side = None

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from qtool.engines import Engine, parse_version
 from qtool.errors import UsageError, VerificationError
+from qtool.findings import Code
 from qtool.ops.verify import VerifyOptions, VerifyReport, verify
 
 VLLM_MTP_METHOD_SINCE = (0, 17, 0)  # seed: "qwen3_next_mtp", "or for newer vLLM versions: mtp"
@@ -227,8 +228,17 @@ def _build(rep: VerifyReport, v, vopts: VerifyOptions, opts: ServeOptions) -> La
         if yarn:
             argv += ["--json-model-override-args", json.dumps(_yarn_rope(rep, yarn), separators=(",", ":"))]
     if not kv_fp8:
-        notes.append("KV cache in BF16: no calibrated FP8 k/v scales (qtool calibrate-kv adds them)")
+        notes.append(_bf16_kv_note(rep.facts))
+    notes += [f"{f.message}; fix: {f.fix}" for f in rep.findings if f.code is Code.MTP_UNSTABLE]
     return Launch(str(v), env, argv, rep, notes)
+
+
+def _bf16_kv_note(facts: dict) -> str:
+    """Why the KV cache is BF16: the scales are missing, or they are there and --kv-cache-dtype auto was asked."""
+    if facts.get("kv_scales_calibrated"):
+        return ("KV cache in BF16 (--kv-cache-dtype auto): the checkpoint's calibrated FP8 k/v scales are not used; "
+                "without --kv-cache-dtype the launch serves an FP8 KV cache with them")
+    return "KV cache in BF16: no calibrated FP8 k/v scales (qtool calibrate-kv adds them)"
 
 
 def render(launch: Launch, opts: ServeOptions) -> str:

@@ -385,3 +385,22 @@ def test_a_tight_plan_with_a_grafted_mtp_head_builds_and_verifies_at_its_target(
         f"layer.{OUTLIER_LAYER}.routed_experts"]["extra_bytes_per_gpu"]["1"]
     built = run_json(capsys, ["build", str(recipe), "-o", str(tmp_path / "tight"), "--quiet"])
     assert built["published"]  # its verify step (MTP counted) passed at the planned target
+
+
+def test_a_recipe_planned_in_one_folder_builds_from_another(pair, table, tmp_path, capsys, monkeypatch):
+    """Found (issue 53): `cd A && qtool plan hybrid ... -o planned.yaml`, then `cd B && qtool build
+    A/planned.yaml -o out`: the recipe held the source paths relative to A, and the build failed "path does
+    not exist (q-nvfp4)" with no fix line."""
+    bf, q, d = pair
+    monkeypatch.chdir(d)
+    run_json(capsys, ["plan", "hybrid", "--sensitivity", "sens", "--quantized", q.name, "--bf16", bf.name,
+                      "--gpus", "1x64GiB", "--tp", "1", "--max-model-len", "8192", "-o", str(tmp_path / "planned.yaml")])
+    (tmp_path / "B").mkdir()
+    monkeypatch.chdir(tmp_path / "B")
+    assert main(["build", str(tmp_path / "planned.yaml"), "-o", "out", "--dry-run"]) == 0, capsys.readouterr().err
+    # a source path that is missing names where relative paths are read from, and what to do
+    text = (tmp_path / "planned.yaml").read_text().replace(str(q), q.name)
+    (tmp_path / "relative.yaml").write_text(text)
+    assert main(["build", str(tmp_path / "relative.yaml"), "-o", "out", "--dry-run"]) == 1
+    err = capsys.readouterr().err
+    assert "fix:" in err and "--source nvfp4=PATH" in err, err

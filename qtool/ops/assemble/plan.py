@@ -154,7 +154,9 @@ class _Planner:
     def expert_layer(self, layer: int) -> None:
         if not 0 <= layer < self.expect.L:
             raise UsageError(f"--bf16-expert-layers names layer {layer}, the model has {self.expect.L}",
-                             expected=f"0..{self.expect.L - 1}", got=layer)
+                             expected=f"0..{self.expect.L - 1}", got=layer,
+                             hint=f"name layers 0 to {self.expect.L - 1} (`qtool inspect` of the BF16 checkpoint "
+                             "shows its layers)")
         gone = self.remove_where(
             lambda r: r.group is Group.ROUTED_EXPERTS and r.layer == layer, layer)
         home = self.home_of(gone)

@@ -89,6 +89,11 @@ class KvPlan:
     memory: object = None  # peak host/GPU need and fit (stream.memory_plan.MemoryNeed)
     mm: ModelMap | None = None  # the checkpoint's map (execute's layer streamer reuses it)
 
+    @property
+    def layers_run(self) -> int:
+        """The decoder layers the job runs (its progress's total)."""
+        return self.run_layers
+
     def to_json(self) -> dict:
         sp = self.stream
         return {

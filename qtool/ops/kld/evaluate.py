@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,6 +66,14 @@ class KldReport:
         return {k: getattr(self, k) for k in ("result", "ref", "test", "windows", "seq_len", "stride",
                                               "token_digest", "emitted", "saved_ref", "plan", "seconds",
                                               "warnings", "timing")}
+
+
+def saved_window_flags(meta: dict) -> str:
+    """The flags that make again the windows a compact reference was saved with (its metadata), as the
+    parser takes them: no --stride for non-overlapping windows (the metadata's stride is None then)."""
+    flags = f"--dataset {shlex.quote(str(meta.get('dataset')))} --windows {meta.get('windows')} " \
+            f"--seq-len {meta.get('seq_len')}"
+    return flags + (f" --stride {meta['stride']}" if meta.get("stride") is not None else "")
 
 
 def summarize(kl, top1, positions=None) -> dict:
@@ -220,9 +229,7 @@ def run(
                 if d and d != rep.token_digest:
                     raise PlanError("the compact reference was made from other token windows", path=s.path,
                                     expected=d, got=rep.token_digest,
-                                    hint=f"use the windows it was saved with: --dataset {s.meta.get('dataset')} "
-                                    f"--windows {s.meta.get('windows')} --seq-len {s.meta.get('seq_len')} "
-                                    f"--stride {s.meta.get('stride')}")
+                                    hint=f"use the windows it was saved with: {saved_window_flags(s.meta)}")
         counts = {role: (int(ids.shape[0]) if s.kind is Kind.CHECKPOINT else s.windows) for role, s in srcs.items()}
         if len(set(counts.values())) != 1:
             raise PlanError("ref and test have different numbers of windows", expected=counts.get("ref"),

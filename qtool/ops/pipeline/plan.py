@@ -184,9 +184,10 @@ def resolve_source(src: Source, override: Path | None, *, token: str | None = No
     if src.kind is SourceKind.PATH:
         p = Path(src.ref).expanduser()
         if not p.exists():
-            raise CheckpointError(f"source {src.name!r}: path does not exist", path=p,
-                                  hint=f"correct the recipe's `path:` of source {src.name!r}, or point it at a "
-                                  f"checkpoint directory with --source {src.name}=DIR")
+            raise CheckpointError(
+                f"source {src.name!r}: path does not exist", path=p.absolute(),
+                hint=f"a relative path in a recipe is read from the working directory ({Path.cwd()}): write the "
+                f"absolute path in the recipe, or give it: --source {src.name}=PATH")
         return _path_source(src, p, overridden=False, read=False)
     if src.kind is SourceKind.BUILTIN:
         if builtins is None:

@@ -103,9 +103,9 @@ def _run_steps(bp: BuildPlan, ctx: dict, resume: bool) -> dict:
                       "input_keys": sp.input_keys, "with": sp.step.params})
         # the step's report and time differ between a resumed and an uninterrupted build: the `run` section
         timings.append({"id": sp.step.id, "seconds": info.get("seconds"), "report": info.get("report")})
-    final = _publish(bp, chain, timings)
+    placed = _publish(bp, chain, timings)
     return {"recipe": bp.recipe.name, "out": str(bp.out), "ran": ran, "skipped": skipped,
-            "final_key": bp.final_key, "published": final}
+            "final_key": bp.final_key, "published": placed is not None, "shards_placed": placed or {}}
 
 
 def _ours(out: Path) -> bool:
@@ -115,9 +115,10 @@ def _ours(out: Path) -> bool:
         return False
 
 
-def _publish(bp: BuildPlan, chain: list[dict], timings: list[dict]) -> bool:
-    """Publish the artifact step's output at `out` with the build provenance; False when up to date (same
-    final key and every published file as it was published). Side files (what people edit) are copies, so
+def _publish(bp: BuildPlan, chain: list[dict], timings: list[dict]) -> dict[str, int] | None:
+    """Publish the artifact step's output at `out` with the build provenance; None when up to date (same
+    final key and every published file as it was published), else the shards' bytes by how they were placed
+    ({"reflink": B} or {"copy": B}: a copy takes the artifact's size again on disk). Side files (what people edit) are copies, so
     editing them cannot change the step cache; shards are reflinks, else copies, never hard links (an
     edit of a published shard through a shared inode would corrupt the step cache too). The record of
     what was published holds each file's size, mtime, ctime and inode: a same-size edit with the mtime
@@ -129,7 +130,7 @@ def _publish(bp: BuildPlan, chain: list[dict], timings: list[dict]) -> bool:
         try:
             same_key = json.loads((bp.out / MANIFEST).read_text())["build"]["final_key"] == bp.final_key
             if same_key and files_unchanged(bp.out, json.loads(record.read_text()), strict=True):
-                return False
+                return None
         except (OSError, ValueError, KeyError):
             pass
     src = input_path(bp, bp.recipe.artifact_step.id)
@@ -144,6 +145,7 @@ def _publish(bp: BuildPlan, chain: list[dict], timings: list[dict]) -> bool:
     inputs = [s.path for s in bp.sources.values() if s.path is not None]
     with OutputDir(bp.out, sources=inputs, force=True, file_mode=source_file_mode(src)) as tx:
         shards = Placer(LinkMode.OWN_INODE, file_mode=tx.file_mode)
+        placed: dict[str, int] = {}
         for p in sorted(src.rglob("*")):
             rel = p.relative_to(src)
             if p.is_dir() or rel.name in (STEP_MARKER, MANIFEST) or any(x.startswith(".") for x in rel.parts):
@@ -151,7 +153,8 @@ def _publish(bp: BuildPlan, chain: list[dict], timings: list[dict]) -> bool:
             dst = tx.partial / rel
             dst.parent.mkdir(parents=True, exist_ok=True)
             if p.suffix == ".safetensors":
-                shards.place(p, dst)  # a reflink (no new disk space) where the filesystem has them
+                how = shards.place(p, dst)  # a reflink (no new disk space) where the filesystem has them
+                placed[how] = placed.get(how, 0) + p.stat().st_size
             else:
                 copy_file(p, dst, tx.file_mode)
         manifest = json.loads((src / MANIFEST).read_text()) if (src / MANIFEST).exists() else {
@@ -168,4 +171,4 @@ def _publish(bp: BuildPlan, chain: list[dict], timings: list[dict]) -> bool:
         atomic_write_text(tx.partial / MANIFEST, json.dumps(manifest, indent=1, default=str) + "\n")
         tx.commit()
     atomic_write_text(record, json.dumps(file_stats(bp.out, strict=True)) + "\n")
-    return True
+    return placed

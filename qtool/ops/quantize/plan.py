@@ -122,6 +122,11 @@ class QuantizePlan:
     layers_in_flight: int = 1  # finished layers coded and written at once behind the forward (execute)
 
     @property
+    def layers_run(self) -> int:
+        """The decoder layers the job runs (its progress's total)."""
+        return len(self.layers)
+
+    @property
     def kv_names(self) -> str:
         return "modelopt" if self.format is OutFormat.MODELOPT else "compressed-tensors"
 
@@ -320,7 +325,10 @@ def plan(opts: QuantizeOptions) -> QuantizePlan:
     scheme = recipe.quantized_scheme
     if scheme in FORMATS_FOR and fmt not in FORMATS_FOR[scheme]:
         raise UsageError(f"--format {fmt.value} cannot hold {scheme.value} weights",
-                         expected=[f.value for f in FORMATS_FOR[scheme]], got=fmt.value)
+                         expected=[f.value for f in FORMATS_FOR[scheme]], got=fmt.value,
+                         hint=f"drop --format (the recipe's own is used), give --format "
+                         f"{' or '.join(f.value for f in FORMATS_FOR[scheme])}, or a recipe of that format "
+                         "(`qtool recipes` lists them)")
     if (backend is Backend.MODELOPT and recipe.nvfp4.weight_scale is WeightScale.MSE
             and not device.startswith("cuda")):
         # ModelOpt 0.47's static NVFP4 weight quantizer fake-quantizes through a Triton kernel only:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from qtool.errors import CheckpointError, UsageError
+from qtool.hub.resolve import checkpoint_not_found
 from qtool.ops.report.data import Artifact
 
 GENERATOR = '<meta name="generator" content="qtool report'
@@ -78,7 +79,7 @@ def plan(opts: ReportOptions) -> ReportPlan:
         raise UsageError(f"a report compares at most {MAX_ARTIFACTS} artifacts", got=len(opts.artifacts))
     for a in opts.artifacts:
         if not Path(a.path).exists():
-            raise CheckpointError("checkpoint not found", path=a.label, hint="check the path")
+            raise checkpoint_not_found(a.label)
         if opts.ref and _header_only(Path(a.path)):
             raise UsageError("--ref needs the checkpoint's data, and this is a header-only stand-in", path=a.label,
                              hint="download it first (qtool download ORG/NAME -o DIR) or report a local copy")

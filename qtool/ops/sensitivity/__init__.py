@@ -54,6 +54,11 @@ class SensitivityPlan:
     memory: object = None  # qtool.stream.memory_plan.MemoryNeed
     warnings: list[str] = field(default_factory=list)
 
+    @property
+    def layers_run(self) -> int | None:
+        """The decoder layers the job runs (its progress's total)."""
+        return self.stream.get("num_layers")
+
     def to_json(self) -> dict:
         measured = [u for u in self.units if u.measured]
         return {"bf16": str(self.bf.root), "quantized": str(self.q.root), "output": str(self.options.out),

@@ -128,13 +128,14 @@ class HybridChoice:
     def _has_mtp(self) -> bool:
         return any(u["id"] == "mtp" and u["quantized_bytes"] > 0 for u in self.table["units"])
 
+    # absolute: the recipe is built from any working directory (a relative path would be read from that one)
     @property
     def quantized_path(self) -> Path:
-        return Path(self.options.quantized or self.table["quantized"]["path"])
+        return Path(self.options.quantized or self.table["quantized"]["path"]).absolute()
 
     @property
     def bf16_path(self) -> Path:
-        return Path(self.options.bf16 or self.table["bf16"]["path"])
+        return Path(self.options.bf16 or self.table["bf16"]["path"]).absolute()
 
     def to_json(self) -> dict:
         nxt = self.next_unit()

@@ -123,10 +123,9 @@ def plan(opts: VerifyOptions) -> VerifyPlan:
     versions, target = validate(opts)
     path = opts.checkpoint
     if path is None or not Path(path).exists():
-        from qtool.errors import CheckpointError
+        from qtool.hub.resolve import checkpoint_not_found
 
-        # bad input (exit 1), not a failed verification (exit 3)
-        raise CheckpointError("checkpoint not found", path=path, hint="check the path")
+        raise checkpoint_not_found(path)  # bad input (exit 1), not a failed verification (exit 3)
     return VerifyPlan(opts, Path(path), versions, target)
 
 
@@ -225,19 +224,27 @@ __all__ = ["Code", "Finding", "Severity", "VerifyOptions", "VerifyPlan", "Verify
 
 
 def _fit_fix(mm, fit, opts, target) -> str:
-    """What makes it fit, by what does not: the weights alone (more GPUs of the same size, the first TP
-    that holds them), or the KV cache (a context or batch that fits, FP8 KV)."""
+    """What makes it fit, by what does not: the weights and the reserve (more GPUs of the same size, the
+    first TP that holds them; larger GPUs where the reserve alone does not fit), or the KV cache (a context
+    or batch that fits, FP8 KV)."""
     from qtool.ops.verify.memory_fit import GIB
 
     more = _more_gpus(mm, opts, target)
     if fit.kv_cache_gib <= 0:  # the weights and the reserve alone exceed the budget
+        budget = f"the budget ({fit.budget_gib:.1f} GiB per GPU)"
+        over = (f"the weights alone ({fit.weights_per_gpu_gib:.1f} GiB per GPU) exceed {budget}"
+                if fit.weights_per_gpu_gib >= fit.budget_gib else
+                f"the weights ({fit.weights_per_gpu_gib:.1f} GiB per GPU) and the engine's reserve "
+                f"({fit.reserve_gib:.1f} GiB per GPU: activations, CUDA graphs, workspaces) exceed {budget}")
         if more:
-            return (f"the weights alone ({fit.weights_per_gpu_gib:.1f} GiB per GPU) exceed the budget: serve on "
-                    f"{more[0]} GPUs: {_verify_line(mm, opts, more[0], more[1])}")
+            return f"{over}: serve on {more[0]} GPUs: {_verify_line(mm, opts, more[0], more[1])}"
+        if fit.reserve_gib >= fit.budget_gib:  # no number of GPUs of this size holds the reserve
+            least = (fit.reserve_gib + fit.weights_per_gpu_gib) / (fit.budget_gib / fit.gpu_gib)
+            return f"{over}: GPUs of more than {least:.1f} GiB each (before any KV cache)"
         from qtool.ops.verify.engine_rules import TP_SIZES
 
-        return (f"the weights alone ({fit.weights_per_gpu_gib:.1f} GiB per GPU) exceed the budget at every TP up to "
-                f"{TP_SIZES[-1]}: a smaller checkpoint (NVFP4 routed experts, fewer BF16 pieces) or larger GPUs")
+        return (f"{over} at every TP up to {TP_SIZES[-1]}: a smaller checkpoint (NVFP4 routed experts, fewer BF16 "
+                "pieces) or larger GPUs")
     per_seq = fit.kv_bytes_per_token
     fixes = []
     length = opts.max_model_len or fit.max_model_len

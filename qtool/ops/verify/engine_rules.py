@@ -447,6 +447,10 @@ def _tp_problems(mm: ModelMap, tp: int, decisions: dict[str, dict[str, bool | No
     return out
 
 
+# vllm#34948: speculative decoding over the GDN layers hits an illegal memory access under load beyond this
+MTP_STABLE_MAX = 3
+
+
 def mtp_findings(mm: ModelMap, mtp: int) -> list[Finding]:
     if mtp <= 0:
         return []
@@ -455,6 +459,10 @@ def mtp_findings(mm: ModelMap, mtp: int) -> list[Finding]:
                       "(speculative decoding would run with 0% acceptance)",
                       "graft it from the BF16 original: qtool assemble hybrid --nvfp4 CKPT --bf16 BF16 -o OUT "
                       "--mtp from-bf16; or serve without --mtp")]
+    if mtp > MTP_STABLE_MAX:
+        return [warning(Code.MTP_UNSTABLE, "mtp", f"--mtp {mtp}: more than {MTP_STABLE_MAX} speculative tokens "
+                        "are unstable under load with the GDN attention backend (vllm#34948: a CUDA illegal memory access)",
+                        f"--mtp {MTP_STABLE_MAX} at most")]
     return []
 
 

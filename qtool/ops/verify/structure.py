@@ -34,11 +34,18 @@ def open_checked(path: str | Path) -> tuple[Checkpoint | None, list[Finding]]:
         found = _diagnose_headers(Path(path))
         return None, found or [_header_finding(e)]
     except CheckpointError as e:
+        if not_a_checkpoint(Path(path)):
+            raise  # bad input (exit 1, as inspect's), not a checkpoint that fails verification (exit 3)
         if e.path and Path(e.path).name == INDEX_NAME or "index" in e.message:
             return None, [error(Code.BAD_INDEX, e.tensor or e.path, e.message, e.hint)]
         if "config.json" in e.message:
             return None, [error(Code.BAD_CONFIG, e.path, e.message, e.hint)]
         return None, [error(Code.BAD_INDEX, e.tensor or e.path, e.message, e.hint)]
+
+
+def not_a_checkpoint(root: Path) -> bool:
+    """A folder with neither shards nor an index: no checkpoint at all (a parent of checkpoints, say)."""
+    return root.is_dir() and not (root / INDEX_NAME).exists() and not any(root.glob("*.safetensors"))
 
 
 def _header_finding(e: HeaderError) -> Finding:
