@@ -398,7 +398,7 @@ def _journal_if_on_record(e, size: int, digest: Future | None, journal: Journal,
     if digest is not None:
         try:
             sha256 = digest.result()
-        except BaseException:  # noqa: BLE001 -- stopped or failed: the hasher's results() raises it
+        except Exception:  # noqa: BLE001 -- stopped or failed: the hasher's results() raises it (Ctrl-C is not caught)
             return False
         if not sha256:
             return False  # no digest to check it by: a resumed run writes it again
