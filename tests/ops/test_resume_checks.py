@@ -54,14 +54,20 @@ def test_a_kept_shard_whose_bytes_changed_is_written_again(tiny_nvfp4_modelopt, 
 # ---- sensitivity ------------------------------------------------------------------------------------------
 
 
-def unsampled_offset_within(f: Path, start: int, end: int) -> int:
-    """A byte of f[start:end] that the journal's identity sample (qtool.io.identity) does not read."""
-    size = f.stat().st_size
-    with open(f, "rb") as fh:
-        head = 8 + int.from_bytes(fh.read(8), "little")
-    step = max(SAMPLE_BLOCK, (size - head) // SAMPLE_BLOCKS)
-    sampled = [(0, head), (size - SAMPLE_BLOCK, size)] + [(o, o + SAMPLE_BLOCK) for o in range(head, size, step)]
-    return next(o for o in range(start, end) if not any(a <= o < b for a, b in sampled))
+def unsampled_byte(ck: Checkpoint, tag: str) -> tuple[Path, int]:
+    """A file and a byte of a tensor named with `tag` there that the journal's identity sample
+    (qtool.io.identity) does not read."""
+    for info in sorted((i for n, i in ck.tensors.items() if tag in n), key=lambda i: (i.file, i.start)):
+        f = Path(info.file)
+        size = f.stat().st_size
+        with open(f, "rb") as fh:
+            head = 8 + int.from_bytes(fh.read(8), "little")
+        step = max(SAMPLE_BLOCK, (size - head) // SAMPLE_BLOCKS)
+        sampled = [(0, head), (size - SAMPLE_BLOCK, size)] + [(o, o + SAMPLE_BLOCK) for o in range(head, size, step)]
+        for o in range(info.start, info.end):
+            if not any(a <= o < b for a, b in sampled):
+                return f, o
+    raise AssertionError(f"every byte of the {tag} tensors is sampled")
 
 
 def test_sensitivity_resume_refuses_an_input_edited_with_its_mtime_put_back(tiny_bf16, tiny_nvfp4_ct, tmp_path):
@@ -73,12 +79,8 @@ def test_sensitivity_resume_refuses_an_input_edited_with_its_mtime_put_back(tiny
     out = tmp_path / "out"
     killed = run_killed("qtool.io.jsonio:write_json", 4, [*args, "-o", out])  # layers 0-2 journaled
     assert killed.returncode == -9, killed.stderr
-    ck = Checkpoint.open(bf)
-    name = "model.language_model.layers.0.mlp.experts.gate_up_proj"
-    info = ck.tensors[name] if name in ck.tensors else next(
-        i for n, i in ck.tensors.items() if ".layers.0.mlp.experts." in n)
-    f = Path(info.file)
-    same_size_edit(f, unsampled_offset_within(f, info.start, info.end))
+    f, offset = unsampled_byte(Checkpoint.open(bf), ".layers.0.mlp.experts.")
+    same_size_edit(f, offset)  # unseen by the journal's identity check
     p = run_qtool([*args, "-o", out, "--resume", "--json"], timeout=TIMEOUT)
     assert p.returncode == 1, p.stdout + p.stderr
     err = json.loads(p.stdout)
