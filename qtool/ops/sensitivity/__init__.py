@@ -13,6 +13,7 @@ pass through the output transaction (OUT.partial/, a journal per layer for --res
 
 from __future__ import annotations
 
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -138,8 +139,6 @@ def execute(p: SensitivityPlan, *, progress=None) -> Report:
         write_json(tx.partial / TABLE, state["table"])
 
     def check() -> dict:
-        import shutil
-
         shutil.rmtree(p.work_dir, ignore_errors=True)  # the hidden states: the table is all that is kept
         return {}
 
