@@ -156,6 +156,15 @@ def check_device(device: str, *, present: bool = False) -> str:
     return device
 
 
+def check_batch_tokens(value: int | None) -> None:
+    """--batch-tokens, where a command has it: a micro-batch holds at least one token."""
+    from qtool.errors import UsageError
+
+    if value is not None and value < 1:
+        raise UsageError(f"--batch-tokens must be at least 1, got {value}", hint="give a positive token count, "
+                         "or leave it out for the default")
+
+
 def show_progress(args) -> bool:
     """Progress bars only for a person watching: not with --quiet or --json, and not when stderr is a
     file or a pipe (a CI log would get a line per redraw)."""

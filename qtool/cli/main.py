@@ -11,6 +11,7 @@ import os
 import sys
 
 from qtool import __version__, redact
+from qtool.cli.common import check_batch_tokens
 from qtool.errors import QtoolError
 
 # name -> (module, one-line help). Sub-command groups (e.g. `assemble hybrid`) are handled by the module.
@@ -119,10 +120,7 @@ def _parallel(args, argv: list[str]) -> int | None:
     run the command in this process."""
     if not hasattr(args, "nproc"):
         return None
-    if args.batch_tokens is not None and args.batch_tokens < 1:
-        from qtool.errors import UsageError
-
-        raise UsageError(f"--batch-tokens must be at least 1, got {args.batch_tokens}")
+    check_batch_tokens(args.batch_tokens)
     from qtool import dist
 
     dist.resumable = hasattr(args, "resume")  # what a lost rank (here or in the launcher) offers

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qtool.cli.common import (DATASET_HELP, add_output_flags, check_device, dataset_supply, headers_checkpoint, human_bytes,
-                              layer_ranges, local_checkpoint,
+from qtool.cli.common import (DATASET_HELP, add_output_flags, check_batch_tokens, check_device, dataset_supply,
+                              headers_checkpoint, human_bytes, layer_ranges, local_checkpoint,
                               memory_line, plan_then_execute, print_json, run_command_line)
 
 
@@ -27,6 +27,7 @@ def run(args) -> int:
     from qtool.ops import sensitivity
 
     check_device(args.device, present=not args.dry_run)
+    check_batch_tokens(args.batch_tokens)
     # --dry-run reads headers only, also of hf: sources; a real run needs both checkpoints' data
     src = headers_checkpoint if args.dry_run else local_checkpoint
     opts = sensitivity.SensitivityOptions(

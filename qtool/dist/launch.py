@@ -66,6 +66,24 @@ def _check_gpus(devices: list[str]) -> None:
                          hint="use --nproc/--devices within the GPUs present, or --device cpu")
 
 
+def require_device(device: str) -> None:
+    """The CUDA device `--device` names (cuda, cuda:N) is on this machine: a usage error naming it
+    otherwise, made by the plan (so a --dry-run says it too, not only the run that would need it)."""
+    if not device.startswith("cuda"):
+        return
+    index = device.partition(":")[2]
+    if index and not index.isdigit():
+        raise UsageError("--device must be cpu, cuda or cuda:N", got=device)
+    import torch
+
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if have == 0:
+        raise UsageError(f"--device {device} but no CUDA device is available", hint="use --device cpu")
+    if int(index or 0) >= have:
+        raise UsageError(f"--device {device} but this machine has {have} CUDA device(s)",
+                         hint=f"use --device cuda:0 to cuda:{have - 1}, or --device cpu")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

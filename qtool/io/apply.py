@@ -22,13 +22,14 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from qtool.errors import VerificationError, WriteError
-from qtool.io.files import copy_file, fsync_path, new_file
+from qtool.io.files import copy_file, fsync_path, hash_file, new_file
 from qtool.io.identity import JOURNAL_NAME, Journal, input_identity
 from qtool.io.manifest import InputHasher, carried_files, previous_head, source_entry, write_manifest
 from qtool.io.output import MANIFEST_NAME, OutputDir, made_by_qtool, output_files
 from qtool.io.plan import (Copy, Index, Json, Link, OutputPlan, Pending, Produced, Remove, Shard, Text,
                            index_text_of, resolve, tensors_of)
 from qtool.io.writer import FileRange, build_header, write_shard
+from qtool.notices import tell
 
 SPACE_MARGIN = 64 << 20
 # Shards in flight. Several: a shard's fsync (a synchronous write-out of ~all its bytes) overlaps other
@@ -312,13 +313,13 @@ def _write_shards(plan, tx, journal, hasher, values, overlap, on_headers, applie
     written already) and, with every entry, its side files."""
     partial = tx.partial
     todo = []
-    for e in plan.entries(Link, Shard):
-        if (names is not None and e.name not in names) or e.name in skip:
-            continue
-        if journal.file_done(partial, e.name):
+    mine = [e for e in plan.entries(Link, Shard) if (names is None or e.name in names) and e.name not in skip]
+    kept = kept_files(journal, partial, [e.name for e in mine if journal.file_done(partial, e.name)])
+    for e in mine:
+        if e.name in kept:
             applied.resumed.append(e.name)
             if not isinstance(e, Link):
-                hasher.submit_output(str(partial / e.name))
+                hasher.submit_output(str(partial / e.name), kept[e.name])  # hashed just now (or by the pool)
         else:
             todo.append(e)
     bar = None
@@ -356,8 +357,8 @@ def _write_shards(plan, tx, journal, hasher, values, overlap, on_headers, applie
                 else:
                     applied.linked[method] = applied.linked.get(method, 0) + 1
                 size = (partial / e.name).stat().st_size
-                unrecorded.append((e, size))
-                unrecorded = [(w, n) for w, n in unrecorded if not _journal_if_on_record(w, n, journal, hasher)]
+                unrecorded.append((e, size, digest))
+                unrecorded = [(w, n, d) for w, n, d in unrecorded if not _journal_if_on_record(w, n, d, journal, hasher)]
                 if bar is not None:
                     bar.update(size)
         except BaseException:
@@ -385,14 +386,43 @@ def _cancel_digests(futures) -> None:
                 digest.cancel()
 
 
-def _journal_if_on_record(e, size: int, journal: Journal, hasher: InputHasher) -> bool:
+def _journal_if_on_record(e, size: int, digest: Future | None, journal: Journal, hasher: InputHasher) -> bool:
     """Journal a written entry once the input bytes it holds are on record (manifest.InputHasher's rule),
     never waiting for them: one left unjournaled is written again by a resumed run (a hard link: nothing;
-    a shard from an input's tail, hashed only once the job has read the rest: its copy)."""
+    a shard from an input's tail, hashed only once the job has read the rest: its copy). A written shard's
+    entry carries its sha256 (hashed as it was written, right behind the writer: waited for), which a
+    resumed run checks before it keeps the file (kept_files)."""
     if not hasher.on_record(lambda: _source_ends(e), wait=False):
         return False
-    journal.record(e.name, size=size)
+    info = {"size": size}
+    if digest is not None:
+        try:
+            sha256 = digest.result()
+        except Exception:  # noqa: BLE001 -- stopped or failed: the hasher's results() raises it (Ctrl-C is not caught)
+            return False
+        if not sha256:
+            return False  # no digest to check it by: a resumed run writes it again
+        info["sha256"] = sha256
+    journal.record(e.name, **info)
     return True
+
+
+def kept_files(journal: Journal, partial: Path, names: list[str]) -> dict[str, str | None]:
+    """Of the finished units `names` (journaled, there at their recorded size), those a resumed run keeps:
+    name -> the sha256 the journal recorded for it, checked against the file's bytes now (hashed WRITERS
+    at a time; the manifest takes the digest, so each kept shard is read once), or None for one journaled
+    without it (a linked input: the inputs' own digests are checked). A shard whose bytes changed in
+    OUT.partial since it was written is dropped from the journal and written again, and the user is told."""
+    recorded = {n: journal.done[n].get("sha256") for n in names}
+    to_check = [n for n in names if recorded[n]]
+    with ThreadPoolExecutor(max_workers=WRITERS, thread_name_prefix="qtool-kept-sha256") as pool:
+        now = dict(zip(to_check, pool.map(lambda n: hash_file(partial / n), to_check)))
+    changed = [n for n in to_check if now[n] != recorded[n]]
+    for n in changed:
+        journal.done.pop(n)
+        tell(f"resuming: {partial / n} changed since it was written (its sha256 differs from the journal's); "
+             "it is written again")
+    return {n: recorded[n] for n in names if n not in changed}
 
 
 def _source_ends(e) -> dict[str, int]:

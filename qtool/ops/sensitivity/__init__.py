@@ -13,6 +13,7 @@ pass through the output transaction (OUT.partial/, a journal per layer for --res
 
 from __future__ import annotations
 
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,10 +72,12 @@ class SensitivityPlan:
 
 def plan(opts: SensitivityOptions) -> SensitivityPlan:
     from qtool.arch.model_map import build_map
+    from qtool.dist.launch import require_device
     from qtool.io.output import OutputDir
     from qtool.ops.sensitivity.measure import work_dir
     from qtool.stream.calib_data import plan_calibration
 
+    require_device(opts.device)
     bf = Checkpoint.open(opts.bf16, require_config=True)
     q = Checkpoint.open(opts.quantized, require_config=True)
     bf_map, q_map = build_map(bf), build_map(q)
@@ -100,46 +103,56 @@ def plan(opts: SensitivityOptions) -> SensitivityPlan:
     return p
 
 
-def table(p: SensitivityPlan, timing: dict | None) -> dict:
-    """sensitivity.json: the sources, the windows and the unit rows."""
+def table(p: SensitivityPlan) -> dict:
+    """sensitivity.json: the sources, the windows and the unit rows. Nothing of the run itself (its timing
+    is the manifest's run section): the same inputs give the same bytes, resumed or not."""
     return {"format": FORMAT, "schema_version": SCHEMA_VERSION,
             "bf16": {"path": str(p.bf.root)}, "quantized": {"path": str(p.q.root)}, "model": model_shape(p.bf),
             "tp_sizes": list(TP_SIZES), "calibration": p.calib.to_json(), "device": p.options.device,
-            "timing": timing, "units": [u.to_json() for u in p.units]}
+            "units": [u.to_json() for u in p.units]}
+
+
+def output_plan(p: SensitivityPlan):
+    """The output as the one executor runs it (qtool.io.apply.write_output): the table is the producer's
+    (written once measured), the checkpoints are its inputs (their identity keys the resume, their sha256,
+    taken from the pass's own reads, goes into the manifest and proves a resumed run's inputs unchanged)."""
+    from qtool.io.plan import OutputPlan
+
+    return OutputPlan("sensitivity", [], sources={"bf16": p.bf.root, "quantized": p.q.root},
+                      inputs=sorted({h.path for ck in (p.bf, p.q) for h in ck.headers.values()}),
+                      summary={"units": len(p.units), "measured": sum(u.measured for u in p.units),
+                               "calibration": p.calib.to_json()})
 
 
 def execute(p: SensitivityPlan, *, progress=None) -> Report:
-    from qtool.errors import UsageError
+    from qtool.io.apply import write_output
     from qtool.io.jsonio import write_json
-    from qtool.io.manifest import write_manifest
-    from qtool.io.output import MANIFEST_NAME, OutputDir, output_files
+    from qtool.io.manifest import RUN
+    from qtool.io.output import OutputDir
     from qtool.ops.sensitivity.measure import fill, measure
+    from qtool.stream.layer_stream import streamed_files
 
     o = p.options
-    if o.device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise UsageError("--device cuda but no CUDA device is available", hint="use --device cpu")
     t0 = time.perf_counter()
-    with OutputDir(o.out, sources=[p.bf.root, p.q.root], force=o.force, resume=o.resume) as tx:
+    tx = OutputDir(o.out, sources=[p.bf.root, p.q.root], force=o.force, resume=o.resume)
+    state: dict = {}
+
+    def produce(done) -> None:
         result = measure(p, resume=o.resume, progress=progress)
         fill(p.units, result)
-        data = table(p, result["timing"])
-        import shutil
+        state["table"], state["timing"] = table(p), result["timing"]
+        write_json(tx.partial / TABLE, state["table"])
 
+    def check() -> dict:
         shutil.rmtree(p.work_dir, ignore_errors=True)  # the hidden states: the table is all that is kept
-        write_json(tx.partial / TABLE, data)
-        # the one manifest schema; the checkpoints are named, not hashed: the table is the output, and
-        # hashing 800 GB again would double the job (as eval kld's --save-ref)
-        write_manifest(tx.partial / MANIFEST_NAME, kind="sensitivity", command=o.command,
-                       sources={"bf16": {"path": str(p.bf.root), "files": {}},
-                                "quantized": {"path": str(p.q.root), "files": {}}},
-                       summary={"units": len(p.units), "measured": sum(u.measured for u in p.units),
-                                "calibration": p.calib.to_json()},
-                       checks={}, files=output_files(tx.partial))
-        tx.commit()
-    return Report({"plan": p.to_json(), "table": data, "output": str(tx.out), "timing": result["timing"],
+        return {}
+
+    with tx:
+        # both checkpoints are hashed from the pass's reads (one read of each), as calibrate-kv's input
+        write_output(output_plan(p), tx, command=o.command, produce=produce, check=check,
+                     hash_from_reads=streamed_files(p.bf) | streamed_files(p.q),
+                     extra=lambda: {RUN: {"timing": state["timing"]}})
+    return Report({"plan": p.to_json(), "table": state["table"], "output": str(tx.out), "timing": state["timing"],
                    "seconds": time.perf_counter() - t0})
 
 

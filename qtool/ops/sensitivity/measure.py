@@ -120,14 +120,14 @@ class _Hooks:
 
 def journal_key(bf_ckpt, q_ckpt, digest: str, dtype: str, unit_ids: list[str]) -> str:
     """What a --resume must find unchanged: both checkpoints' tensors and text configs (a config edit
-    changes the forward), the token windows, the settings."""
-    from qtool.io.identity import input_identity
+    changes the forward), the token windows, the settings; as calibrate-kv's key. (A same-size edit of a
+    shard with its mtime put back is refused by the digests the pass records as it reads:
+    qtool.io.manifest.InputHasher, through the output executor.)"""
+    from qtool.io.identity import input_identity, tensor_list_text
 
     h = hashlib.sha256()
     for ck in (bf_ckpt, q_ckpt):
-        for n in sorted(ck.tensors):
-            i = ck.tensors[n]
-            h.update(f"{n}|{i.dtype}|{list(i.shape)}\n".encode())
+        h.update(tensor_list_text(ck.tensors))
         h.update(json.dumps(ck.text_config, sort_keys=True).encode())
         h.update(json.dumps(input_identity(x.path for x in ck.headers.values())).encode())
     h.update(f"{digest}|{dtype}|{','.join(unit_ids)}".encode())
@@ -163,6 +163,10 @@ def measure(plan, *, resume: bool, progress=None) -> dict:
                       write_behind=True, device=bf.device)
 
     def save(next_layer: int) -> None:
+        if next_layer > 0:  # the digests a resume relies on cover the bytes that layer read, of both sides
+            bf.inputs_hashed(next_layer - 1)
+            if by_layer.get(next_layer - 1):
+                q.inputs_hashed(next_layer - 1)
         entry = {"key": key, "next_layer": next_layer, "current": store.current,
                  "units": {k: v.to_json() for k, v in sums.items()},
                  "layers": {str(k): v.to_json() for k, v in layer_sums.items()}}
