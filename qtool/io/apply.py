@@ -16,13 +16,14 @@ from __future__ import annotations
 import os
 import shutil
 import threading
+from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
 from qtool.errors import VerificationError, WriteError
-from qtool.io.files import copy_file, fsync_path, hash_file, new_file
+from qtool.io.files import fsync_path, hash_file, new_file
 from qtool.io.identity import JOURNAL_NAME, Journal, input_identity
 from qtool.io.manifest import InputHasher, carried_files, previous_head, source_entry, write_manifest
 from qtool.io.output import MANIFEST_NAME, OutputDir, made_by_qtool, output_files
@@ -114,7 +115,7 @@ def _write_small(e, tx: OutputDir, plan: OutputPlan) -> None:
     dst = tx.partial / e.name
     dst.parent.mkdir(parents=True, exist_ok=True)
     if isinstance(e, Copy):
-        copy_file(e.source, dst, tx.file_mode)
+        tx.placer.copy(e.source, dst)  # (the job's input file: qtool.io.input_files)
         return
     if isinstance(e, Index):
         with new_file(dst, tx.file_mode) as f:
@@ -187,78 +188,95 @@ def write_output(plan: OutputPlan, tx: OutputDir, *, command: str | None, values
     check_space(plan, tx, journal)
     own_hasher = hasher is None
     hasher = hasher or input_hasher(tx, hash_from_reads)
-    applied = Applied(plan_hash)
-    try:
-        if resuming and journal.done:
-            # units are journaled only once their inputs are on record (InputHasher.on_record): a partial
-            # output without any holds nothing that rests on an input the interrupted run had not hashed.
-            # Before the other inputs are submitted: their digests would be recorded as if the interrupted
-            # run had made them, and a second --resume would trust them
-            hasher.refuse_unproven(plan.inputs, partial)
-        for f in plan.inputs:
-            hasher.submit(f)  # (a no-op for those hashed from reads: input_hasher took them)
-        for e in plan.entries(Remove):
-            if os.path.lexists(partial / e.name):
-                os.unlink(partial / e.name)
-        early = _early_shards(plan) if produce is not None and early_shards else set()
-        writing = None
-        if early:
-            writing = threading.Thread(target=_write_early, name="qtool-early-shards",
-                                       args=(plan, tx, journal, hasher, applied, stop, early))
-            writing.start()
-        def early_failed() -> None:
-            failed = getattr(writing, "error", None)
-            if failed is not None:  # an early shard's write failed: the producer stops where it asks
-                raise failed
-
-        def done(name: str, sha256=None) -> None:
-            try:
-                early_failed()
-            except BaseException:
-                if isinstance(sha256, Future):
-                    sha256.cancel()
-                raise
-            hasher.submit_output(str(partial / name), sha256)
-
-        done.check = early_failed  # for a producer that finishes no file of its own as it goes (calibrate-kv)
-
+    with _inputs_kept(tx, hasher, own_hasher):
+        applied = Applied(plan_hash)
         try:
-            if produce is not None:
-                # the producer says when each Produced file is complete: it is hashed then, while its bytes
-                # are in the page cache and the producer works on the next (not all at the end)
-                values.update(produce(done) or {})
-        except BaseException:
-            stop.set()
-            raise
+            if resuming and journal.done:
+                # units are journaled only once their inputs are on record (InputHasher.on_record): a partial
+                # output without any holds nothing that rests on an input the interrupted run had not hashed.
+                # Before the other inputs are submitted: their digests would be recorded as if the interrupted
+                # run had made them, and a second --resume would trust them
+                hasher.refuse_unproven(plan.inputs, partial)
+            for f in plan.inputs:
+                hasher.submit(f)  # (a no-op for those hashed from reads: input_hasher took them)
+            for e in plan.entries(Remove):
+                if os.path.lexists(partial / e.name):
+                    os.unlink(partial / e.name)
+            early = _early_shards(plan) if produce is not None and early_shards else set()
+            writing = None
+            if early:
+                writing = threading.Thread(target=_write_early, name="qtool-early-shards",
+                                           args=(plan, tx, journal, hasher, applied, stop, early))
+                writing.start()
+            def early_failed() -> None:
+                failed = getattr(writing, "error", None)
+                if failed is not None:  # an early shard's write failed: the producer stops where it asks
+                    raise failed
+
+            def done(name: str, sha256=None) -> None:
+                try:
+                    early_failed()
+                except BaseException:
+                    if isinstance(sha256, Future):
+                        sha256.cancel()
+                    raise
+                hasher.submit_output(str(partial / name), sha256)
+
+            done.check = early_failed  # for a producer that finishes no file of its own as it goes (calibrate-kv)
+
+            try:
+                if produce is not None:
+                    # the producer says when each Produced file is complete: it is hashed then, while its bytes
+                    # are in the page cache and the producer works on the next (not all at the end)
+                    values.update(produce(done) or {})
+            except BaseException:
+                stop.set()
+                raise
+            finally:
+                if writing is not None:
+                    writing.join()
+            if writing is not None and writing.error is not None:
+                raise writing.error
+            hasher.finish_streams()
+            for e in plan.entries(Produced):
+                hasher.submit_output(str(partial / e.name))  # the ones resumed or not announced
+            _write_shards(plan, tx, journal, hasher, values, overlap, on_headers, applied, progress, stop, skip=early)
+            check_written(plan, partial)
+            applied.checks = check() if check is not None else {}
+            digests = hasher.results()
         finally:
-            if writing is not None:
-                writing.join()
-        if writing is not None and writing.error is not None:
-            raise writing.error
-        hasher.finish_streams()
-        for e in plan.entries(Produced):
-            hasher.submit_output(str(partial / e.name))  # the ones resumed or not announced
-        _write_shards(plan, tx, journal, hasher, values, overlap, on_headers, applied, progress, stop, skip=early)
-        check_written(plan, partial)
-        applied.checks = check() if check is not None else {}
-        digests = hasher.results()
+            if own_hasher:
+                hasher.close(keep_files=True)  # (open until the commit's check)
+        os.unlink(partial / JOURNAL_NAME)
+        files = _manifest(plan, tx, digests, command, applied.checks, shards_section, extra() if extra else {})
+        if applied.checks and not applied.checks.get("passed", True):
+            raise VerificationError(
+                f"the output failed its checks; it was left in {partial}", path=partial,
+                got=applied.checks.get("summary"),
+                hint="this is a qtool bug or an inconsistent source; see qtool-manifest.json there")
+        fsync_path(partial)
+        # the inputs, links of which the output may hold, are the files the job read, unchanged: else it fails
+        # naming the file, and nothing is published
+        hasher.files.check()
+        tx.commit()
+        # the commit removed the output it replaced (--force), whose links into the inputs moved their ctime
+        # once more: re-recorded, or the next run would hash them all again (qtool.io.digest_cache)
+        hasher.refresh(digests)
+        _remember_digests(tx.out, files)
+        return applied
+
+
+@contextmanager
+def _inputs_kept(tx: OutputDir, hasher: InputHasher, own: bool):
+    """While the job runs: its links and copies of inputs are of the files it opened and checks at commit
+    (qtool.io.input_files); those files stay open until then."""
+    tx.placer.sources = hasher.files
+    try:
+        yield
     finally:
-        if own_hasher:
-            hasher.close()
-    os.unlink(partial / JOURNAL_NAME)
-    files = _manifest(plan, tx, digests, command, applied.checks, shards_section, extra() if extra else {})
-    if applied.checks and not applied.checks.get("passed", True):
-        raise VerificationError(
-            f"the output failed its checks; it was left in {partial}", path=partial,
-            got=applied.checks.get("summary"),
-            hint="this is a qtool bug or an inconsistent source; see qtool-manifest.json there")
-    fsync_path(partial)
-    tx.commit()
-    # the commit removed the output it replaced (--force), whose links into the inputs moved their ctime
-    # once more: re-recorded, or the next run would hash them all again (qtool.io.digest_cache)
-    hasher.refresh(digests)
-    _remember_digests(tx.out, files)
-    return applied
+        tx.placer.sources = None
+        if own:
+            hasher.files.close()
 
 
 def input_hasher(tx: OutputDir, hash_from_reads: Iterable[str] = ()) -> InputHasher:

@@ -20,11 +20,16 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from qtool.errors import QtoolError
+from qtool.io.files import open_regular
+from qtool.notices import tell
+
 
 # Entries kept: a 397B's input and outputs are ~200 files, so this is dozens of models' worth. Unbounded,
 # the cache grew by every file any run ever hashed (a day of this project's tests: 55k entries, 13 MB, of
 # which 97% named files long gone), and every job pays its load and save: 0.14 + 0.42 s on the 2-core VM.
 MAX_ENTRIES = 8192
+MAX_BYTES = 64 << 20  # MAX_ENTRIES entries take ~2 MB: a larger file is not the cache qtool writes
 LOCK_WAIT = 5.0  # seconds a save waits for another job's save before it gives up on its own
 
 
@@ -49,12 +54,37 @@ def files_in(root: Path) -> list[Path]:
 
 
 def _load(path: Path) -> dict[str, dict]:
+    text = _read_bounded(path)
+    if text is None:
+        return {}
     try:
-        loaded = json.loads(path.read_text())
-    except (OSError, ValueError):
+        loaded = json.loads(text)
+    except ValueError:
         return {}
     # entries of the older string form (keyed without the ctime) prove nothing: dropped
     return {k: v for k, v in loaded.items() if isinstance(v, dict)} if isinstance(loaded, dict) else {}
+
+
+def _read_bounded(path: Path) -> bytes | None:
+    """The cache file's bytes if it is a regular file of at most MAX_BYTES, else None: a FIFO or a device
+    at its name (a link to /dev/zero) is ignored with a warning, never read (a hang, or memory without end)."""
+    try:
+        fd = open_regular(path, "the sha256 cache")
+    except QtoolError as e:
+        if os.path.lexists(path):
+            tell(f"warning: {e.message} ({path}): ignored; remove it (qtool writes a new one)")
+        return None
+    try:
+        size = os.fstat(fd).st_size
+        if size > MAX_BYTES:
+            tell(f"warning: the sha256 cache is {size} bytes, more than qtool ever writes ({path}): ignored; "
+                 "remove it (qtool writes a new one)")
+            return None
+        return os.pread(fd, size + 1, 0)[:MAX_BYTES]
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 class DigestCache:

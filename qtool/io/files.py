@@ -73,30 +73,42 @@ def new_file(path: str | Path, mode: int = 0o644) -> Iterator:
     f.close()
 
 
-def _reflink(src: str, dst: str, mode: int, stop) -> bool:
+def _reflink(src: str, fd: int, dst: str, mode: int, stop) -> bool:
     try:
-        with open(src, "rb") as s, new_file(dst, mode) as d:
-            fcntl.ioctl(d.fileno(), FICLONE, s.fileno())
+        with new_file(dst, mode) as d:
+            fcntl.ioctl(d.fileno(), FICLONE, fd)
         return True
     except OSError:
         return False
 
 
-def _linker(make_link):
-    """A placing method that makes a link (the name replaced, never the inode written)."""
-    def place(src: str, dst: str, mode: int, stop) -> bool:
+def _hardlink(src: str, fd: int, dst: str, mode: int, stop) -> bool:
+    """A link to the file open at `fd`, not to whatever its path names by now: through /proc (linkat's
+    AT_SYMLINK_FOLLOW, no privilege needed), else by path and kept only if it is that file."""
+    try:
+        if os.path.lexists(dst):
+            os.unlink(dst)
         try:
-            if os.path.lexists(dst):
-                os.unlink(dst)
-            make_link(os.path.realpath(src), dst)
-            return True
-        except OSError:
+            os.link(f"/proc/self/fd/{fd}", dst)
+        except OSError:  # (no /proc, or a kernel that refuses it: a sandbox's)
+            os.link(os.path.realpath(src), dst)
+        linked, opened = os.stat(dst), os.fstat(fd)
+        if (linked.st_dev, linked.st_ino) != (opened.st_dev, opened.st_ino):
+            os.unlink(dst)  # another file at the path now: a copy of the file opened instead
             return False
-    return place
+        return True
+    except OSError:
+        return False
 
 
-_hardlink = _linker(os.link)
-_symlink = _linker(os.symlink)
+def _symlink(src: str, fd: int, dst: str, mode: int, stop) -> bool:
+    try:
+        if os.path.lexists(dst):
+            os.unlink(dst)
+        os.symlink(os.path.realpath(src), dst)
+        return True
+    except OSError:
+        return False
 
 
 TMP_SUFFIX = ".qtool-tmp"  # every temporary file qtool makes ends so; a commit sweeps leftovers
@@ -111,18 +123,28 @@ INPUT_DIGESTS = ".qtool-input-digests.jsonl"  # qtool.io.manifest.InputHasher's 
 
 def copy_file(src: str | Path, dst: str | Path, mode: int = 0o644) -> None:
     """Copy `src` to a NEW file `dst` (kernel-side, fsynced): side files and small inputs."""
-    _copy(str(src), str(dst), mode, None)
+    with _opened(str(src)) as fd:
+        _copy(str(src), fd, str(dst), mode, None)
 
 
-def _copy(src: str, dst: str, mode: int, stop) -> bool:
+def _copy(src: str, fd: int, dst: str, mode: int, stop) -> bool:
     from qtool.io.writer import copy_range
 
     try:
-        with open(src, "rb") as s, new_file(dst, mode) as d:
-            copy_range(s.fileno(), d.fileno(), 0, os.fstat(s.fileno()).st_size, stop)
+        with new_file(dst, mode) as d:
+            copy_range(fd, d.fileno(), 0, os.fstat(fd).st_size, stop)
     except OSError as e:
         raise write_error("copying a file failed", e, dst) from None
     return True
+
+
+@contextmanager
+def _opened(src: str) -> Iterator[int]:
+    fd = open_regular(src)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
 
 
 _ORDER = {
@@ -146,22 +168,34 @@ class Placer:
         self.stop = stop  # copies end early (writer.Interrupted) once set
         self.file_mode = file_mode
         self.failed: set[str] = set()
+        # the job's input files (qtool.io.input_files.InputFiles), set by its executor: a file is placed from
+        # the one the job opened and checks at commit, not from whatever its path names by then
+        self.sources = None
 
     def place(self, src: str | Path, dst: str | Path) -> str:
         """Put `src` at `dst` (durable on return); returns the method used."""
         src, dst = str(src), str(dst)
-        for method in _ORDER[self.mode]:
-            if method in self.failed:
-                continue
-            if _METHODS[method](src, dst, self.file_mode, self.stop):
-                return method
-            self.failed.add(method)
+        with self._source(src) as fd:
+            for method in _ORDER[self.mode]:
+                if method in self.failed:
+                    continue
+                if _METHODS[method](src, fd, dst, self.file_mode, self.stop):
+                    return method
+                self.failed.add(method)
         raise WriteError(
             f"--link {self.mode.value} is not possible here",
             path=dst,
             hint="the output must be on the same filesystem as the source for hardlinks, and on btrfs/xfs "
             "for reflinks; use --link auto or --link copy",
         )
+
+    def copy(self, src: str | Path, dst: str | Path) -> None:
+        """`copy_file` from the job's input file (see `place`)."""
+        with self._source(str(src)) as fd:
+            _copy(str(src), fd, str(dst), self.file_mode, self.stop)
+
+    def _source(self, src: str):
+        return self.sources.placing(src) if self.sources is not None else _opened(src)
 
     def expect_new_bytes(self, src: str | Path, out_dir: str | Path) -> bool:
         """Whether placing `src` will (probably) consume new disk space."""
@@ -237,8 +271,9 @@ def keep_newest(folder: Path, pattern: str, keep: int, spare: Path | None = None
 def open_for_reads(path: str) -> int:
     """A descriptor for large explicit reads: the kernel's read-ahead is turned off (POSIX_FADV_RANDOM),
     since every byte it would fetch ahead is asked for anyway, and pages it fetched early are the first
-    to go when the input does not fit the page cache (read twice from the disk, then)."""
-    fd = os.open(path, os.O_RDONLY)
+    to go when the input does not fit the page cache (read twice from the disk, then). A regular file only
+    (`open_regular`: a FIFO or a device put at an input's path is a named error, not a hang)."""
+    fd = open_regular(path, "input file")
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
     return fd
 
@@ -250,17 +285,27 @@ class HashStopped(Exception):
 def hash_file(path: str | Path, chunk: int = 8 << 20, stop: threading.Event | None = None) -> str:
     """The file's sha256; once `stop` is set, HashStopped within a chunk (a failed job's exit does not wait
     for the rest of a 5 GB input shard)."""
+    fd = open_regular(path)
+    try:
+        return hash_fd(fd, str(path), chunk, stop)
+    finally:
+        os.close(fd)
+
+
+def hash_fd(fd: int, path: str, chunk: int = 8 << 20, stop: threading.Event | None = None) -> str:
+    """The sha256 of the file open at `fd` (read by offset: a descriptor shared with other readers)."""
     h = hashlib.sha256()
     buf = bytearray(chunk)
     view = memoryview(buf)
-    with os.fdopen(open_regular(path), "rb", buffering=0) as f:
-        while True:
-            if stop is not None and stop.is_set():
-                raise HashStopped(str(path))
-            n = f.readinto(buf)
-            if not n:
-                break
-            h.update(view[:n])
+    offset = 0
+    while True:
+        if stop is not None and stop.is_set():
+            raise HashStopped(path)
+        n = os.preadv(fd, [view], offset)
+        if not n:
+            break
+        h.update(view[:n])
+        offset += n
     return h.hexdigest()
 
 

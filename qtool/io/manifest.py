@@ -27,7 +27,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from qtool.io.digest_cache import file_key, user_cache
+from qtool.io.files import hash_fd
 from qtool.io.files import hash_file as _hash_file
+from qtool.io.input_files import InputFiles
 from qtool.io.stream_digest import StreamDigests
 from qtool.redact import SECRET_FLAGS, redact_argv, redact_json, redact_text, without_secrets  # noqa: F401
 
@@ -110,8 +112,11 @@ class InputHasher:
         self._inputs: list[Future] = []  # the pool's input digests (recorded before their future is done)
         self._streamed: dict[str, tuple[str, os.stat_result]] = {}  # path -> (real path, stat when submitted)
         self.changed: set[str] = set()  # inputs whose recorded prefix digest differs from this run's
+        # every input opened once, read through that descriptor and checked at the end (qtool.io.input_files)
+        self.files = InputFiles()
         if self.streams is not None:
             StreamDigests.active = self.streams
+            InputFiles.active = self.files
 
     def refuse_unproven(self, inputs, partial: Path) -> None:
         """A resumed run can prove its inputs unchanged only by their digests: the journal's identity
@@ -165,13 +170,14 @@ class InputHasher:
         huggingface_hub's download record, or the sha256 cache (trusted while the file's ctime is the
         recorded one); None where only reading the file would tell."""
         real = os.path.realpath(path)
+        opened = self.files.open(real)  # a regular file, checked at the end whatever gives its digest
         name = os.path.basename(real)
         recorded = name if os.path.basename(os.path.dirname(real)) == "blobs" and _HEX64.match(name) else None
         recorded = recorded or hub_recorded_sha256(path)
         if recorded:
             return recorded
-        self.keys[real] = file_key(real)  # what `refresh` re-records at the end of the run
-        return self.cache.lookup(real) if self.trust_cache else None
+        self.keys[real] = file_key(real, opened.stat)  # what `refresh` re-records at the end of the run
+        return self.cache.lookup(real, opened.stat) if self.trust_cache else None
 
     def submit(self, path: str) -> None:
         if path in self.futures or path in self._streamed:
@@ -182,7 +188,7 @@ class InputHasher:
             self._put(path, _done(self._note(path, on_record)))
         elif real in self.from_reads:
             self.streams.add(real, check=self.prefixes.get(real))
-            self._streamed[path] = (real, os.stat(real))
+            self._streamed[path] = (real, self.files.open(real).stat)
         else:
             self._put(path, self.pool.submit(self._hash, path, real))
 
@@ -216,7 +222,7 @@ class InputHasher:
         digest = d.finish()
         if d.mismatch:
             self.changed.add(real)
-        else:
+        elif self.files.unchanged(real):  # (else the commit refuses it: no digest of no file is cached)
             self.cache.store(real, digest, before)
         return self._note(path, digest)
 
@@ -236,14 +242,20 @@ class InputHasher:
         return digest
 
     def _hash(self, path: str, real: str) -> str:
-        before = os.stat(real)
-        digest = _hash_file(real, stop=self._stop)
-        self.cache.store(real, digest, before)
+        opened = self.files.open(real)
+        before = opened.stat
+        digest = hash_fd(opened.fd, real, stop=self._stop)
+        if self.files.unchanged(real):  # (else the commit refuses it: no digest of no file is cached)
+            self.cache.store(real, digest, before)
         return self._note(path, digest)
 
     def results(self) -> dict[str, str]:
         self.finish_streams()
-        out = {p: f.result() for p, f in sorted(self.futures.items())}
+        try:
+            out = {p: f.result() for p, f in sorted(self.futures.items())}
+        except Exception:
+            self.files.check()  # an input that changed under its hash (truncated: it ended early) is the error
+            raise
         self.pool.shutdown()
         real = {p: os.path.realpath(p) for p in out}
         changed = sorted(p for p, d in out.items() if self.recorded.get(real[p], d) != d or real[p] in self.changed)
@@ -254,6 +266,7 @@ class InputHasher:
                              "interrupted run", path=changed[0], got=", ".join(changed[:3]),
                              hint="run again without --resume to start over (the unfinished output would mix "
                              "old and new inputs)")
+        self.files.check()  # every digest is of one unchanged file: only then may the cache learn them
         self.refresh(out)
         return out
 
@@ -267,11 +280,16 @@ class InputHasher:
                 self.cache.refresh(real, d, self.keys[real])
         self.cache.save()
 
-    def close(self) -> None:
+    def close(self, keep_files: bool = False) -> None:
         """The end of the job, or an error's way out: every hash thread this job started is stopped and
         joined, none left running into the interpreter's exit (qtool.io.writer.HashedWrites.stop says why
         that matters); the pool's running ones stop within a chunk (the pool's threads are joined at exit:
-        a failed or interrupted 397B job does not wait there for whole input shards to be hashed)."""
+        a failed or interrupted 397B job does not wait there for whole input shards to be hashed).
+        keep_files: the input files stay open for the commit's check (its caller closes `files`)."""
+        if InputFiles.active is self.files:
+            InputFiles.active = None
+        if not keep_files:
+            self.files.close()
         self._stop.set()
         self.pool.shutdown(wait=False, cancel_futures=True)
         for digest in self._trailing:

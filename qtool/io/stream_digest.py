@@ -32,6 +32,8 @@ import heapq
 import os
 import threading
 
+from qtool.io.input_files import open_for_reads
+
 CHUNK = 8 << 20  # the digest's own reads
 QUEUE_BYTES = 1 << 30  # offered bytes waiting to be hashed, per file, before pieces are dropped
 
@@ -168,9 +170,9 @@ class FileDigest:
 
     def _open(self) -> int:
         if self._fd is None:
-            from qtool.io.files import open_for_reads
-
-            self._fd = open_for_reads(self.path)  # no read-ahead: it would fetch the readers' bytes
+            # the job's file, opened once (not whatever the path names by now); no read-ahead: it would
+            # fetch the readers' bytes
+            self._fd = open_for_reads(self.path)
         return self._fd
 
     def _update(self, view) -> None:

@@ -61,7 +61,7 @@ class TensorSource:
         import torch
 
         from qtool.io.dtypes import TORCH_DTYPE_NAMES
-        from qtool.io.files import open_for_reads
+        from qtool.io.input_files import open_for_reads
         from qtool.stream.layer_read import pread_exact
 
         fd = self._fds.get(info.file)
@@ -121,7 +121,7 @@ def embedding_rows(mm: ModelMap, name: str, ids, dtype, every_id=None):
     import torch
 
     from qtool.io.dtypes import TORCH_DTYPE_NAMES
-    from qtool.io.files import open_for_reads
+    from qtool.io.input_files import open_for_reads
     from qtool.stream.layer_read import pread_exact
 
     info = mm.ckpt.tensors.get(name)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from qtool.errors import PlanError
 from qtool.io import page_cache, stream_digest
-from qtool.io.files import open_for_reads
+from qtool.io.input_files import InputFiles, open_direct, open_for_reads
 from qtool.io.safetensors_header import TensorInfo
 
 MAX_GAP = 1 << 20  # read through holes up to 1 MiB (another layer's norm, a header) rather than split
@@ -241,7 +241,8 @@ class LayerBytes:
 
 
 class ShardFiles:
-    """One reader thread's descriptors and its choice of read for each piece:
+    """One reader thread's descriptors (of the files the job opened once: qtool.io.input_files) and its
+    choice of read for each piece:
     - bytes the page cache holds already (a re-run on an input that fits memory; the output the previous
       job just wrote): copied from there, one call (nothing is read from the disk, so nothing twice);
     - else around the page cache (`O_DIRECT`), one call, where the filesystem allows it;
@@ -293,15 +294,7 @@ class ShardFiles:
 
     def _direct(self, path: str) -> int | None:
         if path not in self.direct:
-            if not O_DIRECT:
-                self.direct[path] = None
-                return None
-            try:
-                self.direct[path] = os.open(path, os.O_RDONLY | O_DIRECT)
-            except OSError as e:
-                if e.errno != errno.EINVAL:  # EINVAL: this filesystem has no direct reads
-                    raise
-                self.direct[path] = None
+            self.direct[path] = open_direct(path)  # None: this filesystem has no direct reads
         return self.direct[path]
 
     def close(self) -> None:
@@ -323,6 +316,8 @@ def _read_upto(fd: int, view: memoryview, offset: int, call: int, direct: bool =
 
 
 def _truncated(path: str, tensor: str | None) -> PlanError:
+    if InputFiles.active is not None:
+        InputFiles.active.check_one(path)  # (shortened while the job ran: that is the error to name)
     return PlanError("shard ended before the layer's tensor bytes" if tensor is None
                      else "shard ended before the tensor's bytes", path=path, tensor=tensor,
                      hint="the shard is truncated: re-download or rebuild it")

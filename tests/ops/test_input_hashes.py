@@ -10,6 +10,7 @@ import time
 import pytest
 
 from qtool.io import manifest
+from qtool.io.files import LinkMode, Placer
 from qtool.io.manifest import InputHasher, hub_recorded_sha256
 
 
@@ -103,7 +104,9 @@ def test_the_cache_is_trusted_only_while_the_ctime_is_the_recorded_one(tmp_path,
     want = {str(f): hashlib.sha256(b"a" * 5000).hexdigest()}
     h = InputHasher()
     h.submit(str(f))
-    os.link(f, tmp_path / "linked-into-the-output")  # what the run does while it hashes
+    placer = Placer(LinkMode.HARDLINK)  # what the run does while it hashes: a link of the file it checks
+    placer.sources = h.files
+    placer.place(f, tmp_path / "linked-into-the-output")
     assert h.results() == want
     assert _digests([f], monkeypatch, allow_hashing=False) == want  # the run's own link: still a hit
     st = f.stat()
@@ -262,8 +265,8 @@ def test_a_failed_job_does_not_wait_for_its_input_hashes_to_finish(tmp_path, mon
     with open(big, "wb") as f:
         f.truncate(4 << 30)  # sparse: reads at memory speed, still about 2 s to hash here
     hashing = []
-    real = files.hash_file
-    monkeypatch.setattr(manifest, "_hash_file", lambda *a, **k: hashing.append(1) or real(*a, **k))
+    real = files.hash_fd
+    monkeypatch.setattr(manifest, "hash_fd", lambda *a, **k: hashing.append(1) or real(*a, **k))
     h = InputHasher(workers=1)
     h.submit(str(big))
     while not hashing:

@@ -99,7 +99,7 @@ def test_a_kill_before_the_inputs_are_hashed_still_resumes(tiny_nvfp4_modelopt, 
     shutil.copytree(tiny_nvfp4_modelopt, work)
     cmd = [args[0], work, *args[1:]]
     p = run_killed("qtool.io.writer:write_shard", 2, cmd,
-                   env={**os.environ, "KILLPOINT_SLOW": "qtool.io.manifest:_hash_file:1.5"})
+                   env={**os.environ, "KILLPOINT_SLOW": "qtool.io.manifest:hash_fd:1.5"})
     assert p.returncode == -9, p.stderr
     p = run_qtool([*cmd, "--resume"])
     assert p.returncode == 0, p.stderr
