@@ -5,9 +5,14 @@ Promises (README "Outputs"), kept here once instead of in each op:
 - an output directory never overlaps a source: OUT that is, contains or lies inside an input (symlinks
   resolved) is refused before anything is written;
 - an existing OUT is replaced only with --force and only when qtool made it (it holds a qtool manifest
-  or build-step marker); any other non-empty directory or file is refused whatever the flags;
+  or build-step marker); any other non-empty directory or file is refused whatever the flags, and so is
+  a qtool output holding files its manifest does not list (a user's, which the replacement would delete);
+  the rule is checked as the run begins and again at its commit (a build replaces its own recipe's
+  artifact without --force: qtool.ops.pipeline.run);
 - one writer at a time: an exclusive lock (flock) beside OUT (also for a checkpoint changed in place);
-  a second run gets an error naming the process that holds it;
+  a second run gets an error naming the process that holds it (a build holds it for its whole run);
+- qtool removes only directories it marked, the marker last, so a removal a kill interrupted is finished
+  by the next run;
 - work happens in `OUT.partial/`, moved into place only when complete;
 - files are created and placed by qtool.io.files (never written through a link to a source);
 - every output file gets the same permission bits (those of the primary source's files, since hard
