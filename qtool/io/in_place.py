@@ -12,7 +12,15 @@ from qtool.errors import WriteError
 from qtool.io.digest_cache import files_in, user_cache
 from qtool.io.files import LinkMode, Placer, fsync_path, link_tree, write_error
 from qtool.io.identity import JOURNAL_NAME, journaled_files
-from qtool.io.output import SWAPPED_MARKER, OutputDir, forget, remove_parked, source_file_mode, tell_discarded
+from qtool.io.output import (
+    SWAPPED_MARKER,
+    OutputDir,
+    forget,
+    remove_marker_last,
+    remove_parked,
+    source_file_mode,
+    tell_discarded,
+)
 
 RENAME_EXCHANGE = 2  # linux/fs.h
 
@@ -67,7 +75,7 @@ class InPlaceDir(OutputDir):
                 and not (tx.partial / cls.BUILDING).exists()):
             with tx.lock:
                 os.rename(tx.partial, tx.out)
-                shutil.rmtree(tx.old)
+                remove_parked(tx.old)
 
     def check(self) -> None:
         if not self.out.is_dir():
@@ -94,7 +102,7 @@ class InPlaceDir(OutputDir):
 
     def __exit__(self, *exc) -> None:
         if not self.committed and not self.keep_partial and self.partial.exists():
-            shutil.rmtree(self.partial, ignore_errors=True)
+            self._remove_building()
             forget(self)
         self.lock.release()
 
@@ -109,7 +117,7 @@ class InPlaceDir(OutputDir):
         with user_cache().keeping(files_in(self.out)):
             if self.partial.exists() and not self.resume:
                 tell_discarded(self.partial, self.out)
-                shutil.rmtree(self.partial)
+                remove_marker_last(self.partial, self.BUILDING)  # (_clear_stale left only one being built)
             self.fresh = not self.partial.exists()  # (else a resumed one, the interrupted run's work)
             self.partial.mkdir(exist_ok=True)
             (self.partial / self.BUILDING).touch()
@@ -119,8 +127,16 @@ class InPlaceDir(OutputDir):
         """OutputDir.withdraw's promise: the new state this run began (links of the checkpoint's files) is
         removed, a resumed one kept; never raises."""
         if self.fresh:
-            shutil.rmtree(self.partial, ignore_errors=True)
+            self._remove_building()
             forget(self)
+
+    def _remove_building(self) -> None:
+        """Remove the new state being built, its BUILDING marker last (a kill midway leaves a directory the
+        next run still knows as this one's); never raises: it runs on the way out of a failed run."""
+        try:
+            remove_marker_last(self.partial, self.BUILDING)
+        except OSError:
+            pass
 
     @classmethod
     def tidy(cls, root: str | Path) -> None:
@@ -172,7 +188,10 @@ class InPlaceDir(OutputDir):
                 (self.partial / self.BUILDING).touch()
             raise write_error("cannot swap the changed checkpoint into place", e, self.out) from None
         fsync_path(self.out.parent)
-        shutil.rmtree(self.old, ignore_errors=True)
+        try:
+            remove_parked(self.old)  # its SWAPPED_MARKER last: a kill midway is finished by the next run
+        except (OSError, WriteError):
+            pass
         self.committed = True
         forget(self)
         self.lock.release()

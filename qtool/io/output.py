@@ -5,9 +5,14 @@ Promises (README "Outputs"), kept here once instead of in each op:
 - an output directory never overlaps a source: OUT that is, contains or lies inside an input (symlinks
   resolved) is refused before anything is written;
 - an existing OUT is replaced only with --force and only when qtool made it (it holds a qtool manifest
-  or build-step marker); any other non-empty directory or file is refused whatever the flags;
+  or build-step marker); any other non-empty directory or file is refused whatever the flags, and so is
+  a qtool output holding files its manifest does not list (a user's, which the replacement would delete);
+  the rule is checked as the run begins and again at its commit (a build replaces its own recipe's
+  artifact without --force: qtool.ops.pipeline.run);
 - one writer at a time: an exclusive lock (flock) beside OUT (also for a checkpoint changed in place);
-  a second run gets an error naming the process that holds it;
+  a second run gets an error naming the process that holds it (a build holds it for its whole run);
+- qtool removes only directories it marked, the marker last, so a removal a kill interrupted is finished
+  by the next run;
 - work happens in `OUT.partial/`, moved into place only when complete;
 - files are created and placed by qtool.io.files (never written through a link to a source);
 - every output file gets the same permission bits (those of the primary source's files, since hard
@@ -37,6 +42,7 @@ STEP_MARKER = "qtool-step.json"  # a build step's finished output (qtool/ops/pip
 LOCK_NAME = ".qtool-lock"
 PARTIAL_MARKER = ".qtool-partial"  # in every OUT.partial/ qtool makes: only such a directory is ever removed
 SWAPPED_MARKER = ".qtool-swapped-out"  # in a replaced state qtool parked under its hidden `.NAME.qtool-old`
+REMOVING_MARKER = ".qtool-removing"  # in a directory of qtool's whose removal began (remove_ours)
 
 
 def partial_path(out: Path) -> Path:
@@ -59,19 +65,44 @@ def remove_parked(path: Path) -> None:
     if path.is_symlink() or not path.is_dir() or not (path / SWAPPED_MARKER).exists():
         raise WriteError("a directory at a name qtool uses for replaced outputs was not made by qtool",
                          path=path, hint="move it away")
-    shutil.rmtree(path)
+    remove_marker_last(path, SWAPPED_MARKER)
 
 
 def remove_ours(path: Path) -> None:
-    """rmtree a directory qtool made (its partial marker present, a finished output whose commit was
-    killed before its rename, or empty); anything else is refused."""
+    """Remove a directory qtool made (its partial marker present, a finished output whose commit was
+    killed before its rename, one whose removal a kill interrupted, or empty); anything else is refused.
+    The removal marks it first, so a kill midway (the manifest and shards gone, the rest not) leaves a
+    directory the next run still knows as qtool's and finishes removing."""
     if not os.path.lexists(path):
         return
     if path.is_symlink() or not path.is_dir() or (any(path.iterdir()) and not (path / PARTIAL_MARKER).exists()
+                                                  and not (path / REMOVING_MARKER).exists()
                                                   and not made_by_qtool(path)):
         raise WriteError("a directory in qtool's way was not made by qtool", path=path,
                          hint="move it away (qtool uses this name for its unfinished output)")
-    shutil.rmtree(path)
+    (path / REMOVING_MARKER).touch()
+    fsync_path(path)
+    remove_marker_last(path, REMOVING_MARKER)
+
+
+def remove_marker_last(path: Path, marker: str) -> None:
+    """rmtree a directory of qtool's, the marker that proves it qtool's last: a kill at any point of the
+    removal leaves the marker, so the next run (whatever its flags) finishes the removal instead of
+    refusing what is left as someone else's directory."""
+    for entry in sorted(os.scandir(path), key=lambda e: e.name):
+        if entry.name != marker:
+            _remove_entry(Path(entry.path))
+    fsync_path(path)  # the rest is gone for good before the proof goes
+    (path / marker).unlink(missing_ok=True)
+    os.rmdir(path)
+
+
+def _remove_entry(p: Path) -> None:
+    """One entry of a directory being removed (a named step: the kill tests stop a removal midway here)."""
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p)
+    else:
+        p.unlink()
 
 
 def unmark(partial: Path) -> None:
@@ -171,6 +202,29 @@ def check_not_in_hub_cache(out: Path, what: str = "-o") -> None:
                              "snapshot directory itself as an input)")
 
 
+def unlisted_files(path: Path) -> list[str]:
+    """The files in qtool's output `path` that its manifest (or build-step marker) does not list: someone
+    else's (a user's NOTES.txt), which replacing the output would delete with it. qtool's own markers and
+    the manifest are not among them."""
+    from qtool.io.files import read_regular
+
+    try:
+        record = json.loads(read_regular(path / (STEP_MARKER if os.path.lexists(path / STEP_MARKER)
+                                                 else MANIFEST_NAME)))
+        listed = set(record["files"])
+    except (QtoolError, ValueError, KeyError, TypeError):
+        return []  # not qtool's: check_replaceable refuses it on that ground
+    out = []
+    for p in sorted(path.rglob("*")):
+        rel = p.relative_to(path).as_posix()
+        if p.is_dir() and not p.is_symlink():
+            continue  # a directory holds nothing of its own (its files are listed or named here)
+        if rel in listed or rel in (MANIFEST_NAME, STEP_MARKER) or p.name.startswith(".qtool-"):
+            continue
+        out.append(rel)
+    return out
+
+
 def made_by_qtool(path: Path) -> bool:
     """A directory qtool created (a build step, or a published output): `not_ours_reason` is None."""
     return not_ours_reason(path) is None
@@ -194,6 +248,11 @@ def check_replaceable(out: Path, *, force: bool, any_owner: bool = False) -> Non
     if not force:
         raise WriteError("output already exists", path=out,
                          hint="choose another -o, or pass --force to replace it")
+    unlisted = [] if any_owner else unlisted_files(out)
+    if unlisted:
+        shown = ", ".join(unlisted[:5]) + (f" and {len(unlisted) - 5} more" if len(unlisted) > 5 else "")
+        raise WriteError(f"the output directory holds files its {MANIFEST_NAME} does not list: {shown}", path=out,
+                         hint="move them out of it (replacing the output would delete them), or choose another -o")
 
 
 def check_file_output(out: Path, *, sources: Iterable[Path], force: bool, ours: Callable[[bytes], bool],
@@ -296,6 +355,23 @@ class OutputLock:
         self.release()
 
 
+class HeldLock:
+    """An output's lock that a caller holds across more than one transaction (a build, for its whole run):
+    the transaction given it neither takes nor releases it."""
+
+    def __init__(self, lock: OutputLock) -> None:
+        self.lock = lock
+        self.path, self.target = lock.path, lock.target
+
+    def acquire(self) -> HeldLock:
+        if self.lock.fd is None:
+            raise RuntimeError("an output transaction was given a lock its caller does not hold")
+        return self
+
+    def release(self) -> None:
+        pass  # the caller's, released by the caller
+
+
 def lock_for(out: Path) -> OutputLock:
     """The lock of an output directory (new, or a checkpoint changed in place): `.NAME.qtool-lock`
     beside it, since OUT, OUT.partial and an in-place checkpoint are all renamed."""
@@ -330,7 +406,7 @@ class OutputDir:
 
     def __init__(self, out: str | Path, *, sources: Iterable[str | Path] = (), force: bool = False,
                  resume: bool = False, link: LinkMode = LinkMode.AUTO, stop: threading.Event | None = None,
-                 file_mode: int | None = None, replace_any: bool = False) -> None:
+                 file_mode: int | None = None, replace_any: bool = False, lock: OutputLock | None = None) -> None:
         self.out = Path(os.path.abspath(out))
         self.partial = partial_path(self.out)
         self.old = old_path(self.out)
@@ -340,7 +416,10 @@ class OutputDir:
             source_file_mode(self.sources[0]) if self.sources else 0o644)
         self.placer = Placer(link, stop, self.file_mode)
         self.input_digests = self.partial / INPUT_DIGESTS
-        self.lock = lock_for(self.out)
+        # `lock`: OUT's lock, held by the caller for longer than this transaction (a build's whole run)
+        self.lock: OutputLock | HeldLock = lock_for(self.out) if lock is None else HeldLock(lock)
+        if lock is not None and lock.target != self.out:
+            raise RuntimeError(f"the lock given is {lock.target}'s, not {self.out}'s")
         self.replace_any = replace_any  # qtool's own cache and step directories: nobody else's files
         # whether an interruption leaves work a `--resume` re-run continues (what Ctrl-C lists as kept);
         # not qtool's own caches and step directories: the next run makes them again by itself, whatever
@@ -395,7 +474,8 @@ class OutputDir:
         """Under the lock: the partial directory made ready (a resumed one kept)."""
         check_replaceable(self.out, force=self.force, any_owner=self.replace_any)  # again, now no one else writes
         remove_parked(self.old)  # a previous OUT a commit killed midway parked there
-        if os.path.lexists(self.partial) and (not self.resume or not (self.partial / PARTIAL_MARKER).exists()):
+        resumable = (self.partial / PARTIAL_MARKER).exists() and not (self.partial / REMOVING_MARKER).exists()
+        if os.path.lexists(self.partial) and (not self.resume or not resumable):
             tell_discarded(self.partial, self.out)
             remove_ours(self.partial)  # a user's own OUT.partial is refused, never removed
         self.fresh = not os.path.lexists(self.partial)  # (else a resumed one, the interrupted run's work)
@@ -442,15 +522,17 @@ class OutputDir:
             (self.partial / INPUT_DIGESTS).unlink()
 
     def commit(self) -> None:
-        """Rename the finished `OUT.partial/` to OUT (a qtool-made OUT is replaced only now)."""
+        """Rename the finished `OUT.partial/` to OUT (a qtool-made OUT is replaced only now, under the rule
+        checked as the run began: what appeared at OUT since is refused as it would have been then, and the
+        finished partial stays for a --resume)."""
         self.sweep()
         self.set_modes()
-        unmark(self.partial)
         out = self.out
+        check_replaceable(out, force=self.force, any_owner=self.replace_any)
+        unmark(self.partial)
         old = None
         try:
             if os.path.lexists(out):
-                check_replaceable(out, force=True, any_owner=self.replace_any)
                 old = self.old
                 remove_parked(old)
                 (out / SWAPPED_MARKER).touch()  # out is qtool-made (checked above): mark it as parked
@@ -463,7 +545,7 @@ class OutputDir:
             raise write_error("cannot move the finished output into place", e, out) from None
         fsync_path(Path(os.path.abspath(out)).parent)
         if old is not None:
-            shutil.rmtree(old)
+            remove_parked(old)
         self.committed = True
         forget(self)
         self.lock.release()

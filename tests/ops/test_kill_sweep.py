@@ -123,11 +123,54 @@ def test_kill_sweep_build(tmp_path):
         assert _manifest_but_run(out) == _manifest_but_run(ref), (target, n)
 
 
-def _manifest_but_run(out: Path) -> dict:
+def _manifest_but_run(out: Path, *, table_sha: bool = True) -> dict:
+    """The manifest but for its `run` section and the output's name; without `table_sha`, but for the
+    digest of a sensitivity table too (its `timing` differs in a resumed run)."""
     import json
 
     m = json.loads((out / "qtool-manifest.json").read_text().replace(str(out), "OUT").replace(
         " --resume", ""))
-    assert "run" in m
-    m.pop("run")
+    if table_sha:
+        assert "run" in m  # a build's timings are there
+    m.pop("run", None)
+    if not table_sha:
+        m["files"].pop("sensitivity.json")
     return m
+
+
+SENSITIVITY_WINDOWS = ["--samples", "4", "--seq-len", "32", "--batch-tokens", "64"]
+
+
+def test_kill_sweep_sensitivity(tiny_bf16, tiny_nvfp4_ct, tmp_path):
+    """sensitivity killed before its first layer, between layers, as its manifest is written and between its
+    partial's unmarking and the rename; --resume gives the table of an uninterrupted run, byte for byte but
+    for its `timing` (how long, from which layer: what a resumed run measures differently by nature)."""
+    bf, q = tmp_path / "bf", tmp_path / "q"
+    shutil.copytree(tiny_bf16, bf)
+    shutil.copytree(tiny_nvfp4_ct, q)
+    inputs = {"bf": tree_sha(bf, skip=()), "q": tree_sha(q, skip=())}
+    args = ["sensitivity", bf, q, *SENSITIVITY_WINDOWS, "--quiet"]
+    ref = tmp_path / "ref"
+    assert run_qtool([*args, "-o", ref]).returncode == 0
+    for i, (target, n) in enumerate([("qtool.io.jsonio:write_json", 1), ("qtool.io.jsonio:write_json", 5),
+                                     ("qtool.io.manifest:write_manifest", 1), ("qtool.io.output:unmark", 1)]):
+        out = tmp_path / f"out{i}"
+        p = run_killed(target, n, [*args, "-o", out])
+        assert p.returncode == -9, (target, n, p.stderr)
+        assert not out.exists()
+        p = run_qtool([*args, "-o", out, "--resume"])
+        assert p.returncode == 0, (target, n, p.stderr)
+        assert _table_but_timing(out) == _table_but_timing(ref), (target, n)
+        assert tree_sha(out, skip=("qtool-manifest.json", "sensitivity.json")) == tree_sha(
+            ref, skip=("qtool-manifest.json", "sensitivity.json")), (target, n)
+        assert _manifest_but_run(out, table_sha=False) == _manifest_but_run(ref, table_sha=False), (target, n)
+        assert not (tmp_path / f"out{i}.partial").exists()
+    assert {"bf": tree_sha(bf, skip=()), "q": tree_sha(q, skip=())} == inputs
+
+
+def _table_but_timing(out: Path) -> dict:
+    import json
+
+    table = json.loads((out / "sensitivity.json").read_text())
+    table.pop("timing", None)
+    return table

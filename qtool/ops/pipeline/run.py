@@ -16,8 +16,8 @@ from qtool.io.digest_cache import files_in, user_cache
 from qtool.io.manifest import RUN
 from qtool.io.output import MANIFEST_NAME as MANIFEST
 from qtool.io.files import copy_file, LinkMode, Placer
-from qtool.io.output import (OutputDir, check_no_overlap, check_replaceable, lock_for, output_files,
-                             source_file_mode)
+from qtool.io.output import (OutputDir, OutputLock, check_no_overlap, check_replaceable, lock_for, made_by_qtool,
+                             output_files, source_file_mode)
 from qtool.ops.pipeline.plan import (STEP_MARKER, BuildPlan, StepPlan, file_stats, files_unchanged, hash_sources,
                                     input_path, step_finished)
 from qtool.ops.pipeline.steps import RUNNERS
@@ -53,27 +53,22 @@ def run(bp: BuildPlan, *, resume: bool = False, progress: bool = False, token: s
     ctx = {"resume": resume, "progress": progress, "token": token, "command": command}
     # refused before any step runs (publishing would refuse it only at the end)
     check_no_overlap(bp.out, [s.path for s in bp.sources.values() if s.path is not None])
-    if os.path.lexists(bp.out):
-        check_replaceable(bp.out, force=True)  # a file, a link or a directory qtool did not make: never
-    if bp.out.exists() and not force and not _ours(bp.out) and any(bp.out.iterdir()):
-        raise WriteError("output exists and was not made by qtool build", path=bp.out,
-                         hint="choose another -o, or pass --force (a directory qtool did not make is never "
-                         "replaced)")
-    # one build of an OUT at a time, for its whole run: a second one (or one paused between steps while
-    # another ran) is refused, never two publishing; the steps' reuse is decided again under the lock
-    bp.work.parent.mkdir(parents=True, exist_ok=True)
-    with lock_for(bp.work):
+    # OUT's own lock, the one every writer of OUT takes, held for the whole run: no other command (a second
+    # build, an `assemble -o OUT`) writes OUT meanwhile, and the steps' reuse is decided again under it
+    bp.out.parent.mkdir(parents=True, exist_ok=True)
+    with lock_for(bp.out) as lock:
+        check_build_output(bp, force=force)
         hash_sources(bp)  # planning read no data: a local source without digests on record is read now
         for sp in bp.steps:
             sp.cached = step_finished(sp.dir, sp.key)
-        report = _run_steps(bp, ctx, resume)
+        report = _run_steps(bp, ctx, resume, force, lock)
     for s in bp.sources.values():
         if s.refresh is not None:
             s.refresh()  # the steps linked the sources' files (and removed old steps' links): see dir_fingerprint
     return report
 
 
-def _run_steps(bp: BuildPlan, ctx: dict, resume: bool) -> dict:
+def _run_steps(bp: BuildPlan, ctx: dict, resume: bool, force: bool, lock: OutputLock) -> dict:
     ran, skipped = [], []
     chain: list[dict] = []
     timings: list[dict] = []
@@ -103,19 +98,51 @@ def _run_steps(bp: BuildPlan, ctx: dict, resume: bool) -> dict:
                       "input_keys": sp.input_keys, "with": sp.step.params})
         # the step's report and time differ between a resumed and an uninterrupted build: the `run` section
         timings.append({"id": sp.step.id, "seconds": info.get("seconds"), "report": info.get("report")})
-    placed = _publish(bp, chain, timings)
+    placed = _publish(bp, chain, timings, force, lock)
     return {"recipe": bp.recipe.name, "out": str(bp.out), "ran": ran, "skipped": skipped,
             "final_key": bp.final_key, "published": placed is not None, "shards_placed": placed or {}}
 
 
-def _ours(out: Path) -> bool:
+def same_recipes_artifact(out: Path, bp: BuildPlan) -> bool:
+    """Whether `out` is what a build of this recipe (by its name) published: the one thing a build replaces
+    without --force (its own earlier artifact, the recipe edited or its sources moved on since)."""
+    if not made_by_qtool(out):
+        return False
     try:
-        return "build" in json.loads((out / MANIFEST).read_text())
+        build = json.loads((out / MANIFEST).read_text()).get("build")
     except (OSError, ValueError):
         return False
+    return isinstance(build, dict) and build.get("recipe") == bp.recipe.name
 
 
-def _publish(bp: BuildPlan, chain: list[dict], timings: list[dict]) -> dict[str, int] | None:
+def check_build_output(bp: BuildPlan, *, force: bool) -> None:
+    """The output rule every writer follows (qtool.io.output.check_replaceable), for a build: an existing
+    OUT is replaced without --force only when this recipe's build published it; anything else qtool made
+    needs --force, and what qtool did not make (or files its manifest does not list) is never replaced."""
+    if not os.path.lexists(bp.out):
+        return
+    ours = same_recipes_artifact(bp.out, bp)
+    if not force and not ours and bp.out.is_dir() and not bp.out.is_symlink() and any(bp.out.iterdir()) \
+            and made_by_qtool(bp.out):
+        raise WriteError(f"the output holds {_made_by(bp.out)}, not an artifact of recipe {bp.recipe.name!r}",
+                         path=bp.out, hint="choose another -o, or pass --force to replace it")
+    check_replaceable(bp.out, force=force or ours)
+
+
+def _made_by(out: Path) -> str:
+    """What made the qtool output at `out`, in words (for the refusal)."""
+    try:
+        m = json.loads((out / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return "another qtool output"
+    build = m.get("build")
+    if isinstance(build, dict):
+        return f"the artifact of recipe {build.get('recipe')!r}"
+    return f"the output of `qtool {m.get('operation', '?')}`"
+
+
+def _publish(bp: BuildPlan, chain: list[dict], timings: list[dict], force: bool, lock: OutputLock
+             ) -> dict[str, int] | None:
     """Publish the artifact step's output at `out` with the build provenance; None when up to date (same
     final key and every published file as it was published), else the shards' bytes by how they were placed
     ({"reflink": B} or {"copy": B}: a copy takes the artifact's size again on disk). Side files (what people edit) are copies, so
@@ -126,7 +153,8 @@ def _publish(bp: BuildPlan, chain: list[dict], timings: list[dict]) -> dict[str,
     from qtool.io.jsonio import atomic_write_text
 
     record = bp.work / PUBLISHED
-    if _ours(bp.out):
+    ours = same_recipes_artifact(bp.out, bp)
+    if ours:
         try:
             same_key = json.loads((bp.out / MANIFEST).read_text())["build"]["final_key"] == bp.final_key
             if same_key and files_unchanged(bp.out, json.loads(record.read_text()), strict=True):
@@ -143,7 +171,9 @@ def _publish(bp: BuildPlan, chain: list[dict], timings: list[dict]) -> dict[str,
         "steps": chain,
     }
     inputs = [s.path for s in bp.sources.values() if s.path is not None]
-    with OutputDir(bp.out, sources=inputs, force=True, file_mode=source_file_mode(src)) as tx:
+    # the rule checked as the build began, again: what appeared at OUT meanwhile (another build's artifact,
+    # a user's files) is replaced only as it would have been then
+    with OutputDir(bp.out, sources=inputs, force=force or ours, file_mode=source_file_mode(src), lock=lock) as tx:
         shards = Placer(LinkMode.OWN_INODE, file_mode=tx.file_mode)
         placed: dict[str, int] = {}
         for p in sorted(src.rglob("*")):

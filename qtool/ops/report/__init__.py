@@ -111,6 +111,10 @@ def _check_output(opts: ReportOptions) -> None:
     if out.suffix.lower() not in (".html", ".htm"):
         raise UsageError("-o must name an .html file", got=str(out), hint="e.g. -o report.html")
     sources = [a.path for a in opts.artifacts] + [Path(k) for k in opts.kld] + ([Path(opts.ref)] if opts.ref else [])
+    if opts.sensitivity is not None:
+        from qtool.ops.sensitivity import table_input
+
+        sources.append(table_input(opts.sensitivity))
     check_file_output(out, sources=sources, force=opts.force,
                       ours=lambda head: GENERATOR in head[:512].decode("utf-8", "replace"))
 

@@ -176,6 +176,18 @@ def check_table_model(data: dict, ck: Checkpoint, what: str) -> None:
                         hint="give the table made from this model's checkpoints (qtool sensitivity BF16 QUANTIZED -o OUT)")
 
 
+def table_input(path: str | Path) -> Path:
+    """What a command given the table at `path` reads, as an input no output may lie in: the sensitivity
+    output directory (given as OUT/, or as OUT/sensitivity.json beside its manifest), else the JSON file
+    itself (a table kept elsewhere: its directory is the user's)."""
+    from qtool.io.output import MANIFEST_NAME
+
+    path = Path(path)
+    if path.name == TABLE and (path.parent / MANIFEST_NAME).is_file():
+        return path.parent
+    return path
+
+
 def load_table(path: str | Path) -> dict:
     """A sensitivity table: OUT/ (its sensitivity.json) or the JSON file itself; a named error otherwise."""
     from qtool.errors import PlanError

@@ -278,11 +278,12 @@ def check_recipe_output(opts: PlanHybridOptions, table: dict | None = None) -> N
     """-o is a one-file output of the one contract: outside the inputs (both checkpoints, the ones the
     table names, the table's own directory), and replaced only with --force when this command wrote it."""
     from qtool.io.output import check_file_output
+    from qtool.ops.sensitivity import table_input
 
     if opts.out is None:
         return
     sources = [p for p in (opts.quantized, opts.bf16) if p]
-    sources.append(Path(opts.sensitivity))  # OUT/ of sensitivity, or its JSON file itself
+    sources.append(table_input(opts.sensitivity))  # OUT/ of sensitivity, or its JSON file itself
     if table is not None:
         sources += [Path(table[k]["path"]) for k in ("quantized", "bf16")]
     check_file_output(Path(opts.out), sources=sources, force=opts.force,
