@@ -8,7 +8,7 @@ tests/engines/test_accepts_oracle.py (tests/engines/accepts_runner.py probes the
   configs/model_config.py ModelConfig._parse_modelopt_quant_config picks the method by name (an unknown name in
   hf_quant_config.json builds the model unquantized), then layers/quantization/modelopt_quant.py
   ModelOptFp4Config.from_config takes FP8, NVFP4, NVFP4_AWQ, W4A16_NVFP4, ModelOptFp8Config FP8 and
-  ModelOptMixedPrecisionConfig MIXED_PRECISION.
+  ModelOptMixedPrecisionConfig MIXED_PRECISION; MXFP8 goes to layers/quantization/fp8.py Fp8Config ("mxfp8").
 - ModelOpt `kv_cache_quant_algo` (hf_quant_config.json): vLLM utils/torch_utils.py
   get_kv_cache_quant_algo_string maps it through MODELOPT_TO_VLLM_KV_CACHE_DTYPE_MAP (fp8, nvfp4; anything
   else falls back to an unquantized "auto" cache); SGLang mem_cache/kv_cache_dtype.py configure_kv_cache_dtype
@@ -41,7 +41,7 @@ FLOAT4, FLOAT8, INT4, INT8 = ("float", 4), ("float", 8), ("int", 4), ("int", 8)
 MODELOPT_QUANT_ALGOS = {
     Engine.VLLM: frozenset({"FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_PB_WO", "NVFP4", "W4A16_NVFP4", "MXFP8",
                             "MIXED_PRECISION"}),
-    Engine.SGLANG: frozenset({"FP8", "NVFP4", "NVFP4_AWQ", "W4A16_NVFP4", "MIXED_PRECISION"}),
+    Engine.SGLANG: frozenset({"FP8", "NVFP4", "NVFP4_AWQ", "W4A16_NVFP4", "MXFP8", "MIXED_PRECISION"}),
 }
 MODELOPT_KV_CACHE_QUANT_ALGOS = {Engine.VLLM: frozenset({"FP8", "NVFP4"}), Engine.SGLANG: frozenset({"FP8"})}
 KV_CACHE_SCHEMES = {Engine.VLLM: frozenset({FLOAT8}), Engine.SGLANG: frozenset({FLOAT8})}
