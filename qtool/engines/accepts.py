@@ -1,26 +1,31 @@
 """Which config values vLLM 0.33 and SGLang 0.5.23 load, as data: anything else they refuse at start-up or
 build something other than what the checkpoint holds.
 
-Read from the engines' own files (the engines-marked test tests/engines/test_accepts_oracle.py compares these
-tables with the real packages where a venv with them exists):
-- ModelOpt `quant_algo`: vLLM vllm/model_executor/layers/quantization/modelopt.py `QUANT_ALGOS` (upper-cased
-  before the check; anything else is "ModelOpt currently only supports: ..."); SGLang
-  python/sglang/srt/layers/quantization/modelopt_quant.py builds ModelOptFp8Config (FP8),
-  ModelOptFp4Config (NVFP4, W4A16_NVFP4) and ModelOptMixedPrecisionConfig (MIXED_PRECISION) only.
-- ModelOpt `kv_cache_quant_algo` (hf_quant_config.json): vLLM modelopt.py `KV_CACHE_QUANT_ALGOS`; SGLang
-  modelopt_quant.py builds its KV-cache method for FP8 only.
+Read from the engines' own files, and checked against them by the engines-marked test
+tests/engines/test_accepts_oracle.py (tests/engines/accepts_runner.py probes the installed packages):
+- ModelOpt `quant_algo`: vLLM model_executor/layers/quantization/modelopt.py `QUANT_ALGOS` (upper-cased in
+  ModelOptQuantConfigBase.from_config, else "ModelOpt currently only supports: ..."). SGLang
+  configs/model_config.py ModelConfig._parse_modelopt_quant_config picks the method by name (an unknown name in
+  hf_quant_config.json builds the model unquantized), then layers/quantization/modelopt_quant.py
+  ModelOptFp4Config.from_config takes FP8, NVFP4, NVFP4_AWQ, W4A16_NVFP4, ModelOptFp8Config FP8 and
+  ModelOptMixedPrecisionConfig MIXED_PRECISION; MXFP8 goes to layers/quantization/fp8.py Fp8Config ("mxfp8").
+- ModelOpt `kv_cache_quant_algo` (hf_quant_config.json): vLLM utils/torch_utils.py
+  get_kv_cache_quant_algo_string maps it through MODELOPT_TO_VLLM_KV_CACHE_DTYPE_MAP (fp8, nvfp4; anything
+  else falls back to an unquantized "auto" cache); SGLang mem_cache/kv_cache_dtype.py configure_kv_cache_dtype
+  quantizes the cache for FP8 only.
 - `kv_cache_scheme` (config.json): vLLM compressed_tensors/compressed_tensors.py
-  CompressedTensorsKVCacheMethod.validate_kv_cache_scheme refuses all but `type: float, num_bits: 8`
-  ("Currently supported kv cache quantization is num_bits=8, type=float"), and modelopt.py from_config
-  reads only that one as FP8 (any other is dropped: no quantized KV cache); SGLang compressed_tensors.py
-  CompressedTensorsKVCacheMethod.is_supported_scheme likewise.
-- compressed-tensors `config_groups` weights x input activations: the schemes vLLM's
-  compressed_tensors.py `_get_scheme_from_parts` maps to a class under compressed_tensors/schemes/ (else
-  "No compressed-tensors compatible scheme was found"); SGLang's compressed_tensors.py `_get_scheme_from_parts`
-  knows fewer (no W4A8 schemes).
-- `layer_types`: vLLM models/qwen3_5.py Qwen3_5DecoderLayer raises "Invalid layer_type" for anything but
-  these two; SGLang configs/qwen3_5.py maps them to `layers_block_type` and models/qwen3_5.py
-  ALL_DECODER_LAYER_TYPES has a decoder layer for those two only.
+  CompressedTensorsKVCacheMethod.validate_kv_cache_scheme refuses all but `type: float, num_bits: 8`;
+  modelopt.py ModelOptQuantConfigBase.from_config sets a KV method for that one only (others: no KV scales
+  loaded). SGLang compressed_tensors.py CompressedTensorsKVCacheMethod.is_supported_scheme and
+  modelopt_quant.py from_config (float 8 -> "FP8") likewise.
+- compressed-tensors `config_groups` weights x input activations: the pairs `_get_scheme_from_parts` in each
+  engine's compressed_tensors.py maps to a scheme on an H100 or B200 for some layout an exporter writes (else
+  "No compressed-tensors compatible scheme was found"). vLLM's MXFP4 / MXFP8 weight schemes take any input
+  activations, hence the wide float4 / float8 rows.
+- `layer_types`: vLLM models/qwen3_5.py Qwen3_5DecoderLayer builds full_attention and linear_attention ("Invalid
+  layer_type" otherwise), after transformers' configuration_utils.py _LEGACY_LAYER_TYPE_REMAP renamed
+  "attention" and "mamba" to those. SGLang does not read `layer_types`: configs/qwen3_next.py
+  layers_block_type follows `full_attention_interval` (None below: no refusal).
 Older releases qtool models accept no more than these (the lists only grew), so the newest tables stand for
 every version.
 """
@@ -36,30 +41,33 @@ FLOAT4, FLOAT8, INT4, INT8 = ("float", 4), ("float", 8), ("int", 4), ("int", 8)
 MODELOPT_QUANT_ALGOS = {
     Engine.VLLM: frozenset({"FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_PB_WO", "NVFP4", "W4A16_NVFP4", "MXFP8",
                             "MIXED_PRECISION"}),
-    Engine.SGLANG: frozenset({"FP8", "NVFP4", "W4A16_NVFP4", "MIXED_PRECISION"}),
+    Engine.SGLANG: frozenset({"FP8", "NVFP4", "NVFP4_AWQ", "W4A16_NVFP4", "MXFP8", "MIXED_PRECISION"}),
 }
 MODELOPT_KV_CACHE_QUANT_ALGOS = {Engine.VLLM: frozenset({"FP8", "NVFP4"}), Engine.SGLANG: frozenset({"FP8"})}
 KV_CACHE_SCHEMES = {Engine.VLLM: frozenset({FLOAT8}), Engine.SGLANG: frozenset({FLOAT8})}
 
 # (weights, input activations or None for weight-only)
-_SHARED_CT_SCHEMES = {
-    (FLOAT4, FLOAT4),  # NVFP4 / MXFP4 W4A4
-    (FLOAT4, None),  # NVFP4A16
-    (FLOAT8, FLOAT8),  # FP8 W8A8
-    (FLOAT8, None),  # FP8 W8A16
-    (INT4, None), (INT8, None),  # WNA16 (GPTQ / AWQ packed)
-    (INT8, INT8),  # INT8 W8A8
-}
+_ANY_INPUT = (None, FLOAT4, FLOAT8, INT4, INT8)
 COMPRESSED_TENSORS_SCHEMES = {
-    Engine.VLLM: frozenset(_SHARED_CT_SCHEMES | {(INT4, INT8), (INT4, FLOAT8)}),  # + W4A8 int / fp8
-    Engine.SGLANG: frozenset(_SHARED_CT_SCHEMES),
+    Engine.VLLM: frozenset({(FLOAT4, a) for a in _ANY_INPUT}  # NVFP4 / NVFP4A16, MXFP4 (any input)
+                           | {(FLOAT8, a) for a in _ANY_INPUT}  # FP8 W8A8 / W8A16, MXFP8 (any input)
+                           | {(INT4, None), (INT8, None)}  # WNA16 (GPTQ / AWQ packed)
+                           | {(INT4, INT4), (INT4, INT8), (INT8, INT4), (INT8, INT8)}  # W4A8 / WNA8 / WNA4 int
+                           | {(INT4, FLOAT8), (INT8, FLOAT8)}),  # W4A8 fp8 (H100), int8 static W8A8
+    Engine.SGLANG: frozenset({(FLOAT4, FLOAT4), (FLOAT4, None),  # NVFP4, NVFP4A16
+                              (FLOAT8, FLOAT4), (FLOAT8, FLOAT8), (FLOAT8, INT4), (FLOAT8, INT8),
+                              (FLOAT8, None),  # FP8 W8A8, W8A16 (any input)
+                              (INT4, None), (INT8, None),  # WNA16
+                              (INT8, INT8), (INT8, FLOAT8)}),  # INT8 W8A8 (bits checked, not type)
 }
 # What a ModelOpt algorithm stores its weights as: a config.json `config_groups` saying otherwise describes
 # tensors the engine, which builds by quant_algo, does not build
 MODELOPT_WEIGHTS = {"FP8": FLOAT8, "FP8_PER_CHANNEL_PER_TOKEN": FLOAT8, "FP8_PB_WO": FLOAT8, "MXFP8": FLOAT8,
                     "NVFP4": FLOAT4, "W4A16_NVFP4": FLOAT4}
-LAYER_TYPES = {Engine.VLLM: frozenset({"full_attention", "linear_attention"}),
-               Engine.SGLANG: frozenset({"full_attention", "linear_attention"})}
+LAYER_TYPES: dict[Engine, frozenset[str] | None] = {
+    Engine.VLLM: frozenset({"full_attention", "linear_attention", "attention", "mamba"}),
+    Engine.SGLANG: None,
+}
 
 
 @dataclass(frozen=True)
@@ -153,5 +161,7 @@ def layer_type_refusals(engine: Engine, text_config: dict | None) -> list[Refusa
     """Entries of `text_config.layer_types` the engine has no decoder layer for."""
     types = (text_config or {}).get("layer_types")
     accepted = LAYER_TYPES[engine]
+    if accepted is None:  # the engine does not read layer_types
+        return []
     return [Refusal(f"config.json text_config.layer_types[{i}]", t, ", ".join(sorted(accepted)))
             for i, t in enumerate(types if isinstance(types, list) else []) if t not in accepted]
