@@ -180,12 +180,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    a.workdir.mkdir(parents=True, exist_ok=True)
-    src = ensure_proxy(a.workdir)
     chosen = methods(a.int4_group_size)
     if a.methods:
         keys = a.methods.split(",")
+        unknown = sorted(set(keys) - {m.key for m in chosen})
+        if unknown:
+            print(f"unknown --methods {','.join(unknown)}; known: {','.join(m.key for m in chosen)}", file=sys.stderr)
+            return 2
         chosen = [m for m in chosen if m.key in keys]
+    a.workdir.mkdir(parents=True, exist_ok=True)
+    src = ensure_proxy(a.workdir)
     rows, failed = [], []
     for method in chosen:
         print(f"{method.key} ...", flush=True)
