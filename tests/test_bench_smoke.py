@@ -81,3 +81,28 @@ def test_bench_plan_397b_end(tmp_path):
     row = next(line.split() for line in p.stdout.splitlines() if line.startswith("0 "))
     parts = dict(x.split("=") for x in row[3:])
     assert float(row[1]) > 0 and {"check_written", "commit", "rest"} <= set(parts), row
+
+
+@pytest.mark.slow
+def test_bench_quality_smoke(tmp_path):
+    """bench_quality's smoke mode: one row per method on the trained proxy, every KLD finite and above 0
+    (the methods' order is a benchmark figure, not asserted)."""
+    import json
+    import math
+
+    out = tmp_path / "quality.json"
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks/bench_quality.py"), "--smoke", "--workdir",
+                        str(tmp_path / "w"), "--out", str(out)], check=False, capture_output=True, text=True,
+                       timeout=1800)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["failed"] == [], result["failed"]
+    assert [r["key"] for r in result["rows"]] == [
+        "nvfp4-max", "nvfp4-mse", "nvfp4-mse-sweep", "int4-rtn", "int4-awq",
+        "modelopt-nvfp4-max", "llmc-nvfp4-minmax", "llmc-nvfp4-mse"]
+    for r in result["rows"]:
+        assert math.isfinite(r["mean_kld"]) and r["mean_kld"] > 0, r
+        assert r["expert_bytes"] > 0 and r["quantize_wall_s"] > 0 and r["positions"] == 2 * 64, r
+    assert result["rows"][5]["experts_identical_to_qtool_max"] is True  # ModelOpt's bytes are qtool max's
+    table = [line for line in p.stdout.splitlines() if line.startswith("| ")]
+    assert len(table) == 1 + len(result["rows"]) and "mean KLD" in table[0]

@@ -1,0 +1,216 @@
+"""Quality of 4-bit routed experts on the trained proxy (qtool.fixtures.proxy), qtool next to its peers.
+
+Every method quantizes only the routed experts of the same BF16 proxy (everything else BF16, no KV
+scales) on the same calibration windows (calibration.txt), and is measured as mean KL divergence against
+the BF16 proxy on the same held-out windows (heldout.txt) with `qtool eval kld` (weights only: the
+evaluation dequantizes the stored weights, activations stay BF16). Each row also gives the routed experts'
+bytes on disk (codes and every scale) and the quantize command's wall and CPU seconds. The baseline is
+measured in the same run: qtool's NVFP4 RTN from max (ModelOpt's default numerics); each KLD is given as
+a ratio to it. A peer backend that fails is left out of the table with its reason.
+
+    python benchmarks/bench_quality.py --workdir /tmp/bq --out quality.json
+    python benchmarks/bench_quality.py --workdir /tmp/bq --smoke        # tiny counts, for CI
+
+INT4 uses group 32 by default: 4 bits + one BF16 scale per 32 weights = 4.5 bits, NVFP4's 4 bits + one
+FP8 scale per 16 (equal bytes; `--int4-group-size 128` for the shipped AWQ recipe's group).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from qtool.fixtures.proxy import proxy_checkpoint
+from qtool.io.safetensors_header import read_header
+
+BASELINE = "nvfp4-max"
+
+
+@dataclass(frozen=True)
+class Method:
+    key: str
+    label: str  # the method, as the table names it
+    tool: str  # whose implementation
+    backend: str  # qtool quantize --backend
+    recipe: str  # YAML body (without schema/name lines)
+
+
+def _nvfp4(weight_scale: str) -> str:
+    return f"groups: {{routed_experts: nvfp4}}\nnvfp4: {{weight_scale: {weight_scale}}}\ndefaults: {{format: modelopt}}\n"
+
+
+def _int4(group_size: int, awq: bool) -> str:
+    # no layer overrides: every decoder layer's experts INT4 (the shipped AWQ recipe keeps layer 0 BF16)
+    return (f"groups: {{routed_experts: w4a16}}\nint4: {{group_size: {group_size}, awq: {str(awq).lower()}}}\n"
+            "defaults: {format: compressed-tensors}\n")
+
+
+def methods(int4_group: int) -> list[Method]:
+    return [
+        Method("nvfp4-max", "NVFP4 RTN, block scale from max", "qtool", "rtn", _nvfp4("max")),
+        Method("nvfp4-mse", "NVFP4, block scale MSE (7 shrinks)", "qtool", "rtn", _nvfp4("mse")),
+        Method("nvfp4-mse-sweep", "NVFP4, block scale MSE (126 E4M3 sweep)", "qtool", "rtn", _nvfp4("mse_sweep")),
+        Method("int4-rtn", f"INT4 W4A16 g{int4_group} RTN", "qtool", "rtn", _int4(int4_group, awq=False)),
+        Method("int4-awq", f"INT4 W4A16 g{int4_group} AWQ", "qtool", "rtn", _int4(int4_group, awq=True)),
+        Method("modelopt-nvfp4-max", "NVFP4 RTN, block scale from max", "ModelOpt", "modelopt", _nvfp4("max")),
+        Method("llmc-nvfp4-minmax", "NVFP4 RTN, minmax observer", "llm-compressor", "llmcompressor", _nvfp4("max")),
+        Method("llmc-nvfp4-mse", "NVFP4, mse observer", "llm-compressor", "llmcompressor", _nvfp4("mse")),
+    ]
+
+
+def write_recipe(method: Method, workdir: Path) -> Path:
+    path = workdir / "recipes" / f"{method.key}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"schema_version: 1\nname: bench-{method.key}\nkv_cache: none\n{method.recipe}", encoding="utf-8")
+    return path
+
+
+def ensure_proxy(workdir: Path) -> Path:
+    """The BF16 proxy checkpoint, built once per workdir (heldout.txt is its last file)."""
+    src = workdir / "bf16"
+    if not (src / "heldout.txt").exists():
+        proxy_checkpoint(ROOT / "benchmarks/proxy", src, force=True)
+    return src
+
+
+def qtool(args: list[str]) -> tuple[subprocess.CompletedProcess, float, float]:
+    """Run `qtool ARGS` from this tree: (the process, wall seconds, CPU seconds of the child)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "qtool", *args], check=False, capture_output=True, text=True,
+                          cwd=ROOT, env=_env())
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return proc, wall, cpu
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def expert_tensors(ckpt: Path) -> dict[str, tuple[str, int, int]]:
+    """Routed-expert tensors of the decoder layers (not the MTP head's): name -> (file, start, end)."""
+    out = {}
+    for shard in sorted(ckpt.glob("*.safetensors")):
+        for name, info in read_header(shard).tensors.items():
+            if ".layers." in name and ".mlp.experts." in name and not name.startswith("mtp."):
+                out[name] = (info.file, info.start, info.end)
+    return out
+
+
+def expert_bytes(ckpt: Path) -> int:
+    return sum(end - start for _, start, end in expert_tensors(ckpt).values())
+
+
+def same_expert_bytes(a: Path, b: Path) -> bool:
+    ta, tb = expert_tensors(a), expert_tensors(b)
+    if ta.keys() != tb.keys():
+        return False
+    return all(_read(*ta[n]) == _read(*tb[n]) for n in ta)
+
+
+def _read(file: str, start: int, end: int) -> bytes:
+    with open(file, "rb") as f:
+        f.seek(start)
+        return f.read(end - start)
+
+
+def run_method(method: Method, src: Path, workdir: Path, a: argparse.Namespace) -> dict:
+    out = workdir / "out" / method.key
+    recipe = write_recipe(method, workdir)
+    proc, wall, cpu = qtool(["quantize", str(src), "-o", str(out), "--recipe", str(recipe), "--backend", method.backend,
+                             "--dataset", str(src / "calibration.txt"), "--samples", str(a.calib_samples),
+                             "--seq-len", str(a.seq_len), "--device", "cpu", "--force", "--quiet"])
+    if proc.returncode != 0:
+        return {"key": method.key, "error": f"quantize exit {proc.returncode}: {_last_line(proc)}"}
+    kld, _, _ = qtool(["eval", "kld", "--ref", str(src), "--test", str(out), "--dataset", str(src / "heldout.txt"),
+                       "--windows", str(a.eval_windows), "--seq-len", str(a.seq_len), "--device", "cpu",
+                       "--json", "--quiet"])
+    if kld.returncode != 0:
+        return {"key": method.key, "error": f"eval kld exit {kld.returncode}: {_last_line(kld)}"}
+    stats = json.loads(kld.stdout)
+    return {"key": method.key, "method": method.label, "tool": method.tool, "backend": method.backend,
+            "mean_kld": stats["mean"], "p99_kld": stats["p99"], "top1_agreement": stats["top1_agreement"],
+            "positions": stats["positions"], "expert_bytes": expert_bytes(out),
+            "quantize_wall_s": round(wall, 2), "quantize_cpu_s": round(cpu, 2), "out": str(out)}
+
+
+def _last_line(proc: subprocess.CompletedProcess) -> str:
+    lines = (proc.stderr or proc.stdout).strip().splitlines()
+    return lines[-1] if lines else "(no output)"
+
+
+def table(rows: list[dict]) -> str:
+    base = next((r["mean_kld"] for r in rows if r["key"] == BASELINE), math.nan)
+    lines = ["| method | tool | mean KLD | ratio to qtool NVFP4 max | expert bytes | quantize s (wall / CPU) |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['method']} | {r['tool']} | {r['mean_kld']:.4g} | {r['mean_kld'] / base:.3f} | "
+                     f"{r['expert_bytes']:,} | {r['quantize_wall_s']:.1f} / {r['quantize_cpu_s']:.1f} |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workdir", type=Path, required=True, help="the proxy checkpoint (cached) and the outputs")
+    ap.add_argument("--out", type=Path, help="write the rows as JSON here")
+    ap.add_argument("--calib-samples", type=int, default=16, help="calibration windows (default 16)")
+    ap.add_argument("--eval-windows", type=int, default=16, help="held-out windows for eval kld (default 16)")
+    ap.add_argument("--seq-len", type=int, default=256, help="tokens per window, both (default 256)")
+    ap.add_argument("--int4-group-size", type=int, default=32, help="INT4 group (default 32: NVFP4's bytes)")
+    ap.add_argument("--methods", help="comma-separated keys (default all): " + ",".join(m.key for m in methods(32)))
+    ap.add_argument("--smoke", action="store_true", help="2 windows of 64 tokens each side (CI)")
+    a = ap.parse_args(argv)
+    if a.smoke:
+        a.calib_samples, a.eval_windows, a.seq_len = 2, 2, 64
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    chosen = methods(a.int4_group_size)
+    if a.methods:
+        keys = a.methods.split(",")
+        unknown = sorted(set(keys) - {m.key for m in chosen})
+        if unknown:
+            print(f"unknown --methods {','.join(unknown)}; known: {','.join(m.key for m in chosen)}", file=sys.stderr)
+            return 2
+        chosen = [m for m in chosen if m.key in keys]
+    a.workdir.mkdir(parents=True, exist_ok=True)
+    src = ensure_proxy(a.workdir)
+    rows, failed = [], []
+    for method in chosen:
+        print(f"{method.key} ...", flush=True)
+        row = run_method(method, src, a.workdir, a)
+        (failed if "error" in row else rows).append(row)
+        if "error" in row:
+            print(f"  left out: {row['error']}", flush=True)
+    print(f"\n{a.calib_samples} x {a.seq_len} calibration tokens, {a.eval_windows} x {a.seq_len} held-out tokens\n")
+    print(table(rows))
+    by_key = {r["key"]: r for r in rows}
+    if BASELINE in by_key and "modelopt-nvfp4-max" in by_key:
+        same = same_expert_bytes(Path(by_key[BASELINE]["out"]), Path(by_key["modelopt-nvfp4-max"]["out"]))
+        print(f"\nModelOpt's routed experts byte-identical to qtool NVFP4 max: {'yes' if same else 'NO'}")
+        by_key["modelopt-nvfp4-max"]["experts_identical_to_qtool_max"] = same
+    for row in failed:
+        print(f"left out {row['key']}: {row['error']}")
+    if a.out:
+        a.out.write_text(json.dumps({"calib": [a.calib_samples, a.seq_len], "eval": [a.eval_windows, a.seq_len],
+                                     "rows": rows, "failed": failed}, indent=2) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
