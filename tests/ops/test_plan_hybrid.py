@@ -99,7 +99,7 @@ def _kld(capsys, bf: Path, test: Path) -> float:
 
 def _assemble(capsys, bf, q, out: Path, experts: list[int], shared: list[int]) -> Path:
     run_json(capsys, ["assemble", "hybrid", "--nvfp4", str(q), "--bf16", str(bf), "-o", str(out), "--mtp", "keep",
-                      "--bf16-expert-layers", ",".join(map(str, experts)),
+                      "--bf16-expert-layers", ",".join(map(str, experts)) or "none",
                       "--bf16-shared-experts", ",".join(map(str, shared)) or "none", "--quiet"])
     return out
 
