@@ -10,7 +10,6 @@ from qtool.errors import UsageError
 
 
 LIST_AT_MOST = 20  # chosen units listed one per line up to this many
-MAX_WEIGHTS_GIB = 1 << 20  # a PiB per GPU: far above any GPU, far below what overflows the byte arithmetic
 
 
 def _by_kind(chosen: list[dict]) -> dict[str, list[dict]]:
@@ -22,6 +21,7 @@ def _by_kind(chosen: list[dict]) -> dict[str, list[dict]]:
 
 def add_arguments(p) -> None:
     from qtool.cli.verify_cmd import add_common
+    from qtool.ops.sensitivity.plan_hybrid import MAX_WEIGHTS_GIB
 
     sub = p.add_subparsers(dest="kind", metavar="KIND")
     h = sub.add_parser("hybrid", help="the BF16 units that buy the most quality in the memory left, from a "
