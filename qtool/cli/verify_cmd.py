@@ -15,10 +15,12 @@ def add_common(p) -> None:
     p.add_argument("--gpus", default="4x97887MiB",
                    help="GPUs as NxSIZE (MiB, GiB or GB); default 4x97887MiB = 4 x RTX PRO 6000 Blackwell")
     p.add_argument("--max-model-len", type=int, default=None, metavar="N", help="context length to check")
-    p.add_argument("--max-num-seqs", type=number(int, low=1), default=None, metavar="N", help="concurrent sequences to check")
+    p.add_argument("--max-num-seqs", type=number(int, low=1), default=None, metavar="N",
+                   help="concurrent sequences to check")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default=None,
                    help="KV cache dtype (verify: default auto = BF16)")
-    p.add_argument("--gpu-memory-utilization", type=number(float, low=0, high=1, low_open=True), default=0.9, metavar="F",
+    p.add_argument("--gpu-memory-utilization", type=number(float, low=0, high=1, low_open=True), default=0.9,
+                   metavar="F",
                    help="fraction of each GPU the engine may use (default 0.9)")
     p.add_argument("--mtp", type=int, default=0, metavar="N", help="speculative tokens from the MTP head (0: off)")
 

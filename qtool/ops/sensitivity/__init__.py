@@ -73,7 +73,8 @@ def plan(opts: SensitivityOptions) -> SensitivityPlan:
     from qtool.stream.calib_data import plan_calibration
 
     # the table names them: a name that is not UTF-8 is refused now, not after the whole pass
-    for path, flag in ((opts.bf16, "BF16"), (opts.quantized, "QUANTIZED"), (opts.out, "-o"), (opts.dataset, "--dataset")):
+    for path, flag in ((opts.bf16, "BF16"), (opts.quantized, "QUANTIZED"), (opts.out, "-o"),
+                       (opts.dataset, "--dataset")):
         require_text_path(path, flag)
     bf = Checkpoint.open(opts.bf16, require_config=True)
     q = Checkpoint.open(opts.quantized, require_config=True)
