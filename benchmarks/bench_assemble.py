@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         (f"qtool copy, sha256 cold ({kind})", waited(qtool(bf, out, "copy")), out, [nv, bf], True),
         ("qtool copy, sha256 cached", waited(qtool(bf, out, "copy")), out, [nv, bf], False),
         ("qtool --link auto, cached", waited(qtool(bf, out, "auto")), out, [nv, bf], False),
-        (shared_label, waited(qtool(bf, out, "copy", layers="", mtp="drop")), out, [nv, bf], False),
+        (shared_label, waited(qtool(bf, out, "copy", layers="none", mtp="drop")), out, [nv, bf], False),
         (f"qtool copy, sha256 cold ({other} BF16)", waited(qtool(bf_other, out, "copy")), out, [nv, bf_other],
          True),
         ("naive load_file/save_file + sync", waited([sys.executable, "-c", NAIVE, str(nv), str(bf), str(nout),
@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     rep = json.loads(res.stdout)
     out_bytes = _du(out)
     fresh(out)
-    res = subprocess.run(qtool(bf, out, "copy", layers="", mtp="drop"), capture_output=True, text=True, check=True)
+    res = subprocess.run(qtool(bf, out, "copy", layers="none", mtp="drop"), capture_output=True, text=True, check=True)
     shared_plan = json.loads(res.stdout)["plan"]
     fresh(out)
     load1 = _uptime()

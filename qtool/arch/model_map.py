@@ -15,6 +15,7 @@ from enum import Enum
 from qtool.arch.qwen35 import (
     FUSED_EXPERT_PARAMS,
     KV_SCALE_PARAMS,
+    TEXT_PREFIX,
     Group,
     Naming,
     TensorRole,
@@ -23,7 +24,8 @@ from qtool.arch.qwen35 import (
     full_attention_layers,
     layer_types,
 )
-from qtool.io.checkpoint import Checkpoint
+from qtool.errors import ConfigError
+from qtool.io.checkpoint import CONFIG_NAME, Checkpoint
 from qtool.io.tensor_table import file_of, nbytes_of, no_cyclic_gc, tensor_rows
 from qtool.formats.naming import REQUIRED_PARAMS as CODEC_REQUIRED_PARAMS
 from qtool.formats.naming import QuantFormat, detect_format
@@ -308,6 +310,40 @@ def _layout(kinds: set[str]) -> str | None:
     if not kinds:
         return None
     return next(iter(kinds)) if len(kinds) == 1 else "mixed"
+
+
+# the text config's sizes a plan of the whole model derives its per-layer and per-head arrays from
+REQUIRED_TEXT_SIZES = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads")
+
+
+def check_config_sizes(ckpt: Checkpoint) -> None:
+    """For the commands that judge a whole checkpoint (verify, plan hybrid): config.json has the model's
+    sizes, and its layer count is one the shards have. A named error naming config.json, before anything
+    is allocated per layer (a layer count of 10^8 ran verify out of memory one missing module at a time).
+    Not part of build_map: a subset fetched for assemble (one layer's experts) has fewer layers than its
+    config by design."""
+    cfg = ckpt.config or {}
+    nested = isinstance(cfg.get("text_config"), dict)
+    text = ckpt.text_config
+    where = "text_config." if nested else ""
+    missing = [k for k in REQUIRED_TEXT_SIZES if k not in text]
+    if missing:
+        raise ConfigError(f"config.json has no {where}{missing[0]}" + ("" if nested else " (and no text_config)"),
+                          path=ckpt.root / CONFIG_NAME, expected=f"{where or 'text_config.'}{', '.join(missing)}",
+                          hint="restore config.json from the source repository (Qwen3.5 keeps the model's sizes "
+                          "under text_config)")
+    explicit = text.get("layer_types") or []
+    count, key = max((text["num_hidden_layers"], "num_hidden_layers"), (len(explicit), "layer_types"))
+    prefix = f"{TEXT_PREFIX[detect_naming(ckpt.tensors)]}layers."
+    if any(name.startswith(f"{prefix}{count - 1}.") for name in ckpt.tensors):
+        return
+    present = {int(head) for head in (name[len(prefix):].partition(".")[0] for name in ckpt.tensors
+                                      if name.startswith(prefix)) if head.isdigit()}
+    got = f"decoder layers 0-{max(present)} in the shards" if present else "no decoder layer in the shards"
+    raise ConfigError(f"config.json: {where}{key} says {count} decoder layers, the shards have no layer {count - 1}",
+                      path=ckpt.root / CONFIG_NAME, expected=f"{where}{key} of at most {max(present, default=-1) + 1}",
+                      got=got, hint=f"fix {where}{key} in config.json (or restore the file from the source "
+                      "repository), or add the missing shards")
 
 
 def build_map(ckpt: Checkpoint, *, read_values: bool = True) -> ModelMap:

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from qtool.cli.common import (add_output_flags, headers_checkpoint, human_bytes, local_checkpoint, print_json,
@@ -17,8 +18,9 @@ def add_arguments(p) -> None:
                        "spliced into an NVFP4 checkpoint")
     h.add_argument("--nvfp4", required=True, help="NVFP4 checkpoint (ModelOpt or compressed-tensors naming)")
     h.add_argument("--bf16", required=True, help="the BF16 original (fused or per-expert routed experts)")
-    h.add_argument("--bf16-expert-layers", default="", metavar="LIST",
-                   help="comma-separated decoder layers whose routed experts come from BF16, e.g. 0 or 0,1")
+    h.add_argument("--bf16-expert-layers", default=None, metavar="LIST",
+                   help="comma-separated decoder layers whose routed experts come from BF16, e.g. 0 or 0,1 "
+                   "(default none)")
     h.add_argument("--bf16-shared-experts", default="all", metavar="all|none|LIST",
                    help="whose shared experts come from BF16: all layers (default), none, or e.g. 0,1,5")
     h.add_argument("--mtp", choices=["auto", "from-bf16", "keep", "drop"], default="auto",
@@ -30,17 +32,24 @@ def add_arguments(p) -> None:
     add_output_flags(h)
 
 
-def _layers(text: str, flag: str = "--bf16-expert-layers") -> tuple[int, ...]:
-    try:
-        return tuple(sorted({int(x) for x in text.replace(" ", "").split(",") if x}))
-    except ValueError:
-        raise UsageError(f"{flag} takes comma-separated layer numbers", got=text) from None
+# a layer list: ASCII layer numbers separated by commas (spaces only around a comma): "0 1" is not layer 1,
+# "1_0" is not layer 10 and "٣" is not layer 3, as Python's int() would read them
+LAYER_LIST = re.compile(r"[0-9]+(\s*,\s*[0-9]+)*")
+
+
+def _layers(text: str | None, flag: str = "--bf16-expert-layers") -> tuple[int, ...]:
+    """A layer list flag: `none` (or the flag left out) -> (), else its layers, sorted."""
+    if text is None or text.strip().lower() == "none":
+        return ()
+    if not LAYER_LIST.fullmatch(text.strip()):
+        raise UsageError(f"{flag} takes layer numbers separated by commas (e.g. 0,3,5), or none", got=repr(text),
+                         hint=f"{flag} 0,1 for layers 0 and 1")
+    return tuple(sorted({int(x) for x in text.split(",")}))
 
 
 def _shared_layers(text: str) -> tuple[int, ...] | None:
     """--bf16-shared-experts: all -> None (every layer), none -> (), else the layers."""
-    t = text.strip().lower()
-    return None if t == "all" else () if t == "none" else _layers(text, "--bf16-shared-experts (all, none or LIST)")
+    return None if text.strip().lower() == "all" else _layers(text, "--bf16-shared-experts")
 
 
 def run(args) -> int:

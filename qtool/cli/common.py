@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
+import math
+import re
 import sys
+from collections.abc import Callable
 
 # --dataset of every command that tokenizes text (qtool.stream.calib_data reads each of these)
 DATASET_HELP = ("`builtin` (shipped corpus), FILE.txt, FILE.jsonl / FILE.parquet (a `text` or chat `messages` "
@@ -42,6 +46,44 @@ def add_parallel_flags(parser) -> None:
                         help="one rank per device, e.g. cuda:0,cuda:1,cuda:2,cuda:3 (NCCL + gloo)")
     parser.add_argument("--batch-tokens", type=int, default=None, metavar="T",
                         help="tokens per micro-batch (default 4096 on CPU, 32768 on GPU); the unit the ranks share")
+
+
+_INT = re.compile(r"[+-]?[0-9]+")
+_FLOAT = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
+
+
+def number(kind: type = float, *, low: float | None = None, high: float | None = None,
+           low_open: bool = False) -> Callable[[str], float]:
+    """An argparse `type` for a numeric flag: `kind` (int or float), finite, within [low, high] (or
+    (low, high] with low_open). A value outside is argparse's usage error, which names the flag and
+    exits 2 (nan, inf and 1e308 are refused here, not turned into a traceback by the plan's arithmetic)."""
+    if low_open:
+        bounds = f"more than {low}" + ("" if high is None else f" and at most {high}")
+    else:
+        bounds = " and ".join(([] if low is None else [f"at least {low}"]) + ([] if high is None else
+                                                                          [f"at most {high}"]))
+    want = ("a whole number" if kind is int else "a finite number") + (f" {bounds}" if bounds else "")
+
+    spelling = _INT if kind is int else _FLOAT
+
+    def parse(text: str):
+        if not spelling.fullmatch(text.strip()):  # ASCII digits only: Python also reads "1_0" and "٣"
+            raise argparse.ArgumentTypeError(f"must be {want}, got {text!r}")
+        value = kind(text)
+        if not math.isfinite(value) or (low is not None and (value <= low if low_open else value < low)) or (
+                high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be {want}, got {text!r}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse's own messages name the type
+    return parse
+
+
+def path_arg(text: str) -> str:
+    """An argparse `type` for a path flag: not empty (an empty -o would mean "no output" and exit 0)."""
+    if not text:
+        raise argparse.ArgumentTypeError("must be a path, got an empty string")
+    return text
 
 
 def run_command_line() -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qtool.cli.common import add_json_flag, human_bytes, layer_ranges, print_json
+from qtool.cli.common import add_json_flag, human_bytes, layer_ranges, number, path_arg, print_json
 from qtool.errors import UsageError
 
 
@@ -21,6 +21,7 @@ def _by_kind(chosen: list[dict]) -> dict[str, list[dict]]:
 
 def add_arguments(p) -> None:
     from qtool.cli.verify_cmd import add_common
+    from qtool.ops.sensitivity.plan_hybrid import MAX_WEIGHTS_GIB
 
     sub = p.add_subparsers(dest="kind", metavar="KIND")
     h = sub.add_parser("hybrid", help="the BF16 units that buy the most quality in the memory left, from a "
@@ -28,14 +29,18 @@ def add_arguments(p) -> None:
                        description="Pick the BF16 units (a layer's routed experts, a layer's shared expert) that "
                        "remove the most measured error within what verify's memory fit leaves at the target; "
                        "print the plan and write a build recipe (-o). See docs/plan-hybrid.md.")
-    h.add_argument("--sensitivity", required=True, metavar="S", help="qtool sensitivity's output (OUT or its JSON)")
+    h.add_argument("--sensitivity", required=True, type=path_arg, metavar="S",
+                   help="qtool sensitivity's output (OUT or its JSON)")
     add_common(h)  # the serving target, with verify's flags and defaults
     h.add_argument("--engine", default="both", help="the engines the recipe's verify step checks (default both)")
-    h.add_argument("--max-weights-gib", type=float, default=None, metavar="G",
+    h.add_argument("--max-weights-gib", type=number(float, low=0, high=MAX_WEIGHTS_GIB, low_open=True), default=None,
+                   metavar="G",
                    help="budget the weights per GPU directly (instead of the memory fit's headroom)")
-    h.add_argument("--quantized", default=None, metavar="PATH", help="the quantized checkpoint, if moved since")
-    h.add_argument("--bf16", default=None, metavar="PATH", help="the BF16 checkpoint, if moved since")
-    h.add_argument("-o", "--output", default=None, metavar="RECIPE.yaml", help="write the build recipe here")
+    h.add_argument("--quantized", default=None, type=path_arg, metavar="PATH",
+                   help="the quantized checkpoint, if moved since")
+    h.add_argument("--bf16", default=None, type=path_arg, metavar="PATH", help="the BF16 checkpoint, if moved since")
+    h.add_argument("-o", "--output", default=None, type=path_arg, metavar="RECIPE.yaml",
+                   help="write the build recipe here")
     h.add_argument("--force", action="store_true", help="replace a recipe this command wrote")
     h.add_argument("--name", default=None, help="the recipe's name (default planned-hybrid)")
     h.add_argument("--dry-run", action="store_true", help="print the plan and its memory fit; write no recipe")
@@ -50,10 +55,12 @@ def run(args) -> int:
 
     opts = PlanHybridOptions(
         Path(args.sensitivity), gpus=args.gpus, tp=args.tp, max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs or 1, kv_cache_dtype=args.kv_cache_dtype or "auto", mtp=args.mtp,
+        max_num_seqs=1 if args.max_num_seqs is None else args.max_num_seqs,
+        kv_cache_dtype=args.kv_cache_dtype or "auto", mtp=args.mtp,
         engine=args.engine, max_weights_gib=args.max_weights_gib, gpu_memory_utilization=args.gpu_memory_utilization,
-        quantized=Path(args.quantized) if args.quantized else None, bf16=Path(args.bf16) if args.bf16 else None,
-        out=Path(args.output) if args.output else None, force=args.force, name=args.name, dry_run=args.dry_run)
+        quantized=None if args.quantized is None else Path(args.quantized),
+        bf16=None if args.bf16 is None else Path(args.bf16),
+        out=None if args.output is None else Path(args.output), force=args.force, name=args.name, dry_run=args.dry_run)
     choice = plan(opts)
     written = opts.out is not None and not opts.dry_run
     if written:

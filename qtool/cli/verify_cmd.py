@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from qtool.cli.common import STAND_INS, add_json_flag, as_user_named, headers_checkpoint, local_checkpoint, print_json
+from qtool.cli.common import (STAND_INS, add_json_flag, as_user_named, headers_checkpoint, local_checkpoint, number,
+                              print_json)
 
 MAX_PER_CODE = 5
 
@@ -14,11 +15,13 @@ def add_common(p) -> None:
     p.add_argument("--gpus", default="4x97887MiB",
                    help="GPUs as NxSIZE (MiB, GiB or GB); default 4x97887MiB = 4 x RTX PRO 6000 Blackwell")
     p.add_argument("--max-model-len", type=int, default=None, metavar="N", help="context length to check")
-    p.add_argument("--max-num-seqs", type=int, default=None, metavar="N", help="concurrent sequences to check")
+    p.add_argument("--max-num-seqs", type=number(int, low=1), default=None, metavar="N",
+                   help="concurrent sequences to check")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default=None,
                    help="KV cache dtype (default: fp8 where every full-attention layer has calibrated k/v "
                    "scales, else auto = BF16, as the launch serves it)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F",
+    p.add_argument("--gpu-memory-utilization", type=number(float, low=0, high=1, low_open=True), default=0.9,
+                   metavar="F",
                    help="fraction of each GPU the engine may use (default 0.9)")
     p.add_argument("--mtp", type=int, default=0, metavar="N",
                    help="speculative tokens from the MTP head (0: off; more than 3 is unstable, a warning)")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -104,6 +105,25 @@ def _checkpoints_inside(root: Path) -> str:
     inside = sorted(d.name for d in root.iterdir() if d.is_dir() and (
         (d / INDEX_NAME).is_file() or any(d.glob("*.safetensors"))))
     return f" (in this folder: {', '.join(inside[:5])}{', ...' if len(inside) > 5 else ''})" if inside else ""
+
+
+IGNORE_LISTS = ("ignore", "modules_to_not_convert", "exclude_modules")
+
+
+def check_ignore_patterns(file: Path, prefix: str, obj: dict) -> None:
+    """Every `re:` entry of the ignore lists compiles (compressed-tensors' match_name and the engines run
+    `re.match` on it, qtool.engines): the one place a bad pattern is caught, for every command that opens
+    the checkpoint, as a named error rather than re.error from deep inside a plan."""
+    for key in IGNORE_LISTS:
+        for i, pattern in enumerate(obj.get(key) or []):
+            if isinstance(pattern, str) and pattern.startswith("re:"):
+                try:
+                    re.compile(pattern[3:])
+                except re.error as e:
+                    raise ConfigError(f"{file.name}: {prefix}{key}[{i}] is not a valid regular expression ({e})",
+                                      path=file, got=pattern[:200],
+                                      hint=f"fix the pattern in {file.name} (escape literal brackets and dots: "
+                                      "re:.*mlp\\.gate$), or restore the file from the source repository") from None
 
 
 @dataclass
@@ -207,10 +227,13 @@ class Checkpoint:
                 kv = qc.get("kv_cache_scheme")
                 if isinstance(kv, dict):
                     check(CONFIG_NAME, kv, "quantization_config.kv_cache_scheme.", QUANT_ARGS_TYPES)
+            if isinstance(qc, dict):
+                check_ignore_patterns(root / CONFIG_NAME, "quantization_config.", qc)
         if hq is not None:
             check(HF_QUANT_CONFIG_NAME, hq, "", {"quantization": _OBJECT})
             body = hq.get("quantization") if isinstance(hq.get("quantization"), dict) else hq
             check(HF_QUANT_CONFIG_NAME, body, "quantization." if body is not hq else "", HF_QUANT_TYPES)
+            check_ignore_patterns(root / HF_QUANT_CONFIG_NAME, "quantization." if body is not hq else "", body)
         if index is not None:
             check(INDEX_NAME, index, "", {"metadata": _OBJECT_OR_NULL})
 
@@ -242,6 +265,21 @@ class Checkpoint:
 
     def shard_of(self, name: str) -> str:
         return os.path.basename(file_of(self.tensors, name))  # no TensorInfo: plans ask it of many tensors
+
+
+def check_checkpoint_dir(path: str | Path, flag: str, *, hint: str | None = None,
+                         missing: str = "checkpoint not found") -> None:
+    """`path` (given as `flag`) is a checkpoint directory: config.json and safetensors shards (an index or
+    *.safetensors files). A named error before a plan names a file such as /etc/passwd as a source."""
+    root = Path(path)
+    if not root.exists():
+        raise CheckpointError(f"{flag}: {missing}", path=root, hint=hint or "check the path")
+    if not root.is_dir():
+        raise CheckpointError(f"{flag}: not a checkpoint directory (a file)", path=root,
+                              hint=hint or "pass the directory that holds config.json and the *.safetensors shards")
+    if not (root / CONFIG_NAME).is_file() or not ((root / INDEX_NAME).is_file() or any(root.glob("*.safetensors"))):
+        raise CheckpointError(f"{flag}: not a checkpoint directory (no config.json and *.safetensors shards)",
+                              path=root, hint=hint or "pass the directory that holds config.json and the shards")
 
 
 def _safe_shard_path(root: Path, rel: str, index_path: Path) -> Path:

@@ -20,7 +20,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from qtool.errors import WriteError
+from qtool.errors import UsageError, WriteError
 
 FICLONE = 0x40049409  # _IOW(0x94, 9, int), linux/fs.h
 
@@ -46,6 +46,19 @@ def write_error(what: str, e: OSError, path: str | Path) -> WriteError:
     if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         hint = "the directory is not writable: choose another output directory (-o) or fix its permissions"
     return WriteError(f"{what}: {e.strerror}", path=path, hint=hint)
+
+
+def require_text_path(path: str | Path, flag: str) -> None:
+    """A path qtool will write into a text file (a recipe, a table, a page, a manifest) must be UTF-8: a name
+    with other bytes (Python carries them as lone surrogates) cannot be written as text, and would only fail
+    at the end of the job. A usage error naming the flag, before any work."""
+    text = os.fspath(path)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        shown = os.fsencode(text).decode("utf-8", "backslashreplace")
+        raise UsageError(f"{flag}: the path is not UTF-8 text (qtool writes it into its output)", got=shown,
+                         hint="rename the file or directory to a UTF-8 name") from None
 
 
 def open_new(path: str | Path, mode: int = 0o644) -> int:

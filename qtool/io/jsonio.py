@@ -91,7 +91,12 @@ def dumps(obj: dict, style: JsonStyle | None = None) -> str:
 
 def atomic_write_text(path: str | Path, text: str) -> None:
     """Write `text` to `path` so that readers see either the old or the new file, never a partial one."""
-    atomic_write_bytes(path, text.encode("utf-8"))
+    try:
+        data = text.encode("utf-8")
+    except UnicodeEncodeError:  # a name with non-UTF-8 bytes in the text: the commands refuse those up front
+        raise WriteError("the text to write holds a name that is not UTF-8 (a file or directory name with other "
+                         "bytes)", path=path, hint="rename the input or output to a UTF-8 name") from None
+    atomic_write_bytes(path, data)
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:

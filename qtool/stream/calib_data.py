@@ -101,6 +101,17 @@ def _document(row, i: int, where, tokenizer) -> str:
     raise UsageError(f"row {i} has neither a string `text` nor a chat `messages` list", path=where)
 
 
+def _read_utf8(path: Path) -> str:
+    """A dataset file's text; a named error for a file that is not UTF-8 (with where its first bad byte is)."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise UsageError(f"the dataset file is not UTF-8 text (byte 0x{data[e.start]:02x} at line {line})", path=path,
+                         hint="convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8 FILE > FILE.utf8)") from None
+
+
 def read_documents(dataset: str, tokenizer=None):
     """The dataset's documents in order (an iterable: Hub datasets and parquet files are read lazily)."""
     if dataset == BUILTIN:
@@ -113,7 +124,7 @@ def read_documents(dataset: str, tokenizer=None):
                               hint="pass `builtin`, a .txt / .jsonl / .parquet file, or hf:ORG/NAME[:SPLIT]")
     if p.suffix == ".jsonl":
         docs = []
-        for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+        for i, line in enumerate(_read_utf8(p).splitlines(), 1):
             if not line.strip():
                 continue
             try:
@@ -125,7 +136,7 @@ def read_documents(dataset: str, tokenizer=None):
     if p.suffix == ".parquet":
         return (_document(r, i, p, tokenizer) for i, r in enumerate(_rows(str(p)), 1))
     if p.suffix in (".txt", ".md", ""):
-        return [p.read_text(encoding="utf-8")]
+        return [_read_utf8(p)]
     raise UsageError("unsupported dataset file type", path=p, expected=".txt, .jsonl or .parquet", got=p.suffix)
 
 

@@ -405,3 +405,53 @@ def test_qtool_error_has_hint(tmp_path):
         plan_hybrid(HybridOptions(nvfp4=nv, bf16=bf, out=tmp_path / "o"))
     except QtoolError as e:
         assert e.hint and "expected" in e.describe()
+
+
+@pytest.mark.parametrize("flag", ["--bf16-expert-layers", "--bf16-shared-experts"])
+@pytest.mark.parametrize("text", ["0 1", "1 2", "", ",", "+1", "1_0", "\u0663", "0,,1", "1-3", "-1", "x"])
+def test_a_layer_list_is_digits_and_commas_only(flag, text, tmp_path, capsys):
+    """Found as: spaces were removed before splitting ("0 1" selected layer 1, "1 2" layer 12 of the 397B);
+    "", ",", "+1", "1_0" (10) and "٣" (3) were accepted, as Python's int() reads them."""
+    from qtool.cli.main import main
+
+    nv, bf = pair(tmp_path)
+    capsys.readouterr()
+    rc = main(["assemble", "hybrid", "--nvfp4", str(nv), "--bf16", str(bf), "-o", str(tmp_path / "out"),
+               flag, text, "--dry-run"])
+    err = capsys.readouterr().err
+    assert rc == 2 and flag in err and "layer numbers separated by commas" in err, err
+
+
+@pytest.mark.parametrize("text,layers", [("0,1", [0, 1]), (" 1, 0 ", [0, 1]), ("none", [])])
+def test_a_layer_list_in_its_one_spelling_is_read(text, layers, tmp_path, capsys):
+    from qtool.cli.main import main
+
+    nv, bf = pair(tmp_path)
+    capsys.readouterr()
+    assert main(["assemble", "hybrid", "--nvfp4", str(nv), "--bf16", str(bf), "-o", str(tmp_path / "out"),
+                 "--bf16-expert-layers", text, "--bf16-shared-experts", text, "--dry-run", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)["plan"]
+    assert plan["bf16_expert_layers"] == layers and plan["bf16_shared_expert_layers"] == layers
+
+
+def test_an_ignore_pattern_that_does_not_compile_is_named(tiny_nvfp4_ct, tiny_bf16, tmp_path, capsys):
+    """Found as: an ignore pattern `re:([` in config.json was a re.error traceback in inspect, verify, plan
+    hybrid and assemble; it is checked once, where the checkpoint is opened."""
+    import shutil
+
+    from qtool.cli.main import main
+
+    ck = tmp_path / "ck"
+    shutil.copytree(tiny_nvfp4_ct, ck)
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg["quantization_config"]["ignore"].append("re:([")
+    (ck / "config.json").write_text(json.dumps(cfg))
+    for argv, code in ((["inspect", ck], 1), (["verify", ck, "--tp", "1"], 3),
+                       (["assemble", "hybrid", "--nvfp4", ck, "--bf16", tiny_bf16, "-o", tmp_path / "out",
+                         "--dry-run"], 1)):
+        capsys.readouterr()
+        assert main([str(a) for a in argv]) == code, argv
+        said = capsys.readouterr()
+        text = said.out + said.err
+        assert "quantization_config.ignore" in text and "not a valid regular expression" in text, text
+        assert "config.json" in text

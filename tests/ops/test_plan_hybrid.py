@@ -99,7 +99,7 @@ def _kld(capsys, bf: Path, test: Path) -> float:
 
 def _assemble(capsys, bf, q, out: Path, experts: list[int], shared: list[int]) -> Path:
     run_json(capsys, ["assemble", "hybrid", "--nvfp4", str(q), "--bf16", str(bf), "-o", str(out), "--mtp", "keep",
-                      "--bf16-expert-layers", ",".join(map(str, experts)),
+                      "--bf16-expert-layers", ",".join(map(str, experts)) or "none",
                       "--bf16-shared-experts", ",".join(map(str, shared)) or "none", "--quiet"])
     return out
 
@@ -404,3 +404,227 @@ def test_a_recipe_planned_in_one_folder_builds_from_another(pair, table, tmp_pat
     assert main(["build", str(tmp_path / "relative.yaml"), "-o", "out", "--dry-run"]) == 1
     err = capsys.readouterr().err
     assert "fix:" in err and "--source nvfp4=PATH" in err, err
+
+
+# ---- bad inputs: each one a named error (the file or the flag), exit 1 or 2, never a traceback ----------
+
+def refused(capsys, argv: list, code: int, *named: str) -> str:
+    """Run the command in process; it must exit `code` naming each of `named`, with no traceback (an
+    exception other than the CLI's own exits escapes main() and fails the test)."""
+    capsys.readouterr()
+    try:
+        rc = main([str(a) for a in argv])
+    except SystemExit as e:  # argparse's usage errors
+        rc = e.code
+    said = capsys.readouterr()
+    text = said.out + said.err
+    assert rc == code, text
+    assert "Traceback" not in text
+    for name in named:
+        assert name in text, (name, text)
+    return text
+
+
+@pytest.fixture(scope="module")
+def stand_in(tiny_bf16, tiny_nvfp4_ct, tmp_path_factory):
+    """A stand-in table for the tiny pair (the real table's rows, effects made up: no streamed pass)."""
+    from sensitivity_stand_in import write_stand_in_table
+
+    d = tmp_path_factory.mktemp("plan-inputs")
+    write_stand_in_table(tiny_bf16, tiny_nvfp4_ct, d / "sens")
+    return d / "sens"
+
+
+PLAN = ["plan", "hybrid", "--tp", "1", "--gpus", "1x80GiB"]
+
+
+def _edited_table(stand_in: Path, dst: Path, edit) -> Path:
+    data = json.loads((stand_in / "sensitivity.json").read_text())
+    edit(data)
+    dst.mkdir()
+    (dst / "sensitivity.json").write_text(json.dumps(data))
+    return dst
+
+
+def _set_unit(key, value, row=3):
+    return lambda data: data["units"][row].__setitem__(key, value)
+
+
+def _set_top(key, value):
+    return lambda data: data.__setitem__(key, value)
+
+
+BAD_TABLES = {
+    "negative effect": (_set_unit("effect", -0.5), "units[3]", "effect"),
+    "boolean effect": (_set_unit("effect", True), "units[3]", "effect"),
+    "string effect": (_set_unit("effect", "0.1"), "units[3]", "effect"),
+    "effect an object": (_set_unit("effect", {"x": 1}), "units[3]", "effect"),
+    "error a list": (_set_unit("error", [0.1]), "units[3]", "error"),
+    "negative error": (_set_unit("error", -1), "units[3]", "error"),
+    "fractional bf16 bytes": (_set_unit("bf16_bytes", 1.5), "units[3]", "bf16_bytes"),
+    "negative quantized bytes": (_set_unit("quantized_bytes", -5), "units[3]", "quantized_bytes"),
+    "string quantized bytes": (_set_unit("quantized_bytes", "7"), "units[3]", "quantized_bytes"),
+    "fractional extra bytes": (lambda d: d["units"][3]["extra_bytes_per_gpu"].__setitem__("1", 1.5), "units[3]",
+                               "extra_bytes_per_gpu"),
+    "boolean extra bytes": (lambda d: d["units"][3]["extra_bytes_per_gpu"].__setitem__("1", True), "units[3]",
+                            "extra_bytes_per_gpu"),
+    "extra bytes a list": (_set_unit("extra_bytes_per_gpu", [1, 2]), "units[3]", "extra_bytes_per_gpu"),
+    "extra bytes without TP 1": (lambda d: d["units"][3]["extra_bytes_per_gpu"].pop("1"), "units[3]",
+                                 "extra_bytes_per_gpu"),
+    "negative layer": (_set_unit("layer", -1), "units[3]", "layer"),
+    "fractional layer": (_set_unit("layer", 1.5), "units[3]", "layer"),
+    "string measured": (_set_unit("measured", "yes"), "units[3]", "measured"),
+    "number spliceable": (_set_unit("spliceable", 1), "units[3]", "spliceable"),
+    "number id": (_set_unit("id", 5), "units[3]", "id"),
+    "missing kind": (lambda d: d["units"][3].pop("kind"), "units[3]", "kind"),
+    "row not an object": (lambda d: d["units"].__setitem__(3, "x"), "units[3]", "object"),
+    "negative tokens": (_set_unit("tokens", -1), "units[3]", "tokens"),
+    "tp size 0": (_set_top("tp_sizes", [0, 1]), "tp_sizes", "TP sizes"),
+    "tp sizes strings": (_set_top("tp_sizes", ["1"]), "tp_sizes", "TP sizes"),
+    "quantized not an object": (_set_top("quantized", "x"), "quantized", "path"),
+    "units an object": (_set_top("units", {}), "units", "list"),
+    "calibration samples negative": (lambda d: d["calibration"].__setitem__("samples", -4), "calibration.samples",
+                                     ">= 1"),
+}
+
+
+@pytest.mark.parametrize("command", ["plan", "report"])
+@pytest.mark.parametrize("case", list(BAD_TABLES))
+def test_a_table_value_of_the_wrong_type_sign_or_finiteness_is_named(case, command, stand_in, tiny_nvfp4_ct,
+                                                                      tmp_path, capsys):
+    """Found as: wrong-typed table values were tracebacks in plan hybrid and report; negative, boolean and
+    fractional ones were accepted (a negative predicted error printed). One schema, one loader for both."""
+    edit, row, key = BAD_TABLES[case]
+    bad = _edited_table(stand_in, tmp_path / "bad", edit)
+    argv = ([*PLAN, "--sensitivity", bad, "--dry-run"] if command == "plan" else
+            ["report", tiny_nvfp4_ct, "--tp", "1", "--gpus", "1x80GiB", "--sensitivity", bad, "-o",
+             tmp_path / "r.html"])
+    refused(capsys, argv, 1, str(bad / "sensitivity.json"), row, key)
+    assert not (tmp_path / "r.html").exists()
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "1e308", "0", "-1", "abc", "1_0"])
+def test_a_max_weights_gib_that_is_no_budget_is_a_usage_error(value, stand_in, capsys):
+    """Found as: nan, inf, -inf and 1e308 were tracebacks (float -> int); -1 was planned."""
+    refused(capsys, [*PLAN, "--sensitivity", stand_in, "--dry-run", f"--max-weights-gib={value}"], 2,
+            "--max-weights-gib")
+
+
+@pytest.mark.parametrize("flag,value", [("--gpu-memory-utilization", "0"), ("--gpu-memory-utilization", "1.5"),
+                                        ("--gpu-memory-utilization", "nan"), ("--max-num-seqs", "0"),
+                                        ("--max-num-seqs", "-2"), ("--max-num-seqs", "1.5")])
+def test_target_numbers_out_of_range_are_usage_errors(flag, value, stand_in, tmp_path, capsys):
+    """Found as: --gpu-memory-utilization 0 was written into a recipe whose last step failed; --max-num-seqs 0
+    was planned as 1. The same flags of verify are checked by the same argparse type."""
+    refused(capsys, [*PLAN, "--sensitivity", stand_in, "-o", tmp_path / "r.yaml", f"{flag}={value}"], 2, flag)
+    assert not (tmp_path / "r.yaml").exists()
+    refused(capsys, ["verify", tmp_path, "--tp", "1", f"{flag}={value}"], 2, flag)
+
+
+def test_the_max_weights_fix_line_gives_a_value_that_then_plans(stand_in, capsys):
+    """Found as: the fix added the shortfall to the weights, not to the value given (0.0012 -> "at least
+    0.00148" where 0.00134 works)."""
+    import re
+
+    err = refused(capsys, [*PLAN, "--sensitivity", stand_in, "--dry-run", "--max-weights-gib", "0.0012"], 1,
+                  "--max-weights-gib of at least")
+    suggested = re.search(r"--max-weights-gib of at least ([0-9.e-]+)", err).group(1)
+    assert float(suggested) < 0.00136  # the weights themselves, rounded up: not weights + the shortfall
+    capsys.readouterr()
+    assert main([*PLAN, "--sensitivity", str(stand_in), "--dry-run", "--max-weights-gib", suggested]) == 0
+
+
+def test_an_empty_output_path_is_a_usage_error(stand_in, tmp_path, capsys):
+    """Found as: -o "" exited 0 writing nothing."""
+    refused(capsys, [*PLAN, "--sensitivity", stand_in, "-o", ""], 2, "-o/--output")
+    refused(capsys, [*PLAN, "--sensitivity", ""], 2, "--sensitivity")
+
+
+def test_a_newline_in_the_recipe_or_table_path_still_gives_a_recipe_build_reads(stand_in, tmp_path, capsys):
+    """Found as: a newline in -o or --sensitivity ended the recipe's comment line: build could not parse it."""
+    import shutil
+
+    from qtool.build_recipes import load_build_recipe
+
+    sens = tmp_path / "sens\nx"
+    shutil.copytree(stand_in, sens)
+    recipe = tmp_path / "plan\nhybrid.yaml"
+    capsys.readouterr()
+    assert main([*PLAN, "--sensitivity", str(sens), "-o", str(recipe)]) == 0
+    loaded = load_build_recipe(recipe)
+    assert [s.op.value for s in loaded.steps] == ["assemble", "calibrate-kv", "patch-config", "verify"]
+
+
+@pytest.mark.parametrize("flag", ["--bf16", "--quantized"])
+def test_a_source_that_is_no_checkpoint_directory_is_named(flag, stand_in, tmp_path, capsys):
+    """Found as: --bf16 /etc/passwd was accepted (and written into the recipe as a source)."""
+    a_file = tmp_path / "passwd"
+    a_file.write_text("root:x:0:0\n")
+    refused(capsys, [*PLAN, "--sensitivity", stand_in, "-o", tmp_path / "r.yaml", flag, a_file], 1, flag,
+            str(a_file), "not a checkpoint directory")
+    (tmp_path / "empty").mkdir()
+    refused(capsys, [*PLAN, "--sensitivity", stand_in, "--dry-run", flag, tmp_path / "empty"], 1, flag,
+            "not a checkpoint directory")
+    assert not (tmp_path / "r.yaml").exists()
+
+
+@pytest.mark.parametrize("where", ["--sensitivity", "-o", "--quantized"])
+def test_a_path_that_is_not_utf8_is_named_before_any_work(where, stand_in, tiny_nvfp4_ct, tmp_path, capsys):
+    """Found as: a non-UTF-8 byte in a path was a UnicodeEncodeError when the recipe (or the report's page, or
+    sensitivity's table after its whole pass) was written."""
+    import os
+    import shutil
+
+    odd = os.fsdecode(b"odd\xff")
+    args = {"--sensitivity": stand_in, "-o": tmp_path / "r.yaml", "--quantized": tiny_nvfp4_ct}
+    copy = tmp_path / odd
+    if where == "-o":
+        args["-o"] = copy
+    else:
+        shutil.copytree(args[where], copy)
+        args[where] = copy
+    refused(capsys, [*PLAN, *[x for kv in args.items() for x in kv]], 2, where, "not UTF-8")
+    assert not (tmp_path / "r.yaml").exists() and not (tmp_path / odd / "r.yaml").exists()
+
+
+def test_report_and_sensitivity_name_a_path_that_is_not_utf8(stand_in, tiny_bf16, tiny_nvfp4_ct, tmp_path, capsys):
+    import os
+    import shutil
+
+    odd = tmp_path / os.fsdecode(b"sens\xff")
+    shutil.copytree(stand_in, odd)
+    refused(capsys, ["report", tiny_nvfp4_ct, "--tp", "1", "--gpus", "1x80GiB", "--sensitivity", odd, "-o",
+                     tmp_path / "r.html"], 2, "--sensitivity", "not UTF-8")
+    assert not (tmp_path / "r.html").exists()
+    refused(capsys, ["sensitivity", tiny_bf16, tiny_nvfp4_ct, "-o", tmp_path / os.fsdecode(b"out\xff"), *WINDOWS,
+                     "--quiet"], 2, "-o", "not UTF-8")
+
+
+@pytest.mark.parametrize("edit,named", [
+    (lambda c: c["text_config"].__setitem__("num_hidden_layers", 100_000_000), "num_hidden_layers"),
+    (lambda c: c.pop("text_config"), "text_config"),
+    (lambda c: c["quantization_config"]["ignore"].append("re:(["), "quantization_config.ignore"),
+])
+def test_a_config_the_shards_contradict_is_named_by_plan_hybrid(edit, named, stand_in, tiny_nvfp4_ct, tmp_path,
+                                                                 capsys):
+    """Found as: num_hidden_layers 10^8 ran plan hybrid away (3.3 GB after 120 s); a config without
+    text_config and an ignore pattern `re:([` were tracebacks."""
+    import shutil
+
+    q = tmp_path / "q"
+    shutil.copytree(tiny_nvfp4_ct, q)
+    cfg = json.loads((q / "config.json").read_text())
+    cfg["text_config"].pop("layer_types", None)
+    edit(cfg)
+    (q / "config.json").write_text(json.dumps(cfg))
+    refused(capsys, [*PLAN, "--sensitivity", stand_in, "--dry-run", "--quantized", q], 1, str(q / "config.json"),
+            named)
+
+
+@pytest.mark.parametrize("suffix", [".txt", ".jsonl"])
+def test_a_dataset_file_that_is_not_utf8_is_named(suffix, tiny_bf16, tiny_nvfp4_ct, tmp_path, capsys):
+    """Found as: a --dataset file with latin-1 bytes was a UnicodeDecodeError traceback."""
+    data = tmp_path / f"latin1{suffix}"
+    data.write_bytes(('{"text": "caf\xe9"}\n' if suffix == ".jsonl" else "caf\xe9 au lait\n").encode("latin-1"))
+    refused(capsys, ["sensitivity", tiny_bf16, tiny_nvfp4_ct, "-o", tmp_path / "out", "--dataset", data,
+                     "--samples", "1", "--seq-len", "8", "--dry-run"], 2, str(data), "not UTF-8")

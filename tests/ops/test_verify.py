@@ -705,3 +705,36 @@ def test_each_fix_applied_as_written_clears_its_finding(tiny_nvfp4_modelopt, tmp
             capsys.readouterr()
             after = findings(["verify", str(ck), *args])
         assert not cleared & {(f["code"], f["module"]) for f in after}, (fix, after)
+
+
+@pytest.mark.parametrize("edit,named", [
+    (lambda c: c["text_config"].__setitem__("num_hidden_layers", 100_000_000), "num_hidden_layers"),
+    (lambda c: c["text_config"].__setitem__("num_hidden_layers", 9), "no layer 8"),
+    (lambda c: c["text_config"].__setitem__("layer_types", ["full_attention"] * 12), "layer_types"),
+    (lambda c: c.pop("text_config"), "text_config"),
+])
+def test_a_config_whose_sizes_the_shards_do_not_have_is_a_bad_config(edit, named, tiny_nvfp4_ct, tmp_path, capsys):
+    """Found as: num_hidden_layers 10^8 ran verify away (3.3 GB after 120 s, a missing-module finding per
+    layer); a config without text_config was a KeyError traceback in the memory fit."""
+    ck = tmp_path / "ck"
+    shutil.copytree(tiny_nvfp4_ct, ck)
+    cfg = json.loads((ck / "config.json").read_text())
+    if "num_hidden_layers" in str(named) or named == "no layer 8":
+        cfg["text_config"].pop("layer_types", None)
+    edit(cfg)
+    (ck / "config.json").write_text(json.dumps(cfg))
+    capsys.readouterr()
+    assert main(["verify", str(ck), "--tp", "1", "--json"]) == 3
+    rep = json.loads(capsys.readouterr().out)
+    bad = [f for f in rep["findings"] if f["code"] == "bad-config"]
+    assert bad and named in bad[0]["message"] and "config.json" in bad[0]["message"], rep["findings"]
+
+
+def test_a_flat_config_without_text_config_is_read_as_the_text_config(tiny_nvfp4_ct, tmp_path, capsys):
+    """The flat layout (the text model's keys at the top level, as a text-only export writes them) is read."""
+    ck = tmp_path / "ck"
+    shutil.copytree(tiny_nvfp4_ct, ck)
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg.update(cfg.pop("text_config"))
+    (ck / "config.json").write_text(json.dumps(cfg))
+    assert main(["verify", str(ck), "--tp", "1", "--gpus", "1x80GiB"]) == 0

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from qtool.errors import CheckpointError, UsageError
 from qtool.hub.resolve import checkpoint_not_found
+from qtool.io.files import require_text_path
 from qtool.ops.report.data import Artifact
 
 GENERATOR = '<meta name="generator" content="qtool report'
@@ -66,6 +67,11 @@ def plan(opts: ReportOptions) -> ReportPlan:
     from qtool.ops.verify import validate
 
     validate(opts.verify)
+    # the page names its inputs: a name that is not UTF-8 cannot be written into it (said now, not at the end)
+    named = [(a.label, "CKPT") for a in opts.artifacts] + [(k, "--kld") for k in opts.kld] + [
+        (p, flag) for p, flag in ((opts.ref_label, "--ref"), (opts.sensitivity, "--sensitivity")) if p is not None]
+    for path, flag in named:
+        require_text_path(path, flag)
     if opts.sensitivity is not None:  # a named error now, not after the page's work
         from qtool.io.checkpoint import Checkpoint
         from qtool.ops.sensitivity import check_table_model, load_table

@@ -19,7 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from qtool.io.checkpoint import Checkpoint
+from qtool.io.files import require_text_path
 from qtool.ops.contract import Report
+from qtool.ops.sensitivity.schema import check_table
 from qtool.ops.sensitivity.units import TP_SIZES, Unit, check_pair, list_units
 
 TABLE = "sensitivity.json"
@@ -78,6 +80,10 @@ def plan(opts: SensitivityOptions) -> SensitivityPlan:
     from qtool.stream.calib_data import plan_calibration
 
     require_device(opts.device)
+    # the table names them: a name that is not UTF-8 is refused now, not after the whole pass
+    for path, flag in ((opts.bf16, "BF16"), (opts.quantized, "QUANTIZED"), (opts.out, "-o"),
+                       (opts.dataset, "--dataset")):
+        require_text_path(path, flag)
     bf = Checkpoint.open(opts.bf16, require_config=True)
     q = Checkpoint.open(opts.quantized, require_config=True)
     bf_map, q_map = build_map(bf), build_map(q)
@@ -206,13 +212,7 @@ def load_table(path: str | Path) -> dict:
         raise PlanError("the sensitivity table has another schema version", path=f,
                         expected=SCHEMA_VERSION, got=data.get("schema_version"),
                         hint="make it again with this qtool: qtool sensitivity BF16 QUANTIZED -o OUT")
-    missing = [k for k in ("bf16", "quantized", "tp_sizes", "units") if k not in data]
-    bad_rows = [i for i, u in enumerate(data.get("units") or []) if not isinstance(u, dict) or
-                not {"id", "kind", "extra_bytes_per_gpu", "measured"} <= set(u)]
-    if missing or not isinstance(data.get("units"), list) or bad_rows:
-        raise PlanError("the sensitivity table is incomplete", path=f,
-                        got=f"missing {missing}" if missing else f"unit row {bad_rows[0] if bad_rows else '?'}",
-                        hint="make it again: qtool sensitivity BF16 QUANTIZED -o OUT")
+    check_table(data, f)  # types, signs and finiteness of every value the planner and the report use
     return data
 
 

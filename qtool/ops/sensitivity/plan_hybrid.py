@@ -16,15 +16,20 @@ build recipe (assemble hybrid + calibrate-kv + patch-config + verify at the plan
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from qtool.errors import PlanError
+from qtool.arch.model_map import check_config_sizes
+from qtool.errors import PlanError, UsageError
+from qtool.io.checkpoint import check_checkpoint_dir
+from qtool.io.files import require_text_path
 from qtool.ops.sensitivity.units import Unit
 
 GIB = 1 << 30
 GRID = 200_000  # knapsack cells: exact to 1/200000 of the budget
+MAX_WEIGHTS_GIB = 1 << 20  # a PiB per GPU: far above any GPU, far below what overflows the byte arithmetic
 
 
 @dataclass(frozen=True)
@@ -204,6 +209,11 @@ def _plan(opts: PlanHybridOptions) -> HybridChoice:
     # the target's flags mean what they mean to verify, and are refused as verify refuses them
     validate(VerifyOptions(engine=opts.engine, tp=opts.tp, gpus=opts.gpus, max_model_len=opts.max_model_len,
                            max_num_seqs=opts.max_num_seqs, kv_cache_dtype=opts.kv_cache_dtype, mtp=opts.mtp))
+    _check_numbers(opts)
+    for path, flag in ((opts.sensitivity, "--sensitivity"), (opts.out, "-o"), (opts.quantized, "--quantized"),
+                       (opts.bf16, "--bf16")):
+        if path is not None:
+            require_text_path(path, flag)  # the recipe and its comments name them
     check_recipe_output(opts)
     table = load_table(opts.sensitivity)
     check_recipe_output(opts, table)  # again, now that the table names its checkpoints
@@ -211,10 +221,12 @@ def _plan(opts: PlanHybridOptions) -> HybridChoice:
     qpath = Path(opts.quantized or table["quantized"]["path"])
     bpath = Path(opts.bf16 or table["bf16"]["path"])
     for path, flag in ((qpath, "--quantized"), (bpath, "--bf16")):
-        if not path.exists():
-            raise PlanError("a checkpoint the table was measured on is not there", path=path,
-                            hint=f"pass {flag} PATH (the same checkpoint, moved)")
-    q = build_map(Checkpoint.open(qpath, require_config=True), read_values=False)
+        require_text_path(path, flag)
+        check_checkpoint_dir(path, flag, hint=f"pass {flag} PATH (the checkpoint the table was measured on, if "
+                             "moved)", missing="a checkpoint the table was measured on is not there")
+    q_ckpt = Checkpoint.open(qpath, require_config=True)
+    check_config_sizes(q_ckpt)
+    q = build_map(q_ckpt, read_values=False)
     _check_same_checkpoint(q, units, qpath, opts)
     if not any(u.spliceable for u in units):
         raise PlanError("nothing in this table can be spliced: assemble hybrid splices BF16 routed or shared "
@@ -226,7 +238,8 @@ def _plan(opts: PlanHybridOptions) -> HybridChoice:
     length = opts.max_model_len or default_context(q.ckpt.text_config)
     fit = memory_fit(q, tp=opts.tp, target=target, kv_cache_dtype=opts.kv_cache_dtype, mtp=opts.mtp,
                      max_model_len=length, max_num_seqs=opts.max_num_seqs,
-                     gpu_memory_utilization=opts.gpu_memory_utilization or DEFAULT_UTILIZATION)
+                     gpu_memory_utilization=(DEFAULT_UTILIZATION if opts.gpu_memory_utilization is None
+                                             else opts.gpu_memory_utilization))
     has_mtp = any(u.id == "mtp" and u.quantized_bytes > 0 for u in units)
     fixed = []
     if opts.mtp > 0 and not has_mtp:
@@ -256,7 +269,8 @@ def _plan(opts: PlanHybridOptions) -> HybridChoice:
     budget -= sum(f["bytes_per_gpu"] for f in fixed)
     if budget < 0:
         if opts.max_weights_gib is not None:
-            hint = f"a --max-weights-gib of at least {(fit.weights_per_gpu_gib * GIB - budget) / GIB:.4g}"
+            needed = fit.weights_per_gpu_gib * GIB + sum(f["bytes_per_gpu"] for f in fixed)
+            hint = f"a --max-weights-gib of at least {gib_at_least(needed)}"
         else:
             hint = "a shorter --max-model-len, fewer --max-num-seqs, --kv-cache-dtype fp8, or more GPUs"
         if fixed:
@@ -269,6 +283,28 @@ def _plan(opts: PlanHybridOptions) -> HybridChoice:
     pick = knapsack([(u.extra_bytes_per_gpu[opts.tp], u.effect or 0.0) for u in candidates], budget)
     return HybridChoice(opts, table, budget, [candidates[k] for k in pick], candidates, fixed, fit.to_json(),
                         length, mtp_mode, notes)
+
+
+def _check_numbers(opts: PlanHybridOptions) -> None:
+    """The library's side of the CLI's range checks (qtool.cli.common.number): a budget that is a number."""
+    w = opts.max_weights_gib
+    if w is not None and (isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0
+                          or w > MAX_WEIGHTS_GIB):
+        raise UsageError(f"--max-weights-gib must be a finite number more than 0 and at most {MAX_WEIGHTS_GIB}",
+                         got=w)
+
+
+def gib_at_least(needed_bytes: float, digits: int = 4) -> str:
+    """`needed_bytes` in GiB, rounded up at `digits` significant digits: the printed value, read back, covers
+    the need (a fix line whose value still falls short would send the user round again)."""
+    gib = needed_bytes / GIB
+    if gib <= 0:
+        return "0"
+    step = 10.0 ** (math.floor(math.log10(gib)) - digits + 1)
+    value = math.ceil(gib / step) * step
+    while float(f"{value:.{digits + 1}g}") * GIB < needed_bytes:
+        value += step
+    return f"{value:.{digits + 1}g}"
 
 
 RECIPE_HEAD = "# written by qtool plan hybrid"
@@ -333,13 +369,20 @@ def human(n: float) -> str:
     return human_bytes(n)
 
 
+def _one_line(path) -> str:
+    """A path for the recipe's comment lines: a name with a newline (or another control character) shown
+    quoted and escaped, so that it cannot end the comment and turn the rest of the name into YAML."""
+    text = str(path)
+    return text if text.isprintable() else json.dumps(text)
+
+
 def write_recipe(choice: HybridChoice, path: Path) -> None:
     """The build recipe, written atomically (a YAML file qtool build reads)."""
     import yaml
 
     from qtool.io.jsonio import atomic_write_text
 
-    head = (f"{RECIPE_HEAD} ({choice.options.sensitivity}): run it with\n"
-            f"#   qtool build {path} -o OUT\n")
+    head = (f"{RECIPE_HEAD} ({_one_line(choice.options.sensitivity)}): run it with\n"
+            f"#   qtool build {_one_line(path)} -o OUT\n")
     atomic_write_text(path, head + yaml.safe_dump(choice.recipe(), sort_keys=False, default_flow_style=None,
                                                   width=110))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qtool.arch.model_map import ModelMap
+from qtool.arch.model_map import ModelMap, check_config_sizes
 from qtool.errors import CheckpointError, ConfigError, HeaderError
 from qtool.io.checkpoint import INDEX_NAME, Checkpoint
 from qtool.io.quant_config import QuantSummary
@@ -24,7 +24,9 @@ def open_checked(path: str | Path) -> tuple[Checkpoint | None, list[Finding]]:
     """Open the checkpoint; when that fails, diagnose every shard's header so all broken shards are
     reported, not only the first."""
     try:
-        return Checkpoint.open(path, require_config=True), []
+        ckpt = Checkpoint.open(path, require_config=True)
+        check_config_sizes(ckpt)  # before the map: a layer count the shards lack is a bad config, not 10^8 findings
+        return ckpt, []
     except ConfigError as e:
         if e.path and Path(e.path).name == INDEX_NAME:
             return None, [error(Code.BAD_INDEX, INDEX_NAME, e.message, "re-download the index")]
