@@ -39,6 +39,10 @@ from qtool.io.files import INPUT_DIGESTS, TMP_SUFFIX, LinkMode, Placer, fsync_pa
 
 MANIFEST_NAME = "qtool-manifest.json"
 STEP_MARKER = "qtool-step.json"  # a build step's finished output (qtool/ops/pipeline)
+# qtool's records about an output directory, not part of the checkpoint: an output made from it writes its
+# own manifest, and a build writes a step's marker after the step's manifest lists its files (so a marker
+# carried over would differ from its listing and fail `verify --deep`)
+RECORDS = frozenset({MANIFEST_NAME, STEP_MARKER})
 LOCK_NAME = ".qtool-lock"
 PARTIAL_MARKER = ".qtool-partial"  # in every OUT.partial/ qtool makes: only such a directory is ever removed
 SWAPPED_MARKER = ".qtool-swapped-out"  # in a replaced state qtool parked under its hidden `.NAME.qtool-old`

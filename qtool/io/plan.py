@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Callable, NamedTuple, Sequence, Union
 
 from qtool.io.jsonio import JsonStyle, dumps
+from qtool.io.output import RECORDS
 from qtool.io.writer import FileRange, InlineBytes, OutTensor, json_str, shard_size
 
 
@@ -90,15 +91,16 @@ SHARD_ENTRIES = (Link, Shard, Produced)  # the big ones: written by the executor
 
 def checkpoint_files(root: Path) -> list[tuple[str, Path]]:
     """(relative path, path) of every file under `root`, in sub-folders too, without qtool's bookkeeping
-    (`.qtool-*`) and caches (`.cache/`): what an output made from `root` carries over. An entry that is
+    (`.qtool-*`, its manifest and a build step's marker: qtool.io.output.RECORDS) and caches (`.cache/`):
+    what an output made from `root` carries over. An entry that is
     neither a regular file nor a directory (a FIFO, a device, a dangling symlink, a symlink loop) is a named
     error: a copy silently without it would be worse."""
     from qtool.errors import CheckpointError
 
     out = []
     for p in sorted(Path(root).rglob("*")):
-        parts = p.relative_to(root).parts
-        if ".cache" in parts or p.name.startswith(".qtool-") or p.is_dir():
+        rel = p.relative_to(root)
+        if ".cache" in rel.parts or p.name.startswith(".qtool-") or p.is_dir() or rel.as_posix() in RECORDS:
             continue
         if not p.is_file():
             kind = "a dangling symlink or a symlink loop" if p.is_symlink() else "a FIFO, a device or a socket"
@@ -109,11 +111,9 @@ def checkpoint_files(root: Path) -> list[tuple[str, Path]]:
 
 
 def unchanged_files(root: Path, changed: set[str]) -> list[Link]:
-    """Links of every file under `root` except `changed` ones, qtool's own bookkeeping and the manifest
-    (written anew): what a new output keeps of its input unchanged."""
-    from qtool.io.output import MANIFEST_NAME
-
-    return [Link(rel, str(p)) for rel, p in checkpoint_files(root) if rel not in changed and rel != MANIFEST_NAME]
+    """Links of every file under `root` except `changed` ones and qtool's own records (checkpoint_files):
+    what a new output keeps of its input unchanged."""
+    return [Link(rel, str(p)) for rel, p in checkpoint_files(root) if rel not in changed]
 
 
 def tensors_of(entry: Shard | Produced) -> list[OutTensor]:
