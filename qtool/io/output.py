@@ -489,9 +489,11 @@ class OutputDir:
     def __exit__(self, *exc) -> None:
         self.lock.release()
 
-    # the fix a refusal for want of free space names (qtool.io.apply.check_space)
-    SPACE_HINT = ("free space, choose another -o, or put the output on the source's filesystem so unchanged "
-                  "shards are links that take no space")
+    def space_hint(self, short: str, mount: Path, copies: str | None) -> str:
+        """The fix a refusal for want of free space names (qtool.io.apply.check_space): `short` bytes more
+        on `mount`; `copies`: what copying unchanged input files costs, where they are copied."""
+        fix = f"free {short} more on {mount}, or choose an -o on a filesystem with room"
+        return f"{fix}; {copies}" if copies else fix
 
     def withdraw(self) -> None:
         """The run was refused before it did any work (an op whose plan is finished inside the transaction:

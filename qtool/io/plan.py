@@ -163,7 +163,7 @@ class OutputPlan:
             elif isinstance(e, Text):
                 h.update(json.dumps([e.name, e.text]).encode())
             elif isinstance(e, Index):
-                h.update(json.dumps([e.name, e.metadata, sorted(_weight_map(e).items())]).encode())
+                h.update(json.dumps([e.name, e.metadata, sorted(index_map(e).items())]).encode())
             else:
                 h.update(e.name.encode())
         return h.hexdigest()
@@ -194,7 +194,7 @@ class OutputPlan:
         if isinstance(e, Text):
             return len(e.text.encode())
         if isinstance(e, Index):
-            return 100 * len(_weight_map(e))  # about; only the free-space check asks
+            return 100 * len(index_map(e))  # about; only the free-space check asks
         return 0
 
     def describe(self) -> dict:
@@ -207,14 +207,15 @@ class OutputPlan:
         return {"operation": self.kind, "files": out}
 
 
-def _weight_map(e: Index) -> dict:
+def index_map(e: Index) -> dict:
+    """An Index entry's weight map (tensor -> shard), made now where the plan holds a function for it."""
     return e.weight_map() if callable(e.weight_map) else e.weight_map
 
 
 def index_text_of(e: Index):
     from qtool.io.writer import index_text
 
-    return index_text(_weight_map(e), e.metadata)
+    return index_text(index_map(e), e.metadata)
 
 
 def _tensor_keys(tensors: list[OutTensor], paths: dict[str, str]) -> str:
