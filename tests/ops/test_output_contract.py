@@ -420,8 +420,8 @@ def test_an_output_of_links_fits_a_disk_with_room_for_what_it_writes(command, ti
                                                                     tmp_path, monkeypatch, capsys):
     """Found as: an output on its input's filesystem, whose unchanged shards are hard links (no new space),
     was refused on a nearly full disk: the check asked for 64 MiB more than the files it writes."""
-    from qtool.io import apply
     from qtool.cli.main import main
+    from qtool.io import apply
 
     ck = copy_of(tiny_nvfp4_modelopt, tmp_path / "ck")
     out = tmp_path / "out"
@@ -445,8 +445,8 @@ def test_a_refusal_for_space_says_how_much_more_where_and_what_copying_costs(tin
                                                                            tmp_path, monkeypatch, capsys):
     """The refusal names the numbers and the filesystem, and a fix the user has not already applied: not
     "put the output on the source's filesystem" when it is there; `--link copy` named as what costs the space."""
-    from qtool.io import apply
     from qtool.cli.main import main
+    from qtool.io import apply
     from qtool.io.files import Placer, mount_point
 
     ck = copy_of(tiny_nvfp4_modelopt, tmp_path / "ck")
