@@ -23,16 +23,27 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from qtool.errors import VerificationError, WriteError
-from qtool.io.files import fsync_path, hash_file, new_file
+from qtool.io.files import LinkMode, fsync_path, hash_file, mount_point, new_file
 from qtool.io.identity import JOURNAL_NAME, Journal, input_identity
 from qtool.io.manifest import InputHasher, carried_files, previous_head, source_entry, write_manifest
 from qtool.io.output import MANIFEST_NAME, OutputDir, made_by_qtool, output_files
 from qtool.io.plan import (Copy, Index, Json, Link, OutputPlan, Pending, Produced, Remove, Shard, Text,
-                           index_text_of, resolve, tensors_of)
+                           index_map, index_text_of, resolve, tensors_of)
 from qtool.io.writer import FileRange, build_header, write_shard
 from qtool.notices import tell
 
-SPACE_MARGIN = 64 << 20
+# What a run writes beyond the files its plan lists, estimated from the plan (the free-space check asks for
+# it on top): the manifest (qtool.io.manifest.write_manifest) holds a line per output and input file
+# (name, sha256, size) and its fixed head (command, libraries, summary, checks); assemble's also every
+# tensor's origin, streamed to a section file that is then copied into the manifest (both exist at once);
+# the journal a line per shard; each new file wastes the tail of its last filesystem block. A link adds a
+# directory entry only, so an output of links (patch-config -o, calibrate-kv -o on the input's filesystem)
+# asks for little more than its rewritten files (measured on the tiny fixtures: ~140 bytes per `files`
+# line, ~225 per tensor origin).
+MANIFEST_HEAD = 64 << 10
+BYTES_PER_FILE_RECORD = 512  # its manifest line, journal line and directory entry, rounded up
+BYTES_PER_TENSOR_ORIGIN = 2 * 256  # its line in the shards section and in the manifest, rounded up
+BLOCK = 4096  # the usual filesystem block: a new file's last one is partly empty
 # Shards in flight. Several: a shard's fsync (a synchronous write-out of ~all its bytes) overlaps other
 # shards' reads and copies and the disk sees a deeper queue (3 GB assemble job, medians of 5 interleaved
 # runs: 1 writer 4.89 s, 2: 3.83 s, 3: 3.29 s, 4: 3.11 s, 6: 3.52 s, 8: 3.66 s).
@@ -72,23 +83,58 @@ class _Countdown:
                 self.done.set()
 
 
-def check_space(plan: OutputPlan, tx: OutputDir, journal: Journal) -> None:
+def check_space(plan: OutputPlan, tx: OutputDir, journal: Journal, *, tensor_origins: bool = False) -> None:
     """Refuse a run whose output does not fit the free space, before any work: the partial output this run
-    made is withdrawn (nothing is left behind for every command at once), a resumed one kept."""
-    need = 0
+    made is withdrawn (nothing is left behind for every command at once), a resumed one kept. An unchanged
+    input file counts 0 bytes where it will be linked (the link mode allows it and the output is on its
+    filesystem); `tensor_origins`: the manifest records every tensor's origin (assemble)."""
+    need = copied = new_files = 0
     for e in plan.files:
         if isinstance(e, Remove) or journal.file_done(tx.partial, e.name):
             continue
-        if isinstance(e, Link) and not tx.placer.expect_new_bytes(e.source, tx.partial):
-            continue
+        if isinstance(e, Link):
+            if not tx.placer.expect_new_bytes(e.source, tx.partial):
+                continue
+            copied += plan.file_size(e)
+        new_files += 1
         need += plan.file_size(e)
+    margin = space_margin(plan, new_files, tensor_origins)
     have = free_space(tx.partial)
-    if have < need + SPACE_MARGIN:
+    if have < need + margin:
         tx.withdraw()
+        mount = mount_point(tx.partial)
         raise WriteError(
             "not enough free disk space for the output", path=tx.out,
-            expected=f"{need + SPACE_MARGIN} bytes free", got=f"{have} bytes free",
-            hint=tx.SPACE_HINT)
+            expected=f"{_bytes(need + margin)} free ({_bytes(need)} of files, {_bytes(margin)} for the manifest "
+                     "and the filesystem's overhead)",
+            got=f"{_bytes(have)} free on {mount}",
+            hint=tx.space_hint(_bytes(need + margin - have), mount, _copies_hint(plan, tx, copied)))
+
+
+def space_margin(plan: OutputPlan, new_files: int, tensor_origins: bool) -> int:
+    """Bytes a run writes beyond its planned files (see MANIFEST_HEAD)."""
+    records = len(plan.files) + len(plan.inputs)
+    tensors = sum(len(index_map(e)) for e in plan.entries(Index)) if tensor_origins else 0
+    return MANIFEST_HEAD + BYTES_PER_FILE_RECORD * records + BYTES_PER_TENSOR_ORIGIN * tensors + BLOCK * new_files
+
+
+def _copies_hint(plan: OutputPlan, tx: OutputDir, copied: int) -> str | None:
+    """What the refusal adds when unchanged input files are copied rather than linked (None when none is)."""
+    if not copied:
+        return None
+    if tx.placer.mode is LinkMode.COPY:
+        return (f"--link copy copies the {_bytes(copied)} of unchanged input files: without it they are linked "
+                "where the output is on the input's filesystem, taking no space")
+    linked_from = sorted({str(mount_point(Path(e.source))) for e in plan.entries(Link)
+                          if tx.placer.expect_new_bytes(e.source, tx.partial)})
+    return (f"{_bytes(copied)} of the files are copies of unchanged input files: an -o on the input's "
+            f"filesystem ({', '.join(linked_from)}) links them instead, taking no space")
+
+
+def _bytes(n: int) -> str:
+    """A byte count as the refusal shows it: exact, and in GiB, MiB or KiB to read."""
+    unit, scale = next((u, 2**e) for u, e in (("GiB", 30), ("MiB", 20), ("KiB", 10)) if n >= 2**e or u == "KiB")
+    return f"{n} bytes ({n / scale:.1f} {unit})"
 
 
 def _place(e, tx: OutputDir, values: dict, headers: _Countdown, stop: threading.Event):
@@ -185,7 +231,7 @@ def write_output(plan: OutputPlan, tx: OutputDir, *, command: str | None, values
     plan_hash = plan.plan_hash()
     resuming = tx.resume and (partial / JOURNAL_NAME).exists()
     journal = Journal(partial / JOURNAL_NAME, plan_hash, input_identity(plan.inputs), tx.resume)
-    check_space(plan, tx, journal)
+    check_space(plan, tx, journal, tensor_origins=shards_section is not None)
     own_hasher = hasher is None
     hasher = hasher or input_hasher(tx, hash_from_reads)
     with _inputs_kept(tx, hasher, own_hasher):

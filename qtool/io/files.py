@@ -223,6 +223,14 @@ class Placer:
         return not same_fs
 
 
+def mount_point(path: str | Path) -> Path:
+    """The mount point of the filesystem holding `path` (what a refusal for want of space names)."""
+    p = Path(os.path.realpath(path))
+    while not os.path.ismount(p):
+        p = p.parent
+    return p
+
+
 def fsync_path(path: Path) -> None:
     """fsync a file or a directory (a directory's fsync makes the renames and links in it durable)."""
     fd = os.open(path, os.O_RDONLY)

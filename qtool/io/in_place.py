@@ -107,8 +107,10 @@ class InPlaceDir(OutputDir):
         self.lock.release()
 
     PREPARE_FAILED = "cannot prepare the in-place change"
-    # its unchanged files are links already: only the rewritten ones need room, beside the checkpoint
-    SPACE_HINT = "free space on the checkpoint's filesystem (the files this run rewrites are written beside it)"
+    def space_hint(self, short: str, mount: Path, copies: str | None) -> str:
+        """Its unchanged files are links already: only the rewritten ones need room, beside the checkpoint."""
+        return (f"free {short} more on the checkpoint's filesystem ({mount}): the files this run rewrites are "
+                "written beside it; or write the result elsewhere with -o")
 
     def _prepare(self) -> None:
         self._clear_stale()

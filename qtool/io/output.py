@@ -39,6 +39,10 @@ from qtool.io.files import INPUT_DIGESTS, TMP_SUFFIX, LinkMode, Placer, fsync_pa
 
 MANIFEST_NAME = "qtool-manifest.json"
 STEP_MARKER = "qtool-step.json"  # a build step's finished output (qtool/ops/pipeline)
+# qtool's records about an output directory, not part of the checkpoint: an output made from it writes its
+# own manifest, and a build writes a step's marker after the step's manifest lists its files (so a marker
+# carried over would differ from its listing and fail `verify --deep`)
+RECORDS = frozenset({MANIFEST_NAME, STEP_MARKER})
 LOCK_NAME = ".qtool-lock"
 PARTIAL_MARKER = ".qtool-partial"  # in every OUT.partial/ qtool makes: only such a directory is ever removed
 SWAPPED_MARKER = ".qtool-swapped-out"  # in a replaced state qtool parked under its hidden `.NAME.qtool-old`
@@ -485,9 +489,11 @@ class OutputDir:
     def __exit__(self, *exc) -> None:
         self.lock.release()
 
-    # the fix a refusal for want of free space names (qtool.io.apply.check_space)
-    SPACE_HINT = ("free space, choose another -o, or put the output on the source's filesystem so unchanged "
-                  "shards are links that take no space")
+    def space_hint(self, short: str, mount: Path, copies: str | None) -> str:
+        """The fix a refusal for want of free space names (qtool.io.apply.check_space): `short` bytes more
+        on `mount`; `copies`: what copying unchanged input files costs, where they are copied."""
+        fix = f"free {short} more on {mount}, or choose an -o on a filesystem with room"
+        return f"{fix}; {copies}" if copies else fix
 
     def withdraw(self) -> None:
         """The run was refused before it did any work (an op whose plan is finished inside the transaction:

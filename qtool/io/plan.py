@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Callable, NamedTuple, Sequence, Union
 
 from qtool.io.jsonio import JsonStyle, dumps
+from qtool.io.output import RECORDS
 from qtool.io.writer import FileRange, InlineBytes, OutTensor, json_str, shard_size
 
 
@@ -90,15 +91,16 @@ SHARD_ENTRIES = (Link, Shard, Produced)  # the big ones: written by the executor
 
 def checkpoint_files(root: Path) -> list[tuple[str, Path]]:
     """(relative path, path) of every file under `root`, in sub-folders too, without qtool's bookkeeping
-    (`.qtool-*`) and caches (`.cache/`): what an output made from `root` carries over. An entry that is
+    (`.qtool-*`, its manifest and a build step's marker: qtool.io.output.RECORDS) and caches (`.cache/`):
+    what an output made from `root` carries over. An entry that is
     neither a regular file nor a directory (a FIFO, a device, a dangling symlink, a symlink loop) is a named
     error: a copy silently without it would be worse."""
     from qtool.errors import CheckpointError
 
     out = []
     for p in sorted(Path(root).rglob("*")):
-        parts = p.relative_to(root).parts
-        if ".cache" in parts or p.name.startswith(".qtool-") or p.is_dir():
+        rel = p.relative_to(root)
+        if ".cache" in rel.parts or p.name.startswith(".qtool-") or p.is_dir() or rel.as_posix() in RECORDS:
             continue
         if not p.is_file():
             kind = "a dangling symlink or a symlink loop" if p.is_symlink() else "a FIFO, a device or a socket"
@@ -109,11 +111,9 @@ def checkpoint_files(root: Path) -> list[tuple[str, Path]]:
 
 
 def unchanged_files(root: Path, changed: set[str]) -> list[Link]:
-    """Links of every file under `root` except `changed` ones, qtool's own bookkeeping and the manifest
-    (written anew): what a new output keeps of its input unchanged."""
-    from qtool.io.output import MANIFEST_NAME
-
-    return [Link(rel, str(p)) for rel, p in checkpoint_files(root) if rel not in changed and rel != MANIFEST_NAME]
+    """Links of every file under `root` except `changed` ones and qtool's own records (checkpoint_files):
+    what a new output keeps of its input unchanged."""
+    return [Link(rel, str(p)) for rel, p in checkpoint_files(root) if rel not in changed]
 
 
 def tensors_of(entry: Shard | Produced) -> list[OutTensor]:
@@ -163,7 +163,7 @@ class OutputPlan:
             elif isinstance(e, Text):
                 h.update(json.dumps([e.name, e.text]).encode())
             elif isinstance(e, Index):
-                h.update(json.dumps([e.name, e.metadata, sorted(_weight_map(e).items())]).encode())
+                h.update(json.dumps([e.name, e.metadata, sorted(index_map(e).items())]).encode())
             else:
                 h.update(e.name.encode())
         return h.hexdigest()
@@ -194,7 +194,7 @@ class OutputPlan:
         if isinstance(e, Text):
             return len(e.text.encode())
         if isinstance(e, Index):
-            return 100 * len(_weight_map(e))  # about; only the free-space check asks
+            return 100 * len(index_map(e))  # about; only the free-space check asks
         return 0
 
     def describe(self) -> dict:
@@ -207,14 +207,15 @@ class OutputPlan:
         return {"operation": self.kind, "files": out}
 
 
-def _weight_map(e: Index) -> dict:
+def index_map(e: Index) -> dict:
+    """An Index entry's weight map (tensor -> shard), made now where the plan holds a function for it."""
     return e.weight_map() if callable(e.weight_map) else e.weight_map
 
 
 def index_text_of(e: Index):
     from qtool.io.writer import index_text
 
-    return index_text(_weight_map(e), e.metadata)
+    return index_text(index_map(e), e.metadata)
 
 
 def _tensor_keys(tensors: list[OutTensor], paths: dict[str, str]) -> str:

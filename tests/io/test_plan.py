@@ -167,7 +167,7 @@ def test_free_space_counts_what_a_resumed_partial_already_holds(tmp_path, monkey
     info = Checkpoint.open(src, check_file_sizes=False).tensors["z"]
     plan = OutputPlan("test", [Shard("z.safetensors", [OutTensor("z", "U8", (1 << 20,), FileRange(
         info.file, info.start, info.end))])], sources={"src": src}, inputs=[str(big)])
-    monkeypatch.setattr(apply, "SPACE_MARGIN", 0)
+    monkeypatch.setattr(apply, "space_margin", lambda *args: 0)
     monkeypatch.setattr(apply, "free_space", lambda p: 1000)
     with OutputDir(tmp_path / "out", sources=[src]) as tx, pytest.raises(WriteError, match="free disk space"):
         write_output(plan, tx, command=None)

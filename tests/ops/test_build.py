@@ -307,3 +307,37 @@ def test_hub_sources_fetch_only_what_assemble_needs(tmp_path, capsys, monkeypatc
         assert 0 < served_bf < bf_weights / 2
         # same upstream commits: nothing to do
         assert _build(capsys, rec, "-o", tmp_path / "o")["ran"] == []
+
+
+# ---- a deep verify step ------------------------------------------------------------------------------
+
+DEEP_VERIFY = """
+name: deep
+sources:
+  nvfp4: {path: NV}
+  bf16: {path: BF}
+steps:
+  - {id: hybrid, op: assemble, with: {nvfp4: nvfp4, bf16: bf16, bf16_expert_layers: [0], mtp: from-bf16}}
+  - STEP
+  - {id: check, op: verify, input: changed, with: {engine: both, tp: 1, deep: true}}
+"""
+
+
+@pytest.mark.parametrize("step", [
+    "{id: changed, op: calibrate-kv, input: hybrid, with: {samples: 2, seq_len: 32, replace_scales: true}}",
+    "{id: changed, op: patch-config, input: hybrid, with: {fixes: [router-ignore, mtp-ignore]}}",
+], ids=["calibrate-kv", "patch-config"])
+def test_a_deep_verify_step_checks_the_artifact_as_published(tmp_path, capsys, step, tiny_bf16,
+                                                             tiny_nvfp4_modelopt_nomtp):
+    """A `verify` step with `deep: true` after a step that writes compares that step's files with its
+    manifest: the build's own step marker is not part of the artifact, and the published output passes
+    `qtool verify OUT --deep` too."""
+    rec = tmp_path / "deep.yaml"
+    rec.write_text(DEEP_VERIFY.replace("NV", str(tiny_nvfp4_modelopt_nomtp)).replace("BF", str(tiny_bf16))
+                   .replace("STEP", step))
+    rep = _build(capsys, rec, "-o", tmp_path / "o")
+    assert rep["ran"] == ["hybrid", "changed", "check"] and rep["published"]
+    assert main(["verify", str(tmp_path / "o"), "--deep", "--engine", "both", "--tp", "1", "--json"]) == 0, \
+        capsys.readouterr().out
+    capsys.readouterr()
+    assert _build(capsys, rec, "-o", tmp_path / "o")["ran"] == []  # the marker written after verify is no change

@@ -406,9 +406,78 @@ def test_a_disk_too_small_refuses_the_run_and_leaves_no_partial(command, tiny_nv
     assert "not enough free disk space" in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]  # no OUT, no partial, no lock
     named = ck if "--in-place" in args else out  # the output the user named (its partial is gone), and the fix
-    fix = "free space on the checkpoint's filesystem" if "--in-place" in args else "free space, choose another -o"
-    assert f"file:     {named}\n" in err and f"fix:      {fix}" in err, err
+    fix = "more on the checkpoint's filesystem" if "--in-place" in args else "more on /"
+    assert f"file:     {named}\n" in err and "fix:      free " in err and fix in err, err
     assert tree_sha(ck, skip=()) == before
+
+
+def _shard_bytes(d: Path) -> int:
+    return sum(p.stat().st_size for p in d.glob("*.safetensors"))
+
+
+@pytest.mark.parametrize("command", ["assemble", "calibrate-kv", "patch-config"])
+def test_an_output_of_links_fits_a_disk_with_room_for_what_it_writes(command, tiny_nvfp4_modelopt, tiny_bf16,
+                                                                    tmp_path, monkeypatch, capsys):
+    """Found as: an output on its input's filesystem, whose unchanged shards are hard links (no new space),
+    was refused on a nearly full disk: the check asked for 64 MiB more than the files it writes."""
+    from qtool.cli.main import main
+    from qtool.io import apply
+
+    ck = copy_of(tiny_nvfp4_modelopt, tmp_path / "ck")
+    out = tmp_path / "out"
+    args = {
+        "assemble": ["assemble", "hybrid", "--nvfp4", ck, "--bf16", tiny_bf16, "-o", out],
+        "calibrate-kv": ["calibrate-kv", ck, *KV, "--replace-scales", "-o", out],
+        "patch-config": ["patch-config", ck, "--fix", "router-ignore", "-o", out],
+    }[command]
+    room = _shard_bytes(ck)  # the output's shards alone would not fit if its links took space
+    monkeypatch.setattr(apply, "free_space", lambda p: room)
+    assert main([*map(str, args), "--quiet"]) == 0, capsys.readouterr().err
+    assert _shard_bytes(out) + len((out / "qtool-manifest.json").read_bytes()) > room
+
+
+def _refusal(err: str) -> dict[str, str]:
+    """The refusal's fields as the CLI prints them (`name:     value` lines)."""
+    return {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in err.splitlines()) if v}
+
+
+def test_a_refusal_for_space_says_how_much_more_where_and_what_copying_costs(tiny_nvfp4_modelopt, tiny_bf16,
+                                                                           tmp_path, monkeypatch, capsys):
+    """The refusal names the numbers and the filesystem, and a fix the user has not already applied: not
+    "put the output on the source's filesystem" when it is there; `--link copy` named as what costs the space."""
+    from qtool.cli.main import main
+    from qtool.io import apply
+    from qtool.io.files import Placer, mount_point
+
+    ck = copy_of(tiny_nvfp4_modelopt, tmp_path / "ck")
+    out = tmp_path / "out"
+    monkeypatch.setattr(apply, "free_space", lambda p: 1000)
+    assert main(["patch-config", str(ck), "--fix", "router-ignore", "-o", str(out), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    fields = _refusal(err)
+    need = int(fields["expected"].split()[0])
+    assert 1000 < need < 1 << 20  # its rewritten config and the manifest, not the linked shards
+    assert fields["got"] == f"1000 bytes (1.0 KiB) free on {mount_point(tmp_path)}", err
+    assert fields["fix"].startswith(f"free {need - 1000} bytes (") and f"more on {mount_point(tmp_path)}" in err
+    assert "source's filesystem" not in err and "--link" not in err and "Traceback" not in err
+    # --link copy: the unchanged shards are copies, and the refusal says so, with their bytes
+    room = _shard_bytes(ck)  # what the same command without --link copy needs (the test above)
+    monkeypatch.setattr(apply, "free_space", lambda p: room)
+    assert main(["assemble", "hybrid", "--nvfp4", str(ck), "--bf16", str(tiny_bf16), "-o", str(out), "--link",
+                 "copy", "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "not enough free disk space" in err and "--link copy copies the " in err, err
+    assert not out.exists() and not (tmp_path / "out.partial").exists()
+    # an output on another filesystem than its input: its unchanged shards are copies, and the fix says where
+    with monkeypatch.context() as m:
+        m.setattr(Placer, "expect_new_bytes", lambda self, src, out_dir: True)
+        assert main(["assemble", "hybrid", "--nvfp4", str(ck), "--bf16", str(tiny_bf16), "-o", str(out),
+                     "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert f"of the files are copies of unchanged input files: an -o on the input's filesystem ({mount_point(ck)})" \
+        in err, err
+    assert main(["assemble", "hybrid", "--nvfp4", str(ck), "--bf16", str(tiny_bf16), "-o", str(out),
+                 "--quiet"]) == 0  # linked, the same output fits
 
 
 def test_a_disk_too_small_for_a_resumed_run_keeps_the_interrupted_runs_work(tiny_nvfp4_modelopt, tmp_path,

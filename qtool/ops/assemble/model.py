@@ -18,13 +18,13 @@ from qtool.arch.model_map import Format, ModelMap
 from qtool.io.checkpoint import INDEX_NAME, Checkpoint
 from qtool.io.apply import JOURNAL_NAME
 from qtool.io.files import LinkMode
-from qtool.io.output import MANIFEST_NAME
+from qtool.io.output import RECORDS
 from qtool.io.tensor_table import TensorTable
 from qtool.io.writer import FileRange, OutTensor
 
 NEW_SHARD_TEMPLATE = "model-hybrid-{i:05d}-of-{n:05d}.safetensors"
-# Files of a source directory that are never carried over (regenerated, or download bookkeeping).
-SKIP_FILES = frozenset({INDEX_NAME, MANIFEST_NAME, JOURNAL_NAME})
+# Files of a source directory that are never carried over (regenerated, or qtool's own records).
+SKIP_FILES = frozenset({INDEX_NAME, JOURNAL_NAME}) | RECORDS
 SKIP_DIRS = frozenset({".cache", ".git", ".huggingface"})
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from qtool.build_recipes import BuildRecipe, Op, Source, SourceKind, Step
 from qtool.errors import CheckpointError, PlanError, UsageError
+from qtool.io.output import STEP_MARKER
 
-STEP_MARKER = "qtool-step.json"
 OVERRIDE_ENV = "QTOOL_BUILD_SOURCES"  # "name=path,name=path": replace recipe sources by local dirs
 
 
