@@ -324,7 +324,7 @@ def test_build_token_never_reaches_the_manifest_and_an_edited_artifact_is_notice
 @pytest.mark.parametrize("args,code", [
     (["verify", "/nonexistent"], 1),
     (["inspect", "/nonexistent"], 1),
-    (["build", "missing.yaml"], 1),
+    (["build", "missing.yaml"], 2),  # an unknown recipe is a usage error in every command (as quantize --recipe)
     (["verify", "CKPT", "--engine", "vlm"], 2),
     (["assemble", "hybrid", "--nvfp4", "CKPT", "--bf16", "CKPT", "-o", "OUT", "--froce"], 2),
     (["calibrate-kv", "CKPT"], 2),
