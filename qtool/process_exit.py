@@ -35,11 +35,11 @@ def flush_stdio(code: int) -> int:
             sys.stdout.flush()
     except BrokenPipeError:
         code = code or BROKEN_PIPE
-        _drop_stdout()
+        drop_stdout()
     except (OSError, ValueError) as e:
         if code == 0:
             code = UNWRITTEN
-        _drop_stdout()
+        drop_stdout()
         _say(f"qtool: could not write the output to stdout ({e})")
     try:
         if sys.stderr is not None:
@@ -55,7 +55,7 @@ def flush_stdio(code: int) -> int:
     return code
 
 
-def _drop_stdout() -> None:
+def drop_stdout() -> None:
     """Send what is left of stdout nowhere, so that no later flush fails again."""
     try:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -194,10 +194,37 @@ def gpu_allocator_defaults() -> None:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ALLOCATOR_DEFAULT
 
 
+class StdoutUnwritable(Exception):
+    """stdout refused a write (`qtool ... > out.json` on a full disk): the command's output is lost."""
+
+
+class _Stdout(redact.RedactingStream):
+    """stdout while a command runs. It is line-buffered (a long job's lines reach a log as they come), so a
+    full disk under `> out.json` fails a write inside the command rather than Python's final flush: that
+    ends the command as the final flush would (process_exit.UNWRITTEN), never as a traceback or as an
+    error of the command's own."""
+
+    def write(self, text: str) -> int:
+        try:
+            return super().write(text)
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            raise StdoutUnwritable(e) from None
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            raise StdoutUnwritable(e) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     # what a command prints (a report naming the paths the user typed, an error, a notice) is redacted
     out, err = sys.stdout, sys.stderr
-    sys.stdout, sys.stderr = redact.RedactingStream(out), redact.RedactingStream(err)
+    sys.stdout, sys.stderr = _Stdout(out), redact.RedactingStream(err)
     try:
         code = _main(argv)
     finally:
@@ -260,6 +287,12 @@ def _main(argv: list[str] | None) -> int:
     except KeyboardInterrupt as e:
         print(_interrupted(args, argv, e), file=sys.stderr)
         return 130
+    except StdoutUnwritable as e:
+        from qtool import process_exit
+
+        process_exit.drop_stdout()
+        print(f"qtool: could not write the output to stdout ({e})", file=sys.stderr)
+        return process_exit.UNWRITTEN
     except BrokenPipeError:
         # `qtool inspect ... | head`: the reader went away; exit quietly like other CLI tools (and keep
         # Python from complaining again while flushing stdout at exit)
