@@ -184,17 +184,15 @@ def local_only(spec):
 
 
 def check_device(device: str, *, present: bool = False) -> str:
-    """--device's form; with `present` (a run that computes here, not a dry run that may plan a GPU job on
-    another machine) also that the GPU exists: said at once, before the plan reads the data."""
+    """--device's form, and the GPU it names: on this machine where it has CUDA devices (a dry run too);
+    with `present` (a run that computes here) also where it has none. A dry run on a machine without CUDA
+    may plan a GPU job for another machine: said, not refused. Checked at once, before the plan reads data."""
+    from qtool.dist.launch import require_device
     from qtool.errors import UsageError
 
     if not (device == "cpu" or device == "cuda" or device.startswith("cuda:")):
         raise UsageError("--device must be cpu, cuda or cuda:N", got=device)
-    if present and device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise UsageError(f"--device {device} but no CUDA device is available", hint="use --device cpu")
+    require_device(device, elsewhere=not present)
     return device
 
 

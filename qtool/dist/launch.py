@@ -66,9 +66,10 @@ def _check_gpus(devices: list[str]) -> None:
                          hint="use --nproc/--devices within the GPUs present, or --device cpu")
 
 
-def require_device(device: str) -> None:
+def require_device(device: str, *, elsewhere: bool = False) -> None:
     """The CUDA device `--device` names (cuda, cuda:N) is on this machine: a usage error naming it
-    otherwise, made by the plan (so a --dry-run says it too, not only the run that would need it)."""
+    otherwise, a --dry-run's too where this machine has CUDA devices. `elsewhere` (a --dry-run): a machine
+    with none may plan a GPU job for another machine; it is said, not refused."""
     if not device.startswith("cuda"):
         return
     index = device.partition(":")[2]
@@ -77,6 +78,11 @@ def require_device(device: str) -> None:
     import torch
 
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if have == 0 and elsewhere:
+        from qtool.notices import tell
+
+        tell(f"--device {device}: this machine has no CUDA device; the plan is for a machine that has one")
+        return
     if have == 0:
         raise UsageError(f"--device {device} but no CUDA device is available", hint="use --device cpu")
     if int(index or 0) >= have:

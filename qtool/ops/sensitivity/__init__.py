@@ -79,7 +79,7 @@ def plan(opts: SensitivityOptions) -> SensitivityPlan:
     from qtool.ops.sensitivity.measure import work_dir
     from qtool.stream.calib_data import plan_calibration
 
-    require_device(opts.device)
+    require_device(opts.device, elsewhere=True)  # the CLI refused a run's missing GPU already
     # the table names them: a name that is not UTF-8 is refused now, not after the whole pass
     for path, flag in ((opts.bf16, "BF16"), (opts.quantized, "QUANTIZED"), (opts.out, "-o"),
                        (opts.dataset, "--dataset")):
