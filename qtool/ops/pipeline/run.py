@@ -59,12 +59,16 @@ def run(bp: BuildPlan, *, resume: bool = False, progress: bool = False, token: s
     with lock_for(bp.out) as lock:
         check_build_output(bp, force=force)
         hash_sources(bp)  # planning read no data: a local source without digests on record is read now
-        for sp in bp.steps:
-            sp.cached = step_finished(sp.dir, sp.key)
-        report = _run_steps(bp, ctx, resume, force, lock)
-    for s in bp.sources.values():
-        if s.refresh is not None:
-            s.refresh()  # the steps linked the sources' files (and removed old steps' links): see dir_fingerprint
+        try:
+            for sp in bp.steps:
+                sp.cached = step_finished(sp.dir, sp.key)
+            report = _run_steps(bp, ctx, resume, force, lock)
+        finally:
+            # the steps linked the sources' files (and removed old steps' links), which moved their ctime: a
+            # failed build too, so the next plan still finds their digests on record (see dir_fingerprint)
+            for s in bp.sources.values():
+                if s.refresh is not None:
+                    s.refresh()
     return report
 
 
