@@ -288,10 +288,12 @@ class InputHasher:
         keep_files: the input files stay open for the commit's check (its caller closes `files`)."""
         if InputFiles.active is self.files:
             InputFiles.active = None
+        self._stop.set()
+        # the running hashes stop within a chunk; their descriptors are closed only then (a descriptor closed
+        # under a read could be reused by the next open, and the hash would read another file)
+        self.pool.shutdown(wait=True, cancel_futures=True)
         if not keep_files:
             self.files.close()
-        self._stop.set()
-        self.pool.shutdown(wait=False, cancel_futures=True)
         for digest in self._trailing:
             digest.cancel()  # a no-op on one that is done
         if self.streams is not None:
