@@ -211,15 +211,17 @@ def test_a_file_put_in_the_output_during_the_run_is_not_deleted_by_its_commit(ti
 # ---- E1: qtool's own clean-up, interrupted at any point, is finished by the next run ------------------
 
 
-def _failing_unlink(n: int):
-    """os.unlink whose Nth call fails (EIO): the removal stops there, as a kill would stop it."""
+def _failing_unlink(n: int, under: Path):
+    """os.unlink whose Nth call on a path under `under` fails (EIO): the removal stops there, as a kill would
+    stop it. Other paths (qtool's cache, another thread's temporary files) neither count nor fail."""
     real, calls = os.unlink, [0]
 
-    def unlink(*a, **k):
-        calls[0] += 1
-        if calls[0] == n:
-            raise OSError(errno.EIO, "interrupted here", str(a[0]))
-        return real(*a, **k)
+    def unlink(path, *a, **k):
+        if os.path.abspath(os.fspath(path)).startswith(str(under) + os.sep):
+            calls[0] += 1
+            if calls[0] == n:
+                raise OSError(errno.EIO, "interrupted here", str(path))
+        return real(path, *a, **k)
     return unlink
 
 
@@ -270,7 +272,7 @@ def test_an_interrupted_removal_of_qtools_own_directory_is_finished_by_the_next_
         target = work / template.name
         argv = [str(a).replace(str(tmp_path / "state"), str(work)) for a in args]
         with monkeypatch.context() as m:
-            m.setattr(os, "unlink", _failing_unlink(n))
+            m.setattr(os, "unlink", _failing_unlink(n, work))
             main(argv)  # stopped midway (or not at all, where n is past the removal's last step)
         assert main(argv) == 0, (n, sorted(p.name for p in target.iterdir()) if target.exists() else None)
         assert not target.exists(), n
