@@ -63,6 +63,14 @@ class NVFP4Weight:
         return dequantize(self.packed, self.block_scale, self.weight_scale_2, dtype=dtype)
 
 
+def fp8_scale_bytes(device: torch.device | str = "cpu") -> torch.Tensor:
+    """The bytes of the 126 finite positive float8_e4m3fn values, ascending (the block scales a per-block
+    scale search tries: qtool.ops.quantize.nvfp4_mse)."""
+    values = torch.arange(0, 128, dtype=torch.uint8, device=device)
+    as_float = values.view(torch.float8_e4m3fn).float()
+    return values[torch.isfinite(as_float) & (as_float > 0)]
+
+
 def weight_scale_2_from_amax(amax: torch.Tensor | float) -> torch.Tensor:
     """Global weight scale: amax / (6 * 448), float32 (ModelOpt `get_weights_scaling_factor_2`)."""
     return torch.as_tensor(amax).float() / (E2M1_MAX * E4M3_MAX)

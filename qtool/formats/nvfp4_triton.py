@@ -259,15 +259,13 @@ def sweep_block_scales_triton(w: torch.Tensor, global_amax: torch.Tensor, tile: 
     lead, out, n_in = tuple(w.shape[:-2]), w.shape[-2], w.shape[-1]
     nb = n_in // BLOCK_SIZE
     n_rows = torch.Size(lead).numel() * out
-    values = torch.arange(0, 128, dtype=torch.uint8, device=w.device)
-    as_float = values.view(torch.float8_e4m3fn).float()
-    keep = torch.isfinite(as_float) & (as_float > 0)
-    candidates = (as_float[keep] / nvfp4.E4M3_MAX).contiguous()
+    scale_bytes = nvfp4.fp8_scale_bytes(w.device)
+    candidates = (scale_bytes.view(torch.float8_e4m3fn).float() / nvfp4.E4M3_MAX).contiguous()
     amax = torch.as_tensor(global_amax, device=w.device).float().expand(lead).contiguous()
     best = torch.empty((*lead, out, nb), dtype=torch.uint8, device=w.device)
     if n_rows and nb:
         grid = (_cdiv(n_rows, tile.block_rows), _cdiv(nb, tile.blocks_per_tile))
-        _sweep_kernel()[grid](w, amax, candidates, values[keep].contiguous(), best, n_rows, nb, out,
+        _sweep_kernel()[grid](w, amax, candidates, scale_bytes.contiguous(), best, n_rows, nb, out,
                               BLOCK_R=tile.block_rows, NB=tile.blocks_per_tile, NC=int(candidates.numel()),
                               num_warps=tile.num_warps)
     return best.view(torch.float8_e4m3fn)

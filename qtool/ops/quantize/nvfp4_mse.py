@@ -55,8 +55,7 @@ SWEEP_ROWS = 4096  # rows of blocks per step: bounds the sweep's temporaries to 
 
 def fp8_scale_values(device: torch.device | str = "cpu") -> torch.Tensor:
     """The 126 finite positive float8_e4m3fn values, ascending, as float32."""
-    values = torch.arange(0, 128, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn).float()
-    return values[torch.isfinite(values) & (values > 0)]
+    return nvfp4.fp8_scale_bytes(device).view(torch.float8_e4m3fn).float()
 
 
 def _magnitude(a: torch.Tensor) -> torch.Tensor:
