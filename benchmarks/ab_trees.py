@@ -33,8 +33,9 @@ def run_once(tag: str, tree: str, args: list[str]) -> dict | None:
     t0 = time.perf_counter()
     # -P: the working folder does not come before PYTHONPATH (as `python -m` puts it), so that a run in a
     # checkout imports the tree it is given; relative paths in ARGS stay the caller's
-    p = subprocess.run([sys.executable, "-P", "-m", "qtool", *args, "--json", "--quiet"], capture_output=True,
-                       text=True, env=env)
+    p = subprocess.run(
+        [sys.executable, "-P", "-m", "qtool", *args, "--json", "--quiet"], capture_output=True, text=True, env=env
+    )
     wall = time.perf_counter() - t0
     if p.returncode:
         print(f"{tag}: exit {p.returncode}\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}", flush=True)
@@ -45,8 +46,15 @@ def run_once(tag: str, tree: str, args: list[str]) -> dict | None:
         return None
     done, first = clock["layers_done"], clock["first_layer_start"]
     per_layer, tail = steady_layer(done, first)
-    return {"tag": tag, "wall": wall, "start": first - launched, "loop": done[-1] - first, "per_layer": per_layer,
-            "tail": tail, "end": launched + wall - done[-1]}
+    return {
+        "tag": tag,
+        "wall": wall,
+        "start": first - launched,
+        "loop": done[-1] - first,
+        "per_layer": per_layer,
+        "tail": tail,
+        "end": launched + wall - done[-1],
+    }
 
 
 def main() -> int:
@@ -55,7 +63,7 @@ def main() -> int:
     split = sys.argv.index("--")
     rounds = int(sys.argv[1])
     trees = [t.split("=", 1) for t in sys.argv[2:split]]
-    args = sys.argv[split + 1:]
+    args = sys.argv[split + 1 :]
     rows = []
     for r in range(rounds):
         for tag, tree in trees if r % 2 == 0 else trees[::-1]:
@@ -66,8 +74,12 @@ def main() -> int:
     for tag, _ in trees:
         mine = [x for x in rows if x["tag"] == tag]
         if mine:
-            print(" ".join([f"{tag:8s} mean of {len(mine)}:"]
-                           + [f"{k}={sum(x[k] for x in mine) / len(mine):.2f}" for k in FIELDS]))
+            print(
+                " ".join(
+                    [f"{tag:8s} mean of {len(mine)}:"]
+                    + [f"{k}={sum(x[k] for x in mine) / len(mine):.2f}" for k in FIELDS]
+                )
+            )
     return 0
 
 

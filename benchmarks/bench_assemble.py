@@ -60,8 +60,10 @@ def measure(cmd: list[str]) -> dict:
 
 # The programs' own code is re-read after each cache drop (not timed), so runs time data movement, not
 # cold imports of torch/safetensors.
-_WARM_CODE = ("import qtool.cli.main, qtool.cli.assemble_cmd, qtool.ops.assemble.execute, qtool.ops.checks, "
-              "qtool.io.manifest, safetensors.torch")
+_WARM_CODE = (
+    "import qtool.cli.main, qtool.cli.assemble_cmd, qtool.ops.assemble.execute, qtool.ops.checks, "
+    "qtool.io.manifest, safetensors.torch"
+)
 
 
 def _read_all(paths: list[Path]) -> None:
@@ -110,8 +112,11 @@ def write_bf16_subset(bf: Path, out: Path, layers: list[int], mtp: str = "auto")
         ts = sorted((t for n, t in h.tensors.items() if match(n)), key=lambda t: t.start)
         if not ts:
             continue
-        write_shard(out / shard, [OutTensor(t.name, t.dtype, t.shape, FileRange(t.file, t.start, t.end))
-                                  for t in ts], h.metadata or {"format": "pt"})
+        write_shard(
+            out / shard,
+            [OutTensor(t.name, t.dtype, t.shape, FileRange(t.file, t.start, t.end)) for t in ts],
+            h.metadata or {"format": "pt"},
+        )
         weight_map.update({t.name: shard for t in ts})
         total += sum(t.nbytes for t in ts)
     (out / "model.safetensors.index.json").write_text(json.dumps(index_json(weight_map, total), indent=2) + "\n")
@@ -121,7 +126,7 @@ def write_bf16_subset(bf: Path, out: Path, layers: list[int], mtp: str = "auto")
     return out
 
 
-NAIVE = r'''
+NAIVE = r"""
 import json, os, shutil, sys
 from pathlib import Path
 from safetensors import safe_open
@@ -165,7 +170,7 @@ if mtp:
 for f in nv.iterdir():
     if not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
         shutil.copyfile(f, out / f.name)
-'''
+"""
 
 
 def _du(path: Path) -> int:
@@ -188,25 +193,42 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--inter", type=int, default=512)
     ap.add_argument("--shard-size", default="256MB")
     ap.add_argument("--bf16-expert-layers", default="0")
-    ap.add_argument("--bf16-full", action="store_true",
-                    help="time every run against the full-size (sparse) BF16 source instead of the subset "
-                    "checkpoint `--bf16 hf:...` would fetch (the cold run then hashes all of it)")
-    ap.add_argument("--repeat", type=int, default=3,
-                    help="interleaved rounds (every job once per round; median, min, max reported)")
-    ap.add_argument("--cache", choices=["drop", "warm"], default="drop",
-                    help="before every run: drop the page cache (needs root; falls back to warm) or read all "
-                    "inputs once (warm)")
+    ap.add_argument(
+        "--bf16-full",
+        action="store_true",
+        help="time every run against the full-size (sparse) BF16 source instead of the subset "
+        "checkpoint `--bf16 hf:...` would fetch (the cold run then hashes all of it)",
+    )
+    ap.add_argument(
+        "--repeat", type=int, default=3, help="interleaved rounds (every job once per round; median, min, max reported)"
+    )
+    ap.add_argument(
+        "--cache",
+        choices=["drop", "warm"],
+        default="drop",
+        help="before every run: drop the page cache (needs root; falls back to warm) or read all inputs once (warm)",
+    )
     ap.add_argument("--keep", action="store_true", help="keep the generated pair for the next run")
-    ap.add_argument("--settle", type=float, default=5.0,
-                    help="seconds to wait after dropping the cache, before each timed run: on this VM's "
-                    "thin-provisioned disk a job right after another one's output was deleted ran up to 2x "
-                    "slower while the backend digested the discards")
-    ap.add_argument("--prime", action="store_true",
-                    help="run every job once untimed right before its timed run, so that each timed run "
-                    "follows a run of the same job (on this VM a job after assemble's output was deleted ran "
-                    "slower, `cp -r` up to 1.6x, than after cp's own)")
-    ap.add_argument("--target-only", action="store_true",
-                    help="run only the baseline and the shared-experts-only job (more rounds in less time)")
+    ap.add_argument(
+        "--settle",
+        type=float,
+        default=5.0,
+        help="seconds to wait after dropping the cache, before each timed run: on this VM's "
+        "thin-provisioned disk a job right after another one's output was deleted ran up to 2x "
+        "slower while the backend digested the discards",
+    )
+    ap.add_argument(
+        "--prime",
+        action="store_true",
+        help="run every job once untimed right before its timed run, so that each timed run "
+        "follows a run of the same job (on this VM a job after assemble's output was deleted ran "
+        "slower, `cp -r` up to 1.6x, than after cp's own)",
+    )
+    ap.add_argument(
+        "--target-only",
+        action="store_true",
+        help="run only the baseline and the shared-experts-only job (more rounds in less time)",
+    )
     args = ap.parse_args(argv)
     from qtool.io.writer import parse_size
 
@@ -215,9 +237,17 @@ def main(argv: list[str] | None = None) -> int:
     if not (nv / "config.json").exists():
         shutil.rmtree(wd, ignore_errors=True)
         t = time.perf_counter()
-        build_pair(wd, hidden=args.hidden, layers=args.layers, experts=args.experts, inter=args.inter,
-                   shared=args.inter, vocab=32768, shard_bytes=parse_size(args.shard_size),
-                   sparse_bf16_experts=True)
+        build_pair(
+            wd,
+            hidden=args.hidden,
+            layers=args.layers,
+            experts=args.experts,
+            inter=args.inter,
+            shared=args.inter,
+            vocab=32768,
+            shard_bytes=parse_size(args.shard_size),
+            sparse_bf16_experts=True,
+        )
         print(f"built the pair in {time.perf_counter() - t:.1f}s", file=sys.stderr)
     layers = [int(x) for x in args.bf16_expert_layers.split(",") if x]
     bf_sub = write_bf16_subset(bf_full, wd / "bf16-subset", layers)
@@ -236,8 +266,27 @@ def main(argv: list[str] | None = None) -> int:
         return p
 
     def qtool(src: Path, out: Path, link: str, layers: str = args.bf16_expert_layers, mtp: str = "auto") -> list[str]:
-        return [sys.executable, "-m", "qtool", "assemble", "hybrid", "--nvfp4", str(nv), "--bf16", str(src),
-                "--bf16-expert-layers", layers, "--mtp", mtp, "--json", "--quiet", "-o", str(out), "--link", link]
+        return [
+            sys.executable,
+            "-m",
+            "qtool",
+            "assemble",
+            "hybrid",
+            "--nvfp4",
+            str(nv),
+            "--bf16",
+            str(src),
+            "--bf16-expert-layers",
+            layers,
+            "--mtp",
+            mtp,
+            "--json",
+            "--quiet",
+            "-o",
+            str(out),
+            "--link",
+            link,
+        ]
 
     def waited(cmd: list[str]) -> list[str]:
         """What a user waits for: the command, then `sync` (as the baseline's `cp -r && sync`): a job that
@@ -261,10 +310,14 @@ def main(argv: list[str] | None = None) -> int:
         ("qtool copy, sha256 cached", waited(qtool(bf, out, "copy")), out, [nv, bf], False),
         ("qtool --link auto, cached", waited(qtool(bf, out, "auto")), out, [nv, bf], False),
         (shared_label, waited(qtool(bf, out, "copy", layers="none", mtp="drop")), out, [nv, bf], False),
-        (f"qtool copy, sha256 cold ({other} BF16)", waited(qtool(bf_other, out, "copy")), out, [nv, bf_other],
-         True),
-        ("naive load_file/save_file + sync", waited([sys.executable, "-c", NAIVE, str(nv), str(bf), str(nout),
-                                                     args.bf16_expert_layers]), nout, [nv, bf], False),
+        (f"qtool copy, sha256 cold ({other} BF16)", waited(qtool(bf_other, out, "copy")), out, [nv, bf_other], True),
+        (
+            "naive load_file/save_file + sync",
+            waited([sys.executable, "-c", NAIVE, str(nv), str(bf), str(nout), args.bf16_expert_layers]),
+            nout,
+            [nv, bf],
+            False,
+        ),
     ]
     if args.target_only:
         jobs = [j for j in jobs if j[0] in (base_label, shared_label)]
@@ -273,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.repeat):
         # with --target-only the two jobs swap places every round, so neither always runs right after the
         # other's writes (the full job list keeps its order: cached-hash jobs must follow a cold one)
-        for label, cmd, dst, inputs, cold_hashes in (jobs[::-1] if args.target_only and r % 2 else jobs):
+        for label, cmd, dst, inputs, cold_hashes in jobs[::-1] if args.target_only and r % 2 else jobs:
             fresh(dst)
             if cold_hashes:
                 shutil.rmtree(env_cache, ignore_errors=True)
@@ -285,8 +338,11 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(args.settle)
             results.setdefault(label, []).append(measure(cmd))
             fresh(dst)
-        print(f"round {r + 1}/{args.repeat}: " + ", ".join(f"{k.split(',')[0][:24]} {v[-1]['wall']:.2f}s"
-                                                            for k, v in results.items()), file=sys.stderr)
+        print(
+            f"round {r + 1}/{args.repeat}: "
+            + ", ".join(f"{k.split(',')[0][:24]} {v[-1]['wall']:.2f}s" for k, v in results.items()),
+            file=sys.stderr,
+        )
     res = subprocess.run(qtool(bf, fresh(out), "auto"), capture_output=True, text=True, check=True)
     rep = json.loads(res.stdout)
     out_bytes = _du(out)
@@ -301,22 +357,30 @@ def main(argv: list[str] | None = None) -> int:
 
     base = results[base_label]
     plan = rep["plan"]
-    mode = "page cache dropped before every run" if modes == {"drop"} else (
-        "inputs read once before every run (page cache not droppable)" if modes == {"warm"} else f"mixed {modes}")
-    print(f"NVFP4 source: {src_bytes / GB:.2f} GB in {n_shards} shards; BF16 source: {kind} "
-          f"({_du(bf) / GB:.2f} GB apparent; the other: {_du(bf_other) / GB:.2f} GB); output {out_bytes / GB:.2f} GB; "
-          f"shards: {plan['shards']}; linked with --link auto: {rep['result']['shards_linked']}")
-    print(f"bytes: reused {plan['bytes']['reused'] / GB:.3f} GB, rewritten {plan['bytes']['rewritten'] / GB:.3f} GB, "
-          f"new {plan['bytes']['new'] / GB:.3f} GB")
+    mode = (
+        "page cache dropped before every run"
+        if modes == {"drop"}
+        else ("inputs read once before every run (page cache not droppable)" if modes == {"warm"} else f"mixed {modes}")
+    )
+    print(
+        f"NVFP4 source: {src_bytes / GB:.2f} GB in {n_shards} shards; BF16 source: {kind} "
+        f"({_du(bf) / GB:.2f} GB apparent; the other: {_du(bf_other) / GB:.2f} GB); output {out_bytes / GB:.2f} GB; "
+        f"shards: {plan['shards']}; linked with --link auto: {rep['result']['shards_linked']}"
+    )
+    print(
+        f"bytes: reused {plan['bytes']['reused'] / GB:.3f} GB, rewritten {plan['bytes']['rewritten'] / GB:.3f} GB, "
+        f"new {plan['bytes']['new'] / GB:.3f} GB"
+    )
     print(f"shared experts only: shards {shared_plan['shards']}, output {shared_plan['bytes']['output'] / GB:.2f} GB")
-    print(f"cache mode: {mode}; {args.repeat} interleaved rounds; {os.cpu_count()} CPUs; {load0} before, "
-          f"{load1} after")
+    print(f"cache mode: {mode}; {args.repeat} interleaved rounds; {os.cpu_count()} CPUs; {load0} before, {load1} after")
     print(f"{'run':<46} {'wall s med':>10} {'min':>7} {'max':>7} {'x cp+sync':>10} {'peak RSS MB':>12}")
     for k, v in results.items():
         # the ratio: median over rounds of (this run / the baseline run of the same round)
         ratio = statistics.median(a["wall"] / b["wall"] for a, b in zip(v, base))
-        print(f"{k:<46} {med(v):>10.2f} {min(r['wall'] for r in v):>7.2f} {max(r['wall'] for r in v):>7.2f} "
-              f"{ratio:>10.2f} {max(r['rss_kb'] for r in v) / 1024:>12.0f}")
+        print(
+            f"{k:<46} {med(v):>10.2f} {min(r['wall'] for r in v):>7.2f} {max(r['wall'] for r in v):>7.2f} "
+            f"{ratio:>10.2f} {max(r['rss_kb'] for r in v) / 1024:>12.0f}"
+        )
     if not args.keep:
         shutil.rmtree(wd, ignore_errors=True)
     return 0

@@ -112,11 +112,13 @@ print(json.dumps({"seconds": round(time.perf_counter() - t, 1), "passed": res.ch
 def _one(cmd: list[str]) -> tuple[int, float, str]:
     # RUSAGE_CHILDREN keeps the maximum over all children, so each measurement runs under its own
     # intermediate process that reports its only child's peak.
-    wrapper = ("import resource, subprocess, sys, time, json; t = time.perf_counter(); "
-               "p = subprocess.run(sys.argv[1:], capture_output=True, text=True); "
-               "sys.stderr.write(p.stderr); "
-               "print(json.dumps({'rc': p.returncode, 's': time.perf_counter() - t, "
-               "'mb': resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss // 1024, 'out': p.stdout}))")
+    wrapper = (
+        "import resource, subprocess, sys, time, json; t = time.perf_counter(); "
+        "p = subprocess.run(sys.argv[1:], capture_output=True, text=True); "
+        "sys.stderr.write(p.stderr); "
+        "print(json.dumps({'rc': p.returncode, 's': time.perf_counter() - t, "
+        "'mb': resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss // 1024, 'out': p.stdout}))"
+    )
     p = subprocess.run([sys.executable, "-c", wrapper, *cmd], capture_output=True, text=True)
     if p.returncode != 0:
         raise SystemExit(p.stderr[-2000:])
@@ -144,16 +146,37 @@ def main(argv: list[str] | None = None) -> int:
     mb, s, _ = _one([*qtool, "inspect", str(nv), "--json"])
     rows.append(("qtool inspect (NVFP4 397B)", mb, s))
     out = a.workdir / "out"
-    mb, s, _ = _one([*qtool, "assemble", "hybrid", "--nvfp4", str(nv), "--bf16", str(bf), "-o", str(out),
-                     "--bf16-expert-layers", a.layers, "--dry-run", "--json"])
+    mb, s, _ = _one(
+        [
+            *qtool,
+            "assemble",
+            "hybrid",
+            "--nvfp4",
+            str(nv),
+            "--bf16",
+            str(bf),
+            "-o",
+            str(out),
+            "--bf16-expert-layers",
+            a.layers,
+            "--dry-run",
+            "--json",
+        ]
+    )
     rows.append((f"assemble hybrid --dry-run (layers {a.layers})", mb, s))
     mb, s, got = _one([sys.executable, "-c", EXECUTE_METADATA, str(nv), str(bf), a.layers])
     info = json.loads(got.strip().splitlines()[-1])
     rows.append((f"assemble execute, metadata path ({info['tensors']} output tensors)", mb, s))
     mb, s, got = _one([sys.executable, "-c", EXECUTE_SPARSE, str(nv), str(bf), str(out), a.layers])
     info = json.loads(got.strip().splitlines()[-1])
-    rows.append((f"assemble execute, whole run, holes kept ({info['written']} shards, "
-                 f"checks {'passed' if info['passed'] else 'FAILED'})", mb, s))
+    rows.append(
+        (
+            f"assemble execute, whole run, holes kept ({info['written']} shards, "
+            f"checks {'passed' if info['passed'] else 'FAILED'})",
+            mb,
+            s,
+        )
+    )
     import shutil
 
     shutil.rmtree(out, ignore_errors=True)

@@ -64,9 +64,15 @@ def main() -> None:
     q = nvfp4.quantize(ws[0])
     mo = NVFP4QTensor.quantize(ws[0], 16)
     same = torch.equal(q.packed, mo[0]._quantized_data)
-    t = {"qtool": _best(qtool_run, a.repeat), "modelopt": _best(modelopt_run, a.repeat), "compressed-tensors": _best(ct_run, a.repeat)}
-    print(f"{a.experts} x [{a.out}, {a.inp}] bf16 = {gb:.3f} GB; torch threads {torch.get_num_threads()}; "
-          f"qtool packed bytes == modelopt: {same}")
+    t = {
+        "qtool": _best(qtool_run, a.repeat),
+        "modelopt": _best(modelopt_run, a.repeat),
+        "compressed-tensors": _best(ct_run, a.repeat),
+    }
+    print(
+        f"{a.experts} x [{a.out}, {a.inp}] bf16 = {gb:.3f} GB; torch threads {torch.get_num_threads()}; "
+        f"qtool packed bytes == modelopt: {same}"
+    )
     for k, v in t.items():
         print(f"  {k:<20} {gb / v:7.3f} GB/s   ({v:.3f} s)   qtool speed-up x{v / t['qtool']:.2f}")
 

@@ -70,12 +70,8 @@ def _identity(w, tile) -> dict[str, Any]:
     out: dict[str, Any] = {
         "vs_torch_codec": {
             "code_bytes_diff": int((ours.packed != ref.packed).sum()),
-            "scale_diff": int(
-                (ours.block_scale.view(torch.uint8) != ref.block_scale.view(torch.uint8)).sum()
-            ),
-            "ws2_diff": int(
-                (ours.weight_scale_2.view(torch.int32) != ref.weight_scale_2.view(torch.int32)).sum()
-            ),
+            "scale_diff": int((ours.block_scale.view(torch.uint8) != ref.block_scale.view(torch.uint8)).sum()),
+            "ws2_diff": int((ours.weight_scale_2.view(torch.int32) != ref.weight_scale_2.view(torch.int32)).sum()),
         }
     }
     try:
@@ -88,9 +84,7 @@ def _identity(w, tile) -> dict[str, Any]:
         qt, s, s2 = NVFP4QTensor.quantize(w[e], 16)
         d["code_bytes_diff"] += int((qt._quantized_data != ours.packed[e]).sum())
         d["scale_diff"] += int((s.view(torch.uint8) != ours.block_scale[e].view(torch.uint8)).sum())
-        d["ws2_diff"] += int(
-            s2.float().view(torch.int32).item() != ours.weight_scale_2[e].view(torch.int32).item()
-        )
+        d["ws2_diff"] += int(s2.float().view(torch.int32).item() != ours.weight_scale_2[e].view(torch.int32).item())
     out["vs_modelopt"] = d
     out["elements"] = w.numel()
     return out
@@ -209,9 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"{'method':48} {'median ms':>10} {'GB/s':>9} {'triton x':>9}")
     for r in rows:
-        print(
-            f"{r['method']:48} {r['median_ms']:10.3f} {r['gb_per_s']:9.1f} {r['median_ms'] / t_triton:9.2f}"
-        )
+        print(f"{r['method']:48} {r['median_ms']:10.3f} {r['gb_per_s']:9.1f} {r['median_ms'] / t_triton:9.2f}")
     print(
         f"triton: {result['triton_dram_gb_per_s_counted']:.0f} GB/s of counted DRAM traffic vs memcpy "
         f"{result['memcpy_dram_gb_per_s_read_plus_write']:.0f} GB/s read+write; "

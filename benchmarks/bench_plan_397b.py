@@ -191,7 +191,7 @@ def fill_first_layer(source: Path) -> None:
         for info in layer_tensors(mm, 0):
             fd = fds.setdefault(info.file, os.open(info.file, os.O_WRONLY))
             for off in range(info.start, info.end, len(block)):
-                os.pwrite(fd, block[:min(len(block), info.end - off)], off)
+                os.pwrite(fd, block[: min(len(block), info.end - off)], off)
         for fd in fds.values():
             os.fsync(fd)
     finally:
@@ -238,22 +238,36 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", type=Path, required=True)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--jobs", default=",".join(JOBS))
-    ap.add_argument("--executing", action="store_true",
-                    help="time an executing job up to its first layer instead of the dry run")
-    ap.add_argument("--device", default="cpu",
-                    help="--executing: the jobs' device (cuda: the first layer is read through pinned staging "
-                         "buffers to the GPU, as a user's job reads it; cpu: into fresh host memory)")
-    ap.add_argument("--evict-input", action="store_true",
-                    help="--executing: the job's input evicted from the page cache before each run "
-                         "(posix_fadvise DONTNEED): the first layer read from the disk, where its bytes are "
-                         "data, not holes")
-    ap.add_argument("--first-layer-data", action="store_true",
-                    help="--executing: the sources' first decoder layer written as data (13 GB each, once), "
-                         "not holes: with --evict-input its read is the disk's")
-    ap.add_argument("--cache-filled", action="store_true",
-                    help="an earlier run of this bench filled WORKDIR/cache: no untimed round first")
-    ap.add_argument("--end", action="store_true",
-                    help="time an executing quantize after its last layer (stand-in layers) instead")
+    ap.add_argument(
+        "--executing", action="store_true", help="time an executing job up to its first layer instead of the dry run"
+    )
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        help="--executing: the jobs' device (cuda: the first layer is read through pinned staging "
+        "buffers to the GPU, as a user's job reads it; cpu: into fresh host memory)",
+    )
+    ap.add_argument(
+        "--evict-input",
+        action="store_true",
+        help="--executing: the job's input evicted from the page cache before each run "
+        "(posix_fadvise DONTNEED): the first layer read from the disk, where its bytes are "
+        "data, not holes",
+    )
+    ap.add_argument(
+        "--first-layer-data",
+        action="store_true",
+        help="--executing: the sources' first decoder layer written as data (13 GB each, once), "
+        "not holes: with --evict-input its read is the disk's",
+    )
+    ap.add_argument(
+        "--cache-filled",
+        action="store_true",
+        help="an earlier run of this bench filled WORKDIR/cache: no untimed round first",
+    )
+    ap.add_argument(
+        "--end", action="store_true", help="time an executing quantize after its last layer (stand-in layers) instead"
+    )
     args = ap.parse_args(argv)
     jobs = ["quantize"] if args.end else [j for j in args.jobs.split(",") if j]
     unknown = sorted(set(jobs) - set(JOBS))
@@ -282,8 +296,17 @@ def main(argv: list[str] | None = None) -> int:
 
                     evict(f for f in sorted((args.workdir / SOURCES[name]).iterdir()) if f.is_file())
                 few = ["--windows", "1"] if name == "eval-kld" else ["--samples", "1"]  # a small calibration set
-                argv = [sys.executable, "-c", UNTIL_FIRST_LAYER, *JOBS[name](args.workdir), *few, "--seq-len", "16",
-                        "--device", args.device]
+                argv = [
+                    sys.executable,
+                    "-c",
+                    UNTIL_FIRST_LAYER,
+                    *JOBS[name](args.workdir),
+                    *few,
+                    "--seq-len",
+                    "16",
+                    "--device",
+                    args.device,
+                ]
             else:
                 argv = [sys.executable, "-m", "qtool", *JOBS[name](args.workdir), "--dry-run", "--json"]
             t = timed(argv)
@@ -302,16 +325,23 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name:<14} {median(name, 0):6.2f} s {'-':>8} {median(name, 1):6.2f} s")
                 continue
             at = [r[2]["load"] for r in rs]
-            print(f"{name:<14} {statistics.median(at):6.2f} s {median(name, 0):6.2f} s {median(name, 1):6.2f} s   "
-                  + " ".join(f"{a:.2f}/{w:.2f}/{c:.2f}" for a, (w, c, _) in zip(at, rs)))
+            print(
+                f"{name:<14} {statistics.median(at):6.2f} s {median(name, 0):6.2f} s {median(name, 1):6.2f} s   "
+                + " ".join(f"{a:.2f}/{w:.2f}/{c:.2f}" for a, (w, c, _) in zip(at, rs))
+            )
         return 0
     print(f"{'run':<14} {'wall':>8} {'CPU':>8} {'plan: wall':>11} {'plan: CPU':>10}   rounds (wall / CPU)")
     for name, rs in runs.items():
         wall, cpu = median(name, 0), median(name, 1)
-        plan = ("-", "-") if name == "baseline" else (f"{wall - median('baseline', 0):.2f} s",
-                                                      f"{cpu - median('baseline', 1):.2f} s")
-        print(f"{name:<14} {wall:6.2f} s {cpu:6.2f} s {plan[0]:>11} {plan[1]:>10}   "
-              + " ".join(f"{w:.2f}/{c:.2f}" for w, c, _ in rs))
+        plan = (
+            ("-", "-")
+            if name == "baseline"
+            else (f"{wall - median('baseline', 0):.2f} s", f"{cpu - median('baseline', 1):.2f} s")
+        )
+        print(
+            f"{name:<14} {wall:6.2f} s {cpu:6.2f} s {plan[0]:>11} {plan[1]:>10}   "
+            + " ".join(f"{w:.2f}/{c:.2f}" for w, c, _ in rs)
+        )
     return 0
 
 
@@ -323,8 +353,16 @@ def end_rounds(args) -> int:
     for k in range(args.rounds):
         for out in args.workdir.glob("out-*"):
             shutil.rmtree(out)
-        argv = [sys.executable, "-c", AFTER_LAST_LAYER, *JOBS["quantize"](args.workdir), "--samples", "1",
-                "--seq-len", "16"]
+        argv = [
+            sys.executable,
+            "-c",
+            AFTER_LAST_LAYER,
+            *JOBS["quantize"](args.workdir),
+            "--samples",
+            "1",
+            "--seq-len",
+            "16",
+        ]
         r = subprocess.run(argv, capture_output=True, text=True, env=ENV)
         line = next((x for x in r.stderr.splitlines() if x.startswith("END ")), None)
         if r.returncode != 0 or line is None:

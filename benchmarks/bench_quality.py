@@ -47,13 +47,17 @@ class Method:
 
 
 def _nvfp4(weight_scale: str) -> str:
-    return f"groups: {{routed_experts: nvfp4}}\nnvfp4: {{weight_scale: {weight_scale}}}\ndefaults: {{format: modelopt}}\n"
+    return (
+        f"groups: {{routed_experts: nvfp4}}\nnvfp4: {{weight_scale: {weight_scale}}}\ndefaults: {{format: modelopt}}\n"
+    )
 
 
 def _int4(group_size: int, awq: bool) -> str:
     # no layer overrides: every decoder layer's experts INT4 (the shipped AWQ recipe keeps layer 0 BF16)
-    return (f"groups: {{routed_experts: w4a16}}\nint4: {{group_size: {group_size}, awq: {str(awq).lower()}}}\n"
-            "defaults: {format: compressed-tensors}\n")
+    return (
+        f"groups: {{routed_experts: w4a16}}\nint4: {{group_size: {group_size}, awq: {str(awq).lower()}}}\n"
+        "defaults: {format: compressed-tensors}\n"
+    )
 
 
 def methods(int4_group: int) -> list[Method]:
@@ -88,8 +92,9 @@ def qtool(args: list[str]) -> tuple[subprocess.CompletedProcess, float, float]:
     """Run `qtool ARGS` from this tree: (the process, wall seconds, CPU seconds of the child)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "qtool", *args], check=False, capture_output=True, text=True,
-                          cwd=ROOT, env=_env())
+    proc = subprocess.run(
+        [sys.executable, "-m", "qtool", *args], check=False, capture_output=True, text=True, cwd=ROOT, env=_env()
+    )
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
@@ -130,21 +135,67 @@ def _read(file: str, start: int, end: int) -> bytes:
 def run_method(method: Method, src: Path, workdir: Path, a: argparse.Namespace) -> dict:
     out = workdir / "out" / method.key
     recipe = write_recipe(method, workdir)
-    proc, wall, cpu = qtool(["quantize", str(src), "-o", str(out), "--recipe", str(recipe), "--backend", method.backend,
-                             "--dataset", str(src / "calibration.txt"), "--samples", str(a.calib_samples),
-                             "--seq-len", str(a.seq_len), "--device", "cpu", "--force", "--quiet"])
+    proc, wall, cpu = qtool(
+        [
+            "quantize",
+            str(src),
+            "-o",
+            str(out),
+            "--recipe",
+            str(recipe),
+            "--backend",
+            method.backend,
+            "--dataset",
+            str(src / "calibration.txt"),
+            "--samples",
+            str(a.calib_samples),
+            "--seq-len",
+            str(a.seq_len),
+            "--device",
+            "cpu",
+            "--force",
+            "--quiet",
+        ]
+    )
     if proc.returncode != 0:
         return {"key": method.key, "error": f"quantize exit {proc.returncode}: {_last_line(proc)}"}
-    kld, _, _ = qtool(["eval", "kld", "--ref", str(src), "--test", str(out), "--dataset", str(src / "heldout.txt"),
-                       "--windows", str(a.eval_windows), "--seq-len", str(a.seq_len), "--device", "cpu",
-                       "--json", "--quiet"])
+    kld, _, _ = qtool(
+        [
+            "eval",
+            "kld",
+            "--ref",
+            str(src),
+            "--test",
+            str(out),
+            "--dataset",
+            str(src / "heldout.txt"),
+            "--windows",
+            str(a.eval_windows),
+            "--seq-len",
+            str(a.seq_len),
+            "--device",
+            "cpu",
+            "--json",
+            "--quiet",
+        ]
+    )
     if kld.returncode != 0:
         return {"key": method.key, "error": f"eval kld exit {kld.returncode}: {_last_line(kld)}"}
     stats = json.loads(kld.stdout)
-    return {"key": method.key, "method": method.label, "tool": method.tool, "backend": method.backend,
-            "mean_kld": stats["mean"], "p99_kld": stats["p99"], "top1_agreement": stats["top1_agreement"],
-            "positions": stats["positions"], "expert_bytes": expert_bytes(out),
-            "quantize_wall_s": round(wall, 2), "quantize_cpu_s": round(cpu, 2), "out": str(out)}
+    return {
+        "key": method.key,
+        "method": method.label,
+        "tool": method.tool,
+        "backend": method.backend,
+        "mean_kld": stats["mean"],
+        "p99_kld": stats["p99"],
+        "top1_agreement": stats["top1_agreement"],
+        "positions": stats["positions"],
+        "expert_bytes": expert_bytes(out),
+        "quantize_wall_s": round(wall, 2),
+        "quantize_cpu_s": round(cpu, 2),
+        "out": str(out),
+    }
 
 
 def _last_line(proc: subprocess.CompletedProcess) -> str:
@@ -154,11 +205,15 @@ def _last_line(proc: subprocess.CompletedProcess) -> str:
 
 def table(rows: list[dict]) -> str:
     base = next((r["mean_kld"] for r in rows if r["key"] == BASELINE), math.nan)
-    lines = ["| method | tool | mean KLD | ratio to qtool NVFP4 max | expert bytes | quantize s (wall / CPU) |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| method | tool | mean KLD | ratio to qtool NVFP4 max | expert bytes | quantize s (wall / CPU) |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['method']} | {r['tool']} | {r['mean_kld']:.4g} | {r['mean_kld'] / base:.3f} | "
-                     f"{r['expert_bytes']:,} | {r['quantize_wall_s']:.1f} / {r['quantize_cpu_s']:.1f} |")
+        lines.append(
+            f"| {r['method']} | {r['tool']} | {r['mean_kld']:.4g} | {r['mean_kld'] / base:.3f} | "
+            f"{r['expert_bytes']:,} | {r['quantize_wall_s']:.1f} / {r['quantize_cpu_s']:.1f} |"
+        )
     return "\n".join(lines)
 
 
@@ -207,8 +262,19 @@ def main(argv: list[str] | None = None) -> int:
     for row in failed:
         print(f"left out {row['key']}: {row['error']}")
     if a.out:
-        a.out.write_text(json.dumps({"calib": [a.calib_samples, a.seq_len], "eval": [a.eval_windows, a.seq_len],
-                                     "rows": rows, "failed": failed}, indent=2) + "\n", encoding="utf-8")
+        a.out.write_text(
+            json.dumps(
+                {
+                    "calib": [a.calib_samples, a.seq_len],
+                    "eval": [a.eval_windows, a.seq_len],
+                    "rows": rows,
+                    "failed": failed,
+                },
+                indent=2,
+            )
+            + "\n",
+            encoding="utf-8",
+        )
     return 0
 
 

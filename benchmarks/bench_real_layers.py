@@ -88,14 +88,25 @@ def build_real(out: Path, layers: int, device: str, model: str = "397b") -> None
     weight_map = {}
     for k, group in enumerate(shards):
         name = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-        items = [OutTensor(t.name, t.dtype, t.shape, InlineBytes(
-            t.value if t.value is not None and t.dtype != "BF16" else
-            (_random_bytes(t.nbytes // 2, device) if t.dtype == "BF16" else bytes(t.nbytes)))) for t in group]
+        items = [
+            OutTensor(
+                t.name,
+                t.dtype,
+                t.shape,
+                InlineBytes(
+                    t.value
+                    if t.value is not None and t.dtype != "BF16"
+                    else (_random_bytes(t.nbytes // 2, device) if t.dtype == "BF16" else bytes(t.nbytes))
+                ),
+            )
+            for t in group
+        ]
         write_shard(out / name, items, {"format": "pt"})
         weight_map.update({t.name: name for t in group})
         del items
     (out / "model.safetensors.index.json").write_text(
-        json.dumps(index_json(weight_map, sum(t.nbytes for t in chosen)), indent=2) + "\n")
+        json.dumps(index_json(weight_map, sum(t.nbytes for t in chosen)), indent=2) + "\n"
+    )
     record_as_downloaded(out)
 
 
@@ -132,8 +143,28 @@ def write_dataset(path: Path, tokens: int) -> None:
     import random
 
     rng = random.Random(0)
-    words = ["expert", "layer", "token", "scale", "cache", "route", "shared", "attention", "memory", "stream",
-             "disk", "quantize", "calibrate", "window", "context", "the", "of", "and", "model", "serve"]
+    words = [
+        "expert",
+        "layer",
+        "token",
+        "scale",
+        "cache",
+        "route",
+        "shared",
+        "attention",
+        "memory",
+        "stream",
+        "disk",
+        "quantize",
+        "calibrate",
+        "window",
+        "context",
+        "the",
+        "of",
+        "and",
+        "model",
+        "serve",
+    ]
     text = " ".join(rng.choice(words) for _ in range(int(tokens * 1.5) + 1000)) + "\n"
     # left as it is when unchanged: its mtime and ctime are part of qtool's token cache key, so a job run
     # again tokenizes nothing, as a user's repeated run (the first job of a fresh --workdir tokenizes it)
@@ -173,15 +204,19 @@ class GpuPeak:
     def _run(self) -> None:
         while not self.stop.is_set():
             try:
-                out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                                     capture_output=True, text=True, timeout=5).stdout
+                out = subprocess.run(
+                    ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                    capture_output=True,
+                    text=True,
+                    timeout=5,
+                ).stdout
                 mib = max(int(x) for x in out.split())
                 self.peak = max(self.peak or 0, mib)
             except (OSError, ValueError, subprocess.SubprocessError):
                 return
             self.stop.wait(0.1)
 
-    def __enter__(self) -> "GpuPeak":
+    def __enter__(self) -> GpuPeak:
         self.thread.start()
         return self
 
@@ -190,9 +225,11 @@ class GpuPeak:
         self.thread.join()
 
 
-RSS_WRAPPER = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
-               "print('PEAK_RSS_KB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); "
-               "sys.exit(r.returncode)")
+RSS_WRAPPER = (
+    "import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
+    "print('PEAK_RSS_KB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); "
+    "sys.exit(r.returncode)"
+)
 
 
 def run_job(argv: list[str], profile: Path | None = None, timeline: Path | None = None) -> dict:
@@ -200,7 +237,7 @@ def run_job(argv: list[str], profile: Path | None = None, timeline: Path | None 
     (`profile`: under cProfile, its stats written there; `timeline`: under benchmarks/timeline.py, every
     thread's segments in order written there)."""
     prof = ["-m", "cProfile", "-o", str(profile)] if profile else []
-    run = ([str(ROOT / "benchmarks" / "timeline.py"), "--all-in-order", "--"] if timeline else [*prof, "-m", "qtool"])
+    run = [str(ROOT / "benchmarks" / "timeline.py"), "--all-in-order", "--"] if timeline else [*prof, "-m", "qtool"]
     cmd = [sys.executable, "-c", RSS_WRAPPER, sys.executable, *run, *argv, "--json", "--quiet"]
     env = job_env()
     with GpuPeak() as gpu:
@@ -213,8 +250,13 @@ def run_job(argv: list[str], profile: Path | None = None, timeline: Path | None 
     if p.returncode != 0 or '"error"' in p.stdout[:200]:  # (under cProfile a failed run exits 0)
         raise SystemExit(f"{' '.join(argv)} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
     rss = next((int(line.split()[1]) for line in p.stderr.splitlines() if line.startswith("PEAK_RSS_KB")), 0)
-    return {"wall": wall, "launched": launched, "report": json.loads(p.stdout), "rss_bytes": rss * 1024,
-            "gpu_peak_bytes": gpu.peak * 2**20 if gpu.peak else None}
+    return {
+        "wall": wall,
+        "launched": launched,
+        "report": json.loads(p.stdout),
+        "rss_bytes": rss * 1024,
+        "gpu_peak_bytes": gpu.peak * 2**20 if gpu.peak else None,
+    }
 
 
 def disk_read_bytes(path: Path) -> int | None:
@@ -229,12 +271,16 @@ def disk_read_bytes(path: Path) -> int | None:
 
 
 # the modules a job imports (their bytecode compiled before timing; loaded alone for the program's reads)
-JOB_MODULES = ("qtool.cli.main, qtool.ops.quantize, qtool.ops.calibrate_kv, qtool.ops.kld, "
-               "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe")
+JOB_MODULES = (
+    "qtool.cli.main, qtool.ops.quantize, qtool.ops.calibrate_kv, qtool.ops.kld, "
+    "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe"
+)
 # what a job's process loads before it reads its input: Python, torch and its CUDA libraries (a matmul loads
 # cuBLAS), qtool's and transformers' modules. Not Triton's: its compiled kernels are in qtool's cache dir.
-PROGRAM_LOAD = (f"import sys, torch, {JOB_MODULES}\n"
-                "x = torch.ones(64, 64, device=sys.argv[1], dtype=torch.bfloat16); (x @ x).float().sum().item()\n")
+PROGRAM_LOAD = (
+    f"import sys, torch, {JOB_MODULES}\n"
+    "x = torch.ones(64, 64, device=sys.argv[1], dtype=torch.bfloat16); (x @ x).float().sum().item()\n"
+)
 
 
 def job_env() -> dict:
@@ -277,7 +323,7 @@ def pread_seconds(files: list[Path]) -> float:
             for p in pieces[k::READERS]:
                 if errors:
                     return
-                reader.read(p, view[:p.end - p.start])
+                reader.read(p, view[: p.end - p.start])
         except BaseException as e:
             errors.append(e)
         finally:
@@ -304,8 +350,12 @@ def dd_seconds(where: Path, nbytes: int) -> float | None:
     f = where / ".dd-floor"
     mib = max(1, min(nbytes, DD_MAX) >> 20)
     t0 = time.perf_counter()
-    r = subprocess.run(["dd", "if=/dev/zero", f"of={f}", "bs=1M", f"count={mib}", "conv=fsync"],
-                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    r = subprocess.run(
+        ["dd", "if=/dev/zero", f"of={f}", "bs=1M", f"count={mib}", "conv=fsync"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     took = time.perf_counter() - t0
     f.unlink(missing_ok=True)
     if r.returncode != 0:
@@ -331,7 +381,7 @@ def mem_write_seconds(where: Path, nbytes: int) -> float | None:
             for k in range(n // piece):
                 view = bufs[k % len(bufs)]
                 while view:
-                    view = view[os.write(fd, view):]
+                    view = view[os.write(fd, view) :]
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -364,8 +414,12 @@ def both_seconds(files: list[Path], where: Path, nbytes: int) -> float | None:
         left, f = nbytes, where / ".dd-both"
         while left > 0 and not failed:
             mib = max(1, min(left, DD_MAX) >> 20)
-            r = subprocess.run(["dd", "if=/dev/zero", f"of={f}", "bs=1M", f"count={mib}", "conv=fsync"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            r = subprocess.run(
+                ["dd", "if=/dev/zero", f"of={f}", "bs=1M", f"count={mib}", "conv=fsync"],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
             f.unlink(missing_ok=True)
             failed.extend([r.stderr.strip()[-200:]] if r.returncode != 0 else [])
             left -= mib << 20
@@ -390,8 +444,11 @@ def layer_bytes(files: list[Path]) -> int:
         with open(f, "rb") as fh:
             n = int.from_bytes(fh.read(8), "little")
             header = json.loads(fh.read(n))
-        total += sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items()
-                     if k != "__metadata__" and ".layers." in k and ".mtp." not in k)
+        total += sum(
+            v["data_offsets"][1] - v["data_offsets"][0]
+            for k, v in header.items()
+            if k != "__metadata__" and ".layers." in k and ".mtp." not in k
+        )
     return total
 
 
@@ -422,9 +479,18 @@ def print_profile(path: Path, top: int = 25) -> None:
     pstats.Stats(str(path)).sort_stats("cumulative").print_stats(top)
 
 
-def one_job(name: str, argv: list[str], inputs: Path, layers: int, cold: bool, profile_dir: Path | None = None,
-            ranks: int = 1, real_layers: int = REAL_LAYERS["397b"], device: str = "cuda",
-            timeline_dir: Path | None = None) -> dict:
+def one_job(
+    name: str,
+    argv: list[str],
+    inputs: Path,
+    layers: int,
+    cold: bool,
+    profile_dir: Path | None = None,
+    ranks: int = 1,
+    real_layers: int = REAL_LAYERS["397b"],
+    device: str = "cuda",
+    timeline_dir: Path | None = None,
+) -> dict:
     files = shard_files(inputs)
     nbytes = sum(f.stat().st_size for f in files)
     clear_output(argv)
@@ -458,8 +524,10 @@ def one_job(name: str, argv: list[str], inputs: Path, layers: int, cold: bool, p
     layer_floor = max(read * layer_in / nbytes, (dd or 0) * layer_out / written if written else 0)
     clock = layer_clock(res["report"])
     if "layers_done" not in clock:  # eval kld of two checkpoints prints only its result: the wall clock
-        clock = {"first_layer_start": res["launched"],
-                 "layers_done": [res["launched"] + res["wall"] * (k + 1) / layers for k in range(layers)]}
+        clock = {
+            "first_layer_start": res["launched"],
+            "layers_done": [res["launched"] + res["wall"] * (k + 1) / layers for k in range(layers)],
+        }
     done, first = clock["layers_done"], clock["first_layer_start"]
     # the layer loop: from the first layer's load to the last layer done (its shard written)
     loop = done[-1] - first
@@ -467,32 +535,52 @@ def one_job(name: str, argv: list[str], inputs: Path, layers: int, cold: bool, p
     before = first - res["launched"]
     after = res["launched"] + res["wall"] - done[-1]
     cache = ("cold in" if COLD_INPUT_ONLY else "cold") if dropped else ("warm" if not cold else "cold?")
-    return {"job": name, "ranks": ranks, "cache": cache,
-            "input_bytes": nbytes,
-            "wall_s": res["wall"], "loop_s": loop, "per_layer_s": per_layer, "first_layer_s": done[0] - first,
-            "before_first_layer_s": before, "after_last_layer_s": after, "last_layer_tail_s": tail,
-            "cat_s": cat, "loop_over_cat": loop / cat if cat else None, "pread_s": pread,
-            "output_bytes": written, "dd_s": dd, "mem_write_s": mem_write,
-            "layer_mem_write_s": (mem_write or 0) * layer_out / written if written else 0,
-            "floor_s": floor, "loop_over_floor": loop / floor if floor else None,
-            "wall_over_floor": res["wall"] / floor if floor else None,
-            "both_s": both, "loop_over_both": loop / both if both else None,
-            "layer_in_bytes": layer_in, "layer_out_bytes": layer_out, "layer_floor_s": layer_floor,
-            "per_layer_over_layer_floor": per_layer / layer_floor if layer_floor else None,
-            # from the disk during the job (any process): with N ranks cold, ~input_bytes when the page
-            # cache serves the other ranks' reads of each layer, ~N x when every rank reads the disk
-            "disk_read_bytes": None if read0 is None or read1 is None else read1 - read0,
-            # of those, what the job's program (libraries, modules) loads from that disk, measured alone
-            "program_read_bytes": program,
-            "peak_rss_bytes": res["rss_bytes"], "peak_gpu_bytes": res["gpu_peak_bytes"],
-            # torch's allocator in the job: the most handed out and the most held (the layer loop's)
-            "gpu_allocated_bytes": (clock.get("gpu_peak") or {}).get("allocated"),
-            "gpu_reserved_bytes": (clock.get("gpu_peak") or {}).get("reserved"),
-            "projected_all_layers_s": before + after + tail + per_layer * real_layers,
-            # on a 14 GB/s disk a layer takes the longer of its host/GPU work (its time here less its read
-            # at the faster of cat and pread) and its read there
-            "projected_all_layers_fast_disk_s": before + after + tail + real_layers * max(
-                per_layer - read / layers, (nbytes / layers) / FAST_DISK)}
+    return {
+        "job": name,
+        "ranks": ranks,
+        "cache": cache,
+        "input_bytes": nbytes,
+        "wall_s": res["wall"],
+        "loop_s": loop,
+        "per_layer_s": per_layer,
+        "first_layer_s": done[0] - first,
+        "before_first_layer_s": before,
+        "after_last_layer_s": after,
+        "last_layer_tail_s": tail,
+        "cat_s": cat,
+        "loop_over_cat": loop / cat if cat else None,
+        "pread_s": pread,
+        "output_bytes": written,
+        "dd_s": dd,
+        "mem_write_s": mem_write,
+        "layer_mem_write_s": (mem_write or 0) * layer_out / written if written else 0,
+        "floor_s": floor,
+        "loop_over_floor": loop / floor if floor else None,
+        "wall_over_floor": res["wall"] / floor if floor else None,
+        "both_s": both,
+        "loop_over_both": loop / both if both else None,
+        "layer_in_bytes": layer_in,
+        "layer_out_bytes": layer_out,
+        "layer_floor_s": layer_floor,
+        "per_layer_over_layer_floor": per_layer / layer_floor if layer_floor else None,
+        # from the disk during the job (any process): with N ranks cold, ~input_bytes when the page
+        # cache serves the other ranks' reads of each layer, ~N x when every rank reads the disk
+        "disk_read_bytes": None if read0 is None or read1 is None else read1 - read0,
+        # of those, what the job's program (libraries, modules) loads from that disk, measured alone
+        "program_read_bytes": program,
+        "peak_rss_bytes": res["rss_bytes"],
+        "peak_gpu_bytes": res["gpu_peak_bytes"],
+        # torch's allocator in the job: the most handed out and the most held (the layer loop's)
+        "gpu_allocated_bytes": (clock.get("gpu_peak") or {}).get("allocated"),
+        "gpu_reserved_bytes": (clock.get("gpu_peak") or {}).get("reserved"),
+        "projected_all_layers_s": before + after + tail + per_layer * real_layers,
+        # on a 14 GB/s disk a layer takes the longer of its host/GPU work (its time here less its read
+        # at the faster of cat and pread) and its read there
+        "projected_all_layers_fast_disk_s": before
+        + after
+        + tail
+        + real_layers * max(per_layer - read / layers, (nbytes / layers) / FAST_DISK),
+    }
 
 
 def layer_clock(report: dict) -> dict:
@@ -516,25 +604,32 @@ def steady_layer(done: list[float], first: float) -> tuple[float, float]:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"\n{'job':13s} {'ranks':>5s} {'cache':7s} {'in GB':>6s} {'wall':>7s} {'loop':>7s} {'s/layer':>8s} {'start':>6s} "
-          f"{'end':>5s} {'tail':>5s} {'cat':>6s} {'dd':>6s} {'loop/floor':>10s} {'wall/floor':>10s} {'RSS GB':>7s} {'GPU GB':>7s} "
-          f"{'disk GB':>7s} {'all layers':>10s} {'@14GB/s':>8s} {'cat+dd':>6s} {'loop/both':>9s} "
-          f"{'pread':>6s} {'layer floor':>11s} {'s/layer/lf':>10s} {'prog GB':>7s} {'alloc/held GB':>13s} {'mem wr':>6s} {'layer wr':>8s}")
+    print(
+        f"\n{'job':13s} {'ranks':>5s} {'cache':7s} {'in GB':>6s} {'wall':>7s} {'loop':>7s} {'s/layer':>8s} {'start':>6s} "
+        f"{'end':>5s} {'tail':>5s} {'cat':>6s} {'dd':>6s} {'loop/floor':>10s} {'wall/floor':>10s} {'RSS GB':>7s} {'GPU GB':>7s} "
+        f"{'disk GB':>7s} {'all layers':>10s} {'@14GB/s':>8s} {'cat+dd':>6s} {'loop/both':>9s} "
+        f"{'pread':>6s} {'layer floor':>11s} {'s/layer/lf':>10s} {'prog GB':>7s} {'alloc/held GB':>13s} {'mem wr':>6s} {'layer wr':>8s}"
+    )
     for r in rows:
         gpu = f"{r['peak_gpu_bytes'] / 1e9:7.1f}" if r["peak_gpu_bytes"] else "      -"
         disk = f"{r['disk_read_bytes'] / 1e9:7.1f}" if r["disk_read_bytes"] is not None else "      -"
         prog = f"{r['program_read_bytes'] / 1e9:6.1f}" if r.get("program_read_bytes") is not None else "     -"
-        alloc = (f"{r['gpu_allocated_bytes'] / 1e9:.1f}/{r['gpu_reserved_bytes'] / 1e9:.1f}"
-                 if r.get("gpu_allocated_bytes") else "-")
-        print(f"{r['job']:13s} {r['ranks']:5d} {r['cache']:7s} {r['input_bytes'] / 1e9:6.1f} {r['wall_s']:7.1f} {r['loop_s']:7.1f} "
-              f"{r['per_layer_s']:8.2f} {r['before_first_layer_s']:6.1f} {r['after_last_layer_s']:5.1f} "
-              f"{r.get('last_layer_tail_s') or 0:5.1f} {r['cat_s']:6.1f} "
-              f"{r['dd_s'] or 0:6.1f} {r['loop_over_floor'] or 0:10.2f} {r['wall_over_floor'] or 0:10.2f} "
-              f"{r['peak_rss_bytes'] / 1e9:7.1f} {gpu} {disk} "
-              f"{r['projected_all_layers_s'] / 60:9.1f}m {r['projected_all_layers_fast_disk_s'] / 60:7.1f}m "
-              f"{r['both_s'] or 0:6.1f} {r['loop_over_both'] or 0:9.2f} {r['pread_s']:6.1f} {r['layer_floor_s']:11.2f} "
-              f"{r['per_layer_over_layer_floor'] or 0:10.2f} {prog:>7s} {alloc:>13s} {r.get('mem_write_s') or 0:6.1f} "
-              f"{r.get('layer_mem_write_s') or 0:8.2f}")
+        alloc = (
+            f"{r['gpu_allocated_bytes'] / 1e9:.1f}/{r['gpu_reserved_bytes'] / 1e9:.1f}"
+            if r.get("gpu_allocated_bytes")
+            else "-"
+        )
+        print(
+            f"{r['job']:13s} {r['ranks']:5d} {r['cache']:7s} {r['input_bytes'] / 1e9:6.1f} {r['wall_s']:7.1f} {r['loop_s']:7.1f} "
+            f"{r['per_layer_s']:8.2f} {r['before_first_layer_s']:6.1f} {r['after_last_layer_s']:5.1f} "
+            f"{r.get('last_layer_tail_s') or 0:5.1f} {r['cat_s']:6.1f} "
+            f"{r['dd_s'] or 0:6.1f} {r['loop_over_floor'] or 0:10.2f} {r['wall_over_floor'] or 0:10.2f} "
+            f"{r['peak_rss_bytes'] / 1e9:7.1f} {gpu} {disk} "
+            f"{r['projected_all_layers_s'] / 60:9.1f}m {r['projected_all_layers_fast_disk_s'] / 60:7.1f}m "
+            f"{r['both_s'] or 0:6.1f} {r['loop_over_both'] or 0:9.2f} {r['pread_s']:6.1f} {r['layer_floor_s']:11.2f} "
+            f"{r['per_layer_over_layer_floor'] or 0:10.2f} {prog:>7s} {alloc:>13s} {r.get('mem_write_s') or 0:6.1f} "
+            f"{r.get('layer_mem_write_s') or 0:8.2f}"
+        )
 
 
 def main() -> int:
@@ -550,17 +645,29 @@ def main() -> int:
     ap.add_argument("--nproc", default="1", help="rank counts, e.g. 1,2,4: every job once per count (--nproc N)")
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
     ap.add_argument("--profile", type=Path, help="run each job under cProfile, stats into this folder (printed)")
-    ap.add_argument("--timeline", type=Path,
-                    help="run each job under benchmarks/timeline.py (every thread's segments in order) into this folder")
+    ap.add_argument(
+        "--timeline",
+        type=Path,
+        help="run each job under benchmarks/timeline.py (every thread's segments in order) into this folder",
+    )
     ap.add_argument("--warm-only", action="store_true", help="skip the cold runs")
-    ap.add_argument("--cold-only", action="store_true",
-                    help="skip the warm runs (a disk too small for a second output beside the first)")
-    ap.add_argument("--tmpfs", action="store_true",
-                    help="input and outputs in /dev/shm/<workdir name>: a disk as fast as memory (the users' "
-                    "NVMe stands in), warm runs only")
-    ap.add_argument("--cold-input", action="store_true",
-                    help="cold runs evict only the input's pages (posix_fadvise), not the program's files, as "
-                    "a user's run of an input larger than the page cache finds them once qtool has run there")
+    ap.add_argument(
+        "--cold-only",
+        action="store_true",
+        help="skip the warm runs (a disk too small for a second output beside the first)",
+    )
+    ap.add_argument(
+        "--tmpfs",
+        action="store_true",
+        help="input and outputs in /dev/shm/<workdir name>: a disk as fast as memory (the users' "
+        "NVMe stands in), warm runs only",
+    )
+    ap.add_argument(
+        "--cold-input",
+        action="store_true",
+        help="cold runs evict only the input's pages (posix_fadvise), not the program's files, as "
+        "a user's run of an input larger than the page cache finds them once qtool has run there",
+    )
     a = ap.parse_args()
     global COLD_INPUT_ONLY
     COLD_INPUT_ONLY = a.cold_input
@@ -577,8 +684,11 @@ def main() -> int:
     else:
         build_real(src, a.layers, a.device, a.model)
         layers = a.layers
-    print(f"checkpoint {src}: {sum(f.stat().st_size for f in shard_files(src)) / 1e9:.1f} GB, {layers} layers "
-          f"(built in {time.perf_counter() - t0:.0f} s)", flush=True)
+    print(
+        f"checkpoint {src}: {sum(f.stat().st_size for f in shard_files(src)) / 1e9:.1f} GB, {layers} layers "
+        f"(built in {time.perf_counter() - t0:.0f} s)",
+        flush=True,
+    )
     # bytecode: pip compiles an installed package's .py files; the GPU machine's image ships without .pyc
     # and sets PYTHONDONTWRITEBYTECODE, so each job would compile transformers anew (~7 s). Compile once,
     # into a cache of our own, before timing anything.
@@ -598,14 +708,20 @@ def main() -> int:
         if folder:
             folder.mkdir(parents=True, exist_ok=True)
     nvfp4 = ["quantize", str(src), "-o", str(q), "--recipe", "qwen35-nvfp4-experts", "--force", *common]
-    if "quantize" not in jobs and {"calibrate-kv", "eval-kld", "sensitivity", "eval-kld-pair"} & set(jobs) and not q.exists():
+    if (
+        "quantize" not in jobs
+        and {"calibrate-kv", "eval-kld", "sensitivity", "eval-kld-pair"} & set(jobs)
+        and not q.exists()
+    ):
         run_job(nvfp4)  # their input (not timed)
     real_layers = REAL_LAYERS[a.model]
-    for cold in ((False,) if a.warm_only else (True,) if a.cold_only else (True, False)):
+    for cold in (False,) if a.warm_only else (True,) if a.cold_only else (True, False):
         for ranks in (int(n) for n in a.nproc.split(",")):
+
             def job(name, argv, inputs):
-                rows.append(one_job(name, argv, inputs, layers, cold, a.profile, ranks, real_layers, a.device,
-                                    a.timeline))
+                rows.append(
+                    one_job(name, argv, inputs, layers, cold, a.profile, ranks, real_layers, a.device, a.timeline)
+                )
                 print_table(rows[-1:])  # as it comes: a later failure keeps the rows so far
                 if a.out:
                     a.out.write_text(json.dumps(rows, indent=1))
@@ -613,19 +729,60 @@ def main() -> int:
             if "quantize" in jobs:
                 job("quantize", nvfp4, src)
             if "awq" in jobs:
-                job("awq", ["quantize", str(src), "-o", str(w / "awq"), "--recipe", "qwen35-awq-int4", "--force",
-                            *common], src)
+                job(
+                    "awq",
+                    ["quantize", str(src), "-o", str(w / "awq"), "--recipe", "qwen35-awq-int4", "--force", *common],
+                    src,
+                )
             if "calibrate-kv" in jobs:
-                job("calibrate-kv", ["calibrate-kv", str(q), "-o", str(w / "kv"), "--replace-scales", "--force",
-                                     *common], q)
+                job(
+                    "calibrate-kv",
+                    ["calibrate-kv", str(q), "-o", str(w / "kv"), "--replace-scales", "--force", *common],
+                    q,
+                )
             if "eval-kld" in jobs and ranks == 1:  # one streamed side (the NVFP4 model) into a compact reference
-                job("eval-kld", ["eval", "kld", "--ref", str(q), "--save-ref", str(w / "ref"), "--force",
-                                 "--dataset", str(data), "--windows", str(a.samples), "--seq-len", str(a.seq_len),
-                                 "--device", a.device], q)
+                job(
+                    "eval-kld",
+                    [
+                        "eval",
+                        "kld",
+                        "--ref",
+                        str(q),
+                        "--save-ref",
+                        str(w / "ref"),
+                        "--force",
+                        "--dataset",
+                        str(data),
+                        "--windows",
+                        str(a.samples),
+                        "--seq-len",
+                        str(a.seq_len),
+                        "--device",
+                        a.device,
+                    ],
+                    q,
+                )
             if "eval-kld-pair" in jobs and ranks == 1:  # both sides streamed: sensitivity's inputs
-                job("eval-kld-pair", ["eval", "kld", "--ref", str(src), "--test", str(q), "--dataset", str(data),
-                                      "--windows", str(a.samples), "--seq-len", str(a.seq_len), "--device", a.device],
-                    src)
+                job(
+                    "eval-kld-pair",
+                    [
+                        "eval",
+                        "kld",
+                        "--ref",
+                        str(src),
+                        "--test",
+                        str(q),
+                        "--dataset",
+                        str(data),
+                        "--windows",
+                        str(a.samples),
+                        "--seq-len",
+                        str(a.seq_len),
+                        "--device",
+                        a.device,
+                    ],
+                    src,
+                )
             if "sensitivity" in jobs and ranks == 1:  # BF16 vs its NVFP4: every unit's error
                 job("sensitivity", ["sensitivity", str(src), str(q), "-o", str(w / "sens"), "--force", *common], src)
     print_table(rows)

@@ -71,8 +71,10 @@ def main() -> None:
     prep()
     results["qtool hash+scan"] = hash_files(files, tensors=tensors)[1]
     base = results["cat"]
-    print(f"{total / 1e9:.2f} GB in {a.files} files, cpus={os.cpu_count()}, "
-          f"{'cold (drop_caches)' if a.drop_caches else 'page cache warm'}")
+    print(
+        f"{total / 1e9:.2f} GB in {a.files} files, cpus={os.cpu_count()}, "
+        f"{'cold (drop_caches)' if a.drop_caches else 'page cache warm'}"
+    )
     for k, s in results.items():
         print(f"  {k:<16} {s:7.2f} s  {total / s / 1e9:6.2f} GB/s  {base / s:5.2f}x cat")
 

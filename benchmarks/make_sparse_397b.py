@@ -42,9 +42,18 @@ def main(argv: list[str] | None = None) -> int:
     report: dict = {"out": str(a.out)}
     if not a.open_only:
         t = time.perf_counter()
-        build_sparse(a.out, model=a.model, flavour=a.flavour, mtp=a.mtp, vision=a.vision,
-                     kv_scales=a.kv_scales, num_shards=a.num_shards, fill_scalars=a.fill_scalars,
-                     quantize_shared_expert=a.quantize_shared_expert, mtp_experts=a.mtp_experts)
+        build_sparse(
+            a.out,
+            model=a.model,
+            flavour=a.flavour,
+            mtp=a.mtp,
+            vision=a.vision,
+            kv_scales=a.kv_scales,
+            num_shards=a.num_shards,
+            fill_scalars=a.fill_scalars,
+            quantize_shared_expert=a.quantize_shared_expert,
+            mtp_experts=a.mtp_experts,
+        )
         report["build_s"] = round(time.perf_counter() - t, 3)
         report["build_peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
     shards = sorted(a.out.glob("*.safetensors"))

@@ -81,11 +81,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--every", type=float, default=0.05)
     ap.add_argument("--top", type=int, default=40)
-    ap.add_argument("--all-in-order", action="store_true",
-                    help="every thread's segments in order (not only the main thread's)")
-    ap.add_argument("--stop-at", metavar="MODULE:QUALNAME",
-                    help="end the command when this function is first called (e.g. "
-                    "qtool.stream.layer_stream:LayerStreamer.load_layer) and print the timeline up to there")
+    ap.add_argument(
+        "--all-in-order", action="store_true", help="every thread's segments in order (not only the main thread's)"
+    )
+    ap.add_argument(
+        "--stop-at",
+        metavar="MODULE:QUALNAME",
+        help="end the command when this function is first called (e.g. "
+        "qtool.stream.layer_stream:LayerStreamer.load_layer) and print the timeline up to there",
+    )
     ap.add_argument("args", nargs=argparse.REMAINDER)
     a = ap.parse_args()
     args = a.args[1:] if a.args[:1] == ["--"] else a.args
@@ -107,7 +111,7 @@ def main() -> int:
             for s0, s1, p in segs:
                 total[p] += s1 - s0
             print(f"\n[{name}] most time:", file=sys.stderr)
-            for p, s in sorted(total.items(), key=lambda kv: -kv[1])[:a.top]:
+            for p, s in sorted(total.items(), key=lambda kv: -kv[1])[: a.top]:
                 print(f"  {s:7.2f} s  {p}", file=sys.stderr)
             if name == "MainThread" or a.all_in_order:
                 print(f"[{name}] in order (segments >= 0.1 s):", file=sys.stderr)

@@ -109,8 +109,11 @@ def parse_build_recipe(data: object, *, path: str | None = None) -> BuildRecipe:
         raise _err("a build recipe is a YAML mapping", path)
     unknown = set(data) - {"name", "description", "sources", "steps"}
     if unknown:
-        raise _err(f"unknown top-level key(s): {', '.join(sorted(map(str, unknown)))}", path,
-                   expected="name, description, sources, steps")
+        raise _err(
+            f"unknown top-level key(s): {', '.join(sorted(map(str, unknown)))}",
+            path,
+            expected="name, description, sources, steps",
+        )
     name = data.get("name")
     if not isinstance(name, str) or not _ID.fullmatch(name):
         raise _err("`name` must be a lower-case identifier (it names the output directory)", path, got=name)
@@ -166,8 +169,12 @@ def _source(name: str, s: object, path: str | None) -> Source:
         raise _err(f"source {name!r}: tensors must be 'assemble'", path, got=tensors)
     rev = s.get("revision")
     if rev is not None and not isinstance(rev, str):
-        raise _err(f"source {name!r}: `revision` must be a string (a branch, tag or commit)", path, got=repr(rev),
-                   hint="quote it: revision: \"0123abc\" (YAML reads bare digits as a number)")
+        raise _err(
+            f"source {name!r}: `revision` must be a string (a branch, tag or commit)",
+            path,
+            got=repr(rev),
+            hint='quote it: revision: "0123abc" (YAML reads bare digits as a number)',
+        )
     return Source(name, kind, ref, rev, tensors)
 
 
@@ -176,15 +183,18 @@ def _step(i: int, st: object, known: set[str], path: str | None) -> Step:
         raise _err(f"step {i} must be a mapping", path)
     unknown = set(st) - {"id", "op", "input", "with"}
     if unknown:
-        raise _err(f"step {i}: unknown key(s) {', '.join(sorted(map(str, unknown)))}", path,
-                   expected="id, op, input, with")
+        raise _err(
+            f"step {i}: unknown key(s) {', '.join(sorted(map(str, unknown)))}", path, expected="id, op, input, with"
+        )
     sid = st.get("id")
     if not isinstance(sid, str) or not _ID.fullmatch(sid):
         raise _err(f"step {i}: `id` must be a lower-case identifier", path, got=sid)
     try:
         op = Op(st.get("op"))
     except (ValueError, TypeError):
-        raise _err(f"step {sid!r}: unknown op", path, got=st.get("op"), expected=", ".join(o.value for o in Op)) from None
+        raise _err(
+            f"step {sid!r}: unknown op", path, got=st.get("op"), expected=", ".join(o.value for o in Op)
+        ) from None
     params = {} if st.get("with") is None else st["with"]  # `with:` left empty: no options
     if not isinstance(params, dict):
         raise _err(f"step {sid!r}: `with` must be a mapping", path)
@@ -205,8 +215,11 @@ def _step(i: int, st: object, known: set[str], path: str | None) -> Step:
         inputs = (st["input"],)
     for ref in inputs:
         if ref not in known:
-            raise _err(f"step {sid!r}: input {ref!r} is neither a source nor an earlier step", path,
-                       expected=", ".join(sorted(known)))
+            raise _err(
+                f"step {sid!r}: input {ref!r} is neither a source nor an earlier step",
+                path,
+                expected=", ".join(sorted(known)),
+            )
     return Step(sid, op, inputs, dict(params))
 
 
@@ -215,16 +228,26 @@ def _check_with(sid: str, op: Op, params: dict, path: str | None) -> None:
     schema = with_schema(op)
     bad = set(params) - set(schema)
     if bad:
-        raise _err(f"step {sid!r} ({op.value}): unknown option(s) {', '.join(sorted(map(str, bad)))}", path,
-                   expected=", ".join(sorted(schema)))
+        raise _err(
+            f"step {sid!r} ({op.value}): unknown option(s) {', '.join(sorted(map(str, bad)))}",
+            path,
+            expected=", ".join(sorted(schema)),
+        )
     missing = [k for k in REQUIRED_KEYS.get(op, ()) if k not in params]
     if missing:
-        raise _err(f"step {sid!r} ({op.value}): `with` needs {', '.join(missing)}", path,
-                   hint=f"add {missing[0]}: to the step's `with`")
+        raise _err(
+            f"step {sid!r} ({op.value}): `with` needs {', '.join(missing)}",
+            path,
+            hint=f"add {missing[0]}: to the step's `with`",
+        )
     for key, expected, got in with_problems(op, params):
-        raise _err(f"step {sid!r} ({op.value}): `with.{key}` must be {expected}", path, expected=expected,
-                   got=repr(got), hint=f"correct `{key}:` in step {sid!r}" + (
-                       " (leave the key out for its default)" if got is None else ""))
+        raise _err(
+            f"step {sid!r} ({op.value}): `with.{key}` must be {expected}",
+            path,
+            expected=expected,
+            got=repr(got),
+            hint=f"correct `{key}:` in step {sid!r}" + (" (leave the key out for its default)" if got is None else ""),
+        )
 
 
 def shipped_build_recipes() -> dict[str, Path]:
@@ -240,8 +263,12 @@ def find_build_recipe(name_or_path: str | Path) -> Path:
     shipped = shipped_build_recipes()
     if str(name_or_path) in shipped:
         return shipped[str(name_or_path)]
-    raise BuildRecipeError("no such build recipe", got=str(name_or_path), expected=sorted(shipped),
-                           hint="pass a shipped build recipe's name (qtool recipes list) or a YAML file's path")
+    raise BuildRecipeError(
+        "no such build recipe",
+        got=str(name_or_path),
+        expected=sorted(shipped),
+        hint="pass a shipped build recipe's name (qtool recipes list) or a YAML file's path",
+    )
 
 
 def _resolve_file_refs(recipe: BuildRecipe, base: Path) -> None:

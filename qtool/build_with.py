@@ -70,8 +70,10 @@ def choice(values) -> Check:
 
 
 def list_of(item: Check) -> Check:
-    return Check(f"a list, each {item.expected} (a YAML list: [a, b])",
-                 lambda v: isinstance(v, list) and all(item.ok(x) for x in v))
+    return Check(
+        f"a list, each {item.expected} (a YAML list: [a, b])",
+        lambda v: isinstance(v, list) and all(item.ok(x) for x in v),
+    )
 
 
 def or_null(check: Check) -> Check:
@@ -111,27 +113,52 @@ def with_schema(op: Op) -> dict[str, Check]:
     calibration = {"samples": COUNT, "seq_len": COUNT, "dataset": TEXT, "device": DEVICE}
     return {
         Op.DOWNLOAD: {"include": list_of(TEXT), "tensors": list_of(TEXT)},
-        Op.QUANTIZE: {"recipe": TEXT, "backend": choice(Backend), "format": choice(OutFormat), **calibration,
-                      "samples": or_null(COUNT)},
+        Op.QUANTIZE: {
+            "recipe": TEXT,
+            "backend": choice(Backend),
+            "format": choice(OutFormat),
+            **calibration,
+            "samples": or_null(COUNT),
+        },
         Op.CONVERT: {"to": choice(Flavour)},
-        Op.ASSEMBLE: {"nvfp4": TEXT, "bf16": TEXT, "bf16_expert_layers": LAYERS,
-                      "bf16_shared_expert_layers": or_null(LAYERS), "mtp": choice(MtpMode),
-                      "max_shard_size": or_null(SIZE),
-                      # assemble's --link choices: a symlink into the HF cache is download's only
-                      "link": choice(m for m in LinkMode if m not in (LinkMode.SYMLINK, LinkMode.OWN_INODE))},
+        Op.ASSEMBLE: {
+            "nvfp4": TEXT,
+            "bf16": TEXT,
+            "bf16_expert_layers": LAYERS,
+            "bf16_shared_expert_layers": or_null(LAYERS),
+            "mtp": choice(MtpMode),
+            "max_shard_size": or_null(SIZE),
+            # assemble's --link choices: a symlink into the HF cache is download's only
+            "link": choice(m for m in LinkMode if m not in (LinkMode.SYMLINK, LinkMode.OWN_INODE)),
+        },
         Op.CALIBRATE_KV: {**calibration, "replace_scales": FLAG},
-        Op.PATCH_CONFIG: {"fixes": list_of(choice(Fix)), "ignore_add": list_of(TEXT), "ignore_remove": list_of(TEXT),
-                          "yarn": or_null(POSITIVE), "original_max_position": or_null(COUNT),
-                          "sampling_defaults": FLAG},
-        Op.VERIFY: {"engine": Check("vllm, sglang, both, or specs like vllm@0.17", _parses(parse_engines)),
-                    "tp": COUNT, "gpus": Check("NxSIZE, e.g. 4x97887MiB or 4x96GiB", _parses(Target.parse)),
-                    "max_model_len": or_null(COUNT), "max_num_seqs": or_null(COUNT), "kv_cache_dtype": choice(KV_CACHE_DTYPES),
-                    "mtp": NON_NEGATIVE, "deep": FLAG, "gpu_memory_utilization": FRACTION},
+        Op.PATCH_CONFIG: {
+            "fixes": list_of(choice(Fix)),
+            "ignore_add": list_of(TEXT),
+            "ignore_remove": list_of(TEXT),
+            "yarn": or_null(POSITIVE),
+            "original_max_position": or_null(COUNT),
+            "sampling_defaults": FLAG,
+        },
+        Op.VERIFY: {
+            "engine": Check("vllm, sglang, both, or specs like vllm@0.17", _parses(parse_engines)),
+            "tp": COUNT,
+            "gpus": Check("NxSIZE, e.g. 4x97887MiB or 4x96GiB", _parses(Target.parse)),
+            "max_model_len": or_null(COUNT),
+            "max_num_seqs": or_null(COUNT),
+            "kv_cache_dtype": choice(KV_CACHE_DTYPES),
+            "mtp": NON_NEGATIVE,
+            "deep": FLAG,
+            "gpu_memory_utilization": FRACTION,
+        },
     }[op]
 
 
 def with_problems(op: Op, params: dict) -> list[tuple[str, str, object]]:
     """(key, expected, got) for every `with` value `op` does not accept (unknown keys are the caller's)."""
     schema = with_schema(op)
-    return [(key, schema[key].expected, value) for key, value in params.items()
-            if key in schema and not schema[key].ok(value)]
+    return [
+        (key, schema[key].expected, value)
+        for key, value in params.items()
+        if key in schema and not schema[key].ok(value)
+    ]

@@ -21,5 +21,6 @@ def require(module: str, purpose: str) -> None:
     if importlib.util.find_spec(module) is not None:
         return
     dist, extra = PROVIDERS[module]
-    raise PlanError(f"{purpose} needs {dist}, which is not installed",
-                    hint=f"pip install 'qtool[{extra}]' (or: pip install {dist})")
+    raise PlanError(
+        f"{purpose} needs {dist}, which is not installed", hint=f"pip install 'qtool[{extra}]' (or: pip install {dist})"
+    )

@@ -86,17 +86,17 @@ class Finding:
         return d
 
     @classmethod
-    def from_json(cls, d: dict) -> "Finding":
-        return cls(Code(d["code"]), Severity(d["severity"]), d.get("module"), d["message"], d.get("fix"),
-                   d.get("engine"))
+    def from_json(cls, d: dict) -> Finding:
+        return cls(
+            Code(d["code"]), Severity(d["severity"]), d.get("module"), d["message"], d.get("fix"), d.get("engine")
+        )
 
 
 def error(code: Code, module: str | None, message: str, fix: str | None = None, engine: str | None = None) -> Finding:
     return Finding(code, Severity.ERROR, module, message, fix, engine)
 
 
-def warning(code: Code, module: str | None, message: str, fix: str | None = None,
-            engine: str | None = None) -> Finding:
+def warning(code: Code, module: str | None, message: str, fix: str | None = None, engine: str | None = None) -> Finding:
     return Finding(code, Severity.WARNING, module, message, fix, engine)
 
 

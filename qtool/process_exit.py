@@ -85,8 +85,9 @@ def teardown_needed() -> bool:
     if sys.getprofile() is not None or sys.gettrace() is not None:
         return True
     monitoring = getattr(sys, "monitoring", None)  # Python 3.12+: cProfile and debuggers register here
-    if monitoring is not None and any(monitoring.get_tool(tool) is not None
-                                      for tool in (monitoring.DEBUGGER_ID, monitoring.PROFILER_ID)):
+    if monitoring is not None and any(
+        monitoring.get_tool(tool) is not None for tool in (monitoring.DEBUGGER_ID, monitoring.PROFILER_ID)
+    ):
         return True
     me = threading.current_thread()
     return any(t is not me and t.is_alive() and not t.daemon for t in threading.enumerate())

@@ -49,8 +49,6 @@ def quiet() -> Iterator[None]:
                 loguru_logger.enable(mod)
 
 
-
-
 # ModelOpt warns at import that a transformers it was not tested with "may cause issues", for every
 # transformers >= 5.15 (modelopt/torch/__init__.py). qtool pins the pair it tests together (pyproject:
 # transformers>=5.2,<6 with nvidia-modelopt>=0.47,<0.48), and its tests cross-check ModelOpt's results on it.

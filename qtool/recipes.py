@@ -98,8 +98,18 @@ GROUP_SCHEMES: dict[str, tuple[Scheme, ...]] = {
     "vision": (Scheme.BF16,),
 }
 
-_TOP_KEYS = {"schema_version", "name", "description", "groups", "layer_overrides", "kv_cache", "nvfp4", "int4",
-             "defaults", "calibration"}
+_TOP_KEYS = {
+    "schema_version",
+    "name",
+    "description",
+    "groups",
+    "layer_overrides",
+    "kv_cache",
+    "nvfp4",
+    "int4",
+    "defaults",
+    "calibration",
+}
 
 
 @dataclass(frozen=True)
@@ -146,7 +156,9 @@ class Recipe:
             "schema_version": SCHEMA_VERSION,
             "description": self.description,
             "groups": {g: s.value for g, s in sorted(self.groups.items())},
-            "layer_overrides": {str(k): {g: s.value for g, s in v.items()} for k, v in sorted(self.layer_overrides.items())},
+            "layer_overrides": {
+                str(k): {g: s.value for g, s in v.items()} for k, v in sorted(self.layer_overrides.items())
+            },
             "kv_cache": self.kv_cache.value,
             "nvfp4": {"weight_scale": self.nvfp4.weight_scale.value, "input_scale": self.nvfp4.input_scale.value},
             "int4": {"group_size": self.int4.group_size, "awq": self.int4.awq, "awq_grid": self.int4.awq_grid},
@@ -194,7 +206,9 @@ def _groups(obj, where: str, path) -> dict[str, Scheme]:
         if scheme not in GROUP_SCHEMES[g]:
             raise RecipeError(
                 f"{where}.{g}: scheme {scheme.value} is not supported for this group",
-                path=path, expected=[x.value for x in GROUP_SCHEMES[g]], got=scheme.value,
+                path=path,
+                expected=[x.value for x in GROUP_SCHEMES[g]],
+                got=scheme.value,
                 hint="qtool quantizes only the routed experts; MTP and vision stay BF16 and excluded",
             )
         out[g] = scheme
@@ -209,8 +223,9 @@ def parse_recipe(data, *, path: str | None = None) -> Recipe:
     if unknown:
         raise RecipeError("unknown recipe keys", path=path, expected=sorted(_TOP_KEYS), got=unknown)
     if not _is_int(data.get("schema_version")) or data["schema_version"] != SCHEMA_VERSION:
-        raise RecipeError("unsupported recipe schema_version", path=path, expected=SCHEMA_VERSION,
-                          got=data.get("schema_version"))
+        raise RecipeError(
+            "unsupported recipe schema_version", path=path, expected=SCHEMA_VERSION, got=data.get("schema_version")
+        )
     name = data.get("name")
     if not isinstance(name, str) or not name:
         raise RecipeError("recipe needs a `name`", path=path)
@@ -218,15 +233,15 @@ def parse_recipe(data, *, path: str | None = None) -> Recipe:
     overrides: dict[int, dict[str, Scheme]] = {}
     for k, v in _mapping(data.get("layer_overrides"), "layer_overrides", path).items():
         if not _is_int(k) or k < 0:
-            raise RecipeError("layer_overrides keys are decoder layer indices (integers >= 0)", path=path,
-                              got=repr(k))
+            raise RecipeError("layer_overrides keys are decoder layer indices (integers >= 0)", path=path, got=repr(k))
         idx = k
         overrides[idx] = _groups(v, f"layer_overrides.{idx}", path)
     used = {s for s in groups.values() if s is not Scheme.BF16}
     used |= {s for o in overrides.values() for s in o.values() if s is not Scheme.BF16}
     if len(used) > 1:
-        raise RecipeError("a recipe may use one quantized scheme (plus bf16)", path=path,
-                          got=sorted(s.value for s in used))
+        raise RecipeError(
+            "a recipe may use one quantized scheme (plus bf16)", path=path, got=sorted(s.value for s in used)
+        )
     nv = _mapping(data.get("nvfp4"), "nvfp4", path)
     bad = sorted(map(str, set(nv) - {"weight_scale", "input_scale"}))
     if bad:
@@ -255,8 +270,12 @@ def parse_recipe(data, *, path: str | None = None) -> Recipe:
     fmt_default = FORMATS_FOR.get(scheme, (OutFormat.MODELOPT,))[0].value
     fmt = _enum(OutFormat, d.get("format", fmt_default), "defaults.format", path)
     if scheme in FORMATS_FOR and fmt not in FORMATS_FOR[scheme]:
-        raise RecipeError(f"defaults.format {fmt.value} cannot hold {scheme.value}", path=path,
-                          expected=[f.value for f in FORMATS_FOR[scheme]], got=fmt.value)
+        raise RecipeError(
+            f"defaults.format {fmt.value} cannot hold {scheme.value}",
+            path=path,
+            expected=[f.value for f in FORMATS_FOR[scheme]],
+            got=fmt.value,
+        )
     return Recipe(
         name=name,
         description=str(data.get("description") or ""),
@@ -276,8 +295,11 @@ def _calibration(obj, path) -> dict | None:
     if obj is None:
         return None
     c = _mapping(obj, "calibration", path)
-    if set(c) - {"dataset", "samples", "seq_len"} or not isinstance(c.get("dataset"), str) or not all(
-            _is_int(c.get(k)) and c[k] > 0 for k in ("samples", "seq_len")):
+    if (
+        set(c) - {"dataset", "samples", "seq_len"}
+        or not isinstance(c.get("dataset"), str)
+        or not all(_is_int(c.get(k)) and c[k] > 0 for k in ("samples", "seq_len"))
+    ):
         raise RecipeError("calibration needs {dataset: TEXT, samples: N, seq_len: N}", path=path, got=obj)
     return {"dataset": c["dataset"], "samples": c["samples"], "seq_len": c["seq_len"]}
 
@@ -289,7 +311,11 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
     if not p.suffix and len(p.parts) == 1:
         cand = recipes_dir() / f"{name_or_path}.yaml"
         if not cand.is_file():
-            raise RecipeError("no such recipe", got=str(name_or_path), expected=list_recipes(),
-                              hint="pass a shipped recipe name or the path of a YAML file")
+            raise RecipeError(
+                "no such recipe",
+                got=str(name_or_path),
+                expected=list_recipes(),
+                hint="pass a shipped recipe name or the path of a YAML file",
+            )
         p = cand
     return parse_recipe(load_recipe_yaml(p, "recipe", RecipeError), path=str(p))

@@ -41,10 +41,22 @@ def qtool(args: list, ranks: int, device: str, same_gpu: bool) -> tuple[float, s
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        env |= {"WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                "QTOOL_DEVICES": ",".join([device if ":" in device or device == "cpu" else device + ":0"] * ranks)}
-        procs = [subprocess.Popen(base, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True) for r in range(ranks)]
+        env |= {
+            "WORLD_SIZE": str(ranks),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "QTOOL_DEVICES": ",".join([device if ":" in device or device == "cpu" else device + ":0"] * ranks),
+        }
+        procs = [
+            subprocess.Popen(
+                base,
+                env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for r in range(ranks)
+        ]
         out = []
         for p in procs:
             o, e = p.communicate()
@@ -52,7 +64,9 @@ def qtool(args: list, ranks: int, device: str, same_gpu: bool) -> tuple[float, s
     wall = time.perf_counter() - t0
     for p in out:
         if p.returncode != 0:
-            raise SystemExit(f"{' '.join(map(str, args))} ({ranks} ranks) failed:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
+            raise SystemExit(
+                f"{' '.join(map(str, args))} ({ranks} ranks) failed:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
+            )
     return wall, out[0].stdout
 
 
@@ -78,8 +92,10 @@ def main() -> int:
     if not (src / "config.json").exists():
         tiny.build_bf16(src)
     bad = 0
-    for name, args in (("quantize nvfp4", ["quantize", src, "--recipe", "qwen35-nvfp4-experts", *JOB]),
-                       ("quantize awq", ["quantize", src, "--recipe", "qwen35-awq-int4", *JOB])):
+    for name, args in (
+        ("quantize nvfp4", ["quantize", src, "--recipe", "qwen35-nvfp4-experts", *JOB]),
+        ("quantize awq", ["quantize", src, "--recipe", "qwen35-awq-int4", *JOB]),
+    ):
         outs = {}
         for n in (1, a.nproc):
             outs[n] = a.workdir / f"{name.replace(' ', '-')}-{n}"
@@ -92,16 +108,36 @@ def main() -> int:
     outs = {}
     for n in (1, a.nproc):
         outs[n] = a.workdir / f"kv-{n}"
-        wall, _ = qtool(["calibrate-kv", q, "-o", outs[n], "--force", "--replace-scales", *JOB], n, a.device,
-                        a.same_gpu)
+        wall, _ = qtool(
+            ["calibrate-kv", q, "-o", outs[n], "--force", "--replace-scales", *JOB], n, a.device, a.same_gpu
+        )
         print(f"calibrate-kv     {n} rank(s): {wall:6.1f} s", flush=True)
     diff = same_dirs(outs[1], outs[a.nproc])
     bad += bool(diff)
     print(f"calibrate-kv     {'IDENTICAL' if not diff else 'DIFFERS: ' + ', '.join(diff)}")
     res = {}
     for n in (1, a.nproc):
-        wall, text = qtool(["eval", "kld", "--ref", src, "--test", q, "--windows", "8", "--seq-len", "64",
-                            "--batch-tokens", "128", "--json", "--quiet"], n, a.device, a.same_gpu)
+        wall, text = qtool(
+            [
+                "eval",
+                "kld",
+                "--ref",
+                src,
+                "--test",
+                q,
+                "--windows",
+                "8",
+                "--seq-len",
+                "64",
+                "--batch-tokens",
+                "128",
+                "--json",
+                "--quiet",
+            ],
+            n,
+            a.device,
+            a.same_gpu,
+        )
         res[n] = json.loads(text)
         print(f"eval kld         {n} rank(s): {wall:6.1f} s, mean KLD {res[n]['mean']:.6g}", flush=True)
     bad += res[1] != res[a.nproc]

@@ -42,9 +42,21 @@ def main() -> int:
             os.chdir(here)
         if rc != 0:
             return rc
-        subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                        f"--window-size={args.width},{args.height}", f"--screenshot={os.path.abspath(args.out)}",
-                        page.as_uri()], check=True, capture_output=True, timeout=120)
+        subprocess.run(
+            [
+                browser,
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--hide-scrollbars",
+                f"--window-size={args.width},{args.height}",
+                f"--screenshot={os.path.abspath(args.out)}",
+                page.as_uri(),
+            ],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
     print(f"wrote {args.out}")
     return 0
 

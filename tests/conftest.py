@@ -89,10 +89,14 @@ def inputs_hashed(monkeypatch) -> list[str]:
 
     hashed: list[str] = []
     real_hash, real_add = InputHasher._hash, stream_digest.StreamDigests.add
-    monkeypatch.setattr(InputHasher, "_hash",
-                        lambda self, path, real: hashed.append(real) or real_hash(self, path, real))
-    monkeypatch.setattr(stream_digest.StreamDigests, "add",
-                        lambda self, real, *a, **k: hashed.append(real) or real_add(self, real, *a, **k))
+    monkeypatch.setattr(
+        InputHasher, "_hash", lambda self, path, real: hashed.append(real) or real_hash(self, path, real)
+    )
+    monkeypatch.setattr(
+        stream_digest.StreamDigests,
+        "add",
+        lambda self, real, *a, **k: hashed.append(real) or real_add(self, real, *a, **k),
+    )
     return hashed
 
 

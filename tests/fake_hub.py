@@ -34,8 +34,8 @@ Faults (per file path, each with a count of how many requests it affects):
 from __future__ import annotations
 
 import hashlib
-import os
 import json
+import os
 import re
 import threading
 import time
@@ -68,7 +68,7 @@ class FakeFile:
     def read(self, a: int, b: int) -> bytes:
         """Bytes [a, b] (inclusive, like an HTTP range)."""
         if self.disk is None:
-            return self.data[a:b + 1]
+            return self.data[a : b + 1]
         with open(self.disk, "rb") as f:
             f.seek(a)
             return f.read(b + 1 - a)
@@ -141,14 +141,36 @@ class FakeHub:
         self._thread: threading.Thread | None = None
 
     # ---- setup ---------------------------------------------------------------------------------
-    def add_repo(self, repo_id: str, files: dict[str, bytes], *, commit: str | None = None,
-                 branch: str = "main", private_token: str | None = None, gated: bool = False) -> str:
+    def add_repo(
+        self,
+        repo_id: str,
+        files: dict[str, bytes],
+        *,
+        commit: str | None = None,
+        branch: str = "main",
+        private_token: str | None = None,
+        gated: bool = False,
+    ) -> str:
         """Add (or add a commit to) a repo; returns the commit sha."""
-        return self._add(repo_id, {p: FakeFile(p, d) for p, d in sorted(files.items())}, commit=commit,
-                         branch=branch, private_token=private_token, gated=gated)
+        return self._add(
+            repo_id,
+            {p: FakeFile(p, d) for p, d in sorted(files.items())},
+            commit=commit,
+            branch=branch,
+            private_token=private_token,
+            gated=gated,
+        )
 
-    def _add(self, repo_id: str, fmap: dict[str, FakeFile], *, commit: str | None = None, branch: str = "main",
-             private_token: str | None = None, gated: bool = False) -> str:
+    def _add(
+        self,
+        repo_id: str,
+        fmap: dict[str, FakeFile],
+        *,
+        commit: str | None = None,
+        branch: str = "main",
+        private_token: str | None = None,
+        gated: bool = False,
+    ) -> str:
         if commit is None:
             h = hashlib.sha1(repo_id.encode())
             for p, f in fmap.items():
@@ -185,8 +207,11 @@ class FakeHub:
 
     def add_dir(self, repo_id: str, root: str | Path, **kw) -> str:
         root = Path(root)
-        files = {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
-                 if p.is_file() and ".cache" not in p.parts}
+        files = {
+            str(p.relative_to(root)): p.read_bytes()
+            for p in sorted(root.rglob("*"))
+            if p.is_file() and ".cache" not in p.parts
+        }
         return self.add_repo(repo_id, files, **kw)
 
     def fault(self, kind: str, path: str, times: int = 1, skip: int = 0) -> None:
@@ -230,8 +255,10 @@ class FakeHub:
         return None
 
 
-_API = re.compile(r"^/api/(?P<rtype>models|datasets)/(?P<repo>[^/]+/[^/]+)(?:/(?P<kind>revision|tree|paths-info)/"
-                  r"(?P<rev>[^/]+)(?:/(?P<path>.*))?)?$")
+_API = re.compile(
+    r"^/api/(?P<rtype>models|datasets)/(?P<repo>[^/]+/[^/]+)(?:/(?P<kind>revision|tree|paths-info)/"
+    r"(?P<rev>[^/]+)(?:/(?P<path>.*))?)?$"
+)
 _RESOLVE = re.compile(r"^/(?:(?P<rtype>datasets)/)?(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<path>.+)$")
 DATASET = "datasets/"  # dataset repos are kept under this prefix (the Hub's own URL prefix for them)
 _CDN = re.compile(r"^/cdn/(?P<sha>[0-9a-f]{64})$")
@@ -258,8 +285,14 @@ def _make_handler(hub: FakeHub):
             pass
 
         # ---- helpers ---------------------------------------------------------------------------
-        def _send(self, status: int, body: bytes = b"", headers: dict | None = None,
-                  ctype: str = "application/json", length: int | None = None) -> None:
+        def _send(
+            self,
+            status: int,
+            body: bytes = b"",
+            headers: dict | None = None,
+            ctype: str = "application/json",
+            length: int | None = None,
+        ) -> None:
             # recorded before the response goes out: a client that has its answer finds the request logged
             self._record(status, 0 if self.command == "HEAD" else len(body))
             self.send_response(status)
@@ -273,8 +306,16 @@ def _make_handler(hub: FakeHub):
 
         def _record(self, status: int, nbytes: int) -> None:
             with hub.lock:
-                hub.log.append(Request(self.command, self.path, self.headers.get("Range"), status, nbytes,
-                                       "Authorization" in self.headers))
+                hub.log.append(
+                    Request(
+                        self.command,
+                        self.path,
+                        self.headers.get("Range"),
+                        status,
+                        nbytes,
+                        "Authorization" in self.headers,
+                    )
+                )
 
         def _error(self, status: int, code: str, message: str, extra: dict | None = None) -> None:
             body = json.dumps({"error": message}).encode()
@@ -338,8 +379,15 @@ def _make_handler(hub: FakeHub):
                 blobs = query.get("blobs", ["False"])[0].lower() == "true"
                 siblings = [_entry(f, False) if blobs else {"rfilename": f.path} for f in files.values()]
                 rid = repo_id.removeprefix(DATASET)
-                body = {"id": rid, "modelId": rid, "sha": commit, "private": repo.private_token is not None,
-                        "gated": "manual" if repo.gated else False, "siblings": siblings, "tags": []}
+                body = {
+                    "id": rid,
+                    "modelId": rid,
+                    "sha": commit,
+                    "private": repo.private_token is not None,
+                    "gated": "manual" if repo.gated else False,
+                    "siblings": siblings,
+                    "tags": [],
+                }
                 return self._send(200, json.dumps(body).encode())
             if kind == "tree":
                 # as the Hub: the folder's files and sub-folders ("directory" entries), all levels with
@@ -350,22 +398,29 @@ def _make_handler(hub: FakeHub):
                 for p, f in files.items():
                     if not p.startswith(prefix):
                         continue
-                    parts = p[len(prefix):].split("/")
+                    parts = p[len(prefix) :].split("/")
                     for k in range(1, len(parts) if recursive else min(2, len(parts))):
                         d = prefix + "/".join(parts[:k])
                         if d not in dirs:
                             dirs.add(d)
-                            entries.append({"type": "directory", "oid": hashlib.sha1(d.encode()).hexdigest(),
-                                            "size": 0, "path": d})
+                            entries.append(
+                                {"type": "directory", "oid": hashlib.sha1(d.encode()).hexdigest(), "size": 0, "path": d}
+                            )
                     if recursive or len(parts) == 1:
                         entries.append(_entry(f, True))
                 start = int(query.get("cursor", ["0"])[0])
-                page = entries[start:start + hub.page_size]
+                page = entries[start : start + hub.page_size]
                 headers = {}
                 if start + hub.page_size < len(entries):
-                    kind_path = "datasets/" + repo_id.removeprefix(DATASET) if repo_id.startswith(DATASET) else f"models/{repo_id}"
-                    nxt = (f"{hub.endpoint}/api/{kind_path}/tree/{rev}{'/' + quote(sub) if sub else ''}"
-                           f"?recursive={str(recursive)}&cursor={start + hub.page_size}")
+                    kind_path = (
+                        "datasets/" + repo_id.removeprefix(DATASET)
+                        if repo_id.startswith(DATASET)
+                        else f"models/{repo_id}"
+                    )
+                    nxt = (
+                        f"{hub.endpoint}/api/{kind_path}/tree/{rev}{'/' + quote(sub) if sub else ''}"
+                        f"?recursive={str(recursive)}&cursor={start + hub.page_size}"
+                    )
                     headers["Link"] = f'<{nxt}>; rel="next"'
                 return self._send(200, json.dumps(page).encode(), headers)
             # paths-info: urlencoded form, `paths` repeated
@@ -388,8 +443,13 @@ def _make_handler(hub: FakeHub):
                 return self._error(404, "EntryNotFound", f"{path} does not exist", {"X-Repo-Commit": commit})
             common = {"X-Repo-Commit": commit}
             if f.lfs:
-                headers = {**common, "Location": f"{hub.cdn}/cdn/{f.sha256}", "X-Linked-Etag": f'"{f.sha256}"',
-                           "X-Linked-Size": str(f.size), "ETag": f'"{f.oid}"'}
+                headers = {
+                    **common,
+                    "Location": f"{hub.cdn}/cdn/{f.sha256}",
+                    "X-Linked-Etag": f'"{f.sha256}"',
+                    "X-Linked-Size": str(f.size),
+                    "ETag": f'"{f.oid}"',
+                }
                 return self._send(302, b"", headers)
             return self._body(f, {**common, "ETag": f'"{f.oid}"'})
 
@@ -414,8 +474,9 @@ def _make_handler(hub: FakeHub):
                 b = int(m.group(2)) if m.group(2) else size - 1
                 b = min(b, size - 1)
                 if a >= size or a > b:
-                    return self._error(416, "RangeNotSatisfiable", f"range {rng} of {size}",
-                                       {"Content-Range": f"bytes */{size}"})
+                    return self._error(
+                        416, "RangeNotSatisfiable", f"range {rng} of {size}", {"Content-Range": f"bytes */{size}"}
+                    )
                 status = 206
                 headers["Content-Range"] = f"bytes {a}-{b}/{size}"
             else:
@@ -425,7 +486,7 @@ def _make_handler(hub: FakeHub):
             data = f.read(a, b) if b >= a else b""
             if self.command != "HEAD" and hub.take_fault("corrupt", f.path) and data:
                 i = len(data) // 2
-                data = data[:i] + bytes([data[i] ^ 0xFF]) + data[i + 1:]
+                data = data[:i] + bytes([data[i] ^ 0xFF]) + data[i + 1 :]
             if self.command != "HEAD" and hub.take_fault("drop", f.path):
                 self.send_response(status)
                 self.send_header("Content-Type", "application/octet-stream")
@@ -452,14 +513,22 @@ def point_hf_at(monkeypatch, hub: FakeHub, tmp: Path) -> None:
     constants as well as the environment (subprocesses only need the environment)."""
     from huggingface_hub import constants
 
-    env = {"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(tmp / "hf-home"), "HF_HUB_CACHE": str(tmp / "hf-cache"),
-           "HF_HUB_DISABLE_XET": "1", "QTOOL_CACHE_DIR": str(tmp / "qtool-cache"), "HF_HUB_OFFLINE": "0",
-           "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    env = {
+        "HF_ENDPOINT": hub.endpoint,
+        "HF_HOME": str(tmp / "hf-home"),
+        "HF_HUB_CACHE": str(tmp / "hf-cache"),
+        "HF_HUB_DISABLE_XET": "1",
+        "QTOOL_CACHE_DIR": str(tmp / "qtool-cache"),
+        "HF_HUB_OFFLINE": "0",
+        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    }
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.setattr(constants, "ENDPOINT", hub.endpoint)
-    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", hub.endpoint + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(
+        constants, "HUGGINGFACE_CO_URL_TEMPLATE", hub.endpoint + "/{repo_id}/resolve/{revision}/{filename}"
+    )
     monkeypatch.setattr(constants, "HF_HUB_CACHE", env["HF_HUB_CACHE"])
     monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp / "hf-datasets"))
@@ -484,20 +553,22 @@ def make_repo_dir(root: Path, *, layers: int = 4, shards: int = 3, seed: int = 0
     names = []
     for i in range(layers):
         p = f"model.language_model.layers.{i}"
-        names += [(f"{p}.input_layernorm.weight", (64,)),
-                  (f"{p}.mlp.gate.weight", (8, 64)),
-                  (f"{p}.mlp.shared_expert.down_proj.weight", (64, 32)),
-                  (f"{p}.mlp.shared_expert.gate_proj.weight", (32, 64)),
-                  (f"{p}.mlp.shared_expert.up_proj.weight", (32, 64)),
-                  (f"{p}.mlp.shared_expert_gate.weight", (1, 64)),
-                  (f"{p}.mlp.experts.gate_up_proj", (8, 64, 64)),
-                  (f"{p}.self_attn.q_proj.weight", (64, 64))]
+        names += [
+            (f"{p}.input_layernorm.weight", (64,)),
+            (f"{p}.mlp.gate.weight", (8, 64)),
+            (f"{p}.mlp.shared_expert.down_proj.weight", (64, 32)),
+            (f"{p}.mlp.shared_expert.gate_proj.weight", (32, 64)),
+            (f"{p}.mlp.shared_expert.up_proj.weight", (32, 64)),
+            (f"{p}.mlp.shared_expert_gate.weight", (1, 64)),
+            (f"{p}.mlp.experts.gate_up_proj", (8, 64, 64)),
+            (f"{p}.self_attn.q_proj.weight", (64, 64)),
+        ]
     names.append(("model.language_model.embed_tokens.weight", (128, 64)))
     per = -(-len(names) // shards)
     wm = {}
     total = 0
     for s in range(shards):
-        chunk = sorted(names[s * per:(s + 1) * per])
+        chunk = sorted(names[s * per : (s + 1) * per])
         fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
         ts = []
         for n, shape in chunk:
@@ -509,7 +580,9 @@ def make_repo_dir(root: Path, *, layers: int = 4, shards: int = 3, seed: int = 0
             total += k
         write_shard(root / fname, ts, {"format": "pt"})
     (root / "model.safetensors.index.json").write_text(json.dumps(index_json(wm, total), indent=2))
-    (root / "config.json").write_text(json.dumps({"model_type": "qwen3_5_moe", "text_config": {"num_hidden_layers": layers}}))
+    (root / "config.json").write_text(
+        json.dumps({"model_type": "qwen3_5_moe", "text_config": {"num_hidden_layers": layers}})
+    )
     (root / "tokenizer_config.json").write_text("{}")
     (root / "README.md").write_text("# test repo\n")
     return root
@@ -538,17 +611,48 @@ def chat_dataset_files(rows: int, *, split: str = "train_sft", words: int = 60, 
     import pyarrow.parquet as pq
 
     rng = random.Random(seed)
-    vocab = ["the", "model", "expert", "layer", "token", "scale", "cache", "route", "shared", "attention", "why",
-             "how", "works", "serve", "GPU", "memory", "quantize", "calibrate", "window", "context"]
+    vocab = [
+        "the",
+        "model",
+        "expert",
+        "layer",
+        "token",
+        "scale",
+        "cache",
+        "route",
+        "shared",
+        "attention",
+        "why",
+        "how",
+        "works",
+        "serve",
+        "GPU",
+        "memory",
+        "quantize",
+        "calibrate",
+        "window",
+        "context",
+    ]
 
     def text(n: int) -> str:
         return " ".join(rng.choice(vocab) for _ in range(n)) + "."
 
-    table = pa.Table.from_pylist([{"prompt": text(8), "messages": [
-        {"role": "user", "content": text(words // 3)}, {"role": "assistant", "content": text(words)}]}
-        for _ in range(rows)])
+    table = pa.Table.from_pylist(
+        [
+            {
+                "prompt": text(8),
+                "messages": [
+                    {"role": "user", "content": text(words // 3)},
+                    {"role": "assistant", "content": text(words)},
+                ],
+            }
+            for _ in range(rows)
+        ]
+    )
     buf = io.BytesIO()
     pq.write_table(table, buf)
-    readme = (f"---\nconfigs:\n- config_name: default\n  data_files:\n  - split: {split}\n"
-              f"    path: data/{split}-*\n---\n# a chat dataset for tests\n").encode()
+    readme = (
+        f"---\nconfigs:\n- config_name: default\n  data_files:\n  - split: {split}\n"
+        f"    path: data/{split}-*\n---\n# a chat dataset for tests\n"
+    ).encode()
     return {f"data/{split}-00000-of-00001.parquet": buf.getvalue(), "README.md": readme}

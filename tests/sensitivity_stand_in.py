@@ -25,8 +25,18 @@ def write_stand_in_table(bf16: Path, quantized: Path, out: Path) -> list:
         if u.quantized and u.layer is not None:
             u.measured, u.error, u.effect = True, 0.01, stand_in_effect(u)
     out.mkdir(parents=True, exist_ok=True)
-    (out / TABLE).write_text(json.dumps({
-        "format": FORMAT, "schema_version": SCHEMA_VERSION, "bf16": {"path": str(bf16)},
-        "quantized": {"path": str(quantized)}, "model": model_shape(Checkpoint.open(bf16)), "tp_sizes": list(TP_SIZES),
-        "calibration": {"dataset": "builtin", "samples": 16, "seq_len": 2048}, "units": [u.to_json() for u in units]}))
+    (out / TABLE).write_text(
+        json.dumps(
+            {
+                "format": FORMAT,
+                "schema_version": SCHEMA_VERSION,
+                "bf16": {"path": str(bf16)},
+                "quantized": {"path": str(quantized)},
+                "model": model_shape(Checkpoint.open(bf16)),
+                "tp_sizes": list(TP_SIZES),
+                "calibration": {"dataset": "builtin", "samples": 16, "seq_len": 2048},
+                "units": [u.to_json() for u in units],
+            }
+        )
+    )
     return units

@@ -15,15 +15,31 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_bench_real_layers_smoke(tmp_path):
     out = tmp_path / "rows.json"
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks/bench_real_layers.py"), "--smoke", "--workdir",
-                        str(tmp_path / "w"), "--out", str(out)], capture_output=True, text=True)
+    p = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks/bench_real_layers.py"),
+            "--smoke",
+            "--workdir",
+            str(tmp_path / "w"),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     import json
 
     rows = json.loads(out.read_text())
     assert [(r["job"], r["cache"] == "warm") for r in rows] == [
-        ("quantize", False), ("calibrate-kv", False), ("eval-kld", False),
-        ("quantize", True), ("calibrate-kv", True), ("eval-kld", True)]
+        ("quantize", False),
+        ("calibrate-kv", False),
+        ("eval-kld", False),
+        ("quantize", True),
+        ("calibrate-kv", True),
+        ("eval-kld", True),
+    ]
     for r in rows:
         assert r["loop_s"] > 0 and r["per_layer_s"] > 0 and r["peak_rss_bytes"] > 0 and r["input_bytes"] > 0
         # each job's floor: cat of its input and dd of its output, in the same run
@@ -46,9 +62,24 @@ def test_bench_real_layers_scaling_rows(tmp_path):
     import json
 
     out = tmp_path / "rows.json"
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks/bench_real_layers.py"), "--smoke", "--warm-only",
-                        "--jobs", "awq,calibrate-kv", "--nproc", "1,2", "--workdir", str(tmp_path / "w"),
-                        "--out", str(out)], capture_output=True, text=True)
+    p = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks/bench_real_layers.py"),
+            "--smoke",
+            "--warm-only",
+            "--jobs",
+            "awq,calibrate-kv",
+            "--nproc",
+            "1,2",
+            "--workdir",
+            str(tmp_path / "w"),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     rows = json.loads(out.read_text())
     assert [(r["job"], r["ranks"]) for r in rows] == [("awq", 1), ("calibrate-kv", 1), ("awq", 2), ("calibrate-kv", 2)]
@@ -60,9 +91,22 @@ def test_bench_real_layers_scaling_rows(tmp_path):
 def test_bench_plan_397b_executing(tmp_path):
     """bench_plan_397b's executing mode runs a job on the sparse 397B up to its first layer and stops there
     (it replaces two of qtool's functions to do so: a rename must fail here, not run 397B layers)."""
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks/bench_plan_397b.py"), "--workdir", str(tmp_path / "w"),
-                        "--rounds", "1", "--jobs", "eval-kld", "--executing"], capture_output=True, text=True,
-                       timeout=600)
+    p = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks/bench_plan_397b.py"),
+            "--workdir",
+            str(tmp_path / "w"),
+            "--rounds",
+            "1",
+            "--jobs",
+            "eval-kld",
+            "--executing",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     # "eval-kld  AT-LOAD s  READ s  CPU s  AT-LOAD/READ/CPU" (one round): the first layer's bytes in hand
     # no sooner than the call that takes them
@@ -75,8 +119,20 @@ def test_bench_plan_397b_executing(tmp_path):
 def test_bench_plan_397b_end(tmp_path):
     """bench_plan_397b's end mode runs an executing quantize of the sparse 397B whose layers are stand-ins
     (it replaces calibrate_and_write: a change of its signature must fail here) and prints the end's parts."""
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks/bench_plan_397b.py"), "--workdir", str(tmp_path / "w"),
-                        "--rounds", "1", "--end"], capture_output=True, text=True, timeout=900)
+    p = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks/bench_plan_397b.py"),
+            "--workdir",
+            str(tmp_path / "w"),
+            "--rounds",
+            "1",
+            "--end",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     row = next(line.split() for line in p.stdout.splitlines() if line.startswith("0 "))
     parts = dict(x.split("=") for x in row[3:])
@@ -91,15 +147,34 @@ def test_bench_quality_smoke(tmp_path):
     import math
 
     out = tmp_path / "quality.json"
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks/bench_quality.py"), "--smoke", "--workdir",
-                        str(tmp_path / "w"), "--out", str(out)], check=False, capture_output=True, text=True,
-                       timeout=1800)
+    p = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks/bench_quality.py"),
+            "--smoke",
+            "--workdir",
+            str(tmp_path / "w"),
+            "--out",
+            str(out),
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     result = json.loads(out.read_text())
     assert result["failed"] == [], result["failed"]
     assert [r["key"] for r in result["rows"]] == [
-        "nvfp4-max", "nvfp4-mse", "nvfp4-mse-sweep", "int4-rtn", "int4-awq",
-        "modelopt-nvfp4-max", "llmc-nvfp4-minmax", "llmc-nvfp4-mse"]
+        "nvfp4-max",
+        "nvfp4-mse",
+        "nvfp4-mse-sweep",
+        "int4-rtn",
+        "int4-awq",
+        "modelopt-nvfp4-max",
+        "llmc-nvfp4-minmax",
+        "llmc-nvfp4-mse",
+    ]
     for r in result["rows"]:
         assert math.isfinite(r["mean_kld"]) and r["mean_kld"] > 0, r
         assert r["expert_bytes"] > 0 and r["quantize_wall_s"] > 0 and r["positions"] == 2 * 64, r

@@ -13,8 +13,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 TEXT_SUFFIXES = {".py", ".md", ".yaml", ".yml", ".sh", ".j2", ".toml", ".txt", ".cfg"}
 # a repository path as the code and docs write it: docs/x.md, benchmarks/x.py, scripts/x.sh, tests/..., ...
-PATH_REF = re.compile(r"(?<![\w/.-])((?:docs|benchmarks|scripts|patches|recipes|tests|\.ci)/[\w./*-]*[\w*]"
-                      r"|(?:README|CONTRIBUTING|DESIGN)\.md)")
+PATH_REF = re.compile(
+    r"(?<![\w/.-])((?:docs|benchmarks|scripts|patches|recipes|tests|\.ci)/[\w./*-]*[\w*]"
+    r"|(?:README|CONTRIBUTING|DESIGN)\.md)"
+)
 SECTION_REF = re.compile(r"docs/formats\.md §(\d+)(?:-(\d+))?")
 MD_LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 # documents that live outside the repository, cited by name in earlier text
@@ -88,8 +90,9 @@ def test_formats_sections_cited_exist():
 
 
 def test_nothing_cites_a_document_outside_the_repository():
-    cited = [f"{f.relative_to(ROOT)}:{lineno}: {line.strip()[:120]}" for f, lineno, line in _lines()
-             if OUTSIDE.search(line)]
+    cited = [
+        f"{f.relative_to(ROOT)}:{lineno}: {line.strip()[:120]}" for f, lineno, line in _lines() if OUTSIDE.search(line)
+    ]
     assert not cited, "cites a document the repository does not have:\n" + "\n".join(cited)
 
 

@@ -15,6 +15,10 @@ def test_pyflakes_clean():
     ruff = shutil.which("ruff") or str(Path(sys.executable).with_name("ruff"))
     if not Path(ruff).exists():
         pytest.skip("ruff is not installed (it is in the [test] extra)")
-    r = subprocess.run([ruff, "check", "--select", "F,E9", "--output-format", "concise", "qtool", "scripts", "benchmarks", "tests"],
-                       cwd=ROOT, capture_output=True, text=True)
+    r = subprocess.run(
+        [ruff, "check", "--select", "F,E9", "--output-format", "concise", "qtool", "scripts", "benchmarks", "tests"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stdout + r.stderr

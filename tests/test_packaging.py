@@ -18,11 +18,29 @@ def installed(tmp_path_factory) -> Path:
     """qtool's wheel (built from this tree) installed into a folder of its own; run with PYTHONPATH there."""
     pytest.importorskip("setuptools")
     tmp = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-build-isolation", "--no-deps", str(ROOT),
-                    "-w", str(tmp / "dist")], check=True, capture_output=True, cwd=tmp)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-build-isolation",
+            "--no-deps",
+            str(ROOT),
+            "-w",
+            str(tmp / "dist"),
+        ],
+        check=True,
+        capture_output=True,
+        cwd=tmp,
+    )
     wheel = next((tmp / "dist").glob("qtool-*.whl"))
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(tmp / "site"),
-                    str(wheel)], check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(tmp / "site"), str(wheel)],
+        check=True,
+        capture_output=True,
+    )
     return tmp / "site"
 
 
@@ -48,12 +66,15 @@ def test_build_runs_from_another_directory(installed, tmp_path):
     mine = tmp_path / "mine"
     (mine / "recipes").mkdir(parents=True)
     (mine / "recipes" / "experts.yaml").write_text(
-        (ROOT / "qtool" / "data" / "recipes" / "qwen35-nvfp4-experts.yaml").read_text().replace(
-            "name: qwen35-nvfp4-experts", "name: experts"))
+        (ROOT / "qtool" / "data" / "recipes" / "qwen35-nvfp4-experts.yaml")
+        .read_text()
+        .replace("name: qwen35-nvfp4-experts", "name: experts")
+    )
     (mine / "build.yaml").write_text(
         "name: mine\nsources:\n  bf16: {builtin: tiny-bf16}\nsteps:\n"
         "  - {id: q, op: quantize, input: bf16, with: {recipe: recipes/experts.yaml, samples: 2, seq_len: 16}}\n"  # docs-ref: not a repository path
-        "  - {id: q2, op: quantize, input: bf16, with: {recipe: recipes/qwen35-nvfp4-experts.yaml, samples: 2, seq_len: 16}}\n")
+        "  - {id: q2, op: quantize, input: bf16, with: {recipe: recipes/qwen35-nvfp4-experts.yaml, samples: 2, seq_len: 16}}\n"
+    )
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     p = _qtool(installed, ["build", str(mine / "build.yaml"), "--dry-run", "--json"], elsewhere)

@@ -23,10 +23,13 @@ def test_readme_has_exactly_the_two_setup_commands_and_ci_runs_the_test_one():
     assert tests == "bash scripts/install.sh && .venv/bin/python -m pytest -q"
     # CI runs a newcomer's run: these two commands as the README writes them
     assert "bash scripts/newcomer.sh" in (ROOT / ".ci/run").read_text()
-    printed = subprocess.run(["bash", str(ROOT / "scripts/newcomer.sh"), "--print"], capture_output=True, text=True,
-                             check=True).stdout
+    printed = subprocess.run(
+        ["bash", str(ROOT / "scripts/newcomer.sh"), "--print"], capture_output=True, text=True, check=True
+    ).stdout
     assert printed.splitlines() == [demo, tests]
-    assert (ROOT / "qtool/data/recipes/build/demo-tiny.yaml").exists() and (ROOT / "recipes/build/demo-tiny.yaml").exists()
+    assert (ROOT / "qtool/data/recipes/build/demo-tiny.yaml").exists() and (
+        ROOT / "recipes/build/demo-tiny.yaml"
+    ).exists()
 
 
 def test_the_readme_demo_runs_and_verifies_as_the_readme_runs_it(tmp_path):

@@ -162,11 +162,18 @@ BAD_FILES = {
     "dev-zero-link": (_dev_zero, "not a regular file"),
     "latin1-byte": (_file(GOOD_BUILD.replace(b"name: bad", b"name: caf\xe9")), "byte 0xe9 at line 1, column 10"),
     "5000-digit-number": (_file(GOOD_BUILD + b"    with: {tp: " + b"9" * 5000 + b"}\n"), "a number of 5000"),
-    "5000-digit-float": (_file(GOOD_BUILD + b"    with: {gpu_memory_utilization: 0." + b"9" * 5000 + b"}\n"),
-                         "a number of 5002"),
+    "5000-digit-float": (
+        _file(GOOD_BUILD + b"    with: {gpu_memory_utilization: 0." + b"9" * 5000 + b"}\n"),
+        "a number of 5002",
+    ),
     "recursive-alias": (_file(b"a: &a [*a]\n"), "anchor &a"),
-    "alias": (_file(GOOD_BUILD.replace(b"with: {fixes: [router-ignore]}", b"with: &w {fixes: [router-ignore]}")
-                    + b"    with: *w\n"), "anchor &w"),
+    "alias": (
+        _file(
+            GOOD_BUILD.replace(b"with: {fixes: [router-ignore]}", b"with: &w {fixes: [router-ignore]}")
+            + b"    with: *w\n"
+        ),
+        "anchor &w",
+    ),
     "billion-laughs": (_file(_laughs()), "anchor &a0"),
     "oversized": (_file(GOOD_BUILD + b"#" * MAX_RECIPE_BYTES + b"\n"), "larger than"),
     "deeply-nested": (_file(b"name: " + b"[" * 20000 + b"]" * 20000 + b"\n"), "nested too deeply"),
@@ -188,35 +195,45 @@ def test_a_bad_quantization_recipe_file_is_refused_at_once(tmp_path, capsys, cas
     """quantize reads its recipe through the same loader: the same refusals, before the checkpoint is read."""
     make, needle = BAD_FILES[case]
     recipe = make(tmp_path)
-    code, out = _run(["quantize", str(tmp_path / "no-checkpoint"), "--recipe", str(recipe), "-o",
-                      str(tmp_path / "o"), "--dry-run"], capsys)
+    code, out = _run(
+        ["quantize", str(tmp_path / "no-checkpoint"), "--recipe", str(recipe), "-o", str(tmp_path / "o"), "--dry-run"],
+        capsys,
+    )
     assert code == 2, out
     assert str(recipe) in out and needle.replace("build recipe", "recipe") in out, out
 
 
-@pytest.mark.parametrize("bad,needle", [
-    (QUANT + "int4: {awq: 'no'}\n", "int4.awq"),
-    (QUANT + "calibration: {dataset: builtin, samples: true, seq_len: 8}\n", "calibration"),
-    (QUANT.replace("schema_version: 1", "schema_version: true"), "schema_version"),
-    (QUANT + "layer_overrides: {true: {routed_experts: bf16}}\n", "layer_overrides"),
-    (QUANT + "kv_cache: [fp8]\n", "kv_cache"),
-    (QUANT + "1: x\nz: y\n", "unknown recipe keys"),
-])
+@pytest.mark.parametrize(
+    "bad,needle",
+    [
+        (QUANT + "int4: {awq: 'no'}\n", "int4.awq"),
+        (QUANT + "calibration: {dataset: builtin, samples: true, seq_len: 8}\n", "calibration"),
+        (QUANT.replace("schema_version: 1", "schema_version: true"), "schema_version"),
+        (QUANT + "layer_overrides: {true: {routed_experts: bf16}}\n", "layer_overrides"),
+        (QUANT + "kv_cache: [fp8]\n", "kv_cache"),
+        (QUANT + "1: x\nz: y\n", "unknown recipe keys"),
+    ],
+)
 def test_a_quantization_recipes_values_are_typed(tmp_path, capsys, bad, needle):
     recipe = tmp_path / "q.yaml"
     recipe.write_text(bad)
-    code, out = _run(["quantize", str(tmp_path / "no-checkpoint"), "--recipe", str(recipe), "-o",
-                      str(tmp_path / "o"), "--dry-run"], capsys)
+    code, out = _run(
+        ["quantize", str(tmp_path / "no-checkpoint"), "--recipe", str(recipe), "-o", str(tmp_path / "o"), "--dry-run"],
+        capsys,
+    )
     assert code == 2 and needle in out and str(recipe) in out, out
 
 
-@pytest.mark.parametrize("argv", [
-    ["build", "no-such-build-recipe"],
-    ["build", "missing/recipe.yaml"],
-    ["quantize", "ckpt", "--recipe", "no-such-recipe", "-o", "o"],
-    ["quantize", "ckpt", "--recipe", "missing/recipe.yaml", "-o", "o"],
-    ["recipes", "show", "no-such-recipe"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["build", "no-such-build-recipe"],
+        ["build", "missing/recipe.yaml"],
+        ["quantize", "ckpt", "--recipe", "no-such-recipe", "-o", "o"],
+        ["quantize", "ckpt", "--recipe", "missing/recipe.yaml", "-o", "o"],
+        ["recipes", "show", "no-such-recipe"],
+    ],
+)
 def test_an_unknown_recipe_is_a_usage_error_everywhere(tmp_path, capsys, monkeypatch, argv):
     monkeypatch.chdir(tmp_path)
     code, out = _run(argv, capsys)
@@ -235,8 +252,14 @@ def test_yaml_1_2_booleans_and_strings():
     boolean then names its key, as above)."""
     from qtool.io.yamlio import _RecipeLoader
 
-    assert yaml.load("[true, False, no, off, 'yes', 0x10]", Loader=_RecipeLoader) == [True, False, "no", "off",
-                                                                                     "yes", 16]
+    assert yaml.load("[true, False, no, off, 'yes', 0x10]", Loader=_RecipeLoader) == [
+        True,
+        False,
+        "no",
+        "off",
+        "yes",
+        16,
+    ]
 
 
 def test_shipped_build_recipes_load_through_the_strict_loader():

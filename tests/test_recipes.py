@@ -37,14 +37,25 @@ def test_mse_recipe_not_worse_than_rtn_per_block():
     assert e_mse < e_rtn
 
 
-@pytest.mark.parametrize("bad,msg", [
-    ({"schema_version": 2, "name": "x"}, "schema_version"),
-    ({"schema_version": 1, "name": "x", "groups": {"shared_expert": "nvfp4"}}, "not supported"),
-    ({"schema_version": 1, "name": "x", "groups": {"routed_experts": "fp3"}}, "unknown value"),
-    ({"schema_version": 1, "name": "x", "groups": {"routed_experts": "w4a16"}, "defaults": {"format": "modelopt"}}, "cannot hold"),
-    ({"schema_version": 1, "name": "x", "bogus": 1}, "unknown recipe keys"),
-    ({"schema_version": 1, "name": "x", "int4": {"group_size": 100}}, "group_size"),
-])
+@pytest.mark.parametrize(
+    "bad,msg",
+    [
+        ({"schema_version": 2, "name": "x"}, "schema_version"),
+        ({"schema_version": 1, "name": "x", "groups": {"shared_expert": "nvfp4"}}, "not supported"),
+        ({"schema_version": 1, "name": "x", "groups": {"routed_experts": "fp3"}}, "unknown value"),
+        (
+            {
+                "schema_version": 1,
+                "name": "x",
+                "groups": {"routed_experts": "w4a16"},
+                "defaults": {"format": "modelopt"},
+            },
+            "cannot hold",
+        ),
+        ({"schema_version": 1, "name": "x", "bogus": 1}, "unknown recipe keys"),
+        ({"schema_version": 1, "name": "x", "int4": {"group_size": 100}}, "group_size"),
+    ],
+)
 def test_bad_recipes_rejected(bad, msg):
     with pytest.raises(RecipeError, match=msg):
         parse_recipe(bad)
@@ -57,6 +68,8 @@ def test_shipped_recipes_say_what_they_calibrate_on(tiny_bf16, tmp_path):
 
     for name in ("qwen35-nvfp4-experts", "qwen35-nvfp4-experts-mse", "qwen35-awq-int4"):
         r = load_recipe(name)
-        assert r.calibration["dataset"].startswith("hf:") and r.calibration["samples"] * r.calibration["seq_len"] >= 32768
+        assert (
+            r.calibration["dataset"].startswith("hf:") and r.calibration["samples"] * r.calibration["seq_len"] >= 32768
+        )
     p = plan(QuantizeOptions(tiny_bf16, tmp_path / "o", load_recipe("qwen35-nvfp4-experts"), samples=4, seq_len=256))
     assert any("meant to calibrate on hf:HuggingFaceH4/ultrachat_200k" in w for w in p.warnings)

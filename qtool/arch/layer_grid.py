@@ -31,8 +31,7 @@ _COLUMN_OF = {g: col for col, groups in COLUMNS.items() for g in groups}
 
 def _cell(formats: Counter, nbytes: int) -> dict:
     fmt = next(iter(formats)) if len(formats) == 1 else "mixed"
-    return {"format": fmt, "formats": dict(sorted(formats.items())), "modules": sum(formats.values()),
-            "bytes": nbytes}
+    return {"format": fmt, "formats": dict(sorted(formats.items())), "modules": sum(formats.values()), "bytes": nbytes}
 
 
 def row_name(layer: int | None, mtp: bool) -> str:
@@ -75,14 +74,26 @@ def layer_grid(mm: ModelMap) -> dict:
     n = max([mm.num_layers] + [m.layer + 1 for m in mm.modules.values() if m.layer is not None and not m.is_mtp])
     for layer in range(n):
         name = row_name(layer, False)
-        rows.append({"row": name, "layer": layer, "type": types[layer] if layer < len(types) else None,
-                     "expert_layout": mm.layer_expert_layout.get(layer),
-                     "cells": {c: _cell(formats[(name, c)], nbytes[(name, c)]) for c in COLUMNS
-                               if (name, c) in formats}})
+        rows.append(
+            {
+                "row": name,
+                "layer": layer,
+                "type": types[layer] if layer < len(types) else None,
+                "expert_layout": mm.layer_expert_layout.get(layer),
+                "cells": {c: _cell(formats[(name, c)], nbytes[(name, c)]) for c in COLUMNS if (name, c) in formats},
+            }
+        )
     if any(r == MTP_ROW for r, _ in formats):
-        rows.append({"row": MTP_ROW, "layer": None, "type": "full_attention",
-                     "expert_layout": mm.mtp_expert_layout,
-                     "cells": {c: _cell(formats[(MTP_ROW, c)], nbytes[(MTP_ROW, c)]) for c in COLUMNS
-                               if (MTP_ROW, c) in formats}})
+        rows.append(
+            {
+                "row": MTP_ROW,
+                "layer": None,
+                "type": "full_attention",
+                "expert_layout": mm.mtp_expert_layout,
+                "cells": {
+                    c: _cell(formats[(MTP_ROW, c)], nbytes[(MTP_ROW, c)]) for c in COLUMNS if (MTP_ROW, c) in formats
+                },
+            }
+        )
     model = {c: _cell(formats[("model", c)], nbytes[("model", c)]) for c in MODEL_COLUMNS if ("model", c) in formats}
     return {"columns": list(COLUMNS), "model_columns": list(MODEL_COLUMNS), "rows": rows, "model": model}

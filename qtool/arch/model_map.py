@@ -25,12 +25,12 @@ from qtool.arch.qwen35 import (
     layer_types,
 )
 from qtool.errors import ConfigError
-from qtool.io.checkpoint import CONFIG_NAME, Checkpoint
-from qtool.io.tensor_table import file_of, nbytes_of, no_cyclic_gc, tensor_rows
 from qtool.formats.naming import REQUIRED_PARAMS as CODEC_REQUIRED_PARAMS
 from qtool.formats.naming import QuantFormat, detect_format
+from qtool.io.checkpoint import CONFIG_NAME, Checkpoint
 from qtool.io.dtypes import FLOAT_DTYPES
 from qtool.io.safetensors_header import TensorInfo
+from qtool.io.tensor_table import file_of, nbytes_of, no_cyclic_gc, tensor_rows
 
 
 class Format(str, Enum):
@@ -284,8 +284,9 @@ class ModelMap:
     def has_group(self, group: Group) -> bool:
         """Whether any tensor has a role in `group` (a tensor takes its module's group, a KV scale has a
         role of its own)."""
-        return (any(m.group is group and not m.param_names <= KV_SCALE_PARAMS for m in self.modules.values())
-                or any(r.group is group for _, r in self.roles.kv_roles()))
+        return any(m.group is group and not m.param_names <= KV_SCALE_PARAMS for m in self.modules.values()) or any(
+            r.group is group for _, r in self.roles.kv_roles()
+        )
 
     def read_kv_values(self) -> None:
         """(Re)read the KV scale values (for a map built with read_values=False)."""
@@ -328,22 +329,31 @@ def check_config_sizes(ckpt: Checkpoint) -> None:
     where = "text_config." if nested else ""
     missing = [k for k in REQUIRED_TEXT_SIZES if k not in text]
     if missing:
-        raise ConfigError(f"config.json has no {where}{missing[0]}" + ("" if nested else " (and no text_config)"),
-                          path=ckpt.root / CONFIG_NAME, expected=f"{where or 'text_config.'}{', '.join(missing)}",
-                          hint="restore config.json from the source repository (Qwen3.5 keeps the model's sizes "
-                          "under text_config)")
+        raise ConfigError(
+            f"config.json has no {where}{missing[0]}" + ("" if nested else " (and no text_config)"),
+            path=ckpt.root / CONFIG_NAME,
+            expected=f"{where or 'text_config.'}{', '.join(missing)}",
+            hint="restore config.json from the source repository (Qwen3.5 keeps the model's sizes under text_config)",
+        )
     explicit = text.get("layer_types") or []
     count, key = max((text["num_hidden_layers"], "num_hidden_layers"), (len(explicit), "layer_types"))
     prefix = f"{TEXT_PREFIX[detect_naming(ckpt.tensors)]}layers."
     if any(name.startswith(f"{prefix}{count - 1}.") for name in ckpt.tensors):
         return
-    present = {int(head) for head in (name[len(prefix):].partition(".")[0] for name in ckpt.tensors
-                                      if name.startswith(prefix)) if head.isdigit()}
+    present = {
+        int(head)
+        for head in (name[len(prefix) :].partition(".")[0] for name in ckpt.tensors if name.startswith(prefix))
+        if head.isdigit()
+    }
     got = f"decoder layers 0-{max(present)} in the shards" if present else "no decoder layer in the shards"
-    raise ConfigError(f"config.json: {where}{key} says {count} decoder layers, the shards have no layer {count - 1}",
-                      path=ckpt.root / CONFIG_NAME, expected=f"{where}{key} of at most {max(present, default=-1) + 1}",
-                      got=got, hint=f"fix {where}{key} in config.json (or restore the file from the source "
-                      "repository), or add the missing shards")
+    raise ConfigError(
+        f"config.json: {where}{key} says {count} decoder layers, the shards have no layer {count - 1}",
+        path=ckpt.root / CONFIG_NAME,
+        expected=f"{where}{key} of at most {max(present, default=-1) + 1}",
+        got=got,
+        hint=f"fix {where}{key} in config.json (or restore the file from the source "
+        "repository), or add the missing shards",
+    )
 
 
 def build_map(ckpt: Checkpoint, *, read_values: bool = True) -> ModelMap:
@@ -379,8 +389,7 @@ def _build_map(ckpt: Checkpoint, read_values: bool = True) -> ModelMap:
             # Classify once per module (an NVFP4 expert Linear has 4 tensors). A module's role comes
             # from the module name; KV scales (k_proj.k_scale) are roles of their own tensors only.
             r = classify(module_name + ".weight" if is_kv else name, naming)
-            mod = modules[module_name] = Module(module_name, r.group, r.inner, r.layer, r.expert, (), None,
-                                                tensors)
+            mod = modules[module_name] = Module(module_name, r.group, r.inner, r.layer, r.expert, (), None, tensors)
         if is_kv:
             kv_roles[name] = classify(name, naming)
         mod.signature = extend_signature(mod.signature, param, dtype, len(shape))
@@ -403,7 +412,15 @@ def _build_map(ckpt: Checkpoint, read_values: bool = True) -> ModelMap:
     overall = _layout(set().union(*per_layer.values())) if per_layer else None
 
     return ModelMap(
-        ckpt, naming, roles, modules, types, full, overall, layer_layout, _layout(mtp_kinds),
+        ckpt,
+        naming,
+        roles,
+        modules,
+        types,
+        full,
+        overall,
+        layer_layout,
+        _layout(mtp_kinds),
         _kv_scales(ckpt, roles, full, read_values),
     )
 

@@ -16,8 +16,8 @@ Inside a decoder layer (and inside mtp.layers.0):
 
 from __future__ import annotations
 
-from typing import NamedTuple
 from enum import Enum
+from typing import NamedTuple
 
 
 class Group(str, Enum):
@@ -91,7 +91,7 @@ def _layer_role(sub_with_index: str, module: str, param: str, outer: Group | Non
     inner = _in_layer_group(sub, param)
     expert = None
     if inner is Group.ROUTED_EXPERTS:
-        e = sub[len("mlp.experts."):].partition(".")[0]
+        e = sub[len("mlp.experts.") :].partition(".")[0]
         expert = int(e) if e.isdigit() else None
     return TensorRole(outer or inner, inner, module, param, layer, expert)
 
@@ -103,17 +103,17 @@ def classify(name: str, naming: Naming = Naming.MULTIMODAL) -> TensorRole:
     if name.startswith(VISION_PREFIX):
         return TensorRole(Group.VISION, Group.VISION, module, param, None, None)
     if name.startswith(MTP_PREFIX):
-        rest = name[len(MTP_PREFIX):]
+        rest = name[len(MTP_PREFIX) :]
         if rest.startswith("layers."):
-            return _layer_role(rest[len("layers."):], module, param, Group.MTP)
+            return _layer_role(rest[len("layers.") :], module, param, Group.MTP)
         return TensorRole(Group.MTP, Group.MTP, module, param, None, None)
     if name.startswith("lm_head."):
         return TensorRole(Group.LM_HEAD, Group.LM_HEAD, module, param, None, None)
     prefix = TEXT_PREFIX[naming]
     if name.startswith(prefix):
-        rest = name[len(prefix):]
+        rest = name[len(prefix) :]
         if rest.startswith("layers."):
-            return _layer_role(rest[len("layers."):], module, param, None)
+            return _layer_role(rest[len("layers.") :], module, param, None)
         if rest.startswith("embed_tokens."):
             return TensorRole(Group.EMBED, Group.EMBED, module, param, None, None)
         if rest.startswith("norm."):

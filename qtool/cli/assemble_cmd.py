@@ -7,28 +7,56 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from qtool.cli.common import (add_output_flags, headers_checkpoint, human_bytes, local_checkpoint, print_json,
-                              run_command_line, show_progress)
+from qtool.cli.common import (
+    add_output_flags,
+    headers_checkpoint,
+    human_bytes,
+    local_checkpoint,
+    print_json,
+    run_command_line,
+    show_progress,
+)
 from qtool.errors import UsageError
 
 
 def add_arguments(p) -> None:
     sub = p.add_subparsers(dest="kind", metavar="KIND")
-    h = sub.add_parser("hybrid", help="BF16 shared experts (and chosen layers' routed experts, MTP head) "
-                       "spliced into an NVFP4 checkpoint")
+    h = sub.add_parser(
+        "hybrid",
+        help="BF16 shared experts (and chosen layers' routed experts, MTP head) spliced into an NVFP4 checkpoint",
+    )
     h.add_argument("--nvfp4", required=True, help="NVFP4 checkpoint (ModelOpt or compressed-tensors naming)")
     h.add_argument("--bf16", required=True, help="the BF16 original (fused or per-expert routed experts)")
-    h.add_argument("--bf16-expert-layers", default=None, metavar="LIST",
-                   help="comma-separated decoder layers whose routed experts come from BF16, e.g. 0 or 0,1 "
-                   "(default none)")
-    h.add_argument("--bf16-shared-experts", default="all", metavar="all|none|LIST",
-                   help="whose shared experts come from BF16: all layers (default), none, or e.g. 0,1,5")
-    h.add_argument("--mtp", choices=["auto", "from-bf16", "keep", "drop"], default="auto",
-                   help="MTP head: auto grafts BF16's when the NVFP4 source has none (default)")
-    h.add_argument("--link", choices=["auto", "reflink", "hardlink", "copy"], default="auto",
-                   help="how unchanged shards are placed (auto: reflink, else hardlink, else copy)")
-    h.add_argument("--max-shard-size", default=None, metavar="SIZE",
-                   help="e.g. 5GB (default: 5%% above the NVFP4 source's largest shard, at least 5GB)")
+    h.add_argument(
+        "--bf16-expert-layers",
+        default=None,
+        metavar="LIST",
+        help="comma-separated decoder layers whose routed experts come from BF16, e.g. 0 or 0,1 (default none)",
+    )
+    h.add_argument(
+        "--bf16-shared-experts",
+        default="all",
+        metavar="all|none|LIST",
+        help="whose shared experts come from BF16: all layers (default), none, or e.g. 0,1,5",
+    )
+    h.add_argument(
+        "--mtp",
+        choices=["auto", "from-bf16", "keep", "drop"],
+        default="auto",
+        help="MTP head: auto grafts BF16's when the NVFP4 source has none (default)",
+    )
+    h.add_argument(
+        "--link",
+        choices=["auto", "reflink", "hardlink", "copy"],
+        default="auto",
+        help="how unchanged shards are placed (auto: reflink, else hardlink, else copy)",
+    )
+    h.add_argument(
+        "--max-shard-size",
+        default=None,
+        metavar="SIZE",
+        help="e.g. 5GB (default: 5%% above the NVFP4 source's largest shard, at least 5GB)",
+    )
     add_output_flags(h)
 
 
@@ -42,8 +70,11 @@ def _layers(text: str | None, flag: str = "--bf16-expert-layers") -> tuple[int, 
     if text is None or text.strip().lower() == "none":
         return ()
     if not LAYER_LIST.fullmatch(text.strip()):
-        raise UsageError(f"{flag} takes layer numbers separated by commas (e.g. 0,3,5), or none", got=repr(text),
-                         hint=f"{flag} 0,1 for layers 0 and 1")
+        raise UsageError(
+            f"{flag} takes layer numbers separated by commas (e.g. 0,3,5), or none",
+            got=repr(text),
+            hint=f"{flag} 0,1 for layers 0 and 1",
+        )
     return tuple(sorted({int(x) for x in text.split(",")}))
 
 
@@ -67,12 +98,23 @@ def run(args) -> int:
     shared = _shared_layers(args.bf16_shared_experts)
     # --dry-run reads headers only, also of hf: sources (qtool.hub.headers); a real run fetches what it copies
     src = headers_checkpoint if args.dry_run else local_checkpoint
-    opts = HybridOptions(nvfp4=src(args.nvfp4), bf16=(headers_checkpoint(args.bf16) if args.dry_run else
-                                                     _bf16_source(args.bf16, layers, args.mtp, show_progress(args), shared)),
-                         out=Path(args.output), bf16_expert_layers=layers, bf16_shared_expert_layers=shared,
-                         mtp=MtpMode(args.mtp),
-                         link=LinkMode(args.link), max_shard_size=max_size, force=args.force,
-                         resume=args.resume, command=run_command_line())
+    opts = HybridOptions(
+        nvfp4=src(args.nvfp4),
+        bf16=(
+            headers_checkpoint(args.bf16)
+            if args.dry_run
+            else _bf16_source(args.bf16, layers, args.mtp, show_progress(args), shared)
+        ),
+        out=Path(args.output),
+        bf16_expert_layers=layers,
+        bf16_shared_expert_layers=shared,
+        mtp=MtpMode(args.mtp),
+        link=LinkMode(args.link),
+        max_shard_size=max_size,
+        force=args.force,
+        resume=args.resume,
+        command=run_command_line(),
+    )
     plan = plan_hybrid(opts)
     summary = plan.summary()
     if args.dry_run:
@@ -87,11 +129,15 @@ def run(args) -> int:
         return 0
     _print_plan(summary, header=f"assembled {result.out}")
     linked = ", ".join(f"{n} {m}" for m, n in sorted(result.shards_linked.items())) or "none"
-    print(f"  written        {result.shards_written} shard(s); placed unchanged: {linked}; "
-          f"resumed: {result.shards_resumed}")
+    print(
+        f"  written        {result.shards_written} shard(s); placed unchanged: {linked}; "
+        f"resumed: {result.shards_resumed}"
+    )
     checks = result.checks
-    print(f"  checks         {'passed' if checks['passed'] else 'FAILED'} "
-          f"({', '.join(c['name'] for c in checks['checks'])})")
+    print(
+        f"  checks         {'passed' if checks['passed'] else 'FAILED'} "
+        f"({', '.join(c['name'] for c in checks['checks'])})"
+    )
     return 0
 
 
@@ -101,18 +147,29 @@ def _print_plan(s: dict, header: str | None = None) -> None:
     print(f"  sources        NVFP4 {s['nvfp4']} ({s['flavour']}), BF16 {s['bf16']}")
     t = s["tensors"]
     shared = s.get("bf16_shared_expert_layers")
-    shared = ("shared experts of every layer" if shared is None else
-              f"shared experts of layers {shared}" if shared else "no shared expert")
-    print(f"  from BF16      {t['from_bf16']} tensors ({t['unfused']} unfused from the fused layout): {shared}"
-          + (f", routed experts of layers {s['bf16_expert_layers']}" if s["bf16_expert_layers"] else ""))
+    shared = (
+        "shared experts of every layer"
+        if shared is None
+        else f"shared experts of layers {shared}"
+        if shared
+        else "no shared expert"
+    )
+    print(
+        f"  from BF16      {t['from_bf16']} tensors ({t['unfused']} unfused from the fused layout): {shared}"
+        + (f", routed experts of layers {s['bf16_expert_layers']}" if s["bf16_expert_layers"] else "")
+    )
     print(f"  MTP            {s['mtp']}")
     bf16 = t["removed"] - t["removed_quantized"]
-    print(f"  replaced       {t['removed']} tensors of the NVFP4 input ({t['removed_quantized']} quantized, "
-          f"{bf16} BF16 already)")
+    print(
+        f"  replaced       {t['removed']} tensors of the NVFP4 input ({t['removed_quantized']} quantized, "
+        f"{bf16} BF16 already)"
+    )
     sh = s["shards"]
     print(f"  shards         {sh['link']} unchanged (linked), {sh['rebuild']} rebuilt, {sh['new']} new")
-    print(f"  bytes          reused {human_bytes(b['reused'])}, rewritten {human_bytes(b['rewritten'])}, "
-          f"new {human_bytes(b['new'])}; output {human_bytes(b['output'])}")
+    print(
+        f"  bytes          reused {human_bytes(b['reused'])}, rewritten {human_bytes(b['rewritten'])}, "
+        f"new {human_bytes(b['new'])}; output {human_bytes(b['output'])}"
+    )
     print(f"  ignore added   {s['ignore_added']}")
     for w in s["warnings"]:
         print(f"  warning        {w}")

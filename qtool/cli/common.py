@@ -11,28 +11,40 @@ import sys
 from collections.abc import Callable
 
 # --dataset of every command that tokenizes text (qtool.stream.calib_data reads each of these)
-DATASET_HELP = ("`builtin` (shipped corpus), FILE.txt, FILE.jsonl / FILE.parquet (a `text` or chat `messages` "
-                "column), or a Hub dataset hf:ORG/NAME[@REV][:SPLIT] (e.g. hf:HuggingFaceH4/ultrachat_200k:train_sft)")
+DATASET_HELP = (
+    "`builtin` (shipped corpus), FILE.txt, FILE.jsonl / FILE.parquet (a `text` or chat `messages` "
+    "column), or a Hub dataset hf:ORG/NAME[@REV][:SPLIT] (e.g. hf:HuggingFaceH4/ultrachat_200k:train_sft)"
+)
 
 
 def add_json_flag(parser) -> None:
     parser.add_argument("--json", action="store_true", help="print one machine-readable JSON object")
 
 
-def add_output_flags(parser, *, output: str = "required", resume: bool = True, output_help: str | None = None
-                     ) -> None:
+def add_output_flags(parser, *, output: str = "required", resume: bool = True, output_help: str | None = None) -> None:
     """The flags every writing command shares, with one meaning each (README "One contract"):
     -o/--output (`required`, `optional`, or `none` for commands that write in place), --force (replace an
     OUT that qtool made), --resume, --dry-run, --quiet and --json."""
     if output != "none":
-        parser.add_argument("-o", "--output", metavar="OUT", required=output == "required",
-                            help=output_help or "output directory (written as OUT.partial/, then renamed)")
-        parser.add_argument("--force", action="store_true",
-                            help="replace an existing OUT that qtool made (any other directory is refused)")
+        parser.add_argument(
+            "-o",
+            "--output",
+            metavar="OUT",
+            required=output == "required",
+            help=output_help or "output directory (written as OUT.partial/, then renamed)",
+        )
+        parser.add_argument(
+            "--force",
+            action="store_true",
+            help="replace an existing OUT that qtool made (any other directory is refused)",
+        )
     if resume:
-        parser.add_argument("--resume", action="store_true",
-                            help="continue an interrupted run of the same command from OUT.partial/")
-    parser.add_argument("--dry-run", action="store_true", help="print the plan (headers and configs only); write nothing")
+        parser.add_argument(
+            "--resume", action="store_true", help="continue an interrupted run of the same command from OUT.partial/"
+        )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="print the plan (headers and configs only); write nothing"
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     add_json_flag(parser)
 
@@ -40,28 +52,44 @@ def add_output_flags(parser, *, output: str = "required", resume: bool = True, o
 def add_parallel_flags(parser) -> None:
     """The data-parallel flags of the layer-streamed commands (quantize, calibrate-kv, eval kld), one
     meaning each (qtool.dist): ranks over the calibration windows, and the micro-batch they share."""
-    parser.add_argument("--nproc", type=int, default=None, metavar="N",
-                        help="run N ranks (processes) over the windows: gloo on CPU, one GPU each with --device cuda")
-    parser.add_argument("--devices", default=None, metavar="LIST",
-                        help="one rank per device, e.g. cuda:0,cuda:1,cuda:2,cuda:3 (NCCL + gloo)")
-    parser.add_argument("--batch-tokens", type=int, default=None, metavar="T",
-                        help="tokens per micro-batch (default 4096 on CPU, 32768 on GPU); the unit the ranks share")
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        metavar="N",
+        help="run N ranks (processes) over the windows: gloo on CPU, one GPU each with --device cuda",
+    )
+    parser.add_argument(
+        "--devices",
+        default=None,
+        metavar="LIST",
+        help="one rank per device, e.g. cuda:0,cuda:1,cuda:2,cuda:3 (NCCL + gloo)",
+    )
+    parser.add_argument(
+        "--batch-tokens",
+        type=int,
+        default=None,
+        metavar="T",
+        help="tokens per micro-batch (default 4096 on CPU, 32768 on GPU); the unit the ranks share",
+    )
 
 
 _INT = re.compile(r"[+-]?[0-9]+")
 _FLOAT = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
 
 
-def number(kind: type = float, *, low: float | None = None, high: float | None = None,
-           low_open: bool = False) -> Callable[[str], float]:
+def number(
+    kind: type = float, *, low: float | None = None, high: float | None = None, low_open: bool = False
+) -> Callable[[str], float]:
     """An argparse `type` for a numeric flag: `kind` (int or float), finite, within [low, high] (or
     (low, high] with low_open). A value outside is argparse's usage error, which names the flag and
     exits 2 (nan, inf and 1e308 are refused here, not turned into a traceback by the plan's arithmetic)."""
     if low_open:
         bounds = f"more than {low}" + ("" if high is None else f" and at most {high}")
     else:
-        bounds = " and ".join(([] if low is None else [f"at least {low}"]) + ([] if high is None else
-                                                                          [f"at most {high}"]))
+        bounds = " and ".join(
+            ([] if low is None else [f"at least {low}"]) + ([] if high is None else [f"at most {high}"])
+        )
     want = ("a whole number" if kind is int else "a finite number") + (f" {bounds}" if bounds else "")
 
     spelling = _INT if kind is int else _FLOAT
@@ -70,8 +98,11 @@ def number(kind: type = float, *, low: float | None = None, high: float | None =
         if not spelling.fullmatch(text.strip()):  # ASCII digits only: Python also reads "1_0" and "٣"
             raise argparse.ArgumentTypeError(f"must be {want}, got {text!r}")
         value = kind(text)
-        if not math.isfinite(value) or (low is not None and (value <= low if low_open else value < low)) or (
-                high is not None and value > high):
+        if (
+            not math.isfinite(value)
+            or (low is not None and (value <= low if low_open else value < low))
+            or (high is not None and value > high)
+        ):
             raise argparse.ArgumentTypeError(f"must be {want}, got {text!r}")
         return value
 
@@ -123,8 +154,11 @@ def memory_line(m: dict) -> str:
         per += f", GPU ~{human_bytes(m['gpu_bytes_per_rank'])}"
     if m["ranks"] > 1:
         per += f" per rank x {m['ranks']}"
-    verdict = {True: "fits this machine", False: "does NOT fit: " + "; ".join(m["problems"]),
-               None: "fit unknown here (no limit readable for " + m["device"] + ")"}[m["fits"]]
+    verdict = {
+        True: "fits this machine",
+        False: "does NOT fit: " + "; ".join(m["problems"]),
+        None: "fit unknown here (no limit readable for " + m["device"] + ")",
+    }[m["fits"]]
     return f"{per}; {verdict}"
 
 
@@ -169,10 +203,12 @@ def headers_checkpoint(spec, *, token=None):
 
     path, got = remote_headers(parse_spec(str(spec)), token=token)
     STAND_INS[str(path)] = str(spec)
-    how = "from the cache, nothing fetched" if got["cached"] else (
-        f"{human_bytes(got['bytes_moved'])} in {got['requests']} range request(s)")
-    print(f"{spec}: headers and configs of commit {got['commit'][:12]} ({how}); data not downloaded",
-          file=sys.stderr)
+    how = (
+        "from the cache, nothing fetched"
+        if got["cached"]
+        else (f"{human_bytes(got['bytes_moved'])} in {got['requests']} range request(s)")
+    )
+    print(f"{spec}: headers and configs of commit {got['commit'][:12]} ({how}); data not downloaded", file=sys.stderr)
     return path
 
 
@@ -201,8 +237,10 @@ def check_batch_tokens(value: int | None) -> None:
     from qtool.errors import UsageError
 
     if value is not None and value < 1:
-        raise UsageError(f"--batch-tokens must be at least 1, got {value}", hint="give a positive token count, "
-                         "or leave it out for the default")
+        raise UsageError(
+            f"--batch-tokens must be at least 1, got {value}",
+            hint="give a positive token count, or leave it out for the default",
+        )
 
 
 def show_progress(args) -> bool:

@@ -14,17 +14,24 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     from qtool.ops import convert
 
-    opts = convert.ConvertOptions(local_checkpoint(args.checkpoint), out=args.output,
-                                  to=convert.Flavour(args.to), force=args.force, resume=args.resume,
-                                  command=run_command_line())
+    opts = convert.ConvertOptions(
+        local_checkpoint(args.checkpoint),
+        out=args.output,
+        to=convert.Flavour(args.to),
+        force=args.force,
+        resume=args.resume,
+        command=run_command_line(),
+    )
     p = convert.plan(opts)
     rep = convert.describe(p) if args.dry_run else convert.execute(p).to_json()
     if args.json:
         print_json(rep)
         return 0
     print(f"{rep['checkpoint']} ({rep['from']}) -> {rep['output']} ({rep['to']})")
-    print(f"  {rep['renamed_tensors']} tensors renamed; rewrites {len(rep['rewritten_shards'])} shard(s), "
-          f"reuses {len(rep['linked_shards'])}")
+    print(
+        f"  {rep['renamed_tensors']} tensors renamed; rewrites {len(rep['rewritten_shards'])} shard(s), "
+        f"reuses {len(rep['linked_shards'])}"
+    )
     for pr in rep.get("problems", []):
         print(f"  problem      {pr['code']}: {pr['message']}")
     return 0

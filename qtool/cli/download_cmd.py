@@ -8,18 +8,33 @@ from qtool.cli.common import add_output_flags, human_bytes, print_json, run_comm
 
 def add_arguments(p) -> None:
     p.add_argument("repo", metavar="REPO[@REVISION]", help="ORG/NAME or hf:ORG/NAME, optionally @branch/tag/commit")
-    p.add_argument("--include", action="append", default=[], metavar="GLOB",
-                   help="only files matching GLOB (repeatable), e.g. '*.json' 'model-0000[1-3]-*'")
-    p.add_argument("--tensors", action="append", default=[], metavar="PATTERN",
-                   help="fetch only the tensors matching PATTERN (glob, or re:REGEX; repeatable) by HTTP range "
-                        "requests and write a checkpoint of just those")
-    p.add_argument("--link", choices=["auto", "reflink", "hardlink", "symlink", "copy"], default="auto",
-                   help="how whole files are placed in DIR from the HF cache (auto: reflink, else hardlink, "
-                        "else copy)")
+    p.add_argument(
+        "--include",
+        action="append",
+        default=[],
+        metavar="GLOB",
+        help="only files matching GLOB (repeatable), e.g. '*.json' 'model-0000[1-3]-*'",
+    )
+    p.add_argument(
+        "--tensors",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="fetch only the tensors matching PATTERN (glob, or re:REGEX; repeatable) by HTTP range "
+        "requests and write a checkpoint of just those",
+    )
+    p.add_argument(
+        "--link",
+        choices=["auto", "reflink", "hardlink", "symlink", "copy"],
+        default="auto",
+        help="how whole files are placed in DIR from the HF cache (auto: reflink, else hardlink, else copy)",
+    )
     p.add_argument("--token", help="Hub token (default: HF_TOKEN or the saved login; never written anywhere)")
-    add_output_flags(p, output="optional",
-                     output_help="output directory; without -o files only land in the HF cache and its "
-                                 "snapshot path is printed")
+    add_output_flags(
+        p,
+        output="optional",
+        output_help="output directory; without -o files only land in the HF cache and its snapshot path is printed",
+    )
 
 
 def run(args) -> int:
@@ -29,9 +44,17 @@ def run(args) -> int:
     from qtool.ops import download as dl
 
     spec = parse_spec(args.repo, require_prefix=False)
-    opts = dl.DownloadOptions(spec=spec, out=Path(args.output) if args.output else None, include=args.include,
-                              tensors=args.tensors, link=dl.LinkMode(args.link), token=args.token,
-                              force=args.force, resume=args.resume, command=run_command_line())
+    opts = dl.DownloadOptions(
+        spec=spec,
+        out=Path(args.output) if args.output else None,
+        include=args.include,
+        tensors=args.tensors,
+        link=dl.LinkMode(args.link),
+        token=args.token,
+        force=args.force,
+        resume=args.resume,
+        command=run_command_line(),
+    )
     plan = dl.plan(opts)
     if args.dry_run:
         if args.json:
@@ -46,10 +69,15 @@ def run(args) -> int:
     _print_plan(plan.to_json())
     if report.get("mode") == "tensors":
         f = report["fetch"]
-        print(f"fetched {human_bytes(f['bytes'])} in {f['requests']} range request(s)"
-              + (f", {f['retries']} retried" if f["retries"] else "")
-              + (f"; server ignored Range {f['ranges_ignored']}x ({human_bytes(f['bytes_discarded'])} discarded)"
-                 if f["ranges_ignored"] else ""))
+        print(
+            f"fetched {human_bytes(f['bytes'])} in {f['requests']} range request(s)"
+            + (f", {f['retries']} retried" if f["retries"] else "")
+            + (
+                f"; server ignored Range {f['ranges_ignored']}x ({human_bytes(f['bytes_discarded'])} discarded)"
+                if f["ranges_ignored"]
+                else ""
+            )
+        )
     else:
         print(f"downloaded {human_bytes(report['downloaded_bytes'])}; all files match the Hub's hashes")
         for msg in report["hash_failures_repaired"]:
@@ -64,8 +92,10 @@ def run(args) -> int:
 def _print_plan(j: dict) -> None:
     print(f"{j['repo']}@{j['revision'] or 'main'} -> commit {j['commit']}")
     if j["mode"] == "tensors":
-        print(f"  {j['tensors']} tensor(s), {human_bytes(j['bytes'])} from {len(j['shards'])} shard(s), "
-              f"{j['range_requests']} range request(s) after {j['header_requests']} header request(s)")
+        print(
+            f"  {j['tensors']} tensor(s), {human_bytes(j['bytes'])} from {len(j['shards'])} shard(s), "
+            f"{j['range_requests']} range request(s) after {j['header_requests']} header request(s)"
+        )
         print(f"  + {len(j['side_files'])} non-weight file(s)")
     else:
         print(f"  {len(j['files'])} file(s), {human_bytes(j['bytes'])}")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from qtool.cli.common import add_json_flag, human_bytes, headers_checkpoint, print_json
+from qtool.cli.common import add_json_flag, headers_checkpoint, human_bytes, print_json
 
 
 def add_arguments(p) -> None:
@@ -39,7 +39,9 @@ def run(args) -> int:
         print(f"  ignore         {_brief(q['ignore'])}")
         if q["hf_quant_config"]:
             h = q["hf_quant_config"]
-            print(f"  hf_quant       {h['schema']}: exclude {_brief(h['exclude_modules'])}, kv {h['kv_cache_quant_algo']}")
+            print(
+                f"  hf_quant       {h['schema']}: exclude {_brief(h['exclude_modules'])}, kv {h['kv_cache_quant_algo']}"
+            )
     else:
         print("  quantization   none")
     print("  groups:")

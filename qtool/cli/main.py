@@ -19,18 +19,29 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "inspect": ("qtool.cli.inspect_cmd", "summarise a checkpoint: groups, formats, layout, KV scales, problems"),
     "patch-config": ("qtool.cli.patch_config_cmd", "apply named fixes to config.json / hf_quant_config.json"),
     "assemble": ("qtool.cli.assemble_cmd", "assemble artifacts (hybrid: BF16 tensors spliced into NVFP4)"),
-    "calibrate-kv": ("qtool.cli.calibrate_kv_cmd", "FP8 KV-cache scales for the full-attention layers (layer-streamed)"),
+    "calibrate-kv": (
+        "qtool.cli.calibrate_kv_cmd",
+        "FP8 KV-cache scales for the full-attention layers (layer-streamed)",
+    ),
     "download": ("qtool.cli.download_cmd", "download a Hub repo (verified), or just some tensors by range requests"),
     "build": ("qtool.cli.build_cmd", "run a build recipe: content-addressed steps, provenance manifest"),
     "eval": ("qtool.cli.eval_cmd", "evaluate a model against a reference (kld: KL divergence per token position)"),
-    "verify": ("qtool.cli.verify_cmd", "check an artifact for vLLM/SGLang on the target GPUs: structure, engine rules, TP, memory fit"),
+    "verify": (
+        "qtool.cli.verify_cmd",
+        "check an artifact for vLLM/SGLang on the target GPUs: structure, engine rules, TP, memory fit",
+    ),
     "serve-config": ("qtool.cli.serve_config_cmd", "launch command / docker-compose service for a verified artifact"),
     "quantize": ("qtool.cli.quantize_cmd", "quantize a BF16 checkpoint by a recipe (layer-streamed, NVFP4 / AWQ INT4)"),
     "convert": ("qtool.cli.convert_cmd", "convert NVFP4 between ModelOpt and compressed-tensors (lossless)"),
-    "report": ("qtool.cli.report_cmd", "one self-contained HTML page of an artifact (or two, compared): formats per "
-               "layer, engine findings, KV scales, memory fit, KLD, provenance"),
-    "sensitivity": ("qtool.cli.sensitivity_cmd", "measure each unit's quantization error against BF16 "
-                    "(layer-streamed): the table plan hybrid chooses from"),
+    "report": (
+        "qtool.cli.report_cmd",
+        "one self-contained HTML page of an artifact (or two, compared): formats per "
+        "layer, engine findings, KV scales, memory fit, KLD, provenance",
+    ),
+    "sensitivity": (
+        "qtool.cli.sensitivity_cmd",
+        "measure each unit's quantization error against BF16 (layer-streamed): the table plan hybrid chooses from",
+    ),
     "plan": ("qtool.cli.plan_cmd", "plan an artifact (hybrid: the BF16 units that fit and buy the most quality)"),
     "recipes": ("qtool.cli.recipes_cmd", "the shipped quantization and build recipes, and what each will do"),
 }
@@ -152,11 +163,16 @@ def _parallel(args, argv: list[str]) -> int | None:
 
     # refusals every rank would make, made once here
     if getattr(args, "save_ref", None) or getattr(args, "emit_windows", None):
-        raise UsageError("--save-ref and --emit-windows run in one process",
-                         hint="drop --nproc/--devices for them; the KLD comparison itself runs on any number of ranks")
+        raise UsageError(
+            "--save-ref and --emit-windows run in one process",
+            hint="drop --nproc/--devices for them; the KLD comparison itself runs on any number of ranks",
+        )
     if getattr(args, "backend", None) not in (None, "rtn"):
-        raise UsageError(f"--backend {args.backend} runs in one process (the peer library's calibration state is "
-                         "not reduced over ranks)", hint="use --backend rtn with --nproc/--devices, or one process")
+        raise UsageError(
+            f"--backend {args.backend} runs in one process (the peer library's calibration state is "
+            "not reduced over ranks)",
+            hint="use --backend rtn with --nproc/--devices, or one process",
+        )
     return spawn(argv, devices, resumable=dist.resumable)
 
 
@@ -253,8 +269,10 @@ def _main(argv: list[str] | None) -> int:
         import difflib
 
         close = difflib.get_close_matches(first, COMMANDS, n=1, cutoff=0.6)
-        parser.error(f"unknown command {first!r}" + (f" (did you mean {close[0]}?)" if close else
-                                                      f"; the commands: {', '.join(COMMANDS)}"))
+        parser.error(
+            f"unknown command {first!r}"
+            + (f" (did you mean {close[0]}?)" if close else f"; the commands: {', '.join(COMMANDS)}")
+        )
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

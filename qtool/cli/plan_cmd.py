@@ -8,7 +8,6 @@ from pathlib import Path
 from qtool.cli.common import add_json_flag, human_bytes, layer_ranges, number, path_arg, print_json
 from qtool.errors import UsageError
 
-
 LIST_AT_MOST = 20  # chosen units listed one per line up to this many
 
 
@@ -24,23 +23,33 @@ def add_arguments(p) -> None:
     from qtool.ops.sensitivity.plan_hybrid import MAX_WEIGHTS_GIB
 
     sub = p.add_subparsers(dest="kind", metavar="KIND")
-    h = sub.add_parser("hybrid", help="the BF16 units that buy the most quality in the memory left, from a "
-                       "sensitivity table; writes a build recipe",
-                       description="Pick the BF16 units (a layer's routed experts, a layer's shared expert) that "
-                       "remove the most measured error within what verify's memory fit leaves at the target; "
-                       "print the plan and write a build recipe (-o). See docs/plan-hybrid.md.")
-    h.add_argument("--sensitivity", required=True, type=path_arg, metavar="S",
-                   help="qtool sensitivity's output (OUT or its JSON)")
+    h = sub.add_parser(
+        "hybrid",
+        help="the BF16 units that buy the most quality in the memory left, from a "
+        "sensitivity table; writes a build recipe",
+        description="Pick the BF16 units (a layer's routed experts, a layer's shared expert) that "
+        "remove the most measured error within what verify's memory fit leaves at the target; "
+        "print the plan and write a build recipe (-o). See docs/plan-hybrid.md.",
+    )
+    h.add_argument(
+        "--sensitivity", required=True, type=path_arg, metavar="S", help="qtool sensitivity's output (OUT or its JSON)"
+    )
     add_common(h)  # the serving target, with verify's flags and defaults
     h.add_argument("--engine", default="both", help="the engines the recipe's verify step checks (default both)")
-    h.add_argument("--max-weights-gib", type=number(float, low=0, high=MAX_WEIGHTS_GIB, low_open=True), default=None,
-                   metavar="G",
-                   help="budget the weights per GPU directly (instead of the memory fit's headroom)")
-    h.add_argument("--quantized", default=None, type=path_arg, metavar="PATH",
-                   help="the quantized checkpoint, if moved since")
+    h.add_argument(
+        "--max-weights-gib",
+        type=number(float, low=0, high=MAX_WEIGHTS_GIB, low_open=True),
+        default=None,
+        metavar="G",
+        help="budget the weights per GPU directly (instead of the memory fit's headroom)",
+    )
+    h.add_argument(
+        "--quantized", default=None, type=path_arg, metavar="PATH", help="the quantized checkpoint, if moved since"
+    )
     h.add_argument("--bf16", default=None, type=path_arg, metavar="PATH", help="the BF16 checkpoint, if moved since")
-    h.add_argument("-o", "--output", default=None, type=path_arg, metavar="RECIPE.yaml",
-                   help="write the build recipe here")
+    h.add_argument(
+        "-o", "--output", default=None, type=path_arg, metavar="RECIPE.yaml", help="write the build recipe here"
+    )
     h.add_argument("--force", action="store_true", help="replace a recipe this command wrote")
     h.add_argument("--name", default=None, help="the recipe's name (default planned-hybrid)")
     h.add_argument("--dry-run", action="store_true", help="print the plan and its memory fit; write no recipe")
@@ -54,13 +63,23 @@ def run(args) -> int:
     from qtool.ops.sensitivity.plan_hybrid import PlanHybridOptions, plan, write_recipe
 
     opts = PlanHybridOptions(
-        Path(args.sensitivity), gpus=args.gpus, tp=args.tp, max_model_len=args.max_model_len,
+        Path(args.sensitivity),
+        gpus=args.gpus,
+        tp=args.tp,
+        max_model_len=args.max_model_len,
         max_num_seqs=1 if args.max_num_seqs is None else args.max_num_seqs,
-        kv_cache_dtype=args.kv_cache_dtype or "auto", mtp=args.mtp,
-        engine=args.engine, max_weights_gib=args.max_weights_gib, gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_dtype=args.kv_cache_dtype or "auto",
+        mtp=args.mtp,
+        engine=args.engine,
+        max_weights_gib=args.max_weights_gib,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         quantized=None if args.quantized is None else Path(args.quantized),
         bf16=None if args.bf16 is None else Path(args.bf16),
-        out=None if args.output is None else Path(args.output), force=args.force, name=args.name, dry_run=args.dry_run)
+        out=None if args.output is None else Path(args.output),
+        force=args.force,
+        name=args.name,
+        dry_run=args.dry_run,
+    )
     choice = plan(opts)
     written = opts.out is not None and not opts.dry_run
     if written:
@@ -70,35 +89,47 @@ def run(args) -> int:
         print_json({**rep, "dry_run": opts.dry_run, "recipe": str(opts.out) if written else None})
         return 0
     t = rep["target"]
-    print(f"plan: {rep['quantized']} on {t['gpus']}, TP={t['tp']}, {t['max_num_seqs']} x {t['max_model_len']} tokens, "
-          f"KV {t['kv_cache_dtype']}" + (f", MTP {t['mtp']}" if t["mtp"] else ""))
+    print(
+        f"plan: {rep['quantized']} on {t['gpus']}, TP={t['tp']}, {t['max_num_seqs']} x {t['max_model_len']} tokens, "
+        f"KV {t['kv_cache_dtype']}" + (f", MTP {t['mtp']}" if t["mtp"] else "")
+    )
     u = {k: human_bytes(v * 2**30) for k, v in rep["fit"]["usage_gib"].items()}
-    print(f"  memory fit     per GPU of {human_bytes(rep['fit']['budget_gib'] * 2**30)}: weights {u['weights']}, "
-          f"KV cache {u['kv_cache']}, GDN state {u['gdn_state']}, reserve {u['reserve']}, unused {u['unused']}")
+    print(
+        f"  memory fit     per GPU of {human_bytes(rep['fit']['budget_gib'] * 2**30)}: weights {u['weights']}, "
+        f"KV cache {u['kv_cache']}, GDN state {u['gdn_state']}, reserve {u['reserve']}, unused {u['unused']}"
+    )
     for f in rep["fixed"]:
         print(f"  fixed          {f['what']}: {human_bytes(f['bytes_per_gpu'])} per GPU")
-    print(f"  budget         {human_bytes(rep['budget_bytes_per_gpu'])} per GPU for BF16 units"
-          + (" (--max-weights-gib" if opts.max_weights_gib is not None else " (what the memory fit leaves")
-          + (", less the fixed costs above)" if rep["fixed"] else ")"))
+    print(
+        f"  budget         {human_bytes(rep['budget_bytes_per_gpu'])} per GPU for BF16 units"
+        + (" (--max-weights-gib" if opts.max_weights_gib is not None else " (what the memory fit leaves")
+        + (", less the fixed costs above)" if rep["fixed"] else ")")
+    )
     print(f"  chosen         {len(rep['chosen'])} unit(s), {human_bytes(rep['used_bytes_per_gpu'])} per GPU:")
     if len(rep["chosen"]) <= LIST_AT_MOST:
         for c in rep["chosen"]:
             print(f"    {c['id']:<28} +{human_bytes(c['extra_bytes_per_gpu']):>10}  gain {c['gain']:.3g}")
     else:  # a 397B plan chooses dozens: one line per kind of unit (--json lists each)
         for kind, cs in _by_kind(rep["chosen"]).items():
-            print(f"    {kind:<16} layers {layer_ranges([int(c['id'].split('.')[1]) for c in cs])}: {len(cs)} unit(s), "
-                  f"+{human_bytes(sum(c['extra_bytes_per_gpu'] for c in cs))}, gain {sum(c['gain'] for c in cs):.3g}")
+            print(
+                f"    {kind:<16} layers {layer_ranges([int(c['id'].split('.')[1]) for c in cs])}: {len(cs)} unit(s), "
+                f"+{human_bytes(sum(c['extra_bytes_per_gpu'] for c in cs))}, gain {sum(c['gain'] for c in cs):.3g}"
+            )
     pe = rep["predicted_error"]
     print(f"  predicted      error {pe['planned']:.3g} (the quantized checkpoint: {pe['quantized']:.3g})")
     hp = rep["hand_picked"]
     if hp["units"]:
-        print(f"  hand-picked    BF16 shared experts: +{human_bytes(hp['extra_bytes_per_gpu'])} per GPU, error "
-              f"{hp['predicted_error']:.3g}" + ("" if hp["fits"] else " (does not fit)"))
+        print(
+            f"  hand-picked    BF16 shared experts: +{human_bytes(hp['extra_bytes_per_gpu'])} per GPU, error "
+            f"{hp['predicted_error']:.3g}" + ("" if hp["fits"] else " (does not fit)")
+        )
     print(f"  headroom       {human_bytes(rep['headroom_bytes_per_gpu'])} per GPU left")
     if rep["next"]:
         n = rep["next"]
-        print(f"  next           {n['id']} would cost +{human_bytes(n['extra_bytes_per_gpu'])} per GPU "
-              f"(gain {n['gain']:.3g})")
+        print(
+            f"  next           {n['id']} would cost +{human_bytes(n['extra_bytes_per_gpu'])} per GPU "
+            f"(gain {n['gain']:.3g})"
+        )
     for note in rep["notes"]:
         print(f"  note           {note}")
     if written:

@@ -6,16 +6,16 @@ from __future__ import annotations
 
 from qtool.cli.common import (
     DATASET_HELP,
-    add_parallel_flags,
-    memory_line,
     add_output_flags,
+    add_parallel_flags,
     check_device,
-    eprint,
-    human_bytes,
-    plan_then_execute,
     dataset_supply,
+    eprint,
     headers_checkpoint,
+    human_bytes,
     local_checkpoint,
+    memory_line,
+    plan_then_execute,
     print_json,
     run_command_line,
 )
@@ -26,10 +26,13 @@ def add_arguments(p) -> None:
     p.add_argument("--recipe", required=True, help="shipped recipe name (see recipes/) or a YAML path")
     p.add_argument("--backend", choices=["rtn", "modelopt", "llmcompressor"], help="default: the recipe's")
     p.add_argument("--format", choices=["modelopt", "compressed-tensors", "awq"], help="default: the recipe's")
-    p.add_argument("--dataset", default="builtin",
-                   help=DATASET_HELP)
-    p.add_argument("--samples", type=int, default=None,
-                   help="calibration windows (default 16, or as many as a shorter dataset gives)")
+    p.add_argument("--dataset", default="builtin", help=DATASET_HELP)
+    p.add_argument(
+        "--samples",
+        type=int,
+        default=None,
+        help="calibration windows (default 16, or as many as a shorter dataset gives)",
+    )
     p.add_argument("--seq-len", type=int, default=512, help="tokens per window (default 512)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     add_output_flags(p)
@@ -44,11 +47,19 @@ def run(args) -> int:
     recipe = load_recipe(args.recipe)
     opts = quantize.QuantizeOptions(
         headers_checkpoint(args.checkpoint) if args.dry_run else local_checkpoint(args.checkpoint),
-        out=args.output, recipe=recipe,
+        out=args.output,
+        recipe=recipe,
         backend=Backend(args.backend) if args.backend else None,
         format=OutFormat(args.format) if args.format else None,
-        dataset=args.dataset, samples=args.samples, seq_len=args.seq_len, device=args.device,
-        resume=args.resume, force=args.force, command=run_command_line(), batch_tokens=args.batch_tokens)
+        dataset=args.dataset,
+        samples=args.samples,
+        seq_len=args.seq_len,
+        device=args.device,
+        resume=args.resume,
+        force=args.force,
+        command=run_command_line(),
+        batch_tokens=args.batch_tokens,
+    )
     rep = plan_then_execute(quantize, opts, args, show_plan=_print_plan)
     if args.json:
         print_json(rep)
@@ -58,8 +69,10 @@ def run(args) -> int:
     for lr in rep["layers"]:
         none = lr["experts_without_tokens"]
         t = lr["tokens_per_expert"]
-        print(f"  layer {lr['layer']:>3} {lr['routed_experts']:>6}: tokens/expert min {min(t)} max {max(t)}"
-              + (f", {len(none)} expert(s) saw none (layer-max input amax used)" if none else ""))
+        print(
+            f"  layer {lr['layer']:>3} {lr['routed_experts']:>6}: tokens/expert min {min(t)} max {max(t)}"
+            + (f", {len(none)} expert(s) saw none (layer-max input amax used)" if none else "")
+        )
     o = rep["output"]
     print(f"wrote {o['shards']} shards, {human_bytes(o['bytes'])} -> {o['output']} in {rep['seconds']:.1f} s")
     if o["problems"]:
@@ -77,12 +90,13 @@ def _print_plan(p: dict) -> None:
     for s, ls in schemes.items():
         print(f"  experts      {s}: layers {ls[0]}..{ls[-1]} ({len(ls)})")
     c = p["calibration"]
-    print(f"  calibration  {c['dataset']}: {c['samples']} x {c['seq_len']} tokens on {p['device']}"
-          + dataset_supply(c))
+    print(f"  calibration  {c['dataset']}: {c['samples']} x {c['seq_len']} tokens on {p['device']}" + dataset_supply(c))
     files = m["hidden_disk_bytes"] // max(1, m["hidden_bytes"])
-    print(f"  memory       one layer {human_bytes(m['max_layer_bytes'])}, activations ~{human_bytes(m['activation_bytes'])}, "
-          f"hidden states {human_bytes(m['hidden_bytes'])} x{files} on disk, "
-          f"{m['layers_in_flight']} finished layer(s) written at once")
+    print(
+        f"  memory       one layer {human_bytes(m['max_layer_bytes'])}, activations ~{human_bytes(m['activation_bytes'])}, "
+        f"hidden states {human_bytes(m['hidden_bytes'])} x{files} on disk, "
+        f"{m['layers_in_flight']} finished layer(s) written at once"
+    )
     print(f"  peak memory  {memory_line(m['need'])}")
     print(f"  output       ~{human_bytes(p['output_bytes'])}")
     for w in p["warnings"]:

@@ -19,8 +19,10 @@ def _listing() -> dict:
     from qtool.build_recipes import load_build_recipe, shipped_build_recipes
     from qtool.recipes import list_recipes, load_recipe
 
-    return {"quantize": {n: load_recipe(n).description for n in list_recipes()},
-            "build": {n: load_build_recipe(p).description for n, p in shipped_build_recipes().items()}}
+    return {
+        "quantize": {n: load_recipe(n).description for n in list_recipes()},
+        "build": {n: load_build_recipe(p).description for n, p in shipped_build_recipes().items()},
+    }
 
 
 def _show(name: str) -> dict:
@@ -36,23 +38,43 @@ def _show(name: str) -> dict:
     data = load_recipe_yaml(name, "recipe", UsageError) if given else None  # a FIFO is refused here
     if name in list_recipes() or (given and not (isinstance(data, dict) and "steps" in data)):
         r = load_recipe(name)
-        return {"kind": "quantize", "file": r.path, **r.to_json(),
-                "does": [f"{g}: {s.value}" for g, s in sorted(r.groups.items())] +
-                        [f"layer {n}: {g} {s.value}" for n, o in sorted(r.layer_overrides.items())
-                         for g, s in sorted(o.items())] +
-                        ["every other group: bf16 (kept)", f"kv cache: {r.kv_cache.value}"] +
-                        ([(f"calibrates on {r.calibration['dataset']}: {r.calibration['samples']} x "
-                           f"{r.calibration['seq_len']} tokens")] if r.calibration else []),
-                "text": Path(r.path).read_text()}
+        return {
+            "kind": "quantize",
+            "file": r.path,
+            **r.to_json(),
+            "does": [f"{g}: {s.value}" for g, s in sorted(r.groups.items())]
+            + [f"layer {n}: {g} {s.value}" for n, o in sorted(r.layer_overrides.items()) for g, s in sorted(o.items())]
+            + ["every other group: bf16 (kept)", f"kv cache: {r.kv_cache.value}"]
+            + (
+                [
+                    (
+                        f"calibrates on {r.calibration['dataset']}: {r.calibration['samples']} x "
+                        f"{r.calibration['seq_len']} tokens"
+                    )
+                ]
+                if r.calibration
+                else []
+            ),
+            "text": Path(r.path).read_text(),
+        }
     if name in shipped_build_recipes() or given:
         path = find_build_recipe(name)
         b = load_build_recipe(path)
-        return {"kind": "build", "file": str(path), "name": b.name, "description": b.description,
-                "sources": {n: s.to_json() for n, s in b.sources.items()},
-                "does": [f"{st.id}: {st.op.value} {', '.join(st.inputs)} with {st.params}" for st in b.steps],
-                "text": Path(path).read_text()}
-    raise UsageError("no such recipe", got=name, expected=list_recipes() + sorted(shipped_build_recipes()),
-                     hint=f"qtool recipes list (shipped in {recipes_dir()})")
+        return {
+            "kind": "build",
+            "file": str(path),
+            "name": b.name,
+            "description": b.description,
+            "sources": {n: s.to_json() for n, s in b.sources.items()},
+            "does": [f"{st.id}: {st.op.value} {', '.join(st.inputs)} with {st.params}" for st in b.steps],
+            "text": Path(path).read_text(),
+        }
+    raise UsageError(
+        "no such recipe",
+        got=name,
+        expected=list_recipes() + sorted(shipped_build_recipes()),
+        hint=f"qtool recipes list (shipped in {recipes_dir()})",
+    )
 
 
 def run(args) -> int:

@@ -5,21 +5,37 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qtool.cli.common import (DATASET_HELP, add_output_flags, check_batch_tokens, check_device, dataset_supply,
-                              headers_checkpoint, human_bytes, layer_ranges, local_checkpoint,
-                              memory_line, plan_then_execute, print_json, run_command_line)
+from qtool.cli.common import (
+    DATASET_HELP,
+    add_output_flags,
+    check_batch_tokens,
+    check_device,
+    dataset_supply,
+    headers_checkpoint,
+    human_bytes,
+    layer_ranges,
+    local_checkpoint,
+    memory_line,
+    plan_then_execute,
+    print_json,
+    run_command_line,
+)
 
 
 def add_arguments(p) -> None:
     p.add_argument("bf16", help="the BF16 checkpoint (the reference)")
     p.add_argument("quantized", help="its quantized sibling (NVFP4 ModelOpt / compressed-tensors, AWQ / INT4)")
-    p.add_argument("--dataset", default="builtin",
-                   help=DATASET_HELP)
+    p.add_argument("--dataset", default="builtin", help=DATASET_HELP)
     p.add_argument("--samples", type=int, default=4, help="number of token windows (default 4)")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per window (default 512)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
-    p.add_argument("--batch-tokens", type=int, default=None, metavar="T",
-                   help="tokens per micro-batch (default 4096 on CPU, 32768 on GPU)")
+    p.add_argument(
+        "--batch-tokens",
+        type=int,
+        default=None,
+        metavar="T",
+        help="tokens per micro-batch (default 4096 on CPU, 32768 on GPU)",
+    )
     add_output_flags(p, output_help="output directory: OUT/sensitivity.json (+ manifest)")
 
 
@@ -31,9 +47,18 @@ def run(args) -> int:
     # --dry-run reads headers only, also of hf: sources; a real run needs both checkpoints' data
     src = headers_checkpoint if args.dry_run else local_checkpoint
     opts = sensitivity.SensitivityOptions(
-        Path(src(args.bf16)), Path(src(args.quantized)), Path(args.output),
-        dataset=args.dataset, samples=args.samples, seq_len=args.seq_len, device=args.device,
-        batch_tokens=args.batch_tokens, force=args.force, resume=args.resume, command=run_command_line())
+        Path(src(args.bf16)),
+        Path(src(args.quantized)),
+        Path(args.output),
+        dataset=args.dataset,
+        samples=args.samples,
+        seq_len=args.seq_len,
+        device=args.device,
+        batch_tokens=args.batch_tokens,
+        force=args.force,
+        resume=args.resume,
+        command=run_command_line(),
+    )
     rep = plan_then_execute(sensitivity, opts, args, show_plan=_print_plan)
     if args.json:
         print_json(rep)
@@ -45,10 +70,14 @@ def run(args) -> int:
     print(f"  {'unit':<28} {'format':<8} {'error':>10} {'effect':>10} {'BF16':>10} {'quantized':>10}")
     for u in rep["table"]["units"]:
         if u["measured"]:
-            print(f"  {u['id']:<28} {u['quantized_format']:<8} {u['error']:>10.3e} {u['effect']:>10.3e} "
-                  f"{human_bytes(u['bf16_bytes']):>10} {human_bytes(u['quantized_bytes']):>10}")
-    print(f"wrote {rep['output']}/sensitivity.json ({rep['seconds']:.1f} s); next: qtool plan hybrid "
-          f"--sensitivity {rep['output']} --gpus ... --tp ... --max-model-len ...")
+            print(
+                f"  {u['id']:<28} {u['quantized_format']:<8} {u['error']:>10.3e} {u['effect']:>10.3e} "
+                f"{human_bytes(u['bf16_bytes']):>10} {human_bytes(u['quantized_bytes']):>10}"
+            )
+    print(
+        f"wrote {rep['output']}/sensitivity.json ({rep['seconds']:.1f} s); next: qtool plan hybrid "
+        f"--sensitivity {rep['output']} --gpus ... --tp ... --max-model-len ..."
+    )
     return 0
 
 
@@ -61,11 +90,15 @@ def _print_plan(p: dict) -> None:
         kinds.setdefault(uid.split(".")[-1], []).append(int(uid.split(".")[1]))
     for kind, layers in kinds.items():
         print(f"    {kind:<16} layers {layer_ranges(layers)}")
-    print(f"  calibration    {c['dataset']}: {c['samples']} x {c['seq_len']} = {c['tokens']} tokens on {p['device']}"
-          + dataset_supply(c))
+    print(
+        f"  calibration    {c['dataset']}: {c['samples']} x {c['seq_len']} = {c['tokens']} tokens on {p['device']}"
+        + dataset_supply(c)
+    )
     m = p["memory"]
-    print(f"  memory         a layer of each side dense ({human_bytes(m['max_layer_bytes'])} each, {m['compute_dtype']}), "
-          f"activations ~{human_bytes(m['activation_bytes'])} ({m['batch_windows']} windows/batch)")
+    print(
+        f"  memory         a layer of each side dense ({human_bytes(m['max_layer_bytes'])} each, {m['compute_dtype']}), "
+        f"activations ~{human_bytes(m['activation_bytes'])} ({m['batch_windows']} windows/batch)"
+    )
     print(f"                 hidden states {human_bytes(m['hidden_bytes'])} x2 on disk in {p['work_dir']}")
     print(f"  peak memory    {memory_line(m['need'])}")
     for w in p["warnings"]:

@@ -15,10 +15,19 @@ def add_arguments(p) -> None:
     p.add_argument("--engine", required=True, help="vllm or sglang, optionally with a version: vllm@0.17")
     add_common(p)
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
-    p.add_argument("--format", choices=["shell", "compose"], default="shell",
-                   help="a shell command (default) or a docker-compose service")
-    p.add_argument("--yarn", type=float, default=None, metavar="FACTOR",
-                   help="extend the context with YaRN (e.g. 4: 262144 -> 1048576) via engine overrides")
+    p.add_argument(
+        "--format",
+        choices=["shell", "compose"],
+        default="shell",
+        help="a shell command (default) or a docker-compose service",
+    )
+    p.add_argument(
+        "--yarn",
+        type=float,
+        default=None,
+        metavar="FACTOR",
+        help="extend the context with YaRN (e.g. 4: 262144 -> 1048576) via engine overrides",
+    )
     p.add_argument("--served-model-name", default=None, help="default: the directory name")
     add_json_flag(p)
 
@@ -26,11 +35,20 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     from qtool.ops.serve_config import OutputFormat, ServeOptions, plan, render
 
-    opts = ServeOptions(engine=args.engine, tp=args.tp, mtp=args.mtp, port=args.port,
-                        format=OutputFormat(args.format), gpus=args.gpus, max_model_len=args.max_model_len,
-                        max_num_seqs=args.max_num_seqs, kv_cache_dtype=args.kv_cache_dtype,
-                        gpu_memory_utilization=args.gpu_memory_utilization, yarn=args.yarn,
-                        served_model_name=args.served_model_name)
+    opts = ServeOptions(
+        engine=args.engine,
+        tp=args.tp,
+        mtp=args.mtp,
+        port=args.port,
+        format=OutputFormat(args.format),
+        gpus=args.gpus,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        kv_cache_dtype=args.kv_cache_dtype,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        yarn=args.yarn,
+        served_model_name=args.served_model_name,
+    )
     from qtool.hub.resolve import is_hub_spec
 
     path = headers_checkpoint(args.checkpoint)
@@ -41,8 +59,17 @@ def run(args) -> int:
     launch = plan(path, opts)
     text = render(launch, opts)
     if args.json:
-        print_json({"engine": launch.engine, "env": launch.env, "argv": launch.argv, "format": opts.format.value,
-                    "text": text, "notes": launch.notes, "fit": launch.report.fit.to_json()})
+        print_json(
+            {
+                "engine": launch.engine,
+                "env": launch.env,
+                "argv": launch.argv,
+                "format": opts.format.value,
+                "text": text,
+                "notes": launch.notes,
+                "fit": launch.report.fit.to_json(),
+            }
+        )
         return 0
     print(text, end="")
     for note in launch.notes:

@@ -3,8 +3,15 @@
 
 from __future__ import annotations
 
-from qtool.cli.common import (STAND_INS, add_json_flag, as_user_named, headers_checkpoint, local_checkpoint, number,
-                              print_json)
+from qtool.cli.common import (
+    STAND_INS,
+    add_json_flag,
+    as_user_named,
+    headers_checkpoint,
+    local_checkpoint,
+    number,
+    print_json,
+)
 
 MAX_PER_CODE = 5
 
@@ -12,28 +19,52 @@ MAX_PER_CODE = 5
 def add_common(p) -> None:
     """Flags shared with serve-config (which verifies first)."""
     p.add_argument("--tp", type=int, default=4, help="tensor-parallel size (default 4)")
-    p.add_argument("--gpus", default="4x97887MiB",
-                   help="GPUs as NxSIZE (MiB, GiB or GB); default 4x97887MiB = 4 x RTX PRO 6000 Blackwell")
+    p.add_argument(
+        "--gpus",
+        default="4x97887MiB",
+        help="GPUs as NxSIZE (MiB, GiB or GB); default 4x97887MiB = 4 x RTX PRO 6000 Blackwell",
+    )
     p.add_argument("--max-model-len", type=int, default=None, metavar="N", help="context length to check")
-    p.add_argument("--max-num-seqs", type=number(int, low=1), default=None, metavar="N",
-                   help="concurrent sequences to check")
-    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default=None,
-                   help="KV cache dtype (default: fp8 where every full-attention layer has calibrated k/v "
-                   "scales, else auto = BF16, as the launch serves it)")
-    p.add_argument("--gpu-memory-utilization", type=number(float, low=0, high=1, low_open=True), default=0.9,
-                   metavar="F",
-                   help="fraction of each GPU the engine may use (default 0.9)")
-    p.add_argument("--mtp", type=int, default=0, metavar="N",
-                   help="speculative tokens from the MTP head (0: off; more than 3 is unstable, a warning)")
+    p.add_argument(
+        "--max-num-seqs", type=number(int, low=1), default=None, metavar="N", help="concurrent sequences to check"
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "fp8"],
+        default=None,
+        help="KV cache dtype (default: fp8 where every full-attention layer has calibrated k/v "
+        "scales, else auto = BF16, as the launch serves it)",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=number(float, low=0, high=1, low_open=True),
+        default=0.9,
+        metavar="F",
+        help="fraction of each GPU the engine may use (default 0.9)",
+    )
+    p.add_argument(
+        "--mtp",
+        type=int,
+        default=0,
+        metavar="N",
+        help="speculative tokens from the MTP head (0: off; more than 3 is unstable, a warning)",
+    )
 
 
 def add_arguments(p) -> None:
     p.add_argument("checkpoint", help="checkpoint directory")
-    p.add_argument("--engine", default="both",
-                   help="vllm, sglang, both (default), or version specs, e.g. vllm@0.17 or vllm@0.16,sglang@0.5.9")
+    p.add_argument(
+        "--engine",
+        default="both",
+        help="vllm, sglang, both (default), or version specs, e.g. vllm@0.17 or vllm@0.16,sglang@0.5.9",
+    )
     add_common(p)
-    p.add_argument("--deep", action="store_true", help="also sha256 every shard and scan the data for NaN/Inf, "
-                   "bad scales and all-zero tensors (reads every byte)")
+    p.add_argument(
+        "--deep",
+        action="store_true",
+        help="also sha256 every shard and scan the data for NaN/Inf, "
+        "bad scales and all-zero tensors (reads every byte)",
+    )
     p.add_argument("--workers", type=int, default=None, help="parallel readers for --deep (default: auto)")
     add_json_flag(p)
 
@@ -41,10 +72,18 @@ def add_arguments(p) -> None:
 def options(args, engine: str):
     from qtool.ops.verify import VerifyOptions
 
-    return VerifyOptions(engine=engine, tp=args.tp, gpus=args.gpus, max_model_len=args.max_model_len,
-                         max_num_seqs=args.max_num_seqs, kv_cache_dtype=args.kv_cache_dtype or "auto",
-                         gpu_memory_utilization=args.gpu_memory_utilization, mtp=args.mtp,
-                         deep=getattr(args, "deep", False), deep_workers=getattr(args, "workers", None))
+    return VerifyOptions(
+        engine=engine,
+        tp=args.tp,
+        gpus=args.gpus,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        kv_cache_dtype=args.kv_cache_dtype or "auto",
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        mtp=args.mtp,
+        deep=getattr(args, "deep", False),
+        deep_workers=getattr(args, "workers", None),
+    )
 
 
 def print_report(rep, out) -> None:
@@ -74,9 +113,12 @@ def print_fit(fit, out) -> None:
     else:  # the weights and the reserve alone are over the budget: nothing is left for the KV cache
         split = f"< {parts} = {fit.weights_per_gpu_gib + fit.reserve_gib:.1f} GiB (nothing left for KV/state)"
     print(f"fit (TP={fit.tp}, per GPU): budget {fit.budget_gib:.1f} GiB ({gb:.1f} GB) {split}", file=out)
-    print(f"  KV {fit.kv_bytes_per_token} B/token ({fit.kv_cache_dtype}), GDN state {fit.state_bytes_per_seq / 2**20:.1f}"
-          f" MiB/sequence -> max_model_len {fit.max_model_len} x max_num_seqs {fit.max_num_seqs}: "
-          f"{'fits' if fit.fits else 'DOES NOT FIT'}", file=out)
+    print(
+        f"  KV {fit.kv_bytes_per_token} B/token ({fit.kv_cache_dtype}), GDN state {fit.state_bytes_per_seq / 2**20:.1f}"
+        f" MiB/sequence -> max_model_len {fit.max_model_len} x max_num_seqs {fit.max_num_seqs}: "
+        f"{'fits' if fit.fits else 'DOES NOT FIT'}",
+        file=out,
+    )
 
 
 def run(args) -> int:
@@ -84,14 +126,15 @@ def run(args) -> int:
 
     from qtool.ops.verify import verify
 
-    ckpt = (local_checkpoint(args.checkpoint, progress=False) if args.deep else headers_checkpoint(args.checkpoint))
+    ckpt = local_checkpoint(args.checkpoint, progress=False) if args.deep else headers_checkpoint(args.checkpoint)
     rep = verify(ckpt, options(args, args.engine))
     if str(ckpt) in STAND_INS:  # an hf: source read header-only: findings and fixes name the source
         import dataclasses
 
         rep.path = STAND_INS[str(ckpt)]
-        rep.findings = [dataclasses.replace(f, message=as_user_named(f.message), fix=as_user_named(f.fix))
-                        for f in rep.findings]
+        rep.findings = [
+            dataclasses.replace(f, message=as_user_named(f.message), fix=as_user_named(f.fix)) for f in rep.findings
+        ]
     if args.json:
         print_json(rep.to_json())
     else:
@@ -101,16 +144,20 @@ def run(args) -> int:
         if rep.engines:
             for eng, s in rep.engines.items():
                 if "units" in s:
-                    print(f"{eng}: {s['quantized']} unit(s) quantized, {s['excluded']} excluded, "
-                          f"{s['errors']} error(s)")
+                    print(
+                        f"{eng}: {s['quantized']} unit(s) quantized, {s['excluded']} excluded, {s['errors']} error(s)"
+                    )
         if rep.deep:
             d = rep.deep
             # d["shards"] holds every file hashed: the shards and the manifest's other files (configs, tokenizer)
             shards = sum(name.endswith(".safetensors") for name in d["shards"])
             others = len(d["shards"]) - shards
-            print(f"deep: {shards} shard(s)" + (f" and {others} other file(s)" if others else "")
-                  + f", {d['bytes'] / 1e9:.2f} GB in {d['seconds']:.1f} s "
-                  f"({d['gb_per_s']:.2f} GB/s), {d['compared_with_manifest']} compared with qtool-manifest.json")
+            print(
+                f"deep: {shards} shard(s)"
+                + (f" and {others} other file(s)" if others else "")
+                + f", {d['bytes'] / 1e9:.2f} GB in {d['seconds']:.1f} s "
+                f"({d['gb_per_s']:.2f} GB/s), {d['compared_with_manifest']} compared with qtool-manifest.json"
+            )
         n_err = len(rep.errors())
         print("ok" if rep.ok else f"FAILED: {n_err} error(s)")
     return 0 if rep.ok else 3

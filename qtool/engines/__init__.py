@@ -66,16 +66,18 @@ def parse_version(spec: str | EngineVersion, engine: Engine | None = None) -> En
         )
     eng = Engine(m.group(1))
     if engine is not None and eng is not engine:
-        raise UsageError(f"version spec {spec!r} is for {eng.value}, not {engine.value}", got=spec,
-                         hint=f"give a {engine.value} release, e.g. {engine.value}@"
-                         f"{'.'.join(map(str, NEWEST[engine]))}")
+        raise UsageError(
+            f"version spec {spec!r} is for {eng.value}, not {engine.value}",
+            got=spec,
+            hint=f"give a {engine.value} release, e.g. {engine.value}@{'.'.join(map(str, NEWEST[engine]))}",
+        )
     if m.group(2) is None:
         release = NEWEST[eng]
     else:
         parts = tuple(int(p) for p in m.group(2).split("."))
         release = parts + (0,) * (3 - len(parts))
     if not OLDEST[eng] <= release <= NEWEST[eng]:
-        newest = '.'.join(map(str, NEWEST[eng]))
+        newest = ".".join(map(str, NEWEST[eng]))
         raise UsageError(
             f"{eng.value} {'.'.join(map(str, release))} is outside the modelled range",
             expected=f"{'.'.join(map(str, OLDEST[eng]))} .. {newest}",

@@ -39,8 +39,9 @@ from qtool.engines import Engine
 FLOAT4, FLOAT8, INT4, INT8 = ("float", 4), ("float", 8), ("int", 4), ("int", 8)
 
 MODELOPT_QUANT_ALGOS = {
-    Engine.VLLM: frozenset({"FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_PB_WO", "NVFP4", "W4A16_NVFP4", "MXFP8",
-                            "MIXED_PRECISION"}),
+    Engine.VLLM: frozenset(
+        {"FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_PB_WO", "NVFP4", "W4A16_NVFP4", "MXFP8", "MIXED_PRECISION"}
+    ),
     Engine.SGLANG: frozenset({"FP8", "NVFP4", "NVFP4_AWQ", "W4A16_NVFP4", "MXFP8", "MIXED_PRECISION"}),
 }
 MODELOPT_KV_CACHE_QUANT_ALGOS = {Engine.VLLM: frozenset({"FP8", "NVFP4"}), Engine.SGLANG: frozenset({"FP8"})}
@@ -49,21 +50,39 @@ KV_CACHE_SCHEMES = {Engine.VLLM: frozenset({FLOAT8}), Engine.SGLANG: frozenset({
 # (weights, input activations or None for weight-only)
 _ANY_INPUT = (None, FLOAT4, FLOAT8, INT4, INT8)
 COMPRESSED_TENSORS_SCHEMES = {
-    Engine.VLLM: frozenset({(FLOAT4, a) for a in _ANY_INPUT}  # NVFP4 / NVFP4A16, MXFP4 (any input)
-                           | {(FLOAT8, a) for a in _ANY_INPUT}  # FP8 W8A8 / W8A16, MXFP8 (any input)
-                           | {(INT4, None), (INT8, None)}  # WNA16 (GPTQ / AWQ packed)
-                           | {(INT4, INT4), (INT4, INT8), (INT8, INT4), (INT8, INT8)}  # W4A8 / WNA8 / WNA4 int
-                           | {(INT4, FLOAT8), (INT8, FLOAT8)}),  # W4A8 fp8 (H100), int8 static W8A8
-    Engine.SGLANG: frozenset({(FLOAT4, FLOAT4), (FLOAT4, None),  # NVFP4, NVFP4A16
-                              (FLOAT8, FLOAT4), (FLOAT8, FLOAT8), (FLOAT8, INT4), (FLOAT8, INT8),
-                              (FLOAT8, None),  # FP8 W8A8, W8A16 (any input)
-                              (INT4, None), (INT8, None),  # WNA16
-                              (INT8, INT8), (INT8, FLOAT8)}),  # INT8 W8A8 (bits checked, not type)
+    Engine.VLLM: frozenset(
+        {(FLOAT4, a) for a in _ANY_INPUT}  # NVFP4 / NVFP4A16, MXFP4 (any input)
+        | {(FLOAT8, a) for a in _ANY_INPUT}  # FP8 W8A8 / W8A16, MXFP8 (any input)
+        | {(INT4, None), (INT8, None)}  # WNA16 (GPTQ / AWQ packed)
+        | {(INT4, INT4), (INT4, INT8), (INT8, INT4), (INT8, INT8)}  # W4A8 / WNA8 / WNA4 int
+        | {(INT4, FLOAT8), (INT8, FLOAT8)}
+    ),  # W4A8 fp8 (H100), int8 static W8A8
+    Engine.SGLANG: frozenset(
+        {
+            (FLOAT4, FLOAT4),
+            (FLOAT4, None),  # NVFP4, NVFP4A16
+            (FLOAT8, FLOAT4),
+            (FLOAT8, FLOAT8),
+            (FLOAT8, INT4),
+            (FLOAT8, INT8),
+            (FLOAT8, None),  # FP8 W8A8, W8A16 (any input)
+            (INT4, None),
+            (INT8, None),  # WNA16
+            (INT8, INT8),
+            (INT8, FLOAT8),
+        }
+    ),  # INT8 W8A8 (bits checked, not type)
 }
 # What a ModelOpt algorithm stores its weights as: a config.json `config_groups` saying otherwise describes
 # tensors the engine, which builds by quant_algo, does not build
-MODELOPT_WEIGHTS = {"FP8": FLOAT8, "FP8_PER_CHANNEL_PER_TOKEN": FLOAT8, "FP8_PB_WO": FLOAT8, "MXFP8": FLOAT8,
-                    "NVFP4": FLOAT4, "W4A16_NVFP4": FLOAT4}
+MODELOPT_WEIGHTS = {
+    "FP8": FLOAT8,
+    "FP8_PER_CHANNEL_PER_TOKEN": FLOAT8,
+    "FP8_PB_WO": FLOAT8,
+    "MXFP8": FLOAT8,
+    "NVFP4": FLOAT4,
+    "W4A16_NVFP4": FLOAT4,
+}
 LAYER_TYPES: dict[Engine, frozenset[str] | None] = {
     Engine.VLLM: frozenset({"full_attention", "linear_attention", "attention", "mamba"}),
     Engine.SGLANG: None,
@@ -88,8 +107,10 @@ def _spec(d: object) -> tuple[str, int] | None:
 
 def _scheme_words(schemes) -> str:
     """`weights/activations` pairs, e.g. "float4/float4, int4/none"."""
+
     def one(spec):
         return "none" if spec is None else f"{spec[0]}{spec[1]}"
+
     return "weights/activations " + ", ".join(sorted(f"{one(w)}/{one(a)}" for w, a in schemes))
 
 
@@ -105,8 +126,7 @@ def _kv_scheme_refusals(engine: Engine, scheme: object, key: str) -> list[Refusa
         return []
     if _spec(scheme) in KV_CACHE_SCHEMES[engine]:
         return []
-    return [Refusal(key, {k: scheme.get(k) for k in ("type", "num_bits")},
-                    "type float, num_bits 8 (an FP8 KV cache)")]
+    return [Refusal(key, {k: scheme.get(k) for k in ("type", "num_bits")}, "type float, num_bits 8 (an FP8 KV cache)")]
 
 
 def _group_refusals(engine: Engine, qc: dict, method: str, algo: str | None) -> list[Refusal]:
@@ -120,12 +140,12 @@ def _group_refusals(engine: Engine, qc: dict, method: str, algo: str | None) -> 
         got = {"type": weights[0], "num_bits": weights[1]}
         if method == "compressed-tensors" and (weights, acts) not in COMPRESSED_TENSORS_SCHEMES[engine]:
             act = None if acts is None else {"type": acts[0], "num_bits": acts[1]}
-            out.append(Refusal(key, {**got, "input_activations": act},
-                               _scheme_words(COMPRESSED_TENSORS_SCHEMES[engine])))
+            out.append(
+                Refusal(key, {**got, "input_activations": act}, _scheme_words(COMPRESSED_TENSORS_SCHEMES[engine]))
+            )
         elif method == "modelopt" and algo in MODELOPT_WEIGHTS and weights != MODELOPT_WEIGHTS[algo]:
             want = MODELOPT_WEIGHTS[algo]
-            out.append(Refusal(key, got, f"type {want[0]}, num_bits {want[1]} (it builds quant_algo {algo}'s "
-                               "weights)"))
+            out.append(Refusal(key, got, f"type {want[0]}, num_bits {want[1]} (it builds quant_algo {algo}'s weights)"))
     return out
 
 
@@ -140,8 +160,9 @@ def quant_refusals(engine: Engine, config: dict | None, hf_quant_config: dict | 
         if method.startswith("modelopt") and "quant_algo" in qc:
             out += _modelopt_algo_refusals(engine, qc["quant_algo"], "config.json quantization_config.quant_algo")
         if method.startswith("modelopt") or method == "compressed-tensors":
-            out += _kv_scheme_refusals(engine, qc.get("kv_cache_scheme"),
-                                       "config.json quantization_config.kv_cache_scheme")
+            out += _kv_scheme_refusals(
+                engine, qc.get("kv_cache_scheme"), "config.json quantization_config.kv_cache_scheme"
+            )
             out += _group_refusals(engine, qc, "modelopt" if method.startswith("modelopt") else method, algo)
         return out
     body = (hf_quant_config or {}).get("quantization")
@@ -152,8 +173,11 @@ def quant_refusals(engine: Engine, config: dict | None, hf_quant_config: dict | 
         out += _modelopt_algo_refusals(engine, body["quant_algo"], "hf_quant_config.json quant_algo")
     kv = body.get("kv_cache_quant_algo")
     if kv is not None and str(kv).upper() not in MODELOPT_KV_CACHE_QUANT_ALGOS[engine]:
-        out.append(Refusal("hf_quant_config.json kv_cache_quant_algo", kv,
-                           ", ".join(sorted(MODELOPT_KV_CACHE_QUANT_ALGOS[engine]))))
+        out.append(
+            Refusal(
+                "hf_quant_config.json kv_cache_quant_algo", kv, ", ".join(sorted(MODELOPT_KV_CACHE_QUANT_ALGOS[engine]))
+            )
+        )
     return out
 
 
@@ -163,5 +187,8 @@ def layer_type_refusals(engine: Engine, text_config: dict | None) -> list[Refusa
     accepted = LAYER_TYPES[engine]
     if accepted is None:  # the engine does not read layer_types
         return []
-    return [Refusal(f"config.json text_config.layer_types[{i}]", t, ", ".join(sorted(accepted)))
-            for i, t in enumerate(types if isinstance(types, list) else []) if t not in accepted]
+    return [
+        Refusal(f"config.json text_config.layer_types[{i}]", t, ", ".join(sorted(accepted)))
+        for i, t in enumerate(types if isinstance(types, list) else [])
+        if t not in accepted
+    ]

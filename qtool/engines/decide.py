@@ -89,8 +89,9 @@ def unit_decisions(
     return {str(parse_version(v)): decide(mm, ignore, fl, v) for v in versions}
 
 
-def ignore_patterns_for(mm: ModelMap, flavours: tuple[Flavour, ...] = (Flavour.MODELOPT, Flavour.COMPRESSED_TENSORS)
-                        ) -> tuple[list[str], ...]:
+def ignore_patterns_for(
+    mm: ModelMap, flavours: tuple[Flavour, ...] = (Flavour.MODELOPT, Flavour.COMPRESSED_TENSORS)
+) -> tuple[list[str], ...]:
     """For each of `flavours`, the ignore list (globs for ModelOpt, `re:` patterns for compressed-tensors)
     that makes both engines, in every modelled release, exclude exactly the modules whose tensors are BF16.
     Ask only for the flavours a caller writes: each list is verified against every engine release on every

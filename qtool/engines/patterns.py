@@ -248,6 +248,6 @@ def compact_ignore_patterns(
     for p in list(chosen):
         trial = [q for q in chosen if q != p]
         res = excluded(trial)
-        if res is not None and not any((r & Q) - forced_q for r in res) and U <= set.intersection(*res):
+        if res is not None and not any((r & Q) - forced_q for r in res) and set.intersection(*res) >= U:
             chosen = trial
     return chosen

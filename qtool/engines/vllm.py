@@ -218,8 +218,9 @@ def is_excluded(
 
     Raises PartialFusedExclusion where vLLM would refuse the list (mixed fused shards).
     """
-    return unit_excluded(unit_of(hf_module_name), tuple(ignore), parse_version(version, Engine.VLLM),
-                         parse_flavour(quant_method))
+    return unit_excluded(
+        unit_of(hf_module_name), tuple(ignore), parse_version(version, Engine.VLLM), parse_flavour(quant_method)
+    )
 
 
 def unit_excluded(unit: Unit, ignore: tuple[str, ...], version: EngineVersion, fl: Flavour) -> bool:

@@ -66,8 +66,8 @@ def expert_group_size(in_features: list[int], group_size: int) -> int:
             "no single INT4 group size fits every projection of an expert",
             expected=f"a group size dividing {sorted(set(in_features))}",
             got=g,
-            hint="the engines need one scheme for all MoE projections (\"All MoE projections need to have same "
-                 "quantization scheme\"): set int4.group_size in the recipe to a common divisor",
+            hint='the engines need one scheme for all MoE projections ("All MoE projections need to have same '
+            'quantization scheme"): set int4.group_size in the recipe to a common divisor',
         )
     return g
 

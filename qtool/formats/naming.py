@@ -186,8 +186,14 @@ class NVFP4Naming:
 
 MODELOPT_NVFP4 = NVFP4Naming("weight", "weight_scale", "weight_scale_2", "input_scale", False, ())
 CT_NVFP4 = NVFP4Naming(
-    "weight_packed", "weight_scale", "weight_global_scale", "input_global_scale", True, (1,),
-    k_scale="k_scale", v_scale="v_scale",
+    "weight_packed",
+    "weight_scale",
+    "weight_global_scale",
+    "input_global_scale",
+    True,
+    (1,),
+    k_scale="k_scale",
+    v_scale="v_scale",
 )
 NVFP4_NAMINGS: dict[QuantFormat, NVFP4Naming] = {QuantFormat.NVFP4: MODELOPT_NVFP4, QuantFormat.NVFP4_CT: CT_NVFP4}
 

@@ -215,8 +215,21 @@ def _sweep_body(
         scale = c * ga / 6.0
         scale = tl.where(scale == 0.0, 1.0, scale)[:, None, None]
         a = x / scale
-        q = tl.where(a <= 0.25, 0.0, tl.where(a < 0.75, 0.5, tl.where(a <= 1.25, 1.0, tl.where(
-            a < 1.75, 1.5, tl.where(a <= 2.5, 2.0, tl.where(a < 3.5, 3.0, tl.where(a <= 5.0, 4.0, 6.0)))))))
+        q = tl.where(
+            a <= 0.25,
+            0.0,
+            tl.where(
+                a < 0.75,
+                0.5,
+                tl.where(
+                    a <= 1.25,
+                    1.0,
+                    tl.where(
+                        a < 1.75, 1.5, tl.where(a <= 2.5, 2.0, tl.where(a < 3.5, 3.0, tl.where(a <= 5.0, 4.0, 6.0)))
+                    ),
+                ),
+            ),
+        )
         diff = x - q * scale
         loss = tl.sum(diff * diff, axis=2)
         better = loss < best_loss
@@ -251,8 +264,9 @@ def _sweep_kernel() -> Any:
     return triton.jit(_sweep_body)
 
 
-def sweep_block_scales_triton(w: torch.Tensor, global_amax: torch.Tensor, tile: TileConfig = DEFAULT_TILE
-                              ) -> torch.Tensor:
+def sweep_block_scales_triton(
+    w: torch.Tensor, global_amax: torch.Tensor, tile: TileConfig = DEFAULT_TILE
+) -> torch.Tensor:
     """`qtool.ops.quantize.nvfp4_mse.sweep_block_scales` as one Triton launch (CUDA tensors)."""
     nvfp4.check_weight(w)
     w = w.contiguous()
@@ -265,9 +279,20 @@ def sweep_block_scales_triton(w: torch.Tensor, global_amax: torch.Tensor, tile: 
     best = torch.empty((*lead, out, nb), dtype=torch.uint8, device=w.device)
     if n_rows and nb:
         grid = (_cdiv(n_rows, tile.block_rows), _cdiv(nb, tile.blocks_per_tile))
-        _sweep_kernel()[grid](w, amax, candidates, scale_bytes.contiguous(), best, n_rows, nb, out,
-                              BLOCK_R=tile.block_rows, NB=tile.blocks_per_tile, NC=int(candidates.numel()),
-                              num_warps=tile.num_warps)
+        _sweep_kernel()[grid](
+            w,
+            amax,
+            candidates,
+            scale_bytes.contiguous(),
+            best,
+            n_rows,
+            nb,
+            out,
+            BLOCK_R=tile.block_rows,
+            NB=tile.blocks_per_tile,
+            NC=int(candidates.numel()),
+            num_warps=tile.num_warps,
+        )
     return best.view(torch.float8_e4m3fn)
 
 
@@ -320,11 +345,7 @@ def quantize_triton(
     if weight_scale_2 is not None:
         ws2 = torch.as_tensor(weight_scale_2, device=w.device).float()
     else:
-        amax = (
-            matrix_amax_triton(w, tile)
-            if global_amax is None
-            else torch.as_tensor(global_amax, device=w.device)
-        )
+        amax = matrix_amax_triton(w, tile) if global_amax is None else torch.as_tensor(global_amax, device=w.device)
         ws2 = nvfp4.weight_scale_2_from_amax(amax)  # same torch op as the reference: same bits
     ws2 = (ws2.reshape(()) if ws2.numel() == 1 else ws2).expand(lead).contiguous()
     n_rows = torch.Size(lead).numel() * out
@@ -366,8 +387,6 @@ def quantize_fast(
     )
     if use_triton:
         if block_scale is not None:
-            raise CodecError(
-                "the Triton NVFP4 kernel computes its own block scales", hint="use Backend.TORCH"
-            )
+            raise CodecError("the Triton NVFP4 kernel computes its own block scales", hint="use Backend.TORCH")
         return quantize_triton(w, global_amax=global_amax, weight_scale_2=weight_scale_2)
     return nvfp4.quantize(w, global_amax=global_amax, weight_scale_2=weight_scale_2, block_scale=block_scale)

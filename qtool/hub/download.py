@@ -68,8 +68,7 @@ def repo_listing(spec: HubSpec, *, token: str | None = None) -> RepoListing:
         raise HubError("the Hub did not return a commit for this revision", path=str(spec))
     files = {}
     for s in info.siblings or []:
-        files[s.rfilename] = RemoteFileInfo(s.rfilename, int(s.size or 0), s.blob_id,
-                                            s.lfs.sha256 if s.lfs else None)
+        files[s.rfilename] = RemoteFileInfo(s.rfilename, int(s.size or 0), s.blob_id, s.lfs.sha256 if s.lfs else None)
     _pin_ref(spec, info.sha, None)  # remembered: offline, or with the Hub unreachable, this branch still resolves
     return RepoListing(spec, info.sha, files)
 
@@ -158,8 +157,13 @@ class FileResult:
     attempts: int
 
     def to_json(self) -> dict:
-        return {"path": self.path, "size": self.size, "digest": self.digest, "cached": self.cached,
-                "attempts": self.attempts}
+        return {
+            "path": self.path,
+            "size": self.size,
+            "digest": self.digest,
+            "cached": self.cached,
+            "attempts": self.attempts,
+        }
 
 
 @dataclass
@@ -175,8 +179,9 @@ def _cached_path(listing: RepoListing, path: str, cache_dir: str | None) -> Path
     return Path(got) if isinstance(got, str) else None
 
 
-def check_space(listing: RepoListing, paths: Sequence[str], cache_dir: str | None,
-                free: Callable[[Path], int] | None = None) -> int:
+def check_space(
+    listing: RepoListing, paths: Sequence[str], cache_dir: str | None, free: Callable[[Path], int] | None = None
+) -> int:
     """Bytes still to download; WriteError when the cache's filesystem cannot hold them."""
     from huggingface_hub import constants
 
@@ -187,15 +192,26 @@ def check_space(listing: RepoListing, paths: Sequence[str], cache_dir: str | Non
         probe = probe.parent
     have = (free or (lambda p: shutil.disk_usage(p).free))(probe)
     if need > have:
-        raise WriteError("not enough free space for the download", path=root,
-                         expected=f"{need / 1e9:.2f} GB free", got=f"{have / 1e9:.2f} GB",
-                         hint="free space, or set HF_HUB_CACHE to a larger disk")
+        raise WriteError(
+            "not enough free space for the download",
+            path=root,
+            expected=f"{need / 1e9:.2f} GB free",
+            got=f"{have / 1e9:.2f} GB",
+            hint="free space, or set HF_HUB_CACHE to a larger disk",
+        )
     return need
 
 
-def download_files(listing: RepoListing, paths: Sequence[str], *, cache_dir: str | None = None,
-                   token: str | None = None, retries: int = 1, progress: bool = False,
-                   workers: int = 4) -> DownloadStats:
+def download_files(
+    listing: RepoListing,
+    paths: Sequence[str],
+    *,
+    cache_dir: str | None = None,
+    token: str | None = None,
+    retries: int = 1,
+    progress: bool = False,
+    workers: int = 4,
+) -> DownloadStats:
     """Download `paths` at the listing's commit into the HF cache and verify each; returns where they are."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -203,8 +219,12 @@ def download_files(listing: RepoListing, paths: Sequence[str], *, cache_dir: str
 
     missing = [p for p in paths if p not in listing.files]
     if missing:
-        raise HubError(f"{len(missing)} file(s) are not in the repository at {listing.commit[:12]}",
-                       path=str(listing.spec), got=", ".join(missing[:5]), hint="check --include")
+        raise HubError(
+            f"{len(missing)} file(s) are not in the repository at {listing.commit[:12]}",
+            path=str(listing.spec),
+            got=", ".join(missing[:5]),
+            hint="check --include",
+        )
     memo = _load_memo()
     stats = DownloadStats()
 
@@ -215,8 +235,11 @@ def download_files(listing: RepoListing, paths: Sequence[str], *, cache_dir: str
         while True:
             attempts += 1
             with hub_errors(listing.spec, path):
-                local = Path(hf_hub_download(listing.spec.repo_id, path, revision=listing.commit,
-                                             cache_dir=cache_dir, token=token))
+                local = Path(
+                    hf_hub_download(
+                        listing.spec.repo_id, path, revision=listing.commit, cache_dir=cache_dir, token=token
+                    )
+                )
             problem = check_file(local, info, memo)
             if problem is None:
                 return FileResult(path, local, info.size, info.sha256 or info.blob_id, cached, attempts)
@@ -224,10 +247,14 @@ def download_files(listing: RepoListing, paths: Sequence[str], *, cache_dir: str
             _evict(local)
             cached = False
             if attempts > retries:
-                raise VerificationError("downloaded file does not match the Hub's hash", path=path,
-                                        expected=info.sha256 or info.blob_id, got=problem,
-                                        hint="the bytes were corrupted in transit or on disk; rerun the "
-                                             "download (the bad copy was deleted from the cache)")
+                raise VerificationError(
+                    "downloaded file does not match the Hub's hash",
+                    path=path,
+                    expected=info.sha256 or info.blob_id,
+                    got=problem,
+                    hint="the bytes were corrupted in transit or on disk; rerun the "
+                    "download (the bad copy was deleted from the cache)",
+                )
 
     try:
         with ThreadPoolExecutor(max_workers=max(1, min(workers, len(paths) or 1))) as pool:
@@ -247,8 +274,15 @@ def _evict(snapshot_path: Path) -> None:
             pass
 
 
-def snapshot(spec: HubSpec, *, allow_download: bool = True, token: str | None = None,
-             include: Sequence[str] = (), cache_dir: str | None = None, progress: bool = False) -> Path:
+def snapshot(
+    spec: HubSpec,
+    *,
+    allow_download: bool = True,
+    token: str | None = None,
+    include: Sequence[str] = (),
+    cache_dir: str | None = None,
+    progress: bool = False,
+) -> Path:
     """A local directory with all (or the included) files of `spec`, verified.
 
     The HF cache's snapshot directory holds symlinks into ../../blobs, which Checkpoint.open refuses
@@ -261,12 +295,22 @@ def snapshot(spec: HubSpec, *, allow_download: bool = True, token: str | None = 
         from huggingface_hub import snapshot_download
 
         with hub_errors(spec):
-            snap = Path(snapshot_download(spec.repo_id, revision=spec.revision, cache_dir=cache_dir,
-                                          allow_patterns=list(include) or None, local_files_only=True))
+            snap = Path(
+                snapshot_download(
+                    spec.repo_id,
+                    revision=spec.revision,
+                    cache_dir=cache_dir,
+                    allow_patterns=list(include) or None,
+                    local_files_only=True,
+                )
+            )
         out = _files_dir(spec, snap.name)
         if not out.is_dir():
-            raise HubError("snapshot is cached but was not verified by qtool", path=str(spec),
-                           hint="run once with network access so every file is checked")
+            raise HubError(
+                "snapshot is cached but was not verified by qtool",
+                path=str(spec),
+                hint="run once with network access so every file is checked",
+            )
         return out
     listing = repo_listing(spec, token=token)
     paths = listing.select(include)
@@ -308,5 +352,3 @@ def _pin_ref(spec: HubSpec, commit: str, cache_dir: str | None) -> None:
             ref.write_text(commit)
     except OSError:
         pass
-
-

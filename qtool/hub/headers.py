@@ -72,9 +72,12 @@ def remote_headers(spec: HubSpec, *, token: str | None = None) -> tuple[Path, di
     if cached is not None:
         return _from_cache(cached)
     if hub_offline():
-        raise HubError("the headers of this revision are not cached and HF_HUB_OFFLINE is set", path=str(spec),
-                       hint="run the same command once online (it caches configs and headers: about 90 MB "
-                       "for the 397B), or unset HF_HUB_OFFLINE")
+        raise HubError(
+            "the headers of this revision are not cached and HF_HUB_OFFLINE is set",
+            path=str(spec),
+            hint="run the same command once online (it caches configs and headers: about 90 MB "
+            "for the 397B), or unset HF_HUB_OFFLINE",
+        )
     from qtool.hub.download import repo_listing
 
     try:
@@ -97,8 +100,11 @@ def _fetch(listing, out: Path, token: str | None) -> dict:
     from qtool.io.output import OutputDir
 
     shards = [p for p in listing.files if p.endswith(".safetensors")]
-    side = [p for p in listing.files if not p.endswith(".safetensors") and not p.endswith(SKIP_SUFFIXES)
-            and not p.startswith(".")]
+    side = [
+        p
+        for p in listing.files
+        if not p.endswith(".safetensors") and not p.endswith(SKIP_SUFFIXES) and not p.startswith(".")
+    ]
     reader = RangeReader(listing, token=token)
     with OutputDir(out, resume=True, force=True, replace_any=True) as tx:
         moved = 0
@@ -108,14 +114,21 @@ def _fetch(listing, out: Path, token: str | None) -> dict:
             moved += f.size if not f.cached else 0
         # the shards at once: each costs a round trip or two, which is what a header-only job waits for
         with ThreadPoolExecutor(max_workers=PARALLEL, thread_name_prefix="qtool-headers") as pool:
-            deferred = dict(zip(shards, pool.map(
-                lambda path: _stand_in_shard(reader, path, tx.partial / path), shards)))
+            deferred = dict(
+                zip(shards, pool.map(lambda path: _stand_in_shard(reader, path, tx.partial / path), shards))
+            )
         deferred = {s: runs for s, runs in deferred.items() if runs}
         if deferred:
             (tx.partial / DEFERRED).write_text(json.dumps(deferred))
-        stats = {"commit": listing.commit, "repo": listing.spec.repo_id, "bytes_moved": moved + reader.stats.bytes,
-                 "requests": reader.stats.requests, "shards": len(shards), "side_files": len(side),
-                 "deferred_ranges": sum(len(r) for r in deferred.values())}
+        stats = {
+            "commit": listing.commit,
+            "repo": listing.spec.repo_id,
+            "bytes_moved": moved + reader.stats.bytes,
+            "requests": reader.stats.requests,
+            "shards": len(shards),
+            "side_files": len(side),
+            "deferred_ranges": sum(len(r) for r in deferred.values()),
+        }
         (tx.partial / STATS).write_text(json.dumps(stats))
         tx.commit()
     return stats
@@ -134,8 +147,9 @@ def _stand_in_shard(reader, path: str, dst: Path) -> list[tuple[int, int]]:
     if len(runs) > EAGER_RUNS:
         runs = _small_runs(i for i in header.tensors.values() if not _routed_expert(i.name))
         runs = [(max(a, len(head)), b) for a, b in runs if b > len(head)]
-        deferred = [r for r in _small_runs(i for i in header.tensors.values() if _routed_expert(i.name))
-                    if r[1] > len(head)]
+        deferred = [
+            r for r in _small_runs(i for i in header.tensors.values() if _routed_expert(i.name)) if r[1] > len(head)
+        ]
     dst.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -171,8 +185,9 @@ def fetch_deferred(infos) -> int:
     by_dir: dict[str, list] = {}
     for info in infos:
         by_dir.setdefault(os.path.dirname(info.file), []).append(info)
-    return sum(_fetch_deferred_in(Path(d), wanted) for d, wanted in by_dir.items()
-               if os.path.isfile(os.path.join(d, DEFERRED)))
+    return sum(
+        _fetch_deferred_in(Path(d), wanted) for d, wanted in by_dir.items() if os.path.isfile(os.path.join(d, DEFERRED))
+    )
 
 
 def _fetch_deferred_in(d: Path, wanted: list) -> int:
@@ -191,9 +206,11 @@ def _fetch_deferred_in(d: Path, wanted: list) -> int:
         return 0
     stats = json.loads((d / STATS).read_text())
     if hub_offline():
-        raise HubError(f"{len(todo)} range(s) of expert scales this check reads were never fetched, and "
-                       "HF_HUB_OFFLINE is set", path=f"hf:{stats['repo']}@{stats['commit']}",
-                       hint="run the same command once online (what it fetches is cached)")
+        raise HubError(
+            f"{len(todo)} range(s) of expert scales this check reads were never fetched, and HF_HUB_OFFLINE is set",
+            path=f"hf:{stats['repo']}@{stats['commit']}",
+            hint="run the same command once online (what it fetches is cached)",
+        )
     reader = RangeReader(repo_listing(HubSpec(stats["repo"], stats["commit"])))
 
     def fetch(item: tuple[str, tuple[int, int]]) -> None:

@@ -65,8 +65,9 @@ class FetchStats:
 class RangeReader:
     """Byte ranges of Hub files at a fixed commit, through huggingface_hub's HTTP session."""
 
-    def __init__(self, listing: RepoListing, *, token: str | None = None, max_retries: int | None = None,
-                 backoff_s: float = 0.2) -> None:
+    def __init__(
+        self, listing: RepoListing, *, token: str | None = None, max_retries: int | None = None, backoff_s: float = 0.2
+    ) -> None:
         from huggingface_hub import hf_hub_url
         from huggingface_hub.utils import build_hf_headers, get_session
 
@@ -97,8 +98,12 @@ class RangeReader:
         while pos < end:
             located = self.locations.get(path)
             # the Hub's token goes to the Hub only (the CDN URL is signed), as httpx does on a redirect
-            headers = {**({k: v for k, v in self.headers.items() if k.lower() != "authorization"} if located
-                          else self.headers), "Range": f"bytes={pos}-{end - 1}"}
+            headers = {
+                **(
+                    {k: v for k, v in self.headers.items() if k.lower() != "authorization"} if located else self.headers
+                ),
+                "Range": f"bytes={pos}-{end - 1}",
+            }
             self._count(requests=1)
             try:
                 with self.session.stream(
@@ -122,12 +127,17 @@ class RangeReader:
                     elif r.status_code == 206:
                         got = _content_range_start(r.headers.get("Content-Range"))
                         if got != pos:
-                            raise HeaderError("the server answered a different byte range",
-                                              path=f"{self.listing.spec} {path}", expected=f"bytes {pos}-{end - 1}",
-                                              got=r.headers.get("Content-Range"))
+                            raise HeaderError(
+                                "the server answered a different byte range",
+                                path=f"{self.listing.spec} {path}",
+                                expected=f"bytes {pos}-{end - 1}",
+                                got=r.headers.get("Content-Range"),
+                            )
                     else:
-                        raise HubError(f"unexpected HTTP status {r.status_code} for a range request",
-                                       path=f"{self.listing.spec} {path}")
+                        raise HubError(
+                            f"unexpected HTTP status {r.status_code} for a range request",
+                            path=f"{self.listing.spec} {path}",
+                        )
                     for chunk in r.iter_raw(1 << 20):
                         if skip:
                             if len(chunk) <= skip:
@@ -148,9 +158,12 @@ class RangeReader:
                 tries += 1
                 self._count(retries=1)
                 if tries > self.max_retries:
-                    raise HubError(f"network error reading a byte range ({type(e).__name__}: {e})",
-                                   path=f"{self.listing.spec} {path}", got=f"{tries - 1} retries",
-                                   hint="check the network and rerun with --resume") from None
+                    raise HubError(
+                        f"network error reading a byte range ({type(e).__name__}: {e})",
+                        path=f"{self.listing.spec} {path}",
+                        got=f"{tries - 1} retries",
+                        hint="check the network and rerun with --resume",
+                    ) from None
                 time.sleep(self.backoff_s * tries)
         if pos != end:
             raise VerificationError("range read ended early", path=path, expected=end - start, got=pos - start)
@@ -170,8 +183,12 @@ class RangeReader:
         head = self.read_bytes(path, 0, min(size, max(8, guess)))
         (n,) = struct.unpack("<Q", head[:8])
         if n == 0 or n > MAX_HEADER_BYTES or 8 + n > size:
-            raise HeaderError("remote header length is not plausible", path=where, got=n,
-                              expected=f"1..{min(MAX_HEADER_BYTES, size - 8)}")
+            raise HeaderError(
+                "remote header length is not plausible",
+                path=where,
+                got=n,
+                expected=f"1..{min(MAX_HEADER_BYTES, size - 8)}",
+            )
         if 8 + n > len(head):
             head += self.read_bytes(path, len(head), 8 + n)
         return head, 8 + n
@@ -251,15 +268,17 @@ class FetchPlan:
             "bytes": self.data_bytes,
             "range_requests": sum(len(s.runs) for s in self.shards),
             "header_requests": self.header_requests,
-            "shards": {s.source: {"tensors": len(s.tensors), "bytes": s.data_bytes, "runs": len(s.runs)}
-                       for s in self.shards},
+            "shards": {
+                s.source: {"tensors": len(s.tensors), "bytes": s.data_bytes, "runs": len(s.runs)} for s in self.shards
+            },
             "side_files": self.side_files,
             "warnings": self.warnings,
         }
 
 
-def plan_fetch(listing: RepoListing, opts: TensorFetchOptions, *, token: str | None = None,
-               workers: int = 8) -> FetchPlan:
+def plan_fetch(
+    listing: RepoListing, opts: TensorFetchOptions, *, token: str | None = None, workers: int = 8
+) -> FetchPlan:
     """Read the index and the headers of the shards that hold wanted tensors; nothing else."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -280,8 +299,11 @@ def plan_fetch(listing: RepoListing, opts: TensorFetchOptions, *, token: str | N
         shards = sorted(f for f, names in by_file.items() if any(match(n) for n in names))
         unknown = [s for s in shards if s not in listing.files]
         if unknown:
-            raise HeaderError("the index names shards that are not in the repository",
-                              path=f"{listing.spec} {INDEX}", got=", ".join(unknown[:3]))
+            raise HeaderError(
+                "the index names shards that are not in the repository",
+                path=f"{listing.spec} {INDEX}",
+                got=", ".join(unknown[:3]),
+            )
     else:
         shards = weights
     with ThreadPoolExecutor(max_workers=max(1, min(workers, len(shards) or 1))) as pool:
@@ -305,17 +327,22 @@ def plan_fetch(listing: RepoListing, opts: TensorFetchOptions, *, token: str | N
     if want is not None:
         missing = sorted(want - found)
         if missing:
-            raise PlanError(f"{len(missing)} requested tensor(s) are not in the repository",
-                            path=f"{listing.spec}@{listing.commit[:12]}", tensor=missing[0],
-                            got=", ".join(missing[:5]), hint="the repo is not the model the plan expects")
+            raise PlanError(
+                f"{len(missing)} requested tensor(s) are not in the repository",
+                path=f"{listing.spec}@{listing.commit[:12]}",
+                tensor=missing[0],
+                got=", ".join(missing[:5]),
+                hint="the repo is not the model the plan expects",
+            )
     if not out:
-        raise PlanError("no tensor matches --tensors", path=str(listing.spec), got=", ".join(opts.names),
-                        hint="patterns are globs (model.layers.*.mlp.shared_expert.*) or re:REGEX")
-    side = [p for p in listing.files if not p.endswith(".safetensors") and p != INDEX
-            and not p.startswith(".")]
+        raise PlanError(
+            "no tensor matches --tensors",
+            path=str(listing.spec),
+            got=", ".join(opts.names),
+            hint="patterns are globs (model.layers.*.mlp.shared_expert.*) or re:REGEX",
+        )
+    side = [p for p in listing.files if not p.endswith(".safetensors") and p != INDEX and not p.startswith(".")]
     if opts.side_files is not None:
         keep = set(opts.side_files)
         side = [p for p in side if p in keep]
     return FetchPlan(listing, out, sorted(side), reader.stats.requests)
-
-

@@ -53,13 +53,16 @@ def parse_spec(spec: str, *, require_prefix: bool = True) -> HubSpec:
     """`hf:ORG/NAME[@REV]` (or `ORG/NAME[@REV]` when require_prefix is False) -> HubSpec."""
     text = spec
     if text.startswith(PREFIX):
-        text = text[len(PREFIX):]
+        text = text[len(PREFIX) :]
     elif require_prefix:
         raise UsageError("not a Hub source", got=spec, hint="write hf:ORG/NAME or hf:ORG/NAME@REVISION")
     repo, _, rev = text.partition("@")
     if not _REPO.match(repo) or (rev == "" and "@" in text):
-        raise UsageError("malformed Hub repository", got=spec,
-                         hint="write hf:ORG/NAME[@REVISION], e.g. hf:Qwen/Qwen3.5-397B-A17B@main")
+        raise UsageError(
+            "malformed Hub repository",
+            got=spec,
+            hint="write hf:ORG/NAME[@REVISION], e.g. hf:Qwen/Qwen3.5-397B-A17B@main",
+        )
     return HubSpec(repo, rev or None)
 
 
@@ -89,42 +92,70 @@ def hub_errors(spec: HubSpec | str, path: str | None = None) -> Iterator[None]:
     from huggingface_hub import errors as hfe
 
     where = f"{spec}" + (f" {path}" if path else "")
-    token_hint = ("log in with `hf auth login` or set HF_TOKEN to a token that can read the repo "
-                  "(for gated repos, accept the conditions on the model page first)")
+    token_hint = (
+        "log in with `hf auth login` or set HF_TOKEN to a token that can read the repo "
+        "(for gated repos, accept the conditions on the model page first)"
+    )
     try:
         yield
     except hfe.GatedRepoError as e:
-        raise HubError("the repository is gated and this token has no access", path=where, got=_status(e),
-                       hint=token_hint) from None
+        raise HubError(
+            "the repository is gated and this token has no access", path=where, got=_status(e), hint=token_hint
+        ) from None
     except hfe.RevisionNotFoundError as e:
-        raise HubError("revision not found", path=where, got=_status(e),
-                       hint="check the branch, tag or commit after '@' (hf:ORG/NAME@REV)") from None
+        raise HubError(
+            "revision not found",
+            path=where,
+            got=_status(e),
+            hint="check the branch, tag or commit after '@' (hf:ORG/NAME@REV)",
+        ) from None
     except (hfe.RemoteEntryNotFoundError, hfe.EntryNotFoundError) as e:
-        raise HubError("file not found in the repository", path=where, got=_status(e),
-                       hint="check the file name and the revision") from None
+        raise HubError(
+            "file not found in the repository", path=where, got=_status(e), hint="check the file name and the revision"
+        ) from None
     except hfe.RepositoryNotFoundError as e:
-        raise HubError("repository not found, or private and this token has no access", path=where,
-                       got=_status(e), hint="check ORG/NAME; " + token_hint) from None
+        raise HubError(
+            "repository not found, or private and this token has no access",
+            path=where,
+            got=_status(e),
+            hint="check ORG/NAME; " + token_hint,
+        ) from None
     except hfe.OfflineModeIsEnabled:
-        raise HubError("HF_HUB_OFFLINE is set, and this needs the Hub (nothing usable is cached for it)",
-                       path=where, hint="unset HF_HUB_OFFLINE, or run it once online first; a revision qtool "
-                       "has read before is used from the cache (pin it: hf:ORG/NAME@COMMIT)") from None
+        raise HubError(
+            "HF_HUB_OFFLINE is set, and this needs the Hub (nothing usable is cached for it)",
+            path=where,
+            hint="unset HF_HUB_OFFLINE, or run it once online first; a revision qtool "
+            "has read before is used from the cache (pin it: hf:ORG/NAME@COMMIT)",
+        ) from None
     except hfe.LocalEntryNotFoundError:
-        raise HubError("not in the local cache and the Hub cannot be reached", path=where,
-                       hint="check the network and HF_ENDPOINT, or unset HF_HUB_OFFLINE") from None
+        raise HubError(
+            "not in the local cache and the Hub cannot be reached",
+            path=where,
+            hint="check the network and HF_ENDPOINT, or unset HF_HUB_OFFLINE",
+        ) from None
     except hfe.HfHubHTTPError as e:
         code = _status(e)
         if code in (401, 403):
             raise HubError("access denied by the Hub", path=where, got=code, hint=token_hint) from None
-        raise HubError(f"the Hub answered an error: {str(e).splitlines()[0]}", path=where, got=code,
-                       hint="retry later; if it persists check HF_ENDPOINT and the repo page") from None
+        raise HubError(
+            f"the Hub answered an error: {str(e).splitlines()[0]}",
+            path=where,
+            got=code,
+            hint="retry later; if it persists check HF_ENDPOINT and the repo page",
+        ) from None
     except (httpx.TransportError, httpx.TooManyRedirects) as e:
-        raise HubError(f"network error talking to the Hub ({type(e).__name__}: {e})", path=where,
-                       hint="check the network, HF_ENDPOINT and proxies, then rerun (finished files are kept)") from None
+        raise HubError(
+            f"network error talking to the Hub ({type(e).__name__}: {e})",
+            path=where,
+            hint="check the network, HF_ENDPOINT and proxies, then rerun (finished files are kept)",
+        ) from None
     except OSError as e:
         if e.errno == errno.ENOSPC:
-            raise WriteError("no space left on device", path=getattr(e, "filename", None) or where,
-                             hint="free space, or point HF_HUB_CACHE / -o at a larger disk") from None
+            raise WriteError(
+                "no space left on device",
+                path=getattr(e, "filename", None) or where,
+                hint="free space, or point HF_HUB_CACHE / -o at a larger disk",
+            ) from None
         raise
 
 
@@ -158,9 +189,14 @@ def _status(e: Exception) -> int | None:
 # ---- the hook for other commands ------------------------------------------------------------------
 
 
-def resolve_checkpoint(spec: str | os.PathLike, *, tensors: Sequence[str] | None = None,
-                       allow_download: bool = True, token: str | None = None,
-                       progress: bool = False) -> Path:
+def resolve_checkpoint(
+    spec: str | os.PathLike,
+    *,
+    tensors: Sequence[str] | None = None,
+    allow_download: bool = True,
+    token: str | None = None,
+    progress: bool = False,
+) -> Path:
     """A checkpoint argument -> a local checkpoint directory.
 
     Local paths are returned unchanged (not even checked: Checkpoint.open reports those errors).
@@ -185,8 +221,14 @@ def subset_dir(repo_id: str, commit: str, names: Sequence[str]) -> Path:
     return cache_dir() / "hub" / repo_id.replace("/", "--") / commit / f"tensors-{key}"
 
 
-def fetch_tensor_subset(spec: HubSpec | str, names: Sequence[str], *, allow_download: bool = True,
-                        token: str | None = None, progress: bool = False) -> Path:
+def fetch_tensor_subset(
+    spec: HubSpec | str,
+    names: Sequence[str],
+    *,
+    allow_download: bool = True,
+    token: str | None = None,
+    progress: bool = False,
+) -> Path:
     """A local checkpoint (index + shards + config files) holding exactly the tensors `names` of the Hub
     repo, fetched by HTTP range requests; cached under $QTOOL_CACHE_DIR/hub/<org>--<name>/<commit>/.
     Every name must exist remotely (PlanError lists the missing ones)."""
@@ -202,8 +244,11 @@ def fetch_tensor_subset(spec: HubSpec | str, names: Sequence[str], *, allow_down
     if not allow_download:
         found = _cached_subset(hs, names)
         if found is None:
-            raise HubError("tensor subset is not cached and downloads are disabled", path=str(hs),
-                           hint="run once with network access (or `qtool download --tensors ...`)")
+            raise HubError(
+                "tensor subset is not cached and downloads are disabled",
+                path=str(hs),
+                hint="run once with network access (or `qtool download --tensors ...`)",
+            )
         return found
     from qtool.hub.download import _pin_ref
 
@@ -218,8 +263,9 @@ def fetch_tensor_subset(spec: HubSpec | str, names: Sequence[str], *, allow_down
     return out
 
 
-def fetch_tensor_patterns(spec: HubSpec | str, patterns: Sequence[str], *, token: str | None = None,
-                          progress: bool = False) -> Path:
+def fetch_tensor_patterns(
+    spec: HubSpec | str, patterns: Sequence[str], *, token: str | None = None, progress: bool = False
+) -> Path:
     """Like fetch_tensor_subset, with glob / `re:` patterns instead of exact names (what `assemble hybrid
     --bf16 hf:...` needs: the shared experts, chosen layers' experts and the MTP head of an 800 GB repo)."""
     from qtool.hub.download import repo_listing
@@ -258,14 +304,20 @@ def _cached_subset(hs: HubSpec, names: Sequence[str]) -> Path | None:
 def require_local(spec: str | os.PathLike) -> Path:
     """For commands that cannot take a Hub source: a clear error instead of 'not found: hf:...'."""
     if is_hub_spec(spec):
-        raise CheckpointError("this argument must be a local directory", got=str(spec),
-                              hint=f"download it first: qtool download {str(spec)[len(PREFIX):]} -o DIR")
+        raise CheckpointError(
+            "this argument must be a local directory",
+            got=str(spec),
+            hint=f"download it first: qtool download {str(spec)[len(PREFIX) :]} -o DIR",
+        )
     from qtool.io.manifest import cache_dir
 
     hub_cache = cache_dir() / "hub"
     if Path(os.path.realpath(spec)).is_relative_to(os.path.realpath(hub_cache)):
-        raise CheckpointError("this is qtool's cache of a Hub checkpoint, not a checkpoint of yours", path=spec,
-                              hint="download the repo (qtool download ORG/NAME -o DIR) and change that copy")
+        raise CheckpointError(
+            "this is qtool's cache of a Hub checkpoint, not a checkpoint of yours",
+            path=spec,
+            hint="download the repo (qtool download ORG/NAME -o DIR) and change that copy",
+        )
     from qtool.io.in_place import InPlaceDir
 
     InPlaceDir.recover(spec)  # a checkpoint an interrupted in-place swap left parked: put back first

@@ -13,17 +13,21 @@ from qtool.hub.download import RepoListing, download_files
 from qtool.hub.remote_safetensors import INDEX, FetchPlan, RangeReader, ShardFetch
 
 
-
 def hub_source(listing: RepoListing, paths) -> dict:
     """The manifest's source entry for a Hub repo at its commit: the fetched files' sha256 (LFS) and sizes."""
     paths = set(paths)
-    return {"path": f"hf:{listing.spec.repo_id}@{listing.commit}", "repo": listing.spec.repo_id,
-            "revision": listing.spec.revision, "commit": listing.commit,
-            "files": {p: {"sha256": f.sha256, "bytes": f.size} for p, f in listing.files.items() if p in paths}}
+    return {
+        "path": f"hf:{listing.spec.repo_id}@{listing.commit}",
+        "repo": listing.spec.repo_id,
+        "revision": listing.spec.revision,
+        "commit": listing.commit,
+        "files": {p: {"sha256": f.sha256, "bytes": f.size} for p, f in listing.files.items() if p in paths},
+    }
 
 
-def fetch_tensors(plan: FetchPlan, tx, *, token: str | None = None, progress: bool = False,
-                  command: str | None = None) -> dict:
+def fetch_tensors(
+    plan: FetchPlan, tx, *, token: str | None = None, progress: bool = False, command: str | None = None
+) -> dict:
     """Write the planned tensors as a checkpoint in the output transaction `tx` (qtool.io.output.OutputDir,
     entered: `OUT.partial/`, kept for --resume) through the shared executor; returns a report. Each shard
     is Produced: its header is known from the remote headers, its bytes come by range requests."""
@@ -33,25 +37,40 @@ def fetch_tensors(plan: FetchPlan, tx, *, token: str | None = None, progress: bo
 
     partial = tx.partial
     sides = download_files(plan.listing, plan.side_files, token=token) if plan.side_files else None
-    files: list = [Produced(s.source, [promised(t.name, t.dtype, t.shape, t.nbytes) for t in s.tensors], s.metadata)
-                   for s in plan.shards]
+    files: list = [
+        Produced(s.source, [promised(t.name, t.dtype, t.shape, t.nbytes) for t in s.tensors], s.metadata)
+        for s in plan.shards
+    ]
     files += [Link(f.path, str(f.local)) for f in (sides.files if sides else [])]
     weight_map = {t.name: s.source for s in plan.shards for t in s.tensors}
     files.append(Index(INDEX, weight_map, {"total_size": plan.data_bytes}))
     fetched = [s.source for s in plan.shards] + [f.path for f in (sides.files if sides else [])]
-    output = OutputPlan("download", files, sources={"hub": hub_source(plan.listing, fetched)},
-                        inputs=[str(f.local) for f in (sides.files if sides else [])],
-                        summary={"repo": plan.listing.spec.repo_id, "commit": plan.listing.commit})
-    report = {**plan.to_json(), "origins": {s.source: {"sha256": plan.listing.files[s.source].sha256,
-                                                        "runs": [list(r) for r in s.runs]} for s in plan.shards},
-              "side_file_digests": {f.path: f.digest for f in sides.files} if sides else {}}
+    output = OutputPlan(
+        "download",
+        files,
+        sources={"hub": hub_source(plan.listing, fetched)},
+        inputs=[str(f.local) for f in (sides.files if sides else [])],
+        summary={"repo": plan.listing.spec.repo_id, "commit": plan.listing.commit},
+    )
+    report = {
+        **plan.to_json(),
+        "origins": {
+            s.source: {"sha256": plan.listing.files[s.source].sha256, "runs": [list(r) for r in s.runs]}
+            for s in plan.shards
+        },
+        "side_file_digests": {f.path: f.digest for f in sides.files} if sides else {},
+    }
     # a resumed fetch continues only the same commit's bytes (a branch may have moved since)
     pinned = partial / ".qtool-download-commit"
 
     if pinned.exists() and pinned.read_text().strip() != plan.listing.commit:
-        raise WriteError("cannot resume: the unfinished download is of another commit", path=partial,
-                         expected=plan.listing.commit, got=pinned.read_text().strip(),
-                         hint=f"resume at that commit (REPO@{pinned.read_text().strip()}) or drop --resume")
+        raise WriteError(
+            "cannot resume: the unfinished download is of another commit",
+            path=partial,
+            expected=plan.listing.commit,
+            got=pinned.read_text().strip(),
+            hint=f"resume at that commit (REPO@{pinned.read_text().strip()}) or drop --resume",
+        )
     pinned.write_text(plan.listing.commit)
 
     run: dict = {"header_requests": report.pop("header_requests", None)}  # the header cache's doing
@@ -66,8 +85,9 @@ def fetch_tensors(plan: FetchPlan, tx, *, token: str | None = None, progress: bo
         pinned.unlink()
         return {}
 
-    write_output(output, tx, command=command, produce=produce, check=check,
-                 extra=lambda: {"download": report, RUN: run})
+    write_output(
+        output, tx, command=command, produce=produce, check=check, extra=lambda: {"download": report, RUN: run}
+    )
     return {**report, **run}
 
 
@@ -141,9 +161,13 @@ def _check_output(partial: Path, plan: FetchPlan) -> None:
         for t in s.tensors:
             got = ckpt.tensors.get(t.name)
             if got is None or got.nbytes != t.nbytes or got.dtype != t.dtype or got.shape != t.shape:
-                raise VerificationError("fetched tensor does not match the remote header", path=s.source,
-                                        tensor=t.name, expected=f"{t.dtype}{list(t.shape)} {t.nbytes} B",
-                                        got=None if got is None else f"{got.dtype}{list(got.shape)} {got.nbytes} B")
+                raise VerificationError(
+                    "fetched tensor does not match the remote header",
+                    path=s.source,
+                    tensor=t.name,
+                    expected=f"{t.dtype}{list(t.shape)} {t.nbytes} B",
+                    got=None if got is None else f"{got.dtype}{list(got.shape)} {got.nbytes} B",
+                )
 
 
 class _NoBar:

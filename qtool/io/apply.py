@@ -16,19 +16,33 @@ from __future__ import annotations
 import os
 import shutil
 import threading
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
 
 from qtool.errors import VerificationError, WriteError
 from qtool.io.files import LinkMode, fsync_path, hash_file, mount_point, new_file
 from qtool.io.identity import JOURNAL_NAME, Journal, input_identity
 from qtool.io.manifest import InputHasher, carried_files, previous_head, source_entry, write_manifest
 from qtool.io.output import MANIFEST_NAME, OutputDir, made_by_qtool, output_files
-from qtool.io.plan import (Copy, Index, Json, Link, OutputPlan, Pending, Produced, Remove, Shard, Text,
-                           index_map, index_text_of, resolve, tensors_of)
+from qtool.io.plan import (
+    Copy,
+    Index,
+    Json,
+    Link,
+    OutputPlan,
+    Pending,
+    Produced,
+    Remove,
+    Shard,
+    Text,
+    index_map,
+    index_text_of,
+    resolve,
+    tensors_of,
+)
 from qtool.io.writer import FileRange, build_header, write_shard
 from qtool.notices import tell
 
@@ -104,11 +118,13 @@ def check_space(plan: OutputPlan, tx: OutputDir, journal: Journal, *, tensor_ori
         tx.withdraw()
         mount = mount_point(tx.partial)
         raise WriteError(
-            "not enough free disk space for the output", path=tx.out,
+            "not enough free disk space for the output",
+            path=tx.out,
             expected=f"{_bytes(need + margin)} free ({_bytes(need)} of files, {_bytes(margin)} for the manifest "
-                     "and the filesystem's overhead)",
+            "and the filesystem's overhead)",
             got=f"{_bytes(have)} free on {mount}",
-            hint=tx.space_hint(_bytes(need + margin - have), mount, _copies_hint(plan, tx, copied)))
+            hint=tx.space_hint(_bytes(need + margin - have), mount, _copies_hint(plan, tx, copied)),
+        )
 
 
 def space_margin(plan: OutputPlan, new_files: int, tensor_origins: bool) -> int:
@@ -123,12 +139,21 @@ def _copies_hint(plan: OutputPlan, tx: OutputDir, copied: int) -> str | None:
     if not copied:
         return None
     if tx.placer.mode is LinkMode.COPY:
-        return (f"--link copy copies the {_bytes(copied)} of unchanged input files: without it they are linked "
-                "where the output is on the input's filesystem, taking no space")
-    linked_from = sorted({str(mount_point(Path(e.source))) for e in plan.entries(Link)
-                          if tx.placer.expect_new_bytes(e.source, tx.partial)})
-    return (f"{_bytes(copied)} of the files are copies of unchanged input files: an -o on the input's "
-            f"filesystem ({', '.join(linked_from)}) links them instead, taking no space")
+        return (
+            f"--link copy copies the {_bytes(copied)} of unchanged input files: without it they are linked "
+            "where the output is on the input's filesystem, taking no space"
+        )
+    linked_from = sorted(
+        {
+            str(mount_point(Path(e.source)))
+            for e in plan.entries(Link)
+            if tx.placer.expect_new_bytes(e.source, tx.partial)
+        }
+    )
+    return (
+        f"{_bytes(copied)} of the files are copies of unchanged input files: an -o on the input's "
+        f"filesystem ({', '.join(linked_from)}) links them instead, taking no space"
+    )
 
 
 def _bytes(n: int) -> str:
@@ -147,12 +172,23 @@ def _place(e, tx: OutputDir, values: dict, headers: _Countdown, stop: threading.
         headers.one()
         return method, None
     digest: list = []
-    got = write_shard(dst, resolve(tensors_of(e), values), e.metadata, on_header=headers.one, stop=stop,
-                      mode=tx.file_mode, on_digest=digest.append)  # fsynced
+    got = write_shard(
+        dst,
+        resolve(tensors_of(e), values),
+        e.metadata,
+        on_header=headers.one,
+        stop=stop,
+        mode=tx.file_mode,
+        on_digest=digest.append,
+    )  # fsynced
     if e.size is not None and got != e.size:
         digest[0].cancel()
-        raise WriteError("a written shard does not have its planned size (a qtool bug)", path=dst,
-                         expected=f"{e.size} bytes", got=f"{got} bytes")
+        raise WriteError(
+            "a written shard does not have its planned size (a qtool bug)",
+            path=dst,
+            expected=f"{e.size} bytes",
+            got=f"{got} bytes",
+        )
     return None, digest[0]
 
 
@@ -198,17 +234,32 @@ def check_written(plan: OutputPlan, partial: Path, kinds: tuple = (Produced,)) -
         want = [(t.name, t.dtype, tuple(t.shape)) for t in e.tensors]
         if got != want:
             i = next((i for i, (w, g) in enumerate(zip(want, got)) if w != g), min(len(want), len(got)))
-            raise VerificationError("a written shard is not what the plan promised (a qtool bug)", path=path,
-                                    expected=str(want[i]) if i < len(want) else "no more tensors",
-                                    got=str(got[i]) if i < len(got) else "no more tensors")
+            raise VerificationError(
+                "a written shard is not what the plan promised (a qtool bug)",
+                path=path,
+                expected=str(want[i]) if i < len(want) else "no more tensors",
+                got=str(got[i]) if i < len(got) else "no more tensors",
+            )
 
 
-def write_output(plan: OutputPlan, tx: OutputDir, *, command: str | None, values: dict | None = None,
-                 produce: Callable[[Callable[[str], None]], dict | None] | None = None, overlap: Callable[[], None] | None = None,
-                 on_headers: Callable[[], None] | None = None, check: Callable[[], dict] | None = None,
-                 extra: Callable[[], dict] | None = None, shards_section: Path | None = None,
-                 progress: bool = False, hash_from_reads: Iterable[str] = (), early_shards: bool = False,
-                 stop: threading.Event | None = None, hasher: InputHasher | None = None) -> Applied:
+def write_output(
+    plan: OutputPlan,
+    tx: OutputDir,
+    *,
+    command: str | None,
+    values: dict | None = None,
+    produce: Callable[[Callable[[str], None]], dict | None] | None = None,
+    overlap: Callable[[], None] | None = None,
+    on_headers: Callable[[], None] | None = None,
+    check: Callable[[], dict] | None = None,
+    extra: Callable[[], dict] | None = None,
+    shards_section: Path | None = None,
+    progress: bool = False,
+    hash_from_reads: Iterable[str] = (),
+    early_shards: bool = False,
+    stop: threading.Event | None = None,
+    hasher: InputHasher | None = None,
+) -> Applied:
     """Run `plan` in the open transaction `tx` and commit it.
 
     values: the bytes of the plan's Pending sources. produce(): the op's long work (calibration, quantized
@@ -251,9 +302,13 @@ def write_output(plan: OutputPlan, tx: OutputDir, *, command: str | None, values
             early = _early_shards(plan) if produce is not None and early_shards else set()
             writing = None
             if early:
-                writing = threading.Thread(target=_write_early, name="qtool-early-shards",
-                                           args=(plan, tx, journal, hasher, applied, stop, early))
+                writing = threading.Thread(
+                    target=_write_early,
+                    name="qtool-early-shards",
+                    args=(plan, tx, journal, hasher, applied, stop, early),
+                )
                 writing.start()
+
             def early_failed() -> None:
                 failed = getattr(writing, "error", None)
                 if failed is not None:  # an early shard's write failed: the producer stops where it asks
@@ -297,9 +352,11 @@ def write_output(plan: OutputPlan, tx: OutputDir, *, command: str | None, values
         files = _manifest(plan, tx, digests, command, applied.checks, shards_section, extra() if extra else {})
         if applied.checks and not applied.checks.get("passed", True):
             raise VerificationError(
-                f"the output failed its checks; it was left in {partial}", path=partial,
+                f"the output failed its checks; it was left in {partial}",
+                path=partial,
                 got=applied.checks.get("summary"),
-                hint="this is a qtool bug or an inconsistent source; see qtool-manifest.json there")
+                hint="this is a qtool bug or an inconsistent source; see qtool-manifest.json there",
+            )
         fsync_path(partial)
         # the inputs, links of which the output may hold, are the files the job read, unchanged: else it fails
         # naming the file, and nothing is published
@@ -357,8 +414,7 @@ def _remember_digests(root: Path, files: dict) -> None:
 
 
 def _early_shards(plan: OutputPlan) -> set[str]:
-    return {e.name for e in plan.entries(Shard)
-            if not any(isinstance(t.source, Pending) for t in tensors_of(e))}
+    return {e.name for e in plan.entries(Shard) if not any(isinstance(t.source, Pending) for t in tensors_of(e))}
 
 
 def _write_early(plan, tx, journal, hasher, applied, stop, names) -> None:
@@ -371,8 +427,20 @@ def _write_early(plan, tx, journal, hasher, applied, stop, names) -> None:
         me.error = e
 
 
-def _write_shards(plan, tx, journal, hasher, values, overlap, on_headers, applied, progress, stop,
-                  names: set[str] | None = None, skip: set[str] = frozenset()) -> None:
+def _write_shards(
+    plan,
+    tx,
+    journal,
+    hasher,
+    values,
+    overlap,
+    on_headers,
+    applied,
+    progress,
+    stop,
+    names: set[str] | None = None,
+    skip: set[str] = frozenset(),
+) -> None:
     """Write the plan's Link and Shard entries (`names`: only those, and no side files; `skip`: not those,
     written already) and, with every entry, its side files."""
     partial = tx.partial
@@ -390,8 +458,7 @@ def _write_shards(plan, tx, journal, hasher, values, overlap, on_headers, applie
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=sum(plan.file_size(e) for e in todo), unit="B", unit_scale=True, desc=plan.kind,
-                   leave=False)
+        bar = tqdm(total=sum(plan.file_size(e) for e in todo), unit="B", unit_scale=True, desc=plan.kind, leave=False)
     headers = _Countdown(len(todo))
     told = on_headers is None
     unrecorded: list = []  # written, not journaled: the input bytes they hold are not all hashed yet
@@ -422,7 +489,9 @@ def _write_shards(plan, tx, journal, hasher, values, overlap, on_headers, applie
                     applied.linked[method] = applied.linked.get(method, 0) + 1
                 size = (partial / e.name).stat().st_size
                 unrecorded.append((e, size, digest))
-                unrecorded = [(w, n, d) for w, n, d in unrecorded if not _journal_if_on_record(w, n, d, journal, hasher)]
+                unrecorded = [
+                    (w, n, d) for w, n, d in unrecorded if not _journal_if_on_record(w, n, d, journal, hasher)
+                ]
                 if bar is not None:
                     bar.update(size)
         except BaseException:
@@ -484,8 +553,10 @@ def kept_files(journal: Journal, partial: Path, names: list[str]) -> dict[str, s
     changed = [n for n in to_check if now[n] != recorded[n]]
     for n in changed:
         journal.done.pop(n)
-        tell(f"resuming: {partial / n} changed since it was written (its sha256 differs from the journal's); "
-             "it is written again")
+        tell(
+            f"resuming: {partial / n} changed since it was written (its sha256 differs from the journal's); "
+            "it is written again"
+        )
     return {n: recorded[n] for n in names if n not in changed}
 
 
@@ -517,13 +588,25 @@ def _recorded_link_digests(plan: OutputPlan, known: dict[str, str]) -> dict[str,
             recorded.update({str(root / rel): v for rel, v in files.items() if isinstance(v, dict)})
     for e in plan.entries(Link):
         rec = recorded.get(e.source)
-        if e.name not in known and rec and isinstance(rec.get("sha256"), str) and rec.get("bytes") == os.path.getsize(e.source):
+        if (
+            e.name not in known
+            and rec
+            and isinstance(rec.get("sha256"), str)
+            and rec.get("bytes") == os.path.getsize(e.source)
+        ):
             out[e.name] = rec["sha256"]
     return out
 
 
-def _manifest(plan: OutputPlan, tx: OutputDir, digests: dict[str, str], command: str | None, checks: dict,
-              shards_section: Path | None, run_extra: dict) -> None:
+def _manifest(
+    plan: OutputPlan,
+    tx: OutputDir,
+    digests: dict[str, str],
+    command: str | None,
+    checks: dict,
+    shards_section: Path | None,
+    run_extra: dict,
+) -> None:
     partial = tx.partial
     sources = {}
     for name, root in plan.sources.items():
@@ -543,14 +626,23 @@ def _manifest(plan: OutputPlan, tx: OutputDir, digests: dict[str, str], command:
         created = made_by_qtool(root)
     else:
         real = {os.path.realpath(f): d for f, d in digests.items()}
-        known = {e.name: real[os.path.realpath(e.source)] for e in plan.entries(Link)
-                 if os.path.realpath(e.source) in real}
-        known.update({os.path.relpath(f, partial): d for f, d in digests.items()
-                      if Path(f).is_relative_to(partial)})
+        known = {
+            e.name: real[os.path.realpath(e.source)] for e in plan.entries(Link) if os.path.realpath(e.source) in real
+        }
+        known.update({os.path.relpath(f, partial): d for f, d in digests.items() if Path(f).is_relative_to(partial)})
         known.update(_recorded_link_digests(plan, known))
         files = output_files(partial, known, skip=skip)
         created = True
-    write_manifest(partial / MANIFEST_NAME, kind=plan.kind, command=command, sources=sources,
-                   summary=plan.summary, checks=checks, files=files, extra=extra, created=created,
-                   shards_section=shards_section)
+    write_manifest(
+        partial / MANIFEST_NAME,
+        kind=plan.kind,
+        command=command,
+        sources=sources,
+        summary=plan.summary,
+        checks=checks,
+        files=files,
+        extra=extra,
+        created=created,
+        shards_section=shards_section,
+    )
     return files

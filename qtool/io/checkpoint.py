@@ -47,7 +47,6 @@ def reuse_opened() -> Iterator[dict]:
         _REUSED.reset(token)
 
 
-
 def _is_str_list(v) -> bool:
     return isinstance(v, list) and all(isinstance(x, str) for x in v)
 
@@ -67,43 +66,86 @@ _POS_INT_OR_NULL = (lambda v: v is None or _is_pos_int(v), "a positive integer o
 # Every config field qtool reads, with the JSON type its producers write (transformers' Qwen3.5 configs,
 # compressed-tensors' QuantizationConfig, ModelOpt's hf_quant_config.json): checked when the checkpoint is
 # opened, so a wrong type is a named error before any plan.
-CONFIG_TYPES = {"text_config": _OBJECT, "quantization_config": _OBJECT, "vision_config": _OBJECT_OR_NULL,
-                "architectures": _STR_LIST, "model_type": _STR}
+CONFIG_TYPES = {
+    "text_config": _OBJECT,
+    "quantization_config": _OBJECT,
+    "vision_config": _OBJECT_OR_NULL,
+    "architectures": _STR_LIST,
+    "model_type": _STR,
+}
 TEXT_CONFIG_TYPES = {
-    "num_hidden_layers": _POS_INT, "hidden_size": _POS_INT, "num_attention_heads": _POS_INT,
-    "num_key_value_heads": _POS_INT, "vocab_size": _POS_INT, "head_dim": _POS_INT_OR_NULL,
-    "num_experts": _POS_INT_OR_NULL, "num_experts_per_tok": _POS_INT_OR_NULL,
-    "moe_intermediate_size": _POS_INT_OR_NULL, "shared_expert_intermediate_size": _POS_INT_OR_NULL,
-    "intermediate_size": _POS_INT_OR_NULL, "full_attention_interval": _POS_INT_OR_NULL,
-    "mtp_num_hidden_layers": (lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0),
-                              "a non-negative integer or null"),
-    "linear_num_key_heads": _POS_INT_OR_NULL, "linear_num_value_heads": _POS_INT_OR_NULL,
-    "linear_key_head_dim": _POS_INT_OR_NULL, "linear_value_head_dim": _POS_INT_OR_NULL,
-    "layer_types": _STR_LIST, "model_type": _STR, "max_position_embeddings": _POS_INT_OR_NULL,
-    "rope_parameters": _OBJECT_OR_NULL, "rope_scaling": _OBJECT_OR_NULL,
+    "num_hidden_layers": _POS_INT,
+    "hidden_size": _POS_INT,
+    "num_attention_heads": _POS_INT,
+    "num_key_value_heads": _POS_INT,
+    "vocab_size": _POS_INT,
+    "head_dim": _POS_INT_OR_NULL,
+    "num_experts": _POS_INT_OR_NULL,
+    "num_experts_per_tok": _POS_INT_OR_NULL,
+    "moe_intermediate_size": _POS_INT_OR_NULL,
+    "shared_expert_intermediate_size": _POS_INT_OR_NULL,
+    "intermediate_size": _POS_INT_OR_NULL,
+    "full_attention_interval": _POS_INT_OR_NULL,
+    "mtp_num_hidden_layers": (
+        lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0),
+        "a non-negative integer or null",
+    ),
+    "linear_num_key_heads": _POS_INT_OR_NULL,
+    "linear_num_value_heads": _POS_INT_OR_NULL,
+    "linear_key_head_dim": _POS_INT_OR_NULL,
+    "linear_value_head_dim": _POS_INT_OR_NULL,
+    "layer_types": _STR_LIST,
+    "model_type": _STR,
+    "max_position_embeddings": _POS_INT_OR_NULL,
+    "rope_parameters": _OBJECT_OR_NULL,
+    "rope_scaling": _OBJECT_OR_NULL,
     "tie_word_embeddings": (lambda v: isinstance(v, bool), "true or false"),
 }
 # each entry of compressed-tensors' config_groups (compressed_tensors/quantization/quant_scheme.py)
-CONFIG_GROUP_TYPES = {"targets": _STR_LIST, "weights": _OBJECT_OR_NULL, "input_activations": _OBJECT_OR_NULL,
-                      "output_activations": _OBJECT_OR_NULL, "format": _STR_OR_NULL}
-# its QuantizationArgs (compressed_tensors/quantization/quant_args.py), for weights and activations
-QUANT_ARGS_TYPES = {"num_bits": _POS_INT, "type": _STR, "symmetric": (lambda v: isinstance(v, bool), "true or false"),
-                    "strategy": _STR_OR_NULL, "group_size": _POS_INT_OR_NULL, "dynamic": (
-                        lambda v: isinstance(v, (bool, str)), "true, false or a string such as \"local\"")}
-QUANT_CONFIG_TYPES = {
-    "quant_method": _STR, "format": _STR_OR_NULL, "config_groups": _OBJECT_OR_NULL,
-    "kv_cache_scheme": _OBJECT_OR_NULL, "ignore": _STR_LIST, "modules_to_not_convert": _STR_LIST,
-    "quant_algo": _STR_OR_NULL, "kv_cache_quant_algo": _STR_OR_NULL, "exclude_modules": _STR_LIST,
-    "quantization_status": _STR_OR_NULL, "producer": _OBJECT_OR_NULL,
+CONFIG_GROUP_TYPES = {
+    "targets": _STR_LIST,
+    "weights": _OBJECT_OR_NULL,
+    "input_activations": _OBJECT_OR_NULL,
+    "output_activations": _OBJECT_OR_NULL,
+    "format": _STR_OR_NULL,
 }
-HF_QUANT_TYPES = {"quant_algo": _STR_OR_NULL, "kv_cache_quant_algo": _STR_OR_NULL, "exclude_modules": _STR_LIST,
-                  "ignore": _STR_LIST, "group_size": _POS_INT_OR_NULL, "producer": _OBJECT_OR_NULL}
+# its QuantizationArgs (compressed_tensors/quantization/quant_args.py), for weights and activations
+QUANT_ARGS_TYPES = {
+    "num_bits": _POS_INT,
+    "type": _STR,
+    "symmetric": (lambda v: isinstance(v, bool), "true or false"),
+    "strategy": _STR_OR_NULL,
+    "group_size": _POS_INT_OR_NULL,
+    "dynamic": (lambda v: isinstance(v, (bool, str)), 'true, false or a string such as "local"'),
+}
+QUANT_CONFIG_TYPES = {
+    "quant_method": _STR,
+    "format": _STR_OR_NULL,
+    "config_groups": _OBJECT_OR_NULL,
+    "kv_cache_scheme": _OBJECT_OR_NULL,
+    "ignore": _STR_LIST,
+    "modules_to_not_convert": _STR_LIST,
+    "quant_algo": _STR_OR_NULL,
+    "kv_cache_quant_algo": _STR_OR_NULL,
+    "exclude_modules": _STR_LIST,
+    "quantization_status": _STR_OR_NULL,
+    "producer": _OBJECT_OR_NULL,
+}
+HF_QUANT_TYPES = {
+    "quant_algo": _STR_OR_NULL,
+    "kv_cache_quant_algo": _STR_OR_NULL,
+    "exclude_modules": _STR_LIST,
+    "ignore": _STR_LIST,
+    "group_size": _POS_INT_OR_NULL,
+    "producer": _OBJECT_OR_NULL,
+}
 
 
 def _checkpoints_inside(root: Path) -> str:
     """` (here: A, B)`: the folders in `root` that hold shards, for a user who named their parent."""
-    inside = sorted(d.name for d in root.iterdir() if d.is_dir() and (
-        (d / INDEX_NAME).is_file() or any(d.glob("*.safetensors"))))
+    inside = sorted(
+        d.name for d in root.iterdir() if d.is_dir() and ((d / INDEX_NAME).is_file() or any(d.glob("*.safetensors")))
+    )
     return f" (in this folder: {', '.join(inside[:5])}{', ...' if len(inside) > 5 else ''})" if inside else ""
 
 
@@ -120,10 +162,13 @@ def check_ignore_patterns(file: Path, prefix: str, obj: dict) -> None:
                 try:
                     re.compile(pattern[3:])
                 except re.error as e:
-                    raise ConfigError(f"{file.name}: {prefix}{key}[{i}] is not a valid regular expression ({e})",
-                                      path=file, got=pattern[:200],
-                                      hint=f"fix the pattern in {file.name} (escape literal brackets and dots: "
-                                      "re:.*mlp\\.gate$), or restore the file from the source repository") from None
+                    raise ConfigError(
+                        f"{file.name}: {prefix}{key}[{i}] is not a valid regular expression ({e})",
+                        path=file,
+                        got=pattern[:200],
+                        hint=f"fix the pattern in {file.name} (escape literal brackets and dots: "
+                        "re:.*mlp\\.gate$), or restore the file from the source repository",
+                    ) from None
 
 
 @dataclass
@@ -159,9 +204,7 @@ class Checkpoint:
             raise checkpoint_not_found(path)
         if root.is_file():
             if root.suffix != ".safetensors":
-                raise CheckpointError(
-                    "expected a checkpoint directory or a .safetensors file", path=root
-                )
+                raise CheckpointError("expected a checkpoint directory or a .safetensors file", path=root)
             files = [root.name]
             root = root.parent
             index = by_file = None
@@ -200,14 +243,17 @@ class Checkpoint:
         """The config values qtool relies on have the JSON types the producers write; anything else is a
         clear error naming the file and the key (not a TypeError deep inside a plan, and not a wrong value
         carried into an output). The table is CONFIG_TYPES below."""
+
         def check(file: str, obj: dict, prefix: str, rules) -> None:
             for key, (ok, want) in rules.items():
                 if key in obj and not ok(obj[key]):
                     got = obj[key]
-                    raise ConfigError(f"{file}: {prefix}{key} must be {want}", path=root / file,
-                                      got=f"{type(got).__name__} {got!r}"[:200],
-                                      hint=f"fix {prefix}{key} in {file} (or restore the file from the source "
-                                      "repository)")
+                    raise ConfigError(
+                        f"{file}: {prefix}{key} must be {want}",
+                        path=root / file,
+                        got=f"{type(got).__name__} {got!r}"[:200],
+                        hint=f"fix {prefix}{key} in {file} (or restore the file from the source repository)",
+                    )
 
         if config is not None:
             check(CONFIG_NAME, config, "", CONFIG_TYPES)
@@ -267,19 +313,26 @@ class Checkpoint:
         return os.path.basename(file_of(self.tensors, name))  # no TensorInfo: plans ask it of many tensors
 
 
-def check_checkpoint_dir(path: str | Path, flag: str, *, hint: str | None = None,
-                         missing: str = "checkpoint not found") -> None:
+def check_checkpoint_dir(
+    path: str | Path, flag: str, *, hint: str | None = None, missing: str = "checkpoint not found"
+) -> None:
     """`path` (given as `flag`) is a checkpoint directory: config.json and safetensors shards (an index or
     *.safetensors files). A named error before a plan names a file such as /etc/passwd as a source."""
     root = Path(path)
     if not root.exists():
         raise CheckpointError(f"{flag}: {missing}", path=root, hint=hint or "check the path")
     if not root.is_dir():
-        raise CheckpointError(f"{flag}: not a checkpoint directory (a file)", path=root,
-                              hint=hint or "pass the directory that holds config.json and the *.safetensors shards")
+        raise CheckpointError(
+            f"{flag}: not a checkpoint directory (a file)",
+            path=root,
+            hint=hint or "pass the directory that holds config.json and the *.safetensors shards",
+        )
     if not (root / CONFIG_NAME).is_file() or not ((root / INDEX_NAME).is_file() or any(root.glob("*.safetensors"))):
-        raise CheckpointError(f"{flag}: not a checkpoint directory (no config.json and *.safetensors shards)",
-                              path=root, hint=hint or "pass the directory that holds config.json and the shards")
+        raise CheckpointError(
+            f"{flag}: not a checkpoint directory (no config.json and *.safetensors shards)",
+            path=root,
+            hint=hint or "pass the directory that holds config.json and the shards",
+        )
 
 
 def _safe_shard_path(root: Path, rel: str, index_path: Path) -> Path:
@@ -313,16 +366,15 @@ def _in_hf_cache_blobs(root: Path, target: Path) -> bool:
     return target.parent == blobs
 
 
-def _load_indexed(root: Path, by_file: dict[str, list[str]] | None, check_file_sizes: bool = True
-                  ) -> tuple[TensorTable, dict[str, SafetensorsHeader]]:
+def _load_indexed(
+    root: Path, by_file: dict[str, list[str]] | None, check_file_sizes: bool = True
+) -> tuple[TensorTable, dict[str, SafetensorsHeader]]:
     """`by_file`: the index's weight_map as shard -> names (qtool.io.index_file). Each shard's names are
     dropped as soon as it is validated, so they never coexist in full with the table's own (the table
     says which shard holds each tensor)."""
     index_path = root / INDEX_NAME
     if not by_file:
-        raise CheckpointError(
-            "index has no weight_map", path=index_path, hint="the index is corrupt; re-download it"
-        )
+        raise CheckpointError("index has no weight_map", path=index_path, hint="the index is corrupt; re-download it")
     headers: dict[str, SafetensorsHeader] = {}
     tensors = TensorTable()
     for rel in sorted(by_file):
@@ -357,17 +409,21 @@ def _load_indexed(root: Path, by_file: dict[str, list[str]] | None, check_file_s
     return tensors, headers
 
 
-def _load_files(root: Path, files: list[str], check_file_sizes: bool = True
-                ) -> tuple[TensorTable, dict[str, SafetensorsHeader]]:
+def _load_files(
+    root: Path, files: list[str], check_file_sizes: bool = True
+) -> tuple[TensorTable, dict[str, SafetensorsHeader]]:
     tensors = TensorTable()
     headers: dict[str, SafetensorsHeader] = {}
     for rel in files:
         try:
             rel.encode("utf-8")
         except UnicodeEncodeError:
-            raise CheckpointError("a shard's file name is not UTF-8", path=root / rel.encode("utf-8", "replace").decode(),
-                                  got=ascii(rel), hint="rename the file (safetensors indexes and the engines use "
-                                  "UTF-8 names)") from None
+            raise CheckpointError(
+                "a shard's file name is not UTF-8",
+                path=root / rel.encode("utf-8", "replace").decode(),
+                got=ascii(rel),
+                hint="rename the file (safetensors indexes and the engines use UTF-8 names)",
+            ) from None
         header = read_header(root / rel, check_file_size=check_file_sizes)
         for name in header.tensors:
             if name in tensors:

@@ -24,7 +24,6 @@ from qtool.errors import QtoolError
 from qtool.io.files import open_regular
 from qtool.notices import tell
 
-
 # Entries kept: a 397B's input and outputs are ~200 files, so this is dozens of models' worth. Unbounded,
 # the cache grew by every file any run ever hashed (a day of this project's tests: 55k entries, 13 MB, of
 # which 97% named files long gone), and every job pays its load and save: 0.14 + 0.42 s on the 2-core VM.
@@ -38,7 +37,7 @@ def file_key(real: str, st: os.stat_result | None = None) -> str:
     return f"{real}|{st.st_dev}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}"
 
 
-def user_cache() -> "DigestCache":
+def user_cache() -> DigestCache:
     """The cache under qtool's cache dir (`$QTOOL_CACHE_DIR/sha256-cache.json`)."""
     from qtool.io.manifest import cache_dir
 
@@ -77,8 +76,10 @@ def _read_bounded(path: Path) -> bytes | None:
     try:
         size = os.fstat(fd).st_size
         if size > MAX_BYTES:
-            tell(f"warning: the sha256 cache is {size} bytes, more than qtool ever writes ({path}): ignored; "
-                 "remove it (qtool writes a new one)")
+            tell(
+                f"warning: the sha256 cache is {size} bytes, more than qtool ever writes ({path}): ignored; "
+                "remove it (qtool writes a new one)"
+            )
             return None
         return os.pread(fd, size + 1, 0)[:MAX_BYTES]
     except OSError:

@@ -15,10 +15,10 @@ import hashlib
 import os
 import stat
 import threading
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
-from typing import Iterable, Iterator
 
 from qtool.errors import UsageError, WriteError
 
@@ -57,8 +57,11 @@ def require_text_path(path: str | Path, flag: str) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError:
         shown = os.fsencode(text).decode("utf-8", "backslashreplace")
-        raise UsageError(f"{flag}: the path is not UTF-8 text (qtool writes it into its output)", got=shown,
-                         hint="rename the file or directory to a UTF-8 name") from None
+        raise UsageError(
+            f"{flag}: the path is not UTF-8 text (qtool writes it into its output)",
+            got=shown,
+            hint="rename the file or directory to a UTF-8 name",
+        ) from None
 
 
 def open_new(path: str | Path, mode: int = 0o644) -> int:
@@ -131,6 +134,8 @@ def tmp_path(path: str | Path) -> Path:
     """The hidden temporary name next to `path` that a file is written under before its rename."""
     path = Path(path)
     return path.with_name("." + path.name + TMP_SUFFIX)
+
+
 INPUT_DIGESTS = ".qtool-input-digests.jsonl"  # qtool.io.manifest.InputHasher's record, in OUT.partial/
 
 
@@ -175,8 +180,9 @@ class Placer:
     """Puts unchanged input files into an output: the only link/copy helper. `auto` remembers what
     failed, so a 100-shard job probes each method once (several writer threads share one Placer)."""
 
-    def __init__(self, mode: LinkMode = LinkMode.AUTO, stop: threading.Event | None = None,
-                 file_mode: int = 0o644) -> None:
+    def __init__(
+        self, mode: LinkMode = LinkMode.AUTO, stop: threading.Event | None = None, file_mode: int = 0o644
+    ) -> None:
         self.mode = LinkMode(mode)
         self.stop = stop  # copies end early (writer.Interrupted) once set
         self.file_mode = file_mode
@@ -262,8 +268,11 @@ def open_regular(path: str | Path, what: str = "file", error: type | None = None
     if not stat.S_ISREG(mode):
         os.close(fd)
         kind = "a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) else "a device or socket"
-        raise err(f"{what} is {kind}, not a regular file", path=path,
-                  hint="replace it with the real file (qtool reads only regular files)")
+        raise err(
+            f"{what} is {kind}, not a regular file",
+            path=path,
+            hint="replace it with the real file (qtool reads only regular files)",
+        )
     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
     return fd
 
@@ -330,8 +339,15 @@ def hash_fd(fd: int, path: str, chunk: int = 8 << 20, stop: threading.Event | No
     return h.hexdigest()
 
 
-def link_tree(src: Path, dst: Path, placer: Placer, *, keep_existing: bool = False,
-              skip: Iterable[str] = (), relative_links: bool = False) -> None:
+def link_tree(
+    src: Path,
+    dst: Path,
+    placer: Placer,
+    *,
+    keep_existing: bool = False,
+    skip: Iterable[str] = (),
+    relative_links: bool = False,
+) -> None:
     """Place every file under `src` at the same relative path under `dst`: symlinks (to files or
     directories) as links, made absolute unless `relative_links` (dst a sibling of src, where relative
     targets resolve alike: an HF snapshot's `../../blobs/...`); with `keep_existing`, files already at

@@ -6,8 +6,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from qtool.errors import WriteError
 
@@ -91,9 +91,11 @@ def refuse_changed_inputs(recorded: dict, now: dict, partial: Path) -> None:
     if changed:
         raise WriteError(
             f"cannot resume: {len(changed)} input file(s) changed since the interrupted run",
-            path=changed[0], got=", ".join(changed[:3]),
+            path=changed[0],
+            got=", ".join(changed[:3]),
             hint=f"run again without --resume to start over (the unfinished output {partial} would mix old "
-            "and new inputs)")
+            "and new inputs)",
+        )
 
 
 JOURNAL_NAME = ".qtool-journal.jsonl"  # in the partial output (qtool.io.apply keeps it)
@@ -131,9 +133,12 @@ class Journal:
             if head.get("plan_hash") != plan_hash:
                 raise WriteError(
                     "cannot resume: the unfinished output was started with a different plan",
-                    path=path.parent, expected=f"plan {plan_hash[:16]}", got=f"plan {str(head.get('plan_hash'))[:16]}",
+                    path=path.parent,
+                    expected=f"plan {plan_hash[:16]}",
+                    got=f"plan {str(head.get('plan_hash'))[:16]}",
                     hint="run the same command as before (same sources, options and inputs), or drop "
-                    "--resume to start over")
+                    "--resume to start over",
+                )
             refuse_changed_inputs(head.get("inputs") or {}, inputs, path.parent)
             for line in lines[1:]:
                 try:

@@ -71,8 +71,12 @@ class InPlaceDir(OutputDir):
         qtool's old name and its complete new state in the partial directory: finish the swap (called
         before the checkpoint is opened, so that "not found" never hides the data)."""
         tx = cls(root)
-        if (not os.path.lexists(tx.out) and (tx.old / SWAPPED_MARKER).exists() and tx.partial.is_dir()
-                and not (tx.partial / cls.BUILDING).exists()):
+        if (
+            not os.path.lexists(tx.out)
+            and (tx.old / SWAPPED_MARKER).exists()
+            and tx.partial.is_dir()
+            and not (tx.partial / cls.BUILDING).exists()
+        ):
             with tx.lock:
                 os.rename(tx.partial, tx.out)
                 remove_parked(tx.old)
@@ -82,18 +86,28 @@ class InPlaceDir(OutputDir):
             raise WriteError("the checkpoint to change in place is not a directory", path=self.out)
         parent = self.out.parent
         if not os.access(parent, os.W_OK | os.X_OK) or not os.access(self.out, os.W_OK | os.X_OK):
-            raise WriteError("the checkpoint (or the directory holding it) is not writable", path=self.out,
-                             hint="in-place work builds the new state beside the checkpoint and swaps it in: "
-                             "fix the permissions, or write a new checkpoint with -o instead")
+            raise WriteError(
+                "the checkpoint (or the directory holding it) is not writable",
+                path=self.out,
+                hint="in-place work builds the new state beside the checkpoint and swaps it in: "
+                "fix the permissions, or write a new checkpoint with -o instead",
+            )
         if os.stat(self.out).st_dev != os.stat(parent).st_dev:
-            raise WriteError("the checkpoint is a mount point: its new state cannot be built beside it",
-                             path=self.out, hint="write a new checkpoint with -o instead")
+            raise WriteError(
+                "the checkpoint is a mount point: its new state cannot be built beside it",
+                path=self.out,
+                hint="write a new checkpoint with -o instead",
+            )
 
     def _clear_stale(self) -> None:
         remove_parked(self.old)  # a swap whose clean-up was interrupted
         marked = (self.out / SWAPPED_MARKER).exists()  # a run killed in its commit, just before the swap
-        if (marked and os.path.isdir(self.partial) and not (self.partial / self.BUILDING).exists()
-                and not (self.partial / SWAPPED_MARKER).exists()):
+        if (
+            marked
+            and os.path.isdir(self.partial)
+            and not (self.partial / self.BUILDING).exists()
+            and not (self.partial / SWAPPED_MARKER).exists()
+        ):
             shutil.rmtree(self.partial)  # that run's finished new state, never swapped in: ours, unused
         if marked:
             (self.out / SWAPPED_MARKER).unlink()
@@ -107,10 +121,13 @@ class InPlaceDir(OutputDir):
         self.lock.release()
 
     PREPARE_FAILED = "cannot prepare the in-place change"
+
     def space_hint(self, short: str, mount: Path, copies: str | None) -> str:
         """Its unchanged files are links already: only the rewritten ones need room, beside the checkpoint."""
-        return (f"free {short} more on the checkpoint's filesystem ({mount}): the files this run rewrites are "
-                "written beside it; or write the result elsewhere with -o")
+        return (
+            f"free {short} more on the checkpoint's filesystem ({mount}): the files this run rewrites are "
+            "written beside it; or write the result elsewhere with -o"
+        )
 
     def _prepare(self) -> None:
         self._clear_stale()
@@ -161,8 +178,14 @@ class InPlaceDir(OutputDir):
             if entry.name in done and entry.is_file():
                 continue
             shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
-        link_tree(self.out, self.partial, Placer(LinkMode.HARDLINK), skip=(SWAPPED_MARKER,), relative_links=True,
-                  keep_existing=True)
+        link_tree(
+            self.out,
+            self.partial,
+            Placer(LinkMode.HARDLINK),
+            skip=(SWAPPED_MARKER,),
+            relative_links=True,
+            keep_existing=True,
+        )
 
     def commit(self) -> None:
         self.sweep()

@@ -44,10 +44,14 @@ def read_index(path: Path) -> tuple[dict, dict[str, list[str]] | None]:
     by_file: dict[str, list[str]] = {}
     for name, rel in wm.items():
         if not isinstance(rel, str):
-            raise ConfigError("safetensors index: a weight_map value is not a shard file name", path=path,
-                              tensor=name, got=f"{type(rel).__name__} {rel!r}",
-                              hint="each weight_map entry maps a tensor to its shard's file name (a string); "
-                              "restore the index from the source repository")
+            raise ConfigError(
+                "safetensors index: a weight_map value is not a shard file name",
+                path=path,
+                tensor=name,
+                got=f"{type(rel).__name__} {rel!r}",
+                hint="each weight_map entry maps a tensor to its shard's file name (a string); "
+                "restore the index from the source repository",
+            )
         by_file.setdefault(rel, []).append(name)
     return index, by_file
 

@@ -137,10 +137,12 @@ class InputFiles:
 
     def _refuse_changed(self, f: OpenInput) -> None:
         if _changed(f):
-            raise InputChanged("an input file changed while the job read it: the output would belong to no "
-                               "version of it", path=f.path,
-                               hint="run again once nothing writes the input (a download, a sync, a copy "
-                               "into the checkpoint); the output was not published")
+            raise InputChanged(
+                "an input file changed while the job read it: the output would belong to no version of it",
+                path=f.path,
+                hint="run again once nothing writes the input (a download, a sync, a copy "
+                "into the checkpoint); the output was not published",
+            )
 
     def close(self) -> None:
         with self.lock:

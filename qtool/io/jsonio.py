@@ -30,6 +30,7 @@ except ImportError:  # orjson is a declared dependency; an environment without i
     def dumps_compact(obj) -> str:
         return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
 
+
 loads = _loads  # bytes or str -> object, the fast parser where there is one
 
 
@@ -94,8 +95,11 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     try:
         data = text.encode("utf-8")
     except UnicodeEncodeError:  # a name with non-UTF-8 bytes in the text: the commands refuse those up front
-        raise WriteError("the text to write holds a name that is not UTF-8 (a file or directory name with other "
-                         "bytes)", path=path, hint="rename the input or output to a UTF-8 name") from None
+        raise WriteError(
+            "the text to write holds a name that is not UTF-8 (a file or directory name with other bytes)",
+            path=path,
+            hint="rename the input or output to a UTF-8 name",
+        ) from None
     atomic_write_bytes(path, data)
 
 
@@ -129,7 +133,5 @@ def write_json(path: str | Path, obj: dict, style: JsonStyle | None = None) -> N
 
 def unified_diff(old: str, new: str, name: str) -> str:
     return "".join(
-        difflib.unified_diff(
-            old.splitlines(keepends=True), new.splitlines(keepends=True), f"a/{name}", f"b/{name}"
-        )
+        difflib.unified_diff(old.splitlines(keepends=True), new.splitlines(keepends=True), f"a/{name}", f"b/{name}")
     )

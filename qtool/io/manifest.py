@@ -33,8 +33,15 @@ from qtool.io.input_files import InputFiles
 from qtool.io.stream_digest import StreamDigests
 from qtool.redact import SECRET_FLAGS, redact_argv, redact_json, redact_text, without_secrets  # noqa: F401
 
-LIBRARIES = ("transformers", "safetensors", "torch", "nvidia-modelopt", "compressed-tensors", "llmcompressor",
-             "huggingface_hub")
+LIBRARIES = (
+    "transformers",
+    "safetensors",
+    "torch",
+    "nvidia-modelopt",
+    "compressed-tensors",
+    "llmcompressor",
+    "huggingface_hub",
+)
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -53,6 +60,7 @@ def library_versions() -> dict[str, str | None]:
 # The manifest section that may differ between two runs of the same job: timings, cache hits, retries,
 # resume counters. Every other section of a resumed run's manifest equals an uninterrupted run's.
 RUN = "run"
+
 
 # secrets: one redaction for every printed or written text (qtool/redact.py); re-exported for callers
 def command_line(argv: list[str] | None) -> str | None:
@@ -78,9 +86,13 @@ class InputHasher:
 
     CHUNK = 8 << 20
 
-    def __init__(self, workers: int = max(2, min(8, (os.cpu_count() or 2) // 2)), trust_cache: bool = True,
-                 record: Path | None = None,
-                 from_reads=()) -> None:
+    def __init__(
+        self,
+        workers: int = max(2, min(8, (os.cpu_count() or 2) // 2)),
+        trust_cache: bool = True,
+        record: Path | None = None,
+        from_reads=(),
+    ) -> None:
         self.pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="qtool-sha256")
         self._stop = threading.Event()  # set by close: the pool's hashes stop within a chunk
         self.futures: dict[str, Future] = {}
@@ -105,9 +117,14 @@ class InputHasher:
         # from_reads: the input files the job reads (a layer stream's shards), hashed from those reads
         # (qtool.io.stream_digest), not read a second time; `finish_streams` hashes what the job did not read
         self.from_reads = {os.path.realpath(f) for f in from_reads}
-        self.streams = StreamDigests(on_snapshot=self._note_prefixes if record is not None else None,
-                                     settled=self._settled if record is not None else None) \
-            if self.from_reads or record is not None else None
+        self.streams = (
+            StreamDigests(
+                on_snapshot=self._note_prefixes if record is not None else None,
+                settled=self._settled if record is not None else None,
+            )
+            if self.from_reads or record is not None
+            else None
+        )
         self._trailing: list[Future] = []  # output digests computed by their writers (HashedWrites)
         self._inputs: list[Future] = []  # the pool's input digests (recorded before their future is done)
         self._streamed: dict[str, tuple[str, os.stat_result]] = {}  # path -> (real path, stat when submitted)
@@ -124,18 +141,21 @@ class InputHasher:
         put back. An input whose digest the interrupted run had not recorded yet is refused, except one
         hashed from the job's reads: the finished units used only the prefix whose digest it recorded (none
         if it recorded none), which the resumed run checks as it hashes the file again."""
-        missing = sorted(p for p in inputs if os.path.realpath(p) not in self.recorded
-                         and os.path.realpath(p) not in self.from_reads)
+        missing = sorted(
+            p for p in inputs if os.path.realpath(p) not in self.recorded and os.path.realpath(p) not in self.from_reads
+        )
         if missing:
             from qtool.errors import WriteError
 
-            raise WriteError(f"cannot resume: the interrupted run stopped before it had hashed {len(missing)} "
-                             "input file(s), so an edit since then cannot be ruled out", path=missing[0],
-                             got=", ".join(missing[:3]),
-                             hint=f"run again without --resume (it starts over; the unfinished {partial} is "
-                             "replaced)")
+            raise WriteError(
+                f"cannot resume: the interrupted run stopped before it had hashed {len(missing)} "
+                "input file(s), so an edit since then cannot be ruled out",
+                path=missing[0],
+                got=", ".join(missing[:3]),
+                hint=f"run again without --resume (it starts over; the unfinished {partial} is replaced)",
+            )
 
-    def submit_output(self, path: str, sha256: "str | Future | None" = None) -> None:
+    def submit_output(self, path: str, sha256: str | Future | None = None) -> None:
         """Hash a file qtool just wrote (never cached: its digest is what the manifest promises), unless its
         writer hashed the bytes it wrote (`sha256`: the digest, or a Future of it that may hold None: then
         the file is hashed here after all)."""
@@ -227,18 +247,16 @@ class InputHasher:
         return self._note(path, digest)
 
     def _note_prefixes(self, prefixes: dict[str, tuple[int, str]]) -> None:
-        with self.lock:
-            with open(self.record, "a", encoding="utf-8") as f:
-                for real, (n, sha) in sorted(prefixes.items()):
-                    f.write(json.dumps({"path": real, "prefix": n, "sha256": sha}) + "\n")
+        with self.lock, open(self.record, "a", encoding="utf-8") as f:
+            for real, (n, sha) in sorted(prefixes.items()):
+                f.write(json.dumps({"path": real, "prefix": n, "sha256": sha}) + "\n")
 
     def _note(self, path: str, digest: str) -> str:
         """Record an input's digest (before its future is done: `_settled` relies on that)."""
         real = os.path.realpath(path)
         if self.record is not None and real not in self.recorded and real not in self.changed:
-            with self.lock:
-                with open(self.record, "a", encoding="utf-8") as f:
-                    f.write(json.dumps({"path": real, "sha256": digest}) + "\n")
+            with self.lock, open(self.record, "a", encoding="utf-8") as f:
+                f.write(json.dumps({"path": real, "sha256": digest}) + "\n")
         return digest
 
     def _hash(self, path: str, real: str) -> str:
@@ -262,10 +280,12 @@ class InputHasher:
         if changed:
             from qtool.errors import WriteError
 
-            raise WriteError(f"cannot finish the resumed run: {len(changed)} input file(s) changed since the "
-                             "interrupted run", path=changed[0], got=", ".join(changed[:3]),
-                             hint="run again without --resume to start over (the unfinished output would mix "
-                             "old and new inputs)")
+            raise WriteError(
+                f"cannot finish the resumed run: {len(changed)} input file(s) changed since the interrupted run",
+                path=changed[0],
+                got=", ".join(changed[:3]),
+                hint="run again without --resume to start over (the unfinished output would mix old and new inputs)",
+            )
         self.files.check()  # every digest is of one unchanged file: only then may the cache learn them
         self.refresh(out)
         return out
@@ -343,8 +363,10 @@ def write_shards_section(path: Path, shards, roots: dict[str, Path]) -> None:
     with open(path, "w", encoding="utf-8") as f:
         f.write(' "shards": {')
         for i, s in enumerate(shards):
-            f.write(("," if i else "") + f"\n  {json.dumps(s.name)}: {{\"action\": {json.dumps(s.action.value)}, "
-                    "\"tensors\": {")
+            f.write(
+                ("," if i else "") + f'\n  {json.dumps(s.name)}: {{"action": {json.dumps(s.action.value)}, '
+                '"tensors": {'
+            )
             for j, t in enumerate(s.tensors):
                 o = t.origin
                 key = (o.source, o.file)
@@ -376,9 +398,19 @@ def placed_digests(root: Path, names, digests: dict[str, str]) -> dict[str, str]
     return {n: real[os.path.realpath(root / n)] for n in names if os.path.realpath(root / n) in real}
 
 
-def write_manifest(path: Path, *, kind: str, command: str | None, sources: dict[str, dict],
-                   summary: dict, checks: dict, files: dict[str, dict] | None = None,
-                   shards_section: Path | None = None, extra: dict | None = None, created: bool = True) -> None:
+def write_manifest(
+    path: Path,
+    *,
+    kind: str,
+    command: str | None,
+    sources: dict[str, dict],
+    summary: dict,
+    checks: dict,
+    files: dict[str, dict] | None = None,
+    shards_section: Path | None = None,
+    extra: dict | None = None,
+    created: bool = True,
+) -> None:
     """Write THE manifest (every command's, one schema) to `path`, fsynced: qtool_version, operation,
     command (secrets redacted), libraries, sources ({name: {path, files: {rel: {sha256, bytes}}}}),
     summary, checks, `files` (every output file's sha256 and size, what `verify --deep` compares),
@@ -419,8 +451,7 @@ def read_manifest(path: str | Path) -> dict:
     return json.loads(Path(path).read_text())
 
 
-def carried_files(partial: Path, root: Path, changed: set[str], known: dict[str, str] | None = None
-                  ) -> dict[str, dict]:
+def carried_files(partial: Path, root: Path, changed: set[str], known: dict[str, str] | None = None) -> dict[str, dict]:
     """The manifest's `files` for in-place work (root's new state built in `partial`): every file with its
     sha256, so that `verify --deep` can check each one. Changed files are hashed; unchanged ones (links of
     root's) take the digest this run already has for root's file (`known`: real path -> sha256), else the

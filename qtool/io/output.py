@@ -31,8 +31,8 @@ import re
 import shutil
 import stat
 import threading
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 from qtool.errors import QtoolError, UsageError, WriteError
 from qtool.io.files import INPUT_DIGESTS, TMP_SUFFIX, LinkMode, Placer, fsync_path, hash_file, write_error
@@ -67,8 +67,11 @@ def remove_parked(path: Path) -> None:
     if not os.path.lexists(path):
         return
     if path.is_symlink() or not path.is_dir() or not (path / SWAPPED_MARKER).exists():
-        raise WriteError("a directory at a name qtool uses for replaced outputs was not made by qtool",
-                         path=path, hint="move it away")
+        raise WriteError(
+            "a directory at a name qtool uses for replaced outputs was not made by qtool",
+            path=path,
+            hint="move it away",
+        )
     remove_marker_last(path, SWAPPED_MARKER)
 
 
@@ -79,11 +82,21 @@ def remove_ours(path: Path) -> None:
     directory the next run still knows as qtool's and finishes removing."""
     if not os.path.lexists(path):
         return
-    if path.is_symlink() or not path.is_dir() or (any(path.iterdir()) and not (path / PARTIAL_MARKER).exists()
-                                                  and not (path / REMOVING_MARKER).exists()
-                                                  and not made_by_qtool(path)):
-        raise WriteError("a directory in qtool's way was not made by qtool", path=path,
-                         hint="move it away (qtool uses this name for its unfinished output)")
+    if (
+        path.is_symlink()
+        or not path.is_dir()
+        or (
+            any(path.iterdir())
+            and not (path / PARTIAL_MARKER).exists()
+            and not (path / REMOVING_MARKER).exists()
+            and not made_by_qtool(path)
+        )
+    ):
+        raise WriteError(
+            "a directory in qtool's way was not made by qtool",
+            path=path,
+            hint="move it away (qtool uses this name for its unfinished output)",
+        )
     (path / REMOVING_MARKER).touch()
     fsync_path(path)
     remove_marker_last(path, REMOVING_MARKER)
@@ -126,8 +139,11 @@ def check_no_overlap(out: Path, sources: Iterable[Path], *, what: str = "-o") ->
     for src in sources:
         r = Path(os.path.realpath(src))
         if out_real == r or r in out_real.parents or out_real in r.parents:
-            raise UsageError(f"the output directory overlaps an input ({r})", path=out,
-                             hint=f"choose an {what} outside every input directory")
+            raise UsageError(
+                f"the output directory overlaps an input ({r})",
+                path=out,
+                hint=f"choose an {what} outside every input directory",
+            )
 
 
 MANIFEST_HEAD = ("qtool_version", "operation", "command", "libraries", "sources", "summary", "checks")
@@ -162,8 +178,12 @@ def not_ours_reason(path: Path) -> str | None:
         m = loads(read_regular(path / MANIFEST_NAME))
     except (QtoolError, ValueError):
         return f"its {MANIFEST_NAME} is not a qtool manifest (unreadable or not JSON)"
-    if not isinstance(m, dict) or any(k not in m for k in MANIFEST_HEAD) or not isinstance(m.get("files"), dict) \
-            or not m["files"]:
+    if (
+        not isinstance(m, dict)
+        or any(k not in m for k in MANIFEST_HEAD)
+        or not isinstance(m.get("files"), dict)
+        or not m["files"]
+    ):
         return f"its {MANIFEST_NAME} is not a qtool manifest (the fields qtool writes are missing)"
     if m.get("created_by_qtool") is not True:
         return "qtool changed this checkpoint in place: it stays yours"
@@ -201,9 +221,13 @@ def check_not_in_hub_cache(out: Path, what: str = "-o") -> None:
         pass
     for d in (real, *real.parents):
         if _HUB_REPO_DIR.match(d.name) or d in roots:
-            raise UsageError(f"{what} lies inside a Hugging Face cache", path=out, got=str(d),
-                             hint=f"choose an {what} outside the cache (qtool reads the cache as it is: pass the "
-                             "snapshot directory itself as an input)")
+            raise UsageError(
+                f"{what} lies inside a Hugging Face cache",
+                path=out,
+                got=str(d),
+                hint=f"choose an {what} outside the cache (qtool reads the cache as it is: pass the "
+                "snapshot directory itself as an input)",
+            )
 
 
 def unlisted_files(path: Path) -> list[str]:
@@ -213,8 +237,9 @@ def unlisted_files(path: Path) -> list[str]:
     from qtool.io.files import read_regular
 
     try:
-        record = json.loads(read_regular(path / (STEP_MARKER if os.path.lexists(path / STEP_MARKER)
-                                                 else MANIFEST_NAME)))
+        record = json.loads(
+            read_regular(path / (STEP_MARKER if os.path.lexists(path / STEP_MARKER) else MANIFEST_NAME))
+        )
         listed = set(record["files"])
     except (QtoolError, ValueError, KeyError, TypeError):
         return []  # not qtool's: check_replaceable refuses it on that ground
@@ -240,27 +265,35 @@ def check_replaceable(out: Path, *, force: bool, any_owner: bool = False) -> Non
     if not os.path.lexists(out):
         return
     if not out.is_dir() or out.is_symlink():
-        raise WriteError("the output path exists and is not a directory qtool made", path=out,
-                         hint="choose another -o; qtool never replaces it")
+        raise WriteError(
+            "the output path exists and is not a directory qtool made",
+            path=out,
+            hint="choose another -o; qtool never replaces it",
+        )
     if not any(out.iterdir()):
         return  # an empty directory (e.g. made by `mkdir` first): nothing to lose
     why = None if any_owner else not_ours_reason(out)
     if why is not None:
-        raise WriteError(f"the output directory exists and was not made by qtool ({why})",
-                         path=out, hint="choose another -o; qtool replaces only directories it made, "
-                         "even with --force")
+        raise WriteError(
+            f"the output directory exists and was not made by qtool ({why})",
+            path=out,
+            hint="choose another -o; qtool replaces only directories it made, even with --force",
+        )
     if not force:
-        raise WriteError("output already exists", path=out,
-                         hint="choose another -o, or pass --force to replace it")
+        raise WriteError("output already exists", path=out, hint="choose another -o, or pass --force to replace it")
     unlisted = [] if any_owner else unlisted_files(out)
     if unlisted:
         shown = ", ".join(unlisted[:5]) + (f" and {len(unlisted) - 5} more" if len(unlisted) > 5 else "")
-        raise WriteError(f"the output directory holds files its {MANIFEST_NAME} does not list: {shown}", path=out,
-                         hint="move them out of it (replacing the output would delete them), or choose another -o")
+        raise WriteError(
+            f"the output directory holds files its {MANIFEST_NAME} does not list: {shown}",
+            path=out,
+            hint="move them out of it (replacing the output would delete them), or choose another -o",
+        )
 
 
-def check_file_output(out: Path, *, sources: Iterable[Path], force: bool, ours: Callable[[bytes], bool],
-                      what: str = "-o") -> None:
+def check_file_output(
+    out: Path, *, sources: Iterable[Path], force: bool, ours: Callable[[bytes], bool], what: str = "-o"
+) -> None:
     """The directory contract's promises for a one-file output (`report -o`, `eval kld --emit-windows`):
     never a path that is or lies inside a source (symlinks resolved); an existing file is replaced only
     with --force and only when `ours(its first 4 KiB)` says qtool wrote it; a FIFO, a directory or a
@@ -270,32 +303,49 @@ def check_file_output(out: Path, *, sources: Iterable[Path], force: bool, ours: 
     for src in sources:
         r = Path(os.path.realpath(src))
         if out_real == r or r in out_real.parents:
-            raise UsageError(f"{what} lies inside an input ({r})", path=out,
-                             hint=f"choose an {what} outside every input")
+            raise UsageError(
+                f"{what} lies inside an input ({r})", path=out, hint=f"choose an {what} outside every input"
+            )
     check_not_in_hub_cache(out, what)
     if not os.path.lexists(out):
         parent = out_real.parent
         if not parent.is_dir():
             raise WriteError("the output's directory does not exist", path=parent, hint="create it first")
         if not os.access(parent, os.W_OK | os.X_OK):
-            raise WriteError("the output's directory is not writable", path=parent,
-                             hint=f"choose another {what}, or fix the directory's permissions")
+            raise WriteError(
+                "the output's directory is not writable",
+                path=parent,
+                hint=f"choose another {what}, or fix the directory's permissions",
+            )
         return
     st = os.lstat(out)
     if not stat.S_ISREG(st.st_mode):
-        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a symlink" if stat.S_ISLNK(st.st_mode) else (
-            "a FIFO" if stat.S_ISFIFO(st.st_mode) else "not a regular file")
-        raise WriteError(f"the output path exists and is {kind}", path=out,
-                         hint=f"choose another {what}; qtool replaces only regular files it wrote")
+        kind = (
+            "a directory"
+            if stat.S_ISDIR(st.st_mode)
+            else "a symlink"
+            if stat.S_ISLNK(st.st_mode)
+            else ("a FIFO" if stat.S_ISFIFO(st.st_mode) else "not a regular file")
+        )
+        raise WriteError(
+            f"the output path exists and is {kind}",
+            path=out,
+            hint=f"choose another {what}; qtool replaces only regular files it wrote",
+        )
     from qtool.io.files import open_regular
 
     with os.fdopen(open_regular(out, "the output file"), "rb") as f:
         head = f.read(4096)
     if not ours(head):
-        raise WriteError("the output file exists and was not written by qtool", path=out,
-                         hint=f"choose another {what}; qtool replaces only files it wrote, even with --force")
+        raise WriteError(
+            "the output file exists and was not written by qtool",
+            path=out,
+            hint=f"choose another {what}; qtool replaces only files it wrote, even with --force",
+        )
     if not force:
-        raise WriteError("output already exists", path=out, hint=f"choose another {what}, or pass --force to replace it")
+        raise WriteError(
+            "output already exists", path=out, hint=f"choose another {what}, or pass --force to replace it"
+        )
 
 
 # ---- one writer at a time --------------------------------------------------------------------------
@@ -310,25 +360,32 @@ class OutputLock:
         self.target = target
         self.fd: int | None = None
 
-    def acquire(self) -> "OutputLock":
+    def acquire(self) -> OutputLock:
         for _ in range(5):
             try:
                 # O_NOFOLLOW: a symlink planted at the lock's name must not lead the pid write elsewhere
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
             except OSError as e:
-                raise write_error("cannot create the output's lock file (a symlink or unwritable there?)", e,
-                                  self.path) from None
+                raise write_error(
+                    "cannot create the output's lock file (a symlink or unwritable there?)", e, self.path
+                ) from None
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 os.close(fd)
-                raise WriteError("the output's lock file is not a regular file", path=self.path,
-                                 hint="remove it (qtool creates it as a plain file)")
+                raise WriteError(
+                    "the output's lock file is not a regular file",
+                    path=self.path,
+                    hint="remove it (qtool creates it as a plain file)",
+                )
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
                 os.close(fd)
-                raise WriteError(f"another qtool run (pid {holder}) is writing this output", path=self.target,
-                                 hint="wait for it to finish, or choose another output directory") from None
+                raise WriteError(
+                    f"another qtool run (pid {holder}) is writing this output",
+                    path=self.target,
+                    hint="wait for it to finish, or choose another output directory",
+                ) from None
             try:
                 same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
             except FileNotFoundError:
@@ -352,7 +409,7 @@ class OutputLock:
         os.close(self.fd)
         self.fd = None
 
-    def __enter__(self) -> "OutputLock":
+    def __enter__(self) -> OutputLock:
         return self.acquire()
 
     def __exit__(self, *exc) -> None:
@@ -408,16 +465,27 @@ class OutputDir:
 
     in_place = False
 
-    def __init__(self, out: str | Path, *, sources: Iterable[str | Path] = (), force: bool = False,
-                 resume: bool = False, link: LinkMode = LinkMode.AUTO, stop: threading.Event | None = None,
-                 file_mode: int | None = None, replace_any: bool = False, lock: OutputLock | None = None) -> None:
+    def __init__(
+        self,
+        out: str | Path,
+        *,
+        sources: Iterable[str | Path] = (),
+        force: bool = False,
+        resume: bool = False,
+        link: LinkMode = LinkMode.AUTO,
+        stop: threading.Event | None = None,
+        file_mode: int | None = None,
+        replace_any: bool = False,
+        lock: OutputLock | None = None,
+    ) -> None:
         self.out = Path(os.path.abspath(out))
         self.partial = partial_path(self.out)
         self.old = old_path(self.out)
         self.sources = [Path(s) for s in sources]
         self.force, self.resume = force, resume
-        self.file_mode = file_mode if file_mode is not None else (
-            source_file_mode(self.sources[0]) if self.sources else 0o644)
+        self.file_mode = (
+            file_mode if file_mode is not None else (source_file_mode(self.sources[0]) if self.sources else 0o644)
+        )
         self.placer = Placer(link, stop, self.file_mode)
         self.input_digests = self.partial / INPUT_DIGESTS
         # `lock`: OUT's lock, held by the caller for longer than this transaction (a build's whole run)
@@ -439,8 +507,11 @@ class OutputDir:
         if not self.replace_any:  # (qtool's own cache and step directories are never in a Hub cache)
             check_not_in_hub_cache(self.out)
         if self.resume and self.out.exists() and not self.partial.exists() and not self.force:
-            raise WriteError("nothing to resume: the output is already complete", path=self.out,
-                             hint="remove it or pass --force to build it again")
+            raise WriteError(
+                "nothing to resume: the output is already complete",
+                path=self.out,
+                hint="remove it or pass --force to build it again",
+            )
         check_replaceable(self.out, force=self.force, any_owner=self.replace_any)
         parent = Path(os.path.abspath(self.out)).parent
         while not parent.exists() and parent != parent.parent:
@@ -448,10 +519,13 @@ class OutputDir:
         if not parent.is_dir():
             raise WriteError("the output's parent is not a directory", path=parent, hint="choose another -o")
         if not os.access(parent, os.W_OK | os.X_OK):
-            raise WriteError("the output's directory is not writable", path=parent,
-                             hint="choose another -o or fix the directory's permissions")
+            raise WriteError(
+                "the output's directory is not writable",
+                path=parent,
+                hint="choose another -o or fix the directory's permissions",
+            )
 
-    def __enter__(self) -> "OutputDir":
+    def __enter__(self) -> OutputDir:
         self.check()
         try:
             self.out.parent.mkdir(parents=True, exist_ok=True)
@@ -508,7 +582,7 @@ class OutputDir:
                 return
             forget(self)
 
-    def begin(self) -> "OutputDir":
+    def begin(self) -> OutputDir:
         """`with`-less use: enter now; `commit()` releases the lock (so does the process's exit)."""
         return self.__enter__()
 
@@ -584,8 +658,10 @@ def tell_discarded(partial: Path, out: Path) -> None:
     if not units and not layers:
         return  # nothing finished there: nothing a user would miss
     done = f"{units} unit(s)" if units else f"{layers} layer(s)"
-    tell(f"starting over: {partial} (an interrupted run's, {done} finished) is discarded; "
-         f"run with --resume instead to continue it")
+    tell(
+        f"starting over: {partial} (an interrupted run's, {done} finished) is discarded; "
+        f"run with --resume instead to continue it"
+    )
 
 
 def _layers_done(journal: Path) -> int:
@@ -596,8 +672,9 @@ def _layers_done(journal: Path) -> int:
         return 0
 
 
-def output_files(root: Path, known: dict[str, str] | None = None, skip: Iterable[str] = (MANIFEST_NAME,)
-                 ) -> dict[str, dict]:
+def output_files(
+    root: Path, known: dict[str, str] | None = None, skip: Iterable[str] = (MANIFEST_NAME,)
+) -> dict[str, dict]:
     """rel path -> {sha256, bytes} of every file under `root` (the manifest's `files`); `known` gives
     digests already computed (a linked input's, or one hashed while it was written)."""
     known = known or {}
@@ -609,5 +686,3 @@ def output_files(root: Path, known: dict[str, str] | None = None, skip: Iterable
             continue
         out[rel] = {"sha256": known.get(rel) or hash_file(p), "bytes": p.stat().st_size}
     return out
-
-

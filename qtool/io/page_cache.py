@@ -22,8 +22,10 @@ class _Range(ctypes.Structure):
 
 
 class _Stat(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_uint64) for name in
-                ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")]
+    _fields_ = [
+        (name, ctypes.c_uint64)
+        for name in ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")
+    ]
 
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -41,8 +43,12 @@ def resident(fd: int, offset: int, length: int) -> bool:
         return False
     first, end = offset // _PAGE, -(-(offset + length) // _PAGE)
     rng, st = _Range(first * _PAGE, (end - first) * _PAGE), _Stat()
-    if _libc.syscall(ctypes.c_long(_SYS_CACHESTAT), ctypes.c_int(fd), ctypes.byref(rng), ctypes.byref(st),
-                     ctypes.c_uint(0)) != 0:
+    if (
+        _libc.syscall(
+            ctypes.c_long(_SYS_CACHESTAT), ctypes.c_int(fd), ctypes.byref(rng), ctypes.byref(st), ctypes.c_uint(0)
+        )
+        != 0
+    ):
         # ENOSYS: no cachestat in this kernel (nor will there be for the next file). EPERM is the file's:
         # like mincore, cachestat answers only a caller who may write the file or owns it
         if ctypes.get_errno() == errno.ENOSYS:

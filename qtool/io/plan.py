@@ -20,9 +20,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, NamedTuple, Sequence, Union
+from typing import NamedTuple, Union
 
 from qtool.io.jsonio import JsonStyle, dumps
 from qtool.io.output import RECORDS
@@ -50,7 +51,7 @@ class Shard(NamedTuple):
     name: str
     # a list, or a function that makes it when the writer starts: a 397B plan keeps its ~370k tensors as
     # table rows (qtool.ops.assemble.model.PlannedShard) rather than as objects
-    tensors: Union[Sequence[OutTensor], Callable[[], list[OutTensor]]]
+    tensors: Sequence[OutTensor] | Callable[[], list[OutTensor]]
     metadata: dict | None = None
     size: int | None = None  # the file's size when the planner already knows it
 
@@ -77,7 +78,7 @@ class Index(NamedTuple):
     same text as json.dumps(indent=2), streamed: a 397B index has ~370k entries)."""
 
     name: str
-    weight_map: Union[dict, Callable[[], dict]]  # or a function that makes it when it is written
+    weight_map: dict | Callable[[], dict]  # or a function that makes it when it is written
     metadata: dict
 
 
@@ -104,8 +105,11 @@ def checkpoint_files(root: Path) -> list[tuple[str, Path]]:
             continue
         if not p.is_file():
             kind = "a dangling symlink or a symlink loop" if p.is_symlink() else "a FIFO, a device or a socket"
-            raise CheckpointError(f"{p.relative_to(root).as_posix()} is {kind}, not a regular file", path=p,
-                                  hint="replace it with the real file, or remove it from the checkpoint")
+            raise CheckpointError(
+                f"{p.relative_to(root).as_posix()} is {kind}, not a regular file",
+                path=p,
+                hint="replace it with the real file, or remove it from the checkpoint",
+            )
         out.append((p.relative_to(root).as_posix(), p))
     return out
 
@@ -199,8 +203,16 @@ class OutputPlan:
 
     def describe(self) -> dict:
         """What --dry-run prints: each file with what it will be."""
-        how = {Link: "unchanged", Copy: "copied", Shard: "written", Produced: "computed", Json: "written",
-               Text: "written", Index: "written", Remove: "removed"}
+        how = {
+            Link: "unchanged",
+            Copy: "copied",
+            Shard: "written",
+            Produced: "computed",
+            Json: "written",
+            Text: "written",
+            Index: "written",
+            Remove: "removed",
+        }
         out: dict[str, list[str]] = {}
         for e in self.files:
             out.setdefault(how[type(e)], []).append(e.name)
@@ -240,9 +252,9 @@ def _tensor_keys(tensors: list[OutTensor], paths: dict[str, str]) -> str:
             f = paths.get(src.file)
             if f is None:
                 f = paths[src.file] = enc(os.path.abspath(src.file))
-            key = f"[\"range\", {f}, {src.start}, {src.end}]"
+            key = f'["range", {f}, {src.start}, {src.end}]'
         elif isinstance(src, Pending) and type(src.key) is str and type(src.nbytes) is int:
-            key = f"[\"pending\", {enc(src.key)}, {src.nbytes}]"
+            key = f'["pending", {enc(src.key)}, {src.nbytes}]'
         else:
             key = None
         if text is None or key is None or type(t.name) is not str or type(t.dtype) is not str:
@@ -273,8 +285,9 @@ def resolve(tensors: list[OutTensor], values: dict[str, bytes]) -> list[OutTenso
     return out
 
 
-def header_checkpoint(root: Path, plan: OutputPlan, config: dict | None, hf_quant_config: dict | None = None,
-                      *, as_written: bool = False):
+def header_checkpoint(
+    root: Path, plan: OutputPlan, config: dict | None, hf_quant_config: dict | None = None, *, as_written: bool = False
+):
     """A Checkpoint of the planned output made from the plan alone (nothing written yet): every shard with
     the header the writer will give it; a tensor copied from a source points at the source's bytes (so it
     can be read), a new one at its planned place in the output. Lets a decide step compute what depends on
@@ -298,8 +311,9 @@ def header_checkpoint(root: Path, plan: OutputPlan, config: dict | None, hf_quan
                 rows = range(first, len(table))
             else:
                 path, rows = h.path, table.extend(h.tensors)
-            headers[e.name] = SafetensorsHeader(path, h.header_len, h.data_start, h.file_size, h.metadata,
-                                                table.slice(rows))
+            headers[e.name] = SafetensorsHeader(
+                path, h.header_len, h.data_start, h.file_size, h.metadata, table.slice(rows)
+            )
         elif isinstance(e, (Shard, Produced)):
             tensors = tensors_of(e)
             head = len(build_header(tensors, e.metadata))
@@ -311,8 +325,10 @@ def header_checkpoint(root: Path, plan: OutputPlan, config: dict | None, hf_quan
                 else:
                     table.add(t.name, path, t.dtype, tuple(t.shape), offset, offset + src.nbytes)
                 offset += src.nbytes
-            headers[e.name] = SafetensorsHeader(path, head - 8, head, offset, dict(e.metadata or {}),
-                                                table.slice(range(first, len(table))))
+            headers[e.name] = SafetensorsHeader(
+                path, head - 8, head, offset, dict(e.metadata or {}), table.slice(range(first, len(table)))
+            )
             plan._shard_sizes[e.name] = offset  # the header was built for its length: file_size's answer
-    return Checkpoint(root=Path(root), tensors=table, headers=headers, index=None, config=config,
-                      hf_quant_config=hf_quant_config)
+    return Checkpoint(
+        root=Path(root), tensors=table, headers=headers, index=None, config=config, hf_quant_config=hf_quant_config
+    )

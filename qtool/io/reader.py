@@ -36,7 +36,7 @@ def read_floats(info: TensorInfo) -> list[float]:
     if fmt is not None:
         return list(struct.unpack(f"<{info.numel}{fmt}", raw))
     if info.dtype == "BF16":
-        return [struct.unpack("<f", b"\x00\x00" + raw[i:i + 2])[0] for i in range(0, len(raw), 2)]
+        return [struct.unpack("<f", b"\x00\x00" + raw[i : i + 2])[0] for i in range(0, len(raw), 2)]
     raise ValueError(f"{info.name}: unsupported float dtype {info.dtype}")
 
 

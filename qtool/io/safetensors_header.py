@@ -94,9 +94,13 @@ def parse_header_bytes(path: str, raw: bytes, file_size: int | None) -> Safetens
     bad = sorted(k for k, v in metadata.items() if not isinstance(v, str))
     if bad:
         # safetensors (Rust: HashMap<String, String>) refuses such a header; so would every copy of it
-        raise HeaderError("__metadata__ values must be strings", path=path, tensor=f"__metadata__.{bad[0]}",
-                          got=type(metadata[bad[0]]).__name__,
-                          hint="re-save the shard with string metadata values (safetensors.torch.save_file)")
+        raise HeaderError(
+            "__metadata__ values must be strings",
+            path=path,
+            tensor=f"__metadata__.{bad[0]}",
+            got=type(metadata[bad[0]]).__name__,
+            hint="re-save the shard with string metadata values (safetensors.torch.save_file)",
+        )
     data_size = None if file_size is None else file_size - data_start
     limit = data_size if data_size is not None else float("inf")
     tensors = TensorTable()

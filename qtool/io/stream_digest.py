@@ -125,7 +125,7 @@ class FileDigest:
                     return
                 kind, a, b = step
                 if kind == "hash":  # a queued piece at the cursor: hash it outside the lock
-                    self._update(b[self.cursor - a:])
+                    self._update(b[self.cursor - a :])
                     with self.cond:
                         self.queued -= len(b)
                         self.cond.notify_all()

@@ -78,8 +78,21 @@ def tensor_rows(tensors: Mapping[str, TensorInfo]) -> Iterator[tuple[str, str, s
 
 
 class TensorTable(Mapping):
-    __slots__ = ("_row", "_names", "_file", "_dtype", "_shape", "_start", "_end",
-                 "files", "dtypes", "shapes", "_file_ix", "_dtype_ix", "_shape_ix")
+    __slots__ = (
+        "_row",
+        "_names",
+        "_file",
+        "_dtype",
+        "_shape",
+        "_start",
+        "_end",
+        "files",
+        "dtypes",
+        "shapes",
+        "_file_ix",
+        "_dtype_ix",
+        "_shape_ix",
+    )
 
     def __init__(self) -> None:
         self._row: dict[str, int] = {}  # name -> row
@@ -154,8 +167,14 @@ class TensorTable(Mapping):
         return self._names[row]
 
     def info(self, row: int) -> TensorInfo:
-        return TensorInfo(self._names[row], self.files[self._file[row]], self.dtypes[self._dtype[row]],
-                          self.shapes[self._shape[row]], self._start[row], self._end[row])
+        return TensorInfo(
+            self._names[row],
+            self.files[self._file[row]],
+            self.dtypes[self._dtype[row]],
+            self.shapes[self._shape[row]],
+            self._start[row],
+            self._end[row],
+        )
 
     def start_at(self, row: int) -> int:
         return self._start[row]

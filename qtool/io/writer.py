@@ -10,9 +10,10 @@ import math
 import os
 import struct
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Callable, NamedTuple, Union
+from typing import NamedTuple, Union
 
 from qtool.errors import CheckpointError
 from qtool.io.checkpoint import INDEX_NAME
@@ -96,8 +97,14 @@ SHORT_COPY = 64 << 20
 COPY_CHUNK = 256 << 20  # per copy_file_range call: also how often a stop request is looked at
 
 
-def copy_range(src_fd: int, dst_fd: int, start: int, count: int, stop: threading.Event | None = None,
-               copied: Callable[[], None] | None = None) -> None:
+def copy_range(
+    src_fd: int,
+    dst_fd: int,
+    start: int,
+    count: int,
+    stop: threading.Event | None = None,
+    copied: Callable[[], None] | None = None,
+) -> None:
     """Kernel-side copy (copy_file_range: reflinks on btrfs/xfs, no user-space buffers); falls back to
     a chunked read/write where the kernel or filesystem refuses. Raises Interrupted between chunks once
     `stop` is set; calls `copied()` after each chunk (a hash trailing the copy reads what it wrote)."""
@@ -218,8 +225,14 @@ class HashedWrites:
     # thread on the 2-core VM, 16 MiB pieces hashed at 0.62 GB/s, 64 MiB at 0.85 (alone: 0.97-0.99)
     READ = 64 << 20
 
-    def __init__(self, f, depth: int | None = None, path: str | os.PathLike | None = None, read: int | None = None,
-                 keep_pace: bool = False) -> None:
+    def __init__(
+        self,
+        f,
+        depth: int | None = None,
+        path: str | os.PathLike | None = None,
+        read: int | None = None,
+        keep_pace: bool = False,
+    ) -> None:
         import hashlib
         from collections import deque
 
@@ -315,8 +328,11 @@ class HashedWrites:
                 pos = self.trailing_from
                 while True:
                     with self.cond:
-                        while pos >= self.flushed and not (self.closed and self.flushed == self.written) \
-                                and not self.cancelled:
+                        while (
+                            pos >= self.flushed
+                            and not (self.closed and self.flushed == self.written)
+                            and not self.cancelled
+                        ):
                             self.cond.wait()
                         if self.cancelled:
                             return
@@ -324,7 +340,7 @@ class HashedWrites:
                     while pos < upto and not self.cancelled:
                         if buf is None:
                             buf = memoryview(bytearray(self.read))  # one buffer, not a new bytes per read
-                        n = os.preadv(fd, [buf[:min(self.read, upto - pos)]], pos)
+                        n = os.preadv(fd, [buf[: min(self.read, upto - pos)]], pos)
                         if not n:
                             raise OSError(f"{self.path}: shorter than the {upto} bytes written")
                         self.h.update(buf[:n])
@@ -355,8 +371,11 @@ class HashedWrites:
             if self.flushed != self.written:  # a seek or a write past this object: no digest of the file
                 self.cancelled = True
                 if not self.future.done():
-                    self.future.set_exception(OSError(
-                        f"{self.path}: the file holds {self.flushed} bytes, {self.written} were written in order"))
+                    self.future.set_exception(
+                        OSError(
+                            f"{self.path}: the file holds {self.flushed} bytes, {self.written} were written in order"
+                        )
+                    )
             self.closed = True
             self.cond.notify()
         return self.future
@@ -394,9 +413,15 @@ class _Digest(Future):
 TRAILING_COPY_READ = 8 << 20  # the hash trailing a copied shard reads this much at a time (write_shard)
 
 
-def write_shard(path: str | Path, tensors: list[OutTensor], metadata: dict[str, str] | None = None,
-                on_header: Callable[[], None] | None = None, stop: threading.Event | None = None,
-                mode: int = 0o644, on_digest: Callable[[object], None] | None = None) -> int:
+def write_shard(
+    path: str | Path,
+    tensors: list[OutTensor],
+    metadata: dict[str, str] | None = None,
+    on_header: Callable[[], None] | None = None,
+    stop: threading.Event | None = None,
+    mode: int = 0o644,
+    on_digest: Callable[[object], None] | None = None,
+) -> int:
     """Write a shard as a NEW file (an existing file or link at `path` is unlinked, never written
     through: qtool.io.files.open_new); returns its size. fsyncs before returning. `on_header` is called
     once the header is written (readable by others), before the tensor data. Once `stop` is set the copy
@@ -436,7 +461,9 @@ def write_shard(path: str | Path, tensors: list[OutTensor], metadata: dict[str, 
                     # a short range without the kernel's read-ahead: it would fetch up to 8 MiB of the
                     # neighbours (another layer, read already), evicted again from a page cache too small
                     # for the input; a long one keeps it (the copy's own pace)
-                    os.posix_fadvise(fds[run[0]], 0, 0, os.POSIX_FADV_RANDOM if n < SHORT_COPY else os.POSIX_FADV_NORMAL)
+                    os.posix_fadvise(
+                        fds[run[0]], 0, 0, os.POSIX_FADV_RANDOM if n < SHORT_COPY else os.POSIX_FADV_NORMAL
+                    )
                     copy_range(fds[run[0]], dst, run[1], n, stop, hashing.grew if hashing is not None else None)
                     run.clear()
 
@@ -473,8 +500,9 @@ def write_shard(path: str | Path, tensors: list[OutTensor], metadata: dict[str, 
     return path.stat().st_size
 
 
-def write_shard_atomic(path: str | Path, tensors: list[OutTensor], metadata: dict[str, str] | None = None,
-                       mode: int = 0o644) -> int:
+def write_shard_atomic(
+    path: str | Path, tensors: list[OutTensor], metadata: dict[str, str] | None = None, mode: int = 0o644
+) -> int:
     """write_shard to a temporary name next to `path`, then rename: readers see the old shard or the new
     one, never a partial one (the temporary file is removed on failure)."""
     from qtool.io.files import tmp_path
@@ -528,7 +556,7 @@ def index_text(weight_map: dict[str, str], metadata: dict):
     names = sorted(weight_map)
     step = 4096
     for i in range(0, len(names), step):
-        lines = ",\n".join(f"    {enc(n)}: {enc(weight_map[n])}" for n in names[i:i + step])
+        lines = ",\n".join(f"    {enc(n)}: {enc(weight_map[n])}" for n in names[i : i + step])
         yield ("{\n" if i == 0 else ",\n") + lines
     yield "\n  }\n}\n"
 
@@ -552,8 +580,7 @@ def write_index(root: str | Path, weight_map: dict[str, str], metadata: dict | N
     root = Path(root)
     total = sum((root / f).stat().st_size for f in set(weight_map.values()))
     extra = {k: v for k, v in (metadata or {}).items() if k != "total_size"}
-    (root / INDEX_NAME).write_text("".join(index_text(weight_map, {**extra, "total_size": total})),
-                                   encoding="utf-8")
+    (root / INDEX_NAME).write_text("".join(index_text(weight_map, {**extra, "total_size": total})), encoding="utf-8")
 
 
 def append_shard(root: str | Path, tensors: list[OutTensor]) -> None:
@@ -588,11 +615,21 @@ def append_shard(root: str | Path, tensors: list[OutTensor]) -> None:
 
 def parse_size(text: str) -> int:
     """'5GB', '500MB', '4GiB', '1234' -> bytes."""
-    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    units = {
+        "": 1,
+        "B": 1,
+        "KB": 10**3,
+        "MB": 10**6,
+        "GB": 10**9,
+        "TB": 10**12,
+        "KIB": 2**10,
+        "MIB": 2**20,
+        "GIB": 2**30,
+        "TIB": 2**40,
+    }
     s = text.strip().upper()
     num = s.rstrip("KMGTIB")
-    unit = s[len(num):]
+    unit = s[len(num) :]
     if unit not in units or not num:
         raise ValueError(f"not a size: {text!r} (e.g. 5GB, 500MB, 4GiB)")
     return int(float(num) * units[unit])

@@ -60,8 +60,9 @@ class _RecipeLoader(yaml.SafeLoader):
 
     def construct_bounded_number(self, node):
         if len(node.value) > MAX_NUMBER_CHARS:
-            raise _Refused(f"a number of {len(node.value)} characters (at most {MAX_NUMBER_CHARS})", node.start_mark,
-                           _NUMBERS)
+            raise _Refused(
+                f"a number of {len(node.value)} characters (at most {MAX_NUMBER_CHARS})", node.start_mark, _NUMBERS
+            )
         construct = {"int": yaml.SafeLoader.construct_yaml_int, "float": yaml.SafeLoader.construct_yaml_float}
         try:
             return construct[node.tag.rsplit(":", 1)[-1]](self, node)
@@ -89,17 +90,26 @@ def load_recipe_yaml(path: str | Path, what: str, error: type) -> object:
 
 def _recipe_text(path: Path, what: str, error: type) -> str:
     if not os.path.lexists(path):
-        raise error(f"{what} not found", path=path,
-                    hint="check the path, or pass the name of a shipped recipe (qtool recipes list)")
+        raise error(
+            f"{what} not found",
+            path=path,
+            hint="check the path, or pass the name of a shipped recipe (qtool recipes list)",
+        )
     with os.fdopen(open_regular(path, what, error), "rb") as f:
         data = f.read(MAX_RECIPE_BYTES + 1)
     if len(data) > MAX_RECIPE_BYTES:
-        raise error(f"{what} is larger than {MAX_RECIPE_BYTES >> 10} KiB", path=path,
-                    hint="a recipe is a few hundred bytes of YAML; point at the recipe, not at a data file")
+        raise error(
+            f"{what} is larger than {MAX_RECIPE_BYTES >> 10} KiB",
+            path=path,
+            hint="a recipe is a few hundred bytes of YAML; point at the recipe, not at a data file",
+        )
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
         column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
-        raise error(f"{what} is not UTF-8: byte 0x{data[e.start]:02x} at line {line}, column {column} "
-                    f"(offset {e.start})", path=path, hint="save the file as UTF-8") from None
+        raise error(
+            f"{what} is not UTF-8: byte 0x{data[e.start]:02x} at line {line}, column {column} (offset {e.start})",
+            path=path,
+            hint="save the file as UTF-8",
+        ) from None

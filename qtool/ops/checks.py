@@ -14,9 +14,9 @@ run_checks gives {"passed", "checks"}.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from qtool.arch.model_map import Format, ModelMap, Module, build_map
 from qtool.arch.qwen35 import Group, text_prefix
@@ -31,13 +31,27 @@ MAX_PROBLEMS = 20
 ALLOWED_PARAMS: dict[Format, frozenset[str]] = {
     Format.BF16: frozenset({"weight", "bias", "k_scale", "v_scale"}),
     Format.NVFP4: frozenset({"weight", "weight_scale", "weight_scale_2", "input_scale", "k_scale", "v_scale"}),
-    Format.NVFP4_CT: frozenset({"weight_packed", "weight_scale", "weight_global_scale", "input_global_scale",
-                                "k_scale", "v_scale"}),
+    Format.NVFP4_CT: frozenset(
+        {"weight_packed", "weight_scale", "weight_global_scale", "input_global_scale", "k_scale", "v_scale"}
+    ),
     Format.FP8: frozenset({"weight", "weight_scale", "input_scale", "k_scale", "v_scale"}),
     Format.MXFP4: frozenset({"weight", "weight_packed", "weight_scale", "input_scale", "k_scale", "v_scale"}),
 }
-QUANT_ONLY = frozenset({"weight_scale", "weight_scale_2", "input_scale", "weight_packed", "weight_global_scale",
-                        "input_global_scale", "weight_zero_point", "weight_shape", "qweight", "qzeros", "scales"})
+QUANT_ONLY = frozenset(
+    {
+        "weight_scale",
+        "weight_scale_2",
+        "input_scale",
+        "weight_packed",
+        "weight_global_scale",
+        "input_global_scale",
+        "weight_zero_point",
+        "weight_shape",
+        "qweight",
+        "qzeros",
+        "scales",
+    }
+)
 
 
 @dataclass
@@ -66,12 +80,15 @@ class _Problems(list):
     def messages(self) -> list[str]:
         return [f.message for f in self] + ([f"... ({self.more} more problems not listed)"] if self.more else [])
 
-    def result(self, name: str, extra: "_Problems | None" = None) -> dict:
+    def result(self, name: str, extra: _Problems | None = None) -> dict:
         """A check's JSON result: ok, problem messages and the findings themselves."""
         found = list(self) + list(extra or [])
-        return {"name": name, "ok": not found and not self.more,
-                "problems": self.messages() + (extra.messages() if extra else []),
-                "findings": [f.to_json() for f in found]}
+        return {
+            "name": name,
+            "ok": not found and not self.more,
+            "problems": self.messages() + (extra.messages() if extra else []),
+            "findings": [f.to_json() for f in found],
+        }
 
 
 FIX = {
@@ -91,8 +108,9 @@ def _mismatch(got_shape, want_shape) -> Code:
     return Code.SHAPE_MISMATCH if tuple(got_shape) != tuple(want_shape) else Code.DTYPE_MISMATCH
 
 
-def _linear(mods: dict[str, Module], name: str, out: int, inn: int, probs: _Problems,
-            required: bool = True) -> Format | None:
+def _linear(
+    mods: dict[str, Module], name: str, out: int, inn: int, probs: _Problems, required: bool = True
+) -> Format | None:
     m = mods.get(name)
     if m is None:
         if required:
@@ -103,8 +121,11 @@ def _linear(mods: dict[str, Module], name: str, out: int, inn: int, probs: _Prob
     if fmt is Format.BF16:
         w = p["weight"]
         if w.dtype not in FLOAT_DTYPES or tuple(w.shape) != (out, inn):
-            probs.add(_mismatch(w.shape, (out, inn)), f"{name}.weight",
-                      f"{name}.weight is {w.dtype}{list(w.shape)}, expected a float [{out}, {inn}]")
+            probs.add(
+                _mismatch(w.shape, (out, inn)),
+                f"{name}.weight",
+                f"{name}.weight is {w.dtype}{list(w.shape)}, expected a float [{out}, {inn}]",
+            )
     elif fmt is Format.NVFP4 or fmt is Format.NVFP4_CT:
         wk = "weight" if fmt is Format.NVFP4 else "weight_packed"
         gk = "weight_scale_2" if fmt is Format.NVFP4 else "weight_global_scale"
@@ -114,14 +135,20 @@ def _linear(mods: dict[str, Module], name: str, out: int, inn: int, probs: _Prob
             if t is None:
                 probs.add(Code.MISSING_TENSOR, name, f"{name} ({fmt.value}) lacks {k}")
             elif t.dtype != dt or tuple(t.shape) != shape:
-                probs.add(_mismatch(t.shape, shape), f"{name}.{k}",
-                          f"{name}.{k} is {t.dtype}{list(t.shape)}, expected {dt}{list(shape)}")
+                probs.add(
+                    _mismatch(t.shape, shape),
+                    f"{name}.{k}",
+                    f"{name}.{k} is {t.dtype}{list(t.shape)}, expected {dt}{list(shape)}",
+                )
         g = p.get(gk)
         if g is None:
             probs.add(Code.MISSING_TENSOR, name, f"{name} ({fmt.value}) lacks {gk}")
         elif g.dtype != "F32" or g.numel != 1:
-            probs.add(Code.DTYPE_MISMATCH if g.numel == 1 else Code.SHAPE_MISMATCH, f"{name}.{gk}",
-                      f"{name}.{gk} is {g.dtype}{list(g.shape)}, expected a float32 scalar")
+            probs.add(
+                Code.DTYPE_MISMATCH if g.numel == 1 else Code.SHAPE_MISMATCH,
+                f"{name}.{gk}",
+                f"{name}.{gk} is {g.dtype}{list(g.shape)}, expected a float32 scalar",
+            )
     elif fmt is Format.MXFP4:
         wk = "weight" if "weight" in p else "weight_packed"
         for k, dts, shape in ((wk, ("U8",), (out, inn // 2)), ("weight_scale", ("U8", "F8_E8M0"), (out, inn // 32))):
@@ -129,13 +156,19 @@ def _linear(mods: dict[str, Module], name: str, out: int, inn: int, probs: _Prob
             if t is None:
                 probs.add(Code.MISSING_TENSOR, name, f"{name} (mxfp4) lacks {k}")
             elif t.dtype not in dts or tuple(t.shape) != shape:
-                probs.add(_mismatch(t.shape, shape), f"{name}.{k}",
-                          f"{name}.{k} is {t.dtype}{list(t.shape)}, expected {dts[0]}{list(shape)}")
+                probs.add(
+                    _mismatch(t.shape, shape),
+                    f"{name}.{k}",
+                    f"{name}.{k} is {t.dtype}{list(t.shape)}, expected {dts[0]}{list(shape)}",
+                )
     elif fmt is Format.FP8:
         w = p["weight"]
         if w.dtype not in FP8_DTYPES or tuple(w.shape) != (out, inn):
-            probs.add(_mismatch(w.shape, (out, inn)), f"{name}.weight",
-                      f"{name}.weight is {w.dtype}{list(w.shape)}, expected FP8 [{out}, {inn}]")
+            probs.add(
+                _mismatch(w.shape, (out, inn)),
+                f"{name}.weight",
+                f"{name}.weight is {w.dtype}{list(w.shape)}, expected FP8 [{out}, {inn}]",
+            )
     elif fmt is None:
         probs.add(Code.MISSING_TENSOR, name, f"{name} has no weight matrix (params: {sorted(p)})")
     if fmt in ALLOWED_PARAMS:
@@ -167,8 +200,9 @@ def _experts_by_block(mods: dict[str, Module]) -> dict[str, list[Module]]:
 _SPLIT = object()  # a projection of a fused experts block given per expert instead (checked as such)
 
 
-def _moe(mm: ModelMap, mods: dict[str, Module], p: str, cfg: dict, probs: _Problems,
-         experts: dict[str, list[Module]]) -> dict[str, set]:
+def _moe(
+    mm: ModelMap, mods: dict[str, Module], p: str, cfg: dict, probs: _Problems, experts: dict[str, list[Module]]
+) -> dict[str, set]:
     """Check one MoE block at prefix `p` (ending in 'mlp.'); returns {part: formats}."""
     H, E, I = cfg["hidden_size"], cfg["num_experts"], cfg["moe_intermediate_size"]
     Is = cfg.get("shared_expert_intermediate_size", I)
@@ -199,14 +233,19 @@ def _moe(mm: ModelMap, mods: dict[str, Module], p: str, cfg: dict, probs: _Probl
         if gu is _SPLIT:
             pass
         elif gu is None or tuple(gu.shape) != (E, 2 * I, H):
-            probs.add(Code.MISSING_TENSOR if gu is None else Code.SHAPE_MISMATCH, f"{p}experts.gate_up_proj",
-                      f"{p}experts.gate_up_proj is {None if gu is None else list(gu.shape)}, expected "
-                      f"[{E}, {2 * I}, {H}]")
+            probs.add(
+                Code.MISSING_TENSOR if gu is None else Code.SHAPE_MISMATCH,
+                f"{p}experts.gate_up_proj",
+                f"{p}experts.gate_up_proj is {None if gu is None else list(gu.shape)}, expected [{E}, {2 * I}, {H}]",
+            )
         if dn is _SPLIT:
             pass
         elif dn is None or tuple(dn.shape) != (E, H, I):
-            probs.add(Code.MISSING_TENSOR if dn is None else Code.SHAPE_MISMATCH, f"{p}experts.down_proj",
-                      f"{p}experts.down_proj is {None if dn is None else list(dn.shape)}, expected [{E}, {H}, {I}]")
+            probs.add(
+                Code.MISSING_TENSOR if dn is None else Code.SHAPE_MISMATCH,
+                f"{p}experts.down_proj",
+                f"{p}experts.down_proj is {None if dn is None else list(dn.shape)}, expected [{E}, {H}, {I}]",
+            )
         fmts["experts"].add(Format.BF16)
         return fmts
     for e in range(E):
@@ -267,8 +306,7 @@ def check_structure(mm: ModelMap, expect: Expectations | None = None) -> dict:
         p = f"{tp}layers.{n}."
         _vector(mm, p + "input_layernorm.weight", (H,), probs)
         _vector(mm, p + "post_attention_layernorm.weight", (H,), probs)
-        _attention(mm, mods, p, cfg, mm.layer_types[n] == "full_attention" if n < len(mm.layer_types) else False,
-                   probs)
+        _attention(mm, mods, p, cfg, mm.layer_types[n] == "full_attention" if n < len(mm.layer_types) else False, probs)
         layer_fmts[n] = _moe(mm, mods, p + "mlp.", cfg, probs, experts)
     if V:
         _vector(mm, tp + "embed_tokens.weight", (V, H), probs)
@@ -282,8 +320,11 @@ def check_structure(mm: ModelMap, expect: Expectations | None = None) -> dict:
             probs.add(Code.STALE_TENSOR, name, f"{name} is not part of the Qwen3.5-MoE architecture")
     for m in mods.values():
         if m.format is None and m.param_names & QUANT_ONLY:
-            probs.add(Code.STALE_TENSOR, m.name,
-                      f"{m.name} carries {sorted(m.param_names & QUANT_ONLY)} but no weight (stale scales)")
+            probs.add(
+                Code.STALE_TENSOR,
+                m.name,
+                f"{m.name} carries {sorted(m.param_names & QUANT_ONLY)} but no weight (stale scales)",
+            )
     mtp_mods = [m for m in mods.values() if m.group is Group.MTP]
     mtp_fmts = None
     if mtp_mods:
@@ -293,11 +334,16 @@ def check_structure(mm: ModelMap, expect: Expectations | None = None) -> dict:
         if "mtp.fc" in mods:
             _linear(mods, "mtp.fc", H, 2 * H, probs)
         mtp_fmts = _moe(mm, mods, "mtp.layers.0.mlp.", cfg, probs, experts)
-    if mm.expert_layout == "mixed" or mm.mtp_expert_layout == "mixed" or (
-        mm.expert_layout and mm.mtp_expert_layout and mm.expert_layout != mm.mtp_expert_layout
+    if (
+        mm.expert_layout == "mixed"
+        or mm.mtp_expert_layout == "mixed"
+        or (mm.expert_layout and mm.mtp_expert_layout and mm.expert_layout != mm.mtp_expert_layout)
     ):
-        probs.add(Code.MIXED_EXPERT_LAYOUT, None,
-                  f"routed experts mix layouts (decoder layers: {mm.expert_layout}, MTP: {mm.mtp_expert_layout})")
+        probs.add(
+            Code.MIXED_EXPERT_LAYOUT,
+            None,
+            f"routed experts mix layouts (decoder layers: {mm.expert_layout}, MTP: {mm.mtp_expert_layout})",
+        )
     if expect is not None:
         return probs.result("structure", _check_expectations(layer_fmts, mtp_fmts, expect))
     return probs.result("structure")
@@ -306,19 +352,31 @@ def check_structure(mm: ModelMap, expect: Expectations | None = None) -> dict:
 def _check_expectations(layer_fmts: dict[int, dict[str, set]], mtp_fmts, expect: Expectations) -> _Problems:
     probs = _Problems()
     for n, f in layer_fmts.items():
-        shared_promised = expect.bf16_shared_experts and (expect.bf16_shared_expert_layers is None
-                                                          or n in expect.bf16_shared_expert_layers)
+        shared_promised = expect.bf16_shared_experts and (
+            expect.bf16_shared_expert_layers is None or n in expect.bf16_shared_expert_layers
+        )
         if shared_promised and f["shared"] - {Format.BF16, None}:
-            probs.add(Code.EXPECTATION_NOT_MET, f"layers.{n}.mlp.shared_expert",
-                      f"layer {n}: shared expert is {sorted(x.value for x in f['shared'] if x)}, expected bf16")
+            probs.add(
+                Code.EXPECTATION_NOT_MET,
+                f"layers.{n}.mlp.shared_expert",
+                f"layer {n}: shared expert is {sorted(x.value for x in f['shared'] if x)}, expected bf16",
+            )
         if n in expect.bf16_expert_layers and f["experts"] - {Format.BF16, None}:
-            probs.add(Code.EXPECTATION_NOT_MET, f"layers.{n}.mlp.experts",
-                      f"layer {n}: routed experts are {sorted(x.value for x in f['experts'] if x)}, expected bf16")
-        if expect.quantized_expert_layers is not None and n in expect.quantized_expert_layers and (
-            Format.BF16 in f["experts"]
+            probs.add(
+                Code.EXPECTATION_NOT_MET,
+                f"layers.{n}.mlp.experts",
+                f"layer {n}: routed experts are {sorted(x.value for x in f['experts'] if x)}, expected bf16",
+            )
+        if (
+            expect.quantized_expert_layers is not None
+            and n in expect.quantized_expert_layers
+            and (Format.BF16 in f["experts"])
         ):
-            probs.add(Code.EXPECTATION_NOT_MET, f"layers.{n}.mlp.experts",
-                      f"layer {n}: routed experts are BF16, expected them quantized (unchanged)")
+            probs.add(
+                Code.EXPECTATION_NOT_MET,
+                f"layers.{n}.mlp.experts",
+                f"layer {n}: routed experts are BF16, expected them quantized (unchanged)",
+            )
     if expect.mtp is True and mtp_fmts is None:
         probs.add(Code.EXPECTATION_NOT_MET, "mtp", "the MTP head is missing")
     if expect.mtp is False and mtp_fmts is not None:
@@ -349,8 +407,12 @@ def check_consistency(mm: ModelMap, baseline: Callable[[], list] | None = None) 
         before = {(f.code, f.message) for f in baseline()}
         inherited = [f for f in found if (f.code, f.message) in before]
         found = [f for f in found if (f.code, f.message) not in before]
-    out = {"name": "consistency", "ok": not found, "problems": [_line(f) for f in found],
-           "findings": [f.to_json() for f in found]}
+    out = {
+        "name": "consistency",
+        "ok": not found,
+        "problems": [_line(f) for f in found],
+        "findings": [f.to_json() for f in found],
+    }
     if baseline is not None and inherited:
         out["inherited"] = [_line(f) for f in inherited]
     return out
@@ -368,8 +430,9 @@ class StartedChecks:
     sizes_unchecked: bool
 
 
-def start_checks(path: str | Path, expect: Expectations | None = None, *,
-                 shards_complete: bool = True) -> StartedChecks:
+def start_checks(
+    path: str | Path, expect: Expectations | None = None, *, shards_complete: bool = True
+) -> StartedChecks:
     """The checks that need headers and configs only (structure). With `shards_complete=False` they can
     run while shard data is still being written; `finish_checks` then checks every shard's size."""
     ckpt = Checkpoint.open(path, require_config=True, check_file_sizes=shards_complete)
@@ -384,8 +447,12 @@ def finish_checks(started: StartedChecks, baseline: Callable[[], list] | None = 
     if started.sizes_unchecked:
         short = _short_shards(started.mm.ckpt)
         if short:
-            structure = {**structure, "ok": False, "problems": structure["problems"] + [f.message for f in short],
-                         "findings": structure["findings"] + [f.to_json() for f in short]}
+            structure = {
+                **structure,
+                "ok": False,
+                "problems": structure["problems"] + [f.message for f in short],
+                "findings": structure["findings"] + [f.to_json() for f in short],
+            }
             return {"passed": False, "checks": [structure]}  # no values to read from incomplete shards
         started.mm.read_kv_values()
     checks = [structure, check_consistency(started.mm, baseline)]
@@ -429,8 +496,9 @@ class PlannedProblems:
             jsons = {e.name: e.obj for e in self.plan.entries(Json)}
             config, hq = jsons.get(CONFIG_NAME), jsons.get(HF_QUANT_CONFIG_NAME)
             Checkpoint.check_config_types(self.root, config, hq)
-            mm = self.mm or build_map(header_checkpoint(self.root, self.plan, config, hq, as_written=True),
-                                      read_values=False)
+            mm = self.mm or build_map(
+                header_checkpoint(self.root, self.plan, config, hq, as_written=True), read_values=False
+            )
             summary = summarize(config, hq)
             self._found = (mm, summary, structure_problems(mm, summary), self._side_files(mm.ckpt))
         except BaseException as e:  # noqa: BLE001 -- raised by result()
@@ -452,11 +520,16 @@ class PlannedProblems:
                 held = {name: rel for rel, h in view.headers.items() for name in h.tensors}
                 mapped = json.loads(data).get("weight_map")
                 if mapped != held:
-                    odd = next((n for n in sorted(set(held) | set(mapped or {}))
-                                if (mapped or {}).get(n) != held.get(n)), None)
-                    raise VerificationError("the planned index does not map the planned shards' tensors (a qtool "
-                                            "bug)", path=self.root / e.name, tensor=odd,
-                                            expected=held.get(odd), got=(mapped or {}).get(odd))
+                    odd = next(
+                        (n for n in sorted(set(held) | set(mapped or {})) if (mapped or {}).get(n) != held.get(n)), None
+                    )
+                    raise VerificationError(
+                        "the planned index does not map the planned shards' tensors (a qtool bug)",
+                        path=self.root / e.name,
+                        tensor=odd,
+                        expected=held.get(odd),
+                        got=(mapped or {}).get(odd),
+                    )
             else:
                 data = self.plan.json_bytes(e) if isinstance(e, Json) else e.text.encode()
             digests[e.name] = hashlib.sha256(data).hexdigest()
@@ -483,8 +556,11 @@ class PlannedProblems:
             if hash_file(self.root / name) != digest:
                 from qtool.errors import VerificationError
 
-                raise VerificationError("a written file is not what the plan promised (a qtool bug)",
-                                        path=self.root / name, expected=f"sha256 {digest}")
+                raise VerificationError(
+                    "a written file is not what the plan promised (a qtool bug)",
+                    path=self.root / name,
+                    expected=f"sha256 {digest}",
+                )
         mm.read_kv_values()
         return structure + value_problems(mm, summary)
 
@@ -503,8 +579,11 @@ def hybrid_expectations(plan) -> Expectations:
     """What `assemble hybrid` promises (plan: qtool.ops.assemble.plan.HybridPlan)."""
     L = plan.nv.text_config.get("num_hidden_layers", 0)
     bf = set(plan.options.bf16_expert_layers)
-    src_quant = {m.layer for m in plan.nv_map.modules.values()
-                 if m.group is Group.ROUTED_EXPERTS and m.format not in (None, Format.BF16)}
+    src_quant = {
+        m.layer
+        for m in plan.nv_map.modules.values()
+        if m.group is Group.ROUTED_EXPERTS and m.format not in (None, Format.BF16)
+    }
     mtp = {"keep": True, "graft": True, "from-bf16": True, "drop": False}.get(plan.mtp_action)
     shared = plan.options.bf16_shared_expert_layers
     return Expectations(

@@ -12,8 +12,9 @@ construct the options; `options_from` makes them from a build step's `with` sect
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 
 @dataclass
@@ -43,6 +44,7 @@ def options_from(cls: type, params: dict, **fixed) -> Any:
     if unknown:
         from qtool.errors import UsageError
 
-        raise UsageError(f"unknown option(s) for {cls.__name__}: {', '.join(unknown)}",
-                         expected=", ".join(sorted(names)))
+        raise UsageError(
+            f"unknown option(s) for {cls.__name__}: {', '.join(unknown)}", expected=", ".join(sorted(names))
+        )
     return cls(**{**params, **fixed})

@@ -28,13 +28,13 @@ from pathlib import Path
 from qtool.arch.model_map import Format, build_map
 from qtool.arch.qwen35 import Group
 from qtool.errors import PlanError, UsageError
-from qtool.io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG_NAME, INDEX_NAME, Checkpoint
 from qtool.formats.naming import NVFP4_NAMINGS, Flavour, QuantFormat
+from qtool.io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG_NAME, INDEX_NAME, Checkpoint
 from qtool.io.jsonio import file_style, load_json
-from qtool.io.output import MANIFEST_NAME, check_no_overlap, OutputDir
+from qtool.io.output import MANIFEST_NAME, OutputDir, check_no_overlap
 from qtool.io.plan import Copy, Json, Link, OutputPlan, Shard, Text, checkpoint_files
-from qtool.ops.contract import Report
 from qtool.io.writer import FileRange, InlineBytes, OutTensor, index_json
+from qtool.ops.contract import Report
 
 SIDECAR = "qtool-convert.json"
 
@@ -42,9 +42,12 @@ SIDECAR = "qtool-convert.json"
 # param renames modelopt -> compressed-tensors, from the flavours' one naming table (qtool.formats.naming);
 # True = the value is the float32 reciprocal
 _MO, _CT = NVFP4_NAMINGS[QuantFormat.NVFP4], NVFP4_NAMINGS[QuantFormat.NVFP4_CT]
-_MO_TO_CT = {_MO.weight: (_CT.weight, False), _MO.block_scale: (_CT.block_scale, False),
-             _MO.weight_global: (_CT.weight_global, _MO.reciprocal != _CT.reciprocal),
-             _MO.input_global: (_CT.input_global, _MO.reciprocal != _CT.reciprocal)}
+_MO_TO_CT = {
+    _MO.weight: (_CT.weight, False),
+    _MO.block_scale: (_CT.block_scale, False),
+    _MO.weight_global: (_CT.weight_global, _MO.reciprocal != _CT.reciprocal),
+    _MO.input_global: (_CT.input_global, _MO.reciprocal != _CT.reciprocal),
+}
 _CT_TO_MO = {v[0]: (k, v[1]) for k, v in _MO_TO_CT.items()}
 
 
@@ -56,8 +59,11 @@ def _global_scale(name: str, old: bytes, to: Flavour, orig_bits: int | None) -> 
 
     from qtool.formats.naming import convert_nvfp4
 
-    src, dst = ((QuantFormat.NVFP4, QuantFormat.NVFP4_CT) if to is Flavour.COMPRESSED_TENSORS
-                else (QuantFormat.NVFP4_CT, QuantFormat.NVFP4))
+    src, dst = (
+        (QuantFormat.NVFP4, QuantFormat.NVFP4_CT)
+        if to is Flavour.COMPRESSED_TENSORS
+        else (QuantFormat.NVFP4_CT, QuantFormat.NVFP4)
+    )
     param = name.rsplit(".", 1)[1]
     new = (_MO_TO_CT if to is Flavour.COMPRESSED_TENSORS else _CT_TO_MO)[param][0]
 
@@ -75,11 +81,14 @@ def detect(mm) -> Flavour:
         return Flavour.MODELOPT
     if Format.NVFP4_CT in fmts and Format.NVFP4 not in fmts:
         return Flavour.COMPRESSED_TENSORS
-    raise PlanError("not an NVFP4 checkpoint of one flavour", path=mm.ckpt.root,
-                    got=sorted(f.value for f in fmts if f is not None),
-                    hint="convert reads an NVFP4 checkpoint (ModelOpt or compressed-tensors) and writes the other "
-                    "flavour; `qtool inspect` shows what this one holds (a BF16 checkpoint is quantized with "
-                    "`qtool quantize`)")
+    raise PlanError(
+        "not an NVFP4 checkpoint of one flavour",
+        path=mm.ckpt.root,
+        got=sorted(f.value for f in fmts if f is not None),
+        hint="convert reads an NVFP4 checkpoint (ModelOpt or compressed-tensors) and writes the other "
+        "flavour; `qtool inspect` shows what this one holds (a BF16 checkpoint is quantized with "
+        "`qtool quantize`)",
+    )
 
 
 def _renames(mm, to: Flavour) -> dict[str, tuple[str, bool]]:
@@ -131,10 +140,15 @@ class ConvertPlan:
     output: OutputPlan
 
     def to_json(self) -> dict:
-        return {"checkpoint": str(self.ckpt.root), "output": str(self.options.out), "from": self.have.value,
-                "to": self.options.to.value, "renamed_tensors": len(self.renames),
-                "rewritten_shards": [e.name for e in self.output.entries(Shard)],
-                "linked_shards": [e.name for e in self.output.entries(Link) if e.name.endswith(".safetensors")]}
+        return {
+            "checkpoint": str(self.ckpt.root),
+            "output": str(self.options.out),
+            "from": self.have.value,
+            "to": self.options.to.value,
+            "renamed_tensors": len(self.renames),
+            "rewritten_shards": [e.name for e in self.output.entries(Shard)],
+            "linked_shards": [e.name for e in self.output.entries(Link) if e.name.endswith(".safetensors")],
+        }
 
 
 def plan(opts: ConvertOptions) -> ConvertPlan:
@@ -145,8 +159,11 @@ def plan(opts: ConvertOptions) -> ConvertPlan:
     have = detect(mm)
     if have is to:
         other = next(f for f in Flavour if f is not to)
-        raise UsageError(f"the checkpoint already is {to.value}", path=ckpt.root,
-                         hint=f"nothing to convert: serve it as it is, or give --to {other.value}")
+        raise UsageError(
+            f"the checkpoint already is {to.value}",
+            path=ckpt.root,
+            hint=f"nothing to convert: serve it as it is, or give --to {other.value}",
+        )
     check_no_overlap(out, [ckpt.root])
     ren = _renames(mm, to)
     side = None
@@ -160,25 +177,35 @@ def plan(opts: ConvertOptions) -> ConvertPlan:
     recorded: dict[str, int] = {}
     for s in sorted(ckpt.headers):
         if s in touched:
-            files.append(Shard(s, _converted_tensors(ckpt, s, ren, to, restore, recorded),
-                               ckpt.headers[s].metadata or None))
+            files.append(
+                Shard(s, _converted_tensors(ckpt, s, ren, to, restore, recorded), ckpt.headers[s].metadata or None)
+            )
         else:
             files.append(Link(s, str(ckpt.root / s)))
     for rel, entry in checkpoint_files(ckpt.root):  # the side files, in sub-folders too
-        if entry.suffix != ".safetensors" and rel not in (INDEX_NAME, CONFIG_NAME, HF_QUANT_CONFIG_NAME, SIDECAR,
-                                                          MANIFEST_NAME):
+        if entry.suffix != ".safetensors" and rel not in (
+            INDEX_NAME,
+            CONFIG_NAME,
+            HF_QUANT_CONFIG_NAME,
+            SIDECAR,
+            MANIFEST_NAME,
+        ):
             files.append(Copy(rel, str(entry)))
     files.append(_index(ckpt, ren))
-    output = OutputPlan("convert", files, sources={"checkpoint": ckpt.root},
-                        inputs=sorted({h.path for h in ckpt.headers.values()}))
+    output = OutputPlan(
+        "convert", files, sources={"checkpoint": ckpt.root}, inputs=sorted({h.path for h in ckpt.headers.values()})
+    )
     files += _configs(ckpt, have, to, side, recorded, output, out)
     p = ConvertPlan(opts, ckpt, have, ren, output)
-    output.summary = {k: v for k, v in p.to_json().items() if k in ("from", "to", "renamed_tensors", "rewritten_shards")}
+    output.summary = {
+        k: v for k, v in p.to_json().items() if k in ("from", "to", "renamed_tensors", "rewritten_shards")
+    }
     return p
 
 
-def _converted_tensors(ckpt: Checkpoint, shard: str, ren: dict, to: Flavour, restore: dict,
-                       recorded: dict[str, int]) -> list[OutTensor]:
+def _converted_tensors(
+    ckpt: Checkpoint, shard: str, ren: dict, to: Flavour, restore: dict, recorded: dict[str, int]
+) -> list[OutTensor]:
     """The shard's tensors in file order: renamed ones by name, global scales as their reciprocal (new
     bytes; the original's float32 bits go to `recorded`), every other byte a range of the source."""
     items = []
@@ -210,8 +237,9 @@ def _index(ckpt: Checkpoint, ren: dict) -> Json:
     return Json(INDEX_NAME, index, style)
 
 
-def _configs(ckpt: Checkpoint, have: Flavour, to: Flavour, side: dict | None, recorded: dict,
-             output: OutputPlan, out: Path) -> list:
+def _configs(
+    ckpt: Checkpoint, have: Flavour, to: Flavour, side: dict | None, recorded: dict, output: OutputPlan, out: Path
+) -> list:
     """config.json and hf_quant_config.json of the output: the originals a previous conversion recorded in
     its sidecar, else made for the output's tensors (and a sidecar recording what this conversion changed)."""
     cfg, style = load_json(ckpt.root / CONFIG_NAME, what="config.json")
@@ -237,11 +265,20 @@ def _configs(ckpt: Checkpoint, have: Flavour, to: Flavour, side: dict | None, re
     qc, hq = quant_configs(mm_out, Scheme.NVFP4, fmt, bool(mm_out.kv.layers), 16, versions)
     cfg["quantization_config"] = qc
     hq_path = ckpt.root / HF_QUANT_CONFIG_NAME
-    files = [Json(CONFIG_NAME, cfg, style),
-             Json(SIDECAR, {"from": have.value, "quantization_config": orig_qc,
-                            "hf_quant_config": ckpt.hf_quant_config, "scalars": dict(recorded),
-                            # the file's own text, so that converting back restores its bytes
-                            "hf_quant_config_text": hq_path.read_text() if hq_path.is_file() else None})]
+    files = [
+        Json(CONFIG_NAME, cfg, style),
+        Json(
+            SIDECAR,
+            {
+                "from": have.value,
+                "quantization_config": orig_qc,
+                "hf_quant_config": ckpt.hf_quant_config,
+                "scalars": dict(recorded),
+                # the file's own text, so that converting back restores its bytes
+                "hf_quant_config_text": hq_path.read_text() if hq_path.is_file() else None,
+            },
+        ),
+    ]
     if hq is not None:
         files.append(Json(HF_QUANT_CONFIG_NAME, hq, ckpt.hf_quant_style))
     return files
@@ -263,7 +300,9 @@ def execute(p: ConvertPlan) -> Report:
         from qtool.ops.inspect import find_problems
 
         c2 = Checkpoint.open(tx.partial, require_config=True)
-        report["problems"] = [x.to_json() for x in find_problems(build_map(c2), summarize(c2.config, c2.hf_quant_config))]
+        report["problems"] = [
+            x.to_json() for x in find_problems(build_map(c2), summarize(c2.config, c2.hf_quant_config))
+        ]
         return {"inspect_problems": report["problems"]}
 
     with OutputDir(opts.out, sources=[p.ckpt.root], force=opts.force, resume=opts.resume) as tx:

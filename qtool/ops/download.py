@@ -19,8 +19,8 @@ from pathlib import Path
 from qtool.errors import UsageError
 from qtool.hub.download import RepoListing, check_space, download_files, repo_listing
 from qtool.hub.remote_safetensors import FetchPlan, TensorFetchOptions, plan_fetch
-from qtool.hub.tensor_fetch import fetch_tensors
 from qtool.hub.resolve import HubSpec
+from qtool.hub.tensor_fetch import fetch_tensors
 from qtool.io.files import LinkMode
 from qtool.io.manifest import RUN
 from qtool.io.output import OutputDir, check_not_in_hub_cache
@@ -48,12 +48,20 @@ class DownloadPlan:
     fetch: FetchPlan | None  # --tensors
 
     def to_json(self) -> dict:
-        base = {"repo": self.listing.spec.repo_id, "revision": self.listing.spec.revision,
-                "commit": self.listing.commit, "out": str(self.options.out) if self.options.out else None}
+        base = {
+            "repo": self.listing.spec.repo_id,
+            "revision": self.listing.spec.revision,
+            "commit": self.listing.commit,
+            "out": str(self.options.out) if self.options.out else None,
+        }
         if self.fetch is not None:
             return {**base, "mode": "tensors", **self.fetch.to_json()}
-        return {**base, "mode": "files", "files": {p: self.listing.files[p].to_json() for p in self.files},
-                "bytes": sum(self.listing.files[p].size for p in self.files)}
+        return {
+            **base,
+            "mode": "files",
+            "files": {p: self.listing.files[p].to_json() for p in self.files},
+            "bytes": sum(self.listing.files[p].size for p in self.files),
+        }
 
 
 def plan(opts: DownloadOptions) -> DownloadPlan:
@@ -68,8 +76,11 @@ def plan(opts: DownloadOptions) -> DownloadPlan:
         return DownloadPlan(opts, listing, [], fp)
     files = listing.select(opts.include)
     if not files:
-        raise UsageError("no file matches --include", got=", ".join(opts.include),
-                         hint=f"the repo has {len(listing.files)} files; e.g. --include '*.json'")
+        raise UsageError(
+            "no file matches --include",
+            got=", ".join(opts.include),
+            hint=f"the repo has {len(listing.files)} files; e.g. --include '*.json'",
+        )
     return DownloadPlan(opts, listing, files, None)
 
 
@@ -99,18 +110,24 @@ def _run(p: DownloadPlan, *, progress: bool = False) -> dict:
     }
     # what differs between an uninterrupted run and a resumed one (or one that found files cached): the
     # manifest keeps it apart, so `download` is the same for the same commit and files (io.manifest.RUN)
-    run = {"downloaded_bytes": need, "hash_failures_repaired": st.hash_failures,
-           "fetched": {f.path: {"cached": f.cached, "attempts": f.attempts} for f in st.files}}
+    run = {
+        "downloaded_bytes": need,
+        "hash_failures_repaired": st.hash_failures,
+        "fetched": {f.path: {"cached": f.cached, "attempts": f.attempts} for f in st.files},
+    }
     if tx is not None:
         from qtool.hub.tensor_fetch import hub_source
         from qtool.io.apply import write_output
         from qtool.io.plan import Link, OutputPlan
 
-        output = OutputPlan("download", [Link(f.path, str(f.local)) for f in st.files],
-                            sources={"hub": hub_source(p.listing, [f.path for f in st.files])},
-                            inputs=[str(f.local) for f in st.files],
-                            summary={"repo": p.listing.spec.repo_id, "commit": p.listing.commit},
-                            extra={"download": report, RUN: run})
+        output = OutputPlan(
+            "download",
+            [Link(f.path, str(f.local)) for f in st.files],
+            sources={"hub": hub_source(p.listing, [f.path for f in st.files])},
+            inputs=[str(f.local) for f in st.files],
+            summary={"repo": p.listing.spec.repo_id, "commit": p.listing.commit},
+            extra={"download": report, RUN: run},
+        )
         with tx:
             applied = write_output(output, tx, command=command)
         links.update(applied.linked)

@@ -86,8 +86,12 @@ def find_problems(mm: ModelMap, summary: QuantSummary) -> list[Finding]:
 def structure_problems(mm: ModelMap, summary: QuantSummary) -> list[Finding]:
     """find_problems' part that needs headers and configs only (no tensor value is read): a job can find it
     on its output's planned view while the output is written (qtool.ops.checks.PlannedProblems)."""
-    return (_layout_problems(mm) + _incomplete_quant_modules(mm) + _config_file_disagreement(summary)
-            + _config_vs_tensors(mm, summary))
+    return (
+        _layout_problems(mm)
+        + _incomplete_quant_modules(mm)
+        + _config_file_disagreement(summary)
+        + _config_vs_tensors(mm, summary)
+    )
 
 
 def value_problems(mm: ModelMap, summary: QuantSummary) -> list[Finding]:
@@ -124,8 +128,7 @@ def _incomplete_quant_modules(mm: ModelMap) -> list[Finding]:
                 if p not in mod.params:
                     missing[(mod.format.value, p)].append(mod.name)
     return [
-        problem(Code.MISSING_QUANT_TENSOR, f"{len(mods)} {fmt} module(s) lack `{param}`, e.g. {mods[0]}",
-                mods[0])
+        problem(Code.MISSING_QUANT_TENSOR, f"{len(mods)} {fmt} module(s) lack `{param}`, e.g. {mods[0]}", mods[0])
         for (fmt, param), mods in missing.items()
     ]
 
@@ -156,9 +159,12 @@ def _gate_up_scale_mismatch(mm: ModelMap) -> list[Finding]:
     if not bad:
         return []
     return [
-        problem(Code.SCALE_MISMATCH,
-                f"{len(bad)} expert(s) have different global scales for gate_proj and up_proj, e.g. {bad[0]}; "
-                "vLLM fuses them into w13 with one scale", bad[0])
+        problem(
+            Code.SCALE_MISMATCH,
+            f"{len(bad)} expert(s) have different global scales for gate_proj and up_proj, e.g. {bad[0]}; "
+            "vLLM fuses them into w13 with one scale",
+            bad[0],
+        )
     ]
 
 
@@ -176,8 +182,9 @@ def kv_scheme_strategy(mm: ModelMap, summary: QuantSummary) -> str | None:
 def _kv_problems(mm: ModelMap, summary: QuantSummary) -> list[Finding]:
     out = []
     if mm.kv.invalid:
-        out.append(problem(Code.KV_SCALE_INVALID, f"KV scale(s) not finite and positive: {mm.kv.invalid[0]}",
-                           mm.kv.invalid[0]))
+        out.append(
+            problem(Code.KV_SCALE_INVALID, f"KV scale(s) not finite and positive: {mm.kv.invalid[0]}", mm.kv.invalid[0])
+        )
     missing = [l for l in mm.full_attention if l not in mm.kv.layers]
     if mm.kv.layers and missing:
         out.append(problem(Code.KV_SCALES_MISSING, f"full-attention layers without k/v scales: {_short(missing)}"))
@@ -188,20 +195,29 @@ def _kv_problems(mm: ModelMap, summary: QuantSummary) -> list[Finding]:
         heads = mm.ckpt.text_config.get("num_key_value_heads")
         wrong = [n for n in mm.kv_scale_tensors() if mm.ckpt.tensors[n].numel not in (1, heads)]
         if wrong:
-            out.append(problem(Code.KV_SCALE_INVALID, f"per-head KV scale(s) with {list(mm.ckpt.tensors[wrong[0]].shape)}"
-                               f" elements, expected {heads} (num_key_value_heads): {wrong[0]}", wrong[0]))
+            out.append(
+                problem(
+                    Code.KV_SCALE_INVALID,
+                    f"per-head KV scale(s) with {list(mm.ckpt.tensors[wrong[0]].shape)}"
+                    f" elements, expected {heads} (num_key_value_heads): {wrong[0]}",
+                    wrong[0],
+                )
+            )
     strategy = kv_scheme_strategy(mm, summary)
     if strategy is not None:
-        out.append(problem(Code.KV_SCHEME_MISMATCH, f"KV scales are {'per attention head' if mm.kv.per_head else 'per tensor'}"
-                           f" but kv_cache_scheme strategy is {summary.kv_cache_scheme.get('strategy')!r} (expected "
-                           f"{strategy!r})"))
+        out.append(
+            problem(
+                Code.KV_SCHEME_MISMATCH,
+                f"KV scales are {'per attention head' if mm.kv.per_head else 'per tensor'}"
+                f" but kv_cache_scheme strategy is {summary.kv_cache_scheme.get('strategy')!r} (expected "
+                f"{strategy!r})",
+            )
+        )
     says_fp8 = bool(summary.kv_cache_scheme) or bool(summary.kv_cache_quant_algo)
     if says_fp8 and not mm.kv.layers:
         out.append(problem(Code.KV_SCALES_MISSING, "the config declares an FP8 KV cache but no k/v scales exist"))
     if mm.kv.layers and not says_fp8 and summary.quantized:
-        out.append(
-            problem(Code.KV_SCHEME_MISSING, "k/v scales exist but the config declares no FP8 KV cache scheme")
-        )
+        out.append(problem(Code.KV_SCHEME_MISSING, "k/v scales exist but the config declares no FP8 KV cache scheme"))
     return out
 
 
@@ -248,7 +264,9 @@ def _config_vs_tensors(mm: ModelMap, summary: QuantSummary) -> list[Finding]:
                 problem(
                     Code.PARTIAL_FUSED_EXCLUSION,
                     f"{engine}: the ignore list excludes some but not all shards of {len(refused)} fused "
-                    f"module(s), e.g. {refused[0]}; the engine refuses to load this", refused[0], str(engine),
+                    f"module(s), e.g. {refused[0]}; the engine refuses to load this",
+                    refused[0],
+                    str(engine),
                 )
             )
         if bf16:
@@ -256,7 +274,9 @@ def _config_vs_tensors(mm: ModelMap, summary: QuantSummary) -> list[Finding]:
                 problem(
                     Code.BF16_BUT_NOT_IGNORED,
                     f"{engine}: {len(bf16)} module(s) are BF16 in the tensors but not excluded in the config, "
-                    f"e.g. {bf16[0]}", bf16[0], str(engine),
+                    f"e.g. {bf16[0]}",
+                    bf16[0],
+                    str(engine),
                 )
             )
         if quant:
@@ -264,7 +284,9 @@ def _config_vs_tensors(mm: ModelMap, summary: QuantSummary) -> list[Finding]:
                 problem(
                     Code.QUANTIZED_BUT_IGNORED,
                     f"{engine}: {len(quant)} module(s) are quantized in the tensors but excluded by the config, "
-                    f"e.g. {quant[0]}", quant[0], str(engine),
+                    f"e.g. {quant[0]}",
+                    quant[0],
+                    str(engine),
                 )
             )
     return out

@@ -16,9 +16,9 @@ from qtool.arch.model_map import Format, ModelMap, build_map
 from qtool.arch.qwen35 import Group
 from qtool.engines import Flavour
 from qtool.errors import ConfigError, UsageError, WriteError
+from qtool.io import quant_config as qcfg
 from qtool.io.checkpoint import CONFIG_NAME, GENERATION_CONFIG_NAME, HF_QUANT_CONFIG_NAME, Checkpoint
 from qtool.io.jsonio import JsonStyle, dumps, load_json, unified_diff
-from qtool.io import quant_config as qcfg
 from qtool.io.plan import Json, OutputPlan, unchanged_files
 from qtool.ops.contract import Report
 
@@ -74,7 +74,7 @@ class PatchPlan:
     root: Path
     files: dict[str, ConfigFile]
     results: list[FixResult] = field(default_factory=list)
-    options: "PatchOptions | None" = None
+    options: PatchOptions | None = None
 
     @property
     def changed(self) -> bool:
@@ -89,10 +89,14 @@ class PatchPlan:
         if self.options is not None and self.options.out is not None:
             files += unchanged_files(self.root, {f.name for f in changed})
         files += [Json(f.name, f.data, f.style) for f in changed]
-        return OutputPlan("patch-config", files, sources={"checkpoint": self.root},
-                          inputs=[str(self.root / f.name) for f in changed if (self.root / f.name).is_file()],
-                          summary={"fixes": [r.__dict__ for r in self.results], "written": [f.name for f in changed]},
-                          extra=self._kept_sections())
+        return OutputPlan(
+            "patch-config",
+            files,
+            sources={"checkpoint": self.root},
+            inputs=[str(self.root / f.name) for f in changed if (self.root / f.name).is_file()],
+            summary={"fixes": [r.__dict__ for r in self.results], "written": [f.name for f in changed]},
+            extra=self._kept_sections(),
+        )
 
     def _kept_sections(self) -> dict:
         """Every tensor stays as it was: the input manifest's tensor origins (`shards`, assemble's) still
@@ -277,8 +281,11 @@ def apply(p: PatchPlan, *, command: str | None = None) -> list[str]:
             path = p.root / f.name
             now = load_json(path)[0] if path.exists() else None
             if now != f.original:
-                raise WriteError("the checkpoint's config changed while this run was planning", path=path,
-                                 hint="run the command again (it re-reads the current files)")
+                raise WriteError(
+                    "the checkpoint's config changed while this run was planning",
+                    path=path,
+                    hint="run the command again (it re-reads the current files)",
+                )
         write_output(output, tx, command=command)
     return written
 
@@ -314,7 +321,9 @@ def _mtp_ignore(lists: _IgnoreLists, mm: ModelMap) -> FixResult:
     all_bf16 = all(m.format is Format.BF16 for m in mtp)
     added = lists.add(MTP_ALL_GLOB, MTP_ALL_REGEX) if all_bf16 else lists.add(MTP_FC_GLOB, MTP_FC_REGEX)
     what = "the whole MTP head is BF16" if all_bf16 else "mtp.fc only (parts of the MTP head are quantized)"
-    return FixResult(Fix.MTP_IGNORE.value, bool(added), f"{what}: " + (f"added {added}" if added else "already excluded"))
+    return FixResult(
+        Fix.MTP_IGNORE.value, bool(added), f"{what}: " + (f"added {added}" if added else "already excluded")
+    )
 
 
 def _ignore_from_tensors(lists: _IgnoreLists, mm: ModelMap) -> FixResult:
@@ -343,9 +352,12 @@ def _kv_scheme_from_tensors(config: dict, mm: ModelMap) -> FixResult:
 
     want = kv_scheme_strategy(mm, qcfg.summarize(config, None))
     if want is None:
-        return FixResult(Fix.KV_SCHEME_FROM_TENSORS.value, False,
-                         "nothing to correct: no compressed-tensors kv_cache_scheme with KV scales, or its strategy "
-                         "already matches them")
+        return FixResult(
+            Fix.KV_SCHEME_FROM_TENSORS.value,
+            False,
+            "nothing to correct: no compressed-tensors kv_cache_scheme with KV scales, or its strategy "
+            "already matches them",
+        )
     scheme = config["quantization_config"]["kv_cache_scheme"]
     old, scheme["strategy"] = scheme.get("strategy"), want
     return FixResult(Fix.KV_SCHEME_FROM_TENSORS.value, True, f"kv_cache_scheme.strategy {old!r} -> {want!r}")

@@ -82,7 +82,7 @@ class Launch:
         i = 0
         while i < len(rest):  # one flag (with its value) per line
             if i + 1 < len(rest) and not rest[i + 1].startswith("--"):
-                parts.append(shlex.join(rest[i:i + 2]))
+                parts.append(shlex.join(rest[i : i + 2]))
                 i += 2
             else:
                 parts.append(shlex.quote(rest[i]))
@@ -102,14 +102,29 @@ class Launch:
             from huggingface_hub import constants
 
             volume = f"{os.path.abspath(constants.HF_HOME)}:/root/.cache/huggingface"
-        out = ["services:", f"  qwen35-{eng.value}:", f"    image: {q(IMAGES[eng].format(version=version))}",
-               "    ipc: host",
-               '    shm_size: "16g"', "    ports:", f"      - {q(f'{port}:{port}')}", "    environment:"]
+        out = [
+            "services:",
+            f"  qwen35-{eng.value}:",
+            f"    image: {q(IMAGES[eng].format(version=version))}",
+            "    ipc: host",
+            '    shm_size: "16g"',
+            "    ports:",
+            f"      - {q(f'{port}:{port}')}",
+            "    environment:",
+        ]
         out += [f"      - {q(f'{k}={v}')}" for k, v in self.env.items()]
-        out += ["    volumes:", f"      - {q(volume)}",
-                "    deploy:", "      resources:", "        reservations:", "          devices:",
-                "            - driver: nvidia", f"              count: {tp}", "              capabilities: [gpu]",
-                "    entrypoint:"]
+        out += [
+            "    volumes:",
+            f"      - {q(volume)}",
+            "    deploy:",
+            "      resources:",
+            "        reservations:",
+            "          devices:",
+            "            - driver: nvidia",
+            f"              count: {tp}",
+            "              capabilities: [gpu]",
+            "    entrypoint:",
+        ]
         out += [f"      - {q(a)}" for a in self.argv]
         out.append("    restart: unless-stopped")
         return "\n".join(out) + "\n"
@@ -127,16 +142,25 @@ def plan(path: str | Path, opts: ServeOptions) -> Launch:
     if opts.yarn is not None and opts.yarn <= 1:
         raise UsageError("--yarn FACTOR must be > 1", got=opts.yarn)
     max_len = opts.max_model_len
-    vopts = VerifyOptions(engine=str(v), tp=opts.tp, gpus=opts.gpus, max_model_len=max_len,
-                          max_num_seqs=opts.max_num_seqs, kv_cache_dtype=opts.kv_cache_dtype,  # None: verify's
-                          gpu_memory_utilization=opts.gpu_memory_utilization, mtp=opts.mtp)
+    vopts = VerifyOptions(
+        engine=str(v),
+        tp=opts.tp,
+        gpus=opts.gpus,
+        max_model_len=max_len,
+        max_num_seqs=opts.max_num_seqs,
+        kv_cache_dtype=opts.kv_cache_dtype,  # None: verify's
+        gpu_memory_utilization=opts.gpu_memory_utilization,
+        mtp=opts.mtp,
+    )
     rep = verify(path, vopts)
     rope = rep.facts.get("rope_parameters") or {}
     skipped_yarn = None
     if opts.yarn and "yarn" in (rope.get("rope_type"), rope.get("type")):
         # patch-config --yarn already did it: applying it again would scale the context twice
-        skipped_yarn = (f"--yarn {opts.yarn} skipped: the checkpoint's config already has YaRN (factor "
-                        f"{rope.get('factor')}, max_position_embeddings {rep.facts.get('max_position_embeddings')})")
+        skipped_yarn = (
+            f"--yarn {opts.yarn} skipped: the checkpoint's config already has YaRN (factor "
+            f"{rope.get('factor')}, max_position_embeddings {rep.facts.get('max_position_embeddings')})"
+        )
         opts = replace(opts, yarn=None)
     # the KV-cache dtype verify judged with (without --kv-cache-dtype: fp8 where real scales exist,
     # qtool.ops.verify.served_kv_cache_dtype) is the launch's
@@ -185,14 +209,31 @@ def _build(rep: VerifyReport, v, vopts: VerifyOptions, opts: ServeOptions) -> La
         env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
         if fit.max_model_len > maxpos:
             env["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
-        argv = ["vllm", "serve", model, *source, "--served-model-name", name, "--host", opts.host,
-                "--port", str(opts.port), "--tensor-parallel-size", str(opts.tp), *remote]
+        argv = [
+            "vllm",
+            "serve",
+            model,
+            *source,
+            "--served-model-name",
+            name,
+            "--host",
+            opts.host,
+            "--port",
+            str(opts.port),
+            "--tensor-parallel-size",
+            str(opts.tp),
+            *remote,
+        ]
         if qm == "modelopt" and algo == "NVFP4":
             argv += ["--quantization", "modelopt_fp4"]
         elif qm == "compressed-tensors":
             argv += ["--quantization", "compressed-tensors"]
-        argv += ["--gpu-memory-utilization", str(vopts.gpu_memory_utilization), "--max-model-len",
-                 str(fit.max_model_len)]
+        argv += [
+            "--gpu-memory-utilization",
+            str(vopts.gpu_memory_utilization),
+            "--max-model-len",
+            str(fit.max_model_len),
+        ]
         if vopts.max_num_seqs:
             argv += ["--max-num-seqs", str(vopts.max_num_seqs)]
         if kv_fp8:
@@ -201,28 +242,52 @@ def _build(rep: VerifyReport, v, vopts: VerifyOptions, opts: ServeOptions) -> La
         argv += ["--mm-encoder-tp-mode", "data"] if facts.get("vision") else (["--language-model-only"] if vlm else [])
         if mtp:
             method = "mtp" if v.at_least(VLLM_MTP_METHOD_SINCE) else "qwen3_next_mtp"
-            argv += ["--speculative-config", json.dumps({"method": method, "num_speculative_tokens": mtp},
-                                                        separators=(",", ":"))]
+            argv += [
+                "--speculative-config",
+                json.dumps({"method": method, "num_speculative_tokens": mtp}, separators=(",", ":")),
+            ]
         if yarn:
             argv += ["--hf-overrides", json.dumps(_yarn_rope(rep, yarn), separators=(",", ":"))]
     else:
         env["SGLANG_DISABLE_DEEP_GEMM"] = "1"
         if mtp:
             env["SGLANG_ENABLE_SPEC_V2"] = "True"
-        argv = ["python3", "-m", "sglang.launch_server", "--model-path", model, *source, "--served-model-name",
-                name, "--host", opts.host, "--port", str(opts.port), "--tp-size", str(opts.tp), *remote]
+        argv = [
+            "python3",
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            model,
+            *source,
+            "--served-model-name",
+            name,
+            "--host",
+            opts.host,
+            "--port",
+            str(opts.port),
+            "--tp-size",
+            str(opts.tp),
+            *remote,
+        ]
         if qm == "modelopt" and algo == "NVFP4":
             argv += ["--quantization", "modelopt_fp4"]
-        argv += ["--mem-fraction-static", str(vopts.gpu_memory_utilization), "--context-length",
-                 str(fit.max_model_len)]
+        argv += ["--mem-fraction-static", str(vopts.gpu_memory_utilization), "--context-length", str(fit.max_model_len)]
         if vopts.max_num_seqs:
             argv += ["--max-running-requests", str(vopts.max_num_seqs)]
         if kv_fp8:
             argv += ["--kv-cache-dtype", "fp8_e4m3"]
         argv += ["--reasoning-parser", "qwen3", "--tool-call-parser", "qwen3_coder"]
         if mtp:
-            argv += ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", str(mtp),
-                     "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(mtp + 1)]
+            argv += [
+                "--speculative-algorithm",
+                "NEXTN",
+                "--speculative-num-steps",
+                str(mtp),
+                "--speculative-eagle-topk",
+                "1",
+                "--speculative-num-draft-tokens",
+                str(mtp + 1),
+            ]
             if vlm:
                 argv += ["--mamba-scheduler-strategy", "extra_buffer"]
         if yarn:
@@ -236,8 +301,10 @@ def _build(rep: VerifyReport, v, vopts: VerifyOptions, opts: ServeOptions) -> La
 def _bf16_kv_note(facts: dict) -> str:
     """Why the KV cache is BF16: the scales are missing, or they are there and --kv-cache-dtype auto was asked."""
     if facts.get("kv_scales_calibrated"):
-        return ("KV cache in BF16 (--kv-cache-dtype auto): the checkpoint's calibrated FP8 k/v scales are not used; "
-                "without --kv-cache-dtype the launch serves an FP8 KV cache with them")
+        return (
+            "KV cache in BF16 (--kv-cache-dtype auto): the checkpoint's calibrated FP8 k/v scales are not used; "
+            "without --kv-cache-dtype the launch serves an FP8 KV cache with them"
+        )
     return "KV cache in BF16: no calibrated FP8 k/v scales (qtool calibrate-kv adds them)"
 
 

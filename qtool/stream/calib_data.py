@@ -73,12 +73,15 @@ def _rows(dataset: str):
             try:
                 # streaming: rows arrive as they are read (range requests on the parquet files), so a run
                 # that needs 262k tokens reads a few MB of a multi-GB split, in bounded memory
-                ds = datasets.load_dataset(repo, revision=dataset_revision(dataset), split=split,
-                                           streaming=not hub_offline())
+                ds = datasets.load_dataset(
+                    repo, revision=dataset_revision(dataset), split=split, streaming=not hub_offline()
+                )
             except (ValueError, FileNotFoundError) as e:  # unknown split, no data files, not cached offline
-                raise UsageError(f"cannot load the dataset ({type(e).__name__}: {str(e).splitlines()[0]})",
-                                 path=dataset, hint="check ORG/NAME, @REVISION and :SPLIT (e.g. "
-                                 "hf:HuggingFaceH4/ultrachat_200k:train_sft)") from None
+                raise UsageError(
+                    f"cannot load the dataset ({type(e).__name__}: {str(e).splitlines()[0]})",
+                    path=dataset,
+                    hint="check ORG/NAME, @REVISION and :SPLIT (e.g. hf:HuggingFaceH4/ultrachat_200k:train_sft)",
+                ) from None
         with hub_errors(HubSpec(repo, rev)):  # a network error while rows stream in: named, no traceback
             yield from ds
         return
@@ -95,8 +98,11 @@ def _document(row, i: int, where, tokenizer) -> str:
     msgs = row.get("messages") if isinstance(row, dict) else None
     if isinstance(msgs, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in msgs):
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise UsageError("the dataset is chat `messages`, and the checkpoint's tokenizer has no chat template",
-                             path=where, hint="copy tokenizer_config.json / chat_template.jinja from the original model")
+            raise UsageError(
+                "the dataset is chat `messages`, and the checkpoint's tokenizer has no chat template",
+                path=where,
+                hint="copy tokenizer_config.json / chat_template.jinja from the original model",
+            )
         return tokenizer.apply_chat_template(msgs, tokenize=False)
     raise UsageError(f"row {i} has neither a string `text` nor a chat `messages` list", path=where)
 
@@ -108,8 +114,11 @@ def _read_utf8(path: Path) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
-        raise UsageError(f"the dataset file is not UTF-8 text (byte 0x{data[e.start]:02x} at line {line})", path=path,
-                         hint="convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8 FILE > FILE.utf8)") from None
+        raise UsageError(
+            f"the dataset file is not UTF-8 text (byte 0x{data[e.start]:02x} at line {line})",
+            path=path,
+            hint="convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8 FILE > FILE.utf8)",
+        ) from None
 
 
 def read_documents(dataset: str, tokenizer=None):
@@ -120,8 +129,11 @@ def read_documents(dataset: str, tokenizer=None):
         return (_document(r, i, dataset, tokenizer) for i, r in enumerate(_rows(dataset), 1))
     p = Path(dataset)
     if not p.is_file():
-        raise CheckpointError("dataset file not found", path=p,
-                              hint="pass `builtin`, a .txt / .jsonl / .parquet file, or hf:ORG/NAME[:SPLIT]")
+        raise CheckpointError(
+            "dataset file not found",
+            path=p,
+            hint="pass `builtin`, a .txt / .jsonl / .parquet file, or hf:ORG/NAME[:SPLIT]",
+        )
     if p.suffix == ".jsonl":
         docs = []
         for i, line in enumerate(_read_utf8(p).splitlines(), 1):
@@ -152,9 +164,16 @@ class CalibSet:
     def to_json(self) -> dict:
         """What plans, reports and manifests record: the dataset, its revision, the tokens it gives, the
         token ids' digest."""
-        return {"dataset": self.dataset, "revision": self.revision, "samples": self.samples,
-                "seq_len": self.seq_len, "tokens": self.tokens, "available_tokens": self.available_tokens,
-                "available_windows": self.available_tokens // self.seq_len, "digest": self.digest}
+        return {
+            "dataset": self.dataset,
+            "revision": self.revision,
+            "samples": self.samples,
+            "seq_len": self.seq_len,
+            "tokens": self.tokens,
+            "available_tokens": self.available_tokens,
+            "available_windows": self.available_tokens // self.seq_len,
+            "digest": self.digest,
+        }
 
     @property
     def samples(self) -> int:
@@ -180,8 +199,9 @@ def token_digest(ids) -> str:
     return hashlib.sha256(t.detach().cpu().numpy().tobytes() + str(tuple(t.shape)).encode()).hexdigest()[:16]
 
 
-def windows_from_ids(ids: list[int], samples: int, seq_len: int, *, dataset: str = "?",
-                     at_most: bool = False) -> CalibSet:
+def windows_from_ids(
+    ids: list[int], samples: int, seq_len: int, *, dataset: str = "?", at_most: bool = False
+) -> CalibSet:
     """`samples` windows of `seq_len` tokens; `at_most`: fewer when the dataset gives fewer (at least one)."""
     import torch
 
@@ -191,20 +211,32 @@ def windows_from_ids(ids: list[int], samples: int, seq_len: int, *, dataset: str
         samples = min(samples, len(ids) // seq_len)
     need = samples * seq_len
     if not ids:
-        raise PlanError("the dataset gave no tokens at all (empty documents, or a tokenizer that yields none)",
-                        path=dataset, expected=need, got=0,
-                        hint="check the dataset's text column and the checkpoint's tokenizer.json")
+        raise PlanError(
+            "the dataset gave no tokens at all (empty documents, or a tokenizer that yields none)",
+            path=dataset,
+            expected=need,
+            got=0,
+            hint="check the dataset's text column and the checkpoint's tokenizer.json",
+        )
     if len(ids) < need:
         raise PlanError(
             f"the dataset gives {len(ids)} tokens, {need} needed for {samples} x {seq_len}",
             expected=need,
             got=len(ids),
-            hint=((f"use at most --samples {len(ids) // seq_len} at --seq-len {seq_len}, a shorter --seq-len, "
-                   "or a larger --dataset") if len(ids) >= seq_len else (
-                f"the dataset gives less than one window: --seq-len {len(ids)} at most, or a larger --dataset"))
-            + (f"; `{BUILTIN}` is a short sample for smoke runs: for a real calibration pass e.g. --dataset "
-               "hf:HuggingFaceH4/ultrachat_200k:train_sft (what the shipped 397B recipes use)"
-               if dataset == BUILTIN else ""),
+            hint=(
+                (
+                    f"use at most --samples {len(ids) // seq_len} at --seq-len {seq_len}, a shorter --seq-len, "
+                    "or a larger --dataset"
+                )
+                if len(ids) >= seq_len
+                else (f"the dataset gives less than one window: --seq-len {len(ids)} at most, or a larger --dataset")
+            )
+            + (
+                f"; `{BUILTIN}` is a short sample for smoke runs: for a real calibration pass e.g. --dataset "
+                "hf:HuggingFaceH4/ultrachat_200k:train_sft (what the shipped 397B recipes use)"
+                if dataset == BUILTIN
+                else ""
+            ),
         )
     t = torch.tensor(ids[:need], dtype=torch.long).view(samples, seq_len)
     return CalibSet(t, dataset, len(ids))
@@ -228,9 +260,12 @@ def load_tokenizer(ckpt_dir: str | Path):
         # AutoTokenizer would otherwise build an empty tokenizer from the processor configs: 0 tokens
         raise PlanError(
             "the checkpoint has no tokenizer (no tokenizer.json or vocabulary file): the calibration text "
-            "cannot be tokenized", path=ckpt_dir, expected=" or ".join(TOKENIZER_FILES),
+            "cannot be tokenized",
+            path=ckpt_dir,
+            expected=" or ".join(TOKENIZER_FILES),
             hint="copy tokenizer.json and tokenizer_config.json from the original model into the checkpoint "
-            "(e.g. hf download Qwen/Qwen3.5-397B-A17B tokenizer.json tokenizer_config.json --local-dir CKPT)")
+            "(e.g. hf download Qwen/Qwen3.5-397B-A17B tokenizer.json tokenizer_config.json --local-dir CKPT)",
+        )
 
     try:
         with transformers_errors_only():
@@ -251,8 +286,12 @@ def plan_calibration(ckpt, dataset: str, samples: int, seq_len: int, *, at_most:
     calib = build_calib_set(ckpt.root, dataset, samples, seq_len, at_most=at_most, revision=revision)
     vocab = int(ckpt.text_config.get("vocab_size", 1 << 62))
     if int(calib.ids.max()) >= vocab:
-        raise PlanError("the tokenizer gives ids beyond the model's vocab_size", expected=f"< {vocab}",
-                        got=int(calib.ids.max()), hint="the tokenizer does not belong to this checkpoint")
+        raise PlanError(
+            "the tokenizer gives ids beyond the model's vocab_size",
+            expected=f"< {vocab}",
+            got=int(calib.ids.max()),
+            hint="the tokenizer does not belong to this checkpoint",
+        )
     calib.revision = revision
     return calib
 
@@ -274,8 +313,16 @@ def _tokenize(tok, dataset: str, need: int, stop: threading.Event | None = None)
     return ids
 
 
-def build_calib_set(ckpt_dir: str | Path, dataset: str, samples: int, seq_len: int, *, tokenizer=None,
-                    at_most: bool = False, revision: str | None = None) -> CalibSet:
+def build_calib_set(
+    ckpt_dir: str | Path,
+    dataset: str,
+    samples: int,
+    seq_len: int,
+    *,
+    tokenizer=None,
+    at_most: bool = False,
+    revision: str | None = None,
+) -> CalibSet:
     """The windows of `dataset` tokenized with the tokenizer of `ckpt_dir` (or `tokenizer`). The ids come from
     qtool's token cache where this tokenizer already tokenized this data (qtool.stream.token_cache;
     `revision`: a Hub dataset's resolved commit, part of the key)."""

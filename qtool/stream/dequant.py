@@ -23,9 +23,22 @@ from qtool.io.safetensors_header import TensorInfo
 # Parameters that belong to a quantized format's storage or to calibration, never to the dense module.
 _AUX_PARAMS = frozenset(
     {
-        "weight_scale", "weight_scale_2", "weight_global_scale", "input_scale", "input_global_scale",
-        "weight_packed", "weight_shape", "weight_zero_point", "qweight", "qzeros", "scales",
-        "k_scale", "v_scale", "q_scale", "weight_scale_inv", "output_scale",
+        "weight_scale",
+        "weight_scale_2",
+        "weight_global_scale",
+        "input_scale",
+        "input_global_scale",
+        "weight_packed",
+        "weight_shape",
+        "weight_zero_point",
+        "qweight",
+        "qzeros",
+        "scales",
+        "k_scale",
+        "v_scale",
+        "q_scale",
+        "weight_scale_inv",
+        "output_scale",
     }
 )
 
@@ -37,8 +50,11 @@ def dense_numel(mod: Module) -> int:
     I32 words of eight)."""
     nbytes = mod.param_nbytes
     dtypes = {param: dtype for param, dtype, _ in mod.signature}
-    plain = sum(nbytes(n) * 8 // DTYPE_BITS[dt] for n, dt in dtypes.items()
-                if n not in _AUX_PARAMS and not (n == "weight" and dt in ("U8", "F8_E4M3", "F8_E5M2")))
+    plain = sum(
+        nbytes(n) * 8 // DTYPE_BITS[dt]
+        for n, dt in dtypes.items()
+        if n not in _AUX_PARAMS and not (n == "weight" and dt in ("U8", "F8_E4M3", "F8_E5M2"))
+    )
     fmt = mod.format
     if fmt in (Format.NVFP4, Format.NVFP4_CT):
         return nbytes("weight" if "weight" in dtypes else "weight_packed") * 2 + plain
@@ -126,8 +142,13 @@ def embedding_rows(mm: ModelMap, name: str, ids, dtype, every_id=None):
 
     info = mm.ckpt.tensors.get(name)
     mod = mm.modules.get(name.rpartition(".")[0])
-    quantized = mod is not None and mod.format in (Format.NVFP4, Format.NVFP4_CT, Format.FP8, Format.AWQ,
-                                                    Format.INT4_CT)
+    quantized = mod is not None and mod.format in (
+        Format.NVFP4,
+        Format.NVFP4_CT,
+        Format.FP8,
+        Format.AWQ,
+        Format.INT4_CT,
+    )
     if info is None or quantized or len(info.shape) != 2:
         w = load_param(mm, name, dtype)
         return w, torch.arange(w.shape[0])
@@ -137,8 +158,12 @@ def embedding_rows(mm: ModelMap, name: str, ids, dtype, every_id=None):
     lo, hi = (int(every.min()), int(every.max())) if every.numel() else (0, 0)
     if lo < 0 or hi >= rows:
         bad = hi if hi >= rows else lo
-        raise PlanError(f"token id {bad} is outside the embedding's {rows} rows", path=info.file, tensor=name,
-                        hint="the tokenizer does not belong to this checkpoint: use the model's own tokenizer.json")
+        raise PlanError(
+            f"token id {bad} is outside the embedding's {rows} rows",
+            path=info.file,
+            tensor=name,
+            hint="the tokenizer does not belong to this checkpoint: use the model's own tokenizer.json",
+        )
     row_bytes = info.nbytes // rows if rows else 0
     gap = EMBED_GAP // max(1, row_bytes)  # unused rows read through between two used ones
     runs: list[list[int]] = []  # [first, end) of the rows read
@@ -155,8 +180,9 @@ def embedding_rows(mm: ModelMap, name: str, ids, dtype, every_id=None):
     try:
         at = 0
         for a, b in runs:
-            pread_exact(fd, view[at * row_bytes:(at + b - a) * row_bytes], info.start + a * row_bytes, info.file,
-                        tensor=name)
+            pread_exact(
+                fd, view[at * row_bytes : (at + b - a) * row_bytes], info.start + a * row_bytes, info.file, tensor=name
+            )
             lookup[a:b] = torch.arange(at, at + b - a)
             at += b - a
     finally:
@@ -216,8 +242,9 @@ def _in_layer(m: Module, idx: int, prefix: str) -> bool:
 
 def missing_layer(mm: ModelMap, idx: int) -> PlanError:
     """The error for a decoder layer without tensors (a truncated or mislabelled checkpoint)."""
-    return PlanError(f"no tensors for decoder layer {idx}", path=mm.ckpt.root,
-                     expected=layer_prefix(idx, mm.naming) + "*")
+    return PlanError(
+        f"no tensors for decoder layer {idx}", path=mm.ckpt.root, expected=layer_prefix(idx, mm.naming) + "*"
+    )
 
 
 def _layer_modules(mm: ModelMap, idx: int) -> list[Module]:
@@ -245,8 +272,7 @@ def layer_tensors(mm: ModelMap, idx: int) -> list[TensorInfo]:
     return [info for m in _layer_modules(mm, idx) if m.group is not Group.KV_SCALE for info in m.params.values()]
 
 
-def layer_state_dict(mm: ModelMap, idx: int, dtype, device, want: dict[str, tuple[tuple, object]],
-                     src=None) -> dict:
+def layer_state_dict(mm: ModelMap, idx: int, dtype, device, want: dict[str, tuple[tuple, object]], src=None) -> dict:
     """State dict for transformers' decoder layer `idx` (local names, e.g. `mlp.experts.gate_up_proj`),
     every tensor dense in `dtype` on `device`; `want` = local name -> (shape, dtype) of the module.
     `src`: where the tensors come from (a qtool.stream.layer_read.LayerBytes read ahead; default: read
@@ -262,7 +288,7 @@ def layer_state_dict(mm: ModelMap, idx: int, dtype, device, want: dict[str, tupl
         for mod in mods:
             if mod.group is Group.KV_SCALE:
                 continue
-            local = mod.name[len(pre):]
+            local = mod.name[len(pre) :]
             if mod.inner is Group.ROUTED_EXPERTS and mod.expert is not None:
                 experts.setdefault(mod.expert, {})[local.rpartition(".")[2]] = mod  # type: ignore[index]
                 continue
@@ -304,7 +330,9 @@ def _put(sd: dict, want: dict, key: str, tensor, origin: str) -> None:
     if shape is None:
         raise PlanError("checkpoint tensor has no place in transformers' decoder layer", tensor=origin)
     if tuple(tensor.shape) != tuple(shape):
-        raise PlanError("tensor shape differs from the config's", tensor=origin, expected=list(shape), got=list(tensor.shape))
+        raise PlanError(
+            "tensor shape differs from the config's", tensor=origin, expected=list(shape), got=list(tensor.shape)
+        )
     sd[key] = tensor
 
 
@@ -320,11 +348,17 @@ def _dense_experts(mods: list[Module], dtype, device, src, want: tuple[int, int]
     from qtool.formats.nvfp4 import BLOCK_SIZE
 
     fmt = mods[0].format
-    codes, scale, glob = (("weight", "weight_scale", "weight_scale_2") if fmt is Format.NVFP4
-                          else ("weight_packed", "weight_scale", "weight_global_scale"))
+    codes, scale, glob = (
+        ("weight", "weight_scale", "weight_scale_2")
+        if fmt is Format.NVFP4
+        else ("weight_packed", "weight_scale", "weight_global_scale")
+    )
     batched = fmt in (Format.NVFP4, Format.NVFP4_CT) and all(
-        m.format is fmt and tuple(m.params[codes].shape) == (want[0], want[1] // 2)
-        and tuple(m.params[scale].shape) == (want[0], want[1] // BLOCK_SIZE) for m in mods)
+        m.format is fmt
+        and tuple(m.params[codes].shape) == (want[0], want[1] // 2)
+        and tuple(m.params[scale].shape) == (want[0], want[1] // BLOCK_SIZE)
+        for m in mods
+    )
     if batched:
         from qtool.formats import nvfp4
 
@@ -338,8 +372,9 @@ def _dense_experts(mods: list[Module], dtype, device, src, want: tuple[int, int]
     for m in mods:  # one at a time: any format, and the expert whose shape is off is named
         w = dense_weight(m, dtype, device, src)
         if tuple(w.shape) != tuple(want):
-            raise PlanError("expert weight shape differs from the config's", tensor=m.name, expected=list(want),
-                            got=list(w.shape))
+            raise PlanError(
+                "expert weight shape differs from the config's", tensor=m.name, expected=list(want), got=list(w.shape)
+            )
         dense.append(w)
     return torch.stack(dense)
 
@@ -358,8 +393,11 @@ def _fill_experts(sd, want, experts: dict[int, dict[str, Module]], dtype, device
     down = torch.empty(dn_shape, dtype=dtype, device=device)
     for e0 in range(0, n_exp, EXPERT_BATCH):
         es = range(e0, min(n_exp, e0 + EXPERT_BATCH))
-        for part, dst in (("gate_proj", gate_up[es.start:es.stop, :inter]),
-                          ("up_proj", gate_up[es.start:es.stop, inter:]), ("down_proj", down[es.start:es.stop])):
+        for part, dst in (
+            ("gate_proj", gate_up[es.start : es.stop, :inter]),
+            ("up_proj", gate_up[es.start : es.stop, inter:]),
+            ("down_proj", down[es.start : es.stop]),
+        ):
             mods = [experts[e][part] for e in es]
             dst.copy_(_dense_experts(mods, dtype, device, src, tuple(dst.shape[1:])))
     sd["mlp.experts.gate_up_proj"] = gate_up

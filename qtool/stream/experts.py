@@ -20,10 +20,9 @@ it (`choose`); its report records which one ran.
 
 from __future__ import annotations
 
-from typing import Callable
-
 import functools
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -46,8 +45,8 @@ def routed_forward(experts, hidden_states, top_k_index, top_k_weights, record: R
     for e, n in enumerate(counts):
         if n == 0:
             continue
-        token_idx = token_of[start:start + n]
-        top_k_pos = pos_of[start:start + n]
+        token_idx = token_of[start : start + n]
+        top_k_pos = pos_of[start : start + n]
         start += n
         cur = hidden_states[token_idx]
         gate, up = F.linear(cur, experts.gate_up_proj[e]).chunk(2, dim=-1)

@@ -109,14 +109,16 @@ def aligned_empty(n: int, pin: bool = False):
     if raw is None or raw.data_ptr() % ALIGN:
         raw = torch.empty(n + ALIGN, dtype=torch.uint8, pin_memory=pin)
     shift = -raw.data_ptr() % ALIGN
-    return raw[shift:shift + n]
+    return raw[shift : shift + n]
 
 
 def read_pieces(path: str, lo: int, hi: int) -> list[Piece]:
     """Bytes [lo, hi) of `path` as the reader reads them: CHUNK pieces over the ALIGN-aligned extent."""
     first, last = _down(lo), _up(hi)
-    return [Piece(path, start, min(start + CHUNK, last), max(start, lo), min(start + CHUNK, hi))
-            for start in range(first, last, CHUNK)]
+    return [
+        Piece(path, start, min(start + CHUNK, last), max(start, lo), min(start + CHUNK, hi))
+        for start in range(first, last, CHUNK)
+    ]
 
 
 class LayerBytes:
@@ -140,13 +142,13 @@ class LayerBytes:
         first = pieces[0].start if pieces else run.start  # (none: a run of empty tensors)
         if self.device == "cpu":  # read straight into the run's buffer: its extent's blocks, aligned
             host = aligned_empty(pieces[-1].end - first if pieces else 0)
-            buf = host[run.start - first:run.end - first]
+            buf = host[run.start - first : run.end - first]
             for p in pieces:
-                p.dst = host[p.start - first:p.end - first]
+                p.dst = host[p.start - first : p.end - first]
         else:
             buf = torch.empty(run.end - run.start, dtype=torch.uint8, device=self.device)
             for p in pieces:
-                p.dst = buf[p.lo - run.start:p.hi - run.start]
+                p.dst = buf[p.lo - run.start : p.hi - run.start]
         self._bufs.append(buf)
         return pieces
 
@@ -210,14 +212,14 @@ class LayerBytes:
         if where is None:
             raise PlanError("tensor was not read with its layer", tensor=info.name, path=info.file)
         k, off = where
-        return self._bufs[k][off:off + info.nbytes]
+        return self._bufs[k][off : off + info.nbytes]
 
     def span(self, file: str, start: int, end: int):
         """Bytes [start, end) of `file` (uint8, a view on the device they were read to), or None where no
         run read them all: a slice of a tensor (one expert of a fused source) as well as a whole one."""
         for k, run in enumerate(self.runs):
             if run.file == file and run.start <= start and end <= run.end:
-                return self._bufs[k][start - run.start:end - run.start]
+                return self._bufs[k][start - run.start : end - run.start]
         return None
 
     def get(self, info: TensorInfo):
@@ -255,7 +257,7 @@ class ShardFiles:
 
     def read(self, p: Piece, view: memoryview) -> memoryview:
         """Read the piece into `view` (its [start, end), ALIGN-aligned); the run's bytes [lo, hi) of it."""
-        own = view[p.lo - p.start:p.hi - p.start]
+        own = view[p.lo - p.start : p.hi - p.start]
         buffered_fd = self._buffered(p.path)
         if page_cache.resident(buffered_fd, p.lo, len(own)):
             got = _read_upto(buffered_fd, own, p.lo, len(own))
@@ -308,7 +310,7 @@ def _read_upto(fd: int, view: memoryview, offset: int, call: int, direct: bool =
     large reads); the bytes read, fewer only where the file ends."""
     got = 0
     while got < len(view):
-        n = os.preadv(fd, [view[got:got + call]], offset + got)
+        n = os.preadv(fd, [view[got : got + call]], offset + got)
         got += max(n, 0)
         if n <= 0 or (direct and got % ALIGN):  # a direct read goes on only from a block's start
             break
@@ -318,13 +320,17 @@ def _read_upto(fd: int, view: memoryview, offset: int, call: int, direct: bool =
 def _truncated(path: str, tensor: str | None) -> PlanError:
     if InputFiles.active is not None:
         InputFiles.active.check_one(path)  # (shortened while the job ran: that is the error to name)
-    return PlanError("shard ended before the layer's tensor bytes" if tensor is None
-                     else "shard ended before the tensor's bytes", path=path, tensor=tensor,
-                     hint="the shard is truncated: re-download or rebuild it")
+    return PlanError(
+        "shard ended before the layer's tensor bytes" if tensor is None else "shard ended before the tensor's bytes",
+        path=path,
+        tensor=tensor,
+        hint="the shard is truncated: re-download or rebuild it",
+    )
 
 
-def pread_exact(fd: int, view: memoryview, offset: int, path: str, tensor: str | None = None,
-                reused: bool = False) -> None:
+def pread_exact(
+    fd: int, view: memoryview, offset: int, path: str, tensor: str | None = None, reused: bool = False
+) -> None:
     """Fill `view` from `fd` at `offset`; a shard that ends early is a named error. The bytes feed the
     input's sha256 when the job hashes it from its reads (qtool.io.stream_digest; `reused`: the buffer is
     overwritten soon, so the digest takes a copy)."""
@@ -357,11 +363,11 @@ class _Staging:
         self.turn ^= 1
         if self.done[i] is not None:
             self.done[i].synchronize()
-        host = self.host[i][:p.end - p.start]
+        host = self.host[i][: p.end - p.start]
         own = files.read(p, memoryview(host.numpy()))
         stream_digest.offer(p.path, p.lo, own, lambda: bytearray(own))
         with self.torch.cuda.stream(self.stream):
-            p.dst.copy_(host[p.lo - p.start:p.hi - p.start], non_blocking=True)
+            p.dst.copy_(host[p.lo - p.start : p.hi - p.start], non_blocking=True)
             ev = self.torch.cuda.Event()
             ev.record(self.stream)
         self.done[i] = ev

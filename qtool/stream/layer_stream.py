@@ -26,9 +26,10 @@ embedding; after v_proj) -- what an engine writes into its KV cache.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Protocol
 
 from qtool.arch.model_map import ModelMap, build_map
 from qtool.arch.qwen35 import Group, layer_prefix, text_prefix
@@ -163,8 +164,16 @@ class DiskStore(HiddenStore):
 
     NAMES = ("a", "b", "c", "d")
 
-    def __init__(self, dir: Path, shape, dtype, current: str = "a", files: int = 2, write_behind: bool = False,
-                 device: str = "cpu"):
+    def __init__(
+        self,
+        dir: Path,
+        shape,
+        dtype,
+        current: str = "a",
+        files: int = 2,
+        write_behind: bool = False,
+        device: str = "cpu",
+    ):
         import torch
 
         if not 2 <= files <= len(self.NAMES):
@@ -230,7 +239,7 @@ class DiskStore(HiddenStore):
         self.drain()  # the previous layer's outputs (and its journal) are on disk
         for (k0, k1), t in self._kept.get(self.current, {}).items():
             if k0 <= b0 and b1 <= k1:
-                return t[b0 - k0:b1 - k0].clone()  # the caller's own: the kept set serves later reads too
+                return t[b0 - k0 : b1 - k0].clone()  # the caller's own: the kept set serves later reads too
         # straight into the tensor's memory: one copy (a 397B micro-batch is 268 MB; `bytes` + bytearray
         # took two more)
         buf = torch.empty((b1 - b0) * self.row, dtype=torch.uint8)
@@ -275,7 +284,6 @@ class DiskStore(HiddenStore):
         self.current = self.other
         # on the device: the new current set only (the file the next layer writes is rewritten)
         self._kept = {name: kept for name, kept in self._kept.items() if name == self.current}
-
 
 
 def _pwrite_file(path: Path, data, off: int) -> None:
@@ -376,8 +384,16 @@ def streamed_files(ckpt: Checkpoint, mm: ModelMap | None = None) -> set[str]:
 class LayerStreamer:
     """Streams a checkpoint's text decoder layers. Construct from a Checkpoint or path."""
 
-    def __init__(self, ckpt: Checkpoint | str | Path, *, device: str = "cpu", dtype: str | None = None,
-                 batch_tokens: int | None = None, mm: ModelMap | None = None, routed_experts: str = "eager"):
+    def __init__(
+        self,
+        ckpt: Checkpoint | str | Path,
+        *,
+        device: str = "cpu",
+        dtype: str | None = None,
+        batch_tokens: int | None = None,
+        mm: ModelMap | None = None,
+        routed_experts: str = "eager",
+    ):
         from qtool import dist
 
         self.group = dist.current()  # data parallel: this rank computes its share of the micro-batches
@@ -396,10 +412,14 @@ class LayerStreamer:
         embed = self.ckpt.tensors.get(self.prefix + "embed_tokens.weight")
         if embed is not None and (len(embed.shape) != 2 or embed.shape[1] != int(tc["hidden_size"])):
             # a config that disagrees with the tensors fails here by name, not as a shape error mid-forward
-            raise PlanError("config.json's hidden_size does not match the embedding's width", path=self.ckpt.root
-                            / "config.json", tensor=embed.name, expected=f"hidden_size {embed.shape[-1]}",
-                            got=f"hidden_size {tc['hidden_size']}",
-                            hint="restore config.json from the checkpoint's source repository")
+            raise PlanError(
+                "config.json's hidden_size does not match the embedding's width",
+                path=self.ckpt.root / "config.json",
+                tensor=embed.name,
+                expected=f"hidden_size {embed.shape[-1]}",
+                got=f"hidden_size {tc['hidden_size']}",
+                hint="restore config.json from the checkpoint's source repository",
+            )
         self._hf_config = None
         self._layer_sizes: tuple[list[int], list[int]] | None = None
         self._rotary = None
@@ -580,8 +600,11 @@ class LayerStreamer:
         want = {n: (tuple(p.shape), p.dtype) for n, p in layer.state_dict().items()}
         read = self._reader.take(idx) or self._reader.read_now(layer_tensors(self.mm, idx))
         try:
-            kept = {name: view for name, src in (keep_bytes or {}).items()
-                    if (view := read.span(src.file, src.start, src.end)) is not None}
+            kept = {
+                name: view
+                for name, src in (keep_bytes or {}).items()
+                if (view := read.span(src.file, src.start, src.end)) is not None
+            }
             sd = layer_state_dict(self.mm, idx, self.dtype, self.device, want, src=read)
         finally:
             read.close()  # what the layer keeps (views of BF16 weights) stays alive through it
@@ -591,8 +614,13 @@ class LayerStreamer:
 
         if self.experts_kernel is None:
             tc = self.text_cfg_dict
-            self.experts_kernel = experts.choose(self._routed_wanted, self.device, self.hidden_size,
-                                                 int(tc.get("moe_intermediate_size") or 0), self.dtype_name)
+            self.experts_kernel = experts.choose(
+                self._routed_wanted,
+                self.device,
+                self.hidden_size,
+                int(tc.get("moe_intermediate_size") or 0),
+                self.dtype_name,
+            )
         experts.install(layer.mlp.experts, kind=self.experts_kernel)  # no host sync per expert
         layer.qtool_bytes = kept
         return layer.eval()
@@ -648,11 +676,14 @@ class LayerStreamer:
             import torch
 
             dev = torch.device(self.device)
-            self.clock["gpu_peak"] = {"allocated": torch.cuda.max_memory_allocated(dev),
-                                      "reserved": torch.cuda.max_memory_reserved(dev)}
+            self.clock["gpu_peak"] = {
+                "allocated": torch.cuda.max_memory_allocated(dev),
+                "reserved": torch.cuda.max_memory_reserved(dev),
+            }
 
-    def forward_layer(self, layer, store: HiddenStore, seq_len: int, batch: int,
-                      on_batch: Callable[[int], None] | None = None) -> None:
+    def forward_layer(
+        self, layer, store: HiddenStore, seq_len: int, batch: int, on_batch: Callable[[int], None] | None = None
+    ) -> None:
         """Run this rank's micro-batches through `layer`; on_batch(b0) before each (AWQ keeps rows in
         window order). Returns once every rank's outputs of the layer are committed."""
         import torch

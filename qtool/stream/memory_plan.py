@@ -62,17 +62,28 @@ class MemoryNeed:
         """For the plan's warnings (printed by a real run too, before hours are spent)."""
         if not self.problems:
             return None
-        return ("peak memory does not fit this machine: " + "; ".join(self.problems)
-                + " (fewer --samples / a shorter --seq-len shrink the activations; a GPU takes the layer off the host)")
+        return (
+            "peak memory does not fit this machine: "
+            + "; ".join(self.problems)
+            + " (fewer --samples / a shorter --seq-len shrink the activations; a GPU takes the layer off the host)"
+        )
 
     def to_json(self) -> dict:
-        return {"device": self.device, "ranks": self.ranks, "host_bytes_per_rank": self.host_bytes,
-                "gpu_bytes_per_rank": self.gpu_bytes, "host_available": self.host_available,
-                "gpu_available": self.gpu_available, "fits": self.fits, "problems": self.problems}
+        return {
+            "device": self.device,
+            "ranks": self.ranks,
+            "host_bytes_per_rank": self.host_bytes,
+            "gpu_bytes_per_rank": self.gpu_bytes,
+            "host_available": self.host_available,
+            "gpu_available": self.gpu_available,
+            "fits": self.fits,
+            "problems": self.problems,
+        }
 
 
-def need(sp, *, device: str, held_layers: int = 1, extra_host: int = 0,
-         hidden_in_ram: bool = False, ranks: int = 1) -> MemoryNeed:
+def need(
+    sp, *, device: str, held_layers: int = 1, extra_host: int = 0, hidden_in_ram: bool = False, ranks: int = 1
+) -> MemoryNeed:
     """`sp`: layer_stream.StreamPlan; per rank, on `device` (the fit reads that GPU's free memory)."""
     from qtool.stream.layer_read import CHUNK, READERS
     from qtool.stream.layer_stream import hidden_on_device
@@ -90,11 +101,17 @@ def need(sp, *, device: str, held_layers: int = 1, extra_host: int = 0,
         # on the device: a layer's outputs wait in page-locked memory for the file writes behind the forward
         # (torch keeps those pages for reuse); two sets on the GPU (a layer's input and output; eval kld's
         # in-memory store holds one, and the reference's stays there while the test side runs: two)
-        host = READERS * 2 * CHUNK + max(sp.embed_bytes, micro) + hidden + extra_host \
+        host = (
+            READERS * 2 * CHUNK
+            + max(sp.embed_bytes, micro)
+            + hidden
+            + extra_host
             + (sp.hidden_bytes if on_device else 0)
+        )
         gpu = held_layers * dense + stored + sp.activation_bytes + (2 * sp.hidden_bytes if on_device else 0)
-    return MemoryNeed(device, ranks, PROCESS_BYTES + host, gpu, _host_available(),
-                      _gpu_free([device]) if gpu is not None else {})
+    return MemoryNeed(
+        device, ranks, PROCESS_BYTES + host, gpu, _host_available(), _gpu_free([device]) if gpu is not None else {}
+    )
 
 
 def _host_available() -> int | None:

@@ -59,11 +59,11 @@ def _key() -> list:
 def packages_distributions() -> dict[str, list[str]]:
     """The standard library's map (import name -> distribution names), from the cache where its key
     matches; a fresh copy each call, as the standard library gives."""
+    import hashlib
+
     from qtool.errors import WriteError
     from qtool.io.jsonio import atomic_write_text
     from qtool.io.manifest import cache_dir
-
-    import hashlib
 
     key = _key()
     path = cache_dir() / f"{FILE}-{hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]}.json"

@@ -40,8 +40,14 @@ def _key_files() -> tuple[str, ...]:
     """What AutoTokenizer reads (calib_data.TOKENIZER_FILES) and the files that shape its output."""
     from qtool.stream.calib_data import TOKENIZER_FILES
 
-    return TOKENIZER_FILES + ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                              "merges.txt", "chat_template.jinja", "chat_template.json")
+    return TOKENIZER_FILES + (
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "added_tokens.json",
+        "merges.txt",
+        "chat_template.jinja",
+        "chat_template.json",
+    )
 
 
 def _version(dist: str) -> str | None:
@@ -93,9 +99,15 @@ def key(ckpt_dir: str | Path, dataset: str, need: int, revision: str | None = No
     except (OSError, ValueError):
         cfg = {}
     picks = {k: cfg.get(k) for k in ("model_type", "tokenizer_class")} if isinstance(cfg, dict) else {}
-    parts = {"magic": MAGIC.decode(), "need": need, "tokenizer": tokenizer, "config": picks, "data": data,
-             "libs": {d: _version(d) for d in ("transformers", "tokenizers", "jinja2")},
-             "rule": hash_file(calib_data.__file__)}
+    parts = {
+        "magic": MAGIC.decode(),
+        "need": need,
+        "tokenizer": tokenizer,
+        "config": picks,
+        "data": data,
+        "libs": {d: _version(d) for d in ("transformers", "tokenizers", "jinja2")},
+        "rule": hash_file(calib_data.__file__),
+    }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
@@ -116,8 +128,8 @@ def load(k: str | None) -> list[int] | None:
     head = MAGIC + k.encode() + b"\n"
     if not raw.startswith(head) or len(raw) < len(head) + 40:
         return None  # foreign or torn
-    count = int.from_bytes(raw[len(head):len(head) + 8], "little")
-    digest, body = raw[len(head) + 8:len(head) + 40], raw[len(head) + 40:]
+    count = int.from_bytes(raw[len(head) : len(head) + 8], "little")
+    digest, body = raw[len(head) + 8 : len(head) + 40], raw[len(head) + 40 :]
     if len(body) != 4 * count or count == 0 or hashlib.sha256(body).digest() != digest:
         return None  # short or damaged
     ids = array("i")
@@ -143,8 +155,9 @@ def save(k: str | None, ids: list[int]) -> None:
         p = _path(k)
         p.parent.mkdir(parents=True, exist_ok=True)
         # a reader sees the whole entry or none (runs in parallel fill it alike)
-        atomic_write_bytes(p, MAGIC + k.encode() + b"\n" + len(ids).to_bytes(8, "little")
-                           + hashlib.sha256(body).digest() + body)
+        atomic_write_bytes(
+            p, MAGIC + k.encode() + b"\n" + len(ids).to_bytes(8, "little") + hashlib.sha256(body).digest() + body
+        )
         _prune(p.parent)
     except (OSError, OverflowError, WriteError):
         pass  # a read-only or full cache dir: the next run tokenizes again

@@ -72,9 +72,15 @@ def skip_unused_imports() -> None:
 
 
 # transformers' `is_*_available` checks that gate imports a streamed job never uses (skip_unused_imports)
-UNUSED_BACKENDS = ("is_sklearn_available", "is_scipy_available", "is_torchvision_available",
-                   "is_torchvision_v2_available", "is_torchaudio_available", "is_librosa_available",
-                   "is_soundfile_available")
+UNUSED_BACKENDS = (
+    "is_sklearn_available",
+    "is_scipy_available",
+    "is_torchvision_available",
+    "is_torchvision_v2_available",
+    "is_torchaudio_available",
+    "is_librosa_available",
+    "is_soundfile_available",
+)
 
 
 def _not_available() -> bool:

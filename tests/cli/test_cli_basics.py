@@ -45,8 +45,11 @@ def test_no_command_is_usage():
 def test_output_cut_short_by_the_reader_is_not_a_traceback(tiny_nvfp4_modelopt):
     """`qtool inspect CKPT | head -1`: the reader goes away before qtool has written (the whole report of
     the tiny model would fit in the pipe's buffer, so the pipe is closed before qtool even starts)."""
-    p = subprocess.Popen([sys.executable, "-m", "qtool", "inspect", str(tiny_nvfp4_modelopt)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "qtool", "inspect", str(tiny_nvfp4_modelopt)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     p.stdout.close()
     err = p.stderr.read().decode()
     assert p.wait() == 141 and "Traceback" not in err, err
@@ -70,8 +73,17 @@ def test_usage_errors_under_json_are_json():
 
 def test_progress_bars_only_on_a_terminal(tiny_nvfp4_modelopt, tmp_path):
     """Found as: `layers: 0layer [00:00, ?layer/s]` in logs: bars were drawn into a pipe."""
-    r = _run("calibrate-kv", str(tiny_nvfp4_modelopt), "-o", str(tmp_path / "kv"), "--samples", "2",
-             "--seq-len", "32", "--replace-scales")
+    r = _run(
+        "calibrate-kv",
+        str(tiny_nvfp4_modelopt),
+        "-o",
+        str(tmp_path / "kv"),
+        "--samples",
+        "2",
+        "--seq-len",
+        "32",
+        "--replace-scales",
+    )
     assert r.returncode == 0, r.stderr
     assert "layer/s" not in r.stderr and "it/s" not in r.stderr, r.stderr
 
@@ -82,8 +94,11 @@ def test_a_job_gets_growing_gpu_segments_unless_the_user_configured_the_allocato
     reads, is kept."""
     from qtool.cli.main import main
 
-    for user in ({}, {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"},
-                 {"PYTORCH_ALLOC_CONF": "expandable_segments:False"}):
+    for user in (
+        {},
+        {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"},
+        {"PYTORCH_ALLOC_CONF": "expandable_segments:False"},
+    ):
         for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
             monkeypatch.delenv(name, raising=False)
         for name, value in user.items():

@@ -12,32 +12,63 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
+
 def _installed_qtool(args, *, cwd, timeout=300):
     """`qtool ARGS` as the installed console script runs it: the script's own folder first on sys.path (never
     the current folder), and the package found by the install, not through PYTHONPATH (which would also reach
     the ranks' `sys.path` and hide the shadowing)."""
-    boot = (f"import sys\nsys.path[0] = {str(ROOT)!r}\n"
-            "from qtool.cli.main import console\nsys.argv = ['qtool', *sys.argv[1:]]\nconsole()\n")
+    boot = (
+        f"import sys\nsys.path[0] = {str(ROOT)!r}\n"
+        "from qtool.cli.main import console\nsys.argv = ['qtool', *sys.argv[1:]]\nconsole()\n"
+    )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    return subprocess.run([sys.executable, "-c", boot, *map(str, args)], cwd=cwd, capture_output=True, text=True,
-                          env=env, timeout=timeout, check=False)
+    return subprocess.run(
+        [sys.executable, "-c", boot, *map(str, args)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        check=False,
+    )
+
 
 def test_ranks_start_in_a_folder_that_holds_a_qtool_folder(tiny_bf16, tmp_path):
     """Found: `cd DIR && qtool quantize ... --nproc 2` where DIR holds a folder named `qtool` (the parent of a
     clone): every rank died with `ImportError: cannot import name '__version__' from 'qtool'` (the ranks ran
     `python -m qtool`, and the current folder shadowed the package), then the launcher offered --resume."""
     (tmp_path / "qtool").mkdir()
-    r = _installed_qtool(["quantize", tiny_bf16, "-o", "q", "--recipe", "qwen35-nvfp4-experts", "--backend", "rtn",
-                          "--samples", "2", "--seq-len", "16", "--quiet", "--nproc", "2"], cwd=tmp_path)
+    r = _installed_qtool(
+        [
+            "quantize",
+            tiny_bf16,
+            "-o",
+            "q",
+            "--recipe",
+            "qwen35-nvfp4-experts",
+            "--backend",
+            "rtn",
+            "--samples",
+            "2",
+            "--seq-len",
+            "16",
+            "--quiet",
+            "--nproc",
+            "2",
+        ],
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "Traceback" not in r.stderr
     assert (tmp_path / "q" / "qtool-manifest.json").exists()
+
 
 def _printed_so_far(stream) -> str:
     """What a paused process has written into its pipe so far (no wait for its end)."""
     os.set_blocking(stream.fileno(), False)
     data = os.read(stream.fileno(), 1 << 20) if stream else b""
     return data.decode()
+
 
 def test_a_job_without_a_terminal_prints_its_plan_and_layers_as_it_goes(tiny_bf16, tmp_path):
     """Found: `qtool quantize ... > log` printed no line until its end (0 lines at 5 and 15 s of a 20.7 s
@@ -46,9 +77,25 @@ def test_a_job_without_a_terminal_prints_its_plan_and_layers_as_it_goes(tiny_bf1
     from killpoint import start_paused
 
     marker = tmp_path / "m"
-    p = start_paused("qtool.ops.quantize.execute:write_json", 3, marker,
-                     ["quantize", tiny_bf16, "-o", tmp_path / "q", "--recipe", "qwen35-nvfp4-experts",
-                      "--backend", "rtn", "--samples", "2", "--seq-len", "16"])
+    p = start_paused(
+        "qtool.ops.quantize.execute:write_json",
+        3,
+        marker,
+        [
+            "quantize",
+            tiny_bf16,
+            "-o",
+            tmp_path / "q",
+            "--recipe",
+            "qwen35-nvfp4-experts",
+            "--backend",
+            "rtn",
+            "--samples",
+            "2",
+            "--seq-len",
+            "16",
+        ],
+    )
     try:
         deadline = 120
         while not Path(str(marker) + ".paused").exists():
@@ -66,9 +113,11 @@ def test_a_job_without_a_terminal_prints_its_plan_and_layers_as_it_goes(tiny_bf1
     assert "layers: 1/" in err, err
     assert "layers: 8/8 done" in err + rest_err
 
+
 class _Terminal(io.StringIO):
     def isatty(self) -> bool:
         return True
+
 
 def test_the_layer_bar_on_a_terminal_has_a_total(tiny_bf16, tmp_path, monkeypatch):
     """Found: quantize, calibrate-kv and sensitivity drew `layers: 7layer [00:08, 1.38layer/s]` on a
@@ -77,13 +126,29 @@ def test_the_layer_bar_on_a_terminal_has_a_total(tiny_bf16, tmp_path, monkeypatc
 
     term = _Terminal()
     monkeypatch.setattr(sys, "stderr", term)
-    assert main(["quantize", str(tiny_bf16), "-o", str(tmp_path / "q"), "--recipe", "qwen35-nvfp4-experts",
-                 "--backend", "rtn", "--samples", "2", "--seq-len", "16"]) == 0
+    assert (
+        main(
+            [
+                "quantize",
+                str(tiny_bf16),
+                "-o",
+                str(tmp_path / "q"),
+                "--recipe",
+                "qwen35-nvfp4-experts",
+                "--backend",
+                "rtn",
+                "--samples",
+                "2",
+                "--seq-len",
+                "16",
+            ]
+        )
+        == 0
+    )
     assert "100%" in term.getvalue() and "8/8" in term.getvalue(), term.getvalue()
 
 
-def test_a_reference_of_other_windows_gives_a_fix_that_runs(tiny_bf16, tiny_nvfp4_modelopt_nomtp, tmp_path,
-                                                            capsys):
+def test_a_reference_of_other_windows_gives_a_fix_that_runs(tiny_bf16, tiny_nvfp4_modelopt_nomtp, tmp_path, capsys):
     """Found: `eval kld --ref REF.compact --test T --windows 8 --seq-len 64` with a reference saved with
     other windows said `... --stride None` in its fix, which the parser rejects (rc 2)."""
     import shlex
@@ -91,8 +156,24 @@ def test_a_reference_of_other_windows_gives_a_fix_that_runs(tiny_bf16, tiny_nvfp
     from qtool.cli.main import main
 
     ref = tmp_path / "ref.compact"
-    assert main(["eval", "kld", "--ref", str(tiny_bf16), "--save-ref", str(ref), "--windows", "2", "--seq-len", "32",
-                 "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "kld",
+                "--ref",
+                str(tiny_bf16),
+                "--save-ref",
+                str(ref),
+                "--windows",
+                "2",
+                "--seq-len",
+                "32",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     test = ["eval", "kld", "--ref", str(ref), "--test", str(tiny_nvfp4_modelopt_nomtp), "--quiet"]
     assert main([*test, "--windows", "8", "--seq-len", "64"]) == 1
@@ -107,8 +188,10 @@ def test_serve_config_with_auto_kv_does_not_say_a_calibrated_checkpoint_lacks_sc
     scales (qtool calibrate-kv adds them)" for a checkpoint that has them."""
     from qtool.cli.main import main
 
-    assert main(["serve-config", str(tiny_nvfp4_modelopt), "--engine", "vllm", "--tp", "1",
-                 "--kv-cache-dtype", "auto"]) == 0
+    assert (
+        main(["serve-config", str(tiny_nvfp4_modelopt), "--engine", "vllm", "--tp", "1", "--kv-cache-dtype", "auto"])
+        == 0
+    )
     said = capsys.readouterr()
     assert "no calibrated FP8" not in said.out + said.err
     assert "calibrated FP8 k/v scales are not used" in said.out + said.err
@@ -136,8 +219,22 @@ def test_build_says_when_its_published_shards_are_copies(tiny_bf16, tiny_nvfp4_m
     from qtool.cli.main import main
 
     out = tmp_path / "demo-out"
-    assert main(["build", "demo-tiny", "-o", str(out), "--source", f"nvfp4={tiny_nvfp4_modelopt_nomtp}",
-                 "--source", f"bf16={tiny_bf16}", "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "build",
+                "demo-tiny",
+                "-o",
+                str(out),
+                "--source",
+                f"nvfp4={tiny_nvfp4_modelopt_nomtp}",
+                "--source",
+                f"bf16={tiny_bf16}",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     said = capsys.readouterr().out
     shards = sorted(out.glob("*.safetensors"))
     assert shards and all(s.stat().st_nlink == 1 for s in shards)
@@ -170,15 +267,41 @@ def test_the_planned_host_memory_counts_the_process_itself(tiny_bf16, tmp_path):
 
     # the run's peak resident memory, measured by a parent of its own (RUSAGE_CHILDREN of this process would
     # be the largest of every child the test session ran)
-    measure = ("import resource, subprocess, sys\n"
-               "r = subprocess.run(sys.argv[1:], capture_output=True, text=True)\n"
-               "print(r.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)\n"
-               "print(r.stdout + r.stderr)\n")
+    measure = (
+        "import resource, subprocess, sys\n"
+        "r = subprocess.run(sys.argv[1:], capture_output=True, text=True)\n"
+        "print(r.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)\n"
+        "print(r.stdout + r.stderr)\n"
+    )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, "-c", measure, sys.executable, "-m", "qtool", "quantize", str(tiny_bf16),
-                        "-o", "q", "--recipe", "qwen35-nvfp4-experts", "--backend", "rtn", "--samples", "2",
-                        "--seq-len", "16"], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300,
-                       check=False)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            measure,
+            sys.executable,
+            "-m",
+            "qtool",
+            "quantize",
+            str(tiny_bf16),
+            "-o",
+            "q",
+            "--recipe",
+            "qwen35-nvfp4-experts",
+            "--backend",
+            "rtn",
+            "--samples",
+            "2",
+            "--seq-len",
+            "16",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
     rc, peak = map(int, r.stdout.splitlines()[0].split())
     assert rc == 0, r.stdout
     size, unit = re.search(r"peak memory\s+host ~([\d.]+) (\w+)", r.stdout).groups()
@@ -193,15 +316,43 @@ def test_each_refusal_a_newcomer_met_has_a_fix_line(tiny_bf16, tiny_nvfp4_modelo
     from qtool.cli.main import main
 
     awq = tmp_path / "awq"
-    assert main(["quantize", str(tiny_bf16), "-o", str(awq), "--recipe", "qwen35-awq-int4", "--backend", "rtn",
-                 "--samples", "2", "--seq-len", "16", "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "quantize",
+                str(tiny_bf16),
+                "-o",
+                str(awq),
+                "--recipe",
+                "qwen35-awq-int4",
+                "--backend",
+                "rtn",
+                "--samples",
+                "2",
+                "--seq-len",
+                "16",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     cases = [
         ["quantize", str(tiny_bf16), "-o", str(tmp_path / "q"), "--recipe", "qwen35-nvfp4-experts", "--format", "awq"],
         ["convert", str(tiny_nvfp4_modelopt_nomtp), "-o", str(tmp_path / "c"), "--to", "modelopt"],
         ["convert", str(awq), "-o", str(tmp_path / "c"), "--to", "compressed-tensors"],
-        ["assemble", "hybrid", "--nvfp4", str(tiny_nvfp4_modelopt_nomtp), "--bf16", str(tiny_bf16), "-o",
-         str(tmp_path / "h"), "--bf16-expert-layers", "0,9"],
+        [
+            "assemble",
+            "hybrid",
+            "--nvfp4",
+            str(tiny_nvfp4_modelopt_nomtp),
+            "--bf16",
+            str(tiny_bf16),
+            "-o",
+            str(tmp_path / "h"),
+            "--bf16-expert-layers",
+            "0,9",
+        ],
     ]
     for argv in cases:
         assert main(argv) in (1, 2), argv
@@ -237,8 +388,24 @@ def test_the_modelopt_backend_does_not_warn_of_the_pinned_transformers(tiny_bf16
 
     if importlib.util.find_spec("modelopt") is None:
         pytest.skip("needs qtool[quant]")
-    r = _installed_qtool(["quantize", tiny_bf16, "-o", "q", "--recipe", "qwen35-nvfp4-experts", "--backend",
-                          "modelopt", "--samples", "2", "--seq-len", "16", "--quiet"], cwd=tmp_path)
+    r = _installed_qtool(
+        [
+            "quantize",
+            tiny_bf16,
+            "-o",
+            "q",
+            "--recipe",
+            "qwen35-nvfp4-experts",
+            "--backend",
+            "modelopt",
+            "--samples",
+            "2",
+            "--seq-len",
+            "16",
+            "--quiet",
+        ],
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr
     assert "is not tested with current version of modelopt" not in r.stderr, r.stderr
 
@@ -248,14 +415,31 @@ def test_verify_deep_counts_shards_and_other_files_apart(tiny_nvfp4_modelopt_nom
     from qtool.cli.main import main
 
     out = tmp_path / "h"
-    assert main(["assemble", "hybrid", "--nvfp4", str(tiny_nvfp4_modelopt_nomtp), "--bf16", str(tiny_bf16), "-o",
-                 str(out), "--bf16-expert-layers", "0", "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "assemble",
+                "hybrid",
+                "--nvfp4",
+                str(tiny_nvfp4_modelopt_nomtp),
+                "--bf16",
+                str(tiny_bf16),
+                "-o",
+                str(out),
+                "--bf16-expert-layers",
+                "0",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     assert main(["verify", str(out), "--tp", "1", "--deep"]) == 0
     deep = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("deep:"))
     shards = len(list(out.glob("*.safetensors")))
-    others = sum(1 for p in out.iterdir() if p.is_file() and p.suffix != ".safetensors"
-                 and p.name != "qtool-manifest.json")
+    others = sum(
+        1 for p in out.iterdir() if p.is_file() and p.suffix != ".safetensors" and p.name != "qtool-manifest.json"
+    )
     assert deep.startswith(f"deep: {shards} shard(s) and {others} other file(s),"), deep
 
 
@@ -278,8 +462,22 @@ def test_calibrate_kv_on_a_machine_without_cuda_says_so_before_any_work(tiny_nvf
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a CUDA device")
-    r = _installed_qtool(["calibrate-kv", tiny_nvfp4_modelopt_nomtp, "-o", "kv", "--replace-scales", "--samples", "2",
-                          "--seq-len", "16", "--device", "cuda"], cwd=tmp_path)
+    r = _installed_qtool(
+        [
+            "calibrate-kv",
+            tiny_nvfp4_modelopt_nomtp,
+            "-o",
+            "kv",
+            "--replace-scales",
+            "--samples",
+            "2",
+            "--seq-len",
+            "16",
+            "--device",
+            "cuda",
+        ],
+        cwd=tmp_path,
+    )
     assert r.returncode == 2 and "no CUDA device is available" in r.stderr, r.stderr
     assert r.stdout == "" and sorted(p.name for p in tmp_path.iterdir()) == []
 
@@ -287,8 +485,10 @@ def test_calibrate_kv_on_a_machine_without_cuda_says_so_before_any_work(tiny_nvf
 def test_the_mtp_note_is_said_once(tiny_nvfp4_modelopt, tmp_path):
     """Found: "the MTP head's attention layer is not calibrated" was printed twice (a plan note and a
     warning at the end)."""
-    r = _installed_qtool(["calibrate-kv", tiny_nvfp4_modelopt, "-o", "kv", "--replace-scales", "--samples", "2",
-                          "--seq-len", "16"], cwd=tmp_path)
+    r = _installed_qtool(
+        ["calibrate-kv", tiny_nvfp4_modelopt, "-o", "kv", "--replace-scales", "--samples", "2", "--seq-len", "16"],
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr
     assert (r.stdout + r.stderr).count("the MTP head's attention layer is not calibrated") == 1
 
@@ -318,8 +518,10 @@ def test_the_help_says_the_kv_default_and_every_dataset_form(capsys):
         with pytest.raises(SystemExit):
             main([*cmd, "--help"])
         text = " ".join(capsys.readouterr().out.split())
-        assert "default: fp8 where every full- attention layer has calibrated" in text or \
-            "default: fp8 where every full-attention layer has calibrated" in text, (cmd, text)
+        assert (
+            "default: fp8 where every full- attention layer has calibrated" in text
+            or "default: fp8 where every full-attention layer has calibrated" in text
+        ), (cmd, text)
     for cmd in (["eval", "kld"], ["quantize"], ["calibrate-kv"], ["sensitivity"]):
         with pytest.raises(SystemExit):
             main([*cmd, "--help"])
@@ -332,9 +534,12 @@ def test_eval_kld_without_a_terminal_shows_it_moving(tiny_bf16, tiny_nvfp4_model
     from killpoint import start_paused
 
     marker = tmp_path / "m"
-    p = start_paused("qtool.stream.layer_stream:LayerStreamer.forward_layer", 2, marker,
-                     ["eval", "kld", "--ref", tiny_bf16, "--test", tiny_nvfp4_modelopt_nomtp, "--windows", "2",
-                      "--seq-len", "32"])
+    p = start_paused(
+        "qtool.stream.layer_stream:LayerStreamer.forward_layer",
+        2,
+        marker,
+        ["eval", "kld", "--ref", tiny_bf16, "--test", tiny_nvfp4_modelopt_nomtp, "--windows", "2", "--seq-len", "32"],
+    )
     try:
         deadline = time.time() + 120
         while not Path(str(marker) + ".paused").exists():

@@ -26,8 +26,9 @@ def _run(argv, before="", stdout=subprocess.PIPE):
     code = PROGRAM.format(argv=argv, before=before)
     # stdout buffered as a user's is: a flush left out loses output here (this machine sets PYTHONUNBUFFERED)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
-    return subprocess.run([sys.executable, "-c", code], stdout=stdout, stderr=subprocess.PIPE, text=True,
-                          env=env, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", code], stdout=stdout, stderr=subprocess.PIPE, text=True, env=env, timeout=300
+    )
 
 
 def test_a_finished_command_skips_the_teardown_and_keeps_its_output_its_exit_handlers_and_its_code():
@@ -66,8 +67,10 @@ def test_a_report_that_cannot_be_written_is_no_success():
 
 
 def test_a_thread_still_running_gets_the_normal_exit_which_waits_for_it():
-    before = ("import threading, time\n"
-              "threading.Thread(target=lambda: (time.sleep(1), sys.stderr.write('THREAD FINISHED\\n'))).start()")
+    before = (
+        "import threading, time\n"
+        "threading.Thread(target=lambda: (time.sleep(1), sys.stderr.write('THREAD FINISHED\\n'))).start()"
+    )
     p = _run(["recipes", "list"], before=before)
     assert p.returncode == 0, p.stderr
     assert "THREAD FINISHED" in p.stderr
@@ -76,8 +79,12 @@ def test_a_thread_still_running_gets_the_normal_exit_which_waits_for_it():
 
 def test_a_profiled_run_still_writes_its_profile(tmp_path):
     prof = tmp_path / "run.prof"
-    p = subprocess.run([sys.executable, "-m", "cProfile", "-o", str(prof), "-m", "qtool", "recipes", "list"],
-                       capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-m", "cProfile", "-o", str(prof), "-m", "qtool", "recipes", "list"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr
     import pstats
 

@@ -27,16 +27,32 @@ WRITERS = {
     ("quantize", "-o"): (DIR, lambda i: ["quantize", i["bf"], "--recipe", "qwen35-nvfp4-experts", *KV], "bf"),
     ("convert", "-o"): (DIR, lambda i: ["convert", i["ck"], "--to", "compressed-tensors"], "ck"),
     ("download", "-o"): (DIR, lambda i: ["download", "hf:org/x"], "hub_cache"),
-    ("build", "-o"): (DIR, lambda i: ["build", ROOT / "recipes" / "build" / "demo-tiny.yaml", "--source",
-                                      f"nvfp4={i['ck']}", "--source", f"bf16={i['bf']}"], "ck"),
+    ("build", "-o"): (
+        DIR,
+        lambda i: [
+            "build",
+            ROOT / "recipes" / "build" / "demo-tiny.yaml",
+            "--source",
+            f"nvfp4={i['ck']}",
+            "--source",
+            f"bf16={i['bf']}",
+        ],
+        "ck",
+    ),
     ("report", "-o"): (FILE, lambda i: ["report", i["ck"], "--tp", "1"], "ck"),
-    ("eval kld", "--save-ref"): (DIR, lambda i: ["eval", "kld", "--ref", i["ck"], "--windows", "1", "--seq-len", "8"],
-                                 "ck"),
+    ("eval kld", "--save-ref"): (
+        DIR,
+        lambda i: ["eval", "kld", "--ref", i["ck"], "--windows", "1", "--seq-len", "8"],
+        "ck",
+    ),
     ("sensitivity", "-o"): (DIR, lambda i: ["sensitivity", i["bf"], i["ck"], *KV], "ck"),
     # (the checkpoints are the ones the table names: -o inside them is refused without --quantized)
     ("plan hybrid", "-o"): (FILE, lambda i: ["plan", "hybrid", "--sensitivity", _table(i), "--tp", "1"], "ck"),
-    ("eval kld", "--emit-windows"): (FILE, lambda i: ["eval", "kld", "--ref", i["ck"], "--windows", "1",
-                                                      "--seq-len", "8"], "ck"),
+    ("eval kld", "--emit-windows"): (
+        FILE,
+        lambda i: ["eval", "kld", "--ref", i["ck"], "--windows", "1", "--seq-len", "8"],
+        "ck",
+    ),
 }
 # options whose help says "write" but that name no path to write
 NOT_OUTPUTS = {("download", "--tensors")}
@@ -80,8 +96,11 @@ def test_every_writing_option_is_covered():
 
 
 def tree(d: Path) -> dict[str, str]:
-    return {p.relative_to(d).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(d.rglob("*")) if p.is_file()}
+    return {
+        p.relative_to(d).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(d.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.fixture

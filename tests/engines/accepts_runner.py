@@ -22,18 +22,31 @@ warnings.filterwarnings("ignore")
 logging.disable(logging.WARNING)
 
 # Layouts an exporter writes; the engines' scheme predicates look for one of them per (type, bits)
-LAYOUTS = [{"strategy": "tensor"}, {"strategy": "channel"}, {"strategy": "group", "group_size": 128},
-           {"strategy": "group", "group_size": 32}, {"strategy": "tensor_group", "group_size": 16},
-           {"strategy": "token"}, {"strategy": "block", "block_structure": [128, 128]},
-           {"strategy": "group", "group_size": 32, "scale_dtype": "torch.uint8"}]
-FORMATS = ["pack-quantized", "float-quantized", "int-quantized", "naive-quantized", "nvfp4-pack-quantized",
-           "mxfp4-pack-quantized"]
+LAYOUTS = [
+    {"strategy": "tensor"},
+    {"strategy": "channel"},
+    {"strategy": "group", "group_size": 128},
+    {"strategy": "group", "group_size": 32},
+    {"strategy": "tensor_group", "group_size": 16},
+    {"strategy": "token"},
+    {"strategy": "block", "block_structure": [128, 128]},
+    {"strategy": "group", "group_size": 32, "scale_dtype": "torch.uint8"},
+]
+FORMATS = [
+    "pack-quantized",
+    "float-quantized",
+    "int-quantized",
+    "naive-quantized",
+    "nvfp4-pack-quantized",
+    "mxfp4-pack-quantized",
+]
 CAPABILITIES = [(9, 0), (10, 0)]  # H100 and B200: accepted on either counts
 KV_SCHEME = {"strategy": "tensor", "dynamic": False, "symmetric": True}
 
 
 def _quant_args(spec, layout, dynamic):
     from compressed_tensors.quantization import QuantizationArgs
+
     try:
         return QuantizationArgs(type=spec[0], num_bits=spec[1], symmetric=True, dynamic=dynamic, **layout)
     except Exception:  # noqa: BLE001 - a layout that type does not take (pydantic raises several kinds)
@@ -101,10 +114,12 @@ def vllm(q):
         return get_kv_cache_quant_algo_string(cfg) not in (None, "auto")
 
     def modelopt_kv_scheme_ok(scheme):  # config.json: the KV method needs kv_cache_quant_method, the dtype too
-        with mock.patch.object(modelopt.ModelOptQuantConfigBase, "_from_config",
-                               classmethod(lambda cls, **k: k["kv_cache_quant_method"])):
+        with mock.patch.object(
+            modelopt.ModelOptQuantConfigBase, "_from_config", classmethod(lambda cls, **k: k["kv_cache_quant_method"])
+        ):
             method = modelopt.ModelOptQuantConfigBase.from_config(
-                {"quant_method": "modelopt", "quant_algo": "NVFP4", "kv_cache_scheme": scheme})
+                {"quant_method": "modelopt", "quant_algo": "NVFP4", "kv_cache_scheme": scheme}
+            )
         return method is not None and kv_algo({"quant_method": "modelopt", "kv_cache_scheme": scheme})
 
     def ct_kv_scheme_ok(scheme):
@@ -128,16 +143,21 @@ def vllm(q):
     with _skip_constructors(ct, "CompressedTensorsW"):
         for cap in CAPABILITIES:
             with mock.patch.object(current_platform, "get_device_capability", return_value=DeviceCapability(*cap)):
-                pairs += _scheme_pairs(q["specs"], make_ct, lambda c, w, a, f: c._get_scheme_from_parts(
-                    w, a, format=f, layer_name="probe"))
+                pairs += _scheme_pairs(
+                    q["specs"], make_ct, lambda c, w, a, f: c._get_scheme_from_parts(w, a, format=f, layer_name="probe")
+                )
     kv_schemes = q["specs"]
     return {
         "quant_algos_list": list(modelopt.QUANT_ALGOS),
         "quant_algos": [a for a in q["algos"] if algo_ok(a)],
-        "kv_algos": [a for a in q["kv_algos"]
-                     if kv_algo({"quant_method": "modelopt", "quantization": {"kv_cache_quant_algo": a}})],
-        "kv_schemes_modelopt": [s for s in kv_schemes
-                                if modelopt_kv_scheme_ok({"type": s[0], "num_bits": s[1], **KV_SCHEME})],
+        "kv_algos": [
+            a
+            for a in q["kv_algos"]
+            if kv_algo({"quant_method": "modelopt", "quantization": {"kv_cache_quant_algo": a}})
+        ],
+        "kv_schemes_modelopt": [
+            s for s in kv_schemes if modelopt_kv_scheme_ok({"type": s[0], "num_bits": s[1], **KV_SCHEME})
+        ],
         "kv_schemes_ct": [s for s in kv_schemes if ct_kv_scheme_ok({"type": s[0], "num_bits": s[1], **KV_SCHEME})],
         "schemes": sorted({json.dumps(p) for p in pairs}),
         "layer_types": [t for t in q["layer_types"] if layer_type_ok(t)],
@@ -164,8 +184,13 @@ def sglang(q):
             return method.from_config({**quant_config_dict, **parsed})
 
     def algo_ok(algo):
-        body = {"quant_algo": algo, "kv_cache_quant_algo": "FP8", "group_size": 16, "exclude_modules": [],
-                "quantized_layers": {"x": {"quant_algo": "NVFP4"}}}
+        body = {
+            "quant_algo": algo,
+            "kv_cache_quant_algo": "FP8",
+            "group_size": 16,
+            "exclude_modules": [],
+            "quantized_layers": {"x": {"quant_algo": "NVFP4"}},
+        }
         try:
             return quant_cfg({"producer": {"name": "modelopt"}, "quantization": body}) is not None
         except Exception:  # noqa: BLE001 - any error at config load is a refusal
@@ -175,24 +200,58 @@ def sglang(q):
         model = torch.nn.Module()
         model.quant_config = cfg
         resolved, _ = configure_kv_cache_dtype(
-            server_args_kv_cache_dtype="auto", model=model, model_dtype=torch.bfloat16, is_draft_worker=False,
-            is_dflash=False, speculative_draft_attention_backend="")
+            server_args_kv_cache_dtype="auto",
+            model=model,
+            model_dtype=torch.bfloat16,
+            is_draft_worker=False,
+            is_dflash=False,
+            speculative_draft_attention_backend="",
+        )
         return resolved
 
     def kv_algo_ok(a):
-        return kv_dtype(quant_cfg({"quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": a,
-                                                    "group_size": 16, "exclude_modules": []}})) is not None
+        return (
+            kv_dtype(
+                quant_cfg(
+                    {
+                        "quantization": {
+                            "quant_algo": "NVFP4",
+                            "kv_cache_quant_algo": a,
+                            "group_size": 16,
+                            "exclude_modules": [],
+                        }
+                    }
+                )
+            )
+            is not None
+        )
 
     def modelopt_kv_scheme_ok(scheme):
-        return kv_dtype(quant_cfg({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
-                                   "ignore": [], "kv_cache_scheme": scheme})) is not None
+        return (
+            kv_dtype(
+                quant_cfg(
+                    {
+                        "quant_method": "modelopt",
+                        "quant_algo": "NVFP4",
+                        "group_size": 16,
+                        "ignore": [],
+                        "kv_cache_scheme": scheme,
+                    }
+                )
+            )
+            is not None
+        )
 
     def ct_kv_scheme_ok(scheme):
         return ct.CompressedTensorsKVCacheMethod.is_supported_scheme(scheme)
 
     def layer_types_read():  # does layers_block_type follow layer_types, or full_attention_interval only?
-        a = Qwen3_5MoeTextConfig(num_hidden_layers=4, full_attention_interval=4, layer_types=["full_attention"] * 4).layers_block_type
-        b = Qwen3_5MoeTextConfig(num_hidden_layers=4, full_attention_interval=4, layer_types=["linear_attention"] * 4).layers_block_type
+        a = Qwen3_5MoeTextConfig(
+            num_hidden_layers=4, full_attention_interval=4, layer_types=["full_attention"] * 4
+        ).layers_block_type
+        b = Qwen3_5MoeTextConfig(
+            num_hidden_layers=4, full_attention_interval=4, layer_types=["linear_attention"] * 4
+        ).layers_block_type
         return a != b
 
     def make_ct(fmt):
@@ -202,13 +261,13 @@ def sglang(q):
     with _skip_constructors(ct, "CompressedTensorsW"):
         for cap in CAPABILITIES:
             with mock.patch.object(torch.cuda, "get_device_capability", return_value=cap):
-                pairs += _scheme_pairs(q["specs"], make_ct, lambda c, w, a, f: c._get_scheme_from_parts(
-                    w, a, format=f))
+                pairs += _scheme_pairs(q["specs"], make_ct, lambda c, w, a, f: c._get_scheme_from_parts(w, a, format=f))
     return {
         "quant_algos": [a for a in q["algos"] if algo_ok(a)],
         "kv_algos": [a for a in q["kv_algos"] if kv_algo_ok(a)],
-        "kv_schemes_modelopt": [s for s in q["specs"]
-                                if modelopt_kv_scheme_ok({"type": s[0], "num_bits": s[1], **KV_SCHEME})],
+        "kv_schemes_modelopt": [
+            s for s in q["specs"] if modelopt_kv_scheme_ok({"type": s[0], "num_bits": s[1], **KV_SCHEME})
+        ],
         "kv_schemes_ct": [s for s in q["specs"] if ct_kv_scheme_ok({"type": s[0], "num_bits": s[1], **KV_SCHEME})],
         "schemes": sorted({json.dumps(p) for p in pairs}),
         "layer_types_read": layer_types_read(),

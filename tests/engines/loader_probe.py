@@ -18,11 +18,17 @@ import traceback
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-
 # attention parameters the engines create with a default that stands for "not in the checkpoint" (vLLM:
 # k_scale 1.0 ...; SGLang: -1.0, read as 1.0 by kv_cache.py): checkpoints need not carry them
-DEFAULTED = (".attn.q_scale", ".attn.prob_scale", ".attn.k_scale", ".attn.v_scale", ".attn.q_zero_point",
-             ".attn.k_zero_point", ".attn.v_zero_point")
+DEFAULTED = (
+    ".attn.q_scale",
+    ".attn.prob_scale",
+    ".attn.k_scale",
+    ".attn.v_scale",
+    ".attn.q_zero_point",
+    ".attn.k_zero_point",
+    ".attn.v_zero_point",
+)
 
 
 def _storage_key(t: torch.Tensor) -> int | None:
@@ -72,8 +78,9 @@ def fill_nan(params: dict[str, torch.Tensor], keep) -> None:
 
 def unwritten(params: dict[str, torch.Tensor], skip) -> list[str]:
     """Float parameters still holding a NaN, but those `skip(name)` names (defaulted or derived later)."""
-    return [n for n, p in params.items()
-            if p.dtype.is_floating_point and not skip(n) and bool(torch.isnan(p.float()).any())]
+    return [
+        n for n, p in params.items() if p.dtype.is_floating_point and not skip(n) and bool(torch.isnan(p.float()).any())
+    ]
 
 
 def dropped(seen: list[str], consumed: set[str], mtp: bool) -> list[str]:
@@ -90,8 +97,9 @@ def watched_weights(weights, probe: ConsumptionProbe, seen: list[str]):
         yield name, t
 
 
-def record_load(out: dict, params: dict[str, torch.Tensor], seen: list[str], probe: ConsumptionProbe, mtp: bool,
-                skip) -> None:
+def record_load(
+    out: dict, params: dict[str, torch.Tensor], seen: list[str], probe: ConsumptionProbe, mtp: bool, skip
+) -> None:
     """After load_weights: how many tensors the engine was handed, which of its own it dropped, which
     parameters (but those `skip(name)` names) it left unwritten; the stage moves on to post-processing."""
     out["tensors"] = len(seen)
@@ -108,8 +116,15 @@ def record_done(out: dict) -> None:
 
 def new_result() -> dict:
     """A runner's verdict before anything ran (stages: config, build, load, process, done)."""
-    return {"loaded": False, "stage": "config", "error": None, "tensors": 0, "params": 0, "unwritten": [],
-            "dropped": []}
+    return {
+        "loaded": False,
+        "stage": "config",
+        "error": None,
+        "tensors": 0,
+        "params": 0,
+        "unwritten": [],
+        "dropped": [],
+    }
 
 
 def record_failure(out: dict, e: Exception) -> None:

@@ -36,12 +36,21 @@ def _vllm_ct(ignore, mtp):
     from vllm.model_executor.layers.quantization.compressed_tensors.utils import should_ignore_layer
     from vllm.model_executor.models.qwen3_5 import Qwen3_5MoeForConditionalGeneration as M
 
-    w = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True, "dynamic": False}
+    w = {
+        "num_bits": 4,
+        "type": "float",
+        "strategy": "tensor_group",
+        "group_size": 16,
+        "symmetric": True,
+        "dynamic": False,
+    }
     cfg = CompressedTensorsConfig.from_config(
         {
             "quant_method": "compressed-tensors",
             "format": "nvfp4-pack-quantized",
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": w, "input_activations": dict(w, dynamic="local")}},
+            "config_groups": {
+                "group_0": {"targets": ["Linear"], "weights": w, "input_activations": dict(w, dynamic="local")}
+            },
             "ignore": list(ignore),
         }
     )
@@ -64,7 +73,9 @@ def _sglang_modelopt(ignore, mtp):
     def decide(prefix, kind):
         if kind == "moe":  # _get_quant_method: FusedMoE -> is_layer_excluded only
             return cfg.is_layer_excluded(prefix)
-        return is_layer_skipped(prefix, cfg.exclude_modules, cfg.packed_modules_mapping) or cfg.is_layer_excluded(prefix)
+        return is_layer_skipped(prefix, cfg.exclude_modules, cfg.packed_modules_mapping) or cfg.is_layer_excluded(
+            prefix
+        )
 
     return decide
 

@@ -20,7 +20,9 @@ def layer_modules(prefix: str, attention: bool, n_experts: int) -> dict[str, lis
         "router": [f"{prefix}.mlp.gate"],
         "shared_expert": [f"{prefix}.mlp.shared_expert.{p}" for p in ("gate_proj", "up_proj", "down_proj")],
         "shared_expert_gate": [f"{prefix}.mlp.shared_expert_gate"],
-        "experts": [f"{prefix}.mlp.experts.{e}.{p}" for e in range(n_experts) for p in ("gate_proj", "up_proj", "down_proj")],
+        "experts": [
+            f"{prefix}.mlp.experts.{e}.{p}" for e in range(n_experts) for p in ("gate_proj", "up_proj", "down_proj")
+        ],
     }
 
 

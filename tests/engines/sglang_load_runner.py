@@ -24,8 +24,17 @@ import os
 import tempfile
 import warnings
 
-from loader_probe import (DEFAULTED, ConsumptionProbe, fill_nan, main, new_result, record_done, record_failure,
-                          record_load, watched_weights)
+from loader_probe import (
+    DEFAULTED,
+    ConsumptionProbe,
+    fill_nan,
+    main,
+    new_result,
+    record_done,
+    record_failure,
+    record_load,
+    watched_weights,
+)
 
 os.environ.setdefault("SGLANG_LOG_LEVEL", "error")
 warnings.filterwarnings("ignore")
@@ -50,7 +59,8 @@ def _cpu_as_blackwell() -> None:
     from sglang.srt.hardware_backend.gpu.quantization import gptq_kernels
 
     gptq_kernels.gptq_marlin_repack = lambda q, perm, size_k, size_n, num_bits: torch.zeros(
-        size_k // 16, size_n * 16 // (32 // num_bits), dtype=torch.int32)
+        size_k // 16, size_n * 16 // (32 // num_bits), dtype=torch.int32
+    )
     # ... and its scratch workspace is sized by the GPU's SM count
     from sglang.srt.layers.quantization.compressed_tensors.schemes import compressed_tensors_wNa16_moe as wna16_moe
 
@@ -74,13 +84,22 @@ def load(ckpt: str, mtp: bool = False) -> dict:
         from sglang.srt.server_args import ServerArgs
 
         spec = {"speculative_algorithm": "NEXTN"} if mtp else {}
-        args = ServerArgs(model_path=ckpt, device="cpu", tp_size=1, dtype="bfloat16", skip_tokenizer_init=True,
-                          load_format="safetensors", disable_radix_cache=True, **spec)
+        args = ServerArgs(
+            model_path=ckpt,
+            device="cpu",
+            tp_size=1,
+            dtype="bfloat16",
+            skip_tokenizer_init=True,
+            load_format="safetensors",
+            disable_radix_cache=True,
+            **spec,
+        )
         publish(args, role="scheduler", ranks=SpawnRanks(world_rank=0, gpu_id=0))
         initialize_moe_config()
         model_config = ModelConfig.from_server_args(args, is_draft_model=mtp)
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"file://{tempfile.mktemp()}")
+        init_distributed_environment(
+            world_size=1, rank=0, local_rank=0, backend="gloo", distributed_init_method=f"file://{tempfile.mktemp()}"
+        )
         initialize_model_parallel()
         initialize_dp_attention(args)
         init_dp_gathered_buffer(model_config)
@@ -100,8 +119,9 @@ def load(ckpt: str, mtp: bool = False) -> dict:
             seen: list[str] = []
             probe = ConsumptionProbe()
             with probe:
-                loader.load_weights_only(model, watched_weights(loader._get_all_weights(model_config, model), probe,
-                                                                seen), cpu)
+                loader.load_weights_only(
+                    model, watched_weights(loader._get_all_weights(model_config, model), probe, seen), cpu
+                )
             shared = SHARED_WITH_TARGET if mtp else ()
             record_load(out, params, seen, probe, mtp, skip=lambda n: n.endswith(DERIVED + DEFAULTED) or n in shared)
             loader.postprocess_weights(model, cpu)

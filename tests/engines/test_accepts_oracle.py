@@ -33,8 +33,11 @@ RUNNER = Path(__file__).with_name("accepts_runner.py")
 
 SPECS = [FLOAT4, FLOAT8, INT4, INT8]
 CANDIDATES = {
-    "algos": sorted(MODELOPT_QUANT_ALGOS[Engine.VLLM] | MODELOPT_QUANT_ALGOS[Engine.SGLANG]
-                    | {"INT3", "INT4_AWQ", "W4A8_AWQ", "FP4", "MXFP4", "INT8_SQ", "NVFP4_AWQ"}),
+    "algos": sorted(
+        MODELOPT_QUANT_ALGOS[Engine.VLLM]
+        | MODELOPT_QUANT_ALGOS[Engine.SGLANG]
+        | {"INT3", "INT4_AWQ", "W4A8_AWQ", "FP4", "MXFP4", "INT8_SQ", "NVFP4_AWQ"}
+    ),
     "kv_algos": ["FP8", "NVFP4", "INT8", "INT4", "FP4"],
     "specs": [list(s) for s in SPECS],
     "layer_types": ["full_attention", "linear_attention", "attention", "mamba", "sliding_attention"],
@@ -44,7 +47,9 @@ CANDIDATES = {
 @pytest.fixture(scope="module")
 def engines() -> dict:
     """What both engines accept among CANDIDATES (one run: importing them takes a minute)."""
-    out = subprocess.run([PY, str(RUNNER), json.dumps(CANDIDATES)], capture_output=True, text=True, timeout=1200, check=False)
+    out = subprocess.run(
+        [PY, str(RUNNER), json.dumps(CANDIDATES)], capture_output=True, text=True, timeout=1200, check=False
+    )
     if out.returncode != 0:
         sys.stderr.write(out.stderr[-4000:])
     assert out.returncode == 0

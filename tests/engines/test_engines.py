@@ -10,9 +10,11 @@ from qtool.errors import QtoolError
 L = "model.language_model.layers"
 
 # nvidia/Qwen3.5-397B-A17B-NVFP4 style (hf_quant_config exclude_modules), plus the hybrid additions
-NVIDIA_IGNORE = ["lm_head", "model.visual*", "mtp.layers.0*"] + [
-    f"{L}.{i}.{'self_attn' if (i + 1) % 4 == 0 else 'linear_attn'}*" for i in range(60)
-] + ["model.language_model.layers..mlp.gate", "mtp.fc"]
+NVIDIA_IGNORE = (
+    ["lm_head", "model.visual*", "mtp.layers.0*"]
+    + [f"{L}.{i}.{'self_attn' if (i + 1) % 4 == 0 else 'linear_attn'}*" for i in range(60)]
+    + ["model.language_model.layers..mlp.gate", "mtp.fc"]
+)
 HYBRID = NVIDIA_IGNORE + ["*.mlp.shared_expert.*", "*.layers.0.mlp.experts*"]
 
 
@@ -150,7 +152,9 @@ def test_compressed_tensors_vllm():
     assert not vllm.is_excluded(f"{L}.0.mlp.shared_expert.down_proj", [r"re:model\.language_model\..*"], **ct)
     assert vllm.is_excluded(f"{L}.0.mlp.shared_expert.down_proj", [r"re:.*mlp\.shared_expert\."], **ct)
     assert vllm.is_excluded("mtp.layers.0.self_attn.q_proj", ["re:^mtp.*"], **ct)
-    assert not vllm.is_excluded(f"{L}.0.mlp.shared_expert_gate", [r"re:.*mlp\.shared_expert\."], **ct, version="vllm@0.16")
+    assert not vllm.is_excluded(
+        f"{L}.0.mlp.shared_expert_gate", [r"re:.*mlp\.shared_expert\."], **ct, version="vllm@0.16"
+    )
 
 
 def test_compressed_tensors_sglang_suffix_match():

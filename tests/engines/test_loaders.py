@@ -25,19 +25,22 @@ PY = os.environ.get("QTOOL_ENGINES_PYTHON")
 if not PY:
     pytest.skip("QTOOL_ENGINES_PYTHON not set", allow_module_level=True)
 
-RUNNERS = {"vllm@0.33.0": Path(__file__).with_name("vllm_load_runner.py"),
-           "sglang@0.5.23": Path(__file__).with_name("sglang_load_runner.py")}
+RUNNERS = {
+    "vllm@0.33.0": Path(__file__).with_name("vllm_load_runner.py"),
+    "sglang@0.5.23": Path(__file__).with_name("sglang_load_runner.py"),
+}
 ENGINES = list(RUNNERS)
 L = "model.language_model.layers"
 KV = ["--samples", "2", "--seq-len", "32", "--quiet"]
 
 
 def engine_loads(engine: str, ckpt: Path, mtp: bool = False) -> dict:
-    p = subprocess.run([PY, str(RUNNERS[engine]), str(ckpt), *(["mtp"] if mtp else [])], capture_output=True,
-                       text=True, timeout=600)
+    p = subprocess.run(
+        [PY, str(RUNNERS[engine]), str(ckpt), *(["mtp"] if mtp else [])], capture_output=True, text=True, timeout=600
+    )
     line = next((x for x in p.stdout.splitlines() if x.startswith("QTOOL-ORACLE ")), None)
     assert line is not None, p.stdout[-2000:] + p.stderr[-3000:]
-    return json.loads(line[len("QTOOL-ORACLE "):])
+    return json.loads(line[len("QTOOL-ORACLE ") :])
 
 
 def verify_report(engine: str, ckpt: Path, mtp: int = 0):
@@ -64,7 +67,9 @@ def engine_verdict(engine_name: str, engine: dict, rep) -> bool:
     kv_warned = any(f.code.value == "kv-scales-ignored" for f in warned)
 
     def foreseen(d: str) -> bool:
-        return any(d == m or d.startswith(m + ".") for m in modules) or (kv_warned and d.endswith(("k_scale", "v_scale")))
+        return any(d == m or d.startswith(m + ".") for m in modules) or (
+            kv_warned and d.endswith(("k_scale", "v_scale"))
+        )
 
     return all(foreseen(d) for d in engine["dropped"])
 
@@ -97,42 +102,114 @@ def _drop_tensors(ck: Path, pred) -> None:
 
 
 @pytest.fixture(scope="module")
-def artifacts(tmp_path_factory, tiny_bf16, tiny_bf16_fused, tiny_nvfp4_modelopt, tiny_nvfp4_ct,
-              tiny_nvfp4_modelopt_nomtp):
+def artifacts(
+    tmp_path_factory, tiny_bf16, tiny_bf16_fused, tiny_nvfp4_modelopt, tiny_nvfp4_ct, tiny_nvfp4_modelopt_nomtp
+):
     """name -> (checkpoint, what vLLM is expected to do: True loads / False refuses or leaves holes)."""
     root = tmp_path_factory.mktemp("loaders")
-    out: dict[str, Path] = {"fixture-nvfp4-modelopt": tiny_nvfp4_modelopt, "fixture-nvfp4-ct": tiny_nvfp4_ct,
-                            "fixture-bf16": tiny_bf16}
+    out: dict[str, Path] = {
+        "fixture-nvfp4-modelopt": tiny_nvfp4_modelopt,
+        "fixture-nvfp4-ct": tiny_nvfp4_ct,
+        "fixture-bf16": tiny_bf16,
+    }
 
     def qtool(name: str, argv: list[str]) -> None:
         assert main(argv) == 0, name
         out[name] = Path(argv[argv.index("-o") + 1])
 
-    qtool("assemble-hybrid", ["assemble", "hybrid", "--nvfp4", str(tiny_nvfp4_modelopt), "--bf16", str(tiny_bf16),
-                              "-o", str(root / "hybrid"), "--quiet"])
-    qtool("assemble-hybrid-ct", ["assemble", "hybrid", "--nvfp4", str(tiny_nvfp4_ct), "--bf16", str(tiny_bf16), "-o",
-                                 str(root / "hybrid-ct"), "--quiet"])
-    qtool("assemble-hybrid-from-fused-bf16", ["assemble", "hybrid", "--nvfp4", str(tiny_nvfp4_modelopt), "--bf16",
-                                              str(tiny_bf16_fused), "-o", str(root / "hybrid-fused"), "--quiet"])
-    qtool("calibrate-kv-nvfp4", ["calibrate-kv", str(tiny_nvfp4_modelopt_nomtp), "-o", str(root / "kv"), *KV,
-                                 "--replace-scales"])
+    qtool(
+        "assemble-hybrid",
+        [
+            "assemble",
+            "hybrid",
+            "--nvfp4",
+            str(tiny_nvfp4_modelopt),
+            "--bf16",
+            str(tiny_bf16),
+            "-o",
+            str(root / "hybrid"),
+            "--quiet",
+        ],
+    )
+    qtool(
+        "assemble-hybrid-ct",
+        [
+            "assemble",
+            "hybrid",
+            "--nvfp4",
+            str(tiny_nvfp4_ct),
+            "--bf16",
+            str(tiny_bf16),
+            "-o",
+            str(root / "hybrid-ct"),
+            "--quiet",
+        ],
+    )
+    qtool(
+        "assemble-hybrid-from-fused-bf16",
+        [
+            "assemble",
+            "hybrid",
+            "--nvfp4",
+            str(tiny_nvfp4_modelopt),
+            "--bf16",
+            str(tiny_bf16_fused),
+            "-o",
+            str(root / "hybrid-fused"),
+            "--quiet",
+        ],
+    )
+    qtool(
+        "calibrate-kv-nvfp4",
+        ["calibrate-kv", str(tiny_nvfp4_modelopt_nomtp), "-o", str(root / "kv"), *KV, "--replace-scales"],
+    )
     qtool("calibrate-kv-bf16", ["calibrate-kv", str(tiny_bf16), "-o", str(root / "kvbf16"), *KV])
-    qtool("quantize-nvfp4-modelopt", ["quantize", str(tiny_bf16), "--recipe", "qwen35-nvfp4-experts", "-o",
-                                      str(root / "qmo"), *KV])
-    qtool("quantize-nvfp4-ct", ["quantize", str(tiny_bf16), "--recipe", "qwen35-nvfp4-experts", "--format",
-                                "compressed-tensors", "-o", str(root / "qct"), *KV])
-    qtool("quantize-awq-int4", ["quantize", str(tiny_bf16), "--recipe", "qwen35-awq-int4", "-o", str(root / "awq"),
-                                *KV])
+    qtool(
+        "quantize-nvfp4-modelopt",
+        ["quantize", str(tiny_bf16), "--recipe", "qwen35-nvfp4-experts", "-o", str(root / "qmo"), *KV],
+    )
+    qtool(
+        "quantize-nvfp4-ct",
+        [
+            "quantize",
+            str(tiny_bf16),
+            "--recipe",
+            "qwen35-nvfp4-experts",
+            "--format",
+            "compressed-tensors",
+            "-o",
+            str(root / "qct"),
+            *KV,
+        ],
+    )
+    qtool(
+        "quantize-awq-int4", ["quantize", str(tiny_bf16), "--recipe", "qwen35-awq-int4", "-o", str(root / "awq"), *KV]
+    )
     qtool("build-demo-tiny", ["build", "demo-tiny", "-o", str(root / "demo"), "--quiet"])
     inplace = _copy(tiny_nvfp4_modelopt_nomtp, root / "kv-in-place")
     assert main(["calibrate-kv", str(inplace), "--in-place", "--replace-scales", *KV]) == 0
     out["calibrate-kv-in-place"] = inplace
-    qtool("patch-config-o", ["patch-config", str(tiny_nvfp4_modelopt), "--fix", "router-ignore", "--fix", "mtp-ignore",
-                             "-o", str(root / "patched"), "--quiet"])
-    qtool("convert-to-ct", ["convert", str(tiny_nvfp4_modelopt), "--to", "compressed-tensors", "-o", str(root / "cv"),
-                            "--quiet"])
-    qtool("convert-to-modelopt", ["convert", str(tiny_nvfp4_ct), "--to", "modelopt", "-o", str(root / "cv-mo"),
-                                  "--quiet"])
+    qtool(
+        "patch-config-o",
+        [
+            "patch-config",
+            str(tiny_nvfp4_modelopt),
+            "--fix",
+            "router-ignore",
+            "--fix",
+            "mtp-ignore",
+            "-o",
+            str(root / "patched"),
+            "--quiet",
+        ],
+    )
+    qtool(
+        "convert-to-ct",
+        ["convert", str(tiny_nvfp4_modelopt), "--to", "compressed-tensors", "-o", str(root / "cv"), "--quiet"],
+    )
+    qtool(
+        "convert-to-modelopt", ["convert", str(tiny_nvfp4_ct), "--to", "modelopt", "-o", str(root / "cv-mo"), "--quiet"]
+    )
     # broken variants
     ig = _copy(tiny_nvfp4_modelopt, root / "ignored")
     _edit_config(ig, lambda qc: qc["ignore"].append("*.layers.2.mlp.experts*"))
@@ -158,14 +235,18 @@ def artifacts(tmp_path_factory, tiny_bf16, tiny_bf16_fused, tiny_nvfp4_modelopt,
     # KV-scale spellings of the producers (sglang issue 39942): ModelOpt's k_proj.k_scale is the fixture's
     for form, new in (("qkv-proj", "qkv_proj.{}_scale"), ("attn", "attn.{}_scale"), ("self-attn", "{}_scale")):
         ck = _copy(tiny_nvfp4_modelopt, root / f"kv-{form}")
-        out[f"variant-kv-{form}-naming"] = _rename_tensors(ck, lambda n, new=new: n.replace(
-            "self_attn.k_proj.k_scale", "self_attn." + new.format("k")).replace(
-            "self_attn.v_proj.v_scale", "self_attn." + new.format("v")))
+        out[f"variant-kv-{form}-naming"] = _rename_tensors(
+            ck,
+            lambda n, new=new: n.replace("self_attn.k_proj.k_scale", "self_attn." + new.format("k")).replace(
+                "self_attn.v_proj.v_scale", "self_attn." + new.format("v")
+            ),
+        )
     # scales on BF16 modules (vllm issue 45102, sglang issue 19587)
     for case, src, name, key in (
-            ("lm-head-input-scale", tiny_nvfp4_modelopt, "lm_head", "input_scale"),
-            ("lm-head-input-global-scale", tiny_nvfp4_ct, "lm_head", "input_global_scale"),
-            ("in-proj-a-input-scale", tiny_nvfp4_modelopt, f"{L}.0.linear_attn.in_proj_a", "input_scale")):
+        ("lm-head-input-scale", tiny_nvfp4_modelopt, "lm_head", "input_scale"),
+        ("lm-head-input-global-scale", tiny_nvfp4_ct, "lm_head", "input_global_scale"),
+        ("in-proj-a-input-scale", tiny_nvfp4_modelopt, f"{L}.0.linear_attn.in_proj_a", "input_scale"),
+    ):
         out[f"variant-stray-{case}"] = _add_tensor(_copy(src, root / case), f"{name}.{key}", name + ".weight")
     return out
 
@@ -257,24 +338,43 @@ def _set_tensor(ck: Path, name: str, value: float) -> None:
     save_file(tensors, str(ck / shard), metadata={"format": "pt"})
 
 
-CASES = ["fixture-nvfp4-modelopt", "fixture-nvfp4-ct", "fixture-bf16", "assemble-hybrid", "assemble-hybrid-ct",
-         "assemble-hybrid-from-fused-bf16", "convert-to-modelopt", "calibrate-kv-nvfp4",
-         "calibrate-kv-bf16", "quantize-nvfp4-modelopt", "quantize-nvfp4-ct", "quantize-awq-int4", "convert-to-ct",
-         "build-demo-tiny",
-         "calibrate-kv-in-place", "patch-config-o",
-         "broken-quantized-but-ignored", "broken-missing-expert", "broken-kv-only-config-over-nvfp4",
-         "variant-scale-mismatch",
-         "broken-bf16-experts-in-nvfp4",
-         # #15 item 3: INT4 expert projections in two group sizes; both engines refuse at model build
-         "broken-awq-moe-scheme-mismatch",
-         # vLLM 0.33 maps each expert tensor by its own layout: a fused layer 0 among per-expert ones loads
-         # (verify called it an error for every engine before #15 item 1)
-         "variant-fused-layer-0-bf16",
-         # SGLang drops per-expert keys only after the first fused one in its load order: a fused layer 7 loads
-         "variant-fused-layer-7-bf16",
-         "variant-kv-qkv-proj-naming", "variant-kv-attn-naming", "variant-kv-self-attn-naming", "variant-kv-per-head",
-         "variant-stray-lm-head-input-scale", "variant-stray-lm-head-input-global-scale",
-         "variant-stray-in-proj-a-input-scale"]
+CASES = [
+    "fixture-nvfp4-modelopt",
+    "fixture-nvfp4-ct",
+    "fixture-bf16",
+    "assemble-hybrid",
+    "assemble-hybrid-ct",
+    "assemble-hybrid-from-fused-bf16",
+    "convert-to-modelopt",
+    "calibrate-kv-nvfp4",
+    "calibrate-kv-bf16",
+    "quantize-nvfp4-modelopt",
+    "quantize-nvfp4-ct",
+    "quantize-awq-int4",
+    "convert-to-ct",
+    "build-demo-tiny",
+    "calibrate-kv-in-place",
+    "patch-config-o",
+    "broken-quantized-but-ignored",
+    "broken-missing-expert",
+    "broken-kv-only-config-over-nvfp4",
+    "variant-scale-mismatch",
+    "broken-bf16-experts-in-nvfp4",
+    # #15 item 3: INT4 expert projections in two group sizes; both engines refuse at model build
+    "broken-awq-moe-scheme-mismatch",
+    # vLLM 0.33 maps each expert tensor by its own layout: a fused layer 0 among per-expert ones loads
+    # (verify called it an error for every engine before #15 item 1)
+    "variant-fused-layer-0-bf16",
+    # SGLang drops per-expert keys only after the first fused one in its load order: a fused layer 7 loads
+    "variant-fused-layer-7-bf16",
+    "variant-kv-qkv-proj-naming",
+    "variant-kv-attn-naming",
+    "variant-kv-self-attn-naming",
+    "variant-kv-per-head",
+    "variant-stray-lm-head-input-scale",
+    "variant-stray-lm-head-input-global-scale",
+    "variant-stray-in-proj-a-input-scale",
+]
 
 
 @pytest.mark.parametrize("engine_name", ENGINES)
@@ -287,13 +387,29 @@ def test_verify_gives_the_real_loaders_verdict(artifacts, case, engine_name):
     assert engine["stage"] in ("done", "load", "process", "build", "config")
     if not case.startswith(("broken-", "variant-")):  # every qtool output loads: every tensor read, every
         assert engine["loaded"], engine  # parameter fully written
-    assert rep.ok == engine_verdict(engine_name, engine, rep), (case, codes, engine.get("error"),
-                                                               engine["unwritten"][:5], engine["dropped"][:5])
+    assert rep.ok == engine_verdict(engine_name, engine, rep), (
+        case,
+        codes,
+        engine.get("error"),
+        engine["unwritten"][:5],
+        engine["dropped"][:5],
+    )
 
 
-MTP_CASES = ["fixture-nvfp4-modelopt", "fixture-nvfp4-ct", "fixture-bf16", "assemble-hybrid", "quantize-nvfp4-modelopt",
-             "quantize-nvfp4-ct", "quantize-awq-int4", "convert-to-ct", "patch-config-o", "assemble-hybrid-ct",
-             "assemble-hybrid-from-fused-bf16", "convert-to-modelopt"]
+MTP_CASES = [
+    "fixture-nvfp4-modelopt",
+    "fixture-nvfp4-ct",
+    "fixture-bf16",
+    "assemble-hybrid",
+    "quantize-nvfp4-modelopt",
+    "quantize-nvfp4-ct",
+    "quantize-awq-int4",
+    "convert-to-ct",
+    "patch-config-o",
+    "assemble-hybrid-ct",
+    "assemble-hybrid-from-fused-bf16",
+    "convert-to-modelopt",
+]
 
 
 DRAFTERS = {"vllm@0.33.0": "Qwen3_5MoeMTP", "sglang@0.5.23": "Qwen3_5ForCausalLMMTP"}

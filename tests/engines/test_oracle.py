@@ -102,15 +102,27 @@ def test_oracle_matches_models():
                             continue
                         prefix = sglang.runtime_name(m)
                     kind = "moe" if u.kind == "moe" else "linear"
-                    cases.append({"engine": eng, "flavour": fl, "prefix": prefix, "kind": kind,
-                                  "mtp": m.startswith("mtp."), "ignore": ign, "module": m})
+                    cases.append(
+                        {
+                            "engine": eng,
+                            "flavour": fl,
+                            "prefix": prefix,
+                            "kind": kind,
+                            "mtp": m.startswith("mtp."),
+                            "ignore": ign,
+                            "module": m,
+                        }
+                    )
                     ours.append(_ours(eng, m, ign, fl))
     runner = Path(__file__).with_name("oracle_runner.py")
     r = subprocess.run([PY, str(runner)], input=json.dumps(cases), capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     real = json.loads(r.stdout)
-    diffs = [(c["engine"], c["flavour"], c["module"], c["ignore"][:3], o, t)
-             for c, o, t in zip(cases, ours, real, strict=True) if o != t]
+    diffs = [
+        (c["engine"], c["flavour"], c["module"], c["ignore"][:3], o, t)
+        for c, o, t in zip(cases, ours, real, strict=True)
+        if o != t
+    ]
     print(f"oracle: {len(cases)} cases, {len(diffs)} differences", file=sys.stderr)
     assert {True, False, "partial"} <= set(real)  # the oracle really ran every kind of outcome
     assert not diffs, diffs[:20]

@@ -107,8 +107,10 @@ def test_unit_decider_answers_as_each_module_asked():
     reps: dict[str, str] = {}
     for m in mods:
         reps.setdefault(unit_of(m).name, m)
-    for flavour, lists in (("modelopt", [[], ["*.mlp.shared_expert.*", "lm_head"], ["*.layers.0.*"]]),
-                           ("compressed-tensors", [[], [r"re:.*\.layers\.0\.", "lm_head"]])):
+    for flavour, lists in (
+        ("modelopt", [[], ["*.mlp.shared_expert.*", "lm_head"], ["*.layers.0.*"]]),
+        ("compressed-tensors", [[], [r"re:.*\.layers\.0\.", "lm_head"]]),
+    ):
         dec = UnitDecider(parse_flavour(flavour), reps)
         for ign in lists:
             by_module = engine_decisions(mods, ign, flavour)

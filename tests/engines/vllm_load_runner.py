@@ -16,8 +16,17 @@ import os
 import tempfile
 import warnings
 
-from loader_probe import (DEFAULTED, ConsumptionProbe, fill_nan, main, new_result, record_done, record_failure,
-                          record_load, watched_weights)
+from loader_probe import (
+    DEFAULTED,
+    ConsumptionProbe,
+    fill_nan,
+    main,
+    new_result,
+    record_done,
+    record_failure,
+    record_load,
+    watched_weights,
+)
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
@@ -73,13 +82,26 @@ def load(ckpt: str, mtp: bool = False) -> dict:
         from vllm.engine.arg_utils import EngineArgs
 
         spec = {"speculative_config": {"method": "mtp", "num_speculative_tokens": 1}} if mtp else {}
-        cfg = EngineArgs(model=ckpt, tokenizer=ckpt, tensor_parallel_size=1, enforce_eager=True, max_model_len=256,
-                         dtype="bfloat16", load_format="safetensors", skip_tokenizer_init=True,
-                         **spec).create_engine_config()
+        cfg = EngineArgs(
+            model=ckpt,
+            tokenizer=ckpt,
+            tensor_parallel_size=1,
+            enforce_eager=True,
+            max_model_len=256,
+            dtype="bfloat16",
+            load_format="safetensors",
+            skip_tokenizer_init=True,
+            **spec,
+        ).create_engine_config()
         model_config = cfg.speculative_config.draft_model_config if mtp else cfg.model_config
         with set_current_vllm_config(cfg):
-            init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                         distributed_init_method=f"file://{tempfile.mktemp()}")
+            init_distributed_environment(
+                world_size=1,
+                rank=0,
+                local_rank=0,
+                backend="gloo",
+                distributed_init_method=f"file://{tempfile.mktemp()}",
+            )
             initialize_model_parallel(1, 1)
             from vllm.model_executor.model_loader import get_model_loader
             from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading

@@ -19,8 +19,12 @@ from qtool.formats.naming import QuantFormat as F
         ({"weight": "U8", "weight_scale": "F8_E4M3", "weight_scale_2": "F32", "input_scale": "F32"}, F.NVFP4),
         ({"weight": torch.uint8, "weight_scale": torch.float8_e4m3fn, "weight_scale_2": torch.float32}, F.NVFP4),
         (
-            {"weight_packed": "U8", "weight_scale": "F8_E4M3", "weight_global_scale": "F32",
-             "input_global_scale": "F32"},
+            {
+                "weight_packed": "U8",
+                "weight_scale": "F8_E4M3",
+                "weight_global_scale": "F32",
+                "input_global_scale": "F32",
+            },
             F.NVFP4_CT,
         ),
         ({"weight_packed": "U8", "weight_scale": "U8"}, F.MXFP4_CT),
@@ -51,7 +55,9 @@ def test_missing_params_and_grouping():
     )
     assert groups == {"m.layers.0.mlp.down_proj": {"weight": "U8", "weight_scale": "F8_E4M3"}}
     assert naming.MODELOPT_NVFP4.kv_scale_names("x.self_attn") == (
-        "x.self_attn.k_proj.k_scale", "x.self_attn.v_proj.v_scale")
+        "x.self_attn.k_proj.k_scale",
+        "x.self_attn.v_proj.v_scale",
+    )
     assert naming.CT_NVFP4.kv_scale_names("x.self_attn") == ("x.self_attn.k_scale", "x.self_attn.v_scale")
 
 

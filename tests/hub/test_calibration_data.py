@@ -34,8 +34,23 @@ def test_calibrate_kv_on_a_hub_chat_dataset(hub, tiny_nvfp4_modelopt, tmp_path):
     files = chat_dataset_files(40)
     commit = hub.add_dataset("org/chat", files)
     out = tmp_path / "out"
-    p = run_qtool(["calibrate-kv", tiny_nvfp4_modelopt, "-o", out, "--dataset", "hf:org/chat:train_sft",
-                   "--samples", "2", "--seq-len", "64", "--replace-scales", "--json", "--quiet"])
+    p = run_qtool(
+        [
+            "calibrate-kv",
+            tiny_nvfp4_modelopt,
+            "-o",
+            out,
+            "--dataset",
+            "hf:org/chat:train_sft",
+            "--samples",
+            "2",
+            "--seq-len",
+            "64",
+            "--replace-scales",
+            "--json",
+            "--quiet",
+        ]
+    )
     assert p.returncode == 0, p.stderr
     cal = json.loads(p.stdout)["calibration"]
     assert cal["dataset"] == "hf:org/chat:train_sft" and cal["revision"] == commit
@@ -51,8 +66,23 @@ def test_calibrate_kv_on_a_hub_chat_dataset(hub, tiny_nvfp4_modelopt, tmp_path):
     jl = tmp_path / "chat.jsonl"
     jl.write_text("".join(json.dumps(r) + "\n" for r in pq.read_table(pq_file).to_pylist()))
     for local in (pq_file, jl):
-        d = run_qtool(["calibrate-kv", tiny_nvfp4_modelopt, "-o", tmp_path / local.suffix[1:], "--dataset", local,
-                       "--samples", "2", "--seq-len", "64", "--replace-scales", "--dry-run", "--json"])
+        d = run_qtool(
+            [
+                "calibrate-kv",
+                tiny_nvfp4_modelopt,
+                "-o",
+                tmp_path / local.suffix[1:],
+                "--dataset",
+                local,
+                "--samples",
+                "2",
+                "--seq-len",
+                "64",
+                "--replace-scales",
+                "--dry-run",
+                "--json",
+            ]
+        )
         assert d.returncode == 0, d.stderr
         assert json.loads(d.stdout)["plan"]["calibration"]["digest"] == cal["digest"], local
 
@@ -61,8 +91,20 @@ def test_a_too_small_dataset_is_refused_before_any_weight_is_read(hub, tiny_nvfp
     """Found as: the shipped recipes asked for 16 x 2048 tokens of a dataset giving 5,804: a real run failed
     after loading, and --dry-run did not notice."""
     hub.add_dataset("org/chat", chat_dataset_files(5))
-    args = ["calibrate-kv", tiny_nvfp4_modelopt, "-o", tmp_path / "o", "--dataset", "hf:org/chat:train_sft",
-            "--samples", "16", "--seq-len", "2048", "--replace-scales", "--json"]
+    args = [
+        "calibrate-kv",
+        tiny_nvfp4_modelopt,
+        "-o",
+        tmp_path / "o",
+        "--dataset",
+        "hf:org/chat:train_sft",
+        "--samples",
+        "16",
+        "--seq-len",
+        "2048",
+        "--replace-scales",
+        "--json",
+    ]
     for extra in (["--dry-run"], []):
         # a weight read would raise EIO: the refusal must come first
         p = run_failing("qtool.stream.layer_stream:LayerStreamer.load_layer", 1, "EIO", [*args, *extra])
@@ -79,8 +121,9 @@ def test_the_shipped_397b_recipes_plan_against_their_dataset(hub, tmp_path):
 
     hub.add_dataset("HuggingFaceH4/ultrachat_200k", chat_dataset_files(400, words=240))
     ct = build_sparse(tmp_path / "ct", model="397b", flavour="ct-nvfp4")
-    p = run_qtool(["build", "qwen35-397b-sehyo-kv", "-o", tmp_path / "o", "--dry-run", "--json",
-                   "--source", f"nvfp4={ct}"])
+    p = run_qtool(
+        ["build", "qwen35-397b-sehyo-kv", "-o", tmp_path / "o", "--dry-run", "--json", "--source", f"nvfp4={ct}"]
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     kv = next(s for s in json.loads(p.stdout)["steps"] if s["id"] == "kv")
     assert kv["validation"]["status"] == "planned", kv

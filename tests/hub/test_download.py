@@ -40,7 +40,10 @@ def test_full_download_pins_commit_and_matches(hub, repo_dir, tmp_path, capsys):
     for p in repo_dir.iterdir():
         assert (out / p.name).read_bytes() == p.read_bytes(), p.name
     pinned = json.loads((out / "qtool-manifest.json").read_text())["download"]
-    assert pinned["commit"] == commit and pinned["files"][SHARD1]["digest"] == hub.repos["org/model"].commits[commit][SHARD1].sha256
+    assert (
+        pinned["commit"] == commit
+        and pinned["files"][SHARD1]["digest"] == hub.repos["org/model"].commits[commit][SHARD1].sha256
+    )
     # every file was resolved at the pinned commit, never at the branch name
     resolves = [r.path for r in hub.requests(contains="/resolve/")]
     assert resolves and all(f"/resolve/{commit}/" in p for p in resolves)
@@ -55,8 +58,12 @@ def test_include_and_revision(hub, repo_dir, tmp_path, capsys):
     assert main(["download", "org/model@v1", "-o", str(out), "--include", "*.json", "--json"]) == 0
     rep = _out_json(capsys)
     assert rep["commit"] == old
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors.index.json",
-                                                     "qtool-manifest.json", "tokenizer_config.json"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "model.safetensors.index.json",
+        "qtool-manifest.json",
+        "tokenizer_config.json",
+    ]
     assert "changed" not in (out / "config.json").read_text()
 
 
@@ -128,8 +135,22 @@ def test_hub_errors_are_explained(hub, repo_dir, tmp_path, capsys, setup, args, 
 
 def test_private_repo_with_token(hub, repo_dir, tmp_path):
     hub.add_dir("org/model", repo_dir, private_token="hf_secret")
-    assert main(["download", "org/model", "-o", str(tmp_path / "o"), "--include", "*.json", "--token",
-                 "hf_secret", "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "download",
+                "org/model",
+                "-o",
+                str(tmp_path / "o"),
+                "--include",
+                "*.json",
+                "--token",
+                "hf_secret",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     assert (tmp_path / "o" / "config.json").exists()
 
 
@@ -178,13 +199,28 @@ def test_tensors_fetch_only_ranges(hub, repo_dir, tmp_path, capsys):
     src = Checkpoint.open(repo_dir)
     groups = {(src.shard_of(n), n.split(".")[3]) for n in names}
     assert rep["range_requests"] == len(groups) < len(names)
-    assert (out / "config.json").exists() and json.loads((out / "qtool-manifest.json").read_text())["download"]["commit"]
+    assert (out / "config.json").exists() and json.loads((out / "qtool-manifest.json").read_text())["download"][
+        "commit"
+    ]
 
 
 def test_tensors_regex_and_no_match(hub, repo_dir, tmp_path, capsys):
     hub.add_dir("org/model", repo_dir)
-    assert main(["download", "org/model", "-o", str(tmp_path / "a"), "--tensors", r"re:layers\.0\.mlp\.gate\.weight$",
-                 "--dry-run", "--json"]) == 0
+    assert (
+        main(
+            [
+                "download",
+                "org/model",
+                "-o",
+                str(tmp_path / "a"),
+                "--tensors",
+                r"re:layers\.0\.mlp\.gate\.weight$",
+                "--dry-run",
+                "--json",
+            ]
+        )
+        == 0
+    )
     assert _out_json(capsys)["tensors"] == 1
     assert not (tmp_path / "a").exists()
     assert main(["download", "org/model", "-o", str(tmp_path / "b"), "--tensors", "nothing.*", "--json"]) == 1
@@ -263,6 +299,7 @@ def test_tensors_resume_after_interruption(hub, repo_dir, tmp_path, capsys, monk
         assert m.pop("run")["resumed_bytes"] == (rep["resumed_bytes"] if d == out else 0)
         m.pop("command")
         return m
+
     assert but_run(out) == but_run(ref)
 
 

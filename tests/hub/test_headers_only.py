@@ -90,7 +90,7 @@ def test_the_cdn_location_is_reused_without_the_token_and_resolved_again_when_re
     # a CDN location that stopped working (the real one is signed and expires): asked through the Hub again
     hub.fault("expired", path)
     assert reader.read_bytes(path, 300, 400) == data[300:400]
-    assert [r.path.split("/")[1] for r in hub.log[n + 3:]] == ["cdn", "org", "cdn"]
+    assert [r.path.split("/")[1] for r in hub.log[n + 3 :]] == ["cdn", "org", "cdn"]
 
 
 def test_offline_uses_what_is_cached_and_names_what_is_not(hub, tiny_nvfp4_modelopt_nomtp, monkeypatch, capsys):
@@ -123,12 +123,20 @@ def test_a_pinned_cached_source_needs_no_network(hub, tiny_nvfp4_modelopt_nomtp,
     commit = hub.add_dir("org/nv", tiny_nvfp4_modelopt_nomtp)
     assert main(["inspect", f"hf:org/nv@{commit}", "--json"]) == 0
     env = {**os.environ, "HF_ENDPOINT": "http://127.0.0.1:9"}  # nothing listens there: the network is down
-    p = subprocess.run([sys.executable, "-m", "qtool", "inspect", f"hf:org/nv@{commit}", "--json"],
-                       capture_output=True, text=True, env=env)
+    p = subprocess.run(
+        [sys.executable, "-m", "qtool", "inspect", f"hf:org/nv@{commit}", "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["architecture"] == "Qwen3_5MoeForConditionalGeneration"
-    p = subprocess.run([sys.executable, "-m", "qtool", "inspect", "hf:org/never-seen", "--json"],
-                       capture_output=True, text=True, env=env)
+    p = subprocess.run(
+        [sys.executable, "-m", "qtool", "inspect", "hf:org/never-seen", "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert p.returncode == 1 and "Traceback" not in p.stderr
     assert "network" in json.loads(p.stdout)["message"]
 
@@ -138,8 +146,10 @@ def test_offline_build_dry_run_and_download(hub, tiny_nvfp4_modelopt_nomtp, tmp_
     --dry-run, also for a repo pinned at a commit that was in both caches."""
     commit = hub.add_dir("org/nv", tiny_nvfp4_modelopt_nomtp)
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(f"name: r\nsources:\n  nv: {{hub: org/nv, revision: {commit}}}\n  other: {{hub: org/nv}}\n"
-                      "steps:\n  - {id: p, op: patch-config, input: nv, with: {fixes: [router-ignore]}}\n")
+    recipe.write_text(
+        f"name: r\nsources:\n  nv: {{hub: org/nv, revision: {commit}}}\n  other: {{hub: org/nv}}\n"
+        "steps:\n  - {id: p, op: patch-config, input: nv, with: {fixes: [router-ignore]}}\n"
+    )
     assert main(["download", "org/nv", "-o", str(tmp_path / "dl"), "--quiet"]) == 0  # online once: main resolved
     capsys.readouterr()
     from huggingface_hub import constants
@@ -153,8 +163,10 @@ def test_offline_build_dry_run_and_download(hub, tiny_nvfp4_modelopt_nomtp, tmp_
     assert main(["download", "org/never-seen", "-o", str(tmp_path / "x"), "--json"]) == 1
     err = json.loads(capsys.readouterr().out)
     assert "HF_HUB_OFFLINE" in err["message"] and err["hint"]
-    recipe.write_text("name: r\nsources:\n  nv: {hub: org/never-seen}\nsteps:\n"
-                      "  - {id: p, op: patch-config, input: nv, with: {fixes: [router-ignore]}}\n")
+    recipe.write_text(
+        "name: r\nsources:\n  nv: {hub: org/never-seen}\nsteps:\n"
+        "  - {id: p, op: patch-config, input: nv, with: {fixes: [router-ignore]}}\n"
+    )
     assert main(["build", str(recipe), "--dry-run", "--json"]) == 1
     assert "never resolved" in json.loads(capsys.readouterr().out)["message"]
     assert len(hub.log) == n
@@ -167,14 +179,38 @@ def test_dry_runs_on_hub_sources_read_headers_only(hub, tiny_nvfp4_modelopt_nomt
 
     hub.add_dir("org/nv", tiny_nvfp4_modelopt_nomtp)
     hub.add_dir("org/bf16", tiny_bf16)
-    blobs = {hashlib.sha256(p.read_bytes()).hexdigest()
-             for d in (tiny_nvfp4_modelopt_nomtp, tiny_bf16) for p in d.glob("*.safetensors")}
-    runs = [["calibrate-kv", "hf:org/nv", "-o", str(tmp_path / "kv"), "--samples", "2", "--seq-len", "32",
-             "--replace-scales"],
-            ["quantize", "hf:org/bf16", "-o", str(tmp_path / "q"), "--recipe", "qwen35-nvfp4-experts",
-             "--samples", "2", "--seq-len", "32"],
-            ["assemble", "hybrid", "--nvfp4", "hf:org/nv", "--bf16", "hf:org/bf16", "-o", str(tmp_path / "h")],
-            ["patch-config", "hf:org/nv", "--fix", "router-ignore"]]
+    blobs = {
+        hashlib.sha256(p.read_bytes()).hexdigest()
+        for d in (tiny_nvfp4_modelopt_nomtp, tiny_bf16)
+        for p in d.glob("*.safetensors")
+    }
+    runs = [
+        [
+            "calibrate-kv",
+            "hf:org/nv",
+            "-o",
+            str(tmp_path / "kv"),
+            "--samples",
+            "2",
+            "--seq-len",
+            "32",
+            "--replace-scales",
+        ],
+        [
+            "quantize",
+            "hf:org/bf16",
+            "-o",
+            str(tmp_path / "q"),
+            "--recipe",
+            "qwen35-nvfp4-experts",
+            "--samples",
+            "2",
+            "--seq-len",
+            "32",
+        ],
+        ["assemble", "hybrid", "--nvfp4", "hf:org/nv", "--bf16", "hf:org/bf16", "-o", str(tmp_path / "h")],
+        ["patch-config", "hf:org/nv", "--fix", "router-ignore"],
+    ]
     for args in runs:
         assert main([*args, "--dry-run", "--json"]) == 0, (args, capsys.readouterr())
         capsys.readouterr()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 
-
 from qtool.cli.main import main
 from qtool.io.checkpoint import Checkpoint
 
@@ -31,8 +30,22 @@ def test_assemble_fetches_only_what_the_plan_needs(hub, tiny_nvfp4_modelopt_nomt
     hub.add_dir("org/nv", tiny_nvfp4_modelopt_nomtp)
     hub.add_dir("org/bf16", tiny_bf16)
     out = tmp_path / "hybrid"
-    rc = main(["assemble", "hybrid", "--nvfp4", "hf:org/nv", "--bf16", "hf:org/bf16", "-o", str(out),
-               "--bf16-expert-layers", "0", "--json", "--quiet"])
+    rc = main(
+        [
+            "assemble",
+            "hybrid",
+            "--nvfp4",
+            "hf:org/nv",
+            "--bf16",
+            "hf:org/bf16",
+            "-o",
+            str(out),
+            "--bf16-expert-layers",
+            "0",
+            "--json",
+            "--quiet",
+        ]
+    )
     assert rc == 0, capsys.readouterr()
     ck = Checkpoint.open(out)
     bf = Checkpoint.open(tiny_bf16)
@@ -40,7 +53,8 @@ def test_assemble_fetches_only_what_the_plan_needs(hub, tiny_nvfp4_modelopt_nomt
     assert shared and all(ck.tensors[n].dtype == "BF16" for n in shared)
     # BF16 bytes served: the shared experts, layer 0's experts and the MTP head, not the whole model
     wanted = sum(
-        t.nbytes for n, t in bf.tensors.items()
+        t.nbytes
+        for n, t in bf.tensors.items()
         if ".mlp.shared_expert" in n or ".layers.0.mlp.experts." in n or n.startswith("mtp.")
     )
     shas = {hashlib.sha256(p.read_bytes()).hexdigest() for p in tiny_bf16.glob("*.safetensors")}
@@ -53,8 +67,22 @@ def test_assemble_fetches_only_what_the_plan_needs(hub, tiny_nvfp4_modelopt_nomt
 def test_eval_kld_takes_hub_checkpoints(hub, tiny_bf16, tiny_nvfp4_modelopt_nomtp, capsys):
     hub.add_dir("org/bf16", tiny_bf16)
     hub.add_dir("org/nv", tiny_nvfp4_modelopt_nomtp)
-    rc = main(["eval", "kld", "--ref", "hf:org/bf16", "--test", "hf:org/nv", "--windows", "1", "--seq-len", "16",
-               "--json", "--quiet"])
+    rc = main(
+        [
+            "eval",
+            "kld",
+            "--ref",
+            "hf:org/bf16",
+            "--test",
+            "hf:org/nv",
+            "--windows",
+            "1",
+            "--seq-len",
+            "16",
+            "--json",
+            "--quiet",
+        ]
+    )
     assert rc == 0
     rep = json.loads(capsys.readouterr().out)
     assert rep["positions"] == 16 and rep["mean"] > 0

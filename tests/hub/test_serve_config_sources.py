@@ -21,7 +21,11 @@ def test_launch_configs_a_user_can_paste(hub, tiny_nvfp4_modelopt_nomtp, tmp_pat
     assert argv[argv.index("--served-model-name") + 1] == "tiny-nvfp4" and "--trust-remote-code" not in argv
     assert main(["serve-config", "hf:Qwen/tiny-nvfp4", "--engine", "sglang", "--tp", "2", "--json"]) == 0
     argv = json.loads(capsys.readouterr().out)["argv"]
-    assert argv[argv.index("--model-path") + 1:argv.index("--model-path") + 4] == ["Qwen/tiny-nvfp4", "--revision", commit]
+    assert argv[argv.index("--model-path") + 1 : argv.index("--model-path") + 4] == [
+        "Qwen/tiny-nvfp4",
+        "--revision",
+        commit,
+    ]
     # compose from a relative path: an absolute bind mount, the modelled engine version
     ck = tmp_path / "demo-out"
     shutil.copytree(tiny_nvfp4_modelopt_nomtp, ck)

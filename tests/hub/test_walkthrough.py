@@ -52,8 +52,19 @@ def stand_ins(tmp_path_factory) -> dict[str, Path]:
 def test_the_walkthrough_has_its_steps():
     cmds = walkthrough_commands()
     verbs = [shlex.split(c)[1] for c in cmds]
-    assert {"download", "assemble", "calibrate-kv", "patch-config", "verify", "serve-config", "report",
-            "quantize", "eval", "sensitivity", "plan"} <= set(verbs), verbs
+    assert {
+        "download",
+        "assemble",
+        "calibrate-kv",
+        "patch-config",
+        "verify",
+        "serve-config",
+        "report",
+        "quantize",
+        "eval",
+        "sensitivity",
+        "plan",
+    } <= set(verbs), verbs
 
 
 def test_the_walkthrough_runs_as_written(hub, stand_ins, tmp_path):
@@ -61,11 +72,19 @@ def test_the_walkthrough_runs_as_written(hub, stand_ins, tmp_path):
     hub.add_sparse_dir("Qwen/Qwen3.5-397B-A17B", stand_ins["bf16"])
     # enough text for the walkthrough's largest calibration (64 x 4096 tokens)
     hub.add_dataset("HuggingFaceH4/ultrachat_200k", chat_dataset_files(1200, words=240))
-    paths = {"/models/nvfp4": stand_ins["nvfp4"], "/models/bf16-parts": stand_ins["bf16"],
-             "/models/bf16": stand_ins["bf16"], "/models/hybrid-kv": stand_ins["hybrid"],
-             "/models/hybrid": stand_ins["hybrid"], "/models/awq": tmp_path / "awq",
-             "hybrid-vs-nvidia.html": tmp_path / "report.html", "CKPT": stand_ins["bf16"], "OUT": tmp_path / "out",
-             "/models/sens": stand_ins["sens"], "planned.yaml": tmp_path / "planned.yaml"}
+    paths = {
+        "/models/nvfp4": stand_ins["nvfp4"],
+        "/models/bf16-parts": stand_ins["bf16"],
+        "/models/bf16": stand_ins["bf16"],
+        "/models/hybrid-kv": stand_ins["hybrid"],
+        "/models/hybrid": stand_ins["hybrid"],
+        "/models/awq": tmp_path / "awq",
+        "hybrid-vs-nvidia.html": tmp_path / "report.html",
+        "CKPT": stand_ins["bf16"],
+        "OUT": tmp_path / "out",
+        "/models/sens": stand_ins["sens"],
+        "planned.yaml": tmp_path / "planned.yaml",
+    }
     for line in walkthrough_commands():
         args = shlex.split(line)[1:]
         args = [str(paths.get(a, a)) for a in args]

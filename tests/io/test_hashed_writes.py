@@ -137,6 +137,7 @@ def test_a_stopped_hash_lets_a_writer_keeping_pace_go_on(tmp_path):
 def test_a_failed_hash_lets_a_writer_keeping_pace_go_on_and_the_digest_holds_the_error(tmp_path):
     """The hash thread fails (its update raises) while the writer waits for it: the writer is let go and
     writes the rest (the layer's writer then reaches the digest, which raises: the job fails, never hangs)."""
+
     class Failing:
         def __init__(self):
             self.calls = 0
@@ -228,9 +229,11 @@ def _copied_shard(tmp_path):
     src = tmp_path / "src.bin"
     src.write_bytes(os.urandom(3 << 20))
     s = str(src)
-    tensors = [OutTensor("a", "BF16", (1 << 19,), FileRange(s, 0, 1 << 20)),
-               OutTensor("b", "U8", (5,), InlineBytes(b"12345")),
-               OutTensor("c", "U8", (2 << 20,), FileRange(s, 1 << 20, 3 << 20))]
+    tensors = [
+        OutTensor("a", "BF16", (1 << 19,), FileRange(s, 0, 1 << 20)),
+        OutTensor("b", "U8", (5,), InlineBytes(b"12345")),
+        OutTensor("c", "U8", (2 << 20,), FileRange(s, 1 << 20, 3 << 20)),
+    ]
     return tensors
 
 

@@ -12,8 +12,11 @@ from qtool.io import index_file
 from qtool.io.checkpoint import Checkpoint
 from qtool.io.index_file import read_index
 
-WM = {"b.weight": "model-00002-of-00002.safetensors", "a.weight": "model-00001-of-00002.safetensors",
-      "c.bias": "model-00002-of-00002.safetensors"}
+WM = {
+    "b.weight": "model-00002-of-00002.safetensors",
+    "a.weight": "model-00001-of-00002.safetensors",
+    "c.bias": "model-00002-of-00002.safetensors",
+}
 
 
 def _by_file(wm: dict) -> dict:
@@ -37,12 +40,15 @@ def test_same_as_a_whole_parse(tmp_path, indent, order):
     assert len({id(s) for s in by_file}) == 2
 
 
-@pytest.mark.parametrize("text", [
-    # escapes in names: the JSON parser decodes them
-    '{"weight_map": {"a\\u00e9.weight": "s1.safetensors", "b\\"q": "s1.safetensors"}}',
-    # "weight_map" as a key inside metadata before the real one
-    '{"metadata": {"weight_map": {"x": "y"}}, "weight_map": {"a": "s1.safetensors"}}',
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        # escapes in names: the JSON parser decodes them
+        '{"weight_map": {"a\\u00e9.weight": "s1.safetensors", "b\\"q": "s1.safetensors"}}',
+        # "weight_map" as a key inside metadata before the real one
+        '{"metadata": {"weight_map": {"x": "y"}}, "weight_map": {"a": "s1.safetensors"}}',
+    ],
+)
 def test_forms_outside_the_pattern_fall_back_to_the_parser(tmp_path, text):
     p = tmp_path / "i.json"
     p.write_text(text)
@@ -105,7 +111,7 @@ def test_open_with_index_errors(tiny_nvfp4_modelopt, tmp_path):
 def test_index_text_is_json_dumps_indent_2(n, tmp_path):
     from qtool.io.writer import index_text, write_index_json
 
-    wm = {f"layers.{i}.w\u00e9\"": f"s{i % 3}.safetensors" for i in range(n)}
+    wm = {f'layers.{i}.w\u00e9"': f"s{i % 3}.safetensors" for i in range(n)}
     for meta in ({"total_size": 5}, {"total_parameters": 3, "total_size": 9}):
         want = json.dumps({"metadata": meta, "weight_map": dict(sorted(wm.items()))}, indent=2) + "\n"
         assert "".join(index_text(wm, meta)) == want

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from qtool.errors import ConfigError
-from qtool.io.jsonio import load_json, unified_diff, write_json, dumps
+from qtool.io.jsonio import dumps, load_json, unified_diff, write_json
 
 
 def test_round_trip_keeps_order_indent_and_newline(tmp_path):
@@ -32,8 +32,15 @@ def test_malformed_json_names_file_and_position(tmp_path):
         load_json(p)
 
 
-@pytest.mark.parametrize("text", ['{\n    "a": {\n        "b": "\\u00e9"\n    }\n}', '{"a": 1}\n', '{\n\t"a": [\n\t\t1\n\t]\n}\n',
-                                  '{\n  "weight_map": {\n    "x": "é"\n  }\n}\n'])
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{\n    "a": {\n        "b": "\\u00e9"\n    }\n}',
+        '{"a": 1}\n',
+        '{\n\t"a": [\n\t\t1\n\t]\n}\n',
+        '{\n  "weight_map": {\n    "x": "é"\n  }\n}\n',
+    ],
+)
 def test_file_style_is_load_jsons_style_without_the_parse(tmp_path, text):
     """calibrate-kv and convert keep their source index's style: read from its text (a 397B index is 41 MB),
     the same style load_json finds; a missing file is named."""

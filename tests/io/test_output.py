@@ -8,20 +8,27 @@ import stat
 import pytest
 
 from qtool.errors import UsageError, WriteError
-from qtool.io.jsonio import write_json
-from qtool.io.files import LinkMode, new_file, Placer
+from qtool.io.files import LinkMode, Placer, new_file
 from qtool.io.identity import input_identity
-from qtool.io.in_place import exchange_paths, InPlaceDir
-from qtool.io.output import check_no_overlap, lock_for, output_files, OutputDir
+from qtool.io.in_place import InPlaceDir, exchange_paths
+from qtool.io.jsonio import write_json
 from qtool.io.manifest import command_line, write_manifest
+from qtool.io.output import OutputDir, check_no_overlap, lock_for, output_files
 
 
 def _done(tx: OutputDir, files: dict[str, str]) -> None:
     for name, text in files.items():
         with new_file(tx.partial / name) as f:
             f.write(text.encode())
-    write_manifest(tx.partial / "qtool-manifest.json", kind="test", command=None, sources={}, summary={},
-                   checks={}, files=output_files(tx.partial))
+    write_manifest(
+        tx.partial / "qtool-manifest.json",
+        kind="test",
+        command=None,
+        sources={},
+        summary={},
+        checks={},
+        files=output_files(tx.partial),
+    )
     tx.commit()
 
 
@@ -73,9 +80,8 @@ def test_overlap_in_every_direction_and_through_symlinks(tmp_path):
 
 def test_lock_names_the_holder_and_is_removed(tmp_path):
     out = tmp_path / "out"
-    with lock_for(out):
-        with pytest.raises(WriteError, match=f"pid {os.getpid()}"):
-            OutputDir(out).__enter__()
+    with lock_for(out), pytest.raises(WriteError, match=f"pid {os.getpid()}"):
+        OutputDir(out).__enter__()
     assert list(tmp_path.iterdir()) == []
     with OutputDir(out):
         pass
@@ -156,8 +162,18 @@ def test_exchange_paths(tmp_path):
 
 
 def test_secrets_never_reach_the_command_line():
-    line = command_line(["qtool", "build", "r.yaml", "--token", "hf_abcdefghijkl", "--token=hf_zzzzzzzzzz",
-                         "--source", "x=https://u:hf_secretsecret@host/x"])
+    line = command_line(
+        [
+            "qtool",
+            "build",
+            "r.yaml",
+            "--token",
+            "hf_abcdefghijkl",
+            "--token=hf_zzzzzzzzzz",
+            "--source",
+            "x=https://u:hf_secretsecret@host/x",
+        ]
+    )
     assert "hf_" not in line and line.count("***") == 3
 
 
@@ -170,9 +186,8 @@ def test_open_lists_only_the_transactions_still_open(tmp_path):
     done = OutputDir(tmp_path / "done").begin()
     done.commit()
     assert done not in OPEN
-    with pytest.raises(KeyboardInterrupt):
-        with OutputDir(tmp_path / "cut") as cut:
-            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt), OutputDir(tmp_path / "cut") as cut:
+        raise KeyboardInterrupt
     assert cut in OPEN and cut.partial in kept_partials()
     again = OutputDir(tmp_path / "cut").begin()  # the same output once more, in the same process
     assert cut not in OPEN and kept_partials().count(again.partial) == 1

@@ -11,11 +11,10 @@ from pathlib import Path
 import pytest
 from killpoint import run_killed, run_qtool
 
-from qtool.io.identity import Journal
-
-from qtool.fixtures.synthetic import build_pair
 from qtool.errors import PlanError, QtoolError, UsageError, WriteError
+from qtool.fixtures.synthetic import build_pair
 from qtool.io.checkpoint import Checkpoint
+from qtool.io.identity import Journal
 from qtool.io.reader import read_bytes
 from qtool.io.writer import FileRange, OutTensor, write_shard
 from qtool.ops.assemble import HybridOptions, LinkMode, MtpMode, execute, plan_hybrid
@@ -62,10 +61,10 @@ def test_modelopt_fused_bf16_layer0(tmp_path):
     gu = b.tensors[f"{LM}layers.0.mlp.experts.gate_up_proj"]
     raw = read_bytes(gu)
     mat = 128 * 256 * 2
-    assert read_bytes(o.tensors[f"{LM}layers.0.mlp.experts.3.gate_proj.weight"]) == raw[6 * mat:7 * mat]
-    assert read_bytes(o.tensors[f"{LM}layers.0.mlp.experts.3.up_proj.weight"]) == raw[7 * mat:8 * mat]
+    assert read_bytes(o.tensors[f"{LM}layers.0.mlp.experts.3.gate_proj.weight"]) == raw[6 * mat : 7 * mat]
+    assert read_bytes(o.tensors[f"{LM}layers.0.mlp.experts.3.up_proj.weight"]) == raw[7 * mat : 8 * mat]
     dn = read_bytes(b.tensors[f"{LM}layers.0.mlp.experts.down_proj"])
-    assert read_bytes(o.tensors[f"{LM}layers.0.mlp.experts.5.down_proj.weight"]) == dn[5 * mat:6 * mat]
+    assert read_bytes(o.tensors[f"{LM}layers.0.mlp.experts.5.down_proj.weight"]) == dn[5 * mat : 6 * mat]
     assert not [k for k in o.tensors if k.endswith(("gate_up_proj", "experts.down_proj"))]
     assert not [k for k in o.tensors if ".layers.0.mlp.experts." in k and "scale" in k]
     # other routed experts, KV scales: NVFP4 bytes unchanged
@@ -110,13 +109,19 @@ def test_compressed_tensors_per_expert_source(tmp_path):
     ignore = json.loads((out / "config.json").read_text())["quantization_config"]["ignore"]
     added = plan.ignore_added
     assert added and all(p.startswith("re:") for p in added)
-    assert ignore[-len(added):] == added
+    assert ignore[-len(added) :] == added
 
 
-@pytest.mark.parametrize("nv_mtp,mode,want", [
-    (False, MtpMode.AUTO, "graft"), (True, MtpMode.AUTO, "keep"), (True, MtpMode.FROM_BF16, "from-bf16"),
-    (True, MtpMode.DROP, "drop"), (True, MtpMode.KEEP, "keep"),
-])
+@pytest.mark.parametrize(
+    "nv_mtp,mode,want",
+    [
+        (False, MtpMode.AUTO, "graft"),
+        (True, MtpMode.AUTO, "keep"),
+        (True, MtpMode.FROM_BF16, "from-bf16"),
+        (True, MtpMode.DROP, "drop"),
+        (True, MtpMode.KEEP, "keep"),
+    ],
+)
 def test_mtp_modes(tmp_path, nv_mtp, mode, want):
     nv, bf = pair(tmp_path, nv_mtp=nv_mtp)
     out = tmp_path / "out"
@@ -157,8 +162,7 @@ def test_max_shard_size_moves_additions_to_new_shards(tmp_path):
     assert new and all(s.name.startswith("model-hybrid-") for s in new)
     for s in plan.shards:
         if s.action.value != "link":
-            assert s.data_bytes <= 300_000 or len(s.tensors) == 1 or all(
-                t.origin.source == "nvfp4" for t in s.tensors)
+            assert s.data_bytes <= 300_000 or len(s.tensors) == 1 or all(t.origin.source == "nvfp4" for t in s.tensors)
 
 
 def test_dry_run_writes_nothing(tmp_path, capsys):
@@ -166,8 +170,25 @@ def test_dry_run_writes_nothing(tmp_path, capsys):
 
     nv, bf = pair(tmp_path)
     out = tmp_path / "out"
-    assert main(["assemble", "hybrid", "--nvfp4", str(nv), "--bf16", str(bf), "-o", str(out),
-                 "--bf16-expert-layers", "0", "--dry-run", "--json"]) == 0
+    assert (
+        main(
+            [
+                "assemble",
+                "hybrid",
+                "--nvfp4",
+                str(nv),
+                "--bf16",
+                str(bf),
+                "-o",
+                str(out),
+                "--bf16-expert-layers",
+                "0",
+                "--dry-run",
+                "--json",
+            ]
+        )
+        == 0
+    )
     rep = json.loads(capsys.readouterr().out)
     assert rep["dry_run"] and rep["plan"]["bytes"]["new"] > 0 and rep["plan"]["shards"]["link"] > 0
     assert not out.exists() and not Path(str(out) + ".partial").exists()
@@ -248,8 +269,7 @@ def test_existing_output_refused(tmp_path):
 def _drop_tensor(ckpt_dir: Path, name: str) -> None:
     ck = Checkpoint.open(ckpt_dir)
     shard = ck.shard_of(name)
-    keep = sorted((t for t in ck.tensors.values() if t.file.endswith(shard) and t.name != name),
-                  key=lambda t: t.start)
+    keep = sorted((t for t in ck.tensors.values() if t.file.endswith(shard) and t.name != name), key=lambda t: t.start)
     tmp = ckpt_dir / (shard + ".new")
     write_shard(tmp, [OutTensor(t.name, t.dtype, t.shape, FileRange(t.file, t.start, t.end)) for t in keep])
     os.replace(tmp, ckpt_dir / shard)
@@ -324,8 +344,11 @@ def test_checks_flag_stale_scales(tmp_path):
     shard = ck.shard_of(f"{LM}layers.1.mlp.shared_expert.up_proj.weight")
     n = Checkpoint.open(nv)
     stale = n.tensors[f"{LM}layers.1.mlp.shared_expert.up_proj.weight_scale"]
-    ts = [OutTensor(t.name, t.dtype, t.shape, FileRange(t.file, t.start, t.end))
-          for t in sorted(ck.tensors.values(), key=lambda t: t.start) if t.file.endswith(shard)]
+    ts = [
+        OutTensor(t.name, t.dtype, t.shape, FileRange(t.file, t.start, t.end))
+        for t in sorted(ck.tensors.values(), key=lambda t: t.start)
+        if t.file.endswith(shard)
+    ]
     ts.append(OutTensor(stale.name, stale.dtype, stale.shape, FileRange(stale.file, stale.start, stale.end)))
     os.unlink(out / shard)
     write_shard(out / shard, ts)
@@ -416,8 +439,21 @@ def test_a_layer_list_is_digits_and_commas_only(flag, text, tmp_path, capsys):
 
     nv, bf = pair(tmp_path)
     capsys.readouterr()
-    rc = main(["assemble", "hybrid", "--nvfp4", str(nv), "--bf16", str(bf), "-o", str(tmp_path / "out"),
-               flag, text, "--dry-run"])
+    rc = main(
+        [
+            "assemble",
+            "hybrid",
+            "--nvfp4",
+            str(nv),
+            "--bf16",
+            str(bf),
+            "-o",
+            str(tmp_path / "out"),
+            flag,
+            text,
+            "--dry-run",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2 and flag in err and "layer numbers separated by commas" in err, err
 
@@ -428,8 +464,27 @@ def test_a_layer_list_in_its_one_spelling_is_read(text, layers, tmp_path, capsys
 
     nv, bf = pair(tmp_path)
     capsys.readouterr()
-    assert main(["assemble", "hybrid", "--nvfp4", str(nv), "--bf16", str(bf), "-o", str(tmp_path / "out"),
-                 "--bf16-expert-layers", text, "--bf16-shared-experts", text, "--dry-run", "--json"]) == 0
+    assert (
+        main(
+            [
+                "assemble",
+                "hybrid",
+                "--nvfp4",
+                str(nv),
+                "--bf16",
+                str(bf),
+                "-o",
+                str(tmp_path / "out"),
+                "--bf16-expert-layers",
+                text,
+                "--bf16-shared-experts",
+                text,
+                "--dry-run",
+                "--json",
+            ]
+        )
+        == 0
+    )
     plan = json.loads(capsys.readouterr().out)["plan"]
     assert plan["bf16_expert_layers"] == layers and plan["bf16_shared_expert_layers"] == layers
 
@@ -446,9 +501,11 @@ def test_an_ignore_pattern_that_does_not_compile_is_named(tiny_nvfp4_ct, tiny_bf
     cfg = json.loads((ck / "config.json").read_text())
     cfg["quantization_config"]["ignore"].append("re:([")
     (ck / "config.json").write_text(json.dumps(cfg))
-    for argv, code in ((["inspect", ck], 1), (["verify", ck, "--tp", "1"], 3),
-                       (["assemble", "hybrid", "--nvfp4", ck, "--bf16", tiny_bf16, "-o", tmp_path / "out",
-                         "--dry-run"], 1)):
+    for argv, code in (
+        (["inspect", ck], 1),
+        (["verify", ck, "--tp", "1"], 3),
+        (["assemble", "hybrid", "--nvfp4", ck, "--bf16", tiny_bf16, "-o", tmp_path / "out", "--dry-run"], 1),
+    ):
         capsys.readouterr()
         assert main([str(a) for a in argv]) == code, argv
         said = capsys.readouterr()

@@ -53,11 +53,14 @@ def _assemble(nv, bf, out, **kw):
     return plan, execute(plan)
 
 
-@pytest.mark.parametrize("nv_name,bf_name,mtp", [
-    ("tiny_nvfp4_modelopt_nomtp", "tiny_bf16_fused", "graft"),
-    ("tiny_nvfp4_modelopt", "tiny_bf16", "keep"),
-    ("tiny_nvfp4_ct", "tiny_bf16_fused", "keep"),
-])
+@pytest.mark.parametrize(
+    "nv_name,bf_name,mtp",
+    [
+        ("tiny_nvfp4_modelopt_nomtp", "tiny_bf16_fused", "graft"),
+        ("tiny_nvfp4_modelopt", "tiny_bf16", "keep"),
+        ("tiny_nvfp4_ct", "tiny_bf16_fused", "keep"),
+    ],
+)
 def test_real_producers(fx, tmp_path, nv_name, bf_name, mtp):
     nv, bf = fx(nv_name), fx(bf_name)
     out = tmp_path / "out"
@@ -76,7 +79,8 @@ def test_real_producers(fx, tmp_path, nv_name, bf_name, mtp):
     from qtool.ops.inspect import inspect_checkpoint
 
     assert inspect_checkpoint(out)["problems"] == [] or all(
-        c.get("inherited") is not None for c in res.checks["checks"] if c["name"] == "consistency")
+        c.get("inherited") is not None for c in res.checks["checks"] if c["name"] == "consistency"
+    )
 
 
 def test_mtp_from_bf16_replaces_kept_head(fx, tmp_path):

@@ -82,8 +82,9 @@ def test_the_chunk_coder_gives_each_experts_own_bytes_and_alpha(fmt, batch, inte
     assert [r["expert"] for r in report] == [10 + k for k in range(len(rows))]
     alphas = set()
     for k, x in enumerate(rows):
-        want, (_, best, best_err, rtn_err) = _one_expert_tensors(gu[k, :inter], gu[k, inter:], dn[k], x, group,
-                                                                  recipe.int4.awq_grid, sdt, fmt)
+        want, (_, best, best_err, rtn_err) = _one_expert_tensors(
+            gu[k, :inter], gu[k, inter:], dn[k], x, group, recipe.int4.awq_grid, sdt, fmt
+        )
         assert report[k]["alpha"] == best / recipe.int4.awq_grid
         assert report[k]["down_mse"] == best_err and report[k]["down_mse_rtn"] == rtn_err
         for part, tensors in want.items():
@@ -99,8 +100,9 @@ def test_plain_rtn_chunk_is_each_experts_rtn():
     inter = dn.shape[-1]
     got = _int4_expert_chunk(gu, dn, inter, None, 0, recipe, OutFormat.COMPRESSED_TENSORS, [], 32)
     for k in range(5):
-        want, _ = _one_expert_tensors(gu[k, :inter], gu[k, inter:], dn[k], None, 32, 0, torch.bfloat16,
-                                      OutFormat.COMPRESSED_TENSORS, search=False)
+        want, _ = _one_expert_tensors(
+            gu[k, :inter], gu[k, inter:], dn[k], None, 32, 0, torch.bfloat16, OutFormat.COMPRESSED_TENSORS, search=False
+        )
         for part, tensors in want.items():
             assert all(torch.equal(a, b) for a, b in zip(got[part][k], tensors)), (k, part)
 

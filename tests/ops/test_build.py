@@ -47,20 +47,48 @@ def _build(capsys, *args) -> dict:
     return json.loads(out)
 
 
-@pytest.mark.parametrize("bad,needle", [
-    ({"name": "x", "sources": {"a": {"path": "."}}, "steps": [{"id": "s", "op": "nope", "input": "a"}]}, "unknown op"),
-    ({"name": "x", "sources": {"a": {"path": "."}}, "steps": [{"id": "s", "op": "verify", "input": "b"}]},
-     "neither a source nor an earlier step"),
-    ({"name": "x", "sources": {"a": {"path": "."}}, "steps": [{"id": "s", "op": "verify", "input": "a",
-                                                                "with": {"tpp": 4}}]}, "unknown option"),
-    ({"name": "x", "sources": {"a": {"hub": "o/n", "path": "."}}, "steps": []}, "exactly one of"),
-    ({"name": "x", "sources": {"a": {"builtin": "tiny-x"}}, "steps": [{"id": "s", "op": "verify", "input": "a"}]},
-     "unknown builtin"),
-    ({"name": "x", "sources": {"a": {"path": "."}}, "steps": [{"id": "s", "op": "verify", "input": "a"}]},
-     "no step that produces"),
-    ({"name": "x", "sources": {"a": {"hub": "o/n", "tensors": "assemble"}},
-      "steps": [{"id": "s", "op": "patch-config", "input": "a"}]}, "no assemble step"),
-])
+@pytest.mark.parametrize(
+    "bad,needle",
+    [
+        (
+            {"name": "x", "sources": {"a": {"path": "."}}, "steps": [{"id": "s", "op": "nope", "input": "a"}]},
+            "unknown op",
+        ),
+        (
+            {"name": "x", "sources": {"a": {"path": "."}}, "steps": [{"id": "s", "op": "verify", "input": "b"}]},
+            "neither a source nor an earlier step",
+        ),
+        (
+            {
+                "name": "x",
+                "sources": {"a": {"path": "."}},
+                "steps": [{"id": "s", "op": "verify", "input": "a", "with": {"tpp": 4}}],
+            },
+            "unknown option",
+        ),
+        ({"name": "x", "sources": {"a": {"hub": "o/n", "path": "."}}, "steps": []}, "exactly one of"),
+        (
+            {
+                "name": "x",
+                "sources": {"a": {"builtin": "tiny-x"}},
+                "steps": [{"id": "s", "op": "verify", "input": "a"}],
+            },
+            "unknown builtin",
+        ),
+        (
+            {"name": "x", "sources": {"a": {"path": "."}}, "steps": [{"id": "s", "op": "verify", "input": "a"}]},
+            "no step that produces",
+        ),
+        (
+            {
+                "name": "x",
+                "sources": {"a": {"hub": "o/n", "tensors": "assemble"}},
+                "steps": [{"id": "s", "op": "patch-config", "input": "a"}],
+            },
+            "no assemble step",
+        ),
+    ],
+)
 def test_schema_errors(bad, needle):
     with pytest.raises(BuildRecipeError, match=needle):
         parse_build_recipe(bad)
@@ -114,8 +142,9 @@ def test_caching_semantics(tmp_path, capsys, tiny_bf16, tiny_nvfp4_modelopt_nomt
     assert r4["ran"] == ["hybrid", "patched", "check"]
 
 
-def test_a_rebuild_of_a_changed_step_reads_nothing_to_hash_its_inputs(tmp_path, capsys, inputs_hashed, tiny_bf16,
-                                                                      tiny_nvfp4_modelopt_nomtp):
+def test_a_rebuild_of_a_changed_step_reads_nothing_to_hash_its_inputs(
+    tmp_path, capsys, inputs_hashed, tiny_bf16, tiny_nvfp4_modelopt_nomtp
+):
     """A user edits a step's settings and builds again: the step runs again on its upstream step's output,
     whose digests the first build recorded. They were lost twice over: the build's own fingerprints saved
     the cache over the steps' entries, and the removal of the step's older output (its links into that
@@ -128,11 +157,13 @@ def test_a_rebuild_of_a_changed_step_reads_nothing_to_hash_its_inputs(tmp_path, 
     hashed = inputs_hashed
     rec = tmp_path / "r.yaml"
     for k, samples in enumerate((2, 3, 2)):
-        rec.write_text(f"name: kv\nsources:\n  nvfp4: {{path: {nv}}}\n  bf16: {{path: {bf}}}\nsteps:\n"
-                       "  - {id: hybrid, op: assemble, with: {nvfp4: nvfp4, bf16: bf16, bf16_expert_layers: [0], "
-                       "mtp: from-bf16}}\n"
-                       f"  - {{id: kv, op: calibrate-kv, input: hybrid, with: {{samples: {samples}, seq_len: 32, "
-                       "replace_scales: true}}\n")
+        rec.write_text(
+            f"name: kv\nsources:\n  nvfp4: {{path: {nv}}}\n  bf16: {{path: {bf}}}\nsteps:\n"
+            "  - {id: hybrid, op: assemble, with: {nvfp4: nvfp4, bf16: bf16, bf16_expert_layers: [0], "
+            "mtp: from-bf16}}\n"
+            f"  - {{id: kv, op: calibrate-kv, input: hybrid, with: {{samples: {samples}, seq_len: 32, "
+            "replace_scales: true}}\n"
+        )
         hashed.clear()
         rep = _build(capsys, rec, "-o", tmp_path / "out")
         assert rep["ran"] == (["hybrid", "kv"] if k == 0 else ["kv"])  # (the older kv output is removed)
@@ -159,8 +190,10 @@ def test_missing_op_module_is_a_clear_error(tmp_path, capsys, monkeypatch, tiny_
 
     assert set(steps.RUNNERS) == set(Op)  # the dispatch table covers every op
     rec = tmp_path / "c.yaml"
-    rec.write_text(f"name: c\nsources: {{a: {{path: {tiny_nvfp4_modelopt_nomtp}}}}}\n"
-                   "steps: [{id: x, op: convert, input: a, with: {to: compressed-tensors}}]\n")
+    rec.write_text(
+        f"name: c\nsources: {{a: {{path: {tiny_nvfp4_modelopt_nomtp}}}}}\n"
+        "steps: [{id: x, op: convert, input: a, with: {to: compressed-tensors}}]\n"
+    )
     rep = _build(capsys, rec, "-o", tmp_path / "o", "--dry-run")
     assert rep["steps"][0]["validation"]["status"] == "planned"
     monkeypatch.setitem(sys.modules, "qtool.ops.convert", None)  # as if the module were not there
@@ -170,8 +203,7 @@ def test_missing_op_module_is_a_clear_error(tmp_path, capsys, monkeypatch, tiny_
 
 def _bytes_read() -> int:
     """What this process has read so far, from any file (Linux's /proc/self/io rchar)."""
-    return int(next(ln for ln in Path("/proc/self/io").read_text().splitlines() if ln.startswith("rchar:"))
-               .split()[1])
+    return int(next(ln for ln in Path("/proc/self/io").read_text().splitlines() if ln.startswith("rchar:")).split()[1])
 
 
 def test_planning_reads_no_tensor_data(tmp_path, capsys, inputs_hashed, tiny_bf16, tiny_nvfp4_modelopt_nomtp):
@@ -228,13 +260,16 @@ def sparse_397b(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe,sources,first", [
-    ("qwen35-397b-hybrid", {"nvfp4": "modelopt", "bf16": "bf16"}, "hybrid"),
-    ("qwen35-397b-lukealonso-l0", {"nvfp4": "ct", "bf16": "bf16"}, "hybrid"),
-    ("qwen35-397b-nvidia-patched", {"nvfp4": "modelopt"}, "patched"),
-    ("qwen35-397b-sehyo-kv", {"nvfp4": "ct"}, "kv"),
-    ("qwen35-397b-awq-int4", {"bf16": "bf16"}, "quant"),
-])
+@pytest.mark.parametrize(
+    "recipe,sources,first",
+    [
+        ("qwen35-397b-hybrid", {"nvfp4": "modelopt", "bf16": "bf16"}, "hybrid"),
+        ("qwen35-397b-lukealonso-l0", {"nvfp4": "ct", "bf16": "bf16"}, "hybrid"),
+        ("qwen35-397b-nvidia-patched", {"nvfp4": "modelopt"}, "patched"),
+        ("qwen35-397b-sehyo-kv", {"nvfp4": "ct"}, "kv"),
+        ("qwen35-397b-awq-int4", {"bf16": "bf16"}, "quant"),
+    ],
+)
 def test_seed_recipes_plan_on_sparse(sparse_397b, hub, tmp_path, capsys, monkeypatch, recipe, sources, first):
     from fake_hub import chat_dataset_files
 
@@ -258,8 +293,17 @@ def test_seed_recipes_plan_on_sparse(sparse_397b, hub, tmp_path, capsys, monkeyp
 
 
 def test_demo_recipe_dry_run(tmp_path, capsys, tiny_bf16, tiny_nvfp4_modelopt_nomtp):
-    rep = _build(capsys, RECIPES / "demo-tiny.yaml", "-o", tmp_path / "o", "--dry-run",
-                 "--source", f"nvfp4={tiny_nvfp4_modelopt_nomtp}", "--source", f"bf16={tiny_bf16}")
+    rep = _build(
+        capsys,
+        RECIPES / "demo-tiny.yaml",
+        "-o",
+        tmp_path / "o",
+        "--dry-run",
+        "--source",
+        f"nvfp4={tiny_nvfp4_modelopt_nomtp}",
+        "--source",
+        f"bf16={tiny_bf16}",
+    )
     v = rep["steps"][0]["validation"]
     assert v["status"] == "planned" and v["mtp"] == "graft"  # MTP head grafted from BF16
     assert [s["validation"]["status"] for s in rep["steps"][1:]] == ["waits"] * 3
@@ -267,8 +311,16 @@ def test_demo_recipe_dry_run(tmp_path, capsys, tiny_bf16, tiny_nvfp4_modelopt_no
 
 @pytest.mark.slow
 def test_demo_recipe_builds(tmp_path, capsys, tiny_bf16, tiny_nvfp4_modelopt_nomtp):
-    rep = _build(capsys, RECIPES / "demo-tiny.yaml", "-o", tmp_path / "o",
-                 "--source", f"nvfp4={tiny_nvfp4_modelopt_nomtp}", "--source", f"bf16={tiny_bf16}")
+    rep = _build(
+        capsys,
+        RECIPES / "demo-tiny.yaml",
+        "-o",
+        tmp_path / "o",
+        "--source",
+        f"nvfp4={tiny_nvfp4_modelopt_nomtp}",
+        "--source",
+        f"bf16={tiny_bf16}",
+    )
     assert rep["ran"] == ["hybrid", "kv", "patched", "check"]
     man = json.loads((tmp_path / "o" / "qtool-manifest.json").read_text())
     assert man["run"]["steps"][1]["report"]["layers"]
@@ -277,8 +329,9 @@ def test_demo_recipe_builds(tmp_path, capsys, tiny_bf16, tiny_nvfp4_modelopt_nom
 # ---- Hub sources -------------------------------------------------------------------------------------
 
 
-def test_hub_sources_fetch_only_what_assemble_needs(tmp_path, capsys, monkeypatch, tiny_bf16,
-                                                    tiny_nvfp4_modelopt_nomtp):
+def test_hub_sources_fetch_only_what_assemble_needs(
+    tmp_path, capsys, monkeypatch, tiny_bf16, tiny_nvfp4_modelopt_nomtp
+):
     from fake_hub import FakeHub, point_hf_at
 
     with FakeHub() as hub:
@@ -290,7 +343,8 @@ def test_hub_sources_fetch_only_what_assemble_needs(tmp_path, capsys, monkeypatc
         rec.write_text(
             "name: hub\nsources:\n  nvfp4: {hub: nvidia/tiny-nvfp4, revision: main}\n"
             "  bf16: {hub: Qwen/tiny, revision: main, tensors: assemble}\n"
-            "steps:\n  - {id: hybrid, op: assemble, with: {nvfp4: nvfp4, bf16: bf16, mtp: from-bf16}}\n")
+            "steps:\n  - {id: hybrid, op: assemble, with: {nvfp4: nvfp4, bf16: bf16, mtp: from-bf16}}\n"
+        )
         plan = _build(capsys, rec, "-o", tmp_path / "o", "--dry-run")
         assert plan["sources"]["bf16"]["identity"]["commit"] == c_bf
         assert plan["sources"]["nvfp4"]["identity"]["commit"] == c_nv
@@ -300,10 +354,14 @@ def test_hub_sources_fetch_only_what_assemble_needs(tmp_path, capsys, monkeypatc
         rep = _build(capsys, rec, "-o", tmp_path / "o")
         assert rep["ran"] == ["hybrid"]
         bf_weights = sum(p.stat().st_size for p in tiny_bf16.glob("*.safetensors"))
-        served_bf = sum(r.body_bytes for r in hub.log[seen:] if r.method == "GET" and "/cdn/" in r.path
-                        and hub.blob(r.path.rsplit("/", 1)[1]).path.endswith(".safetensors")
-                        and any(hub.blob(r.path.rsplit("/", 1)[1]) is f
-                                for f in hub.repos["Qwen/tiny"].commits[c_bf].values()))
+        served_bf = sum(
+            r.body_bytes
+            for r in hub.log[seen:]
+            if r.method == "GET"
+            and "/cdn/" in r.path
+            and hub.blob(r.path.rsplit("/", 1)[1]).path.endswith(".safetensors")
+            and any(hub.blob(r.path.rsplit("/", 1)[1]) is f for f in hub.repos["Qwen/tiny"].commits[c_bf].values())
+        )
         assert 0 < served_bf < bf_weights / 2
         # same upstream commits: nothing to do
         assert _build(capsys, rec, "-o", tmp_path / "o")["ran"] == []
@@ -323,21 +381,28 @@ steps:
 """
 
 
-@pytest.mark.parametrize("step", [
-    "{id: changed, op: calibrate-kv, input: hybrid, with: {samples: 2, seq_len: 32, replace_scales: true}}",
-    "{id: changed, op: patch-config, input: hybrid, with: {fixes: [router-ignore, mtp-ignore]}}",
-], ids=["calibrate-kv", "patch-config"])
-def test_a_deep_verify_step_checks_the_artifact_as_published(tmp_path, capsys, step, tiny_bf16,
-                                                             tiny_nvfp4_modelopt_nomtp):
+@pytest.mark.parametrize(
+    "step",
+    [
+        "{id: changed, op: calibrate-kv, input: hybrid, with: {samples: 2, seq_len: 32, replace_scales: true}}",
+        "{id: changed, op: patch-config, input: hybrid, with: {fixes: [router-ignore, mtp-ignore]}}",
+    ],
+    ids=["calibrate-kv", "patch-config"],
+)
+def test_a_deep_verify_step_checks_the_artifact_as_published(
+    tmp_path, capsys, step, tiny_bf16, tiny_nvfp4_modelopt_nomtp
+):
     """A `verify` step with `deep: true` after a step that writes compares that step's files with its
     manifest: the build's own step marker is not part of the artifact, and the published output passes
     `qtool verify OUT --deep` too."""
     rec = tmp_path / "deep.yaml"
-    rec.write_text(DEEP_VERIFY.replace("NV", str(tiny_nvfp4_modelopt_nomtp)).replace("BF", str(tiny_bf16))
-                   .replace("STEP", step))
+    rec.write_text(
+        DEEP_VERIFY.replace("NV", str(tiny_nvfp4_modelopt_nomtp)).replace("BF", str(tiny_bf16)).replace("STEP", step)
+    )
     rep = _build(capsys, rec, "-o", tmp_path / "o")
     assert rep["ran"] == ["hybrid", "changed", "check"] and rep["published"]
-    assert main(["verify", str(tmp_path / "o"), "--deep", "--engine", "both", "--tp", "1", "--json"]) == 0, \
+    assert main(["verify", str(tmp_path / "o"), "--deep", "--engine", "both", "--tp", "1", "--json"]) == 0, (
         capsys.readouterr().out
+    )
     capsys.readouterr()
     assert _build(capsys, rec, "-o", tmp_path / "o")["ran"] == []  # the marker written after verify is no change

@@ -49,7 +49,10 @@ def test_windows_are_first_consecutive_tokens_without_specials(request, tmp_path
     f = tmp_path / "d.jsonl"
     f.write_text("\n".join(json.dumps({"text": t}) for t in ("alpha beta", "gamma delta " * 20)) + "\n")
     js = build_calib_set(ckpt, str(f), 1, 8, tokenizer=tok)
-    want = tok("alpha beta", add_special_tokens=False)["input_ids"] + tok("gamma delta " * 20, add_special_tokens=False)["input_ids"]
+    want = (
+        tok("alpha beta", add_special_tokens=False)["input_ids"]
+        + tok("gamma delta " * 20, add_special_tokens=False)["input_ids"]
+    )
     assert js.ids.flatten().tolist() == want[:8]
     with pytest.raises(PlanError, match="tokens"):
         windows_from_ids(list(range(10)), 2, 8)
@@ -100,8 +103,11 @@ def test_matches_modelopt_fp8_kv_calibration(request, tmp_path):
     ids = _ids(ckpt)
     model = AutoModelForImageTextToText.from_pretrained(ckpt, dtype=torch.bfloat16).eval()
     with torch.no_grad():
-        mtq.quantize(model, {"quant_cfg": list(mtq.FP8_KV_CFG["quant_cfg"]), "algorithm": "max"},
-                     forward_loop=lambda m: m(input_ids=ids))
+        mtq.quantize(
+            model,
+            {"quant_cfg": list(mtq.FP8_KV_CFG["quant_cfg"]), "algorithm": "max"},
+            forward_loop=lambda m: m(input_ids=ids),
+        )
     for i in p.layers:
         attn = model.model.language_model.layers[i].self_attn
         k, v = float(attn.k_bmm_quantizer.amax.float()), float(attn.v_bmm_quantizer.amax.float())
@@ -122,8 +128,10 @@ def test_modelopt_output_convention_configs_and_links(request, tmp_path):
     rep = ck.run(src, out=out, samples=N, seq_len=L, replace_scales=True)
     ckpt = Checkpoint.open(out)
     for i in (3, 7):
-        for n in (f"model.language_model.layers.{i}.self_attn.k_proj.k_scale",
-                  f"model.language_model.layers.{i}.self_attn.v_proj.v_scale"):
+        for n in (
+            f"model.language_model.layers.{i}.self_attn.k_proj.k_scale",
+            f"model.language_model.layers.{i}.self_attn.v_proj.v_scale",
+        ):
             info = ckpt.tensors[n]
             assert info.dtype == "F32" and tuple(info.shape) == ()
             assert ckpt.shard_of(n) == ck.KV_SHARD
@@ -131,7 +139,8 @@ def test_modelopt_output_convention_configs_and_links(request, tmp_path):
     from qtool.io.reader import read_scalar
 
     assert read_scalar(ckpt.tensors["model.language_model.layers.7.self_attn.k_proj.k_scale"]) == pytest.approx(
-        got[7]["k_scale"], rel=1e-7)
+        got[7]["k_scale"], rel=1e-7
+    )
     r = inspect_checkpoint(out)
     assert r["kv_scales"]["calibrated"] is True and r["kv_scales"]["naming"] == "modelopt"
     assert r["kv_scales"]["layers"] == [3, 7]
@@ -225,9 +234,14 @@ def test_gpu_scales_equal_cpu(request, tmp_path):
         assert _rel(gpu[i].k_amax, cpu[i].k_amax) <= 0.01 and _rel(gpu[i].v_amax, cpu[i].v_amax) <= 0.01
 
 
-@pytest.mark.parametrize("point", [("qtool.io.files:fsync_path", 3),
-                                   ("qtool.stream.layer_stream:_pwrite_file", 4),
-                                   ("qtool.io.jsonio:write_json", 3)])
+@pytest.mark.parametrize(
+    "point",
+    [
+        ("qtool.io.files:fsync_path", 3),
+        ("qtool.stream.layer_stream:_pwrite_file", 4),
+        ("qtool.io.jsonio:write_json", 3),
+    ],
+)
 def test_kill_in_the_hidden_state_writer_resumes_to_the_same_scales(request, tmp_path, point):
     """The hidden states and the journal are written behind the next layer (one writer thread): a kill
     -9 at its fsync, its write or its journal write leaves a journal that points at intact hidden states;
@@ -235,8 +249,18 @@ def test_kill_in_the_hidden_state_writer_resumes_to_the_same_scales(request, tmp
     from killpoint import run_killed, run_qtool
 
     src = fixture_dir(request, "tiny_nvfp4_modelopt")
-    args = ["calibrate-kv", src, "--replace-scales", "--samples", "4", "--seq-len", "32", "--batch-tokens", "64",
-            "--quiet"]
+    args = [
+        "calibrate-kv",
+        src,
+        "--replace-scales",
+        "--samples",
+        "4",
+        "--seq-len",
+        "32",
+        "--batch-tokens",
+        "64",
+        "--quiet",
+    ]
     clean, out = tmp_path / "clean", tmp_path / "out"
     assert run_qtool([*args, "-o", clean]).returncode == 0
     killed = run_killed(*point, [*args, "-o", out])
@@ -255,14 +279,27 @@ def test_failed_hidden_state_write_is_never_journaled(request, tmp_path):
     from killpoint import run_failing, run_qtool
 
     src = fixture_dir(request, "tiny_nvfp4_modelopt")
-    args = ["calibrate-kv", src, "--replace-scales", "--samples", "4", "--seq-len", "32", "--batch-tokens", "64",
-            "--quiet"]
+    args = [
+        "calibrate-kv",
+        src,
+        "--replace-scales",
+        "--samples",
+        "4",
+        "--seq-len",
+        "32",
+        "--batch-tokens",
+        "64",
+        "--quiet",
+    ]
     clean, out = tmp_path / "clean", tmp_path / "out"
     # writes: 2 micro-batches of embeddings, then 2 per layer: the 4th is layer 0's last. The input is hashed
     # from the job's reads (a cache of its own: no digests of this input on record), lagging behind them as
     # sha256 does behind a fast disk; none of that hashing may run on into the interpreter's exit
-    slow = {**os.environ, "KILLPOINT_SLOW": "qtool.io.stream_digest:FileDigest._update:1",
-            "QTOOL_CACHE_DIR": str(tmp_path / "cache")}
+    slow = {
+        **os.environ,
+        "KILLPOINT_SLOW": "qtool.io.stream_digest:FileDigest._update:1",
+        "QTOOL_CACHE_DIR": str(tmp_path / "cache"),
+    }
     failed = run_failing("qtool.stream.layer_stream:_pwrite_file", 4, "ENOSPC", [*args, "-o", out], env=slow)
     assert failed.returncode == 1 and "No space left on device" in failed.stderr
     assert "alive at exit" not in failed.stderr
@@ -283,8 +320,9 @@ def test_journal_key_records_the_tensors_and_the_run_settings(tiny_nvfp4_modelop
     from qtool.io.identity import input_identity, tensor_list_text
     from qtool.ops.calibrate_kv.calibrate import _journal_key
 
-    p = ck.plan(ck.CalibrateKvOptions(tiny_nvfp4_modelopt, out=tmp_path / "out", samples=N, seq_len=L,
-                                      replace_scales=True))
+    p = ck.plan(
+        ck.CalibrateKvOptions(tiny_nvfp4_modelopt, out=tmp_path / "out", samples=N, seq_len=L, replace_scales=True)
+    )
     t = p.ckpt.tensors
     old = "".join(f"{n}|{t[n].dtype}|{list(t[n].shape)}|{os.path.getsize(t[n].file)}\n" for n in sorted(t))
     assert tensor_list_text(t) == old.encode()

@@ -55,7 +55,9 @@ def capture_kv_full_model():
             attn = getattr(layer, "self_attn", None)
             if attn is None:
                 continue
-            handles.append(attn.register_forward_pre_hook(lambda m, a, kw, i=i: current.update(layer=i), with_kwargs=True))
+            handles.append(
+                attn.register_forward_pre_hook(lambda m, a, kw, i=i: current.update(layer=i), with_kwargs=True)
+            )
 
             def vhook(m, a, out, i=i):
                 r = rec.setdefault(i, [0.0, 0.0])

@@ -46,7 +46,9 @@ def test_ct_to_modelopt_and_back_bit_identical(tiny_nvfp4_ct, tmp_path):
     run(tmp_path / "mo", out=tmp_path / "ct", to="compressed-tensors")
     a, b = _tensors(tmp_path / "ct"), _tensors(tiny_nvfp4_ct)
     assert set(a) == set(b) and all(torch.equal(a[n], b[n]) for n in b)
-    assert json.loads((tmp_path / "ct" / "config.json").read_text()) == json.loads((tiny_nvfp4_ct / "config.json").read_text())
+    assert json.loads((tmp_path / "ct" / "config.json").read_text()) == json.loads(
+        (tiny_nvfp4_ct / "config.json").read_text()
+    )
 
 
 def test_same_flavour_is_a_usage_error(tiny_nvfp4_ct, tmp_path):

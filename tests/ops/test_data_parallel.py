@@ -65,8 +65,22 @@ def test_calibrate_kv_two_ranks_same_bytes(request, tmp_path):
 
 def test_eval_kld_two_ranks_same_statistics(request, tmp_path):
     ref, test = fixture_dir(request, "tiny_bf16"), fixture_dir(request, "tiny_nvfp4_modelopt")
-    job = ["eval", "kld", "--ref", ref, "--test", test, "--windows", "4", "--seq-len", "64", "--batch-tokens", "128",
-           "--json", "--quiet"]
+    job = [
+        "eval",
+        "kld",
+        "--ref",
+        ref,
+        "--test",
+        test,
+        "--windows",
+        "4",
+        "--seq-len",
+        "64",
+        "--batch-tokens",
+        "128",
+        "--json",
+        "--quiet",
+    ]
     one = json.loads(_run(job).stdout)
     two = json.loads(_run([*job, "--nproc", "2"]).stdout)
     assert one == two and one["positions"] == 4 * 64  # every position of every window, in order
@@ -74,8 +88,9 @@ def test_eval_kld_two_ranks_same_statistics(request, tmp_path):
 
 def test_dry_run_plans_memory_per_rank(request, tmp_path):
     src = fixture_dir(request, "tiny_nvfp4_modelopt")
-    p = _run(["calibrate-kv", src, "-o", tmp_path / "o", "--replace-scales", *JOB, "--nproc", "2", "--dry-run",
-              "--json"])
+    p = _run(
+        ["calibrate-kv", src, "-o", tmp_path / "o", "--replace-scales", *JOB, "--nproc", "2", "--dry-run", "--json"]
+    )
     need = json.loads(p.stdout)["plan"]["memory"]["need"]
     assert need["ranks"] == 2 and not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
 
@@ -89,8 +104,14 @@ def _free_port() -> int:
 def _ranks(args: list, kill_rank: int, after_layers: int, point: list[str] | None = None) -> list[subprocess.Popen]:
     """Two ranks under torchrun's environment; `kill_rank` SIGKILLs itself once it has run
     `after_layers` decoder layers, or meets `point` (tests/killpoint.py arguments)."""
-    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-           "QTOOL_DIST_TIMEOUT": "60", "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {
+        **os.environ,
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "QTOOL_DIST_TIMEOUT": "60",
+        "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }
     procs = []
     for r in range(2):
         e = {**env, "RANK": str(r), "LOCAL_RANK": str(r)}
@@ -129,8 +150,21 @@ def test_a_lost_rank_of_a_command_without_resume_does_not_offer_it(request, tmp_
     """Found in review: the survivor of a killed `eval kld` rank said "re-run with --resume", an option eval
     kld does not have (the launcher's own message already left it out)."""
     ref, test = fixture_dir(request, "tiny_bf16"), fixture_dir(request, "tiny_nvfp4_modelopt")
-    job = ["eval", "kld", "--ref", ref, "--test", test, "--windows", "4", "--seq-len", "64", "--batch-tokens", "128",
-           "--quiet"]
+    job = [
+        "eval",
+        "kld",
+        "--ref",
+        ref,
+        "--test",
+        test,
+        "--windows",
+        "4",
+        "--seq-len",
+        "64",
+        "--batch-tokens",
+        "128",
+        "--quiet",
+    ]
     procs = _ranks(job, kill_rank=1, after_layers=2)
     results = [p.communicate(timeout=TIMEOUT) for p in procs]
     assert procs[1].returncode == -9 and procs[0].returncode == 1
@@ -146,8 +180,12 @@ def test_launcher_ends_the_run_when_a_rank_dies(request, tmp_path):
     clean, out = tmp_path / "clean", tmp_path / "out"
     job = ["quantize", src, "-o", out, "--recipe", "qwen35-nvfp4-experts", *JOB]
     _run(["quantize", src, "-o", clean, "--recipe", "qwen35-nvfp4-experts", *JOB])
-    p = subprocess.Popen([sys.executable, "-m", "qtool", *map(str, job), "--nproc", "2"], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "qtool", *map(str, job), "--nproc", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     journal = out.parent / "out.partial/.quantize/journal.json"
     deadline = time.monotonic() + TIMEOUT
     while time.monotonic() < deadline:
@@ -179,15 +217,22 @@ def _child_with_rank(parent: int, rank: int) -> int:
     raise AssertionError(f"no rank {rank} under {parent}")
 
 
-@pytest.mark.parametrize("command, rank, point", [
-    # rank 0's write of layer 2 fails while rank 1 runs on: rank 1 must not overwrite the hidden states the
-    # journal still names (quantize: three files, one layer of lag)
-    (["quantize", "--recipe", "qwen35-nvfp4-experts"], 0, ["qtool.ops.quantize.layer:write_layer_shard", "3", "ENOSPC"]),
-    # rank 1's share of layer 2 fails (it codes and writes half the experts): rank 0 must not name the file
-    (["quantize", "--recipe", "qwen35-awq-int4"], 1, ["qtool.ops.quantize.layer:write_layer_shard", "3", "ENOSPC"]),
-    # rank 0's journal write fails (calibrate-kv: two files)
-    (["calibrate-kv", "--replace-scales"], 0, ["qtool.io.jsonio:write_json", "4", "ENOSPC"]),
-])
+@pytest.mark.parametrize(
+    "command, rank, point",
+    [
+        # rank 0's write of layer 2 fails while rank 1 runs on: rank 1 must not overwrite the hidden states the
+        # journal still names (quantize: three files, one layer of lag)
+        (
+            ["quantize", "--recipe", "qwen35-nvfp4-experts"],
+            0,
+            ["qtool.ops.quantize.layer:write_layer_shard", "3", "ENOSPC"],
+        ),
+        # rank 1's share of layer 2 fails (it codes and writes half the experts): rank 0 must not name the file
+        (["quantize", "--recipe", "qwen35-awq-int4"], 1, ["qtool.ops.quantize.layer:write_layer_shard", "3", "ENOSPC"]),
+        # rank 0's journal write fails (calibrate-kv: two files)
+        (["calibrate-kv", "--replace-scales"], 0, ["qtool.io.jsonio:write_json", "4", "ENOSPC"]),
+    ],
+)
 def test_a_failed_write_on_a_rank_resumes_to_the_same_bytes(request, tmp_path, command, rank, point):
     src = fixture_dir(request, "tiny_bf16" if command[0] == "quantize" else "tiny_nvfp4_modelopt")
     job = [command[0], src, *command[1:], "--samples", "6", "--seq-len", "64", "--batch-tokens", "64", "--quiet"]
@@ -248,20 +293,42 @@ def test_a_failing_ranks_own_error_reaches_the_user(request, tmp_path, monkeypat
     def popen(cmd, env, **kw):  # rank 1 runs under tests/killpoint.py: its 3rd layer write raises ENOSPC
         if env["RANK"] == "1":
             assert cmd[1] == "-c" and "console()" in cmd[2], cmd  # a rank: the launcher's own qtool
-            cmd = [cmd[0], str(ROOT / "tests/killpoint.py"), "qtool.ops.quantize.layer:write_layer_shard", "3",
-                   "ENOSPC", "--", *cmd[3:]]
+            cmd = [
+                cmd[0],
+                str(ROOT / "tests/killpoint.py"),
+                "qtool.ops.quantize.layer:write_layer_shard",
+                "3",
+                "ENOSPC",
+                "--",
+                *cmd[3:],
+            ]
             env = {**env, "PYTHONPATH": str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")}
         return real(cmd, env=env, **kw)
 
     monkeypatch.setattr(launch.subprocess, "Popen", popen)
-    args = ["quantize", str(src), "-o", str(tmp_path / "out"), "--recipe", "qwen35-nvfp4-experts", "--samples", "6",
-            "--seq-len", "64", "--batch-tokens", "64", "--quiet", "--nproc", "2"]
+    args = [
+        "quantize",
+        str(src),
+        "-o",
+        str(tmp_path / "out"),
+        "--recipe",
+        "qwen35-nvfp4-experts",
+        "--samples",
+        "6",
+        "--seq-len",
+        "64",
+        "--batch-tokens",
+        "64",
+        "--quiet",
+        "--nproc",
+        "2",
+    ]
     assert main([*args, "--json"] if as_json else args) == 1
     out, err = capfd.readouterr()
     # the launcher's last line names rank 1: alone, or with rank 0 when both exits are seen at once (rank 0
     # follows within milliseconds, with "lost the other ranks")
     last = next(ln for ln in err.splitlines() if ln.startswith("qtool: rank"))
-    assert ("rank 1 of 2 exited with status 1" in last or "ranks 0 (status 1), 1 (status 1) of 2" in last), err
+    assert "rank 1 of 2 exited with status 1" in last or "ranks 0 (status 1), 1 (status 1) of 2" in last, err
     above = err.split(last)[0]
     assert "No space left on device" in above and "model-layer-00002.safetensors" in above, err
     assert "Traceback" not in err
@@ -300,8 +367,11 @@ def _running_with(entry: str) -> list[int]:
     found = []
     for d in Path("/proc").iterdir():
         try:
-            if d.name.isdigit() and entry.encode() in (d / "environ").read_bytes().split(b"\0") and \
-                    (d / "stat").read_text().rpartition(")")[2].split()[0] != "Z":
+            if (
+                d.name.isdigit()
+                and entry.encode() in (d / "environ").read_bytes().split(b"\0")
+                and (d / "stat").read_text().rpartition(")")[2].split()[0] != "Z"
+            ):
                 found.append(int(d.name))
         except OSError:
             continue

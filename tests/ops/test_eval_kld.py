@@ -12,9 +12,9 @@ from test_calibrate_kv_support import dense_text_model, fixture_dir
 
 from qtool.cli.main import main
 from qtool.errors import PlanError, UsageError
-from qtool.stream.calib_data import build_calib_set
 from qtool.ops.kld import RESULT_KEYS, KldOptions, run
 from qtool.ops.kld.windows import token_windows
+from qtool.stream.calib_data import build_calib_set
 
 N, L = 2, 24
 
@@ -34,13 +34,20 @@ def oracle_logprobs(ckpt, ids):
 
 def direct_stats(lp, lq):
     """The reported statistics computed directly: torch full-vocabulary KL per position."""
-    kl = F.kl_div(lq.reshape(-1, lq.shape[-1]), lp.reshape(-1, lp.shape[-1]), log_target=True,
-                  reduction="none").sum(-1).double()
+    kl = (
+        F.kl_div(lq.reshape(-1, lq.shape[-1]), lp.reshape(-1, lp.shape[-1]), log_target=True, reduction="none")
+        .sum(-1)
+        .double()
+    )
     top1 = (lp.argmax(-1) == lq.argmax(-1)).reshape(-1)
     return {
-        "mean": kl.mean().item(), "median": kl.quantile(0.5).item(), "p95": kl.quantile(0.95).item(),
-        "p99": kl.quantile(0.99).item(), "max": kl.max().item(),
-        "top1_agreement": top1.double().mean().item(), "positions": kl.numel(),
+        "mean": kl.mean().item(),
+        "median": kl.quantile(0.5).item(),
+        "p95": kl.quantile(0.95).item(),
+        "p99": kl.quantile(0.99).item(),
+        "max": kl.max().item(),
+        "top1_agreement": top1.double().mean().item(),
+        "positions": kl.numel(),
     }
 
 
@@ -84,7 +91,7 @@ def test_windows_identical_to_calibrate_kv(pair):
     sl = token_windows(ref, "builtin", 4, L, stride=7)
     assert sl.shape == (4, L)
     for i in range(4):
-        assert torch.equal(sl[i], stream[7 * i: 7 * i + L])
+        assert torch.equal(sl[i], stream[7 * i : 7 * i + L])
     assert torch.equal(sl[0], ids[0])
     with pytest.raises(PlanError, match="at stride"):
         token_windows(ref, "builtin", 10**6, L, stride=7)
@@ -154,8 +161,23 @@ def test_dump_window_count_mismatch(pair, tmp_path):
 def test_emit_windows(pair, tmp_path):
     ref, _test, ids, *_ = pair
     out = tmp_path / "req.jsonl"
-    rc = main(["eval", "kld", "--tokenizer", str(ref), "--windows", str(N), "--seq-len", str(L),
-               "--emit-windows", str(out), "--model-name", "m", "--json"])
+    rc = main(
+        [
+            "eval",
+            "kld",
+            "--tokenizer",
+            str(ref),
+            "--windows",
+            str(N),
+            "--seq-len",
+            str(L),
+            "--emit-windows",
+            str(out),
+            "--model-name",
+            "m",
+            "--json",
+        ]
+    )
     assert rc == 0
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert [x["prompt"] for x in lines] == ids.tolist()
@@ -179,8 +201,25 @@ def test_cli_json_and_usage_errors(pair, tmp_path, capsys):
 
 def test_dry_run_plans_without_running(pair, capsys):
     ref, test, *_ = pair
-    assert main(["eval", "kld", "--ref", str(ref), "--test", str(test), "--windows", str(N), "--seq-len", str(L),
-                 "--dry-run", "--json"]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "kld",
+                "--ref",
+                str(ref),
+                "--test",
+                str(test),
+                "--windows",
+                str(N),
+                "--seq-len",
+                str(L),
+                "--dry-run",
+                "--json",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert out["result"] is None and out["windows"] == N
     mem = out["plan"]["ref"]["memory"]

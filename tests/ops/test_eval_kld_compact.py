@@ -12,9 +12,9 @@ from test_calibrate_kv_support import fixture_dir
 from test_eval_kld import direct_stats, oracle_logprobs, write_dump
 
 from qtool.errors import PlanError
-from qtool.stream.calib_data import build_calib_set
 from qtool.ops.kld import KldOptions, run
 from qtool.ops.kld.compact import bytes_per_position, encode, kl_compact, kl_full
+from qtool.stream.calib_data import build_calib_set
 
 V_REAL = 248_320
 
@@ -39,7 +39,13 @@ def real_vocab(tmp_path_factory):
     lp, lq = synthetic(96, V_REAL, 0.3)
     base = tmp_path_factory.mktemp("syn")
     # 6 windows of 16 positions, as an engine would dump them
-    return lp, lq, write_dump(base / "ref", lp.view(6, 16, V_REAL)), write_dump(base / "test", lq.view(6, 16, V_REAL)), base
+    return (
+        lp,
+        lq,
+        write_dump(base / "ref", lp.view(6, 16, V_REAL)),
+        write_dump(base / "test", lq.view(6, 16, V_REAL)),
+        base,
+    )
 
 
 def test_real_vocab_100x_smaller_within_1pct(real_vocab):

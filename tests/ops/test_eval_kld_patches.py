@@ -44,7 +44,9 @@ def test_patch_applies_to_the_installed_engine(engine, tmp_path):
     for f in TARGET[engine]:
         (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(Path(SITE[0]) / f, tmp_path / f)
-    r = subprocess.run(["patch", "-p1", "-d", str(tmp_path), "-i", str(PATCHES[engine])], capture_output=True, text=True)
+    r = subprocess.run(
+        ["patch", "-p1", "-d", str(tmp_path), "-i", str(PATCHES[engine])], capture_output=True, text=True
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     for f in TARGET[engine]:
         text = (tmp_path / f).read_text()

@@ -34,7 +34,8 @@ def _probe(tmp_path, devices, fake_fla: bool, env_extra=None) -> dict:
         (pkg / "__init__.py").write_text(
             "def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, output_final_state=False,\n"
             "                           use_qk_l2norm_in_kernel=False, **kw):\n"
-            "    raise RuntimeError('fla kernel called')\n")
+            "    raise RuntimeError('fla kernel called')\n"
+        )
         path.insert(0, str(tmp_path / "site"))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), **(env_extra or {})}
     r = subprocess.run([sys.executable, "-c", PROBE, *devices], capture_output=True, text=True, env=env)
@@ -67,13 +68,35 @@ def test_a_cpu_layer_runs_with_fla_installed_and_the_manifest_names_the_kernel(t
 
     pkg = tmp_path / "site" / "fla"
     pkg.mkdir(parents=True)
-    (pkg / "__init__.py").write_text("def chunk_gated_delta_rule(*a, **k):\n    raise RuntimeError('fla kernel called')\n")
+    (pkg / "__init__.py").write_text(
+        "def chunk_gated_delta_rule(*a, **k):\n    raise RuntimeError('fla kernel called')\n"
+    )
     out = tmp_path / "kv"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(ROOT)]),
-           "QTOOL_CACHE_DIR": str(tmp_path / "cache")}
-    r = subprocess.run([sys.executable, "-m", "qtool", "calibrate-kv", str(fixture_dir(request, "tiny_nvfp4_ct")),
-                        "-o", str(out), "--replace-scales", "--samples", "2", "--seq-len", "32", "--quiet"],
-                       capture_output=True, text=True, env=env)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(ROOT)]),
+        "QTOOL_CACHE_DIR": str(tmp_path / "cache"),
+    }
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "qtool",
+            "calibrate-kv",
+            str(fixture_dir(request, "tiny_nvfp4_ct")),
+            "-o",
+            str(out),
+            "--replace-scales",
+            "--samples",
+            "2",
+            "--seq-len",
+            "32",
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     m = json.loads((out / "qtool-manifest.json").read_text())
     assert m["run"]["kernels"] == {"gated_deltanet": "torch", "routed_experts": "eager"}
@@ -84,22 +107,22 @@ def test_a_cpu_layer_runs_with_fla_installed_and_the_manifest_names_the_kernel(t
 FLA_LAYOUT = {
     "fla/__init__.py": "__version__ = '0.6.0'\n",
     "fla/ops/__init__.py": "import fla_marker_all_families\nHELPER = 1\n"
-                           "from .gated_delta_rule import chunk_gated_delta_rule\n",
+    "from .gated_delta_rule import chunk_gated_delta_rule\n",
     "fla/ops/gated_delta_rule/__init__.py": "from .chunk import chunk_gated_delta_rule\n"
-                                            "from .fused_recurrent import fused_recurrent_gated_delta_rule\n",
-    "fla/ops/gated_delta_rule/chunk.py":
-        "import fla_dep_probe\nfrom fla.modules.norm.l2norm import l2norm_fwd\n{needs}"
-        "def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,\n"
-        "                           use_qk_l2norm_in_kernel=False, cu_seqlens=None):\n"
-        "    raise RuntimeError('fla kernel called')\n",
-    "fla/ops/gated_delta_rule/fused_recurrent.py":
-        "def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,\n"
-        "                                     output_final_state=False, use_qk_l2norm_in_kernel=False):\n"
-        "    raise RuntimeError('fla kernel called')\n",
+    "from .fused_recurrent import fused_recurrent_gated_delta_rule\n",
+    "fla/ops/gated_delta_rule/chunk.py": "import fla_dep_probe\nfrom fla.modules.norm.l2norm import l2norm_fwd\n{needs}"
+    "def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,\n"
+    "                           use_qk_l2norm_in_kernel=False, cu_seqlens=None):\n"
+    "    raise RuntimeError('fla kernel called')\n",
+    "fla/ops/gated_delta_rule/fused_recurrent.py": "def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,\n"
+    "                                     output_final_state=False, use_qk_l2norm_in_kernel=False):\n"
+    "    raise RuntimeError('fla kernel called')\n",
     "fla/modules/__init__.py": "import fla_marker_activations\n",
     "fla/modules/norm/__init__.py": "import fla_marker_norms\n",
     "fla/modules/norm/l2norm.py": "def l2norm_fwd(x):\n    return x\n",
-    "fla_marker_all_families.py": "", "fla_marker_activations.py": "", "fla_marker_norms.py": "",
+    "fla_marker_all_families.py": "",
+    "fla_marker_activations.py": "",
+    "fla_marker_norms.py": "",
     # a module outside fla that the kernel imports (as fla's import torch._dynamo): counts its executions
     "fla_dep_probe.py": "import sys\nsys.fla_dep_loads = getattr(sys, 'fla_dep_loads', 0) + 1\n",
 }
@@ -129,8 +152,11 @@ def _import_with_fla_layout(tmp_path, how: str, needs: str = "") -> dict:
     for rel, text in FLA_LAYOUT.items():
         (site / rel).parent.mkdir(parents=True, exist_ok=True)
         (site / rel).write_text(text.replace("{needs}", needs))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)]),
-           "QTOOL_CACHE_DIR": str(tmp_path / "cache")}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)]),
+        "QTOOL_CACHE_DIR": str(tmp_path / "cache"),
+    }
     r = subprocess.run([sys.executable, "-c", IMPORT_PROBE, how], capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -141,10 +167,18 @@ def test_a_streamed_jobs_import_takes_fla_s_kernel_without_the_rest_of_fla(tmp_p
     module's import on the 2-core VM): a streamed job imports the Gated-DeltaNet kernel's modules alone, and
     transformers binds the same function it binds with fla imported whole."""
     plain = _import_with_fla_layout(tmp_path / "a", "plain")
-    assert plain == {"bound_to_fla": True, "ops_opened": True, "dep_loads": 1,
-                     "markers": ["fla_marker_activations", "fla_marker_all_families", "fla_marker_norms"]}
-    assert _import_with_fla_layout(tmp_path / "b", "qtool") == {"bound_to_fla": True, "markers": [],
-                                                                 "ops_opened": False, "dep_loads": 1}
+    assert plain == {
+        "bound_to_fla": True,
+        "ops_opened": True,
+        "dep_loads": 1,
+        "markers": ["fla_marker_activations", "fla_marker_all_families", "fla_marker_norms"],
+    }
+    assert _import_with_fla_layout(tmp_path / "b", "qtool") == {
+        "bound_to_fla": True,
+        "markers": [],
+        "ops_opened": False,
+        "dep_loads": 1,
+    }
 
 
 def test_an_fla_whose_kernel_needs_a_package_init_is_imported_whole(tmp_path):
@@ -152,16 +186,25 @@ def test_an_fla_whose_kernel_needs_a_package_init_is_imported_whole(tmp_path):
     undone, and transformers imports fla whole and binds its kernel, as without qtool. What the attempt
     imported outside fla stays imported once (a torch module imported twice would be two copies)."""
     got = _import_with_fla_layout(tmp_path, "qtool", needs="from fla.ops import HELPER\n")
-    assert got == {"bound_to_fla": True, "ops_opened": True, "dep_loads": 1,
-                   "markers": ["fla_marker_activations", "fla_marker_all_families", "fla_marker_norms"]}
+    assert got == {
+        "bound_to_fla": True,
+        "ops_opened": True,
+        "dep_loads": 1,
+        "markers": ["fla_marker_activations", "fla_marker_all_families", "fla_marker_norms"],
+    }
 
 
 def test_an_fla_imported_whole_already_is_left_as_it_is(tmp_path):
     """A process that imported fla whole before the job (a library user's): its `fla.ops` stays the one
     module object, not replaced by one without its __init__."""
     got = _import_with_fla_layout(tmp_path, "fla-first")
-    assert got == {"bound_to_fla": True, "ops_opened": True, "dep_loads": 1, "same_fla_ops": True,
-                   "markers": ["fla_marker_activations", "fla_marker_all_families", "fla_marker_norms"]}
+    assert got == {
+        "bound_to_fla": True,
+        "ops_opened": True,
+        "dep_loads": 1,
+        "same_fla_ops": True,
+        "markers": ["fla_marker_activations", "fla_marker_all_families", "fla_marker_norms"],
+    }
 
 
 def test_the_real_fla_kernel_is_imported_alone_where_fla_core_is_installed():
@@ -184,7 +227,11 @@ def test_the_real_fla_kernel_is_imported_alone_where_fla_core_is_installed():
                           sorted(n for n in ("fla.ops.rwkv7", "fla.ops.gla", "fla.modules.activations")
                                  if n in sys.modules)]))
     """)
-    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                       env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
+    r = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads(r.stdout.strip().splitlines()[-1]) == [True, []]

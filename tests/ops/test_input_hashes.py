@@ -33,8 +33,10 @@ def _local_dir_download(root, rel: str, data: bytes, etag: str | None = None, st
 
 def _digests(paths, monkeypatch, allow_hashing: bool) -> dict:
     if not allow_hashing:
+
         def refuse(self, real, *_):
             raise AssertionError(f"{real} was read to hash it")
+
         monkeypatch.setattr(InputHasher, "_hash", refuse)
     h = InputHasher()
     for p in paths:
@@ -82,7 +84,8 @@ def test_hf_cache_blob_name_is_the_digest(tmp_path, monkeypatch):
     snap.mkdir(parents=True)
     (snap / "model.safetensors").symlink_to(blob)
     assert _digests([snap / "model.safetensors"], monkeypatch, allow_hashing=False) == {
-        str(snap / "model.safetensors"): digest}
+        str(snap / "model.safetensors"): digest
+    }
 
 
 def test_hashes_are_cached_for_reruns(tmp_path, monkeypatch):
@@ -131,8 +134,9 @@ def test_a_committed_outputs_digests_are_known_to_the_next_job(request, tmp_path
     out = tmp_path / "nvfp4"
     from qtool.recipes import load_recipe
 
-    quantize.run(fixture_dir(request, "tiny_bf16"), recipe=load_recipe("qwen35-nvfp4-experts"), out=out, samples=2,
-                 seq_len=32)
+    quantize.run(
+        fixture_dir(request, "tiny_bf16"), recipe=load_recipe("qwen35-nvfp4-experts"), out=out, samples=2, seq_len=32
+    )
     shards = sorted(out.glob("*.safetensors"))
     got = _digests(shards, monkeypatch, allow_hashing=False)
     assert got == {str(f): hashlib.sha256(f.read_bytes()).hexdigest() for f in shards}
@@ -142,8 +146,10 @@ def test_a_committed_outputs_digests_are_known_to_the_next_job(request, tmp_path
         f.write(b"\x01")
     monkeypatch.undo()
     monkeypatch.setenv("QTOOL_CACHE_DIR", str(tmp_path / "qtool-cache"))
-    assert _digests(shards[:1], monkeypatch, allow_hashing=True)[str(shards[0])] == \
-        hashlib.sha256(shards[0].read_bytes()).hexdigest()
+    assert (
+        _digests(shards[:1], monkeypatch, allow_hashing=True)[str(shards[0])]
+        == hashlib.sha256(shards[0].read_bytes()).hexdigest()
+    )
 
 
 @pytest.mark.parametrize("where", ["-o OUT --force", "--in-place"])

@@ -62,8 +62,9 @@ CHANGES = {
 
 
 @pytest.mark.parametrize("change", list(CHANGES))
-def test_an_input_changed_while_calibrate_kv_reads_it_fails_the_job_naming_it(change, tiny_nvfp4_modelopt,
-                                                                              tmp_path, monkeypatch):
+def test_an_input_changed_while_calibrate_kv_reads_it_fails_the_job_naming_it(
+    change, tiny_nvfp4_modelopt, tmp_path, monkeypatch
+):
     """Found as: KV scales from neither input and a manifest sha256 that is no file's (which the cache
     kept and the next job copied), a 0-byte shard published with exit 0, the truncated hard link published
     beside the old file's sha256, a run blocked in open() for ever."""
@@ -95,8 +96,9 @@ def test_an_input_changed_while_calibrate_kv_reads_it_fails_the_job_naming_it(ch
         p = run_qtool(args, timeout=TIMEOUT)
         assert p.returncode == 0, p.stderr
         m = json.loads((out / "qtool-manifest.json").read_text())
-        assert m["sources"]["checkpoint" if "checkpoint" in m["sources"] else next(iter(m["sources"]))][
-            "files"][shard.name]["sha256"] == sha(shard)
+        assert m["sources"]["checkpoint" if "checkpoint" in m["sources"] else next(iter(m["sources"]))]["files"][
+            shard.name
+        ]["sha256"] == sha(shard)
 
 
 @pytest.mark.parametrize("kind", ["fifo", "dev-zero"])
@@ -119,7 +121,8 @@ def test_a_job_runs_beside_a_fifo_digest_cache(tiny_nvfp4_modelopt, tmp_path, mo
     monkeypatch.setenv("QTOOL_CACHE_DIR", str(tmp_path / "cache"))
     (tmp_path / "cache").mkdir()
     os.mkfifo(tmp_path / "cache" / "sha256-cache.json")
-    p = run_qtool(["patch-config", tiny_nvfp4_modelopt, "--ignore-add", "lm_head", "-o", tmp_path / "out"],
-                  timeout=TIMEOUT)
+    p = run_qtool(
+        ["patch-config", tiny_nvfp4_modelopt, "--ignore-add", "lm_head", "-o", tmp_path / "out"], timeout=TIMEOUT
+    )
     assert p.returncode == 0, p.stderr
     assert "sha256 cache" in p.stderr and "Traceback" not in p.stderr, p.stderr

@@ -29,7 +29,9 @@ def s35_src(tmp_path_factory):
 def s35(s35_src, tmp_path):
     """A private copy (sparse-preserving) that a test may damage."""
     dst = tmp_path / "ckpt"
-    shutil.copytree(s35_src, dst, copy_function=lambda a, b: subprocess.run(["cp", "--sparse=always", a, b], check=True))
+    shutil.copytree(
+        s35_src, dst, copy_function=lambda a, b: subprocess.run(["cp", "--sparse=always", a, b], check=True)
+    )
     return dst
 
 
@@ -52,18 +54,28 @@ def test_real_scale_397b_nvfp4(s397_nvfp4):
     assert rep["expert_layout"] == "per_expert" and rep["mtp"] and rep["vision"]
     kv = rep["kv_scales"]
     assert {k: kv[k] for k in ("layers", "calibrated", "naming")} == {
-        "layers": list(range(3, 60, 4)), "calibrated": True, "naming": "modelopt"}
+        "layers": list(range(3, 60, 4)),
+        "calibrated": True,
+        "naming": "modelopt",
+    }
     assert [v["layer"] for v in kv["values"]] == kv["layers"]
     assert all(0 < v["k"] < 1 and 0 < v["v"] < 1 for v in kv["values"])  # calibrated values, read as scalars
     # the grid: 60 decoder rows + MTP; NVIDIA's layout has NVFP4 routed experts and BF16 everywhere else
     grid = rep["grid"]
     assert [r["row"] for r in grid["rows"]] == [f"layer {i}" for i in range(60)] + ["mtp"]
     for r in grid["rows"][:60]:
-        assert r["cells"]["routed_experts"] == {"format": "nvfp4", "formats": {"nvfp4": 512 * 3}, "modules": 512 * 3,
-                                                "bytes": r["cells"]["routed_experts"]["bytes"]}
+        assert r["cells"]["routed_experts"] == {
+            "format": "nvfp4",
+            "formats": {"nvfp4": 512 * 3},
+            "modules": 512 * 3,
+            "bytes": r["cells"]["routed_experts"]["bytes"],
+        }
         assert {c["format"] for k, c in r["cells"].items() if k != "routed_experts"} == {"bf16"}
-    assert sum(c["bytes"] for r in grid["rows"] for c in r["cells"].values()) + sum(
-        c["bytes"] for c in grid["model"].values()) <= rep["total_bytes"]
+    assert (
+        sum(c["bytes"] for r in grid["rows"] for c in r["cells"].values())
+        + sum(c["bytes"] for c in grid["model"].values())
+        <= rep["total_bytes"]
+    )
     assert rep["quantization"]["quant_method"] == "modelopt"
     assert rep["quantization"]["hf_quant_config"]["schema"] == "modelopt-native"
     assert rep["problems"] == []
@@ -141,8 +153,18 @@ def test_cli_json_is_one_object(s35):
     r = subprocess.run([sys.executable, "-m", "qtool", "inspect", str(s35), "--json"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     obj = json.loads(r.stdout)
-    for key in ("architecture", "num_layers", "layer_types", "groups", "expert_layout", "mtp", "vision",
-                "kv_scales", "quantization", "problems"):
+    for key in (
+        "architecture",
+        "num_layers",
+        "layer_types",
+        "groups",
+        "expert_layout",
+        "mtp",
+        "vision",
+        "kv_scales",
+        "quantization",
+        "problems",
+    ):
         assert key in obj
     r = subprocess.run([sys.executable, "-m", "qtool", "inspect", str(s35)], capture_output=True, text=True)
     assert r.returncode == 0 and "problems: none" in r.stdout and "expert layout  per_expert" in r.stdout

@@ -16,17 +16,35 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # command -> (arguments given a source dir, kill points (function, Nth return))
 SWEEP = {
-    "assemble": (lambda src, bf: ["assemble", "hybrid", "--nvfp4", src, "--bf16", bf, "--bf16-expert-layers", "0"],
-                 [("qtool.io.identity:Journal.record", 1), ("qtool.io.identity:Journal.record", 5),
-                  ("qtool.io.manifest:write_manifest", 1), ("qtool.io.output:unmark", 1)]),
-    "calibrate-kv": (lambda src, bf: ["calibrate-kv", src, *KV, "--replace-scales"],
-                     [("qtool.stream.layer_stream:LayerStreamer.load_layer", 2), ("qtool.io.files:Placer.place", 3),
-                      ("qtool.io.writer:write_shard", 1)]),
-    "quantize": (lambda src, bf: ["quantize", bf, "--recipe", "qwen35-nvfp4-experts", *KV],
-                 [("qtool.ops.quantize.layer:write_layer_shard", 2), ("qtool.io.identity:Journal.record", 1),
-                  ("qtool.io.output:unmark", 1)]),
-    "convert": (lambda src, bf: ["convert", src, "--to", "compressed-tensors"],
-                [("qtool.io.identity:Journal.record", 2), ("qtool.io.identity:Journal.record", 6)]),
+    "assemble": (
+        lambda src, bf: ["assemble", "hybrid", "--nvfp4", src, "--bf16", bf, "--bf16-expert-layers", "0"],
+        [
+            ("qtool.io.identity:Journal.record", 1),
+            ("qtool.io.identity:Journal.record", 5),
+            ("qtool.io.manifest:write_manifest", 1),
+            ("qtool.io.output:unmark", 1),
+        ],
+    ),
+    "calibrate-kv": (
+        lambda src, bf: ["calibrate-kv", src, *KV, "--replace-scales"],
+        [
+            ("qtool.stream.layer_stream:LayerStreamer.load_layer", 2),
+            ("qtool.io.files:Placer.place", 3),
+            ("qtool.io.writer:write_shard", 1),
+        ],
+    ),
+    "quantize": (
+        lambda src, bf: ["quantize", bf, "--recipe", "qwen35-nvfp4-experts", *KV],
+        [
+            ("qtool.ops.quantize.layer:write_layer_shard", 2),
+            ("qtool.io.identity:Journal.record", 1),
+            ("qtool.io.output:unmark", 1),
+        ],
+    ),
+    "convert": (
+        lambda src, bf: ["convert", src, "--to", "compressed-tensors"],
+        [("qtool.io.identity:Journal.record", 2), ("qtool.io.identity:Journal.record", 6)],
+    ),
 }
 
 
@@ -54,12 +72,22 @@ def test_kill_sweep_new_output(command, tiny_nvfp4_modelopt, tiny_bf16, tmp_path
 
 
 IN_PLACE = {
-    "calibrate-kv": (["calibrate-kv", *KV, "--replace-scales", "--in-place"],
-                     [("qtool.stream.layer_stream:LayerStreamer.load_layer", 2), ("qtool.io.writer:write_shard", 2),
-                      ("qtool.io.in_place:exchange_paths", 1)]),
-    "patch-config": (["patch-config", "--fix", "router-ignore", "--sampling-defaults"],
-                     [("qtool.io.apply:_write_small", 1), ("qtool.io.apply:_write_small", 2),
-                      ("qtool.io.in_place:exchange_paths", 1)]),
+    "calibrate-kv": (
+        ["calibrate-kv", *KV, "--replace-scales", "--in-place"],
+        [
+            ("qtool.stream.layer_stream:LayerStreamer.load_layer", 2),
+            ("qtool.io.writer:write_shard", 2),
+            ("qtool.io.in_place:exchange_paths", 1),
+        ],
+    ),
+    "patch-config": (
+        ["patch-config", "--fix", "router-ignore", "--sampling-defaults"],
+        [
+            ("qtool.io.apply:_write_small", 1),
+            ("qtool.io.apply:_write_small", 2),
+            ("qtool.io.in_place:exchange_paths", 1),
+        ],
+    ),
 }
 
 
@@ -79,8 +107,9 @@ def test_kill_sweep_in_place(command, tiny_nvfp4_modelopt, tmp_path):
         assert p.returncode == -9, (target, n, p.stderr)
         swapped = target.endswith("exchange_paths")
         # before the swap: untouched; killed right after it: the complete new state
-        assert tree_sha(work) == (tree_sha(ref) if swapped else {k: v for k, v in before.items()
-                                                                  if k != "qtool-manifest.json"}), (target, n)
+        assert tree_sha(work) == (
+            tree_sha(ref) if swapped else {k: v for k, v in before.items() if k != "qtool-manifest.json"}
+        ), (target, n)
         p = run_qtool(cmd + (["--resume"] if command == "calibrate-kv" else []))
         assert p.returncode == 0, (target, n, p.stderr)
         assert tree_sha(work) == tree_sha(ref), (target, n)
@@ -98,8 +127,9 @@ def test_a_kill_before_the_inputs_are_hashed_still_resumes(tiny_nvfp4_modelopt, 
     work = tmp_path / "w"
     shutil.copytree(tiny_nvfp4_modelopt, work)
     cmd = [args[0], work, *args[1:]]
-    p = run_killed("qtool.io.writer:write_shard", 2, cmd,
-                   env={**os.environ, "KILLPOINT_SLOW": "qtool.io.manifest:hash_fd:1.5"})
+    p = run_killed(
+        "qtool.io.writer:write_shard", 2, cmd, env={**os.environ, "KILLPOINT_SLOW": "qtool.io.manifest:hash_fd:1.5"}
+    )
     assert p.returncode == -9, p.stderr
     p = run_qtool([*cmd, "--resume"])
     assert p.returncode == 0, p.stderr
@@ -110,9 +140,13 @@ def test_kill_sweep_build(tmp_path):
     recipe = ROOT / "recipes" / "build" / "demo-tiny.yaml"
     ref = tmp_path / "ref"
     assert run_qtool(["build", recipe, "-o", ref, "--quiet"]).returncode == 0
-    for i, (target, n) in enumerate([("qtool.io.identity:Journal.record", 3),
-                                     ("qtool.stream.layer_stream:LayerStreamer.load_layer", 3),
-                                     ("qtool.io.jsonio:write_json", 1)]):
+    for i, (target, n) in enumerate(
+        [
+            ("qtool.io.identity:Journal.record", 3),
+            ("qtool.stream.layer_stream:LayerStreamer.load_layer", 3),
+            ("qtool.io.jsonio:write_json", 1),
+        ]
+    ):
         out = tmp_path / f"out{i}"
         p = run_killed(target, n, ["build", recipe, "-o", out, "--quiet"])
         assert p.returncode == -9, (target, n, p.stderr)
@@ -127,8 +161,7 @@ def _manifest_but_run(out: Path) -> dict:
     """The manifest but for its `run` section (timings, resume counters) and the output's name."""
     import json
 
-    m = json.loads((out / "qtool-manifest.json").read_text().replace(str(out), "OUT").replace(
-        " --resume", ""))
+    m = json.loads((out / "qtool-manifest.json").read_text().replace(str(out), "OUT").replace(" --resume", ""))
     assert "run" in m  # the timings are there
     m.pop("run", None)
     return m
@@ -148,8 +181,14 @@ def test_kill_sweep_sensitivity(tiny_bf16, tiny_nvfp4_ct, tmp_path):
     args = ["sensitivity", bf, q, *SENSITIVITY_WINDOWS, "--quiet"]
     ref = tmp_path / "ref"
     assert run_qtool([*args, "-o", ref]).returncode == 0
-    for i, (target, n) in enumerate([("qtool.io.jsonio:write_json", 1), ("qtool.io.jsonio:write_json", 5),
-                                     ("qtool.io.manifest:write_manifest", 1), ("qtool.io.output:unmark", 1)]):
+    for i, (target, n) in enumerate(
+        [
+            ("qtool.io.jsonio:write_json", 1),
+            ("qtool.io.jsonio:write_json", 5),
+            ("qtool.io.manifest:write_manifest", 1),
+            ("qtool.io.output:unmark", 1),
+        ]
+    ):
         out = tmp_path / f"out{i}"
         p = run_killed(target, n, [*args, "-o", out])
         assert p.returncode == -9, (target, n, p.stderr)

@@ -23,8 +23,13 @@ def _info(name, file, start, end, dtype="U8"):
 
 
 def test_coalesce_merges_neighbours_per_file_and_splits_at_holes():
-    infos = [_info("b", "s1", 100, 200), _info("a", "s1", 0, 100), _info("c", "s1", 200 + MAX_GAP, 300 + MAX_GAP),
-             _info("d", "s1", 301 + 2 * MAX_GAP, 400 + 2 * MAX_GAP), _info("e", "s2", 0, 10)]
+    infos = [
+        _info("b", "s1", 100, 200),
+        _info("a", "s1", 0, 100),
+        _info("c", "s1", 200 + MAX_GAP, 300 + MAX_GAP),
+        _info("d", "s1", 301 + 2 * MAX_GAP, 400 + 2 * MAX_GAP),
+        _info("e", "s2", 0, 10),
+    ]
     runs = coalesce(infos)
     assert [(r.file, r.start, r.end, [t.name for t in r.tensors]) for r in runs] == [
         ("s1", 0, 300 + MAX_GAP, ["a", "b", "c"]),  # a hole of exactly MAX_GAP is read through
@@ -44,8 +49,11 @@ def test_layer_bytes_equal_the_per_tensor_reads(request, fixture):
             assert len(got.runs) < len(infos)  # coalesced
             for info in infos:
                 a, b = got.get(info), one.get(info)
-                assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(-1).view(torch.uint8),
-                                                                                  b.view(-1).view(torch.uint8))
+                assert (
+                    a.dtype == b.dtype
+                    and a.shape == b.shape
+                    and torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
+                )
     finally:
         one.close()
 
@@ -186,8 +194,9 @@ def test_layers_are_read_around_the_page_cache_unless_it_holds_them(request, tmp
         if how == "direct":
             assert flags and all(flags)
         elif how == "cached":
-            assert not any(flags) and len(flags) == len([p for run in got.runs for p in read_pieces(run.file, run.start,
-                                                                                                    run.end)])
+            assert not any(flags) and len(flags) == len(
+                [p for run in got.runs for p in read_pieces(run.file, run.start, run.end)]
+            )
         else:
             assert flags and not flags[-1]
         for info in infos:
@@ -199,8 +208,7 @@ def test_layers_are_read_around_the_page_cache_unless_it_holds_them(request, tmp
 
 
 @pytest.mark.parametrize("room", [True, False])
-def test_a_piece_the_input_digest_has_no_room_for_is_read_through_the_page_cache(request, tmp_path, monkeypatch,
-                                                                                 room):
+def test_a_piece_the_input_digest_has_no_room_for_is_read_through_the_page_cache(request, tmp_path, monkeypatch, room):
     """The input's sha256 comes from the layer reader's reads (qtool.io.stream_digest). A piece its queue
     has no room for is dropped there and read again by the digest: read around the page cache, that second
     read would go to the disk, so such a piece is read through the page cache, where the digest finds it.
@@ -238,12 +246,18 @@ def test_a_tensor_at_an_odd_offset_is_its_bytes(tmp_path):
     needs whole elements from the storage's start)."""
     f, data = _raw_file(tmp_path, 3 * ALIGN + 77)
     _evict_or_skip([str(f)])
-    infos = [TensorInfo("a", str(f), "BF16", [100], 101, 301), TensorInfo("b", str(f), "F32", [50], 303, 503),
-             TensorInfo("c", str(f), "U8", [77], 3 * ALIGN, 3 * ALIGN + 77)]
+    infos = [
+        TensorInfo("a", str(f), "BF16", [100], 101, 301),
+        TensorInfo("b", str(f), "F32", [50], 303, 503),
+        TensorInfo("c", str(f), "U8", [77], 3 * ALIGN, 3 * ALIGN + 77),
+    ]
     got = LayerBytes(infos).read()
     for info in infos:
         t = got.get(info)
-        assert list(t.shape) == info.shape and t.view(-1).view(torch.uint8).numpy().tobytes() == data[info.start:info.end]
+        assert (
+            list(t.shape) == info.shape
+            and t.view(-1).view(torch.uint8).numpy().tobytes() == data[info.start : info.end]
+        )
 
 
 def test_a_short_direct_read_is_finished_not_called_truncated(tmp_path, monkeypatch):

@@ -122,8 +122,14 @@ def test_batched_expert_dequant_is_the_per_expert_one(request):
 
     for name in ("tiny_nvfp4_modelopt", "tiny_nvfp4_ct"):
         mm = build_map(Checkpoint.open(fixture_dir(request, name)))
-        mods = sorted((m for m in mm.modules.values() if m.layer == 1 and m.name.endswith(".down_proj")
-                       and ".mlp.experts." in m.name), key=lambda m: int(m.name.split(".mlp.experts.")[1].split(".")[0]))
+        mods = sorted(
+            (
+                m
+                for m in mm.modules.values()
+                if m.layer == 1 and m.name.endswith(".down_proj") and ".mlp.experts." in m.name
+            ),
+            key=lambda m: int(m.name.split(".mlp.experts.")[1].split(".")[0]),
+        )
         src = TensorSource()
         one = torch.stack([dense_weight(m, torch.bfloat16, "cpu", src) for m in mods])
         assert torch.equal(_dense_experts(mods, torch.bfloat16, "cpu", src, tuple(one.shape[1:])), one)

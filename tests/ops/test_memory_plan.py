@@ -20,13 +20,17 @@ def real_bf16(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def real_nvfp4(tmp_path_factory):
-    return build_sparse(tmp_path_factory.mktemp("m") / "nvfp4", model="397b", flavour="modelopt-nvfp4", mtp=False,
-                        kv_scales=False)
+    return build_sparse(
+        tmp_path_factory.mktemp("m") / "nvfp4", model="397b", flavour="modelopt-nvfp4", mtp=False, kv_scales=False
+    )
 
 
 def _quantize_plan(src, tmp_path, device):
-    return quantize.plan(quantize.QuantizeOptions(src, out=tmp_path / "q", recipe=load_recipe("qwen35-nvfp4-experts"),
-                                                  samples=2, seq_len=2048, device=device))
+    return quantize.plan(
+        quantize.QuantizeOptions(
+            src, out=tmp_path / "q", recipe=load_recipe("qwen35-nvfp4-experts"), samples=2, seq_len=2048, device=device
+        )
+    )
 
 
 def test_quantize_holds_the_layers_in_flight_and_one_read_ahead(real_bf16, tmp_path):
@@ -42,17 +46,25 @@ def test_quantize_holds_the_layers_in_flight_and_one_read_ahead(real_bf16, tmp_p
     kept = 2 * gpu.stream.hidden_bytes  # the layer's input and output hidden states, kept on the GPU
     assert 0 < kept <= layer_stream.HIDDEN_ON_DEVICE_MAX
     assert gpu.layers_in_flight == (2 if gpu.memory_need(2).fits is not False else 1)
-    assert gpu.memory.gpu_bytes == (1 + gpu.layers_in_flight) * sp.max_layer_bytes + sp.max_stored_layer_bytes + gpu.stream.activation_bytes + kept
+    assert (
+        gpu.memory.gpu_bytes
+        == (1 + gpu.layers_in_flight) * sp.max_layer_bytes
+        + sp.max_stored_layer_bytes
+        + gpu.stream.activation_bytes
+        + kept
+    )
     assert gpu.memory.host_bytes < 4 * GiB  # staging buffers + the embedding table, not the layer
 
 
 def test_calibrate_kv_holds_one_dense_layer_and_the_next_as_stored(real_nvfp4, tmp_path):
-    p = calibrate_kv.plan(calibrate_kv.CalibrateKvOptions(real_nvfp4, out=tmp_path / "kv", samples=2, seq_len=2048,
-                                                          device="cuda"))
+    p = calibrate_kv.plan(
+        calibrate_kv.CalibrateKvOptions(real_nvfp4, out=tmp_path / "kv", samples=2, seq_len=2048, device="cuda")
+    )
     sp = p.stream
     assert 3 * GiB < sp.max_stored_layer_bytes < 4 * GiB  # an NVFP4 layer (~3.9 GB)
-    assert p.memory.gpu_bytes == sp.max_layer_bytes + sp.max_stored_layer_bytes + sp.activation_bytes \
-        + 2 * sp.hidden_bytes  # the hidden states kept on the GPU
+    assert (
+        p.memory.gpu_bytes == sp.max_layer_bytes + sp.max_stored_layer_bytes + sp.activation_bytes + 2 * sp.hidden_bytes
+    )  # the hidden states kept on the GPU
 
 
 def test_hidden_states_too_large_for_the_gpu_stay_on_disk_only(real_nvfp4):
@@ -93,8 +105,11 @@ def _dense_numel_from_shapes(mod) -> int:
     from qtool.stream.dequant import _AUX_PARAMS
 
     p = dict(mod.params.items())
-    plain = sum(i.numel for n, i in p.items()
-                if n not in _AUX_PARAMS and not (n == "weight" and i.dtype in ("U8", "F8_E4M3", "F8_E5M2")))
+    plain = sum(
+        i.numel
+        for n, i in p.items()
+        if n not in _AUX_PARAMS and not (n == "weight" and i.dtype in ("U8", "F8_E4M3", "F8_E5M2"))
+    )
     if mod.format in (Format.NVFP4, Format.NVFP4_CT):
         w = p.get("weight") or p.get("weight_packed")
         return prod(w.shape) * 2 + plain  # two FP4 values a byte
@@ -123,12 +138,18 @@ def test_dense_layer_sizes_from_byte_counts_match_the_shapes(tmp_path, flavour):
     assert len(formats) >= (3 if "nvfp4" in flavour else 2)  # the quantized, BF16 and matrix-less modules
 
 
-@pytest.mark.parametrize("fmt,params", [
-    ("AWQ", [("qweight", "I32", (64, 16)), ("qzeros", "I32", (2, 16)), ("scales", "F16", (2, 128))]),
-    ("INT4_CT", [("weight_packed", "I32", (128, 8)), ("weight_scale", "BF16", (128, 2)), ("weight_shape", "I64", (2,))]),
-    ("FP8", [("weight", "F8_E4M3", (128, 64)), ("weight_scale_inv", "F32", (1, 1))]),
-    ("BF16", [("weight", "BF16", (128, 64)), ("bias", "BF16", (128,))]),
-])
+@pytest.mark.parametrize(
+    "fmt,params",
+    [
+        ("AWQ", [("qweight", "I32", (64, 16)), ("qzeros", "I32", (2, 16)), ("scales", "F16", (2, 128))]),
+        (
+            "INT4_CT",
+            [("weight_packed", "I32", (128, 8)), ("weight_scale", "BF16", (128, 2)), ("weight_shape", "I64", (2,))],
+        ),
+        ("FP8", [("weight", "F8_E4M3", (128, 64)), ("weight_scale_inv", "F32", (1, 1))]),
+        ("BF16", [("weight", "BF16", (128, 64)), ("bias", "BF16", (128,))]),
+    ],
+)
 def test_dense_sizes_of_packed_int4_and_fp8_modules(fmt, params):
     """The formats no sparse fixture stores: AWQ's qweight and compressed-tensors' weight_packed (eight INT4
     values an int32), FP8 with its block scales, and BF16 with a bias."""
@@ -143,8 +164,16 @@ def test_dense_sizes_of_packed_int4_and_fp8_modules(fmt, params):
         n = nbytes_for(dtype, shape)
         table.add(f"m.{name}", "shard", dtype, shape, start, start + n)
         sig, start = extend_signature(sig, name, dtype, len(shape)), start + n
-    mod = Module("m", Group.ROUTED_EXPERTS, Group.ROUTED_EXPERTS, 0, 0, sig,
-                 None if fmt == "BF16" else Format[fmt], tensors=table)
+    mod = Module(
+        "m",
+        Group.ROUTED_EXPERTS,
+        Group.ROUTED_EXPERTS,
+        0,
+        0,
+        sig,
+        None if fmt == "BF16" else Format[fmt],
+        tensors=table,
+    )
     assert dense_numel(mod) == _dense_numel_from_shapes(mod)
     # the dequantized matrix (its scales, zeros and shape vanish in it), and a bias as it is
     assert dense_numel(mod) == 128 * 64 + (128 if fmt == "BF16" else 0)

@@ -58,8 +58,23 @@ def test_save_ref_onto_or_inside_the_reference_is_refused(tiny_nvfp4_modelopt, t
     ref = copy_of(tiny_nvfp4_modelopt, tmp_path / "A")
     before = tree_sha(ref, skip=())
     for target in (ref, ref / "sub"):
-        p = run_qtool(["eval", "kld", "--ref", ref, "--save-ref", target, "--force", "--windows", "1",
-                       "--seq-len", "8", "--json"], timeout=TIMEOUT)
+        p = run_qtool(
+            [
+                "eval",
+                "kld",
+                "--ref",
+                ref,
+                "--save-ref",
+                target,
+                "--force",
+                "--windows",
+                "1",
+                "--seq-len",
+                "8",
+                "--json",
+            ],
+            timeout=TIMEOUT,
+        )
         assert p.returncode == 2, p.stdout + p.stderr
         assert "overlaps an input" in json.loads(p.stdout)["message"]
     assert tree_sha(ref, skip=()) == before and not (ref / "sub").exists()
@@ -68,8 +83,24 @@ def test_save_ref_onto_or_inside_the_reference_is_refused(tiny_nvfp4_modelopt, t
     r1.mkdir()
     (r1 / "data.jsonl").write_text('{"text": "one two three"}\n' * 50)
     for extra in (["--dataset", r1 / "data.jsonl"], ["--emit-windows", r1 / "w.jsonl"]):
-        p = run_qtool(["eval", "kld", "--ref", ref, "--windows", "1", "--seq-len", "8", "--save-ref", r1, "--force",
-                       *extra, "--json"], timeout=TIMEOUT)
+        p = run_qtool(
+            [
+                "eval",
+                "kld",
+                "--ref",
+                ref,
+                "--windows",
+                "1",
+                "--seq-len",
+                "8",
+                "--save-ref",
+                r1,
+                "--force",
+                *extra,
+                "--json",
+            ],
+            timeout=TIMEOUT,
+        )
         assert p.returncode == 2, p.stdout + p.stderr
     assert (r1 / "data.jsonl").exists() and not (r1 / "w.jsonl").exists()
 
@@ -96,7 +127,8 @@ def test_report_never_replaces_a_users_file_nor_writes_into_a_source(tiny_nvfp4_
 
 @pytest.mark.parametrize("manifest", ["empty", "foreign", "in-place-compact", "files-missing"])
 def test_force_never_replaces_a_directory_whose_manifest_does_not_prove_qtool_made_it(
-        manifest, tiny_nvfp4_modelopt, tmp_path):
+    manifest, tiny_nvfp4_modelopt, tmp_path
+):
     """Found as: a user directory holding an empty qtool-manifest.json, or a user's checkpoint that qtool
     once patched in place (its manifest later re-serialised compactly), was deleted whole by
     `convert ... -o DIR --force`."""
@@ -109,8 +141,9 @@ def test_force_never_replaces_a_directory_whose_manifest_does_not_prove_qtool_ma
         assert m["created_by_qtool"] is False
         (d / "qtool-manifest.json").write_text(json.dumps(m, separators=(",", ":")))
     elif manifest == "files-missing":
-        p = run_qtool(["convert", tiny_nvfp4_modelopt, "--to", "compressed-tensors", "-o", d, "--quiet"],
-                      timeout=TIMEOUT)
+        p = run_qtool(
+            ["convert", tiny_nvfp4_modelopt, "--to", "compressed-tensors", "-o", d, "--quiet"], timeout=TIMEOUT
+        )
         assert p.returncode == 0, p.stderr
         m = json.loads((d / "qtool-manifest.json").read_text())
         for rel in m["files"]:
@@ -121,8 +154,9 @@ def test_force_never_replaces_a_directory_whose_manifest_does_not_prove_qtool_ma
         (d / "mine.txt").write_text("mine")
         (d / "qtool-manifest.json").write_text("" if manifest == "empty" else '{"files": {"mine.txt": {}}}')
     before = tree_sha(d, skip=())
-    p = run_qtool(["convert", tiny_nvfp4_modelopt, "--to", "compressed-tensors", "-o", d, "--force", "--quiet"],
-                  timeout=TIMEOUT)
+    p = run_qtool(
+        ["convert", tiny_nvfp4_modelopt, "--to", "compressed-tensors", "-o", d, "--force", "--quiet"], timeout=TIMEOUT
+    )
     assert p.returncode == 1 and "not made by qtool" in p.stderr, p.stderr
     if manifest == "in-place-compact":
         assert "changed this checkpoint in place" in p.stderr  # not "(no qtool-manifest.json)"
@@ -144,8 +178,9 @@ def test_force_replaces_a_qtool_output_whose_user_removed_a_side_file(tiny_nvfp4
 # ---- wrong bytes or a wrong manifest with exit 0 -------------------------------------------------------
 
 
-def test_a_same_size_edit_with_the_mtime_put_back_gets_its_new_sha256(tiny_nvfp4_modelopt, tiny_bf16, tmp_path,
-                                                                      monkeypatch):
+def test_a_same_size_edit_with_the_mtime_put_back_gets_its_new_sha256(
+    tiny_nvfp4_modelopt, tiny_bf16, tmp_path, monkeypatch
+):
     """Found as: the sha256 cache (keyed by path, size, mtime, inode) gave a new assemble output whose
     manifest carried the old sha256 of an edited source shard."""
     monkeypatch.setenv("QTOOL_CACHE_DIR", str(tmp_path / "cache"))
@@ -162,8 +197,9 @@ def test_a_same_size_edit_with_the_mtime_put_back_gets_its_new_sha256(tiny_nvfp4
 
 
 @pytest.mark.parametrize("command", ["convert", "assemble", "calibrate-kv", "quantize"])
-def test_resume_after_an_edit_before_the_inputs_were_hashed_uses_the_new_bytes(command, tiny_nvfp4_modelopt,
-                                                                                tiny_bf16, tmp_path):
+def test_resume_after_an_edit_before_the_inputs_were_hashed_uses_the_new_bytes(
+    command, tiny_nvfp4_modelopt, tiny_bf16, tmp_path
+):
     """Found as: killed before the full input hash was recorded, then a same-size edit (mtime put back)
     outside the sampled blocks: --resume mixed old and new data, exit 0, and verify --deep said ok. Then
     (CI, a slow machine) --resume was refused after any kill that came before every input was hashed.
@@ -171,10 +207,12 @@ def test_resume_after_an_edit_before_the_inputs_were_hashed_uses_the_new_bytes(c
     keep: it makes the output from the new bytes, as a fresh run does."""
     src = copy_of(tiny_nvfp4_modelopt, tmp_path / "src")
     bf = copy_of(tiny_bf16, tmp_path / "bf")
-    args = {"convert": ["convert", src, "--to", "compressed-tensors"],
-            "assemble": ["assemble", "hybrid", "--nvfp4", src, "--bf16", bf],
-            "calibrate-kv": ["calibrate-kv", src, *KV, "--replace-scales"],
-            "quantize": ["quantize", bf, "--recipe", "qwen35-nvfp4-experts", *KV]}[command]
+    args = {
+        "convert": ["convert", src, "--to", "compressed-tensors"],
+        "assemble": ["assemble", "hybrid", "--nvfp4", src, "--bf16", bf],
+        "calibrate-kv": ["calibrate-kv", src, *KV, "--replace-scales"],
+        "quantize": ["quantize", bf, "--recipe", "qwen35-nvfp4-experts", *KV],
+    }[command]
     out = tmp_path / "out"
     # the journal's head is written before any input is hashed: the kill lands there
     p = run_killed("qtool.io.identity:Journal.__init__", 1, [*args, "-o", out, "--quiet"])
@@ -184,8 +222,9 @@ def test_resume_after_an_edit_before_the_inputs_were_hashed_uses_the_new_bytes(c
     p = run_qtool([*args, "-o", out, "--quiet", "--resume"], timeout=TIMEOUT)
     assert p.returncode == 0, p.stdout + p.stderr
     m = json.loads((out / "qtool-manifest.json").read_text())
-    digests = {f["sha256"] for s in m["sources"].values() if isinstance(s, dict)
-               for f in (s.get("files") or {}).values()}
+    digests = {
+        f["sha256"] for s in m["sources"].values() if isinstance(s, dict) for f in (s.get("files") or {}).values()
+    }
     assert sha(edited) in digests
     fresh = tmp_path / "fresh"
     p = run_qtool([*args, "-o", fresh, "--quiet"], timeout=TIMEOUT)
@@ -204,8 +243,22 @@ def test_verify_deep_checks_every_file_the_manifest_lists(tiny_nvfp4_modelopt, t
     files, chat_template.jinja, generation_config.json: 61 of 170 flips passed), and in-place outputs
     recorded `sha256: null` for unchanged shards, so their flips passed too."""
     out = tmp_path / "out"
-    p = run_qtool(["assemble", "hybrid", "--nvfp4", tiny_nvfp4_modelopt, "--bf16", tiny_bf16, "-o", out,
-                   "--quiet", "--link", "copy"], timeout=TIMEOUT)
+    p = run_qtool(
+        [
+            "assemble",
+            "hybrid",
+            "--nvfp4",
+            tiny_nvfp4_modelopt,
+            "--bf16",
+            tiny_bf16,
+            "-o",
+            out,
+            "--quiet",
+            "--link",
+            "copy",
+        ],
+        timeout=TIMEOUT,
+    )
     assert p.returncode == 0, p.stderr
     files = json.loads((out / "qtool-manifest.json").read_text())["files"]
     side = sorted(f for f in files if not f.endswith(".safetensors"))
@@ -230,22 +283,25 @@ def test_verify_deep_checks_every_file_the_manifest_lists(tiny_nvfp4_modelopt, t
     assert p.returncode == 3 and "hash-mismatch" in p.stdout
 
 
-@pytest.mark.parametrize("file,path,value", [
-    ("config.json", ["quantization_config", "kv_cache_scheme"], "fp8"),
-    ("config.json", ["quantization_config", "config_groups"], "x"),
-    ("config.json", ["quantization_config", "quant_algo"], 4),
-    ("config.json", ["quantization_config", "quant_method"], 5),
-    ("config.json", ["text_config", "layer_types"], 5),
-    ("config.json", ["text_config", "num_hidden_layers"], None),
-    ("config.json", ["text_config", "num_key_value_heads"], 0),
-    ("config.json", ["text_config", "hidden_size"], "4096"),
-    ("hf_quant_config.json", ["quantization", "exclude_modules"], 5),
-    ("hf_quant_config.json", ["quantization", "quant_algo"], 7),
-    ("model.safetensors.index.json", ["metadata"], "oops"),
-    ("config.json", ["text_config", "rope_parameters"], "yarn"),  # (review) tracebacks in serve-config, patch
-    ("config.json", ["text_config", "max_position_embeddings"], "4096"),
-    ("config.json", ["text_config", "tie_word_embeddings"], "false"),
-])
+@pytest.mark.parametrize(
+    "file,path,value",
+    [
+        ("config.json", ["quantization_config", "kv_cache_scheme"], "fp8"),
+        ("config.json", ["quantization_config", "config_groups"], "x"),
+        ("config.json", ["quantization_config", "quant_algo"], 4),
+        ("config.json", ["quantization_config", "quant_method"], 5),
+        ("config.json", ["text_config", "layer_types"], 5),
+        ("config.json", ["text_config", "num_hidden_layers"], None),
+        ("config.json", ["text_config", "num_key_value_heads"], 0),
+        ("config.json", ["text_config", "hidden_size"], "4096"),
+        ("hf_quant_config.json", ["quantization", "exclude_modules"], 5),
+        ("hf_quant_config.json", ["quantization", "quant_algo"], 7),
+        ("model.safetensors.index.json", ["metadata"], "oops"),
+        ("config.json", ["text_config", "rope_parameters"], "yarn"),  # (review) tracebacks in serve-config, patch
+        ("config.json", ["text_config", "max_position_embeddings"], "4096"),
+        ("config.json", ["text_config", "tie_word_embeddings"], "false"),
+    ],
+)
 def test_wrong_typed_config_fields_are_named_errors(file, path, value, tiny_nvfp4_modelopt, tmp_path):
     """Found as: wrong-typed quantization configs gave verify "ok" and were carried into outputs; other
     wrong types were tracebacks (ZeroDivisionError in calibrate-kv and eval kld, report's quant_algo)."""
@@ -257,8 +313,11 @@ def test_wrong_typed_config_fields_are_named_errors(file, path, value, tiny_nvfp
     at[path[-1]] = value
     (ck / file).write_text(json.dumps(obj))
     key = ".".join(path)
-    for cmd in (["verify", ck, "--tp", "1"], ["calibrate-kv", ck, *KV, "-o", tmp_path / "kv", "--dry-run"],
-                ["report", ck, "--tp", "1", "-o", tmp_path / "r.html"]):
+    for cmd in (
+        ["verify", ck, "--tp", "1"],
+        ["calibrate-kv", ck, *KV, "-o", tmp_path / "kv", "--dry-run"],
+        ["report", ck, "--tp", "1", "-o", tmp_path / "r.html"],
+    ):
         p = run_qtool(cmd, timeout=TIMEOUT)
         # verify reports an unreadable checkpoint as its finding (exit 3); the others are errors (exit 1)
         assert p.returncode == (3 if cmd[0] == "verify" else 1), (cmd[0], p.stdout, p.stderr)
@@ -274,8 +333,10 @@ def test_a_hidden_size_that_disagrees_with_the_tensors_is_named(tiny_nvfp4_model
     cfg = json.loads((ck / "config.json").read_text())
     cfg["text_config"]["hidden_size"] += 1
     (ck / "config.json").write_text(json.dumps(cfg))
-    for cmd in (["calibrate-kv", ck, *KV, "--replace-scales", "-o", tmp_path / "kv", "--dry-run"],
-                ["eval", "kld", "--ref", ck, "--windows", "1", "--seq-len", "8", "--save-ref", tmp_path / "ref"]):
+    for cmd in (
+        ["calibrate-kv", ck, *KV, "--replace-scales", "-o", tmp_path / "kv", "--dry-run"],
+        ["eval", "kld", "--ref", ck, "--windows", "1", "--seq-len", "8", "--save-ref", tmp_path / "ref"],
+    ):
         p = run_qtool(cmd, timeout=TIMEOUT)
         assert p.returncode == 1, p.stderr
         assert "hidden_size does not match" in p.stderr and "Traceback" not in p.stderr, p.stderr
@@ -315,9 +376,13 @@ def test_a_mistyped_flag_next_to_a_token_never_prints_the_token(tmp_path):
     """Found as: `qtool inspect hf:org/x --token hf_...` -> "unrecognized argument(s): --token (did you mean
     --json?), hf_..."."""
     secret = "hf_" + "Ab3" * 10
-    for args in (["inspect", "hf:org/x", "--token", secret], ["inspect", "hf:org/x", f"--token={secret}"],
-                 ["inspect", "hf:org/x", "--tokn", "s3cr3t-value"], ["inspect", "hf:org/x", "--json", "--token", secret],
-                 ["--token", "s3cr3t-value", "inspect", "hf:org/x"]):  # (review) the flag before the command
+    for args in (
+        ["inspect", "hf:org/x", "--token", secret],
+        ["inspect", "hf:org/x", f"--token={secret}"],
+        ["inspect", "hf:org/x", "--tokn", "s3cr3t-value"],
+        ["inspect", "hf:org/x", "--json", "--token", secret],
+        ["--token", "s3cr3t-value", "inspect", "hf:org/x"],
+    ):  # (review) the flag before the command
         p = run_qtool(args, timeout=TIMEOUT)
         assert p.returncode == 2, p.stderr
         assert secret not in p.stderr + p.stdout and "s3cr3t-value" not in p.stderr + p.stdout, p.stderr
@@ -337,10 +402,14 @@ def test_a_fifo_named_like_a_shard_is_an_error_not_a_hang(where, tiny_nvfp4_mode
         fifo = biggest_shard(ck)
         fifo.unlink()
     os.mkfifo(fifo)
-    for cmd in (["inspect", ck], ["verify", ck, "--tp", "1"], ["verify", ck, "--deep", "--tp", "1"],
-                ["convert", ck, "--to", "compressed-tensors", "-o", tmp_path / "c"],
-                ["assemble", "hybrid", "--nvfp4", ck, "--bf16", ck, "-o", tmp_path / "a"],
-                ["calibrate-kv", ck, *KV, "-o", tmp_path / "kv", "--dry-run"]):
+    for cmd in (
+        ["inspect", ck],
+        ["verify", ck, "--tp", "1"],
+        ["verify", ck, "--deep", "--tp", "1"],
+        ["convert", ck, "--to", "compressed-tensors", "-o", tmp_path / "c"],
+        ["assemble", "hybrid", "--nvfp4", ck, "--bf16", ck, "-o", tmp_path / "a"],
+        ["calibrate-kv", ck, *KV, "-o", tmp_path / "kv", "--dry-run"],
+    ):
         p = run_qtool(cmd, timeout=TIMEOUT)
         assert p.returncode == (3 if cmd[0] == "verify" else 1), (cmd[0], p.stderr)
         assert "FIFO" in p.stdout + p.stderr and "Traceback" not in p.stderr, (cmd[0], p.stdout, p.stderr)
@@ -350,8 +419,9 @@ def test_report_with_fifos_is_an_error_not_a_hang(tiny_nvfp4_modelopt, tmp_path)
     """Found as: `report --kld FIFO` and `report -o FIFO.html` hung."""
     fifo = tmp_path / "k.json"
     os.mkfifo(fifo)
-    p = run_qtool(["report", tiny_nvfp4_modelopt, "--tp", "1", "--kld", fifo, "-o", tmp_path / "r.html"],
-                  timeout=TIMEOUT)
+    p = run_qtool(
+        ["report", tiny_nvfp4_modelopt, "--tp", "1", "--kld", fifo, "-o", tmp_path / "r.html"], timeout=TIMEOUT
+    )
     assert p.returncode == 1 and "FIFO" in p.stderr, p.stderr
     out = tmp_path / "FIFO.html"
     os.mkfifo(out)
@@ -397,14 +467,29 @@ def test_a_kill_between_the_marker_removal_and_the_rename_is_cleaned_up(tiny_nvf
 def test_killing_the_launcher_kills_its_ranks(tiny_bf16, tmp_path):
     """Found as: killing only the --nproc launcher left its ranks running, and they published."""
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "qtool", "quantize", str(tiny_bf16), "--recipe", "qwen35-nvfp4-experts", *KV,
-           "-o", str(out), "--quiet", "--nproc", "2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "qtool",
+        "quantize",
+        str(tiny_bf16),
+        "--recipe",
+        "qwen35-nvfp4-experts",
+        *KV,
+        "-o",
+        str(out),
+        "--quiet",
+        "--nproc",
+        "2",
+    ]
     launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 60
     ranks: list[int] = []
     while time.time() < deadline and len(ranks) < 2:
-        ranks = [int(x) for x in subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True,
-                                                text=True).stdout.split()]
+        ranks = [
+            int(x)
+            for x in subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split()
+        ]
         time.sleep(0.2)
     assert len(ranks) == 2
     launcher.send_signal(signal.SIGKILL)
@@ -430,8 +515,11 @@ def test_outputs_inside_a_hugging_face_cache_are_refused(tiny_nvfp4_modelopt, tm
     `patch-config -o` / `convert -o` wrote a fake snapshot there)."""
     snap = tmp_path / "hub" / "models--org--x" / "snapshots" / ("a" * 40)
     snap.mkdir(parents=True)
-    for cmd in (["download", "hf:org/x"], ["patch-config", tiny_nvfp4_modelopt, "--sampling-defaults"],
-                ["convert", tiny_nvfp4_modelopt, "--to", "compressed-tensors"]):
+    for cmd in (
+        ["download", "hf:org/x"],
+        ["patch-config", tiny_nvfp4_modelopt, "--sampling-defaults"],
+        ["convert", tiny_nvfp4_modelopt, "--to", "compressed-tensors"],
+    ):
         p = run_qtool([*cmd, "-o", snap / "sub", "--json"], timeout=TIMEOUT)
         assert p.returncode == 2, p.stdout + p.stderr
         assert "Hugging Face cache" in json.loads(p.stdout)["message"]
@@ -472,8 +560,10 @@ def test_a_non_utf8_shard_name_and_a_shard_symlink_loop_are_named_errors(tiny_nv
     ck = copy_of(tiny_nvfp4_modelopt, tmp_path / "ck")
     (ck / "model.safetensors.index.json").unlink()
     shards = sorted(ck.glob("*.safetensors"))
-    commands = (["convert", ck, "--to", "compressed-tensors", "-o", tmp_path / "c"],
-                ["assemble", "hybrid", "--nvfp4", ck, "--bf16", tiny_nvfp4_modelopt, "-o", tmp_path / "a"])
+    commands = (
+        ["convert", ck, "--to", "compressed-tensors", "-o", tmp_path / "c"],
+        ["assemble", "hybrid", "--nvfp4", ck, "--bf16", tiny_nvfp4_modelopt, "-o", tmp_path / "a"],
+    )
     os.rename(bytes(shards[0]), bytes(shards[0].parent) + b"/m\xff.safetensors")
     for cmd in commands:
         p = run_qtool(cmd, timeout=TIMEOUT)
@@ -538,12 +628,14 @@ def test_a_build_paused_between_steps_while_another_runs_lets_only_one_publish(t
 def test_a_ctrl_c_during_interpreter_shutdown_prints_no_traceback(tiny_nvfp4_modelopt):
     """Found as: a KeyboardInterrupt traceback from torch when Ctrl-C landed during interpreter shutdown
     (exit 0). The Ctrl-C is sent from the last exit handler to run, after the command finished."""
-    code = ("import atexit, os, signal, sys, time\n"
-            "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(0.5)))\n"
-            f"sys.argv = ['qtool', 'inspect', {str(tiny_nvfp4_modelopt)!r}]\n"
-            "import torch  # its own exit handlers, as in a quantize run\n"
-            "from qtool.cli.main import console\n"
-            "console()\n")
+    code = (
+        "import atexit, os, signal, sys, time\n"
+        "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(0.5)))\n"
+        f"sys.argv = ['qtool', 'inspect', {str(tiny_nvfp4_modelopt)!r}]\n"
+        "import torch  # its own exit handlers, as in a quantize run\n"
+        "from qtool.cli.main import console\n"
+        "console()\n"
+    )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=TIMEOUT)
     assert p.returncode == 0, p.stderr
     assert "Traceback" not in p.stderr and "KeyboardInterrupt" not in p.stderr, p.stderr
@@ -572,8 +664,9 @@ def test_a_build_notices_a_same_size_edit_of_a_local_source(tiny_nvfp4_modelopt,
 
 @pytest.mark.parametrize("how", ["fifo", "dangling-symlink"])
 @pytest.mark.parametrize("name", ["tokenizer.json", "chat_template.jinja"])
-def test_a_side_file_that_is_not_a_regular_file_is_named_not_left_out(how, name, tiny_nvfp4_modelopt, tiny_bf16,
-                                                                       tmp_path):
+def test_a_side_file_that_is_not_a_regular_file_is_named_not_left_out(
+    how, name, tiny_nvfp4_modelopt, tiny_bf16, tmp_path
+):
     """Found by the review: a FIFO or a dangling symlink at tokenizer.json / chat_template.jinja was
     silently left out of convert's and patch-config -o's output (exit 0)."""
     ck = copy_of(tiny_nvfp4_modelopt, tmp_path / "ck")
@@ -584,9 +677,12 @@ def test_a_side_file_that_is_not_a_regular_file_is_named_not_left_out(how, name,
             os.mkfifo(d / name)
         else:
             (d / name).symlink_to(d / "gone")
-    for cmd in (["convert", ck, "--to", "compressed-tensors"], ["patch-config", ck, "--fix", "router-ignore"],
-                ["calibrate-kv", ck, *KV, "--replace-scales"],
-                ["quantize", bf, "--recipe", "qwen35-nvfp4-experts", *KV]):
+    for cmd in (
+        ["convert", ck, "--to", "compressed-tensors"],
+        ["patch-config", ck, "--fix", "router-ignore"],
+        ["calibrate-kv", ck, *KV, "--replace-scales"],
+        ["quantize", bf, "--recipe", "qwen35-nvfp4-experts", *KV],
+    ):
         out = tmp_path / "out"
         p = run_qtool([*cmd, "-o", out, "--quiet"], timeout=TIMEOUT)
         assert p.returncode == 1, (cmd[0], p.stdout, p.stderr)

@@ -59,9 +59,12 @@ def test_sweep_picks_the_scale_modelopts_loss_picks():
                 scale = c * amax[e] / 6.0
                 q = magnitudes[(x / scale).unsqueeze(-1).sub(magnitudes).abs().argmin(-1)]
                 # ties between two magnitudes go to the even code: recompute those with qtool's encoder
-                q = torch.where(((x / scale).unsqueeze(-1) - magnitudes).abs().sort(-1).values[..., 0]
-                                == ((x / scale).unsqueeze(-1) - magnitudes).abs().sort(-1).values[..., 1],
-                                nvfp4.decode_e2m1(nvfp4.encode_e2m1(x / scale)), q)
+                q = torch.where(
+                    ((x / scale).unsqueeze(-1) - magnitudes).abs().sort(-1).values[..., 0]
+                    == ((x / scale).unsqueeze(-1) - magnitudes).abs().sort(-1).values[..., 1],
+                    nvfp4.decode_e2m1(nvfp4.encode_e2m1(x / scale)),
+                    q,
+                )
                 losses.append(float((x - q * scale).pow(2).sum()))
             best = min(range(len(losses)), key=lambda k: (losses[k], k))
             assert got.reshape(w.shape[0], -1)[e, b] == candidates[best] * nvfp4.E4M3_MAX, (e, b)
@@ -115,8 +118,12 @@ def test_quantize_with_the_sweep_writes_plain_nvfp4_with_lower_error(tiny_bf16, 
     errs = {}
     for label, tensors in (("sweep", swept), ("max", rtn)):
         assert read_tensor(tensors[stem + "weight"]).dtype == torch.uint8  # plain NVFP4, same names
-        w = nvfp4.dequantize(read_tensor(tensors[stem + "weight"]), read_tensor(tensors[stem + "weight_scale"]),
-                             read_tensor(tensors[stem + "weight_scale_2"]), torch.float32)
+        w = nvfp4.dequantize(
+            read_tensor(tensors[stem + "weight"]),
+            read_tensor(tensors[stem + "weight_scale"]),
+            read_tensor(tensors[stem + "weight_scale_2"]),
+            torch.float32,
+        )
         errs[label] = float((w - read_tensor(ref[name]).float()).pow(2).sum())
     assert errs["sweep"] < errs["max"]
     # the same global scale: only block scales (and so codes) change
@@ -153,6 +160,18 @@ def test_sweep_with_a_peer_backend_is_a_usage_error(backend, tiny_bf16, tmp_path
     data = yaml.safe_load((recipes_dir() / "qwen35-nvfp4-experts-mse.yaml").read_text())
     data["name"], data["nvfp4"]["weight_scale"] = "sweep", "mse_sweep"
     (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(data))
-    rc = main(["quantize", str(tiny_bf16), "-o", str(tmp_path / "o"), "--recipe", str(tmp_path / "sweep.yaml"),
-               "--backend", backend, "--dry-run", "--quiet"])
+    rc = main(
+        [
+            "quantize",
+            str(tiny_bf16),
+            "-o",
+            str(tmp_path / "o"),
+            "--recipe",
+            str(tmp_path / "sweep.yaml"),
+            "--backend",
+            backend,
+            "--dry-run",
+            "--quiet",
+        ]
+    )
     assert rc == 2 and not (tmp_path / "o").exists()

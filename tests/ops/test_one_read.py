@@ -29,7 +29,6 @@ import pytest
 from qtool.fixtures.page_cache import evict
 
 
-
 def _shards(root: Path) -> list[Path]:
     return sorted(root.glob("*.safetensors"))
 
@@ -47,8 +46,9 @@ def _run_dropping_pages(args: list[str], files: list[Path], env: dict) -> int:
     t = threading.Thread(target=drop, daemon=True)
     t.start()
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "qtool", *args], env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "qtool", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
         out = proc.stdout.read()
         _, status, usage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)
@@ -66,8 +66,13 @@ def bf16(tmp_path_factory) -> Path:
     from qtool.fixtures.tiny_config import tiny_config
 
     bf = tmp_path_factory.mktemp("one-read") / "bf16"
-    cfg = tiny_config(hidden_size=256, num_hidden_layers=4, num_experts=64, moe_intermediate_size=256,
-                      shared_expert_intermediate_size=256)
+    cfg = tiny_config(
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_experts=64,
+        moe_intermediate_size=256,
+        shared_expert_intermediate_size=256,
+    )
     return build_bf16(bf, config=cfg, mtp=False, max_shard_size="80MB")
 
 
@@ -96,14 +101,29 @@ def _check_digests(out: Path, src: Path) -> None:
 def test_quantize_then_calibrate_kv_read_their_input_once(bf16, tmp_path):
     common = ["--samples", "4", "--seq-len", "64", "--quiet"]
     # a first run brings the libraries into the page cache (their reads are not the job's)
-    subprocess.run([sys.executable, "-m", "qtool", "quantize", str(bf16), "--recipe", "qwen35-nvfp4-experts",
-                    "-o", str(tmp_path / "warm"), *common], env=_env(tmp_path / "c0"), check=True,
-                   capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "qtool",
+            "quantize",
+            str(bf16),
+            "--recipe",
+            "qwen35-nvfp4-experts",
+            "-o",
+            str(tmp_path / "warm"),
+            *common,
+        ],
+        env=_env(tmp_path / "c0"),
+        check=True,
+        capture_output=True,
+    )
 
     size = sum(f.stat().st_size for f in _shards(bf16))
     nv = tmp_path / "nvfp4"
-    read = _best_of_three(["quantize", str(bf16), "--recipe", "qwen35-nvfp4-experts", "-o", str(nv), *common],
-                          _shards(bf16), tmp_path, nv)
+    read = _best_of_three(
+        ["quantize", str(bf16), "--recipe", "qwen35-nvfp4-experts", "-o", str(nv), *common], _shards(bf16), tmp_path, nv
+    )
     assert read <= 1.10 * size, f"quantize read {read / size:.2f}x its input ({read} of {size} bytes)"
     _check_digests(nv, bf16)
 
@@ -113,12 +133,20 @@ def test_quantize_then_calibrate_kv_read_their_input_once(bf16, tmp_path):
     from qtool.recipes import recipes_dir
 
     recipe = tmp_path / "no-kv.yaml"
-    text = ((recipes_dir() / "qwen35-nvfp4-experts.yaml").read_text().replace("kv_cache: fp8", "kv_cache: none")
-            .replace("name: qwen35-nvfp4-experts", "name: no-kv"))
+    text = (
+        (recipes_dir() / "qwen35-nvfp4-experts.yaml")
+        .read_text()
+        .replace("kv_cache: fp8", "kv_cache: none")
+        .replace("name: qwen35-nvfp4-experts", "name: no-kv")
+    )
     recipe.write_text(text)
     nv = tmp_path / "nvfp4-no-kv"
-    subprocess.run([sys.executable, "-m", "qtool", "quantize", str(bf16), "--recipe", str(recipe), "-o", str(nv),
-                    *common], env=_env(tmp_path / "c3"), check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "qtool", "quantize", str(bf16), "--recipe", str(recipe), "-o", str(nv), *common],
+        env=_env(tmp_path / "c3"),
+        check=True,
+        capture_output=True,
+    )
     nv_size = sum(f.stat().st_size for f in _shards(nv))
     kv = tmp_path / "kv"
     read = _best_of_three(["calibrate-kv", str(nv), "-o", str(kv), *common], _shards(nv), tmp_path, kv)
@@ -126,10 +154,12 @@ def test_quantize_then_calibrate_kv_read_their_input_once(bf16, tmp_path):
     _check_digests(kv, nv)
 
 
-
-@pytest.mark.xfail(strict=True, reason="the shards that held the old KV scales are rewritten by copying from "
-                   "the input file (calibrate_kv/write.py: Shard of FileRange sources), a second read of those "
-                   "shards; to be written from the layer reader's bytes (#53)")
+@pytest.mark.xfail(
+    strict=True,
+    reason="the shards that held the old KV scales are rewritten by copying from "
+    "the input file (calibrate_kv/write.py: Shard of FileRange sources), a second read of those "
+    "shards; to be written from the layer reader's bytes (#53)",
+)
 def test_calibrate_kv_replace_scales_reads_its_input_once(bf16, tmp_path):
     """calibrate-kv --replace-scales of a checkpoint whose KV scales sit in the shards of their layers (as
     quantize writes them, and the exporters): the shards that held the old scales are rewritten without
@@ -137,12 +167,32 @@ def test_calibrate_kv_replace_scales_reads_its_input_once(bf16, tmp_path):
     shard (the medium NVFP4 fixture read 1.83x its input, this one 1.31x)."""
     common = ["--samples", "4", "--seq-len", "64", "--quiet"]
     nv = tmp_path / "nvfp4"
-    subprocess.run([sys.executable, "-m", "qtool", "quantize", str(bf16), "--recipe", "qwen35-nvfp4-experts",
-                    "-o", str(nv), *common], env=_env(tmp_path / "c0"), check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "qtool",
+            "quantize",
+            str(bf16),
+            "--recipe",
+            "qwen35-nvfp4-experts",
+            "-o",
+            str(nv),
+            *common,
+        ],
+        env=_env(tmp_path / "c0"),
+        check=True,
+        capture_output=True,
+    )
     nv_size = sum(f.stat().st_size for f in _shards(nv))
     kv = tmp_path / "kv"
-    read = _best_of_three(["calibrate-kv", str(nv), "-o", str(kv), "--replace-scales", "--device", "cpu",
-                           *common], _shards(nv), tmp_path, kv)
-    assert read <= 1.10 * nv_size, (f"calibrate-kv --replace-scales read {read / nv_size:.2f}x its input "
-                                    f"({read} of {nv_size} bytes)")
+    read = _best_of_three(
+        ["calibrate-kv", str(nv), "-o", str(kv), "--replace-scales", "--device", "cpu", *common],
+        _shards(nv),
+        tmp_path,
+        kv,
+    )
+    assert read <= 1.10 * nv_size, (
+        f"calibrate-kv --replace-scales read {read / nv_size:.2f}x its input ({read} of {nv_size} bytes)"
+    )
     _check_digests(kv, nv)

@@ -24,8 +24,11 @@ KV = ["--samples", "2", "--seq-len", "16"]
 
 
 def tree_sha(d: Path, skip=("qtool-manifest.json",)) -> dict[str, str]:
-    return {p.relative_to(d).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(d.rglob("*")) if p.is_file() and p.name not in skip}
+    return {
+        p.relative_to(d).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(d.rglob("*"))
+        if p.is_file() and p.name not in skip
+    }
 
 
 def copy_of(src: Path, dst: Path) -> Path:
@@ -41,8 +44,10 @@ def unindexed(src: Path, dst: Path) -> Path:
         if p.suffix != ".safetensors" and p.name != "model.safetensors.index.json":
             shutil.copy(p, dst / p.name)
     tensors = sorted(ck.tensors.values(), key=lambda t: t.name)
-    write_shard(dst / "model.safetensors",
-                [OutTensor(t.name, t.dtype, tuple(t.shape), FileRange(t.file, t.start, t.end)) for t in tensors])
+    write_shard(
+        dst / "model.safetensors",
+        [OutTensor(t.name, t.dtype, tuple(t.shape), FileRange(t.file, t.start, t.end)) for t in tensors],
+    )
     return dst
 
 
@@ -199,12 +204,12 @@ def test_non_string_shard_metadata_is_a_clear_error(tiny_nvfp4_modelopt, tmp_pat
     shard = sorted(nv.glob("*.safetensors"))[0]
     raw = shard.read_bytes()
     n = int.from_bytes(raw[:8], "little")
-    head = json.loads(raw[8:8 + n])
+    head = json.loads(raw[8 : 8 + n])
     head["__metadata__"] = {"format": 5}  # shorter than the original {"format": "pt"}
     text = json.dumps(head, separators=(",", ":")).encode()
     text += b" " * (n - len(text))
     assert len(text) == n
-    shard.write_bytes(raw[:8] + text + raw[8 + n:])
+    shard.write_bytes(raw[:8] + text + raw[8 + n :])
     p = run_qtool(["inspect", nv, "--json"])
     assert p.returncode == 1
     err = json.loads(p.stdout)
@@ -218,8 +223,24 @@ def test_verify_deep_catches_a_flipped_byte_in_a_rebuilt_shard(tiny_nvfp4_modelo
     """Found as: the manifest recorded sha256 only for inputs and linked shards, so a flipped byte in a
     rebuilt or new shard passed `verify --deep`."""
     out = tmp_path / "out"
-    assert run_qtool(["assemble", "hybrid", "--nvfp4", tiny_nvfp4_modelopt, "--bf16", tiny_bf16, "-o", out,
-                      "--bf16-expert-layers", "0", "--quiet"]).returncode == 0
+    assert (
+        run_qtool(
+            [
+                "assemble",
+                "hybrid",
+                "--nvfp4",
+                tiny_nvfp4_modelopt,
+                "--bf16",
+                tiny_bf16,
+                "-o",
+                out,
+                "--bf16-expert-layers",
+                "0",
+                "--quiet",
+            ]
+        ).returncode
+        == 0
+    )
     man = json.loads((out / "qtool-manifest.json").read_text())
     assert set(man["files"]) == {p.name for p in out.iterdir()} - {"qtool-manifest.json"}
     for rel, f in man["files"].items():
@@ -248,11 +269,13 @@ def test_every_writing_command_writes_one_manifest_schema(tiny_nvfp4_modelopt, t
         p = run_qtool([*args, "-o", out, "--quiet"])
         assert p.returncode == 0, p.stderr
         man = json.loads((out / "qtool-manifest.json").read_text())
-        assert {"qtool_version", "operation", "command", "libraries", "sources", "summary", "checks",
-                "files"} <= set(man), name
+        assert {"qtool_version", "operation", "command", "libraries", "sources", "summary", "checks", "files"} <= set(
+            man
+        ), name
         assert man["libraries"]["safetensors"] and man["command"].startswith("qtool ")
         assert set(man["files"]) == {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()} - {
-            "qtool-manifest.json"}, name
+            "qtool-manifest.json"
+        }, name
         for src in man["sources"].values():
             assert src["files"] and all(len(f["sha256"]) == 64 for f in src["files"].values())
 
@@ -321,15 +344,18 @@ def test_build_token_never_reaches_the_manifest_and_an_edited_artifact_is_notice
 # ---- exit codes ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("args,code", [
-    (["verify", "/nonexistent"], 1),
-    (["inspect", "/nonexistent"], 1),
-    (["build", "missing.yaml"], 2),  # an unknown recipe is a usage error in every command (as quantize --recipe)
-    (["verify", "CKPT", "--engine", "vlm"], 2),
-    (["assemble", "hybrid", "--nvfp4", "CKPT", "--bf16", "CKPT", "-o", "OUT", "--froce"], 2),
-    (["calibrate-kv", "CKPT"], 2),
-    (["convert", "CKPT", "--to", "modelopt", "-o", "OUT"], 2),
-])
+@pytest.mark.parametrize(
+    "args,code",
+    [
+        (["verify", "/nonexistent"], 1),
+        (["inspect", "/nonexistent"], 1),
+        (["build", "missing.yaml"], 2),  # an unknown recipe is a usage error in every command (as quantize --recipe)
+        (["verify", "CKPT", "--engine", "vlm"], 2),
+        (["assemble", "hybrid", "--nvfp4", "CKPT", "--bf16", "CKPT", "-o", "OUT", "--froce"], 2),
+        (["calibrate-kv", "CKPT"], 2),
+        (["convert", "CKPT", "--to", "modelopt", "-o", "OUT"], 2),
+    ],
+)
 def test_exit_codes(args, code, tiny_nvfp4_modelopt, tmp_path):
     args = [str(tiny_nvfp4_modelopt) if a == "CKPT" else str(tmp_path / "o") if a == "OUT" else a for a in args]
     p = run_qtool(args)
@@ -340,8 +366,20 @@ def test_exit_codes(args, code, tiny_nvfp4_modelopt, tmp_path):
 def test_eval_save_ref_over_an_existing_output_is_an_output_error(tiny_nvfp4_modelopt, tmp_path):
     (tmp_path / "ref").mkdir()
     (tmp_path / "ref" / "x").write_text("mine")
-    p = run_qtool(["eval", "kld", "--ref", tiny_nvfp4_modelopt, "--save-ref", tmp_path / "ref",
-                   "--windows", "1", "--seq-len", "8"])
+    p = run_qtool(
+        [
+            "eval",
+            "kld",
+            "--ref",
+            tiny_nvfp4_modelopt,
+            "--save-ref",
+            tmp_path / "ref",
+            "--windows",
+            "1",
+            "--seq-len",
+            "8",
+        ]
+    )
     assert p.returncode == 1 and "not made by qtool" in p.stderr
 
 
@@ -354,10 +392,13 @@ def test_typo_in_a_flag_says_did_you_mean(tmp_path):
 # ---- environment failures: a clear error, nothing lost ----------------------------------------------
 
 
-@pytest.mark.parametrize("target,errno_name,fix", [
-    ("qtool.io.writer:copy_range", "ENOSPC", "free disk space"),  # the disk fills while a shard is written
-    ("qtool.io.writer:write_shard", "EROFS", "not writable"),  # a read-only output filesystem
-])
+@pytest.mark.parametrize(
+    "target,errno_name,fix",
+    [
+        ("qtool.io.writer:copy_range", "ENOSPC", "free disk space"),  # the disk fills while a shard is written
+        ("qtool.io.writer:write_shard", "EROFS", "not writable"),  # a read-only output filesystem
+    ],
+)
 def test_calibrate_kv_disk_failures_are_clear_errors(tiny_nvfp4_modelopt, tmp_path, target, errno_name, fix):
     """Found as: ENOSPC in calibrate-kv and read-only output dirs gave tracebacks."""
     from killpoint import run_failing
@@ -369,8 +410,9 @@ def test_calibrate_kv_disk_failures_are_clear_errors(tiny_nvfp4_modelopt, tmp_pa
     # this run abort at exit (-6, "terminate called without an active exception") from that hash's daemon
     # thread, still running into the interpreter's teardown
     slow = {**os.environ, "KILLPOINT_SLOW": "qtool.io.stream_digest:FileDigest._update:0.1"}
-    p = run_failing(target, 1, errno_name, ["calibrate-kv", src, "-o", out, *KV, "--replace-scales", "--quiet"],
-                    env=slow)
+    p = run_failing(
+        target, 1, errno_name, ["calibrate-kv", src, "-o", out, *KV, "--replace-scales", "--quiet"], env=slow
+    )
     assert p.returncode == 1, p.stderr
     assert "alive at exit" not in p.stderr
     assert "Traceback" not in p.stderr and fix in p.stderr and "error:" in p.stderr
@@ -379,10 +421,12 @@ def test_calibrate_kv_disk_failures_are_clear_errors(tiny_nvfp4_modelopt, tmp_pa
     assert p.returncode == 0, p.stderr  # and the partial output resumes once the disk is fine again
 
 
-@pytest.mark.parametrize("command", ["quantize", "convert", "assemble", "calibrate-kv", "patch-config",
-                                     "calibrate-kv --in-place"])
-def test_a_disk_too_small_refuses_the_run_and_leaves_no_partial(command, tiny_nvfp4_modelopt, tiny_bf16, tmp_path,
-                                                                monkeypatch, capsys):
+@pytest.mark.parametrize(
+    "command", ["quantize", "convert", "assemble", "calibrate-kv", "patch-config", "calibrate-kv --in-place"]
+)
+def test_a_disk_too_small_refuses_the_run_and_leaves_no_partial(
+    command, tiny_nvfp4_modelopt, tiny_bf16, tmp_path, monkeypatch, capsys
+):
     """Found as: `qtool quantize SRC -o OUT` on a disk too small for OUT was refused (rightly) but left an
     empty OUT.partial/ behind; so did every command that writes through the output executor (and
     calibrate-kv --in-place its hard-linked `.CKPT.qtool-inplace/`)."""
@@ -416,8 +460,9 @@ def _shard_bytes(d: Path) -> int:
 
 
 @pytest.mark.parametrize("command", ["assemble", "calibrate-kv", "patch-config"])
-def test_an_output_of_links_fits_a_disk_with_room_for_what_it_writes(command, tiny_nvfp4_modelopt, tiny_bf16,
-                                                                    tmp_path, monkeypatch, capsys):
+def test_an_output_of_links_fits_a_disk_with_room_for_what_it_writes(
+    command, tiny_nvfp4_modelopt, tiny_bf16, tmp_path, monkeypatch, capsys
+):
     """Found as: an output on its input's filesystem, whose unchanged shards are hard links (no new space),
     was refused on a nearly full disk: the check asked for 64 MiB more than the files it writes."""
     from qtool.cli.main import main
@@ -441,8 +486,9 @@ def _refusal(err: str) -> dict[str, str]:
     return {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in err.splitlines()) if v}
 
 
-def test_a_refusal_for_space_says_how_much_more_where_and_what_copying_costs(tiny_nvfp4_modelopt, tiny_bf16,
-                                                                           tmp_path, monkeypatch, capsys):
+def test_a_refusal_for_space_says_how_much_more_where_and_what_copying_costs(
+    tiny_nvfp4_modelopt, tiny_bf16, tmp_path, monkeypatch, capsys
+):
     """The refusal names the numbers and the filesystem, and a fix the user has not already applied: not
     "put the output on the source's filesystem" when it is there; `--link copy` named as what costs the space."""
     from qtool.cli.main import main
@@ -463,25 +509,45 @@ def test_a_refusal_for_space_says_how_much_more_where_and_what_copying_costs(tin
     # --link copy: the unchanged shards are copies, and the refusal says so, with their bytes
     room = _shard_bytes(ck)  # what the same command without --link copy needs (the test above)
     monkeypatch.setattr(apply, "free_space", lambda p: room)
-    assert main(["assemble", "hybrid", "--nvfp4", str(ck), "--bf16", str(tiny_bf16), "-o", str(out), "--link",
-                 "copy", "--quiet"]) == 1
+    assert (
+        main(
+            [
+                "assemble",
+                "hybrid",
+                "--nvfp4",
+                str(ck),
+                "--bf16",
+                str(tiny_bf16),
+                "-o",
+                str(out),
+                "--link",
+                "copy",
+                "--quiet",
+            ]
+        )
+        == 1
+    )
     err = capsys.readouterr().err
     assert "not enough free disk space" in err and "--link copy copies the " in err, err
     assert not out.exists() and not (tmp_path / "out.partial").exists()
     # an output on another filesystem than its input: its unchanged shards are copies, and the fix says where
     with monkeypatch.context() as m:
         m.setattr(Placer, "expect_new_bytes", lambda self, src, out_dir: True)
-        assert main(["assemble", "hybrid", "--nvfp4", str(ck), "--bf16", str(tiny_bf16), "-o", str(out),
-                     "--quiet"]) == 1
+        assert (
+            main(["assemble", "hybrid", "--nvfp4", str(ck), "--bf16", str(tiny_bf16), "-o", str(out), "--quiet"]) == 1
+        )
     err = capsys.readouterr().err
-    assert f"of the files are copies of unchanged input files: an -o on the input's filesystem ({mount_point(ck)})" \
-        in err, err
-    assert main(["assemble", "hybrid", "--nvfp4", str(ck), "--bf16", str(tiny_bf16), "-o", str(out),
-                 "--quiet"]) == 0  # linked, the same output fits
+    assert (
+        f"of the files are copies of unchanged input files: an -o on the input's filesystem ({mount_point(ck)})" in err
+    ), err
+    assert (
+        main(["assemble", "hybrid", "--nvfp4", str(ck), "--bf16", str(tiny_bf16), "-o", str(out), "--quiet"]) == 0
+    )  # linked, the same output fits
 
 
-def test_a_disk_too_small_for_a_resumed_run_keeps_the_interrupted_runs_work(tiny_nvfp4_modelopt, tmp_path,
-                                                                           monkeypatch, capsys):
+def test_a_disk_too_small_for_a_resumed_run_keeps_the_interrupted_runs_work(
+    tiny_nvfp4_modelopt, tmp_path, monkeypatch, capsys
+):
     """The refusal withdraws only a partial output it made: a --resume's is the interrupted run's work."""
     import qtool.io.apply as apply
     from qtool.cli.main import main
@@ -500,8 +566,9 @@ def test_a_disk_too_small_for_a_resumed_run_keeps_the_interrupted_runs_work(tiny
     assert main([*map(str, args), "--resume"]) == 0  # and it resumes once there is room
 
 
-def test_a_disk_too_small_for_a_resumed_in_place_run_keeps_its_scratch(tiny_nvfp4_modelopt, tmp_path, monkeypatch,
-                                                                        capsys):
+def test_a_disk_too_small_for_a_resumed_in_place_run_keeps_its_scratch(
+    tiny_nvfp4_modelopt, tmp_path, monkeypatch, capsys
+):
     """The same for `--in-place`: its scratch beside the checkpoint is the interrupted run's work (review)."""
     import qtool.io.apply as apply
     from qtool.cli.main import main
@@ -583,16 +650,17 @@ def test_in_place_through_a_symlink_and_with_a_symlinked_directory(tiny_nvfp4_mo
     assert sorted(p.name for p in tmp_path.iterdir()) == ["assets", "link", "real"]
 
 
-def test_build_publishing_keeps_the_sources_permissions_and_refuses_a_source_as_output(tiny_nvfp4_modelopt,
-                                                                                       tmp_path):
+def test_build_publishing_keeps_the_sources_permissions_and_refuses_a_source_as_output(tiny_nvfp4_modelopt, tmp_path):
     """Publishing chmod-ed hard links shared with the user's --source files read-only; `build -o SRC`
     replaced the source."""
     import stat as st
 
     src = copy_of(tiny_nvfp4_modelopt, tmp_path / "src")
     recipe = tmp_path / "r.yaml"
-    recipe.write_text("name: r\nsources:\n  nv: {path: %s}\nsteps:\n"
-                      "  - {id: p, op: patch-config, input: nv, with: {fixes: [router-ignore]}}\n" % src)
+    recipe.write_text(
+        "name: r\nsources:\n  nv: {path: %s}\nsteps:\n"
+        "  - {id: p, op: patch-config, input: nv, with: {fixes: [router-ignore]}}\n" % src
+    )
     modes = {f.name: st.S_IMODE(f.stat().st_mode) for f in src.iterdir()}
     assert run_qtool(["build", recipe, "-o", tmp_path / "out", "--quiet"]).returncode == 0, "build"
     assert {f.name: st.S_IMODE(f.stat().st_mode) for f in src.iterdir()} == modes
@@ -602,15 +670,18 @@ def test_build_publishing_keeps_the_sources_permissions_and_refuses_a_source_as_
     assert tree_sha(src, skip=()) == before
 
 
-def test_resume_names_the_input_either_way_and_in_place_resume_takes_the_current_files(tiny_nvfp4_modelopt,
-                                                                                        tmp_path):
+def test_resume_names_the_input_either_way_and_in_place_resume_takes_the_current_files(tiny_nvfp4_modelopt, tmp_path):
     """--resume with ./src instead of /abs/src was refused as "14 input files changed"; an in-place resume
     brought back a side file edited or deleted since the kill."""
     src = copy_of(tiny_nvfp4_modelopt, tmp_path / "src")
     out = tmp_path / "out"
     args = [*KV, "--replace-scales", "--quiet"]
-    assert run_killed("qtool.stream.layer_stream:LayerStreamer.load_layer", 2,
-                      ["calibrate-kv", src, "-o", out, *args]).returncode == -9
+    assert (
+        run_killed(
+            "qtool.stream.layer_stream:LayerStreamer.load_layer", 2, ["calibrate-kv", src, "-o", out, *args]
+        ).returncode
+        == -9
+    )
     p = run_qtool(["calibrate-kv", "src", "-o", "out", *args, "--resume"], cwd=tmp_path)
     assert p.returncode == 0, p.stderr
     work = copy_of(tiny_nvfp4_modelopt, tmp_path / "work")
@@ -655,8 +726,7 @@ def test_a_two_rename_swap_killed_midway_is_put_back(tiny_nvfp4_modelopt, tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
 
 
-def test_users_directories_at_qtools_hidden_names_and_a_symlinked_lock_are_refused(tiny_nvfp4_modelopt,
-                                                                                  tmp_path):
+def test_users_directories_at_qtools_hidden_names_and_a_symlinked_lock_are_refused(tiny_nvfp4_modelopt, tmp_path):
     ck = copy_of(tiny_nvfp4_modelopt, tmp_path / "ck")
     mine = tmp_path / ".ck.qtool-inplace"
     mine.mkdir()
@@ -694,8 +764,10 @@ def test_output_dot_and_build_over_a_source_refused_before_any_step(tiny_nvfp4_m
     assert (here / "qtool-manifest.json").exists()
     src = copy_of(tiny_nvfp4_modelopt, tmp_path / "nv")
     recipe = tmp_path / "r.yaml"
-    recipe.write_text("name: r\nsources:\n  nv: {path: %s}\nsteps:\n"
-                      "  - {id: p, op: patch-config, input: nv, with: {fixes: [router-ignore]}}\n" % src)
+    recipe.write_text(
+        "name: r\nsources:\n  nv: {path: %s}\nsteps:\n"
+        "  - {id: p, op: patch-config, input: nv, with: {fixes: [router-ignore]}}\n" % src
+    )
     p = run_qtool(["build", recipe, "-o", src, "--force"])
     assert p.returncode == 2 and "overlaps" in p.stderr
     assert not (tmp_path / "nv.build").exists()
@@ -807,8 +879,13 @@ def test_a_job_that_fails_before_its_layers_leaves_no_import_running_at_exit(tin
     slow = {**os.environ, "KILLPOINT_SLOW": "qtool.stream.warm_import:skip_unused_imports:3"}
     if debug:
         slow["QTOOL_DEBUG"] = "1"
-    p = run_failing("qtool.io.apply:check_space", 1, "ENOSPC",
-                    ["quantize", tiny_bf16, "-o", tmp_path / "q", "--recipe", "qwen35-nvfp4-experts", *KV], env=slow)
+    p = run_failing(
+        "qtool.io.apply:check_space",
+        1,
+        "ENOSPC",
+        ["quantize", tiny_bf16, "-o", tmp_path / "q", "--recipe", "qwen35-nvfp4-experts", *KV],
+        env=slow,
+    )
     assert p.returncode == 1 and "No space left on device" in p.stderr, p.stderr
     assert "alive at exit" not in p.stderr
 
@@ -819,8 +896,13 @@ def test_a_failed_write_stops_the_hashes_of_the_shards_written_before_it(tiny_nv
     from killpoint import run_failing
 
     slow = {**os.environ, "KILLPOINT_SLOW": "qtool.io.writer:HashedWrites._run:2"}
-    p = run_failing("qtool.io.apply:_journal_if_on_record", 1, "ENOSPC",
-                    ["convert", tiny_nvfp4_modelopt, "-o", tmp_path / "ct", "--to", "compressed-tensors"], env=slow)
+    p = run_failing(
+        "qtool.io.apply:_journal_if_on_record",
+        1,
+        "ENOSPC",
+        ["convert", tiny_nvfp4_modelopt, "-o", tmp_path / "ct", "--to", "compressed-tensors"],
+        env=slow,
+    )
     assert p.returncode == 1 and "No space left on device" in p.stderr, p.stderr
     assert "alive at exit" not in p.stderr
 

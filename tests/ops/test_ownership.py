@@ -69,8 +69,22 @@ def test_an_assemble_into_the_builds_output_while_it_runs_is_refused(tiny_nvfp4_
     build = start_paused("qtool.ops.pipeline.run:_mark", 1, marker, ["build", DEMO, "-o", out, "--quiet"])
     try:
         wait_paused(build, marker)
-        p = run_qtool(["assemble", "hybrid", "--nvfp4", tiny_nvfp4_modelopt, "--bf16", tiny_bf16,
-                       "--bf16-expert-layers", "0", "-o", out, "--quiet"], timeout=TIMEOUT)
+        p = run_qtool(
+            [
+                "assemble",
+                "hybrid",
+                "--nvfp4",
+                tiny_nvfp4_modelopt,
+                "--bf16",
+                tiny_bf16,
+                "--bf16-expert-layers",
+                "0",
+                "-o",
+                out,
+                "--quiet",
+            ],
+            timeout=TIMEOUT,
+        )
         assert p.returncode == 1 and "another qtool run" in p.stderr and str(out) in p.stderr, p.stderr
         assert not out.exists()
     finally:
@@ -83,8 +97,25 @@ def test_a_qtool_output_put_at_the_builds_output_while_it_runs_needs_force(tiny_
     """What appears at OUT during a build without taking its lock (a copy of another command's output) is
     replaced only as it would have been at the start: with --force."""
     other = tmp_path / "other"
-    assert run_qtool(["assemble", "hybrid", "--nvfp4", tiny_nvfp4_modelopt, "--bf16", tiny_bf16,
-                      "--bf16-expert-layers", "0", "-o", other, "--quiet"], timeout=TIMEOUT).returncode == 0
+    assert (
+        run_qtool(
+            [
+                "assemble",
+                "hybrid",
+                "--nvfp4",
+                tiny_nvfp4_modelopt,
+                "--bf16",
+                tiny_bf16,
+                "--bf16-expert-layers",
+                "0",
+                "-o",
+                other,
+                "--quiet",
+            ],
+            timeout=TIMEOUT,
+        ).returncode
+        == 0
+    )
     out, marker = tmp_path / "X", tmp_path / "pause"
     build = start_paused("qtool.ops.pipeline.run:_mark", 1, marker, ["build", DEMO, "-o", out, "--quiet"])
     try:
@@ -129,8 +160,9 @@ def test_another_recipes_build_at_the_same_output_needs_force(tiny_nvfp4_modelop
 def test_a_build_onto_another_commands_output_needs_force(tiny_nvfp4_modelopt_nomtp, tiny_bf16, tmp_path, capsys):
     """A qtool output that no build made (a convert's) is another command's work: --force, as for any writer."""
     out = tmp_path / "X"
-    assert main(["convert", str(tiny_nvfp4_modelopt_nomtp), "--to", "compressed-tensors", "-o", str(out),
-                 "--quiet"]) == 0
+    assert (
+        main(["convert", str(tiny_nvfp4_modelopt_nomtp), "--to", "compressed-tensors", "-o", str(out), "--quiet"]) == 0
+    )
     before = tree_sha(out, skip=())
     rec = small_recipe(tmp_path / "r.yaml", "r", tiny_nvfp4_modelopt_nomtp, tiny_bf16)
     rc, err = run_json(capsys, ["build", rec, "-o", out])
@@ -158,15 +190,16 @@ def test_a_report_inside_its_sensitivity_input_is_refused(given, sens_table, tin
     shutil.copytree(sens_table, s)
     before = tree_sha(s, skip=())
     table = s if given == "dir" else s / "sensitivity.json"
-    for cmd in (["report", tiny_nvfp4_ct, "--tp", "1", "--sensitivity", table, "-o", s / "r.html"],
-                ["plan", "hybrid", "--sensitivity", table, "--tp", "1", "-o", s / "p.yaml"]):
+    for cmd in (
+        ["report", tiny_nvfp4_ct, "--tp", "1", "--sensitivity", table, "-o", s / "r.html"],
+        ["plan", "hybrid", "--sensitivity", table, "--tp", "1", "-o", s / "p.yaml"],
+    ):
         rc, err = run_json(capsys, cmd)
         assert rc == 2 and "inside an input" in err["message"] and str(s) in err["message"], (cmd, err)
     assert tree_sha(s, skip=()) == before
 
 
-def test_force_never_deletes_a_file_the_manifest_does_not_list(sens_table, tiny_bf16, tiny_nvfp4_ct, tmp_path,
-                                                              capsys):
+def test_force_never_deletes_a_file_the_manifest_does_not_list(sens_table, tiny_bf16, tiny_nvfp4_ct, tmp_path, capsys):
     """Found as: `sensitivity -o S --force` deleted the user's S/NOTES.txt (not in S's manifest) without a
     word."""
     s = tmp_path / "S"
@@ -175,15 +208,13 @@ def test_force_never_deletes_a_file_the_manifest_does_not_list(sens_table, tiny_
     (s / "plots").mkdir()
     (s / "plots" / "a.png").write_bytes(b"png")
     before = tree_sha(s, skip=())
-    rc, err = run_json(capsys, ["sensitivity", tiny_bf16, tiny_nvfp4_ct, "-o", s, *WINDOWS,
-                                "--force"])
+    rc, err = run_json(capsys, ["sensitivity", tiny_bf16, tiny_nvfp4_ct, "-o", s, *WINDOWS, "--force"])
     assert rc == 1 and "NOTES.txt" in err["message"] and "plots/a.png" in err["message"], err
     assert tree_sha(s, skip=()) == before and not (tmp_path / "S.partial").exists()
     # moved away, the same command replaces it
     (s / "NOTES.txt").unlink()
     shutil.rmtree(s / "plots")
-    rc, _ = run_json(capsys, ["sensitivity", tiny_bf16, tiny_nvfp4_ct, "-o", s, *WINDOWS,
-                              "--force"])
+    rc, _ = run_json(capsys, ["sensitivity", tiny_bf16, tiny_nvfp4_ct, "-o", s, *WINDOWS, "--force"])
     assert rc == 0
 
 
@@ -222,6 +253,7 @@ def _failing_unlink(n: int, under: Path):
             if calls[0] == n:
                 raise OSError(errno.EIO, "interrupted here", str(path))
         return real(path, *a, **k)
+
     return unlink
 
 
@@ -258,8 +290,9 @@ STATES = {"partial": _state_partial, "parked": _state_parked, "in-place-old": _s
 
 
 @pytest.mark.parametrize("what", sorted(STATES))
-def test_an_interrupted_removal_of_qtools_own_directory_is_finished_by_the_next_run(what, tiny_nvfp4_modelopt,
-                                                                                    tmp_path, monkeypatch):
+def test_an_interrupted_removal_of_qtools_own_directory_is_finished_by_the_next_run(
+    what, tiny_nvfp4_modelopt, tmp_path, monkeypatch
+):
     """Found as: a kill while qtool removed its own OUT.partial, .OUT.qtool-old or .CKPT.qtool-old left a
     directory every later run refused as "not made by qtool" (--resume and --force too): the marker that
     says qtool made it could go first. Here the removal is stopped at each of its steps in turn."""

@@ -176,7 +176,7 @@ def test_cli_dry_run_json_and_errors(ckpt):
 def test_router_ignore_protects_the_router_in_old_vllm(ckpt):
     """vLLM before PR 35156 decides the router by the ignore list; after the fix it is excluded in
     every modelled release of both engines, and nothing quantized is."""
-    from qtool.engines import vllm, sglang
+    from qtool.engines import sglang, vllm
 
     for name in ("config.json", "hf_quant_config.json"):
         obj = json.loads((ckpt / name).read_text())
@@ -209,8 +209,11 @@ def test_output_flag_writes_a_patched_copy_and_leaves_the_input_alone(tiny_nvfp4
     from qtool.cli.main import main
 
     def tree(d):
-        return {p.relative_to(d).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-                for p in sorted(d.rglob("*")) if p.is_file()}
+        return {
+            p.relative_to(d).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(d.rglob("*"))
+            if p.is_file()
+        }
 
     src = _copy(tiny_nvfp4_modelopt, tmp_path / "src")
     before = tree(src)
@@ -218,8 +221,12 @@ def test_output_flag_writes_a_patched_copy_and_leaves_the_input_alone(tiny_nvfp4
     assert main(["patch-config", str(src), "--fix", "router-ignore", "--sampling-defaults", "-o", str(out)]) == 0
     assert tree(src) == before
     got = tree(out)
-    assert {n for n in got if got[n] != before.get(n)} == {"config.json", "hf_quant_config.json",
-                                                             "generation_config.json", "qtool-manifest.json"}
+    assert {n for n in got if got[n] != before.get(n)} == {
+        "config.json",
+        "hf_quant_config.json",
+        "generation_config.json",
+        "qtool-manifest.json",
+    }
     man = json.loads((out / "qtool-manifest.json").read_text())
     assert man["operation"] == "patch-config" and set(man["files"]) == set(got) - {"qtool-manifest.json"}
     assert all(man["files"][n]["sha256"] == got[n] for n in man["files"])

@@ -92,15 +92,33 @@ def test_the_table_covers_every_unit_and_finds_the_bad_layer(table):
 
 
 def _kld(capsys, bf: Path, test: Path) -> float:
-    rep = run_json(capsys, ["eval", "kld", "--ref", str(bf), "--test", str(test), "--windows", "4", "--seq-len",
-                            "64", "--quiet"])
+    rep = run_json(
+        capsys, ["eval", "kld", "--ref", str(bf), "--test", str(test), "--windows", "4", "--seq-len", "64", "--quiet"]
+    )
     return rep["mean"]
 
 
 def _assemble(capsys, bf, q, out: Path, experts: list[int], shared: list[int]) -> Path:
-    run_json(capsys, ["assemble", "hybrid", "--nvfp4", str(q), "--bf16", str(bf), "-o", str(out), "--mtp", "keep",
-                      "--bf16-expert-layers", ",".join(map(str, experts)) or "none",
-                      "--bf16-shared-experts", ",".join(map(str, shared)) or "none", "--quiet"])
+    run_json(
+        capsys,
+        [
+            "assemble",
+            "hybrid",
+            "--nvfp4",
+            str(q),
+            "--bf16",
+            str(bf),
+            "-o",
+            str(out),
+            "--mtp",
+            "keep",
+            "--bf16-expert-layers",
+            ",".join(map(str, experts)) or "none",
+            "--bf16-shared-experts",
+            ",".join(map(str, shared)) or "none",
+            "--quiet",
+        ],
+    )
     return out
 
 
@@ -111,13 +129,27 @@ def test_the_planned_hybrid_beats_the_hand_picked_and_random_picks_of_equal_memo
     from qtool.ops.verify.memory_fit import GIB, weights_per_gpu
 
     units = {u["id"]: u for u in table["units"]}
-    shared_cost = sum(u["extra_bytes_per_gpu"]["1"] for u in units.values()
-                      if u["kind"] == "shared_expert" and u["spliceable"])
+    shared_cost = sum(
+        u["extra_bytes_per_gpu"]["1"] for u in units.values() if u["kind"] == "shared_expert" and u["spliceable"]
+    )
     weights = sum(weights_per_gpu(build_map(Checkpoint.open(q)), 1, mtp=False).values())
     # the budget: exactly what the hand-picked hybrid (every shared expert BF16) adds per GPU
     recipe = d / "planned.yaml"
-    plan = run_json(capsys, ["plan", "hybrid", "--sensitivity", str(d / "sens"), "--tp", "1",
-                             "--max-weights-gib", repr((weights + shared_cost) / GIB), "-o", str(recipe)])
+    plan = run_json(
+        capsys,
+        [
+            "plan",
+            "hybrid",
+            "--sensitivity",
+            str(d / "sens"),
+            "--tp",
+            "1",
+            "--max-weights-gib",
+            repr((weights + shared_cost) / GIB),
+            "-o",
+            str(recipe),
+        ],
+    )
     chosen = {c["id"] for c in plan["chosen"]}
     assert plan["used_bytes_per_gpu"] <= shared_cost
     assert f"layer.{OUTLIER_LAYER}.routed_experts" in chosen
@@ -139,7 +171,11 @@ def test_the_planned_hybrid_beats_the_hand_picked_and_random_picks_of_equal_memo
     for k in range(5):  # the same numbers of each kind of unit: the same memory, other layers
         e, s = rng.sample(range(8), len(experts)), rng.sample(range(8), len(shared))
         randoms.append((e, s, _assemble(capsys, bf, q, d / f"random{k}", sorted(e), sorted(s))))
-    kld = {"quantized": _kld(capsys, bf, q), "planned": _kld(capsys, bf, planned), "hand-picked": _kld(capsys, bf, hand)}
+    kld = {
+        "quantized": _kld(capsys, bf, q),
+        "planned": _kld(capsys, bf, planned),
+        "hand-picked": _kld(capsys, bf, hand),
+    }
     for k, (_, _, path) in enumerate(randoms):
         kld[f"random{k}"] = _kld(capsys, bf, path)
     median_random = statistics.median(kld[f"random{k}"] for k in range(5))
@@ -152,7 +188,11 @@ def test_the_planned_hybrid_beats_the_hand_picked_and_random_picks_of_equal_memo
         bf16 = {f"layer.{i}.routed_experts" for i in exp} | {f"layer.{i}.shared_expert" for i in sh}
         return sum(u["effect"] for u in units.values() if u["measured"] and u["id"] not in bf16)
 
-    pred = {"quantized": predicted([], []), "planned": predicted(experts, shared), "hand-picked": predicted([], range(8))}
+    pred = {
+        "quantized": predicted([], []),
+        "planned": predicted(experts, shared),
+        "hand-picked": predicted([], range(8)),
+    }
     for k, (e, s, _) in enumerate(randoms):
         pred[f"random{k}"] = predicted(e, s)
     names = sorted(kld)
@@ -178,8 +218,9 @@ def _spearman(a: list[float], b: list[float]) -> float:
 def test_both_nvfp4_flavours_and_awq_give_a_table_of_every_unit(tiny_bf16, tiny_nvfp4_ct, tmp_path, capsys):
     """compressed-tensors NVFP4 (llm-compressor's export: routed experts) and AWQ INT4 (qtool quantize's
     qwen35-awq-int4: layer 0's experts BF16) are measured unit by unit; only NVFP4 can be spliced."""
-    ct = run_json(capsys, ["sensitivity", str(tiny_bf16), str(tiny_nvfp4_ct), "-o", str(tmp_path / "ct"), *WINDOWS,
-                           "--quiet"])["table"]
+    ct = run_json(
+        capsys, ["sensitivity", str(tiny_bf16), str(tiny_nvfp4_ct), "-o", str(tmp_path / "ct"), *WINDOWS, "--quiet"]
+    )["table"]
     measured = {u["id"]: u for u in ct["units"] if u["measured"]}
     assert set(measured) == {f"layer.{i}.routed_experts" for i in range(8)}
     assert {u["quantized_format"] for u in measured.values()} == {"nvfp4-ct"}
@@ -189,8 +230,9 @@ def test_both_nvfp4_flavours_and_awq_give_a_table_of_every_unit(tiny_bf16, tiny_
 
     awq = tmp_path / "awq"
     run_json(capsys, ["quantize", str(tiny_bf16), "-o", str(awq), "--recipe", "qwen35-awq-int4", *WINDOWS, "--quiet"])
-    table = run_json(capsys, ["sensitivity", str(tiny_bf16), str(awq), "-o", str(tmp_path / "awq-sens"), *WINDOWS,
-                              "--quiet"])["table"]
+    table = run_json(
+        capsys, ["sensitivity", str(tiny_bf16), str(awq), "-o", str(tmp_path / "awq-sens"), *WINDOWS, "--quiet"]
+    )["table"]
     measured = {u["id"]: u for u in table["units"] if u["measured"]}
     assert set(measured) == {f"layer.{i}.routed_experts" for i in range(1, 8)}  # the recipe keeps layer 0 BF16
     assert all(u["error"] > 0 and not u["spliceable"] for u in measured.values())
@@ -222,20 +264,39 @@ def test_a_sparse_397b_pair_plans_from_the_table_and_headers(tmp_path_factory, c
     the weights), made so that the choice is known: later layers matter more."""
     import time
 
+    from sensitivity_stand_in import write_stand_in_table
+
     from qtool.arch.model_map import build_map
     from qtool.fixtures.sparse import build_sparse
     from qtool.io.checkpoint import Checkpoint
     from qtool.ops.verify.memory_fit import GIB, Target, memory_fit
-    from sensitivity_stand_in import write_stand_in_table
 
     d = tmp_path_factory.mktemp("s397-plan")
     bf = build_sparse(d / "bf16", model="397b", flavour="bf16-fused")
     q = build_sparse(d / "nvfp4", model="397b", flavour="modelopt-nvfp4", quantize_shared_expert=True)
     units = write_stand_in_table(bf, q, d / "sens")
     t0 = time.perf_counter()
-    plan = run_json(capsys, ["plan", "hybrid", "--sensitivity", str(d / "sens"), "--gpus", "4x97887MiB", "--tp", "4",
-                             "--max-model-len", "262144", "--max-num-seqs", "4", "--kv-cache-dtype", "fp8",
-                             "-o", str(d / "plan.yaml")])
+    plan = run_json(
+        capsys,
+        [
+            "plan",
+            "hybrid",
+            "--sensitivity",
+            str(d / "sens"),
+            "--gpus",
+            "4x97887MiB",
+            "--tp",
+            "4",
+            "--max-model-len",
+            "262144",
+            "--max-num-seqs",
+            "4",
+            "--kv-cache-dtype",
+            "fp8",
+            "-o",
+            str(d / "plan.yaml"),
+        ],
+    )
     print(f"plan hybrid of the sparse 397B pair: {time.perf_counter() - t0:.1f} s")
     shared = [u for u in units if u.kind == "shared_expert" and u.quantized]
     experts = [u for u in units if u.kind == "routed_experts"]
@@ -247,23 +308,50 @@ def test_a_sparse_397b_pair_plans_from_the_table_and_headers(tmp_path_factory, c
     chosen = {c["id"] for c in plan["chosen"]}
     assert {u.id for u in shared} <= chosen  # the stand-ins make them the best gain per byte
     # what was chosen fits: the quantized checkpoint's fit at the target, plus the chosen units' bytes
-    fit = memory_fit(build_map(Checkpoint.open(q)), tp=4, target=Target.parse("4x97887MiB"), kv_cache_dtype="fp8",
-                     max_model_len=262144, max_num_seqs=4)
+    fit = memory_fit(
+        build_map(Checkpoint.open(q)),
+        tp=4,
+        target=Target.parse("4x97887MiB"),
+        kv_cache_dtype="fp8",
+        max_model_len=262144,
+        max_num_seqs=4,
+    )
     assert fit.fits
     assert plan["used_bytes_per_gpu"] <= plan["budget_bytes_per_gpu"] <= fit.usage_gib["unused"] * GIB + 1
     nxt = plan["next"]
     assert nxt is None or nxt["extra_bytes_per_gpu"] > plan["headroom_bytes_per_gpu"]
     # the table and another checkpoint (found by a new user's try: it planned 60 layers for an 8-layer model)
-    assert main(["plan", "hybrid", "--sensitivity", str(d / "sens"), "--tp", "1", "--quantized",
-                 str(tiny_nvfp4_ct)]) == 1
+    assert (
+        main(["plan", "hybrid", "--sensitivity", str(d / "sens"), "--tp", "1", "--quantized", str(tiny_nvfp4_ct)]) == 1
+    )
     assert "not the one the table measured" in capsys.readouterr().err
-    assert main(["report", str(tiny_nvfp4_ct), "--tp", "1", "--sensitivity", str(d / "sens"), "-o",
-                 str(d / "r.html")]) == 1
+    assert (
+        main(["report", str(tiny_nvfp4_ct), "--tp", "1", "--sensitivity", str(d / "sens"), "-o", str(d / "r.html")])
+        == 1
+    )
     assert "measured on another model" in capsys.readouterr().err and not (d / "r.html").exists()
     # what a person reads: one line per kind of unit when there are dozens
     capsys.readouterr()
-    assert main(["plan", "hybrid", "--sensitivity", str(d / "sens"), "--tp", "4", "--max-model-len", "262144",
-                 "--max-num-seqs", "4", "--kv-cache-dtype", "fp8", "--dry-run"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "hybrid",
+                "--sensitivity",
+                str(d / "sens"),
+                "--tp",
+                "4",
+                "--max-model-len",
+                "262144",
+                "--max-num-seqs",
+                "4",
+                "--kv-cache-dtype",
+                "fp8",
+                "--dry-run",
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "shared_expert    layers 0-59: 60 unit(s)" in text and "dry run: no recipe written" in text
     from qtool.build_recipes import load_build_recipe
@@ -277,8 +365,18 @@ def test_a_killed_sensitivity_run_resumes_at_its_next_layer_to_the_same_table(ti
     the table of an uninterrupted run; without --resume it says it starts over."""
     from killpoint import run_killed, run_qtool
 
-    args = ["sensitivity", tiny_bf16, tiny_nvfp4_ct, "--samples", "4", "--seq-len", "32", "--batch-tokens", "64",
-            "--quiet"]
+    args = [
+        "sensitivity",
+        tiny_bf16,
+        tiny_nvfp4_ct,
+        "--samples",
+        "4",
+        "--seq-len",
+        "32",
+        "--batch-tokens",
+        "64",
+        "--quiet",
+    ]
     clean, out = tmp_path / "clean", tmp_path / "out"
     assert run_qtool([*args, "-o", clean]).returncode == 0
     killed = run_killed("qtool.io.jsonio:write_json", 4, [*args, "-o", out])
@@ -312,8 +410,12 @@ def test_the_report_draws_the_sensitivity_as_a_heat_layer_on_its_grid(pair, tabl
     assert f"layer {OUTLIER_LAYER} routed experts (#1)" in html
     # a file that is not a sensitivity table: named before any of the page's work
     (tmp_path / "x.json").write_text("{}")
-    assert main(["report", str(q), "--tp", "1", "--sensitivity", str(tmp_path / "x.json"), "-o",
-                 str(tmp_path / "r2.html")]) == 1
+    assert (
+        main(
+            ["report", str(q), "--tp", "1", "--sensitivity", str(tmp_path / "x.json"), "-o", str(tmp_path / "r2.html")]
+        )
+        == 1
+    )
     assert "not a qtool sensitivity table" in capsys.readouterr().err and not (tmp_path / "r2.html").exists()
 
 
@@ -332,8 +434,10 @@ def test_a_tp_the_model_does_not_shard_at_is_refused_and_a_dry_run_writes_nothin
     assert "--mtp must be >= 0" in capsys.readouterr().err
     assert main(["plan", "hybrid", "--sensitivity", str(tmp_path / "nosuch"), "--tp", "1"]) == 1
     assert "no sensitivity table there" in capsys.readouterr().err
-    rep = run_json(capsys, ["plan", "hybrid", "--sensitivity", str(d / "sens"), "--tp", "2", "--dry-run",
-                            "-o", str(tmp_path / "p.yaml")])
+    rep = run_json(
+        capsys,
+        ["plan", "hybrid", "--sensitivity", str(d / "sens"), "--tp", "2", "--dry-run", "-o", str(tmp_path / "p.yaml")],
+    )
     assert rep["dry_run"] and rep["recipe"] is None and rep["chosen"] and not (tmp_path / "p.yaml").exists()
     assert rep["fit"]["usage_gib"]["unused"] * (1 << 30) == pytest.approx(rep["budget_bytes_per_gpu"], rel=1e-4)
 
@@ -350,9 +454,15 @@ def test_the_knapsack_finds_the_best_set_within_the_budget():
         budget = rng.randint(0, sum(c for c, _ in items))
         pick = plan_hybrid.knapsack(items, budget)
         assert sum(items[k][0] for k in pick) <= budget
-        best = max((sum(items[k][1] for k in combo) for r in range(len(items) + 1)
-                    for combo in itertools.combinations(range(len(items)), r)
-                    if sum(items[k][0] for k in combo) <= budget), default=0.0)
+        best = max(
+            (
+                sum(items[k][1] for k in combo)
+                for r in range(len(items) + 1)
+                for combo in itertools.combinations(range(len(items)), r)
+                if sum(items[k][0] for k in combo) <= budget
+            ),
+            default=0.0,
+        )
         assert sum(items[k][1] for k in pick) == pytest.approx(best)
 
 
@@ -372,17 +482,42 @@ def test_a_tight_plan_with_a_grafted_mtp_head_builds_and_verifies_at_its_target(
     base = memory_fit(qm, tp=1, target=Target.parse("1x64GiB"), max_model_len=length, max_num_seqs=seqs)
     used = base.usage_gib["weights"] * GIB + base.usage_gib["kv_cache"] * GIB + base.usage_gib["gdn_state"] * GIB
     mtp_kv = seqs * length * kv_bytes_per_token(qm.ckpt.text_config, 1, 1, "auto")
-    room = units["mtp"]["extra_bytes_per_gpu"]["1"] + mtp_kv + 2 * units[f"layer.{OUTLIER_LAYER}.routed_experts"][
-        "extra_bytes_per_gpu"]["1"] + 1000
+    room = (
+        units["mtp"]["extra_bytes_per_gpu"]["1"]
+        + mtp_kv
+        + 2 * units[f"layer.{OUTLIER_LAYER}.routed_experts"]["extra_bytes_per_gpu"]["1"]
+        + 1000
+    )
     gpu = (used + RESERVE_GIB * GIB + room) / 0.9
     gpus = f"1x{gpu / 2**20:.4f}MiB"
     recipe = tmp_path / "tight.yaml"
-    plan = run_json(capsys, ["plan", "hybrid", "--sensitivity", str(d / "sens"), "--gpus", gpus, "--tp", "1",
-                             "--max-model-len", str(length), "--max-num-seqs", str(seqs), "--mtp", "1",
-                             "-o", str(recipe)])
+    plan = run_json(
+        capsys,
+        [
+            "plan",
+            "hybrid",
+            "--sensitivity",
+            str(d / "sens"),
+            "--gpus",
+            gpus,
+            "--tp",
+            "1",
+            "--max-model-len",
+            str(length),
+            "--max-num-seqs",
+            str(seqs),
+            "--mtp",
+            "1",
+            "-o",
+            str(recipe),
+        ],
+    )
     assert [f["bytes_per_gpu"] for f in plan["fixed"]] == [units["mtp"]["extra_bytes_per_gpu"]["1"], mtp_kv]
-    assert plan["used_bytes_per_gpu"] <= plan["budget_bytes_per_gpu"] < 3 * units[
-        f"layer.{OUTLIER_LAYER}.routed_experts"]["extra_bytes_per_gpu"]["1"]
+    assert (
+        plan["used_bytes_per_gpu"]
+        <= plan["budget_bytes_per_gpu"]
+        < 3 * units[f"layer.{OUTLIER_LAYER}.routed_experts"]["extra_bytes_per_gpu"]["1"]
+    )
     built = run_json(capsys, ["build", str(recipe), "-o", str(tmp_path / "tight"), "--quiet"])
     assert built["published"]  # its verify step (MTP counted) passed at the planned target
 
@@ -393,8 +528,27 @@ def test_a_recipe_planned_in_one_folder_builds_from_another(pair, table, tmp_pat
     not exist (q-nvfp4)" with no fix line."""
     bf, q, d = pair
     monkeypatch.chdir(d)
-    run_json(capsys, ["plan", "hybrid", "--sensitivity", "sens", "--quantized", q.name, "--bf16", bf.name,
-                      "--gpus", "1x64GiB", "--tp", "1", "--max-model-len", "8192", "-o", str(tmp_path / "planned.yaml")])
+    run_json(
+        capsys,
+        [
+            "plan",
+            "hybrid",
+            "--sensitivity",
+            "sens",
+            "--quantized",
+            q.name,
+            "--bf16",
+            bf.name,
+            "--gpus",
+            "1x64GiB",
+            "--tp",
+            "1",
+            "--max-model-len",
+            "8192",
+            "-o",
+            str(tmp_path / "planned.yaml"),
+        ],
+    )
     (tmp_path / "B").mkdir()
     monkeypatch.chdir(tmp_path / "B")
     assert main(["build", str(tmp_path / "planned.yaml"), "-o", "out", "--dry-run"]) == 0, capsys.readouterr().err
@@ -407,6 +561,7 @@ def test_a_recipe_planned_in_one_folder_builds_from_another(pair, table, tmp_pat
 
 
 # ---- bad inputs: each one a named error (the file or the flag), exit 1 or 2, never a traceback ----------
+
 
 def refused(capsys, argv: list, code: int, *named: str) -> str:
     """Run the command in process; it must exit `code` naming each of `named`, with no traceback (an
@@ -464,13 +619,22 @@ BAD_TABLES = {
     "fractional bf16 bytes": (_set_unit("bf16_bytes", 1.5), "units[3]", "bf16_bytes"),
     "negative quantized bytes": (_set_unit("quantized_bytes", -5), "units[3]", "quantized_bytes"),
     "string quantized bytes": (_set_unit("quantized_bytes", "7"), "units[3]", "quantized_bytes"),
-    "fractional extra bytes": (lambda d: d["units"][3]["extra_bytes_per_gpu"].__setitem__("1", 1.5), "units[3]",
-                               "extra_bytes_per_gpu"),
-    "boolean extra bytes": (lambda d: d["units"][3]["extra_bytes_per_gpu"].__setitem__("1", True), "units[3]",
-                            "extra_bytes_per_gpu"),
+    "fractional extra bytes": (
+        lambda d: d["units"][3]["extra_bytes_per_gpu"].__setitem__("1", 1.5),
+        "units[3]",
+        "extra_bytes_per_gpu",
+    ),
+    "boolean extra bytes": (
+        lambda d: d["units"][3]["extra_bytes_per_gpu"].__setitem__("1", True),
+        "units[3]",
+        "extra_bytes_per_gpu",
+    ),
     "extra bytes a list": (_set_unit("extra_bytes_per_gpu", [1, 2]), "units[3]", "extra_bytes_per_gpu"),
-    "extra bytes without TP 1": (lambda d: d["units"][3]["extra_bytes_per_gpu"].pop("1"), "units[3]",
-                                 "extra_bytes_per_gpu"),
+    "extra bytes without TP 1": (
+        lambda d: d["units"][3]["extra_bytes_per_gpu"].pop("1"),
+        "units[3]",
+        "extra_bytes_per_gpu",
+    ),
     "negative layer": (_set_unit("layer", -1), "units[3]", "layer"),
     "fractional layer": (_set_unit("layer", 1.5), "units[3]", "layer"),
     "string measured": (_set_unit("measured", "yes"), "units[3]", "measured"),
@@ -483,22 +647,39 @@ BAD_TABLES = {
     "tp sizes strings": (_set_top("tp_sizes", ["1"]), "tp_sizes", "TP sizes"),
     "quantized not an object": (_set_top("quantized", "x"), "quantized", "path"),
     "units an object": (_set_top("units", {}), "units", "list"),
-    "calibration samples negative": (lambda d: d["calibration"].__setitem__("samples", -4), "calibration.samples",
-                                     ">= 1"),
+    "calibration samples negative": (
+        lambda d: d["calibration"].__setitem__("samples", -4),
+        "calibration.samples",
+        ">= 1",
+    ),
 }
 
 
 @pytest.mark.parametrize("command", ["plan", "report"])
 @pytest.mark.parametrize("case", list(BAD_TABLES))
-def test_a_table_value_of_the_wrong_type_sign_or_finiteness_is_named(case, command, stand_in, tiny_nvfp4_ct,
-                                                                      tmp_path, capsys):
+def test_a_table_value_of_the_wrong_type_sign_or_finiteness_is_named(
+    case, command, stand_in, tiny_nvfp4_ct, tmp_path, capsys
+):
     """Found as: wrong-typed table values were tracebacks in plan hybrid and report; negative, boolean and
     fractional ones were accepted (a negative predicted error printed). One schema, one loader for both."""
     edit, row, key = BAD_TABLES[case]
     bad = _edited_table(stand_in, tmp_path / "bad", edit)
-    argv = ([*PLAN, "--sensitivity", bad, "--dry-run"] if command == "plan" else
-            ["report", tiny_nvfp4_ct, "--tp", "1", "--gpus", "1x80GiB", "--sensitivity", bad, "-o",
-             tmp_path / "r.html"])
+    argv = (
+        [*PLAN, "--sensitivity", bad, "--dry-run"]
+        if command == "plan"
+        else [
+            "report",
+            tiny_nvfp4_ct,
+            "--tp",
+            "1",
+            "--gpus",
+            "1x80GiB",
+            "--sensitivity",
+            bad,
+            "-o",
+            tmp_path / "r.html",
+        ]
+    )
     refused(capsys, argv, 1, str(bad / "sensitivity.json"), row, key)
     assert not (tmp_path / "r.html").exists()
 
@@ -506,13 +687,22 @@ def test_a_table_value_of_the_wrong_type_sign_or_finiteness_is_named(case, comma
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf", "1e308", "0", "-1", "abc", "1_0"])
 def test_a_max_weights_gib_that_is_no_budget_is_a_usage_error(value, stand_in, capsys):
     """Found as: nan, inf, -inf and 1e308 were tracebacks (float -> int); -1 was planned."""
-    refused(capsys, [*PLAN, "--sensitivity", stand_in, "--dry-run", f"--max-weights-gib={value}"], 2,
-            "--max-weights-gib")
+    refused(
+        capsys, [*PLAN, "--sensitivity", stand_in, "--dry-run", f"--max-weights-gib={value}"], 2, "--max-weights-gib"
+    )
 
 
-@pytest.mark.parametrize("flag,value", [("--gpu-memory-utilization", "0"), ("--gpu-memory-utilization", "1.5"),
-                                        ("--gpu-memory-utilization", "nan"), ("--max-num-seqs", "0"),
-                                        ("--max-num-seqs", "-2"), ("--max-num-seqs", "1.5")])
+@pytest.mark.parametrize(
+    "flag,value",
+    [
+        ("--gpu-memory-utilization", "0"),
+        ("--gpu-memory-utilization", "1.5"),
+        ("--gpu-memory-utilization", "nan"),
+        ("--max-num-seqs", "0"),
+        ("--max-num-seqs", "-2"),
+        ("--max-num-seqs", "1.5"),
+    ],
+)
 def test_target_numbers_out_of_range_are_usage_errors(flag, value, stand_in, tmp_path, capsys):
     """Found as: --gpu-memory-utilization 0 was written into a recipe whose last step failed; --max-num-seqs 0
     was planned as 1. The same flags of verify are checked by the same argparse type."""
@@ -526,8 +716,12 @@ def test_the_max_weights_fix_line_gives_a_value_that_then_plans(stand_in, capsys
     0.00148" where 0.00134 works)."""
     import re
 
-    err = refused(capsys, [*PLAN, "--sensitivity", stand_in, "--dry-run", "--max-weights-gib", "0.0012"], 1,
-                  "--max-weights-gib of at least")
+    err = refused(
+        capsys,
+        [*PLAN, "--sensitivity", stand_in, "--dry-run", "--max-weights-gib", "0.0012"],
+        1,
+        "--max-weights-gib of at least",
+    )
     suggested = re.search(r"--max-weights-gib of at least ([0-9.e-]+)", err).group(1)
     assert float(suggested) < 0.00136  # the weights themselves, rounded up: not weights + the shortfall
     capsys.readouterr()
@@ -560,11 +754,22 @@ def test_a_source_that_is_no_checkpoint_directory_is_named(flag, stand_in, tmp_p
     """Found as: --bf16 /etc/passwd was accepted (and written into the recipe as a source)."""
     a_file = tmp_path / "passwd"
     a_file.write_text("root:x:0:0\n")
-    refused(capsys, [*PLAN, "--sensitivity", stand_in, "-o", tmp_path / "r.yaml", flag, a_file], 1, flag,
-            str(a_file), "not a checkpoint directory")
+    refused(
+        capsys,
+        [*PLAN, "--sensitivity", stand_in, "-o", tmp_path / "r.yaml", flag, a_file],
+        1,
+        flag,
+        str(a_file),
+        "not a checkpoint directory",
+    )
     (tmp_path / "empty").mkdir()
-    refused(capsys, [*PLAN, "--sensitivity", stand_in, "--dry-run", flag, tmp_path / "empty"], 1, flag,
-            "not a checkpoint directory")
+    refused(
+        capsys,
+        [*PLAN, "--sensitivity", stand_in, "--dry-run", flag, tmp_path / "empty"],
+        1,
+        flag,
+        "not a checkpoint directory",
+    )
     assert not (tmp_path / "r.yaml").exists()
 
 
@@ -593,20 +798,32 @@ def test_report_and_sensitivity_name_a_path_that_is_not_utf8(stand_in, tiny_bf16
 
     odd = tmp_path / os.fsdecode(b"sens\xff")
     shutil.copytree(stand_in, odd)
-    refused(capsys, ["report", tiny_nvfp4_ct, "--tp", "1", "--gpus", "1x80GiB", "--sensitivity", odd, "-o",
-                     tmp_path / "r.html"], 2, "--sensitivity", "not UTF-8")
+    refused(
+        capsys,
+        ["report", tiny_nvfp4_ct, "--tp", "1", "--gpus", "1x80GiB", "--sensitivity", odd, "-o", tmp_path / "r.html"],
+        2,
+        "--sensitivity",
+        "not UTF-8",
+    )
     assert not (tmp_path / "r.html").exists()
-    refused(capsys, ["sensitivity", tiny_bf16, tiny_nvfp4_ct, "-o", tmp_path / os.fsdecode(b"out\xff"), *WINDOWS,
-                     "--quiet"], 2, "-o", "not UTF-8")
+    refused(
+        capsys,
+        ["sensitivity", tiny_bf16, tiny_nvfp4_ct, "-o", tmp_path / os.fsdecode(b"out\xff"), *WINDOWS, "--quiet"],
+        2,
+        "-o",
+        "not UTF-8",
+    )
 
 
-@pytest.mark.parametrize("edit,named", [
-    (lambda c: c["text_config"].__setitem__("num_hidden_layers", 100_000_000), "num_hidden_layers"),
-    (lambda c: c.pop("text_config"), "text_config"),
-    (lambda c: c["quantization_config"]["ignore"].append("re:(["), "quantization_config.ignore"),
-])
-def test_a_config_the_shards_contradict_is_named_by_plan_hybrid(edit, named, stand_in, tiny_nvfp4_ct, tmp_path,
-                                                                 capsys):
+@pytest.mark.parametrize(
+    "edit,named",
+    [
+        (lambda c: c["text_config"].__setitem__("num_hidden_layers", 100_000_000), "num_hidden_layers"),
+        (lambda c: c.pop("text_config"), "text_config"),
+        (lambda c: c["quantization_config"]["ignore"].append("re:(["), "quantization_config.ignore"),
+    ],
+)
+def test_a_config_the_shards_contradict_is_named_by_plan_hybrid(edit, named, stand_in, tiny_nvfp4_ct, tmp_path, capsys):
     """Found as: num_hidden_layers 10^8 ran plan hybrid away (3.3 GB after 120 s); a config without
     text_config and an ignore pattern `re:([` were tracebacks."""
     import shutil
@@ -617,8 +834,7 @@ def test_a_config_the_shards_contradict_is_named_by_plan_hybrid(edit, named, sta
     cfg["text_config"].pop("layer_types", None)
     edit(cfg)
     (q / "config.json").write_text(json.dumps(cfg))
-    refused(capsys, [*PLAN, "--sensitivity", stand_in, "--dry-run", "--quantized", q], 1, str(q / "config.json"),
-            named)
+    refused(capsys, [*PLAN, "--sensitivity", stand_in, "--dry-run", "--quantized", q], 1, str(q / "config.json"), named)
 
 
 @pytest.mark.parametrize("suffix", [".txt", ".jsonl"])
@@ -626,5 +842,23 @@ def test_a_dataset_file_that_is_not_utf8_is_named(suffix, tiny_bf16, tiny_nvfp4_
     """Found as: a --dataset file with latin-1 bytes was a UnicodeDecodeError traceback."""
     data = tmp_path / f"latin1{suffix}"
     data.write_bytes(('{"text": "caf\xe9"}\n' if suffix == ".jsonl" else "caf\xe9 au lait\n").encode("latin-1"))
-    refused(capsys, ["sensitivity", tiny_bf16, tiny_nvfp4_ct, "-o", tmp_path / "out", "--dataset", data,
-                     "--samples", "1", "--seq-len", "8", "--dry-run"], 2, str(data), "not UTF-8")
+    refused(
+        capsys,
+        [
+            "sensitivity",
+            tiny_bf16,
+            tiny_nvfp4_ct,
+            "-o",
+            tmp_path / "out",
+            "--dataset",
+            data,
+            "--samples",
+            "1",
+            "--seq-len",
+            "8",
+            "--dry-run",
+        ],
+        2,
+        str(data),
+        "not UTF-8",
+    )

@@ -28,7 +28,9 @@ def proxy_state() -> dict[str, torch.Tensor]:
 def _expert_matrices(state: dict[str, torch.Tensor], layers: tuple[int, ...]) -> list[torch.Tensor]:
     """The routed experts' weights of `layers` as qtool quantizes them: [experts, out, in] per projection
     (the fused gate_up as one matrix per expert: gate and up share one global scale)."""
-    return [state[f"model.language_model.layers.{i}.mlp.experts.{p}"] for i in layers for p in ("gate_up_proj", "down_proj")]
+    return [
+        state[f"model.language_model.layers.{i}.mlp.experts.{p}"] for i in layers for p in ("gate_up_proj", "down_proj")
+    ]
 
 
 def _block_errors(w: torch.Tensor, block_scale: torch.Tensor | None) -> torch.Tensor:

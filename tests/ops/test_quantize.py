@@ -81,8 +81,14 @@ def _kld_vs_bf16(tiny_bf16, ckpt_dir, model=None) -> float:
     from qtool.fixtures.tiny import _calib_ids
     from qtool.stream.dequant import dense_weight
 
-    ids = _calib_ids(tiny_bf16, ["Rivers, mountains and the weather in spring are described here.",
-                                 "for i in range(10): print(i * i)  # squares"], seq_len=16)
+    ids = _calib_ids(
+        tiny_bf16,
+        [
+            "Rivers, mountains and the weather in spring are described here.",
+            "for i in range(10): print(i * i)  # squares",
+        ],
+        seq_len=16,
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         m = Qwen3_5MoeForConditionalGeneration.from_pretrained(tiny_bf16, dtype=torch.bfloat16).eval()
@@ -110,14 +116,18 @@ def test_ct_output_kld_no_worse_than_llmcompressor(tiny_bf16, calib_ids, tiny_nv
     kld = {}
     for recipe in ("qwen35-nvfp4-experts", "qwen35-nvfp4-experts-mse"):
         out = tmp_path / recipe
-        rep = run(tiny_bf16, out=out, recipe=load_recipe(recipe), format=OutFormat.COMPRESSED_TENSORS, calib_ids=calib_ids)
+        rep = run(
+            tiny_bf16, out=out, recipe=load_recipe(recipe), format=OutFormat.COMPRESSED_TENSORS, calib_ids=calib_ids
+        )
         assert rep["output"]["problems"] == []
         qc = json.loads((out / "config.json").read_text())["quantization_config"]
         assert qc["format"] == "nvfp4-pack-quantized" and qc["kv_cache_scheme"]["num_bits"] == 8
         kld[recipe] = _kld_vs_bf16(tiny_bf16, out)
     theirs = _kld_vs_bf16(tiny_bf16, tiny_nvfp4_ct)
-    print(f"KLD vs BF16 (weights): qtool RTN {kld['qwen35-nvfp4-experts']:.6g}, "
-          f"qtool MSE {kld['qwen35-nvfp4-experts-mse']:.6g}, llm-compressor oneshot {theirs:.6g}")
+    print(
+        f"KLD vs BF16 (weights): qtool RTN {kld['qwen35-nvfp4-experts']:.6g}, "
+        f"qtool MSE {kld['qwen35-nvfp4-experts-mse']:.6g}, llm-compressor oneshot {theirs:.6g}"
+    )
     # RTN differs from llm-compressor only in FP8 block-scale rounding order (same scope, same amaxes);
     # the MSE-searched scales must beat llm-compressor's output outright.
     assert 0 < kld["qwen35-nvfp4-experts-mse"] <= 1.01 * theirs
@@ -193,8 +203,9 @@ def test_awq_int4_ct_uses_formats_awq_codec(tiny_bf16, calib_ids, tmp_path):
     assert [g["weights"]["group_size"] for g in qc["config_groups"].values()] == [32]
     assert any("group size 32 for every expert projection" in w for w in rep["plan"]["warnings"])
     # the stored tensors are exactly qtool.formats.awq's compressed-tensors form of the stored codes
-    q = awq.from_compressed_tensors(t[p + "down_proj.weight_packed"], t[p + "down_proj.weight_scale"],
-                                    t[p + "down_proj.weight_shape"])
+    q = awq.from_compressed_tensors(
+        t[p + "down_proj.weight_packed"], t[p + "down_proj.weight_scale"], t[p + "down_proj.weight_shape"]
+    )
     assert torch.equal(awq.to_compressed_tensors(q, torch.bfloat16)["weight_packed"], t[p + "down_proj.weight_packed"])
     awq_rep = [lr["awq"] for lr in rep["layers"] if "awq" in lr]
     assert len(awq_rep) == 7 and all(a["down_mse"] <= a["down_mse_rtn"] for a in awq_rep)
@@ -214,8 +225,8 @@ def test_awq_ct_output_loads_in_transformers(tiny_bf16, calib_ids, tmp_path):
     from transformers import Qwen3_5MoeForConditionalGeneration
 
     from qtool.arch.model_map import build_map
-    from qtool.stream.dequant import dense_weight
     from qtool.ops.quantize import run
+    from qtool.stream.dequant import dense_weight
 
     r = load_recipe("qwen35-awq-int4")
     # no KV scheme here: with one, transformers' compressed-tensors attention fake-quantizes K/V to FP8
@@ -273,8 +284,9 @@ def test_awq_rows_are_kept_in_the_forwards_dtype_as_their_own_copy(tiny_bf16, tm
     rows = st.rows(0)
     assert rows.dtype == torch.bfloat16 and torch.equal(rows, mid[:3])
     assert rows.untyped_storage().nbytes() == 3 * 8 * 2 and st.rows(1).numel() == 0
-    p = plan(QuantizeOptions(tiny_bf16, out=tmp_path / "o", recipe=load_recipe("qwen35-awq-int4"), samples=4,
-                             seq_len=64))
+    p = plan(
+        QuantizeOptions(tiny_bf16, out=tmp_path / "o", recipe=load_recipe("qwen35-awq-int4"), samples=4, seq_len=64)
+    )
     assert p.stream.compute_dtype == "bfloat16"
     assert p.to_json()["memory"]["awq_activation_bytes"] == p.n_experts * p.awq_rows * p.inter * 2
 
@@ -283,8 +295,25 @@ def test_dry_run_writes_nothing(tiny_bf16, tmp_path):
     from qtool.cli.main import main
 
     out = tmp_path / "d"
-    assert main(["quantize", str(tiny_bf16), "-o", str(out), "--recipe", "qwen35-nvfp4-experts", "--dry-run", "--json",
-                 "--samples", "4", "--seq-len", "256"]) == 0
+    assert (
+        main(
+            [
+                "quantize",
+                str(tiny_bf16),
+                "-o",
+                str(out),
+                "--recipe",
+                "qwen35-nvfp4-experts",
+                "--dry-run",
+                "--json",
+                "--samples",
+                "4",
+                "--seq-len",
+                "256",
+            ]
+        )
+        == 0
+    )
     assert not out.exists() and not os.path.exists(str(out) + ".partial")
 
 
@@ -295,8 +324,9 @@ def test_modelopt_backend_bit_identical_to_rtn(tiny_bf16, calib_ids, q_modelopt,
     from qtool.recipes import Backend
 
     out = tmp_path / "mo-backend"
-    rep = run(tiny_bf16, out=out, recipe=load_recipe("qwen35-nvfp4-experts"), backend=Backend.MODELOPT,
-              calib_ids=calib_ids)
+    rep = run(
+        tiny_bf16, out=out, recipe=load_recipe("qwen35-nvfp4-experts"), backend=Backend.MODELOPT, calib_ids=calib_ids
+    )
     assert rep["output"]["problems"] == []
     a, b = _tensors(out), _tensors(q_modelopt[0])
     assert set(a) == set(b)
@@ -321,12 +351,23 @@ def test_llmcompressor_backend_matches_oneshot(tiny_bf16, calib_ids, tiny_nvfp4_
     from qtool.recipes import Backend
 
     out = tmp_path / "lc"
-    rep = run(tiny_bf16, out=out, recipe=load_recipe("qwen35-nvfp4-experts"), backend=Backend.LLMCOMPRESSOR,
-              format=OutFormat.COMPRESSED_TENSORS, calib_ids=calib_ids)
+    rep = run(
+        tiny_bf16,
+        out=out,
+        recipe=load_recipe("qwen35-nvfp4-experts"),
+        backend=Backend.LLMCOMPRESSOR,
+        format=OutFormat.COMPRESSED_TENSORS,
+        calib_ids=calib_ids,
+    )
     assert rep["output"]["problems"] == []
     a, b = _tensors(out), _tensors(tiny_nvfp4_ct)
-    weights = [n for n in b if ".mlp.experts." in n and not n.startswith("mtp.")
-               and n.endswith(("weight_packed", "weight_scale", "weight_global_scale"))]
+    weights = [
+        n
+        for n in b
+        if ".mlp.experts." in n
+        and not n.startswith("mtp.")
+        and n.endswith(("weight_packed", "weight_scale", "weight_global_scale"))
+    ]
     assert len(weights) == 8 * 8 * 3 * 3
     assert [n for n in weights if not torch.equal(a[n], b[n])] == []
     ins = [n for n in b if n.endswith("input_global_scale") and not n.startswith("mtp.")]
@@ -361,10 +402,12 @@ def test_per_projection_int4_groups_are_refused_by_verify(tiny_bf16, calib_ids, 
     change = {}
     for e in range(8):
         for part in ("gate_proj", "up_proj"):
-            w = awq.from_compressed_tensors(t[f"{p}{e}.{part}.weight_packed"], t[f"{p}{e}.{part}.weight_scale"],
-                                            t[f"{p}{e}.{part}.weight_shape"]).dequantize(torch.bfloat16)
-            ct = awq.to_compressed_tensors(awq.quantize(w, 64, symmetric=True, scale_dtype=torch.bfloat16),
-                                           torch.bfloat16)
+            w = awq.from_compressed_tensors(
+                t[f"{p}{e}.{part}.weight_packed"], t[f"{p}{e}.{part}.weight_scale"], t[f"{p}{e}.{part}.weight_shape"]
+            ).dequantize(torch.bfloat16)
+            ct = awq.to_compressed_tensors(
+                awq.quantize(w, 64, symmetric=True, scale_dtype=torch.bfloat16), torch.bfloat16
+            )
             change[f"{p}{e}.{part}.weight_packed"] = ct["weight_packed"]
             change[f"{p}{e}.{part}.weight_scale"] = ct["weight_scale"]
     edit_tensors(out, change)
@@ -399,8 +442,9 @@ def _hold_shard_until_written(monkeypatch, held: int, until: int) -> list[int]:
     return begun
 
 
-def test_two_finished_layers_are_written_at_once_and_journaled_in_order(tiny_bf16, calib_ids, q_modelopt, tmp_path,
-                                                                         monkeypatch):
+def test_two_finished_layers_are_written_at_once_and_journaled_in_order(
+    tiny_bf16, calib_ids, q_modelopt, tmp_path, monkeypatch
+):
     """A layer's shard is written by one thread, and one thread's writes copy at ~2 GB/s: two finished
     layers are coded and written side by side. Here layer 1's shard is begun and finished while layer 0's
     is held back; layer 1's journal entry still waits for layer 0's, and the bytes are those of one at a time."""
@@ -414,8 +458,9 @@ def test_two_finished_layers_are_written_at_once_and_journaled_in_order(tiny_bf1
     assert set(a) == set(b) and all(torch.equal(a[n], b[n]) for n in a)
 
 
-def test_the_last_layer_is_written_beside_the_one_ahead_where_one_is_in_flight(tiny_bf16, calib_ids, q_modelopt,
-                                                                                 tmp_path, monkeypatch):
+def test_the_last_layer_is_written_beside_the_one_ahead_where_one_is_in_flight(
+    tiny_bf16, calib_ids, q_modelopt, tmp_path, monkeypatch
+):
     """Where one layer is in flight (two would not fit), the last layer is still coded and written beside
     the layer ahead of it: no layer runs after it, and its shard's sha256 (one core's, 3.4 s for a 397B
     shard) is the job's end. Here layer 6's shard is held back until layer 7's is written; the journal
@@ -481,8 +526,9 @@ def test_the_last_shard_is_hashed_from_its_buffers(tiny_bf16, calib_ids, q_model
     out = tmp_path / "o"
     run(tiny_bf16, out=out, recipe=load_recipe("qwen35-nvfp4-experts"), calib_ids=calib_ids)
     # each layer shard is hashed as it is written under its temporary name (io.files.tmp_path)
-    layers = {Path(h.path).name[1:].removesuffix(TMP_SUFFIX): h for h in made
-              if Path(h.path).name.startswith(".model-layer-")}
+    layers = {
+        Path(h.path).name[1:].removesuffix(TMP_SUFFIX): h for h in made if Path(h.path).name.startswith(".model-layer-")
+    }
     assert len(layers) == 8
     pacing = sorted(name for name, h in layers.items() if h.keep_pace)
     assert pacing == [max(layers)]  # the last layer's shard only
@@ -494,8 +540,7 @@ def test_the_last_shard_is_hashed_from_its_buffers(tiny_bf16, calib_ids, q_model
     assert set(a) == set(b) and all(torch.equal(a[n], b[n]) for n in a)
 
 
-def test_a_peer_backends_last_layer_waits_for_a_bf16_layer_written_behind(tiny_bf16, calib_ids, tmp_path,
-                                                                          monkeypatch):
+def test_a_peer_backends_last_layer_waits_for_a_bf16_layer_written_behind(tiny_bf16, calib_ids, tmp_path, monkeypatch):
     """With a peer backend the layers it codes run on the main thread, but a layer overridden to BF16 is
     still written behind. When that layer is the one before the last, the last layer must not be journaled
     before it: a kill in between would leave a journal whose `next_layer` skips a shard that is not on disk."""
@@ -513,8 +558,11 @@ def test_a_peer_backends_last_layer_waits_for_a_bf16_layer_written_behind(tiny_b
     recipe.update(name="nvfp4-layer-6-bf16", layer_overrides={6: {"routed_experts": "bf16"}})
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
-    p = plan(QuantizeOptions(tiny_bf16, out=tmp_path / "o", recipe=load_recipe(path), backend=Backend.MODELOPT,
-                             calib_ids=calib_ids))
+    p = plan(
+        QuantizeOptions(
+            tiny_bf16, out=tmp_path / "o", recipe=load_recipe(path), backend=Backend.MODELOPT, calib_ids=calib_ids
+        )
+    )
     execute_mod = importlib.import_module("qtool.ops.quantize.execute")  # the package exports execute()
     real_write, real_save = layer_mod.write_layer_shard, execute_mod.write_json
     saved: list[tuple[int, list[int]]] = []

@@ -14,8 +14,8 @@ import pytest
 
 from qtool.errors import VerificationError
 from qtool.io.checkpoint import Checkpoint
-from qtool.ops.checks import PlannedProblems
 from qtool.io.safetensors_header import read_header
+from qtool.ops.checks import PlannedProblems
 from qtool.recipes import load_recipe
 
 execute = importlib.import_module("qtool.ops.quantize.execute")  # the package exports execute()
@@ -115,7 +115,7 @@ def test_a_carried_over_shard_written_unlike_its_plan_is_refused(tiny_bf16, cali
         rest = partial / "model-rest-00000.safetensors"
         raw = bytearray(rest.read_bytes())
         i = raw.index(b"embed_tokens")
-        raw[i:i + 12] = b"embed_tokenZ"
+        raw[i : i + 12] = b"embed_tokenZ"
         rest.write_bytes(bytes(raw))
         monkeypatch.setattr(apply, "check_written", compare)
         return compare(plan, partial, *args, **kwargs)
@@ -141,12 +141,13 @@ def test_an_index_one_entry_short_is_refused(tiny_bf16, calib_ids, tmp_path, mon
     def one_entry_short(*args):
         text = "".join(real_text(*args))
         first = text.index('"weight_map": {\n') + len('"weight_map": {\n')  # its first entry's line, dropped
-        return iter([text[:first] + text[text.index("\n", first) + 1:]])
+        return iter([text[:first] + text[text.index("\n", first) + 1 :]])
 
     monkeypatch.setattr(owner, name, one_entry_short)
     out = tmp_path / "q"
-    with pytest.raises(VerificationError, match="not what the plan promised" if wrong == "written" else
-                       "planned index does not map") as e:
+    with pytest.raises(
+        VerificationError, match="not what the plan promised" if wrong == "written" else "planned index does not map"
+    ) as e:
         _quantize(tiny_bf16, out, calib_ids)
     assert str(e.value.path).endswith("model.safetensors.index.json")
 
@@ -181,8 +182,9 @@ def test_a_structure_problem_stops_the_job_at_the_next_layer(tiny_bf16, calib_id
     real_problems = qtool.ops.inspect.structure_problems
 
     def planted(mm, summary):
-        problems = real_problems(mm, summary) + [error(Code.MISSING_TENSOR, "model.language_model.layers.0",
-                                                       "a planted problem")]
+        problems = real_problems(mm, summary) + [
+            error(Code.MISSING_TENSOR, "model.language_model.layers.0", "a planted problem")
+        ]
         found.set()
         return problems
 

@@ -55,8 +55,14 @@ def test_modelopt_mse_backend_runs_on_cuda(tiny_bf16, calib_ids, tmp_path):
     from qtool.ops.quantize import run
     from qtool.recipes import Backend
 
-    rep = run(tiny_bf16, out=tmp_path / "mse", recipe=load_recipe("qwen35-nvfp4-experts-mse"),
-              backend=Backend.MODELOPT, calib_ids=calib_ids, device="cuda")
+    rep = run(
+        tiny_bf16,
+        out=tmp_path / "mse",
+        recipe=load_recipe("qwen35-nvfp4-experts-mse"),
+        backend=Backend.MODELOPT,
+        calib_ids=calib_ids,
+        device="cuda",
+    )
     assert rep["output"]["problems"] == []
 
 

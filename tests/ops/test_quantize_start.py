@@ -66,8 +66,7 @@ def _digests_are_the_inputs(out: Path, src: Path) -> None:
         assert files[f.name]["sha256"] == hashlib.sha256(f.read_bytes()).hexdigest(), f.name
 
 
-def test_the_first_layer_is_read_while_the_output_is_planned(tiny_bf16, calib_ids, reference, tmp_path,
-                                                             monkeypatch):
+def test_the_first_layer_is_read_while_the_output_is_planned(tiny_bf16, calib_ids, reference, tmp_path, monkeypatch):
     from qtool.ops.quantize import run
 
     monkeypatch.setenv("QTOOL_CACHE_DIR", str(tmp_path / "cache"))  # no digest on record: hashed from the reads
@@ -123,10 +122,10 @@ def test_a_resume_reads_the_layer_it_goes_on_from_first(tiny_bf16, calib_ids, re
     _same_files(out, reference)
 
 
-def test_a_plan_that_fails_after_the_read_began_leaves_nothing_running(tiny_bf16, calib_ids, reference, tmp_path,
-                                                                      monkeypatch):
+def test_a_plan_that_fails_after_the_read_began_leaves_nothing_running(
+    tiny_bf16, calib_ids, reference, tmp_path, monkeypatch
+):
     from qtool.ops.quantize import run
-
     from qtool.stream import layer_read
 
     before = set(threading.enumerate())

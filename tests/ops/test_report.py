@@ -85,8 +85,9 @@ def test_tiny_report_shows_what_inspect_and_verify_print(tiny_nvfp4_modelopt, tm
     a = page.data["artifacts"][0]
     assert a["inspect"] == _json_of(capsys, ["inspect", str(tiny_nvfp4_modelopt), "--json"])
     # its KV scales are calibrated: the report judges it with the FP8 KV cache serve-config launches it with
-    assert a["verify"] == _json_of(capsys, ["verify", str(tiny_nvfp4_modelopt), "--tp", "2", "--kv-cache-dtype", "fp8",
-                                            "--json"])
+    assert a["verify"] == _json_of(
+        capsys, ["verify", str(tiny_nvfp4_modelopt), "--tp", "2", "--kv-cache-dtype", "fp8", "--json"]
+    )
     n = _cells_match_inspect(page, "grid-0", a["inspect"]["grid"])
     assert n == 8 * 4 + 5 + 3  # 8 decoder layers x 4 groups, the MTP layer's 4 + mtp.fc, embed/lm_head/vision
     # the tiny fixture's routed experts are NVFP4, everything else BF16 (the field report's layout)
@@ -127,8 +128,10 @@ def test_findings_are_drawn_in_the_cell_of_their_module(tiny_nvfp4_modelopt, tmp
 
 def test_report_with_saved_kld_and_with_ref(tiny_bf16, tiny_nvfp4_modelopt, tmp_path, capsys):
     window = ["--windows", "2", "--seq-len", "16"]
-    kld = _json_of(capsys, ["eval", "kld", "--ref", str(tiny_bf16), "--test", str(tiny_nvfp4_modelopt), *window,
-                            "--json", "--quiet"])
+    kld = _json_of(
+        capsys,
+        ["eval", "kld", "--ref", str(tiny_bf16), "--test", str(tiny_nvfp4_modelopt), *window, "--json", "--quiet"],
+    )
     assert sum(kld["histogram"]["counts"]) + kld["histogram"]["below"] + kld["histogram"]["above"] == kld["positions"]
     assert kld["per_position"]["position"] == list(range(16))
     saved = tmp_path / "kld.json"
@@ -140,7 +143,9 @@ def test_report_with_saved_kld_and_with_ref(tiny_bf16, tiny_nvfp4_modelopt, tmp_
     assert {"kld", "chart-kld-histogram", "chart-kld-position"} <= set(page.ids)
     # --ref runs the same eval kld in the report: the same numbers
     out2 = tmp_path / "ref.html"
-    assert main(["report", str(tiny_nvfp4_modelopt), "--tp", "2", "--ref", str(tiny_bf16), *window, "-o", str(out2)]) == 0
+    assert (
+        main(["report", str(tiny_nvfp4_modelopt), "--tp", "2", "--ref", str(tiny_bf16), *window, "-o", str(out2)]) == 0
+    )
     assert _page(out2).data["artifacts"][0]["kld"] == kld
 
 
@@ -237,9 +242,21 @@ def test_page_renders_in_headless_chromium(tiny_nvfp4_modelopt, tmp_path, capsys
     out = tmp_path / "r.html"
     assert main(["report", str(tiny_nvfp4_modelopt), "--tp", "2", "-o", str(out)]) == 0
     shot = tmp_path / "r.png"
-    subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                    "--window-size=1200,1800", f"--screenshot={shot}", out.as_uri()],
-                   check=True, capture_output=True, timeout=120)
+    subprocess.run(
+        [
+            browser,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--hide-scrollbars",
+            "--window-size=1200,1800",
+            f"--screenshot={shot}",
+            out.as_uri(),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     img = Image.open(shot).convert("RGB")
     assert img.size == (1200, 1800)
     px = img.load()
@@ -266,8 +283,9 @@ def test_page_renders_in_headless_chromium(tiny_nvfp4_modelopt, tmp_path, capsys
 # ---- found by the review (a helper using the command as a new user) --------------------------------
 
 
-def test_review_findings_kv_dtype_mtp_and_broken_inputs(tiny_nvfp4_modelopt, tiny_nvfp4_modelopt_nomtp, tmp_path,
-                                                        capsys):
+def test_review_findings_kv_dtype_mtp_and_broken_inputs(
+    tiny_nvfp4_modelopt, tiny_nvfp4_modelopt_nomtp, tmp_path, capsys
+):
     # the launch command uses the KV-cache dtype the memory fit assumed (it said fp8 while the fit was BF16),
     # and (issue 26) the one serve-config chooses for the same flags: fp8 where the scales are calibrated
     out = tmp_path / "r.html"
@@ -278,8 +296,10 @@ def test_review_findings_kv_dtype_mtp_and_broken_inputs(tiny_nvfp4_modelopt, tin
     assert main(["serve-config", str(tiny_nvfp4_modelopt), "--tp", "2", "--engine", "vllm@0.33.0"]) == 0
     assert a["launch"]["vllm@0.33.0"]["command"].strip() == capsys.readouterr().out.strip()
     assert "--kv-cache-dtype fp8" in a["launch"]["vllm@0.33.0"]["command"]
-    assert main(["report", str(tiny_nvfp4_modelopt), "--tp", "2", "--kv-cache-dtype", "auto", "-o", str(out),
-                 "--force"]) == 0
+    assert (
+        main(["report", str(tiny_nvfp4_modelopt), "--tp", "2", "--kv-cache-dtype", "auto", "-o", str(out), "--force"])
+        == 0
+    )
     a = _page(out).data["artifacts"][0]
     assert a["verify"]["fit"]["kv_cache_dtype"] == "auto"
     assert "--kv-cache-dtype" not in a["launch"]["vllm@0.33.0"]["command"]
@@ -296,8 +316,21 @@ def test_review_findings_kv_dtype_mtp_and_broken_inputs(tiny_nvfp4_modelopt, tin
     assert main(["report", str(ck), "--tp", "2", "-o", str(out), "--force"]) == 0
     assert "not a readable qtool manifest" in _page(out).data["artifacts"][0]["provenance"]["error"]
     kld = tmp_path / "k.json"
-    kld.write_text(json.dumps({"mean": None, "median": 0, "p95": 0, "p99": 0, "max": 0, "top1_agreement": 1,
-                               "positions": 1, "histogram": {}, "per_position": None}))
+    kld.write_text(
+        json.dumps(
+            {
+                "mean": None,
+                "median": 0,
+                "p95": 0,
+                "p99": 0,
+                "max": 0,
+                "top1_agreement": 1,
+                "positions": 1,
+                "histogram": {},
+                "per_position": None,
+            }
+        )
+    )
     assert main(["report", str(ck), "--kld", str(kld), "-o", str(out), "--force"]) == 1
     err = capsys.readouterr().err
     assert "wrong type: mean, histogram" in err and str(kld) in err
@@ -327,8 +360,10 @@ def test_report_ref_on_an_hf_source_uses_its_data(hub, tiny_bf16, tiny_nvfp4_mod
 
     commit = hub.add_dir("org/nv", tiny_nvfp4_modelopt)
     window = ["--windows", "1", "--seq-len", "8"]
-    local = _json_of(capsys, ["eval", "kld", "--ref", str(tiny_bf16), "--test", str(tiny_nvfp4_modelopt), *window,
-                              "--json", "--quiet"])
+    local = _json_of(
+        capsys,
+        ["eval", "kld", "--ref", str(tiny_bf16), "--test", str(tiny_nvfp4_modelopt), *window, "--json", "--quiet"],
+    )
     out = tmp_path / "hub.html"
     assert main(["report", f"hf:org/nv@{commit}", "--tp", "2", "--ref", str(tiny_bf16), *window, "-o", str(out)]) == 0
     capsys.readouterr()
@@ -336,8 +371,9 @@ def test_report_ref_on_an_hf_source_uses_its_data(hub, tiny_bf16, tiny_nvfp4_mod
     from qtool.cli.common import headers_checkpoint
 
     stand_in = headers_checkpoint(f"hf:org/nv@{commit}")
-    opts = report.ReportOptions((Artifact(Path(stand_in), "hf:org/nv"),), tmp_path / "x.html", VerifyOptions(tp=2),
-                                ref=str(tiny_bf16))
+    opts = report.ReportOptions(
+        (Artifact(Path(stand_in), "hf:org/nv"),), tmp_path / "x.html", VerifyOptions(tp=2), ref=str(tiny_bf16)
+    )
     with pytest.raises(UsageError, match="header-only"):
         report.plan(opts)
 
@@ -360,14 +396,30 @@ def test_header_provenance_of_a_build(tiny_bf16, tiny_nvfp4_modelopt_nomtp, tmp_
     """Issue 26, found as: at TP=1 the header said "TP=1 on 4x97887MiB" over one GPU's bars, and a build's
     provenance named `demo-out.build/steps/kv-...` instead of the recipe's sources."""
     out = tmp_path / "demo-out"
-    assert main(["build", "demo-tiny", "-o", str(out), "--source", f"nvfp4={tiny_nvfp4_modelopt_nomtp}",
-                 "--source", f"bf16={tiny_bf16}", "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "build",
+                "demo-tiny",
+                "-o",
+                str(out),
+                "--source",
+                f"nvfp4={tiny_nvfp4_modelopt_nomtp}",
+                "--source",
+                f"bf16={tiny_bf16}",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     page = tmp_path / "r.html"
     assert main(["report", str(out), "--tp", "1", "-o", str(page)]) == 0
     text = page.read_text()
     assert "TP=1: 1 GPU(s) of\n97887 MiB (of the 4x97887MiB given)" in text
     prov = _page(page).data["artifacts"][0]["provenance"]
     where = {s["name"]: s["path"] for s in prov["sources"]}
-    assert where == {"nvfp4": f"{tiny_nvfp4_modelopt_nomtp} (--source, for the recipe's builtin "
-                              "tiny-nvfp4-modelopt-nomtp)", "bf16": f"{tiny_bf16} (--source, for the recipe's builtin tiny-bf16)"}
+    assert where == {
+        "nvfp4": f"{tiny_nvfp4_modelopt_nomtp} (--source, for the recipe's builtin tiny-nvfp4-modelopt-nomtp)",
+        "bf16": f"{tiny_bf16} (--source, for the recipe's builtin tiny-bf16)",
+    }
     assert ".build/steps/" not in json.dumps(prov["sources"])

@@ -41,7 +41,7 @@ def test_a_kept_shard_whose_bytes_changed_is_written_again(tiny_nvfp4_modelopt, 
     shard = partial / written[0]
     data = bytearray(shard.read_bytes())
     middle = len(data) // 2
-    data[middle:middle + 256] = bytes(b ^ 0xFF for b in data[middle:middle + 256])
+    data[middle : middle + 256] = bytes(b ^ 0xFF for b in data[middle : middle + 256])
     shard.write_bytes(bytes(data))
     p = run_qtool([*args, "-o", out, "--resume"], timeout=TIMEOUT)  # (not --quiet: the notice is for the user)
     assert p.returncode == 0, p.stderr
@@ -114,8 +114,17 @@ def test_sensitivity_batch_tokens_below_one_is_a_usage_error(value, tiny_bf16, t
     """Found as: `sensitivity --batch-tokens 0` and `-5` ran."""
     from qtool.cli.main import main
 
-    rc = main(["sensitivity", str(tiny_bf16), str(tiny_nvfp4_ct), "-o", str(tmp_path / "out"),
-               f"--batch-tokens={value}", "--json"])
+    rc = main(
+        [
+            "sensitivity",
+            str(tiny_bf16),
+            str(tiny_nvfp4_ct),
+            "-o",
+            str(tmp_path / "out"),
+            f"--batch-tokens={value}",
+            "--json",
+        ]
+    )
     assert rc == 2
     err = json.loads(capsys.readouterr().out)
     assert "--batch-tokens" in err["message"]
@@ -130,8 +139,19 @@ def test_sensitivity_dry_run_checks_the_cuda_device(tiny_bf16, tiny_nvfp4_ct, tm
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # one GPU: cuda:0 only
-    rc = main(["sensitivity", str(tiny_bf16), str(tiny_nvfp4_ct), "-o", str(tmp_path / "out"),
-               "--device", "cuda:99", "--dry-run", "--json"])
+    rc = main(
+        [
+            "sensitivity",
+            str(tiny_bf16),
+            str(tiny_nvfp4_ct),
+            "-o",
+            str(tmp_path / "out"),
+            "--device",
+            "cuda:99",
+            "--dry-run",
+            "--json",
+        ]
+    )
     assert rc == 2
     err = json.loads(capsys.readouterr().out)
     assert "cuda:99" in err["message"] and "1 CUDA device" in err["message"]
@@ -139,13 +159,34 @@ def test_sensitivity_dry_run_checks_the_cuda_device(tiny_bf16, tiny_nvfp4_ct, tm
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     for device in ("cuda", "cuda:0"):
         # a machine without CUDA runs nothing there: a usage error at once
-        rc = main(["sensitivity", str(tiny_bf16), str(tiny_nvfp4_ct), "-o", str(tmp_path / "out"),
-                   "--device", device, "--json"])
+        rc = main(
+            [
+                "sensitivity",
+                str(tiny_bf16),
+                str(tiny_nvfp4_ct),
+                "-o",
+                str(tmp_path / "out"),
+                "--device",
+                device,
+                "--json",
+            ]
+        )
         assert rc == 2
         assert "no CUDA device" in json.loads(capsys.readouterr().out)["message"]
         # but it may plan a GPU job for another machine (the README's walkthrough does): said, not refused
-        rc = main(["sensitivity", str(tiny_bf16), str(tiny_nvfp4_ct), "-o", str(tmp_path / "out"),
-                   "--device", device, "--dry-run", "--json"])
+        rc = main(
+            [
+                "sensitivity",
+                str(tiny_bf16),
+                str(tiny_nvfp4_ct),
+                "-o",
+                str(tmp_path / "out"),
+                "--device",
+                device,
+                "--dry-run",
+                "--json",
+            ]
+        )
         said = capsys.readouterr()
         assert rc == 0 and "this machine has no CUDA device" in said.err
     assert not os.path.lexists(tmp_path / "out")

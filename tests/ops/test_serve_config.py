@@ -51,8 +51,12 @@ def test_sglang_compose_ct_no_kv_scales(tiny_nvfp4_ct):
     assert f["--model-path"] == "/model"
     assert "--quantization" not in f  # compressed-tensors is auto-detected
     assert "--kv-cache-dtype" not in f  # no k/v scales: BF16 KV cache
-    assert (f["--speculative-algorithm"], f["--speculative-num-steps"], f["--speculative-eagle-topk"],
-            f["--speculative-num-draft-tokens"]) == ("NEXTN", "3", "1", "4")
+    assert (
+        f["--speculative-algorithm"],
+        f["--speculative-num-steps"],
+        f["--speculative-eagle-topk"],
+        f["--speculative-num-draft-tokens"],
+    ) == ("NEXTN", "3", "1", "4")
     assert f["--mamba-scheduler-strategy"] == "extra_buffer"  # VLM format
     assert f["--tp-size"] == "2" and f["--context-length"] == "4096"
     assert launch.env["SGLANG_ENABLE_SPEC_V2"] == "True"
@@ -75,8 +79,23 @@ def test_sglang_shell_modelopt_yarn(tiny_nvfp4_modelopt):
 
 def test_vllm_compose_and_language_model_only_without_vision(tiny_nvfp4_modelopt_nomtp, capsys):
     # nomtp still has the vision tower; --mtp on it is refused (mtp-missing), so no MTP flags here
-    assert main(["serve-config", str(tiny_nvfp4_modelopt_nomtp), "--engine", "vllm", "--tp", "2",
-                 "--format", "compose", "--max-num-seqs", "8"]) == 0
+    assert (
+        main(
+            [
+                "serve-config",
+                str(tiny_nvfp4_modelopt_nomtp),
+                "--engine",
+                "vllm",
+                "--tp",
+                "2",
+                "--format",
+                "compose",
+                "--max-num-seqs",
+                "8",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert '"vllm/vllm-openai:v0.33.0"' in out and '      - "--max-num-seqs"\n      - "8"' in out
     assert '"--mm-encoder-tp-mode"' in out and "speculative" not in out
@@ -87,8 +106,6 @@ def test_refuses_broken_and_unservable(tiny_nvfp4_modelopt, tiny_nvfp4_modelopt_
     assert main(["serve-config", str(bad), "--engine", "vllm", "--tp", "2"]) == 3
     err = capsys.readouterr()
     assert "refusing" in err.err and "missing-tensor" in err.err and "vllm serve" not in err.out
-    assert main(["serve-config", str(tiny_nvfp4_modelopt_nomtp), "--engine", "sglang", "--tp", "2",
-                 "--mtp", "2"]) == 3
+    assert main(["serve-config", str(tiny_nvfp4_modelopt_nomtp), "--engine", "sglang", "--tp", "2", "--mtp", "2"]) == 3
     assert "mtp-missing" in capsys.readouterr().err
     assert main(["serve-config", str(tiny_nvfp4_modelopt), "--engine", "vllm"]) == 3  # TP 4: tp-divisibility
-

@@ -26,21 +26,24 @@ def _imports_sklearn(tmp_path, prepare: str, probe: str = PROBE) -> bool:
     (pkg / "__init__.py").write_text("__version__ = '1.7.0'\n")
     (pkg / "metrics.py").write_text("def roc_curve(*a, **k):\n    raise AssertionError('not for qtool')\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run([sys.executable, "-c", probe.format(prepare=prepare)], capture_output=True, text=True,
-                       env=env, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", probe.format(prepare=prepare)], capture_output=True, text=True, env=env, timeout=300
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     return r.stdout.strip().splitlines()[-1] == "True"
 
 
 def test_the_decoder_module_comes_without_scikit_learn(tmp_path):
     assert _imports_sklearn(tmp_path, "")  # the stand-in is what transformers would import
-    assert not _imports_sklearn(tmp_path, "from qtool.stream.warm_import import skip_unused_imports\n"
-                                          "skip_unused_imports()")
+    assert not _imports_sklearn(
+        tmp_path, "from qtool.stream.warm_import import skip_unused_imports\nskip_unused_imports()"
+    )
 
 
 def test_the_background_import_skips_it_too(tmp_path):
-    assert not _imports_sklearn(tmp_path, "from qtool.stream import warm_import\n"
-                                          "warm_import.start(); warm_import.join()")
+    assert not _imports_sklearn(
+        tmp_path, "from qtool.stream import warm_import\nwarm_import.start(); warm_import.join()"
+    )
 
 
 MODULE_PROBE = """
@@ -60,8 +63,9 @@ def test_the_decoder_module_comes_without_scipy():
         pytest.skip("scipy is not installed: transformers would not import it either")
 
     def imported(prepare: str) -> str:
-        r = subprocess.run([sys.executable, "-c", MODULE_PROBE.format(prepare=prepare)], capture_output=True,
-                           text=True, timeout=300)
+        r = subprocess.run(
+            [sys.executable, "-c", MODULE_PROBE.format(prepare=prepare)], capture_output=True, text=True, timeout=300
+        )
         assert r.returncode == 0, r.stderr[-2000:]
         return r.stdout.strip().splitlines()[-1]
 
@@ -87,8 +91,11 @@ def _stand_in_installed(tmp_path, name: str, version: str, modules: tuple[str, .
     dist.mkdir()
     (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
     (dist / "top_level.txt").write_text(f"{name}\n")
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
-            "QTOOL_CACHE_DIR": str(tmp_path / "cache")}
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
+        "QTOOL_CACHE_DIR": str(tmp_path / "cache"),
+    }
 
 
 AUDIO_PROBE = """
@@ -106,8 +113,13 @@ def test_the_decoder_module_comes_without_torchaudio(tmp_path):
     env = _stand_in_installed(tmp_path, "torchaudio", "2.11.0")
 
     def imports_torchaudio(prepare: str) -> bool:
-        r = subprocess.run([sys.executable, "-c", AUDIO_PROBE.format(prepare=prepare)], capture_output=True,
-                           text=True, env=env, timeout=300)
+        r = subprocess.run(
+            [sys.executable, "-c", AUDIO_PROBE.format(prepare=prepare)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
         assert r.returncode == 0, r.stderr[-2000:]
         return r.stdout.strip().splitlines()[-1] == "True"
 
@@ -131,9 +143,19 @@ def test_the_decoder_module_comes_without_torchvision(tmp_path):
     or video. A stand-in distribution that transformers detects as installed shows what a user's
     environment with it does."""
     env = _stand_in_installed(tmp_path, "torchvision", "0.26.0", modules=("transforms.v2.functional",))
-    r = subprocess.run([sys.executable, "-c", VISION_PROBE.format(prepare="from qtool.stream import warm_import\n"
-                                                                  "warm_import.start(); warm_import.join()")],
-                       capture_output=True, text=True, env=env, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            VISION_PROBE.format(
+                prepare="from qtool.stream import warm_import\nwarm_import.start(); warm_import.join()"
+            ),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip().splitlines()[-1] == "True []"  # installed as transformers sees it, and not imported
 
@@ -220,13 +242,16 @@ def test_the_distribution_map_is_the_standard_librarys(tmp_path, monkeypatch):
 def test_transformers_sees_the_same_distributions_through_the_cache(tmp_path):
     """transformers' import-time map (what its `is_*_available` checks use) is the same with the cache
     installed, on the run that fills it and on the run that reads it."""
-    probe = ("import sys\n{prepare}\nimport transformers.utils.import_utils as iu\n"
-             "import json; print(json.dumps(iu.PACKAGE_DISTRIBUTION_MAPPING, sort_keys=True))\n")
+    probe = (
+        "import sys\n{prepare}\nimport transformers.utils.import_utils as iu\n"
+        "import json; print(json.dumps(iu.PACKAGE_DISTRIBUTION_MAPPING, sort_keys=True))\n"
+    )
     env = {**os.environ, "QTOOL_CACHE_DIR": str(tmp_path / "cache")}
 
     def mapping(prepare: str) -> dict:
-        r = subprocess.run([sys.executable, "-c", probe.format(prepare=prepare)], capture_output=True, text=True,
-                           env=env, timeout=300)
+        r = subprocess.run(
+            [sys.executable, "-c", probe.format(prepare=prepare)], capture_output=True, text=True, env=env, timeout=300
+        )
         assert r.returncode == 0, r.stderr[-2000:]
         import json
 
@@ -255,8 +280,17 @@ def test_the_decoder_module_is_imported_while_the_job_plans(tiny_bf16, tmp_path,
     monkeypatch.setattr(calib_data, "load_tokenizer", lambda d: (events.append("tokenizer"), real_load(d))[1])
     real_skip = warm_import.skip_unused_imports  # the tokenizer's first step toward its transformers import
     monkeypatch.setattr(warm_import, "skip_unused_imports", lambda: (events.append("skip"), real_skip())[1])
-    args = ["quantize", str(tiny_bf16), "--recipe", "qwen35-nvfp4-experts", "--samples", "2", "--seq-len", "16",
-            "--json"]
+    args = [
+        "quantize",
+        str(tiny_bf16),
+        "--recipe",
+        "qwen35-nvfp4-experts",
+        "--samples",
+        "2",
+        "--seq-len",
+        "16",
+        "--json",
+    ]
 
     monkeypatch.setenv("QTOOL_CACHE_DIR", str(tmp_path / "cache-1"))  # no cached token ids: the plan tokenizes
     assert main([*args, "-o", str(tmp_path / "dry"), "--dry-run"]) == 0
@@ -266,7 +300,7 @@ def test_the_decoder_module_is_imported_while_the_job_plans(tiny_bf16, tmp_path,
     assert main([*args, "-o", str(tmp_path / "out")]) == 0
     capsys.readouterr()
     assert events[0] == "start", events
-    after = events[events.index("tokenizer"):]
+    after = events[events.index("tokenizer") :]
     assert "join" in after and after.index("join") < after.index("skip"), events  # before its own import
     assert list((tmp_path / "out").glob("*.safetensors"))
 
@@ -314,8 +348,9 @@ def test_the_plan_tokenizes_in_the_import_thread_before_the_decoder_module(tmp_p
     bad.mkdir()
     save_tokenizer_files(good)
     env = {**os.environ, "QTOOL_CACHE_DIR": str(tmp_path / "cache")}  # no cached ids: both tokenize
-    r = subprocess.run([sys.executable, "-c", HANDOFF_PROBE, str(good), str(bad)], capture_output=True, text=True,
-                       env=env, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", HANDOFF_PROBE, str(good), str(bad)], capture_output=True, text=True, env=env, timeout=300
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["seen"][0] == ["qtool-warm-import", False], got  # that thread, before the decoder module
@@ -382,12 +417,15 @@ except KeyboardInterrupt:
 def test_work_handed_to_a_background_thread_that_died_runs_in_the_caller():
     """A background import ended by a BaseException (a SystemExit raised inside an import) never ran the
     work queued for it: its caller waited for ever. It now runs in the caller's thread."""
-    p = _run_python("""
+    p = _run_python(
+        """
 from qtool.stream import warm_import as w
 def boom():
     raise SystemExit("an import called sys.exit")
 w.skip_unused_imports = boom
 w.start()
 print("result", w.before_decoder(lambda stop: 42))
-""", timeout=120)
+""",
+        timeout=120,
+    )
     assert "result 42" in p.stdout, p.stdout + p.stderr

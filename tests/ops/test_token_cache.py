@@ -124,11 +124,15 @@ def test_a_hit_does_not_import_transformers(ckpt, tmp_path):
     data = tmp_path / "d.txt"
     data.write_text("the quick brown fox " * 60)
     env = {**os.environ, "QTOOL_CACHE_DIR": str(tmp_path / "cache")}
-    probe = ("import sys\nfrom qtool.stream.calib_data import build_calib_set\n"
-             f"c = build_calib_set({str(ckpt)!r}, {str(data)!r}, 2, 16)\n"
-             "print(c.digest, 'transformers' in sys.modules)\n")
-    runs = [subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300)
-            for _ in range(2)]
+    probe = (
+        "import sys\nfrom qtool.stream.calib_data import build_calib_set\n"
+        f"c = build_calib_set({str(ckpt)!r}, {str(data)!r}, 2, 16)\n"
+        "print(c.digest, 'transformers' in sys.modules)\n"
+    )
+    runs = [
+        subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300)
+        for _ in range(2)
+    ]
     assert all(r.returncode == 0 for r in runs), runs[0].stderr[-2000:] + runs[1].stderr[-2000:]
     (d1, t1), (d2, t2) = (r.stdout.split() for r in runs)
     assert d1 == d2 and t1 == "True" and t2 == "False"
@@ -155,5 +159,6 @@ def test_the_folder_keeps_the_entries_used_last(ckpt, cache, tmp_path, monkeypat
     saving.write_bytes(b"being written")
     build_calib_set(ckpt, str(datasets[2]), 2, 16)  # a third entry: the one used longest ago goes
     kept = sorted(p.name for p in cache.iterdir())
-    assert kept == sorted([f"{token_cache.key(ckpt, str(d), 32)}.i32" for d in (datasets[0], datasets[2])]
-                          + [saving.name])
+    assert kept == sorted(
+        [f"{token_cache.key(ckpt, str(d), 32)}.i32" for d in (datasets[0], datasets[2])] + [saving.name]
+    )

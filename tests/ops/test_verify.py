@@ -78,8 +78,14 @@ def test_clean_modelopt_with_mtp_and_fp8_kv(tiny_nvfp4_modelopt):
     rep = verify(tiny_nvfp4_modelopt, VerifyOptions(kv_cache_dtype="fp8", mtp=1, **TP2))
     assert rep.ok, [f.to_json() for f in rep.findings]
     j = rep.to_json()
-    assert set(j["fit"]) >= {"weights_per_gpu_gib", "kv_bytes_per_token", "state_bytes_per_seq", "max_model_len",
-                             "max_num_seqs", "fits"}
+    assert set(j["fit"]) >= {
+        "weights_per_gpu_gib",
+        "kv_bytes_per_token",
+        "state_bytes_per_seq",
+        "max_model_len",
+        "max_num_seqs",
+        "fits",
+    }
     assert set(j["engines"]) == {"vllm@0.33.0", "sglang@0.5.23"}
     assert j["engines"]["vllm@0.33.0"]["quantized"] == 8  # the 8 routed-expert FusedMoE units
 
@@ -92,15 +98,18 @@ def test_clean_ct_with_mtp(tiny_nvfp4_ct):
 # ---- structure ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind,code", [
-    ("truncated_shard", "truncated-shard"),
-    ("bad_header", "bad-header"),
-    ("missing_tensor", "missing-tensor"),
-    ("wrong_dtype", "dtype-mismatch"),
-    ("mixed_expert_layout", "mixed-expert-layout"),
-    ("malformed_config", "bad-config"),
-    ("malformed_index", "bad-index"),
-])
+@pytest.mark.parametrize(
+    "kind,code",
+    [
+        ("truncated_shard", "truncated-shard"),
+        ("bad_header", "bad-header"),
+        ("missing_tensor", "missing-tensor"),
+        ("wrong_dtype", "dtype-mismatch"),
+        ("mixed_expert_layout", "mixed-expert-layout"),
+        ("malformed_config", "bad-config"),
+        ("malformed_index", "bad-index"),
+    ],
+)
 def test_broken_fixtures(tiny_nvfp4_modelopt, tmp_path, kind, code):
     out = make_broken(tiny_nvfp4_modelopt, tmp_path / kind, kind)
     rep = verify(out, VerifyOptions(**TP2))
@@ -115,10 +124,13 @@ def test_shape_mismatch_and_stale_tensor(tiny_nvfp4_modelopt, tmp_path):
     import torch
 
     ck = copy(tiny_nvfp4_modelopt, tmp_path)
-    edit_tensors(ck, {
-        L0 + "mlp.shared_expert.gate_proj.weight": torch.zeros(16, 64, dtype=torch.bfloat16),  # [32, 64] expected
-        L0 + "mlp.shared_expert.up_proj.weight_scale": torch.ones(32, 4).to(torch.float8_e4m3fn),  # next to BF16
-    })
+    edit_tensors(
+        ck,
+        {
+            L0 + "mlp.shared_expert.gate_proj.weight": torch.zeros(16, 64, dtype=torch.bfloat16),  # [32, 64] expected
+            L0 + "mlp.shared_expert.up_proj.weight_scale": torch.ones(32, 4).to(torch.float8_e4m3fn),  # next to BF16
+        },
+    )
     rep = verify(ck, VerifyOptions(**TP2))
     by = {f.code.value: f for f in rep.findings}
     assert by["shape-mismatch"].module == L0 + "mlp.shared_expert.gate_proj.weight"
@@ -142,8 +154,9 @@ def test_scale_mismatch(tiny_nvfp4_modelopt, tmp_path):
 
 def test_router_not_ignored_depends_on_vllm_version(tiny_nvfp4_modelopt, tmp_path):
     ck = copy(tiny_nvfp4_modelopt, tmp_path)
-    edit_config(ck, lambda qc: qc.update(ignore=[p for p in qc["ignore"] if not p.endswith(("mlp.gate",
-                                                                                           "shared_expert_gate"))]))
+    edit_config(
+        ck, lambda qc: qc.update(ignore=[p for p in qc["ignore"] if not p.endswith(("mlp.gate", "shared_expert_gate"))])
+    )
     old = verify(ck, VerifyOptions(engine="vllm@0.16", **TP2))
     new = verify(ck, VerifyOptions(engine="vllm@0.33", **TP2))
     bad = [f for f in old.findings if f.code.value == "bf16-but-not-ignored"]
@@ -164,14 +177,20 @@ def test_quantized_but_ignored(tiny_nvfp4_modelopt, tmp_path):
     edit_config(ck, lambda qc: qc["ignore"].append("*.layers.2.mlp.experts*"))
     rep = verify(ck, VerifyOptions(**TP2))
     mods = {(f.module, f.engine) for f in rep.findings if f.code.value == "quantized-but-ignored"}
-    assert mods == {("model.language_model.layers.2.mlp.experts", "vllm@0.33.0"),
-                    ("model.language_model.layers.2.mlp.experts", "sglang@0.5.23")}
+    assert mods == {
+        ("model.language_model.layers.2.mlp.experts", "vllm@0.33.0"),
+        ("model.language_model.layers.2.mlp.experts", "sglang@0.5.23"),
+    }
 
 
 def test_mtp_not_excluded_by_version_and_mtp_missing(tiny_nvfp4_modelopt, tiny_nvfp4_modelopt_nomtp, tmp_path):
     ck = copy(tiny_nvfp4_modelopt, tmp_path)
-    edit_config(ck, lambda qc: qc.update(ignore=[p for p in qc["ignore"] if not p.startswith("mtp")]
-                                         + ["mtp.layers*", "mtp.pre_fc*", "mtp.norm"]))
+    edit_config(
+        ck,
+        lambda qc: qc.update(
+            ignore=[p for p in qc["ignore"] if not p.startswith("mtp")] + ["mtp.layers*", "mtp.pre_fc*", "mtp.norm"]
+        ),
+    )
     old = verify(ck, VerifyOptions(engine="vllm@0.16", mtp=1, **TP2))
     assert [f.module for f in old.findings if f.code.value == "mtp-not-excluded"] == ["mtp.fc"]
     assert verify(ck, VerifyOptions(engine="vllm@0.19", mtp=1, **TP2)).ok  # PR 35675/38832: fc forced BF16
@@ -223,10 +242,16 @@ def test_deep_clean_and_hash_mismatch(tiny_nvfp4_modelopt, tmp_path):
     # shard 1 with its own (right) digest
     wm = json.loads((ck / "model.safetensors.index.json").read_text())["weight_map"]
     t0 = [t for t, s in wm.items() if s == names[0]]
-    man = {"sources": {"nvfp4": {"path": "/src", "files": {names[0]: {"sha256": "0" * 64, "bytes": 1}}}},
-           "shards": {names[0]: {"action": "link", "tensors": {t: {"source": "nvfp4", "file": names[0], "tensor": t}
-                                                               for t in t0}},
-                      names[-1]: {"action": "new", "sha256": shards[names[-1]], "tensors": {}}}}
+    man = {
+        "sources": {"nvfp4": {"path": "/src", "files": {names[0]: {"sha256": "0" * 64, "bytes": 1}}}},
+        "shards": {
+            names[0]: {
+                "action": "link",
+                "tensors": {t: {"source": "nvfp4", "file": names[0], "tensor": t} for t in t0},
+            },
+            names[-1]: {"action": "new", "sha256": shards[names[-1]], "tensors": {}},
+        },
+    }
     (ck / "qtool-manifest.json").write_text(json.dumps(man))
     rep = verify(ck, VerifyOptions(deep=True, **TP2))
     assert [f.module for f in rep.findings if f.code.value == "hash-mismatch"] == [names[0]]
@@ -239,11 +264,14 @@ def test_deep_numeric_scan(tiny_nvfp4_modelopt, tmp_path):
     ck = copy(tiny_nvfp4_modelopt, tmp_path)
     w = torch.randn(32, 64).to(torch.bfloat16)
     w[5, 7] = float("nan")
-    edit_tensors(ck, {
-        L0 + "mlp.shared_expert.gate_proj.weight": w,
-        L0 + "mlp.experts.1.down_proj.input_scale": torch.tensor(0.0, dtype=torch.float32),
-        L0 + "linear_attn.out_proj.weight": torch.zeros(64, 64, dtype=torch.bfloat16),
-    })
+    edit_tensors(
+        ck,
+        {
+            L0 + "mlp.shared_expert.gate_proj.weight": w,
+            L0 + "mlp.experts.1.down_proj.input_scale": torch.tensor(0.0, dtype=torch.float32),
+            L0 + "linear_attn.out_proj.weight": torch.zeros(64, 64, dtype=torch.bfloat16),
+        },
+    )
     assert verify(ck, VerifyOptions(**TP2)).ok  # nothing of this is visible without --deep
     rep = verify(ck, VerifyOptions(deep=True, **TP2))
     by = {}
@@ -328,10 +356,10 @@ def test_nvfp4_attention_output_gate_is_a_warning(tiny_nvfp4_modelopt, tmp_path)
     """q_proj carries Qwen3.5's attention output gate; NVFP4 there degraded perplexity in reports
     (ModelOpt issue 2091, disputed): a warning with the source."""
     import torch
+    from safetensors.torch import load_file
 
     from qtool.formats import nvfp4
     from qtool.io.checkpoint import Checkpoint
-    from safetensors.torch import load_file
 
     ck = copy(tiny_nvfp4_modelopt, tmp_path)
     c = Checkpoint.open(ck)
@@ -339,15 +367,24 @@ def test_nvfp4_attention_output_gate_is_a_warning(tiny_nvfp4_modelopt, tmp_path)
     w = load_file(str(ck / c.shard_of(name)))[name]
     q = nvfp4.quantize(w.float())
     mod = name.rpartition(".")[0]
-    edit_tensors(ck, {name: q.packed, mod + ".weight_scale": q.block_scale,
-                      mod + ".weight_scale_2": q.weight_scale_2.reshape(()).float(),
-                      mod + ".input_scale": torch.tensor(0.01)})
+    edit_tensors(
+        ck,
+        {
+            name: q.packed,
+            mod + ".weight_scale": q.block_scale,
+            mod + ".weight_scale_2": q.weight_scale_2.reshape(()).float(),
+            mod + ".input_scale": torch.tensor(0.01),
+        },
+    )
     edit_config(ck, lambda qc: qc.update(ignore=[p for p in qc["ignore"] if "layers.3.self_attn" not in p]))
     rep = verify(ck, VerifyOptions(**TP2))
     f = [f for f in rep.findings if f.code.value == "attention-gate-quantized"]
     assert len(f) == 1 and not f[0].is_error and "[3]" in f[0].message and "2091" in f[0].message
-    assert not [f for f in verify(tiny_nvfp4_modelopt, VerifyOptions(**TP2)).findings
-                if f.code.value == "attention-gate-quantized"]
+    assert not [
+        f
+        for f in verify(tiny_nvfp4_modelopt, VerifyOptions(**TP2)).findings
+        if f.code.value == "attention-gate-quantized"
+    ]
 
 
 def _mixed_precision(src: Path, tmp_path: Path) -> Path:
@@ -364,17 +401,29 @@ def _mixed_precision(src: Path, tmp_path: Path) -> Path:
     o = "model.language_model.layers.3.self_attn.o_proj"
     w = load_file(str(ck / c.shard_of(o + ".weight")))[o + ".weight"]
     q = fp8.quantize_per_tensor(w.float())
-    edit_tensors(ck, {o + ".weight": q.weight, o + ".weight_scale": q.scale.reshape(()).float(),
-                      o + ".input_scale": torch.tensor(0.02)})
-    layers = {m: {"quant_algo": "NVFP4", "group_size": 16} for m in
-              sorted({n.rpartition(".")[0] for n in c.tensors if ".mlp.experts." in n and n.endswith(".weight_scale_2")})}
+    edit_tensors(
+        ck,
+        {
+            o + ".weight": q.weight,
+            o + ".weight_scale": q.scale.reshape(()).float(),
+            o + ".input_scale": torch.tensor(0.02),
+        },
+    )
+    layers = {
+        m: {"quant_algo": "NVFP4", "group_size": 16}
+        for m in sorted(
+            {n.rpartition(".")[0] for n in c.tensors if ".mlp.experts." in n and n.endswith(".weight_scale_2")}
+        )
+    }
     layers[o] = {"quant_algo": "FP8"}
     hq = json.loads((ck / "hf_quant_config.json").read_text())
     hq["quantization"].update(quant_algo="MIXED_PRECISION", quantized_layers=layers)
     (ck / "hf_quant_config.json").write_text(json.dumps(hq, indent=2))
     cfg = json.loads((ck / "config.json").read_text())
     cfg["quantization_config"].update(quant_algo="MIXED_PRECISION", quantized_layers=layers)
-    cfg["quantization_config"]["ignore"] = [p for p in cfg["quantization_config"]["ignore"] if "layers.3.self_attn" not in p]
+    cfg["quantization_config"]["ignore"] = [
+        p for p in cfg["quantization_config"]["ignore"] if "layers.3.self_attn" not in p
+    ]
     (ck / "config.json").write_text(json.dumps(cfg, indent=2))
     return ck
 
@@ -405,8 +454,9 @@ def test_modelopt_mixed_precision_is_checked_per_module(tiny_nvfp4_modelopt, tmp
 
 
 @pytest.mark.parametrize("layer, dropped", [(0, 168), (7, 0)])
-def test_mixed_expert_layout_is_sglangs_error_only_when_its_load_order_drops_experts(tiny_bf16, tmp_path, layer,
-                                                                                     dropped):
+def test_mixed_expert_layout_is_sglangs_error_only_when_its_load_order_drops_experts(
+    tiny_bf16, tmp_path, layer, dropped
+):
     """#15 item 1, checked against both real loaders (tests/engines/test_loaders.py variant-fused-layer-*):
     vLLM 0.33 loads a fused layer among per-expert ones; SGLang 0.5.23 drops the per-expert tensors that
     sort after the first fused one (layer 0 fused: layers 1-7's 7 x 8 experts x 3 = 168 tensors; layer 7
@@ -490,15 +540,28 @@ def test_per_head_kv_scales_are_read_and_sglang_skips_them(tiny_nvfp4_ct, tmp_pa
     ck = copy(tiny_nvfp4_ct, tmp_path)
     heads = json.loads((ck / "config.json").read_text())["text_config"]["num_key_value_heads"]
     L = "model.language_model.layers"
-    edit_tensors(ck, {f"{L}.{i}.self_attn.{p}_scale": torch.tensor([0.25, 0.5][:heads]) for i in (3, 7)
-                      for p in ("k", "v")})
-    edit_config(ck, lambda qc: qc.update(kv_cache_scheme={"num_bits": 8, "type": "float", "symmetric": True,
-                                                         "dynamic": False, "strategy": "attn_head"}))
+    edit_tensors(
+        ck, {f"{L}.{i}.self_attn.{p}_scale": torch.tensor([0.25, 0.5][:heads]) for i in (3, 7) for p in ("k", "v")}
+    )
+    edit_config(
+        ck,
+        lambda qc: qc.update(
+            kv_cache_scheme={
+                "num_bits": 8,
+                "type": "float",
+                "symmetric": True,
+                "dynamic": False,
+                "strategy": "attn_head",
+            }
+        ),
+    )
     mm = build_map(Checkpoint.open(ck))
     assert mm.kv.per_head and mm.kv.layers == [3, 7] and mm.kv.values[3] == (0.5, 0.5) and not mm.kv.invalid
     reps = _engines_verdicts(ck)
-    assert reps["vllm@0.33.0"].ok and not codes(reps["vllm@0.33.0"], "warning") & {"kv-scales-ignored",
-                                                                                   "kv-scales-uncalibrated"}
+    assert reps["vllm@0.33.0"].ok and not codes(reps["vllm@0.33.0"], "warning") & {
+        "kv-scales-ignored",
+        "kv-scales-uncalibrated",
+    }
     sg = [f for f in reps["sglang@0.5.23"].findings if f.code.value == "kv-scales-ignored"]
     assert len(sg) == 1 and "strategy='attn_head'" in sg[0].message
     # a per-head scale of the wrong length is an error
@@ -542,9 +605,14 @@ def test_mxfp4_quark_experts_are_classified_and_shape_checked(tiny_bf16, tmp_pat
             change[n.removesuffix("weight") + "weight_scale"] = torch.full((o, i // 32), 127, dtype=torch.uint8)
     edit_tensors(ck, change)
     cfg = json.loads((ck / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "quark", "exclude": ["lm_head"], "layer_quant_config": {},
-                                  "global_quant_config": {"weight": {"dtype": "fp4", "qscheme": "per_group",
-                                                                     "group_size": 32, "scale_format": "e8m0"}}}
+    cfg["quantization_config"] = {
+        "quant_method": "quark",
+        "exclude": ["lm_head"],
+        "layer_quant_config": {},
+        "global_quant_config": {
+            "weight": {"dtype": "fp4", "qscheme": "per_group", "group_size": 32, "scale_format": "e8m0"}
+        },
+    }
     (ck / "config.json").write_text(json.dumps(cfg, indent=2))
     mm = build_map(Checkpoint.open(ck))
     experts = [m for m in mm.modules.values() if m.expert is not None and m.group.value == "routed_experts"]
@@ -566,8 +634,12 @@ def test_per_head_scales_under_a_per_tensor_scheme_are_fixed_by_patch_config(tin
     ck = copy(tiny_nvfp4_ct, tmp_path)
     L = "model.language_model.layers"
     edit_tensors(ck, {f"{L}.{i}.self_attn.{p}_scale": torch.tensor([0.25, 0.5]) for i in (3, 7) for p in ("k", "v")})
-    edit_config(ck, lambda qc: qc.update(kv_cache_scheme={"num_bits": 8, "type": "float", "symmetric": True,
-                                                         "dynamic": False, "strategy": "tensor"}))
+    edit_config(
+        ck,
+        lambda qc: qc.update(
+            kv_cache_scheme={"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": "tensor"}
+        ),
+    )
     rep = verify(ck, VerifyOptions(tp=1))
     found = [f for f in rep.findings if f.code.value == "kv-scheme-mismatch"]
     assert len(found) == 1 and "kv-scheme-from-tensors" in found[0].fix and "'tensor'" in found[0].message
@@ -587,8 +659,9 @@ def test_a_scale_on_a_bf16_module_failed_older_sglang(tiny_nvfp4_modelopt, tmp_p
     ck = copy(tiny_nvfp4_modelopt, tmp_path)
     edit_tensors(ck, {"lm_head.input_scale": torch.tensor(0.5)})
     rep = verify(ck, VerifyOptions(engine="sglang@0.5.9", tp=1))
-    assert not rep.ok and any(f.code.value == "stale-tensor" and f.is_error and "19587" in f.message
-                              for f in rep.findings)
+    assert not rep.ok and any(
+        f.code.value == "stale-tensor" and f.is_error and "19587" in f.message for f in rep.findings
+    )
 
 
 def _fixes(ck: Path, capsys, *extra: str) -> dict[str, str]:
@@ -609,7 +682,7 @@ def test_every_qtool_command_in_a_fix_line_parses(tiny_nvfp4_modelopt, tmp_path,
     for kind in BrokenKind:
         fixes += _fixes(make_broken(tiny_nvfp4_modelopt, tmp_path / kind.value, kind), capsys).values()
     fixes += _fixes(_uncalibrated(tiny_nvfp4_modelopt, tmp_path / "ones"), capsys).values()
-    commands = [f[f.index("qtool "):] for f in fixes if "qtool " in f]
+    commands = [f[f.index("qtool ") :] for f in fixes if "qtool " in f]
     # a command line to paste (flags, no placeholder), not prose naming a command
     commands = [c for c in commands if " --" in c.split(" (")[0] and "..." not in c.split(";")[0]]
     assert any("calibrate-kv" in c for c in commands), fixes
@@ -643,7 +716,7 @@ def test_the_uncalibrated_kv_fix_clears_it(tiny_nvfp4_modelopt, tmp_path, capsys
 
     ck = _uncalibrated(tiny_nvfp4_modelopt, tmp_path / "ones")
     fix = _fixes(ck, capsys)["kv-scales-uncalibrated"]
-    argv = shlex.split(fix[fix.index("qtool "):])[1:]
+    argv = shlex.split(fix[fix.index("qtool ") :])[1:]
     assert main([*argv, "--quiet"]) == 0
     capsys.readouterr()
     assert "kv-scales-uncalibrated" not in _fixes(ck, capsys)
@@ -667,12 +740,15 @@ def test_the_tp_fix_names_no_tp_that_does_not_fit(tiny_nvfp4_modelopt, capsys):
     assert "TP 1, 2" in next(iter(tp)) and "fits" in next(iter(tp)) and "1.0 GiB" in next(iter(tp)), tp
 
 
-@pytest.mark.parametrize("case,edit,args", [
-    ("router-not-ignored", _drop_router_ignores, ["--engine", "vllm@0.16", "--tp", "2"]),
-    ("mtp-not-excluded", _drop_mtp_ignores, ["--engine", "vllm@0.16", "--mtp", "1", "--tp", "2"]),
-    ("tp-4-on-the-tiny-model", None, ["--tp", "4", "--gpus", "4x80GiB", "--engine", "sglang"]),
-    ("uncalibrated-kv", "ones", ["--tp", "2", "--kv-cache-dtype", "fp8"]),
-])
+@pytest.mark.parametrize(
+    "case,edit,args",
+    [
+        ("router-not-ignored", _drop_router_ignores, ["--engine", "vllm@0.16", "--tp", "2"]),
+        ("mtp-not-excluded", _drop_mtp_ignores, ["--engine", "vllm@0.16", "--mtp", "1", "--tp", "2"]),
+        ("tp-4-on-the-tiny-model", None, ["--tp", "4", "--gpus", "4x80GiB", "--engine", "sglang"]),
+        ("uncalibrated-kv", "ones", ["--tp", "2", "--kv-cache-dtype", "fp8"]),
+    ],
+)
 def test_each_fix_applied_as_written_clears_its_finding(tiny_nvfp4_modelopt, tmp_path, capsys, case, edit, args):
     """Issue 26: every finding's fix is one that, applied as written, clears it. Found as: the
     tp-divisibility fix said `patch-config --fix ignore-from-tensors` (changes nothing), and offered `--tp 4`
@@ -691,14 +767,15 @@ def test_each_fix_applied_as_written_clears_its_finding(tiny_nvfp4_modelopt, tmp
     with_fix = [f for f in before if f.get("fix") and "qtool " in f["fix"]]
     assert with_fix, before
     for fix in sorted({f["fix"] for f in with_fix}):
-        argv = shlex.split(fix[fix.index("qtool "):].split(" ; ")[0])[1:]
+        argv = shlex.split(fix[fix.index("qtool ") :].split(" ; ")[0])[1:]
         cleared = {(f["code"], f["module"]) for f in with_fix if f["fix"] == fix}
         assert "--tp 4" not in fix or "--tp 4" not in args
         if argv[0] == "verify":  # the fix is to serve otherwise: that verify is clean of these findings
             # ... on the same target: the flags the user gave stay (found: --gpus and --engine were dropped)
             given = dict(zip(args[::2], args[1::2]))
             assert {k: v for k, v in given.items() if k != "--tp"} == {
-                k: argv[argv.index(k) + 1] for k in given if k != "--tp" and k in argv}, fix
+                k: argv[argv.index(k) + 1] for k in given if k != "--tp" and k in argv
+            }, fix
             after = findings(argv)
         else:
             assert main([*argv, "--quiet"]) == 0, fix
@@ -707,12 +784,15 @@ def test_each_fix_applied_as_written_clears_its_finding(tiny_nvfp4_modelopt, tmp
         assert not cleared & {(f["code"], f["module"]) for f in after}, (fix, after)
 
 
-@pytest.mark.parametrize("edit,named", [
-    (lambda c: c["text_config"].__setitem__("num_hidden_layers", 100_000_000), "num_hidden_layers"),
-    (lambda c: c["text_config"].__setitem__("num_hidden_layers", 9), "no layer 8"),
-    (lambda c: c["text_config"].__setitem__("layer_types", ["full_attention"] * 12), "layer_types"),
-    (lambda c: c.pop("text_config"), "text_config"),
-])
+@pytest.mark.parametrize(
+    "edit,named",
+    [
+        (lambda c: c["text_config"].__setitem__("num_hidden_layers", 100_000_000), "num_hidden_layers"),
+        (lambda c: c["text_config"].__setitem__("num_hidden_layers", 9), "no layer 8"),
+        (lambda c: c["text_config"].__setitem__("layer_types", ["full_attention"] * 12), "layer_types"),
+        (lambda c: c.pop("text_config"), "text_config"),
+    ],
+)
 def test_a_config_whose_sizes_the_shards_do_not_have_is_a_bad_config(edit, named, tiny_nvfp4_ct, tmp_path, capsys):
     """Found as: num_hidden_layers 10^8 ran verify away (3.3 GB after 120 s, a missing-module finding per
     layer); a config without text_config was a KeyError traceback in the memory fit."""

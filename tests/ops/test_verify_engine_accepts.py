@@ -48,12 +48,17 @@ def _set_weights(**spec):
     def edit(cfg):
         for group in cfg["quantization_config"]["config_groups"].values():
             group["weights"].update(spec)
+
     return edit
 
 
 def test_an_unknown_modelopt_quant_algo_is_refused_by_both_engines(tiny_nvfp4_modelopt, tmp_path, capsys):
-    ck = _edited(tiny_nvfp4_modelopt, tmp_path, lambda c: c["quantization_config"].update(quant_algo="INT3"),
-                 lambda q: q.update(quant_algo="INT3"))
+    ck = _edited(
+        tiny_nvfp4_modelopt,
+        tmp_path,
+        lambda c: c["quantization_config"].update(quant_algo="INT3"),
+        lambda q: q.update(quant_algo="INT3"),
+    )
     found = _rejections(ck, capsys)
     _assert_names(found, "quant_algo", ENGINES)
     assert all("INT3" in f["message"] for f in found)
@@ -69,18 +74,26 @@ def test_a_4_bit_kv_cache_scheme_is_refused(fixture, request, tmp_path, capsys):
 
 def test_a_4_bit_kv_cache_quant_algo_in_hf_quant_config_is_refused(tiny_nvfp4_modelopt, tmp_path, capsys):
     """hf_quant_config.json is what the engines read when config.json has no quantization_config."""
+
     def drop_qc(cfg):
         del cfg["quantization_config"]
+
     ck = _edited(tiny_nvfp4_modelopt, tmp_path, drop_qc, lambda q: q.update(kv_cache_quant_algo="INT4"))
     _assert_names(_rejections(ck, capsys), "kv_cache_quant_algo")
 
 
-@pytest.mark.parametrize(("fixture", "spec"), [
-    ("tiny_nvfp4_modelopt", {"num_bits": 8}), ("tiny_nvfp4_modelopt", {"type": "int"}),
-    ("tiny_nvfp4_modelopt", {"type": "int", "num_bits": 8}),
-    # compressed-tensors: int weights under float4 activations have no scheme in either engine (8-bit float
-    # weights do: vLLM's MXFP8 and SGLang's W8A16 take any activations)
-    ("tiny_nvfp4_ct", {"type": "int"}), ("tiny_nvfp4_ct", {"type": "int", "num_bits": 8})])
+@pytest.mark.parametrize(
+    ("fixture", "spec"),
+    [
+        ("tiny_nvfp4_modelopt", {"num_bits": 8}),
+        ("tiny_nvfp4_modelopt", {"type": "int"}),
+        ("tiny_nvfp4_modelopt", {"type": "int", "num_bits": 8}),
+        # compressed-tensors: int weights under float4 activations have no scheme in either engine (8-bit float
+        # weights do: vLLM's MXFP8 and SGLang's W8A16 take any activations)
+        ("tiny_nvfp4_ct", {"type": "int"}),
+        ("tiny_nvfp4_ct", {"type": "int", "num_bits": 8}),
+    ],
+)
 def test_weights_of_another_type_than_the_engines_build_are_refused(fixture, spec, request, tmp_path, capsys):
     ck = _edited(request.getfixturevalue(fixture), tmp_path, _set_weights(**spec))
     _assert_names(_rejections(ck, capsys), "config_groups.group_0.weights")
@@ -88,8 +101,10 @@ def test_weights_of_another_type_than_the_engines_build_are_refused(fixture, spe
 
 def test_a_layer_type_vllm_does_not_build_is_refused_for_vllm_only(tiny_nvfp4_modelopt, tmp_path, capsys):
     """SGLang builds layers by full_attention_interval and never reads layer_types."""
+
     def edit(cfg):
         cfg["text_config"]["layer_types"][1] = "sliding_attention"
+
     ck = _edited(tiny_nvfp4_modelopt, tmp_path, edit)
     found = _rejections(ck, capsys)
     _assert_names(found, "layer_types[1]", engines=("vllm@0.33.0",))

@@ -66,14 +66,21 @@ def _fp8_397b(out: Path) -> Path:
 
     specs = []
     for t in sparse.tensor_specs("397b", "bf16-per-expert", mtp=True, vision=True, fill_scalars=False):
-        linear = (len(t.shape) == 2 and t.dtype == "BF16" and not t.name.startswith("model.visual")
-                  and "embed_tokens" not in t.name and not t.name.startswith("lm_head") and ".mlp.gate." not in t.name
-                  and "shared_expert_gate" not in t.name)
+        linear = (
+            len(t.shape) == 2
+            and t.dtype == "BF16"
+            and not t.name.startswith("model.visual")
+            and "embed_tokens" not in t.name
+            and not t.name.startswith("lm_head")
+            and ".mlp.gate." not in t.name
+            and "shared_expert_gate" not in t.name
+        )
         if linear:
             o, i = t.shape
             specs.append(sparse.SparseTensor(t.name, "F8_E4M3", t.shape))
-            specs.append(sparse.SparseTensor(t.name[:-len("weight")] + "weight_scale", "F32",
-                                             (-(-o // 128), -(-i // 128))))
+            specs.append(
+                sparse.SparseTensor(t.name[: -len("weight")] + "weight_scale", "F32", (-(-o // 128), -(-i // 128)))
+            )
         else:
             specs.append(t)
     sizes = [t.nbytes for t in specs]
@@ -91,8 +98,12 @@ def _fp8_397b(out: Path) -> Path:
     sparse._write_index(out / "model.safetensors.index.json", index_json(wm, sum(sizes)))
     cfg = sparse.real_config("397b", "bf16-per-expert", kv_scales=False)
     # the official FP8 release's quantization_config (transformers FineGrainedFP8 / vLLM Fp8Config form)
-    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                  "weight_block_size": [128, 128]}
+    cfg["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+    }
     (out / "config.json").write_text(json.dumps(cfg))
     return out
 
@@ -127,7 +138,7 @@ def test_the_does_not_fit_fix_is_what_makes_it_fit(s397, capsys):
     # the weights alone: 233 GB over 2 GPUs of 96 GB
     (weights,) = fit_finding(["--gpus", "2x97887MiB", "--tp", "2"])
     assert "weights alone" in weights["fix"] and "--max-model-len" not in weights["fix"]
-    argv = shlex.split(weights["fix"][weights["fix"].index("qtool "):])[1:]
+    argv = shlex.split(weights["fix"][weights["fix"].index("qtool ") :])[1:]
     assert "--tp" in argv and argv[argv.index("--tp") + 1] == "4"
     assert argv[:2] == ["verify", str(s397)] and fit_finding(argv[2:]) == []
     # the KV cache: 64 sequences of 262k tokens in BF16 KV; the fix's --max-model-len fits
@@ -163,7 +174,7 @@ def test_the_tp_fix_is_a_tp_that_shards_and_fits(s397, capsys):
     before = findings(["--tp", "3", "--gpus", "3x97887MiB", "--engine", "vllm"])
     assert {f["code"] for f in before} == {"tp-divisibility"}, before
     fix = before[0]["fix"]
-    argv = shlex.split(fix[fix.index("qtool "):])[1:]
+    argv = shlex.split(fix[fix.index("qtool ") :])[1:]
     assert argv[:2] == ["verify", str(s397)], fix
     flags = dict(zip(argv[2::2], argv[3::2]))
     assert flags == {"--engine": "vllm", "--gpus": "4x97887MiB", "--tp": "4"}, fix

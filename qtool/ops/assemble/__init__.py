@@ -24,6 +24,16 @@ def assemble_hybrid(opts: HybridOptions, *, progress: bool = False) -> tuple[Hyb
 
 
 __all__ = [
-    "HybridOptions", "HybridPlan", "LinkMode", "MtpMode", "PlannedShard", "PlannedTensor", "RunResult",
-    "ShardAction", "assemble_hybrid", "execute", "free_space", "plan_hybrid",
+    "HybridOptions",
+    "HybridPlan",
+    "LinkMode",
+    "MtpMode",
+    "PlannedShard",
+    "PlannedTensor",
+    "RunResult",
+    "ShardAction",
+    "assemble_hybrid",
+    "execute",
+    "free_space",
+    "plan_hybrid",
 ]

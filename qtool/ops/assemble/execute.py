@@ -50,6 +50,7 @@ class RunResult:
 def _tensors_of(s: PlannedShard):
     """The shard's tensor list, made when its writer starts (and the source ranges prefetched when the
     shard unfuses experts)."""
+
     def make():
         if any(t.origin.slice for t in s.added):
             # only unfusing reads alternate between two regions of a file; plain runs read sequentially and
@@ -57,6 +58,7 @@ def _tensors_of(s: PlannedShard):
             # interleaved runs: 4.90-6.32 s without vs 5.49-6.43 s with, `cp -r` + sync 3.36-4.24 s)
             _prefetch(s)
         return s.out_tensors()
+
     return make
 
 
@@ -109,9 +111,14 @@ def output_plan(plan: HybridPlan) -> OutputPlan:
             files.append(Copy(rel, str(plan.nv.root / rel)))
     files.append(Index(INDEX_NAME, plan.weight_map, {"total_size": sum(s.data_bytes for s in plan.shards)}))
     plan_hash = plan.plan_hash()
-    return OutputPlan("assemble hybrid", files, sources={"nvfp4": plan.nv.root, "bf16": plan.bf.root},
-                      inputs=[*plan.input_files(), *(str(plan.nv.root / rel) for rel in plan.extra_files)],
-                      summary={**plan.summary(), "plan_hash": plan_hash}, hash=plan_hash)
+    return OutputPlan(
+        "assemble hybrid",
+        files,
+        sources={"nvfp4": plan.nv.root, "bf16": plan.bf.root},
+        inputs=[*plan.input_files(), *(str(plan.nv.root / rel) for rel in plan.extra_files)],
+        summary={**plan.summary(), "plan_hash": plan_hash},
+        hash=plan_hash,
+    )
 
 
 def execute(plan: HybridPlan, *, progress: bool = False) -> RunResult:
@@ -122,8 +129,9 @@ def execute(plan: HybridPlan, *, progress: bool = False) -> RunResult:
     output = output_plan(plan)
     roots = {"nvfp4": plan.nv.root, "bf16": plan.bf.root}
     state: dict = {}
-    with OutputDir(opts.out, sources=[plan.nv.root, plan.bf.root], force=opts.force, resume=opts.resume,
-                   link=opts.link, stop=stop) as tx:
+    with OutputDir(
+        opts.out, sources=[plan.nv.root, plan.bf.root], force=opts.force, resume=opts.resume, link=opts.link, stop=stop
+    ) as tx:
         section = tx.partial / SHARDS_SECTION_NAME
 
         def overlap() -> None:
@@ -140,12 +148,24 @@ def execute(plan: HybridPlan, *, progress: bool = False) -> RunResult:
             state["started"] = start_checks(tx.partial, state["expect"], shards_complete=False)
 
         def check() -> dict:
-            checks = finish_checks(state["started"], lambda: consistency_problems(build_map(Checkpoint.open(plan.nv.root))))
+            checks = finish_checks(
+                state["started"], lambda: consistency_problems(build_map(Checkpoint.open(plan.nv.root)))
+            )
             failed = [c for c in checks["checks"] if not c["ok"]]
             checks["summary"] = "; ".join(f"{c['name']}: {c['problems'][0]}" for c in failed) or None
             return checks
 
-        applied = write_output(output, tx, command=opts.command, overlap=overlap, on_headers=on_headers,
-                               check=check, shards_section=section, progress=progress, stop=stop)
-    return RunResult(tx.out, applied.plan_hash, len(applied.written), applied.linked, len(applied.resumed),
-                     applied.checks)
+        applied = write_output(
+            output,
+            tx,
+            command=opts.command,
+            overlap=overlap,
+            on_headers=on_headers,
+            check=check,
+            shards_section=section,
+            progress=progress,
+            stop=stop,
+        )
+    return RunResult(
+        tx.out, applied.plan_hash, len(applied.written), applied.linked, len(applied.resumed), applied.checks
+    )

@@ -8,15 +8,15 @@ import hashlib
 import json
 import os
 import re
+from array import array
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from array import array
 from typing import NamedTuple
 
 from qtool.arch.model_map import Format, ModelMap
-from qtool.io.checkpoint import INDEX_NAME, Checkpoint
 from qtool.io.apply import JOURNAL_NAME
+from qtool.io.checkpoint import INDEX_NAME, Checkpoint
 from qtool.io.files import LinkMode
 from qtool.io.output import RECORDS
 from qtool.io.tensor_table import TensorTable
@@ -86,8 +86,14 @@ class PlannedShard:
 
     @property
     def tensors(self) -> list[PlannedTensor]:
-        return self._carried(lambda name, file, dtype, shape, start, end: PlannedTensor(
-            name, dtype, shape, Origin("nvfp4", file, name, start, end))) + self.added
+        return (
+            self._carried(
+                lambda name, file, dtype, shape, start, end: PlannedTensor(
+                    name, dtype, shape, Origin("nvfp4", file, name, start, end)
+                )
+            )
+            + self.added
+        )
 
     def names(self) -> list[str]:
         return self._carried(lambda name, *_: name) + [t.name for t in self.added]
@@ -99,10 +105,13 @@ class PlannedShard:
     def out_tensors(self) -> list[OutTensor]:
         """The shard's tensors as the writer takes them (made straight from the table's columns: a 397B
         shard has ~7k)."""
-        out = self._carried(lambda name, file, dtype, shape, start, end:
-                            OutTensor(name, dtype, shape, FileRange(file, start, end)))
-        out.extend(OutTensor(a.name, a.dtype, a.shape, FileRange(a.origin.file, a.origin.start, a.origin.end))
-                   for a in self.added)
+        out = self._carried(
+            lambda name, file, dtype, shape, start, end: OutTensor(name, dtype, shape, FileRange(file, start, end))
+        )
+        out.extend(
+            OutTensor(a.name, a.dtype, a.shape, FileRange(a.origin.file, a.origin.start, a.origin.end))
+            for a in self.added
+        )
         return out
 
     def release_tensors(self) -> None:
@@ -143,8 +152,11 @@ def bf16_source_patterns(bf16_expert_layers, mtp: str = "auto", shared_expert_la
     if shared_expert_layers is None:
         pats = ["*.mlp.shared_expert.*", "*.mlp.shared_expert_gate.*"]
     else:
-        pats = [f"*.layers.{int(layer)}.mlp.shared_expert{tail}" for layer in shared_expert_layers
-                for tail in (".*", "_gate.*")]
+        pats = [
+            f"*.layers.{int(layer)}.mlp.shared_expert{tail}"
+            for layer in shared_expert_layers
+            for tail in (".*", "_gate.*")
+        ]
     pats += [f"*.layers.{int(layer)}.mlp.experts.*" for layer in bf16_expert_layers]
     if str(getattr(mtp, "value", mtp)) in ("auto", "from-bf16"):
         pats.append("mtp.*")
@@ -264,8 +276,9 @@ class HybridPlan:
             "flavour": self.flavour,
             "mtp": self.mtp_action,
             "bf16_expert_layers": list(self.options.bf16_expert_layers),
-            "bf16_shared_expert_layers": (None if self.options.bf16_shared_expert_layers is None
-                                          else list(self.options.bf16_shared_expert_layers)),
+            "bf16_shared_expert_layers": (
+                None if self.options.bf16_shared_expert_layers is None else list(self.options.bf16_shared_expert_layers)
+            ),
             "shards": counts,
             "tensors": {
                 "total": sum(s.num_tensors for s in self.shards),
@@ -290,5 +303,3 @@ _NUM = re.compile(r"(\d+)")
 
 def natural_key(name: str):
     return [int(p) if p.isdigit() else p for p in _NUM.split(name)]
-
-

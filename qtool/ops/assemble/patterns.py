@@ -38,7 +38,7 @@ def _groups(bf16_units: list[str], regex: bool) -> list[tuple[set[str], list[lis
     rest = [u for u in bf16_units if u not in shared and u not in experts and u not in mtp]
     groups: list[tuple[set[str], list[list[str]]]] = []
     if shared:
-        alts = ([[r"re:.*\.mlp\.shared_expert\."]] if regex else [["*.mlp.shared_expert.*"]])
+        alts = [[r"re:.*\.mlp\.shared_expert\."]] if regex else [["*.mlp.shared_expert.*"]]
         groups.append((set(shared), alts))
         for n in sorted({int(_SHARED.search(u).group(1)) for u in shared}):
             us = {u for u in shared if int(_SHARED.search(u).group(1)) == n}
@@ -60,8 +60,9 @@ def _layer_alts(n: int, comp: str, regex: bool) -> list[list[str]]:
     return [[f"*.layers.{n}.{tail}"], [f"{_LM}layers.{n}.{tail}", f"model.layers.{n}.{tail}"]]
 
 
-def choose_patterns(existing: list[str], bf16_units: list[str], quant_units: list[str], reps: dict[str, str],
-                    flavour: str, regex: bool) -> list[str]:
+def choose_patterns(
+    existing: list[str], bf16_units: list[str], quant_units: list[str], reps: dict[str, str], flavour: str, regex: bool
+) -> list[str]:
     """Patterns to append to `existing` so that every engine release excludes every unit of `bf16_units`
     and nothing of `quant_units` that `existing` did not already exclude."""
     if not bf16_units:
@@ -73,8 +74,9 @@ def choose_patterns(existing: list[str], bf16_units: list[str], quant_units: lis
     units = set(bf16_units) | set(quant_units)
     base = dec.excluded(existing, units)
     if base is None:
-        raise PlanError("the NVFP4 source's ignore list is refused by an engine (partly excluded fused module)",
-                        got=existing)
+        raise PlanError(
+            "the NVFP4 source's ignore list is refused by an engine (partly excluded fused module)", got=existing
+        )
     allowed_q = [b & set(quant_units) for b in base]
     added: list[str] = []
     covered = set.intersection(*base) & set(bf16_units)
@@ -151,6 +153,7 @@ def updated_configs(nv, flavour: str, shards, bf16_modules: list[str], known_rol
     hq = copy.deepcopy(nv.hf_quant_config)
     if hq is not None:
         existing = hf_quant_exclude(hq) or []
-        set_hf_quant_exclude(hq, existing + choose_patterns(existing, units, quant_units, reps, "modelopt",
-                                                            regex=False))
+        set_hf_quant_exclude(
+            hq, existing + choose_patterns(existing, units, quant_units, reps, "modelopt", regex=False)
+        )
     return config, hq, added

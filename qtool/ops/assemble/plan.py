@@ -10,11 +10,11 @@ I*H elements; `experts.down_proj` [E, H, I] holds expert e's [H, I] matrix conti
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from array import array
+from pathlib import Path
 
 from qtool.arch.model_map import QUANTIZED_FORMATS, Format, build_map
-from qtool.arch.qwen35 import MTP_PREFIX, Group, Naming, TEXT_PREFIX, engine_module
+from qtool.arch.qwen35 import MTP_PREFIX, TEXT_PREFIX, Group, Naming, engine_module
 from qtool.errors import CheckpointError, PlanError, UsageError
 from qtool.io.checkpoint import HF_QUANT_CONFIG_NAME, Checkpoint
 from qtool.io.dtypes import DTYPE_BITS, FLOAT_DTYPES
@@ -23,8 +23,6 @@ from qtool.io.output import check_no_overlap
 from qtool.io.quant_config import config_ignore, hf_quant_exclude
 from qtool.io.safetensors_header import TensorInfo
 from qtool.io.writer import plan_shards
-
-from qtool.ops.assemble.validate import check_bf16_tensor, check_mtp_complete, check_same_model, ArchShapes
 from qtool.ops.assemble.model import (
     NEW_SHARD_TEMPLATE,
     SKIP_DIRS,
@@ -38,13 +36,14 @@ from qtool.ops.assemble.model import (
     ShardAction,
     natural_key,
 )
-
+from qtool.ops.assemble.validate import ArchShapes, check_bf16_tensor, check_mtp_complete, check_same_model
 
 # ---- planning ------------------------------------------------------------------------------------
 
 
-def _origin(source: str, info: TensorInfo, sl: str | None = None, start: int | None = None,
-            nbytes: int | None = None) -> Origin:
+def _origin(
+    source: str, info: TensorInfo, sl: str | None = None, start: int | None = None, nbytes: int | None = None
+) -> Origin:
     s = info.start if start is None else start
     e = info.end if nbytes is None else s + nbytes
     return Origin(source, info.file, info.name, s, e, sl)
@@ -81,11 +80,11 @@ class _Planner:
     # name translation: the output uses the NVFP4 source's naming
     def bf_name(self, out_name: str) -> str:
         a, b = TEXT_PREFIX[self.nv_map.naming], TEXT_PREFIX[self.bf_map.naming]
-        return b + out_name[len(a):] if a != b and out_name.startswith(a) else out_name
+        return b + out_name[len(a) :] if a != b and out_name.startswith(a) else out_name
 
     def out_name(self, bf_name: str) -> str:
         a, b = TEXT_PREFIX[self.bf_map.naming], TEXT_PREFIX[self.nv_map.naming]
-        return b + bf_name[len(a):] if a != b and bf_name.startswith(a) else bf_name
+        return b + bf_name[len(a) :] if a != b and bf_name.startswith(a) else bf_name
 
     def flavour(self) -> str:
         fmts = {m.format for m in self.nv_map.modules.values() if m.format in QUANTIZED_FORMATS}
@@ -95,9 +94,12 @@ class _Planner:
             return "compressed-tensors"
         if Format.NVFP4 in fmts:
             return "modelopt"
-        raise PlanError("the --nvfp4 source holds no NVFP4 modules", path=self.nv.root,
-                        got=sorted(f.value for f in fmts) or "no quantized modules",
-                        hint="pass an NVFP4 checkpoint (ModelOpt or compressed-tensors naming)")
+        raise PlanError(
+            "the --nvfp4 source holds no NVFP4 modules",
+            path=self.nv.root,
+            got=sorted(f.value for f in fmts) or "no quantized modules",
+            hint="pass an NVFP4 checkpoint (ModelOpt or compressed-tensors naming)",
+        )
 
     def home_of(self, names: list[str]) -> str | None:
         homes = sorted((self.nv.shard_of(n) for n in names if n in self.nv.tensors), key=natural_key)
@@ -129,19 +131,24 @@ class _Planner:
         if splices and already and len(already) == sum(1 for m in modules.values() if m.group is Group.SHARED_EXPERT):
             # ModelOpt's and Sehyo's exports keep the shared expert BF16: the splice then swaps BF16 for
             # the same BF16 weights (wanted for layers' experts and MTP; this part changes nothing)
-            self.warnings.append("the NVFP4 input's shared experts are BF16 already: they are replaced by the BF16 "
-                                 "source's (the same weights, no quality or memory change)")
+            self.warnings.append(
+                "the NVFP4 input's shared experts are BF16 already: they are replaced by the BF16 "
+                "source's (the same weights, no quality or memory change)"
+            )
         chosen = self.opts.bf16_shared_expert_layers
         for layer in chosen if chosen is not None else ():
             if not 0 <= layer < self.expect.L:
-                raise UsageError(f"--bf16-shared-experts names layer {layer}, the model has {self.expect.L}",
-                                 expected=f"0..{self.expect.L - 1}", got=layer)
+                raise UsageError(
+                    f"--bf16-shared-experts names layer {layer}, the model has {self.expect.L}",
+                    expected=f"0..{self.expect.L - 1}",
+                    got=layer,
+                )
         for layer in range(self.expect.L) if chosen is None else sorted(set(chosen)):
-            gone = self.remove_where(
-                lambda r, layer=layer: r.group is Group.SHARED_EXPERT and r.layer == layer, layer)
+            gone = self.remove_where(lambda r, layer=layer: r.group is Group.SHARED_EXPERT and r.layer == layer, layer)
             base = f"{prefix}layers.{layer}.mlp.shared_expert."
             home = self.home_of(gone) or self.home_of(
-                [n for n in self.names_by_layer.get(layer, []) if self.nv_map.roles[n].group is not Group.MTP])
+                [n for n in self.names_by_layer.get(layer, []) if self.nv_map.roles[n].group is not Group.MTP]
+            )
             for proj in PROJS:
                 name = f"{base}{proj}.weight"
                 info = self.bf_info(name)
@@ -153,20 +160,20 @@ class _Planner:
 
     def expert_layer(self, layer: int) -> None:
         if not 0 <= layer < self.expect.L:
-            raise UsageError(f"--bf16-expert-layers names layer {layer}, the model has {self.expect.L}",
-                             expected=f"0..{self.expect.L - 1}", got=layer,
-                             hint=f"name layers 0 to {self.expect.L - 1} (`qtool inspect` of the BF16 checkpoint "
-                             "shows its layers)")
-        gone = self.remove_where(
-            lambda r: r.group is Group.ROUTED_EXPERTS and r.layer == layer, layer)
+            raise UsageError(
+                f"--bf16-expert-layers names layer {layer}, the model has {self.expect.L}",
+                expected=f"0..{self.expect.L - 1}",
+                got=layer,
+                hint=f"name layers 0 to {self.expect.L - 1} (`qtool inspect` of the BF16 checkpoint shows its layers)",
+            )
+        gone = self.remove_where(lambda r: r.group is Group.ROUTED_EXPERTS and r.layer == layer, layer)
         home = self.home_of(gone)
         base = f"{TEXT_PREFIX[self.nv_map.naming]}layers.{layer}.mlp.experts"
         for t in self.experts_from(self.bf, "bf16", base, self.bf_name(base), f"layer {layer} routed experts"):
             self.add(home, t)
         self.bf16_units.add(base)
 
-    def experts_from(self, ck: Checkpoint, source: str, out_base: str, src_base: str,
-                     what: str) -> list[PlannedTensor]:
+    def experts_from(self, ck: Checkpoint, source: str, out_base: str, src_base: str, what: str) -> list[PlannedTensor]:
         """Per-expert tensors for `out_base` ('...mlp.experts') from `ck`, unfusing when it is fused."""
         E = self.expect.E
         fused_gu = ck.tensors.get(src_base + ".gate_up_proj")
@@ -183,13 +190,31 @@ class _Planner:
             mat = I * H * eb
             for e in range(E):
                 base = fused_gu.start + e * 2 * mat
-                out.append(PlannedTensor(f"{out_base}.{e}.gate_proj.weight", fused_gu.dtype, (I, H),
-                                         _origin(source, fused_gu, f"[{e}, 0:{I}, :]", base, mat)))
-                out.append(PlannedTensor(f"{out_base}.{e}.up_proj.weight", fused_gu.dtype, (I, H),
-                                         _origin(source, fused_gu, f"[{e}, {I}:{2 * I}, :]", base + mat, mat)))
+                out.append(
+                    PlannedTensor(
+                        f"{out_base}.{e}.gate_proj.weight",
+                        fused_gu.dtype,
+                        (I, H),
+                        _origin(source, fused_gu, f"[{e}, 0:{I}, :]", base, mat),
+                    )
+                )
+                out.append(
+                    PlannedTensor(
+                        f"{out_base}.{e}.up_proj.weight",
+                        fused_gu.dtype,
+                        (I, H),
+                        _origin(source, fused_gu, f"[{e}, {I}:{2 * I}, :]", base + mat, mat),
+                    )
+                )
                 db = DTYPE_BITS[fused_d.dtype] // 8 * H * I
-                out.append(PlannedTensor(f"{out_base}.{e}.down_proj.weight", fused_d.dtype, (H, I),
-                                         _origin(source, fused_d, f"[{e}, :, :]", fused_d.start + e * db, db)))
+                out.append(
+                    PlannedTensor(
+                        f"{out_base}.{e}.down_proj.weight",
+                        fused_d.dtype,
+                        (H, I),
+                        _origin(source, fused_d, f"[{e}, :, :]", fused_d.start + e * db, db),
+                    )
+                )
             return out
         for e in range(E):
             for proj in PROJS:
@@ -199,8 +224,9 @@ class _Planner:
                     self.missing.append(src)
                     continue
                 check_bf16_tensor(src, info, self.expect.expert(proj), what)
-                out.append(PlannedTensor(f"{out_base}.{e}.{proj}.weight", info.dtype, info.shape,
-                                         _origin(source, info)))
+                out.append(
+                    PlannedTensor(f"{out_base}.{e}.{proj}.weight", info.dtype, info.shape, _origin(source, info))
+                )
         return out
 
     def mtp(self) -> str:
@@ -210,8 +236,9 @@ class _Planner:
         if mode is MtpMode.AUTO:
             mode = MtpMode.KEEP if nv_has else (MtpMode.FROM_BF16 if bf_has else MtpMode.KEEP)
             if not nv_has and not bf_has:
-                self.warnings.append("neither source has an MTP head; the output has none "
-                                     "(speculative decoding with MTP will not work)")
+                self.warnings.append(
+                    "neither source has an MTP head; the output has none (speculative decoding with MTP will not work)"
+                )
         if mode is MtpMode.KEEP:
             if not nv_has:
                 return "none"
@@ -221,13 +248,21 @@ class _Planner:
         if mode is MtpMode.DROP:
             return "drop" if gone else "none"
         if not bf_has:
-            raise PlanError("--mtp from-bf16: the BF16 source has no mtp.* tensors", path=self.bf.root,
-                            hint="use --mtp keep or --mtp drop")
+            raise PlanError(
+                "--mtp from-bf16: the BF16 source has no mtp.* tensors",
+                path=self.bf.root,
+                hint="use --mtp keep or --mtp drop",
+            )
         home = self.home_of(gone)
         bf_mtp = sorted((n for n in self.bf.tensors if n.startswith(MTP_PREFIX)), key=natural_key)
         check_mtp_complete(bf_mtp, self.bf.root)
-        fused_bases = sorted({n.rsplit(".", 1)[0] for n in bf_mtp if self.bf_map.roles[n].inner is
-                              Group.ROUTED_EXPERTS and self.bf_map.roles[n].expert is None})
+        fused_bases = sorted(
+            {
+                n.rsplit(".", 1)[0]
+                for n in bf_mtp
+                if self.bf_map.roles[n].inner is Group.ROUTED_EXPERTS and self.bf_map.roles[n].expert is None
+            }
+        )
         for n in bf_mtp:
             role = self.bf_map.roles[n]
             if role.inner is Group.ROUTED_EXPERTS and role.expert is None:
@@ -241,8 +276,11 @@ class _Planner:
 
     def unfuse_kept_mtp(self) -> None:
         modules = self.nv_map.modules
-        fused = sorted(m.name for m in modules.values()
-                       if m.group is Group.MTP and m.inner is Group.ROUTED_EXPERTS and m.expert is None)
+        fused = sorted(
+            m.name
+            for m in modules.values()
+            if m.group is Group.MTP and m.inner is Group.ROUTED_EXPERTS and m.expert is None
+        )
         for base in fused:
             names = [f"{base}.{p}" for p in modules[base].params]
             home = self.home_of(names)
@@ -268,8 +306,18 @@ class _Planner:
             size = sum(map(table.nbytes_at, kept))
             extra = adds.pop(rel, [])
             if len(kept) == len(rows) and not extra:
-                shards.append(PlannedShard(rel, ShardAction.LINK, array("I", kept), [], str(self.nv.root / rel),
-                                           header.metadata or None, table, size))
+                shards.append(
+                    PlannedShard(
+                        rel,
+                        ShardAction.LINK,
+                        array("I", kept),
+                        [],
+                        str(self.nv.root / rel),
+                        header.metadata or None,
+                        table,
+                        size,
+                    )
+                )
                 continue
             added: list[PlannedTensor] = []
             for t in extra:
@@ -279,8 +327,18 @@ class _Planner:
                 else:
                     overflow.append(t)
             if kept or added:
-                shards.append(PlannedShard(rel, ShardAction.REBUILD, array("I", kept), added,
-                                           str(self.nv.root / rel), header.metadata or None, table, size))
+                shards.append(
+                    PlannedShard(
+                        rel,
+                        ShardAction.REBUILD,
+                        array("I", kept),
+                        added,
+                        str(self.nv.root / rel),
+                        header.metadata or None,
+                        table,
+                        size,
+                    )
+                )
         for rest in adds.values():  # homes that do not exist (cannot happen; kept for safety)
             overflow.extend(rest)
         if overflow:
@@ -289,11 +347,21 @@ class _Planner:
             for i, g in enumerate(groups):
                 name = NEW_SHARD_TEMPLATE.format(i=i + 1, n=len(groups))
                 if name in self.nv.headers:
-                    raise PlanError("the NVFP4 source already has a shard with the name qtool gives new "
-                                    "shards", path=self.nv.root / name)
+                    raise PlanError(
+                        "the NVFP4 source already has a shard with the name qtool gives new shards",
+                        path=self.nv.root / name,
+                    )
                 added = [by_name[n] for n in g]
-                shards.append(PlannedShard(name, ShardAction.NEW, array("I"), added, metadata={"format": "pt"},
-                                           data_bytes=sum(t.nbytes for t in added)))
+                shards.append(
+                    PlannedShard(
+                        name,
+                        ShardAction.NEW,
+                        array("I"),
+                        added,
+                        metadata={"format": "pt"},
+                        data_bytes=sum(t.nbytes for t in added),
+                    )
+                )
         return shards
 
 
@@ -344,11 +412,24 @@ def plan_hybrid(opts: HybridOptions) -> HybridPlan:
 
     from qtool.ops.assemble.patterns import updated_configs
 
-    config, hq, added = updated_configs(p.nv, flavour, shards, sorted(p.bf16_units, key=natural_key),
-                                        p.nv_map.roles)
+    config, hq, added = updated_configs(p.nv, flavour, shards, sorted(p.bf16_units, key=natural_key), p.nv_map.roles)
     files = [f for f in extra_files(p.nv.root)]
-    return HybridPlan(opts, p.nv, p.bf, p.nv_map, flavour, shards, sorted(p.removed, key=natural_key),
-                      mtp_action, sorted(p.bf16_units, key=natural_key), config, hq, added, files, p.warnings)
+    return HybridPlan(
+        opts,
+        p.nv,
+        p.bf,
+        p.nv_map,
+        flavour,
+        shards,
+        sorted(p.removed, key=natural_key),
+        mtp_action,
+        sorted(p.bf16_units, key=natural_key),
+        config,
+        hq,
+        added,
+        files,
+        p.warnings,
+    )
 
 
 def _check_unchanged_shapes(p: _Planner) -> None:
@@ -361,13 +442,26 @@ def _check_unchanged_shapes(p: _Planner) -> None:
         if other is not None and other.dtype in FLOAT_DTYPES and other.shape != info.shape:
             raise PlanError(
                 "the two sources are different models: a tensor they both hold differs in shape",
-                path=other.file, tensor=name, expected=f"{list(info.shape)} (NVFP4 source)",
+                path=other.file,
+                tensor=name,
+                expected=f"{list(info.shape)} (NVFP4 source)",
                 got=f"{list(other.shape)} (BF16 source)",
                 hint="pass the BF16 original of the model the NVFP4 checkpoint was quantized from",
             )
 
 
 __all__ = [
-    "HF_QUANT_CONFIG_NAME", "HybridOptions", "HybridPlan", "LinkMode", "MtpMode", "Naming", "Origin",
-    "PlannedShard", "PlannedTensor", "ShardAction", "plan_hybrid", "hf_quant_exclude", "config_ignore",
+    "HF_QUANT_CONFIG_NAME",
+    "HybridOptions",
+    "HybridPlan",
+    "LinkMode",
+    "MtpMode",
+    "Naming",
+    "Origin",
+    "PlannedShard",
+    "PlannedTensor",
+    "ShardAction",
+    "plan_hybrid",
+    "hf_quant_exclude",
+    "config_ignore",
 ]

@@ -14,13 +14,21 @@ from qtool.io.safetensors_header import TensorInfo
 def _need(cfg: dict, key: str, where: Path) -> int:
     v = cfg.get(key)
     if not isinstance(v, int):
-        raise PlanError(f"config lacks text_config.{key}", path=where / "config.json",
-                        hint="the checkpoint's config.json is not a Qwen3.5-MoE config")
+        raise PlanError(
+            f"config lacks text_config.{key}",
+            path=where / "config.json",
+            hint="the checkpoint's config.json is not a Qwen3.5-MoE config",
+        )
     return v
 
 
-ARCH_KEYS = ("hidden_size", "num_experts", "moe_intermediate_size", "shared_expert_intermediate_size",
-             "num_hidden_layers")
+ARCH_KEYS = (
+    "hidden_size",
+    "num_experts",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "num_hidden_layers",
+)
 
 
 def check_same_model(nv: Checkpoint, bf: Checkpoint) -> None:
@@ -57,21 +65,40 @@ class ArchShapes:
 
 def check_bf16_tensor(name: str, info: TensorInfo, shape: tuple[int, ...], what: str) -> None:
     if info.dtype not in FLOAT_DTYPES:
-        raise PlanError(f"BF16 source tensor for the {what} is not a float tensor", path=info.file,
-                        tensor=name, expected="BF16/F16/F32", got=info.dtype,
-                        hint="--bf16 must point at the unquantized original")
+        raise PlanError(
+            f"BF16 source tensor for the {what} is not a float tensor",
+            path=info.file,
+            tensor=name,
+            expected="BF16/F16/F32",
+            got=info.dtype,
+            hint="--bf16 must point at the unquantized original",
+        )
     if tuple(info.shape) != tuple(shape):
-        raise PlanError(f"BF16 source tensor for the {what} has the wrong shape for this architecture",
-                        path=info.file, tensor=name, expected=list(shape), got=list(info.shape),
-                        hint="the two sources are different models (compare hidden_size / "
-                             "moe_intermediate_size / num_experts in their config.json)")
+        raise PlanError(
+            f"BF16 source tensor for the {what} has the wrong shape for this architecture",
+            path=info.file,
+            tensor=name,
+            expected=list(shape),
+            got=list(info.shape),
+            hint="the two sources are different models (compare hidden_size / "
+            "moe_intermediate_size / num_experts in their config.json)",
+        )
 
 
 # What an MTP head must hold to be built by the engines' drafters (vLLM qwen3_5_mtp.py, SGLang
 # qwen3_5_mtp.py): the input projection and norms, one decoder layer's attention and MoE.
-MTP_REQUIRED = ("mtp.fc.", "mtp.norm.", "mtp.pre_fc_norm_embedding.", "mtp.pre_fc_norm_hidden.",
-                "mtp.layers.0.self_attn.q_proj.", "mtp.layers.0.self_attn.k_proj.", "mtp.layers.0.self_attn.v_proj.",
-                "mtp.layers.0.self_attn.o_proj.", "mtp.layers.0.mlp.gate.", "mtp.layers.0.mlp.experts.")
+MTP_REQUIRED = (
+    "mtp.fc.",
+    "mtp.norm.",
+    "mtp.pre_fc_norm_embedding.",
+    "mtp.pre_fc_norm_hidden.",
+    "mtp.layers.0.self_attn.q_proj.",
+    "mtp.layers.0.self_attn.k_proj.",
+    "mtp.layers.0.self_attn.v_proj.",
+    "mtp.layers.0.self_attn.o_proj.",
+    "mtp.layers.0.mlp.gate.",
+    "mtp.layers.0.mlp.experts.",
+)
 
 
 def check_mtp_complete(names: list[str], root: Path) -> None:
@@ -79,9 +106,11 @@ def check_mtp_complete(names: list[str], root: Path) -> None:
     checks, after every shard was copied, before)."""
     missing = [r.rstrip(".") for r in MTP_REQUIRED if not any(n.startswith(r) for n in names)]
     if missing:
-        raise PlanError(f"the BF16 source's MTP head is incomplete: no {', '.join(missing[:4])}"
-                        + (" ..." if len(missing) > 4 else ""), path=root, tensor=missing[0],
-                        hint="download the BF16 source's MTP tensors completely (qtool download ... --tensors "
-                        "'re:^mtp\\.'), or pass --mtp drop / --mtp keep")
-
-
+        raise PlanError(
+            f"the BF16 source's MTP head is incomplete: no {', '.join(missing[:4])}"
+            + (" ..." if len(missing) > 4 else ""),
+            path=root,
+            tensor=missing[0],
+            hint="download the BF16 source's MTP tensors completely (qtool download ... --tensors "
+            "'re:^mtp\\.'), or pass --mtp drop / --mtp keep",
+        )

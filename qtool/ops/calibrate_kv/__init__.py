@@ -39,6 +39,23 @@ from qtool.ops.calibrate_kv.plan import (
 )
 from qtool.ops.calibrate_kv.write import output_plan, scale_values
 
-__all__ = ["CT_KV_SCHEME", "JOURNAL", "KV_SHARD", "MODELOPT_KV_SCHEME", "OUTLIER_RATIO", "CalibrateKvOptions",
-           "Convention", "KvPlan", "LayerStat", "calibrate", "execute", "kv_only_quantization_config",
-           "outlier_warnings", "plan", "run", "scale_names", "output_plan", "scale_values"]
+__all__ = [
+    "CT_KV_SCHEME",
+    "JOURNAL",
+    "KV_SHARD",
+    "MODELOPT_KV_SCHEME",
+    "OUTLIER_RATIO",
+    "CalibrateKvOptions",
+    "Convention",
+    "KvPlan",
+    "LayerStat",
+    "calibrate",
+    "execute",
+    "kv_only_quantization_config",
+    "outlier_warnings",
+    "plan",
+    "run",
+    "scale_names",
+    "output_plan",
+    "scale_values",
+]

@@ -1,6 +1,5 @@
 """calibrate-kv: the layer-streamed forward and its K/V statistics."""
 
-
 from __future__ import annotations
 
 import hashlib
@@ -12,9 +11,7 @@ from dataclasses import dataclass
 from qtool.errors import PlanError
 from qtool.io.identity import input_identity, tensor_list_text
 from qtool.io.jsonio import load_json, write_json
-
 from qtool.ops.calibrate_kv.plan import JOURNAL, OUTLIER_RATIO, KvPlan
-
 
 # ---- calibrate -------------------------------------------------------------------------------------
 
@@ -35,8 +32,14 @@ class LayerStat:
         return _scale(self.v_amax)
 
     def to_json(self) -> dict:
-        return {"layer": self.layer, "k_amax": self.k_amax, "v_amax": self.v_amax,
-                "k_scale": self.k_scale, "v_scale": self.v_scale, "tokens": self.tokens}
+        return {
+            "layer": self.layer,
+            "k_amax": self.k_amax,
+            "v_amax": self.v_amax,
+            "k_scale": self.k_scale,
+            "v_scale": self.v_scale,
+            "tokens": self.tokens,
+        }
 
 
 def _scale(amax: float) -> float:
@@ -110,8 +113,13 @@ def calibrate(
     from qtool.stream.layer_stream import DiskStore, LayerStreamer, MemoryStore
 
     opts = p.options
-    streamer = LayerStreamer(p.ckpt, device=p.device, dtype=dtype or (opts.dtype if opts else None),
-                             batch_tokens=opts.batch_tokens if opts else None, mm=p.mm)
+    streamer = LayerStreamer(
+        p.ckpt,
+        device=p.device,
+        dtype=dtype or (opts.dtype if opts else None),
+        batch_tokens=opts.batch_tokens if opts else None,
+        mm=p.mm,
+    )
     g = streamer.group
     n, seq = int(ids.shape[0]), int(ids.shape[1])
     shape = (n, seq, streamer.hidden_size)
@@ -140,8 +148,14 @@ def calibrate(
     if hidden == "disk":
         # write-behind of the hidden states in one process (the ranks' journal needs every rank's writes
         # durable at the layer's barrier, so they write synchronously)
-        store = DiskStore(p.work_dir, shape, streamer.dtype, current=(journal or {}).get("current", "a"),
-                          write_behind=g.world == 1, device=streamer.device)
+        store = DiskStore(
+            p.work_dir,
+            shape,
+            streamer.dtype,
+            current=(journal or {}).get("current", "a"),
+            write_behind=g.world == 1,
+            device=streamer.device,
+        )
     else:
         if start:
             raise PlanError("--resume needs the hidden states on disk")
@@ -153,8 +167,12 @@ def calibrate(
             return
         if next_layer > 0:
             streamer.inputs_hashed(next_layer - 1)  # the digests a resume relies on cover that layer
-        entry = {"key": key, "next_layer": next_layer, "current": store.current,
-                 "stats": [s.to_json() for s in sorted(hooks.stats.values(), key=lambda s: s.layer)]}
+        entry = {
+            "key": key,
+            "next_layer": next_layer,
+            "current": store.current,
+            "stats": [s.to_json() for s in sorted(hooks.stats.values(), key=lambda s: s.layer)],
+        }
         store.when_durable(lambda: write_json(jpath, entry))  # once the layer's hidden states are on disk
 
     hooks = _KvHooks(p.layers, lambda idx: save(idx + 1), g)
@@ -174,9 +192,14 @@ def calibrate(
         store.close()  # the last journal entry and writes (an error of theirs is raised here)
     elapsed = time.perf_counter() - t0
     layers_run = p.run_layers - start
-    timing = {"seconds": elapsed, "layers_run": layers_run, "resumed_from_layer": start,
-              "tokens_per_s": (n * seq * layers_run / p.run_layers) / elapsed if elapsed > 0 else None,
-              **streamer.clock, "kernels": streamer.kernels}
+    timing = {
+        "seconds": elapsed,
+        "layers_run": layers_run,
+        "resumed_from_layer": start,
+        "tokens_per_s": (n * seq * layers_run / p.run_layers) / elapsed if elapsed > 0 else None,
+        **streamer.clock,
+        "kernels": streamer.kernels,
+    }
     return {i: hooks.stats[i] for i in p.layers}, timing
 
 
@@ -194,5 +217,3 @@ def outlier_warnings(stats: dict[int, LayerStat]) -> list[str]:
         if s.k_amax <= 0 or s.v_amax <= 0 or s.tokens == 0:
             out.append(f"layer {i}: no K/V seen (amax 0); scale set to 1.0")
     return out
-
-

@@ -1,6 +1,5 @@
 """calibrate-kv: execute (calibrate, then write) and run."""
 
-
 from __future__ import annotations
 
 import shutil
@@ -10,15 +9,13 @@ from qtool.errors import UsageError
 from qtool.io.apply import write_output
 from qtool.io.in_place import InPlaceDir
 from qtool.io.manifest import RUN
-from qtool.io.plan import Remove
 from qtool.io.output import OutputDir
+from qtool.io.plan import Remove
+from qtool.ops.calibrate_kv.calibrate import calibrate, outlier_warnings
+from qtool.ops.calibrate_kv.plan import CalibrateKvOptions, KvPlan, plan
+from qtool.ops.calibrate_kv.write import scale_values
 from qtool.ops.contract import Report
 from qtool.stream.layer_stream import streamed_files
-
-from qtool.ops.calibrate_kv.plan import CalibrateKvOptions, KvPlan, plan
-from qtool.ops.calibrate_kv.calibrate import calibrate, outlier_warnings
-from qtool.ops.calibrate_kv.write import scale_values
-
 
 # ---- the whole operation ---------------------------------------------------------------------------
 
@@ -37,11 +34,15 @@ def execute(p: KvPlan, *, progress=None) -> Report:
 
     if not dist.current().leader:  # a data-parallel rank: its share of the forward; rank 0 writes
         stats, timing = calibrate(p, calib.ids, resume=opts.resume)
-        return Report({**report, "rank": dist.current().rank, "layers": [stats[i].to_json() for i in p.layers],
-                       "timing": timing})
+        return Report(
+            {**report, "rank": dist.current().rank, "layers": [stats[i].to_json() for i in p.layers], "timing": timing}
+        )
     # the transaction (lock, writability, the --force rules) is taken before the forward pass
-    tx = (OutputDir(p.out, sources=[p.ckpt.root], force=opts.force, resume=opts.resume) if p.out is not None
-          else InPlaceDir(p.ckpt.root, resume=opts.resume))
+    tx = (
+        OutputDir(p.out, sources=[p.ckpt.root], force=opts.force, resume=opts.resume)
+        if p.out is not None
+        else InPlaceDir(p.ckpt.root, resume=opts.resume)
+    )
     state: dict = {}
 
     def produce(done) -> dict:  # writes no Produced shard: the scales are Pending values
@@ -59,9 +60,16 @@ def execute(p: KvPlan, *, progress=None) -> Report:
         return {}
 
     with tx:
-        applied = write_output(p.output, tx, command=opts.command, produce=produce, check=check,
-                               hash_from_reads=streamed_files(p.ckpt, p.mm), early_shards=True,
-                               extra=lambda: {RUN: {"kernels": state["timing"].get("kernels")}})
+        applied = write_output(
+            p.output,
+            tx,
+            command=opts.command,
+            produce=produce,
+            check=check,
+            hash_from_reads=streamed_files(p.ckpt, p.mm),
+            early_shards=True,
+            extra=lambda: {RUN: {"kernels": state["timing"].get("kernels")}},
+        )
     stats = state["stats"]
     report["layers"] = [stats[i].to_json() for i in p.layers]
     report["warnings"] = p.warnings + outlier_warnings(stats)

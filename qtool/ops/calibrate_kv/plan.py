@@ -1,6 +1,5 @@
 """calibrate-kv: options and plan (headers and configs only)."""
 
-
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -13,11 +12,11 @@ from pathlib import Path
 
 from qtool.arch.model_map import ModelMap
 from qtool.arch.qwen35 import Group, layer_prefix
-from qtool.formats.naming import Flavour
 from qtool.errors import PlanError
+from qtool.formats.naming import Flavour
+from qtool.io.checkpoint import Checkpoint
 from qtool.io.in_place import in_place_partial
 from qtool.io.output import check_no_overlap, partial_path
-from qtool.io.checkpoint import Checkpoint
 from qtool.stream.memory_plan import need
 
 OUTLIER_RATIO = 10.0
@@ -36,9 +35,18 @@ MODELOPT_KV_SCHEME = {"dynamic": False, "num_bits": 8, "type": "float"}
 # compressed-tensors: QuantizationArgs(num_bits=8, type="float", strategy="tensor", dynamic=False,
 # symmetric=True).model_dump() with compressed-tensors 0.19, as llm-compressor 0.14 writes it.
 CT_KV_SCHEME = {
-    "num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "strategy": "tensor",
-    "block_structure": None, "dynamic": False, "actorder": None, "scale_dtype": None, "zp_dtype": None,
-    "observer": "minmax", "observer_kwargs": {},
+    "num_bits": 8,
+    "type": "float",
+    "symmetric": True,
+    "group_size": None,
+    "strategy": "tensor",
+    "block_structure": None,
+    "dynamic": False,
+    "actorder": None,
+    "scale_dtype": None,
+    "zp_dtype": None,
+    "observer": "minmax",
+    "observer_kwargs": {},
 }
 
 
@@ -83,8 +91,8 @@ class KvPlan:
     stream: object  # layer_stream.StreamPlan
     config_changes: list[str]
     warnings: list[str] = field(default_factory=list)
-    options: "CalibrateKvOptions | None" = None
-    output: "OutputPlan | None" = None  # every output file (calibrate_kv.write.output_plan)
+    options: CalibrateKvOptions | None = None
+    output: OutputPlan | None = None  # every output file (calibrate_kv.write.output_plan)
     calib: object = None  # the token windows (stream.calib_data.CalibSet), made by the plan
     memory: object = None  # peak host/GPU need and fit (stream.memory_plan.MemoryNeed)
     mm: ModelMap | None = None  # the checkpoint's map (execute's layer streamer reuses it)
@@ -107,9 +115,14 @@ class KvPlan:
             "rewrites_shards": self.rewrite_shards,
             "new_shard": self.kv_shard,
             "config_changes": self.config_changes,
-            "calibration": self.calib.to_json() if self.calib is not None else {
-                "dataset": self.dataset, "samples": self.samples, "seq_len": self.seq_len,
-                "tokens": self.samples * self.seq_len},
+            "calibration": self.calib.to_json()
+            if self.calib is not None
+            else {
+                "dataset": self.dataset,
+                "samples": self.samples,
+                "seq_len": self.seq_len,
+                "tokens": self.samples * self.seq_len,
+            },
             "device": self.device,
             "work_dir": str(self.work_dir),
             "memory": {
@@ -205,8 +218,25 @@ def plan(opts: CalibrateKvOptions) -> KvPlan:
     if ckpt.quantization_config and ckpt.quantization_config.get("quant_method") == "awq":
         warnings.append("AWQ configs: engines may ignore kv_cache_scheme (vLLM's AWQ method loads no KV scales)")
     p = KvPlan(
-        ckpt, out_p, conv, layers, max(layers) + 1, names, existing, rewrite, kv_shard, work,
-        samples, seq_len, dataset, device, sp, changes, warnings, opts, mm=mm,
+        ckpt,
+        out_p,
+        conv,
+        layers,
+        max(layers) + 1,
+        names,
+        existing,
+        rewrite,
+        kv_shard,
+        work,
+        samples,
+        seq_len,
+        dataset,
+        device,
+        sp,
+        changes,
+        warnings,
+        opts,
+        mm=mm,
     )
     from qtool.ops.calibrate_kv.write import output_plan
     from qtool.stream.calib_data import plan_calibration
@@ -221,5 +251,3 @@ def plan(opts: CalibrateKvOptions) -> KvPlan:
     p.output.summary = p.to_json()
     p.output.summary["memory"].pop("need")  # this machine's free memory: the run's report, not the artifact's record
     return p
-
-

@@ -1,7 +1,6 @@
 """calibrate-kv: the calibrated checkpoint as an output plan (qtool.io.plan), decided before calibration;
 the KV scales are its only values computed later (Pending), given to the executor once calibrated."""
 
-
 from __future__ import annotations
 
 import json
@@ -12,9 +11,14 @@ from qtool.io.jsonio import file_style
 from qtool.io.plan import Json, OutputPlan, Pending, Remove, Shard, unchanged_files
 from qtool.io.quant_config import HfQuantSchema, hf_quant_schema
 from qtool.io.writer import FileRange, OutTensor, index_json
-
-from qtool.ops.calibrate_kv.plan import CT_KV_SCHEME, MODELOPT_KV_SCHEME, Convention, KvPlan, kv_only_quantization_config
 from qtool.ops.calibrate_kv.calibrate import LayerStat
+from qtool.ops.calibrate_kv.plan import (
+    CT_KV_SCHEME,
+    MODELOPT_KV_SCHEME,
+    Convention,
+    KvPlan,
+    kv_only_quantization_config,
+)
 
 
 def scale_values(p: KvPlan, stats: dict[int, LayerStat]) -> dict[str, bytes]:
@@ -52,8 +56,11 @@ def _patched_configs(p: KvPlan) -> list[Json]:
 
 
 def _stripped_shard(ckpt: Checkpoint, shard: str, remove: set[str]) -> list[OutTensor]:
-    out = [OutTensor(i.name, i.dtype, tuple(i.shape), FileRange(i.file, i.start, i.end))
-           for i in ckpt.headers[shard].tensors.values() if i.name not in remove]
+    out = [
+        OutTensor(i.name, i.dtype, tuple(i.shape), FileRange(i.file, i.start, i.end))
+        for i in ckpt.headers[shard].tensors.values()
+        if i.name not in remove
+    ]
     return sorted(out, key=lambda t: t.source.start)
 
 
@@ -83,14 +90,21 @@ def output_plan(p: KvPlan) -> OutputPlan:
         files += [Remove(s) for s in dropped]
     else:
         files += unchanged_files(ckpt.root, changed)  # every other file, in sub-folders too
-    files += [Shard(s, _stripped_shard(ckpt, s, remove), ckpt.headers[s].metadata or None)
-              for s in sorted(p.rewrite_shards)]
+    files += [
+        Shard(s, _stripped_shard(ckpt, s, remove), ckpt.headers[s].metadata or None) for s in sorted(p.rewrite_shards)
+    ]
     files.append(Shard(p.kv_shard, new_tensors, {"format": "pt"}))
     files += configs
     files.append(Json(INDEX_NAME, index, index_style))
-    scale_files = {"new_shard": p.kv_shard, "rewritten_shards": sorted(p.rewrite_shards),
-                   "configs": [c.name for c in configs]}
-    return OutputPlan("calibrate-kv", files, sources={"checkpoint": ckpt.root},
-                      inputs=sorted({h.path for h in ckpt.headers.values()}),
-                      extra={"kv_cache": {"convention": p.convention.value, "layers": p.layers,
-                                          "scale_tensors": scale_files}})
+    scale_files = {
+        "new_shard": p.kv_shard,
+        "rewritten_shards": sorted(p.rewrite_shards),
+        "configs": [c.name for c in configs],
+    }
+    return OutputPlan(
+        "calibrate-kv",
+        files,
+        sources={"checkpoint": ckpt.root},
+        inputs=sorted({h.path for h in ckpt.headers.values()}),
+        extra={"kv_cache": {"convention": p.convention.value, "layers": p.layers, "scale_tensors": scale_files}},
+    )

@@ -56,16 +56,26 @@ class CompactChunk:
         return int(self.top_idx.shape[0])
 
     def tensors(self) -> dict:
-        return {"top_idx": self.top_idx, "top_logp": self.top_logp, "tail_logmass": self.tail_logmass,
-                "smp_idx": self.smp_idx, "smp_logp": self.smp_logp}
+        return {
+            "top_idx": self.top_idx,
+            "top_logp": self.top_logp,
+            "tail_logmass": self.tail_logmass,
+            "smp_idx": self.smp_idx,
+            "smp_logp": self.smp_logp,
+        }
 
     @classmethod
     def from_tensors(cls, d: dict) -> CompactChunk:
         return cls(d["top_idx"], d["top_logp"], d["tail_logmass"], d["smp_idx"], d["smp_logp"])
 
     def slice(self, r0: int, r1: int) -> CompactChunk:
-        return CompactChunk(self.top_idx[r0:r1], self.top_logp[r0:r1], self.tail_logmass[r0:r1],
-                            self.smp_idx[r0:r1], self.smp_logp[r0:r1])
+        return CompactChunk(
+            self.top_idx[r0:r1],
+            self.top_logp[r0:r1],
+            self.tail_logmass[r0:r1],
+            self.smp_idx[r0:r1],
+            self.smp_logp[r0:r1],
+        )
 
 
 def encode(logp, topk: int, samples: int, generator) -> CompactChunk:

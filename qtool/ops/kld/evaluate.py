@@ -11,9 +11,9 @@ import json
 import os
 import shlex
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from qtool.errors import PlanError, UsageError
 from qtool.ops.kld import compact as C
@@ -63,16 +63,33 @@ class KldReport:
     timing: dict = field(default_factory=dict)  # per streamed side: its layer clock (benchmarks)
 
     def to_json(self) -> dict:
-        return {k: getattr(self, k) for k in ("result", "ref", "test", "windows", "seq_len", "stride",
-                                              "token_digest", "emitted", "saved_ref", "plan", "seconds",
-                                              "warnings", "timing")}
+        return {
+            k: getattr(self, k)
+            for k in (
+                "result",
+                "ref",
+                "test",
+                "windows",
+                "seq_len",
+                "stride",
+                "token_digest",
+                "emitted",
+                "saved_ref",
+                "plan",
+                "seconds",
+                "warnings",
+                "timing",
+            )
+        }
 
 
 def saved_window_flags(meta: dict) -> str:
     """The flags that make again the windows a compact reference was saved with (its metadata), as the
     parser takes them: no --stride for non-overlapping windows (the metadata's stride is None then)."""
-    flags = f"--dataset {shlex.quote(str(meta.get('dataset')))} --windows {meta.get('windows')} " \
-            f"--seq-len {meta.get('seq_len')}"
+    flags = (
+        f"--dataset {shlex.quote(str(meta.get('dataset')))} --windows {meta.get('windows')} "
+        f"--seq-len {meta.get('seq_len')}"
+    )
     return flags + (f" --stride {meta['stride']}" if meta.get("stride") is not None else "")
 
 
@@ -109,8 +126,7 @@ def _histogram(a) -> dict:
     above = int((a > edges[-1]).sum())
     counts[0] -= below  # np.clip put them in the first bin, the last bin includes its right edge
     counts[-1] -= above
-    return {"edges": [float(e) for e in edges], "counts": [int(c) for c in counts], "below": below,
-            "above": above}
+    return {"edges": [float(e) for e in edges], "counts": [int(c) for c in counts], "below": below, "above": above}
 
 
 def _per_position(a, top1, positions) -> dict | None:
@@ -124,10 +140,12 @@ def _per_position(a, top1, positions) -> dict | None:
     kl_sum = np.bincount(positions, weights=a, minlength=n)
     agree = np.bincount(positions, weights=top1.astype(np.float64), minlength=n)
     seen = count > 0
-    return {"position": [int(p) for p in np.flatnonzero(seen)],
-            "mean": [float(x) for x in kl_sum[seen] / count[seen]],
-            "top1_agreement": [float(x) for x in agree[seen] / count[seen]],
-            "windows": [int(c) for c in count[seen]]}
+    return {
+        "position": [int(p) for p in np.flatnonzero(seen)],
+        "mean": [float(x) for x in kl_sum[seen] / count[seen]],
+        "top1_agreement": [float(x) for x in agree[seen] / count[seen]],
+        "windows": [int(c) for c in count[seen]],
+    }
 
 
 def _describe(src) -> dict:
@@ -161,27 +179,39 @@ def run(
     try:
         for role, path in (("ref", ref), ("test", test)):
             if path is not None:
-                srcs[role] = open_source(path, device=o.device, dtype=o.dtype, work_dir=o.work_dir,
-                                         batch_tokens=o.batch_tokens)
+                srcs[role] = open_source(
+                    path, device=o.device, dtype=o.dtype, work_dir=o.work_dir, batch_tokens=o.batch_tokens
+                )
         r, t = srcs.get("ref"), srcs.get("test")
         if t is not None and t.kind is Kind.COMPACT:
-            raise UsageError("the test side must give full log-probs (a checkpoint or a dump)", path=t.path,
-                             hint="a compact reference can only be --ref")
+            raise UsageError(
+                "the test side must give full log-probs (a checkpoint or a dump)",
+                path=t.path,
+                hint="a compact reference can only be --ref",
+            )
         if save_ref and r.kind is Kind.COMPACT:
             raise UsageError("--ref is already a compact reference", path=r.path)
         from qtool import dist
 
         group = dist.current()
         if group.world > 1 and (save_ref or emit_windows):
-            raise UsageError("--save-ref and --emit-windows run in one process",
-                             hint="drop --nproc/--devices for them; the KLD comparison itself runs on any number of ranks")
+            raise UsageError(
+                "--save-ref and --emit-windows run in one process",
+                hint="drop --nproc/--devices for them; the KLD comparison itself runs on any number of ranks",
+            )
         inputs = [s.path for s in srcs.values()] + ([Path(o.tokenizer)] if o.tokenizer else [])
         if os.path.exists(o.dataset):  # a local dataset file or directory is an input too
             inputs.append(Path(o.dataset))
-        if save_ref and emit_windows and Path(os.path.realpath(save_ref)) in Path(
-                os.path.realpath(emit_windows)).parents:
-            raise UsageError("--emit-windows lies inside the --save-ref directory (which is replaced whole)",
-                             path=emit_windows, hint="write the requests file outside --save-ref OUT")
+        if (
+            save_ref
+            and emit_windows
+            and Path(os.path.realpath(save_ref)) in Path(os.path.realpath(emit_windows)).parents
+        ):
+            raise UsageError(
+                "--emit-windows lies inside the --save-ref directory (which is replaced whole)",
+                path=emit_windows,
+                hint="write the requests file outside --save-ref OUT",
+            )
         if save_ref:
             from qtool.io.output import OutputDir
 
@@ -191,8 +221,9 @@ def run(
             from qtool.io.output import check_file_output
             from qtool.ops.kld.windows import is_emitted_requests
 
-            check_file_output(Path(emit_windows), sources=inputs, force=o.force, ours=is_emitted_requests,
-                              what="--emit-windows file")
+            check_file_output(
+                Path(emit_windows), sources=inputs, force=o.force, ours=is_emitted_requests, what="--emit-windows file"
+            )
         if o.chunk < 1 or o.topk < 1 or o.tail_samples < 0:
             raise UsageError("--chunk and --topk must be >= 1, --tail-samples >= 0")
 
@@ -207,8 +238,8 @@ def run(
             tok_dir = o.tokenizer or (str(ckpts[0].path) if ckpts else None)
             if tok_dir is None:
                 raise UsageError("--emit-windows needs a tokenizer: pass --tokenizer DIR or a checkpoint")
-            from qtool.stream.calib_data import token_digest
             from qtool.ops.kld.windows import token_windows
+            from qtool.stream.calib_data import token_digest
 
             ids = token_windows(tok_dir, o.dataset, o.windows, o.seq_len, o.stride)
             rep.token_digest = token_digest(ids)
@@ -217,8 +248,13 @@ def run(
             from qtool.ops.kld.windows import emit_requests
 
             n = emit_requests(ids, emit_windows, model_name or (Path(ref).name if ref else "model"))
-            rep.emitted = {"path": str(emit_windows), "requests": n, "seq_len": o.seq_len,
-                           "stride": o.stride, "token_digest": rep.token_digest}
+            rep.emitted = {
+                "path": str(emit_windows),
+                "requests": n,
+                "seq_len": o.seq_len,
+                "stride": o.stride,
+                "token_digest": rep.token_digest,
+            }
         if r is None or (t is None and not save_ref):
             return rep
 
@@ -227,22 +263,36 @@ def run(
             if s.kind is Kind.COMPACT and ids is not None:
                 d = s.meta.get("token_digest")
                 if d and d != rep.token_digest:
-                    raise PlanError("the compact reference was made from other token windows", path=s.path,
-                                    expected=d, got=rep.token_digest,
-                                    hint=f"use the windows it was saved with: {saved_window_flags(s.meta)}")
+                    raise PlanError(
+                        "the compact reference was made from other token windows",
+                        path=s.path,
+                        expected=d,
+                        got=rep.token_digest,
+                        hint=f"use the windows it was saved with: {saved_window_flags(s.meta)}",
+                    )
         counts = {role: (int(ids.shape[0]) if s.kind is Kind.CHECKPOINT else s.windows) for role, s in srcs.items()}
         if len(set(counts.values())) != 1:
-            raise PlanError("ref and test have different numbers of windows", expected=counts.get("ref"),
-                            got=counts.get("test"),
-                            hint="dumps must hold one file per emitted request; match --windows to them")
+            raise PlanError(
+                "ref and test have different numbers of windows",
+                expected=counts.get("ref"),
+                got=counts.get("test"),
+                hint="dumps must hold one file per emitted request; match --windows to them",
+            )
         n = counts["ref"]
         rep.windows = n
         if t is not None and r.vocab != t.vocab:
-            raise PlanError("ref and test vocabularies differ", expected=r.vocab, got=t.vocab,
-                            hint="both sides must give the full vocabulary (no TP padding columns)")
+            raise PlanError(
+                "ref and test vocabularies differ",
+                expected=r.vocab,
+                got=t.vocab,
+                hint="both sides must give the full vocabulary (no TP padding columns)",
+            )
         rep.plan = {
-            role: ({"kind": s.kind.value, "memory": s.plan(n, int(ids.shape[1]), o.chunk)} if s.kind is Kind.CHECKPOINT
-                   else {"kind": s.kind.value, "windows": s.windows})
+            role: (
+                {"kind": s.kind.value, "memory": s.plan(n, int(ids.shape[1]), o.chunk)}
+                if s.kind is Kind.CHECKPOINT
+                else {"kind": s.kind.value, "windows": s.windows}
+            )
             for role, s in srcs.items()
         }
         rep.ref = _describe(r)
@@ -251,8 +301,13 @@ def run(
             return rep
         for role, s in srcs.items():
             if s.kind is Kind.CHECKPOINT:
-                s.prepare(ids, progress=(lambda i, s=s: progress(f"layers {s.path.name}", i + 1, s.streamer.num_layers))
-                          if progress else None, head_ahead=s is ckpts[-1])
+                s.prepare(
+                    ids,
+                    progress=(lambda i, s=s: progress(f"layers {s.path.name}", i + 1, s.streamer.num_layers))
+                    if progress
+                    else None,
+                    head_ahead=s is ckpts[-1],
+                )
                 rep.timing[role] = s.streamer.clock
                 getattr(rep, role)["kernels"] = s.streamer.kernels  # they made its log-probs
 
@@ -265,8 +320,10 @@ def run(
         for w in mine:
             rows = r.rows(w) if t is None else min(r.rows(w), t.rows(w))
             if t is not None and r.rows(w) != t.rows(w) and not rep.warnings:
-                rep.warnings.append(f"window {w}: ref has {r.rows(w)} positions, test {t.rows(w)}; "
-                                    f"compared the first {rows} (vLLM dumps lack the last prompt position)")
+                rep.warnings.append(
+                    f"window {w}: ref has {r.rows(w)} positions, test {t.rows(w)}; "
+                    f"compared the first {rows} (vLLM dumps lack the last prompt position)"
+                )
             parts = []
             for r0 in range(0, rows, o.chunk):
                 r1 = min(rows, r0 + o.chunk)
@@ -297,8 +354,11 @@ def run(
             if est:
                 exact = torch.cat(kls).double().mean().item()
                 approx = torch.cat(est).double().mean().item()
-                rep.saved_ref["check"] = {"exact_mean": exact, "compact_mean": approx,
-                                          "relative_error": (approx - exact) / exact if exact else 0.0}
+                rep.saved_ref["check"] = {
+                    "exact_mean": exact,
+                    "compact_mean": approx,
+                    "relative_error": (approx - exact) / exact if exact else 0.0,
+                }
         if t is not None:
             if group.world > 1:  # every rank's windows, in window order: the statistics of one process
                 kls, top1s, where = _gather_windows(group, mine, kls, top1s, where, o.chunk, r, t)
@@ -335,7 +395,7 @@ def _gather_windows(group, mine, kls, top1s, where, chunk, r, t):
     for w in mine:
         rows = min(r.rows(w), t.rows(w))
         m = -(-rows // chunk)
-        per_window[w] = (torch.cat(kls[k:k + m]), torch.cat(top1s[k:k + m]), torch.cat(where[k:k + m]))
+        per_window[w] = (torch.cat(kls[k : k + m]), torch.cat(top1s[k : k + m]), torch.cat(where[k : k + m]))
         k += m
     every = {}
     for part in group.gather(per_window):
@@ -420,13 +480,23 @@ class _RefSaver:
         # the one manifest schema (what lets a later --force replace this directory); the reference
         # model's files are named, not hashed: its log-probs are the output, and re-reading 800 GB to
         # hash them would double the job
-        write_manifest(self.partial / MANIFEST_NAME, kind="eval-kld-save-ref", command=self.o.command,
-                       sources={"ref": {"path": str(self.src_path), "files": {}}},
-                       summary={k: meta[k] for k in ("method", "windows", "seq_len", "token_digest", "tensor_bytes")},
-                       checks={}, files=output_files(self.partial))
+        write_manifest(
+            self.partial / MANIFEST_NAME,
+            kind="eval-kld-save-ref",
+            command=self.o.command,
+            sources={"ref": {"path": str(self.src_path), "files": {}}},
+            summary={k: meta[k] for k in ("method", "windows", "seq_len", "token_digest", "tensor_bytes")},
+            checks={},
+            files=output_files(self.partial),
+        )
         self.tx.commit()
-        return {"path": str(self.out), **{k: meta[k] for k in ("method", "topk", "samples", "windows",
-                                                                "tensor_bytes", "full_float32_bytes", "size_ratio")}}
+        return {
+            "path": str(self.out),
+            **{
+                k: meta[k]
+                for k in ("method", "topk", "samples", "windows", "tensor_bytes", "full_float32_bytes", "size_ratio")
+            },
+        }
 
 
 def load_meta(path) -> dict:

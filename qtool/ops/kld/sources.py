@@ -43,8 +43,11 @@ class Kind(str, Enum):
 def detect(path: str | Path) -> Kind:
     p = Path(path)
     if not p.is_dir():
-        raise UsageError("not a directory", path=p,
-                         hint="pass a checkpoint directory, an engine dump directory or a --save-ref directory")
+        raise UsageError(
+            "not a directory",
+            path=p,
+            hint="pass a checkpoint directory, an engine dump directory or a --save-ref directory",
+        )
     meta = p / META
     if meta.is_file() and json.loads(meta.read_text()).get("format") == "qtool-kld-compact":
         return Kind.COMPACT
@@ -52,8 +55,11 @@ def detect(path: str | Path) -> Kind:
         return Kind.CHECKPOINT
     if _numbered(p):
         return Kind.DUMP
-    raise UsageError("directory is neither a checkpoint, a log-prob dump nor a compact reference", path=p,
-                     hint="a dump directory holds 0.safetensors, 1.safetensors, ...")
+    raise UsageError(
+        "directory is neither a checkpoint, a log-prob dump nor a compact reference",
+        path=p,
+        hint="a dump directory holds 0.safetensors, 1.safetensors, ...",
+    )
 
 
 def _numbered(p: Path) -> list[Path]:
@@ -64,14 +70,23 @@ def _numbered(p: Path) -> list[Path]:
 class CheckpointSource:
     kind = Kind.CHECKPOINT
 
-    def __init__(self, path, *, device: str = "cpu", dtype: str | None = None, work_dir=None,
-                 ram_limit: int = RAM_LIMIT, batch_tokens: int | None = None):
+    def __init__(
+        self,
+        path,
+        *,
+        device: str = "cpu",
+        dtype: str | None = None,
+        work_dir=None,
+        ram_limit: int = RAM_LIMIT,
+        batch_tokens: int | None = None,
+    ):
         from qtool.stream.layer_stream import LayerStreamer
 
         self.path = Path(path)
         # the grouped matmul on a GPU that runs it: both sides the same way (qtool.stream.experts)
-        self.streamer = LayerStreamer(path, device=device, dtype=dtype, batch_tokens=batch_tokens,
-                                      routed_experts="grouped_mm")
+        self.streamer = LayerStreamer(
+            path, device=device, dtype=dtype, batch_tokens=batch_tokens, routed_experts="grouped_mm"
+        )
         self.device = device
         self.work_dir = work_dir
         self.ram_limit = ram_limit
@@ -135,8 +150,9 @@ class CheckpointSource:
         name = "lm_head.weight"
         if name not in s.ckpt.tensors:
             if not s.text_cfg_dict.get("tie_word_embeddings") and not (s.ckpt.config or {}).get("tie_word_embeddings"):
-                raise PlanError("checkpoint has no lm_head.weight and does not tie word embeddings",
-                                path=s.ckpt.root, tensor=name)
+                raise PlanError(
+                    "checkpoint has no lm_head.weight and does not tie word embeddings", path=s.ckpt.root, tensor=name
+                )
             name = s.prefix + "embed_tokens.weight"  # tied (transformers PreTrainedModel.tie_weights)
         return name
 
@@ -205,8 +221,12 @@ class DumpSource:
         idx = [int(f.stem) for f in self.files]
         if idx != list(range(len(idx))):
             missing = sorted(set(range(max(idx) + 1)) - set(idx))[:5]
-            raise CheckpointError("dump files are not numbered 0..N-1", path=self.path,
-                                  got=f"missing {missing}", hint="one file per request, in request order")
+            raise CheckpointError(
+                "dump files are not numbered 0..N-1",
+                path=self.path,
+                got=f"missing {missing}",
+                hint="one file per request, in request order",
+            )
         self.device = device
         self.windows = len(self.files)
         self._shapes = []

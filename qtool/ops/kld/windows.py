@@ -26,8 +26,9 @@ from pathlib import Path
 from qtool.errors import PlanError, UsageError
 
 
-def token_windows(tokenizer_dir, dataset: str, windows: int, seq_len: int, stride: int | None = None,
-                  *, tokenizer=None):
+def token_windows(
+    tokenizer_dir, dataset: str, windows: int, seq_len: int, stride: int | None = None, *, tokenizer=None
+):
     """LongTensor [windows, seq_len] of token ids (see the module docstring for the rule)."""
     from qtool.stream.calib_data import build_calib_set
 
@@ -45,7 +46,8 @@ def token_windows(tokenizer_dir, dataset: str, windows: int, seq_len: int, strid
         most = max(0, (avail - seq_len) // stride + 1) if avail >= seq_len else 0
         raise PlanError(
             f"the dataset gives {avail} tokens, {need} needed for {windows} windows of {seq_len} at stride {stride}",
-            expected=need, got=avail,
+            expected=need,
+            got=avail,
             hint=f"use at most --windows {most}, a larger --stride, or a larger --dataset",
         ) from None
     return stream.unfold(0, seq_len, stride)[:windows].contiguous()

@@ -41,8 +41,13 @@ class ResolvedSource:
         return self.identity.get("kind") == "path" and self.identity.get("digest") is None
 
     def to_json(self) -> dict:
-        return {**self.source.to_json(), "identity": self.identity, "key": self.key,
-                "path": str(self.path) if self.path else None, "overridden": self.overridden}
+        return {
+            **self.source.to_json(),
+            "identity": self.identity,
+            "key": self.key,
+            "path": str(self.path) if self.path else None,
+            "overridden": self.overridden,
+        }
 
 
 @dataclass
@@ -59,8 +64,14 @@ class StepPlan:
         return "cached" if self.cached else "run"
 
     def to_json(self) -> dict:
-        return {**self.step.to_json(), "key": self.key, "dir": str(self.dir), "state": self.state,
-                "input_keys": self.input_keys, "validation": self.validation}
+        return {
+            **self.step.to_json(),
+            "key": self.key,
+            "dir": str(self.dir),
+            "state": self.state,
+            "input_keys": self.input_keys,
+            "validation": self.validation,
+        }
 
 
 @dataclass
@@ -77,10 +88,16 @@ class BuildPlan:
         return next(s.key for s in self.steps if s.step.id == self.recipe.artifact_step.id)
 
     def to_json(self) -> dict:
-        return {"recipe": self.recipe.name, "recipe_path": self.recipe.path, "out": str(self.out),
-                "work": str(self.work), "sources": {n: s.to_json() for n, s in self.sources.items()},
-                "steps": [s.to_json() for s in self.steps], "final_key": self.final_key,
-                "warnings": self.warnings}
+        return {
+            "recipe": self.recipe.name,
+            "recipe_path": self.recipe.path,
+            "out": str(self.out),
+            "work": str(self.work),
+            "sources": {n: s.to_json() for n, s in self.sources.items()},
+            "steps": [s.to_json() for s in self.steps],
+            "final_key": self.final_key,
+            "warnings": self.warnings,
+        }
 
 
 def parse_overrides(items: list[str] | None, env: str | None = None) -> dict[str, Path]:
@@ -119,8 +136,12 @@ def dir_fingerprint(root: Path, *, read: bool = True) -> tuple[dict, Callable[[]
         hasher.close()
     unhashed = [p for p in files if digests[str(p)] is None]
     if unhashed:
-        return {"files": len(files), "digest": None, "unhashed": len(unhashed),
-                "unhashed_bytes": sum(p.stat().st_size for p in unhashed)}, lambda: None
+        return {
+            "files": len(files),
+            "digest": None,
+            "unhashed": len(unhashed),
+            "unhashed_bytes": sum(p.stat().st_size for p in unhashed),
+        }, lambda: None
     entries = [[str(p.relative_to(root)), p.stat().st_size, digests[str(p)]] for p in files]
     return {"files": len(files), "digest": sha(entries)}, lambda: hasher.refresh(digests)
 
@@ -146,9 +167,11 @@ def hash_sources(bp: BuildPlan) -> None:
 
 
 def _unhashed_warning(name: str, rs: ResolvedSource) -> str:
-    return (f"source {name}: {rs.identity['unhashed']} file(s), {rs.identity['unhashed_bytes'] / 1e9:.1f} GB, "
-            "not hashed yet: the build reads them once before its first step (their content names the "
-            "steps); a step that depends on them shows as 'run' until then")
+    return (
+        f"source {name}: {rs.identity['unhashed']} file(s), {rs.identity['unhashed_bytes'] / 1e9:.1f} GB, "
+        "not hashed yet: the build reads them once before its first step (their content names the "
+        "steps); a step that depends on them shows as 'run' until then"
+    )
 
 
 # (directory, identity) of a `builtin:` source; qtool.fixtures.builtin.builtin_source is the one qtool has
@@ -164,8 +187,11 @@ def _hub_commit(spec, token: str | None) -> str:
     if hub_offline():
         commit = cached_commit(spec)
         if commit is None:
-            raise HubError("HF_HUB_OFFLINE is set and this source's revision was never resolved here",
-                           path=str(spec), hint="pin it (revision: COMMIT) or run once online")
+            raise HubError(
+                "HF_HUB_OFFLINE is set and this source's revision was never resolved here",
+                path=str(spec),
+                hint="pin it (revision: COMMIT) or run once online",
+            )
         return commit
     try:
         return repo_listing(spec, token=token).commit
@@ -175,8 +201,9 @@ def _hub_commit(spec, token: str | None) -> str:
         raise
 
 
-def resolve_source(src: Source, override: Path | None, *, token: str | None = None,
-                   builtins: BuiltinSources | None = None) -> ResolvedSource:
+def resolve_source(
+    src: Source, override: Path | None, *, token: str | None = None, builtins: BuiltinSources | None = None
+) -> ResolvedSource:
     if override is not None:
         if not override.exists():
             raise CheckpointError(f"override for source {src.name!r} does not exist", path=override)
@@ -185,42 +212,61 @@ def resolve_source(src: Source, override: Path | None, *, token: str | None = No
         p = Path(src.ref).expanduser()
         if not p.exists():
             raise CheckpointError(
-                f"source {src.name!r}: path does not exist", path=p.absolute(),
+                f"source {src.name!r}: path does not exist",
+                path=p.absolute(),
                 hint=f"a relative path in a recipe is read from the working directory ({Path.cwd()}): write the "
-                f"absolute path in the recipe, or give it: --source {src.name}=PATH")
+                f"absolute path in the recipe, or give it: --source {src.name}=PATH",
+            )
         return _path_source(src, p, overridden=False, read=False)
     if src.kind is SourceKind.BUILTIN:
         if builtins is None:
-            raise PlanError(f"source {src.name!r} is builtin:{src.ref}, and no builtin sources were given",
-                            hint="pass builtins=qtool.fixtures.builtin.builtin_source (qtool build does)")
+            raise PlanError(
+                f"source {src.name!r} is builtin:{src.ref}, and no builtin sources were given",
+                hint="pass builtins=qtool.fixtures.builtin.builtin_source (qtool build does)",
+            )
         path, version = builtins(src.ref)
         ident = {"kind": "builtin", "name": src.ref, **version}
         return ResolvedSource(src, ident, sha(ident), path)
     from qtool.hub.resolve import parse_spec
 
     spec = parse_spec(src.ref + (f"@{src.revision}" if src.revision else ""), require_prefix=False)
-    ident = {"kind": "hub", "repo": spec.repo_id, "revision": spec.revision, "commit": _hub_commit(spec, token),
-             "tensors": src.tensors}
+    ident = {
+        "kind": "hub",
+        "repo": spec.repo_id,
+        "revision": spec.revision,
+        "commit": _hub_commit(spec, token),
+        "tensors": src.tensors,
+    }
     return ResolvedSource(src, ident, sha(ident), None)
 
 
-def plan(recipe: BuildRecipe, *, out: Path | None = None, overrides: dict[str, Path] | None = None,
-         token: str | None = None, validate: bool = False, builtins: BuiltinSources | None = None) -> BuildPlan:
+def plan(
+    recipe: BuildRecipe,
+    *,
+    out: Path | None = None,
+    overrides: dict[str, Path] | None = None,
+    token: str | None = None,
+    validate: bool = False,
+    builtins: BuiltinSources | None = None,
+) -> BuildPlan:
     """Headers and configs only: a local source whose digests are not on record yet is hashed by `run`
     (hash_sources), and until then the steps after it are keyed by a placeholder and show as `run`."""
     overrides = overrides or {}
     unknown = set(overrides) - set(recipe.sources)
     if unknown:
-        raise UsageError(f"override for unknown source(s): {', '.join(sorted(unknown))}",
-                         expected=", ".join(sorted(recipe.sources)))
+        raise UsageError(
+            f"override for unknown source(s): {', '.join(sorted(unknown))}", expected=", ".join(sorted(recipe.sources))
+        )
     out = Path(os.path.abspath(out or Path("build") / recipe.name))  # `-o .` has no name to extend
     work = out.with_name(out.name + ".build")
-    sources = {n: resolve_source(s, overrides.get(n), token=token, builtins=builtins)
-               for n, s in recipe.sources.items()}
+    sources = {
+        n: resolve_source(s, overrides.get(n), token=token, builtins=builtins) for n, s in recipe.sources.items()
+    }
     steps = [StepPlan(st, "", work, False, []) for st in recipe.steps]
     _key_steps(steps, work, {n: s.key for n, s in sources.items()})
-    bp = BuildPlan(recipe, out, work, sources, steps,
-                   warnings=[_unhashed_warning(n, s) for n, s in sources.items() if s.unhashed])
+    bp = BuildPlan(
+        recipe, out, work, sources, steps, warnings=[_unhashed_warning(n, s) for n, s in sources.items() if s.unhashed]
+    )
     if validate:
         from qtool.ops.pipeline.steps import validate_step
 
@@ -236,8 +282,7 @@ def _key_steps(steps: list[StepPlan], work: Path, keys: dict[str, str]) -> None:
 
     for sp in steps:
         sp.input_keys = [keys[i] for i in sp.step.inputs]
-        sp.key = sha({"op": sp.step.op.value, "with": sp.step.params, "inputs": sp.input_keys,
-                      "qtool": __version__})
+        sp.key = sha({"op": sp.step.op.value, "with": sp.step.params, "inputs": sp.input_keys, "qtool": __version__})
         sp.dir = work / "steps" / f"{sp.step.id}-{sp.key[:12]}"
         sp.cached = step_finished(sp.dir, sp.key)
         keys[sp.step.id] = sp.key
@@ -262,7 +307,8 @@ def file_stats(root: Path, *, strict: bool = False) -> dict[str, list[int]]:
         if p.is_file() and p.name != STEP_MARKER:
             st = p.stat()
             out[p.relative_to(root).as_posix()] = [st.st_size, st.st_mtime_ns] + (
-                [st.st_ctime_ns, st.st_ino] if strict else [])
+                [st.st_ctime_ns, st.st_ino] if strict else []
+            )
     return out
 
 

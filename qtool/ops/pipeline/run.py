@@ -11,15 +11,31 @@ from pathlib import Path
 
 from qtool.build_recipes import Op
 from qtool.errors import Interrupted, WriteError
-from qtool.notices import tell
 from qtool.io.digest_cache import files_in, user_cache
+from qtool.io.files import LinkMode, Placer, copy_file
 from qtool.io.manifest import RUN
 from qtool.io.output import MANIFEST_NAME as MANIFEST
-from qtool.io.files import copy_file, LinkMode, Placer
-from qtool.io.output import (OutputDir, OutputLock, check_no_overlap, check_replaceable, lock_for, made_by_qtool,
-                             output_files, source_file_mode)
-from qtool.ops.pipeline.plan import (STEP_MARKER, BuildPlan, StepPlan, file_stats, files_unchanged, hash_sources,
-                                    input_path, step_finished)
+from qtool.io.output import (
+    OutputDir,
+    OutputLock,
+    check_no_overlap,
+    check_replaceable,
+    lock_for,
+    made_by_qtool,
+    output_files,
+    source_file_mode,
+)
+from qtool.notices import tell
+from qtool.ops.pipeline.plan import (
+    STEP_MARKER,
+    BuildPlan,
+    StepPlan,
+    file_stats,
+    files_unchanged,
+    hash_sources,
+    input_path,
+    step_finished,
+)
 from qtool.ops.pipeline.steps import RUNNERS
 
 PUBLISHED = "published.json"  # in DIR.build/: what was published, to notice an edited artifact
@@ -29,9 +45,22 @@ def _mark(sp: StepPlan, report: dict, seconds: float) -> None:
     from qtool.io.jsonio import atomic_write_text
 
     sp.dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(sp.dir / STEP_MARKER, json.dumps(
-        {"key": sp.key, "step": sp.step.to_json(), "input_keys": sp.input_keys, "seconds": round(seconds, 3),
-         "report": report, "files": file_stats(sp.dir)}, indent=1, default=str) + "\n")
+    atomic_write_text(
+        sp.dir / STEP_MARKER,
+        json.dumps(
+            {
+                "key": sp.key,
+                "step": sp.step.to_json(),
+                "input_keys": sp.input_keys,
+                "seconds": round(seconds, 3),
+                "report": report,
+                "files": file_stats(sp.dir),
+            },
+            indent=1,
+            default=str,
+        )
+        + "\n",
+    )
 
 
 def _gc(bp: BuildPlan, sp: StepPlan) -> None:
@@ -48,8 +77,15 @@ def _gc(bp: BuildPlan, sp: StepPlan) -> None:
             shutil.rmtree(d, ignore_errors=True)
 
 
-def run(bp: BuildPlan, *, resume: bool = False, progress: bool = False, token: str | None = None,
-        command: str | None = None, force: bool = False) -> dict:
+def run(
+    bp: BuildPlan,
+    *,
+    resume: bool = False,
+    progress: bool = False,
+    token: str | None = None,
+    command: str | None = None,
+    force: bool = False,
+) -> dict:
     ctx = {"resume": resume, "progress": progress, "token": token, "command": command}
     # refused before any step runs (publishing would refuse it only at the end)
     check_no_overlap(bp.out, [s.path for s in bp.sources.values() if s.path is not None])
@@ -98,13 +134,28 @@ def _run_steps(bp: BuildPlan, ctx: dict, resume: bool, force: bool, lock: Output
             sp.cached = True
             ran.append(sp.step.id)
             info = json.loads((sp.dir / STEP_MARKER).read_text())
-        chain.append({"id": sp.step.id, "op": sp.step.op.value, "key": sp.key, "inputs": list(sp.step.inputs),
-                      "input_keys": sp.input_keys, "with": sp.step.params})
+        chain.append(
+            {
+                "id": sp.step.id,
+                "op": sp.step.op.value,
+                "key": sp.key,
+                "inputs": list(sp.step.inputs),
+                "input_keys": sp.input_keys,
+                "with": sp.step.params,
+            }
+        )
         # the step's report and time differ between a resumed and an uninterrupted build: the `run` section
         timings.append({"id": sp.step.id, "seconds": info.get("seconds"), "report": info.get("report")})
     placed = _publish(bp, chain, timings, force, lock)
-    return {"recipe": bp.recipe.name, "out": str(bp.out), "ran": ran, "skipped": skipped,
-            "final_key": bp.final_key, "published": placed is not None, "shards_placed": placed or {}}
+    return {
+        "recipe": bp.recipe.name,
+        "out": str(bp.out),
+        "ran": ran,
+        "skipped": skipped,
+        "final_key": bp.final_key,
+        "published": placed is not None,
+        "shards_placed": placed or {},
+    }
 
 
 def same_recipes_artifact(out: Path, bp: BuildPlan) -> bool:
@@ -126,10 +177,19 @@ def check_build_output(bp: BuildPlan, *, force: bool) -> None:
     if not os.path.lexists(bp.out):
         return
     ours = same_recipes_artifact(bp.out, bp)
-    if not force and not ours and bp.out.is_dir() and not bp.out.is_symlink() and any(bp.out.iterdir()) \
-            and made_by_qtool(bp.out):
-        raise WriteError(f"the output holds {_made_by(bp.out)}, not an artifact of recipe {bp.recipe.name!r}",
-                         path=bp.out, hint="choose another -o, or pass --force to replace it")
+    if (
+        not force
+        and not ours
+        and bp.out.is_dir()
+        and not bp.out.is_symlink()
+        and any(bp.out.iterdir())
+        and made_by_qtool(bp.out)
+    ):
+        raise WriteError(
+            f"the output holds {_made_by(bp.out)}, not an artifact of recipe {bp.recipe.name!r}",
+            path=bp.out,
+            hint="choose another -o, or pass --force to replace it",
+        )
     check_replaceable(bp.out, force=force or ours)
 
 
@@ -145,8 +205,9 @@ def _made_by(out: Path) -> str:
     return f"the output of `qtool {m.get('operation', '?')}`"
 
 
-def _publish(bp: BuildPlan, chain: list[dict], timings: list[dict], force: bool, lock: OutputLock
-             ) -> dict[str, int] | None:
+def _publish(
+    bp: BuildPlan, chain: list[dict], timings: list[dict], force: bool, lock: OutputLock
+) -> dict[str, int] | None:
     """Publish the artifact step's output at `out` with the build provenance; None when up to date (same
     final key and every published file as it was published), else the shards' bytes by how they were placed
     ({"reflink": B} or {"copy": B}: a copy takes the artifact's size again on disk). Side files (what people edit) are copies, so
@@ -191,15 +252,19 @@ def _publish(bp: BuildPlan, chain: list[dict], timings: list[dict], force: bool,
                 placed[how] = placed.get(how, 0) + p.stat().st_size
             else:
                 copy_file(p, dst, tx.file_mode)
-        manifest = json.loads((src / MANIFEST).read_text()) if (src / MANIFEST).exists() else {
-            "operation": "build"}
+        manifest = json.loads((src / MANIFEST).read_text()) if (src / MANIFEST).exists() else {"operation": "build"}
         manifest["build"] = build
         manifest[RUN] = {"steps": timings}  # qtool.io.manifest.RUN: what another run of the build may change
         # shards' digests carry over from the producing op (the same bytes); side files are re-hashed
         # (a patch-config step changed configs after the manifest was written)
-        manifest["files"] = output_files(tx.partial, {
-            k: v["sha256"] for k, v in (manifest.get("files") or {}).items()
-            if isinstance(v, dict) and k.endswith(".safetensors") and isinstance(v.get("sha256"), str)})
+        manifest["files"] = output_files(
+            tx.partial,
+            {
+                k: v["sha256"]
+                for k, v in (manifest.get("files") or {}).items()
+                if isinstance(v, dict) and k.endswith(".safetensors") and isinstance(v.get("sha256"), str)
+            },
+        )
         if (src / MANIFEST).exists() and bp.recipe.artifact_step.op is not Op.ASSEMBLE:
             manifest.setdefault("note", "per-tensor origins are those of the earliest step that wrote them")
         atomic_write_text(tx.partial / MANIFEST, json.dumps(manifest, indent=1, default=str) + "\n")

@@ -15,18 +15,28 @@ from qtool.errors import PlanError, VerificationError
 from qtool.ops.contract import OpSpec, options_from
 from qtool.ops.pipeline.plan import STEP_MARKER, BuildPlan, StepPlan, input_path
 
+
 def op_module(op: Op, module: str):
     try:
         return importlib.import_module(module)
     except ModuleNotFoundError as e:
         if e.name and module.startswith(e.name):
-            raise PlanError(f"build op {op.value!r} is not available in this qtool ({module} is missing)",
-                            hint="update qtool, or remove the step from the recipe") from None
+            raise PlanError(
+                f"build op {op.value!r} is not available in this qtool ({module} is missing)",
+                hint="update qtool, or remove the step from the recipe",
+            ) from None
         raise
 
 
-def materialize(bp: BuildPlan, ref: str, *, for_assemble: dict | None = None, token: str | None = None,
-                progress: bool = False, stand_ins: dict | None = None) -> Path:
+def materialize(
+    bp: BuildPlan,
+    ref: str,
+    *,
+    for_assemble: dict | None = None,
+    token: str | None = None,
+    progress: bool = False,
+    stand_ins: dict | None = None,
+) -> Path:
     """A local directory for an input: sources are downloaded/fetched here (hub), steps must have run.
     `stand_ins`: header-only stand-ins of Hub sources (qtool.hub.headers) for planning (--dry-run)."""
     p = input_path(bp, ref)
@@ -46,8 +56,11 @@ def materialize(bp: BuildPlan, ref: str, *, for_assemble: dict | None = None, to
         from qtool.hub.resolve import fetch_tensor_patterns
         from qtool.ops.assemble.model import bf16_source_patterns
 
-        pats = bf16_source_patterns(for_assemble.get("bf16_expert_layers") or (), for_assemble.get("mtp", "auto"),
-                                    for_assemble.get("bf16_shared_expert_layers"))
+        pats = bf16_source_patterns(
+            for_assemble.get("bf16_expert_layers") or (),
+            for_assemble.get("mtp", "auto"),
+            for_assemble.get("bf16_shared_expert_layers"),
+        )
         rs.path = fetch_tensor_patterns(spec, pats, token=token, progress=progress)
         return rs.path
     from qtool.hub.download import snapshot
@@ -63,19 +76,27 @@ def materialize(bp: BuildPlan, ref: str, *, for_assemble: dict | None = None, to
 
 
 def _single_input(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
-    return {"checkpoint": materialize(bp, sp.step.inputs[0], token=ctx.get("token"), stand_ins=ctx.get("stand_ins")),
-            "out": sp.dir}
+    return {
+        "checkpoint": materialize(bp, sp.step.inputs[0], token=ctx.get("token"), stand_ins=ctx.get("stand_ins")),
+        "out": sp.dir,
+    }
 
 
 def _assemble_inputs(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
     from qtool.io.writer import parse_size
 
-    p, kw = sp.step.params, {"token": ctx.get("token"), "progress": ctx.get("progress", False),
-                             "stand_ins": ctx.get("stand_ins")}
+    p, kw = (
+        sp.step.params,
+        {"token": ctx.get("token"), "progress": ctx.get("progress", False), "stand_ins": ctx.get("stand_ins")},
+    )
     mss = p.get("max_shard_size")
-    out = {"nvfp4": materialize(bp, p["nvfp4"], **kw), "bf16": materialize(bp, p["bf16"], for_assemble=p, **kw),
-            "out": sp.dir, "max_shard_size": parse_size(str(mss)) if mss is not None else None,
-            "bf16_expert_layers": tuple(int(x) for x in p.get("bf16_expert_layers") or ())}
+    out = {
+        "nvfp4": materialize(bp, p["nvfp4"], **kw),
+        "bf16": materialize(bp, p["bf16"], for_assemble=p, **kw),
+        "out": sp.dir,
+        "max_shard_size": parse_size(str(mss)) if mss is not None else None,
+        "bf16_expert_layers": tuple(int(x) for x in p.get("bf16_expert_layers") or ()),
+    }
     if p.get("bf16_shared_expert_layers") is not None:  # absent: every layer's (the default)
         out["bf16_shared_expert_layers"] = tuple(int(x) for x in p["bf16_shared_expert_layers"])
     return out
@@ -161,9 +182,12 @@ def run_step(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
     report = spec.execute(spec.plan(opts))
     if getattr(report, "ok", True) is False:
         errs = report.errors()
-        raise VerificationError(f"verify step {sp.step.id!r}: {len(errs)} error(s)", path=opts.checkpoint,
-                                got="; ".join(getattr(e, "message", str(e)) for e in errs[:3]),
-                                hint=f"see `qtool verify {opts.checkpoint}` for the fixes")
+        raise VerificationError(
+            f"verify step {sp.step.id!r}: {len(errs)} error(s)",
+            path=opts.checkpoint,
+            got="; ".join(getattr(e, "message", str(e)) for e in errs[:3]),
+            hint=f"see `qtool verify {opts.checkpoint}` for the fixes",
+        )
     return _step_summary(op, report.to_json())
 
 
@@ -220,9 +244,13 @@ def validate_step(bp: BuildPlan, sp: StepPlan) -> dict:
         rep = spec.execute(planned)  # verify writes nothing: its checks are its plan's validation
         return {"status": "planned", "ok": rep.ok, "errors": len(rep.errors())}
     if st.op is Op.ASSEMBLE:
-        return {"status": "planned", "shards": len(planned.shards), "mtp": planned.mtp_action,
-                "bf16_tensors": sum(1 for s in planned.shards for t in s.tensors if t.origin.source == "bf16"),
-                "warnings": planned.warnings}
+        return {
+            "status": "planned",
+            "shards": len(planned.shards),
+            "mtp": planned.mtp_action,
+            "bf16_tensors": sum(1 for s in planned.shards for t in s.tensors if t.origin.source == "bf16"),
+            "warnings": planned.warnings,
+        }
     if st.op is Op.PATCH_CONFIG:
         return {"status": "planned", "fixes": [r.__dict__ for r in planned.results]}
     summary = planned.to_json()

@@ -45,8 +45,10 @@ class ChunkScales:
         """Per expert: the alpha and the errors; an error that is not finite (the expert's rows hold a NaN
         or an inf: it got plain RTN, s = 1) is None, so the manifest stays JSON."""
         best, err, rtn_err = (t.tolist() for t in (self.best, self.best_err, self.rtn_err))
-        return [{"expert": e0 + k, "alpha": b / self.grid, "down_mse": _finite(m), "down_mse_rtn": _finite(r)}
-                for k, (b, m, r) in enumerate(zip(best, err, rtn_err))]
+        return [
+            {"expert": e0 + k, "alpha": b / self.grid, "down_mse": _finite(m), "down_mse_rtn": _finite(r)}
+            for k, (b, m, r) in enumerate(zip(best, err, rtn_err))
+        ]
 
 
 def _finite(x: float) -> float | None:
@@ -67,8 +69,13 @@ def alpha_scales(x_mean: torch.Tensor, grid: int) -> torch.Tensor:
     return torch.stack(out)
 
 
-def awq_down_scales(rows: list[torch.Tensor], w_down: torch.Tensor, group_size: int, grid: int,
-                    scale_dtype: torch.dtype = torch.bfloat16) -> ChunkScales:
+def awq_down_scales(
+    rows: list[torch.Tensor],
+    w_down: torch.Tensor,
+    group_size: int,
+    grid: int,
+    scale_dtype: torch.dtype = torch.bfloat16,
+) -> ChunkScales:
     """Best per-input-channel scales for the down_proj of a chunk of experts (W [k, H, I]) given each
     expert's activations rows[k] [n_k, I] (n_k may be 0: s = 1, alpha 0).
 

@@ -95,11 +95,16 @@ class ModelOptLayer:
             mtq.quantize(layer, modelopt_config(self.mse), forward_loop=forward_loop)
             ex = layer.mlp.experts
             if not hasattr(ex, "gate_up_proj_weight_quantizers"):
-                raise PlanError("ModelOpt did not wrap the layer's fused experts", got=type(ex).__name__,
-                                hint="needs nvidia-modelopt with _QuantFusedExperts (0.47)")
+                raise PlanError(
+                    "ModelOpt did not wrap the layer's fused experts",
+                    got=type(ex).__name__,
+                    hint="needs nvidia-modelopt with _QuantFusedExperts (0.47)",
+                )
             # export reads the activation scales of enabled quantizers only: take them before disabling
-            self.input_scales = {q: NVFP4QTensor.get_activation_scaling_factor(getattr(ex, q))
-                                 for q in ("gate_up_proj_input_quantizer", "down_proj_input_quantizer")}
+            self.input_scales = {
+                q: NVFP4QTensor.get_activation_scaling_factor(getattr(ex, q))
+                for q in ("gate_up_proj_input_quantizer", "down_proj_input_quantizer")
+            }
             mtq.disable_quantizer(layer, "*")  # the propagating forward stays BF16 (same as rtn)
         self.experts = ex
 
@@ -122,8 +127,10 @@ class ModelOptLayer:
         inter = gu.shape[1] // 2
         out: dict[str, list] = {p: [] for p in PARTS}
         for k, e in enumerate(range(e0, e1)):
-            for fused, quantizer, w in (("gate_up", ex.gate_up_proj_weight_quantizers[e], gu[k]),
-                                        ("down", ex.down_proj_weight_quantizers[e], dn[k])):
+            for fused, quantizer, w in (
+                ("gate_up", ex.gate_up_proj_weight_quantizers[e], gu[k]),
+                ("down", ex.down_proj_weight_quantizers[e], dn[k]),
+            ):
                 ws2 = NVFP4QTensor.get_weights_scaling_factor_2_from_quantizer(quantizer).float().reshape(())
                 bs, _ = NVFP4QTensor.get_weights_scaling_factor_from_quantizer(quantizer, w, ws2)
                 bs = bs.to(torch.float8_e4m3fn)
@@ -136,9 +143,15 @@ class ModelOptLayer:
                     out["down_proj"].append((q.packed, q.block_scale, ws2))
         in_s = self._input_scale("gate_up_proj_input_quantizer", in_amax)
         mid_s = self._input_scale("down_proj_input_quantizer", mid_amax)
-        return {p: NVFP4Experts(torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows]),
-                                torch.stack([r[2] for r in rows]), mid_s if p == "down_proj" else in_s)
-                for p, rows in out.items()}
+        return {
+            p: NVFP4Experts(
+                torch.stack([r[0] for r in rows]),
+                torch.stack([r[1] for r in rows]),
+                torch.stack([r[2] for r in rows]),
+                mid_s if p == "down_proj" else in_s,
+            )
+            for p, rows in out.items()
+        }
 
 
 # ----------------------------------------------------------------------------------------- llmcompressor
@@ -162,12 +175,18 @@ class LlmCompressorLayer:
 
             self.scheme = preset_name_to_scheme("NVFP4", ["Linear"])
             self.weight_observer = "memoryless_mse" if mse else "memoryless_minmax"
-            self.in_obs = [Observer.load_from_registry("static_minmax", base_name="input",
-                                                       args=copy.deepcopy(self.scheme.input_activations))
-                           for _ in range(n_experts)]
-            self.mid_obs = [Observer.load_from_registry("static_minmax", base_name="input",
-                                                        args=copy.deepcopy(self.scheme.input_activations))
-                            for _ in range(n_experts)]
+            self.in_obs = [
+                Observer.load_from_registry(
+                    "static_minmax", base_name="input", args=copy.deepcopy(self.scheme.input_activations)
+                )
+                for _ in range(n_experts)
+            ]
+            self.mid_obs = [
+                Observer.load_from_registry(
+                    "static_minmax", base_name="input", args=copy.deepcopy(self.scheme.input_activations)
+                )
+                for _ in range(n_experts)
+            ]
         self.hooks: list = []
         self.batch_hooks = [self._observe_all]
         self.experts = None
@@ -214,20 +233,35 @@ class LlmCompressorLayer:
         rows: dict[str, list] = {p: [] for p in PARTS}
         with _quiet():
             for k in range(e1 - e0):
-                mods = {"gate_proj": _Weight(gu[k, :inter]), "up_proj": _Weight(gu[k, inter:]),
-                        "down_proj": _Weight(dn[k])}
-                obs = {p: Observer.load_from_registry(self.weight_observer, base_name="weight",
-                                                      args=copy.deepcopy(self.scheme.weights)) for p in mods}
+                mods = {
+                    "gate_proj": _Weight(gu[k, :inter]),
+                    "up_proj": _Weight(gu[k, inter:]),
+                    "down_proj": _Weight(dn[k]),
+                }
+                obs = {
+                    p: Observer.load_from_registry(
+                        self.weight_observer, base_name="weight", args=copy.deepcopy(self.scheme.weights)
+                    )
+                    for p in mods
+                }
                 FusionHandler.fuse([(obs[p], mods[p]) for p in ("gate_proj", "up_proj")])
                 for p, mod in mods.items():
                     obs[p](mod.weight)
                 qp = {p: obs[p].get_qparams() for p in mods}
                 for p, mod in mods.items():
-                    sd = {"weight": mod.weight.data, "weight_scale": qp[p]["scale"],
-                          "weight_global_scale": qp[p]["global_scale"]}
+                    sd = {
+                        "weight": mod.weight.data,
+                        "weight_scale": qp[p]["scale"],
+                        "weight_global_scale": qp[p]["global_scale"],
+                    }
                     c = NVFP4PackedCompressor.compress(sd, self.scheme)
-                    rows[p].append((c["weight_packed"], c["weight_scale"].to(torch.float8_e4m3fn),
-                                    qp[p]["global_scale"].float().reshape(())))
+                    rows[p].append(
+                        (
+                            c["weight_packed"],
+                            c["weight_scale"].to(torch.float8_e4m3fn),
+                            qp[p]["global_scale"].float().reshape(()),
+                        )
+                    )
         g_in = self._input_global(self.in_obs, e0, e1, in_amax)
         g_mid = self._input_global(self.mid_obs, e0, e1, mid_amax)
         one = torch.tensor(1.0, dtype=torch.float32)
@@ -235,8 +269,14 @@ class LlmCompressorLayer:
         for p, r in rows.items():
             gw = torch.stack([x[2] for x in r])
             gi = g_mid if p == "down_proj" else g_in
-            res[p] = NVFP4Experts(torch.stack([x[0] for x in r]), torch.stack([x[1] for x in r]), one / gw, one / gi,
-                                  weight_global_scale=gw, input_global_scale=gi)
+            res[p] = NVFP4Experts(
+                torch.stack([x[0] for x in r]),
+                torch.stack([x[1] for x in r]),
+                one / gw,
+                one / gi,
+                weight_global_scale=gw,
+                input_global_scale=gi,
+            )
         return res
 
 

@@ -54,7 +54,7 @@ class ExpertStats:
         if home is not None and all(p.untyped_storage().data_ptr() == home for p in pieces):
             # kept back to back from row 0 (_keep): the buffer's own rows, still page-locked (a `cat`
             # would give pageable memory, whose upload to the GPU waits for the host)
-            return self._pinned[e, :sum(p.shape[0] for p in pieces)]
+            return self._pinned[e, : sum(p.shape[0] for p in pieces)]
         return torch.cat(pieces)
 
     def _keep(self, e: int, rows: torch.Tensor) -> torch.Tensor:
@@ -65,9 +65,10 @@ class ExpertStats:
         if rows.device.type != "cuda":
             return rows.clone()  # not a view: that would keep the whole batch's activations alive
         if self._pinned is None:
-            self._pinned = torch.empty((self.n_experts, self.keep_rows, rows.shape[-1]), dtype=rows.dtype,
-                                       pin_memory=True)
-        dst = self._pinned[e, self._kept[e]:self._kept[e] + rows.shape[0]]
+            self._pinned = torch.empty(
+                (self.n_experts, self.keep_rows, rows.shape[-1]), dtype=rows.dtype, pin_memory=True
+            )
+        dst = self._pinned[e, self._kept[e] : self._kept[e] + rows.shape[0]]
         dst.copy_(rows, non_blocking=True)
         self._pending.add(rows.device)
         return dst
@@ -121,15 +122,18 @@ def reduce_expert_stats(stats: ExpertStats, group, owner) -> None:
         return
     for dst in range(group.world):
         # clones: a piece is a view of the layer's page-locked buffer, which pickling would send whole
-        mine = {e: [(b, t.clone()) for b, t in zip(stats._row_batches[e], stats.mid_rows[e])]
-                for e in range(stats.n_experts) if owner(e) == dst}
+        mine = {
+            e: [(b, t.clone()) for b, t in zip(stats._row_batches[e], stats.mid_rows[e])]
+            for e in range(stats.n_experts)
+            if owner(e) == dst
+        }
         every = group.gather_to(mine, dst)
         if every is None:
             continue
         for e in mine:
             pieces = sorted(((b, t) for rank in every for b, t in rank[e]), key=lambda bt: bt[0])
             if pieces:
-                rows = torch.cat([t for _, t in pieces])[:stats.keep_rows]
+                rows = torch.cat([t for _, t in pieces])[: stats.keep_rows]
                 stats.mid_rows[e], stats._row_batches[e] = [rows], [0]
                 stats._kept[e] = rows.shape[0]
     for e in range(stats.n_experts):

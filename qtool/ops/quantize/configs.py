@@ -15,15 +15,36 @@ _NVFP4_ARGS = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 1
 # tiny_nvfp4_ct fixture's config.json).
 _CT_NVFP4_GROUP = {
     "format": "nvfp4-pack-quantized",
-    "input_activations": {"actorder": None, "block_structure": None, "dynamic": "local", "group_size": 16,
-                          "num_bits": 4, "observer": "static_minmax", "observer_kwargs": {},
-                          "scale_dtype": "torch.float8_e4m3fn", "strategy": "tensor_group", "symmetric": True,
-                          "type": "float", "zp_dtype": None},
+    "input_activations": {
+        "actorder": None,
+        "block_structure": None,
+        "dynamic": "local",
+        "group_size": 16,
+        "num_bits": 4,
+        "observer": "static_minmax",
+        "observer_kwargs": {},
+        "scale_dtype": "torch.float8_e4m3fn",
+        "strategy": "tensor_group",
+        "symmetric": True,
+        "type": "float",
+        "zp_dtype": None,
+    },
     "output_activations": None,
     "targets": ["Linear"],
-    "weights": {"actorder": None, "block_structure": None, "dynamic": False, "group_size": 16, "num_bits": 4,
-                "observer": "memoryless_minmax", "observer_kwargs": {}, "scale_dtype": "torch.float8_e4m3fn",
-                "strategy": "tensor_group", "symmetric": True, "type": "float", "zp_dtype": None},
+    "weights": {
+        "actorder": None,
+        "block_structure": None,
+        "dynamic": False,
+        "group_size": 16,
+        "num_bits": 4,
+        "observer": "memoryless_minmax",
+        "observer_kwargs": {},
+        "scale_dtype": "torch.float8_e4m3fn",
+        "strategy": "tensor_group",
+        "symmetric": True,
+        "type": "float",
+        "zp_dtype": None,
+    },
 }
 
 
@@ -34,9 +55,20 @@ def _ct_w4a16_group(group_size: int) -> dict:
         "input_activations": None,
         "output_activations": None,
         "targets": ["Linear"],
-        "weights": {"actorder": None, "block_structure": None, "dynamic": False, "group_size": group_size,
-                    "num_bits": 4, "observer": "minmax", "observer_kwargs": {}, "scale_dtype": None,
-                    "strategy": "group", "symmetric": True, "type": "int", "zp_dtype": None},
+        "weights": {
+            "actorder": None,
+            "block_structure": None,
+            "dynamic": False,
+            "group_size": group_size,
+            "num_bits": 4,
+            "observer": "minmax",
+            "observer_kwargs": {},
+            "scale_dtype": None,
+            "strategy": "group",
+            "symmetric": True,
+            "type": "int",
+            "zp_dtype": None,
+        },
     }
 
 
@@ -47,8 +79,16 @@ def awq_not_convert(mm: ModelMap) -> list[str]:
     mods = linear_modules(mm)
     q = [m for m, f in mods.items() if f in QUANTIZED_FORMATS]
     unq = sorted(m for m, f in mods.items() if f is Format.BF16)
-    cands = ("visual.", "mtp", "lm_head", "linear_attn", "self_attn", "shared_expert_gate", "shared_expert.",
-             "mlp.gate")
+    cands = (
+        "visual.",
+        "mtp",
+        "lm_head",
+        "linear_attn",
+        "self_attn",
+        "shared_expert_gate",
+        "shared_expert.",
+        "mlp.gate",
+    )
     out: list[str] = []
     for m in unq:
         if any(o in m for o in out):
@@ -81,8 +121,15 @@ def _ct_w4a16_groups(group_size: int, in_features: dict[str, int]) -> dict:
     return out
 
 
-def quant_configs(mm: ModelMap, scheme: Scheme, fmt: OutFormat, kv: bool, group_size: int, versions: dict,
-                  in_features: dict[str, int] | None = None) -> tuple[dict, dict | None]:
+def quant_configs(
+    mm: ModelMap,
+    scheme: Scheme,
+    fmt: OutFormat,
+    kv: bool,
+    group_size: int,
+    versions: dict,
+    in_features: dict[str, int] | None = None,
+) -> tuple[dict, dict | None]:
     """(config.json quantization_config, hf_quant_config.json or None). `in_features`: routed expert
     projection -> in-features (W4A16: the group actually used per projection)."""
     from qtool.engines import Flavour
@@ -91,22 +138,38 @@ def quant_configs(mm: ModelMap, scheme: Scheme, fmt: OutFormat, kv: bool, group_
 
     producer = {"name": "qtool", "version": versions.get("qtool")}
     if fmt is OutFormat.AWQ:
-        return ({"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm",
-                 "modules_to_not_convert": awq_not_convert(mm)}, None)
+        return (
+            {
+                "quant_method": "awq",
+                "bits": 4,
+                "group_size": group_size,
+                "zero_point": True,
+                "version": "gemm",
+                "modules_to_not_convert": awq_not_convert(mm),
+            },
+            None,
+        )
     if fmt is OutFormat.MODELOPT:
         (globs,) = ignore_patterns_for(mm, (Flavour.MODELOPT,))
         qc = {
-            "config_groups": {"group_0": {"input_activations": dict(_NVFP4_ARGS), "weights": dict(_NVFP4_ARGS),
-                                          "targets": ["Linear"]}},
+            "config_groups": {
+                "group_0": {"input_activations": dict(_NVFP4_ARGS), "weights": dict(_NVFP4_ARGS), "targets": ["Linear"]}
+            },
             "ignore": globs,
             "quant_algo": "NVFP4",
             "kv_cache_scheme": dict(MODELOPT_KV_SCHEME) if kv else None,
             "producer": producer,
             "quant_method": "modelopt",
         }
-        hq = {"producer": producer,
-              "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": "FP8" if kv else None,
-                               "group_size": 16, "exclude_modules": globs}}
+        hq = {
+            "producer": producer,
+            "quantization": {
+                "quant_algo": "NVFP4",
+                "kv_cache_quant_algo": "FP8" if kv else None,
+                "group_size": 16,
+                "exclude_modules": globs,
+            },
+        }
         return qc, hq
     (regexes,) = ignore_patterns_for(mm, (Flavour.COMPRESSED_TENSORS,))
     if scheme is Scheme.NVFP4:
@@ -114,15 +177,18 @@ def quant_configs(mm: ModelMap, scheme: Scheme, fmt: OutFormat, kv: bool, group_
     else:
         groups = _ct_w4a16_groups(group_size, in_features or {})
     group = groups["group_0"]
-    return ({
-        "config_groups": groups,
-        "format": group["format"],
-        "global_compression_ratio": None,
-        "ignore": regexes,
-        "kv_cache_scheme": dict(CT_KV_SCHEME) if kv else None,
-        "quant_method": "compressed-tensors",
-        "quantization_status": "compressed",
-        "sparsity_config": {},
-        "transform_config": {},
-        "version": versions.get("compressed-tensors"),
-    }, None)
+    return (
+        {
+            "config_groups": groups,
+            "format": group["format"],
+            "global_compression_ratio": None,
+            "ignore": regexes,
+            "kv_cache_scheme": dict(CT_KV_SCHEME) if kv else None,
+            "quant_method": "compressed-tensors",
+            "quantization_status": "compressed",
+            "sparsity_config": {},
+            "transform_config": {},
+            "version": versions.get("compressed-tensors"),
+        },
+        None,
+    )

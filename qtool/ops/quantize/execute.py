@@ -18,13 +18,13 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from qtool.errors import PlanError, UsageError, VerificationError
+from qtool.io.identity import input_identity, tensor_list_text
 from qtool.io.jsonio import load_json, write_json
 from qtool.io.manifest import RUN
-from qtool.io.identity import input_identity, tensor_list_text
 from qtool.io.output import OutputDir
 from qtool.ops.contract import Report
 from qtool.ops.quantize.output import input_files
@@ -52,8 +52,9 @@ def first_layer_read(p: QuantizePlan, partial: Path) -> Iterator[tuple[object, i
     VM) runs while it is read. The streamer is closed on the way out (its reads end there)."""
     from qtool.stream.layer_stream import LayerStreamer
 
-    streamer = LayerStreamer(p.ckpt, device=p.device, mm=p.mm,
-                             batch_tokens=p.options.batch_tokens if p.options else None)
+    streamer = LayerStreamer(
+        p.ckpt, device=p.device, mm=p.mm, batch_tokens=p.options.batch_tokens if p.options else None
+    )
     try:
         first = 0
         if p.options is not None and p.options.resume:
@@ -68,8 +69,18 @@ def first_layer_read(p: QuantizePlan, partial: Path) -> Iterator[tuple[object, i
         streamer.close()
 
 
-def calibrate_and_write(p: QuantizePlan, partial: Path, ids, streamer, *, resume: bool, progress=None,
-                        mode: int = 0o644, done=None, prefetched: int | None = None) -> dict:
+def calibrate_and_write(
+    p: QuantizePlan,
+    partial: Path,
+    ids,
+    streamer,
+    *,
+    resume: bool,
+    progress=None,
+    mode: int = 0o644,
+    done=None,
+    prefetched: int | None = None,
+) -> dict:
     """The layers, calibrated, quantized and written, through `streamer` (first_layer_read's, which has
     begun reading p.layers[prefetched] and closes it)."""
     from qtool.stream.calib_data import token_digest
@@ -88,13 +99,22 @@ def calibrate_and_write(p: QuantizePlan, partial: Path, ids, streamer, *, resume
     if resume and jpath.exists():
         journal, _ = load_json(jpath, what="quantize journal")
         if journal.get("key") != key:
-            raise PlanError("--resume: the journal was written for other inputs (source, recipe, data or flags)",
-                            path=jpath, hint="run again without --resume to start over")
+            raise PlanError(
+                "--resume: the journal was written for other inputs (source, recipe, data or flags)",
+                path=jpath,
+                hint="run again without --resume to start over",
+            )
     g.barrier()  # every rank has read the journal before rank 0 writes the next one
     # with write-behind the journal may lag p.layers_in_flight layers behind the forward (_quantize_layers);
     # always HIDDEN_FILES, so that a resume finds the file its journal names whatever it plans in flight
-    store = DiskStore(work, (n, seq, streamer.hidden_size), streamer.dtype,
-                      current=(journal or {}).get("current", "a"), files=HIDDEN_FILES, device=streamer.device)
+    store = DiskStore(
+        work,
+        (n, seq, streamer.hidden_size),
+        streamer.dtype,
+        current=(journal or {}).get("current", "a"),
+        files=HIDDEN_FILES,
+        device=streamer.device,
+    )
     start = int((journal or {}).get("next_layer", 0))
     layer_reports: list[dict] = list((journal or {}).get("layers", []))
 
@@ -111,8 +131,13 @@ def calibrate_and_write(p: QuantizePlan, partial: Path, ids, streamer, *, resume
     t0 = time.perf_counter()
     _quantize_layers(p, partial, streamer, store, seq, batch, start, layer_reports, save, progress, mode, done)
     streamer.close()  # (the reads are over: the GPU peak into the clock reported here)
-    return {"layers": layer_reports, "seconds": time.perf_counter() - t0, "resumed_from_layer": start,
-            "timing": streamer.clock, "kernels": streamer.kernels}
+    return {
+        "layers": layer_reports,
+        "seconds": time.perf_counter() - t0,
+        "resumed_from_layer": start,
+        "timing": streamer.clock,
+        "kernels": streamer.kernels,
+    }
 
 
 def _quantize_layers(p, partial, streamer, store, seq, batch, start, layer_reports, save, progress, mode, done):
@@ -132,10 +157,15 @@ def _quantize_layers(p, partial, streamer, store, seq, batch, start, layer_repor
 
     import torch
 
-    from qtool.ops.calibrate_kv.calibrate import reduce_kv
-    from qtool.ops.quantize.calib import (ExpertStats, KvStat, install_expert_stats, reduce_expert_stats,
-                                          remove_expert_stats)
     from qtool.io.files import tmp_path
+    from qtool.ops.calibrate_kv.calibrate import reduce_kv
+    from qtool.ops.quantize.calib import (
+        ExpertStats,
+        KvStat,
+        install_expert_stats,
+        reduce_expert_stats,
+        remove_expert_stats,
+    )
     from qtool.ops.quantize.layer import Share, copied_whole, create_layer_tmp, release_dense_experts, write_layer_shard
     from qtool.stream.layer_stream import attention_tap, kv_amax_tap
     from qtool.stream.side_stream import SideStream
@@ -154,11 +184,13 @@ def _quantize_layers(p, partial, streamer, store, seq, batch, start, layer_repor
             entry["kv"] = {"k_amax": kv.k_amax, "v_amax": kv.v_amax, "tokens": kv.tokens}
         if awq:
             awq = sorted(awq, key=lambda r: r["expert"])  # the ranks' experts, summed in one process's order
-            entry["awq"] = {"mean_alpha": sum(r["alpha"] for r in awq) / len(awq),
-                            # None: an expert whose rows held a NaN or an inf (plain RTN); not summed
-                            "down_mse": sum(r["down_mse"] for r in awq if r["down_mse"] is not None),
-                            "down_mse_rtn": sum(r["down_mse_rtn"] for r in awq if r["down_mse_rtn"] is not None),
-                            "experts_not_searched": sum(r["down_mse"] is None for r in awq)}
+            entry["awq"] = {
+                "mean_alpha": sum(r["alpha"] for r in awq) / len(awq),
+                # None: an expert whose rows held a NaN or an inf (plain RTN); not summed
+                "down_mse": sum(r["down_mse"] for r in awq if r["down_mse"] is not None),
+                "down_mse_rtn": sum(r["down_mse_rtn"] for r in awq if r["down_mse_rtn"] is not None),
+                "experts_not_searched": sum(r["down_mse"] is None for r in awq),
+            }
         layer_reports.append(entry)
         streamer.inputs_hashed(lp.index)  # the digests the journal's resume relies on cover this layer
         save(lp.index + 1, current)
@@ -166,17 +198,19 @@ def _quantize_layers(p, partial, streamer, store, seq, batch, start, layer_repor
         if progress is not None:
             progress(lp.index)
 
-    def finish(lp, layer, stats, kv, backend, current, coder=None, ready=None, ahead=None,
-               keep_pace=False) -> list[dict]:
+    def finish(
+        lp, layer, stats, kv, backend, current, coder=None, ready=None, ahead=None, keep_pace=False
+    ) -> list[dict]:
         """Write this rank's share of the layer; one rank also commits it here, on the writer thread, once
         the layer `ahead` of it (a Future) has committed. The coding runs on the writer's own CUDA stream,
         after the handoff mark `ready` (qtool.stream.side_stream). `keep_pace`: the job's last layer
         (write_layer_shard)."""
         if ahead is not None and ahead.done() and ahead.exception() is not None:
             raise ahead.exception()  # the layer ahead failed: this one is not begun
-        with torch.no_grad(), (coder.run(ready) if coder is not None else nullcontext()):
-            rep = write_layer_shard(partial / lp.shard, lp, layer, stats, (kv.k_amax, kv.v_amax), p, backend, mode,
-                                    share, keep_pace)
+        with torch.no_grad(), coder.run(ready) if coder is not None else nullcontext():
+            rep = write_layer_shard(
+                partial / lp.shard, lp, layer, stats, (kv.k_amax, kv.v_amax), p, backend, mode, share, keep_pace
+            )
         if g.world == 1:
             if ahead is not None:
                 ahead.result()  # its error is this layer's too: no journal entry past a layer not on disk
@@ -208,8 +242,9 @@ def _quantize_layers(p, partial, streamer, store, seq, batch, start, layer_repor
     if streamer.device.startswith("cuda"):
         index = torch.device(streamer.device).index
         on_device = (torch.cuda.set_device, (torch.cuda.current_device() if index is None else index,))
-    with ThreadPoolExecutor(max_workers=writers, thread_name_prefix="qtool-layer-write", initializer=on_device[0],
-                            initargs=on_device[1]) as writer:
+    with ThreadPoolExecutor(
+        max_workers=writers, thread_name_prefix="qtool-layer-write", initializer=on_device[0], initargs=on_device[1]
+    ) as writer:
         try:
             for k, lp in enumerate(todo):
                 # the copied tensors' source bytes (whole tensors, or one expert's slice of a fused source)
@@ -258,8 +293,9 @@ def _quantize_layers(p, partial, streamer, store, seq, batch, start, layer_repor
                 if backend is None:
                     coder = coders[k % writers]
                     ahead = pending[-1][0] if pending else None
-                    pending.append((writer.submit(finish, *job, coder, coder.handoff(), ahead, last), lp, stats,
-                                    kv, store.current))
+                    pending.append(
+                        (writer.submit(finish, *job, coder, coder.handoff(), ahead, last), lp, stats, kv, store.current)
+                    )
                 else:
                     finish(*job, keep_pace=last)
                 del layer, backend, job
@@ -300,8 +336,10 @@ def execute(p: QuantizePlan, *, progress=None) -> Report:
         partial = partial_path(p.out)
         with first_layer_read(p, partial) as (streamer, first):
             report["plan"] = p.to_json()  # (makes the output plan, as rank 0 does)
-            report.update(calibrate_and_write(p, partial, ids, streamer, resume=opts.resume, prefetched=first),
-                          rank=dist.current().rank)
+            report.update(
+                calibrate_and_write(p, partial, ids, streamer, resume=opts.resume, prefetched=first),
+                rank=dist.current().rank,
+            )
         return Report({"plan": report.pop("plan"), **report})
     from qtool.io.apply import input_hasher, write_output
     from qtool.ops.checks import PlannedProblems
@@ -313,14 +351,27 @@ def execute(p: QuantizePlan, *, progress=None) -> Report:
             checking.begin()  # from the first layer written on: the start has nothing to share its CPU with
             problems = checking.found_early()
             if problems:  # the plan itself is wrong (a qtool bug): the end's check would fail it, an hour later
-                raise VerificationError(f"the planned output has {len(problems)} problem(s); stopped at "
-                                        f"{name}", path=tx.partial,
-                                        got="; ".join(f"{x.code.value}: {x.message}" for x in problems[:3]),
-                                        hint="this is a qtool bug: please report it with this message")
+                raise VerificationError(
+                    f"the planned output has {len(problems)} problem(s); stopped at {name}",
+                    path=tx.partial,
+                    got="; ".join(f"{x.code.value}: {x.message}" for x in problems[:3]),
+                    hint="this is a qtool bug: please report it with this message",
+                )
 
         layer_done.check = done.check
-        report.update(calibrate_and_write(p, tx.partial, ids, streamer, resume=opts.resume, progress=progress,
-                                          mode=tx.file_mode, done=layer_done, prefetched=first))
+        report.update(
+            calibrate_and_write(
+                p,
+                tx.partial,
+                ids,
+                streamer,
+                resume=opts.resume,
+                progress=progress,
+                mode=tx.file_mode,
+                done=layer_done,
+                prefetched=first,
+            )
+        )
 
     def check() -> dict:
         from qtool.io.apply import check_written
@@ -330,8 +381,11 @@ def execute(p: QuantizePlan, *, progress=None) -> Report:
         check_written(p.output, tx.partial, (Shard,))  # the layer shards were, by write_output
         problems = [x.to_json() for x in checking.result()]
         report["problems"] = problems
-        return {"inspect_problems": problems, "passed": not problems,
-                "summary": problems[0]["message"] if problems else None}
+        return {
+            "inspect_problems": problems,
+            "passed": not problems,
+            "summary": problems[0]["message"] if problems else None,
+        }
 
     with OutputDir(p.out, sources=[p.ckpt.root], force=opts.force, resume=opts.resume) as tx:
         # the first layer is read while the output is planned: the input's hashes are taken from the reads
@@ -346,17 +400,31 @@ def execute(p: QuantizePlan, *, progress=None) -> Report:
                 # the 397B's written headers back and mapping them took 2.4 s after its last layer (2-core VM)
                 view = p.output_map if p.output_map is not None and p.output_map.ckpt.root == tx.partial else None
                 checking = PlannedProblems(p.output, tx.partial, view)
-                write_output(p.output, tx, command=opts.command, produce=produce, check=check, hasher=hasher,
-                             early_shards=True,
-                             extra=lambda: {"calibration": report.get("calibration"), "layers": report["layers"],
-                                            RUN: {"kernels": report.get("kernels")}})
+                write_output(
+                    p.output,
+                    tx,
+                    command=opts.command,
+                    produce=produce,
+                    check=check,
+                    hasher=hasher,
+                    early_shards=True,
+                    extra=lambda: {
+                        "calibration": report.get("calibration"),
+                        "layers": report["layers"],
+                        RUN: {"kernels": report.get("kernels")},
+                    },
+                )
         finally:
             if hasher is not None:
                 hasher.close()  # (after the streamer: its reads hand their bytes to the hasher's digests)
             if not planned:  # refused by (or before) its output plan: nothing is left, as of a refusal in plan()
                 tx.withdraw()
-    report["output"] = {"output": str(p.out), **p.output.summary, "side_files": p.output.extra["side_files"],
-                        "problems": report["problems"]}
+    report["output"] = {
+        "output": str(p.out),
+        **p.output.summary,
+        "side_files": p.output.extra["side_files"],
+        "problems": report["problems"],
+    }
     return Report({"plan": report.pop("plan"), **report})
 
 

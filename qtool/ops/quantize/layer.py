@@ -41,8 +41,10 @@ def input_amaxes(stats, mode: InputScale) -> tuple[torch.Tensor, torch.Tensor]:
     if mode is InputScale.LAYER_MAX:
         return torch.full((e,), lmax_in), torch.full((e,), lmax_mid)
     seen = stats.tokens > 0
-    return (torch.where(seen, stats.in_amax, torch.full((e,), lmax_in)),
-            torch.where(seen, stats.mid_amax, torch.full((e,), lmax_mid)))
+    return (
+        torch.where(seen, stats.in_amax, torch.full((e,), lmax_in)),
+        torch.where(seen, stats.mid_amax, torch.full((e,), lmax_mid)),
+    )
 
 
 @dataclass
@@ -67,16 +69,25 @@ class NVFP4Experts:
         one = torch.tensor(1.0, dtype=torch.float32)
         dev = self.packed.device
         # the reciprocal scales on the host, as they always were computed (bit for bit), then to the device once
-        cpu = {f: None if getattr(self, f) is None else getattr(self, f).cpu()
-               for f in ("weight_scale_2", "input_scale", "weight_global_scale", "input_global_scale")}
-        ws2, ins, gs_w, gs_in = cpu["weight_scale_2"], cpu["input_scale"], cpu["weight_global_scale"], cpu["input_global_scale"]
+        cpu = {
+            f: None if getattr(self, f) is None else getattr(self, f).cpu()
+            for f in ("weight_scale_2", "input_scale", "weight_global_scale", "input_global_scale")
+        }
+        ws2, ins, gs_w, gs_in = (
+            cpu["weight_scale_2"],
+            cpu["input_scale"],
+            cpu["weight_global_scale"],
+            cpu["input_global_scale"],
+        )
         if fmt is OutFormat.MODELOPT:
             a = (ins if gs_in is None else one / gs_in).to(dev)
             b = (ws2 if gs_w is None else one / gs_w).to(dev)
             return [[a[k], self.packed[k], self.block_scale[k], b[k]] for k in range(self.packed.shape[0])]
         a = (one / ins if gs_in is None else gs_in).to(dev)
         b = (one / ws2 if gs_w is None else gs_w).to(dev)
-        return [[a[k].reshape(1), b[k].reshape(1), self.packed[k], self.block_scale[k]] for k in range(self.packed.shape[0])]
+        return [
+            [a[k].reshape(1), b[k].reshape(1), self.packed[k], self.block_scale[k]] for k in range(self.packed.shape[0])
+        ]
 
 
 def chunk_bytes(tensors: list[torch.Tensor]):
@@ -153,8 +164,12 @@ def nvfp4_rtn(gu, down, inter, in_amax, mid_amax, recipe) -> dict[str, NVFP4Expe
         ws2 = nvfp4.weight_scale_2_from_amax(w_amax)
         bs = _block_scales(w, w_amax, ws2, recipe.nvfp4.weight_scale)
         q = quantize_fast(w, weight_scale_2=ws2, block_scale=bs)
-        res[part] = NVFP4Experts(q.packed, q.block_scale, q.weight_scale_2.reshape(-1).float(),
-                                 nvfp4.input_scale_from_amax(amax.float()).reshape(-1))
+        res[part] = NVFP4Experts(
+            q.packed,
+            q.block_scale,
+            q.weight_scale_2.reshape(-1).float(),
+            nvfp4.input_scale_from_amax(amax.float()).reshape(-1),
+        )
     return res
 
 
@@ -248,8 +263,18 @@ def _expert_of(name: str) -> tuple[int, str, str] | None:
     return int(rest.partition(".")[0]), rest.partition(".")[2], param
 
 
-def write_layer_shard(path: Path, lp, layer, stats, kv, p, backend=None, mode: int = 0o644,
-                      share: Share = Share(), keep_pace: bool = False) -> dict:
+def write_layer_shard(
+    path: Path,
+    lp,
+    layer,
+    stats,
+    kv,
+    p,
+    backend=None,
+    mode: int = 0o644,
+    share: Share = Share(),
+    keep_pace: bool = False,
+) -> dict:
     """Write `lp.specs` to `path`. One rank: the whole shard to a tmp file renamed to `path`. Several:
     this rank's Share into the tmp file rank 0 made (create_layer_tmp), at the header's offsets, fsynced;
     rank 0 renames it (os.replace) once every rank's share is on disk. `layer`: the dense transformers
@@ -280,8 +305,9 @@ def write_layer_shard(path: Path, lp, layer, stats, kv, p, backend=None, mode: i
             out = HashedWrites(f, path=tmp, keep_pace=keep_pace) if hashed else f
             ops = InOrder()  # the file's writes, in order, while the next chunk is coded
             try:
-                _write_specs(ops, out, f, lp, layer, stats, kv, p, backend, share, header, names, kept, fds,
-                             hashed, report)
+                _write_specs(
+                    ops, out, f, lp, layer, stats, kv, p, backend, share, header, names, kept, fds, hashed, report
+                )
                 ops.close()  # every write done; a write's error is raised here
             except BaseException:
                 ops.abandon()  # nothing is left writing once the file closes (also after a partial close)
@@ -304,8 +330,24 @@ def write_layer_shard(path: Path, lp, layer, stats, kv, p, backend=None, mode: i
     return report
 
 
-def _write_specs(ops: InOrder, out, f, lp, layer, stats, kv, p, backend, share: Share, header: bytes,
-                 names: list[str], kept: dict, fds: dict, hashed: bool, report: dict) -> None:
+def _write_specs(
+    ops: InOrder,
+    out,
+    f,
+    lp,
+    layer,
+    stats,
+    kv,
+    p,
+    backend,
+    share: Share,
+    header: bytes,
+    names: list[str],
+    kept: dict,
+    fds: dict,
+    hashed: bool,
+    report: dict,
+) -> None:
     """Code the layer's tensors in header order and queue their bytes on `ops` (coded here, written there)."""
     from qtool.ops.calibrate_kv import LayerStat
 
@@ -334,8 +376,12 @@ def _write_specs(ops: InOrder, out, f, lp, layer, stats, kv, p, backend, share: 
             # read with the layer (to the device, on CUDA): the copied tensors that follow in the header go
             # out together, in pieces of at most COPY_PIECE (through page-locked memory, behind the forward)
             group = [kept[s.name]]
-            while (i < len(specs) and specs[i].source is not None and specs[i].name in kept
-                   and pos - at + specs[i].nbytes <= COPY_PIECE):
+            while (
+                i < len(specs)
+                and specs[i].source is not None
+                and specs[i].name in kept
+                and pos - at + specs[i].nbytes <= COPY_PIECE
+            ):
                 group.append(kept[specs[i].name])
                 pos += specs[i].nbytes
                 i += 1
@@ -370,12 +416,14 @@ def _write_specs(ops: InOrder, out, f, lp, layer, stats, kv, p, backend, share: 
                 parts = nvfp4_rtn(gu, dn, inter, a_in, a_mid, p.recipe)
             chunk = {part: q.expert_tensors(p.format) for part, q in parts.items()}
         else:
-            chunk = _int4_expert_chunk(gu, dn, inter, stats, e0, p.recipe, p.format, report["awq"],
-                                       p.int4_group)  # one group for every projection (engine rule)
+            chunk = _int4_expert_chunk(
+                gu, dn, inter, stats, e0, p.recipe, p.format, report["awq"], p.int4_group
+            )  # one group for every projection (engine rule)
         data = chunk_bytes([chunk[part][e - e0][names.index(param)] for _, (e, part, param) in members])
         if data.host.numel() != pos - at:
-            raise AssertionError(f"{s.name}: experts {e0}-{e1 - 1} coded to {data.host.numel()} bytes, planned "
-                                 f"{pos - at}")
+            raise AssertionError(
+                f"{s.name}: experts {e0}-{e1 - 1} coded to {data.host.numel()} bytes, planned {pos - at}"
+            )
         ops.call(_write_chunk, out, data)
 
 
@@ -392,5 +440,13 @@ def _copy_spec(s, out, f, fds: dict, hashed: bool, end: int) -> None:
     f.seek(end)  # the descriptor moved under the buffer
 
 
-__all__ = ["FileRange", "InlineBytes", "Share", "copied_whole", "create_layer_tmp", "input_amaxes",
-           "release_dense_experts", "write_layer_shard"]
+__all__ = [
+    "FileRange",
+    "InlineBytes",
+    "Share",
+    "copied_whole",
+    "create_layer_tmp",
+    "input_amaxes",
+    "release_dense_experts",
+    "write_layer_shard",
+]

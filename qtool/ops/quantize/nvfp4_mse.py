@@ -21,14 +21,18 @@ def search_block_scales(w: torch.Tensor, weight_scale_2: torch.Tensor) -> torch.
     """float8_e4m3fn [..., out, in/16] block scales minimising per-block squared error."""
     lead, out, n_in = tuple(w.shape[:-2]), w.shape[-2], w.shape[-1]
     nb = n_in // nvfp4.BLOCK_SIZE
-    ws2 = torch.as_tensor(weight_scale_2).float().reshape(*lead, 1, 1, 1) if lead else torch.as_tensor(weight_scale_2).float().reshape(())
+    ws2 = (
+        torch.as_tensor(weight_scale_2).float().reshape(*lead, 1, 1, 1)
+        if lead
+        else torch.as_tensor(weight_scale_2).float().reshape(())
+    )
     x = w.float().reshape(*lead, out, nb, nvfp4.BLOCK_SIZE)
     bamax = x.abs().amax(dim=-1)
     best_err = None
     best = None
     for f in FACTORS:
         ws = ws2 if not lead else ws2.squeeze(-1)
-        s = (bamax * f / (nvfp4.E2M1_MAX * ws))
+        s = bamax * f / (nvfp4.E2M1_MAX * ws)
         s = torch.where((s == 0) | s.isnan(), torch.ones_like(s), s).clamp(nvfp4.E4M3_MIN_SCALE, nvfp4.E4M3_MAX)
         s8 = s.to(torch.float8_e4m3fn)
         denom = (s8.float() * ws).unsqueeze(-1)

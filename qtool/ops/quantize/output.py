@@ -62,12 +62,17 @@ def output_plan(p: QuantizePlan) -> OutputPlan:
     cfg.pop("quantization_config", None)
     out = OutputPlan("quantize", files, sources={"bf16": p.ckpt.root}, inputs=input_files(p))
     # every tensor where OUT.partial will hold it: the output's checks read its scale values back there
-    mm = p.output_map = build_map(header_checkpoint(partial_path(p.out), out, cfg, as_written=True),
-                                  read_values=False)
+    mm = p.output_map = build_map(header_checkpoint(partial_path(p.out), out, cfg, as_written=True), read_values=False)
     versions = {**library_versions(), "qtool": __version__}
-    qc, hq = quant_configs(mm, p.recipe.quantized_scheme, p.format, p.recipe.kv_cache is KvCache.FP8,
-                           p.int4_group, versions,
-                           {"gate_proj": p.hidden, "up_proj": p.hidden, "down_proj": p.inter})
+    qc, hq = quant_configs(
+        mm,
+        p.recipe.quantized_scheme,
+        p.format,
+        p.recipe.kv_cache is KvCache.FP8,
+        p.int4_group,
+        versions,
+        {"gate_proj": p.hidden, "up_proj": p.hidden, "down_proj": p.inter},
+    )
     cfg["quantization_config"] = qc
     files.append(Json(CONFIG_NAME, cfg, style))
     if hq is not None:

@@ -16,8 +16,8 @@ from typing import NamedTuple
 
 from qtool.arch.model_map import Format, ModelMap
 from qtool.arch.qwen35 import Group, layer_prefix
-from qtool.extras import require
 from qtool.errors import PlanError, UsageError
+from qtool.extras import require
 from qtool.io.checkpoint import Checkpoint
 from qtool.io.dtypes import nbytes_for
 from qtool.io.output import OutputDir
@@ -111,7 +111,7 @@ class QuantizePlan:
     stream: object  # layer_stream.StreamPlan
     awq_rows: int
     warnings: list[str] = field(default_factory=list)
-    options: "QuantizeOptions | None" = None
+    options: QuantizeOptions | None = None
     output: object = None  # every output file: qtool.io.plan.OutputPlan, once make_output() has run
     # the output's model map as it will be written in OUT.partial (made with the output plan: its configs'
     # ignore lists come from it, and the output's checks, qtool.ops.checks.PlannedProblems)
@@ -141,8 +141,13 @@ class QuantizePlan:
         from qtool.dist import planned_ranks
 
         held = 1 + (self.layers_in_flight if in_flight is None else in_flight) if write_behind else 1
-        return need(self.stream, device=self.device, held_layers=held, extra_host=self.awq_activation_bytes,
-                    ranks=planned_ranks())
+        return need(
+            self.stream,
+            device=self.device,
+            held_layers=held,
+            extra_host=self.awq_activation_bytes,
+            ranks=planned_ranks(),
+        )
 
     @property
     def awq_activation_bytes(self) -> int:
@@ -183,20 +188,36 @@ class QuantizePlan:
             "recipe": self.recipe.to_json(),
             "backend": self.backend.value,
             "format": self.format.value,
-            "layers": [{"layer": lp.index, "routed_experts": lp.scheme.value, "full_attention": lp.full_attention,
-                        "tensors": len(lp.specs), "shard": lp.shard} for lp in self.layers],
+            "layers": [
+                {
+                    "layer": lp.index,
+                    "routed_experts": lp.scheme.value,
+                    "full_attention": lp.full_attention,
+                    "tensors": len(lp.specs),
+                    "shard": lp.shard,
+                }
+                for lp in self.layers
+            ],
             "carried_over_tensors": len(self.rest),
             "output_bytes": output.summary["bytes"],
             "output_shards": output.summary["shards"],
             "source_bytes": self.ckpt.total_bytes() if hasattr(self.ckpt, "total_bytes") else None,
-            "calibration": self.calib.to_json() if self.calib is not None else {
-                "dataset": self.dataset, "samples": self.samples, "seq_len": self.seq_len,
-                "tokens": self.samples * self.seq_len},
+            "calibration": self.calib.to_json()
+            if self.calib is not None
+            else {
+                "dataset": self.dataset,
+                "samples": self.samples,
+                "seq_len": self.seq_len,
+                "tokens": self.samples * self.seq_len,
+            },
             "device": self.device,
-            "memory": {**sp.to_json(), "awq_activation_bytes": self.awq_activation_bytes,
-                       "need": self.memory.to_json(),
-                       "hidden_disk_bytes": HIDDEN_FILES * sp.hidden_bytes,
-                       "layers_in_flight": self.layers_in_flight},
+            "memory": {
+                **sp.to_json(),
+                "awq_activation_bytes": self.awq_activation_bytes,
+                "need": self.memory.to_json(),
+                "hidden_disk_bytes": HIDDEN_FILES * sp.hidden_bytes,
+                "layers_in_flight": self.layers_in_flight,
+            },
             "warnings": self.warnings,
         }
 
@@ -205,14 +226,17 @@ def group_of(inner: Group) -> str:
     return inner.value
 
 
-def expert_specs(prefix: str, e: int, scheme: Scheme, fmt: OutFormat, hidden: int, inter: int, group: int) -> list[Spec]:
+def expert_specs(
+    prefix: str, e: int, scheme: Scheme, fmt: OutFormat, hidden: int, inter: int, group: int
+) -> list[Spec]:
     base = f"{prefix}mlp.experts.{e}."
     return [Spec(base + tail, dt, shape) for tail, dt, shape in _expert_params(scheme, fmt, hidden, inter, group)]
 
 
 @lru_cache(maxsize=64)
-def _expert_params(scheme: Scheme, fmt: OutFormat, hidden: int, inter: int, group: int
-                   ) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
+def _expert_params(
+    scheme: Scheme, fmt: OutFormat, hidden: int, inter: int, group: int
+) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
     """One quantized expert's output tensors as (name after `experts.E.`, dtype, shape): the same for all
     experts, so made once (the 397B's plan asks 30,720 times)."""
     out = []
@@ -268,7 +292,7 @@ def _layer_tensors(names: list[str], prefix: str) -> list[str]:
     per layer over the 397B's tensors, ~280k for a per-expert source, took seconds). It ends before the
     first name not below `prefix` with its last character incremented."""
     after = prefix[:-1] + chr(ord(prefix[-1]) + 1)
-    return names[bisect_left(names, prefix):bisect_left(names, after)]
+    return names[bisect_left(names, prefix) : bisect_left(names, after)]
 
 
 @dataclass(frozen=True)
@@ -324,23 +348,29 @@ def plan(opts: QuantizeOptions) -> QuantizePlan:
     OutputDir(outp, sources=[ckpt.root], force=opts.force, resume=opts.resume).check()
     scheme = recipe.quantized_scheme
     if scheme in FORMATS_FOR and fmt not in FORMATS_FOR[scheme]:
-        raise UsageError(f"--format {fmt.value} cannot hold {scheme.value} weights",
-                         expected=[f.value for f in FORMATS_FOR[scheme]], got=fmt.value,
-                         hint=f"drop --format (the recipe's own is used), give --format "
-                         f"{' or '.join(f.value for f in FORMATS_FOR[scheme])}, or a recipe of that format "
-                         "(`qtool recipes` lists them)")
-    if (backend is Backend.MODELOPT and recipe.nvfp4.weight_scale is WeightScale.MSE
-            and not device.startswith("cuda")):
+        raise UsageError(
+            f"--format {fmt.value} cannot hold {scheme.value} weights",
+            expected=[f.value for f in FORMATS_FOR[scheme]],
+            got=fmt.value,
+            hint=f"drop --format (the recipe's own is used), give --format "
+            f"{' or '.join(f.value for f in FORMATS_FOR[scheme])}, or a recipe of that format "
+            "(`qtool recipes` lists them)",
+        )
+    if backend is Backend.MODELOPT and recipe.nvfp4.weight_scale is WeightScale.MSE and not device.startswith("cuda"):
         # ModelOpt 0.47's static NVFP4 weight quantizer fake-quantizes through a Triton kernel only:
         # modelopt/torch/quantization/tensor_quant.py:586 raises "static_blockwise_fp4_fake_quant requires
         # triton" during mse_calibrate when triton_kernel.IS_AVAILABLE is False (always on a CPU).
-        raise UsageError("--backend modelopt with an MSE recipe needs a CUDA device (ModelOpt's static "
-                         "NVFP4 fake-quant, used by its MSE calibration, is a Triton kernel)",
-                         hint="use --device cuda, or --backend rtn / llmcompressor for MSE weight scales on CPU")
+        raise UsageError(
+            "--backend modelopt with an MSE recipe needs a CUDA device (ModelOpt's static "
+            "NVFP4 fake-quant, used by its MSE calibration, is a Triton kernel)",
+            hint="use --device cuda, or --backend rtn / llmcompressor for MSE weight scales on CPU",
+        )
     if recipe.nvfp4.weight_scale is WeightScale.MSE_SWEEP and backend is not Backend.RTN:
         # the peers' own runs of the sweep are the oracle in the tests, not a backend of qtool's
-        raise UsageError(f"nvfp4.weight_scale mse_sweep is qtool's own codec: --backend {backend.value} "
-                         "does not run it", hint="use --backend rtn (the default)")
+        raise UsageError(
+            f"nvfp4.weight_scale mse_sweep is qtool's own codec: --backend {backend.value} does not run it",
+            hint="use --backend rtn (the default)",
+        )
     if backend is Backend.MODELOPT:
         require("modelopt", "--backend modelopt")
     elif backend is Backend.LLMCOMPRESSOR:
@@ -348,18 +378,31 @@ def plan(opts: QuantizeOptions) -> QuantizePlan:
     from qtool.dist import planned_ranks
 
     if backend is not Backend.RTN and planned_ranks() > 1:
-        raise UsageError(f"--backend {backend.value} runs in one process (the peer library's calibration state is "
-                         "not reduced over ranks)", hint="use --backend rtn with --nproc/--devices, or one process")
+        raise UsageError(
+            f"--backend {backend.value} runs in one process (the peer library's calibration state is "
+            "not reduced over ranks)",
+            hint="use --backend rtn with --nproc/--devices, or one process",
+        )
     if backend is not Backend.RTN and scheme is not Scheme.NVFP4:
-        raise UsageError(f"--backend {backend.value} drives the peer's NVFP4 calibration only", got=scheme.value,
-                         hint="use --backend rtn for W4A16 recipes (qtool's AWQ search + INT4 codec)")
+        raise UsageError(
+            f"--backend {backend.value} drives the peer's NVFP4 calibration only",
+            got=scheme.value,
+            hint="use --backend rtn for W4A16 recipes (qtool's AWQ search + INT4 codec)",
+        )
     tc = ckpt.text_config
     hidden, inter, n_exp = int(tc["hidden_size"]), int(tc["moe_intermediate_size"]), int(tc["num_experts"])
-    qmods = [m for m in mm.modules.values() if not m.is_mtp and m.inner is Group.ROUTED_EXPERTS and m.format is not None]
+    qmods = [
+        m for m in mm.modules.values() if not m.is_mtp and m.inner is Group.ROUTED_EXPERTS and m.format is not None
+    ]
     bad = [m for m in qmods if m.format is not Format.BF16]
     if bad:
-        raise PlanError("quantize needs a BF16 source; routed experts are already quantized", path=ckpt.root,
-                        tensor=bad[0].name, got=bad[0].format.value, hint="start from the BF16 original")
+        raise PlanError(
+            "quantize needs a BF16 source; routed experts are already quantized",
+            path=ckpt.root,
+            tensor=bad[0].name,
+            got=bad[0].format.value,
+            hint="start from the BF16 original",
+        )
     if scheme is Scheme.NVFP4 and (hidden % 16 or inter % 16):
         raise PlanError("NVFP4 needs expert in-features divisible by 16", got=(hidden, inter))
     int4_group, group_note = recipe.int4.group_size, None
@@ -368,9 +411,11 @@ def plan(opts: QuantizeOptions) -> QuantizePlan:
 
         int4_group = expert_group_size([hidden, inter], recipe.int4.group_size)  # one for all projections
         if int4_group != recipe.int4.group_size:
-            group_note = (f"INT4 group size {int4_group} for every expert projection (the recipe's "
-                            f"{recipe.int4.group_size} exceeds an in-features; the engines need one scheme for all "
-                            "MoE projections)")
+            group_note = (
+                f"INT4 group size {int4_group} for every expert projection (the recipe's "
+                f"{recipe.int4.group_size} exceeds an in-features; the engines need one scheme for all "
+                "MoE projections)"
+            )
         if fmt is OutFormat.AWQ and (hidden % 8 or inter % 8):
             raise PlanError("AutoAWQ GEMM needs out-features divisible by 8", got=(hidden, inter))
     layers = []
@@ -390,7 +435,9 @@ def plan(opts: QuantizeOptions) -> QuantizePlan:
             i = ckpt.tensors[n]
             specs.append(Spec(n, i.dtype, tuple(i.shape), FileRange(i.file, i.start, i.end)))
         if not has_experts:
-            raise PlanError(f"decoder layer {idx} has no routed experts", path=ckpt.root, expected=prefix + "mlp.experts.*")
+            raise PlanError(
+                f"decoder layer {idx} has no routed experts", path=ckpt.root, expected=prefix + "mlp.experts.*"
+            )
         for e in range(n_exp):
             if s is Scheme.BF16:
                 specs += _bf16_expert_specs(mm, prefix, e, hidden, inter)
@@ -423,8 +470,10 @@ def plan(opts: QuantizeOptions) -> QuantizePlan:
     if not any(n.startswith("mtp.") for n in ckpt.tensors):
         warnings.append("the source has no mtp.* head; the output has none either (speculative decoding needs it)")
     if fmt is OutFormat.AWQ and recipe.kv_cache is KvCache.FP8:
-        warnings.append("AutoAWQ form: no KV scales written (the awq config has no kv_cache_scheme and vLLM's AWQ "
-                        "method loads none); use --format compressed-tensors for FP8 KV scales")
+        warnings.append(
+            "AutoAWQ form: no KV scales written (the awq config has no kv_cache_scheme and vLLM's AWQ "
+            "method loads none); use --format compressed-tensors for FP8 KV scales"
+        )
     keep = awq_rows if (scheme is Scheme.W4A16 and recipe.int4.awq) else 0
     calib = None
     if opts.calib_ids is None:
@@ -434,17 +483,40 @@ def plan(opts: QuantizeOptions) -> QuantizePlan:
         # --samples too large for the data is refused here
         from qtool.stream.calib_data import plan_calibration
 
-        calib = plan_calibration(ckpt, dataset, DEFAULT_SAMPLES if samples is None else samples, seq_len, at_most=samples is None)
+        calib = plan_calibration(
+            ckpt, dataset, DEFAULT_SAMPLES if samples is None else samples, seq_len, at_most=samples is None
+        )
         samples = calib.samples
-    p = QuantizePlan(ckpt, mm, recipe, backend, fmt, outp, layers, rest, n_exp, inter, hidden, samples,
-                     seq_len, dataset, device, streamer.plan(samples, seq_len), keep, warnings, opts,
-                     int4_group=int4_group)
+    p = QuantizePlan(
+        ckpt,
+        mm,
+        recipe,
+        backend,
+        fmt,
+        outp,
+        layers,
+        rest,
+        n_exp,
+        inter,
+        hidden,
+        samples,
+        seq_len,
+        dataset,
+        device,
+        streamer.plan(samples, seq_len),
+        keep,
+        warnings,
+        opts,
+        int4_group=int4_group,
+    )
     p.calib = calib
     want = recipe.calibration
     if want and (dataset != want["dataset"] or samples * seq_len < want["samples"] * want["seq_len"]):
-        p.warnings.append(f"the recipe {recipe.name} is meant to calibrate on {want['dataset']} "
-                          f"({want['samples']} x {want['seq_len']} tokens); this run uses {dataset} "
-                          f"({samples} x {seq_len}): pass --dataset/--samples/--seq-len for a real run")
+        p.warnings.append(
+            f"the recipe {recipe.name} is meant to calibrate on {want['dataset']} "
+            f"({want['samples']} x {want['seq_len']} tokens); this run uses {dataset} "
+            f"({samples} x {seq_len}): pass --dataset/--samples/--seq-len for a real run"
+        )
     p.layers_in_flight = p.choose_layers_in_flight()
     p.memory = p.memory_need()
     if p.memory.warning():

@@ -46,8 +46,15 @@ class ReportPlan:
 
     def to_json(self) -> dict:
         o = self.options
-        return {"artifacts": [a.label for a in o.artifacts], "out": str(o.out), "ref": o.ref,
-                "kld": list(o.kld), "engine": o.verify.engine, "tp": o.verify.tp, "gpus": o.verify.gpus}
+        return {
+            "artifacts": [a.label for a in o.artifacts],
+            "out": str(o.out),
+            "ref": o.ref,
+            "kld": list(o.kld),
+            "engine": o.verify.engine,
+            "tp": o.verify.tp,
+            "gpus": o.verify.gpus,
+        }
 
 
 @dataclass
@@ -59,8 +66,13 @@ class ReportResult:
     sections: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
-        return {"path": self.path, "bytes": self.bytes, "artifacts": self.artifacts, "ok": self.ok,
-                "sections": self.sections}
+        return {
+            "path": self.path,
+            "bytes": self.bytes,
+            "artifacts": self.artifacts,
+            "ok": self.ok,
+            "sections": self.sections,
+        }
 
 
 def plan(opts: ReportOptions) -> ReportPlan:
@@ -68,8 +80,11 @@ def plan(opts: ReportOptions) -> ReportPlan:
 
     validate(opts.verify)
     # the page names its inputs: a name that is not UTF-8 cannot be written into it (said now, not at the end)
-    named = [(a.label, "CKPT") for a in opts.artifacts] + [(k, "--kld") for k in opts.kld] + [
-        (p, flag) for p, flag in ((opts.ref_label, "--ref"), (opts.sensitivity, "--sensitivity")) if p is not None]
+    named = (
+        [(a.label, "CKPT") for a in opts.artifacts]
+        + [(k, "--kld") for k in opts.kld]
+        + [(p, flag) for p, flag in ((opts.ref_label, "--ref"), (opts.sensitivity, "--sensitivity")) if p is not None]
+    )
     for path, flag in named:
         require_text_path(path, flag)
     if opts.sensitivity is not None:  # a named error now, not after the page's work
@@ -87,14 +102,21 @@ def plan(opts: ReportOptions) -> ReportPlan:
         if not Path(a.path).exists():
             raise checkpoint_not_found(a.label)
         if opts.ref and _header_only(Path(a.path)):
-            raise UsageError("--ref needs the checkpoint's data, and this is a header-only stand-in", path=a.label,
-                             hint="download it first (qtool download ORG/NAME -o DIR) or report a local copy")
+            raise UsageError(
+                "--ref needs the checkpoint's data, and this is a header-only stand-in",
+                path=a.label,
+                hint="download it first (qtool download ORG/NAME -o DIR) or report a local copy",
+            )
     if opts.ref and opts.kld:
-        raise UsageError("--ref and --kld both give the KLD: pass one",
-                         hint="--ref REF runs eval kld now; --kld FILE.json reads a saved `eval kld --json` result")
+        raise UsageError(
+            "--ref and --kld both give the KLD: pass one",
+            hint="--ref REF runs eval kld now; --kld FILE.json reads a saved `eval kld --json` result",
+        )
     if opts.kld and len(opts.kld) != len(opts.artifacts):
-        raise UsageError(f"--kld gives {len(opts.kld)} result(s) for {len(opts.artifacts)} artifact(s)",
-                         hint="pass one --kld FILE.json per checkpoint, in the same order")
+        raise UsageError(
+            f"--kld gives {len(opts.kld)} result(s) for {len(opts.artifacts)} artifact(s)",
+            hint="pass one --kld FILE.json per checkpoint, in the same order",
+        )
     _check_output(opts)
     klds = [load_kld(Path(k)) for k in opts.kld] or [None] * len(opts.artifacts)
     return ReportPlan(opts, klds)
@@ -121,42 +143,59 @@ def _check_output(opts: ReportOptions) -> None:
         from qtool.ops.sensitivity import table_input
 
         sources.append(table_input(opts.sensitivity))
-    check_file_output(out, sources=sources, force=opts.force,
-                      ours=lambda head: GENERATOR in head[:512].decode("utf-8", "replace"))
+    check_file_output(
+        out, sources=sources, force=opts.force, ours=lambda head: GENERATOR in head[:512].decode("utf-8", "replace")
+    )
 
 
 def load_kld(path: Path) -> dict:
     """A saved `eval kld --json` result, checked: it must hold the statistics the page draws."""
+    from qtool.io.files import read_regular
     from qtool.ops.kld import RESULT_KEYS
 
-    from qtool.io.files import read_regular
-
     if not os.path.lexists(path):
-        raise CheckpointError("KLD result not found", path=path, hint="save one with `qtool eval kld ... --json > FILE`")
+        raise CheckpointError(
+            "KLD result not found", path=path, hint="save one with `qtool eval kld ... --json > FILE`"
+        )
     try:
         obj = json.loads(read_regular(path, "KLD result").decode("utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise CheckpointError(f"KLD result is not JSON ({e})", path=path,
-                              hint="save it with `qtool eval kld --ref REF --test TEST --json > FILE`") from None
+        raise CheckpointError(
+            f"KLD result is not JSON ({e})",
+            path=path,
+            hint="save it with `qtool eval kld --ref REF --test TEST --json > FILE`",
+        ) from None
     if isinstance(obj, dict) and isinstance(obj.get("result"), dict):
         obj = obj["result"]  # the full report (`--dry-run`-less to_json) holds it under "result"
     missing = [k for k in RESULT_KEYS if not isinstance(obj, dict) or k not in obj]
     if missing:
-        raise CheckpointError("KLD result lacks " + ", ".join(missing), path=path,
-                              hint="re-run `qtool eval kld ... --json` with this qtool version (it prints them)")
+        raise CheckpointError(
+            "KLD result lacks " + ", ".join(missing),
+            path=path,
+            hint="re-run `qtool eval kld ... --json` with this qtool version (it prints them)",
+        )
     bad = [k for k in RESULT_KEYS if not _kld_value_ok(k, obj[k])]
     if bad:
-        raise CheckpointError("KLD result has values of the wrong type: " + ", ".join(bad), path=path,
-                              hint="save it anew with `qtool eval kld ... --json > FILE` (it was edited or truncated)")
+        raise CheckpointError(
+            "KLD result has values of the wrong type: " + ", ".join(bad),
+            path=path,
+            hint="save it anew with `qtool eval kld ... --json > FILE` (it was edited or truncated)",
+        )
     return {k: obj[k] for k in RESULT_KEYS}
 
 
 def _kld_value_ok(key: str, v) -> bool:
     num = (int, float)
     if key == "histogram":
-        return (isinstance(v, dict) and isinstance(v.get("edges"), list) and isinstance(v.get("counts"), list)
-                and len(v["edges"]) == len(v["counts"]) + 1 and all(isinstance(x, num) for x in v["edges"] + v["counts"])
-                and isinstance(v.get("below"), int) and isinstance(v.get("above"), int))
+        return (
+            isinstance(v, dict)
+            and isinstance(v.get("edges"), list)
+            and isinstance(v.get("counts"), list)
+            and len(v["edges"]) == len(v["counts"]) + 1
+            and all(isinstance(x, num) for x in v["edges"] + v["counts"])
+            and isinstance(v.get("below"), int)
+            and isinstance(v.get("above"), int)
+        )
     if key == "per_position":
         return v is None or (isinstance(v, dict) and all(isinstance(v.get(k), list) for k in ("position", "mean")))
     return isinstance(v, num) and not isinstance(v, bool)
@@ -177,14 +216,21 @@ def execute(p: ReportPlan, *, progress=None) -> ReportResult:
         for a, art in zip(artifacts, o.artifacts):
             a["kld"] = run_kld(o.ref, art.path, o.kld_options, progress)
     klds = [a["kld"] for a in artifacts]
-    difference = (grid_difference(artifacts[0]["inspect"]["grid"], artifacts[1]["inspect"]["grid"])
-                  if len(artifacts) == 2 else None)
+    difference = (
+        grid_difference(artifacts[0]["inspect"]["grid"], artifacts[1]["inspect"]["grid"])
+        if len(artifacts) == 2
+        else None
+    )
     v = o.verify
     kld_run = None
     if o.ref:
         ko = o.kld_options
-        kld_run = {"ref": o.ref_label or o.ref, "dataset": getattr(ko, "dataset", "builtin"),
-                   "windows": getattr(ko, "windows", None), "seq_len": getattr(ko, "seq_len", None)}
+        kld_run = {
+            "ref": o.ref_label or o.ref,
+            "dataset": getattr(ko, "dataset", "builtin"),
+            "windows": getattr(ko, "windows", None),
+            "seq_len": getattr(ko, "seq_len", None),
+        }
     elif o.kld:
         kld_run = {"files": list(o.kld)}
     from qtool.ops.verify.memory_fit import Target
@@ -195,22 +241,45 @@ def execute(p: ReportPlan, *, progress=None) -> ReportResult:
         from qtool.ops.sensitivity import heat_cells, load_table
 
         cells = heat_cells(load_table(o.sensitivity))
-        top = sorted(({"row": r, "col": c, "rank": h["rank"]} for r, cols in cells.items() for c, h in cols.items()),
-                     key=lambda t: t["rank"])[:5]
+        top = sorted(
+            ({"row": r, "col": c, "rank": h["rank"]} for r, cols in cells.items() for c, h in cols.items()),
+            key=lambda t: t["rank"],
+        )[:5]
         table = load_table(o.sensitivity)
         heat = {"path": str(o.sensitivity), "cells": cells, "top": top, "measured_on": table["quantized"]["path"]}
-    data = {"qtool_version": __version__, "artifacts": artifacts, "difference": difference, "kld_run": kld_run,
-            "sensitivity": heat,
-            "options": {"engine": v.engine, "tp": v.tp, "gpus": v.gpus, "num_gpus": target.num_gpus,
-                        "gpu_size": f"{target.gpu_bytes / 2**20:.0f} MiB", "max_model_len": v.max_model_len,
-                        "max_num_seqs": v.max_num_seqs, "kv_cache_dtype": o.kv_cache_dtype or "fp8 where calibrated, else auto (as serve-config)",
-                        "mtp": v.mtp}}
+    data = {
+        "qtool_version": __version__,
+        "artifacts": artifacts,
+        "difference": difference,
+        "kld_run": kld_run,
+        "sensitivity": heat,
+        "options": {
+            "engine": v.engine,
+            "tp": v.tp,
+            "gpus": v.gpus,
+            "num_gpus": target.num_gpus,
+            "gpu_size": f"{target.gpu_bytes / 2**20:.0f} MiB",
+            "max_model_len": v.max_model_len,
+            "max_num_seqs": v.max_num_seqs,
+            "kv_cache_dtype": o.kv_cache_dtype or "fp8 where calibrated, else auto (as serve-config)",
+            "mtp": v.mtp,
+        },
+    }
     html = render(data)
     atomic_write_text(o.out, html)
-    sections = ["verdict", "grid", "kv", "memory", "provenance"] + (["kld"] if any(klds) else []) + (
-        ["difference"] if difference is not None else []) + (["sensitivity"] if heat else [])
-    return ReportResult(str(o.out), len(html.encode("utf-8")), [a["label"] for a in artifacts],
-                        [a["verify"]["ok"] for a in artifacts], sections)
+    sections = (
+        ["verdict", "grid", "kv", "memory", "provenance"]
+        + (["kld"] if any(klds) else [])
+        + (["difference"] if difference is not None else [])
+        + (["sensitivity"] if heat else [])
+    )
+    return ReportResult(
+        str(o.out),
+        len(html.encode("utf-8")),
+        [a["label"] for a in artifacts],
+        [a["verify"]["ok"] for a in artifacts],
+        sections,
+    )
 
 
 def run_kld(ref: str, test: Path, kld_options, progress) -> dict:

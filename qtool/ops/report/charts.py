@@ -21,8 +21,13 @@ FORMAT_COLOURS = {
     "mxfp4": "#c4a000",
     "mixed": "#d64545",
 }
-USAGE_COLOURS = {"weights": "#3d6fb6", "kv_cache": "#2e9e5b", "gdn_state": "#e0b02c", "reserve": "#9aa5b1",
-                 "unused": "#e8ecf0"}
+USAGE_COLOURS = {
+    "weights": "#3d6fb6",
+    "kv_cache": "#2e9e5b",
+    "gdn_state": "#e0b02c",
+    "reserve": "#9aa5b1",
+    "unused": "#e8ecf0",
+}
 SERIES = ["#3d6fb6", "#d64545", "#2e9e5b", "#7b5ea7", "#e08a2c"]
 
 
@@ -32,8 +37,15 @@ def _plt():
     matplotlib.use("Agg")  # no display, no GUI toolkit
     import matplotlib.pyplot as plt
 
-    plt.rcParams.update({"svg.fonttype": "none", "font.size": 9, "axes.spines.top": False,
-                         "axes.spines.right": False, "svg.hashsalt": "qtool"})
+    plt.rcParams.update(
+        {
+            "svg.fonttype": "none",
+            "font.size": 9,
+            "axes.spines.top": False,
+            "axes.spines.right": False,
+            "svg.hashsalt": "qtool",
+        }
+    )
     return plt
 
 
@@ -43,7 +55,7 @@ def _svg(fig, prefix: str) -> str:
     fig.savefig(buf, format="svg", bbox_inches="tight", metadata={"Date": None})  # reproducible output
     plt.close(fig)
     text = buf.getvalue()
-    text = text[text.index("<svg"):]  # the XML prolog and DOCTYPE do not belong inside HTML
+    text = text[text.index("<svg") :]  # the XML prolog and DOCTYPE do not belong inside HTML
     # ids (clip paths, glyphs) unique per chart
     text = re.sub(r'id="([^"]+)"', lambda m: f'id="{prefix}-{m.group(1)}"', text)
     return re.sub(r'(url\(#|href="#)([^")]+)', lambda m: f"{m.group(1)}{prefix}-{m.group(2)}", text)
@@ -70,9 +82,13 @@ def kv_scales_figure(series: list[tuple[str, dict]]):
         by_layer = {v["layer"]: v for v in kv["values"]}
         for j, which in enumerate(("k", "v")):
             xs = [layers.index(layer) + (2 * i + j - len(series) + 0.5) * width for layer in by_layer]
-            ax.bar(xs, [by_layer[layer][which] for layer in by_layer], width,
-                   color=SERIES[(2 * i + j) % len(SERIES)],
-                   label=f"{which}_scale" + (f" ({label})" if len(series) > 1 else ""))
+            ax.bar(
+                xs,
+                [by_layer[layer][which] for layer in by_layer],
+                width,
+                color=SERIES[(2 * i + j) % len(SERIES)],
+                label=f"{which}_scale" + (f" ({label})" if len(series) > 1 else ""),
+            )
     ax.set_xticks(range(len(layers)), [str(layer) for layer in layers])
     ax.set_xlabel("full-attention layer")
     ax.set_ylabel("scale")
@@ -93,8 +109,15 @@ def memory_chart(fits: list[tuple[str, dict]], prefix: str) -> str | None:
         left = 0.0
         for part, colour in USAGE_COLOURS.items():
             width = f["usage_gib"].get(part, 0.0)
-            ax.barh(y, width, left=left, color=colour, edgecolor="white", linewidth=0.5,
-                    label=part.replace("_", " ") if y == 0 else None)
+            ax.barh(
+                y,
+                width,
+                left=left,
+                color=colour,
+                edgecolor="white",
+                linewidth=0.5,
+                label=part.replace("_", " ") if y == 0 else None,
+            )
             left += width
         ax.plot([f["gpu_gib"]] * 2, [y - 0.4, y + 0.4], color="black", linewidth=1)
     ax.set_yticks(range(len(bars)), [name for name, _ in bars])
@@ -135,8 +158,12 @@ def kld_histogram_chart(results: list[tuple[str, dict]], prefix: str) -> str | N
     for i, (label, r) in enumerate(results):
         h = r["histogram"]
         total = max(1, sum(h["counts"]) + h["below"] + h["above"])
-        ax.stairs([c / total for c in h["counts"]], h["edges"], color=SERIES[i % len(SERIES)],
-                  label=f"{label} ({h['below']} below {h['edges'][0]:g})")
+        ax.stairs(
+            [c / total for c in h["counts"]],
+            h["edges"],
+            color=SERIES[i % len(SERIES)],
+            label=f"{label} ({h['below']} below {h['edges'][0]:g})",
+        )
     ax.set_xscale("log")
     ax.set_xlabel("KLD per position (nats)")
     ax.set_ylabel("fraction of positions")

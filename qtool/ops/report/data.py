@@ -94,20 +94,37 @@ def provenance(root: Path) -> dict | None:
         if not isinstance(src, dict):
             continue
         files = src.get("files") or {}
-        sources.append({"name": name, "path": src.get("path"), "repo": src.get("repo"),
-                        "commit": src.get("commit") or src.get("revision"),
-                        "files": [{"file": f, "sha256": (v or {}).get("sha256"), "bytes": (v or {}).get("bytes")}
-                                  for f, v in sorted(files.items())]})
+        sources.append(
+            {
+                "name": name,
+                "path": src.get("path"),
+                "repo": src.get("repo"),
+                "commit": src.get("commit") or src.get("revision"),
+                "files": [
+                    {"file": f, "sha256": (v or {}).get("sha256"), "bytes": (v or {}).get("bytes")}
+                    for f, v in sorted(files.items())
+                ],
+            }
+        )
     build = m.get("build") or None
     if isinstance(build, dict) and isinstance(build.get("sources"), dict):
         # a build's artifact: its sources are the recipe's (the last step's input is only a step directory)
         sources = [_recipe_source(n, s) for n, s in build["sources"].items() if isinstance(s, dict)]
     if build:
-        build = {"recipe": build.get("recipe"), "final_key": build.get("final_key"),
-                 "sources": build.get("sources"),
-                 "steps": [{k: s.get(k) for k in ("id", "op", "key", "inputs")} for s in build.get("steps") or []]}
-    return {"qtool_version": m.get("qtool_version"), "operation": m.get("operation"), "command": m.get("command"),
-            "libraries": m.get("libraries") or {}, "sources": sources, "build": build}
+        build = {
+            "recipe": build.get("recipe"),
+            "final_key": build.get("final_key"),
+            "sources": build.get("sources"),
+            "steps": [{k: s.get(k) for k in ("id", "op", "key", "inputs")} for s in build.get("steps") or []],
+        }
+    return {
+        "qtool_version": m.get("qtool_version"),
+        "operation": m.get("operation"),
+        "command": m.get("command"),
+        "libraries": m.get("libraries") or {},
+        "sources": sources,
+        "build": build,
+    }
 
 
 def _recipe_source(name: str, src: dict) -> dict:
@@ -118,8 +135,13 @@ def _recipe_source(name: str, src: dict) -> dict:
     where = {"hub": None, "builtin": f"builtin {ref}"}.get(kind, src.get("path") or ref)
     if src.get("overridden"):  # `build --source NAME=PATH` stood in for the recipe's source
         where = f"{src.get('path')} (--source, for the recipe's {kind} {ref})"
-    return {"name": name, "path": where, "repo": ref if kind == "hub" else None,
-            "commit": ident.get("commit"), "files": []}
+    return {
+        "name": name,
+        "path": where,
+        "repo": ref if kind == "hub" else None,
+        "commit": ident.get("commit"),
+        "files": [],
+    }
 
 
 def launch_commands(art: Artifact, verify_opts) -> dict[str, dict]:
@@ -133,11 +155,18 @@ def launch_commands(art: Artifact, verify_opts) -> dict[str, dict]:
     hub = art.label if art.label.startswith("hf:") else None
     out: dict[str, dict] = {}
     for v in parse_engines(verify_opts.engine):
-        opts = ServeOptions(engine=str(v), tp=verify_opts.tp, mtp=verify_opts.mtp, gpus=verify_opts.gpus,
-                            max_model_len=verify_opts.max_model_len, max_num_seqs=verify_opts.max_num_seqs,
-                            kv_cache_dtype=verify_opts.kv_cache_dtype,
-                            gpu_memory_utilization=verify_opts.gpu_memory_utilization,
-                            hub=hub, commit=stand_in_commit(art.path) if hub else None)
+        opts = ServeOptions(
+            engine=str(v),
+            tp=verify_opts.tp,
+            mtp=verify_opts.mtp,
+            gpus=verify_opts.gpus,
+            max_model_len=verify_opts.max_model_len,
+            max_num_seqs=verify_opts.max_num_seqs,
+            kv_cache_dtype=verify_opts.kv_cache_dtype,
+            gpu_memory_utilization=verify_opts.gpu_memory_utilization,
+            hub=hub,
+            commit=stand_in_commit(art.path) if hub else None,
+        )
         try:
             out[str(v)] = {"command": render(plan(art.path, opts), opts)}
         except QtoolError as e:
@@ -149,6 +178,7 @@ def grid_difference(a: dict, b: dict) -> list[dict]:
     """Cells whose storage format differs between two artifacts' grids (inspect's `grid`): one entry per
     column and run of consecutive decoder layers with the same pair of formats, e.g. {"rows": "layers
     0-59", "column": "routed_experts", "a": "nvfp4", "b": "bf16", "cells": 60}."""
+
     def cells(grid: dict) -> dict[tuple[str, str], str]:
         out = {("model", c): cell["format"] for c, cell in grid["model"].items()}
         for r in grid["rows"]:
@@ -158,20 +188,27 @@ def grid_difference(a: dict, b: dict) -> list[dict]:
     ca, cb = cells(a), cells(b)
     out: list[dict] = []
     for col in list(dict.fromkeys(a["model_columns"] + a["columns"] + b["columns"])):
-        rows = sorted({r for r, c in set(ca) | set(cb) if c == col and ca.get((r, c)) != cb.get((r, c))},
-                      key=_row_order)
+        rows = sorted(
+            {r for r, c in set(ca) | set(cb) if c == col and ca.get((r, c)) != cb.get((r, c))}, key=_row_order
+        )
         for row in rows:
             pair = (ca.get((row, col)), cb.get((row, col)))
             last = out[-1] if out else None
             layer = _layer_of(row)
-            if (last and last["column"] == col and (last["a"], last["b"]) == pair and layer is not None
-                    and last["_last"] == layer - 1):
+            if (
+                last
+                and last["column"] == col
+                and (last["a"], last["b"]) == pair
+                and layer is not None
+                and last["_last"] == layer - 1
+            ):
                 last["_last"] = layer
                 last["cells"] += 1
                 last["rows"] = f"layers {last['_first']}-{layer}"
                 continue
-            out.append({"rows": row, "column": col, "a": pair[0], "b": pair[1], "cells": 1,
-                        "_first": layer, "_last": layer})
+            out.append(
+                {"rows": row, "column": col, "a": pair[0], "b": pair[1], "cells": 1, "_first": layer, "_last": layer}
+            )
     for d in out:
         del d["_first"], d["_last"]
     return out

@@ -8,8 +8,13 @@ from importlib import resources
 
 from qtool.ops.report import charts
 
-COLUMN_TITLES = {"attention": "attention / GDN", "router": "router", "shared_expert": "shared expert",
-                 "routed_experts": "routed experts", "other": "other"}
+COLUMN_TITLES = {
+    "attention": "attention / GDN",
+    "router": "router",
+    "shared_expert": "shared expert",
+    "routed_experts": "routed experts",
+    "other": "other",
+}
 
 
 def _cell(artifact: dict, row: str, col: str, cell: dict | None, marks: dict, heat: dict | None = None):
@@ -31,15 +36,18 @@ def _cell(artifact: dict, row: str, col: str, cell: dict | None, marks: dict, he
         lines.append(f"{f['severity']} {f['code']}{eng}: {f['message']}")
     heat_attr = heat_mark = ""
     if hot is not None:
-        lines.append(f"sensitivity: effect {hot['effect']:.3g}, error {hot['error']:.3g} (rank {hot['rank']} of "
-                     f"{hot['of']})")
+        lines.append(
+            f"sensitivity: effect {hot['effect']:.3g}, error {hot['error']:.3g} (rank {hot['rank']} of {hot['of']})"
+        )
         heat_attr = f' data-effect="{hot["effect"]:.6g}" data-rank="{hot["rank"]}"'
         heat_mark = f'<span class="heat" style="opacity:{0.15 + 0.85 * hot["level"]:.2f}"></span>'
     classes = [f"f-{fmt}"] + (["flag"] if found else [])
     badge = f'<span class="badge">!{len(found)}</span>' if found else ""
-    return Markup(f'<td class="{" ".join(classes)}" data-row="{escape(row)}" data-col="{escape(col)}" '
-                  f'data-format="{escape(fmt)}" data-findings="{len(found)}"{heat_attr} '
-                  f'title="{escape(chr(10).join(lines))}">{escape(fmt)}{Markup(badge)}{Markup(heat_mark)}</td>')
+    return Markup(
+        f'<td class="{" ".join(classes)}" data-row="{escape(row)}" data-col="{escape(col)}" '
+        f'data-format="{escape(fmt)}" data-findings="{len(found)}"{heat_attr} '
+        f'title="{escape(chr(10).join(lines))}">{escape(fmt)}{Markup(badge)}{Markup(heat_mark)}</td>'
+    )
 
 
 def page_charts(artifacts: list[dict]) -> dict[str, str | None]:
@@ -60,16 +68,22 @@ def render(data: dict) -> str:
     import jinja2
 
     template_text = resources.files("qtool").joinpath("data/report/report.html.j2").read_text(encoding="utf-8")
-    env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined, trim_blocks=True,
-                             lstrip_blocks=True)
+    env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
     env.filters["dict_values"] = lambda d: list(d.values())
     template = env.from_string(template_text)
     svg = {k: (None if v is None else _markup(v)) for k, v in page_charts(data["artifacts"]).items()}
     import functools
 
     cell = functools.partial(_cell, heat=data.get("sensitivity"))
-    return template.render(**data, data=data, charts=svg, cell=cell, colours=charts.FORMAT_COLOURS,
-                           column_titles=COLUMN_TITLES, kld_source=_kld_source(data.get("kld_run")))
+    return template.render(
+        **data,
+        data=data,
+        charts=svg,
+        cell=cell,
+        colours=charts.FORMAT_COLOURS,
+        column_titles=COLUMN_TITLES,
+        kld_source=_kld_source(data.get("kld_run")),
+    )
 
 
 def _kld_source(run: dict | None) -> str | None:
@@ -77,8 +91,9 @@ def _kld_source(run: dict | None) -> str | None:
         return None
     if run.get("files"):
         return "from saved `qtool eval kld --json` results: " + ", ".join(run["files"])
-    return (f"qtool eval kld against {run['ref']}: {run['windows']} windows x {run['seq_len']} tokens of "
-            f"{run['dataset']}")
+    return (
+        f"qtool eval kld against {run['ref']}: {run['windows']} windows x {run['seq_len']} tokens of {run['dataset']}"
+    )
 
 
 def _markup(svg: str):

@@ -64,12 +64,19 @@ class SensitivityPlan:
 
     def to_json(self) -> dict:
         measured = [u for u in self.units if u.measured]
-        return {"bf16": str(self.bf.root), "quantized": str(self.q.root), "output": str(self.options.out),
-                "units": len(self.units), "measured": [u.id for u in measured],
-                "not_measured": {u.id: u.note for u in self.units if not u.measured},
-                "calibration": self.calib.to_json(), "device": self.options.device, "work_dir": str(self.work_dir),
-                "memory": {**self.stream, "need": self.memory.to_json() if self.memory else None},
-                "warnings": self.warnings}
+        return {
+            "bf16": str(self.bf.root),
+            "quantized": str(self.q.root),
+            "output": str(self.options.out),
+            "units": len(self.units),
+            "measured": [u.id for u in measured],
+            "not_measured": {u.id: u.note for u in self.units if not u.measured},
+            "calibration": self.calib.to_json(),
+            "device": self.options.device,
+            "work_dir": str(self.work_dir),
+            "memory": {**self.stream, "need": self.memory.to_json() if self.memory else None},
+            "warnings": self.warnings,
+        }
 
 
 def plan(opts: SensitivityOptions) -> SensitivityPlan:
@@ -81,8 +88,12 @@ def plan(opts: SensitivityOptions) -> SensitivityPlan:
 
     require_device(opts.device, elsewhere=True)  # the CLI refused a run's missing GPU already
     # the table names them: a name that is not UTF-8 is refused now, not after the whole pass
-    for path, flag in ((opts.bf16, "BF16"), (opts.quantized, "QUANTIZED"), (opts.out, "-o"),
-                       (opts.dataset, "--dataset")):
+    for path, flag in (
+        (opts.bf16, "BF16"),
+        (opts.quantized, "QUANTIZED"),
+        (opts.out, "-o"),
+        (opts.dataset, "--dataset"),
+    ):
         require_text_path(path, flag)
     bf = Checkpoint.open(opts.bf16, require_config=True)
     q = Checkpoint.open(opts.quantized, require_config=True)
@@ -100,7 +111,8 @@ def plan(opts: SensitivityOptions) -> SensitivityPlan:
     from qtool.stream.memory_plan import need
 
     sp = LayerStreamer(bf, device=opts.device, dtype=opts.dtype, batch_tokens=opts.batch_tokens).plan(
-        calib.samples, calib.seq_len)
+        calib.samples, calib.seq_len
+    )
     # a BF16 layer and its quantized twin are dense at once (the twin's modules run on the same inputs)
     memory = need(sp, device=opts.device, held_layers=2)
     p = SensitivityPlan(opts, bf, q, units, calib, work_dir(Path(opts.out)), sp.to_json(), memory)
@@ -112,10 +124,17 @@ def plan(opts: SensitivityOptions) -> SensitivityPlan:
 def table(p: SensitivityPlan) -> dict:
     """sensitivity.json: the sources, the windows and the unit rows. Nothing of the run itself (its timing
     is the manifest's run section): the same inputs give the same bytes, resumed or not."""
-    return {"format": FORMAT, "schema_version": SCHEMA_VERSION,
-            "bf16": {"path": str(p.bf.root)}, "quantized": {"path": str(p.q.root)}, "model": model_shape(p.bf),
-            "tp_sizes": list(TP_SIZES), "calibration": p.calib.to_json(), "device": p.options.device,
-            "units": [u.to_json() for u in p.units]}
+    return {
+        "format": FORMAT,
+        "schema_version": SCHEMA_VERSION,
+        "bf16": {"path": str(p.bf.root)},
+        "quantized": {"path": str(p.q.root)},
+        "model": model_shape(p.bf),
+        "tp_sizes": list(TP_SIZES),
+        "calibration": p.calib.to_json(),
+        "device": p.options.device,
+        "units": [u.to_json() for u in p.units],
+    }
 
 
 def output_plan(p: SensitivityPlan):
@@ -124,10 +143,13 @@ def output_plan(p: SensitivityPlan):
     taken from the pass's own reads, goes into the manifest and proves a resumed run's inputs unchanged)."""
     from qtool.io.plan import OutputPlan
 
-    return OutputPlan("sensitivity", [], sources={"bf16": p.bf.root, "quantized": p.q.root},
-                      inputs=sorted({h.path for ck in (p.bf, p.q) for h in ck.headers.values()}),
-                      summary={"units": len(p.units), "measured": sum(u.measured for u in p.units),
-                               "calibration": p.calib.to_json()})
+    return OutputPlan(
+        "sensitivity",
+        [],
+        sources={"bf16": p.bf.root, "quantized": p.q.root},
+        inputs=sorted({h.path for ck in (p.bf, p.q) for h in ck.headers.values()}),
+        summary={"units": len(p.units), "measured": sum(u.measured for u in p.units), "calibration": p.calib.to_json()},
+    )
 
 
 def execute(p: SensitivityPlan, *, progress=None) -> Report:
@@ -155,11 +177,24 @@ def execute(p: SensitivityPlan, *, progress=None) -> Report:
 
     with tx:
         # both checkpoints are hashed from the pass's reads (one read of each), as calibrate-kv's input
-        write_output(output_plan(p), tx, command=o.command, produce=produce, check=check,
-                     hash_from_reads=streamed_files(p.bf) | streamed_files(p.q),
-                     extra=lambda: {RUN: {"timing": state["timing"]}})
-    return Report({"plan": p.to_json(), "table": state["table"], "output": str(tx.out), "timing": state["timing"],
-                   "seconds": time.perf_counter() - t0})
+        write_output(
+            output_plan(p),
+            tx,
+            command=o.command,
+            produce=produce,
+            check=check,
+            hash_from_reads=streamed_files(p.bf) | streamed_files(p.q),
+            extra=lambda: {RUN: {"timing": state["timing"]}},
+        )
+    return Report(
+        {
+            "plan": p.to_json(),
+            "table": state["table"],
+            "output": str(tx.out),
+            "timing": state["timing"],
+            "seconds": time.perf_counter() - t0,
+        }
+    )
 
 
 MODEL_KEYS = ("num_hidden_layers", "hidden_size", "num_experts", "moe_intermediate_size")
@@ -177,9 +212,13 @@ def check_table_model(data: dict, ck: Checkpoint, what: str) -> None:
     want = data.get("model")
     if want and model_shape(ck) != want:
         k = next(k for k in MODEL_KEYS if model_shape(ck).get(k) != want.get(k))
-        raise PlanError(f"the sensitivity table was measured on another model than {what}", path=ck.root,
-                        expected=f"{k} {want.get(k)} (the table's)", got=f"{k} {ck.text_config.get(k)}",
-                        hint="give the table made from this model's checkpoints (qtool sensitivity BF16 QUANTIZED -o OUT)")
+        raise PlanError(
+            f"the sensitivity table was measured on another model than {what}",
+            path=ck.root,
+            expected=f"{k} {want.get(k)} (the table's)",
+            got=f"{k} {ck.text_config.get(k)}",
+            hint="give the table made from this model's checkpoints (qtool sensitivity BF16 QUANTIZED -o OUT)",
+        )
 
 
 def table_input(path: str | Path) -> Path:
@@ -202,16 +241,27 @@ def load_table(path: str | Path) -> dict:
     path = Path(path)
     f = path / TABLE if path.is_dir() else path
     if not f.exists():
-        raise PlanError("no sensitivity table there", path=f,
-                        hint="make one: qtool sensitivity BF16 QUANTIZED -o OUT, then pass OUT (or OUT/sensitivity.json)")
+        raise PlanError(
+            "no sensitivity table there",
+            path=f,
+            hint="make one: qtool sensitivity BF16 QUANTIZED -o OUT, then pass OUT (or OUT/sensitivity.json)",
+        )
     data, _ = load_json(f, what="sensitivity table")
     if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise PlanError("not a qtool sensitivity table", path=f, expected=f'{{"format": "{FORMAT}", ...}}',
-                        hint="make one with qtool sensitivity BF16 QUANTIZED -o OUT")
+        raise PlanError(
+            "not a qtool sensitivity table",
+            path=f,
+            expected=f'{{"format": "{FORMAT}", ...}}',
+            hint="make one with qtool sensitivity BF16 QUANTIZED -o OUT",
+        )
     if data.get("schema_version") != SCHEMA_VERSION:
-        raise PlanError("the sensitivity table has another schema version", path=f,
-                        expected=SCHEMA_VERSION, got=data.get("schema_version"),
-                        hint="make it again with this qtool: qtool sensitivity BF16 QUANTIZED -o OUT")
+        raise PlanError(
+            "the sensitivity table has another schema version",
+            path=f,
+            expected=SCHEMA_VERSION,
+            got=data.get("schema_version"),
+            hint="make it again with this qtool: qtool sensitivity BF16 QUANTIZED -o OUT",
+        )
     check_table(data, f)  # types, signs and finiteness of every value the planner and the report use
     return data
 
@@ -221,14 +271,20 @@ def heat_cells(data: dict) -> dict:
     "level"}}} (rank 1 = the most sensitive; level = effect / the largest effect, 0..1)."""
     from qtool.arch.layer_grid import row_name
 
-    measured = sorted((u for u in data["units"] if u.get("measured") and u.get("effect") is not None
-                       and u.get("layer") is not None), key=lambda u: -u["effect"])
+    measured = sorted(
+        (u for u in data["units"] if u.get("measured") and u.get("effect") is not None and u.get("layer") is not None),
+        key=lambda u: -u["effect"],
+    )
     top = measured[0]["effect"] if measured and measured[0]["effect"] > 0 else 1.0
     out: dict = {}
     for rank, u in enumerate(measured, 1):
         out.setdefault(row_name(u["layer"], False), {})[u["kind"]] = {
-            "effect": u["effect"], "error": u["error"], "rank": rank, "of": len(measured),
-            "level": u["effect"] / top}
+            "effect": u["effect"],
+            "error": u["error"],
+            "rank": rank,
+            "of": len(measured),
+            "level": u["effect"] / top,
+        }
     return out
 
 

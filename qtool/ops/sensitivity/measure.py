@@ -31,7 +31,7 @@ _MODULES = {"routed_experts": "mlp.experts", "shared_expert": "mlp.shared_expert
 
 def _module_of(layer, kind: str):
     if kind == "attention":
-        return getattr(layer, "self_attn", None) or getattr(layer, "linear_attn")
+        return getattr(layer, "self_attn", None) or layer.linear_attn
     obj = layer
     for part in _MODULES[kind].split("."):
         obj = getattr(obj, part)
@@ -47,8 +47,9 @@ class _Sums:
 
     def __init__(self, d: dict | None = None) -> None:
         d = d or {}
-        self.delta, self.out, self.added, self.tokens = (float(d.get(k, 0.0)) for k in ("delta", "out", "added",
-                                                                                         "tokens"))
+        self.delta, self.out, self.added, self.tokens = (
+            float(d.get(k, 0.0)) for k in ("delta", "out", "added", "tokens")
+        )
 
     def to_json(self) -> dict:
         return {"delta": self.delta, "out": self.out, "added": self.added, "tokens": self.tokens}
@@ -154,22 +155,35 @@ def measure(plan, *, resume: bool, progress=None) -> dict:
     if resume and jpath.exists():
         journal, _ = load_json(jpath, what="sensitivity journal")
         if journal.get("key") != key:
-            raise PlanError("--resume: the journal was written for other inputs (checkpoints, data or settings)",
-                            path=jpath, hint="run again without --resume to start over")
+            raise PlanError(
+                "--resume: the journal was written for other inputs (checkpoints, data or settings)",
+                path=jpath,
+                hint="run again without --resume to start over",
+            )
     start = int(journal.get("next_layer", 0))
     sums = {uid: _Sums(d) for uid, d in journal.get("units", {}).items()}
     layer_sums = {int(i): _Sums(d) for i, d in journal.get("layers", {}).items()}
-    store = DiskStore(plan.work_dir, (n, seq, bf.hidden_size), bf.dtype, current=journal.get("current", "a"),
-                      write_behind=True, device=bf.device)
+    store = DiskStore(
+        plan.work_dir,
+        (n, seq, bf.hidden_size),
+        bf.dtype,
+        current=journal.get("current", "a"),
+        write_behind=True,
+        device=bf.device,
+    )
 
     def save(next_layer: int) -> None:
         if next_layer > 0:  # the digests a resume relies on cover the bytes that layer read, of both sides
             bf.inputs_hashed(next_layer - 1)
             if by_layer.get(next_layer - 1):
                 q.inputs_hashed(next_layer - 1)
-        entry = {"key": key, "next_layer": next_layer, "current": store.current,
-                 "units": {k: v.to_json() for k, v in sums.items()},
-                 "layers": {str(k): v.to_json() for k, v in layer_sums.items()}}
+        entry = {
+            "key": key,
+            "next_layer": next_layer,
+            "current": store.current,
+            "units": {k: v.to_json() for k, v in sums.items()},
+            "layers": {str(k): v.to_json() for k, v in layer_sums.items()},
+        }
         store.when_durable(lambda: write_json(jpath, entry))
 
     by_layer: dict[int, list[str]] = {}
@@ -191,11 +205,17 @@ def measure(plan, *, resume: bool, progress=None) -> dict:
     finally:
         q.close()
     store.close()
-    return {"units": {k: v.to_json() for k, v in sums.items()},
-            "layers": {str(k): v.to_json() for k, v in layer_sums.items()},
-            "timing": {"seconds": time.perf_counter() - t0, "resumed_from_layer": start,
-                       "layers_run": bf.num_layers - start, "kernels": bf.kernels,
-                       **bf.clock}}  # the layer clock (benchmarks; not in the table's manifest)
+    return {
+        "units": {k: v.to_json() for k, v in sums.items()},
+        "layers": {str(k): v.to_json() for k, v in layer_sums.items()},
+        "timing": {
+            "seconds": time.perf_counter() - t0,
+            "resumed_from_layer": start,
+            "layers_run": bf.num_layers - start,
+            "kernels": bf.kernels,
+            **bf.clock,
+        },
+    }  # the layer clock (benchmarks; not in the table's manifest)
 
 
 def fill(units, result: dict) -> None:

@@ -94,22 +94,37 @@ class HybridChoice:
         """The usual hand-picked hybrid (BF16 shared experts in every layer) by the same measure."""
         shared = [u for u in self.candidates if u.kind == "shared_expert"]
         cost = sum(self.cost(u) for u in shared)
-        return {"units": [u.id for u in shared], "extra_bytes_per_gpu": cost, "fits": cost <= self.budget_bytes,
-                "predicted_error": self.predicted_error({u.id for u in shared})}
+        return {
+            "units": [u.id for u in shared],
+            "extra_bytes_per_gpu": cost,
+            "fits": cost <= self.budget_bytes,
+            "predicted_error": self.predicted_error({u.id for u in shared}),
+        }
 
     def assemble_with(self) -> dict:
         """assemble hybrid's options for the choice (a build step's `with`)."""
         experts = sorted(u.layer for u in self.chosen if u.kind == "routed_experts")
         shared = sorted(u.layer for u in self.chosen if u.kind == "shared_expert")
-        return {"nvfp4": "nvfp4", "bf16": "bf16", "bf16_expert_layers": experts,
-                "bf16_shared_expert_layers": shared, "mtp": self.mtp_mode}
+        return {
+            "nvfp4": "nvfp4",
+            "bf16": "bf16",
+            "bf16_expert_layers": experts,
+            "bf16_shared_expert_layers": shared,
+            "mtp": self.mtp_mode,
+        }
 
     def recipe(self) -> dict:
         o = self.options
         calib = self.table.get("calibration") or {}
-        verify = {"engine": o.engine, "tp": o.tp, "gpus": o.gpus, "max_model_len": self.max_model_len,
-                  "max_num_seqs": o.max_num_seqs, "kv_cache_dtype": "fp8" if o.kv_cache_dtype == "fp8" else "auto",
-                  "mtp": o.mtp}
+        verify = {
+            "engine": o.engine,
+            "tp": o.tp,
+            "gpus": o.gpus,
+            "max_model_len": self.max_model_len,
+            "max_num_seqs": o.max_num_seqs,
+            "kv_cache_dtype": "fp8" if o.kv_cache_dtype == "fp8" else "auto",
+            "mtp": o.mtp,
+        }
         if o.gpu_memory_utilization is not None:  # the budget was planned at it: the check must use it too
             verify["gpu_memory_utilization"] = o.gpu_memory_utilization
         fixes = ["router-ignore"] + (["mtp-ignore"] if self.mtp_mode != "keep" or self._has_mtp() else [])
@@ -118,9 +133,11 @@ class HybridChoice:
             kv["dataset"] = calib["dataset"]
         return {
             "name": o.name or "planned-hybrid",
-            "description": (f"planned by qtool plan hybrid: {len(self.chosen)} unit(s) BF16 in "
-                            f"{Path(self.table['quantized']['path']).name}, {human(self.used_bytes)} more per GPU "
-                            f"at TP={o.tp} on {o.gpus}"),
+            "description": (
+                f"planned by qtool plan hybrid: {len(self.chosen)} unit(s) BF16 in "
+                f"{Path(self.table['quantized']['path']).name}, {human(self.used_bytes)} more per GPU "
+                f"at TP={o.tp} on {o.gpus}"
+            ),
             "sources": {"nvfp4": {"path": str(self.quantized_path)}, "bf16": {"path": str(self.bf16_path)}},
             "steps": [
                 {"id": "hybrid", "op": "assemble", "with": self.assemble_with()},
@@ -146,17 +163,27 @@ class HybridChoice:
         nxt = self.next_unit()
         chosen = {u.id for u in self.chosen}
         return {
-            "sensitivity": str(self.options.sensitivity), "quantized": str(self.quantized_path),
-            "target": {"gpus": self.options.gpus, "tp": self.tp, "max_model_len": self.max_model_len,
-                       "max_num_seqs": self.options.max_num_seqs, "kv_cache_dtype": self.options.kv_cache_dtype,
-                       "mtp": self.options.mtp},
-            "budget_bytes_per_gpu": self.budget_bytes, "used_bytes_per_gpu": self.used_bytes,
+            "sensitivity": str(self.options.sensitivity),
+            "quantized": str(self.quantized_path),
+            "target": {
+                "gpus": self.options.gpus,
+                "tp": self.tp,
+                "max_model_len": self.max_model_len,
+                "max_num_seqs": self.options.max_num_seqs,
+                "kv_cache_dtype": self.options.kv_cache_dtype,
+                "mtp": self.options.mtp,
+            },
+            "budget_bytes_per_gpu": self.budget_bytes,
+            "used_bytes_per_gpu": self.used_bytes,
             "headroom_bytes_per_gpu": self.budget_bytes - self.used_bytes,
             "chosen": [{"id": u.id, "extra_bytes_per_gpu": self.cost(u), "gain": u.effect} for u in self.chosen],
             "next": None if nxt is None else {"id": nxt.id, "extra_bytes_per_gpu": self.cost(nxt), "gain": nxt.effect},
-            "fixed": self.fixed, "fit": self.fit,
+            "fixed": self.fixed,
+            "fit": self.fit,
             "predicted_error": {"quantized": self.predicted_error(set()), "planned": self.predicted_error(chosen)},
-            "hand_picked": self.hand_picked(), "assemble": self.assemble_with(), "notes": self.notes,
+            "hand_picked": self.hand_picked(),
+            "assemble": self.assemble_with(),
+            "notes": self.notes,
         }
 
 
@@ -178,7 +205,7 @@ def knapsack(items: list[tuple[int, float]], budget: int) -> list[int]:
         if w > cap or g <= 0:
             continue
         cand = np.full(cap + 1, -1.0)
-        cand[w:] = best[:cap + 1 - w] + g
+        cand[w:] = best[: cap + 1 - w] + g
         better = cand > best
         took[k] = better
         best = np.where(better, cand, best)
@@ -202,16 +229,28 @@ def _plan(opts: PlanHybridOptions) -> HybridChoice:
     from qtool.arch.model_map import build_map
     from qtool.io.checkpoint import Checkpoint
     from qtool.ops.sensitivity import load_table
+    from qtool.ops.verify import VerifyOptions, validate
     from qtool.ops.verify.memory_fit import DEFAULT_UTILIZATION, Target, default_context, kv_bytes_per_token, memory_fit
 
-    from qtool.ops.verify import VerifyOptions, validate
-
     # the target's flags mean what they mean to verify, and are refused as verify refuses them
-    validate(VerifyOptions(engine=opts.engine, tp=opts.tp, gpus=opts.gpus, max_model_len=opts.max_model_len,
-                           max_num_seqs=opts.max_num_seqs, kv_cache_dtype=opts.kv_cache_dtype, mtp=opts.mtp))
+    validate(
+        VerifyOptions(
+            engine=opts.engine,
+            tp=opts.tp,
+            gpus=opts.gpus,
+            max_model_len=opts.max_model_len,
+            max_num_seqs=opts.max_num_seqs,
+            kv_cache_dtype=opts.kv_cache_dtype,
+            mtp=opts.mtp,
+        )
+    )
     _check_numbers(opts)
-    for path, flag in ((opts.sensitivity, "--sensitivity"), (opts.out, "-o"), (opts.quantized, "--quantized"),
-                       (opts.bf16, "--bf16")):
+    for path, flag in (
+        (opts.sensitivity, "--sensitivity"),
+        (opts.out, "-o"),
+        (opts.quantized, "--quantized"),
+        (opts.bf16, "--bf16"),
+    ):
         if path is not None:
             require_text_path(path, flag)  # the recipe and its comments name them
     check_recipe_output(opts)
@@ -222,24 +261,39 @@ def _plan(opts: PlanHybridOptions) -> HybridChoice:
     bpath = Path(opts.bf16 or table["bf16"]["path"])
     for path, flag in ((qpath, "--quantized"), (bpath, "--bf16")):
         require_text_path(path, flag)
-        check_checkpoint_dir(path, flag, hint=f"pass {flag} PATH (the checkpoint the table was measured on, if "
-                             "moved)", missing="a checkpoint the table was measured on is not there")
+        check_checkpoint_dir(
+            path,
+            flag,
+            hint=f"pass {flag} PATH (the checkpoint the table was measured on, if moved)",
+            missing="a checkpoint the table was measured on is not there",
+        )
     q_ckpt = Checkpoint.open(qpath, require_config=True)
     check_config_sizes(q_ckpt)
     q = build_map(q_ckpt, read_values=False)
     _check_same_checkpoint(q, units, qpath, opts)
     if not any(u.spliceable for u in units):
-        raise PlanError("nothing in this table can be spliced: assemble hybrid splices BF16 routed or shared "
-                        "experts into an NVFP4 checkpoint", path=qpath, got=sorted({u.quantized_format for u in units
-                                                                                 if u.quantized}),
-                        hint="measure a ModelOpt or compressed-tensors NVFP4 checkpoint")
+        raise PlanError(
+            "nothing in this table can be spliced: assemble hybrid splices BF16 routed or shared "
+            "experts into an NVFP4 checkpoint",
+            path=qpath,
+            got=sorted({u.quantized_format for u in units if u.quantized}),
+            hint="measure a ModelOpt or compressed-tensors NVFP4 checkpoint",
+        )
     _check_tp(qpath, opts, [int(t) for t in table["tp_sizes"]])
     target = Target.parse(opts.gpus)
     length = opts.max_model_len or default_context(q.ckpt.text_config)
-    fit = memory_fit(q, tp=opts.tp, target=target, kv_cache_dtype=opts.kv_cache_dtype, mtp=opts.mtp,
-                     max_model_len=length, max_num_seqs=opts.max_num_seqs,
-                     gpu_memory_utilization=(DEFAULT_UTILIZATION if opts.gpu_memory_utilization is None
-                                             else opts.gpu_memory_utilization))
+    fit = memory_fit(
+        q,
+        tp=opts.tp,
+        target=target,
+        kv_cache_dtype=opts.kv_cache_dtype,
+        mtp=opts.mtp,
+        max_model_len=length,
+        max_num_seqs=opts.max_num_seqs,
+        gpu_memory_utilization=(
+            DEFAULT_UTILIZATION if opts.gpu_memory_utilization is None else opts.gpu_memory_utilization
+        ),
+    )
     has_mtp = any(u.id == "mtp" and u.quantized_bytes > 0 for u in units)
     fixed = []
     if opts.mtp > 0 and not has_mtp:
@@ -249,9 +303,14 @@ def _plan(opts: PlanHybridOptions) -> HybridChoice:
         # the fit above could not count what the grafted head adds: its weights and its layers' KV cache
         # (verify counts both on the assembled hybrid)
         cfg = q.ckpt.text_config
-        kv = opts.max_num_seqs * length * kv_bytes_per_token(cfg, int(cfg.get("mtp_num_hidden_layers") or 1),
-                                                             opts.tp, opts.kv_cache_dtype)
-        fixed.append({"what": "MTP head grafted from BF16 (for --mtp)", "bytes_per_gpu": mtp_unit.extra_bytes_per_gpu[opts.tp]})
+        kv = (
+            opts.max_num_seqs
+            * length
+            * kv_bytes_per_token(cfg, int(cfg.get("mtp_num_hidden_layers") or 1), opts.tp, opts.kv_cache_dtype)
+        )
+        fixed.append(
+            {"what": "MTP head grafted from BF16 (for --mtp)", "bytes_per_gpu": mtp_unit.extra_bytes_per_gpu[opts.tp]}
+        )
         fixed.append({"what": "its KV cache at the target (for --mtp)", "bytes_per_gpu": kv})
     mtp_mode = "auto" if opts.mtp > 0 else "keep"
     notes = []
@@ -259,12 +318,17 @@ def _plan(opts: PlanHybridOptions) -> HybridChoice:
     if opts.max_weights_gib is not None:
         budget = int(opts.max_weights_gib * GIB - fit.weights_per_gpu_gib * GIB)
         if budget - sum(f["bytes_per_gpu"] for f in fixed) > unused:
-            notes.append(f"--max-weights-gib allows {human(budget - unused)} per GPU more than the memory fit leaves "
-                         f"at this target: the recipe's verify step will refuse what exceeds it")
+            notes.append(
+                f"--max-weights-gib allows {human(budget - unused)} per GPU more than the memory fit leaves "
+                f"at this target: the recipe's verify step will refuse what exceeds it"
+            )
     else:
         if not fit.fits:
-            raise PlanError(f"the quantized checkpoint alone does not fit: {fit.reason}", path=qpath,
-                            hint=f"check it first: qtool verify {qpath} --gpus {opts.gpus} --tp {opts.tp}")
+            raise PlanError(
+                f"the quantized checkpoint alone does not fit: {fit.reason}",
+                path=qpath,
+                hint=f"check it first: qtool verify {qpath} --gpus {opts.gpus} --tp {opts.tp}",
+            )
         budget = unused
     budget -= sum(f["bytes_per_gpu"] for f in fixed)
     if budget < 0:
@@ -281,17 +345,18 @@ def _plan(opts: PlanHybridOptions) -> HybridChoice:
     if left_out:
         notes.append(f"measured but not spliceable by assemble hybrid: {', '.join(left_out)}")
     pick = knapsack([(u.extra_bytes_per_gpu[opts.tp], u.effect or 0.0) for u in candidates], budget)
-    return HybridChoice(opts, table, budget, [candidates[k] for k in pick], candidates, fixed, fit.to_json(),
-                        length, mtp_mode, notes)
+    return HybridChoice(
+        opts, table, budget, [candidates[k] for k in pick], candidates, fixed, fit.to_json(), length, mtp_mode, notes
+    )
 
 
 def _check_numbers(opts: PlanHybridOptions) -> None:
     """The library's side of the CLI's range checks (qtool.cli.common.number): a budget that is a number."""
     w = opts.max_weights_gib
-    if w is not None and (isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0
-                          or w > MAX_WEIGHTS_GIB):
-        raise UsageError(f"--max-weights-gib must be a finite number more than 0 and at most {MAX_WEIGHTS_GIB}",
-                         got=w)
+    if w is not None and (
+        isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0 or w > MAX_WEIGHTS_GIB
+    ):
+        raise UsageError(f"--max-weights-gib must be a finite number more than 0 and at most {MAX_WEIGHTS_GIB}", got=w)
 
 
 def gib_at_least(needed_bytes: float, digits: int = 4) -> str:
@@ -322,8 +387,9 @@ def check_recipe_output(opts: PlanHybridOptions, table: dict | None = None) -> N
     sources.append(table_input(opts.sensitivity))  # OUT/ of sensitivity, or its JSON file itself
     if table is not None:
         sources += [Path(table[k]["path"]) for k in ("quantized", "bf16")]
-    check_file_output(Path(opts.out), sources=sources, force=opts.force,
-                      ours=lambda head: head.startswith(RECIPE_HEAD.encode()))
+    check_file_output(
+        Path(opts.out), sources=sources, force=opts.force, ours=lambda head: head.startswith(RECIPE_HEAD.encode())
+    )
 
 
 def _tp_shards(qpath: Path, opts: PlanHybridOptions, tp: int) -> list:
@@ -333,7 +399,9 @@ def _tp_shards(qpath: Path, opts: PlanHybridOptions, tp: int) -> list:
     from qtool.ops.verify.memory_fit import Target
 
     t = Target.parse(opts.gpus)
-    rep = verify(qpath, VerifyOptions(engine=opts.engine, tp=tp, gpus=f"{max(tp, t.num_gpus)}x{t.gpu_bytes / 2**20:.4f}MiB"))
+    rep = verify(
+        qpath, VerifyOptions(engine=opts.engine, tp=tp, gpus=f"{max(tp, t.num_gpus)}x{t.gpu_bytes / 2**20:.4f}MiB")
+    )
     return [f for f in rep.findings if f.code is Code.TP_DIVISIBILITY and f.severity.value == "error"]
 
 
@@ -344,8 +412,12 @@ def _check_tp(qpath: Path, opts: PlanHybridOptions, table_tps: list[int]) -> Non
     if bad or opts.tp not in table_tps:
         ok = [tp for tp in table_tps if tp != opts.tp and not _tp_shards(qpath, opts, tp)]
         why = bad[0].message if bad else f"the table has costs for TP {table_tps}"
-        hint = (f"plan at a TP it shards at ({', '.join(map(str, ok))}): qtool plan hybrid --sensitivity "
-                f"{opts.sensitivity} --tp {ok[-1]} ..." if ok else "no TP size the table has costs for shards this model")
+        hint = (
+            f"plan at a TP it shards at ({', '.join(map(str, ok))}): qtool plan hybrid --sensitivity "
+            f"{opts.sensitivity} --tp {ok[-1]} ..."
+            if ok
+            else "no TP size the table has costs for shards this model"
+        )
         raise PlanError(f"--tp {opts.tp}: {why}", path=qpath, hint=hint)
 
 
@@ -356,11 +428,14 @@ def _check_same_checkpoint(q, units: list[Unit], qpath: Path, opts: PlanHybridOp
     have = {uid: sum(m.nbytes() for m in mods) for uid, mods in unit_modules(q).items()}
     differ = [u.id for u in units if have.get(u.id, 0) != u.quantized_bytes]
     if differ:
-        raise PlanError("the quantized checkpoint is not the one the table measured", path=qpath,
-                        got=f"{len(differ)} unit(s) differ, e.g. {differ[0]}: {have.get(differ[0], 0)} bytes here, "
-                        f"{next(u.quantized_bytes for u in units if u.id == differ[0])} in the table",
-                        hint=f"measure this checkpoint: qtool sensitivity BF16 {qpath} -o OUT (or pass --quantized "
-                        "the checkpoint the table was made from)")
+        raise PlanError(
+            "the quantized checkpoint is not the one the table measured",
+            path=qpath,
+            got=f"{len(differ)} unit(s) differ, e.g. {differ[0]}: {have.get(differ[0], 0)} bytes here, "
+            f"{next(u.quantized_bytes for u in units if u.id == differ[0])} in the table",
+            hint=f"measure this checkpoint: qtool sensitivity BF16 {qpath} -o OUT (or pass --quantized "
+            "the checkpoint the table was made from)",
+        )
 
 
 def human(n: float) -> str:
@@ -382,7 +457,8 @@ def write_recipe(choice: HybridChoice, path: Path) -> None:
 
     from qtool.io.jsonio import atomic_write_text
 
-    head = (f"{RECIPE_HEAD} ({_one_line(choice.options.sensitivity)}): run it with\n"
-            f"#   qtool build {_one_line(path)} -o OUT\n")
-    atomic_write_text(path, head + yaml.safe_dump(choice.recipe(), sort_keys=False, default_flow_style=None,
-                                                  width=110))
+    head = (
+        f"{RECIPE_HEAD} ({_one_line(choice.options.sensitivity)}): run it with\n"
+        f"#   qtool build {_one_line(path)} -o OUT\n"
+    )
+    atomic_write_text(path, head + yaml.safe_dump(choice.recipe(), sort_keys=False, default_flow_style=None, width=110))

@@ -30,34 +30,62 @@ COUNT: Rule = (lambda v: _whole(v) and v >= 0, "a whole number >= 0")
 LAYER: Rule = (lambda v: v is None or (_whole(v) and v >= 0), "a layer number >= 0, or null")
 MEASURE: Rule = (lambda v: v is None or (_real(v) and v >= 0), "a finite number >= 0, or null")
 # a unit missing from the BF16 side costs less than nothing: the extra bytes may be negative, never fractional
-BYTES_BY_TP: Rule = (lambda v: isinstance(v, dict) and all(k.isdigit() and _whole(x) for k, x in v.items()),
-                     'an object of TP size -> whole bytes, e.g. {"1": 4096, "2": 2048}')
-TP_SIZES: Rule = (lambda v: isinstance(v, list) and bool(v) and all(_whole(t) and t >= 1 for t in v),
-                  "a list of TP sizes >= 1")
-SOURCE: Rule = (lambda v: isinstance(v, dict) and isinstance(v.get("path"), str) and bool(v["path"]),
-                'an object with a "path" string')
+BYTES_BY_TP: Rule = (
+    lambda v: isinstance(v, dict) and all(k.isdigit() and _whole(x) for k, x in v.items()),
+    'an object of TP size -> whole bytes, e.g. {"1": 4096, "2": 2048}',
+)
+TP_SIZES: Rule = (
+    lambda v: isinstance(v, list) and bool(v) and all(_whole(t) and t >= 1 for t in v),
+    "a list of TP sizes >= 1",
+)
+SOURCE: Rule = (
+    lambda v: isinstance(v, dict) and isinstance(v.get("path"), str) and bool(v["path"]),
+    'an object with a "path" string',
+)
 OBJECT_OR_NULL: Rule = (lambda v: v is None or isinstance(v, dict), "an object or null")
 POSITIVE_OR_NULL: Rule = (lambda v: v is None or (_whole(v) and v >= 1), "a whole number >= 1, or null")
 TEXT_OR_NULL: Rule = (lambda v: v is None or isinstance(v, str), "a string or null")
 
 # key -> (rule, required)
-TOP = {"bf16": (SOURCE, True), "quantized": (SOURCE, True), "tp_sizes": (TP_SIZES, True),
-       "units": ((lambda v: isinstance(v, list), "a list of unit rows"), True),
-       "calibration": (OBJECT_OR_NULL, False), "model": (OBJECT_OR_NULL, False)}
-CALIBRATION = {"samples": (POSITIVE_OR_NULL, False), "seq_len": (POSITIVE_OR_NULL, False),
-               "dataset": (TEXT_OR_NULL, False)}
+TOP = {
+    "bf16": (SOURCE, True),
+    "quantized": (SOURCE, True),
+    "tp_sizes": (TP_SIZES, True),
+    "units": ((lambda v: isinstance(v, list), "a list of unit rows"), True),
+    "calibration": (OBJECT_OR_NULL, False),
+    "model": (OBJECT_OR_NULL, False),
+}
+CALIBRATION = {
+    "samples": (POSITIVE_OR_NULL, False),
+    "seq_len": (POSITIVE_OR_NULL, False),
+    "dataset": (TEXT_OR_NULL, False),
+}
 # one row of qtool.ops.sensitivity.units.Unit.to_json
-UNIT = {"id": (TEXT, True), "kind": (TEXT, True), "layer": (LAYER, True), "quantized_format": (TEXT, True),
-        "bf16_bytes": (COUNT, True), "quantized_bytes": (COUNT, True), "extra_bytes_per_gpu": (BYTES_BY_TP, True),
-        "spliceable": (FLAG, True), "measured": (FLAG, True), "error": (MEASURE, False),
-        "effect": (MEASURE, False), "tokens": (COUNT, False), "note": (TEXT, False), "quantized": (FLAG, False)}
+UNIT = {
+    "id": (TEXT, True),
+    "kind": (TEXT, True),
+    "layer": (LAYER, True),
+    "quantized_format": (TEXT, True),
+    "bf16_bytes": (COUNT, True),
+    "quantized_bytes": (COUNT, True),
+    "extra_bytes_per_gpu": (BYTES_BY_TP, True),
+    "spliceable": (FLAG, True),
+    "measured": (FLAG, True),
+    "error": (MEASURE, False),
+    "effect": (MEASURE, False),
+    "tokens": (COUNT, False),
+    "note": (TEXT, False),
+    "quantized": (FLAG, False),
+}
 
 
 def _bad(path: Path, where: str, message: str, got=None) -> PlanError:
-    return PlanError(f"the sensitivity table is not valid: {where} {message}", path=path,
-                     got=None if got is None else f"{type(got).__name__} {got!r}"[:200],
-                     hint=f"fix {where} in {path.name}, or make the table again: qtool sensitivity BF16 QUANTIZED "
-                     "-o OUT")
+    return PlanError(
+        f"the sensitivity table is not valid: {where} {message}",
+        path=path,
+        got=None if got is None else f"{type(got).__name__} {got!r}"[:200],
+        hint=f"fix {where} in {path.name}, or make the table again: qtool sensitivity BF16 QUANTIZED -o OUT",
+    )
 
 
 def _check(path: Path, obj: dict, prefix: str, rules: dict) -> None:
@@ -81,5 +109,9 @@ def check_table(data: dict, path: Path) -> None:
         _check(path, row, name, UNIT)
         lacking = sorted(tps - set(row["extra_bytes_per_gpu"]), key=int)
         if lacking:
-            raise _bad(path, f"{name}extra_bytes_per_gpu", f"has no cost at TP {', '.join(lacking)} (the table's "
-                       "tp_sizes)", row["extra_bytes_per_gpu"])
+            raise _bad(
+                path,
+                f"{name}extra_bytes_per_gpu",
+                f"has no cost at TP {', '.join(lacking)} (the table's tp_sizes)",
+                row["extra_bytes_per_gpu"],
+            )

@@ -95,25 +95,45 @@ def _format_of(mods) -> str:
 
 def check_pair(bf: ModelMap, q: ModelMap) -> None:
     """The two checkpoints are one model in two formats: same layers, widths and experts."""
-    keys = ("hidden_size", "num_experts", "moe_intermediate_size", "shared_expert_intermediate_size",
-            "num_attention_heads", "num_key_value_heads", "vocab_size")
+    keys = (
+        "hidden_size",
+        "num_experts",
+        "moe_intermediate_size",
+        "shared_expert_intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "vocab_size",
+    )
     a, b = bf.ckpt.text_config, q.ckpt.text_config
     if bf.layer_types != q.layer_types:
-        raise PlanError("the two checkpoints are not one model: their decoder layers differ", path=q.ckpt.root,
-                        expected=f"{len(bf.layer_types)} layers {bf.layer_types[:6]}...",
-                        got=f"{len(q.layer_types)} layers {q.layer_types[:6]}...",
-                        hint="give the BF16 original and a quantized export of that same model")
+        raise PlanError(
+            "the two checkpoints are not one model: their decoder layers differ",
+            path=q.ckpt.root,
+            expected=f"{len(bf.layer_types)} layers {bf.layer_types[:6]}...",
+            got=f"{len(q.layer_types)} layers {q.layer_types[:6]}...",
+            hint="give the BF16 original and a quantized export of that same model",
+        )
     for k in keys:
         if a.get(k) != b.get(k):
-            raise PlanError(f"the two checkpoints are not one model: {k} differs", path=q.ckpt.root / "config.json",
-                            expected=f"{k} {a.get(k)} (as the BF16 checkpoint)", got=f"{k} {b.get(k)}",
-                            hint="give the BF16 original and a quantized export of that same model")
+            raise PlanError(
+                f"the two checkpoints are not one model: {k} differs",
+                path=q.ckpt.root / "config.json",
+                expected=f"{k} {a.get(k)} (as the BF16 checkpoint)",
+                got=f"{k} {b.get(k)}",
+                hint="give the BF16 original and a quantized export of that same model",
+            )
     if not any(m.format in QUANTIZED_FORMATS for m in q.modules.values()):
-        raise PlanError("the second checkpoint has no quantized module", path=q.ckpt.root,
-                        hint="give the quantized checkpoint second: qtool sensitivity BF16 QUANTIZED -o OUT")
+        raise PlanError(
+            "the second checkpoint has no quantized module",
+            path=q.ckpt.root,
+            hint="give the quantized checkpoint second: qtool sensitivity BF16 QUANTIZED -o OUT",
+        )
     if any(m.format in QUANTIZED_FORMATS for m in bf.modules.values() if m.group is not Group.VISION):
-        raise PlanError("the first checkpoint is not BF16 (it has quantized modules)", path=bf.ckpt.root,
-                        hint="give the BF16 original first: qtool sensitivity BF16 QUANTIZED -o OUT")
+        raise PlanError(
+            "the first checkpoint is not BF16 (it has quantized modules)",
+            path=bf.ckpt.root,
+            hint="give the BF16 original first: qtool sensitivity BF16 QUANTIZED -o OUT",
+        )
 
 
 def list_units(bf: ModelMap, q: ModelMap) -> list[Unit]:
@@ -134,8 +154,16 @@ def list_units(bf: ModelMap, q: ModelMap) -> list[Unit]:
         layer = int(uid.split(".")[1]) if uid.startswith("layer.") else None
         fmt = _format_of(qm) if qm else Format.BF16.value
         extra = {tp: round(_per_gpu(b, tp, nkv) - _per_gpu(qm, tp, nkv)) for tp in TP_SIZES}
-        u = Unit(uid, kind, layer, fmt, sum(m.nbytes() for m in b), sum(m.nbytes() for m in qm), extra,
-                 spliceable=nvfp4 and kind in SPLICEABLE and fmt != Format.BF16.value)
+        u = Unit(
+            uid,
+            kind,
+            layer,
+            fmt,
+            sum(m.nbytes() for m in b),
+            sum(m.nbytes() for m in qm),
+            extra,
+            spliceable=nvfp4 and kind in SPLICEABLE and fmt != Format.BF16.value,
+        )
         if not qm or not b:
             u.note = f"missing from the {'quantized' if not qm else 'BF16'} checkpoint"
         elif not u.quantized:

@@ -162,8 +162,7 @@ def execute(p: VerifyPlan) -> VerifyReport:
     findings += structure.structure_findings(mm)
     findings += structure.consistency_findings(mm, summary, kv_fp8=kv_fp8)
     findings += refusals.refusal_findings(ckpt, versions)
-    dec_findings, engines, decisions = engine_rules.decision_findings(mm, summary, versions,
-                                                                     mtp_requested=opts.mtp > 0)
+    dec_findings, engines, decisions = engine_rules.decision_findings(mm, summary, versions, mtp_requested=opts.mtp > 0)
     findings += dec_findings
     findings += engine_rules.tp_findings(mm, opts.tp, decisions, lambda works: _tp_fix(mm, works, opts, target))
     findings = engine_rules.per_engine_layout(findings, versions, mm)
@@ -175,22 +174,47 @@ def execute(p: VerifyPlan) -> VerifyReport:
     findings += engine_rules.mtp_findings(mm, opts.mtp)
     findings += engine_rules.kv_findings(mm, opts.kv_cache_dtype)
 
-    fit = memory_fit(mm, tp=opts.tp, target=target, gpu_memory_utilization=opts.gpu_memory_utilization,
-                     kv_cache_dtype=opts.kv_cache_dtype, mtp=opts.mtp, max_model_len=opts.max_model_len,
-                     max_num_seqs=opts.max_num_seqs)
+    fit = memory_fit(
+        mm,
+        tp=opts.tp,
+        target=target,
+        gpu_memory_utilization=opts.gpu_memory_utilization,
+        kv_cache_dtype=opts.kv_cache_dtype,
+        mtp=opts.mtp,
+        max_model_len=opts.max_model_len,
+        max_num_seqs=opts.max_num_seqs,
+    )
     if not fit.fits:
-        findings.append(error(Code.DOES_NOT_FIT, None, f"does not fit on {opts.tp} x {fit.gpu_gib:.1f} GiB: "
-                              f"{fit.reason}", _fit_fix(mm, fit, opts, target)))
+        findings.append(
+            error(
+                Code.DOES_NOT_FIT,
+                None,
+                f"does not fit on {opts.tp} x {fit.gpu_gib:.1f} GiB: {fit.reason}",
+                _fit_fix(mm, fit, opts, target),
+            )
+        )
     remote_code = sorted(p.name for p in Path(ckpt.root).glob("*.py"))
     auto_map = (ckpt.config or {}).get("auto_map")
     if auto_map or remote_code:
         from qtool.findings import warning
 
-        what = ", ".join(([f"config.json auto_map ({', '.join(sorted(auto_map))})"] if isinstance(auto_map, dict)
-                          and auto_map else (["config.json auto_map"] if auto_map else [])) + remote_code)
-        findings.append(warning(Code.REMOTE_CODE, None, f"the checkpoint carries code the engines would run with "
-                                f"--trust-remote-code: {what}", "Qwen3.5 needs no remote code (both engines "
-                                "implement it); remove auto_map and the .py files unless you trust and need them"))
+        what = ", ".join(
+            (
+                [f"config.json auto_map ({', '.join(sorted(auto_map))})"]
+                if isinstance(auto_map, dict) and auto_map
+                else (["config.json auto_map"] if auto_map else [])
+            )
+            + remote_code
+        )
+        findings.append(
+            warning(
+                Code.REMOTE_CODE,
+                None,
+                f"the checkpoint carries code the engines would run with --trust-remote-code: {what}",
+                "Qwen3.5 needs no remote code (both engines "
+                "implement it); remove auto_map and the .py files unless you trust and need them",
+            )
+        )
     facts = {
         "remote_code": bool(auto_map),
         "architecture": ((ckpt.config or {}).get("architectures") or [None])[0],
@@ -208,8 +232,9 @@ def execute(p: VerifyPlan) -> VerifyReport:
         if "units" in counts:
             counts["errors"] = sum(1 for f in findings if f.engine == eng and f.is_error)
             counts["warnings"] = sum(1 for f in findings if f.engine == eng and not f.is_error)
-    report = VerifyReport(str(ckpt.root), findings, fit, engines, facts, model_map=mm,
-                          kv_cache_dtype=opts.kv_cache_dtype)
+    report = VerifyReport(
+        str(ckpt.root), findings, fit, engines, facts, model_map=mm, kv_cache_dtype=opts.kv_cache_dtype
+    )
     if opts.deep and not any(f.code in (Code.BAD_HEADER, Code.TRUNCATED_SHARD) for f in findings):
         from qtool.ops.verify.deep import deep_check
 
@@ -219,8 +244,19 @@ def execute(p: VerifyPlan) -> VerifyReport:
     return report
 
 
-__all__ = ["Code", "Finding", "Severity", "VerifyOptions", "VerifyPlan", "VerifyReport", "execute", "parse_engines",
-           "plan", "served_kv_cache_dtype", "verify"]
+__all__ = [
+    "Code",
+    "Finding",
+    "Severity",
+    "VerifyOptions",
+    "VerifyPlan",
+    "VerifyReport",
+    "execute",
+    "parse_engines",
+    "plan",
+    "served_kv_cache_dtype",
+    "verify",
+]
 
 
 def _fit_fix(mm, fit, opts, target) -> str:
@@ -232,10 +268,12 @@ def _fit_fix(mm, fit, opts, target) -> str:
     more = _more_gpus(mm, opts, target)
     if fit.kv_cache_gib <= 0:  # the weights and the reserve alone exceed the budget
         budget = f"the budget ({fit.budget_gib:.1f} GiB per GPU)"
-        over = (f"the weights alone ({fit.weights_per_gpu_gib:.1f} GiB per GPU) exceed {budget}"
-                if fit.weights_per_gpu_gib >= fit.budget_gib else
-                f"the weights ({fit.weights_per_gpu_gib:.1f} GiB per GPU) and the engine's reserve "
-                f"({fit.reserve_gib:.1f} GiB per GPU: activations, CUDA graphs, workspaces) exceed {budget}")
+        over = (
+            f"the weights alone ({fit.weights_per_gpu_gib:.1f} GiB per GPU) exceed {budget}"
+            if fit.weights_per_gpu_gib >= fit.budget_gib
+            else f"the weights ({fit.weights_per_gpu_gib:.1f} GiB per GPU) and the engine's reserve "
+            f"({fit.reserve_gib:.1f} GiB per GPU: activations, CUDA graphs, workspaces) exceed {budget}"
+        )
         if more:
             return f"{over}: serve on {more[0]} GPUs: {_verify_line(mm, opts, more[0], more[1])}"
         if fit.reserve_gib >= fit.budget_gib:  # no number of GPUs of this size holds the reserve
@@ -243,8 +281,10 @@ def _fit_fix(mm, fit, opts, target) -> str:
             return f"{over}: GPUs of more than {least:.1f} GiB each (before any KV cache)"
         from qtool.ops.verify.engine_rules import TP_SIZES
 
-        return (f"{over} at every TP up to {TP_SIZES[-1]}: a smaller checkpoint (NVFP4 routed experts, fewer BF16 "
-                "pieces) or larger GPUs")
+        return (
+            f"{over} at every TP up to {TP_SIZES[-1]}: a smaller checkpoint (NVFP4 routed experts, fewer BF16 "
+            "pieces) or larger GPUs"
+        )
     per_seq = fit.kv_bytes_per_token
     fixes = []
     length = opts.max_model_len or fit.max_model_len
@@ -288,17 +328,26 @@ def _tp_fix(mm, works: list[int], opts, target) -> str:
     for t in sorted((t for t in works if t < opts.tp), reverse=True) + sorted(t for t in works if t > opts.tp):
         if _fits_at(mm, opts, target, t):
             return f"serve at --tp {t} ({shards}): {_verify_line(mm, opts, t, _gpus_for(opts, target, t))}"
-    return (f"{shards}, but it fits at none of them on GPUs of {target.gpu_bytes / GIB:.1f} GiB: a smaller "
-            "checkpoint (NVFP4 routed experts, fewer BF16 pieces) or larger GPUs")
+    return (
+        f"{shards}, but it fits at none of them on GPUs of {target.gpu_bytes / GIB:.1f} GiB: a smaller "
+        "checkpoint (NVFP4 routed experts, fewer BF16 pieces) or larger GPUs"
+    )
 
 
 def _fits_at(mm, opts, target, tp: int) -> bool:
     """Whether the checkpoint fits at `tp` on GPUs of the target's size, with the user's other settings."""
     from qtool.ops.verify.memory_fit import memory_fit
 
-    return memory_fit(mm, tp=tp, target=Target(max(tp, target.num_gpus), target.gpu_bytes),
-                      gpu_memory_utilization=opts.gpu_memory_utilization, kv_cache_dtype=opts.kv_cache_dtype,
-                      mtp=opts.mtp, max_model_len=opts.max_model_len, max_num_seqs=opts.max_num_seqs).fits
+    return memory_fit(
+        mm,
+        tp=tp,
+        target=Target(max(tp, target.num_gpus), target.gpu_bytes),
+        gpu_memory_utilization=opts.gpu_memory_utilization,
+        kv_cache_dtype=opts.kv_cache_dtype,
+        mtp=opts.mtp,
+        max_model_len=opts.max_model_len,
+        max_num_seqs=opts.max_num_seqs,
+    ).fits
 
 
 def _gpus_for(opts, target, tp: int) -> str:
@@ -317,9 +366,13 @@ def _verify_line(mm, opts, tp: int, gpus: str) -> str:
     if opts.engine != default.engine:
         argv += ["--engine", opts.engine]
     argv += ["--gpus", gpus, "--tp", str(tp)]
-    for flag, name in (("--max-model-len", "max_model_len"), ("--max-num-seqs", "max_num_seqs"),
-                       ("--kv-cache-dtype", "kv_cache_dtype"), ("--gpu-memory-utilization", "gpu_memory_utilization"),
-                       ("--mtp", "mtp")):
+    for flag, name in (
+        ("--max-model-len", "max_model_len"),
+        ("--max-num-seqs", "max_num_seqs"),
+        ("--kv-cache-dtype", "kv_cache_dtype"),
+        ("--gpu-memory-utilization", "gpu_memory_utilization"),
+        ("--mtp", "mtp"),
+    ):
         if getattr(opts, name) != getattr(default, name):
             argv += [flag, str(getattr(opts, name))]
     return shlex.join(argv)

@@ -22,16 +22,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from qtool.findings import Code, Finding, error, warning
 from qtool.io.checkpoint import Checkpoint
 from qtool.io.safetensors_header import TensorInfo
-from qtool.findings import Code, Finding, error, warning
 
 CHUNK = 16 << 20
 READ_AHEAD = 2  # chunks requested ahead of the one being hashed
 MAX_SCALE = 1e12
 MANIFEST_NAME = "qtool-manifest.json"  # qtool/ops/assemble/plan.py MANIFEST_NAME
-GLOBAL_SCALES = frozenset({"weight_scale_2", "input_scale", "weight_global_scale", "input_global_scale",
-                           "k_scale", "v_scale"})
+GLOBAL_SCALES = frozenset(
+    {"weight_scale_2", "input_scale", "weight_global_scale", "input_global_scale", "k_scale", "v_scale"}
+)
 # tensors that must not be all zero: Linear weights (BF16 or packed), fused experts, block scales, embeddings
 MATRIX_PARAMS = frozenset({"weight", "weight_packed", "qweight", "gate_up_proj", "down_proj", "weight_scale"})
 _NAN_MASK = {"BF16": (0x7FFF, 0x7F80, "<u2"), "F16": (0x7FFF, 0x7C00, "<u2"), "F32": (0x7FFFFFFF, 0x7F800000, "<u4")}
@@ -121,14 +122,15 @@ def hash_shard(path: str, tensors: list[TensorInfo] | None = None, chunk: int = 
                 a, b = max(t.start, pos), min(t.end, end)
                 if b > a:
                     st = scans.setdefault(t.name, _TensorScan())
-                    _scan_segment(t, chunk_view[a - pos:b - pos], st)
+                    _scan_segment(t, chunk_view[a - pos : b - pos], st)
                 j += 1
             pos = end
     return ShardResult(path, h.hexdigest(), pos, time.perf_counter() - t0, scans)
 
 
-def hash_files(paths: list[str], workers: int | None = None, tensors: dict[str, list[TensorInfo]] | None = None
-               ) -> tuple[dict[str, ShardResult], float]:
+def hash_files(
+    paths: list[str], workers: int | None = None, tensors: dict[str, list[TensorInfo]] | None = None
+) -> tuple[dict[str, ShardResult], float]:
     """Hash (and scan) files with parallel readers; returns ({path: result}, wall seconds)."""
     workers = workers or max(2, min(len(paths), (os.cpu_count() or 2) * 2, 16))
     t0 = time.perf_counter()
@@ -156,7 +158,9 @@ def expected_hashes(root: Path) -> dict[str, str]:
     files = man.get("files")
     if isinstance(files, dict) and files:
         # every file the manifest lists: shards, configs, tokenizer files, templates alike
-        return {rel: f["sha256"] for rel, f in files.items() if isinstance(f, dict) and isinstance(f.get("sha256"), str)}
+        return {
+            rel: f["sha256"] for rel, f in files.items() if isinstance(f, dict) and isinstance(f.get("sha256"), str)
+        }
     for shard, entry in (man.get("shards") or {}).items():
         if not isinstance(entry, dict):
             continue
@@ -165,8 +169,9 @@ def expected_hashes(root: Path) -> dict[str, str]:
             continue
         if entry.get("action") != "link":
             continue
-        origins = {(o.get("source"), o.get("file")) for o in (entry.get("tensors") or {}).values()
-                   if isinstance(o, dict)}
+        origins = {
+            (o.get("source"), o.get("file")) for o in (entry.get("tensors") or {}).values() if isinstance(o, dict)
+        }
         if len(origins) != 1:
             continue
         src, rel = next(iter(origins))
@@ -202,8 +207,13 @@ class DeepResult:
         return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
 
     def to_json(self) -> dict:
-        return {"shards": self.shards, "bytes": self.bytes, "seconds": round(self.seconds, 3),
-                "gb_per_s": round(self.gb_per_s, 3), "compared_with_manifest": self.compared}
+        return {
+            "shards": self.shards,
+            "bytes": self.bytes,
+            "seconds": round(self.seconds, 3),
+            "gb_per_s": round(self.gb_per_s, 3),
+            "compared_with_manifest": self.compared,
+        }
 
 
 def deep_check(ckpt: Checkpoint, *, scan: bool = True, workers: int | None = None, max_listed: int = 50) -> DeepResult:
@@ -222,8 +232,14 @@ def deep_check(ckpt: Checkpoint, *, scan: bool = True, workers: int | None = Non
         if os.path.isfile(p):
             others.add(p)
         else:
-            findings.append(error(Code.HASH_MISMATCH, rel, f"{rel} is listed in qtool-manifest.json but missing "
-                                  "(or not a regular file)", "restore it, or rebuild the output"))
+            findings.append(
+                error(
+                    Code.HASH_MISMATCH,
+                    rel,
+                    f"{rel} is listed in qtool-manifest.json but missing (or not a regular file)",
+                    "restore it, or rebuild the output",
+                )
+            )
     paths = sorted(by_file) + sorted(others)
     results, wall = hash_files(paths, workers, by_file if scan else None)
     digests: dict[str, str] = {}
@@ -235,10 +251,14 @@ def deep_check(ckpt: Checkpoint, *, scan: bool = True, workers: int | None = Non
         if name in want:
             compared += 1
             if want[name] != r.sha256:
-                findings.append(error(Code.HASH_MISMATCH, name,
-                                      f"sha256 {r.sha256[:16]}... differs from qtool-manifest.json "
-                                      f"({want[name][:16]}...)", "the file changed after it was written: "
-                                      "restore it, or rebuild the output"))
+                findings.append(
+                    error(
+                        Code.HASH_MISMATCH,
+                        name,
+                        f"sha256 {r.sha256[:16]}... differs from qtool-manifest.json ({want[name][:16]}...)",
+                        "the file changed after it was written: restore it, or rebuild the output",
+                    )
+                )
     if scan:
         findings += _scan_findings(ckpt, results, max_listed)
     total = sum(r.bytes for r in results.values())
@@ -263,19 +283,43 @@ def _scan_findings(ckpt: Checkpoint, results: dict[str, ShardResult], max_listed
                 if v is not None and not math.isfinite(v):
                     add(error(Code.NAN_INF, name, f"{name} = {v}", "recalibrate / re-export this module"))
                 elif v is not None and not 0 < v <= MAX_SCALE:
-                    add(error(Code.SCALE_OUT_OF_RANGE, name, f"{name} = {v!r}, expected a positive scale",
-                              "recalibrate / re-export this module"))
+                    add(
+                        error(
+                            Code.SCALE_OUT_OF_RANGE,
+                            name,
+                            f"{name} = {v!r}, expected a positive scale",
+                            "recalibrate / re-export this module",
+                        )
+                    )
                 continue
             if st.nan:
-                add(error(Code.NAN_INF, name, f"{name} ({info.dtype}{list(info.shape)}) holds NaN or Inf",
-                          "re-export this module from a clean source"))
+                add(
+                    error(
+                        Code.NAN_INF,
+                        name,
+                        f"{name} ({info.dtype}{list(info.shape)}) holds NaN or Inf",
+                        "re-export this module from a clean source",
+                    )
+                )
             if info.dtype == "F8_E4M3" and st.negative:
-                add(error(Code.SCALE_OUT_OF_RANGE, name, f"{name} holds negative FP8 block scales",
-                          "requantize this module"))
+                add(
+                    error(
+                        Code.SCALE_OUT_OF_RANGE,
+                        name,
+                        f"{name} holds negative FP8 block scales",
+                        "requantize this module",
+                    )
+                )
             if not st.nonzero and param in MATRIX_PARAMS and info.numel > 1 and not name.endswith("norm.weight"):
-                add(error(Code.ALL_ZERO, name, f"{name} ({info.dtype}{list(info.shape)}) is all zero: the module "
-                          "computes nothing (a hole in a sparse file, or a failed export)",
-                          "re-download or rebuild the shard holding it"))
+                add(
+                    error(
+                        Code.ALL_ZERO,
+                        name,
+                        f"{name} ({info.dtype}{list(info.shape)}) is all zero: the module "
+                        "computes nothing (a hole in a sparse file, or a failed export)",
+                        "re-download or rebuild the shard holding it",
+                    )
+                )
     for code, n in counts.items():
         if n > max_listed:
             out.append(warning(code, None, f"{n - max_listed} more {code.value} finding(s) not listed"))

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from typing import Callable
+from collections.abc import Callable
 
 from qtool.arch.model_map import QUANTIZED_FORMATS, Format, ModelMap
 from qtool.arch.qwen35 import Group
 from qtool.engines import Engine, EngineVersion, unit_of
 from qtool.engines.decide import decide, engine_rules_modelled, flavour_of, unit_formats
-from qtool.io.quant_config import QuantSummary
 from qtool.findings import Code, Finding, error, patch_cmd, warning
+from qtool.io.quant_config import QuantSummary
 from qtool.ops.checks import FIX
 
 # NVFP4 GEMMs need the per-GPU input features to be a multiple of the 16-element block:
@@ -58,11 +58,15 @@ def decision_findings(
     if mixed_precision.is_mixed(summary):  # per-module algorithms: its own rule (ops/verify/mixed_precision.py)
         return mixed_precision.mixed_findings(mm, summary, versions)
     if not engine_rules_modelled(summary):
-        findings.append(warning(
-            Code.ENGINE_RULES_NOT_MODELLED, None,
-            f"quant_method {summary.quant_method!r}: qtool models the engines' ignore-list matching for ModelOpt "
-            "and compressed-tensors checkpoints only; which modules load quantized was not checked",
-            None))
+        findings.append(
+            warning(
+                Code.ENGINE_RULES_NOT_MODELLED,
+                None,
+                f"quant_method {summary.quant_method!r}: qtool models the engines' ignore-list matching for ModelOpt "
+                "and compressed-tensors checkpoints only; which modules load quantized was not checked",
+                None,
+            )
+        )
         for v in versions:
             summaries[str(v)] = {"quant_method": summary.quant_method, "modelled": False}
         return findings, summaries, decisions_by_engine
@@ -86,28 +90,47 @@ def decision_findings(
             mk = error if sev_error else warning
             if excluded is None:
                 counts["refused"] += 1
-                f = mk(Code.PARTIAL_FUSED_EXCLUSION, unit,
-                       f"{eng} refuses the ignore list: it excludes some but not all shards of {unit} "
-                       "(\"Detected some but not all shards ... are quantized\")", _fix_for(unit, kind, ckpt), eng)
+                f = mk(
+                    Code.PARTIAL_FUSED_EXCLUSION,
+                    unit,
+                    f"{eng} refuses the ignore list: it excludes some but not all shards of {unit} "
+                    '("Detected some but not all shards ... are quantized")',
+                    _fix_for(unit, kind, ckpt),
+                    eng,
+                )
             elif fmt == "mixed":
-                f = mk(Code.BF16_BUT_NOT_IGNORED if not excluded else Code.QUANTIZED_BUT_IGNORED, unit,
-                       f"the shards of {unit} mix BF16 and quantized tensors; {eng} loads the fused module in "
-                       "one format", "requantize or restore all shards of the fused module alike", eng)
+                f = mk(
+                    Code.BF16_BUT_NOT_IGNORED if not excluded else Code.QUANTIZED_BUT_IGNORED,
+                    unit,
+                    f"the shards of {unit} mix BF16 and quantized tensors; {eng} loads the fused module in one format",
+                    "requantize or restore all shards of the fused module alike",
+                    eng,
+                )
             elif excluded:
                 counts["excluded"] += 1
                 if fmt in QUANTIZED_FORMATS:
-                    f = mk(Code.QUANTIZED_BUT_IGNORED, unit,
-                           f"{unit} is {fmt.value} in the tensors but {eng} loads it as BF16 (excluded by the "
-                           "config): weight/scale size mismatch at load", _fix_for(unit, "linear", ckpt), eng)
+                    f = mk(
+                        Code.QUANTIZED_BUT_IGNORED,
+                        unit,
+                        f"{unit} is {fmt.value} in the tensors but {eng} loads it as BF16 (excluded by the "
+                        "config): weight/scale size mismatch at load",
+                        _fix_for(unit, "linear", ckpt),
+                        eng,
+                    )
                 else:
                     continue
             else:
                 counts["quantized"] += 1
                 if fmt is Format.BF16:
                     code = Code.MTP_NOT_EXCLUDED if is_mtp else Code.BF16_BUT_NOT_IGNORED
-                    f = mk(code, unit,
-                           f"{unit} is BF16 in the tensors but {eng} builds it quantized (not excluded by the "
-                           "config): shape mismatch at load", _fix_for(unit, kind, ckpt), eng)
+                    f = mk(
+                        code,
+                        unit,
+                        f"{unit} is BF16 in the tensors but {eng} builds it quantized (not excluded by the "
+                        "config): shape mismatch at load",
+                        _fix_for(unit, kind, ckpt),
+                        eng,
+                    )
                 else:
                     continue
             counts["errors" if f.is_error else "warnings"] += 1
@@ -180,11 +203,18 @@ def per_engine_layout(findings: list[Finding], versions: list[EngineVersion], mm
     fix = FIX[Code.MIXED_EXPERT_LAYOUT]
     for v in versions:
         if v.engine is Engine.SGLANG:
-            out.append(error(Code.MIXED_EXPERT_LAYOUT, module,
-                             f"{v} drops {len(dropped)} per-expert tensors (layers {_ranges(layers)}) that come after "
-                             f"the first fused expert tensor {first_fused} in its load order (shards by name, keys "
-                             "sorted): its Qwen3.5 loader maps every later expert tensor by the fused names "
-                             "(sglang models/qwen3_5.py load_weights, is_fused_expert)", fix, engine=str(v)))
+            out.append(
+                error(
+                    Code.MIXED_EXPERT_LAYOUT,
+                    module,
+                    f"{v} drops {len(dropped)} per-expert tensors (layers {_ranges(layers)}) that come after "
+                    f"the first fused expert tensor {first_fused} in its load order (shards by name, keys "
+                    "sorted): its Qwen3.5 loader maps every later expert tensor by the fused names "
+                    "(sglang models/qwen3_5.py load_weights, is_fused_expert)",
+                    fix,
+                    engine=str(v),
+                )
+            )
     return out
 
 
@@ -225,11 +255,17 @@ def moe_scheme_findings(mm: ModelMap, versions: list[EngineVersion]) -> list[Fin
             continue
         what = ", ".join(f"{fmt}" + (f" group {g}" if g else "") for fmt, g in sorted(found, key=str))
         for v in versions:
-            out.append(error(Code.MOE_SCHEME_MISMATCH, unit,
-                             f"the expert projections of {unit} use several schemes ({what}); {v} refuses at model "
-                             "build: \"All MoE projections need to have same quantization scheme but found multiple\"",
-                             "requantize the experts with one scheme for gate/up and down (qtool quantize picks "
-                             "one INT4 group size for all projections)", str(v)))
+            out.append(
+                error(
+                    Code.MOE_SCHEME_MISMATCH,
+                    unit,
+                    f"the expert projections of {unit} use several schemes ({what}); {v} refuses at model "
+                    'build: "All MoE projections need to have same quantization scheme but found multiple"',
+                    "requantize the experts with one scheme for gate/up and down (qtool quantize picks "
+                    "one INT4 group size for all projections)",
+                    str(v),
+                )
+            )
     return out
 
 
@@ -266,16 +302,26 @@ def input_scale_findings(mm: ModelMap) -> list[Finding]:
     for unit, mods in sorted(missing.items()):
         what = f"{len(mods)} NVFP4 module(s) of {unit} lack {_INPUT_SCALE.get(mm.modules[mods[0]].format)}"
         if weight_only:
-            out.append(warning(Code.INPUT_SCALE_MISSING, unit,
-                               f"{what} (a weight-only config): vLLM builds before PR 54427 fold an uninitialised "
-                               "input_scale of 0.0 into them and every expert outputs zero (vllm issue 54189)",
-                               "serve with a vLLM that has PR 54427, or write input scales (qtool quantize "
-                               "calibrates them)"))
+            out.append(
+                warning(
+                    Code.INPUT_SCALE_MISSING,
+                    unit,
+                    f"{what} (a weight-only config): vLLM builds before PR 54427 fold an uninitialised "
+                    "input_scale of 0.0 into them and every expert outputs zero (vllm issue 54189)",
+                    "serve with a vLLM that has PR 54427, or write input scales (qtool quantize calibrates them)",
+                )
+            )
         else:
-            out.append(error(Code.INPUT_SCALE_MISSING, unit,
-                             f"{what}, and the config quantizes activations (W4A4): the engines create the scale "
-                             "and nothing fills it", "requantize with calibration (qtool quantize writes calibrated "
-                             "input scales), or restore the missing tensors"))
+            out.append(
+                error(
+                    Code.INPUT_SCALE_MISSING,
+                    unit,
+                    f"{what}, and the config quantizes activations (W4A4): the engines create the scale "
+                    "and nothing fills it",
+                    "requantize with calibration (qtool quantize writes calibrated "
+                    "input scales), or restore the missing tensors",
+                )
+            )
     return out
 
 
@@ -286,9 +332,10 @@ def per_engine_stale_scales(findings: list[Finding], versions: list[EngineVersio
     stacks), an error; SGLang 0.5.23 skips it with "Parameter ... not found in params_dict", a warning;
     older SGLang (sglang issue 19587, reported on main of 2026-02-28) then failed a shape assertion: an error. Both checked with the real loaders
     (tests/engines/test_loaders.py variant-stray-*). Other stale tensors keep their engine-free error."""
+
     def on_bf16_module(f: Finding) -> bool:
         m = mm.modules.get(f.module or "")
-        return (f.code is Code.STALE_TENSOR and f.engine is None and m is not None and m.format is Format.BF16)
+        return f.code is Code.STALE_TENSOR and f.engine is None and m is not None and m.format is Format.BF16
 
     stale = [f for f in findings if on_bf16_module(f)]
     if not stale:
@@ -297,15 +344,37 @@ def per_engine_stale_scales(findings: list[Finding], versions: list[EngineVersio
     for f in stale:
         for v in versions:
             if v.engine is Engine.VLLM:
-                out.append(error(f.code, f.module, f"{f.message}: {v} has no parameter for them and refuses at load "
-                                 "(vllm issue 45102)", f.fix, engine=str(v)))
+                out.append(
+                    error(
+                        f.code,
+                        f.module,
+                        f"{f.message}: {v} has no parameter for them and refuses at load (vllm issue 45102)",
+                        f.fix,
+                        engine=str(v),
+                    )
+                )
             elif v.at_least((0, 5, 23)):
-                out.append(warning(f.code, f.module, f"{f.message}: {v} skips them with a warning (the load failure "
-                                   "of sglang issue 19587 is a skip since)", f.fix, engine=str(v)))
+                out.append(
+                    warning(
+                        f.code,
+                        f.module,
+                        f"{f.message}: {v} skips them with a warning (the load failure "
+                        "of sglang issue 19587 is a skip since)",
+                        f.fix,
+                        engine=str(v),
+                    )
+                )
             else:  # the SGLang of sglang issue 19587 (main of 2026-02-28) failed the load on them
-                out.append(error(f.code, f.module, f"{f.message}: {v} fails the load on them (\"Parameter ... not "
-                                 "found in params_dict\", then a shape assertion: sglang issue 19587)", f.fix,
-                                 engine=str(v)))
+                out.append(
+                    error(
+                        f.code,
+                        f.module,
+                        f'{f.message}: {v} fails the load on them ("Parameter ... not '
+                        'found in params_dict", then a shape assertion: sglang issue 19587)',
+                        f.fix,
+                        engine=str(v),
+                    )
+                )
     return out
 
 
@@ -314,12 +383,18 @@ def _sglang_reads_kv_scheme(scheme: dict | None) -> bool:
     CompressedTensorsKVCacheMethod.is_supported_scheme); any other kv_cache_scheme is ignored with a warning."""
     if not scheme:
         return True  # ModelOpt / no compressed-tensors scheme: its per-tensor method
-    return (scheme.get("type") == "float" and scheme.get("num_bits") == 8 and scheme.get("strategy") == "tensor"
-            and scheme.get("symmetric", True) and not scheme.get("dynamic", False))
+    return (
+        scheme.get("type") == "float"
+        and scheme.get("num_bits") == 8
+        and scheme.get("strategy") == "tensor"
+        and scheme.get("symmetric", True)
+        and not scheme.get("dynamic", False)
+    )
 
 
-def kv_ignored_findings(mm: ModelMap, summary: QuantSummary, versions: list[EngineVersion],
-                        kv_cache_dtype: str) -> list[Finding]:
+def kv_ignored_findings(
+    mm: ModelMap, summary: QuantSummary, versions: list[EngineVersion], kv_cache_dtype: str
+) -> list[Finding]:
     """KV scales an engine skips, so its FP8 KV cache runs with scale 1.0 (an error with --kv-cache-dtype fp8,
     else a warning: the scales are unused then). vLLM 0.33 loads every form below. SGLang 0.5.23 skips:
     - the `self_attn.qkv_proj.{k,v}_scale` spelling (older llm-compressor): its QWEN3_5_KV_SCALE_MAPPER
@@ -334,23 +409,38 @@ def kv_ignored_findings(mm: ModelMap, summary: QuantSummary, versions: list[Engi
     reasons = []
     qkv = [n for n in kv_names if mm.roles[n].module.endswith(".qkv_proj")]
     if qkv:
-        reasons.append(f"{len(qkv)} are spelled self_attn.qkv_proj.{{k,v}}_scale, which its Qwen3.5 KV-scale "
-                       "mapper does not map (sglang issue 39942)")
+        reasons.append(
+            f"{len(qkv)} are spelled self_attn.qkv_proj.{{k,v}}_scale, which its Qwen3.5 KV-scale "
+            "mapper does not map (sglang issue 39942)"
+        )
     scheme = summary.kv_cache_scheme if summary.quant_method == "compressed-tensors" else None
     if mm.kv.per_head or not _sglang_reads_kv_scheme(scheme):
         form = ", ".join(f"{k}={(scheme or {}).get(k)!r}" for k in ("strategy", "num_bits", "dynamic"))
-        reasons.append(f"{'per-head scales, ' if mm.kv.per_head else ''}kv_cache_scheme {form} is not static "
-                       "per-tensor FP8, the only KV scheme it builds (compressed_tensors.py is_supported_scheme)")
+        reasons.append(
+            f"{'per-head scales, ' if mm.kv.per_head else ''}kv_cache_scheme {form} is not static "
+            "per-tensor FP8, the only KV scheme it builds (compressed_tensors.py is_supported_scheme)"
+        )
     if not reasons:
         return []
     fp8 = kv_cache_dtype == "fp8"
     make = error if fp8 else warning
     naming = "self_attn.k_proj.k_scale" if mm.kv.naming == "modelopt" else "self_attn.k_scale"
-    fix = (f"qtool calibrate-kv {mm.ckpt.root} -o OUT --replace-scales (per-tensor FP8 scales named {naming}, "
-           "which both engines load)")
-    return [make(Code.KV_SCALES_IGNORED, kv_names[0], f"{v} skips the checkpoint's {len(kv_names)} KV scales, so its "
-                 f"{'FP8 ' if fp8 else ''}KV cache would use scale 1.0: " + "; ".join(reasons), fix, engine=str(v))
-            for v in versions if v.engine is Engine.SGLANG]
+    fix = (
+        f"qtool calibrate-kv {mm.ckpt.root} -o OUT --replace-scales (per-tensor FP8 scales named {naming}, "
+        "which both engines load)"
+    )
+    return [
+        make(
+            Code.KV_SCALES_IGNORED,
+            kv_names[0],
+            f"{v} skips the checkpoint's {len(kv_names)} KV scales, so its "
+            f"{'FP8 ' if fp8 else ''}KV cache would use scale 1.0: " + "; ".join(reasons),
+            fix,
+            engine=str(v),
+        )
+        for v in versions
+        if v.engine is Engine.SGLANG
+    ]
 
 
 def attention_gate_findings(mm: ModelMap) -> list[Finding]:
@@ -360,22 +450,36 @@ def attention_gate_findings(mm: ModelMap) -> list[Finding]:
     warning with the source, not an error."""
     if not mm.ckpt.text_config.get("attn_output_gate", True):
         return []
-    layers = sorted({m.layer for m in mm.modules.values() if m.name.endswith(".self_attn.q_proj")
-                     and m.format in (Format.NVFP4, Format.NVFP4_CT) and m.layer is not None})
+    layers = sorted(
+        {
+            m.layer
+            for m in mm.modules.values()
+            if m.name.endswith(".self_attn.q_proj")
+            and m.format in (Format.NVFP4, Format.NVFP4_CT)
+            and m.layer is not None
+        }
+    )
     if not layers:
         return []
-    return [warning(Code.ATTENTION_GATE_QUANTIZED, None,
-                    f"q_proj of full-attention layers {layers} is NVFP4; it carries the attention output gate, and "
-                    "NVFP4 there was reported to degrade Qwen3.5 perplexity 2-6x (NVIDIA ModelOpt issue 2091; "
-                    "disputed upstream)", "keep self_attn.q_proj in BF16 (add it to the ignore list before "
-                    "quantizing), or measure with qtool eval kld")]
+    return [
+        warning(
+            Code.ATTENTION_GATE_QUANTIZED,
+            None,
+            f"q_proj of full-attention layers {layers} is NVFP4; it carries the attention output gate, and "
+            "NVFP4 there was reported to degrade Qwen3.5 perplexity 2-6x (NVIDIA ModelOpt issue 2091; "
+            "disputed upstream)",
+            "keep self_attn.q_proj in BF16 (add it to the ignore list before "
+            "quantizing), or measure with qtool eval kld",
+        )
+    ]
 
 
 TP_SIZES = (1, 2, 4, 8)  # the tensor-parallel sizes people serve at (one box's GPUs)
 
 
-def tp_findings(mm: ModelMap, tp: int, decisions: dict[str, dict[str, bool | None]],
-                serve_at: Callable[[list[int]], str]) -> list[Finding]:
+def tp_findings(
+    mm: ModelMap, tp: int, decisions: dict[str, dict[str, bool | None]], serve_at: Callable[[list[int]], str]
+) -> list[Finding]:
     """Head counts and expert sizes divisible by TP, and NVFP4 per-GPU input features a multiple of 16 for
     every module an engine builds quantized. Each fix names what works for this checkpoint: the patch that
     makes a config agree with its tensors, or `serve_at(the TP sizes it shards at, never the one that
@@ -390,32 +494,42 @@ def tp_findings(mm: ModelMap, tp: int, decisions: dict[str, dict[str, bool | Non
         if config_only:  # BF16 tensors the config calls quantized: make the config agree
             fix = patch_cmd(ckpt, "--fix", "ignore-from-tensors")
         elif module.startswith("model.visual."):
-            fix = ("exclude it from quantization and serve the vision tower data-parallel: "
-                   + patch_cmd(ckpt, "--ignore-add", "model.visual*") + " ; then --mm-encoder-tp-mode data")
+            fix = (
+                "exclude it from quantization and serve the vision tower data-parallel: "
+                + patch_cmd(ckpt, "--ignore-add", "model.visual*")
+                + " ; then --mm-encoder-tp-mode data"
+            )
         else:
             fix = serve
         out.append(error(Code.TP_DIVISIBILITY, module, message, fix, engine))
     return out
 
 
-def _tp_problems(mm: ModelMap, tp: int, decisions: dict[str, dict[str, bool | None]]
-                 ) -> list[tuple[str, str, str | None, bool]]:
+def _tp_problems(
+    mm: ModelMap, tp: int, decisions: dict[str, dict[str, bool | None]]
+) -> list[tuple[str, str, str | None, bool]]:
     """(module or config key, message, engine, whether the config alone is wrong) for each way the
     checkpoint does not shard at `tp`."""
     cfg = mm.ckpt.text_config
     out: list[tuple[str, str, str | None, bool]] = []
-    for key, what in (("num_attention_heads", "attention heads"), ("linear_num_key_heads", "GDN key heads"),
-                      ("linear_num_value_heads", "GDN value heads")):
+    for key, what in (
+        ("num_attention_heads", "attention heads"),
+        ("linear_num_key_heads", "GDN key heads"),
+        ("linear_num_value_heads", "GDN value heads"),
+    ):
         n = cfg.get(key)
         if isinstance(n, int) and n % tp:
             out.append((key, f"{key}={n}: {n} {what} do not split over TP={tp}", None, False))
     nkv = cfg.get("num_key_value_heads")
     # KV heads are split when nkv >= tp and replicated when tp is a multiple of nkv (vLLM QKVParallelLinear)
     if isinstance(nkv, int) and nkv % tp and tp % nkv:
-        out.append(("num_key_value_heads", f"num_key_value_heads={nkv} neither divides nor is divided by TP={tp}",
-                    None, False))
-    for key, what in (("moe_intermediate_size", "each routed expert's intermediate size"),
-                      ("shared_expert_intermediate_size", "the shared expert's intermediate size")):
+        out.append(
+            ("num_key_value_heads", f"num_key_value_heads={nkv} neither divides nor is divided by TP={tp}", None, False)
+        )
+    for key, what in (
+        ("moe_intermediate_size", "each routed expert's intermediate size"),
+        ("shared_expert_intermediate_size", "the shared expert's intermediate size"),
+    ):
         n = cfg.get(key)
         if isinstance(n, int) and n % tp:
             out.append((key, f"{key}={n} ({what}) does not split over TP={tp}", None, False))
@@ -441,9 +555,16 @@ def _tp_problems(mm: ModelMap, tp: int, decisions: dict[str, dict[str, bool | No
             per_gpu = inn // tp if row else inn
             if (row and inn % tp) or per_gpu % NVFP4_BLOCK:
                 seen.add((eng, unit))
-                out.append((unit, f"{eng} builds {unit} as NVFP4 with {inn} input features, {per_gpu} per GPU at "
-                            f"TP={tp}: not a multiple of {NVFP4_BLOCK} (\"Unsupported model when in features "
-                            "size is not multiple of 16\")", eng, fmt is Format.BF16))
+                out.append(
+                    (
+                        unit,
+                        f"{eng} builds {unit} as NVFP4 with {inn} input features, {per_gpu} per GPU at "
+                        f'TP={tp}: not a multiple of {NVFP4_BLOCK} ("Unsupported model when in features '
+                        'size is not multiple of 16")',
+                        eng,
+                        fmt is Format.BF16,
+                    )
+                )
     return out
 
 
@@ -455,14 +576,26 @@ def mtp_findings(mm: ModelMap, mtp: int) -> list[Finding]:
     if mtp <= 0:
         return []
     if not mm.modules_in(Group.MTP):
-        return [error(Code.MTP_MISSING, "mtp", f"--mtp {mtp} asked for, but the checkpoint has no mtp.* head "
-                      "(speculative decoding would run with 0% acceptance)",
-                      "graft it from the BF16 original: qtool assemble hybrid --nvfp4 CKPT --bf16 BF16 -o OUT "
-                      "--mtp from-bf16; or serve without --mtp")]
+        return [
+            error(
+                Code.MTP_MISSING,
+                "mtp",
+                f"--mtp {mtp} asked for, but the checkpoint has no mtp.* head "
+                "(speculative decoding would run with 0% acceptance)",
+                "graft it from the BF16 original: qtool assemble hybrid --nvfp4 CKPT --bf16 BF16 -o OUT "
+                "--mtp from-bf16; or serve without --mtp",
+            )
+        ]
     if mtp > MTP_STABLE_MAX:
-        return [warning(Code.MTP_UNSTABLE, "mtp", f"--mtp {mtp}: more than {MTP_STABLE_MAX} speculative tokens "
-                        "are unstable under load with the GDN attention backend (vllm#34948: a CUDA illegal memory access)",
-                        f"--mtp {MTP_STABLE_MAX} at most")]
+        return [
+            warning(
+                Code.MTP_UNSTABLE,
+                "mtp",
+                f"--mtp {mtp}: more than {MTP_STABLE_MAX} speculative tokens "
+                "are unstable under load with the GDN attention backend (vllm#34948: a CUDA illegal memory access)",
+                f"--mtp {MTP_STABLE_MAX} at most",
+            )
+        ]
     return []
 
 
@@ -478,14 +611,31 @@ def kv_findings(mm: ModelMap, kv_cache_dtype: str) -> list[Finding]:
     missing = [l for l in mm.full_attention if l not in kv.layers]
     out: list[Finding] = []
     if missing:
-        out.append(error(Code.KV_SCALES_MISSING, f"layers {missing[:8]}",
-                         f"--kv-cache-dtype fp8 but {len(missing)} of {len(mm.full_attention)} full-attention "
-                         "layers have no k/v scales (the engine would use 1.0)", fix))
+        out.append(
+            error(
+                Code.KV_SCALES_MISSING,
+                f"layers {missing[:8]}",
+                f"--kv-cache-dtype fp8 but {len(missing)} of {len(mm.full_attention)} full-attention "
+                "layers have no k/v scales (the engine would use 1.0)",
+                fix,
+            )
+        )
     if kv.invalid:
-        out.append(error(Code.KV_SCALES_UNCALIBRATED, kv.invalid[0],
-                         f"{len(kv.invalid)} k/v scale(s) are not finite positive numbers", fix))
+        out.append(
+            error(
+                Code.KV_SCALES_UNCALIBRATED,
+                kv.invalid[0],
+                f"{len(kv.invalid)} k/v scale(s) are not finite positive numbers",
+                fix,
+            )
+        )
     elif kv.layers and kv.calibrated is False:
-        out.append(error(Code.KV_SCALES_UNCALIBRATED, None,
-                         "every k/v scale is the constant 1.0 (an fp8_cast export, not calibrated)",
-                         fix))
+        out.append(
+            error(
+                Code.KV_SCALES_UNCALIBRATED,
+                None,
+                "every k/v scale is the constant 1.0 (an fp8_cast export, not calibrated)",
+                fix,
+            )
+        )
     return out

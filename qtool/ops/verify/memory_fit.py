@@ -47,14 +47,18 @@ class Target:
 
     @classmethod
     def parse(cls, text: str) -> Target:
-        """"4x97887MiB", "8x96GiB", "4x96GB" (decimal) -> Target."""
+        """ "4x97887MiB", "8x96GiB", "4x96GB" (decimal) -> Target."""
         m = _SIZE.match(text)
         if not m:
             raise UsageError(f"bad --gpus {text!r}", expected="NxSIZE, e.g. 4x97887MiB, 4x96GiB or 8x96GB")
         if not m.group(3):  # 96 could be GB or GiB (a 7% difference): never guessed
-            raise UsageError(f"bad --gpus {text!r}: the size needs its unit", expected=(
-                f"{m.group(1)}x{m.group(2)}GB, {m.group(1)}x{m.group(2)}GiB or MiB as nvidia-smi prints it "
-                "(an RTX PRO 6000 Blackwell: 4x97887MiB)"))
+            raise UsageError(
+                f"bad --gpus {text!r}: the size needs its unit",
+                expected=(
+                    f"{m.group(1)}x{m.group(2)}GB, {m.group(1)}x{m.group(2)}GiB or MiB as nvidia-smi prints it "
+                    "(an RTX PRO 6000 Blackwell: 4x97887MiB)"
+                ),
+            )
         n, size, unit = int(m.group(1)), float(m.group(2)), m.group(3)
         mult = {"MiB": MIB, "GiB": GIB, "GB": 10**9, "MB": 10**6}[unit]
         if n < 1 or size <= 0:
@@ -107,8 +111,13 @@ def default_context(text_cfg: dict) -> int:
 def _share(mod, tp: int, nkv: int) -> float:
     """Fraction of module `mod` (qtool.arch.model_map.Module) that one GPU holds under TP."""
     g = mod.inner
-    if mod.group is Group.VISION or g in (Group.NORM, Group.FINAL_NORM, Group.ROUTER, Group.SHARED_EXPERT_GATE,
-                                          Group.KV_SCALE):
+    if mod.group is Group.VISION or g in (
+        Group.NORM,
+        Group.FINAL_NORM,
+        Group.ROUTER,
+        Group.SHARED_EXPERT_GATE,
+        Group.KV_SCALE,
+    ):
         return 1.0
     if mod.name.endswith((".q_norm", ".k_norm", ".norm")):
         return 1.0
@@ -181,16 +190,20 @@ def memory_fit(
     if free <= 0:
         seqs_fit, len_fit = 0, 0
         fits = False
-        reason = (f"weights ({weights / GIB:.1f} GiB) + reserve ({reserve_gib:.1f} GiB) exceed the per-GPU budget "
-                  f"({budget / GIB:.1f} GiB = {gpu_memory_utilization} x {target.gpu_bytes / GIB:.1f} GiB)")
+        reason = (
+            f"weights ({weights / GIB:.1f} GiB) + reserve ({reserve_gib:.1f} GiB) exceed the per-GPU budget "
+            f"({budget / GIB:.1f} GiB = {gpu_memory_utilization} x {target.gpu_bytes / GIB:.1f} GiB)"
+        )
         out_len, out_seqs = max_model_len or ctx_default, max_num_seqs or 0
     elif max_model_len is not None and max_num_seqs is not None:
         need = max_num_seqs * (max_model_len * kv_tok + state)
         fits = need <= free
         out_len, out_seqs = max_model_len, max_num_seqs
         if not fits:
-            reason = (f"{max_num_seqs} sequences x {max_model_len} tokens need {need / GIB:.1f} GiB of KV cache + "
-                      f"state, {free / GIB:.1f} GiB is left per GPU")
+            reason = (
+                f"{max_num_seqs} sequences x {max_model_len} tokens need {need / GIB:.1f} GiB of KV cache + "
+                f"state, {free / GIB:.1f} GiB is left per GPU"
+            )
     elif max_num_seqs is not None:
         len_fit = int((free - max_num_seqs * state) // (max_num_seqs * kv_tok)) if free > max_num_seqs * state else 0
         out_len, out_seqs = min(len_fit, ctx_default), max_num_seqs
@@ -203,13 +216,20 @@ def memory_fit(
         out_len, out_seqs = length, seqs_fit
         fits = seqs_fit >= 1
         if not fits:
-            reason = (f"one sequence of {length} tokens needs {(length * kv_tok + state) / GIB:.1f} GiB of KV cache, "
-                      f"{free / GIB:.1f} GiB is left per GPU")
+            reason = (
+                f"one sequence of {length} tokens needs {(length * kv_tok + state) / GIB:.1f} GiB of KV cache, "
+                f"{free / GIB:.1f} GiB is left per GPU"
+            )
     seqs_used = out_seqs if fits else 0
     kv_used = seqs_used * out_len * kv_tok
     state_used = seqs_used * state
-    usage = {"weights": weights, "kv_cache": kv_used, "gdn_state": state_used, "reserve": reserve,
-             "unused": max(budget - weights - reserve - kv_used - state_used, 0.0)}
+    usage = {
+        "weights": weights,
+        "kv_cache": kv_used,
+        "gdn_state": state_used,
+        "reserve": reserve,
+        "unused": max(budget - weights - reserve - kv_used - state_used, 0.0),
+    }
     return Fit(
         tp=tp,
         gpu_gib=target.gpu_bytes / GIB,
@@ -239,5 +259,6 @@ def capacity_curve(free_bytes: float, kv_bytes_per_token: int, state_bytes: int,
         lengths.append(length)
         length *= 2
     lengths.append(context)
-    return [{"max_model_len": n, "max_num_seqs": int(free_bytes // (n * kv_bytes_per_token + state_bytes))}
-            for n in lengths]
+    return [
+        {"max_model_len": n, "max_num_seqs": int(free_bytes // (n * kv_bytes_per_token + state_bytes))} for n in lengths
+    ]

@@ -38,15 +38,22 @@ def quantized_layers(config: dict | None, hq: dict | None) -> dict[str, dict]:
 
 
 # vLLM's packed modules and their checkpoint shards (packed_modules_mapping of models/qwen3_5.py)
-PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
-          "in_proj_qkvz": ("in_proj_qkv", "in_proj_z"), "in_proj_ba": ("in_proj_b", "in_proj_a")}
+PACKED = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "in_proj_qkvz": ("in_proj_qkv", "in_proj_z"),
+    "in_proj_ba": ("in_proj_b", "in_proj_a"),
+}
 
 
 def _candidates(name: str) -> list[str]:
     out = [name]
-    for a, b in (("model.language_model.", "language_model.model."), ("language_model.model.", "model.language_model.")):
+    for a, b in (
+        ("model.language_model.", "language_model.model."),
+        ("language_model.model.", "model.language_model."),
+    ):
         if name.startswith(a):
-            out.append(b + name[len(a):])
+            out.append(b + name[len(a) :])
     return out
 
 
@@ -59,8 +66,12 @@ def resolve_algo(unit: str, rep: str, layers: dict[str, dict]) -> str | None:
     head, _, proj = unit.rpartition(".")
     shards = PACKED.get(proj)
     if shards:  # a packed module: the one algorithm its listed shards agree on (vLLM raises if they differ)
-        algos = {str(layers[c + "." + sh].get("quant_algo", "")).upper() for c in _candidates(head) for sh in shards
-                 if c + "." + sh in layers}
+        algos = {
+            str(layers[c + "." + sh].get("quant_algo", "")).upper()
+            for c in _candidates(head)
+            for sh in shards
+            if c + "." + sh in layers
+        }
         if len(algos) == 1:
             return algos.pop()
         if len(algos) > 1:
@@ -72,8 +83,9 @@ def resolve_algo(unit: str, rep: str, layers: dict[str, dict]) -> str | None:
     return None
 
 
-def mixed_findings(mm: ModelMap, summary: QuantSummary, versions: list[EngineVersion]
-                   ) -> tuple[list[Finding], dict[str, dict], dict[str, dict[str, bool | None]]]:
+def mixed_findings(
+    mm: ModelMap, summary: QuantSummary, versions: list[EngineVersion]
+) -> tuple[list[Finding], dict[str, dict], dict[str, dict[str, bool | None]]]:
     """(findings, per-engine summary, {engine: {unit: excluded}}) as engine_rules.decision_findings."""
     ckpt = mm.ckpt
     layers = quantized_layers(ckpt.config, ckpt.hf_quant_config)
@@ -81,17 +93,30 @@ def mixed_findings(mm: ModelMap, summary: QuantSummary, versions: list[EngineVer
     summaries: dict[str, dict] = {}
     decisions: dict[str, dict[str, bool | None]] = {}
     if not layers:
-        findings.append(error(Code.BAD_CONFIG, None, "quant_algo MIXED_PRECISION without a `quantized_layers` "
-                              "mapping: vLLM refuses it (\"requires a non-empty 'quantized_layers' mapping\")",
-                              "restore hf_quant_config.json / config.json from the source repository"))
+        findings.append(
+            error(
+                Code.BAD_CONFIG,
+                None,
+                "quant_algo MIXED_PRECISION without a `quantized_layers` "
+                "mapping: vLLM refuses it (\"requires a non-empty 'quantized_layers' mapping\")",
+                "restore hf_quant_config.json / config.json from the source repository",
+            )
+        )
         return findings, {str(v): {"quant_algo": MIXED, "modelled": False} for v in versions}, decisions
     ignore = summary.effective_ignore or []
     for v in versions:
         eng = str(v)
         if v.engine is not Engine.VLLM:
-            findings.append(warning(Code.ENGINE_RULES_NOT_MODELLED, None,
-                                    f"{eng}: qtool does not model SGLang's MIXED_PRECISION loading; which modules "
-                                    "load quantized was not checked for it", None, eng))
+            findings.append(
+                warning(
+                    Code.ENGINE_RULES_NOT_MODELLED,
+                    None,
+                    f"{eng}: qtool does not model SGLang's MIXED_PRECISION loading; which modules "
+                    "load quantized was not checked for it",
+                    None,
+                    eng,
+                )
+            )
             summaries[eng] = {"quant_algo": MIXED, "modelled": False}
             continue
         counts = {"units": 0, "quantized": 0, "excluded": 0, "refused": 0, "errors": 0, "warnings": 0}
@@ -104,32 +129,66 @@ def mixed_findings(mm: ModelMap, summary: QuantSummary, versions: list[EngineVer
             want = ALGO_FORMAT.get(algo) if algo else Format.BF16
             counts["quantized" if algo else "excluded"] += 1
             if algo and algo.startswith("MIXED:"):
-                findings.append(error(Code.PARTIAL_FUSED_EXCLUSION, unit, f"quantized_layers gives the shards of "
-                                      f"{unit} different algorithms ({algo[6:]}): {eng} refuses it (\"Mixed quant_algo "
-                                      "within fused layer\")", "list every shard of the fused module with one "
-                                      "algorithm", eng))
+                findings.append(
+                    error(
+                        Code.PARTIAL_FUSED_EXCLUSION,
+                        unit,
+                        f"quantized_layers gives the shards of "
+                        f'{unit} different algorithms ({algo[6:]}): {eng} refuses it ("Mixed quant_algo '
+                        'within fused layer")',
+                        "list every shard of the fused module with one algorithm",
+                        eng,
+                    )
+                )
                 counts["errors"] += 1
                 continue
             if algo and want is None:
-                findings.append(warning(Code.ENGINE_RULES_NOT_MODELLED, unit,
-                                        f"{unit}: quant_algo {algo} in quantized_layers is not modelled", None, eng))
+                findings.append(
+                    warning(
+                        Code.ENGINE_RULES_NOT_MODELLED,
+                        unit,
+                        f"{unit}: quant_algo {algo} in quantized_layers is not modelled",
+                        None,
+                        eng,
+                    )
+                )
                 continue
             if fmt == want:
                 continue
             if fmt == "mixed":
-                code, what = Code.BF16_BUT_NOT_IGNORED, f"the shards of {unit} mix BF16 and quantized tensors; " \
-                    f"{eng} loads the fused module in one format ({algo or 'BF16'})"
+                code, what = (
+                    Code.BF16_BUT_NOT_IGNORED,
+                    f"the shards of {unit} mix BF16 and quantized tensors; "
+                    f"{eng} loads the fused module in one format ({algo or 'BF16'})",
+                )
             elif fmt in QUANTIZED_FORMATS and want is Format.BF16:
-                code, what = Code.QUANTIZED_BUT_IGNORED, f"{unit} is {fmt.value} in the tensors but not in " \
-                    f"quantized_layers: {eng} builds it unquantized (weight size mismatch at load)"
+                code, what = (
+                    Code.QUANTIZED_BUT_IGNORED,
+                    f"{unit} is {fmt.value} in the tensors but not in "
+                    f"quantized_layers: {eng} builds it unquantized (weight size mismatch at load)",
+                )
             elif fmt is Format.BF16:
-                code, what = Code.BF16_BUT_NOT_IGNORED, f"{unit} is BF16 in the tensors but quantized_layers " \
-                    f"says {algo}: {eng} builds it quantized (shape mismatch at load)"
+                code, what = (
+                    Code.BF16_BUT_NOT_IGNORED,
+                    f"{unit} is BF16 in the tensors but quantized_layers "
+                    f"says {algo}: {eng} builds it quantized (shape mismatch at load)",
+                )
             else:
-                code, what = Code.DTYPE_MISMATCH, f"{unit} is {getattr(fmt, 'value', fmt)} in the tensors but " \
-                    f"quantized_layers says {algo}: {eng} builds it as {algo}"
-            findings.append(error(code, unit, what, "make quantized_layers list every quantized module with the "
-                                  "algorithm its tensors have (and no other)", eng))
+                code, what = (
+                    Code.DTYPE_MISMATCH,
+                    f"{unit} is {getattr(fmt, 'value', fmt)} in the tensors but "
+                    f"quantized_layers says {algo}: {eng} builds it as {algo}",
+                )
+            findings.append(
+                error(
+                    code,
+                    unit,
+                    what,
+                    "make quantized_layers list every quantized module with the "
+                    "algorithm its tensors have (and no other)",
+                    eng,
+                )
+            )
             counts["errors"] += 1
         summaries[eng] = {"flavour": "modelopt", "quant_algo": MIXED, **counts}
     return findings, summaries, decisions

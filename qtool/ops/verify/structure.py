@@ -12,9 +12,9 @@ from pathlib import Path
 
 from qtool.arch.model_map import ModelMap, check_config_sizes
 from qtool.errors import CheckpointError, ConfigError, HeaderError
+from qtool.findings import Code, Finding, error, patch_cmd, warning
 from qtool.io.checkpoint import INDEX_NAME, Checkpoint
 from qtool.io.quant_config import QuantSummary
-from qtool.findings import Code, Finding, error, patch_cmd, warning
 from qtool.ops.checks import FIX
 
 REDOWNLOAD = "re-download or rebuild this shard (its sha256 is in the Hub's file list / qtool-manifest.json)"
@@ -30,8 +30,14 @@ def open_checked(path: str | Path) -> tuple[Checkpoint | None, list[Finding]]:
     except ConfigError as e:
         if e.path and Path(e.path).name == INDEX_NAME:
             return None, [error(Code.BAD_INDEX, INDEX_NAME, e.message, "re-download the index")]
-        return None, [error(Code.BAD_CONFIG, e.path, e.message, "restore config.json / hf_quant_config.json "
-                            "from the source repository")]
+        return None, [
+            error(
+                Code.BAD_CONFIG,
+                e.path,
+                e.message,
+                "restore config.json / hf_quant_config.json from the source repository",
+            )
+        ]
     except HeaderError as e:
         found = _diagnose_headers(Path(path))
         return None, found or [_header_finding(e)]
@@ -94,8 +100,13 @@ def structure_findings(mm: ModelMap) -> list[Finding]:
     res = check_structure(mm)
     out = [Finding.from_json(d) for d in res["findings"]]
     if len(res["problems"]) > len(out):
-        out.append(warning(out[-1].code if out else Code.MISSING_TENSOR, None,
-                           f"more than {MAX_PROBLEMS} structural problems; only the first are listed"))
+        out.append(
+            warning(
+                out[-1].code if out else Code.MISSING_TENSOR,
+                None,
+                f"more than {MAX_PROBLEMS} structural problems; only the first are listed",
+            )
+        )
     return out
 
 
@@ -108,9 +119,13 @@ def consistency_findings(mm: ModelMap, summary: QuantSummary, *, kv_fp8: bool) -
     out: list[Finding] = []
     # find_problems minus its _config_vs_tensors part, which decides for the default engines only;
     # engine_rules decides for the engines and versions asked for (and would do the work twice).
-    problems = (inspect._layout_problems(mm) + inspect._incomplete_quant_modules(mm)
-                + inspect._gate_up_scale_mismatch(mm) + inspect._kv_problems(mm, summary)
-                + inspect._config_file_disagreement(summary))
+    problems = (
+        inspect._layout_problems(mm)
+        + inspect._incomplete_quant_modules(mm)
+        + inspect._gate_up_scale_mismatch(mm)
+        + inspect._kv_problems(mm, summary)
+        + inspect._config_file_disagreement(summary)
+    )
     for p in problems:
         if p.code is Code.MIXED_EXPERT_LAYOUT:
             out.append(error(Code.MIXED_EXPERT_LAYOUT, p.module, p.message, FIX[Code.MIXED_EXPERT_LAYOUT]))
@@ -121,26 +136,39 @@ def consistency_findings(mm: ModelMap, summary: QuantSummary, *, kv_fp8: bool) -
             # "w1_weight_scale_2 must match w3_weight_scale_2. Accuracy may be affected." and uses the
             # first (vllm/model_executor/layers/quantization/modelopt.py, ModelOptNvFp4FusedMoE
             # process_weights_after_loading); SGLang 0.5.23 loads the pair likewise (#15, item 4)
-            out.append(warning(Code.SCALE_MISMATCH, p.module,
-                               p.message + " (vLLM warns \"Accuracy may be affected\" and uses gate_proj's scale "
-                               "for both; the checkpoint loads in both engines)",
-                               "requantize the expert with one global scale for gate_proj and up_proj "
-                               "(ModelOpt preprocess_linear_fusion / qtool.formats.nvfp4 shared gate/up scale)"))
+            out.append(
+                warning(
+                    Code.SCALE_MISMATCH,
+                    p.module,
+                    p.message + ' (vLLM warns "Accuracy may be affected" and uses gate_proj\'s scale '
+                    "for both; the checkpoint loads in both engines)",
+                    "requantize the expert with one global scale for gate_proj and up_proj "
+                    "(ModelOpt preprocess_linear_fusion / qtool.formats.nvfp4 shared gate/up scale)",
+                )
+            )
         elif p.code is Code.CONFIG_DISAGREEMENT:
-            out.append(warning(Code.CONFIG_DISAGREEMENT, None, p.message,
-                               patch_cmd(ckpt, "--fix", "ignore-from-tensors")))
+            out.append(
+                warning(Code.CONFIG_DISAGREEMENT, None, p.message, patch_cmd(ckpt, "--fix", "ignore-from-tensors"))
+            )
         elif p.code in (Code.KV_SCALES_MISSING, Code.KV_SCALE_INVALID):
             # with --kv-cache-dtype fp8 the serving check (engine_rules.kv_findings) reports these as errors
             if not kv_fp8:
                 code = Code.KV_SCALES_MISSING if p.code is Code.KV_SCALES_MISSING else Code.KV_SCALES_UNCALIBRATED
                 out.append(warning(code, p.module, p.message, f"qtool calibrate-kv {ckpt} --in-place"))
         elif p.code is Code.KV_SCHEME_MISMATCH:
-            out.append(warning(Code.KV_SCHEME_MISMATCH, None, p.message,
-                               patch_cmd(ckpt, "--fix", "kv-scheme-from-tensors")))
+            out.append(
+                warning(Code.KV_SCHEME_MISMATCH, None, p.message, patch_cmd(ckpt, "--fix", "kv-scheme-from-tensors"))
+            )
         elif p.code is Code.KV_SCALES_STALE:
             out.append(error(Code.KV_SCALES_STALE, None, p.message, "remove the k/v scales of non-attention layers"))
         elif p.code is Code.KV_SCHEME_MISSING:
-            out.append(warning(Code.CONFIG_DISAGREEMENT, None, p.message,
-                               "add kv_cache_scheme (FP8) to quantization_config, or drop the scales"))
+            out.append(
+                warning(
+                    Code.CONFIG_DISAGREEMENT,
+                    None,
+                    p.message,
+                    "add kv_cache_scheme (FP8) to quantization_config, or drop the scales",
+                )
+            )
         # partial-fused-exclusion / bf16-but-not-ignored / quantized-but-ignored: engine_rules, per version
     return out
