@@ -22,9 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qtool.errors import CheckpointError, PlanError, QtoolError, UsageError, WriteError
+from qtool.io.checkpoint import REPO_NAME as _REPO
+from qtool.io.checkpoint import checkpoint_not_found as checkpoint_not_found  # its callers' name for it
 
 PREFIX = "hf:"
-_REPO = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 
 
@@ -64,18 +65,6 @@ def parse_spec(spec: str, *, require_prefix: bool = True) -> HubSpec:
             hint="write hf:ORG/NAME[@REVISION], e.g. hf:Qwen/Qwen3.5-397B-A17B@main",
         )
     return HubSpec(repo, rev or None)
-
-
-def checkpoint_not_found(path: str | Path) -> CheckpointError:
-    """The error for a checkpoint path that does not exist; where it is written like a Hub repository
-    (ORG/NAME[@REV], as a model card names it), the fix is the hf: source."""
-    text = str(path)
-    repo = text.partition("@")[0]
-    if _REPO.match(repo) and not text.startswith("."):
-        hint = f"did you mean hf:{text}? (a Hub repository is named with hf:; a local folder must exist)"
-    else:
-        hint = "check the path"
-    return CheckpointError("checkpoint not found", path=path, hint=hint)
 
 
 def is_commit(rev: str | None) -> bool:

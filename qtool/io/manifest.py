@@ -26,6 +26,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+from qtool.cache import cache_dir as cache_dir  # its callers' name for it
 from qtool.io.digest_cache import file_key, user_cache
 from qtool.io.files import hash_fd
 from qtool.io.files import hash_file as _hash_file
@@ -65,10 +66,6 @@ RUN = "run"
 # secrets: one redaction for every printed or written text (qtool/redact.py); re-exported for callers
 def command_line(argv: list[str] | None) -> str | None:
     return None if argv is None else shlex.join(redact_argv(argv))
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("QTOOL_CACHE_DIR") or Path.home() / ".cache" / "qtool")
 
 
 class InputHasher:
