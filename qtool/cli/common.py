@@ -10,7 +10,7 @@ import re
 import sys
 from collections.abc import Callable
 
-from qtool.sizes import human_bytes as human_bytes  # the commands' name for it
+from qtool.sizes import human_bytes
 
 # --dataset of every command that tokenizes text (qtool.stream.calib_data reads each of these)
 DATASET_HELP = (

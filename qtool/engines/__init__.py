@@ -19,7 +19,6 @@ from qtool.engines.base import (
     Flavour,
     PartialFusedExclusion,
     Unit,
-    is_mtp,
     parse_flavour,
     parse_version,
     unit_of,

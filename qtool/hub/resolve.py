@@ -23,7 +23,6 @@ from pathlib import Path
 
 from qtool.errors import CheckpointError, PlanError, QtoolError, UsageError, WriteError
 from qtool.io.checkpoint import REPO_NAME as _REPO
-from qtool.io.checkpoint import checkpoint_not_found as checkpoint_not_found  # its callers' name for it
 
 PREFIX = "hf:"
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
@@ -204,7 +203,7 @@ def resolve_checkpoint(
 
 
 def subset_dir(repo_id: str, commit: str, names: Sequence[str]) -> Path:
-    from qtool.io.manifest import cache_dir
+    from qtool.cache import cache_dir
 
     key = hashlib.sha256("\n".join(sorted(set(names))).encode()).hexdigest()[:16]
     return cache_dir() / "hub" / repo_id.replace("/", "--") / commit / f"tensors-{key}"
@@ -298,7 +297,7 @@ def require_local(spec: str | os.PathLike) -> Path:
             got=str(spec),
             hint=f"download it first: qtool download {str(spec)[len(PREFIX) :]} -o DIR",
         )
-    from qtool.io.manifest import cache_dir
+    from qtool.cache import cache_dir
 
     hub_cache = cache_dir() / "hub"
     if Path(os.path.realpath(spec)).is_relative_to(os.path.realpath(hub_cache)):

@@ -26,7 +26,6 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from qtool.cache import cache_dir as cache_dir  # its callers' name for it
 from qtool.io.digest_cache import file_key, user_cache
 from qtool.io.files import hash_fd
 from qtool.io.files import hash_file as _hash_file

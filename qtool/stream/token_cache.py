@@ -115,7 +115,7 @@ def key(ckpt_dir: str | Path, dataset: str, need: int, revision: str | None = No
 
 
 def _path(k: str) -> Path:
-    from qtool.io.manifest import cache_dir
+    from qtool.cache import cache_dir
 
     return cache_dir() / "tokens" / f"{k}.i32"
 
