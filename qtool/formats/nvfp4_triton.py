@@ -246,7 +246,7 @@ def _kernels() -> tuple[Any, Any]:
     machine and CUDA version, found there by every later run (a CI cache keeps them too)."""
     global tl
     if not os.environ.get("TRITON_CACHE_DIR"):
-        from qtool.io.manifest import cache_dir
+        from qtool.cache import cache_dir
 
         os.environ["TRITON_CACHE_DIR"] = str(cache_dir() / "triton")
     import triton

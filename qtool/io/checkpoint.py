@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from qtool.errors import CheckpointError, ConfigError
-from qtool.hub.resolve import checkpoint_not_found
 from qtool.io.index_file import read_index
 from qtool.io.jsonio import JsonStyle, load_json
 from qtool.io.safetensors_header import SafetensorsHeader, TensorInfo, read_header
@@ -32,6 +31,22 @@ GENERATION_CONFIG_NAME = "generation_config.json"
 
 # Set by reuse_opened(): opened checkpoints (and their model maps, qtool.arch.model_map) by key.
 _REUSED: ContextVar[dict | None] = ContextVar("qtool_reused_checkpoints", default=None)
+
+
+# a Hub repository as a model card names it (ORG/NAME); qtool.hub.resolve parses hf: sources by it too
+REPO_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def checkpoint_not_found(path: str | Path) -> CheckpointError:
+    """The error for a checkpoint path that does not exist; where it is written like a Hub repository
+    (ORG/NAME[@REV], as a model card names it), the fix is the hf: source."""
+    text = str(path)
+    repo = text.partition("@")[0]
+    if REPO_NAME.match(repo) and not text.startswith("."):
+        hint = f"did you mean hf:{text}? (a Hub repository is named with hf:; a local folder must exist)"
+    else:
+        hint = "check the path"
+    return CheckpointError("checkpoint not found", path=path, hint=hint)
 
 
 @contextmanager

@@ -39,7 +39,7 @@ def file_key(real: str, st: os.stat_result | None = None) -> str:
 
 def user_cache() -> DigestCache:
     """The cache under qtool's cache dir (`$QTOOL_CACHE_DIR/sha256-cache.json`)."""
-    from qtool.io.manifest import cache_dir
+    from qtool.cache import cache_dir
 
     return DigestCache(cache_dir() / "sha256-cache.json")
 

@@ -67,10 +67,6 @@ def command_line(argv: list[str] | None) -> str | None:
     return None if argv is None else shlex.join(redact_argv(argv))
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("QTOOL_CACHE_DIR") or Path.home() / ".cache" / "qtool")
-
-
 class InputHasher:
     """sha256 of input files in background threads (hashlib releases the GIL), with a persistent cache.
 

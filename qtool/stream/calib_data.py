@@ -22,23 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qtool.errors import CheckpointError, PlanError, UsageError
-
-BUILTIN = "builtin"
-
-
-def builtin_path() -> Path:
-    return Path(__file__).resolve().parent.parent / "data" / "calib_builtin.txt"
-
-
-def parse_hub_dataset(spec: str) -> tuple[str, str | None, str]:
-    """`hf:ORG/NAME[@REV][:SPLIT]` -> (repo, revision, split); the split defaults to `train`."""
-    from qtool.hub.resolve import parse_spec
-
-    body, sep, split = spec.removeprefix("hf:").rpartition(":")
-    if not sep:
-        body, split = split, ""
-    hs = parse_spec("hf:" + body)
-    return hs.repo_id, hs.revision, split or "train"
+from qtool.stream import token_cache
+from qtool.stream.calib_sources import BUILTIN, TOKENIZER_FILES, builtin_path, parse_hub_dataset
 
 
 def dataset_revision(dataset: str) -> str | None:
@@ -242,10 +227,6 @@ def windows_from_ids(
     return CalibSet(t, dataset, len(ids))
 
 
-# what AutoTokenizer reads (fast tokenizers: tokenizer.json; slow ones: the vocab files)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
-
-
 def load_tokenizer(ckpt_dir: str | Path):
     """The checkpoint's tokenizer (its side files already checked by the caller, build_calib_set)."""
     from qtool.stream.warm_import import join, skip_unused_imports
@@ -329,8 +310,6 @@ def build_calib_set(
     need = samples * seq_len
     key = None
     if tokenizer is None:
-        from qtool.stream import token_cache
-
         if Path(ckpt_dir).is_dir():
             from qtool.io.plan import checkpoint_files
 

@@ -32,14 +32,18 @@ import os
 from array import array
 from pathlib import Path
 
+from qtool.stream.calib_sources import TOKENIZER_FILES
+
 MAGIC = b"qtool-tokens 1\n"
 KEEP_ENTRIES = 64
 
+# the rule that turns rows into text and text into ids: an edit to it is a new key (named by its path:
+# calib_data imports this module to look its ids up)
+RULE_FILE = Path(__file__).with_name("calib_data.py")
+
 
 def _key_files() -> tuple[str, ...]:
-    """What AutoTokenizer reads (calib_data.TOKENIZER_FILES) and the files that shape its output."""
-    from qtool.stream.calib_data import TOKENIZER_FILES
-
+    """What AutoTokenizer reads (TOKENIZER_FILES) and the files that shape its output."""
     return TOKENIZER_FILES + (
         "tokenizer_config.json",
         "special_tokens_map.json",
@@ -61,7 +65,7 @@ def _version(dist: str) -> str | None:
 
 def _data_identity(dataset: str, revision: str | None) -> list | None:
     from qtool.hub.resolve import is_commit
-    from qtool.stream.calib_data import BUILTIN, builtin_path, parse_hub_dataset
+    from qtool.stream.calib_sources import BUILTIN, builtin_path, parse_hub_dataset
 
     if dataset.startswith("hf:"):
         if not revision or not is_commit(revision):
@@ -81,7 +85,6 @@ def key(ckpt_dir: str | Path, dataset: str, need: int, revision: str | None = No
     """The cache key of the first `need` tokens of `dataset` with the tokenizer in `ckpt_dir`; None where
     one of its parts cannot be known (then nothing is cached)."""
     from qtool.io.files import hash_file
-    from qtool.stream import calib_data
 
     root = Path(ckpt_dir)
     data = _data_identity(dataset, revision)
@@ -106,13 +109,13 @@ def key(ckpt_dir: str | Path, dataset: str, need: int, revision: str | None = No
         "config": picks,
         "data": data,
         "libs": {d: _version(d) for d in ("transformers", "tokenizers", "jinja2")},
-        "rule": hash_file(calib_data.__file__),
+        "rule": hash_file(RULE_FILE),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
 def _path(k: str) -> Path:
-    from qtool.io.manifest import cache_dir
+    from qtool.cache import cache_dir
 
     return cache_dir() / "tokens" / f"{k}.i32"
 

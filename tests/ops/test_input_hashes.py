@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from qtool import cache
 from qtool.io import manifest
 from qtool.io.files import LinkMode, Placer
 from qtool.io.manifest import InputHasher, hub_recorded_sha256
@@ -93,7 +94,7 @@ def test_hashes_are_cached_for_reruns(tmp_path, monkeypatch):
     f.write_bytes(b"abc")
     want = {str(f): hashlib.sha256(b"abc").hexdigest()}
     assert _digests([f], monkeypatch, allow_hashing=True) == want
-    assert (manifest.cache_dir() / "sha256-cache.json").exists()
+    assert (cache.cache_dir() / "sha256-cache.json").exists()
     assert _digests([f], monkeypatch, allow_hashing=False) == want
 
 
