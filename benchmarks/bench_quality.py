@@ -65,6 +65,7 @@ def methods(int4_group: int) -> list[Method]:
         Method("nvfp4-max", "NVFP4 RTN, block scale from max", "qtool", "rtn", _nvfp4("max")),
         Method("nvfp4-mse", "NVFP4, block scale MSE (7 shrinks)", "qtool", "rtn", _nvfp4("mse")),
         Method("nvfp4-mse-sweep", "NVFP4, block scale MSE (126 E4M3 sweep)", "qtool", "rtn", _nvfp4("mse_sweep")),
+        Method("nvfp4-4over6", "NVFP4, block max to 6 or 4 (four-over-six)", "qtool", "rtn", _nvfp4("four_over_six")),
         Method("int4-rtn", f"INT4 W4A16 g{int4_group} RTN", "qtool", "rtn", _int4(int4_group, awq=False)),
         Method("int4-awq", f"INT4 W4A16 g{int4_group} AWQ", "qtool", "rtn", _int4(int4_group, awq=True)),
         Method("modelopt-nvfp4-max", "NVFP4 RTN, block scale from max", "ModelOpt", "modelopt", _nvfp4("max")),

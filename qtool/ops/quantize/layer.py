@@ -156,13 +156,17 @@ def nvfp4_rtn(gu, down, inter, in_amax, mid_amax, recipe) -> dict[str, NVFP4Expe
     recipe asks). Every expert is coded on its own: the chunking does not change a byte."""
     from qtool.formats import nvfp4
     from qtool.formats.nvfp4_triton import quantize_fast  # Triton kernel on CUDA, torch codec elsewhere
+    from qtool.ops.quantize.nvfp4_mse import four_over_six_block_scales
 
     res: dict[str, NVFP4Experts] = {}
     amaxes = {"down_proj": mid_amax, "gate_proj": in_amax, "up_proj": in_amax}
     for part, w, w_amax in _nvfp4_parts(gu, down, inter):
         amax = amaxes[part]
-        ws2 = nvfp4.weight_scale_2_from_amax(w_amax)
-        bs = _block_scales(w, w_amax, ws2, recipe.nvfp4.weight_scale)
+        if recipe.nvfp4.weight_scale is WeightScale.FOUR_OVER_SIX:  # its own global scale (amax / (6 * 256))
+            bs, ws2 = four_over_six_block_scales(w, w_amax)
+        else:
+            ws2 = nvfp4.weight_scale_2_from_amax(w_amax)
+            bs = _block_scales(w, w_amax, ws2, recipe.nvfp4.weight_scale)
         q = quantize_fast(w, weight_scale_2=ws2, block_scale=bs)
         res[part] = NVFP4Experts(
             q.packed,

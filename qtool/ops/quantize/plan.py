@@ -365,10 +365,12 @@ def plan(opts: QuantizeOptions) -> QuantizePlan:
             "NVFP4 fake-quant, used by its MSE calibration, is a Triton kernel)",
             hint="use --device cuda, or --backend rtn / llmcompressor for MSE weight scales on CPU",
         )
-    if recipe.nvfp4.weight_scale is WeightScale.MSE_SWEEP and backend is not Backend.RTN:
-        # the peers' own runs of the sweep are the oracle in the tests, not a backend of qtool's
+    own_codecs = (WeightScale.MSE_SWEEP, WeightScale.FOUR_OVER_SIX)
+    if recipe.nvfp4.weight_scale in own_codecs and backend is not Backend.RTN:
+        # the peers' own runs of these searches are the oracle in the tests, not a backend of qtool's
         raise UsageError(
-            f"nvfp4.weight_scale mse_sweep is qtool's own codec: --backend {backend.value} does not run it",
+            f"nvfp4.weight_scale {recipe.nvfp4.weight_scale.value} is qtool's own codec: "
+            f"--backend {backend.value} does not run it",
             hint="use --backend rtn (the default)",
         )
     if backend is Backend.MODELOPT:
