@@ -252,8 +252,8 @@ def _config_vs_tensors(mm: ModelMap, summary: QuantSummary) -> list[Finding]:
                 "ModelOpt and compressed-tensors checkpoints only; BF16/quantized module decisions not checked",
             )
         ]
-    from qtool.engines.decide import DEFAULT_ENGINES, unit_decisions
     from qtool.engines import parse_version
+    from qtool.engines.decide import DEFAULT_ENGINES, unit_decisions
     from qtool.ops.verify import mixed_precision
 
     if mixed_precision.is_mixed(summary):  # per-module algorithms (quantized_layers), not one ignore list
