@@ -7,7 +7,7 @@ import copy
 
 from qtool.arch.model_map import QUANTIZED_FORMATS, Format, ModelMap
 from qtool.engines.decide import linear_modules
-from qtool.ops.quantize.mixed_configs import ct_mixed_groups, ct_mixed_ignore, modelopt_mixed
+from qtool.ops.quantize.mixed_configs import ct_mixed_groups, modelopt_mixed
 from qtool.recipes import OutFormat, Scheme
 
 _NVFP4_ARGS = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16}
@@ -177,15 +177,13 @@ def quant_configs(
             },
         }
         return qc, hq
+    (regexes,) = ignore_patterns_for(mm, (Flavour.COMPRESSED_TENSORS,))
     if mixed:
         groups = ct_mixed_groups(mm, _CT_NVFP4_GROUP)
-        regexes = ct_mixed_ignore(mm, groups)
+    elif scheme is Scheme.NVFP4:
+        groups = {"group_0": copy.deepcopy(_CT_NVFP4_GROUP)}
     else:
-        (regexes,) = ignore_patterns_for(mm, (Flavour.COMPRESSED_TENSORS,))
-        if scheme is Scheme.NVFP4:
-            groups = {"group_0": copy.deepcopy(_CT_NVFP4_GROUP)}
-        else:
-            groups = _ct_w4a16_groups(group_size, in_features or {})
+        groups = _ct_w4a16_groups(group_size, in_features or {})
     formats = {g["format"] for g in groups.values()}
     return (
         {

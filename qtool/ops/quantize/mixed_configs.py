@@ -13,7 +13,8 @@ in_proj_a/b stay BF16 while in_proj_qkv/z are FP8.
 
 compressed-tensors (llm-compressor 0.14 with a recipe of two config groups): one NVFP4 group targeting the
 routed expert projections, one FP8 group (W8A8, strategy tensor, static input) targeting the FP8 linears by
-regex, `format: mixed-precision` at the top, each group its own format, the BF16 modules in `ignore`.
+regex, `format: mixed-precision` at the top, each group its own format, every BF16 linear in `ignore` (as
+qtool's other compressed-tensors outputs: both engines then agree whatever their target matching).
 """
 
 from __future__ import annotations
@@ -131,22 +132,3 @@ def ct_mixed_groups(mm: ModelMap, nvfp4_group: dict) -> dict:
         groups["group_0"] = {**copy.deepcopy(nvfp4_group), "targets": [_CT_EXPERT_TARGET]}
     groups[f"group_{len(groups)}"] = {**copy.deepcopy(_CT_FP8_GROUP), "targets": targets}
     return groups
-
-
-def ct_mixed_ignore(mm: ModelMap, groups: dict) -> list[str]:
-    """The BF16 linears a mixed output's targets would match, as compressed-tensors ignores them: the MTP
-    head by one regex, a layer whose routed experts stay BF16 by one regex, other modules by exact name."""
-    targets = [re.compile(t[3:]) for g in groups.values() for t in g["targets"]]
-    out: list[str] = []
-    for name, fmt in sorted(linear_modules(mm).items()):
-        if fmt is not Format.BF16 or not any(t.match(name) for t in targets):
-            continue
-        if name.startswith("mtp."):
-            entry = r"re:^mtp\..*"
-        elif ".mlp.experts." in name:
-            entry = "re:" + re.escape(engine_module(name)) + r"\..*"
-        else:
-            entry = name
-        if entry not in out:
-            out.append(entry)
-    return out
