@@ -174,6 +174,7 @@ def test_bench_quality_smoke(tmp_path):
         "modelopt-nvfp4-max",
         "llmc-nvfp4-minmax",
         "llmc-nvfp4-mse",
+        "v2-mixed",
     ]
     for r in result["rows"]:
         assert math.isfinite(r["mean_kld"]) and r["mean_kld"] > 0, r

@@ -29,6 +29,7 @@ from qtool.io.output import OutputDir
 from qtool.ops.contract import Report
 from qtool.ops.quantize.output import input_files
 from qtool.ops.quantize.plan import HIDDEN_FILES, QuantizeOptions, QuantizePlan, plan
+from qtool.ops.quantize.schemes import install_linear_amax, remove_linear_amax
 from qtool.recipes import Scheme
 
 JOURNAL = "journal.json"
@@ -264,11 +265,13 @@ def _quantize_layers(p, partial, streamer, store, seq, batch, start, layer_repor
                         stats.hooks += backend.hooks
                         stats.batch_hooks += backend.batch_hooks
                 install_expert_stats(layer.mlp.experts, stats)
+                install_linear_amax(layer, list(lp.fp8))  # the fp8 linears' static input scales
                 if lp.full_attention:
                     attention_tap(layer, kv_amax_tap(kv))
                 streamer.forward_layer(layer, store, seq, batch, on_batch=stats.set_batch)
                 attention_tap(layer, None)
                 remove_expert_stats(layer.mlp.experts)
+                remove_linear_amax(layer)
                 stats.settle()
                 # data parallel: every rank now holds the layer's stats (the AWQ rows of the experts it codes)
                 reduce_expert_stats(stats, g, owner=lambda e: share.owner(e, p.n_experts))

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import torch
 
+from qtool.formats.fp8 import W8A8_PARAMS
 from qtool.io.writer import FileRange, HashedWrites, InlineBytes, InOrder, OutTensor, build_header, copy_range
+from qtool.ops.quantize.schemes import code_fp8_linear
 from qtool.recipes import InputScale, OutFormat, Scheme, WeightScale
 
 CHUNK_EXPERTS = 16
@@ -361,6 +363,7 @@ def _write_specs(
     step = share.chunk(n_exp)
     specs = lp.specs
     in_amax, mid_amax = input_amaxes(stats, p.recipe.nvfp4.input_scale)
+    coded: dict[str, dict] = {}  # FP8 linear -> its coded tensors by parameter name
     if share.rank == 0:
         ops.call(out.write, header)
     pos = len(header)  # where the next spec's bytes go; another rank's specs are skipped by seeking
@@ -393,6 +396,12 @@ def _write_specs(
             if data.host.numel() != pos - at:
                 raise AssertionError(f"{s.name}: copied {data.host.numel()} bytes, planned {pos - at}")
             ops.call(_write_chunk, out, data)
+            continue
+        rel = _fp8_linear_of(s.name, lp) if which is None else None
+        if rel is not None:  # a dense linear the recipe codes FP8: its tensors in name order (one module)
+            if rel not in coded:
+                coded[rel] = code_fp8_linear(layer, rel, p.format)
+            ops.call(_write_chunk, out, chunk_bytes([coded[rel][s.name.rpartition(".")[2]]]))
             continue
         if which is None:
             st = LayerStat(lp.index, kv[0], kv[1], 0)
@@ -429,6 +438,15 @@ def _write_specs(
                 f"{s.name}: experts {e0}-{e1 - 1} coded to {data.host.numel()} bytes, planned {pos - at}"
             )
         ops.call(_write_chunk, out, data)
+
+
+def _fp8_linear_of(name: str, lp) -> str | None:
+    """The FP8-coded linear (relative to the layer) a computed tensor `name` belongs to, else None."""
+    module, _, param = name.rpartition(".")
+    if not lp.fp8 or param not in W8A8_PARAMS:  # (the KV scales sit on k_proj / v_proj too)
+        return None
+    rel = module.partition(f"layers.{lp.index}.")[2]
+    return rel if rel in lp.fp8 else None
 
 
 def _copy_spec(s, out, f, fds: dict, hashed: bool, end: int) -> None:

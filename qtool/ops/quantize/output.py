@@ -15,7 +15,7 @@ from qtool.io.jsonio import load_json
 from qtool.io.output import MANIFEST_NAME, partial_path
 from qtool.io.plan import Copy, Index, Json, OutputPlan, Pending, Produced, Shard, header_checkpoint
 from qtool.io.writer import OutTensor, plan_shards
-from qtool.recipes import KvCache
+from qtool.recipes import KvCache, Scheme
 
 if TYPE_CHECKING:
     from qtool.ops.quantize.plan import QuantizePlan
@@ -72,6 +72,7 @@ def output_plan(p: QuantizePlan) -> OutputPlan:
         p.int4_group,
         versions,
         {"gate_proj": p.hidden, "up_proj": p.hidden, "down_proj": p.inter},
+        mixed=Scheme.FP8 in p.recipe.schemes,
     )
     cfg["quantization_config"] = qc
     files.append(Json(CONFIG_NAME, cfg, style))
@@ -83,7 +84,14 @@ def output_plan(p: QuantizePlan) -> OutputPlan:
         "recipe": p.recipe.to_json(),
         "backend": p.backend.value,
         "format": p.format.value,
-        "layer_shards": {lp.shard: {"layer": lp.index, "routed_experts": lp.scheme.value} for lp in p.layers},
+        "layer_shards": {
+            lp.shard: {
+                "layer": lp.index,
+                "routed_experts": lp.scheme.value,
+                **({"fp8": list(lp.fp8)} if lp.fp8 else {}),
+            }
+            for lp in p.layers
+        },
         "carried_over": {"tensors": len(p.rest), "shards": [REST_SHARD.format(k) for k in range(len(groups))]},
         "side_files": [e.relative_to(p.ckpt.root).as_posix() for e in side],
     }
