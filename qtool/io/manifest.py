@@ -30,7 +30,7 @@ from qtool.io.digest_cache import file_key, user_cache
 from qtool.io.files import hash_fd
 from qtool.io.files import hash_file as _hash_file
 from qtool.io.input_files import InputFiles
-from qtool.io.stream_digest import StreamDigests
+from qtool.io.stream_digest import NO_DIGESTS, DigestSink, StreamDigests
 from qtool.redact import SECRET_FLAGS, redact_argv, redact_json, redact_text, without_secrets  # noqa: F401
 
 LIBRARIES = (
@@ -132,8 +132,13 @@ class InputHasher:
         # every input opened once, read through that descriptor and checked at the end (qtool.io.input_files)
         self.files = InputFiles()
         if self.streams is not None:
-            StreamDigests.active = self.streams
             InputFiles.active = self.files
+
+    @property
+    def read_digests(self) -> DigestSink:
+        """What the job's readers hand their reads to (a LayerStreamer's `digests`): the inputs hashed from
+        those reads are hashed there, not read a second time."""
+        return NO_DIGESTS if self.streams is None else self.streams
 
     def refuse_unproven(self, inputs, partial: Path) -> None:
         """A resumed run can prove its inputs unchanged only by their digests: the journal's identity
@@ -318,8 +323,6 @@ class InputHasher:
             digest.cancel()  # a no-op on one that is done
         if self.streams is not None:
             self.streams.close()
-            if StreamDigests.active is self.streams:
-                StreamDigests.active = None
 
 
 def _done(value: str) -> Future:

@@ -19,6 +19,7 @@ from qtool.arch.qwen35 import Group, layer_prefix
 from qtool.errors import PlanError
 from qtool.io.dtypes import DTYPE_BITS
 from qtool.io.safetensors_header import TensorInfo
+from qtool.io.stream_digest import NO_DIGESTS, DigestSink
 
 # Parameters that belong to a quantized format's storage or to calibration, never to the dense module.
 _AUX_PARAMS = frozenset(
@@ -68,10 +69,12 @@ def dense_numel(mod: Module) -> int:
 class TensorSource:
     """Reads tensors with pread into private memory, one open fd per shard while a layer is read
     (thousands of expert tensors). Not mmap: mapped shard pages would count towards the process's
-    resident memory and double the peak of a layer load."""
+    resident memory and double the peak of a layer load. Its reads are handed to `digests` (the job's
+    inputs hashed from its reads: qtool.io.stream_digest)."""
 
-    def __init__(self):
+    def __init__(self, digests: DigestSink = NO_DIGESTS) -> None:
         self._fds: dict[str, int] = {}
+        self.digests = digests
 
     def get(self, info: TensorInfo):
         import torch
@@ -84,7 +87,7 @@ class TensorSource:
         if fd is None:
             fd = self._fds[info.file] = open_for_reads(info.file)
         buf = bytearray(info.nbytes)
-        pread_exact(fd, memoryview(buf), info.start, info.file, tensor=info.name)
+        pread_exact(fd, memoryview(buf), info.start, info.file, tensor=info.name, digests=self.digests)
         dtype = getattr(torch, TORCH_DTYPE_NAMES[info.dtype])
         if info.nbytes == 0:
             return torch.empty(tuple(info.shape), dtype=dtype)
@@ -107,17 +110,18 @@ def stored_dense(mm: ModelMap, name: str) -> bool:
     return name in mm.ckpt.tensors and (mod is None or mod.format not in QUANTIZED)
 
 
-def load_param(mm: ModelMap, name: str, dtype, device="cpu", read=None):
+def load_param(mm: ModelMap, name: str, dtype, device="cpu", read=None, digests: DigestSink = NO_DIGESTS):
     """The tensor `name` dense in `dtype` on `device` (a quantized weight dequantized); `read`: a
-    qtool.stream.layer_read.LayerBytes that holds its bytes already (read ahead), else it is read here."""
+    qtool.stream.layer_read.LayerBytes that holds its bytes already (read ahead), else it is read here
+    (handed to `digests`)."""
     info = mm.ckpt.tensors.get(name)
     if info is None:
         raise PlanError("tensor missing from the checkpoint", path=mm.ckpt.root, tensor=name)
     if not stored_dense(mm, name):
-        return dense_weight(mm.modules[name.rpartition(".")[0]], dtype, device)
+        return dense_weight(mm.modules[name.rpartition(".")[0]], dtype, device, TensorSource(digests))
     if read is not None and read.has(info):
         return read.get(info).to(device=device, dtype=dtype)
-    src = TensorSource()
+    src = TensorSource(digests)
     try:
         return src.get(info).to(device=device, dtype=dtype)
     finally:
@@ -127,13 +131,14 @@ def load_param(mm: ModelMap, name: str, dtype, device="cpu", read=None):
 EMBED_GAP = 1 << 20  # bytes of unused rows read through rather than split into another read
 
 
-def embedding_rows(mm: ModelMap, name: str, ids, dtype, every_id=None):
+def embedding_rows(mm: ModelMap, name: str, ids, dtype, every_id=None, digests: DigestSink = NO_DIGESTS):
     """(table, lookup) with table[lookup[ids]] == load_param(mm, name, dtype)[ids]: the rows of the
     embedding matrix the token ids use, read alone (runs of nearby rows read together). A calibration set
     uses ~1-5% of the 397B's 248,320 rows, so its 2 GB table is not read to make the first layer's input
     (what the input's sha256 needs besides, the digest reads itself). A quantized embedding is dequantized
     whole, as load_param does. every_id: the ids of every rank (checked, so that a bad one stops them all
-    with the same error, not one rank while the others wait at a barrier); default `ids`."""
+    with the same error, not one rank while the others wait at a barrier); default `ids`. The rows read are
+    handed to `digests` (the job's inputs hashed from its reads)."""
     import torch
 
     from qtool.io.dtypes import TORCH_DTYPE_NAMES
@@ -150,7 +155,7 @@ def embedding_rows(mm: ModelMap, name: str, ids, dtype, every_id=None):
         Format.INT4_CT,
     )
     if info is None or quantized or len(info.shape) != 2:
-        w = load_param(mm, name, dtype)
+        w = load_param(mm, name, dtype, digests=digests)
         return w, torch.arange(w.shape[0])
     rows, width = info.shape
     used = torch.unique(ids.reshape(-1)).tolist()  # sorted
@@ -180,9 +185,8 @@ def embedding_rows(mm: ModelMap, name: str, ids, dtype, every_id=None):
     try:
         at = 0
         for a, b in runs:
-            pread_exact(
-                fd, view[at * row_bytes : (at + b - a) * row_bytes], info.start + a * row_bytes, info.file, tensor=name
-            )
+            rows_view = view[at * row_bytes : (at + b - a) * row_bytes]
+            pread_exact(fd, rows_view, info.start + a * row_bytes, info.file, tensor=name, digests=digests)
             lookup[a:b] = torch.arange(at, at + b - a)
             at += b - a
     finally:

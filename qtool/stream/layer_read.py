@@ -34,9 +34,10 @@ import threading
 from dataclasses import dataclass
 
 from qtool.errors import PlanError
-from qtool.io import page_cache, stream_digest
+from qtool.io import page_cache
 from qtool.io.input_files import InputFiles, open_direct, open_for_reads
 from qtool.io.safetensors_header import TensorInfo
+from qtool.io.stream_digest import NO_DIGESTS, DigestSink
 
 MAX_GAP = 1 << 20  # read through holes up to 1 MiB (another layer's norm, a header) rather than split
 CHUNK = 64 << 20  # one preadv (a direct read) and one host->device copy
@@ -122,11 +123,13 @@ def read_pieces(path: str, lo: int, hi: int) -> list[Piece]:
 
 
 class LayerBytes:
-    """The tensors `infos`, read in coalesced runs onto `device`; `get(info)` is a view, no copy."""
+    """The tensors `infos`, read in coalesced runs onto `device`; `get(info)` is a view, no copy. Each piece
+    read is handed to `digests` (the job's inputs hashed from its reads: qtool.io.stream_digest)."""
 
-    def __init__(self, infos: list[TensorInfo], device: str = "cpu") -> None:
+    def __init__(self, infos: list[TensorInfo], device: str = "cpu", digests: DigestSink = NO_DIGESTS) -> None:
         self.runs = coalesce(infos)
         self.device = device
+        self.digests = digests
         self._where: dict[str, tuple[int, int]] = {}  # tensor name -> (run, offset in the run)
         for k, run in enumerate(self.runs):
             for info in run.tensors:
@@ -171,11 +174,12 @@ class LayerBytes:
         errors: list[BaseException] = []
         # the input's sha256 is computed from these reads (qtool.io.stream_digest): every piece is claimed
         # first, so the digest waits for them rather than reading their bytes itself
+        digests = self.digests
         for p in pieces:
-            stream_digest.claim(p.path, p.lo, p.hi)
+            digests.claim(p.path, p.lo, p.hi)
 
         def work(k: int) -> None:
-            files = ShardFiles()
+            files = ShardFiles(digests)
             try:
                 for p in pieces[k::workers]:
                     if errors:
@@ -183,13 +187,13 @@ class LayerBytes:
                     if cuda:
                         staging[k].upload(files, p)
                     else:
-                        stream_digest.offer(p.path, p.lo, files.read(p, memoryview(p.dst.numpy())))
+                        digests.offer(p.path, p.lo, files.read(p, memoryview(p.dst.numpy())))
                 if cuda:
                     staging[k].finish()
             except BaseException as e:
                 errors.append(e)
                 for p in pieces:  # the digest reads what will not be offered
-                    stream_digest.release(p.path, p.lo)
+                    digests.release(p.path, p.lo)
             finally:
                 files.close()
 
@@ -251,7 +255,8 @@ class ShardFiles:
     - else, and for a piece the input's digest has no room for (it is read again there, from the page
       cache while it is still there), through the page cache in READ_PIECE calls."""
 
-    def __init__(self) -> None:
+    def __init__(self, digests: DigestSink = NO_DIGESTS) -> None:
+        self.digests = digests
         self.direct: dict[str, int | None] = {}
         self.buffered: dict[str, int] = {}
 
@@ -273,7 +278,7 @@ class ShardFiles:
     def _read_direct(self, p: Piece, view: memoryview) -> int:
         """How many of the bytes [lo, hi) were read around the page cache (0: they are to be read through
         it)."""
-        if stream_digest.queue_full(p.path, p.hi - p.lo):
+        if self.digests.queue_full(p.path, p.hi - p.lo):
             return 0
         fd = self._direct(p.path)
         if fd is None:
@@ -329,20 +334,26 @@ def _truncated(path: str, tensor: str | None) -> PlanError:
 
 
 def pread_exact(
-    fd: int, view: memoryview, offset: int, path: str, tensor: str | None = None, reused: bool = False
+    fd: int,
+    view: memoryview,
+    offset: int,
+    path: str,
+    tensor: str | None = None,
+    reused: bool = False,
+    digests: DigestSink = NO_DIGESTS,
 ) -> None:
     """Fill `view` from `fd` at `offset`; a shard that ends early is a named error. The bytes feed the
-    input's sha256 when the job hashes it from its reads (qtool.io.stream_digest; `reused`: the buffer is
-    overwritten soon, so the digest takes a copy)."""
-    stream_digest.claim(path, offset, offset + len(view))
+    input's sha256 when the job hashes it from its reads (`digests`: qtool.io.stream_digest; `reused`: the
+    buffer is overwritten soon, so the digest takes a copy)."""
+    digests.claim(path, offset, offset + len(view))
     try:
         # at most READ_PIECE a call (above: a page of a long call can be dropped before it is copied)
         if _read_upto(fd, view, offset, READ_PIECE) < len(view):
             raise _truncated(path, tensor)
     except BaseException:
-        stream_digest.release(path, offset)
+        digests.release(path, offset)
         raise
-    stream_digest.offer(path, offset, view, (lambda: bytearray(view)) if reused else None)
+    digests.offer(path, offset, view, (lambda: bytearray(view)) if reused else None)
 
 
 class _Staging:
@@ -365,7 +376,7 @@ class _Staging:
             self.done[i].synchronize()
         host = self.host[i][: p.end - p.start]
         own = files.read(p, memoryview(host.numpy()))
-        stream_digest.offer(p.path, p.lo, own, lambda: bytearray(own))
+        files.digests.offer(p.path, p.lo, own, lambda: bytearray(own))
         with self.torch.cuda.stream(self.stream):
             p.dst.copy_(host[p.lo - p.start : p.hi - p.start], non_blocking=True)
             ev = self.torch.cuda.Event()
@@ -378,10 +389,12 @@ class _Staging:
 
 class Prefetcher:
     """Reads the next layer's bytes in a background thread: `start(key, infos)` begins, `take(key)`
-    waits and returns the LayerBytes (an error in the thread is raised here)."""
+    waits and returns the LayerBytes (an error in the thread is raised here). Its reads are handed to
+    `digests` (LayerBytes)."""
 
-    def __init__(self, device: str = "cpu") -> None:
+    def __init__(self, device: str = "cpu", digests: DigestSink = NO_DIGESTS) -> None:
         self.device = device
+        self.digests = digests
         self._staging = None
         self._thread: threading.Thread | None = None
         self._key = None
@@ -394,7 +407,7 @@ class Prefetcher:
         return self._staging
 
     def read_now(self, infos: list[TensorInfo]) -> LayerBytes:
-        return LayerBytes(infos, self.device).read(self._stage())
+        return LayerBytes(infos, self.device, self.digests).read(self._stage())
 
     def start(self, key, infos: list[TensorInfo]) -> None:
         self.wait()
@@ -403,7 +416,7 @@ class Prefetcher:
 
         def work() -> None:
             try:
-                self._result = LayerBytes(infos, self.device).read(staging)
+                self._result = LayerBytes(infos, self.device, self.digests).read(staging)
             except BaseException as e:  # handed to take()
                 self._error = e
 

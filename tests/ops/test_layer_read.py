@@ -225,7 +225,7 @@ def test_a_piece_the_input_digest_has_no_room_for_is_read_through_the_page_cache
     flags = _reads_with_flags(monkeypatch)
     with stream_digest.StreamDigests() as reg:
         digests = {f: reg.add(f) for f in {i.file for i in infos}}
-        LayerBytes(infos).read()
+        LayerBytes(infos, digests=reg).read()
         direct = list(flags)
         for f, d in digests.items():
             assert d.finish() == hashlib.sha256(Path(f).read_bytes()).hexdigest()
