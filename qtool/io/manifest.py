@@ -307,7 +307,7 @@ class InputHasher:
 
     def close(self, keep_files: bool = False) -> None:
         """The end of the job, or an error's way out: every hash thread this job started is stopped and
-        joined, none left running into the interpreter's exit (qtool.io.writer.HashedWrites.stop says why
+        joined, none left running into the interpreter's exit (qtool.io.hashed_writes.HashedWrites.stop says why
         that matters); the pool's running ones stop within a chunk (the pool's threads are joined at exit:
         a failed or interrupted 397B job does not wait there for whole input shards to be hashed).
         keep_files: the input files stay open for the commit's check (its caller closes `files`)."""

@@ -220,7 +220,7 @@ class FileDigest:
     def abandon(self) -> None:
         """The job failed: stop hashing (not read the rest of the file) and wait for the thread. It may
         hold the job's torch buffers; a daemon thread doing so at the interpreter's exit aborts the process
-        (qtool.io.writer.HashedWrites.stop)."""
+        (qtool.io.hashed_writes.HashedWrites.stop)."""
         with self.cond:
             self.abandoned = True
             self.claims.clear()

@@ -179,7 +179,7 @@ class DiskStore(HiddenStore):
 
         if not 2 <= files <= len(self.NAMES):
             raise ValueError(f"files must be 2..{len(self.NAMES)}")
-        from qtool.io.writer import InOrder
+        from qtool.io.in_order import InOrder
 
         # a failed write stops the fsync and the journal entry queued after it (they would declare the
         # layer's hidden states complete); the queue holds at most one layer's writes (read() drains it)

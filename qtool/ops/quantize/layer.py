@@ -10,7 +10,9 @@ from pathlib import Path
 
 import torch
 
-from qtool.io.writer import FileRange, HashedWrites, InlineBytes, InOrder, OutTensor, build_header, copy_range
+from qtool.io.hashed_writes import HashedWrites
+from qtool.io.in_order import InOrder
+from qtool.io.writer import FileRange, InlineBytes, OutTensor, build_header, copy_range
 from qtool.recipes import InputScale, OutFormat, Scheme, WeightScale
 
 CHUNK_EXPERTS = 16
