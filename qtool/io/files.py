@@ -184,7 +184,7 @@ class Placer:
         self, mode: LinkMode = LinkMode.AUTO, stop: threading.Event | None = None, file_mode: int = 0o644
     ) -> None:
         self.mode = LinkMode(mode)
-        self.stop = stop  # copies end early (writer.Interrupted) once set
+        self.stop = stop  # copies end early (errors.Interrupted) once set
         self.file_mode = file_mode
         self.failed: set[str] = set()
         # the job's input files (qtool.io.input_files.InputFiles), set by its executor: a file is placed from

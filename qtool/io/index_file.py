@@ -56,6 +56,12 @@ def read_index(path: Path) -> tuple[dict, dict[str, list[str]] | None]:
     return index, by_file
 
 
+def index_weight_map(by_file: dict[str, list[str]] | None) -> dict[str, str]:
+    """The weight_map (tensor name -> shard) of `read_index`'s grouping (grouped by shard: the index's
+    order of names across shards is not kept; an index is written sorted by name: writer.index_text)."""
+    return {name: shard for shard, names in (by_file or {}).items() for name in names}
+
+
 def _fast(raw: bytes) -> tuple[dict, dict[str, list[str]]] | None:
     m = _KEY.search(raw)
     if m is None:

@@ -394,13 +394,6 @@ def source_entry(root: Path, digests: dict[str, str]) -> dict:
     return {"path": str(root), "files": files}
 
 
-def placed_digests(root: Path, names, digests: dict[str, str]) -> dict[str, str]:
-    """Known `files` digests for outputs placed unchanged from `root` (a link or a copy of the same bytes):
-    their input's digest, so a shard is not read a second time to hash its output."""
-    real = {os.path.realpath(p): d for p, d in digests.items()}
-    return {n: real[os.path.realpath(root / n)] for n in names if os.path.realpath(root / n) in real}
-
-
 def write_manifest(
     path: Path,
     *,

@@ -87,7 +87,6 @@ class Remove(NamedTuple):
 
 
 Entry = Union[Link, Copy, Shard, Produced, Json, Text, Index, Remove]
-SHARD_ENTRIES = (Link, Shard, Produced)  # the big ones: written by the executor's writer threads
 
 
 def checkpoint_files(root: Path) -> list[tuple[str, Path]]:

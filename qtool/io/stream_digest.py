@@ -56,7 +56,6 @@ class FileDigest:
         self.abandoned = False  # the job failed: the thread stops at its next step
         self.want = 0  # wait_covered's target: the digest reads what is missing up to it
         self.error: BaseException | None = None
-        self.gap_bytes = 0  # read by the digest itself
         self.dropped = 0  # offered bytes the queue had no room for (read again by the digest)
         # (offset, prefix sha256) the interrupted run recorded; `mismatch` is set when ours differs there
         self.check = check
@@ -137,7 +136,6 @@ class FileDigest:
                     data = os.pread(self._open(), n, self.cursor)
                     if not data:
                         raise OSError(f"{self.path}: file ended at {self.cursor} while it was being hashed")
-                    self.gap_bytes += len(data)
                     self._update(memoryview(data))
                     with self.cond:
                         self.cond.notify_all()

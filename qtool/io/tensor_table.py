@@ -160,9 +160,6 @@ class TensorTable(Mapping):
     def row(self, name: str) -> int:
         return self._row[name]
 
-    def row_of(self, name: str) -> int | None:
-        return self._row.get(name)
-
     def name_at(self, row: int) -> str:
         return self._names[row]
 
@@ -186,9 +183,6 @@ class TensorTable(Mapping):
         """A tensor's byte count by name, without making its TensorInfo."""
         row = self._row[name]
         return self._end[row] - self._start[row]
-
-    def file_at(self, row: int) -> str:
-        return self.files[self._file[row]]
 
     def file_of(self, name: str) -> str:
         """A tensor's file by name, without making its TensorInfo."""

@@ -14,11 +14,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple, Union
 
-from qtool.errors import CheckpointError
+from qtool.errors import CheckpointError, Interrupted
 from qtool.io.checkpoint import INDEX_NAME
 from qtool.io.dtypes import nbytes_for
 from qtool.io.hashed_writes import HashedWrites
-from qtool.io.jsonio import load_json
+from qtool.io.index_file import index_weight_map, read_index
 from qtool.io.safetensors_header import read_header
 
 
@@ -89,10 +89,7 @@ def shard_size(tensors: list[OutTensor], metadata: dict[str, str] | None = None)
     return len(build_header(tensors, metadata)) + sum(t.nbytes for t in tensors)
 
 
-class Interrupted(Exception):
-    """A copy was stopped on request (another shard failed, or the user interrupted the run)."""
-
-
+STOPPED = "a copy stopped on request (another shard failed, or the run was interrupted)"
 SHORT_COPY = 64 << 20
 COPY_CHUNK = 256 << 20  # per copy_file_range call: also how often a stop request is looked at
 
@@ -114,7 +111,7 @@ def copy_range(
         try:
             while remaining > 0:
                 if stop is not None and stop.is_set():
-                    raise Interrupted()
+                    raise Interrupted(STOPPED)
                 n = os.copy_file_range(src_fd, dst_fd, min(remaining, COPY_CHUNK), offset)
                 if n == 0:
                     break
@@ -128,7 +125,7 @@ def copy_range(
     chunk = 8 << 20
     while remaining > 0:
         if stop is not None and stop.is_set():
-            raise Interrupted()
+            raise Interrupted(STOPPED)
         buf = os.pread(src_fd, min(chunk, remaining), offset)
         if not buf:
             raise OSError(5, "source file ended early")
@@ -229,25 +226,6 @@ def write_shard(
     return path.stat().st_size
 
 
-def write_shard_atomic(
-    path: str | Path, tensors: list[OutTensor], metadata: dict[str, str] | None = None, mode: int = 0o644
-) -> int:
-    """write_shard to a temporary name next to `path`, then rename: readers see the old shard or the new
-    one, never a partial one (the temporary file is removed on failure)."""
-    from qtool.io.files import tmp_path
-
-    path = Path(path)
-    tmp = tmp_path(path)
-    try:
-        size = write_shard(tmp, tensors, metadata, mode=mode)
-        os.replace(tmp, path)
-    except BaseException:
-        if tmp.exists():
-            tmp.unlink()
-        raise
-    return size
-
-
 def shard_file_name(i: int, n: int) -> str:
     return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
 
@@ -290,19 +268,6 @@ def index_text(weight_map: dict[str, str], metadata: dict):
     yield "\n  }\n}\n"
 
 
-def write_index_json(path: str | Path, weight_map: dict[str, str], total_size: int) -> None:
-    """Write the index file for `weight_map` (see index_text); not atomic, not fsynced."""
-    with open(path, "w", encoding="utf-8") as f:
-        for chunk in index_text(weight_map, {"total_size": total_size}):
-            f.write(chunk)
-
-
-def read_index(root: str | Path) -> dict:
-    """The parsed `model.safetensors.index.json` of the checkpoint directory `root`."""
-    index, _ = load_json(Path(root) / INDEX_NAME, what="safetensors index")
-    return index
-
-
 def write_index(root: str | Path, weight_map: dict[str, str], metadata: dict | None = None) -> None:
     """(Re)write `root`'s index for `weight_map`: `total_size` recomputed from the shard files on disk,
     other `metadata` keys (e.g. transformers' `total_parameters`) kept, ahead of `total_size`."""
@@ -318,8 +283,8 @@ def append_shard(root: str | Path, tensors: list[OutTensor]) -> None:
     shard, rewrite the index (`total_size`, and `total_parameters` when the index has it)."""
     root = Path(root)
     if (root / INDEX_NAME).exists():
-        index = read_index(root)
-        weight_map: dict[str, str] = dict(index["weight_map"])
+        index, by_file = read_index(root / INDEX_NAME)
+        weight_map = index_weight_map(by_file)
         metadata = dict(index.get("metadata") or {})
     else:
         lone = root / "model.safetensors"

@@ -130,7 +130,3 @@ def install(experts, record: Recorder | None = None, batch_hooks: list | None = 
         return routed_forward(experts, hidden_states, top_k_index, top_k_weights, record)
 
     experts.forward = forward
-
-
-def uninstall(experts) -> None:
-    experts.__dict__.pop("forward", None)

@@ -8,6 +8,7 @@ import os
 import threading
 import time
 
+from qtool.errors import Interrupted
 from qtool.io.hashed_writes import HashedWrites
 
 
@@ -268,7 +269,7 @@ def test_an_interrupted_copy_stops_its_hash(tmp_path, monkeypatch):
     stop = threading.Event()
     stop.set()
     digests = []
-    with pytest.raises(writer.Interrupted):
+    with pytest.raises(Interrupted):
         writer.write_shard(tmp_path / "out.safetensors", _copied_shard(tmp_path), stop=stop, on_digest=digests.append)
     assert digests == []
     assert not [t for t in threading.enumerate() if t.name == "qtool-out-sha256" and t.is_alive()]
