@@ -239,7 +239,9 @@ class Checkpoint:
         return cls(root, tensors, headers, index, config, config_style, hq, hq_style)
 
     @staticmethod
-    def check_config_types(root: Path, config: dict | None, hq: dict | None, index: dict | None = None) -> None:
+    def check_config_types(
+        root: Path, config: dict | None, hf_quant_config: dict | None, index: dict | None = None
+    ) -> None:
         """The config values qtool relies on have the JSON types the producers write; anything else is a
         clear error naming the file and the key (not a TypeError deep inside a plan, and not a wrong value
         carried into an output). The table is CONFIG_TYPES below."""
@@ -275,11 +277,17 @@ class Checkpoint:
                     check(CONFIG_NAME, kv, "quantization_config.kv_cache_scheme.", QUANT_ARGS_TYPES)
             if isinstance(qc, dict):
                 check_ignore_patterns(root / CONFIG_NAME, "quantization_config.", qc)
-        if hq is not None:
-            check(HF_QUANT_CONFIG_NAME, hq, "", {"quantization": _OBJECT})
-            body = hq.get("quantization") if isinstance(hq.get("quantization"), dict) else hq
-            check(HF_QUANT_CONFIG_NAME, body, "quantization." if body is not hq else "", HF_QUANT_TYPES)
-            check_ignore_patterns(root / HF_QUANT_CONFIG_NAME, "quantization." if body is not hq else "", body)
+        if hf_quant_config is not None:
+            check(HF_QUANT_CONFIG_NAME, hf_quant_config, "", {"quantization": _OBJECT})
+            body = (
+                hf_quant_config.get("quantization")
+                if isinstance(hf_quant_config.get("quantization"), dict)
+                else hf_quant_config
+            )
+            check(HF_QUANT_CONFIG_NAME, body, "quantization." if body is not hf_quant_config else "", HF_QUANT_TYPES)
+            check_ignore_patterns(
+                root / HF_QUANT_CONFIG_NAME, "quantization." if body is not hf_quant_config else "", body
+            )
         if index is not None:
             check(INDEX_NAME, index, "", {"metadata": _OBJECT_OR_NULL})
 

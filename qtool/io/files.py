@@ -40,12 +40,12 @@ def _no_space_hint(e: OSError) -> str | None:
     return "free disk space or choose another output directory" if e.errno == errno.ENOSPC else None
 
 
-def write_error(what: str, e: OSError, path: str | Path) -> WriteError:
+def write_error(what: str, error: OSError, path: str | Path) -> WriteError:
     """A WriteError for an OSError, with the fix for the common causes (full or read-only disk)."""
-    hint = _no_space_hint(e)
-    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+    hint = _no_space_hint(error)
+    if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         hint = "the directory is not writable: choose another output directory (-o) or fix its permissions"
-    return WriteError(f"{what}: {e.strerror}", path=path, hint=hint)
+    return WriteError(f"{what}: {error.strerror}", path=path, hint=hint)
 
 
 def require_text_path(path: str | Path, flag: str) -> None:

@@ -35,7 +35,7 @@ class HashedWrites:
 
     def __init__(
         self,
-        f,
+        file,
         depth: int | None = None,
         path: str | os.PathLike | None = None,
         read: int | None = None,
@@ -45,7 +45,7 @@ class HashedWrites:
             depth = 1 if keep_pace else 4
         if keep_pace and depth < 1:
             raise ValueError("keep_pace needs room for one buffer (depth >= 1)")
-        self.f = f
+        self.f = file
         self.h = hashlib.sha256()
         self.depth = depth
         self.keep_pace = keep_pace

@@ -171,33 +171,33 @@ class OutputPlan:
                 h.update(e.name.encode())
         return h.hexdigest()
 
-    def json_bytes(self, e: Json) -> bytes:
+    def json_bytes(self, entry: Json) -> bytes:
         """A Json entry's file, made once: the hash, the free-space check and the writer all need it (a
         397B checkpoint's index kept in its source's style has ~370k entries; json's indenting encoder
         takes ~1 s for it)."""
-        data = self._json_bytes.get(e.name)
+        data = self._json_bytes.get(entry.name)
         if data is None:
-            data = self._json_bytes[e.name] = dumps(e.obj, e.style).encode()
+            data = self._json_bytes[entry.name] = dumps(entry.obj, entry.style).encode()
         return data
 
-    def file_size(self, e: Entry) -> int:
+    def file_size(self, entry: Entry) -> int:
         """Bytes the entry's file will have (a Link's: its source's). A shard's is computed once (its header
         is built to know its length: ~6k tensors a 397B layer; header_checkpoint fills this in too)."""
-        if isinstance(e, (Link, Copy)):
-            return os.path.getsize(e.source)
-        if isinstance(e, Shard) and e.size is not None:
-            return e.size
-        if isinstance(e, (Shard, Produced)):
-            size = self._shard_sizes.get(e.name)
+        if isinstance(entry, (Link, Copy)):
+            return os.path.getsize(entry.source)
+        if isinstance(entry, Shard) and entry.size is not None:
+            return entry.size
+        if isinstance(entry, (Shard, Produced)):
+            size = self._shard_sizes.get(entry.name)
             if size is None:
-                size = self._shard_sizes[e.name] = shard_size(tensors_of(e), e.metadata)
+                size = self._shard_sizes[entry.name] = shard_size(tensors_of(entry), entry.metadata)
             return size
-        if isinstance(e, Json):
-            return len(self.json_bytes(e))
-        if isinstance(e, Text):
-            return len(e.text.encode())
-        if isinstance(e, Index):
-            return 100 * len(index_map(e))  # about; only the free-space check asks
+        if isinstance(entry, Json):
+            return len(self.json_bytes(entry))
+        if isinstance(entry, Text):
+            return len(entry.text.encode())
+        if isinstance(entry, Index):
+            return 100 * len(index_map(entry))  # about; only the free-space check asks
         return 0
 
     def describe(self) -> dict:
@@ -218,15 +218,15 @@ class OutputPlan:
         return {"operation": self.kind, "files": out}
 
 
-def index_map(e: Index) -> dict:
+def index_map(entry: Index) -> dict:
     """An Index entry's weight map (tensor -> shard), made now where the plan holds a function for it."""
-    return e.weight_map() if callable(e.weight_map) else e.weight_map
+    return entry.weight_map() if callable(entry.weight_map) else entry.weight_map
 
 
-def index_text_of(e: Index):
+def index_text_of(entry: Index):
     from qtool.io.writer import index_text
 
-    return index_text(index_map(e), e.metadata)
+    return index_text(index_map(entry), entry.metadata)
 
 
 def _tensor_keys(tensors: list[OutTensor], paths: dict[str, str]) -> str:

@@ -104,21 +104,21 @@ class TensorSource:
 QUANTIZED = (Format.NVFP4, Format.NVFP4_CT, Format.FP8, Format.AWQ, Format.INT4_CT)
 
 
-def stored_dense(mm: ModelMap, name: str) -> bool:
+def stored_dense(model_map: ModelMap, name: str) -> bool:
     """Whether the tensor `name` is stored as its own dense values (not a quantized module's weight)."""
-    mod = mm.modules.get(name.rpartition(".")[0])
-    return name in mm.ckpt.tensors and (mod is None or mod.format not in QUANTIZED)
+    mod = model_map.modules.get(name.rpartition(".")[0])
+    return name in model_map.ckpt.tensors and (mod is None or mod.format not in QUANTIZED)
 
 
-def load_param(mm: ModelMap, name: str, dtype, device="cpu", read=None, digests: DigestSink = NO_DIGESTS):
+def load_param(model_map: ModelMap, name: str, dtype, device="cpu", read=None, digests: DigestSink = NO_DIGESTS):
     """The tensor `name` dense in `dtype` on `device` (a quantized weight dequantized); `read`: a
     qtool.stream.layer_read.LayerBytes that holds its bytes already (read ahead), else it is read here
     (handed to `digests`)."""
-    info = mm.ckpt.tensors.get(name)
+    info = model_map.ckpt.tensors.get(name)
     if info is None:
-        raise PlanError("tensor missing from the checkpoint", path=mm.ckpt.root, tensor=name)
-    if not stored_dense(mm, name):
-        return dense_weight(mm.modules[name.rpartition(".")[0]], dtype, device, TensorSource(digests))
+        raise PlanError("tensor missing from the checkpoint", path=model_map.ckpt.root, tensor=name)
+    if not stored_dense(model_map, name):
+        return dense_weight(model_map.modules[name.rpartition(".")[0]], dtype, device, TensorSource(digests))
     if read is not None and read.has(info):
         return read.get(info).to(device=device, dtype=dtype)
     src = TensorSource(digests)
@@ -131,7 +131,7 @@ def load_param(mm: ModelMap, name: str, dtype, device="cpu", read=None, digests:
 EMBED_GAP = 1 << 20  # bytes of unused rows read through rather than split into another read
 
 
-def embedding_rows(mm: ModelMap, name: str, ids, dtype, every_id=None, digests: DigestSink = NO_DIGESTS):
+def embedding_rows(model_map: ModelMap, name: str, ids, dtype, every_id=None, digests: DigestSink = NO_DIGESTS):
     """(table, lookup) with table[lookup[ids]] == load_param(mm, name, dtype)[ids]: the rows of the
     embedding matrix the token ids use, read alone (runs of nearby rows read together). A calibration set
     uses ~1-5% of the 397B's 248,320 rows, so its 2 GB table is not read to make the first layer's input
@@ -145,8 +145,8 @@ def embedding_rows(mm: ModelMap, name: str, ids, dtype, every_id=None, digests: 
     from qtool.io.input_files import open_for_reads
     from qtool.stream.layer_read import pread_exact
 
-    info = mm.ckpt.tensors.get(name)
-    mod = mm.modules.get(name.rpartition(".")[0])
+    info = model_map.ckpt.tensors.get(name)
+    mod = model_map.modules.get(name.rpartition(".")[0])
     quantized = mod is not None and mod.format in (
         Format.NVFP4,
         Format.NVFP4_CT,
@@ -155,7 +155,7 @@ def embedding_rows(mm: ModelMap, name: str, ids, dtype, every_id=None, digests: 
         Format.INT4_CT,
     )
     if info is None or quantized or len(info.shape) != 2:
-        w = load_param(mm, name, dtype, digests=digests)
+        w = load_param(model_map, name, dtype, digests=digests)
         return w, torch.arange(w.shape[0])
     rows, width = info.shape
     used = torch.unique(ids.reshape(-1)).tolist()  # sorted
@@ -244,10 +244,12 @@ def _in_layer(m: Module, idx: int, prefix: str) -> bool:
     return m.layer == idx and not m.is_mtp and m.name.startswith(prefix)
 
 
-def missing_layer(mm: ModelMap, idx: int) -> PlanError:
+def missing_layer(model_map: ModelMap, idx: int) -> PlanError:
     """The error for a decoder layer without tensors (a truncated or mislabelled checkpoint)."""
     return PlanError(
-        f"no tensors for decoder layer {idx}", path=mm.ckpt.root, expected=layer_prefix(idx, mm.naming) + "*"
+        f"no tensors for decoder layer {idx}",
+        path=model_map.ckpt.root,
+        expected=layer_prefix(idx, model_map.naming) + "*",
     )
 
 
@@ -259,34 +261,36 @@ def _layer_modules(mm: ModelMap, idx: int) -> list[Module]:
     return mods
 
 
-def modules_by_layer(mm: ModelMap) -> list[list[Module]]:
+def modules_by_layer(model_map: ModelMap) -> list[list[Module]]:
     """Every decoder layer's modules (`_layer_modules` of each; an empty list where a layer has none), in one
     pass over the map's modules: for what looks at all layers at once (the 397B's ~95k modules, 60 layers)."""
-    prefixes = [layer_prefix(i, mm.naming) for i in range(mm.num_layers)]
+    prefixes = [layer_prefix(i, model_map.naming) for i in range(model_map.num_layers)]
     out: list[list[Module]] = [[] for _ in prefixes]
-    for m in mm.modules.values():
+    for m in model_map.modules.values():
         i = m.layer
         if i is not None and 0 <= i < len(out) and _in_layer(m, i, prefixes[i]):
             out[i].append(m)
     return out
 
 
-def layer_tensors(mm: ModelMap, idx: int) -> list[TensorInfo]:
+def layer_tensors(model_map: ModelMap, idx: int) -> list[TensorInfo]:
     """Every tensor `layer_state_dict` reads for decoder layer `idx` (what the read-ahead fetches)."""
-    return [info for m in _layer_modules(mm, idx) if m.group is not Group.KV_SCALE for info in m.params.values()]
+    return [info for m in _layer_modules(model_map, idx) if m.group is not Group.KV_SCALE for info in m.params.values()]
 
 
-def layer_state_dict(mm: ModelMap, idx: int, dtype, device, want: dict[str, tuple[tuple, object]], src=None) -> dict:
+def layer_state_dict(
+    model_map: ModelMap, idx: int, dtype, device, want: dict[str, tuple[tuple, object]], src=None
+) -> dict:
     """State dict for transformers' decoder layer `idx` (local names, e.g. `mlp.experts.gate_up_proj`),
     every tensor dense in `dtype` on `device`; `want` = local name -> (shape, dtype) of the module.
     `src`: where the tensors come from (a qtool.stream.layer_read.LayerBytes read ahead; default: read
     now, one tensor at a time)."""
     import torch
 
-    pre = layer_prefix(idx, mm.naming)
+    pre = layer_prefix(idx, model_map.naming)
     src = src or TensorSource()
     sd: dict = {}
-    mods = _layer_modules(mm, idx)
+    mods = _layer_modules(model_map, idx)
     experts: dict[int, Module] = {}
     try:
         for mod in mods:
@@ -321,7 +325,7 @@ def layer_state_dict(mm: ModelMap, idx: int, dtype, device, want: dict[str, tupl
     if missing:
         raise PlanError(
             f"decoder layer {idx} lacks {len(missing)} tensor(s)",
-            path=mm.ckpt.root,
+            path=model_map.ckpt.root,
             tensor=pre + missing[0],
             hint="the checkpoint is incomplete or its config does not match its weights",
         )

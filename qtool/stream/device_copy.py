@@ -2,7 +2,7 @@
 
 `download(t)` queues the copy on the current stream of t's own device (not the thread's current device:
 a writer thread starts on device 0, whatever device the job runs on) and records an event there;
-`Download.wait()` waits for that event and returns the host bytes. Until then the Download holds `t`, so
+`Download.wait()` waits for that event and returns the host bytes. Until then the Download holds `tensor`, so
 its device memory cannot be handed to another allocation (another thread's, on another stream) while the
 copy still reads it.
 """
@@ -24,11 +24,11 @@ class Download:
         return self.host
 
 
-def download(t) -> Download:
-    """`t`'s bytes (contiguous, any dtype) as a Download; a host tensor is its own bytes at once."""
+def download(tensor) -> Download:
+    """`tensor`'s bytes (contiguous, any dtype) as a Download; a host tensor is its own bytes at once."""
     import torch
 
-    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
     if flat.device.type != "cuda":
         return Download(flat)
     host = torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=True)

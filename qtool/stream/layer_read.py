@@ -260,19 +260,19 @@ class ShardFiles:
         self.direct: dict[str, int | None] = {}
         self.buffered: dict[str, int] = {}
 
-    def read(self, p: Piece, view: memoryview) -> memoryview:
+    def read(self, piece: Piece, view: memoryview) -> memoryview:
         """Read the piece into `view` (its [start, end), ALIGN-aligned); the run's bytes [lo, hi) of it."""
-        own = view[p.lo - p.start : p.hi - p.start]
-        buffered_fd = self._buffered(p.path)
-        if page_cache.resident(buffered_fd, p.lo, len(own)):
-            got = _read_upto(buffered_fd, own, p.lo, len(own))
+        own = view[piece.lo - piece.start : piece.hi - piece.start]
+        buffered_fd = self._buffered(piece.path)
+        if page_cache.resident(buffered_fd, piece.lo, len(own)):
+            got = _read_upto(buffered_fd, own, piece.lo, len(own))
         else:
-            got = self._read_direct(p, view)
+            got = self._read_direct(piece, view)
             # the rest through the page cache: all of it where direct reads are not to be, and what a
             # direct read returned short of (a filesystem's short count, or the file's end: read as 0 here)
-            got += _read_upto(buffered_fd, own[got:], p.lo + got, READ_PIECE)
+            got += _read_upto(buffered_fd, own[got:], piece.lo + got, READ_PIECE)
         if got < len(own):
-            raise _truncated(p.path, None)
+            raise _truncated(piece.path, None)
         return own
 
     def _read_direct(self, p: Piece, view: memoryview) -> int:
@@ -369,16 +369,16 @@ class _Staging:
         self.done = [None, None]  # the event after which buffer i may be overwritten
         self.turn = 0
 
-    def upload(self, files: ShardFiles, p: Piece) -> None:
+    def upload(self, files: ShardFiles, piece: Piece) -> None:
         i = self.turn
         self.turn ^= 1
         if self.done[i] is not None:
             self.done[i].synchronize()
-        host = self.host[i][: p.end - p.start]
-        own = files.read(p, memoryview(host.numpy()))
-        files.digests.offer(p.path, p.lo, own, lambda: bytearray(own))
+        host = self.host[i][: piece.end - piece.start]
+        own = files.read(piece, memoryview(host.numpy()))
+        files.digests.offer(piece.path, piece.lo, own, lambda: bytearray(own))
         with self.torch.cuda.stream(self.stream):
-            p.dst.copy_(host[p.lo - p.start : p.hi - p.start], non_blocking=True)
+            piece.dst.copy_(host[piece.lo - piece.start : piece.hi - piece.start], non_blocking=True)
             ev = self.torch.cuda.Event()
             ev.record(self.stream)
         self.done[i] = ev
