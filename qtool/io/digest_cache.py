@@ -17,6 +17,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -170,7 +171,7 @@ class DigestCache:
             pass  # the cache is an optimisation only
 
     @contextmanager
-    def keeping(self, files):
+    def keeping(self, files: Iterable[str | os.PathLike]) -> Iterator[None]:
         """Around qtool's own links made or removed (an in-place run's scratch links, an old output's
         removal): those move the ctime of each file linked, and the entries valid before are re-recorded
         after, so the next run does not hash those files again. A file changed meanwhile (another key) is
@@ -205,7 +206,7 @@ def _current(key: str) -> bool:
 
 
 @contextmanager
-def _locked(path: Path, wait: float | None = None):
+def _locked(path: Path, wait: float | None = None) -> Iterator[bool]:
     """The cache file's read-merge-write, one process at a time (a flock on a file of its own); yields
     False when another job held it for `wait` seconds: the cache never holds a job up."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)

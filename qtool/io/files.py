@@ -16,7 +16,7 @@ import os
 import stat
 import threading
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from enum import Enum
 from pathlib import Path
 
@@ -89,7 +89,7 @@ def new_file(path: str | Path, mode: int = 0o644) -> Iterator:
     f.close()
 
 
-def _reflink(src: str, fd: int, dst: str, mode: int, stop) -> bool:
+def _reflink(src: str, fd: int, dst: str, mode: int, stop: threading.Event | None) -> bool:
     try:
         with new_file(dst, mode) as d:
             fcntl.ioctl(d.fileno(), FICLONE, fd)
@@ -98,7 +98,7 @@ def _reflink(src: str, fd: int, dst: str, mode: int, stop) -> bool:
         return False
 
 
-def _hardlink(src: str, fd: int, dst: str, mode: int, stop) -> bool:
+def _hardlink(src: str, fd: int, dst: str, mode: int, stop: threading.Event | None) -> bool:
     """A link to the file open at `fd`, not to whatever its path names by now: through /proc (linkat's
     AT_SYMLINK_FOLLOW, no privilege needed), else by path and kept only if it is that file."""
     try:
@@ -117,7 +117,7 @@ def _hardlink(src: str, fd: int, dst: str, mode: int, stop) -> bool:
         return False
 
 
-def _symlink(src: str, fd: int, dst: str, mode: int, stop) -> bool:
+def _symlink(src: str, fd: int, dst: str, mode: int, stop: threading.Event | None) -> bool:
     try:
         if os.path.lexists(dst):
             os.unlink(dst)
@@ -145,7 +145,7 @@ def copy_file(src: str | Path, dst: str | Path, mode: int = 0o644) -> None:
         _copy(str(src), fd, str(dst), mode, None)
 
 
-def _copy(src: str, fd: int, dst: str, mode: int, stop) -> bool:
+def _copy(src: str, fd: int, dst: str, mode: int, stop: threading.Event | None) -> bool:
     from qtool.io.writer import copy_range
 
     try:
@@ -213,7 +213,7 @@ class Placer:
         with self._source(str(src)) as fd:
             _copy(str(src), fd, str(dst), self.file_mode, self.stop)
 
-    def _source(self, src: str):
+    def _source(self, src: str) -> AbstractContextManager[int]:
         return self.sources.placing(src) if self.sources is not None else _opened(src)
 
     def expect_new_bytes(self, src: str | Path, out_dir: str | Path) -> bool:

@@ -7,6 +7,10 @@ import os
 import threading
 from collections import deque
 from concurrent.futures import Future
+from typing import TYPE_CHECKING, BinaryIO
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 
 class HashedWrites:
@@ -35,7 +39,7 @@ class HashedWrites:
 
     def __init__(
         self,
-        file,
+        file: BinaryIO,
         depth: int | None = None,
         path: str | os.PathLike | None = None,
         read: int | None = None,
@@ -66,7 +70,7 @@ class HashedWrites:
         self.thread = threading.Thread(target=self._run, name="qtool-out-sha256", daemon=True)
         self.thread.start()
 
-    def write(self, data) -> None:
+    def write(self, data: Buffer) -> None:
         n = memoryview(data).nbytes
         with self.cond:
             if not self.behind:
@@ -130,7 +134,8 @@ class HashedWrites:
                     continue
                 if self.path is None:
                     return  # fell behind (the future says None)
-                pos = self.trailing_from
+                pos = self.trailing_from or 0  # (set with the None queued: `_trail`)
+                fd = self.fd if self.fd is not None else -1  # (opened wherever there is a path)
                 while True:
                     with self.cond:
                         while (
@@ -167,7 +172,7 @@ class HashedWrites:
             if fd is not None:
                 os.close(fd)
 
-    def digest(self):
+    def digest(self) -> Future[str | None]:
         """The file's sha256 as a Future (hexdigest str; None where the hash fell behind without `path`):
         flushes the writer's buffer; no write may follow."""
         self.f.flush()

@@ -19,8 +19,8 @@ try:
     from orjson import JSONDecodeError as _JSONError
     from orjson import loads as _loads
 except ImportError:  # pragma: no cover - orjson is a declared dependency
-    from json import JSONDecodeError as _JSONError
-    from json import loads as _loads
+    from json import JSONDecodeError as _JSONError  # type: ignore[assignment]
+    from json import loads as _loads  # type: ignore[assignment]
 
 _KEY = re.compile(rb'"weight_map"\s*:\s*\{\s*')
 _STR = rb'"([^"\\\x00-\x1f]*)"'

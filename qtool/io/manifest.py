@@ -23,8 +23,10 @@ import os
 import re
 import shlex
 import threading
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, cast
 
 from qtool.io.digest_cache import file_key, user_cache
 from qtool.io.files import hash_fd
@@ -91,7 +93,7 @@ class InputHasher:
         workers: int = max(2, min(8, (os.cpu_count() or 2) // 2)),
         trust_cache: bool = True,
         record: Path | None = None,
-        from_reads=(),
+        from_reads: Iterable[str] = (),
     ) -> None:
         self.pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="qtool-sha256")
         self._stop = threading.Event()  # set by close: the pool's hashes stop within a chunk
@@ -140,7 +142,7 @@ class InputHasher:
         those reads are hashed there, not read a second time."""
         return NO_DIGESTS if self.streams is None else self.streams
 
-    def refuse_unproven(self, inputs, partial: Path) -> None:
+    def refuse_unproven(self, inputs: Iterable[str], partial: Path) -> None:
         """A resumed run can prove its inputs unchanged only by their digests: the journal's identity
         (size, mtime, sampled content) misses a same-size edit outside the sampled blocks with the mtime
         put back. An input whose digest the interrupted run had not recorded yet is refused, except one
@@ -211,7 +213,7 @@ class InputHasher:
         on_record = self.known(path)
         if on_record:
             self._put(path, _done(self._note(path, on_record)))
-        elif real in self.from_reads:
+        elif self.streams is not None and real in self.from_reads:  # (there are streams where there are such)
             self.streams.add(real, check=self.prefixes.get(real))
             self._streamed[path] = (real, self.files.open(real).stat)
         else:
@@ -226,7 +228,7 @@ class InputHasher:
         for f in list(self._inputs):
             f.result()
 
-    def on_record(self, ends, wait: bool = True) -> bool:
+    def on_record(self, ends: Callable[[], dict[str, int]], wait: bool = True) -> bool:
         """Whether the input bytes a unit used are on record (see the class): every pooled input (waited
         for: small files, or shards hashed since the job started), and of the inputs hashed from the job's
         reads the bytes before `ends()` (path -> end offset; called only when there are such inputs).
@@ -243,7 +245,7 @@ class InputHasher:
         self._streamed.clear()
 
     def _finish_stream(self, path: str, real: str, before: os.stat_result) -> str:
-        d = self.streams.files[real]
+        d = cast(StreamDigests, self.streams).files[real]  # (a file hashed from reads has its stream)
         digest = d.finish()
         if d.mismatch:
             self.changed.add(real)
@@ -252,7 +254,7 @@ class InputHasher:
         return self._note(path, digest)
 
     def _note_prefixes(self, prefixes: dict[str, tuple[int, str]]) -> None:
-        with self.lock, open(self.record, "a", encoding="utf-8") as f:
+        with self.lock, open(cast(Path, self.record), "a", encoding="utf-8") as f:  # (called only with a record)
             for real, (n, sha) in sorted(prefixes.items()):
                 f.write(json.dumps({"path": real, "prefix": n, "sha256": sha}) + "\n")
 
@@ -355,7 +357,7 @@ def hub_recorded_sha256(path: str) -> str | None:
     return None
 
 
-def write_shards_section(path: Path, shards, roots: dict[str, Path]) -> None:
+def write_shards_section(path: Path, shards: Iterable[Any], roots: dict[str, Path]) -> None:
     """Stream the manifest's `"shards": {...}` member to `path` (not fsynced: `write_manifest` copies it
     into the manifest, which is). `shards`: planned shards whose tensors have `.name` and `.origin`
     (source, file, tensor, slice). Written while the shards are being copied, so its CPU time overlaps
@@ -468,7 +470,8 @@ def carried_files(partial: Path, root: Path, changed: set[str], known: dict[str,
         if not p.is_file() or rel == MANIFEST_NAME or p.name.startswith(".qtool-"):
             continue
         size = p.stat().st_size
-        old = before.get(rel) if isinstance(before.get(rel), dict) else {}
+        recorded = before.get(rel)
+        old: dict = recorded if isinstance(recorded, dict) else {}
         digest = None
         if rel in changed:
             digest = hash_file(p)

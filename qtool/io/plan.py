@@ -20,14 +20,17 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple, Union
+from typing import TYPE_CHECKING, NamedTuple, Union, cast
 
 from qtool.io.jsonio import JsonStyle, dumps
 from qtool.io.output import RECORDS
 from qtool.io.writer import FileRange, InlineBytes, OutTensor, json_str, shard_size
+
+if TYPE_CHECKING:
+    from qtool.io.checkpoint import Checkpoint
 
 
 class Pending(NamedTuple):
@@ -124,9 +127,10 @@ def tensors_of(entry: Shard | Produced) -> list[OutTensor]:
     return t() if callable(t) else list(t)
 
 
-def promised(name: str, dtype: str, shape, nbytes: int) -> OutTensor:
+def promised(name: str, dtype: str, shape: Sequence[int], nbytes: int) -> OutTensor:
     """A tensor of a Produced shard's promised header."""
-    return OutTensor(name, dtype, tuple(shape), Pending(name, nbytes))
+    # a promise in the source's place: the executor writes the value given for it
+    return OutTensor(name, dtype, tuple(shape), Pending(name, nbytes))  # type: ignore[arg-type]
 
 
 @dataclass
@@ -141,7 +145,7 @@ class OutputPlan:
     _shard_sizes: dict[str, int] = field(default_factory=dict, repr=False, compare=False)  # file_size's
     _json_bytes: dict[str, bytes] = field(default_factory=dict, repr=False, compare=False)  # json_bytes'
 
-    def entries(self, *kinds) -> list:
+    def entries(self, *kinds: type) -> list:
         return [e for e in self.files if isinstance(e, kinds)]
 
     def names(self) -> list[str]:
@@ -223,7 +227,7 @@ def index_map(entry: Index) -> dict:
     return entry.weight_map() if callable(entry.weight_map) else entry.weight_map
 
 
-def index_text_of(entry: Index):
+def index_text_of(entry: Index) -> Iterator[str]:
     from qtool.io.writer import index_text
 
     return index_text(index_map(entry), entry.metadata)
@@ -263,11 +267,12 @@ def _tensor_keys(tensors: list[OutTensor], paths: dict[str, str]) -> str:
     return "".join(parts)
 
 
-def _source_key(src) -> list:
+def _source_key(src: object) -> list:
     if isinstance(src, FileRange):
         return ["range", os.path.abspath(src.file), src.start, src.end]
     if isinstance(src, InlineBytes):
         return ["bytes", hashlib.sha256(src.data).hexdigest()]
+    assert isinstance(src, Pending)  # (the third kind of source)
     return ["pending", src.key, src.nbytes]
 
 
@@ -286,7 +291,7 @@ def resolve(tensors: list[OutTensor], values: dict[str, bytes]) -> list[OutTenso
 
 def header_checkpoint(
     root: Path, plan: OutputPlan, config: dict | None, hf_quant_config: dict | None = None, *, as_written: bool = False
-):
+) -> Checkpoint:
     """A Checkpoint of the planned output made from the plan alone (nothing written yet): every shard with
     the header the writer will give it; a tensor copied from a source points at the source's bytes (so it
     can be read), a new one at its planned place in the output. Lets a decide step compute what depends on
@@ -309,7 +314,7 @@ def header_checkpoint(
                     table.add(info.name, path, info.dtype, tuple(info.shape), info.start, info.end)
                 rows = range(first, len(table))
             else:
-                path, rows = h.path, table.extend(h.tensors)
+                path, rows = h.path, table.extend(cast(TensorTable, h.tensors))  # (read just now: its own table)
             headers[e.name] = SafetensorsHeader(
                 path, h.header_len, h.data_start, h.file_size, h.metadata, table.slice(rows)
             )

@@ -26,7 +26,8 @@ class HfQuantSchema(str, Enum):
 
 def config_ignore_key(quant_config: dict) -> str:
     """AutoAWQ: modules_to_not_convert; AMD Quark: exclude; ModelOpt and compressed-tensors: ignore."""
-    return {"awq": "modules_to_not_convert", "quark": "exclude"}.get(quant_config.get("quant_method"), "ignore")
+    method = str(quant_config.get("quant_method"))
+    return {"awq": "modules_to_not_convert", "quark": "exclude"}.get(method, "ignore")
 
 
 def config_ignore(config: dict | None) -> list[str] | None:

@@ -33,7 +33,7 @@ import heapq
 import os
 import threading
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from qtool.io.input_files import open_for_reads
 
@@ -77,7 +77,7 @@ class FileDigest:
             self.claims.pop(start, None)
             self.cond.notify_all()
 
-    def offer(self, start: int, view, keep=None) -> None:
+    def offer(self, start: int, view: memoryview, keep: Callable[[], bytearray] | None = None) -> None:
         """`view`: the file's bytes at `start`, just read; never waits for the hash. keep: None if `view`
         stays valid until hashed (the caller holds no reuse of it), else a function returning a private
         copy (taken only when the bytes are queued)."""
@@ -147,7 +147,7 @@ class FileDigest:
             if self._fd is not None:
                 os.close(self._fd)
 
-    def _next_step(self):
+    def _next_step(self) -> Any:
         """Under the lock: ('hash', start, view) | ('gap', cursor, until) | 'done' | None (wait)."""
         if self.abandoned:
             return "done"
@@ -176,7 +176,7 @@ class FileDigest:
             self._fd = open_for_reads(self.path)
         return self._fd
 
-    def _update(self, view) -> None:
+    def _update(self, view: memoryview) -> None:
         """Hash `view` (the bytes at the cursor), checking the recorded prefix digest where it falls; in
         pieces, each under `hlock` with its cursor step, so that a snapshot's digest is the cursor's."""
         while True:

@@ -10,7 +10,7 @@ import math
 import os
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NamedTuple, Union
 
@@ -211,7 +211,7 @@ def write_shard(
                     run.extend((src.file, src.start, src.end))
             flush()
             os.fsync(dst)
-            if hashing is not None:
+            if hashing is not None and on_digest is not None:
                 on_digest(hashing.digest())
         done = True
     except OSError as e:
@@ -251,7 +251,7 @@ def index_json(weight_map: dict[str, str], total_size: int) -> dict:
     return {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
 
 
-def index_text(weight_map: dict[str, str], metadata: dict):
+def index_text(weight_map: dict[str, str], metadata: dict) -> Iterator[str]:
     """`json.dumps({"metadata": metadata, "weight_map": sorted weight_map}, indent=2) + "\n"` in chunks
     (a generator). The same text without the pure-Python indenting encoder, which for a 397B index (~370k
     entries) took ~3 s and held ~100 MB of pieces before joining them."""

@@ -13,6 +13,7 @@ transformers models/qwen3_5_moe Qwen3_5MoeExperts), one expert at a time.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING, Protocol, TypeAlias
 
 from qtool.arch.model_map import Format, ModelMap, Module
 from qtool.arch.qwen35 import Group, layer_prefix
@@ -20,6 +21,22 @@ from qtool.errors import PlanError
 from qtool.io.dtypes import DTYPE_BITS
 from qtool.io.safetensors_header import TensorInfo
 from qtool.io.stream_digest import NO_DIGESTS, DigestSink
+
+if TYPE_CHECKING:
+    import torch
+
+    from qtool.stream.layer_read import LayerBytes
+
+Device: TypeAlias = "str | torch.device"
+
+
+class TensorBytes(Protocol):
+    """Where a layer's tensors come from: a TensorSource (read now) or a layer_read.LayerBytes (read ahead)."""
+
+    def get(self, info: TensorInfo) -> torch.Tensor: ...
+
+    def close(self) -> None: ...
+
 
 # Parameters that belong to a quantized format's storage or to calibration, never to the dense module.
 _AUX_PARAMS = frozenset(
@@ -76,7 +93,7 @@ class TensorSource:
         self._fds: dict[str, int] = {}
         self.digests = digests
 
-    def get(self, info: TensorInfo):
+    def get(self, info: TensorInfo) -> torch.Tensor:
         import torch
 
         from qtool.io.dtypes import TORCH_DTYPE_NAMES
@@ -110,7 +127,14 @@ def stored_dense(model_map: ModelMap, name: str) -> bool:
     return name in model_map.ckpt.tensors and (mod is None or mod.format not in QUANTIZED)
 
 
-def load_param(model_map: ModelMap, name: str, dtype, device="cpu", read=None, digests: DigestSink = NO_DIGESTS):
+def load_param(
+    model_map: ModelMap,
+    name: str,
+    dtype: torch.dtype,
+    device: Device = "cpu",
+    read: LayerBytes | None = None,
+    digests: DigestSink = NO_DIGESTS,
+) -> torch.Tensor:
     """The tensor `name` dense in `dtype` on `device` (a quantized weight dequantized); `read`: a
     qtool.stream.layer_read.LayerBytes that holds its bytes already (read ahead), else it is read here
     (handed to `digests`)."""
@@ -131,7 +155,14 @@ def load_param(model_map: ModelMap, name: str, dtype, device="cpu", read=None, d
 EMBED_GAP = 1 << 20  # bytes of unused rows read through rather than split into another read
 
 
-def embedding_rows(model_map: ModelMap, name: str, ids, dtype, every_id=None, digests: DigestSink = NO_DIGESTS):
+def embedding_rows(
+    model_map: ModelMap,
+    name: str,
+    ids: torch.Tensor,
+    dtype: torch.dtype,
+    every_id: torch.Tensor | None = None,
+    digests: DigestSink = NO_DIGESTS,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(table, lookup) with table[lookup[ids]] == load_param(mm, name, dtype)[ids]: the rows of the
     embedding matrix the token ids use, read alone (runs of nearby rows read together). A calibration set
     uses ~1-5% of the 397B's 248,320 rows, so its 2 GB table is not read to make the first layer's input
@@ -196,14 +227,16 @@ def embedding_rows(model_map: ModelMap, name: str, ids, dtype, every_id=None, di
     return table.to(dtype), lookup
 
 
-def dense_weight(mod: Module, dtype, device="cpu", src: TensorSource | None = None):
+def dense_weight(
+    mod: Module, dtype: torch.dtype, device: Device = "cpu", src: TensorBytes | None = None
+) -> torch.Tensor:
     """The module's weight matrix [out, in] as a dense `dtype` tensor on `device`."""
 
-    src = src or TensorSource()
+    source = src or TensorSource()
     p = mod.params
 
-    def t(name):
-        return src.get(p[name]).to(device)
+    def t(name: str) -> torch.Tensor:
+        return source.get(p[name]).to(device)
 
     fmt = mod.format
     if fmt is Format.NVFP4:
@@ -279,7 +312,12 @@ def layer_tensors(model_map: ModelMap, idx: int) -> list[TensorInfo]:
 
 
 def layer_state_dict(
-    model_map: ModelMap, idx: int, dtype, device, want: dict[str, tuple[tuple, object]], src=None
+    model_map: ModelMap,
+    idx: int,
+    dtype: torch.dtype,
+    device: Device,
+    want: dict[str, tuple[tuple, object]],
+    src: TensorBytes | None = None,
 ) -> dict:
     """State dict for transformers' decoder layer `idx` (local names, e.g. `mlp.experts.gate_up_proj`),
     every tensor dense in `dtype` on `device`; `want` = local name -> (shape, dtype) of the module.
@@ -288,23 +326,23 @@ def layer_state_dict(
     import torch
 
     pre = layer_prefix(idx, model_map.naming)
-    src = src or TensorSource()
+    source: TensorBytes = src or TensorSource()
     sd: dict = {}
     mods = _layer_modules(model_map, idx)
-    experts: dict[int, Module] = {}
+    experts: dict[int, dict[str, Module]] = {}
     try:
         for mod in mods:
             if mod.group is Group.KV_SCALE:
                 continue
             local = mod.name[len(pre) :]
             if mod.inner is Group.ROUTED_EXPERTS and mod.expert is not None:
-                experts.setdefault(mod.expert, {})[local.rpartition(".")[2]] = mod  # type: ignore[index]
+                experts.setdefault(mod.expert, {})[local.rpartition(".")[2]] = mod
                 continue
             if mod.format is not None and mod.format is not Format.BF16:
-                _put(sd, want, local + ".weight", dense_weight(mod, dtype, device, src), mod.name)
+                _put(sd, want, local + ".weight", dense_weight(mod, dtype, device, source), mod.name)
                 for name, info in mod.params.items():
                     if name == "bias":
-                        _put(sd, want, local + ".bias", src.get(info).to(device, dtype), mod.name)
+                        _put(sd, want, local + ".bias", source.get(info).to(device, dtype), mod.name)
                 continue
             for name, info in mod.params.items():
                 if name in _AUX_PARAMS:
@@ -316,11 +354,11 @@ def layer_state_dict(
                         tensor=info.name,
                         hint="is config.json's text_config from the same model as the weights?",
                     )
-                _put(sd, want, key, src.get(info).to(device, dtype), info.name)
+                _put(sd, want, key, source.get(info).to(device, dtype), info.name)
         if experts:
-            _fill_experts(sd, want, experts, dtype, device, src)
+            _fill_experts(sd, want, experts, dtype, device, source)
     finally:
-        src.close()
+        source.close()
     missing = sorted(set(want) - set(sd))
     if missing:
         raise PlanError(
@@ -333,7 +371,7 @@ def layer_state_dict(
     return sd
 
 
-def _put(sd: dict, want: dict, key: str, tensor, origin: str) -> None:
+def _put(sd: dict, want: dict, key: str, tensor: torch.Tensor, origin: str) -> None:
     shape, _ = want.get(key, (None, None))
     if shape is None:
         raise PlanError("checkpoint tensor has no place in transformers' decoder layer", tensor=origin)
@@ -347,7 +385,9 @@ def _put(sd: dict, want: dict, key: str, tensor, origin: str) -> None:
 EXPERT_BATCH = 32  # experts dequantized by one batched call (a 397B batch: ~1 GB of float32 temporaries)
 
 
-def _dense_experts(mods: list[Module], dtype, device, src, want: tuple[int, int]):
+def _dense_experts(
+    mods: list[Module], dtype: torch.dtype, device: Device, src: TensorBytes, want: tuple[int, int]
+) -> torch.Tensor:
     """The same projection of several experts, dense [k, out, in]. NVFP4 (both namings) is dequantized in
     one batched call: per expert, ~10 small kernels x 1,536 matrices cost ~0.6 s of a 397B layer on a
     GPU. Element-wise the same arithmetic as one matrix at a time, so the values are identical."""
@@ -370,7 +410,7 @@ def _dense_experts(mods: list[Module], dtype, device, src, want: tuple[int, int]
     if batched:
         from qtool.formats import nvfp4
 
-        def stacked(name):
+        def stacked(name: str) -> torch.Tensor:
             return torch.stack([src.get(m.params[name]).to(device) for m in mods])
 
         g = torch.stack([src.get(m.params[glob]).to(device).float().reshape(()) for m in mods])
@@ -387,7 +427,14 @@ def _dense_experts(mods: list[Module], dtype, device, src, want: tuple[int, int]
     return torch.stack(dense)
 
 
-def _fill_experts(sd, want, experts: dict[int, dict[str, Module]], dtype, device, src) -> None:
+def _fill_experts(
+    sd: dict,
+    want: dict,
+    experts: dict[int, dict[str, Module]],
+    dtype: torch.dtype,
+    device: Device,
+    src: TensorBytes,
+) -> None:
     import torch
 
     gu_shape = want["mlp.experts.gate_up_proj"][0]

@@ -1,4 +1,8 @@
 """A CUDA tensor's bytes to page-locked host memory without a wait on the calling thread.
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 `download(t)` queues the copy on the current stream of t's own device (not the thread's current device:
 a writer thread starts on device 0, whatever device the job runs on) and records an event there;
@@ -9,14 +13,21 @@ copy still reads it.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
 
 class Download:
-    def __init__(self, host, ready=None, src=None) -> None:
+    def __init__(
+        self, host: torch.Tensor, ready: torch.cuda.Event | None = None, src: torch.Tensor | None = None
+    ) -> None:
         self.host = host  # uint8, page-locked where the source is on CUDA
         self._ready = ready  # a CUDA event, or None: the bytes are there already
         self._src = src
 
-    def wait(self):
+    def wait(self) -> torch.Tensor:
         """The host bytes, once the copy has landed."""
         if self._ready is not None:
             self._ready.synchronize()
@@ -24,7 +35,7 @@ class Download:
         return self.host
 
 
-def download(tensor) -> Download:
+def download(tensor: torch.Tensor) -> Download:
     """`tensor`'s bytes (contiguous, any dtype) as a Download; a host tensor is its own bytes at once."""
     import torch
 

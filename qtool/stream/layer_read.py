@@ -32,12 +32,16 @@ import errno
 import os
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from qtool.errors import PlanError
 from qtool.io import page_cache
 from qtool.io.input_files import InputFiles, open_direct, open_for_reads
 from qtool.io.safetensors_header import TensorInfo
 from qtool.io.stream_digest import NO_DIGESTS, DigestSink
+
+if TYPE_CHECKING:
+    import torch
 
 MAX_GAP = 1 << 20  # read through holes up to 1 MiB (another layer's norm, a header) rather than split
 CHUNK = 64 << 20  # one preadv (a direct read) and one host->device copy
@@ -76,7 +80,7 @@ class Piece:
     lo: int
     hi: int
     # CUDA: the run's bytes [lo, hi) on the device; CPU: the host buffer [start, end) is read into
-    dst: object = None
+    dst: Any = None  # a torch.Tensor, once the piece's buffer is made
 
 
 def coalesce(infos: list[TensorInfo], max_gap: int = MAX_GAP) -> list[_Run]:
@@ -100,7 +104,7 @@ def _up(n: int) -> int:
     return _down(n + ALIGN - 1)
 
 
-def aligned_empty(n: int, pin: bool = False):
+def aligned_empty(n: int, pin: bool = False) -> torch.Tensor:
     """A uint8 host tensor of `n` bytes whose address is a multiple of ALIGN (a direct read's buffer)."""
     import torch
 
@@ -161,15 +165,16 @@ class LayerBytes:
         import torch
 
         cuda = self.device != "cpu"
+        stages = staging or []  # (given on CUDA only)
         pieces = [p for run in self.runs for p in self._pieces(run)]
-        workers = len(staging) if cuda else READERS
+        workers = len(stages) if cuda else READERS
         if cuda and self.runs:
             # the buffers came from the device's default stream, where kernels queued before their
             # allocation may still use that memory (tensors another thread freed): the uploads, on side
             # streams, wait for those kernels first
             allocated = torch.cuda.Event()
             allocated.record(torch.cuda.current_stream(torch.device(self.device)))
-            for s in staging:
+            for s in stages:
                 s.stream.wait_event(allocated)
         errors: list[BaseException] = []
         # the input's sha256 is computed from these reads (qtool.io.stream_digest): every piece is claimed
@@ -185,11 +190,11 @@ class LayerBytes:
                     if errors:
                         return
                     if cuda:
-                        staging[k].upload(files, p)
+                        stages[k].upload(files, p)
                     else:
                         digests.offer(p.path, p.lo, files.read(p, memoryview(p.dst.numpy())))
                 if cuda:
-                    staging[k].finish()
+                    stages[k].finish()
             except BaseException as e:
                 errors.append(e)
                 for p in pieces:  # the digest reads what will not be offered
@@ -210,7 +215,7 @@ class LayerBytes:
     def has(self, info: TensorInfo) -> bool:
         return info.name in self._where
 
-    def raw(self, info: TensorInfo):
+    def raw(self, info: TensorInfo) -> torch.Tensor:
         """The file bytes of `info` (uint8, a view on the device they were read to)."""
         where = self._where.get(info.name)
         if where is None:
@@ -218,7 +223,7 @@ class LayerBytes:
         k, off = where
         return self._bufs[k][off : off + info.nbytes]
 
-    def span(self, file: str, start: int, end: int):
+    def span(self, file: str, start: int, end: int) -> torch.Tensor | None:
         """Bytes [start, end) of `file` (uint8, a view on the device they were read to), or None where no
         run read them all: a slice of a tensor (one expert of a fused source) as well as a whole one."""
         for k, run in enumerate(self.runs):
@@ -226,7 +231,7 @@ class LayerBytes:
                 return self._bufs[k][start - run.start : end - run.start]
         return None
 
-    def get(self, info: TensorInfo):
+    def get(self, info: TensorInfo) -> torch.Tensor:
         """The tensor `info` as a view of the read bytes (on the device it was read to)."""
         import torch
 
@@ -366,14 +371,15 @@ class _Staging:
         self.torch = torch
         self.stream = torch.cuda.Stream(device=device)
         self.host = [aligned_empty(CHUNK, pin=True) for _ in range(2)]
-        self.done = [None, None]  # the event after which buffer i may be overwritten
+        self.done: list[torch.cuda.Event | None] = [None, None]  # the event after which buffer i may be overwritten
         self.turn = 0
 
     def upload(self, files: ShardFiles, piece: Piece) -> None:
         i = self.turn
         self.turn ^= 1
-        if self.done[i] is not None:
-            self.done[i].synchronize()
+        done = self.done[i]
+        if done is not None:
+            done.synchronize()
         host = self.host[i][: piece.end - piece.start]
         own = files.read(piece, memoryview(host.numpy()))
         files.digests.offer(piece.path, piece.lo, own, lambda: bytearray(own))
@@ -395,13 +401,13 @@ class Prefetcher:
     def __init__(self, device: str = "cpu", digests: DigestSink = NO_DIGESTS) -> None:
         self.device = device
         self.digests = digests
-        self._staging = None
+        self._staging: list[_Staging] | None = None
         self._thread: threading.Thread | None = None
-        self._key = None
+        self._key: object = None
         self._result: LayerBytes | None = None
         self._error: BaseException | None = None
 
-    def _stage(self):
+    def _stage(self) -> list[_Staging] | None:
         if self.device != "cpu" and self._staging is None:
             self._staging = [_Staging(self.device) for _ in range(READERS)]
         return self._staging
@@ -409,7 +415,7 @@ class Prefetcher:
     def read_now(self, infos: list[TensorInfo]) -> LayerBytes:
         return LayerBytes(infos, self.device, self.digests).read(self._stage())
 
-    def start(self, key, infos: list[TensorInfo]) -> None:
+    def start(self, key: object, infos: list[TensorInfo]) -> None:
         self.wait()
         self._key, self._result, self._error = key, None, None
         staging = self._stage()
@@ -428,7 +434,7 @@ class Prefetcher:
             self._thread.join()
             self._thread = None
 
-    def take(self, key) -> LayerBytes | None:
+    def take(self, key: object) -> LayerBytes | None:
         """The prefetched bytes of `key`, or None when another (or no) layer was prefetched."""
         if self._key != key:
             return None

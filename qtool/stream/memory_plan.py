@@ -18,6 +18,10 @@ Op-specific extras (AWQ's kept activation rows, eval kld's lm_head phase) are pa
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from qtool.stream.layer_stream import StreamPlan
 
 # host RAM of a rank process before any tensor of the job: Python with torch, transformers and the tokenizer
 # (measured: 375 MiB after the imports, 433 MiB peak for a CPU quantize of the tiny fixture whose tensors
@@ -82,7 +86,13 @@ class MemoryNeed:
 
 
 def need(
-    stream_plan, *, device: str, held_layers: int = 1, extra_host: int = 0, hidden_in_ram: bool = False, ranks: int = 1
+    stream_plan: StreamPlan,
+    *,
+    device: str,
+    held_layers: int = 1,
+    extra_host: int = 0,
+    hidden_in_ram: bool = False,
+    ranks: int = 1,
 ) -> MemoryNeed:
     """`stream_plan`: layer_stream.StreamPlan; per rank, on `device` (the fit reads that GPU's free memory)."""
     from qtool.stream.layer_read import CHUNK, READERS

@@ -148,10 +148,10 @@ def save(key: str | None, ids: list[int]) -> None:
     from qtool.io.jsonio import atomic_write_bytes
 
     try:
-        body = array("i", ids)
-        if body.itemsize != 4:
+        packed = array("i", ids)
+        if packed.itemsize != 4:
             return
-        body = body.tobytes()
+        body = packed.tobytes()
         p = _path(key)
         p.parent.mkdir(parents=True, exist_ok=True)
         # a reader sees the whole entry or none (runs in parallel fill it alike)
