@@ -16,7 +16,7 @@ import os
 import stat
 import threading
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from enum import Enum
 from pathlib import Path
 
@@ -40,12 +40,12 @@ def _no_space_hint(e: OSError) -> str | None:
     return "free disk space or choose another output directory" if e.errno == errno.ENOSPC else None
 
 
-def write_error(what: str, e: OSError, path: str | Path) -> WriteError:
+def write_error(what: str, error: OSError, path: str | Path) -> WriteError:
     """A WriteError for an OSError, with the fix for the common causes (full or read-only disk)."""
-    hint = _no_space_hint(e)
-    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+    hint = _no_space_hint(error)
+    if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         hint = "the directory is not writable: choose another output directory (-o) or fix its permissions"
-    return WriteError(f"{what}: {e.strerror}", path=path, hint=hint)
+    return WriteError(f"{what}: {error.strerror}", path=path, hint=hint)
 
 
 def require_text_path(path: str | Path, flag: str) -> None:
@@ -89,7 +89,7 @@ def new_file(path: str | Path, mode: int = 0o644) -> Iterator:
     f.close()
 
 
-def _reflink(src: str, fd: int, dst: str, mode: int, stop) -> bool:
+def _reflink(src: str, fd: int, dst: str, mode: int, stop: threading.Event | None) -> bool:
     try:
         with new_file(dst, mode) as d:
             fcntl.ioctl(d.fileno(), FICLONE, fd)
@@ -98,7 +98,7 @@ def _reflink(src: str, fd: int, dst: str, mode: int, stop) -> bool:
         return False
 
 
-def _hardlink(src: str, fd: int, dst: str, mode: int, stop) -> bool:
+def _hardlink(src: str, fd: int, dst: str, mode: int, stop: threading.Event | None) -> bool:
     """A link to the file open at `fd`, not to whatever its path names by now: through /proc (linkat's
     AT_SYMLINK_FOLLOW, no privilege needed), else by path and kept only if it is that file."""
     try:
@@ -117,7 +117,7 @@ def _hardlink(src: str, fd: int, dst: str, mode: int, stop) -> bool:
         return False
 
 
-def _symlink(src: str, fd: int, dst: str, mode: int, stop) -> bool:
+def _symlink(src: str, fd: int, dst: str, mode: int, stop: threading.Event | None) -> bool:
     try:
         if os.path.lexists(dst):
             os.unlink(dst)
@@ -145,7 +145,7 @@ def copy_file(src: str | Path, dst: str | Path, mode: int = 0o644) -> None:
         _copy(str(src), fd, str(dst), mode, None)
 
 
-def _copy(src: str, fd: int, dst: str, mode: int, stop) -> bool:
+def _copy(src: str, fd: int, dst: str, mode: int, stop: threading.Event | None) -> bool:
     from qtool.io.writer import copy_range
 
     try:
@@ -184,7 +184,7 @@ class Placer:
         self, mode: LinkMode = LinkMode.AUTO, stop: threading.Event | None = None, file_mode: int = 0o644
     ) -> None:
         self.mode = LinkMode(mode)
-        self.stop = stop  # copies end early (writer.Interrupted) once set
+        self.stop = stop  # copies end early (errors.Interrupted) once set
         self.file_mode = file_mode
         self.failed: set[str] = set()
         # the job's input files (qtool.io.input_files.InputFiles), set by its executor: a file is placed from
@@ -213,7 +213,7 @@ class Placer:
         with self._source(str(src)) as fd:
             _copy(str(src), fd, str(dst), self.file_mode, self.stop)
 
-    def _source(self, src: str):
+    def _source(self, src: str) -> AbstractContextManager[int]:
         return self.sources.placing(src) if self.sources is not None else _opened(src)
 
     def expect_new_bytes(self, src: str | Path, out_dir: str | Path) -> bool:

@@ -18,12 +18,19 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from qtool.errors import CheckpointError, PlanError, UsageError
 from qtool.stream import token_cache
 from qtool.stream.calib_sources import BUILTIN, TOKENIZER_FILES, builtin_path, parse_hub_dataset
+
+if TYPE_CHECKING:
+    import torch
+
+    from qtool.io.checkpoint import Checkpoint
 
 
 def dataset_revision(dataset: str) -> str | None:
@@ -42,7 +49,7 @@ def dataset_revision(dataset: str) -> str | None:
         return HfApi().dataset_info(repo, revision=rev).sha
 
 
-def _rows(dataset: str):
+def _rows(dataset: str) -> Iterator[Any]:
     """The rows of a .parquet file or a Hub dataset split, as dicts, one at a time (a caller that has the
     tokens it needs stops reading: ultrachat_200k's train_sft split is 200k conversations)."""
     if dataset.startswith("hf:"):
@@ -70,13 +77,13 @@ def _rows(dataset: str):
         with hub_errors(HubSpec(repo, rev)):  # a network error while rows stream in: named, no traceback
             yield from ds
         return
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # type: ignore[import-untyped]
 
     for batch in pq.ParquetFile(dataset).iter_batches(batch_size=256):
         yield from batch.to_pylist()
 
 
-def _document(row, i: int, where, tokenizer) -> str:
+def _document(row: Any, i: int, where: str | Path, tokenizer: Any) -> str:
     """A row's text: its `text`, or its chat `messages` rendered by the checkpoint's chat template."""
     if isinstance(row, dict) and isinstance(row.get("text"), str):
         return row["text"]
@@ -106,7 +113,7 @@ def _read_utf8(path: Path) -> str:
         ) from None
 
 
-def read_documents(dataset: str, tokenizer=None):
+def read_documents(dataset: str, tokenizer: Any = None) -> Iterable[str]:
     """The dataset's documents in order (an iterable: Hub datasets and parquet files are read lazily)."""
     if dataset == BUILTIN:
         return [builtin_path().read_text(encoding="utf-8")]
@@ -141,7 +148,7 @@ def read_documents(dataset: str, tokenizer=None):
 class CalibSet:
     """`ids` is a LongTensor [N, L]; `digest` identifies the token ids (journal key for --resume)."""
 
-    ids: object
+    ids: torch.Tensor
     dataset: str
     available_tokens: int
     revision: str | None = None  # a Hub dataset's commit
@@ -177,7 +184,7 @@ class CalibSet:
         return token_digest(self.ids)
 
 
-def token_digest(ids) -> str:
+def token_digest(ids: torch.Tensor) -> str:
     import torch
 
     t = ids.to(torch.int64).contiguous()
@@ -227,7 +234,7 @@ def windows_from_ids(
     return CalibSet(t, dataset, len(ids))
 
 
-def load_tokenizer(ckpt_dir: str | Path):
+def load_tokenizer(ckpt_dir: str | Path) -> Any:
     """The checkpoint's tokenizer (its side files already checked by the caller, build_calib_set)."""
     from qtool.stream.warm_import import join, skip_unused_imports
 
@@ -259,7 +266,7 @@ def load_tokenizer(ckpt_dir: str | Path):
         ) from None
 
 
-def plan_calibration(ckpt, dataset: str, samples: int, seq_len: int, *, at_most: bool = False) -> CalibSet:
+def plan_calibration(ckpt: Checkpoint, dataset: str, samples: int, seq_len: int, *, at_most: bool = False) -> CalibSet:
     """The calibration windows of a plan (before any weight is read): the dataset read and tokenized with
     the checkpoint's tokenizer; too few tokens, or ids past the model's vocab, refuse here (`at_most`:
     fewer windows than `samples` where the dataset gives fewer)."""
@@ -277,7 +284,7 @@ def plan_calibration(ckpt, dataset: str, samples: int, seq_len: int, *, at_most:
     return calib
 
 
-def _tokenize(tok, dataset: str, need: int, stop: threading.Event | None = None) -> list[int]:
+def _tokenize(tok: Any, dataset: str, need: int, stop: threading.Event | None = None) -> list[int]:
     """The dataset's token ids, documents in order, until `need` of them (or the data's end); once `stop`
     is set (the job was interrupted while this ran on another thread), Interrupted at the next document."""
     from qtool.errors import Interrupted
@@ -300,7 +307,7 @@ def build_calib_set(
     samples: int,
     seq_len: int,
     *,
-    tokenizer=None,
+    tokenizer: Any = None,
     at_most: bool = False,
     revision: str | None = None,
 ) -> CalibSet:

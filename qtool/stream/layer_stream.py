@@ -36,6 +36,7 @@ from qtool.arch.qwen35 import Group, layer_prefix, text_prefix
 from qtool.errors import PlanError
 from qtool.io.checkpoint import Checkpoint
 from qtool.io.safetensors_header import TensorInfo
+from qtool.io.stream_digest import NO_DIGESTS, DigestSink
 
 TAP_ATTENTION = "qtool_tap_sdpa"
 _DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
@@ -178,7 +179,7 @@ class DiskStore(HiddenStore):
 
         if not 2 <= files <= len(self.NAMES):
             raise ValueError(f"files must be 2..{len(self.NAMES)}")
-        from qtool.io.writer import InOrder
+        from qtool.io.in_order import InOrder
 
         # a failed write stops the fsync and the journal entry queued after it (they would declare the
         # layer's hidden states complete); the queue holds at most one layer's writes (read() drains it)
@@ -393,6 +394,7 @@ class LayerStreamer:
         batch_tokens: int | None = None,
         mm: ModelMap | None = None,
         routed_experts: str = "eager",
+        digests: DigestSink = NO_DIGESTS,
     ):
         from qtool import dist
 
@@ -425,7 +427,8 @@ class LayerStreamer:
         self._rotary = None
         from qtool.stream.layer_read import Prefetcher
 
-        self._reader = Prefetcher(device)
+        self.digests = digests  # the job's inputs hashed from this streamer's reads (qtool.io.stream_digest)
+        self._reader = Prefetcher(device, digests)
         # wall-clock times (epoch seconds) for benchmarks: when the first layer began loading, when each
         # layer was done (the op appends: quantize once its shard is written); reported, never in manifests
         self.clock: dict = {"first_layer_start": None, "layers_done": []}
@@ -539,7 +542,8 @@ class LayerStreamer:
 
         mine = self.my_batches(ids.shape[0], batch)
         used = torch.cat([ids[b0:b1].reshape(-1) for b0, b1 in mine]) if mine else ids[:0]
-        w, lookup = embedding_rows(self.mm, self.prefix + "embed_tokens.weight", used, self.dtype, every_id=ids)
+        embed = self.prefix + "embed_tokens.weight"
+        w, lookup = embedding_rows(self.mm, embed, used, self.dtype, every_id=ids, digests=self.digests)
         for b0, b1 in mine:
             x = w[lookup[ids[b0:b1]]]
             if isinstance(store, DiskStore):
@@ -634,16 +638,15 @@ class LayerStreamer:
     def inputs_hashed(self, idx: int) -> None:
         """Wait until the input bytes layer `idx` used (its tensors and the embedding) are hashed, where the
         job hashes its inputs from its reads (qtool.io.stream_digest): call before journaling the layer."""
-        from qtool.io import stream_digest
         from qtool.stream.dequant import layer_tensors
 
-        if stream_digest.StreamDigests.active is None:
+        if self.digests is NO_DIGESTS:
             return
         ends: dict[str, int] = {}
         embed = self.ckpt.tensors.get(self.prefix + "embed_tokens.weight")
         for i in layer_tensors(self.mm, idx) + ([embed] if embed is not None else []):
             ends[i.file] = max(ends.get(i.file, 0), i.end)
-        stream_digest.covered(ends)
+        self.digests.covered(ends)
 
     def prefetch(self, idx: int) -> None:
         """Start reading layer `idx`'s bytes in the background (qtool.stream.layer_read): the next

@@ -120,15 +120,15 @@ def _path(k: str) -> Path:
     return cache_dir() / "tokens" / f"{k}.i32"
 
 
-def load(k: str | None) -> list[int] | None:
-    """The ids saved under `k`, or None."""
-    if k is None:
+def load(key: str | None) -> list[int] | None:
+    """The ids saved under `key`, or None."""
+    if key is None:
         return None
     try:
-        raw = _path(k).read_bytes()
+        raw = _path(key).read_bytes()
     except OSError:
         return None
-    head = MAGIC + k.encode() + b"\n"
+    head = MAGIC + key.encode() + b"\n"
     if not raw.startswith(head) or len(raw) < len(head) + 40:
         return None  # foreign or torn
     count = int.from_bytes(raw[len(head) : len(head) + 8], "little")
@@ -138,28 +138,28 @@ def load(k: str | None) -> list[int] | None:
     ids = array("i")
     ids.frombytes(body)
     try:
-        os.utime(_path(k))  # used: the last entry the folder's pruning removes
+        os.utime(_path(key))  # used: the last entry the folder's pruning removes
     except OSError:
         pass  # a read-only cache dir
     return ids.tolist()
 
 
-def save(k: str | None, ids: list[int]) -> None:
-    if k is None:
+def save(key: str | None, ids: list[int]) -> None:
+    if key is None:
         return
     from qtool.errors import WriteError
     from qtool.io.jsonio import atomic_write_bytes
 
     try:
-        body = array("i", ids)
-        if body.itemsize != 4:
+        packed = array("i", ids)
+        if packed.itemsize != 4:
             return
-        body = body.tobytes()
-        p = _path(k)
+        body = packed.tobytes()
+        p = _path(key)
         p.parent.mkdir(parents=True, exist_ok=True)
         # a reader sees the whole entry or none (runs in parallel fill it alike)
         atomic_write_bytes(
-            p, MAGIC + k.encode() + b"\n" + len(ids).to_bytes(8, "little") + hashlib.sha256(body).digest() + body
+            p, MAGIC + key.encode() + b"\n" + len(ids).to_bytes(8, "little") + hashlib.sha256(body).digest() + body
         )
         _prune(p.parent)
     except (OSError, OverflowError, WriteError):

@@ -225,7 +225,7 @@ def test_a_piece_the_input_digest_has_no_room_for_is_read_through_the_page_cache
     flags = _reads_with_flags(monkeypatch)
     with stream_digest.StreamDigests() as reg:
         digests = {f: reg.add(f) for f in {i.file for i in infos}}
-        LayerBytes(infos).read()
+        LayerBytes(infos, digests=reg).read()
         direct = list(flags)
         for f, d in digests.items():
             assert d.finish() == hashlib.sha256(Path(f).read_bytes()).hexdigest()
@@ -258,6 +258,33 @@ def test_a_tensor_at_an_odd_offset_is_its_bytes(tmp_path):
             list(t.shape) == info.shape
             and t.view(-1).view(torch.uint8).numpy().tobytes() == data[info.start : info.end]
         )
+
+
+def test_each_piece_read_goes_to_the_digests_the_reader_is_given_and_nowhere_else(tmp_path):
+    """The reader hands what it reads to the job's input digests it was given (an object, made by whoever
+    opened the inputs), claimed first, each byte once; two jobs' readers in one process feed their own."""
+    from qtool.io.stream_digest import NoDigests
+
+    class Recording(NoDigests):
+        def __init__(self) -> None:
+            self.claimed: list[tuple[int, int]] = []
+            self.offered: dict[int, bytes] = {}
+
+        def claim(self, path: str, start: int, end: int) -> None:
+            self.claimed.append((start, end))
+
+        def offer(self, path: str, start: int, view: memoryview, keep=None) -> None:
+            assert path == str(f) and (start, start + len(view)) in self.claimed
+            self.offered[start] = bytes(view)
+
+    f, data = _raw_file(tmp_path, 3 * ALIGN + 77)
+    info = TensorInfo("t", str(f), "U8", [len(data) - 10], 5, len(data) - 5)
+    mine, other = Recording(), Recording()
+    LayerBytes([info], digests=mine).read()
+    assert b"".join(mine.offered[k] for k in sorted(mine.offered)) == data[5:-5]
+    assert not other.claimed and not other.offered
+    LayerBytes([info]).read()  # a reader given no digests hashes nothing
+    assert not other.offered
 
 
 def test_a_short_direct_read_is_finished_not_called_truncated(tmp_path, monkeypatch):

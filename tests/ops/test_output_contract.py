@@ -895,7 +895,7 @@ def test_a_failed_write_stops_the_hashes_of_the_shards_written_before_it(tiny_nv
     sha256 threads (handed to no one yet) read on to each file's end, into the interpreter's exit."""
     from killpoint import run_failing
 
-    slow = {**os.environ, "KILLPOINT_SLOW": "qtool.io.writer:HashedWrites._run:2"}
+    slow = {**os.environ, "KILLPOINT_SLOW": "qtool.io.hashed_writes:HashedWrites._run:2"}
     p = run_failing(
         "qtool.io.apply:_journal_if_on_record",
         1,

@@ -26,6 +26,7 @@ from qtool.io.identity import input_identity, tensor_list_text
 from qtool.io.jsonio import load_json, write_json
 from qtool.io.manifest import RUN
 from qtool.io.output import OutputDir
+from qtool.io.stream_digest import NO_DIGESTS, DigestSink
 from qtool.ops.contract import Report
 from qtool.ops.quantize.output import input_files
 from qtool.ops.quantize.plan import HIDDEN_FILES, QuantizeOptions, QuantizePlan, plan
@@ -46,15 +47,16 @@ def _journal_key(p: QuantizePlan, digest: str) -> str:
 
 
 @contextlib.contextmanager
-def first_layer_read(p: QuantizePlan, partial: Path) -> Iterator[tuple[object, int]]:
+def first_layer_read(p: QuantizePlan, partial: Path, digests: DigestSink = NO_DIGESTS) -> Iterator[tuple[object, int]]:
     """(a LayerStreamer, the run's first layer) with that layer's read begun: a --resume's next layer, as
     its journal says (0 without one; calibrate_and_write checks the journal is this job's). The rest of
     the start (the output plan: 3 s of per-tensor Python for the 397B's 372k output tensors on the 2-core
-    VM) runs while it is read. The streamer is closed on the way out (its reads end there)."""
+    VM) runs while it is read. The streamer is closed on the way out (its reads end there). digests: the
+    job's inputs hashed from the streamer's reads (the transaction's input hasher's)."""
     from qtool.stream.layer_stream import LayerStreamer
 
     streamer = LayerStreamer(
-        p.ckpt, device=p.device, mm=p.mm, batch_tokens=p.options.batch_tokens if p.options else None
+        p.ckpt, device=p.device, mm=p.mm, batch_tokens=p.options.batch_tokens if p.options else None, digests=digests
     )
     try:
         first = 0
@@ -396,7 +398,7 @@ def execute(p: QuantizePlan, *, progress=None) -> Report:
         hasher, planned = None, False
         try:
             hasher = input_hasher(tx, streamed_files(p.ckpt, p.mm))
-            with first_layer_read(p, tx.partial) as (streamer, first):
+            with first_layer_read(p, tx.partial, hasher.read_digests) as (streamer, first):
                 report["plan"] = p.to_json()  # (makes the output plan)
                 planned = True
                 # the output's checks on the plan's view of it, found while the layers are written: reading

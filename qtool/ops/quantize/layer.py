@@ -11,7 +11,9 @@ from pathlib import Path
 import torch
 
 from qtool.formats.fp8 import W8A8_PARAMS
-from qtool.io.writer import FileRange, HashedWrites, InlineBytes, InOrder, OutTensor, build_header, copy_range
+from qtool.io.hashed_writes import HashedWrites
+from qtool.io.in_order import InOrder
+from qtool.io.writer import FileRange, InlineBytes, OutTensor, build_header, copy_range
 from qtool.ops.quantize.schemes import code_fp8_linear
 from qtool.recipes import InputScale, OutFormat, Scheme, WeightScale
 
