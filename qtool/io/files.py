@@ -147,7 +147,8 @@ def copy_file(src: str | Path, dst: str | Path, mode: int = 0o644) -> None:
 
 def _copy(src: str, fd: int, dst: str, mode: int, stop, on_header: Callable[[], None] | None = None) -> bool:
     """A kernel-side copy into a NEW file, fsynced. on_header: called once the copy holds the source's
-    safetensors header (copied first), so that checks reading only headers need not wait for the data."""
+    safetensors header (copied first), so that checks reading only headers need not wait for the data (once
+    the copy is done where the file has no header)."""
     from qtool.io.writer import copy_range
 
     size = os.fstat(fd).st_size
@@ -160,6 +161,8 @@ def _copy(src: str, fd: int, dst: str, mode: int, stop, on_header: Callable[[], 
             copy_range(fd, d.fileno(), head, size - head, stop)
     except OSError as e:
         raise write_error("copying a file failed", e, dst) from None
+    if on_header is not None and not head:  # no header to copy first: told once the copy is whole
+        on_header()
     return True
 
 
