@@ -15,7 +15,7 @@ import hashlib
 import os
 import stat
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from enum import Enum
 from pathlib import Path
@@ -145,15 +145,37 @@ def copy_file(src: str | Path, dst: str | Path, mode: int = 0o644) -> None:
         _copy(str(src), fd, str(dst), mode, None)
 
 
-def _copy(src: str, fd: int, dst: str, mode: int, stop: threading.Event | None) -> bool:
+def _copy(
+    src: str, fd: int, dst: str, mode: int, stop: threading.Event | None, on_header: Callable[[], None] | None = None
+) -> bool:
+    """A kernel-side copy into a NEW file, fsynced. on_header: called once the copy holds the source's
+    safetensors header (copied first), so that checks reading only headers need not wait for the data (once
+    the copy is done where the file has no header)."""
     from qtool.io.writer import copy_range
 
+    size = os.fstat(fd).st_size
     try:
         with new_file(dst, mode) as d:
-            copy_range(fd, d.fileno(), 0, os.fstat(fd).st_size, stop)
+            head = _safetensors_header_end(fd, size) if on_header is not None else 0
+            if head:
+                copy_range(fd, d.fileno(), 0, head, stop)
+                on_header()
+            copy_range(fd, d.fileno(), head, size - head, stop)
     except OSError as e:
         raise write_error("copying a file failed", e, dst) from None
+    if on_header is not None and not head:  # no header to copy first: told once the copy is whole
+        on_header()
     return True
+
+
+def _safetensors_header_end(fd: int, size: int) -> int:
+    """Where the header of the safetensors file open at `fd` ends (its 8-byte length, then the JSON), or
+    0 where the file is too short to be one."""
+    first = os.pread(fd, 8, 0)
+    if len(first) < 8:
+        return 0
+    end = 8 + int.from_bytes(first, "little")
+    return end if end <= size else 0
 
 
 @contextmanager
@@ -191,14 +213,22 @@ class Placer:
         # the one the job opened and checks at commit, not from whatever its path names by then
         self.sources = None
 
-    def place(self, src: str | Path, dst: str | Path) -> str:
-        """Put `src` at `dst` (durable on return); returns the method used."""
+    def place(self, src: str | Path, dst: str | Path, on_header: Callable[[], None] | None = None) -> str:
+        """Put `src` at `dst` (durable on return); returns the method used. on_header: called once `dst`
+        holds the safetensors header of `src` (a copy's comes first, before its data)."""
         src, dst = str(src), str(dst)
         with self._source(src) as fd:
             for method in _ORDER[self.mode]:
                 if method in self.failed:
                     continue
-                if _METHODS[method](src, fd, dst, self.file_mode, self.stop):
+                if method == "copy" and on_header is not None:
+                    placed = _copy(src, fd, dst, self.file_mode, self.stop, on_header)
+                    on_header = None  # told by the copy
+                else:
+                    placed = _METHODS[method](src, fd, dst, self.file_mode, self.stop)
+                if placed:
+                    if on_header is not None:
+                        on_header()
                     return method
                 self.failed.add(method)
         raise WriteError(

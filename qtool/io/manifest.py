@@ -219,16 +219,24 @@ class InputHasher:
         self.futures[path] = f
         self._inputs.append(f)
 
-    def _settled(self) -> None:
-        """Wait until every input the pool hashes is on record (a failed hash raises)."""
+    def _settled(self, wait: bool = True) -> bool:
+        """Wait until every input the pool hashes is on record (a failed hash raises); wait=False: whether
+        they are, without waiting."""
         for f in list(self._inputs):
+            if not wait and not f.done():
+                return False
             f.result()
+        return True
+
+    def wait_pooled(self) -> None:
+        """Wait until every input the pool hashes is on record (a failed hash raises)."""
+        self._settled()
 
     def on_record(self, ends: Callable[[], dict[str, int]], wait: bool = True) -> bool:
         """Whether the input bytes a unit used are on record (see the class): every pooled input (waited
         for: small files, or shards hashed since the job started), and of the inputs hashed from the job's
         reads the bytes before `ends()` (path -> end offset; called only when there are such inputs).
-        wait=False: never wait for those (a caller that can journal the unit later, or not at all).
+        wait=False: never wait, for either (a caller that can journal the unit later, or not at all).
         """
         if self.record is None or self.streams is None:
             return True

@@ -334,8 +334,8 @@ class StreamDigests:
         other inputs too (`settled`), then hand the prefixes to `on_snapshot`: what a unit about to be
         journaled used is then on record. wait=False: never wait for (nor make the digest read ahead to)
         those bytes; False if some are not hashed yet."""
-        if self.settled is not None:
-            self.settled()
+        if self.settled is not None and not self.settled(wait):
+            return False
         now = {}
         for path, end in ends.items():
             d = self.get(path)
