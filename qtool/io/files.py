@@ -157,7 +157,7 @@ def _copy(
     try:
         with new_file(dst, mode) as d:
             head = _safetensors_header_end(fd, size) if on_header is not None else 0
-            if head:
+            if head and on_header is not None:
                 copy_range(fd, d.fileno(), 0, head, stop)
                 on_header()
             copy_range(fd, d.fileno(), head, size - head, stop)

@@ -280,13 +280,15 @@ class StreamDigests:
     def __init__(
         self,
         on_snapshot: Callable[[dict[str, tuple[int, str]]], None] | None = None,
-        settled: Callable[[], None] | None = None,
+        settled: Callable[[bool], bool] | None = None,
     ) -> None:
         self.files: dict[str, FileDigest] = {}
         self._real: dict[str, str] = {}
         self.lock = threading.Lock()
         self.on_snapshot = on_snapshot  # fn({realpath: (offset, prefix sha256)}): the resume record
-        self.settled = settled  # fn(): wait until the job's other inputs (hashed whole) are on record
+        self.settled = (
+            settled  # fn(wait) -> bool: (wait=True: wait) until the job's other inputs (hashed whole) are on record
+        )
         self._last: dict[str, tuple[int, str]] = {}
 
     def add(self, path: str, check: tuple[int, str] | None = None) -> FileDigest:
