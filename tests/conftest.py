@@ -57,13 +57,26 @@ _CACHE = None
 
 
 @pytest.fixture(scope="session")
-def tiny_cache(tmp_path_factory: pytest.TempPathFactory):
-    """The session's qtool.fixtures.tiny.FixtureCache (builds each fixture on first use)."""
+def tiny_cache(tmp_path_factory: pytest.TempPathFactory, worker_id: str):
+    """The session's qtool.fixtures.tiny.FixtureCache (builds each fixture on first use). Under pytest-xdist
+    the workers share one (in the run's temp dir, above each worker's own): the first that needs a fixture
+    builds it and the others wait for it (FixtureCache's build lock)."""
     global _CACHE
     from qtool.fixtures.tiny import FixtureCache
 
-    _CACHE = FixtureCache(tmp_path_factory.mktemp("tiny"))
+    if worker_id == "master":
+        root = tmp_path_factory.mktemp("tiny")
+    else:
+        root = tmp_path_factory.getbasetemp().parent / "tiny"
+    _CACHE = FixtureCache(root)
     return _CACHE
+
+
+@pytest.fixture(scope="session")
+def worker_id(request: pytest.FixtureRequest) -> str:
+    """pytest-xdist's worker name (gw0, gw1, ...), or "master" without it (xdist's own fixture of that name
+    overrides this one when it is installed)."""
+    return getattr(request.config, "workerinput", {}).get("workerid", "master")
 
 
 @pytest.fixture(scope="session")
