@@ -9,7 +9,8 @@ Fixtures (built once per session under a pytest temp dir, on first use, by qtool
 Treat them as read-only: copy before modifying (shutil.copytree).
 
 Markers: `gpu` tests are skipped without CUDA; `engines` tests are skipped unless QTOOL_ENGINES_PYTHON
-names the Python of a venv with vLLM/SGLang.
+names the Python of a venv with vLLM/SGLang; `slow` (over 5 s) is left out of the fast tier (`-m "not slow"`).
+Under pytest-xdist (`-n auto`) the tests are spread over the workers by `--dist loadgroup` (set here).
 """
 
 from __future__ import annotations
@@ -31,6 +32,13 @@ def hub(monkeypatch, tmp_path):
     with FakeHub(page_size=3) as h:
         point_hf_at(monkeypatch, h, tmp_path)
         yield h
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # `-n N` (pytest-xdist) alone hands out tests one by one; the `xdist_group` marks (the tests that measure
+    # a process's reads or memory, run one after another on one worker) hold only under --dist loadgroup
+    if getattr(config.option, "dist", "no") == "load":
+        config.option.dist = "loadgroup"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -260,6 +262,7 @@ def test_a_gpu_smaller_than_the_reserve_is_blamed_on_the_reserve(tiny_nvfp4_mode
     assert "budget 0.8 GiB (0.9 GB) < weights 0.0 GiB + reserve 4.0 GiB = 4.0 GiB" in fit, fit
 
 
+@pytest.mark.xdist_group("measure")  # measures reads or memory: not beside another such test
 def test_the_planned_host_memory_counts_the_process_itself(tiny_bf16, tmp_path):
     """Found: quantize's plan said "peak memory host ~36.7 MiB" for a run whose peak was 581-819 MB: the
     interpreter with torch and transformers was not counted. The plan is at least the process's own peak."""

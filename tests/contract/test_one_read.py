@@ -28,6 +28,9 @@ import pytest
 
 from qtool.fixtures.page_cache import evict
 
+# they measure reads or memory: run one after another on one worker, not beside each other
+pytestmark = pytest.mark.xdist_group("measure")
+
 
 def _shards(root: Path) -> list[Path]:
     return sorted(root.glob("*.safetensors"))
