@@ -35,6 +35,7 @@ def _installed_qtool(args, *, cwd, timeout=300):
     )
 
 
+@pytest.mark.slow
 def test_ranks_start_in_a_folder_that_holds_a_qtool_folder(tiny_bf16, tmp_path):
     """Found: `cd DIR && qtool quantize ... --nproc 2` where DIR holds a folder named `qtool` (the parent of a
     clone): every rank died with `ImportError: cannot import name '__version__' from 'qtool'` (the ranks ran

@@ -152,6 +152,7 @@ def test_a_committed_outputs_digests_are_known_to_the_next_job(request, tmp_path
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["-o OUT --force", "--in-place"])
 def test_a_rerun_reads_nothing_to_hash_its_input(request, tmp_path, inputs_hashed, where):
     """calibrate-kv again and again, as a user tunes it. `-o OUT --force`: each run links SRC's unchanged
