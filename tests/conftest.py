@@ -9,7 +9,8 @@ Fixtures (built once per session under a pytest temp dir, on first use, by qtool
 Treat them as read-only: copy before modifying (shutil.copytree).
 
 Markers: `gpu` tests are skipped without CUDA; `engines` tests are skipped unless QTOOL_ENGINES_PYTHON
-names the Python of a venv with vLLM/SGLang.
+names the Python of a venv with vLLM/SGLang; `slow` (over 5 s) is left out of the fast tier (`-m "not slow"`).
+Under pytest-xdist (`-n auto`) the tests are spread over the workers by `--dist loadgroup` (set here).
 """
 
 from __future__ import annotations
@@ -31,6 +32,13 @@ def hub(monkeypatch, tmp_path):
     with FakeHub(page_size=3) as h:
         point_hf_at(monkeypatch, h, tmp_path)
         yield h
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # `-n N` (pytest-xdist) alone hands out tests one by one; the `xdist_group` marks (the tests that measure
+    # a process's reads or memory, run one after another on one worker) hold only under --dist loadgroup
+    if getattr(config.option, "dist", "no") == "load":
+        config.option.dist = "loadgroup"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -57,13 +65,26 @@ _CACHE = None
 
 
 @pytest.fixture(scope="session")
-def tiny_cache(tmp_path_factory: pytest.TempPathFactory):
-    """The session's qtool.fixtures.tiny.FixtureCache (builds each fixture on first use)."""
+def tiny_cache(tmp_path_factory: pytest.TempPathFactory, worker_id: str):
+    """The session's qtool.fixtures.tiny.FixtureCache (builds each fixture on first use). Under pytest-xdist
+    the workers share one (in the run's temp dir, above each worker's own): the first that needs a fixture
+    builds it and the others wait for it (FixtureCache's build lock)."""
     global _CACHE
     from qtool.fixtures.tiny import FixtureCache
 
-    _CACHE = FixtureCache(tmp_path_factory.mktemp("tiny"))
+    if worker_id == "master":
+        root = tmp_path_factory.mktemp("tiny")
+    else:
+        root = tmp_path_factory.getbasetemp().parent / "tiny"
+    _CACHE = FixtureCache(root)
     return _CACHE
+
+
+@pytest.fixture(scope="session")
+def worker_id(request: pytest.FixtureRequest) -> str:
+    """pytest-xdist's worker name (gw0, gw1, ...), or "master" without it (xdist's own fixture of that name
+    overrides this one when it is installed)."""
+    return getattr(request.config, "workerinput", {}).get("workerid", "master")
 
 
 @pytest.fixture(scope="session")

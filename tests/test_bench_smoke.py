@@ -9,6 +9,10 @@ from pathlib import Path
 
 import pytest
 
+# they measure reads or memory: run one after another on one worker, not beside each other
+pytestmark = pytest.mark.xdist_group("measure")
+
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -48,7 +48,7 @@ CHUNK = 64 << 20  # one preadv (a direct read) and one host->device copy
 # the most one preadv call through the page cache asks for (a filesystem without direct reads, and single
 # tensors' reads). The kernel reads up to min(call, max(io_pages, ra_pages)) of a call's pages before it
 # copies them out, and where the input does not fit the page cache a page read but not yet copied can be
-# dropped and read again: with tests/ops/test_one_read.py's dropper on the VM's disk (an 8 MiB window),
+# dropped and read again: with tests/contract/test_one_read.py's dropper on the VM's disk (an 8 MiB window),
 # 1 MiB calls read 1.017-1.038x the input, 64 MiB calls 1.034-1.132x, direct 64 MiB reads 1.008-1.011x.
 # The cost of short calls: each return needs the interpreter back, which a busy main thread holds up to
 # the 5 ms switch interval (on the H200, 4 readers read 0.64 GB/s beside a Python loop in 1 MiB calls,

@@ -149,6 +149,7 @@ def test_report_with_saved_kld_and_with_ref(tiny_bf16, tiny_nvfp4_modelopt, tmp_
     assert _page(out2).data["artifacts"][0]["kld"] == kld
 
 
+@pytest.mark.slow
 def test_two_397b_artifacts_compared(tmp_path_factory, tmp_path, capsys):
     """The sparse real-scale 397B layout, NVIDIA's NVFP4 against the BF16 original: the grid difference is
     the routed experts of all 60 layers, the BF16 one does not fit 4 x 96 GB."""
