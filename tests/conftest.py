@@ -67,17 +67,31 @@ _CACHE = None
 @pytest.fixture(scope="session")
 def tiny_cache(tmp_path_factory: pytest.TempPathFactory, worker_id: str):
     """The session's qtool.fixtures.tiny.FixtureCache (builds each fixture on first use). Under pytest-xdist
-    the workers share one (in the run's temp dir, above each worker's own): the first that needs a fixture
-    builds it and the others wait for it (FixtureCache's build lock)."""
+    each worker has its own (see qtool_cache_of_the_worker: one worker's hard links into a shared fixture
+    would move its ctime under another's running job)."""
     global _CACHE
     from qtool.fixtures.tiny import FixtureCache
 
-    if worker_id == "master":
-        root = tmp_path_factory.mktemp("tiny")
-    else:
-        root = tmp_path_factory.getbasetemp().parent / "tiny"
-    _CACHE = FixtureCache(root)
+    _CACHE = FixtureCache(tmp_path_factory.mktemp("tiny"))
     return _CACHE
+
+
+@pytest.fixture(scope="session", autouse=True)
+def qtool_cache_of_the_worker(tmp_path_factory: pytest.TempPathFactory, worker_id: str):
+    """Under pytest-xdist each worker has qtool's cache folder (the builtin fixtures, digests) to itself, as
+    it has its own tiny fixtures (tiny_cache). Shared, one worker's hard links into a fixture (assemble,
+    build) move the files' ctime while another worker's job reads them, and that job then rightly refuses
+    an input that changed under it."""
+    if worker_id == "master":
+        yield
+        return
+    before = os.environ.get("QTOOL_CACHE_DIR")
+    os.environ["QTOOL_CACHE_DIR"] = str(tmp_path_factory.mktemp("qtool-cache"))
+    yield
+    if before is None:
+        os.environ.pop("QTOOL_CACHE_DIR", None)
+    else:
+        os.environ["QTOOL_CACHE_DIR"] = before
 
 
 @pytest.fixture(scope="session")
