@@ -38,7 +38,7 @@ def run_cli(
     accepted for run_qtool's callers and not enforced: a hang here is the test run's own timeout.)"""
     argv = [str(a) for a in args]
     out, err = _text_stream(), _text_stream()
-    with _environment(env), _working_directory(cwd), _std_streams(out, err), _fresh_redaction():
+    with _environment(env), _working_directory(cwd), _std_streams(out, err), _fresh_redaction(), _argv(argv):
         try:
             code = main(argv)
         except SystemExit as e:  # argparse's usage errors and --help
@@ -47,6 +47,17 @@ def run_cli(
             traceback.print_exc(file=sys.stderr)
             code = 1
     return subprocess.CompletedProcess(["qtool", *argv], code, _text(out), _text(err))
+
+
+@contextlib.contextmanager
+def _argv(argv: list[str]) -> Iterator[None]:
+    """sys.argv as the process would have it: the manifest records the command line from it."""
+    before = sys.argv
+    sys.argv = ["qtool", *argv]
+    try:
+        yield
+    finally:
+        sys.argv = before
 
 
 def _text_stream() -> io.TextIOWrapper:
