@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from qtool.errors import WriteError
+from qtool.io.tensor_table import tensor_rows
 
 SAMPLE_HEAD = 1 << 20  # at most: the safetensors header (a 397B shard's is ~0.7 MB)
 SAMPLE_BLOCK = 4 << 10  # a page
@@ -61,8 +62,6 @@ def tensor_list_text(tensors) -> bytes:
     """`name|dtype|[shape]|its file's size` of every tensor, one line each, sorted by name: what a layer job's
     journal key records of the checkpoint it reads (a --resume against another list starts over). Read
     from a TensorTable's columns with one `stat` per shard (a 397B has ~370k tensors in ~50 shards)."""
-    from qtool.io.tensor_table import tensor_rows
-
     sizes: dict[str, int] = {}
     # "|dtype|[shape]|size\n" of each (file, dtype, shape) met: a 397B repeats a few dozen of them 370k times.
     # Keyed by the objects' ids, not their values: (True, 2) and (1.0, 2) equal (1, 2) as dict keys but are

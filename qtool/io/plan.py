@@ -25,9 +25,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple, Union
 
+from qtool.errors import CheckpointError
+from qtool.io.checkpoint import Checkpoint
 from qtool.io.jsonio import JsonStyle, dumps
 from qtool.io.output import RECORDS
-from qtool.io.writer import FileRange, InlineBytes, OutTensor, json_str, shard_size
+from qtool.io.safetensors_header import SafetensorsHeader, read_header
+from qtool.io.tensor_table import TensorTable
+from qtool.io.writer import FileRange, InlineBytes, OutTensor, build_header, index_text, json_str, shard_size
 
 
 class Pending(NamedTuple):
@@ -96,8 +100,6 @@ def checkpoint_files(root: Path) -> list[tuple[str, Path]]:
     what an output made from `root` carries over. An entry that is
     neither a regular file nor a directory (a FIFO, a device, a dangling symlink, a symlink loop) is a named
     error: a copy silently without it would be worse."""
-    from qtool.errors import CheckpointError
-
     out = []
     for p in sorted(Path(root).rglob("*")):
         rel = p.relative_to(root)
@@ -225,8 +227,6 @@ def index_map(e: Index) -> dict:
 
 
 def index_text_of(e: Index):
-    from qtool.io.writer import index_text
-
     return index_text(index_map(e), e.metadata)
 
 
@@ -294,11 +294,6 @@ def header_checkpoint(
     the output's tensors (quantization configs, ignore lists, findings) before execution.
     `as_written`: every tensor at its place in the output under `root` (a copied one too), so that values
     read through it come from the written files once they are there."""
-    from qtool.io.checkpoint import Checkpoint
-    from qtool.io.safetensors_header import SafetensorsHeader, read_header
-    from qtool.io.tensor_table import TensorTable
-    from qtool.io.writer import build_header
-
     table = TensorTable()
     headers = {}
     for e in plan.files:
