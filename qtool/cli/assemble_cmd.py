@@ -17,6 +17,7 @@ from qtool.cli.common import (
     show_progress,
 )
 from qtool.errors import UsageError
+from qtool.hub.spec import is_hub_spec
 
 
 def add_arguments(p) -> None:
@@ -178,7 +179,7 @@ def _print_plan(s: dict, header: str | None = None) -> None:
 def _bf16_source(spec: str, layers: tuple[int, ...], mtp: str, progress: bool, shared=None) -> Path:
     """A Hub BF16 source is range-fetched: only the tensors the plan can take (shared experts, chosen
     layers' experts, MTP head: ~1.5 GB of the 397B's ~800 GB); local paths are used as they are."""
-    from qtool.hub.resolve import fetch_tensor_patterns, is_hub_spec
+    from qtool.hub.resolve import fetch_tensor_patterns
     from qtool.ops.assemble.model import bf16_source_patterns
 
     if not is_hub_spec(spec):

@@ -10,6 +10,7 @@ import re
 import sys
 from collections.abc import Callable
 
+from qtool.hub.spec import is_hub_spec, parse_spec
 from qtool.sizes import human_bytes
 
 # --dataset of every command that tokenizes text (qtool.stream.calib_data reads each of these)
@@ -189,8 +190,6 @@ def headers_checkpoint(spec, *, token=None):
     """For commands that read only headers and configs (inspect, verify without --deep, serve-config): a
     local path as it is; `hf:ORG/NAME[@REV]` as a header-only stand-in (qtool.hub.headers: configs and
     shard headers by range requests, cached by commit, offline when cached), its traffic on stderr."""
-    from qtool.hub.resolve import is_hub_spec, parse_spec
-
     if not is_hub_spec(spec):
         return local_checkpoint(spec)
     from qtool.hub.headers import remote_headers

@@ -6,6 +6,7 @@ import dataclasses
 import sys
 
 from qtool.cli.common import add_json_flag, headers_checkpoint, print_json
+from qtool.hub.spec import is_hub_spec
 
 
 def add_arguments(p) -> None:
@@ -49,7 +50,6 @@ def run(args) -> int:
         yarn=args.yarn,
         served_model_name=args.served_model_name,
     )
-    from qtool.hub.resolve import is_hub_spec
 
     path = headers_checkpoint(args.checkpoint)
     if is_hub_spec(args.checkpoint):  # the launch names the repo and the commit verify read, not qtool's cache

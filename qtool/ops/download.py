@@ -19,7 +19,7 @@ from pathlib import Path
 from qtool.errors import UsageError
 from qtool.hub.download import RepoListing, check_space, download_files, repo_listing
 from qtool.hub.remote_safetensors import FetchPlan, TensorFetchOptions, plan_fetch
-from qtool.hub.resolve import HubSpec
+from qtool.hub.spec import HubSpec
 from qtool.hub.tensor_fetch import fetch_tensors
 from qtool.io.files import LinkMode
 from qtool.io.manifest import RUN

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qtool.errors import CheckpointError, PlanError, UsageError
+from qtool.hub.spec import HubSpec, hub_errors, hub_offline, is_commit
 from qtool.stream import token_cache
 from qtool.stream.calib_sources import BUILTIN, TOKENIZER_FILES, builtin_path, parse_hub_dataset
 
@@ -32,8 +33,6 @@ def dataset_revision(dataset: str) -> str | None:
     if not dataset.startswith("hf:"):
         return None
     from huggingface_hub import HfApi
-
-    from qtool.hub.resolve import HubSpec, hub_errors, hub_offline, is_commit
 
     repo, rev, _ = parse_hub_dataset(dataset)
     if is_commit(rev) or hub_offline():
@@ -50,8 +49,6 @@ def _rows(dataset: str):
 
         require("datasets", f"the dataset {dataset}")
         import datasets
-
-        from qtool.hub.resolve import HubSpec, hub_errors, hub_offline
 
         repo, rev, split = parse_hub_dataset(dataset)
         with hub_errors(HubSpec(repo, rev)):

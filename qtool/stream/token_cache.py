@@ -32,6 +32,7 @@ import os
 from array import array
 from pathlib import Path
 
+from qtool.hub.spec import is_commit
 from qtool.stream.calib_sources import TOKENIZER_FILES
 
 MAGIC = b"qtool-tokens 1\n"
@@ -64,7 +65,6 @@ def _version(dist: str) -> str | None:
 
 
 def _data_identity(dataset: str, revision: str | None) -> list | None:
-    from qtool.hub.resolve import is_commit
     from qtool.stream.calib_sources import BUILTIN, builtin_path, parse_hub_dataset
 
     if dataset.startswith("hf:"):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from qtool.build_recipes import BuildRecipe, Op, Source, SourceKind, Step
 from qtool.errors import CheckpointError, PlanError, UsageError
+from qtool.hub.spec import HubError, cached_commit, hub_offline, parse_spec
 from qtool.io.output import STEP_MARKER
 
 OVERRIDE_ENV = "QTOOL_BUILD_SOURCES"  # "name=path,name=path": replace recipe sources by local dirs
@@ -182,7 +183,6 @@ def _hub_commit(spec, token: str | None) -> str:
     """The source's commit: asked of the Hub, or, offline (HF_HUB_OFFLINE=1) or with the Hub unreachable,
     what is cached (a pinned commit, a branch resolved before)."""
     from qtool.hub.download import repo_listing
-    from qtool.hub.resolve import HubError, cached_commit, hub_offline
 
     if hub_offline():
         commit = cached_commit(spec)
@@ -227,7 +227,6 @@ def resolve_source(
         path, version = builtins(src.ref)
         ident = {"kind": "builtin", "name": src.ref, **version}
         return ResolvedSource(src, ident, sha(ident), path)
-    from qtool.hub.resolve import parse_spec
 
     spec = parse_spec(src.ref + (f"@{src.revision}" if src.revision else ""), require_prefix=False)
     ident = {

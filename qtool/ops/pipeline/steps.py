@@ -12,6 +12,7 @@ from pathlib import Path
 
 from qtool.build_recipes import Op, SourceKind
 from qtool.errors import PlanError, VerificationError
+from qtool.hub.spec import HubError, HubSpec
 from qtool.ops.contract import OpSpec, options_from
 from qtool.ops.pipeline.plan import STEP_MARKER, BuildPlan, StepPlan, input_path
 
@@ -49,7 +50,6 @@ def materialize(
     rs = bp.sources[ref]
     src = rs.source
     assert src.kind is SourceKind.HUB
-    from qtool.hub.resolve import HubSpec
 
     spec = HubSpec(src.ref, rs.identity["commit"])
     if src.tensors == "assemble" and for_assemble is not None:
@@ -103,8 +103,6 @@ def _assemble_inputs(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
 
 
 def _download_inputs(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
-    from qtool.hub.resolve import HubSpec
-
     rs = bp.sources[sp.step.inputs[0]]
     return {"spec": HubSpec(rs.source.ref, rs.identity["commit"]), "out": sp.dir, "token": ctx.get("token")}
 
@@ -213,7 +211,6 @@ def _hub_stand_ins(bp: BuildPlan, refs) -> dict[str, Path]:
     --dry-run plans the first steps without downloading them; a source that cannot be read now (offline,
     not cached) is left out and its step waits."""
     from qtool.hub.headers import remote_headers
-    from qtool.hub.resolve import HubError, HubSpec
 
     out = {}
     for ref in refs:
