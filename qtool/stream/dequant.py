@@ -17,8 +17,12 @@ import os
 from qtool.arch.model_map import Format, ModelMap, Module
 from qtool.arch.qwen35 import Group, layer_prefix
 from qtool.errors import PlanError
-from qtool.io.dtypes import DTYPE_BITS
+from qtool.formats import awq, fp8, nvfp4
+from qtool.formats.nvfp4 import BLOCK_SIZE
+from qtool.io.dtypes import DTYPE_BITS, TORCH_DTYPE_NAMES
+from qtool.io.input_files import open_for_reads
 from qtool.io.safetensors_header import TensorInfo
+from qtool.stream.layer_read import pread_exact
 
 # Parameters that belong to a quantized format's storage or to calibration, never to the dense module.
 _AUX_PARAMS = frozenset(
@@ -76,10 +80,6 @@ class TensorSource:
     def get(self, info: TensorInfo):
         import torch
 
-        from qtool.io.dtypes import TORCH_DTYPE_NAMES
-        from qtool.io.input_files import open_for_reads
-        from qtool.stream.layer_read import pread_exact
-
         fd = self._fds.get(info.file)
         if fd is None:
             fd = self._fds[info.file] = open_for_reads(info.file)
@@ -135,10 +135,6 @@ def embedding_rows(mm: ModelMap, name: str, ids, dtype, every_id=None):
     whole, as load_param does. every_id: the ids of every rank (checked, so that a bad one stops them all
     with the same error, not one rank while the others wait at a barrier); default `ids`."""
     import torch
-
-    from qtool.io.dtypes import TORCH_DTYPE_NAMES
-    from qtool.io.input_files import open_for_reads
-    from qtool.stream.layer_read import pread_exact
 
     info = mm.ckpt.tensors.get(name)
     mod = mm.modules.get(name.rpartition(".")[0])
@@ -203,26 +199,16 @@ def dense_weight(mod: Module, dtype, device="cpu", src: TensorSource | None = No
 
     fmt = mod.format
     if fmt is Format.NVFP4:
-        from qtool.formats import nvfp4
-
         return nvfp4.dequantize(t("weight"), t("weight_scale"), t("weight_scale_2").float(), dtype=dtype)
     if fmt is Format.NVFP4_CT:
-        from qtool.formats import nvfp4
-
         # compressed-tensors stores the reciprocal global scale (docs/formats.md §4).
         ws2 = 1.0 / t("weight_global_scale").float().reshape(())
         return nvfp4.dequantize(t("weight_packed"), t("weight_scale"), ws2, dtype=dtype)
     if fmt is Format.FP8:
-        from qtool.formats import fp8
-
         return fp8.dequantize(t("weight"), t("weight_scale"), dtype=dtype)
     if fmt is Format.AWQ:
-        from qtool.formats import awq
-
         return awq.from_awq(t("qweight"), t("qzeros"), t("scales")).dequantize(dtype)
     if fmt is Format.INT4_CT:
-        from qtool.formats import awq
-
         if "weight_shape" in p:
             shape = t("weight_shape")
         else:
@@ -345,8 +331,6 @@ def _dense_experts(mods: list[Module], dtype, device, src, want: tuple[int, int]
     GPU. Element-wise the same arithmetic as one matrix at a time, so the values are identical."""
     import torch
 
-    from qtool.formats.nvfp4 import BLOCK_SIZE
-
     fmt = mods[0].format
     codes, scale, glob = (
         ("weight", "weight_scale", "weight_scale_2")
@@ -360,7 +344,6 @@ def _dense_experts(mods: list[Module], dtype, device, src, want: tuple[int, int]
         for m in mods
     )
     if batched:
-        from qtool.formats import nvfp4
 
         def stacked(name):
             return torch.stack([src.get(m.params[name]).to(device) for m in mods])

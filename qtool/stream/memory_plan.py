@@ -19,6 +19,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from qtool.stream.layer_read import CHUNK, READERS
+from qtool.stream.layer_stream import hidden_on_device
+
 # host RAM of a rank process before any tensor of the job: Python with torch, transformers and the tokenizer
 # (measured: 375 MiB after the imports, 433 MiB peak for a CPU quantize of the tiny fixture whose tensors
 # need ~1 MiB; a plan that left it out said "host ~982 KiB")
@@ -85,9 +88,6 @@ def need(
     sp, *, device: str, held_layers: int = 1, extra_host: int = 0, hidden_in_ram: bool = False, ranks: int = 1
 ) -> MemoryNeed:
     """`sp`: layer_stream.StreamPlan; per rank, on `device` (the fit reads that GPU's free memory)."""
-    from qtool.stream.layer_read import CHUNK, READERS
-    from qtool.stream.layer_stream import hidden_on_device
-
     dense, stored = sp.max_layer_bytes, sp.max_stored_layer_bytes
     item = sp.itemsize
     on_device = hidden_on_device(device, sp.hidden_bytes)
