@@ -28,7 +28,6 @@ from qtool.io.plan import checkpoint_files
 from qtool.quiet import transformers_errors_only
 from qtool.stream import token_cache, warm_import
 from qtool.stream.calib_sources import BUILTIN, TOKENIZER_FILES, builtin_path, parse_hub_dataset
-from qtool.stream.warm_import import join, skip_unused_imports
 
 
 def dataset_revision(dataset: str) -> str | None:
@@ -229,8 +228,8 @@ def windows_from_ids(
 def load_tokenizer(ckpt_dir: str | Path):
     """The checkpoint's tokenizer (its side files already checked by the caller, build_calib_set)."""
 
-    join()  # the decoder module's background import, where the job started it before planning
-    skip_unused_imports()  # the job's first transformers import: without what it never runs
+    warm_import.join()  # the decoder module's background import, where the job started it before planning
+    warm_import.skip_unused_imports()  # the job's first transformers import: without what it never runs
     from transformers import AutoTokenizer
 
     if Path(ckpt_dir).is_dir() and not any((Path(ckpt_dir) / f).is_file() for f in TOKENIZER_FILES):

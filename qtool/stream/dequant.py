@@ -22,7 +22,7 @@ from qtool.formats.nvfp4 import BLOCK_SIZE
 from qtool.io.dtypes import DTYPE_BITS, TORCH_DTYPE_NAMES
 from qtool.io.input_files import open_for_reads
 from qtool.io.safetensors_header import TensorInfo
-from qtool.stream.layer_read import pread_exact
+from qtool.stream import layer_read
 
 # Parameters that belong to a quantized format's storage or to calibration, never to the dense module.
 _AUX_PARAMS = frozenset(
@@ -84,7 +84,7 @@ class TensorSource:
         if fd is None:
             fd = self._fds[info.file] = open_for_reads(info.file)
         buf = bytearray(info.nbytes)
-        pread_exact(fd, memoryview(buf), info.start, info.file, tensor=info.name)
+        layer_read.pread_exact(fd, memoryview(buf), info.start, info.file, tensor=info.name)
         dtype = getattr(torch, TORCH_DTYPE_NAMES[info.dtype])
         if info.nbytes == 0:
             return torch.empty(tuple(info.shape), dtype=dtype)
@@ -176,7 +176,7 @@ def embedding_rows(mm: ModelMap, name: str, ids, dtype, every_id=None):
     try:
         at = 0
         for a, b in runs:
-            pread_exact(
+            layer_read.pread_exact(
                 fd, view[at * row_bytes : (at + b - a) * row_bytes], info.start + a * row_bytes, info.file, tensor=name
             )
             lookup[a:b] = torch.arange(at, at + b - a)
