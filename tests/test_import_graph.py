@@ -152,12 +152,11 @@ CYCLE_EXCEPTIONS = frozenset(
     }
 )
 
-# NOT DONE YET in editable files (the same rules, the same exactness): qtool's own imports still inside
-# functions, and the in-function imports that close the remaining cycles (io: files/index_file/jsonio/
-# safetensors_header <-> writer through copy_range; digest_cache <-> manifest; hub: resolve <-> download,
-# remote_safetensors, tensor_fetch). Moving one to the top makes its entry fail here: delete the entry.
-# Where the imported module imports torch at its top (qtool.formats.nvfp4, fp8, awq), it must import torch
-# lazily first, so that `qtool --help` stays without torch.
+# NOT DONE YET in editable files (the same rules, the same exactness): the in-function imports that close
+# the one remaining cycle, io: files -> writer (files' copies use writer.copy_range) -> index_file / jsonio /
+# safetensors_header -> files. It goes when copy_range moves down into io.files (writer then imports it from
+# there, an edit of io/writer.py, listed above): files stops importing writer, these four imports move to the
+# top, and CYCLE_EXCEPTIONS' (writer, files) goes too. Moving one to the top makes its entry fail here.
 NOT_YET_IN_FUNCTION = frozenset(
     {
         ("qtool.io.files", "qtool.io.writer"),
