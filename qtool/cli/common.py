@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from qtool.dist.launch import require_device
 from qtool.errors import UsageError
-from qtool.io.manifest import command_line
+from qtool.redact import command_line
 from qtool.sizes import human_bytes
 from qtool.stream import warm_import
 

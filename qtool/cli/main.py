@@ -15,9 +15,9 @@ from qtool.cli.common import as_user_named, check_batch_tokens
 from qtool.dist.launch import rank_devices, spawn
 from qtool.errors import QtoolError, UsageError
 from qtool.io.files import write_error
-from qtool.io.manifest import command_line
 from qtool.io.output import kept_partials
 from qtool.quiet import pinned_pair_warnings_off
+from qtool.redact import command_line
 
 # name -> (module, one-line help). Sub-command groups (e.g. `assemble hybrid`) are handled by the module.
 COMMANDS: dict[str, tuple[str, str]] = {

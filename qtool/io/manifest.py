@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shlex
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -68,10 +67,6 @@ RUN = "run"
 
 
 # secrets: one redaction for every printed or written text (qtool/redact.py); re-exported for callers
-def command_line(argv: list[str] | None) -> str | None:
-    return None if argv is None else shlex.join(redact_argv(argv))
-
-
 class InputHasher:
     """sha256 of input files in background threads (hashlib releases the GIL), with a persistent cache.
 
