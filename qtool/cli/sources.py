@@ -26,7 +26,6 @@ def headers_checkpoint(spec, *, token=None):
     shard headers by range requests, cached by commit, offline when cached), its traffic on stderr."""
     if not is_hub_spec(spec):
         return local_checkpoint(spec)
-
     path, got = remote_headers(parse_spec(str(spec)), token=token)
     STAND_INS[str(path)] = str(spec)
     how = (
