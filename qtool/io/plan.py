@@ -26,12 +26,13 @@ from pathlib import Path
 from typing import NamedTuple, Union
 
 from qtool.errors import CheckpointError
+from qtool.io import writer
 from qtool.io.checkpoint import Checkpoint
 from qtool.io.jsonio import JsonStyle, dumps
 from qtool.io.output import RECORDS
 from qtool.io.safetensors_header import SafetensorsHeader, read_header
 from qtool.io.tensor_table import TensorTable
-from qtool.io.writer import FileRange, InlineBytes, OutTensor, build_header, index_text, json_str, shard_size
+from qtool.io.writer import FileRange, InlineBytes, OutTensor, build_header, json_str, shard_size
 
 
 class Pending(NamedTuple):
@@ -227,7 +228,7 @@ def index_map(e: Index) -> dict:
 
 
 def index_text_of(e: Index):
-    return index_text(index_map(e), e.metadata)
+    return writer.index_text(index_map(e), e.metadata)
 
 
 def _tensor_keys(tensors: list[OutTensor], paths: dict[str, str]) -> str:
