@@ -31,6 +31,7 @@ from pathlib import Path
 
 from qtool.build_with import INPUT_KEYS, REQUIRED_KEYS, Op, with_problems, with_schema
 from qtool.errors import QtoolError
+from qtool.hub.spec import parse_spec
 from qtool.io.yamlio import load_recipe_yaml
 from qtool.recipes import load_recipe, recipes_dir
 
@@ -161,8 +162,6 @@ def _source(name: str, s: object, path: str | None) -> Source:
     if kind is not SourceKind.HUB and ("revision" in s or "tensors" in s):
         raise _err(f"source {name!r}: revision/tensors only apply to hub sources", path)
     if kind is SourceKind.HUB:
-        from qtool.hub.resolve import parse_spec
-
         parse_spec(ref, require_prefix=False)
     tensors = s.get("tensors")
     if tensors not in (None, "assemble"):

@@ -14,6 +14,13 @@ from dataclasses import dataclass
 from enum import Enum
 from functools import cache
 
+from qtool.formats.naming import Flavour
+from qtool.io.files import LinkMode
+from qtool.io.writer import parse_size
+from qtool.ops.assemble.model import MtpMode
+from qtool.ops.patch_config import Fix
+from qtool.ops.verify import KV_CACHE_DTYPES, parse_engines
+from qtool.ops.verify.memory_fit import Target
 from qtool.recipes import Backend, OutFormat
 
 
@@ -92,8 +99,6 @@ LAYERS = list_of(NON_NEGATIVE)
 
 
 def _size_ok(value) -> bool:
-    from qtool.io.writer import parse_size
-
     return (_is_int(value) and value >= 1) or (_parses(parse_size)(value) and parse_size(value) >= 1)
 
 
@@ -103,13 +108,6 @@ SIZE = Check("a size: a byte count or text like 5GB, 500MB, 4GiB", _size_ok)
 @cache
 def with_schema(op: Op) -> dict[str, Check]:
     """key -> Check of every `with` key `op` accepts (the ops' modules are imported on first use)."""
-    from qtool.formats.naming import Flavour
-    from qtool.io.files import LinkMode
-    from qtool.ops.assemble.model import MtpMode
-    from qtool.ops.patch_config import Fix
-    from qtool.ops.verify import KV_CACHE_DTYPES, parse_engines
-    from qtool.ops.verify.memory_fit import Target
-
     calibration = {"samples": COUNT, "seq_len": COUNT, "dataset": TEXT, "device": DEVICE}
     return {
         Op.DOWNLOAD: {"include": list_of(TEXT), "tensors": list_of(TEXT)},

@@ -10,14 +10,14 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+from qtool.stream.warm_import import join
+
 
 @contextlib.contextmanager
 def quiet() -> Iterator[None]:
     """Keep the producer libraries' chatter out of our output: ModelOpt's prints (stdout), Python
     warnings, transformers' log messages and progress bars, llm-compressor's loguru messages. Restores
     every setting on exit."""
-    from qtool.stream.warm_import import join
-
     join()  # no transformers import beside the background one (qtool.stream.warm_import)
     from transformers.utils import logging as hf_logging
 
@@ -66,8 +66,6 @@ def transformers_errors_only() -> Iterator[None]:
     'sequence length is longer than the maximum' and the standalone-expert-module notices are expected:
     qtool tokenizes a whole corpus and builds decoder layers one at a time). Progress bars and our own
     output stay untouched."""
-    from qtool.stream.warm_import import join
-
     join()  # no transformers import beside the background one (qtool.stream.warm_import)
     from transformers.utils import logging as hf_logging
 

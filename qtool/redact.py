@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import re
+import shlex
 
 SECRET_FLAGS = ("--token", "--hf-token")
 _TOKEN = re.compile(r"\bhf_[A-Za-z0-9]{8,}")
@@ -88,6 +89,11 @@ def redact_argv(argv: list[str]) -> list[str]:
         else:
             out.append(redact_text(arg))
     return out
+
+
+def command_line(argv: list[str] | None) -> str | None:
+    """`argv` as one shell line with every secret redacted: what a manifest records and a message shows."""
+    return None if argv is None else shlex.join(redact_argv(argv))
 
 
 def without_secrets(argv: list[str]) -> tuple[list[str], bool]:

@@ -27,8 +27,9 @@ from qtool.arch.qwen35 import (
 from qtool.errors import ConfigError
 from qtool.formats.naming import REQUIRED_PARAMS as CODEC_REQUIRED_PARAMS
 from qtool.formats.naming import QuantFormat, detect_format
-from qtool.io.checkpoint import CONFIG_NAME, Checkpoint
+from qtool.io.checkpoint import _REUSED, CONFIG_NAME, Checkpoint
 from qtool.io.dtypes import FLOAT_DTYPES
+from qtool.io.reader import read_floats
 from qtool.io.safetensors_header import TensorInfo
 from qtool.io.tensor_table import file_of, nbytes_of, no_cyclic_gc, tensor_rows
 
@@ -360,8 +361,6 @@ def build_map(ckpt: Checkpoint, *, read_values: bool = True) -> ModelMap:
     """The checkpoint's modules and roles. Everything comes from headers except the KV scale values
     (`kv.values`, `kv.calibrated`, `kv.invalid`); `read_values=False` leaves those empty, for shards whose
     data is still being written (then call `read_kv_values` once it is)."""
-    from qtool.io.checkpoint import _REUSED
-
     memo = _REUSED.get()
     if memo is not None:  # inside reuse_opened(): one map per opened checkpoint
         key = ("model_map", id(ckpt), read_values)
@@ -426,8 +425,6 @@ def _build_map(ckpt: Checkpoint, read_values: bool = True) -> ModelMap:
 
 
 def _kv_scales(ckpt: Checkpoint, roles: RoleMap, full: list[int], read_values: bool = True) -> KvScales:
-    from qtool.io.reader import read_floats
-
     found: dict[int, dict[str, TensorInfo]] = defaultdict(dict)
     namings: Counter[str] = Counter()
     for name, role in roles._kv.items():

@@ -7,16 +7,14 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from qtool.cli.common import (
-    add_output_flags,
-    headers_checkpoint,
-    human_bytes,
-    local_checkpoint,
-    print_json,
-    run_command_line,
-    show_progress,
-)
+from qtool.cli.common import add_output_flags, human_bytes, print_json, run_command_line, show_progress
+from qtool.cli.sources import headers_checkpoint, local_checkpoint
 from qtool.errors import UsageError
+from qtool.hub.resolve import fetch_tensor_patterns
+from qtool.hub.spec import is_hub_spec
+from qtool.io.writer import parse_size
+from qtool.ops.assemble import HybridOptions, LinkMode, MtpMode, execute, plan_hybrid
+from qtool.ops.assemble.model import bf16_source_patterns
 
 
 def add_arguments(p) -> None:
@@ -86,9 +84,6 @@ def _shared_layers(text: str) -> tuple[int, ...] | None:
 def run(args) -> int:
     if getattr(args, "kind", None) != "hybrid":
         raise UsageError("assemble needs a kind", expected="qtool assemble hybrid ...")
-
-    from qtool.io.writer import parse_size
-    from qtool.ops.assemble import HybridOptions, LinkMode, MtpMode, execute, plan_hybrid
 
     try:
         max_size = parse_size(args.max_shard_size) if args.max_shard_size else None
@@ -178,9 +173,6 @@ def _print_plan(s: dict, header: str | None = None) -> None:
 def _bf16_source(spec: str, layers: tuple[int, ...], mtp: str, progress: bool, shared=None) -> Path:
     """A Hub BF16 source is range-fetched: only the tensors the plan can take (shared experts, chosen
     layers' experts, MTP head: ~1.5 GB of the 397B's ~800 GB); local paths are used as they are."""
-    from qtool.hub.resolve import fetch_tensor_patterns, is_hub_spec
-    from qtool.ops.assemble.model import bf16_source_patterns
-
     if not is_hub_spec(spec):
         return Path(spec)
     return fetch_tensor_patterns(spec, bf16_source_patterns(layers, mtp, shared), progress=progress)

@@ -3,7 +3,12 @@
 
 from __future__ import annotations
 
+from qtool.build_recipes import load_build_recipe
 from qtool.cli.common import add_output_flags, print_json, run_command_line, show_progress
+from qtool.fixtures.builtin import builtin_source
+from qtool.ops import pipeline as build
+from qtool.ops.pipeline.plan import parse_overrides
+from qtool.ops.pipeline.steps import validate_steps
 from qtool.sizes import human_bytes
 
 
@@ -26,12 +31,6 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     from pathlib import Path
-
-    from qtool.build_recipes import load_build_recipe
-    from qtool.fixtures.builtin import builtin_source
-    from qtool.ops import pipeline as build
-    from qtool.ops.pipeline.plan import parse_overrides
-    from qtool.ops.pipeline.steps import validate_steps
 
     recipe = load_build_recipe(args.recipe)
     bp = build.plan(

@@ -10,16 +10,15 @@ from qtool.cli.common import (
     check_device,
     dataset_supply,
     eprint,
-    headers_checkpoint,
     human_bytes,
-    local_checkpoint,
-    local_only,
     memory_line,
     plan_then_execute,
     print_json,
     run_command_line,
 )
+from qtool.cli.sources import headers_checkpoint, local_checkpoint, local_only
 from qtool.errors import UsageError
+from qtool.ops import calibrate_kv
 
 
 def add_arguments(p) -> None:
@@ -41,8 +40,6 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from qtool.ops import calibrate_kv
-
     if bool(args.output) == bool(args.in_place):
         raise UsageError("say where to write: -o OUT or --in-place (one of them)")
     check_device(args.device, present=not args.dry_run)

@@ -10,7 +10,11 @@ import re
 import sys
 from collections.abc import Callable
 
+from qtool.dist.launch import require_device
+from qtool.errors import UsageError
+from qtool.redact import command_line
 from qtool.sizes import human_bytes
+from qtool.stream import warm_import
 
 # --dataset of every command that tokenizes text (qtool.stream.calib_data reads each of these)
 DATASET_HELP = (
@@ -121,8 +125,6 @@ def path_arg(text: str) -> str:
 
 def run_command_line() -> str:
     """This process's qtool command line for a manifest, secrets redacted (qtool.io.manifest)."""
-    from qtool.io.manifest import command_line
-
     return command_line(["qtool", *sys.argv[1:]])
 
 
@@ -160,17 +162,6 @@ def eprint(*args) -> None:
     print(*args, file=sys.stderr, flush=True)
 
 
-def local_checkpoint(spec, *, tensors=None, progress: bool | None = None):
-    """A checkpoint argument (local path or `hf:ORG/NAME[@REV]`) -> a local directory; Hub sources are
-    downloaded (verified) through qtool.hub, with progress bars when stderr is a terminal (progress=None).
-    Imported lazily: huggingface_hub is not needed for --help."""
-    import sys
-
-    from qtool.hub.resolve import resolve_checkpoint
-
-    return resolve_checkpoint(spec, tensors=tensors, progress=sys.stderr.isatty() if progress is None else progress)
-
-
 # header-only stand-in directory -> the hf: source it stands for: what the user sees in messages and fixes
 # (a fix naming qtool's cache would have the user patch the cache instead of their checkpoint)
 STAND_INS: dict[str, str] = {}
@@ -185,41 +176,10 @@ def as_user_named(text):
     return text
 
 
-def headers_checkpoint(spec, *, token=None):
-    """For commands that read only headers and configs (inspect, verify without --deep, serve-config): a
-    local path as it is; `hf:ORG/NAME[@REV]` as a header-only stand-in (qtool.hub.headers: configs and
-    shard headers by range requests, cached by commit, offline when cached), its traffic on stderr."""
-    from qtool.hub.resolve import is_hub_spec, parse_spec
-
-    if not is_hub_spec(spec):
-        return local_checkpoint(spec)
-    from qtool.hub.headers import remote_headers
-
-    path, got = remote_headers(parse_spec(str(spec)), token=token)
-    STAND_INS[str(path)] = str(spec)
-    how = (
-        "from the cache, nothing fetched"
-        if got["cached"]
-        else (f"{human_bytes(got['bytes_moved'])} in {got['requests']} range request(s)")
-    )
-    print(f"{spec}: headers and configs of commit {got['commit'][:12]} ({how}); data not downloaded", file=sys.stderr)
-    return path
-
-
-def local_only(spec):
-    """For commands that write into the checkpoint itself: a Hub source gets a clear error."""
-    from qtool.hub.resolve import require_local
-
-    return require_local(spec)
-
-
 def check_device(device: str, *, present: bool = False) -> str:
     """--device's form, and the GPU it names: on this machine where it has CUDA devices (a dry run too);
     with `present` (a run that computes here) also where it has none. A dry run on a machine without CUDA
     may plan a GPU job for another machine: said, not refused. Checked at once, before the plan reads data."""
-    from qtool.dist.launch import require_device
-    from qtool.errors import UsageError
-
     if not (device == "cpu" or device == "cuda" or device.startswith("cuda:")):
         raise UsageError("--device must be cpu, cuda or cuda:N", got=device)
     require_device(device, elsewhere=not present)
@@ -228,8 +188,6 @@ def check_device(device: str, *, present: bool = False) -> str:
 
 def check_batch_tokens(value: int | None) -> None:
     """--batch-tokens, where a command has it: a micro-batch holds at least one token."""
-    from qtool.errors import UsageError
-
     if value is not None and value < 1:
         raise UsageError(
             f"--batch-tokens must be at least 1, got {value}",
@@ -254,8 +212,6 @@ def plan_then_execute(op, opts, args, show_plan=None) -> dict:
     --json) before any work starts, then (unless --dry-run) `op.execute` with a per-layer progress bar (or a
     line per layer when stderr is not a terminal); the report as `--json` prints it ({"plan": ...} for a
     dry run)."""
-    from qtool.stream import warm_import
-
     with warm_import.overlapping(not args.dry_run):  # transformers' decoder module, imported while the job plans
         p = op.plan(opts)
     if show_plan is not None and not getattr(args, "json", False):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from qtool.cli.common import add_output_flags, local_checkpoint, print_json, run_command_line
+from qtool.cli.common import add_output_flags, print_json, run_command_line
+from qtool.cli.sources import local_checkpoint
+from qtool.ops import convert
 
 
 def add_arguments(p) -> None:
@@ -12,8 +14,6 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from qtool.ops import convert
-
     opts = convert.ConvertOptions(
         local_checkpoint(args.checkpoint),
         out=args.output,

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 from qtool.cli.common import add_output_flags, print_json, run_command_line, show_progress
+from qtool.hub.spec import parse_spec
+from qtool.ops import download as dl
 from qtool.sizes import human_bytes
 
 
@@ -40,9 +42,6 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     from pathlib import Path
-
-    from qtool.hub.resolve import parse_spec
-    from qtool.ops import download as dl
 
     spec = parse_spec(args.repo, require_prefix=False)
     opts = dl.DownloadOptions(

@@ -14,14 +14,16 @@ from qtool.cli.common import (
     check_device,
     eprint,
     human_bytes,
-    local_checkpoint,
     memory_line,
     print_json,
     progress_lines,
     run_command_line,
     show_progress,
 )
+from qtool.cli.sources import local_checkpoint
 from qtool.errors import UsageError
+from qtool.ops.kld import RESULT_KEYS, KldOptions
+from qtool.ops.kld import run as kld_run
 
 
 def add_arguments(p) -> None:
@@ -86,8 +88,6 @@ def run(args) -> int:
     check_device(args.device, present=not args.dry_run)
     if args.test is None and not args.save_ref and not args.emit_windows:
         raise UsageError("nothing to do: give --test, --save-ref or --emit-windows")
-    from qtool.ops.kld import RESULT_KEYS, KldOptions
-    from qtool.ops.kld import run as kld_run
 
     opts = KldOptions(
         dataset=args.dataset,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from qtool.cli.common import add_json_flag, headers_checkpoint, print_json
+from qtool.cli.common import add_json_flag, print_json
+from qtool.cli.sources import headers_checkpoint
+from qtool.ops.inspect import inspect_checkpoint
 from qtool.sizes import human_bytes
 
 
@@ -12,8 +14,6 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from qtool.ops.inspect import inspect_checkpoint
-
     rep = inspect_checkpoint(headers_checkpoint(args.checkpoint))
     if args.json:
         print_json(rep)

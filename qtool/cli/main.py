@@ -10,9 +10,14 @@ import json
 import os
 import sys
 
-from qtool import __version__, redact
-from qtool.cli.common import check_batch_tokens
-from qtool.errors import QtoolError
+from qtool import __version__, dist, notices, process_exit, redact
+from qtool.cli.common import as_user_named, check_batch_tokens
+from qtool.dist.launch import rank_devices, spawn
+from qtool.errors import QtoolError, UsageError
+from qtool.io.files import write_error
+from qtool.io.output import kept_partials
+from qtool.quiet import pinned_pair_warnings_off
+from qtool.redact import command_line
 
 # name -> (module, one-line help). Sub-command groups (e.g. `assemble hybrid`) are handled by the module.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -81,8 +86,6 @@ class _Parser(argparse.ArgumentParser):
         error never shows one); under --json the same error object as any other error, on stdout."""
         message = redact.redact_text(message)
         if _Parser.json_errors:
-            from qtool.errors import UsageError
-
             err = UsageError(message, hint=f"see `{self.prog} --help`")
             print(json.dumps(err.to_json(), indent=2))
             self.exit(err.exit_code)
@@ -132,7 +135,6 @@ def _parallel(args, argv: list[str]) -> int | None:
     if not hasattr(args, "nproc"):
         return None
     check_batch_tokens(args.batch_tokens)
-    from qtool import dist
 
     dist.resumable = hasattr(args, "resume")  # what a lost rank (here or in the launcher) offers
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -150,7 +152,6 @@ def _parallel(args, argv: list[str]) -> int | None:
             args.json = True
             sys.stdout = open(os.devnull, "w")
         return None
-    from qtool.dist.launch import rank_devices, spawn
 
     devices = rank_devices(args.nproc, args.devices, args.device, check_gpus=not getattr(args, "dry_run", False))
     args.device = devices[0]  # (a dry run plans rank 0's device; the ranks set their own)
@@ -159,7 +160,6 @@ def _parallel(args, argv: list[str]) -> int | None:
     if getattr(args, "dry_run", False):
         os.environ["QTOOL_PLANNED_RANKS"] = str(len(devices))  # the plan's memory is per rank
         return None
-    from qtool.errors import UsageError
 
     # refusals every rank would make, made once here
     if getattr(args, "save_ref", None) or getattr(args, "emit_windows", None):
@@ -183,8 +183,6 @@ def console() -> None:
     nothing needs it (qtool.process_exit): 0.75 s of every command's end once torch and transformers are
     imported, after its output is complete."""
     import signal
-
-    from qtool import process_exit
 
     # a line at a time also into a file or a pipe (`qtool quantize ... > log`): a long job's plan and
     # progress reach the log as they are printed, not in one block at its end
@@ -251,7 +249,6 @@ def main(argv: list[str] | None = None) -> int:
             # background import of transformers running: a daemon thread in torch's code at the
             # interpreter's exit aborts it (qtool.io.hashed_writes.HashedWrites.stop)
             warm.join()
-    from qtool import dist
 
     dist.end_rank(code)  # a rank of several ends here, without the interpreter's teardown
     return code
@@ -278,13 +275,11 @@ def _main(argv: list[str] | None) -> int:
         parser.print_help()
         return 2
     want_json = bool(getattr(args, "json", False))
-    from qtool import notices
 
     notices.to_stderr(not getattr(args, "quiet", False))
     # transformers' notices (kernel fallbacks, standalone expert modules, long tokenizer inputs) are
     # expected when qtool runs decoder layers one at a time; it reads this variable at import time.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    from qtool.quiet import pinned_pair_warnings_off
 
     pinned_pair_warnings_off()
     gpu_allocator_defaults()
@@ -296,7 +291,6 @@ def _main(argv: list[str] | None) -> int:
     except QtoolError as e:
         if os.environ.get("QTOOL_DEBUG"):
             raise
-        from qtool.cli.common import as_user_named
 
         for field in ("message", "path", "hint", "expected", "got"):
             setattr(e, field, as_user_named(getattr(e, field)))
@@ -306,8 +300,6 @@ def _main(argv: list[str] | None) -> int:
         print(_interrupted(args, argv, e), file=sys.stderr)
         return 130
     except StdoutUnwritable as e:
-        from qtool import process_exit
-
         process_exit.drop_stdout()
         print(f"qtool: could not write the output to stdout ({e})", file=sys.stderr)
         return process_exit.UNWRITTEN
@@ -321,7 +313,6 @@ def _main(argv: list[str] | None) -> int:
         # file): still one clear message with the file and the fix, never a traceback
         if os.environ.get("QTOOL_DEBUG"):
             raise
-        from qtool.io.files import write_error
 
         err = write_error(f"{e.strerror or type(e).__name__}", e, e.filename or "?")
         err.message = f"I/O error: {e.strerror or e}"
@@ -342,9 +333,6 @@ def _print_error(e: QtoolError, want_json: bool) -> None:
 
 def _interrupted(args, argv: list[str], e: KeyboardInterrupt) -> str:
     """Ctrl-C's message: what was running, what was kept, and the command that continues it."""
-    from qtool.io.manifest import command_line
-    from qtool.io.output import kept_partials
-
     during = getattr(e, "during", None)
     lines = [f"interrupted{f' during {during}' if during else ''}"]
     kept = kept_partials()

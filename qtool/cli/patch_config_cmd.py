@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from qtool.cli.common import add_output_flags, headers_checkpoint, local_only, print_json, run_command_line
+from qtool.cli.common import add_output_flags, print_json, run_command_line
+from qtool.cli.sources import headers_checkpoint, local_only
+from qtool.errors import UsageError
+from qtool.ops import patch_config as pc
 
 FIX_NAMES = [
     "router-ignore",
@@ -28,9 +31,6 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from qtool.errors import UsageError
-    from qtool.ops import patch_config as pc
-
     if not (args.fix or args.ignore_add or args.ignore_remove or args.yarn or args.sampling_defaults):
         raise UsageError("no fix given", hint="e.g. --fix router-ignore --fix mtp-ignore (see --help)")
     plan = pc.plan(

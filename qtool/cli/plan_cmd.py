@@ -6,7 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from qtool.cli.common import add_json_flag, layer_ranges, number, path_arg, print_json
+from qtool.cli.verify_cmd import add_common
 from qtool.errors import UsageError
+from qtool.ops.sensitivity.plan_hybrid import MAX_WEIGHTS_GIB, PlanHybridOptions, plan, write_recipe
 from qtool.sizes import human_bytes
 
 LIST_AT_MOST = 20  # chosen units listed one per line up to this many
@@ -20,9 +22,6 @@ def _by_kind(chosen: list[dict]) -> dict[str, list[dict]]:
 
 
 def add_arguments(p) -> None:
-    from qtool.cli.verify_cmd import add_common
-    from qtool.ops.sensitivity.plan_hybrid import MAX_WEIGHTS_GIB
-
     sub = p.add_subparsers(dest="kind", metavar="KIND")
     h = sub.add_parser(
         "hybrid",
@@ -61,7 +60,6 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     if getattr(args, "kind", None) != "hybrid":
         raise UsageError("plan needs a kind", expected="qtool plan hybrid --sensitivity S ...")
-    from qtool.ops.sensitivity.plan_hybrid import PlanHybridOptions, plan, write_recipe
 
     opts = PlanHybridOptions(
         Path(args.sensitivity),

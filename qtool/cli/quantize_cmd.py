@@ -11,14 +11,15 @@ from qtool.cli.common import (
     check_device,
     dataset_supply,
     eprint,
-    headers_checkpoint,
     human_bytes,
-    local_checkpoint,
     memory_line,
     plan_then_execute,
     print_json,
     run_command_line,
 )
+from qtool.cli.sources import headers_checkpoint, local_checkpoint
+from qtool.ops import quantize
+from qtool.recipes import Backend, OutFormat, load_recipe
 
 
 def add_arguments(p) -> None:
@@ -40,9 +41,6 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from qtool.ops import quantize
-    from qtool.recipes import Backend, OutFormat, load_recipe
-
     check_device(args.device, present=not args.dry_run)
     recipe = load_recipe(args.recipe)
     opts = quantize.QuantizeOptions(

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import os
 
+from qtool.build_recipes import find_build_recipe, load_build_recipe, shipped_build_recipes
 from qtool.cli.common import add_json_flag, print_json
+from qtool.errors import UsageError
+from qtool.io.yamlio import load_recipe_yaml
+from qtool.recipes import list_recipes, load_recipe, recipes_dir
 
 
 def add_arguments(p) -> None:
@@ -16,9 +20,6 @@ def add_arguments(p) -> None:
 
 
 def _listing() -> dict:
-    from qtool.build_recipes import load_build_recipe, shipped_build_recipes
-    from qtool.recipes import list_recipes, load_recipe
-
     return {
         "quantize": {n: load_recipe(n).description for n in list_recipes()},
         "build": {n: load_build_recipe(p).description for n, p in shipped_build_recipes().items()},
@@ -28,11 +29,6 @@ def _listing() -> dict:
 def _show(name: str) -> dict:
     """A quantization recipe (what each module group becomes) or a build recipe (its sources and steps)."""
     from pathlib import Path
-
-    from qtool.build_recipes import find_build_recipe, load_build_recipe, shipped_build_recipes
-    from qtool.errors import UsageError
-    from qtool.io.yamlio import load_recipe_yaml
-    from qtool.recipes import list_recipes, load_recipe, recipes_dir
 
     given = os.path.lexists(name) and not os.path.isdir(name) and name not in list_recipes()
     data = load_recipe_yaml(name, "recipe", UsageError) if given else None  # a FIFO is refused here

@@ -5,13 +5,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qtool.cli.common import add_output_flags, check_device, headers_checkpoint, local_checkpoint, print_json
+from qtool.cli.common import add_output_flags, check_device, print_json
+from qtool.cli.eval_cmd import add_window_flags
+from qtool.cli.sources import headers_checkpoint, local_checkpoint
+from qtool.cli.verify_cmd import add_common
+from qtool.cli.verify_cmd import options as verify_options
+from qtool.errors import UsageError
+from qtool.ops import report
+from qtool.ops.kld import KldOptions
+from qtool.ops.report.data import Artifact
 
 
 def add_arguments(p) -> None:
-    from qtool.cli.eval_cmd import add_window_flags
-    from qtool.cli.verify_cmd import add_common
-
     p.add_argument(
         "checkpoints",
         nargs="+",
@@ -47,12 +52,6 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from qtool.cli.verify_cmd import options as verify_options
-    from qtool.errors import UsageError
-    from qtool.ops import report
-    from qtool.ops.kld import KldOptions
-    from qtool.ops.report.data import Artifact
-
     check_device(args.device)
     if not args.ref and any(a != b for a, b in ((args.dataset, "builtin"), (args.windows, 4), (args.seq_len, 512))):
         raise UsageError("--dataset, --windows and --seq-len choose eval kld's windows: they need --ref")

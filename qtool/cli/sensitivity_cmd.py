@@ -11,15 +11,15 @@ from qtool.cli.common import (
     check_batch_tokens,
     check_device,
     dataset_supply,
-    headers_checkpoint,
     human_bytes,
     layer_ranges,
-    local_checkpoint,
     memory_line,
     plan_then_execute,
     print_json,
     run_command_line,
 )
+from qtool.cli.sources import headers_checkpoint, local_checkpoint
+from qtool.ops import sensitivity
 
 
 def add_arguments(p) -> None:
@@ -40,8 +40,6 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from qtool.ops import sensitivity
-
     check_device(args.device, present=not args.dry_run)
     check_batch_tokens(args.batch_tokens)
     # --dry-run reads headers only, also of hf: sources; a real run needs both checkpoints' data

@@ -5,12 +5,15 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from qtool.cli.common import add_json_flag, headers_checkpoint, print_json
+from qtool.cli.common import add_json_flag, print_json
+from qtool.cli.sources import headers_checkpoint
+from qtool.cli.verify_cmd import add_common
+from qtool.hub.headers import stand_in_commit
+from qtool.hub.spec import is_hub_spec
+from qtool.ops.serve_config import OutputFormat, ServeOptions, plan, render
 
 
 def add_arguments(p) -> None:
-    from qtool.cli.verify_cmd import add_common
-
     p.add_argument("checkpoint", help="checkpoint directory (verified first; refused with exit 3 on errors)")
     p.add_argument("--engine", required=True, help="vllm or sglang, optionally with a version: vllm@0.17")
     add_common(p)
@@ -33,8 +36,6 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from qtool.ops.serve_config import OutputFormat, ServeOptions, plan, render
-
     opts = ServeOptions(
         engine=args.engine,
         tp=args.tp,
@@ -49,12 +50,9 @@ def run(args) -> int:
         yarn=args.yarn,
         served_model_name=args.served_model_name,
     )
-    from qtool.hub.resolve import is_hub_spec
 
     path = headers_checkpoint(args.checkpoint)
     if is_hub_spec(args.checkpoint):  # the launch names the repo and the commit verify read, not qtool's cache
-        from qtool.hub.headers import stand_in_commit
-
         opts = dataclasses.replace(opts, hub=args.checkpoint, commit=stand_in_commit(path))
     launch = plan(path, opts)
     text = render(launch, opts)

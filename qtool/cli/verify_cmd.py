@@ -3,15 +3,9 @@
 
 from __future__ import annotations
 
-from qtool.cli.common import (
-    STAND_INS,
-    add_json_flag,
-    as_user_named,
-    headers_checkpoint,
-    local_checkpoint,
-    number,
-    print_json,
-)
+from qtool.cli.common import STAND_INS, add_json_flag, as_user_named, number, print_json
+from qtool.cli.sources import headers_checkpoint, local_checkpoint
+from qtool.ops.verify import VerifyOptions, verify
 
 MAX_PER_CODE = 5
 
@@ -70,8 +64,6 @@ def add_arguments(p) -> None:
 
 
 def options(args, engine: str):
-    from qtool.ops.verify import VerifyOptions
-
     return VerifyOptions(
         engine=engine,
         tp=args.tp,
@@ -123,8 +115,6 @@ def print_fit(fit, out) -> None:
 
 def run(args) -> int:
     import sys
-
-    from qtool.ops.verify import verify
 
     ckpt = local_checkpoint(args.checkpoint, progress=False) if args.deep else headers_checkpoint(args.checkpoint)
     rep = verify(ckpt, options(args, args.engine))

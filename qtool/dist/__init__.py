@@ -22,6 +22,7 @@ import os
 from dataclasses import dataclass
 
 from qtool.errors import QtoolError
+from qtool.process_exit import end_now
 
 TIMEOUT_ENV = "QTOOL_DIST_TIMEOUT"  # seconds a collective may wait for the other ranks (default 600)
 
@@ -85,8 +86,10 @@ class Group:
         plans): a launch mixing different commands or inputs would otherwise compute nonsense."""
         values = self.gather(value)
         if any(v != values[0] for v in values):
-            raise RankError(f"the ranks disagree on {what}: {values}",
-                            hint="every rank must run the same command on the same inputs")
+            raise RankError(
+                f"the ranks disagree on {what}: {values}",
+                hint="every rank must run the same command on the same inputs",
+            )
 
     def _reduce(self, t, op: str):
         if self.world > 1:
@@ -99,10 +102,16 @@ class Group:
         try:
             return fn(*a, **k)
         except (RuntimeError, ConnectionError) as e:  # gloo/NCCL: a peer closed, timed out or failed
-            then = ("if the run had started writing, its partial output is kept: re-run with --resume (with any "
-                    "number of ranks)" if resumable else "run the command again")
-            raise RankError(f"rank {self.rank}: lost the other ranks ({type(e).__name__}: {str(e)[:200]})",
-                            hint=f"another rank failed (its error is printed above) or was killed; {then}") from None
+            then = (
+                "if the run had started writing, its partial output is kept: re-run with --resume (with any "
+                "number of ranks)"
+                if resumable
+                else "run the command again"
+            )
+            raise RankError(
+                f"rank {self.rank}: lost the other ranks ({type(e).__name__}: {str(e)[:200]})",
+                hint=f"another rank failed (its error is printed above) or was killed; {then}",
+            ) from None
 
 
 _current: Group | None = None
@@ -138,8 +147,10 @@ def _from_env() -> Group:
     try:
         dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timeout)
     except (RuntimeError, ValueError, ConnectionError) as e:
-        raise RankError(f"rank {rank}: could not join the {world} ranks ({str(e)[:200]})",
-                        hint="MASTER_ADDR/MASTER_PORT must name a reachable rank 0; use --nproc or torchrun") from None
+        raise RankError(
+            f"rank {rank}: could not join the {world} ranks ({str(e)[:200]})",
+            hint="MASTER_ADDR/MASTER_PORT must name a reachable rank 0; use --nproc or torchrun",
+        ) from None
     import atexit
 
     # for library callers: torch's process group owns C++ threads, which can abort the interpreter's
@@ -157,7 +168,6 @@ def end_rank(code: int) -> None:
     with this one. No-op in one process."""
     if _current is None or _current.world == 1:
         return
-    from qtool.process_exit import end_now
 
     end_now(code, exit_handlers=False)  # not even destroy_process_group's (registered above)
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import qtool
 from qtool.errors import UsageError
+from qtool.notices import tell
 
 GRACE_S = 10.0  # how long the other ranks get to stop on their own after one failed
 
@@ -31,8 +32,10 @@ def rank_devices(nproc: int | None, devices: str | None, device: str, check_gpus
         if nproc not in (None, len(out)):
             raise UsageError(f"--nproc {nproc} but --devices names {len(out)} devices", hint="give one of them")
         if len({d == "cpu" for d in out}) > 1:
-            raise UsageError(f"--devices mixes CPU and GPU ranks: {devices}",
-                             hint="one kind of device for every rank (their numerics must agree)")
+            raise UsageError(
+                f"--devices mixes CPU and GPU ranks: {devices}",
+                hint="one kind of device for every rank (their numerics must agree)",
+            )
         if len(set(out)) != len(out) and out[0] != "cpu":
             raise UsageError(f"--devices names a GPU twice: {devices}", hint="one rank per GPU")
         if check_gpus:
@@ -62,8 +65,10 @@ def _check_gpus(devices: list[str]) -> None:
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     need = max(int(d.partition(":")[2] or 0) for d in devices) + 1
     if have < need:
-        raise UsageError(f"{len(devices)} GPU ranks ({', '.join(devices)}) but this machine has {have} CUDA device(s)",
-                         hint="use --nproc/--devices within the GPUs present, or --device cpu")
+        raise UsageError(
+            f"{len(devices)} GPU ranks ({', '.join(devices)}) but this machine has {have} CUDA device(s)",
+            hint="use --nproc/--devices within the GPUs present, or --device cpu",
+        )
 
 
 def require_device(device: str, *, elsewhere: bool = False) -> None:
@@ -79,15 +84,15 @@ def require_device(device: str, *, elsewhere: bool = False) -> None:
 
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if have == 0 and elsewhere:
-        from qtool.notices import tell
-
         tell(f"--device {device}: this machine has no CUDA device; the plan is for a machine that has one")
         return
     if have == 0:
         raise UsageError(f"--device {device} but no CUDA device is available", hint="use --device cpu")
     if int(index or 0) >= have:
-        raise UsageError(f"--device {device} but this machine has {have} CUDA device(s)",
-                         hint=f"use --device cuda:0 to cuda:{have - 1}, or --device cpu")
+        raise UsageError(
+            f"--device {device} but this machine has {have} CUDA device(s)",
+            hint=f"use --device cuda:0 to cuda:{have - 1}, or --device cpu",
+        )
 
 
 def _free_port() -> int:
@@ -102,6 +107,7 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 def _die_with(launcher: int):
     """A rank's pre-exec hook: the kernel sends it SIGKILL when the launcher dies (a kill -9 of the launcher
     alone must not leave ranks that go on and publish; the output contract makes it a resumable kill)."""
+
     def hook() -> None:
         import ctypes
 
@@ -111,6 +117,7 @@ def _die_with(launcher: int):
             return  # not Linux: the launcher's SIGTERM handler is all there is
         if os.getppid() != launcher:  # the launcher died before the prctl took effect
             os._exit(1)
+
     return hook
 
 
@@ -119,16 +126,20 @@ def rank_command(argv: list[str]) -> list[str]:
     `python -m qtool`: that puts the current folder first on sys.path, and a folder named `qtool` there (the
     parent of a clone, or any empty `qtool/`) shadows the package in every rank."""
     package_root = str(Path(qtool.__file__).resolve().parents[1])
-    boot = (f"import sys; sys.path[0] = {package_root!r}; "
-            "from qtool.cli.main import console; console()")
+    boot = f"import sys; sys.path[0] = {package_root!r}; from qtool.cli.main import console; console()"
     return [sys.executable, "-c", boot, *argv]
 
 
 def spawn(argv: list[str], devices: list[str], resumable: bool = True) -> int:
     """Run `qtool argv` once per device as ranks 0..N-1; returns the run's exit code."""
     world = len(devices)
-    base = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-            "QTOOL_DEVICES": ",".join(devices)}
+    base = {
+        **os.environ,
+        "WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "QTOOL_DEVICES": ",".join(devices),
+    }
     if "OMP_NUM_THREADS" not in os.environ:
         # the box's cores shared out (torchrun sets 1): N ranks of torch's default each would run N times
         # the cores' threads and slow every rank down
@@ -137,9 +148,15 @@ def spawn(argv: list[str], devices: list[str], resumable: bool = True) -> int:
     for r in range(world):
         env = {**base, "RANK": str(r), "LOCAL_RANK": str(r)}
         # rank 0 speaks for the run (its report, progress, errors); the others only report errors
-        procs.append(subprocess.Popen(rank_command(argv), env=env,
-                                      stdout=None if r == 0 else subprocess.DEVNULL,
-                                      preexec_fn=_die_with(os.getpid())))
+        procs.append(
+            subprocess.Popen(
+                rank_command(argv),
+                env=env,
+                stdout=None if r == 0 else subprocess.DEVNULL,
+                preexec_fn=_die_with(os.getpid()),
+            )
+        )
+
     def terminate(signum, frame):  # a SIGTERM to the launcher stops the ranks too (no orphans)
         raise KeyboardInterrupt
 
@@ -182,10 +199,16 @@ def _watch(procs: list[subprocess.Popen], resumable: bool) -> int:
         who = f"rank {rank} of {len(procs)} {how} (its error is above)"
     else:
         ranks = ", ".join(f"{r} (status {c})" for r, c in failed)
-        who = (f"ranks {ranks} of {len(procs)} exited at once (their errors are above: the one that does not "
-               "say it lost the other ranks is the cause)")
-    then = (" If it had started writing, its partial output is kept: re-run the same command with --resume "
-            "(any number of ranks) to continue." if resumable else "")
+        who = (
+            f"ranks {ranks} of {len(procs)} exited at once (their errors are above: the one that does not "
+            "say it lost the other ranks is the cause)"
+        )
+    then = (
+        " If it had started writing, its partial output is kept: re-run the same command with --resume "
+        "(any number of ranks) to continue."
+        if resumable
+        else ""
+    )
     print(f"qtool: {who}; the run stopped on every rank.{then}", file=sys.stderr)
     rc0 = procs[0].returncode
     return rc0 if rc0 not in (None, 0) and rc0 > 0 else 1

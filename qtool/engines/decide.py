@@ -7,6 +7,7 @@ from qtool.arch.model_map import QUANTIZED_FORMATS, Format, ModelMap
 from qtool.arch.qwen35 import Group
 from qtool.engines import sglang, vllm
 from qtool.engines.base import Engine, EngineVersion, Flavour, PartialFusedExclusion, parse_version, unit_of
+from qtool.engines.patterns import compact_ignore_patterns
 from qtool.io.quant_config import QuantSummary
 
 # Groups whose matrices are never quantization candidates for the engines (the embedding is an
@@ -97,8 +98,6 @@ def ignore_patterns_for(
     that makes both engines, in every modelled release, exclude exactly the modules whose tensors are BF16.
     Ask only for the flavours a caller writes: each list is verified against every engine release on every
     unit (~2-4 s each for the 397B's 372k output tensors on one core)."""
-    from qtool.engines.patterns import compact_ignore_patterns
-
     mods = linear_modules(mm)
     unq = [m for m, f in mods.items() if f is Format.BF16]
     q = [m for m, f in mods.items() if f in QUANTIZED_FORMATS]

@@ -26,9 +26,10 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-import torch
-
 from qtool.formats import CodecError
+from qtool.lazy import lazy_module
+
+torch = lazy_module("torch")
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i holds element AWQ_ORDER[i]
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # element j sits in nibble AWQ_REVERSE_ORDER[j]
@@ -46,11 +47,11 @@ class Int4Weight:
             return self.zeros
         return torch.full(self.scales.shape, 8, dtype=torch.uint8, device=self.scales.device)
 
-    def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         g = self.group_size
         q = self.codes.float().unflatten(-1, (-1, g))
         z = self.zero_points().float().unsqueeze(-1)
-        return ((q - z) * self.scales.float().unsqueeze(-1)).flatten(-2).to(dtype)
+        return ((q - z) * self.scales.float().unsqueeze(-1)).flatten(-2).to(torch.bfloat16 if dtype is None else dtype)
 
 
 def expert_group_size(in_features: list[int], group_size: int) -> int:
@@ -91,10 +92,10 @@ def quantize(
     group_size: int = 128,
     *,
     symmetric: bool = False,
-    scale_dtype: torch.dtype = torch.float32,
+    scale_dtype: torch.dtype | None = None,
 ) -> Int4Weight:
     """RTN INT4 of w [..., out, in]. Scales are rounded to `scale_dtype` (fp16 for AWQ, the weight
-    dtype for compressed-tensors) BEFORE codes are computed, so stored scales and codes agree."""
+    dtype for compressed-tensors; float32 when None) BEFORE codes are computed, so stored scales and codes agree."""
     if w.ndim < 2 or not w.is_floating_point():
         raise CodecError("INT4 quantize needs a floating [..., out, in] tensor", got=(w.dtype, tuple(w.shape)))
     g = effective_group_size(w.shape[-1], group_size)
@@ -105,7 +106,7 @@ def quantize(
         scale = torch.maximum(-lo, hi) / 7.5
     else:
         scale = (hi - lo) / 15.0
-    scale = scale.to(scale_dtype)
+    scale = scale.to(torch.float32 if scale_dtype is None else scale_dtype)
     # zero range: any non-zero scale encodes it exactly (compressed-tensors uses dtype eps here)
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)
     s = scale.float().unsqueeze(-1)
@@ -186,11 +187,11 @@ def from_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor) 
 # ------------------------------------------------------------------ compressed-tensors pack-quantized
 
 
-def to_compressed_tensors(q: Int4Weight, scale_dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+def to_compressed_tensors(q: Int4Weight, scale_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """{'weight_packed', 'weight_scale', 'weight_shape'[, 'weight_zero_point']} (pack-quantized)."""
     out = {
         "weight_packed": pack_int32(q.codes),
-        "weight_scale": q.scales.to(scale_dtype),
+        "weight_scale": q.scales.to(torch.bfloat16 if scale_dtype is None else scale_dtype),
         "weight_shape": torch.tensor(q.codes.shape, dtype=torch.int64),
     }
     if q.zeros is not None:

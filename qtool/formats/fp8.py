@@ -13,13 +13,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-import torch.nn.functional as F
-
 from qtool.formats import CodecError
+from qtool.lazy import lazy_module
+
+torch = lazy_module("torch")
+F = lazy_module("torch.nn.functional")
 
 E4M3_MAX = 448.0
-FP8 = torch.float8_e4m3fn
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ def _safe(scale: torch.Tensor) -> torch.Tensor:
 
 
 def _cast(x: torch.Tensor) -> torch.Tensor:
-    return x.clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
+    return x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
 def _check(w: torch.Tensor) -> None:
@@ -98,13 +98,14 @@ def _expand_scale(scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return full[..., :out, :n_in]
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """float(q) * scale (scale per tensor, per channel [.., out, 1] or per block), cast to dtype."""
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """float(q) * scale (scale per tensor, per channel [.., out, 1] or per block), cast to dtype (bfloat16
+    when None)."""
     if q.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
         raise CodecError("FP8 dequantize needs a float8 tensor", got=q.dtype)
     s = torch.as_tensor(scale, device=q.device).float()
     s = s.reshape(()) if s.numel() == 1 else s
-    return (q.float() * _expand_scale(s, q.shape)).to(dtype)
+    return (q.float() * _expand_scale(s, q.shape)).to(torch.bfloat16 if dtype is None else dtype)
 
 
 def input_scale_from_amax(amax: torch.Tensor | float) -> torch.Tensor:

@@ -22,9 +22,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from qtool.formats import CodecError
+from qtool.lazy import lazy_module
+
+torch = lazy_module("torch")
 
 BLOCK_SIZE = 16
 E2M1_MAX = 6.0
@@ -63,7 +64,7 @@ class NVFP4Weight:
         """Shape of the unquantized weight."""
         return (*self.packed.shape[:-1], self.packed.shape[-1] * 2)
 
-    def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         return dequantize(self.packed, self.block_scale, self.weight_scale_2, dtype=dtype)
 
 
@@ -284,9 +285,10 @@ def dequantize(
     packed: torch.Tensor,
     block_scale: torch.Tensor,
     weight_scale_2: torch.Tensor | float,
-    dtype: torch.dtype = torch.bfloat16,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """e2m1[code] * (float(block_scale) * weight_scale_2), in float32, cast to dtype at the end.
+    """e2m1[code] * (float(block_scale) * weight_scale_2), in float32, cast to dtype (bfloat16 when None) at
+    the end.
 
     Same order of operations as ModelOpt's `NVFP4QTensor.dequantize` (non-fast path).
     """
@@ -302,4 +304,4 @@ def dequantize(
     ws2 = ws2.reshape(*ws2.shape, 1, 1)
     scale = block_scale.float() * ws2
     values = decode_e2m1(codes).reshape(*codes.shape[:-1], -1, BLOCK_SIZE) * scale.unsqueeze(-1)
-    return values.reshape(codes.shape).to(dtype)
+    return values.reshape(codes.shape).to(torch.bfloat16 if dtype is None else dtype)

@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from qtool.cache import cache_dir
 from qtool.formats import CodecError, nvfp4
 
 BLOCK_SIZE = nvfp4.BLOCK_SIZE
@@ -273,8 +274,6 @@ def _kernels() -> tuple[Any, Any]:
     machine and CUDA version, found there by every later run (a CI cache keeps them too)."""
     global tl
     if not os.environ.get("TRITON_CACHE_DIR"):
-        from qtool.cache import cache_dir
-
         os.environ["TRITON_CACHE_DIR"] = str(cache_dir() / "triton")
     import triton
     import triton.language as tl_mod

@@ -2,7 +2,7 @@
 (its cache, token, endpoint and xet settings), and tensor-level fetches by HTTP range requests on remote
 safetensors files.
 
-    resolve.parse_spec("hf:Qwen/Qwen3.5-397B-A17B@main")          -> HubSpec
+    spec.parse_spec("hf:Qwen/Qwen3.5-397B-A17B@main")             -> HubSpec
     resolve.resolve_checkpoint("hf:...", tensors=None)              -> local directory (full snapshot)
     resolve.fetch_tensor_subset("hf:...", ["model.layers.0...."])   -> local checkpoint with just those
     download.download_files(...)                                     -> files verified against the Hub sha256

@@ -26,8 +26,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from qtool.cache import cache_dir
 from qtool.errors import VerificationError, WriteError
-from qtool.hub.resolve import HubError, HubSpec, hub_errors
+from qtool.hub.spec import HubError, HubSpec, hub_errors, hub_offline
+from qtool.io.output import OutputDir
 
 
 @dataclass(frozen=True)
@@ -77,8 +79,6 @@ def repo_listing(spec: HubSpec, *, token: str | None = None) -> RepoListing:
 
 
 def _verified_path() -> Path:
-    from qtool.cache import cache_dir
-
     return cache_dir() / "hub-verified.json"
 
 
@@ -289,7 +289,6 @@ def snapshot(
     (it rejects shards resolving outside the checkpoint), so the files are hard-linked (symlinked across
     filesystems) into $QTOOL_CACHE_DIR/hub/<org>--<name>/<commit>/files/; no bytes are copied.
     Offline (HF_HUB_OFFLINE=1) only what is cached is used."""
-    from qtool.hub.resolve import hub_offline
 
     if not allow_download or hub_offline():
         from huggingface_hub import snapshot_download
@@ -321,7 +320,6 @@ def snapshot(
         return out
     check_space(listing, paths, cache_dir)
     stats = download_files(listing, paths, cache_dir=cache_dir, token=token, progress=progress)
-    from qtool.io.output import OutputDir
 
     # qtool's own cache: a directory left incomplete there (no manifest) is replaced
     with OutputDir(out, force=True, replace_any=True) as tx:
@@ -334,8 +332,6 @@ def snapshot(
 
 
 def _files_dir(spec: HubSpec, commit: str) -> Path:
-    from qtool.cache import cache_dir
-
     return cache_dir() / "hub" / spec.repo_id.replace("/", "--") / commit / "files"
 
 

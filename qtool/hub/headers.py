@@ -21,8 +21,15 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from qtool.cache import cache_dir
 from qtool.hub import remote_safetensors
-from qtool.hub.resolve import HubError, HubSpec, cached_commit, hub_offline, is_commit
+from qtool.hub.download import download_files, repo_listing
+from qtool.hub.remote_safetensors import RangeReader
+from qtool.hub.spec import HubError, HubSpec, cached_commit, hub_offline, is_commit
+from qtool.io.files import copy_file
+from qtool.io.jsonio import atomic_write_text
+from qtool.io.output import OutputDir
+from qtool.io.safetensors_header import parse_header_bytes
 
 SMALL_TENSOR_BYTES = 64  # tensors this small are fetched (scalar scales, [1] global scales, KV scales)
 GAP_BYTES = 64 << 10  # small tensors this close together are fetched with one request (the gap is read too)
@@ -36,8 +43,6 @@ PARALLEL_RANGES = 32  # deferred ranges fetched at once (latency, not bandwidth,
 
 
 def _repo_cache(repo_id: str) -> Path:
-    from qtool.cache import cache_dir
-
     return cache_dir() / "hub" / repo_id.replace("/", "--")
 
 
@@ -78,7 +83,6 @@ def remote_headers(spec: HubSpec, *, token: str | None = None) -> tuple[Path, di
             hint="run the same command once online (it caches configs and headers: about 90 MB "
             "for the 397B), or unset HF_HUB_OFFLINE",
         )
-    from qtool.hub.download import repo_listing
 
     try:
         listing = repo_listing(spec, token=token)
@@ -94,11 +98,6 @@ def remote_headers(spec: HubSpec, *, token: str | None = None) -> tuple[Path, di
 
 
 def _fetch(listing, out: Path, token: str | None) -> dict:
-    from qtool.hub.download import download_files
-    from qtool.hub.remote_safetensors import RangeReader
-    from qtool.io.files import copy_file
-    from qtool.io.output import OutputDir
-
     shards = [p for p in listing.files if p.endswith(".safetensors")]
     side = [
         p
@@ -137,8 +136,6 @@ def _fetch(listing, out: Path, token: str | None) -> dict:
 def _stand_in_shard(reader, path: str, dst: Path) -> list[tuple[int, int]]:
     """`dst`: a sparse file of the remote shard's size holding its header and its small tensors' bytes;
     returns the ranges of small tensors left unread (see the module's docstring)."""
-    from qtool.io.safetensors_header import parse_header_bytes
-
     head, end = reader.head(path, HEAD_GUESS)
     size = reader.listing.files[path].size
     header = parse_header_bytes(path, head[8:end], size)
@@ -191,10 +188,6 @@ def fetch_deferred(infos) -> int:
 
 
 def _fetch_deferred_in(d: Path, wanted: list) -> int:
-    from qtool.hub.download import repo_listing
-    from qtool.hub.remote_safetensors import RangeReader
-    from qtool.io.jsonio import atomic_write_text
-
     deferred = {s: [tuple(r) for r in runs] for s, runs in json.loads((d / DEFERRED).read_text()).items()}
     todo: dict[tuple[str, tuple[int, int]], None] = {}
     for info in wanted:

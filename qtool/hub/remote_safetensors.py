@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 from qtool.errors import ConfigError, HeaderError, PlanError, VerificationError
 from qtool.hub.download import RepoListing, download_files
-from qtool.hub.resolve import HubError, hub_errors
+from qtool.hub.spec import HubError, hub_errors
 from qtool.io.index_file import read_index
 from qtool.io.safetensors_header import MAX_HEADER_BYTES, SafetensorsHeader, TensorInfo, parse_header_bytes
 from qtool.io.writer import FileRange, OutTensor, build_header

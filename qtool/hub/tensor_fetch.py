@@ -11,6 +11,10 @@ from pathlib import Path
 from qtool.errors import VerificationError, WriteError
 from qtool.hub.download import RepoListing, download_files
 from qtool.hub.remote_safetensors import INDEX, FetchPlan, RangeReader, ShardFetch
+from qtool.io.apply import write_output
+from qtool.io.checkpoint import Checkpoint
+from qtool.io.manifest import RUN
+from qtool.io.plan import Index, Link, OutputPlan, Produced, promised
 
 
 def hub_source(listing: RepoListing, paths) -> dict:
@@ -31,10 +35,6 @@ def fetch_tensors(
     """Write the planned tensors as a checkpoint in the output transaction `tx` (qtool.io.output.OutputDir,
     entered: `OUT.partial/`, kept for --resume) through the shared executor; returns a report. Each shard
     is Produced: its header is known from the remote headers, its bytes come by range requests."""
-    from qtool.io.apply import write_output
-    from qtool.io.manifest import RUN
-    from qtool.io.plan import Index, Link, OutputPlan, Produced, promised
-
     partial = tx.partial
     sides = download_files(plan.listing, plan.side_files, token=token) if plan.side_files else None
     files: list = [
@@ -154,8 +154,6 @@ def _fill_part(reader: RangeReader, s: ShardFetch, part: Path, bar) -> int:
 
 def _check_output(partial: Path, plan: FetchPlan) -> None:
     """The written shards parse and every tensor's byte length is the remote header's."""
-    from qtool.io.checkpoint import Checkpoint
-
     ckpt = Checkpoint.open(partial)
     for s in plan.shards:
         for t in s.tensors:

@@ -21,6 +21,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from qtool.cache import cache_dir
 from qtool.errors import QtoolError
 from qtool.io.files import open_regular
 from qtool.notices import tell
@@ -40,8 +41,6 @@ def file_key(real: str, stat: os.stat_result | None = None) -> str:
 
 def user_cache() -> DigestCache:
     """The cache under qtool's cache dir (`$QTOOL_CACHE_DIR/sha256-cache.json`)."""
-    from qtool.cache import cache_dir
-
     return DigestCache(cache_dir() / "sha256-cache.json")
 
 

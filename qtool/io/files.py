@@ -20,7 +20,7 @@ from contextlib import AbstractContextManager, contextmanager
 from enum import Enum
 from pathlib import Path
 
-from qtool.errors import UsageError, WriteError
+from qtool.errors import CheckpointError, UsageError, WriteError
 
 FICLONE = 0x40049409  # _IOW(0x94, 9, int), linux/fs.h
 
@@ -281,8 +281,6 @@ def open_regular(path: str | Path, what: str = "file", error: type | None = None
     (or a device) named like a shard or a config is refused at once instead of hanging the run; a
     directory, a symlink loop or a missing file is a CheckpointError (or `error`, a subclass) naming the
     path."""
-    from qtool.errors import CheckpointError
-
     err = error or CheckpointError
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)

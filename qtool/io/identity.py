@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from qtool.errors import WriteError
+from qtool.io.tensor_table import tensor_rows
 
 if TYPE_CHECKING:
     from qtool.io.safetensors_header import TensorInfo
@@ -65,8 +66,6 @@ def tensor_list_text(tensors: Mapping[str, TensorInfo]) -> bytes:
     """`name|dtype|[shape]|its file's size` of every tensor, one line each, sorted by name: what a layer job's
     journal key records of the checkpoint it reads (a --resume against another list starts over). Read
     from a TensorTable's columns with one `stat` per shard (a 397B has ~370k tensors in ~50 shards)."""
-    from qtool.io.tensor_table import tensor_rows
-
     sizes: dict[str, int] = {}
     # "|dtype|[shape]|size\n" of each (file, dtype, shape) met: a 397B repeats a few dozen of them 370k times.
     # Keyed by the objects' ids, not their values: (True, 2) and (1.0, 2) equal (1, 2) as dict keys but are

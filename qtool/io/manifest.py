@@ -21,18 +21,22 @@ from __future__ import annotations
 import json
 import os
 import re
-import shlex
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, cast
 
+from qtool import __version__
+from qtool.errors import WriteError
 from qtool.io.digest_cache import file_key, user_cache
-from qtool.io.files import hash_fd
+from qtool.io.files import hash_fd, hash_file, new_file
 from qtool.io.files import hash_file as _hash_file
 from qtool.io.input_files import InputFiles
+from qtool.io.jsonio import dumps_compact
+from qtool.io.output import MANIFEST_NAME
 from qtool.io.stream_digest import NO_DIGESTS, DigestSink, StreamDigests
+from qtool.io.writer import copy_range
 from qtool.redact import SECRET_FLAGS, redact_argv, redact_json, redact_text, without_secrets  # noqa: F401
 
 LIBRARIES = (
@@ -65,10 +69,6 @@ RUN = "run"
 
 
 # secrets: one redaction for every printed or written text (qtool/redact.py); re-exported for callers
-def command_line(argv: list[str] | None) -> str | None:
-    return None if argv is None else shlex.join(redact_argv(argv))
-
-
 class InputHasher:
     """sha256 of input files in background threads (hashlib releases the GIL), with a persistent cache.
 
@@ -148,8 +148,6 @@ class InputHasher:
             p for p in inputs if os.path.realpath(p) not in self.recorded and os.path.realpath(p) not in self.from_reads
         )
         if missing:
-            from qtool.errors import WriteError
-
             raise WriteError(
                 f"cannot resume: the interrupted run stopped before it had hashed {len(missing)} "
                 "input file(s), so an edit since then cannot be ruled out",
@@ -289,8 +287,6 @@ class InputHasher:
         real = {p: os.path.realpath(p) for p in out}
         changed = sorted(p for p, d in out.items() if self.recorded.get(real[p], d) != d or real[p] in self.changed)
         if changed:
-            from qtool.errors import WriteError
-
             raise WriteError(
                 f"cannot finish the resumed run: {len(changed)} input file(s) changed since the interrupted run",
                 path=changed[0],
@@ -366,8 +362,6 @@ def write_shards_section(path: Path, shards: Iterable[Any], roots: dict[str, Pat
     into the manifest, which is). `shards`: planned shards whose tensors have `.name` and `.origin`
     (source, file, tensor, slice). Written while the shards are being copied, so its CPU time overlaps
     the I/O; one line per tensor, so a 400k-tensor manifest never sits in memory as one object."""
-    from qtool.io.jsonio import dumps_compact
-
     rel: dict[tuple[str, str], str] = {}  # (source, file) -> path relative to that source's root
     with open(path, "w", encoding="utf-8") as f:
         f.write(' "shards": {')
@@ -418,9 +412,6 @@ def write_manifest(
     summary, checks, `files` (every output file's sha256 and size, what `verify --deep` compares),
     then the op's own `extra` sections and, for assemble, the streamed `shards_section` (removed
     afterwards)."""
-    from qtool import __version__
-    from qtool.io.files import new_file
-
     head = {
         "qtool_version": __version__,
         "operation": kind,
@@ -442,8 +433,6 @@ def write_manifest(
             f.write((text[: text.rstrip().rfind("}")].rstrip() + ",\n").encode())
             f.flush()
             with open(shards_section, "rb") as body:
-                from qtool.io.writer import copy_range
-
                 copy_range(body.fileno(), f.fileno(), 0, os.fstat(body.fileno()).st_size)
     if shards_section is not None:
         os.unlink(shards_section)
@@ -459,9 +448,6 @@ def carried_files(partial: Path, root: Path, changed: set[str], known: dict[str,
     root's) take the digest this run already has for root's file (`known`: real path -> sha256), else the
     one the checkpoint's previous manifest recorded for the same size, else what InputHasher finds (a Hub
     cache blob's name, huggingface_hub's download record, the sha256 cache) or computes."""
-    from qtool.io.files import hash_file
-    from qtool.io.output import MANIFEST_NAME
-
     known = {os.path.realpath(p): d for p, d in (known or {}).items()}
     try:
         before = read_manifest(root / MANIFEST_NAME).get("files") or {}
@@ -504,8 +490,6 @@ def carried_files(partial: Path, root: Path, changed: set[str], known: dict[str,
 def previous_head(root: Path) -> dict | None:
     """The checkpoint's previous manifest without its bulky sections (kept when an in-place op writes a
     new one: what made the artifact before)."""
-    from qtool.io.output import MANIFEST_NAME
-
     try:
         prev = read_manifest(root / MANIFEST_NAME)
     except (OSError, ValueError):

@@ -25,9 +25,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple, Union, cast
 
+from qtool.errors import CheckpointError
+from qtool.io import writer
+from qtool.io.checkpoint import Checkpoint
 from qtool.io.jsonio import JsonStyle, dumps
 from qtool.io.output import RECORDS
-from qtool.io.writer import FileRange, InlineBytes, OutTensor, json_str, shard_size
+from qtool.io.safetensors_header import SafetensorsHeader, read_header
+from qtool.io.tensor_table import TensorTable
+from qtool.io.writer import FileRange, InlineBytes, OutTensor, build_header, json_str, shard_size
 
 if TYPE_CHECKING:
     from qtool.io.checkpoint import Checkpoint
@@ -98,8 +103,6 @@ def checkpoint_files(root: Path) -> list[tuple[str, Path]]:
     what an output made from `root` carries over. An entry that is
     neither a regular file nor a directory (a FIFO, a device, a dangling symlink, a symlink loop) is a named
     error: a copy silently without it would be worse."""
-    from qtool.errors import CheckpointError
-
     out = []
     for p in sorted(Path(root).rglob("*")):
         rel = p.relative_to(root)
@@ -228,9 +231,7 @@ def index_map(entry: Index) -> dict:
 
 
 def index_text_of(entry: Index) -> Iterator[str]:
-    from qtool.io.writer import index_text
-
-    return index_text(index_map(entry), entry.metadata)
+    return writer.index_text(index_map(entry), entry.metadata)
 
 
 def _tensor_keys(tensors: list[OutTensor], paths: dict[str, str]) -> str:
@@ -298,11 +299,6 @@ def header_checkpoint(
     the output's tensors (quantization configs, ignore lists, findings) before execution.
     `as_written`: every tensor at its place in the output under `root` (a copied one too), so that values
     read through it come from the written files once they are there."""
-    from qtool.io.checkpoint import Checkpoint
-    from qtool.io.safetensors_header import SafetensorsHeader, read_header
-    from qtool.io.tensor_table import TensorTable
-    from qtool.io.writer import build_header
-
     table = TensorTable()
     headers = {}
     for e in plan.files:

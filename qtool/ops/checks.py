@@ -20,10 +20,16 @@ from pathlib import Path
 
 from qtool.arch.model_map import Format, ModelMap, Module, build_map
 from qtool.arch.qwen35 import Group, text_prefix
+from qtool.errors import VerificationError
 from qtool.findings import Code, error
-from qtool.io.checkpoint import Checkpoint
+from qtool.io import plan as io_plan
+from qtool.io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG_NAME, Checkpoint
 from qtool.io.dtypes import FLOAT_DTYPES, FP8_DTYPES
 from qtool.io.files import hash_file
+from qtool.io.plan import Index, Json, Text, index_text_of
+from qtool.io.quant_config import summarize
+from qtool.ops import inspect as inspect_op
+from qtool.ops.inspect import find_problems, value_problems
 
 MAX_PROBLEMS = 20
 
@@ -386,9 +392,6 @@ def _check_expectations(layer_fmts: dict[int, dict[str, set]], mtp_fmts, expect:
 
 def consistency_problems(mm: ModelMap) -> list:
     """What qtool.ops.inspect.find_problems reports for `mm` (Findings)."""
-    from qtool.io.quant_config import summarize
-    from qtool.ops.inspect import find_problems
-
     summary = summarize(mm.ckpt.config, mm.ckpt.hf_quant_config)
     return find_problems(mm, summary)
 
@@ -487,20 +490,15 @@ class PlannedProblems:
             self._thread.start()
 
     def _find(self) -> None:
-        from qtool.io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG_NAME
-        from qtool.io.plan import Json, header_checkpoint
-        from qtool.io.quant_config import summarize
-        from qtool.ops.inspect import structure_problems
-
         try:
             jsons = {e.name: e.obj for e in self.plan.entries(Json)}
             config, hq = jsons.get(CONFIG_NAME), jsons.get(HF_QUANT_CONFIG_NAME)
             Checkpoint.check_config_types(self.root, config, hq)
             mm = self.mm or build_map(
-                header_checkpoint(self.root, self.plan, config, hq, as_written=True), read_values=False
+                io_plan.header_checkpoint(self.root, self.plan, config, hq, as_written=True), read_values=False
             )
             summary = summarize(config, hq)
-            self._found = (mm, summary, structure_problems(mm, summary), self._side_files(mm.ckpt))
+            self._found = (mm, summary, inspect_op.structure_problems(mm, summary), self._side_files(mm.ckpt))
         except BaseException as e:  # noqa: BLE001 -- raised by result()
             self._error = e
 
@@ -509,9 +507,6 @@ class PlannedProblems:
         the planned shards' tensors (what Checkpoint.open would check of the written one)."""
         import hashlib
         import json
-
-        from qtool.errors import VerificationError
-        from qtool.io.plan import Index, Json, Text, index_text_of
 
         digests = {}
         for e in self.plan.entries(Json, Text, Index):
@@ -545,8 +540,6 @@ class PlannedProblems:
 
     def result(self) -> list:
         """Every problem (Findings), in find_problems' order: the structure's, then the values' read now."""
-        from qtool.ops.inspect import value_problems
-
         self.begin()
         self._thread.join()
         if self._error is not None:
@@ -554,8 +547,6 @@ class PlannedProblems:
         mm, summary, structure, side = self._found
         for name, digest in side.items():
             if hash_file(self.root / name) != digest:
-                from qtool.errors import VerificationError
-
                 raise VerificationError(
                     "a written file is not what the plan promised (a qtool bug)",
                     path=self.root / name,

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from qtool.errors import UsageError
+
 
 @dataclass
 class Report:
@@ -42,8 +44,6 @@ def options_from(cls: type, params: dict, **fixed) -> Any:
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(params) - names)
     if unknown:
-        from qtool.errors import UsageError
-
         raise UsageError(
             f"unknown option(s) for {cls.__name__}: {', '.join(unknown)}", expected=", ".join(sorted(names))
         )

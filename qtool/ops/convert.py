@@ -25,16 +25,23 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from qtool import __version__
 from qtool.arch.model_map import Format, build_map
 from qtool.arch.qwen35 import Group
 from qtool.errors import PlanError, UsageError
-from qtool.formats.naming import NVFP4_NAMINGS, Flavour, QuantFormat
+from qtool.formats.naming import NVFP4_NAMINGS, Flavour, QuantFormat, convert_nvfp4
+from qtool.io.apply import write_output
 from qtool.io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG_NAME, INDEX_NAME, Checkpoint
 from qtool.io.jsonio import file_style, load_json
+from qtool.io.manifest import library_versions
 from qtool.io.output import MANIFEST_NAME, OutputDir, check_no_overlap
-from qtool.io.plan import Copy, Json, Link, OutputPlan, Shard, Text, checkpoint_files
+from qtool.io.plan import Copy, Json, Link, OutputPlan, Shard, Text, checkpoint_files, header_checkpoint
+from qtool.io.quant_config import summarize
 from qtool.io.writer import FileRange, InlineBytes, OutTensor, index_json
 from qtool.ops.contract import Report
+from qtool.ops.inspect import find_problems
+from qtool.ops.quantize.configs import quant_configs
+from qtool.recipes import OutFormat, Scheme
 
 SIDECAR = "qtool-convert.json"
 
@@ -56,8 +63,6 @@ def _global_scale(name: str, old: bytes, to: Flavour, orig_bits: int | None) -> 
     qtool.formats.naming.convert_nvfp4; `orig_bits`: the value a previous opposite conversion recorded
     (restored when it still maps to `old`, so round trips are bit-identical)."""
     import torch
-
-    from qtool.formats.naming import convert_nvfp4
 
     src, dst = (
         (QuantFormat.NVFP4, QuantFormat.NVFP4_CT)
@@ -252,11 +257,6 @@ def _configs(
         elif hq is not None:
             files.append(Json(HF_QUANT_CONFIG_NAME, hq, ckpt.hf_quant_style))
         return files
-    from qtool import __version__
-    from qtool.io.manifest import library_versions
-    from qtool.io.plan import header_checkpoint
-    from qtool.ops.quantize.configs import quant_configs
-    from qtool.recipes import OutFormat, Scheme
 
     orig_qc = cfg.pop("quantization_config", None)
     mm_out = build_map(header_checkpoint(out, output, cfg), read_values=False)
@@ -290,15 +290,10 @@ def describe(p: ConvertPlan) -> dict:
 
 def execute(p: ConvertPlan) -> Report:
     """Write the converted checkpoint (the shared executor, qtool.io.apply, in an output transaction)."""
-    from qtool.io.apply import write_output
-
     opts = p.options
     report = p.to_json()
 
     def check() -> dict:
-        from qtool.io.quant_config import summarize
-        from qtool.ops.inspect import find_problems
-
         c2 = Checkpoint.open(tx.partial, require_config=True)
         report["problems"] = [
             x.to_json() for x in find_problems(build_map(c2), summarize(c2.config, c2.hf_quant_config))

@@ -19,11 +19,13 @@ from pathlib import Path
 from qtool.errors import UsageError
 from qtool.hub.download import RepoListing, check_space, download_files, repo_listing
 from qtool.hub.remote_safetensors import FetchPlan, TensorFetchOptions, plan_fetch
-from qtool.hub.resolve import HubSpec
-from qtool.hub.tensor_fetch import fetch_tensors
+from qtool.hub.spec import HubSpec
+from qtool.hub.tensor_fetch import fetch_tensors, hub_source
+from qtool.io.apply import write_output
 from qtool.io.files import LinkMode
 from qtool.io.manifest import RUN
 from qtool.io.output import OutputDir, check_not_in_hub_cache
+from qtool.io.plan import Link, OutputPlan
 from qtool.ops.contract import Report
 
 
@@ -116,10 +118,6 @@ def _run(p: DownloadPlan, *, progress: bool = False) -> dict:
         "fetched": {f.path: {"cached": f.cached, "attempts": f.attempts} for f in st.files},
     }
     if tx is not None:
-        from qtool.hub.tensor_fetch import hub_source
-        from qtool.io.apply import write_output
-        from qtool.io.plan import Link, OutputPlan
-
         output = OutputPlan(
             "download",
             [Link(f.path, str(f.local)) for f in st.files],

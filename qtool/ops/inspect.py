@@ -8,9 +8,13 @@ from pathlib import Path
 from qtool.arch.layer_grid import layer_grid
 from qtool.arch.model_map import QUANTIZED_FORMATS, REQUIRED_PARAMS, Format, ModelMap, build_map
 from qtool.arch.qwen35 import Group
+from qtool.engines import mixed_precision, parse_version
+from qtool.engines.decide import DEFAULT_ENGINES, engine_rules_modelled, unit_decisions
 from qtool.findings import Code, Finding, Severity
+from qtool.hub.headers import fetch_deferred
 from qtool.io.checkpoint import Checkpoint
 from qtool.io.quant_config import QuantSummary, summarize
+from qtool.io.reader import read_scalars
 from qtool.io.tensor_table import no_cyclic_gc
 
 
@@ -136,9 +140,6 @@ def _incomplete_quant_modules(mm: ModelMap) -> list[Finding]:
 def _gate_up_scale_mismatch(mm: ModelMap) -> list[Finding]:
     """vLLM fuses gate_proj and up_proj into w13 with ONE global scale and warns or mis-scales when
     the two differ (vllm/model_executor/layers/quantization/modelopt.py, ModelOptNvFp4FusedMoE)."""
-    from qtool.hub.headers import fetch_deferred
-    from qtool.io.reader import read_scalars
-
     pairs = []
     for mod in mm.modules.values():
         if mod.expert is None or not mod.name.endswith(".gate_proj"):
@@ -240,7 +241,6 @@ def _config_file_disagreement(summary: QuantSummary) -> list[Finding]:
 
 def _config_vs_tensors(mm: ModelMap, summary: QuantSummary) -> list[Finding]:
     """Modules whose tensors are BF16 but that an engine would treat as quantized, and the reverse."""
-    from qtool.engines.decide import engine_rules_modelled
 
     if not summary.weights_quantized:
         return []
@@ -252,9 +252,6 @@ def _config_vs_tensors(mm: ModelMap, summary: QuantSummary) -> list[Finding]:
                 "ModelOpt and compressed-tensors checkpoints only; BF16/quantized module decisions not checked",
             )
         ]
-    from qtool.engines import parse_version
-    from qtool.engines.decide import DEFAULT_ENGINES, unit_decisions
-    from qtool.ops.verify import mixed_precision
 
     if mixed_precision.is_mixed(summary):  # per-module algorithms (quantized_layers), not one ignore list
         found, _, _ = mixed_precision.mixed_findings(mm, summary, [parse_version(v) for v in DEFAULT_ENGINES])

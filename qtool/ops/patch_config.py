@@ -15,12 +15,18 @@ from pathlib import Path
 from qtool.arch.model_map import Format, ModelMap, build_map
 from qtool.arch.qwen35 import Group
 from qtool.engines import Flavour
+from qtool.engines.decide import ignore_patterns_for
 from qtool.errors import ConfigError, UsageError, WriteError
 from qtool.io import quant_config as qcfg
+from qtool.io.apply import write_output
 from qtool.io.checkpoint import CONFIG_NAME, GENERATION_CONFIG_NAME, HF_QUANT_CONFIG_NAME, Checkpoint
+from qtool.io.in_place import InPlaceDir
 from qtool.io.jsonio import JsonStyle, dumps, load_json, unified_diff
+from qtool.io.manifest import previous_head, read_manifest
+from qtool.io.output import MANIFEST_NAME, OutputDir
 from qtool.io.plan import Json, OutputPlan, unchanged_files
 from qtool.ops.contract import Report
+from qtool.ops.inspect import kv_scheme_strategy
 
 # The router pattern. The field report (docs/formats.md §6, §12) uses "model.language_model.layers..mlp.gate", but
 # the real matching code of vLLM 0.33.0 and SGLang 0.5.23 (modelopt.py is_layer_excluded; checked with
@@ -101,9 +107,6 @@ class PatchPlan:
     def _kept_sections(self) -> dict:
         """Every tensor stays as it was: the input manifest's tensor origins (`shards`, assemble's) still
         describe the output, and its head says what made it (in place the executor records it)."""
-        from qtool.io.manifest import previous_head, read_manifest
-        from qtool.io.output import MANIFEST_NAME
-
         try:
             shards = read_manifest(self.root / MANIFEST_NAME).get("shards")
         except (OSError, ValueError):
@@ -260,10 +263,6 @@ def apply(p: PatchPlan, *, command: str | None = None) -> list[str]:
     state is built beside it and swapped in (qtool.io.in_place.InPlaceDir); with -o OUT a new checkpoint is
     built in OUT.partial/ (qtool.io.output.OutputDir). Both are written by the shared executor
     (qtool.io.apply), so a kill never leaves config.json and hf_quant_config.json disagreeing."""
-    from qtool.io.apply import write_output
-    from qtool.io.in_place import InPlaceDir
-    from qtool.io.output import OutputDir
-
     opts = p.options or PatchOptions(p.root)
     command = command if command is not None else opts.command
     output = p.output()
@@ -329,7 +328,6 @@ def _mtp_ignore(lists: _IgnoreLists, mm: ModelMap) -> FixResult:
 def _ignore_from_tensors(lists: _IgnoreLists, mm: ModelMap) -> FixResult:
     if not lists.any:
         return FixResult(Fix.IGNORE_FROM_TENSORS.value, False, "not quantized: nothing to exclude")
-    from qtool.engines.decide import ignore_patterns_for
 
     # only the dialects this checkpoint's lists use: each list is verified against every engine release
     made = dict(zip(lists.flavours, ignore_patterns_for(mm, lists.flavours)))
@@ -348,8 +346,6 @@ def _ignore_from_tensors(lists: _IgnoreLists, mm: ModelMap) -> FixResult:
 def _kv_scheme_from_tensors(config: dict, mm: ModelMap) -> FixResult:
     """compressed-tensors `kv_cache_scheme.strategy` as the KV-scale tensors are: "attn_head" for
     [num_kv_heads] scales (vllm PR 30141), "tensor" for scalars."""
-    from qtool.ops.inspect import kv_scheme_strategy
-
     want = kv_scheme_strategy(mm, qcfg.summarize(config, None))
     if want is None:
         return FixResult(

@@ -23,8 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from qtool.errors import CheckpointError, PlanError, UsageError
-from qtool.stream import token_cache
+from qtool.errors import CheckpointError, Interrupted, PlanError, UsageError
+from qtool.extras import require
+from qtool.hub.spec import HubSpec, hub_errors, hub_offline, is_commit
+from qtool.io.plan import checkpoint_files
+from qtool.quiet import transformers_errors_only
+from qtool.stream import token_cache, warm_import
 from qtool.stream.calib_sources import BUILTIN, TOKENIZER_FILES, builtin_path, parse_hub_dataset
 
 if TYPE_CHECKING:
@@ -40,8 +44,6 @@ def dataset_revision(dataset: str) -> str | None:
         return None
     from huggingface_hub import HfApi
 
-    from qtool.hub.resolve import HubSpec, hub_errors, hub_offline, is_commit
-
     repo, rev, _ = parse_hub_dataset(dataset)
     if is_commit(rev) or hub_offline():
         return rev
@@ -53,12 +55,8 @@ def _rows(dataset: str) -> Iterator[Any]:
     """The rows of a .parquet file or a Hub dataset split, as dicts, one at a time (a caller that has the
     tokens it needs stops reading: ultrachat_200k's train_sft split is 200k conversations)."""
     if dataset.startswith("hf:"):
-        from qtool.extras import require
-
         require("datasets", f"the dataset {dataset}")
         import datasets
-
-        from qtool.hub.resolve import HubSpec, hub_errors, hub_offline
 
         repo, rev, split = parse_hub_dataset(dataset)
         with hub_errors(HubSpec(repo, rev)):
@@ -236,13 +234,10 @@ def windows_from_ids(
 
 def load_tokenizer(ckpt_dir: str | Path) -> Any:
     """The checkpoint's tokenizer (its side files already checked by the caller, build_calib_set)."""
-    from qtool.stream.warm_import import join, skip_unused_imports
 
-    join()  # the decoder module's background import, where the job started it before planning
-    skip_unused_imports()  # the job's first transformers import: without what it never runs
+    warm_import.join()  # the decoder module's background import, where the job started it before planning
+    warm_import.skip_unused_imports()  # the job's first transformers import: without what it never runs
     from transformers import AutoTokenizer
-
-    from qtool.quiet import transformers_errors_only
 
     if Path(ckpt_dir).is_dir() and not any((Path(ckpt_dir) / f).is_file() for f in TOKENIZER_FILES):
         # AutoTokenizer would otherwise build an empty tokenizer from the processor configs: 0 tokens
@@ -287,9 +282,6 @@ def plan_calibration(ckpt: Checkpoint, dataset: str, samples: int, seq_len: int,
 def _tokenize(tok: Any, dataset: str, need: int, stop: threading.Event | None = None) -> list[int]:
     """The dataset's token ids, documents in order, until `need` of them (or the data's end); once `stop`
     is set (the job was interrupted while this ran on another thread), Interrupted at the next document."""
-    from qtool.errors import Interrupted
-    from qtool.quiet import transformers_errors_only
-
     ids: list[int] = []
     with transformers_errors_only():  # a whole document is longer than model_max_length on purpose
         for doc in read_documents(dataset, tok):
@@ -318,8 +310,6 @@ def build_calib_set(
     key = None
     if tokenizer is None:
         if Path(ckpt_dir).is_dir():
-            from qtool.io.plan import checkpoint_files
-
             # a FIFO or a dangling symlink at tokenizer.json is named as such (not "no tokenizer"), hit or not
             checkpoint_files(Path(ckpt_dir))
         key = token_cache.key(ckpt_dir, dataset, need, revision)
@@ -329,8 +319,6 @@ def build_calib_set(
     if tokenizer is not None:
         ids = _tokenize(tokenizer, dataset, need)
     else:
-        from qtool.stream import warm_import
-
         # in the background import's thread, before it imports the decoder module (which then overlaps the
         # rest of the job's plan), where a streamed job started it; else here
         ids = warm_import.before_decoder(lambda stop: _tokenize(load_tokenizer(ckpt_dir), dataset, need, stop))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qtool.hub.resolve import parse_spec
+from qtool.hub.spec import parse_spec
 
 BUILTIN = "builtin"
 

@@ -18,9 +18,13 @@ from typing import TYPE_CHECKING, Protocol, TypeAlias
 from qtool.arch.model_map import Format, ModelMap, Module
 from qtool.arch.qwen35 import Group, layer_prefix
 from qtool.errors import PlanError
-from qtool.io.dtypes import DTYPE_BITS
+from qtool.formats import awq, fp8, nvfp4
+from qtool.formats.nvfp4 import BLOCK_SIZE
+from qtool.io.dtypes import DTYPE_BITS, TORCH_DTYPE_NAMES
+from qtool.io.input_files import open_for_reads
 from qtool.io.safetensors_header import TensorInfo
 from qtool.io.stream_digest import NO_DIGESTS, DigestSink
+from qtool.stream import layer_read
 
 if TYPE_CHECKING:
     import torch
@@ -96,15 +100,11 @@ class TensorSource:
     def get(self, info: TensorInfo) -> torch.Tensor:
         import torch
 
-        from qtool.io.dtypes import TORCH_DTYPE_NAMES
-        from qtool.io.input_files import open_for_reads
-        from qtool.stream.layer_read import pread_exact
-
         fd = self._fds.get(info.file)
         if fd is None:
             fd = self._fds[info.file] = open_for_reads(info.file)
         buf = bytearray(info.nbytes)
-        pread_exact(fd, memoryview(buf), info.start, info.file, tensor=info.name, digests=self.digests)
+        layer_read.pread_exact(fd, memoryview(buf), info.start, info.file, tensor=info.name, digests=self.digests)
         dtype = getattr(torch, TORCH_DTYPE_NAMES[info.dtype])
         if info.nbytes == 0:
             return torch.empty(tuple(info.shape), dtype=dtype)
@@ -172,10 +172,6 @@ def embedding_rows(
     handed to `digests` (the job's inputs hashed from its reads)."""
     import torch
 
-    from qtool.io.dtypes import TORCH_DTYPE_NAMES
-    from qtool.io.input_files import open_for_reads
-    from qtool.stream.layer_read import pread_exact
-
     info = model_map.ckpt.tensors.get(name)
     mod = model_map.modules.get(name.rpartition(".")[0])
     quantized = mod is not None and mod.format in (
@@ -217,7 +213,7 @@ def embedding_rows(
         at = 0
         for a, b in runs:
             rows_view = view[at * row_bytes : (at + b - a) * row_bytes]
-            pread_exact(fd, rows_view, info.start + a * row_bytes, info.file, tensor=name, digests=digests)
+            layer_read.pread_exact(fd, rows_view, info.start + a * row_bytes, info.file, tensor=name, digests=digests)
             lookup[a:b] = torch.arange(at, at + b - a)
             at += b - a
     finally:
@@ -240,26 +236,16 @@ def dense_weight(
 
     fmt = mod.format
     if fmt is Format.NVFP4:
-        from qtool.formats import nvfp4
-
         return nvfp4.dequantize(t("weight"), t("weight_scale"), t("weight_scale_2").float(), dtype=dtype)
     if fmt is Format.NVFP4_CT:
-        from qtool.formats import nvfp4
-
         # compressed-tensors stores the reciprocal global scale (docs/formats.md §4).
         ws2 = 1.0 / t("weight_global_scale").float().reshape(())
         return nvfp4.dequantize(t("weight_packed"), t("weight_scale"), ws2, dtype=dtype)
     if fmt is Format.FP8:
-        from qtool.formats import fp8
-
         return fp8.dequantize(t("weight"), t("weight_scale"), dtype=dtype)
     if fmt is Format.AWQ:
-        from qtool.formats import awq
-
         return awq.from_awq(t("qweight"), t("qzeros"), t("scales")).dequantize(dtype)
     if fmt is Format.INT4_CT:
-        from qtool.formats import awq
-
         if "weight_shape" in p:
             shape = t("weight_shape")
         else:
@@ -393,8 +379,6 @@ def _dense_experts(
     GPU. Element-wise the same arithmetic as one matrix at a time, so the values are identical."""
     import torch
 
-    from qtool.formats.nvfp4 import BLOCK_SIZE
-
     fmt = mods[0].format
     codes, scale, glob = (
         ("weight", "weight_scale", "weight_scale_2")
@@ -408,7 +392,6 @@ def _dense_experts(
         for m in mods
     )
     if batched:
-        from qtool.formats import nvfp4
 
         def stacked(name: str) -> torch.Tensor:
             return torch.stack([src.get(m.params[name]).to(device) for m in mods])

@@ -23,6 +23,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from qtool.stream.layer_stream import StreamPlan
 
+from qtool.stream.layer_read import CHUNK, READERS
+from qtool.stream.layer_stream import hidden_on_device
+
 # host RAM of a rank process before any tensor of the job: Python with torch, transformers and the tokenizer
 # (measured: 375 MiB after the imports, 433 MiB peak for a CPU quantize of the tiny fixture whose tensors
 # need ~1 MiB; a plan that left it out said "host ~982 KiB")
@@ -95,9 +98,6 @@ def need(
     ranks: int = 1,
 ) -> MemoryNeed:
     """`stream_plan`: layer_stream.StreamPlan; per rank, on `device` (the fit reads that GPU's free memory)."""
-    from qtool.stream.layer_read import CHUNK, READERS
-    from qtool.stream.layer_stream import hidden_on_device
-
     dense, stored = stream_plan.max_layer_bytes, stream_plan.max_stored_layer_bytes
     item = stream_plan.itemsize
     on_device = hidden_on_device(device, stream_plan.hidden_bytes)

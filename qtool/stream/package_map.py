@@ -24,6 +24,11 @@ import os
 import sys
 from pathlib import Path
 
+from qtool.cache import cache_dir
+from qtool.errors import WriteError
+from qtool.io.files import keep_newest
+from qtool.io.jsonio import atomic_write_text
+
 _ORIGINAL = importlib.metadata.packages_distributions
 FILE = "packages-distributions"
 
@@ -61,10 +66,6 @@ def packages_distributions() -> dict[str, list[str]]:
     matches; a fresh copy each call, as the standard library gives."""
     import hashlib
 
-    from qtool.cache import cache_dir
-    from qtool.errors import WriteError
-    from qtool.io.jsonio import atomic_write_text
-
     key = _key()
     path = cache_dir() / f"{FILE}-{hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]}.json"
     try:
@@ -89,8 +90,6 @@ KEEP_MAPS = 8  # environments (venvs, or one venv's states before and after an i
 def _drop_old_maps(new: Path) -> None:
     """Every install into an environment keys a new map: keep the KEEP_MAPS most recently written (a day of
     this project's tests left ~300 of them); `new`, just written, is among them."""
-    from qtool.io.files import keep_newest
-
     keep_newest(new.parent, f"{FILE}-*.json", KEEP_MAPS, spare=new)
 
 

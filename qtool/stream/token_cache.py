@@ -32,7 +32,12 @@ import os
 from array import array
 from pathlib import Path
 
-from qtool.stream.calib_sources import TOKENIZER_FILES
+from qtool.cache import cache_dir
+from qtool.errors import WriteError
+from qtool.hub.spec import is_commit
+from qtool.io.files import TMP_SUFFIX, hash_file, keep_newest
+from qtool.io.jsonio import atomic_write_bytes
+from qtool.stream.calib_sources import BUILTIN, TOKENIZER_FILES, builtin_path, parse_hub_dataset
 
 MAGIC = b"qtool-tokens 1\n"
 KEEP_ENTRIES = 64
@@ -64,9 +69,6 @@ def _version(dist: str) -> str | None:
 
 
 def _data_identity(dataset: str, revision: str | None) -> list | None:
-    from qtool.hub.resolve import is_commit
-    from qtool.stream.calib_sources import BUILTIN, builtin_path, parse_hub_dataset
-
     if dataset.startswith("hf:"):
         if not revision or not is_commit(revision):
             return None
@@ -84,8 +86,6 @@ def _data_identity(dataset: str, revision: str | None) -> list | None:
 def key(ckpt_dir: str | Path, dataset: str, need: int, revision: str | None = None) -> str | None:
     """The cache key of the first `need` tokens of `dataset` with the tokenizer in `ckpt_dir`; None where
     one of its parts cannot be known (then nothing is cached)."""
-    from qtool.io.files import hash_file
-
     root = Path(ckpt_dir)
     data = _data_identity(dataset, revision)
     if data is None or not root.is_dir():
@@ -115,8 +115,6 @@ def key(ckpt_dir: str | Path, dataset: str, need: int, revision: str | None = No
 
 
 def _path(k: str) -> Path:
-    from qtool.cache import cache_dir
-
     return cache_dir() / "tokens" / f"{k}.i32"
 
 
@@ -147,8 +145,6 @@ def load(key: str | None) -> list[int] | None:
 def save(key: str | None, ids: list[int]) -> None:
     if key is None:
         return
-    from qtool.errors import WriteError
-    from qtool.io.jsonio import atomic_write_bytes
 
     try:
         packed = array("i", ids)
@@ -170,8 +166,6 @@ def _prune(folder: Path) -> None:
     """Down to the KEEP_ENTRIES entries used last (by mtime: written or loaded); the temporary files of runs
     killed while saving go once they are a day old (a run saving now has a fresh one)."""
     import time
-
-    from qtool.io.files import TMP_SUFFIX, keep_newest
 
     for tmp in folder.glob("*" + TMP_SUFFIX):
         try:

@@ -29,6 +29,9 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
+from qtool.stream import package_map
+from qtool.stream.kernels import import_gdn_kernel_alone
+
 MODULE = "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe"
 _started: threading.Thread | None = None
 
@@ -64,8 +67,6 @@ def skip_unused_imports() -> None:
     if "transformers.generation.candidate_generator" in sys.modules:
         return
     if "transformers.utils.import_utils" not in sys.modules:
-        from qtool.stream import package_map
-
         package_map.install()
     import transformers.utils as tu
 
@@ -117,8 +118,6 @@ def start() -> None:
                 pass
             _serve_waiting()
             try:
-                from qtool.stream.kernels import import_gdn_kernel_alone
-
                 import_gdn_kernel_alone()  # before transformers' own import of all of fla (kernels.py)
             except Exception:  # noqa: BLE001 -- it undoes its own failures; anything else costs only time
                 pass

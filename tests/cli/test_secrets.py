@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from qtool.cli.main import main
-from qtool.io.manifest import command_line
+from qtool.redact import command_line
 
 VALUE = "s3cretValue42"  # not hf_-shaped: only knowing it came after a token flag hides it
 PATH_TOKEN = "hf_AbCdEfGh12345678"

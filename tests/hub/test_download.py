@@ -10,7 +10,8 @@ from fake_hub import make_repo_dir, read_tensor_bytes
 
 from qtool.cli.main import main
 from qtool.errors import PlanError, UsageError, VerificationError, WriteError
-from qtool.hub.resolve import HubError, parse_spec, resolve_checkpoint
+from qtool.hub.resolve import resolve_checkpoint
+from qtool.hub.spec import HubError, parse_spec
 
 SHARD1 = "model-00001-of-00003.safetensors"
 SHARD2 = "model-00002-of-00003.safetensors"

@@ -75,7 +75,7 @@ def test_inspect_of_the_397b_costs_few_round_trips(hub, flavour, tmp_path, capsy
 def test_the_cdn_location_is_reused_without_the_token_and_resolved_again_when_refused(hub, tiny_nvfp4_modelopt_nomtp):
     from qtool.hub.download import repo_listing
     from qtool.hub.remote_safetensors import RangeReader
-    from qtool.hub.resolve import parse_spec
+    from qtool.hub.spec import parse_spec
 
     hub.add_dir("org/nv", tiny_nvfp4_modelopt_nomtp, private_token="hf_secret")
     listing = repo_listing(parse_spec("hf:org/nv"), token="hf_secret")
@@ -250,7 +250,7 @@ def test_scalars_spread_through_the_shards_cost_few_requests(hub, tmp_path):
     scalars are left unread until a check asks for them."""
     from qtool.fixtures.sparse import build_sparse
     from qtool.hub.headers import remote_headers
-    from qtool.hub.resolve import HubSpec
+    from qtool.hub.spec import HubSpec
 
     src = build_sparse(tmp_path / "m", model="397b", flavour="modelopt-nvfp4", module_order=True)
     shards = len(list(src.glob("*.safetensors")))

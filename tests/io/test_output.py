@@ -12,8 +12,9 @@ from qtool.io.files import LinkMode, Placer, new_file
 from qtool.io.identity import input_identity
 from qtool.io.in_place import InPlaceDir, exchange_paths
 from qtool.io.jsonio import write_json
-from qtool.io.manifest import command_line, write_manifest
+from qtool.io.manifest import write_manifest
 from qtool.io.output import OutputDir, check_no_overlap, lock_for, output_files
+from qtool.redact import command_line
 
 
 def _done(tx: OutputDir, files: dict[str, str]) -> None:

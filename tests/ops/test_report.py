@@ -369,7 +369,7 @@ def test_report_ref_on_an_hf_source_uses_its_data(hub, tiny_bf16, tiny_nvfp4_mod
     assert main(["report", f"hf:org/nv@{commit}", "--tp", "2", "--ref", str(tiny_bf16), *window, "-o", str(out)]) == 0
     capsys.readouterr()
     assert _page(out).data["artifacts"][0]["kld"] == local
-    from qtool.cli.common import headers_checkpoint
+    from qtool.cli.sources import headers_checkpoint
 
     stand_in = headers_checkpoint(f"hf:org/nv@{commit}")
     opts = report.ReportOptions(

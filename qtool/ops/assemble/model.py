@@ -20,7 +20,7 @@ from qtool.io.checkpoint import INDEX_NAME, Checkpoint
 from qtool.io.files import LinkMode
 from qtool.io.output import RECORDS
 from qtool.io.tensor_table import TensorTable
-from qtool.io.writer import FileRange, OutTensor
+from qtool.io.writer import FileRange, OutTensor, shard_size
 
 NEW_SHARD_TEMPLATE = "model-hybrid-{i:05d}-of-{n:05d}.safetensors"
 # Files of a source directory that are never carried over (regenerated, or qtool's own records).
@@ -215,8 +215,6 @@ class HybridPlan:
     def shard_bytes(self, shard: PlannedShard) -> int:
         size = self._sizes.get(shard.name)
         if size is None:
-            from qtool.io.writer import shard_size
-
             if shard.action is ShardAction.LINK:
                 size = os.path.getsize(shard.source_file)
             else:

@@ -16,6 +16,9 @@ import re
 
 from qtool.arch.model_map import QUANTIZED_FORMATS, extend_signature, signature_format
 from qtool.arch.qwen35 import Group, classify, detect_naming
+from qtool.engines import Flavour, unit_of
+from qtool.engines.decide import NOT_LINEAR
+from qtool.engines.patterns import UnitDecider
 from qtool.errors import PlanError
 from qtool.io.quant_config import config_ignore, hf_quant_exclude, set_config_ignore, set_hf_quant_exclude
 
@@ -25,8 +28,6 @@ _EXPERTS = re.compile(r"layers\.(\d+)\.mlp\.experts$")
 
 
 def _unit(module: str) -> str:
-    from qtool.engines import unit_of
-
     return unit_of(module).name
 
 
@@ -67,8 +68,6 @@ def choose_patterns(
     and nothing of `quant_units` that `existing` did not already exclude."""
     if not bf16_units:
         return []
-    from qtool.engines import Flavour
-    from qtool.engines.patterns import UnitDecider
 
     dec = UnitDecider(Flavour.COMPRESSED_TENSORS if flavour == "compressed-tensors" else Flavour.MODELOPT, reps)
     units = set(bf16_units) | set(quant_units)
@@ -109,8 +108,6 @@ def output_units(shards, known_roles: dict | None = None) -> tuple[list[str], li
     """(BF16 units, quantized units, unit -> representative module) of the planned output.
     `known_roles`: name -> role already classified (the NVFP4 source's map, same naming), so that only
     the added tensors are classified again (~370k names for the 397B)."""
-    from qtool.engines.decide import NOT_LINEAR
-
     naming = detect_naming(n for s in shards for n in s.names())
     known = known_roles or {}
     # per module its signature (one shared tuple per distinct one) and groups: no per-module dicts

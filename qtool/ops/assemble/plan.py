@@ -36,6 +36,7 @@ from qtool.ops.assemble.model import (
     ShardAction,
     natural_key,
 )
+from qtool.ops.assemble.patterns import updated_configs
 from qtool.ops.assemble.validate import ArchShapes, check_bf16_tensor, check_mtp_complete, check_same_model
 
 # ---- planning ------------------------------------------------------------------------------------
@@ -88,7 +89,6 @@ class _Planner:
 
     def flavour(self) -> str:
         fmts = {m.format for m in self.nv_map.modules.values() if m.format in QUANTIZED_FORMATS}
-        from qtool.arch.model_map import Format
 
         if Format.NVFP4_CT in fmts:
             return "compressed-tensors"
@@ -409,8 +409,6 @@ def plan_hybrid(opts: HybridOptions) -> HybridPlan:
     _check_unchanged_shapes(p)
     limit = opts.max_shard_size or default_limit(p.nv)
     shards = p.layout(limit)
-
-    from qtool.ops.assemble.patterns import updated_configs
 
     config, hq, added = updated_configs(p.nv, flavour, shards, sorted(p.bf16_units, key=natural_key), p.nv_map.roles)
     files = [f for f in extra_files(p.nv.root)]

@@ -9,10 +9,13 @@ import time
 from dataclasses import dataclass
 
 from qtool.errors import PlanError
+from qtool.formats.fp8 import kv_scale_from_amax
 from qtool.io.identity import input_identity, tensor_list_text
 from qtool.io.jsonio import load_json, write_json
 from qtool.io.stream_digest import NO_DIGESTS, DigestSink
 from qtool.ops.calibrate_kv.plan import JOURNAL, OUTLIER_RATIO, KvPlan
+from qtool.stream.calib_data import token_digest
+from qtool.stream.layer_stream import DiskStore, LayerStreamer, MemoryStore, attention_tap, kv_amax_tap
 
 # ---- calibrate -------------------------------------------------------------------------------------
 
@@ -46,8 +49,6 @@ class LayerStat:
 def _scale(amax: float) -> float:
     """float32(amax) / 448 in float32, as ModelOpt computes it (qtool.formats.fp8.kv_scale_from_amax); a
     zero amax gives 1.0 (no information)."""
-    from qtool.formats.fp8 import kv_scale_from_amax
-
     return 1.0 if amax <= 0 else float(kv_scale_from_amax(amax))
 
 
@@ -59,16 +60,12 @@ class _KvHooks:
         self.on_done = on_done
 
     def before_layer(self, idx, layer):
-        from qtool.stream.layer_stream import attention_tap, kv_amax_tap
-
         if idx not in self.layers:
             return
         self.stats[idx] = LayerStat(idx, 0.0, 0.0, 0)
         attention_tap(layer, kv_amax_tap(self.stats[idx]))
 
     def after_layer(self, idx, layer):
-        from qtool.stream.layer_stream import attention_tap
-
         attention_tap(layer, None)
         if idx in self.layers:
             reduce_kv(self.stats[idx], self.group)
@@ -112,9 +109,6 @@ def calibrate(
     """Run the layer-streamed forward on token windows `ids` [N, L]; returns per-layer stats and timing.
     hidden="disk" keeps the hidden states in the work dir (resumable), "memory" in RAM. digests: the job's
     inputs hashed from the streamer's reads (its output transaction's input hasher's)."""
-    from qtool.stream.calib_data import token_digest
-    from qtool.stream.layer_stream import DiskStore, LayerStreamer, MemoryStore
-
     opts = p.options
     streamer = LayerStreamer(
         p.ckpt,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from qtool import dist
 from qtool.errors import UsageError
 from qtool.io.apply import input_hasher, write_output
 from qtool.io.in_place import InPlaceDir
@@ -30,7 +31,6 @@ def execute(p: KvPlan, *, progress=None) -> Report:
         if not torch.cuda.is_available():
             raise UsageError("--device cuda but no CUDA device is available", hint="use --device cpu")
     calib = p.calib
-    from qtool import dist
 
     if not dist.current().leader:  # a data-parallel rank: its share of the forward; rank 0 writes
         stats, timing = calibrate(p, calib.ids, resume=opts.resume)

@@ -4,6 +4,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from qtool.dist import planned_ranks
+from qtool.io.output import OutputDir
+from qtool.ops.calibrate_kv.write import output_plan
+from qtool.stream.calib_data import plan_calibration
+from qtool.stream.layer_stream import LayerStreamer
+
 if TYPE_CHECKING:
     from qtool.io.plan import OutputPlan
 
@@ -124,7 +130,6 @@ class CalibrateKvOptions:
 
 
 def plan(opts: CalibrateKvOptions) -> KvPlan:
-    from qtool.stream.layer_stream import LayerStreamer
 
     out, samples, seq_len, dataset, device = opts.out, opts.samples, opts.seq_len, opts.dataset, opts.device
     replace_scales, dtype = opts.replace_scales, opts.dtype
@@ -157,7 +162,6 @@ def plan(opts: CalibrateKvOptions) -> KvPlan:
     out_p = Path(out) if out is not None else None
     if out_p is not None:
         check_no_overlap(out_p, [ckpt.root])
-        from qtool.io.output import OutputDir
 
         # a user's own -o (or one --force may not replace) is refused now, before the dataset is read
         OutputDir(out_p, sources=[ckpt.root], force=opts.force, resume=opts.resume).check()
@@ -200,11 +204,8 @@ def plan(opts: CalibrateKvOptions) -> KvPlan:
         opts,
         mm=mm,
     )
-    from qtool.ops.calibrate_kv.write import output_plan
-    from qtool.stream.calib_data import plan_calibration
 
     p.calib = plan_calibration(ckpt, dataset, samples, seq_len)  # refused here if the data is too small
-    from qtool.dist import planned_ranks
 
     p.memory = need(sp, device=device, ranks=planned_ranks())
     if p.memory.warning():

@@ -15,9 +15,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from qtool import dist
 from qtool.errors import PlanError, UsageError
+from qtool.io.jsonio import write_json
+from qtool.io.manifest import write_manifest
+from qtool.io.output import MANIFEST_NAME, OutputDir, check_file_output, output_files
 from qtool.ops.kld import compact as C
 from qtool.ops.kld.sources import META, CompactSource, Kind, open_source
+from qtool.ops.kld.windows import emit_requests, is_emitted_requests, token_windows
+from qtool.stream import warm_import
+from qtool.stream.calib_data import token_digest
 
 RESULT_KEYS = ("mean", "median", "p95", "p99", "max", "top1_agreement", "positions", "histogram", "per_position")
 # KLD histogram edges: fixed (10^-6 .. 10^1 nats, 4 bins a decade) so that the histograms of several
@@ -191,7 +198,6 @@ def run(
             )
         if save_ref and r.kind is Kind.COMPACT:
             raise UsageError("--ref is already a compact reference", path=r.path)
-        from qtool import dist
 
         group = dist.current()
         if group.world > 1 and (save_ref or emit_windows):
@@ -213,14 +219,9 @@ def run(
                 hint="write the requests file outside --save-ref OUT",
             )
         if save_ref:
-            from qtool.io.output import OutputDir
-
             # the one directory contract: never over or inside an input, replaced only when qtool made it
             OutputDir(save_ref, sources=inputs, force=o.force).check()
         if emit_windows:
-            from qtool.io.output import check_file_output
-            from qtool.ops.kld.windows import is_emitted_requests
-
             check_file_output(
                 Path(emit_windows), sources=inputs, force=o.force, ours=is_emitted_requests, what="--emit-windows file"
             )
@@ -230,23 +231,17 @@ def run(
         # -- windows ------------------------------------------------------------------------------
         ckpts = [s for s in srcs.values() if s.kind is Kind.CHECKPOINT]
         if ckpts and r is not None and not dry_run and (save_ref or t is not None):
-            from qtool.stream import warm_import
-
             warm_import.start()  # transformers' decoder module, imported while the windows are tokenized
         ids = None
         if ckpts or emit_windows:
             tok_dir = o.tokenizer or (str(ckpts[0].path) if ckpts else None)
             if tok_dir is None:
                 raise UsageError("--emit-windows needs a tokenizer: pass --tokenizer DIR or a checkpoint")
-            from qtool.ops.kld.windows import token_windows
-            from qtool.stream.calib_data import token_digest
 
             ids = token_windows(tok_dir, o.dataset, o.windows, o.seq_len, o.stride)
             rep.token_digest = token_digest(ids)
             rep.seq_len = o.seq_len
         if emit_windows:
-            from qtool.ops.kld.windows import emit_requests
-
             n = emit_requests(ids, emit_windows, model_name or (Path(ref).name if ref else "model"))
             rep.emitted = {
                 "path": str(emit_windows),
@@ -365,8 +360,6 @@ def run(
             rep.result = summarize(torch.cat(kls), torch.cat(top1s), torch.cat(where))
         return rep
     except BaseException:
-        from qtool.stream import warm_import
-
         warm_import.join()  # begun before the windows: a library caller may import transformers next
         raise
     finally:
@@ -410,8 +403,6 @@ class _RefSaver:
     def __init__(self, out: str, o: KldOptions, src, rep: KldReport, inputs: list[Path]):
         import torch
 
-        from qtool.io.output import OutputDir
-
         self.out = Path(out)
         self.o = o
         self.src_path = getattr(src, "path", None)
@@ -446,7 +437,6 @@ class _RefSaver:
         self.rows.append(rows)
 
     def commit(self) -> dict:
-        from qtool.io.jsonio import write_json
 
         positions = sum(self.rows)
         full = positions * self.vocab * 4
@@ -474,8 +464,6 @@ class _RefSaver:
             # The token windows themselves, so that a later --emit-windows / check can use them.
             save_file({"input_ids": self.ids.to(torch.int32).contiguous()}, str(self.partial / "tokens.safetensors"))
         write_json(self.partial / META, meta)
-        from qtool.io.manifest import write_manifest
-        from qtool.io.output import MANIFEST_NAME, output_files
 
         # the one manifest schema (what lets a later --force replace this directory); the reference
         # model's files are named, not hashed: its log-probs are the output, and re-reading 800 GB to

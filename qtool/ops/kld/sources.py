@@ -25,8 +25,12 @@ import tempfile
 from enum import Enum
 from pathlib import Path
 
+from qtool.dist import planned_ranks
 from qtool.errors import CheckpointError, PlanError, UsageError
 from qtool.ops.kld.compact import CompactChunk
+from qtool.stream.dequant import load_param, stored_dense
+from qtool.stream.layer_stream import DiskStore, LayerStreamer, MemoryStore, compute_itemsize
+from qtool.stream.memory_plan import need
 
 DUMP_KEY = "log_probs"  # upstream SGLang capture (rtx6kpro/patches/sglang-kld-logit-capture.py)
 META = "meta.json"
@@ -80,8 +84,6 @@ class CheckpointSource:
         ram_limit: int = RAM_LIMIT,
         batch_tokens: int | None = None,
     ):
-        from qtool.stream.layer_stream import LayerStreamer
-
         self.path = Path(path)
         # the grouped matmul on a GPU that runs it: both sides the same way (qtool.stream.experts)
         self.streamer = LayerStreamer(
@@ -102,14 +104,12 @@ class CheckpointSource:
     def plan(self, windows: int, seq_len: int, chunk: int = 256) -> dict:
         """Memory of the in-process forward (headers only): one decoder layer + activations, the final
         hidden states (RAM or disk), one chunk of log-probs."""
-        from qtool.stream.memory_plan import need
 
         sp = self.streamer.plan(windows, seq_len)
         in_ram = sp.hidden_bytes <= self.ram_limit
         item = sp.itemsize
         # after the layers: lm_head + a chunk of logits/log-probs (float32, ~3 copies) of both sides
         head = self.vocab * sp.hidden_size * item + chunk * self.vocab * 4 * 3
-        from qtool.dist import planned_ranks
 
         m = need(sp, device=self.device, hidden_in_ram=in_ram, ranks=planned_ranks())
         if m.gpu_bytes is None:
@@ -122,8 +122,6 @@ class CheckpointSource:
         """Run all decoder layers over the windows `ids` [N, L]; keeps the final hidden states.
         `head_ahead`: read the final norm and lm_head while the last layer runs (only for the source
         prepared last: another's layers would run with them held)."""
-        from qtool.stream.layer_stream import DiskStore, MemoryStore, compute_itemsize
-
         s = self.streamer
         n, seq = int(ids.shape[0]), int(ids.shape[1])
         shape = (n, seq, s.hidden_size)
@@ -159,8 +157,6 @@ class CheckpointSource:
     def _head_tensors(self) -> list:
         """The final norm's and the lm_head's tensors where both are stored dense (read ahead with the
         layers); [] otherwise (a quantized head is dequantized by load_param after the layers)."""
-        from qtool.stream.dequant import stored_dense
-
         s = self.streamer
         names = [s.prefix + "norm.weight", self._head_name()]
         if not all(stored_dense(s.mm, n) for n in names):
@@ -169,8 +165,6 @@ class CheckpointSource:
 
     def _load_head(self) -> None:
         from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeRMSNorm
-
-        from qtool.stream.dequant import load_param
 
         s = self.streamer
         read = s.take_read(HEAD_READ)  # None where it was not read ahead

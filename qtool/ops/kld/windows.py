@@ -24,14 +24,14 @@ import re
 from pathlib import Path
 
 from qtool.errors import PlanError, UsageError
+from qtool.io.files import new_file, tmp_path
+from qtool.stream.calib_data import build_calib_set
 
 
 def token_windows(
     tokenizer_dir, dataset: str, windows: int, seq_len: int, stride: int | None = None, *, tokenizer=None
 ):
     """LongTensor [windows, seq_len] of token ids (see the module docstring for the rule)."""
-    from qtool.stream.calib_data import build_calib_set
-
     if windows < 1 or seq_len < 2:
         raise UsageError("--windows must be >= 1 and --seq-len >= 2", got=(windows, seq_len))
     if stride is None or stride == seq_len:
@@ -69,8 +69,6 @@ def is_emitted_requests(head: bytes) -> bool:
 def emit_requests(ids, path: str | Path, model: str) -> int:
     """Write one /v1/completions body per window (JSON Lines, window order); returns the count.
     Written to a hidden temp file (created new, fsynced) and renamed."""
-    from qtool.io.files import new_file, tmp_path
-
     p = Path(path)
     tmp = tmp_path(p)
     with new_file(tmp) as f:

@@ -10,8 +10,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from qtool import __version__
 from qtool.build_recipes import BuildRecipe, Op, Source, SourceKind, Step
 from qtool.errors import CheckpointError, PlanError, UsageError
+from qtool.hub.download import repo_listing
+from qtool.hub.spec import HubError, cached_commit, hub_offline, parse_spec
+from qtool.io.manifest import InputHasher
 from qtool.io.output import STEP_MARKER
 
 OVERRIDE_ENV = "QTOOL_BUILD_SOURCES"  # "name=path,name=path": replace recipe sources by local dirs
@@ -121,8 +125,6 @@ def dir_fingerprint(root: Path, *, read: bool = True) -> tuple[dict, Callable[[]
 
     read=False (planning: headers and configs only): no file is read; where a digest is not on record the
     identity's `digest` is None and `unhashed` / `unhashed_bytes` say what the build will read to hash."""
-    from qtool.io.manifest import InputHasher
-
     files = [p for p in sorted(root.rglob("*")) if p.is_file() and not p.name.startswith(".")]
     hasher = InputHasher()  # its pool starts threads only for files it is given to read
     try:
@@ -181,9 +183,6 @@ BuiltinSources = Callable[[str], tuple[Path, dict]]
 def _hub_commit(spec, token: str | None) -> str:
     """The source's commit: asked of the Hub, or, offline (HF_HUB_OFFLINE=1) or with the Hub unreachable,
     what is cached (a pinned commit, a branch resolved before)."""
-    from qtool.hub.download import repo_listing
-    from qtool.hub.resolve import HubError, cached_commit, hub_offline
-
     if hub_offline():
         commit = cached_commit(spec)
         if commit is None:
@@ -227,7 +226,6 @@ def resolve_source(
         path, version = builtins(src.ref)
         ident = {"kind": "builtin", "name": src.ref, **version}
         return ResolvedSource(src, ident, sha(ident), path)
-    from qtool.hub.resolve import parse_spec
 
     spec = parse_spec(src.ref + (f"@{src.revision}" if src.revision else ""), require_prefix=False)
     ident = {
@@ -273,8 +271,6 @@ def plan(
 def _key_steps(steps: list[StepPlan], work: Path, keys: dict[str, str]) -> None:
     """Each step's key from its op, `with` section, inputs' keys and qtool's version; its directory and
     whether a finished output with that key is there. `keys`: the sources' keys (the steps' are added)."""
-    from qtool import __version__
-
     for sp in steps:
         sp.input_keys = [keys[i] for i in sp.step.inputs]
         sp.key = sha({"op": sp.step.op.value, "with": sp.step.params, "inputs": sp.input_keys, "qtool": __version__})

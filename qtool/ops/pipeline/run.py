@@ -13,6 +13,7 @@ from qtool.build_recipes import Op
 from qtool.errors import Interrupted, WriteError
 from qtool.io.digest_cache import files_in, user_cache
 from qtool.io.files import LinkMode, Placer, copy_file
+from qtool.io.jsonio import atomic_write_text
 from qtool.io.manifest import RUN
 from qtool.io.output import MANIFEST_NAME as MANIFEST
 from qtool.io.output import (
@@ -42,8 +43,6 @@ PUBLISHED = "published.json"  # in DIR.build/: what was published, to notice an 
 
 
 def _mark(sp: StepPlan, report: dict, seconds: float) -> None:
-    from qtool.io.jsonio import atomic_write_text
-
     sp.dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(
         sp.dir / STEP_MARKER,
@@ -215,8 +214,6 @@ def _publish(
     edit of a published shard through a shared inode would corrupt the step cache too). The record of
     what was published holds each file's size, mtime, ctime and inode: a same-size edit with the mtime
     put back still moves the ctime, so it is noticed and the artifact is published again."""
-    from qtool.io.jsonio import atomic_write_text
-
     record = bp.work / PUBLISHED
     ours = same_recipes_artifact(bp.out, bp)
     if ours:

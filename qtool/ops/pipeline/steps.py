@@ -12,6 +12,14 @@ from pathlib import Path
 
 from qtool.build_recipes import Op, SourceKind
 from qtool.errors import PlanError, VerificationError
+from qtool.hub.download import snapshot
+from qtool.hub.headers import remote_headers
+from qtool.hub.resolve import fetch_tensor_patterns
+from qtool.hub.spec import HubError, HubSpec
+from qtool.io.files import LinkMode, Placer, link_tree
+from qtool.io.output import OutputDir
+from qtool.io.writer import parse_size
+from qtool.ops.assemble.model import bf16_source_patterns
 from qtool.ops.contract import OpSpec, options_from
 from qtool.ops.pipeline.plan import STEP_MARKER, BuildPlan, StepPlan, input_path
 
@@ -49,13 +57,9 @@ def materialize(
     rs = bp.sources[ref]
     src = rs.source
     assert src.kind is SourceKind.HUB
-    from qtool.hub.resolve import HubSpec
 
     spec = HubSpec(src.ref, rs.identity["commit"])
     if src.tensors == "assemble" and for_assemble is not None:
-        from qtool.hub.resolve import fetch_tensor_patterns
-        from qtool.ops.assemble.model import bf16_source_patterns
-
         pats = bf16_source_patterns(
             for_assemble.get("bf16_expert_layers") or (),
             for_assemble.get("mtp", "auto"),
@@ -63,7 +67,6 @@ def materialize(
         )
         rs.path = fetch_tensor_patterns(spec, pats, token=token, progress=progress)
         return rs.path
-    from qtool.hub.download import snapshot
 
     rs.path = snapshot(spec, token=token, progress=progress)
     return rs.path
@@ -83,8 +86,6 @@ def _single_input(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
 
 
 def _assemble_inputs(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
-    from qtool.io.writer import parse_size
-
     p, kw = (
         sp.step.params,
         {"token": ctx.get("token"), "progress": ctx.get("progress", False), "stand_ins": ctx.get("stand_ins")},
@@ -103,8 +104,6 @@ def _assemble_inputs(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
 
 
 def _download_inputs(bp: BuildPlan, sp: StepPlan, ctx: dict) -> dict:
-    from qtool.hub.resolve import HubSpec
-
     rs = bp.sources[sp.step.inputs[0]]
     return {"spec": HubSpec(rs.source.ref, rs.identity["commit"]), "out": sp.dir, "token": ctx.get("token")}
 
@@ -161,9 +160,6 @@ def step_options(bp: BuildPlan, sp: StepPlan, ctx: dict, **fixed):
 def _linked_local_source(src: Path, sp: StepPlan) -> dict:
     """A download step whose source is local (a path, or a Hub source overridden by one): the step output
     is links of its files, in the build's own cache (never written through: qtool.io.files)."""
-    from qtool.io.files import LinkMode, Placer, link_tree
-    from qtool.io.output import OutputDir
-
     with OutputDir(sp.dir, sources=[src], force=True, replace_any=True) as tx:
         link_tree(src, tx.partial, Placer(LinkMode.AUTO), skip=(STEP_MARKER,))
         tx.commit()
@@ -212,9 +208,6 @@ def _hub_stand_ins(bp: BuildPlan, refs) -> dict[str, Path]:
     """Header-only stand-ins (qtool.hub.headers) of the Hub sources among `refs` not downloaded yet, so a
     --dry-run plans the first steps without downloading them; a source that cannot be read now (offline,
     not cached) is left out and its step waits."""
-    from qtool.hub.headers import remote_headers
-    from qtool.hub.resolve import HubError, HubSpec
-
     out = {}
     for ref in refs:
         rs = bp.sources.get(ref)

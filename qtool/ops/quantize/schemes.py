@@ -11,6 +11,7 @@ scale (checked against ModelOpt 0.47's export of the same mixed config on the ti
 
 from __future__ import annotations
 
+from qtool.formats import fp8
 from qtool.recipes import OutFormat, Recipe, Scheme
 
 # recipe group -> the linears (relative to the decoder layer) it quantizes with FP8. GDN's in_proj_a/b stay
@@ -51,8 +52,6 @@ def scalar_shape(fmt: OutFormat) -> tuple[int, ...]:
 
 def fp8_params(fmt: OutFormat, out: int, n_in: int) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
     """(param, dtype, shape) of one FP8 linear in the output, in name order."""
-    from qtool.formats import fp8  # (torch: not at import, `qtool --help` stays light)
-
     s = scalar_shape(fmt)
     shapes = {"input_scale": ("F32", s), "weight": ("F8_E4M3", (out, n_in)), "weight_scale": ("F32", s)}
     return tuple((name, *shapes[name]) for name in fp8.W8A8_PARAMS)
@@ -93,8 +92,6 @@ def input_amax(layer, rel: str) -> float:
 
 def code_fp8_linear(layer, rel: str, fmt: OutFormat) -> dict:
     """One FP8 linear's output tensors by parameter name, from the dense layer and its calibration."""
-    from qtool.formats import fp8
-
     w = layer.get_submodule(rel).weight.data
     return fp8.w8a8_per_tensor(
         w,

@@ -15,10 +15,19 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from qtool import __version__
 from qtool.errors import CheckpointError, UsageError
-from qtool.io.checkpoint import checkpoint_not_found
-from qtool.io.files import require_text_path
-from qtool.ops.report.data import Artifact
+from qtool.hub.headers import stand_in_commit
+from qtool.io.checkpoint import Checkpoint, checkpoint_not_found, reuse_opened
+from qtool.io.files import read_regular, require_text_path
+from qtool.io.jsonio import atomic_write_text
+from qtool.io.output import check_file_output
+from qtool.ops.kld import RESULT_KEYS, KldOptions, run
+from qtool.ops.report.data import Artifact, artifact_data, grid_difference
+from qtool.ops.report.page import render
+from qtool.ops.sensitivity import check_table_model, heat_cells, load_table, table_input
+from qtool.ops.verify import validate
+from qtool.ops.verify.memory_fit import Target
 
 GENERATOR = '<meta name="generator" content="qtool report'
 MAX_ARTIFACTS = 2  # a page compares two side by side; more would not fit a screen's width
@@ -76,8 +85,6 @@ class ReportResult:
 
 
 def plan(opts: ReportOptions) -> ReportPlan:
-    from qtool.ops.verify import validate
-
     validate(opts.verify)
     # the page names its inputs: a name that is not UTF-8 cannot be written into it (said now, not at the end)
     named = (
@@ -88,9 +95,6 @@ def plan(opts: ReportOptions) -> ReportPlan:
     for path, flag in named:
         require_text_path(path, flag)
     if opts.sensitivity is not None:  # a named error now, not after the page's work
-        from qtool.io.checkpoint import Checkpoint
-        from qtool.ops.sensitivity import check_table_model, load_table
-
         table = load_table(opts.sensitivity)
         for a in opts.artifacts:
             check_table_model(table, Checkpoint.open(a.path, require_config=True), a.label)
@@ -123,16 +127,12 @@ def plan(opts: ReportOptions) -> ReportPlan:
 
 
 def _header_only(path: Path) -> bool:
-    from qtool.hub.headers import stand_in_commit
-
     return stand_in_commit(path) is not None
 
 
 def _check_output(opts: ReportOptions) -> None:
     """-o is an output of the one contract (qtool.io.output.check_file_output): an .html file outside
     every input, replacing only a report qtool wrote, and that only with --force."""
-    from qtool.io.output import check_file_output
-
     out = opts.out
     if out.is_dir():
         raise UsageError("-o names a directory", path=out, hint="name the .html file to write, e.g. -o report.html")
@@ -140,8 +140,6 @@ def _check_output(opts: ReportOptions) -> None:
         raise UsageError("-o must name an .html file", got=str(out), hint="e.g. -o report.html")
     sources = [a.path for a in opts.artifacts] + [Path(k) for k in opts.kld] + ([Path(opts.ref)] if opts.ref else [])
     if opts.sensitivity is not None:
-        from qtool.ops.sensitivity import table_input
-
         sources.append(table_input(opts.sensitivity))
     check_file_output(
         out, sources=sources, force=opts.force, ours=lambda head: GENERATOR in head[:512].decode("utf-8", "replace")
@@ -150,9 +148,6 @@ def _check_output(opts: ReportOptions) -> None:
 
 def load_kld(path: Path) -> dict:
     """A saved `eval kld --json` result, checked: it must hold the statistics the page draws."""
-    from qtool.io.files import read_regular
-    from qtool.ops.kld import RESULT_KEYS
-
     if not os.path.lexists(path):
         raise CheckpointError(
             "KLD result not found", path=path, hint="save one with `qtool eval kld ... --json > FILE`"
@@ -202,13 +197,8 @@ def _kld_value_ok(key: str, v) -> bool:
 
 
 def execute(p: ReportPlan, *, progress=None) -> ReportResult:
-    from qtool import __version__
-    from qtool.io.jsonio import atomic_write_text
-    from qtool.ops.report.data import artifact_data, grid_difference
-    from qtool.ops.report.page import render
 
     o = p.options
-    from qtool.io.checkpoint import reuse_opened
 
     with reuse_opened():  # inspect, verify and serve-config read the same headers: parse them once
         artifacts = [artifact_data(a, o.verify, kld, o.kv_cache_dtype) for a, kld in zip(o.artifacts, p.klds)]
@@ -233,13 +223,10 @@ def execute(p: ReportPlan, *, progress=None) -> ReportResult:
         }
     elif o.kld:
         kld_run = {"files": list(o.kld)}
-    from qtool.ops.verify.memory_fit import Target
 
     target = Target.parse(v.gpus)  # the header names the GPUs the TP group uses, not all that were given
     heat = None
     if o.sensitivity is not None:
-        from qtool.ops.sensitivity import heat_cells, load_table
-
         cells = heat_cells(load_table(o.sensitivity))
         top = sorted(
             ({"row": r, "col": c, "rank": h["rank"]} for r, cols in cells.items() for c, h in cols.items()),
@@ -284,7 +271,5 @@ def execute(p: ReportPlan, *, progress=None) -> ReportResult:
 
 def run_kld(ref: str, test: Path, kld_options, progress) -> dict:
     """eval kld of `test` against `ref` (the same run and result as `qtool eval kld --ref REF --test TEST`)."""
-    from qtool.ops.kld import RESULT_KEYS, KldOptions, run
-
     rep = run(ref, str(test), opts=kld_options or KldOptions(), progress=progress)
     return {k: rep.result[k] for k in RESULT_KEYS}

@@ -16,7 +16,11 @@ from pathlib import Path
 from qtool.arch.layer_grid import cell_of
 from qtool.arch.qwen35 import Naming
 from qtool.errors import QtoolError
+from qtool.hub.headers import stand_in_commit
 from qtool.io.output import MANIFEST_NAME
+from qtool.ops.inspect import inspect_checkpoint
+from qtool.ops.serve_config import ServeOptions, plan, render
+from qtool.ops.verify import parse_engines, verify
 
 
 @dataclass(frozen=True)
@@ -28,9 +32,6 @@ class Artifact:
 def artifact_data(art: Artifact, verify_opts, kld: dict | None = None, kv_cache_dtype: str | None = None) -> dict:
     """One artifact's section of the report; its memory fit and launch lines with the KV-cache dtype
     serve-config would use (`kv_cache_dtype`, else fp8 where the artifact's scales are calibrated)."""
-    from qtool.ops.inspect import inspect_checkpoint
-    from qtool.ops.verify import verify
-
     inspected = inspect_checkpoint(art.path)
     # kv_cache_dtype None: verify judges it with the dtype it is served with (fp8 where calibrated), once
     rep = verify(art.path, replace(verify_opts, deep=False, kv_cache_dtype=kv_cache_dtype))
@@ -189,10 +190,6 @@ def launch_commands(art: Artifact, verify_opts) -> dict[str, dict]:
     """engine -> {"command": the serve-config shell text} or {"refused": why} (serve-config refuses an
     artifact that verify fails), for each engine the report checks, with the report's KV-cache dtype (the
     one its memory fit assumed); an hf: source is served by repo id at the commit it was read at."""
-    from qtool.hub.headers import stand_in_commit
-    from qtool.ops.serve_config import ServeOptions, plan, render
-    from qtool.ops.verify import parse_engines
-
     hub = art.label if art.label.startswith("hf:") else None
     out: dict[str, dict] = {}
     for v in parse_engines(verify_opts.engine):

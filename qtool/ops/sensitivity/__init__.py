@@ -18,11 +18,24 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from qtool.arch.layer_grid import row_name
+from qtool.arch.model_map import build_map
+from qtool.dist.launch import require_device
+from qtool.errors import PlanError
+from qtool.io.apply import input_hasher, write_output
 from qtool.io.checkpoint import Checkpoint
 from qtool.io.files import require_text_path
+from qtool.io.jsonio import load_json, write_json
+from qtool.io.manifest import RUN
+from qtool.io.output import MANIFEST_NAME, OutputDir
+from qtool.io.plan import OutputPlan
 from qtool.ops.contract import Report
+from qtool.ops.sensitivity.measure import fill, measure, work_dir
 from qtool.ops.sensitivity.schema import check_table
 from qtool.ops.sensitivity.units import TP_SIZES, Unit, check_pair, list_units
+from qtool.stream.calib_data import plan_calibration
+from qtool.stream.layer_stream import LayerStreamer, streamed_files
+from qtool.stream.memory_plan import need
 
 TABLE = "sensitivity.json"
 FORMAT = "qtool-sensitivity"
@@ -80,11 +93,6 @@ class SensitivityPlan:
 
 
 def plan(opts: SensitivityOptions) -> SensitivityPlan:
-    from qtool.arch.model_map import build_map
-    from qtool.dist.launch import require_device
-    from qtool.io.output import OutputDir
-    from qtool.ops.sensitivity.measure import work_dir
-    from qtool.stream.calib_data import plan_calibration
 
     require_device(opts.device, elsewhere=True)  # the CLI refused a run's missing GPU already
     # the table names them: a name that is not UTF-8 is refused now, not after the whole pass
@@ -107,8 +115,6 @@ def plan(opts: SensitivityOptions) -> SensitivityPlan:
             u.note = "not measured: its forward is not part of the decoder stream (cost listed)"
     OutputDir(opts.out, sources=[bf.root, q.root], force=opts.force, resume=opts.resume).check()
     calib = plan_calibration(bf, opts.dataset, opts.samples, opts.seq_len)
-    from qtool.stream.layer_stream import LayerStreamer
-    from qtool.stream.memory_plan import need
 
     sp = LayerStreamer(bf, device=opts.device, dtype=opts.dtype, batch_tokens=opts.batch_tokens).plan(
         calib.samples, calib.seq_len
@@ -141,8 +147,6 @@ def output_plan(p: SensitivityPlan):
     """The output as the one executor runs it (qtool.io.apply.write_output): the table is the producer's
     (written once measured), the checkpoints are its inputs (their identity keys the resume, their sha256,
     taken from the pass's own reads, goes into the manifest and proves a resumed run's inputs unchanged)."""
-    from qtool.io.plan import OutputPlan
-
     return OutputPlan(
         "sensitivity",
         [],
@@ -153,13 +157,6 @@ def output_plan(p: SensitivityPlan):
 
 
 def execute(p: SensitivityPlan, *, progress=None) -> Report:
-    from qtool.io.apply import input_hasher, write_output
-    from qtool.io.jsonio import write_json
-    from qtool.io.manifest import RUN
-    from qtool.io.output import OutputDir
-    from qtool.ops.sensitivity.measure import fill, measure
-    from qtool.stream.layer_stream import streamed_files
-
     o = p.options
     t0 = time.perf_counter()
     tx = OutputDir(o.out, sources=[p.bf.root, p.q.root], force=o.force, resume=o.resume)
@@ -212,8 +209,6 @@ def model_shape(ck: Checkpoint) -> dict:
 
 def check_table_model(data: dict, ck: Checkpoint, what: str) -> None:
     """A named error when the table was measured on another model than `ck` (tables of this schema name it)."""
-    from qtool.errors import PlanError
-
     want = data.get("model")
     if want and model_shape(ck) != want:
         k = next(k for k in MODEL_KEYS if model_shape(ck).get(k) != want.get(k))
@@ -230,8 +225,6 @@ def table_input(path: str | Path) -> Path:
     """What a command given the table at `path` reads, as an input no output may lie in: the sensitivity
     output directory (given as OUT/, or as OUT/sensitivity.json beside its manifest), else the JSON file
     itself (a table kept elsewhere: its directory is the user's)."""
-    from qtool.io.output import MANIFEST_NAME
-
     path = Path(path)
     if path.name == TABLE and (path.parent / MANIFEST_NAME).is_file():
         return path.parent
@@ -240,9 +233,6 @@ def table_input(path: str | Path) -> Path:
 
 def load_table(path: str | Path) -> dict:
     """A sensitivity table: OUT/ (its sensitivity.json) or the JSON file itself; a named error otherwise."""
-    from qtool.errors import PlanError
-    from qtool.io.jsonio import load_json
-
     path = Path(path)
     f = path / TABLE if path.is_dir() else path
     if not f.exists():
@@ -274,8 +264,6 @@ def load_table(path: str | Path) -> dict:
 def heat_cells(data: dict) -> dict:
     """The measured units as the report's layer grid places them: {row: {column: {"effect", "rank",
     "level"}}} (rank 1 = the most sensitive; level = effect / the largest effect, 0..1)."""
-    from qtool.arch.layer_grid import row_name
-
     measured = sorted(
         (u for u in data["units"] if u.get("measured") and u.get("effect") is not None and u.get("layer") is not None),
         key=lambda u: -u["effect"],

@@ -23,8 +23,12 @@ import time
 from pathlib import Path
 
 from qtool.errors import PlanError
+from qtool.io.identity import input_identity, tensor_list_text
 from qtool.io.jsonio import load_json, write_json
+from qtool.io.output import partial_path
 from qtool.io.stream_digest import NO_DIGESTS, DigestSink
+from qtool.stream.calib_data import token_digest
+from qtool.stream.layer_stream import DiskStore, LayerStreamer
 
 JOURNAL = "journal.json"
 _MODULES = {"routed_experts": "mlp.experts", "shared_expert": "mlp.shared_expert"}
@@ -125,8 +129,6 @@ def journal_key(bf_ckpt, q_ckpt, digest: str, dtype: str, unit_ids: list[str]) -
     changes the forward), the token windows, the settings; as calibrate-kv's key. (A same-size edit of a
     shard with its mtime put back is refused by the digests the pass records as it reads:
     qtool.io.manifest.InputHasher, through the output executor.)"""
-    from qtool.io.identity import input_identity, tensor_list_text
-
     h = hashlib.sha256()
     for ck in (bf_ckpt, q_ckpt):
         h.update(tensor_list_text(ck.tensors))
@@ -140,9 +142,6 @@ def measure(plan, *, resume: bool, progress=None, digests: DigestSink = NO_DIGES
     """Run the pass; returns {"units": {id: sums}, "layers": {i: sums}, "timing": ...}. The hidden states
     and a journal live in plan.work_dir: an interrupted run resumes at its next layer. digests: the inputs
     hashed from the pass's reads (its output transaction's input hasher's)."""
-    from qtool.stream.calib_data import token_digest
-    from qtool.stream.layer_stream import DiskStore, LayerStreamer
-
     o = plan.options
     bf = LayerStreamer(plan.bf, device=o.device, dtype=o.dtype, batch_tokens=o.batch_tokens, digests=digests)
     q = LayerStreamer(plan.q, device=o.device, dtype=bf.dtype_name, batch_tokens=o.batch_tokens, digests=digests)
@@ -233,6 +232,4 @@ def fill(units, result: dict) -> None:
 
 
 def work_dir(out: Path) -> Path:
-    from qtool.io.output import partial_path
-
     return partial_path(out) / ".sensitivity"

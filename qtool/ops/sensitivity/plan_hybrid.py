@@ -21,11 +21,18 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from qtool.arch.model_map import check_config_sizes
+from qtool.arch.model_map import build_map, check_config_sizes
 from qtool.errors import PlanError, UsageError
-from qtool.io.checkpoint import check_checkpoint_dir
+from qtool.findings import Code
+from qtool.io.checkpoint import Checkpoint, check_checkpoint_dir, reuse_opened
 from qtool.io.files import require_text_path
-from qtool.ops.sensitivity.units import Unit
+from qtool.io.jsonio import atomic_write_text
+from qtool.io.output import check_file_output
+from qtool.ops.sensitivity import load_table, table_input
+from qtool.ops.sensitivity.units import Unit, unit_modules
+from qtool.ops.verify import VerifyOptions, validate, verify
+from qtool.ops.verify.memory_fit import DEFAULT_UTILIZATION, Target, default_context, kv_bytes_per_token, memory_fit
+from qtool.sizes import human_bytes
 
 GIB = 1 << 30
 GRID = 200_000  # knapsack cells: exact to 1/200000 of the budget
@@ -219,19 +226,11 @@ def knapsack(items: list[tuple[int, float]], budget: int) -> list[int]:
 
 def plan(opts: PlanHybridOptions) -> HybridChoice:
     """The choice (reads the table and the quantized checkpoint's headers; writes nothing)."""
-    from qtool.io.checkpoint import reuse_opened
-
     with reuse_opened():  # the map below and verify's TP check read the same headers: parse them once
         return _plan(opts)
 
 
 def _plan(opts: PlanHybridOptions) -> HybridChoice:
-    from qtool.arch.model_map import build_map
-    from qtool.io.checkpoint import Checkpoint
-    from qtool.ops.sensitivity import load_table
-    from qtool.ops.verify import VerifyOptions, validate
-    from qtool.ops.verify.memory_fit import DEFAULT_UTILIZATION, Target, default_context, kv_bytes_per_token, memory_fit
-
     # the target's flags mean what they mean to verify, and are refused as verify refuses them
     validate(
         VerifyOptions(
@@ -378,9 +377,6 @@ RECIPE_HEAD = "# written by qtool plan hybrid"
 def check_recipe_output(opts: PlanHybridOptions, table: dict | None = None) -> None:
     """-o is a one-file output of the one contract: outside the inputs (both checkpoints, the ones the
     table names, the table's own directory), and replaced only with --force when this command wrote it."""
-    from qtool.io.output import check_file_output
-    from qtool.ops.sensitivity import table_input
-
     if opts.out is None:
         return
     sources = [p for p in (opts.quantized, opts.bf16) if p]
@@ -394,10 +390,6 @@ def check_recipe_output(opts: PlanHybridOptions, table: dict | None = None) -> N
 
 def _tp_shards(qpath: Path, opts: PlanHybridOptions, tp: int) -> list:
     """verify's tp-divisibility errors for the engines asked, at `tp` (on that many GPUs of the target's)."""
-    from qtool.findings import Code
-    from qtool.ops.verify import VerifyOptions, verify
-    from qtool.ops.verify.memory_fit import Target
-
     t = Target.parse(opts.gpus)
     rep = verify(
         qpath, VerifyOptions(engine=opts.engine, tp=tp, gpus=f"{max(tp, t.num_gpus)}x{t.gpu_bytes / 2**20:.4f}MiB")
@@ -423,8 +415,6 @@ def _check_tp(qpath: Path, opts: PlanHybridOptions, table_tps: list[int]) -> Non
 
 def _check_same_checkpoint(q, units: list[Unit], qpath: Path, opts: PlanHybridOptions) -> None:
     """The quantized checkpoint is the one the table measured: each unit's bytes as the table has them."""
-    from qtool.ops.sensitivity.units import unit_modules
-
     have = {uid: sum(m.nbytes() for m in mods) for uid, mods in unit_modules(q).items()}
     differ = [u.id for u in units if have.get(u.id, 0) != u.quantized_bytes]
     if differ:
@@ -439,8 +429,6 @@ def _check_same_checkpoint(q, units: list[Unit], qpath: Path, opts: PlanHybridOp
 
 
 def human(n: float) -> str:
-    from qtool.sizes import human_bytes
-
     return human_bytes(n)
 
 
@@ -454,8 +442,6 @@ def _one_line(path) -> str:
 def write_recipe(choice: HybridChoice, path: Path) -> None:
     """The build recipe, written atomically (a YAML file qtool build reads)."""
     import yaml
-
-    from qtool.io.jsonio import atomic_write_text
 
     head = (
         f"{RECIPE_HEAD} ({_one_line(choice.options.sensitivity)}): run it with\n"

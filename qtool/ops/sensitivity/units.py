@@ -15,6 +15,7 @@ from qtool.arch.layer_grid import COLUMNS
 from qtool.arch.model_map import QUANTIZED_FORMATS, Format, ModelMap
 from qtool.arch.qwen35 import Group
 from qtool.errors import PlanError
+from qtool.ops.verify.memory_fit import _share
 
 TP_SIZES = (1, 2, 4, 8)
 # unit kind -> the groups of modules it holds (outside the MTP head): the report grid's columns of the same
@@ -82,8 +83,6 @@ def unit_modules(mm: ModelMap) -> dict[str, list]:
 
 
 def _per_gpu(mods, tp: int, nkv: int) -> float:
-    from qtool.ops.verify.memory_fit import _share
-
     return sum(m.nbytes() * _share(m, tp, nkv) for m in mods)
 
 

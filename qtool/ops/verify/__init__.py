@@ -10,10 +10,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from qtool.arch.model_map import build_map
+from qtool.arch.qwen35 import Group
 from qtool.engines import EngineVersion, parse_version
 from qtool.errors import UsageError
-from qtool.findings import Code, Finding, Severity, error
-from qtool.ops.verify.memory_fit import DEFAULT_GPUS, DEFAULT_UTILIZATION, Fit, Target
+from qtool.findings import Code, Finding, Severity, error, warning
+from qtool.io.checkpoint import checkpoint_not_found
+from qtool.io.quant_config import summarize
+from qtool.ops.verify import engine_rules, refusals, structure
+from qtool.ops.verify.deep import deep_check
+from qtool.ops.verify.engine_rules import TP_SIZES
+from qtool.ops.verify.memory_fit import DEFAULT_GPUS, DEFAULT_UTILIZATION, GIB, Fit, Target, memory_fit
 
 KV_CACHE_DTYPES = ("auto", "fp8")
 
@@ -123,8 +130,6 @@ def plan(opts: VerifyOptions) -> VerifyPlan:
     versions, target = validate(opts)
     path = opts.checkpoint
     if path is None or not Path(path).exists():
-        from qtool.io.checkpoint import checkpoint_not_found
-
         raise checkpoint_not_found(path)  # bad input (exit 1), not a failed verification (exit 3)
     return VerifyPlan(opts, Path(path), versions, target)
 
@@ -139,12 +144,6 @@ def verify(path: str | Path, opts: VerifyOptions | None = None) -> VerifyReport:
 def execute(p: VerifyPlan) -> VerifyReport:
     """The op contract's execute: every check (headers and configs; the data too with --deep). Writes
     nothing; the report's `ok` says whether the artifact passed (the CLI and build steps exit 3 if not)."""
-    from qtool.arch.model_map import build_map
-    from qtool.arch.qwen35 import Group
-    from qtool.io.quant_config import summarize
-    from qtool.ops.verify import engine_rules, refusals, structure
-    from qtool.ops.verify.memory_fit import memory_fit
-
     opts, path, versions, target = p.options, p.path, p.versions, p.target
     ckpt, findings = structure.open_checked(path)
     if ckpt is None:
@@ -196,8 +195,6 @@ def execute(p: VerifyPlan) -> VerifyReport:
     remote_code = sorted(p.name for p in Path(ckpt.root).glob("*.py"))
     auto_map = (ckpt.config or {}).get("auto_map")
     if auto_map or remote_code:
-        from qtool.findings import warning
-
         what = ", ".join(
             (
                 [f"config.json auto_map ({', '.join(sorted(auto_map))})"]
@@ -236,8 +233,6 @@ def execute(p: VerifyPlan) -> VerifyReport:
         str(ckpt.root), findings, fit, engines, facts, model_map=mm, kv_cache_dtype=opts.kv_cache_dtype
     )
     if opts.deep and not any(f.code in (Code.BAD_HEADER, Code.TRUNCATED_SHARD) for f in findings):
-        from qtool.ops.verify.deep import deep_check
-
         d = deep_check(ckpt, workers=opts.deep_workers)
         report.findings += d.findings
         report.deep = d.to_json()
@@ -263,8 +258,6 @@ def _fit_fix(mm, fit, opts, target) -> str:
     """What makes it fit, by what does not: the weights and the reserve (more GPUs of the same size, the
     first TP that holds them; larger GPUs where the reserve alone does not fit), or the KV cache (a context
     or batch that fits, FP8 KV)."""
-    from qtool.ops.verify.memory_fit import GIB
-
     more = _more_gpus(mm, opts, target)
     if fit.kv_cache_gib <= 0:  # the weights and the reserve alone exceed the budget
         budget = f"the budget ({fit.budget_gib:.1f} GiB per GPU)"
@@ -279,7 +272,6 @@ def _fit_fix(mm, fit, opts, target) -> str:
         if fit.reserve_gib >= fit.budget_gib:  # no number of GPUs of this size holds the reserve
             least = (fit.reserve_gib + fit.weights_per_gpu_gib) / (fit.budget_gib / fit.gpu_gib)
             return f"{over}: GPUs of more than {least:.1f} GiB each (before any KV cache)"
-        from qtool.ops.verify.engine_rules import TP_SIZES
 
         return (
             f"{over} at every TP up to {TP_SIZES[-1]}: a smaller checkpoint (NVFP4 routed experts, fewer BF16 "
@@ -306,8 +298,6 @@ def _fit_fix(mm, fit, opts, target) -> str:
 
 def _more_gpus(mm, opts, target) -> tuple[int, str] | None:
     """(TP, its --gpus) of the first larger TP group of the same GPUs that fits, else None."""
-    from qtool.ops.verify.engine_rules import TP_SIZES
-
     for t in (t for t in TP_SIZES if t > opts.tp):
         if _fits_at(mm, opts, target, t):
             return t, _gpus_for(opts, target, t)
@@ -319,9 +309,6 @@ def _tp_fix(mm, works: list[int], opts, target) -> str:
     memory, since a TP that shards but does not fit only trades this error for does-not-fit. Preferred: the
     largest below the TP asked for (the user's GPUs, fewer of them), else the smallest above it (the fewest
     more GPUs of the same size); as a verify line with the user's other flags."""
-    from qtool.ops.verify.engine_rules import TP_SIZES
-    from qtool.ops.verify.memory_fit import GIB
-
     if not works:
         return f"no TP size of {', '.join(map(str, TP_SIZES))} shards this checkpoint: serve it on one GPU"
     shards = f"this checkpoint shards at TP {', '.join(map(str, works))}"
@@ -336,8 +323,6 @@ def _tp_fix(mm, works: list[int], opts, target) -> str:
 
 def _fits_at(mm, opts, target, tp: int) -> bool:
     """Whether the checkpoint fits at `tp` on GPUs of the target's size, with the user's other settings."""
-    from qtool.ops.verify.memory_fit import memory_fit
-
     return memory_fit(
         mm,
         tp=tp,

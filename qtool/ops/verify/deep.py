@@ -24,6 +24,7 @@ from pathlib import Path
 
 from qtool.findings import Code, Finding, error, warning
 from qtool.io.checkpoint import Checkpoint
+from qtool.io.reader import read_bytes
 from qtool.io.safetensors_header import TensorInfo
 
 CHUNK = 16 << 20
@@ -182,8 +183,6 @@ def expected_hashes(root: Path) -> dict[str, str]:
 
 
 def _scalar_value(info: TensorInfo) -> float | None:
-    from qtool.io.reader import read_bytes
-
     if info.numel != 1 or info.dtype not in ("F32", "F16", "BF16"):
         return None
     raw = read_bytes(info)

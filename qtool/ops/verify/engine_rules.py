@@ -20,6 +20,7 @@ from qtool.engines.decide import decide, engine_rules_modelled, flavour_of, unit
 from qtool.findings import Code, Finding, error, patch_cmd, warning
 from qtool.io.quant_config import QuantSummary
 from qtool.ops.checks import FIX
+from qtool.engines import mixed_precision
 
 # NVFP4 GEMMs need the per-GPU input features to be a multiple of the 16-element block:
 # vllm/model_executor/layers/quantization/modelopt.py ModelOptNvFp4LinearMethod.create_weights raises
@@ -53,9 +54,8 @@ def decision_findings(
         for v in versions:
             summaries[str(v)] = {"quantized_checkpoint": False}
         return findings, summaries, decisions_by_engine
-    from qtool.ops.verify import mixed_precision
 
-    if mixed_precision.is_mixed(summary):  # per-module algorithms: its own rule (ops/verify/mixed_precision.py)
+    if mixed_precision.is_mixed(summary):  # per-module algorithms: its own rule (engines/mixed_precision.py)
         return mixed_precision.mixed_findings(mm, summary, versions)
     if not engine_rules_modelled(summary):
         findings.append(

@@ -14,8 +14,11 @@ from qtool.arch.model_map import ModelMap, check_config_sizes
 from qtool.errors import CheckpointError, ConfigError, HeaderError
 from qtool.findings import Code, Finding, error, patch_cmd, warning
 from qtool.io.checkpoint import INDEX_NAME, Checkpoint
+from qtool.io.jsonio import load_json
 from qtool.io.quant_config import QuantSummary
-from qtool.ops.checks import FIX
+from qtool.io.safetensors_header import read_header
+from qtool.ops import inspect
+from qtool.ops.checks import FIX, MAX_PROBLEMS, check_structure
 
 REDOWNLOAD = "re-download or rebuild this shard (its sha256 is in the Hub's file list / qtool-manifest.json)"
 
@@ -64,9 +67,6 @@ def _header_finding(e: HeaderError) -> Finding:
 
 
 def _diagnose_headers(root: Path) -> list[Finding]:
-    from qtool.io.jsonio import load_json
-    from qtool.io.safetensors_header import read_header
-
     if (root / INDEX_NAME).exists():
         try:
             index, _ = load_json(root / INDEX_NAME, what="safetensors index")
@@ -95,8 +95,6 @@ def _diagnose_headers(root: Path) -> list[Finding]:
 
 
 def structure_findings(mm: ModelMap) -> list[Finding]:
-    from qtool.ops.checks import MAX_PROBLEMS, check_structure
-
     res = check_structure(mm)
     out = [Finding.from_json(d) for d in res["findings"]]
     if len(res["problems"]) > len(out):
@@ -113,8 +111,6 @@ def structure_findings(mm: ModelMap) -> list[Finding]:
 def consistency_findings(mm: ModelMap, summary: QuantSummary, *, kv_fp8: bool) -> list[Finding]:
     """Problems of qtool.ops.inspect.find_problems that are not engine decisions (those are modelled per
     engine version in engine_rules): expert layout, gate/up scales, KV scales, config files."""
-    from qtool.ops import inspect
-
     ckpt = str(mm.ckpt.root)
     out: list[Finding] = []
     # find_problems minus its _config_vs_tensors part, which decides for the default engines only;
