@@ -14,8 +14,9 @@ from test_calibrate_kv_support import fixture_dir
 from qtool.errors import PlanError
 from qtool.io.safetensors_header import TensorInfo
 from qtool.stream.dequant import TensorSource, layer_tensors
+from qtool.stream.hidden_store import MemoryStore
 from qtool.stream.layer_read import ALIGN, MAX_GAP, LayerBytes, Prefetcher, coalesce, read_pieces
-from qtool.stream.layer_stream import LayerStreamer, MemoryStore
+from qtool.stream.layer_stream import LayerStreamer
 
 
 def _info(name, file, start, end, dtype="U8"):

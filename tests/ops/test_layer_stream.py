@@ -8,7 +8,8 @@ import torch
 from test_calibrate_kv_support import dense_text_model, fixture_dir
 
 from qtool.stream.calib_data import build_calib_set
-from qtool.stream.layer_stream import DiskStore, LayerStreamer, MemoryStore
+from qtool.stream.hidden_store import DiskStore, MemoryStore
+from qtool.stream.layer_stream import LayerStreamer
 
 
 def _final(streamer, store):

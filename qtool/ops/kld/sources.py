@@ -122,7 +122,8 @@ class CheckpointSource:
         """Run all decoder layers over the windows `ids` [N, L]; keeps the final hidden states.
         `head_ahead`: read the final norm and lm_head while the last layer runs (only for the source
         prepared last: another's layers would run with them held)."""
-        from qtool.stream.layer_stream import DiskStore, MemoryStore, compute_itemsize
+        from qtool.stream.hidden_store import DiskStore, MemoryStore
+        from qtool.stream.layer_stream import compute_itemsize
 
         s = self.streamer
         n, seq = int(ids.shape[0]), int(ids.shape[1])
