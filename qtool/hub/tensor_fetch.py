@@ -31,7 +31,7 @@ def fetch_tensors(
     """Write the planned tensors as a checkpoint in the output transaction `tx` (qtool.io.output.OutputDir,
     entered: `OUT.partial/`, kept for --resume) through the shared executor; returns a report. Each shard
     is Produced: its header is known from the remote headers, its bytes come by range requests."""
-    from qtool.io.apply import write_output
+    from qtool.io.apply import OutputJob, write_output
     from qtool.io.manifest import RUN
     from qtool.io.plan import Index, Link, OutputPlan, Produced, promised
 
@@ -86,7 +86,9 @@ def fetch_tensors(
         return {}
 
     write_output(
-        output, tx, command=command, produce=produce, check=check, extra=lambda: {"download": report, RUN: run}
+        output,
+        tx,
+        OutputJob(command=command, produce=produce, check=check, extra=lambda: {"download": report, RUN: run}),
     )
     return {**report, **run}
 

@@ -290,7 +290,7 @@ def describe(p: ConvertPlan) -> dict:
 
 def execute(p: ConvertPlan) -> Report:
     """Write the converted checkpoint (the shared executor, qtool.io.apply, in an output transaction)."""
-    from qtool.io.apply import write_output
+    from qtool.io.apply import OutputJob, write_output
 
     opts = p.options
     report = p.to_json()
@@ -306,7 +306,7 @@ def execute(p: ConvertPlan) -> Report:
         return {"inspect_problems": report["problems"]}
 
     with OutputDir(opts.out, sources=[p.ckpt.root], force=opts.force, resume=opts.resume) as tx:
-        applied = write_output(p.output, tx, command=opts.command, check=check)
+        applied = write_output(p.output, tx, OutputJob(command=opts.command, check=check))
     report["shards_reused_by"] = sorted(applied.linked)
     return Report(report)
 

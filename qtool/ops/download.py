@@ -117,7 +117,7 @@ def _run(p: DownloadPlan, *, progress: bool = False) -> dict:
     }
     if tx is not None:
         from qtool.hub.tensor_fetch import hub_source
-        from qtool.io.apply import write_output
+        from qtool.io.apply import OutputJob, write_output
         from qtool.io.plan import Link, OutputPlan
 
         output = OutputPlan(
@@ -129,7 +129,7 @@ def _run(p: DownloadPlan, *, progress: bool = False) -> dict:
             extra={"download": report, RUN: run},
         )
         with tx:
-            applied = write_output(output, tx, command=command)
+            applied = write_output(output, tx, OutputJob(command=command))
         links.update(applied.linked)
     snap = st.files[0].local
     for _ in Path(st.files[0].path).parts:

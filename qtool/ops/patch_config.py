@@ -260,7 +260,7 @@ def apply(p: PatchPlan, *, command: str | None = None) -> list[str]:
     state is built beside it and swapped in (qtool.io.in_place.InPlaceDir); with -o OUT a new checkpoint is
     built in OUT.partial/ (qtool.io.output.OutputDir). Both are written by the shared executor
     (qtool.io.apply), so a kill never leaves config.json and hf_quant_config.json disagreeing."""
-    from qtool.io.apply import write_output
+    from qtool.io.apply import OutputJob, write_output
     from qtool.io.in_place import InPlaceDir
     from qtool.io.output import OutputDir
 
@@ -270,7 +270,7 @@ def apply(p: PatchPlan, *, command: str | None = None) -> list[str]:
     written = [e.name for e in output.entries(Json)]
     if opts.out is not None:
         with OutputDir(opts.out, sources=[p.root], force=opts.force, resume=opts.resume) as tx:
-            write_output(output, tx, command=command)
+            write_output(output, tx, OutputJob(command=command))
         return written
     if not written:
         InPlaceDir.tidy(p.root)
@@ -286,7 +286,7 @@ def apply(p: PatchPlan, *, command: str | None = None) -> list[str]:
                     path=path,
                     hint="run the command again (it re-reads the current files)",
                 )
-        write_output(output, tx, command=command)
+        write_output(output, tx, OutputJob(command=command))
     return written
 
 

@@ -23,19 +23,42 @@ embedding; after v_proj) -- what an engine writes into its KV cache.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Any
 
+from qtool import dist
 from qtool.arch.model_map import ModelMap, build_map
 from qtool.arch.qwen35 import Group, layer_prefix, text_prefix
 from qtool.errors import PlanError
+from qtool.io import stream_digest
 from qtool.io.checkpoint import Checkpoint
 from qtool.io.safetensors_header import TensorInfo
+from qtool.io.tensor_table import file_of
+from qtool.io.writer import FileRange
+from qtool.quiet import transformers_errors_only
+from qtool.stream import warm_import
+from qtool.stream.dequant import (
+    dense_numel,
+    embedding_rows,
+    layer_state_dict,
+    layer_tensors,
+    missing_layer,
+    modules_by_layer,
+)
 from qtool.stream.hidden_store import DiskStore, HiddenStore
+from qtool.stream.kernels import select_gdn_kernel
+from qtool.stream.layer_read import Prefetcher
+from qtool.stream.layer_run import LayerRun, LayerStage, WriteBehind, write_behind
+
+if TYPE_CHECKING:
+    import torch
 
 TAP_ATTENTION = "qtool_tap_sdpa"
+# what an attention tap is called with: the attention module, and the key and value its kernel receives
+Tap = Callable[["torch.nn.Module", "torch.Tensor", "torch.Tensor"], None]
 _DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
 
 
@@ -52,7 +75,14 @@ def _register_tap() -> None:
     if TAP_ATTENTION in AttentionInterface._global_mapping:
         return
 
-    def tapped(module, query, key, value, attention_mask, **kwargs):
+    def tapped(
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         tap = getattr(module, "_qtool_tap", None)
         if tap is not None:
             tap(module, key, value)
@@ -61,12 +91,12 @@ def _register_tap() -> None:
     AttentionInterface.register(TAP_ATTENTION, tapped)
 
 
-def kv_amax_tap(st) -> Callable:
+def kv_amax_tap(st: Any) -> Tap:
     """The one K/V statistics tap (calibrate-kv and quantize): running amax of the key and value that
     reach the attention kernel (after k_norm and RoPE, i.e. what the KV cache holds) and the tokens seen,
     into `st` (any object with k_amax, v_amax and tokens). key/value: [batch, kv_heads, seq, head_dim]."""
 
-    def tap(module, key, value):
+    def tap(module: torch.nn.Module, key: torch.Tensor, value: torch.Tensor) -> None:
         st.k_amax = max(st.k_amax, float(key.detach().abs().amax().float()))
         st.v_amax = max(st.v_amax, float(value.detach().abs().amax().float()))
         st.tokens += int(key.shape[0] * key.shape[2])
@@ -74,7 +104,7 @@ def kv_amax_tap(st) -> Callable:
     return tap
 
 
-def attention_tap(layer, fn: Callable | None) -> None:
+def attention_tap(layer: torch.nn.Module, fn: Tap | None) -> None:
     """Set (or clear, fn=None) the K/V tap of a decoder layer's full attention (no-op for GDN layers)."""
     attn = getattr(layer, "self_attn", None)
     if attn is not None:
@@ -82,11 +112,6 @@ def attention_tap(layer, fn: Callable | None) -> None:
 
 
 # ---- the streamer ----------------------------------------------------------------------------------
-
-
-class LayerHooks(Protocol):
-    def before_layer(self, idx: int, layer) -> None: ...
-    def after_layer(self, idx: int, layer) -> None: ...
 
 
 def compute_itemsize(dtype_name: str) -> int:
@@ -106,7 +131,7 @@ class StreamPlan:
     batch_windows: int
     activation_bytes: int  # rough per-micro-batch activation peak
     seq_len: int = 0
-    stored_layer_bytes: list[int] = None  # each decoder layer's bytes as stored (what is read ahead)
+    stored_layer_bytes: list[int] | None = None  # each decoder layer's bytes as stored (what is read ahead)
 
     @property
     def itemsize(self) -> int:
@@ -134,23 +159,21 @@ class StreamPlan:
         }
 
 
-def streamed_files(ckpt: Checkpoint, mm: ModelMap | None = None) -> set[str]:
+def streamed_files(ckpt: Checkpoint, model_map: ModelMap | None = None) -> set[str]:
     """The shard files a layer-streamed job reads (its decoder layers' and the embedding's): what it hashes
-    from its own reads (qtool.io.apply.write_output's hash_from_reads). `mm`: the plan's map of `ckpt`.
+    from its own reads (qtool.io.apply.write_output's hash_from_reads). `model_map`: the plan's map of `ckpt`.
     The layers' modules are those `layer_tensors` reads, found in one pass (per layer, over the 397B's ~95k
     modules and with a TensorInfo per tensor, it took seconds)."""
-    from qtool.io.tensor_table import file_of
-    from qtool.stream.dequant import missing_layer, modules_by_layer
-
-    mm = mm if mm is not None and mm.ckpt is ckpt else build_map(ckpt)
-    files = set()
-    for i, mods in enumerate(modules_by_layer(mm)):
+    if model_map is None or model_map.ckpt is not ckpt:
+        model_map = build_map(ckpt)
+    files: set[str] = set()
+    for i, mods in enumerate(modules_by_layer(model_map)):
         if not mods:
-            raise missing_layer(mm, i)  # as layer_tensors
+            raise missing_layer(model_map, i)  # as layer_tensors
         for m in mods:
             if m.group is not Group.KV_SCALE:  # as layer_tensors
                 files.update(m.param_file(p) for p in m.param_names)
-    embed = text_prefix(mm.naming) + "embed_tokens.weight"
+    embed = text_prefix(model_map.naming) + "embed_tokens.weight"
     return files | ({file_of(ckpt.tensors, embed)} if embed in ckpt.tensors else set())
 
 
@@ -164,16 +187,16 @@ class LayerStreamer:
         device: str = "cpu",
         dtype: str | None = None,
         batch_tokens: int | None = None,
-        mm: ModelMap | None = None,
+        model_map: ModelMap | None = None,
         routed_experts: str = "eager",
-    ):
-        from qtool import dist
-
+    ) -> None:
         self.group = dist.current()  # data parallel: this rank computes its share of the micro-batches
         self.batch_tokens = batch_tokens  # tokens per micro-batch (default: 4096 on CPU, 32768 on GPU)
         self.ckpt = ckpt if isinstance(ckpt, Checkpoint) else Checkpoint.open(ckpt, require_config=True)
-        # mm: the map a plan already built of this same checkpoint object (the 397B's: ~1 s to build again)
-        self.mm: ModelMap = mm if mm is not None and mm.ckpt is self.ckpt else build_map(self.ckpt)
+        # model_map: the map a plan already built of this same checkpoint object (the 397B's: ~1 s to build again)
+        if model_map is None or model_map.ckpt is not self.ckpt:
+            model_map = build_map(self.ckpt)
+        self.model_map: ModelMap = model_map
         tc = self.ckpt.text_config
         if not tc or "hidden_size" not in tc:
             raise PlanError("config.json has no text config with hidden_size", path=self.ckpt.root)
@@ -181,7 +204,7 @@ class LayerStreamer:
         self.device = device
         want = dtype or tc.get("dtype") or tc.get("torch_dtype") or (self.ckpt.config or {}).get("dtype") or "bfloat16"
         self.dtype_name = _DTYPES.get(str(want), "bfloat16")
-        self.prefix = text_prefix(self.mm.naming)
+        self.prefix = text_prefix(self.model_map.naming)
         embed = self.ckpt.tensors.get(self.prefix + "embed_tokens.weight")
         if embed is not None and (len(embed.shape) != 2 or embed.shape[1] != int(tc["hidden_size"])):
             # a config that disagrees with the tensors fails here by name, not as a shape error mid-forward
@@ -196,8 +219,6 @@ class LayerStreamer:
         self._hf_config = None
         self._layer_sizes: tuple[list[int], list[int]] | None = None
         self._rotary = None
-        from qtool.stream.layer_read import Prefetcher
-
         self._reader = Prefetcher(device)
         # wall-clock times (epoch seconds) for benchmarks: when the first layer began loading, when each
         # layer was done (the op appends: quantize once its shard is written); reported, never in manifests
@@ -210,17 +231,15 @@ class LayerStreamer:
 
     # -- config ---------------------------------------------------------------------------------
     @property
-    def dtype(self):
+    def dtype(self) -> torch.dtype:
         import torch
 
         return getattr(torch, self.dtype_name)
 
     @property
-    def hf_config(self):
+    def hf_config(self) -> Any:
         """transformers' Qwen3_5MoeTextConfig from the checkpoint's text config, attention = the tap."""
         if self._hf_config is None:
-            from qtool.stream import warm_import
-
             warm_import.join()
             from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
 
@@ -233,7 +252,7 @@ class LayerStreamer:
 
     @property
     def num_layers(self) -> int:
-        return len(self.mm.layer_types)
+        return len(self.model_map.layer_types)
 
     @property
     def hidden_size(self) -> int:
@@ -241,7 +260,7 @@ class LayerStreamer:
 
     # -- plan -----------------------------------------------------------------------------------
     def layer_tensor_names(self, idx: int) -> list[str]:
-        p = layer_prefix(idx, self.mm.naming)
+        p = layer_prefix(idx, self.model_map.naming)
         return [n for n in self.ckpt.tensors if n.startswith(p)]
 
     def layer_bytes(self, idx: int) -> int:
@@ -253,11 +272,9 @@ class LayerStreamer:
         prepare both ask)."""
         if self._layer_sizes is not None:
             return list(self._layer_sizes[0]), list(self._layer_sizes[1])  # callers' own lists
-        from qtool.stream.dequant import dense_numel, modules_by_layer
-
         item = compute_itemsize(self.dtype_name)
         dense, stored = [0] * self.num_layers, [0] * self.num_layers
-        for i, mods in enumerate(modules_by_layer(self.mm)):
+        for i, mods in enumerate(modules_by_layer(self.model_map)):
             for mod in mods:
                 if mod.group is Group.KV_SCALE:
                     continue
@@ -285,7 +302,7 @@ class LayerStreamer:
         act = toks * (6 * h + 3 * inter) * 4 * 2
         return StreamPlan(
             num_layers=self.num_layers,
-            layer_types=list(self.mm.layer_types),
+            layer_types=list(self.model_map.layer_types),
             hidden_size=h,
             compute_dtype=self.dtype_name,
             layer_bytes=dense,
@@ -304,15 +321,13 @@ class LayerStreamer:
         return max(1, tokens_per_batch // seq_len)
 
     # -- pieces ---------------------------------------------------------------------------------
-    def embed_into(self, ids, store: HiddenStore, batch: int) -> None:
+    def embed_into(self, ids: torch.Tensor, store: HiddenStore, batch: int) -> None:
         """Embed token windows [N, L] into the store (as the input of layer 0)."""
         import torch
 
-        from qtool.stream.dequant import embedding_rows
-
         mine = self.my_batches(ids.shape[0], batch)
         used = torch.cat([ids[b0:b1].reshape(-1) for b0, b1 in mine]) if mine else ids[:0]
-        w, lookup = embedding_rows(self.mm, self.prefix + "embed_tokens.weight", used, self.dtype, every_id=ids)
+        w, lookup = embedding_rows(self.model_map, self.prefix + "embed_tokens.weight", used, self.dtype, every_id=ids)
         for b0, b1 in mine:
             x = w[lookup[ids[b0:b1]]]
             if isinstance(store, DiskStore):
@@ -330,7 +345,7 @@ class LayerStreamer:
         spans = [(b0, min(n, b0 + batch)) for b0 in range(0, n, batch)]
         return [spans[k] for k in self.group.mine(len(spans))]
 
-    def position_embeddings(self, batch: int, seq_len: int):
+    def position_embeddings(self, batch: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         import torch
 
         self.hf_config  # noqa: B018 -- after the background import (warm_import.join)
@@ -342,7 +357,7 @@ class LayerStreamer:
         x = torch.empty(0, dtype=self.dtype, device=self.device)
         return self._rotary(x, pos)
 
-    def load_layer(self, idx: int, keep_bytes: dict | None = None):
+    def load_layer(self, idx: int, keep_bytes: dict[str, FileRange] | None = None) -> torch.nn.Module:
         """transformers' decoder layer `idx` with this checkpoint's weights, dense, on self.device.
         keep_bytes: output tensor name -> the source's byte range (a FileRange) it copies unchanged (quantize's
         copied tensors, whole tensors or one expert's slice of a fused one): kept as uint8 views of the
@@ -351,39 +366,31 @@ class LayerStreamer:
         at the 397B), whose `.cpu()` here took 9 s of the main thread and as much host memory; the writer
         takes them down in pieces behind the next layer's forward."""
         if self.clock["first_layer_start"] is None:
-            import time
-
             self.clock["first_layer_start"] = time.time()
         import torch
 
         cfg = self.hf_config  # after the background import (warm_import.join)
         from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeDecoderLayer
 
-        from qtool.stream.dequant import layer_state_dict, layer_tensors
-
         if self.gdn_kernel is None:
-            from qtool.stream.kernels import select_gdn_kernel
-
             self.gdn_kernel = select_gdn_kernel(self.device)
-
-        from qtool.quiet import transformers_errors_only
 
         with torch.device("meta"), transformers_errors_only():
             layer = Qwen3_5MoeDecoderLayer(cfg, idx)
         want = {n: (tuple(p.shape), p.dtype) for n, p in layer.state_dict().items()}
-        read = self._reader.take(idx) or self._reader.read_now(layer_tensors(self.mm, idx))
+        read = self._reader.take(idx) or self._reader.read_now(layer_tensors(self.model_map, idx))
         try:
             kept = {
                 name: view
                 for name, src in (keep_bytes or {}).items()
                 if (view := read.span(src.file, src.start, src.end)) is not None
             }
-            sd = layer_state_dict(self.mm, idx, self.dtype, self.device, want, src=read)
+            sd = layer_state_dict(self.model_map, idx, self.dtype, self.device, want, src=read)
         finally:
             read.close()  # what the layer keeps (views of BF16 weights) stays alive through it
         layer.load_state_dict(sd, strict=True, assign=True)
         del sd
-        from qtool.stream import experts
+        from qtool.stream import experts  # (imports torch: deferred to the first layer)
 
         if self.experts_kernel is None:
             tc = self.text_cfg_dict
@@ -407,14 +414,11 @@ class LayerStreamer:
     def inputs_hashed(self, idx: int) -> None:
         """Wait until the input bytes layer `idx` used (its tensors and the embedding) are hashed, where the
         job hashes its inputs from its reads (qtool.io.stream_digest): call before journaling the layer."""
-        from qtool.io import stream_digest
-        from qtool.stream.dequant import layer_tensors
-
         if stream_digest.StreamDigests.active is None:
             return
         ends: dict[str, int] = {}
         embed = self.ckpt.tensors.get(self.prefix + "embed_tokens.weight")
-        for i in layer_tensors(self.mm, idx) + ([embed] if embed is not None else []):
+        for i in layer_tensors(self.model_map, idx) + ([embed] if embed is not None else []):
             ends[i.file] = max(ends.get(i.file, 0), i.end)
         stream_digest.covered(ends)
 
@@ -422,19 +426,16 @@ class LayerStreamer:
         """Start reading layer `idx`'s bytes in the background (qtool.stream.layer_read): the next
         `load_layer(idx)` takes them instead of reading. A no-op past the last layer."""
         if 0 <= idx < self.num_layers:
-            from qtool.stream import warm_import
-            from qtool.stream.dequant import layer_tensors
-
             warm_import.start()  # transformers' decoder module, while this layer is read
-            self._reader.start(idx, layer_tensors(self.mm, idx))
+            self._reader.start(idx, layer_tensors(self.model_map, idx))
 
-    def read_after_layers(self, key, infos: list[TensorInfo]) -> None:
+    def read_after_layers(self, key: Hashable, infos: list[TensorInfo]) -> None:
         """Have `infos` read while `run`'s last layer computes, in the read-ahead's place (the reader is
         idle then), for `take_read(key)` after the run: eval kld's final norm and lm_head (a 397B's lm_head
         is 2 GB: read on the main thread after the layers, then uploaded, it took 0.8 s on the H200)."""
         self._after_layers = (key, infos)
 
-    def take_read(self, key):
+    def take_read(self, key: Hashable) -> Any:
         """What `read_after_layers(key, ...)` read (a LayerBytes on the device), or None."""
         return self._reader.take(key)
 
@@ -455,7 +456,12 @@ class LayerStreamer:
             }
 
     def forward_layer(
-        self, layer, store: HiddenStore, seq_len: int, batch: int, on_batch: Callable[[int], None] | None = None
+        self,
+        layer: torch.nn.Module,
+        store: HiddenStore,
+        seq_len: int,
+        batch: int,
+        on_batch: Callable[[int], None] | None = None,
     ) -> None:
         """Run this rank's micro-batches through `layer`; on_batch(b0) before each (AWQ keeps rows in
         window order). Returns once every rank's outputs of the layer are committed."""
@@ -481,40 +487,73 @@ class LayerStreamer:
         *,
         start: int = 0,
         stop: int | None = None,
-        hooks: LayerHooks | None = None,
+        stages: list[LayerStage] | None = None,
         batch: int | None = None,
         progress: Callable[[int], None] | None = None,
     ) -> None:
-        """Run layers start..stop-1 over the store (which holds layer `start`'s input)."""
-        batch = batch or self.batch_windows(seq_len)
+        """Run layers start..stop-1 over the store (which holds layer `start`'s input), with `stages` and
+        no journal (run_layers takes a whole LayerRun)."""
         stop = self.num_layers if stop is None else stop
+        batch = batch or self.batch_windows(seq_len)
+        self.run_layers(
+            LayerRun(self, store, seq_len, batch, list(range(start, stop)), list(stages or []), None, progress)
+        )
+
+    def run_layers(self, run: LayerRun) -> None:
+        """The one layer loop: each of `run.layers` loaded (the next one read meanwhile), run forward over the
+        store and handed to the stages at the events of qtool.stream.layer_run; a layer a stage writes is
+        committed by its writer, in order, any other at once."""
         try:
-            self._run(store, seq_len, start, stop, hooks, batch, progress)
+            with write_behind(run):
+                for k, idx in enumerate(run.layers):
+                    self._layer(run, idx, run.layers[k + 1] if k + 1 < len(run.layers) else None)
         except BaseException:
             self._reader.close()  # an error mid-run: no read left going on behind the caller's back
             raise
         finally:
             self._note_gpu_peak()
 
-    def _run(self, store, seq_len, start, stop, hooks, batch, progress) -> None:
-        for idx in range(start, stop):
-            layer = self.load_layer(idx)
-            if idx + 1 < stop:
-                self.prefetch(idx + 1)  # read while this layer computes
-            elif self._after_layers is not None:
-                self._reader.start(*self._after_layers)
-            if hooks is not None:
-                hooks.before_layer(idx, layer)
-            self.forward_layer(layer, store, seq_len, batch)
-            if hooks is not None:
-                hooks.after_layer(idx, layer)
-            import time
+    def _layer(self, run: LayerRun, idx: int, next_idx: int | None) -> None:
+        keep: dict[str, FileRange] = {}
+        for stage in run.stages:
+            keep.update(stage.keep_bytes(run, idx))
+        layer = self.load_layer(idx, keep_bytes=keep)
+        if next_idx is not None:
+            self.prefetch(next_idx)  # read while this layer computes (and is written)
+        elif self._after_layers is not None:
+            self._reader.start(*self._after_layers)
+        for stage in run.stages:
+            stage.before_forward(run, idx, layer)
+        self.forward_layer(layer, run.store, run.seq_len, run.batch, on_batch=_batch_callback(run.stages))
+        for stage in run.stages:
+            stage.after_forward(run, idx, layer)
+        current = run.store.current if isinstance(run.store, DiskStore) else ""
+        writes = [w for stage in run.stages if (w := stage.code(run, idx, layer)) is not None]
+        if writes:
+            if run.writes is None:
+                run.writes = WriteBehind(self.device, self.group, run.layers_in_flight)
+            for write in writes:
+                run.writes.hand_over(write, last=idx == run.layers[-1])
+            del layer  # (its writer holds it while it codes)
+            return
+        run.layer_done(idx, current)
+        # the other ranks wait for rank 0's journal entry: the next layer writes the file it names
+        self.group.barrier()
+        del layer  # no cycles: freed here (gc.collect costs seconds on a busy machine)
+        if self.device != "cpu":
+            import torch
 
-            self.clock["layers_done"].append(time.time())
-            del layer  # no cycles: freed here (gc.collect costs seconds on a busy machine)
-            if self.device != "cpu":
-                import torch
+            torch.cuda.empty_cache()
 
-                torch.cuda.empty_cache()
-            if progress is not None:
-                progress(idx)
+
+def _batch_callback(stages: list[LayerStage]) -> Callable[[int], None] | None:
+    """The stages' on_batch, for forward_layer (None where no stage sees the micro-batches)."""
+    seeing = [stage.on_batch for stage in stages if stage.sees_batches]
+    if len(seeing) <= 1:
+        return seeing[0] if seeing else None
+
+    def each(b0: int) -> None:
+        for fn in seeing:
+            fn(b0)
+
+    return each

@@ -179,10 +179,10 @@ def test_in_place_ct_then_overwrite_then_resume(request, tmp_path):
     # --overwrite with a crash in layer 5, then --resume: same scales as the uninterrupted run.
     real = LayerStreamer.load_layer
 
-    def crashing(self, idx):
+    def crashing(self, idx, **kwargs):
         if idx == 5:
             raise RuntimeError("simulated crash")
-        return real(self, idx)
+        return real(self, idx, **kwargs)
 
     LayerStreamer.load_layer = crashing
     try:

@@ -6,7 +6,7 @@ import shutil
 from pathlib import Path
 
 from qtool.errors import UsageError
-from qtool.io.apply import write_output
+from qtool.io.apply import OutputJob, ProducedShards, write_output
 from qtool.io.in_place import InPlaceDir
 from qtool.io.manifest import RUN
 from qtool.io.output import OutputDir
@@ -45,9 +45,9 @@ def execute(p: KvPlan, *, progress=None) -> Report:
     )
     state: dict = {}
 
-    def produce(done) -> dict:  # writes no Produced shard: the scales are Pending values
+    def produce(shards: ProducedShards) -> dict:  # writes no Produced shard: the scales are Pending values
         def each_layer(idx: int) -> None:
-            done.check()  # a failed early shard (the copies beside the layers) stops the job at its next layer
+            shards.stop_if_failed()  # a failed early shard (the copies beside the layers) stops the job at its next layer
             if progress is not None:
                 progress(idx)
 
@@ -63,12 +63,14 @@ def execute(p: KvPlan, *, progress=None) -> Report:
         applied = write_output(
             p.output,
             tx,
-            command=opts.command,
-            produce=produce,
-            check=check,
-            hash_from_reads=streamed_files(p.ckpt, p.mm),
-            early_shards=True,
-            extra=lambda: {RUN: {"kernels": state["timing"].get("kernels")}},
+            OutputJob(
+                command=opts.command,
+                produce=produce,
+                check=check,
+                hash_from_reads=streamed_files(p.ckpt, p.mm),
+                early_shards=True,
+                extra=lambda: {RUN: {"kernels": state["timing"].get("kernels")}},
+            ),
         )
     stats = state["stats"]
     report["layers"] = [stats[i].to_json() for i in p.layers]

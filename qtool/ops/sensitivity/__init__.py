@@ -153,7 +153,7 @@ def output_plan(p: SensitivityPlan):
 
 
 def execute(p: SensitivityPlan, *, progress=None) -> Report:
-    from qtool.io.apply import write_output
+    from qtool.io.apply import OutputJob, write_output
     from qtool.io.jsonio import write_json
     from qtool.io.manifest import RUN
     from qtool.io.output import OutputDir
@@ -165,7 +165,7 @@ def execute(p: SensitivityPlan, *, progress=None) -> Report:
     tx = OutputDir(o.out, sources=[p.bf.root, p.q.root], force=o.force, resume=o.resume)
     state: dict = {}
 
-    def produce(done) -> None:
+    def produce(_shards) -> None:
         result = measure(p, resume=o.resume, progress=progress)
         fill(p.units, result)
         state["table"], state["timing"] = table(p), result["timing"]
@@ -180,11 +180,13 @@ def execute(p: SensitivityPlan, *, progress=None) -> Report:
         write_output(
             output_plan(p),
             tx,
-            command=o.command,
-            produce=produce,
-            check=check,
-            hash_from_reads=streamed_files(p.bf) | streamed_files(p.q),
-            extra=lambda: {RUN: {"timing": state["timing"]}},
+            OutputJob(
+                command=o.command,
+                produce=produce,
+                check=check,
+                hash_from_reads=streamed_files(p.bf) | streamed_files(p.q),
+                extra=lambda: {RUN: {"timing": state["timing"]}},
+            ),
         )
     return Report(
         {
