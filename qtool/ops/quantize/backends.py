@@ -38,14 +38,15 @@ import copy
 import torch
 
 from qtool.errors import PlanError
+from qtool.formats import nvfp4
 from qtool.ops.quantize.layer import NVFP4Experts
+from qtool.quiet import quiet  # the producer libraries' chatter off, restored on exit
 from qtool.recipes import Backend, WeightScale
 
 PARTS = ("down_proj", "gate_proj", "up_proj")
 
 
 def _quiet():
-    from qtool.quiet import quiet  # the producer libraries' chatter off, restored on exit
 
     return quiet()
 
@@ -111,7 +112,6 @@ class ModelOptLayer:
     def _input_scale(self, name: str, fallback_amax: torch.Tensor) -> torch.Tensor:
         """ModelOpt's shared input scale; a layer whose experts saw no token at all (no amax): qtool's
         fallback amaxes."""
-        from qtool.formats import nvfp4
 
         s = self.input_scales.get(name)
         if s is None:
@@ -120,8 +120,6 @@ class ModelOptLayer:
 
     def nvfp4_chunk(self, e0, e1, gu, dn, in_amax, mid_amax) -> dict[str, NVFP4Experts]:
         from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
-
-        from qtool.formats import nvfp4
 
         ex = self.experts
         inter = gu.shape[1] // 2
@@ -291,6 +289,7 @@ def _llmcompressor(p) -> LlmCompressorLayer:
     return LlmCompressorLayer(p.recipe.nvfp4.weight_scale is WeightScale.MSE, p.n_experts)
 
 
+# the backends plan.PEER_BACKENDS names, each with its per-layer state
 LAYER_BACKENDS = {Backend.MODELOPT: _modelopt, Backend.LLMCOMPRESSOR: _llmcompressor}
 
 

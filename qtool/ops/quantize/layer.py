@@ -10,8 +10,15 @@ from pathlib import Path
 
 import torch
 
+from qtool.formats import awq, nvfp4
+from qtool.io.files import open_new, tmp_path
 from qtool.io.writer import FileRange, HashedWrites, InlineBytes, InOrder, OutTensor, build_header, copy_range
+from qtool.ops.calibrate_kv.calibrate import LayerStat
+from qtool.ops.quantize.awq_search import CANDIDATE_BYTES, awq_down_scales, rtn
+from qtool.ops.quantize.nvfp4_mse import search_block_scales, sweep_block_scales
+from qtool.ops.quantize.plan import QUANT_PARAMS
 from qtool.recipes import InputScale, OutFormat, Scheme, WeightScale
+from qtool.stream.device_copy import download
 
 CHUNK_EXPERTS = 16
 # copied tensors read with the layer are written in pieces of at most this size (one larger tensor alone):
@@ -94,7 +101,6 @@ def chunk_bytes(tensors: list[torch.Tensor]):
     """The tensors' bytes back to back (their order in the shard), as a qtool.stream.device_copy.Download:
     one device concatenation and one non-blocking device->host copy into page-locked memory (torch's
     caching host allocator reuses it), instead of a `.cpu()` and a Python buffer per tensor."""
-    from qtool.stream.device_copy import download
 
     dev = next((t.device for t in tensors if t.numel() > 1), tensors[0].device)
     flat = [t.detach().contiguous().reshape(-1).view(torch.uint8).to(dev) for t in tensors]
@@ -132,7 +138,6 @@ def _position(f, at: int, hashed: bool, name: str) -> None:
 def _nvfp4_parts(gu, down, inter):
     """(part, weight, per-matrix amax) of a chunk of experts: gate_proj and up_proj share one amax, so
     one weight_scale_2 (vLLM requirement; ModelOpt's `preprocess_linear_fusion` takes the larger)."""
-    from qtool.formats import nvfp4
 
     gate, up = gu[:, :inter], gu[:, inter:]
     amax_gu = torch.maximum(nvfp4.matrix_amax(gate), nvfp4.matrix_amax(up))
@@ -142,7 +147,6 @@ def _nvfp4_parts(gu, down, inter):
 
 def _block_scales(w, global_amax, weight_scale_2, method: WeightScale):
     """The block scales a recipe's `nvfp4.weight_scale` asks for (None: round to nearest from the max)."""
-    from qtool.ops.quantize.nvfp4_mse import search_block_scales, sweep_block_scales
 
     if method is WeightScale.MSE:
         return search_block_scales(w, weight_scale_2)
@@ -154,7 +158,6 @@ def _block_scales(w, global_amax, weight_scale_2, method: WeightScale):
 def nvfp4_rtn(gu, down, inter, in_amax, mid_amax, recipe) -> dict[str, NVFP4Experts]:
     """qtool's own NVFP4 of a chunk of experts (ModelOpt numerics; MSE-searched block scales when the
     recipe asks). Every expert is coded on its own: the chunking does not change a byte."""
-    from qtool.formats import nvfp4
     from qtool.formats.nvfp4_triton import quantize_fast  # Triton kernel on CUDA, torch codec elsewhere
 
     res: dict[str, NVFP4Experts] = {}
@@ -178,8 +181,6 @@ def _int4_expert_chunk(gu, down, inter, stats, e0, recipe, fmt, report, g: int) 
     after the AWQ down_proj scale search when the recipe asks for it. The chunk is coded as one batch
     (elementwise ops and group max/min: each expert's bytes are those of coding it alone), so the GPU
     sees a few large ops, not a Python loop of small ones, and the host waits once, for the report."""
-    from qtool.formats import awq
-    from qtool.ops.quantize.awq_search import CANDIDATE_BYTES, awq_down_scales, rtn
 
     sdt = _int4_scale_dtype(fmt)
     gate, up, dn = gu[:, :inter], gu[:, inter:], down
@@ -249,7 +250,6 @@ class Share:
 
 def create_layer_tmp(path: Path, mode: int = 0o644) -> None:
     """The empty file the ranks write their shares into (rank 0, before the others open it)."""
-    from qtool.io.files import open_new, tmp_path
 
     os.close(open_new(tmp_path(path), mode))
 
@@ -287,8 +287,6 @@ def write_layer_shard(
     128 MiB page-locked block) besides the pipeline's three (the one being written, one queued, the one
     coded): five, where a trailing hash's writer holds three in the steady state and up to seven before
     the hash falls behind. The others trail the file: layers in flight wait for their writes."""
-    from qtool.io.files import open_new, tmp_path
-    from qtool.ops.quantize.plan import QUANT_PARAMS
 
     report: dict = {"awq": []}
     header = build_header([OutTensor(s.name, s.dtype, s.shape, _Pending(s.nbytes)) for s in lp.specs])
@@ -349,7 +347,6 @@ def _write_specs(
     report: dict,
 ) -> None:
     """Code the layer's tensors in header order and queue their bytes on `ops` (coded here, written there)."""
-    from qtool.ops.calibrate_kv import LayerStat
 
     experts = layer.mlp.experts
     inter = p.inter

@@ -10,11 +10,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from qtool import __version__
+from qtool.arch.model_map import build_map
 from qtool.io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG_NAME, INDEX_NAME
 from qtool.io.jsonio import load_json
+from qtool.io.manifest import library_versions
 from qtool.io.output import MANIFEST_NAME, partial_path
-from qtool.io.plan import Copy, Index, Json, OutputPlan, Pending, Produced, Shard, header_checkpoint
+from qtool.io.plan import Copy, Index, Json, OutputPlan, Pending, Produced, Shard, checkpoint_files, header_checkpoint
 from qtool.io.writer import OutTensor, plan_shards
+from qtool.ops.quantize.configs import quant_configs
 from qtool.recipes import KvCache
 
 if TYPE_CHECKING:
@@ -32,7 +36,6 @@ def _tensor(s) -> OutTensor:
 
 def side_files(root: Path) -> list[Path]:
     """The source's files other than weights and the configs made anew, in sub-folders too."""
-    from qtool.io.plan import checkpoint_files
 
     return [e for rel, e in checkpoint_files(root) if e.suffix != ".safetensors" and rel not in SKIP_FILES]
 
@@ -45,10 +48,6 @@ def input_files(p: QuantizePlan) -> list[str]:
 
 
 def output_plan(p: QuantizePlan) -> OutputPlan:
-    from qtool import __version__
-    from qtool.arch.model_map import build_map
-    from qtool.io.manifest import library_versions
-    from qtool.ops.quantize.configs import quant_configs
 
     files: list = [Produced(lp.shard, [_tensor(s) for s in lp.specs]) for lp in p.layers]
     by_name = {s.name: s for s in p.rest}
