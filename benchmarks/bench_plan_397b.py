@@ -72,7 +72,7 @@ def first_layer(self, idx, *args, **kwargs):
     print("MARK load", time.time(), file=sys.stderr, flush=True)
     if self._reader.take(idx) is None:  # not read ahead: read here, as load_layer would
         from qtool.stream.dequant import layer_tensors
-        self._reader.read_now(layer_tensors(self.mm, idx))
+        self._reader.read_now(layer_tensors(self.model_map, idx))
     print("MARK read", time.time(), file=sys.stderr, flush=True)
     os._exit(0)
 

@@ -47,7 +47,8 @@ def execute(p: KvPlan, *, progress=None) -> Report:
 
     def produce(shards: ProducedShards) -> dict:  # writes no Produced shard: the scales are Pending values
         def each_layer(idx: int) -> None:
-            shards.stop_if_failed()  # a failed early shard (the copies beside the layers) stops the job at its next layer
+            # a failed early shard (the copies beside the layers) stops the job at its next layer
+            shards.stop_if_failed()
             if progress is not None:
                 progress(idx)
 

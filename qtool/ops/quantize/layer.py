@@ -14,7 +14,8 @@ from qtool.formats import awq, nvfp4
 from qtool.io.files import open_new, tmp_path
 from qtool.io.writer import FileRange, HashedWrites, InlineBytes, InOrder, OutTensor, build_header, copy_range
 from qtool.ops.calibrate_kv.calibrate import LayerStat
-from qtool.ops.quantize.awq_search import CANDIDATE_BYTES, awq_down_scales, rtn
+from qtool.ops.quantize import awq_search
+from qtool.ops.quantize.awq_search import awq_down_scales, rtn
 from qtool.ops.quantize.nvfp4_mse import search_block_scales, sweep_block_scales
 from qtool.ops.quantize.plan import QUANT_PARAMS
 from qtool.recipes import InputScale, OutFormat, Scheme, WeightScale
@@ -202,7 +203,7 @@ def _int4_expert_chunk(gu, down, inter, stats, e0, recipe, fmt, report, g: int) 
 
     res: dict[str, list] = {"down_proj": [], "gate_proj": [], "up_proj": []}
     for part, w in (("down_proj", dn), ("gate_proj", gate), ("up_proj", up)):
-        per = max(1, CANDIDATE_BYTES // (w[0].numel() * 4))  # the transients of a batch: as the search's
+        per = max(1, awq_search.CANDIDATE_BYTES // (w[0].numel() * 4))  # the transients of a batch: as the search's
         shape = torch.tensor(w.shape[1:], dtype=torch.int64)
         for k0 in range(0, w.shape[0], per):
             q = rtn(folded(part, w, k0, k0 + per), g, sdt)

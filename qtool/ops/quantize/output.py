@@ -18,7 +18,7 @@ from qtool.io.manifest import library_versions
 from qtool.io.output import MANIFEST_NAME, partial_path
 from qtool.io.plan import Copy, Index, Json, OutputPlan, Pending, Produced, Shard, checkpoint_files, header_checkpoint
 from qtool.io.writer import OutTensor, plan_shards
-from qtool.ops.quantize.configs import quant_configs
+from qtool.ops.quantize import configs
 from qtool.recipes import KvCache
 
 if TYPE_CHECKING:
@@ -63,7 +63,7 @@ def output_plan(p: QuantizePlan) -> OutputPlan:
     # every tensor where OUT.partial will hold it: the output's checks read its scale values back there
     mm = p.output_map = build_map(header_checkpoint(partial_path(p.out), out, cfg, as_written=True), read_values=False)
     versions = {**library_versions(), "qtool": __version__}
-    qc, hq = quant_configs(
+    qc, hq = configs.quant_configs(
         mm,
         p.recipe.quantized_scheme,
         p.format,

@@ -23,7 +23,7 @@ from qtool.io.checkpoint import Checkpoint
 from qtool.io.dtypes import nbytes_for
 from qtool.io.output import OutputDir
 from qtool.io.writer import FileRange
-from qtool.ops.quantize.output import output_plan
+from qtool.ops.quantize import output as quantize_output
 from qtool.recipes import FORMATS_FOR, Backend, KvCache, OutFormat, Recipe, Scheme, WeightScale, load_recipe
 from qtool.stream.calib_data import plan_calibration
 from qtool.stream.layer_stream import LayerStreamer
@@ -174,7 +174,7 @@ class QuantizePlan:
         the 2-core VM, that delayed the first read. A dry run's to_json makes it too, so that a dry run
         refuses what the run would."""
         if self.output is None:
-            self.output = output_plan(self)
+            self.output = quantize_output.output_plan(self)
         return self.output
 
     def to_json(self) -> dict:
