@@ -7,6 +7,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, BinaryIO
 
 import torch
 
@@ -16,8 +17,9 @@ from qtool.io.writer import FileRange, HashedWrites, InlineBytes, InOrder, OutTe
 from qtool.ops.calibrate_kv.calibrate import LayerStat
 from qtool.ops.quantize import awq_search
 from qtool.ops.quantize.awq_search import awq_down_scales, rtn
+from qtool.ops.quantize.calib import ExpertStats
 from qtool.ops.quantize.nvfp4_mse import search_block_scales, sweep_block_scales
-from qtool.ops.quantize.plan import QUANT_PARAMS
+from qtool.ops.quantize.plan import QUANT_PARAMS, LayerPlan, QuantizePlan
 from qtool.recipes import InputScale, OutFormat, Scheme, WeightScale
 from qtool.stream.device_copy import download
 
@@ -108,11 +110,13 @@ def chunk_bytes(tensors: list[torch.Tensor]):
     return download(torch.cat(flat) if len(flat) > 1 else flat[0])
 
 
-def copied_whole(lp) -> bool:
-    """Whether every routed expert of layer plan `lp` is copied unchanged (a layer kept in BF16: whole
+def copied_whole(layer_plan: LayerPlan) -> bool:
+    """Whether every routed expert of layer plan `layer_plan` is copied unchanged (a layer kept in BF16: whole
     tensors of a per-expert source, byte slices of a fused one): its shard is then written from the bytes
     read, not from the dense layer."""
-    return lp.scheme is Scheme.BF16 and all(s.source is not None for s in lp.specs if _expert_of(s.name))
+    return layer_plan.scheme is Scheme.BF16 and all(
+        s.source is not None for s in layer_plan.specs if _expert_of(s.name)
+    )
 
 
 def release_dense_experts(layer) -> None:
@@ -266,17 +270,17 @@ def _expert_of(name: str) -> tuple[int, str, str] | None:
 
 def write_layer_shard(
     path: Path,
-    lp,
-    layer,
-    stats,
-    kv,
-    p,
-    backend=None,
+    layer_plan: LayerPlan,
+    layer: torch.nn.Module,
+    stats: ExpertStats,
+    kv: tuple[float, float] | None,
+    plan: QuantizePlan,
+    backend: Any = None,
     mode: int = 0o644,
     share: Share = Share(),
     keep_pace: bool = False,
 ) -> dict:
-    """Write `lp.specs` to `path`. One rank: the whole shard to a tmp file renamed to `path`. Several:
+    """Write `layer_plan.specs` to `path`. One rank: the whole shard to a tmp file renamed to `path`. Several:
     this rank's Share into the tmp file rank 0 made (create_layer_tmp), at the header's offsets, fsynced;
     rank 0 renames it (os.replace) once every rank's share is on disk. `layer`: the dense transformers
     layer; `stats`: ExpertStats; `kv`: (k_amax, v_amax) or None; `backend`: a peer backend's per-layer
@@ -290,8 +294,12 @@ def write_layer_shard(
     the hash falls behind. The others trail the file: layers in flight wait for their writes."""
 
     report: dict = {"awq": []}
-    header = build_header([OutTensor(s.name, s.dtype, s.shape, _Pending(s.nbytes)) for s in lp.specs])
-    names = [n for n, _, _ in QUANT_PARAMS[(lp.scheme, p.format)]] if lp.scheme is not Scheme.BF16 else []
+    header = build_header([OutTensor(s.name, s.dtype, s.shape, _Pending(s.nbytes)) for s in layer_plan.specs])
+    names = (
+        [n for n, _, _ in QUANT_PARAMS[(layer_plan.scheme, plan.format)]]
+        if layer_plan.scheme is not Scheme.BF16
+        else []
+    )
     tmp = tmp_path(path)
     fds: dict[str, int] = {}
     out = None
@@ -305,7 +313,22 @@ def write_layer_shard(
             ops = InOrder()  # the file's writes, in order, while the next chunk is coded
             try:
                 _write_specs(
-                    ops, out, f, lp, layer, stats, kv, p, backend, share, header, names, kept, fds, hashed, report
+                    ops,
+                    out,
+                    f,
+                    layer_plan,
+                    layer,
+                    stats,
+                    kv,
+                    plan,
+                    backend,
+                    share,
+                    header,
+                    names,
+                    kept,
+                    fds,
+                    hashed,
+                    report,
                 )
                 ops.close()  # every write done; a write's error is raised here
             except BaseException:
@@ -331,14 +354,14 @@ def write_layer_shard(
 
 def _write_specs(
     ops: InOrder,
-    out,
-    f,
-    lp,
-    layer,
-    stats,
-    kv,
-    p,
-    backend,
+    out: HashedWrites | BinaryIO,
+    f: BinaryIO,
+    layer_plan: LayerPlan,
+    layer: torch.nn.Module,
+    stats: ExpertStats,
+    kv: tuple[float, float] | None,
+    plan: QuantizePlan,
+    backend: Any,
     share: Share,
     header: bytes,
     names: list[str],
@@ -350,11 +373,11 @@ def _write_specs(
     """Code the layer's tensors in header order and queue their bytes on `ops` (coded here, written there)."""
 
     experts = layer.mlp.experts
-    inter = p.inter
-    n_exp = p.n_experts
+    inter = plan.inter
+    n_exp = plan.n_experts
     step = share.chunk(n_exp)
-    specs = lp.specs
-    in_amax, mid_amax = input_amaxes(stats, p.recipe.nvfp4.input_scale)
+    specs = layer_plan.specs
+    in_amax, mid_amax = input_amaxes(stats, plan.recipe.nvfp4.input_scale)
     if share.rank == 0:
         ops.call(out.write, header)
     pos = len(header)  # where the next spec's bytes go; another rank's specs are skipped by seeking
@@ -389,7 +412,7 @@ def _write_specs(
             ops.call(_write_chunk, out, data)
             continue
         if which is None:
-            st = LayerStat(lp.index, kv[0], kv[1], 0)
+            st = LayerStat(layer_plan.index, kv[0], kv[1], 0)
             ops.call(out.write, _f32(st.k_scale if s.name.endswith("k_scale") else st.v_scale))
             continue
         # the first param of a chunk of experts: the chunk's params follow it in the header (experts in
@@ -406,16 +429,16 @@ def _write_specs(
             i += 1
         gu = experts.gate_up_proj.data[e0:e1]
         dn = experts.down_proj.data[e0:e1]
-        if lp.scheme is Scheme.NVFP4:
+        if layer_plan.scheme is Scheme.NVFP4:
             a_in, a_mid = in_amax[e0:e1], mid_amax[e0:e1]
             if backend is not None:
                 parts = backend.nvfp4_chunk(e0, e1, gu, dn, a_in, a_mid)
             else:
-                parts = nvfp4_rtn(gu, dn, inter, a_in, a_mid, p.recipe)
-            chunk = {part: q.expert_tensors(p.format) for part, q in parts.items()}
+                parts = nvfp4_rtn(gu, dn, inter, a_in, a_mid, plan.recipe)
+            chunk = {part: q.expert_tensors(plan.format) for part, q in parts.items()}
         else:
             chunk = _int4_expert_chunk(
-                gu, dn, inter, stats, e0, p.recipe, p.format, report["awq"], p.int4_group
+                gu, dn, inter, stats, e0, plan.recipe, plan.format, report["awq"], plan.int4_group
             )  # one group for every projection (engine rule)
         data = chunk_bytes([chunk[part][e - e0][names.index(param)] for _, (e, part, param) in members])
         if data.host.numel() != pos - at:
