@@ -16,6 +16,7 @@ its hooks at `forward`, its statistics at `after-forward`, its coding in the Lay
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -206,10 +207,9 @@ class WriteBehind:
             for f in self.pending:
                 f.future.cancel()
             for f in self.pending:
-                try:
+                # the error that brought us here is the one raised
+                with contextlib.suppress(BaseException):
                     f.future.result()
-                except BaseException:  # noqa: BLE001, S110 -- the error that brought us here is the one raised
-                    pass
         finally:
             self.pool.shutdown(wait=True)
 
