@@ -60,16 +60,26 @@ def _int4(group_size: int, awq: bool) -> str:
     )
 
 
+def _v2_mixed() -> str:
+    # nvidia's NVFP4-V2 mix (the shipped qwen35-nvfp4-v2 without KV scales): its rest FP8 instead of BF16
+    return (
+        "groups: {routed_experts: nvfp4, attention: fp8, shared_expert: fp8, linear_attn: fp8}\n"
+        "nvfp4: {weight_scale: mse_sweep}\ndefaults: {format: modelopt}\n"
+    )
+
+
 def methods(int4_group: int) -> list[Method]:
     return [
         Method("nvfp4-max", "NVFP4 RTN, block scale from max", "qtool", "rtn", _nvfp4("max")),
         Method("nvfp4-mse", "NVFP4, block scale MSE (7 shrinks)", "qtool", "rtn", _nvfp4("mse")),
         Method("nvfp4-mse-sweep", "NVFP4, block scale MSE (126 E4M3 sweep)", "qtool", "rtn", _nvfp4("mse_sweep")),
+        Method("nvfp4-4over6", "NVFP4, block max to 6 or 4 (four-over-six)", "qtool", "rtn", _nvfp4("four_over_six")),
         Method("int4-rtn", f"INT4 W4A16 g{int4_group} RTN", "qtool", "rtn", _int4(int4_group, awq=False)),
         Method("int4-awq", f"INT4 W4A16 g{int4_group} AWQ", "qtool", "rtn", _int4(int4_group, awq=True)),
         Method("modelopt-nvfp4-max", "NVFP4 RTN, block scale from max", "ModelOpt", "modelopt", _nvfp4("max")),
         Method("llmc-nvfp4-minmax", "NVFP4 RTN, minmax observer", "llm-compressor", "llmcompressor", _nvfp4("max")),
         Method("llmc-nvfp4-mse", "NVFP4, mse observer", "llm-compressor", "llmcompressor", _nvfp4("mse")),
+        Method("v2-mixed", "NVFP4 sweep experts + FP8 rest (NVFP4-V2)", "qtool", "rtn", _v2_mixed()),
     ]
 
 
@@ -113,6 +123,13 @@ def expert_tensors(ckpt: Path) -> dict[str, tuple[str, int, int]]:
             if ".layers." in name and ".mlp.experts." in name and not name.startswith("mtp."):
                 out[name] = (info.file, info.start, info.end)
     return out
+
+
+def weight_bytes(ckpt: Path) -> int:
+    """Every tensor's bytes on disk (the experts and the rest: where a mixed recipe saves its bytes)."""
+    return sum(
+        info.end - info.start for shard in ckpt.glob("*.safetensors") for info in read_header(shard).tensors.values()
+    )
 
 
 def expert_bytes(ckpt: Path) -> int:
@@ -192,6 +209,7 @@ def run_method(method: Method, src: Path, workdir: Path, a: argparse.Namespace) 
         "top1_agreement": stats["top1_agreement"],
         "positions": stats["positions"],
         "expert_bytes": expert_bytes(out),
+        "weight_bytes": weight_bytes(out),
         "quantize_wall_s": round(wall, 2),
         "quantize_cpu_s": round(cpu, 2),
         "out": str(out),
@@ -206,13 +224,13 @@ def _last_line(proc: subprocess.CompletedProcess) -> str:
 def table(rows: list[dict]) -> str:
     base = next((r["mean_kld"] for r in rows if r["key"] == BASELINE), math.nan)
     lines = [
-        "| method | tool | mean KLD | ratio to qtool NVFP4 max | expert bytes | quantize s (wall / CPU) |",
-        "|---|---|---|---|---|---|",
+        "| method | tool | mean KLD | ratio to qtool NVFP4 max | expert bytes | all weight bytes | quantize s (wall / CPU) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['method']} | {r['tool']} | {r['mean_kld']:.4g} | {r['mean_kld'] / base:.3f} | "
-            f"{r['expert_bytes']:,} | {r['quantize_wall_s']:.1f} / {r['quantize_cpu_s']:.1f} |"
+            f"{r['expert_bytes']:,} | {r['weight_bytes']:,} | {r['quantize_wall_s']:.1f} / {r['quantize_cpu_s']:.1f} |"
         )
     return "\n".join(lines)
 

@@ -596,7 +596,7 @@ def steady_layer(done: list[float], first: float) -> tuple[float, float]:
     """(seconds a steady layer takes, what the last layer took beyond one) from when each layer was done
     and the first began: between the first layer done and the last but one (the read-ahead overlaps from
     layer 1 on; quantize's last layer is done only once its shard is hashed, which no other layer waits for:
-    qtool.io.writer.HashedWrites keep_pace), or the last where only two layers ran. The tail is part of
+    qtool.io.hashed_writes.HashedWrites keep_pace), or the last where only two layers ran. The tail is part of
     every run's end."""
     steady = done[:-1] if len(done) > 2 else done
     per_layer = (steady[-1] - steady[0]) / (len(steady) - 1) if len(steady) > 1 else done[-1] - first

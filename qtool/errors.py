@@ -91,7 +91,8 @@ class VerificationError(QtoolError):
 
 
 class Interrupted(KeyboardInterrupt):
-    """Ctrl-C, with what was running when it came (e.g. a build step), for the CLI's message."""
+    """Ctrl-C, or a stop asked of long work (a shard's copy, once another shard failed or the run was
+    interrupted), with what was running when it came (e.g. a build step), for the CLI's message."""
 
     def __init__(self, during: str) -> None:
         super().__init__(during)

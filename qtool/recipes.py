@@ -8,11 +8,13 @@ A recipe is a YAML file in `recipes/` (or any path), validated here at the bound
     description: free text
     groups:                      # group -> scheme; groups not listed stay bf16
       routed_experts: nvfp4      # bf16 | nvfp4 | w4a16
+      attention: fp8             # bf16 | fp8 (also shared_expert, linear_attn): W8A8 per tensor, static input
     layer_overrides:             # optional: decoder layer index -> {group: scheme}
       0: {routed_experts: bf16}
     kv_cache: fp8                # fp8 | none   (FP8 KV-cache scales calibrated on the full-attention layers)
     nvfp4:                       # only with an nvfp4 group
       weight_scale: max          # max (RTN from amax) | mse (7 shrink factors per block) | mse_sweep (126 E4M3 scales per block)
+                                 # | four_over_six (max -> 6 or 4 per block)
       input_scale: layer_max     # layer_max (ModelOpt: one amax shared by all experts) | per_expert
     int4:                        # only with a w4a16 group
       group_size: 128
@@ -22,9 +24,12 @@ A recipe is a YAML file in `recipes/` (or any path), validated here at the bound
     calibration:                 # the data the recipe is meant to calibrate on (plans warn when a run uses less)
       {dataset: "hf:HuggingFaceH4/ultrachat_200k:train_sft", samples: 128, seq_len: 2048}
 
-Only the routed experts can be quantized by this version: the MTP head and the vision tower are always
-BF16 and excluded (docs/formats.md §6-7), and the measured best policies keep shared expert,
-attention, GDN and router BF16 too. A recipe that asks otherwise is rejected with a RecipeError.
+The routed experts take a 4-bit scheme (nvfp4 or w4a16); attention, the shared expert and the GDN
+projections may take fp8 (W8A8, one weight scale and one calibrated static input scale per tensor) next to
+nvfp4 experts: a mixed recipe (nvidia's NVFP4-V2 form), written as one ModelOpt MIXED_PRECISION checkpoint
+or a compressed-tensors one with an NVFP4 and an FP8 config group. The MTP head, the vision tower, the
+router, the shared expert gate, lm_head and the GDN `in_proj_a/b` always stay BF16 (docs/formats.md).
+What the engines cannot load is rejected with a RecipeError that says how to fix the recipe.
 """
 
 from __future__ import annotations
@@ -49,12 +54,14 @@ class Scheme(str, Enum):
     BF16 = "bf16"
     NVFP4 = "nvfp4"  # E2M1 weights, FP8 block scales (16), FP32 global scale; static FP4 activations
     W4A16 = "w4a16"  # INT4 weights, symmetric, one BF16 scale per group; BF16 activations
+    FP8 = "fp8"  # E4M3 weights, one FP32 scale per tensor; static per-tensor FP8 activations (calibrated amax)
 
 
 class WeightScale(str, Enum):
     MAX = "max"  # round to nearest from each block's maximum (ModelOpt's default)
     MSE = "mse"  # each block's scale: the maximum shrunk by 1.0 .. 0.7, lowest squared error
     MSE_SWEEP = "mse_sweep"  # each block's scale: every E4M3 value tried, lowest squared error
+    FOUR_OVER_SIX = "four_over_six"  # each block's max mapped to 6 or to 4, the lower squared error kept
 
 
 class InputScale(str, Enum):
@@ -83,15 +90,18 @@ class OutFormat(str, Enum):
 FORMATS_FOR: dict[Scheme, tuple[OutFormat, ...]] = {
     Scheme.NVFP4: (OutFormat.MODELOPT, OutFormat.COMPRESSED_TENSORS),
     Scheme.W4A16: (OutFormat.COMPRESSED_TENSORS, OutFormat.AWQ),
+    Scheme.FP8: (OutFormat.MODELOPT, OutFormat.COMPRESSED_TENSORS),
 }
 
-# Groups a recipe may name, and the schemes each may take.
+# Groups a recipe may name, and the schemes each may take. FP8 goes to the dense linears vLLM and SGLang
+# load as FP8 W8A8 next to NVFP4 experts (vLLM modelopt.py ModelOptMixedPrecisionConfig, vllm PR 35047);
+# the router and the shared expert gate are built unquantized by both engines (vllm PR 35156).
 GROUP_SCHEMES: dict[str, tuple[Scheme, ...]] = {
     "routed_experts": (Scheme.BF16, Scheme.NVFP4, Scheme.W4A16),
-    "shared_expert": (Scheme.BF16,),
+    "shared_expert": (Scheme.BF16, Scheme.FP8),
     "shared_expert_gate": (Scheme.BF16,),
-    "attention": (Scheme.BF16,),
-    "linear_attn": (Scheme.BF16,),
+    "attention": (Scheme.BF16, Scheme.FP8),
+    "linear_attn": (Scheme.BF16, Scheme.FP8),
     "router": (Scheme.BF16,),
     "lm_head": (Scheme.BF16,),
     "mtp": (Scheme.BF16,),
@@ -145,10 +155,20 @@ class Recipe:
         return self.groups.get(group, Scheme.BF16)
 
     @property
+    def schemes(self) -> frozenset[Scheme]:
+        """Every non-BF16 scheme the recipe uses, layer overrides included."""
+        return _used_schemes(self.groups, self.layer_overrides)
+
+    @property
     def quantized_scheme(self) -> Scheme:
-        """The one non-BF16 scheme the recipe uses (recipes mix at most one with BF16)."""
-        used = {s for s in self.groups.values() if s is not Scheme.BF16}
-        return next(iter(used)) if used else Scheme.BF16
+        """The routed experts' scheme (a recipe's 4-bit scheme); FP8 for a recipe that quantizes only the
+        dense linears; BF16 for none."""
+        return _main_scheme(self.schemes)
+
+    @property
+    def is_mixed(self) -> bool:
+        """Two quantized schemes (NVFP4 experts, FP8 dense linears): one MIXED_PRECISION checkpoint."""
+        return len(self.schemes) > 1
 
     def to_json(self) -> dict:
         return {
@@ -209,7 +229,8 @@ def _groups(obj, where: str, path) -> dict[str, Scheme]:
                 path=path,
                 expected=[x.value for x in GROUP_SCHEMES[g]],
                 got=scheme.value,
-                hint="qtool quantizes only the routed experts; MTP and vision stay BF16 and excluded",
+                hint="routed experts take nvfp4 or w4a16; attention, shared_expert and linear_attn take fp8; "
+                "the router, shared_expert_gate, lm_head, MTP and vision stay BF16 and excluded",
             )
         out[g] = scheme
     return out
@@ -236,12 +257,8 @@ def parse_recipe(data, *, path: str | None = None) -> Recipe:
             raise RecipeError("layer_overrides keys are decoder layer indices (integers >= 0)", path=path, got=repr(k))
         idx = k
         overrides[idx] = _groups(v, f"layer_overrides.{idx}", path)
-    used = {s for s in groups.values() if s is not Scheme.BF16}
-    used |= {s for o in overrides.values() for s in o.values() if s is not Scheme.BF16}
-    if len(used) > 1:
-        raise RecipeError(
-            "a recipe may use one quantized scheme (plus bf16)", path=path, got=sorted(s.value for s in used)
-        )
+    used = _used_schemes(groups, overrides)
+    _check_mix(used, path)
     nv = _mapping(data.get("nvfp4"), "nvfp4", path)
     bad = sorted(map(str, set(nv) - {"weight_scale", "input_scale"}))
     if bad:
@@ -266,16 +283,17 @@ def parse_recipe(data, *, path: str | None = None) -> Recipe:
     int4 = Int4Options(gs, awq, grid)
     d = _mapping(data.get("defaults"), "defaults", path)
     backend = _enum(Backend, d.get("backend", "rtn"), "defaults.backend", path)
-    scheme = next(iter(used)) if used else Scheme.BF16
+    scheme = _main_scheme(used)
     fmt_default = FORMATS_FOR.get(scheme, (OutFormat.MODELOPT,))[0].value
     fmt = _enum(OutFormat, d.get("format", fmt_default), "defaults.format", path)
-    if scheme in FORMATS_FOR and fmt not in FORMATS_FOR[scheme]:
-        raise RecipeError(
-            f"defaults.format {fmt.value} cannot hold {scheme.value}",
-            path=path,
-            expected=[f.value for f in FORMATS_FOR[scheme]],
-            got=fmt.value,
-        )
+    for held in sorted(used, key=lambda s: s is not scheme):  # the main scheme's refusal first
+        if fmt not in FORMATS_FOR[held]:
+            raise RecipeError(
+                f"defaults.format {fmt.value} cannot hold {held.value}",
+                path=path,
+                expected=[f.value for f in FORMATS_FOR[held]],
+                got=fmt.value,
+            )
     return Recipe(
         name=name,
         description=str(data.get("description") or ""),
@@ -289,6 +307,33 @@ def parse_recipe(data, *, path: str | None = None) -> Recipe:
         path=path,
         calibration=_calibration(data.get("calibration"), path),
     )
+
+
+def _used_schemes(groups: dict[str, Scheme], overrides: dict[int, dict[str, Scheme]]) -> frozenset[Scheme]:
+    used = {s for s in groups.values() if s is not Scheme.BF16}
+    used |= {s for o in overrides.values() for s in o.values() if s is not Scheme.BF16}
+    return frozenset(used)
+
+
+def _main_scheme(used: frozenset[Scheme]) -> Scheme:
+    for scheme in (Scheme.NVFP4, Scheme.W4A16, Scheme.FP8):
+        if scheme in used:
+            return scheme
+    return Scheme.BF16
+
+
+def _check_mix(used: frozenset[Scheme], path) -> None:
+    """The one mix the engines load: NVFP4 routed experts with FP8 dense linears (vLLM 0.33
+    ModelOptMixedPrecisionConfig accepts FP8 / NVFP4 / W4A16_NVFP4 entries, not INT4; AutoAWQ's format has
+    no FP8 at all)."""
+    if Scheme.W4A16 in used and Scheme.FP8 in used:
+        raise RecipeError(
+            "w4a16 routed experts cannot be mixed with fp8 groups",
+            path=path,
+            got=sorted(s.value for s in used),
+            hint="keep the fp8 groups bf16 with w4a16 experts, or make the routed experts nvfp4 "
+            "(nvfp4 experts + fp8 attention/shared_expert/linear_attn is the mix vLLM and SGLang load)",
+        )
 
 
 def _calibration(obj, path) -> dict | None:

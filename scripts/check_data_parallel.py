@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Data parallel vs one process on this machine's devices: quantize (NVFP4 and AWQ), calibrate-kv and
-eval kld with N ranks must give the same bytes / statistics as with one (what tests/ops/test_data_parallel.py
+eval kld with N ranks must give the same bytes / statistics as with one (what tests/dist/test_data_parallel.py
 checks on CPU with gloo, here on GPUs). Prints a line per job and the wall times; exits 1 on a difference.
 
     python3 scripts/check_data_parallel.py --workdir /tmp/dp --device cuda --nproc 2

@@ -9,7 +9,8 @@ Fixtures (built once per session under a pytest temp dir, on first use, by qtool
 Treat them as read-only: copy before modifying (shutil.copytree).
 
 Markers: `gpu` tests are skipped without CUDA; `engines` tests are skipped unless QTOOL_ENGINES_PYTHON
-names the Python of a venv with vLLM/SGLang.
+names the Python of a venv with vLLM/SGLang; `slow` (over 5 s) is left out of the fast tier (`-m "not slow"`).
+Under pytest-xdist (`-n auto`) the tests are spread over the workers by `--dist loadgroup` (set here).
 """
 
 from __future__ import annotations
@@ -31,6 +32,13 @@ def hub(monkeypatch, tmp_path):
     with FakeHub(page_size=3) as h:
         point_hf_at(monkeypatch, h, tmp_path)
         yield h
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # `-n N` (pytest-xdist) alone hands out tests one by one; the `xdist_group` marks (the tests that measure
+    # a process's reads or memory, run one after another on one worker) hold only under --dist loadgroup
+    if getattr(config.option, "dist", "no") == "load":
+        config.option.dist = "loadgroup"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -57,13 +65,40 @@ _CACHE = None
 
 
 @pytest.fixture(scope="session")
-def tiny_cache(tmp_path_factory: pytest.TempPathFactory):
-    """The session's qtool.fixtures.tiny.FixtureCache (builds each fixture on first use)."""
+def tiny_cache(tmp_path_factory: pytest.TempPathFactory, worker_id: str):
+    """The session's qtool.fixtures.tiny.FixtureCache (builds each fixture on first use). Under pytest-xdist
+    each worker has its own (see qtool_cache_of_the_worker: one worker's hard links into a shared fixture
+    would move its ctime under another's running job)."""
     global _CACHE
     from qtool.fixtures.tiny import FixtureCache
 
     _CACHE = FixtureCache(tmp_path_factory.mktemp("tiny"))
     return _CACHE
+
+
+@pytest.fixture(scope="session", autouse=True)
+def qtool_cache_of_the_worker(tmp_path_factory: pytest.TempPathFactory, worker_id: str):
+    """Under pytest-xdist each worker has qtool's cache folder (the builtin fixtures, digests) to itself, as
+    it has its own tiny fixtures (tiny_cache). Shared, one worker's hard links into a fixture (assemble,
+    build) move the files' ctime while another worker's job reads them, and that job then rightly refuses
+    an input that changed under it."""
+    if worker_id == "master":
+        yield
+        return
+    before = os.environ.get("QTOOL_CACHE_DIR")
+    os.environ["QTOOL_CACHE_DIR"] = str(tmp_path_factory.mktemp("qtool-cache"))
+    yield
+    if before is None:
+        os.environ.pop("QTOOL_CACHE_DIR", None)
+    else:
+        os.environ["QTOOL_CACHE_DIR"] = before
+
+
+@pytest.fixture(scope="session")
+def worker_id(request: pytest.FixtureRequest) -> str:
+    """pytest-xdist's worker name (gw0, gw1, ...), or "master" without it (xdist's own fixture of that name
+    overrides this one when it is installed)."""
+    return getattr(request.config, "workerinput", {}).get("workerid", "master")
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,10 @@ from pathlib import Path
 
 import pytest
 
+# they measure reads or memory: run one after another on one worker, not beside each other
+pytestmark = pytest.mark.xdist_group("measure")
+
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -174,6 +178,7 @@ def test_bench_quality_smoke(tmp_path):
         "modelopt-nvfp4-max",
         "llmc-nvfp4-minmax",
         "llmc-nvfp4-mse",
+        "v2-mixed",
     ]
     for r in result["rows"]:
         assert math.isfinite(r["mean_kld"]) and r["mean_kld"] > 0, r

@@ -20,7 +20,8 @@ def test_readme_has_exactly_the_two_setup_commands_and_ci_runs_the_test_one():
     assert len(commands) == 2
     demo, tests = commands
     assert "qtool build demo-tiny" in demo and demo.startswith("bash scripts/install.sh")
-    assert tests == "bash scripts/install.sh && .venv/bin/python -m pytest -q"
+    # the whole suite, spread over the machine's cores by pytest-xdist (its [test] extra)
+    assert tests == "bash scripts/install.sh && .venv/bin/python -m pytest -q -n auto"
     # CI runs a newcomer's run: these two commands as the README writes them
     assert "bash scripts/newcomer.sh" in (ROOT / ".ci/run").read_text()
     printed = subprocess.run(

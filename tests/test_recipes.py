@@ -8,7 +8,9 @@ from qtool.recipes import RecipeError, Scheme, list_recipes, load_recipe, parse_
 
 
 def test_ships_the_three_recipes():
-    assert {"qwen35-nvfp4-experts", "qwen35-nvfp4-experts-mse", "qwen35-awq-int4"} <= set(list_recipes())
+    assert {"qwen35-nvfp4-experts", "qwen35-nvfp4-experts-mse", "qwen35-awq-int4", "qwen35-nvfp4-v2"} <= set(
+        list_recipes()
+    )
 
 
 @pytest.mark.parametrize("name", list_recipes())
@@ -53,6 +55,23 @@ def test_mse_recipe_not_worse_than_rtn_per_block():
             "cannot hold",
         ),
         ({"schema_version": 1, "name": "x", "bogus": 1}, "unknown recipe keys"),
+        # mixed recipes: fp8 only where the engines load it, with nvfp4 experts, in a format that holds both
+        ({"schema_version": 1, "name": "x", "groups": {"router": "fp8"}}, "not supported"),
+        ({"schema_version": 1, "name": "x", "groups": {"mtp": "fp8"}}, "not supported"),
+        ({"schema_version": 1, "name": "x", "groups": {"routed_experts": "fp8"}}, "not supported"),
+        (
+            {"schema_version": 1, "name": "x", "groups": {"routed_experts": "w4a16", "attention": "fp8"}},
+            "cannot be mixed with fp8",
+        ),
+        (
+            {
+                "schema_version": 1,
+                "name": "x",
+                "groups": {"attention": "fp8"},
+                "defaults": {"format": "awq"},
+            },
+            "cannot hold fp8",
+        ),
         ({"schema_version": 1, "name": "x", "int4": {"group_size": 100}}, "group_size"),
     ],
 )
@@ -73,3 +92,14 @@ def test_shipped_recipes_say_what_they_calibrate_on(tiny_bf16, tmp_path):
         )
     p = plan(QuantizeOptions(tiny_bf16, tmp_path / "o", load_recipe("qwen35-nvfp4-experts"), samples=4, seq_len=256))
     assert any("meant to calibrate on hf:HuggingFaceH4/ultrachat_200k" in w for w in p.warnings)
+
+
+def test_mixed_recipe_and_its_fix_line():
+    """nvidia's V2 mix loads; an unloadable mix names the fix."""
+    r = load_recipe("qwen35-nvfp4-v2")
+    assert r.is_mixed and r.schemes == {Scheme.NVFP4, Scheme.FP8} and r.quantized_scheme is Scheme.NVFP4
+    assert r.nvfp4.weight_scale.value == "mse_sweep" and r.kv_cache.value == "fp8"
+    bad = {"schema_version": 1, "name": "x", "groups": {"routed_experts": "w4a16", "shared_expert": "fp8"}}
+    with pytest.raises(RecipeError) as e:
+        parse_recipe(bad)
+    assert "nvfp4" in e.value.hint

@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from qtool.cli.common import add_output_flags, human_bytes, print_json, run_command_line, show_progress
+from qtool.cli.common import add_output_flags, print_json, run_command_line, show_progress
+from qtool.sizes import human_bytes
 
 
 def add_arguments(p) -> None:
@@ -30,6 +31,7 @@ def run(args) -> int:
     from qtool.fixtures.builtin import builtin_source
     from qtool.ops import pipeline as build
     from qtool.ops.pipeline.plan import parse_overrides
+    from qtool.ops.pipeline.steps import validate_steps
 
     recipe = load_build_recipe(args.recipe)
     bp = build.plan(
@@ -37,10 +39,10 @@ def run(args) -> int:
         out=Path(args.output) if args.output else None,
         overrides=parse_overrides(args.source),
         token=args.token,
-        validate=args.dry_run,
         builtins=builtin_source,
     )
     if args.dry_run:
+        validate_steps(bp)
         if args.json:
             print_json({"dry_run": True, **bp.to_json()})
         else:

@@ -10,6 +10,8 @@ import re
 import sys
 from collections.abc import Callable
 
+from qtool.sizes import human_bytes
+
 # --dataset of every command that tokenizes text (qtool.stream.calib_data reads each of these)
 DATASET_HELP = (
     "`builtin` (shipped corpus), FILE.txt, FILE.jsonl / FILE.parquet (a `text` or chat `messages` "
@@ -126,14 +128,6 @@ def run_command_line() -> str:
 
 def print_json(obj) -> None:
     print(json.dumps(obj, indent=2, default=str))
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def layer_ranges(layers) -> str:

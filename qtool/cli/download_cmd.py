@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from qtool.cli.common import add_output_flags, human_bytes, print_json, run_command_line, show_progress
+from qtool.cli.common import add_output_flags, print_json, run_command_line, show_progress
+from qtool.sizes import human_bytes
 
 
 def add_arguments(p) -> None:

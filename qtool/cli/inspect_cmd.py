@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from qtool.cli.common import add_json_flag, headers_checkpoint, human_bytes, print_json
+from qtool.cli.common import add_json_flag, headers_checkpoint, print_json
+from qtool.sizes import human_bytes
 
 
 def add_arguments(p) -> None:

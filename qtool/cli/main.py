@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         if warm is not None:
             # a job that failed before its layers (a full disk, a lock held, a bug's traceback) may leave the
             # background import of transformers running: a daemon thread in torch's code at the
-            # interpreter's exit aborts it (qtool.io.writer.HashedWrites.stop)
+            # interpreter's exit aborts it (qtool.io.hashed_writes.HashedWrites.stop)
             warm.join()
     from qtool import dist
 

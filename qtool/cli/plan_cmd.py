@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qtool.cli.common import add_json_flag, human_bytes, layer_ranges, number, path_arg, print_json
+from qtool.cli.common import add_json_flag, layer_ranges, number, path_arg, print_json
 from qtool.errors import UsageError
+from qtool.sizes import human_bytes
 
 LIST_AT_MOST = 20  # chosen units listed one per line up to this many
 

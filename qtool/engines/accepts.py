@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from qtool.engines import Engine
+from qtool.engines.base import Engine
 
 FLOAT4, FLOAT8, INT4, INT8 = ("float", 4), ("float", 8), ("int", 4), ("int", 8)
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from qtool.arch.model_map import QUANTIZED_FORMATS, Format, ModelMap
 from qtool.arch.qwen35 import Group
-from qtool.engines import Engine, EngineVersion, Flavour, PartialFusedExclusion, parse_version, sglang, unit_of, vllm
+from qtool.engines import sglang, vllm
+from qtool.engines.base import Engine, EngineVersion, Flavour, PartialFusedExclusion, parse_version, unit_of
 from qtool.io.quant_config import QuantSummary
 
 # Groups whose matrices are never quantization candidates for the engines (the embedding is an

@@ -10,16 +10,8 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable
 
-from qtool.engines import (
-    Engine,
-    EngineVersion,
-    Flavour,
-    PartialFusedExclusion,
-    parse_flavour,
-    sglang,
-    unit_of,
-    vllm,
-)
+from qtool.engines import sglang, vllm
+from qtool.engines.base import Engine, EngineVersion, Flavour, PartialFusedExclusion, parse_flavour, unit_of
 from qtool.errors import QtoolError
 
 Decider = Callable[[str, list[str]], bool]
@@ -69,7 +61,7 @@ def engine_decisions(
 ) -> dict[str, dict[str, bool | None]]:
     """{"vllm@0.33.0": {module: excluded}} for reports. ``None`` means that engine refuses the list
     for this module (some but not all shards of its fused module are excluded)."""
-    from qtool.engines import parse_version
+    from qtool.engines.base import parse_version
 
     fl = parse_flavour(flavour)
     vs = [parse_version(v) for v in versions] if versions is not None else all_versions()

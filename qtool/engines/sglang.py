@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from functools import lru_cache
 
-from qtool.engines import (
+from qtool.engines.base import (
     Engine,
     EngineVersion,
     Flavour,

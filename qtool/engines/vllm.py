@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from fnmatch import fnmatch
 from functools import lru_cache
 
-from qtool.engines import (
+from qtool.engines.base import (
     Engine,
     EngineVersion,
     Flavour,

@@ -105,3 +105,36 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.
     s = torch.as_tensor(scale, device=q.device).float()
     s = s.reshape(()) if s.numel() == 1 else s
     return (q.float() * _expand_scale(s, q.shape)).to(dtype)
+
+
+def input_scale_from_amax(amax: torch.Tensor | float) -> torch.Tensor:
+    """Static FP8 activation scale (ModelOpt `input_scale`, compressed-tensors `input_scale`) = amax / 448,
+    float32; an input that was never seen (amax 0) gets scale 1 rather than 0 (a zero scale divides by 0)."""
+    return _safe(scale_from_amax(amax))
+
+
+# Where each output format keeps a W8A8 per-tensor linear's scalars: ModelOpt writes 0-d tensors
+# (modelopt/torch/export/unified_export_hf.py), compressed-tensors the strategy-TENSOR shape (1,)
+# (compressed_tensors/quantization/lifecycle/initialize.py). The names are the same in both.
+W8A8_PARAMS = ("input_scale", "weight", "weight_scale")
+
+
+def w8a8_per_tensor(
+    w: torch.Tensor, *, weight_amax: torch.Tensor | float, input_amax: torch.Tensor | float, scalar_shape=()
+) -> dict[str, torch.Tensor]:
+    """One linear [out, in] in FP8 W8A8 per tensor, by parameter name: `weight` (float8_e4m3fn), `weight_scale`
+    = weight_amax / 448 and `input_scale` = input_amax / 448 (float32, shaped `scalar_shape`). `weight_amax`
+    may exceed the matrix's own (linears that share an input share one scale, as ModelOpt's export unifies
+    them: modelopt/torch/export/quant_utils.py preprocess_linear_fusion)."""
+    scale = _safe(scale_from_amax(weight_amax)).to(w.device)
+    x = w.float() / scale
+    if w.dtype in (torch.bfloat16, torch.float16):
+        # ModelOpt's export divides a BF16 weight by its float32 0-d scale in BF16 (torch keeps the tensor's
+        # dtype: modelopt/torch/export/quant_utils.py to_quantized_weight), so the quotient is rounded to BF16
+        # before FP8; the same double rounding gives its bytes
+        x = x.to(w.dtype)
+    return {
+        "input_scale": input_scale_from_amax(input_amax).reshape(scalar_shape),
+        "weight": _cast(x.float()),
+        "weight_scale": scale.reshape(scalar_shape),
+    }

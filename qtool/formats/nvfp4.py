@@ -29,6 +29,10 @@ from qtool.formats import CodecError
 BLOCK_SIZE = 16
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
+# Four-over-six normalises block scales to 256 instead of 448, so that a block scaled to map its max to 4
+# (1.5x the max-to-6 scale) still fits E4M3: 256 * 1.5 = 384 <= 448 (ModelOpt 0.47
+# modelopt/torch/quantization/utils/numeric_utils.py `E4M3_MAX_46`, `fp8_max_for_normalization`).
+E4M3_MAX_FOUR_OVER_SIX = 256.0
 # Smallest positive float8_e4m3fn (subnormal 2**-9); ModelOpt clamps block scales into [2**-9, 448]
 # so a tiny block never underflows to a zero scale (nvfp4_tensor.py `_cast_per_block_scale_to_fp8`).
 E4M3_MIN_SCALE = 2.0**-9
@@ -71,9 +75,44 @@ def fp8_scale_bytes(device: torch.device | str = "cpu") -> torch.Tensor:
     return values[torch.isfinite(as_float) & (as_float > 0)]
 
 
-def weight_scale_2_from_amax(amax: torch.Tensor | float) -> torch.Tensor:
-    """Global weight scale: amax / (6 * 448), float32 (ModelOpt `get_weights_scaling_factor_2`)."""
-    return torch.as_tensor(amax).float() / (E2M1_MAX * E4M3_MAX)
+# Which candidates a block's scale sweep has to try (qtool.ops.quantize.nvfp4_mse.sweep_block_scales and its
+# Triton kernel). Candidate k (of fp8_scale_bytes, ascending) scales a block by s_k = c_k * amax / 6, its
+# loss L(s) = sum_i dist(|x_i|, G(s))^2 with G(s) = s * {0, .5, 1, 1.5, 2, 3, 4, 6} (round to nearest; a value
+# above 6s saturates to 6s, its nearest point too), and the sweep keeps the FIRST smallest loss. Let a be the
+# block max and k_c the first candidate with 6 * s_k >= a. Exact arithmetic; the kernel's own float rounding
+# (~1e-7 relative) is far inside both margins below.
+# - Above: a candidate k >= max(k_c + SWEEP_ABOVE, SWEEP_FIRST_HALVABLE) never wins. Eight steps up at least
+#   double a candidate (8 per octave among normals, fewer among subnormals), and s_{k_c+1} > a / 6, so
+#   s_k >= a / 3: every |x_i| <= 3 s_k, whose nearest point in G(s_k) lies in s_k * {0, .5, 1, 1.5, 2, 3},
+#   a subset of G(s_k / 2) = s_k * {0, .25, .5, .75, 1, 1.5, 2, 3}. So L(s_k / 2) <= L(s_k), and s_k / 2 is a
+#   candidate (index >= 15, byte >= 16: halving is exact in E4M3, and exact in float32 through
+#   c / 448 * amax / 6) that comes first: s_k is never the first smallest.
+# - Below: a candidate k < k_c - SWEEP_BELOW never wins. Then k_c >= 24 is a normal E4M3 value, so
+#   s_{k_c} <= 1.125 a / 6 (normals are at most 12.5 % apart) and s_k <= s_{k_c} / 8 (three octaves down).
+#   Every |x_i| <= 6 s_{k_c} is within s_{k_c} of G(s_{k_c}) (the widest gap, 4 to 6, is 2): L(s_{k_c}) <=
+#   16 s_{k_c}^2 <= 0.5625 a^2, while the block max saturates under s_k: L(s_k) >= (a - 6 s_k)^2 >=
+#   (1 - 6 * 1.125 / 48)^2 a^2 = 0.738 a^2 > L(s_{k_c}).
+# So each block tries at most SWEEP_BELOW + SWEEP_ABOVE = 33 of the 126 candidates, in ascending order.
+SWEEP_BELOW = 24
+SWEEP_ABOVE = 9
+SWEEP_FIRST_HALVABLE = 15
+
+
+def sweep_window(six_scales: torch.Tensor, block_amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first, last) candidate index each block's scale sweep tries, int64 like block_amax's shape.
+
+    six_scales [R, NC]: 6 * s_k of each row's candidates, ascending; block_amax [R, nb]."""
+    k_c = torch.searchsorted(six_scales.contiguous(), block_amax.contiguous(), side="left")  # first 6 s_k >= a
+    n = six_scales.shape[-1]
+    first = (k_c - SWEEP_BELOW).clamp(min=0)
+    last = (k_c + SWEEP_ABOVE).clamp(min=SWEEP_FIRST_HALVABLE, max=n) - 1
+    return first, last
+
+
+def weight_scale_2_from_amax(amax: torch.Tensor | float, fp8_max: float = E4M3_MAX) -> torch.Tensor:
+    """Global weight scale: amax / (6 * fp8_max), float32 (ModelOpt `get_weights_scaling_factor_2_from_quantizer`;
+    fp8_max is 448, or 256 for four-over-six)."""
+    return torch.as_tensor(amax).float() / (E2M1_MAX * fp8_max)
 
 
 def input_scale_from_amax(amax: torch.Tensor | float) -> torch.Tensor:

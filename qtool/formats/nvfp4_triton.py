@@ -194,10 +194,18 @@ def _sweep_body(
     BLOCK_R: tl.constexpr,
     NB: tl.constexpr,
     NC: tl.constexpr,
+    PRUNE: tl.constexpr,  # try only each block's window of candidates (nvfp4.sweep_window), else all NC
+    BELOW: tl.constexpr,  # nvfp4.SWEEP_BELOW
+    ABOVE: tl.constexpr,  # nvfp4.SWEEP_ABOVE
+    FIRST_HALVABLE: tl.constexpr,  # nvfp4.SWEEP_FIRST_HALVABLE
+    STEPS: tl.constexpr,  # candidates each block tries: BELOW + ABOVE with PRUNE, else NC
 ):
     # The per-block FP8 scale sweep (qtool.ops.quantize.nvfp4_mse): every candidate c scales the block by
     # c * amax / 6, written as ModelOpt's sweep kernel writes it (kernels/quantization/gemm/
     # nvfp4_fp8_sweep.py), so both compile to the same float32 operations; the first smallest loss wins.
+    # With PRUNE each block tries SWEEP_WINDOW candidates from its own first one (k = start + j, ascending,
+    # so the first-smallest rule is unchanged); the candidates left out can never be that first smallest
+    # (the proof is at nvfp4.sweep_window). Every program runs the same number of steps.
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     rows = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -210,10 +218,29 @@ def _sweep_body(
     ga = tl.load(amax_ptr + rows // rows_per_mat, mask=rmask, other=0.0)
     best_loss = tl.full([BLOCK_R, NB], float("inf"), dtype=tl.float32)
     best_k = tl.zeros([BLOCK_R, NB], dtype=tl.int32)
-    for k in range(NC):
+    if PRUNE:
+        # k_c: the first candidate whose scale maps the block max to 6 or below (6 * scale >= amax), by
+        # bisection over the ascending scales
+        bamax = tl.max(x, axis=2)
+        lo = tl.zeros([BLOCK_R, NB], dtype=tl.int32)
+        hi = tl.full([BLOCK_R, NB], NC, dtype=tl.int32)
+        for _ in range(7):  # 2**7 > NC
+            active = lo < hi
+            mid = (lo + hi) // 2
+            c_mid = tl.load(cand_ptr + tl.minimum(mid, NC - 1))
+            below = 6.0 * (c_mid * ga[:, None] / 6.0) < bamax
+            lo = tl.where(active & below, mid + 1, lo)
+            hi = tl.where(active & (below == 0), mid, hi)
+        start = tl.maximum(lo - BELOW, 0)
+        last = tl.minimum(tl.maximum(lo + ABOVE, FIRST_HALVABLE), NC) - 1
+    else:
+        start = tl.zeros([BLOCK_R, NB], dtype=tl.int32)
+        last = tl.full([BLOCK_R, NB], NC - 1, dtype=tl.int32)
+    for j in range(STEPS):
+        k = tl.minimum(start + j, last)  # past the window: its last candidate again (never strictly better)
         c = tl.load(cand_ptr + k)
-        scale = c * ga / 6.0
-        scale = tl.where(scale == 0.0, 1.0, scale)[:, None, None]
+        scale = c * ga[:, None] / 6.0
+        scale = tl.where(scale == 0.0, 1.0, scale)[:, :, None]
         a = x / scale
         q = tl.where(
             a <= 0.25,
@@ -246,7 +273,7 @@ def _kernels() -> tuple[Any, Any]:
     machine and CUDA version, found there by every later run (a CI cache keeps them too)."""
     global tl
     if not os.environ.get("TRITON_CACHE_DIR"):
-        from qtool.io.manifest import cache_dir
+        from qtool.cache import cache_dir
 
         os.environ["TRITON_CACHE_DIR"] = str(cache_dir() / "triton")
     import triton
@@ -265,9 +292,10 @@ def _sweep_kernel() -> Any:
 
 
 def sweep_block_scales_triton(
-    w: torch.Tensor, global_amax: torch.Tensor, tile: TileConfig = DEFAULT_TILE
+    w: torch.Tensor, global_amax: torch.Tensor, tile: TileConfig = DEFAULT_TILE, prune: bool = True
 ) -> torch.Tensor:
-    """`qtool.ops.quantize.nvfp4_mse.sweep_block_scales` as one Triton launch (CUDA tensors)."""
+    """`qtool.ops.quantize.nvfp4_mse.sweep_block_scales` as one Triton launch (CUDA tensors). `prune=False`
+    tries all 126 candidates in every block (the same bytes, about 4x the work: for tests and timings)."""
     nvfp4.check_weight(w)
     w = w.contiguous()
     lead, out, n_in = tuple(w.shape[:-2]), w.shape[-2], w.shape[-1]
@@ -291,6 +319,11 @@ def sweep_block_scales_triton(
             BLOCK_R=tile.block_rows,
             NB=tile.blocks_per_tile,
             NC=int(candidates.numel()),
+            PRUNE=prune,
+            BELOW=nvfp4.SWEEP_BELOW,
+            ABOVE=nvfp4.SWEEP_ABOVE,
+            FIRST_HALVABLE=nvfp4.SWEEP_FIRST_HALVABLE,
+            STEPS=nvfp4.SWEEP_BELOW + nvfp4.SWEEP_ABOVE if prune else int(candidates.numel()),
             num_warps=tile.num_warps,
         )
     return best.view(torch.float8_e4m3fn)

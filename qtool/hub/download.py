@@ -77,7 +77,7 @@ def repo_listing(spec: HubSpec, *, token: str | None = None) -> RepoListing:
 
 
 def _verified_path() -> Path:
-    from qtool.io.manifest import cache_dir
+    from qtool.cache import cache_dir
 
     return cache_dir() / "hub-verified.json"
 
@@ -334,7 +334,7 @@ def snapshot(
 
 
 def _files_dir(spec: HubSpec, commit: str) -> Path:
-    from qtool.io.manifest import cache_dir
+    from qtool.cache import cache_dir
 
     return cache_dir() / "hub" / spec.repo_id.replace("/", "--") / commit / "files"
 

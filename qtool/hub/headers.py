@@ -36,7 +36,7 @@ PARALLEL_RANGES = 32  # deferred ranges fetched at once (latency, not bandwidth,
 
 
 def _repo_cache(repo_id: str) -> Path:
-    from qtool.io.manifest import cache_dir
+    from qtool.cache import cache_dir
 
     return cache_dir() / "hub" / repo_id.replace("/", "--")
 

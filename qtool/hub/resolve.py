@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qtool.errors import CheckpointError, PlanError, QtoolError, UsageError, WriteError
+from qtool.io.checkpoint import REPO_NAME as _REPO
 
 PREFIX = "hf:"
-_REPO = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 
 
@@ -64,18 +64,6 @@ def parse_spec(spec: str, *, require_prefix: bool = True) -> HubSpec:
             hint="write hf:ORG/NAME[@REVISION], e.g. hf:Qwen/Qwen3.5-397B-A17B@main",
         )
     return HubSpec(repo, rev or None)
-
-
-def checkpoint_not_found(path: str | Path) -> CheckpointError:
-    """The error for a checkpoint path that does not exist; where it is written like a Hub repository
-    (ORG/NAME[@REV], as a model card names it), the fix is the hf: source."""
-    text = str(path)
-    repo = text.partition("@")[0]
-    if _REPO.match(repo) and not text.startswith("."):
-        hint = f"did you mean hf:{text}? (a Hub repository is named with hf:; a local folder must exist)"
-    else:
-        hint = "check the path"
-    return CheckpointError("checkpoint not found", path=path, hint=hint)
 
 
 def is_commit(rev: str | None) -> bool:
@@ -215,7 +203,7 @@ def resolve_checkpoint(
 
 
 def subset_dir(repo_id: str, commit: str, names: Sequence[str]) -> Path:
-    from qtool.io.manifest import cache_dir
+    from qtool.cache import cache_dir
 
     key = hashlib.sha256("\n".join(sorted(set(names))).encode()).hexdigest()[:16]
     return cache_dir() / "hub" / repo_id.replace("/", "--") / commit / f"tensors-{key}"
@@ -309,7 +297,7 @@ def require_local(spec: str | os.PathLike) -> Path:
             got=str(spec),
             hint=f"download it first: qtool download {str(spec)[len(PREFIX) :]} -o DIR",
         )
-    from qtool.io.manifest import cache_dir
+    from qtool.cache import cache_dir
 
     hub_cache = cache_dir() / "hub"
     if Path(os.path.realpath(spec)).is_relative_to(os.path.realpath(hub_cache)):

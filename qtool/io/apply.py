@@ -173,8 +173,7 @@ def _place(
     dst = tx.partial / e.name
     dst.parent.mkdir(parents=True, exist_ok=True)
     if isinstance(e, Link):
-        method = tx.placer.place(e.source, dst)  # durable on return
-        headers.one()
+        method = tx.placer.place(e.source, dst, on_header=headers.one)  # durable on return
         return method, None
     digest: list = []
     got = write_shard(
@@ -533,6 +532,12 @@ def _write_shards(
                 ]
                 if bar is not None:
                     bar.update(size)
+            # the ones written before the pool's input hashes were done: journaled once they are (in the loop
+            # nothing waits for them, so that the header-only checks above start while the shards are copied)
+            if unrecorded:
+                hasher.wait_pooled()
+                for w, n, d in unrecorded:
+                    _journal_if_on_record(w, n, d, journal, hasher)
         except BaseException:
             stop.set()
             for _, f in futures:

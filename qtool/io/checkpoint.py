@@ -16,9 +16,9 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 from qtool.errors import CheckpointError, ConfigError
-from qtool.hub.resolve import checkpoint_not_found
 from qtool.io.index_file import read_index
 from qtool.io.jsonio import JsonStyle, load_json
 from qtool.io.safetensors_header import SafetensorsHeader, TensorInfo, read_header
@@ -34,24 +34,41 @@ GENERATION_CONFIG_NAME = "generation_config.json"
 _REUSED: ContextVar[dict | None] = ContextVar("qtool_reused_checkpoints", default=None)
 
 
+# a Hub repository as a model card names it (ORG/NAME); qtool.hub.resolve parses hf: sources by it too
+REPO_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def checkpoint_not_found(path: str | Path) -> CheckpointError:
+    """The error for a checkpoint path that does not exist; where it is written like a Hub repository
+    (ORG/NAME[@REV], as a model card names it), the fix is the hf: source."""
+    text = str(path)
+    repo = text.partition("@")[0]
+    if REPO_NAME.match(repo) and not text.startswith("."):
+        hint = f"did you mean hf:{text}? (a Hub repository is named with hf:; a local folder must exist)"
+    else:
+        hint = "check the path"
+    return CheckpointError("checkpoint not found", path=path, hint=hint)
+
+
 @contextmanager
 def reuse_opened() -> Iterator[dict]:
     """A scope in which each checkpoint is opened (headers parsed, model map built) once: for a command
     that looks at one unchanging artifact several ways (`qtool report` runs inspect, verify and
     serve-config's verify per engine: ~1-2 s each on a 397B checkpoint). Nothing may write to the
     checkpoints inside the scope."""
-    token = _REUSED.set({})
+    reused: dict = {}
+    token = _REUSED.set(reused)
     try:
-        yield _REUSED.get()
+        yield reused
     finally:
         _REUSED.reset(token)
 
 
-def _is_str_list(v) -> bool:
+def _is_str_list(v: object) -> bool:
     return isinstance(v, list) and all(isinstance(x, str) for x in v)
 
 
-def _is_pos_int(v) -> bool:
+def _is_pos_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v > 0
 
 
@@ -235,16 +252,18 @@ class Checkpoint:
             if index is not None:
                 tensors, headers = _load_indexed(root, by_file, check_file_sizes)
             else:
-                tensors, headers = _load_files(root, files, check_file_sizes)
+                tensors, headers = _load_files(root, files or [], check_file_sizes)
         return cls(root, tensors, headers, index, config, config_style, hq, hq_style)
 
     @staticmethod
-    def check_config_types(root: Path, config: dict | None, hq: dict | None, index: dict | None = None) -> None:
+    def check_config_types(
+        root: Path, config: dict | None, hf_quant_config: dict | None, index: dict | None = None
+    ) -> None:
         """The config values qtool relies on have the JSON types the producers write; anything else is a
         clear error naming the file and the key (not a TypeError deep inside a plan, and not a wrong value
         carried into an output). The table is CONFIG_TYPES below."""
 
-        def check(file: str, obj: dict, prefix: str, rules) -> None:
+        def check(file: str, obj: dict, prefix: str, rules: dict) -> None:
             for key, (ok, want) in rules.items():
                 if key in obj and not ok(obj[key]):
                     got = obj[key]
@@ -275,11 +294,14 @@ class Checkpoint:
                     check(CONFIG_NAME, kv, "quantization_config.kv_cache_scheme.", QUANT_ARGS_TYPES)
             if isinstance(qc, dict):
                 check_ignore_patterns(root / CONFIG_NAME, "quantization_config.", qc)
-        if hq is not None:
-            check(HF_QUANT_CONFIG_NAME, hq, "", {"quantization": _OBJECT})
-            body = hq.get("quantization") if isinstance(hq.get("quantization"), dict) else hq
-            check(HF_QUANT_CONFIG_NAME, body, "quantization." if body is not hq else "", HF_QUANT_TYPES)
-            check_ignore_patterns(root / HF_QUANT_CONFIG_NAME, "quantization." if body is not hq else "", body)
+        if hf_quant_config is not None:
+            check(HF_QUANT_CONFIG_NAME, hf_quant_config, "", {"quantization": _OBJECT})
+            nested = hf_quant_config.get("quantization")
+            body: dict = nested if isinstance(nested, dict) else hf_quant_config
+            check(HF_QUANT_CONFIG_NAME, body, "quantization." if body is not hf_quant_config else "", HF_QUANT_TYPES)
+            check_ignore_patterns(
+                root / HF_QUANT_CONFIG_NAME, "quantization." if body is not hf_quant_config else "", body
+            )
         if index is not None:
             check(INDEX_NAME, index, "", {"metadata": _OBJECT_OR_NULL})
 
@@ -440,5 +462,5 @@ def _load_files(
 def merge_header(table: TensorTable, header: SafetensorsHeader) -> SafetensorsHeader:
     """Append the shard's rows to the checkpoint's table; the header keeps a view of them (and the shard's
     own table, with its per-row objects, is dropped)."""
-    rows = table.extend(header.tensors)
+    rows = table.extend(cast(TensorTable, header.tensors))  # (a header just read holds a table of its own)
     return dataclasses.replace(header, tensors=table.slice(rows))

@@ -17,6 +17,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -32,14 +33,14 @@ MAX_BYTES = 64 << 20  # MAX_ENTRIES entries take ~2 MB: a larger file is not the
 LOCK_WAIT = 5.0  # seconds a save waits for another job's save before it gives up on its own
 
 
-def file_key(real: str, st: os.stat_result | None = None) -> str:
-    st = st or os.stat(real)
-    return f"{real}|{st.st_dev}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}"
+def file_key(real: str, stat: os.stat_result | None = None) -> str:
+    stat = stat or os.stat(real)
+    return f"{real}|{stat.st_dev}|{stat.st_ino}|{stat.st_size}|{stat.st_mtime_ns}"
 
 
 def user_cache() -> DigestCache:
     """The cache under qtool's cache dir (`$QTOOL_CACHE_DIR/sha256-cache.json`)."""
-    from qtool.io.manifest import cache_dir
+    from qtool.cache import cache_dir
 
     return DigestCache(cache_dir() / "sha256-cache.json")
 
@@ -99,12 +100,12 @@ class DigestCache:
     def dirty(self) -> bool:
         return bool(self.changed)
 
-    def lookup(self, real: str, st: os.stat_result | None = None) -> str | None:
-        """The cached sha256 of `real` (a resolved path; `st`: its stat, taken by a caller that keys
+    def lookup(self, real: str, stat: os.stat_result | None = None) -> str | None:
+        """The cached sha256 of `real` (a resolved path; `stat`: its stat, taken by a caller that keys
         something else by it), or None when it must be hashed."""
-        st = st or os.stat(real)
-        e = self.entries.get(file_key(real, st))
-        if e is not None and isinstance(e.get("sha256"), str) and e.get("ctime") == st.st_ctime_ns:
+        stat = stat or os.stat(real)
+        e = self.entries.get(file_key(real, stat))
+        if e is not None and isinstance(e.get("sha256"), str) and e.get("ctime") == stat.st_ctime_ns:
             return e["sha256"]
         return None
 
@@ -170,7 +171,7 @@ class DigestCache:
             pass  # the cache is an optimisation only
 
     @contextmanager
-    def keeping(self, files):
+    def keeping(self, files: Iterable[str | os.PathLike]) -> Iterator[None]:
         """Around qtool's own links made or removed (an in-place run's scratch links, an old output's
         removal): those move the ctime of each file linked, and the entries valid before are re-recorded
         after, so the next run does not hash those files again. A file changed meanwhile (another key) is
@@ -205,7 +206,7 @@ def _current(key: str) -> bool:
 
 
 @contextmanager
-def _locked(path: Path, wait: float | None = None):
+def _locked(path: Path, wait: float | None = None) -> Iterator[bool]:
     """The cache file's read-merge-write, one process at a time (a flock on a file of its own); yields
     False when another job held it for `wait` seconds: the cache never holds a job up."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)

@@ -66,7 +66,7 @@ def _nbytes(dtype: str, shape: tuple[int, ...]) -> int | None:
     return bits // 8 if bits % 8 == 0 else None
 
 
-def safetensors_dtype(torch_dtype) -> str:
+def safetensors_dtype(torch_dtype: object) -> str:
     """The safetensors name of a torch dtype."""
     name = str(torch_dtype).removeprefix("torch.")
     for st, tn in TORCH_DTYPE_NAMES.items():

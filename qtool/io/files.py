@@ -15,8 +15,8 @@ import hashlib
 import os
 import stat
 import threading
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from enum import Enum
 from pathlib import Path
 
@@ -40,12 +40,12 @@ def _no_space_hint(e: OSError) -> str | None:
     return "free disk space or choose another output directory" if e.errno == errno.ENOSPC else None
 
 
-def write_error(what: str, e: OSError, path: str | Path) -> WriteError:
+def write_error(what: str, error: OSError, path: str | Path) -> WriteError:
     """A WriteError for an OSError, with the fix for the common causes (full or read-only disk)."""
-    hint = _no_space_hint(e)
-    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+    hint = _no_space_hint(error)
+    if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         hint = "the directory is not writable: choose another output directory (-o) or fix its permissions"
-    return WriteError(f"{what}: {e.strerror}", path=path, hint=hint)
+    return WriteError(f"{what}: {error.strerror}", path=path, hint=hint)
 
 
 def require_text_path(path: str | Path, flag: str) -> None:
@@ -89,7 +89,7 @@ def new_file(path: str | Path, mode: int = 0o644) -> Iterator:
     f.close()
 
 
-def _reflink(src: str, fd: int, dst: str, mode: int, stop) -> bool:
+def _reflink(src: str, fd: int, dst: str, mode: int, stop: threading.Event | None) -> bool:
     try:
         with new_file(dst, mode) as d:
             fcntl.ioctl(d.fileno(), FICLONE, fd)
@@ -98,7 +98,7 @@ def _reflink(src: str, fd: int, dst: str, mode: int, stop) -> bool:
         return False
 
 
-def _hardlink(src: str, fd: int, dst: str, mode: int, stop) -> bool:
+def _hardlink(src: str, fd: int, dst: str, mode: int, stop: threading.Event | None) -> bool:
     """A link to the file open at `fd`, not to whatever its path names by now: through /proc (linkat's
     AT_SYMLINK_FOLLOW, no privilege needed), else by path and kept only if it is that file."""
     try:
@@ -117,7 +117,7 @@ def _hardlink(src: str, fd: int, dst: str, mode: int, stop) -> bool:
         return False
 
 
-def _symlink(src: str, fd: int, dst: str, mode: int, stop) -> bool:
+def _symlink(src: str, fd: int, dst: str, mode: int, stop: threading.Event | None) -> bool:
     try:
         if os.path.lexists(dst):
             os.unlink(dst)
@@ -145,15 +145,37 @@ def copy_file(src: str | Path, dst: str | Path, mode: int = 0o644) -> None:
         _copy(str(src), fd, str(dst), mode, None)
 
 
-def _copy(src: str, fd: int, dst: str, mode: int, stop) -> bool:
+def _copy(
+    src: str, fd: int, dst: str, mode: int, stop: threading.Event | None, on_header: Callable[[], None] | None = None
+) -> bool:
+    """A kernel-side copy into a NEW file, fsynced. on_header: called once the copy holds the source's
+    safetensors header (copied first), so that checks reading only headers need not wait for the data (once
+    the copy is done where the file has no header)."""
     from qtool.io.writer import copy_range
 
+    size = os.fstat(fd).st_size
     try:
         with new_file(dst, mode) as d:
-            copy_range(fd, d.fileno(), 0, os.fstat(fd).st_size, stop)
+            head = _safetensors_header_end(fd, size) if on_header is not None else 0
+            if head and on_header is not None:
+                copy_range(fd, d.fileno(), 0, head, stop)
+                on_header()
+            copy_range(fd, d.fileno(), head, size - head, stop)
     except OSError as e:
         raise write_error("copying a file failed", e, dst) from None
+    if on_header is not None and not head:  # no header to copy first: told once the copy is whole
+        on_header()
     return True
+
+
+def _safetensors_header_end(fd: int, size: int) -> int:
+    """Where the header of the safetensors file open at `fd` ends (its 8-byte length, then the JSON), or
+    0 where the file is too short to be one."""
+    first = os.pread(fd, 8, 0)
+    if len(first) < 8:
+        return 0
+    end = 8 + int.from_bytes(first, "little")
+    return end if end <= size else 0
 
 
 @contextmanager
@@ -184,21 +206,29 @@ class Placer:
         self, mode: LinkMode = LinkMode.AUTO, stop: threading.Event | None = None, file_mode: int = 0o644
     ) -> None:
         self.mode = LinkMode(mode)
-        self.stop = stop  # copies end early (writer.Interrupted) once set
+        self.stop = stop  # copies end early (errors.Interrupted) once set
         self.file_mode = file_mode
         self.failed: set[str] = set()
         # the job's input files (qtool.io.input_files.InputFiles), set by its executor: a file is placed from
         # the one the job opened and checks at commit, not from whatever its path names by then
         self.sources = None
 
-    def place(self, src: str | Path, dst: str | Path) -> str:
-        """Put `src` at `dst` (durable on return); returns the method used."""
+    def place(self, src: str | Path, dst: str | Path, on_header: Callable[[], None] | None = None) -> str:
+        """Put `src` at `dst` (durable on return); returns the method used. on_header: called once `dst`
+        holds the safetensors header of `src` (a copy's comes first, before its data)."""
         src, dst = str(src), str(dst)
         with self._source(src) as fd:
             for method in _ORDER[self.mode]:
                 if method in self.failed:
                     continue
-                if _METHODS[method](src, fd, dst, self.file_mode, self.stop):
+                if method == "copy" and on_header is not None:
+                    placed = _copy(src, fd, dst, self.file_mode, self.stop, on_header)
+                    on_header = None  # told by the copy
+                else:
+                    placed = _METHODS[method](src, fd, dst, self.file_mode, self.stop)
+                if placed:
+                    if on_header is not None:
+                        on_header()
                     return method
                 self.failed.add(method)
         raise WriteError(
@@ -213,7 +243,7 @@ class Placer:
         with self._source(str(src)) as fd:
             _copy(str(src), fd, str(dst), self.file_mode, self.stop)
 
-    def _source(self, src: str):
+    def _source(self, src: str) -> AbstractContextManager[int]:
         return self.sources.placing(src) if self.sources is not None else _opened(src)
 
     def expect_new_bytes(self, src: str | Path, out_dir: str | Path) -> bool:

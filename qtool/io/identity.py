@@ -6,10 +6,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from qtool.errors import WriteError
+
+if TYPE_CHECKING:
+    from qtool.io.safetensors_header import TensorInfo
 
 SAMPLE_HEAD = 1 << 20  # at most: the safetensors header (a 397B shard's is ~0.7 MB)
 SAMPLE_BLOCK = 4 << 10  # a page
@@ -57,7 +61,7 @@ def input_identity(files: Iterable[str | Path]) -> dict[str, list]:
 _SAMPLED: dict[tuple, str] = {}
 
 
-def tensor_list_text(tensors) -> bytes:
+def tensor_list_text(tensors: Mapping[str, TensorInfo]) -> bytes:
     """`name|dtype|[shape]|its file's size` of every tensor, one line each, sorted by name: what a layer job's
     journal key records of the checkpoint it reads (a --resume against another list starts over). Read
     from a TensorTable's columns with one `stat` per shard (a 397B has ~370k tensors in ~50 shards)."""
@@ -104,7 +108,7 @@ JOURNAL_NAME = ".qtool-journal.jsonl"  # in the partial output (qtool.io.apply k
 def journaled_files(path: Path) -> set[str]:
     """The units a journal records as finished (file names), without checking its head: what a resumed
     in-place run keeps of its partial state (the executor then checks the plan and the inputs)."""
-    out = set()
+    out: set[str] = set()
     try:
         lines = path.read_text().splitlines()[1:]
     except OSError:
@@ -155,7 +159,7 @@ class Journal:
         with open(self.path, mode, encoding="utf-8") as f:
             f.write(json.dumps(obj) + "\n")
 
-    def record(self, unit: str, **info) -> None:
+    def record(self, unit: str, **info: object) -> None:
         rec = {"unit": unit, **info}
         self._write_line(rec)
         self.done[unit] = rec

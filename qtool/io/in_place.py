@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import shutil
 import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from qtool.errors import WriteError
@@ -14,7 +16,9 @@ from qtool.io.files import LinkMode, Placer, fsync_path, link_tree, write_error
 from qtool.io.identity import JOURNAL_NAME, journaled_files
 from qtool.io.output import (
     SWAPPED_MARKER,
+    HeldLock,
     OutputDir,
+    OutputLock,
     forget,
     remove_marker_last,
     remove_parked,
@@ -47,6 +51,16 @@ def in_place_partial(root: Path) -> Path:
     return root.with_name(f".{root.name}.qtool-inplace")
 
 
+@contextmanager
+def _held(lock: OutputLock | HeldLock) -> Iterator[None]:
+    """`lock` held within (an OutputLock's `with`, for either kind)."""
+    lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
+
+
 class InPlaceDir(OutputDir):
     """In-place work on the checkpoint `root`, atomic for indexed and unindexed checkpoints alike: the
     new state is built in `.CKPT.qtool-inplace/` beside it (every file of `root` hard-linked, so unchanged
@@ -77,7 +91,7 @@ class InPlaceDir(OutputDir):
             and tx.partial.is_dir()
             and not (tx.partial / cls.BUILDING).exists()
         ):
-            with tx.lock:
+            with _held(tx.lock):
                 os.rename(tx.partial, tx.out)
                 remove_parked(tx.old)
 
@@ -114,7 +128,7 @@ class InPlaceDir(OutputDir):
         if os.path.lexists(self.partial) and not (self.partial / self.BUILDING).exists():
             remove_parked(self.partial)  # the previous state, swapped out by a run killed just after
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         if not self.committed and not self.keep_partial and self.partial.exists():
             self._remove_building()
             forget(self)
@@ -163,7 +177,7 @@ class InPlaceDir(OutputDir):
         state), for in-place commands that find nothing to change this time."""
         tx = cls(root)
         if os.path.lexists(tx.old) or (tx.partial.exists() and not (tx.partial / cls.BUILDING).exists()):
-            with tx.lock:
+            with _held(tx.lock):
                 tx._clear_stale()
 
     def _link_tree(self) -> None:

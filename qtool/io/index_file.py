@@ -19,8 +19,8 @@ try:
     from orjson import JSONDecodeError as _JSONError
     from orjson import loads as _loads
 except ImportError:  # pragma: no cover - orjson is a declared dependency
-    from json import JSONDecodeError as _JSONError
-    from json import loads as _loads
+    from json import JSONDecodeError as _JSONError  # type: ignore[assignment]
+    from json import loads as _loads  # type: ignore[assignment]
 
 _KEY = re.compile(rb'"weight_map"\s*:\s*\{\s*')
 _STR = rb'"([^"\\\x00-\x1f]*)"'
@@ -54,6 +54,12 @@ def read_index(path: Path) -> tuple[dict, dict[str, list[str]] | None]:
             )
         by_file.setdefault(rel, []).append(name)
     return index, by_file
+
+
+def index_weight_map(by_file: dict[str, list[str]] | None) -> dict[str, str]:
+    """The weight_map (tensor name -> shard) of `read_index`'s grouping (grouped by shard: the index's
+    order of names across shards is not kept; an index is written sorted by name: writer.index_text)."""
+    return {name: shard for shard, names in (by_file or {}).items() for name in names}
 
 
 def _fast(raw: bytes) -> tuple[dict, dict[str, list[str]]] | None:

@@ -34,9 +34,9 @@ from qtool.io import files
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
-def identity(st: os.stat_result) -> tuple[int, int, int, int, int]:
+def identity(stat: os.stat_result) -> tuple[int, int, int, int, int]:
     """What says a file is the same file with the same bytes: device, inode, size, mtime, ctime."""
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+    return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns
 
 
 @dataclass

@@ -21,13 +21,13 @@ try:  # a 397B index has ~370k weight_map entries; orjson parses it several time
     from orjson import dumps as _odumps
     from orjson import loads as _loads
 
-    def dumps_compact(obj) -> str:
+    def dumps_compact(obj: object) -> str:
         """One line, no spaces, UTF-8 as is (the same text as the fallback's)."""
         return _odumps(obj).decode()
 except ImportError:  # orjson is a declared dependency; an environment without it still works, slower
-    _loads = json.loads
+    _loads = json.loads  # type: ignore[assignment]
 
-    def dumps_compact(obj) -> str:
+    def dumps_compact(obj: object) -> str:
         return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
 
 

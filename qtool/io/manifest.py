@@ -23,14 +23,16 @@ import os
 import re
 import shlex
 import threading
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, cast
 
 from qtool.io.digest_cache import file_key, user_cache
 from qtool.io.files import hash_fd
 from qtool.io.files import hash_file as _hash_file
 from qtool.io.input_files import InputFiles
-from qtool.io.stream_digest import StreamDigests
+from qtool.io.stream_digest import NO_DIGESTS, DigestSink, StreamDigests
 from qtool.redact import SECRET_FLAGS, redact_argv, redact_json, redact_text, without_secrets  # noqa: F401
 
 LIBRARIES = (
@@ -67,10 +69,6 @@ def command_line(argv: list[str] | None) -> str | None:
     return None if argv is None else shlex.join(redact_argv(argv))
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("QTOOL_CACHE_DIR") or Path.home() / ".cache" / "qtool")
-
-
 class InputHasher:
     """sha256 of input files in background threads (hashlib releases the GIL), with a persistent cache.
 
@@ -91,7 +89,7 @@ class InputHasher:
         workers: int = max(2, min(8, (os.cpu_count() or 2) // 2)),
         trust_cache: bool = True,
         record: Path | None = None,
-        from_reads=(),
+        from_reads: Iterable[str] = (),
     ) -> None:
         self.pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="qtool-sha256")
         self._stop = threading.Event()  # set by close: the pool's hashes stop within a chunk
@@ -132,10 +130,15 @@ class InputHasher:
         # every input opened once, read through that descriptor and checked at the end (qtool.io.input_files)
         self.files = InputFiles()
         if self.streams is not None:
-            StreamDigests.active = self.streams
             InputFiles.active = self.files
 
-    def refuse_unproven(self, inputs, partial: Path) -> None:
+    @property
+    def read_digests(self) -> DigestSink:
+        """What the job's readers hand their reads to (a LayerStreamer's `digests`): the inputs hashed from
+        those reads are hashed there, not read a second time."""
+        return NO_DIGESTS if self.streams is None else self.streams
+
+    def refuse_unproven(self, inputs: Iterable[str], partial: Path) -> None:
         """A resumed run can prove its inputs unchanged only by their digests: the journal's identity
         (size, mtime, sampled content) misses a same-size edit outside the sampled blocks with the mtime
         put back. An input whose digest the interrupted run had not recorded yet is refused, except one
@@ -206,7 +209,7 @@ class InputHasher:
         on_record = self.known(path)
         if on_record:
             self._put(path, _done(self._note(path, on_record)))
-        elif real in self.from_reads:
+        elif self.streams is not None and real in self.from_reads:  # (there are streams where there are such)
             self.streams.add(real, check=self.prefixes.get(real))
             self._streamed[path] = (real, self.files.open(real).stat)
         else:
@@ -216,16 +219,24 @@ class InputHasher:
         self.futures[path] = f
         self._inputs.append(f)
 
-    def _settled(self) -> None:
-        """Wait until every input the pool hashes is on record (a failed hash raises)."""
+    def _settled(self, wait: bool = True) -> bool:
+        """Wait until every input the pool hashes is on record (a failed hash raises); wait=False: whether
+        they are, without waiting."""
         for f in list(self._inputs):
+            if not wait and not f.done():
+                return False
             f.result()
+        return True
 
-    def on_record(self, ends, wait: bool = True) -> bool:
+    def wait_pooled(self) -> None:
+        """Wait until every input the pool hashes is on record (a failed hash raises)."""
+        self._settled()
+
+    def on_record(self, ends: Callable[[], dict[str, int]], wait: bool = True) -> bool:
         """Whether the input bytes a unit used are on record (see the class): every pooled input (waited
         for: small files, or shards hashed since the job started), and of the inputs hashed from the job's
         reads the bytes before `ends()` (path -> end offset; called only when there are such inputs).
-        wait=False: never wait for those (a caller that can journal the unit later, or not at all).
+        wait=False: never wait, for either (a caller that can journal the unit later, or not at all).
         """
         if self.record is None or self.streams is None:
             return True
@@ -238,7 +249,7 @@ class InputHasher:
         self._streamed.clear()
 
     def _finish_stream(self, path: str, real: str, before: os.stat_result) -> str:
-        d = self.streams.files[real]
+        d = cast(StreamDigests, self.streams).files[real]  # (a file hashed from reads has its stream)
         digest = d.finish()
         if d.mismatch:
             self.changed.add(real)
@@ -247,7 +258,7 @@ class InputHasher:
         return self._note(path, digest)
 
     def _note_prefixes(self, prefixes: dict[str, tuple[int, str]]) -> None:
-        with self.lock, open(self.record, "a", encoding="utf-8") as f:
+        with self.lock, open(cast(Path, self.record), "a", encoding="utf-8") as f:  # (called only with a record)
             for real, (n, sha) in sorted(prefixes.items()):
                 f.write(json.dumps({"path": real, "prefix": n, "sha256": sha}) + "\n")
 
@@ -302,7 +313,7 @@ class InputHasher:
 
     def close(self, keep_files: bool = False) -> None:
         """The end of the job, or an error's way out: every hash thread this job started is stopped and
-        joined, none left running into the interpreter's exit (qtool.io.writer.HashedWrites.stop says why
+        joined, none left running into the interpreter's exit (qtool.io.hashed_writes.HashedWrites.stop says why
         that matters); the pool's running ones stop within a chunk (the pool's threads are joined at exit:
         a failed or interrupted 397B job does not wait there for whole input shards to be hashed).
         keep_files: the input files stay open for the commit's check (its caller closes `files`)."""
@@ -318,8 +329,6 @@ class InputHasher:
             digest.cancel()  # a no-op on one that is done
         if self.streams is not None:
             self.streams.close()
-            if StreamDigests.active is self.streams:
-                StreamDigests.active = None
 
 
 def _done(value: str) -> Future:
@@ -352,7 +361,7 @@ def hub_recorded_sha256(path: str) -> str | None:
     return None
 
 
-def write_shards_section(path: Path, shards, roots: dict[str, Path]) -> None:
+def write_shards_section(path: Path, shards: Iterable[Any], roots: dict[str, Path]) -> None:
     """Stream the manifest's `"shards": {...}` member to `path` (not fsynced: `write_manifest` copies it
     into the manifest, which is). `shards`: planned shards whose tensors have `.name` and `.origin`
     (source, file, tensor, slice). Written while the shards are being copied, so its CPU time overlaps
@@ -389,13 +398,6 @@ def source_entry(root: Path, digests: dict[str, str]) -> dict:
     for f, d in sorted(digests.items()):
         files[os.path.relpath(f, root)] = {"sha256": d, "bytes": os.path.getsize(f)}
     return {"path": str(root), "files": files}
-
-
-def placed_digests(root: Path, names, digests: dict[str, str]) -> dict[str, str]:
-    """Known `files` digests for outputs placed unchanged from `root` (a link or a copy of the same bytes):
-    their input's digest, so a shard is not read a second time to hash its output."""
-    real = {os.path.realpath(p): d for p, d in digests.items()}
-    return {n: real[os.path.realpath(root / n)] for n in names if os.path.realpath(root / n) in real}
 
 
 def write_manifest(
@@ -472,7 +474,8 @@ def carried_files(partial: Path, root: Path, changed: set[str], known: dict[str,
         if not p.is_file() or rel == MANIFEST_NAME or p.name.startswith(".qtool-"):
             continue
         size = p.stat().st_size
-        old = before.get(rel) if isinstance(before.get(rel), dict) else {}
+        recorded = before.get(rel)
+        old: dict = recorded if isinstance(recorded, dict) else {}
         digest = None
         if rel in changed:
             digest = hash_file(p)

@@ -20,14 +20,17 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple, Union
+from typing import TYPE_CHECKING, NamedTuple, Union, cast
 
 from qtool.io.jsonio import JsonStyle, dumps
 from qtool.io.output import RECORDS
 from qtool.io.writer import FileRange, InlineBytes, OutTensor, json_str, shard_size
+
+if TYPE_CHECKING:
+    from qtool.io.checkpoint import Checkpoint
 
 
 class Pending(NamedTuple):
@@ -87,7 +90,6 @@ class Remove(NamedTuple):
 
 
 Entry = Union[Link, Copy, Shard, Produced, Json, Text, Index, Remove]
-SHARD_ENTRIES = (Link, Shard, Produced)  # the big ones: written by the executor's writer threads
 
 
 def checkpoint_files(root: Path) -> list[tuple[str, Path]]:
@@ -125,9 +127,10 @@ def tensors_of(entry: Shard | Produced) -> list[OutTensor]:
     return t() if callable(t) else list(t)
 
 
-def promised(name: str, dtype: str, shape, nbytes: int) -> OutTensor:
+def promised(name: str, dtype: str, shape: Sequence[int], nbytes: int) -> OutTensor:
     """A tensor of a Produced shard's promised header."""
-    return OutTensor(name, dtype, tuple(shape), Pending(name, nbytes))
+    # a promise in the source's place: the executor writes the value given for it
+    return OutTensor(name, dtype, tuple(shape), Pending(name, nbytes))  # type: ignore[arg-type]
 
 
 @dataclass
@@ -142,7 +145,7 @@ class OutputPlan:
     _shard_sizes: dict[str, int] = field(default_factory=dict, repr=False, compare=False)  # file_size's
     _json_bytes: dict[str, bytes] = field(default_factory=dict, repr=False, compare=False)  # json_bytes'
 
-    def entries(self, *kinds) -> list:
+    def entries(self, *kinds: type) -> list:
         return [e for e in self.files if isinstance(e, kinds)]
 
     def names(self) -> list[str]:
@@ -172,33 +175,33 @@ class OutputPlan:
                 h.update(e.name.encode())
         return h.hexdigest()
 
-    def json_bytes(self, e: Json) -> bytes:
+    def json_bytes(self, entry: Json) -> bytes:
         """A Json entry's file, made once: the hash, the free-space check and the writer all need it (a
         397B checkpoint's index kept in its source's style has ~370k entries; json's indenting encoder
         takes ~1 s for it)."""
-        data = self._json_bytes.get(e.name)
+        data = self._json_bytes.get(entry.name)
         if data is None:
-            data = self._json_bytes[e.name] = dumps(e.obj, e.style).encode()
+            data = self._json_bytes[entry.name] = dumps(entry.obj, entry.style).encode()
         return data
 
-    def file_size(self, e: Entry) -> int:
+    def file_size(self, entry: Entry) -> int:
         """Bytes the entry's file will have (a Link's: its source's). A shard's is computed once (its header
         is built to know its length: ~6k tensors a 397B layer; header_checkpoint fills this in too)."""
-        if isinstance(e, (Link, Copy)):
-            return os.path.getsize(e.source)
-        if isinstance(e, Shard) and e.size is not None:
-            return e.size
-        if isinstance(e, (Shard, Produced)):
-            size = self._shard_sizes.get(e.name)
+        if isinstance(entry, (Link, Copy)):
+            return os.path.getsize(entry.source)
+        if isinstance(entry, Shard) and entry.size is not None:
+            return entry.size
+        if isinstance(entry, (Shard, Produced)):
+            size = self._shard_sizes.get(entry.name)
             if size is None:
-                size = self._shard_sizes[e.name] = shard_size(tensors_of(e), e.metadata)
+                size = self._shard_sizes[entry.name] = shard_size(tensors_of(entry), entry.metadata)
             return size
-        if isinstance(e, Json):
-            return len(self.json_bytes(e))
-        if isinstance(e, Text):
-            return len(e.text.encode())
-        if isinstance(e, Index):
-            return 100 * len(index_map(e))  # about; only the free-space check asks
+        if isinstance(entry, Json):
+            return len(self.json_bytes(entry))
+        if isinstance(entry, Text):
+            return len(entry.text.encode())
+        if isinstance(entry, Index):
+            return 100 * len(index_map(entry))  # about; only the free-space check asks
         return 0
 
     def describe(self) -> dict:
@@ -219,15 +222,15 @@ class OutputPlan:
         return {"operation": self.kind, "files": out}
 
 
-def index_map(e: Index) -> dict:
+def index_map(entry: Index) -> dict:
     """An Index entry's weight map (tensor -> shard), made now where the plan holds a function for it."""
-    return e.weight_map() if callable(e.weight_map) else e.weight_map
+    return entry.weight_map() if callable(entry.weight_map) else entry.weight_map
 
 
-def index_text_of(e: Index):
+def index_text_of(entry: Index) -> Iterator[str]:
     from qtool.io.writer import index_text
 
-    return index_text(index_map(e), e.metadata)
+    return index_text(index_map(entry), entry.metadata)
 
 
 def _tensor_keys(tensors: list[OutTensor], paths: dict[str, str]) -> str:
@@ -264,11 +267,12 @@ def _tensor_keys(tensors: list[OutTensor], paths: dict[str, str]) -> str:
     return "".join(parts)
 
 
-def _source_key(src) -> list:
+def _source_key(src: object) -> list:
     if isinstance(src, FileRange):
         return ["range", os.path.abspath(src.file), src.start, src.end]
     if isinstance(src, InlineBytes):
         return ["bytes", hashlib.sha256(src.data).hexdigest()]
+    assert isinstance(src, Pending)  # (the third kind of source)
     return ["pending", src.key, src.nbytes]
 
 
@@ -287,7 +291,7 @@ def resolve(tensors: list[OutTensor], values: dict[str, bytes]) -> list[OutTenso
 
 def header_checkpoint(
     root: Path, plan: OutputPlan, config: dict | None, hf_quant_config: dict | None = None, *, as_written: bool = False
-):
+) -> Checkpoint:
     """A Checkpoint of the planned output made from the plan alone (nothing written yet): every shard with
     the header the writer will give it; a tensor copied from a source points at the source's bytes (so it
     can be read), a new one at its planned place in the output. Lets a decide step compute what depends on
@@ -310,7 +314,7 @@ def header_checkpoint(
                     table.add(info.name, path, info.dtype, tuple(info.shape), info.start, info.end)
                 rows = range(first, len(table))
             else:
-                path, rows = h.path, table.extend(h.tensors)
+                path, rows = h.path, table.extend(cast(TensorTable, h.tensors))  # (read just now: its own table)
             headers[e.name] = SafetensorsHeader(
                 path, h.header_len, h.data_start, h.file_size, h.metadata, table.slice(rows)
             )

@@ -24,9 +24,10 @@ class HfQuantSchema(str, Enum):
     FLAT = "flat"  # top-level ignore
 
 
-def config_ignore_key(qc: dict) -> str:
+def config_ignore_key(quant_config: dict) -> str:
     """AutoAWQ: modules_to_not_convert; AMD Quark: exclude; ModelOpt and compressed-tensors: ignore."""
-    return {"awq": "modules_to_not_convert", "quark": "exclude"}.get(qc.get("quant_method"), "ignore")
+    method = str(quant_config.get("quant_method"))
+    return {"awq": "modules_to_not_convert", "quark": "exclude"}.get(method, "ignore")
 
 
 def config_ignore(config: dict | None) -> list[str] | None:
@@ -36,16 +37,18 @@ def config_ignore(config: dict | None) -> list[str] | None:
     return list(qc.get(config_ignore_key(qc)) or [])
 
 
-def hf_quant_schema(hq: dict) -> HfQuantSchema:
-    return HfQuantSchema.MODELOPT_NATIVE if isinstance(hq.get("quantization"), dict) else HfQuantSchema.FLAT
+def hf_quant_schema(hf_quant_config: dict) -> HfQuantSchema:
+    return (
+        HfQuantSchema.MODELOPT_NATIVE if isinstance(hf_quant_config.get("quantization"), dict) else HfQuantSchema.FLAT
+    )
 
 
-def hf_quant_exclude(hq: dict | None) -> list[str] | None:
-    if not hq:
+def hf_quant_exclude(hf_quant_config: dict | None) -> list[str] | None:
+    if not hf_quant_config:
         return None
-    if hf_quant_schema(hq) is HfQuantSchema.MODELOPT_NATIVE:
-        return list(hq["quantization"].get("exclude_modules") or [])
-    return list(hq.get("ignore") or hq.get("exclude_modules") or [])
+    if hf_quant_schema(hf_quant_config) is HfQuantSchema.MODELOPT_NATIVE:
+        return list(hf_quant_config["quantization"].get("exclude_modules") or [])
+    return list(hf_quant_config.get("ignore") or hf_quant_config.get("exclude_modules") or [])
 
 
 def set_config_ignore(config: dict, patterns: list[str]) -> None:
@@ -53,13 +56,13 @@ def set_config_ignore(config: dict, patterns: list[str]) -> None:
     qc[config_ignore_key(qc)] = patterns
 
 
-def set_hf_quant_exclude(hq: dict, patterns: list[str]) -> None:
-    if hf_quant_schema(hq) is HfQuantSchema.MODELOPT_NATIVE:
-        hq["quantization"]["exclude_modules"] = patterns
-    elif "exclude_modules" in hq and "ignore" not in hq:
-        hq["exclude_modules"] = patterns
+def set_hf_quant_exclude(hf_quant_config: dict, patterns: list[str]) -> None:
+    if hf_quant_schema(hf_quant_config) is HfQuantSchema.MODELOPT_NATIVE:
+        hf_quant_config["quantization"]["exclude_modules"] = patterns
+    elif "exclude_modules" in hf_quant_config and "ignore" not in hf_quant_config:
+        hf_quant_config["exclude_modules"] = patterns
     else:
-        hq["ignore"] = patterns
+        hf_quant_config["ignore"] = patterns
 
 
 @dataclass
@@ -110,14 +113,14 @@ class QuantSummary:
         }
 
 
-def summarize(config: dict | None, hq: dict | None) -> QuantSummary:
+def summarize(config: dict | None, hf_quant_config: dict | None) -> QuantSummary:
     qc = (config or {}).get("quantization_config")
     qc = qc if isinstance(qc, dict) else {}
     schema = algo = kv_algo = None
-    if hq:
-        s = hf_quant_schema(hq)
+    if hf_quant_config:
+        s = hf_quant_schema(hf_quant_config)
         schema = s.value
-        body = hq["quantization"] if s is HfQuantSchema.MODELOPT_NATIVE else hq
+        body = hf_quant_config["quantization"] if s is HfQuantSchema.MODELOPT_NATIVE else hf_quant_config
         algo = body.get("quant_algo")
         kv_algo = body.get("kv_cache_quant_algo")
     return QuantSummary(
@@ -127,7 +130,7 @@ def summarize(config: dict | None, hq: dict | None) -> QuantSummary:
         ignore=config_ignore(config),
         hf_quant_schema=schema,
         hf_quant_algo=algo,
-        hf_exclude=hf_quant_exclude(hq),
+        hf_exclude=hf_quant_exclude(hf_quant_config),
         kv_cache_scheme=qc.get("kv_cache_scheme"),
         kv_cache_quant_algo=kv_algo,
         config_groups=len(qc["config_groups"]) if isinstance(qc.get("config_groups"), dict) else None,

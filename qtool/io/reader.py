@@ -3,7 +3,12 @@ asked for are read."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from qtool.io.safetensors_header import TensorInfo
+
+if TYPE_CHECKING:
+    import torch
 
 
 def read_bytes(info: TensorInfo) -> bytes:
@@ -12,7 +17,7 @@ def read_bytes(info: TensorInfo) -> bytes:
         return f.read(info.nbytes)
 
 
-def read_tensor(info: TensorInfo):
+def read_tensor(info: TensorInfo) -> torch.Tensor:
     """The tensor as a torch.Tensor (CPU). Imports torch lazily."""
     from safetensors import safe_open
 

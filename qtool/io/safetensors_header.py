@@ -15,13 +15,14 @@ try:  # orjson parses the ~370k-entry headers of a 397B checkpoint about 4x fast
     _loads = orjson.loads
     _JSONError: tuple = (orjson.JSONDecodeError, UnicodeDecodeError)
 except ImportError:  # pragma: no cover - orjson is a declared dependency
-    orjson = None
-    _loads = json.loads
+    orjson = None  # type: ignore[assignment]
+    _loads = json.loads  # type: ignore[assignment]
     _JSONError = (json.JSONDecodeError, UnicodeDecodeError)
 import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from qtool.errors import HeaderError
 from qtool.io.dtypes import DTYPE_BITS, nbytes_for
@@ -153,7 +154,17 @@ def parse_header_bytes(path: str, raw: bytes, file_size: int | None) -> Safetens
     return SafetensorsHeader(path, n, data_start, file_size or 0, metadata, tensors)
 
 
-def _explain_bad_entry(path, name, dtype, shape, begin, end, data_start, data_size, file_size) -> None:
+def _explain_bad_entry(
+    path: str,
+    name: str,
+    dtype: Any,
+    shape: Any,
+    begin: Any,
+    end: Any,
+    data_start: int,
+    data_size: int | None,
+    file_size: int | None,
+) -> None:
     if dtype not in DTYPE_BITS:
         raise HeaderError("unknown dtype", path=path, tensor=name, got=dtype, expected=sorted(DTYPE_BITS))
     if not all(isinstance(d, int) and d >= 0 for d in shape):

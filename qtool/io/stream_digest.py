@@ -21,8 +21,9 @@ that point is recorded (`on_snapshot`); a resumed run, hashing again from the st
 digest at that offset, so an input edited between the runs is refused even though the interrupted run
 never finished a full digest.
 
-`StreamDigests.active` is the registry the readers look into (one per process: a job runs one output
-transaction at a time); nothing is offered when no job registered the file.
+The readers are handed the job's digests as an object (`DigestSink`): `StreamDigests`, made by the input
+hasher that opens the inputs (qtool.io.manifest.InputHasher.read_digests), or `NO_DIGESTS` where nothing is
+hashed from reads; a file the job did not register is not offered.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ import hashlib
 import heapq
 import os
 import threading
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from qtool.io.input_files import open_for_reads
 
@@ -53,7 +56,6 @@ class FileDigest:
         self.abandoned = False  # the job failed: the thread stops at its next step
         self.want = 0  # wait_covered's target: the digest reads what is missing up to it
         self.error: BaseException | None = None
-        self.gap_bytes = 0  # read by the digest itself
         self.dropped = 0  # offered bytes the queue had no room for (read again by the digest)
         # (offset, prefix sha256) the interrupted run recorded; `mismatch` is set when ours differs there
         self.check = check
@@ -75,7 +77,7 @@ class FileDigest:
             self.claims.pop(start, None)
             self.cond.notify_all()
 
-    def offer(self, start: int, view, keep=None) -> None:
+    def offer(self, start: int, view: memoryview, keep: Callable[[], bytearray] | None = None) -> None:
         """`view`: the file's bytes at `start`, just read; never waits for the hash. keep: None if `view`
         stays valid until hashed (the caller holds no reuse of it), else a function returning a private
         copy (taken only when the bytes are queued)."""
@@ -134,7 +136,6 @@ class FileDigest:
                     data = os.pread(self._open(), n, self.cursor)
                     if not data:
                         raise OSError(f"{self.path}: file ended at {self.cursor} while it was being hashed")
-                    self.gap_bytes += len(data)
                     self._update(memoryview(data))
                     with self.cond:
                         self.cond.notify_all()
@@ -146,7 +147,7 @@ class FileDigest:
             if self._fd is not None:
                 os.close(self._fd)
 
-    def _next_step(self):
+    def _next_step(self) -> Any:
         """Under the lock: ('hash', start, view) | ('gap', cursor, until) | 'done' | None (wait)."""
         if self.abandoned:
             return "done"
@@ -175,7 +176,7 @@ class FileDigest:
             self._fd = open_for_reads(self.path)
         return self._fd
 
-    def _update(self, view) -> None:
+    def _update(self, view: memoryview) -> None:
         """Hash `view` (the bytes at the cursor), checking the recorded prefix digest where it falls; in
         pieces, each under `hlock` with its cursor step, so that a snapshot's digest is the cursor's."""
         while True:
@@ -217,7 +218,7 @@ class FileDigest:
     def abandon(self) -> None:
         """The job failed: stop hashing (not read the rest of the file) and wait for the thread. It may
         hold the job's torch buffers; a daemon thread doing so at the interpreter's exit aborts the process
-        (qtool.io.writer.HashedWrites.stop)."""
+        (qtool.io.hashed_writes.HashedWrites.stop)."""
         with self.cond:
             self.abandoned = True
             self.claims.clear()
@@ -228,17 +229,66 @@ class FileDigest:
             self._thread.join()
 
 
+class DigestSink(Protocol):
+    """What a reader of the job's inputs hands its reads to, so that each input's sha256 comes from them."""
+
+    def claim(self, path: str, start: int, end: int) -> None:
+        """The bytes [start, end) of `path` are about to be read (the digest waits for them)."""
+
+    def offer(self, path: str, start: int, view: memoryview, keep: Callable[[], bytearray] | None = None) -> None:
+        """The bytes of `path` at `start`, just read (FileDigest.offer)."""
+
+    def release(self, path: str, start: int) -> None:
+        """A claimed piece that will not be offered (its read failed): the digest reads it itself."""
+
+    def queue_full(self, path: str, n: int) -> bool:
+        """Whether an offer of `n` bytes of `path` now would be dropped (the digest would read them itself):
+        a reader that bypasses the page cache reads such a piece through it instead, so that the digest
+        finds it there rather than on the disk."""
+        ...
+
+    def covered(self, ends: dict[str, int], wait: bool = True) -> bool:
+        """Wait until the bytes before each file's end in `ends` are hashed and on record (StreamDigests)."""
+        ...
+
+
+class NoDigests:
+    """The sink of a job that hashes nothing from its reads."""
+
+    def claim(self, path: str, start: int, end: int) -> None:
+        pass
+
+    def offer(self, path: str, start: int, view: memoryview, keep: Callable[[], bytearray] | None = None) -> None:
+        pass
+
+    def release(self, path: str, start: int) -> None:
+        pass
+
+    def queue_full(self, path: str, n: int) -> bool:
+        return False
+
+    def covered(self, ends: dict[str, int], wait: bool = True) -> bool:
+        return True
+
+
+NO_DIGESTS = NoDigests()
+
+
 class StreamDigests:
-    """The files this process's job hashes from its own reads (realpath -> FileDigest)."""
+    """The files a job hashes from its own reads (realpath -> FileDigest): the DigestSink its readers get."""
 
-    active: StreamDigests | None = None
-
-    def __init__(self, on_snapshot=None, settled=None) -> None:
+    def __init__(
+        self,
+        on_snapshot: Callable[[dict[str, tuple[int, str]]], None] | None = None,
+        settled: Callable[[bool], bool] | None = None,
+    ) -> None:
         self.files: dict[str, FileDigest] = {}
         self._real: dict[str, str] = {}
         self.lock = threading.Lock()
         self.on_snapshot = on_snapshot  # fn({realpath: (offset, prefix sha256)}): the resume record
-        self.settled = settled  # fn(): wait until the job's other inputs (hashed whole) are on record
+        self.settled = (
+            settled  # fn(wait) -> bool: (wait=True: wait) until the job's other inputs (hashed whole) are on record
+        )
         self._last: dict[str, tuple[int, str]] = {}
 
     def add(self, path: str, check: tuple[int, str] | None = None) -> FileDigest:
@@ -250,6 +300,7 @@ class StreamDigests:
             return d
 
     def get(self, path: str) -> FileDigest | None:
+        """The digest fed by reads of `path`, when the job hashes it from its reads."""
         if not self.files:
             return None
         real = self._real.get(path)
@@ -257,13 +308,36 @@ class StreamDigests:
             real = self._real[path] = os.path.realpath(path)
         return self.files.get(real)
 
+    # -- DigestSink ---------------------------------------------------------------------------------
+    def claim(self, path: str, start: int, end: int) -> None:
+        d = self.get(path)
+        if d is not None:
+            d.claim(start, end)
+
+    def offer(self, path: str, start: int, view: memoryview, keep: Callable[[], bytearray] | None = None) -> None:
+        d = self.get(path)
+        if d is not None:
+            d.offer(start, view, keep)
+
+    def release(self, path: str, start: int) -> None:
+        d = self.get(path)
+        if d is not None:
+            d.release(start)
+
+    def queue_full(self, path: str, n: int) -> bool:
+        d = self.get(path)
+        if d is None:
+            return False
+        with d.cond:
+            return d.queued + n > QUEUE_BYTES
+
     def covered(self, ends: dict[str, int], wait: bool = True) -> bool:
         """Wait until each file's bytes before its end in `ends` (path -> offset) are hashed, and the job's
         other inputs too (`settled`), then hand the prefixes to `on_snapshot`: what a unit about to be
         journaled used is then on record. wait=False: never wait for (nor make the digest read ahead to)
         those bytes; False if some are not hashed yet."""
-        if self.settled is not None:
-            self.settled()
+        if self.settled is not None and not self.settled(wait):
+            return False
         now = {}
         for path, end in ends.items():
             d = self.get(path)
@@ -288,50 +362,7 @@ class StreamDigests:
             d.abandon()
 
     def __enter__(self) -> StreamDigests:
-        StreamDigests.active = self
         return self
 
-    def __exit__(self, *exc) -> None:
-        StreamDigests.active = None
-
-
-def digest_of(path: str) -> FileDigest | None:
-    """The digest fed by reads of `path`, when the running job hashes it from its reads."""
-    reg = StreamDigests.active
-    return None if reg is None else reg.get(path)
-
-
-def claim(path: str, start: int, end: int) -> None:
-    d = digest_of(path)
-    if d is not None:
-        d.claim(start, end)
-
-
-def offer(path: str, start: int, view, keep=None) -> None:
-    d = digest_of(path)
-    if d is not None:
-        d.offer(start, view, keep)
-
-
-def queue_full(path: str, n: int) -> bool:
-    """Whether an offer of `n` bytes of `path` now would be dropped (the digest would read them itself):
-    a reader that bypasses the page cache reads such a piece through it instead, so that the digest finds
-    it there rather than on the disk."""
-    d = digest_of(path)
-    if d is None:
-        return False
-    with d.cond:
-        return d.queued + n > QUEUE_BYTES
-
-
-def release(path: str, start: int) -> None:
-    d = digest_of(path)
-    if d is not None:
-        d.release(start)
-
-
-def covered(ends: dict[str, int]) -> None:
-    """See StreamDigests.covered; a no-op when no job records its input digests."""
-    reg = StreamDigests.active
-    if reg is not None:
-        reg.covered(ends)
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import gc
 from array import array
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, KeysView, Mapping, Sequence
 from contextlib import contextmanager
-from typing import NamedTuple
+from typing import Any, NamedTuple, TypeVar
+
+T = TypeVar("T")
 
 
 @contextmanager
@@ -117,7 +119,7 @@ class TensorTable(Mapping):
         return t
 
     # ---- building ---------------------------------------------------------------------------------
-    def _ix(self, table: dict, values: list, value) -> int:
+    def _ix(self, table: dict[Any, int], values: list[Any], value: Any) -> int:
         i = table.get(value)
         if i is None:
             i = table[value] = len(values)
@@ -160,9 +162,6 @@ class TensorTable(Mapping):
     def row(self, name: str) -> int:
         return self._row[name]
 
-    def row_of(self, name: str) -> int | None:
-        return self._row.get(name)
-
     def name_at(self, row: int) -> str:
         return self._names[row]
 
@@ -187,14 +186,11 @@ class TensorTable(Mapping):
         row = self._row[name]
         return self._end[row] - self._start[row]
 
-    def file_at(self, row: int) -> str:
-        return self.files[self._file[row]]
-
     def file_of(self, name: str) -> str:
         """A tensor's file by name, without making its TensorInfo."""
         return self.files[self._file[self._row[name]]]
 
-    def each(self, rows: Iterable[int], make):
+    def each(self, rows: Iterable[int], make: Callable[[str, str, str, tuple[int, ...], int, int], T]) -> list[T]:
         """[make(name, file, dtype, shape, start, end) for each row]: other tuples (a writer's OutTensor)
         straight from the columns, without a TensorInfo in between."""
         names, files, dtypes, shapes = self._names, self.files, self.dtypes, self.shapes
@@ -223,11 +219,11 @@ class TensorTable(Mapping):
     def __getitem__(self, name: str) -> TensorInfo:
         return self.info(self._row[name])
 
-    def get(self, name: str, default=None):
+    def get(self, name: str, default: TensorInfo | None = None) -> TensorInfo | None:  # type: ignore[override]
         r = self._row.get(name)
         return default if r is None else self.info(r)
 
-    def __contains__(self, name) -> bool:
+    def __contains__(self, name: object) -> bool:
         return name in self._row
 
     def __iter__(self) -> Iterator[str]:
@@ -239,16 +235,17 @@ class TensorTable(Mapping):
     def __len__(self) -> int:
         return len(self._row)
 
-    def keys(self):
+    def keys(self) -> KeysView[str]:
         return self._row.keys()
 
-    def values(self) -> _Values:
+    # light views of the rows (not the ABC's ValuesView/ItemsView, which would go through __getitem__)
+    def values(self) -> _Values:  # type: ignore[override]
         return _Values(self, self._live_rows())
 
-    def items(self) -> _Items:
+    def items(self) -> _Items:  # type: ignore[override]
         return _Items(self, self._live_rows())
 
-    def _live_rows(self):
+    def _live_rows(self) -> Sequence[int]:
         if len(self._row) == len(self._names):
             return range(len(self._names))
         return list(self._row.values())
@@ -272,12 +269,12 @@ class TableSlice(Mapping):
             raise KeyError(name)
         return self.table.info(r)
 
-    def get(self, name: str, default=None):
+    def get(self, name: str, default: TensorInfo | None = None) -> TensorInfo | None:  # type: ignore[override]
         r = self.table._row.get(name)
         return default if r is None or r not in self.rows else self.table.info(r)
 
-    def __contains__(self, name) -> bool:
-        r = self.table._row.get(name)
+    def __contains__(self, name: object) -> bool:
+        r = self.table._row.get(name)  # type: ignore[call-overload]
         return r is not None and r in self.rows
 
     def __iter__(self) -> Iterator[str]:
@@ -287,27 +284,31 @@ class TableSlice(Mapping):
     def __len__(self) -> int:
         return len(self.rows)
 
-    def values(self) -> _Values:
+    def values(self) -> _Values:  # type: ignore[override]
         return _Values(self.table, self.rows)
 
-    def items(self) -> _Items:
+    def items(self) -> _Items:  # type: ignore[override]
         return _Items(self.table, self.rows)
 
 
-class _Values:
+class _Rows:
     __slots__ = ("table", "rows")
 
-    def __init__(self, table: TensorTable, rows) -> None:
+    def __init__(self, table: TensorTable, rows: Sequence[int]) -> None:
         self.table, self.rows = table, rows
-
-    def __iter__(self) -> Iterator[TensorInfo]:
-        return self.table.infos(self.rows)
 
     def __len__(self) -> int:
         return len(self.rows)
 
 
-class _Items(_Values):
+class _Values(_Rows):
+    __slots__ = ()
+
+    def __iter__(self) -> Iterator[TensorInfo]:
+        return self.table.infos(self.rows)
+
+
+class _Items(_Rows):
     __slots__ = ()
 
     def __iter__(self) -> Iterator[tuple[str, TensorInfo]]:

@@ -10,15 +10,15 @@ import math
 import os
 import struct
 import threading
-from collections.abc import Callable
-from concurrent.futures import Future
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NamedTuple, Union
 
-from qtool.errors import CheckpointError
+from qtool.errors import CheckpointError, Interrupted
 from qtool.io.checkpoint import INDEX_NAME
 from qtool.io.dtypes import nbytes_for
-from qtool.io.jsonio import load_json
+from qtool.io.hashed_writes import HashedWrites
+from qtool.io.index_file import index_weight_map, read_index
 from qtool.io.safetensors_header import read_header
 
 
@@ -89,10 +89,7 @@ def shard_size(tensors: list[OutTensor], metadata: dict[str, str] | None = None)
     return len(build_header(tensors, metadata)) + sum(t.nbytes for t in tensors)
 
 
-class Interrupted(Exception):
-    """A copy was stopped on request (another shard failed, or the user interrupted the run)."""
-
-
+STOPPED = "a copy stopped on request (another shard failed, or the run was interrupted)"
 SHORT_COPY = 64 << 20
 COPY_CHUNK = 256 << 20  # per copy_file_range call: also how often a stop request is looked at
 
@@ -114,7 +111,7 @@ def copy_range(
         try:
             while remaining > 0:
                 if stop is not None and stop.is_set():
-                    raise Interrupted()
+                    raise Interrupted(STOPPED)
                 n = os.copy_file_range(src_fd, dst_fd, min(remaining, COPY_CHUNK), offset)
                 if n == 0:
                     break
@@ -128,7 +125,7 @@ def copy_range(
     chunk = 8 << 20
     while remaining > 0:
         if stop is not None and stop.is_set():
-            raise Interrupted()
+            raise Interrupted(STOPPED)
         buf = os.pread(src_fd, min(chunk, remaining), offset)
         if not buf:
             raise OSError(5, "source file ended early")
@@ -137,277 +134,6 @@ def copy_range(
         remaining -= len(buf)
         if copied is not None:
             copied()
-
-
-class InOrder:
-    """A file's operations (writes, seeks, copies) run in the order given, on a thread of their own, with at
-    most `depth` queued: the caller codes the next chunk of a layer while the last one is written (the
-    write is the longest step of a quantize layer: ~2 s of it on the lent H200 machine). After a failed
-    operation the queued ones are skipped; the error is raised by the next `call` or by `close`, which
-    waits for everything queued, so the file is never closed under a write (`abandon`: the caller failed;
-    skip what is queued, wait for the one running)."""
-
-    def __init__(self, depth: int = 2, name: str = "qtool-file-write") -> None:
-        from collections import deque
-        from concurrent.futures import ThreadPoolExecutor
-
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
-        self.pending: deque = deque()
-        self.depth = depth
-        self.failed: BaseException | None = None
-        self.skip = False
-        self.closed = False
-
-    def _run(self, fn, args) -> None:
-        if self.failed is not None or self.skip:
-            return
-        try:
-            fn(*args)
-        except BaseException as e:  # noqa: BLE001 -- raised by the caller's next call or close
-            self.failed = e
-
-    def _raise(self) -> None:
-        if self.failed is not None:
-            raise self.failed
-
-    def call(self, fn, *args) -> None:
-        while self.pending and (len(self.pending) >= self.depth or self.pending[0].done()):
-            self.pending.popleft().result()
-        self._raise()
-        self.pending.append(self.pool.submit(self._run, fn, args))
-
-    def drain(self) -> None:
-        """Wait for every queued operation; raise the first error (again on each call)."""
-        while self.pending:
-            self.pending.popleft().result()
-        self._raise()
-
-    def close(self) -> None:
-        """drain(), and end the thread."""
-        try:
-            self.drain()
-        finally:
-            self._shutdown()
-
-    def abandon(self) -> None:
-        """The caller failed: skip the queued operations, wait for the one running; raise nothing."""
-        self.skip = True
-        self.pending.clear()
-        self._shutdown()
-
-    def _shutdown(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self.pool.shutdown(wait=True)
-
-
-class HashedWrites:
-    """Writes buffers to a file in order and computes the file's sha256 on a thread of its own (hashlib
-    releases the GIL), so the hash overlaps the writes and the writer never waits for it.
-
-    The thread hashes the written buffers themselves, keeping at most `depth` of them alive. When it falls
-    further behind (sha256 runs at ~1.2 GB/s on the H200 machine's cores, a layer shard is written at
-    ~2.5 GB/s there), the buffers are let go and the thread goes on from the file (`path`), trailing the
-    writer through the bytes just written (the page cache): the digest is ready about when the hash of the
-    file would be, not a whole second read after the last write. `digest()` is that digest, a Future;
-    without `path` a hash that falls behind gives up (the future holds None: the caller hashes the file).
-
-    `keep_pace`: the writer waits for the hash instead, which never leaves the written buffers: for a file
-    that nothing waits to write after it (the job's last layer shard), whose digest ends the job. Reading
-    the file back costs the hash a copy and a pass over memory no cache holds: on the lent H100 machines
-    the last shard's trailing hash ran at 0.76-0.80 GB/s beside the layer ahead's, against 1.17-1.44 GB/s
-    for one core alone; on the 2-core VM, 64 MiB pieces read back from /dev/shm and hashed ran at 1.12 GiB/s,
-    the buffers themselves at 1.43. The buffers are then kept until hashed: `depth` queued (one by default:
-    the hash always has the next) and the one being hashed, besides the one the writer waits to queue."""
-
-    # bytes the trailing hash reads at a time: each read and each update gives up the GIL and then waits
-    # for it behind the job's busy main thread (up to the 5 ms switch interval): beside a busy Python
-    # thread on the 2-core VM, 16 MiB pieces hashed at 0.62 GB/s, 64 MiB at 0.85 (alone: 0.97-0.99)
-    READ = 64 << 20
-
-    def __init__(
-        self,
-        f,
-        depth: int | None = None,
-        path: str | os.PathLike | None = None,
-        read: int | None = None,
-        keep_pace: bool = False,
-    ) -> None:
-        import hashlib
-        from collections import deque
-
-        if depth is None:
-            depth = 1 if keep_pace else 4
-        if keep_pace and depth < 1:
-            raise ValueError("keep_pace needs room for one buffer (depth >= 1)")
-        self.f = f
-        self.h = hashlib.sha256()
-        self.depth = depth
-        self.keep_pace = keep_pace
-        self.path = path
-        self.read = read or self.READ  # the trailing hash's buffer (one per file being written)
-        self.cond = threading.Condition()
-        self.queue: deque = deque()  # buffers to hash; a None: from here on, trail the file
-        self.written = 0  # bytes handed to the file so far (in order)
-        self.flushed = 0  # of those, in the file (readable by the trailing hash)
-        self.trailing_from: int | None = None
-        self.closed = False  # no more writes: everything up to `written` is (or will be) flushed
-        self.cancelled = False
-        self.ended = False  # the hash thread is gone (done, stopped, or failed: the digest holds the error)
-        self.future: Future = _Digest(self)
-        self.behind = False
-        # opened now: the writer renames the file once written, maybe before the hash reaches the file
-        self.fd = os.open(path, os.O_RDONLY) if path is not None else None
-        self.thread = threading.Thread(target=self._run, name="qtool-out-sha256", daemon=True)
-        self.thread.start()
-
-    def write(self, data) -> None:
-        n = memoryview(data).nbytes
-        with self.cond:
-            if not self.behind:
-                if self.keep_pace:
-                    while len(self.queue) >= self.depth and not (self.cancelled or self.ended):
-                        self.cond.wait()  # until the hash takes a buffer
-                    if not (self.cancelled or self.ended):  # stopped or failed: nothing hashes it
-                        self.queue.append(data)
-                elif len(self.queue) >= self.depth:
-                    self._trail()
-                else:
-                    self.queue.append(data)
-                self.cond.notify_all()
-        self.f.write(data)
-        with self.cond:
-            self.written += n
-            if self.behind:
-                self.flushed = self._flushed()
-                self.cond.notify()
-
-    def grew(self) -> None:
-        """Bytes reached the file past `write` (a kernel copy into its descriptor, after a flush): the hash
-        reads them from the file, trailing it from wherever it stands."""
-        with self.cond:
-            if not self.behind:
-                self._trail()
-            # the descriptor's offset: a kernel copy moved it past anything `write` counted (buffered or not)
-            self.written = self.flushed = os.lseek(self.f.fileno(), 0, os.SEEK_CUR)
-            self.cond.notify()
-
-    def _trail(self) -> None:
-        """From here on the hash reads the file (call holding `cond`): the queued buffers are hashed from it
-        instead (the one being hashed is not queued)."""
-        self.behind = True
-        self.trailing_from = self.written - sum(memoryview(b).nbytes for b in self.queue)
-        self.queue.clear()
-        self.queue.append(None)
-        if self.path is None:
-            self.future.set_result(None)  # no file to trail: the caller hashes it
-
-    def _flushed(self) -> int:
-        """Bytes of the file the OS holds: the written ones, less what the buffered writer still holds."""
-        buffered = getattr(self.f, "raw", None) is not None
-        return os.lseek(self.f.fileno(), 0, os.SEEK_CUR) if buffered else self.written
-
-    def _run(self) -> None:
-        fd, buf = self.fd, None
-        try:
-            while True:
-                with self.cond:
-                    while not self.queue and not self.closed and not self.cancelled:
-                        self.cond.wait()
-                    if self.cancelled:
-                        return
-                    if not self.queue:
-                        break  # closed, all hashed
-                    item = self.queue.popleft()
-                    self.cond.notify_all()  # a writer keeping pace waits for the room
-                if item is not None:
-                    self.h.update(item)
-                    continue
-                if self.path is None:
-                    return  # fell behind (the future says None)
-                pos = self.trailing_from
-                while True:
-                    with self.cond:
-                        while (
-                            pos >= self.flushed
-                            and not (self.closed and self.flushed == self.written)
-                            and not self.cancelled
-                        ):
-                            self.cond.wait()
-                        if self.cancelled:
-                            return
-                        upto, last = self.flushed, self.closed and self.flushed == self.written
-                    while pos < upto and not self.cancelled:
-                        if buf is None:
-                            buf = memoryview(bytearray(self.read))  # one buffer, not a new bytes per read
-                        n = os.preadv(fd, [buf[: min(self.read, upto - pos)]], pos)
-                        if not n:
-                            raise OSError(f"{self.path}: shorter than the {upto} bytes written")
-                        self.h.update(buf[:n])
-                        pos += n
-                    if self.cancelled:
-                        return
-                    if last and pos >= self.written:
-                        break
-                break
-            if not self.future.done():
-                self.future.set_result(self.h.hexdigest())
-        except BaseException as e:  # noqa: BLE001 -- the digest's reader sees it
-            if not self.future.done():
-                self.future.set_exception(e)
-        finally:
-            with self.cond:
-                self.ended = True
-                self.cond.notify_all()  # a writer keeping pace waits no more
-            if fd is not None:
-                os.close(fd)
-
-    def digest(self):
-        """The file's sha256 as a Future (hexdigest str; None where the hash fell behind without `path`):
-        flushes the writer's buffer; no write may follow."""
-        self.f.flush()
-        with self.cond:
-            self.flushed = self._flushed() if self.behind else self.written
-            if self.flushed != self.written:  # a seek or a write past this object: no digest of the file
-                self.cancelled = True
-                if not self.future.done():
-                    self.future.set_exception(
-                        OSError(
-                            f"{self.path}: the file holds {self.flushed} bytes, {self.written} were written in order"
-                        )
-                    )
-            self.closed = True
-            self.cond.notify()
-        return self.future
-
-    def hexdigest(self) -> str | None:
-        return self.digest().result()
-
-    def stop(self) -> None:
-        """Stop the hash and wait for its thread (an error path, before or after `digest`; after it, the
-        digest's reader may cancel it instead): nothing of it may run on past an error. A daemon thread
-        still running at the interpreter's exit is killed where it next takes the GIL; one holding or
-        dropping a torch object there aborts the process ("terminate called without an active
-        exception", pytorch#38228: CI saw it after a full disk)."""
-        with self.cond:
-            self.cancelled = True
-            self.cond.notify_all()  # the hash thread, and a writer keeping pace with it
-        if self.thread is not threading.current_thread():
-            self.thread.join()
-
-
-class _Digest(Future):
-    """HashedWrites' digest: cancelling it (a reader that no longer wants it, on an error path) stops the
-    hash and waits for its thread."""
-
-    def __init__(self, hashing: HashedWrites) -> None:
-        super().__init__()
-        self._hashing = hashing
-
-    def cancel(self) -> bool:
-        cancelled = super().cancel()
-        self._hashing.stop()
-        return cancelled
 
 
 TRAILING_COPY_READ = 8 << 20  # the hash trailing a copied shard reads this much at a time (write_shard)
@@ -485,7 +211,7 @@ def write_shard(
                     run.extend((src.file, src.start, src.end))
             flush()
             os.fsync(dst)
-            if hashing is not None:
+            if hashing is not None and on_digest is not None:
                 on_digest(hashing.digest())
         done = True
     except OSError as e:
@@ -498,25 +224,6 @@ def write_shard(
         for fd in fds.values():
             os.close(fd)
     return path.stat().st_size
-
-
-def write_shard_atomic(
-    path: str | Path, tensors: list[OutTensor], metadata: dict[str, str] | None = None, mode: int = 0o644
-) -> int:
-    """write_shard to a temporary name next to `path`, then rename: readers see the old shard or the new
-    one, never a partial one (the temporary file is removed on failure)."""
-    from qtool.io.files import tmp_path
-
-    path = Path(path)
-    tmp = tmp_path(path)
-    try:
-        size = write_shard(tmp, tensors, metadata, mode=mode)
-        os.replace(tmp, path)
-    except BaseException:
-        if tmp.exists():
-            tmp.unlink()
-        raise
-    return size
 
 
 def shard_file_name(i: int, n: int) -> str:
@@ -544,7 +251,7 @@ def index_json(weight_map: dict[str, str], total_size: int) -> dict:
     return {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
 
 
-def index_text(weight_map: dict[str, str], metadata: dict):
+def index_text(weight_map: dict[str, str], metadata: dict) -> Iterator[str]:
     """`json.dumps({"metadata": metadata, "weight_map": sorted weight_map}, indent=2) + "\n"` in chunks
     (a generator). The same text without the pure-Python indenting encoder, which for a 397B index (~370k
     entries) took ~3 s and held ~100 MB of pieces before joining them."""
@@ -559,19 +266,6 @@ def index_text(weight_map: dict[str, str], metadata: dict):
         lines = ",\n".join(f"    {enc(n)}: {enc(weight_map[n])}" for n in names[i : i + step])
         yield ("{\n" if i == 0 else ",\n") + lines
     yield "\n  }\n}\n"
-
-
-def write_index_json(path: str | Path, weight_map: dict[str, str], total_size: int) -> None:
-    """Write the index file for `weight_map` (see index_text); not atomic, not fsynced."""
-    with open(path, "w", encoding="utf-8") as f:
-        for chunk in index_text(weight_map, {"total_size": total_size}):
-            f.write(chunk)
-
-
-def read_index(root: str | Path) -> dict:
-    """The parsed `model.safetensors.index.json` of the checkpoint directory `root`."""
-    index, _ = load_json(Path(root) / INDEX_NAME, what="safetensors index")
-    return index
 
 
 def write_index(root: str | Path, weight_map: dict[str, str], metadata: dict | None = None) -> None:
@@ -589,8 +283,8 @@ def append_shard(root: str | Path, tensors: list[OutTensor]) -> None:
     shard, rewrite the index (`total_size`, and `total_parameters` when the index has it)."""
     root = Path(root)
     if (root / INDEX_NAME).exists():
-        index = read_index(root)
-        weight_map: dict[str, str] = dict(index["weight_map"])
+        index, by_file = read_index(root / INDEX_NAME)
+        weight_map = index_weight_map(by_file)
         metadata = dict(index.get("metadata") or {})
     else:
         lone = root / "model.safetensors"

@@ -36,7 +36,7 @@ _YAML12_BOOL = re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$")
 class _Refused(Exception):
     """Something the loader does not accept, with the position where it was found."""
 
-    def __init__(self, message: str, mark, hint: str) -> None:
+    def __init__(self, message: str, mark: yaml.Mark, hint: str) -> None:
         super().__init__(message)
         self.message = f"{message} (line {mark.line + 1}, column {mark.column + 1})"
         self.hint = hint
@@ -50,7 +50,7 @@ class _RecipeLoader(yaml.SafeLoader):
         for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
     }
 
-    def compose_node(self, parent, index):
+    def compose_node(self, parent: yaml.Node | None, index: object) -> yaml.Node | None:
         event = self.peek_event()
         if isinstance(event, yaml.AliasEvent):
             raise _Refused(f"YAML alias *{event.anchor} is not accepted in a recipe", event.start_mark, _NO_ALIASES)
@@ -58,7 +58,7 @@ class _RecipeLoader(yaml.SafeLoader):
             raise _Refused(f"YAML anchor &{event.anchor} is not accepted in a recipe", event.start_mark, _NO_ALIASES)
         return super().compose_node(parent, index)
 
-    def construct_bounded_number(self, node):
+    def construct_bounded_number(self, node: yaml.ScalarNode) -> int | float:
         if len(node.value) > MAX_NUMBER_CHARS:
             raise _Refused(
                 f"a number of {len(node.value)} characters (at most {MAX_NUMBER_CHARS})", node.start_mark, _NUMBERS

@@ -252,8 +252,13 @@ def _config_vs_tensors(mm: ModelMap, summary: QuantSummary) -> list[Finding]:
                 "ModelOpt and compressed-tensors checkpoints only; BF16/quantized module decisions not checked",
             )
         ]
-    from qtool.engines.decide import unit_decisions
+    from qtool.engines import parse_version
+    from qtool.engines.decide import DEFAULT_ENGINES, unit_decisions
+    from qtool.ops.verify import mixed_precision
 
+    if mixed_precision.is_mixed(summary):  # per-module algorithms (quantized_layers), not one ignore list
+        found, _, _ = mixed_precision.mixed_findings(mm, summary, [parse_version(v) for v in DEFAULT_ENGINES])
+        return [f for f in found if f.is_error]
     out = []
     for engine, decisions in unit_decisions(mm, summary).items():
         refused = [u for u, (excluded, _f) in decisions.items() if excluded is None]

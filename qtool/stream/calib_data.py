@@ -18,27 +18,19 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from qtool.errors import CheckpointError, PlanError, UsageError
+from qtool.stream import token_cache
+from qtool.stream.calib_sources import BUILTIN, TOKENIZER_FILES, builtin_path, parse_hub_dataset
 
-BUILTIN = "builtin"
+if TYPE_CHECKING:
+    import torch
 
-
-def builtin_path() -> Path:
-    return Path(__file__).resolve().parent.parent / "data" / "calib_builtin.txt"
-
-
-def parse_hub_dataset(spec: str) -> tuple[str, str | None, str]:
-    """`hf:ORG/NAME[@REV][:SPLIT]` -> (repo, revision, split); the split defaults to `train`."""
-    from qtool.hub.resolve import parse_spec
-
-    body, sep, split = spec.removeprefix("hf:").rpartition(":")
-    if not sep:
-        body, split = split, ""
-    hs = parse_spec("hf:" + body)
-    return hs.repo_id, hs.revision, split or "train"
+    from qtool.io.checkpoint import Checkpoint
 
 
 def dataset_revision(dataset: str) -> str | None:
@@ -57,7 +49,7 @@ def dataset_revision(dataset: str) -> str | None:
         return HfApi().dataset_info(repo, revision=rev).sha
 
 
-def _rows(dataset: str):
+def _rows(dataset: str) -> Iterator[Any]:
     """The rows of a .parquet file or a Hub dataset split, as dicts, one at a time (a caller that has the
     tokens it needs stops reading: ultrachat_200k's train_sft split is 200k conversations)."""
     if dataset.startswith("hf:"):
@@ -85,13 +77,13 @@ def _rows(dataset: str):
         with hub_errors(HubSpec(repo, rev)):  # a network error while rows stream in: named, no traceback
             yield from ds
         return
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # type: ignore[import-untyped]
 
     for batch in pq.ParquetFile(dataset).iter_batches(batch_size=256):
         yield from batch.to_pylist()
 
 
-def _document(row, i: int, where, tokenizer) -> str:
+def _document(row: Any, i: int, where: str | Path, tokenizer: Any) -> str:
     """A row's text: its `text`, or its chat `messages` rendered by the checkpoint's chat template."""
     if isinstance(row, dict) and isinstance(row.get("text"), str):
         return row["text"]
@@ -121,7 +113,7 @@ def _read_utf8(path: Path) -> str:
         ) from None
 
 
-def read_documents(dataset: str, tokenizer=None):
+def read_documents(dataset: str, tokenizer: Any = None) -> Iterable[str]:
     """The dataset's documents in order (an iterable: Hub datasets and parquet files are read lazily)."""
     if dataset == BUILTIN:
         return [builtin_path().read_text(encoding="utf-8")]
@@ -156,7 +148,7 @@ def read_documents(dataset: str, tokenizer=None):
 class CalibSet:
     """`ids` is a LongTensor [N, L]; `digest` identifies the token ids (journal key for --resume)."""
 
-    ids: object
+    ids: torch.Tensor
     dataset: str
     available_tokens: int
     revision: str | None = None  # a Hub dataset's commit
@@ -192,7 +184,7 @@ class CalibSet:
         return token_digest(self.ids)
 
 
-def token_digest(ids) -> str:
+def token_digest(ids: torch.Tensor) -> str:
     import torch
 
     t = ids.to(torch.int64).contiguous()
@@ -242,11 +234,7 @@ def windows_from_ids(
     return CalibSet(t, dataset, len(ids))
 
 
-# what AutoTokenizer reads (fast tokenizers: tokenizer.json; slow ones: the vocab files)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
-
-
-def load_tokenizer(ckpt_dir: str | Path):
+def load_tokenizer(ckpt_dir: str | Path) -> Any:
     """The checkpoint's tokenizer (its side files already checked by the caller, build_calib_set)."""
     from qtool.stream.warm_import import join, skip_unused_imports
 
@@ -278,7 +266,7 @@ def load_tokenizer(ckpt_dir: str | Path):
         ) from None
 
 
-def plan_calibration(ckpt, dataset: str, samples: int, seq_len: int, *, at_most: bool = False) -> CalibSet:
+def plan_calibration(ckpt: Checkpoint, dataset: str, samples: int, seq_len: int, *, at_most: bool = False) -> CalibSet:
     """The calibration windows of a plan (before any weight is read): the dataset read and tokenized with
     the checkpoint's tokenizer; too few tokens, or ids past the model's vocab, refuse here (`at_most`:
     fewer windows than `samples` where the dataset gives fewer)."""
@@ -296,7 +284,7 @@ def plan_calibration(ckpt, dataset: str, samples: int, seq_len: int, *, at_most:
     return calib
 
 
-def _tokenize(tok, dataset: str, need: int, stop: threading.Event | None = None) -> list[int]:
+def _tokenize(tok: Any, dataset: str, need: int, stop: threading.Event | None = None) -> list[int]:
     """The dataset's token ids, documents in order, until `need` of them (or the data's end); once `stop`
     is set (the job was interrupted while this ran on another thread), Interrupted at the next document."""
     from qtool.errors import Interrupted
@@ -319,7 +307,7 @@ def build_calib_set(
     samples: int,
     seq_len: int,
     *,
-    tokenizer=None,
+    tokenizer: Any = None,
     at_most: bool = False,
     revision: str | None = None,
 ) -> CalibSet:
@@ -329,8 +317,6 @@ def build_calib_set(
     need = samples * seq_len
     key = None
     if tokenizer is None:
-        from qtool.stream import token_cache
-
         if Path(ckpt_dir).is_dir():
             from qtool.io.plan import checkpoint_files
 

@@ -13,12 +13,30 @@ transformers models/qwen3_5_moe Qwen3_5MoeExperts), one expert at a time.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING, Protocol, TypeAlias
 
 from qtool.arch.model_map import Format, ModelMap, Module
 from qtool.arch.qwen35 import Group, layer_prefix
 from qtool.errors import PlanError
 from qtool.io.dtypes import DTYPE_BITS
 from qtool.io.safetensors_header import TensorInfo
+from qtool.io.stream_digest import NO_DIGESTS, DigestSink
+
+if TYPE_CHECKING:
+    import torch
+
+    from qtool.stream.layer_read import LayerBytes
+
+Device: TypeAlias = "str | torch.device"
+
+
+class TensorBytes(Protocol):
+    """Where a layer's tensors come from: a TensorSource (read now) or a layer_read.LayerBytes (read ahead)."""
+
+    def get(self, info: TensorInfo) -> torch.Tensor: ...
+
+    def close(self) -> None: ...
+
 
 # Parameters that belong to a quantized format's storage or to calibration, never to the dense module.
 _AUX_PARAMS = frozenset(
@@ -68,12 +86,14 @@ def dense_numel(mod: Module) -> int:
 class TensorSource:
     """Reads tensors with pread into private memory, one open fd per shard while a layer is read
     (thousands of expert tensors). Not mmap: mapped shard pages would count towards the process's
-    resident memory and double the peak of a layer load."""
+    resident memory and double the peak of a layer load. Its reads are handed to `digests` (the job's
+    inputs hashed from its reads: qtool.io.stream_digest)."""
 
-    def __init__(self):
+    def __init__(self, digests: DigestSink = NO_DIGESTS) -> None:
         self._fds: dict[str, int] = {}
+        self.digests = digests
 
-    def get(self, info: TensorInfo):
+    def get(self, info: TensorInfo) -> torch.Tensor:
         import torch
 
         from qtool.io.dtypes import TORCH_DTYPE_NAMES
@@ -84,7 +104,7 @@ class TensorSource:
         if fd is None:
             fd = self._fds[info.file] = open_for_reads(info.file)
         buf = bytearray(info.nbytes)
-        pread_exact(fd, memoryview(buf), info.start, info.file, tensor=info.name)
+        pread_exact(fd, memoryview(buf), info.start, info.file, tensor=info.name, digests=self.digests)
         dtype = getattr(torch, TORCH_DTYPE_NAMES[info.dtype])
         if info.nbytes == 0:
             return torch.empty(tuple(info.shape), dtype=dtype)
@@ -101,23 +121,31 @@ class TensorSource:
 QUANTIZED = (Format.NVFP4, Format.NVFP4_CT, Format.FP8, Format.AWQ, Format.INT4_CT)
 
 
-def stored_dense(mm: ModelMap, name: str) -> bool:
+def stored_dense(model_map: ModelMap, name: str) -> bool:
     """Whether the tensor `name` is stored as its own dense values (not a quantized module's weight)."""
-    mod = mm.modules.get(name.rpartition(".")[0])
-    return name in mm.ckpt.tensors and (mod is None or mod.format not in QUANTIZED)
+    mod = model_map.modules.get(name.rpartition(".")[0])
+    return name in model_map.ckpt.tensors and (mod is None or mod.format not in QUANTIZED)
 
 
-def load_param(mm: ModelMap, name: str, dtype, device="cpu", read=None):
+def load_param(
+    model_map: ModelMap,
+    name: str,
+    dtype: torch.dtype,
+    device: Device = "cpu",
+    read: LayerBytes | None = None,
+    digests: DigestSink = NO_DIGESTS,
+) -> torch.Tensor:
     """The tensor `name` dense in `dtype` on `device` (a quantized weight dequantized); `read`: a
-    qtool.stream.layer_read.LayerBytes that holds its bytes already (read ahead), else it is read here."""
-    info = mm.ckpt.tensors.get(name)
+    qtool.stream.layer_read.LayerBytes that holds its bytes already (read ahead), else it is read here
+    (handed to `digests`)."""
+    info = model_map.ckpt.tensors.get(name)
     if info is None:
-        raise PlanError("tensor missing from the checkpoint", path=mm.ckpt.root, tensor=name)
-    if not stored_dense(mm, name):
-        return dense_weight(mm.modules[name.rpartition(".")[0]], dtype, device)
+        raise PlanError("tensor missing from the checkpoint", path=model_map.ckpt.root, tensor=name)
+    if not stored_dense(model_map, name):
+        return dense_weight(model_map.modules[name.rpartition(".")[0]], dtype, device, TensorSource(digests))
     if read is not None and read.has(info):
         return read.get(info).to(device=device, dtype=dtype)
-    src = TensorSource()
+    src = TensorSource(digests)
     try:
         return src.get(info).to(device=device, dtype=dtype)
     finally:
@@ -127,21 +155,29 @@ def load_param(mm: ModelMap, name: str, dtype, device="cpu", read=None):
 EMBED_GAP = 1 << 20  # bytes of unused rows read through rather than split into another read
 
 
-def embedding_rows(mm: ModelMap, name: str, ids, dtype, every_id=None):
+def embedding_rows(
+    model_map: ModelMap,
+    name: str,
+    ids: torch.Tensor,
+    dtype: torch.dtype,
+    every_id: torch.Tensor | None = None,
+    digests: DigestSink = NO_DIGESTS,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(table, lookup) with table[lookup[ids]] == load_param(mm, name, dtype)[ids]: the rows of the
     embedding matrix the token ids use, read alone (runs of nearby rows read together). A calibration set
     uses ~1-5% of the 397B's 248,320 rows, so its 2 GB table is not read to make the first layer's input
     (what the input's sha256 needs besides, the digest reads itself). A quantized embedding is dequantized
     whole, as load_param does. every_id: the ids of every rank (checked, so that a bad one stops them all
-    with the same error, not one rank while the others wait at a barrier); default `ids`."""
+    with the same error, not one rank while the others wait at a barrier); default `ids`. The rows read are
+    handed to `digests` (the job's inputs hashed from its reads)."""
     import torch
 
     from qtool.io.dtypes import TORCH_DTYPE_NAMES
     from qtool.io.input_files import open_for_reads
     from qtool.stream.layer_read import pread_exact
 
-    info = mm.ckpt.tensors.get(name)
-    mod = mm.modules.get(name.rpartition(".")[0])
+    info = model_map.ckpt.tensors.get(name)
+    mod = model_map.modules.get(name.rpartition(".")[0])
     quantized = mod is not None and mod.format in (
         Format.NVFP4,
         Format.NVFP4_CT,
@@ -150,7 +186,7 @@ def embedding_rows(mm: ModelMap, name: str, ids, dtype, every_id=None):
         Format.INT4_CT,
     )
     if info is None or quantized or len(info.shape) != 2:
-        w = load_param(mm, name, dtype)
+        w = load_param(model_map, name, dtype, digests=digests)
         return w, torch.arange(w.shape[0])
     rows, width = info.shape
     used = torch.unique(ids.reshape(-1)).tolist()  # sorted
@@ -180,9 +216,8 @@ def embedding_rows(mm: ModelMap, name: str, ids, dtype, every_id=None):
     try:
         at = 0
         for a, b in runs:
-            pread_exact(
-                fd, view[at * row_bytes : (at + b - a) * row_bytes], info.start + a * row_bytes, info.file, tensor=name
-            )
+            rows_view = view[at * row_bytes : (at + b - a) * row_bytes]
+            pread_exact(fd, rows_view, info.start + a * row_bytes, info.file, tensor=name, digests=digests)
             lookup[a:b] = torch.arange(at, at + b - a)
             at += b - a
     finally:
@@ -192,14 +227,16 @@ def embedding_rows(mm: ModelMap, name: str, ids, dtype, every_id=None):
     return table.to(dtype), lookup
 
 
-def dense_weight(mod: Module, dtype, device="cpu", src: TensorSource | None = None):
+def dense_weight(
+    mod: Module, dtype: torch.dtype, device: Device = "cpu", src: TensorBytes | None = None
+) -> torch.Tensor:
     """The module's weight matrix [out, in] as a dense `dtype` tensor on `device`."""
 
-    src = src or TensorSource()
+    source = src or TensorSource()
     p = mod.params
 
-    def t(name):
-        return src.get(p[name]).to(device)
+    def t(name: str) -> torch.Tensor:
+        return source.get(p[name]).to(device)
 
     fmt = mod.format
     if fmt is Format.NVFP4:
@@ -240,10 +277,12 @@ def _in_layer(m: Module, idx: int, prefix: str) -> bool:
     return m.layer == idx and not m.is_mtp and m.name.startswith(prefix)
 
 
-def missing_layer(mm: ModelMap, idx: int) -> PlanError:
+def missing_layer(model_map: ModelMap, idx: int) -> PlanError:
     """The error for a decoder layer without tensors (a truncated or mislabelled checkpoint)."""
     return PlanError(
-        f"no tensors for decoder layer {idx}", path=mm.ckpt.root, expected=layer_prefix(idx, mm.naming) + "*"
+        f"no tensors for decoder layer {idx}",
+        path=model_map.ckpt.root,
+        expected=layer_prefix(idx, model_map.naming) + "*",
     )
 
 
@@ -255,48 +294,55 @@ def _layer_modules(mm: ModelMap, idx: int) -> list[Module]:
     return mods
 
 
-def modules_by_layer(mm: ModelMap) -> list[list[Module]]:
+def modules_by_layer(model_map: ModelMap) -> list[list[Module]]:
     """Every decoder layer's modules (`_layer_modules` of each; an empty list where a layer has none), in one
     pass over the map's modules: for what looks at all layers at once (the 397B's ~95k modules, 60 layers)."""
-    prefixes = [layer_prefix(i, mm.naming) for i in range(mm.num_layers)]
+    prefixes = [layer_prefix(i, model_map.naming) for i in range(model_map.num_layers)]
     out: list[list[Module]] = [[] for _ in prefixes]
-    for m in mm.modules.values():
+    for m in model_map.modules.values():
         i = m.layer
         if i is not None and 0 <= i < len(out) and _in_layer(m, i, prefixes[i]):
             out[i].append(m)
     return out
 
 
-def layer_tensors(mm: ModelMap, idx: int) -> list[TensorInfo]:
+def layer_tensors(model_map: ModelMap, idx: int) -> list[TensorInfo]:
     """Every tensor `layer_state_dict` reads for decoder layer `idx` (what the read-ahead fetches)."""
-    return [info for m in _layer_modules(mm, idx) if m.group is not Group.KV_SCALE for info in m.params.values()]
+    return [info for m in _layer_modules(model_map, idx) if m.group is not Group.KV_SCALE for info in m.params.values()]
 
 
-def layer_state_dict(mm: ModelMap, idx: int, dtype, device, want: dict[str, tuple[tuple, object]], src=None) -> dict:
+def layer_state_dict(
+    model_map: ModelMap,
+    idx: int,
+    dtype: torch.dtype,
+    device: Device,
+    want: dict[str, tuple[tuple, object]],
+    src: TensorBytes | None = None,
+) -> dict:
     """State dict for transformers' decoder layer `idx` (local names, e.g. `mlp.experts.gate_up_proj`),
     every tensor dense in `dtype` on `device`; `want` = local name -> (shape, dtype) of the module.
     `src`: where the tensors come from (a qtool.stream.layer_read.LayerBytes read ahead; default: read
     now, one tensor at a time)."""
     import torch
 
-    pre = layer_prefix(idx, mm.naming)
-    src = src or TensorSource()
+    pre = layer_prefix(idx, model_map.naming)
+    source: TensorBytes = src or TensorSource()
     sd: dict = {}
-    mods = _layer_modules(mm, idx)
-    experts: dict[int, Module] = {}
+    mods = _layer_modules(model_map, idx)
+    experts: dict[int, dict[str, Module]] = {}
     try:
         for mod in mods:
             if mod.group is Group.KV_SCALE:
                 continue
             local = mod.name[len(pre) :]
             if mod.inner is Group.ROUTED_EXPERTS and mod.expert is not None:
-                experts.setdefault(mod.expert, {})[local.rpartition(".")[2]] = mod  # type: ignore[index]
+                experts.setdefault(mod.expert, {})[local.rpartition(".")[2]] = mod
                 continue
             if mod.format is not None and mod.format is not Format.BF16:
-                _put(sd, want, local + ".weight", dense_weight(mod, dtype, device, src), mod.name)
+                _put(sd, want, local + ".weight", dense_weight(mod, dtype, device, source), mod.name)
                 for name, info in mod.params.items():
                     if name == "bias":
-                        _put(sd, want, local + ".bias", src.get(info).to(device, dtype), mod.name)
+                        _put(sd, want, local + ".bias", source.get(info).to(device, dtype), mod.name)
                 continue
             for name, info in mod.params.items():
                 if name in _AUX_PARAMS:
@@ -308,16 +354,16 @@ def layer_state_dict(mm: ModelMap, idx: int, dtype, device, want: dict[str, tupl
                         tensor=info.name,
                         hint="is config.json's text_config from the same model as the weights?",
                     )
-                _put(sd, want, key, src.get(info).to(device, dtype), info.name)
+                _put(sd, want, key, source.get(info).to(device, dtype), info.name)
         if experts:
-            _fill_experts(sd, want, experts, dtype, device, src)
+            _fill_experts(sd, want, experts, dtype, device, source)
     finally:
-        src.close()
+        source.close()
     missing = sorted(set(want) - set(sd))
     if missing:
         raise PlanError(
             f"decoder layer {idx} lacks {len(missing)} tensor(s)",
-            path=mm.ckpt.root,
+            path=model_map.ckpt.root,
             tensor=pre + missing[0],
             hint="the checkpoint is incomplete or its config does not match its weights",
         )
@@ -325,7 +371,7 @@ def layer_state_dict(mm: ModelMap, idx: int, dtype, device, want: dict[str, tupl
     return sd
 
 
-def _put(sd: dict, want: dict, key: str, tensor, origin: str) -> None:
+def _put(sd: dict, want: dict, key: str, tensor: torch.Tensor, origin: str) -> None:
     shape, _ = want.get(key, (None, None))
     if shape is None:
         raise PlanError("checkpoint tensor has no place in transformers' decoder layer", tensor=origin)
@@ -339,7 +385,9 @@ def _put(sd: dict, want: dict, key: str, tensor, origin: str) -> None:
 EXPERT_BATCH = 32  # experts dequantized by one batched call (a 397B batch: ~1 GB of float32 temporaries)
 
 
-def _dense_experts(mods: list[Module], dtype, device, src, want: tuple[int, int]):
+def _dense_experts(
+    mods: list[Module], dtype: torch.dtype, device: Device, src: TensorBytes, want: tuple[int, int]
+) -> torch.Tensor:
     """The same projection of several experts, dense [k, out, in]. NVFP4 (both namings) is dequantized in
     one batched call: per expert, ~10 small kernels x 1,536 matrices cost ~0.6 s of a 397B layer on a
     GPU. Element-wise the same arithmetic as one matrix at a time, so the values are identical."""
@@ -362,7 +410,7 @@ def _dense_experts(mods: list[Module], dtype, device, src, want: tuple[int, int]
     if batched:
         from qtool.formats import nvfp4
 
-        def stacked(name):
+        def stacked(name: str) -> torch.Tensor:
             return torch.stack([src.get(m.params[name]).to(device) for m in mods])
 
         g = torch.stack([src.get(m.params[glob]).to(device).float().reshape(()) for m in mods])
@@ -379,7 +427,14 @@ def _dense_experts(mods: list[Module], dtype, device, src, want: tuple[int, int]
     return torch.stack(dense)
 
 
-def _fill_experts(sd, want, experts: dict[int, dict[str, Module]], dtype, device, src) -> None:
+def _fill_experts(
+    sd: dict,
+    want: dict,
+    experts: dict[int, dict[str, Module]],
+    dtype: torch.dtype,
+    device: Device,
+    src: TensorBytes,
+) -> None:
     import torch
 
     gu_shape = want["mlp.experts.gate_up_proj"][0]

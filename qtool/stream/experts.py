@@ -31,7 +31,13 @@ import torch.nn.functional as F
 Recorder = Callable[[int, torch.Tensor, torch.Tensor], None]
 
 
-def routed_forward(experts, hidden_states, top_k_index, top_k_weights, record: Recorder | None = None):
+def routed_forward(
+    experts: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    record: Recorder | None = None,
+) -> torch.Tensor:
     """`experts.forward`'s result (transformers eager), calling record(e, x, mid) per expert hit."""
     n_tok, top_k = top_k_index.shape
     final = torch.zeros_like(hidden_states)
@@ -64,7 +70,9 @@ GROUPED_TOKENS = 8192
 EAGER, GROUPED = "eager", "grouped_mm"
 
 
-def grouped_forward(experts, hidden_states, top_k_index, top_k_weights):
+def grouped_forward(
+    experts: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
     """The routed experts as one grouped matmul per projection, `GROUPED_TOKENS` tokens at a time; no host
     synchronisation. Deterministic: each token's top_k contributions are summed in a fixed order (float32),
     not by atomic adds."""
@@ -76,7 +84,9 @@ def grouped_forward(experts, hidden_states, top_k_index, top_k_weights):
     return out
 
 
-def _grouped_rows(experts, x, top_k_index, top_k_weights):
+def _grouped_rows(
+    experts: torch.nn.Module, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
     n_tok, top_k = top_k_index.shape
     flat = top_k_index.reshape(-1)  # slot r: token r // top_k, its (r % top_k)-th expert
     grouped, order = torch.sort(flat, stable=True)  # the slots grouped by expert
@@ -117,12 +127,17 @@ def _grouped_mm_runs(device: str) -> bool:
         return False
 
 
-def install(experts, record: Recorder | None = None, batch_hooks: list | None = None, kind: str = EAGER) -> None:
+def install(
+    experts: torch.nn.Module,
+    record: Recorder | None = None,
+    batch_hooks: list[Callable[[torch.Tensor], None]] | None = None,
+    kind: str = EAGER,
+) -> None:
     """Make `experts` (a Qwen3_5MoeExperts instance) use routed_forward (or grouped_forward, `kind`
     GROUPED, which records nothing); batch_hooks: fn(hidden_states) called once per forward (peer
     observers that see the whole micro-batch)."""
 
-    def forward(hidden_states, top_k_index, top_k_weights):
+    def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         for hook in batch_hooks or ():
             hook(hidden_states)
         if kind == GROUPED and record is None:
@@ -130,7 +145,3 @@ def install(experts, record: Recorder | None = None, batch_hooks: list | None = 
         return routed_forward(experts, hidden_states, top_k_index, top_k_weights, record)
 
     experts.forward = forward
-
-
-def uninstall(experts) -> None:
-    experts.__dict__.pop("forward", None)

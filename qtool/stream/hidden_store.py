@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from qtool.io.files import fsync_path
-from qtool.io.writer import InOrder
+from qtool.io.in_order import InOrder
 from qtool.stream.device_copy import Download, download
 from qtool.stream.layer_read import pread_exact
 

@@ -26,6 +26,9 @@ import importlib.util
 import inspect
 import os
 import sys
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
 
 _FN = "torch_chunk_gated_delta_rule"
 # what transformers' Qwen3.5-MoE module imports from fla (hub_kernels' _KERNELS_INTERNAL_PATH_MAPPINGS)
@@ -79,13 +82,13 @@ def import_gdn_kernel_alone() -> bool:
         return False
 
 
-def _bound(module):
+def _bound(module: ModuleType) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """(the function transformers bound, its PyTorch reference)."""
     fn = getattr(module, _FN)
     return fn, inspect.unwrap(fn)
 
 
-def _implementation(fn) -> object | None:
+def _implementation(fn: Callable[..., Any]) -> object | None:
     """The non-reference implementation a transformers wrapper calls, if any (its closure's `implementation`)."""
     code = getattr(fn, "__code__", None)
     if code is None or not fn.__closure__:

@@ -32,18 +32,23 @@ import errno
 import os
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from qtool.errors import PlanError
-from qtool.io import page_cache, stream_digest
+from qtool.io import page_cache
 from qtool.io.input_files import InputFiles, open_direct, open_for_reads
 from qtool.io.safetensors_header import TensorInfo
+from qtool.io.stream_digest import NO_DIGESTS, DigestSink
+
+if TYPE_CHECKING:
+    import torch
 
 MAX_GAP = 1 << 20  # read through holes up to 1 MiB (another layer's norm, a header) rather than split
 CHUNK = 64 << 20  # one preadv (a direct read) and one host->device copy
 # the most one preadv call through the page cache asks for (a filesystem without direct reads, and single
 # tensors' reads). The kernel reads up to min(call, max(io_pages, ra_pages)) of a call's pages before it
 # copies them out, and where the input does not fit the page cache a page read but not yet copied can be
-# dropped and read again: with tests/ops/test_one_read.py's dropper on the VM's disk (an 8 MiB window),
+# dropped and read again: with tests/contract/test_one_read.py's dropper on the VM's disk (an 8 MiB window),
 # 1 MiB calls read 1.017-1.038x the input, 64 MiB calls 1.034-1.132x, direct 64 MiB reads 1.008-1.011x.
 # The cost of short calls: each return needs the interpreter back, which a busy main thread holds up to
 # the 5 ms switch interval (on the H200, 4 readers read 0.64 GB/s beside a Python loop in 1 MiB calls,
@@ -75,7 +80,7 @@ class Piece:
     lo: int
     hi: int
     # CUDA: the run's bytes [lo, hi) on the device; CPU: the host buffer [start, end) is read into
-    dst: object = None
+    dst: Any = None  # a torch.Tensor, once the piece's buffer is made
 
 
 def coalesce(infos: list[TensorInfo], max_gap: int = MAX_GAP) -> list[_Run]:
@@ -99,7 +104,7 @@ def _up(n: int) -> int:
     return _down(n + ALIGN - 1)
 
 
-def aligned_empty(n: int, pin: bool = False):
+def aligned_empty(n: int, pin: bool = False) -> torch.Tensor:
     """A uint8 host tensor of `n` bytes whose address is a multiple of ALIGN (a direct read's buffer)."""
     import torch
 
@@ -122,11 +127,13 @@ def read_pieces(path: str, lo: int, hi: int) -> list[Piece]:
 
 
 class LayerBytes:
-    """The tensors `infos`, read in coalesced runs onto `device`; `get(info)` is a view, no copy."""
+    """The tensors `infos`, read in coalesced runs onto `device`; `get(info)` is a view, no copy. Each piece
+    read is handed to `digests` (the job's inputs hashed from its reads: qtool.io.stream_digest)."""
 
-    def __init__(self, infos: list[TensorInfo], device: str = "cpu") -> None:
+    def __init__(self, infos: list[TensorInfo], device: str = "cpu", digests: DigestSink = NO_DIGESTS) -> None:
         self.runs = coalesce(infos)
         self.device = device
+        self.digests = digests
         self._where: dict[str, tuple[int, int]] = {}  # tensor name -> (run, offset in the run)
         for k, run in enumerate(self.runs):
             for info in run.tensors:
@@ -158,38 +165,40 @@ class LayerBytes:
         import torch
 
         cuda = self.device != "cpu"
+        stages = staging or []  # (given on CUDA only)
         pieces = [p for run in self.runs for p in self._pieces(run)]
-        workers = len(staging) if cuda else READERS
+        workers = len(stages) if cuda else READERS
         if cuda and self.runs:
             # the buffers came from the device's default stream, where kernels queued before their
             # allocation may still use that memory (tensors another thread freed): the uploads, on side
             # streams, wait for those kernels first
             allocated = torch.cuda.Event()
             allocated.record(torch.cuda.current_stream(torch.device(self.device)))
-            for s in staging:
+            for s in stages:
                 s.stream.wait_event(allocated)
         errors: list[BaseException] = []
         # the input's sha256 is computed from these reads (qtool.io.stream_digest): every piece is claimed
         # first, so the digest waits for them rather than reading their bytes itself
+        digests = self.digests
         for p in pieces:
-            stream_digest.claim(p.path, p.lo, p.hi)
+            digests.claim(p.path, p.lo, p.hi)
 
         def work(k: int) -> None:
-            files = ShardFiles()
+            files = ShardFiles(digests)
             try:
                 for p in pieces[k::workers]:
                     if errors:
                         return
                     if cuda:
-                        staging[k].upload(files, p)
+                        stages[k].upload(files, p)
                     else:
-                        stream_digest.offer(p.path, p.lo, files.read(p, memoryview(p.dst.numpy())))
+                        digests.offer(p.path, p.lo, files.read(p, memoryview(p.dst.numpy())))
                 if cuda:
-                    staging[k].finish()
+                    stages[k].finish()
             except BaseException as e:
                 errors.append(e)
                 for p in pieces:  # the digest reads what will not be offered
-                    stream_digest.release(p.path, p.lo)
+                    digests.release(p.path, p.lo)
             finally:
                 files.close()
 
@@ -206,7 +215,7 @@ class LayerBytes:
     def has(self, info: TensorInfo) -> bool:
         return info.name in self._where
 
-    def raw(self, info: TensorInfo):
+    def raw(self, info: TensorInfo) -> torch.Tensor:
         """The file bytes of `info` (uint8, a view on the device they were read to)."""
         where = self._where.get(info.name)
         if where is None:
@@ -214,7 +223,7 @@ class LayerBytes:
         k, off = where
         return self._bufs[k][off : off + info.nbytes]
 
-    def span(self, file: str, start: int, end: int):
+    def span(self, file: str, start: int, end: int) -> torch.Tensor | None:
         """Bytes [start, end) of `file` (uint8, a view on the device they were read to), or None where no
         run read them all: a slice of a tensor (one expert of a fused source) as well as a whole one."""
         for k, run in enumerate(self.runs):
@@ -222,7 +231,7 @@ class LayerBytes:
                 return self._bufs[k][start - run.start : end - run.start]
         return None
 
-    def get(self, info: TensorInfo):
+    def get(self, info: TensorInfo) -> torch.Tensor:
         """The tensor `info` as a view of the read bytes (on the device it was read to)."""
         import torch
 
@@ -251,29 +260,30 @@ class ShardFiles:
     - else, and for a piece the input's digest has no room for (it is read again there, from the page
       cache while it is still there), through the page cache in READ_PIECE calls."""
 
-    def __init__(self) -> None:
+    def __init__(self, digests: DigestSink = NO_DIGESTS) -> None:
+        self.digests = digests
         self.direct: dict[str, int | None] = {}
         self.buffered: dict[str, int] = {}
 
-    def read(self, p: Piece, view: memoryview) -> memoryview:
+    def read(self, piece: Piece, view: memoryview) -> memoryview:
         """Read the piece into `view` (its [start, end), ALIGN-aligned); the run's bytes [lo, hi) of it."""
-        own = view[p.lo - p.start : p.hi - p.start]
-        buffered_fd = self._buffered(p.path)
-        if page_cache.resident(buffered_fd, p.lo, len(own)):
-            got = _read_upto(buffered_fd, own, p.lo, len(own))
+        own = view[piece.lo - piece.start : piece.hi - piece.start]
+        buffered_fd = self._buffered(piece.path)
+        if page_cache.resident(buffered_fd, piece.lo, len(own)):
+            got = _read_upto(buffered_fd, own, piece.lo, len(own))
         else:
-            got = self._read_direct(p, view)
+            got = self._read_direct(piece, view)
             # the rest through the page cache: all of it where direct reads are not to be, and what a
             # direct read returned short of (a filesystem's short count, or the file's end: read as 0 here)
-            got += _read_upto(buffered_fd, own[got:], p.lo + got, READ_PIECE)
+            got += _read_upto(buffered_fd, own[got:], piece.lo + got, READ_PIECE)
         if got < len(own):
-            raise _truncated(p.path, None)
+            raise _truncated(piece.path, None)
         return own
 
     def _read_direct(self, p: Piece, view: memoryview) -> int:
         """How many of the bytes [lo, hi) were read around the page cache (0: they are to be read through
         it)."""
-        if stream_digest.queue_full(p.path, p.hi - p.lo):
+        if self.digests.queue_full(p.path, p.hi - p.lo):
             return 0
         fd = self._direct(p.path)
         if fd is None:
@@ -329,20 +339,26 @@ def _truncated(path: str, tensor: str | None) -> PlanError:
 
 
 def pread_exact(
-    fd: int, view: memoryview, offset: int, path: str, tensor: str | None = None, reused: bool = False
+    fd: int,
+    view: memoryview,
+    offset: int,
+    path: str,
+    tensor: str | None = None,
+    reused: bool = False,
+    digests: DigestSink = NO_DIGESTS,
 ) -> None:
     """Fill `view` from `fd` at `offset`; a shard that ends early is a named error. The bytes feed the
-    input's sha256 when the job hashes it from its reads (qtool.io.stream_digest; `reused`: the buffer is
-    overwritten soon, so the digest takes a copy)."""
-    stream_digest.claim(path, offset, offset + len(view))
+    input's sha256 when the job hashes it from its reads (`digests`: qtool.io.stream_digest; `reused`: the
+    buffer is overwritten soon, so the digest takes a copy)."""
+    digests.claim(path, offset, offset + len(view))
     try:
         # at most READ_PIECE a call (above: a page of a long call can be dropped before it is copied)
         if _read_upto(fd, view, offset, READ_PIECE) < len(view):
             raise _truncated(path, tensor)
     except BaseException:
-        stream_digest.release(path, offset)
+        digests.release(path, offset)
         raise
-    stream_digest.offer(path, offset, view, (lambda: bytearray(view)) if reused else None)
+    digests.offer(path, offset, view, (lambda: bytearray(view)) if reused else None)
 
 
 class _Staging:
@@ -355,19 +371,20 @@ class _Staging:
         self.torch = torch
         self.stream = torch.cuda.Stream(device=device)
         self.host = [aligned_empty(CHUNK, pin=True) for _ in range(2)]
-        self.done = [None, None]  # the event after which buffer i may be overwritten
+        self.done: list[torch.cuda.Event | None] = [None, None]  # the event after which buffer i may be overwritten
         self.turn = 0
 
-    def upload(self, files: ShardFiles, p: Piece) -> None:
+    def upload(self, files: ShardFiles, piece: Piece) -> None:
         i = self.turn
         self.turn ^= 1
-        if self.done[i] is not None:
-            self.done[i].synchronize()
-        host = self.host[i][: p.end - p.start]
-        own = files.read(p, memoryview(host.numpy()))
-        stream_digest.offer(p.path, p.lo, own, lambda: bytearray(own))
+        done = self.done[i]
+        if done is not None:
+            done.synchronize()
+        host = self.host[i][: piece.end - piece.start]
+        own = files.read(piece, memoryview(host.numpy()))
+        files.digests.offer(piece.path, piece.lo, own, lambda: bytearray(own))
         with self.torch.cuda.stream(self.stream):
-            p.dst.copy_(host[p.lo - p.start : p.hi - p.start], non_blocking=True)
+            piece.dst.copy_(host[piece.lo - piece.start : piece.hi - piece.start], non_blocking=True)
             ev = self.torch.cuda.Event()
             ev.record(self.stream)
         self.done[i] = ev
@@ -378,32 +395,34 @@ class _Staging:
 
 class Prefetcher:
     """Reads the next layer's bytes in a background thread: `start(key, infos)` begins, `take(key)`
-    waits and returns the LayerBytes (an error in the thread is raised here)."""
+    waits and returns the LayerBytes (an error in the thread is raised here). Its reads are handed to
+    `digests` (LayerBytes)."""
 
-    def __init__(self, device: str = "cpu") -> None:
+    def __init__(self, device: str = "cpu", digests: DigestSink = NO_DIGESTS) -> None:
         self.device = device
-        self._staging = None
+        self.digests = digests
+        self._staging: list[_Staging] | None = None
         self._thread: threading.Thread | None = None
-        self._key = None
+        self._key: object = None
         self._result: LayerBytes | None = None
         self._error: BaseException | None = None
 
-    def _stage(self):
+    def _stage(self) -> list[_Staging] | None:
         if self.device != "cpu" and self._staging is None:
             self._staging = [_Staging(self.device) for _ in range(READERS)]
         return self._staging
 
     def read_now(self, infos: list[TensorInfo]) -> LayerBytes:
-        return LayerBytes(infos, self.device).read(self._stage())
+        return LayerBytes(infos, self.device, self.digests).read(self._stage())
 
-    def start(self, key, infos: list[TensorInfo]) -> None:
+    def start(self, key: object, infos: list[TensorInfo]) -> None:
         self.wait()
         self._key, self._result, self._error = key, None, None
         staging = self._stage()
 
         def work() -> None:
             try:
-                self._result = LayerBytes(infos, self.device).read(staging)
+                self._result = LayerBytes(infos, self.device, self.digests).read(staging)
             except BaseException as e:  # handed to take()
                 self._error = e
 
@@ -415,7 +434,7 @@ class Prefetcher:
             self._thread.join()
             self._thread = None
 
-    def take(self, key) -> LayerBytes | None:
+    def take(self, key: object) -> LayerBytes | None:
         """The prefetched bytes of `key`, or None when another (or no) layer was prefetched."""
         if self._key != key:
             return None

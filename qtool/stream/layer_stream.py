@@ -33,9 +33,9 @@ from qtool import dist
 from qtool.arch.model_map import ModelMap, build_map
 from qtool.arch.qwen35 import Group, layer_prefix, text_prefix
 from qtool.errors import PlanError
-from qtool.io import stream_digest
 from qtool.io.checkpoint import Checkpoint
 from qtool.io.safetensors_header import TensorInfo
+from qtool.io.stream_digest import NO_DIGESTS, DigestSink
 from qtool.io.tensor_table import file_of
 from qtool.io.writer import FileRange
 from qtool.quiet import transformers_errors_only
@@ -189,6 +189,7 @@ class LayerStreamer:
         batch_tokens: int | None = None,
         model_map: ModelMap | None = None,
         routed_experts: str = "eager",
+        digests: DigestSink = NO_DIGESTS,
     ) -> None:
         self.group = dist.current()  # data parallel: this rank computes its share of the micro-batches
         self.batch_tokens = batch_tokens  # tokens per micro-batch (default: 4096 on CPU, 32768 on GPU)
@@ -219,7 +220,8 @@ class LayerStreamer:
         self._hf_config = None
         self._layer_sizes: tuple[list[int], list[int]] | None = None
         self._rotary = None
-        self._reader = Prefetcher(device)
+        self.digests = digests  # the job's inputs hashed from this streamer's reads (qtool.io.stream_digest)
+        self._reader = Prefetcher(device, digests)
         # wall-clock times (epoch seconds) for benchmarks: when the first layer began loading, when each
         # layer was done (the op appends: quantize once its shard is written); reported, never in manifests
         self.clock: dict = {"first_layer_start": None, "layers_done": []}
@@ -327,7 +329,8 @@ class LayerStreamer:
 
         mine = self.my_batches(ids.shape[0], batch)
         used = torch.cat([ids[b0:b1].reshape(-1) for b0, b1 in mine]) if mine else ids[:0]
-        w, lookup = embedding_rows(self.model_map, self.prefix + "embed_tokens.weight", used, self.dtype, every_id=ids)
+        embed = self.prefix + "embed_tokens.weight"
+        w, lookup = embedding_rows(self.model_map, embed, used, self.dtype, every_id=ids, digests=self.digests)
         for b0, b1 in mine:
             x = w[lookup[ids[b0:b1]]]
             if isinstance(store, DiskStore):
@@ -414,13 +417,13 @@ class LayerStreamer:
     def inputs_hashed(self, idx: int) -> None:
         """Wait until the input bytes layer `idx` used (its tensors and the embedding) are hashed, where the
         job hashes its inputs from its reads (qtool.io.stream_digest): call before journaling the layer."""
-        if stream_digest.StreamDigests.active is None:
+        if self.digests is NO_DIGESTS:
             return
         ends: dict[str, int] = {}
         embed = self.ckpt.tensors.get(self.prefix + "embed_tokens.weight")
         for i in layer_tensors(self.model_map, idx) + ([embed] if embed is not None else []):
             ends[i.file] = max(ends.get(i.file, 0), i.end)
-        stream_digest.covered(ends)
+        self.digests.covered(ends)
 
     def prefetch(self, idx: int) -> None:
         """Start reading layer `idx`'s bytes in the background (qtool.stream.layer_read): the next

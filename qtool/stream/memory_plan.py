@@ -18,6 +18,13 @@ Op-specific extras (AWQ's kept activation rows, eval kld's lm_head phase) are pa
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from qtool.stream.hidden_store import hidden_on_device
+from qtool.stream.layer_read import CHUNK, READERS
+
+if TYPE_CHECKING:
+    from qtool.stream.layer_stream import StreamPlan
 
 # host RAM of a rank process before any tensor of the job: Python with torch, transformers and the tokenizer
 # (measured: 375 MiB after the imports, 433 MiB peak for a CPU quantize of the tiny fixture whose tensors
@@ -82,33 +89,42 @@ class MemoryNeed:
 
 
 def need(
-    sp, *, device: str, held_layers: int = 1, extra_host: int = 0, hidden_in_ram: bool = False, ranks: int = 1
+    stream_plan: StreamPlan,
+    *,
+    device: str,
+    held_layers: int = 1,
+    extra_host: int = 0,
+    hidden_in_ram: bool = False,
+    ranks: int = 1,
 ) -> MemoryNeed:
-    """`sp`: layer_stream.StreamPlan; per rank, on `device` (the fit reads that GPU's free memory)."""
-    from qtool.stream.hidden_store import hidden_on_device
-    from qtool.stream.layer_read import CHUNK, READERS
+    """`stream_plan`: layer_stream.StreamPlan; per rank, on `device` (the fit reads that GPU's free memory)."""
 
-    dense, stored = sp.max_layer_bytes, sp.max_stored_layer_bytes
-    item = sp.itemsize
-    on_device = hidden_on_device(device, sp.hidden_bytes)
-    hidden = sp.hidden_bytes if hidden_in_ram and not on_device else 0
+    dense, stored = stream_plan.max_layer_bytes, stream_plan.max_stored_layer_bytes
+    item = stream_plan.itemsize
+    on_device = hidden_on_device(device, stream_plan.hidden_bytes)
+    hidden = stream_plan.hidden_bytes if hidden_in_ram and not on_device else 0
     if device == "cpu":
-        steady = held_layers * dense + stored + sp.activation_bytes
-        host = max(sp.embed_bytes + stored, steady) + hidden + extra_host
+        steady = held_layers * dense + stored + stream_plan.activation_bytes
+        host = max(stream_plan.embed_bytes + stored, steady) + hidden + extra_host
         gpu = None
     else:
-        micro = 2 * sp.batch_windows * sp.seq_len * sp.hidden_size * item
+        micro = 2 * stream_plan.batch_windows * stream_plan.seq_len * stream_plan.hidden_size * item
         # on the device: a layer's outputs wait in page-locked memory for the file writes behind the forward
         # (torch keeps those pages for reuse); two sets on the GPU (a layer's input and output; eval kld's
         # in-memory store holds one, and the reference's stays there while the test side runs: two)
         host = (
             READERS * 2 * CHUNK
-            + max(sp.embed_bytes, micro)
+            + max(stream_plan.embed_bytes, micro)
             + hidden
             + extra_host
-            + (sp.hidden_bytes if on_device else 0)
+            + (stream_plan.hidden_bytes if on_device else 0)
         )
-        gpu = held_layers * dense + stored + sp.activation_bytes + (2 * sp.hidden_bytes if on_device else 0)
+        gpu = (
+            held_layers * dense
+            + stored
+            + stream_plan.activation_bytes
+            + (2 * stream_plan.hidden_bytes if on_device else 0)
+        )
     return MemoryNeed(
         device, ranks, PROCESS_BYTES + host, gpu, _host_available(), _gpu_free([device]) if gpu is not None else {}
     )

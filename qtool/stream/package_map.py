@@ -61,9 +61,9 @@ def packages_distributions() -> dict[str, list[str]]:
     matches; a fresh copy each call, as the standard library gives."""
     import hashlib
 
+    from qtool.cache import cache_dir
     from qtool.errors import WriteError
     from qtool.io.jsonio import atomic_write_text
-    from qtool.io.manifest import cache_dir
 
     key = _key()
     path = cache_dir() / f"{FILE}-{hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]}.json"

@@ -13,7 +13,12 @@ stream's work on them is done: `run` waits for the side stream when its block en
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 class SideStream:
@@ -29,7 +34,7 @@ class SideStream:
             high = torch.cuda.Stream.priority_range()[1]
             self.stream = torch.cuda.Stream(device=dev, priority=high)
 
-    def handoff(self):
+    def handoff(self) -> torch.cuda.Event | None:
         """A mark of everything the calling thread has queued so far on the device (an event), for `run`."""
         if self.stream is None:
             return None
@@ -40,7 +45,7 @@ class SideStream:
         return ready
 
     @contextmanager
-    def run(self, ready):
+    def run(self, ready: torch.cuda.Event | None) -> Iterator[None]:
         """Within: the calling thread's work goes to the side stream, after the `handoff` mark `ready`."""
         if self.stream is None or ready is None:  # on the CPU, or work kept on the calling thread
             yield

@@ -32,14 +32,18 @@ import os
 from array import array
 from pathlib import Path
 
+from qtool.stream.calib_sources import TOKENIZER_FILES
+
 MAGIC = b"qtool-tokens 1\n"
 KEEP_ENTRIES = 64
 
+# the rule that turns rows into text and text into ids: an edit to it is a new key (named by its path:
+# calib_data imports this module to look its ids up)
+RULE_FILE = Path(__file__).with_name("calib_data.py")
+
 
 def _key_files() -> tuple[str, ...]:
-    """What AutoTokenizer reads (calib_data.TOKENIZER_FILES) and the files that shape its output."""
-    from qtool.stream.calib_data import TOKENIZER_FILES
-
+    """What AutoTokenizer reads (TOKENIZER_FILES) and the files that shape its output."""
     return TOKENIZER_FILES + (
         "tokenizer_config.json",
         "special_tokens_map.json",
@@ -61,7 +65,7 @@ def _version(dist: str) -> str | None:
 
 def _data_identity(dataset: str, revision: str | None) -> list | None:
     from qtool.hub.resolve import is_commit
-    from qtool.stream.calib_data import BUILTIN, builtin_path, parse_hub_dataset
+    from qtool.stream.calib_sources import BUILTIN, builtin_path, parse_hub_dataset
 
     if dataset.startswith("hf:"):
         if not revision or not is_commit(revision):
@@ -81,7 +85,6 @@ def key(ckpt_dir: str | Path, dataset: str, need: int, revision: str | None = No
     """The cache key of the first `need` tokens of `dataset` with the tokenizer in `ckpt_dir`; None where
     one of its parts cannot be known (then nothing is cached)."""
     from qtool.io.files import hash_file
-    from qtool.stream import calib_data
 
     root = Path(ckpt_dir)
     data = _data_identity(dataset, revision)
@@ -106,26 +109,26 @@ def key(ckpt_dir: str | Path, dataset: str, need: int, revision: str | None = No
         "config": picks,
         "data": data,
         "libs": {d: _version(d) for d in ("transformers", "tokenizers", "jinja2")},
-        "rule": hash_file(calib_data.__file__),
+        "rule": hash_file(RULE_FILE),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
 def _path(k: str) -> Path:
-    from qtool.io.manifest import cache_dir
+    from qtool.cache import cache_dir
 
     return cache_dir() / "tokens" / f"{k}.i32"
 
 
-def load(k: str | None) -> list[int] | None:
-    """The ids saved under `k`, or None."""
-    if k is None:
+def load(key: str | None) -> list[int] | None:
+    """The ids saved under `key`, or None."""
+    if key is None:
         return None
     try:
-        raw = _path(k).read_bytes()
+        raw = _path(key).read_bytes()
     except OSError:
         return None
-    head = MAGIC + k.encode() + b"\n"
+    head = MAGIC + key.encode() + b"\n"
     if not raw.startswith(head) or len(raw) < len(head) + 40:
         return None  # foreign or torn
     count = int.from_bytes(raw[len(head) : len(head) + 8], "little")
@@ -135,28 +138,28 @@ def load(k: str | None) -> list[int] | None:
     ids = array("i")
     ids.frombytes(body)
     try:
-        os.utime(_path(k))  # used: the last entry the folder's pruning removes
+        os.utime(_path(key))  # used: the last entry the folder's pruning removes
     except OSError:
         pass  # a read-only cache dir
     return ids.tolist()
 
 
-def save(k: str | None, ids: list[int]) -> None:
-    if k is None:
+def save(key: str | None, ids: list[int]) -> None:
+    if key is None:
         return
     from qtool.errors import WriteError
     from qtool.io.jsonio import atomic_write_bytes
 
     try:
-        body = array("i", ids)
-        if body.itemsize != 4:
+        packed = array("i", ids)
+        if packed.itemsize != 4:
             return
-        body = body.tobytes()
-        p = _path(k)
+        body = packed.tobytes()
+        p = _path(key)
         p.parent.mkdir(parents=True, exist_ok=True)
         # a reader sees the whole entry or none (runs in parallel fill it alike)
         atomic_write_bytes(
-            p, MAGIC + k.encode() + b"\n" + len(ids).to_bytes(8, "little") + hashlib.sha256(body).digest() + body
+            p, MAGIC + key.encode() + b"\n" + len(ids).to_bytes(8, "little") + hashlib.sha256(body).digest() + body
         )
         _prune(p.parent)
     except (OSError, OverflowError, WriteError):

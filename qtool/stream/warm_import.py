@@ -24,7 +24,10 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+T = TypeVar("T")
 
 MODULE = "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe"
 _started: threading.Thread | None = None
@@ -163,7 +166,7 @@ def _no_more_work() -> None:
         fut.set_exception(_Ended())
 
 
-def before_decoder(fn):
+def before_decoder(fn: Callable[[threading.Event], T]) -> T:
     """fn()'s result, computed where transformers may be imported without racing the background import:
     in the background thread, once it has imported the tokenizer's modules and before it begins the decoder
     module, where it has not begun that yet (the caller then waits only for the tokenizer's part, and the

@@ -2,6 +2,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from qtool import __version__
 
 
@@ -71,6 +73,7 @@ def test_usage_errors_under_json_are_json():
         assert err["error"] == "UsageError" and err["message"] and err["hint"], args
 
 
+@pytest.mark.slow
 def test_progress_bars_only_on_a_terminal(tiny_nvfp4_modelopt, tmp_path):
     """Found as: `layers: 0layer [00:00, ?layer/s]` in logs: bars were drawn into a pipe."""
     r = _run(

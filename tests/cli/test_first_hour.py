@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -33,6 +35,7 @@ def _installed_qtool(args, *, cwd, timeout=300):
     )
 
 
+@pytest.mark.slow
 def test_ranks_start_in_a_folder_that_holds_a_qtool_folder(tiny_bf16, tmp_path):
     """Found: `cd DIR && qtool quantize ... --nproc 2` where DIR holds a folder named `qtool` (the parent of a
     clone): every rank died with `ImportError: cannot import name '__version__' from 'qtool'` (the ranks ran
@@ -260,6 +263,7 @@ def test_a_gpu_smaller_than_the_reserve_is_blamed_on_the_reserve(tiny_nvfp4_mode
     assert "budget 0.8 GiB (0.9 GB) < weights 0.0 GiB + reserve 4.0 GiB = 4.0 GiB" in fit, fit
 
 
+@pytest.mark.xdist_group("measure")  # measures reads or memory: not beside another such test
 def test_the_planned_host_memory_counts_the_process_itself(tiny_bf16, tmp_path):
     """Found: quantize's plan said "peak memory host ~36.7 MiB" for a run whose peak was 581-819 MB: the
     interpreter with torch and transformers was not counted. The plan is at least the process's own peak."""

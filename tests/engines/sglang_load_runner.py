@@ -65,6 +65,15 @@ def _cpu_as_blackwell() -> None:
     from sglang.srt.layers.quantization.compressed_tensors.schemes import compressed_tensors_wNa16_moe as wna16_moe
 
     wna16_moe.marlin_make_workspace = lambda device, max_blocks_per_sm=1: torch.zeros(1, dtype=torch.int, device=device)
+    # FP8 per-tensor linears fused from shards of different weight scales (a mixed checkpoint's qkv_proj,
+    # gate_up_proj) are requantized to their largest scale with an sgl_kernel op (quantization/utils.py
+    # requantize_with_max_scale): the same arithmetic in torch
+    from sglang.srt.layers.quantization import utils as quant_utils
+
+    def static_fp8_quant(x, scale=None, *_a, **_k):
+        return (x.float() / scale.float()).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
+
+    quant_utils.scaled_fp8_quant = static_fp8_quant
 
 
 def load(ckpt: str, mtp: bool = False) -> dict:

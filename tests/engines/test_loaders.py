@@ -182,6 +182,21 @@ def artifacts(
             *KV,
         ],
     )
+    for form in ("modelopt", "compressed-tensors"):  # nvidia's NVFP4-V2 form: NVFP4 experts + FP8 dense linears
+        qtool(
+            f"quantize-mixed-{form}",
+            [
+                "quantize",
+                str(tiny_bf16),
+                "--recipe",
+                "qwen35-nvfp4-v2",
+                "--format",
+                form,
+                "-o",
+                str(root / f"mx-{form}"),
+                *KV,
+            ],
+        )
     qtool(
         "quantize-awq-int4", ["quantize", str(tiny_bf16), "--recipe", "qwen35-awq-int4", "-o", str(root / "awq"), *KV]
     )
@@ -351,6 +366,8 @@ CASES = [
     "quantize-nvfp4-modelopt",
     "quantize-nvfp4-ct",
     "quantize-awq-int4",
+    "quantize-mixed-modelopt",
+    "quantize-mixed-compressed-tensors",
     "convert-to-ct",
     "build-demo-tiny",
     "calibrate-kv-in-place",
@@ -404,6 +421,8 @@ MTP_CASES = [
     "quantize-nvfp4-modelopt",
     "quantize-nvfp4-ct",
     "quantize-awq-int4",
+    "quantize-mixed-modelopt",
+    "quantize-mixed-compressed-tensors",
     "convert-to-ct",
     "patch-config-o",
     "assemble-hybrid-ct",

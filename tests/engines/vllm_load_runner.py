@@ -67,6 +67,19 @@ def _cpu_registrations() -> None:
     from vllm.model_executor.layers.fused_moe.experts import cpu_moe
 
     cpu_moe.cpu_prepack_moe_weight = lambda w, isa: w
+    # FP8 per-tensor linears fused from shards of different weight scales (qkv_proj, gate_up_proj of a
+    # mixed checkpoint) are requantized to their largest scale with a compiled op the CUDA wheel has only
+    # on the GPU (w8a8_utils.requantize_with_max_scale): the same arithmetic in torch
+    from vllm import _custom_ops
+
+    _custom_ops.scaled_fp8_quant = _static_fp8_quant
+
+
+def _static_fp8_quant(x, scale=None, *_a, **_k):
+    import torch
+
+    fp8 = torch.float8_e4m3fn
+    return (x.float() / scale.float()).clamp(-448.0, 448.0).to(fp8), scale
 
 
 def load(ckpt: str, mtp: bool = False) -> dict:

@@ -72,3 +72,19 @@ def test_matches_modelopt_fp8():
     oursb = fp8.quantize_block(w)
     assert torch.equal(refb_scale, oursb.scale)
     assert torch.equal(refb._quantized_data.view(torch.uint8), oursb.weight.view(torch.uint8))
+
+
+def test_w8a8_per_tensor_rounds_through_the_weights_dtype_as_modelopt():
+    """ModelOpt's export divides a BF16 weight by its float32 scale in BF16 (then casts to FP8): the same
+    double rounding, by name, with 0-d (ModelOpt) or [1] (compressed-tensors) scalars."""
+    w = torch.tensor([[448.0, 1.0, -3.0, 0.0]], dtype=torch.bfloat16)
+    got = fp8.w8a8_per_tensor(w, weight_amax=896.0, input_amax=44.8)
+    assert got["weight_scale"].item() == 2.0 and got["input_scale"].item() == pytest.approx(0.1)
+    assert got["weight"].float().tolist() == [[224.0, 0.5, -1.5, 0.0]] and got["weight_scale"].shape == ()
+    ct = fp8.w8a8_per_tensor(w, weight_amax=896.0, input_amax=0.0, scalar_shape=(1,))
+    assert ct["input_scale"].tolist() == [1.0] and ct["weight_scale"].shape == (1,)
+    x = torch.randn(64, 64, dtype=torch.bfloat16)
+    s = x.float().abs().amax() / 448
+    want = (x / s).to(torch.float8_e4m3fn)  # ModelOpt's expression (quant_utils.to_quantized_weight)
+    q = fp8.w8a8_per_tensor(x, weight_amax=x.float().abs().amax(), input_amax=1.0)["weight"]
+    assert torch.equal(q.view(torch.uint8), want.view(torch.uint8))

@@ -24,6 +24,7 @@ def _without_path(rep: dict) -> dict:
     return {k: v for k, v in rep.items() if k != "path"}
 
 
+@pytest.mark.slow
 def test_inspect_of_the_397b_on_the_hub_reads_headers_only(hub, s397, capsys):
     """Found as: `qtool inspect hf:ORG/NAME` downloaded every shard (233 GB for the 397B NVFP4) although it
     reads only headers."""

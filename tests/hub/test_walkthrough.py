@@ -67,6 +67,7 @@ def test_the_walkthrough_has_its_steps():
     } <= set(verbs), verbs
 
 
+@pytest.mark.slow
 def test_the_walkthrough_runs_as_written(hub, stand_ins, tmp_path):
     hub.add_sparse_dir("nvidia/Qwen3.5-397B-A17B-NVFP4", stand_ins["nvfp4"])
     hub.add_sparse_dir("Qwen/Qwen3.5-397B-A17B", stand_ins["bf16"])

@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from qtool.errors import CheckpointError, HeaderError
+from qtool.errors import CheckpointError, HeaderError, Interrupted
 from qtool.io.checkpoint import Checkpoint
 from qtool.io.reader import read_scalar, read_scalars, read_tensor
 from qtool.io.safetensors_header import read_header
@@ -201,7 +201,7 @@ def test_write_shard_stops_when_asked(tmp_path):
     stop = threading.Event()
     writer.COPY_CHUNK, old = 1 << 20, writer.COPY_CHUNK
     try:
-        with pytest.raises(writer.Interrupted):
+        with pytest.raises(Interrupted):
             write_shard(tmp_path / "o.safetensors", out, on_header=lambda: (seen.append(1), stop.set()), stop=stop)
     finally:
         writer.COPY_CHUNK = old

@@ -1,4 +1,4 @@
-"""A layer shard's sha256 computed as it is written (io/writer.HashedWrites): the digest of exactly the bytes
+"""A layer shard's sha256 computed as it is written (qtool.io.hashed_writes.HashedWrites): the digest of exactly the bytes
 on disk, or None (the file is then hashed from disk) when the hash falls behind the writer."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ import os
 import threading
 import time
 
-from qtool.io.writer import HashedWrites
+from qtool.errors import Interrupted
+from qtool.io.hashed_writes import HashedWrites
 
 
 class SlowHash:
@@ -80,12 +81,12 @@ def test_a_writer_keeping_pace_waits_for_the_hash_which_never_reads_the_file(tmp
     writer waits for it rather than letting it go to the file, so every byte is hashed from the buffers
     written (no read of the file: the trailing read hashed at 0.76-0.80 GB/s mid-job on the H100, the
     buffers at one core's full rate), and no more than `depth` buffers wait for it."""
-    from qtool.io import writer
+    from qtool.io import hashed_writes
 
     def no_read(*a, **k):
         raise AssertionError("the hash read the file back")
 
-    monkeypatch.setattr(writer.os, "preadv", no_read)
+    monkeypatch.setattr(hashed_writes.os, "preadv", no_read)
     gate = threading.Event()
     p = tmp_path / "shard.tmp"
     parts = [os.urandom(n) for n in (5, 1 << 20, 3, 7, 2 << 20, 1, 333, 4096)]
@@ -245,8 +246,8 @@ def test_a_copied_shard_is_hashed_as_it_is_written(tmp_path, monkeypatch):
     monkeypatch.setattr(writer, "COPY_CHUNK", 256 << 10)  # many chunks: the hash trails each of them
     monkeypatch.setattr(writer, "TRAILING_COPY_READ", 96 << 10)
     grown = []
-    real_grew = writer.HashedWrites.grew
-    monkeypatch.setattr(writer.HashedWrites, "grew", lambda self: grown.append(1) or real_grew(self))
+    real_grew = HashedWrites.grew
+    monkeypatch.setattr(HashedWrites, "grew", lambda self: grown.append(1) or real_grew(self))
     digests = []
     tensors = _copied_shard(tmp_path)
     out = tmp_path / "out.safetensors"
@@ -268,7 +269,7 @@ def test_an_interrupted_copy_stops_its_hash(tmp_path, monkeypatch):
     stop = threading.Event()
     stop.set()
     digests = []
-    with pytest.raises(writer.Interrupted):
+    with pytest.raises(Interrupted):
         writer.write_shard(tmp_path / "out.safetensors", _copied_shard(tmp_path), stop=stop, on_digest=digests.append)
     assert digests == []
     assert not [t for t in threading.enumerate() if t.name == "qtool-out-sha256" and t.is_alive()]

@@ -1,4 +1,4 @@
-"""A layer shard's writes run on a thread of their own (qtool.io.writer.InOrder) while the next chunk is
+"""A layer shard's writes run on a thread of their own (qtool.io.in_order.InOrder) while the next chunk is
 coded: they happen in the order given, a failed write stops the ones queued after it and reaches the
 caller, and nothing is still writing when the caller closes the file."""
 
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from qtool.io.writer import InOrder
+from qtool.io.in_order import InOrder
 
 
 def test_operations_run_in_order_behind_the_caller(tmp_path):

@@ -108,12 +108,10 @@ def test_open_with_index_errors(tiny_nvfp4_modelopt, tmp_path):
 
 
 @pytest.mark.parametrize("n", [0, 3, 10_000])
-def test_index_text_is_json_dumps_indent_2(n, tmp_path):
-    from qtool.io.writer import index_text, write_index_json
+def test_index_text_is_json_dumps_indent_2(n):
+    from qtool.io.writer import index_text
 
     wm = {f'layers.{i}.w\u00e9"': f"s{i % 3}.safetensors" for i in range(n)}
     for meta in ({"total_size": 5}, {"total_parameters": 3, "total_size": 9}):
         want = json.dumps({"metadata": meta, "weight_map": dict(sorted(wm.items()))}, indent=2) + "\n"
         assert "".join(index_text(wm, meta)) == want
-    write_index_json(tmp_path / "i.json", wm, 7)
-    assert json.loads((tmp_path / "i.json").read_text()) == {"metadata": {"total_size": 7}, "weight_map": wm}

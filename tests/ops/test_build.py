@@ -206,6 +206,7 @@ def _bytes_read() -> int:
     return int(next(ln for ln in Path("/proc/self/io").read_text().splitlines() if ln.startswith("rchar:")).split()[1])
 
 
+@pytest.mark.xdist_group("measure")  # measures reads or memory: not beside another such test
 def test_planning_reads_no_tensor_data(tmp_path, capsys, inputs_hashed, tiny_bf16, tiny_nvfp4_modelopt_nomtp):
     """`build --dry-run` and the planning a real build does before its first step read headers and
     configs only: a local source is hashed (its content identity) once the build executes, not while it

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 import torch
-from test_calibrate_kv_support import capture_kv_full_model, dense_text_model, fixture_dir
+from full_model import capture_kv_full_model, dense_text_model, fixture_dir
 
 from qtool.errors import PlanError
 from qtool.ops import calibrate_kv as ck

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from test_calibrate_kv_support import dense_text_model, fixture_dir
+from full_model import dense_text_model, fixture_dir
 
 from qtool.cli.main import main
 from qtool.errors import PlanError, UsageError

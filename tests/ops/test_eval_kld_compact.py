@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from test_calibrate_kv_support import fixture_dir
+from full_model import fixture_dir
 from test_eval_kld import direct_stats, oracle_logprobs, write_dump
 
 from qtool.errors import PlanError

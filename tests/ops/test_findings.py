@@ -14,7 +14,7 @@ from qtool.ops.verify import VerifyOptions, verify
 
 
 def test_structure_findings_name_the_tensor_without_parsing_messages(tiny_nvfp4_modelopt, tmp_path):
-    from test_output_contract import drop_tensors
+    from checkpoint_edits import drop_tensors
 
     ck = tmp_path / "c"
     shutil.copytree(tiny_nvfp4_modelopt, ck)

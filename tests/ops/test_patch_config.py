@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 
 import pytest
+from in_process import run_cli
 
 from qtool.fixtures.sparse import build_sparse
 from qtool.ops import patch_config as pc
@@ -45,9 +45,10 @@ def _hq(ck):
 
 
 def _qtool(*args):
-    return subprocess.run([sys.executable, "-m", "qtool", *args], capture_output=True, text=True)
+    return run_cli(list(args))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ckpt", ["modelopt"], indirect=True)
 def test_router_ignore_in_both_schemas_and_idempotent(ckpt):
     before_cfg = (ckpt / "config.json").read_text()
@@ -68,6 +69,7 @@ def test_router_ignore_in_both_schemas_and_idempotent(ckpt):
     assert list(_cfg(ckpt)) == list(json.loads(before_cfg))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ckpt", ["modelopt"], indirect=True)
 def test_flat_hf_quant_schema_is_kept_flat(ckpt):
     flat = {"quant_algo": "NVFP4", "ignore": ["lm_head"]}
@@ -78,6 +80,7 @@ def test_flat_hf_quant_schema_is_kept_flat(ckpt):
     assert text.startswith('{\n    "quant_algo"')  # the file's 4-space indent survives
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ckpt", ["ct"], indirect=True)
 def test_compressed_tensors_gets_regex_patterns(ckpt):
     pc.apply(pc.plan(pc.PatchOptions(ckpt, fixes=[pc.Fix.ROUTER_IGNORE, pc.Fix.MTP_IGNORE])))
@@ -86,6 +89,7 @@ def test_compressed_tensors_gets_regex_patterns(ckpt):
     assert all(p.startswith("re:") or "." not in p or p == "lm_head" for p in ignore)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ckpt", ["modelopt"], indirect=True)
 def test_mtp_ignore_when_mtp_is_bf16(ckpt):
     for name in ("config.json", "hf_quant_config.json"):
@@ -108,6 +112,7 @@ def test_fix_that_does_not_apply_changes_nothing(ckpt):
     assert not plan.changed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ckpt", ["modelopt"], indirect=True)
 def test_ignore_from_tensors_repairs_a_wrong_list(ckpt):
     cfg = _cfg(ckpt)
@@ -123,6 +128,7 @@ def test_ignore_from_tensors_repairs_a_wrong_list(ckpt):
     assert inspect_checkpoint(ckpt)["problems"] == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ckpt", ["modelopt"], indirect=True)
 def test_ignore_add_and_remove(ckpt):
     pc.apply(pc.plan(pc.PatchOptions(ckpt, ignore_add=["foo*"])))
@@ -134,6 +140,7 @@ def test_ignore_add_and_remove(ckpt):
     assert not plan.changed and not plan.results[0].applied
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ckpt", ["modelopt"], indirect=True)
 def test_yarn_keeps_mrope_and_is_idempotent(ckpt):
     before = _cfg(ckpt)["text_config"]["rope_parameters"]
@@ -148,6 +155,7 @@ def test_yarn_keeps_mrope_and_is_idempotent(ckpt):
     assert not pc.plan(pc.PatchOptions(ckpt, yarn=4)).changed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ckpt", ["modelopt"], indirect=True)
 def test_sampling_defaults(ckpt):
     (ckpt / "generation_config.json").unlink(missing_ok=True)
@@ -156,6 +164,7 @@ def test_sampling_defaults(ckpt):
     assert gen["temperature"] == 0.6 and gen["top_p"] == 0.95 and gen["top_k"] == 20 and gen["min_p"] == 0.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ckpt", ["modelopt"], indirect=True)
 def test_cli_dry_run_json_and_errors(ckpt):
     before = {p.name: p.read_bytes() for p in ckpt.glob("*.json")}
@@ -172,6 +181,7 @@ def test_cli_dry_run_json_and_errors(ckpt):
     assert r.returncode == 1 and "config.json" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ckpt", ["modelopt"], indirect=True)
 def test_router_ignore_protects_the_router_in_old_vllm(ckpt):
     """vLLM before PR 35156 decides the router by the ignore list; after the fix it is excluded in

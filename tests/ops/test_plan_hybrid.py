@@ -258,6 +258,7 @@ def test_checkpoints_that_do_not_pair_are_named(tiny_bf16, tiny_nvfp4_ct, tmp_pa
     assert not (tmp_path / "s").exists() and not (tmp_path / "s.partial").exists()
 
 
+@pytest.mark.slow
 def test_a_sparse_397b_pair_plans_from_the_table_and_headers(tmp_path_factory, capsys, tiny_nvfp4_ct):
     """The real 397B's headers (nvidia's NVFP4 layout, shared experts NVFP4; the BF16 release), holes for
     data: the unit table and costs come from the headers; the effects are stand-ins (a sensitivity run needs

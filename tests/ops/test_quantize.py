@@ -491,7 +491,7 @@ def test_the_last_shard_is_hashed_from_its_buffers(tiny_bf16, calib_ids, q_model
     import hashlib
     import time
 
-    from qtool.io import writer
+    from qtool.io import hashed_writes
     from qtool.io.files import TMP_SUFFIX
     from qtool.ops.quantize import run
 
@@ -507,7 +507,7 @@ def test_the_last_shard_is_hashed_from_its_buffers(tiny_bf16, calib_ids, q_model
             return self.real.hexdigest()
 
     made = []
-    real_init = writer.HashedWrites.__init__
+    real_init = hashed_writes.HashedWrites.__init__
 
     def init(self, f, *a, **k):
         real_init(self, f, *a, **k)
@@ -521,8 +521,8 @@ def test_the_last_shard_is_hashed_from_its_buffers(tiny_bf16, calib_ids, q_model
         read_back.add(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
         return real_preadv(fd, buffers, offset)
 
-    monkeypatch.setattr(writer.HashedWrites, "__init__", init)
-    monkeypatch.setattr(writer.os, "preadv", preadv)
+    monkeypatch.setattr(hashed_writes.HashedWrites, "__init__", init)
+    monkeypatch.setattr(hashed_writes.os, "preadv", preadv)
     out = tmp_path / "o"
     run(tiny_bf16, out=out, recipe=load_recipe("qwen35-nvfp4-experts"), calib_ids=calib_ids)
     # each layer shard is hashed as it is written under its temporary name (io.files.tmp_path)

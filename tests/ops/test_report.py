@@ -149,6 +149,7 @@ def test_report_with_saved_kld_and_with_ref(tiny_bf16, tiny_nvfp4_modelopt, tmp_
     assert _page(out2).data["artifacts"][0]["kld"] == kld
 
 
+@pytest.mark.slow
 def test_two_397b_artifacts_compared(tmp_path_factory, tmp_path, capsys):
     """The sparse real-scale 397B layout, NVIDIA's NVFP4 against the BF16 original: the grid difference is
     the routed experts of all 60 layers, the BF16 one does not fit 4 x 96 GB."""
@@ -423,3 +424,62 @@ def test_header_provenance_of_a_build(tiny_bf16, tiny_nvfp4_modelopt_nomtp, tmp_
         "bf16": f"{tiny_bf16} (--source, for the recipe's builtin tiny-bf16)",
     }
     assert ".build/steps/" not in json.dumps(prov["sources"])
+
+
+def test_report_shows_each_layers_calibration_tokens_per_expert(tiny_bf16, calib_ids, tmp_path, capsys):
+    """A quantize on a short calibration text: some routed experts see no token. The page's table gives,
+    per layer, the min / median / max tokens and how many experts saw none, exactly from the counts the
+    quantize recorded in its manifest."""
+    from qtool.ops.quantize import run
+    from qtool.recipes import load_recipe
+
+    out = tmp_path / "q"
+    run(tiny_bf16, out=out, recipe=load_recipe("qwen35-nvfp4-experts"), calib_ids=calib_ids[:1, :4])
+    layers = json.loads((out / "qtool-manifest.json").read_text())["layers"]
+    page_path = tmp_path / "r.html"
+    assert main(["report", str(out), "--tp", "1", "-o", str(page_path)]) == 0
+    capsys.readouterr()
+    page = _page(page_path)
+    rows = page.data["artifacts"][0]["expert_coverage"]
+    assert [r["layer"] for r in rows] == [entry["layer"] for entry in layers]
+    for row, entry in zip(rows, layers, strict=True):
+        tokens = sorted(entry["tokens_per_expert"])
+        assert (row["min"], row["max"], row["experts"]) == (tokens[0], tokens[-1], len(tokens))
+        assert row["median"] == (tokens[3] + tokens[4]) / 2  # 8 experts
+        assert row["without_tokens"] == entry["experts_without_tokens"]
+    # 4 tokens x top-4 of 8 experts: at least one expert of some layer saw none, and the page marks it
+    assert any(r["without_tokens"] for r in rows)
+    html = page_path.read_text(encoding="utf-8")
+    assert "Calibration tokens per routed expert" in html
+    assert html.count('<tr data-layer="') == len(layers)
+
+
+def test_report_of_a_checkpoint_qtool_did_not_quantize_has_no_token_table(tiny_nvfp4_modelopt, tmp_path, capsys):
+    page_path = tmp_path / "r.html"
+    assert main(["report", str(tiny_nvfp4_modelopt), "--tp", "1", "-o", str(page_path)]) == 0
+    capsys.readouterr()
+    assert _page(page_path).data["artifacts"][0]["expert_coverage"] is None
+    assert "Calibration tokens per routed expert" not in page_path.read_text(encoding="utf-8")
+
+
+def test_report_of_a_builds_artifact_shows_its_quantize_steps_tokens(tmp_path, capsys):
+    """A build that quantizes and then calibrates the KV scales: the artifact's own manifest is
+    calibrate-kv's, and the token counts come from the build's record of its quantize step."""
+    recipe = tmp_path / "b.yaml"
+    recipe.write_text(
+        "name: coverage\nsources:\n  bf16: {builtin: tiny-bf16}\nsteps:\n"
+        "  - {id: q, op: quantize, input: bf16, with: {recipe: qwen35-nvfp4-experts, samples: 1, seq_len: 8}}\n"
+        "  - {id: kv, op: calibrate-kv, input: q, with: {samples: 1, seq_len: 8, replace_scales: true}}\n"
+    )
+    out = tmp_path / "out"
+    assert main(["build", str(recipe), "-o", str(out)]) == 0
+    capsys.readouterr()
+    steps = json.loads((out / "qtool-manifest.json").read_text())["run"]["steps"]
+    layers = next(s["report"]["layers"] for s in steps if s["id"] == "q")
+    page_path = tmp_path / "r.html"
+    assert main(["report", str(out), "--tp", "1", "-o", str(page_path)]) == 0
+    capsys.readouterr()
+    rows = _page(page_path).data["artifacts"][0]["expert_coverage"]
+    assert [(r["layer"], r["min"], r["max"]) for r in rows] == [
+        (e["layer"], min(e["tokens_per_expert"]), max(e["tokens_per_expert"])) for e in layers
+    ]

@@ -24,19 +24,8 @@ new state beside the checkpoint and swaps it in.
 
 from qtool.ops.calibrate_kv.calibrate import LayerStat, calibrate, outlier_warnings
 from qtool.ops.calibrate_kv.execute import execute, run
-from qtool.ops.calibrate_kv.plan import (
-    CT_KV_SCHEME,
-    JOURNAL,
-    KV_SHARD,
-    MODELOPT_KV_SCHEME,
-    OUTLIER_RATIO,
-    CalibrateKvOptions,
-    Convention,
-    KvPlan,
-    kv_only_quantization_config,
-    plan,
-    scale_names,
-)
+from qtool.ops.calibrate_kv.plan import JOURNAL, KV_SHARD, OUTLIER_RATIO, CalibrateKvOptions, KvPlan, plan, scale_names
+from qtool.ops.calibrate_kv.scheme import CT_KV_SCHEME, MODELOPT_KV_SCHEME, Convention, kv_only_quantization_config
 from qtool.ops.calibrate_kv.write import output_plan, scale_values
 
 __all__ = [

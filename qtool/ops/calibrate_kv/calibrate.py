@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from qtool.dist import Group
 from qtool.errors import PlanError
 from qtool.io.identity import input_identity, tensor_list_text
+from qtool.io.stream_digest import NO_DIGESTS, DigestSink
 from qtool.ops.calibrate_kv.plan import JOURNAL, OUTLIER_RATIO, KvPlan
 from qtool.stream.hidden_store import DiskStore, MemoryStore
 from qtool.stream.layer_journal import LayerJournal
@@ -111,9 +112,11 @@ def calibrate(
     hidden: str = "disk",
     dtype: str | None = None,
     progress=None,
+    digests: DigestSink = NO_DIGESTS,
 ) -> tuple[dict[int, LayerStat], dict]:
     """Run the layer-streamed forward on token windows `ids` [N, L]; returns per-layer stats and timing.
-    hidden="disk" keeps the hidden states in the work dir (resumable), "memory" in RAM."""
+    hidden="disk" keeps the hidden states in the work dir (resumable), "memory" in RAM. digests: the job's
+    inputs hashed from the streamer's reads (its output transaction's input hasher's)."""
     from qtool.stream.calib_data import token_digest
 
     opts = p.options
@@ -123,6 +126,7 @@ def calibrate(
         dtype=dtype or (opts.dtype if opts else None),
         batch_tokens=opts.batch_tokens if opts else None,
         model_map=p.mm,
+        digests=digests,
     )
     g = streamer.group
     n, seq = int(ids.shape[0]), int(ids.shape[1])

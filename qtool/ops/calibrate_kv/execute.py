@@ -6,7 +6,7 @@ import shutil
 from pathlib import Path
 
 from qtool.errors import UsageError
-from qtool.io.apply import OutputJob, ProducedShards, write_output
+from qtool.io.apply import OutputJob, ProducedShards, input_hasher, write_output
 from qtool.io.in_place import InPlaceDir
 from qtool.io.manifest import RUN
 from qtool.io.output import OutputDir
@@ -52,7 +52,9 @@ def execute(p: KvPlan, *, progress=None) -> Report:
             if progress is not None:
                 progress(idx)
 
-        stats, state["timing"] = calibrate(p, calib.ids, resume=opts.resume, progress=each_layer)
+        stats, state["timing"] = calibrate(
+            p, calib.ids, resume=opts.resume, progress=each_layer, digests=hasher.read_digests
+        )
         state["stats"] = stats
         return scale_values(p, stats)
 
@@ -61,18 +63,23 @@ def execute(p: KvPlan, *, progress=None) -> Report:
         return {}
 
     with tx:
-        applied = write_output(
-            p.output,
-            tx,
-            OutputJob(
-                command=opts.command,
-                produce=produce,
-                check=check,
-                hash_from_reads=streamed_files(p.ckpt, p.mm),
-                early_shards=True,
-                extra=lambda: {RUN: {"kernels": state["timing"].get("kernels")}},
-            ),
-        )
+        # the input is hashed from the forward's reads (one read of it): the hasher hands them over
+        hasher = input_hasher(tx, streamed_files(p.ckpt, p.mm))
+        try:
+            applied = write_output(
+                p.output,
+                tx,
+                OutputJob(
+                    command=opts.command,
+                    produce=produce,
+                    check=check,
+                    hasher=hasher,
+                    early_shards=True,
+                    extra=lambda: {RUN: {"kernels": state["timing"].get("kernels")}},
+                ),
+            )
+        finally:
+            hasher.close()  # (after the forward: its reads hand their bytes to the hasher's digests)
     stats = state["stats"]
     report["layers"] = [stats[i].to_json() for i in p.layers]
     report["warnings"] = p.warnings + outlier_warnings(stats)

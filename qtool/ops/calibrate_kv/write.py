@@ -5,20 +5,18 @@ from __future__ import annotations
 
 import json
 import struct
+from typing import TYPE_CHECKING
 
 from qtool.io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG_NAME, INDEX_NAME, Checkpoint
 from qtool.io.jsonio import file_style
 from qtool.io.plan import Json, OutputPlan, Pending, Remove, Shard, unchanged_files
 from qtool.io.quant_config import HfQuantSchema, hf_quant_schema
 from qtool.io.writer import FileRange, OutTensor, index_json
-from qtool.ops.calibrate_kv.calibrate import LayerStat
-from qtool.ops.calibrate_kv.plan import (
-    CT_KV_SCHEME,
-    MODELOPT_KV_SCHEME,
-    Convention,
-    KvPlan,
-    kv_only_quantization_config,
-)
+from qtool.ops.calibrate_kv.scheme import CT_KV_SCHEME, MODELOPT_KV_SCHEME, Convention, kv_only_quantization_config
+
+if TYPE_CHECKING:  # the plan builds its output plan here; the stats are only read
+    from qtool.ops.calibrate_kv.calibrate import LayerStat
+    from qtool.ops.calibrate_kv.plan import KvPlan
 
 
 def scale_values(p: KvPlan, stats: dict[int, LayerStat]) -> dict[str, bytes]:

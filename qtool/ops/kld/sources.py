@@ -27,6 +27,7 @@ from pathlib import Path
 
 from qtool.errors import CheckpointError, PlanError, UsageError
 from qtool.ops.kld.compact import CompactChunk
+from qtool.stream.hidden_store import DiskStore, MemoryStore
 
 DUMP_KEY = "log_probs"  # upstream SGLang capture (rtx6kpro/patches/sglang-kld-logit-capture.py)
 META = "meta.json"
@@ -122,7 +123,6 @@ class CheckpointSource:
         """Run all decoder layers over the windows `ids` [N, L]; keeps the final hidden states.
         `head_ahead`: read the final norm and lm_head while the last layer runs (only for the source
         prepared last: another's layers would run with them held)."""
-        from qtool.stream.hidden_store import DiskStore, MemoryStore
         from qtool.stream.layer_stream import compute_itemsize
 
         s = self.streamer

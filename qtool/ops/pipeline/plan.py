@@ -246,11 +246,11 @@ def plan(
     out: Path | None = None,
     overrides: dict[str, Path] | None = None,
     token: str | None = None,
-    validate: bool = False,
     builtins: BuiltinSources | None = None,
 ) -> BuildPlan:
     """Headers and configs only: a local source whose digests are not on record yet is hashed by `run`
-    (hash_sources), and until then the steps after it are keyed by a placeholder and show as `run`."""
+    (hash_sources), and until then the steps after it are keyed by a placeholder and show as `run`. Each
+    step's own op plan is checked by qtool.ops.pipeline.steps.validate_steps (a dry run's)."""
     overrides = overrides or {}
     unknown = set(overrides) - set(recipe.sources)
     if unknown:
@@ -267,11 +267,6 @@ def plan(
     bp = BuildPlan(
         recipe, out, work, sources, steps, warnings=[_unhashed_warning(n, s) for n, s in sources.items() if s.unhashed]
     )
-    if validate:
-        from qtool.ops.pipeline.steps import validate_step
-
-        for sp in steps:
-            sp.validation = validate_step(bp, sp)
     return bp
 
 

@@ -227,6 +227,13 @@ def _hub_stand_ins(bp: BuildPlan, refs) -> dict[str, Path]:
     return out
 
 
+def validate_steps(bp: BuildPlan) -> BuildPlan:
+    """Each step's validation (validate_step), on the plan: what a dry run shows."""
+    for sp in bp.steps:
+        sp.validation = validate_step(bp, sp)
+    return bp
+
+
 def validate_step(bp: BuildPlan, sp: StepPlan) -> dict:
     """Run the op's own plan() where its inputs are already local; otherwise say what it waits for."""
     st = sp.step

@@ -7,6 +7,7 @@ import copy
 
 from qtool.arch.model_map import QUANTIZED_FORMATS, Format, ModelMap
 from qtool.engines.decide import linear_modules
+from qtool.ops.quantize.mixed_configs import ct_mixed_groups, modelopt_mixed
 from qtool.recipes import OutFormat, Scheme
 
 _NVFP4_ARGS = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16}
@@ -129,9 +130,12 @@ def quant_configs(
     group_size: int,
     versions: dict,
     in_features: dict[str, int] | None = None,
+    *,
+    mixed: bool = False,
 ) -> tuple[dict, dict | None]:
     """(config.json quantization_config, hf_quant_config.json or None). `in_features`: routed expert
-    projection -> in-features (W4A16: the group actually used per projection)."""
+    projection -> in-features (W4A16: the group actually used per projection). `mixed`: FP8 dense linears
+    besides (or instead of) the experts' scheme (qtool.ops.quantize.mixed_configs)."""
     from qtool.engines import Flavour
     from qtool.engines.decide import ignore_patterns_for
     from qtool.ops.calibrate_kv import CT_KV_SCHEME, MODELOPT_KV_SCHEME
@@ -149,6 +153,8 @@ def quant_configs(
             },
             None,
         )
+    if mixed and fmt is OutFormat.MODELOPT:
+        return modelopt_mixed(mm, dict(MODELOPT_KV_SCHEME) if kv else None, producer)
     if fmt is OutFormat.MODELOPT:
         (globs,) = ignore_patterns_for(mm, (Flavour.MODELOPT,))
         qc = {
@@ -172,15 +178,18 @@ def quant_configs(
         }
         return qc, hq
     (regexes,) = ignore_patterns_for(mm, (Flavour.COMPRESSED_TENSORS,))
-    if scheme is Scheme.NVFP4:
+    if mixed:
+        groups = ct_mixed_groups(mm, _CT_NVFP4_GROUP)
+    elif scheme is Scheme.NVFP4:
         groups = {"group_0": copy.deepcopy(_CT_NVFP4_GROUP)}
     else:
         groups = _ct_w4a16_groups(group_size, in_features or {})
-    group = groups["group_0"]
+    formats = {g["format"] for g in groups.values()}
     return (
         {
             "config_groups": groups,
-            "format": group["format"],
+            # one format, or compressed-tensors' CompressionFormat.mixed_precision (each group names its own)
+            "format": formats.pop() if len(formats) == 1 else "mixed-precision",
             "global_compression_ratio": None,
             "ignore": regexes,
             "kv_cache_scheme": dict(CT_KV_SCHEME) if kv else None,

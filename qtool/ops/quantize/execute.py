@@ -30,6 +30,7 @@ from qtool.io.identity import input_identity, tensor_list_text
 from qtool.io.manifest import RUN
 from qtool.io.output import OutputDir, partial_path
 from qtool.io.plan import Shard
+from qtool.io.stream_digest import NO_DIGESTS, DigestSink
 from qtool.ops.checks import PlannedProblems
 from qtool.ops.contract import Report
 from qtool.ops.quantize.output import input_files
@@ -59,14 +60,21 @@ def _journal_key(plan: QuantizePlan, digest: str) -> str:
 
 
 @contextlib.contextmanager
-def first_layer_read(plan: QuantizePlan, partial: Path) -> Iterator[tuple[LayerStreamer, int]]:
+def first_layer_read(
+    plan: QuantizePlan, partial: Path, digests: DigestSink = NO_DIGESTS
+) -> Iterator[tuple[LayerStreamer, int]]:
     """(a LayerStreamer, the run's first layer) with that layer's read begun: a --resume's next layer, as
     its journal says (0 without one; calibrate_and_write checks the journal is this job's). The rest of
     the start (the output plan: 3 s of per-tensor Python for the 397B's 372k output tensors on the 2-core
-    VM) runs while it is read. The streamer is closed on the way out (its reads end there)."""
+    VM) runs while it is read. The streamer is closed on the way out (its reads end there). digests: the
+    job's inputs hashed from the streamer's reads (the transaction's input hasher's)."""
     options = plan.options
     streamer = LayerStreamer(
-        plan.ckpt, device=plan.device, model_map=plan.mm, batch_tokens=options.batch_tokens if options else None
+        plan.ckpt,
+        device=plan.device,
+        model_map=plan.mm,
+        batch_tokens=options.batch_tokens if options else None,
+        digests=digests,
     )
     try:
         first = LayerJournal.peek(partial / WORK / JOURNAL) if options is not None and options.resume else 0
@@ -232,7 +240,7 @@ def execute(plan: QuantizePlan, *, progress: Callable[[int], None] | None = None
         hasher, planned = None, False
         try:
             hasher = input_hasher(tx, streamed_files(plan.ckpt, plan.mm))
-            with first_layer_read(plan, tx.partial) as (streamer, first):
+            with first_layer_read(plan, tx.partial, hasher.read_digests) as (streamer, first):
                 report["plan"] = plan.to_json()  # (makes the output plan)
                 planned = True
                 # the output's checks on the plan's view of it, found while the layers are written: reading

@@ -12,14 +12,18 @@ from typing import Any, BinaryIO
 import torch
 
 from qtool.formats import awq, nvfp4
+from qtool.formats.fp8 import W8A8_PARAMS
 from qtool.io.files import open_new, tmp_path
-from qtool.io.writer import FileRange, HashedWrites, InlineBytes, InOrder, OutTensor, build_header, copy_range
+from qtool.io.hashed_writes import HashedWrites
+from qtool.io.in_order import InOrder
+from qtool.io.writer import FileRange, InlineBytes, OutTensor, build_header, copy_range
 from qtool.ops.calibrate_kv.calibrate import LayerStat
 from qtool.ops.quantize import awq_search
 from qtool.ops.quantize.awq_search import awq_down_scales, rtn
 from qtool.ops.quantize.calib import ExpertStats
-from qtool.ops.quantize.nvfp4_mse import search_block_scales, sweep_block_scales
+from qtool.ops.quantize.nvfp4_mse import four_over_six_block_scales, search_block_scales, sweep_block_scales
 from qtool.ops.quantize.plan import QUANT_PARAMS, LayerPlan, QuantizePlan
+from qtool.ops.quantize.schemes import code_fp8_linear
 from qtool.recipes import InputScale, OutFormat, Scheme, WeightScale
 from qtool.stream.device_copy import download
 
@@ -169,8 +173,11 @@ def nvfp4_rtn(gu, down, inter, in_amax, mid_amax, recipe) -> dict[str, NVFP4Expe
     amaxes = {"down_proj": mid_amax, "gate_proj": in_amax, "up_proj": in_amax}
     for part, w, w_amax in _nvfp4_parts(gu, down, inter):
         amax = amaxes[part]
-        ws2 = nvfp4.weight_scale_2_from_amax(w_amax)
-        bs = _block_scales(w, w_amax, ws2, recipe.nvfp4.weight_scale)
+        if recipe.nvfp4.weight_scale is WeightScale.FOUR_OVER_SIX:  # its own global scale (amax / (6 * 256))
+            bs, ws2 = four_over_six_block_scales(w, w_amax)
+        else:
+            ws2 = nvfp4.weight_scale_2_from_amax(w_amax)
+            bs = _block_scales(w, w_amax, ws2, recipe.nvfp4.weight_scale)
         q = quantize_fast(w, weight_scale_2=ws2, block_scale=bs)
         res[part] = NVFP4Experts(
             q.packed,
@@ -378,6 +385,7 @@ def _write_specs(
     step = share.chunk(n_exp)
     specs = layer_plan.specs
     in_amax, mid_amax = input_amaxes(stats, plan.recipe.nvfp4.input_scale)
+    coded: dict[str, dict] = {}  # FP8 linear -> its coded tensors by parameter name
     if share.rank == 0:
         ops.call(out.write, header)
     pos = len(header)  # where the next spec's bytes go; another rank's specs are skipped by seeking
@@ -410,6 +418,12 @@ def _write_specs(
             if data.host.numel() != pos - at:
                 raise AssertionError(f"{s.name}: copied {data.host.numel()} bytes, planned {pos - at}")
             ops.call(_write_chunk, out, data)
+            continue
+        rel = _fp8_linear_of(s.name, layer_plan) if which is None else None
+        if rel is not None:  # a dense linear the recipe codes FP8: its tensors in name order (one module)
+            if rel not in coded:
+                coded[rel] = code_fp8_linear(layer, rel, plan.format)
+            ops.call(_write_chunk, out, chunk_bytes([coded[rel][s.name.rpartition(".")[2]]]))
             continue
         if which is None:
             st = LayerStat(layer_plan.index, kv[0], kv[1], 0)
@@ -446,6 +460,15 @@ def _write_specs(
                 f"{s.name}: experts {e0}-{e1 - 1} coded to {data.host.numel()} bytes, planned {pos - at}"
             )
         ops.call(_write_chunk, out, data)
+
+
+def _fp8_linear_of(name: str, layer_plan: LayerPlan) -> str | None:
+    """The FP8-coded linear (relative to the layer) a computed tensor `name` belongs to, else None."""
+    module, _, param = name.rpartition(".")
+    if not layer_plan.fp8 or param not in W8A8_PARAMS:  # (the KV scales sit on k_proj / v_proj too)
+        return None
+    rel = module.partition(f"layers.{layer_plan.index}.")[2]
+    return rel if rel in layer_plan.fp8 else None
 
 
 def _copy_spec(s, out, f, fds: dict, hashed: bool, end: int) -> None:

@@ -63,7 +63,7 @@ def fp8_scale_values(device: torch.device | str = "cpu") -> torch.Tensor:
 
 
 def _magnitude(a: torch.Tensor) -> torch.Tensor:
-    """|x| rounded to the nearest E2M1 magnitude (ties to the even code), for x already scaled."""
+    """x rounded to the nearest E2M1 value (ties to the even code), for x already scaled."""
     return nvfp4.decode_e2m1(nvfp4.encode_e2m1(a))
 
 
@@ -85,15 +85,74 @@ def sweep_block_scales(w: torch.Tensor, global_amax: torch.Tensor) -> torch.Tens
     best = torch.empty(rows.shape[:2], dtype=torch.long, device=w.device)
     for r0 in range(0, rows.shape[0], SWEEP_ROWS):
         x = rows[r0 : r0 + SWEEP_ROWS].float().abs()
-        ga = row_amax[r0 : r0 + SWEEP_ROWS]
+        ga = row_amax[r0 : r0 + SWEEP_ROWS].squeeze(-1)  # [r, 1]
+        # each block tries only the candidates that can win (nvfp4.sweep_window), in ascending order
+        first, last = nvfp4.sweep_window(6.0 * (candidates * ga / 6.0), x.amax(dim=-1))
         best_loss = torch.full(x.shape[:2], float("inf"), device=w.device)
         best_idx = torch.zeros(x.shape[:2], dtype=torch.long, device=w.device)
-        for k in range(candidates.numel()):
+        for j in range(nvfp4.SWEEP_BELOW + nvfp4.SWEEP_ABOVE):
+            k = torch.minimum(first + j, last)  # past the window: its last candidate again (never better)
             scale = candidates[k] * ga / 6.0
-            scale = torch.where(scale == 0, torch.ones_like(scale), scale)  # an all-zero matrix
+            scale = torch.where(scale == 0, torch.ones_like(scale), scale).unsqueeze(-1)  # an all-zero matrix
             loss = (x - _magnitude(x / scale) * scale).pow(2).sum(dim=-1)
             better = loss < best_loss
             best_loss = torch.where(better, loss, best_loss)
             best_idx = torch.where(better, k, best_idx)
         best[r0 : r0 + SWEEP_ROWS] = best_idx
     return values[best].to(torch.float8_e4m3fn).reshape(*lead, out, nb)
+
+
+# ---------------------------------------------------------------------------------------------------
+# `four_over_six`: each block's maximum mapped to 6 (the max scale) or to 4 (1.5x that scale), the one with
+# the smaller squared error of the block kept, the max-to-6 scale on a tie. ModelOpt 0.47's
+# NVFP4_FOUR_OVER_SIX_CFG (modelopt_recipes/configs/ptq/presets/model/nvfp4_four_over_six.yaml): the `mse`
+# calibration with amax multipliers linspace(1.0, 1.5, 2) per block (calib/mse.py `MseCalibrator`: squared
+# error summed per block, torch.argmin, so the first multiplier wins a tie) and block scales normalised to
+# 256 rather than 448 (`E4M3_MAX_46`), so 1.5 * 256 still fits E4M3. Its export (qtensor/nvfp4_tensor.py
+# `get_weights_scaling_factor_from_quantizer`, static path) writes
+#     weight_scale_2 = global_amax / (6 * 256)
+#     weight_scale   = e4m3(clamp((m * block_amax / 6 [0 -> 1.0]) * 256 / (global_amax / 6), 2**-9, 448))
+# and the codes are RTN of w / (float(weight_scale) * weight_scale_2). qtool measures each multiplier's error
+# with exactly those exported scales (the error of the bytes written).
+
+FOUR_OVER_SIX_MULTIPLIERS = (1.0, 1.5)  # block max -> 6, block max -> 4
+
+
+def _four_over_six_scale(block_amax: torch.Tensor, row_amax: torch.Tensor, multiplier: float) -> torch.Tensor:
+    """The E4M3 block scale ModelOpt exports for the per-block amax `multiplier * block_amax`."""
+    per_block = block_amax * multiplier / nvfp4.E2M1_MAX
+    per_block = torch.where(per_block == 0, torch.ones_like(per_block), per_block)
+    scaled = per_block * nvfp4.E4M3_MAX_FOUR_OVER_SIX / (row_amax / nvfp4.E2M1_MAX)
+    return scaled.clamp(nvfp4.E4M3_MIN_SCALE, nvfp4.E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def four_over_six_block_scales(w: torch.Tensor, global_amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn block scales [..., out, in/16], float32 weight_scale_2 [...]) of four-over-six.
+
+    `global_amax` as for `sweep_block_scales` (gate and up pass the larger of their two amaxes)."""
+    nvfp4.check_weight(w)
+    lead, out, n_in = tuple(w.shape[:-2]), w.shape[-2], w.shape[-1]
+    nb = n_in // nvfp4.BLOCK_SIZE
+    amax = torch.as_tensor(global_amax, device=w.device).float().expand(lead).contiguous()
+    ws2 = nvfp4.weight_scale_2_from_amax(amax, nvfp4.E4M3_MAX_FOUR_OVER_SIX)
+    row_amax = amax.reshape(-1, 1).repeat_interleave(out, dim=0)  # [R, 1]
+    row_ws2 = ws2.reshape(-1, 1).repeat_interleave(out, dim=0)
+    rows = w.reshape(-1, nb, nvfp4.BLOCK_SIZE)
+    best = torch.empty(rows.shape[:2], dtype=torch.float8_e4m3fn, device=w.device)
+    for r0 in range(0, rows.shape[0], SWEEP_ROWS):
+        x = rows[r0 : r0 + SWEEP_ROWS].float()
+        block_amax = x.abs().amax(dim=-1)
+        best_loss = None
+        for m in FOUR_OVER_SIX_MULTIPLIERS:
+            s8 = _four_over_six_scale(block_amax, row_amax[r0 : r0 + SWEEP_ROWS], m)
+            # the divisor and the codes as the codec writes them (nvfp4.quantize)
+            denom = (s8.float() * row_ws2[r0 : r0 + SWEEP_ROWS]).unsqueeze(-1)
+            loss = (_magnitude(x / denom) * denom - x).pow(2).sum(dim=-1)  # signed codes: x is not abs'd
+            if best_loss is None:
+                chunk, best_loss = s8, loss
+            else:
+                better = loss < best_loss  # strict: a tie keeps the first multiplier (max -> 6)
+                chunk = torch.where(better, s8.float(), chunk.float()).to(torch.float8_e4m3fn)
+                best_loss = torch.where(better, loss, best_loss)
+        best[r0 : r0 + SWEEP_ROWS] = chunk
+    return best.reshape(*lead, out, nb), ws2

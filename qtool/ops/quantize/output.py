@@ -19,7 +19,7 @@ from qtool.io.output import MANIFEST_NAME, partial_path
 from qtool.io.plan import Copy, Index, Json, OutputPlan, Pending, Produced, Shard, checkpoint_files, header_checkpoint
 from qtool.io.writer import OutTensor, plan_shards
 from qtool.ops.quantize import configs
-from qtool.recipes import KvCache
+from qtool.recipes import KvCache, Scheme
 
 if TYPE_CHECKING:
     from qtool.ops.quantize.plan import QuantizePlan
@@ -73,6 +73,7 @@ def output_plan(plan: QuantizePlan) -> OutputPlan:
         plan.int4_group,
         versions,
         {"gate_proj": plan.hidden, "up_proj": plan.hidden, "down_proj": plan.inter},
+        mixed=Scheme.FP8 in plan.recipe.schemes,
     )
     cfg["quantization_config"] = qc
     files.append(Json(CONFIG_NAME, cfg, style))
@@ -85,7 +86,11 @@ def output_plan(plan: QuantizePlan) -> OutputPlan:
         "backend": plan.backend.value,
         "format": plan.format.value,
         "layer_shards": {
-            layer_plan.shard: {"layer": layer_plan.index, "routed_experts": layer_plan.scheme.value}
+            layer_plan.shard: {
+                "layer": layer_plan.index,
+                "routed_experts": layer_plan.scheme.value,
+                **({"fp8": list(layer_plan.fp8)} if layer_plan.fp8 else {}),
+            }
             for layer_plan in plan.layers
         },
         "carried_over": {"tensors": len(plan.rest), "shards": [REST_SHARD.format(k) for k in range(len(groups))]},

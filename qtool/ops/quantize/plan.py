@@ -24,6 +24,7 @@ from qtool.io.dtypes import nbytes_for
 from qtool.io.output import OutputDir
 from qtool.io.writer import FileRange
 from qtool.ops.quantize import output as quantize_output
+from qtool.ops.quantize.schemes import fp8_linears, fp8_params
 from qtool.recipes import FORMATS_FOR, Backend, KvCache, OutFormat, Recipe, Scheme, WeightScale, load_recipe
 from qtool.stream.calib_data import plan_calibration
 from qtool.stream.layer_stream import LayerStreamer
@@ -87,6 +88,7 @@ class LayerPlan:
     full_attention: bool
     specs: list[Spec]
     shard: str
+    fp8: tuple[str, ...] = ()  # the dense linears coded FP8 (names relative to the layer; ops.quantize.schemes)
 
 
 # the calibration set's hidden states on disk: the layer running reads one file and writes another, and the
@@ -293,6 +295,41 @@ def _layer_tensors(names: list[str], prefix: str) -> list[str]:
     return names[bisect_left(names, prefix) : bisect_left(names, after)]
 
 
+def _fp8_linears(ckpt: Checkpoint, recipe: Recipe, idx: int, prefix: str, in_layer: list[str]) -> list[str]:
+    """The layer's linears the recipe codes FP8 (relative names); each must be a BF16 2-D weight."""
+    present = {n[len(prefix) : -len(".weight")] for n in in_layer if n.endswith(".weight")}
+    fp8 = fp8_linears(recipe, idx, present)
+    for rel in fp8:
+        info = ckpt.tensors[prefix + rel + ".weight"]
+        if info.dtype not in ("BF16", "F16", "F32") or len(info.shape) != 2:
+            raise PlanError(
+                "quantize needs a BF16 source; a linear the recipe codes fp8 is not BF16",
+                path=ckpt.root,
+                tensor=prefix + rel + ".weight",
+                got=info.dtype,
+                hint="start from the BF16 original",
+            )
+    return fp8
+
+
+def _refuse_fp8_runs(recipe: Recipe, backend: Backend) -> None:
+    """FP8 groups are coded by qtool's own codec, in one process (their input amaxes are not reduced over
+    ranks)."""
+    if Scheme.FP8 not in recipe.schemes:
+        return
+    if backend is not Backend.RTN:
+        raise UsageError(
+            f"--backend {backend.value} does not code the recipe's fp8 groups (qtool's own codec does)",
+            hint="use --backend rtn (the default)",
+        )
+    if dist.planned_ranks() > 1:
+        raise UsageError(
+            "a recipe with fp8 groups runs in one process (the fp8 linears' input amaxes are not reduced "
+            "over ranks yet)",
+            hint="run without --nproc/--devices",
+        )
+
+
 @dataclass(frozen=True)
 class QuantizeOptions:
     """quantize's options: the one place their defaults live (CLI, build steps, library)."""
@@ -341,15 +378,17 @@ def plan(opts: QuantizeOptions) -> QuantizePlan:
     # refusal that needs no data; execute's transaction checks it again under its lock
     OutputDir(outp, sources=[ckpt.root], force=opts.force, resume=opts.resume).check()
     scheme = recipe.quantized_scheme
-    if scheme in FORMATS_FOR and fmt not in FORMATS_FOR[scheme]:
-        raise UsageError(
-            f"--format {fmt.value} cannot hold {scheme.value} weights",
-            expected=[f.value for f in FORMATS_FOR[scheme]],
-            got=fmt.value,
-            hint=f"drop --format (the recipe's own is used), give --format "
-            f"{' or '.join(f.value for f in FORMATS_FOR[scheme])}, or a recipe of that format "
-            "(`qtool recipes` lists them)",
-        )
+    for held in sorted(recipe.schemes, key=lambda x: x is not scheme):  # the experts' scheme's refusal first
+        if fmt not in FORMATS_FOR[held]:
+            raise UsageError(
+                f"--format {fmt.value} cannot hold {held.value} weights",
+                expected=[f.value for f in FORMATS_FOR[held]],
+                got=fmt.value,
+                hint=f"drop --format (the recipe's own is used), give --format "
+                f"{' or '.join(f.value for f in FORMATS_FOR[held])}, or a recipe of that format "
+                "(`qtool recipes` lists them)",
+            )
+    _refuse_fp8_runs(recipe, backend)
     if backend is Backend.MODELOPT and recipe.nvfp4.weight_scale is WeightScale.MSE and not device.startswith("cuda"):
         # ModelOpt 0.47's static NVFP4 weight quantizer fake-quantizes through a Triton kernel only:
         # modelopt/torch/quantization/tensor_quant.py:586 raises "static_blockwise_fp4_fake_quant requires
@@ -359,10 +398,12 @@ def plan(opts: QuantizeOptions) -> QuantizePlan:
             "NVFP4 fake-quant, used by its MSE calibration, is a Triton kernel)",
             hint="use --device cuda, or --backend rtn / llmcompressor for MSE weight scales on CPU",
         )
-    if recipe.nvfp4.weight_scale is WeightScale.MSE_SWEEP and backend is not Backend.RTN:
-        # the peers' own runs of the sweep are the oracle in the tests, not a backend of qtool's
+    own_codecs = (WeightScale.MSE_SWEEP, WeightScale.FOUR_OVER_SIX)
+    if recipe.nvfp4.weight_scale in own_codecs and backend is not Backend.RTN:
+        # the peers' own runs of these searches are the oracle in the tests, not a backend of qtool's
         raise UsageError(
-            f"nvfp4.weight_scale mse_sweep is qtool's own codec: --backend {backend.value} does not run it",
+            f"nvfp4.weight_scale {recipe.nvfp4.weight_scale.value} is qtool's own codec: "
+            f"--backend {backend.value} does not run it",
             hint="use --backend rtn (the default)",
         )
     if backend is Backend.MODELOPT:
@@ -418,13 +459,20 @@ def plan(opts: QuantizeOptions) -> QuantizePlan:
         s = recipe.scheme_for("routed_experts", idx)
         specs = []
         has_experts = False
-        for n in _layer_tensors(names, prefix):
+        in_layer = _layer_tensors(names, prefix)
+        fp8 = _fp8_linears(ckpt, recipe, idx, prefix, in_layer)
+        fp8_weights = {prefix + rel + ".weight" for rel in fp8}
+        for n in in_layer:
             if mm.roles[n].inner is Group.ROUTED_EXPERTS:
                 has_experts = True
                 continue
             if n in kv_names_existing:
                 continue
             i = ckpt.tensors[n]
+            if n in fp8_weights:  # coded: its FP8 weight and scales take the BF16 weight's place
+                module = n[: -len(".weight")]
+                specs += [Spec(f"{module}.{param}", dt, shp) for param, dt, shp in fp8_params(fmt, *i.shape)]
+                continue
             specs.append(Spec(n, i.dtype, tuple(i.shape), FileRange(i.file, i.start, i.end)))
         if not has_experts:
             raise PlanError(
@@ -438,7 +486,7 @@ def plan(opts: QuantizeOptions) -> QuantizePlan:
         full = idx in mm.full_attention
         if full and recipe.kv_cache is KvCache.FP8 and fmt is not OutFormat.AWQ:
             specs += [Spec(n, "F32", ()) for n in kv_scale_names(prefix, fmt)]
-        layers.append(LayerPlan(idx, s, full, specs, LAYER_SHARD.format(idx)))
+        layers.append(LayerPlan(idx, s, full, specs, LAYER_SHARD.format(idx), tuple(fp8)))
     layer_pre = tuple(layer_prefix(i, mm.naming) for i in range(mm.num_layers))
     rest = []
     for n in names:

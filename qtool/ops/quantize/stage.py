@@ -33,6 +33,7 @@ from qtool.ops.quantize.calib import (
 )
 from qtool.ops.quantize.layer import Share, copied_whole, create_layer_tmp, release_dense_experts
 from qtool.ops.quantize.plan import LayerPlan, QuantizePlan
+from qtool.ops.quantize.schemes import install_linear_amax, remove_linear_amax
 from qtool.recipes import Scheme
 from qtool.stream.layer_run import LayerRun, LayerStage
 from qtool.stream.layer_stream import attention_tap, kv_amax_tap
@@ -84,6 +85,7 @@ class QuantizeStage(LayerStage):
                 stats.hooks += backend.hooks
                 stats.batch_hooks += backend.batch_hooks
         install_expert_stats(layer.mlp.experts, stats)
+        install_linear_amax(layer, list(layer_plan.fp8))  # the fp8 linears' static input scales
         if layer_plan.full_attention:
             attention_tap(layer, kv_amax_tap(kv))
         self._stats, self._kv, self._backend = stats, kv, backend
@@ -94,6 +96,7 @@ class QuantizeStage(LayerStage):
     def after_forward(self, run: LayerRun, idx: int, layer: torch.nn.Module) -> None:
         attention_tap(layer, None)
         remove_expert_stats(layer.mlp.experts)
+        remove_linear_amax(layer)
         self._stats.settle()
         # data parallel: every rank now holds the layer's stats (the AWQ rows of the experts it codes)
         n_experts = self.plan.n_experts

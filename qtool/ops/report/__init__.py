@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from qtool.errors import CheckpointError, UsageError
-from qtool.hub.resolve import checkpoint_not_found
+from qtool.io.checkpoint import checkpoint_not_found
 from qtool.io.files import require_text_path
 from qtool.ops.report.data import Artifact
 

@@ -9,6 +9,7 @@ own JSON output.
 from __future__ import annotations
 
 import json
+import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -45,6 +46,7 @@ def artifact_data(art: Artifact, verify_opts, kld: dict | None = None, kv_cache_
         "marks": place_findings(verified["findings"], naming, inspected["grid"]),
         "kld": kld,
         "provenance": provenance(art.path),
+        "expert_coverage": expert_coverage(art.path),
         "launch": launch_commands(art, verify_opts),
     }
 
@@ -124,6 +126,45 @@ def provenance(root: Path) -> dict | None:
         "libraries": m.get("libraries") or {},
         "sources": sources,
         "build": build,
+    }
+
+
+def expert_coverage(root: Path) -> list[dict] | None:
+    """How many calibration tokens each layer's routed experts saw when qtool quantized them, per layer:
+    min / median / max and the experts that saw none (those were coded with the layer's largest input
+    amax). Read from the manifest: quantize's own `layers`, or a build's quantize step's report. None
+    where the artifact was not quantized by qtool (or its manifest is unreadable: provenance says so)."""
+    try:
+        manifest = json.loads((Path(root) / MANIFEST_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(manifest, dict):
+        return None
+    # quantize's own manifest, else a build's: its quantize step's report (the last one, if several)
+    steps = (manifest.get("run") or {}).get("steps") or []
+    candidates = [manifest.get("layers")] + [
+        s["report"].get("layers") for s in reversed(steps) if isinstance(s, dict) and isinstance(s.get("report"), dict)
+    ]
+    for layers in candidates:
+        rows = [_coverage_row(entry) for entry in layers if isinstance(entry, dict)] if isinstance(layers, list) else []
+        if rows and all(r is not None for r in rows):
+            return rows
+    return None
+
+
+def _coverage_row(entry: dict) -> dict | None:
+    tokens = entry.get("tokens_per_expert")
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, int) for t in tokens):
+        return None
+    ordered = sorted(tokens)
+    return {
+        "layer": entry.get("layer"),
+        "scheme": entry.get("routed_experts"),
+        "experts": len(tokens),
+        "min": ordered[0],
+        "median": statistics.median(ordered),
+        "max": ordered[-1],
+        "without_tokens": [i for i, t in enumerate(tokens) if t == 0],
     }
 
 

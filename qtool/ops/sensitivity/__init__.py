@@ -153,7 +153,7 @@ def output_plan(p: SensitivityPlan):
 
 
 def execute(p: SensitivityPlan, *, progress=None) -> Report:
-    from qtool.io.apply import OutputJob, write_output
+    from qtool.io.apply import OutputJob, input_hasher, write_output
     from qtool.io.jsonio import write_json
     from qtool.io.manifest import RUN
     from qtool.io.output import OutputDir
@@ -166,7 +166,7 @@ def execute(p: SensitivityPlan, *, progress=None) -> Report:
     state: dict = {}
 
     def produce(_shards) -> None:
-        result = measure(p, resume=o.resume, progress=progress)
+        result = measure(p, resume=o.resume, progress=progress, digests=hasher.read_digests)
         fill(p.units, result)
         state["table"], state["timing"] = table(p), result["timing"]
         write_json(tx.partial / TABLE, state["table"])
@@ -176,18 +176,23 @@ def execute(p: SensitivityPlan, *, progress=None) -> Report:
         return {}
 
     with tx:
-        # both checkpoints are hashed from the pass's reads (one read of each), as calibrate-kv's input
-        write_output(
-            output_plan(p),
-            tx,
-            OutputJob(
-                command=o.command,
-                produce=produce,
-                check=check,
-                hash_from_reads=streamed_files(p.bf) | streamed_files(p.q),
-                extra=lambda: {RUN: {"timing": state["timing"]}},
-            ),
-        )
+        # both checkpoints are hashed from the pass's reads (one read of each), as calibrate-kv's input: the
+        # hasher hands them over
+        hasher = input_hasher(tx, streamed_files(p.bf) | streamed_files(p.q))
+        try:
+            write_output(
+                output_plan(p),
+                tx,
+                OutputJob(
+                    command=o.command,
+                    produce=produce,
+                    check=check,
+                    hasher=hasher,
+                    extra=lambda: {RUN: {"timing": state["timing"]}},
+                ),
+            )
+        finally:
+            hasher.close()  # (after the pass: its reads hand their bytes to the hasher's digests)
     return Report(
         {
             "plan": p.to_json(),

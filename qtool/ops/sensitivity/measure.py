@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from qtool.io.stream_digest import NO_DIGESTS, DigestSink
 from qtool.stream.hidden_store import DiskStore
 from qtool.stream.layer_journal import LayerJournal
 from qtool.stream.layer_run import LayerRun, LayerStage
@@ -152,14 +153,15 @@ def journal_key(bf_ckpt, q_ckpt, digest: str, dtype: str, unit_ids: list[str]) -
     return h.hexdigest()[:32]
 
 
-def measure(plan, *, resume: bool, progress=None) -> dict:
+def measure(plan, *, resume: bool, progress=None, digests: DigestSink = NO_DIGESTS) -> dict:
     """Run the pass; returns {"units": {id: sums}, "layers": {i: sums}, "timing": ...}. The hidden states
-    and a journal live in plan.work_dir: an interrupted run resumes at its next layer."""
+    and a journal live in plan.work_dir: an interrupted run resumes at its next layer. digests: the inputs
+    hashed from the pass's reads (its output transaction's input hasher's)."""
     from qtool.stream.calib_data import token_digest
 
     o = plan.options
-    bf = LayerStreamer(plan.bf, device=o.device, dtype=o.dtype, batch_tokens=o.batch_tokens)
-    q = LayerStreamer(plan.q, device=o.device, dtype=bf.dtype_name, batch_tokens=o.batch_tokens)
+    bf = LayerStreamer(plan.bf, device=o.device, dtype=o.dtype, batch_tokens=o.batch_tokens, digests=digests)
+    q = LayerStreamer(plan.q, device=o.device, dtype=bf.dtype_name, batch_tokens=o.batch_tokens, digests=digests)
     ids = plan.calib.ids
     n, seq = int(ids.shape[0]), int(ids.shape[1])
     batch = bf.batch_windows(seq)

@@ -439,7 +439,7 @@ def _check_same_checkpoint(q, units: list[Unit], qpath: Path, opts: PlanHybridOp
 
 
 def human(n: float) -> str:
-    from qtool.cli.common import human_bytes
+    from qtool.sizes import human_bytes
 
     return human_bytes(n)
 

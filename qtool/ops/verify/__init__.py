@@ -123,7 +123,7 @@ def plan(opts: VerifyOptions) -> VerifyPlan:
     versions, target = validate(opts)
     path = opts.checkpoint
     if path is None or not Path(path).exists():
-        from qtool.hub.resolve import checkpoint_not_found
+        from qtool.io.checkpoint import checkpoint_not_found
 
         raise checkpoint_not_found(path)  # bad input (exit 1), not a failed verification (exit 3)
     return VerifyPlan(opts, Path(path), versions, target)

@@ -23,10 +23,10 @@ def reads(monkeypatch):
     seen = []
     real = layer_read.pread_exact
 
-    def counting(fd, view, offset, path, tensor=None, reused=False):
+    def counting(fd, view, offset, path, tensor=None, **kwargs):
         if tensor == NAME:
             seen.append(len(view))
-        return real(fd, view, offset, path, tensor=tensor, reused=reused)
+        return real(fd, view, offset, path, tensor=tensor, **kwargs)
 
     monkeypatch.setattr(layer_read, "pread_exact", counting)
     return seen

@@ -61,6 +61,7 @@ CHANGES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("change", list(CHANGES))
 def test_an_input_changed_while_calibrate_kv_reads_it_fails_the_job_naming_it(
     change, tiny_nvfp4_modelopt, tmp_path, monkeypatch

@@ -64,7 +64,7 @@ def test_the_reference_can_be_asked_for_on_cuda(tmp_path):
 def test_a_cpu_layer_runs_with_fla_installed_and_the_manifest_names_the_kernel(tmp_path, request):
     """A CPU calibrate-kv with (a stand-in) fla importable: the reference computes (the stand-in would raise),
     and the manifest's run section says so."""
-    from test_calibrate_kv_support import fixture_dir
+    from full_model import fixture_dir
 
     pkg = tmp_path / "site" / "fla"
     pkg.mkdir(parents=True)

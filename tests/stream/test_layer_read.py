@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_calibrate_kv_support import fixture_dir
+from full_model import fixture_dir
 
 from qtool.errors import PlanError
 from qtool.io.safetensors_header import TensorInfo
@@ -159,6 +159,7 @@ def _refuse_direct(monkeypatch, at: str) -> None:
         monkeypatch.setattr(os, "preadv", refuse_read)
 
 
+@pytest.mark.xdist_group("measure")  # measures reads or memory: not beside another such test
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("how", ["direct", "cached", "refused at open", "refused at read"])
 def test_layers_are_read_around_the_page_cache_unless_it_holds_them(request, tmp_path, monkeypatch, how, device):
@@ -208,6 +209,7 @@ def test_layers_are_read_around_the_page_cache_unless_it_holds_them(request, tmp
         one.close()
 
 
+@pytest.mark.xdist_group("measure")  # measures reads or memory: not beside another such test
 @pytest.mark.parametrize("room", [True, False])
 def test_a_piece_the_input_digest_has_no_room_for_is_read_through_the_page_cache(request, tmp_path, monkeypatch, room):
     """The input's sha256 comes from the layer reader's reads (qtool.io.stream_digest). A piece its queue
@@ -226,7 +228,7 @@ def test_a_piece_the_input_digest_has_no_room_for_is_read_through_the_page_cache
     flags = _reads_with_flags(monkeypatch)
     with stream_digest.StreamDigests() as reg:
         digests = {f: reg.add(f) for f in {i.file for i in infos}}
-        LayerBytes(infos).read()
+        LayerBytes(infos, digests=reg).read()
         direct = list(flags)
         for f, d in digests.items():
             assert d.finish() == hashlib.sha256(Path(f).read_bytes()).hexdigest()
@@ -241,6 +243,7 @@ def _raw_file(tmp_path: Path, size: int) -> tuple[Path, bytes]:
     return f, data
 
 
+@pytest.mark.xdist_group("measure")  # measures reads or memory: not beside another such test
 def test_a_tensor_at_an_odd_offset_is_its_bytes(tmp_path):
     """safetensors does not align offsets, and a CPU run's buffer starts inside an aligned block: a BF16
     tensor at an odd file offset is still a tensor of its bytes (found by review: a view of the buffer
@@ -261,6 +264,34 @@ def test_a_tensor_at_an_odd_offset_is_its_bytes(tmp_path):
         )
 
 
+def test_each_piece_read_goes_to_the_digests_the_reader_is_given_and_nowhere_else(tmp_path):
+    """The reader hands what it reads to the job's input digests it was given (an object, made by whoever
+    opened the inputs), claimed first, each byte once; two jobs' readers in one process feed their own."""
+    from qtool.io.stream_digest import NoDigests
+
+    class Recording(NoDigests):
+        def __init__(self) -> None:
+            self.claimed: list[tuple[int, int]] = []
+            self.offered: dict[int, bytes] = {}
+
+        def claim(self, path: str, start: int, end: int) -> None:
+            self.claimed.append((start, end))
+
+        def offer(self, path: str, start: int, view: memoryview, keep=None) -> None:
+            assert path == str(f) and (start, start + len(view)) in self.claimed
+            self.offered[start] = bytes(view)
+
+    f, data = _raw_file(tmp_path, 3 * ALIGN + 77)
+    info = TensorInfo("t", str(f), "U8", [len(data) - 10], 5, len(data) - 5)
+    mine, other = Recording(), Recording()
+    LayerBytes([info], digests=mine).read()
+    assert b"".join(mine.offered[k] for k in sorted(mine.offered)) == data[5:-5]
+    assert not other.claimed and not other.offered
+    LayerBytes([info]).read()  # a reader given no digests hashes nothing
+    assert not other.offered
+
+
+@pytest.mark.xdist_group("measure")  # measures reads or memory: not beside another such test
 def test_a_short_direct_read_is_finished_not_called_truncated(tmp_path, monkeypatch):
     """A filesystem may return short counts from a direct read (FUSE, network filesystems) that are not a
     block's multiple: the piece's rest is read through the page cache, not reported as a truncated shard

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from qtool import cache
 from qtool.io import manifest
 from qtool.io.files import LinkMode, Placer
 from qtool.io.manifest import InputHasher, hub_recorded_sha256
@@ -93,7 +94,7 @@ def test_hashes_are_cached_for_reruns(tmp_path, monkeypatch):
     f.write_bytes(b"abc")
     want = {str(f): hashlib.sha256(b"abc").hexdigest()}
     assert _digests([f], monkeypatch, allow_hashing=True) == want
-    assert (manifest.cache_dir() / "sha256-cache.json").exists()
+    assert (cache.cache_dir() / "sha256-cache.json").exists()
     assert _digests([f], monkeypatch, allow_hashing=False) == want
 
 
@@ -127,7 +128,7 @@ def test_the_cache_is_trusted_only_while_the_ctime_is_the_recorded_one(tmp_path,
 def test_a_committed_outputs_digests_are_known_to_the_next_job(request, tmp_path, monkeypatch):
     """quantize's output is calibrate-kv's and eval kld's input: the digests quantize computed as it wrote
     its shards are in the cache under their final paths, so the next job reads nothing to hash them."""
-    from test_calibrate_kv_support import fixture_dir
+    from full_model import fixture_dir
 
     from qtool.ops import quantize
 
@@ -152,6 +153,7 @@ def test_a_committed_outputs_digests_are_known_to_the_next_job(request, tmp_path
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["-o OUT --force", "--in-place"])
 def test_a_rerun_reads_nothing_to_hash_its_input(request, tmp_path, inputs_hashed, where):
     """calibrate-kv again and again, as a user tunes it. `-o OUT --force`: each run links SRC's unchanged
@@ -162,7 +164,7 @@ def test_a_rerun_reads_nothing_to_hash_its_input(request, tmp_path, inputs_hashe
     up, so every run hashed the whole checkpoint. Only the first run may hash."""
     import shutil
 
-    from test_calibrate_kv_support import fixture_dir
+    from full_model import fixture_dir
 
     from qtool.cli.main import main
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from test_calibrate_kv_support import dense_text_model, fixture_dir
+from full_model import dense_text_model, fixture_dir
 
 from qtool.stream.calib_data import build_calib_set
 from qtool.stream.hidden_store import DiskStore, MemoryStore

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from in_process import run_cli
 from killpoint import run_killed, run_qtool
 from test_output_contract import KV, copy_of, tree_sha
 
@@ -58,7 +59,7 @@ def test_save_ref_onto_or_inside_the_reference_is_refused(tiny_nvfp4_modelopt, t
     ref = copy_of(tiny_nvfp4_modelopt, tmp_path / "A")
     before = tree_sha(ref, skip=())
     for target in (ref, ref / "sub"):
-        p = run_qtool(
+        p = run_cli(
             [
                 "eval",
                 "kld",
@@ -83,7 +84,7 @@ def test_save_ref_onto_or_inside_the_reference_is_refused(tiny_nvfp4_modelopt, t
     r1.mkdir()
     (r1 / "data.jsonl").write_text('{"text": "one two three"}\n' * 50)
     for extra in (["--dataset", r1 / "data.jsonl"], ["--emit-windows", r1 / "w.jsonl"]):
-        p = run_qtool(
+        p = run_cli(
             [
                 "eval",
                 "kld",
@@ -111,18 +112,18 @@ def test_report_never_replaces_a_users_file_nor_writes_into_a_source(tiny_nvfp4_
     src = copy_of(tiny_nvfp4_modelopt, tmp_path / "S")
     mine = tmp_path / "user.html"
     mine.write_text("<html>my notes</html>")
-    p = run_qtool(["report", src, "--tp", "1", "-o", mine, "--force"], timeout=TIMEOUT)
+    p = run_cli(["report", src, "--tp", "1", "-o", mine, "--force"], timeout=TIMEOUT)
     assert p.returncode == 1 and "not written by qtool" in p.stderr, p.stderr
     assert mine.read_text() == "<html>my notes</html>"
-    p = run_qtool(["report", src, "--tp", "1", "-o", src / "report.html"], timeout=TIMEOUT)
+    p = run_cli(["report", src, "--tp", "1", "-o", src / "report.html"], timeout=TIMEOUT)
     assert p.returncode == 2 and "inside an input" in p.stderr, p.stderr
     assert not (src / "report.html").exists()
     # qtool's own report: replaced with --force only
     ours = tmp_path / "r.html"
-    assert run_qtool(["report", src, "--tp", "1", "-o", ours], timeout=TIMEOUT).returncode == 0
-    p = run_qtool(["report", src, "--tp", "1", "-o", ours], timeout=TIMEOUT)
+    assert run_cli(["report", src, "--tp", "1", "-o", ours], timeout=TIMEOUT).returncode == 0
+    p = run_cli(["report", src, "--tp", "1", "-o", ours], timeout=TIMEOUT)
     assert p.returncode == 1 and "--force" in p.stderr
-    assert run_qtool(["report", src, "--tp", "1", "-o", ours, "--force"], timeout=TIMEOUT).returncode == 0
+    assert run_cli(["report", src, "--tp", "1", "-o", ours, "--force"], timeout=TIMEOUT).returncode == 0
 
 
 @pytest.mark.parametrize("manifest", ["empty", "foreign", "in-place-compact", "files-missing"])
@@ -135,15 +136,13 @@ def test_force_never_replaces_a_directory_whose_manifest_does_not_prove_qtool_ma
     d = tmp_path / "DIR"
     if manifest == "in-place-compact":
         d = copy_of(tiny_nvfp4_modelopt, d)
-        p = run_qtool(["patch-config", d, "--sampling-defaults"], timeout=TIMEOUT)
+        p = run_cli(["patch-config", d, "--sampling-defaults"], timeout=TIMEOUT)
         assert p.returncode == 0, p.stderr
         m = json.loads((d / "qtool-manifest.json").read_text())
         assert m["created_by_qtool"] is False
         (d / "qtool-manifest.json").write_text(json.dumps(m, separators=(",", ":")))
     elif manifest == "files-missing":
-        p = run_qtool(
-            ["convert", tiny_nvfp4_modelopt, "--to", "compressed-tensors", "-o", d, "--quiet"], timeout=TIMEOUT
-        )
+        p = run_cli(["convert", tiny_nvfp4_modelopt, "--to", "compressed-tensors", "-o", d, "--quiet"], timeout=TIMEOUT)
         assert p.returncode == 0, p.stderr
         m = json.loads((d / "qtool-manifest.json").read_text())
         for rel in m["files"]:
@@ -154,7 +153,7 @@ def test_force_never_replaces_a_directory_whose_manifest_does_not_prove_qtool_ma
         (d / "mine.txt").write_text("mine")
         (d / "qtool-manifest.json").write_text("" if manifest == "empty" else '{"files": {"mine.txt": {}}}')
     before = tree_sha(d, skip=())
-    p = run_qtool(
+    p = run_cli(
         ["convert", tiny_nvfp4_modelopt, "--to", "compressed-tensors", "-o", d, "--force", "--quiet"], timeout=TIMEOUT
     )
     assert p.returncode == 1 and "not made by qtool" in p.stderr, p.stderr
@@ -167,10 +166,10 @@ def test_force_replaces_a_qtool_output_whose_user_removed_a_side_file(tiny_nvfp4
     """Found by the review: after `rm OUT/tokenizer.json` a qtool output could never be replaced again."""
     out = tmp_path / "out"
     args = ["convert", tiny_nvfp4_modelopt, "--to", "compressed-tensors", "-o", out, "--quiet"]
-    assert run_qtool(args, timeout=TIMEOUT).returncode == 0
+    assert run_cli(args, timeout=TIMEOUT).returncode == 0
     ref = tree_sha(out)
     (out / "tokenizer.json").unlink()
-    p = run_qtool([*args, "--force"], timeout=TIMEOUT)
+    p = run_cli([*args, "--force"], timeout=TIMEOUT)
     assert p.returncode == 0, p.stderr
     assert tree_sha(out) == ref
 
@@ -186,16 +185,17 @@ def test_a_same_size_edit_with_the_mtime_put_back_gets_its_new_sha256(
     monkeypatch.setenv("QTOOL_CACHE_DIR", str(tmp_path / "cache"))
     src = copy_of(tiny_nvfp4_modelopt, tmp_path / "src")
     base = ["assemble", "hybrid", "--nvfp4", src, "--bf16", tiny_bf16, "--quiet"]
-    assert run_qtool([*base, "-o", tmp_path / "o1"], timeout=TIMEOUT).returncode == 0
+    assert run_cli([*base, "-o", tmp_path / "o1"], timeout=TIMEOUT).returncode == 0
     shard = biggest_shard(src)
     same_size_edit(shard, shard.stat().st_size // 2)
     shutil.rmtree(tmp_path / "o1")  # (review) removing the old output's links must not bring the old digest back
-    assert run_qtool([*base, "-o", tmp_path / "o2"], timeout=TIMEOUT).returncode == 0
+    assert run_cli([*base, "-o", tmp_path / "o2"], timeout=TIMEOUT).returncode == 0
     m = json.loads((tmp_path / "o2" / "qtool-manifest.json").read_text())
     recorded = m["sources"]["nvfp4"]["files"][shard.name]["sha256"]
     assert recorded == sha(shard)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["convert", "assemble", "calibrate-kv", "quantize"])
 def test_resume_after_an_edit_before_the_inputs_were_hashed_uses_the_new_bytes(
     command, tiny_nvfp4_modelopt, tiny_bf16, tmp_path
@@ -219,7 +219,7 @@ def test_resume_after_an_edit_before_the_inputs_were_hashed_uses_the_new_bytes(
     assert p.returncode == -9, p.stderr
     edited = biggest_shard(bf if command == "quantize" else src)
     same_size_edit(edited, unsampled_offset(edited))  # unseen by the journal's identity check
-    p = run_qtool([*args, "-o", out, "--quiet", "--resume"], timeout=TIMEOUT)
+    p = run_cli([*args, "-o", out, "--quiet", "--resume"], timeout=TIMEOUT)
     assert p.returncode == 0, p.stdout + p.stderr
     m = json.loads((out / "qtool-manifest.json").read_text())
     digests = {
@@ -227,7 +227,7 @@ def test_resume_after_an_edit_before_the_inputs_were_hashed_uses_the_new_bytes(
     }
     assert sha(edited) in digests
     fresh = tmp_path / "fresh"
-    p = run_qtool([*args, "-o", fresh, "--quiet"], timeout=TIMEOUT)
+    p = run_cli([*args, "-o", fresh, "--quiet"], timeout=TIMEOUT)
     assert p.returncode == 0, p.stderr
     assert tree_sha(out) == tree_sha(fresh)
 
@@ -243,7 +243,7 @@ def test_verify_deep_checks_every_file_the_manifest_lists(tiny_nvfp4_modelopt, t
     files, chat_template.jinja, generation_config.json: 61 of 170 flips passed), and in-place outputs
     recorded `sha256: null` for unchanged shards, so their flips passed too."""
     out = tmp_path / "out"
-    p = run_qtool(
+    p = run_cli(
         [
             "assemble",
             "hybrid",
@@ -268,18 +268,18 @@ def test_verify_deep_checks_every_file_the_manifest_lists(tiny_nvfp4_modelopt, t
             continue
         keep = (out / name).read_bytes()
         _flip_byte(out / name)
-        p = run_qtool(["verify", out, "--deep", "--tp", "1", "--json"], timeout=TIMEOUT)
+        p = run_cli(["verify", out, "--deep", "--tp", "1", "--json"], timeout=TIMEOUT)
         assert p.returncode == 3, (name, p.stdout[-2000:])
         assert "hash-mismatch" in p.stdout and name in p.stdout
         (out / name).write_bytes(keep)
     # in place: every file gets its sha256, so a flip in an unchanged shard is caught
     ck = copy_of(tiny_nvfp4_modelopt, tmp_path / "ck")
-    assert run_qtool(["patch-config", ck, "--sampling-defaults"], timeout=TIMEOUT).returncode == 0
+    assert run_cli(["patch-config", ck, "--sampling-defaults"], timeout=TIMEOUT).returncode == 0
     m = json.loads((ck / "qtool-manifest.json").read_text())
     assert all(isinstance(f["sha256"], str) for f in m["files"].values()), m["files"]
     shard = biggest_shard(ck)
     _flip_byte(shard)
-    p = run_qtool(["verify", ck, "--deep", "--tp", "1", "--json"], timeout=TIMEOUT)
+    p = run_cli(["verify", ck, "--deep", "--tp", "1", "--json"], timeout=TIMEOUT)
     assert p.returncode == 3 and "hash-mismatch" in p.stdout
 
 
@@ -318,7 +318,7 @@ def test_wrong_typed_config_fields_are_named_errors(file, path, value, tiny_nvfp
         ["calibrate-kv", ck, *KV, "-o", tmp_path / "kv", "--dry-run"],
         ["report", ck, "--tp", "1", "-o", tmp_path / "r.html"],
     ):
-        p = run_qtool(cmd, timeout=TIMEOUT)
+        p = run_cli(cmd, timeout=TIMEOUT)
         # verify reports an unreadable checkpoint as its finding (exit 3); the others are errors (exit 1)
         assert p.returncode == (3 if cmd[0] == "verify" else 1), (cmd[0], p.stdout, p.stderr)
         said = p.stdout + p.stderr
@@ -337,7 +337,7 @@ def test_a_hidden_size_that_disagrees_with_the_tensors_is_named(tiny_nvfp4_model
         ["calibrate-kv", ck, *KV, "--replace-scales", "-o", tmp_path / "kv", "--dry-run"],
         ["eval", "kld", "--ref", ck, "--windows", "1", "--seq-len", "8", "--save-ref", tmp_path / "ref"],
     ):
-        p = run_qtool(cmd, timeout=TIMEOUT)
+        p = run_cli(cmd, timeout=TIMEOUT)
         assert p.returncode == 1, p.stderr
         assert "hidden_size does not match" in p.stderr and "Traceback" not in p.stderr, p.stderr
         assert "tokenizer" not in p.stderr
@@ -383,7 +383,7 @@ def test_a_mistyped_flag_next_to_a_token_never_prints_the_token(tmp_path):
         ["inspect", "hf:org/x", "--json", "--token", secret],
         ["--token", "s3cr3t-value", "inspect", "hf:org/x"],
     ):  # (review) the flag before the command
-        p = run_qtool(args, timeout=TIMEOUT)
+        p = run_cli(args, timeout=TIMEOUT)
         assert p.returncode == 2, p.stderr
         assert secret not in p.stderr + p.stdout and "s3cr3t-value" not in p.stderr + p.stdout, p.stderr
 
@@ -429,27 +429,29 @@ def test_report_with_fifos_is_an_error_not_a_hang(tiny_nvfp4_modelopt, tmp_path)
     assert p.returncode == 1 and "FIFO" in p.stderr, p.stderr
 
 
+@pytest.mark.slow
 def test_a_kill_right_after_the_commit_rename_leaves_a_clean_output(tiny_nvfp4_modelopt, tmp_path):
     """Found as: kill -9 right after the commit rename left `.qtool-partial` inside the published OUT and
     the lock file; `--resume` then exited 1."""
     out = tmp_path / "out"
     args = ["convert", tiny_nvfp4_modelopt, "--to", "compressed-tensors", "-o", out, "--quiet"]
     ref = tmp_path / "ref"
-    assert run_qtool([*args[:-3], "-o", ref, "--quiet"], timeout=TIMEOUT).returncode == 0
+    assert run_cli([*args[:-3], "-o", ref, "--quiet"], timeout=TIMEOUT).returncode == 0
     p = run_killed("os:rename", 1, args)
     assert p.returncode == -9
     assert out.is_dir() and not (tmp_path / "out.partial").exists()
     assert not (out / ".qtool-partial").exists()
     assert tree_sha(out) == tree_sha(ref)
     # the resume the user tries next is told the truth, and the stale lock file is no obstacle
-    p = run_qtool([*args, "--resume"], timeout=TIMEOUT)
+    p = run_cli([*args, "--resume"], timeout=TIMEOUT)
     assert p.returncode == 1 and "already complete" in p.stderr, p.stderr
-    p = run_qtool([*args, "--force"], timeout=TIMEOUT)
+    p = run_cli([*args, "--force"], timeout=TIMEOUT)
     assert p.returncode == 0, p.stderr
     assert tree_sha(out) == tree_sha(ref) and not (out / ".qtool-partial").exists()
     assert not list(tmp_path.glob(".out.qtool-lock"))
 
 
+@pytest.mark.slow
 def test_a_kill_between_the_marker_removal_and_the_rename_is_cleaned_up(tiny_nvfp4_modelopt, tmp_path):
     out = tmp_path / "out"
     args = ["convert", tiny_nvfp4_modelopt, "--to", "compressed-tensors", "-o", out, "--quiet"]
@@ -458,7 +460,7 @@ def test_a_kill_between_the_marker_removal_and_the_rename_is_cleaned_up(tiny_nvf
         assert p.returncode == -9
         assert not out.exists() and (tmp_path / "out.partial").is_dir()
         assert not (tmp_path / "out.partial" / ".qtool-partial").exists()
-        p = run_qtool([*args, *extra], timeout=TIMEOUT)
+        p = run_cli([*args, *extra], timeout=TIMEOUT)
         assert p.returncode == 0, p.stderr
         assert not (tmp_path / "out.partial").exists()
         shutil.rmtree(out)
@@ -520,7 +522,7 @@ def test_outputs_inside_a_hugging_face_cache_are_refused(tiny_nvfp4_modelopt, tm
         ["patch-config", tiny_nvfp4_modelopt, "--sampling-defaults"],
         ["convert", tiny_nvfp4_modelopt, "--to", "compressed-tensors"],
     ):
-        p = run_qtool([*cmd, "-o", snap / "sub", "--json"], timeout=TIMEOUT)
+        p = run_cli([*cmd, "-o", snap / "sub", "--json"], timeout=TIMEOUT)
         assert p.returncode == 2, p.stdout + p.stderr
         assert "Hugging Face cache" in json.loads(p.stdout)["message"]
         assert not (snap / "sub").exists()
@@ -530,7 +532,7 @@ def test_build_into_the_current_directory(tmp_path):
     """Found by the review: `build demo-tiny -o .` was a traceback (`PosixPath('.') has an empty name`)."""
     here = tmp_path / "here"
     here.mkdir()
-    p = run_qtool(["build", "demo-tiny", "-o", ".", "--quiet"], cwd=here, timeout=600)
+    p = run_cli(["build", "demo-tiny", "-o", ".", "--quiet"], cwd=here, timeout=600)
     assert p.returncode == 0, p.stderr
     assert (here / "qtool-manifest.json").is_file() and (tmp_path / "here.build").is_dir()
 
@@ -544,14 +546,14 @@ def test_build_onto_a_foreign_directory_or_a_file_is_refused_before_any_step(tmp
     f = tmp_path / "file"
     f.write_text("mine")
     for out in (d, f):
-        p = run_qtool(["build", "demo-tiny", "-o", out, "--force", "--json"], timeout=TIMEOUT)
+        p = run_cli(["build", "demo-tiny", "-o", out, "--force", "--json"], timeout=TIMEOUT)
         assert p.returncode == 1, p.stdout + p.stderr
         assert not (tmp_path / (out.name + ".build")).exists()  # no step ran
     assert (d / "mine.txt").read_text() == "mine" and f.read_text() == "mine"
 
 
 def test_interpreter_shutdown_is_quiet(tiny_nvfp4_modelopt):
-    p = run_qtool(["inspect", tiny_nvfp4_modelopt], timeout=TIMEOUT)
+    p = run_qtool(["inspect", tiny_nvfp4_modelopt], timeout=TIMEOUT)  # the interpreter's own end: a process
     assert p.returncode == 0 and "Traceback" not in p.stderr
 
 
@@ -566,13 +568,13 @@ def test_a_non_utf8_shard_name_and_a_shard_symlink_loop_are_named_errors(tiny_nv
     )
     os.rename(bytes(shards[0]), bytes(shards[0].parent) + b"/m\xff.safetensors")
     for cmd in commands:
-        p = run_qtool(cmd, timeout=TIMEOUT)
+        p = run_cli(cmd, timeout=TIMEOUT)
         assert p.returncode == 1 and "not UTF-8" in p.stderr and "Traceback" not in p.stderr, p.stderr
     os.rename(bytes(shards[0].parent) + b"/m\xff.safetensors", bytes(shards[0]))
     shards[1].unlink()
     shards[1].symlink_to(shards[1].name)
     for cmd in commands:
-        p = run_qtool(cmd, timeout=TIMEOUT)
+        p = run_cli(cmd, timeout=TIMEOUT)
         assert p.returncode == 1 and "symlink loop" in p.stderr and "Traceback" not in p.stderr, p.stderr
     assert not (tmp_path / "c").exists() and not (tmp_path / "a").exists()
     shutil.rmtree(ck)
@@ -584,7 +586,7 @@ def test_an_edited_published_build_shard_is_republished_and_the_cache_is_intact(
     corrupted the cache too."""
     recipe = Path(__file__).resolve().parents[2] / "recipes" / "build" / "demo-tiny.yaml"
     out = tmp_path / "out"
-    assert run_qtool(["build", recipe, "-o", out, "--quiet"], timeout=600).returncode == 0
+    assert run_cli(["build", recipe, "-o", out, "--quiet"], timeout=600).returncode == 0
     shard = biggest_shard(out)
     clean = sha(shard)
     cache = {p: sha(p) for p in (tmp_path / "out.build").rglob("*.safetensors")}
@@ -597,12 +599,13 @@ def test_an_edited_published_build_shard_is_republished_and_the_cache_is_intact(
         f.write(bytes([b[0] ^ 1]))
     os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert {p: sha(p) for p in cache} == cache  # the step cache is not the artifact
-    p = run_qtool(["build", recipe, "-o", out, "--json"], timeout=600)
+    p = run_cli(["build", recipe, "-o", out, "--json"], timeout=600)
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["published"] is True
     assert sha(shard) == clean
 
 
+@pytest.mark.slow
 def test_a_build_paused_between_steps_while_another_runs_lets_only_one_publish(tmp_path):
     """Found as: a build paused between steps while another build of the same OUT ran: both exited 0."""
     from killpoint import start_paused
@@ -616,7 +619,7 @@ def test_a_build_paused_between_steps_while_another_runs_lets_only_one_publish(t
             assert first.poll() is None, first.communicate()
             assert time.time() < deadline
             time.sleep(0.2)
-        p = run_qtool(["build", recipe, "-o", out, "--quiet"], timeout=TIMEOUT)
+        p = run_cli(["build", recipe, "-o", out, "--quiet"], timeout=TIMEOUT)
         assert p.returncode == 1 and "another qtool run" in p.stderr, p.stderr
         assert not out.exists()
     finally:
@@ -641,6 +644,7 @@ def test_a_ctrl_c_during_interpreter_shutdown_prints_no_traceback(tiny_nvfp4_mod
     assert "Traceback" not in p.stderr and "KeyboardInterrupt" not in p.stderr, p.stderr
 
 
+@pytest.mark.slow
 def test_a_build_notices_a_same_size_edit_of_a_local_source(tiny_nvfp4_modelopt, tiny_bf16, tmp_path):
     """Found by the review: a build from local sources said "up to date" after a same-size edit of a source
     shard with its mtime put back (the source's identity was sizes and mtimes), and its step cache, hard
@@ -649,16 +653,16 @@ def test_a_build_notices_a_same_size_edit_of_a_local_source(tiny_nvfp4_modelopt,
     recipe = Path(__file__).resolve().parents[2] / "recipes" / "build" / "demo-tiny.yaml"
     args = ["build", recipe, "--source", f"nvfp4={src}", "--source", f"bf16={tiny_bf16}", "--json"]
     out = tmp_path / "out"
-    p = run_qtool([*args, "-o", out], timeout=600)
+    p = run_cli([*args, "-o", out], timeout=600)
     assert p.returncode == 0, p.stderr
-    p = run_qtool([*args, "-o", out], timeout=600)
+    p = run_cli([*args, "-o", out], timeout=600)
     assert json.loads(p.stdout)["ran"] == []  # unchanged: nothing runs
     shard = biggest_shard(src)
     same_size_edit(shard, shard.stat().st_size // 2)
-    p = run_qtool([*args, "-o", out], timeout=600)
+    p = run_cli([*args, "-o", out], timeout=600)
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["ran"], "the edited source was taken as unchanged"
-    p = run_qtool(["verify", out, "--deep", "--tp", "1", "--json"], timeout=TIMEOUT)
+    p = run_cli(["verify", out, "--deep", "--tp", "1", "--json"], timeout=TIMEOUT)
     assert "hash-mismatch" not in p.stdout  # the published files are the ones the manifest names
 
 
@@ -684,7 +688,7 @@ def test_a_side_file_that_is_not_a_regular_file_is_named_not_left_out(
         ["quantize", bf, "--recipe", "qwen35-nvfp4-experts", *KV],
     ):
         out = tmp_path / "out"
-        p = run_qtool([*cmd, "-o", out, "--quiet"], timeout=TIMEOUT)
+        p = run_cli([*cmd, "-o", out, "--quiet"], timeout=TIMEOUT)
         assert p.returncode == 1, (cmd[0], p.stdout, p.stderr)
         assert name in p.stderr and "Traceback" not in p.stderr, p.stderr
         # (calibrate-kv and quantize load the tokenizer first: that error names the file to restore)

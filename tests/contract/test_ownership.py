@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
-from killpoint import run_killed, run_qtool, start_paused
+from in_process import run_cli
+from killpoint import run_killed, start_paused
 from test_output_contract import tree_sha
 
 from qtool.cli.main import main
@@ -62,6 +63,7 @@ def wait_paused(proc: subprocess.Popen, marker: Path) -> None:
 # ---- A1: a build holds its output's lock for its whole run and publishes under the one rule ---------------
 
 
+@pytest.mark.slow
 def test_an_assemble_into_the_builds_output_while_it_runs_is_refused(tiny_nvfp4_modelopt, tiny_bf16, tmp_path):
     """Found as: `build -o X` published over the output an `assemble -o X` put at X while the build ran (both
     exit 0, no --force): the build locked X.build, not X."""
@@ -69,7 +71,7 @@ def test_an_assemble_into_the_builds_output_while_it_runs_is_refused(tiny_nvfp4_
     build = start_paused("qtool.ops.pipeline.run:_mark", 1, marker, ["build", DEMO, "-o", out, "--quiet"])
     try:
         wait_paused(build, marker)
-        p = run_qtool(
+        p = run_cli(
             [
                 "assemble",
                 "hybrid",
@@ -93,12 +95,13 @@ def test_an_assemble_into_the_builds_output_while_it_runs_is_refused(tiny_nvfp4_
     assert json.loads((out / "qtool-manifest.json").read_text())["build"]["recipe"] == "demo-tiny"
 
 
+@pytest.mark.slow
 def test_a_qtool_output_put_at_the_builds_output_while_it_runs_needs_force(tiny_nvfp4_modelopt, tiny_bf16, tmp_path):
     """What appears at OUT during a build without taking its lock (a copy of another command's output) is
     replaced only as it would have been at the start: with --force."""
     other = tmp_path / "other"
     assert (
-        run_qtool(
+        run_cli(
             [
                 "assemble",
                 "hybrid",
@@ -127,7 +130,7 @@ def test_a_qtool_output_put_at_the_builds_output_while_it_runs_needs_force(tiny_
     assert build.returncode == 1 and "--force" in err and str(out) in err and "Traceback" not in err, err
     assert tree_sha(out, skip=()) == tree_sha(other, skip=())
     # the steps are cached: the build asked again with --force publishes at once
-    p = run_qtool(["build", DEMO, "-o", out, "--force", "--json"], timeout=TIMEOUT)
+    p = run_cli(["build", DEMO, "-o", out, "--force", "--json"], timeout=TIMEOUT)
     assert p.returncode == 0 and json.loads(p.stdout)["ran"] == [], p.stderr
     assert json.loads((out / "qtool-manifest.json").read_text())["build"]["recipe"] == "demo-tiny"
 
@@ -199,6 +202,7 @@ def test_a_report_inside_its_sensitivity_input_is_refused(given, sens_table, tin
     assert tree_sha(s, skip=()) == before
 
 
+@pytest.mark.slow
 def test_force_never_deletes_a_file_the_manifest_does_not_list(sens_table, tiny_bf16, tiny_nvfp4_ct, tmp_path, capsys):
     """Found as: `sensitivity -o S --force` deleted the user's S/NOTES.txt (not in S's manifest) without a
     word."""
@@ -218,12 +222,13 @@ def test_force_never_deletes_a_file_the_manifest_does_not_list(sens_table, tiny_
     assert rc == 0
 
 
+@pytest.mark.slow
 def test_a_file_put_in_the_output_during_the_run_is_not_deleted_by_its_commit(tiny_nvfp4_modelopt, tmp_path):
     """The rule holds at the commit too (hours after the start, for a long run): a file the user put in the
     qtool output being replaced meanwhile stops the commit, and the finished work waits for --resume."""
     out, marker = tmp_path / "out", tmp_path / "pause"
     args = ["convert", tiny_nvfp4_modelopt, "--to", "compressed-tensors", "-o", out, "--quiet"]
-    assert run_qtool(args, timeout=TIMEOUT).returncode == 0
+    assert run_cli(args, timeout=TIMEOUT).returncode == 0
     proc = start_paused("qtool.io.output:OutputDir._prepare", 1, marker, [*args, "--force"])
     try:
         wait_paused(proc, marker)
@@ -234,7 +239,7 @@ def test_a_file_put_in_the_output_during_the_run_is_not_deleted_by_its_commit(ti
     assert proc.returncode == 1 and "NOTES.txt" in err and "Traceback" not in err, err
     assert (out / "NOTES.txt").read_text() == "my notes" and (tmp_path / "out.partial").is_dir()
     (out / "NOTES.txt").unlink()
-    p = run_qtool([*args, "--force", "--resume"], timeout=TIMEOUT)
+    p = run_cli([*args, "--force", "--resume"], timeout=TIMEOUT)
     assert p.returncode == 0, p.stderr
     assert not (tmp_path / "out.partial").exists()
 
@@ -289,6 +294,7 @@ def _state_in_place(src: Path, tmp: Path) -> tuple[Path, list]:
 STATES = {"partial": _state_partial, "parked": _state_parked, "in-place-old": _state_in_place}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("what", sorted(STATES))
 def test_an_interrupted_removal_of_qtools_own_directory_is_finished_by_the_next_run(
     what, tiny_nvfp4_modelopt, tmp_path, monkeypatch

@@ -10,7 +10,8 @@ import os
 from pathlib import Path
 
 import pytest
-from killpoint import run_killed, run_qtool
+from in_process import run_cli
+from killpoint import run_killed
 from test_no_data_loss import same_size_edit, sha
 from test_output_contract import copy_of, tree_sha
 
@@ -32,7 +33,7 @@ def test_a_kept_shard_whose_bytes_changed_is_written_again(tiny_nvfp4_modelopt, 
     src = copy_of(tiny_nvfp4_modelopt, tmp_path / "src")
     args = ["assemble", "hybrid", "--nvfp4", src, "--bf16", tiny_bf16]
     ref, out = tmp_path / "ref", tmp_path / "out"
-    assert run_qtool([*args, "-o", ref, "--quiet"], timeout=TIMEOUT).returncode == 0
+    assert run_cli([*args, "-o", ref, "--quiet"], timeout=TIMEOUT).returncode == 0
     p = run_killed("qtool.io.identity:Journal.record", 6, [*args, "-o", out, "--quiet"])
     assert p.returncode == -9, p.stderr
     partial = tmp_path / "out.partial"
@@ -43,11 +44,11 @@ def test_a_kept_shard_whose_bytes_changed_is_written_again(tiny_nvfp4_modelopt, 
     middle = len(data) // 2
     data[middle : middle + 256] = bytes(b ^ 0xFF for b in data[middle : middle + 256])
     shard.write_bytes(bytes(data))
-    p = run_qtool([*args, "-o", out, "--resume"], timeout=TIMEOUT)  # (not --quiet: the notice is for the user)
+    p = run_cli([*args, "-o", out, "--resume"], timeout=TIMEOUT)  # (not --quiet: the notice is for the user)
     assert p.returncode == 0, p.stderr
     assert written[0] in p.stderr and "written again" in p.stderr  # the user is told which and why
     assert tree_sha(out) == tree_sha(ref)
-    p = run_qtool(["verify", out, "--deep", "--tp", "1"], timeout=TIMEOUT)
+    p = run_cli(["verify", out, "--deep", "--tp", "1"], timeout=TIMEOUT)
     assert p.returncode == 0, p.stdout + p.stderr
 
 
@@ -70,6 +71,7 @@ def unsampled_byte(ck: Checkpoint, tag: str) -> tuple[Path, int]:
     raise AssertionError(f"every byte of the {tag} tensors is sampled")
 
 
+@pytest.mark.slow
 def test_sensitivity_resume_refuses_an_input_edited_with_its_mtime_put_back(tiny_bf16, tiny_nvfp4_ct, tmp_path):
     """Found as: `sensitivity --resume` after a kill and a same-size edit of a layer-0 weight (mtime put
     back) returned the old input's table (layer 0 effect 6.9e-05; a fresh run on the edited input: 1.0):
@@ -81,7 +83,7 @@ def test_sensitivity_resume_refuses_an_input_edited_with_its_mtime_put_back(tiny
     assert killed.returncode == -9, killed.stderr
     f, offset = unsampled_byte(Checkpoint.open(bf), ".layers.0.mlp.experts.")
     same_size_edit(f, offset)  # unseen by the journal's identity check
-    p = run_qtool([*args, "-o", out, "--resume", "--json"], timeout=TIMEOUT)
+    p = run_cli([*args, "-o", out, "--resume", "--json"], timeout=TIMEOUT)
     assert p.returncode == 1, p.stdout + p.stderr
     err = json.loads(p.stdout)
     assert "changed since the interrupted run" in err["message"]
@@ -89,16 +91,17 @@ def test_sensitivity_resume_refuses_an_input_edited_with_its_mtime_put_back(tiny
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_sensitivity_tables_are_the_same_bytes_from_every_run(tiny_bf16, tiny_nvfp4_ct, tmp_path):
     """Found as: sensitivity.json embedded the wall-clock timing, so two uninterrupted runs differed and a
     resumed run could not give the same bytes; the timing is the manifest's run section now."""
     args = ["sensitivity", tiny_bf16, tiny_nvfp4_ct, *SENS, "--quiet"]
     one, two, out = tmp_path / "one", tmp_path / "two", tmp_path / "out"
     for d in (one, two):
-        assert run_qtool([*args, "-o", d], timeout=TIMEOUT).returncode == 0
+        assert run_cli([*args, "-o", d], timeout=TIMEOUT).returncode == 0
     assert (one / "sensitivity.json").read_bytes() == (two / "sensitivity.json").read_bytes()
     assert run_killed("qtool.io.jsonio:write_json", 4, [*args, "-o", out]).returncode == -9
-    p = run_qtool([*args, "-o", out, "--resume"], timeout=TIMEOUT)
+    p = run_cli([*args, "-o", out, "--resume"], timeout=TIMEOUT)
     assert p.returncode == 0, p.stderr
     assert (out / "sensitivity.json").read_bytes() == (one / "sensitivity.json").read_bytes()
     manifest = json.loads((out / "qtool-manifest.json").read_text())

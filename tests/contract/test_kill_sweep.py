@@ -9,7 +9,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from killpoint import run_killed, run_qtool
+from in_process import run_cli
+from killpoint import run_killed
 from test_output_contract import KV, tree_sha
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,6 +49,7 @@ SWEEP = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", sorted(SWEEP))
 def test_kill_sweep_new_output(command, tiny_nvfp4_modelopt, tiny_bf16, tmp_path):
     src = tmp_path / "src"
@@ -57,14 +59,14 @@ def test_kill_sweep_new_output(command, tiny_nvfp4_modelopt, tiny_bf16, tmp_path
     inputs = {"src": tree_sha(src, skip=()), "bf": tree_sha(bf, skip=())}
     make, points = SWEEP[command]
     ref = tmp_path / "ref"
-    p = run_qtool([*make(src, bf), "-o", ref, "--quiet"])
+    p = run_cli([*make(src, bf), "-o", ref, "--quiet"])
     assert p.returncode == 0, p.stderr
     for i, (target, n) in enumerate(points):
         out = tmp_path / f"out{i}"
         p = run_killed(target, n, [*make(src, bf), "-o", out, "--quiet"])
         assert p.returncode == -9, (target, n, p.stderr)
         assert not out.exists()
-        p = run_qtool([*make(src, bf), "-o", out, "--quiet", "--resume"])
+        p = run_cli([*make(src, bf), "-o", out, "--quiet", "--resume"])
         assert p.returncode == 0, (target, n, p.stderr)
         assert tree_sha(out) == tree_sha(ref), (target, n)
         assert not (tmp_path / f"out{i}.partial").exists()
@@ -91,12 +93,13 @@ IN_PLACE = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", sorted(IN_PLACE))
 def test_kill_sweep_in_place(command, tiny_nvfp4_modelopt, tmp_path):
     args, points = IN_PLACE[command]
     ref = tmp_path / "ref"
     shutil.copytree(tiny_nvfp4_modelopt, ref)
-    p = run_qtool([args[0], ref, *args[1:], "--quiet"] if command != "patch-config" else [args[0], ref, *args[1:]])
+    p = run_cli([args[0], ref, *args[1:], "--quiet"] if command != "patch-config" else [args[0], ref, *args[1:]])
     assert p.returncode == 0, p.stderr
     for i, (target, n) in enumerate(points):
         work = tmp_path / f"w{i}"
@@ -110,12 +113,13 @@ def test_kill_sweep_in_place(command, tiny_nvfp4_modelopt, tmp_path):
         assert tree_sha(work) == (
             tree_sha(ref) if swapped else {k: v for k, v in before.items() if k != "qtool-manifest.json"}
         ), (target, n)
-        p = run_qtool(cmd + (["--resume"] if command == "calibrate-kv" else []))
+        p = run_cli(cmd + (["--resume"] if command == "calibrate-kv" else []))
         assert p.returncode == 0, (target, n, p.stderr)
         assert tree_sha(work) == tree_sha(ref), (target, n)
         assert sorted(x.name for x in tmp_path.iterdir() if f"w{i}" in x.name) == [f"w{i}"]
 
 
+@pytest.mark.slow
 def test_a_kill_before_the_inputs_are_hashed_still_resumes(tiny_nvfp4_modelopt, tmp_path):
     """Found by CI as: calibrate-kv --in-place killed at its 2nd shard write (a shard copied while the layers
     run) before config.json's digest was on record: --resume was refused ("stopped before it had hashed")
@@ -123,7 +127,7 @@ def test_a_kill_before_the_inputs_are_hashed_still_resumes(tiny_nvfp4_modelopt, 
     args, _ = IN_PLACE["calibrate-kv"]
     ref = tmp_path / "ref"
     shutil.copytree(tiny_nvfp4_modelopt, ref)
-    assert run_qtool([args[0], ref, *args[1:], "--quiet"]).returncode == 0
+    assert run_cli([args[0], ref, *args[1:], "--quiet"]).returncode == 0
     work = tmp_path / "w"
     shutil.copytree(tiny_nvfp4_modelopt, work)
     cmd = [args[0], work, *args[1:]]
@@ -131,15 +135,16 @@ def test_a_kill_before_the_inputs_are_hashed_still_resumes(tiny_nvfp4_modelopt, 
         "qtool.io.writer:write_shard", 2, cmd, env={**os.environ, "KILLPOINT_SLOW": "qtool.io.manifest:hash_fd:1.5"}
     )
     assert p.returncode == -9, p.stderr
-    p = run_qtool([*cmd, "--resume"])
+    p = run_cli([*cmd, "--resume"])
     assert p.returncode == 0, p.stderr
     assert tree_sha(work) == tree_sha(ref)
 
 
+@pytest.mark.slow
 def test_kill_sweep_build(tmp_path):
     recipe = ROOT / "recipes" / "build" / "demo-tiny.yaml"
     ref = tmp_path / "ref"
-    assert run_qtool(["build", recipe, "-o", ref, "--quiet"]).returncode == 0
+    assert run_cli(["build", recipe, "-o", ref, "--quiet"]).returncode == 0
     for i, (target, n) in enumerate(
         [
             ("qtool.io.identity:Journal.record", 3),
@@ -150,7 +155,7 @@ def test_kill_sweep_build(tmp_path):
         out = tmp_path / f"out{i}"
         p = run_killed(target, n, ["build", recipe, "-o", out, "--quiet"])
         assert p.returncode == -9, (target, n, p.stderr)
-        p = run_qtool(["build", recipe, "-o", out, "--quiet", "--resume"])
+        p = run_cli(["build", recipe, "-o", out, "--quiet", "--resume"])
         assert p.returncode == 0, (target, n, p.stderr)
         assert tree_sha(out) == tree_sha(ref), (target, n)
         # the manifest too, but for its `run` section (timings, resume counters) and the output's name
@@ -170,6 +175,7 @@ def _manifest_but_run(out: Path) -> dict:
 SENSITIVITY_WINDOWS = ["--samples", "4", "--seq-len", "32", "--batch-tokens", "64"]
 
 
+@pytest.mark.slow
 def test_kill_sweep_sensitivity(tiny_bf16, tiny_nvfp4_ct, tmp_path):
     """sensitivity killed before its first layer, between layers, as its manifest is written and between its
     partial's unmarking and the rename; --resume gives the table of an uninterrupted run, byte for byte (its
@@ -180,7 +186,7 @@ def test_kill_sweep_sensitivity(tiny_bf16, tiny_nvfp4_ct, tmp_path):
     inputs = {"bf": tree_sha(bf, skip=()), "q": tree_sha(q, skip=())}
     args = ["sensitivity", bf, q, *SENSITIVITY_WINDOWS, "--quiet"]
     ref = tmp_path / "ref"
-    assert run_qtool([*args, "-o", ref]).returncode == 0
+    assert run_cli([*args, "-o", ref]).returncode == 0
     for i, (target, n) in enumerate(
         [
             ("qtool.io.jsonio:write_json", 1),
@@ -193,7 +199,7 @@ def test_kill_sweep_sensitivity(tiny_bf16, tiny_nvfp4_ct, tmp_path):
         p = run_killed(target, n, [*args, "-o", out])
         assert p.returncode == -9, (target, n, p.stderr)
         assert not out.exists()
-        p = run_qtool([*args, "-o", out, "--resume"])
+        p = run_cli([*args, "-o", out, "--resume"])
         assert p.returncode == 0, (target, n, p.stderr)
         assert (out / "sensitivity.json").read_bytes() == (ref / "sensitivity.json").read_bytes(), (target, n)
         assert tree_sha(out, skip=("qtool-manifest.json",)) == tree_sha(ref, skip=("qtool-manifest.json",)), (target, n)

@@ -14,7 +14,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from killpoint import run_killed, run_qtool
+from checkpoint_edits import drop_tensors
+from in_process import run_cli
+from killpoint import run_killed
 
 from qtool.io.checkpoint import Checkpoint
 from qtool.io.output import lock_for
@@ -54,6 +56,7 @@ def unindexed(src: Path, dst: Path) -> Path:
 # ---- calibrate-kv ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_calibrate_kv_resume_after_kill_in_placing_never_truncates_the_input(tiny_nvfp4_modelopt, tmp_path):
     """Found as: killed after a shard was hard-linked into OUT.partial, `--resume` truncated the INPUT
     shards to 0 bytes through the shared inode and exited 0."""
@@ -61,15 +64,16 @@ def test_calibrate_kv_resume_after_kill_in_placing_never_truncates_the_input(tin
     before = tree_sha(src)
     ref, out = tmp_path / "ref", tmp_path / "out"
     args = ["calibrate-kv", src, *KV, "--replace-scales", "--quiet"]
-    assert run_qtool([*args, "-o", ref]).returncode == 0
+    assert run_cli([*args, "-o", ref]).returncode == 0
     p = run_killed("qtool.io.files:Placer.place", 2, [*args, "-o", out])
     assert p.returncode == -9 and not out.exists() and (tmp_path / "out.partial").exists()
-    p = run_qtool([*args, "-o", out, "--resume"])
+    p = run_cli([*args, "-o", out, "--resume"])
     assert p.returncode == 0, p.stderr
     assert tree_sha(src) == before
     assert tree_sha(out) == tree_sha(ref)
 
 
+@pytest.mark.slow
 def test_in_place_unindexed_kill_leaves_a_checkpoint_that_opens(tiny_nvfp4_modelopt, tmp_path):
     """Found as: `--in-place --overwrite` on an unindexed checkpoint killed after model-nokv.safetensors
     appeared left a checkpoint that no longer opened ("tensor appears in two shards")."""
@@ -78,13 +82,13 @@ def test_in_place_unindexed_kill_leaves_a_checkpoint_that_opens(tiny_nvfp4_model
     shutil.copytree(ref, work)
     before = tree_sha(work)
     args = [*KV, "--replace-scales", "--in-place", "--quiet"]
-    assert run_qtool(["calibrate-kv", ref, *args]).returncode == 0
+    assert run_cli(["calibrate-kv", ref, *args]).returncode == 0
     for n in (1, 2):  # after the first shard written, after the second (the KV shard)
         p = run_killed("qtool.io.writer:write_shard", n, ["calibrate-kv", work, *args])
         assert p.returncode == -9
         assert tree_sha(work) == before  # untouched until the swap
         Checkpoint.open(work)
-    p = run_qtool(["calibrate-kv", work, *args, "--resume"])
+    p = run_cli(["calibrate-kv", work, *args, "--resume"])
     assert p.returncode == 0, p.stderr
     assert tree_sha(work) == tree_sha(ref)
     assert Checkpoint.open(work).tensors.keys() == Checkpoint.open(ref).tensors.keys()
@@ -101,12 +105,13 @@ def test_calibrate_kv_output_overlapping_the_input_is_refused(tiny_nvfp4_modelop
     if where == "symlink":
         out.symlink_to(src)
     before = tree_sha(parent)
-    p = run_qtool(["calibrate-kv", src, "-o", out, *KV, "--replace-scales", "--force", "--json"])
+    p = run_cli(["calibrate-kv", src, "-o", out, *KV, "--replace-scales", "--force", "--json"])
     assert p.returncode == 2, p.stdout + p.stderr
     assert "overlaps an input" in json.loads(p.stdout)["message"]
     assert tree_sha(parent) == before
 
 
+@pytest.mark.slow
 def test_resume_refuses_an_input_edited_with_its_mtime_put_back(tiny_nvfp4_modelopt, tmp_path):
     """Found as: --resume after the input's bytes changed (same size, mtime restored) kept the old layers
     and wrote the new file's sha256 into the manifest."""
@@ -122,7 +127,7 @@ def test_resume_refuses_an_input_edited_with_its_mtime_put_back(tiny_nvfp4_model
     data[-100] ^= 0x01  # the last tensor's bytes
     f.write_bytes(bytes(data))
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
-    p = run_qtool([*args, "--resume", "--json"])
+    p = run_cli([*args, "--resume", "--json"])
     assert p.returncode == 1
     err = json.loads(p.stdout)
     assert "changed since the interrupted run" in err["message"]
@@ -133,7 +138,7 @@ def test_resume_refuses_an_input_edited_with_its_mtime_put_back(tiny_nvfp4_model
 def test_a_second_run_on_a_locked_output_is_refused(tiny_nvfp4_modelopt, tmp_path):
     out = tmp_path / "out"
     with lock_for(out):  # as a running qtool holds it
-        p = run_qtool(["calibrate-kv", tiny_nvfp4_modelopt, "-o", out, *KV, "--replace-scales", "--json"])
+        p = run_cli(["calibrate-kv", tiny_nvfp4_modelopt, "-o", out, *KV, "--replace-scales", "--json"])
     assert p.returncode == 1
     err = json.loads(p.stdout)
     assert f"pid {os.getpid()}" in err["message"] and err["path"] == str(out)
@@ -144,7 +149,7 @@ def test_force_replaces_only_directories_qtool_made(tiny_nvfp4_modelopt, tmp_pat
     out = tmp_path / "out"
     out.mkdir()
     (out / "thesis.tex").write_text("years of work")
-    p = run_qtool(["calibrate-kv", tiny_nvfp4_modelopt, "-o", out, *KV, "--replace-scales", "--force"])
+    p = run_cli(["calibrate-kv", tiny_nvfp4_modelopt, "-o", out, *KV, "--replace-scales", "--force"])
     assert p.returncode == 1 and "not made by qtool" in p.stderr
     assert (out / "thesis.tex").read_text() == "years of work"
 
@@ -154,7 +159,7 @@ def test_concurrent_assemble_runs_publish_one_complete_output(tiny_nvfp4_modelop
     shards, exit 0."""
     ref, out = tmp_path / "ref", tmp_path / "out"
     base = ["assemble", "hybrid", "--nvfp4", tiny_nvfp4_modelopt, "--bf16", tiny_bf16, "--quiet", "--link", "copy"]
-    assert run_qtool([*base, "-o", ref]).returncode == 0
+    assert run_cli([*base, "-o", ref]).returncode == 0
     cmd = [sys.executable, "-m", "qtool", *map(str, base), "-o", str(out)]
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
     results = [(p.wait(), p.stderr.read()) for p in procs]
@@ -162,24 +167,6 @@ def test_concurrent_assemble_runs_publish_one_complete_output(tiny_nvfp4_modelop
     for rc, err in results:
         assert rc == 0 or ("another qtool run" in err or "already exists" in err), err
     assert tree_sha(out) == tree_sha(ref)
-
-
-def drop_tensors(root: Path, drop) -> None:
-    """Rewrite `root`'s shards without the tensors for which `drop(name)` is true (index updated)."""
-    ck = Checkpoint.open(root)
-    idx_path = root / "model.safetensors.index.json"
-    idx = json.loads(idx_path.read_text())
-    for shard, h in ck.headers.items():
-        gone = [n for n in h.tensors if drop(n)]
-        if not gone:
-            continue
-        keep = sorted((t for n, t in h.tensors.items() if not drop(n)), key=lambda t: t.start)
-        tmp = root / (shard + ".new")
-        write_shard(tmp, [OutTensor(t.name, t.dtype, tuple(t.shape), FileRange(t.file, t.start, t.end)) for t in keep])
-        os.replace(tmp, root / shard)
-        for n in gone:
-            del idx["weight_map"][n]
-    idx_path.write_text(json.dumps(idx, indent=2))
 
 
 # ---- validation before execution -------------------------------------------------------------------
@@ -190,7 +177,7 @@ def test_incomplete_bf16_mtp_head_is_refused_before_writing(tiny_nvfp4_modelopt_
     bf = copy_of(tiny_bf16, tmp_path / "bf")
     drop_tensors(bf, lambda n: n.startswith("mtp.layers.0."))
     out = tmp_path / "out"
-    p = run_qtool(["assemble", "hybrid", "--nvfp4", tiny_nvfp4_modelopt_nomtp, "--bf16", bf, "-o", out, "--json"])
+    p = run_cli(["assemble", "hybrid", "--nvfp4", tiny_nvfp4_modelopt_nomtp, "--bf16", bf, "-o", out, "--json"])
     assert p.returncode == 1
     err = json.loads(p.stdout)
     assert "MTP head is incomplete" in err["message"] and "mtp.layers.0.self_attn.q_proj" in err["message"]
@@ -210,7 +197,7 @@ def test_non_string_shard_metadata_is_a_clear_error(tiny_nvfp4_modelopt, tmp_pat
     text += b" " * (n - len(text))
     assert len(text) == n
     shard.write_bytes(raw[:8] + text + raw[8 + n :])
-    p = run_qtool(["inspect", nv, "--json"])
+    p = run_cli(["inspect", nv, "--json"])
     assert p.returncode == 1
     err = json.loads(p.stdout)
     assert err["path"] == str(shard) and err["tensor"] == "__metadata__.format"
@@ -224,7 +211,7 @@ def test_verify_deep_catches_a_flipped_byte_in_a_rebuilt_shard(tiny_nvfp4_modelo
     rebuilt or new shard passed `verify --deep`."""
     out = tmp_path / "out"
     assert (
-        run_qtool(
+        run_cli(
             [
                 "assemble",
                 "hybrid",
@@ -245,13 +232,13 @@ def test_verify_deep_catches_a_flipped_byte_in_a_rebuilt_shard(tiny_nvfp4_modelo
     assert set(man["files"]) == {p.name for p in out.iterdir()} - {"qtool-manifest.json"}
     for rel, f in man["files"].items():
         assert f["sha256"] == hashlib.sha256((out / rel).read_bytes()).hexdigest(), rel
-    assert run_qtool(["verify", out, "--deep", "--tp", "1"]).returncode == 0
+    assert run_cli(["verify", out, "--deep", "--tp", "1"]).returncode == 0
     rebuilt = [s for s, e in man["shards"].items() if e["action"] != "link"]
     victim = out / rebuilt[0]
     data = bytearray(victim.read_bytes())
     data[-3] ^= 0x40
     victim.write_bytes(bytes(data))
-    p = run_qtool(["verify", out, "--deep", "--tp", "1", "--json"])
+    p = run_cli(["verify", out, "--deep", "--tp", "1", "--json"])
     assert p.returncode == 3
     codes = {(f["code"], f["module"]) for f in json.loads(p.stdout)["findings"]}
     assert ("hash-mismatch", rebuilt[0]) in codes
@@ -266,7 +253,7 @@ def test_every_writing_command_writes_one_manifest_schema(tiny_nvfp4_modelopt, t
     }
     for name, args in runs.items():
         out = tmp_path / name
-        p = run_qtool([*args, "-o", out, "--quiet"])
+        p = run_cli([*args, "-o", out, "--quiet"])
         assert p.returncode == 0, p.stderr
         man = json.loads((out / "qtool-manifest.json").read_text())
         assert {"qtool_version", "operation", "command", "libraries", "sources", "summary", "checks", "files"} <= set(
@@ -289,7 +276,7 @@ def test_rewritten_shards_keep_metadata_and_files_share_one_mode(tiny_nvfp4_mode
     for f in src.iterdir():
         os.chmod(f, 0o600)
     out = tmp_path / "out"
-    p = run_qtool(["convert", src, "-o", out, "--to", "compressed-tensors", "--json"])
+    p = run_cli(["convert", src, "-o", out, "--to", "compressed-tensors", "--json"])
     assert p.returncode == 0, p.stderr
     rewritten = json.loads(p.stdout)["rewritten_shards"]
     assert rewritten
@@ -301,8 +288,8 @@ def test_rewritten_shards_keep_metadata_and_files_share_one_mode(tiny_nvfp4_mode
 def test_convert_round_trip_is_byte_identical(tiny_nvfp4_modelopt, tmp_path):
     """Found as: convert re-indented hf_quant_config.json."""
     ct, back = tmp_path / "ct", tmp_path / "back"
-    assert run_qtool(["convert", tiny_nvfp4_modelopt, "-o", ct, "--to", "compressed-tensors"]).returncode == 0
-    assert run_qtool(["convert", ct, "-o", back, "--to", "modelopt"]).returncode == 0
+    assert run_cli(["convert", tiny_nvfp4_modelopt, "-o", ct, "--to", "compressed-tensors"]).returncode == 0
+    assert run_cli(["convert", ct, "-o", back, "--to", "modelopt"]).returncode == 0
     want = tree_sha(tiny_nvfp4_modelopt)
     got = tree_sha(back, skip=("qtool-manifest.json", "qtool-convert.json"))
     assert got == want
@@ -319,7 +306,7 @@ def test_build_token_never_reaches_the_manifest_and_an_edited_artifact_is_notice
     config.json in place edited the step cache and the next build said "up to date"."""
     out = tmp_path / "demo"
     token = "hf_" + "Q" * 30
-    p = run_qtool(["build", DEMO, "-o", out, "--token", token, "--quiet", "--json"])
+    p = run_cli(["build", DEMO, "-o", out, "--token", token, "--quiet", "--json"])
     assert p.returncode == 0, p.stderr
     for f in [*out.rglob("*"), *(tmp_path / "demo.build").rglob("*")]:
         if f.is_file():
@@ -332,12 +319,12 @@ def test_build_token_never_reaches_the_manifest_and_an_edited_artifact_is_notice
         f.seek(0)
         f.write(text.replace('"model_type"', '"model_type_edited"', 1))
     assert {k: v.read_bytes() for k, v in cache.items()} == before  # the cache is not the artifact
-    p = run_qtool(["build", DEMO, "-o", out, "--quiet", "--json"])
+    p = run_cli(["build", DEMO, "-o", out, "--quiet", "--json"])
     assert p.returncode == 0, p.stderr
     rep = json.loads(p.stdout)
     assert rep["published"] is True and rep["ran"] == []
     assert "model_type_edited" not in cfg.read_text()
-    p = run_qtool(["build", DEMO, "-o", out, "--quiet", "--json"])
+    p = run_cli(["build", DEMO, "-o", out, "--quiet", "--json"])
     assert json.loads(p.stdout)["published"] is False
 
 
@@ -358,7 +345,7 @@ def test_build_token_never_reaches_the_manifest_and_an_edited_artifact_is_notice
 )
 def test_exit_codes(args, code, tiny_nvfp4_modelopt, tmp_path):
     args = [str(tiny_nvfp4_modelopt) if a == "CKPT" else str(tmp_path / "o") if a == "OUT" else a for a in args]
-    p = run_qtool(args)
+    p = run_cli(args)
     assert p.returncode == code, p.stderr
     assert "Traceback" not in p.stderr
 
@@ -366,7 +353,7 @@ def test_exit_codes(args, code, tiny_nvfp4_modelopt, tmp_path):
 def test_eval_save_ref_over_an_existing_output_is_an_output_error(tiny_nvfp4_modelopt, tmp_path):
     (tmp_path / "ref").mkdir()
     (tmp_path / "ref" / "x").write_text("mine")
-    p = run_qtool(
+    p = run_cli(
         [
             "eval",
             "kld",
@@ -384,7 +371,7 @@ def test_eval_save_ref_over_an_existing_output_is_an_output_error(tiny_nvfp4_mod
 
 
 def test_typo_in_a_flag_says_did_you_mean(tmp_path):
-    p = run_qtool(["calibrate-kv", tmp_path, "--in-place", "--replace-scale", "--resum"])
+    p = run_cli(["calibrate-kv", tmp_path, "--in-place", "--replace-scale", "--resum"])
     assert p.returncode == 2
     assert "usage: qtool calibrate-kv" in p.stderr and "did you mean --resume" in p.stderr
 
@@ -417,7 +404,7 @@ def test_calibrate_kv_disk_failures_are_clear_errors(tiny_nvfp4_modelopt, tmp_pa
     assert "alive at exit" not in p.stderr
     assert "Traceback" not in p.stderr and fix in p.stderr and "error:" in p.stderr
     assert tree_sha(src, skip=()) == before and not out.exists()
-    p = run_qtool(["calibrate-kv", src, "-o", out, *KV, "--replace-scales", "--quiet", "--resume"])
+    p = run_cli(["calibrate-kv", src, "-o", out, *KV, "--replace-scales", "--quiet", "--resume"])
     assert p.returncode == 0, p.stderr  # and the partial output resumes once the disk is fine again
 
 
@@ -566,6 +553,7 @@ def test_a_disk_too_small_for_a_resumed_run_keeps_the_interrupted_runs_work(
     assert main([*map(str, args), "--resume"]) == 0  # and it resumes once there is room
 
 
+@pytest.mark.slow
 def test_a_disk_too_small_for_a_resumed_in_place_run_keeps_its_scratch(
     tiny_nvfp4_modelopt, tmp_path, monkeypatch, capsys
 ):
@@ -599,7 +587,7 @@ def test_outputs_overlapping_an_input_are_refused_for_every_command(case, tiny_n
         "quantize P/bf -o P": ["quantize", bf, "-o", P, "--recipe", "qwen35-nvfp4-experts", *KV],
         "assemble -o inside the BF16 source": ["assemble", "hybrid", "--nvfp4", nv, "--bf16", bf, "-o", bf / "out"],
     }[case]
-    p = run_qtool([*args, "--force", "--json"])
+    p = run_cli([*args, "--force", "--json"])
     assert p.returncode == 2, p.stdout + p.stderr
     assert "overlaps" in json.loads(p.stdout)["message"]
     assert tree_sha(P, skip=()) == before
@@ -609,7 +597,7 @@ def test_a_second_quantize_on_the_same_output_is_refused(tiny_bf16, tmp_path):
     """Found as: two quantize runs sharing `.quantize/hidden.*` published wrong input scales."""
     out = tmp_path / "q"
     with lock_for(out):
-        p = run_qtool(["quantize", tiny_bf16, "-o", out, "--recipe", "qwen35-nvfp4-experts", *KV])
+        p = run_cli(["quantize", tiny_bf16, "-o", out, "--recipe", "qwen35-nvfp4-experts", *KV])
     assert p.returncode == 1 and "another qtool run" in p.stderr and not (tmp_path / "q.partial").exists()
 
 
@@ -622,17 +610,17 @@ def test_a_users_backup_named_like_qtools_scratch_is_never_removed(tiny_nvfp4_mo
     m_old = copy_of(tiny_nvfp4_modelopt, tmp_path / "m.old")
     before = tree_sha(m_old, skip=())
     args = ["convert", m_old, "-o", tmp_path / "m", "--to", "compressed-tensors", "--quiet"]
-    assert run_qtool(args).returncode == 0
-    assert run_qtool([*args, "--force"]).returncode == 0
+    assert run_cli(args).returncode == 0
+    assert run_cli([*args, "--force"]).returncode == 0
     assert tree_sha(m_old, skip=()) == before
     ck = copy_of(tiny_nvfp4_modelopt, tmp_path / "ck")
     copy_of(ck, tmp_path / "ck.old")
     (tmp_path / "ck.partial").mkdir()
     (tmp_path / "ck.partial" / "mine").write_text("x")
     for _ in range(2):  # a change, then nothing to change
-        assert run_qtool(["patch-config", ck, "--fix", "router-ignore"]).returncode == 0
+        assert run_cli(["patch-config", ck, "--fix", "router-ignore"]).returncode == 0
     assert (tmp_path / "ck.old" / "config.json").exists() and (tmp_path / "ck.partial" / "mine").exists()
-    p = run_qtool(["convert", tiny_nvfp4_modelopt, "-o", tmp_path / "ck", "--to", "compressed-tensors"])
+    p = run_cli(["convert", tiny_nvfp4_modelopt, "-o", tmp_path / "ck", "--to", "compressed-tensors"])
     assert p.returncode == 1 and "not made by qtool" in p.stderr  # ck: a checkpoint qtool did not make
 
 
@@ -644,7 +632,7 @@ def test_in_place_through_a_symlink_and_with_a_symlinked_directory(tiny_nvfp4_mo
     (real / "assets").symlink_to(tmp_path / "assets")
     link = tmp_path / "link"
     link.symlink_to(real)
-    assert run_qtool(["patch-config", link, "--fix", "router-ignore"]).returncode == 0
+    assert run_cli(["patch-config", link, "--fix", "router-ignore"]).returncode == 0
     assert link.is_symlink() and "*.mlp.gate" in (real / "config.json").read_text()
     assert (real / "assets").is_symlink()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["assets", "link", "real"]
@@ -662,14 +650,15 @@ def test_build_publishing_keeps_the_sources_permissions_and_refuses_a_source_as_
         "  - {id: p, op: patch-config, input: nv, with: {fixes: [router-ignore]}}\n" % src
     )
     modes = {f.name: st.S_IMODE(f.stat().st_mode) for f in src.iterdir()}
-    assert run_qtool(["build", recipe, "-o", tmp_path / "out", "--quiet"]).returncode == 0, "build"
+    assert run_cli(["build", recipe, "-o", tmp_path / "out", "--quiet"]).returncode == 0, "build"
     assert {f.name: st.S_IMODE(f.stat().st_mode) for f in src.iterdir()} == modes
     before = tree_sha(src, skip=())
-    p = run_qtool(["build", recipe, "-o", src, "--force", "--json"])
+    p = run_cli(["build", recipe, "-o", src, "--force", "--json"])
     assert p.returncode == 2 and "overlaps" in json.loads(p.stdout)["message"]
     assert tree_sha(src, skip=()) == before
 
 
+@pytest.mark.slow
 def test_resume_names_the_input_either_way_and_in_place_resume_takes_the_current_files(tiny_nvfp4_modelopt, tmp_path):
     """--resume with ./src instead of /abs/src was refused as "14 input files changed"; an in-place resume
     brought back a side file edited or deleted since the kill."""
@@ -682,13 +671,13 @@ def test_resume_names_the_input_either_way_and_in_place_resume_takes_the_current
         ).returncode
         == -9
     )
-    p = run_qtool(["calibrate-kv", "src", "-o", "out", *args, "--resume"], cwd=tmp_path)
+    p = run_cli(["calibrate-kv", "src", "-o", "out", *args, "--resume"], cwd=tmp_path)
     assert p.returncode == 0, p.stderr
     work = copy_of(tiny_nvfp4_modelopt, tmp_path / "work")
     assert run_killed("qtool.io.writer:write_shard", 1, ["calibrate-kv", work, *args, "--in-place"]).returncode == -9
     (work / "generation_config.json").write_text('{"edited": true}\n')
     (work / "video_preprocessor_config.json").unlink()
-    assert run_qtool(["calibrate-kv", work, *args, "--in-place", "--resume"]).returncode == 0
+    assert run_cli(["calibrate-kv", work, *args, "--in-place", "--resume"]).returncode == 0
     assert (work / "generation_config.json").read_text() == '{"edited": true}\n'
     assert not (work / "video_preprocessor_config.json").exists()
 
@@ -731,12 +720,12 @@ def test_users_directories_at_qtools_hidden_names_and_a_symlinked_lock_are_refus
     mine = tmp_path / ".ck.qtool-inplace"
     mine.mkdir()
     (mine / "n").write_text("x")
-    p = run_qtool(["patch-config", ck, "--fix", "router-ignore"])
+    p = run_cli(["patch-config", ck, "--fix", "router-ignore"])
     assert p.returncode == 1 and "not made by qtool" in p.stderr and (mine / "n").exists()
     victim = tmp_path / "victim.txt"
     victim.write_text("precious")
     (tmp_path / ".o.qtool-lock").symlink_to(victim)
-    p = run_qtool(["convert", tiny_nvfp4_modelopt, "-o", tmp_path / "o", "--to", "compressed-tensors"])
+    p = run_cli(["convert", tiny_nvfp4_modelopt, "-o", tmp_path / "o", "--to", "compressed-tensors"])
     assert p.returncode == 1 and "Traceback" not in p.stderr and victim.read_text() == "precious"
 
 
@@ -746,7 +735,7 @@ def test_in_place_keeps_the_directory_mode_and_a_refused_patch_leaves_nothing(ti
 
     ck = copy_of(tiny_nvfp4_modelopt, tmp_path / "ck")
     os.chmod(ck, 0o2770)
-    assert run_qtool(["patch-config", ck, "--fix", "router-ignore"]).returncode == 0
+    assert run_cli(["patch-config", ck, "--fix", "router-ignore"]).returncode == 0
     assert os.stat(ck).st_mode & 0o7777 == 0o2770
     plan = pc.plan(pc.PatchOptions(ck, ignore_add=("foo*",)))
     assert plan.changed
@@ -759,7 +748,7 @@ def test_in_place_keeps_the_directory_mode_and_a_refused_patch_leaves_nothing(ti
 def test_output_dot_and_build_over_a_source_refused_before_any_step(tiny_nvfp4_modelopt, tmp_path):
     here = tmp_path / "here"
     here.mkdir()
-    p = run_qtool(["convert", tiny_nvfp4_modelopt, "-o", ".", "--to", "compressed-tensors", "--quiet"], cwd=here)
+    p = run_cli(["convert", tiny_nvfp4_modelopt, "-o", ".", "--to", "compressed-tensors", "--quiet"], cwd=here)
     assert p.returncode == 0, p.stderr
     assert (here / "qtool-manifest.json").exists()
     src = copy_of(tiny_nvfp4_modelopt, tmp_path / "nv")
@@ -768,7 +757,7 @@ def test_output_dot_and_build_over_a_source_refused_before_any_step(tiny_nvfp4_m
         "name: r\nsources:\n  nv: {path: %s}\nsteps:\n"
         "  - {id: p, op: patch-config, input: nv, with: {fixes: [router-ignore]}}\n" % src
     )
-    p = run_qtool(["build", recipe, "-o", src, "--force"])
+    p = run_cli(["build", recipe, "-o", src, "--force"])
     assert p.returncode == 2 and "overlaps" in p.stderr
     assert not (tmp_path / "nv.build").exists()
 
@@ -788,7 +777,7 @@ def test_two_concurrent_patch_config_runs_lose_no_change(tiny_nvfp4_modelopt, tm
         assert a.poll() is None and time.time() < deadline, a.communicate()
         time.sleep(0.05)
     # run B plans and commits while run A sits between its plan and its lock
-    b = run_qtool(["patch-config", ck, "--ignore-add", "second*"])
+    b = run_cli(["patch-config", ck, "--ignore-add", "second*"])
     assert b.returncode == 0, b.stderr
     (tmp_path / "a.go").touch()
     out, err = a.communicate(timeout=120)
@@ -796,12 +785,13 @@ def test_two_concurrent_patch_config_runs_lose_no_change(tiny_nvfp4_modelopt, tm
     assert "changed while this run was planning" in json.loads(out)["message"]
     cfg = (ck / "config.json").read_text()
     assert "second*" in cfg and "first*" not in cfg  # B's change kept, A's refused (not half-applied)
-    assert run_qtool(["patch-config", ck, "--ignore-add", "first*"]).returncode == 0  # run again: both
+    assert run_cli(["patch-config", ck, "--ignore-add", "first*"]).returncode == 0  # run again: both
     cfg = (ck / "config.json").read_text()
     assert "second*" in cfg and "first*" in cfg
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.go", "a.paused", "ck"]
 
 
+@pytest.mark.slow
 def test_in_place_resume_keeps_the_shards_its_journal_finished(tiny_nvfp4_modelopt, tmp_path):
     """Found in review: `calibrate-kv --in-place --resume` killed after its first journaled shard re-linked
     the checkpoint's files over the finished work and published the OLD kv-scales shard (same size), with
@@ -810,13 +800,13 @@ def test_in_place_resume_keeps_the_shards_its_journal_finished(tiny_nvfp4_modelo
     base = ["calibrate-kv", "--replace-scales", "--in-place", "--samples", "2", "--seq-len", "32", "--quiet"]
     other = tmp_path / "other.txt"
     other.write_text("a different corpus: numbers 0123456789 and words " * 40)  # other scales, same shard size
-    assert run_qtool([base[0], src, *base[1:], "--dataset", other]).returncode == 0
+    assert run_cli([base[0], src, *base[1:], "--dataset", other]).returncode == 0
     ref = copy_of(src, tmp_path / "ref")
-    assert run_qtool([base[0], ref, *base[1:]]).returncode == 0
+    assert run_cli([base[0], ref, *base[1:]]).returncode == 0
     work = copy_of(src, tmp_path / "work")
     p = run_killed("qtool.io.identity:Journal.record", 1, [base[0], work, *base[1:]])
     assert p.returncode == -9
-    assert run_qtool([base[0], work, *base[1:], "--resume"]).returncode == 0
+    assert run_cli([base[0], work, *base[1:], "--resume"]).returncode == 0
     assert tree_sha(src)["model-kv-scales.safetensors"] != tree_sha(ref)["model-kv-scales.safetensors"]
     assert tree_sha(work) == tree_sha(ref)
 
@@ -829,7 +819,7 @@ def test_a_kill_in_the_in_place_commit_before_the_swap_is_cleaned_up(tiny_nvfp4_
     p = run_killed("qtool.io.in_place:fsync_path", 1, ["patch-config", ck, "--yarn", "2"])
     assert p.returncode == -9
     assert tree_sha(ck, skip=()) == before  # the checkpoint is untouched
-    p = run_qtool(["patch-config", ck, "--yarn", "2"])
+    p = run_cli(["patch-config", ck, "--yarn", "2"])
     assert p.returncode == 0, p.stderr
     assert '"yarn"' in (ck / "config.json").read_text()
     assert sorted(q.name for q in tmp_path.iterdir()) == ["ck"]
@@ -842,15 +832,16 @@ def test_new_outputs_keep_the_side_files_in_sub_folders(tiny_nvfp4_modelopt, tmp
     (src / "original").mkdir()
     (src / "original" / "params.json").write_text('{"dim": 64}\n')
     out = tmp_path / "kv"
-    assert run_qtool(["calibrate-kv", src, "-o", out, *KV, "--replace-scales", "--quiet"]).returncode == 0
+    assert run_cli(["calibrate-kv", src, "-o", out, *KV, "--replace-scales", "--quiet"]).returncode == 0
     assert (out / "original" / "params.json").read_text() == '{"dim": 64}\n'
     out2 = tmp_path / "ct"
-    assert run_qtool(["convert", src, "-o", out2, "--to", "compressed-tensors", "--quiet"]).returncode == 0
+    assert run_cli(["convert", src, "-o", out2, "--to", "compressed-tensors", "--quiet"]).returncode == 0
     assert (out2 / "original" / "params.json").read_text() == '{"dim": 64}\n'
     man = json.loads((out2 / "qtool-manifest.json").read_text())
     assert "original/params.json" in man["files"]
 
 
+@pytest.mark.slow
 def test_a_failed_swap_leaves_markers_the_next_run_understands(tiny_nvfp4_modelopt, tmp_path):
     """The moment between marking the old state and the swap itself (here the swap fails with EIO): the next
     in-place run removes the unused new state instead of refusing it as a user's directory."""
@@ -862,11 +853,12 @@ def test_a_failed_swap_leaves_markers_the_next_run_understands(tiny_nvfp4_modelo
     p = run_failing("qtool.io.in_place:exchange_paths", 1, "EIO", args)
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
     assert tree_sha(ck) == before
-    p = run_qtool(args)
+    p = run_cli(args)
     assert p.returncode == 0, p.stderr
     assert sorted(q.name for q in tmp_path.iterdir()) == ["ck"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("debug", [False, True])
 def test_a_job_that_fails_before_its_layers_leaves_no_import_running_at_exit(tiny_bf16, tmp_path, debug):
     """Found as: calibrate-kv's full-disk run aborted at exit in CI (-6, "terminate called without an active
@@ -895,7 +887,7 @@ def test_a_failed_write_stops_the_hashes_of_the_shards_written_before_it(tiny_nv
     sha256 threads (handed to no one yet) read on to each file's end, into the interpreter's exit."""
     from killpoint import run_failing
 
-    slow = {**os.environ, "KILLPOINT_SLOW": "qtool.io.writer:HashedWrites._run:2"}
+    slow = {**os.environ, "KILLPOINT_SLOW": "qtool.io.hashed_writes:HashedWrites._run:2"}
     p = run_failing(
         "qtool.io.apply:_journal_if_on_record",
         1,
@@ -907,13 +899,14 @@ def test_a_failed_write_stops_the_hashes_of_the_shards_written_before_it(tiny_nv
     assert "alive at exit" not in p.stderr
 
 
+@pytest.mark.slow
 def test_a_failed_early_shard_stops_quantize_at_its_next_layer(tiny_bf16, tmp_path):
     """The shards that need no layer (embeddings, lm_head, vision tower) are copied while the layers run. When
     that copy failed (EIO on one file), quantize still computed every layer before it said so: at the 397B,
     minutes of work after the error. It now stops at the next layer it finishes; the partial output resumes."""
     import json
 
-    from killpoint import run_failing, run_qtool
+    from killpoint import run_failing
 
     out = tmp_path / "q"
     args = ["quantize", tiny_bf16, "-o", out, "--recipe", "qwen35-nvfp4-experts", *KV, "--quiet"]
@@ -923,16 +916,17 @@ def test_a_failed_early_shard_stops_quantize_at_its_next_layer(tiny_bf16, tmp_pa
     journal = json.loads((tmp_path / "q.partial/.quantize/journal.json").read_text())
     layers = json.loads((tiny_bf16 / "config.json").read_text())["text_config"]["num_hidden_layers"]
     assert journal["next_layer"] <= 2 < layers
-    p = run_qtool([*args, "--resume"])
+    p = run_cli([*args, "--resume"])
     assert p.returncode == 0, p.stderr
 
 
+@pytest.mark.slow
 def test_a_failed_early_shard_stops_calibrate_kv_at_its_next_layer(tiny_nvfp4_modelopt, tmp_path):
     """calibrate-kv, like quantize, copies the shards that need no scale while its layers run; a failed copy
     (EIO) stops it at the next layer it finishes, not after every layer; the partial output resumes."""
     import json
 
-    from killpoint import run_failing, run_qtool
+    from killpoint import run_failing
 
     out = tmp_path / "kv"
     args = ["calibrate-kv", tiny_nvfp4_modelopt, "-o", out, *KV, "--replace-scales", "--quiet"]
@@ -944,5 +938,5 @@ def test_a_failed_early_shard_stops_calibrate_kv_at_its_next_layer(tiny_nvfp4_mo
     journal = json.loads(next((tmp_path / "kv.partial").glob("**/journal.json")).read_text())
     layers = json.loads((tiny_nvfp4_modelopt / "config.json").read_text())["text_config"]["num_hidden_layers"]
     assert journal["next_layer"] <= 2 < layers
-    p = run_qtool([*args, "--resume"])
+    p = run_cli([*args, "--resume"])
     assert p.returncode == 0, p.stderr

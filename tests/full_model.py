@@ -1,5 +1,6 @@
-"""Shared helpers of the calibrate-kv / layer-stream tests: fixtures (from tests/conftest.py when it
-provides them, else built here once per session) and the full-model oracle."""
+"""Shared helpers of the tests that run the tiny model whole (calibrate-kv, eval kld, the layer reader and
+streamer, data parallel, input hashes): fixtures (from tests/conftest.py when it provides them, else built
+here once per session) and the full-model oracle."""
 
 from __future__ import annotations
 

@@ -28,6 +28,9 @@ import pytest
 
 from qtool.fixtures.page_cache import evict
 
+# they measure reads or memory: run one after another on one worker, not beside each other
+pytestmark = pytest.mark.xdist_group("measure")
+
 
 def _shards(root: Path) -> list[Path]:
     return sorted(root.glob("*.safetensors"))
@@ -98,6 +101,7 @@ def _check_digests(out: Path, src: Path) -> None:
         assert files[f.name]["sha256"] == hashlib.sha256(f.read_bytes()).hexdigest(), f.name
 
 
+@pytest.mark.slow
 def test_quantize_then_calibrate_kv_read_their_input_once(bf16, tmp_path):
     common = ["--samples", "4", "--seq-len", "64", "--quiet"]
     # a first run brings the libraries into the page cache (their reads are not the job's)
@@ -154,6 +158,7 @@ def test_quantize_then_calibrate_kv_read_their_input_once(bf16, tmp_path):
     _check_digests(kv, nv)
 
 
+@pytest.mark.slow
 @pytest.mark.xfail(
     strict=True,
     reason="the shards that held the old KV scales are rewritten by copying from "

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from killpoint import run_qtool
-from test_calibrate_kv_support import fixture_dir
+from full_model import fixture_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 # 4 windows of 64 tokens, 2 windows per micro-batch: one micro-batch per rank
