@@ -226,8 +226,9 @@ class WriteBehind:
         handoff mark `ready`."""
         import torch
 
-        if ahead is not None and ahead.done() and ahead.exception() is not None:
-            raise ahead.exception()  # the layer ahead failed: this one is not begun
+        failed = ahead.exception() if ahead is not None and ahead.done() else None
+        if failed is not None:
+            raise failed  # the layer ahead failed: this one is not begun
         with torch.no_grad(), coder.run(ready) if coder is not None else nullcontext():
             share = write.write(keep_pace)
         if self.group.world == 1:
