@@ -477,7 +477,7 @@ def _write_shards(
     progress: bool,
     stop: threading.Event,
     names: set[str] | None = None,
-    skip: set[str] = frozenset(),
+    skip: frozenset[str] | set[str] = frozenset(),
 ) -> None:
     """Write the plan's Link and Shard entries (`names`: only those, and no side files; `skip`: not those,
     written already) and, with every entry, its side files."""
@@ -499,6 +499,7 @@ def _write_shards(
         bar = tqdm(total=sum(plan.file_size(e) for e in todo), unit="B", unit_scale=True, desc=plan.kind, leave=False)
     headers = _Countdown(len(todo))
     told = on_headers is None
+    tell_headers = on_headers or (lambda: None)
     unrecorded: list = []  # written, not journaled: the input bytes they hold are not all hashed yet
     # The writers write the shards; this thread journals them in queue order as they finish (only journaled
     # shards count as done, so a crash redoes the ones in flight) and meanwhile writes the side files and
@@ -518,7 +519,7 @@ def _write_shards(
                 while not told and not fut.done():
                     if headers.done.wait(0.05):
                         told = True
-                        on_headers()
+                        tell_headers()
                 method, digest = fut.result()
                 if method is None:
                     applied.written.append(e.name)
@@ -545,7 +546,7 @@ def _write_shards(
             _cancel_digests([f for _, f in futures])
             raise
     if not told:
-        on_headers()
+        tell_headers()
     if bar is not None:
         bar.close()
 
@@ -650,7 +651,8 @@ def _manifest(
     checks: dict,
     shards_section: Path | None,
     run_extra: dict,
-) -> None:
+) -> dict:
+    """Write the manifest into the partial output; returns its `files` section."""
     partial = tx.partial
     sources = {}
     for name, root in plan.sources.items():
@@ -662,6 +664,7 @@ def _manifest(
     skip = (MANIFEST_NAME, JOURNAL_NAME) + ((shards_section.name,) if shards_section else ())
     if tx.in_place:
         root = next(iter(plan.sources.values()))
+        assert isinstance(root, Path)  # in-place work changes a local checkpoint, never a Hub repo
         prev = previous_head(root)
         if prev:
             extra["previous"] = prev

@@ -417,7 +417,7 @@ class OutputLock:
     def __enter__(self) -> OutputLock:
         return self.acquire()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.release()
 
 
@@ -565,7 +565,7 @@ class OutputDir:
         self.partial.mkdir(parents=True, exist_ok=True)
         (self.partial / PARTIAL_MARKER).touch()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.lock.release()
 
     def space_hint(self, short: str, mount: Path, copies: str | None) -> str:

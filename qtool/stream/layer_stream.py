@@ -219,7 +219,7 @@ class LayerStreamer:
             )
         self._hf_config = None
         self._layer_sizes: tuple[list[int], list[int]] | None = None
-        self._rotary = None
+        self._rotary: Any = None  # transformers' rotary embedding, made on first use
         self.digests = digests  # the job's inputs hashed from this streamer's reads (qtool.io.stream_digest)
         self._reader = Prefetcher(device, digests)
         # wall-clock times (epoch seconds) for benchmarks: when the first layer began loading, when each
