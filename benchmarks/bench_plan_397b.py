@@ -72,7 +72,7 @@ def first_layer(self, idx, *args, **kwargs):
     print("MARK load", time.time(), file=sys.stderr, flush=True)
     if self._reader.take(idx) is None:  # not read ahead: read here, as load_layer would
         from qtool.stream.dequant import layer_tensors
-        self._reader.read_now(layer_tensors(self.mm, idx))
+        self._reader.read_now(layer_tensors(self.model_map, idx))
     print("MARK read", time.time(), file=sys.stderr, flush=True)
     os._exit(0)
 
@@ -122,7 +122,7 @@ def init(self, *args, **kwargs):
     hashers.append(self)
 qtool.io.manifest.InputHasher.__init__ = init
 
-def layers(p, partial, ids, streamer, *, resume, progress=None, mode=0o644, done=None, prefetched=None):
+def layers(p, partial, ids, streamer, *, resume, progress=None, mode=0o644, shards=None, prefetched=None):
     streamer.close()  # the first layer's read begun at the start: a real job's reads are over at its end
     entries = {e.name: e for e in p.output.entries(Produced)}
     for lp in p.layers:
@@ -139,7 +139,7 @@ def layers(p, partial, ids, streamer, *, resume, progress=None, mode=0o644, done
             os.ftruncate(fd, offset)
         finally:
             os.close(fd)
-        done(lp.shard, "0" * 64)
+        shards.finished(lp.shard, "0" * 64)
     for t in threading.enumerate():  # the carried-over shards, long written by a real 60-layer job's end
         if t.name == "qtool-early-shards":
             t.join()

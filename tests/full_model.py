@@ -95,9 +95,11 @@ def dense_text_model(ckpt_dir):
     sd = {}
     for i in range(cfg.num_hidden_layers):
         want = {n: (tuple(p.shape), p.dtype) for n, p in model.layers[i].state_dict().items()}
-        sd.update({f"layers.{i}.{k}": v for k, v in layer_state_dict(s.mm, i, torch.bfloat16, "cpu", want).items()})
-    sd["embed_tokens.weight"] = load_param(s.mm, s.prefix + "embed_tokens.weight", torch.bfloat16)
-    sd["norm.weight"] = load_param(s.mm, s.prefix + "norm.weight", torch.bfloat16)
+        sd.update(
+            {f"layers.{i}.{k}": v for k, v in layer_state_dict(s.model_map, i, torch.bfloat16, "cpu", want).items()}
+        )
+    sd["embed_tokens.weight"] = load_param(s.model_map, s.prefix + "embed_tokens.weight", torch.bfloat16)
+    sd["norm.weight"] = load_param(s.model_map, s.prefix + "norm.weight", torch.bfloat16)
     model.load_state_dict(sd, strict=True, assign=True)
     model.rotary_emb = Qwen3_5MoeTextRotaryEmbedding(cfg)
     return model.eval()

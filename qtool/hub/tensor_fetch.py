@@ -11,7 +11,7 @@ from pathlib import Path
 from qtool.errors import VerificationError, WriteError
 from qtool.hub.download import RepoListing, download_files
 from qtool.hub.remote_safetensors import INDEX, FetchPlan, RangeReader, ShardFetch
-from qtool.io.apply import write_output
+from qtool.io.apply import OutputJob, write_output
 from qtool.io.checkpoint import Checkpoint
 from qtool.io.manifest import RUN
 from qtool.io.plan import Index, Link, OutputPlan, Produced, promised
@@ -86,7 +86,9 @@ def fetch_tensors(
         return {}
 
     write_output(
-        output, tx, command=command, produce=produce, check=check, extra=lambda: {"download": report, RUN: run}
+        output,
+        tx,
+        OutputJob(command=command, produce=produce, check=check, extra=lambda: {"download": report, RUN: run}),
     )
     return {**report, **run}
 

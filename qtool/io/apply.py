@@ -2,7 +2,7 @@
 (qtool.io.output.OutputDir for a new OUT, qtool.io.in_place.InPlaceDir for in-place work).
 
     with OutputDir(out, sources=[...], force=..., resume=...) as tx:
-        applied = write_output(plan, tx, command=..., values=..., produce=...)
+        applied = write_output(plan, tx, OutputJob(command=..., values=..., produce=...))
 
 It checks the free space (counting what a resumed `.partial` already holds), keeps the journal (the plan
 hash and the inputs' identity, then one line per finished shard, written only after the shard's fsync),
@@ -16,16 +16,18 @@ from __future__ import annotations
 import os
 import shutil
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from qtool.errors import VerificationError, WriteError
+from qtool.io.digest_cache import user_cache
 from qtool.io.files import LinkMode, fsync_path, hash_file, mount_point, new_file
 from qtool.io.identity import JOURNAL_NAME, Journal, input_identity
-from qtool.io.manifest import InputHasher, carried_files, previous_head, source_entry, write_manifest
+from qtool.io.manifest import InputHasher, carried_files, previous_head, read_manifest, source_entry, write_manifest
 from qtool.io.output import MANIFEST_NAME, OutputDir, made_by_qtool, output_files
 from qtool.io.plan import (
     Copy,
@@ -43,6 +45,7 @@ from qtool.io.plan import (
     resolve,
     tensors_of,
 )
+from qtool.io.safetensors_header import read_header
 from qtool.io.writer import FileRange, build_header, write_shard
 from qtool.notices import tell
 
@@ -162,7 +165,9 @@ def _bytes(n: int) -> str:
     return f"{n} bytes ({n / scale:.1f} {unit})"
 
 
-def _place(e, tx: OutputDir, values: dict, headers: _Countdown, stop: threading.Event):
+def _place(
+    e: Link | Shard, tx: OutputDir, values: dict, headers: _Countdown, stop: threading.Event
+) -> tuple[str | None, Future | None]:
     """Write or link one shard and make it durable; returns (the link method, None) when linked,
     (None, its sha256 as a Future: hashed as it was written) when written."""
     dst = tx.partial / e.name
@@ -191,7 +196,7 @@ def _place(e, tx: OutputDir, values: dict, headers: _Countdown, stop: threading.
     return None, digest[0]
 
 
-def _write_small(e, tx: OutputDir, plan: OutputPlan) -> None:
+def _write_small(e: Copy | Json | Text | Index, tx: OutputDir, plan: OutputPlan) -> None:
     """A side file: never written through an existing link (io.files.new_file)."""
     dst = tx.partial / e.name
     dst.parent.mkdir(parents=True, exist_ok=True)
@@ -215,8 +220,6 @@ def check_written(plan: OutputPlan, partial: Path, kinds: tuple = (Produced,)) -
     """Every shard of `kinds` (Produced: write_output checks those; a job whose checks use the plan's view
     of its output asks for Shard too) holds exactly the tensors (names, dtypes, shapes, order) its entry
     promised."""
-    from qtool.io.safetensors_header import read_header
-
     for e in plan.entries(*kinds):
         path = partial / e.name
         if not path.exists():
@@ -241,40 +244,78 @@ def check_written(plan: OutputPlan, partial: Path, kinds: tuple = (Produced,)) -
             )
 
 
-def write_output(
-    plan: OutputPlan,
-    tx: OutputDir,
-    *,
-    command: str | None,
-    values: dict | None = None,
-    produce: Callable[[Callable[[str], None]], dict | None] | None = None,
-    overlap: Callable[[], None] | None = None,
-    on_headers: Callable[[], None] | None = None,
-    check: Callable[[], dict] | None = None,
-    extra: Callable[[], dict] | None = None,
-    shards_section: Path | None = None,
-    progress: bool = False,
-    hash_from_reads: Iterable[str] = (),
-    early_shards: bool = False,
-    stop: threading.Event | None = None,
-    hasher: InputHasher | None = None,
-) -> Applied:
-    """Run `plan` in the open transaction `tx` and commit it.
+class ProducedShards:
+    """The executor's side a producer talks to: it says when each Produced shard is complete (`finished`:
+    hashed then, while its bytes are in the page cache) and asks, at each step of its own, whether a shard
+    written beside it failed (`stop_if_failed`: that error is raised, so the producer stops there)."""
 
-    values: the bytes of the plan's Pending sources. produce(): the op's long work (calibration, quantized
-    layers: resumable on its own), run while the inputs are hashed; it writes the Produced shards into
-    `tx.partial`, calls done(name[, sha256 if it hashed the file as it wrote it]) as each is complete, and may return more Pending values;
-    done() and done.check() raise an early shard's write error, so the producer stops at its next step. overlap(): more work for this thread while the writers copy.
-    on_headers(): called once every shard's header is on disk. check() -> {"passed": bool, ...}: run once
-    every file is written, before the manifest: the output's checks (recorded in the manifest; a failure keeps the partial output and exits 3).
-    hash_from_reads: the input files produce() reads (a layer-streamed job's shards): their sha256 is
-    computed from those reads (qtool.io.stream_digest), the bytes it did not need are read once it returns.
-    early_shards: the Shard entries that need no Pending value (quantize's embedding, lm_head, vision tower
-    and MTP head, copied) are written while produce() runs, not after its last layer.
-    hasher: the transaction's `input_hasher`, where the job began reading before its plan was made (it
-    hashes the files read then; its maker closes it, after the reads have ended)."""
-    values = dict(values or {})
-    stop = stop or threading.Event()
+    def __init__(self, partial: Path, hasher: InputHasher, beside: _EarlyShards | None) -> None:
+        self.partial = partial
+        self._hasher = hasher
+        self._beside = beside  # the thread writing the early shards, or None
+
+    def stop_if_failed(self) -> None:
+        """Raise the error of a shard written beside the producer (the early shards), if one failed."""
+        if self._beside is not None and self._beside.error is not None:
+            raise self._beside.error
+
+    def finished(self, name: str, sha256: Future | str | None = None) -> None:
+        """Shard `name` (under the partial output) is complete and durable; `sha256`: its digest, or a
+        Future of it, where the producer hashed it as it wrote it (else it is read back to be hashed)."""
+        try:
+            self.stop_if_failed()
+        except BaseException:
+            if isinstance(sha256, Future):
+                sha256.cancel()
+            raise
+        self._hasher.submit_output(str(self.partial / name), sha256)
+
+
+class Producer(Protocol):
+    """An op's long work inside write_output (calibration, quantized layers: resumable on its own), run
+    while the inputs are hashed: it writes the plan's Produced shards into the partial output, tells
+    `shards` as each is complete, and may return the bytes of the plan's Pending values."""
+
+    def __call__(self, shards: ProducedShards) -> dict[str, bytes] | None: ...
+
+
+@dataclass(frozen=True)
+class OutputJob:
+    """What write_output runs besides the plan itself (all but `command` optional).
+
+    values: the bytes of the plan's Pending sources. produce: the op's Producer. overlap(): more work for
+    the executor's thread while the writers copy. on_headers(): called once every shard's header is on
+    disk. check() -> {"passed": bool, ...}: run once every file is written, before the manifest: the
+    output's checks (recorded in the manifest; a failure keeps the partial output and exits 3). extra():
+    more of the manifest's run section. shards_section: the file assemble streams its tensor origins to.
+    progress: a bar over the bytes written. hash_from_reads: the input files produce() reads (a
+    layer-streamed job's shards): their sha256 is computed from those reads (qtool.io.stream_digest), the
+    bytes it did not need are read once it returns. early_shards: the Shard entries that need no Pending
+    value (quantize's embedding, lm_head, vision tower and MTP head, copied) are written while produce()
+    runs, not after its last layer. stop: set to stop the writers. hasher: the transaction's
+    `input_hasher`, where the job began reading before its plan was made (it hashes the files read then;
+    its maker closes it, after the reads have ended)."""
+
+    command: str | None
+    values: dict[str, bytes] = field(default_factory=dict)
+    produce: Producer | None = None
+    overlap: Callable[[], None] | None = None
+    on_headers: Callable[[], None] | None = None
+    check: Callable[[], dict] | None = None
+    extra: Callable[[], dict] | None = None
+    shards_section: Path | None = None
+    progress: bool = False
+    hash_from_reads: Iterable[str] = ()
+    early_shards: bool = False
+    stop: threading.Event | None = None
+    hasher: InputHasher | None = None
+
+
+def write_output(plan: OutputPlan, tx: OutputDir, job: OutputJob) -> Applied:
+    """Run `plan` with `job` in the open transaction `tx` and commit it."""
+    values = dict(job.values)
+    stop = job.stop or threading.Event()
+    produce, hasher, hash_from_reads, shards_section = job.produce, job.hasher, job.hash_from_reads, job.shards_section
     partial = tx.partial
     if hasher is not None and hash_from_reads:
         raise ValueError("hash_from_reads is the hasher's: input_hasher(tx, hash_from_reads)")
@@ -298,37 +339,17 @@ def write_output(
             for e in plan.entries(Remove):
                 if os.path.lexists(partial / e.name):
                     os.unlink(partial / e.name)
-            early = _early_shards(plan) if produce is not None and early_shards else set()
-            writing = None
-            if early:
-                writing = threading.Thread(
-                    target=_write_early,
-                    name="qtool-early-shards",
-                    args=(plan, tx, journal, hasher, applied, stop, early),
-                )
+            early = _early_shards(plan) if produce is not None and job.early_shards else set()
+            writing = _EarlyShards(plan, tx, journal, hasher, applied, stop, early) if early else None
+            if writing is not None:
                 writing.start()
-
-            def early_failed() -> None:
-                failed = getattr(writing, "error", None)
-                if failed is not None:  # an early shard's write failed: the producer stops where it asks
-                    raise failed
-
-            def done(name: str, sha256=None) -> None:
-                try:
-                    early_failed()
-                except BaseException:
-                    if isinstance(sha256, Future):
-                        sha256.cancel()
-                    raise
-                hasher.submit_output(str(partial / name), sha256)
-
-            done.check = early_failed  # for a producer that finishes no file of its own as it goes (calibrate-kv)
+            shards = ProducedShards(partial, hasher, writing)
 
             try:
                 if produce is not None:
                     # the producer says when each Produced file is complete: it is hashed then, while its bytes
                     # are in the page cache and the producer works on the next (not all at the end)
-                    values.update(produce(done) or {})
+                    values.update(produce(shards) or {})
             except BaseException:
                 stop.set()
                 raise
@@ -340,15 +361,19 @@ def write_output(
             hasher.finish_streams()
             for e in plan.entries(Produced):
                 hasher.submit_output(str(partial / e.name))  # the ones resumed or not announced
-            _write_shards(plan, tx, journal, hasher, values, overlap, on_headers, applied, progress, stop, skip=early)
+            _write_shards(
+                plan, tx, journal, hasher, values, job.overlap, job.on_headers, applied, job.progress, stop, skip=early
+            )
             check_written(plan, partial)
-            applied.checks = check() if check is not None else {}
+            applied.checks = job.check() if job.check is not None else {}
             digests = hasher.results()
         finally:
             if own_hasher:
                 hasher.close(keep_files=True)  # (open until the commit's check)
         os.unlink(partial / JOURNAL_NAME)
-        files = _manifest(plan, tx, digests, command, applied.checks, shards_section, extra() if extra else {})
+        files = _manifest(
+            plan, tx, digests, job.command, applied.checks, shards_section, job.extra() if job.extra else {}
+        )
         if applied.checks and not applied.checks.get("passed", True):
             raise VerificationError(
                 f"the output failed its checks; it was left in {partial}",
@@ -369,7 +394,7 @@ def write_output(
 
 
 @contextmanager
-def _inputs_kept(tx: OutputDir, hasher: InputHasher, own: bool):
+def _inputs_kept(tx: OutputDir, hasher: InputHasher, own: bool) -> Iterator[None]:
     """While the job runs: its links and copies of inputs are of the files it opened and checks at commit
     (qtool.io.input_files); those files stay open until then."""
     tx.placer.sources = hasher.files
@@ -403,8 +428,6 @@ def _remember_digests(root: Path, files: dict) -> None:
     """The sha256 of a committed output's files into qtool's cache (qtool.io.digest_cache), under their
     final paths and ctimes: the next job that reads this output (calibrate-kv of a quantize output, eval
     kld of both) finds them instead of reading its hundreds of GB to hash them."""
-    from qtool.io.digest_cache import user_cache
-
     cache = user_cache()
     for rel, entry in files.items():
         if isinstance(entry, dict) and isinstance(entry.get("sha256"), str):
@@ -416,29 +439,45 @@ def _early_shards(plan: OutputPlan) -> set[str]:
     return {e.name for e in plan.entries(Shard) if not any(isinstance(t.source, Pending) for t in tensors_of(e))}
 
 
-def _write_early(plan, tx, journal, hasher, applied, stop, names) -> None:
-    """Thread body: the `names` shards, journaled as they finish (an error is kept for write_output)."""
-    me = threading.current_thread()
-    me.error = None
-    try:
-        _write_shards(plan, tx, journal, hasher, {}, None, None, applied, False, stop, names=names)
-    except BaseException as e:
-        me.error = e
+class _EarlyShards(threading.Thread):
+    """Writes the `names` shards, journaled as they finish, while the producer runs; an error is kept in
+    `error` for write_output (and the producer's ProducedShards.stop_if_failed)."""
+
+    def __init__(
+        self,
+        plan: OutputPlan,
+        tx: OutputDir,
+        journal: Journal,
+        hasher: InputHasher,
+        applied: Applied,
+        stop: threading.Event,
+        names: set[str],
+    ) -> None:
+        super().__init__(name="qtool-early-shards")
+        self.error: BaseException | None = None
+        self._work = (plan, tx, journal, hasher, applied, stop, names)
+
+    def run(self) -> None:
+        plan, tx, journal, hasher, applied, stop, names = self._work
+        try:
+            _write_shards(plan, tx, journal, hasher, {}, None, None, applied, False, stop, names=names)
+        except BaseException as e:  # noqa: BLE001 -- handed to write_output, which raises it
+            self.error = e
 
 
 def _write_shards(
-    plan,
-    tx,
-    journal,
-    hasher,
-    values,
-    overlap,
-    on_headers,
-    applied,
-    progress,
-    stop,
+    plan: OutputPlan,
+    tx: OutputDir,
+    journal: Journal,
+    hasher: InputHasher,
+    values: dict,
+    overlap: Callable[[], None] | None,
+    on_headers: Callable[[], None] | None,
+    applied: Applied,
+    progress: bool,
+    stop: threading.Event,
     names: set[str] | None = None,
-    skip: set[str] = frozenset(),
+    skip: frozenset[str] | set[str] = frozenset(),
 ) -> None:
     """Write the plan's Link and Shard entries (`names`: only those, and no side files; `skip`: not those,
     written already) and, with every entry, its side files."""
@@ -460,6 +499,7 @@ def _write_shards(
         bar = tqdm(total=sum(plan.file_size(e) for e in todo), unit="B", unit_scale=True, desc=plan.kind, leave=False)
     headers = _Countdown(len(todo))
     told = on_headers is None
+    tell_headers = on_headers or (lambda: None)
     unrecorded: list = []  # written, not journaled: the input bytes they hold are not all hashed yet
     # The writers write the shards; this thread journals them in queue order as they finish (only journaled
     # shards count as done, so a crash redoes the ones in flight) and meanwhile writes the side files and
@@ -479,7 +519,7 @@ def _write_shards(
                 while not told and not fut.done():
                     if headers.done.wait(0.05):
                         told = True
-                        on_headers()
+                        tell_headers()
                 method, digest = fut.result()
                 if method is None:
                     applied.written.append(e.name)
@@ -506,12 +546,12 @@ def _write_shards(
             _cancel_digests([f for _, f in futures])
             raise
     if not told:
-        on_headers()
+        tell_headers()
     if bar is not None:
         bar.close()
 
 
-def _cancel_digests(futures) -> None:
+def _cancel_digests(futures: list[Future]) -> None:
     """A failed write: the shards written meanwhile are thrown away, so are their hashes (qtool.io.writer.
     HashedWrites.stop: none may run on into the interpreter's exit)."""
     from concurrent.futures import wait
@@ -524,7 +564,9 @@ def _cancel_digests(futures) -> None:
                 digest.cancel()
 
 
-def _journal_if_on_record(e, size: int, digest: Future | None, journal: Journal, hasher: InputHasher) -> bool:
+def _journal_if_on_record(
+    e: Link | Shard, size: int, digest: Future | None, journal: Journal, hasher: InputHasher
+) -> bool:
     """Journal a written entry once the input bytes it holds are on record (manifest.InputHasher's rule),
     never waiting for them: one left unjournaled is written again by a resumed run (a hard link: nothing;
     a shard from an input's tail, hashed only once the job has read the rest: its copy). A written shard's
@@ -565,7 +607,7 @@ def kept_files(journal: Journal, partial: Path, names: list[str]) -> dict[str, s
     return {n: recorded[n] for n in names if n not in changed}
 
 
-def _source_ends(e) -> dict[str, int]:
+def _source_ends(e: Link | Shard) -> dict[str, int]:
     """input path -> the end of the bytes `e` takes from it."""
     if isinstance(e, Link):
         return {e.source: os.path.getsize(e.source)}
@@ -580,8 +622,6 @@ def _recorded_link_digests(plan: OutputPlan, known: dict[str, str]) -> dict[str,
     """Digests of linked files that were not hashed as inputs (patch-config -o links every shard of a
     233 GB checkpoint to change one config), taken from the source's own manifest when it records the
     file at the same size; the rest are hashed by output_files."""
-    from qtool.io.manifest import read_manifest
-
     out: dict[str, str] = {}
     recorded: dict[str, dict] = {}
     for root in plan.sources.values():
@@ -611,7 +651,8 @@ def _manifest(
     checks: dict,
     shards_section: Path | None,
     run_extra: dict,
-) -> None:
+) -> dict:
+    """Write the manifest into the partial output; returns its `files` section."""
     partial = tx.partial
     sources = {}
     for name, root in plan.sources.items():
@@ -623,6 +664,7 @@ def _manifest(
     skip = (MANIFEST_NAME, JOURNAL_NAME) + ((shards_section.name,) if shards_section else ())
     if tx.in_place:
         root = next(iter(plan.sources.values()))
+        assert isinstance(root, Path)  # in-place work changes a local checkpoint, never a Hub repo
         prev = previous_head(root)
         if prev:
             extra["previous"] = prev

@@ -19,8 +19,12 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from enum import Enum
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from qtool.errors import CheckpointError, UsageError, WriteError
+
+if TYPE_CHECKING:
+    from qtool.io.input_files import InputFiles
 
 FICLONE = 0x40049409  # _IOW(0x94, 9, int), linux/fs.h
 
@@ -211,7 +215,7 @@ class Placer:
         self.failed: set[str] = set()
         # the job's input files (qtool.io.input_files.InputFiles), set by its executor: a file is placed from
         # the one the job opened and checks at commit, not from whatever its path names by then
-        self.sources = None
+        self.sources: InputFiles | None = None
 
     def place(self, src: str | Path, dst: str | Path, on_header: Callable[[], None] | None = None) -> str:
         """Put `src` at `dst` (durable on return); returns the method used. on_header: called once `dst`

@@ -35,7 +35,20 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from qtool.errors import QtoolError, UsageError, WriteError
-from qtool.io.files import INPUT_DIGESTS, TMP_SUFFIX, LinkMode, Placer, fsync_path, hash_file, write_error
+from qtool.io.files import (
+    INPUT_DIGESTS,
+    TMP_SUFFIX,
+    LinkMode,
+    Placer,
+    fsync_path,
+    hash_file,
+    open_regular,
+    read_regular,
+    write_error,
+)
+from qtool.io.identity import JOURNAL_NAME, journaled_files
+from qtool.io.jsonio import loads
+from qtool.notices import tell
 
 MANIFEST_NAME = "qtool-manifest.json"
 STEP_MARKER = "qtool-step.json"  # a build step's finished output (qtool/ops/pipeline)
@@ -157,8 +170,6 @@ def not_ours_reason(path: Path) -> str | None:
     and every shard it lists must be there (a user's edit or removal of a side file keeps it qtool's); a
     build step's marker must carry its key and file list the same way. A checkpoint qtool changed in place
     says `created_by_qtool: false` (it stays the user's), and an empty or foreign manifest proves nothing."""
-    from qtool.io.files import read_regular
-
     marker = path / STEP_MARKER
     if os.path.lexists(marker):
         try:
@@ -173,8 +184,6 @@ def not_ours_reason(path: Path) -> str | None:
     if not os.path.lexists(path / MANIFEST_NAME):
         return f"no {MANIFEST_NAME}"
     try:
-        from qtool.io.jsonio import loads
-
         m = loads(read_regular(path / MANIFEST_NAME))
     except (QtoolError, ValueError):
         return f"its {MANIFEST_NAME} is not a qtool manifest (unreadable or not JSON)"
@@ -234,8 +243,6 @@ def unlisted_files(path: Path) -> list[str]:
     """The files in qtool's output `path` that its manifest (or build-step marker) does not list: someone
     else's (a user's NOTES.txt), which replacing the output would delete with it. qtool's own markers and
     the manifest are not among them."""
-    from qtool.io.files import read_regular
-
     try:
         record = json.loads(
             read_regular(path / (STEP_MARKER if os.path.lexists(path / STEP_MARKER) else MANIFEST_NAME))
@@ -332,8 +339,6 @@ def check_file_output(
             path=out,
             hint=f"choose another {what}; qtool replaces only regular files it wrote",
         )
-    from qtool.io.files import open_regular
-
     with os.fdopen(open_regular(out, "the output file"), "rb") as f:
         head = f.read(4096)
     if not ours(head):
@@ -412,7 +417,7 @@ class OutputLock:
     def __enter__(self) -> OutputLock:
         return self.acquire()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.release()
 
 
@@ -560,7 +565,7 @@ class OutputDir:
         self.partial.mkdir(parents=True, exist_ok=True)
         (self.partial / PARTIAL_MARKER).touch()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.lock.release()
 
     def space_hint(self, short: str, mount: Path, copies: str | None) -> str:
@@ -650,9 +655,6 @@ def kept_partials() -> list[Path]:
 
 def tell_discarded(partial: Path, out: Path) -> None:
     """Say so when a run without --resume starts over from an interrupted run's partial output."""
-    from qtool.io.identity import JOURNAL_NAME, journaled_files
-    from qtool.notices import tell
-
     units = len(journaled_files(partial / JOURNAL_NAME))
     layers = max((_layers_done(j) for j in partial.glob(".*/journal.json")), default=0)  # a layer job's own
     if not units and not layers:

@@ -30,7 +30,7 @@ from qtool.arch.model_map import Format, build_map
 from qtool.arch.qwen35 import Group
 from qtool.errors import PlanError, UsageError
 from qtool.formats.naming import NVFP4_NAMINGS, Flavour, QuantFormat, convert_nvfp4
-from qtool.io.apply import write_output
+from qtool.io.apply import OutputJob, write_output
 from qtool.io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG_NAME, INDEX_NAME, Checkpoint
 from qtool.io.jsonio import file_style, load_json
 from qtool.io.manifest import library_versions
@@ -301,7 +301,7 @@ def execute(p: ConvertPlan) -> Report:
         return {"inspect_problems": report["problems"]}
 
     with OutputDir(opts.out, sources=[p.ckpt.root], force=opts.force, resume=opts.resume) as tx:
-        applied = write_output(p.output, tx, command=opts.command, check=check)
+        applied = write_output(p.output, tx, OutputJob(command=opts.command, check=check))
     report["shards_reused_by"] = sorted(applied.linked)
     return Report(report)
 

@@ -21,7 +21,7 @@ from qtool.hub.download import RepoListing, check_space, download_files, repo_li
 from qtool.hub.remote_safetensors import FetchPlan, TensorFetchOptions, plan_fetch
 from qtool.hub.spec import HubSpec
 from qtool.hub.tensor_fetch import fetch_tensors, hub_source
-from qtool.io.apply import write_output
+from qtool.io.apply import OutputJob, write_output
 from qtool.io.files import LinkMode
 from qtool.io.manifest import RUN
 from qtool.io.output import OutputDir, check_not_in_hub_cache
@@ -127,7 +127,7 @@ def _run(p: DownloadPlan, *, progress: bool = False) -> dict:
             extra={"download": report, RUN: run},
         )
         with tx:
-            applied = write_output(output, tx, command=command)
+            applied = write_output(output, tx, OutputJob(command=command))
         links.update(applied.linked)
     snap = st.files[0].local
     for _ in Path(st.files[0].path).parts:

@@ -18,7 +18,7 @@ from qtool.engines import Flavour
 from qtool.engines.decide import ignore_patterns_for
 from qtool.errors import ConfigError, UsageError, WriteError
 from qtool.io import quant_config as qcfg
-from qtool.io.apply import write_output
+from qtool.io.apply import OutputJob, write_output
 from qtool.io.checkpoint import CONFIG_NAME, GENERATION_CONFIG_NAME, HF_QUANT_CONFIG_NAME, Checkpoint
 from qtool.io.in_place import InPlaceDir
 from qtool.io.jsonio import JsonStyle, dumps, load_json, unified_diff
@@ -269,7 +269,7 @@ def apply(p: PatchPlan, *, command: str | None = None) -> list[str]:
     written = [e.name for e in output.entries(Json)]
     if opts.out is not None:
         with OutputDir(opts.out, sources=[p.root], force=opts.force, resume=opts.resume) as tx:
-            write_output(output, tx, command=command)
+            write_output(output, tx, OutputJob(command=command))
         return written
     if not written:
         InPlaceDir.tidy(p.root)
@@ -285,7 +285,7 @@ def apply(p: PatchPlan, *, command: str | None = None) -> list[str]:
                     path=path,
                     hint="run the command again (it re-reads the current files)",
                 )
-        write_output(output, tx, command=command)
+        write_output(output, tx, OutputJob(command=command))
     return written
 
 

@@ -14,9 +14,7 @@ need a mask only for padding. This reproduces the full model's forward exactly, 
 Memory: the layer is built on the meta device and its parameters are assigned from tensors read (and
 dequantized) one module at a time, routed experts one expert at a time straight into the fused
 [E, 2I, H] / [E, H, I] buffers transformers uses. The calibration set's hidden states live in a
-HiddenStore: in RAM (updated in place, batch by batch) or on disk (two files used in turn, so that a
-crash mid-layer leaves the previous layer's output intact for --resume), of which only one micro-batch
-is in RAM at a time.
+HiddenStore (qtool.stream.hidden_store).
 
 Taps: `attention_tap(layer, fn)` makes the full-attention module call fn(module, key, value) with
 exactly the key/value tensors the attention kernel receives (after k_proj, k_norm and the rotary
@@ -25,20 +23,42 @@ embedding; after v_proj) -- what an engine writes into its KV cache.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Any
 
+from qtool import dist
 from qtool.arch.model_map import ModelMap, build_map
 from qtool.arch.qwen35 import Group, layer_prefix, text_prefix
 from qtool.errors import PlanError
 from qtool.io.checkpoint import Checkpoint
 from qtool.io.safetensors_header import TensorInfo
 from qtool.io.stream_digest import NO_DIGESTS, DigestSink
+from qtool.io.tensor_table import file_of
+from qtool.io.writer import FileRange
+from qtool.quiet import transformers_errors_only
+from qtool.stream import warm_import
+from qtool.stream.dequant import (
+    dense_numel,
+    embedding_rows,
+    layer_state_dict,
+    layer_tensors,
+    missing_layer,
+    modules_by_layer,
+)
+from qtool.stream.hidden_store import DiskStore, HiddenStore
+from qtool.stream.kernels import select_gdn_kernel
+from qtool.stream.layer_read import Prefetcher
+from qtool.stream.layer_run import LayerRun, LayerStage, WriteBehind, write_behind
+
+if TYPE_CHECKING:
+    import torch
 
 TAP_ATTENTION = "qtool_tap_sdpa"
+# what an attention tap is called with: the attention module, and the key and value its kernel receives
+Tap = Callable[["torch.nn.Module", "torch.Tensor", "torch.Tensor"], None]
 _DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
 
 
@@ -55,7 +75,14 @@ def _register_tap() -> None:
     if TAP_ATTENTION in AttentionInterface._global_mapping:
         return
 
-    def tapped(module, query, key, value, attention_mask, **kwargs):
+    def tapped(
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         tap = getattr(module, "_qtool_tap", None)
         if tap is not None:
             tap(module, key, value)
@@ -64,12 +91,12 @@ def _register_tap() -> None:
     AttentionInterface.register(TAP_ATTENTION, tapped)
 
 
-def kv_amax_tap(st) -> Callable:
+def kv_amax_tap(st: Any) -> Tap:
     """The one K/V statistics tap (calibrate-kv and quantize): running amax of the key and value that
     reach the attention kernel (after k_norm and RoPE, i.e. what the KV cache holds) and the tokens seen,
     into `st` (any object with k_amax, v_amax and tokens). key/value: [batch, kv_heads, seq, head_dim]."""
 
-    def tap(module, key, value):
+    def tap(module: torch.nn.Module, key: torch.Tensor, value: torch.Tensor) -> None:
         st.k_amax = max(st.k_amax, float(key.detach().abs().amax().float()))
         st.v_amax = max(st.v_amax, float(value.detach().abs().amax().float()))
         st.tokens += int(key.shape[0] * key.shape[2])
@@ -77,244 +104,14 @@ def kv_amax_tap(st) -> Callable:
     return tap
 
 
-def attention_tap(layer, fn: Callable | None) -> None:
+def attention_tap(layer: torch.nn.Module, fn: Tap | None) -> None:
     """Set (or clear, fn=None) the K/V tap of a decoder layer's full attention (no-op for GDN layers)."""
     attn = getattr(layer, "self_attn", None)
     if attn is not None:
         attn._qtool_tap = fn
 
 
-# ---- hidden-state stores ---------------------------------------------------------------------------
-
-
-class HiddenStore:
-    """Hidden states [N, L, H] of the calibration set between layers. `read(b0, b1)` gives windows
-    b0..b1 of the current layer's input, `write(b0, b1, x)` stores that layer's output, `commit()` ends a
-    layer (after which reads see the outputs)."""
-
-    shape: tuple[int, int, int]
-
-    def read(self, b0: int, b1: int): ...
-    def write(self, b0: int, b1: int, x) -> None: ...
-    def commit(self) -> None: ...
-
-    @property
-    def nbytes(self) -> int:
-        n, seq, h = self.shape
-        return n * seq * h * self.itemsize
-
-    itemsize = 2
-
-
-# The calibration set's hidden states stay on the GPU where two sets (a layer's input and its output) take
-# at most this: the layer then reads its input from the device, not the file (a 397B layer's 16 x 2048
-# windows are 256 MiB: a 0.2 s read and upload plus a 0.2 s download on the main thread, per layer, on the
-# lent H200 machine), and the file written for --resume is written behind from page-locked memory.
-HIDDEN_ON_DEVICE_MAX = 4 << 30
-
-
-def hidden_on_device(device: str, nbytes: int) -> bool:
-    """Whether a store of `nbytes` of hidden states keeps them on `device` (the memory plan counts the
-    two sets on the GPU where it does)."""
-    return str(device).startswith("cuda") and 2 * nbytes <= HIDDEN_ON_DEVICE_MAX
-
-
-class MemoryStore(HiddenStore):
-    def __init__(self, hidden):
-        self.t = hidden
-        self.shape = tuple(hidden.shape)
-        self.itemsize = hidden.element_size()
-
-    @classmethod
-    def empty(cls, shape, dtype, device: str = "cpu") -> MemoryStore:
-        """On `device` where the hidden states fit there (hidden_on_device), else in host RAM."""
-        import torch
-
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        n, seq, h = shape
-        on = device if hidden_on_device(device, n * seq * h * itemsize) else "cpu"
-        return cls(torch.empty(shape, dtype=dtype, device=on))
-
-    def read(self, b0, b1):
-        # a copy on the device: the layer's output overwrites these windows while a hook may still hold them
-        return self.t[b0:b1] if self.t.device.type == "cpu" else self.t[b0:b1].clone()
-
-    def write(self, b0, b1, x):
-        self.t[b0:b1].copy_(x.to(self.t.device, self.t.dtype))
-
-    def commit(self):
-        pass
-
-
-class DiskStore(HiddenStore):
-    """Raw files `hidden.a`, `hidden.b` (, `hidden.c`, `hidden.d`) in `dir`, used in turn: a layer reads
-    `current` and writes the next one; `current` names the one holding the last committed layer's output
-    (recorded by the caller's journal). With `files=2 + k` the inputs of the k layers whose results are
-    still being written (quantize's write-behind) survive the next layer's forward, so a journal that lags
-    k layers behind still points at intact hidden states.
-
-    `write_behind=True` (one process only): writes, the end-of-layer fsync and `when_durable` callbacks
-    (the caller's journal) run on one writer thread, in order, while the next layer is built; every read
-    first waits for them. The layer being written goes to the file the journal does not name, and the
-    journal moves on only once those writes are on disk, so a crash at any point resumes correctly.
-
-    `device` (the layers' device): where hidden_on_device holds, the store also keeps on it what it wrote
-    to the current file and to the one being written, and reads are served from there (a copy, the same
-    values as the file's); the files are still written, from page-locked memory after a non-blocking
-    download, behind the forward where `write_behind`. A store opened on a resume reads the files."""
-
-    NAMES = ("a", "b", "c", "d")
-
-    def __init__(
-        self,
-        dir: Path,
-        shape,
-        dtype,
-        current: str = "a",
-        files: int = 2,
-        write_behind: bool = False,
-        device: str = "cpu",
-    ):
-        import torch
-
-        if not 2 <= files <= len(self.NAMES):
-            raise ValueError(f"files must be 2..{len(self.NAMES)}")
-        from qtool.io.in_order import InOrder
-
-        # a failed write stops the fsync and the journal entry queued after it (they would declare the
-        # layer's hidden states complete); the queue holds at most one layer's writes (read() drains it)
-        self._writer = InOrder(depth=1 << 20, name="qtool-hidden-write") if write_behind else None
-        self.dir = Path(dir)
-        self.shape = tuple(shape)
-        self.dtype = dtype
-        self.itemsize = torch.empty((), dtype=dtype).element_size()
-        self.names = self.NAMES[:files]
-        self.current = current if current in self.names else self.names[0]
-        self.row = shape[1] * shape[2] * self.itemsize
-        self.keep_on = device if hidden_on_device(device, self.nbytes) else None
-        self._kept: dict[str, dict[tuple[int, int], object]] = {}  # file -> (b0, b1) -> device tensor
-        for name in self.names:
-            p = self.path(name)
-            if not p.exists() or p.stat().st_size != self.nbytes:
-                with open(p, "ab") as f:
-                    f.truncate(self.nbytes)
-
-    def path(self, name: str) -> Path:
-        return self.dir / f"hidden.{name}"
-
-    @property
-    def other(self) -> str:
-        """The file the next layer writes."""
-        return self.names[(self.names.index(self.current) + 1) % len(self.names)]
-
-    def _submit(self, fn, *a) -> None:
-        if self._writer is None:
-            fn(*a)
-        else:
-            self._writer.call(fn, *a)
-
-    def drain(self) -> None:
-        """Wait for the writer thread's queue (its first error is raised here)."""
-        if self._writer is not None:
-            self._writer.drain()
-
-    def when_durable(self, fn) -> None:
-        """Call fn() once everything written so far is on disk (at once without write-behind)."""
-        self._submit(fn)
-
-    def close(self, quiet: bool = False) -> None:
-        try:
-            if self._writer is not None:
-                self._writer.close()
-        except Exception:
-            if not quiet:
-                raise
-        finally:
-            self._kept = {}
-
-    def read(self, b0, b1):
-        import torch
-
-        from qtool.stream.layer_read import pread_exact
-
-        self.drain()  # the previous layer's outputs (and its journal) are on disk
-        for (k0, k1), t in self._kept.get(self.current, {}).items():
-            if k0 <= b0 and b1 <= k1:
-                return t[b0 - k0 : b1 - k0].clone()  # the caller's own: the kept set serves later reads too
-        # straight into the tensor's memory: one copy (a 397B micro-batch is 268 MB; `bytes` + bytearray
-        # took two more)
-        buf = torch.empty((b1 - b0) * self.row, dtype=torch.uint8)
-        path = self.path(self.current)
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            pread_exact(fd, memoryview(buf.numpy()), b0 * self.row, str(path))
-        finally:
-            os.close(fd)
-        return buf.view(self.dtype).view(b1 - b0, *self.shape[1:])
-
-    def write(self, b0, b1, x, name: str | None = None):
-        name = name or self.other
-        if self.keep_on is not None and x.device.type == "cuda":
-            from qtool.stream.device_copy import download
-
-            y = x.detach().to(dtype=self.dtype).contiguous()
-            self._kept.setdefault(name, {})[(b0, b1)] = y
-            # downloaded without a wait on this thread; the writer waits for the copy, then writes
-            self._submit(_pwrite_when, download(y), self.path(name), b0 * self.row)
-            return
-        if self.keep_on is not None:  # the embeddings (computed on the host): layer 0 reads them from the device
-            self._kept.setdefault(name, {})[(b0, b1)] = x.detach().to(self.keep_on, self.dtype)
-        data = x.detach().to("cpu", self.dtype).contiguous().view(-1).view(dtype=_u8()).numpy()
-        self._submit(_pwrite_file, self.path(name), data, b0 * self.row)
-
-    def write_current(self, b0, b1, x):
-        """Write into the current file (used to fill the embeddings before layer 0)."""
-        self.write(b0, b1, x, name=self.current)
-
-    def settle_current(self) -> None:
-        """The current file's writes (the embeddings) on disk before the caller journals them."""
-        from qtool.io.files import fsync_path
-
-        self._submit(fsync_path, self.path(self.current))
-        self.drain()
-
-    def commit(self):
-        from qtool.io.files import fsync_path
-
-        self._submit(fsync_path, self.path(self.other))
-        self.current = self.other
-        # on the device: the new current set only (the file the next layer writes is rewritten)
-        self._kept = {name: kept for name, kept in self._kept.items() if name == self.current}
-
-
-def _pwrite_file(path: Path, data, off: int) -> None:
-    view = memoryview(data)  # no bytes copy
-    fd = os.open(path, os.O_WRONLY)
-    try:
-        while view:  # pwrite may write less than asked on large buffers
-            n = os.pwrite(fd, view, off)
-            view, off = view[n:], off + n
-    finally:
-        os.close(fd)
-
-
-def _pwrite_when(data, path: Path, off: int) -> None:
-    """Write a device_copy.Download once its copy has landed."""
-    _pwrite_file(path, data.wait().numpy(), off)
-
-
-def _u8():
-    import torch
-
-    return torch.uint8
-
-
 # ---- the streamer ----------------------------------------------------------------------------------
-
-
-class LayerHooks(Protocol):
-    def before_layer(self, idx: int, layer) -> None: ...
-    def after_layer(self, idx: int, layer) -> None: ...
 
 
 def compute_itemsize(dtype_name: str) -> int:
@@ -334,7 +131,7 @@ class StreamPlan:
     batch_windows: int
     activation_bytes: int  # rough per-micro-batch activation peak
     seq_len: int = 0
-    stored_layer_bytes: list[int] = None  # each decoder layer's bytes as stored (what is read ahead)
+    stored_layer_bytes: list[int] | None = None  # each decoder layer's bytes as stored (what is read ahead)
 
     @property
     def itemsize(self) -> int:
@@ -362,23 +159,21 @@ class StreamPlan:
         }
 
 
-def streamed_files(ckpt: Checkpoint, mm: ModelMap | None = None) -> set[str]:
+def streamed_files(ckpt: Checkpoint, model_map: ModelMap | None = None) -> set[str]:
     """The shard files a layer-streamed job reads (its decoder layers' and the embedding's): what it hashes
-    from its own reads (qtool.io.apply.write_output's hash_from_reads). `mm`: the plan's map of `ckpt`.
+    from its own reads (qtool.io.apply.write_output's hash_from_reads). `model_map`: the plan's map of `ckpt`.
     The layers' modules are those `layer_tensors` reads, found in one pass (per layer, over the 397B's ~95k
     modules and with a TensorInfo per tensor, it took seconds)."""
-    from qtool.io.tensor_table import file_of
-    from qtool.stream.dequant import missing_layer, modules_by_layer
-
-    mm = mm if mm is not None and mm.ckpt is ckpt else build_map(ckpt)
-    files = set()
-    for i, mods in enumerate(modules_by_layer(mm)):
+    if model_map is None or model_map.ckpt is not ckpt:
+        model_map = build_map(ckpt)
+    files: set[str] = set()
+    for i, mods in enumerate(modules_by_layer(model_map)):
         if not mods:
-            raise missing_layer(mm, i)  # as layer_tensors
+            raise missing_layer(model_map, i)  # as layer_tensors
         for m in mods:
             if m.group is not Group.KV_SCALE:  # as layer_tensors
                 files.update(m.param_file(p) for p in m.param_names)
-    embed = text_prefix(mm.naming) + "embed_tokens.weight"
+    embed = text_prefix(model_map.naming) + "embed_tokens.weight"
     return files | ({file_of(ckpt.tensors, embed)} if embed in ckpt.tensors else set())
 
 
@@ -392,17 +187,17 @@ class LayerStreamer:
         device: str = "cpu",
         dtype: str | None = None,
         batch_tokens: int | None = None,
-        mm: ModelMap | None = None,
+        model_map: ModelMap | None = None,
         routed_experts: str = "eager",
         digests: DigestSink = NO_DIGESTS,
-    ):
-        from qtool import dist
-
+    ) -> None:
         self.group = dist.current()  # data parallel: this rank computes its share of the micro-batches
         self.batch_tokens = batch_tokens  # tokens per micro-batch (default: 4096 on CPU, 32768 on GPU)
         self.ckpt = ckpt if isinstance(ckpt, Checkpoint) else Checkpoint.open(ckpt, require_config=True)
-        # mm: the map a plan already built of this same checkpoint object (the 397B's: ~1 s to build again)
-        self.mm: ModelMap = mm if mm is not None and mm.ckpt is self.ckpt else build_map(self.ckpt)
+        # model_map: the map a plan already built of this same checkpoint object (the 397B's: ~1 s to build again)
+        if model_map is None or model_map.ckpt is not self.ckpt:
+            model_map = build_map(self.ckpt)
+        self.model_map: ModelMap = model_map
         tc = self.ckpt.text_config
         if not tc or "hidden_size" not in tc:
             raise PlanError("config.json has no text config with hidden_size", path=self.ckpt.root)
@@ -410,7 +205,7 @@ class LayerStreamer:
         self.device = device
         want = dtype or tc.get("dtype") or tc.get("torch_dtype") or (self.ckpt.config or {}).get("dtype") or "bfloat16"
         self.dtype_name = _DTYPES.get(str(want), "bfloat16")
-        self.prefix = text_prefix(self.mm.naming)
+        self.prefix = text_prefix(self.model_map.naming)
         embed = self.ckpt.tensors.get(self.prefix + "embed_tokens.weight")
         if embed is not None and (len(embed.shape) != 2 or embed.shape[1] != int(tc["hidden_size"])):
             # a config that disagrees with the tensors fails here by name, not as a shape error mid-forward
@@ -424,9 +219,7 @@ class LayerStreamer:
             )
         self._hf_config = None
         self._layer_sizes: tuple[list[int], list[int]] | None = None
-        self._rotary = None
-        from qtool.stream.layer_read import Prefetcher
-
+        self._rotary: Any = None  # transformers' rotary embedding, made on first use
         self.digests = digests  # the job's inputs hashed from this streamer's reads (qtool.io.stream_digest)
         self._reader = Prefetcher(device, digests)
         # wall-clock times (epoch seconds) for benchmarks: when the first layer began loading, when each
@@ -440,17 +233,15 @@ class LayerStreamer:
 
     # -- config ---------------------------------------------------------------------------------
     @property
-    def dtype(self):
+    def dtype(self) -> torch.dtype:
         import torch
 
         return getattr(torch, self.dtype_name)
 
     @property
-    def hf_config(self):
+    def hf_config(self) -> Any:
         """transformers' Qwen3_5MoeTextConfig from the checkpoint's text config, attention = the tap."""
         if self._hf_config is None:
-            from qtool.stream import warm_import
-
             warm_import.join()
             from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
 
@@ -463,7 +254,7 @@ class LayerStreamer:
 
     @property
     def num_layers(self) -> int:
-        return len(self.mm.layer_types)
+        return len(self.model_map.layer_types)
 
     @property
     def hidden_size(self) -> int:
@@ -471,7 +262,7 @@ class LayerStreamer:
 
     # -- plan -----------------------------------------------------------------------------------
     def layer_tensor_names(self, idx: int) -> list[str]:
-        p = layer_prefix(idx, self.mm.naming)
+        p = layer_prefix(idx, self.model_map.naming)
         return [n for n in self.ckpt.tensors if n.startswith(p)]
 
     def layer_bytes(self, idx: int) -> int:
@@ -483,11 +274,9 @@ class LayerStreamer:
         prepare both ask)."""
         if self._layer_sizes is not None:
             return list(self._layer_sizes[0]), list(self._layer_sizes[1])  # callers' own lists
-        from qtool.stream.dequant import dense_numel, modules_by_layer
-
         item = compute_itemsize(self.dtype_name)
         dense, stored = [0] * self.num_layers, [0] * self.num_layers
-        for i, mods in enumerate(modules_by_layer(self.mm)):
+        for i, mods in enumerate(modules_by_layer(self.model_map)):
             for mod in mods:
                 if mod.group is Group.KV_SCALE:
                     continue
@@ -515,7 +304,7 @@ class LayerStreamer:
         act = toks * (6 * h + 3 * inter) * 4 * 2
         return StreamPlan(
             num_layers=self.num_layers,
-            layer_types=list(self.mm.layer_types),
+            layer_types=list(self.model_map.layer_types),
             hidden_size=h,
             compute_dtype=self.dtype_name,
             layer_bytes=dense,
@@ -534,16 +323,14 @@ class LayerStreamer:
         return max(1, tokens_per_batch // seq_len)
 
     # -- pieces ---------------------------------------------------------------------------------
-    def embed_into(self, ids, store: HiddenStore, batch: int) -> None:
+    def embed_into(self, ids: torch.Tensor, store: HiddenStore, batch: int) -> None:
         """Embed token windows [N, L] into the store (as the input of layer 0)."""
         import torch
-
-        from qtool.stream.dequant import embedding_rows
 
         mine = self.my_batches(ids.shape[0], batch)
         used = torch.cat([ids[b0:b1].reshape(-1) for b0, b1 in mine]) if mine else ids[:0]
         embed = self.prefix + "embed_tokens.weight"
-        w, lookup = embedding_rows(self.mm, embed, used, self.dtype, every_id=ids, digests=self.digests)
+        w, lookup = embedding_rows(self.model_map, embed, used, self.dtype, every_id=ids, digests=self.digests)
         for b0, b1 in mine:
             x = w[lookup[ids[b0:b1]]]
             if isinstance(store, DiskStore):
@@ -561,7 +348,7 @@ class LayerStreamer:
         spans = [(b0, min(n, b0 + batch)) for b0 in range(0, n, batch)]
         return [spans[k] for k in self.group.mine(len(spans))]
 
-    def position_embeddings(self, batch: int, seq_len: int):
+    def position_embeddings(self, batch: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         import torch
 
         self.hf_config  # noqa: B018 -- after the background import (warm_import.join)
@@ -573,7 +360,7 @@ class LayerStreamer:
         x = torch.empty(0, dtype=self.dtype, device=self.device)
         return self._rotary(x, pos)
 
-    def load_layer(self, idx: int, keep_bytes: dict | None = None):
+    def load_layer(self, idx: int, keep_bytes: dict[str, FileRange] | None = None) -> torch.nn.Module:
         """transformers' decoder layer `idx` with this checkpoint's weights, dense, on self.device.
         keep_bytes: output tensor name -> the source's byte range (a FileRange) it copies unchanged (quantize's
         copied tensors, whole tensors or one expert's slice of a fused one): kept as uint8 views of the
@@ -582,39 +369,31 @@ class LayerStreamer:
         at the 397B), whose `.cpu()` here took 9 s of the main thread and as much host memory; the writer
         takes them down in pieces behind the next layer's forward."""
         if self.clock["first_layer_start"] is None:
-            import time
-
             self.clock["first_layer_start"] = time.time()
         import torch
 
         cfg = self.hf_config  # after the background import (warm_import.join)
         from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeDecoderLayer
 
-        from qtool.stream.dequant import layer_state_dict, layer_tensors
-
         if self.gdn_kernel is None:
-            from qtool.stream.kernels import select_gdn_kernel
-
             self.gdn_kernel = select_gdn_kernel(self.device)
-
-        from qtool.quiet import transformers_errors_only
 
         with torch.device("meta"), transformers_errors_only():
             layer = Qwen3_5MoeDecoderLayer(cfg, idx)
         want = {n: (tuple(p.shape), p.dtype) for n, p in layer.state_dict().items()}
-        read = self._reader.take(idx) or self._reader.read_now(layer_tensors(self.mm, idx))
+        read = self._reader.take(idx) or self._reader.read_now(layer_tensors(self.model_map, idx))
         try:
             kept = {
                 name: view
                 for name, src in (keep_bytes or {}).items()
                 if (view := read.span(src.file, src.start, src.end)) is not None
             }
-            sd = layer_state_dict(self.mm, idx, self.dtype, self.device, want, src=read)
+            sd = layer_state_dict(self.model_map, idx, self.dtype, self.device, want, src=read)
         finally:
             read.close()  # what the layer keeps (views of BF16 weights) stays alive through it
         layer.load_state_dict(sd, strict=True, assign=True)
         del sd
-        from qtool.stream import experts
+        from qtool.stream import experts  # (imports torch: deferred to the first layer)
 
         if self.experts_kernel is None:
             tc = self.text_cfg_dict
@@ -638,13 +417,11 @@ class LayerStreamer:
     def inputs_hashed(self, idx: int) -> None:
         """Wait until the input bytes layer `idx` used (its tensors and the embedding) are hashed, where the
         job hashes its inputs from its reads (qtool.io.stream_digest): call before journaling the layer."""
-        from qtool.stream.dequant import layer_tensors
-
         if self.digests is NO_DIGESTS:
             return
         ends: dict[str, int] = {}
         embed = self.ckpt.tensors.get(self.prefix + "embed_tokens.weight")
-        for i in layer_tensors(self.mm, idx) + ([embed] if embed is not None else []):
+        for i in layer_tensors(self.model_map, idx) + ([embed] if embed is not None else []):
             ends[i.file] = max(ends.get(i.file, 0), i.end)
         self.digests.covered(ends)
 
@@ -652,19 +429,16 @@ class LayerStreamer:
         """Start reading layer `idx`'s bytes in the background (qtool.stream.layer_read): the next
         `load_layer(idx)` takes them instead of reading. A no-op past the last layer."""
         if 0 <= idx < self.num_layers:
-            from qtool.stream import warm_import
-            from qtool.stream.dequant import layer_tensors
-
             warm_import.start()  # transformers' decoder module, while this layer is read
-            self._reader.start(idx, layer_tensors(self.mm, idx))
+            self._reader.start(idx, layer_tensors(self.model_map, idx))
 
-    def read_after_layers(self, key, infos: list[TensorInfo]) -> None:
+    def read_after_layers(self, key: Hashable, infos: list[TensorInfo]) -> None:
         """Have `infos` read while `run`'s last layer computes, in the read-ahead's place (the reader is
         idle then), for `take_read(key)` after the run: eval kld's final norm and lm_head (a 397B's lm_head
         is 2 GB: read on the main thread after the layers, then uploaded, it took 0.8 s on the H200)."""
         self._after_layers = (key, infos)
 
-    def take_read(self, key):
+    def take_read(self, key: Hashable) -> Any:
         """What `read_after_layers(key, ...)` read (a LayerBytes on the device), or None."""
         return self._reader.take(key)
 
@@ -685,7 +459,12 @@ class LayerStreamer:
             }
 
     def forward_layer(
-        self, layer, store: HiddenStore, seq_len: int, batch: int, on_batch: Callable[[int], None] | None = None
+        self,
+        layer: torch.nn.Module,
+        store: HiddenStore,
+        seq_len: int,
+        batch: int,
+        on_batch: Callable[[int], None] | None = None,
     ) -> None:
         """Run this rank's micro-batches through `layer`; on_batch(b0) before each (AWQ keeps rows in
         window order). Returns once every rank's outputs of the layer are committed."""
@@ -711,40 +490,73 @@ class LayerStreamer:
         *,
         start: int = 0,
         stop: int | None = None,
-        hooks: LayerHooks | None = None,
+        stages: list[LayerStage] | None = None,
         batch: int | None = None,
         progress: Callable[[int], None] | None = None,
     ) -> None:
-        """Run layers start..stop-1 over the store (which holds layer `start`'s input)."""
-        batch = batch or self.batch_windows(seq_len)
+        """Run layers start..stop-1 over the store (which holds layer `start`'s input), with `stages` and
+        no journal (run_layers takes a whole LayerRun)."""
         stop = self.num_layers if stop is None else stop
+        batch = batch or self.batch_windows(seq_len)
+        self.run_layers(
+            LayerRun(self, store, seq_len, batch, list(range(start, stop)), list(stages or []), None, progress)
+        )
+
+    def run_layers(self, run: LayerRun) -> None:
+        """The one layer loop: each of `run.layers` loaded (the next one read meanwhile), run forward over the
+        store and handed to the stages at the events of qtool.stream.layer_run; a layer a stage writes is
+        committed by its writer, in order, any other at once."""
         try:
-            self._run(store, seq_len, start, stop, hooks, batch, progress)
+            with write_behind(run):
+                for k, idx in enumerate(run.layers):
+                    self._layer(run, idx, run.layers[k + 1] if k + 1 < len(run.layers) else None)
         except BaseException:
             self._reader.close()  # an error mid-run: no read left going on behind the caller's back
             raise
         finally:
             self._note_gpu_peak()
 
-    def _run(self, store, seq_len, start, stop, hooks, batch, progress) -> None:
-        for idx in range(start, stop):
-            layer = self.load_layer(idx)
-            if idx + 1 < stop:
-                self.prefetch(idx + 1)  # read while this layer computes
-            elif self._after_layers is not None:
-                self._reader.start(*self._after_layers)
-            if hooks is not None:
-                hooks.before_layer(idx, layer)
-            self.forward_layer(layer, store, seq_len, batch)
-            if hooks is not None:
-                hooks.after_layer(idx, layer)
-            import time
+    def _layer(self, run: LayerRun, idx: int, next_idx: int | None) -> None:
+        keep: dict[str, FileRange] = {}
+        for stage in run.stages:
+            keep.update(stage.keep_bytes(run, idx))
+        layer = self.load_layer(idx, keep_bytes=keep)
+        if next_idx is not None:
+            self.prefetch(next_idx)  # read while this layer computes (and is written)
+        elif self._after_layers is not None:
+            self._reader.start(*self._after_layers)
+        for stage in run.stages:
+            stage.before_forward(run, idx, layer)
+        self.forward_layer(layer, run.store, run.seq_len, run.batch, on_batch=_batch_callback(run.stages))
+        for stage in run.stages:
+            stage.after_forward(run, idx, layer)
+        current = run.store.current if isinstance(run.store, DiskStore) else ""
+        writes = [w for stage in run.stages if (w := stage.code(run, idx, layer)) is not None]
+        if writes:
+            if run.writes is None:
+                run.writes = WriteBehind(self.device, self.group, run.layers_in_flight)
+            for write in writes:
+                run.writes.hand_over(write, last=idx == run.layers[-1])
+            del layer  # (its writer holds it while it codes)
+            return
+        run.layer_done(idx, current)
+        # the other ranks wait for rank 0's journal entry: the next layer writes the file it names
+        self.group.barrier()
+        del layer  # no cycles: freed here (gc.collect costs seconds on a busy machine)
+        if self.device != "cpu":
+            import torch
 
-            self.clock["layers_done"].append(time.time())
-            del layer  # no cycles: freed here (gc.collect costs seconds on a busy machine)
-            if self.device != "cpu":
-                import torch
+            torch.cuda.empty_cache()
 
-                torch.cuda.empty_cache()
-            if progress is not None:
-                progress(idx)
+
+def _batch_callback(stages: list[LayerStage]) -> Callable[[int], None] | None:
+    """The stages' on_batch, for forward_layer (None where no stage sees the micro-batches)."""
+    seeing = [stage.on_batch for stage in stages if stage.sees_batches]
+    if len(seeing) <= 1:
+        return seeing[0] if seeing else None
+
+    def each(b0: int) -> None:
+        for fn in seeing:
+            fn(b0)
+
+    return each

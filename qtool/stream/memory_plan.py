@@ -9,7 +9,7 @@ The model follows the pipeline of qtool.stream.layer_read / layer_stream (per ra
 - on CUDA, tensors live on the device; the host holds the pinned staging buffers (READERS x 2 x CHUNK),
   the micro-batch of hidden states going to and from the store, and the embedding table while the
   calibration set is embedded (host side, before layer 0); where the calibration set's hidden states
-  stay on the device (layer_stream.hidden_on_device), two sets of them are on the GPU and none in RAM;
+  stay on the device (hidden_store.hidden_on_device), two sets of them are on the GPU and none in RAM;
 - on CPU all of it is host RAM;
 - and the process itself: the interpreter with torch, transformers and the tokenizer loaded (PROCESS_BYTES).
 Op-specific extras (AWQ's kept activation rows, eval kld's lm_head phase) are passed in.
@@ -20,11 +20,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from qtool.stream.hidden_store import hidden_on_device
+from qtool.stream.layer_read import CHUNK, READERS
+
 if TYPE_CHECKING:
     from qtool.stream.layer_stream import StreamPlan
 
-from qtool.stream.layer_read import CHUNK, READERS
-from qtool.stream.layer_stream import hidden_on_device
 
 # host RAM of a rank process before any tensor of the job: Python with torch, transformers and the tokenizer
 # (measured: 375 MiB after the imports, 433 MiB peak for a CPU quantize of the tiny fixture whose tensors

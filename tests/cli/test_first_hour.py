@@ -81,7 +81,7 @@ def test_a_job_without_a_terminal_prints_its_plan_and_layers_as_it_goes(tiny_bf1
 
     marker = tmp_path / "m"
     p = start_paused(
-        "qtool.ops.quantize.execute:write_json",
+        "qtool.stream.layer_journal:write_json",
         3,
         marker,
         [

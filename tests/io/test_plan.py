@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from qtool.errors import VerificationError, WriteError
-from qtool.io.apply import write_output
+from qtool.io.apply import OutputJob, write_output
 from qtool.io.checkpoint import Checkpoint
 from qtool.io.output import OutputDir
 from qtool.io.plan import Copy, Index, Json, Link, OutputPlan, Pending, Produced, Shard, header_checkpoint, promised
@@ -65,7 +65,7 @@ def test_the_executor_writes_what_the_plan_says_and_records_every_file(tmp_path)
     src = _source(tmp_path)
     plan = _plan(src)
     with OutputDir(tmp_path / "out", sources=[src]) as tx:
-        applied = write_output(plan, tx, command="qtool test", values={"s": struct.pack("<f", 0.5)})
+        applied = write_output(plan, tx, OutputJob(command="qtool test", values={"s": struct.pack("<f", 0.5)}))
     out = tmp_path / "out"
     assert applied.written == ["b.safetensors"] and sum(applied.linked.values()) == 1
     ck = Checkpoint.open(out)
@@ -98,7 +98,7 @@ def test_the_plans_own_checkpoint_is_the_written_ones(tmp_path):
     plan = _plan(src)
     virtual = header_checkpoint(tmp_path / "out", plan, {"architectures": ["X"]})
     with OutputDir(tmp_path / "out", sources=[src]) as tx:
-        write_output(plan, tx, command=None, values={"s": struct.pack("<f", 0.5)})
+        write_output(plan, tx, OutputJob(command=None, values={"s": struct.pack("<f", 0.5)}))
     real = Checkpoint.open(tmp_path / "out")
     assert {n: (i.dtype, i.shape) for n, i in virtual.tensors.items()} == {
         n: (i.dtype, i.shape) for n, i in real.tensors.items()
@@ -118,7 +118,7 @@ def test_the_plans_checkpoint_as_written_is_the_written_one_tensor_for_tensor(tm
     written = header_checkpoint(out, plan, {"architectures": ["X"]}, as_written=True)
     assert any(i.file.startswith(str(src)) for i in header_checkpoint(out, plan, None).tensors.values())
     with OutputDir(out, sources=[src]) as tx:
-        write_output(plan, tx, command=None, values={"s": struct.pack("<f", 0.5)})
+        write_output(plan, tx, OutputJob(command=None, values={"s": struct.pack("<f", 0.5)}))
     real = Checkpoint.open(out)
     assert dict(written.tensors.items()) == dict(real.tensors.items())
     assert {s: (h.path, h.data_start, h.file_size) for s, h in written.headers.items()} == {
@@ -180,7 +180,7 @@ def test_plan_hash_is_the_json_of_every_tensor(tmp_path, monkeypatch):
 def test_a_missing_pending_value_or_a_wrong_produced_shard_publishes_nothing(tmp_path):
     src = _source(tmp_path)
     with OutputDir(tmp_path / "out", sources=[src]) as tx, pytest.raises(ValueError, match="no 4-byte value"):
-        write_output(_plan(src), tx, command=None)
+        write_output(_plan(src), tx, OutputJob(command=None))
     assert not (tmp_path / "out").exists()
     plan = OutputPlan(
         "test", [Produced("p.safetensors", [promised("w", "F32", (2,), 8)])], sources={"src": src}, inputs=[]
@@ -190,7 +190,7 @@ def test_a_missing_pending_value_or_a_wrong_produced_shard_publishes_nothing(tmp
         write_shard(tx.partial / "p.safetensors", [OutTensor("w", "F32", (1, 2), InlineBytes(bytes(8)))])
 
     with OutputDir(tmp_path / "out2", sources=[src]) as tx, pytest.raises(VerificationError, match="not what the plan"):
-        write_output(plan, tx, command=None, produce=produce_wrong)
+        write_output(plan, tx, OutputJob(command=None, produce=produce_wrong))
     assert not (tmp_path / "out2").exists()
 
 
@@ -210,7 +210,7 @@ def test_free_space_counts_what_a_resumed_partial_already_holds(tmp_path, monkey
     monkeypatch.setattr(apply, "space_margin", lambda *args: 0)
     monkeypatch.setattr(apply, "free_space", lambda p: 1000)
     with OutputDir(tmp_path / "out", sources=[src]) as tx, pytest.raises(WriteError, match="free disk space"):
-        write_output(plan, tx, command=None)
+        write_output(plan, tx, OutputJob(command=None))
     partial = tmp_path / "out.partial"
     assert not partial.exists()  # the refused run's own partial is withdrawn
     # the shard written and journaled by an interrupted run: a resumed run needs no space for it
@@ -230,6 +230,6 @@ def test_free_space_counts_what_a_resumed_partial_already_holds(tmp_path, monkey
 
     (partial / INPUT_DIGESTS).write_text(json.dumps({"path": os.path.realpath(big), "sha256": hash_file(big)}) + "\n")
     with OutputDir(tmp_path / "out", sources=[src], resume=True) as tx:
-        applied = write_output(plan, tx, command=None)
+        applied = write_output(plan, tx, OutputJob(command=None))
     assert applied.resumed == ["z.safetensors"] and (tmp_path / "out" / "z.safetensors").exists()
     shutil.rmtree(tmp_path / "out")

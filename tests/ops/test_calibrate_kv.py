@@ -179,10 +179,10 @@ def test_in_place_ct_then_overwrite_then_resume(request, tmp_path):
     # --overwrite with a crash in layer 5, then --resume: same scales as the uninterrupted run.
     real = LayerStreamer.load_layer
 
-    def crashing(self, idx):
+    def crashing(self, idx, **kwargs):
         if idx == 5:
             raise RuntimeError("simulated crash")
-        return real(self, idx)
+        return real(self, idx, **kwargs)
 
     LayerStreamer.load_layer = crashing
     try:
@@ -238,7 +238,7 @@ def test_gpu_scales_equal_cpu(request, tmp_path):
     "point",
     [
         ("qtool.io.files:fsync_path", 3),
-        ("qtool.stream.layer_stream:_pwrite_file", 4),
+        ("qtool.stream.hidden_store:_pwrite_file", 4),
         ("qtool.io.jsonio:write_json", 3),
     ],
 )
@@ -300,7 +300,7 @@ def test_failed_hidden_state_write_is_never_journaled(request, tmp_path):
         "KILLPOINT_SLOW": "qtool.io.stream_digest:FileDigest._update:1",
         "QTOOL_CACHE_DIR": str(tmp_path / "cache"),
     }
-    failed = run_failing("qtool.stream.layer_stream:_pwrite_file", 4, "ENOSPC", [*args, "-o", out], env=slow)
+    failed = run_failing("qtool.stream.hidden_store:_pwrite_file", 4, "ENOSPC", [*args, "-o", out], env=slow)
     assert failed.returncode == 1 and "No space left on device" in failed.stderr
     assert "alive at exit" not in failed.stderr
     assert run_qtool([*args, "-o", clean]).returncode == 0

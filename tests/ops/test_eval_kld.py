@@ -26,7 +26,7 @@ def oracle_logprobs(ckpt, ids):
     from qtool.stream.layer_stream import LayerStreamer
 
     model = dense_text_model(ckpt)
-    w = load_param(LayerStreamer(ckpt).mm, "lm_head.weight", torch.bfloat16)
+    w = load_param(LayerStreamer(ckpt).model_map, "lm_head.weight", torch.bfloat16)
     with torch.no_grad():
         h = model(input_ids=ids).last_hidden_state
         return torch.log_softmax((h @ w.T).float(), dim=-1)

@@ -563,8 +563,8 @@ def test_a_peer_backends_last_layer_waits_for_a_bf16_layer_written_behind(tiny_b
             tiny_bf16, out=tmp_path / "o", recipe=load_recipe(path), backend=Backend.MODELOPT, calib_ids=calib_ids
         )
     )
-    execute_mod = importlib.import_module("qtool.ops.quantize.execute")  # the package exports execute()
-    real_write, real_save = layer_mod.write_layer_shard, execute_mod.write_json
+    journal_mod = importlib.import_module("qtool.stream.layer_journal")  # where every layer job's journal is written
+    real_write, real_save = layer_mod.write_layer_shard, journal_mod.write_json
     saved: list[tuple[int, list[int]]] = []
 
     def slow_layer_6(path, lp, *a, **k):
@@ -577,7 +577,7 @@ def test_a_peer_backends_last_layer_waits_for_a_bf16_layer_written_behind(tiny_b
         return real_save(path, journal)
 
     monkeypatch.setattr(layer_mod, "write_layer_shard", slow_layer_6)
-    monkeypatch.setattr(execute_mod, "write_json", save)
+    monkeypatch.setattr(journal_mod, "write_json", save)
     rep = execute(p).to_json()
     assert [e["layer"] for e in rep["layers"]] == list(range(8))
     assert [n for n, _ in saved] == sorted(n for n, _ in saved)  # next_layer never goes back

@@ -14,8 +14,9 @@ from full_model import fixture_dir
 from qtool.errors import PlanError
 from qtool.io.safetensors_header import TensorInfo
 from qtool.stream.dequant import TensorSource, layer_tensors
+from qtool.stream.hidden_store import MemoryStore
 from qtool.stream.layer_read import ALIGN, MAX_GAP, LayerBytes, Prefetcher, coalesce, read_pieces
-from qtool.stream.layer_stream import LayerStreamer, MemoryStore
+from qtool.stream.layer_stream import LayerStreamer
 
 
 def _info(name, file, start, end, dtype="U8"):
@@ -44,7 +45,7 @@ def test_layer_bytes_equal_the_per_tensor_reads(request, fixture):
     one = TensorSource()
     try:
         for idx in (0, 3):
-            infos = layer_tensors(s.mm, idx)
+            infos = layer_tensors(s.model_map, idx)
             got = LayerBytes(infos).read()
             assert len(got.runs) < len(infos)  # coalesced
             for info in infos:
@@ -82,7 +83,7 @@ def test_a_truncated_shard_is_named_when_its_layer_is_taken(request, tmp_path):
     ck = tmp_path / "ck"
     shutil.copytree(src, ck)
     s = LayerStreamer(ck)
-    infos = layer_tensors(s.mm, 5)
+    infos = layer_tensors(s.model_map, 5)
     shard = ck / infos[-1].file.rpartition("/")[2]
     with open(shard, "r+b") as f:
         f.truncate(max(i.end for i in infos if i.file == infos[-1].file) - 1)
@@ -174,7 +175,7 @@ def test_layers_are_read_around_the_page_cache_unless_it_holds_them(request, tmp
 
     monkeypatch.setattr(layer_read, "CHUNK", 3 * ALIGN)
     s = LayerStreamer(_own_copy(request, tmp_path))
-    infos = layer_tensors(s.mm, 2) + layer_tensors(s.mm, 5)
+    infos = layer_tensors(s.model_map, 2) + layer_tensors(s.model_map, 5)
     shards = sorted({i.file for i in infos})
     if how == "cached":
         if not page_cache.available():
@@ -220,7 +221,7 @@ def test_a_piece_the_input_digest_has_no_room_for_is_read_through_the_page_cache
     from qtool.io import stream_digest
 
     s = LayerStreamer(_own_copy(request, tmp_path))
-    infos = layer_tensors(s.mm, 2)
+    infos = layer_tensors(s.model_map, 2)
     _evict_or_skip(sorted({i.file for i in infos}))
     if not room:
         monkeypatch.setattr(stream_digest, "QUEUE_BYTES", 0)

@@ -3,12 +3,16 @@ layer, final norm applied), with the hidden states in RAM or on disk."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from full_model import dense_text_model, fixture_dir
 
 from qtool.stream.calib_data import build_calib_set
-from qtool.stream.layer_stream import DiskStore, LayerStreamer, MemoryStore
+from qtool.stream.hidden_store import DiskStore, MemoryStore
+from qtool.stream.layer_run import LayerRun, LayerStage
+from qtool.stream.layer_stream import LayerStreamer
 
 
 def _final(streamer, store):
@@ -17,7 +21,7 @@ def _final(streamer, store):
     from qtool.stream.dequant import load_param
 
     norm = Qwen3_5MoeRMSNorm(streamer.hidden_size, eps=streamer.hf_config.rms_norm_eps)
-    norm.weight.data = load_param(streamer.mm, streamer.prefix + "norm.weight", torch.bfloat16)
+    norm.weight.data = load_param(streamer.model_map, streamer.prefix + "norm.weight", torch.bfloat16)
     with torch.no_grad():
         return norm(store.read(0, store.shape[0]))
 
@@ -38,6 +42,57 @@ def test_streamed_forward_equals_full_model(request, tmp_path):
         full = dense_text_model(ckpt)(input_ids=ids).last_hidden_state
     assert torch.equal(_final(s, mem), full)
     assert torch.equal(disk.read(0, 3), mem.read(0, 3))
+
+
+def test_a_stage_is_called_at_each_event_and_its_writes_commit_in_layer_order(request):
+    """A method plugs into the one layer loop as a stage: called at each event of each layer, its layer
+    writes run behind the forward and commit in layer order even when a later one is written first."""
+    ckpt = fixture_dir(request, "tiny_nvfp4_ct")
+    ids = build_calib_set(ckpt, "builtin", 2, 16).ids
+    s = LayerStreamer(ckpt)
+    store = MemoryStore.empty((2, 16, s.hidden_size), s.dtype)
+    s.embed_into(ids, store, 1)
+    events: list[tuple] = []
+
+    class Write:
+        behind = True
+
+        def __init__(self, idx: int) -> None:
+            self.idx = idx
+
+        def prepare(self) -> None:
+            events.append(("prepare", self.idx))
+
+        def write(self, keep_pace: bool) -> int:
+            if self.idx == 0:
+                time.sleep(0.5)  # layer 1 is written first: it still commits after layer 0
+            return self.idx
+
+        def commit(self, shares: list) -> None:
+            events.append(("commit", self.idx, shares))
+            run.layer_done(self.idx, "")
+
+    class Recorder(LayerStage):
+        sees_batches = True
+
+        def before_forward(self, run, idx, layer) -> None:
+            events.append(("forward", idx))
+
+        def on_batch(self, b0: int) -> None:
+            events.append(("batch", b0))
+
+        def after_forward(self, run, idx, layer) -> None:
+            events.append(("after-forward", idx))
+
+        def code(self, run, idx, layer) -> Write:
+            return Write(idx)
+
+    run = LayerRun(s, store, 16, 1, [0, 1, 2], [Recorder()], layers_in_flight=2)
+    s.run_layers(run)
+    s.close()
+    assert events[:5] == [("forward", 0), ("batch", 0), ("batch", 1), ("after-forward", 0), ("prepare", 0)]
+    assert [e[1:] for e in events if e[0] == "commit"] == [(0, [0]), (1, [1]), (2, [2])]
+    assert len(s.clock["layers_done"]) == 3
 
 
 def test_plan_counts_one_dense_layer(request):

@@ -8,7 +8,7 @@ import pytest
 from qtool.fixtures.sparse import build_sparse
 from qtool.ops import calibrate_kv, quantize
 from qtool.recipes import load_recipe
-from qtool.stream import layer_stream, memory_plan
+from qtool.stream import hidden_store, memory_plan
 
 GiB = 2**30
 
@@ -44,7 +44,7 @@ def test_quantize_holds_the_layers_in_flight_and_one_read_ahead(real_bf16, tmp_p
     assert cpu.memory.host_bytes >= (1 + cpu.layers_in_flight) * sp.max_layer_bytes + sp.max_stored_layer_bytes
     gpu = _quantize_plan(real_bf16, tmp_path, "cuda")
     kept = 2 * gpu.stream.hidden_bytes  # the layer's input and output hidden states, kept on the GPU
-    assert 0 < kept <= layer_stream.HIDDEN_ON_DEVICE_MAX
+    assert 0 < kept <= hidden_store.HIDDEN_ON_DEVICE_MAX
     assert gpu.layers_in_flight == (2 if gpu.memory_need(2).fits is not False else 1)
     assert (
         gpu.memory.gpu_bytes
@@ -74,9 +74,9 @@ def test_hidden_states_too_large_for_the_gpu_stay_on_disk_only(real_nvfp4):
 
     streamer = LayerStreamer(real_nvfp4, device="cuda")
     big, small = streamer.plan(160, 2048), streamer.plan(16, 2048)
-    assert 2 * big.hidden_bytes > layer_stream.HIDDEN_ON_DEVICE_MAX >= 2 * small.hidden_bytes
-    assert not layer_stream.hidden_on_device("cuda", big.hidden_bytes)
-    assert not layer_stream.hidden_on_device("cpu", small.hidden_bytes)
+    assert 2 * big.hidden_bytes > hidden_store.HIDDEN_ON_DEVICE_MAX >= 2 * small.hidden_bytes
+    assert not hidden_store.hidden_on_device("cuda", big.hidden_bytes)
+    assert not hidden_store.hidden_on_device("cpu", small.hidden_bytes)
     fixed = big.max_layer_bytes + big.max_stored_layer_bytes
     assert memory_plan.need(big, device="cuda").gpu_bytes == fixed + big.activation_bytes
     assert memory_plan.need(small, device="cuda").gpu_bytes == fixed + small.activation_bytes + 2 * small.hidden_bytes

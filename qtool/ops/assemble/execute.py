@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from qtool.arch.model_map import build_map
-from qtool.io.apply import free_space, write_output  # noqa: F401 (free_space: re-exported)
+from qtool.io.apply import OutputJob, free_space, write_output  # noqa: F401 (free_space: re-exported)
 from qtool.io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG_NAME, INDEX_NAME, Checkpoint
 from qtool.io.manifest import write_shards_section
 from qtool.io.output import OutputDir
@@ -158,13 +158,15 @@ def execute(plan: HybridPlan, *, progress: bool = False) -> RunResult:
         applied = write_output(
             output,
             tx,
-            command=opts.command,
-            overlap=overlap,
-            on_headers=on_headers,
-            check=check,
-            shards_section=section,
-            progress=progress,
-            stop=stop,
+            OutputJob(
+                command=opts.command,
+                overlap=overlap,
+                on_headers=on_headers,
+                check=check,
+                shards_section=section,
+                progress=progress,
+                stop=stop,
+            ),
         )
     return RunResult(
         tx.out, applied.plan_hash, len(applied.written), applied.linked, len(applied.resumed), applied.checks

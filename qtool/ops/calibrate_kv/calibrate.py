@@ -7,15 +7,22 @@ import json
 import statistics
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from qtool.dist import Group
 from qtool.errors import PlanError
 from qtool.formats.fp8 import kv_scale_from_amax
 from qtool.io.identity import input_identity, tensor_list_text
-from qtool.io.jsonio import load_json, write_json
 from qtool.io.stream_digest import NO_DIGESTS, DigestSink
 from qtool.ops.calibrate_kv.plan import JOURNAL, OUTLIER_RATIO, KvPlan
 from qtool.stream.calib_data import token_digest
-from qtool.stream.layer_stream import DiskStore, LayerStreamer, MemoryStore, attention_tap, kv_amax_tap
+from qtool.stream.hidden_store import DiskStore, MemoryStore
+from qtool.stream.layer_journal import LayerJournal
+from qtool.stream.layer_run import LayerRun, LayerStage
+from qtool.stream.layer_stream import LayerStreamer, attention_tap, kv_amax_tap
+
+if TYPE_CHECKING:
+    import torch
 
 # ---- calibrate -------------------------------------------------------------------------------------
 
@@ -52,27 +59,28 @@ def _scale(amax: float) -> float:
     return 1.0 if amax <= 0 else float(kv_scale_from_amax(amax))
 
 
-class _KvHooks:
-    def __init__(self, layers, on_done, group):
+class KvStage(LayerStage):
+    """calibrate-kv's stage of the layer loop: the K/V amax of each calibrated layer's full attention, taken
+    at the attention kernel's inputs during the forward and reduced over the ranks after it."""
+
+    def __init__(self, layers: list[int], stats: dict[int, LayerStat], group: Group) -> None:
         self.group = group
         self.layers = set(layers)
-        self.stats: dict[int, LayerStat] = {}
-        self.on_done = on_done
+        self.stats = stats
 
-    def before_layer(self, idx, layer):
+    def before_forward(self, run: LayerRun, idx: int, layer: torch.nn.Module) -> None:
         if idx not in self.layers:
             return
         self.stats[idx] = LayerStat(idx, 0.0, 0.0, 0)
         attention_tap(layer, kv_amax_tap(self.stats[idx]))
 
-    def after_layer(self, idx, layer):
+    def after_forward(self, run: LayerRun, idx: int, layer: torch.nn.Module) -> None:
         attention_tap(layer, None)
         if idx in self.layers:
             reduce_kv(self.stats[idx], self.group)
-        self.on_done(idx)
-        # the other ranks wait for rank 0's journal entry: the next layer writes the file the previous
-        # entry names (two files)
-        self.group.barrier()
+
+    def journal_entry(self) -> dict:
+        return {"stats": [s.to_json() for s in sorted(self.stats.values(), key=lambda s: s.layer)]}
 
 
 def reduce_kv(st, group) -> None:
@@ -115,7 +123,7 @@ def calibrate(
         device=p.device,
         dtype=dtype or (opts.dtype if opts else None),
         batch_tokens=opts.batch_tokens if opts else None,
-        mm=p.mm,
+        model_map=p.mm,
         digests=digests,
     )
     g = streamer.group
@@ -123,26 +131,16 @@ def calibrate(
     shape = (n, seq, streamer.hidden_size)
     batch = streamer.batch_windows(seq)
     key = _journal_key(p, token_digest(ids), f"{streamer.dtype_name}|{batch}")
-    g.barrier()  # rank 0 has opened the output transaction (its work dir exists from here on)
-    g.agree("the calibration job (inputs, data, settings)", key)
-    p.work_dir.mkdir(parents=True, exist_ok=True)
-    jpath = p.work_dir / JOURNAL
-    journal = None
-    if resume and jpath.exists():
-        journal, _ = load_json(jpath, what="calibrate-kv journal")
-        if journal.get("key") != key:
-            raise PlanError(
-                "--resume: the journal was written for other inputs (checkpoint, data or settings)",
-                path=jpath,
-                hint="run again without --resume to start over",
-            )
-    g.barrier()  # every rank has read the journal before rank 0 writes the next one
-    start = 0
+    journal = LayerJournal(p.work_dir / JOURNAL, key, g, enabled=hidden == "disk").open(
+        resume=resume,
+        what="calibrate-kv journal",
+        job="the calibration job (inputs, data, settings)",
+        inputs="checkpoint, data or settings",
+    )
+    start = journal.next_layer
     stats: dict[int, LayerStat] = {}
-    if journal:
-        start = int(journal["next_layer"])
-        for s in journal["stats"]:
-            stats[s["layer"]] = LayerStat(s["layer"], s["k_amax"], s["v_amax"], s["tokens"])
+    for s in journal.saved.get("stats", []):
+        stats[s["layer"]] = LayerStat(s["layer"], s["k_amax"], s["v_amax"], s["tokens"])
     if hidden == "disk":
         # write-behind of the hidden states in one process (the ranks' journal needs every rank's writes
         # durable at the layer's barrier, so they write synchronously)
@@ -150,7 +148,7 @@ def calibrate(
             p.work_dir,
             shape,
             streamer.dtype,
-            current=(journal or {}).get("current", "a"),
+            current=journal.current(),
             write_behind=g.world == 1,
             device=streamer.device,
         )
@@ -159,29 +157,14 @@ def calibrate(
             raise PlanError("--resume needs the hidden states on disk")
         store = MemoryStore.empty(shape, streamer.dtype, streamer.device)
     t0 = time.perf_counter()
-
-    def save(next_layer: int):
-        if hidden != "disk" or not g.leader:
-            return
-        if next_layer > 0:
-            streamer.inputs_hashed(next_layer - 1)  # the digests a resume relies on cover that layer
-        entry = {
-            "key": key,
-            "next_layer": next_layer,
-            "current": store.current,
-            "stats": [s.to_json() for s in sorted(hooks.stats.values(), key=lambda s: s.layer)],
-        }
-        store.when_durable(lambda: write_json(jpath, entry))  # once the layer's hidden states are on disk
-
-    hooks = _KvHooks(p.layers, lambda idx: save(idx + 1), g)
-    hooks.stats.update(stats)
+    stage = KvStage(p.layers, stats, g)
+    run = LayerRun(streamer, store, seq, batch, list(range(start, p.run_layers)), [stage], journal, progress)
     if start < p.run_layers:
         streamer.prefetch(start)  # the first layer is read while the embeddings are made
     if start == 0:
-        streamer.embed_into(ids, store, batch)
-        save(0)
+        run.embed(ids)
     try:
-        streamer.run(store, seq, start=start, stop=p.run_layers, hooks=hooks, batch=batch, progress=progress)
+        streamer.run_layers(run)
     except BaseException:
         if hidden == "disk":
             store.close(quiet=True)  # what was queued is still valid; the error that brought us here is raised
@@ -198,7 +181,7 @@ def calibrate(
         **streamer.clock,
         "kernels": streamer.kernels,
     }
-    return {i: hooks.stats[i] for i in p.layers}, timing
+    return {i: stats[i] for i in p.layers}, timing
 
 
 def outlier_warnings(stats: dict[int, LayerStat]) -> list[str]:

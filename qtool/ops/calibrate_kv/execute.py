@@ -7,7 +7,7 @@ from pathlib import Path
 
 from qtool import dist
 from qtool.errors import UsageError
-from qtool.io.apply import input_hasher, write_output
+from qtool.io.apply import OutputJob, ProducedShards, input_hasher, write_output
 from qtool.io.in_place import InPlaceDir
 from qtool.io.manifest import RUN
 from qtool.io.output import OutputDir
@@ -45,9 +45,10 @@ def execute(p: KvPlan, *, progress=None) -> Report:
     )
     state: dict = {}
 
-    def produce(done) -> dict:  # writes no Produced shard: the scales are Pending values
+    def produce(shards: ProducedShards) -> dict:  # writes no Produced shard: the scales are Pending values
         def each_layer(idx: int) -> None:
-            done.check()  # a failed early shard (the copies beside the layers) stops the job at its next layer
+            # a failed early shard (the copies beside the layers) stops the job at its next layer
+            shards.stop_if_failed()
             if progress is not None:
                 progress(idx)
 
@@ -68,12 +69,14 @@ def execute(p: KvPlan, *, progress=None) -> Report:
             applied = write_output(
                 p.output,
                 tx,
-                command=opts.command,
-                produce=produce,
-                check=check,
-                hasher=hasher,
-                early_shards=True,
-                extra=lambda: {RUN: {"kernels": state["timing"].get("kernels")}},
+                OutputJob(
+                    command=opts.command,
+                    produce=produce,
+                    check=check,
+                    hasher=hasher,
+                    early_shards=True,
+                    extra=lambda: {RUN: {"kernels": state["timing"].get("kernels")}},
+                ),
             )
         finally:
             hasher.close()  # (after the forward: its reads hand their bytes to the hasher's digests)

@@ -135,7 +135,7 @@ def plan(opts: CalibrateKvOptions) -> KvPlan:
     replace_scales, dtype = opts.replace_scales, opts.dtype
     ckpt = Checkpoint.open(opts.checkpoint, require_config=True)
     streamer = LayerStreamer(ckpt, device=device, dtype=dtype, batch_tokens=opts.batch_tokens)
-    mm = streamer.mm
+    mm = streamer.model_map
     layers = list(mm.full_attention)
     if not layers:
         raise PlanError("the model has no full-attention layers (text_config.layer_types)", path=ckpt.root)

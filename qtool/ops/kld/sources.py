@@ -29,7 +29,8 @@ from qtool.dist import planned_ranks
 from qtool.errors import CheckpointError, PlanError, UsageError
 from qtool.ops.kld.compact import CompactChunk
 from qtool.stream.dequant import load_param, stored_dense
-from qtool.stream.layer_stream import DiskStore, LayerStreamer, MemoryStore, compute_itemsize
+from qtool.stream.hidden_store import DiskStore, MemoryStore
+from qtool.stream.layer_stream import LayerStreamer, compute_itemsize
 from qtool.stream.memory_plan import need
 
 DUMP_KEY = "log_probs"  # upstream SGLang capture (rtx6kpro/patches/sglang-kld-logit-capture.py)
@@ -159,7 +160,7 @@ class CheckpointSource:
         layers); [] otherwise (a quantized head is dequantized by load_param after the layers)."""
         s = self.streamer
         names = [s.prefix + "norm.weight", self._head_name()]
-        if not all(stored_dense(s.mm, n) for n in names):
+        if not all(stored_dense(s.model_map, n) for n in names):
             return []
         return [s.ckpt.tensors[n] for n in names]
 
@@ -170,9 +171,9 @@ class CheckpointSource:
         read = s.take_read(HEAD_READ)  # None where it was not read ahead
         try:
             norm = Qwen3_5MoeRMSNorm(s.hidden_size, eps=s.hf_config.rms_norm_eps)
-            norm.weight.data = load_param(s.mm, s.prefix + "norm.weight", s.dtype, self.device, read=read)
+            norm.weight.data = load_param(s.model_map, s.prefix + "norm.weight", s.dtype, self.device, read=read)
             norm = norm.to(self.device)
-            w = load_param(s.mm, self._head_name(), s.dtype, self.device, read=read)
+            w = load_param(s.model_map, self._head_name(), s.dtype, self.device, read=read)
         finally:
             if read is not None:
                 read.close()  # the tensors above keep what they view

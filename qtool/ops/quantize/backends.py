@@ -38,14 +38,16 @@ import copy
 import torch
 
 from qtool.errors import PlanError
+from qtool.formats import nvfp4
 from qtool.ops.quantize.layer import NVFP4Experts
+from qtool.ops.quantize.plan import QuantizePlan
+from qtool.quiet import quiet  # the producer libraries' chatter off, restored on exit
 from qtool.recipes import Backend, WeightScale
 
 PARTS = ("down_proj", "gate_proj", "up_proj")
 
 
 def _quiet():
-    from qtool.quiet import quiet  # the producer libraries' chatter off, restored on exit
 
     return quiet()
 
@@ -111,7 +113,6 @@ class ModelOptLayer:
     def _input_scale(self, name: str, fallback_amax: torch.Tensor) -> torch.Tensor:
         """ModelOpt's shared input scale; a layer whose experts saw no token at all (no amax): qtool's
         fallback amaxes."""
-        from qtool.formats import nvfp4
 
         s = self.input_scales.get(name)
         if s is None:
@@ -120,8 +121,6 @@ class ModelOptLayer:
 
     def nvfp4_chunk(self, e0, e1, gu, dn, in_amax, mid_amax) -> dict[str, NVFP4Experts]:
         from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
-
-        from qtool.formats import nvfp4
 
         ex = self.experts
         inter = gu.shape[1] // 2
@@ -283,18 +282,19 @@ class LlmCompressorLayer:
 # ------------------------------------------------------------------------------------------------ dispatch
 
 
-def _modelopt(p) -> ModelOptLayer:
-    return ModelOptLayer(p.recipe.nvfp4.weight_scale is WeightScale.MSE)
+def _modelopt(plan: QuantizePlan) -> ModelOptLayer:
+    return ModelOptLayer(plan.recipe.nvfp4.weight_scale is WeightScale.MSE)
 
 
-def _llmcompressor(p) -> LlmCompressorLayer:
-    return LlmCompressorLayer(p.recipe.nvfp4.weight_scale is WeightScale.MSE, p.n_experts)
+def _llmcompressor(plan: QuantizePlan) -> LlmCompressorLayer:
+    return LlmCompressorLayer(plan.recipe.nvfp4.weight_scale is WeightScale.MSE, plan.n_experts)
 
 
+# the backends plan.PEER_BACKENDS names, each with its per-layer state
 LAYER_BACKENDS = {Backend.MODELOPT: _modelopt, Backend.LLMCOMPRESSOR: _llmcompressor}
 
 
-def for_layer(p):
-    """A fresh per-layer backend state for plan `p`, or None for rtn (qtool's own codec)."""
-    make = LAYER_BACKENDS.get(p.backend)
-    return None if make is None else make(p)
+def for_layer(plan: QuantizePlan) -> ModelOptLayer | LlmCompressorLayer | None:
+    """A fresh per-layer backend state for `plan`, or None for rtn (qtool's own codec)."""
+    make = LAYER_BACKENDS.get(plan.backend)
+    return None if make is None else make(plan)

@@ -7,15 +7,25 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, BinaryIO
 
 import torch
 
+from qtool.formats import awq, nvfp4
 from qtool.formats.fp8 import W8A8_PARAMS
+from qtool.io.files import open_new, tmp_path
 from qtool.io.hashed_writes import HashedWrites
 from qtool.io.in_order import InOrder
 from qtool.io.writer import FileRange, InlineBytes, OutTensor, build_header, copy_range
+from qtool.ops.calibrate_kv.calibrate import LayerStat
+from qtool.ops.quantize import awq_search
+from qtool.ops.quantize.awq_search import awq_down_scales, rtn
+from qtool.ops.quantize.calib import ExpertStats
+from qtool.ops.quantize.nvfp4_mse import four_over_six_block_scales, search_block_scales, sweep_block_scales
+from qtool.ops.quantize.plan import QUANT_PARAMS, LayerPlan, QuantizePlan
 from qtool.ops.quantize.schemes import code_fp8_linear
 from qtool.recipes import InputScale, OutFormat, Scheme, WeightScale
+from qtool.stream.device_copy import download
 
 CHUNK_EXPERTS = 16
 # copied tensors read with the layer are written in pieces of at most this size (one larger tensor alone):
@@ -98,18 +108,19 @@ def chunk_bytes(tensors: list[torch.Tensor]):
     """The tensors' bytes back to back (their order in the shard), as a qtool.stream.device_copy.Download:
     one device concatenation and one non-blocking device->host copy into page-locked memory (torch's
     caching host allocator reuses it), instead of a `.cpu()` and a Python buffer per tensor."""
-    from qtool.stream.device_copy import download
 
     dev = next((t.device for t in tensors if t.numel() > 1), tensors[0].device)
     flat = [t.detach().contiguous().reshape(-1).view(torch.uint8).to(dev) for t in tensors]
     return download(torch.cat(flat) if len(flat) > 1 else flat[0])
 
 
-def copied_whole(lp) -> bool:
-    """Whether every routed expert of layer plan `lp` is copied unchanged (a layer kept in BF16: whole
+def copied_whole(layer_plan: LayerPlan) -> bool:
+    """Whether every routed expert of layer plan `layer_plan` is copied unchanged (a layer kept in BF16: whole
     tensors of a per-expert source, byte slices of a fused one): its shard is then written from the bytes
     read, not from the dense layer."""
-    return lp.scheme is Scheme.BF16 and all(s.source is not None for s in lp.specs if _expert_of(s.name))
+    return layer_plan.scheme is Scheme.BF16 and all(
+        s.source is not None for s in layer_plan.specs if _expert_of(s.name)
+    )
 
 
 def release_dense_experts(layer) -> None:
@@ -136,7 +147,6 @@ def _position(f, at: int, hashed: bool, name: str) -> None:
 def _nvfp4_parts(gu, down, inter):
     """(part, weight, per-matrix amax) of a chunk of experts: gate_proj and up_proj share one amax, so
     one weight_scale_2 (vLLM requirement; ModelOpt's `preprocess_linear_fusion` takes the larger)."""
-    from qtool.formats import nvfp4
 
     gate, up = gu[:, :inter], gu[:, inter:]
     amax_gu = torch.maximum(nvfp4.matrix_amax(gate), nvfp4.matrix_amax(up))
@@ -146,7 +156,6 @@ def _nvfp4_parts(gu, down, inter):
 
 def _block_scales(w, global_amax, weight_scale_2, method: WeightScale):
     """The block scales a recipe's `nvfp4.weight_scale` asks for (None: round to nearest from the max)."""
-    from qtool.ops.quantize.nvfp4_mse import search_block_scales, sweep_block_scales
 
     if method is WeightScale.MSE:
         return search_block_scales(w, weight_scale_2)
@@ -158,9 +167,7 @@ def _block_scales(w, global_amax, weight_scale_2, method: WeightScale):
 def nvfp4_rtn(gu, down, inter, in_amax, mid_amax, recipe) -> dict[str, NVFP4Experts]:
     """qtool's own NVFP4 of a chunk of experts (ModelOpt numerics; MSE-searched block scales when the
     recipe asks). Every expert is coded on its own: the chunking does not change a byte."""
-    from qtool.formats import nvfp4
     from qtool.formats.nvfp4_triton import quantize_fast  # Triton kernel on CUDA, torch codec elsewhere
-    from qtool.ops.quantize.nvfp4_mse import four_over_six_block_scales
 
     res: dict[str, NVFP4Experts] = {}
     amaxes = {"down_proj": mid_amax, "gate_proj": in_amax, "up_proj": in_amax}
@@ -186,8 +193,6 @@ def _int4_expert_chunk(gu, down, inter, stats, e0, recipe, fmt, report, g: int) 
     after the AWQ down_proj scale search when the recipe asks for it. The chunk is coded as one batch
     (elementwise ops and group max/min: each expert's bytes are those of coding it alone), so the GPU
     sees a few large ops, not a Python loop of small ones, and the host waits once, for the report."""
-    from qtool.formats import awq
-    from qtool.ops.quantize.awq_search import CANDIDATE_BYTES, awq_down_scales, rtn
 
     sdt = _int4_scale_dtype(fmt)
     gate, up, dn = gu[:, :inter], gu[:, inter:], down
@@ -209,7 +214,7 @@ def _int4_expert_chunk(gu, down, inter, stats, e0, recipe, fmt, report, g: int) 
 
     res: dict[str, list] = {"down_proj": [], "gate_proj": [], "up_proj": []}
     for part, w in (("down_proj", dn), ("gate_proj", gate), ("up_proj", up)):
-        per = max(1, CANDIDATE_BYTES // (w[0].numel() * 4))  # the transients of a batch: as the search's
+        per = max(1, awq_search.CANDIDATE_BYTES // (w[0].numel() * 4))  # the transients of a batch: as the search's
         shape = torch.tensor(w.shape[1:], dtype=torch.int64)
         for k0 in range(0, w.shape[0], per):
             q = rtn(folded(part, w, k0, k0 + per), g, sdt)
@@ -257,7 +262,6 @@ class Share:
 
 def create_layer_tmp(path: Path, mode: int = 0o644) -> None:
     """The empty file the ranks write their shares into (rank 0, before the others open it)."""
-    from qtool.io.files import open_new, tmp_path
 
     os.close(open_new(tmp_path(path), mode))
 
@@ -273,17 +277,17 @@ def _expert_of(name: str) -> tuple[int, str, str] | None:
 
 def write_layer_shard(
     path: Path,
-    lp,
-    layer,
-    stats,
-    kv,
-    p,
-    backend=None,
+    layer_plan: LayerPlan,
+    layer: torch.nn.Module,
+    stats: ExpertStats,
+    kv: tuple[float, float] | None,
+    plan: QuantizePlan,
+    backend: Any = None,
     mode: int = 0o644,
     share: Share = Share(),
     keep_pace: bool = False,
 ) -> dict:
-    """Write `lp.specs` to `path`. One rank: the whole shard to a tmp file renamed to `path`. Several:
+    """Write `layer_plan.specs` to `path`. One rank: the whole shard to a tmp file renamed to `path`. Several:
     this rank's Share into the tmp file rank 0 made (create_layer_tmp), at the header's offsets, fsynced;
     rank 0 renames it (os.replace) once every rank's share is on disk. `layer`: the dense transformers
     layer; `stats`: ExpertStats; `kv`: (k_amax, v_amax) or None; `backend`: a peer backend's per-layer
@@ -295,12 +299,14 @@ def write_layer_shard(
     128 MiB page-locked block) besides the pipeline's three (the one being written, one queued, the one
     coded): five, where a trailing hash's writer holds three in the steady state and up to seven before
     the hash falls behind. The others trail the file: layers in flight wait for their writes."""
-    from qtool.io.files import open_new, tmp_path
-    from qtool.ops.quantize.plan import QUANT_PARAMS
 
     report: dict = {"awq": []}
-    header = build_header([OutTensor(s.name, s.dtype, s.shape, _Pending(s.nbytes)) for s in lp.specs])
-    names = [n for n, _, _ in QUANT_PARAMS[(lp.scheme, p.format)]] if lp.scheme is not Scheme.BF16 else []
+    header = build_header([OutTensor(s.name, s.dtype, s.shape, _Pending(s.nbytes)) for s in layer_plan.specs])
+    names = (
+        [n for n, _, _ in QUANT_PARAMS[(layer_plan.scheme, plan.format)]]
+        if layer_plan.scheme is not Scheme.BF16
+        else []
+    )
     tmp = tmp_path(path)
     fds: dict[str, int] = {}
     out = None
@@ -314,7 +320,22 @@ def write_layer_shard(
             ops = InOrder()  # the file's writes, in order, while the next chunk is coded
             try:
                 _write_specs(
-                    ops, out, f, lp, layer, stats, kv, p, backend, share, header, names, kept, fds, hashed, report
+                    ops,
+                    out,
+                    f,
+                    layer_plan,
+                    layer,
+                    stats,
+                    kv,
+                    plan,
+                    backend,
+                    share,
+                    header,
+                    names,
+                    kept,
+                    fds,
+                    hashed,
+                    report,
                 )
                 ops.close()  # every write done; a write's error is raised here
             except BaseException:
@@ -340,14 +361,14 @@ def write_layer_shard(
 
 def _write_specs(
     ops: InOrder,
-    out,
-    f,
-    lp,
-    layer,
-    stats,
-    kv,
-    p,
-    backend,
+    out: HashedWrites | BinaryIO,
+    f: BinaryIO,
+    layer_plan: LayerPlan,
+    layer: torch.nn.Module,
+    stats: ExpertStats,
+    kv: tuple[float, float] | None,
+    plan: QuantizePlan,
+    backend: Any,
     share: Share,
     header: bytes,
     names: list[str],
@@ -357,14 +378,13 @@ def _write_specs(
     report: dict,
 ) -> None:
     """Code the layer's tensors in header order and queue their bytes on `ops` (coded here, written there)."""
-    from qtool.ops.calibrate_kv import LayerStat
 
     experts = layer.mlp.experts
-    inter = p.inter
-    n_exp = p.n_experts
+    inter = plan.inter
+    n_exp = plan.n_experts
     step = share.chunk(n_exp)
-    specs = lp.specs
-    in_amax, mid_amax = input_amaxes(stats, p.recipe.nvfp4.input_scale)
+    specs = layer_plan.specs
+    in_amax, mid_amax = input_amaxes(stats, plan.recipe.nvfp4.input_scale)
     coded: dict[str, dict] = {}  # FP8 linear -> its coded tensors by parameter name
     if share.rank == 0:
         ops.call(out.write, header)
@@ -399,14 +419,14 @@ def _write_specs(
                 raise AssertionError(f"{s.name}: copied {data.host.numel()} bytes, planned {pos - at}")
             ops.call(_write_chunk, out, data)
             continue
-        rel = _fp8_linear_of(s.name, lp) if which is None else None
+        rel = _fp8_linear_of(s.name, layer_plan) if which is None else None
         if rel is not None:  # a dense linear the recipe codes FP8: its tensors in name order (one module)
             if rel not in coded:
-                coded[rel] = code_fp8_linear(layer, rel, p.format)
+                coded[rel] = code_fp8_linear(layer, rel, plan.format)
             ops.call(_write_chunk, out, chunk_bytes([coded[rel][s.name.rpartition(".")[2]]]))
             continue
         if which is None:
-            st = LayerStat(lp.index, kv[0], kv[1], 0)
+            st = LayerStat(layer_plan.index, kv[0], kv[1], 0)
             ops.call(out.write, _f32(st.k_scale if s.name.endswith("k_scale") else st.v_scale))
             continue
         # the first param of a chunk of experts: the chunk's params follow it in the header (experts in
@@ -423,16 +443,16 @@ def _write_specs(
             i += 1
         gu = experts.gate_up_proj.data[e0:e1]
         dn = experts.down_proj.data[e0:e1]
-        if lp.scheme is Scheme.NVFP4:
+        if layer_plan.scheme is Scheme.NVFP4:
             a_in, a_mid = in_amax[e0:e1], mid_amax[e0:e1]
             if backend is not None:
                 parts = backend.nvfp4_chunk(e0, e1, gu, dn, a_in, a_mid)
             else:
-                parts = nvfp4_rtn(gu, dn, inter, a_in, a_mid, p.recipe)
-            chunk = {part: q.expert_tensors(p.format) for part, q in parts.items()}
+                parts = nvfp4_rtn(gu, dn, inter, a_in, a_mid, plan.recipe)
+            chunk = {part: q.expert_tensors(plan.format) for part, q in parts.items()}
         else:
             chunk = _int4_expert_chunk(
-                gu, dn, inter, stats, e0, p.recipe, p.format, report["awq"], p.int4_group
+                gu, dn, inter, stats, e0, plan.recipe, plan.format, report["awq"], plan.int4_group
             )  # one group for every projection (engine rule)
         data = chunk_bytes([chunk[part][e - e0][names.index(param)] for _, (e, part, param) in members])
         if data.host.numel() != pos - at:
@@ -442,13 +462,13 @@ def _write_specs(
         ops.call(_write_chunk, out, data)
 
 
-def _fp8_linear_of(name: str, lp) -> str | None:
+def _fp8_linear_of(name: str, layer_plan: LayerPlan) -> str | None:
     """The FP8-coded linear (relative to the layer) a computed tensor `name` belongs to, else None."""
     module, _, param = name.rpartition(".")
-    if not lp.fp8 or param not in W8A8_PARAMS:  # (the KV scales sit on k_proj / v_proj too)
+    if not layer_plan.fp8 or param not in W8A8_PARAMS:  # (the KV scales sit on k_proj / v_proj too)
         return None
-    rel = module.partition(f"layers.{lp.index}.")[2]
-    return rel if rel in lp.fp8 else None
+    rel = module.partition(f"layers.{layer_plan.index}.")[2]
+    return rel if rel in layer_plan.fp8 else None
 
 
 def _copy_spec(s, out, f, fds: dict, hashed: bool, end: int) -> None:

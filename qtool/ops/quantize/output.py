@@ -10,11 +10,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from qtool import __version__
+from qtool.arch.model_map import build_map
 from qtool.io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG_NAME, INDEX_NAME
 from qtool.io.jsonio import load_json
+from qtool.io.manifest import library_versions
 from qtool.io.output import MANIFEST_NAME, partial_path
-from qtool.io.plan import Copy, Index, Json, OutputPlan, Pending, Produced, Shard, header_checkpoint
+from qtool.io.plan import Copy, Index, Json, OutputPlan, Pending, Produced, Shard, checkpoint_files, header_checkpoint
 from qtool.io.writer import OutTensor, plan_shards
+from qtool.ops.quantize import configs
 from qtool.recipes import KvCache, Scheme
 
 if TYPE_CHECKING:
@@ -32,67 +36,64 @@ def _tensor(s) -> OutTensor:
 
 def side_files(root: Path) -> list[Path]:
     """The source's files other than weights and the configs made anew, in sub-folders too."""
-    from qtool.io.plan import checkpoint_files
 
     return [e for rel, e in checkpoint_files(root) if e.suffix != ".safetensors" and rel not in SKIP_FILES]
 
 
-def input_files(p: QuantizePlan) -> list[str]:
+def input_files(plan: QuantizePlan) -> list[str]:
     """Every source file that contributes bytes: the shards holding any tensor (copied by byte range or
     read dense for calibration and quantization), config.json and the copied side files."""
-    shards = {i.file for i in p.ckpt.tensors.values()}
-    return sorted(shards | {str(e) for e in side_files(p.ckpt.root)} | {str(p.ckpt.root / CONFIG_NAME)})
+    shards = {i.file for i in plan.ckpt.tensors.values()}
+    return sorted(shards | {str(e) for e in side_files(plan.ckpt.root)} | {str(plan.ckpt.root / CONFIG_NAME)})
 
 
-def output_plan(p: QuantizePlan) -> OutputPlan:
-    from qtool import __version__
-    from qtool.arch.model_map import build_map
-    from qtool.io.manifest import library_versions
-    from qtool.ops.quantize.configs import quant_configs
+def output_plan(plan: QuantizePlan) -> OutputPlan:
 
-    files: list = [Produced(lp.shard, [_tensor(s) for s in lp.specs]) for lp in p.layers]
-    by_name = {s.name: s for s in p.rest}
-    groups = plan_shards([(s.name, s.nbytes) for s in p.rest], REST_SHARD_BYTES)
+    files: list = [Produced(layer_plan.shard, [_tensor(s) for s in layer_plan.specs]) for layer_plan in plan.layers]
+    by_name = {s.name: s for s in plan.rest}
+    groups = plan_shards([(s.name, s.nbytes) for s in plan.rest], REST_SHARD_BYTES)
     files += [Shard(REST_SHARD.format(k), [_tensor(by_name[n]) for n in names]) for k, names in enumerate(groups)]
     weight_map = {t.name: e.name for e in files for t in e.tensors}
     total = sum(t.nbytes for e in files for t in e.tensors)
-    side = side_files(p.ckpt.root)
-    files += [Copy(e.relative_to(p.ckpt.root).as_posix(), str(e)) for e in side]
-    cfg, style = load_json(p.ckpt.root / CONFIG_NAME, what="config.json")
+    side = side_files(plan.ckpt.root)
+    files += [Copy(e.relative_to(plan.ckpt.root).as_posix(), str(e)) for e in side]
+    cfg, style = load_json(plan.ckpt.root / CONFIG_NAME, what="config.json")
     cfg.pop("quantization_config", None)
-    out = OutputPlan("quantize", files, sources={"bf16": p.ckpt.root}, inputs=input_files(p))
+    out = OutputPlan("quantize", files, sources={"bf16": plan.ckpt.root}, inputs=input_files(plan))
     # every tensor where OUT.partial will hold it: the output's checks read its scale values back there
-    mm = p.output_map = build_map(header_checkpoint(partial_path(p.out), out, cfg, as_written=True), read_values=False)
+    model_map = plan.output_map = build_map(
+        header_checkpoint(partial_path(plan.out), out, cfg, as_written=True), read_values=False
+    )
     versions = {**library_versions(), "qtool": __version__}
-    qc, hq = quant_configs(
-        mm,
-        p.recipe.quantized_scheme,
-        p.format,
-        p.recipe.kv_cache is KvCache.FP8,
-        p.int4_group,
+    qc, hq = configs.quant_configs(
+        model_map,
+        plan.recipe.quantized_scheme,
+        plan.format,
+        plan.recipe.kv_cache is KvCache.FP8,
+        plan.int4_group,
         versions,
-        {"gate_proj": p.hidden, "up_proj": p.hidden, "down_proj": p.inter},
-        mixed=Scheme.FP8 in p.recipe.schemes,
+        {"gate_proj": plan.hidden, "up_proj": plan.hidden, "down_proj": plan.inter},
+        mixed=Scheme.FP8 in plan.recipe.schemes,
     )
     cfg["quantization_config"] = qc
     files.append(Json(CONFIG_NAME, cfg, style))
     if hq is not None:
         files.append(Json(HF_QUANT_CONFIG_NAME, hq))
     files.append(Index(INDEX_NAME, weight_map, {"total_size": total}))
-    out.summary = {"shards": len(p.layers) + len(groups), "bytes": total}
+    out.summary = {"shards": len(plan.layers) + len(groups), "bytes": total}
     out.extra = {
-        "recipe": p.recipe.to_json(),
-        "backend": p.backend.value,
-        "format": p.format.value,
+        "recipe": plan.recipe.to_json(),
+        "backend": plan.backend.value,
+        "format": plan.format.value,
         "layer_shards": {
-            lp.shard: {
-                "layer": lp.index,
-                "routed_experts": lp.scheme.value,
-                **({"fp8": list(lp.fp8)} if lp.fp8 else {}),
+            layer_plan.shard: {
+                "layer": layer_plan.index,
+                "routed_experts": layer_plan.scheme.value,
+                **({"fp8": list(layer_plan.fp8)} if layer_plan.fp8 else {}),
             }
-            for lp in p.layers
+            for layer_plan in plan.layers
         },
-        "carried_over": {"tensors": len(p.rest), "shards": [REST_SHARD.format(k) for k in range(len(groups))]},
-        "side_files": [e.relative_to(p.ckpt.root).as_posix() for e in side],
+        "carried_over": {"tensors": len(plan.rest), "shards": [REST_SHARD.format(k) for k in range(len(groups))]},
+        "side_files": [e.relative_to(plan.ckpt.root).as_posix() for e in side],
     }
     return out

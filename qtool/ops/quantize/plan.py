@@ -14,6 +14,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import NamedTuple
 
+from qtool import dist
 from qtool.arch.model_map import Format, ModelMap
 from qtool.arch.qwen35 import Group, layer_prefix
 from qtool.errors import PlanError, UsageError
@@ -22,8 +23,12 @@ from qtool.io.checkpoint import Checkpoint
 from qtool.io.dtypes import nbytes_for
 from qtool.io.output import OutputDir
 from qtool.io.writer import FileRange
+from qtool.ops.quantize import output as quantize_output
 from qtool.ops.quantize.schemes import fp8_linears, fp8_params
-from qtool.recipes import FORMATS_FOR, Backend, KvCache, OutFormat, Recipe, Scheme, WeightScale
+from qtool.recipes import FORMATS_FOR, Backend, KvCache, OutFormat, Recipe, Scheme, WeightScale, load_recipe
+from qtool.stream.calib_data import plan_calibration
+from qtool.stream.layer_stream import LayerStreamer
+from qtool.stream.memory_plan import need
 
 PARTS = ("down_proj", "gate_proj", "up_proj")  # header order of one expert's modules (sorted names)
 LAYER_SHARD = "model-layer-{:05d}.safetensors"
@@ -88,8 +93,11 @@ class LayerPlan:
 
 # the calibration set's hidden states on disk: the layer running reads one file and writes another, and the
 # input of each layer still being written behind stays intact for a resume from the journal, which names it
-# (qtool.stream.layer_stream.DiskStore): two files, plus one per layer in flight (at most two)
+# (qtool.stream.hidden_store.DiskStore): two files, plus one per layer in flight (at most two)
 HIDDEN_FILES = 4
+# The peer libraries' backends (qtool.ops.quantize.backends.LAYER_BACKENDS, which dispatches them): they
+# calibrate and code a layer on the loop's thread (their state is not thread-safe), so nothing is written behind
+PEER_BACKENDS = frozenset({Backend.MODELOPT, Backend.LLMCOMPRESSOR})
 HEADROOM = 0.9  # two layers in flight only within this share of the free memory
 
 
@@ -136,19 +144,14 @@ class QuantizePlan:
         """Peak host/GPU memory (qtool.stream.memory_plan): with qtool's own codec finished layers are
         quantized and written behind the next one (`in_flight` of them, default the plan's), so that many
         dense layers more are held."""
-        from qtool.ops.quantize.backends import LAYER_BACKENDS
-        from qtool.stream.memory_plan import need
-
-        write_behind = self.backend not in LAYER_BACKENDS
-        from qtool.dist import planned_ranks
-
+        write_behind = self.backend not in PEER_BACKENDS
         held = 1 + (self.layers_in_flight if in_flight is None else in_flight) if write_behind else 1
         return need(
             self.stream,
             device=self.device,
             held_layers=held,
             extra_host=self.awq_activation_bytes,
-            ranks=planned_ranks(),
+            ranks=dist.planned_ranks(),
         )
 
     @property
@@ -162,10 +165,7 @@ class QuantizePlan:
         its /dev/shm, and the users' NVMe alike: the copy, not the disk, is the limit), so two shards written
         side by side write twice as fast. Not with a peer backend (no write-behind), with several ranks (their
         shares meet layer by layer), nor where the AWQ search keeps each layer's activations on the host."""
-        from qtool.dist import planned_ranks
-        from qtool.ops.quantize.backends import LAYER_BACKENDS
-
-        if self.backend in LAYER_BACKENDS or self.awq_rows or planned_ranks() > 1:
+        if self.backend in PEER_BACKENDS or self.awq_rows or dist.planned_ranks() > 1:
             return 1
         # with room to spare: the allocator holds more than it hands out, and two coders' temporaries
         return 1 if self.memory_need(2).problems_within(HEADROOM) else 2
@@ -176,9 +176,7 @@ class QuantizePlan:
         the 2-core VM, that delayed the first read. A dry run's to_json makes it too, so that a dry run
         refuses what the run would."""
         if self.output is None:
-            from qtool.ops.quantize.output import output_plan
-
-            self.output = output_plan(self)
+            self.output = quantize_output.output_plan(self)
         return self.output
 
     def to_json(self) -> dict:
@@ -324,9 +322,7 @@ def _refuse_fp8_runs(recipe: Recipe, backend: Backend) -> None:
             f"--backend {backend.value} does not code the recipe's fp8 groups (qtool's own codec does)",
             hint="use --backend rtn (the default)",
         )
-    from qtool.dist import planned_ranks
-
-    if planned_ranks() > 1:
+    if dist.planned_ranks() > 1:
         raise UsageError(
             "a recipe with fp8 groups runs in one process (the fp8 linears' input amaxes are not reduced "
             "over ranks yet)",
@@ -356,8 +352,6 @@ class QuantizeOptions:
 
     def __post_init__(self) -> None:
         # the values a build recipe's `with` (or a caller) gives as text become their types here
-        from qtool.recipes import load_recipe
-
         set_ = object.__setattr__
         set_(self, "checkpoint", Path(self.checkpoint))
         set_(self, "out", Path(self.out))
@@ -370,8 +364,6 @@ class QuantizeOptions:
 
 
 def plan(opts: QuantizeOptions) -> QuantizePlan:
-    from qtool.stream.layer_stream import LayerStreamer
-
     recipe, out, device, awq_rows, dataset = opts.recipe, opts.out, opts.device, opts.awq_rows, opts.dataset
     samples, seq_len = opts.samples, opts.seq_len
     ckpt = Checkpoint.open(opts.checkpoint, require_config=True)
@@ -380,7 +372,7 @@ def plan(opts: QuantizeOptions) -> QuantizePlan:
     backend = opts.backend or recipe.backend
     fmt = opts.format or recipe.format
     streamer = LayerStreamer(ckpt, device=device, batch_tokens=opts.batch_tokens)
-    mm = streamer.mm
+    mm = streamer.model_map
     outp = Path(out)
     # the output is refused here, before the dataset is read below (with hf: a download), as every other
     # refusal that needs no data; execute's transaction checks it again under its lock
@@ -418,9 +410,7 @@ def plan(opts: QuantizeOptions) -> QuantizePlan:
         require("modelopt", "--backend modelopt")
     elif backend is Backend.LLMCOMPRESSOR:
         require("llmcompressor", "--backend llmcompressor")
-    from qtool.dist import planned_ranks
-
-    if backend is not Backend.RTN and planned_ranks() > 1:
+    if backend is not Backend.RTN and dist.planned_ranks() > 1:
         raise UsageError(
             f"--backend {backend.value} runs in one process (the peer library's calibration state is "
             "not reduced over ranks)",
@@ -531,8 +521,6 @@ def plan(opts: QuantizeOptions) -> QuantizePlan:
         # windows, or as many as the dataset gives (the builtin corpus is a short sample: 5.8k tokens with the
         # 397B's tokenizer; the recipe's calibration warning below says what a real run uses); an explicit
         # --samples too large for the data is refused here
-        from qtool.stream.calib_data import plan_calibration
-
         calib = plan_calibration(
             ckpt, dataset, DEFAULT_SAMPLES if samples is None else samples, seq_len, at_most=samples is None
         )

@@ -22,7 +22,7 @@ from qtool.arch.layer_grid import row_name
 from qtool.arch.model_map import build_map
 from qtool.dist.launch import require_device
 from qtool.errors import PlanError
-from qtool.io.apply import input_hasher, write_output
+from qtool.io.apply import OutputJob, input_hasher, write_output
 from qtool.io.checkpoint import Checkpoint
 from qtool.io.files import require_text_path
 from qtool.io.jsonio import load_json, write_json
@@ -162,7 +162,7 @@ def execute(p: SensitivityPlan, *, progress=None) -> Report:
     tx = OutputDir(o.out, sources=[p.bf.root, p.q.root], force=o.force, resume=o.resume)
     state: dict = {}
 
-    def produce(done) -> None:
+    def produce(_shards) -> None:
         result = measure(p, resume=o.resume, progress=progress, digests=hasher.read_digests)
         fill(p.units, result)
         state["table"], state["timing"] = table(p), result["timing"]
@@ -180,11 +180,13 @@ def execute(p: SensitivityPlan, *, progress=None) -> Report:
             write_output(
                 output_plan(p),
                 tx,
-                command=o.command,
-                produce=produce,
-                check=check,
-                hasher=hasher,
-                extra=lambda: {RUN: {"timing": state["timing"]}},
+                OutputJob(
+                    command=o.command,
+                    produce=produce,
+                    check=check,
+                    hasher=hasher,
+                    extra=lambda: {RUN: {"timing": state["timing"]}},
+                ),
             )
         finally:
             hasher.close()  # (after the pass: its reads hand their bytes to the hasher's digests)

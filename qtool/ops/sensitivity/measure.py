@@ -21,14 +21,19 @@ import hashlib
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from qtool.errors import PlanError
 from qtool.io.identity import input_identity, tensor_list_text
-from qtool.io.jsonio import load_json, write_json
 from qtool.io.output import partial_path
 from qtool.io.stream_digest import NO_DIGESTS, DigestSink
 from qtool.stream.calib_data import token_digest
-from qtool.stream.layer_stream import DiskStore, LayerStreamer
+from qtool.stream.hidden_store import DiskStore
+from qtool.stream.layer_journal import LayerJournal
+from qtool.stream.layer_run import LayerRun, LayerStage
+from qtool.stream.layer_stream import LayerStreamer
+
+if TYPE_CHECKING:
+    import torch
 
 JOURNAL = "journal.json"
 _MODULES = {"routed_experts": "mlp.experts", "shared_expert": "mlp.shared_expert"}
@@ -99,15 +104,17 @@ class _Probe:
             h.remove()
 
 
-class _Hooks:
-    """LayerStreamer.run's hooks: the quantized twin of each BF16 layer that has measured units is loaded
-    and probed around the BF16 forward; the journal entry follows each layer."""
+class ProbeStage(LayerStage):
+    """sensitivity's stage of the layer loop: the quantized twin of each BF16 layer that has measured units
+    is loaded and probed around the BF16 forward."""
 
-    def __init__(self, q, by_layer: dict[int, list[str]], sums: dict, layer_sums: dict, save) -> None:
-        self.q, self.by_layer, self.sums, self.layer_sums, self.save = q, by_layer, sums, layer_sums, save
+    def __init__(
+        self, q: LayerStreamer, by_layer: dict[int, list[str]], sums: dict[str, _Sums], layer_sums: dict[int, _Sums]
+    ) -> None:
+        self.q, self.by_layer, self.sums, self.layer_sums = q, by_layer, sums, layer_sums
         self.probe: _Probe | None = None
 
-    def before_layer(self, idx: int, layer_b) -> None:
+    def before_forward(self, run: LayerRun, idx: int, layer_b: torch.nn.Module) -> None:
         kinds = self.by_layer.get(idx, [])
         self.layer_sums[idx] = _Sums()
         layer_q = self.q.load_layer(idx) if kinds else None
@@ -117,11 +124,20 @@ class _Hooks:
             unit_sums = {k: self.sums.setdefault(f"layer.{idx}.{k}", _Sums()) for k in kinds}
             self.probe = _Probe(layer_b, layer_q, kinds, unit_sums, self.layer_sums[idx])
 
-    def after_layer(self, idx: int, layer_b) -> None:
+    def after_forward(self, run: LayerRun, idx: int, layer_b: torch.nn.Module) -> None:
         if self.probe is not None:
             self.probe.remove()  # its hooks held the quantized layer: freed with them
             self.probe = None
-        self.save(idx + 1)
+
+    def before_commit(self, run: LayerRun, idx: int) -> None:
+        if self.by_layer.get(idx):
+            self.q.inputs_hashed(idx)  # the digests a resume relies on cover the quantized side's bytes too
+
+    def journal_entry(self) -> dict:
+        return {
+            "units": {k: v.to_json() for k, v in self.sums.items()},
+            "layers": {str(k): v.to_json() for k, v in self.layer_sums.items()},
+        }
 
 
 def journal_key(bf_ckpt, q_ckpt, digest: str, dtype: str, unit_ids: list[str]) -> str:
@@ -150,56 +166,36 @@ def measure(plan, *, resume: bool, progress=None, digests: DigestSink = NO_DIGES
     batch = bf.batch_windows(seq)
     measured = [u for u in plan.units if u.measured]
     key = journal_key(plan.bf, plan.q, token_digest(ids), f"{bf.dtype_name}|{batch}", [u.id for u in measured])
-    plan.work_dir.mkdir(parents=True, exist_ok=True)
-    jpath = plan.work_dir / JOURNAL
-    journal: dict = {}
-    if resume and jpath.exists():
-        journal, _ = load_json(jpath, what="sensitivity journal")
-        if journal.get("key") != key:
-            raise PlanError(
-                "--resume: the journal was written for other inputs (checkpoints, data or settings)",
-                path=jpath,
-                hint="run again without --resume to start over",
-            )
-    start = int(journal.get("next_layer", 0))
-    sums = {uid: _Sums(d) for uid, d in journal.get("units", {}).items()}
-    layer_sums = {int(i): _Sums(d) for i, d in journal.get("layers", {}).items()}
+    journal = LayerJournal(plan.work_dir / JOURNAL, key, bf.group).open(
+        resume=resume,
+        what="sensitivity journal",
+        job="the sensitivity job (checkpoints, data, settings)",
+        inputs="checkpoints, data or settings",
+    )
+    start = journal.next_layer
+    sums = {uid: _Sums(d) for uid, d in journal.saved.get("units", {}).items()}
+    layer_sums = {int(i): _Sums(d) for i, d in journal.saved.get("layers", {}).items()}
     store = DiskStore(
         plan.work_dir,
         (n, seq, bf.hidden_size),
         bf.dtype,
-        current=journal.get("current", "a"),
+        current=journal.current(),
         write_behind=True,
         device=bf.device,
     )
-
-    def save(next_layer: int) -> None:
-        if next_layer > 0:  # the digests a resume relies on cover the bytes that layer read, of both sides
-            bf.inputs_hashed(next_layer - 1)
-            if by_layer.get(next_layer - 1):
-                q.inputs_hashed(next_layer - 1)
-        entry = {
-            "key": key,
-            "next_layer": next_layer,
-            "current": store.current,
-            "units": {k: v.to_json() for k, v in sums.items()},
-            "layers": {str(k): v.to_json() for k, v in layer_sums.items()},
-        }
-        store.when_durable(lambda: write_json(jpath, entry))
-
     by_layer: dict[int, list[str]] = {}
     for u in measured:
         by_layer.setdefault(u.layer, []).append(u.kind)
-    hooks = _Hooks(q, by_layer, sums, layer_sums, save)
+    stage = ProbeStage(q, by_layer, sums, layer_sums)
+    run = LayerRun(bf, store, seq, batch, list(range(start, bf.num_layers)), [stage], journal, progress)
     t0 = time.perf_counter()
     bf.prefetch(start)
     if by_layer.get(start):
         q.prefetch(start)
     try:
         if start == 0:
-            bf.embed_into(ids, store, batch)
-            save(0)
-        bf.run(store, seq, start=start, hooks=hooks, batch=batch, progress=progress)  # the one layer loop
+            run.embed(ids)
+        bf.run_layers(run)  # the one layer loop
     except BaseException:
         store.close(quiet=True)
         raise

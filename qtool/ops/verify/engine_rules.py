@@ -15,12 +15,11 @@ from collections.abc import Callable
 
 from qtool.arch.model_map import QUANTIZED_FORMATS, Format, ModelMap
 from qtool.arch.qwen35 import Group
-from qtool.engines import Engine, EngineVersion, unit_of
+from qtool.engines import Engine, EngineVersion, mixed_precision, unit_of
 from qtool.engines.decide import decide, engine_rules_modelled, flavour_of, unit_formats
 from qtool.findings import Code, Finding, error, patch_cmd, warning
 from qtool.io.quant_config import QuantSummary
 from qtool.ops.checks import FIX
-from qtool.engines import mixed_precision
 
 # NVFP4 GEMMs need the per-GPU input features to be a multiple of the 16-element block:
 # vllm/model_executor/layers/quantization/modelopt.py ModelOptNvFp4LinearMethod.create_weights raises
