@@ -132,7 +132,7 @@ def record_as_downloaded(root: Path) -> None:
 def build_smoke(out: Path) -> None:
     """The tiny BF16 fixture (CPU smoke mode: the same jobs and table, toy shapes)."""
     from qtool.fixtures.builtin import FixtureCache
-    from qtool.io.manifest import cache_dir
+    from qtool.cache import cache_dir
 
     if not out.exists():
         shutil.copytree(FixtureCache(cache_dir() / "fixtures").path("bf16"), out)

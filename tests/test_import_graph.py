@@ -84,7 +84,6 @@ IN_FUNCTION_EXCEPTIONS = frozenset(
         ("qtool.ops.quantize.execute", "qtool.ops.quantize.stage"),  # (stage imports torch at its top)
         ("qtool.ops.quantize.layer", "qtool.formats.nvfp4_triton"),
         ("qtool.ops.quantize.plan", "qtool.formats.awq"),
-        ("qtool.ops.quantize.schemes", "qtool.formats.fp8"),  # (fp8 imports torch at its top)
         ("qtool.stream.layer_read", "qtool.io.dtypes"),
         ("qtool.stream.layer_stream", "qtool.stream.experts"),
     }
