@@ -40,6 +40,7 @@ from qtool.io.plan import (
     Remove,
     Shard,
     Text,
+    fed_in,
     index_map,
     index_text_of,
     resolve,
@@ -166,19 +167,26 @@ def _bytes(n: int) -> str:
 
 
 def _place(
-    e: Link | Shard, tx: OutputDir, values: dict, headers: _Countdown, stop: threading.Event
+    e: Link | Shard,
+    tx: OutputDir,
+    values: dict,
+    headers: _Countdown,
+    stop: threading.Event,
+    given: dict[str, memoryview] | None = None,
 ) -> tuple[str | None, Future | None]:
     """Write or link one shard and make it durable; returns (the link method, None) when linked,
-    (None, its sha256 as a Future: hashed as it was written) when written."""
+    (None, its sha256 as a Future: hashed as it was written) when written. `given`: the bytes the
+    producer read of a fed shard's sources (tensor name -> buffer)."""
     dst = tx.partial / e.name
     dst.parent.mkdir(parents=True, exist_ok=True)
     if isinstance(e, Link):
         method = tx.placer.place(e.source, dst, on_header=headers.one)  # durable on return
         return method, None
     digest: list = []
+    tensors = resolve(tensors_of(e), values)
     got = write_shard(
         dst,
-        resolve(tensors_of(e), values),
+        fed_in(tensors, given) if given else tensors,
         e.metadata,
         on_header=headers.one,
         stop=stop,
@@ -246,18 +254,47 @@ def check_written(plan: OutputPlan, partial: Path, kinds: tuple = (Produced,)) -
 
 class ProducedShards:
     """The executor's side a producer talks to: it says when each Produced shard is complete (`finished`:
-    hashed then, while its bytes are in the page cache) and asks, at each step of its own, whether a shard
+    hashed then, while its bytes are in the page cache), hands over the bytes it read of a fed Shard's
+    sources (`feed`: the shard is written from them) and asks, at each step of its own, whether a shard
     written beside it failed (`stop_if_failed`: that error is raised, so the producer stops there)."""
 
-    def __init__(self, partial: Path, hasher: InputHasher, beside: _EarlyShards | None) -> None:
+    def __init__(
+        self,
+        partial: Path,
+        hasher: InputHasher,
+        beside: _EarlyShards | None,
+        fed: Iterable[str] = (),
+        fed_writer: Callable[[str, Callable[[], dict[str, memoryview]]], _EarlyShards] | None = None,
+    ) -> None:
         self.partial = partial
         self._hasher = hasher
-        self._beside = beside  # the thread writing the early shards, or None
+        # the threads writing beside the producer: the early shards', then each fed shard's
+        self.writers: list[_EarlyShards] = [beside] if beside is not None else []
+        self.unfed = set(fed)  # the plan's fed shards not fed yet: copied from the input after produce()
+        self._fed_writer = fed_writer
 
     def stop_if_failed(self) -> None:
-        """Raise the error of a shard written beside the producer (the early shards), if one failed."""
-        if self._beside is not None and self._beside.error is not None:
-            raise self._beside.error
+        """Raise the error of a shard written beside the producer (early or fed), if one failed."""
+        for w in self.writers:
+            if w.error is not None:
+                raise w.error
+
+    def feed(self, name: str, given: Callable[[], dict[str, memoryview]]) -> None:
+        """The producer has read the sources of fed Shard `name`: `given()` -> tensor name -> those bytes
+        (called on the writer's thread). The shard is written from them on a thread of its own, now; its
+        tensors not given are copied from the input."""
+        self.stop_if_failed()
+        if name not in self.unfed or self._fed_writer is None:
+            raise ValueError(f"{name}: not a fed shard of the plan, or fed twice (a qtool bug)")
+        self.unfed.discard(name)
+        writer = self._fed_writer(name, given)
+        self.writers.append(writer)
+        writer.start()
+
+    def join(self) -> None:
+        """Wait for every thread writing beside the producer."""
+        for w in self.writers:
+            w.join()
 
     def finished(self, name: str, sha256: Future | str | None = None) -> None:
         """Shard `name` (under the partial output) is complete and durable; `sha256`: its digest, or a
@@ -292,7 +329,10 @@ class OutputJob:
     layer-streamed job's shards): their sha256 is computed from those reads (qtool.io.stream_digest), the
     bytes it did not need are read once it returns. early_shards: the Shard entries that need no Pending
     value (quantize's embedding, lm_head, vision tower and MTP head, copied) are written while produce()
-    runs, not after its last layer. stop: set to stop the writers. hasher: the transaction's
+    runs, not after its last layer. A `fed` Shard's sources are bytes produce() reads itself (calibrate-kv's
+    layers, in the shards it rewrites): it hands them over (ProducedShards.feed) and the shard is written
+    from them then, not copied from the input again; its tensors not given, and a fed shard never fed (a
+    resumed job's layers before its restart), are copied from the input. stop: set to stop the writers. hasher: the transaction's
     `input_hasher`, where the job began reading before its plan was made (it hashes the files read then;
     its maker closes it, after the reads have ended)."""
 
@@ -343,7 +383,12 @@ def write_output(plan: OutputPlan, tx: OutputDir, job: OutputJob) -> Applied:
             writing = _EarlyShards(plan, tx, journal, hasher, applied, stop, early) if early else None
             if writing is not None:
                 writing.start()
-            shards = ProducedShards(partial, hasher, writing)
+            fed = {e.name for e in plan.entries(Shard) if e.fed} if produce is not None else set()
+
+            def fed_writer(name: str, given: Callable[[], dict[str, memoryview]]) -> _EarlyShards:
+                return _EarlyShards(plan, tx, journal, hasher, applied, stop, {name}, given)
+
+            shards = ProducedShards(partial, hasher, writing, fed, fed_writer)
 
             try:
                 if produce is not None:
@@ -354,15 +399,23 @@ def write_output(plan: OutputPlan, tx: OutputDir, job: OutputJob) -> Applied:
                 stop.set()
                 raise
             finally:
-                if writing is not None:
-                    writing.join()
-            if writing is not None and writing.error is not None:
-                raise writing.error
+                shards.join()
+            shards.stop_if_failed()
             hasher.finish_streams()
             for e in plan.entries(Produced):
                 hasher.submit_output(str(partial / e.name))  # the ones resumed or not announced
             _write_shards(
-                plan, tx, journal, hasher, values, job.overlap, job.on_headers, applied, job.progress, stop, skip=early
+                plan,
+                tx,
+                journal,
+                hasher,
+                values,
+                job.overlap,
+                job.on_headers,
+                applied,
+                job.progress,
+                stop,
+                skip=early | (fed - shards.unfed),  # written beside the producer
             )
             check_written(plan, partial)
             applied.checks = job.check() if job.check is not None else {}
@@ -436,12 +489,19 @@ def _remember_digests(root: Path, files: dict) -> None:
 
 
 def _early_shards(plan: OutputPlan) -> set[str]:
-    return {e.name for e in plan.entries(Shard) if not any(isinstance(t.source, Pending) for t in tensors_of(e))}
+    """The Shard entries written while the producer runs: those that need no Pending value, but not a fed
+    one (written once the producer hands over its bytes, ProducedShards.feed)."""
+    return {
+        e.name
+        for e in plan.entries(Shard)
+        if not e.fed and not any(isinstance(t.source, Pending) for t in tensors_of(e))
+    }
 
 
 class _EarlyShards(threading.Thread):
     """Writes the `names` shards, journaled as they finish, while the producer runs; an error is kept in
-    `error` for write_output (and the producer's ProducedShards.stop_if_failed)."""
+    `error` for write_output (and the producer's ProducedShards.stop_if_failed). `given`: a fed shard's
+    bytes, as the producer handed them over (`names` is that shard)."""
 
     def __init__(
         self,
@@ -452,15 +512,18 @@ class _EarlyShards(threading.Thread):
         applied: Applied,
         stop: threading.Event,
         names: set[str],
+        given: Callable[[], dict[str, memoryview]] | None = None,
     ) -> None:
-        super().__init__(name="qtool-early-shards")
+        super().__init__(name="qtool-early-shards" if given is None else "qtool-fed-shard")
         self.error: BaseException | None = None
         self._work = (plan, tx, journal, hasher, applied, stop, names)
+        self._given = given
 
     def run(self) -> None:
         plan, tx, journal, hasher, applied, stop, names = self._work
         try:
-            _write_shards(plan, tx, journal, hasher, {}, None, None, applied, False, stop, names=names)
+            got = self._given() if self._given is not None else None
+            _write_shards(plan, tx, journal, hasher, {}, None, None, applied, False, stop, names=names, given=got)
         except BaseException as e:  # noqa: BLE001 -- handed to write_output, which raises it
             self.error = e
 
@@ -478,9 +541,10 @@ def _write_shards(
     stop: threading.Event,
     names: set[str] | None = None,
     skip: frozenset[str] | set[str] = frozenset(),
+    given: dict[str, memoryview] | None = None,
 ) -> None:
     """Write the plan's Link and Shard entries (`names`: only those, and no side files; `skip`: not those,
-    written already) and, with every entry, its side files."""
+    written already) and, with every entry, its side files. `given`: a fed shard's bytes (`names` is it)."""
     partial = tx.partial
     todo = []
     mine = [e for e in plan.entries(Link, Shard) if (names is None or e.name in names) and e.name not in skip]
@@ -509,7 +573,7 @@ def _write_shards(
     with ThreadPoolExecutor(max_workers=WRITERS, thread_name_prefix="qtool-shard") as pool:
         # Linked ones first (cheap), then largest first: a big shard started last would finish alone.
         order = sorted(todo, key=lambda e: (not isinstance(e, Link), -plan.file_size(e)))
-        futures = [(e, pool.submit(_place, e, tx, values, headers, stop)) for e in order]
+        futures = [(e, pool.submit(_place, e, tx, values, headers, stop, given)) for e in order]
         try:
             for e in plan.entries(Copy, Json, Text, Index) if names is None else ():
                 _write_small(e, tx, plan)

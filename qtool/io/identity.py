@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -127,6 +128,7 @@ class Journal:
     def __init__(self, path: Path, plan_hash: str, inputs: dict[str, list], resume: bool) -> None:
         self.path = path
         self.done: dict[str, dict] = {}
+        self._lock = threading.Lock()  # units finish on several writer threads (qtool.io.apply)
         if resume and path.exists():
             lines = path.read_text().splitlines()
             try:
@@ -160,8 +162,9 @@ class Journal:
 
     def record(self, unit: str, **info: object) -> None:
         rec = {"unit": unit, **info}
-        self._write_line(rec)
-        self.done[unit] = rec
+        with self._lock:
+            self._write_line(rec)
+            self.done[unit] = rec
 
     def file_done(self, partial: Path, name: str) -> bool:
         """A finished file unit whose file is still there with the recorded size."""

@@ -4,7 +4,8 @@ Each writing op reads its inputs (Checkpoint + ModelMap), then a pure decide ste
   Link(name, source)          an input file placed unchanged (reflink / hard link / copy: io.files.Placer)
   Copy(name, source)          a small side file copied byte for byte (a file of its own)
   Shard(name, tensors, meta)  a safetensors shard written from byte ranges of sources, inline bytes, or
-                              values the op computes later (`Pending`, e.g. calibrated KV scales)
+                              values the op computes later (`Pending`, e.g. calibrated KV scales); `fed`:
+                              its sources' bytes come from the producer's own reads of them
   Produced(name, tensors)     a shard a streaming producer writes during execution (quantize's layers, a
                               range-fetched Hub shard); `tensors` is the header it promises
   Json(name, obj, style)      a JSON file (configs, the index) in a given file's own formatting
@@ -62,6 +63,9 @@ class Shard(NamedTuple):
     tensors: Sequence[OutTensor] | Callable[[], list[OutTensor]]
     metadata: dict | None = None
     size: int | None = None  # the file's size when the planner already knows it
+    # the producer reads these sources itself (a layer-streamed job's layers): it hands their bytes over
+    # (write_output's done.feed), and the shard is written from them then, not copied from the input again
+    fed: bool = False
 
 
 class Produced(NamedTuple):
@@ -285,6 +289,20 @@ def resolve(tensors: list[OutTensor], values: dict[str, bytes]) -> list[OutTenso
             data = values.get(t.source.key)
             if data is None or len(data) != t.source.nbytes:
                 raise ValueError(f"{t.name}: the op gave no {t.source.nbytes}-byte value for {t.source.key}")
+            t = t._replace(source=InlineBytes(data))
+        out.append(t)
+    return out
+
+
+def fed_in(tensors: list[OutTensor], given: dict) -> list[OutTensor]:
+    """The shard's tensors with the bytes the producer read of their sources (tensor name -> a buffer of
+    the tensor's bytes) in place of those sources; the others keep theirs (copied from the input)."""
+    out = []
+    for t in tensors:
+        data = given.get(t.name)
+        if data is not None:
+            if len(data) != t.source.nbytes:
+                raise ValueError(f"{t.name}: the producer gave {len(data)} bytes, the shard wants {t.source.nbytes}")
             t = t._replace(source=InlineBytes(data))
         out.append(t)
     return out

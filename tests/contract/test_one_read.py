@@ -132,8 +132,7 @@ def test_quantize_then_calibrate_kv_read_their_input_once(bf16, tmp_path):
     _check_digests(nv, bf16)
 
     # calibrate-kv -o of an NVFP4 checkpoint without KV scales (the recipe without them), with qtool's sha256
-    # cache gone: hashed from its own reads too, its unchanged shards linked (never read). (--replace-scales
-    # must rewrite the shards that hold the old scales: those are read once more, by design.)
+    # cache gone: hashed from its own reads too, its unchanged shards linked (never read)
     from qtool.recipes import recipes_dir
 
     recipe = tmp_path / "no-kv.yaml"
@@ -159,17 +158,11 @@ def test_quantize_then_calibrate_kv_read_their_input_once(bf16, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="the shards that held the old KV scales are rewritten by copying from "
-    "the input file (calibrate_kv/write.py: Shard of FileRange sources), a second read of those "
-    "shards; to be written from the layer reader's bytes (#53)",
-)
 def test_calibrate_kv_replace_scales_reads_its_input_once(bf16, tmp_path):
     """calibrate-kv --replace-scales of a checkpoint whose KV scales sit in the shards of their layers (as
     quantize writes them, and the exporters): the shards that held the old scales are rewritten without
     them; their other tensors must come from the bytes the layer reader read, not a second read of each
-    shard (the medium NVFP4 fixture read 1.83x its input, this one 1.31x)."""
+    shard (copied from the input, the medium NVFP4 fixture read 1.83x its input, this one 1.31x)."""
     common = ["--samples", "4", "--seq-len", "64", "--quiet"]
     nv = tmp_path / "nvfp4"
     subprocess.run(

@@ -6,6 +6,7 @@ import hashlib
 import json
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -14,7 +15,9 @@ from qtool.errors import PlanError
 from qtool.formats.fp8 import kv_scale_from_amax
 from qtool.io.identity import input_identity, tensor_list_text
 from qtool.io.stream_digest import NO_DIGESTS, DigestSink
+from qtool.io.writer import FileRange
 from qtool.ops.calibrate_kv.plan import JOURNAL, OUTLIER_RATIO, KvPlan
+from qtool.ops.calibrate_kv.write import Span
 from qtool.stream.calib_data import token_digest
 from qtool.stream.hidden_store import DiskStore, MemoryStore
 from qtool.stream.layer_journal import LayerJournal
@@ -61,14 +64,26 @@ def _scale(amax: float) -> float:
 
 class KvStage(LayerStage):
     """calibrate-kv's stage of the layer loop: the K/V amax of each calibrated layer's full attention, taken
-    at the attention kernel's inputs during the forward and reduced over the ranks after it."""
+    at the attention kernel's inputs during the forward and reduced over the ranks after it. `feeder`: the
+    layers' reads of the shards the output rewrites (--replace-scales), kept with each layer and handed to
+    their writer (the input is read once)."""
 
-    def __init__(self, layers: list[int], stats: dict[int, LayerStat], group: Group) -> None:
+    def __init__(
+        self, layers: list[int], stats: dict[int, LayerStat], group: Group, feeder: ShardFeeder | None = None
+    ) -> None:
         self.group = group
         self.layers = set(layers)
         self.stats = stats
+        self.feeder = feeder
+
+    def keep_bytes(self, run: LayerRun, idx: int) -> dict[str, FileRange]:
+        return self.feeder.wanted(idx) if self.feeder is not None else {}
 
     def before_forward(self, run: LayerRun, idx: int, layer: torch.nn.Module) -> None:
+        if self.feeder is not None:
+            # the bytes read for the shards being rewritten go to their writer, not through the forward
+            self.feeder.took(idx, layer.qtool_bytes)
+            layer.qtool_bytes = {}
         if idx not in self.layers:
             return
         self.stats[idx] = LayerStat(idx, 0.0, 0.0, 0)
@@ -81,6 +96,49 @@ class KvStage(LayerStage):
 
     def journal_entry(self) -> dict:
         return {"stats": [s.to_json() for s in sorted(self.stats.values(), key=lambda s: s.layer)]}
+
+
+class ShardFeeder:
+    """Hands each rewritten shard's bytes that the layer pass reads to the output executor
+    (ProducedShards.feed), once the last layer it takes bytes from is loaded: the shard is written from them
+    while the pass goes on. `wanted(idx)` is what the stage asks the loop to keep of layer idx's read;
+    `took(idx, views)` gets what it kept (uint8 views of the read, on the job's device)."""
+
+    def __init__(self, spans: list[Span], feed: Callable[[str, Callable[[], dict]], None]) -> None:
+        self.feed = feed
+        self.by_layer: dict[int, list[tuple[str, Span]]] = {}
+        self.last: dict[str, int] = {}
+        for k, sp in enumerate(spans):
+            self.by_layer.setdefault(sp.layer, []).append((f"{sp.shard}#{k}", sp))
+            self.last[sp.shard] = max(self.last.get(sp.shard, -1), sp.layer)
+        # a shard's spans until its last layer is loaded; a resumed pass that starts after some of its
+        # layers feeds it without them, and one that starts after all never: those are copied
+        self.parts: dict[str, list] = {s: [] for s in self.last}
+
+    def wanted(self, idx: int) -> dict[str, FileRange]:
+        return {key: sp.source for key, sp in self.by_layer.get(idx, ()) if sp.shard in self.parts}
+
+    def took(self, idx: int, views: dict[str, torch.Tensor]) -> None:
+        for key, sp in self.by_layer.get(idx, ()):
+            view = views.get(key)
+            if sp.shard in self.parts and view is not None:
+                # a span of a layer before the shard's last one leaves the device now, not a layer later
+                self.parts[sp.shard].append((view if self.last[sp.shard] == idx else view.cpu(), sp))
+        for shard in [s for s in self.parts if self.last[s] == idx]:
+            self.feed(shard, _given(self.parts.pop(shard)))
+
+
+def _given(parts: list) -> Callable[[], dict[str, memoryview]]:
+    def given() -> dict[str, memoryview]:
+        """tensor name -> its bytes (on the writer's thread: a device's bytes come to the host there)."""
+        out = {}
+        for view, sp in parts:
+            host = memoryview(view.cpu().numpy())
+            for name, off, n in sp.tensors:
+                out[name] = host[off : off + n]
+        return out
+
+    return given
 
 
 def reduce_kv(st, group) -> None:
@@ -113,10 +171,12 @@ def calibrate(
     dtype: str | None = None,
     progress=None,
     digests: DigestSink = NO_DIGESTS,
+    feeder: ShardFeeder | None = None,
 ) -> tuple[dict[int, LayerStat], dict]:
     """Run the layer-streamed forward on token windows `ids` [N, L]; returns per-layer stats and timing.
     hidden="disk" keeps the hidden states in the work dir (resumable), "memory" in RAM. digests: the job's
-    inputs hashed from the streamer's reads (its output transaction's input hasher's)."""
+    inputs hashed from the streamer's reads (its output transaction's input hasher's). feeder: hands the
+    layers' reads of the shards the output rewrites to their writer (ShardFeeder)."""
     opts = p.options
     streamer = LayerStreamer(
         p.ckpt,
@@ -157,7 +217,7 @@ def calibrate(
             raise PlanError("--resume needs the hidden states on disk")
         store = MemoryStore.empty(shape, streamer.dtype, streamer.device)
     t0 = time.perf_counter()
-    stage = KvStage(p.layers, stats, g)
+    stage = KvStage(p.layers, stats, g, feeder)
     run = LayerRun(streamer, store, seq, batch, list(range(start, p.run_layers)), [stage], journal, progress)
     if start < p.run_layers:
         streamer.prefetch(start)  # the first layer is read while the embeddings are made

@@ -12,9 +12,9 @@ from qtool.io.in_place import InPlaceDir
 from qtool.io.manifest import RUN
 from qtool.io.output import OutputDir
 from qtool.io.plan import Remove
-from qtool.ops.calibrate_kv.calibrate import calibrate, outlier_warnings
+from qtool.ops.calibrate_kv.calibrate import ShardFeeder, calibrate, outlier_warnings
 from qtool.ops.calibrate_kv.plan import CalibrateKvOptions, KvPlan, plan
-from qtool.ops.calibrate_kv.write import scale_values
+from qtool.ops.calibrate_kv.write import fed_spans, scale_values
 from qtool.ops.contract import Report
 from qtool.stream.layer_stream import streamed_files
 
@@ -52,8 +52,10 @@ def execute(p: KvPlan, *, progress=None) -> Report:
             if progress is not None:
                 progress(idx)
 
+        # the shards that held the old scales are written from the layers' reads (the input is read once)
+        feeder = ShardFeeder(fed_spans(p), shards.feed) if p.rewrite_shards else None
         stats, state["timing"] = calibrate(
-            p, calib.ids, resume=opts.resume, progress=each_layer, digests=hasher.read_digests
+            p, calib.ids, resume=opts.resume, progress=each_layer, digests=hasher.read_digests, feeder=feeder
         )
         state["stats"] = stats
         return scale_values(p, stats)

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import json
 import struct
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from qtool.arch.model_map import build_map
 from qtool.io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG_NAME, INDEX_NAME, Checkpoint
 from qtool.io.jsonio import file_style
 from qtool.io.plan import Json, OutputPlan, Pending, Remove, Shard, unchanged_files
 from qtool.io.quant_config import HfQuantSchema, hf_quant_schema
 from qtool.io.writer import FileRange, OutTensor, index_json
 from qtool.ops.calibrate_kv.scheme import CT_KV_SCHEME, MODELOPT_KV_SCHEME, Convention, kv_only_quantization_config
+from qtool.stream.dequant import layer_tensors
 
 if TYPE_CHECKING:  # the plan builds its output plan here; the stats are only read
     from qtool.ops.calibrate_kv.calibrate import LayerStat
@@ -53,6 +56,54 @@ def _patched_configs(p: KvPlan) -> list[Json]:
     return res
 
 
+@dataclass(frozen=True)
+class Span:
+    """Adjacent tensors of a rewritten shard that the layer pass reads with one of its layers: the input's
+    bytes `source`, handed from that read to the shard's writer (not read from the input again)."""
+
+    shard: str
+    layer: int
+    source: FileRange
+    tensors: tuple[tuple[str, int, int], ...]  # (name, offset in the span, bytes), in the shard's order
+
+
+def fed_spans(p: KvPlan) -> list[Span]:
+    """The rewritten shards' tensors the layer pass reads (layers 0..run_layers-1), as spans of adjacent
+    bytes within one layer's read. The shards' other tensors (another part of the model, a layer past the
+    last one the pass runs) are copied from the input."""
+    mm = p.mm if p.mm is not None else build_map(p.ckpt)
+    read: dict[str, tuple[int, str]] = {}  # tensor -> (layer, file) of what the pass reads
+    for i in range(p.run_layers):
+        read.update((info.name, (i, info.file)) for info in layer_tensors(mm, i))
+    remove = set(p.remove)
+    spans: list[Span] = []
+    for shard in sorted(p.rewrite_shards):
+        run: list[OutTensor] = []
+        layer = -1
+        for t in _stripped_shard(p.ckpt, shard, remove):
+            where = read.get(t.name)
+            adjacent = bool(run) and where == (layer, t.source.file) and run[-1].source.end == t.source.start
+            if run and not adjacent:
+                spans.append(_span(shard, layer, run))
+                run = []
+            if where is not None and where[1] == t.source.file:
+                run.append(t)
+                layer = where[0]
+        if run:
+            spans.append(_span(shard, layer, run))
+    return spans
+
+
+def _span(shard: str, layer: int, run: list[OutTensor]) -> Span:
+    first = run[0].source
+    return Span(
+        shard,
+        layer,
+        FileRange(first.file, first.start, run[-1].source.end),
+        tuple((t.name, t.source.start - first.start, t.source.nbytes) for t in run),
+    )
+
+
 def _stripped_shard(ckpt: Checkpoint, shard: str, remove: set[str]) -> list[OutTensor]:
     out = [
         OutTensor(i.name, i.dtype, tuple(i.shape), FileRange(i.file, i.start, i.end))
@@ -88,8 +139,10 @@ def output_plan(p: KvPlan) -> OutputPlan:
         files += [Remove(s) for s in dropped]
     else:
         files += unchanged_files(ckpt.root, changed)  # every other file, in sub-folders too
+    fed = {sp.shard for sp in fed_spans(p)} if p.rewrite_shards else set()
     files += [
-        Shard(s, _stripped_shard(ckpt, s, remove), ckpt.headers[s].metadata or None) for s in sorted(p.rewrite_shards)
+        Shard(s, _stripped_shard(ckpt, s, remove), ckpt.headers[s].metadata or None, fed=s in fed)
+        for s in sorted(p.rewrite_shards)
     ]
     files.append(Shard(p.kv_shard, new_tensors, {"format": "pt"}))
     files += configs
