@@ -320,7 +320,7 @@ def test_ctrl_c_while_qtool_makes_a_cache_promises_nothing_of_it(tmp_path, monke
     cache = tmp_path / "cache"
     monkeypatch.setenv("QTOOL_CACHE_DIR", str(cache))  # (the child's environment)
     err = _ctrl_c(
-        ["build", "demo-tiny", "-o", str(tmp_path / "out")], "qtool.fixtures.tiny:_init_model", 1, tmp_path / "m"
+        ["build", "demo-tiny", "-o", str(tmp_path / "out")], "qtool.fixtures.bf16:_init_model", 1, tmp_path / "m"
     )
     assert "interrupted" in err and "making the builtin tiny-bf16" in err, err
     assert list(cache.rglob("bf16.partial")), "the pause was not inside the fixture's transaction"

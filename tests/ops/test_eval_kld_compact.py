@@ -5,6 +5,7 @@ vocabulary (248,320): mean within 1 %, >= 100x smaller than float32 full-vocabul
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -122,7 +123,7 @@ def test_tiny_models_compact_within_1pct(request, tmp_path):
         run(str(out), str(test), opts=KldOptions(windows=n, seq_len=seq, stride=5))
 
 
-def test_save_ref_again_with_force_replaces_it(request, tmp_path):
+def test_save_ref_again_with_force_replaces_it(request, tmp_path, monkeypatch):
     """`eval kld --ref CK --save-ref OUT --force` twice: the second run replaces the first's OUT (it
     carries qtool's manifest, as every qtool output does); without --force it is refused, OUT intact."""
     from qtool.cli.main import main
@@ -131,6 +132,7 @@ def test_save_ref_again_with_force_replaces_it(request, tmp_path):
     ck = fixture_dir(request, "tiny_nvfp4_modelopt")
     out = tmp_path / "ref"
     argv = ["eval", "kld", "--ref", str(ck), "--save-ref", str(out), "--windows", "2", "--seq-len", "32", "--quiet"]
+    monkeypatch.setattr(sys, "argv", ["qtool", *argv])  # the manifest records the command line from it
     assert main(argv) == 0
     m = read_manifest(out / "qtool-manifest.json")
     assert m["operation"] == "eval-kld-save-ref" and "0.safetensors" in m["files"]
