@@ -375,7 +375,7 @@ def write_output(plan: OutputPlan, tx: OutputDir, job: OutputJob) -> Applied:
                 # run had made them, and a second --resume would trust them
                 hasher.refuse_unproven(plan.inputs, partial)
             for f in plan.inputs:
-                hasher.submit(f)  # (a no-op for those hashed from reads: input_hasher took them)
+                hasher.submit(f, plan.taken.get(f))  # (a no-op for those hashed from reads: input_hasher took them)
             for e in plan.entries(Remove):
                 if os.path.lexists(partial / e.name):
                     os.unlink(partial / e.name)
@@ -723,7 +723,9 @@ def _manifest(
         if isinstance(root, dict):  # already an entry (a Hub repo at a commit)
             sources[name] = root
         else:
-            sources[name] = source_entry(root, {f: d for f, d in digests.items() if Path(f).is_relative_to(root)})
+            sources[name] = source_entry(
+                root, {f: d for f, d in digests.items() if Path(f).is_relative_to(root)}, plan.taken
+            )
     extra = {**plan.extra, **run_extra}
     skip = (MANIFEST_NAME, JOURNAL_NAME) + ((shards_section.name,) if shards_section else ())
     if tx.in_place:

@@ -371,6 +371,26 @@ def hash_fd(fd: int, path: str, chunk: int = 8 << 20, stop: threading.Event | No
     return h.hexdigest()
 
 
+def hash_ranges_fd(
+    fd: int, path: str, ranges: Iterable[tuple[int, int]], chunk: int = 8 << 20, stop: threading.Event | None = None
+) -> str:
+    """The sha256 of the bytes of `ranges` (in the order given) of the file open at `fd`."""
+    h = hashlib.sha256()
+    buf = bytearray(chunk)
+    view = memoryview(buf)
+    for start, end in ranges:
+        offset = start
+        while offset < end:
+            if stop is not None and stop.is_set():
+                raise HashStopped(path)
+            n = os.preadv(fd, [view[: min(chunk, end - offset)]], offset)
+            if not n:
+                raise OSError(errno.EIO, f"{path} ended at byte {offset}, before the {end} the job takes")
+            h.update(view[:n])
+            offset += n
+    return h.hexdigest()
+
+
 def link_tree(
     src: Path,
     dst: Path,

@@ -30,7 +30,7 @@ from typing import Any, cast
 from qtool import __version__
 from qtool.errors import WriteError
 from qtool.io.digest_cache import file_key, user_cache
-from qtool.io.files import hash_fd, hash_file, new_file
+from qtool.io.files import hash_fd, hash_file, hash_ranges_fd, new_file
 from qtool.io.files import hash_file as _hash_file
 from qtool.io.input_files import InputFiles
 from qtool.io.jsonio import dumps_compact
@@ -192,18 +192,21 @@ class InputHasher:
         recorded one); None where only reading the file would tell."""
         real = os.path.realpath(path)
         opened = self.files.open(real)  # a regular file, checked at the end whatever gives its digest
-        name = os.path.basename(real)
-        recorded = name if os.path.basename(os.path.dirname(real)) == "blobs" and _HEX64.match(name) else None
-        recorded = recorded or hub_recorded_sha256(path)
+        recorded = _free_sha256(path)
         if recorded:
             return recorded
         self.keys[real] = file_key(real, opened.stat)  # what `refresh` re-records at the end of the run
         return self.cache.lookup(real, opened.stat) if self.trust_cache else None
 
-    def submit(self, path: str) -> None:
+    def submit(self, path: str, taken: list[tuple[int, int]] | None = None) -> None:
+        """Hash an input: whole, or (`taken`: the byte ranges the job takes of it) those bytes only."""
         if path in self.futures or path in self._streamed:
             return
         real = os.path.realpath(path)
+        if taken is not None:
+            # never cached: the cache holds whole files' digests; a donor's ranges are a small read
+            self._put(path, self.pool.submit(self._hash_taken, path, real, taken))
+            return
         on_record = self.known(path)
         if on_record:
             self._put(path, _done(self._note(path, on_record)))
@@ -275,6 +278,9 @@ class InputHasher:
         if self.files.unchanged(real):  # (else the commit refuses it: no digest of no file is cached)
             self.cache.store(real, digest, before)
         return self._note(path, digest)
+
+    def _hash_taken(self, path: str, real: str, taken: list[tuple[int, int]]) -> str:
+        return self._note(path, hash_ranges_fd(self.files.open(real).fd, real, taken, stop=self._stop))
 
     def results(self) -> dict[str, str]:
         self.finish_streams()
@@ -386,12 +392,36 @@ def write_shards_section(path: Path, shards: Iterable[Any], roots: dict[str, Pat
         f.write("\n }\n}\n")
 
 
-def source_entry(root: Path, digests: dict[str, str]) -> dict:
-    """One `sources` entry: the root and {relative path: {sha256, bytes}} of its files in `digests`."""
+def source_entry(root: Path, digests: dict[str, str], taken: dict[str, list[tuple[int, int]]] | None = None) -> dict:
+    """One `sources` entry: the root and {relative path: {sha256, bytes}} of its files in `digests`. A file the
+    job took byte ranges of (`taken`) has the sha256 of those bytes, in file order (`taken_sha256`, over
+    `taken_bytes` bytes: the manifest's tensor origins say which), and its whole-file sha256 only where
+    that is on record without reading it (a Hub cache blob's name, huggingface_hub's download record)."""
+    taken = taken or {}
     files = {}
     for f, d in sorted(digests.items()):
-        files[os.path.relpath(f, root)] = {"sha256": d, "bytes": os.path.getsize(f)}
+        rel = os.path.relpath(f, root)
+        size = os.path.getsize(f)
+        if f in taken:
+            whole = _free_sha256(f)
+            files[rel] = {
+                **({"sha256": whole} if whole else {}),
+                "taken_sha256": d,
+                "taken_bytes": sum(end - start for start, end in taken[f]),
+                "bytes": size,
+            }
+        else:
+            files[rel] = {"sha256": d, "bytes": size}
     return {"path": str(root), "files": files}
+
+
+def _free_sha256(path: str) -> str | None:
+    """A file's sha256 where it is on record without reading the file."""
+    real = os.path.realpath(path)
+    name = os.path.basename(real)
+    if os.path.basename(os.path.dirname(real)) == "blobs" and _HEX64.match(name):
+        return name
+    return hub_recorded_sha256(path)
 
 
 def write_manifest(

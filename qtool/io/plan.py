@@ -146,6 +146,9 @@ class OutputPlan:
     files: list[Entry]
     sources: dict[str, Path | dict]  # the manifest's sources: name -> root directory (or a ready entry)
     inputs: list[str]  # every input file whose bytes reach the output (identity for --resume, sha256)
+    # inputs the job takes only these byte ranges of (assemble's BF16 donor files): their digest is the
+    # sha256 of those bytes, not of the whole file (a 397B's shared experts are ~1% of its 800 GB of BF16)
+    taken: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     summary: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)  # op-specific manifest sections
     hash: str | None = None  # the planner's own identity of the output (assemble: ~370k tensors, cheaper)

@@ -194,3 +194,59 @@ def test_calibrate_kv_replace_scales_reads_its_input_once(bf16, tmp_path):
         f"calibrate-kv --replace-scales read {read / nv_size:.2f}x its input ({read} of {nv_size} bytes)"
     )
     _check_digests(kv, nv)
+
+
+def _taken_digest(file: Path, tensors: set[str]) -> tuple[str, int]:
+    """The sha256 of the named tensors' bytes in `file`, in file order, read from its safetensors header."""
+    with open(file, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+        spans = sorted(tuple(header[t]["data_offsets"]) for t in tensors)
+        h = hashlib.sha256()
+        for start, end in spans:
+            f.seek(8 + n + start)
+            h.update(f.read(end - start))
+    return h.hexdigest(), sum(end - start for start, end in spans)
+
+
+@pytest.mark.slow
+def test_assemble_reads_of_its_bf16_donor_only_the_bytes_it_takes(tmp_path):
+    """Found as: a first assemble of a local pair hashed, whole, every BF16 file the output takes a tensor
+    from: taking the shared experts (about 1% of a 397B's 800 GB of BF16) read all of it, and on the
+    benchmark's medium pair a first run took 1.10x `cp -r` + `sync`. A donor file's digest is now the
+    sha256 of the bytes taken from it (`taken_sha256`); the NVFP4 shards it carries keep their whole sha256."""
+    from qtool.fixtures.synthetic import build_pair
+
+    nv, bf = build_pair(
+        tmp_path / "pair", hidden=512, layers=4, experts=32, inter=256, shared=256, shard_bytes=32 << 20
+    )
+    out = tmp_path / "out"
+    args = ["assemble", "hybrid", "--nvfp4", str(nv), "--bf16", str(bf), "--bf16-expert-layers", "none"]
+    args += ["--mtp", "drop", "--link", "copy", "-o", str(out), "--quiet"]
+    nv_bytes = sum(f.stat().st_size for f in _shards(nv))
+    bf_bytes = sum(f.stat().st_size for f in _shards(bf))
+    assert bf_bytes > 2 * nv_bytes  # reading the donor whole would show
+    best = None
+    for k in range(3):
+        shutil.rmtree(out, ignore_errors=True)
+        read = _run_dropping_pages(args, _shards(nv) + _shards(bf), _env(tmp_path / f"cache-{k}"))
+        best = read if best is None else min(best, read)
+        if best <= 1.10 * (nv_bytes + bf_bytes // 40):
+            break
+    # The NVFP4 shards are copied kernel-side and hashed by a reader of their own, which the dropped pages
+    # can send to the disk a second time (1.2-1.3x here): at most twice. The donor's untaken bytes, never.
+    m = json.loads((out / "qtool-manifest.json").read_text())
+    taken: dict[str, set[str]] = {}
+    for entry in m["shards"].values():
+        for origin in entry["tensors"].values():
+            if origin["source"] == "bf16":
+                taken.setdefault(origin["file"], set()).add(origin["tensor"])
+    donors = m["sources"]["bf16"]["files"]
+    assert set(donors) == set(taken)
+    taken_bytes = 0
+    for rel, tensors in taken.items():
+        digest, n = _taken_digest(bf / rel, tensors)
+        assert donors[rel] == {"taken_sha256": digest, "taken_bytes": n, "bytes": (bf / rel).stat().st_size}
+        taken_bytes += n
+    _check_digests(out, nv)  # the carried NVFP4 shards: their whole digest
+    assert best <= 2 * nv_bytes + 1.10 * taken_bytes + (4 << 20), (best, nv_bytes, taken_bytes, bf_bytes)

@@ -116,6 +116,7 @@ def output_plan(plan: HybridPlan) -> OutputPlan:
         files,
         sources={"nvfp4": plan.nv.root, "bf16": plan.bf.root},
         inputs=[*plan.input_files(), *(str(plan.nv.root / rel) for rel in plan.extra_files)],
+        taken=plan.taken_ranges(),
         summary={**plan.summary(), "plan_hash": plan_hash},
         hash=plan_hash,
     )

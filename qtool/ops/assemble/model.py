@@ -235,6 +235,17 @@ class HybridPlan:
         files.update(t.origin.file for s in self.shards for t in s.added)
         return sorted(files)
 
+    def taken_ranges(self) -> dict[str, list[tuple[int, int]]]:
+        """The donor files (those no output shard carries over): file -> the byte ranges the output takes
+        from it, merged and in file order (qtool.io.plan.OutputPlan.taken)."""
+        carried = {s.source_file for s in self.shards if s.rows}
+        ranges: dict[str, list[tuple[int, int]]] = {}
+        for s in self.shards:
+            for t in s.added:
+                if t.origin.file not in carried:
+                    ranges.setdefault(t.origin.file, []).append((t.origin.start, t.origin.end))
+        return {file: merged_ranges(spans) for file, spans in sorted(ranges.items())}
+
     def plan_hash(self) -> str:
         """Identity of the output: every shard's name and every tensor's origin byte range, the source
         files' sizes and mtimes, the configs. The link mode is not part of it (output bytes are the same)."""
@@ -301,3 +312,14 @@ _NUM = re.compile(r"(\d+)")
 
 def natural_key(name: str):
     return [int(p) if p.isdigit() else p for p in _NUM.split(name)]
+
+
+def merged_ranges(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Byte ranges sorted by start, overlapping or touching ones merged."""
+    out: list[tuple[int, int]] = []
+    for start, end in sorted(spans):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
