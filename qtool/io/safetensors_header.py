@@ -26,6 +26,7 @@ from typing import Any
 
 from qtool.errors import HeaderError
 from qtool.io.dtypes import DTYPE_BITS, nbytes_for
+from qtool.io.files import open_regular
 from qtool.io.tensor_table import TableSlice, TensorInfo, TensorTable  # noqa: F401 (TensorInfo is re-exported)
 
 # safetensors itself refuses headers above 100 MB (safetensors/src/tensor.rs MAX_HEADER_SIZE).
@@ -45,8 +46,6 @@ class SafetensorsHeader:
 def read_header(path: str | Path, *, check_file_size: bool = True) -> SafetensorsHeader:
     """Parse and validate the header of `path`. Raises HeaderError naming the file and the tensor."""
     path = os.fspath(path)
-    from qtool.io.files import open_regular
-
     try:
         with os.fdopen(open_regular(path, "shard file", HeaderError), "rb") as f:
             file_size = os.fstat(f.fileno()).st_size

@@ -382,7 +382,7 @@ def test_typo_in_a_flag_says_did_you_mean(tmp_path):
 @pytest.mark.parametrize(
     "target,errno_name,fix",
     [
-        ("qtool.io.writer:copy_range", "ENOSPC", "free disk space"),  # the disk fills while a shard is written
+        ("qtool.io.files:copy_range", "ENOSPC", "free disk space"),  # the disk fills while a shard is written
         ("qtool.io.writer:write_shard", "EROFS", "not writable"),  # a read-only output filesystem
     ],
 )
@@ -910,7 +910,7 @@ def test_a_failed_early_shard_stops_quantize_at_its_next_layer(tiny_bf16, tmp_pa
 
     out = tmp_path / "q"
     args = ["quantize", tiny_bf16, "-o", out, "--recipe", "qwen35-nvfp4-experts", *KV, "--quiet"]
-    p = run_failing("qtool.io.writer:copy_range", 1, "EIO", args)
+    p = run_failing("qtool.io.files:copy_range", 1, "EIO", args)
     assert p.returncode == 1 and "Input/output error" in p.stderr, p.stderr
     assert "alive at exit" not in p.stderr
     journal = json.loads((tmp_path / "q.partial/.quantize/journal.json").read_text())

@@ -13,10 +13,10 @@ import torch
 
 from qtool.formats import awq, nvfp4
 from qtool.formats.fp8 import W8A8_PARAMS
-from qtool.io.files import open_new, tmp_path
+from qtool.io.files import copy_range, open_new, tmp_path
 from qtool.io.hashed_writes import HashedWrites
 from qtool.io.in_order import InOrder
-from qtool.io.writer import FileRange, InlineBytes, OutTensor, build_header, copy_range
+from qtool.io.writer import FileRange, InlineBytes, OutTensor, build_header
 from qtool.ops.calibrate_kv.calibrate import LayerStat
 from qtool.ops.quantize import awq_search
 from qtool.ops.quantize.awq_search import awq_down_scales, rtn
