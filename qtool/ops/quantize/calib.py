@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from qtool.stream import experts as routed
+
 
 @dataclass
 class ExpertStats:
@@ -143,14 +145,10 @@ def reduce_expert_stats(stats: ExpertStats, group, owner) -> None:
 
 def install_expert_stats(experts, stats: ExpertStats) -> None:
     """Route the experts through qtool.stream.experts (transformers' eager math) recording the stats."""
-    from qtool.stream import experts as routed
-
     routed.install(experts, stats.record, stats.batch_hooks)
 
 
 def remove_expert_stats(experts) -> None:
-    from qtool.stream import experts as routed
-
     routed.install(experts)
 
 

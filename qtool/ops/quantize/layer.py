@@ -13,6 +13,7 @@ import torch
 
 from qtool.formats import awq, nvfp4
 from qtool.formats.fp8 import W8A8_PARAMS
+from qtool.formats.nvfp4_triton import quantize_fast  # Triton kernel on CUDA, torch codec elsewhere
 from qtool.io.files import copy_range, open_new, tmp_path
 from qtool.io.hashed_writes import HashedWrites
 from qtool.io.in_order import InOrder
@@ -167,8 +168,6 @@ def _block_scales(w, global_amax, weight_scale_2, method: WeightScale):
 def nvfp4_rtn(gu, down, inter, in_amax, mid_amax, recipe) -> dict[str, NVFP4Experts]:
     """qtool's own NVFP4 of a chunk of experts (ModelOpt numerics; MSE-searched block scales when the
     recipe asks). Every expert is coded on its own: the chunking does not change a byte."""
-    from qtool.formats.nvfp4_triton import quantize_fast  # Triton kernel on CUDA, torch codec elsewhere
-
     res: dict[str, NVFP4Experts] = {}
     amaxes = {"down_proj": mid_amax, "gate_proj": in_amax, "up_proj": in_amax}
     for part, w, w_amax in _nvfp4_parts(gu, down, inter):
