@@ -12,10 +12,15 @@ Full attention: K/V amax via qtool.stream.layer_stream.attention_tap (same as ca
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
-
+from qtool.lazy import lazy_module
 from qtool.stream import experts as routed
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch")
 
 
 @dataclass

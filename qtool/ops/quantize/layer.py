@@ -7,9 +7,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
-
-import torch
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from qtool.formats import awq, nvfp4
 from qtool.formats.fp8 import W8A8_PARAMS
@@ -18,6 +16,7 @@ from qtool.io.files import copy_range, open_new, tmp_path
 from qtool.io.hashed_writes import HashedWrites
 from qtool.io.in_order import InOrder
 from qtool.io.writer import FileRange, InlineBytes, OutTensor, build_header
+from qtool.lazy import lazy_module
 from qtool.ops.calibrate_kv.calibrate import LayerStat
 from qtool.ops.quantize import awq_search
 from qtool.ops.quantize.awq_search import awq_down_scales, rtn
@@ -27,6 +26,11 @@ from qtool.ops.quantize.plan import QUANT_PARAMS, LayerPlan, QuantizePlan
 from qtool.ops.quantize.schemes import code_fp8_linear
 from qtool.recipes import InputScale, OutFormat, Scheme, WeightScale
 from qtool.stream.device_copy import download
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch")
 
 CHUNK_EXPERTS = 16
 # copied tensors read with the layer are written in pieces of at most this size (one larger tensor alone):
