@@ -389,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'run':<46} {'wall s med':>10} {'min':>7} {'max':>7} {'x cp+sync':>10} {'peak RSS MB':>12}")
     for k, v in results.items():
         # the ratio: median over rounds of (this run / the baseline run of the same round)
-        ratio = statistics.median(a["wall"] / b["wall"] for a, b in zip(v, base))
+        ratio = statistics.median(a["wall"] / b["wall"] for a, b in zip(v, base, strict=True))
         print(
             f"{k:<46} {med(v):>10.2f} {min(r['wall'] for r in v):>7.2f} {max(r['wall'] for r in v):>7.2f} "
             f"{ratio:>10.2f} {max(r['rss_kb'] for r in v) / 1024:>12.0f}"

@@ -125,7 +125,7 @@ def record_as_downloaded(root: Path) -> None:
     meta = root / ".cache" / "huggingface" / "download"
     meta.mkdir(parents=True, exist_ok=True)
     commit = hashlib.sha1(b"bench").hexdigest()
-    for f, d in zip(files, digests):
+    for f, d in zip(files, digests, strict=True):
         (meta / (f.name + ".metadata")).write_text(f"{commit}\n{d}\n{time.time()}\n")
 
 

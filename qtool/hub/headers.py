@@ -114,7 +114,7 @@ def _fetch(listing, out: Path, token: str | None) -> dict:
         # the shards at once: each costs a round trip or two, which is what a header-only job waits for
         with ThreadPoolExecutor(max_workers=PARALLEL, thread_name_prefix="qtool-headers") as pool:
             deferred = dict(
-                zip(shards, pool.map(lambda path: _stand_in_shard(reader, path, tx.partial / path), shards))
+                zip(shards, pool.map(lambda path: _stand_in_shard(reader, path, tx.partial / path), shards), strict=True)
             )
         deferred = {s: runs for s, runs in deferred.items() if runs}
         if deferred:

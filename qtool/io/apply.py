@@ -243,7 +243,8 @@ def check_written(plan: OutputPlan, partial: Path, kinds: tuple = (Produced,)) -
         got = [(n, i.dtype, tuple(i.shape)) for n, i in read_header(path).tensors.items()]
         want = [(t.name, t.dtype, tuple(t.shape)) for t in e.tensors]
         if got != want:
-            i = next((i for i, (w, g) in enumerate(zip(want, got)) if w != g), min(len(want), len(got)))
+            # the first difference within the common prefix (strict=False: the lists may differ in length)
+            i = next((i for i, (w, g) in enumerate(zip(want, got, strict=False)) if w != g), min(len(want), len(got)))
             raise VerificationError(
                 "a written shard is not what the plan promised (a qtool bug)",
                 path=path,
@@ -660,7 +661,7 @@ def kept_files(journal: Journal, partial: Path, names: list[str]) -> dict[str, s
     recorded = {n: journal.done[n].get("sha256") for n in names}
     to_check = [n for n in names if recorded[n]]
     with ThreadPoolExecutor(max_workers=WRITERS, thread_name_prefix="qtool-kept-sha256") as pool:
-        now = dict(zip(to_check, pool.map(lambda n: hash_file(partial / n), to_check)))
+        now = dict(zip(to_check, pool.map(lambda n: hash_file(partial / n), to_check), strict=True))
     changed = [n for n in to_check if now[n] != recorded[n]]
     for n in changed:
         journal.done.pop(n)

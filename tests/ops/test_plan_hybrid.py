@@ -211,7 +211,7 @@ def _spearman(a: list[float], b: list[float]) -> float:
 
     ra, rb = ranks(a), ranks(b)
     ma, mb = statistics.mean(ra), statistics.mean(rb)
-    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb, strict=True))
     return cov / (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
 
 

@@ -52,7 +52,7 @@ class ChunkScales:
         best, err, rtn_err = (t.tolist() for t in (self.best, self.best_err, self.rtn_err))
         return [
             {"expert": e0 + k, "alpha": b / self.grid, "down_mse": _finite(m), "down_mse_rtn": _finite(r)}
-            for k, (b, m, r) in enumerate(zip(best, err, rtn_err))
+            for k, (b, m, r) in enumerate(zip(best, err, rtn_err, strict=True))
         ]
 
 

@@ -130,7 +130,7 @@ def reduce_expert_stats(stats: ExpertStats, group, owner) -> None:
     for dst in range(group.world):
         # clones: a piece is a view of the layer's page-locked buffer, which pickling would send whole
         mine = {
-            e: [(b, t.clone()) for b, t in zip(stats._row_batches[e], stats.mid_rows[e])]
+            e: [(b, t.clone()) for b, t in zip(stats._row_batches[e], stats.mid_rows[e], strict=True)]
             for e in range(stats.n_experts)
             if owner(e) == dst
         }

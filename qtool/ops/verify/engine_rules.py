@@ -607,7 +607,7 @@ def kv_findings(mm: ModelMap, kv_cache_dtype: str) -> list[Finding]:
     kv = mm.kv
     # scales already there (some layers', or uncalibrated ones) are replaced only when asked
     fix = f"qtool calibrate-kv {ckpt} --in-place" + (" --replace-scales" if kv.layers else "")
-    missing = [l for l in mm.full_attention if l not in kv.layers]
+    missing = [layer for layer in mm.full_attention if layer not in kv.layers]
     out: list[Finding] = []
     if missing:
         out.append(
