@@ -99,7 +99,8 @@ class NoHashes:  # sha256 of ~240 GB of holes would take minutes and hold 16 MB 
 writer.copy_range = files.copy_range = sparse_copy  # shards (write_shard) and whole files (copy_file)
 apply.InputHasher = NoHashes
 apply.free_space = lambda path: 1 << 50
-nv, bf, out, layers = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), tuple(int(x) for x in sys.argv[4].split(",") if x)
+nv, bf, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+layers = tuple(int(x) for x in sys.argv[4].split(",") if x)
 t = time.perf_counter()
 plan = plan_hybrid(HybridOptions(nvfp4=nv, bf16=bf, out=out, bf16_expert_layers=layers, link=LinkMode.COPY))
 plan.options.force = True

@@ -216,10 +216,7 @@ def _write_small(e: Copy | Json | Text | Index, tx: OutputDir, plan: OutputPlan)
             for chunk in index_text_of(e):
                 f.write(chunk.encode())
         return
-    if isinstance(e, Json):
-        data = plan.json_bytes(e)
-    else:
-        data = e.text.encode()
+    data = plan.json_bytes(e) if isinstance(e, Json) else e.text.encode()
     with new_file(dst, tx.file_mode) as f:
         f.write(data)
 
@@ -333,8 +330,8 @@ class OutputJob:
     runs, not after its last layer. A `fed` Shard's sources are bytes produce() reads itself (calibrate-kv's
     layers, in the shards it rewrites): it hands them over (ProducedShards.feed) and the shard is written
     from them then, not copied from the input again; its tensors not given, and a fed shard never fed (a
-    resumed job's layers before its restart), are copied from the input. stop: set to stop the writers. hasher: the transaction's
-    `input_hasher`, where the job began reading before its plan was made (it hashes the files read then;
+    resumed job's layers before its restart), are copied from the input. stop: set to stop the writers. hasher: the
+    transaction's `input_hasher`, where the job began reading before its plan was made (it hashes the files read then;
     its maker closes it, after the reads have ended)."""
 
     command: str | None

@@ -12,7 +12,7 @@ import struct
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import NamedTuple, Union
+from typing import NamedTuple
 
 from qtool.errors import CheckpointError
 from qtool.io.checkpoint import INDEX_NAME
@@ -44,7 +44,7 @@ class InlineBytes(NamedTuple):
         return len(self.data)
 
 
-Source = Union[FileRange, InlineBytes]
+Source = FileRange | InlineBytes
 
 
 class OutTensor(NamedTuple):

@@ -242,7 +242,8 @@ def _moe(
             probs.add(
                 Code.MISSING_TENSOR if gu is None else Code.SHAPE_MISMATCH,
                 f"{p}experts.gate_up_proj",
-                f"{p}experts.gate_up_proj is {None if gu is None else list(gu.shape)}, expected [{E}, {2 * inter}, {H}]",
+                f"{p}experts.gate_up_proj is {None if gu is None else list(gu.shape)}, "
+                f"expected [{E}, {2 * inter}, {H}]",
             )
         if dn is _SPLIT:
             pass

@@ -646,8 +646,8 @@ def test_build_publishing_keeps_the_sources_permissions_and_refuses_a_source_as_
     src = copy_of(tiny_nvfp4_modelopt, tmp_path / "src")
     recipe = tmp_path / "r.yaml"
     recipe.write_text(
-        "name: r\nsources:\n  nv: {path: %s}\nsteps:\n"
-        "  - {id: p, op: patch-config, input: nv, with: {fixes: [router-ignore]}}\n" % src
+        f"name: r\nsources:\n  nv: {{path: {src}}}\nsteps:\n"
+        "  - {id: p, op: patch-config, input: nv, with: {fixes: [router-ignore]}}\n"
     )
     modes = {f.name: st.S_IMODE(f.stat().st_mode) for f in src.iterdir()}
     assert run_cli(["build", recipe, "-o", tmp_path / "out", "--quiet"]).returncode == 0, "build"
@@ -754,8 +754,8 @@ def test_output_dot_and_build_over_a_source_refused_before_any_step(tiny_nvfp4_m
     src = copy_of(tiny_nvfp4_modelopt, tmp_path / "nv")
     recipe = tmp_path / "r.yaml"
     recipe.write_text(
-        "name: r\nsources:\n  nv: {path: %s}\nsteps:\n"
-        "  - {id: p, op: patch-config, input: nv, with: {fixes: [router-ignore]}}\n" % src
+        f"name: r\nsources:\n  nv: {{path: {src}}}\nsteps:\n"
+        "  - {id: p, op: patch-config, input: nv, with: {fixes: [router-ignore]}}\n"
     )
     p = run_cli(["build", recipe, "-o", src, "--force"])
     assert p.returncode == 2 and "overlaps" in p.stderr

@@ -1,5 +1,5 @@
-"""A layer shard's sha256 computed as it is written (qtool.io.hashed_writes.HashedWrites): the digest of exactly the bytes
-on disk, or None (the file is then hashed from disk) when the hash falls behind the writer."""
+"""A layer shard's sha256 computed as it is written (qtool.io.hashed_writes.HashedWrites): the digest of exactly the
+bytes on disk, or None (the file is then hashed from disk) when the hash falls behind the writer."""
 
 from __future__ import annotations
 

@@ -54,7 +54,11 @@ def test_router_ignore_in_both_schemas_and_idempotent(ckpt):
     before_cfg = (ckpt / "config.json").read_text()
     plan = pc.plan(pc.PatchOptions(ckpt, fixes=[pc.Fix.ROUTER_IGNORE]))
     assert plan.results[0].applied and plan.changed
-    added = [line for line in plan.files["config.json"].diff().splitlines() if line.startswith("+") and not line.startswith("+++")]
+    added = [
+        line
+        for line in plan.files["config.json"].diff().splitlines()
+        if line.startswith("+") and not line.startswith("+++")
+    ]
     assert any(f'"{ROUTER}"' in line for line in added)
     assert (ckpt / "config.json").read_text() == before_cfg  # planning writes nothing
     assert sorted(pc.apply(plan)) == ["config.json", "hf_quant_config.json"]

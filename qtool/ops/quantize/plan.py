@@ -243,10 +243,7 @@ def _expert_params(
     out = []
     for part in PARTS:
         o, i = (hidden, inter) if part == "down_proj" else (inter, hidden)
-        if scheme is Scheme.W4A16:
-            g = effective_group_size(i, group)
-        else:
-            g = 16
+        g = effective_group_size(i, group) if scheme is Scheme.W4A16 else 16
         for name, dt, shp in QUANT_PARAMS[(scheme, fmt)]:
             out.append((f"{part}.{name}", dt, tuple(shp(o, i, g))))
     return tuple(out)

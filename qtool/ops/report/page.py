@@ -55,7 +55,9 @@ def page_charts(artifacts: list[dict]) -> dict[str, str | None]:
     fits = [(label, a["verify"]["fit"]) for label, a in zip(labels, artifacts, strict=True)]
     klds = [(label, a["kld"]) for label, a in zip(labels, artifacts, strict=True)]
     return {
-        "kv": charts.kv_scales_chart([(label, a["inspect"]["kv_scales"]) for label, a in zip(labels, artifacts, strict=True)], "kv"),
+        "kv": charts.kv_scales_chart(
+            [(label, a["inspect"]["kv_scales"]) for label, a in zip(labels, artifacts, strict=True)], "kv"
+        ),
         "memory": charts.memory_chart(fits, "mem"),
         "capacity": charts.capacity_chart(fits, "cap"),
         "kld_histogram": charts.kld_histogram_chart(klds, "kldh"),

@@ -329,7 +329,8 @@ def per_engine_stale_scales(findings: list[Finding], versions: list[EngineVersio
     the module unquantized, with no parameter for the scale: vLLM 0.33 refuses at load ("There is no module
     or parameter named 'lm_head.input_scale'", vllm issue 45102; an AttributeError for in_proj_a/b, which it
     stacks), an error; SGLang 0.5.23 skips it with "Parameter ... not found in params_dict", a warning;
-    older SGLang (sglang issue 19587, reported on main of 2026-02-28) then failed a shape assertion: an error. Both checked with the real loaders
+    older SGLang (sglang issue 19587, reported on main of 2026-02-28) then failed a shape assertion: an error. Both
+    checked with the real loaders
     (tests/engines/test_loaders.py variant-stray-*). Other stale tensors keep their engine-free error."""
 
     def on_bf16_module(f: Finding) -> bool:
