@@ -8,7 +8,8 @@ machine, in the same page cache, interleaved (A B, B A, ...) so that a drift of 
 where /tmp/old holds the other tree (`git archive REV qtool | tar -x -C /tmp/old`). Each run is
 `python -P -m qtool ARGS --json --quiet` with the tree first on PYTHONPATH (Python 3.11+: `-P` keeps the
 working folder, a checkout of its own, from coming first). Per run: wall; start (launch to the first
-layer's load); loop (that to the last layer done); per_layer (a steady layer: the first layer done to the last but one, with 3 or more layers, as
+layer's load); loop (that to the last layer done); per_layer (a steady layer: the first layer done to the last but one,
+with 3 or more layers, as
 bench_real_layers.py counts it); tail (what the last layer took beyond a steady one: quantize's last shard
 hash); end (the last layer done to the process's exit). Then each tree's means.
 """

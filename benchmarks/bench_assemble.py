@@ -19,8 +19,8 @@ they would be on a first assemble of a local checkpoint; `... hashes cached` is 
 
 The pair generator (`build_pair`, qtool.fixtures.synthetic) is shared with tests/ops/test_assemble*.py.
 The BF16 source's routed experts are written as holes (sparse files) except for layer 0's and the MTP
-head's (what the run takes from it), so the BF16 side stays small on disk while its layout is the real one. By default the runs use
-a subset of it holding only what assemble takes (`write_bf16_subset`), which is what `--bf16 hf:...`
+head's (what the run takes from it), so the BF16 side stays small on disk while its layout is the real one. By default
+the runs use a subset of it holding only what assemble takes (`write_bf16_subset`), which is what `--bf16 hf:...`
 range-fetches (an HF cache snapshot costs no hashing at all: blob names are the sha256); `--bf16-full`
 times against the full sparse source instead. The cold-hash figure for the other source is reported too.
 """
@@ -389,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'run':<46} {'wall s med':>10} {'min':>7} {'max':>7} {'x cp+sync':>10} {'peak RSS MB':>12}")
     for k, v in results.items():
         # the ratio: median over rounds of (this run / the baseline run of the same round)
-        ratio = statistics.median(a["wall"] / b["wall"] for a, b in zip(v, base))
+        ratio = statistics.median(a["wall"] / b["wall"] for a, b in zip(v, base, strict=True))
         print(
             f"{k:<46} {med(v):>10.2f} {min(r['wall'] for r in v):>7.2f} {max(r['wall'] for r in v):>7.2f} "
             f"{ratio:>10.2f} {max(r['rss_kb'] for r in v) / 1024:>12.0f}"

@@ -65,11 +65,12 @@ EXECUTE_SPARSE = r"""
 import json, os, resource, sys, time
 from pathlib import Path
 import importlib
+import qtool.io.files as files
 import qtool.io.writer as writer
 from qtool.ops.assemble import HybridOptions, LinkMode, plan_hybrid
 ex = importlib.import_module("qtool.ops.assemble.execute")  # the package exports a function of that name
 apply = importlib.import_module("qtool.io.apply")  # the shared executor
-real_copy = writer.copy_range
+real_copy = files.copy_range
 def sparse_copy(src_fd, dst_fd, start, count, stop=None):
     # copies the source range's data extents and leaves its holes as holes (SEEK_DATA / SEEK_HOLE): the
     # output gets exactly the sources' bytes without writing 233 GB of zeros, which this disk lacks
@@ -95,10 +96,11 @@ class NoHashes:  # sha256 of ~240 GB of holes would take minutes and hold 16 MB 
     def submit_output(self, path): pass
     def results(self): return {}
     def close(self): pass
-writer.copy_range = sparse_copy
+writer.copy_range = files.copy_range = sparse_copy  # shards (write_shard) and whole files (copy_file)
 apply.InputHasher = NoHashes
 apply.free_space = lambda path: 1 << 50
-nv, bf, out, layers = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), tuple(int(x) for x in sys.argv[4].split(",") if x)
+nv, bf, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+layers = tuple(int(x) for x in sys.argv[4].split(",") if x)
 t = time.perf_counter()
 plan = plan_hybrid(HybridOptions(nvfp4=nv, bf16=bf, out=out, bf16_expert_layers=layers, link=LinkMode.COPY))
 plan.options.force = True

@@ -56,7 +56,7 @@ def main() -> None:
         pre.append((q.block_scale, (1.0 / q.weight_scale_2).reshape(1)))
 
     def ct_run():
-        for w, (bs, gs) in zip(ws, pre):
+        for w, (bs, gs) in zip(ws, pre, strict=True):
             x = ct_quantize(w, scale=bs.to(torch.float32) / gs, zero_point=None, args=args, global_scale=gs)
             pack_fp4_to_uint8(x)
 

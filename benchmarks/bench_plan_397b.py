@@ -327,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
             at = [r[2]["load"] for r in rs]
             print(
                 f"{name:<14} {statistics.median(at):6.2f} s {median(name, 0):6.2f} s {median(name, 1):6.2f} s   "
-                + " ".join(f"{a:.2f}/{w:.2f}/{c:.2f}" for a, (w, c, _) in zip(at, rs))
+                + " ".join(f"{a:.2f}/{w:.2f}/{c:.2f}" for a, (w, c, _) in zip(at, rs, strict=True))
             )
         return 0
     print(f"{'run':<14} {'wall':>8} {'CPU':>8} {'plan: wall':>11} {'plan: CPU':>10}   rounds (wall / CPU)")

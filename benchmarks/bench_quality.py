@@ -31,8 +31,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from qtool.fixtures.proxy import proxy_checkpoint
-from qtool.io.safetensors_header import read_header
+from qtool.fixtures.proxy import proxy_checkpoint  # noqa: E402 (after sys.path: the checkout's qtool)
+from qtool.io.safetensors_header import read_header  # noqa: E402
 
 BASELINE = "nvfp4-max"
 
@@ -224,7 +224,8 @@ def _last_line(proc: subprocess.CompletedProcess) -> str:
 def table(rows: list[dict]) -> str:
     base = next((r["mean_kld"] for r in rows if r["key"] == BASELINE), math.nan)
     lines = [
-        "| method | tool | mean KLD | ratio to qtool NVFP4 max | expert bytes | all weight bytes | quantize s (wall / CPU) |",
+        "| method | tool | mean KLD | ratio to qtool NVFP4 max "
+        "| expert bytes | all weight bytes | quantize s (wall / CPU) |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:

@@ -15,7 +15,8 @@ its own process, or `--nproc N` ranks: one row per rank count of `--nproc 1,2,4`
 cold (page cache dropped, where the kernel lets root do it) and warm (the same run again), and `cat` of the
 job's input files once, in the same run. Prints per job: wall, layer loop, seconds per layer, time before
 the first layer, the ratio of the layer loop to `cat`, peak host RSS (the job's process) and peak GPU
-memory (nvidia-smi, sampled), and the projection to all the model's layers (60 for the 397B) on this disk and on a 14 GB/s one.
+memory (nvidia-smi, sampled), and the projection to all the model's layers (60 for the 397B) on this disk and on a
+14 GB/s one.
 
     python3 benchmarks/bench_real_layers.py --workdir /tmp/brl --layers 2 --samples 16 --seq-len 2048
     python3 benchmarks/bench_real_layers.py --smoke --workdir /tmp/brl-smoke   # tiny shapes on CPU (CI smoke)
@@ -125,14 +126,14 @@ def record_as_downloaded(root: Path) -> None:
     meta = root / ".cache" / "huggingface" / "download"
     meta.mkdir(parents=True, exist_ok=True)
     commit = hashlib.sha1(b"bench").hexdigest()
-    for f, d in zip(files, digests):
+    for f, d in zip(files, digests, strict=True):
         (meta / (f.name + ".metadata")).write_text(f"{commit}\n{d}\n{time.time()}\n")
 
 
 def build_smoke(out: Path) -> None:
     """The tiny BF16 fixture (CPU smoke mode: the same jobs and table, toy shapes)."""
-    from qtool.fixtures.builtin import FixtureCache
     from qtool.cache import cache_dir
+    from qtool.fixtures.builtin import FixtureCache
 
     if not out.exists():
         shutil.copytree(FixtureCache(cache_dir() / "fixtures").path("bf16"), out)
@@ -605,10 +606,13 @@ def steady_layer(done: list[float], first: float) -> tuple[float, float]:
 
 def print_table(rows: list[dict]) -> None:
     print(
-        f"\n{'job':13s} {'ranks':>5s} {'cache':7s} {'in GB':>6s} {'wall':>7s} {'loop':>7s} {'s/layer':>8s} {'start':>6s} "
-        f"{'end':>5s} {'tail':>5s} {'cat':>6s} {'dd':>6s} {'loop/floor':>10s} {'wall/floor':>10s} {'RSS GB':>7s} {'GPU GB':>7s} "
+        f"\n{'job':13s} {'ranks':>5s} {'cache':7s} {'in GB':>6s} {'wall':>7s} {'loop':>7s} {'s/layer':>8s} "
+        f"{'start':>6s} "
+        f"{'end':>5s} {'tail':>5s} {'cat':>6s} {'dd':>6s} {'loop/floor':>10s} {'wall/floor':>10s} "
+        f"{'RSS GB':>7s} {'GPU GB':>7s} "
         f"{'disk GB':>7s} {'all layers':>10s} {'@14GB/s':>8s} {'cat+dd':>6s} {'loop/both':>9s} "
-        f"{'pread':>6s} {'layer floor':>11s} {'s/layer/lf':>10s} {'prog GB':>7s} {'alloc/held GB':>13s} {'mem wr':>6s} {'layer wr':>8s}"
+        f"{'pread':>6s} {'layer floor':>11s} {'s/layer/lf':>10s} "
+        f"{'prog GB':>7s} {'alloc/held GB':>13s} {'mem wr':>6s} {'layer wr':>8s}"
     )
     for r in rows:
         gpu = f"{r['peak_gpu_bytes'] / 1e9:7.1f}" if r["peak_gpu_bytes"] else "      -"
@@ -620,7 +624,8 @@ def print_table(rows: list[dict]) -> None:
             else "-"
         )
         print(
-            f"{r['job']:13s} {r['ranks']:5d} {r['cache']:7s} {r['input_bytes'] / 1e9:6.1f} {r['wall_s']:7.1f} {r['loop_s']:7.1f} "
+            f"{r['job']:13s} {r['ranks']:5d} {r['cache']:7s} {r['input_bytes'] / 1e9:6.1f} {r['wall_s']:7.1f} "
+            f"{r['loop_s']:7.1f} "
             f"{r['per_layer_s']:8.2f} {r['before_first_layer_s']:6.1f} {r['after_last_layer_s']:5.1f} "
             f"{r.get('last_layer_tail_s') or 0:5.1f} {r['cat_s']:6.1f} "
             f"{r['dd_s'] or 0:6.1f} {r['loop_over_floor'] or 0:10.2f} {r['wall_over_floor'] or 0:10.2f} "
@@ -718,7 +723,7 @@ def main() -> int:
     for cold in (False,) if a.warm_only else (True,) if a.cold_only else (True, False):
         for ranks in (int(n) for n in a.nproc.split(",")):
 
-            def job(name, argv, inputs):
+            def job(name, argv, inputs, cold=cold, ranks=ranks):  # (called within this round)
                 rows.append(
                     one_job(name, argv, inputs, layers, cold, a.profile, ranks, real_layers, a.device, a.timeline)
                 )

@@ -4,6 +4,7 @@ calls `tell`, and the CLI decides where the lines go (stderr; nowhere under --qu
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 from qtool.redact import redact_text
@@ -36,7 +37,5 @@ class _Stderr(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         import sys
 
-        try:
+        with contextlib.suppress(OSError, ValueError):
             print(redact_text(self.format(record)), file=sys.stderr, flush=True)
-        except (OSError, ValueError):
-            pass

@@ -17,6 +17,7 @@ writes its results after the program returns).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import sys
 import threading
@@ -57,10 +58,8 @@ def flush_stdio(code: int) -> int:
 
 def drop_stdout() -> None:
     """Send what is left of stdout nowhere, so that no later flush fails again."""
-    try:
+    with contextlib.suppress(OSError, ValueError):
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    except (OSError, ValueError):
-        pass
 
 
 def _say(message: str) -> None:

@@ -13,8 +13,8 @@ A recipe is a YAML file in `recipes/` (or any path), validated here at the bound
       0: {routed_experts: bf16}
     kv_cache: fp8                # fp8 | none   (FP8 KV-cache scales calibrated on the full-attention layers)
     nvfp4:                       # only with an nvfp4 group
-      weight_scale: max          # max (RTN from amax) | mse (7 shrink factors per block) | mse_sweep (126 E4M3 scales per block)
-                                 # | four_over_six (max -> 6 or 4 per block)
+      weight_scale: max          # max (RTN from amax) | mse (7 shrink factors per block)
+                                 # | mse_sweep (126 E4M3 scales per block) | four_over_six (max -> 6 or 4 per block)
       input_scale: layer_max     # layer_max (ModelOpt: one amax shared by all experts) | per_expert
     int4:                        # only with a w4a16 group
       group_size: 128

@@ -326,10 +326,9 @@ def _make_handler(hub: FakeHub):
             if repo is None:
                 self._error(404, "RepoNotFound", "Repository not found")
                 return None
-            if repo.private_token is not None:
-                if self.headers.get("Authorization") != f"Bearer {repo.private_token}":
-                    self._error(401, "RepoNotFound", "Invalid username or password.")
-                    return None
+            if repo.private_token is not None and self.headers.get("Authorization") != f"Bearer {repo.private_token}":
+                self._error(401, "RepoNotFound", "Invalid username or password.")
+                return None
             return repo
 
         def _commit(self, repo: FakeRepo, rev: str) -> str | None:

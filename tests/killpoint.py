@@ -7,7 +7,8 @@ runs `qtool qtool-args...` in this process, with MODULE.QUALNAME wrapped so that
 SIGKILL right after the Nth call of it returns (nothing after that point runs: no finally, no atexit), or,
 with an errno name, so that the Nth call raises that OSError instead (a full or read-only disk at that
 moment), or with PAUSE:FILE, so that the process stops there (it creates FILE.paused and waits for FILE.go:
-a second run can then be made to happen at exactly that moment). No hook in qtool's own code: the tests choose the moment by naming the function.
+a second run can then be made to happen at exactly that moment). No hook in qtool's own code: the tests choose the
+moment by naming the function.
 KILLPOINT_SLOW=MODULE:QUALNAME:SECONDS (environment) also makes each call of that function take that much
 longer (a slow disk or hash, where a race depends on it). A run that exits (not killed) says on stderr which
 of qtool's threads were still alive at its exit ("qtool threads alive at exit: ..."): none may be.

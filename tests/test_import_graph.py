@@ -69,55 +69,14 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("cli", ("qtool.cli", "qtool.__main__")),
 )
 
-# The shared layer pipeline's remaining violations (qtool/ops/quantize/*, qtool/stream/layer_stream.py,
-# qtool/stream/layer_read.py, qtool/io/writer.py), edge by edge (importer, imported): each imports a module
-# that imports torch at its top (kept out of `qtool --help` and the plans' --dry-run) or that would close an
-# import cycle at the top. Each entry must still be a violation (the test fails on one that is gone).
-IN_FUNCTION_EXCEPTIONS = frozenset(
-    {
-        ("qtool.io.writer", "qtool.io.files"),
-        ("qtool.ops.quantize.calib", "qtool.stream.experts"),
-        ("qtool.ops.quantize.configs", "qtool.engines"),
-        ("qtool.ops.quantize.configs", "qtool.engines.decide"),
-        ("qtool.ops.quantize.configs", "qtool.formats.awq"),
-        ("qtool.ops.quantize.configs", "qtool.ops.calibrate_kv"),
-        ("qtool.ops.quantize.execute", "qtool.ops.quantize.stage"),  # (stage imports torch at its top)
-        ("qtool.ops.quantize.layer", "qtool.formats.nvfp4_triton"),
-        ("qtool.ops.quantize.plan", "qtool.formats.awq"),
-        ("qtool.stream.layer_read", "qtool.io.dtypes"),
-        ("qtool.stream.layer_stream", "qtool.stream.experts"),
-    }
-)
+# Exceptions, edge by edge (importer, imported); each entry must still be a violation (the test fails on one
+# that is gone). None today: a module of the layer pipeline that needs torch names it at its top through
+# qtool.lazy (imported on first use), so that importing it keeps torch out of `qtool --help` and --dry-run.
+IN_FUNCTION_EXCEPTIONS: frozenset[tuple[str, str]] = frozenset()
 UPWARD_EXCEPTIONS: frozenset[tuple[str, str]] = frozenset()
 # an edge listed here is taken out of the graph before cycles are looked for (each is an in-function import
 # that closes a cycle: moved to the top, it would fail at import time)
-CYCLE_EXCEPTIONS = frozenset(
-    {
-        ("qtool.io.writer", "qtool.io.files"),
-    }
-)
-
-# NOT DONE YET in editable files (the same rules, the same exactness): the in-function imports that close
-# the one remaining cycle, io: files -> writer (files' copies use writer.copy_range) -> index_file / jsonio /
-# safetensors_header -> files. It goes when copy_range moves down into io.files (writer then imports it from
-# there, an edit of io/writer.py, listed above): files stops importing writer, these four imports move to the
-# top, and CYCLE_EXCEPTIONS' (writer, files) goes too. Moving one to the top makes its entry fail here.
-NOT_YET_IN_FUNCTION = frozenset(
-    {
-        ("qtool.io.files", "qtool.io.writer"),
-        ("qtool.io.index_file", "qtool.io.files"),
-        ("qtool.io.jsonio", "qtool.io.files"),
-        ("qtool.io.safetensors_header", "qtool.io.files"),
-    }
-)
-NOT_YET_CYCLES = frozenset(
-    {
-        ("qtool.io.files", "qtool.io.writer"),
-        ("qtool.io.index_file", "qtool.io.files"),
-        ("qtool.io.jsonio", "qtool.io.files"),
-        ("qtool.io.safetensors_header", "qtool.io.files"),
-    }
-)
+CYCLE_EXCEPTIONS: frozenset[tuple[str, str]] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -280,14 +239,11 @@ def test_every_module_has_a_floor():
 
 
 def test_no_import_cycles():
-    cycles = [
-        _cycle_in(c, _runtime_graph(CYCLE_EXCEPTIONS | NOT_YET_CYCLES))
-        for c in _components(_runtime_graph(CYCLE_EXCEPTIONS | NOT_YET_CYCLES))
-    ]
+    cycles = [_cycle_in(c, _runtime_graph(CYCLE_EXCEPTIONS)) for c in _components(_runtime_graph(CYCLE_EXCEPTIONS))]
     assert not cycles, "import cycles:\n" + "\n".join("  " + " -> ".join(c) for c in cycles)
     in_cycles = {m: i for i, c in enumerate(_components(_runtime_graph())) for m in c}
-    gone = sorted(e for e in CYCLE_EXCEPTIONS | NOT_YET_CYCLES if in_cycles.get(e[0], -1) != in_cycles.get(e[1], -2))
-    assert not gone, f"no longer part of a cycle, remove from CYCLE_EXCEPTIONS / NOT_YET_CYCLES: {gone}"
+    gone = sorted(e for e in CYCLE_EXCEPTIONS if in_cycles.get(e[0], -1) != in_cycles.get(e[1], -2))
+    assert not gone, f"no longer part of a cycle, remove from CYCLE_EXCEPTIONS: {gone}"
 
 
 def test_no_import_from_a_lower_floor_to_a_higher_one():
@@ -306,7 +262,7 @@ def test_no_import_from_a_lower_floor_to_a_higher_one():
 def test_qtool_modules_are_imported_at_the_top_of_the_file():
     local = [e for e in EDGES if e.in_function and not e.type_only]
     found = {(e.source, e.target) for e in local}
-    allowed = IN_FUNCTION_EXCEPTIONS | NOT_YET_IN_FUNCTION
+    allowed = IN_FUNCTION_EXCEPTIONS
     bad = sorted({e.where() + " inside a function" for e in local if (e.source, e.target) not in allowed})
     assert not bad, "qtool modules imported inside functions (import them at the top):\n" + "\n".join(bad)
     gone = sorted(allowed - found)

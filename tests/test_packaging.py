@@ -72,8 +72,10 @@ def test_build_runs_from_another_directory(installed, tmp_path):
     )
     (mine / "build.yaml").write_text(
         "name: mine\nsources:\n  bf16: {builtin: tiny-bf16}\nsteps:\n"
-        "  - {id: q, op: quantize, input: bf16, with: {recipe: recipes/experts.yaml, samples: 2, seq_len: 16}}\n"  # docs-ref: not a repository path
-        "  - {id: q2, op: quantize, input: bf16, with: {recipe: recipes/qwen35-nvfp4-experts.yaml, samples: 2, seq_len: 16}}\n"
+        "  - {id: q, op: quantize, input: bf16, "
+        "with: {recipe: recipes/experts.yaml, samples: 2, seq_len: 16}}\n"  # docs-ref: not a repository path
+        "  - {id: q2, op: quantize, input: bf16, "
+        "with: {recipe: recipes/qwen35-nvfp4-experts.yaml, samples: 2, seq_len: 16}}\n"
     )
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()

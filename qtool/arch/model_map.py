@@ -432,11 +432,11 @@ def _kv_scales(ckpt: Checkpoint, roles: RoleMap, full: list[int], read_values: b
             continue
         found[role.layer][role.param] = ckpt.tensors[name]
         namings["modelopt" if role.module.endswith(("k_proj", "v_proj")) else "compressed-tensors"] += 1
-    layers = sorted(l for l, p in found.items() if "k_scale" in p and "v_scale" in p)
+    layers = sorted(layer for layer, p in found.items() if "k_scale" in p and "v_scale" in p)
     values: dict[int, tuple[float, float]] = {}
     invalid: list[str] = []
     # per attention head (compressed-tensors `strategy: attn_head`, vllm PR 30141): one F32 per KV head
-    per_head = any(found[l][p].numel > 1 for l in layers for p in ("k_scale", "v_scale"))
+    per_head = any(found[layer][p].numel > 1 for layer in layers for p in ("k_scale", "v_scale"))
     for layer in layers if read_values else []:
         pair = []
         for p in ("k_scale", "v_scale"):

@@ -107,7 +107,8 @@ def _print_plan(p: dict) -> None:
         print(f"  config         {ch}")
     if p["replaces"]:
         print(
-            f"  replaces       {len(p['replaces'])} existing scale tensor(s); rewrites {p['rewrites_shards'] or 'no shard'}"
+            f"  replaces       {len(p['replaces'])} existing scale tensor(s); "
+            f"rewrites {p['rewrites_shards'] or 'no shard'}"
         )
     for w in p["warnings"]:
         print(f"  note           {w}")

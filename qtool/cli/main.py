@@ -150,7 +150,7 @@ def _parallel(args, argv: list[str]) -> int | None:
             # shows every rank's stdout), their errors still reach stderr (main() chose their format)
             args.quiet = True
             args.json = True
-            sys.stdout = open(os.devnull, "w")
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (stdout for the rest of the process)
         return None
 
     devices = rank_devices(args.nproc, args.devices, args.device, check_gpus=not getattr(args, "dry_run", False))

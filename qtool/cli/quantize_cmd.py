@@ -91,7 +91,8 @@ def _print_plan(p: dict) -> None:
     print(f"  calibration  {c['dataset']}: {c['samples']} x {c['seq_len']} tokens on {p['device']}" + dataset_supply(c))
     files = m["hidden_disk_bytes"] // max(1, m["hidden_bytes"])
     print(
-        f"  memory       one layer {human_bytes(m['max_layer_bytes'])}, activations ~{human_bytes(m['activation_bytes'])}, "
+        f"  memory       one layer {human_bytes(m['max_layer_bytes'])}, "
+        f"activations ~{human_bytes(m['activation_bytes'])}, "
         f"hidden states {human_bytes(m['hidden_bytes'])} x{files} on disk, "
         f"{m['layers_in_flight']} finished layer(s) written at once"
     )

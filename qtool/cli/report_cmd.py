@@ -86,6 +86,8 @@ def run(args) -> int:
     if args.json:
         print_json(res.to_json())
         return 0
-    verdicts = ", ".join(f"{label}: {'ok' if ok else 'FAILED verify'}" for label, ok in zip(res.artifacts, res.ok))
+    verdicts = ", ".join(
+        f"{label}: {'ok' if ok else 'FAILED verify'}" for label, ok in zip(res.artifacts, res.ok, strict=True)
+    )
     print(f"wrote {res.path} ({res.bytes / 1024:.0f} KiB; {verdicts})")
     return 0

@@ -94,7 +94,8 @@ def _print_plan(p: dict) -> None:
     )
     m = p["memory"]
     print(
-        f"  memory         a layer of each side dense ({human_bytes(m['max_layer_bytes'])} each, {m['compute_dtype']}), "
+        f"  memory         a layer of each side dense "
+        f"({human_bytes(m['max_layer_bytes'])} each, {m['compute_dtype']}), "
         f"activations ~{human_bytes(m['activation_bytes'])} ({m['batch_windows']} windows/batch)"
     )
     print(f"                 hidden states {human_bytes(m['hidden_bytes'])} x2 on disk in {p['work_dir']}")

@@ -102,10 +102,7 @@ def quantize(
     x = w.float().unflatten(-1, (-1, g))
     lo = x.amin(-1).clamp(max=0)
     hi = x.amax(-1).clamp(min=0)
-    if symmetric:
-        scale = torch.maximum(-lo, hi) / 7.5
-    else:
-        scale = (hi - lo) / 15.0
+    scale = torch.maximum(-lo, hi) / 7.5 if symmetric else (hi - lo) / 15.0
     scale = scale.to(torch.float32 if scale_dtype is None else scale_dtype)
     # zero range: any non-zero scale encodes it exactly (compressed-tensors uses dtype eps here)
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)

@@ -37,12 +37,16 @@ import functools
 import importlib.util
 import os
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from qtool.cache import cache_dir
 from qtool.formats import CodecError, nvfp4
+from qtool.lazy import lazy_module
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch")
 
 BLOCK_SIZE = nvfp4.BLOCK_SIZE
 

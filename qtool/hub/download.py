@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import hashlib
 import json
@@ -268,10 +269,8 @@ def _evict(snapshot_path: Path) -> None:
     """Remove a bad file from the HF cache: the blob and the snapshot link to it."""
     real = Path(os.path.realpath(snapshot_path))
     for p in (real, snapshot_path):
-        try:
+        with contextlib.suppress(FileNotFoundError):
             p.unlink()
-        except FileNotFoundError:
-            pass
 
 
 def snapshot(

@@ -8,7 +8,8 @@ scales and KV scales that checks read; safetensors stores them together, so it i
 request a shard) and holes elsewhere. Where a shard's small tensors are spread through it (a streaming
 writer's module order: every expert's scalars between its weights, one request each, 92k for the 397B),
 only those outside the routed experts are fetched; the experts' are left unread (DEFERRED lists their
-byte ranges) until a check asks for them (`fetch_deferred`: only those, many requests at once). Cached by commit under $QTOOL_CACHE_DIR/hub/<org>--<name>/<commit>/
+byte ranges) until a check asks for them (`fetch_deferred`: only those, many requests at once). Cached by commit under
+$QTOOL_CACHE_DIR/hub/<org>--<name>/<commit>/
 headers (branch -> commit resolutions are kept in huggingface_hub's cache refs), so a pinned or
 already-resolved source works
 offline (HF_HUB_OFFLINE=1) or with the network down. Data reads (`verify --deep`) need the real files.
@@ -114,7 +115,9 @@ def _fetch(listing, out: Path, token: str | None) -> dict:
         # the shards at once: each costs a round trip or two, which is what a header-only job waits for
         with ThreadPoolExecutor(max_workers=PARALLEL, thread_name_prefix="qtool-headers") as pool:
             deferred = dict(
-                zip(shards, pool.map(lambda path: _stand_in_shard(reader, path, tx.partial / path), shards))
+                zip(
+                    shards, pool.map(lambda path: _stand_in_shard(reader, path, tx.partial / path), shards), strict=True
+                )
             )
         deferred = {s: runs for s, runs in deferred.items() if runs}
         if deferred:

@@ -307,7 +307,7 @@ def plan_fetch(
     else:
         shards = weights
     with ThreadPoolExecutor(max_workers=max(1, min(workers, len(shards) or 1))) as pool:
-        headers = dict(zip(shards, pool.map(reader.header, shards)))
+        headers = dict(zip(shards, pool.map(reader.header, shards), strict=True))
     found: set[str] = set()
     out: list[ShardFetch] = []
     for s in shards:

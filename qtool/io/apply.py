@@ -216,10 +216,7 @@ def _write_small(e: Copy | Json | Text | Index, tx: OutputDir, plan: OutputPlan)
             for chunk in index_text_of(e):
                 f.write(chunk.encode())
         return
-    if isinstance(e, Json):
-        data = plan.json_bytes(e)
-    else:
-        data = e.text.encode()
+    data = plan.json_bytes(e) if isinstance(e, Json) else e.text.encode()
     with new_file(dst, tx.file_mode) as f:
         f.write(data)
 
@@ -243,7 +240,8 @@ def check_written(plan: OutputPlan, partial: Path, kinds: tuple = (Produced,)) -
         got = [(n, i.dtype, tuple(i.shape)) for n, i in read_header(path).tensors.items()]
         want = [(t.name, t.dtype, tuple(t.shape)) for t in e.tensors]
         if got != want:
-            i = next((i for i, (w, g) in enumerate(zip(want, got)) if w != g), min(len(want), len(got)))
+            # the first difference within the common prefix (strict=False: the lists may differ in length)
+            i = next((i for i, (w, g) in enumerate(zip(want, got, strict=False)) if w != g), min(len(want), len(got)))
             raise VerificationError(
                 "a written shard is not what the plan promised (a qtool bug)",
                 path=path,
@@ -332,8 +330,8 @@ class OutputJob:
     runs, not after its last layer. A `fed` Shard's sources are bytes produce() reads itself (calibrate-kv's
     layers, in the shards it rewrites): it hands them over (ProducedShards.feed) and the shard is written
     from them then, not copied from the input again; its tensors not given, and a fed shard never fed (a
-    resumed job's layers before its restart), are copied from the input. stop: set to stop the writers. hasher: the transaction's
-    `input_hasher`, where the job began reading before its plan was made (it hashes the files read then;
+    resumed job's layers before its restart), are copied from the input. stop: set to stop the writers. hasher: the
+    transaction's `input_hasher`, where the job began reading before its plan was made (it hashes the files read then;
     its maker closes it, after the reads have ended)."""
 
     command: str | None
@@ -660,7 +658,7 @@ def kept_files(journal: Journal, partial: Path, names: list[str]) -> dict[str, s
     recorded = {n: journal.done[n].get("sha256") for n in names}
     to_check = [n for n in names if recorded[n]]
     with ThreadPoolExecutor(max_workers=WRITERS, thread_name_prefix="qtool-kept-sha256") as pool:
-        now = dict(zip(to_check, pool.map(lambda n: hash_file(partial / n), to_check)))
+        now = dict(zip(to_check, pool.map(lambda n: hash_file(partial / n), to_check), strict=True))
     changed = [n for n in to_check if now[n] != recorded[n]]
     for n in changed:
         journal.done.pop(n)

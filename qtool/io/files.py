@@ -21,7 +21,7 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from qtool.errors import CheckpointError, UsageError, WriteError
+from qtool.errors import CheckpointError, Interrupted, UsageError, WriteError
 
 if TYPE_CHECKING:
     from qtool.io.input_files import InputFiles
@@ -143,6 +143,52 @@ def tmp_path(path: str | Path) -> Path:
 INPUT_DIGESTS = ".qtool-input-digests.jsonl"  # qtool.io.manifest.InputHasher's record, in OUT.partial/
 
 
+STOPPED = "a copy stopped on request (another shard failed, or the run was interrupted)"
+COPY_CHUNK = 256 << 20  # per copy_file_range call: also how often a stop request is looked at
+
+
+def copy_range(
+    src_fd: int,
+    dst_fd: int,
+    start: int,
+    count: int,
+    stop: threading.Event | None = None,
+    copied: Callable[[], None] | None = None,
+) -> None:
+    """Kernel-side copy (copy_file_range: reflinks on btrfs/xfs, no user-space buffers); falls back to
+    a chunked read/write where the kernel or filesystem refuses. Raises Interrupted between chunks once
+    `stop` is set; calls `copied()` after each chunk (a hash trailing the copy reads what it wrote)."""
+    offset = start
+    remaining = count
+    if hasattr(os, "copy_file_range"):
+        try:
+            while remaining > 0:
+                if stop is not None and stop.is_set():
+                    raise Interrupted(STOPPED)
+                n = os.copy_file_range(src_fd, dst_fd, min(remaining, COPY_CHUNK), offset)
+                if n == 0:
+                    break
+                offset += n
+                remaining -= n
+                if copied is not None:
+                    copied()
+        except OSError as e:
+            if e.errno == 28:  # ENOSPC
+                raise
+    chunk = 8 << 20
+    while remaining > 0:
+        if stop is not None and stop.is_set():
+            raise Interrupted(STOPPED)
+        buf = os.pread(src_fd, min(chunk, remaining), offset)
+        if not buf:
+            raise OSError(5, "source file ended early")
+        os.write(dst_fd, buf)
+        offset += len(buf)
+        remaining -= len(buf)
+        if copied is not None:
+            copied()
+
+
 def copy_file(src: str | Path, dst: str | Path, mode: int = 0o644) -> None:
     """Copy `src` to a NEW file `dst` (kernel-side, fsynced): side files and small inputs."""
     with _opened(str(src)) as fd:
@@ -155,8 +201,6 @@ def _copy(
     """A kernel-side copy into a NEW file, fsynced. on_header: called once the copy holds the source's
     safetensors header (copied first), so that checks reading only headers need not wait for the data (once
     the copy is done where the file has no header)."""
-    from qtool.io.writer import copy_range
-
     size = os.fstat(fd).st_size
     try:
         with new_file(dst, mode) as d:

@@ -7,7 +7,7 @@ import os
 import shutil
 import stat
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from qtool.errors import WriteError
@@ -166,10 +166,8 @@ class InPlaceDir(OutputDir):
     def _remove_building(self) -> None:
         """Remove the new state being built, its BUILDING marker last (a kill midway leaves a directory the
         next run still knows as this one's); never raises: it runs on the way out of a failed run."""
-        try:
+        with suppress(OSError):
             remove_marker_last(self.partial, self.BUILDING)
-        except OSError:
-            pass
 
     @classmethod
     def tidy(cls, root: str | Path) -> None:
@@ -206,10 +204,9 @@ class InPlaceDir(OutputDir):
         self.set_modes()
         st = os.stat(self.out)  # the checkpoint directory keeps its own mode, owner and group
         os.chmod(self.partial, stat.S_IMODE(st.st_mode))
-        try:
+        # not ours to give away (PermissionError): the directory stays the caller's, like the files it writes
+        with suppress(PermissionError):
             os.chown(self.partial, st.st_uid, st.st_gid)
-        except PermissionError:
-            pass  # not ours to give away: the directory stays the caller's, like the files it writes
         fsync_path(self.partial)
         # the state about to be parked is marked first, and only then is the new one unmarked: a kill at any
         # point leaves markers that say which directory is which (_clear_stale)
@@ -227,10 +224,8 @@ class InPlaceDir(OutputDir):
                 (self.partial / self.BUILDING).touch()
             raise write_error("cannot swap the changed checkpoint into place", e, self.out) from None
         fsync_path(self.out.parent)
-        try:
+        with suppress(OSError, WriteError):
             remove_parked(self.old)  # its SWAPPED_MARKER last: a kill midway is finished by the next run
-        except (OSError, WriteError):
-            pass
         self.committed = True
         forget(self)
         self.lock.release()

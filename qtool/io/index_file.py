@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 from qtool.errors import ConfigError
+from qtool.io.files import read_regular
 from qtool.io.jsonio import load_json
 
 try:
@@ -30,8 +31,6 @@ _ENTRY = re.compile(_STR + rb"\s*:\s*" + _STR + rb"\s*(,\s*|\})")
 def read_index(path: Path) -> tuple[dict, dict[str, list[str]] | None]:
     """(index without "weight_map", {shard: [names in file order]}). The grouping is None when the index
     has no usable weight_map (missing, not an object, empty); errors in the JSON raise ConfigError."""
-    from qtool.io.files import read_regular
-
     raw = read_regular(path, "safetensors index", ConfigError)
     fast = _fast(raw)
     if fast is not None:

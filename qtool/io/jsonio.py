@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qtool.errors import ConfigError, WriteError
+from qtool.io.files import read_regular
 
 try:  # a 397B index has ~370k weight_map entries; orjson parses it several times faster
     from orjson import dumps as _odumps
@@ -76,8 +77,6 @@ def file_style(path: str | Path, *, what: str = "JSON file") -> JsonStyle:
 
 def _read_text(path: Path, what: str) -> str:
     """A JSON file's text; ConfigError names the file (missing, not a regular file, not UTF-8)."""
-    from qtool.io.files import read_regular
-
     try:
         return read_regular(path, what, ConfigError).decode("utf-8")
     except UnicodeDecodeError as e:

@@ -30,13 +30,12 @@ from typing import Any, cast
 from qtool import __version__
 from qtool.errors import WriteError
 from qtool.io.digest_cache import file_key, user_cache
-from qtool.io.files import hash_fd, hash_file, hash_ranges_fd, new_file
+from qtool.io.files import copy_range, hash_fd, hash_file, hash_ranges_fd, new_file
 from qtool.io.files import hash_file as _hash_file
 from qtool.io.input_files import InputFiles
 from qtool.io.jsonio import dumps_compact
 from qtool.io.output import MANIFEST_NAME
 from qtool.io.stream_digest import NO_DIGESTS, DigestSink, StreamDigests
-from qtool.io.writer import copy_range
 from qtool.redact import SECRET_FLAGS, redact_argv, redact_json, redact_text, without_secrets  # noqa: F401
 
 LIBRARIES = (

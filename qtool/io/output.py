@@ -24,6 +24,7 @@ Promises (README "Outputs"), kept here once instead of in each op:
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -407,10 +408,8 @@ class OutputLock:
     def release(self) -> None:
         if self.fd is None:
             return
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(self.path)
-        except OSError:
-            pass
         os.close(self.fd)
         self.fd = None
 

@@ -24,7 +24,7 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple, Union, cast
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 from qtool.errors import CheckpointError
 from qtool.io import writer
@@ -98,7 +98,7 @@ class Remove(NamedTuple):
     name: str
 
 
-Entry = Union[Link, Copy, Shard, Produced, Json, Text, Index, Remove]
+Entry = Link | Copy | Shard | Produced | Json | Text | Index | Remove
 
 
 def checkpoint_files(root: Path) -> list[tuple[str, Path]]:

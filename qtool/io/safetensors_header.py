@@ -26,6 +26,7 @@ from typing import Any
 
 from qtool.errors import HeaderError
 from qtool.io.dtypes import DTYPE_BITS, nbytes_for
+from qtool.io.files import open_regular
 from qtool.io.tensor_table import TableSlice, TensorInfo, TensorTable  # noqa: F401 (TensorInfo is re-exported)
 
 # safetensors itself refuses headers above 100 MB (safetensors/src/tensor.rs MAX_HEADER_SIZE).
@@ -45,8 +46,6 @@ class SafetensorsHeader:
 def read_header(path: str | Path, *, check_file_size: bool = True) -> SafetensorsHeader:
     """Parse and validate the header of `path`. Raises HeaderError naming the file and the tensor."""
     path = os.fspath(path)
-    from qtool.io.files import open_regular
-
     try:
         with os.fdopen(open_regular(path, "shard file", HeaderError), "rb") as f:
             file_size = os.fstat(f.fileno()).st_size
@@ -143,7 +142,7 @@ def parse_header_bytes(path: str, raw: bytes, file_size: int | None) -> Safetens
         if end > begin:
             spans.append((begin, end, name))
     spans.sort()
-    for (b0, e0, n0), (b1, _e1, n1) in zip(spans, spans[1:]):
+    for (b0, e0, n0), (b1, _e1, n1) in zip(spans, spans[1:], strict=False):  # neighbours: one pair fewer
         if b1 < e0:
             raise HeaderError(
                 f"tensors overlap: {n0} [{b0},{e0}) and {n1} starting at {b1}",

@@ -149,7 +149,7 @@ class TensorTable(Mapping):
         dmap = [self._ix(self._dtype_ix, self.dtypes, d) for d in other.dtypes]
         smap = [self._ix(self._shape_ix, self.shapes, s) for s in other.shapes]
         self._names.extend(other._names)
-        self._row.update(zip(other._names, range(base, base + len(other._names))))
+        self._row.update(zip(other._names, range(base, base + len(other._names)), strict=True))
         # the other table's value indexes, renumbered into this one's value tables
         self._file.extend(fmap[i] for i in other._file)
         self._dtype.extend(dmap[i] for i in other._dtype)

@@ -12,11 +12,12 @@ import struct
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import NamedTuple, Union
+from typing import NamedTuple
 
-from qtool.errors import CheckpointError, Interrupted
+from qtool.errors import CheckpointError
 from qtool.io.checkpoint import INDEX_NAME
 from qtool.io.dtypes import nbytes_for
+from qtool.io.files import copy_range, open_new, write_error
 from qtool.io.hashed_writes import HashedWrites
 from qtool.io.index_file import index_weight_map, read_index
 from qtool.io.safetensors_header import read_header
@@ -43,7 +44,7 @@ class InlineBytes(NamedTuple):
         return len(self.data)
 
 
-Source = Union[FileRange, InlineBytes]
+Source = FileRange | InlineBytes
 
 
 class OutTensor(NamedTuple):
@@ -89,53 +90,7 @@ def shard_size(tensors: list[OutTensor], metadata: dict[str, str] | None = None)
     return len(build_header(tensors, metadata)) + sum(t.nbytes for t in tensors)
 
 
-STOPPED = "a copy stopped on request (another shard failed, or the run was interrupted)"
 SHORT_COPY = 64 << 20
-COPY_CHUNK = 256 << 20  # per copy_file_range call: also how often a stop request is looked at
-
-
-def copy_range(
-    src_fd: int,
-    dst_fd: int,
-    start: int,
-    count: int,
-    stop: threading.Event | None = None,
-    copied: Callable[[], None] | None = None,
-) -> None:
-    """Kernel-side copy (copy_file_range: reflinks on btrfs/xfs, no user-space buffers); falls back to
-    a chunked read/write where the kernel or filesystem refuses. Raises Interrupted between chunks once
-    `stop` is set; calls `copied()` after each chunk (a hash trailing the copy reads what it wrote)."""
-    offset = start
-    remaining = count
-    if hasattr(os, "copy_file_range"):
-        try:
-            while remaining > 0:
-                if stop is not None and stop.is_set():
-                    raise Interrupted(STOPPED)
-                n = os.copy_file_range(src_fd, dst_fd, min(remaining, COPY_CHUNK), offset)
-                if n == 0:
-                    break
-                offset += n
-                remaining -= n
-                if copied is not None:
-                    copied()
-        except OSError as e:
-            if e.errno == 28:  # ENOSPC
-                raise
-    chunk = 8 << 20
-    while remaining > 0:
-        if stop is not None and stop.is_set():
-            raise Interrupted(STOPPED)
-        buf = os.pread(src_fd, min(chunk, remaining), offset)
-        if not buf:
-            raise OSError(5, "source file ended early")
-        os.write(dst_fd, buf)
-        offset += len(buf)
-        remaining -= len(buf)
-        if copied is not None:
-            copied()
-
-
 TRAILING_COPY_READ = 8 << 20  # the hash trailing a copied shard reads this much at a time (write_shard)
 
 
@@ -156,8 +111,6 @@ def write_shard(
     a thread of its own right behind the copy (the bytes it just wrote, from the page cache), not in a
     second pass once the copy is done (the H200's quantize waited 2.0 s after its last layer for that
     pass over its 5 GB of embeddings, head and vision tower)."""
-    from qtool.io.files import open_new
-
     path = Path(path)
     header = build_header(tensors, metadata)
     fds: dict[str, int] = {}
@@ -215,8 +168,6 @@ def write_shard(
                 on_digest(hashing.digest())
         done = True
     except OSError as e:
-        from qtool.io.files import write_error
-
         raise write_error("writing shard failed", e, path) from None
     finally:
         if hashing is not None and not done:  # not written whole (or its close failed): the hash stops

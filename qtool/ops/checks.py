@@ -210,8 +210,8 @@ def _moe(
     mm: ModelMap, mods: dict[str, Module], p: str, cfg: dict, probs: _Problems, experts: dict[str, list[Module]]
 ) -> dict[str, set]:
     """Check one MoE block at prefix `p` (ending in 'mlp.'); returns {part: formats}."""
-    H, E, I = cfg["hidden_size"], cfg["num_experts"], cfg["moe_intermediate_size"]
-    Is = cfg.get("shared_expert_intermediate_size", I)
+    H, E, inter = cfg["hidden_size"], cfg["num_experts"], cfg["moe_intermediate_size"]
+    Is = cfg.get("shared_expert_intermediate_size", inter)
     fmts: dict[str, set] = {"shared": set(), "experts": set()}
     _linear(mods, p + "gate", E, H, probs)
     _linear(mods, p + "shared_expert_gate", 1, H, probs)
@@ -230,33 +230,34 @@ def _moe(
         if gu is None and all((e, q) in have for e in range(E) for q in ("gate_proj", "up_proj")):
             for e in range(E):
                 for q in ("gate_proj", "up_proj"):
-                    fmts["experts"].add(_linear(mods, f"{p}experts.{e}.{q}", I, H, probs))
+                    fmts["experts"].add(_linear(mods, f"{p}experts.{e}.{q}", inter, H, probs))
             gu = _SPLIT
         if dn is None and all((e, "down_proj") in have for e in range(E)):
             for e in range(E):
-                fmts["experts"].add(_linear(mods, f"{p}experts.{e}.down_proj", H, I, probs))
+                fmts["experts"].add(_linear(mods, f"{p}experts.{e}.down_proj", H, inter, probs))
             dn = _SPLIT
         if gu is _SPLIT:
             pass
-        elif gu is None or tuple(gu.shape) != (E, 2 * I, H):
+        elif gu is None or tuple(gu.shape) != (E, 2 * inter, H):
             probs.add(
                 Code.MISSING_TENSOR if gu is None else Code.SHAPE_MISMATCH,
                 f"{p}experts.gate_up_proj",
-                f"{p}experts.gate_up_proj is {None if gu is None else list(gu.shape)}, expected [{E}, {2 * I}, {H}]",
+                f"{p}experts.gate_up_proj is {None if gu is None else list(gu.shape)}, "
+                f"expected [{E}, {2 * inter}, {H}]",
             )
         if dn is _SPLIT:
             pass
-        elif dn is None or tuple(dn.shape) != (E, H, I):
+        elif dn is None or tuple(dn.shape) != (E, H, inter):
             probs.add(
                 Code.MISSING_TENSOR if dn is None else Code.SHAPE_MISMATCH,
                 f"{p}experts.down_proj",
-                f"{p}experts.down_proj is {None if dn is None else list(dn.shape)}, expected [{E}, {H}, {I}]",
+                f"{p}experts.down_proj is {None if dn is None else list(dn.shape)}, expected [{E}, {H}, {inter}]",
             )
         fmts["experts"].add(Format.BF16)
         return fmts
     for e in range(E):
         for proj in ("gate_proj", "up_proj", "down_proj"):
-            o, i = (H, I) if proj == "down_proj" else (I, H)
+            o, i = (H, inter) if proj == "down_proj" else (inter, H)
             fmts["experts"].add(_linear(mods, f"{p}experts.{e}.{proj}", o, i, probs))
     extra = sorted({m.expert for m in per_expert if m.expert is not None and m.expert >= E})
     if extra:

@@ -107,9 +107,9 @@ def value_problems(mm: ModelMap, summary: QuantSummary) -> list[Finding]:
 def _layout_problems(mm: ModelMap) -> list[Finding]:
     out = []
     if mm.expert_layout == "mixed":
-        fused = [l for l, k in mm.layer_expert_layout.items() if k == "fused"]
-        per = [l for l, k in mm.layer_expert_layout.items() if k == "per_expert"]
-        both = [l for l, k in mm.layer_expert_layout.items() if k == "mixed"]
+        fused = [layer for layer, k in mm.layer_expert_layout.items() if k == "fused"]
+        per = [layer for layer, k in mm.layer_expert_layout.items() if k == "per_expert"]
+        both = [layer for layer, k in mm.layer_expert_layout.items() if k == "mixed"]
         out.append(
             problem(
                 Code.MIXED_EXPERT_LAYOUT,
@@ -186,10 +186,10 @@ def _kv_problems(mm: ModelMap, summary: QuantSummary) -> list[Finding]:
         out.append(
             problem(Code.KV_SCALE_INVALID, f"KV scale(s) not finite and positive: {mm.kv.invalid[0]}", mm.kv.invalid[0])
         )
-    missing = [l for l in mm.full_attention if l not in mm.kv.layers]
+    missing = [layer for layer in mm.full_attention if layer not in mm.kv.layers]
     if mm.kv.layers and missing:
         out.append(problem(Code.KV_SCALES_MISSING, f"full-attention layers without k/v scales: {_short(missing)}"))
-    extra = [l for l in mm.kv.layers if l not in mm.full_attention]
+    extra = [layer for layer in mm.kv.layers if layer not in mm.full_attention]
     if extra:
         out.append(problem(Code.KV_SCALES_STALE, f"k/v scales on layers that are not full attention: {_short(extra)}"))
     if mm.kv.per_head:

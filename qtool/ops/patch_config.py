@@ -330,7 +330,7 @@ def _ignore_from_tensors(lists: _IgnoreLists, mm: ModelMap) -> FixResult:
         return FixResult(Fix.IGNORE_FROM_TENSORS.value, False, "not quantized: nothing to exclude")
 
     # only the dialects this checkpoint's lists use: each list is verified against every engine release
-    made = dict(zip(lists.flavours, ignore_patterns_for(mm, lists.flavours)))
+    made = dict(zip(lists.flavours, ignore_patterns_for(mm, lists.flavours), strict=True))
     globs, regexes = made.get(Flavour.MODELOPT, []), made.get(Flavour.COMPRESSED_TENSORS, [])
     before = (qcfg.config_ignore(lists.config), qcfg.hf_quant_exclude(lists.hq))
     lists.replace(globs, regexes)

@@ -15,7 +15,8 @@ exit 3). Every flag is derived from what verify found:
 - context: `--max-model-len` / `--context-length` from the fit; YaRN via `--hf-overrides` /
   `--json-model-override-args` when asked for (docs/formats.md §12) and
   VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 past max_position_embeddings;
-- environment: the field report's PCIe NCCL settings (docs/formats.md §12) (NCCL_P2P_LEVEL=PHB, NCCL_IB_DISABLE=1) and loader tuning.
+- environment: the field report's PCIe NCCL settings (docs/formats.md §12) (NCCL_P2P_LEVEL=PHB, NCCL_IB_DISABLE=1) and
+  loader tuning.
 """
 
 from __future__ import annotations

@@ -23,12 +23,20 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-import torch
-import torch.nn.functional as F
+from qtool.lazy import lazy_module
+
+if TYPE_CHECKING:
+    import torch
+    import torch.nn.functional as F
+else:
+    torch = lazy_module("torch")
+    F = lazy_module("torch.nn.functional")
+
 
 # record(e, x, mid): the expert's routed input rows and its down_proj input (act(gate) * up)
-Recorder = Callable[[int, torch.Tensor, torch.Tensor], None]
+Recorder = Callable[[int, "torch.Tensor", "torch.Tensor"], None]  # (quoted: torch is imported on first use)
 
 
 def routed_forward(

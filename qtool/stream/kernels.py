@@ -93,7 +93,7 @@ def _implementation(fn: Callable[..., Any]) -> object | None:
     code = getattr(fn, "__code__", None)
     if code is None or not fn.__closure__:
         return None
-    cells = dict(zip(code.co_freevars, fn.__closure__))
+    cells = dict(zip(code.co_freevars, fn.__closure__, strict=True))
     impl = cells.get("implementation")
     return impl.cell_contents if impl is not None else None
 

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from qtool.errors import PlanError
 from qtool.io import page_cache
+from qtool.io.dtypes import TORCH_DTYPE_NAMES
 from qtool.io.input_files import InputFiles, open_direct, open_for_reads
 from qtool.io.safetensors_header import TensorInfo
 from qtool.io.stream_digest import NO_DIGESTS, DigestSink
@@ -234,8 +235,6 @@ class LayerBytes:
     def get(self, info: TensorInfo) -> torch.Tensor:
         """The tensor `info` as a view of the read bytes (on the device it was read to)."""
         import torch
-
-        from qtool.io.dtypes import TORCH_DTYPE_NAMES
 
         raw = self.raw(info)
         dtype = getattr(torch, TORCH_DTYPE_NAMES[info.dtype])

@@ -39,7 +39,7 @@ from qtool.io.stream_digest import NO_DIGESTS, DigestSink
 from qtool.io.tensor_table import file_of
 from qtool.io.writer import FileRange
 from qtool.quiet import transformers_errors_only
-from qtool.stream import warm_import
+from qtool.stream import experts, warm_import
 from qtool.stream.dequant import (
     dense_numel,
     embedding_rows,
@@ -393,8 +393,6 @@ class LayerStreamer:
             read.close()  # what the layer keeps (views of BF16 weights) stays alive through it
         layer.load_state_dict(sd, strict=True, assign=True)
         del sd
-        from qtool.stream import experts  # (imports torch: deferred to the first layer)
-
         if self.experts_kernel is None:
             tc = self.text_cfg_dict
             self.experts_kernel = experts.choose(

@@ -26,6 +26,7 @@ tokenizer adds one (4 MB for 512 x 2048 tokens), and nothing else would ever rem
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -135,10 +136,8 @@ def load(key: str | None) -> list[int] | None:
         return None  # short or damaged
     ids = array("i")
     ids.frombytes(body)
-    try:
+    with contextlib.suppress(OSError):  # (a read-only cache dir)
         os.utime(_path(key))  # used: the last entry the folder's pruning removes
-    except OSError:
-        pass  # a read-only cache dir
     return ids.tolist()
 
 

@@ -27,10 +27,10 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
-T = TypeVar("T")
-
 from qtool.stream import package_map
 from qtool.stream.kernels import import_gdn_kernel_alone
+
+T = TypeVar("T")
 
 MODULE = "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe"
 _started: threading.Thread | None = None
@@ -117,14 +117,11 @@ def start() -> None:
             except Exception:  # noqa: BLE001 -- re-raised by the importer's own import
                 pass
             _serve_waiting()
-            try:
+            # it undoes its own failures; anything else costs only time
+            with contextlib.suppress(Exception):
                 import_gdn_kernel_alone()  # before transformers' own import of all of fla (kernels.py)
-            except Exception:  # noqa: BLE001 -- it undoes its own failures; anything else costs only time
-                pass
-            try:
+            with contextlib.suppress(Exception):  # re-raised by the streamer's own import
                 importlib.import_module(MODULE)
-            except Exception:  # noqa: BLE001 -- re-raised by the streamer's own import
-                pass
         finally:
             _no_more_work()  # ended by anything (a SystemExit in an import): no caller waits on it for ever
 

@@ -76,7 +76,8 @@ def _printed_so_far(stream) -> str:
 def test_a_job_without_a_terminal_prints_its_plan_and_layers_as_it_goes(tiny_bf16, tmp_path):
     """Found: `qtool quantize ... > log` printed no line until its end (0 lines at 5 and 15 s of a 20.7 s
     job); on a terminal the plan ("fits this machine") came only after the work. Here the job is paused at
-    its second layer's journal entry (the first is done), with stdout and stderr pipes: the plan and the first layer are out."""
+    its second layer's journal entry (the first is done), with stdout and stderr pipes: the plan and the first layer are
+    out."""
     from killpoint import start_paused
 
     marker = tmp_path / "m"

@@ -384,7 +384,7 @@ def test_typo_in_a_flag_says_did_you_mean(tmp_path):
 @pytest.mark.parametrize(
     "target,errno_name,fix",
     [
-        ("qtool.io.writer:copy_range", "ENOSPC", "free disk space"),  # the disk fills while a shard is written
+        ("qtool.io.files:copy_range", "ENOSPC", "free disk space"),  # the disk fills while a shard is written
         ("qtool.io.writer:write_shard", "EROFS", "not writable"),  # a read-only output filesystem
     ],
 )
@@ -648,8 +648,8 @@ def test_build_publishing_keeps_the_sources_permissions_and_refuses_a_source_as_
     src = copy_of(tiny_nvfp4_modelopt, tmp_path / "src")
     recipe = tmp_path / "r.yaml"
     recipe.write_text(
-        "name: r\nsources:\n  nv: {path: %s}\nsteps:\n"
-        "  - {id: p, op: patch-config, input: nv, with: {fixes: [router-ignore]}}\n" % src
+        f"name: r\nsources:\n  nv: {{path: {src}}}\nsteps:\n"
+        "  - {id: p, op: patch-config, input: nv, with: {fixes: [router-ignore]}}\n"
     )
     modes = {f.name: st.S_IMODE(f.stat().st_mode) for f in src.iterdir()}
     assert run_cli(["build", recipe, "-o", tmp_path / "out", "--quiet"]).returncode == 0, "build"
@@ -756,8 +756,8 @@ def test_output_dot_and_build_over_a_source_refused_before_any_step(tiny_nvfp4_m
     src = copy_of(tiny_nvfp4_modelopt, tmp_path / "nv")
     recipe = tmp_path / "r.yaml"
     recipe.write_text(
-        "name: r\nsources:\n  nv: {path: %s}\nsteps:\n"
-        "  - {id: p, op: patch-config, input: nv, with: {fixes: [router-ignore]}}\n" % src
+        f"name: r\nsources:\n  nv: {{path: {src}}}\nsteps:\n"
+        "  - {id: p, op: patch-config, input: nv, with: {fixes: [router-ignore]}}\n"
     )
     p = run_cli(["build", recipe, "-o", src, "--force"])
     assert p.returncode == 2 and "overlaps" in p.stderr
@@ -912,7 +912,7 @@ def test_a_failed_early_shard_stops_quantize_at_its_next_layer(tiny_bf16, tmp_pa
 
     out = tmp_path / "q"
     args = ["quantize", tiny_bf16, "-o", out, "--recipe", "qwen35-nvfp4-experts", *KV, "--quiet"]
-    p = run_failing("qtool.io.writer:copy_range", 1, "EIO", args)
+    p = run_failing("qtool.io.files:copy_range", 1, "EIO", args)
     assert p.returncode == 1 and "Input/output error" in p.stderr, p.stderr
     assert "alive at exit" not in p.stderr
     journal = json.loads((tmp_path / "q.partial/.quantize/journal.json").read_text())

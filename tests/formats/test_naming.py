@@ -89,7 +89,7 @@ def test_convert_modelopt_to_ct_and_back_exact():
     torch.manual_seed(1)
     vals = (torch.rand(400) * 1e-3 + 1e-6).tolist()
     n_recorded = 0
-    for ws2, inp in zip(vals[::2], vals[1::2]):
+    for ws2, inp in zip(vals[::2], vals[1::2], strict=True):
         mo = _modelopt_module(ws2, inp)
         ct = naming.convert_nvfp4(mo, F.NVFP4, F.NVFP4_CT)
         t = ct.tensors

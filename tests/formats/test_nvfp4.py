@@ -248,8 +248,8 @@ def test_measured_differences_vs_llmcompressor():
        (seed 0) 7/8 global scales, 52,938 / 2,097,152 block scales (2.5%) and 242,455 / 33,554,432
        codes (0.72%) differ from ModelOpt's RTN.
     2. Divisor. With identical scales, CT divides by fl(s / gs), ModelOpt by fl(s * ws2): 13,933 codes
-       (0.042%) still differ over the 8 matrices (0 in 5 of them, 6,354 = 0.15% in matrix #1). Rounding itself (ties to even code) is identical: encoding
-       x / fl(s / gs) with our encoder reproduces CT's codes exactly.
+       (0.042%) still differ over the 8 matrices (0 in 5 of them, 6,354 = 0.15% in matrix #1). Rounding itself (ties to
+       even code) is identical: encoding x / fl(s / gs) with our encoder reproduces CT's codes exactly.
     """
     torch.manual_seed(0)
     torch.randn(1024, 4096)

@@ -192,19 +192,19 @@ def test_write_shard_stops_when_asked(tmp_path):
     (left short, redone by --resume) instead of being copied to the end."""
     import threading
 
-    from qtool.io import writer
+    from qtool.io import files, writer
 
     src = tmp_path / "src.bin"
     src.write_bytes(os.urandom(3 << 20))
     out = [OutTensor("x", "U8", (3 << 20,), FileRange(str(src), 0, 3 << 20))]
     seen = []
     stop = threading.Event()
-    writer.COPY_CHUNK, old = 1 << 20, writer.COPY_CHUNK
+    files.COPY_CHUNK, old = 1 << 20, files.COPY_CHUNK
     try:
         with pytest.raises(Interrupted):
             write_shard(tmp_path / "o.safetensors", out, on_header=lambda: (seen.append(1), stop.set()), stop=stop)
     finally:
-        writer.COPY_CHUNK = old
+        files.COPY_CHUNK = old
     assert seen == [1]
     size = (tmp_path / "o.safetensors").stat().st_size
     assert size < writer.shard_size(out)  # header written, data not copied to the end

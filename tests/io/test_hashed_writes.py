@@ -1,5 +1,5 @@
-"""A layer shard's sha256 computed as it is written (qtool.io.hashed_writes.HashedWrites): the digest of exactly the bytes
-on disk, or None (the file is then hashed from disk) when the hash falls behind the writer."""
+"""A layer shard's sha256 computed as it is written (qtool.io.hashed_writes.HashedWrites): the digest of exactly the
+bytes on disk, or None (the file is then hashed from disk) when the hash falls behind the writer."""
 
 from __future__ import annotations
 
@@ -241,9 +241,9 @@ def _copied_shard(tmp_path):
 def test_a_copied_shard_is_hashed_as_it_is_written(tmp_path, monkeypatch):
     """write_shard's on_digest: the sha256 of exactly the file written, by a thread that trails the kernel
     copy chunk by chunk (not a second pass once the file is written)."""
-    from qtool.io import writer
+    from qtool.io import files, writer
 
-    monkeypatch.setattr(writer, "COPY_CHUNK", 256 << 10)  # many chunks: the hash trails each of them
+    monkeypatch.setattr(files, "COPY_CHUNK", 256 << 10)  # many chunks: the hash trails each of them
     monkeypatch.setattr(writer, "TRAILING_COPY_READ", 96 << 10)
     grown = []
     real_grew = HashedWrites.grew
@@ -263,9 +263,9 @@ def test_a_copied_shard_is_hashed_as_it_is_written(tmp_path, monkeypatch):
 def test_an_interrupted_copy_stops_its_hash(tmp_path, monkeypatch):
     import pytest
 
-    from qtool.io import writer
+    from qtool.io import files, writer
 
-    monkeypatch.setattr(writer, "COPY_CHUNK", 256 << 10)
+    monkeypatch.setattr(files, "COPY_CHUNK", 256 << 10)
     stop = threading.Event()
     stop.set()
     digests = []

@@ -197,7 +197,6 @@ def test_open_lists_only_the_transactions_still_open(tmp_path):
     root = tmp_path / "ckpt"
     root.mkdir()
     (root / "config.json").write_text("{}")
-    with pytest.raises(KeyboardInterrupt):
-        with InPlaceDir(root, keep_partial=False) as gone:  # its partial is removed on the way out
-            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt), InPlaceDir(root, keep_partial=False) as gone:  # its partial is removed
+        raise KeyboardInterrupt
     assert gone not in OPEN and not gone.partial.exists()

@@ -88,7 +88,7 @@ def test_the_chunk_coder_gives_each_experts_own_bytes_and_alpha(fmt, batch, inte
         assert report[k]["alpha"] == best / recipe.int4.awq_grid
         assert report[k]["down_mse"] == best_err and report[k]["down_mse_rtn"] == rtn_err
         for part, tensors in want.items():
-            for a, b in zip(got[part][k], tensors):
+            for a, b in zip(got[part][k], tensors, strict=True):
                 assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (k, part)
         alphas.add(best)
     assert len(alphas) > 1  # the experts chose different alphas: the test sees the selection
@@ -104,7 +104,7 @@ def test_plain_rtn_chunk_is_each_experts_rtn():
             gu[k, :inter], gu[k, inter:], dn[k], None, 32, 0, torch.bfloat16, OutFormat.COMPRESSED_TENSORS, search=False
         )
         for part, tensors in want.items():
-            assert all(torch.equal(a, b) for a, b in zip(got[part][k], tensors)), (k, part)
+            assert all(torch.equal(a, b) for a, b in zip(got[part][k], tensors, strict=True)), (k, part)
 
 
 def test_nan_errors_fall_back_to_rtn_not_a_crash():

@@ -33,14 +33,17 @@ def test_ci_rebuild(tmp_path, tiny_nvfp4_modelopt_nomtp):
         "BUILD_ROOT": str(tmp_path / "b"),
         "QTOOL_CACHE_DIR": str(tmp_path / "qc"),
     }
-    run = lambda *r: subprocess.run(
-        ["bash", str(ROOT / "scripts" / "ci-rebuild.sh"), *map(str, r)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+
+    def run(*r):
+        return subprocess.run(
+            ["bash", str(ROOT / "scripts" / "ci-rebuild.sh"), *map(str, r)],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
     p = run(good, bad)
     assert p.returncode == 3, p.stdout + p.stderr
     assert "good: rebuilt (patched check)" in p.stdout and "bad: failed (3)" in p.stdout

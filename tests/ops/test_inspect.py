@@ -134,7 +134,8 @@ def test_missing_quant_tensor(s35):
     assert name in ck.tensors
     # A header can't lose a tensor cheaply; instead re-label it, which is what a bad export looks like.
     info = ck.tensors[name]
-    raw = open(info.file, "rb").read(8)
+    with open(info.file, "rb") as f:
+        raw = f.read(8)
     (n,) = struct.unpack("<Q", raw)
     with open(info.file, "r+b") as f:
         f.seek(8)

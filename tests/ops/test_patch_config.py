@@ -54,8 +54,12 @@ def test_router_ignore_in_both_schemas_and_idempotent(ckpt):
     before_cfg = (ckpt / "config.json").read_text()
     plan = pc.plan(pc.PatchOptions(ckpt, fixes=[pc.Fix.ROUTER_IGNORE]))
     assert plan.results[0].applied and plan.changed
-    added = [l for l in plan.files["config.json"].diff().splitlines() if l.startswith("+") and not l.startswith("+++")]
-    assert any(f'"{ROUTER}"' in l for l in added)
+    added = [
+        line
+        for line in plan.files["config.json"].diff().splitlines()
+        if line.startswith("+") and not line.startswith("+++")
+    ]
+    assert any(f'"{ROUTER}"' in line for line in added)
     assert (ckpt / "config.json").read_text() == before_cfg  # planning writes nothing
     assert sorted(pc.apply(plan)) == ["config.json", "hf_quant_config.json"]
     assert _cfg(ckpt)["quantization_config"]["ignore"][-1] == ROUTER

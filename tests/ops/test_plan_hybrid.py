@@ -43,7 +43,7 @@ def with_outliers(src: Path, dst: Path, layer: int) -> Path:
     for shard in sorted({f for n, f in idx["weight_map"].items() if tag in n}):
         with safe_open(str(dst / shard), "pt") as f:
             meta = f.metadata()
-            tensors = {n: f.get_tensor(n) for n in f.keys()}
+            tensors = {n: f.get_tensor(n) for n in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
         for n, t in tensors.items():
             if tag in n:
                 t = t.clone()
@@ -211,7 +211,7 @@ def _spearman(a: list[float], b: list[float]) -> float:
 
     ra, rb = ranks(a), ranks(b)
     ma, mb = statistics.mean(ra), statistics.mean(rb)
-    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb, strict=True))
     return cov / (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
 
 

@@ -268,7 +268,7 @@ def test_page_renders_in_headless_chromium(tiny_nvfp4_modelopt, tmp_path, capsys
         for y in range(y0, y1, 2):
             for x in range(x0, x1, 2):
                 n += 1
-                hit += all(abs(a - b) <= tol for a, b in zip(px[x, y], colour))
+                hit += all(abs(a - b) <= tol for a, b in zip(px[x, y], colour, strict=True))
         return hit / n
 
     whole = (0, 0, 1200, 1800)

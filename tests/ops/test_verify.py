@@ -772,7 +772,7 @@ def test_each_fix_applied_as_written_clears_its_finding(tiny_nvfp4_modelopt, tmp
         assert "--tp 4" not in fix or "--tp 4" not in args
         if argv[0] == "verify":  # the fix is to serve otherwise: that verify is clean of these findings
             # ... on the same target: the flags the user gave stay (found: --gpus and --engine were dropped)
-            given = dict(zip(args[::2], args[1::2]))
+            given = dict(zip(args[::2], args[1::2], strict=True))
             assert {k: v for k, v in given.items() if k != "--tp"} == {
                 k: argv[argv.index(k) + 1] for k in given if k != "--tp" and k in argv
             }, fix

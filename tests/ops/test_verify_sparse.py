@@ -87,7 +87,7 @@ def _fp8_397b(out: Path) -> Path:
     which = sparse._split(sizes, None, sparse.DEFAULT_MAX_SHARD_BYTES)
     n = which[-1] + 1
     groups: list[list] = [[] for _ in range(n)]
-    for t, size, s in zip(specs, sizes, which):
+    for t, size, s in zip(specs, sizes, which, strict=True):
         groups[s].append((t, size))
     out.mkdir(parents=True)
     wm = {}
@@ -176,6 +176,6 @@ def test_the_tp_fix_is_a_tp_that_shards_and_fits(s397, capsys):
     fix = before[0]["fix"]
     argv = shlex.split(fix[fix.index("qtool ") :])[1:]
     assert argv[:2] == ["verify", str(s397)], fix
-    flags = dict(zip(argv[2::2], argv[3::2]))
+    flags = dict(zip(argv[2::2], argv[3::2], strict=True))
     assert flags == {"--engine": "vllm", "--gpus": "4x97887MiB", "--tp": "4"}, fix
     assert findings(argv[2:]) == []

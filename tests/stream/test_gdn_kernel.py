@@ -114,7 +114,8 @@ FLA_LAYOUT = {
     "def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,\n"
     "                           use_qk_l2norm_in_kernel=False, cu_seqlens=None):\n"
     "    raise RuntimeError('fla kernel called')\n",
-    "fla/ops/gated_delta_rule/fused_recurrent.py": "def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,\n"
+    "fla/ops/gated_delta_rule/fused_recurrent.py": "def fused_recurrent_gated_delta_rule(q, k, v, g, beta, "
+    "scale=None, initial_state=None,\n"
     "                                     output_final_state=False, use_qk_l2norm_in_kernel=False):\n"
     "    raise RuntimeError('fla kernel called')\n",
     "fla/modules/__init__.py": "import fla_marker_activations\n",

@@ -85,7 +85,7 @@ def choose_patterns(
         for alt in alternatives:
             trial = added + [p for p in alt if p not in added and p not in existing]
             res = dec.excluded(existing + trial, units)
-            if res is None or any((r & set(quant_units)) - a for r, a in zip(res, allowed_q)):
+            if res is None or any((r & set(quant_units)) - a for r, a in zip(res, allowed_q, strict=True)):
                 continue
             inter = set.intersection(*res)
             if intended <= inter:

@@ -183,35 +183,35 @@ class _Planner:
             if fused_gu is None or fused_d is None:
                 self.missing.append(src_base + (".gate_up_proj" if fused_gu is None else ".down_proj"))
                 return []
-            H, I = self.expect.H, self.expect.I
-            check_bf16_tensor(fused_gu.name, fused_gu, (E, 2 * I, H), what + " (fused gate_up_proj)")
-            check_bf16_tensor(fused_d.name, fused_d, (E, H, I), what + " (fused down_proj)")
+            H, inter = self.expect.H, self.expect.I
+            check_bf16_tensor(fused_gu.name, fused_gu, (E, 2 * inter, H), what + " (fused gate_up_proj)")
+            check_bf16_tensor(fused_d.name, fused_d, (E, H, inter), what + " (fused down_proj)")
             eb = DTYPE_BITS[fused_gu.dtype] // 8
-            mat = I * H * eb
+            mat = inter * H * eb
             for e in range(E):
                 base = fused_gu.start + e * 2 * mat
                 out.append(
                     PlannedTensor(
                         f"{out_base}.{e}.gate_proj.weight",
                         fused_gu.dtype,
-                        (I, H),
-                        _origin(source, fused_gu, f"[{e}, 0:{I}, :]", base, mat),
+                        (inter, H),
+                        _origin(source, fused_gu, f"[{e}, 0:{inter}, :]", base, mat),
                     )
                 )
                 out.append(
                     PlannedTensor(
                         f"{out_base}.{e}.up_proj.weight",
                         fused_gu.dtype,
-                        (I, H),
-                        _origin(source, fused_gu, f"[{e}, {I}:{2 * I}, :]", base + mat, mat),
+                        (inter, H),
+                        _origin(source, fused_gu, f"[{e}, {inter}:{2 * inter}, :]", base + mat, mat),
                     )
                 )
-                db = DTYPE_BITS[fused_d.dtype] // 8 * H * I
+                db = DTYPE_BITS[fused_d.dtype] // 8 * H * inter
                 out.append(
                     PlannedTensor(
                         f"{out_base}.{e}.down_proj.weight",
                         fused_d.dtype,
-                        (H, I),
+                        (H, inter),
                         _origin(source, fused_d, f"[{e}, :, :]", fused_d.start + e * db, db),
                     )
                 )

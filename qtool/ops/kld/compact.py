@@ -18,7 +18,8 @@ from P(.|T) at save time (indices and log P stored): with r_j = Q(x_j|T) / P(x_j
 (the "k3" estimator: each term is >= 0 and its expectation under P(.|T) is exactly the KL, because
 E[r] = 1). The x_j are drawn by systematic sampling over the tail's CDF (in token-id order): each is
 marginally P(.|T)-distributed (so the mean is unbiased) but the m draws are evenly spread, which lowers
-the variance against i.i.d. draws (and makes the estimate nearly exact when m approaches the tail size). Hence every per-position value is >= the bucket lower bound, the estimate is unbiased, and its
+the variance against i.i.d. draws (and makes the estimate nearly exact when m approaches the tail size). Hence every
+per-position value is >= the bucket lower bound, the estimate is unbiased, and its
 standard error over N positions is ~ sd(k3) / sqrt(m N); for nearby P, Q, sd(k3) ~ sqrt(2) x KL.
 The estimator needs nothing but the test's full log-probs, which are always available at evaluation.
 

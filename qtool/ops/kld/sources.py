@@ -227,7 +227,7 @@ class DumpSource:
         self._shapes = []
         for f in self.files:
             with safe_open(str(f), framework="pt") as h:
-                key = DUMP_KEY if DUMP_KEY in h.keys() else None
+                key = DUMP_KEY if DUMP_KEY in h.keys() else None  # noqa: SIM118 (safe_open has keys(), not `in`)
                 if key is None:
                     raise CheckpointError(f"no `{DUMP_KEY}` tensor in dump file", path=f, got=list(h.keys()))
                 shape = h.get_slice(key).get_shape()

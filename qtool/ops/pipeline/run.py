@@ -209,8 +209,8 @@ def _publish(
 ) -> dict[str, int] | None:
     """Publish the artifact step's output at `out` with the build provenance; None when up to date (same
     final key and every published file as it was published), else the shards' bytes by how they were placed
-    ({"reflink": B} or {"copy": B}: a copy takes the artifact's size again on disk). Side files (what people edit) are copies, so
-    editing them cannot change the step cache; shards are reflinks, else copies, never hard links (an
+    ({"reflink": B} or {"copy": B}: a copy takes the artifact's size again on disk). Side files (what people edit) are
+    copies, so editing them cannot change the step cache; shards are reflinks, else copies, never hard links (an
     edit of a published shard through a shared inode would corrupt the step cache too). The record of
     what was published holds each file's size, mtime, ctime and inode: a same-size edit with the mtime
     put back still moves the ctime, so it is noticed and the artifact is published again."""

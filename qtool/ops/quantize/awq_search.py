@@ -14,10 +14,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from qtool.formats import awq
+from qtool.lazy import lazy_module
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch")
 
 # the float32 candidates of one batched RTN: 7 alphas of a 397B down_proj (4096 x 1024); the RTN's
 # temporaries are 4-5x that (~0.6 GB), so the search adds little to the GPU peak of the forward it
@@ -47,7 +52,7 @@ class ChunkScales:
         best, err, rtn_err = (t.tolist() for t in (self.best, self.best_err, self.rtn_err))
         return [
             {"expert": e0 + k, "alpha": b / self.grid, "down_mse": _finite(m), "down_mse_rtn": _finite(r)}
-            for k, (b, m, r) in enumerate(zip(best, err, rtn_err))
+            for k, (b, m, r) in enumerate(zip(best, err, rtn_err, strict=True))
         ]
 
 
@@ -74,7 +79,7 @@ def awq_down_scales(
     w_down: torch.Tensor,
     group_size: int,
     grid: int,
-    scale_dtype: torch.dtype = torch.bfloat16,
+    scale_dtype: torch.dtype | None = None,
 ) -> ChunkScales:
     """Best per-input-channel scales for the down_proj of a chunk of experts (W [k, H, I]) given each
     expert's activations rows[k] [n_k, I] (n_k may be 0: s = 1, alpha 0).
@@ -83,7 +88,10 @@ def awq_down_scales(
     lowest error wins and NaN never does (all NaN: alpha 0). The candidate weights of all alphas are coded
     in one batched RTN per expert ([grid, H, I]: elementwise and max/min, so each slice is bit for bit
     the one-alpha RTN), the errors stay on the device, and nothing syncs with the host: the search, the
-    fold and the codes of a whole chunk are queued before the writer waits for its bytes."""
+    fold and the codes of a whole chunk are queued before the writer waits for its bytes. `scale_dtype`:
+    BF16 unless given (None: torch is imported on first use, not with this module)."""
+    if scale_dtype is None:
+        scale_dtype = torch.bfloat16
     k, _, n_in = w_down.shape
     dev = w_down.device
     xs = [r.to(dev, non_blocking=True).float() for r in rows]  # pinned host rows (CUDA): no sync

@@ -34,15 +34,20 @@ it gets the layer's largest input amax (documented fallback, never NaN).
 from __future__ import annotations
 
 import copy
-
-import torch
+from typing import TYPE_CHECKING
 
 from qtool.errors import PlanError
 from qtool.formats import nvfp4
+from qtool.lazy import lazy_module
 from qtool.ops.quantize.layer import NVFP4Experts
 from qtool.ops.quantize.plan import QuantizePlan
 from qtool.quiet import quiet  # the producer libraries' chatter off, restored on exit
 from qtool.recipes import Backend, WeightScale
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch")
 
 PARTS = ("down_proj", "gate_proj", "up_proj")
 
@@ -156,12 +161,12 @@ class ModelOptLayer:
 # ----------------------------------------------------------------------------------------- llmcompressor
 
 
-class _Weight(torch.nn.Module):
-    """A module holding one expert projection's weight, for llm-compressor's fused observers."""
-
-    def __init__(self, w: torch.Tensor):
-        super().__init__()
-        self.weight = torch.nn.Parameter(w, requires_grad=False)
+def _weight_module(w: torch.Tensor) -> torch.nn.Module:
+    """A module holding one expert projection's weight, for llm-compressor's fused observers (a function, not
+    a torch.nn.Module subclass: torch is imported on first use, not with this module)."""
+    module = torch.nn.Module()
+    module.weight = torch.nn.Parameter(w, requires_grad=False)
+    return module
 
 
 class LlmCompressorLayer:
@@ -233,9 +238,9 @@ class LlmCompressorLayer:
         with _quiet():
             for k in range(e1 - e0):
                 mods = {
-                    "gate_proj": _Weight(gu[k, :inter]),
-                    "up_proj": _Weight(gu[k, inter:]),
-                    "down_proj": _Weight(dn[k]),
+                    "gate_proj": _weight_module(gu[k, :inter]),
+                    "up_proj": _weight_module(gu[k, inter:]),
+                    "down_proj": _weight_module(dn[k]),
                 }
                 obs = {
                     p: Observer.load_from_registry(

@@ -12,8 +12,15 @@ Full attention: K/V amax via qtool.stream.layer_stream.attention_tap (same as ca
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+from qtool.lazy import lazy_module
+from qtool.stream import experts as routed
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch")
 
 
 @dataclass
@@ -123,7 +130,7 @@ def reduce_expert_stats(stats: ExpertStats, group, owner) -> None:
     for dst in range(group.world):
         # clones: a piece is a view of the layer's page-locked buffer, which pickling would send whole
         mine = {
-            e: [(b, t.clone()) for b, t in zip(stats._row_batches[e], stats.mid_rows[e])]
+            e: [(b, t.clone()) for b, t in zip(stats._row_batches[e], stats.mid_rows[e], strict=True)]
             for e in range(stats.n_experts)
             if owner(e) == dst
         }
@@ -143,14 +150,10 @@ def reduce_expert_stats(stats: ExpertStats, group, owner) -> None:
 
 def install_expert_stats(experts, stats: ExpertStats) -> None:
     """Route the experts through qtool.stream.experts (transformers' eager math) recording the stats."""
-    from qtool.stream import experts as routed
-
     routed.install(experts, stats.record, stats.batch_hooks)
 
 
 def remove_expert_stats(experts) -> None:
-    from qtool.stream import experts as routed
-
     routed.install(experts)
 
 

@@ -6,7 +6,10 @@ from __future__ import annotations
 import copy
 
 from qtool.arch.model_map import QUANTIZED_FORMATS, Format, ModelMap
-from qtool.engines.decide import linear_modules
+from qtool.engines import Flavour
+from qtool.engines.decide import ignore_patterns_for, linear_modules
+from qtool.formats.awq import effective_group_size
+from qtool.ops.calibrate_kv import CT_KV_SCHEME, MODELOPT_KV_SCHEME
 from qtool.ops.quantize.mixed_configs import ct_mixed_groups, modelopt_mixed
 from qtool.recipes import OutFormat, Scheme
 
@@ -107,8 +110,6 @@ def _ct_w4a16_groups(group_size: int, in_features: dict[str, int]) -> dict:
     group size (a projection with in-features < group_size has one group per row, group = in-features),
     targeting those projections by regex, so that compressed-tensors (and transformers' decompression)
     reshape each weight by the group it was really quantized with."""
-    from qtool.formats.awq import effective_group_size
-
     by_g: dict[int, list[str]] = {}
     for part, n_in in sorted(in_features.items()):
         by_g.setdefault(effective_group_size(n_in, group_size), []).append(part)
@@ -136,10 +137,6 @@ def quant_configs(
     """(config.json quantization_config, hf_quant_config.json or None). `in_features`: routed expert
     projection -> in-features (W4A16: the group actually used per projection). `mixed`: FP8 dense linears
     besides (or instead of) the experts' scheme (qtool.ops.quantize.mixed_configs)."""
-    from qtool.engines import Flavour
-    from qtool.engines.decide import ignore_patterns_for
-    from qtool.ops.calibrate_kv import CT_KV_SCHEME, MODELOPT_KV_SCHEME
-
     producer = {"name": "qtool", "version": versions.get("qtool")}
     if fmt is OutFormat.AWQ:
         return (

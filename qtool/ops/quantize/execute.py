@@ -36,6 +36,7 @@ from qtool.ops.contract import Report
 from qtool.ops.quantize.output import input_files
 from qtool.ops.quantize.plan import HIDDEN_FILES, QuantizeOptions, QuantizePlan
 from qtool.ops.quantize.plan import plan as make_plan
+from qtool.ops.quantize.stage import FinishedShards, QuantizeStage  # (torch and the codecs: imported on first use)
 from qtool.stream.calib_data import token_digest
 from qtool.stream.hidden_store import DiskStore
 from qtool.stream.layer_journal import JOURNAL, LayerJournal
@@ -44,8 +45,6 @@ from qtool.stream.layer_stream import LayerStreamer, streamed_files
 
 if TYPE_CHECKING:
     import torch
-
-    from qtool.ops.quantize.stage import FinishedShards
 
 WORK = ".quantize"
 
@@ -104,9 +103,6 @@ def calibrate_and_write(
     pending, and the last layer besides them; qtool.stream.layer_run.WriteBehind). The journal entry of L
     is saved once L's shard is on disk, in layer order; the store keeps HIDDEN_FILES hidden-state files so
     that the inputs of the layers in flight survive the forward until then."""
-    # torch and the codecs: imported by the job that runs them, not by `qtool quantize --dry-run`
-    from qtool.ops.quantize.stage import QuantizeStage
-
     group = streamer.group
     n, seq = int(ids.shape[0]), int(ids.shape[1])
     batch = streamer.batch_windows(seq)

@@ -7,16 +7,16 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
-
-import torch
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from qtool.formats import awq, nvfp4
 from qtool.formats.fp8 import W8A8_PARAMS
-from qtool.io.files import open_new, tmp_path
+from qtool.formats.nvfp4_triton import quantize_fast  # Triton kernel on CUDA, torch codec elsewhere
+from qtool.io.files import copy_range, open_new, tmp_path
 from qtool.io.hashed_writes import HashedWrites
 from qtool.io.in_order import InOrder
-from qtool.io.writer import FileRange, InlineBytes, OutTensor, build_header, copy_range
+from qtool.io.writer import FileRange, InlineBytes, OutTensor, build_header
+from qtool.lazy import lazy_module
 from qtool.ops.calibrate_kv.calibrate import LayerStat
 from qtool.ops.quantize import awq_search
 from qtool.ops.quantize.awq_search import awq_down_scales, rtn
@@ -26,6 +26,11 @@ from qtool.ops.quantize.plan import QUANT_PARAMS, LayerPlan, QuantizePlan
 from qtool.ops.quantize.schemes import code_fp8_linear
 from qtool.recipes import InputScale, OutFormat, Scheme, WeightScale
 from qtool.stream.device_copy import download
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch")
 
 CHUNK_EXPERTS = 16
 # copied tensors read with the layer are written in pieces of at most this size (one larger tensor alone):
@@ -167,8 +172,6 @@ def _block_scales(w, global_amax, weight_scale_2, method: WeightScale):
 def nvfp4_rtn(gu, down, inter, in_amax, mid_amax, recipe) -> dict[str, NVFP4Experts]:
     """qtool's own NVFP4 of a chunk of experts (ModelOpt numerics; MSE-searched block scales when the
     recipe asks). Every expert is coded on its own: the chunking does not change a byte."""
-    from qtool.formats.nvfp4_triton import quantize_fast  # Triton kernel on CUDA, torch codec elsewhere
-
     res: dict[str, NVFP4Experts] = {}
     amaxes = {"down_proj": mid_amax, "gate_proj": in_amax, "up_proj": in_amax}
     for part, w, w_amax in _nvfp4_parts(gu, down, inter):

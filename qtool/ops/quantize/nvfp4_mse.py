@@ -10,9 +10,15 @@ written vectorised over all blocks at once.
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from qtool.formats import nvfp4, nvfp4_triton
+from qtool.lazy import lazy_module
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch")
 
 FACTORS = tuple(1.0 - 0.05 * i for i in range(7))
 

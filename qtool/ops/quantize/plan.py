@@ -19,6 +19,7 @@ from qtool.arch.model_map import Format, ModelMap
 from qtool.arch.qwen35 import Group, layer_prefix
 from qtool.errors import PlanError, UsageError
 from qtool.extras import require
+from qtool.formats.awq import effective_group_size, expert_group_size
 from qtool.io.checkpoint import Checkpoint
 from qtool.io.dtypes import nbytes_for
 from qtool.io.output import OutputDir
@@ -242,12 +243,7 @@ def _expert_params(
     out = []
     for part in PARTS:
         o, i = (hidden, inter) if part == "down_proj" else (inter, hidden)
-        if scheme is Scheme.W4A16:
-            from qtool.formats.awq import effective_group_size
-
-            g = effective_group_size(i, group)
-        else:
-            g = 16
+        g = effective_group_size(i, group) if scheme is Scheme.W4A16 else 16
         for name, dt, shp in QUANT_PARAMS[(scheme, fmt)]:
             out.append((f"{part}.{name}", dt, tuple(shp(o, i, g))))
     return tuple(out)
@@ -440,8 +436,6 @@ def plan(opts: QuantizeOptions) -> QuantizePlan:
         raise PlanError("NVFP4 needs expert in-features divisible by 16", got=(hidden, inter))
     int4_group, group_note = recipe.int4.group_size, None
     if scheme is Scheme.W4A16:
-        from qtool.formats.awq import expert_group_size
-
         int4_group = expert_group_size([hidden, inter], recipe.int4.group_size)  # one for all projections
         if int4_group != recipe.int4.group_size:
             group_note = (

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Protocol
-
-import torch
+from typing import TYPE_CHECKING, Any, Protocol
 
 from qtool.dist import Group
 from qtool.io.files import tmp_path
 from qtool.io.writer import FileRange
+from qtool.lazy import lazy_module
 from qtool.ops.calibrate_kv.calibrate import reduce_kv
 from qtool.ops.quantize import backends
 from qtool.ops.quantize import layer as layer_module
@@ -37,6 +36,11 @@ from qtool.ops.quantize.schemes import install_linear_amax, remove_linear_amax
 from qtool.recipes import Scheme
 from qtool.stream.layer_run import LayerRun, LayerStage
 from qtool.stream.layer_stream import attention_tap, kv_amax_tap
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch")
 
 
 class FinishedShards(Protocol):

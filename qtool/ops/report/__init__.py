@@ -201,9 +201,11 @@ def execute(p: ReportPlan, *, progress=None) -> ReportResult:
     o = p.options
 
     with reuse_opened():  # inspect, verify and serve-config read the same headers: parse them once
-        artifacts = [artifact_data(a, o.verify, kld, o.kv_cache_dtype) for a, kld in zip(o.artifacts, p.klds)]
+        artifacts = [
+            artifact_data(a, o.verify, kld, o.kv_cache_dtype) for a, kld in zip(o.artifacts, p.klds, strict=True)
+        ]
     if o.ref:  # after the header-only work: a broken artifact fails before the long run
-        for a, art in zip(artifacts, o.artifacts):
+        for a, art in zip(artifacts, o.artifacts, strict=True):
             a["kld"] = run_kld(o.ref, art.path, o.kld_options, progress)
     klds = [a["kld"] for a in artifacts]
     difference = (

@@ -137,7 +137,7 @@ def capacity_chart(fits: list[tuple[str, dict]], prefix: str) -> str | None:
     for i, (label, f) in enumerate(fits):
         pts = [(p["max_model_len"], p["max_num_seqs"]) for p in f["capacity"] if p["max_num_seqs"] > 0]
         if pts:
-            ax.plot(*zip(*pts), marker="o", markersize=3, color=SERIES[i % len(SERIES)], label=label)
+            ax.plot(*zip(*pts, strict=True), marker="o", markersize=3, color=SERIES[i % len(SERIES)], label=label)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("context length (tokens)")

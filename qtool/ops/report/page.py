@@ -52,10 +52,12 @@ def _cell(artifact: dict, row: str, col: str, cell: dict | None, marks: dict, he
 
 def page_charts(artifacts: list[dict]) -> dict[str, str | None]:
     labels = [a["label"] for a in artifacts]
-    fits = [(label, a["verify"]["fit"]) for label, a in zip(labels, artifacts)]
-    klds = [(label, a["kld"]) for label, a in zip(labels, artifacts)]
+    fits = [(label, a["verify"]["fit"]) for label, a in zip(labels, artifacts, strict=True)]
+    klds = [(label, a["kld"]) for label, a in zip(labels, artifacts, strict=True)]
     return {
-        "kv": charts.kv_scales_chart([(label, a["inspect"]["kv_scales"]) for label, a in zip(labels, artifacts)], "kv"),
+        "kv": charts.kv_scales_chart(
+            [(label, a["inspect"]["kv_scales"]) for label, a in zip(labels, artifacts, strict=True)], "kv"
+        ),
         "memory": charts.memory_chart(fits, "mem"),
         "capacity": charts.capacity_chart(fits, "cap"),
         "kld_histogram": charts.kld_histogram_chart(klds, "kldh"),

@@ -329,7 +329,8 @@ def per_engine_stale_scales(findings: list[Finding], versions: list[EngineVersio
     the module unquantized, with no parameter for the scale: vLLM 0.33 refuses at load ("There is no module
     or parameter named 'lm_head.input_scale'", vllm issue 45102; an AttributeError for in_proj_a/b, which it
     stacks), an error; SGLang 0.5.23 skips it with "Parameter ... not found in params_dict", a warning;
-    older SGLang (sglang issue 19587, reported on main of 2026-02-28) then failed a shape assertion: an error. Both checked with the real loaders
+    older SGLang (sglang issue 19587, reported on main of 2026-02-28) then failed a shape assertion: an error. Both
+    checked with the real loaders
     (tests/engines/test_loaders.py variant-stray-*). Other stale tensors keep their engine-free error."""
 
     def on_bf16_module(f: Finding) -> bool:
@@ -607,7 +608,7 @@ def kv_findings(mm: ModelMap, kv_cache_dtype: str) -> list[Finding]:
     kv = mm.kv
     # scales already there (some layers', or uncalibrated ones) are replaced only when asked
     fix = f"qtool calibrate-kv {ckpt} --in-place" + (" --replace-scales" if kv.layers else "")
-    missing = [l for l in mm.full_attention if l not in kv.layers]
+    missing = [layer for layer in mm.full_attention if layer not in kv.layers]
     out: list[Finding] = []
     if missing:
         out.append(
