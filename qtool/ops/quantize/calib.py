@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from qtool.ops.quantize.coverage import coverage_json
+from qtool.stream.every_token import every_token_hook
 
 
 @dataclass
@@ -161,8 +162,6 @@ def install_expert_stats(experts, stats: ExpertStats) -> None:
     from qtool.stream import experts as routed
 
     if stats.every_token:
-        from qtool.stream.every_token import every_token_hook
-
         routed.install(experts, None, [*stats.batch_hooks, every_token_hook(experts, stats.record)])
         return
     routed.install(experts, stats.record, stats.batch_hooks)
