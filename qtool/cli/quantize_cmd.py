@@ -97,6 +97,12 @@ def _print_plan(p: dict) -> None:
         print(f"  experts      {s}: layers {ls[0]}..{ls[-1]} ({len(ls)})")
     c = p["calibration"]
     print(f"  calibration  {c['dataset']}: {c['samples']} x {c['seq_len']} tokens on {p['device']}" + dataset_supply(c))
+    cover = p["recipe"]["expert_coverage"]
+    print(
+        f"  expert stats {cover['experts']} tokens; fewer than {cover['min_expert_tokens']} -> fallback layer_amax"
+        if cover["min_expert_tokens"] > 1
+        else f"  expert stats {cover['experts']} tokens; an expert that saw none -> fallback layer_amax"
+    )
     files = m["hidden_disk_bytes"] // max(1, m["hidden_bytes"])
     print(
         f"  memory       one layer {human_bytes(m['max_layer_bytes'])}, activations ~{human_bytes(m['activation_bytes'])}, "
