@@ -244,3 +244,17 @@ def test_all_with_a_peer_backend_is_a_usage_error(tiny_bf16, tmp_path):
     opts = QuantizeOptions(tiny_bf16, tmp_path / "o", _all_tokens(NVFP4), backend=Backend.LLMCOMPRESSOR)
     with pytest.raises(UsageError, match="experts: all"):
         plan(opts)
+
+
+def test_a_floor_above_the_runs_tokens_per_expert_is_a_plan_note(tiny_bf16, calib_ids, tmp_path):
+    from qtool.ops.quantize.plan import QuantizeOptions, plan
+
+    ids = calib_ids[:2]  # 64 tokens, top 2 of 8 experts: 16 an expert on average
+    high = dataclasses.replace(NVFP4, expert_coverage=ExpertCoverage(min_tokens=40))
+    notes = plan(QuantizeOptions(tiny_bf16, tmp_path / "o", high, calib_ids=ids)).warnings
+    assert any("min_expert_tokens 40 is above the 16 tokens" in w for w in notes)
+    every = dataclasses.replace(high, expert_coverage=ExpertCoverage(ExpertTokens.ALL, 40))  # 64 each
+    assert not any(
+        "min_expert_tokens" in w
+        for w in plan(QuantizeOptions(tiny_bf16, tmp_path / "o", every, calib_ids=ids)).warnings
+    )

@@ -48,6 +48,21 @@ def coverage_json(stats: ExpertStats) -> dict:
     }
 
 
+def floor_warning(recipe: Recipe, tokens: int, top_k: int, n_experts: int) -> str | None:
+    """A plan note where the recipe's floor is above what an expert sees on average with this run's tokens
+    (`all`: every token): most experts would be coded by the fallback rule."""
+    floor = recipe.expert_coverage.min_tokens
+    every = recipe.expert_coverage.experts is ExpertTokens.ALL
+    mean = tokens if every else tokens * top_k / max(1, n_experts)
+    if floor <= 1 or mean >= floor:
+        return None
+    return (
+        f"calibration.min_expert_tokens {floor} is above the {mean:.0f} tokens an expert sees on average in this "
+        f"run ({tokens} tokens{'' if every else f', top {top_k} of {n_experts} experts'}): most experts will be "
+        f"coded by the fallback rule {FALLBACK_RULE}; pass more --samples / --seq-len"
+    )
+
+
 def refuse_peer_backend(recipe: Recipe, backend: Backend) -> None:
     """`experts: all` is qtool's own calibration: a peer library calibrates its own way (ModelOpt on the
     routed tokens; llm-compressor's observers already see every token)."""

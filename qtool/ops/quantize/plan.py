@@ -24,7 +24,7 @@ from qtool.io.dtypes import nbytes_for
 from qtool.io.output import OutputDir
 from qtool.io.writer import FileRange
 from qtool.ops.quantize import output as quantize_output
-from qtool.ops.quantize.coverage import refuse_peer_backend
+from qtool.ops.quantize.coverage import floor_warning, refuse_peer_backend
 from qtool.ops.quantize.schemes import fp8_linears, fp8_params
 from qtool.recipes import FORMATS_FOR, Backend, KvCache, OutFormat, Recipe, Scheme, WeightScale, load_recipe
 from qtool.stream.calib_data import plan_calibration
@@ -557,6 +557,9 @@ def plan(opts: QuantizeOptions) -> QuantizePlan:
             f"({want['samples']} x {want['seq_len']} tokens); this run uses {dataset} "
             f"({samples} x {seq_len}): pass --dataset/--samples/--seq-len for a real run"
         )
+    thin = floor_warning(recipe, samples * seq_len, int(tc.get("num_experts_per_tok") or 1), n_exp)
+    if thin:
+        p.warnings.append(thin)
     p.layers_in_flight = p.choose_layers_in_flight()
     p.memory = p.memory_need()
     if p.memory.warning():
