@@ -23,6 +23,10 @@ A recipe is a YAML file in `recipes/` (or any path), validated here at the bound
     defaults: {backend: rtn, format: modelopt}
     calibration:                 # the data the recipe is meant to calibrate on (plans warn when a run uses less)
       {dataset: "hf:HuggingFaceH4/ultrachat_200k:train_sft", samples: 128, seq_len: 2048}
+      experts: natural           # optional: natural (the model's own routing) | all (each routed expert's
+                                 # statistics from every calibration token; the layer's output stays routed)
+      min_expert_tokens: 1       # optional: an expert that saw fewer tokens gets the fallback rule
+                                 # (qtool.ops.quantize.coverage); 1: only an expert that saw none
 
 The routed experts take a 4-bit scheme (nvfp4 or w4a16); attention, the shared expert and the GDN
 projections may take fp8 (W8A8, one weight scale and one calibrated static input scale per tensor) next to
@@ -67,6 +71,13 @@ class WeightScale(str, Enum):
 class InputScale(str, Enum):
     LAYER_MAX = "layer_max"
     PER_EXPERT = "per_expert"
+
+
+class ExpertTokens(str, Enum):
+    """Which calibration tokens each routed expert's statistics come from."""
+
+    NATURAL = "natural"  # the tokens the model's router sends it
+    ALL = "all"  # every token (llm-compressor's moe_calibrate_all_experts); the layer's output stays routed
 
 
 class KvCache(str, Enum):
@@ -136,6 +147,19 @@ class Int4Options:
 
 
 @dataclass(frozen=True)
+class ExpertCoverage:
+    """The recipe's `calibration.experts` and `calibration.min_expert_tokens`. min_tokens 1 (the default) is
+    the rule qtool always had: only an expert that saw no token falls back (it has nothing of its own), so
+    a recipe that does not name these codes the same bytes as before they existed."""
+
+    experts: ExpertTokens = ExpertTokens.NATURAL
+    min_tokens: int = 1
+
+    def to_json(self) -> dict:
+        return {"experts": self.experts.value, "min_expert_tokens": self.min_tokens}
+
+
+@dataclass(frozen=True)
 class Recipe:
     name: str
     description: str
@@ -148,6 +172,7 @@ class Recipe:
     format: OutFormat = OutFormat.MODELOPT
     path: str | None = None
     calibration: dict | None = None  # {dataset, samples, seq_len}: the data the recipe is meant for
+    expert_coverage: ExpertCoverage = ExpertCoverage()  # calibration.experts / calibration.min_expert_tokens
 
     def scheme_for(self, group: str, layer: int | None) -> Scheme:
         if layer is not None and group in self.layer_overrides.get(layer, {}):
@@ -184,6 +209,7 @@ class Recipe:
             "int4": {"group_size": self.int4.group_size, "awq": self.int4.awq, "awq_grid": self.int4.awq_grid},
             "defaults": {"backend": self.backend.value, "format": self.format.value},
             "calibration": self.calibration,
+            "expert_coverage": self.expert_coverage.to_json(),
             "path": self.path,
         }
 
@@ -306,6 +332,7 @@ def parse_recipe(data, *, path: str | None = None) -> Recipe:
         format=fmt,
         path=path,
         calibration=_calibration(data.get("calibration"), path),
+        expert_coverage=_expert_coverage(data.get("calibration"), path),
     )
 
 
@@ -336,17 +363,41 @@ def _check_mix(used: frozenset[Scheme], path) -> None:
         )
 
 
+_CALIBRATION_DATA = ("dataset", "samples", "seq_len")
+_CALIBRATION_EXPERTS = ("experts", "min_expert_tokens")
+
+
 def _calibration(obj, path) -> dict | None:
+    """The data part of `calibration:` (all three keys, or none of them: a recipe may give only the expert
+    options)."""
     if obj is None:
         return None
     c = _mapping(obj, "calibration", path)
-    if (
-        set(c) - {"dataset", "samples", "seq_len"}
-        or not isinstance(c.get("dataset"), str)
-        or not all(_is_int(c.get(k)) and c[k] > 0 for k in ("samples", "seq_len"))
-    ):
+    unknown = sorted(map(str, set(c) - set(_CALIBRATION_DATA) - set(_CALIBRATION_EXPERTS)))
+    if unknown:
+        raise RecipeError(
+            "unknown calibration keys", path=path, expected=[*_CALIBRATION_DATA, *_CALIBRATION_EXPERTS], got=unknown
+        )
+    if not any(k in c for k in _CALIBRATION_DATA):
+        return None
+    if not isinstance(c.get("dataset"), str) or not all(_is_int(c.get(k)) and c[k] > 0 for k in ("samples", "seq_len")):
         raise RecipeError("calibration needs {dataset: TEXT, samples: N, seq_len: N}", path=path, got=obj)
     return {"dataset": c["dataset"], "samples": c["samples"], "seq_len": c["seq_len"]}
+
+
+def _expert_coverage(obj, path) -> ExpertCoverage:
+    c = _mapping(obj, "calibration", path)
+    experts = _enum(ExpertTokens, c.get("experts", "natural"), "calibration.experts", path)
+    floor = c.get("min_expert_tokens", 1)
+    if not _is_int(floor) or floor < 1:
+        raise RecipeError(
+            "calibration.min_expert_tokens must be an integer >= 1",
+            path=path,
+            got=repr(floor),
+            hint="1 (the default) falls back only for an expert that saw no token; a larger N also for one "
+            "that saw fewer than N",
+        )
+    return ExpertCoverage(experts, floor)
 
 
 def load_recipe(name_or_path: str | Path) -> Recipe:

@@ -73,11 +73,32 @@ def test_mse_recipe_not_worse_than_rtn_per_block():
             "cannot hold fp8",
         ),
         ({"schema_version": 1, "name": "x", "int4": {"group_size": 100}}, "group_size"),
+        # expert coverage: a closed set of policies, a floor of at least one token, no stray keys
+        ({"schema_version": 1, "name": "x", "calibration": {"experts": "most"}}, "calibration.experts"),
+        ({"schema_version": 1, "name": "x", "calibration": {"min_expert_tokens": 0}}, "min_expert_tokens"),
+        ({"schema_version": 1, "name": "x", "calibration": {"min_expert_tokens": True}}, "min_expert_tokens"),
+        ({"schema_version": 1, "name": "x", "calibration": {"experts": "all", "floor": 4}}, "unknown calibration keys"),
+        ({"schema_version": 1, "name": "x", "calibration": {"experts": "all", "samples": 4}}, "calibration needs"),
     ],
 )
 def test_bad_recipes_rejected(bad, msg):
     with pytest.raises(RecipeError, match=msg):
         parse_recipe(bad)
+
+
+def test_expert_coverage_options_sit_beside_the_calibration_data():
+    from qtool.recipes import ExpertCoverage, ExpertTokens
+
+    data = {"dataset": "hf:org/name", "samples": 16, "seq_len": 2048}
+    r = parse_recipe(
+        {"schema_version": 1, "name": "x", "calibration": {**data, "experts": "all", "min_expert_tokens": 16}}
+    )
+    assert r.calibration == data and r.expert_coverage == ExpertCoverage(ExpertTokens.ALL, 16)
+    assert r.to_json()["expert_coverage"] == {"experts": "all", "min_expert_tokens": 16}
+    alone = parse_recipe({"schema_version": 1, "name": "x", "calibration": {"experts": "all"}})
+    assert alone.calibration is None and alone.expert_coverage.experts is ExpertTokens.ALL
+    # the default is the rule qtool always had: only an expert that saw no token falls back
+    assert load_recipe("qwen35-nvfp4-experts").expert_coverage == ExpertCoverage(ExpertTokens.NATURAL, 1)
 
 
 def test_shipped_recipes_say_what_they_calibrate_on(tiny_bf16, tmp_path):

@@ -65,17 +65,25 @@ def run(args) -> int:
     if args.dry_run:
         return 0
     for lr in rep["layers"]:
-        none = lr["experts_without_tokens"]
         t = lr["tokens_per_expert"]
         print(
             f"  layer {lr['layer']:>3} {lr['routed_experts']:>6}: tokens/expert min {min(t)} max {max(t)}"
-            + (f", {len(none)} expert(s) saw none (layer-max input amax used)" if none else "")
+            + _fallback(lr)
         )
     o = rep["output"]
     print(f"wrote {o['shards']} shards, {human_bytes(o['bytes'])} -> {o['output']} in {rep['seconds']:.1f} s")
     if o["problems"]:
         eprint(f"problems: {o['problems']}")
     return 0
+
+
+def _fallback(lr: dict) -> str:
+    """The layer's experts below the token floor, and the rule they were coded by (qtool.ops.quantize.coverage)."""
+    fallback, floor = lr["experts_fallback"], lr["min_expert_tokens"]
+    if not fallback:
+        return ""
+    few = "saw none" if floor <= 1 else f"saw fewer than {floor} tokens"
+    return f", {len(fallback)} expert(s) {few} (fallback {lr['fallback_rule']})"
 
 
 def _print_plan(p: dict) -> None:
@@ -89,6 +97,12 @@ def _print_plan(p: dict) -> None:
         print(f"  experts      {s}: layers {ls[0]}..{ls[-1]} ({len(ls)})")
     c = p["calibration"]
     print(f"  calibration  {c['dataset']}: {c['samples']} x {c['seq_len']} tokens on {p['device']}" + dataset_supply(c))
+    cover = p["recipe"]["expert_coverage"]
+    print(
+        f"  expert stats {cover['experts']} tokens; fewer than {cover['min_expert_tokens']} -> fallback layer_amax"
+        if cover["min_expert_tokens"] > 1
+        else f"  expert stats {cover['experts']} tokens; an expert that saw none -> fallback layer_amax"
+    )
     files = m["hidden_disk_bytes"] // max(1, m["hidden_bytes"])
     print(
         f"  memory       one layer {human_bytes(m['max_layer_bytes'])}, "

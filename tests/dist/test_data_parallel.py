@@ -55,6 +55,23 @@ def test_quantize_two_ranks_same_bytes(request, tmp_path, recipe):
     _same_output(one, two)
 
 
+def test_quantize_every_token_two_ranks_same_bytes(request, tmp_path):
+    """A recipe's `calibration.experts: all` (AWQ, with a token floor): each rank runs every expert on its
+    windows; token counts, amaxes and the AWQ rows reduce to one process's."""
+    src = fixture_dir(request, "tiny_bf16")
+    recipe = tmp_path / "awq-all.yaml"
+    recipe.write_text(
+        "schema_version: 1\nname: awq-all\ngroups: {routed_experts: w4a16}\n"
+        "defaults: {format: compressed-tensors}\ncalibration: {experts: all, min_expert_tokens: 4}\n"
+    )
+    one, two = tmp_path / "one", tmp_path / "two"
+    _run(["quantize", src, "-o", one, "--recipe", recipe, *JOB])
+    _run(["quantize", src, "-o", two, "--recipe", recipe, *JOB, "--nproc", "2"])
+    _same_output(one, two)
+    layers = json.loads((one / "qtool-manifest.json").read_text())["layers"]
+    assert all(entry["tokens_per_expert"] == [4 * 64] * 8 for entry in layers)
+
+
 def test_calibrate_kv_two_ranks_same_bytes(request, tmp_path):
     src = fixture_dir(request, "tiny_nvfp4_modelopt")
     one, two = tmp_path / "one", tmp_path / "two"

@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from qtool.lazy import lazy_module
+from qtool.ops.quantize.coverage import coverage_json
 from qtool.stream import experts as routed
+from qtool.stream.every_token import every_token_hook
 
 if TYPE_CHECKING:
     import torch
@@ -33,6 +35,8 @@ class ExpertStats:
     mid_rows: list = field(default_factory=list)  # per expert: list of [n, I] tensors (AWQ)
     hooks: list = field(default_factory=list)  # fn(e, x, mid) per routed batch (peer observers)
     batch_hooks: list = field(default_factory=list)  # fn(hidden_states) per forward of the experts module
+    min_tokens: int = 1  # an expert that saw fewer takes the fallback rule (qtool.ops.quantize.coverage)
+    every_token: bool = False  # every expert's statistics from every token (recipe calibration.experts: all)
 
     def __post_init__(self):
         e = self.n_experts
@@ -97,6 +101,15 @@ class ExpertStats:
         for hook in self.hooks:
             hook(e, x, mid)
 
+    def too_few(self, e: int) -> bool:
+        """Expert e saw fewer tokens than the floor: every method codes it by the fallback rule, not from
+        statistics of its own (qtool.ops.quantize.coverage). Valid once the stats are reduced over ranks."""
+        return int(self.tokens[e]) < self.min_tokens
+
+    def below_floor(self) -> torch.Tensor:
+        """bool [E]: too_few of every expert."""
+        return self.tokens < self.min_tokens
+
     def settle(self) -> None:
         """The layer's forward is done: the statistics to the host (one copy each)."""
         self.in_amax = self.in_amax.cpu()
@@ -111,6 +124,7 @@ class ExpertStats:
             "experts_without_tokens": [i for i, t in enumerate(self.tokens.tolist()) if t == 0],
             "gate_up_input_amax": float(self.in_amax.max()),
             "down_input_amax": float(self.mid_amax.max()),
+            **coverage_json(self),
         }
 
 
@@ -149,7 +163,11 @@ def reduce_expert_stats(stats: ExpertStats, group, owner) -> None:
 
 
 def install_expert_stats(experts, stats: ExpertStats) -> None:
-    """Route the experts through qtool.stream.experts (transformers' eager math) recording the stats."""
+    """Route the experts through qtool.stream.experts (transformers' eager math) recording the stats: of the
+    routed tokens, or (every_token) of all of them (qtool.stream.every_token), the output routed either way."""
+    if stats.every_token:
+        routed.install(experts, None, [*stats.batch_hooks, every_token_hook(experts, stats.record)])
+        return
     routed.install(experts, stats.record, stats.batch_hooks)
 
 

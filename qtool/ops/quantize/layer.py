@@ -53,13 +53,14 @@ def _f32(x: float) -> bytes:
 def input_amaxes(stats, mode: InputScale) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-expert (gate/up input amax, down input amax). layer_max: ModelOpt's one input quantizer per
     projection shared by all experts (modelopt/torch/quantization/plugins/huggingface.py
-    _QuantFusedExperts). per_expert: the expert's own amax; an expert that saw no token takes the layer max."""
+    _QuantFusedExperts). per_expert: the expert's own amax; an expert below the token floor (ExpertStats.too_few:
+    one that saw none, by default) takes the layer max (qtool.ops.quantize.coverage's `layer_amax`)."""
     lmax_in = float(stats.in_amax.max()) or _LAYER_FALLBACK_AMAX
     lmax_mid = float(stats.mid_amax.max()) or _LAYER_FALLBACK_AMAX
     e = stats.n_experts
     if mode is InputScale.LAYER_MAX:
         return torch.full((e,), lmax_in), torch.full((e,), lmax_mid)
-    seen = stats.tokens > 0
+    seen = ~stats.below_floor()
     return (
         torch.where(seen, stats.in_amax, torch.full((e,), lmax_in)),
         torch.where(seen, stats.mid_amax, torch.full((e,), lmax_mid)),
@@ -202,7 +203,8 @@ def _int4_expert_chunk(gu, down, inter, stats, e0, recipe, fmt, report, g: int) 
     s = None
     searched = None
     if recipe.int4.awq and stats is not None:
-        searched = awq_down_scales([stats.rows(e0 + k) for k in range(gu.shape[0])], dn, g, recipe.int4.awq_grid, sdt)
+        rows = [torch.empty(0) if stats.too_few(e) else stats.rows(e) for e in range(e0, e0 + gu.shape[0])]
+        searched = awq_down_scales(rows, dn, g, recipe.int4.awq_grid, sdt)  # no rows: s = 1, plain RTN
         s = searched.s
 
     def folded(part: str, w, k0: int, k1: int):

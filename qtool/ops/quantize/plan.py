@@ -25,6 +25,7 @@ from qtool.io.dtypes import nbytes_for
 from qtool.io.output import OutputDir
 from qtool.io.writer import FileRange
 from qtool.ops.quantize import output as quantize_output
+from qtool.ops.quantize.coverage import floor_warning, refuse_peer_backend
 from qtool.ops.quantize.schemes import fp8_linears, fp8_params
 from qtool.recipes import FORMATS_FOR, Backend, KvCache, OutFormat, Recipe, Scheme, WeightScale, load_recipe
 from qtool.stream.calib_data import plan_calibration
@@ -385,6 +386,7 @@ def plan(opts: QuantizeOptions) -> QuantizePlan:
                 "(`qtool recipes` lists them)",
             )
     _refuse_fp8_runs(recipe, backend)
+    refuse_peer_backend(recipe, backend)
     if backend is Backend.MODELOPT and recipe.nvfp4.weight_scale is WeightScale.MSE and not device.startswith("cuda"):
         # ModelOpt 0.47's static NVFP4 weight quantizer fake-quantizes through a Triton kernel only:
         # modelopt/torch/quantization/tensor_quant.py:586 raises "static_blockwise_fp4_fake_quant requires
@@ -549,6 +551,9 @@ def plan(opts: QuantizeOptions) -> QuantizePlan:
             f"({want['samples']} x {want['seq_len']} tokens); this run uses {dataset} "
             f"({samples} x {seq_len}): pass --dataset/--samples/--seq-len for a real run"
         )
+    thin = floor_warning(recipe, samples * seq_len, int(tc.get("num_experts_per_tok") or 1), n_exp)
+    if thin:
+        p.warnings.append(thin)
     p.layers_in_flight = p.choose_layers_in_flight()
     p.memory = p.memory_need()
     if p.memory.warning():

@@ -21,7 +21,7 @@ from qtool.io.files import tmp_path
 from qtool.io.writer import FileRange
 from qtool.lazy import lazy_module
 from qtool.ops.calibrate_kv.calibrate import reduce_kv
-from qtool.ops.quantize import backends
+from qtool.ops.quantize import backends, coverage
 from qtool.ops.quantize import layer as layer_module
 from qtool.ops.quantize.calib import (
     ExpertStats,
@@ -79,7 +79,7 @@ class QuantizeStage(LayerStage):
     def before_forward(self, run: LayerRun, idx: int, layer: torch.nn.Module) -> None:
         layer_plan = self.layer_plans[idx]
         keep_rows = self.plan.awq_rows if layer_plan.scheme is Scheme.W4A16 else 0
-        stats = ExpertStats(self.plan.n_experts, keep_rows=keep_rows)
+        stats = ExpertStats(self.plan.n_experts, keep_rows=keep_rows, **coverage.stats_options(self.plan.recipe))
         kv = KvStat()
         backend = None
         if layer_plan.scheme is Scheme.NVFP4:

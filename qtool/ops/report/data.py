@@ -132,8 +132,9 @@ def provenance(root: Path) -> dict | None:
 
 def expert_coverage(root: Path) -> list[dict] | None:
     """How many calibration tokens each layer's routed experts saw when qtool quantized them, per layer:
-    min / median / max and the experts that saw none (those were coded with the layer's largest input
-    amax). Read from the manifest: quantize's own `layers`, or a build's quantize step's report. None
+    min / median / max, the experts that saw none, and the experts below the recipe's token floor that
+    were coded by the fallback rule (qtool.ops.quantize.coverage; a manifest from before the floor existed:
+    the experts that saw none, coded with the layer's largest input amax). Read from the manifest: quantize's own `layers`, or a build's quantize step's report. None
     where the artifact was not quantized by qtool (or its manifest is unreadable: provenance says so)."""
     try:
         manifest = json.loads((Path(root) / MANIFEST_NAME).read_text(encoding="utf-8"))
@@ -166,6 +167,10 @@ def _coverage_row(entry: dict) -> dict | None:
         "median": statistics.median(ordered),
         "max": ordered[-1],
         "without_tokens": [i for i, t in enumerate(tokens) if t == 0],
+        "expert_tokens": entry.get("expert_tokens", "natural"),
+        "min_expert_tokens": entry.get("min_expert_tokens", 1),
+        "fallback_rule": entry.get("fallback_rule", "layer_amax"),
+        "fallback": entry.get("experts_fallback", [i for i, t in enumerate(tokens) if t == 0]),
     }
 
 
