@@ -12,6 +12,7 @@ Full attention: K/V amax via qtool.stream.layer_stream.attention_tap (same as ca
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -26,6 +27,7 @@ class ExpertStats:
     mid_rows: list = field(default_factory=list)  # per expert: list of [n, I] tensors (AWQ)
     hooks: list = field(default_factory=list)  # fn(e, x, mid) per routed batch (peer observers)
     batch_hooks: list = field(default_factory=list)  # fn(hidden_states) per forward of the experts module
+    local_hessians: Any = None  # local_hessian.LocalHessians (recipe nvfp4.weight_scale: local_hessian)
 
     def __post_init__(self):
         e = self.n_experts
