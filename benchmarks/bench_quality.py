@@ -44,6 +44,7 @@ class Method:
     tool: str  # whose implementation
     backend: str  # qtool quantize --backend
     recipe: str  # YAML body (without schema/name lines)
+    cuda_only: bool = False  # run by default only with --device cuda (named in --methods, it runs anyway)
 
 
 def _nvfp4(weight_scale: str) -> str:
@@ -91,6 +92,7 @@ def methods(int4_group: int) -> list[Method]:
             "ModelOpt",
             "modelopt",
             _nvfp4("local_hessian"),
+            cuda_only=True,
         ),
         Method("llmc-nvfp4-minmax", "NVFP4 RTN, minmax observer", "llm-compressor", "llmcompressor", _nvfp4("max")),
         Method("llmc-nvfp4-mse", "NVFP4, mse observer", "llm-compressor", "llmcompressor", _nvfp4("mse")),
@@ -277,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"unknown --methods {','.join(unknown)}; known: {','.join(m.key for m in chosen)}", file=sys.stderr)
             return 2
         chosen = [m for m in chosen if m.key in keys]
+    elif not a.device.startswith("cuda"):
+        chosen = [m for m in chosen if not m.cuda_only]
     a.workdir.mkdir(parents=True, exist_ok=True)
     src = ensure_proxy(a.workdir)
     rows, failed = [], []
