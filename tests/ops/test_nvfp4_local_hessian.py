@@ -265,3 +265,20 @@ def test_same_kld_as_modelopts_local_hessian_on_the_proxy(tmp_path):
     ours, theirs = rows["nvfp4-local-hessian"]["mean_kld"], rows["modelopt-nvfp4-local-hessian"]["mean_kld"]
     print(f"mean KLD: qtool {ours:.5g}, ModelOpt {theirs:.5g}")
     assert abs(ours - theirs) <= 0.01 * theirs
+
+
+@pytest.mark.slow
+def test_on_the_trained_proxy_its_mean_kld_is_below_maxs(tmp_path):
+    """The trained proxy (benchmarks/proxy), routed experts NVFP4, the rest BF16: the local-Hessian block
+    scales give a lower mean KLD against BF16 on held-out text than round-to-nearest from the max."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import bench_quality
+
+    out = tmp_path / "q.json"
+    args = ["--workdir", str(tmp_path), "--out", str(out), "--methods", "nvfp4-max,nvfp4-local-hessian"]
+    assert bench_quality.main([*args, "--calib-samples", "8", "--eval-windows", "8", "--seq-len", "128"]) == 0
+    rows = {r["key"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["nvfp4-local-hessian"]["expert_bytes"] == rows["nvfp4-max"]["expert_bytes"]
+    assert rows["nvfp4-local-hessian"]["mean_kld"] < rows["nvfp4-max"]["mean_kld"]
