@@ -44,6 +44,7 @@ class Method:
     tool: str  # whose implementation
     backend: str  # qtool quantize --backend
     recipe: str  # YAML body (without schema/name lines)
+    cuda_only: bool = False  # run by default only with --device cuda (named in --methods, it runs anyway)
 
 
 def _nvfp4(weight_scale: str) -> str:
@@ -74,9 +75,25 @@ def methods(int4_group: int) -> list[Method]:
         Method("nvfp4-mse", "NVFP4, block scale MSE (7 shrinks)", "qtool", "rtn", _nvfp4("mse")),
         Method("nvfp4-mse-sweep", "NVFP4, block scale MSE (126 E4M3 sweep)", "qtool", "rtn", _nvfp4("mse_sweep")),
         Method("nvfp4-4over6", "NVFP4, block max to 6 or 4 (four-over-six)", "qtool", "rtn", _nvfp4("four_over_six")),
+        Method(
+            "nvfp4-local-hessian",
+            "NVFP4, block scale by local Hessian (126 E4M3 sweep, dwᵀ H dw)",
+            "qtool",
+            "rtn",
+            _nvfp4("local_hessian"),
+        ),
         Method("int4-rtn", f"INT4 W4A16 g{int4_group} RTN", "qtool", "rtn", _int4(int4_group, awq=False)),
         Method("int4-awq", f"INT4 W4A16 g{int4_group} AWQ", "qtool", "rtn", _int4(int4_group, awq=True)),
         Method("modelopt-nvfp4-max", "NVFP4 RTN, block scale from max", "ModelOpt", "modelopt", _nvfp4("max")),
+        # ModelOpt's static NVFP4 fake-quant is a Triton kernel: its searched rows need --device cuda
+        Method(
+            "modelopt-nvfp4-local-hessian",
+            "NVFP4, block scale by local Hessian",
+            "ModelOpt",
+            "modelopt",
+            _nvfp4("local_hessian"),
+            cuda_only=True,
+        ),
         Method("llmc-nvfp4-minmax", "NVFP4 RTN, minmax observer", "llm-compressor", "llmcompressor", _nvfp4("max")),
         Method("llmc-nvfp4-mse", "NVFP4, mse observer", "llm-compressor", "llmcompressor", _nvfp4("mse")),
         Method("v2-mixed", "NVFP4 sweep experts + FP8 rest (NVFP4-V2)", "qtool", "rtn", _v2_mixed()),
@@ -169,7 +186,7 @@ def run_method(method: Method, src: Path, workdir: Path, a: argparse.Namespace) 
             "--seq-len",
             str(a.seq_len),
             "--device",
-            "cpu",
+            a.device,
             "--force",
             "--quiet",
         ]
@@ -191,7 +208,7 @@ def run_method(method: Method, src: Path, workdir: Path, a: argparse.Namespace) 
             "--seq-len",
             str(a.seq_len),
             "--device",
-            "cpu",
+            a.device,
             "--json",
             "--quiet",
         ]
@@ -245,6 +262,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seq-len", type=int, default=256, help="tokens per window, both (default 256)")
     ap.add_argument("--int4-group-size", type=int, default=32, help="INT4 group (default 32: NVFP4's bytes)")
     ap.add_argument("--methods", help="comma-separated keys (default all): " + ",".join(m.key for m in methods(32)))
+    ap.add_argument("--device", default="cpu", help="quantize and eval kld on this device (default cpu)")
     ap.add_argument("--smoke", action="store_true", help="2 windows of 64 tokens each side (CI)")
     a = ap.parse_args(argv)
     if a.smoke:
@@ -262,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"unknown --methods {','.join(unknown)}; known: {','.join(m.key for m in chosen)}", file=sys.stderr)
             return 2
         chosen = [m for m in chosen if m.key in keys]
+    elif not a.device.startswith("cuda"):
+        chosen = [m for m in chosen if not m.cuda_only]
     a.workdir.mkdir(parents=True, exist_ok=True)
     src = ensure_proxy(a.workdir)
     rows, failed = [], []

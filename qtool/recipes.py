@@ -15,6 +15,8 @@ A recipe is a YAML file in `recipes/` (or any path), validated here at the bound
     nvfp4:                       # only with an nvfp4 group
       weight_scale: max          # max (RTN from amax) | mse (7 shrink factors per block)
                                  # | mse_sweep (126 E4M3 scales per block) | four_over_six (max -> 6 or 4 per block)
+                                 # | local_hessian (126 E4M3 scales per block, lowest error on the
+                                 #   expert's calibration inputs: dwᵀ H dw)
       input_scale: layer_max     # layer_max (ModelOpt: one amax shared by all experts) | per_expert
     int4:                        # only with a w4a16 group
       group_size: 128
@@ -66,6 +68,9 @@ class WeightScale(str, Enum):
     MSE = "mse"  # each block's scale: the maximum shrunk by 1.0 .. 0.7, lowest squared error
     MSE_SWEEP = "mse_sweep"  # each block's scale: every E4M3 value tried, lowest squared error
     FOUR_OVER_SIX = "four_over_six"  # each block's max mapped to 6 or to 4, the lower squared error kept
+    # every E4M3 value tried, lowest output error dwᵀ H dw under the expert's calibration inputs' second
+    # moments (qtool.ops.quantize.local_hessian); an expert without tokens: mse_sweep's scales
+    LOCAL_HESSIAN = "local_hessian"
 
 
 class InputScale(str, Enum):

@@ -174,6 +174,7 @@ def test_bench_quality_smoke(tmp_path):
         "nvfp4-mse",
         "nvfp4-mse-sweep",
         "nvfp4-4over6",
+        "nvfp4-local-hessian",
         "int4-rtn",
         "int4-awq",
         "modelopt-nvfp4-max",

@@ -60,26 +60,32 @@ def _quiet():
 # ---------------------------------------------------------------------------------------------- modelopt
 
 
-def modelopt_config(mse: bool) -> dict:
-    """ModelOpt's NVFP4 experts-only config; with `mse`, static weight block scales + MSE calibration."""
+def modelopt_config(mse: bool, local_hessian: bool = False) -> dict:
+    """ModelOpt's NVFP4 experts-only config; with `mse`, static weight block scales + MSE calibration
+    (the FP8 sweep); with `local_hessian`, the same with the algorithm of its
+    NVFP4_W4A4_WEIGHT_LOCAL_HESSIAN_CFG ({"method": "local_hessian", "fp8_scale_sweep": true})."""
     import modelopt.torch.quantization as mtq
 
     entries = copy.deepcopy(list(mtq.NVFP4_EXPERTS_ONLY_CFG["quant_cfg"]))
-    if not mse:
+    if not (mse or local_hessian):
         return {"quant_cfg": entries, "algorithm": mtq.NVFP4_EXPERTS_ONLY_CFG.get("algorithm", "max")}
     for ent in entries:
         name = str(ent.get("quantizer_name", ""))
         if name.endswith("weight_quantizer") and isinstance(ent.get("cfg"), dict):
             ent["cfg"]["block_sizes"]["type"] = "static"  # block amaxes become calibrated state
             ent["cfg"].pop("effective_bits", None)
-    return {"quant_cfg": entries, "algorithm": copy.deepcopy(mtq.NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG["algorithm"])}
+    algorithm = (mtq.NVFP4_W4A4_WEIGHT_LOCAL_HESSIAN_CFG if local_hessian else mtq.NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG)[
+        "algorithm"
+    ]
+    return {"quant_cfg": entries, "algorithm": copy.deepcopy(algorithm)}
 
 
 class ModelOptLayer:
     """ModelOpt's calibration of one decoder layer's routed experts."""
 
-    def __init__(self, mse: bool):
+    def __init__(self, mse: bool, local_hessian: bool = False):
         self.mse = mse
+        self.local_hessian = local_hessian
         self.experts = None
         self.input_scales: dict = {}
         self.hooks: list = []
@@ -99,7 +105,7 @@ class ModelOptLayer:
         from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
 
         with _quiet():
-            mtq.quantize(layer, modelopt_config(self.mse), forward_loop=forward_loop)
+            mtq.quantize(layer, modelopt_config(self.mse, self.local_hessian), forward_loop=forward_loop)
             ex = layer.mlp.experts
             if not hasattr(ex, "gate_up_proj_weight_quantizers"):
                 raise PlanError(
@@ -288,7 +294,8 @@ class LlmCompressorLayer:
 
 
 def _modelopt(plan: QuantizePlan) -> ModelOptLayer:
-    return ModelOptLayer(plan.recipe.nvfp4.weight_scale is WeightScale.MSE)
+    scale = plan.recipe.nvfp4.weight_scale
+    return ModelOptLayer(scale is WeightScale.MSE, local_hessian=scale is WeightScale.LOCAL_HESSIAN)
 
 
 def _llmcompressor(plan: QuantizePlan) -> LlmCompressorLayer:

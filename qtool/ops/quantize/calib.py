@@ -12,7 +12,7 @@ Full attention: K/V amax via qtool.stream.layer_stream.attention_tap (same as ca
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from qtool.lazy import lazy_module
 from qtool.ops.quantize.coverage import coverage_json
@@ -37,6 +37,7 @@ class ExpertStats:
     batch_hooks: list = field(default_factory=list)  # fn(hidden_states) per forward of the experts module
     min_tokens: int = 1  # an expert that saw fewer takes the fallback rule (qtool.ops.quantize.coverage)
     every_token: bool = False  # every expert's statistics from every token (recipe calibration.experts: all)
+    local_hessians: Any = None  # local_hessian.LocalHessians (recipe nvfp4.weight_scale: local_hessian)
 
     def __post_init__(self):
         e = self.n_experts

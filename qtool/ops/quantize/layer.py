@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import struct
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
@@ -18,7 +19,7 @@ from qtool.io.in_order import InOrder
 from qtool.io.writer import FileRange, InlineBytes, OutTensor, build_header
 from qtool.lazy import lazy_module
 from qtool.ops.calibrate_kv.calibrate import LayerStat
-from qtool.ops.quantize import awq_search
+from qtool.ops.quantize import awq_search, local_hessian
 from qtool.ops.quantize.awq_search import awq_down_scales, rtn
 from qtool.ops.quantize.calib import ExpertStats
 from qtool.ops.quantize.nvfp4_mse import four_over_six_block_scales, search_block_scales, sweep_block_scales
@@ -170,9 +171,10 @@ def _block_scales(w, global_amax, weight_scale_2, method: WeightScale):
     return None
 
 
-def nvfp4_rtn(gu, down, inter, in_amax, mid_amax, recipe) -> dict[str, NVFP4Experts]:
+def nvfp4_rtn(gu, down, inter, in_amax, mid_amax, recipe, searched=None) -> dict[str, NVFP4Experts]:
     """qtool's own NVFP4 of a chunk of experts (ModelOpt numerics; MSE-searched block scales when the
-    recipe asks). Every expert is coded on its own: the chunking does not change a byte."""
+    recipe asks). Every expert is coded on its own: the chunking does not change a byte. `searched`:
+    fn(part, w, global_amax) -> block scales from the layer's statistics (local_hessian), else None."""
     res: dict[str, NVFP4Experts] = {}
     amaxes = {"down_proj": mid_amax, "gate_proj": in_amax, "up_proj": in_amax}
     for part, w, w_amax in _nvfp4_parts(gu, down, inter):
@@ -181,7 +183,11 @@ def nvfp4_rtn(gu, down, inter, in_amax, mid_amax, recipe) -> dict[str, NVFP4Expe
             bs, ws2 = four_over_six_block_scales(w, w_amax)
         else:
             ws2 = nvfp4.weight_scale_2_from_amax(w_amax)
-            bs = _block_scales(w, w_amax, ws2, recipe.nvfp4.weight_scale)
+            bs = (
+                _block_scales(w, w_amax, ws2, recipe.nvfp4.weight_scale)
+                if searched is None
+                else searched(part, w, w_amax)
+            )
         q = quantize_fast(w, weight_scale_2=ws2, block_scale=bs)
         res[part] = NVFP4Experts(
             q.packed,
@@ -453,7 +459,10 @@ def _write_specs(
             if backend is not None:
                 parts = backend.nvfp4_chunk(e0, e1, gu, dn, a_in, a_mid)
             else:
-                parts = nvfp4_rtn(gu, dn, inter, a_in, a_mid, plan.recipe)
+                searched = None
+                if stats.local_hessians is not None:
+                    searched = partial(local_hessian.chunk_block_scales, stats, e0, e1)
+                parts = nvfp4_rtn(gu, dn, inter, a_in, a_mid, plan.recipe, searched)
             chunk = {part: q.expert_tensors(plan.format) for part, q in parts.items()}
         else:
             chunk = _int4_expert_chunk(

@@ -327,6 +327,25 @@ def _refuse_fp8_runs(recipe: Recipe, backend: Backend) -> None:
         )
 
 
+def _refuse_local_hessian_runs(recipe: Recipe, backend: Backend) -> None:
+    """local_hessian's per-expert Hessians are summed in one process: a sum over ranks adds them in
+    another order, whose last-bit differences can flip a near-tie between two block scales (the bytes would
+    depend on --nproc). llm-compressor has no such search; ModelOpt's (--backend modelopt) is its oracle."""
+    if recipe.nvfp4.weight_scale is not WeightScale.LOCAL_HESSIAN:
+        return
+    if backend is Backend.LLMCOMPRESSOR:
+        raise UsageError(
+            "nvfp4.weight_scale local_hessian: --backend llmcompressor has no local-Hessian block-scale search",
+            hint="use --backend rtn (qtool's own, the default) or --backend modelopt (ModelOpt's)",
+        )
+    if dist.planned_ranks() > 1:
+        raise UsageError(
+            "nvfp4.weight_scale local_hessian runs in one process (each expert's input Hessians are not "
+            "reduced over ranks: a sum in another order could change a block scale, and the bytes with it)",
+            hint="run without --nproc/--devices",
+        )
+
+
 @dataclass(frozen=True)
 class QuantizeOptions:
     """quantize's options: the one place their defaults live (CLI, build steps, library)."""
@@ -387,13 +406,15 @@ def plan(opts: QuantizeOptions) -> QuantizePlan:
             )
     _refuse_fp8_runs(recipe, backend)
     refuse_peer_backend(recipe, backend)
-    if backend is Backend.MODELOPT and recipe.nvfp4.weight_scale is WeightScale.MSE and not device.startswith("cuda"):
+    _refuse_local_hessian_runs(recipe, backend)
+    static_scales = (WeightScale.MSE, WeightScale.LOCAL_HESSIAN)
+    if backend is Backend.MODELOPT and recipe.nvfp4.weight_scale in static_scales and not device.startswith("cuda"):
         # ModelOpt 0.47's static NVFP4 weight quantizer fake-quantizes through a Triton kernel only:
         # modelopt/torch/quantization/tensor_quant.py:586 raises "static_blockwise_fp4_fake_quant requires
         # triton" during mse_calibrate when triton_kernel.IS_AVAILABLE is False (always on a CPU).
         raise UsageError(
-            "--backend modelopt with an MSE recipe needs a CUDA device (ModelOpt's static "
-            "NVFP4 fake-quant, used by its MSE calibration, is a Triton kernel)",
+            f"--backend modelopt with nvfp4.weight_scale {recipe.nvfp4.weight_scale.value} needs a CUDA device "
+            "(ModelOpt's static NVFP4 fake-quant, used by its MSE and local-Hessian calibration, is a Triton kernel)",
             hint="use --device cuda, or --backend rtn / llmcompressor for MSE weight scales on CPU",
         )
     own_codecs = (WeightScale.MSE_SWEEP, WeightScale.FOUR_OVER_SIX)

@@ -21,7 +21,7 @@ from qtool.io.files import tmp_path
 from qtool.io.writer import FileRange
 from qtool.lazy import lazy_module
 from qtool.ops.calibrate_kv.calibrate import reduce_kv
-from qtool.ops.quantize import backends, coverage
+from qtool.ops.quantize import backends, coverage, local_hessian
 from qtool.ops.quantize import layer as layer_module
 from qtool.ops.quantize.calib import (
     ExpertStats,
@@ -88,6 +88,8 @@ class QuantizeStage(LayerStage):
                 backend.calibrate(layer, run.streamer, run.store, run.seq_len, run.batch)
                 stats.hooks += backend.hooks
                 stats.batch_hooks += backend.batch_hooks
+            else:
+                local_hessian.attach(stats, self.plan.recipe)  # the experts' input second moments, if asked
         install_expert_stats(layer.mlp.experts, stats)
         install_linear_amax(layer, list(layer_plan.fp8))  # the fp8 linears' static input scales
         if layer_plan.full_attention:
@@ -139,6 +141,7 @@ class QuantizeStage(LayerStage):
 def layer_entry(layer_plan: LayerPlan, stats: ExpertStats, kv: KvStat, awq: list[dict]) -> dict:
     """A layer's entry in the report, the journal and the manifest."""
     entry = {"layer": layer_plan.index, "routed_experts": layer_plan.scheme.value, **stats.to_json()}
+    entry.update(local_hessian.report(stats))
     if layer_plan.full_attention:
         entry["kv"] = {"k_amax": kv.k_amax, "v_amax": kv.v_amax, "tokens": kv.tokens}
     if awq:

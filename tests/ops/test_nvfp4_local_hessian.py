@@ -1,0 +1,284 @@
+"""`nvfp4.weight_scale: local_hessian`: each 16-element block's E4M3 scale (mse_sweep's 126 candidates) by the
+lowest dwᵀ H_b dw, H_b the block's 16x16 second moments of the expert's own calibration inputs, as ModelOpt
+0.47's NVFP4_W4A4_WEIGHT_LOCAL_HESSIAN_CFG chooses it; an expert without tokens takes mse_sweep's scales,
+and the report says which; the bytes are reproducible, survive a kill and --resume, and several ranks are
+refused."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from qtool.formats import nvfp4
+from qtool.ops.quantize.calib import ExpertStats
+from qtool.ops.quantize.local_hessian import LocalHessians, chunk_block_scales, hessian_block_scales
+from qtool.ops.quantize.nvfp4_mse import fp8_scale_values, sweep_block_scales
+from qtool.recipes import recipes_dir
+
+
+def _weights(seed: int = 0, experts: int = 2) -> torch.Tensor:
+    """[experts, 64, 128] weights with an outlier column and an all-zero block, as in the sweep's tests."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(experts, 64, 128, generator=g) * 0.02
+    w[:, :, 5] *= 12
+    w[:, 3, :16] = 0
+    return w.to(torch.bfloat16)
+
+
+def _inputs(seed: int = 1, tokens: int = 300) -> torch.Tensor:
+    """Activations with channels of very different scale (what makes H far from a multiple of I)."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(tokens, 128, generator=g) * torch.logspace(-1, 1, 128)).to(torch.bfloat16)
+
+
+def _hessians(x: torch.Tensor, experts: int) -> torch.Tensor:
+    lh = LocalHessians(experts)
+    for e in range(experts):
+        for rows in x.split(100):
+            lh.record(e, rows, torch.zeros(rows.shape[0], 16))
+    return lh.normalized("gate_proj", 0, experts, torch.full((experts,), x.shape[0]))
+
+
+def _output_error(w: torch.Tensor, block_scale: torch.Tensor | None, x: torch.Tensor) -> float:
+    q = nvfp4.quantize(w, global_amax=nvfp4.matrix_amax(w), block_scale=block_scale).dequantize(torch.float32)
+    return float(((q - w.float()) @ x.float().T).pow(2).sum())
+
+
+def test_each_block_keeps_the_candidate_with_the_lowest_hessian_error():
+    """Written block by block: every candidate coded by the codec, dwᵀ H_b dw, the first smallest kept."""
+    w, x = _weights(), _inputs()
+    h = _hessians(x, 2)
+    amax = nvfp4.matrix_amax(w)
+    got = hessian_block_scales(w, amax, h).float()
+    values = fp8_scale_values()
+    for e in range(2):
+        ws2 = nvfp4.weight_scale_2_from_amax(amax[e])
+        for row in (3, 17):
+            for b in range(4):
+                block = w[e, row, b * 16 : (b + 1) * 16].float()
+                losses = []
+                for v in values:
+                    one = torch.full((1, 1), float(v)).to(torch.float8_e4m3fn)
+                    q = nvfp4.quantize(block[None], weight_scale_2=ws2, block_scale=one).dequantize(torch.float32)[0]
+                    dw = block - q
+                    losses.append(float(dw @ h[e, b] @ dw))
+                best = min(range(len(losses)), key=lambda k: (losses[k], k))
+                if row == 3 and b == 0:  # the all-zero block: every candidate ties at 0, the first is kept
+                    assert max(losses) == 0
+                assert got[e, row, b] == values[best], (e, row, b)
+
+
+@pytest.mark.slow
+def test_it_lowers_the_output_error_below_max_and_the_plain_sweep():
+    w, x = _weights(2, experts=1), _inputs(3)
+    amax = nvfp4.matrix_amax(w)
+    ours = hessian_block_scales(w, amax, _hessians(x, 1))
+    assert _output_error(w, ours, x) < _output_error(w, sweep_block_scales(w, amax), x) < _output_error(w, None, x)
+
+
+def _modelopt_local_hessian_scales(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """ModelOpt 0.47's own pieces of local_hessian_calibrate for one weight [out, in] and its inputs x:
+    `_LocalHessianAccumulator` (H = ΣxxᵀT / n per block, its error function), `NVFP4MSECalibrator` (the 126
+    candidates, argmin) with its reference sweep, each candidate coded by ModelOpt's export codec
+    (`NVFP4QTensor.quantize` with the block scale `_cast_per_block_scale_to_fp8` exports). On CPU: its
+    Triton fast path and static fake-quant need a GPU (the GPU test below runs mtq.quantize whole)."""
+    pytest.importorskip("modelopt")
+    from modelopt.torch.quantization.calib.mse import NVFP4MSECalibrator
+    from modelopt.torch.quantization.model_calib import _LocalHessianAccumulator
+    from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor, _cast_per_block_scale_to_fp8
+
+    out, n_in = w.shape
+    acc = _LocalHessianAccumulator(out, n_in, nvfp4.BLOCK_SIZE)
+    for rows in x.split(100):
+        acc.accumulate(rows)
+    global_amax = w.float().abs().amax()
+    ws2 = global_amax / (nvfp4.E2M1_MAX * nvfp4.E4M3_MAX)
+
+    def exported(blocks: torch.Tensor, block_amax: torch.Tensor) -> torch.Tensor:
+        per_block = block_amax.reshape(out, -1).float() / nvfp4.E2M1_MAX
+        per_block[per_block == 0] = 1.0
+        s8 = _cast_per_block_scale_to_fp8(per_block, global_amax / nvfp4.E2M1_MAX)
+        q, _, _ = NVFP4QTensor.quantize(blocks.reshape(out, n_in), nvfp4.BLOCK_SIZE, s8, ws2)
+        return q.dequantize(torch.float32, scale=s8, double_scale=ws2, block_sizes={-1: 16}).reshape(blocks.shape)
+
+    blocks = w.float().reshape(-1, nvfp4.BLOCK_SIZE)
+    cal = NVFP4MSECalibrator(
+        blocks.abs().amax(-1, keepdim=True),
+        global_amax,
+        axis=0,
+        quant_func=exported,
+        error_func=acc.build_error_func(),
+    )
+    cal.collect(blocks)
+    return _cast_per_block_scale_to_fp8(cal.compute_amax().reshape(out, -1) / 6, global_amax / 6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 4])
+def test_same_block_scales_as_modelopts_local_hessian_search(seed):
+    """The oracle on the same weights and activations: ModelOpt's accumulator, loss, candidates and argmin
+    give the same bytes."""
+    w, x = _weights(seed, experts=1), _inputs(seed + 1)
+    theirs = _modelopt_local_hessian_scales(w[0], x)
+    ours = hessian_block_scales(w, nvfp4.matrix_amax(w), _hessians(x, 1))[0]
+    assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8))
+
+
+@pytest.mark.slow
+def test_an_expert_without_tokens_takes_the_plain_sweep_and_is_recorded():
+    w, x = _weights(5, experts=3), _inputs(6)
+    stats = ExpertStats(3)
+    stats.local_hessians = LocalHessians(3)
+    stats.hooks.append(stats.local_hessians.record)  # as local_hessian.attach installs it
+    for e in (0, 2):  # expert 1 saw no token
+        stats.record(e, x, torch.zeros(x.shape[0], 16))
+    amax = nvfp4.matrix_amax(w)
+    scales = chunk_block_scales(stats, 0, 3, "gate_proj", w, amax)
+    assert torch.isfinite(scales.float()).all() and (scales.float() > 0).all()
+    assert torch.equal(scales[1].view(torch.uint8), sweep_block_scales(w[1:2], amax[1:2])[0].view(torch.uint8))
+    assert not torch.equal(scales[0].view(torch.uint8), sweep_block_scales(w[:1], amax[:1])[0].view(torch.uint8))
+    assert stats.local_hessians.plain_mse == [1]
+
+
+def test_a_layer_without_any_token_and_a_zero_matrix_stay_finite():
+    w = torch.zeros(2, 32, 64, dtype=torch.bfloat16)
+    stats = ExpertStats(2)
+    stats.local_hessians = LocalHessians(2)  # no hook ever ran: no Hessian at all
+    scales = chunk_block_scales(stats, 0, 2, "down_proj", w, nvfp4.matrix_amax(w))
+    q = nvfp4.quantize(w, block_scale=scales)
+    assert torch.isfinite(q.block_scale.float()).all() and torch.equal(q.dequantize(), w)
+
+
+def _recipe(tmp_path: Path) -> str:
+    """The shipped MSE recipe with `weight_scale: local_hessian` (as the sweep's tests derive theirs)."""
+    data = yaml.safe_load((recipes_dir() / "qwen35-nvfp4-experts-mse.yaml").read_text())
+    data["name"], data["nvfp4"]["weight_scale"] = "local-hessian", "local_hessian"
+    path = tmp_path / "local_hessian.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def _shards(out: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(out.glob("*.safetensors"))}
+
+
+@pytest.mark.slow
+def test_quantize_writes_plain_nvfp4_reproducibly_with_the_fallback_in_the_report(tiny_bf16, calib_ids, tmp_path):
+    from qtool.io.checkpoint import Checkpoint
+    from qtool.io.reader import read_tensor
+    from qtool.ops.quantize import run
+    from qtool.recipes import load_recipe
+
+    recipe = load_recipe(_recipe(tmp_path))
+    outs = []
+    for name in ("a", "b"):
+        outs.append(tmp_path / name)
+        rep = run(tiny_bf16, out=outs[-1], recipe=recipe, calib_ids=calib_ids)
+        assert rep["output"]["problems"] == []
+    assert _shards(outs[0]) == _shards(outs[1])
+    sweep = tmp_path / "sweep"
+    data = yaml.safe_load(Path(_recipe(tmp_path)).read_text())
+    data["nvfp4"]["weight_scale"] = "mse_sweep"
+    (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(data))
+    run(tiny_bf16, out=sweep, recipe=load_recipe(str(tmp_path / "sweep.yaml")), calib_ids=calib_ids)
+    assert _shards(outs[0]) != _shards(sweep)  # the activations changed the choice
+    tensors, swept = Checkpoint.open(outs[0]).tensors, Checkpoint.open(sweep).tensors
+    stem = next(n for n in tensors if n.endswith("experts.3.down_proj.weight"))[: -len("weight")]
+    assert read_tensor(tensors[stem + "weight"]).dtype == torch.uint8  # plain NVFP4, same names
+    assert torch.equal(read_tensor(tensors[stem + "weight_scale_2"]), read_tensor(swept[stem + "weight_scale_2"]))
+    manifest = json.loads((outs[0] / "qtool-manifest.json").read_text())
+    assert "local_hessian" in json.dumps(manifest["recipe"])
+    for layer in rep["layers"]:
+        # the experts coded with plain MSE are exactly those without a calibration token
+        assert layer["local_hessian"]["experts_plain_mse"] == layer["experts_without_tokens"]
+
+
+@pytest.mark.slow
+def test_kill_and_resume_give_the_same_bytes(tiny_bf16, tmp_path):
+    from in_process import run_cli
+    from killpoint import run_killed
+
+    bf = tmp_path / "bf"
+    shutil.copytree(tiny_bf16, bf)
+    job = ["quantize", bf, "--recipe", _recipe(tmp_path), "--samples", "2", "--seq-len", "16", "--quiet"]
+    p = run_cli([*job, "-o", tmp_path / "ref"])
+    assert p.returncode == 0, p.stderr
+    p = run_killed("qtool.ops.quantize.layer:write_layer_shard", 2, [*job, "-o", tmp_path / "out"])
+    assert p.returncode == -9, p.stderr
+    p = run_cli([*job, "-o", tmp_path / "out", "--resume"])
+    assert p.returncode == 0, p.stderr
+    assert _tree(tmp_path / "out") == _tree(tmp_path / "ref")
+
+
+def _tree(d: Path) -> dict[str, str]:
+    """Every file's sha256 but the manifest's (it names its own run)."""
+    return {
+        p.relative_to(d).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(d.rglob("*"))
+        if p.is_file() and p.name != "qtool-manifest.json"
+    }
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--nproc", "2"], "runs in one process"),
+        (["--backend", "llmcompressor"], "no local-Hessian block-scale search"),
+        (["--backend", "modelopt"], "needs a CUDA device"),
+    ],
+)
+def test_refused_with_several_ranks_and_where_no_search_runs(args, says, tiny_bf16, tmp_path):
+    from in_process import run_cli
+
+    p = run_cli(
+        ["quantize", tiny_bf16, "-o", tmp_path / "o", "--recipe", _recipe(tmp_path), *args, "--dry-run", "--quiet"]
+    )
+    assert p.returncode == 2 and says in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.gpu
+def test_same_kld_as_modelopts_local_hessian_on_the_proxy(tmp_path):
+    """ModelOpt's whole local_hessian_calibrate (mtq.quantize, its Triton kernels) on each layer of the
+    trained proxy (--backend modelopt) against qtool's: mean KLD within 1%. The bytes differ in a documented
+    way (ModelOpt gathers down_proj's Hessian from a forward that fake-quantizes the experts' inputs)."""
+    pytest.importorskip("modelopt")
+    if not torch.cuda.is_available():
+        pytest.skip("ModelOpt's static NVFP4 fake-quant needs a CUDA GPU")
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import bench_quality
+
+    out = tmp_path / "q.json"
+    keys = "nvfp4-local-hessian,modelopt-nvfp4-local-hessian"
+    assert (
+        bench_quality.main(["--workdir", str(tmp_path), "--out", str(out), "--methods", keys, "--device", "cuda"]) == 0
+    )
+    rows = {r["key"]: r for r in json.loads(out.read_text())["rows"]}
+    ours, theirs = rows["nvfp4-local-hessian"]["mean_kld"], rows["modelopt-nvfp4-local-hessian"]["mean_kld"]
+    print(f"mean KLD: qtool {ours:.5g}, ModelOpt {theirs:.5g}")
+    assert abs(ours - theirs) <= 0.01 * theirs
+
+
+@pytest.mark.slow
+def test_on_the_trained_proxy_its_mean_kld_is_below_maxs(tmp_path):
+    """The trained proxy (benchmarks/proxy), routed experts NVFP4, the rest BF16: the local-Hessian block
+    scales give a lower mean KLD against BF16 on held-out text than round-to-nearest from the max."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import bench_quality
+
+    out = tmp_path / "q.json"
+    args = ["--workdir", str(tmp_path), "--out", str(out), "--methods", "nvfp4-max,nvfp4-local-hessian"]
+    assert bench_quality.main([*args, "--calib-samples", "8", "--eval-windows", "8", "--seq-len", "128"]) == 0
+    rows = {r["key"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["nvfp4-local-hessian"]["expert_bytes"] == rows["nvfp4-max"]["expert_bytes"]
+    assert rows["nvfp4-local-hessian"]["mean_kld"] < rows["nvfp4-max"]["mean_kld"]
