@@ -84,6 +84,7 @@ IN_FUNCTION_EXCEPTIONS = frozenset(
         ("qtool.ops.quantize.execute", "qtool.ops.quantize.stage"),  # (stage imports torch at its top)
         ("qtool.ops.quantize.layer", "qtool.formats.nvfp4_triton"),
         ("qtool.ops.quantize.plan", "qtool.formats.awq"),
+        ("qtool.ops.sensitivity.formats", "qtool.ops.quantize.layer"),  # (layer imports torch at its top)
         ("qtool.stream.layer_read", "qtool.io.dtypes"),
         ("qtool.stream.layer_stream", "qtool.stream.experts"),
     }
