@@ -303,4 +303,4 @@ def heat_cells(data: dict) -> dict:
     return out
 
 
-__all__ = ["FormatSet", "heat_cells", "SensitivityOptions", "SensitivityPlan", "TABLE", "execute", "load_table", "plan", "table"]
+__all__ = ["heat_cells", "SensitivityOptions", "SensitivityPlan", "TABLE", "execute", "load_table", "plan", "table"]

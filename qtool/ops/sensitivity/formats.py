@@ -51,14 +51,18 @@ class FormatSet:
     with (the written recipe's `nvfp4.weight_scale`)."""
 
     candidates: tuple[Candidate, ...]
-    weight_scale: WeightScale = WeightScale.MAX
+    weight_scale: WeightScale | None = None  # None: not named (sensitivity measures with max)
 
     @property
     def names(self) -> list[str]:
         return [c.value for c in self.candidates]
 
     def to_json(self) -> dict:
-        return {"candidates": self.names, "nvfp4": {"weight_scale": self.weight_scale.value}}
+        return {"candidates": self.names, "nvfp4": {"weight_scale": self.method.value}}
+
+    @property
+    def method(self) -> WeightScale:
+        return self.weight_scale or WeightScale.MAX
 
     @classmethod
     def from_json(cls, d: dict) -> FormatSet:
@@ -71,7 +75,7 @@ def parse_formats(text: str, flag: str = FLAG) -> FormatSet:
     known = [c.value for c in Candidate]
     methods = [m.value for m in WeightScale]
     out: list[Candidate] = []
-    method = WeightScale.MAX
+    method = None
     for item in (x.strip() for x in str(text).split(",")):
         name, _, how = item.partition(":")
         if name not in known:
@@ -183,7 +187,10 @@ def _nvfp4_experts(experts, weight_scale: WeightScale) -> dict[str, torch.Tensor
         q = parts[part]
         return nvfp4.dequantize(q.packed, q.block_scale, q.weight_scale_2, dtype=gu.dtype)
 
-    return {"gate_up_proj": torch.cat([decoded("gate_proj"), decoded("up_proj")], dim=1), "down_proj": decoded("down_proj")}
+    return {
+        "gate_up_proj": torch.cat([decoded("gate_proj"), decoded("up_proj")], dim=1),
+        "down_proj": decoded("down_proj"),
+    }
 
 
 def coded_weights(layer, group: str, fmt: Candidate, weight_scale: WeightScale) -> dict[str, torch.Tensor]:

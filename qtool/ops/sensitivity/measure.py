@@ -191,7 +191,7 @@ class ProbeStage(LayerStage):
         coded: dict[str, dict] = {}
         format_sums: dict[str, dict[str, _Sums]] = {}
         for fu in self.format_units.get(idx, []):
-            ws = self.formats.weight_scale
+            ws = self.formats.method
             coded[fu.kind] = {f.value: coded_weights(layer_b, fu.group, f, ws) for f in fu.formats}
             format_sums[fu.kind] = {
                 f.value: self.sums.setdefault(format_key(f"layer.{idx}.{fu.kind}", f.value), _Sums())
