@@ -325,7 +325,6 @@ def fill(units, result: dict) -> None:
             s = result["units"].get(format_key(u.id, fmt))
             if s is not None:
                 row["error"], row["effect"] = _ratios(s, layer)
-                u.tokens = int(s["tokens"])
         s = result["units"].get(u.id)
         if s is None:
             continue
