@@ -8,6 +8,7 @@ from pathlib import Path
 from qtool.cli.common import add_json_flag, layer_ranges, number, path_arg, print_json
 from qtool.cli.verify_cmd import add_common
 from qtool.errors import UsageError
+from qtool.ops.sensitivity.plan_formats import FormatChoice
 from qtool.ops.sensitivity.plan_hybrid import MAX_WEIGHTS_GIB, PlanHybridOptions, plan, write_recipe
 from qtool.sizes import human_bytes
 
@@ -50,6 +51,13 @@ def add_arguments(p) -> None:
     h.add_argument(
         "-o", "--output", default=None, type=path_arg, metavar="RECIPE.yaml", help="write the build recipe here"
     )
+    h.add_argument(
+        "--formats",
+        default=None,
+        metavar="F,F,...",
+        help="a table measured with --formats: the formats to pick from, one per unit (default: all it "
+        "measured); -o then writes a quantization recipe",
+    )
     h.add_argument("--force", action="store_true", help="replace a recipe this command wrote")
     h.add_argument("--name", default=None, help="the recipe's name (default planned-hybrid)")
     h.add_argument("--dry-run", action="store_true", help="print the plan and its memory fit; write no recipe")
@@ -78,6 +86,7 @@ def run(args) -> int:
         force=args.force,
         name=args.name,
         dry_run=args.dry_run,
+        formats=args.formats,
     )
     choice = plan(opts)
     written = opts.out is not None and not opts.dry_run
@@ -86,6 +95,9 @@ def run(args) -> int:
     rep = choice.to_json()
     if args.json:
         print_json({**rep, "dry_run": opts.dry_run, "recipe": str(opts.out) if written else None})
+        return 0
+    if isinstance(choice, FormatChoice):
+        _print_formats(rep, opts, written)
         return 0
     t = rep["target"]
     print(
@@ -136,3 +148,53 @@ def run(args) -> int:
     elif opts.dry_run:
         print("dry run: no recipe written")
     return 0
+
+
+def _print_head(rep: dict, opts: PlanHybridOptions) -> None:
+    """The target, the memory fit it budgets from and the fixed costs (both kinds of plan)."""
+    t = rep["target"]
+    print(
+        f"plan: {rep['quantized']} on {t['gpus']}, TP={t['tp']}, {t['max_num_seqs']} x {t['max_model_len']} tokens, "
+        f"KV {t['kv_cache_dtype']}" + (f", MTP {t['mtp']}" if t["mtp"] else "")
+    )
+    u = {k: human_bytes(v * 2**30) for k, v in rep["fit"]["usage_gib"].items()}
+    print(
+        f"  memory fit     per GPU of {human_bytes(rep['fit']['budget_gib'] * 2**30)}: weights {u['weights']}, "
+        f"KV cache {u['kv_cache']}, GDN state {u['gdn_state']}, reserve {u['reserve']}, unused {u['unused']}"
+    )
+    for f in rep["fixed"]:
+        print(f"  fixed          {f['what']}: {human_bytes(f['bytes_per_gpu'])} per GPU")
+
+
+def _signed_bytes(n: float) -> str:
+    return ("+" if n >= 0 else "-") + human_bytes(abs(n))
+
+
+def _print_formats(rep: dict, opts: PlanHybridOptions, written: bool) -> None:
+    """A plan of one format per unit: the count per format, each unit's (or each kind's) choice, the error."""
+    _print_head(rep, opts)
+    print(
+        f"  budget         {_signed_bytes(rep['budget_bytes_per_gpu'])} per GPU against the quantized checkpoint "
+        f"(formats {', '.join(rep['formats'])}; nvfp4 block scales {rep['nvfp4_weight_scale']})"
+    )
+    count = ", ".join(f"{n} {f}" for f, n in rep["count"].items())
+    print(f"  chosen         {count}: {_signed_bytes(rep['used_bytes_per_gpu'])} per GPU")
+    by_kind: dict[str, dict[str, list[int]]] = {}
+    for c in rep["chosen"]:
+        by_kind.setdefault(c["id"].split(".")[-1], {}).setdefault(c["format"], []).append(int(c["id"].split(".")[1]))
+    for kind, by_format in by_kind.items():
+        parts = "; ".join(f"{f} layers {layer_ranges(layers)}" for f, layers in by_format.items())
+        print(f"    {kind:<16} {parts}")
+    pe = rep["predicted_error"]
+    line = f"  predicted      error {pe['planned']:.3g}"
+    if "quantized" in pe:
+        line += f" (the quantized checkpoint: {pe['quantized']:.3g})"
+    print(line)
+    print(f"  headroom       {human_bytes(rep['headroom_bytes_per_gpu'])} per GPU left")
+    for note in rep["notes"]:
+        print(f"  note           {note}")
+    if written:
+        print(f"wrote {opts.out}; make it: qtool quantize {rep['bf16']} --recipe {opts.out} -o OUT")
+        print(f"  then check it: {rep['verify']}")
+    elif opts.dry_run:
+        print("dry run: no recipe written")

@@ -1,5 +1,5 @@
-"""qtool sensitivity BF16 QUANTIZED -o OUT [--dataset D] [--samples N] [--seq-len L] [--device cpu|cuda]
-[--force] [--resume] [--dry-run] [--json] [--quiet]"""
+"""qtool sensitivity BF16 QUANTIZED -o OUT [--formats bf16,fp8,nvfp4[:METHOD]] [--dataset D] [--samples N]
+[--seq-len L] [--device cpu|cuda] [--force] [--resume] [--dry-run] [--json] [--quiet]"""
 
 from __future__ import annotations
 
@@ -20,11 +20,19 @@ from qtool.cli.common import (
 )
 from qtool.cli.sources import headers_checkpoint, local_checkpoint
 from qtool.ops import sensitivity
+from qtool.ops.sensitivity.formats import parse_formats
 
 
 def add_arguments(p) -> None:
     p.add_argument("bf16", help="the BF16 checkpoint (the reference)")
     p.add_argument("quantized", help="its quantized sibling (NVFP4 ModelOpt / compressed-tensors, AWQ / INT4)")
+    p.add_argument(
+        "--formats",
+        default=None,
+        metavar="F,F,...",
+        help="also measure each layer unit in each of these formats (bf16, fp8, nvfp4 or nvfp4:METHOD with "
+        "METHOD a recipe's nvfp4.weight_scale), for plan hybrid to pick one per unit (default: none)",
+    )
     p.add_argument("--dataset", default="builtin", help=DATASET_HELP)
     p.add_argument("--samples", type=int, default=4, help="number of token windows (default 4)")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per window (default 512)")
@@ -56,6 +64,7 @@ def run(args) -> int:
         force=args.force,
         resume=args.resume,
         command=run_command_line(),
+        formats=None if args.formats is None else parse_formats(args.formats),
     )
     rep = plan_then_execute(sensitivity, opts, args, show_plan=_print_plan)
     if args.json:
@@ -72,6 +81,13 @@ def run(args) -> int:
                 f"  {u['id']:<28} {u['quantized_format']:<8} {u['error']:>10.3e} {u['effect']:>10.3e} "
                 f"{human_bytes(u['bf16_bytes']):>10} {human_bytes(u['quantized_bytes']):>10}"
             )
+    for u in rep["table"]["units"]:
+        for fmt, row in (u.get("formats") or {}).items():
+            if fmt != "bf16":
+                print(
+                    f"  {u['id']:<28} {fmt:<8} {row['error']:>10.3e} {row['effect']:>10.3e} "
+                    f"{human_bytes(u['bf16_bytes']):>10} {human_bytes(row['bytes']):>10}"
+                )
     print(
         f"wrote {rep['output']}/sensitivity.json ({rep['seconds']:.1f} s); next: qtool plan hybrid "
         f"--sensitivity {rep['output']} --gpus ... --tp ... --max-model-len ..."
@@ -100,5 +116,10 @@ def _print_plan(p: dict) -> None:
     )
     print(f"                 hidden states {human_bytes(m['hidden_bytes'])} x2 on disk in {p['work_dir']}")
     print(f"  peak memory    {memory_line(m['need'])}")
+    if "formats" in p:
+        f = p["formats"]
+        print(f"  formats        {', '.join(f['candidates'])} (nvfp4 block scales: {f['nvfp4']['weight_scale']})")
+        for fmt, ids in f["measured"].items():
+            print(f"    {fmt:<16} {len(ids)} unit(s)")
     for w in p["warnings"]:
         print(f"  note           {w}")

@@ -30,6 +30,7 @@ from qtool.io.manifest import RUN
 from qtool.io.output import MANIFEST_NAME, OutputDir
 from qtool.io.plan import OutputPlan
 from qtool.ops.contract import Report
+from qtool.ops.sensitivity.formats import FormatSet
 from qtool.ops.sensitivity.measure import fill, measure, work_dir
 from qtool.ops.sensitivity.schema import check_table
 from qtool.ops.sensitivity.units import TP_SIZES, Unit, check_pair, list_units
@@ -39,7 +40,9 @@ from qtool.stream.memory_plan import need
 
 TABLE = "sensitivity.json"
 FORMAT = "qtool-sensitivity"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 1  # a table without --formats: byte for byte what it always was
+FORMATS_SCHEMA_VERSION = 2  # with --formats: a top-level "formats" and each layer unit's row per format
+SCHEMA_VERSIONS = (SCHEMA_VERSION, FORMATS_SCHEMA_VERSION)
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,7 @@ class SensitivityOptions:
     force: bool = False
     resume: bool = False
     command: str | None = None
+    formats: FormatSet | None = None  # measure each layer unit in each of these too (qtool.ops.sensitivity.formats)
 
 
 @dataclass
@@ -83,6 +87,7 @@ class SensitivityPlan:
             "output": str(self.options.out),
             "units": len(self.units),
             "measured": [u.id for u in measured],
+            **({} if self.options.formats is None else {"formats": _formats_plan(self.options.formats, self.units)}),
             "not_measured": {u.id: u.note for u in self.units if not u.measured},
             "calibration": self.calib.to_json(),
             "device": self.options.device,
@@ -90,6 +95,16 @@ class SensitivityPlan:
             "memory": {**self.stream, "need": self.memory.to_json() if self.memory else None},
             "warnings": self.warnings,
         }
+
+
+def _formats_plan(formats: FormatSet, units: list[Unit]) -> dict:
+    """The candidates, and the units measured in each format other than BF16 (--dry-run shows them)."""
+    by_format: dict[str, list[str]] = {}
+    for u in units:
+        for f in u.formats or {}:
+            if f != "bf16":
+                by_format.setdefault(f, []).append(u.id)
+    return {**formats.to_json(), "measured": by_format}
 
 
 def plan(opts: SensitivityOptions) -> SensitivityPlan:
@@ -107,7 +122,7 @@ def plan(opts: SensitivityOptions) -> SensitivityPlan:
     q = Checkpoint.open(opts.quantized, require_config=True)
     bf_map, q_map = build_map(bf), build_map(q)
     check_pair(bf_map, q_map)
-    units = list_units(bf_map, q_map)
+    units = list_units(bf_map, q_map, opts.formats)
     for u in units:
         if u.quantized and u.layer is not None and not u.note:
             u.measured = True
@@ -119,8 +134,10 @@ def plan(opts: SensitivityOptions) -> SensitivityPlan:
     sp = LayerStreamer(bf, device=opts.device, dtype=opts.dtype, batch_tokens=opts.batch_tokens).plan(
         calib.samples, calib.seq_len
     )
-    # a BF16 layer and its quantized twin are dense at once (the twin's modules run on the same inputs)
-    memory = need(sp, device=opts.device, held_layers=2)
+    # a BF16 layer and its quantized twin are dense at once (the twin's modules run on the same inputs), and
+    # with --formats the layer's units coded in each candidate format (at most a layer each)
+    coded = 0 if opts.formats is None else sum(c.value != "bf16" for c in opts.formats.candidates)
+    memory = need(sp, device=opts.device, held_layers=2 + coded)
     p = SensitivityPlan(opts, bf, q, units, calib, work_dir(Path(opts.out)), sp.to_json(), memory)
     if memory.warning():
         p.warnings.append(memory.warning())
@@ -130,15 +147,17 @@ def plan(opts: SensitivityOptions) -> SensitivityPlan:
 def table(p: SensitivityPlan) -> dict:
     """sensitivity.json: the sources, the windows and the unit rows. Nothing of the run itself (its timing
     is the manifest's run section): the same inputs give the same bytes, resumed or not."""
+    formats = p.options.formats
     return {
         "format": FORMAT,
-        "schema_version": SCHEMA_VERSION,
+        "schema_version": SCHEMA_VERSION if formats is None else FORMATS_SCHEMA_VERSION,
         "bf16": {"path": str(p.bf.root)},
         "quantized": {"path": str(p.q.root)},
         "model": model_shape(p.bf),
         "tp_sizes": list(TP_SIZES),
         "calibration": p.calib.to_json(),
         "device": p.options.device,
+        **({} if formats is None else {"formats": formats.to_json()}),
         "units": [u.to_json() for u in p.units],
     }
 
@@ -251,11 +270,12 @@ def load_table(path: str | Path) -> dict:
             expected=f'{{"format": "{FORMAT}", ...}}',
             hint="make one with qtool sensitivity BF16 QUANTIZED -o OUT",
         )
-    if data.get("schema_version") != SCHEMA_VERSION:
+    version = data.get("schema_version")
+    if isinstance(version, bool) or version not in SCHEMA_VERSIONS:
         raise PlanError(
             "the sensitivity table has another schema version",
             path=f,
-            expected=SCHEMA_VERSION,
+            expected=" or ".join(map(str, SCHEMA_VERSIONS)),
             got=data.get("schema_version"),
             hint="make it again with this qtool: qtool sensitivity BF16 QUANTIZED -o OUT",
         )

@@ -12,6 +12,9 @@ Only what `assemble hybrid` can splice is a candidate: a layer's routed experts 
 layer's experts as one fused MoE) and a layer's shared expert, of an NVFP4 checkpoint. The output is a
 build recipe (assemble hybrid + calibrate-kv + patch-config + verify at the planned target) that
 `qtool build` runs.
+
+A table measured with `--formats` is planned by qtool.ops.sensitivity.plan_formats instead: one format per
+unit (a multiple-choice knapsack) within the same budget, written as a quantization recipe.
 """
 
 from __future__ import annotations
@@ -28,14 +31,14 @@ from qtool.io.checkpoint import Checkpoint, check_checkpoint_dir, reuse_opened
 from qtool.io.files import require_text_path
 from qtool.io.jsonio import atomic_write_text
 from qtool.io.output import check_file_output
-from qtool.ops.sensitivity import load_table, table_input
+from qtool.ops.sensitivity import TABLE, load_table, table_input
+from qtool.ops.sensitivity.plan_formats import GRID, FormatChoice, choose, kept_bf16, recipe_head, table_formats
 from qtool.ops.sensitivity.units import Unit, unit_modules
 from qtool.ops.verify import VerifyOptions, validate, verify
 from qtool.ops.verify.memory_fit import DEFAULT_UTILIZATION, Target, default_context, kv_bytes_per_token, memory_fit
 from qtool.sizes import human_bytes
 
 GIB = 1 << 30
-GRID = 200_000  # knapsack cells: exact to 1/200000 of the budget
 MAX_WEIGHTS_GIB = 1 << 20  # a PiB per GPU: far above any GPU, far below what overflows the byte arithmetic
 
 
@@ -57,6 +60,7 @@ class PlanHybridOptions:
     force: bool = False  # replace a recipe this command wrote before
     dry_run: bool = False  # print the plan, write no recipe
     name: str | None = None  # the recipe's name (its output directory)
+    formats: str | None = None  # a --formats table: the formats to choose from (default: all it measured)
 
 
 @dataclass
@@ -224,13 +228,13 @@ def knapsack(items: list[tuple[int, float]], budget: int) -> list[int]:
     return sorted(out)
 
 
-def plan(opts: PlanHybridOptions) -> HybridChoice:
+def plan(opts: PlanHybridOptions) -> HybridChoice | FormatChoice:
     """The choice (reads the table and the quantized checkpoint's headers; writes nothing)."""
     with reuse_opened():  # the map below and verify's TP check read the same headers: parse them once
         return _plan(opts)
 
 
-def _plan(opts: PlanHybridOptions) -> HybridChoice:
+def _plan(opts: PlanHybridOptions) -> HybridChoice | FormatChoice:
     # the target's flags mean what they mean to verify, and are refused as verify refuses them
     validate(
         VerifyOptions(
@@ -255,6 +259,8 @@ def _plan(opts: PlanHybridOptions) -> HybridChoice:
     check_recipe_output(opts)
     table = load_table(opts.sensitivity)
     check_recipe_output(opts, table)  # again, now that the table names its checkpoints
+    table_file = Path(opts.sensitivity) / TABLE if Path(opts.sensitivity).is_dir() else Path(opts.sensitivity)
+    formats = table_formats(table, table_file, opts.formats)  # [] for a table made without --formats
     units = [Unit.from_json(d) for d in table["units"]]
     qpath = Path(opts.quantized or table["quantized"]["path"])
     bpath = Path(opts.bf16 or table["bf16"]["path"])
@@ -270,7 +276,7 @@ def _plan(opts: PlanHybridOptions) -> HybridChoice:
     check_config_sizes(q_ckpt)
     q = build_map(q_ckpt, read_values=False)
     _check_same_checkpoint(q, units, qpath, opts)
-    if not any(u.spliceable for u in units):
+    if not formats and not any(u.spliceable for u in units):
         raise PlanError(
             "nothing in this table can be spliced: assemble hybrid splices BF16 routed or shared "
             "experts into an NVFP4 checkpoint",
@@ -329,6 +335,10 @@ def _plan(opts: PlanHybridOptions) -> HybridChoice:
                 hint=f"check it first: qtool verify {qpath} --gpus {opts.gpus} --tp {opts.tp}",
             )
         budget = unused
+    if formats:  # one format per unit (qtool.ops.sensitivity.plan_formats): smaller formats may make room
+        fixed += kept_bf16(units, opts.tp, opts.mtp)
+        budget -= sum(f["bytes_per_gpu"] for f in fixed)
+        return choose(opts, table, table_file, formats, budget, fixed, fit.to_json(), length, notes)
     budget -= sum(f["bytes_per_gpu"] for f in fixed)
     if budget < 0:
         if opts.max_weights_gib is not None:
@@ -439,12 +449,15 @@ def _one_line(path) -> str:
     return text if text.isprintable() else json.dumps(text)
 
 
-def write_recipe(choice: HybridChoice, path: Path) -> None:
-    """The build recipe, written atomically (a YAML file qtool build reads)."""
+def write_recipe(choice: HybridChoice | FormatChoice, path: Path) -> None:
+    """The build recipe (or, planned from a --formats table, the quantization recipe), written atomically."""
     import yaml
 
-    head = (
-        f"{RECIPE_HEAD} ({_one_line(choice.options.sensitivity)}): run it with\n"
-        f"#   qtool build {_one_line(path)} -o OUT\n"
-    )
+    if isinstance(choice, FormatChoice):
+        head = recipe_head(choice, RECIPE_HEAD, _one_line, path)
+    else:
+        head = (
+            f"{RECIPE_HEAD} ({_one_line(choice.options.sensitivity)}): run it with\n"
+            f"#   qtool build {_one_line(path)} -o OUT\n"
+        )
     atomic_write_text(path, head + yaml.safe_dump(choice.recipe(), sort_keys=False, default_flow_style=None, width=110))

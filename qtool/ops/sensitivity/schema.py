@@ -12,6 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from qtool.errors import PlanError
+from qtool.ops.sensitivity.formats import Candidate
+from qtool.recipes import GROUP_SCHEMES, WeightScale
 
 Rule = tuple[Callable[[object], bool], str]
 
@@ -46,6 +48,20 @@ OBJECT_OR_NULL: Rule = (lambda v: v is None or isinstance(v, dict), "an object o
 POSITIVE_OR_NULL: Rule = (lambda v: v is None or (_whole(v) and v >= 1), "a whole number >= 1, or null")
 TEXT_OR_NULL: Rule = (lambda v: v is None or isinstance(v, str), "a string or null")
 
+KNOWN_FORMATS = [c.value for c in Candidate]
+CANDIDATES: Rule = (
+    lambda v: isinstance(v, list) and bool(v) and all(x in KNOWN_FORMATS for x in v) and len(set(v)) == len(v),
+    f"a list of distinct formats of {KNOWN_FORMATS}",
+)
+METHODS = [m.value for m in WeightScale]
+NVFP4_METHOD: Rule = (
+    lambda v: isinstance(v, dict) and v.get("weight_scale") in METHODS,
+    f'an object {{"weight_scale": one of {METHODS}}}',
+)
+OBJECT: Rule = (lambda v: isinstance(v, dict), "an object")
+GROUP: Rule = (lambda v: v in GROUP_SCHEMES, f"a recipe group of {sorted(GROUP_SCHEMES)}")
+MEASURED: Rule = (lambda v: _real(v) and v >= 0, "a finite number >= 0 (a measured format)")
+
 # key -> (rule, required)
 TOP = {
     "bf16": (SOURCE, True),
@@ -79,6 +95,19 @@ UNIT = {
 }
 
 
+# schema 2 (--formats): the candidates, and per layer unit one row per format it takes
+FORMATS = {
+    "candidates": (CANDIDATES, True),
+    "nvfp4": (NVFP4_METHOD, True),
+}
+FORMAT_ROW = {
+    "bytes": (COUNT, True),
+    "extra_bytes_per_gpu": (BYTES_BY_TP, True),
+    "error": (MEASURED, True),
+    "effect": (MEASURED, True),
+}
+
+
 def _bad(path: Path, where: str, message: str, got=None) -> PlanError:
     return PlanError(
         f"the sensitivity table is not valid: {where} {message}",
@@ -101,17 +130,35 @@ def check_table(data: dict, path: Path) -> None:
     """A named PlanError (the file, the row, the key) for the first value the schema refuses."""
     _check(path, data, "", TOP)
     _check(path, data.get("calibration") or {}, "calibration.", CALIBRATION)
+    with_formats = data.get("schema_version") == 2
+    if with_formats:
+        _check(path, data, "", {"formats": (OBJECT, True)})
+        _check(path, data["formats"], "formats.", FORMATS)
     tps = {str(t) for t in data["tp_sizes"]}
     for i, row in enumerate(data["units"]):
         if not isinstance(row, dict):
             raise _bad(path, f"units[{i}]", "must be an object (a unit row)", row)
         name = f"units[{i}]" + (f" ({row['id']})" if isinstance(row.get("id"), str) else "") + "."
         _check(path, row, name, UNIT)
-        lacking = sorted(tps - set(row["extra_bytes_per_gpu"]), key=int)
-        if lacking:
-            raise _bad(
-                path,
-                f"{name}extra_bytes_per_gpu",
-                f"has no cost at TP {', '.join(lacking)} (the table's tp_sizes)",
-                row["extra_bytes_per_gpu"],
-            )
+        _check_costs(path, f"{name}extra_bytes_per_gpu", row["extra_bytes_per_gpu"], tps)
+        if with_formats and "formats" in row:
+            _check_format_rows(path, name, row, data["formats"]["candidates"], tps)
+
+
+def _check_costs(path: Path, where: str, costs: dict, tps: set[str]) -> None:
+    lacking = sorted(tps - set(costs), key=int)
+    if lacking:
+        raise _bad(path, where, f"has no cost at TP {', '.join(lacking)} (the table's tp_sizes)", costs)
+
+
+def _check_format_rows(path: Path, name: str, row: dict, candidates: list[str], tps: set[str]) -> None:
+    """A unit's per-format rows: a recipe group, formats of the table's candidates, each row's numbers."""
+    _check(path, row, name, {"group": (GROUP, True), "formats": (OBJECT, True)})
+    for fmt, frow in row["formats"].items():
+        where = f"{name}formats.{fmt}"
+        if fmt not in candidates:
+            raise _bad(path, where, f"is not one of the table's formats.candidates {candidates}", fmt)
+        if not isinstance(frow, dict):
+            raise _bad(path, where, "must be an object (bytes, extra_bytes_per_gpu, error, effect)", frow)
+        _check(path, frow, f"{where}.", FORMAT_ROW)
+        _check_costs(path, f"{where}.extra_bytes_per_gpu", frow["extra_bytes_per_gpu"], tps)

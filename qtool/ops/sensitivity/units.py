@@ -15,6 +15,7 @@ from qtool.arch.layer_grid import COLUMNS
 from qtool.arch.model_map import QUANTIZED_FORMATS, Format, ModelMap
 from qtool.arch.qwen35 import Group
 from qtool.errors import PlanError
+from qtool.ops.sensitivity.formats import Candidate, FormatSet, choices, format_costs, recipe_group
 from qtool.ops.verify.memory_fit import _share
 
 TP_SIZES = (1, 2, 4, 8)
@@ -41,6 +42,10 @@ class Unit:
     effect: float | None = None  # ||its change to the residual stream||^2 / ||the layer's output||^2
     tokens: int = 0
     note: str = ""
+    # with --formats (schema 2): the recipe group it is, and per candidate format {"bytes",
+    # "extra_bytes_per_gpu" (vs the quantized checkpoint's unit), "error", "effect"}; absent from a schema-1 row
+    group: str | None = None
+    formats: dict[str, dict] | None = None
 
     @property
     def quantized(self) -> bool:
@@ -50,12 +55,23 @@ class Unit:
         d = asdict(self)
         d["extra_bytes_per_gpu"] = {str(k): v for k, v in self.extra_bytes_per_gpu.items()}
         d["quantized"] = self.quantized
+        if self.formats is not None:
+            for row in d["formats"].values():
+                row["extra_bytes_per_gpu"] = {str(k): v for k, v in row["extra_bytes_per_gpu"].items()}
+        for key in ("group", "formats"):
+            if d[key] is None:
+                del d[key]  # a table without --formats is the schema-1 table, byte for byte
         return d
 
     @classmethod
     def from_json(cls, d: dict) -> Unit:
         fields = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
         fields["extra_bytes_per_gpu"] = {int(k): int(v) for k, v in d["extra_bytes_per_gpu"].items()}
+        if d.get("formats") is not None:
+            fields["formats"] = {
+                f: {**row, "extra_bytes_per_gpu": {int(k): int(v) for k, v in row["extra_bytes_per_gpu"].items()}}
+                for f, row in d["formats"].items()
+            }
         return cls(**fields)
 
 
@@ -135,8 +151,9 @@ def check_pair(bf: ModelMap, q: ModelMap) -> None:
         )
 
 
-def list_units(bf: ModelMap, q: ModelMap) -> list[Unit]:
-    """Every unit of the model, in model order, with its bytes and its per-GPU cost in BF16."""
+def list_units(bf: ModelMap, q: ModelMap, formats: FormatSet | None = None) -> list[Unit]:
+    """Every unit of the model, in model order, with its bytes and its per-GPU cost in BF16; with `formats`,
+    each layer unit's bytes and per-GPU cost in each candidate format it takes (measured by the pass)."""
     bf_units, q_units = unit_modules(bf), unit_modules(q)
     nkv = int(q.ckpt.text_config.get("num_key_value_heads") or 0)
     nvfp4 = any(m.format in NVFP4_FORMATS for m in q.modules.values())
@@ -167,5 +184,17 @@ def list_units(bf: ModelMap, q: ModelMap) -> list[Unit]:
             u.note = f"missing from the {'quantized' if not qm else 'BF16'} checkpoint"
         elif not u.quantized:
             u.note = "BF16 in both checkpoints"
+        if formats is not None and b and qm and layer is not None:
+            _add_formats(u, b, qm, formats, nkv)
         units.append(u)
     return units
+
+
+def _add_formats(u: Unit, bf_modules: list, q_modules: list, formats: FormatSet, nkv: int) -> None:
+    """The unit's row of each candidate format it takes (error and effect: 0 in BF16, else measured)."""
+    u.group = recipe_group(u.kind, bf_modules)
+    u.formats = {}
+    for fmt in choices(u.group, formats):
+        nbytes, extra = format_costs(bf_modules, q_modules, u.group, fmt, TP_SIZES, nkv)
+        zero = 0.0 if fmt is Candidate.BF16 else None
+        u.formats[fmt.value] = {"bytes": nbytes, "extra_bytes_per_gpu": extra, "error": zero, "effect": zero}
