@@ -35,6 +35,7 @@ from qtool.ops.quantize.layer import Share, copied_whole, create_layer_tmp, rele
 from qtool.ops.quantize.plan import LayerPlan, QuantizePlan
 from qtool.ops.quantize.schemes import install_linear_amax, remove_linear_amax
 from qtool.recipes import Scheme
+from qtool.stream.hidden_store import DiskStore
 from qtool.stream.layer_run import LayerRun, LayerStage
 from qtool.stream.layer_stream import attention_tap, kv_amax_tap
 
@@ -63,7 +64,7 @@ class QuantizeStage(LayerStage):
         # the layer between its forward and its code
         self._stats: ExpertStats | None = None
         self._kv: KvStat | None = None
-        self._backend: Any = None
+        self._backend: backends.LayerBackend | None = None
 
     def keep_bytes(self, run: LayerRun, idx: int) -> dict[str, FileRange]:
         """The copied tensors' source bytes (whole tensors, or one expert's slice of a fused source): written
@@ -91,12 +92,14 @@ class QuantizeStage(LayerStage):
         self._stats, self._kv, self._backend = stats, kv, backend
 
     def on_batch(self, b0: int) -> None:
+        assert self._stats is not None  # between before_forward and code
         self._stats.set_batch(b0)
 
     def after_forward(self, run: LayerRun, idx: int, layer: torch.nn.Module) -> None:
         attention_tap(layer, None)
         remove_expert_stats(layer.mlp.experts)
         remove_linear_amax(layer)
+        assert self._stats is not None and self._kv is not None  # set by before_forward
         self._stats.settle()
         # data parallel: every rank now holds the layer's stats (the AWQ rows of the experts it codes)
         n_experts = self.plan.n_experts
@@ -104,6 +107,7 @@ class QuantizeStage(LayerStage):
         reduce_kv(self._kv, self.group)
 
     def code(self, run: LayerRun, idx: int, layer: torch.nn.Module) -> LayerShardWrite:
+        assert self._stats is not None and self._kv is not None  # set by before_forward
         write = LayerShardWrite(self, run, self.layer_plans[idx], layer, self._stats, self._kv, self._backend)
         self._stats, self._kv, self._backend = None, None, None
         return write
@@ -123,6 +127,7 @@ class QuantizeStage(LayerStage):
     ) -> None:
         """Rank 0, once the layer's shard is whole on disk: named, hashed and journaled."""
         partial = run.partial
+        assert partial is not None  # quantize's run writes into OUT.partial
         if self.group.world > 1:
             os.replace(tmp_path(partial / layer_plan.shard), partial / layer_plan.shard)
         if self.shards is not None:
@@ -162,7 +167,7 @@ class LayerShardWrite:
         layer: torch.nn.Module,
         stats: ExpertStats,
         kv: KvStat,
-        backend: Any,
+        backend: backends.LayerBackend | None,
     ) -> None:
         self.stage = stage
         self.run = run
@@ -172,10 +177,12 @@ class LayerShardWrite:
         self.kv = kv
         self.backend = backend
         self.behind = backend is None
+        assert isinstance(run.store, DiskStore)  # (execute's; a resume needs the files)
         self.current = run.store.current  # the hidden-state file that holds this layer's output
 
     @property
     def path(self) -> Path:
+        assert self.run.partial is not None  # quantize's run writes into OUT.partial
         return self.run.partial / self.layer_plan.shard
 
     def prepare(self) -> None:
