@@ -120,7 +120,7 @@ class QuantizeStage(LayerStage):
         run: LayerRun,
         layer_plan: LayerPlan,
         stats: ExpertStats,
-        kv: KvStat,
+        kv_stat: KvStat,
         current: str,
         awq: list[dict],
         sha256: Any,
@@ -133,15 +133,15 @@ class QuantizeStage(LayerStage):
         if self.shards is not None:
             # hashed as it was written; or (several ranks) now, while the next layer runs
             self.shards.finished(layer_plan.shard, sha256)
-        self.layer_reports.append(layer_entry(layer_plan, stats, kv, awq))
+        self.layer_reports.append(layer_entry(layer_plan, stats, kv_stat, awq))
         run.layer_done(layer_plan.index, current)
 
 
-def layer_entry(layer_plan: LayerPlan, stats: ExpertStats, kv: KvStat, awq: list[dict]) -> dict:
+def layer_entry(layer_plan: LayerPlan, stats: ExpertStats, kv_stat: KvStat, awq: list[dict]) -> dict:
     """A layer's entry in the report, the journal and the manifest."""
     entry = {"layer": layer_plan.index, "routed_experts": layer_plan.scheme.value, **stats.to_json()}
     if layer_plan.full_attention:
-        entry["kv"] = {"k_amax": kv.k_amax, "v_amax": kv.v_amax, "tokens": kv.tokens}
+        entry["kv"] = {"k_amax": kv_stat.k_amax, "v_amax": kv_stat.v_amax, "tokens": kv_stat.tokens}
     if awq:
         awq = sorted(awq, key=lambda r: r["expert"])  # the ranks' experts, summed in one process's order
         entry["awq"] = {
@@ -166,7 +166,7 @@ class LayerShardWrite:
         layer_plan: LayerPlan,
         layer: torch.nn.Module,
         stats: ExpertStats,
-        kv: KvStat,
+        kv_stat: KvStat,
         backend: backends.LayerBackend | None,
     ) -> None:
         self.stage = stage
@@ -174,7 +174,7 @@ class LayerShardWrite:
         self.layer_plan = layer_plan
         self.layer: torch.nn.Module | None = layer
         self.stats = stats
-        self.kv = kv
+        self.kv = kv_stat
         self.backend = backend
         self.behind = backend is None
         assert isinstance(run.store, DiskStore)  # (execute's; a resume needs the files)
