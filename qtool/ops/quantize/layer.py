@@ -363,7 +363,7 @@ def write_layer_shard(
                 ops.abandon()  # nothing is left writing once the file closes (also after a partial close)
                 raise
             if hashed:
-                assert isinstance(out, HashedWrites)
+                assert isinstance(out, HashedWrites)  # (what a hashed shard is written through)
                 report["sha256"] = out.digest()  # a Future: the hash finishes on its own thread
             f.flush()
             os.fsync(f.fileno())
