@@ -1,5 +1,6 @@
-"""The type checker on the layer pipeline's lower floors (qtool/io, qtool/stream: the set and the settings
-are pyproject's [tool.mypy]): a wrong type there is a bug a test run must catch, not the first 397B run."""
+"""The type checker on the layer pipeline's lower floors and on quantize (qtool/io, qtool/stream,
+qtool/ops/quantize: the set and the settings are pyproject's [tool.mypy]): a wrong type there is a bug a test
+run must catch, not the first 397B run."""
 
 import importlib.util
 import os
@@ -12,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_io_and_stream_type_check():
+def test_io_stream_and_quantize_type_check():
     if importlib.util.find_spec("mypy") is None:
         pytest.skip("mypy is not installed (it is in the [test] extra)")
     # the checkout's qtool, whatever the environment installed; no cache left in the tree

@@ -30,9 +30,9 @@ else:
 CANDIDATE_BYTES = 128 << 20
 
 
-def rtn(w: torch.Tensor, group_size: int, scale_dtype: torch.dtype) -> awq.Int4Weight:
+def rtn(weight: torch.Tensor, group_size: int, scale_dtype: torch.dtype) -> awq.Int4Weight:
     """Symmetric RTN INT4 (compressed-tensors W4A16 numerics: scale = amax / 7.5 in `scale_dtype`)."""
-    return awq.quantize(w, group_size, symmetric=True, scale_dtype=scale_dtype)
+    return awq.quantize(weight, group_size, symmetric=True, scale_dtype=scale_dtype)
 
 
 @dataclass
@@ -46,12 +46,12 @@ class ChunkScales:
     rtn_err: torch.Tensor  # float32 [k]: alpha 0's error (plain RTN)
     grid: int
 
-    def report(self, e0: int) -> list[dict]:
+    def report(self, first_expert: int) -> list[dict]:
         """Per expert: the alpha and the errors; an error that is not finite (the expert's rows hold a NaN
         or an inf: it got plain RTN, s = 1) is None, so the manifest stays JSON."""
         best, err, rtn_err = (t.tolist() for t in (self.best, self.best_err, self.rtn_err))
         return [
-            {"expert": e0 + k, "alpha": b / self.grid, "down_mse": _finite(m), "down_mse_rtn": _finite(r)}
+            {"expert": first_expert + k, "alpha": b / self.grid, "down_mse": _finite(m), "down_mse_rtn": _finite(r)}
             for k, (b, m, r) in enumerate(zip(best, err, rtn_err, strict=True))
         ]
 

@@ -34,7 +34,9 @@ it gets the layer's largest input amax (documented fallback, never NaN).
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Protocol
 
 from qtool.errors import PlanError
 from qtool.formats import nvfp4
@@ -46,13 +48,40 @@ from qtool.recipes import Backend, WeightScale
 
 if TYPE_CHECKING:
     import torch
+
+    from qtool.stream.experts import Recorder
+    from qtool.stream.hidden_store import HiddenStore
+    from qtool.stream.layer_stream import LayerStreamer
 else:
     torch = lazy_module("torch")
 
 PARTS = ("down_proj", "gate_proj", "up_proj")
 
 
-def _quiet():
+class LayerBackend(Protocol):
+    """A peer backend's per-layer state (for_layer): it calibrates the layer before its forward (stage.py),
+    observes the forward through the expert statistics' hooks (calib.ExpertStats), then codes the layer's
+    NVFP4 experts chunk by chunk in place of qtool's RTN (layer.write_layer_shard)."""
+
+    hooks: list[Recorder]
+    batch_hooks: list[Callable[[torch.Tensor], None]]
+
+    def calibrate(
+        self, layer: torch.nn.Module, streamer: LayerStreamer, store: HiddenStore, seq: int, batch: int
+    ) -> None: ...
+
+    def nvfp4_chunk(
+        self,
+        first_expert: int,
+        end_expert: int,
+        gate_up: torch.Tensor,
+        down: torch.Tensor,
+        in_amax: torch.Tensor,
+        mid_amax: torch.Tensor,
+    ) -> dict[str, NVFP4Experts]: ...
+
+
+def _quiet() -> AbstractContextManager[None]:
 
     return quiet()
 
@@ -83,18 +112,20 @@ def modelopt_config(mse: bool, local_hessian: bool = False) -> dict:
 class ModelOptLayer:
     """ModelOpt's calibration of one decoder layer's routed experts."""
 
-    def __init__(self, mse: bool, local_hessian: bool = False):
+    def __init__(self, mse: bool, local_hessian: bool = False) -> None:
         self.mse = mse
         self.local_hessian = local_hessian
-        self.experts = None
-        self.input_scales: dict = {}
-        self.hooks: list = []
-        self.batch_hooks: list = []
+        self.experts: torch.nn.Module | None = None
+        self.input_scales: dict[str, torch.Tensor | None] = {}
+        self.hooks: list[Recorder] = []
+        self.batch_hooks: list[Callable[[torch.Tensor], None]] = []
 
-    def calibrate(self, layer, streamer, store, seq: int, batch: int) -> None:
+    def calibrate(
+        self, layer: torch.nn.Module, streamer: LayerStreamer, store: HiddenStore, seq: int, batch: int
+    ) -> None:
         import modelopt.torch.quantization as mtq
 
-        def forward_loop(m) -> None:
+        def forward_loop(m: torch.nn.Module) -> None:
             n = store.shape[0]
             with torch.no_grad():
                 for b0 in range(0, n, batch):
@@ -130,16 +161,25 @@ class ModelOptLayer:
             return nvfp4.input_scale_from_amax(fallback_amax.float()).reshape(-1)
         return s.float().reshape(()).expand(fallback_amax.shape[0]).clone()
 
-    def nvfp4_chunk(self, e0, e1, gu, dn, in_amax, mid_amax) -> dict[str, NVFP4Experts]:
+    def nvfp4_chunk(
+        self,
+        first_expert: int,
+        end_expert: int,
+        gate_up: torch.Tensor,
+        down: torch.Tensor,
+        in_amax: torch.Tensor,
+        mid_amax: torch.Tensor,
+    ) -> dict[str, NVFP4Experts]:
         from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
 
         ex = self.experts
-        inter = gu.shape[1] // 2
+        assert ex is not None  # calibrate() ran
+        inter = gate_up.shape[1] // 2
         out: dict[str, list] = {p: [] for p in PARTS}
-        for k, e in enumerate(range(e0, e1)):
+        for k, e in enumerate(range(first_expert, end_expert)):
             for fused, quantizer, w in (
-                ("gate_up", ex.gate_up_proj_weight_quantizers[e], gu[k]),
-                ("down", ex.down_proj_weight_quantizers[e], dn[k]),
+                ("gate_up", ex.gate_up_proj_weight_quantizers[e], gate_up[k]),
+                ("down", ex.down_proj_weight_quantizers[e], down[k]),
             ):
                 ws2 = NVFP4QTensor.get_weights_scaling_factor_2_from_quantizer(quantizer).float().reshape(())
                 bs, _ = NVFP4QTensor.get_weights_scaling_factor_from_quantizer(quantizer, w, ws2)
@@ -178,7 +218,7 @@ def _weight_module(w: torch.Tensor) -> torch.nn.Module:
 class LlmCompressorLayer:
     """llm-compressor's observers + compressed-tensors' NVFP4 compressor on one layer's routed experts."""
 
-    def __init__(self, mse: bool, n_experts: int):
+    def __init__(self, mse: bool, n_experts: int) -> None:
         with _quiet():  # importing llm-compressor logs its device choice
             from compressed_tensors.quantization import preset_name_to_scheme
             from llmcompressor.observers import Observer
@@ -197,11 +237,13 @@ class LlmCompressorLayer:
                 )
                 for _ in range(n_experts)
             ]
-        self.hooks: list = []
-        self.batch_hooks = [self._observe_all]
-        self.experts = None
+        self.hooks: list[Recorder] = []
+        self.batch_hooks: list[Callable[[torch.Tensor], None]] = [self._observe_all]
+        self.experts: torch.nn.Module | None = None
 
-    def calibrate(self, layer, streamer, store, seq: int, batch: int) -> None:
+    def calibrate(
+        self, layer: torch.nn.Module, streamer: LayerStreamer, store: HiddenStore, seq: int, batch: int
+    ) -> None:
         """Nothing before the forward: the input observers are fed by the experts' forward (batch hook)."""
         self.experts = layer.mlp.experts
 
@@ -213,6 +255,7 @@ class LlmCompressorLayer:
         import torch.nn.functional as F
 
         ex = self.experts
+        assert ex is not None  # calibrate() ran
         inter = ex.gate_up_proj.shape[1] // 2
         with torch.no_grad():
             for e in range(ex.gate_up_proj.shape[0]):
@@ -221,7 +264,7 @@ class LlmCompressorLayer:
                 self.in_obs[e](x)
                 self.mid_obs[e](mid)
 
-    def _input_global(self, observers, e0, e1, fallback_amax) -> torch.Tensor:
+    def _input_global(self, observers: list, e0: int, e1: int, fallback_amax: torch.Tensor) -> torch.Tensor:
         from compressed_tensors.quantization.utils import generate_gparam
 
         out = []
@@ -234,19 +277,27 @@ class LlmCompressorLayer:
                 out.append(generate_gparam(-a, a).float().reshape(()))
         return torch.stack(out)
 
-    def nvfp4_chunk(self, e0, e1, gu, dn, in_amax, mid_amax) -> dict[str, NVFP4Experts]:
+    def nvfp4_chunk(
+        self,
+        first_expert: int,
+        end_expert: int,
+        gate_up: torch.Tensor,
+        down: torch.Tensor,
+        in_amax: torch.Tensor,
+        mid_amax: torch.Tensor,
+    ) -> dict[str, NVFP4Experts]:
         from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
         from llmcompressor.observers import Observer
         from llmcompressor.observers.fusion import FusionHandler
 
-        inter = gu.shape[1] // 2
+        inter = gate_up.shape[1] // 2
         rows: dict[str, list] = {p: [] for p in PARTS}
         with _quiet():
-            for k in range(e1 - e0):
+            for k in range(end_expert - first_expert):
                 mods = {
-                    "gate_proj": _weight_module(gu[k, :inter]),
-                    "up_proj": _weight_module(gu[k, inter:]),
-                    "down_proj": _weight_module(dn[k]),
+                    "gate_proj": _weight_module(gate_up[k, :inter]),
+                    "up_proj": _weight_module(gate_up[k, inter:]),
+                    "down_proj": _weight_module(down[k]),
                 }
                 obs = {
                     p: Observer.load_from_registry(
@@ -272,8 +323,8 @@ class LlmCompressorLayer:
                             qp[p]["global_scale"].float().reshape(()),
                         )
                     )
-        g_in = self._input_global(self.in_obs, e0, e1, in_amax)
-        g_mid = self._input_global(self.mid_obs, e0, e1, mid_amax)
+        g_in = self._input_global(self.in_obs, first_expert, end_expert, in_amax)
+        g_mid = self._input_global(self.mid_obs, first_expert, end_expert, mid_amax)
         one = torch.tensor(1.0, dtype=torch.float32)
         res = {}
         for p, r in rows.items():
@@ -303,10 +354,13 @@ def _llmcompressor(plan: QuantizePlan) -> LlmCompressorLayer:
 
 
 # the backends plan.PEER_BACKENDS names, each with its per-layer state
-LAYER_BACKENDS = {Backend.MODELOPT: _modelopt, Backend.LLMCOMPRESSOR: _llmcompressor}
+LAYER_BACKENDS: dict[Backend, Callable[[QuantizePlan], LayerBackend]] = {
+    Backend.MODELOPT: _modelopt,
+    Backend.LLMCOMPRESSOR: _llmcompressor,
+}
 
 
-def for_layer(plan: QuantizePlan) -> ModelOptLayer | LlmCompressorLayer | None:
+def for_layer(plan: QuantizePlan) -> LayerBackend | None:
     """A fresh per-layer backend state for `plan`, or None for rtn (qtool's own codec)."""
     make = LAYER_BACKENDS.get(plan.backend)
     return None if make is None else make(plan)

@@ -11,6 +11,7 @@ Full attention: K/V amax via qtool.stream.layer_stream.attention_tap (same as ca
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -24,40 +25,48 @@ if TYPE_CHECKING:
 else:
     torch = lazy_module("torch")
 
+if TYPE_CHECKING:
+    from qtool.dist import Group
+    from qtool.stream.experts import Recorder
+
 
 @dataclass
 class ExpertStats:
     n_experts: int
-    tokens: torch.Tensor = None  # int64 [E]
-    in_amax: torch.Tensor = None  # float32 [E]
-    mid_amax: torch.Tensor = None  # float32 [E]
+    tokens: torch.Tensor = field(init=False)  # int64 [E]
+    in_amax: torch.Tensor = field(init=False)  # float32 [E]
+    mid_amax: torch.Tensor = field(init=False)  # float32 [E]
     keep_rows: int = 0
-    mid_rows: list = field(default_factory=list)  # per expert: list of [n, I] tensors (AWQ)
-    hooks: list = field(default_factory=list)  # fn(e, x, mid) per routed batch (peer observers)
-    batch_hooks: list = field(default_factory=list)  # fn(hidden_states) per forward of the experts module
+    # per expert: list of [n, I] tensors (AWQ)
+    mid_rows: list[list[torch.Tensor]] = field(default_factory=list)
+    hooks: list[Recorder] = field(default_factory=list)  # fn(e, x, mid) per routed batch (peer observers)
+    # fn(hidden_states) per forward of the experts module
+    batch_hooks: list[Callable[[torch.Tensor], None]] = field(default_factory=list)
     min_tokens: int = 1  # an expert that saw fewer takes the fallback rule (qtool.ops.quantize.coverage)
     every_token: bool = False  # every expert's statistics from every token (recipe calibration.experts: all)
     local_hessians: Any = None  # local_hessian.LocalHessians (recipe nvfp4.weight_scale: local_hessian)
 
-    def __post_init__(self):
-        e = self.n_experts
-        self.tokens = torch.zeros(e, dtype=torch.int64)
-        self.in_amax = torch.zeros(e, dtype=torch.float32)
-        self.mid_amax = torch.zeros(e, dtype=torch.float32)
-        self.mid_rows = [[] for _ in range(e)]
-        self._row_batches = [[] for _ in range(e)]  # the micro-batch (first window) of each kept piece
-        self._kept = [0] * e
+    def __post_init__(self) -> None:
+        n_experts = self.n_experts
+        self.tokens = torch.zeros(n_experts, dtype=torch.int64)
+        self.in_amax = torch.zeros(n_experts, dtype=torch.float32)
+        self.mid_amax = torch.zeros(n_experts, dtype=torch.float32)
+        self.mid_rows = [[] for _ in range(n_experts)]
+        # the micro-batch (first window) of each kept piece
+        self._row_batches: list[list[int]] = [[] for _ in range(n_experts)]
+        self._kept = [0] * n_experts
         self.batch = 0  # the micro-batch being run (LayerStreamer.forward_layer's on_batch)
-        self._pinned = None  # [E, keep_rows, I] page-locked, in the rows' dtype: their home (CUDA)
-        self._pending: set = set()  # the devices whose copies into it are still in flight
+        # [E, keep_rows, I] page-locked, in the rows' dtype: their home (CUDA)
+        self._pinned: torch.Tensor | None = None
+        self._pending: set[torch.device] = set()  # the devices whose copies into it are still in flight
 
-    def set_batch(self, b0: int) -> None:
-        self.batch = b0
+    def set_batch(self, first_window: int) -> None:
+        self.batch = first_window
 
-    def rows(self, e: int) -> torch.Tensor:
-        """Expert e's kept rows [n, I] in the forward's dtype (on the host: settle() first where they were
+    def rows(self, expert: int) -> torch.Tensor:
+        """Expert `expert`'s kept rows [n, I] in the forward's dtype (on the host: settle() first where they were
         kept on CUDA). The AWQ search computes in float32 from them (awq_search.awq_down_scales)."""
-        pieces = self.mid_rows[e]
+        pieces = self.mid_rows[expert]
         if not pieces:
             return torch.empty(0)
         if len(pieces) == 1:
@@ -66,7 +75,8 @@ class ExpertStats:
         if home is not None and all(p.untyped_storage().data_ptr() == home for p in pieces):
             # kept back to back from row 0 (_keep): the buffer's own rows, still page-locked (a `cat`
             # would give pageable memory, whose upload to the GPU waits for the host)
-            return self._pinned[e, : sum(p.shape[0] for p in pieces)]
+            assert self._pinned is not None  # (home is its storage)
+            return self._pinned[expert, : sum(p.shape[0] for p in pieces)]
         return torch.cat(pieces)
 
     def _keep(self, e: int, rows: torch.Tensor) -> torch.Tensor:
@@ -85,22 +95,23 @@ class ExpertStats:
         self._pending.add(rows.device)
         return dst
 
-    def record(self, e: int, x: torch.Tensor, mid: torch.Tensor) -> None:
-        """Called per expert hit: no host sync (the amaxes stay on x's device until `settle`)."""
-        if self.in_amax.device != x.device:
-            self.in_amax = self.in_amax.to(x.device)
-            self.mid_amax = self.mid_amax.to(x.device)
-        self.tokens[e] += x.shape[0]
-        torch.maximum(self.in_amax[e], x.abs().amax().float(), out=self.in_amax[e])
-        torch.maximum(self.mid_amax[e], mid.abs().amax().float(), out=self.mid_amax[e])
-        room = self.keep_rows - self._kept[e]
+    def record(self, expert: int, routed: torch.Tensor, mid: torch.Tensor) -> None:
+        """Called per expert hit (`routed`: the hidden states routed to it, `mid`: its down_proj input): no
+        host sync (the amaxes stay on the inputs' device until `settle`)."""
+        if self.in_amax.device != routed.device:
+            self.in_amax = self.in_amax.to(routed.device)
+            self.mid_amax = self.mid_amax.to(routed.device)
+        self.tokens[expert] += routed.shape[0]
+        torch.maximum(self.in_amax[expert], routed.abs().amax().float(), out=self.in_amax[expert])
+        torch.maximum(self.mid_amax[expert], mid.abs().amax().float(), out=self.mid_amax[expert])
+        room = self.keep_rows - self._kept[expert]
         if room > 0:
-            take = self._keep(e, mid[:room].detach())
-            self.mid_rows[e].append(take)
-            self._row_batches[e].append(self.batch)
-            self._kept[e] += take.shape[0]
+            take = self._keep(expert, mid[:room].detach())
+            self.mid_rows[expert].append(take)
+            self._row_batches[expert].append(self.batch)
+            self._kept[expert] += take.shape[0]
         for hook in self.hooks:
-            hook(e, x, mid)
+            hook(expert, routed, mid)
 
     def too_few(self, e: int) -> bool:
         """Expert e saw fewer tokens than the floor: every method codes it by the fallback rule, not from
@@ -119,7 +130,7 @@ class ExpertStats:
             torch.cuda.synchronize(device)  # the kept rows' copies (see _keep)
         self._pending.clear()
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, object]:
         return {
             "tokens_per_expert": [int(t) for t in self.tokens],
             "experts_without_tokens": [i for i, t in enumerate(self.tokens.tolist()) if t == 0],
@@ -129,7 +140,7 @@ class ExpertStats:
         }
 
 
-def reduce_expert_stats(stats: ExpertStats, group, owner) -> None:
+def reduce_expert_stats(stats: ExpertStats, group: Group, owner: Callable[[int], int]) -> None:
     """The layer's statistics over all ranks, exactly as one process gathers them: token counts summed,
     amaxes maxed, and the AWQ rows of each expert merged in window order and cut to keep_rows (each
     rank kept the first keep_rows of its own windows, which holds every row of the merged first ones).
@@ -163,7 +174,7 @@ def reduce_expert_stats(stats: ExpertStats, group, owner) -> None:
             stats.mid_rows[e], stats._row_batches[e], stats._kept[e] = [], [], 0  # another rank codes it
 
 
-def install_expert_stats(experts, stats: ExpertStats) -> None:
+def install_expert_stats(experts: torch.nn.Module, stats: ExpertStats) -> None:
     """Route the experts through qtool.stream.experts (transformers' eager math) recording the stats: of the
     routed tokens, or (every_token) of all of them (qtool.stream.every_token), the output routed either way."""
     if stats.every_token:
@@ -172,7 +183,7 @@ def install_expert_stats(experts, stats: ExpertStats) -> None:
     routed.install(experts, stats.record, stats.batch_hooks)
 
 
-def remove_expert_stats(experts) -> None:
+def remove_expert_stats(experts: torch.nn.Module) -> None:
     routed.install(experts)
 
 

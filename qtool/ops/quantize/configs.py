@@ -17,7 +17,7 @@ _NVFP4_ARGS = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 1
 
 # What llm-compressor 0.14 / compressed-tensors 0.19 write for preset scheme NVFP4 (checked on the
 # tiny_nvfp4_ct fixture's config.json).
-_CT_NVFP4_GROUP = {
+_CT_NVFP4_GROUP: dict[str, object] = {
     "format": "nvfp4-pack-quantized",
     "input_activations": {
         "actorder": None,
@@ -76,11 +76,11 @@ def _ct_w4a16_group(group_size: int) -> dict:
     }
 
 
-def awq_not_convert(mm: ModelMap) -> list[str]:
+def awq_not_convert(model_map: ModelMap) -> list[str]:
     """Substrings for AutoAWQ's `modules_to_not_convert` (vLLM awq.py `is_layer_skipped_awq`: a module is
     skipped when any entry is a substring of its name). Group-level entries when they hit no quantized
     module, else the exact module name."""
-    mods = linear_modules(mm)
+    mods = linear_modules(model_map)
     q = [m for m, f in mods.items() if f in QUANTIZED_FORMATS]
     unq = sorted(m for m, f in mods.items() if f is Format.BF16)
     cands = (
@@ -124,10 +124,10 @@ def _ct_w4a16_groups(group_size: int, in_features: dict[str, int]) -> dict:
 
 
 def quant_configs(
-    mm: ModelMap,
+    model_map: ModelMap,
     scheme: Scheme,
     fmt: OutFormat,
-    kv: bool,
+    kv_fp8: bool,
     group_size: int,
     versions: dict,
     in_features: dict[str, int] | None = None,
@@ -146,21 +146,21 @@ def quant_configs(
                 "group_size": group_size,
                 "zero_point": True,
                 "version": "gemm",
-                "modules_to_not_convert": awq_not_convert(mm),
+                "modules_to_not_convert": awq_not_convert(model_map),
             },
             None,
         )
     if mixed and fmt is OutFormat.MODELOPT:
-        return modelopt_mixed(mm, dict(MODELOPT_KV_SCHEME) if kv else None, producer)
+        return modelopt_mixed(model_map, dict(MODELOPT_KV_SCHEME) if kv_fp8 else None, producer)
     if fmt is OutFormat.MODELOPT:
-        (globs,) = ignore_patterns_for(mm, (Flavour.MODELOPT,))
+        (globs,) = ignore_patterns_for(model_map, (Flavour.MODELOPT,))
         qc = {
             "config_groups": {
                 "group_0": {"input_activations": dict(_NVFP4_ARGS), "weights": dict(_NVFP4_ARGS), "targets": ["Linear"]}
             },
             "ignore": globs,
             "quant_algo": "NVFP4",
-            "kv_cache_scheme": dict(MODELOPT_KV_SCHEME) if kv else None,
+            "kv_cache_scheme": dict(MODELOPT_KV_SCHEME) if kv_fp8 else None,
             "producer": producer,
             "quant_method": "modelopt",
         }
@@ -168,15 +168,15 @@ def quant_configs(
             "producer": producer,
             "quantization": {
                 "quant_algo": "NVFP4",
-                "kv_cache_quant_algo": "FP8" if kv else None,
+                "kv_cache_quant_algo": "FP8" if kv_fp8 else None,
                 "group_size": 16,
                 "exclude_modules": globs,
             },
         }
         return qc, hq
-    (regexes,) = ignore_patterns_for(mm, (Flavour.COMPRESSED_TENSORS,))
+    (regexes,) = ignore_patterns_for(model_map, (Flavour.COMPRESSED_TENSORS,))
     if mixed:
-        groups = ct_mixed_groups(mm, _CT_NVFP4_GROUP)
+        groups = ct_mixed_groups(model_map, _CT_NVFP4_GROUP)
     elif scheme is Scheme.NVFP4:
         groups = {"group_0": copy.deepcopy(_CT_NVFP4_GROUP)}
     else:
@@ -189,7 +189,7 @@ def quant_configs(
             "format": formats.pop() if len(formats) == 1 else "mixed-precision",
             "global_compression_ratio": None,
             "ignore": regexes,
-            "kv_cache_scheme": dict(CT_KV_SCHEME) if kv else None,
+            "kv_cache_scheme": dict(CT_KV_SCHEME) if kv_fp8 else None,
             "quant_method": "compressed-tensors",
             "quantization_status": "compressed",
             "sparsity_config": {},

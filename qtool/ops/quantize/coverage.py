@@ -15,8 +15,8 @@ the floor: an expert that saw fewer tokens does not use statistics of its own bu
 
 Under `all` every statistic recorded through ExpertStats.record, its hooks included (a Hessian's), sees
 every token, with no change on the method's side. Weight-only block scales (max, mse, mse_sweep,
-four_over_six) need no token: the fallback changes nothing there. The per-layer entry of the report, the journal and the manifest records the decision
-(`coverage_json`).
+four_over_six) need no token: the fallback changes nothing there. The per-layer entry of the report, the
+journal and the manifest records the decision (`coverage_json`).
 """
 
 from __future__ import annotations

@@ -71,7 +71,7 @@ def first_layer_read(
     streamer = LayerStreamer(
         plan.ckpt,
         device=plan.device,
-        model_map=plan.mm,
+        model_map=plan.model_map,
         batch_tokens=options.batch_tokens if options else None,
         digests=digests,
     )
@@ -182,6 +182,7 @@ class CheckedShards:
 def execute(plan: QuantizePlan, *, progress: Callable[[int], None] | None = None) -> Report:
     """Calibrate, quantize layer by layer and write (through the output transaction)."""
     opts = plan.options
+    assert opts is not None  # plan() keeps its options
     report: dict = {}
     if plan.device.startswith("cuda"):
         import torch
@@ -189,6 +190,7 @@ def execute(plan: QuantizePlan, *, progress: Callable[[int], None] | None = None
         if not torch.cuda.is_available():
             raise UsageError("--device cuda but no CUDA device is available", hint="use --device cpu")
     if opts.calib_ids is None:
+        assert plan.calib is not None  # planned without calib_ids
         ids = plan.calib.ids
         report["calibration"] = plan.calib.to_json()
     else:
@@ -221,7 +223,7 @@ def execute(plan: QuantizePlan, *, progress: Callable[[int], None] | None = None
 
     def check() -> dict:
         shutil.rmtree(tx.partial / WORK, ignore_errors=True)  # the hidden states: every file is written now
-        check_written(plan.output, tx.partial, (Shard,))  # the layer shards were, by write_output
+        check_written(plan.make_output(), tx.partial, (Shard,))  # the layer shards were, by write_output
         problems = [x.to_json() for x in checking.result()]
         report["problems"] = problems
         return {
@@ -235,7 +237,7 @@ def execute(plan: QuantizePlan, *, progress: Callable[[int], None] | None = None
         # from the first one on, so the hasher comes first
         hasher, planned = None, False
         try:
-            hasher = input_hasher(tx, streamed_files(plan.ckpt, plan.mm))
+            hasher = input_hasher(tx, streamed_files(plan.ckpt, plan.model_map))
             with first_layer_read(plan, tx.partial, hasher.read_digests) as (streamer, first):
                 report["plan"] = plan.to_json()  # (makes the output plan)
                 planned = True
@@ -244,9 +246,9 @@ def execute(plan: QuantizePlan, *, progress: Callable[[int], None] | None = None
                 view = (
                     plan.output_map if plan.output_map is not None and plan.output_map.ckpt.root == tx.partial else None
                 )
-                checking = PlannedProblems(plan.output, tx.partial, view)
+                checking = PlannedProblems(plan.make_output(), tx.partial, view)
                 write_output(
-                    plan.output,
+                    plan.make_output(),
                     tx,
                     OutputJob(
                         command=opts.command,
@@ -268,8 +270,8 @@ def execute(plan: QuantizePlan, *, progress: Callable[[int], None] | None = None
                 tx.withdraw()
     report["output"] = {
         "output": str(plan.out),
-        **plan.output.summary,
-        "side_files": plan.output.extra["side_files"],
+        **plan.make_output().summary,
+        "side_files": plan.make_output().extra["side_files"],
         "problems": report["problems"],
     }
     return Report({"plan": report.pop("plan"), **report})

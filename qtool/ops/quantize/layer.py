@@ -16,17 +16,21 @@ from qtool.formats.nvfp4_triton import quantize_fast  # Triton kernel on CUDA, t
 from qtool.io.files import copy_range, open_new, tmp_path
 from qtool.io.hashed_writes import HashedWrites
 from qtool.io.in_order import InOrder
-from qtool.io.writer import FileRange, InlineBytes, OutTensor, build_header
+from qtool.io.plan import promised
+from qtool.io.writer import FileRange, InlineBytes, build_header
 from qtool.lazy import lazy_module
 from qtool.ops.calibrate_kv.calibrate import LayerStat
 from qtool.ops.quantize import awq_search, local_hessian
 from qtool.ops.quantize.awq_search import awq_down_scales, rtn
 from qtool.ops.quantize.calib import ExpertStats
 from qtool.ops.quantize.nvfp4_mse import four_over_six_block_scales, search_block_scales, sweep_block_scales
-from qtool.ops.quantize.plan import QUANT_PARAMS, LayerPlan, QuantizePlan
+from qtool.ops.quantize.plan import QUANT_PARAMS, LayerPlan, QuantizePlan, Spec
 from qtool.ops.quantize.schemes import code_fp8_linear
-from qtool.recipes import InputScale, OutFormat, Scheme, WeightScale
-from qtool.stream.device_copy import download
+from qtool.recipes import InputScale, OutFormat, Recipe, Scheme, WeightScale
+from qtool.stream.device_copy import Download, download
+
+if TYPE_CHECKING:
+    from qtool.ops.quantize.backends import LayerBackend
 
 if TYPE_CHECKING:
     import torch
@@ -42,16 +46,11 @@ WRITE_BUFFER = 16 << 20
 _LAYER_FALLBACK_AMAX = 1.0  # a layer that saw no token at all (cannot happen with >= 1 window)
 
 
-class _Pending:
-    def __init__(self, n: int):
-        self.nbytes = n
-
-
 def _f32(x: float) -> bytes:
     return struct.pack("<f", x)
 
 
-def input_amaxes(stats, mode: InputScale) -> tuple[torch.Tensor, torch.Tensor]:
+def input_amaxes(stats: ExpertStats, mode: InputScale) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-expert (gate/up input amax, down input amax). layer_max: ModelOpt's one input quantizer per
     projection shared by all experts (modelopt/torch/quantization/plugins/huggingface.py
     _QuantFusedExperts). per_expert: the expert's own amax; an expert below the token floor (ExpertStats.too_few:
@@ -100,6 +99,7 @@ class NVFP4Experts:
             cpu["weight_global_scale"],
             cpu["input_global_scale"],
         )
+        assert ws2 is not None and ins is not None  # (fields without a default)
         if fmt is OutFormat.MODELOPT:
             a = (ins if gs_in is None else one / gs_in).to(dev)
             b = (ws2 if gs_w is None else one / gs_w).to(dev)
@@ -111,7 +111,7 @@ class NVFP4Experts:
         ]
 
 
-def chunk_bytes(tensors: list[torch.Tensor]):
+def chunk_bytes(tensors: list[torch.Tensor]) -> Download:
     """The tensors' bytes back to back (their order in the shard), as a qtool.stream.device_copy.Download:
     one device concatenation and one non-blocking device->host copy into page-locked memory (torch's
     caching host allocator reuses it), instead of a `.cpu()` and a Python buffer per tensor."""
@@ -130,7 +130,7 @@ def copied_whole(layer_plan: LayerPlan) -> bool:
     )
 
 
-def release_dense_experts(layer) -> None:
+def release_dense_experts(layer: torch.nn.Module) -> None:
     """Drop the dense expert weights of a layer whose forward is done and whose experts are written from
     the bytes read with it (`copied_whole`): the write behind the next layer then holds those bytes on the
     device instead of both (~13 GB more at the 397B)."""
@@ -139,11 +139,11 @@ def release_dense_experts(layer) -> None:
         setattr(experts, name, None)
 
 
-def _write_chunk(out, data) -> None:
+def _write_chunk(out: HashedWrites | BinaryIO, data: Download) -> None:
     out.write(memoryview(data.wait().numpy()))
 
 
-def _position(f, at: int, hashed: bool, name: str) -> None:
+def _position(f: BinaryIO, at: int, hashed: bool, name: str) -> None:
     """Move to where `name`'s bytes go (another rank's specs were skipped); one writer writes in order."""
     if f.tell() != at:
         if hashed:  # one writer writes the shard in order: the hash is of the bytes written
@@ -151,7 +151,9 @@ def _position(f, at: int, hashed: bool, name: str) -> None:
         f.seek(at)
 
 
-def _nvfp4_parts(gu, down, inter):
+def _nvfp4_parts(
+    gu: torch.Tensor, down: torch.Tensor, inter: int
+) -> tuple[tuple[str, torch.Tensor, torch.Tensor], ...]:
     """(part, weight, per-matrix amax) of a chunk of experts: gate_proj and up_proj share one amax, so
     one weight_scale_2 (vLLM requirement; ModelOpt's `preprocess_linear_fusion` takes the larger)."""
 
@@ -161,7 +163,9 @@ def _nvfp4_parts(gu, down, inter):
     return (("down_proj", down, amax_dn), ("gate_proj", gate, amax_gu), ("up_proj", up, amax_gu))
 
 
-def _block_scales(w, global_amax, weight_scale_2, method: WeightScale):
+def _block_scales(
+    w: torch.Tensor, global_amax: torch.Tensor, weight_scale_2: torch.Tensor, method: WeightScale
+) -> torch.Tensor | None:
     """The block scales a recipe's `nvfp4.weight_scale` asks for (None: round to nearest from the max)."""
 
     if method is WeightScale.MSE:
@@ -171,13 +175,21 @@ def _block_scales(w, global_amax, weight_scale_2, method: WeightScale):
     return None
 
 
-def nvfp4_rtn(gu, down, inter, in_amax, mid_amax, recipe, searched=None) -> dict[str, NVFP4Experts]:
+def nvfp4_rtn(
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    inter: int,
+    in_amax: torch.Tensor,
+    mid_amax: torch.Tensor,
+    recipe: Recipe,
+    searched: Any = None,
+) -> dict[str, NVFP4Experts]:
     """qtool's own NVFP4 of a chunk of experts (ModelOpt numerics; MSE-searched block scales when the
     recipe asks). Every expert is coded on its own: the chunking does not change a byte. `searched`:
     fn(part, w, global_amax) -> block scales from the layer's statistics (local_hessian), else None."""
     res: dict[str, NVFP4Experts] = {}
     amaxes = {"down_proj": mid_amax, "gate_proj": in_amax, "up_proj": in_amax}
-    for part, w, w_amax in _nvfp4_parts(gu, down, inter):
+    for part, w, w_amax in _nvfp4_parts(gate_up, down, inter):
         amax = amaxes[part]
         if recipe.nvfp4.weight_scale is WeightScale.FOUR_OVER_SIX:  # its own global scale (amax / (6 * 256))
             bs, ws2 = four_over_six_block_scales(w, w_amax)
@@ -198,7 +210,17 @@ def nvfp4_rtn(gu, down, inter, in_amax, mid_amax, recipe, searched=None) -> dict
     return res
 
 
-def _int4_expert_chunk(gu, down, inter, stats, e0, recipe, fmt, report, g: int) -> dict[str, list]:
+def _int4_expert_chunk(
+    gu: torch.Tensor,
+    down: torch.Tensor,
+    inter: int,
+    stats: ExpertStats | None,
+    e0: int,
+    recipe: Recipe,
+    fmt: OutFormat,
+    report: list[dict],
+    g: int,
+) -> dict[str, list]:
     """INT4 W4A16 of a chunk of experts with qtool.formats.awq (RTN, one group per row when in < group),
     after the AWQ down_proj scale search when the recipe asks for it. The chunk is coded as one batch
     (elementwise ops and group max/min: each expert's bytes are those of coding it alone), so the GPU
@@ -213,7 +235,7 @@ def _int4_expert_chunk(gu, down, inter, stats, e0, recipe, fmt, report, g: int) 
         searched = awq_down_scales(rows, dn, g, recipe.int4.awq_grid, sdt)  # no rows: s = 1, plain RTN
         s = searched.s
 
-    def folded(part: str, w, k0: int, k1: int):
+    def folded(part: str, w: torch.Tensor, k0: int, k1: int) -> torch.Tensor:
         """Experts k0..k1-1 of `w`, the AWQ scales folded in: down columns * s, up rows / s (exact in real
         arithmetic); a batch at a time, so the float32 copies stay within the batch's bound."""
         w = w[k0:k1]
@@ -291,9 +313,9 @@ def write_layer_shard(
     layer_plan: LayerPlan,
     layer: torch.nn.Module,
     stats: ExpertStats,
-    kv: tuple[float, float] | None,
+    kv_amax: tuple[float, float] | None,
     plan: QuantizePlan,
-    backend: Any = None,
+    backend: LayerBackend | None = None,
     mode: int = 0o644,
     share: Share = Share(),
     keep_pace: bool = False,
@@ -301,7 +323,7 @@ def write_layer_shard(
     """Write `layer_plan.specs` to `path`. One rank: the whole shard to a tmp file renamed to `path`. Several:
     this rank's Share into the tmp file rank 0 made (create_layer_tmp), at the header's offsets, fsynced;
     rank 0 renames it (os.replace) once every rank's share is on disk. `layer`: the dense transformers
-    layer; `stats`: ExpertStats; `kv`: (k_amax, v_amax) or None; `backend`: a peer backend's per-layer
+    layer; `stats`: ExpertStats; `kv_amax`: (k_amax, v_amax) or None; `backend`: a peer backend's per-layer
     state (qtool.ops.quantize.backends) that quantizes the NVFP4 experts instead of qtool's RTN.
     `keep_pace`: the job's last layer, whose write no layer waits for: the writer goes at the pace of the
     shard's sha256, which then hashes the written buffers at one core's full rate instead of reading the
@@ -312,7 +334,7 @@ def write_layer_shard(
     the hash falls behind. The others trail the file: layers in flight wait for their writes."""
 
     report: dict = {"awq": []}
-    header = build_header([OutTensor(s.name, s.dtype, s.shape, _Pending(s.nbytes)) for s in layer_plan.specs])
+    header = build_header([promised(s.name, s.dtype, s.shape, s.nbytes) for s in layer_plan.specs])
     names = (
         [n for n, _, _ in QUANT_PARAMS[(layer_plan.scheme, plan.format)]]
         if layer_plan.scheme is not Scheme.BF16
@@ -337,7 +359,7 @@ def write_layer_shard(
                     layer_plan,
                     layer,
                     stats,
-                    kv,
+                    kv_amax,
                     plan,
                     backend,
                     share,
@@ -353,6 +375,7 @@ def write_layer_shard(
                 ops.abandon()  # nothing is left writing once the file closes (also after a partial close)
                 raise
             if hashed:
+                assert isinstance(out, HashedWrites)  # (what a hashed shard is written through)
                 report["sha256"] = out.digest()  # a Future: the hash finishes on its own thread
             f.flush()
             os.fsync(f.fileno())
@@ -377,9 +400,9 @@ def _write_specs(
     layer_plan: LayerPlan,
     layer: torch.nn.Module,
     stats: ExpertStats,
-    kv: tuple[float, float] | None,
+    kv_amax: tuple[float, float] | None,
     plan: QuantizePlan,
-    backend: Any,
+    backend: LayerBackend | None,
     share: Share,
     header: bytes,
     names: list[str],
@@ -437,7 +460,8 @@ def _write_specs(
             ops.call(_write_chunk, out, chunk_bytes([coded[rel][s.name.rpartition(".")[2]]]))
             continue
         if which is None:
-            st = LayerStat(layer_plan.index, kv[0], kv[1], 0)
+            assert kv_amax is not None  # a KV scale of a full-attention layer, whose amaxes were taken
+            st = LayerStat(layer_plan.index, kv_amax[0], kv_amax[1], 0)
             ops.call(out.write, _f32(st.k_scale if s.name.endswith("k_scale") else st.v_scale))
             continue
         # the first param of a chunk of experts: the chunk's params follow it in the header (experts in
@@ -485,9 +509,10 @@ def _fp8_linear_of(name: str, layer_plan: LayerPlan) -> str | None:
     return rel if rel in layer_plan.fp8 else None
 
 
-def _copy_spec(s, out, f, fds: dict, hashed: bool, end: int) -> None:
+def _copy_spec(s: Spec, out: HashedWrites | BinaryIO, f: BinaryIO, fds: dict, hashed: bool, end: int) -> None:
     """Write a tensor copied unchanged from its source file (read, where the shard is being hashed; else
     copied in the kernel, below the buffer)."""
+    assert s.source is not None  # a copied spec
     if s.source.file not in fds:
         fds[s.source.file] = os.open(s.source.file, os.O_RDONLY)
     if hashed:

@@ -59,7 +59,7 @@ class LocalHessians:
 
     def record(self, e: int, x: torch.Tensor, mid: torch.Tensor) -> None:
         """ExpertStats hook: expert e's routed rows x [n, hidden] and its down_proj input mid [n, inter]."""
-        if self.gate_up is None:
+        if self.gate_up is None or self.down is None:
             self.gate_up = self._empty(x)
             self.down = self._empty(mid)
         _accumulate(self.gate_up[e], x)

@@ -39,7 +39,9 @@ _MO_GROUP = {  # convert_hf_config.py _quant_algo_to_group_config
         "weights": {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16},
     },
 }
-_FP8_ARGS = {  # compressed-tensors preset FP8 (quantization/quant_scheme.py), model_dump() as 0.19 writes it
+_FP8_ARGS: dict[
+    str, object
+] = {  # compressed-tensors preset FP8 (quantization/quant_scheme.py), model_dump() as 0.19 writes it
     "actorder": None,
     "block_structure": None,
     "dynamic": False,
@@ -70,10 +72,10 @@ def _order(name: str) -> tuple:
     return (layer, part, name)
 
 
-def quantized_layers(mm: ModelMap) -> dict[str, dict]:
+def quantized_layers(model_map: ModelMap) -> dict[str, dict]:
     """module -> its ModelOpt entry, for every quantized module of the output (MTP and vision are BF16)."""
     out: dict[str, dict] = {}
-    for name, fmt in linear_modules(mm).items():
+    for name, fmt in linear_modules(model_map).items():
         if fmt is Format.FP8:
             out[name] = dict(_FP8_ENTRY)
         elif fmt is Format.NVFP4:
@@ -91,10 +93,10 @@ def _modelopt_groups(layers: dict[str, dict]) -> dict:
     }
 
 
-def modelopt_mixed(mm: ModelMap, kv_scheme: dict | None, producer: dict) -> tuple[dict, dict]:
+def modelopt_mixed(model_map: ModelMap, kv_scheme: dict | None, producer: dict) -> tuple[dict, dict]:
     """(config.json quantization_config, hf_quant_config.json) of a ModelOpt MIXED_PRECISION output."""
-    layers = quantized_layers(mm)
-    qc = {
+    layers = quantized_layers(model_map)
+    qc: dict[str, object] = {
         "config_groups": _modelopt_groups(layers),
         "quantized_layers": layers,
         "ignore": [],
@@ -123,12 +125,12 @@ _CT_FP8_TARGETS = (
 _CT_EXPERT_TARGET = r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"
 
 
-def ct_mixed_groups(mm: ModelMap, nvfp4_group: dict) -> dict:
+def ct_mixed_groups(model_map: ModelMap, nvfp4_group: dict) -> dict:
     """compressed-tensors config_groups of a mixed output: NVFP4 experts (group_0), FP8 linears (group_1)."""
-    fp8 = [n for n, f in linear_modules(mm).items() if f is Format.FP8]
+    fp8 = [n for n, f in linear_modules(model_map).items() if f is Format.FP8]
     targets = [pattern for kind, pattern in _CT_FP8_TARGETS if any(kind in n for n in fp8)]
     groups = {}
-    if any(f is Format.NVFP4_CT for f in linear_modules(mm).values()):
+    if any(f is Format.NVFP4_CT for f in linear_modules(model_map).values()):
         groups["group_0"] = {**copy.deepcopy(nvfp4_group), "targets": [_CT_EXPERT_TARGET]}
     groups[f"group_{len(groups)}"] = {**copy.deepcopy(_CT_FP8_GROUP), "targets": targets}
     return groups

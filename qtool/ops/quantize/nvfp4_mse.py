@@ -23,16 +23,16 @@ else:
 FACTORS = tuple(1.0 - 0.05 * i for i in range(7))
 
 
-def search_block_scales(w: torch.Tensor, weight_scale_2: torch.Tensor) -> torch.Tensor:
+def search_block_scales(weight: torch.Tensor, weight_scale_2: torch.Tensor) -> torch.Tensor:
     """float8_e4m3fn [..., out, in/16] block scales minimising per-block squared error."""
-    lead, out, n_in = tuple(w.shape[:-2]), w.shape[-2], w.shape[-1]
+    lead, out, n_in = tuple(weight.shape[:-2]), weight.shape[-2], weight.shape[-1]
     nb = n_in // nvfp4.BLOCK_SIZE
     ws2 = (
         torch.as_tensor(weight_scale_2).float().reshape(*lead, 1, 1, 1)
         if lead
         else torch.as_tensor(weight_scale_2).float().reshape(())
     )
-    x = w.float().reshape(*lead, out, nb, nvfp4.BLOCK_SIZE)
+    x = weight.float().reshape(*lead, out, nb, nvfp4.BLOCK_SIZE)
     bamax = x.abs().amax(dim=-1)
     best_err = None
     best = None
@@ -73,29 +73,29 @@ def _magnitude(a: torch.Tensor) -> torch.Tensor:
     return nvfp4.decode_e2m1(nvfp4.encode_e2m1(a))
 
 
-def sweep_block_scales(w: torch.Tensor, global_amax: torch.Tensor) -> torch.Tensor:
+def sweep_block_scales(weight: torch.Tensor, global_amax: torch.Tensor) -> torch.Tensor:
     """float8_e4m3fn [..., out, in/16]: for each block the E4M3 scale with the smallest squared error.
 
-    `global_amax` is the per-matrix amax the global scale comes from (shape w.shape[:-2], or a scalar;
+    `global_amax` is the per-matrix amax the global scale comes from (shape weight.shape[:-2], or a scalar;
     gate and up of an expert pass the larger of their two, as they share weight_scale_2)."""
-    nvfp4.check_weight(w)
-    if w.is_cuda and nvfp4_triton.triton_available():
-        return nvfp4_triton.sweep_block_scales_triton(w, global_amax)
-    lead, out, n_in = tuple(w.shape[:-2]), w.shape[-2], w.shape[-1]
+    nvfp4.check_weight(weight)
+    if weight.is_cuda and nvfp4_triton.triton_available():
+        return nvfp4_triton.sweep_block_scales_triton(weight, global_amax)
+    lead, out, n_in = tuple(weight.shape[:-2]), weight.shape[-2], weight.shape[-1]
     nb = n_in // nvfp4.BLOCK_SIZE
-    values = fp8_scale_values(w.device)
+    values = fp8_scale_values(weight.device)
     candidates = values / nvfp4.E4M3_MAX
-    amax = torch.as_tensor(global_amax, device=w.device).float().expand(lead).reshape(-1, 1)
+    amax = torch.as_tensor(global_amax, device=weight.device).float().expand(lead).reshape(-1, 1)
     row_amax = amax.repeat_interleave(out, dim=0).unsqueeze(-1)  # [R, 1, 1]
-    rows = w.reshape(-1, nb, nvfp4.BLOCK_SIZE)
-    best = torch.empty(rows.shape[:2], dtype=torch.long, device=w.device)
+    rows = weight.reshape(-1, nb, nvfp4.BLOCK_SIZE)
+    best = torch.empty(rows.shape[:2], dtype=torch.long, device=weight.device)
     for r0 in range(0, rows.shape[0], SWEEP_ROWS):
         x = rows[r0 : r0 + SWEEP_ROWS].float().abs()
         ga = row_amax[r0 : r0 + SWEEP_ROWS].squeeze(-1)  # [r, 1]
         # each block tries only the candidates that can win (nvfp4.sweep_window), in ascending order
         first, last = nvfp4.sweep_window(6.0 * (candidates * ga / 6.0), x.amax(dim=-1))
-        best_loss = torch.full(x.shape[:2], float("inf"), device=w.device)
-        best_idx = torch.zeros(x.shape[:2], dtype=torch.long, device=w.device)
+        best_loss = torch.full(x.shape[:2], float("inf"), device=weight.device)
+        best_idx = torch.zeros(x.shape[:2], dtype=torch.long, device=weight.device)
         for j in range(nvfp4.SWEEP_BELOW + nvfp4.SWEEP_ABOVE):
             k = torch.minimum(first + j, last)  # past the window: its last candidate again (never better)
             scale = candidates[k] * ga / 6.0
@@ -132,19 +132,19 @@ def _four_over_six_scale(block_amax: torch.Tensor, row_amax: torch.Tensor, multi
     return scaled.clamp(nvfp4.E4M3_MIN_SCALE, nvfp4.E4M3_MAX).to(torch.float8_e4m3fn)
 
 
-def four_over_six_block_scales(w: torch.Tensor, global_amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def four_over_six_block_scales(weight: torch.Tensor, global_amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(float8_e4m3fn block scales [..., out, in/16], float32 weight_scale_2 [...]) of four-over-six.
 
     `global_amax` as for `sweep_block_scales` (gate and up pass the larger of their two amaxes)."""
-    nvfp4.check_weight(w)
-    lead, out, n_in = tuple(w.shape[:-2]), w.shape[-2], w.shape[-1]
+    nvfp4.check_weight(weight)
+    lead, out, n_in = tuple(weight.shape[:-2]), weight.shape[-2], weight.shape[-1]
     nb = n_in // nvfp4.BLOCK_SIZE
-    amax = torch.as_tensor(global_amax, device=w.device).float().expand(lead).contiguous()
+    amax = torch.as_tensor(global_amax, device=weight.device).float().expand(lead).contiguous()
     ws2 = nvfp4.weight_scale_2_from_amax(amax, nvfp4.E4M3_MAX_FOUR_OVER_SIX)
     row_amax = amax.reshape(-1, 1).repeat_interleave(out, dim=0)  # [R, 1]
     row_ws2 = ws2.reshape(-1, 1).repeat_interleave(out, dim=0)
-    rows = w.reshape(-1, nb, nvfp4.BLOCK_SIZE)
-    best = torch.empty(rows.shape[:2], dtype=torch.float8_e4m3fn, device=w.device)
+    rows = weight.reshape(-1, nb, nvfp4.BLOCK_SIZE)
+    best = torch.empty(rows.shape[:2], dtype=torch.float8_e4m3fn, device=weight.device)
     for r0 in range(0, rows.shape[0], SWEEP_ROWS):
         x = rows[r0 : r0 + SWEEP_ROWS].float()
         block_amax = x.abs().amax(dim=-1)

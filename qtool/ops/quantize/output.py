@@ -16,13 +16,13 @@ from qtool.io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG_NAME, INDEX_NAME
 from qtool.io.jsonio import load_json
 from qtool.io.manifest import library_versions
 from qtool.io.output import MANIFEST_NAME, partial_path
-from qtool.io.plan import Copy, Index, Json, OutputPlan, Pending, Produced, Shard, checkpoint_files, header_checkpoint
+from qtool.io.plan import Copy, Index, Json, OutputPlan, Produced, Shard, checkpoint_files, header_checkpoint, promised
 from qtool.io.writer import OutTensor, plan_shards
 from qtool.ops.quantize import configs
 from qtool.recipes import KvCache, Scheme
 
 if TYPE_CHECKING:
-    from qtool.ops.quantize.plan import QuantizePlan
+    from qtool.ops.quantize.plan import QuantizePlan, Spec
 
 REST_SHARD = "model-rest-{:05d}.safetensors"
 REST_SHARD_BYTES = 5 * 10**9
@@ -30,8 +30,10 @@ REST_SHARD_BYTES = 5 * 10**9
 SKIP_FILES = {INDEX_NAME, CONFIG_NAME, HF_QUANT_CONFIG_NAME, "recipe.yaml", MANIFEST_NAME}
 
 
-def _tensor(s) -> OutTensor:
-    return OutTensor(s.name, s.dtype, s.shape, s.source if s.source is not None else Pending(s.name, s.nbytes))
+def _tensor(spec: Spec) -> OutTensor:
+    if spec.source is None:  # computed by the layer loop
+        return promised(spec.name, spec.dtype, spec.shape, spec.nbytes)
+    return OutTensor(spec.name, spec.dtype, spec.shape, spec.source)
 
 
 def side_files(root: Path) -> list[Path]:

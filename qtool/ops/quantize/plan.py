@@ -9,10 +9,11 @@ in-features the scheme can encode, a format that can carry the scheme, a backend
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from qtool import dist
 from qtool.arch.model_map import Format, ModelMap
@@ -23,20 +24,25 @@ from qtool.formats.awq import effective_group_size, expert_group_size
 from qtool.io.checkpoint import Checkpoint
 from qtool.io.dtypes import nbytes_for
 from qtool.io.output import OutputDir
+from qtool.io.plan import OutputPlan
 from qtool.io.writer import FileRange
 from qtool.ops.quantize import output as quantize_output
 from qtool.ops.quantize.coverage import floor_warning, refuse_peer_backend
 from qtool.ops.quantize.schemes import fp8_linears, fp8_params
 from qtool.recipes import FORMATS_FOR, Backend, KvCache, OutFormat, Recipe, Scheme, WeightScale, load_recipe
-from qtool.stream.calib_data import plan_calibration
-from qtool.stream.layer_stream import LayerStreamer
-from qtool.stream.memory_plan import need
+from qtool.stream.calib_data import CalibSet, plan_calibration
+from qtool.stream.layer_stream import LayerStreamer, StreamPlan
+from qtool.stream.memory_plan import MemoryNeed, need
+
+if TYPE_CHECKING:
+    import torch
 
 PARTS = ("down_proj", "gate_proj", "up_proj")  # header order of one expert's modules (sorted names)
 LAYER_SHARD = "model-layer-{:05d}.safetensors"
 
 # Output params of one quantized expert Linear, per (scheme, format): name -> (dtype, shape fn(out, in, g)).
-QUANT_PARAMS: dict[tuple[Scheme, OutFormat], tuple[tuple[str, str, object], ...]] = {
+ShapeOf = Callable[[int, int, int], tuple[int, ...]]
+QUANT_PARAMS: dict[tuple[Scheme, OutFormat], tuple[tuple[str, str, ShapeOf], ...]] = {
     # ModelOpt (modelopt/torch/export/unified_export_hf.py, docs/formats.md §3)
     (Scheme.NVFP4, OutFormat.MODELOPT): (
         ("input_scale", "F32", lambda o, i, g: ()),
@@ -106,7 +112,7 @@ HEADROOM = 0.9  # two layers in flight only within this share of the free memory
 @dataclass
 class QuantizePlan:
     ckpt: Checkpoint
-    mm: ModelMap
+    model_map: ModelMap
     recipe: Recipe
     backend: Backend
     format: OutFormat
@@ -120,16 +126,16 @@ class QuantizePlan:
     seq_len: int
     dataset: str
     device: str
-    stream: object  # layer_stream.StreamPlan
+    stream: StreamPlan
     awq_rows: int
     warnings: list[str] = field(default_factory=list)
     options: QuantizeOptions | None = None
-    output: object = None  # every output file: qtool.io.plan.OutputPlan, once make_output() has run
+    output: OutputPlan | None = None  # every output file, once make_output() has run
     # the output's model map as it will be written in OUT.partial (made with the output plan: its configs'
     # ignore lists come from it, and the output's checks, qtool.ops.checks.PlannedProblems)
-    output_map: object = None
-    calib: object = None  # the token windows (stream.calib_data.CalibSet); None with calib_ids
-    memory: object = None  # peak host/GPU need and fit (stream.memory_plan.MemoryNeed)
+    output_map: ModelMap | None = None
+    calib: CalibSet | None = None  # the token windows; None with calib_ids
+    memory: MemoryNeed | None = None  # peak host/GPU need and fit (set by plan())
     int4_group: int = 128  # W4A16: the one group size of every expert projection (formats.awq.expert_group_size)
     layers_in_flight: int = 1  # finished layers coded and written at once behind the forward (execute)
 
@@ -142,7 +148,7 @@ class QuantizePlan:
     def kv_names(self) -> str:
         return "modelopt" if self.format is OutFormat.MODELOPT else "compressed-tensors"
 
-    def memory_need(self, in_flight: int | None = None):
+    def memory_need(self, in_flight: int | None = None) -> MemoryNeed:
         """Peak host/GPU memory (qtool.stream.memory_plan): with qtool's own codec finished layers are
         quantized and written behind the next one (`in_flight` of them, default the plan's), so that many
         dense layers more are held."""
@@ -172,7 +178,7 @@ class QuantizePlan:
         # with room to spare: the allocator holds more than it hands out, and two coders' temporaries
         return 1 if self.memory_need(2).problems_within(HEADROOM) else 2
 
-    def make_output(self):
+    def make_output(self) -> OutputPlan:
         """The output plan (quantize.output.output_plan), made once. An executing run makes it while its
         first layer is read (execute): it is per-tensor Python, 3 s for the 397B's 372k output tensors on
         the 2-core VM, that delayed the first read. A dry run's to_json makes it too, so that a dry run
@@ -182,7 +188,7 @@ class QuantizePlan:
         return self.output
 
     def to_json(self) -> dict:
-        sp = self.stream
+        assert self.memory is not None  # plan() sets it
         output = self.make_output()
         return {
             "checkpoint": str(self.ckpt.root),
@@ -192,13 +198,13 @@ class QuantizePlan:
             "format": self.format.value,
             "layers": [
                 {
-                    "layer": lp.index,
-                    "routed_experts": lp.scheme.value,
-                    "full_attention": lp.full_attention,
-                    "tensors": len(lp.specs),
-                    "shard": lp.shard,
+                    "layer": layer_plan.index,
+                    "routed_experts": layer_plan.scheme.value,
+                    "full_attention": layer_plan.full_attention,
+                    "tensors": len(layer_plan.specs),
+                    "shard": layer_plan.shard,
                 }
-                for lp in self.layers
+                for layer_plan in self.layers
             ],
             "carried_over_tensors": len(self.rest),
             "output_bytes": output.summary["bytes"],
@@ -214,10 +220,10 @@ class QuantizePlan:
             },
             "device": self.device,
             "memory": {
-                **sp.to_json(),
+                **self.stream.to_json(),
                 "awq_activation_bytes": self.awq_activation_bytes,
                 "need": self.memory.to_json(),
-                "hidden_disk_bytes": HIDDEN_FILES * sp.hidden_bytes,
+                "hidden_disk_bytes": HIDDEN_FILES * self.stream.hidden_bytes,
                 "layers_in_flight": self.layers_in_flight,
             },
             "warnings": self.warnings,
@@ -229,9 +235,9 @@ def group_of(inner: Group) -> str:
 
 
 def expert_specs(
-    prefix: str, e: int, scheme: Scheme, fmt: OutFormat, hidden: int, inter: int, group: int
+    prefix: str, expert: int, scheme: Scheme, fmt: OutFormat, hidden: int, inter: int, group: int
 ) -> list[Spec]:
-    base = f"{prefix}mlp.experts.{e}."
+    base = f"{prefix}mlp.experts.{expert}."
     return [Spec(base + tail, dt, shape) for tail, dt, shape in _expert_params(scheme, fmt, hidden, inter, group)]
 
 
@@ -250,10 +256,10 @@ def _expert_params(
     return tuple(out)
 
 
-def _bf16_expert_specs(mm: ModelMap, prefix: str, e: int, hidden: int, inter: int) -> list[Spec]:
+def _bf16_expert_specs(model_map: ModelMap, prefix: str, e: int, hidden: int, inter: int) -> list[Spec]:
     """Per-expert BF16 weights as byte ranges: the per-expert tensors themselves, or slices of the fused
     [E, 2I, H] / [E, H, I] tensors (each expert's gate rows, up rows and down matrix are contiguous)."""
-    t = mm.ckpt.tensors
+    t = model_map.ckpt.tensors
     out = []
     fused_gu = t.get(prefix + "mlp.experts.gate_up_proj")
     for part in PARTS:
@@ -263,7 +269,7 @@ def _bf16_expert_specs(mm: ModelMap, prefix: str, e: int, hidden: int, inter: in
             out.append(Spec(name, i.dtype, tuple(i.shape), FileRange(i.file, i.start, i.end)))
             continue
         if fused_gu is None:
-            raise PlanError("routed expert weight missing", path=mm.ckpt.root, tensor=name)
+            raise PlanError("routed expert weight missing", path=model_map.ckpt.root, tensor=name)
         item = fused_gu.nbytes // (fused_gu.shape[0] * fused_gu.shape[1] * fused_gu.shape[2])
         if part == "down_proj":
             d = t[prefix + "mlp.experts.down_proj"]
@@ -363,7 +369,7 @@ class QuantizeOptions:
     force: bool = False
     resume: bool = False
     command: str | None = None
-    calib_ids: object = None  # [N, L] token ids instead of dataset/samples/seq_len (library use)
+    calib_ids: torch.Tensor | None = None  # [N, L] token ids instead of dataset/samples/seq_len (library use)
     batch_tokens: int | None = None  # tokens per micro-batch (default: the layer streamer's)
 
     def __post_init__(self) -> None:
@@ -388,7 +394,7 @@ def plan(opts: QuantizeOptions) -> QuantizePlan:
     backend = opts.backend or recipe.backend
     fmt = opts.format or recipe.format
     streamer = LayerStreamer(ckpt, device=device, batch_tokens=opts.batch_tokens)
-    mm = streamer.model_map
+    model_map = streamer.model_map
     outp = Path(out)
     # the output is refused here, before the dataset is read below (with hf: a download), as every other
     # refusal that needs no data; execute's transaction checks it again under its lock
@@ -444,10 +450,13 @@ def plan(opts: QuantizeOptions) -> QuantizePlan:
     tc = ckpt.text_config
     hidden, inter, n_exp = int(tc["hidden_size"]), int(tc["moe_intermediate_size"]), int(tc["num_experts"])
     qmods = [
-        m for m in mm.modules.values() if not m.is_mtp and m.inner is Group.ROUTED_EXPERTS and m.format is not None
+        m
+        for m in model_map.modules.values()
+        if not m.is_mtp and m.inner is Group.ROUTED_EXPERTS and m.format is not None
     ]
     bad = [m for m in qmods if m.format is not Format.BF16]
     if bad:
+        assert bad[0].format is not None  # (qmods have one)
         raise PlanError(
             "quantize needs a BF16 source; routed experts are already quantized",
             path=ckpt.root,
@@ -469,10 +478,10 @@ def plan(opts: QuantizeOptions) -> QuantizePlan:
         if fmt is OutFormat.AWQ and (hidden % 8 or inter % 8):
             raise PlanError("AutoAWQ GEMM needs out-features divisible by 8", got=(hidden, inter))
     layers = []
-    kv_names_existing = {n for n in mm.kv_scale_tensors() if not n.startswith("mtp.")}
+    kv_names_existing = {n for n in model_map.kv_scale_tensors() if not n.startswith("mtp.")}
     names = sorted(ckpt.tensors)
-    for idx in range(mm.num_layers):
-        prefix = layer_prefix(idx, mm.naming)
+    for idx in range(model_map.num_layers):
+        prefix = layer_prefix(idx, model_map.naming)
         s = recipe.scheme_for("routed_experts", idx)
         specs = []
         has_experts = False
@@ -480,7 +489,7 @@ def plan(opts: QuantizeOptions) -> QuantizePlan:
         fp8 = _fp8_linears(ckpt, recipe, idx, prefix, in_layer)
         fp8_weights = {prefix + rel + ".weight" for rel in fp8}
         for n in in_layer:
-            if mm.roles[n].inner is Group.ROUTED_EXPERTS:
+            if model_map.roles[n].inner is Group.ROUTED_EXPERTS:
                 has_experts = True
                 continue
             if n in kv_names_existing:
@@ -497,14 +506,14 @@ def plan(opts: QuantizeOptions) -> QuantizePlan:
             )
         for e in range(n_exp):
             if s is Scheme.BF16:
-                specs += _bf16_expert_specs(mm, prefix, e, hidden, inter)
+                specs += _bf16_expert_specs(model_map, prefix, e, hidden, inter)
             else:
                 specs += expert_specs(prefix, e, s, fmt, hidden, inter, int4_group)
-        full = idx in mm.full_attention
+        full = idx in model_map.full_attention
         if full and recipe.kv_cache is KvCache.FP8 and fmt is not OutFormat.AWQ:
             specs += [Spec(n, "F32", ()) for n in kv_scale_names(prefix, fmt)]
         layers.append(LayerPlan(idx, s, full, specs, LAYER_SHARD.format(idx), tuple(fp8)))
-    layer_pre = tuple(layer_prefix(i, mm.naming) for i in range(mm.num_layers))
+    layer_pre = tuple(layer_prefix(i, model_map.naming) for i in range(model_map.num_layers))
     rest = []
     for n in names:
         if n.startswith(layer_pre) and not n.startswith("mtp."):
@@ -517,12 +526,12 @@ def plan(opts: QuantizeOptions) -> QuantizePlan:
             # mis-load fused MTP experts next to per-expert decoder layers); the decoder layers' code path
             prefix = n[: -len("mlp.experts.gate_up_proj")]
             for e in range(int(i.shape[0])):
-                rest += _bf16_expert_specs(mm, prefix, e, hidden, inter)
+                rest += _bf16_expert_specs(model_map, prefix, e, hidden, inter)
             continue
         rest.append(Spec(n, i.dtype, tuple(i.shape), FileRange(i.file, i.start, i.end)))
     rest.sort(key=lambda sp: sp.name)
     warnings = [group_note] if group_note else []
-    if mm.expert_layout == "fused":
+    if model_map.expert_layout == "fused":
         warnings.append("source experts are fused; the output is per expert (BF16 experts split by byte range)")
     if not any(n.startswith("mtp.") for n in ckpt.tensors):
         warnings.append("the source has no mtp.* head; the output has none either (speculative decoding needs it)")
@@ -542,9 +551,10 @@ def plan(opts: QuantizeOptions) -> QuantizePlan:
             ckpt, dataset, DEFAULT_SAMPLES if samples is None else samples, seq_len, at_most=samples is None
         )
         samples = calib.samples
-    p = QuantizePlan(
+    assert samples is not None  # from calib_ids, or the windows planned
+    quantize_plan = QuantizePlan(
         ckpt,
-        mm,
+        model_map,
         recipe,
         backend,
         fmt,
@@ -564,19 +574,19 @@ def plan(opts: QuantizeOptions) -> QuantizePlan:
         opts,
         int4_group=int4_group,
     )
-    p.calib = calib
+    quantize_plan.calib = calib
     want = recipe.calibration
     if want and (dataset != want["dataset"] or samples * seq_len < want["samples"] * want["seq_len"]):
-        p.warnings.append(
+        quantize_plan.warnings.append(
             f"the recipe {recipe.name} is meant to calibrate on {want['dataset']} "
             f"({want['samples']} x {want['seq_len']} tokens); this run uses {dataset} "
             f"({samples} x {seq_len}): pass --dataset/--samples/--seq-len for a real run"
         )
     thin = floor_warning(recipe, samples * seq_len, int(tc.get("num_experts_per_tok") or 1), n_exp)
     if thin:
-        p.warnings.append(thin)
-    p.layers_in_flight = p.choose_layers_in_flight()
-    p.memory = p.memory_need()
-    if p.memory.warning():
-        p.warnings.append(p.memory.warning())
-    return p  # its output plan: make_output()
+        quantize_plan.warnings.append(thin)
+    quantize_plan.layers_in_flight = quantize_plan.choose_layers_in_flight()
+    quantize_plan.memory = quantize_plan.memory_need()
+    if memory_warning := quantize_plan.memory.warning():
+        quantize_plan.warnings.append(memory_warning)
+    return quantize_plan  # its output plan: make_output()

@@ -11,8 +11,13 @@ scale (checked against ModelOpt 0.47's export of the same mixed config on the ti
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from qtool.formats import fp8
 from qtool.recipes import OutFormat, Recipe, Scheme
+
+if TYPE_CHECKING:
+    import torch
 
 # recipe group -> the linears (relative to the decoder layer) it quantizes with FP8. GDN's in_proj_a/b stay
 # BF16: ModelOpt's FP8 config disables them (modelopt/torch/quantization/config.py FP8_DEFAULT_CFG), and
@@ -57,7 +62,7 @@ def fp8_params(fmt: OutFormat, out: int, n_in: int) -> tuple[tuple[str, str, tup
     return tuple((name, *shapes[name]) for name in fp8.W8A8_PARAMS)
 
 
-def install_linear_amax(layer, linears: list[str]) -> None:
+def install_linear_amax(layer: torch.nn.Module, linears: list[str]) -> None:
     """Record the input amax of each of `linears` (relative names) over the layer's calibration forward."""
     import torch
 
@@ -65,7 +70,7 @@ def install_linear_amax(layer, linears: list[str]) -> None:
     hooks = []
     for rel in linears:
 
-        def record(_module, args, rel=rel):
+        def record(_module: torch.nn.Module, args: tuple[torch.Tensor, ...], rel: str = rel) -> None:
             x = args[0].detach()
             m = x.abs().amax().float().cpu()
             amax[rel] = torch.maximum(amax[rel], m) if rel in amax else m
@@ -75,14 +80,14 @@ def install_linear_amax(layer, linears: list[str]) -> None:
     setattr(layer, _HOOKS_ATTR, hooks)
 
 
-def remove_linear_amax(layer) -> None:
+def remove_linear_amax(layer: torch.nn.Module) -> None:
     """Drop the hooks; the recorded amaxes stay on the layer for its write."""
     for h in getattr(layer, _HOOKS_ATTR, ()):
         h.remove()
     setattr(layer, _HOOKS_ATTR, [])
 
 
-def input_amax(layer, rel: str) -> float:
+def input_amax(layer: torch.nn.Module, rel: str) -> float:
     """The calibrated input amax of linear `rel`: the largest over the linears that read the same input."""
     amax = getattr(layer, _STATS_ATTR, {})
     group = next((g for g in SHARED_INPUT if rel in g), (rel,))
@@ -90,7 +95,7 @@ def input_amax(layer, rel: str) -> float:
     return max(seen) if seen else 0.0
 
 
-def code_fp8_linear(layer, rel: str, fmt: OutFormat) -> dict:
+def code_fp8_linear(layer: torch.nn.Module, rel: str, fmt: OutFormat) -> dict[str, torch.Tensor]:
     """One FP8 linear's output tensors by parameter name, from the dense layer and its calibration."""
     w = layer.get_submodule(rel).weight.data
     return fp8.w8a8_per_tensor(

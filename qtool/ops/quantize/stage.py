@@ -34,6 +34,7 @@ from qtool.ops.quantize.layer import Share, copied_whole, create_layer_tmp, rele
 from qtool.ops.quantize.plan import LayerPlan, QuantizePlan
 from qtool.ops.quantize.schemes import install_linear_amax, remove_linear_amax
 from qtool.recipes import Scheme
+from qtool.stream.hidden_store import DiskStore
 from qtool.stream.layer_run import LayerRun, LayerStage
 from qtool.stream.layer_stream import attention_tap, kv_amax_tap
 
@@ -67,7 +68,7 @@ class QuantizeStage(LayerStage):
         # the layer between its forward and its code
         self._stats: ExpertStats | None = None
         self._kv: KvStat | None = None
-        self._backend: Any = None
+        self._backend: backends.LayerBackend | None = None
 
     def keep_bytes(self, run: LayerRun, idx: int) -> dict[str, FileRange]:
         """The copied tensors' source bytes (whole tensors, or one expert's slice of a fused source): written
@@ -97,12 +98,14 @@ class QuantizeStage(LayerStage):
         self._stats, self._kv, self._backend = stats, kv, backend
 
     def on_batch(self, b0: int) -> None:
+        assert self._stats is not None  # between before_forward and code
         self._stats.set_batch(b0)
 
     def after_forward(self, run: LayerRun, idx: int, layer: torch.nn.Module) -> None:
         attention_tap(layer, None)
         remove_expert_stats(layer.mlp.experts)
         remove_linear_amax(layer)
+        assert self._stats is not None and self._kv is not None  # set by before_forward
         self._stats.settle()
         # data parallel: every rank now holds the layer's stats (the AWQ rows of the experts it codes)
         n_experts = self.plan.n_experts
@@ -110,6 +113,7 @@ class QuantizeStage(LayerStage):
         reduce_kv(self._kv, self.group)
 
     def code(self, run: LayerRun, idx: int, layer: torch.nn.Module) -> LayerShardWrite:
+        assert self._stats is not None and self._kv is not None  # set by before_forward
         write = LayerShardWrite(self, run, self.layer_plans[idx], layer, self._stats, self._kv, self._backend)
         self._stats, self._kv, self._backend = None, None, None
         return write
@@ -122,28 +126,29 @@ class QuantizeStage(LayerStage):
         run: LayerRun,
         layer_plan: LayerPlan,
         stats: ExpertStats,
-        kv: KvStat,
+        kv_stat: KvStat,
         current: str,
         awq: list[dict],
         sha256: Any,
     ) -> None:
         """Rank 0, once the layer's shard is whole on disk: named, hashed and journaled."""
         partial = run.partial
+        assert partial is not None  # quantize's run writes into OUT.partial
         if self.group.world > 1:
             os.replace(tmp_path(partial / layer_plan.shard), partial / layer_plan.shard)
         if self.shards is not None:
             # hashed as it was written; or (several ranks) now, while the next layer runs
             self.shards.finished(layer_plan.shard, sha256)
-        self.layer_reports.append(layer_entry(layer_plan, stats, kv, awq))
+        self.layer_reports.append(layer_entry(layer_plan, stats, kv_stat, awq))
         run.layer_done(layer_plan.index, current)
 
 
-def layer_entry(layer_plan: LayerPlan, stats: ExpertStats, kv: KvStat, awq: list[dict]) -> dict:
+def layer_entry(layer_plan: LayerPlan, stats: ExpertStats, kv_stat: KvStat, awq: list[dict]) -> dict:
     """A layer's entry in the report, the journal and the manifest."""
     entry = {"layer": layer_plan.index, "routed_experts": layer_plan.scheme.value, **stats.to_json()}
     entry.update(local_hessian.report(stats))
     if layer_plan.full_attention:
-        entry["kv"] = {"k_amax": kv.k_amax, "v_amax": kv.v_amax, "tokens": kv.tokens}
+        entry["kv"] = {"k_amax": kv_stat.k_amax, "v_amax": kv_stat.v_amax, "tokens": kv_stat.tokens}
     if awq:
         awq = sorted(awq, key=lambda r: r["expert"])  # the ranks' experts, summed in one process's order
         entry["awq"] = {
@@ -168,21 +173,23 @@ class LayerShardWrite:
         layer_plan: LayerPlan,
         layer: torch.nn.Module,
         stats: ExpertStats,
-        kv: KvStat,
-        backend: Any,
+        kv_stat: KvStat,
+        backend: backends.LayerBackend | None,
     ) -> None:
         self.stage = stage
         self.run = run
         self.layer_plan = layer_plan
         self.layer: torch.nn.Module | None = layer
         self.stats = stats
-        self.kv = kv
+        self.kv = kv_stat
         self.backend = backend
         self.behind = backend is None
+        assert isinstance(run.store, DiskStore)  # (execute's; a resume needs the files)
         self.current = run.store.current  # the hidden-state file that holds this layer's output
 
     @property
     def path(self) -> Path:
+        assert self.run.partial is not None  # quantize's run writes into OUT.partial
         return self.run.partial / self.layer_plan.shard
 
     def prepare(self) -> None:

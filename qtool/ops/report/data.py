@@ -135,7 +135,8 @@ def expert_coverage(root: Path) -> list[dict] | None:
     min / median / max, the experts that saw none, and the experts below the recipe's token floor that
     were coded by the fallback rule (qtool.ops.quantize.coverage; a manifest from before the floor existed:
     the experts that saw none, coded with the layer's largest input amax). Read from the manifest: quantize's
-    own `layers`, or a build's quantize step's report. None where the artifact was not quantized by qtool (or its manifest is unreadable: provenance says so)."""
+    own `layers`, or a build's quantize step's report. None where the artifact was not quantized by qtool (or
+    its manifest is unreadable: provenance says so)."""
     try:
         manifest = json.loads((Path(root) / MANIFEST_NAME).read_text(encoding="utf-8"))
     except (OSError, ValueError):
