@@ -55,7 +55,7 @@ WRITERS = {
     ),
 }
 # options whose help says "write" but that name no path to write
-NOT_OUTPUTS = {("download", "--tensors")}
+NOT_OUTPUTS = {("download", "--tensors"), ("plan hybrid", "--formats")}
 SUFFIX = {"report": ".html", "eval kld": ".jsonl", "plan hybrid": ".yaml"}
 
 

@@ -77,6 +77,7 @@ def test_the_chunk_coder_gives_each_experts_own_bytes_and_alpha(fmt, batch, inte
     sdt = torch.float16 if fmt is OutFormat.AWQ else torch.bfloat16
     stats = ExpertStats(10 + len(rows), keep_rows=128)  # the chunk: experts 10-15 of the layer
     stats.mid_rows[10:] = [[r] if r.numel() else [] for r in rows]
+    stats.tokens[10:] = torch.tensor([r.shape[0] for r in rows])  # (an expert below the token floor is RTN)
     report: list = []
     got = _int4_expert_chunk(gu, dn, inter, stats, 10, recipe, fmt, report, group)
     assert [r["expert"] for r in report] == [10 + k for k in range(len(rows))]
