@@ -323,9 +323,7 @@ class OutputJob:
     disk. check() -> {"passed": bool, ...}: run once every file is written, before the manifest: the
     output's checks (recorded in the manifest; a failure keeps the partial output and exits 3). extra():
     more of the manifest's run section. shards_section: the file assemble streams its tensor origins to.
-    progress: a bar over the bytes written. hash_from_reads: the input files produce() reads (a
-    layer-streamed job's shards): their sha256 is computed from those reads (qtool.io.stream_digest), the
-    bytes it did not need are read once it returns. early_shards: the Shard entries that need no Pending
+    progress: a bar over the bytes written. early_shards: the Shard entries that need no Pending
     value (quantize's embedding, lm_head, vision tower and MTP head, copied) are written while produce()
     runs, not after its last layer. A `fed` Shard's sources are bytes produce() reads itself (calibrate-kv's
     layers, in the shards it rewrites): it hands them over (ProducedShards.feed) and the shard is written
@@ -343,7 +341,6 @@ class OutputJob:
     extra: Callable[[], dict] | None = None
     shards_section: Path | None = None
     progress: bool = False
-    hash_from_reads: Iterable[str] = ()
     early_shards: bool = False
     stop: threading.Event | None = None
     hasher: InputHasher | None = None
@@ -353,16 +350,14 @@ def write_output(plan: OutputPlan, tx: OutputDir, job: OutputJob) -> Applied:
     """Run `plan` with `job` in the open transaction `tx` and commit it."""
     values = dict(job.values)
     stop = job.stop or threading.Event()
-    produce, hasher, hash_from_reads, shards_section = job.produce, job.hasher, job.hash_from_reads, job.shards_section
+    produce, hasher, shards_section = job.produce, job.hasher, job.shards_section
     partial = tx.partial
-    if hasher is not None and hash_from_reads:
-        raise ValueError("hash_from_reads is the hasher's: input_hasher(tx, hash_from_reads)")
     plan_hash = plan.plan_hash()
     resuming = tx.resume and (partial / JOURNAL_NAME).exists()
     journal = Journal(partial / JOURNAL_NAME, plan_hash, input_identity(plan.inputs), tx.resume)
     check_space(plan, tx, journal, tensor_origins=shards_section is not None)
     own_hasher = hasher is None
-    hasher = hasher or input_hasher(tx, hash_from_reads)
+    hasher = hasher or input_hasher(tx)
     with _inputs_kept(tx, hasher, own_hasher):
         applied = Applied(plan_hash)
         try:

@@ -12,10 +12,10 @@ the file, and no user tool can put it back; qtool's own hard links into the outp
 made here (`placing`) takes the ctime it leaves as the file's, when nothing else about it moved, and a
 ctime that moved with the link count (a link made or removed elsewhere) is not a change of the bytes.
 
-`InputFiles.active` is the registry of the running job (qtool.io.manifest.InputHasher makes it, as
-StreamDigests, and opens each input as it is submitted, before the job's first read); for a file it does
-not hold (no job, or not an input: the job's own output), `open_for_reads` opens the path, still only as a
-regular file.
+The job's `InputFiles` is handed to its readers as an object, with the digests they feed
+(qtool.io.stream_digest.DigestSink.inputs, made by qtool.io.manifest.InputHasher, which opens each input as it
+is submitted, before the job's first read); for a file it does not hold (not an input: the job's own output),
+or where no job runs (`inputs` None), `open_for_reads` opens the path, still only as a regular file.
 """
 
 from __future__ import annotations
@@ -55,8 +55,6 @@ class InputChanged(CheckpointError):
 
 class InputFiles:
     """The job's input files (real path -> OpenInput), each opened once."""
-
-    active: InputFiles | None = None
 
     def __init__(self) -> None:
         self.files: dict[str, OpenInput] = {}
@@ -183,20 +181,18 @@ def _reopen_direct(fd: int) -> int | None:
     return direct
 
 
-def open_for_reads(path: str) -> int:
-    """A read descriptor of `path` for a reader that closes it: the running job's input (a dup of the one
+def open_for_reads(path: str, inputs: InputFiles | None) -> int:
+    """A read descriptor of `path` for a reader that closes it: the job's input (`inputs`: a dup of the one
     descriptor it opened), else the path opened now; regular files only (qtool.io.files.open_for_reads)."""
-    reg = InputFiles.active
-    f = reg.known(path) if reg is not None else None
+    f = inputs.known(path) if inputs is not None else None
     return os.dup(f.fd) if f is not None else files.open_for_reads(path)
 
 
-def open_direct(path: str) -> int | None:
+def open_direct(path: str, inputs: InputFiles | None) -> int | None:
     """A descriptor that reads `path` around the page cache, for a reader that closes it, or None where
-    there are no direct reads: the running job's file, else the path opened now (a regular file only)."""
-    reg = InputFiles.active
-    if reg is not None and reg.known(path) is not None:
-        fd = reg.direct_fd(path)
+    there are no direct reads: the job's file (`inputs`), else the path opened now (a regular file only)."""
+    if inputs is not None and inputs.known(path) is not None:
+        fd = inputs.direct_fd(path)
         return None if fd is None else os.dup(fd)
     if not O_DIRECT:
         return None

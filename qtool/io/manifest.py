@@ -114,10 +114,14 @@ class InputHasher:
         # from_reads: the input files the job reads (a layer stream's shards), hashed from those reads
         # (qtool.io.stream_digest), not read a second time; `finish_streams` hashes what the job did not read
         self.from_reads = {os.path.realpath(f) for f in from_reads}
+        # every input opened once, read through that descriptor and checked at the end (qtool.io.input_files);
+        # the job's readers get it with the streams (`read_digests`)
+        self.files = InputFiles()
         self.streams = (
             StreamDigests(
                 on_snapshot=self._note_prefixes if record is not None else None,
                 settled=self._settled if record is not None else None,
+                inputs=self.files,
             )
             if self.from_reads or record is not None
             else None
@@ -126,15 +130,12 @@ class InputHasher:
         self._inputs: list[Future] = []  # the pool's input digests (recorded before their future is done)
         self._streamed: dict[str, tuple[str, os.stat_result]] = {}  # path -> (real path, stat when submitted)
         self.changed: set[str] = set()  # inputs whose recorded prefix digest differs from this run's
-        # every input opened once, read through that descriptor and checked at the end (qtool.io.input_files)
-        self.files = InputFiles()
-        if self.streams is not None:
-            InputFiles.active = self.files
 
     @property
     def read_digests(self) -> DigestSink:
         """What the job's readers hand their reads to (a LayerStreamer's `digests`): the inputs hashed from
-        those reads are hashed there, not read a second time."""
+        those reads are hashed there, not read a second time; it carries the job's input files (`files`), which
+        the readers read through."""
         return NO_DIGESTS if self.streams is None else self.streams
 
     def refuse_unproven(self, inputs: Iterable[str], partial: Path) -> None:
@@ -318,8 +319,6 @@ class InputHasher:
         that matters); the pool's running ones stop within a chunk (the pool's threads are joined at exit:
         a failed or interrupted 397B job does not wait there for whole input shards to be hashed).
         keep_files: the input files stay open for the commit's check (its caller closes `files`)."""
-        if InputFiles.active is self.files:
-            InputFiles.active = None
         self._stop.set()
         # the running hashes stop within a chunk; their descriptors are closed only then (a descriptor closed
         # under a read could be reused by the next open, and the hash would read another file)

@@ -23,7 +23,8 @@ never finished a full digest.
 
 The readers are handed the job's digests as an object (`DigestSink`): `StreamDigests`, made by the input
 hasher that opens the inputs (qtool.io.manifest.InputHasher.read_digests), or `NO_DIGESTS` where nothing is
-hashed from reads; a file the job did not register is not offered.
+hashed from reads; a file the job did not register is not offered. The sink carries the job's input files
+too (`inputs`: qtool.io.input_files), so that the readers read through the descriptors the job opened.
 """
 
 from __future__ import annotations
@@ -35,15 +36,16 @@ import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from qtool.io.input_files import open_for_reads
+from qtool.io.input_files import InputFiles, open_for_reads
 
 CHUNK = 8 << 20  # the digest's own reads
 QUEUE_BYTES = 1 << 30  # offered bytes waiting to be hashed, per file, before pieces are dropped
 
 
 class FileDigest:
-    def __init__(self, path: str, check: tuple[int, str] | None = None) -> None:
+    def __init__(self, path: str, check: tuple[int, str] | None = None, inputs: InputFiles | None = None) -> None:
         self.path = path
+        self.inputs = inputs  # the job's input files: the digest reads the one descriptor opened
         self.h = hashlib.sha256()
         self.cursor = 0  # the bytes hashed (changed with `h` under `hlock`)
         self.hlock = threading.Lock()
@@ -173,7 +175,7 @@ class FileDigest:
         if self._fd is None:
             # the job's file, opened once (not whatever the path names by now); no read-ahead: it would
             # fetch the readers' bytes
-            self._fd = open_for_reads(self.path)
+            self._fd = open_for_reads(self.path, self.inputs)
         return self._fd
 
     def _update(self, view: memoryview) -> None:
@@ -230,7 +232,11 @@ class FileDigest:
 
 
 class DigestSink(Protocol):
-    """What a reader of the job's inputs hands its reads to, so that each input's sha256 comes from them."""
+    """What a reader of the job's inputs hands its reads to, so that each input's sha256 comes from them;
+    `inputs`: the job's input files, each opened once (qtool.io.input_files), which the reader reads through;
+    None where no job opened them (the reader opens the path)."""
+
+    inputs: InputFiles | None
 
     def claim(self, path: str, start: int, end: int) -> None:
         """The bytes [start, end) of `path` are about to be read (the digest waits for them)."""
@@ -254,6 +260,8 @@ class DigestSink(Protocol):
 
 class NoDigests:
     """The sink of a job that hashes nothing from its reads."""
+
+    inputs: InputFiles | None = None
 
     def claim(self, path: str, start: int, end: int) -> None:
         pass
@@ -281,7 +289,9 @@ class StreamDigests:
         self,
         on_snapshot: Callable[[dict[str, tuple[int, str]]], None] | None = None,
         settled: Callable[[bool], bool] | None = None,
+        inputs: InputFiles | None = None,
     ) -> None:
+        self.inputs = inputs  # the job's input files (DigestSink)
         self.files: dict[str, FileDigest] = {}
         self._real: dict[str, str] = {}
         self.lock = threading.Lock()
@@ -296,7 +306,7 @@ class StreamDigests:
         with self.lock:
             d = self.files.get(real)
             if d is None:
-                d = self.files[real] = FileDigest(real, check)
+                d = self.files[real] = FileDigest(real, check, self.inputs)
             return d
 
     def get(self, path: str) -> FileDigest | None:

@@ -102,7 +102,7 @@ class TensorSource:
 
         fd = self._fds.get(info.file)
         if fd is None:
-            fd = self._fds[info.file] = open_for_reads(info.file)
+            fd = self._fds[info.file] = open_for_reads(info.file, self.digests.inputs)
         buf = bytearray(info.nbytes)
         layer_read.pread_exact(fd, memoryview(buf), info.start, info.file, tensor=info.name, digests=self.digests)
         dtype = getattr(torch, TORCH_DTYPE_NAMES[info.dtype])
@@ -208,7 +208,7 @@ def embedding_rows(
     buf = bytearray(n * row_bytes)
     view = memoryview(buf)
     lookup = torch.full((rows,), -1, dtype=torch.int64)
-    fd = open_for_reads(info.file)
+    fd = open_for_reads(info.file, digests.inputs)
     try:
         at = 0
         for a, b in runs:

@@ -251,8 +251,8 @@ class LayerBytes:
 
 
 class ShardFiles:
-    """One reader thread's descriptors (of the files the job opened once: qtool.io.input_files) and its
-    choice of read for each piece:
+    """One reader thread's descriptors (of the files the job opened once, handed over with its digests:
+    `digests.inputs`, qtool.io.input_files) and its choice of read for each piece:
     - bytes the page cache holds already (a re-run on an input that fits memory; the output the previous
       job just wrote): copied from there, one call (nothing is read from the disk, so nothing twice);
     - else around the page cache (`O_DIRECT`), one call, where the filesystem allows it;
@@ -276,7 +276,7 @@ class ShardFiles:
             # direct read returned short of (a filesystem's short count, or the file's end: read as 0 here)
             got += _read_upto(buffered_fd, own[got:], piece.lo + got, READ_PIECE)
         if got < len(own):
-            raise _truncated(piece.path, None)
+            raise _truncated(piece.path, None, self.digests.inputs)
         return own
 
     def _read_direct(self, p: Piece, view: memoryview) -> int:
@@ -300,12 +300,12 @@ class ShardFiles:
     def _buffered(self, path: str) -> int:
         fd = self.buffered.get(path)
         if fd is None:
-            fd = self.buffered[path] = open_for_reads(path)
+            fd = self.buffered[path] = open_for_reads(path, self.digests.inputs)
         return fd
 
     def _direct(self, path: str) -> int | None:
         if path not in self.direct:
-            self.direct[path] = open_direct(path)  # None: this filesystem has no direct reads
+            self.direct[path] = open_direct(path, self.digests.inputs)  # None: this filesystem has no direct reads
         return self.direct[path]
 
     def close(self) -> None:
@@ -326,9 +326,9 @@ def _read_upto(fd: int, view: memoryview, offset: int, call: int, direct: bool =
     return got
 
 
-def _truncated(path: str, tensor: str | None) -> PlanError:
-    if InputFiles.active is not None:
-        InputFiles.active.check_one(path)  # (shortened while the job ran: that is the error to name)
+def _truncated(path: str, tensor: str | None, inputs: InputFiles | None) -> PlanError:
+    if inputs is not None:
+        inputs.check_one(path)  # (shortened while the job ran: that is the error to name)
     return PlanError(
         "shard ended before the layer's tensor bytes" if tensor is None else "shard ended before the tensor's bytes",
         path=path,
@@ -353,7 +353,7 @@ def pread_exact(
     try:
         # at most READ_PIECE a call (above: a page of a long call can be dropped before it is copied)
         if _read_upto(fd, view, offset, READ_PIECE) < len(view):
-            raise _truncated(path, tensor)
+            raise _truncated(path, tensor, digests.inputs)
     except BaseException:
         digests.release(path, offset)
         raise

@@ -161,7 +161,7 @@ class StreamPlan:
 
 def streamed_files(ckpt: Checkpoint, model_map: ModelMap | None = None) -> set[str]:
     """The shard files a layer-streamed job reads (its decoder layers' and the embedding's): what it hashes
-    from its own reads (qtool.io.apply.write_output's hash_from_reads). `model_map`: the plan's map of `ckpt`.
+    from its own reads (qtool.io.apply.input_hasher's hash_from_reads). `model_map`: the plan's map of `ckpt`.
     The layers' modules are those `layer_tensors` reads, found in one pass (per layer, over the 397B's ~95k
     modules and with a TensorInfo per tensor, it took seconds)."""
     if model_map is None or model_map.ckpt is not ckpt:

@@ -291,6 +291,32 @@ def test_each_piece_read_goes_to_the_digests_the_reader_is_given_and_nowhere_els
     assert not other.offered
 
 
+def test_a_reader_reads_the_input_files_it_is_handed_with_its_digests(tmp_path):
+    """The job's input files travel with its digests (DigestSink.inputs), not through a process-wide
+    registry: a reader handed them reads the file the job opened, even once another file is renamed over
+    its path; a reader handed none (no job) opens the path, and two jobs' input files in one process stay
+    their own."""
+    from qtool.io.input_files import InputFiles
+    from qtool.io.stream_digest import StreamDigests
+
+    f, data = _raw_file(tmp_path, 3 * ALIGN + 77)
+    info = TensorInfo("t", str(f), "U8", [len(data) - 10], 5, len(data) - 5)
+    mine, other = InputFiles(), InputFiles()
+    try:
+        mine.open(f)
+        new = tmp_path / "new.safetensors"
+        new.write_bytes(bytes(len(data)))
+        os.replace(new, f)  # another file at the job's input's path
+        with StreamDigests(inputs=mine) as job:
+            assert LayerBytes([info], digests=job).read().raw(info).numpy().tobytes() == data[5:-5]
+        with StreamDigests(inputs=other) as job:
+            assert LayerBytes([info], digests=job).read().raw(info).numpy().tobytes() == bytes(len(data) - 10)
+        assert LayerBytes([info]).read().raw(info).numpy().tobytes() == bytes(len(data) - 10)
+        assert not other.files
+    finally:
+        mine.close()
+
+
 @pytest.mark.xdist_group("measure")  # measures reads or memory: not beside another such test
 def test_a_short_direct_read_is_finished_not_called_truncated(tmp_path, monkeypatch):
     """A filesystem may return short counts from a direct read (FUSE, network filesystems) that are not a
