@@ -164,6 +164,16 @@ def _block_scales(w, global_amax, weight_scale_2, method: WeightScale):
     return None
 
 
+def nvfp4_scales(w, w_amax, method: WeightScale) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(block scales or None for round to nearest from the max, weight_scale_2) of weights `w` [E, out, in]
+    with per-matrix amaxes `w_amax` [E], as the recipe's `nvfp4.weight_scale` chooses them (also the grid
+    GPTQ codes on: qtool.ops.quantize.gptq_layer)."""
+    if method is WeightScale.FOUR_OVER_SIX:  # its own global scale (amax / (6 * 256))
+        return four_over_six_block_scales(w, w_amax)
+    ws2 = nvfp4.weight_scale_2_from_amax(w_amax)
+    return _block_scales(w, w_amax, ws2, method), ws2
+
+
 def nvfp4_rtn(gu, down, inter, in_amax, mid_amax, recipe) -> dict[str, NVFP4Experts]:
     """qtool's own NVFP4 of a chunk of experts (ModelOpt numerics; MSE-searched block scales when the
     recipe asks). Every expert is coded on its own: the chunking does not change a byte."""
@@ -173,11 +183,7 @@ def nvfp4_rtn(gu, down, inter, in_amax, mid_amax, recipe) -> dict[str, NVFP4Expe
     amaxes = {"down_proj": mid_amax, "gate_proj": in_amax, "up_proj": in_amax}
     for part, w, w_amax in _nvfp4_parts(gu, down, inter):
         amax = amaxes[part]
-        if recipe.nvfp4.weight_scale is WeightScale.FOUR_OVER_SIX:  # its own global scale (amax / (6 * 256))
-            bs, ws2 = four_over_six_block_scales(w, w_amax)
-        else:
-            ws2 = nvfp4.weight_scale_2_from_amax(w_amax)
-            bs = _block_scales(w, w_amax, ws2, recipe.nvfp4.weight_scale)
+        bs, ws2 = nvfp4_scales(w, w_amax, recipe.nvfp4.weight_scale)
         q = quantize_fast(w, weight_scale_2=ws2, block_scale=bs)
         res[part] = NVFP4Experts(
             q.packed,
@@ -188,9 +194,10 @@ def nvfp4_rtn(gu, down, inter, in_amax, mid_amax, recipe) -> dict[str, NVFP4Expe
     return res
 
 
-def _int4_expert_chunk(gu, down, inter, stats, e0, recipe, fmt, report, g: int) -> dict[str, list]:
+def _int4_expert_chunk(gu, down, inter, stats, e0, recipe, fmt, report, g: int, gptq=None) -> dict[str, list]:
     """INT4 W4A16 of a chunk of experts with qtool.formats.awq (RTN, one group per row when in < group),
-    after the AWQ down_proj scale search when the recipe asks for it. The chunk is coded as one batch
+    after the AWQ down_proj scale search when the recipe asks for it; by GPTQ on RTN's grid where `gptq`
+    (a gptq_layer.GptqLayer) is given. The chunk is coded as one batch
     (elementwise ops and group max/min: each expert's bytes are those of coding it alone), so the GPU
     sees a few large ops, not a Python loop of small ones, and the host waits once, for the report."""
 
@@ -217,7 +224,12 @@ def _int4_expert_chunk(gu, down, inter, stats, e0, recipe, fmt, report, g: int) 
         per = max(1, awq_search.CANDIDATE_BYTES // (w[0].numel() * 4))  # the transients of a batch: as the search's
         shape = torch.tensor(w.shape[1:], dtype=torch.int64)
         for k0 in range(0, w.shape[0], per):
-            q = rtn(folded(part, w, k0, k0 + per), g, sdt)
+            wk = folded(part, w, k0, k0 + per)
+            if gptq is None:
+                q = rtn(wk, g, sdt)
+            else:  # GPTQ codes on RTN's grid (the AWQ scales of down_proj's inputs go into its Hessian)
+                s_in = s[k0 : k0 + per] if s is not None and part == "down_proj" else None
+                q = gptq.int4(part, wk, range(e0 + k0, e0 + k0 + wk.shape[0]), s_in, g, sdt)
             if fmt is OutFormat.COMPRESSED_TENSORS:
                 t = awq.to_compressed_tensors(q, sdt)
                 res[part] += [[t["weight_packed"][k], t["weight_scale"][k], shape] for k in range(q.codes.shape[0])]
@@ -452,7 +464,7 @@ def _write_specs(
             chunk = {part: q.expert_tensors(plan.format) for part, q in parts.items()}
         else:
             chunk = _int4_expert_chunk(
-                gu, dn, inter, stats, e0, plan.recipe, plan.format, report["awq"], plan.int4_group
+                gu, dn, inter, stats, e0, plan.recipe, plan.format, report["awq"], plan.int4_group, backend
             )  # one group for every projection (engine rule)
         data = chunk_bytes([chunk[part][e - e0][names.index(param)] for _, (e, part, param) in members])
         if data.host.numel() != pos - at:

@@ -31,6 +31,7 @@ from qtool.ops.quantize.calib import (
     reduce_expert_stats,
     remove_expert_stats,
 )
+from qtool.ops.quantize.gptq_layer import GptqLayer
 from qtool.ops.quantize.layer import Share, copied_whole, create_layer_tmp, release_dense_experts
 from qtool.ops.quantize.plan import LayerPlan, QuantizePlan
 from qtool.ops.quantize.schemes import install_linear_amax, remove_linear_amax
@@ -84,6 +85,9 @@ class QuantizeStage(LayerStage):
                 backend.calibrate(layer, run.streamer, run.store, run.seq_len, run.batch)
                 stats.hooks += backend.hooks
                 stats.batch_hooks += backend.batch_hooks
+        if layer_plan.scheme is not Scheme.BF16 and self.plan.recipe.gptq.enabled:
+            backend = GptqLayer(self.plan.recipe, stats, self.plan.inter)  # coded on this thread (hessians.py)
+            stats.hooks += backend.hooks
         install_expert_stats(layer.mlp.experts, stats)
         install_linear_amax(layer, list(layer_plan.fp8))  # the fp8 linears' static input scales
         if layer_plan.full_attention:
@@ -120,6 +124,7 @@ class QuantizeStage(LayerStage):
         current: str,
         awq: list[dict],
         sha256: Any,
+        gptq: dict | None = None,
     ) -> None:
         """Rank 0, once the layer's shard is whole on disk: named, hashed and journaled."""
         partial = run.partial
@@ -128,13 +133,17 @@ class QuantizeStage(LayerStage):
         if self.shards is not None:
             # hashed as it was written; or (several ranks) now, while the next layer runs
             self.shards.finished(layer_plan.shard, sha256)
-        self.layer_reports.append(layer_entry(layer_plan, stats, kv, awq))
+        self.layer_reports.append(layer_entry(layer_plan, stats, kv, awq, gptq))
         run.layer_done(layer_plan.index, current)
 
 
-def layer_entry(layer_plan: LayerPlan, stats: ExpertStats, kv: KvStat, awq: list[dict]) -> dict:
+def layer_entry(
+    layer_plan: LayerPlan, stats: ExpertStats, kv: KvStat, awq: list[dict], gptq: dict | None = None
+) -> dict:
     """A layer's entry in the report, the journal and the manifest."""
     entry = {"layer": layer_plan.index, "routed_experts": layer_plan.scheme.value, **stats.to_json()}
+    if gptq is not None:
+        entry["gptq"] = gptq
     if layer_plan.full_attention:
         entry["kv"] = {"k_amax": kv.k_amax, "v_amax": kv.v_amax, "tokens": kv.tokens}
     if awq:
@@ -191,7 +200,7 @@ class LayerShardWrite:
     def write(self, keep_pace: bool) -> dict:
         """This rank's share of the shard (`keep_pace`: the run's last layer: layer.write_layer_shard)."""
         try:
-            return layer_module.write_layer_shard(
+            report = layer_module.write_layer_shard(
                 self.path,
                 self.layer_plan,
                 self.layer,
@@ -203,10 +212,14 @@ class LayerShardWrite:
                 self.stage.share,
                 keep_pace,
             )
+            if isinstance(self.backend, GptqLayer):
+                report["gptq"] = self.backend.summary()
+            return report
         finally:
             self.layer = self.backend = None  # the dense layer is freed as soon as it is written
 
     def commit(self, shares: list[dict]) -> None:
         awq = [r for share in shares for r in share["awq"]]
         sha256 = shares[0].get("sha256") if len(shares) == 1 else None
-        self.stage.commit(self.run, self.layer_plan, self.stats, self.kv, self.current, awq, sha256)
+        gptq = shares[0].get("gptq")  # GPTQ runs in one process (plan.py)
+        self.stage.commit(self.run, self.layer_plan, self.stats, self.kv, self.current, awq, sha256, gptq)
