@@ -132,7 +132,7 @@ def test_an_expert_without_tokens_is_coded_by_rtn_and_named():
     hidden, inter = 32, 16
     gu, dn = torch.randn(2, 2 * inter, hidden).bfloat16(), torch.randn(2, hidden, inter).bfloat16()
     stats = ExpertStats(2)
-    coder = GptqLayer(recipe, stats, inter)
+    coder = GptqLayer(recipe, stats, inter, experts=None)
     stats.hooks += coder.hooks
     x = torch.randn(64, hidden) @ torch.randn(hidden, hidden)
     stats.record(0, x.bfloat16(), torch.randn(64, inter).bfloat16())
@@ -144,3 +144,38 @@ def test_an_expert_without_tokens_is_coded_by_rtn_and_named():
         assert torch.equal(got[part].block_scale[1].view(torch.uint8), rtn[part].block_scale[1].view(torch.uint8))
     assert not torch.equal(got["gate_proj"].packed[0], rtn["gate_proj"].packed[0])
     assert coder.summary()["rtn_experts"] == [1]
+
+
+def test_a_solve_group_larger_than_the_writers_chunk_gives_the_same_bytes(monkeypatch):
+    """The coder solves SOLVE_EXPERTS experts at once and hands the writer its chunks' slices: the same bytes as
+    solving each chunk alone."""
+    from types import SimpleNamespace
+
+    from qtool.ops.quantize import gptq_layer
+    from qtool.ops.quantize.calib import ExpertStats
+
+    recipe = parse_recipe(
+        {"schema_version": 1, "name": "x", "groups": {"routed_experts": "nvfp4"}, "gptq": {"enabled": True}}
+    )
+    hidden, inter, n = 32, 16, 4
+    experts = SimpleNamespace(
+        gate_up_proj=torch.randn(n, 2 * inter, hidden).bfloat16(), down_proj=torch.randn(n, hidden, inter).bfloat16()
+    )
+
+    def coder(solve: int):
+        monkeypatch.setattr(gptq_layer, "SOLVE_EXPERTS", solve)
+        torch.manual_seed(0)
+        stats = ExpertStats(n)
+        layer = gptq_layer.GptqLayer(recipe, stats, inter, experts)
+        stats.hooks += layer.hooks
+        for e in range(n):
+            stats.record(e, torch.randn(32, hidden).bfloat16(), torch.randn(32, inter).bfloat16())
+        return layer
+
+    amax = torch.ones(2)
+    by_group, alone = coder(4), coder(2)
+    for e0 in (0, 2):
+        args = (experts.gate_up_proj[e0 : e0 + 2], experts.down_proj[e0 : e0 + 2], amax, amax)
+        a, b = by_group.nvfp4_chunk(e0, e0 + 2, *args), alone.nvfp4_chunk(e0, e0 + 2, *args)
+        for part in a:
+            assert torch.equal(a[part].packed, b[part].packed), (e0, part)

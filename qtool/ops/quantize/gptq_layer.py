@@ -30,13 +30,20 @@ from qtool.ops.quantize.hessians import ExpertHessians
 from qtool.ops.quantize.layer import NVFP4Experts, nvfp4_scales
 from qtool.recipes import GptqOptions, Recipe
 
+# experts solved at once (NVFP4): at the 397B's size their stacked Hessians, factors and float32 weights are
+# ~8 GB of transients on the device, beside the layer's Hessians (hessians.py)
+SOLVE_EXPERTS = 32
+
 
 class GptqLayer:
     """A layer's GPTQ coder, made before its forward (`hooks` go on the layer's ExpertStats) and used by
     layer.write_layer_shard for its chunks of experts (`nvfp4_chunk`, `int4`), on the loop's thread."""
 
-    def __init__(self, recipe: Recipe, stats: ExpertStats, inter: int) -> None:
+    def __init__(self, recipe: Recipe, stats: ExpertStats, inter: int, experts: torch.nn.Module) -> None:
         self.recipe = recipe
+        self.experts = experts  # the layer's Qwen3_5MoeExperts: a solve group's weights (nvfp4_chunk)
+        self.n_experts = stats.n_experts
+        self._solved: tuple[tuple[int, int], dict] | None = None
         self.options: GptqOptions = recipe.gptq
         self.stats = stats
         self.inter = inter
@@ -71,23 +78,25 @@ class GptqLayer:
     # ------------------------------------------------------------------ NVFP4
 
     def nvfp4_chunk(self, e0, e1, gu, dn, in_amax, mid_amax) -> dict[str, NVFP4Experts]:
-        """Experts e0..e1-1 coded NVFP4 by GPTQ: {part: NVFP4Experts}, as layer.nvfp4_rtn returns them."""
-        experts = range(e0, e1)
-        inter = self.inter
-        method = self.recipe.nvfp4.weight_scale
-        amax_gu = torch.maximum(nvfp4.matrix_amax(gu[:, :inter]), nvfp4.matrix_amax(gu[:, inter:]))
+        """Experts e0..e1-1 coded NVFP4 by GPTQ: {part: NVFP4Experts}, as layer.nvfp4_rtn returns them.
+        Solved SOLVE_EXPERTS at a time (the writer's chunks are smaller): the solver's column loop costs
+        the same kernels for 16 experts as for 32, so fewer, larger groups take less time on a GPU."""
+        g0 = e0 - e0 % SOLVE_EXPERTS
+        g1 = min(g0 + SOLVE_EXPERTS, self.n_experts)
+        if e1 > g1:  # a chunk across two groups (not the writer's chunking): solved alone
+            g0, g1 = e0, e1
+        if self._solved is None or self._solved[0] != (g0, g1):
+            self._solved = None  # the previous group's codes go before the next group's are made
+            if (g0, g1) == (e0, e1):
+                self._solved = ((g0, g1), self._nvfp4_group(range(g0, g1), gu, dn))
+            else:
+                gu_all, dn_all = self.experts.gate_up_proj.data, self.experts.down_proj.data
+                self._solved = ((g0, g1), self._nvfp4_group(range(g0, g1), gu_all[g0:g1], dn_all[g0:g1]))
+        (g0, _), solved = self._solved
+        inter, k = self.inter, slice(e0 - g0, e1 - g0)
         res: dict[str, NVFP4Experts] = {}
-        for name, w, w_amax, in_amax_part in (
-            ("gate_up", gu, amax_gu, in_amax),
-            ("down", dn, nvfp4.matrix_amax(dn), mid_amax),
-        ):
-            bs, ws2 = nvfp4_scales(w, w_amax, method)
-            ws2 = ws2.reshape(-1).float()
-            if bs is None:
-                bs = nvfp4.block_scales(w, ws2)
-            fac = self._factor(experts, name, w.shape[-1], w.device)
-            codes = gptq.solve(w, fac, gptq.nvfp4_grid(bs, ws2), block_size=self.options.block_size)
-            packed = nvfp4.pack(codes)
+        for name, in_amax_part in (("gate_up", in_amax), ("down", mid_amax)):
+            packed, bs, ws2 = (t[k] for t in solved[name])
             input_scale = nvfp4.input_scale_from_amax(in_amax_part.float()).reshape(-1)
             if name == "down":
                 res["down_proj"] = NVFP4Experts(packed, bs, ws2, input_scale)
@@ -95,6 +104,23 @@ class GptqLayer:
             for part, rows in (("gate_proj", slice(0, inter)), ("up_proj", slice(inter, None))):
                 res[part] = NVFP4Experts(packed[:, rows].contiguous(), bs[:, rows].contiguous(), ws2, input_scale)
         return dict(sorted(res.items()))
+
+    def _nvfp4_group(self, experts: range, gu: torch.Tensor, dn: torch.Tensor) -> dict[str, tuple]:
+        """{"gate_up" | "down": (packed, block scales, weight_scale_2)} of `experts` (weights gu, dn)."""
+        inter = self.inter
+        method = self.recipe.nvfp4.weight_scale
+        amax_gu = torch.maximum(nvfp4.matrix_amax(gu[:, :inter]), nvfp4.matrix_amax(gu[:, inter:]))
+        out = {}
+        for name, w, w_amax in (("gate_up", gu, amax_gu), ("down", dn, nvfp4.matrix_amax(dn))):
+            bs, ws2 = nvfp4_scales(w, w_amax, method)
+            ws2 = ws2.reshape(-1).float()
+            if bs is None:
+                bs = nvfp4.block_scales(w, ws2)
+            fac = self._factor(experts, name, w.shape[-1], w.device)
+            codes = gptq.solve(w, fac, gptq.nvfp4_grid(bs, ws2), block_size=self.options.block_size)
+            del fac
+            out[name] = (nvfp4.pack(codes), bs, ws2)
+        return out
 
     # ------------------------------------------------------------------ INT4
 
@@ -123,4 +149,5 @@ class GptqLayer:
 
     def summary(self) -> dict:
         """The layer's GPTQ entry in the report: the options and the experts coded by RTN instead."""
+        self._solved = None
         return {**self.options.to_json(), "rtn_experts": sorted(self.rtn_experts)}

@@ -222,6 +222,7 @@ def _int4_expert_chunk(gu, down, inter, stats, e0, recipe, fmt, report, g: int, 
     res: dict[str, list] = {"down_proj": [], "gate_proj": [], "up_proj": []}
     for part, w in (("down_proj", dn), ("gate_proj", gate), ("up_proj", up)):
         per = max(1, awq_search.CANDIDATE_BYTES // (w[0].numel() * 4))  # the transients of a batch: as the search's
+        per = w.shape[0] if gptq is not None else per  # GPTQ: the chunk at once (its column loop's kernels)
         shape = torch.tensor(w.shape[1:], dtype=torch.int64)
         for k0 in range(0, w.shape[0], per):
             wk = folded(part, w, k0, k0 + per)
