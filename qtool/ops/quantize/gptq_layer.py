@@ -60,7 +60,9 @@ class GptqLayer:
         too_few = getattr(self.stats, "too_few", None)  # the coverage policy's floor, where it is set
         return [int(self.stats.tokens[e]) > 0 and not (too_few is not None and too_few(e)) for e in experts]
 
-    def _factor(self, experts: range, part: str, size: int, device, s_in: torch.Tensor | None = None) -> gptq.Factor:
+    def _factor(
+        self, experts: range, part: str, size: int, device: torch.device, s_in: torch.Tensor | None = None
+    ) -> gptq.Factor:
         """The factored Hessians of `experts` for `part` ("gate_up" / "down"); an expert without usable
         tokens gets the identity (GPTQ on it is RTN, bit for bit: no error reaches another column)."""
         h = self.hessians.take(experts, part, size, device)
@@ -77,7 +79,15 @@ class GptqLayer:
 
     # ------------------------------------------------------------------ NVFP4
 
-    def nvfp4_chunk(self, e0, e1, gu, dn, in_amax, mid_amax) -> dict[str, NVFP4Experts]:
+    def nvfp4_chunk(
+        self,
+        e0: int,
+        e1: int,
+        gu: torch.Tensor,
+        dn: torch.Tensor,
+        in_amax: torch.Tensor,
+        mid_amax: torch.Tensor,
+    ) -> dict[str, NVFP4Experts]:
         """Experts e0..e1-1 coded NVFP4 by GPTQ: {part: NVFP4Experts}, as layer.nvfp4_rtn returns them.
         Solved SOLVE_EXPERTS at a time (the writer's chunks are smaller): the solver's column loop costs
         the same kernels for 16 experts as for 32, so fewer, larger groups take less time on a GPU."""
