@@ -38,30 +38,53 @@ NVFP4, INT4 = "nvfp4", "int4"
 class ColumnGrid:
     """The fixed quantization grid of every column: `step` [E, R, G] the value of one code step of each
     group of `group` columns (NVFP4: float(e4m3 block scale) * weight_scale_2; INT4: the group scale),
-    `kind` NVFP4 (E2M1 codes, 16 columns a block) or INT4 (symmetric, codes 0..15 around 8)."""
+    `kind` NVFP4 (E2M1 codes, 16 columns a block) or INT4 (symmetric, codes 0..15 around 8).
+
+    A column is rounded to a bucket (`round`, a few kernels: the column loop's kernel launches are its cost
+    on a GPU) and a block of buckets becomes codes at once (`codes`)."""
 
     def __init__(self, kind: str, step: torch.Tensor, group: int) -> None:
         self.kind, self.step, self.group = kind, step, group
-        dev = step.device
-        # E2M1 rounding as one bucketize (the column loop's kernels are its cost on a GPU): a magnitude's
-        # code is the number of rounding bounds at or below it, a strict bound (nvfp4._ROUND_UP_STRICT)
-        # moved one float up so that "at or below" means "strictly below" there
-        strict = torch.tensor(nvfp4._ROUND_UP_STRICT, dtype=torch.float32)
-        bounds = torch.cat([torch.nextafter(strict, torch.tensor(float("inf"))), torch.tensor(nvfp4._ROUND_UP_AT_TIE)])
-        self.bounds = bounds.sort().values.to(dev)
-        self.values = torch.tensor(nvfp4.E2M1_VALUES, dtype=torch.float32, device=dev)
+        if kind == NVFP4:
+            self.bounds, self.bucket_codes = _e2m1_buckets(step.device)
+            self.bucket_values = nvfp4.decode_e2m1(self.bucket_codes)
 
-    def code(self, w: torch.Tensor, step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(codes uint8, their values) of columns `w` [E, R] with their steps [E, R]: the same division
-        and rounding as the RTN codecs (nvfp4.quantize, formats.awq.quantize), so a column that no error
-        reached is coded exactly as RTN codes it."""
+    def round(self, w: torch.Tensor, step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(buckets, their values) of columns `w` with their steps (same shape): the same division and
+        rounding as the RTN codecs (nvfp4.quantize, formats.awq.quantize), so a column that no error
+        reached is coded exactly as RTN codes it. NVFP4 buckets are int64 0..15 (`_e2m1_buckets`), INT4
+        ones the signed code -8..7 as float."""
         x = w / step
         if self.kind == NVFP4:
-            codes = torch.bucketize(x.abs(), self.bounds, right=True).to(torch.uint8)
-            codes |= (x < 0).to(torch.uint8) << 3  # the sign as nvfp4.encode_e2m1 sets it
-            return codes, self.values[codes.long()] * step
+            bucket = torch.bucketize(x, self.bounds, right=True)
+            return bucket, self.bucket_values[bucket] * step
         q = torch.round(x).clamp_(-8, 7)
-        return (q + 8).to(torch.uint8), q * step
+        return q, q * step
+
+    def codes(self, buckets: torch.Tensor) -> torch.Tensor:
+        """uint8 codes of a block of buckets (NVFP4: E2M1 codes, the sign in bit 3; INT4: 0..15 around 8)."""
+        if self.kind == NVFP4:
+            return self.bucket_codes[buckets]
+        return (buckets + 8).to(torch.uint8)
+
+
+def _e2m1_buckets(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bounds [15], codes uint8 [16]): torch.bucketize(x, bounds, right=True) of a scaled value x is the
+    index of its E2M1 code in `codes`, the code nvfp4.encode_e2m1(x) gives. encode_e2m1 rounds |x| up past
+    a strict bound b (nvfp4._ROUND_UP_STRICT) when |x| > b and past a tie bound when |x| >= b, and sets the
+    sign when x < 0; `right=True` moves x into the next bucket when x >= bound. So, ascending in x: a
+    positive strict bound sits one float above b, a positive tie bound at b; a negative strict bound at -b
+    (x >= -b: |x| <= b, the smaller magnitude), a negative tie bound one float above -b; and 0 splits the
+    signs (-0.0 >= 0: code 0, as encode_e2m1 gives it)."""
+    inf = torch.tensor(float("inf"))
+    strict = torch.tensor(nvfp4._ROUND_UP_STRICT, dtype=torch.float32)
+    tie = torch.tensor(nvfp4._ROUND_UP_AT_TIE, dtype=torch.float32)
+    positive = torch.cat([torch.nextafter(strict, inf), tie])
+    negative = torch.cat([-strict, torch.nextafter(-tie, inf)])
+    bounds = torch.cat([negative, torch.zeros(1), positive]).sort().values
+    # each bucket's code: that of a value inside it (its lower bound; below the first: the first minus 1)
+    inside = torch.cat([bounds[:1] - 1, bounds])
+    return bounds.to(device), nvfp4.encode_e2m1(inside).to(device)
 
 
 @dataclass
@@ -109,7 +132,10 @@ def inverse_factor(h: torch.Tensor, damp: float) -> tuple[torch.Tensor, torch.Te
 
 def solve(w: torch.Tensor, fac: Factor, grid: ColumnGrid, *, block_size: int = 128) -> torch.Tensor:
     """GPTQ codes (uint8 [E, R, C], columns in their stored order) of w [E, R, C] (any float dtype;
-    computed in float32) with the factored Hessians `fac` on the grid `grid` (its step [E, R, C / group])."""
+    computed in float32) with the factored Hessians `fac` on the grid `grid` (its step [E, R, C / group]).
+
+    Works on the transpose [E, C, R], where a column is contiguous: the column loop reads and writes whole
+    rows of memory, not one float in every C."""
     n_exp, rows, cols = w.shape
     dev = w.device
     w = w.float().masked_fill(fac.dead[:, None, :], 0.0)
@@ -117,26 +143,33 @@ def solve(w: torch.Tensor, fac: Factor, grid: ColumnGrid, *, block_size: int = 1
     if fac.perm is not None:
         w = w.gather(-1, fac.perm[:, None, :].expand(-1, rows, -1))
         group_of = group_of.gather(-1, fac.perm)
+    wt = w.transpose(1, 2).contiguous()  # [E, C, R]
+    del w
+    steps = grid.step.transpose(1, 2).gather(1, group_of[:, :, None].expand(-1, -1, rows))  # [E, C, R]
     u = fac.u
-    codes = torch.empty((n_exp, rows, cols), dtype=torch.uint8, device=dev)
-    steps = grid.step.gather(-1, group_of[:, None, :].expand(-1, rows, -1))  # [E, R, C]: each column's step
+    codes = torch.empty((n_exp, cols, rows), dtype=torch.uint8, device=dev)
     for b0 in range(0, cols, block_size):
         b1 = min(b0 + block_size, cols)
-        block = w[:, :, b0:b1].clone()
+        block = wt[:, b0:b1].clone()
         errors = torch.empty_like(block)
+        buckets = None
         u_block = u[:, b0:b1, b0:b1]
         for j in range(b1 - b0):
-            col_codes, q = grid.code(block[:, :, j], steps[:, :, b0 + j])
-            codes[:, :, b0 + j] = col_codes
-            err = (block[:, :, j] - q) / u_block[:, j, j, None]
-            errors[:, :, j] = err
+            bucket, q = grid.round(block[:, j], steps[:, b0 + j])
+            if buckets is None:
+                buckets = torch.empty((n_exp, b1 - b0, rows), dtype=bucket.dtype, device=dev)
+            buckets[:, j] = bucket
+            err = errors[:, j]
+            torch.div(block[:, j] - q, u_block[:, j, j, None], out=err)
             # the block's later columns absorb this column's error (row j of U)
-            block[:, :, j + 1 :].sub_(err[:, :, None] * u_block[:, None, j, j + 1 :])
+            block[:, j + 1 :].addcmul_(u_block[:, j, j + 1 :, None], err[:, None, :], value=-1.0)
+        codes[:, b0:b1] = grid.codes(buckets)
         if b1 < cols:
-            w[:, :, b1:].sub_(torch.bmm(errors, u[:, b0:b1, b1:]))
+            wt[:, b1:].sub_(torch.bmm(u[:, b0:b1, b1:].transpose(1, 2), errors))
+    codes = codes.transpose(1, 2)
     if fac.perm is not None:
-        codes = torch.empty_like(codes).scatter_(-1, fac.perm[:, None, :].expand(-1, rows, -1), codes)
-    return codes
+        return torch.empty_like(codes).scatter_(-1, fac.perm[:, None, :].expand(-1, rows, -1), codes)
+    return codes.contiguous()
 
 
 def nvfp4_grid(block_scale: torch.Tensor, weight_scale_2: torch.Tensor) -> ColumnGrid:
