@@ -86,9 +86,8 @@ class QuantizeStage(LayerStage):
                 stats.hooks += backend.hooks
                 stats.batch_hooks += backend.batch_hooks
         if layer_plan.scheme is not Scheme.BF16 and self.plan.recipe.gptq.enabled:
-            backend = GptqLayer(
-                self.plan.recipe, stats, self.plan.inter, layer.mlp.experts
-            )  # coded on this thread (hessians.py)
+            # coded on the loop's thread right after this forward: hessians.py bounds the memory so
+            backend = GptqLayer(self.plan.recipe, stats, self.plan.inter, layer.mlp.experts)
             stats.hooks += backend.hooks
         install_expert_stats(layer.mlp.experts, stats)
         install_linear_amax(layer, list(layer_plan.fp8))  # the fp8 linears' static input scales
