@@ -151,7 +151,7 @@ def test_a_solve_group_larger_than_the_writers_chunk_gives_the_same_bytes(monkey
     solving each chunk alone."""
     from types import SimpleNamespace
 
-    from qtool.ops.quantize import gptq_layer
+    from qtool.ops.quantize import gptq_layer, hessians
     from qtool.ops.quantize.calib import ExpertStats
 
     recipe = parse_recipe(
@@ -163,7 +163,7 @@ def test_a_solve_group_larger_than_the_writers_chunk_gives_the_same_bytes(monkey
     )
 
     def coder(solve: int):
-        monkeypatch.setattr(gptq_layer, "SOLVE_EXPERTS", solve)
+        monkeypatch.setattr(hessians, "SOLVE_EXPERTS", solve)
         torch.manual_seed(0)
         stats = ExpertStats(n)
         layer = gptq_layer.GptqLayer(recipe, stats, inter, experts)
@@ -179,3 +179,19 @@ def test_a_solve_group_larger_than_the_writers_chunk_gives_the_same_bytes(monkey
         a, b = by_group.nvfp4_chunk(e0, e0 + 2, *args), alone.nvfp4_chunk(e0, e0 + 2, *args)
         for part in a:
             assert torch.equal(a[part].packed, b[part].packed), (e0, part)
+
+
+def test_the_plans_memory_fit_counts_the_hessians(tiny_bf16, tmp_path):
+    """The layer's Hessians and a solve group's transients are in the plan's peak (on the forward's device;
+    the host on a CPU), and a GPTQ layer is coded right after its forward (one layer held)."""
+    from qtool.ops.quantize import QuantizeOptions, plan
+    from qtool.ops.quantize.hessians import gptq_memory_bytes
+
+    body = NVFP4.replace("WS", "max")
+    rtn = plan(QuantizeOptions(tiny_bf16, tmp_path / "a", load_recipe(_recipe(tmp_path, "r", body)), samples=2))
+    gptq = plan(QuantizeOptions(tiny_bf16, tmp_path / "b", load_recipe(_recipe(tmp_path, "g", body + GPTQ)), samples=2))
+    extra = gptq_memory_bytes(gptq.n_experts, gptq.hidden, gptq.inter)
+    assert gptq.layers_in_flight == 1
+    assert gptq.memory_need().host_bytes == rtn.memory_need(0).host_bytes + extra
+    # at the 397B's size: 512 experts x (4096^2 + 1024^2) x 4 bytes of Hessians
+    assert gptq_memory_bytes(512, 4096, 1024) - gptq_memory_bytes(0, 4096, 1024) == 34 * 2**30

@@ -23,16 +23,12 @@ from __future__ import annotations
 import torch
 
 from qtool.formats import awq, nvfp4
-from qtool.ops.quantize import gptq
+from qtool.ops.quantize import gptq, hessians
 from qtool.ops.quantize.awq_search import rtn
 from qtool.ops.quantize.calib import ExpertStats
 from qtool.ops.quantize.hessians import ExpertHessians
 from qtool.ops.quantize.layer import NVFP4Experts, nvfp4_scales
 from qtool.recipes import GptqOptions, Recipe
-
-# experts solved at once (NVFP4): at the 397B's size their stacked Hessians, factors and float32 weights are
-# ~8 GB of transients on the device, beside the layer's Hessians (hessians.py)
-SOLVE_EXPERTS = 32
 
 
 class GptqLayer:
@@ -89,10 +85,10 @@ class GptqLayer:
         mid_amax: torch.Tensor,
     ) -> dict[str, NVFP4Experts]:
         """Experts e0..e1-1 coded NVFP4 by GPTQ: {part: NVFP4Experts}, as layer.nvfp4_rtn returns them.
-        Solved SOLVE_EXPERTS at a time (the writer's chunks are smaller): the solver's column loop costs
+        Solved hessians.SOLVE_EXPERTS at a time (the writer's chunks are smaller): the solver's column loop costs
         the same kernels for 16 experts as for 32, so fewer, larger groups take less time on a GPU."""
-        g0 = e0 - e0 % SOLVE_EXPERTS
-        g1 = min(g0 + SOLVE_EXPERTS, self.n_experts)
+        g0 = e0 - e0 % hessians.SOLVE_EXPERTS
+        g1 = min(g0 + hessians.SOLVE_EXPERTS, self.n_experts)
         if e1 > g1:  # a chunk across two groups (not the writer's chunking): solved alone
             g0, g1 = e0, e1
         if self._solved is None or self._solved[0] != (g0, g1):

@@ -17,13 +17,33 @@ device until its expert is coded, then dropped (`take`): at most n_experts * (hi
 bytes for a layer. At the 397B's size (512 experts, hidden 4096, moe_intermediate 1024) that is
 512 * (64 + 4) MiB = 34 GiB, beside the layer's 13 GB of BF16 weights: it fits on one 80 GB GPU. A GPTQ
 layer is therefore coded on the loop's thread, not behind the next layer's forward (which would hold a
-second layer's Hessians), and its experts are solved a group at a time (gptq_layer.SOLVE_EXPERTS), whose
-stacked copies and factors add SOLVE_EXPERTS * (3 * 64 + 32) MiB at the 397B's size.
+second layer's Hessians), and its experts are solved a group at a time (SOLVE_EXPERTS), whose stacked copies
+and factors add ~8 GB at the 397B's size. The plan counts both in its memory fit (`gptq_memory_bytes`).
 """
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+from qtool.lazy import lazy_module
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch")  # the plan reads gptq_memory_bytes without torch
+
+# experts solved at once (gptq_layer: NVFP4): at the 397B's size their stacked Hessians, factors and float32
+# weights are ~8 GB of transients on the device, beside the layer's Hessians
+SOLVE_EXPERTS = 32
+
+
+def gptq_memory_bytes(n_experts: int, hidden: int, inter: int) -> int:
+    """What GPTQ keeps on the forward's device beside the layer (the plan's memory fit): every expert's two
+    Hessians, and one solve group's transients (the stacked Hessians, their damped copy, the Cholesky factor
+    and the inverse's factor; the group's float32 weights, twice: their copy and its transpose)."""
+    hessians = n_experts * (hidden * hidden + inter * inter) * 4
+    group = SOLVE_EXPERTS * (4 * hidden * hidden + 2 * 2 * inter * hidden) * 4
+    return hessians + group
 
 
 class ExpertHessians:

@@ -24,6 +24,7 @@ from qtool.io.dtypes import nbytes_for
 from qtool.io.output import OutputDir
 from qtool.io.writer import FileRange
 from qtool.ops.quantize import output as quantize_output
+from qtool.ops.quantize.hessians import gptq_memory_bytes
 from qtool.ops.quantize.schemes import fp8_linears, fp8_params
 from qtool.recipes import FORMATS_FOR, Backend, KvCache, OutFormat, Recipe, Scheme, WeightScale, load_recipe
 from qtool.stream.calib_data import plan_calibration
@@ -151,6 +152,7 @@ class QuantizePlan:
             device=self.device,
             held_layers=held,
             extra_host=self.awq_activation_bytes,
+            extra_device=gptq_memory_bytes(self.n_experts, self.hidden, self.inter) if self.recipe.gptq.enabled else 0,
             ranks=dist.planned_ranks(),
         )
 
