@@ -47,17 +47,21 @@ class Method:
     cuda_only: bool = False  # run by default only with --device cuda (named in --methods, it runs anyway)
 
 
-def _nvfp4(weight_scale: str) -> str:
+GPTQ = "gptq: {enabled: true}\n"  # damp 0.01, block 128, no act order (the recipe's defaults)
+
+
+def _nvfp4(weight_scale: str, gptq: bool = False) -> str:
     return (
         f"groups: {{routed_experts: nvfp4}}\nnvfp4: {{weight_scale: {weight_scale}}}\ndefaults: {{format: modelopt}}\n"
+        + (GPTQ if gptq else "")
     )
 
 
-def _int4(group_size: int, awq: bool) -> str:
+def _int4(group_size: int, awq: bool, gptq: bool = False) -> str:
     # no layer overrides: every decoder layer's experts INT4 (the shipped AWQ recipe keeps layer 0 BF16)
     return (
         f"groups: {{routed_experts: w4a16}}\nint4: {{group_size: {group_size}, awq: {str(awq).lower()}}}\n"
-        "defaults: {format: compressed-tensors}\n"
+        "defaults: {format: compressed-tensors}\n" + (GPTQ if gptq else "")
     )
 
 
@@ -82,8 +86,16 @@ def methods(int4_group: int) -> list[Method]:
             "rtn",
             _nvfp4("local_hessian"),
         ),
+        Method("nvfp4-max-gptq", "NVFP4 GPTQ, block scale from max", "qtool", "rtn", _nvfp4("max", gptq=True)),
+        Method(
+            "nvfp4-mse-sweep-gptq", "NVFP4 GPTQ, block scale MSE sweep", "qtool", "rtn", _nvfp4("mse_sweep", gptq=True)
+        ),
         Method("int4-rtn", f"INT4 W4A16 g{int4_group} RTN", "qtool", "rtn", _int4(int4_group, awq=False)),
         Method("int4-awq", f"INT4 W4A16 g{int4_group} AWQ", "qtool", "rtn", _int4(int4_group, awq=True)),
+        Method("int4-gptq", f"INT4 W4A16 g{int4_group} GPTQ", "qtool", "rtn", _int4(int4_group, awq=False, gptq=True)),
+        Method(
+            "int4-awq-gptq", f"INT4 W4A16 g{int4_group} AWQ + GPTQ", "qtool", "rtn", _int4(int4_group, True, gptq=True)
+        ),
         Method("modelopt-nvfp4-max", "NVFP4 RTN, block scale from max", "ModelOpt", "modelopt", _nvfp4("max")),
         # ModelOpt's static NVFP4 fake-quant is a Triton kernel: its searched rows need --device cuda
         Method(

@@ -22,6 +22,13 @@ A recipe is a YAML file in `recipes/` (or any path), validated here at the bound
       group_size: 128
       awq: true                  # activation-aware scale search (see qtool.ops.quantize.awq_search)
       awq_grid: 20
+    gptq:                        # optional: the routed experts' codes by GPTQ (qtool.ops.quantize.gptq),
+                                 # nvfp4 or w4a16
+      enabled: true              # on the grid the rest of the recipe chooses (nvfp4.weight_scale,
+                                 # int4.group_size / awq)
+      damp: 0.01                 # added to H's diagonal, times its mean
+      block_size: 128            # columns per lazy batch update
+      act_order: false           # code columns in descending order of H's diagonal (the stored layout is unchanged)
     defaults: {backend: rtn, format: modelopt}
     calibration:                 # the data the recipe is meant to calibrate on (plans warn when a run uses less)
       {dataset: "hf:HuggingFaceH4/ultrachat_200k:train_sft", samples: 128, seq_len: 2048}
@@ -133,6 +140,7 @@ _TOP_KEYS = {
     "kv_cache",
     "nvfp4",
     "int4",
+    "gptq",
     "defaults",
     "calibration",
 }
@@ -165,6 +173,17 @@ class ExpertCoverage:
 
 
 @dataclass(frozen=True)
+class GptqOptions:
+    enabled: bool = False
+    damp: float = 0.01
+    block_size: int = 128
+    act_order: bool = False
+
+    def to_json(self) -> dict:
+        return {"enabled": self.enabled, "damp": self.damp, "block_size": self.block_size, "act_order": self.act_order}
+
+
+@dataclass(frozen=True)
 class Recipe:
     name: str
     description: str
@@ -173,6 +192,7 @@ class Recipe:
     kv_cache: KvCache = KvCache.FP8
     nvfp4: NVFP4Options = NVFP4Options()
     int4: Int4Options = Int4Options()
+    gptq: GptqOptions = GptqOptions()
     backend: Backend = Backend.RTN
     format: OutFormat = OutFormat.MODELOPT
     path: str | None = None
@@ -212,6 +232,7 @@ class Recipe:
             "kv_cache": self.kv_cache.value,
             "nvfp4": {"weight_scale": self.nvfp4.weight_scale.value, "input_scale": self.nvfp4.input_scale.value},
             "int4": {"group_size": self.int4.group_size, "awq": self.int4.awq, "awq_grid": self.int4.awq_grid},
+            "gptq": self.gptq.to_json(),
             "defaults": {"backend": self.backend.value, "format": self.format.value},
             "calibration": self.calibration,
             "expert_coverage": self.expert_coverage.to_json(),
@@ -312,6 +333,15 @@ def parse_recipe(data, *, path: str | None = None) -> Recipe:
     if not isinstance(awq, bool):
         raise RecipeError("int4.awq must be true or false", path=path, got=repr(awq))
     int4 = Int4Options(gs, awq, grid)
+    gptq = _gptq(data.get("gptq"), used, path)
+    if gptq.enabled and Scheme.NVFP4 in used and nvfp4.weight_scale is WeightScale.LOCAL_HESSIAN:
+        # GPTQ codes on block scales chosen from the weights alone before it starts; local_hessian's come from
+        # the same Hessians at the coding step: the two are not combined (yet)
+        raise RecipeError(
+            "gptq does not run with nvfp4.weight_scale local_hessian",
+            path=path,
+            hint="use gptq with weight_scale mse_sweep (the best measured pair), or local_hessian without gptq",
+        )
     d = _mapping(data.get("defaults"), "defaults", path)
     backend = _enum(Backend, d.get("backend", "rtn"), "defaults.backend", path)
     scheme = _main_scheme(used)
@@ -333,12 +363,41 @@ def parse_recipe(data, *, path: str | None = None) -> Recipe:
         kv_cache=_enum(KvCache, data.get("kv_cache", "fp8"), "kv_cache", path),
         nvfp4=nvfp4,
         int4=int4,
+        gptq=gptq,
         backend=backend,
         format=fmt,
         path=path,
         calibration=_calibration(data.get("calibration"), path),
         expert_coverage=_expert_coverage(data.get("calibration"), path),
     )
+
+
+def _gptq(obj, used: frozenset[Scheme], path) -> GptqOptions:
+    """The `gptq:` mapping, strictly: booleans, damp in (0, 1], block_size >= 1; only with 4-bit experts."""
+    g = _mapping(obj, "gptq", path)
+    bad = sorted(map(str, set(g) - {"enabled", "damp", "block_size", "act_order"}))
+    if bad:
+        raise RecipeError(
+            "unknown gptq options", path=path, expected=["act_order", "block_size", "damp", "enabled"], got=bad
+        )
+    for key in ("enabled", "act_order"):
+        if not isinstance(g.get(key, False), bool):
+            raise RecipeError(f"gptq.{key} must be true or false", path=path, got=repr(g[key]))
+    damp = g.get("damp", 0.01)
+    if isinstance(damp, bool) or not isinstance(damp, (int, float)) or not 0 < damp <= 1:
+        raise RecipeError("gptq.damp must be a number in (0, 1]", path=path, got=repr(damp))
+    block = g.get("block_size", 128)
+    if not _is_int(block) or block < 1:
+        raise RecipeError("gptq.block_size must be a positive integer", path=path, got=repr(block))
+    options = GptqOptions(g.get("enabled", False), float(damp), block, g.get("act_order", False))
+    if options.enabled and not used & {Scheme.NVFP4, Scheme.W4A16}:
+        raise RecipeError(
+            "gptq codes the routed experts: it needs routed_experts nvfp4 or w4a16",
+            path=path,
+            got=sorted(s.value for s in used),
+            hint="set groups.routed_experts to nvfp4 or w4a16, or drop the gptq mapping",
+        )
+    return options
 
 
 def _used_schemes(groups: dict[str, Scheme], overrides: dict[int, dict[str, Scheme]]) -> frozenset[Scheme]:

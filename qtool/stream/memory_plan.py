@@ -97,15 +97,17 @@ def need(
     extra_host: int = 0,
     hidden_in_ram: bool = False,
     ranks: int = 1,
+    extra_device: int = 0,
 ) -> MemoryNeed:
-    """`stream_plan`: layer_stream.StreamPlan; per rank, on `device` (the fit reads that GPU's free memory)."""
+    """`stream_plan`: layer_stream.StreamPlan; per rank, on `device` (the fit reads that GPU's free memory).
+    `extra_device`: what a stage keeps beside the layer on the forward's device (host memory on a CPU)."""
     dense, stored = stream_plan.max_layer_bytes, stream_plan.max_stored_layer_bytes
     item = stream_plan.itemsize
     on_device = hidden_on_device(device, stream_plan.hidden_bytes)
     hidden = stream_plan.hidden_bytes if hidden_in_ram and not on_device else 0
     if device == "cpu":
         steady = held_layers * dense + stored + stream_plan.activation_bytes
-        host = max(stream_plan.embed_bytes + stored, steady) + hidden + extra_host
+        host = max(stream_plan.embed_bytes + stored, steady) + hidden + extra_host + extra_device
         gpu = None
     else:
         micro = 2 * stream_plan.batch_windows * stream_plan.seq_len * stream_plan.hidden_size * item
@@ -124,6 +126,7 @@ def need(
             + stored
             + stream_plan.activation_bytes
             + (2 * stream_plan.hidden_bytes if on_device else 0)
+            + extra_device
         )
     return MemoryNeed(
         device, ranks, PROCESS_BYTES + host, gpu, _host_available(), _gpu_free([device]) if gpu is not None else {}

@@ -58,17 +58,12 @@ else:
 PARTS = ("down_proj", "gate_proj", "up_proj")
 
 
-class LayerBackend(Protocol):
-    """A peer backend's per-layer state (for_layer): it calibrates the layer before its forward (stage.py),
-    observes the forward through the expert statistics' hooks (calib.ExpertStats), then codes the layer's
-    NVFP4 experts chunk by chunk in place of qtool's RTN (layer.write_layer_shard)."""
+class LayerCoder(Protocol):
+    """What codes a layer's experts in place of qtool's RTN (layer.write_layer_shard): it observes the forward
+    through the expert statistics' hooks (calib.ExpertStats), then codes the NVFP4 experts chunk by chunk.
+    A peer backend (LayerBackend) or qtool's GPTQ (gptq_layer.GptqLayer)."""
 
     hooks: list[Recorder]
-    batch_hooks: list[Callable[[torch.Tensor], None]]
-
-    def calibrate(
-        self, layer: torch.nn.Module, streamer: LayerStreamer, store: HiddenStore, seq: int, batch: int
-    ) -> None: ...
 
     def nvfp4_chunk(
         self,
@@ -79,6 +74,17 @@ class LayerBackend(Protocol):
         in_amax: torch.Tensor,
         mid_amax: torch.Tensor,
     ) -> dict[str, NVFP4Experts]: ...
+
+
+class LayerBackend(LayerCoder, Protocol):
+    """A peer backend's per-layer state (for_layer): it also calibrates the layer before its forward
+    (stage.py), with hooks of its own on each forward of the experts module."""
+
+    batch_hooks: list[Callable[[torch.Tensor], None]]
+
+    def calibrate(
+        self, layer: torch.nn.Module, streamer: LayerStreamer, store: HiddenStore, seq: int, batch: int
+    ) -> None: ...
 
 
 def _quiet() -> AbstractContextManager[None]:

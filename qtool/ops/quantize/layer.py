@@ -30,7 +30,7 @@ from qtool.recipes import InputScale, OutFormat, Recipe, Scheme, WeightScale
 from qtool.stream.device_copy import Download, download
 
 if TYPE_CHECKING:
-    from qtool.ops.quantize.backends import LayerBackend
+    from qtool.ops.quantize.backends import LayerCoder
 
 if TYPE_CHECKING:
     import torch
@@ -175,6 +175,18 @@ def _block_scales(
     return None
 
 
+def nvfp4_scales(
+    w: torch.Tensor, w_amax: torch.Tensor, method: WeightScale
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(block scales or None for round to nearest from the max, weight_scale_2) of weights `w` [E, out, in]
+    with per-matrix amaxes `w_amax` [E], as the recipe's `nvfp4.weight_scale` chooses them (also the grid
+    GPTQ codes on: qtool.ops.quantize.gptq_layer)."""
+    if method is WeightScale.FOUR_OVER_SIX:  # its own global scale (amax / (6 * 256))
+        return four_over_six_block_scales(w, w_amax)
+    ws2 = nvfp4.weight_scale_2_from_amax(w_amax)
+    return _block_scales(w, w_amax, ws2, method), ws2
+
+
 def nvfp4_rtn(
     gate_up: torch.Tensor,
     down: torch.Tensor,
@@ -191,15 +203,11 @@ def nvfp4_rtn(
     amaxes = {"down_proj": mid_amax, "gate_proj": in_amax, "up_proj": in_amax}
     for part, w, w_amax in _nvfp4_parts(gate_up, down, inter):
         amax = amaxes[part]
-        if recipe.nvfp4.weight_scale is WeightScale.FOUR_OVER_SIX:  # its own global scale (amax / (6 * 256))
-            bs, ws2 = four_over_six_block_scales(w, w_amax)
-        else:
+        if searched is None:
+            bs, ws2 = nvfp4_scales(w, w_amax, recipe.nvfp4.weight_scale)
+        else:  # local_hessian: the block scales from the layer's statistics, max's weight_scale_2
             ws2 = nvfp4.weight_scale_2_from_amax(w_amax)
-            bs = (
-                _block_scales(w, w_amax, ws2, recipe.nvfp4.weight_scale)
-                if searched is None
-                else searched(part, w, w_amax)
-            )
+            bs = searched(part, w, w_amax)
         q = quantize_fast(w, weight_scale_2=ws2, block_scale=bs)
         res[part] = NVFP4Experts(
             q.packed,
@@ -220,9 +228,11 @@ def _int4_expert_chunk(
     fmt: OutFormat,
     report: list[dict],
     g: int,
+    gptq: Any = None,
 ) -> dict[str, list]:
     """INT4 W4A16 of a chunk of experts with qtool.formats.awq (RTN, one group per row when in < group),
-    after the AWQ down_proj scale search when the recipe asks for it. The chunk is coded as one batch
+    after the AWQ down_proj scale search when the recipe asks for it; by GPTQ on RTN's grid where `gptq`
+    (a gptq_layer.GptqLayer) is given. The chunk is coded as one batch
     (elementwise ops and group max/min: each expert's bytes are those of coding it alone), so the GPU
     sees a few large ops, not a Python loop of small ones, and the host waits once, for the report."""
 
@@ -248,9 +258,15 @@ def _int4_expert_chunk(
     res: dict[str, list] = {"down_proj": [], "gate_proj": [], "up_proj": []}
     for part, w in (("down_proj", dn), ("gate_proj", gate), ("up_proj", up)):
         per = max(1, awq_search.CANDIDATE_BYTES // (w[0].numel() * 4))  # the transients of a batch: as the search's
+        per = w.shape[0] if gptq is not None else per  # GPTQ: the chunk at once (its column loop's kernels)
         shape = torch.tensor(w.shape[1:], dtype=torch.int64)
         for k0 in range(0, w.shape[0], per):
-            q = rtn(folded(part, w, k0, k0 + per), g, sdt)
+            wk = folded(part, w, k0, k0 + per)
+            if gptq is None:
+                q = rtn(wk, g, sdt)
+            else:  # GPTQ codes on RTN's grid (the AWQ scales of down_proj's inputs go into its Hessian)
+                s_in = s[k0 : k0 + per] if s is not None and part == "down_proj" else None
+                q = gptq.int4(part, wk, range(e0 + k0, e0 + k0 + wk.shape[0]), s_in, g, sdt)
             if fmt is OutFormat.COMPRESSED_TENSORS:
                 t = awq.to_compressed_tensors(q, sdt)
                 res[part] += [[t["weight_packed"][k], t["weight_scale"][k], shape] for k in range(q.codes.shape[0])]
@@ -315,7 +331,7 @@ def write_layer_shard(
     stats: ExpertStats,
     kv_amax: tuple[float, float] | None,
     plan: QuantizePlan,
-    backend: LayerBackend | None = None,
+    backend: LayerCoder | None = None,
     mode: int = 0o644,
     share: Share = Share(),
     keep_pace: bool = False,
@@ -402,7 +418,7 @@ def _write_specs(
     stats: ExpertStats,
     kv_amax: tuple[float, float] | None,
     plan: QuantizePlan,
-    backend: LayerBackend | None,
+    backend: LayerCoder | None,
     share: Share,
     header: bytes,
     names: list[str],
@@ -490,7 +506,7 @@ def _write_specs(
             chunk = {part: q.expert_tensors(plan.format) for part, q in parts.items()}
         else:
             chunk = _int4_expert_chunk(
-                gu, dn, inter, stats, e0, plan.recipe, plan.format, report["awq"], plan.int4_group
+                gu, dn, inter, stats, e0, plan.recipe, plan.format, report["awq"], plan.int4_group, backend
             )  # one group for every projection (engine rule)
         data = chunk_bytes([chunk[part][e - e0][names.index(param)] for _, (e, part, param) in members])
         if data.host.numel() != pos - at:

@@ -28,6 +28,7 @@ from qtool.io.plan import OutputPlan
 from qtool.io.writer import FileRange
 from qtool.ops.quantize import output as quantize_output
 from qtool.ops.quantize.coverage import floor_warning, refuse_peer_backend
+from qtool.ops.quantize.hessians import gptq_memory_bytes
 from qtool.ops.quantize.schemes import fp8_linears, fp8_params
 from qtool.recipes import FORMATS_FOR, Backend, KvCache, OutFormat, Recipe, Scheme, WeightScale, load_recipe
 from qtool.stream.calib_data import CalibSet, plan_calibration
@@ -152,13 +153,14 @@ class QuantizePlan:
         """Peak host/GPU memory (qtool.stream.memory_plan): with qtool's own codec finished layers are
         quantized and written behind the next one (`in_flight` of them, default the plan's), so that many
         dense layers more are held."""
-        write_behind = self.backend not in PEER_BACKENDS
+        write_behind = self.backend not in PEER_BACKENDS and not self.recipe.gptq.enabled  # GPTQ: hessians.py
         held = 1 + (self.layers_in_flight if in_flight is None else in_flight) if write_behind else 1
         return need(
             self.stream,
             device=self.device,
             held_layers=held,
             extra_host=self.awq_activation_bytes,
+            extra_device=gptq_memory_bytes(self.n_experts, self.hidden, self.inter) if self.recipe.gptq.enabled else 0,
             ranks=dist.planned_ranks(),
         )
 
@@ -173,7 +175,7 @@ class QuantizePlan:
         its /dev/shm, and the users' NVMe alike: the copy, not the disk, is the limit), so two shards written
         side by side write twice as fast. Not with a peer backend (no write-behind), with several ranks (their
         shares meet layer by layer), nor where the AWQ search keeps each layer's activations on the host."""
-        if self.backend in PEER_BACKENDS or self.awq_rows or dist.planned_ranks() > 1:
+        if self.backend in PEER_BACKENDS or self.awq_rows or dist.planned_ranks() > 1 or self.recipe.gptq.enabled:
             return 1
         # with room to spare: the allocator holds more than it hands out, and two coders' temporaries
         return 1 if self.memory_need(2).problems_within(HEADROOM) else 2
@@ -352,6 +354,25 @@ def _refuse_local_hessian_runs(recipe: Recipe, backend: Backend) -> None:
         )
 
 
+def _refuse_gptq_runs(recipe: Recipe, backend: Backend) -> None:
+    """GPTQ is qtool's own coder, in one process: with several ranks each would hold the Hessians of its own
+    calibration windows, and their sum over the ranks (float32, another order of additions than one
+    process's) would give other bytes than one process does (qtool.ops.quantize.gptq_layer)."""
+    if not recipe.gptq.enabled:
+        return
+    if backend is not Backend.RTN:
+        raise UsageError(
+            f"--backend {backend.value} does not run the recipe's gptq (qtool's own coder does)",
+            hint="use --backend rtn (the default), or drop the recipe's gptq mapping",
+        )
+    if dist.planned_ranks() > 1:
+        raise UsageError(
+            "a recipe with gptq runs in one process (the per-expert Hessians are not reduced over ranks: a "
+            "sum over ranks would give other bytes than one process)",
+            hint="run without --nproc/--devices",
+        )
+
+
 @dataclass(frozen=True)
 class QuantizeOptions:
     """quantize's options: the one place their defaults live (CLI, build steps, library)."""
@@ -441,6 +462,7 @@ def plan(opts: QuantizeOptions) -> QuantizePlan:
             "not reduced over ranks)",
             hint="use --backend rtn with --nproc/--devices, or one process",
         )
+    _refuse_gptq_runs(recipe, backend)
     if backend is not Backend.RTN and scheme is not Scheme.NVFP4:
         raise UsageError(
             f"--backend {backend.value} drives the peer's NVFP4 calibration only",

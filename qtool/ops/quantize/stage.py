@@ -30,6 +30,7 @@ from qtool.ops.quantize.calib import (
     reduce_expert_stats,
     remove_expert_stats,
 )
+from qtool.ops.quantize.gptq_layer import GptqLayer
 from qtool.ops.quantize.layer import Share, copied_whole, create_layer_tmp, release_dense_experts
 from qtool.ops.quantize.plan import LayerPlan, QuantizePlan
 from qtool.ops.quantize.schemes import install_linear_amax, remove_linear_amax
@@ -68,7 +69,7 @@ class QuantizeStage(LayerStage):
         # the layer between its forward and its code
         self._stats: ExpertStats | None = None
         self._kv: KvStat | None = None
-        self._backend: backends.LayerBackend | None = None
+        self._backend: backends.LayerCoder | None = None
 
     def keep_bytes(self, run: LayerRun, idx: int) -> dict[str, FileRange]:
         """The copied tensors' source bytes (whole tensors, or one expert's slice of a fused source): written
@@ -82,15 +83,21 @@ class QuantizeStage(LayerStage):
         keep_rows = self.plan.awq_rows if layer_plan.scheme is Scheme.W4A16 else 0
         stats = ExpertStats(self.plan.n_experts, keep_rows=keep_rows, **coverage.stats_options(self.plan.recipe))
         kv = KvStat()
-        backend = None
+        backend: backends.LayerCoder | None = None
         if layer_plan.scheme is Scheme.NVFP4:
-            backend = backends.for_layer(self.plan)
-            if backend is not None:
-                backend.calibrate(layer, run.streamer, run.store, run.seq_len, run.batch)
-                stats.hooks += backend.hooks
-                stats.batch_hooks += backend.batch_hooks
+            peer = backends.for_layer(self.plan)
+            if peer is not None:
+                peer.calibrate(layer, run.streamer, run.store, run.seq_len, run.batch)
+                stats.hooks += peer.hooks
+                stats.batch_hooks += peer.batch_hooks
+                backend = peer
             else:
                 local_hessian.attach(stats, self.plan.recipe)  # the experts' input second moments, if asked
+        if layer_plan.scheme is not Scheme.BF16 and self.plan.recipe.gptq.enabled:
+            # coded on the loop's thread right after this forward: hessians.py bounds the memory so
+            gptq = GptqLayer(self.plan.recipe, stats, self.plan.inter, layer.mlp.experts)
+            stats.hooks += gptq.hooks
+            backend = gptq
         install_expert_stats(layer.mlp.experts, stats)
         install_linear_amax(layer, list(layer_plan.fp8))  # the fp8 linears' static input scales
         if layer_plan.full_attention:
@@ -130,6 +137,7 @@ class QuantizeStage(LayerStage):
         current: str,
         awq: list[dict],
         sha256: Any,
+        gptq: dict | None = None,
     ) -> None:
         """Rank 0, once the layer's shard is whole on disk: named, hashed and journaled."""
         partial = run.partial
@@ -139,14 +147,18 @@ class QuantizeStage(LayerStage):
         if self.shards is not None:
             # hashed as it was written; or (several ranks) now, while the next layer runs
             self.shards.finished(layer_plan.shard, sha256)
-        self.layer_reports.append(layer_entry(layer_plan, stats, kv_stat, awq))
+        self.layer_reports.append(layer_entry(layer_plan, stats, kv_stat, awq, gptq))
         run.layer_done(layer_plan.index, current)
 
 
-def layer_entry(layer_plan: LayerPlan, stats: ExpertStats, kv_stat: KvStat, awq: list[dict]) -> dict:
+def layer_entry(
+    layer_plan: LayerPlan, stats: ExpertStats, kv_stat: KvStat, awq: list[dict], gptq: dict | None = None
+) -> dict:
     """A layer's entry in the report, the journal and the manifest."""
     entry = {"layer": layer_plan.index, "routed_experts": layer_plan.scheme.value, **stats.to_json()}
     entry.update(local_hessian.report(stats))
+    if gptq is not None:
+        entry["gptq"] = gptq
     if layer_plan.full_attention:
         entry["kv"] = {"k_amax": kv_stat.k_amax, "v_amax": kv_stat.v_amax, "tokens": kv_stat.tokens}
     if awq:
@@ -174,7 +186,7 @@ class LayerShardWrite:
         layer: torch.nn.Module,
         stats: ExpertStats,
         kv_stat: KvStat,
-        backend: backends.LayerBackend | None,
+        backend: backends.LayerCoder | None,
     ) -> None:
         self.stage = stage
         self.run = run
@@ -205,7 +217,7 @@ class LayerShardWrite:
     def write(self, keep_pace: bool) -> dict:
         """This rank's share of the shard (`keep_pace`: the run's last layer: layer.write_layer_shard)."""
         try:
-            return layer_module.write_layer_shard(
+            report = layer_module.write_layer_shard(
                 self.path,
                 self.layer_plan,
                 self.layer,
@@ -217,10 +229,14 @@ class LayerShardWrite:
                 self.stage.share,
                 keep_pace,
             )
+            if isinstance(self.backend, GptqLayer):
+                report["gptq"] = self.backend.summary()
+            return report
         finally:
             self.layer = self.backend = None  # the dense layer is freed as soon as it is written
 
     def commit(self, shares: list[dict]) -> None:
         awq = [r for share in shares for r in share["awq"]]
         sha256 = shares[0].get("sha256") if len(shares) == 1 else None
-        self.stage.commit(self.run, self.layer_plan, self.stats, self.kv, self.current, awq, sha256)
+        gptq = shares[0].get("gptq")  # GPTQ runs in one process (plan.py)
+        self.stage.commit(self.run, self.layer_plan, self.stats, self.kv, self.current, awq, sha256, gptq)

@@ -1,0 +1,189 @@
+"""GPTQ (Frantar et al. 2022, "GPTQ: Accurate Post-Training Quantization for Generative Pre-trained
+Transformers", sections 3-4) for a stack of experts at once: each expert's weight W [rows, cols] is coded
+column by column, and the rounding error of each column is spread over the columns not yet coded through
+the inverse of the expert's Hessian H = sum x x^T of its inputs, so that the expert's OUTPUT error on those
+inputs, not its weight error, is what the rounding minimises.
+
+What qtool codes is plain NVFP4 or INT4: the quantization grid of every column (its block or group scale)
+is fixed BEFORE the error compensation, from the weights (`ColumnGrid`), and only the codes change. So the
+writer stores the result unchanged (the scales are those RTN or a block-scale search chose), and the
+engines load it as any other NVFP4 / compressed-tensors INT4 checkpoint. llm-compressor's GPTQModifier
+does the same (its observer's scales, taken from the weights before the loop).
+
+Per expert:
+  1. dead columns (H_jj == 0: an input channel never non-zero) get H_jj = 1 and weight 0;
+  2. with `act_order`, the columns are coded in descending order of H_jj (each keeps its own block's scale,
+     so the stored layout does not change);
+  3. damping: H += damp * mean(diag H) * I;
+  4. U = upper Cholesky factor of H^-1 (a failed factorisation: the expert falls back to RTN);
+  5. blocks of `block_size` columns: inside a block each column is coded and its error, divided by U_jj,
+     subtracted from the block's later columns (row j of U); the block's errors then update every later
+     column in one batched matmul (the "lazy batch" update).
+
+Everything is batched over the leading expert dim and runs on the tensors' device: the per-column work is
+a few elementwise ops on [experts, rows], the rest batched matmuls and one batched Cholesky.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from qtool.formats import nvfp4
+from qtool.lazy import lazy_module
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch")
+
+NVFP4, INT4 = "nvfp4", "int4"
+
+
+class ColumnGrid:
+    """The fixed quantization grid of every column: `step` [E, R, G] the value of one code step of each
+    group of `group` columns (NVFP4: float(e4m3 block scale) * weight_scale_2; INT4: the group scale),
+    `kind` NVFP4 (E2M1 codes, 16 columns a block) or INT4 (symmetric, codes 0..15 around 8).
+
+    A column is rounded to a bucket (`round`, a few kernels: the column loop's kernel launches are its cost
+    on a GPU) and a block of buckets becomes codes at once (`codes`)."""
+
+    def __init__(self, kind: str, step: torch.Tensor, group: int) -> None:
+        self.kind, self.step, self.group = kind, step, group
+        if kind == NVFP4:
+            self.bounds, self.bucket_codes = _e2m1_buckets(step.device)
+            self.bucket_values = nvfp4.decode_e2m1(self.bucket_codes)
+
+    def round(self, w: torch.Tensor, step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(buckets, their values) of columns `w` with their steps (same shape): the same division and
+        rounding as the RTN codecs (nvfp4.quantize, formats.awq.quantize), so a column that no error
+        reached is coded exactly as RTN codes it. NVFP4 buckets are int64 0..15 (`_e2m1_buckets`), INT4
+        ones the signed code -8..7 as float."""
+        x = w / step
+        if self.kind == NVFP4:
+            bucket = torch.bucketize(x, self.bounds, right=True)
+            return bucket, self.bucket_values[bucket] * step
+        q = torch.round(x).clamp_(-8, 7)
+        return q, q * step
+
+    def codes(self, buckets: torch.Tensor) -> torch.Tensor:
+        """uint8 codes of a block of buckets (NVFP4: E2M1 codes, the sign in bit 3; INT4: 0..15 around 8)."""
+        if self.kind == NVFP4:
+            return self.bucket_codes[buckets]
+        return (buckets + 8).to(torch.uint8)
+
+
+def _e2m1_buckets(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bounds [15], codes uint8 [16]): torch.bucketize(x, bounds, right=True) of a scaled value x is the
+    index of its E2M1 code in `codes`, the code nvfp4.encode_e2m1(x) gives. encode_e2m1 rounds |x| up past
+    a strict bound b (nvfp4._ROUND_UP_STRICT) when |x| > b and past a tie bound when |x| >= b, and sets the
+    sign when x < 0; `right=True` moves x into the next bucket when x >= bound. So, ascending in x: a
+    positive strict bound sits one float above b, a positive tie bound at b; a negative strict bound at -b
+    (x >= -b: |x| <= b, the smaller magnitude), a negative tie bound one float above -b; and 0 splits the
+    signs (-0.0 >= 0: code 0, as encode_e2m1 gives it)."""
+    inf = torch.tensor(float("inf"))
+    strict = torch.tensor(nvfp4._ROUND_UP_STRICT, dtype=torch.float32)
+    tie = torch.tensor(nvfp4._ROUND_UP_AT_TIE, dtype=torch.float32)
+    positive = torch.cat([torch.nextafter(strict, inf), tie])
+    negative = torch.cat([-strict, torch.nextafter(-tie, inf)])
+    bounds = torch.cat([negative, torch.zeros(1), positive]).sort().values
+    # each bucket's code: that of a value inside it (its lower bound; below the first: the first minus 1)
+    inside = torch.cat([bounds[:1] - 1, bounds])
+    return bounds.to(device), nvfp4.encode_e2m1(inside).to(device)
+
+
+@dataclass
+class Factor:
+    """What GPTQ needs of a stack of Hessians, computed once for every weight that reads the same inputs
+    (gate_proj and up_proj): U [E, C, C] the upper Cholesky factor of the damped inverse Hessian (in coding
+    order), `perm` [E, C] the coding order (None: the columns' own), `dead` [E, C] the columns whose input
+    was always zero, `failed` [E] the experts whose Hessian could not be factorised (U is the identity
+    there: RTN)."""
+
+    u: torch.Tensor
+    perm: torch.Tensor | None
+    dead: torch.Tensor
+    failed: torch.Tensor
+
+
+def factor(h: torch.Tensor, *, damp: float = 0.01, act_order: bool = False) -> Factor:
+    """Factor Hessians h [E, C, C] (float32; not modified): steps 1-4 of the module docstring."""
+    cols = h.shape[-1]
+    h = h.float().clone()
+    diag = h.diagonal(dim1=-2, dim2=-1)
+    dead = diag == 0
+    diag.masked_fill_(dead, 1.0)  # a view: sets H_jj = 1 in h
+    perm = None
+    if act_order:
+        perm = torch.argsort(h.diagonal(dim1=-2, dim2=-1), dim=-1, descending=True, stable=True)
+        h = h.gather(-1, perm[:, None, :].expand(-1, cols, -1)).gather(-2, perm[:, :, None].expand(-1, -1, cols))
+    u, failed = inverse_factor(h, damp)
+    return Factor(u, perm, dead, failed)
+
+
+def inverse_factor(h: torch.Tensor, damp: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(U, failed): U [E, C, C] the upper Cholesky factor of (H + damp * mean(diag H) * I)^-1 per expert;
+    `failed` [E] where a factorisation failed (U is then the identity: RTN)."""
+    eye = torch.eye(h.shape[-1], dtype=h.dtype, device=h.device)
+    h = h + (damp * h.diagonal(dim1=-2, dim2=-1).mean(-1))[:, None, None] * eye
+    lower, info = torch.linalg.cholesky_ex(h)
+    del h
+    inv = torch.cholesky_inverse(lower)
+    del lower
+    upper, info2 = torch.linalg.cholesky_ex(inv, upper=True)
+    failed = (info != 0) | (info2 != 0) | ~upper.isfinite().all(-1).all(-1)
+    return torch.where(failed[:, None, None], eye, upper), failed
+
+
+def solve(w: torch.Tensor, fac: Factor, grid: ColumnGrid, *, block_size: int = 128) -> torch.Tensor:
+    """GPTQ codes (uint8 [E, R, C], columns in their stored order) of w [E, R, C] (any float dtype;
+    computed in float32) with the factored Hessians `fac` on the grid `grid` (its step [E, R, C / group]).
+
+    Works on the transpose [E, C, R], where a column is contiguous: the column loop reads and writes whole
+    rows of memory, not one float in every C."""
+    n_exp, rows, cols = w.shape
+    dev = w.device
+    w = w.float().masked_fill(fac.dead[:, None, :], 0.0)
+    group_of = (torch.arange(cols, device=dev) // grid.group).expand(n_exp, cols)  # column -> stored group
+    if fac.perm is not None:
+        w = w.gather(-1, fac.perm[:, None, :].expand(-1, rows, -1))
+        group_of = group_of.gather(-1, fac.perm)
+    wt = w.transpose(1, 2).contiguous()  # [E, C, R]
+    del w
+    steps = grid.step.transpose(1, 2).gather(1, group_of[:, :, None].expand(-1, -1, rows))  # [E, C, R]
+    u = fac.u
+    codes = torch.empty((n_exp, cols, rows), dtype=torch.uint8, device=dev)
+    for b0 in range(0, cols, block_size):
+        b1 = min(b0 + block_size, cols)
+        block = wt[:, b0:b1].clone()
+        errors = torch.empty_like(block)
+        buckets = None
+        u_block = u[:, b0:b1, b0:b1]
+        for j in range(b1 - b0):
+            bucket, q = grid.round(block[:, j], steps[:, b0 + j])
+            if buckets is None:
+                buckets = torch.empty((n_exp, b1 - b0, rows), dtype=bucket.dtype, device=dev)
+            buckets[:, j] = bucket
+            err = errors[:, j]
+            torch.div(block[:, j] - q, u_block[:, j, j, None], out=err)
+            # the block's later columns absorb this column's error (row j of U)
+            block[:, j + 1 :].addcmul_(u_block[:, j, j + 1 :, None], err[:, None, :], value=-1.0)
+        codes[:, b0:b1] = grid.codes(buckets)
+        if b1 < cols:
+            wt[:, b1:].sub_(torch.bmm(u[:, b0:b1, b1:].transpose(1, 2), errors))
+    codes = codes.transpose(1, 2)
+    if fac.perm is not None:
+        return torch.empty_like(codes).scatter_(-1, fac.perm[:, None, :].expand(-1, rows, -1), codes)
+    return codes.contiguous()
+
+
+def nvfp4_grid(block_scale: torch.Tensor, weight_scale_2: torch.Tensor) -> ColumnGrid:
+    """The grid of NVFP4 weights with these block scales (float8_e4m3fn [E, R, C/16]) and per-matrix global
+    scales (float32 [E]): the divisor nvfp4.quantize forms, float(block scale) * weight_scale_2."""
+    ws2 = weight_scale_2.float().reshape(-1, 1, 1)
+    return ColumnGrid(NVFP4, block_scale.float() * ws2, nvfp4.BLOCK_SIZE)
+
+
+def int4_grid(scales: torch.Tensor, group: int) -> ColumnGrid:
+    """The grid of symmetric INT4 weights with these group scales ([E, R, C/group], the stored dtype)."""
+    return ColumnGrid(INT4, scales.float(), group)

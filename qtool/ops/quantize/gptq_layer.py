@@ -1,0 +1,167 @@
+"""GPTQ of one layer's routed experts (recipe `gptq: {enabled: true}`): the Hessians gathered in the layer's
+forward (hessians.ExpertHessians, on calib.ExpertStats.hooks), the codes solved by qtool.ops.quantize.gptq
+on the grid RTN would use, and handed to the layer's writer in the layout it writes for RTN.
+
+NVFP4: each projection's block scales and global scale are those of the recipe's `nvfp4.weight_scale`
+(max, mse, mse_sweep, four_over_six; layer.nvfp4_scales), from the weights, before any error compensation;
+gate_proj and up_proj share their global scale and their Hessian (one input), and are solved as one
+matrix (GPTQ treats every row alike). down_proj's Hessian is that of its input in the layer's forward,
+act(gate) * up from the dense weights (as llm-compressor's sequential pipeline calibrates the whole layer
+before it codes it).
+W4A16: symmetric INT4 on RTN's group scales (layer._int4_expert_chunk); after an AWQ search the down_proj
+input is x / s, so its Hessian is H / (s s^T).
+
+An expert that saw no token, or too few (calib.ExpertStats.too_few where the coverage policy provides
+it), or whose Hessian is not finite or cannot be factorised, is coded by RTN and named in the layer's
+report (`rtn_experts`). GPTQ with several ranks is refused at plan time (plan.py): each rank would hold
+the Hessians of its own windows, and summing them over ranks adds in another order than one process
+does, so the bytes would differ from one process's.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from qtool.formats import awq, nvfp4
+from qtool.lazy import lazy_module
+from qtool.ops.quantize import gptq, hessians
+from qtool.ops.quantize.awq_search import rtn
+from qtool.ops.quantize.calib import ExpertStats
+from qtool.ops.quantize.hessians import ExpertHessians
+from qtool.ops.quantize.layer import NVFP4Experts, nvfp4_scales
+from qtool.recipes import GptqOptions, Recipe
+
+if TYPE_CHECKING:
+    import torch
+
+    from qtool.stream.experts import Recorder
+else:
+    torch = lazy_module("torch")
+
+
+class GptqLayer:
+    """A layer's GPTQ coder, made before its forward (`hooks` go on the layer's ExpertStats) and used by
+    layer.write_layer_shard for its chunks of experts (`nvfp4_chunk`, `int4`), on the loop's thread."""
+
+    def __init__(self, recipe: Recipe, stats: ExpertStats, inter: int, experts: torch.nn.Module) -> None:
+        self.recipe = recipe
+        self.experts = experts  # the layer's Qwen3_5MoeExperts: a solve group's weights (nvfp4_chunk)
+        self.n_experts = stats.n_experts
+        self._solved: tuple[tuple[int, int], dict] | None = None
+        self.options: GptqOptions = recipe.gptq
+        self.stats = stats
+        self.inter = inter
+        self.hessians = ExpertHessians()
+        self.hooks: list[Recorder] = [self.hessians.observe]
+        self.batch_hooks: list = []
+        self.rtn_experts: set[int] = set()
+        self._gate_up: dict[tuple[int, int], gptq.Factor] = {}  # INT4: gate's factors, reused by up
+
+    # ------------------------------------------------------------------ Hessians
+
+    def _usable(self, experts: range) -> list[bool]:
+        """Whether each expert has the tokens GPTQ needs (else RTN)."""
+        too_few = getattr(self.stats, "too_few", None)  # the coverage policy's floor, where it is set
+        return [int(self.stats.tokens[e]) > 0 and not (too_few is not None and too_few(e)) for e in experts]
+
+    def _factor(
+        self, experts: range, part: str, size: int, device: torch.device, s_in: torch.Tensor | None = None
+    ) -> gptq.Factor:
+        """The factored Hessians of `experts` for `part` ("gate_up" / "down"); an expert without usable
+        tokens gets the identity (GPTQ on it is RTN, bit for bit: no error reaches another column)."""
+        h = self.hessians.take(experts, part, size, device)
+        usable = torch.tensor(self._usable(experts), device=device)
+        usable &= h.isfinite().all(-1).all(-1)
+        if s_in is not None:
+            h = h / (s_in[:, :, None] * s_in[:, None, :])
+        eye = torch.eye(size, dtype=h.dtype, device=device)
+        h = torch.where(usable[:, None, None], h, eye)
+        fac = gptq.factor(h, damp=self.options.damp, act_order=self.options.act_order)
+        fell_back = (~usable | fac.failed).tolist()
+        self.rtn_experts.update(e for e, back in zip(experts, fell_back, strict=True) if back)
+        return fac
+
+    # ------------------------------------------------------------------ NVFP4
+
+    def nvfp4_chunk(
+        self,
+        first_expert: int,
+        end_expert: int,
+        gate_up: torch.Tensor,
+        down: torch.Tensor,
+        in_amax: torch.Tensor,
+        mid_amax: torch.Tensor,
+    ) -> dict[str, NVFP4Experts]:
+        """Experts first_expert..end_expert-1 coded NVFP4 by GPTQ: {part: NVFP4Experts}, as layer.nvfp4_rtn returns them.
+        Solved hessians.SOLVE_EXPERTS at a time (the writer's chunks are smaller): the solver's column loop costs
+        the same kernels for 16 experts as for 32, so fewer, larger groups take less time on a GPU."""
+        g0 = first_expert - first_expert % hessians.SOLVE_EXPERTS
+        g1 = min(g0 + hessians.SOLVE_EXPERTS, self.n_experts)
+        if end_expert > g1:  # a chunk across two groups (not the writer's chunking): solved alone
+            g0, g1 = first_expert, end_expert
+        if self._solved is None or self._solved[0] != (g0, g1):
+            self._solved = None  # the previous group's codes go before the next group's are made
+            if (g0, g1) == (first_expert, end_expert):
+                self._solved = ((g0, g1), self._nvfp4_group(range(g0, g1), gate_up, down))
+            else:
+                gu_all, dn_all = self.experts.gate_up_proj.data, self.experts.down_proj.data
+                self._solved = ((g0, g1), self._nvfp4_group(range(g0, g1), gu_all[g0:g1], dn_all[g0:g1]))
+        (g0, _), solved = self._solved
+        inter, k = self.inter, slice(first_expert - g0, end_expert - g0)
+        res: dict[str, NVFP4Experts] = {}
+        for name, in_amax_part in (("gate_up", in_amax), ("down", mid_amax)):
+            packed, bs, ws2 = (t[k] for t in solved[name])
+            input_scale = nvfp4.input_scale_from_amax(in_amax_part.float()).reshape(-1)
+            if name == "down":
+                res["down_proj"] = NVFP4Experts(packed, bs, ws2, input_scale)
+                continue
+            for part, rows in (("gate_proj", slice(0, inter)), ("up_proj", slice(inter, None))):
+                res[part] = NVFP4Experts(packed[:, rows].contiguous(), bs[:, rows].contiguous(), ws2, input_scale)
+        return dict(sorted(res.items()))
+
+    def _nvfp4_group(self, experts: range, gu: torch.Tensor, dn: torch.Tensor) -> dict[str, tuple]:
+        """{"gate_up" | "down": (packed, block scales, weight_scale_2)} of `experts` (weights gu, dn)."""
+        inter = self.inter
+        method = self.recipe.nvfp4.weight_scale
+        amax_gu = torch.maximum(nvfp4.matrix_amax(gu[:, :inter]), nvfp4.matrix_amax(gu[:, inter:]))
+        out = {}
+        for name, w, w_amax in (("gate_up", gu, amax_gu), ("down", dn, nvfp4.matrix_amax(dn))):
+            bs, ws2 = nvfp4_scales(w, w_amax, method)
+            ws2 = ws2.reshape(-1).float()
+            if bs is None:
+                bs = nvfp4.block_scales(w, ws2)
+            fac = self._factor(experts, name, w.shape[-1], w.device)
+            codes = gptq.solve(w, fac, gptq.nvfp4_grid(bs, ws2), block_size=self.options.block_size)
+            del fac
+            out[name] = (nvfp4.pack(codes), bs, ws2)
+        return out
+
+    # ------------------------------------------------------------------ INT4
+
+    def int4(
+        self,
+        part: str,
+        w: torch.Tensor,
+        experts: range,
+        s_in: torch.Tensor | None,
+        group_size: int,
+        scale_dtype: torch.dtype,
+    ) -> awq.Int4Weight:
+        """`part` of `experts` (weights w [k, out, in], AWQ scales folded in) coded INT4 by GPTQ on the
+        grid RTN chooses; `s_in`: down_proj's AWQ input scales [k, in] (None: no AWQ)."""
+        grid_of = rtn(w, group_size, scale_dtype)  # its scales: the stored ones
+        key = (experts.start, experts.stop)
+        if part == "down_proj":
+            fac = self._factor(experts, "down", w.shape[-1], w.device, s_in)
+        elif key in self._gate_up:  # up_proj after gate_proj: the same inputs, the same factor
+            fac = self._gate_up.pop(key)
+        else:
+            fac = self._gate_up[key] = self._factor(experts, "gate_up", w.shape[-1], w.device)
+        grid = gptq.int4_grid(grid_of.scales, grid_of.group_size)
+        codes = gptq.solve(w, fac, grid, block_size=self.options.block_size)
+        return awq.Int4Weight(codes, grid_of.scales, None, grid_of.group_size)
+
+    def summary(self) -> dict:
+        """The layer's GPTQ entry in the report: the options and the experts coded by RTN instead."""
+        self._solved = None
+        return {**self.options.to_json(), "rtn_experts": sorted(self.rtn_experts)}

@@ -1,0 +1,197 @@
+"""`qtool quantize` with a recipe's `gptq:` mapping on the tiny fixtures: plain NVFP4 / compressed-tensors INT4
+(the scales RTN writes, other codes), the same bytes on every run and after kill -9 + --resume, one process
+only, and RTN for an expert without tokens."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from qtool.errors import UsageError
+from qtool.io.checkpoint import Checkpoint
+from qtool.io.reader import read_tensor
+from qtool.recipes import RecipeError, load_recipe, parse_recipe
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "contract"))
+
+from in_process import run_cli
+from killpoint import run_killed
+from test_output_contract import tree_sha
+
+NVFP4 = "groups: {routed_experts: nvfp4}\nnvfp4: {weight_scale: WS}\nkv_cache: none\n"
+INT4 = "groups: {routed_experts: w4a16}\nint4: {group_size: 32, awq: AWQ}\nkv_cache: none\n"
+GPTQ = "gptq: {enabled: true, block_size: 16}\n"
+JOB = ["--samples", "2", "--seq-len", "16", "--quiet"]
+
+
+def _recipe(tmp_path: Path, name: str, body: str) -> Path:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(f"schema_version: 1\nname: {name}\n{body}", encoding="utf-8")
+    return path
+
+
+def _tensors(root: Path) -> dict[str, torch.Tensor]:
+    ts = {n: read_tensor(i) for n, i in Checkpoint.open(root).tensors.items()}
+    return {n: t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for n, t in ts.items()}
+
+
+def _quantize(src: Path, recipe: Path, out: Path, *extra: str) -> dict:
+    """The run's report (--json)."""
+    p = run_cli(["quantize", src, "-o", out, "--recipe", recipe, *JOB, "--json", *extra])
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout)
+
+
+def _codes_differ_scales_equal(gptq: dict, rtn: dict, codes: str) -> None:
+    """Same tensors, same scales; the codes are GPTQ's own (not RTN's) in most layers."""
+    assert gptq.keys() == rtn.keys()
+    coded = [n for n in gptq if n.endswith(codes) and ".mlp.experts." in n and not n.startswith("mtp.")]
+    for n, tensor in gptq.items():
+        assert tensor.dtype == rtn[n].dtype and tensor.shape == rtn[n].shape, n
+        if n not in coded:
+            assert torch.equal(tensor, rtn[n]), n  # scales, copied tensors
+    assert sum(not torch.equal(gptq[n], rtn[n]) for n in coded) > len(coded) // 2
+
+
+@pytest.mark.parametrize("weight_scale", ["max", pytest.param("mse_sweep", marks=pytest.mark.slow)])
+def test_nvfp4_gptq_writes_rtns_scales_and_its_own_codes_reproducibly(tiny_bf16, tmp_path, weight_scale):
+    body = NVFP4.replace("WS", weight_scale)
+    rtn, gptq = _recipe(tmp_path, "rtn", body), _recipe(tmp_path, "gptq", body + GPTQ)
+    _quantize(tiny_bf16, rtn, tmp_path / "rtn")
+    report = _quantize(tiny_bf16, gptq, tmp_path / "g1")
+    _quantize(tiny_bf16, gptq, tmp_path / "g2")
+    assert tree_sha(tmp_path / "g1") == tree_sha(tmp_path / "g2")
+    _codes_differ_scales_equal(_tensors(tmp_path / "g1"), _tensors(tmp_path / "rtn"), ".weight")
+    assert all(entry["gptq"]["rtn_experts"] == entry["experts_without_tokens"] for entry in report["layers"])
+
+
+@pytest.mark.parametrize("awq", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_int4_gptq_writes_rtns_scales_and_its_own_codes(tiny_bf16, tmp_path, awq):
+    body = INT4.replace("AWQ", str(awq).lower())
+    _quantize(tiny_bf16, _recipe(tmp_path, "rtn", body), tmp_path / "rtn")
+    _quantize(tiny_bf16, _recipe(tmp_path, "gptq", body + GPTQ), tmp_path / "g")
+    _codes_differ_scales_equal(_tensors(tmp_path / "g"), _tensors(tmp_path / "rtn"), ".weight_packed")
+
+
+@pytest.mark.slow
+def test_gptq_resumed_after_kill_9_gives_the_same_bytes(tiny_bf16, tmp_path):
+    recipe = _recipe(tmp_path, "gptq", NVFP4.replace("WS", "max") + GPTQ)
+    _quantize(tiny_bf16, recipe, tmp_path / "ref")
+    job = ["quantize", tiny_bf16, "-o", tmp_path / "out", "--recipe", recipe, *JOB]
+    p = run_killed("qtool.ops.quantize.layer:write_layer_shard", 2, job)
+    assert p.returncode == -9, p.stderr
+    assert run_cli([*job, "--resume"]).returncode == 0
+    assert tree_sha(tmp_path / "out") == tree_sha(tmp_path / "ref")
+
+
+def test_gptq_with_several_ranks_or_a_peer_backend_is_refused(tiny_bf16, tmp_path, monkeypatch):
+    from qtool.ops.quantize import QuantizeOptions, plan
+
+    recipe = load_recipe(_recipe(tmp_path, "gptq", NVFP4.replace("WS", "max") + GPTQ))
+    with pytest.raises(UsageError, match="--backend modelopt does not run the recipe's gptq"):
+        plan(QuantizeOptions(tiny_bf16, tmp_path / "a", recipe, backend="modelopt", samples=2, seq_len=16))
+    monkeypatch.setattr("qtool.dist.planned_ranks", lambda: 2)
+    with pytest.raises(UsageError, match="gptq runs in one process") as err:
+        plan(QuantizeOptions(tiny_bf16, tmp_path / "b", recipe, samples=2, seq_len=16))
+    assert "--nproc" in err.value.hint
+
+
+@pytest.mark.parametrize(
+    ("gptq", "message"),
+    [
+        ("{enabled: yes-please}", "gptq.enabled must be true or false"),
+        ("{enabled: true, damp: 0}", "gptq.damp must be a number in"),
+        ("{enabled: true, block_size: 0}", "gptq.block_size must be a positive integer"),
+        ("{enabled: true, order: 1}", "unknown gptq options"),
+    ],
+)
+def test_a_bad_gptq_mapping_is_refused(gptq, message):
+    data = {"schema_version": 1, "name": "x", "groups": {"routed_experts": "nvfp4"}}
+    import yaml
+
+    with pytest.raises(RecipeError, match=message):
+        parse_recipe({**data, "gptq": yaml.safe_load(gptq)})
+    with pytest.raises(RecipeError, match="gptq codes the routed experts"):
+        parse_recipe({**data, "groups": {"attention": "fp8"}, "gptq": {"enabled": True}})
+
+
+def test_an_expert_without_tokens_is_coded_by_rtn_and_named():
+    """The GPTQ coder of a layer where expert 1 saw no token: its bytes are RTN's, and the report names it."""
+    from qtool.ops.quantize.calib import ExpertStats
+    from qtool.ops.quantize.gptq_layer import GptqLayer
+    from qtool.ops.quantize.layer import nvfp4_rtn
+
+    recipe = parse_recipe(
+        {"schema_version": 1, "name": "x", "groups": {"routed_experts": "nvfp4"}, "gptq": {"enabled": True}}
+    )
+    hidden, inter = 32, 16
+    gu, dn = torch.randn(2, 2 * inter, hidden).bfloat16(), torch.randn(2, hidden, inter).bfloat16()
+    stats = ExpertStats(2)
+    coder = GptqLayer(recipe, stats, inter, experts=None)
+    stats.hooks += coder.hooks
+    x = torch.randn(64, hidden) @ torch.randn(hidden, hidden)
+    stats.record(0, x.bfloat16(), torch.randn(64, inter).bfloat16())
+    amax = torch.ones(2)
+    got = coder.nvfp4_chunk(0, 2, gu, dn, amax, amax)
+    rtn = nvfp4_rtn(gu, dn, inter, amax, amax, recipe)
+    for part in ("gate_proj", "up_proj", "down_proj"):
+        assert torch.equal(got[part].packed[1], rtn[part].packed[1]), part
+        assert torch.equal(got[part].block_scale[1].view(torch.uint8), rtn[part].block_scale[1].view(torch.uint8))
+    assert not torch.equal(got["gate_proj"].packed[0], rtn["gate_proj"].packed[0])
+    assert coder.summary()["rtn_experts"] == [1]
+
+
+def test_a_solve_group_larger_than_the_writers_chunk_gives_the_same_bytes(monkeypatch):
+    """The coder solves SOLVE_EXPERTS experts at once and hands the writer its chunks' slices: the same bytes as
+    solving each chunk alone."""
+    from types import SimpleNamespace
+
+    from qtool.ops.quantize import gptq_layer, hessians
+    from qtool.ops.quantize.calib import ExpertStats
+
+    recipe = parse_recipe(
+        {"schema_version": 1, "name": "x", "groups": {"routed_experts": "nvfp4"}, "gptq": {"enabled": True}}
+    )
+    hidden, inter, n = 32, 16, 4
+    experts = SimpleNamespace(
+        gate_up_proj=torch.randn(n, 2 * inter, hidden).bfloat16(), down_proj=torch.randn(n, hidden, inter).bfloat16()
+    )
+
+    def coder(solve: int):
+        monkeypatch.setattr(hessians, "SOLVE_EXPERTS", solve)
+        torch.manual_seed(0)
+        stats = ExpertStats(n)
+        layer = gptq_layer.GptqLayer(recipe, stats, inter, experts)
+        stats.hooks += layer.hooks
+        for e in range(n):
+            stats.record(e, torch.randn(32, hidden).bfloat16(), torch.randn(32, inter).bfloat16())
+        return layer
+
+    amax = torch.ones(2)
+    by_group, alone = coder(4), coder(2)
+    for e0 in (0, 2):
+        args = (experts.gate_up_proj[e0 : e0 + 2], experts.down_proj[e0 : e0 + 2], amax, amax)
+        a, b = by_group.nvfp4_chunk(e0, e0 + 2, *args), alone.nvfp4_chunk(e0, e0 + 2, *args)
+        for part in a:
+            assert torch.equal(a[part].packed, b[part].packed), (e0, part)
+
+
+def test_the_plans_memory_fit_counts_the_hessians(tiny_bf16, tmp_path):
+    """The layer's Hessians and a solve group's transients are in the plan's peak (on the forward's device;
+    the host on a CPU), and a GPTQ layer is coded right after its forward (one layer held)."""
+    from qtool.ops.quantize import QuantizeOptions, plan
+    from qtool.ops.quantize.hessians import gptq_memory_bytes
+
+    body = NVFP4.replace("WS", "max")
+    rtn = plan(QuantizeOptions(tiny_bf16, tmp_path / "a", load_recipe(_recipe(tmp_path, "r", body)), samples=2))
+    gptq = plan(QuantizeOptions(tiny_bf16, tmp_path / "b", load_recipe(_recipe(tmp_path, "g", body + GPTQ)), samples=2))
+    extra = gptq_memory_bytes(gptq.n_experts, gptq.hidden, gptq.inter)
+    assert gptq.layers_in_flight == 1
+    assert gptq.memory_need().host_bytes == rtn.memory_need(0).host_bytes + extra
+    # at the 397B's size: 512 experts x (4096^2 + 1024^2) x 4 bytes of Hessians
+    assert gptq_memory_bytes(512, 4096, 1024) - gptq_memory_bytes(0, 4096, 1024) == 34 * 2**30
