@@ -92,7 +92,8 @@ class GptqLayer:
         in_amax: torch.Tensor,
         mid_amax: torch.Tensor,
     ) -> dict[str, NVFP4Experts]:
-        """Experts first_expert..end_expert-1 coded NVFP4 by GPTQ: {part: NVFP4Experts}, as layer.nvfp4_rtn returns them.
+        """Experts first_expert..end_expert-1 coded NVFP4 by GPTQ: {part: NVFP4Experts}, as layer.nvfp4_rtn
+        returns them.
         Solved hessians.SOLVE_EXPERTS at a time (the writer's chunks are smaller): the solver's column loop costs
         the same kernels for 16 experts as for 32, so fewer, larger groups take less time on a GPU."""
         g0 = first_expert - first_expert % hessians.SOLVE_EXPERTS
