@@ -655,6 +655,13 @@ def main() -> int:
         type=Path,
         help="run each job under benchmarks/timeline.py (every thread's segments in order) into this folder",
     )
+    ap.add_argument(
+        "--recipes",
+        default="",
+        metavar="PATH,...",
+        help="also time quantize with each of these recipes (a job per file, named by its stem): e.g. a "
+        "recipe with gptq or a block-scale search, next to the plain quantize job",
+    )
     ap.add_argument("--warm-only", action="store_true", help="skip the cold runs")
     ap.add_argument(
         "--cold-only",
@@ -733,6 +740,10 @@ def main() -> int:
 
             if "quantize" in jobs:
                 job("quantize", nvfp4, src)
+            for recipe in filter(None, a.recipes.split(",")):
+                name = Path(recipe).stem
+                argv = ["quantize", str(src), "-o", str(w / name), "--recipe", str(Path(recipe).resolve()), "--force"]
+                job(name, [*argv, *common], src)
             if "awq" in jobs:
                 job(
                     "awq",
