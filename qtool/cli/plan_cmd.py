@@ -99,18 +99,7 @@ def run(args) -> int:
     if isinstance(choice, FormatChoice):
         _print_formats(rep, opts, written)
         return 0
-    t = rep["target"]
-    print(
-        f"plan: {rep['quantized']} on {t['gpus']}, TP={t['tp']}, {t['max_num_seqs']} x {t['max_model_len']} tokens, "
-        f"KV {t['kv_cache_dtype']}" + (f", MTP {t['mtp']}" if t["mtp"] else "")
-    )
-    u = {k: human_bytes(v * 2**30) for k, v in rep["fit"]["usage_gib"].items()}
-    print(
-        f"  memory fit     per GPU of {human_bytes(rep['fit']['budget_gib'] * 2**30)}: weights {u['weights']}, "
-        f"KV cache {u['kv_cache']}, GDN state {u['gdn_state']}, reserve {u['reserve']}, unused {u['unused']}"
-    )
-    for f in rep["fixed"]:
-        print(f"  fixed          {f['what']}: {human_bytes(f['bytes_per_gpu'])} per GPU")
+    _print_head(rep, opts)
     print(
         f"  budget         {human_bytes(rep['budget_bytes_per_gpu'])} per GPU for BF16 units"
         + (" (--max-weights-gib" if opts.max_weights_gib is not None else " (what the memory fit leaves")

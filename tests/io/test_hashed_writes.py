@@ -17,9 +17,11 @@ class SlowHash:
 
     def __init__(self, real, gate: threading.Event, first_only: bool = False):
         self.real, self.gate, self.first_only, self.calls = real, gate, first_only, 0
+        self.entered = threading.Event()  # set in the first update
 
     def update(self, data):
         self.calls += 1
+        self.entered.set()
         if self.calls == 1 or not self.first_only:
             self.gate.wait(5)
         self.real.update(data)
@@ -288,6 +290,7 @@ def test_a_digest_nobody_waits_for_any_more_stops_its_thread_when_cancelled(tmp_
             out.write(bytes([k]) * (1 << 20))
         digest = out.digest()
     assert out.thread.is_alive()
+    assert out.h.entered.wait(5)  # (a loaded machine may not have started the hash thread yet)
     threading.Timer(0.2, gate.set).start()  # the hash in its first update when cancelled
     assert digest.cancel() and digest.cancelled()
     assert not out.thread.is_alive()

@@ -327,12 +327,7 @@ def _refuse_fp8_runs(recipe: Recipe, backend: Backend) -> None:
             f"--backend {backend.value} does not code the recipe's fp8 groups (qtool's own codec does)",
             hint="use --backend rtn (the default)",
         )
-    if dist.planned_ranks() > 1:
-        raise UsageError(
-            "a recipe with fp8 groups runs in one process (the fp8 linears' input amaxes are not reduced "
-            "over ranks yet)",
-            hint="run without --nproc/--devices",
-        )
+    _one_process_only("a recipe with fp8 groups", "the fp8 linears' input amaxes are not reduced over ranks yet")
 
 
 def _refuse_local_hessian_runs(recipe: Recipe, backend: Backend) -> None:
@@ -346,12 +341,11 @@ def _refuse_local_hessian_runs(recipe: Recipe, backend: Backend) -> None:
             "nvfp4.weight_scale local_hessian: --backend llmcompressor has no local-Hessian block-scale search",
             hint="use --backend rtn (qtool's own, the default) or --backend modelopt (ModelOpt's)",
         )
-    if dist.planned_ranks() > 1:
-        raise UsageError(
-            "nvfp4.weight_scale local_hessian runs in one process (each expert's input Hessians are not "
-            "reduced over ranks: a sum in another order could change a block scale, and the bytes with it)",
-            hint="run without --nproc/--devices",
-        )
+    _one_process_only(
+        "nvfp4.weight_scale local_hessian",
+        "each expert's input Hessians are not reduced over ranks: a sum in another order could change a block "
+        "scale, and the bytes with it",
+    )
 
 
 def _refuse_gptq_runs(recipe: Recipe, backend: Backend) -> None:
@@ -365,12 +359,16 @@ def _refuse_gptq_runs(recipe: Recipe, backend: Backend) -> None:
             f"--backend {backend.value} does not run the recipe's gptq (qtool's own coder does)",
             hint="use --backend rtn (the default), or drop the recipe's gptq mapping",
         )
+    _one_process_only(
+        "a recipe with gptq",
+        "the per-expert Hessians are not reduced over ranks: a sum over ranks would give other bytes than one process",
+    )
+
+
+def _one_process_only(what: str, why: str) -> None:
+    """Refuse `what` with several ranks (--nproc/--devices), saying why."""
     if dist.planned_ranks() > 1:
-        raise UsageError(
-            "a recipe with gptq runs in one process (the per-expert Hessians are not reduced over ranks: a "
-            "sum over ranks would give other bytes than one process)",
-            hint="run without --nproc/--devices",
-        )
+        raise UsageError(f"{what} runs in one process ({why})", hint="run without --nproc/--devices")
 
 
 @dataclass(frozen=True)
