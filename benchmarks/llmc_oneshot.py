@@ -65,7 +65,8 @@ def recipe(a: argparse.Namespace) -> list:
     mods: list = []
     if a.awq:
         mods.append(AWQModifier(config_groups=groups, ignore=["lm_head"]))
-    mods.append(GPTQModifier(config_groups=groups, ignore=["lm_head"]))
+    actorder = {} if a.actorder == "default" else {"actorder": None if a.actorder == "none" else a.actorder}
+    mods.append(GPTQModifier(config_groups=groups, ignore=["lm_head"], **actorder))
     return mods
 
 
@@ -123,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scheme", choices=["nvfp4", "w4a16"], required=True)
     ap.add_argument("--group-size", type=int, default=32, help="INT4 group (w4a16)")
     ap.add_argument("--awq", action="store_true", help="AWQModifier before GPTQModifier")
+    ap.add_argument(
+        "--actorder", default="default", help="GPTQ's activation ordering: default (static), none, group, weight"
+    )
+    ap.add_argument("--routed-only", action="store_true", help="each expert's Hessian from its routed tokens only")
     ap.add_argument("--as-saved", action="store_true", help="keep llm-compressor's non-expert tensors")
     ap.add_argument("--samples", type=int, required=True)
     ap.add_argument("--seq-len", type=int, required=True)
@@ -145,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             num_calibration_samples=a.samples,
             max_seq_length=a.seq_len,
             shuffle_calibration_samples=False,
+            moe_calibrate_all_experts=not a.routed_only,
         )
     if a.out.exists():
         shutil.rmtree(a.out)
