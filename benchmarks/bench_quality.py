@@ -6,7 +6,9 @@ the BF16 proxy on the same held-out windows (heldout.txt) with `qtool eval kld` 
 evaluation dequantizes the stored weights, activations stay BF16). Each row also gives the routed experts'
 bytes on disk (codes and every scale) and the quantize command's wall and CPU seconds. The baseline is
 measured in the same run: qtool's NVFP4 RTN from max (ModelOpt's default numerics); each KLD is given as
-a ratio to it. A peer backend that fails is left out of the table with its reason.
+a ratio to it. A peer backend that fails is left out of the table with its reason. The rows whose backend
+is `oneshot` are llm-compressor's own GPTQ / AWQ pipeline instead of `qtool quantize`
+(benchmarks/llmc_oneshot.py: same calibration token ids, same evaluation).
 
     python benchmarks/bench_quality.py --workdir /tmp/bq --out quality.json
     python benchmarks/bench_quality.py --workdir /tmp/bq --smoke        # tiny counts, for CI
