@@ -6,7 +6,9 @@ the BF16 proxy on the same held-out windows (heldout.txt) with `qtool eval kld` 
 evaluation dequantizes the stored weights, activations stay BF16). Each row also gives the routed experts'
 bytes on disk (codes and every scale) and the quantize command's wall and CPU seconds. The baseline is
 measured in the same run: qtool's NVFP4 RTN from max (ModelOpt's default numerics); each KLD is given as
-a ratio to it. A peer backend that fails is left out of the table with its reason.
+a ratio to it. A peer backend that fails is left out of the table with its reason. The rows whose backend
+is `oneshot` are llm-compressor's own GPTQ / AWQ pipeline instead of `qtool quantize`
+(benchmarks/llmc_oneshot.py: same calibration token ids, same evaluation).
 
     python benchmarks/bench_quality.py --workdir /tmp/bq --out quality.json
     python benchmarks/bench_quality.py --workdir /tmp/bq --smoke        # tiny counts, for CI
@@ -45,6 +47,7 @@ class Method:
     backend: str  # qtool quantize --backend
     recipe: str  # YAML body (without schema/name lines)
     cuda_only: bool = False  # run by default only with --device cuda (named in --methods, it runs anyway)
+    oneshot: tuple[str, ...] = ()  # llm-compressor's own pipeline instead of qtool quantize: llmc_oneshot.py's flags
 
 
 GPTQ = "gptq: {enabled: true}\n"  # damp 0.01, block 128, no act order (the recipe's defaults)
@@ -108,6 +111,31 @@ def methods(int4_group: int) -> list[Method]:
         ),
         Method("llmc-nvfp4-minmax", "NVFP4 RTN, minmax observer", "llm-compressor", "llmcompressor", _nvfp4("max")),
         Method("llmc-nvfp4-mse", "NVFP4, mse observer", "llm-compressor", "llmcompressor", _nvfp4("mse")),
+        # llm-compressor's GPTQModifier end to end (oneshot), not through qtool: benchmarks/llmc_oneshot.py
+        Method(
+            "llmc-nvfp4-gptq",
+            "NVFP4 GPTQ (GPTQModifier)",
+            "llm-compressor",
+            "oneshot",
+            "",
+            oneshot=("--scheme", "nvfp4"),
+        ),
+        Method(
+            "llmc-int4-gptq",
+            f"INT4 W4A16 g{int4_group} GPTQ (GPTQModifier)",
+            "llm-compressor",
+            "oneshot",
+            "",
+            oneshot=("--scheme", "w4a16", "--group-size", str(int4_group)),
+        ),
+        Method(
+            "llmc-int4-awq-gptq",
+            f"INT4 W4A16 g{int4_group} AWQ + GPTQ (AWQModifier, GPTQModifier)",
+            "llm-compressor",
+            "oneshot",
+            "",
+            oneshot=("--scheme", "w4a16", "--group-size", str(int4_group), "--awq"),
+        ),
         Method("v2-mixed", "NVFP4 sweep experts + FP8 rest (NVFP4-V2)", "qtool", "rtn", _v2_mixed()),
     ]
 
@@ -129,11 +157,14 @@ def ensure_proxy(workdir: Path) -> Path:
 
 def qtool(args: list[str]) -> tuple[subprocess.CompletedProcess, float, float]:
     """Run `qtool ARGS` from this tree: (the process, wall seconds, CPU seconds of the child)."""
+    return timed([sys.executable, "-m", "qtool", *args])
+
+
+def timed(cmd: list[str]) -> tuple[subprocess.CompletedProcess, float, float]:
+    """Run CMD from this tree: (the process, wall seconds, CPU seconds of the child)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, "-m", "qtool", *args], check=False, capture_output=True, text=True, cwd=ROOT, env=_env()
-    )
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, cwd=ROOT, env=_env())
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
@@ -178,10 +209,24 @@ def _read(file: str, start: int, end: int) -> bytes:
         return f.read(end - start)
 
 
-def run_method(method: Method, src: Path, workdir: Path, a: argparse.Namespace) -> dict:
-    out = workdir / "out" / method.key
+def quantize(method: Method, src: Path, out: Path, workdir: Path, a: argparse.Namespace):
+    """The method's quantized checkpoint at OUT: (the process, wall seconds, CPU seconds)."""
+    if method.oneshot:
+        return timed(
+            [
+                sys.executable,
+                str(ROOT / "benchmarks/llmc_oneshot.py"),
+                str(src),
+                str(out),
+                *method.oneshot,
+                "--samples",
+                str(a.calib_samples),
+                "--seq-len",
+                str(a.seq_len),
+            ]
+        )
     recipe = write_recipe(method, workdir)
-    proc, wall, cpu = qtool(
+    return qtool(
         [
             "quantize",
             str(src),
@@ -203,6 +248,11 @@ def run_method(method: Method, src: Path, workdir: Path, a: argparse.Namespace) 
             "--quiet",
         ]
     )
+
+
+def run_method(method: Method, src: Path, workdir: Path, a: argparse.Namespace) -> dict:
+    out = workdir / "out" / method.key
+    proc, wall, cpu = quantize(method, src, out, workdir, a)
     if proc.returncode != 0:
         return {"key": method.key, "error": f"quantize exit {proc.returncode}: {_last_line(proc)}"}
     kld, _, _ = qtool(

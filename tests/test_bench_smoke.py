@@ -175,16 +175,30 @@ def test_bench_quality_smoke(tmp_path):
         "nvfp4-mse-sweep",
         "nvfp4-4over6",
         "nvfp4-local-hessian",
+        "nvfp4-max-gptq",
+        "nvfp4-mse-sweep-gptq",
         "int4-rtn",
         "int4-awq",
+        "int4-gptq",
+        "int4-awq-gptq",
         "modelopt-nvfp4-max",
         "llmc-nvfp4-minmax",
         "llmc-nvfp4-mse",
+        "llmc-nvfp4-gptq",
+        "llmc-int4-gptq",
+        "llmc-int4-awq-gptq",
         "v2-mixed",
     ]
     for r in result["rows"]:
         assert math.isfinite(r["mean_kld"]) and r["mean_kld"] > 0, r
         assert r["expert_bytes"] > 0 and r["quantize_wall_s"] > 0 and r["positions"] == 2 * 64, r
+    by_key = {r["key"]: r for r in result["rows"]}
+    # llm-compressor's own GPTQ stores the experts in the same bytes as qtool's rows (its NVFP4 without the
+    # per-Linear FP32 input scale: weights-only NVFP4A16)
+    assert by_key["llmc-int4-gptq"]["expert_bytes"] == by_key["int4-gptq"]["expert_bytes"]
+    assert by_key["llmc-int4-awq-gptq"]["expert_bytes"] == by_key["int4-gptq"]["expert_bytes"]
+    linears = 8 * 16 * 3  # the proxy's decoder layers x experts x projections
+    assert by_key["llmc-nvfp4-gptq"]["expert_bytes"] == by_key["nvfp4-max"]["expert_bytes"] - 4 * linears
     modelopt = next(r for r in result["rows"] if r["key"] == "modelopt-nvfp4-max")
     assert modelopt["experts_identical_to_qtool_max"] is True  # ModelOpt's bytes are qtool max's
     table = [line for line in p.stdout.splitlines() if line.startswith("| ")]
