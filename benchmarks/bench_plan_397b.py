@@ -146,8 +146,10 @@ def layers(p, partial, ids, streamer, *, resume, progress=None, mode=0o644, shar
     for f in [f for h in hashers for f in h.futures.values()]:  # and hashed
         f.result()
     clock["last_layer"] = time.perf_counter()
-    return {"layers": [{"layer": lp.index, "routed_experts": lp.scheme.value, "tokens_per_expert": [1],
-                        "experts_without_tokens": []} for lp in p.layers], "seconds": 0.0}
+    entry = {"tokens_per_expert": [1], "experts_without_tokens": [], "expert_tokens": "natural",
+             "min_expert_tokens": 1, "fallback_rule": "layer_amax", "experts_fallback": []}
+    return {"layers": [{"layer": lp.index, "routed_experts": lp.scheme.value, **entry} for lp in p.layers],
+            "seconds": 0.0}
 
 execute.calibrate_and_write = layers
 def report():
