@@ -271,6 +271,63 @@ def _sweep_body(
     tl.store(best_ptr + rows[:, None] * n_blocks + blks[None, :], byte, mask=m2)
 
 
+def _hessian_sweep_body(
+    x_ptr,  # [E, out, in] weights
+    h_ptr,  # [E, in/16, 16, 16] float32: each column block's H_b
+    ws2_ptr,  # [E] float32: weight_scale_2 of each matrix
+    cand_ptr,  # [NC] float32: the finite positive E4M3 values, ascending
+    byte_ptr,  # [NC] uint8: the same values' E4M3 bytes
+    best_ptr,  # [E, out, in/16] uint8 out: the chosen block scale's byte
+    out_rows,
+    n_blocks,
+    BLOCK_R: tl.constexpr,
+    NC: tl.constexpr,
+):
+    # `local_hessian` (qtool.ops.quantize.local_hessian): per row of one 16-column block the candidate scale
+    # with the smallest dw^T H_b dw, every candidate tried (the Hessian loss has no provable window), the first
+    # smallest kept. One program: BLOCK_R rows of one (matrix, column block), so H_b is loaded once and the
+    # product runs as a [BLOCK_R, 16] x [16, 16] tl.dot in full float32 (no TF32: near-ties must not flip).
+    pid_r = tl.program_id(0)
+    pid_b = tl.program_id(1)  # matrix * n_blocks + column block
+    mat = pid_b // n_blocks
+    blk = pid_b % n_blocks
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < out_rows
+    e16 = tl.arange(0, 16)
+    row_base = (mat.to(tl.int64) * out_rows + rows) * (n_blocks * 16)
+    x = tl.load(x_ptr + row_base[:, None] + blk * 16 + e16[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+    h = tl.load(h_ptr + pid_b.to(tl.int64) * 256 + e16[:, None] * 16 + e16[None, :])
+    ws2 = tl.load(ws2_ptr + mat)
+    sign = tl.where(x < 0.0, -1.0, 1.0)
+    best_loss = tl.full([BLOCK_R], float("inf"), dtype=tl.float32)
+    best_k = tl.zeros([BLOCK_R], dtype=tl.int32)
+    for k in tl.range(NC):  # not unrolled: 126 dot bodies would only slow the compile
+        denom = tl.load(cand_ptr + k) * ws2  # as the codec divides: float(e4m3 scale) * weight_scale_2
+        a = tl.abs(tl.math.div_rn(x, denom))
+        q = tl.where(
+            a <= 0.25,
+            0.0,
+            tl.where(
+                a < 0.75,
+                0.5,
+                tl.where(
+                    a <= 1.25,
+                    1.0,
+                    tl.where(
+                        a < 1.75, 1.5, tl.where(a <= 2.5, 2.0, tl.where(a < 3.5, 3.0, tl.where(a <= 5.0, 4.0, 6.0)))
+                    ),
+                ),
+            ),
+        )
+        dw = x - sign * q * denom
+        loss = tl.sum(tl.dot(dw, h, input_precision="ieee") * dw, axis=1)
+        better = loss < best_loss
+        best_loss = tl.where(better, loss, best_loss)
+        best_k = tl.where(better, k, best_k)
+    byte = tl.load(byte_ptr + best_k)
+    tl.store(best_ptr + row_base // 16 + blk, byte, mask=rmask)
+
+
 @functools.cache
 def _kernels() -> tuple[Any, Any]:
     """Import triton (first call only) and JIT-wrap the kernel bodies. The compiled kernels are kept in
@@ -328,6 +385,37 @@ def sweep_block_scales_triton(
             FIRST_HALVABLE=nvfp4.SWEEP_FIRST_HALVABLE,
             STEPS=nvfp4.SWEEP_BELOW + nvfp4.SWEEP_ABOVE if prune else int(candidates.numel()),
             num_warps=tile.num_warps,
+        )
+    return best.view(torch.float8_e4m3fn)
+
+
+@functools.cache
+def _hessian_sweep_kernel() -> Any:
+    _kernels()  # binds `tl` and the cache dir
+    import triton
+
+    return triton.jit(_hessian_sweep_body)
+
+
+def hessian_block_scales_triton(
+    w: torch.Tensor, weight_scale_2: torch.Tensor, hessian: torch.Tensor, block_rows: int = 64
+) -> torch.Tensor:
+    """float8_e4m3fn [E, out, in/16]: per block the E4M3 scale with the smallest dw^T H_b dw, every candidate
+    tried (`qtool.ops.quantize.local_hessian._search` as one launch; CUDA tensors). w [E, out, in];
+    weight_scale_2 float32 [E]; hessian float32 [E, in/16, 16, 16]."""
+    nvfp4.check_weight(w)
+    w = w.contiguous()
+    n_exp, out, n_in = w.shape
+    nb = n_in // BLOCK_SIZE
+    scale_bytes = nvfp4.fp8_scale_bytes(w.device).contiguous()
+    values = scale_bytes.view(torch.float8_e4m3fn).float().contiguous()
+    h = hessian.to(w.device, torch.float32).reshape(n_exp, nb, BLOCK_SIZE, BLOCK_SIZE).contiguous()
+    ws2 = torch.as_tensor(weight_scale_2, device=w.device).float().reshape(n_exp).contiguous()
+    best = torch.empty((n_exp, out, nb), dtype=torch.uint8, device=w.device)
+    if n_exp and out and nb:
+        grid = (_cdiv(out, block_rows), n_exp * nb)
+        _hessian_sweep_kernel()[grid](
+            w, h, ws2, values, scale_bytes, best, out, nb, BLOCK_R=block_rows, NC=int(values.numel()), num_warps=4
         )
     return best.view(torch.float8_e4m3fn)
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from qtool.formats import nvfp4
+from qtool.formats import nvfp4, nvfp4_triton
 from qtool.lazy import lazy_module
 from qtool.ops.quantize.nvfp4_mse import fp8_scale_values, sweep_block_scales
 from qtool.recipes import Recipe, WeightScale
@@ -125,9 +125,24 @@ def hessian_block_scales(
     nb = n_in // BLOCK
     values = fp8_scale_values(w.device)
     ws2 = nvfp4.weight_scale_2_from_amax(torch.as_tensor(global_amax, device=w.device).float().reshape(n_exp))
+    h = hessian.to(w.device, torch.float32).reshape(n_exp * nb, BLOCK, BLOCK)
+    if w.is_cuda and nvfp4_triton.triton_available():
+        scales = nvfp4_triton.hessian_block_scales_triton(w, ws2, h)
+    else:
+        scales = _searched_scales(w, ws2, h, values)
+    plain = _plain_mse_blocks(h.reshape(n_exp, nb, BLOCK, BLOCK), seen, out)
+    if bool(plain.any()):
+        scales = torch.where(plain, sweep_block_scales(w, global_amax).float(), scales.float())
+        scales = scales.to(torch.float8_e4m3fn)
+    return scales.contiguous()
+
+
+def _searched_scales(w: torch.Tensor, ws2: torch.Tensor, h: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """The torch search (CPU, or no triton): float8_e4m3fn [E, out, in/16]; h [E * in/16, 16, 16]."""
+    n_exp, out, n_in = w.shape
+    nb = n_in // BLOCK
     # one batch item per (expert, column block): its rows [out, 16] and its H_b [16, 16]
     blocks = w.reshape(n_exp, out, nb, BLOCK).transpose(1, 2).reshape(n_exp * nb, out, BLOCK)
-    h = hessian.to(w.device, torch.float32).reshape(n_exp * nb, BLOCK, BLOCK)
     item_ws2 = ws2.repeat_interleave(nb).reshape(-1, 1, 1)
     best = torch.empty(n_exp * nb, out, dtype=torch.long, device=w.device)
     step = max(1, SEARCH_ELEMS // (out * BLOCK))
@@ -135,12 +150,7 @@ def hessian_block_scales(
         best[i0 : i0 + step] = _search(
             blocks[i0 : i0 + step].float(), h[i0 : i0 + step], item_ws2[i0 : i0 + step], values
         )
-    scales = values[best].reshape(n_exp, nb, out).transpose(1, 2).to(torch.float8_e4m3fn)
-    plain = _plain_mse_blocks(h.reshape(n_exp, nb, BLOCK, BLOCK), seen, out)
-    if bool(plain.any()):
-        scales = torch.where(plain, sweep_block_scales(w, global_amax).float(), scales.float())
-        scales = scales.to(torch.float8_e4m3fn)
-    return scales.contiguous()
+    return values[best].reshape(n_exp, nb, out).transpose(1, 2).to(torch.float8_e4m3fn)
 
 
 def _search(x: torch.Tensor, h: torch.Tensor, ws2: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
