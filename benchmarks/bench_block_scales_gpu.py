@@ -6,9 +6,11 @@
 For a chunk of E experts (default 32) of gate/up [1024, 4096] and down [4096, 1024] (BF16, trained-like:
 Gaussian with outlier columns) it times, as CUDA-event medians after warmup: RTN (`quantize_fast`), the
 `mse_sweep` Triton kernel trying all 126 candidates per block (`prune=False`) and trying each block's
-window (the default), and `four_over_six` (torch ops on the GPU). Before timing, the windowed sweep's bytes
-are compared with the full sweep's (they must be equal). The per-layer projection is what each search adds
-to a 397B layer: 512 experts = 512/E chunks of (gate + up + down).
+window (the default), `four_over_six` (torch ops on the GPU) and `local_hessian` (its Triton kernel: all 126
+candidates, dwᵀ H_b dw with a full-float32 [rows, 16] x [16, 16] product, H from random activations).
+Before timing, the windowed sweep's bytes are compared with the full sweep's (they must be equal). The
+per-layer projection is what each search adds to a 397B layer: 512 experts = 512/E chunks of (gate + up +
+down).
 """
 
 from __future__ import annotations
@@ -50,6 +52,17 @@ def _weights(experts: int, out: int, n_in: int):
     return w.to(torch.bfloat16)
 
 
+def _hessians(experts: int, n_in: int):
+    """[experts, n_in/16, 16, 16] float32: each column block's second moments of random activations whose
+    channels differ in scale (the search's cost does not depend on the values)."""
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(256, n_in // 16, 16, device="cuda", generator=g) * torch.logspace(-1, 1, 16, device="cuda")
+    per_block = torch.einsum("tbi,tbj->bij", x, x) / 256
+    return per_block.expand(experts, -1, -1, -1).contiguous()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--experts", type=int, default=32)
@@ -84,6 +97,10 @@ def main(argv: list[str] | None = None) -> int:
             "sweep_windowed_ms": _time_ms(lambda w=w, amax=amax: nt.sweep_block_scales_triton(w, amax), a.runs),
             "four_over_six_ms": _time_ms(lambda w=w, amax=amax: four_over_six_block_scales(w, amax), a.runs),
         }
+        h, ws2 = _hessians(a.experts, n_in), nvfp4.weight_scale_2_from_amax(amax)
+        rows[shape]["local_hessian_ms"] = _time_ms(
+            lambda w=w, ws2=ws2, h=h: nt.hessian_block_scales_triton(w, ws2, h), a.runs
+        )
     chunks = LAYER_EXPERTS / a.experts
     per_layer = {
         key: chunks * (2 * rows["gate_up"][key] + rows["down"][key]) / 1000
