@@ -6,7 +6,7 @@
 For a chunk of E experts (default 32) of gate/up [1024, 4096] and down [4096, 1024] (BF16, trained-like:
 Gaussian with outlier columns) it times, as CUDA-event medians after warmup: RTN (`quantize_fast`), the
 `mse_sweep` Triton kernel trying all 126 candidates per block (`prune=False`) and trying each block's
-window (the default), `four_over_six` (torch ops on the GPU) and `local_hessian` (its Triton kernel: all 126
+window (the default), `four_over_six` (its Triton kernel) and `local_hessian` (its Triton kernel: all 126
 candidates, dwᵀ H_b dw with a full-float32 [rows, 16] x [16, 16] product, H from random activations).
 Before timing, the windowed sweep's bytes are compared with the full sweep's (they must be equal). The
 per-layer projection is what each search adds to a 397B layer: 512 experts = 512/E chunks of (gate + up +

@@ -94,6 +94,7 @@ def triton_available() -> bool:
 # needs triton at import time; annotations stay strings thanks to `from __future__ import annotations`).
 
 tl: Any = None
+_e4m3_rne: Any = None  # triton.jit(_e4m3_rne_body), bound with `tl`
 
 
 def _amax_body(x_ptr, part_ptr, numel_per_mat, BLOCK: tl.constexpr, STEPS: tl.constexpr):
@@ -113,6 +114,24 @@ def _amax_body(x_ptr, part_ptr, numel_per_mat, BLOCK: tl.constexpr, STEPS: tl.co
     res = tl.max(acc, axis=0)
     res = tl.where(tl.max(nan, axis=0) > 0, float("nan"), res)
     tl.store(part_ptr + mat * nsplit + sp, res)
+
+
+def _e4m3_rne_body(s):
+    # round-to-nearest-even to E4M3 on the float32 bits of s (positive, finite, in [2**-9, 448]): keep 3
+    # mantissa bits for normals (exp >= -6), fewer below so the quantum is 2**-9 (E4M3 subnormals).
+    # Returns (the rounded value as float32, its E4M3 byte as int32).
+    bits = s.to(tl.int32, bitcast=True)
+    exp = (bits >> 23) - 127
+    drop = 20 + tl.minimum(tl.maximum(-6 - exp, 0), 3)
+    # lowest kept bit of the significand with its implicit leading 1 (for drop == 23 that 1 is all
+    # that is kept: 1.5 * 2**-9 must round to 2 * 2**-9, the even multiple of the quantum)
+    lsb = (((bits & 0x7FFFFF) | 0x800000) >> drop) & 1
+    rb = (bits + ((1 << (drop - 1)) - 1) + lsb) & ~((1 << drop) - 1)
+    sq = rb.to(tl.float32, bitcast=True)  # exactly representable in E4M3, <= 448
+    rexp = (rb >> 23) - 127
+    normal_byte = ((rexp + 7) << 3) | ((rb >> 20) & 7)
+    sub_byte = (sq * 512.0).to(tl.int32)  # exact: sq is k * 2**-9, k in 1..7
+    return sq, tl.where(rexp >= -6, normal_byte, sub_byte)
 
 
 def _quantize_body(
@@ -148,20 +167,7 @@ def _quantize_body(
     s = tl.where((s == 0.0) | (s != s), 1.0, s)  # noqa: PLR0124 (NaN test)
     s = tl.minimum(tl.maximum(s, 0.001953125), 448.0)  # clamp(2**-9, 448)
 
-    # round-to-nearest-even to E4M3 on the float32 bits: keep 3 mantissa bits for normals (exp >= -6),
-    # fewer below so the quantum is 2**-9 (E4M3 subnormals). s is positive and finite here.
-    bits = s.to(tl.int32, bitcast=True)
-    exp = (bits >> 23) - 127
-    drop = 20 + tl.minimum(tl.maximum(-6 - exp, 0), 3)
-    # lowest kept bit of the significand with its implicit leading 1 (for drop == 23 that 1 is all
-    # that is kept: 1.5 * 2**-9 must round to 2 * 2**-9, the even multiple of the quantum)
-    lsb = (((bits & 0x7FFFFF) | 0x800000) >> drop) & 1
-    rb = (bits + ((1 << (drop - 1)) - 1) + lsb) & ~((1 << drop) - 1)
-    sq = rb.to(tl.float32, bitcast=True)  # exactly representable in E4M3, <= 448
-    rexp = (rb >> 23) - 127
-    normal_byte = ((rexp + 7) << 3) | ((rb >> 20) & 7)
-    sub_byte = (sq * 512.0).to(tl.int32)  # exact: sq is k * 2**-9, k in 1..7
-    sbyte = tl.where(rexp >= -6, normal_byte, sub_byte)
+    sq, sbyte = _e4m3_rne(s)  # exactly representable in E4M3, <= 448
     tl.store(scale_ptr + rows[:, None] * n_blocks + blks[None, :], sbyte.to(tl.uint8), mask=m2)
 
     # codes of fl(x / fl(scale * ws2)); E2M1 bounds with ties to the even code
@@ -328,18 +334,81 @@ def _hessian_sweep_body(
     tl.store(best_ptr + row_base // 16 + blk, byte, mask=rmask)
 
 
+def _four_over_six_body(
+    x_ptr,
+    amax_ptr,  # [matrices] float32: the per-matrix amax the global scale comes from
+    ws2_ptr,  # [matrices] float32: weight_scale_2 = amax / (6 * 256)
+    best_ptr,  # [rows, n_blocks] uint8 out: the chosen block scale's byte
+    sixth,  # float32 1/6, as torch's CUDA division by the scalar 6 multiplies by it
+    n_rows,
+    n_blocks,
+    rows_per_mat,
+    BLOCK_R: tl.constexpr,
+    NB: tl.constexpr,
+):
+    # `four_over_six` (qtool.ops.quantize.nvfp4_mse.four_over_six_block_scales): each block's max mapped to 6
+    # (multiplier 1.0) or to 4 (1.5), the exported E4M3 scale of each computed in the torch code's order of
+    # float32 operations, the one whose codes have the smaller squared error kept (max -> 6 on a tie).
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    rows = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    blks = pid_c * NB + tl.arange(0, NB)
+    rmask = rows < n_rows
+    m2 = rmask[:, None] & (blks < n_blocks)[None, :]
+    e16 = tl.arange(0, 16)
+    offs = rows[:, None, None] * (n_blocks * 16) + blks[None, :, None] * 16 + e16[None, None, :]
+    x = tl.load(x_ptr + offs, mask=m2[:, :, None], other=0.0).to(tl.float32)
+    ga = tl.load(amax_ptr + rows // rows_per_mat, mask=rmask, other=1.0)
+    ws2 = tl.load(ws2_ptr + rows // rows_per_mat, mask=rmask, other=1.0)
+    bamax = tl.max(tl.abs(x), axis=2)
+    global_per_block = ga * sixth  # [R]
+    sign = tl.where(x < 0.0, -1.0, 1.0)
+    best_loss = tl.full([BLOCK_R, NB], float("inf"), dtype=tl.float32)
+    best_byte = tl.zeros([BLOCK_R, NB], dtype=tl.int32)
+    for i in tl.static_range(2):
+        per_block = (bamax * (1.0 + 0.5 * i)) * sixth
+        per_block = tl.where(per_block == 0.0, 1.0, per_block)
+        s = tl.math.div_rn(per_block * 256.0, global_per_block[:, None])
+        s = tl.minimum(tl.maximum(s, 0.001953125), 448.0)  # clamp(2**-9, 448)
+        sq, sbyte = _e4m3_rne(s)
+        denom = sq * ws2[:, None]
+        a = tl.abs(tl.math.div_rn(x, denom[:, :, None]))
+        q = tl.where(
+            a <= 0.25,
+            0.0,
+            tl.where(
+                a < 0.75,
+                0.5,
+                tl.where(
+                    a <= 1.25,
+                    1.0,
+                    tl.where(
+                        a < 1.75, 1.5, tl.where(a <= 2.5, 2.0, tl.where(a < 3.5, 3.0, tl.where(a <= 5.0, 4.0, 6.0)))
+                    ),
+                ),
+            ),
+        )
+        diff = sign * q * denom[:, :, None] - x
+        loss = tl.sum(diff * diff, axis=2)
+        better = loss < best_loss
+        best_loss = tl.where(better, loss, best_loss)
+        best_byte = tl.where(better, sbyte, best_byte)
+    tl.store(best_ptr + rows[:, None] * n_blocks + blks[None, :], best_byte.to(tl.uint8), mask=m2)
+
+
 @functools.cache
 def _kernels() -> tuple[Any, Any]:
     """Import triton (first call only) and JIT-wrap the kernel bodies. The compiled kernels are kept in
     qtool's cache dir (`$QTOOL_CACHE_DIR/triton`, unless TRITON_CACHE_DIR says otherwise): compiled once per
     machine and CUDA version, found there by every later run (a CI cache keeps them too)."""
-    global tl
+    global tl, _e4m3_rne
     if not os.environ.get("TRITON_CACHE_DIR"):
         os.environ["TRITON_CACHE_DIR"] = str(cache_dir() / "triton")
     import triton
     import triton.language as tl_mod
 
     tl = tl_mod
+    _e4m3_rne = triton.jit(_e4m3_rne_body)  # called from the kernels: resolved from this module's globals
     return triton.jit(_amax_body), triton.jit(_quantize_body)
 
 
@@ -384,6 +453,46 @@ def sweep_block_scales_triton(
             ABOVE=nvfp4.SWEEP_ABOVE,
             FIRST_HALVABLE=nvfp4.SWEEP_FIRST_HALVABLE,
             STEPS=nvfp4.SWEEP_BELOW + nvfp4.SWEEP_ABOVE if prune else int(candidates.numel()),
+            num_warps=tile.num_warps,
+        )
+    return best.view(torch.float8_e4m3fn)
+
+
+@functools.cache
+def _four_over_six_kernel() -> Any:
+    _kernels()  # binds `tl`, `_e4m3_rne` and the cache dir
+    import triton
+
+    return triton.jit(_four_over_six_body)
+
+
+def four_over_six_block_scales_triton(
+    w: torch.Tensor, global_amax: torch.Tensor, weight_scale_2: torch.Tensor, tile: TileConfig = DEFAULT_TILE
+) -> torch.Tensor:
+    """`qtool.ops.quantize.nvfp4_mse.four_over_six_block_scales`' block scales as one Triton launch (CUDA
+    tensors): float8_e4m3fn [..., out, in/16]. global_amax and weight_scale_2 per matrix (shape w.shape[:-2])."""
+    nvfp4.check_weight(w)
+    w = w.contiguous()
+    lead, out, n_in = tuple(w.shape[:-2]), w.shape[-2], w.shape[-1]
+    nb = n_in // BLOCK_SIZE
+    n_rows = torch.Size(lead).numel() * out
+    amax = torch.as_tensor(global_amax, device=w.device).float().expand(lead).contiguous()
+    ws2 = torch.as_tensor(weight_scale_2, device=w.device).float().expand(lead).contiguous()
+    sixth = float(torch.tensor(1.0) / nvfp4.E2M1_MAX)  # float32 1/6, correctly rounded
+    best = torch.empty((*lead, out, nb), dtype=torch.uint8, device=w.device)
+    if n_rows and nb:
+        grid = (_cdiv(n_rows, tile.block_rows), _cdiv(nb, tile.blocks_per_tile))
+        _four_over_six_kernel()[grid](
+            w,
+            amax,
+            ws2,
+            best,
+            sixth,
+            n_rows,
+            nb,
+            out,
+            BLOCK_R=tile.block_rows,
+            NB=tile.blocks_per_tile,
             num_warps=tile.num_warps,
         )
     return best.view(torch.float8_e4m3fn)

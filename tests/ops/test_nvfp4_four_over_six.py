@@ -195,6 +195,27 @@ def _modelopt_four_over_six(matrices: list[torch.Tensor]) -> list[tuple[torch.Te
 
 
 @pytest.mark.gpu
+def test_triton_kernel_gives_the_torch_codes_bytes():
+    """On CUDA the search is one Triton launch: the same block scales as the torch ops on the same GPU (the
+    same float32 operations; only the 16-term error sums may add in another order: a near-tie at most)."""
+    from qtool.formats import nvfp4_triton as nt
+    from qtool.ops.quantize.nvfp4_mse import _four_over_six_torch
+
+    if not (torch.cuda.is_available() and nt.triton_available()):
+        pytest.skip("needs a CUDA GPU and triton")
+    g = torch.Generator().manual_seed(9)
+    w = (torch.randn(8, 1024, 4096, generator=g) * 0.02 * (1 + 19 * (torch.arange(4096) % 512 == 0))).bfloat16()
+    w[0, :4, :64] = 0
+    w = w.cuda()
+    amax = nvfp4.matrix_amax(w)
+    kernel, ws2 = four_over_six_block_scales(w, amax)
+    reference = _four_over_six_torch(w, amax, ws2)
+    same = float((kernel.view(torch.uint8) == reference.view(torch.uint8)).float().mean())
+    print(f"four_over_six Triton vs torch on the GPU: {same:.7f} of the block scales equal")
+    assert same > 0.9999
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("source", ["tiny", "proxy"])
 def test_same_bytes_as_modelopts_four_over_six(source, request):
     pytest.importorskip("modelopt")

@@ -137,10 +137,18 @@ def four_over_six_block_scales(weight: torch.Tensor, global_amax: torch.Tensor) 
 
     `global_amax` as for `sweep_block_scales` (gate and up pass the larger of their two amaxes)."""
     nvfp4.check_weight(weight)
-    lead, out, n_in = tuple(weight.shape[:-2]), weight.shape[-2], weight.shape[-1]
-    nb = n_in // nvfp4.BLOCK_SIZE
+    lead = tuple(weight.shape[:-2])
     amax = torch.as_tensor(global_amax, device=weight.device).float().expand(lead).contiguous()
     ws2 = nvfp4.weight_scale_2_from_amax(amax, nvfp4.E4M3_MAX_FOUR_OVER_SIX)
+    if weight.is_cuda and nvfp4_triton.triton_available():
+        return nvfp4_triton.four_over_six_block_scales_triton(weight, amax, ws2), ws2
+    return _four_over_six_torch(weight, amax, ws2), ws2
+
+
+def _four_over_six_torch(weight: torch.Tensor, amax: torch.Tensor, ws2: torch.Tensor) -> torch.Tensor:
+    """four_over_six's block scales in torch ops (CPU, or no triton), amax and ws2 per matrix."""
+    lead, out, n_in = tuple(weight.shape[:-2]), weight.shape[-2], weight.shape[-1]
+    nb = n_in // nvfp4.BLOCK_SIZE
     row_amax = amax.reshape(-1, 1).repeat_interleave(out, dim=0)  # [R, 1]
     row_ws2 = ws2.reshape(-1, 1).repeat_interleave(out, dim=0)
     rows = weight.reshape(-1, nb, nvfp4.BLOCK_SIZE)
@@ -161,4 +169,4 @@ def four_over_six_block_scales(weight: torch.Tensor, global_amax: torch.Tensor) 
                 chunk = torch.where(better, s8.float(), chunk.float()).to(torch.float8_e4m3fn)
                 best_loss = torch.where(better, loss, best_loss)
         best[r0 : r0 + SWEEP_ROWS] = chunk
-    return best.reshape(*lead, out, nb), ws2
+    return best.reshape(*lead, out, nb)
