@@ -288,6 +288,7 @@ def _hessian_sweep_body(
     n_blocks,
     BLOCK_R: tl.constexpr,
     NC: tl.constexpr,
+    PRECISION: tl.constexpr,  # tl.dot's input precision: "ieee" (full float32 FMAs) or "tf32x3"
 ):
     # `local_hessian` (qtool.ops.quantize.local_hessian): per row of one 16-column block the candidate scale
     # with the smallest dw^T H_b dw, every candidate tried (the Hessian loss has no provable window), the first
@@ -326,7 +327,7 @@ def _hessian_sweep_body(
             ),
         )
         dw = x - sign * q * denom
-        loss = tl.sum(tl.dot(dw, h, input_precision="ieee") * dw, axis=1)
+        loss = tl.sum(tl.dot(dw, h, input_precision=PRECISION) * dw, axis=1)
         better = loss < best_loss
         best_loss = tl.where(better, loss, best_loss)
         best_k = tl.where(better, k, best_k)
@@ -507,7 +508,12 @@ def _hessian_sweep_kernel() -> Any:
 
 
 def hessian_block_scales_triton(
-    w: torch.Tensor, weight_scale_2: torch.Tensor, hessian: torch.Tensor, block_rows: int = 64
+    w: torch.Tensor,
+    weight_scale_2: torch.Tensor,
+    hessian: torch.Tensor,
+    block_rows: int = 64,
+    precision: str = "ieee",
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """float8_e4m3fn [E, out, in/16]: per block the E4M3 scale with the smallest dw^T H_b dw, every candidate
     tried (`qtool.ops.quantize.local_hessian._search` as one launch; CUDA tensors). w [E, out, in];
@@ -524,7 +530,18 @@ def hessian_block_scales_triton(
     if n_exp and out and nb:
         grid = (_cdiv(out, block_rows), n_exp * nb)
         _hessian_sweep_kernel()[grid](
-            w, h, ws2, values, scale_bytes, best, out, nb, BLOCK_R=block_rows, NC=int(values.numel()), num_warps=4
+            w,
+            h,
+            ws2,
+            values,
+            scale_bytes,
+            best,
+            out,
+            nb,
+            BLOCK_R=block_rows,
+            NC=int(values.numel()),
+            PRECISION=precision,
+            num_warps=num_warps,
         )
     return best.view(torch.float8_e4m3fn)
 
