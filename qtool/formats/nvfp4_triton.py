@@ -288,7 +288,6 @@ def _hessian_sweep_body(
     n_blocks,
     BLOCK_R: tl.constexpr,
     NC: tl.constexpr,
-    PRECISION: tl.constexpr,  # tl.dot's input precision: "ieee" (full float32 FMAs) or "tf32x3"
 ):
     # `local_hessian` (qtool.ops.quantize.local_hessian): per row of one 16-column block the candidate scale
     # with the smallest dw^T H_b dw, every candidate tried (the Hessian loss has no provable window), the first
@@ -310,7 +309,7 @@ def _hessian_sweep_body(
     best_k = tl.zeros([BLOCK_R], dtype=tl.int32)
     for k in tl.range(NC):  # not unrolled: 126 dot bodies would only slow the compile
         denom = tl.load(cand_ptr + k) * ws2  # as the codec divides: float(e4m3 scale) * weight_scale_2
-        a = tl.abs(tl.math.div_rn(x, denom))
+        a = tl.abs(tl.math.div_rn(x, denom))  # as torch divides: the codes the codec will write
         q = tl.where(
             a <= 0.25,
             0.0,
@@ -327,7 +326,7 @@ def _hessian_sweep_body(
             ),
         )
         dw = x - sign * q * denom
-        loss = tl.sum(tl.dot(dw, h, input_precision=PRECISION) * dw, axis=1)
+        loss = tl.sum(tl.dot(dw, h, input_precision="ieee") * dw, axis=1)
         better = loss < best_loss
         best_loss = tl.where(better, loss, best_loss)
         best_k = tl.where(better, k, best_k)
@@ -511,9 +510,7 @@ def hessian_block_scales_triton(
     w: torch.Tensor,
     weight_scale_2: torch.Tensor,
     hessian: torch.Tensor,
-    block_rows: int = 64,
-    precision: str = "ieee",
-    num_warps: int = 4,
+    block_rows: int = 32,
 ) -> torch.Tensor:
     """float8_e4m3fn [E, out, in/16]: per block the E4M3 scale with the smallest dw^T H_b dw, every candidate
     tried (`qtool.ops.quantize.local_hessian._search` as one launch; CUDA tensors). w [E, out, in];
@@ -540,8 +537,7 @@ def hessian_block_scales_triton(
             nb,
             BLOCK_R=block_rows,
             NC=int(values.numel()),
-            PRECISION=precision,
-            num_warps=num_warps,
+            num_warps=4,
         )
     return best.view(torch.float8_e4m3fn)
 
