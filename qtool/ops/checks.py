@@ -428,14 +428,17 @@ def check_consistency(mm: ModelMap, baseline: Callable[[], list] | None = None) 
 
 def inspect_check(found: list) -> dict:
     """A writer's check result from find_problems' findings on its output (quantize, convert): it passes
-    without errors; warnings are recorded beside ("inspect_warnings"), and do not fail it."""
+    without errors; warnings are recorded beside ("inspect_warnings", only when there are some), and do
+    not fail it."""
     errors, warnings = by_severity(found)
-    return {
+    out = {
         "inspect_problems": [f.to_json() for f in errors],
-        "inspect_warnings": [f.to_json() for f in warnings],
         "passed": not errors,
         "summary": errors[0].message if errors else None,
     }
+    if warnings:
+        out["inspect_warnings"] = [f.to_json() for f in warnings]
+    return out
 
 
 def run_checks(path: str | Path, expect: Expectations | None = None, baseline: ModelMap | None = None) -> dict:

@@ -226,7 +226,7 @@ def execute(plan: QuantizePlan, *, progress: Callable[[int], None] | None = None
         check_written(plan.make_output(), tx.partial, (Shard,))  # the layer shards were, by write_output
         checked = inspect_check(checking.result())
         report["problems"] = checked["inspect_problems"]
-        report["output_warnings"] = checked["inspect_warnings"]  # (moved into report["output"] below)
+        report["output_warnings"] = checked.get("inspect_warnings", [])  # (moved into report["output"] below)
         return checked
 
     with OutputDir(plan.out, sources=[plan.ckpt.root], force=opts.force, resume=opts.resume) as tx:
