@@ -13,6 +13,7 @@ from in_process import run_cli
 from qtool.formats import awq
 from qtool.io.checkpoint import Checkpoint
 from qtool.io.reader import read_tensor
+from qtool.ops.checks import run_checks
 
 EXPERT = "model.language_model.layers.{layer}.mlp.experts.{expert}.{proj}"
 
@@ -132,3 +133,13 @@ def test_verify_and_inspect_of_the_awq_output_say_what_they_did_not_check(awq_ou
     inspect = run_cli(["inspect", out])
     assert inspect.returncode == 0 and "  problems: none" in inspect.stdout
     assert "  warning        [engine-rules-not-modelled] quant_method 'awq'" in inspect.stdout
+
+
+def test_the_post_write_checks_pass_the_awq_output_and_list_the_warning(awq_out):
+    """The checks assemble and build run on an output (qtool.ops.checks.run_checks) count errors only."""
+    out, run = awq_out
+    assert run.returncode == 0, run.stderr
+    res = run_checks(out)
+    consistency = next(c for c in res["checks"] if c["name"] == "consistency")
+    assert res["passed"] is True and consistency["problems"] == []
+    assert [w["code"] for w in consistency["warnings"]] == ["engine-rules-not-modelled"]
