@@ -100,6 +100,12 @@ def warning(code: Code, module: str | None, message: str, fix: str | None = None
     return Finding(code, Severity.WARNING, module, message, fix, engine)
 
 
+def by_severity(found: list[Finding]) -> tuple[list[Finding], list[Finding]]:
+    """(errors, warnings) of `found`, each in its order: what fails a check, and what it reports beside
+    (every command that decides pass or fail from findings splits them here)."""
+    return [f for f in found if f.is_error], [f for f in found if not f.is_error]
+
+
 def patch_cmd(ckpt: str, *args: str) -> str:
     import shlex
 

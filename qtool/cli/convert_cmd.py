@@ -34,4 +34,6 @@ def run(args) -> int:
     )
     for pr in rep.get("problems", []):
         print(f"  problem      {pr['code']}: {pr['message']}")
+    for w in rep.get("warnings", []):
+        print(f"  warning      {w['code']}: {w['message']}")
     return 0

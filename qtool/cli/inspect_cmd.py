@@ -56,6 +56,8 @@ def run(args) -> int:
             print(f"    [{p['code']}] {p['message']}")
     else:
         print("  problems: none")
+    for w in rep["warnings"]:  # not a problem of the checkpoint: what qtool did not check
+        print(f"  warning        [{w['code']}] {w['message']}")
     return 0
 
 

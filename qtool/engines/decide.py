@@ -8,6 +8,7 @@ from qtool.arch.qwen35 import Group
 from qtool.engines import sglang, vllm
 from qtool.engines.base import Engine, EngineVersion, Flavour, PartialFusedExclusion, parse_version, unit_of
 from qtool.engines.patterns import compact_ignore_patterns
+from qtool.findings import Code, Finding, warning
 from qtool.io.quant_config import QuantSummary
 
 # Groups whose matrices are never quantization candidates for the engines (the embedding is an
@@ -45,6 +46,19 @@ def engine_rules_modelled(summary: QuantSummary) -> bool:
     if method is None:  # only hf_quant_config.json: the ModelOpt native schema
         return summary.hf_quant_algo is not None
     return method in MODELLED_QUANT_METHODS
+
+
+def rules_not_modelled(summary: QuantSummary) -> Finding:
+    """The finding for a quantized config of a method outside MODELLED_QUANT_METHODS: a warning, since it says
+    what qtool did not check, not that the checkpoint is wrong (inspect, verify and the writers' checks)."""
+    return warning(
+        Code.ENGINE_RULES_NOT_MODELLED,
+        None,
+        f"quant_method {summary.quant_method!r}: qtool models the engines' ignore-list matching for ModelOpt and "
+        "compressed-tensors checkpoints only; which modules the engines load quantized and which BF16 was NOT "
+        "checked",
+        "load it once in the engine to confirm; qtool checks the ModelOpt and compressed-tensors forms",
+    )
 
 
 def flavour_of(summary: QuantSummary) -> Flavour:

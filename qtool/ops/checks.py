@@ -6,7 +6,8 @@
   never fused next to per-expert routed experts.
 - expectations: what a given operation promised (e.g. hybrid: shared experts BF16, chosen layers' routed
   experts BF16, MTP present or absent).
-- consistency: qtool.ops.inspect.find_problems (config vs tensors, KV scales, ignore lists) reports nothing.
+- consistency: qtool.ops.inspect.find_problems (config vs tensors, KV scales, ignore lists) reports no error
+  (its warnings, e.g. engine rules qtool does not model, are listed and pass).
 Each check gives {"name", "ok", "problems": [message], "findings": [qtool.findings.Finding JSON]};
 run_checks gives {"passed", "checks"}.
 """
@@ -21,7 +22,7 @@ from pathlib import Path
 from qtool.arch.model_map import Format, ModelMap, Module, build_map
 from qtool.arch.qwen35 import Group, text_prefix
 from qtool.errors import VerificationError
-from qtool.findings import Code, error
+from qtool.findings import Code, by_severity, error
 from qtool.io import plan as io_plan
 from qtool.io.checkpoint import CONFIG_NAME, HF_QUANT_CONFIG_NAME, Checkpoint
 from qtool.io.dtypes import FLOAT_DTYPES, FP8_DTYPES
@@ -402,10 +403,11 @@ def _line(f) -> str:
 
 
 def check_consistency(mm: ModelMap, baseline: Callable[[], list] | None = None) -> dict:
-    """find_problems must report nothing; problems the source an operation started from already had
+    """find_problems must report no error; problems the source an operation started from already had
     (`baseline()`: `consistency_problems` of the source, only called when there are problems) are
-    reported as inherited and do not fail the check."""
-    found = consistency_problems(mm)
+    reported as inherited and do not fail the check. Its warnings (what qtool did not check) are listed
+    under "warnings" and do not fail it either."""
+    found, warnings = by_severity(consistency_problems(mm))
     inherited = []
     if baseline is not None and found:
         before = {(f.code, f.message) for f in baseline()}
@@ -417,8 +419,25 @@ def check_consistency(mm: ModelMap, baseline: Callable[[], list] | None = None) 
         "problems": [_line(f) for f in found],
         "findings": [f.to_json() for f in found],
     }
+    if warnings:
+        out["warnings"] = [f.to_json() for f in warnings]
     if baseline is not None and inherited:
         out["inherited"] = [_line(f) for f in inherited]
+    return out
+
+
+def inspect_check(found: list) -> dict:
+    """A writer's check result from find_problems' findings on its output (quantize, convert): it passes
+    without errors; warnings are recorded beside ("inspect_warnings", only when there are some), and do
+    not fail it."""
+    errors, warnings = by_severity(found)
+    out = {
+        "inspect_problems": [f.to_json() for f in errors],
+        "passed": not errors,
+        "summary": errors[0].message if errors else None,
+    }
+    if warnings:
+        out["inspect_warnings"] = [f.to_json() for f in warnings]
     return out
 
 
@@ -532,12 +551,13 @@ class PlannedProblems:
         return digests
 
     def found_early(self) -> list:
-        """The structure's problems if the thread has found them by now (else []; the error it failed with,
-        raised): a job that writes for an hour stops at the next layer, not at its end."""
+        """The structure's errors if the thread has found them by now (else []; the error it failed with,
+        raised): a job that writes for an hour stops at the next layer, not at its end. (Its warnings, such
+        as engine rules not modelled, stop nothing: `result` gives them with the rest.)"""
         if self._error is not None:  # (a plan the thread could not check: the planned index, a config)
             raise self._error
         found = self._found
-        return list(found[2]) if found is not None else []
+        return by_severity(found[2])[0] if found is not None else []
 
     def result(self) -> list:
         """Every problem (Findings), in find_problems' order: the structure's, then the values' read now."""

@@ -38,6 +38,7 @@ from qtool.io.output import MANIFEST_NAME, OutputDir, check_no_overlap
 from qtool.io.plan import Copy, Json, Link, OutputPlan, Shard, Text, checkpoint_files, header_checkpoint
 from qtool.io.quant_config import summarize
 from qtool.io.writer import FileRange, InlineBytes, OutTensor, index_json
+from qtool.ops.checks import inspect_check
 from qtool.ops.contract import Report
 from qtool.ops.inspect import find_problems
 from qtool.ops.quantize.configs import quant_configs
@@ -295,10 +296,10 @@ def execute(p: ConvertPlan) -> Report:
 
     def check() -> dict:
         c2 = Checkpoint.open(tx.partial, require_config=True)
-        report["problems"] = [
-            x.to_json() for x in find_problems(build_map(c2), summarize(c2.config, c2.hf_quant_config))
-        ]
-        return {"inspect_problems": report["problems"]}
+        checked = inspect_check(find_problems(build_map(c2), summarize(c2.config, c2.hf_quant_config)))
+        report["problems"], report["warnings"] = checked["inspect_problems"], checked.get("inspect_warnings", [])
+        del checked["passed"], checked["summary"]  # recorded in the manifest; convert's output check fails nothing
+        return checked
 
     with OutputDir(opts.out, sources=[p.ckpt.root], force=opts.force, resume=opts.resume) as tx:
         applied = write_output(p.output, tx, OutputJob(command=opts.command, check=check))

@@ -9,8 +9,8 @@ from qtool.arch.layer_grid import layer_grid
 from qtool.arch.model_map import QUANTIZED_FORMATS, REQUIRED_PARAMS, Format, ModelMap, build_map
 from qtool.arch.qwen35 import Group
 from qtool.engines import mixed_precision, parse_version
-from qtool.engines.decide import DEFAULT_ENGINES, engine_rules_modelled, unit_decisions
-from qtool.findings import Code, Finding, Severity
+from qtool.engines.decide import DEFAULT_ENGINES, engine_rules_modelled, rules_not_modelled, unit_decisions
+from qtool.findings import Code, Finding, Severity, by_severity
 from qtool.hub.headers import fetch_deferred
 from qtool.io.checkpoint import Checkpoint
 from qtool.io.quant_config import QuantSummary, summarize
@@ -79,11 +79,20 @@ def report(mm: ModelMap) -> dict:
         },
         "grid": layer_grid(mm),
         "quantization": summary.to_json(),
-        "problems": [p.to_json() for p in find_problems(mm, summary)],
+        **_problems_and_warnings(find_problems(mm, summary)),
     }
 
 
+def _problems_and_warnings(found: list[Finding]) -> dict:
+    """The report's "problems" (errors: the checkpoint is inconsistent) and "warnings" (what qtool did not
+    check, such as the engines' rules for an AutoAWQ config)."""
+    errors, warnings = by_severity(found)
+    return {"problems": [f.to_json() for f in errors], "warnings": [f.to_json() for f in warnings]}
+
+
 def find_problems(mm: ModelMap, summary: QuantSummary) -> list[Finding]:
+    """Errors (`problem`) and warnings (engine rules not modelled); a consumer that decides pass or fail
+    counts the errors only (qtool.findings.by_severity)."""
     return structure_problems(mm, summary) + value_problems(mm, summary)
 
 
@@ -245,13 +254,7 @@ def _config_vs_tensors(mm: ModelMap, summary: QuantSummary) -> list[Finding]:
     if not summary.weights_quantized:
         return []
     if not engine_rules_modelled(summary):
-        return [
-            problem(
-                Code.ENGINE_RULES_NOT_MODELLED,
-                f"quant_method {summary.quant_method!r}: qtool models the engines' ignore-list matching for "
-                "ModelOpt and compressed-tensors checkpoints only; BF16/quantized module decisions not checked",
-            )
-        ]
+        return [rules_not_modelled(summary)]  # a warning: what was not checked, not a defect
 
     if mixed_precision.is_mixed(summary):  # per-module algorithms (quantized_layers), not one ignore list
         found, _, _ = mixed_precision.mixed_findings(mm, summary, [parse_version(v) for v in DEFAULT_ENGINES])

@@ -8,7 +8,7 @@ llm-compressor's basic calibration), then quantize the layer's experts from the 
 (the source is read once) and write the layer's shard: quantize's stage (qtool.ops.quantize.stage) of the
 one layer loop (qtool.stream.layer_run). A journal in `<out>.partial/.quantize/` records the
 finished layers; `--resume` continues after the last one. The output appears at `<out>` only when complete
-and checked (qtool.ops.inspect.find_problems finds nothing).
+and checked (qtool.ops.inspect.find_problems finds no error).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from qtool.io.manifest import RUN
 from qtool.io.output import OutputDir, partial_path
 from qtool.io.plan import Shard
 from qtool.io.stream_digest import NO_DIGESTS, DigestSink
-from qtool.ops.checks import PlannedProblems
+from qtool.ops.checks import PlannedProblems, inspect_check
 from qtool.ops.contract import Report
 from qtool.ops.quantize.output import input_files
 from qtool.ops.quantize.plan import HIDDEN_FILES, QuantizeOptions, QuantizePlan
@@ -224,13 +224,10 @@ def execute(plan: QuantizePlan, *, progress: Callable[[int], None] | None = None
     def check() -> dict:
         shutil.rmtree(tx.partial / WORK, ignore_errors=True)  # the hidden states: every file is written now
         check_written(plan.make_output(), tx.partial, (Shard,))  # the layer shards were, by write_output
-        problems = [x.to_json() for x in checking.result()]
-        report["problems"] = problems
-        return {
-            "inspect_problems": problems,
-            "passed": not problems,
-            "summary": problems[0]["message"] if problems else None,
-        }
+        checked = inspect_check(checking.result())
+        report["problems"] = checked["inspect_problems"]
+        report["output_warnings"] = checked.get("inspect_warnings", [])  # (moved into report["output"] below)
+        return checked
 
     with OutputDir(plan.out, sources=[plan.ckpt.root], force=opts.force, resume=opts.resume) as tx:
         # the first layer is read while the output is planned: the input's hashes are taken from the reads
@@ -273,6 +270,7 @@ def execute(plan: QuantizePlan, *, progress: Callable[[int], None] | None = None
         **plan.make_output().summary,
         "side_files": plan.make_output().extra["side_files"],
         "problems": report["problems"],
+        "warnings": report.pop("output_warnings"),
     }
     return Report({"plan": report.pop("plan"), **report})
 

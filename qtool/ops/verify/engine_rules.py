@@ -16,7 +16,7 @@ from collections.abc import Callable
 from qtool.arch.model_map import QUANTIZED_FORMATS, Format, ModelMap
 from qtool.arch.qwen35 import Group
 from qtool.engines import Engine, EngineVersion, mixed_precision, unit_of
-from qtool.engines.decide import decide, engine_rules_modelled, flavour_of, unit_formats
+from qtool.engines.decide import decide, engine_rules_modelled, flavour_of, rules_not_modelled, unit_formats
 from qtool.findings import Code, Finding, error, patch_cmd, warning
 from qtool.io.quant_config import QuantSummary
 from qtool.ops.checks import FIX
@@ -57,15 +57,7 @@ def decision_findings(
     if mixed_precision.is_mixed(summary):  # per-module algorithms: its own rule (engines/mixed_precision.py)
         return mixed_precision.mixed_findings(mm, summary, versions)
     if not engine_rules_modelled(summary):
-        findings.append(
-            warning(
-                Code.ENGINE_RULES_NOT_MODELLED,
-                None,
-                f"quant_method {summary.quant_method!r}: qtool models the engines' ignore-list matching for ModelOpt "
-                "and compressed-tensors checkpoints only; which modules load quantized was not checked",
-                None,
-            )
-        )
+        findings.append(rules_not_modelled(summary))
         for v in versions:
             summaries[str(v)] = {"quant_method": summary.quant_method, "modelled": False}
         return findings, summaries, decisions_by_engine
