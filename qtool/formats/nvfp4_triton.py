@@ -95,6 +95,7 @@ def triton_available() -> bool:
 
 tl: Any = None
 _e4m3_rne: Any = None  # triton.jit(_e4m3_rne_body), bound with `tl`
+_e2m1_round: Any = None  # triton.jit(_e2m1_round_body), bound with `tl`
 
 
 def _amax_body(x_ptr, part_ptr, numel_per_mat, BLOCK: tl.constexpr, STEPS: tl.constexpr):
@@ -132,6 +133,24 @@ def _e4m3_rne_body(s):
     normal_byte = ((rexp + 7) << 3) | ((rb >> 20) & 7)
     sub_byte = (sq * 512.0).to(tl.int32)  # exact: sq is k * 2**-9, k in 1..7
     return sq, tl.where(rexp >= -6, normal_byte, sub_byte)
+
+
+def _e2m1_round_body(a):
+    # |x| already divided by its scale -> the nearest E2M1 magnitude, ties to the even code (the bounds of
+    # nvfp4.encode_e2m1: strict at 0.25, 1.25, 2.5, 5; inclusive at 0.75, 1.75, 3.5)
+    return tl.where(
+        a <= 0.25,
+        0.0,
+        tl.where(
+            a < 0.75,
+            0.5,
+            tl.where(
+                a <= 1.25,
+                1.0,
+                tl.where(a < 1.75, 1.5, tl.where(a <= 2.5, 2.0, tl.where(a < 3.5, 3.0, tl.where(a <= 5.0, 4.0, 6.0)))),
+            ),
+        ),
+    )
 
 
 def _quantize_body(
@@ -253,21 +272,7 @@ def _sweep_body(
         scale = c * ga[:, None] / 6.0
         scale = tl.where(scale == 0.0, 1.0, scale)[:, :, None]
         a = x / scale
-        q = tl.where(
-            a <= 0.25,
-            0.0,
-            tl.where(
-                a < 0.75,
-                0.5,
-                tl.where(
-                    a <= 1.25,
-                    1.0,
-                    tl.where(
-                        a < 1.75, 1.5, tl.where(a <= 2.5, 2.0, tl.where(a < 3.5, 3.0, tl.where(a <= 5.0, 4.0, 6.0)))
-                    ),
-                ),
-            ),
-        )
+        q = _e2m1_round(a)
         diff = x - q * scale
         loss = tl.sum(diff * diff, axis=2)
         better = loss < best_loss
@@ -310,21 +315,7 @@ def _hessian_sweep_body(
     for k in tl.range(NC):  # not unrolled: 126 dot bodies would only slow the compile
         denom = tl.load(cand_ptr + k) * ws2  # as the codec divides: float(e4m3 scale) * weight_scale_2
         a = tl.abs(tl.math.div_rn(x, denom))  # as torch divides: the codes the codec will write
-        q = tl.where(
-            a <= 0.25,
-            0.0,
-            tl.where(
-                a < 0.75,
-                0.5,
-                tl.where(
-                    a <= 1.25,
-                    1.0,
-                    tl.where(
-                        a < 1.75, 1.5, tl.where(a <= 2.5, 2.0, tl.where(a < 3.5, 3.0, tl.where(a <= 5.0, 4.0, 6.0)))
-                    ),
-                ),
-            ),
-        )
+        q = _e2m1_round(a)
         dw = x - sign * q * denom
         loss = tl.sum(tl.dot(dw, h, input_precision="ieee") * dw, axis=1)
         better = loss < best_loss
@@ -373,21 +364,7 @@ def _four_over_six_body(
         sq, sbyte = _e4m3_rne(s)
         denom = sq * ws2[:, None]
         a = tl.abs(tl.math.div_rn(x, denom[:, :, None]))
-        q = tl.where(
-            a <= 0.25,
-            0.0,
-            tl.where(
-                a < 0.75,
-                0.5,
-                tl.where(
-                    a <= 1.25,
-                    1.0,
-                    tl.where(
-                        a < 1.75, 1.5, tl.where(a <= 2.5, 2.0, tl.where(a < 3.5, 3.0, tl.where(a <= 5.0, 4.0, 6.0)))
-                    ),
-                ),
-            ),
-        )
+        q = _e2m1_round(a)
         diff = sign * q * denom[:, :, None] - x
         loss = tl.sum(diff * diff, axis=2)
         better = loss < best_loss
@@ -401,14 +378,16 @@ def _kernels() -> tuple[Any, Any]:
     """Import triton (first call only) and JIT-wrap the kernel bodies. The compiled kernels are kept in
     qtool's cache dir (`$QTOOL_CACHE_DIR/triton`, unless TRITON_CACHE_DIR says otherwise): compiled once per
     machine and CUDA version, found there by every later run (a CI cache keeps them too)."""
-    global tl, _e4m3_rne
+    global tl, _e4m3_rne, _e2m1_round
     if not os.environ.get("TRITON_CACHE_DIR"):
         os.environ["TRITON_CACHE_DIR"] = str(cache_dir() / "triton")
     import triton
     import triton.language as tl_mod
 
     tl = tl_mod
-    _e4m3_rne = triton.jit(_e4m3_rne_body)  # called from the kernels: resolved from this module's globals
+    # called from the kernels: resolved from this module's globals when a kernel compiles
+    _e4m3_rne = triton.jit(_e4m3_rne_body)
+    _e2m1_round = triton.jit(_e2m1_round_body)
     return triton.jit(_amax_body), triton.jit(_quantize_body)
 
 
