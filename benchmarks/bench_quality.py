@@ -51,12 +51,13 @@ class Method:
 
 
 GPTQ = "gptq: {enabled: true}\n"  # damp 0.01, block 128, no act order (the recipe's defaults)
+GPTQ_UPDATED = "gptq: {enabled: true, scales: updated}\n"  # each block scale chosen as GPTQ reaches it
 
 
-def _nvfp4(weight_scale: str, gptq: bool = False) -> str:
+def _nvfp4(weight_scale: str, gptq: bool = False, updated: bool = False) -> str:
     return (
         f"groups: {{routed_experts: nvfp4}}\nnvfp4: {{weight_scale: {weight_scale}}}\ndefaults: {{format: modelopt}}\n"
-        + (GPTQ if gptq else "")
+        + (GPTQ_UPDATED if updated else GPTQ if gptq else "")
     )
 
 
@@ -93,6 +94,27 @@ def methods(int4_group: int) -> list[Method]:
         Method(
             "nvfp4-mse-sweep-gptq", "NVFP4 GPTQ, block scale MSE sweep", "qtool", "rtn", _nvfp4("mse_sweep", gptq=True)
         ),
+        Method(
+            "nvfp4-max-gptq-updated",
+            "NVFP4 GPTQ, block scale from the updated block's max",
+            "qtool",
+            "rtn",
+            _nvfp4("max", updated=True),
+        ),
+        Method(
+            "nvfp4-mse-sweep-gptq-updated",
+            "NVFP4 GPTQ, block scale MSE sweep of the updated block",
+            "qtool",
+            "rtn",
+            _nvfp4("mse_sweep", updated=True),
+        ),
+        Method(
+            "nvfp4-local-hessian-gptq",
+            "NVFP4 GPTQ, block scale by local Hessian of the updated block (dwᵀ S dw)",
+            "qtool",
+            "rtn",
+            _nvfp4("local_hessian", updated=True),
+        ),
         Method("int4-rtn", f"INT4 W4A16 g{int4_group} RTN", "qtool", "rtn", _int4(int4_group, awq=False)),
         Method("int4-awq", f"INT4 W4A16 g{int4_group} AWQ", "qtool", "rtn", _int4(int4_group, awq=True)),
         Method("int4-gptq", f"INT4 W4A16 g{int4_group} GPTQ", "qtool", "rtn", _int4(int4_group, awq=False, gptq=True)),
@@ -119,6 +141,14 @@ def methods(int4_group: int) -> list[Method]:
             "oneshot",
             "",
             oneshot=("--scheme", "nvfp4"),
+        ),
+        Method(
+            "llmc-nvfp4-gptq-bf16-propagation",
+            "NVFP4 GPTQ (GPTQModifier), each layer calibrated on BF16 activations as qtool does",
+            "llm-compressor",
+            "oneshot",
+            "",
+            oneshot=("--scheme", "nvfp4", "--bf16-propagation"),
         ),
         Method(
             "llmc-int4-gptq",

@@ -24,7 +24,9 @@ device when none is available": it pins its cached activations, pipelines/cache.
 the GPU); there the pinning is skipped (numerically nothing: pinning only speeds host-to-device copies).
 
 Everything llm-compressor does not choose by a flag here is its default (GPTQ: block 128, dampening 0.01,
-static activation ordering; every expert calibrated on all tokens, `moe_calibrate_all_experts`).
+static activation ordering; every expert calibrated on all tokens, `moe_calibrate_all_experts`; each layer
+calibrated on the outputs of the layers before it as already quantized, `propagate_error`, where qtool
+calibrates every layer on the BF16 model's activations: `--bf16-propagation` runs llm-compressor that way).
 """
 
 from __future__ import annotations
@@ -129,6 +131,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--routed-only", action="store_true", help="each expert's Hessian from its routed tokens only")
     ap.add_argument("--as-saved", action="store_true", help="keep llm-compressor's non-expert tensors")
+    ap.add_argument(
+        "--bf16-propagation",
+        action="store_true",
+        help="each layer calibrated on the BF16 model's activations (propagate_error=False), as qtool calibrates",
+    )
     ap.add_argument("--samples", type=int, required=True)
     ap.add_argument("--seq-len", type=int, required=True)
     a = ap.parse_args(argv)
@@ -151,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             max_seq_length=a.seq_len,
             shuffle_calibration_samples=False,
             moe_calibrate_all_experts=not a.routed_only,
+            propagate_error=not a.bf16_propagation,
         )
     if a.out.exists():
         shutil.rmtree(a.out)

@@ -29,6 +29,10 @@ A recipe is a YAML file in `recipes/` (or any path), validated here at the bound
       damp: 0.01                 # added to H's diagonal, times its mean
       block_size: 128            # columns per lazy batch update
       act_order: false           # code columns in descending order of H's diagonal (the stored layout is unchanged)
+      scales: fixed              # nvfp4: fixed (every block scale chosen from the weights before GPTQ starts)
+                                 # | updated (each block's chosen when GPTQ reaches it, from the weights its
+                                 #   error compensation updated, by nvfp4.weight_scale: max, mse_sweep or
+                                 #   local_hessian; needs act_order false and block_size a multiple of 16)
     defaults: {backend: rtn, format: modelopt}
     calibration:                 # the data the recipe is meant to calibrate on (plans warn when a run uses less)
       {dataset: "hf:HuggingFaceH4/ultrachat_200k:train_sft", samples: 128, seq_len: 2048}
@@ -172,15 +176,28 @@ class ExpertCoverage:
         return {"experts": self.experts.value, "min_expert_tokens": self.min_tokens}
 
 
+class GptqScales(str, Enum):
+    FIXED = "fixed"  # the block scales chosen from the weights before GPTQ starts
+    UPDATED = "updated"  # each block's chosen when GPTQ reaches it, from the error-updated weights
+
+
+# the nvfp4.weight_scale criteria GPTQ can apply to the updated weights (gptq_layer.UpdatedScales)
+UPDATED_SCALE_CRITERIA = (WeightScale.MAX, WeightScale.MSE_SWEEP, WeightScale.LOCAL_HESSIAN)
+
+
 @dataclass(frozen=True)
 class GptqOptions:
     enabled: bool = False
     damp: float = 0.01
     block_size: int = 128
     act_order: bool = False
+    scales: GptqScales = GptqScales.FIXED
 
     def to_json(self) -> dict:
-        return {"enabled": self.enabled, "damp": self.damp, "block_size": self.block_size, "act_order": self.act_order}
+        out = {"enabled": self.enabled, "damp": self.damp, "block_size": self.block_size, "act_order": self.act_order}
+        if self.scales is not GptqScales.FIXED:  # a recipe that does not name it reports as before
+            out["scales"] = self.scales.value
+        return out
 
 
 @dataclass(frozen=True)
@@ -334,14 +351,7 @@ def parse_recipe(data, *, path: str | None = None) -> Recipe:
         raise RecipeError("int4.awq must be true or false", path=path, got=repr(awq))
     int4 = Int4Options(gs, awq, grid)
     gptq = _gptq(data.get("gptq"), used, path)
-    if gptq.enabled and Scheme.NVFP4 in used and nvfp4.weight_scale is WeightScale.LOCAL_HESSIAN:
-        # GPTQ codes on block scales chosen from the weights alone before it starts; local_hessian's come from
-        # the same Hessians at the coding step: the two are not combined (yet)
-        raise RecipeError(
-            "gptq does not run with nvfp4.weight_scale local_hessian",
-            path=path,
-            hint="use gptq with weight_scale mse_sweep (the best measured pair), or local_hessian without gptq",
-        )
+    _check_gptq_scales(gptq, used, nvfp4, path)
     d = _mapping(data.get("defaults"), "defaults", path)
     backend = _enum(Backend, d.get("backend", "rtn"), "defaults.backend", path)
     scheme = _main_scheme(used)
@@ -372,14 +382,48 @@ def parse_recipe(data, *, path: str | None = None) -> Recipe:
     )
 
 
+def _check_gptq_scales(gptq: GptqOptions, used: frozenset[Scheme], nvfp4: NVFP4Options, path) -> None:
+    """Refuse the pairs of gptq.scales and the rest of the recipe that GPTQ cannot code."""
+    if not gptq.enabled or Scheme.NVFP4 not in used:
+        if gptq.scales is GptqScales.UPDATED:
+            raise RecipeError(
+                "gptq.scales updated chooses NVFP4 block scales: it needs gptq enabled and routed_experts nvfp4",
+                path=path,
+                hint="set gptq.enabled true and groups.routed_experts nvfp4, or drop gptq.scales",
+            )
+        return
+    criterion = nvfp4.weight_scale
+    if gptq.scales is GptqScales.FIXED and criterion is WeightScale.LOCAL_HESSIAN:
+        # local_hessian's scales come from the Hessians GPTQ codes with: chosen as GPTQ reaches each block
+        raise RecipeError(
+            "gptq with nvfp4.weight_scale local_hessian needs gptq.scales updated",
+            path=path,
+            hint="add scales: updated to the gptq mapping, or use weight_scale mse_sweep",
+        )
+    if gptq.scales is GptqScales.UPDATED:
+        if criterion not in UPDATED_SCALE_CRITERIA:
+            raise RecipeError(
+                f"gptq.scales updated cannot choose nvfp4.weight_scale {criterion.value} block scales",
+                path=path,
+                expected=[c.value for c in UPDATED_SCALE_CRITERIA],
+                got=criterion.value,
+            )
+        if gptq.act_order or gptq.block_size % 16:
+            raise RecipeError(
+                "gptq.scales updated needs act_order false and block_size a multiple of 16 (each 16-column block "
+                "whole inside one update batch, in the columns' own order)",
+                path=path,
+                got={"act_order": gptq.act_order, "block_size": gptq.block_size},
+            )
+
+
 def _gptq(obj, used: frozenset[Scheme], path) -> GptqOptions:
     """The `gptq:` mapping, strictly: booleans, damp in (0, 1], block_size >= 1; only with 4-bit experts."""
     g = _mapping(obj, "gptq", path)
-    bad = sorted(map(str, set(g) - {"enabled", "damp", "block_size", "act_order"}))
+    known = ["act_order", "block_size", "damp", "enabled", "scales"]
+    bad = sorted(map(str, set(g) - set(known)))
     if bad:
-        raise RecipeError(
-            "unknown gptq options", path=path, expected=["act_order", "block_size", "damp", "enabled"], got=bad
-        )
+        raise RecipeError("unknown gptq options", path=path, expected=known, got=bad)
     for key in ("enabled", "act_order"):
         if not isinstance(g.get(key, False), bool):
             raise RecipeError(f"gptq.{key} must be true or false", path=path, got=repr(g[key]))
@@ -389,7 +433,8 @@ def _gptq(obj, used: frozenset[Scheme], path) -> GptqOptions:
     block = g.get("block_size", 128)
     if not _is_int(block) or block < 1:
         raise RecipeError("gptq.block_size must be a positive integer", path=path, got=repr(block))
-    options = GptqOptions(g.get("enabled", False), float(damp), block, g.get("act_order", False))
+    scales = _enum(GptqScales, g.get("scales", "fixed"), "gptq.scales", path)
+    options = GptqOptions(g.get("enabled", False), float(damp), block, g.get("act_order", False), scales)
     if options.enabled and not used & {Scheme.NVFP4, Scheme.W4A16}:
         raise RecipeError(
             "gptq codes the routed experts: it needs routed_experts nvfp4 or w4a16",

@@ -108,6 +108,7 @@ def test_gptq_with_several_ranks_or_a_peer_backend_is_refused(tiny_bf16, tmp_pat
         ("{enabled: true, damp: 0}", "gptq.damp must be a number in"),
         ("{enabled: true, block_size: 0}", "gptq.block_size must be a positive integer"),
         ("{enabled: true, order: 1}", "unknown gptq options"),
+        ("{enabled: true, scales: later}", "unknown value for gptq.scales"),
     ],
 )
 def test_a_bad_gptq_mapping_is_refused(gptq, message):
@@ -118,6 +119,101 @@ def test_a_bad_gptq_mapping_is_refused(gptq, message):
         parse_recipe({**data, "gptq": yaml.safe_load(gptq)})
     with pytest.raises(RecipeError, match="gptq codes the routed experts"):
         parse_recipe({**data, "groups": {"attention": "fp8"}, "gptq": {"enabled": True}})
+
+
+@pytest.mark.parametrize(
+    ("groups", "weight_scale", "gptq", "message"),
+    [
+        ("nvfp4", "local_hessian", {"enabled": True}, "local_hessian needs gptq.scales updated"),
+        ("nvfp4", "mse", {"enabled": True, "scales": "updated"}, "cannot choose nvfp4.weight_scale mse"),
+        ("nvfp4", "four_over_six", {"enabled": True, "scales": "updated"}, "cannot choose"),
+        ("nvfp4", "max", {"enabled": True, "scales": "updated", "act_order": True}, "needs act_order false"),
+        ("nvfp4", "max", {"enabled": True, "scales": "updated", "block_size": 24}, "multiple of 16"),
+        ("nvfp4", "max", {"scales": "updated"}, "needs gptq enabled"),
+        ("w4a16", "max", {"enabled": True, "scales": "updated"}, "needs gptq enabled and routed_experts nvfp4"),
+    ],
+)
+def test_gptq_scales_updated_is_refused_where_it_cannot_run(groups, weight_scale, gptq, message):
+    data = {"schema_version": 1, "name": "x", "groups": {"routed_experts": groups}, "gptq": gptq}
+    with pytest.raises(RecipeError, match=message):
+        parse_recipe({**data, "nvfp4": {"weight_scale": weight_scale}})
+
+
+def test_gptq_scales_fixed_reports_as_before_and_updated_is_named():
+    """A recipe that does not name gptq.scales reports the gptq options it always did (the bytes of a run's
+    report and manifest do not change); `updated` is named."""
+    base = {"schema_version": 1, "name": "x", "groups": {"routed_experts": "nvfp4"}}
+    fixed = parse_recipe({**base, "gptq": {"enabled": True}}).gptq.to_json()
+    assert fixed == {"enabled": True, "damp": 0.01, "block_size": 128, "act_order": False}
+    updated = parse_recipe({**base, "gptq": {"enabled": True, "scales": "updated"}, "nvfp4": {"weight_scale": "max"}})
+    assert updated.gptq.to_json()["scales"] == "updated"
+
+
+@pytest.mark.parametrize("weight_scale", ["local_hessian", pytest.param("mse_sweep", marks=pytest.mark.slow)])
+def test_nvfp4_gptq_with_updated_scales_writes_plain_nvfp4_reproducibly(tiny_bf16, tmp_path, weight_scale):
+    """gptq.scales updated: the same tensors, shapes and dtypes as RTN's NVFP4 (plain NVFP4: the max's global
+    scale and input scales, E4M3 block scales, E2M1 codes), the block scales and codes its own, every weight
+    finite, and the same bytes twice; the experts without tokens are named as GPTQ's RTN experts."""
+    from qtool.formats import nvfp4
+
+    body = NVFP4.replace("WS", weight_scale)
+    updated = _recipe(tmp_path, "upd", body + GPTQ.replace("}", ", scales: updated}"))
+    _quantize(tiny_bf16, _recipe(tmp_path, "rtn", NVFP4.replace("WS", "max")), tmp_path / "rtn")
+    report = _quantize(tiny_bf16, updated, tmp_path / "u1")
+    _quantize(tiny_bf16, updated, tmp_path / "u2")
+    assert tree_sha(tmp_path / "u1") == tree_sha(tmp_path / "u2")
+    got, rtn = _tensors(tmp_path / "u1"), _tensors(tmp_path / "rtn")
+    assert got.keys() == rtn.keys()
+    for n, tensor in got.items():
+        assert tensor.dtype == rtn[n].dtype and tensor.shape == rtn[n].shape, n
+        if n.endswith((".weight_scale_2", ".input_scale")):
+            assert torch.equal(tensor, rtn[n]), n  # the max's global scale: plain NVFP4
+    experts = [
+        n[: -len(".weight")]
+        for n in got
+        if n.endswith("_proj.weight") and ".mlp.experts." in n and not n.startswith("mtp.")  # MTP: BF16
+    ]
+    assert sum(not torch.equal(got[f"{e}.weight_scale"], rtn[f"{e}.weight_scale"]) for e in experts) > len(experts) // 2
+    for e in experts:
+        w = nvfp4.dequantize(
+            got[f"{e}.weight"],
+            got[f"{e}.weight_scale"].view(torch.float8_e4m3fn),
+            got[f"{e}.weight_scale_2"],
+            torch.float32,
+        )
+        assert w.isfinite().all(), e
+    assert all(entry["gptq"]["rtn_experts"] == entry["experts_without_tokens"] for entry in report["layers"])
+    assert all(entry["gptq"]["scales"] == "updated" for entry in report["layers"])
+
+
+def test_updated_scales_code_an_expert_without_tokens_as_mse_sweep_and_one_with_few_finitely():
+    """gptq.scales updated, local_hessian: expert 1 saw no token (its bytes are mse_sweep RTN's: no Hessian to
+    weigh the error with), expert 0 a single token (a rank-1 Hessian, damped: finite weights)."""
+    from qtool.formats import nvfp4
+    from qtool.ops.quantize.calib import ExpertStats
+    from qtool.ops.quantize.gptq_layer import GptqLayer
+    from qtool.ops.quantize.layer import nvfp4_rtn
+
+    def recipe(weight_scale: str, gptq: dict | None = None):
+        data = {"schema_version": 1, "name": "x", "groups": {"routed_experts": "nvfp4"}}
+        return parse_recipe({**data, "nvfp4": {"weight_scale": weight_scale}, **({"gptq": gptq} if gptq else {})})
+
+    upd = recipe("local_hessian", {"enabled": True, "scales": "updated"})
+    hidden, inter = 32, 16
+    gu, dn = torch.randn(2, 2 * inter, hidden).bfloat16(), torch.randn(2, hidden, inter).bfloat16()
+    stats = ExpertStats(2)
+    coder = GptqLayer(upd, stats, inter, experts=None)
+    stats.hooks += coder.hooks
+    stats.record(0, torch.randn(1, hidden).bfloat16(), torch.randn(1, inter).bfloat16())
+    amax = torch.ones(2)
+    got = coder.nvfp4_chunk(0, 2, gu, dn, amax, amax)
+    rtn = nvfp4_rtn(gu, dn, inter, amax, amax, recipe("mse_sweep"))
+    for part in ("gate_proj", "up_proj", "down_proj"):
+        assert torch.equal(got[part].packed[1], rtn[part].packed[1]), part
+        assert torch.equal(got[part].block_scale[1].view(torch.uint8), rtn[part].block_scale[1].view(torch.uint8))
+        q = got[part]
+        assert nvfp4.dequantize(q.packed, q.block_scale, q.weight_scale_2, torch.float32).isfinite().all(), part
+    assert coder.summary()["rtn_experts"] == [1]
 
 
 def test_an_expert_without_tokens_is_coded_by_rtn_and_named():

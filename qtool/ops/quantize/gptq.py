@@ -5,7 +5,9 @@ the inverse of the expert's Hessian H = sum x x^T of its inputs, so that the exp
 inputs, not its weight error, is what the rounding minimises.
 
 What qtool codes is plain NVFP4 or INT4: the quantization grid of every column (its block or group scale)
-is fixed BEFORE the error compensation, from the weights (`ColumnGrid`), and only the codes change. So the
+is fixed BEFORE the error compensation, from the weights (`ColumnGrid`), and only the codes change; or, with
+`choose` (recipe `gptq.scales: updated`, NVFP4), each block's scale is chosen when the column loop reaches
+the block, from its error-updated weights (solve's docstring). So the
 writer stores the result unchanged (the scales are those RTN or a block-scale search chose), and the
 engines load it as any other NVFP4 / compressed-tensors INT4 checkpoint. llm-compressor's GPTQModifier
 does the same (its observer's scales, taken from the weights before the loop).
@@ -26,6 +28,7 @@ a few elementwise ops on [experts, rows], the rest batched matmuls and one batch
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -98,7 +101,7 @@ class Factor:
     (gate_proj and up_proj): U [E, C, C] the upper Cholesky factor of the damped inverse Hessian (in coding
     order), `perm` [E, C] the coding order (None: the columns' own), `dead` [E, C] the columns whose input
     was always zero, `failed` [E] the experts whose Hessian could not be factorised (U is the identity
-    there: RTN)."""
+    there: RTN; gptq_layer adds the experts without usable tokens, whose Hessian it set to the identity)."""
 
     u: torch.Tensor
     perm: torch.Tensor | None
@@ -135,14 +138,28 @@ def inverse_factor(h: torch.Tensor, damp: float) -> tuple[torch.Tensor, torch.Te
     return torch.where(failed[:, None, None], eye, upper), failed
 
 
-def solve(w: torch.Tensor, fac: Factor, grid: ColumnGrid, *, block_size: int = 128) -> torch.Tensor:
+# choose(g, w, u): the step [E, R] of group g, from its columns w [E, R, group] as the error compensation has
+# updated them and u [E, group, group] the group's diagonal block of the factor U (GroupScales)
+GroupChooser = Callable[[int, "torch.Tensor", "torch.Tensor"], "torch.Tensor"]
+
+
+def solve(
+    w: torch.Tensor, fac: Factor, grid: ColumnGrid, *, block_size: int = 128, choose: GroupChooser | None = None
+) -> torch.Tensor:
     """GPTQ codes (uint8 [E, R, C], columns in their stored order) of w [E, R, C] (any float dtype;
     computed in float32) with the factored Hessians `fac` on the grid `grid` (its step [E, R, C / group]).
+
+    With `choose`, each group's step is not the grid's: it is chosen when the column loop reaches the group's
+    first column, from the group's columns as the errors of the columns before have updated them (the
+    classic GPTQ "scale at group start"); a group then lies inside one lazy batch (block_size a multiple of
+    the group) and the columns keep their order (no act_order), so every update has reached it by then.
 
     Works on the transpose [E, C, R], where a column is contiguous: the column loop reads and writes whole
     rows of memory, not one float in every C."""
     n_exp, rows, cols = w.shape
     dev = w.device
+    if choose is not None and (fac.perm is not None or block_size % grid.group):
+        raise ValueError("scales chosen at group start need the columns' own order and whole groups per block")
     w = w.float().masked_fill(fac.dead[:, None, :], 0.0)
     group_of = (torch.arange(cols, device=dev) // grid.group).expand(n_exp, cols)  # column -> stored group
     if fac.perm is not None:
@@ -160,6 +177,10 @@ def solve(w: torch.Tensor, fac: Factor, grid: ColumnGrid, *, block_size: int = 1
         buckets = None
         u_block = u[:, b0:b1, b0:b1]
         for j in range(b1 - b0):
+            if choose is not None and j % grid.group == 0:
+                g1 = j + grid.group
+                step = choose((b0 + j) // grid.group, block[:, j:g1].transpose(1, 2), u_block[:, j:g1, j:g1])
+                steps[:, b0 + j : b0 + g1] = step[:, None, :]
             bucket, q = grid.round(block[:, j], steps[:, b0 + j])
             if buckets is None:
                 buckets = torch.empty((n_exp, b1 - b0, rows), dtype=bucket.dtype, device=dev)

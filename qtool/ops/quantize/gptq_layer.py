@@ -3,7 +3,9 @@ forward (hessians.ExpertHessians, on calib.ExpertStats.hooks), the codes solved 
 on the grid RTN would use, and handed to the layer's writer in the layout it writes for RTN.
 
 NVFP4: each projection's block scales and global scale are those of the recipe's `nvfp4.weight_scale`
-(max, mse, mse_sweep, four_over_six; layer.nvfp4_scales), from the weights, before any error compensation;
+(max, mse, mse_sweep, four_over_six; layer.nvfp4_scales), from the weights, before any error compensation
+(`gptq.scales: fixed`), or each block's chosen as GPTQ reaches it, from its error-updated weights, by max,
+mse_sweep or local_hessian (`gptq.scales: updated`: UpdatedScales), with the max's global scale;
 gate_proj and up_proj share their global scale and their Hessian (one input), and are solved as one
 matrix (GPTQ treats every row alike). down_proj's Hessian is that of its input in the layer's forward,
 act(gate) * up from the dense weights (as llm-compressor's sequential pipeline calibrates the whole layer
@@ -29,7 +31,9 @@ from qtool.ops.quantize.awq_search import rtn
 from qtool.ops.quantize.calib import ExpertStats
 from qtool.ops.quantize.hessians import ExpertHessians
 from qtool.ops.quantize.layer import NVFP4Experts, nvfp4_scales
-from qtool.recipes import GptqOptions, Recipe
+from qtool.ops.quantize.local_hessian import hessian_block_scales
+from qtool.ops.quantize.nvfp4_mse import sweep_block_scales
+from qtool.recipes import GptqOptions, GptqScales, Recipe, WeightScale
 
 if TYPE_CHECKING:
     import torch
@@ -77,8 +81,8 @@ class GptqLayer:
         eye = torch.eye(size, dtype=h.dtype, device=device)
         h = torch.where(usable[:, None, None], h, eye)
         fac = gptq.factor(h, damp=self.options.damp, act_order=self.options.act_order)
-        fell_back = (~usable | fac.failed).tolist()
-        self.rtn_experts.update(e for e, back in zip(experts, fell_back, strict=True) if back)
+        fac.failed = ~usable | fac.failed  # every expert GPTQ leaves to RTN (UpdatedScales: no Hessian there)
+        self.rtn_experts.update(e for e, back in zip(experts, fac.failed.tolist(), strict=True) if back)
         return fac
 
     # ------------------------------------------------------------------ NVFP4
@@ -127,12 +131,20 @@ class GptqLayer:
         amax_gu = torch.maximum(nvfp4.matrix_amax(gu[:, :inter]), nvfp4.matrix_amax(gu[:, inter:]))
         out = {}
         for name, w, w_amax in (("gate_up", gu, amax_gu), ("down", dn, nvfp4.matrix_amax(dn))):
-            bs, ws2 = nvfp4_scales(w, w_amax, method)
-            ws2 = ws2.reshape(-1).float()
-            if bs is None:
-                bs = nvfp4.block_scales(w, ws2)
             fac = self._factor(experts, name, w.shape[-1], w.device)
-            codes = gptq.solve(w, fac, gptq.nvfp4_grid(bs, ws2), block_size=self.options.block_size)
+            if self.options.scales is GptqScales.UPDATED:
+                ws2 = nvfp4.weight_scale_2_from_amax(w_amax).reshape(-1).float()
+                chosen = UpdatedScales(method, w_amax, ws2, ~fac.failed, w.shape[-2], w.shape[-1])
+                bs = chosen.block_scale
+                # the grid's steps are placeholders: `chosen` sets each block's before its first column is coded
+                grid = gptq.nvfp4_grid(torch.ones_like(bs), ws2)
+                codes = gptq.solve(w, fac, grid, block_size=self.options.block_size, choose=chosen)
+            else:
+                bs, ws2 = nvfp4_scales(w, w_amax, method)
+                ws2 = ws2.reshape(-1).float()
+                if bs is None:
+                    bs = nvfp4.block_scales(w, ws2)
+                codes = gptq.solve(w, fac, gptq.nvfp4_grid(bs, ws2), block_size=self.options.block_size)
             del fac
             out[name] = (nvfp4.pack(codes), bs, ws2)
         return out
@@ -166,3 +178,47 @@ class GptqLayer:
         """The layer's GPTQ entry in the report: the options and the experts coded by RTN instead."""
         self._solved = None
         return {**self.options.to_json(), "rtn_experts": sorted(self.rtn_experts)}
+
+
+class UpdatedScales:
+    """`gptq.scales: updated`: each 16-column block's E4M3 scale chosen when GPTQ reaches the block, from its
+    weights as the errors of the columns before have updated them, by the recipe's `nvfp4.weight_scale`
+    (gptq.solve's `choose`). The global scale stays the max's, amax / (6 * 448) of the original weights
+    (gate and up share it), so the output is plain NVFP4 with the max's weight_scale_2.
+
+    - max: the block's amax / 6 (GPTQ's classic scale at group start);
+    - mse_sweep: the E4M3 value with the least squared weight error of the block;
+    - local_hessian: the E4M3 value with the least dwᵀ S dw, S the Hessian GPTQ leaves the block once the
+      columns after it compensate its error: (U_bbᵀ U_bb)⁻¹, U_bb the block's diagonal block of the upper
+      Cholesky factor of the damped H⁻¹ (the Schur complement of the later columns in H restricted to the
+      columns not yet coded). An expert GPTQ leaves to RTN (no usable Hessian) takes mse_sweep's scale.
+
+    `block_scale` (float8_e4m3fn [E, rows, cols / 16]) is filled block by block as GPTQ codes."""
+
+    def __init__(
+        self,
+        method: WeightScale,
+        global_amax: torch.Tensor,
+        weight_scale_2: torch.Tensor,
+        seen: torch.Tensor,
+        rows: int,
+        cols: int,
+    ) -> None:
+        self.method, self.global_amax, self.ws2, self.seen = method, global_amax, weight_scale_2, seen
+        n_exp = weight_scale_2.shape[0]
+        device = weight_scale_2.device
+        self.block_scale = torch.empty(
+            (n_exp, rows, cols // nvfp4.BLOCK_SIZE), dtype=torch.float8_e4m3fn, device=device
+        )
+
+    def __call__(self, g: int, w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """The step [E, rows] of block g, its updated weights w [E, rows, 16], u its block of U."""
+        if self.method is WeightScale.MAX:
+            bs = nvfp4.block_scales(w.contiguous(), self.ws2)
+        elif self.method is WeightScale.MSE_SWEEP:
+            bs = sweep_block_scales(w.contiguous(), self.global_amax)
+        else:
+            schur = torch.cholesky_inverse(u, upper=True)  # (Uᵀ U)⁻¹ per expert [E, 16, 16]
+            bs = hessian_block_scales(w.contiguous(), self.global_amax, schur[:, None], self.seen)
+        self.block_scale[:, :, g : g + 1] = bs
+        return bs[:, :, 0].float() * self.ws2[:, None]

@@ -85,8 +85,9 @@ def _accumulate(into: torch.Tensor, rows: torch.Tensor) -> None:
 
 
 def attach(stats: ExpertStats, recipe: Recipe) -> None:
-    """Gather the Hessians in the layer's forward when the recipe asks for local_hessian scales."""
-    if recipe.nvfp4.weight_scale is WeightScale.LOCAL_HESSIAN:
+    """Gather the Hessians in the layer's forward when the recipe asks for local_hessian scales (with gptq,
+    GPTQ's own full Hessians choose them: qtool.ops.quantize.gptq_layer.UpdatedScales)."""
+    if recipe.nvfp4.weight_scale is WeightScale.LOCAL_HESSIAN and not recipe.gptq.enabled:
         stats.local_hessians = LocalHessians(stats.n_experts)
         stats.hooks.append(stats.local_hessians.record)
 
