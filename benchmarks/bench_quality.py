@@ -48,6 +48,7 @@ class Method:
     recipe: str  # YAML body (without schema/name lines)
     cuda_only: bool = False  # run by default only with --device cuda (named in --methods, it runs anyway)
     oneshot: tuple[str, ...] = ()  # llm-compressor's own pipeline instead of qtool quantize: llmc_oneshot.py's flags
+    by_default: bool = True  # False: a diagnosis row, run only when named in --methods
 
 
 GPTQ = "gptq: {enabled: true}\n"  # damp 0.01, block 128, no act order (the recipe's defaults)
@@ -149,6 +150,7 @@ def methods(int4_group: int) -> list[Method]:
             "oneshot",
             "",
             oneshot=("--scheme", "nvfp4", "--bf16-propagation"),
+            by_default=False,  # explains the gap between the two GPTQ rows; not a method of its own
         ),
         Method(
             "llmc-int4-gptq",
@@ -353,7 +355,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--eval-windows", type=int, default=16, help="held-out windows for eval kld (default 16)")
     ap.add_argument("--seq-len", type=int, default=256, help="tokens per window, both (default 256)")
     ap.add_argument("--int4-group-size", type=int, default=32, help="INT4 group (default 32: NVFP4's bytes)")
-    ap.add_argument("--methods", help="comma-separated keys (default all): " + ",".join(m.key for m in methods(32)))
+    ap.add_argument(
+        "--methods",
+        help="comma-separated keys (default: all but the diagnosis rows, and on a CPU the CUDA-only ones): "
+        + ",".join(m.key for m in methods(32)),
+    )
     ap.add_argument("--device", default="cpu", help="quantize and eval kld on this device (default cpu)")
     ap.add_argument("--smoke", action="store_true", help="2 windows of 64 tokens each side (CI)")
     a = ap.parse_args(argv)
@@ -372,8 +378,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"unknown --methods {','.join(unknown)}; known: {','.join(m.key for m in chosen)}", file=sys.stderr)
             return 2
         chosen = [m for m in chosen if m.key in keys]
-    elif not a.device.startswith("cuda"):
-        chosen = [m for m in chosen if not m.cuda_only]
+    else:
+        chosen = [m for m in chosen if m.by_default and (a.device.startswith("cuda") or not m.cuda_only)]
     a.workdir.mkdir(parents=True, exist_ok=True)
     src = ensure_proxy(a.workdir)
     rows, failed = [], []
