@@ -7,10 +7,23 @@ import pytest
 from qtool.recipes import RecipeError, Scheme, list_recipes, load_recipe, parse_recipe
 
 
-def test_ships_the_three_recipes():
-    assert {"qwen35-nvfp4-experts", "qwen35-nvfp4-experts-mse", "qwen35-awq-int4", "qwen35-nvfp4-v2"} <= set(
-        list_recipes()
-    )
+def test_ships_the_recipes():
+    assert {
+        "qwen35-nvfp4-experts",
+        "qwen35-nvfp4-experts-mse",
+        "qwen35-nvfp4-experts-gptq",
+        "qwen35-awq-int4",
+        "qwen35-nvfp4-v2",
+    } <= set(list_recipes())
+
+
+def test_the_gptq_recipe_is_the_best_measured_combination():
+    """GPTQ with local_hessian block scales chosen as it goes (0.737x max's KLD on the proxy: docs/_quality.md)."""
+    from qtool.recipes import GptqScales, WeightScale
+
+    r = load_recipe("qwen35-nvfp4-experts-gptq")
+    assert r.quantized_scheme is Scheme.NVFP4 and r.nvfp4.weight_scale is WeightScale.LOCAL_HESSIAN
+    assert r.gptq.enabled and r.gptq.scales is GptqScales.UPDATED and not r.gptq.act_order
 
 
 @pytest.mark.parametrize("name", list_recipes())
@@ -106,7 +119,7 @@ def test_shipped_recipes_say_what_they_calibrate_on(tiny_bf16, tmp_path):
     for the demo and offline use) plans with a warning saying so."""
     from qtool.ops.quantize import QuantizeOptions, plan
 
-    for name in ("qwen35-nvfp4-experts", "qwen35-nvfp4-experts-mse", "qwen35-awq-int4"):
+    for name in ("qwen35-nvfp4-experts", "qwen35-nvfp4-experts-mse", "qwen35-nvfp4-experts-gptq", "qwen35-awq-int4"):
         r = load_recipe(name)
         assert (
             r.calibration["dataset"].startswith("hf:") and r.calibration["samples"] * r.calibration["seq_len"] >= 32768
