@@ -59,6 +59,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if item.get_closest_marker("engines") is not None:
                 item.add_marker(skip)
+    items[:] = _slow_modules_first(items)
+
+
+def _slow_modules_first(items: list[pytest.Item]) -> list[pytest.Item]:
+    """The modules that hold a `slow` test first, each module's tests together and in their order (a module
+    fixture is still built once per worker). pytest-xdist hands the tests out in this order: the minutes-long
+    tests then start while the other workers still have work, rather than one of them running alone at the
+    end of the run while the other cores wait."""
+    slow = {item.nodeid.split("::", 1)[0] for item in items if item.get_closest_marker("slow") is not None}
+    return sorted(items, key=lambda item: item.nodeid.split("::", 1)[0] not in slow)
 
 
 _CACHE = None

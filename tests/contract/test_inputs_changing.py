@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 import pytest
+from in_process import run_cli
 from killpoint import run_qtool, start_paused
 from test_no_data_loss import biggest_shard, same_size_edit, unsampled_offset
 from test_output_contract import KV, copy_of
@@ -94,7 +95,7 @@ def test_an_input_changed_while_calibrate_kv_reads_it_fails_the_job_naming_it(
         assert not learned
     if change in ("renamed-over", "edited-in-place-mtime-put-back"):  # a valid shard still: the next job
         # records its own digest
-        p = run_qtool(args, timeout=TIMEOUT)
+        p = run_cli(args)
         assert p.returncode == 0, p.stderr
         m = json.loads((out / "qtool-manifest.json").read_text())
         assert m["sources"]["checkpoint" if "checkpoint" in m["sources"] else next(iter(m["sources"]))]["files"][

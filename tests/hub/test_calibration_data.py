@@ -7,7 +7,8 @@ import json
 import shutil
 
 from fake_hub import chat_dataset_files
-from killpoint import run_failing, run_qtool
+from in_process import run_cli
+from killpoint import run_failing
 
 from qtool.io.checkpoint import Checkpoint
 
@@ -34,7 +35,7 @@ def test_calibrate_kv_on_a_hub_chat_dataset(hub, tiny_nvfp4_modelopt, tmp_path):
     files = chat_dataset_files(40)
     commit = hub.add_dataset("org/chat", files)
     out = tmp_path / "out"
-    p = run_qtool(
+    p = run_cli(
         [
             "calibrate-kv",
             tiny_nvfp4_modelopt,
@@ -66,7 +67,7 @@ def test_calibrate_kv_on_a_hub_chat_dataset(hub, tiny_nvfp4_modelopt, tmp_path):
     jl = tmp_path / "chat.jsonl"
     jl.write_text("".join(json.dumps(r) + "\n" for r in pq.read_table(pq_file).to_pylist()))
     for local in (pq_file, jl):
-        d = run_qtool(
+        d = run_cli(
             [
                 "calibrate-kv",
                 tiny_nvfp4_modelopt,
@@ -121,7 +122,7 @@ def test_the_shipped_397b_recipes_plan_against_their_dataset(hub, tmp_path):
 
     hub.add_dataset("HuggingFaceH4/ultrachat_200k", chat_dataset_files(400, words=240))
     ct = build_sparse(tmp_path / "ct", model="397b", flavour="ct-nvfp4")
-    p = run_qtool(
+    p = run_cli(
         ["build", "qwen35-397b-sehyo-kv", "-o", tmp_path / "o", "--dry-run", "--json", "--source", f"nvfp4={ct}"]
     )
     assert p.returncode == 0, p.stdout + p.stderr

@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from killpoint import run_killed, run_qtool
+from in_process import run_cli
+from killpoint import run_killed
 
 from qtool.errors import PlanError, QtoolError, UsageError, WriteError
 from qtool.fixtures.synthetic import build_pair
@@ -244,7 +245,7 @@ def test_resume_after_kill(tmp_path):
     args = ["assemble", "hybrid", "--nvfp4", nv, "--bf16", bf, "-o", out, "--quiet"]
     p = run_killed("qtool.io.identity:Journal.record", 4, args)
     assert p.returncode == -9 and not out.exists()
-    p = run_qtool(args + ["--resume", "--json"])
+    p = run_cli(args + ["--resume", "--json"])
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["result"]["shards_resumed"] == 4
     assert files_bytes(out) == files_bytes(ref)

@@ -234,6 +234,22 @@ def test_gpu_scales_equal_cpu(request, tmp_path):
         assert _rel(gpu[i].k_amax, cpu[i].k_amax) <= 0.01 and _rel(gpu[i].v_amax, cpu[i].v_amax) <= 0.01
 
 
+KILL_ARGS = ["--replace-scales", "--samples", "4", "--seq-len", "32", "--batch-tokens", "64", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_kv(request, tmp_path_factory):
+    """(input, output) of one uninterrupted `calibrate-kv` with KILL_ARGS: the bytes every killed and
+    resumed run of this module must give (read only)."""
+    from in_process import run_cli
+
+    src = fixture_dir(request, "tiny_nvfp4_modelopt")
+    clean = tmp_path_factory.mktemp("kv-uninterrupted") / "clean"
+    p = run_cli(["calibrate-kv", src, *KILL_ARGS, "-o", clean])
+    assert p.returncode == 0, p.stderr[-2000:]
+    return src, clean
+
+
 @pytest.mark.parametrize(
     "point",
     [
@@ -242,56 +258,35 @@ def test_gpu_scales_equal_cpu(request, tmp_path):
         ("qtool.io.jsonio:write_json", 3),
     ],
 )
-def test_kill_in_the_hidden_state_writer_resumes_to_the_same_scales(request, tmp_path, point):
+def test_kill_in_the_hidden_state_writer_resumes_to_the_same_scales(uninterrupted_kv, tmp_path, point):
     """The hidden states and the journal are written behind the next layer (one writer thread): a kill
     -9 at its fsync, its write or its journal write leaves a journal that points at intact hidden states;
     --resume gives the bytes of an uninterrupted run."""
-    from killpoint import run_killed, run_qtool
+    from in_process import run_cli
+    from killpoint import run_killed
 
-    src = fixture_dir(request, "tiny_nvfp4_modelopt")
-    args = [
-        "calibrate-kv",
-        src,
-        "--replace-scales",
-        "--samples",
-        "4",
-        "--seq-len",
-        "32",
-        "--batch-tokens",
-        "64",
-        "--quiet",
-    ]
-    clean, out = tmp_path / "clean", tmp_path / "out"
-    assert run_qtool([*args, "-o", clean]).returncode == 0
+    src, clean = uninterrupted_kv
+    args = ["calibrate-kv", src, *KILL_ARGS]
+    out = tmp_path / "out"
     killed = run_killed(*point, [*args, "-o", out])
     assert killed.returncode == -9 and not out.exists()
     journal = json.loads((tmp_path / "out.partial/.calibrate-kv/journal.json").read_text())
     assert journal["next_layer"] >= 0
-    p = run_qtool([*args, "-o", out, "--resume"])
+    p = run_cli([*args, "-o", out, "--resume"])
     assert p.returncode == 0, p.stderr[-2000:]
     for f in clean.glob("*.safetensors"):
         assert (out / f.name).read_bytes() == f.read_bytes(), f.name
 
 
-def test_failed_hidden_state_write_is_never_journaled(request, tmp_path):
+def test_failed_hidden_state_write_is_never_journaled(uninterrupted_kv, tmp_path):
     """With the writer thread, a failed write of a layer's hidden states stops the queue: neither its
     fsync nor the journal entry that would declare the layer complete runs; --resume recomputes it."""
-    from killpoint import run_failing, run_qtool
+    from in_process import run_cli
+    from killpoint import run_failing
 
-    src = fixture_dir(request, "tiny_nvfp4_modelopt")
-    args = [
-        "calibrate-kv",
-        src,
-        "--replace-scales",
-        "--samples",
-        "4",
-        "--seq-len",
-        "32",
-        "--batch-tokens",
-        "64",
-        "--quiet",
-    ]
-    clean, out = tmp_path / "clean", tmp_path / "out"
+    src, clean = uninterrupted_kv
+    args = ["calibrate-kv", src, *KILL_ARGS]
+    out = tmp_path / "out"
     # writes: 2 micro-batches of embeddings, then 2 per layer: the 4th is layer 0's last. The input is hashed
     # from the job's reads (a cache of its own: no digests of this input on record), lagging behind them as
     # sha256 does behind a fast disk; none of that hashing may run on into the interpreter's exit
@@ -303,10 +298,9 @@ def test_failed_hidden_state_write_is_never_journaled(request, tmp_path):
     failed = run_failing("qtool.stream.hidden_store:_pwrite_file", 4, "ENOSPC", [*args, "-o", out], env=slow)
     assert failed.returncode == 1 and "No space left on device" in failed.stderr
     assert "alive at exit" not in failed.stderr
-    assert run_qtool([*args, "-o", clean]).returncode == 0
     journal = json.loads((tmp_path / "out.partial/.calibrate-kv/journal.json").read_text())
     assert journal["next_layer"] == 0  # layer 0 not declared done
-    p = run_qtool([*args, "-o", out, "--resume"])
+    p = run_cli([*args, "-o", out, "--resume"])
     assert p.returncode == 0, p.stderr[-2000:]
     for f in clean.glob("*.safetensors"):
         assert (out / f.name).read_bytes() == f.read_bytes(), f.name

@@ -364,7 +364,8 @@ def test_a_sparse_397b_pair_plans_from_the_table_and_headers(tmp_path_factory, c
 def test_a_killed_sensitivity_run_resumes_at_its_next_layer_to_the_same_table(tiny_bf16, tiny_nvfp4_ct, tmp_path):
     """kill -9 right after the 4th journal entry (layers 0-2 done): --resume runs layers 3-7 only and gives
     the table of an uninterrupted run; without --resume it says it starts over."""
-    from killpoint import run_killed, run_qtool
+    from in_process import run_cli
+    from killpoint import run_killed
 
     args = [
         "sensitivity",
@@ -379,19 +380,19 @@ def test_a_killed_sensitivity_run_resumes_at_its_next_layer_to_the_same_table(ti
         "--quiet",
     ]
     clean, out = tmp_path / "clean", tmp_path / "out"
-    assert run_qtool([*args, "-o", clean]).returncode == 0
+    assert run_cli([*args, "-o", clean]).returncode == 0
     killed = run_killed("qtool.io.jsonio:write_json", 4, [*args, "-o", out])
     assert killed.returncode == -9 and not out.exists()
     journal = json.loads((tmp_path / "out.partial/.sensitivity/journal.json").read_text())
     assert journal["next_layer"] == 3
-    p = run_qtool([*args, "-o", out, "--resume", "--json"])
+    p = run_cli([*args, "-o", out, "--resume", "--json"])
     assert p.returncode == 0, p.stderr[-2000:]
     assert json.loads(p.stdout)["timing"]["resumed_from_layer"] == 3
     rows = lambda d: json.loads((d / "sensitivity.json").read_text())["units"]  # noqa: E731
     assert rows(out) == rows(clean)
     # killed again, then run without --resume: it says that it starts over
     assert run_killed("qtool.io.jsonio:write_json", 2, [*args, "-o", tmp_path / "again"]).returncode == -9
-    p = run_qtool([*args[:-1], "-o", tmp_path / "again"])  # (without --quiet: the notice is for the user)
+    p = run_cli([*args[:-1], "-o", tmp_path / "again"])  # (without --quiet: the notice is for the user)
     assert p.returncode == 0 and "starting over" in p.stderr, p.stderr[-2000:]
 
 
