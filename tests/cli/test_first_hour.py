@@ -264,6 +264,7 @@ def test_a_gpu_smaller_than_the_reserve_is_blamed_on_the_reserve(tiny_nvfp4_mode
     assert "budget 0.8 GiB (0.9 GB) < weights 0.0 GiB + reserve 4.0 GiB = 4.0 GiB" in fit, fit
 
 
+@pytest.mark.slow
 @pytest.mark.xdist_group("measure")  # measures reads or memory: not beside another such test
 def test_the_planned_host_memory_counts_the_process_itself(tiny_bf16, tmp_path):
     """Found: quantize's plan said "peak memory host ~36.7 MiB" for a run whose peak was 581-819 MB: the
@@ -384,6 +385,7 @@ def test_the_set_up_leaves_the_clone_clean():
     assert "/demo-out/" in ignored and "/demo-out.build/" in ignored
 
 
+@pytest.mark.slow
 def test_the_modelopt_backend_does_not_warn_of_the_pinned_transformers(tiny_bf16, tmp_path):
     """Found: the modelopt backend printed "transformers 5.17.0 is not tested with current version of
     modelopt" for the versions qtool pins (and tests together)."""

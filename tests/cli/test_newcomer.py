@@ -152,6 +152,7 @@ def test_ctrl_c_names_the_step_what_was_kept_and_the_command_that_continues(
     assert "published:" in r.stdout and (tmp_path / "out" / "qtool-manifest.json").exists()
 
 
+@pytest.mark.slow
 def test_a_rerun_without_resume_says_it_starts_over(tiny_nvfp4_modelopt_nomtp, tmp_path):
     """Found: re-running calibrate-kv without --resume after an interruption silently started over."""
     from killpoint import run_killed

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
 from fake_hub import chat_dataset_files
 from in_process import run_cli
 from killpoint import run_failing
@@ -88,6 +89,7 @@ def test_calibrate_kv_on_a_hub_chat_dataset(hub, tiny_nvfp4_modelopt, tmp_path):
         assert json.loads(d.stdout)["plan"]["calibration"]["digest"] == cal["digest"], local
 
 
+@pytest.mark.slow
 def test_a_too_small_dataset_is_refused_before_any_weight_is_read(hub, tiny_nvfp4_modelopt, tmp_path):
     """Found as: the shipped recipes asked for 16 x 2048 tokens of a dataset giving 5,804: a real run failed
     after loading, and --dry-run did not notice."""
@@ -115,6 +117,7 @@ def test_a_too_small_dataset_is_refused_before_any_weight_is_read(hub, tiny_nvfp
     assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
 
 
+@pytest.mark.slow
 def test_the_shipped_397b_recipes_plan_against_their_dataset(hub, tmp_path):
     """The shipped 397B recipes name a real dataset and token budget; a build --dry-run counts what the
     dataset gives before any weight is read (here the dataset is the fake Hub's stand-in of ultrachat_200k)."""

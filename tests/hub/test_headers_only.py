@@ -47,6 +47,7 @@ def test_inspect_of_the_397b_on_the_hub_reads_headers_only(hub, s397, capsys):
     assert json.loads(capsys.readouterr().out)["facts"]["quant_algo"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flavour", ["modelopt-nvfp4", "ct-nvfp4"])
 def test_inspect_of_the_397b_costs_few_round_trips(hub, flavour, tmp_path, capsys):
     """Found as: against a Hub that answers in 50-100 ms, header-only `inspect hf:` of the 397B made 320
@@ -243,6 +244,7 @@ def test_messages_name_the_hub_source_and_the_cache_is_not_a_patch_target(hub, t
     assert (stand_in / "config.json").read_text() == before
 
 
+@pytest.mark.slow
 def test_scalars_spread_through_the_shards_cost_few_requests(hub, tmp_path):
     """Found as: a header-only read of a repository written tensor by tensor in module order (a streaming
     writer's layout: every expert's scalars between its weights, not grouped by safetensors' sort) made one

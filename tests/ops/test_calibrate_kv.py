@@ -258,6 +258,7 @@ def uninterrupted_kv(request, tmp_path_factory):
         ("qtool.io.jsonio:write_json", 3),
     ],
 )
+@pytest.mark.slow
 def test_kill_in_the_hidden_state_writer_resumes_to_the_same_scales(uninterrupted_kv, tmp_path, point):
     """The hidden states and the journal are written behind the next layer (one writer thread): a kill
     -9 at its fsync, its write or its journal write leaves a journal that points at intact hidden states;
@@ -278,6 +279,7 @@ def test_kill_in_the_hidden_state_writer_resumes_to_the_same_scales(uninterrupte
         assert (out / f.name).read_bytes() == f.read_bytes(), f.name
 
 
+@pytest.mark.slow
 def test_failed_hidden_state_write_is_never_journaled(uninterrupted_kv, tmp_path):
     """With the writer thread, a failed write of a layer's hidden states stops the queue: neither its
     fsync nor the journal entry that would declare the layer complete runs; --resume recomputes it."""

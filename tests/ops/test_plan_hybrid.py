@@ -361,6 +361,7 @@ def test_a_sparse_397b_pair_plans_from_the_table_and_headers(tmp_path_factory, c
     assert [s.op.value for s in recipe.steps] == ["assemble", "calibrate-kv", "patch-config", "verify"]
 
 
+@pytest.mark.slow
 def test_a_killed_sensitivity_run_resumes_at_its_next_layer_to_the_same_table(tiny_bf16, tiny_nvfp4_ct, tmp_path):
     """kill -9 right after the 4th journal entry (layers 0-2 done): --resume runs layers 3-7 only and gives
     the table of an uninterrupted run; without --resume it says it starts over."""

@@ -149,7 +149,8 @@ def test_gptq_scales_fixed_reports_as_before_and_updated_is_named():
     assert updated.gptq.to_json()["scales"] == "updated"
 
 
-@pytest.mark.parametrize("weight_scale", ["local_hessian", pytest.param("mse_sweep", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("weight_scale", ["local_hessian", "mse_sweep"])
 def test_nvfp4_gptq_with_updated_scales_writes_plain_nvfp4_reproducibly(tiny_bf16, tmp_path, weight_scale):
     """gptq.scales updated: the same tensors, shapes and dtypes as RTN's NVFP4 (plain NVFP4: the max's global
     scale and input scales, E4M3 block scales, E2M1 codes), the block scales and codes its own, every weight

@@ -126,6 +126,7 @@ def test_findings_are_drawn_in_the_cell_of_their_module(tiny_nvfp4_modelopt, tmp
     assert all("refused" in v for v in a["launch"].values())
 
 
+@pytest.mark.slow
 def test_report_with_saved_kld_and_with_ref(tiny_bf16, tiny_nvfp4_modelopt, tmp_path, capsys):
     window = ["--windows", "2", "--seq-len", "16"]
     kld = _json_of(
@@ -351,6 +352,7 @@ def test_review_findings_kv_dtype_mtp_and_broken_inputs(
         ro.chmod(0o700)
 
 
+@pytest.mark.slow
 def test_report_ref_on_an_hf_source_uses_its_data(hub, tiny_bf16, tiny_nvfp4_modelopt, tmp_path, capsys):
     """Found as: `report hf:... --ref REF` ran eval kld on the header-only stand-in (zeros for data) and
     drew a made-up KLD. The source is downloaded for --ref; the op refuses a stand-in outright."""

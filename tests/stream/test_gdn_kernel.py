@@ -10,6 +10,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 PROBE = textwrap.dedent("""
@@ -163,6 +165,7 @@ def _import_with_fla_layout(tmp_path, how: str, needs: str = "") -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_a_streamed_jobs_import_takes_fla_s_kernel_without_the_rest_of_fla(tmp_path):
     """fla-core's package __init__s import all its op families and torch._inductor (1.7 s of the decoder
     module's import on the 2-core VM): a streamed job imports the Gated-DeltaNet kernel's modules alone, and

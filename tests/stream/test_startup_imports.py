@@ -33,6 +33,7 @@ def _imports_sklearn(tmp_path, prepare: str, probe: str = PROBE) -> bool:
     return r.stdout.strip().splitlines()[-1] == "True"
 
 
+@pytest.mark.slow
 def test_the_decoder_module_comes_without_scikit_learn(tmp_path):
     assert _imports_sklearn(tmp_path, "")  # the stand-in is what transformers would import
     assert not _imports_sklearn(
@@ -54,6 +55,7 @@ print(sorted(m for m in ("scipy", "torchvision") if m in sys.modules))
 """
 
 
+@pytest.mark.slow
 def test_the_decoder_module_comes_without_scipy():
     """transformers' object-detection losses import scipy.optimize where scipy is installed (0.45 s of the
     decoder module's import on a 2-core CPU); a streamed job never computes them."""
@@ -106,6 +108,7 @@ print("torchaudio" in sys.modules)
 """
 
 
+@pytest.mark.slow
 def test_the_decoder_module_comes_without_torchaudio(tmp_path):
     """transformers' audio utilities (imported with the decoder module) import torchaudio where it is
     installed (with its wav2vec2 pipelines on the lent GPU machine); a streamed job loads no audio. A stand-in
@@ -168,6 +171,7 @@ print("sklearn.metrics" in sys.modules)
 """
 
 
+@pytest.mark.slow
 def test_the_tokenizer_comes_without_scikit_learn(tmp_path):
     """The tokenizer is a streamed job's first transformers import (the plan's): the skip applies there,
     not only to the decoder module imported after it."""
