@@ -96,6 +96,7 @@ def triton_available() -> bool:
 tl: Any = None
 _e4m3_rne: Any = None  # triton.jit(_e4m3_rne_body), bound with `tl`
 _e2m1_round: Any = None  # triton.jit(_e2m1_round_body), bound with `tl`
+_block_tile: Any = None  # triton.jit(_block_tile_body), bound with `tl`
 
 
 def _amax_body(x_ptr, part_ptr, numel_per_mat, BLOCK: tl.constexpr, STEPS: tl.constexpr):
@@ -153,6 +154,20 @@ def _e2m1_round_body(a):
     )
 
 
+def _block_tile_body(x_ptr, n_rows, n_blocks, BLOCK_R: tl.constexpr, NB: tl.constexpr):
+    # The tile of a [rows, n_blocks * 16] weight that program (row tile, block tile) works on: its rows [R]
+    # (int64: offsets past 2**31), its blocks [NB], the row mask [R], the tile mask [R, NB] and the tile's
+    # values as float32 [R, NB, 16] (0 where masked).
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    blks = tl.program_id(1) * NB + tl.arange(0, NB)
+    rmask = rows < n_rows
+    m2 = rmask[:, None] & (blks < n_blocks)[None, :]
+    e16 = tl.arange(0, 16)
+    offs = rows[:, None, None] * (n_blocks * 16) + blks[None, :, None] * 16 + e16[None, None, :]
+    x = tl.load(x_ptr + offs, mask=m2[:, :, None], other=0.0).to(tl.float32)
+    return rows, blks, rmask, m2, x
+
+
 def _quantize_body(
     x_ptr,
     ws2_ptr,
@@ -164,17 +179,7 @@ def _quantize_body(
     BLOCK_R: tl.constexpr,
     NB: tl.constexpr,
 ):
-    pid_r = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    rows = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # [R]
-    blks = pid_c * NB + tl.arange(0, NB)  # [NB]
-    rmask = rows < n_rows
-    bmask = blks < n_blocks
-    m2 = rmask[:, None] & bmask[None, :]  # [R, NB]
-    e16 = tl.arange(0, 16)
-    n_in = n_blocks * 16
-    offs = rows[:, None, None] * n_in + blks[None, :, None] * 16 + e16[None, None, :]
-    x = tl.load(x_ptr + offs, mask=m2[:, :, None], other=0.0).to(tl.float32)  # [R, NB, 16]
+    rows, blks, rmask, m2, x = _block_tile(x_ptr, n_rows, n_blocks, BLOCK_R, NB)  # x [R, NB, 16]
     ws2 = tl.load(ws2_ptr + rows // rows_per_mat, mask=rmask, other=1.0)  # [R] float32
 
     # block amax (NaN-propagating like torch.maximum) -> fl(amax / fl(6 * ws2))
@@ -236,15 +241,8 @@ def _sweep_body(
     # With PRUNE each block tries SWEEP_WINDOW candidates from its own first one (k = start + j, ascending,
     # so the first-smallest rule is unchanged); the candidates left out can never be that first smallest
     # (the proof is at nvfp4.sweep_window). Every program runs the same number of steps.
-    pid_r = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    rows = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    blks = pid_c * NB + tl.arange(0, NB)
-    rmask = rows < n_rows
-    m2 = rmask[:, None] & (blks < n_blocks)[None, :]
-    e16 = tl.arange(0, 16)
-    offs = rows[:, None, None] * (n_blocks * 16) + blks[None, :, None] * 16 + e16[None, None, :]
-    x = tl.abs(tl.load(x_ptr + offs, mask=m2[:, :, None], other=0.0).to(tl.float32))
+    rows, blks, rmask, m2, x = _block_tile(x_ptr, n_rows, n_blocks, BLOCK_R, NB)
+    x = tl.abs(x)
     ga = tl.load(amax_ptr + rows // rows_per_mat, mask=rmask, other=0.0)
     best_loss = tl.full([BLOCK_R, NB], float("inf"), dtype=tl.float32)
     best_k = tl.zeros([BLOCK_R, NB], dtype=tl.int32)
@@ -340,15 +338,7 @@ def _four_over_six_body(
     # `four_over_six` (qtool.ops.quantize.nvfp4_mse.four_over_six_block_scales): each block's max mapped to 6
     # (multiplier 1.0) or to 4 (1.5), the exported E4M3 scale of each computed in the torch code's order of
     # float32 operations, the one whose codes have the smaller squared error kept (max -> 6 on a tie).
-    pid_r = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    rows = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    blks = pid_c * NB + tl.arange(0, NB)
-    rmask = rows < n_rows
-    m2 = rmask[:, None] & (blks < n_blocks)[None, :]
-    e16 = tl.arange(0, 16)
-    offs = rows[:, None, None] * (n_blocks * 16) + blks[None, :, None] * 16 + e16[None, None, :]
-    x = tl.load(x_ptr + offs, mask=m2[:, :, None], other=0.0).to(tl.float32)
+    rows, blks, rmask, m2, x = _block_tile(x_ptr, n_rows, n_blocks, BLOCK_R, NB)
     ga = tl.load(amax_ptr + rows // rows_per_mat, mask=rmask, other=1.0)
     ws2 = tl.load(ws2_ptr + rows // rows_per_mat, mask=rmask, other=1.0)
     bamax = tl.max(tl.abs(x), axis=2)
@@ -378,7 +368,7 @@ def _kernels() -> tuple[Any, Any]:
     """Import triton (first call only) and JIT-wrap the kernel bodies. The compiled kernels are kept in
     qtool's cache dir (`$QTOOL_CACHE_DIR/triton`, unless TRITON_CACHE_DIR says otherwise): compiled once per
     machine and CUDA version, found there by every later run (a CI cache keeps them too)."""
-    global tl, _e4m3_rne, _e2m1_round
+    global tl, _e4m3_rne, _e2m1_round, _block_tile
     if not os.environ.get("TRITON_CACHE_DIR"):
         os.environ["TRITON_CACHE_DIR"] = str(cache_dir() / "triton")
     import triton
@@ -388,6 +378,7 @@ def _kernels() -> tuple[Any, Any]:
     # called from the kernels: resolved from this module's globals when a kernel compiles
     _e4m3_rne = triton.jit(_e4m3_rne_body)
     _e2m1_round = triton.jit(_e2m1_round_body)
+    _block_tile = triton.jit(_block_tile_body)
     return triton.jit(_amax_body), triton.jit(_quantize_body)
 
 
@@ -399,23 +390,37 @@ def _sweep_kernel() -> Any:
     return triton.jit(_sweep_body)
 
 
+class _BlockSearch:
+    """What a per-block scale search launches over: the weight (contiguous), its leading dims, rows per matrix,
+    blocks per row and rows in all, the output (one E4M3 byte per block, uint8 [*lead, out, in/16]) and the
+    grid of (row tile, block tile) programs (None when there is nothing to search)."""
+
+    def __init__(self, w: torch.Tensor, tile: TileConfig) -> None:
+        nvfp4.check_weight(w)
+        self.w = w.contiguous()
+        self.lead, self.out = tuple(w.shape[:-2]), w.shape[-2]
+        self.nb = w.shape[-1] // BLOCK_SIZE
+        self.n_rows = torch.Size(self.lead).numel() * self.out
+        self.best = torch.empty((*self.lead, self.out, self.nb), dtype=torch.uint8, device=w.device)
+        self.grid = (
+            (_cdiv(self.n_rows, tile.block_rows), _cdiv(self.nb, tile.blocks_per_tile))
+            if self.n_rows and self.nb
+            else None
+        )
+
+
 def sweep_block_scales_triton(
     w: torch.Tensor, global_amax: torch.Tensor, tile: TileConfig = DEFAULT_TILE, prune: bool = True
 ) -> torch.Tensor:
     """`qtool.ops.quantize.nvfp4_mse.sweep_block_scales` as one Triton launch (CUDA tensors). `prune=False`
     tries all 126 candidates in every block (the same bytes, about 4x the work: for tests and timings)."""
-    nvfp4.check_weight(w)
-    w = w.contiguous()
-    lead, out, n_in = tuple(w.shape[:-2]), w.shape[-2], w.shape[-1]
-    nb = n_in // BLOCK_SIZE
-    n_rows = torch.Size(lead).numel() * out
+    search = _BlockSearch(w, tile)
+    w, lead, out, nb, n_rows, best = search.w, search.lead, search.out, search.nb, search.n_rows, search.best
     scale_bytes = nvfp4.fp8_scale_bytes(w.device)
     candidates = (scale_bytes.view(torch.float8_e4m3fn).float() / nvfp4.E4M3_MAX).contiguous()
     amax = torch.as_tensor(global_amax, device=w.device).float().expand(lead).contiguous()
-    best = torch.empty((*lead, out, nb), dtype=torch.uint8, device=w.device)
-    if n_rows and nb:
-        grid = (_cdiv(n_rows, tile.block_rows), _cdiv(nb, tile.blocks_per_tile))
-        _sweep_kernel()[grid](
+    if search.grid:
+        _sweep_kernel()[search.grid](
             w,
             amax,
             candidates,
@@ -439,7 +444,7 @@ def sweep_block_scales_triton(
 
 @functools.cache
 def _four_over_six_kernel() -> Any:
-    _kernels()  # binds `tl`, `_e4m3_rne` and the cache dir
+    _kernels()  # binds `tl`, the jit helpers and the cache dir
     import triton
 
     return triton.jit(_four_over_six_body)
@@ -450,18 +455,13 @@ def four_over_six_block_scales_triton(
 ) -> torch.Tensor:
     """`qtool.ops.quantize.nvfp4_mse.four_over_six_block_scales`' block scales as one Triton launch (CUDA
     tensors): float8_e4m3fn [..., out, in/16]. global_amax and weight_scale_2 per matrix (shape w.shape[:-2])."""
-    nvfp4.check_weight(w)
-    w = w.contiguous()
-    lead, out, n_in = tuple(w.shape[:-2]), w.shape[-2], w.shape[-1]
-    nb = n_in // BLOCK_SIZE
-    n_rows = torch.Size(lead).numel() * out
+    search = _BlockSearch(w, tile)
+    w, lead, out, nb, n_rows, best = search.w, search.lead, search.out, search.nb, search.n_rows, search.best
     amax = torch.as_tensor(global_amax, device=w.device).float().expand(lead).contiguous()
     ws2 = torch.as_tensor(weight_scale_2, device=w.device).float().expand(lead).contiguous()
     sixth = float(torch.tensor(1.0) / nvfp4.E2M1_MAX)  # float32 1/6, correctly rounded
-    best = torch.empty((*lead, out, nb), dtype=torch.uint8, device=w.device)
-    if n_rows and nb:
-        grid = (_cdiv(n_rows, tile.block_rows), _cdiv(nb, tile.blocks_per_tile))
-        _four_over_six_kernel()[grid](
+    if search.grid:
+        _four_over_six_kernel()[search.grid](
             w,
             amax,
             ws2,
