@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                 seen = torch.ones(a.experts, dtype=torch.bool, device="cuda")
 
                 def fn(w=w, fac=fac, scales=scales, amax=amax, ws2=ws2, seen=seen):
-                    chosen = UpdatedScales(WeightScale(scales), amax, ws2, seen, w.shape[-2], w.shape[-1])
+                    chosen = UpdatedScales(WeightScale(scales), amax, ws2, seen, w.shape[-2], fac.u)
                     placeholder = gptq.nvfp4_grid(torch.ones_like(chosen.block_scale), ws2)
                     return gptq.solve(w, fac, placeholder, choose=chosen)
 

@@ -96,6 +96,7 @@ def triton_available() -> bool:
 tl: Any = None
 _e4m3_rne: Any = None  # triton.jit(_e4m3_rne_body), bound with `tl`
 _e2m1_round: Any = None  # triton.jit(_e2m1_round_body), bound with `tl`
+_e2m1_code: Any = None  # triton.jit(_e2m1_code_body), bound with `tl`
 _block_tile: Any = None  # triton.jit(_block_tile_body), bound with `tl`
 
 
@@ -154,6 +155,22 @@ def _e2m1_round_body(a):
     )
 
 
+def _e2m1_code_body(v):
+    # a value already divided by its scale -> its E2M1 code (int32): the magnitude's index with the codec's
+    # bounds (strict at 0.25, 1.25, 2.5, 5; inclusive at 0.75, 1.75, 3.5), the sign in bit 3 where v < 0
+    a = tl.abs(v)
+    code = (
+        (a > 0.25).to(tl.int32)
+        + (a >= 0.75).to(tl.int32)
+        + (a > 1.25).to(tl.int32)
+        + (a >= 1.75).to(tl.int32)
+        + (a > 2.5).to(tl.int32)
+        + (a >= 3.5).to(tl.int32)
+        + (a > 5.0).to(tl.int32)
+    )
+    return code | ((v < 0.0).to(tl.int32) << 3)
+
+
 def _block_tile_body(x_ptr, n_rows, n_blocks, BLOCK_R: tl.constexpr, NB: tl.constexpr):
     # The tile of a [rows, n_blocks * 16] weight that program (row tile, block tile) works on: its rows [R]
     # (int64: offsets past 2**31), its blocks [NB], the row mask [R], the tile mask [R, NB] and the tile's
@@ -196,18 +213,7 @@ def _quantize_body(
 
     # codes of fl(x / fl(scale * ws2)); E2M1 bounds with ties to the even code
     denom = sq * ws2[:, None]  # [R, NB]
-    q = tl.math.div_rn(x, denom[:, :, None])
-    a = tl.abs(q)
-    code = (
-        (a > 0.25).to(tl.int32)
-        + (a >= 0.75).to(tl.int32)
-        + (a > 1.25).to(tl.int32)
-        + (a >= 1.75).to(tl.int32)
-        + (a > 2.5).to(tl.int32)
-        + (a >= 3.5).to(tl.int32)
-        + (a > 5.0).to(tl.int32)
-    )
-    code = code | ((q < 0.0).to(tl.int32) << 3)
+    code = _e2m1_code(tl.math.div_rn(x, denom[:, :, None]))
 
     # pack pairs: even element low nibble
     lo, hi = tl.split(tl.reshape(code, (BLOCK_R, NB, 8, 2)))
@@ -368,7 +374,7 @@ def _kernels() -> tuple[Any, Any]:
     """Import triton (first call only) and JIT-wrap the kernel bodies. The compiled kernels are kept in
     qtool's cache dir (`$QTOOL_CACHE_DIR/triton`, unless TRITON_CACHE_DIR says otherwise): compiled once per
     machine and CUDA version, found there by every later run (a CI cache keeps them too)."""
-    global tl, _e4m3_rne, _e2m1_round, _block_tile
+    global tl, _e4m3_rne, _e2m1_round, _e2m1_code, _block_tile
     if not os.environ.get("TRITON_CACHE_DIR"):
         os.environ["TRITON_CACHE_DIR"] = str(cache_dir() / "triton")
     import triton
@@ -378,6 +384,7 @@ def _kernels() -> tuple[Any, Any]:
     # called from the kernels: resolved from this module's globals when a kernel compiles
     _e4m3_rne = triton.jit(_e4m3_rne_body)
     _e2m1_round = triton.jit(_e2m1_round_body)
+    _e2m1_code = triton.jit(_e2m1_code_body)
     _block_tile = triton.jit(_block_tile_body)
     return triton.jit(_amax_body), triton.jit(_quantize_body)
 

@@ -129,6 +129,22 @@ def test_a_hessian_that_cannot_be_factorised_falls_back_to_rtn():
     assert torch.equal(nvfp4.pack(codes), nvfp4.quantize(w, weight_scale_2=ws2).packed)
 
 
+def test_the_inverse_factor_is_the_cholesky_factor_of_the_damped_inverse():
+    """U from one Cholesky of the column-reversed H and a triangular inverse is the upper factor that a
+    Cholesky of the damped inverse gives (float64 reference); a Hessian that is not positive definite fails."""
+    hs = torch.stack([_problem(seed)[1] for seed in range(3)])
+    hs[2] = -hs[2]
+    u, failed = gptq.inverse_factor(hs, 0.01)
+    assert failed.tolist() == [False, False, True] and torch.equal(u[2], torch.eye(hs.shape[-1]))
+    eye = torch.eye(hs.shape[-1], dtype=torch.float64)
+    for k in range(2):
+        h = hs[k].double()
+        damped = h + 0.01 * h.diagonal().mean() * eye
+        reference = torch.linalg.cholesky(torch.linalg.inv(damped), upper=True)
+        assert torch.equal(u[k].triu(), u[k])
+        assert torch.allclose(u[k].double(), reference, rtol=1e-3, atol=1e-4 * float(reference.abs().max()))
+
+
 def test_the_hessians_sum_each_experts_routed_rows():
     hess = ExpertHessians()
     x1, x2, mid = torch.randn(5, 8), torch.randn(3, 8), torch.randn(5, 4)
@@ -147,7 +163,7 @@ def _updated(method, w, fac, block_size: int = 128):
 
     amax = nvfp4.matrix_amax(w)
     ws2 = nvfp4.weight_scale_2_from_amax(amax).reshape(-1).float()
-    chosen = UpdatedScales(method, amax, ws2, ~fac.failed, w.shape[-2], w.shape[-1])
+    chosen = UpdatedScales(method, amax, ws2, ~fac.failed, w.shape[-2], fac.u)
     grid = gptq.nvfp4_grid(torch.ones_like(chosen.block_scale), ws2)
     codes = gptq.solve(w, fac, grid, block_size=block_size, choose=chosen)
     return codes, chosen.block_scale, ws2

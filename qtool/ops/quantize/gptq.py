@@ -17,13 +17,16 @@ Per expert:
   2. with `act_order`, the columns are coded in descending order of H_jj (each keeps its own block's scale,
      so the stored layout does not change);
   3. damping: H += damp * mean(diag H) * I;
-  4. U = upper Cholesky factor of H^-1 (a failed factorisation: the expert falls back to RTN);
+  4. U = upper Cholesky factor of H^-1, from one Cholesky of H in reversed column order and a triangular
+     inverse (inverse_factor; a failed factorisation: the expert falls back to RTN);
   5. blocks of `block_size` columns: inside a block each column is coded and its error, divided by U_jj,
-     subtracted from the block's later columns (row j of U); the block's errors then update every later
-     column in one batched matmul (the "lazy batch" update).
+     subtracted from the block's later columns (row j of U) -- within a group of 16 columns one by one, from
+     group to group in one batched matmul; the block's errors then update every later column in one batched
+     matmul (the "lazy batch" update).
 
 Everything is batched over the leading expert dim and runs on the tensors' device: the per-column work is
-a few elementwise ops on [experts, rows], the rest batched matmuls and one batched Cholesky.
+one Triton launch per 16 columns on a GPU (qtool.ops.quantize.gptq_triton; a few elementwise torch ops per
+column elsewhere), the rest batched matmuls, one batched Cholesky and one triangular inverse.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from typing import TYPE_CHECKING
 
 from qtool.formats import nvfp4
 from qtool.lazy import lazy_module
+from qtool.ops.quantize import gptq_triton
 
 if TYPE_CHECKING:
     import torch
@@ -41,6 +45,7 @@ else:
     torch = lazy_module("torch")
 
 NVFP4, INT4 = "nvfp4", "int4"
+GROUP = gptq_triton.GROUP  # columns coded per step of the column loop (code_group)
 
 
 class ColumnGrid:
@@ -126,21 +131,24 @@ def factor(h: torch.Tensor, *, damp: float = 0.01, act_order: bool = False) -> F
 
 def inverse_factor(h: torch.Tensor, damp: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(U, failed): U [E, C, C] the upper Cholesky factor of (H + damp * mean(diag H) * I)^-1 per expert;
-    `failed` [E] where a factorisation failed (U is then the identity: RTN)."""
+    `failed` [E] where a factorisation failed (U is then the identity: RTN).
+
+    One Cholesky and one triangular inverse, not a Cholesky, an inverse and a second Cholesky: with J the
+    reversal of the columns, J H J = L Lᵀ gives H⁻¹ = (J L⁻ᵀ J)(J L⁻¹ J), and J L⁻¹ J is upper triangular with
+    a positive diagonal, so it is U (the factor is unique)."""
     eye = torch.eye(h.shape[-1], dtype=h.dtype, device=h.device)
-    h = h + (damp * h.diagonal(dim1=-2, dim2=-1).mean(-1))[:, None, None] * eye
-    lower, info = torch.linalg.cholesky_ex(h)
-    del h
-    inv = torch.cholesky_inverse(lower)
+    damped = h + (damp * h.diagonal(dim1=-2, dim2=-1).mean(-1))[:, None, None] * eye
+    lower, info = torch.linalg.cholesky_ex(damped.flip(-2, -1))
+    del damped
+    upper = torch.linalg.solve_triangular(lower, eye, upper=False).flip(-2, -1)
     del lower
-    upper, info2 = torch.linalg.cholesky_ex(inv, upper=True)
-    failed = (info != 0) | (info2 != 0) | ~upper.isfinite().all(-1).all(-1)
+    failed = (info != 0) | ~upper.isfinite().all(-1).all(-1)
     return torch.where(failed[:, None, None], eye, upper), failed
 
 
-# choose(g, w, u): the step [E, R] of group g, from its columns w [E, R, group] as the error compensation has
-# updated them and u [E, group, group] the group's diagonal block of the factor U (GroupScales)
-GroupChooser = Callable[[int, "torch.Tensor", "torch.Tensor"], "torch.Tensor"]
+# choose(g, w): the step [E, R] of group g, from its columns w [E, R, group] as the error compensation has
+# updated them (GroupScales)
+GroupChooser = Callable[[int, "torch.Tensor"], "torch.Tensor"]
 
 
 def solve(
@@ -154,11 +162,13 @@ def solve(
     classic GPTQ "scale at group start"); a group then lies inside one lazy batch (block_size a multiple of
     the group) and the columns keep their order (no act_order), so every update has reached it by then.
 
-    Works on the transpose [E, C, R], where a column is contiguous: the column loop reads and writes whole
-    rows of memory, not one float in every C."""
+    The columns go GROUP (16) at a time through `code_group` (one Triton launch on a GPU), whose errors
+    reach the lazy batch's later columns in one batched matmul, and the batch's errors every later column in
+    another. Works on the transpose [E, C, R], where a column is contiguous: the column loop reads and writes
+    whole rows of memory, not one float in every C."""
     n_exp, rows, cols = w.shape
     dev = w.device
-    if choose is not None and (fac.perm is not None or block_size % grid.group):
+    if choose is not None and (fac.perm is not None or block_size % grid.group or grid.group % GROUP):
         raise ValueError("scales chosen at group start need the columns' own order and whole groups per block")
     w = w.float().masked_fill(fac.dead[:, None, :], 0.0)
     group_of = (torch.arange(cols, device=dev) // grid.group).expand(n_exp, cols)  # column -> stored group
@@ -174,28 +184,50 @@ def solve(
         b1 = min(b0 + block_size, cols)
         block = wt[:, b0:b1].clone()
         errors = torch.empty_like(block)
-        buckets = None
         u_block = u[:, b0:b1, b0:b1]
-        for j in range(b1 - b0):
-            if choose is not None and j % grid.group == 0:
-                g1 = j + grid.group
-                step = choose((b0 + j) // grid.group, block[:, j:g1].transpose(1, 2), u_block[:, j:g1, j:g1])
-                steps[:, b0 + j : b0 + g1] = step[:, None, :]
-            bucket, q = grid.round(block[:, j], steps[:, b0 + j])
-            if buckets is None:
-                buckets = torch.empty((n_exp, b1 - b0, rows), dtype=bucket.dtype, device=dev)
-            buckets[:, j] = bucket
-            err = errors[:, j]
-            torch.div(block[:, j] - q, u_block[:, j, j, None], out=err)
-            # the block's later columns absorb this column's error (row j of U)
-            block[:, j + 1 :].addcmul_(u_block[:, j, j + 1 :, None], err[:, None, :], value=-1.0)
-        codes[:, b0:b1] = grid.codes(buckets)
+        for g0 in range(0, b1 - b0, GROUP):
+            g1 = min(g0 + GROUP, b1 - b0)
+            if choose is not None and g0 % grid.group == 0:
+                step = choose((b0 + g0) // grid.group, block[:, g0:g1].transpose(1, 2))
+                steps[:, b0 + g0 : b0 + g1] = step[:, None, :]
+            code_group(
+                block[:, g0:g1], steps[:, b0 + g0 : b0 + g1], u_block[:, g0:g1, g0:g1], grid,
+                codes[:, b0 + g0 : b0 + g1], errors[:, g0:g1],
+            )  # fmt: skip
+            if g1 < b1 - b0:  # the batch's later columns absorb the group's errors (its rows of U)
+                block[:, g1:].sub_(torch.bmm(u_block[:, g0:g1, g1:].transpose(1, 2), errors[:, g0:g1]))
         if b1 < cols:
             wt[:, b1:].sub_(torch.bmm(u[:, b0:b1, b1:].transpose(1, 2), errors))
     codes = codes.transpose(1, 2)
     if fac.perm is not None:
         return torch.empty_like(codes).scatter_(-1, fac.perm[:, None, :].expand(-1, rows, -1), codes)
     return codes.contiguous()
+
+
+def code_group(
+    x: torch.Tensor, step: torch.Tensor, u: torch.Tensor, grid: ColumnGrid, codes: torch.Tensor, errors: torch.Tensor
+) -> None:
+    """Code the k <= GROUP columns x [E, k, R] (transposed: a column's rows contiguous; modified) on their
+    steps [E, k, R], with u [E, k, k] the columns' diagonal block of U: each column rounded to the grid, its
+    error (column - value) / U_jj written to errors [E, k, R] and spread over the group's later columns (row j
+    of U); the codes go to codes (uint8 [E, k, R]). One Triton launch where it can run (gptq_triton), the same
+    operations in torch otherwise."""
+    if gptq_triton.usable(x):
+        gptq_triton.code_group_triton(x, step, u, grid.kind == NVFP4, codes, errors)
+    else:
+        code_group_torch(x, step, u, grid, codes, errors)
+
+
+def code_group_torch(
+    x: torch.Tensor, step: torch.Tensor, u: torch.Tensor, grid: ColumnGrid, codes: torch.Tensor, errors: torch.Tensor
+) -> None:
+    """code_group in torch ops, a column at a time."""
+    for j in range(x.shape[1]):
+        bucket, q = grid.round(x[:, j], step[:, j])
+        codes[:, j] = grid.codes(bucket)
+        err = errors[:, j]
+        torch.div(x[:, j] - q, u[:, j, j, None], out=err)
+        x[:, j + 1 :].addcmul_(u[:, j, j + 1 :, None], err[:, None, :], value=-1.0)
 
 
 def nvfp4_grid(block_scale: torch.Tensor, weight_scale_2: torch.Tensor) -> ColumnGrid:

@@ -134,7 +134,7 @@ class GptqLayer:
             fac = self._factor(experts, name, w.shape[-1], w.device)
             if self.options.scales is GptqScales.UPDATED:
                 ws2 = nvfp4.weight_scale_2_from_amax(w_amax).reshape(-1).float()
-                chosen = UpdatedScales(method, w_amax, ws2, ~fac.failed, w.shape[-2], w.shape[-1])
+                chosen = UpdatedScales(method, w_amax, ws2, ~fac.failed, w.shape[-2], fac.u)
                 bs = chosen.block_scale
                 # the grid's steps are placeholders: `chosen` sets each block's before its first column is coded
                 grid = gptq.nvfp4_grid(torch.ones_like(bs), ws2)
@@ -202,23 +202,26 @@ class UpdatedScales:
         weight_scale_2: torch.Tensor,
         seen: torch.Tensor,
         rows: int,
-        cols: int,
+        u: torch.Tensor,
     ) -> None:
         self.method, self.global_amax, self.ws2, self.seen = method, global_amax, weight_scale_2, seen
-        n_exp = weight_scale_2.shape[0]
-        device = weight_scale_2.device
-        self.block_scale = torch.empty(
-            (n_exp, rows, cols // nvfp4.BLOCK_SIZE), dtype=torch.float8_e4m3fn, device=device
-        )
+        n_exp, cols = u.shape[0], u.shape[-1]
+        nb = cols // nvfp4.BLOCK_SIZE
+        self.block_scale = torch.empty((n_exp, rows, nb), dtype=torch.float8_e4m3fn, device=u.device)
+        self.schur = None
+        if method is WeightScale.LOCAL_HESSIAN:
+            # every block's (U_bbᵀ U_bb)⁻¹ at once: [E, blocks, 16, 16] from U's diagonal 16 x 16 blocks
+            diag = u.reshape(n_exp, nb, nvfp4.BLOCK_SIZE, nb, nvfp4.BLOCK_SIZE).diagonal(dim1=1, dim2=3)
+            diag = diag.permute(0, 3, 1, 2).reshape(-1, nvfp4.BLOCK_SIZE, nvfp4.BLOCK_SIZE)
+            self.schur = torch.cholesky_inverse(diag, upper=True).reshape(n_exp, nb, nvfp4.BLOCK_SIZE, -1)
 
-    def __call__(self, g: int, w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        """The step [E, rows] of block g, its updated weights w [E, rows, 16], u its block of U."""
+    def __call__(self, g: int, w: torch.Tensor) -> torch.Tensor:
+        """The step [E, rows] of block g, from its updated weights w [E, rows, 16]."""
         if self.method is WeightScale.MAX:
             bs = nvfp4.block_scales(w.contiguous(), self.ws2)
         elif self.method is WeightScale.MSE_SWEEP:
             bs = sweep_block_scales(w.contiguous(), self.global_amax)
         else:
-            schur = torch.cholesky_inverse(u, upper=True)  # (Uᵀ U)⁻¹ per expert [E, 16, 16]
-            bs = hessian_block_scales(w.contiguous(), self.global_amax, schur[:, None], self.seen)
+            bs = hessian_block_scales(w.contiguous(), self.global_amax, self.schur[:, g : g + 1], self.seen)
         self.block_scale[:, :, g : g + 1] = bs
         return bs[:, :, 0].float() * self.ws2[:, None]

@@ -1,0 +1,115 @@
+"""GPTQ's column loop as a Triton kernel (qtool.ops.quantize.gptq_triton): the codes of the torch loop
+(gptq.code_group_torch) for NVFP4 and INT4, whole and partial groups, zero columns and E2M1 ties; under
+TRITON_INTERPRET on CPU (numpy) and on a GPU, where the whole solver is compared with the CPU's."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from qtool.formats import nvfp4
+from qtool.ops.quantize import gptq, gptq_triton
+
+
+def _group_case(kind: str, width: int, device: str = "cpu", rows: int = 100, seed: int = 0):
+    """(x [3, width, rows], step, u [3, width, width] upper with a positive diagonal, grid): the columns of one
+    group in the solver's transposed layout; expert 0's first rows are zero, expert 1's first row sits on
+    the E2M1 (or INT4) rounding ties of its steps."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(3, width, rows, generator=g) * 0.05
+    step = torch.rand(3, width, rows, generator=g) * 0.01 + 0.001
+    x[0, :, :3] = 0.0
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.75] if kind == gptq.NVFP4 else [0.5, 1.5, -2.5])
+    step[1, :, 0] = 2.0**-8
+    x[1, :, 0] = ties.repeat(width)[:width] * 2.0**-8
+    a = torch.randn(3, width, width, generator=g)
+    u = torch.linalg.cholesky(a @ a.transpose(1, 2) + width * torch.eye(width), upper=True)
+    grid = gptq.ColumnGrid(kind, step, nvfp4.BLOCK_SIZE if kind == gptq.NVFP4 else 32)
+    return x.to(device), step.to(device), u.to(device), grid
+
+
+def _both(x, step, u, grid):
+    """(codes, errors) of the kernel and of the torch loop."""
+    out = []
+    for run in (
+        lambda c, e: gptq_triton.code_group_triton(x.clone(), step, u, grid.kind == gptq.NVFP4, c, e),
+        lambda c, e: gptq.code_group_torch(x.clone(), step, u, grid, c, e),
+    ):
+        codes, errors = torch.empty(x.shape, dtype=torch.uint8, device=x.device), torch.empty_like(x)
+        run(codes, errors)
+        out.append((codes, errors))
+    return out
+
+
+def check_kernel_against_torch(device: str) -> None:
+    for kind in (gptq.NVFP4, gptq.INT4):
+        for width in (16, 5):
+            x, step, u, grid = _group_case(kind, width, device)
+            (c_kernel, e_kernel), (c_torch, e_torch) = _both(x, step, u, grid)
+            assert torch.equal(c_kernel, c_torch), (kind, width, int((c_kernel != c_torch).sum()))
+            # the torch loop's addcmul may fuse its multiply-add: the errors agree to float32 rounding of the
+            # updated columns (an error is a difference of nearby values: absolute, not relative, agreement)
+            assert float((e_kernel - e_torch).abs().max()) <= 1e-6 * float(e_torch.abs().max()), (kind, width)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (interpreter mode)")
+def test_interpreter_gives_the_torch_loops_codes():
+    code = textwrap.dedent(
+        """
+        import tests.ops.test_gptq_triton as t
+        t.check_kernel_against_torch("cpu")
+        print("ok")
+        """
+    )
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, env=env)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-3000:]
+
+
+def test_without_the_interpreter_cpu_tensors_take_the_torch_loop(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    x, step, u, grid = _group_case(gptq.NVFP4, 16)
+    assert not gptq_triton.usable(x)
+    codes, errors = torch.empty(x.shape, dtype=torch.uint8), torch.empty_like(x)
+    gptq.code_group(x.clone(), step, u, grid, codes, errors)
+    c_torch, e_torch = torch.empty_like(codes), torch.empty_like(errors)
+    gptq.code_group_torch(x.clone(), step, u, grid, c_torch, e_torch)
+    assert torch.equal(codes, c_torch) and torch.equal(errors, e_torch)
+
+
+gpu = pytest.mark.gpu
+
+
+@gpu
+def test_gpu_kernel_gives_the_torch_loops_codes():
+    check_kernel_against_torch("cuda")
+
+
+@gpu
+@pytest.mark.parametrize("kind", [gptq.NVFP4, gptq.INT4])
+def test_gpu_solver_codes_as_the_cpu_solver(kind):
+    """The whole solver (kernel + batched matmuls) on a GPU against the CPU's torch loop, at a real expert's
+    column count: the codes agree where float32 rounding of the error updates cannot flip a near-tie."""
+    g = torch.Generator().manual_seed(3)
+    n_exp, rows, cols = 2, 256, 4096
+    w = torch.randn(n_exp, rows, cols, generator=g) * 0.02
+    w[:, :, ::512] *= 20
+    x = torch.randn(2048, cols, generator=g) * torch.logspace(-1, 1, cols)
+    h = (x.T @ x).expand(n_exp, cols, cols).contiguous()
+    if kind == gptq.NVFP4:
+        ws2 = nvfp4.weight_scale_2_from_amax(nvfp4.matrix_amax(w)).reshape(-1).float()
+        grid_of = lambda dev: gptq.nvfp4_grid(nvfp4.block_scales(w.to(dev), ws2.to(dev)), ws2.to(dev))  # noqa: E731
+    else:
+        scales = (w.reshape(n_exp, rows, -1, 128).abs().amax(-1) / 7).bfloat16()
+        grid_of = lambda dev: gptq.int4_grid(scales.to(dev), 128)  # noqa: E731
+    on_cpu = gptq.solve(w, gptq.factor(h), grid_of("cpu"))
+    on_gpu = gptq.solve(w.cuda(), gptq.factor(h.cuda()), grid_of("cuda")).cpu()
+    agree = float((on_cpu == on_gpu).float().mean())
+    print(f"{kind}: GPU vs CPU solver codes {agree:.6f} equal")
+    assert agree > 0.999
