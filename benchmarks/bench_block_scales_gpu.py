@@ -6,9 +6,10 @@
 For a chunk of E experts (default 32) of gate/up [1024, 4096] and down [4096, 1024] (BF16, trained-like:
 Gaussian with outlier columns) it times, as CUDA-event medians after warmup: RTN (`quantize_fast`), the
 `mse_sweep` Triton kernel trying all 126 candidates per block (`prune=False`) and trying each block's
-window (the default), `four_over_six` (its Triton kernel) and `local_hessian` (its Triton kernel: all 126
-candidates, dwᵀ H_b dw with a full-float32 [rows, 16] x [16, 16] product, H from random activations).
-Before timing, the windowed sweep's bytes are compared with the full sweep's (they must be equal). The
+window (the default), `four_over_six` (its Triton kernel) and `local_hessian` (its Triton kernel, dwᵀ H_b dw
+with a full-float32 [rows, 16] x [16, 16] product, H from random activations: all 126 candidates, and the
+default pruned search). Before timing, the windowed sweep's bytes are compared with the full sweep's, and the
+pruned local_hessian's with its every-candidate search's (they must be equal). The
 per-layer projection is what each search adds to a 397B layer: 512 experts = 512/E chunks of (gate + up +
 down).
 """
@@ -98,6 +99,15 @@ def main(argv: list[str] | None = None) -> int:
             "four_over_six_ms": _time_ms(lambda w=w, amax=amax: four_over_six_block_scales(w, amax), a.runs),
         }
         h, ws2 = _hessians(a.experts, n_in), nvfp4.weight_scale_2_from_amax(amax)
+        full = nt.hessian_block_scales_triton(w, ws2, h, prune=False)
+        pruned = nt.hessian_block_scales_triton(w, ws2, h)
+        differ = int((full.view(torch.uint8) != pruned.view(torch.uint8)).sum())
+        print(f"{shape}: local_hessian pruned vs every candidate: {differ} of {full.numel()} bytes differ")
+        if differ:
+            return 3
+        rows[shape]["local_hessian_full_ms"] = _time_ms(
+            lambda w=w, ws2=ws2, h=h: nt.hessian_block_scales_triton(w, ws2, h, prune=False), a.runs
+        )
         rows[shape]["local_hessian_ms"] = _time_ms(
             lambda w=w, ws2=ws2, h=h: nt.hessian_block_scales_triton(w, ws2, h), a.runs
         )

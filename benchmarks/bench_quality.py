@@ -204,7 +204,10 @@ def timed(cmd: list[str]) -> tuple[subprocess.CompletedProcess, float, float]:
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT)}
+    """The caller's environment with this tree first on the path (a PYTHONPATH it had stays after it: where
+    the peer libraries were installed beside the system's, e.g. with pip --target)."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    return {**os.environ, "PYTHONPATH": path}
 
 
 def expert_tensors(ckpt: Path) -> dict[str, tuple[str, int, int]]:

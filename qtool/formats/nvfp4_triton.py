@@ -98,6 +98,7 @@ _e4m3_rne: Any = None  # triton.jit(_e4m3_rne_body), bound with `tl`
 _e2m1_round: Any = None  # triton.jit(_e2m1_round_body), bound with `tl`
 _e2m1_code: Any = None  # triton.jit(_e2m1_code_body), bound with `tl`
 _block_tile: Any = None  # triton.jit(_block_tile_body), bound with `tl`
+_hessian_loss: Any = None  # triton.jit(_hessian_loss_body), bound with `tl`
 
 
 def _amax_body(x_ptr, part_ptr, numel_per_mat, BLOCK: tl.constexpr, STEPS: tl.constexpr):
@@ -286,9 +287,18 @@ def _sweep_body(
     tl.store(best_ptr + rows[:, None] * n_blocks + blks[None, :], byte, mask=m2)
 
 
+def _hessian_loss_body(x, sign, h, denom):
+    # dwᵀ H_b dw per row of x [R, 16] (sign: x's signs) under the divisors denom [R]: the codes of
+    # fl(x / denom) as the codec writes them, the product in full float32 (no TF32: near-ties must not flip)
+    d = denom[:, None]
+    dw = x - sign * _e2m1_round(tl.abs(tl.math.div_rn(x, d))) * d
+    return tl.sum(tl.dot(dw, h, input_precision="ieee") * dw, axis=1)
+
+
 def _hessian_sweep_body(
     x_ptr,  # [E, out, in] weights
     h_ptr,  # [E, in/16, 16, 16] float32: each column block's H_b
+    hinv_ptr,  # [E, in/16, 16] float32: the diagonal of each H_b⁻¹ (inf where H_b is singular)
     ws2_ptr,  # [E] float32: weight_scale_2 of each matrix
     cand_ptr,  # [NC] float32: the finite positive E4M3 values, ascending
     byte_ptr,  # [NC] uint8: the same values' E4M3 bytes
@@ -297,11 +307,20 @@ def _hessian_sweep_body(
     n_blocks,
     BLOCK_R: tl.constexpr,
     NC: tl.constexpr,
+    PRUNE: tl.constexpr,  # skip the candidates far below the block max that provably lose (else try all NC)
+    BELOW: tl.constexpr,  # with PRUNE: candidates below k_c always tried (nvfp4.HESSIAN_BELOW)
+    MARGIN: tl.constexpr,  # with PRUNE: relative margin of the bound over the float32 losses
 ):
     # `local_hessian` (qtool.ops.quantize.local_hessian): per row of one 16-column block the candidate scale
-    # with the smallest dw^T H_b dw, every candidate tried (the Hessian loss has no provable window), the first
-    # smallest kept. One program: BLOCK_R rows of one (matrix, column block), so H_b is loaded once and the
-    # product runs as a [BLOCK_R, 16] x [16, 16] tl.dot in full float32 (no TF32: near-ties must not flip).
+    # with the smallest dw^T H_b dw, the first smallest kept. One program: BLOCK_R rows of one (matrix, column
+    # block), so H_b is loaded once and the product runs as a [BLOCK_R, 16] x [16, 16] tl.dot.
+    # With PRUNE the candidates go in two passes with the same losses and the same winner as the single
+    # ascending pass: from k_c - BELOW up to the last (k_c: the first candidate whose 6 * divisor reaches
+    # the block max), then downwards from k_c - BELOW - 1 while the bound below leaves a row a chance.
+    # Bound: under a divisor d an element with |x_i| > 6 d keeps an error of at least |x_i| - 6 d (6 is the
+    # largest E2M1 magnitude), and for H_b positive definite dwᵀ H_b dw >= dw_i² / (H_b⁻¹)_ii for every i
+    # (the least quadratic form with dw_i fixed). The bound grows as d falls, so once it passes a row's best
+    # loss (times 1 + MARGIN, for the float32 rounding of the losses) no smaller candidate can win that row.
     pid_r = tl.program_id(0)
     pid_b = tl.program_id(1)  # matrix * n_blocks + column block
     mat = pid_b // n_blocks
@@ -316,15 +335,46 @@ def _hessian_sweep_body(
     sign = tl.where(x < 0.0, -1.0, 1.0)
     best_loss = tl.full([BLOCK_R], float("inf"), dtype=tl.float32)
     best_k = tl.zeros([BLOCK_R], dtype=tl.int32)
-    for k in tl.range(NC):  # not unrolled: 126 dot bodies would only slow the compile
-        denom = tl.load(cand_ptr + k) * ws2  # as the codec divides: float(e4m3 scale) * weight_scale_2
-        a = tl.abs(tl.math.div_rn(x, denom))  # as torch divides: the codes the codec will write
-        q = _e2m1_round(a)
-        dw = x - sign * q * denom
-        loss = tl.sum(tl.dot(dw, h, input_precision="ieee") * dw, axis=1)
-        better = loss < best_loss
+    first = tl.zeros([BLOCK_R], dtype=tl.int32)
+    if PRUNE:
+        ax = tl.abs(x)
+        bamax = tl.max(ax, axis=1)
+        lo = tl.zeros([BLOCK_R], dtype=tl.int32)
+        hi = tl.full([BLOCK_R], NC, dtype=tl.int32)
+        for _ in range(7):  # bisection for k_c (2**7 > NC)
+            active = lo < hi
+            mid = (lo + hi) // 2
+            reaches = 6.0 * (tl.load(cand_ptr + tl.minimum(mid, NC - 1)) * ws2) >= bamax
+            hi = tl.where(active & reaches, mid, hi)
+            lo = tl.where(active & (reaches == 0), mid + 1, lo)
+        first = tl.where(rmask, tl.maximum(lo - BELOW, 0), NC - 1)
+    # ascending from each row's first candidate (0 without PRUNE): strict, so the first smallest stays
+    for j in tl.range(NC - tl.min(first, axis=0)):  # not unrolled: the dot bodies would only slow the compile
+        k = first + j
+        live = k < NC
+        k = tl.minimum(k, NC - 1)
+        loss = _hessian_loss(x, sign, h, tl.load(cand_ptr + k) * ws2)
+        better = live & (loss < best_loss)
         best_loss = tl.where(better, loss, best_loss)
         best_k = tl.where(better, k, best_k)
+    if PRUNE:
+        hinv = tl.load(hinv_ptr + pid_b.to(tl.int64) * 16 + e16)  # [16]
+        k = first - 1
+        denom = tl.load(cand_ptr + tl.maximum(k, 0)) * ws2
+        clip = tl.maximum(ax - 6.0 * denom[:, None], 0.0)
+        bound = tl.max(clip * clip / hinv[None, :], axis=1)
+        open_ = rmask & (k >= 0) & (bound <= best_loss * (1.0 + MARGIN))
+        while tl.max(open_.to(tl.int32), axis=0) > 0:
+            kk = tl.maximum(k, 0)
+            loss = _hessian_loss(x, sign, h, tl.load(cand_ptr + kk) * ws2)
+            take = open_ & (loss <= best_loss)  # a smaller candidate wins a tie: it comes first in the order
+            best_loss = tl.where(take, loss, best_loss)
+            best_k = tl.where(take, kk, best_k)
+            k = k - 1
+            denom = tl.load(cand_ptr + tl.maximum(k, 0)) * ws2
+            clip = tl.maximum(ax - 6.0 * denom[:, None], 0.0)
+            bound = tl.max(clip * clip / hinv[None, :], axis=1)
+            open_ = open_ & (k >= 0) & (bound <= best_loss * (1.0 + MARGIN))
     byte = tl.load(byte_ptr + best_k)
     tl.store(best_ptr + row_base // 16 + blk, byte, mask=rmask)
 
@@ -374,7 +424,7 @@ def _kernels() -> tuple[Any, Any]:
     """Import triton (first call only) and JIT-wrap the kernel bodies. The compiled kernels are kept in
     qtool's cache dir (`$QTOOL_CACHE_DIR/triton`, unless TRITON_CACHE_DIR says otherwise): compiled once per
     machine and CUDA version, found there by every later run (a CI cache keeps them too)."""
-    global tl, _e4m3_rne, _e2m1_round, _e2m1_code, _block_tile
+    global tl, _e4m3_rne, _e2m1_round, _e2m1_code, _block_tile, _hessian_loss
     if not os.environ.get("TRITON_CACHE_DIR"):
         os.environ["TRITON_CACHE_DIR"] = str(cache_dir() / "triton")
     import triton
@@ -386,6 +436,7 @@ def _kernels() -> tuple[Any, Any]:
     _e2m1_round = triton.jit(_e2m1_round_body)
     _e2m1_code = triton.jit(_e2m1_code_body)
     _block_tile = triton.jit(_block_tile_body)
+    _hessian_loss = triton.jit(_hessian_loss_body)
     return triton.jit(_amax_body), triton.jit(_quantize_body)
 
 
@@ -497,10 +548,14 @@ def hessian_block_scales_triton(
     weight_scale_2: torch.Tensor,
     hessian: torch.Tensor,
     block_rows: int = 32,
+    prune: bool = True,
+    inverse_diagonal: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """float8_e4m3fn [E, out, in/16]: per block the E4M3 scale with the smallest dw^T H_b dw, every candidate
-    tried (`qtool.ops.quantize.local_hessian._search` as one launch; CUDA tensors). w [E, out, in];
-    weight_scale_2 float32 [E]; hessian float32 [E, in/16, 16, 16]."""
+    """float8_e4m3fn [E, out, in/16]: per block the E4M3 scale with the smallest dw^T H_b dw
+    (`qtool.ops.quantize.local_hessian._search` as one launch; CUDA tensors). w [E, out, in]; weight_scale_2
+    float32 [E]; hessian float32 [E, in/16, 16, 16]. `prune` skips the candidates the kernel's bound rules out
+    (the same winner; `prune=False` tries all 126: for tests and timings); `inverse_diagonal` [E, in/16, 16]:
+    the diagonals of the H_b⁻¹ where the caller has them (else computed here, `hessian_inverse_diagonals`)."""
     nvfp4.check_weight(w)
     w = w.contiguous()
     n_exp, out, n_in = w.shape
@@ -508,6 +563,9 @@ def hessian_block_scales_triton(
     scale_bytes = nvfp4.fp8_scale_bytes(w.device).contiguous()
     values = scale_bytes.view(torch.float8_e4m3fn).float().contiguous()
     h = hessian.to(w.device, torch.float32).reshape(n_exp, nb, BLOCK_SIZE, BLOCK_SIZE).contiguous()
+    if inverse_diagonal is None:
+        inverse_diagonal = hessian_inverse_diagonals(h) if prune else torch.empty(0, device=w.device)
+    hinv = inverse_diagonal.to(w.device, torch.float32).contiguous()
     ws2 = torch.as_tensor(weight_scale_2, device=w.device).float().reshape(n_exp).contiguous()
     best = torch.empty((n_exp, out, nb), dtype=torch.uint8, device=w.device)
     if n_exp and out and nb:
@@ -515,6 +573,7 @@ def hessian_block_scales_triton(
         _hessian_sweep_kernel()[grid](
             w,
             h,
+            hinv,
             ws2,
             values,
             scale_bytes,
@@ -523,9 +582,35 @@ def hessian_block_scales_triton(
             nb,
             BLOCK_R=block_rows,
             NC=int(values.numel()),
+            PRUNE=prune,
+            BELOW=HESSIAN_BELOW,
+            MARGIN=HESSIAN_MARGIN,
             num_warps=4,
         )
     return best.view(torch.float8_e4m3fn)
+
+
+# local_hessian's pruned search: the candidates from k_c - HESSIAN_BELOW upwards are always tried (the winner
+# lies there in nearly every block: the bound's pass below then stops at once), and the bound must exceed a
+# row's best loss by HESSIAN_MARGIN (relative) before it rules a candidate out
+HESSIAN_BELOW = 8
+HESSIAN_MARGIN = 1e-3
+# H_b whose Cholesky diagonal spans more than this ratio is treated as singular (no bound: every candidate)
+_WORST_CONDITION = 1e6
+
+
+def hessian_inverse_diagonals(h: torch.Tensor) -> torch.Tensor:
+    """[..., 16] float32: the diagonal of each H_b⁻¹ of h [..., 16, 16], in float64; inf where H_b is not
+    positive definite or so ill-conditioned that float64 could not bound it (the search's bound is then 0)."""
+    flat = h.reshape(-1, BLOCK_SIZE, BLOCK_SIZE).double()
+    lower, info = torch.linalg.cholesky_ex(flat)
+    pivots = lower.diagonal(dim1=-2, dim2=-1).abs()
+    sound = (info == 0) & (pivots.amin(-1) * _WORST_CONDITION > pivots.amax(-1))
+    eye = torch.eye(BLOCK_SIZE, dtype=lower.dtype, device=lower.device)
+    lower = torch.where(sound[:, None, None], lower, eye)  # the others' factors may hold zeros: not inverted
+    diag = torch.cholesky_inverse(lower).diagonal(dim1=-2, dim2=-1)
+    sound = sound[:, None] & diag.isfinite() & (diag > 0)
+    return torch.where(sound, diag, torch.inf).float().reshape(h.shape[:-1])
 
 
 # ---------------------------------------------------------------- launchers

@@ -7,8 +7,12 @@ refused."""
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -251,6 +255,66 @@ def _hessian_loss(w: torch.Tensor, scales: torch.Tensor, h: torch.Tensor) -> tor
     q = nvfp4.quantize(w, weight_scale_2=ws2, block_scale=scales).dequantize(torch.float32)
     dw = (w.float() - q).double().reshape(n_exp, out, nb, nvfp4.BLOCK_SIZE)
     return torch.einsum("eobi,ebij,eobj->eob", dw, h.double().reshape(n_exp, nb, 16, 16), dw)
+
+
+def pruned_search_cases() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(w, H) pairs for the pruned kernel search: outlier columns, blocks far below the matrix max (their
+    k_c is low: many candidates below it), a singular H_b (two equal channels) and an ill-conditioned one
+    (no bound: every candidate tried)."""
+    g = torch.Generator().manual_seed(5)
+    w = _weights(5, experts=2).float()
+    w[1, :, 16:48] *= 0.01
+    x = _inputs(6).float()
+    x[:, 20] = x[:, 21]
+    x[:, 40] = x[:, 41] + 1e-4 * torch.randn(x.shape[0], generator=g)
+    return [(w.bfloat16(), _hessians(x.bfloat16(), 2)), (_weights(9, experts=2), _hessians(_inputs(10), 2))]
+
+
+def check_pruned_search(device: str) -> None:
+    """The pruned kernel search gives the bytes of the kernel's every-candidate search and of the torch
+    search (the bound rules out only candidates that cannot win)."""
+    from qtool.formats import nvfp4_triton as nt
+    from qtool.ops.quantize import local_hessian as lh
+
+    for w, h in pruned_search_cases():
+        ws2 = nvfp4.weight_scale_2_from_amax(nvfp4.matrix_amax(w))
+        w, h, ws2 = w.to(device), h.to(device), ws2.to(device)
+        full = nt.hessian_block_scales_triton(w, ws2, h, prune=False).view(torch.uint8)
+        pruned = nt.hessian_block_scales_triton(w, ws2, h).view(torch.uint8)
+        assert torch.equal(full, pruned)
+        values = lh.fp8_scale_values(torch.device(device))
+        reference = lh._searched_scales(w, ws2, h.reshape(-1, 16, 16), values).view(torch.uint8)
+        assert float((full == reference).float().mean()) > 0.995
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (interpreter mode)")
+def test_interpreter_pruned_search_gives_every_candidates_bytes():
+    code = "import tests.ops.test_nvfp4_local_hessian as t; t.check_pruned_search('cpu'); print('ok')"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, env=env)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-3000:]
+
+
+def test_inverse_diagonals_bound_only_sound_hessians():
+    """The bound's H_b⁻¹ diagonals: float64 values where H_b is positive definite, inf where it is singular
+    or too ill-conditioned to bound (the search then tries every candidate of that block)."""
+    from qtool.formats import nvfp4_triton as nt
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(3, 40, 16, generator=g)
+    h = a.transpose(1, 2) @ a
+    h[1, :, 3] = h[1, 3, :] = 0  # a dead channel: singular
+    h[2] = torch.outer(a[2, 0], a[2, 0])  # rank one
+    got = nt.hessian_inverse_diagonals(h)
+    torch.testing.assert_close(got[0].double(), torch.linalg.inv(h[0].double()).diagonal(), rtol=1e-5, atol=0)
+    assert bool(got[1:].isinf().all())
+
+
+@pytest.mark.gpu
+def test_gpu_pruned_search_gives_every_candidates_bytes():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    check_pruned_search("cuda")
 
 
 @pytest.mark.gpu

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from qtool.formats import awq, nvfp4
+from qtool.formats import awq, nvfp4, nvfp4_triton
 from qtool.lazy import lazy_module
 from qtool.ops.quantize import gptq, hessians
 from qtool.ops.quantize.awq_search import rtn
@@ -208,12 +208,13 @@ class UpdatedScales:
         n_exp, cols = u.shape[0], u.shape[-1]
         nb = cols // nvfp4.BLOCK_SIZE
         self.block_scale = torch.empty((n_exp, rows, nb), dtype=torch.float8_e4m3fn, device=u.device)
-        self.schur = None
+        self.schur = self.schur_inverse_diagonal = None
         if method is WeightScale.LOCAL_HESSIAN:
             # every block's (U_bbᵀ U_bb)⁻¹ at once: [E, blocks, 16, 16] from U's diagonal 16 x 16 blocks
             diag = u.reshape(n_exp, nb, nvfp4.BLOCK_SIZE, nb, nvfp4.BLOCK_SIZE).diagonal(dim1=1, dim2=3)
             diag = diag.permute(0, 3, 1, 2).reshape(-1, nvfp4.BLOCK_SIZE, nvfp4.BLOCK_SIZE)
             self.schur = torch.cholesky_inverse(diag, upper=True).reshape(n_exp, nb, nvfp4.BLOCK_SIZE, -1)
+            self.schur_inverse_diagonal = nvfp4_triton.hessian_inverse_diagonals(self.schur) if u.is_cuda else None
 
     def __call__(self, g: int, w: torch.Tensor) -> torch.Tensor:
         """The step [E, rows] of block g, from its updated weights w [E, rows, 16]."""
@@ -222,6 +223,12 @@ class UpdatedScales:
         elif self.method is WeightScale.MSE_SWEEP:
             bs = sweep_block_scales(w.contiguous(), self.global_amax)
         else:
-            bs = hessian_block_scales(w.contiguous(), self.global_amax, self.schur[:, g : g + 1], self.seen)
+            bs = hessian_block_scales(
+                w.contiguous(),
+                self.global_amax,
+                self.schur[:, g : g + 1],
+                self.seen,
+                None if self.schur_inverse_diagonal is None else self.schur_inverse_diagonal[:, g : g + 1],
+            )
         self.block_scale[:, :, g : g + 1] = bs
         return bs[:, :, 0].float() * self.ws2[:, None]

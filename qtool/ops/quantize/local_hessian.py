@@ -114,13 +114,18 @@ def chunk_block_scales(
 
 
 def hessian_block_scales(
-    w: torch.Tensor, global_amax: torch.Tensor, hessian: torch.Tensor, seen: torch.Tensor | None = None
+    w: torch.Tensor,
+    global_amax: torch.Tensor,
+    hessian: torch.Tensor,
+    seen: torch.Tensor | None = None,
+    inverse_diagonal: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """float8_e4m3fn [E, out, in/16]: per block the E4M3 scale with the smallest dwᵀ H_b dw.
 
     w [E, out, in]; global_amax [E] (gate and up pass the larger of their two); hessian float32
     [E, in/16, 16, 16]; seen bool [E] (default all): an expert not seen, and a block whose H_b is zero,
-    take `sweep_block_scales`' scale."""
+    take `sweep_block_scales`' scale. inverse_diagonal: the GPU search's bound
+    (nvfp4_triton.hessian_inverse_diagonals of `hessian`), where the caller keeps it for several calls."""
     nvfp4.check_weight(w)
     n_exp, out, n_in = w.shape
     nb = n_in // BLOCK
@@ -128,7 +133,7 @@ def hessian_block_scales(
     ws2 = nvfp4.weight_scale_2_from_amax(torch.as_tensor(global_amax, device=w.device).float().reshape(n_exp))
     h = hessian.to(w.device, torch.float32).reshape(n_exp * nb, BLOCK, BLOCK)
     if w.is_cuda and nvfp4_triton.triton_available():
-        scales = nvfp4_triton.hessian_block_scales_triton(w, ws2, h)
+        scales = nvfp4_triton.hessian_block_scales_triton(w, ws2, h, inverse_diagonal=inverse_diagonal)
     else:
         scales = _searched_scales(w, ws2, h, values)
     plain = _plain_mse_blocks(h.reshape(n_exp, nb, BLOCK, BLOCK), seen, out)
