@@ -711,7 +711,7 @@ def main() -> int:
     write_dataset(data, a.samples * a.seq_len)
     common = ["--dataset", str(data), "--samples", str(a.samples), "--seq-len", str(a.seq_len), "--device", a.device]
     rows = []
-    jobs = a.jobs.split(",")
+    jobs = [j for j in a.jobs.split(",") if j]  # "" with --recipes: the recipes alone
     unknown = set(jobs) - {"quantize", "awq", "calibrate-kv", "eval-kld", "sensitivity", "eval-kld-pair"}
     if unknown:
         raise SystemExit(f"--jobs: unknown {sorted(unknown)}")

@@ -30,8 +30,8 @@ def _group_case(kind: str, width: int, device: str = "cpu", rows: int = 100, see
     x[1, :, 0] = ties.repeat(width)[:width] * 2.0**-8
     a = torch.randn(3, width, width, generator=g)
     u = torch.linalg.cholesky(a @ a.transpose(1, 2) + width * torch.eye(width), upper=True)
-    grid = gptq.ColumnGrid(kind, step, nvfp4.BLOCK_SIZE if kind == gptq.NVFP4 else 32)
-    return x.to(device), step.to(device), u.to(device), grid
+    x, step, u = x.to(device), step.to(device), u.to(device)
+    return x, step, u, gptq.ColumnGrid(kind, step, nvfp4.BLOCK_SIZE if kind == gptq.NVFP4 else 32)
 
 
 def _both(x, step, u, grid):
