@@ -55,6 +55,34 @@ def test_quantize_two_ranks_same_bytes(request, tmp_path, recipe):
     _same_output(one, two)
 
 
+HESSIAN_RECIPES = {
+    # NVFP4 GPTQ with each block's scale chosen as GPTQ reaches it by local_hessian (the shipped recipe)
+    "nvfp4-gptq": "qwen35-nvfp4-experts-gptq",
+    # local_hessian block scales without GPTQ (their 16x16 Hessians)
+    "local-hessian": "groups: {routed_experts: nvfp4}\nnvfp4: {weight_scale: local_hessian}\nkv_cache: fp8\n",
+    # INT4 GPTQ after the AWQ search (its rows and the Hessians, of every window on every rank)
+    "int4-awq-gptq": "groups: {routed_experts: w4a16}\nint4: {group_size: 32, awq: true}\ngptq: {enabled: true}\n"
+    "defaults: {format: compressed-tensors}\n",
+}
+
+
+@pytest.mark.parametrize("method", list(HESSIAN_RECIPES))
+def test_quantize_hessian_methods_two_ranks_same_bytes(request, tmp_path, method):
+    """GPTQ and local_hessian sum per-expert Hessians window by window: with two ranks every rank runs every
+    window and sums those of the experts it codes, so the bytes (and the manifest's per-layer entries, GPTQ's
+    RTN experts included) are one process's."""
+    src = fixture_dir(request, "tiny_bf16")
+    recipe = HESSIAN_RECIPES[method]
+    if ":" in recipe:
+        path = tmp_path / f"{method}.yaml"
+        path.write_text(f"schema_version: 1\nname: {method}\n{recipe}")
+        recipe = str(path)
+    one, two = tmp_path / "one", tmp_path / "two"
+    _run(["quantize", src, "-o", one, "--recipe", recipe, *JOB])
+    _run(["quantize", src, "-o", two, "--recipe", recipe, *JOB, "--nproc", "2"])
+    _same_output(one, two)
+
+
 def test_quantize_every_token_two_ranks_same_bytes(request, tmp_path):
     """A recipe's `calibration.experts: all` (AWQ, with a token floor): each rank runs every expert on its
     windows; token counts, amaxes and the AWQ rows reduce to one process's."""
@@ -141,12 +169,15 @@ def _ranks(args: list, kill_rank: int, after_layers: int, point: list[str] | Non
     return procs
 
 
-@pytest.mark.parametrize("kill_rank", [1, 0])
-def test_killed_rank_stops_every_rank_and_resumes_with_another_count(request, tmp_path, kill_rank):
+@pytest.mark.parametrize(
+    ("kill_rank", "recipe"),
+    [(1, "qwen35-nvfp4-experts"), (0, "qwen35-nvfp4-experts"), (1, "qwen35-nvfp4-experts-gptq")],
+)
+def test_killed_rank_stops_every_rank_and_resumes_with_another_count(request, tmp_path, kill_rank, recipe):
     src = fixture_dir(request, "tiny_bf16")
     clean, out = tmp_path / "clean", tmp_path / "out"
-    args = ["quantize", src, "-o", out, "--recipe", "qwen35-nvfp4-experts", *JOB]
-    _run(["quantize", src, "-o", clean, "--recipe", "qwen35-nvfp4-experts", *JOB])
+    args = ["quantize", src, "-o", out, "--recipe", recipe, *JOB]
+    _run(["quantize", src, "-o", clean, "--recipe", recipe, *JOB])
     procs = _ranks(args, kill_rank, after_layers=3)
     t0 = time.monotonic()
     results = [p.communicate(timeout=TIMEOUT) for p in procs]
