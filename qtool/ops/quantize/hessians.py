@@ -19,6 +19,10 @@ bytes for a layer. At the 397B's size (512 experts, hidden 4096, moe_intermediat
 layer is therefore coded on the loop's thread, not behind the next layer's forward (which would hold a
 second layer's Hessians), and its experts are solved a group at a time (SOLVE_EXPERTS), whose stacked copies
 and factors add ~8 GB at the 397B's size. The plan counts both in its memory fit (`gptq_memory_bytes`).
+
+Several ranks: each runs the forward over every window and keeps the Hessians of the experts it codes only
+(`kept`: whole solve groups, layer.Share), so each sum is one process's, added in the same order with the same
+shapes, and a rank holds 1/N of them (17 GiB at the 397B's size with 2 ranks).
 """
 
 from __future__ import annotations

@@ -24,7 +24,8 @@ Where qtool differs, on purpose and recorded in the layer's report:
   weights for inputs calibration never showed);
 - the Hessians come from qtool's BF16 forward; ModelOpt's forward fake-quantizes the experts' inputs to
   NVFP4 while it gathers them, which changes act(gate) * up, so down_proj's H, slightly.
-The Hessians are not reduced over ranks: plan refuses `--nproc`/`--devices` with this option.
+Several ranks: every rank runs the layer's forward over every window and sums the Hessians of the experts
+it codes (stage.QuantizeStage.every_window), so they are one process's sums, bit for bit; none is reduced.
 """
 
 from __future__ import annotations
