@@ -74,7 +74,8 @@ class LayerStage:
         """Asked after before_forward: whether every rank must run layer `idx` over every calibration window
         (each still writes only its own windows' outputs), not over its share of them. For statistics that
         one process sums in window order (GPTQ's Hessians): each rank then sums those of the experts it codes
-        exactly as one process does, and the others' are not reduced over ranks at all."""
+        exactly as one process does. If any stage asks, every stage sees every window: after_forward finds
+        `run.every_window` set, and a stage's statistics are then complete on every rank (no reduction)."""
         return False
 
     def after_forward(self, run: LayerRun, idx: int, layer: torch.nn.Module) -> None: ...
@@ -110,6 +111,8 @@ class LayerRun:
     file_mode: int = 0o644
     layers_in_flight: int = 1
     writes: WriteBehind | None = None
+    # the layer being run went over every window on every rank (LayerStage.every_window), several ranks only
+    every_window: bool = False
 
     @property
     def group(self) -> Group:

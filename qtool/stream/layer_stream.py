@@ -533,9 +533,9 @@ class LayerStreamer:
             self._reader.start(*self._after_layers)
         for stage in run.stages:
             stage.before_forward(run, idx, layer)
-        every_window = run.group.world > 1 and any(stage.every_window(run, idx) for stage in run.stages)
+        run.every_window = run.group.world > 1 and any(stage.every_window(run, idx) for stage in run.stages)
         on_batch = _batch_callback(run.stages)
-        self.forward_layer(layer, run.store, run.seq_len, run.batch, on_batch=on_batch, every_window=every_window)
+        self.forward_layer(layer, run.store, run.seq_len, run.batch, on_batch=on_batch, every_window=run.every_window)
         for stage in run.stages:
             stage.after_forward(run, idx, layer)
         current = run.store.current if isinstance(run.store, DiskStore) else ""

@@ -74,7 +74,6 @@ class QuantizeStage(LayerStage):
         self._stats: ExpertStats | None = None
         self._kv: KvStat | None = None
         self._backend: backends.LayerCoder | None = None
-        self._every_window = False
 
     def keep_bytes(self, run: LayerRun, idx: int) -> dict[str, FileRange]:
         """The copied tensors' source bytes (whole tensors, or one expert's slice of a fused source): written
@@ -109,15 +108,17 @@ class QuantizeStage(LayerStage):
         if layer_plan.full_attention:
             attention_tap(layer, kv_amax_tap(kv))
         self._stats, self._kv, self._backend = stats, kv, backend
-        # per-expert sums of x xᵀ: one process adds them window by window, so every rank runs every window
-        self._every_window = isinstance(backend, GptqLayer) or stats.local_hessians is not None
 
     def _codes(self, expert: int) -> bool:
         """Whether this rank codes `expert` (layer.Share)."""
         return self.share.owner(expert, self.plan.n_experts) == self.share.rank
 
     def every_window(self, run: LayerRun, idx: int) -> bool:
-        return self._every_window
+        """Per-expert sums of x xᵀ (GPTQ, local_hessian): one process adds them window by window in float32,
+        so every rank runs every window and sums those of its own experts, never a sum over ranks."""
+        return isinstance(self._backend, GptqLayer) or (
+            self._stats is not None and self._stats.local_hessians is not None
+        )
 
     def on_batch(self, b0: int) -> None:
         assert self._stats is not None  # between before_forward and code
@@ -135,7 +136,7 @@ class QuantizeStage(LayerStage):
         def owner(e: int) -> int:
             return self.share.owner(e, n_experts)
 
-        if self._every_window:  # every rank saw every window: its statistics are one process's already
+        if run.every_window:  # every rank saw every window: its statistics are one process's already
             keep_owned_rows(self._stats, self.share.rank, owner)
             return
         reduce_expert_stats(self._stats, self.group, owner)
