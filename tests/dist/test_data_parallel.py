@@ -60,6 +60,9 @@ HESSIAN_RECIPES = {
     "nvfp4-gptq": "qwen35-nvfp4-experts-gptq",
     # local_hessian block scales without GPTQ (their 16x16 Hessians)
     "local-hessian": "groups: {routed_experts: nvfp4}\nnvfp4: {weight_scale: local_hessian}\nkv_cache: fp8\n",
+    # layers kept in BF16 between GPTQ ones: the ranks switch between every window and their share of them
+    "gptq-some-layers-bf16": "groups: {routed_experts: nvfp4}\ngptq: {enabled: true}\nkv_cache: fp8\n"
+    "layer_overrides: {1: {routed_experts: bf16}, 2: {routed_experts: bf16}}\n",
     # INT4 GPTQ after the AWQ search (its rows and the Hessians, of every window on every rank)
     "int4-awq-gptq": "groups: {routed_experts: w4a16}\nint4: {group_size: 32, awq: true}\ngptq: {enabled: true}\n"
     "defaults: {format: compressed-tensors}\n",
@@ -95,7 +98,7 @@ def _fallback_experts(entry: dict) -> list[int]:
     """A layer's experts coded without their own statistics (GPTQ: by RTN; local_hessian: by plain MSE)."""
     if "gptq" in entry:
         return entry["gptq"]["rtn_experts"]
-    return entry["local_hessian"]["experts_plain_mse"]
+    return entry["local_hessian"]["experts_plain_mse"] if "local_hessian" in entry else []
 
 
 def test_quantize_every_token_two_ranks_same_bytes(request, tmp_path):
