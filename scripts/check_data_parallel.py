@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Data parallel vs one process on this machine's devices: quantize (NVFP4 and AWQ), calibrate-kv and
+"""Data parallel vs one process on this machine's devices: quantize (NVFP4, AWQ, GPTQ), calibrate-kv and
 eval kld with N ranks must give the same bytes / statistics as with one (what tests/dist/test_data_parallel.py
 checks on CPU with gloo, here on GPUs). Prints a line per job and the wall times; exits 1 on a difference.
 
@@ -95,6 +95,8 @@ def main() -> int:
     for name, args in (
         ("quantize nvfp4", ["quantize", src, "--recipe", "qwen35-nvfp4-experts", *JOB]),
         ("quantize awq", ["quantize", src, "--recipe", "qwen35-awq-int4", *JOB]),
+        # every rank runs every window of a GPTQ layer: the ranks' GPUs must compute the same forward
+        ("quantize gptq", ["quantize", src, "--recipe", "qwen35-nvfp4-experts-gptq", *JOB]),
     ):
         outs = {}
         for n in (1, a.nproc):

@@ -6,10 +6,14 @@ rank plans the same job and streams the same layers (each reads them itself: the
 layer from disk, the page cache serves the others). The calibration windows are cut into the same
 micro-batches as in a one-process run and micro-batch b goes to rank b % world, so every micro-batch is
 computed exactly as it would be alone; the statistics are then reduced exactly (max of amaxes, sum of
-counts, AWQ rows merged in window order), so the results do not depend on the number of ranks. The
+counts, AWQ rows merged in window order), so the results do not depend on the number of ranks. Sums that
+one process adds window by window in float32 (GPTQ's and local_hessian's per-expert Hessians) cannot be
+reduced so: for those layers every rank runs every micro-batch and sums those of the experts it codes
+(qtool.stream.layer_run.LayerStage.every_window), writing the hidden states of its own micro-batches only. The
 weight side (quantize's codecs and scale searches) is split by chunk of experts, each rank writing its
 experts' bytes into the layer's shard file. Rank 0 owns the output transaction and the journal; the
-hidden states live in one shared set of files indexed by window, which is what lets `--resume` continue with any number of ranks.
+hidden states live in one shared set of files indexed by window, which is what lets `--resume` continue
+with any number of ranks.
 
 `current()` gives this process's Group: a one-rank Group (every collective the identity) unless the
 environment says otherwise, so each op has one code path.

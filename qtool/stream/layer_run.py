@@ -5,6 +5,7 @@ A layer goes through named events; the loop calls each stage at each of them, in
 
     load           keep_bytes(run, idx)           source bytes the stage wants kept with the layer
     forward        before_forward(run, idx, layer) hooks in (statistics, taps); on_batch(b0) per micro-batch
+                   (every_window(run, idx): every rank runs every micro-batch, not its share of them)
     after-forward  after_forward(run, idx, layer)  hooks out, statistics settled and reduced over the ranks
     code           code(run, idx, layer)           a LayerWrite: the layer coded and written ...
     write-behind                                    ... on a writer thread while the next layers run
@@ -69,6 +70,14 @@ class LayerStage:
 
     def on_batch(self, b0: int) -> None: ...
 
+    def every_window(self, run: LayerRun, idx: int) -> bool:
+        """Asked after before_forward: whether every rank must run layer `idx` over every calibration window
+        (each still writes only its own windows' outputs), not over its share of them. For statistics that
+        one process sums in window order (GPTQ's Hessians): each rank then sums those of the experts it codes
+        exactly as one process does. If any stage asks, every stage sees every window: after_forward finds
+        `run.every_window` set, and a stage's statistics are then complete on every rank (no reduction)."""
+        return False
+
     def after_forward(self, run: LayerRun, idx: int, layer: torch.nn.Module) -> None: ...
 
     def code(self, run: LayerRun, idx: int, layer: torch.nn.Module) -> LayerWrite | None:
@@ -102,6 +111,8 @@ class LayerRun:
     file_mode: int = 0o644
     layers_in_flight: int = 1
     writes: WriteBehind | None = None
+    # the layer being run went over every window on every rank (LayerStage.every_window), several ranks only
+    every_window: bool = False
 
     @property
     def group(self) -> Group:
@@ -193,7 +204,8 @@ class WriteBehind:
             future = self.pool.submit(self._write, write, coder, coder.handoff(), ahead, last)
             self.pending.append(_InFlight(future, write))
         else:
-            self._write(write, None, None, None, keep_pace=last)
+            share = self._write(write, None, None, None, keep_pace=last)
+            self._meet(share, write)
         self.handed += 1
 
     def finish(self) -> None:
@@ -240,11 +252,15 @@ class WriteBehind:
     def _settle(self, entry: _InFlight) -> None:
         """Wait for this rank's share of a layer; with several ranks, meet the others (each share is on disk
         once the gather returns) and commit it on rank 0."""
-        share = entry.future.result()  # its error is raised here
+        self._meet(entry.future.result(), entry.write)  # its error is raised here
+
+    def _meet(self, share: Any, write: LayerWrite) -> None:
+        """With several ranks: every rank's share of a layer (each on disk once the gather returns),
+        committed on rank 0. On the loop's thread: collectives stay on it."""
         if self.group.world > 1:
-            every = self.group.gather(share)  # here: collectives stay on this thread
+            every = self.group.gather(share)
             if self.group.leader:
-                entry.write.commit(every)
+                write.commit(every)
 
 
 @contextmanager

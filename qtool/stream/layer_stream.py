@@ -345,7 +345,7 @@ class LayerStreamer:
     def my_batches(self, n: int, batch: int) -> list[tuple[int, int]]:
         """The window ranges [b0, b1) of the micro-batches this rank computes (all of them alone): the
         same micro-batches whatever the number of ranks (qtool.dist)."""
-        spans = [(b0, min(n, b0 + batch)) for b0 in range(0, n, batch)]
+        spans = every_batch(n, batch)
         return [spans[k] for k in self.group.mine(len(spans))]
 
     def position_embeddings(self, batch: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -463,21 +463,29 @@ class LayerStreamer:
         seq_len: int,
         batch: int,
         on_batch: Callable[[int], None] | None = None,
+        every_window: bool = False,
     ) -> None:
         """Run this rank's micro-batches through `layer`; on_batch(b0) before each (AWQ keeps rows in
-        window order). Returns once every rank's outputs of the layer are committed."""
+        window order). `every_window`: every micro-batch, in order, as one process runs them (a stage's
+        every_window), each rank writing the outputs of its own only (the others compute the same values).
+        Returns once every rank's outputs of the layer are committed."""
         import torch
 
+        n = store.shape[0]
+        mine = self.my_batches(n, batch)
+        batches = every_batch(n, batch) if every_window else mine
         pe = {}
         with torch.inference_mode():
-            for b0, b1 in self.my_batches(store.shape[0], batch):
+            for b0, b1 in batches:
                 if on_batch is not None:
                     on_batch(b0)
+                # another rank's windows: written by it in the layer before (a committed store, then a barrier)
                 x = store.read(b0, b1).to(self.device, self.dtype)
                 if (b1 - b0) not in pe:
                     pe[b1 - b0] = self.position_embeddings(b1 - b0, seq_len)
                 y = layer(x, position_embeddings=pe[b1 - b0], attention_mask=None)
-                store.write(b0, b1, y)
+                if (b0, b1) in mine:
+                    store.write(b0, b1, y)
         store.commit()
         self.group.barrier()  # a journal written after this point finds every rank's windows durable
 
@@ -525,7 +533,9 @@ class LayerStreamer:
             self._reader.start(*self._after_layers)
         for stage in run.stages:
             stage.before_forward(run, idx, layer)
-        self.forward_layer(layer, run.store, run.seq_len, run.batch, on_batch=_batch_callback(run.stages))
+        run.every_window = run.group.world > 1 and any(stage.every_window(run, idx) for stage in run.stages)
+        on_batch = _batch_callback(run.stages)
+        self.forward_layer(layer, run.store, run.seq_len, run.batch, on_batch=on_batch, every_window=run.every_window)
         for stage in run.stages:
             stage.after_forward(run, idx, layer)
         current = run.store.current if isinstance(run.store, DiskStore) else ""
@@ -545,6 +555,11 @@ class LayerStreamer:
             import torch
 
             torch.cuda.empty_cache()
+
+
+def every_batch(n: int, batch: int) -> list[tuple[int, int]]:
+    """The window ranges [b0, b1) of the micro-batches of `batch` windows that `n` windows are cut into."""
+    return [(b0, min(n, b0 + batch)) for b0 in range(0, n, batch)]
 
 
 def _batch_callback(stages: list[LayerStage]) -> Callable[[int], None] | None:

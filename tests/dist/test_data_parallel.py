@@ -55,6 +55,52 @@ def test_quantize_two_ranks_same_bytes(request, tmp_path, recipe):
     _same_output(one, two)
 
 
+HESSIAN_RECIPES = {
+    # NVFP4 GPTQ with each block's scale chosen as GPTQ reaches it by local_hessian (the shipped recipe)
+    "nvfp4-gptq": "qwen35-nvfp4-experts-gptq",
+    # local_hessian block scales without GPTQ (their 16x16 Hessians)
+    "local-hessian": "groups: {routed_experts: nvfp4}\nnvfp4: {weight_scale: local_hessian}\nkv_cache: fp8\n",
+    # layers kept in BF16 between GPTQ ones: the ranks switch between every window and their share of them
+    "gptq-some-layers-bf16": "groups: {routed_experts: nvfp4}\ngptq: {enabled: true}\nkv_cache: fp8\n"
+    "layer_overrides: {1: {routed_experts: bf16}, 2: {routed_experts: bf16}}\n",
+    # INT4 GPTQ after the AWQ search (its rows and the Hessians, of every window on every rank)
+    "int4-awq-gptq": "groups: {routed_experts: w4a16}\nint4: {group_size: 32, awq: true}\ngptq: {enabled: true}\n"
+    "defaults: {format: compressed-tensors}\n",
+}
+
+
+@pytest.mark.parametrize("method", list(HESSIAN_RECIPES))
+def test_quantize_hessian_methods_two_ranks_same_bytes(request, tmp_path, method):
+    """GPTQ and local_hessian sum per-expert Hessians window by window: with two ranks every rank runs every
+    window and sums those of the experts it codes, so the bytes and the manifest's per-layer entries are one
+    process's. Two micro-batches of 4 tokens leave experts of both ranks without a token: the layers'
+    fallback lists (GPTQ's RTN experts, local_hessian's plain-MSE experts) merge every rank's. One CPU thread
+    in both runs, as a rank gets on a 2-core box: the AWQ report's float means depend on torch's thread count
+    (its bytes do not)."""
+    src = fixture_dir(request, "tiny_bf16")
+    recipe = HESSIAN_RECIPES[method]
+    if ":" in recipe:
+        path = tmp_path / f"{method}.yaml"
+        path.write_text(f"schema_version: 1\nname: {method}\n{recipe}")
+        recipe = str(path)
+    job = ["--samples", "2", "--seq-len", "4", "--batch-tokens", "4", "--quiet"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    one, two = tmp_path / "one", tmp_path / "two"
+    _run(["quantize", src, "-o", one, "--recipe", recipe, *job], env=env)
+    _run(["quantize", src, "-o", two, "--recipe", recipe, *job, "--nproc", "2"], env=env)
+    _same_output(one, two)
+    layers = json.loads((one / "qtool-manifest.json").read_text())["layers"]
+    fallback = {e for entry in layers for e in _fallback_experts(entry)}
+    assert min(fallback) < 4 <= max(fallback)  # rank 0 codes experts 0-3, rank 1 experts 4-7
+
+
+def _fallback_experts(entry: dict) -> list[int]:
+    """A layer's experts coded without their own statistics (GPTQ: by RTN; local_hessian: by plain MSE)."""
+    if "gptq" in entry:
+        return entry["gptq"]["rtn_experts"]
+    return entry["local_hessian"]["experts_plain_mse"] if "local_hessian" in entry else []
+
+
 def test_quantize_every_token_two_ranks_same_bytes(request, tmp_path):
     """A recipe's `calibration.experts: all` (AWQ, with a token floor): each rank runs every expert on its
     windows; token counts, amaxes and the AWQ rows reduce to one process's."""
@@ -141,12 +187,15 @@ def _ranks(args: list, kill_rank: int, after_layers: int, point: list[str] | Non
     return procs
 
 
-@pytest.mark.parametrize("kill_rank", [1, 0])
-def test_killed_rank_stops_every_rank_and_resumes_with_another_count(request, tmp_path, kill_rank):
+@pytest.mark.parametrize(
+    ("kill_rank", "recipe"),
+    [(1, "qwen35-nvfp4-experts"), (0, "qwen35-nvfp4-experts"), (1, "qwen35-nvfp4-experts-gptq")],
+)
+def test_killed_rank_stops_every_rank_and_resumes_with_another_count(request, tmp_path, kill_rank, recipe):
     src = fixture_dir(request, "tiny_bf16")
     clean, out = tmp_path / "clean", tmp_path / "out"
-    args = ["quantize", src, "-o", out, "--recipe", "qwen35-nvfp4-experts", *JOB]
-    _run(["quantize", src, "-o", clean, "--recipe", "qwen35-nvfp4-experts", *JOB])
+    args = ["quantize", src, "-o", out, "--recipe", recipe, *JOB]
+    _run(["quantize", src, "-o", clean, "--recipe", recipe, *JOB])
     procs = _ranks(args, kill_rank, after_layers=3)
     t0 = time.monotonic()
     results = [p.communicate(timeout=TIMEOUT) for p in procs]

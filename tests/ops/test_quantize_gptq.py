@@ -1,6 +1,6 @@
 """`qtool quantize` with a recipe's `gptq:` mapping on the tiny fixtures: plain NVFP4 / compressed-tensors INT4
-(the scales RTN writes, other codes), the same bytes on every run and after kill -9 + --resume, one process
-only, and RTN for an expert without tokens."""
+(the scales RTN writes, other codes), the same bytes on every run and after kill -9 + --resume (and with
+several ranks: tests/dist/test_data_parallel.py), and RTN for an expert without tokens."""
 
 from __future__ import annotations
 
@@ -89,16 +89,13 @@ def test_gptq_resumed_after_kill_9_gives_the_same_bytes(tiny_bf16, tmp_path):
     assert tree_sha(tmp_path / "out") == tree_sha(tmp_path / "ref")
 
 
-def test_gptq_with_several_ranks_or_a_peer_backend_is_refused(tiny_bf16, tmp_path, monkeypatch):
+def test_gptq_with_a_peer_backend_is_refused(tiny_bf16, tmp_path):
+    """(Several ranks are not: tests/dist/test_data_parallel.py gives them one process's bytes.)"""
     from qtool.ops.quantize import QuantizeOptions, plan
 
     recipe = load_recipe(_recipe(tmp_path, "gptq", NVFP4.replace("WS", "max") + GPTQ))
     with pytest.raises(UsageError, match="--backend modelopt does not run the recipe's gptq"):
         plan(QuantizeOptions(tiny_bf16, tmp_path / "a", recipe, backend="modelopt", samples=2, seq_len=16))
-    monkeypatch.setattr("qtool.dist.planned_ranks", lambda: 2)
-    with pytest.raises(UsageError, match="gptq runs in one process") as err:
-        plan(QuantizeOptions(tiny_bf16, tmp_path / "b", recipe, samples=2, seq_len=16))
-    assert "--nproc" in err.value.hint
 
 
 @pytest.mark.parametrize(
@@ -292,3 +289,19 @@ def test_the_plans_memory_fit_counts_the_hessians(tiny_bf16, tmp_path):
     assert gptq.memory_need().host_bytes == rtn.memory_need(0).host_bytes + extra
     # at the 397B's size: 512 experts x (4096^2 + 1024^2) x 4 bytes of Hessians
     assert gptq_memory_bytes(512, 4096, 1024) - gptq_memory_bytes(0, 4096, 1024) == 34 * 2**30
+
+
+def test_each_rank_plans_the_hessians_of_the_experts_it_codes(tiny_bf16, tmp_path, monkeypatch):
+    """With several ranks a rank sums the Hessians of its solve groups only (layer.Share): N times fewer."""
+    from qtool.ops.quantize import QuantizeOptions, plan
+    from qtool.ops.quantize.hessians import gptq_memory_bytes
+
+    recipe = load_recipe(_recipe(tmp_path, "g", NVFP4.replace("WS", "max") + GPTQ))
+    one = plan(QuantizeOptions(tiny_bf16, tmp_path / "a", recipe, samples=2)).gptq_bytes
+    monkeypatch.setattr("qtool.dist.planned_ranks", lambda: 2)
+    two = plan(QuantizeOptions(tiny_bf16, tmp_path / "b", recipe, samples=2))
+    assert two.gptq_bytes == one  # 8 experts: one solve group, which a rank may hold whole
+    assert two.memory_need().ranks == 2
+    hessians = 512 * (4096**2 + 1024**2) * 4  # the 397B's layer: 34 GiB
+    for ranks in (1, 2, 4, 8):
+        assert gptq_memory_bytes(512, 4096, 1024, ranks) - gptq_memory_bytes(0, 4096, 1024) == hessians // ranks

@@ -153,6 +153,19 @@ def reduce_expert_stats(stats: ExpertStats, group: Group, owner: Callable[[int],
     group.max_(stats.mid_amax)
     if not stats.keep_rows:
         return
+    _gather_rows(stats, group, owner)
+    keep_owned_rows(stats, group.rank, owner)
+
+
+def keep_owned_rows(stats: ExpertStats, rank: int, owner: Callable[[int], int]) -> None:
+    """Drop the AWQ rows of the experts another rank codes (`owner(e)`: layer.Share.owner)."""
+    for e in range(stats.n_experts):
+        if owner(e) != rank:
+            stats.mid_rows[e], stats._row_batches[e], stats._kept[e] = [], [], 0  # another rank codes it
+
+
+def _gather_rows(stats: ExpertStats, group: Group, owner: Callable[[int], int]) -> None:
+    """Each expert's AWQ rows from every rank to its owner, merged in window order, cut to keep_rows."""
     for dst in range(group.world):
         # clones: a piece is a view of the layer's page-locked buffer, which pickling would send whole
         mine = {
@@ -169,9 +182,6 @@ def reduce_expert_stats(stats: ExpertStats, group: Group, owner: Callable[[int],
                 rows = torch.cat([t for _, t in pieces])[: stats.keep_rows]
                 stats.mid_rows[e], stats._row_batches[e] = [rows], [0]
                 stats._kept[e] = rows.shape[0]
-    for e in range(stats.n_experts):
-        if owner(e) != group.rank:
-            stats.mid_rows[e], stats._row_batches[e], stats._kept[e] = [], [], 0  # another rank codes it
 
 
 def install_expert_stats(experts: torch.nn.Module, stats: ExpertStats) -> None:

@@ -15,9 +15,13 @@ input is x / s, so its Hessian is H / (s s^T).
 
 An expert that saw no token, or too few (calib.ExpertStats.too_few where the coverage policy provides
 it), or whose Hessian is not finite or cannot be factorised, is coded by RTN and named in the layer's
-report (`rtn_experts`). GPTQ with several ranks is refused at plan time (plan.py): each rank would hold
-the Hessians of its own windows, and summing them over ranks adds in another order than one process
-does, so the bytes would differ from one process's.
+report (`rtn_experts`).
+
+Several ranks (`--nproc`/`--devices`): every rank runs the layer's forward over every calibration window,
+in one process's order (stage.QuantizeStage.every_window), and sums the Hessians of the experts it codes
+only (layer.Share, whose chunk is a solve group here): each Hessian is the one process's, added in the
+same order with the same shapes, so the bytes do not depend on the number of ranks. The solves, the cost
+of a GPTQ layer, are split over the ranks, and so are the Hessians' memory; the forward is not.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ from qtool.ops.quantize.nvfp4_mse import sweep_block_scales
 from qtool.recipes import GptqOptions, GptqScales, Recipe, WeightScale
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
 
     from qtool.stream.experts import Recorder
@@ -47,7 +53,15 @@ class GptqLayer:
     """A layer's GPTQ coder, made before its forward (`hooks` go on the layer's ExpertStats) and used by
     layer.write_layer_shard for its chunks of experts (`nvfp4_chunk`, `int4`), on the loop's thread."""
 
-    def __init__(self, recipe: Recipe, stats: ExpertStats, inter: int, experts: torch.nn.Module) -> None:
+    def __init__(
+        self,
+        recipe: Recipe,
+        stats: ExpertStats,
+        inter: int,
+        experts: torch.nn.Module,
+        kept: Callable[[int], bool] | None = None,
+    ) -> None:
+        """`kept(e)`: whether this rank codes expert e (None: every expert); only those Hessians are summed."""
         self.recipe = recipe
         self.experts = experts  # the layer's Qwen3_5MoeExperts: a solve group's weights (nvfp4_chunk)
         self.n_experts = stats.n_experts
@@ -55,7 +69,8 @@ class GptqLayer:
         self.options: GptqOptions = recipe.gptq
         self.stats = stats
         self.inter = inter
-        self.hessians = ExpertHessians()
+        self.kept = kept
+        self.hessians = ExpertHessians(kept)
         self.hooks: list[Recorder] = [self.hessians.observe]
         self.batch_hooks: list = []
         self.rtn_experts: set[int] = set()
@@ -82,7 +97,9 @@ class GptqLayer:
         h = torch.where(usable[:, None, None], h, eye)
         fac = gptq.factor(h, damp=self.options.damp, act_order=self.options.act_order)
         fac.failed = ~usable | fac.failed  # every expert GPTQ leaves to RTN (UpdatedScales: no Hessian there)
-        self.rtn_experts.update(e for e, back in zip(experts, fac.failed.tolist(), strict=True) if back)
+        # a solve group can hold another rank's experts (without Hessians here): their codes are not this rank's
+        failed = zip(experts, fac.failed.tolist(), strict=True)
+        self.rtn_experts.update(e for e, back in failed if back and (self.kept is None or self.kept(e)))
         return fac
 
     # ------------------------------------------------------------------ NVFP4
@@ -175,9 +192,16 @@ class GptqLayer:
         return awq.Int4Weight(codes, grid_of.scales, None, grid_of.group_size)
 
     def summary(self) -> dict:
-        """The layer's GPTQ entry in the report: the options and the experts coded by RTN instead."""
+        """The layer's GPTQ entry in the report: the options and the experts (of this rank) coded by RTN
+        instead (`merged` joins the ranks' entries)."""
         self._solved = None
         return {**self.options.to_json(), "rtn_experts": sorted(self.rtn_experts)}
+
+
+def merged(summaries: list[dict]) -> dict:
+    """One layer's GPTQ entry from every rank's `summary()`: as one process writes it."""
+    rtn_experts = sorted({e for summary in summaries for e in summary["rtn_experts"]})
+    return {**summaries[0], "rtn_experts": rtn_experts}
 
 
 class UpdatedScales:

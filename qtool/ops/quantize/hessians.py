@@ -19,10 +19,15 @@ bytes for a layer. At the 397B's size (512 experts, hidden 4096, moe_intermediat
 layer is therefore coded on the loop's thread, not behind the next layer's forward (which would hold a
 second layer's Hessians), and its experts are solved a group at a time (SOLVE_EXPERTS), whose stacked copies
 and factors add ~8 GB at the 397B's size. The plan counts both in its memory fit (`gptq_memory_bytes`).
+
+Several ranks: each runs the forward over every window and keeps the Hessians of the experts it codes only
+(`kept`: whole solve groups, layer.Share), so each sum is one process's, added in the same order with the same
+shapes, and a rank holds 1/N of them (17 GiB at the 397B's size with 2 ranks).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from qtool.lazy import lazy_module
@@ -37,24 +42,30 @@ else:
 SOLVE_EXPERTS = 32
 
 
-def gptq_memory_bytes(n_experts: int, hidden: int, inter: int) -> int:
-    """What GPTQ keeps on the forward's device beside the layer (the plan's memory fit): every expert's two
-    Hessians, and one solve group's transients (the stacked Hessians, their damped copy, the Cholesky factor
-    and the inverse's factor; the group's float32 weights, twice: their copy and its transpose)."""
-    hessians = n_experts * (hidden * hidden + inter * inter) * 4
+def gptq_memory_bytes(n_experts: int, hidden: int, inter: int, ranks: int = 1) -> int:
+    """What GPTQ keeps on the forward's device beside the layer (the plan's memory fit): the two Hessians of
+    every expert a rank codes (with `ranks`: at most whole solve groups of its share, layer.Share), and one
+    solve group's transients (the stacked Hessians, their damped copy, the Cholesky factor and the inverse's
+    factor; the group's float32 weights, twice: their copy and its transpose)."""
+    held = min(n_experts, -(-n_experts // (SOLVE_EXPERTS * ranks)) * SOLVE_EXPERTS)
+    hessians = held * (hidden * hidden + inter * inter) * 4
     group = SOLVE_EXPERTS * (4 * hidden * hidden + 2 * 2 * inter * hidden) * 4
     return hessians + group
 
 
 class ExpertHessians:
-    """The routed experts' input second moments of one layer (see the module docstring)."""
+    """The routed experts' input second moments of one layer (see the module docstring), of the experts
+    `kept(e)` says this rank codes (default: all)."""
 
-    def __init__(self) -> None:
+    def __init__(self, kept: Callable[[int], bool] | None = None) -> None:
         self.gate_up: dict[int, torch.Tensor] = {}
         self.down: dict[int, torch.Tensor] = {}
+        self.kept = kept
 
     def observe(self, e: int, x: torch.Tensor, mid: torch.Tensor) -> None:
         """calib.ExpertStats hook: expert e's routed rows x [n, hidden] and down_proj input mid [n, inter]."""
+        if self.kept is not None and not self.kept(e):
+            return  # another rank codes it (and sums its Hessians)
         _accumulate(self.gate_up, e, x)
         _accumulate(self.down, e, mid)
 

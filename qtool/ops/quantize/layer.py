@@ -293,10 +293,13 @@ class Share:
 
     rank: int = 0
     world: int = 1
+    # experts per chunk where every rank has work: GPTQ's is its solve group (hessians.SOLVE_EXPERTS), so that a
+    # rank holds the Hessians of whole groups and solves them alone, in the groups one process solves
+    unit: int = CHUNK_EXPERTS
 
     def chunk(self, n_experts: int) -> int:
-        """Experts per chunk: CHUNK_EXPERTS, smaller where that leaves a rank without work."""
-        return max(1, min(CHUNK_EXPERTS, -(-n_experts // self.world)))
+        """Experts per chunk: `unit`, smaller where that leaves a rank without work."""
+        return max(1, min(self.unit, -(-n_experts // self.world)))
 
     def owner(self, expert: int, n_experts: int) -> int:
         """The rank that codes `expert`."""

@@ -24,11 +24,13 @@ Where qtool differs, on purpose and recorded in the layer's report:
   weights for inputs calibration never showed);
 - the Hessians come from qtool's BF16 forward; ModelOpt's forward fake-quantizes the experts' inputs to
   NVFP4 while it gathers them, which changes act(gate) * up, so down_proj's H, slightly.
-The Hessians are not reduced over ranks: plan refuses `--nproc`/`--devices` with this option.
+Several ranks: every rank runs the layer's forward over every window and sums the Hessians of the experts
+it codes (stage.QuantizeStage.every_window), so they are one process's sums, bit for bit; none is reduced.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from qtool.formats import nvfp4, nvfp4_triton
@@ -51,8 +53,9 @@ class LocalHessians:
     """Per expert, Σ x xᵀ over each 16-column block of the inputs of gate/up (x) and of down (mid), gathered
     by an ExpertStats hook during the layer's forward, on the forward's device."""
 
-    def __init__(self, n_experts: int) -> None:
+    def __init__(self, n_experts: int, kept: Callable[[int], bool] | None = None) -> None:
         self.n_experts = n_experts
+        self.kept = kept  # the experts this rank codes (None: all); the others' sums stay zero, never read
         self.gate_up: torch.Tensor | None = None  # float32 [E, hidden/16, 16, 16]
         self.down: torch.Tensor | None = None  # float32 [E, inter/16, 16, 16]
         self.plain_mse: list[int] = []  # experts coded with mse_sweep's scales (no token), for the report
@@ -62,6 +65,8 @@ class LocalHessians:
         if self.gate_up is None or self.down is None:
             self.gate_up = self._empty(x)
             self.down = self._empty(mid)
+        if self.kept is not None and not self.kept(e):
+            return  # another rank codes it
         _accumulate(self.gate_up[e], x)
         _accumulate(self.down[e], mid)
 
@@ -84,20 +89,27 @@ def _accumulate(into: torch.Tensor, rows: torch.Tensor) -> None:
     into.add_(blocks.transpose(1, 2) @ blocks)
 
 
-def attach(stats: ExpertStats, recipe: Recipe) -> None:
+def attach(stats: ExpertStats, recipe: Recipe, kept: Callable[[int], bool] | None = None) -> None:
     """Gather the Hessians in the layer's forward when the recipe asks for local_hessian scales (with gptq,
-    GPTQ's own full Hessians choose them: qtool.ops.quantize.gptq_layer.UpdatedScales)."""
+    GPTQ's own full Hessians choose them: qtool.ops.quantize.gptq_layer.UpdatedScales); those of the experts
+    `kept(e)` says this rank codes."""
     if recipe.nvfp4.weight_scale is WeightScale.LOCAL_HESSIAN and not recipe.gptq.enabled:
-        stats.local_hessians = LocalHessians(stats.n_experts)
+        stats.local_hessians = LocalHessians(stats.n_experts, kept)
         stats.hooks.append(stats.local_hessians.record)
 
 
-def report(stats: ExpertStats) -> dict:
-    """The layer report's entry: which experts fell back to plain MSE (saw no calibration token)."""
+def plain_mse(stats: ExpertStats) -> list[int] | None:
+    """The experts this rank coded with mse_sweep's scales (no token), None without local_hessian."""
     hessians = getattr(stats, "local_hessians", None)
-    if hessians is None:
+    return None if hessians is None else list(hessians.plain_mse)
+
+
+def report(plain_mse: list[int] | None) -> dict:
+    """The layer report's entry: which experts fell back to plain MSE (saw no calibration token), from every
+    rank's `plain_mse`."""
+    if plain_mse is None:
         return {}
-    return {"local_hessian": {"experts_plain_mse": sorted(set(hessians.plain_mse))}}
+    return {"local_hessian": {"experts_plain_mse": sorted(set(plain_mse))}}
 
 
 def chunk_block_scales(

@@ -160,9 +160,16 @@ class QuantizePlan:
             device=self.device,
             held_layers=held,
             extra_host=self.awq_activation_bytes,
-            extra_device=gptq_memory_bytes(self.n_experts, self.hidden, self.inter) if self.recipe.gptq.enabled else 0,
+            extra_device=self.gptq_bytes,
             ranks=dist.planned_ranks(),
         )
+
+    @property
+    def gptq_bytes(self) -> int:
+        """What GPTQ keeps on each rank's device beside the layer (hessians.gptq_memory_bytes), else 0."""
+        if not self.recipe.gptq.enabled:
+            return 0
+        return gptq_memory_bytes(self.n_experts, self.hidden, self.inter, dist.planned_ranks())
 
     @property
     def awq_activation_bytes(self) -> int:
@@ -331,38 +338,22 @@ def _refuse_fp8_runs(recipe: Recipe, backend: Backend) -> None:
 
 
 def _refuse_local_hessian_runs(recipe: Recipe, backend: Backend) -> None:
-    """local_hessian's per-expert Hessians are summed in one process: a sum over ranks adds them in
-    another order, whose last-bit differences can flip a near-tie between two block scales (the bytes would
-    depend on --nproc). llm-compressor has no such search; ModelOpt's (--backend modelopt) is its oracle."""
-    if recipe.nvfp4.weight_scale is not WeightScale.LOCAL_HESSIAN:
-        return
-    if backend is Backend.LLMCOMPRESSOR:
+    """llm-compressor has no local-Hessian search; ModelOpt's (--backend modelopt) is its oracle. With several
+    ranks qtool's own runs every window on every rank (stage.QuantizeStage.every_window): the same bytes."""
+    if recipe.nvfp4.weight_scale is WeightScale.LOCAL_HESSIAN and backend is Backend.LLMCOMPRESSOR:
         raise UsageError(
             "nvfp4.weight_scale local_hessian: --backend llmcompressor has no local-Hessian block-scale search",
             hint="use --backend rtn (qtool's own, the default) or --backend modelopt (ModelOpt's)",
         )
-    _one_process_only(
-        "nvfp4.weight_scale local_hessian",
-        "each expert's input Hessians are not reduced over ranks: a sum in another order could change a block "
-        "scale, and the bytes with it",
-    )
 
 
 def _refuse_gptq_runs(recipe: Recipe, backend: Backend) -> None:
-    """GPTQ is qtool's own coder, in one process: with several ranks each would hold the Hessians of its own
-    calibration windows, and their sum over the ranks (float32, another order of additions than one
-    process's) would give other bytes than one process does (qtool.ops.quantize.gptq_layer)."""
-    if not recipe.gptq.enabled:
-        return
-    if backend is not Backend.RTN:
+    """GPTQ is qtool's own coder (with any number of ranks: qtool.ops.quantize.gptq_layer)."""
+    if recipe.gptq.enabled and backend is not Backend.RTN:
         raise UsageError(
             f"--backend {backend.value} does not run the recipe's gptq (qtool's own coder does)",
             hint="use --backend rtn (the default), or drop the recipe's gptq mapping",
         )
-    _one_process_only(
-        "a recipe with gptq",
-        "the per-expert Hessians are not reduced over ranks: a sum over ranks would give other bytes than one process",
-    )
 
 
 def _one_process_only(what: str, why: str) -> None:

@@ -3,7 +3,8 @@
 forward:       per-expert statistics hooks (token counts, input amaxes, AWQ's kept rows) and the K/V tap;
                a peer backend (qtool.ops.quantize.backends) first runs its own calibration of the layer
 after-forward: hooks out, statistics settled and reduced over the ranks (each rank then holds the rows of
-               the experts it codes: layer.Share)
+               the experts it codes: layer.Share); with GPTQ or local_hessian every rank ran every window
+               (every_window) and holds them complete: nothing to reduce
 code:          a LayerShardWrite: the experts coded from the weights in memory (the source is read once)
                and the layer's shard written (layer.write_layer_shard), behind the next layer's forward
 commit:        the shard named and hashed for the manifest (ProducedShards.finished), its report entry,
@@ -21,17 +22,18 @@ from qtool.io.files import tmp_path
 from qtool.io.writer import FileRange
 from qtool.lazy import lazy_module
 from qtool.ops.calibrate_kv.calibrate import reduce_kv
-from qtool.ops.quantize import backends, coverage, local_hessian
+from qtool.ops.quantize import backends, coverage, gptq_layer, hessians, local_hessian
 from qtool.ops.quantize import layer as layer_module
 from qtool.ops.quantize.calib import (
     ExpertStats,
     KvStat,
     install_expert_stats,
+    keep_owned_rows,
     reduce_expert_stats,
     remove_expert_stats,
 )
 from qtool.ops.quantize.gptq_layer import GptqLayer
-from qtool.ops.quantize.layer import Share, copied_whole, create_layer_tmp, release_dense_experts
+from qtool.ops.quantize.layer import CHUNK_EXPERTS, Share, copied_whole, create_layer_tmp, release_dense_experts
 from qtool.ops.quantize.plan import LayerPlan, QuantizePlan
 from qtool.ops.quantize.schemes import install_linear_amax, remove_linear_amax
 from qtool.recipes import Scheme
@@ -64,7 +66,9 @@ class QuantizeStage(LayerStage):
         self.shards = shards
         self.layer_reports = layer_reports
         self.group = group
-        self.share = Share(group.rank, group.world)
+        # GPTQ: a rank codes whole solve groups (gptq_layer), each from the Hessians it summed itself
+        unit = hessians.SOLVE_EXPERTS if plan.recipe.gptq.enabled else CHUNK_EXPERTS
+        self.share = Share(group.rank, group.world, unit)
         self.layer_plans = {layer_plan.index: layer_plan for layer_plan in plan.layers}
         # the layer between its forward and its code
         self._stats: ExpertStats | None = None
@@ -92,10 +96,11 @@ class QuantizeStage(LayerStage):
                 stats.batch_hooks += peer.batch_hooks
                 backend = peer
             else:
-                local_hessian.attach(stats, self.plan.recipe)  # the experts' input second moments, if asked
+                # the experts' input second moments, if asked
+                local_hessian.attach(stats, self.plan.recipe, self._codes)
         if layer_plan.scheme is not Scheme.BF16 and self.plan.recipe.gptq.enabled:
             # coded on the loop's thread right after this forward: hessians.py bounds the memory so
-            gptq = GptqLayer(self.plan.recipe, stats, self.plan.inter, layer.mlp.experts)
+            gptq = GptqLayer(self.plan.recipe, stats, self.plan.inter, layer.mlp.experts, self._codes)
             stats.hooks += gptq.hooks
             backend = gptq
         install_expert_stats(layer.mlp.experts, stats)
@@ -103,6 +108,17 @@ class QuantizeStage(LayerStage):
         if layer_plan.full_attention:
             attention_tap(layer, kv_amax_tap(kv))
         self._stats, self._kv, self._backend = stats, kv, backend
+
+    def _codes(self, expert: int) -> bool:
+        """Whether this rank codes `expert` (layer.Share)."""
+        return self.share.owner(expert, self.plan.n_experts) == self.share.rank
+
+    def every_window(self, run: LayerRun, idx: int) -> bool:
+        """Per-expert sums of x xᵀ (GPTQ, local_hessian): one process adds them window by window in float32,
+        so every rank runs every window and sums those of its own experts, never a sum over ranks."""
+        return isinstance(self._backend, GptqLayer) or (
+            self._stats is not None and self._stats.local_hessians is not None
+        )
 
     def on_batch(self, b0: int) -> None:
         assert self._stats is not None  # between before_forward and code
@@ -116,7 +132,14 @@ class QuantizeStage(LayerStage):
         self._stats.settle()
         # data parallel: every rank now holds the layer's stats (the AWQ rows of the experts it codes)
         n_experts = self.plan.n_experts
-        reduce_expert_stats(self._stats, self.group, owner=lambda e: self.share.owner(e, n_experts))
+
+        def owner(e: int) -> int:
+            return self.share.owner(e, n_experts)
+
+        if run.every_window:  # every rank saw every window: its statistics are one process's already
+            keep_owned_rows(self._stats, self.share.rank, owner)
+            return
+        reduce_expert_stats(self._stats, self.group, owner)
         reduce_kv(self._kv, self.group)
 
     def code(self, run: LayerRun, idx: int, layer: torch.nn.Module) -> LayerShardWrite:
@@ -138,6 +161,7 @@ class QuantizeStage(LayerStage):
         awq: list[dict],
         sha256: Any,
         gptq: dict | None = None,
+        plain_mse: list[int] | None = None,
     ) -> None:
         """Rank 0, once the layer's shard is whole on disk: named, hashed and journaled."""
         partial = run.partial
@@ -147,16 +171,22 @@ class QuantizeStage(LayerStage):
         if self.shards is not None:
             # hashed as it was written; or (several ranks) now, while the next layer runs
             self.shards.finished(layer_plan.shard, sha256)
-        self.layer_reports.append(layer_entry(layer_plan, stats, kv_stat, awq, gptq))
+        self.layer_reports.append(layer_entry(layer_plan, stats, kv_stat, awq, gptq, plain_mse))
         run.layer_done(layer_plan.index, current)
 
 
 def layer_entry(
-    layer_plan: LayerPlan, stats: ExpertStats, kv_stat: KvStat, awq: list[dict], gptq: dict | None = None
+    layer_plan: LayerPlan,
+    stats: ExpertStats,
+    kv_stat: KvStat,
+    awq: list[dict],
+    gptq: dict | None = None,
+    plain_mse: list[int] | None = None,
 ) -> dict:
-    """A layer's entry in the report, the journal and the manifest."""
+    """A layer's entry in the report, the journal and the manifest (`plain_mse`: local_hessian's fallback
+    experts, of every rank)."""
     entry = {"layer": layer_plan.index, "routed_experts": layer_plan.scheme.value, **stats.to_json()}
-    entry.update(local_hessian.report(stats))
+    entry.update(local_hessian.report(plain_mse))
     if gptq is not None:
         entry["gptq"] = gptq
     if layer_plan.full_attention:
@@ -231,6 +261,7 @@ class LayerShardWrite:
             )
             if isinstance(self.backend, GptqLayer):
                 report["gptq"] = self.backend.summary()
+            report["plain_mse"] = local_hessian.plain_mse(self.stats)  # this rank's experts
             return report
         finally:
             self.layer = self.backend = None  # the dense layer is freed as soon as it is written
@@ -238,5 +269,7 @@ class LayerShardWrite:
     def commit(self, shares: list[dict]) -> None:
         awq = [r for share in shares for r in share["awq"]]
         sha256 = shares[0].get("sha256") if len(shares) == 1 else None
-        gptq = shares[0].get("gptq")  # GPTQ runs in one process (plan.py)
-        self.stage.commit(self.run, self.layer_plan, self.stats, self.kv, self.current, awq, sha256, gptq)
+        gptq = gptq_layer.merged([share["gptq"] for share in shares]) if "gptq" in shares[0] else None
+        plain_mse = None if shares[0]["plain_mse"] is None else [e for share in shares for e in share["plain_mse"]]
+        stage = self.stage
+        stage.commit(self.run, self.layer_plan, self.stats, self.kv, self.current, awq, sha256, gptq, plain_mse)
