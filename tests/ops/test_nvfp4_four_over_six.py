@@ -217,19 +217,30 @@ def test_triton_kernel_gives_the_torch_codes_bytes():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("source", ["tiny", "proxy"])
-def test_same_bytes_as_modelopts_four_over_six(source, request):
+def test_same_bytes_as_modelopts_four_over_six_but_where_its_calibration_error_differs(source, request):
+    """ModelOpt's NVFP4_FOUR_OVER_SIX_CFG (mtq.quantize, its export) on the same matrices: the same global
+    scales, and the same block scales and codes but for a few blocks in ten thousand (measured on an H100:
+    9 of 27,648 blocks of the tiny fixture, 48 of 196,608 of the proxy). The documented difference: ModelOpt
+    picks max -> 6 or max -> 4 by the error of its calibration-time fake quantization, qtool by the error of
+    the bytes it writes; so where they part, qtool's block has the smaller reconstruction error."""
     pytest.importorskip("modelopt")
     matrices = _tiny_experts(request.getfixturevalue("tiny_bf16")) if source == "tiny" else _proxy_experts()
     theirs = _modelopt_four_over_six(matrices)
-    n_blocks = n_scale_diff = n_code_diff = 0
+    n_blocks = n_scale_diff = 0
     for w, (packed, scale, ws2) in zip(matrices, theirs, strict=True):
         bs, ours_ws2 = four_over_six_block_scales(w.cuda(), nvfp4.matrix_amax(w.cuda()))
         q = nvfp4.quantize(w.cuda(), weight_scale_2=ours_ws2, block_scale=bs)
         assert torch.equal(ours_ws2.cpu().reshape(()).view(torch.int32), ws2.reshape(()).view(torch.int32))
+        differ = q.block_scale.view(torch.uint8).cpu() != scale
         n_blocks += scale.numel()
-        n_scale_diff += int((q.block_scale.view(torch.uint8).cpu() != scale).sum())
-        n_code_diff += int((nvfp4.unpack(q.packed.cpu()) != nvfp4.unpack(packed)).sum())
-    print(
-        f"{source}: {len(matrices)} matrices, {n_blocks} blocks, {n_scale_diff} scale bytes differ, {n_code_diff} codes"
-    )
-    assert n_scale_diff == 0 and n_code_diff == 0
+        n_scale_diff += int(differ.sum())
+        same_blocks = ~differ.unsqueeze(-1).expand(*differ.shape, nvfp4.BLOCK_SIZE // 2)
+        assert torch.equal(
+            q.packed.cpu()[same_blocks.reshape(q.packed.shape)], packed[same_blocks.reshape(packed.shape)]
+        )
+        # where the scales differ, the bytes each writes for its scale: RTN of w, so the errors of those scales
+        mine_err = _block_errors(w, q.block_scale.cpu(), ours_ws2.cpu())
+        other_err = _block_errors(w, scale.view(torch.float8_e4m3fn), ws2)
+        assert bool((mine_err <= other_err * (1 + 1e-6) + 1e-12).all())
+    print(f"{source}: {len(matrices)} matrices, {n_blocks} blocks, {n_scale_diff} scale bytes differ")
+    assert n_scale_diff <= 1e-3 * n_blocks

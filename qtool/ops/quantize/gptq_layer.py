@@ -232,7 +232,8 @@ class UpdatedScales:
         n_exp, cols = u.shape[0], u.shape[-1]
         nb = cols // nvfp4.BLOCK_SIZE
         self.block_scale = torch.empty((n_exp, rows, nb), dtype=torch.float8_e4m3fn, device=u.device)
-        self.schur = self.schur_inverse_diagonal = None
+        self.schur: torch.Tensor | None = None
+        self.schur_inverse_diagonal: torch.Tensor | None = None
         if method is WeightScale.LOCAL_HESSIAN:
             # every block's (U_bbᵀ U_bb)⁻¹ at once: [E, blocks, 16, 16] from U's diagonal 16 x 16 blocks
             diag = u.reshape(n_exp, nb, nvfp4.BLOCK_SIZE, nb, nvfp4.BLOCK_SIZE).diagonal(dim1=1, dim2=3)
@@ -247,6 +248,7 @@ class UpdatedScales:
         elif self.method is WeightScale.MSE_SWEEP:
             bs = sweep_block_scales(w.contiguous(), self.global_amax)
         else:
+            assert self.schur is not None  # made in __init__ for local_hessian
             bs = hessian_block_scales(
                 w.contiguous(),
                 self.global_amax,
