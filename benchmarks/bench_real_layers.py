@@ -109,6 +109,12 @@ def build_real(out: Path, layers: int, device: str, model: str = "397b") -> None
         json.dumps(index_json(weight_map, sum(t.nbytes for t in chosen)), indent=2) + "\n"
     )
     record_as_downloaded(out)
+    if device.startswith("cuda"):
+        import torch
+
+        # the random weights' cached blocks (~8 GB: the embedding's float32 draw) would stay held by this
+        # process through every timed job: a GPTQ layer, which needs most of an 80 GB card, ran out of memory
+        torch.cuda.empty_cache()
 
 
 def record_as_downloaded(root: Path) -> None:
