@@ -20,6 +20,7 @@ Leading dims (stacked experts: [E, out, in]) are quantized independently: one we
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from qtool.formats import CodecError
@@ -70,10 +71,16 @@ class NVFP4Weight:
 
 def fp8_scale_bytes(device: torch.device | str = "cpu") -> torch.Tensor:
     """The bytes of the 126 finite positive float8_e4m3fn values, ascending (the block scales a per-block
-    scale search tries: qtool.ops.quantize.nvfp4_mse)."""
-    values = torch.arange(0, 128, dtype=torch.uint8, device=device)
+    scale search tries: qtool.ops.quantize.nvfp4_mse). Made once per device and shared (do not modify it):
+    GPTQ's column loop asks for it at every block, and its boolean selection would wait for the GPU there."""
+    return _fp8_scale_bytes_on(str(torch.device(device)))
+
+
+@functools.cache
+def _fp8_scale_bytes_on(device: str) -> torch.Tensor:
+    values = torch.arange(0, 128, dtype=torch.uint8)
     as_float = values.view(torch.float8_e4m3fn).float()
-    return values[torch.isfinite(as_float) & (as_float > 0)]
+    return values[torch.isfinite(as_float) & (as_float > 0)].to(device)
 
 
 # Which candidates a block's scale sweep has to try (qtool.ops.quantize.nvfp4_mse.sweep_block_scales and its

@@ -308,15 +308,18 @@ def _hessian_sweep_body(
     BLOCK_R: tl.constexpr,
     NC: tl.constexpr,
     PRUNE: tl.constexpr,  # skip the candidates far below the block max that provably lose (else try all NC)
-    BELOW: tl.constexpr,  # with PRUNE: candidates below k_c always tried (nvfp4.HESSIAN_BELOW)
+    BELOW: tl.constexpr,  # with PRUNE: candidates below k_c always tried (HESSIAN_BELOW)
     MARGIN: tl.constexpr,  # with PRUNE: relative margin of the bound over the float32 losses
 ):
     # `local_hessian` (qtool.ops.quantize.local_hessian): per row of one 16-column block the candidate scale
     # with the smallest dw^T H_b dw, the first smallest kept. One program: BLOCK_R rows of one (matrix, column
     # block), so H_b is loaded once and the product runs as a [BLOCK_R, 16] x [16, 16] tl.dot.
-    # With PRUNE the candidates go in two passes with the same losses and the same winner as the single
+    # With PRUNE the candidates go in two passes with the same losses and the same tie rule as the single
     # ascending pass: from k_c - BELOW up to the last (k_c: the first candidate whose 6 * divisor reaches
-    # the block max), then downwards from k_c - BELOW - 1 while the bound below leaves a row a chance.
+    # the block max), then downwards from k_c - BELOW - 1 while the bound below leaves a row a chance. A
+    # candidate ruled out is worse than the row's best in exact arithmetic; the winner is the single pass's
+    # wherever float32 rounding moves a loss by less than MARGIN of the best (an H_b too ill-conditioned for
+    # that gets no bound: hessian_inverse_diagonals).
     # Bound: under a divisor d an element with |x_i| > 6 d keeps an error of at least |x_i| - 6 d (6 is the
     # largest E2M1 magnitude), and for H_b positive definite dwᵀ H_b dw >= dw_i² / (H_b⁻¹)_ii for every i
     # (the least quadratic form with dw_i fixed). The bound grows as d falls, so once it passes a row's best

@@ -20,11 +20,12 @@ from qtool.ops.quantize import gptq, gptq_triton
 def _group_case(kind: str, width: int, device: str = "cpu", rows: int = 100, seed: int = 0):
     """(x [3, width, rows], step, u [3, width, width] upper with a positive diagonal, grid): the columns of one
     group in the solver's transposed layout; expert 0's first rows are zero, expert 1's first row sits on
-    the E2M1 (or INT4) rounding ties of its steps."""
+    the E2M1 (or INT4) rounding ties of its steps, expert 2's first rows are zero with a zero step."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(3, width, rows, generator=g) * 0.05
     step = torch.rand(3, width, rows, generator=g) * 0.01 + 0.001
     x[0, :, :3] = 0.0
+    x[2, :, :2], step[2, :, :2] = 0.0, 0.0  # an all-zero matrix's step: 0 / 0
     ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.75] if kind == gptq.NVFP4 else [0.5, 1.5, -2.5])
     step[1, :, 0] = 2.0**-8
     x[1, :, 0] = ties.repeat(width)[:width] * 2.0**-8
@@ -53,6 +54,8 @@ def check_kernel_against_torch(device: str) -> None:
             x, step, u, grid = _group_case(kind, width, device)
             (c_kernel, e_kernel), (c_torch, e_torch) = _both(x, step, u, grid)
             assert torch.equal(c_kernel, c_torch), (kind, width, int((c_kernel != c_torch).sum()))
+            zero_code = 0 if kind == gptq.NVFP4 else 8  # what the RTN codecs write for a zero weight
+            assert bool((c_torch[2, :, :2] == zero_code).all()) and bool((e_torch[2, :, :2] == 0).all())
             # the torch loop's addcmul may fuse its multiply-add: the errors agree to float32 rounding of the
             # updated columns (an error is a difference of nearby values: absolute, not relative, agreement)
             assert float((e_kernel - e_torch).abs().max()) <= 1e-6 * float(e_torch.abs().max()), (kind, width)

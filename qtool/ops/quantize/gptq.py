@@ -68,6 +68,7 @@ class ColumnGrid:
         reached is coded exactly as RTN codes it. NVFP4 buckets are int64 0..15 (`_e2m1_buckets`), INT4
         ones the signed code -8..7 as float."""
         x = w / step
+        x = torch.where(x.isnan(), 0.0, x)  # 0 / 0 (an all-zero matrix's step): code 0, as the codecs write it
         if self.kind == NVFP4:
             bucket = torch.bucketize(x, self.bounds, right=True)
             return bucket, self.bucket_values[bucket] * step
@@ -181,7 +182,7 @@ def solve(
     whole rows of memory, not one float in every C."""
     n_exp, rows, cols = w.shape
     dev = w.device
-    if choose is not None and (fac.perm is not None or block_size % grid.group or grid.group % GROUP):
+    if choose is not None and (fac.perm is not None or block_size % grid.group or grid.group != GROUP):
         raise ValueError("scales chosen at group start need the columns' own order and whole groups per block")
     w = w.float().masked_fill(fac.dead[:, None, :], 0.0)
     group_of = (torch.arange(cols, device=dev) // grid.group).expand(n_exp, cols)  # column -> stored group

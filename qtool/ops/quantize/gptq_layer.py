@@ -35,7 +35,7 @@ from qtool.ops.quantize.awq_search import rtn
 from qtool.ops.quantize.calib import ExpertStats
 from qtool.ops.quantize.hessians import ExpertHessians
 from qtool.ops.quantize.layer import NVFP4Experts, nvfp4_scales
-from qtool.ops.quantize.local_hessian import hessian_block_scales
+from qtool.ops.quantize.local_hessian import hessian_block_scales, plain_blocks
 from qtool.ops.quantize.nvfp4_mse import sweep_block_scales
 from qtool.recipes import GptqOptions, GptqScales, Recipe, WeightScale
 
@@ -234,12 +234,16 @@ class UpdatedScales:
         self.block_scale = torch.empty((n_exp, rows, nb), dtype=torch.float8_e4m3fn, device=u.device)
         self.schur: torch.Tensor | None = None
         self.schur_inverse_diagonal: torch.Tensor | None = None
+        self.plain: torch.Tensor | bool = False
         if method is WeightScale.LOCAL_HESSIAN:
             # every block's (U_bbᵀ U_bb)⁻¹ at once: [E, blocks, 16, 16] from U's diagonal 16 x 16 blocks
             diag = u.reshape(n_exp, nb, nvfp4.BLOCK_SIZE, nb, nvfp4.BLOCK_SIZE).diagonal(dim1=1, dim2=3)
             diag = diag.permute(0, 3, 1, 2).reshape(-1, nvfp4.BLOCK_SIZE, nvfp4.BLOCK_SIZE)
             self.schur = torch.cholesky_inverse(diag, upper=True).reshape(n_exp, nb, nvfp4.BLOCK_SIZE, -1)
             self.schur_inverse_diagonal = nvfp4_triton.hessian_inverse_diagonals(self.schur) if u.is_cuda else None
+            plain = plain_blocks(self.schur, seen)
+            if bool(plain.any()):  # one wait for the GPU per matrix, not one per block
+                self.plain = plain
 
     def __call__(self, g: int, w: torch.Tensor) -> torch.Tensor:
         """The step [E, rows] of block g, from its updated weights w [E, rows, 16]."""
@@ -255,6 +259,7 @@ class UpdatedScales:
                 self.schur[:, g : g + 1],
                 self.seen,
                 None if self.schur_inverse_diagonal is None else self.schur_inverse_diagonal[:, g : g + 1],
+                self.plain[:, g : g + 1] if isinstance(self.plain, torch.Tensor) else False,
             )
         self.block_scale[:, :, g : g + 1] = bs
         return bs[:, :, 0].float() * self.ws2[:, None]

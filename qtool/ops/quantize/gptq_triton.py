@@ -79,6 +79,7 @@ def _group_body(
         step = tl.load(step_ptr + e * step_se + j * step_sc + r, mask=live, other=1.0)
         ujj = tl.sum(tl.where(c == j, u_diag, 0.0), axis=0)
         v = tl.math.div_rn(xj, step)
+        v = tl.where(v != v, 0.0, v)  # 0 / 0 (an all-zero matrix's step): code 0, as the codecs write it
         if NVFP4:
             mag = _e2m1_round(tl.abs(v))
             code = _e2m1_code(v)

@@ -131,26 +131,31 @@ def hessian_block_scales(
     hessian: torch.Tensor,
     seen: torch.Tensor | None = None,
     inverse_diagonal: torch.Tensor | None = None,
+    plain: torch.Tensor | bool | None = None,
 ) -> torch.Tensor:
     """float8_e4m3fn [E, out, in/16]: per block the E4M3 scale with the smallest dwᵀ H_b dw.
 
     w [E, out, in]; global_amax [E] (gate and up pass the larger of their two); hessian float32
     [E, in/16, 16, 16]; seen bool [E] (default all): an expert not seen, and a block whose H_b is zero,
-    take `sweep_block_scales`' scale. inverse_diagonal: the GPU search's bound
-    (nvfp4_triton.hessian_inverse_diagonals of `hessian`), where the caller keeps it for several calls."""
+    take `sweep_block_scales`' scale. A caller that searches the same Hessians block by block (GPTQ's
+    updated scales) passes what it keeps: `inverse_diagonal`, the GPU search's bound
+    (nvfp4_triton.hessian_inverse_diagonals of `hessian`), and `plain`, those blocks (`plain_blocks`:
+    bool [E, in/16]; False: none), so that no call waits for the GPU to learn whether there are any."""
     nvfp4.check_weight(w)
     n_exp, out, n_in = w.shape
     nb = n_in // BLOCK
-    values = fp8_scale_values(w.device)
     ws2 = nvfp4.weight_scale_2_from_amax(torch.as_tensor(global_amax, device=w.device).float().reshape(n_exp))
     h = hessian.to(w.device, torch.float32).reshape(n_exp * nb, BLOCK, BLOCK)
     if w.is_cuda and nvfp4_triton.triton_available():
         scales = nvfp4_triton.hessian_block_scales_triton(w, ws2, h, inverse_diagonal=inverse_diagonal)
     else:
-        scales = _searched_scales(w, ws2, h, values)
-    plain = _plain_mse_blocks(h.reshape(n_exp, nb, BLOCK, BLOCK), seen, out)
-    if bool(plain.any()):
-        scales = torch.where(plain, sweep_block_scales(w, global_amax).float(), scales.float())
+        scales = _searched_scales(w, ws2, h, fp8_scale_values(w.device))
+    if plain is None:
+        found = plain_blocks(h.reshape(n_exp, nb, BLOCK, BLOCK), seen)
+        plain = found if bool(found.any()) else False
+    if isinstance(plain, torch.Tensor):
+        mask = plain.to(w.device).unsqueeze(1).expand(-1, out, -1)
+        scales = torch.where(mask, sweep_block_scales(w, global_amax).float(), scales.float())
         scales = scales.to(torch.float8_e4m3fn)
     return scales.contiguous()
 
@@ -185,9 +190,9 @@ def _search(x: torch.Tensor, h: torch.Tensor, ws2: torch.Tensor, values: torch.T
     return best
 
 
-def _plain_mse_blocks(hessian: torch.Tensor, seen: torch.Tensor | None, out: int) -> torch.Tensor:
-    """bool [E, out, nb]: the blocks that take the plain MSE sweep's scale (no token, or H_b = 0)."""
+def plain_blocks(hessian: torch.Tensor, seen: torch.Tensor | None) -> torch.Tensor:
+    """bool [E, nb]: the blocks that take the plain MSE sweep's scale (no token, or H_b = 0)."""
     empty = hessian.diagonal(dim1=-2, dim2=-1).sum(-1) == 0  # [E, nb]: PSD, so a zero trace is H_b = 0
     if seen is not None:
         empty = empty | ~seen.to(empty.device).reshape(-1, 1)
-    return empty.unsqueeze(1).expand(-1, out, -1)
+    return empty
