@@ -44,7 +44,8 @@ def _time_ms(fn: Callable[[], Any], runs: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
-def _weights(experts: int, out: int, n_in: int):
+def expert_weights(experts: int, out: int, n_in: int):
+    """[experts, out, n_in] BF16 on the GPU, trained-like: Gaussian with an outlier column every n_in / 8."""
     import torch
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     rows: dict[str, dict[str, float]] = {}
     for shape, (out, n_in) in SHAPES.items():
-        w = _weights(a.experts, out, n_in)
+        w = expert_weights(a.experts, out, n_in)
         amax = nvfp4.matrix_amax(w)
         full = nt.sweep_block_scales_triton(w, amax, prune=False)
         windowed = nt.sweep_block_scales_triton(w, amax)

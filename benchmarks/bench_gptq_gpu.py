@@ -26,6 +26,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from bench_block_scales_gpu import expert_weights  # the same trained-like experts
+
 HIDDEN, INTER, LAYER_EXPERTS = 4096, 1024, 512
 
 
@@ -41,15 +43,6 @@ def _time_s(fn: Callable[[], Any], runs: int) -> float:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
-
-
-def _weights(experts: int, out: int, n_in: int):
-    import torch
-
-    g = torch.Generator(device="cuda").manual_seed(0)
-    w = torch.randn(experts, out, n_in, device="cuda", generator=g) * 0.02
-    w[:, :, :: n_in // 8] *= 20  # outlier columns
-    return w.to(torch.bfloat16)
 
 
 def _hessians(experts: int, n_in: int, tokens: int = 2048):
@@ -85,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     rows: dict[str, dict[str, float]] = {}
     for part, (out, n_in) in {"gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}.items():
-        w, h = _weights(a.experts, out, n_in), _hessians(a.experts, n_in)
+        w, h = expert_weights(a.experts, out, n_in), _hessians(a.experts, n_in)
         amax = nvfp4.matrix_amax(w)
         ws2 = nvfp4.weight_scale_2_from_amax(amax).reshape(-1).float()
         fac = gptq.factor(h)
