@@ -99,6 +99,9 @@ _e2m1_round: Any = None  # triton.jit(_e2m1_round_body), bound with `tl`
 _e2m1_code: Any = None  # triton.jit(_e2m1_code_body), bound with `tl`
 _block_tile: Any = None  # triton.jit(_block_tile_body), bound with `tl`
 _hessian_loss: Any = None  # triton.jit(_hessian_loss_body), bound with `tl`
+_hessian_search: Any = None  # triton.jit(_hessian_search_body), bound with `tl`
+_sweep_search: Any = None  # triton.jit(_sweep_search_body), bound with `tl`
+_max_scale: Any = None  # triton.jit(_max_scale_body), bound with `tl`
 
 
 def _amax_body(x_ptr, part_ptr, numel_per_mat, BLOCK: tl.constexpr, STEPS: tl.constexpr):
@@ -136,6 +139,16 @@ def _e4m3_rne_body(s):
     normal_byte = ((rexp + 7) << 3) | ((rb >> 20) & 7)
     sub_byte = (sq * 512.0).to(tl.int32)  # exact: sq is k * 2**-9, k in 1..7
     return sq, tl.where(rexp >= -6, normal_byte, sub_byte)
+
+
+def _max_scale_body(bamax, ws2):
+    # RTN's block scale from the block amax: fl(amax / fl(6 * ws2)), an all-zero block's 0 (or an all-zero
+    # matrix's NaN) -> 1.0, clamped to [2**-9, 448], rounded to E4M3 (nvfp4._scales_from_block_amax).
+    # Returns (the scale as float32, its E4M3 byte as int32).
+    s = tl.math.div_rn(bamax, 6.0 * ws2)
+    s = tl.where((s == 0.0) | (s != s), 1.0, s)  # noqa: PLR0124 (NaN test)
+    s = tl.minimum(tl.maximum(s, 0.001953125), 448.0)  # clamp(2**-9, 448)
+    return _e4m3_rne(s)
 
 
 def _e2m1_round_body(a):
@@ -200,16 +213,12 @@ def _quantize_body(
     rows, blks, rmask, m2, x = _block_tile(x_ptr, n_rows, n_blocks, BLOCK_R, NB)  # x [R, NB, 16]
     ws2 = tl.load(ws2_ptr + rows // rows_per_mat, mask=rmask, other=1.0)  # [R] float32
 
-    # block amax (NaN-propagating like torch.maximum) -> fl(amax / fl(6 * ws2))
+    # block amax (NaN-propagating like torch.maximum) -> its E4M3 scale
     ax = tl.abs(x)
     bamax = tl.max(ax, axis=2)
     has_nan = tl.max((x != x).to(tl.int32), axis=2)  # noqa: PLR0124 (NaN test)
     bamax = tl.where(has_nan > 0, float("nan"), bamax)
-    s = tl.math.div_rn(bamax, 6.0 * ws2[:, None])
-    s = tl.where((s == 0.0) | (s != s), 1.0, s)  # noqa: PLR0124 (NaN test)
-    s = tl.minimum(tl.maximum(s, 0.001953125), 448.0)  # clamp(2**-9, 448)
-
-    sq, sbyte = _e4m3_rne(s)  # exactly representable in E4M3, <= 448
+    sq, sbyte = _max_scale(bamax, ws2[:, None])  # exactly representable in E4M3, <= 448
     tl.store(scale_ptr + rows[:, None] * n_blocks + blks[None, :], sbyte.to(tl.uint8), mask=m2)
 
     # codes of fl(x / fl(scale * ws2)); E2M1 bounds with ties to the even code
@@ -249,8 +258,27 @@ def _sweep_body(
     # so the first-smallest rule is unchanged); the candidates left out can never be that first smallest
     # (the proof is at nvfp4.sweep_window). Every program runs the same number of steps.
     rows, blks, rmask, m2, x = _block_tile(x_ptr, n_rows, n_blocks, BLOCK_R, NB)
-    x = tl.abs(x)
     ga = tl.load(amax_ptr + rows // rows_per_mat, mask=rmask, other=0.0)
+    best_k = _sweep_search(tl.abs(x), ga, cand_ptr, BLOCK_R, NB, NC, PRUNE, BELOW, ABOVE, FIRST_HALVABLE, STEPS)
+    byte = tl.load(byte_ptr + best_k)
+    tl.store(best_ptr + rows[:, None] * n_blocks + blks[None, :], byte, mask=m2)
+
+
+def _sweep_search_body(
+    x,  # [R, NB, 16] float32: |w| of R rows of NB blocks
+    ga,  # [R] float32: each row's matrix amax
+    cand_ptr,
+    BLOCK_R: tl.constexpr,
+    NB: tl.constexpr,
+    NC: tl.constexpr,
+    PRUNE: tl.constexpr,
+    BELOW: tl.constexpr,
+    ABOVE: tl.constexpr,
+    FIRST_HALVABLE: tl.constexpr,
+    STEPS: tl.constexpr,
+):
+    # _sweep_body's search (also GPTQ's group kernel's, qtool.ops.quantize.gptq_triton): the index [R, NB] of
+    # each block's first best candidate
     best_loss = tl.full([BLOCK_R, NB], float("inf"), dtype=tl.float32)
     best_k = tl.zeros([BLOCK_R, NB], dtype=tl.int32)
     if PRUNE:
@@ -283,16 +311,17 @@ def _sweep_body(
         better = loss < best_loss
         best_loss = tl.where(better, loss, best_loss)
         best_k = tl.where(better, k, best_k)
-    byte = tl.load(byte_ptr + best_k)
-    tl.store(best_ptr + rows[:, None] * n_blocks + blks[None, :], byte, mask=m2)
+    return best_k
 
 
 def _hessian_loss_body(x, sign, h, denom):
     # dwᵀ H_b dw per row of x [R, 16] (sign: x's signs) under the divisors denom [R]: the codes of
-    # fl(x / denom) as the codec writes them, the product in full float32 (no TF32: near-ties must not flip)
+    # fl(x / denom) as the codec writes them, the product in full float32 (no TF32: near-ties must not flip).
+    # Returns (the losses [R], the code magnitudes [R, 16]).
     d = denom[:, None]
-    dw = x - sign * _e2m1_round(tl.abs(tl.math.div_rn(x, d))) * d
-    return tl.sum(tl.dot(dw, h, input_precision="ieee") * dw, axis=1)
+    mag = _e2m1_round(tl.abs(tl.math.div_rn(x, d)))
+    dw = x - sign * mag * d
+    return tl.sum(tl.dot(dw, h, input_precision="ieee") * dw, axis=1), mag
 
 
 def _hessian_sweep_body(
@@ -307,23 +336,13 @@ def _hessian_sweep_body(
     n_blocks,
     BLOCK_R: tl.constexpr,
     NC: tl.constexpr,
-    PRUNE: tl.constexpr,  # skip the candidates far below the block max that provably lose (else try all NC)
+    PRUNE: tl.constexpr,  # skip the candidates that provably lose (else try all NC)
     BELOW: tl.constexpr,  # with PRUNE: candidates below k_c always tried (HESSIAN_BELOW)
-    MARGIN: tl.constexpr,  # with PRUNE: relative margin of the bound over the float32 losses
+    MARGIN: tl.constexpr,  # with PRUNE: relative margin of the bounds over the float32 losses
 ):
     # `local_hessian` (qtool.ops.quantize.local_hessian): per row of one 16-column block the candidate scale
-    # with the smallest dw^T H_b dw, the first smallest kept. One program: BLOCK_R rows of one (matrix, column
-    # block), so H_b is loaded once and the product runs as a [BLOCK_R, 16] x [16, 16] tl.dot.
-    # With PRUNE the candidates go in two passes with the same losses and the same tie rule as the single
-    # ascending pass: from k_c - BELOW up to the last (k_c: the first candidate whose 6 * divisor reaches
-    # the block max), then downwards from k_c - BELOW - 1 while the bound below leaves a row a chance. A
-    # candidate ruled out is worse than the row's best in exact arithmetic; the winner is the single pass's
-    # wherever float32 rounding moves a loss by less than MARGIN of the best (an H_b too ill-conditioned for
-    # that gets no bound: hessian_inverse_diagonals).
-    # Bound: under a divisor d an element with |x_i| > 6 d keeps an error of at least |x_i| - 6 d (6 is the
-    # largest E2M1 magnitude), and for H_b positive definite dwᵀ H_b dw >= dw_i² / (H_b⁻¹)_ii for every i
-    # (the least quadratic form with dw_i fixed). The bound grows as d falls, so once it passes a row's best
-    # loss (times 1 + MARGIN, for the float32 rounding of the losses) no smaller candidate can win that row.
+    # with the smallest dw^T H_b dw, the first smallest kept (_hessian_search). One program: BLOCK_R rows of
+    # one (matrix, column block), so H_b is loaded once and the product runs as a [BLOCK_R, 16] x [16, 16] dot.
     pid_r = tl.program_id(0)
     pid_b = tl.program_id(1)  # matrix * n_blocks + column block
     mat = pid_b // n_blocks
@@ -334,11 +353,48 @@ def _hessian_sweep_body(
     row_base = (mat.to(tl.int64) * out_rows + rows) * (n_blocks * 16)
     x = tl.load(x_ptr + row_base[:, None] + blk * 16 + e16[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
     h = tl.load(h_ptr + pid_b.to(tl.int64) * 256 + e16[:, None] * 16 + e16[None, :])
+    if PRUNE:  # noqa: SIM108 (a constexpr branch: the other is never compiled)
+        hinv = tl.load(hinv_ptr + pid_b.to(tl.int64) * 16 + e16)
+    else:
+        hinv = tl.zeros([16], dtype=tl.float32)  # not read
     ws2 = tl.load(ws2_ptr + mat)
+    best_k = _hessian_search(x, rmask, h, hinv, ws2, cand_ptr, BLOCK_R, NC, PRUNE, BELOW, MARGIN)
+    byte = tl.load(byte_ptr + best_k)
+    tl.store(best_ptr + row_base // 16 + blk, byte, mask=rmask)
+
+
+def _hessian_search_body(
+    x,  # [R, 16] float32: one 16-column block of R rows
+    rmask,  # [R]: the rows that exist
+    h,  # [16, 16] float32: the block's H_b
+    hinv,  # [16] float32: the diagonal of H_b⁻¹ (inf where H_b is singular); read only with PRUNE
+    ws2,  # float32: the matrix's weight_scale_2
+    cand_ptr,  # [NC] float32: the finite positive E4M3 values, ascending
+    BLOCK_R: tl.constexpr,
+    NC: tl.constexpr,
+    PRUNE: tl.constexpr,
+    BELOW: tl.constexpr,
+    MARGIN: tl.constexpr,
+):
+    # The index [R] of each row's candidate with the smallest dwᵀ H_b dw, the first (smallest) on a tie (also
+    # GPTQ's group kernel's search, qtool.ops.quantize.gptq_triton).
+    # With PRUNE the candidates go in two passes with the same losses and the same tie rule as one ascending
+    # pass over all: upwards from k_c - BELOW (k_c: the first candidate whose 6 * divisor reaches the block
+    # max) while the bound above leaves a row a chance, then downwards from k_c - BELOW - 1 while the bound
+    # below does. A candidate ruled out is worse than the row's best in exact arithmetic; the winner is the
+    # single pass's wherever float32 rounding moves a loss by less than MARGIN of the best (an H_b too
+    # ill-conditioned for that gets no bound: hessian_inverse_diagonals).
+    # Both bounds use dwᵀ H_b dw >= dw_i² / (H_b⁻¹)_ii for every i (H_b positive definite: the least quadratic
+    # form with dw_i fixed), with a dw_i every candidate past the current one keeps at least:
+    # - above: an element coded 0 (|x_i / d| <= 1/4) has dw_i = x_i, and stays coded 0 under every larger
+    #   divisor, so the bound from the elements coded 0 only grows as the candidates do;
+    # - below: an element with |x_i| > 6 d keeps at least |x_i| - 6 d (6 is the largest E2M1 magnitude), which
+    #   grows as d falls.
+    # So once a bound passes a row's best loss (times 1 + MARGIN, for the float32 rounding of the losses) no
+    # candidate further on in that direction can win the row.
     sign = tl.where(x < 0.0, -1.0, 1.0)
     best_loss = tl.full([BLOCK_R], float("inf"), dtype=tl.float32)
     best_k = tl.zeros([BLOCK_R], dtype=tl.int32)
-    first = tl.zeros([BLOCK_R], dtype=tl.int32)
     if PRUNE:
         ax = tl.abs(x)
         bamax = tl.max(ax, axis=1)
@@ -350,36 +406,45 @@ def _hessian_sweep_body(
             reaches = 6.0 * (tl.load(cand_ptr + tl.minimum(mid, NC - 1)) * ws2) >= bamax
             hi = tl.where(active & reaches, mid, hi)
             lo = tl.where(active & (reaches == 0), mid + 1, lo)
-        first = tl.where(rmask, tl.maximum(lo - BELOW, 0), NC - 1)
-    # ascending from each row's first candidate (0 without PRUNE): strict, so the first smallest stays
-    for j in tl.range(NC - tl.min(first, axis=0)):  # not unrolled: the dot bodies would only slow the compile
-        k = first + j
-        live = k < NC
-        k = tl.minimum(k, NC - 1)
-        loss = _hessian_loss(x, sign, h, tl.load(cand_ptr + k) * ws2)
-        better = live & (loss < best_loss)
-        best_loss = tl.where(better, loss, best_loss)
-        best_k = tl.where(better, k, best_k)
-    if PRUNE:
-        hinv = tl.load(hinv_ptr + pid_b.to(tl.int64) * 16 + e16)  # [16]
+        first = tl.maximum(lo - BELOW, 0)
+        gain = 1.0 + MARGIN
+        zero_cost = ax * ax / hinv[None, :]  # [R, 16]: each element's bound once it is coded 0
+        # upwards: strict, so the first smallest stays; an all-zero row ties at 0 everywhere: its first wins
+        k = first
+        open_ = rmask
+        while tl.max(open_.to(tl.int32), axis=0) > 0:
+            kk = tl.minimum(k, NC - 1)
+            loss, mag = _hessian_loss(x, sign, h, tl.load(cand_ptr + kk) * ws2)
+            better = open_ & (loss < best_loss)
+            best_loss = tl.where(better, loss, best_loss)
+            best_k = tl.where(better, kk, best_k)
+            bound = tl.max(tl.where(mag == 0.0, zero_cost, 0.0), axis=1)
+            k = k + 1
+            open_ = open_ & (k < NC) & (bamax > 0.0) & (bound <= best_loss * gain)
+        # downwards: a smaller candidate wins a tie (it comes first in the single pass's order)
         k = first - 1
         denom = tl.load(cand_ptr + tl.maximum(k, 0)) * ws2
         clip = tl.maximum(ax - 6.0 * denom[:, None], 0.0)
         bound = tl.max(clip * clip / hinv[None, :], axis=1)
-        open_ = rmask & (k >= 0) & (bound <= best_loss * (1.0 + MARGIN))
+        open_ = rmask & (k >= 0) & (bound <= best_loss * gain)
         while tl.max(open_.to(tl.int32), axis=0) > 0:
             kk = tl.maximum(k, 0)
-            loss = _hessian_loss(x, sign, h, tl.load(cand_ptr + kk) * ws2)
-            take = open_ & (loss <= best_loss)  # a smaller candidate wins a tie: it comes first in the order
+            loss, mag = _hessian_loss(x, sign, h, tl.load(cand_ptr + kk) * ws2)
+            take = open_ & (loss <= best_loss)
             best_loss = tl.where(take, loss, best_loss)
             best_k = tl.where(take, kk, best_k)
             k = k - 1
             denom = tl.load(cand_ptr + tl.maximum(k, 0)) * ws2
             clip = tl.maximum(ax - 6.0 * denom[:, None], 0.0)
             bound = tl.max(clip * clip / hinv[None, :], axis=1)
-            open_ = open_ & (k >= 0) & (bound <= best_loss * (1.0 + MARGIN))
-    byte = tl.load(byte_ptr + best_k)
-    tl.store(best_ptr + row_base // 16 + blk, byte, mask=rmask)
+            open_ = open_ & (k >= 0) & (bound <= best_loss * gain)
+    else:
+        for k in tl.range(NC):  # not unrolled: the dot bodies would only slow the compile
+            loss, mag = _hessian_loss(x, sign, h, tl.load(cand_ptr + k) * ws2)
+            better = loss < best_loss
+            best_loss = tl.where(better, loss, best_loss)
+            best_k = tl.where(better, k, best_k)
+    return best_k
 
 
 def _four_over_six_body(
@@ -427,7 +492,8 @@ def _kernels() -> tuple[Any, Any]:
     """Import triton (first call only) and JIT-wrap the kernel bodies. The compiled kernels are kept in
     qtool's cache dir (`$QTOOL_CACHE_DIR/triton`, unless TRITON_CACHE_DIR says otherwise): compiled once per
     machine and CUDA version, found there by every later run (a CI cache keeps them too)."""
-    global tl, _e4m3_rne, _e2m1_round, _e2m1_code, _block_tile, _hessian_loss
+    global tl, _e4m3_rne, _e2m1_round, _e2m1_code, _block_tile, _hessian_loss, _hessian_search, _sweep_search
+    global _max_scale
     if not os.environ.get("TRITON_CACHE_DIR"):
         os.environ["TRITON_CACHE_DIR"] = str(cache_dir() / "triton")
     import triton
@@ -440,6 +506,9 @@ def _kernels() -> tuple[Any, Any]:
     _e2m1_code = triton.jit(_e2m1_code_body)
     _block_tile = triton.jit(_block_tile_body)
     _hessian_loss = triton.jit(_hessian_loss_body)
+    _hessian_search = triton.jit(_hessian_search_body)
+    _sweep_search = triton.jit(_sweep_search_body)
+    _max_scale = triton.jit(_max_scale_body)
     return triton.jit(_amax_body), triton.jit(_quantize_body)
 
 

@@ -116,3 +116,56 @@ def test_gpu_solver_codes_as_the_cpu_solver(kind):
     agree = float((on_cpu == on_gpu).float().mean())
     print(f"{kind}: GPU vs CPU solver codes {agree:.6f} equal")
     assert agree > 0.999
+
+
+def _chosen(method: str, w: torch.Tensor, fac: gptq.Factor, in_kernel: bool):
+    """(codes, block scales) of GPTQ with `gptq.scales: updated` by `method`, the scales chosen inside the
+    group kernel or by UpdatedScales' torch calls between the launches."""
+    from qtool.ops.quantize.gptq_layer import UpdatedScales
+    from qtool.recipes import WeightScale
+
+    amax = nvfp4.matrix_amax(w)
+    ws2 = nvfp4.weight_scale_2_from_amax(amax).reshape(-1).float()
+    chosen = UpdatedScales(WeightScale(method), amax, ws2, ~fac.failed, w.shape[-2], fac.u)
+    assert chosen.kernel_choice is not None
+    if not in_kernel:
+        chosen.kernel_choice = None
+    codes = gptq.solve(w, fac, gptq.nvfp4_grid(torch.ones_like(chosen.block_scale), ws2), choose=chosen)
+    return codes, chosen.block_scale.view(torch.uint8)
+
+
+def check_scales_chosen_in_the_kernel(device: str) -> None:
+    """The group kernel's own choice of each block's scale gives the bytes of UpdatedScales' calls: max and
+    mse_sweep exactly; local_hessian (the torch search on CPU, its own launch on a GPU) but for near-ties. An
+    expert without a usable Hessian (expert 2) takes mse_sweep's scales under local_hessian."""
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(3, 96, 128, generator=g) * 0.02
+    w[:, :, ::32] *= 20  # outlier columns: blocks far below the matrix max
+    x = torch.randn(512, 128, generator=g) * torch.logspace(-1, 1, 128)
+    h = (x.T @ x).expand(3, 128, 128).contiguous()
+    fac = gptq.factor(h.to(device))
+    fac.failed[2] = True
+    w = w.to(device)
+    for method in ("max", "mse_sweep", "local_hessian"):
+        (c_in, s_in), (c_out, s_out) = _chosen(method, w, fac, True), _chosen(method, w, fac, False)
+        if method == "local_hessian":
+            agree = float((s_in == s_out).float().mean())
+            print(f"{device} local_hessian: {agree:.6f} of the scales equal")
+            assert agree > 0.995
+            assert torch.equal(s_in[2], s_out[2])  # the plain sweep's
+        else:
+            assert torch.equal(s_in, s_out), (method, int((s_in != s_out).sum()))
+            assert torch.equal(c_in, c_out), method
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (interpreter mode)")
+def test_interpreter_scales_chosen_in_the_kernel_are_the_choosers():
+    code = "import tests.ops.test_gptq_triton as t; t.check_scales_chosen_in_the_kernel('cpu'); print('ok')"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, env=env)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-3000:]
+
+
+@gpu
+def test_gpu_scales_chosen_in_the_kernel_are_the_choosers():
+    check_scales_chosen_in_the_kernel("cuda")

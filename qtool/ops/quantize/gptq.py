@@ -31,9 +31,8 @@ column elsewhere), the rest batched matmuls, one batched Cholesky and one triang
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from qtool.formats import nvfp4
 from qtool.lazy import lazy_module
@@ -160,9 +159,17 @@ def inverse_factor(h: torch.Tensor, damp: float) -> tuple[torch.Tensor, torch.Te
     return upper, failed
 
 
-# choose(g, w): the step [E, R] of group g, from its columns w [E, R, group] as the error compensation has
-# updated them (GroupScales)
-GroupChooser = Callable[[int, "torch.Tensor"], "torch.Tensor"]
+class GroupChooser(Protocol):
+    """Chooses each group's step as the column loop reaches it (gptq_layer.UpdatedScales)."""
+
+    # the same choice made inside the group kernel (one launch per group, no torch calls), where the column
+    # loop runs on it (gptq_triton.usable); None: `__call__` it is
+    kernel_choice: gptq_triton.KernelChoice | None
+
+    def __call__(self, g: int, w: torch.Tensor) -> torch.Tensor:
+        """The step [E, R] of group g, from its columns w [E, R, group] as the error compensation has updated
+        them."""
+        ...
 
 
 def solve(
@@ -193,6 +200,7 @@ def solve(
     del w
     steps = grid.step.transpose(1, 2).gather(1, group_of[:, :, None].expand(-1, -1, rows))  # [E, C, R]
     u = fac.u
+    in_kernel = choose.kernel_choice if choose is not None and gptq_triton.usable(wt) else None
     codes = torch.empty((n_exp, cols, rows), dtype=torch.uint8, device=dev)
     for b0 in range(0, cols, block_size):
         b1 = min(b0 + block_size, cols)
@@ -201,12 +209,12 @@ def solve(
         u_block = u[:, b0:b1, b0:b1]
         for g0 in range(0, b1 - b0, GROUP):
             g1 = min(g0 + GROUP, b1 - b0)
-            if choose is not None and g0 % grid.group == 0:
+            if choose is not None and in_kernel is None:
                 step = choose((b0 + g0) // grid.group, block[:, g0:g1].transpose(1, 2))
                 steps[:, b0 + g0 : b0 + g1] = step[:, None, :]
             code_group(
                 block[:, g0:g1], steps[:, b0 + g0 : b0 + g1], u_block[:, g0:g1, g0:g1], grid,
-                codes[:, b0 + g0 : b0 + g1], errors[:, g0:g1],
+                codes[:, b0 + g0 : b0 + g1], errors[:, g0:g1], in_kernel, (b0 + g0) // GROUP,
             )  # fmt: skip
             if g1 < b1 - b0:  # the batch's later columns absorb the group's errors (its rows of U)
                 block[:, g1:].sub_(torch.bmm(u_block[:, g0:g1, g1:].transpose(1, 2), errors[:, g0:g1]))
@@ -219,15 +227,23 @@ def solve(
 
 
 def code_group(
-    x: torch.Tensor, step: torch.Tensor, u: torch.Tensor, grid: ColumnGrid, codes: torch.Tensor, errors: torch.Tensor
+    x: torch.Tensor,
+    step: torch.Tensor,
+    u: torch.Tensor,
+    grid: ColumnGrid,
+    codes: torch.Tensor,
+    errors: torch.Tensor,
+    in_kernel: gptq_triton.KernelChoice | None = None,
+    group: int = 0,
 ) -> None:
     """Code the k <= GROUP columns x [E, k, R] (transposed: a column's rows contiguous; modified) on their
     steps [E, k, R], with u [E, k, k] the columns' diagonal block of U: each column rounded to the grid, its
     error (column - value) / U_jj written to errors [E, k, R] and spread over the group's later columns (row j
     of U); the codes go to codes (uint8 [E, k, R]). One Triton launch where it can run (gptq_triton), the same
-    operations in torch otherwise."""
+    operations in torch otherwise. With `in_kernel` (only where the kernel runs) the kernel chooses the
+    steps of this group (the matrix's `group`-th) first, as the chooser would."""
     if gptq_triton.usable(x):
-        gptq_triton.code_group_triton(x, step, u, grid.kind == NVFP4, codes, errors)
+        gptq_triton.code_group_triton(x, step, u, grid.kind == NVFP4, codes, errors, in_kernel, group)
     else:
         code_group_torch(x, step, u, grid, codes, errors)
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 from qtool.formats import awq, nvfp4, nvfp4_triton
 from qtool.lazy import lazy_module
-from qtool.ops.quantize import gptq, hessians
+from qtool.ops.quantize import gptq, gptq_triton, hessians
 from qtool.ops.quantize.awq_search import rtn
 from qtool.ops.quantize.calib import ExpertStats
 from qtool.ops.quantize.hessians import ExpertHessians
@@ -204,6 +204,13 @@ def merged(summaries: list[dict]) -> dict:
     return {**summaries[0], "rtn_experts": rtn_experts}
 
 
+_KERNEL_METHOD = {
+    WeightScale.MAX: gptq_triton.CHOOSE_MAX,
+    WeightScale.MSE_SWEEP: gptq_triton.CHOOSE_SWEEP,
+    WeightScale.LOCAL_HESSIAN: gptq_triton.CHOOSE_HESSIAN,
+}
+
+
 class UpdatedScales:
     """`gptq.scales: updated`: each 16-column block's E4M3 scale chosen when GPTQ reaches the block, from its
     weights as the errors of the columns before have updated them, by the recipe's `nvfp4.weight_scale`
@@ -217,7 +224,9 @@ class UpdatedScales:
       Cholesky factor of the damped H⁻¹ (the Schur complement of the later columns in H restricted to the
       columns not yet coded). An expert GPTQ leaves to RTN (no usable Hessian) takes mse_sweep's scale.
 
-    `block_scale` (float8_e4m3fn [E, rows, cols / 16]) is filled block by block as GPTQ codes."""
+    `block_scale` (float8_e4m3fn [E, rows, cols / 16]) is filled block by block as GPTQ codes: by `__call__`,
+    or, where the column loop runs as a Triton kernel, by that kernel (`kernel_choice`: the same rules and
+    searches in one launch per block, no torch call in between)."""
 
     def __init__(
         self,
@@ -235,15 +244,31 @@ class UpdatedScales:
         self.schur: torch.Tensor | None = None
         self.schur_inverse_diagonal: torch.Tensor | None = None
         self.plain: torch.Tensor | bool = False
+        in_kernel = gptq_triton.usable(u)  # the column loop's kernel runs here: it makes the choice itself
         if method is WeightScale.LOCAL_HESSIAN:
             # every block's (U_bbᵀ U_bb)⁻¹ at once: [E, blocks, 16, 16] from U's diagonal 16 x 16 blocks
             diag = u.reshape(n_exp, nb, nvfp4.BLOCK_SIZE, nb, nvfp4.BLOCK_SIZE).diagonal(dim1=1, dim2=3)
             diag = diag.permute(0, 3, 1, 2).reshape(-1, nvfp4.BLOCK_SIZE, nvfp4.BLOCK_SIZE)
             self.schur = torch.cholesky_inverse(diag, upper=True).reshape(n_exp, nb, nvfp4.BLOCK_SIZE, -1)
-            self.schur_inverse_diagonal = nvfp4_triton.hessian_inverse_diagonals(self.schur) if u.is_cuda else None
+            searched_on_gpu = u.is_cuda or in_kernel
+            self.schur_inverse_diagonal = (
+                nvfp4_triton.hessian_inverse_diagonals(self.schur) if searched_on_gpu else None
+            )
             plain = plain_blocks(self.schur, seen)
             if bool(plain.any()):  # one wait for the GPU per matrix, not one per block
                 self.plain = plain
+        self.kernel_choice: gptq_triton.KernelChoice | None = None
+        if in_kernel:
+            plain_bytes = self.plain.to(torch.uint8) if isinstance(self.plain, torch.Tensor) else None
+            self.kernel_choice = gptq_triton.KernelChoice(
+                _KERNEL_METHOD[method],
+                self.block_scale,
+                weight_scale_2.float().contiguous(),
+                global_amax.float().reshape(n_exp).contiguous(),
+                self.schur,
+                self.schur_inverse_diagonal,
+                torch.zeros((n_exp, nb), dtype=torch.uint8, device=u.device) if plain_bytes is None else plain_bytes,
+            )
 
     def __call__(self, g: int, w: torch.Tensor) -> torch.Tensor:
         """The step [E, rows] of block g, from its updated weights w [E, rows, 16]."""
