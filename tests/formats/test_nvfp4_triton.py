@@ -229,3 +229,33 @@ def test_identical_to_modelopt_batched_and_static_amax(modelopt_nvfp4):
     qt, s, _ = NVFP4QTensor.quantize(w[1], 16, weights_scaling_factor_2=amax.float() / 2688.0)
     assert torch.equal(qt._quantized_data, ours.packed)
     assert torch.equal(s.view(torch.uint8), ours.block_scale.view(torch.uint8))
+
+
+def _hopper_cases():
+    def sweep(nt):  # the module, passed in: its kernels are made on first use
+        c = {"BLOCK_R": 16, "NB": 16, "NC": 126, "PRUNE": True, "BELOW": nvfp4.SWEEP_BELOW, "ABOVE": nvfp4.SWEEP_ABOVE}
+        return nt._sweep_kernel(), nt._sweep_body, {**c, "FIRST_HALVABLE": nvfp4.SWEEP_FIRST_HALVABLE, "STEPS": 33}
+
+    def hessian(prune):
+        def case(nt):
+            c = {"BLOCK_R": 32, "NC": 126, "PRUNE": prune, "BELOW": nt.HESSIAN_BELOW, "MARGIN": nt.HESSIAN_MARGIN}
+            return nt._hessian_sweep_kernel(), nt._hessian_sweep_body, c
+
+        return case
+
+    def quantize(nt):
+        return nt._kernels()[1], nt._quantize_body, {"BLOCK_R": 16, "NB": 16}
+
+    return {"sweep": sweep, "local_hessian_pruned": hessian(True), "local_hessian_all": hessian(False), "rtn": quantize}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+@pytest.mark.parametrize("case", sorted(_hopper_cases()))
+def test_the_kernels_compile_for_a_hopper_gpu(case):
+    """The block-scale searches and the RTN kernel become sm_90 machine code (the interpreter checks what they
+    compute, not that the GPU compiler takes them)."""
+    from hopper_compile import compile_for_hopper
+
+    kernel, body, constexprs = _hopper_cases()[case](nt)
+    pointers = {"x_ptr": "*bf16", "best_ptr": "*u8", "byte_ptr": "*u8", "packed_ptr": "*u8", "scale_ptr": "*u8"}
+    assert compile_for_hopper(kernel, body, constexprs, pointers).asm["cubin"]

@@ -169,3 +169,29 @@ def test_interpreter_scales_chosen_in_the_kernel_are_the_choosers():
 @gpu
 def test_gpu_scales_chosen_in_the_kernel_are_the_choosers():
     check_scales_chosen_in_the_kernel("cuda")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+@pytest.mark.parametrize("choose", [0, gptq_triton.CHOOSE_MAX, gptq_triton.CHOOSE_SWEEP, gptq_triton.CHOOSE_HESSIAN])
+def test_the_group_kernel_compiles_for_a_hopper_gpu(choose):
+    """Each of the group kernel's forms (fixed steps, and each rule that chooses them) becomes sm_90 machine
+    code: the interpreter checks what the kernel computes, not that the GPU compiler takes it."""
+    from hopper_compile import compile_for_hopper
+
+    kernel = gptq_triton._kernel()
+    constexprs = {
+        "NVFP4": True,
+        "BLOCK_R": gptq_triton.BLOCK_R,
+        "W": gptq_triton.GROUP,
+        "MAGIC": gptq_triton.ROUND_MAGIC,
+        "CHOOSE": choose,
+        "NC": 126,
+        "SWEEP_BELOW": nvfp4.SWEEP_BELOW,
+        "SWEEP_ABOVE": nvfp4.SWEEP_ABOVE,
+        "SWEEP_FIRST_HALVABLE": nvfp4.SWEEP_FIRST_HALVABLE,
+        "HESSIAN_BELOW": 8,
+        "HESSIAN_MARGIN": 1e-3,
+    }
+    pointers = {"code_ptr": "*u8", "bs_ptr": "*u8", "byte_ptr": "*u8", "plain_ptr": "*u8"}
+    compiled = compile_for_hopper(kernel, gptq_triton._group_body, constexprs, pointers)
+    assert compiled.asm["cubin"]
