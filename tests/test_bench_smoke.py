@@ -206,3 +206,17 @@ def test_bench_quality_smoke(tmp_path):
     assert modelopt["experts_identical_to_qtool_max"] is True  # ModelOpt's bytes are qtool max's
     table = [line for line in p.stdout.splitlines() if line.startswith("| ")]
     assert len(table) == 1 + len(result["rows"]) and "mean KLD" in table[0]
+
+
+def test_count_hessian_candidates_finds_every_winner():
+    """count_hessian_candidates replays local_hessian's pruned search order on exact losses: it runs on a CPU,
+    and the bounds never drop a row's winner (it exits 3 if one does)."""
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks/count_hessian_candidates.py"), "--rows", "32", "--blocks", "4"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "winner = every candidate's: 128 of 128" in p.stdout
