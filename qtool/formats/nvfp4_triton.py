@@ -625,7 +625,7 @@ def hessian_block_scales_triton(
 ) -> torch.Tensor:
     """float8_e4m3fn [E, out, in/16]: per block the E4M3 scale with the smallest dw^T H_b dw
     (`qtool.ops.quantize.local_hessian._search` as one launch; CUDA tensors). w [E, out, in]; weight_scale_2
-    float32 [E]; hessian float32 [E, in/16, 16, 16]. `prune` skips the candidates the kernel's bound rules out
+    float32 [E]; hessian float32 [E, in/16, 16, 16]. `prune` skips the candidates the kernel's bounds rule out
     (the same winner; `prune=False` tries all 126: for tests and timings); `inverse_diagonal` [E, in/16, 16]:
     the diagonals of the H_b⁻¹ where the caller has them (else computed here, `hessian_inverse_diagonals`)."""
     nvfp4.check_weight(w)
