@@ -249,7 +249,9 @@ class UpdatedScales:
             # every block's (U_bbᵀ U_bb)⁻¹ at once: [E, blocks, 16, 16] from U's diagonal 16 x 16 blocks
             diag = u.reshape(n_exp, nb, nvfp4.BLOCK_SIZE, nb, nvfp4.BLOCK_SIZE).diagonal(dim1=1, dim2=3)
             diag = diag.permute(0, 3, 1, 2).reshape(-1, nvfp4.BLOCK_SIZE, nvfp4.BLOCK_SIZE)
-            self.schur = torch.cholesky_inverse(diag, upper=True).reshape(n_exp, nb, nvfp4.BLOCK_SIZE, -1)
+            # row-major, as the searches read it (cholesky_inverse returns column-major matrices)
+            schur = torch.cholesky_inverse(diag, upper=True).contiguous()
+            self.schur = schur.reshape(n_exp, nb, nvfp4.BLOCK_SIZE, -1)
             searched_on_gpu = u.is_cuda or in_kernel
             self.schur_inverse_diagonal = (
                 nvfp4_triton.hessian_inverse_diagonals(self.schur) if searched_on_gpu else None
